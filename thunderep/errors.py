@@ -1,0 +1,45 @@
+"""One error family for ThunderEP.
+
+Every error the library raises on purpose derives from `ThunderError`. Messages say what happened,
+why, and how to fix it, quoting the offending values.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ThunderError",
+    "ConfigError",
+    "RoutingError",
+    "CommError",
+    "PeerTimeout",
+    "UnsupportedModelError",
+]
+
+
+class ThunderError(RuntimeError):
+    """Base class of every error raised by ThunderEP."""
+
+
+class ConfigError(ThunderError, ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+class RoutingError(ThunderError):
+    """The router received input it cannot route (NaN / inf logits, wrong shapes)."""
+
+
+class CommError(ThunderError):
+    """A communication step failed (bad peer data, mismatched metadata, a broken segment)."""
+
+
+class PeerTimeout(CommError, TimeoutError):
+    """A peer did not answer within the configured timeout; the message names the rank and round."""
+
+    def __init__(self, message: str, *, rank: int | None = None, round: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.round = round
+
+
+class UnsupportedModelError(ThunderError):
+    """A model (or a part of it) cannot be run by ThunderEP; the message names the class and why."""
