@@ -25,7 +25,7 @@ class ConfigError(ThunderError, ValueError):
 
 
 class RoutingError(ThunderError):
-    """The router received input it cannot route (NaN / inf logits, wrong shapes)."""
+    """Routing input or routing data is unusable (NaN / inf logits, shapes that do not match)."""
 
 
 class CommError(ThunderError):

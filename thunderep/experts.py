@@ -1,0 +1,198 @@
+"""Routed experts as packed weights and a grouped GEMM.
+
+Shape legend: T tokens, D hidden size, K experts per token, E (local) experts, I intermediate size,
+N = rows sorted by expert (T * K for a single process; the received rows under expert parallelism).
+
+Weights use the Hugging Face transformers 5.x layout so checkpoints load without copies:
+    gate_up_proj [E, 2I, D]  (gate rows first, then up rows; alternating rows when `interleaved`)
+    down_proj    [E, D, I]
+    gate_up_bias [E, 2I], down_bias [E, D]  (only with `ExpertsConfig.bias`)
+
+Two levels: `expert_mlp(x_ND, counts_E, ...)` computes rows already grouped by expert (the expert-
+parallel runtime calls it on received rows); `FusedExperts.forward(x_TD, routing)` sorts tokens by
+expert once, runs it, applies the routing weights and sums each token's K outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ExpertsConfig
+from .errors import RoutingError
+from .router import Routing
+
+__all__ = ["ACTIVATION_FNS", "FusedExperts", "expert_mlp", "gated_activation", "grouped_mm_supported", "sort_by_expert"]
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+ACTIVATION_FNS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def gated_activation(h_N2I: torch.Tensor, config: ExpertsConfig) -> torch.Tensor:
+    """[N, 2I] gate/up projections -> [N, I] activations."""
+    if config.interleaved:
+        gate, up = h_N2I[..., ::2], h_N2I[..., 1::2]
+    else:
+        gate, up = h_N2I.chunk(2, dim=-1)
+    if config.activation == "gpt_oss_swiglu":
+        limit = config.swiglu_limit
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * config.swiglu_alpha))
+    return ACTIVATION_FNS[config.activation](gate) * up
+
+
+def grouped_mm_supported(x_ND: torch.Tensor, w_EOD: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM can run `x_ND @ w_EOD[e].T` for these tensors on this build."""
+    if _GROUPED_MM is None or x_ND.dtype != w_EOD.dtype:
+        return False
+    if x_ND.device.type == "cuda":
+        return x_ND.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_ND.device) >= (8, 0)
+    if x_ND.device.type != "cpu" or x_ND.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    # The CPU kernel needs 16-byte aligned rows and base pointers.
+    item = x_ND.element_size()
+    dims_ok = all((n * item) % 16 == 0 for n in w_EOD.shape[1:])
+    ptrs_ok = x_ND.data_ptr() % 16 == 0 and w_EOD.data_ptr() % 16 == 0
+    return dims_ok and ptrs_ok
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (torch's CPU grouped GEMM
+    backward rejects the stride-0 gradients that `sum()` produces)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _grouped_linear(x_ND, w_EOD, offsets_E, counts, bias_EO, row_expert_N, use_grouped: bool):
+    """y[n] = x[n] @ w[e(n)].T (+ bias[e(n)]) for rows grouped by expert."""
+    if use_grouped:
+        y_NO = _GROUPED_MM(x_ND, w_EOD.transpose(-2, -1), offs=offsets_E)
+        if x_ND.requires_grad or w_EOD.requires_grad:
+            y_NO = _ContiguousGrad.apply(y_NO)
+    else:
+        parts = [F.linear(x_nD, w_EOD[e]) for e, x_nD in enumerate(x_ND.split(counts)) if counts[e]]
+        y_NO = torch.cat(parts) if parts else x_ND.new_zeros(0, w_EOD.shape[1])
+    if bias_EO is not None:
+        y_NO = y_NO + bias_EO[row_expert_N]
+    return y_NO
+
+
+def expert_mlp(
+    x_ND: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    config: ExpertsConfig,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The expert MLP over rows grouped by expert: rows [offset_e, offset_e + counts_E[e]) use expert e.
+
+    x_ND: [N, D] with N == counts_E.sum(). counts_E: [E] integer. gate_up_proj: [E, 2I, D].
+    down_proj: [E, D, I]. Biases: [E, 2I] and [E, D]. Returns [N, D] in x's dtype (unweighted).
+    """
+    E = gate_up_proj.shape[0]
+    counts = counts_E.tolist()  # one host sync; the loop path and bias rows need the sizes
+    if x_ND.shape[0] != sum(counts) or len(counts) != E:
+        raise RoutingError(
+            f"expert rows ({x_ND.shape[0]}) must equal counts_E.sum() ({sum(counts)}) and counts_E must "
+            f"have one entry per expert ({len(counts)} given, {E} experts)"
+        )
+    if x_ND.shape[0] == 0:
+        # Still touch every parameter so autograd gives (zero) gradients and every rank's graph matches.
+        zero = gate_up_proj.flatten()[:0].sum() + down_proj.flatten()[:0].sum()
+        return x_ND.new_zeros(0, down_proj.shape[1]) + zero.to(x_ND.dtype)
+    x_ND = x_ND.to(gate_up_proj.dtype)
+    backend = config.backend
+    use_grouped = backend == "grouped_mm" or (
+        backend == "auto"
+        and grouped_mm_supported(x_ND, gate_up_proj)
+        and grouped_mm_supported(x_ND.new_empty(1, down_proj.shape[2]), down_proj)
+    )
+    offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32) if use_grouped else None
+    row_expert_N = None
+    if gate_up_bias is not None or down_bias is not None:
+        row_expert_N = torch.repeat_interleave(
+            torch.arange(E, device=x_ND.device), counts_E.to(x_ND.device), output_size=x_ND.shape[0]
+        )
+    h_N2I = _grouped_linear(x_ND, gate_up_proj, offsets_E, counts, gate_up_bias, row_expert_N, use_grouped)
+    a_NI = gated_activation(h_N2I, config)
+    return _grouped_linear(a_NI, down_proj, offsets_E, counts, down_bias, row_expert_N, use_grouped)
+
+
+def sort_by_expert(ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable order of the T*K (token, slot) pairs by expert id.
+
+    Returns (order_N, inverse_N): `flat[order_N]` is grouped by expert, `sorted[inverse_N]` restores
+    the flat (token-major) order.
+    """
+    order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
+    inverse_N = torch.empty_like(order_N)
+    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+    return order_N, inverse_N
+
+
+class FusedExperts(nn.Module):
+    """E routed experts as packed weights (Hugging Face 5.x layout, see the module docstring).
+
+    forward(x_TD, routing) -> y_TD: [T, D] in x's dtype, already weighted by the routing weights.
+    """
+
+    def __init__(self, config: ExpertsConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        E, D, I = config.num_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I, device=device, dtype=dtype))
+        if config.bias:
+            self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * I, device=device, dtype=dtype))
+            self.down_bias = nn.Parameter(torch.empty(E, D, device=device, dtype=dtype))
+        else:
+            self.gate_up_bias = self.down_bias = None
+        self.reset_parameters()
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0.0, std)
+
+    def compute_sorted(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """[N, D] rows grouped by local expert -> [N, D] unweighted expert outputs."""
+        return expert_mlp(
+            x_ND, counts_E, self.gate_up_proj, self.down_proj, self.config, self.gate_up_bias, self.down_bias
+        )
+
+    def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        T, K = routing.ids_TK.shape
+        if x_TD.shape[0] != T:
+            raise RoutingError(f"x_TD has {x_TD.shape[0]} tokens but the routing has {T}")
+        order_N, inverse_N = sort_by_expert(routing.ids_TK)
+        y_ND = self.compute_sorted(x_TD[order_N // K], routing.counts_E)
+        weighted_ND = y_ND * routing.weights_TK.reshape(-1)[order_N].unsqueeze(-1)
+        y_TD = weighted_ND[inverse_N].view(T, K, -1).sum(dim=1)
+        return y_TD.to(x_TD.dtype)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"experts={c.num_experts}, hidden={c.hidden_size}, intermediate={c.intermediate_size}, "
+            f"activation={c.activation}, backend={c.backend}"
+        )
