@@ -187,7 +187,7 @@ class FusedExperts(nn.Module):
         order_N, inverse_N = sort_by_expert(routing.ids_TK)
         y_ND = self.compute_sorted(x_TD[order_N // K], routing.counts_E)
         weighted_ND = y_ND * routing.weights_TK.reshape(-1)[order_N].unsqueeze(-1)
-        y_TD = weighted_ND[inverse_N].view(T, K, -1).sum(dim=1)
+        y_TD = weighted_ND[inverse_N].view(T, K, weighted_ND.shape[-1]).sum(dim=1)
         return y_TD.to(x_TD.dtype)
 
     def extra_repr(self) -> str:
