@@ -1,0 +1,38 @@
+"""The `thunderep` command line: one subcommand per job, each in its own module."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["main"]
+
+# subcommand -> (module with a `main(argv) -> int`, one-line help)
+COMMANDS = {
+    "demo": ("thunderep.demo", "run the main demo on this machine (CPU or GPU)"),
+    "doctor": ("thunderep.doctor", "check this machine's GPUs, PCIe links, ACS, IOMMU and P2P"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: thunderep COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`thunderep COMMAND --help` shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"thunderep: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
