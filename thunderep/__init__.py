@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .config import ExpertsConfig, LayerConfig, RouterConfig, SharedExpertsConfig
+from .balance.placement import Placement
+from .comm.groups import EPGroups, init_expert_parallel
+from .comm.runtime import ExpertParallel
+from .config import EPConfig, ExpertsConfig, LayerConfig, RouterConfig, SharedExpertsConfig
 from .errors import (
     CommError,
     ConfigError,
@@ -20,10 +23,14 @@ __version__ = "0.1.0"
 __all__ = [
     "CommError",
     "ConfigError",
+    "EPConfig",
+    "EPGroups",
+    "ExpertParallel",
     "ExpertsConfig",
     "FusedExperts",
     "LayerConfig",
     "PeerTimeout",
+    "Placement",
     "RouterConfig",
     "Routing",
     "RoutingError",
@@ -33,4 +40,5 @@ __all__ = [
     "TopKRouter",
     "UnsupportedModelError",
     "__version__",
+    "init_expert_parallel",
 ]

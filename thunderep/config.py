@@ -15,6 +15,7 @@ from .errors import ConfigError
 
 __all__ = [
     "ACTIVATIONS",
+    "EPConfig",
     "ROUTER_FAMILIES",
     "ExpertsConfig",
     "LayerConfig",
@@ -287,3 +288,33 @@ class LayerConfig:
     def with_backend(self, backend: str) -> "LayerConfig":
         return replace(self, experts=replace(self.experts, backend=backend))
 
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    """The expert-parallel runtime.
+
+    waves: split each layer's tokens into this many waves whose dispatch, expert compute and combine
+        overlap (results do not depend on it).
+    compression: payload of dispatch and combine (and their gradients): "none", "bf16" or "fp8"
+        (e4m3 with one float32 scale per token row).
+    control: control plane for split sizes: "auto" (shared-memory mailbox when all EP ranks share a
+        host, else collectives), "mailbox" or "collective".
+    timeout_s: bound on every wait; a dead or silent peer raises instead of hanging.
+    record_bytes: largest control record (split sizes of all waves: 4 * waves * ranks * slots bytes).
+    """
+
+    waves: int = 1
+    compression: str = "none"
+    control: str = "auto"
+    timeout_s: float = 60.0
+    record_bytes: int = 16384
+
+    def __post_init__(self) -> None:
+        _positive("EPConfig.waves", self.waves)
+        _choice("EPConfig.compression", self.compression, ("none", "bf16", "fp8"))
+        _choice("EPConfig.control", self.control, ("auto", "mailbox", "collective"))
+        _finite("EPConfig.timeout_s", self.timeout_s)
+        if self.timeout_s <= 0:
+            raise ConfigError(f"EPConfig.timeout_s must be positive, got {self.timeout_s!r}")
+        _positive("EPConfig.record_bytes", self.record_bytes)

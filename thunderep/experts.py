@@ -113,8 +113,10 @@ def expert_mlp(
             f"have one entry per expert ({len(counts)} given, {E} experts)"
         )
     if x_ND.shape[0] == 0:
-        # Still touch every parameter so autograd gives (zero) gradients and every rank's graph matches.
-        zero = gate_up_proj.flatten()[:0].sum() + down_proj.flatten()[:0].sum()
+        # Keep the input and every parameter in the graph: autograd then gives (zero) gradients, and
+        # under expert parallelism the backward still reaches the dispatch all-to-all, which every
+        # rank must join even when it received no rows.
+        zero = x_ND.sum() + gate_up_proj.flatten()[:0].sum() + down_proj.flatten()[:0].sum()
         return x_ND.new_zeros(0, down_proj.shape[1]) + zero.to(x_ND.dtype)
     x_ND = x_ND.to(gate_up_proj.dtype)
     backend = config.backend

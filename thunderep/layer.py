@@ -1,21 +1,35 @@
-"""`ThunderMoELayer`: router + routed experts + optional shared experts.
+"""`ThunderMoELayer`: router + routed experts + optional shared experts, single process or expert-parallel.
 
-Shape legend: T tokens, D hidden size, K experts per token, E experts, I intermediate size.
+Shape legend: T tokens (of this rank), D hidden size, K experts per token, E experts, S local slots,
+N = T * K pairs, M rows this rank's experts compute.
 
-This is the single-process layer; the expert-parallel path extends this same class.
+Expert-parallel ("ep") mode: each rank routes its own tokens (attention and dense weights replicated,
+"DP attention"), rows travel to the ranks holding their experts and back (`comm.Dispatcher`), split
+into `EPConfig.waves` waves so communication overlaps expert compute; shared experts run on the local
+tokens while the dispatch is in flight.
+
+Latency mode: every rank holds the same tokens (batch-1 decode), computes only the pairs whose expert
+it owns, and one all-reduce sums the partial outputs; no dispatch. `mode="auto"` picks latency mode
+when the caller passes `replicated=True` (all ranks hold the same tokens) and EP mode otherwise.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .balance.placement import Placement
 from .config import LayerConfig, SharedExpertsConfig
-from .experts import FusedExperts, ACTIVATION_FNS
+from .errors import ConfigError
+from .experts import ACTIVATION_FNS, FusedExperts
 from .router import Routing, TopKRouter
 
 __all__ = ["SharedExperts", "ThunderMoELayer"]
+
+MODES = ("auto", "ep", "latency")
 
 
 class SharedExperts(nn.Module):
@@ -46,26 +60,114 @@ class SharedExperts(nn.Module):
         return y_TD
 
 
+def _wave_bounds(T: int, waves: int) -> list[tuple[int, int]]:
+    sizes = [T // waves + (1 if w < T % waves else 0) for w in range(waves)]
+    bounds, start = [], 0
+    for n in sizes:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
 class ThunderMoELayer(nn.Module):
     """One MoE layer. forward(x) with x [..., D] returns y of the same shape and dtype.
 
+    ep: an `ExpertParallel` runtime; without it the layer holds all experts in this process.
+    placement: which logical experts each EP rank holds (default: contiguous blocks); the local
+        `experts` hold the slots of this rank, in slot order (`local_experts`).
     `forward(x, return_routing=True)` also returns the `Routing` (for auxiliary losses and logging).
     """
 
-    def __init__(self, config: LayerConfig, *, device=None, dtype=None):
+    def __init__(self, config: LayerConfig, *, ep=None, placement: Placement | None = None,
+                 device=None, dtype=None):
         super().__init__()
         self.config = config
+        self.ep = ep
+        experts_config = config.experts
+        if ep is not None:
+            E, R = config.experts.num_experts, ep.groups.ep_size
+            placement = placement or Placement.contiguous(E, R)
+            if placement.num_experts != E or placement.ep_size != R:
+                raise ConfigError(
+                    f"placement ({placement.num_experts} experts on {placement.ep_size} ranks) does not match "
+                    f"the layer ({E} experts) and the EP group ({R} ranks)"
+                )
+            experts_config = replace(experts_config, num_experts=placement.slots_per_rank)
+            device = device if device is not None else ep.groups.device
+        self.placement = placement
         self.router = TopKRouter(config.router, device=device, dtype=dtype)
-        self.experts = FusedExperts(config.experts, device=device, dtype=dtype)
+        self.experts = FusedExperts(experts_config, device=device, dtype=dtype)
         self.shared_experts = (
             SharedExperts(config.shared, device=device, dtype=dtype) if config.shared is not None else None
         )
 
-    def forward(self, x: torch.Tensor, *, return_routing: bool = False):
+    @property
+    def local_experts(self) -> tuple[int, ...]:
+        """Logical expert id of each local slot."""
+        if self.ep is None:
+            return tuple(range(self.config.experts.num_experts))
+        return self.placement.experts_of(self.ep.groups.ep_rank)
+
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A single-process layer's state dict -> this rank's (expert tensors cut to the local slots)."""
+        local = torch.tensor(self.local_experts, dtype=torch.int64)
+        out = {}
+        for name, value in full.items():
+            out[name] = value[local.to(value.device)] if name.startswith("experts.") else value
+        return out
+
+    def forward(self, x: torch.Tensor, *, return_routing: bool = False, mode: str = "auto",
+                replicated: bool = False):
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         x_TD = x.reshape(-1, x.shape[-1])
         routing: Routing = self.router(x_TD)
-        y_TD = self.experts(x_TD, routing)
-        if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+        if self.ep is None:
+            y_TD = self.experts(x_TD, routing)
+            if self.shared_experts is not None:
+                y_TD = y_TD + self.shared_experts(x_TD)
+        elif mode == "latency" or (mode == "auto" and replicated):
+            y_TD = self._forward_latency(x_TD, routing)
+            if self.shared_experts is not None:
+                y_TD = y_TD + self.shared_experts(x_TD)
+        else:
+            y_TD = self._forward_ep(x_TD, routing)
         y = y_TD.view(x.shape)
         return (y, routing) if return_routing else y
+
+    def _forward_ep(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        dispatcher = self.ep.dispatcher
+        bounds = _wave_bounds(x_TD.shape[0], self.ep.config.waves)
+        waves = []
+        for start, stop in bounds:
+            ids = routing.ids_TK[start:stop]
+            counts = torch.bincount(ids.reshape(-1), minlength=routing.counts_E.numel())
+            waves.append(Routing(routing.weights_TK[start:stop], ids, counts, routing.logits_TE[start:stop]))
+        metas = dispatcher.plan(waves, self.placement)
+        dispatches = [dispatcher.dispatch_async(x_TD[a:b], m) for (a, b), m in zip(bounds, metas)]
+        shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None
+        combines = []
+        for pending, meta in zip(dispatches, metas):
+            y_MD = self.experts.compute_sorted(pending.wait(), meta.counts_S)
+            combines.append(dispatcher.combine_async(y_MD, meta))
+        y_TD = torch.cat([c.wait() for c in combines]).to(x_TD.dtype)
+        return y_TD if shared_TD is None else y_TD + shared_TD
+
+    def _forward_latency(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        from .comm.runtime import CopyToEP, ReduceFromEP
+
+        T, K = routing.ids_TK.shape
+        S, me = self.placement.slots_per_rank, self.ep.groups.ep_rank
+        owner_E = self.placement.owner_table(x_TD.device)
+        slots_N = owner_E[routing.ids_TK.reshape(-1)]
+        pairs = ((slots_N // S) == me).nonzero().squeeze(1)
+        local_slot = slots_N[pairs] % S
+        order = torch.argsort(local_slot, stable=True)
+        pairs, local_slot = pairs[order], local_slot[order]
+        x_e = CopyToEP.apply(x_TD, self.ep)
+        w_e = CopyToEP.apply(routing.weights_TK, self.ep)
+        y_MD = self.experts.compute_sorted(x_e[pairs // K], torch.bincount(local_slot, minlength=S))
+        weighted_MD = y_MD * w_e.reshape(-1)[pairs].unsqueeze(-1)
+        full_ND = weighted_MD.new_zeros(T * K, weighted_MD.shape[-1]).index_copy(0, pairs, weighted_MD)
+        partial_TD = full_ND.view(T, K, full_ND.shape[-1]).sum(dim=1)
+        return ReduceFromEP.apply(partial_TD, self.ep).to(x_TD.dtype)

@@ -1,0 +1,89 @@
+"""Run a function on R real processes (spawn, gloo on CPU), with a hard time bound.
+
+`run_ranks(fn, world_size, *args)` returns [fn(rank, world_size, *args) for each rank], or raises
+with the failing rank's traceback. A run past `timeout` is killed and fails: a test can never hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init_dist:
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=dist_timeout))
+        queue.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:  # reported to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if init_dist and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, init_dist: bool = True,
+              dist_timeout: float = 30.0, allow_missing: tuple[int, ...] = ()):
+    """Results of fn(rank, world_size, *args) on every rank (None for ranks in `allow_missing` that
+    exited without a result, e.g. a peer the test kills)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue, init_dist, dist_timeout))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish "
+                                   f"within {timeout} s")
+            try:
+                rank, status, value = queue.get(timeout=min(remaining, 0.5))
+            except Exception:  # queue.Empty: check for ranks that died without reporting
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if dead and all(r in allow_missing for r in dead):
+                    for r in dead:
+                        results.setdefault(r, None)
+                elif dead:
+                    time.sleep(0.5)  # a late message may still be in the queue
+                    if queue.empty():
+                        raise RuntimeError(f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) "
+                                           "without a result")
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [results[r] for r in range(world_size)]

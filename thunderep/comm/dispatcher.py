@@ -1,0 +1,251 @@
+"""Dispatch tokens to the ranks that hold their experts, and combine the results back.
+
+Shape legend: T local tokens, K experts per token, N = T * K (token, expert) pairs, D hidden size,
+R ranks of the EP group, S slots per rank, P = R * S global slots, M rows this rank receives.
+
+    plan(routings, placement)  -> [DispatchMeta]     one control-plane exchange for all waves
+    dispatch_async(x_TD, meta) -> handle; wait() -> x_MD rows grouped by local slot (meta.counts_S)
+    combine_async(y_MD, meta)  -> handle; wait() -> y_TD = sum_k weights_TK * y(t, k)
+
+Rows travel with variable-size `all_to_all_single`; nothing is dropped; the permutation is stable
+(pairs sorted by global slot, ties in token order). Autograd runs through both directions: the
+backward of an all-to-all is the reverse all-to-all. Every rank takes part in every collective, even
+with no tokens, and every wait is bounded by the groups' timeout, so a dead or silent peer raises
+`CommError` naming the operation instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..balance.placement import Placement
+from ..errors import CommError
+from ..router import Routing
+from .codec import Codec, get_codec
+from .control import ControlPlane
+from .groups import EPGroups
+
+__all__ = ["CommStats", "DispatchMeta", "Dispatcher", "Pending"]
+
+
+class CommStats:
+    """Bytes and wall time of the runtime's communication, accumulated until `reset()`.
+
+    bytes_R[op][r]: bytes this rank sent to EP rank r for op in {"dispatch", "combine",
+    "dispatch_backward", "combine_backward", "latency_allreduce"}; the entry of this rank itself
+    stays on the device (no PCIe). seconds[op]: wall time from launch to completed wait.
+    """
+
+    OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "latency_allreduce",
+           "latency_allreduce_backward", "control")
+
+    def __init__(self, world: int, rank: int):
+        self.world, self.rank = world, rank
+        self.reset()
+
+    def reset(self) -> None:
+        self.bytes_R = {op: [0] * self.world for op in self.OPS}
+        self.seconds = {op: 0.0 for op in self.OPS}
+        self.calls = {op: 0 for op in self.OPS}
+
+    def record(self, op: str, sent_R: list[int], seconds: float) -> None:
+        row = self.bytes_R[op]
+        for r, b in enumerate(sent_R):
+            row[r] += b
+        self.seconds[op] += seconds
+        self.calls[op] += 1
+
+    def remote_bytes(self, op: str | None = None) -> int:
+        """Bytes sent to other ranks (what crosses PCIe or the network)."""
+        ops = self.OPS if op is None else (op,)
+        return sum(b for o in ops for r, b in enumerate(self.bytes_R[o]) if r != self.rank)
+
+    def snapshot(self) -> dict:
+        return {"rank": self.rank, "bytes_R": {k: list(v) for k, v in self.bytes_R.items()},
+                "seconds": dict(self.seconds), "calls": dict(self.calls),
+                "remote_bytes": self.remote_bytes()}
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchMeta:
+    """Everything combine() needs to undo dispatch() for one wave of tokens.
+
+    send_order_N / send_inverse_N: pairs sorted by global slot and back (int64 [N]).
+    send_splits / recv_splits: rows sent to / received from each EP rank (tuples of R ints).
+    local_order_M / local_inverse_M: received rows (grouped by source rank) to local-slot order and back.
+    counts_S: [S] int64 rows per local slot, in local-slot order.
+    weights_TK: the routing weights, applied in combine (differentiable).
+    """
+
+    num_tokens: int
+    top_k: int
+    send_order_N: torch.Tensor
+    send_inverse_N: torch.Tensor
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    local_order_M: torch.Tensor
+    local_inverse_M: torch.Tensor
+    counts_S: torch.Tensor
+    weights_TK: torch.Tensor
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
+class Pending:
+    """An all-to-all in flight. `wait()` returns its (decoded) result; call it exactly once."""
+
+    def __init__(self, dispatcher: "Dispatcher", op: str, work, wire: torch.Tensor, out: torch.Tensor,
+                 sent_R: list[int], started: float, finish=None):
+        self._d, self._op, self._work, self._wire, self._out = dispatcher, op, work, wire, out
+        self._sent_R, self._started, self._finish = sent_R, started, finish
+
+    def wait(self) -> torch.Tensor:
+        d = self._d
+        if self._work is not None:
+            try:
+                self._work.wait(timeout=datetime.timedelta(seconds=d.groups.timeout_s))
+            except RuntimeError as exc:
+                raise CommError(
+                    f"{self._op} all_to_all on EP rank {d.groups.ep_rank} failed: a peer died or did not "
+                    f"answer within {d.groups.timeout_s:g} s ({str(exc).splitlines()[0][:200]})"
+                ) from exc
+            self._work = None
+            if self._out is not self._wire:
+                with torch.no_grad():
+                    self._out.copy_(d.codec.decode(self._wire, self._out.dtype))
+            d.stats.record(self._op, self._sent_R, time.perf_counter() - self._started)
+        return self._out if self._finish is None else self._finish(self._out)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable variable-size all-to-all; forward is asynchronous (see `Pending`)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, dispatcher, send_splits, recv_splits, op, box):
+        ctx.args = (dispatcher, send_splits, recv_splits, op)
+        pending = dispatcher._launch(x_ND.detach(), send_splits, recv_splits, op)
+        box.append(pending)
+        return pending._out
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        dispatcher, send_splits, recv_splits, op = ctx.args
+        grad_ND = dispatcher._launch(grad_MD.contiguous(), recv_splits, send_splits, op + "_backward").wait()
+        return grad_ND, None, None, None, None, None
+
+
+class Dispatcher:
+    """Moves token rows between the ranks of one EP group (see the module docstring)."""
+
+    def __init__(self, groups: EPGroups, control: ControlPlane, compression: str = "none"):
+        self.groups = groups
+        self.control = control
+        self.codec: Codec = get_codec(compression)
+        self.stats = CommStats(groups.ep_size, groups.ep_rank)
+        self._slot_tables: dict[Placement, torch.Tensor] = {}
+
+    # -- planning
+
+    def slot_table(self, placement: Placement, device: torch.device) -> torch.Tensor:
+        key = placement
+        table = self._slot_tables.get(key)
+        if table is None or table.device != device:
+            table = placement.slot_table(self.groups.ep_rank, device)
+            self._slot_tables = {key: table}  # placements change rarely: keep only the current one
+        return table
+
+    def plan(self, routings: list[Routing], placement: Placement) -> list[DispatchMeta]:
+        """Split sizes for each wave's routing, exchanged in one control-plane round."""
+        R, S = self.groups.ep_size, placement.slots_per_rank
+        if placement.ep_size != R:
+            raise CommError(f"placement is for {placement.ep_size} ranks but the EP group has {R}")
+        me = self.groups.ep_rank
+        device = routings[0].ids_TK.device
+        table_E = self.slot_table(placement, device)
+        orders, sends = [], []
+        for routing in routings:
+            slots_N = table_E[routing.ids_TK.reshape(-1)]
+            orders.append(torch.argsort(slots_N, stable=True))
+            sends.append(torch.bincount(slots_N, minlength=R * S))
+        send_WP = torch.stack(sends).to(torch.int32)
+        started = time.perf_counter()
+        all_RWP = self.control.exchange_tensor(send_WP.reshape(-1).cpu()).view(R, len(routings), R * S)
+        self.stats.record("control", [send_WP.numel() * 4] * R, time.perf_counter() - started)
+        metas = []
+        for w, routing in enumerate(routings):
+            recv_RS = all_RWP[:, w, me * S:(me + 1) * S].to(torch.int64)
+            slot_ids_M = torch.repeat_interleave(torch.arange(S).repeat(R), recv_RS.reshape(-1))
+            local_order_M = torch.argsort(slot_ids_M, stable=True).to(device)
+            metas.append(DispatchMeta(
+                num_tokens=routing.ids_TK.shape[0], top_k=routing.ids_TK.shape[1],
+                send_order_N=orders[w], send_inverse_N=_inverse(orders[w]),
+                send_splits=tuple(send_WP[w].view(R, S).sum(1).tolist()),
+                recv_splits=tuple(recv_RS.sum(1).tolist()),
+                local_order_M=local_order_M, local_inverse_M=_inverse(local_order_M),
+                counts_S=recv_RS.sum(0).to(device), weights_TK=routing.weights_TK,
+            ))
+        return metas
+
+    # -- data movement
+
+    def _launch(self, x_ND: torch.Tensor, send_splits, recv_splits, op: str) -> Pending:
+        codec, width, dtype = self.codec, x_ND.shape[-1], x_ND.dtype
+        wire_in = codec.encode(x_ND)
+        rows = sum(recv_splits)
+        wire_out = torch.empty(rows, codec.wire_width(width, dtype), dtype=codec.wire_dtype(dtype),
+                               device=x_ND.device)
+        out = wire_out if wire_out.dtype == dtype else torch.empty(rows, width, dtype=dtype, device=x_ND.device)
+        row_bytes = codec.row_bytes(width, dtype)
+        started = time.perf_counter()
+        try:
+            work = dist.all_to_all_single(wire_out, wire_in, list(recv_splits), list(send_splits),
+                                          group=self.groups.ep_group, async_op=True)
+        except RuntimeError as exc:
+            raise CommError(f"{op} all_to_all on EP rank {self.groups.ep_rank} failed to start: "
+                            f"{str(exc).splitlines()[0][:200]}") from exc
+        return Pending(self, op, work, wire_out, out, [n * row_bytes for n in send_splits], started)
+
+    def dispatch_async(self, x_TD: torch.Tensor, meta: DispatchMeta) -> Pending:
+        """Send each (token, k) row to its slot's rank. wait() -> [M, D] grouped by local slot."""
+        x_ND = x_TD[meta.send_order_N // meta.top_k]
+        box: list[Pending] = []
+        recv_MD = _AllToAll.apply(x_ND, self, meta.send_splits, meta.recv_splits, "dispatch", box)
+        pending = box[0]
+        pending._out = recv_MD
+        pending._finish = lambda recv: recv[meta.local_order_M]
+        return pending
+
+    def combine_async(self, y_MD: torch.Tensor, meta: DispatchMeta) -> Pending:
+        """Return expert outputs to their tokens' ranks. wait() -> [T, D] weighted sum over k."""
+        y_recv = y_MD[meta.local_inverse_M]
+        box: list[Pending] = []
+        back_ND = _AllToAll.apply(y_recv, self, meta.recv_splits, meta.send_splits, "combine", box)
+        pending = box[0]
+        pending._out = back_ND
+        T, K = meta.num_tokens, meta.top_k
+
+        def finish(back: torch.Tensor) -> torch.Tensor:
+            pairs_ND = back[meta.send_inverse_N]
+            weighted = pairs_ND.view(T, K, pairs_ND.shape[-1]) * meta.weights_TK.unsqueeze(-1)
+            return weighted.sum(dim=1).to(y_MD.dtype)
+
+        pending._finish = finish
+        return pending
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, placement: Placement):
+        """Synchronous single-wave dispatch: returns (x_MD grouped by local slot, DispatchMeta)."""
+        meta = self.plan([routing], placement)[0]
+        return self.dispatch_async(x_TD, meta).wait(), meta
+
+    def combine(self, y_MD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """Synchronous combine: [M, D] expert outputs in local-slot order -> [T, D]."""
+        return self.combine_async(y_MD, meta).wait()

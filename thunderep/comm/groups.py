@@ -1,0 +1,116 @@
+"""Process groups for expert parallelism: the rank -> (dp, ep) layout.
+
+Layout: ranks are numbered as torchrun numbers them (node-major), and the EP group is the fastest-
+varying coordinate, so an EP group of size <= GPUs per node stays inside one node (PCIe), and
+data-parallel replicas of it span nodes:
+
+    rank = dp_rank * ep_size + ep_rank
+    EP group of `rank`: ranks [dp_rank * ep_size, (dp_rank + 1) * ep_size)
+    DP group of `rank`: ranks {ep_rank, ep_rank + ep_size, ...}
+
+Single host, 4 GPUs:   torchrun --nproc_per_node=4 train.py                     (ep_size=4)
+Two hosts, 4 GPUs each: torchrun --nnodes=2 --nproc_per_node=4 --node_rank=N \\
+                            --rdzv_backend=c10d --rdzv_endpoint=HOST0:29500 train.py   (ep_size=4, dp=2)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+__all__ = ["EPGroups", "init_expert_parallel", "ep_layout"]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def ep_layout(rank: int, world_size: int, ep_size: int) -> tuple[int, int]:
+    """(dp_rank, ep_rank) of `rank`."""
+    if ep_size <= 0 or world_size % ep_size:
+        raise ConfigError(f"ep_size ({ep_size}) must be positive and divide the world size ({world_size})")
+    return rank // ep_size, rank % ep_size
+
+
+@dataclass(frozen=True, eq=False)
+class EPGroups:
+    """The process groups one rank takes part in.
+
+    ep_group: the ranks that share this rank's experts (dispatch / combine run here).
+    dp_group: the ranks holding the same experts in other EP groups (gradient sync of experts).
+    device: where this rank's tensors live (its GPU under NCCL, else the CPU).
+    timeout_s: bound on every wait of the runtime's collectives.
+    """
+
+    rank: int
+    world_size: int
+    ep_rank: int
+    ep_size: int
+    dp_rank: int
+    dp_size: int
+    ep_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    device: torch.device
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.ep_group)).lower()
+
+    def ep_global_rank(self, ep_rank: int) -> int:
+        return self.dp_rank * self.ep_size + ep_rank
+
+
+def init_expert_parallel(
+    ep_size: int | None = None,
+    *,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+) -> EPGroups:
+    """Initialise torch.distributed (if needed) and build the EP and DP groups.
+
+    Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) unless
+    `rank`, `world_size` and `init_method` are given. backend: "nccl" when CUDA is available, else
+    "gloo". ep_size: default = the whole world (one EP group). Collective on all ranks.
+    """
+    if timeout_s <= 0:
+        raise ConfigError(f"timeout_s ({timeout_s}) must be positive")
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        if rank is not None or world_size is not None:
+            if rank is None or world_size is None:
+                raise ConfigError("give both rank and world_size, or neither (torchrun's environment)")
+            kwargs.update(rank=rank, world_size=world_size, init_method=init_method or "env://")
+        elif "RANK" not in os.environ:
+            raise ConfigError(
+                "torch.distributed is not initialised and RANK is not set: launch with "
+                "`torchrun --nproc_per_node=N ...`, or pass rank=, world_size= and init_method="
+            )
+        if backend == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else 0))
+            torch.cuda.set_device(local % torch.cuda.device_count())
+        dist.init_process_group(**kwargs)
+    world, me = dist.get_world_size(), dist.get_rank()
+    ep_size = world if ep_size is None else ep_size
+    dp_rank, ep_rank = ep_layout(me, world, ep_size)
+    dp_size = world // ep_size
+    ep_group = dp_group = None
+    for d in range(dp_size):  # every rank must create every group, in the same order
+        g = dist.new_group(list(range(d * ep_size, (d + 1) * ep_size)))
+        if d == dp_rank:
+            ep_group = g
+    for e in range(ep_size):
+        g = dist.new_group(list(range(e, world, ep_size)))
+        if e == ep_rank:
+            dp_group = g
+    is_nccl = "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if is_nccl else torch.device("cpu")
+    return EPGroups(me, world, ep_rank, ep_size, dp_rank, dp_size, ep_group, dp_group, device, timeout_s)

@@ -1,0 +1,109 @@
+"""`thunderep doctor`: what a multi-GPU PCIe box is doing, with a verdict and the exact fix per check.
+
+Checks: GPUs and driver (open or proprietary kernel module), nvidia_uvm and /dev/nvidia-uvm, each
+GPU's PCIe link (current vs maximum) and NUMA node, the path from each GPU to its root complex with
+the ACS control bits of every bridge on it, IOMMU mode, ACS-related kernel parameters, BAR1
+(Resizable BAR) size, the P2P access matrix and, with two or more CUDA GPUs, measured GPU-to-GPU copy
+bandwidth direct vs through host memory.
+
+It works with or without GPUs, drivers or torch.cuda, and never needs root (what only root can read
+is reported as such). Every file is read under `root` and every command goes through a runner, so a
+fixture tree (or a tree captured from another machine) can be diagnosed with `--root PATH`.
+
+    thunderep doctor [--json] [--root PATH] [--no-cuda] [--no-bandwidth] [--copy-mib N]
+
+Exit status: 0 when no check fails, 1 when one does, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TextIO
+
+from ..errors import ConfigError, ThunderError
+from .checks import VERDICTS, Check, run_checks
+from .facts import Facts, collect
+from .gpu import CudaReport, cuda_report
+from .report import Diagnosis, render_json, render_table, to_dict
+from .sources import CommandResult, HostFS, RecordedRunner, Runner, SystemRunner, default_runner
+
+__all__ = [
+    "Check",
+    "CommandResult",
+    "CudaReport",
+    "Diagnosis",
+    "Facts",
+    "HostFS",
+    "RecordedRunner",
+    "Runner",
+    "SystemRunner",
+    "VERDICTS",
+    "diagnose",
+    "main",
+    "to_dict",
+]
+
+
+def diagnose(
+    root: str | os.PathLike[str] = "/",
+    runner: Runner | None = None,
+    *,
+    cuda: bool | CudaReport | None = True,
+    measure: bool = True,
+    copy_mib: int = 64,
+) -> Diagnosis:
+    """Collect facts under `root` and run every check.
+
+    runner: runs lspci / setpci / nvidia-smi; default: real commands for root "/", recorded outputs
+        (`<root>/_commands/index.json`) otherwise.
+    cuda: True asks torch.cuda (only when `root` is "/": a fixture tree is not this machine's GPUs),
+        False skips it, or pass a ready `CudaReport`.
+    measure, copy_mib: measure copy bandwidth with buffers of `copy_mib` MiB.
+    """
+    if copy_mib <= 0:
+        raise ConfigError(f"copy_mib ({copy_mib}) must be positive: it is the size of each test copy in MiB")
+    fs = HostFS(root)
+    if not fs.path("/").is_dir():
+        raise ConfigError(f"root ({str(root)!r}) is not a directory: pass '/' or the root of a captured "
+                          "filesystem tree")
+    report = None
+    if isinstance(cuda, CudaReport):
+        report = cuda
+    elif cuda and fs.is_real_root:
+        report = cuda_report(measure=measure, nbytes=copy_mib << 20)
+    facts = collect(fs, runner if runner is not None else default_runner(fs), report)
+    return Diagnosis(facts, tuple(run_checks(facts)))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="thunderep doctor",
+        description="Check a multi-GPU PCIe box (driver, UVM, links, ACS, IOMMU, BAR1, P2P) and say how to fix it.",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON for scripts instead of the table")
+    p.add_argument("--root", default="/", metavar="PATH",
+                   help="read the system under PATH instead of / (a fixture or captured tree; "
+                        "commands answer from PATH/_commands)")
+    p.add_argument("--no-cuda", action="store_true", help="do not initialise CUDA (no P2P matrix, no bandwidth)")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the GPU-to-GPU copy measurement")
+    p.add_argument("--copy-mib", type=int, default=64, metavar="N", help="size of each test copy (default 64)")
+    return p
+
+
+def main(argv: list[str] | None = None, *, runner: Runner | None = None, out: TextIO | None = None) -> int:
+    """Entry point of `thunderep doctor`; returns the exit status (see the module docstring)."""
+    out = out or sys.stdout
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed by argparse
+        return int(exc.code or 0)
+    try:
+        d = diagnose(args.root, runner, cuda=not args.no_cuda, measure=not args.no_bandwidth,
+                     copy_mib=args.copy_mib)
+    except ThunderError as exc:
+        print(f"thunderep doctor: error: {exc}", file=sys.stderr)
+        return 2
+    out.write(render_json(d) if args.json else render_table(d))
+    return d.exit_code
