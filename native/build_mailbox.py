@@ -82,7 +82,6 @@ uint32_t tep_rank(const tep_mailbox *mb);
 uint32_t tep_slot_size(const tep_mailbox *mb);
 int tep_peer_info(const tep_mailbox *mb, uint32_t rank, tep_diag *diag);
 void tep_set_backoff(tep_mailbox *mb, uint64_t spin_ns, uint64_t yield_ns, uint64_t sleep_max_ns);
-uint32_t tep_header_size(void);
 uint64_t tep_segment_size(uint32_t world_size, uint32_t slot_size);
 """
 

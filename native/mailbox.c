@@ -88,19 +88,14 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static void diag_clear(tep_diag *d) {
-    if (d) memset(d, 0, sizeof(*d)), d->rank = -1;
-}
+static void diag_clear(tep_diag *d) { if (d) memset(d, 0, sizeof(*d)), d->rank = -1; }
 
 static int fail(tep_diag *d, int status, int32_t rank, uint64_t found) {
     if (d) d->rank = rank, d->found = found;
     return status;
 }
 
-static int fail_sys(tep_diag *d, int err) {
-    if (d) d->os_errno = err;
-    return TEP_ERR_SYS;
-}
+static int fail_sys(tep_diag *d, int err) { return d ? d->os_errno = err, TEP_ERR_SYS : TEP_ERR_SYS; }
 
 static uint32_t cell_stride_for(uint32_t slot_size) {
     return (uint32_t)(sizeof(tep_cell) + round_up(slot_size, TEP_ALIGN));
@@ -176,6 +171,15 @@ static int check_shape(uint32_t world, uint32_t rank, uint32_t slot_size, tep_di
     return TEP_OK;
 }
 
+static int check_open(const char *name, uint32_t world, uint32_t rank, uint32_t slot_size,
+                      tep_mailbox **out, tep_diag *d) {
+    diag_clear(d);
+    if (!out) return fail(d, TEP_ERR_ARG, -1, 0);
+    *out = NULL;
+    int st = check_name(name, d);
+    return st ? st : check_shape(world, rank, slot_size, d);
+}
+
 static void default_backoff(tep_mailbox *mb) {
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     int oversubscribed = cpus > 0 && (long)mb->world > cpus;
@@ -186,12 +190,8 @@ static void default_backoff(tep_mailbox *mb) {
     mb->sleep_max_ns = oversubscribed ? 50000ull : 100000ull;
 }
 
-/* Map the segment and claim `rank` in it. Takes ownership of fd. */
-static int map_and_claim(int fd, uint64_t size, uint32_t rank, tep_mailbox **out, tep_diag *d) {
-    void *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int err = errno;
-    close(fd);
-    if (base == MAP_FAILED) return fail_sys(d, err);
+/* Claim `rank` in a mapped segment. Takes ownership of the mapping (unmapped on failure). */
+static int claim(void *base, uint64_t size, uint32_t rank, tep_mailbox **out, tep_diag *d) {
     tep_mailbox *mb = calloc(1, sizeof *mb);
     if (!mb) {
         munmap(base, size);
@@ -236,8 +236,6 @@ static int map_and_claim(int fd, uint64_t size, uint32_t rank, tep_mailbox **out
 
 /* ---- lifecycle ---- */
 
-uint32_t tep_header_size(void) { return TEP_ALIGN; }
-
 uint64_t tep_segment_size(uint32_t world_size, uint32_t slot_size) {
     uint64_t slot_stride = TEP_ALIGN + 2ull * cell_stride_for(slot_size);
     return round_up(TEP_ALIGN + (uint64_t)world_size * slot_stride, 4096);
@@ -245,24 +243,16 @@ uint64_t tep_segment_size(uint32_t world_size, uint32_t slot_size) {
 
 int tep_create(const char *name, uint32_t world_size, uint32_t rank, uint32_t slot_size,
                uint64_t generation, tep_mailbox **out, tep_diag *d) {
-    diag_clear(d);
-    int st;
-    if (!out) return fail(d, TEP_ERR_ARG, -1, 0);
-    *out = NULL;
-    if ((st = check_name(name, d)) || (st = check_shape(world_size, rank, slot_size, d))) return st;
+    int st = check_open(name, world_size, rank, slot_size, out, d);
+    if (st) return st;
     if (generation == 0) return fail(d, TEP_ERR_ARG, -1, 0);
     uint64_t size = tep_segment_size(world_size, slot_size);
     int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) return fail_sys(d, errno);
+    void *base = MAP_FAILED;
     /* The umask cannot widen 0600, but be explicit about it. */
-    if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)size) != 0) {
-        int err = errno;
-        close(fd);
-        shm_unlink(name);
-        return fail_sys(d, err);
-    }
-    void *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) {
+    if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)size) != 0 ||
+        (base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
         int err = errno;
         close(fd);
         shm_unlink(name);
@@ -279,41 +269,33 @@ int tep_create(const char *name, uint32_t world_size, uint32_t rank, uint32_t sl
     h->total_size = size;
     h->creator_pid = (uint32_t)getpid();
     atomic_store_explicit(&h->magic, TEP_MAGIC, memory_order_release);
-    munmap(base, size);
-    st = map_and_claim(fd, size, rank, out, d);
+    close(fd);
+    st = claim(base, size, rank, out, d);
     if (st != TEP_OK) shm_unlink(name);
     return st;
 }
 
 int tep_attach(const char *name, uint32_t world_size, uint32_t rank, uint32_t slot_size,
                uint64_t expected_generation, tep_mailbox **out, tep_diag *d) {
-    diag_clear(d);
-    int st;
-    if (!out) return fail(d, TEP_ERR_ARG, -1, 0);
-    *out = NULL;
-    if ((st = check_name(name, d)) || (st = check_shape(world_size, rank, slot_size, d))) return st;
+    int st = check_open(name, world_size, rank, slot_size, out, d);
+    if (st) return st;
     int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
     if (fd < 0) return fail_sys(d, errno);
     struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        int err = errno;
+    int fst = fstat(fd, &sb);
+    uint64_t size = fst == 0 ? (uint64_t)sb.st_size : 0;
+    tep_header *h = MAP_FAILED;
+    if (fst != 0)
+        st = fail_sys(d, errno);
+    else if (sb.st_uid != geteuid() || (sb.st_mode & 07777) != 0600)
+        st = fail(d, TEP_ERR_OWNER, -1, ((uint64_t)sb.st_uid << 32) | (sb.st_mode & 07777));
+    else if (size < TEP_ALIGN)
+        st = fail(d, TEP_ERR_SIZE, -1, size);
+    else if ((h = mmap(NULL, TEP_ALIGN, PROT_READ, MAP_SHARED, fd, 0)) == MAP_FAILED)
+        st = fail_sys(d, errno);
+    if (st != TEP_OK) {
         close(fd);
-        return fail_sys(d, err);
-    }
-    if (sb.st_uid != geteuid() || (sb.st_mode & 07777) != 0600) {
-        close(fd);
-        return fail(d, TEP_ERR_OWNER, -1, ((uint64_t)sb.st_uid << 32) | (sb.st_mode & 07777));
-    }
-    uint64_t size = (uint64_t)sb.st_size;
-    if (size < TEP_ALIGN) {
-        close(fd);
-        return fail(d, TEP_ERR_SIZE, -1, size);
-    }
-    tep_header *h = mmap(NULL, TEP_ALIGN, PROT_READ, MAP_SHARED, fd, 0);
-    if (h == MAP_FAILED) {
-        int err = errno;
-        close(fd);
-        return fail_sys(d, err);
+        return st;
     }
     uint64_t magic = atomic_load_explicit(&h->magic, memory_order_acquire);
     if (magic != TEP_MAGIC) st = fail(d, TEP_ERR_MAGIC, -1, magic);
@@ -327,11 +309,12 @@ int tep_attach(const char *name, uint32_t world_size, uint32_t rank, uint32_t sl
     else if (expected_generation != 0 && h->generation != expected_generation)
         st = fail(d, TEP_ERR_GENERATION, -1, h->generation);
     munmap(h, TEP_ALIGN);
-    if (st != TEP_OK) {
-        close(fd);
-        return st;
-    }
-    return map_and_claim(fd, size, rank, out, d);
+    void *base = st == TEP_OK ? mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+    int err = errno;
+    close(fd);
+    if (st != TEP_OK) return st;
+    if (base == MAP_FAILED) return fail_sys(d, err);
+    return claim(base, size, rank, out, d);
 }
 
 int tep_unlink(const char *name, tep_diag *d) {
@@ -444,11 +427,9 @@ int tep_collect(tep_mailbox *mb, uint64_t round, void *out, uint32_t out_stride,
             }
         }
         if (elapsed >= timeout_ns) {
-            for (uint32_t r = 0; r < mb->world; ++r)
-                if (!done[r]) {
-                    fill_peer(mb, r, d);
-                    break;
-                }
+            uint32_t r = 0;
+            while (done[r]) ++r; /* the first silent rank */
+            fill_peer(mb, r, d);
             if (d) d->waited_ns = elapsed;
             return TEP_ERR_TIMEOUT;
         }
@@ -513,8 +494,6 @@ int tep_peer_info(const tep_mailbox *mb, uint32_t rank, tep_diag *d) {
 }
 
 void tep_set_backoff(tep_mailbox *mb, uint64_t spin_ns, uint64_t yield_ns, uint64_t sleep_max_ns) {
-    if (!mb) return;
-    mb->spin_ns = spin_ns;
-    mb->yield_ns = yield_ns < spin_ns ? spin_ns : yield_ns;
-    mb->sleep_max_ns = sleep_max_ns < 1000 ? 1000 : sleep_max_ns;
+    if (mb) mb->spin_ns = spin_ns, mb->yield_ns = yield_ns < spin_ns ? spin_ns : yield_ns,
+            mb->sleep_max_ns = sleep_max_ns < 1000 ? 1000 : sleep_max_ns;
 }

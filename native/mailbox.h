@@ -137,8 +137,7 @@ int tep_peer_info(const tep_mailbox *mb, uint32_t rank, tep_diag *diag);
  * sleep (doubling from 1 us up to sleep_max_ns). Defaults depend on world size vs online CPUs. */
 void tep_set_backoff(tep_mailbox *mb, uint64_t spin_ns, uint64_t yield_ns, uint64_t sleep_max_ns);
 
-/* Header size and field offsets of the layout (for tests and tools that inspect a segment). */
-uint32_t tep_header_size(void);
+/* Bytes of a segment for world_size ranks of slot_size-byte records (a multiple of 4096). */
 uint64_t tep_segment_size(uint32_t world_size, uint32_t slot_size);
 
 #ifdef __cplusplus

@@ -6,6 +6,7 @@ with the failing rank's traceback. A run past `timeout` is killed and fails: a t
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import time
@@ -33,7 +34,9 @@ def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout):
         if init_dist:
             dist.init_process_group("gloo", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=dist_timeout))
-        queue.put((rank, "ok", fn(rank, world, *args)))
+        buf = io.BytesIO()  # plain bytes: tensors sent through the queue would die with this process
+        torch.save(fn(rank, world, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -78,7 +81,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, init_dist: boo
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            import torch
+
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))

@@ -26,7 +26,9 @@ NEEDS_NATIVE = pytest.mark.skipif(not mailbox_mod.native_available(),
 
 
 def _segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("tep-")} if os.path.isdir("/dev/shm") else set()
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {n for n in os.listdir("/dev/shm") if n.startswith("tep-")}
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +107,8 @@ def _check_plane(cp, rank: int, world: int) -> None:
     assert cp.exchange(bytes([rank, 7]) * 128) == [bytes([r, 7]) * 128 for r in range(world)]
     for rnd in range(50):  # lengths change from round to round, equal across ranks
         n = (rnd * 37) % 200
-        assert cp.exchange(bytes([(rank + rnd) % 256]) * n) == [bytes([(r + rnd) % 256]) * n for r in range(world)]
+        want = [bytes([(r + rnd) % 256]) * n for r in range(world)]
+        assert cp.exchange(bytes([(rank + rnd) % 256]) * n) == want
     cp.barrier()
     assert cp.exchange(b"") == [b""] * world
     assert cp.allreduce_max([rank, -rank, 7, 2**40 * rank]) == [world - 1, 0, 7, 2**40 * (world - 1)]
@@ -217,7 +220,8 @@ if MODE == "none":
         warnings.simplefilter("always")
         cp = make_control_plane("auto")
     assert cp.kind == "collective", cp
-    assert any("collective control plane" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    messages = [str(w.message) for w in caught]
+    assert any("collective control plane" in m for m in messages), messages
     assert cp.exchange(b"abc") == [b"abc"]
     try:
         make_control_plane("mailbox")
@@ -239,8 +243,8 @@ def _run_script(mode: str, env_extra: dict[str, str]) -> subprocess.CompletedPro
     env = {**os.environ, **env_extra}
     if mode == "build":
         env.pop("THUNDEREP_NO_NATIVE_BUILD", None)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(_NO_NATIVE_SCRIPT), mode, str(_free_port())],
-                          env=env, capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    cmd = [sys.executable, "-c", textwrap.dedent(_NO_NATIVE_SCRIPT), mode, str(_free_port())]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(REPO))
 
 
 def test_without_native_extension_import_works_and_auto_falls_back():

@@ -253,6 +253,10 @@ def _entry(fn, rank, world, port, results, args):
         results.put((rank, True, fn(rank, world, *args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+    # Leave without tearing gloo down: with a dead peer in the group the teardown can block.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def run_ranks(fn, world, *args, timeout=60.0, silent=()):

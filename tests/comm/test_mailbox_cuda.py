@@ -22,11 +22,8 @@ from thunderep.errors import CommError
 
 HAVE_CUPY = importlib.util.find_spec("cupy") is not None
 HAVE_CUDA = torch.cuda.is_available()
-needs_gpu = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (HAVE_CUDA and HAVE_CUPY), reason="needs CUDA and cupy"),
-    pytest.mark.skipif(not mailbox_mod.native_available(), reason="mailbox extension unavailable"),
-]
+GPU_READY = pytest.mark.skipif(not (HAVE_CUDA and HAVE_CUPY and mailbox_mod.native_available()),
+                               reason="needs CUDA, cupy and the mailbox extension")
 
 
 @pytest.mark.skipif(HAVE_CUPY, reason="cupy is installed")
@@ -48,13 +45,10 @@ def _pair(slot_size=256):
     return a, b
 
 
+@pytest.mark.gpu
+@GPU_READY
 @pytest.mark.parametrize("method", ["kernel", "copy"])
-@pytest.mark.parametrize("mark", [0], ids=[""])
-def test_gpu_writes_are_collected(method, mark, request):
-    for m in needs_gpu:
-        request.applymarker(m)
-    if not (HAVE_CUDA and HAVE_CUPY and mailbox_mod.native_available()):
-        pytest.skip("needs CUDA, cupy and the mailbox extension")
+def test_gpu_writes_are_collected(method):
     from thunderep.comm.mailbox_cuda import CudaMailboxWriter
 
     a, b = _pair()
@@ -118,12 +112,10 @@ def _gpu_rank(rank, world, port, results, rounds):
         results.put((rank, False, traceback.format_exc()))
 
 
+@pytest.mark.gpu
+@GPU_READY
 @pytest.mark.world_size(2)
-def test_two_processes_exchange_gpu_records(request):
-    for m in needs_gpu:
-        request.applymarker(m)
-    if not (HAVE_CUDA and HAVE_CUPY and mailbox_mod.native_available()):
-        pytest.skip("needs CUDA, cupy and the mailbox extension")
+def test_two_processes_exchange_gpu_records():
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")

@@ -108,8 +108,8 @@ def run(world: int, sizes: list[int], iters: dict[str, int], blocks: int = 2,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, iters, blocks, results), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, iters, blocks, results),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     got: dict[int, object] = {}
@@ -121,7 +121,8 @@ def run(world: int, sizes: list[int], iters: dict[str, int], blocks: int = 2,
                 got[rank] = value
             except queue.Empty:
                 if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"benchmark with {world} ranks failed or timed out; got {sorted(got)}")
+                    raise RuntimeError(f"benchmark with {world} ranks failed or timed out; "
+                                       f"results from ranks {sorted(got)}")
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -137,8 +138,8 @@ def run(world: int, sizes: list[int], iters: dict[str, int], blocks: int = 2,
     stats = {}
     for key, xs in pooled.items():
         xs.sort()
-        stats[key] = {"median_us": statistics.median(xs), "p99_us": xs[min(len(xs) - 1, int(0.99 * len(xs)))],
-                      "n": len(xs)}
+        p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+        stats[key] = {"median_us": statistics.median(xs), "p99_us": p99, "n": len(xs)}
     return stats
 
 

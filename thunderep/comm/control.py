@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import os
 import socket
+import struct
 import warnings
 from typing import Sequence
 
@@ -78,11 +79,15 @@ class ControlPlane(abc.ABC):
 
     def allreduce_max(self, values: torch.Tensor | Sequence[int]) -> torch.Tensor | list[int]:
         """Elementwise maximum over ranks. A tensor gives a tensor (same shape, dtype, device); a
-        sequence of ints gives a list of ints."""
+        sequence of ints (int64 range) gives a list of ints."""
         if isinstance(values, torch.Tensor):
             return self.exchange_tensor(values).amax(dim=0)
-        t = _int_list_tensor(values)
-        return self.exchange_tensor(t).amax(dim=0).tolist()
+        n = len(_check_int_list(values))
+        if 8 * n > self._record_bytes:
+            raise CommError(f"{n} values need {8 * n} bytes, over the record size ({self._record_bytes})")
+        fmt = f"<{n}q"
+        rows = [struct.unpack(fmt, rec) for rec in self.exchange(struct.pack(fmt, *values))]
+        return [max(col) for col in zip(*rows)]
 
     @abc.abstractmethod
     def barrier(self) -> None:
@@ -121,18 +126,16 @@ class ControlPlane(abc.ABC):
         return values
 
 
-def _int_list_tensor(values: object) -> torch.Tensor:
+def _check_int_list(values: object) -> Sequence[int]:
     if not isinstance(values, (list, tuple)) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise CommError(f"allreduce_max takes a torch.Tensor or a list of ints, got {values!r:.80}")
-    try:
-        return torch.tensor(list(values), dtype=torch.int64)
-    except RuntimeError as exc:  # ints beyond int64
-        raise CommError(f"allreduce_max values must fit in int64: {exc}") from exc
+            type(v) is int and -2**63 <= v < 2**63 for v in values):
+        raise CommError(f"allreduce_max takes a torch.Tensor or a list of int64-range ints, "
+                        f"got {values!r:.80}")
+    return values
 
 
 def _check_record_bytes(record_bytes: object) -> int:
-    if isinstance(record_bytes, bool) or not isinstance(record_bytes, int) or not 1 <= record_bytes <= 1 << 20:
+    if type(record_bytes) is not int or not 1 <= record_bytes <= 1 << 20:
         raise ConfigError(f"record_bytes ({record_bytes!r}) must be an integer in [1, 1048576]")
     return record_bytes
 
@@ -147,7 +150,9 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int, torch.device
 
 
 def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    return group_rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, group_rank)
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
 
 
 # Newer torch deprecates all_gather_into_tensor in favour of all_gather_single; older has only the former.
@@ -167,7 +172,8 @@ def _decode(t: torch.Tensor) -> str:
     return raw[2:2 + int.from_bytes(raw[:2], "little")].decode(errors="replace")
 
 
-def _all_gather_text(text: str, group: dist.ProcessGroup | None, world: int, device: torch.device) -> list[str]:
+def _all_gather_text(text: str, group: dist.ProcessGroup | None, world: int,
+                     device: torch.device) -> list[str]:
     out = torch.empty(world * _MSG_BYTES, dtype=torch.uint8, device=device)
     _all_gather_single(out, _encode(text, device), group=group)
     return [_decode(row) for row in out.view(world, _MSG_BYTES)]
@@ -211,7 +217,8 @@ class CollectiveControlPlane(ControlPlane):
 
     def allreduce_max(self, values: torch.Tensor | Sequence[int]) -> torch.Tensor | list[int]:
         if not isinstance(values, torch.Tensor):
-            return self.allreduce_max(_int_list_tensor(values)).tolist()  # type: ignore[union-attr]
+            t = torch.tensor(list(_check_int_list(values)), dtype=torch.int64)
+            return self.allreduce_max(t).tolist()  # type: ignore[union-attr]
         t = self._check_tensor(values)
         work = t.detach().to(self._device, copy=True).contiguous()
         dist.all_reduce(work, op=dist.ReduceOp.MAX, group=self._group)
@@ -308,17 +315,31 @@ class MailboxControlPlane(ControlPlane):
         self._round = rnd
         return out
 
+    def exchange_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        t = values
+        if (type(t) is not torch.Tensor or t.device.type != "cpu" or t.requires_grad
+                or not t.is_contiguous() or not 0 < t.nbytes <= self._record_bytes):
+            return super().exchange_tensor(t)  # validates, moves, or handles empty tensors
+        out = torch.empty((self._world, *t.shape), dtype=t.dtype)
+        self._gather_into(t, t.nbytes, out)
+        return out
+
     def _gather_bytes(self, cpu: torch.Tensor, nbytes: int) -> torch.Tensor:
+        out = torch.empty(self._world * cpu.numel(), dtype=cpu.dtype)
+        self._gather_into(cpu, nbytes, out)
+        return out
+
+    def _gather_into(self, src: torch.Tensor, nbytes: int, out: torch.Tensor) -> None:
+        # The C core copies every rank's record straight into `out`: no intermediate buffers.
         rnd = self._round + 1
         if self._closed or self._failed is not None:
             self._exchange(rnd, b"")  # raises the reason
         try:
-            view = self._mb.exchange_address(rnd, cpu.data_ptr(), nbytes)
+            self._mb.exchange_address(rnd, src.data_ptr(), nbytes, out.data_ptr())
         except ThunderError as exc:
             self._check_broken(rnd, exc)
             raise
         self._round = rnd
-        return torch.frombuffer(view, dtype=cpu.dtype).clone()
 
     def barrier(self) -> None:
         self.exchange(b"")

@@ -178,7 +178,15 @@ class Dispatcher:
             sends.append(torch.bincount(slots_N, minlength=R * S))
         send_WP = torch.stack(sends).to(torch.int32)
         started = time.perf_counter()
-        all_RWP = self.control.exchange_tensor(send_WP.reshape(-1).cpu()).view(R, len(routings), R * S)
+        try:
+            all_RWP = self.control.exchange_tensor(send_WP.reshape(-1).cpu()).view(R, len(routings), R * S)
+        except CommError:
+            raise
+        except RuntimeError as exc:  # a collective control plane reports peers through torch errors
+            raise CommError(
+                f"split-size exchange on EP rank {me} failed: a peer died or did not answer within the "
+                f"process group's timeout ({str(exc).splitlines()[0][:200]})"
+            ) from exc
         self.stats.record("control", [send_WP.numel() * 4] * R, time.perf_counter() - started)
         metas = []
         for w, routing in enumerate(routings):

@@ -103,12 +103,13 @@ def init_expert_parallel(
     dp_rank, ep_rank = ep_layout(me, world, ep_size)
     dp_size = world // ep_size
     ep_group = dp_group = None
+    group_timeout = datetime.timedelta(seconds=timeout_s)
     for d in range(dp_size):  # every rank must create every group, in the same order
-        g = dist.new_group(list(range(d * ep_size, (d + 1) * ep_size)))
+        g = dist.new_group(list(range(d * ep_size, (d + 1) * ep_size)), timeout=group_timeout)
         if d == dp_rank:
             ep_group = g
     for e in range(ep_size):
-        g = dist.new_group(list(range(e, world, ep_size)))
+        g = dist.new_group(list(range(e, world, ep_size)), timeout=group_timeout)
         if e == ep_rank:
             dp_group = g
     is_nccl = "nccl" in str(dist.get_backend()).lower()

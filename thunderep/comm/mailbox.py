@@ -8,10 +8,9 @@ A `Mailbox` maps one POSIX shared-memory segment holding one seqlocked record sl
 process group on one host. Rank r publishes its record for round n and collects every rank's record
 for round n; rounds start at 1 and advance by one. See `native/mailbox.h` for the layout.
 
-The extension is built at install time. When it is missing from a source checkout and a C compiler
-exists, it is built on first use into the user's cache directory; otherwise `native_available()` is
-False and creating a mailbox raises `CommError` saying how to fix it. Importing this module never
-fails because of the extension.
+The extension is built at install time; missing from a source checkout, it is built on first use
+into the user's cache when a C compiler exists. Otherwise `native_available()` is False and creating
+a mailbox raises `CommError` saying how to fix it; importing this module never fails because of it.
 """
 
 from __future__ import annotations
@@ -57,7 +56,6 @@ class PeerInfo(NamedTuple):
 
 
 # ---------------------------------------------------------------- loading the extension
-
 
 def _load() -> Any:
     """Return the extension module, importing or (in a source checkout) building it once."""
@@ -125,17 +123,8 @@ def _build_on_first_use(import_error: ImportError) -> Any:
     return mod
 
 
-def native_available() -> bool:
-    """True when the mailbox extension can be used (importing or building it on first call)."""
-    try:
-        _load()
-    except CommError:
-        return False
-    return True
-
-
 def native_unavailable_reason() -> str | None:
-    """Why the extension cannot be used, or None when it can."""
+    """Why the mailbox extension cannot be used, or None when it can (imports or builds it once)."""
     try:
         _load()
     except CommError as err:
@@ -143,8 +132,12 @@ def native_unavailable_reason() -> str | None:
     return None
 
 
-# ---------------------------------------------------------------- segment names
+def native_available() -> bool:
+    """True when the mailbox extension can be used (imports or builds it on the first call)."""
+    return native_unavailable_reason() is None
 
+
+# ---------------------------------------------------------------- segment names
 
 def _pidns() -> int:
     try:
@@ -196,7 +189,6 @@ def cleanup_stale_segments() -> list[str]:
 
 # ---------------------------------------------------------------- the mailbox
 
-
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ConfigError(f"{name} ({value!r}) must be an integer in [{lo}, {hi}]")
@@ -241,8 +233,7 @@ class Mailbox:
                generation: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Mailbox:
         """Create a new segment (mode 0600) and attach to it as `rank`."""
         mod = _load()
-        world_size, slot_size, rank = cls._check_shape(mod, world_size, slot_size, rank)
-        _timeout_ns(timeout_s)
+        world_size, slot_size, rank = cls._check_args(mod, world_size, slot_size, rank, timeout_s)
         name = new_segment_name() if name is None else cls._check_name(name)
         generation = secrets.randbits(63) + 1 if generation is None else _check_int(
             "generation", generation, 1, 2**64 - 1)
@@ -258,18 +249,20 @@ class Mailbox:
         """Attach to an existing segment as `rank`; checks owner, mode, magic, version, world size,
         slot size and (when non-zero) generation, raising `CommError` naming the mismatch."""
         mod = _load()
-        world_size, slot_size, rank = cls._check_shape(mod, world_size, slot_size, rank)
-        _timeout_ns(timeout_s)
+        world_size, slot_size, rank = cls._check_args(mod, world_size, slot_size, rank, timeout_s)
         name = cls._check_name(name)
         generation = _check_int("generation", generation, 0, 2**64 - 1)
         pp, diag = mod.ffi.new("tep_mailbox **"), mod.ffi.new("tep_diag *")
         st = mod.lib.tep_attach(name.encode(), world_size, rank, slot_size, generation, pp, diag)
         if st:
-            raise CommError(_open_error(mod, st, diag, "attach to", name, world_size, slot_size, generation))
+            raise CommError(_open_error(mod, st, diag, "attach to", name, world_size, slot_size,
+                                        generation))
         return cls(pp[0], name, mod, timeout_s)
 
     @staticmethod
-    def _check_shape(mod: Any, world_size: int, slot_size: int, rank: int) -> tuple[int, int, int]:
+    def _check_args(mod: Any, world_size: int, slot_size: int, rank: int,
+                    timeout_s: float) -> tuple[int, int, int]:
+        _timeout_ns(timeout_s)
         world_size = _check_int("world_size", world_size, 1, int(mod.lib.TEP_MAX_WORLD))
         slot_size = _check_int("slot_size", slot_size, 1, int(mod.lib.TEP_MAX_SLOT_SIZE))
         rank = _check_int("rank", rank, 0, world_size - 1)
@@ -289,7 +282,8 @@ class Mailbox:
         self._unlinked = True
         st = self._lib.tep_unlink(self._name.encode(), self._diag)
         if st and not (st == self._lib.TEP_ERR_SYS and self._diag.os_errno == 2):  # ENOENT: already gone
-            raise CommError(f"cannot unlink mailbox segment {self._name}: {os.strerror(self._diag.os_errno)}")
+            raise CommError(f"cannot unlink mailbox segment {self._name}: "
+                            f"{os.strerror(self._diag.os_errno)}")
 
     def close(self) -> None:
         """Mark this rank closed and unmap the segment (idempotent). Peers are not affected; ones
@@ -382,23 +376,30 @@ class Mailbox:
         raw = self._out_buf[: n * self._world]
         return [raw[i: i + n] for i in range(0, n * self._world, n)] if n else [b""] * self._world
 
-    def exchange_address(self, round: int, address: int, nbytes: int) -> memoryview:
+    def exchange_address(self, round: int, address: int, nbytes: int,
+                         out_address: int = 0) -> memoryview | None:
         """Like `exchange`, from `nbytes` bytes at `address` in this process (e.g. a contiguous CPU
-        tensor's data_ptr()); returns a view of the packed records (world_size * nbytes bytes) that
-        stays valid until the next call on this mailbox."""
-        if isinstance(address, bool) or not isinstance(address, int) or address <= 0:
-            raise CommError(f"address ({address!r}) must be a positive integer")
+        tensor's data_ptr()). The packed records (world_size * nbytes bytes) are written to
+        `out_address` when given (the caller guarantees the room; returns None), else to an internal
+        buffer whose view is returned and stays valid until the next call on this mailbox."""
+        for key, v in (("address", address), ("out_address", out_address)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise CommError(f"{key} ({v!r}) must be a non-negative integer")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= self._slot_size:
             raise CommError(f"record of {nbytes!r} bytes exceeds the mailbox slot size ({self._slot_size})")
+        if nbytes and not address:
+            raise CommError("address must be non-zero for a non-empty record")
+        cast = self._ffi.cast
+        out = cast("void *", out_address) if out_address else self._out
         try:
-            st = self._lib.tep_exchange(self._handle(), round, self._ffi.cast("void *", address), nbytes,
-                                        self._out, self._lens, self._timeout_ns, self._diag)
+            st = self._lib.tep_exchange(self._handle(), round, cast("void *", address), nbytes, out,
+                                        self._lens, self._timeout_ns, self._diag)
         except (OverflowError, TypeError) as exc:
             self._handle()  # a closed mailbox is the likelier cause
             raise CommError(f"round ({round!r}) must be an integer in [1, 2**64): {exc}") from None
         if st:
             self._raise(st, round, nbytes)
-        return memoryview(self._out_buf)[: nbytes * self._world]
+        return None if out_address else memoryview(self._out_buf)[: nbytes * self._world]
 
     def _reserve_external(self, round: int) -> tuple[dict[str, int], int, int]:
         """For mailbox_cuda: claim `round` for a writer outside this process's CPU (field offsets,
@@ -467,36 +468,31 @@ class Mailbox:
         raise CommError(f"mailbox {self._name}: call failed with status {st} in round {round}")
 
 
+_SYS_HINTS = {
+    2: "it does not exist (the creating rank failed, or unlinked it before this rank attached)",
+    13: "permission denied",
+    17: "a segment of that name already exists (pick a new name)",
+    28: "/dev/shm is full (free space or remove stale segments)",
+}
+
+
 def _open_error(mod: Any, st: int, d: Any, verb: str, name: str, world: int, slot: int, gen: int) -> str:
-    lib, found = mod.lib, int(d.found)
-    head = f"cannot {verb} mailbox segment {name}: "
-    if st == lib.TEP_ERR_SYS:
-        err = int(d.os_errno)
-        hint = {2: "it does not exist (the creating rank failed, or unlinked it before this rank "
-                   "attached)",
-                17: "a segment of that name already exists (pick a new name)",
-                13: "permission denied",
-                28: "/dev/shm is full (free space or remove stale segments)"}.get(err, os.strerror(err))
-        return head + hint
-    if st == lib.TEP_ERR_MAGIC:
-        return head + f"not a ThunderEP mailbox (magic {found:#018x}, expected {int(lib.TEP_MAGIC):#018x})"
-    if st == lib.TEP_ERR_VERSION:
-        return head + (f"layout version {found}, this build reads version {int(lib.TEP_VERSION)}: every "
-                       f"rank must run the same thunderep version")
-    if st == lib.TEP_ERR_WORLD:
-        return head + f"it was created for world size {found}, this rank expects {world}"
-    if st == lib.TEP_ERR_SLOT:
-        return head + f"it was created with slot size {found} bytes, this rank expects {slot}"
-    if st == lib.TEP_ERR_SIZE:
-        return head + f"its size ({found} bytes) does not match its header: the segment is corrupt"
-    if st == lib.TEP_ERR_GENERATION:
-        return head + f"its generation {found:#x} differs from the agreed {gen:#x}: a stale or foreign segment"
-    if st == lib.TEP_ERR_OWNER:
-        return head + (f"it belongs to uid {found >> 32} with mode {found & 0o7777:#o}; a mailbox must "
-                       f"belong to this user (uid {os.geteuid()}) with mode 0o600")
-    if st == lib.TEP_ERR_RANK_TAKEN:
-        return head + (f"rank {int(d.rank)} is already {_STATE_NAMES.get(found, found)} (pid {int(d.pid)}); "
-                       f"each rank attaches once")
-    if st == lib.TEP_ERR_ARG:
-        return head + f"invalid argument (value {found})"
-    return head + f"status {st}"
+    lib, found, err = mod.lib, int(d.found), int(d.os_errno)
+    why = {
+        lib.TEP_ERR_SYS: _SYS_HINTS.get(err) or os.strerror(err),
+        lib.TEP_ERR_MAGIC: f"not a ThunderEP mailbox (magic {found:#018x}, "
+                           f"expected {int(lib.TEP_MAGIC):#018x})",
+        lib.TEP_ERR_VERSION: f"layout version {found}, this build reads version {int(lib.TEP_VERSION)}: "
+                             f"every rank must run the same thunderep version",
+        lib.TEP_ERR_WORLD: f"it was created for world size {found}, this rank expects {world}",
+        lib.TEP_ERR_SLOT: f"it was created with slot size {found} bytes, this rank expects {slot}",
+        lib.TEP_ERR_SIZE: f"its size ({found} bytes) does not match its header: the segment is corrupt",
+        lib.TEP_ERR_GENERATION: f"its generation {found:#x} differs from the agreed {gen:#x} "
+                                f"(a stale or foreign segment)",
+        lib.TEP_ERR_OWNER: f"it belongs to uid {found >> 32} with mode {found & 0o7777:#o}; a mailbox must "
+                           f"belong to this user (uid {os.geteuid()}) with mode 0o600",
+        lib.TEP_ERR_RANK_TAKEN: f"rank {int(d.rank)} is already {_STATE_NAMES.get(found, found)} "
+                                f"(pid {int(d.pid)}); each rank attaches once",
+        lib.TEP_ERR_ARG: f"invalid argument (value {found})",
+    }.get(st, f"status {st}")
+    return f"cannot {verb} mailbox segment {name}: {why}"

@@ -1,12 +1,13 @@
 """EXPERIMENTAL: CUDA streams write mailbox records through mapped pinned memory.
 
 The mailbox segment is registered with CUDA as mapped, portable pinned memory
-(`cudaHostRegister(ptr, size, cudaHostRegisterPortable | cudaHostRegisterMapped)`), so a GPU can store
-into this rank's slot directly. `CudaMailboxWriter.write(round, tensor)` enqueues that store on a CUDA
-stream, ordered after the kernels that produced `tensor` and with no host synchronization: the seqlock
-protocol of `native/mailbox.h` is followed from the device (seq odd, payload, round / generation /
-length, seq even, with system-scope fences between). Peers, and this rank's own `collect`, poll the slot
-from the CPU as for any record.
+(`cudaHostRegister(ptr, size, cudaHostRegisterPortable | cudaHostRegisterMapped)`; its device address
+comes from `cudaHostGetDevicePointer`, or `cudaPointerGetAttributes` where cupy lacks the former), so
+a GPU can store into this rank's slot directly. `CudaMailboxWriter.write(round, tensor)` enqueues that
+store on a CUDA stream, ordered after the kernels that produced `tensor` and with no host
+synchronization: the seqlock protocol of `native/mailbox.h` is followed from the device (seq odd,
+payload, round / generation / length, seq even, with system-scope fences between). Peers, and this
+rank's own `collect`, poll the slot from the CPU as for any record.
 
 Two ways to move the payload:
   * "kernel" (default): one tiny kernel writes flags and payload (best for the few bytes of counts
@@ -113,11 +114,19 @@ class CudaMailboxWriter:
                                 f"failed: {exc}") from exc
             self._registered = True
             try:
-                self._dev = int(cp.cuda.runtime.hostGetDevicePointer(self._host, 0))
+                self._dev = self._device_pointer(cp, self._host)
                 self._kernel = cp.RawKernel(_KERNEL_SOURCE, "tep_write_record")
             except Exception:
                 self.close()
                 raise
+
+    @staticmethod
+    def _device_pointer(cp: Any, host: int) -> int:
+        """cudaHostGetDevicePointer, through whichever binding this cupy has."""
+        rt = cp.cuda.runtime
+        if hasattr(rt, "hostGetDevicePointer"):
+            return int(rt.hostGetDevicePointer(host, 0))
+        return int(rt.pointerGetAttributes(host).devicePointer)
 
     @property
     def device_pointer(self) -> int:
@@ -138,13 +147,14 @@ class CudaMailboxWriter:
         if method not in ("kernel", "copy"):
             raise CommError(f"method ({method!r}) must be 'kernel' or 'copy'")
         if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
-            raise CommError(f"expected a CUDA tensor, got {type(tensor).__name__}"
-                            f"{'' if not isinstance(tensor, torch.Tensor) else ' on ' + str(tensor.device)}")
+            where = f" on {tensor.device}" if isinstance(tensor, torch.Tensor) else ""
+            raise CommError(f"expected a CUDA tensor, got {type(tensor).__name__}{where}")
         if not tensor.is_contiguous():
             raise CommError("the tensor must be contiguous (call .contiguous())")
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > self._mailbox.slot_size:
-            raise CommError(f"tensor of {nbytes} bytes exceeds the mailbox slot size ({self._mailbox.slot_size})")
+            raise CommError(f"tensor of {nbytes} bytes exceeds the mailbox slot size "
+                            f"({self._mailbox.slot_size})")
         stream = torch.cuda.current_stream(tensor.device) if stream is None else stream
         fields, seq_even, generation = self._mailbox._reserve_external(round)
         cp, np_u64 = self._cp, self._cp.uint64
@@ -157,11 +167,12 @@ class CudaMailboxWriter:
                 self._kernel((1,), (128,), (src, ptr["payload"], cp.uint32(nbytes), *common,
                                             cp.int32(_PHASE_ALL)))
                 return
-            self._kernel((1,), (1,), (src, ptr["payload"], cp.uint32(nbytes), *common, cp.int32(_PHASE_BEGIN)))
+            head = (src, ptr["payload"], cp.uint32(nbytes), *common)
+            self._kernel((1,), (1,), (*head, cp.int32(_PHASE_BEGIN)))
             if nbytes:
                 cp.cuda.runtime.memcpyAsync(self._host + fields["payload"], tensor.data_ptr(), nbytes,
                                             _MEMCPY_DEVICE_TO_HOST, stream.cuda_stream)
-            self._kernel((1,), (1,), (src, ptr["payload"], cp.uint32(nbytes), *common, cp.int32(_PHASE_FINISH)))
+            self._kernel((1,), (1,), (*head, cp.int32(_PHASE_FINISH)))
 
     def close(self) -> None:
         """Wait for pending writes and unregister the segment (idempotent)."""

@@ -59,7 +59,7 @@ class ExpertParallel:
             ) from exc
         nbytes = x_TD.numel() * x_TD.element_size()
         sent = [0 if r == self.groups.ep_rank else nbytes for r in range(self.groups.ep_size)]
-        self.stats.record("latency_allreduce", sent, time.perf_counter() - started)
+        self.stats.record(op, sent, time.perf_counter() - started)
         return x_TD
 
     def close(self) -> None:

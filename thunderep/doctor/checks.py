@@ -246,7 +246,8 @@ def _p2p_fix(f: Facts) -> str:
     if _iommu(f).verdict == "warn":
         hints.append("boot with iommu=pt (see the iommu check)")
     if any("GeForce" in f.name(g.bdf) for g in f.gpus):
-        hints.append("NVIDIA's driver does not enable PCIe P2P on GeForce cards; NCCL then moves data through "
+        hints.append("NVIDIA's driver does not enable PCIe P2P on recent GeForce cards (e.g. RTX 4090); NCCL "
+                     "then moves data through "
                      "host memory, which works. A community-patched open kernel module "
                      "(tinygrad/open-gpu-kernel-modules) enables it; its README asks for Resizable BAR and the "
                      "IOMMU off. ThunderEP neither ships nor tests it")

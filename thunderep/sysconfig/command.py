@@ -123,7 +123,8 @@ def _run(args, fs: HostFS, probe: Runner, exec_runner: Runner, is_root, out: Tex
             out.write(refusal)
             return 2
         revert(fs.root, exec_runner, out)
-        out.write("reverted. Reboot for the kernel command line and ACS to return to their previous state.\n")
+        out.write("reverted: files and ACS bits are back as they were; reboot to boot with the previous "
+                  "kernel command line.\n")
         return 0
 
     plan = make_plan(fs, probe, _options(args))

@@ -134,7 +134,7 @@ def revert_plan(root: str | os.PathLike[str]) -> list[str]:
     lines = [f"run   {format_argv(u)}" for u in reversed(state["undo"])]
     for path, rec in state["files"].items():
         lines.append(f"restore {path} from {rec['backup']}" if "backup" in rec else f"delete {path}")
-    lines += [f"remove empty directory {d}" for d in reversed(state["dirs"])]
+    lines += [f"remove directory {d} if empty" for d in reversed(state["dirs"])]
     lines += [f"run   {format_argv(u)}" for u in state["undo_late"]]
     lines.append(f"delete {STATE_DIR}")
     return lines
