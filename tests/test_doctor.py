@@ -216,7 +216,8 @@ def test_numa_split_and_kernel_params(tmp_path):
     fs.path(devs["0000:03:00.0"].sysfs + "/numa_node").write_text("0\n")
     fs.path(devs["0000:04:00.0"].sysfs + "/numa_node").write_text("1\n")
     cmdline = box / "proc" / "cmdline"
-    cmdline.write_text(cmdline.read_text().strip() + " pcie_acs_override=downstream pci=config_acs=x0x00xx@0000:02:08.0\n")
+    extra = " pcie_acs_override=downstream pci=config_acs=x0x00xx@0000:02:08.0\n"
+    cmdline.write_text(cmdline.read_text().strip() + extra)
     c = by_name(diagnose(box, cuda=False))
     assert c["numa"].verdict == "warn" and "0000:04:00.0: node 1" in c["numa"].summary
     kp = c["kernel params"]

@@ -62,7 +62,8 @@ class FakeBox:
 
     def writes(self) -> list[list[str]]:
         """Calls other than the read-only probes."""
-        return [c for c in self.calls if not (c[0] in ("lspci", "nvidia-smi") or (c[0] == "setpci" and "=" not in c[-1]))]
+        probes = ("lspci", "nvidia-smi")
+        return [c for c in self.calls if not (c[0] in probes or (c[0] == "setpci" and "=" not in c[-1]))]
 
     def __call__(self, argv) -> CommandResult:
         argv = list(argv)
@@ -129,7 +130,8 @@ def test_plan_plx_box(tmp_path):
         ("setpci", "-s", "0000:02:10.0", "-d", "10b5:8747", "ECAP_ACS+0x6.w=0000:002c"),
     ]
     undo = {s.argv: s.undo for s in plan.steps if isinstance(s, RunCommand)}
-    assert undo[commands_of(plan)[3]] == (("setpci", "-s", "0000:02:08.0", "-d", "10b5:8747", "ECAP_ACS+0x6.w=000c:002c"),)
+    restore = ("setpci", "-s", "0000:02:08.0", "-d", "10b5:8747", "ECAP_ACS+0x6.w=000c:002c")
+    assert undo[commands_of(plan)[3]] == (restore,)
     assert all(not c[0].startswith(("grub2-mkconfig", "modprobe")) for c in commands_of(plan))
     assert box.writes() == []  # planning ran nothing but probes
 

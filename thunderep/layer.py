@@ -156,18 +156,22 @@ class ThunderMoELayer(nn.Module):
     def _forward_latency(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         from .comm.runtime import CopyToEP, ReduceFromEP
 
-        T, K = routing.ids_TK.shape
+        x_e = CopyToEP.apply(x_TD, self.ep)
+        w_e = CopyToEP.apply(routing.weights_TK, self.ep)
+        partial_TD = self.local_partial(x_e, w_e, routing.ids_TK)
+        return ReduceFromEP.apply(partial_TD, self.ep).to(x_TD.dtype)
+
+    def local_partial(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+        """sum_k weights_TK * expert(x) over the (token, k) pairs whose expert this rank owns (its first
+        replica), zero elsewhere: this rank's share of the output when every rank holds the same tokens."""
+        T, K = ids_TK.shape
         S, me = self.placement.slots_per_rank, self.ep.groups.ep_rank
-        owner_E = self.placement.owner_table(x_TD.device)
-        slots_N = owner_E[routing.ids_TK.reshape(-1)]
+        slots_N = self.placement.owner_table(x_TD.device)[ids_TK.reshape(-1)]
         pairs = ((slots_N // S) == me).nonzero().squeeze(1)
         local_slot = slots_N[pairs] % S
         order = torch.argsort(local_slot, stable=True)
         pairs, local_slot = pairs[order], local_slot[order]
-        x_e = CopyToEP.apply(x_TD, self.ep)
-        w_e = CopyToEP.apply(routing.weights_TK, self.ep)
-        y_MD = self.experts.compute_sorted(x_e[pairs // K], torch.bincount(local_slot, minlength=S))
-        weighted_MD = y_MD * w_e.reshape(-1)[pairs].unsqueeze(-1)
+        y_MD = self.experts.compute_sorted(x_TD[pairs // K], torch.bincount(local_slot, minlength=S))
+        weighted_MD = y_MD * weights_TK.reshape(-1)[pairs].unsqueeze(-1)
         full_ND = weighted_MD.new_zeros(T * K, weighted_MD.shape[-1]).index_copy(0, pairs, weighted_MD)
-        partial_TD = full_ND.view(T, K, full_ND.shape[-1]).sum(dim=1)
-        return ReduceFromEP.apply(partial_TD, self.ep).to(x_TD.dtype)
+        return full_ND.view(T, K, full_ND.shape[-1]).sum(dim=1)

@@ -11,6 +11,7 @@ least one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -85,11 +86,12 @@ class Placement:
 
     def replicas(self, expert: int) -> list[int]:
         """Global slot ids holding `expert`, ascending."""
-        return [p for p, e in enumerate(self._flat) if e == expert]
+        return list(self._replicas[expert])
 
-    @property
-    def _flat(self) -> list[int]:
-        return [e for row in self.slot_expert_RS for e in row]
+    @cached_property
+    def _replicas(self) -> tuple[tuple[int, ...], ...]:
+        flat = [e for row in self.slot_expert_RS for e in row]
+        return tuple(tuple(p for p, e in enumerate(flat) if e == x) for x in range(self.num_experts))
 
     def slot_table(self, src_rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """[E] int64: the global slot that tokens of `src_rank` use for each logical expert.
@@ -97,18 +99,27 @@ class Placement:
         Rule (until the balancer's trade plan takes over): a replica on `src_rank` itself if there is
         one (no PCIe bytes), else the replicas are shared round-robin by source rank.
         """
-        table = []
-        for e in range(self.num_experts):
-            reps = self.replicas(e)
-            local = [p for p in reps if p // self.slots_per_rank == src_rank]
-            table.append(local[0] if local else reps[src_rank % len(reps)])
-        return torch.tensor(table, dtype=torch.int64, device=device)
+        key = ("slot", src_rank, str(device))
+        if key not in self._tables:
+            table = []
+            for reps in self._replicas:
+                local = [p for p in reps if p // self.slots_per_rank == src_rank]
+                table.append(local[0] if local else reps[src_rank % len(reps)])
+            self._tables[key] = torch.tensor(table, dtype=torch.int64, device=device)
+        return self._tables[key]
 
     def owner_table(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[E] int64: the one global slot that computes each expert when all ranks hold the same tokens
         (latency mode): its first replica."""
-        return torch.tensor([self.replicas(e)[0] for e in range(self.num_experts)], dtype=torch.int64,
-                            device=device)
+        key = ("owner", str(device))
+        if key not in self._tables:
+            self._tables[key] = torch.tensor([reps[0] for reps in self._replicas], dtype=torch.int64,
+                                             device=device)
+        return self._tables[key]
+
+    @cached_property
+    def _tables(self) -> dict:
+        return {}
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Placement) and other.num_experts == self.num_experts

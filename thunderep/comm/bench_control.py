@@ -58,17 +58,20 @@ def _time_calls(fn, iters: int) -> list[float]:
 
 
 def _rank_main(rank: int, world: int, port: int, sizes: list[int], iters: dict[str, int], blocks: int,
-               results: mp.Queue) -> None:
+               backoff: tuple[float, float, float] | None, results: mp.Queue) -> None:
     import torch.distributed as dist
 
     from .control import make_control_plane
 
+    torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         samples: dict[str, list[float]] = {}
         with make_control_plane("mailbox", record_bytes=max(sizes)) as cp:
+            if backoff is not None:
+                cp.mailbox.set_backoff(spin_us=backoff[0], yield_us=backoff[1], sleep_max_us=backoff[2])
             for size in sizes:
                 record = bytes([rank]) * size
                 src = torch.full((size,), rank, dtype=torch.uint8)
@@ -98,6 +101,7 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], iters: dict[s
 
 
 def run(world: int, sizes: list[int], iters: dict[str, int], blocks: int = 2,
+        backoff: tuple[float, float, float] | None = None,
         timeout_s: float = 600.0) -> dict[str, dict[str, float]]:
     """Spawn `world` ranks and return {"method/size": {"median_us", "p99_us", "n"}}."""
     for s in sizes:
@@ -108,7 +112,7 @@ def run(world: int, sizes: list[int], iters: dict[str, int], blocks: int = 2,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, iters, blocks, results),
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, iters, blocks, backoff, results),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -169,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mailbox-iters", type=int, default=20000, help="calls per block and rank")
     ap.add_argument("--gloo-iters", type=int, default=1000, help="calls per block and rank")
     ap.add_argument("--blocks", type=int, default=3, help="alternating blocks per method")
+    ap.add_argument("--backoff", type=float, nargs=3, metavar=("SPIN_US", "YIELD_US", "SLEEP_MAX_US"),
+                    help="mailbox polling schedule (default: chosen from ranks vs cores)")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     ap.add_argument("--json", help="also write the raw statistics to this file")
     args = ap.parse_args(argv)
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     all_stats = {}
     for world in args.worlds:
         t0 = time.perf_counter()
-        all_stats[world] = run(world, args.sizes, iters, blocks=args.blocks)
+        all_stats[world] = run(world, args.sizes, iters, blocks=args.blocks, backoff=args.backoff)
         print(f"[{world} ranks done in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     print(hardware_line())
     print(_table(all_stats, args.sizes, args.markdown))

@@ -151,17 +151,8 @@ class Dispatcher:
         self.control = control
         self.codec: Codec = get_codec(compression)
         self.stats = CommStats(groups.ep_size, groups.ep_rank)
-        self._slot_tables: dict[Placement, torch.Tensor] = {}
 
     # -- planning
-
-    def slot_table(self, placement: Placement, device: torch.device) -> torch.Tensor:
-        key = placement
-        table = self._slot_tables.get(key)
-        if table is None or table.device != device:
-            table = placement.slot_table(self.groups.ep_rank, device)
-            self._slot_tables = {key: table}  # placements change rarely: keep only the current one
-        return table
 
     def plan(self, routings: list[Routing], placement: Placement) -> list[DispatchMeta]:
         """Split sizes for each wave's routing, exchanged in one control-plane round."""
@@ -170,7 +161,7 @@ class Dispatcher:
             raise CommError(f"placement is for {placement.ep_size} ranks but the EP group has {R}")
         me = self.groups.ep_rank
         device = routings[0].ids_TK.device
-        table_E = self.slot_table(placement, device)
+        table_E = placement.slot_table(me, device)
         orders, sends = [], []
         for routing in routings:
             slots_N = table_E[routing.ids_TK.reshape(-1)]

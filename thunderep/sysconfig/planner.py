@@ -25,7 +25,18 @@ from .bootloader import (
     render_dropin,
 )
 from .state import load_state
-from .steps import MODPROBE_OPTIONS, MODULES_LOAD, UNIT, UNIT_NAME, UNIT_WANTS, Options, Plan, RunCommand, Step, WriteFile
+from .steps import (
+    MODPROBE_OPTIONS,
+    MODULES_LOAD,
+    UNIT,
+    UNIT_NAME,
+    UNIT_WANTS,
+    Options,
+    Plan,
+    RunCommand,
+    Step,
+    WriteFile,
+)
 
 __all__ = ["make_plan", "render_unit"]
 
