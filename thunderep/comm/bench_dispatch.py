@@ -1,0 +1,199 @@
+"""Benchmark: ThunderEP's all-to-all dispatch vs the all-gather + reduce-scatter baseline.
+
+The baseline is what frameworks fall back to without an EP kernel library (vLLM's
+`allgather_reducescatter` backend; transformers' EP sums partial outputs the same way): every rank
+gathers every rank's tokens and routing, computes its own experts on all of them, and a
+reduce-scatter returns each rank its tokens' sums. Both run the same layer (same weights, same local
+experts), forward + backward, side by side in one run.
+
+    python -m thunderep.comm.bench_dispatch --ranks 2 4
+
+Bytes: ThunderEP's are counted by the runtime (`CommStats`, rows actually sent to other ranks);
+the baseline's are the payload each rank must send to its peers, (R - 1) * T * D * bytes per
+all-gather and per reduce-scatter (ring algorithms send exactly this), in both directions.
+Shape legend: T tokens per rank, D hidden, K top-k, R ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["main"]
+
+
+class _AllGather(torch.autograd.Function):
+    """[T, C] per rank -> [R * T, C]; backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        R = dist.get_world_size(group)
+        out = x.new_empty(R * x.shape[0], *x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        R = dist.get_world_size(ctx.group)
+        out = grad.new_empty(grad.shape[0] // R, *grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """[R * T, C] partial sums -> [T, C] totals of this rank's rows; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        R = dist.get_world_size(group)
+        out = x.new_empty(x.shape[0] // R, *x.shape[1:])
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        R = dist.get_world_size(ctx.group)
+        out = grad.new_empty(R * grad.shape[0], *grad.shape[1:])
+        dist.all_gather_into_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def allgather_forward(layer, x_TD: torch.Tensor) -> torch.Tensor:
+    """The baseline MoE forward on an EP `ThunderMoELayer` (no shared experts)."""
+    group = layer.ep.groups.ep_group
+    routing = layer.router(x_TD)
+    x_all = _AllGather.apply(x_TD, group)
+    w_all = _AllGather.apply(routing.weights_TK, group)
+    ids_all = torch.empty(  # ids carry no gradient: a plain all-gather
+        x_all.shape[0], routing.ids_TK.shape[1], dtype=routing.ids_TK.dtype, device=x_TD.device)
+    dist.all_gather_into_tensor(ids_all, routing.ids_TK.contiguous(), group=group)
+    partial = layer.local_partial(x_all, w_all, ids_all)
+    return _ReduceScatter.apply(partial, group).to(x_TD.dtype)
+
+
+def _bench_rank(rank, world, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*(reduce_scatter_tensor|all_gather_into_tensor).*",
+                            category=FutureWarning)
+    from ..config import EPConfig, LayerConfig
+    from ..layer import ThunderMoELayer
+    from .runtime import ExpertParallel
+
+    ep = ExpertParallel.init(config=EPConfig(control=args.control, waves=args.waves))
+    config = LayerConfig.build(family="mixtral", hidden_size=args.hidden, intermediate_size=args.intermediate,
+                               num_experts=args.experts, top_k=args.top_k)
+    torch.manual_seed(0)
+    layer = ThunderMoELayer(config, ep=ep)
+    torch.manual_seed(100 + rank)
+    x = torch.randn(args.tokens, args.hidden, requires_grad=True)  # as hidden states in a model
+    g = torch.randn(args.tokens, args.hidden)
+    methods = {"thunderep_a2a": lambda: layer(x), "allgather_rs": lambda: allgather_forward(layer, x)}
+    times = {name: [] for name in methods}
+    for it in range(args.warmup + args.iters):
+        for name, fn in methods.items():  # interleaved, so drift hits both alike
+            dist.barrier()
+            ep.stats.reset()
+            start = time.perf_counter()
+            fn().backward(g)
+            elapsed = time.perf_counter() - start
+            if it >= args.warmup:
+                times[name].append(elapsed)
+    ep.stats.reset()
+    x_exact = x.detach().clone().requires_grad_(True)
+    y_exact = layer(x_exact)
+    y_exact.backward(g)
+    a2a_bytes = {"none": ep.stats.remote_bytes()}
+    errors = {}
+    for codec in ("bf16", "fp8"):  # payload compression: error and bytes against the exact run
+        lossy = ExpertParallel(ep.groups, EPConfig(control="collective", compression=codec))
+        layer.ep = lossy
+        x_lossy = x.detach().clone().requires_grad_(True)
+        y_lossy = layer(x_lossy)
+        y_lossy.backward(g)
+        errors[codec] = [((a - b).abs().max() / b.abs().max()).item()
+                         for a, b in ((y_lossy, y_exact), (x_lossy.grad, x_exact.grad))]
+        a2a_bytes[codec] = lossy.stats.remote_bytes()
+        lossy.close()
+    layer.ep = ep
+    ep.close()
+    queue.put((rank, times, a2a_bytes, errors))
+    dist.destroy_process_group()
+
+
+def run(world: int, args) -> dict:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_bench_rank, args=(r, world, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(30)
+    results.sort()
+    iters = len(results[0][1]["thunderep_a2a"])
+    step = {name: statistics.median(max(r[1][name][i] for r in results) for i in range(iters))
+            for name in ("thunderep_a2a", "allgather_rs")}
+    element = 4
+    baseline_bytes = 4 * (world - 1) * args.tokens * args.hidden * element  # x gather + RS, fwd and bwd
+    baseline_bytes += 2 * (world - 1) * args.tokens * args.top_k * (element + 8)  # weights + ids gathers
+    codec_error = {c: [max(r[3][c][i] for r in results) for i in range(2)] for c in ("bf16", "fp8")}
+    return {"ranks": world, "a2a_ms": step["thunderep_a2a"] * 1e3, "ag_ms": step["allgather_rs"] * 1e3,
+            "a2a_bytes": statistics.mean(r[2]["none"] for r in results), "ag_bytes": baseline_bytes,
+            "codec_bytes": {c: statistics.mean(r[2][c] for r in results) for c in ("bf16", "fp8")},
+            "codec_error": codec_error}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m thunderep.comm.bench_dispatch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--intermediate", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--waves", type=int, default=1)
+    parser.add_argument("--control", default="auto")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--port", type=int, default=29611)
+    args = parser.parse_args(argv)
+    print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+          f"{torch.__version__}, gloo on CPU, 1 thread per rank")
+    print(f"layer: Mixtral-shaped, D={args.hidden}, I={args.intermediate}, E={args.experts}, "
+          f"top-{args.top_k}, {args.tokens} tokens per rank, fp32, forward+backward per step")
+    print(f"{'ranks':>5} | {'a2a ms':>8} | {'allgather ms':>12} | {'time ratio':>10} | "
+          f"{'a2a MB/rank':>11} | {'allgather MB/rank':>17} | {'bytes ratio':>11}")
+    rows = []
+    for world in args.ranks:
+        r = run(world, args)
+        rows.append(r)
+        print(f"{world:>5} | {r['a2a_ms']:8.2f} | {r['ag_ms']:12.2f} | {r['ag_ms'] / r['a2a_ms']:9.2f}x | "
+              f"{r['a2a_bytes'] / 1e6:11.3f} | {r['ag_bytes'] / 1e6:17.3f} | "
+              f"{r['ag_bytes'] / r['a2a_bytes']:10.2f}x")
+    print("\npayload compression (dispatch, combine and their gradients), against the uncompressed run:")
+    print(f"{'ranks':>5} | {'codec':>5} | {'MB/rank':>8} | {'bytes ratio':>11} | {'max rel err y':>13} | "
+          f"{'max rel err dx':>14}")
+    for r in rows:
+        for codec in ("bf16", "fp8"):
+            err_y, err_dx = r["codec_error"][codec]
+            b = r["codec_bytes"][codec]
+            print(f"{r['ranks']:>5} | {codec:>5} | {b / 1e6:8.3f} | {r['a2a_bytes'] / b:10.2f}x | "
+                  f"{err_y:13.2e} | {err_dx:14.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
