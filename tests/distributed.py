@@ -1,4 +1,5 @@
-"""Run a function on R real processes (spawn, gloo on CPU), with a hard time bound.
+"""Run a function on R real processes (spawn; gloo on CPU, or NCCL with one GPU per rank), with a
+hard time bound.
 
 `run_ranks(fn, world_size, *args)` returns [fn(rank, world_size, *args) for each rank], or raises
 with the failing rank's traceback. A run past `timeout` is killed and fails: a test can never hang.
@@ -21,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout):
+def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import datetime
@@ -31,8 +32,10 @@ def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout):
 
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         if init_dist:
-            dist.init_process_group("gloo", rank=rank, world_size=world,
+            dist.init_process_group(backend, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=dist_timeout))
         buf = io.BytesIO()  # plain bytes: tensors sent through the queue would die with this process
         torch.save(fn(rank, world, *args), buf)
@@ -48,13 +51,13 @@ def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, init_dist: bool = True,
-              dist_timeout: float = 30.0, allow_missing: tuple[int, ...] = ()):
+              dist_timeout: float = 30.0, allow_missing: tuple[int, ...] = (), backend: str = "gloo"):
     """Results of fn(rank, world_size, *args) on every rank (None for ranks in `allow_missing` that
     exited without a result, e.g. a peer the test kills)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue, init_dist, dist_timeout))
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue, init_dist, dist_timeout, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -170,3 +170,22 @@ def test_mismatched_counts_raise():
                    experts.config)
     with pytest.raises(RoutingError, match="x_TD has 2 tokens but the routing has 3"):
         experts(torch.randn(2, 8), make_routing(3, 4, 2, seed=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_experts_on_cuda_bf16(backend):
+    """The CUDA paths (grouped_mm needs sm80+ and bf16; else the loop) against the fp32 reference."""
+    E, k, T, D, I = 16, 4, 257, 64, 32
+    experts = init_module(FusedExperts(ExpertsConfig(E, D, I, backend=backend)), 9)
+    ref_weights = {k_: v.to(torch.bfloat16).float() for k_, v in experts.state_dict().items()}
+    experts = experts.to("cuda", torch.bfloat16)
+    routing = make_routing(T, E, k, seed=10, skip_experts=3)
+    x = torch.randn(T, D).to(torch.bfloat16)
+    y = experts(x.cuda(), Routing(*(t.cuda() for t in (routing.weights_TK, routing.ids_TK, routing.counts_E,
+                                                       routing.logits_TE))))
+    cpu = FusedExperts(ExpertsConfig(E, D, I, backend="loop"))
+    cpu.load_state_dict(ref_weights)
+    want = _slow(routing)(cpu, x.float())
+    scale = want.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), want, rtol=0, atol=2e-2 * scale + 2e-2)

@@ -46,6 +46,7 @@ def _scenario(rank, world, name, tokens_per_rank, skew, ep_config, mode, groups)
     from thunderep.comm.runtime import ExpertParallel
 
     ep = ExpertParallel(groups, ep_config)
+    device = groups.device
     full = _full_layer(name)
     gen = torch.Generator().manual_seed(123)
     total = sum(tokens_per_rank)
@@ -53,6 +54,7 @@ def _scenario(rank, world, name, tokens_per_rank, skew, ep_config, mode, groups)
     g_all = torch.randn(total, D, generator=gen)
     if skew:
         x_all = _skew(full, x_all)
+    full, x_all, g_all = full.to(device), x_all.to(device), g_all.to(device)
     layer = ThunderMoELayer(full.config, ep=ep)
     layer.load_state_dict(layer.shard_state_dict(full.state_dict()))
 
@@ -71,7 +73,7 @@ def _scenario(rank, world, name, tokens_per_rank, skew, ep_config, mode, groups)
     y.backward(g_all[start:stop])
 
     out = {"y": (y.detach(), y_ref[start:stop].detach()), "dx": (x.grad, x_ref.grad[start:stop])}
-    local = list(layer.local_experts)
+    local = torch.tensor(layer.local_experts, device=device)
     for n, p in layer.named_parameters():
         ref = dict(full.named_parameters())[n].grad
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -84,7 +86,7 @@ def _scenario(rank, world, name, tokens_per_rank, skew, ep_config, mode, groups)
             out[n] = (grad, ref)
     stats = ep.stats.snapshot()
     ep.close()
-    return out, stats
+    return {k: (a.cpu(), b.cpu()) for k, (a, b) in out.items()}, stats
 
 
 def _run_cases(rank, world, cases):
@@ -121,13 +123,13 @@ EXTRA = {  # name: (layer, tokens per rank for 2 / 4 ranks, skew, EPConfig, mode
 _CACHE: dict[int, dict] = {}
 
 
-def results_for(world: int) -> dict:
-    if world not in _CACHE:
+def results_for(world: int, backend: str = "gloo") -> dict:
+    if (world, backend) not in _CACHE:
         cases = {k: (n, t[world], skew, COLLECTIVE, "ep") for k, (n, t, skew) in SCENARIOS.items()}
         cases.update({k: (n, t[world], skew, cfg, mode) for k, (n, t, skew, cfg, mode) in EXTRA.items()})
-        per_rank = run_ranks(_run_cases, world, cases, timeout=240)
-        _CACHE[world] = {key: [r[key] for r in per_rank] for key in cases}
-    return _CACHE[world]
+        per_rank = run_ranks(_run_cases, world, cases, timeout=240, backend=backend)
+        _CACHE[world, backend] = {key: [r[key] for r in per_rank] for key in cases}
+    return _CACHE[world, backend]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -173,3 +175,18 @@ def test_compressed_payload_within_stated_error(world, scenario):
         per_row = 2 * D if scenario == "bf16_payload" else D + 4
         assert stats["bytes_R"]["dispatch"][stats["rank"]] % per_row == 0
     assert 0 < worst < tol, f"{scenario}: relative error {worst:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_on_gpus_with_nccl_equals_single_gpu(world):
+    """Every scenario above with NCCL, one GPU per rank, against one GPU (fp32, cuBLAS)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    results = results_for(world, backend="nccl")
+    for scenario in list(SCENARIOS) + ["latency_mode", "four_waves_mailbox"]:
+        _check(results[scenario], rtol=1e-4, atol=1e-5)
+    for scenario, tol in COMPRESSION_TOLERANCE.items():
+        for out, _ in results[scenario]:
+            got, want = out["y"]
+            assert ((got - want).abs().max() / want.abs().max()).item() < tol

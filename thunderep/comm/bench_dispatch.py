@@ -81,30 +81,42 @@ def allgather_forward(layer, x_TD: torch.Tensor) -> torch.Tensor:
 
 
 def _bench_rank(rank, world, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    cuda = args.device == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*(reduce_scatter_tensor|all_gather_into_tensor).*",
                             category=FutureWarning)
     from ..config import EPConfig, LayerConfig
     from ..layer import ThunderMoELayer
     from .runtime import ExpertParallel
 
-    ep = ExpertParallel.init(config=EPConfig(control=args.control, waves=args.waves))
+    ep = ExpertParallel.init(config=EPConfig(control=args.control, waves=args.waves),
+                             backend="nccl" if cuda else "gloo")
+    device, dtype = ep.groups.device, (torch.bfloat16 if cuda else torch.float32)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
     config = LayerConfig.build(family="mixtral", hidden_size=args.hidden, intermediate_size=args.intermediate,
                                num_experts=args.experts, top_k=args.top_k)
     torch.manual_seed(0)
-    layer = ThunderMoELayer(config, ep=ep)
+    layer = ThunderMoELayer(config, ep=ep, dtype=dtype)
     torch.manual_seed(100 + rank)
-    x = torch.randn(args.tokens, args.hidden, requires_grad=True)  # as hidden states in a model
-    g = torch.randn(args.tokens, args.hidden)
+    x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype, requires_grad=True)  # hidden states
+    g = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
     methods = {"thunderep_a2a": lambda: layer(x), "allgather_rs": lambda: allgather_forward(layer, x)}
     times = {name: [] for name in methods}
     for it in range(args.warmup + args.iters):
         for name, fn in methods.items():  # interleaved, so drift hits both alike
+            sync()
             dist.barrier()
             ep.stats.reset()
             start = time.perf_counter()
             fn().backward(g)
+            sync()
             elapsed = time.perf_counter() - start
             if it >= args.warmup:
                 times[name].append(elapsed)
@@ -145,7 +157,7 @@ def run(world: int, args) -> dict:
     iters = len(results[0][1]["thunderep_a2a"])
     step = {name: statistics.median(max(r[1][name][i] for r in results) for i in range(iters))
             for name in ("thunderep_a2a", "allgather_rs")}
-    element = 4
+    element = 2 if args.device == "cuda" else 4
     baseline_bytes = 4 * (world - 1) * args.tokens * args.hidden * element  # x gather + RS, fwd and bwd
     baseline_bytes += 2 * (world - 1) * args.tokens * args.top_k * (element + 8)  # weights + ids gathers
     codec_error = {c: [max(r[3][c][i] for r in results) for i in range(2)] for c in ("bf16", "fp8")}
@@ -169,11 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--port", type=int, default=29611)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo, fp32, 1 thread per rank; cuda: NCCL, bf16, one GPU per rank")
     args = parser.parse_args(argv)
-    print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
-          f"{torch.__version__}, gloo on CPU, 1 thread per rank")
+    if args.device == "cuda":
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        p2p = os.environ.get("NCCL_P2P_DISABLE", "0")
+        print(f"hardware: {torch.cuda.device_count()} x {', '.join(names)}, torch {torch.__version__}, NCCL "
+              f"(NCCL_P2P_DISABLE={p2p})")
+    else:
+        print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+              f"{torch.__version__}, gloo on CPU, 1 thread per rank")
+    dtype = "bf16" if args.device == "cuda" else "fp32"
     print(f"layer: Mixtral-shaped, D={args.hidden}, I={args.intermediate}, E={args.experts}, "
-          f"top-{args.top_k}, {args.tokens} tokens per rank, fp32, forward+backward per step")
+          f"top-{args.top_k}, {args.tokens} tokens per rank, {dtype}, waves={args.waves}, forward+backward")
     print(f"{'ranks':>5} | {'a2a ms':>8} | {'allgather ms':>12} | {'time ratio':>10} | "
           f"{'a2a MB/rank':>11} | {'allgather MB/rank':>17} | {'bytes ratio':>11}")
     rows = []

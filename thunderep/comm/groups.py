@@ -95,7 +95,7 @@ def init_expert_parallel(
                 "`torchrun --nproc_per_node=N ...`, or pass rank=, world_size= and init_method="
             )
         if backend == "nccl":
-            local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else 0))
+            local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else os.environ.get("RANK", 0)))
             torch.cuda.set_device(local % torch.cuda.device_count())
         dist.init_process_group(**kwargs)
     world, me = dist.get_world_size(), dist.get_rank()
