@@ -125,8 +125,11 @@ _CACHE: dict[int, dict] = {}
 
 def results_for(world: int, backend: str = "gloo") -> dict:
     if (world, backend) not in _CACHE:
-        cases = {k: (n, t[world], skew, COLLECTIVE, "ep") for k, (n, t, skew) in SCENARIOS.items()}
-        cases.update({k: (n, t[world], skew, cfg, mode) for k, (n, t, skew, cfg, mode) in EXTRA.items()})
+        def tokens(t):  # one rank (a single GPU) takes the 2-rank case's first rank
+            return t[world] if world in t else t[2][:world]
+
+        cases = {k: (n, tokens(t), skew, COLLECTIVE, "ep") for k, (n, t, skew) in SCENARIOS.items()}
+        cases.update({k: (n, tokens(t), skew, cfg, mode) for k, (n, t, skew, cfg, mode) in EXTRA.items()})
         per_rank = run_ranks(_run_cases, world, cases, timeout=240, backend=backend)
         _CACHE[world, backend] = {key: [r[key] for r in per_rank] for key in cases}
     return _CACHE[world, backend]
@@ -178,9 +181,10 @@ def test_compressed_payload_within_stated_error(world, scenario):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_ep_on_gpus_with_nccl_equals_single_gpu(world):
-    """Every scenario above with NCCL, one GPU per rank, against one GPU (fp32, cuBLAS)."""
+    """Every scenario above with NCCL, one GPU per rank, against one GPU (fp32, cuBLAS). One rank
+    exercises the CUDA code paths (async NCCL all-to-all, waves, codecs) without peers."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
     results = results_for(world, backend="nccl")
@@ -189,4 +193,4 @@ def test_ep_on_gpus_with_nccl_equals_single_gpu(world):
     for scenario, tol in COMPRESSION_TOLERANCE.items():
         for out, _ in results[scenario]:
             got, want = out["y"]
-            assert ((got - want).abs().max() / want.abs().max()).item() < tol
+            assert want.numel() and ((got - want).abs().max() / want.abs().max()).item() < tol
