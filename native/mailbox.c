@@ -14,6 +14,11 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -41,7 +46,8 @@ typedef struct {
     uint64_t total_size;      /* 40 */
     _Atomic uint32_t attached; /* 48: ranks attached so far */
     uint32_t creator_pid;     /* 52 */
-    uint64_t reserved;        /* 56 */
+    _Atomic uint32_t wake_seq; /* 56: bumped by every publish and close (a futex word) */
+    _Atomic uint32_t sleepers; /* 60: waiters blocked on wake_seq */
 } tep_header;
 
 typedef struct {
@@ -78,14 +84,32 @@ struct tep_mailbox {
     uint64_t my_pidns;
 };
 
-/* ---- helpers ---- */
-
 static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 static uint64_t now_ns(void) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    return clock_gettime(CLOCK_MONOTONIC, &ts), (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Waiters past their spin and yield phases block on the header's futex word; every publish and
+ * close bumps it and wakes them. Ordering (seq_cst both sides): either the publisher sees the
+ * sleeper count, or the waiter sees the bumped word and does not block. */
+static void wake_waiters(tep_header *h) {
+    atomic_fetch_add_explicit(&h->wake_seq, 1, memory_order_seq_cst);
+#ifdef __linux__
+    if (atomic_load_explicit(&h->sleepers, memory_order_seq_cst))
+        syscall(SYS_futex, &h->wake_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+#endif
+}
+
+static void wait_for_wake(tep_header *h, uint32_t seen, uint64_t max_ns) {
+    struct timespec ts = {(time_t)(max_ns / 1000000000ull), (long)(max_ns % 1000000000ull)};
+#ifdef __linux__
+    syscall(SYS_futex, &h->wake_seq, FUTEX_WAIT, seen, &ts, NULL, 0); /* returns at once if bumped */
+#else
+    (void)h, (void)seen;
+    nanosleep(&ts, NULL);
+#endif
 }
 
 static void diag_clear(tep_diag *d) { if (d) memset(d, 0, sizeof(*d)), d->rank = -1; }
@@ -158,17 +182,8 @@ static void fill_peer(const tep_mailbox *mb, uint32_t r, tep_diag *d) {
     d->peer_round = atomic_load_explicit(&ri->last_round, memory_order_relaxed);
 }
 
-static int check_name(const char *name, tep_diag *d) {
-    if (!name || name[0] != '/' || strlen(name) < 2 || strlen(name) > 200 || strchr(name + 1, '/'))
-        return fail(d, TEP_ERR_ARG, -1, 0);
-    return TEP_OK;
-}
-
-static int check_shape(uint32_t world, uint32_t rank, uint32_t slot_size, tep_diag *d) {
-    if (world == 0 || world > TEP_MAX_WORLD) return fail(d, TEP_ERR_ARG, -1, world);
-    if (rank >= world) return fail(d, TEP_ERR_ARG, (int32_t)rank, rank);
-    if (slot_size == 0 || slot_size > TEP_MAX_SLOT_SIZE) return fail(d, TEP_ERR_ARG, -1, slot_size);
-    return TEP_OK;
+static int bad_name(const char *n) {
+    return !n || n[0] != '/' || strlen(n) < 2 || strlen(n) > 200 || strchr(n + 1, '/') != NULL;
 }
 
 static int check_open(const char *name, uint32_t world, uint32_t rank, uint32_t slot_size,
@@ -176,8 +191,11 @@ static int check_open(const char *name, uint32_t world, uint32_t rank, uint32_t 
     diag_clear(d);
     if (!out) return fail(d, TEP_ERR_ARG, -1, 0);
     *out = NULL;
-    int st = check_name(name, d);
-    return st ? st : check_shape(world, rank, slot_size, d);
+    if (bad_name(name)) return fail(d, TEP_ERR_ARG, -1, 0);
+    if (world == 0 || world > TEP_MAX_WORLD) return fail(d, TEP_ERR_ARG, -1, world);
+    if (rank >= world) return fail(d, TEP_ERR_ARG, (int32_t)rank, rank);
+    if (slot_size == 0 || slot_size > TEP_MAX_SLOT_SIZE) return fail(d, TEP_ERR_ARG, -1, slot_size);
+    return TEP_OK;
 }
 
 static void default_backoff(tep_mailbox *mb) {
@@ -193,20 +211,11 @@ static void default_backoff(tep_mailbox *mb) {
 /* Claim `rank` in a mapped segment. Takes ownership of the mapping (unmapped on failure). */
 static int claim(void *base, uint64_t size, uint32_t rank, tep_mailbox **out, tep_diag *d) {
     tep_mailbox *mb = calloc(1, sizeof *mb);
-    if (!mb) {
-        munmap(base, size);
-        return fail_sys(d, ENOMEM);
-    }
-    mb->base = base;
-    mb->size = size;
-    mb->hdr = (tep_header *)base;
-    mb->world = mb->hdr->world_size;
-    mb->slot_size = mb->hdr->slot_size;
-    mb->cell_stride = mb->hdr->cell_stride;
-    mb->slot_stride = mb->hdr->slot_stride;
-    mb->generation = mb->hdr->generation;
-    mb->rank = rank;
-    mb->my_pidns = self_pidns();
+    if (!mb) return munmap(base, size), fail_sys(d, ENOMEM);
+    tep_header *h = mb->hdr = (tep_header *)base;
+    mb->base = base, mb->size = size, mb->rank = rank, mb->my_pidns = self_pidns();
+    mb->world = h->world_size, mb->slot_size = h->slot_size, mb->generation = h->generation;
+    mb->cell_stride = h->cell_stride, mb->slot_stride = h->slot_stride;
     default_backoff(mb);
 
     tep_rank_info *ri = rank_info(mb, rank);
@@ -234,8 +243,6 @@ static int claim(void *base, uint64_t size, uint32_t rank, tep_mailbox **out, te
     return TEP_OK;
 }
 
-/* ---- lifecycle ---- */
-
 uint64_t tep_segment_size(uint32_t world_size, uint32_t slot_size) {
     uint64_t slot_stride = TEP_ALIGN + 2ull * cell_stride_for(slot_size);
     return round_up(TEP_ALIGN + (uint64_t)world_size * slot_stride, 4096);
@@ -259,14 +266,9 @@ int tep_create(const char *name, uint32_t world_size, uint32_t rank, uint32_t sl
         return fail_sys(d, err);
     }
     tep_header *h = (tep_header *)base; /* ftruncate zero-filled the segment */
-    h->version = TEP_VERSION;
-    h->world_size = world_size;
-    h->slot_size = slot_size;
-    h->cell_stride = cell_stride_for(slot_size);
-    h->slot_stride = TEP_ALIGN + 2u * h->cell_stride;
-    h->header_size = TEP_ALIGN;
-    h->generation = generation;
-    h->total_size = size;
+    h->version = TEP_VERSION, h->world_size = world_size, h->slot_size = slot_size;
+    h->cell_stride = cell_stride_for(slot_size), h->slot_stride = TEP_ALIGN + 2u * h->cell_stride;
+    h->header_size = TEP_ALIGN, h->generation = generation, h->total_size = size;
     h->creator_pid = (uint32_t)getpid();
     atomic_store_explicit(&h->magic, TEP_MAGIC, memory_order_release);
     close(fd);
@@ -293,10 +295,7 @@ int tep_attach(const char *name, uint32_t world_size, uint32_t rank, uint32_t sl
         st = fail(d, TEP_ERR_SIZE, -1, size);
     else if ((h = mmap(NULL, TEP_ALIGN, PROT_READ, MAP_SHARED, fd, 0)) == MAP_FAILED)
         st = fail_sys(d, errno);
-    if (st != TEP_OK) {
-        close(fd);
-        return st;
-    }
+    if (st != TEP_OK) return close(fd), st;
     uint64_t magic = atomic_load_explicit(&h->magic, memory_order_acquire);
     if (magic != TEP_MAGIC) st = fail(d, TEP_ERR_MAGIC, -1, magic);
     else if (h->version != TEP_VERSION) st = fail(d, TEP_ERR_VERSION, -1, h->version);
@@ -319,8 +318,7 @@ int tep_attach(const char *name, uint32_t world_size, uint32_t rank, uint32_t sl
 
 int tep_unlink(const char *name, tep_diag *d) {
     diag_clear(d);
-    int st = check_name(name, d);
-    if (st) return st;
+    if (bad_name(name)) return fail(d, TEP_ERR_ARG, -1, 0);
     return shm_unlink(name) == 0 ? TEP_OK : fail_sys(d, errno);
 }
 
@@ -328,11 +326,10 @@ void tep_close(tep_mailbox *mb) {
     if (!mb) return;
     /* Only this rank's own state word is written: peers keep reading their records untouched. */
     atomic_store_explicit(&rank_info(mb, mb->rank)->state, TEP_RANK_CLOSED, memory_order_release);
+    wake_waiters(mb->hdr);
     munmap(mb->base, mb->size);
     free(mb);
 }
-
-/* ---- records ---- */
 
 int tep_publish(tep_mailbox *mb, uint64_t round, const void *data, uint32_t length) {
     if (!mb || (length && !data)) return TEP_ERR_ARG;
@@ -350,15 +347,17 @@ int tep_publish(tep_mailbox *mb, uint64_t round, const void *data, uint32_t leng
     mb->own_seq[round & 1u] = s + 2;
     mb->last_round = round;
     atomic_store_explicit(&rank_info(mb, mb->rank)->last_round, round, memory_order_relaxed);
+    wake_waiters(mb->hdr);
     return TEP_OK;
 }
 
 enum { READ_OK, READ_NOT_YET, READ_AHEAD, READ_BAD_LENGTH };
 
-/* One seqlock read of rank r's record for `round`. */
-static int try_read(const tep_mailbox *mb, uint32_t r, uint64_t round, uint8_t *dst, uint32_t cap,
-                    uint32_t *len_out, uint64_t *found) {
+/* One seqlock read of rank r's record for `round` into out + r * stride (at most cap bytes). */
+static int try_read(const tep_mailbox *mb, uint32_t r, uint64_t round, void *out, uint32_t stride,
+                    uint32_t cap, uint32_t *len_out, uint64_t *found) {
     tep_cell *c = cell_of(mb, r, round);
+    uint8_t *dst = (uint8_t *)out + (uint64_t)r * stride;
     for (int attempt = 0; attempt < 4; ++attempt) {
         uint64_t s1 = atomic_load_explicit(&c->seq, memory_order_acquire);
         if (s1 & 1u) return READ_NOT_YET;
@@ -369,10 +368,7 @@ static int try_read(const tep_mailbox *mb, uint32_t r, uint64_t round, uint8_t *
         if (ready && len <= cap && len) memcpy(dst, (const uint8_t *)c + sizeof(tep_cell), len);
         atomic_thread_fence(memory_order_acquire); /* the copy happens before the re-check */
         if (atomic_load_explicit(&c->seq, memory_order_relaxed) != s1) continue; /* torn: retry */
-        if (!ready) {
-            if (gen == mb->generation && rd > round) return *found = rd, READ_AHEAD;
-            return READ_NOT_YET;
-        }
+        if (!ready) return gen == mb->generation && rd > round ? (*found = rd, READ_AHEAD) : READ_NOT_YET;
         if (len > cap) return *found = len, READ_BAD_LENGTH;
         *len_out = len;
         return READ_OK;
@@ -387,12 +383,13 @@ int tep_collect(tep_mailbox *mb, uint64_t round, void *out, uint32_t out_stride,
     uint8_t done[TEP_MAX_WORLD];
     memset(done, 0, mb->world);
     uint32_t remaining = mb->world, cap = out_stride < mb->slot_size ? out_stride : mb->slot_size;
-    uint64_t t0 = now_ns(), next_liveness = t0 + TEP_LIVENESS_PERIOD_NS, sleep_ns = 1000, found = 0;
+    uint32_t seen = 0;
+    int armed = 0, st = TEP_OK;
+    uint64_t t0 = now_ns(), next_liveness = t0 + TEP_LIVENESS_PERIOD_NS, found = 0;
     for (;;) {
-        for (uint32_t r = 0; r < mb->world; ++r) {
+        for (uint32_t r = 0; r < mb->world && st == TEP_OK; ++r) {
             if (done[r]) continue;
-            int rs = try_read(mb, r, round, (uint8_t *)out + (uint64_t)r * out_stride, cap, &lengths[r],
-                              &found);
+            int rs = try_read(mb, r, round, out, out_stride, cap, &lengths[r], &found);
             if (rs == READ_OK && expect_length != UINT32_MAX && lengths[r] != expect_length)
                 rs = READ_BAD_LENGTH, found = lengths[r];
             if (rs == READ_OK) {
@@ -401,10 +398,10 @@ int tep_collect(tep_mailbox *mb, uint64_t round, void *out, uint32_t out_stride,
             } else if (rs != READ_NOT_YET) {
                 fill_peer(mb, r, d);
                 if (d) d->found = found, d->waited_ns = now_ns() - t0;
-                return rs == READ_AHEAD ? TEP_ERR_DESYNC : TEP_ERR_LENGTH;
+                st = rs == READ_AHEAD ? TEP_ERR_DESYNC : TEP_ERR_LENGTH;
             }
         }
-        if (remaining == 0) return TEP_OK;
+        if (st != TEP_OK || remaining == 0) break;
         uint64_t now = now_ns(), elapsed = now - t0;
         if (elapsed >= mb->spin_ns) {
             /* A peer that closed or died will never publish: say so now rather than at the timeout.
@@ -412,37 +409,45 @@ int tep_collect(tep_mailbox *mb, uint64_t round, void *out, uint32_t out_stride,
              * it closed is still collected. */
             int check_dead = now >= next_liveness;
             if (check_dead) next_liveness = now + TEP_LIVENESS_PERIOD_NS;
-            for (uint32_t r = 0; r < mb->world; ++r) {
+            for (uint32_t r = 0; r < mb->world && st == TEP_OK; ++r) {
                 if (done[r]) continue;
                 int closed = atomic_load_explicit(&rank_info(mb, r)->state, memory_order_acquire) ==
                              TEP_RANK_CLOSED;
-                int dead = !closed && check_dead && peer_dead(mb, r);
-                if (!closed && !dead) continue;
-                if (try_read(mb, r, round, (uint8_t *)out + (uint64_t)r * out_stride, cap, &lengths[r],
-                             &found) == READ_OK)
+                if (!closed && !(check_dead && peer_dead(mb, r))) continue;
+                if (try_read(mb, r, round, out, out_stride, cap, &lengths[r], &found) == READ_OK)
                     continue; /* picked up on the next pass */
                 fill_peer(mb, r, d);
                 if (d) d->waited_ns = elapsed;
-                return closed ? TEP_ERR_PEER_CLOSED : TEP_ERR_PEER_DEAD;
+                st = closed ? TEP_ERR_PEER_CLOSED : TEP_ERR_PEER_DEAD;
             }
+            if (st != TEP_OK) break;
         }
         if (elapsed >= timeout_ns) {
             uint32_t r = 0;
             while (done[r]) ++r; /* the first silent rank */
             fill_peer(mb, r, d);
             if (d) d->waited_ns = elapsed;
-            return TEP_ERR_TIMEOUT;
+            st = TEP_ERR_TIMEOUT;
+            break;
         }
         if (elapsed < mb->spin_ns) {
             for (int i = 0; i < 8; ++i) tep_pause();
         } else if (elapsed < mb->yield_ns) {
             sched_yield();
+        } else if (!armed) { /* announce the sleeper, then scan once more before blocking */
+            atomic_fetch_add_explicit(&mb->hdr->sleepers, 1, memory_order_seq_cst);
+            seen = atomic_load_explicit(&mb->hdr->wake_seq, memory_order_seq_cst);
+            armed = 1;
         } else {
-            struct timespec ts = {0, (long)sleep_ns};
-            nanosleep(&ts, NULL);
-            sleep_ns = sleep_ns * 2 < mb->sleep_max_ns ? sleep_ns * 2 : mb->sleep_max_ns;
+            /* Bounded so that timeouts, liveness checks and writers that do not wake (a CUDA
+             * stream writing through mapped memory) are still noticed. */
+            uint64_t left = timeout_ns - elapsed, nap = mb->sleep_max_ns;
+            wait_for_wake(mb->hdr, seen, nap < left ? nap : left);
+            seen = atomic_load_explicit(&mb->hdr->wake_seq, memory_order_seq_cst);
         }
     }
+    if (armed) atomic_fetch_sub_explicit(&mb->hdr->sleepers, 1, memory_order_seq_cst);
+    return st;
 }
 
 int tep_exchange(tep_mailbox *mb, uint64_t round, const void *data, uint32_t length, void *out,
@@ -463,11 +468,9 @@ int tep_reserve_external(tep_mailbox *mb, uint64_t round, tep_cell_layout *layou
     if (round != mb->last_round + 1) return fail(d, TEP_ERR_ROUND, (int32_t)mb->rank, mb->last_round);
     tep_cell *c = cell_of(mb, mb->rank, round);
     uint64_t off = (uint64_t)((uint8_t *)c - mb->base);
-    layout->seq = off + offsetof(tep_cell, seq);
-    layout->round = off + offsetof(tep_cell, round);
+    layout->seq = off + offsetof(tep_cell, seq), layout->round = off + offsetof(tep_cell, round);
     layout->generation = off + offsetof(tep_cell, generation);
-    layout->length = off + offsetof(tep_cell, length);
-    layout->payload = off + sizeof(tep_cell);
+    layout->length = off + offsetof(tep_cell, length), layout->payload = off + sizeof(tep_cell);
     *seq_even = mb->own_seq[round & 1u];
     *generation = mb->generation;
     mb->own_seq[round & 1u] += 2;
@@ -475,8 +478,6 @@ int tep_reserve_external(tep_mailbox *mb, uint64_t round, tep_cell_layout *layou
     atomic_store_explicit(&rank_info(mb, mb->rank)->last_round, round, memory_order_relaxed);
     return TEP_OK;
 }
-
-/* ---- introspection ---- */
 
 void *tep_base(const tep_mailbox *mb) { return mb ? mb->base : NULL; }
 uint64_t tep_size(const tep_mailbox *mb) { return mb ? mb->size : 0; }

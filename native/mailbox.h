@@ -18,9 +18,11 @@
  * peer may still read is overwritten; round n+2 can only be published after every peer published
  * n+1, which each does only after it finished collecting round n.
  *
- * Waits poll with a pause instruction, then sched_yield, then short sleeps (so more ranks than cores
- * still progress), and are bounded by a timeout. Every function returns a tep_status; failing ones
- * fill a tep_diag naming the rank and the values involved.
+ * Waits poll with a pause instruction, then sched_yield, then block on a futex word in the header that
+ * every publish and close bumps (Linux; short sleeps elsewhere), so more ranks than cores still
+ * progress and long waits burn no CPU. Every wait is bounded by a timeout; a peer whose process
+ * exited or that closed its mailbox is reported as soon as it is noticed. Every function returns a
+ * tep_status; failing ones fill a tep_diag naming the rank and the values involved.
  *
  * Not thread-safe: one thread per process drives a mailbox handle.
  */
@@ -134,7 +136,8 @@ uint32_t tep_slot_size(const tep_mailbox *mb);
 int tep_peer_info(const tep_mailbox *mb, uint32_t rank, tep_diag *diag);
 
 /* Polling schedule: spin with a pause instruction for spin_ns, then sched_yield until yield_ns, then
- * sleep (doubling from 1 us up to sleep_max_ns). Defaults depend on world size vs online CPUs. */
+ * block for at most sleep_max_ns at a time (the bound after which records written without a wake-up,
+ * e.g. by a CUDA stream, are noticed). Defaults depend on world size vs online CPUs. */
 void tep_set_backoff(tep_mailbox *mb, uint64_t spin_ns, uint64_t yield_ns, uint64_t sleep_max_ns);
 
 /* Bytes of a segment for world_size ranks of slot_size-byte records (a multiple of 4096). */

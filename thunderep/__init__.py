@@ -5,8 +5,9 @@ from __future__ import annotations
 from .balance.placement import Placement
 from .comm.groups import EPGroups, init_expert_parallel
 from .comm.runtime import ExpertParallel
-from .config import EPConfig, ExpertsConfig, LayerConfig, RouterConfig, SharedExpertsConfig
+from .config import EPConfig, ExpertsConfig, LayerConfig, RouterConfig, SharedExpertsConfig, SyncConfig
 from .errors import (
+    CheckpointError,
     CommError,
     ConfigError,
     PeerTimeout,
@@ -21,6 +22,7 @@ from .router import Routing, TopKRouter
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CommError",
     "ConfigError",
     "EPConfig",
@@ -35,6 +37,7 @@ __all__ = [
     "Routing",
     "RoutingError",
     "SharedExpertsConfig",
+    "SyncConfig",
     "ThunderError",
     "ThunderMoELayer",
     "TopKRouter",

@@ -21,6 +21,7 @@ __all__ = [
     "LayerConfig",
     "RouterConfig",
     "SharedExpertsConfig",
+    "SyncConfig",
 ]
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
@@ -318,3 +319,40 @@ class EPConfig:
         if self.timeout_s <= 0:
             raise ConfigError(f"EPConfig.timeout_s must be positive, got {self.timeout_s!r}")
         _positive("EPConfig.record_bytes", self.record_bytes)
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """Gradient synchronization of replicated parameters (attention, norms, router, shared experts).
+
+    mode: "every_step" (bucketed all-reduce of gradients overlapped with backward, like DDP) or
+        "delta" (H = `delta_steps` local optimizer steps, then an all-reduce of the parameter change
+        and an outer Nesterov-momentum SGD step, DiLoCo-style).
+    bucket_mb: gradient bucket size for "every_step".
+    delta_dtype: wire dtype of the delta all-reduce: "float32", "bfloat16" or "float16".
+    outer_lr, outer_momentum: the outer optimizer (DiLoCo's defaults: 0.7 and 0.9, Nesterov).
+    overlap: run the delta all-reduce behind the next window and apply it one window late.
+    warmup_steps: steps of "every_step" synchronization before delta mode starts.
+    """
+
+    mode: str = "every_step"
+    bucket_mb: float = 4.0
+    delta_steps: int = 16
+    delta_dtype: str = "bfloat16"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    overlap: bool = False
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("SyncConfig.mode", self.mode, ("every_step", "delta"))
+        _choice("SyncConfig.delta_dtype", self.delta_dtype, ("float32", "bfloat16", "float16"))
+        _positive("SyncConfig.delta_steps", self.delta_steps)
+        for name in ("bucket_mb", "outer_lr", "outer_momentum"):
+            _finite(f"SyncConfig.{name}", getattr(self, name))
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"SyncConfig.bucket_mb must be positive, got {self.bucket_mb!r}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"SyncConfig.outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"SyncConfig.warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")

@@ -13,6 +13,7 @@ __all__ = [
     "CommError",
     "PeerTimeout",
     "UnsupportedModelError",
+    "CheckpointError",
 ]
 
 
@@ -43,3 +44,8 @@ class PeerTimeout(CommError, TimeoutError):
 
 class UnsupportedModelError(ThunderError):
     """A model (or a part of it) cannot be run by ThunderEP; the message names the class and why."""
+
+
+class CheckpointError(ThunderError):
+    """A checkpoint cannot be saved or loaded: a missing, truncated or tampered file, or a checkpoint
+    of another model; the message names the file."""

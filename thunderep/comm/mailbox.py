@@ -330,7 +330,7 @@ class Mailbox:
 
     def set_backoff(self, *, spin_us: float, yield_us: float, sleep_max_us: float) -> None:
         """Polling schedule: spin with a pause instruction for `spin_us`, then `sched_yield` until
-        `yield_us`, then sleep up to `sleep_max_us` between polls."""
+        `yield_us`, then block until a peer publishes, at most `sleep_max_us` at a time."""
         for key, v in (("spin_us", spin_us), ("yield_us", yield_us), ("sleep_max_us", sleep_max_us)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1e7:
                 raise ConfigError(f"{key} ({v!r}) must be a number of microseconds in [0, 1e7]")

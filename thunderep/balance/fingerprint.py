@@ -1,0 +1,238 @@
+"""Load fingerprints: a rank's per-expert load -> quantized load profile -> XXH3-64 (8 bytes).
+
+Shape legend: E logical experts. Counts are (token, k) pairs this rank routed to each expert in one
+step of one MoE layer.
+
+Why a fingerprint: while every rank's fingerprint equals the one it sent at the last negotiation, the
+load profile has not moved enough to matter and nothing else needs to be exchanged (`machine.py`).
+Token order never matters to balance, so the *profile* is hashed, not the routing.
+
+Bucketing
+---------
+Each expert's load is measured in octaves of a uniform share, with half a pair of pseudo-count so
+that an idle expert is finite:
+
+    x_e = log2(E * (c_e + 1/2) / (N + E/2)),   N = sum_e c_e,   clipped below at -4
+
+(an expert under 1/16 of a uniform share is "cold"; how cold does not matter to balance). The *code*
+of a profile is floor(x_e / W) per expert, W = 0.5 octave (a factor 1.41): the coarse identity of
+the profile.
+
+Fixed bucket edges alone would make the fingerprint flip on sampling noise: with 64 experts some
+expert always sits next to an edge. So a fingerprint is taken *relative to a baseline* - the profile
+this rank sent at the last negotiation - with the grid centred on it:
+
+    d_e    = x_e - xb_e
+    tol_e  = max(W / 2, Z * sigma_e),  sigma_e = log2(e) * sqrt(v / n_e + vb / nb_e)
+    code_e = floor(xb_e / W) + trunc(d_e / tol_e)
+
+where nb_e is the baseline count, n_e = nb_e * N / Nb the count the baseline predicts at this step's
+total, and v, vb the variance factors of the current and the baseline counts (var / mean: 1 for one
+step's Poisson counts, alpha / (2 - alpha) for a long-running EMA with weight alpha, `ema_variance`;
+`LoadProbe` tracks the exact value of its EMA). sigma_e is the standard deviation of d_e under pure
+sampling noise, so the fingerprint stays on the baseline's value (a Z = 4 excursion of one expert in
+one step has probability about 6e-5) while each expert stays within tol_e of where it was, and
+changes as soon as any expert moves past that: 19-25% for experts with hundreds of pairs per step,
+more for cold experts, whose noise is larger and whose load matters less. Properties:
+fingerprint(c, baseline=c) == fingerprint(c); a profile scaled by any batch size has the same
+fingerprint; a step with no pairs keeps the baseline's fingerprint (no evidence of change); the
+computation is local to the rank that sends it (peers only compare 8-byte values),
+so floating-point differences between hosts cannot make ranks disagree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from ..errors import ConfigError
+
+__all__ = [
+    "COLD_OCTAVES",
+    "Baseline",
+    "NOISE_Z",
+    "WIDTH_OCTAVES",
+    "LoadProbe",
+    "ProbeRecord",
+    "ema_update",
+    "ema_variance",
+    "fingerprint",
+    "load_profile",
+]
+
+WIDTH_OCTAVES = 0.5   # W: bucket width; a factor 1.41 per bucket
+NOISE_Z = 4.0         # Z: tolerance in standard deviations of sampling noise
+COLD_OCTAVES = -4.0   # experts under 2^-4 of a uniform share are all "cold"
+_LOG2E = 1.0 / math.log(2.0)
+_EPS = 1e-30
+
+
+def _check_counts(name: str, counts_E: torch.Tensor, num_experts: int | None = None) -> torch.Tensor:
+    if not isinstance(counts_E, torch.Tensor) or counts_E.dim() != 1 or counts_E.numel() == 0:
+        shape = tuple(counts_E.shape) if isinstance(counts_E, torch.Tensor) else type(counts_E).__name__
+        raise ConfigError(f"{name} must be a non-empty 1-D tensor of per-expert counts [E], got {shape}")
+    if num_experts is not None and counts_E.numel() != num_experts:
+        raise ConfigError(f"{name} has {counts_E.numel()} experts, expected {num_experts}")
+    return counts_E.detach().to("cpu", torch.float64)
+
+
+def _octaves(c_E: torch.Tensor) -> tuple[torch.Tensor, float]:
+    E = c_E.numel()
+    total = float(c_E.sum())
+    x_E = torch.log2(c_E.add(0.5).mul_(E / (total + 0.5 * E))).clamp_min_(COLD_OCTAVES)
+    return x_E, total
+
+
+def _check_params(variance: float, width: float, z: float) -> None:
+    if not (width > 0 and z >= 0 and variance >= 0):
+        raise ConfigError(f"fingerprint parameters need width > 0, z >= 0, variance >= 0; got "
+                          f"width={width!r}, z={z!r}, variance={variance!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class Baseline:
+    """The grid of one baseline profile, precomputed once per negotiation (`Baseline.of`).
+
+    counts_E: float64 [E] the baseline counts; xb_E: their octaves; code_E: float64 floor(xb / W);
+    scale_E: float64 Z * log2(e) / sqrt(max(nb_E, 1)); variance: vb, the baseline counts' variance
+    factor; total: Nb. Then tol_e = max(W / 2, scale_e * sqrt(v * Nb / N + vb)).
+    """
+
+    counts_E: torch.Tensor
+    xb_E: torch.Tensor
+    code_E: torch.Tensor
+    scale_E: torch.Tensor
+    variance: float
+    total: float
+    width: float
+
+    @classmethod
+    def of(cls, baseline_E: torch.Tensor, *, variance: float = 1.0, width: float = WIDTH_OCTAVES,
+           z: float = NOISE_Z) -> "Baseline":
+        """baseline_E: [E] counts; variance: their variance factor vb (1 for one step's counts)."""
+        _check_params(variance, width, z)
+        cb_E = _check_counts("baseline_E", baseline_E)
+        xb_E, total = _octaves(cb_E)
+        scale_E = cb_E.clamp_min(1.0).rsqrt_().mul_(z * _LOG2E)
+        return cls(cb_E, xb_E, torch.floor(xb_E / width), scale_E, float(variance), total, width)
+
+
+def load_profile(counts_E: torch.Tensor, baseline: "torch.Tensor | Baseline | None" = None, *,
+                 variance: float = 1.0, width: float = WIDTH_OCTAVES, z: float = NOISE_Z) -> torch.Tensor:
+    """Quantized load profile (see the module docstring).
+
+    counts_E: [E] counts (any real dtype, any device; read on the CPU).
+    baseline: [E] the counts the grid is centred on (then with the same variance, width and z), or
+        their precomputed `Baseline` (whose own width, z and variance apply), or None for the plain
+        code floor(x / W).
+    variance: variance factor v of counts_E (1 for one step's counts, `ema_variance(alpha)` for a
+        long-running EMA; `LoadProbe` tracks it exactly).
+    Returns int16 [E] bucket codes on the CPU: the baseline's code while |d_e| < tol_e, and
+    otherwise the baseline's code plus trunc(d_e / tol_e) (non-zero, signed: how many tolerances away).
+    """
+    c_E = _check_counts("counts_E", counts_E)
+    if baseline is None:
+        _check_params(variance, width, z)
+        x_E, _ = _octaves(c_E)
+        return torch.floor(x_E.div_(width)).to(torch.int16)
+    if not isinstance(baseline, Baseline):
+        baseline = Baseline.of(baseline, variance=variance, width=width, z=z)
+    if baseline.counts_E.numel() != c_E.numel():
+        raise ConfigError(f"counts_E has {c_E.numel()} experts but the baseline has {baseline.counts_E.numel()}")
+    if not variance >= 0:
+        raise ConfigError(f"variance ({variance!r}) must be >= 0")
+    x_E, total = _octaves(c_E)
+    grow = math.sqrt(variance * baseline.total / total + baseline.variance) if total > 0 else 1.0 / _EPS
+    tol_E = baseline.scale_E.mul(grow).clamp_min_(baseline.width / 2)
+    return x_E.sub_(baseline.xb_E).div_(tol_E).trunc_().add_(baseline.code_E).to(torch.int16)
+
+
+def fingerprint(counts_E: torch.Tensor, baseline: "torch.Tensor | Baseline | None" = None, *,
+                variance: float = 1.0, width: float = WIDTH_OCTAVES, z: float = NOISE_Z, seed: int = 0) -> int:
+    """XXH3-64 of `load_profile(...)`: an unsigned 64-bit int (8 bytes on the wire).
+
+    Same arguments as `load_profile`; `seed` is XXH3's seed (e.g. to separate layers)."""
+    codes_E = load_profile(counts_E, baseline, variance=variance, width=width, z=z)
+    return xxhash.xxh3_64_intdigest(ctypes.string_at(codes_E.data_ptr(), codes_E.numel() * 2), seed)
+
+
+def ema_variance(alpha: float) -> float:
+    """Variance of an EMA with weight `alpha` of Poisson counts, as a fraction of the counts' mean:
+    alpha / (2 - alpha) (0.18 for alpha = 0.3, i.e. noise 2.4x smaller than one step's counts)."""
+    if not 0 < alpha <= 1:
+        raise ConfigError(f"EMA weight alpha ({alpha!r}) must be in (0, 1]")
+    return alpha / (2.0 - alpha)
+
+
+def ema_update(ema_E: torch.Tensor | None, counts_E: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * counts + (1 - alpha) * ema, float64 [E] on the CPU (the counts themselves if ema is None)."""
+    c_E = _check_counts("counts_E", counts_E, None if ema_E is None else ema_E.numel())
+    if ema_E is None:
+        return c_E.clone()
+    return ema_E * (1.0 - alpha) + c_E * alpha
+
+
+@dataclass(frozen=True, eq=False)
+class ProbeRecord:
+    """What one rank contributes to one step's control record for one layer.
+
+    fingerprint: XXH3-64 of this step's profile (relative to the baseline; when negotiating, of the
+        sent load itself, which becomes the new baseline).
+    load_E: int32 [E] the rounded EMA load, present only when negotiating.
+    counts_E / ema_E: float64 [E] this step's counts and the EMA including them; variance: the EMA's
+        variance factor (committed at the step boundary).
+    """
+
+    fingerprint: int
+    load_E: torch.Tensor | None
+    counts_E: torch.Tensor
+    ema_E: torch.Tensor
+    variance: float
+
+
+class LoadProbe:
+    """The rank-local half of the balancer for one layer: this rank's fast EMA of its expert loads,
+    the EMA's variance factor, and the baseline load it last sent.
+
+    `record(counts_E, negotiate)` is pure (it may run inside forward, and again under activation
+    recomputation); `commit(record, reset)` applies it at the step boundary. reset=True (after an
+    alarm: the profile moved) restarts the EMA from this step's counts, so that the next step's
+    negotiation sends loads of the new regime only instead of an EMA still half in the old one.
+    """
+
+    def __init__(self, num_experts: int, *, alpha: float = 0.3, width: float = WIDTH_OCTAVES,
+                 z: float = NOISE_Z, seed: int = 0):
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
+            raise ConfigError(f"num_experts must be a positive integer, got {num_experts!r}")
+        _check_params(ema_variance(alpha), width, z)
+        self.num_experts = num_experts
+        self.alpha, self.width, self.z, self.seed = alpha, width, z, seed
+        self.ema_E: torch.Tensor | None = None
+        self.variance = 1.0
+        self.baseline: Baseline | None = None
+
+    def record(self, counts_E: torch.Tensor, negotiate: bool) -> ProbeRecord:
+        """counts_E: [E] pairs this rank routed to each expert this step. Does not change the probe."""
+        c_E = _check_counts("counts_E", counts_E, self.num_experts)
+        ema_E = ema_update(self.ema_E, c_E, self.alpha)
+        a = self.alpha
+        v = 1.0 if self.ema_E is None else (1.0 - a) ** 2 * self.variance + a * a
+        if negotiate or self.baseline is None:
+            load_E = ema_E.round().clamp_(0, 2**31 - 1).to(torch.int32)
+            fp = fingerprint(load_E, width=self.width, seed=self.seed)
+            return ProbeRecord(fp, load_E if negotiate else None, c_E, ema_E, v)
+        return ProbeRecord(fingerprint(ema_E, self.baseline, variance=v, seed=self.seed), None, c_E, ema_E, v)
+
+    def commit(self, record: ProbeRecord, reset: bool = False) -> None:
+        """At the step boundary: keep the EMA (or, with reset, restart it from this step's counts);
+        a sent load becomes the new baseline."""
+        if reset:
+            self.ema_E, self.variance = record.counts_E, 1.0
+        else:
+            self.ema_E, self.variance = record.ema_E, record.variance
+        if record.load_E is not None:
+            self.baseline = Baseline.of(record.load_E, variance=record.variance, width=self.width, z=self.z)

@@ -1,0 +1,323 @@
+"""The per-layer balancer state machine: Stable / Negotiate / Migrate.
+
+Shape legend: E logical experts, R ranks of the EP group, S slots per rank, W int32 words of a
+balancer record (2 when stable, 2 + E when negotiating).
+
+Protocol (per MoE layer, per step t; lag-1)
+-------------------------------------------
+`machine.mode` for step t is known to every rank before step t starts (decided at the end of t - 1):
+
+* STABLE: each rank's balancer record is its 8-byte load fingerprint (`fingerprint.py`), taken
+  relative to the baseline it sent at the last negotiation. If all R fingerprints equal the agreed
+  baseline nothing else happens. A mismatch (an alarm) makes step t + 1 a NEGOTIATE step.
+* NEGOTIATE: each rank's record is its fingerprint plus its load vector (int32 [E]: the rank's fast
+  EMA of its per-expert pair counts). Every rank then computes the same imbalance (max rank load /
+  mean rank load) of the plan in effect and, over `threshold`, the same new `TradePlan`
+  (`plan_trade`). The fingerprints of this step become the new baseline; the next step is STABLE.
+* MIGRATE: when the imbalance the current placement can reach has stayed over `threshold` for
+  `slow_window` consecutive steps, at least `min_dwell` steps after the last migration, `plan_placement`
+  proposes a new Placement; it is taken if it lowers the predicted imbalance by `migrate_gain` and the
+  time it saves over the expected stable period exceeds the time to move the weights (cost check).
+
+Every decision is a pure function of the exchanged records, so all ranks take it without a leader
+or an extra round. Decisions made at the end of step t take effect from step t + 1; forward never
+waits for them.
+
+Integration recipe (what is exchanged when)
+-------------------------------------------
+    probe = cfg.probe(E)                                    # per layer, rank-local (LoadProbe)
+    machine = BalanceMachine(placement, cfg)                # per layer, the same on every rank
+
+    # forward of step t, where the dispatcher knows this rank's counts_E, before its exchange:
+    rec = probe.record(counts_E, machine.negotiating)      # pure: safe under recomputation
+    words_W = encode_record(rec)                            # int32 [machine.record_words]
+    #   append words_W to the split-size record; after the exchange keep every rank's words: rows_RW
+    slots_N = machine.trade.assign(my_rank, ids_TK)         # instead of placement.slot_table(me)[ids]
+
+    # step boundary (after the optimizer step; after each generated token in inference):
+    decision = machine.step(*decode_records(rows_RW, E))
+    probe.commit(rec, reset=decision.alarm)                  # an alarm restarts the EMA
+    if decision.migrated:   # every rank, same step: move weights of decision.moved_slots (migrate.py)
+        ...
+    # from step t + 1 use machine.placement, machine.trade, machine.record_words
+
+Costs: a Stable step adds 8 bytes per rank per layer to a record that is exchanged anyway; a Negotiate
+step adds 4 * E more. If the runtime already has every source rank's per-expert counts (they are the
+split sizes when each expert has one slot per source), it may pass them as load_RE and skip the load
+words - the decisions only need the numbers, not where they came from.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..errors import ConfigError
+from .fingerprint import NOISE_Z, WIDTH_OCTAVES, LoadProbe, ProbeRecord
+from .placement import Placement, TradePlan
+from .planner import moved_slots, plan_placement, plan_trade
+
+__all__ = [
+    "BalanceMachine",
+    "BalancerConfig",
+    "Decision",
+    "Mode",
+    "decode_records",
+    "encode_record",
+]
+
+
+class Mode(enum.Enum):
+    """What every rank's balancer record carries this step."""
+
+    STABLE = "stable"        # fingerprint only: 8 bytes
+    NEGOTIATE = "negotiate"  # fingerprint + int32 load vector: 8 + 4 E bytes
+
+
+@dataclass(frozen=True)
+class BalancerConfig:
+    """Balancer knobs; the defaults and why.
+
+    threshold 1.10: the issue's target imbalance; below 10% excess on the slowest rank, the PCIe bytes
+        a trade adds (pairs sent to a remote replica) cost about what they save.
+    trade_gain 0.02: a new TradePlan replaces the current one only if it lowers the predicted
+        imbalance by 2 points, so sampling noise never churns plans.
+    ema_alpha 0.3: the fast EMA of each rank's counts (effective memory ~6 steps): 2.4x less noise than
+        one step, while a shift is 66% visible after 3 steps.
+    slow_window 32: a migration needs the reachable imbalance over threshold in each of 32 consecutive
+        steps: bursts shorter than that are traded, never migrated; and a shift is followed within
+        about 35 steps (seconds in inference, a minute or so in training).
+    min_dwell 100: steps between migrations: at most one weight move per 100 steps whatever the
+        trace does (hysteresis against oscillation, with migrate_gain and the cost check).
+    migrate_gain 0.05: a new Placement must lower the predicted imbalance by 5 points.
+    bytes_per_expert 12.6e6: one bf16 expert of an OLMoE-1B-7B-sized layer (3 x 2048 x 1024 x 2 B);
+        the runtime passes the real size (x3-4 in training with gradients and optimizer state).
+    bandwidth 12e9 B/s: PCIe 4.0 x16 staged through host memory (no P2P), as measured on such boxes.
+    seconds_per_pair 0.6e-6: what one extra pair costs the slowest rank (its 8 KB round trip over
+        PCIe plus the expert GEMMs) for the same layer; the runtime passes a measured value.
+    refresh_every 0: force a negotiation every N steps (0: never; fingerprints suffice).
+    fingerprint_width / fingerprint_z: the bucketing of `fingerprint.load_profile`.
+    """
+
+    threshold: float = 1.10
+    trade_gain: float = 0.02
+    ema_alpha: float = 0.3
+    slow_window: int = 32
+    min_dwell: int = 100
+    migrate_gain: float = 0.05
+    bytes_per_expert: float = 12.6e6
+    bandwidth: float = 12e9
+    seconds_per_pair: float = 0.6e-6
+    refresh_every: int = 0
+    fingerprint_width: float = WIDTH_OCTAVES
+    fingerprint_z: float = NOISE_Z
+
+    def probe(self, num_experts: int, seed: int = 0) -> LoadProbe:
+        """The rank-local `LoadProbe` matching this config (EMA weight, bucketing)."""
+        return LoadProbe(num_experts, alpha=self.ema_alpha, width=self.fingerprint_width,
+                         z=self.fingerprint_z, seed=seed)
+
+    def __post_init__(self) -> None:
+        if not self.threshold >= 1.0:
+            raise ConfigError(f"threshold ({self.threshold!r}) is a max/mean imbalance and must be >= 1.0")
+        if not 0 < self.ema_alpha <= 1:
+            raise ConfigError(f"ema_alpha ({self.ema_alpha!r}) must be in (0, 1]")
+        for name in ("slow_window", "min_dwell", "refresh_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
+        for name in ("trade_gain", "migrate_gain", "bytes_per_expert", "seconds_per_pair"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.bandwidth > 0 or not self.fingerprint_width > 0 or not self.fingerprint_z >= 0:
+            raise ConfigError(f"bandwidth ({self.bandwidth!r}) and fingerprint_width "
+                              f"({self.fingerprint_width!r}) must be > 0, fingerprint_z >= 0")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one step decided (identical on every rank).
+
+    state: the mode of this step's records ("stable" or "negotiate").
+    alarm: a fingerprint differed from the baseline: the next step negotiates.
+    traded / migrated: a new TradePlan / Placement is used from the next step.
+    imbalance: the believed imbalance of the plan in effect this step (from the last exchanged loads;
+        1.0 before any); predicted: the same for the plan in effect from the next step.
+    placement, trade: the plan in effect from the next step.
+    moved_slots: global slots whose expert changes at the boundary (non-empty only when migrated);
+        bytes_moved = len(moved_slots) * bytes_per_expert.
+    next_mode: the record mode of the next step; record_bytes: balancer bytes per rank this step.
+    """
+
+    step: int
+    state: str
+    alarm: bool
+    traded: bool
+    migrated: bool
+    imbalance: float
+    predicted: float
+    placement: Placement
+    trade: TradePlan
+    moved_slots: tuple[int, ...]
+    bytes_moved: int
+    next_mode: Mode
+    record_bytes: int
+
+
+def encode_record(record: ProbeRecord) -> torch.Tensor:
+    """A probe's record -> int32 [2] (fingerprint, little-endian halves) or [2 + E] (+ load vector)."""
+    lo, hi = struct.unpack("<ii", struct.pack("<Q", record.fingerprint))
+    head = torch.tensor([lo, hi], dtype=torch.int32)
+    return head if record.load_E is None else torch.cat([head, record.load_E.to(torch.int32)])
+
+
+def decode_records(rows_RW: torch.Tensor, num_experts: int) -> tuple[tuple[int, ...], torch.Tensor | None]:
+    """Exchanged records int32 [R, W] -> (fingerprints_R, load_RE int64 [R, E] or None when W == 2)."""
+    if not isinstance(rows_RW, torch.Tensor) or rows_RW.dim() != 2 or rows_RW.shape[1] not in (2, 2 + num_experts):
+        got = tuple(rows_RW.shape) if isinstance(rows_RW, torch.Tensor) else type(rows_RW).__name__
+        raise ConfigError(f"balancer records must be int32 [R, 2] or [R, {2 + num_experts}], got {got}")
+    rows = rows_RW.detach().to("cpu", torch.int32)
+    fps = tuple(struct.unpack("<Q", struct.pack("<ii", lo, hi))[0] for lo, hi in rows[:, :2].tolist())
+    return fps, (rows[:, 2:].to(torch.int64) if rows.shape[1] > 2 else None)
+
+
+@dataclass
+class _State:
+    step: int = 0
+    mode: Mode = Mode.NEGOTIATE
+    baseline_R: tuple[int, ...] | None = None
+    load_RE: torch.Tensor | None = None
+    believed: float = 1.0
+    above: int = 0
+    last_migration: int | None = None
+    last_negotiation: int = 0
+    next_check: int = 0
+    regime_start: int = 0
+    counters: dict = field(default_factory=lambda: {"stable": 0, "negotiate": 0, "alarm": 0,
+                                                     "trade": 0, "migrate": 0})
+
+
+class BalanceMachine:
+    """The replicated half of one layer's balancer (see the module docstring).
+
+    placement: the Placement in effect at step 0 (the TradePlan starts as its identity).
+    `step(fingerprints_R, load_RE)` is called once per step at the step boundary with the records of
+    all R ranks; it is deterministic, so every rank's machine stays identical.
+    """
+
+    def __init__(self, placement: Placement, config: BalancerConfig = BalancerConfig()):
+        if not isinstance(placement, Placement):
+            raise ConfigError(f"BalanceMachine needs a Placement, got {type(placement).__name__}")
+        self.config = config
+        self.placement = placement
+        self.trade = TradePlan.identity(placement)
+        self._s = _State()
+
+    # -- what the runtime reads
+
+    @property
+    def mode(self) -> Mode:
+        return self._s.mode
+
+    @property
+    def negotiating(self) -> bool:
+        return self._s.mode is Mode.NEGOTIATE
+
+    @property
+    def record_words(self) -> int:
+        """int32 words of this step's balancer record (2, or 2 + E when negotiating)."""
+        return 2 + (self.placement.num_experts if self.negotiating else 0)
+
+    @property
+    def counters(self) -> dict:
+        """Steps by kind so far: stable, negotiate, alarm, trade, migrate."""
+        return dict(self._s.counters)
+
+    # -- the transition
+
+    def step(self, fingerprints_R: Sequence[int], load_RE: torch.Tensor | None = None) -> Decision:
+        """Consume this step's exchanged records; return the Decision for the next step.
+
+        fingerprints_R: R unsigned 64-bit fingerprints, indexed by rank.
+        load_RE: int [R, E] exchanged loads; required when `negotiating`, ignored otherwise.
+        """
+        s, cfg, pl = self._s, self.config, self.placement
+        R, E = pl.ep_size, pl.num_experts
+        fps = tuple(int(f) for f in fingerprints_R)
+        if len(fps) != R:
+            raise ConfigError(f"step() got {len(fps)} fingerprints for an EP group of {R} ranks")
+        negotiating = s.mode is Mode.NEGOTIATE
+        if negotiating:
+            if not isinstance(load_RE, torch.Tensor) or tuple(load_RE.shape) != (R, E):
+                got = tuple(load_RE.shape) if isinstance(load_RE, torch.Tensor) else load_RE
+                raise ConfigError(f"a negotiate step needs the exchanged load_RE [{R}, {E}], got {got}")
+            if load_RE.is_floating_point():
+                load_RE = load_RE.round()
+            load_RE = load_RE.detach().to("cpu", torch.int64)
+        before = s.believed
+        alarm = traded = False
+        if negotiating:
+            s.baseline_R, s.load_RE, s.last_negotiation = fps, load_RE, s.step
+            current = self.trade.imbalance(load_RE)
+            before = s.believed = current
+            if current > cfg.threshold:
+                candidate = plan_trade(load_RE, pl)
+                predicted = candidate.imbalance(load_RE)
+                if predicted <= current - cfg.trade_gain and candidate != self.trade:
+                    self.trade, s.believed, traded = candidate, predicted, True
+            next_mode = Mode.STABLE
+        else:
+            alarm = fps != s.baseline_R
+            if alarm:
+                s.regime_start = s.step
+            refresh = cfg.refresh_every and s.step - s.last_negotiation >= cfg.refresh_every
+            next_mode = Mode.NEGOTIATE if alarm or refresh else Mode.STABLE
+        s.above = s.above + 1 if s.believed > cfg.threshold else 0
+        moved: tuple[int, ...] = ()
+        if not alarm and s.load_RE is not None and self._may_migrate():
+            moved = self._try_migrate()
+        s.counters[s.mode.value] += 1
+        s.counters["alarm"] += alarm
+        s.counters["trade"] += traded
+        s.counters["migrate"] += bool(moved)
+        decision = Decision(
+            step=s.step, state=s.mode.value, alarm=alarm, traded=traded, migrated=bool(moved),
+            imbalance=before, predicted=s.believed, placement=self.placement, trade=self.trade,
+            moved_slots=moved, bytes_moved=int(len(moved) * cfg.bytes_per_expert), next_mode=next_mode,
+            record_bytes=4 * self.record_words)
+        s.mode = next_mode
+        s.step += 1
+        return decision
+
+    def _may_migrate(self) -> bool:
+        s, cfg = self._s, self.config
+        dwelt = s.last_migration is None or s.step - s.last_migration >= cfg.min_dwell
+        return s.above >= max(cfg.slow_window, 1) and dwelt and s.step >= s.next_check
+
+    def _try_migrate(self) -> tuple[int, ...]:
+        """Plan a placement on the last exchanged loads; take it if it pays. Returns the moved slots."""
+        s, cfg, pl = self._s, self.config, self.placement
+        load_RE = s.load_RE
+        new = plan_placement(load_RE.sum(0).to(torch.float64), pl.ep_size, pl.slots_per_rank, pl)
+        moved = moved_slots(pl, new)
+        if moved:
+            trade = plan_trade(load_RE, new)
+            predicted = trade.imbalance(load_RE)
+            mean_pairs = float(load_RE.sum()) / pl.ep_size
+            horizon = max(cfg.slow_window, s.step - s.regime_start)
+            saving_s = (s.believed - predicted) * mean_pairs * cfg.seconds_per_pair * horizon
+            cost_s = len(moved) * cfg.bytes_per_expert / cfg.bandwidth
+            if predicted <= s.believed - cfg.migrate_gain and saving_s > cost_s:
+                self.placement, self.trade, s.believed = new, trade, predicted
+                s.last_migration, s.above = s.step, 0
+                return moved
+        s.next_check = s.step + max(cfg.slow_window, 1)
+        return ()
+
+    def __repr__(self) -> str:
+        return (f"BalanceMachine(step={self._s.step}, mode={self._s.mode.value}, "
+                f"imbalance={self._s.believed:.3f}, {self.placement!r})")

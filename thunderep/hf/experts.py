@@ -1,0 +1,201 @@
+"""Expert parallelism inside a Hugging Face MoE block, through transformers' experts interface.
+
+Shape legend: T tokens of this rank, D hidden size, K experts per token, E experts, S local slots,
+M rows this rank's experts compute, N = T * K (token, k) pairs.
+
+transformers 5.x MoE blocks route with their own router and then call
+`self.experts(hidden_states_TD, top_k_index_TK, top_k_weights_TK)`. Experts classes decorated with
+`@use_experts_implementation` dispatch that call on `config._experts_implementation` to a function of
+`ExpertsInterface`. ThunderEP registers one more function there, `"thunderep"`
+(`register_experts_implementation()`, an explicit call). The function finds the `ExpertsBinding` that
+`ThunderMoE.wrap` attached to the experts module and:
+
+* ep mode: dispatches each (token, k) row to the rank holding its expert (`comm.Dispatcher`), runs
+  the rank's local experts on what it received, and combines the weighted results back;
+* latency mode: every rank holds the same tokens, computes only the pairs of its own experts, and an
+  all-reduce sums the partial outputs (no dispatch);
+* without an `ExpertParallel` runtime: all experts are local and nothing moves.
+
+The local experts always run through the experts module's own Hugging Face computation (`grouped_mm`,
+`batched_mm`, eager, ...) on its sliced weights, with local expert ids and unit weights; the routing
+weights are applied on the sending rank exactly as transformers applies them. So every layout the
+experts class supports (transposed, interleaved, biases, custom gates) runs unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..balance.placement import Placement
+from ..errors import ConfigError, UnsupportedModelError
+from ..router import Routing
+
+__all__ = [
+    "IMPLEMENTATION",
+    "ExpertsBinding",
+    "RunState",
+    "experts_compute_fn",
+    "register_experts_implementation",
+    "thunderep_experts_forward",
+]
+
+IMPLEMENTATION = "thunderep"
+MODES = ("ep", "latency")
+
+
+@dataclass
+class RunState:
+    """Mutable state shared by every binding of one wrapped model: the current mode."""
+
+    mode: str = "ep"
+
+
+@dataclass(eq=False)
+class ExpertsBinding:
+    """What one wrapped experts module needs at run time.
+
+    name: the module's path in the model. num_experts: E (global). local_experts: the logical expert of
+    each local slot. tensors: names of the module's expert-sharded tensors (leading dim = slots).
+    compute: the Hugging Face experts function run on local rows, `compute(module, x, ids, weights)`.
+    """
+
+    name: str
+    class_name: str
+    num_experts: int
+    local_experts: tuple[int, ...]
+    tensors: tuple[str, ...]
+    compute: Callable
+    state: RunState
+    ep: object = None  # ExpertParallel | None
+    placement: Placement | None = None
+    calls: dict = field(default_factory=lambda: {"ep": 0, "latency": 0, "local": 0})
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.local_experts)
+
+    # -- entry point
+
+    def forward(self, module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        if x_TD.dim() != 2 or ids_TK.dim() != 2 or ids_TK.shape != weights_TK.shape or ids_TK.shape[0] != x_TD.shape[0]:
+            raise UnsupportedModelError(
+                f"{self.class_name} ({self.name}) was called with hidden_states {tuple(x_TD.shape)}, top_k_index "
+                f"{tuple(ids_TK.shape)} and top_k_weights {tuple(weights_TK.shape)}; ThunderEP needs [T, D], [T, K], "
+                "[T, K] (the transformers 5.x experts calling convention)"
+            )
+        if self.ep is None:
+            self.calls["local"] += 1
+            return self.compute(module, x_TD, ids_TK, weights_TK)
+        mode = self.state.mode
+        self.calls[mode] += 1
+        if mode == "latency":
+            return self._forward_latency(module, x_TD, ids_TK, weights_TK)
+        return self._forward_ep(module, x_TD, ids_TK, weights_TK)
+
+    # -- local compute
+
+    def compute_rows(self, module, x_MD: torch.Tensor, slot_M: torch.Tensor) -> torch.Tensor:
+        """Unweighted outputs of the local experts: row m uses local slot slot_M[m]. Returns [M, D]."""
+        if x_MD.shape[0] == 0:
+            # Keep the (empty) input and every expert tensor in the graph: autograd then gives zero
+            # gradients, and the backward still reaches the all-to-all every rank must join.
+            zero = x_MD.sum()
+            for name in self.tensors:
+                t = getattr(module, name)
+                if t.is_floating_point():
+                    zero = zero + t.flatten()[:0].sum().to(zero.dtype)
+            return x_MD.new_zeros(0, x_MD.shape[-1]) + zero
+        ones_M1 = x_MD.new_ones(x_MD.shape[0], 1)
+        return self.compute(module, x_MD, slot_M.unsqueeze(1), ones_M1)
+
+    def _forward_ep(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
+        ep = self.ep
+        dispatcher, S = ep.dispatcher, self.num_slots
+        T = x_TD.shape[0]
+        waves = max(1, min(ep.config.waves, T))
+        bounds = [(T * w // waves, T * (w + 1) // waves) for w in range(waves)]
+        routings = []
+        for a, b in bounds:
+            ids = ids_TK[a:b]
+            counts_E = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+            routings.append(Routing(weights_TK[a:b], ids, counts_E, x_TD.new_empty(b - a, 0)))
+        metas = dispatcher.plan(routings, self.placement)
+        pending = [dispatcher.dispatch_async(x_TD[a:b], m) for (a, b), m in zip(bounds, metas)]
+        combines = []
+        for p, meta in zip(pending, metas):
+            x_MD = p.wait()
+            slot_M = torch.repeat_interleave(
+                torch.arange(S, device=x_MD.device), meta.counts_S, output_size=x_MD.shape[0]
+            )
+            combines.append(dispatcher.combine_async(self.compute_rows(module, x_MD, slot_M), meta))
+        return torch.cat([c.wait() for c in combines]).to(x_TD.dtype)
+
+    def _forward_latency(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
+        from ..comm.runtime import CopyToEP, ReduceFromEP
+
+        ep, S = self.ep, self.num_slots
+        me = ep.groups.ep_rank
+        T, K = ids_TK.shape
+        x_e = CopyToEP.apply(x_TD, ep)
+        w_e = CopyToEP.apply(weights_TK, ep)
+        slots_N = self.placement.owner_table(x_TD.device)[ids_TK.reshape(-1)]
+        pairs = ((slots_N // S) == me).nonzero().squeeze(1)
+        local_slot = slots_N[pairs] % S
+        order = torch.argsort(local_slot, stable=True)
+        pairs, local_slot = pairs[order], local_slot[order]
+        y_MD = self.compute_rows(module, x_e[pairs // K], local_slot)
+        weighted_MD = y_MD * w_e.reshape(-1)[pairs].unsqueeze(-1)  # the dtype transformers weights in
+        full_ND = weighted_MD.new_zeros(T * K, x_TD.shape[-1]).index_copy(0, pairs, weighted_MD)
+        partial_TD = full_ND.view(T, K, x_TD.shape[-1]).float().sum(dim=1)
+        return ReduceFromEP.apply(partial_TD, ep).to(x_TD.dtype)
+
+
+def thunderep_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The `ExpertsInterface` function registered as "thunderep" (`self` is the experts module).
+
+    hidden_states: [T, D]. top_k_index: [T, K] global expert ids. top_k_weights: [T, K].
+    Returns [T, D] in hidden_states' dtype, weighted and summed over k.
+    """
+    if args or kwargs:
+        raise UnsupportedModelError(
+            f"{type(self).__name__} passes extra arguments to its experts ({len(args)} positional, "
+            f"{sorted(kwargs)}); ThunderEP supports the (hidden_states, top_k_index, top_k_weights) convention"
+        )
+    binding = self.__dict__.get("_thunderep")
+    if binding is None:
+        # A module built from a config that still names "thunderep" but never wrapped: it holds all
+        # experts, so the module's own computation is exact.
+        return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+    return binding.forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def register_experts_implementation() -> None:
+    """Register "thunderep" in transformers' `ExpertsInterface` (idempotent; no other effect)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, thunderep_experts_forward)
+
+
+def experts_compute_fn(module, implementation: str | None) -> Callable:
+    """The Hugging Face function computing `module`'s experts under `implementation` ("eager" = the
+    class's own forward; else a key of `ExpertsInterface`, e.g. "grouped_mm", "batched_mm")."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if implementation in (None, "eager"):
+        return type(module).forward.__wrapped__
+    if implementation == IMPLEMENTATION:
+        raise ConfigError(
+            f"{type(module).__name__} already runs the {IMPLEMENTATION!r} experts implementation: the model is "
+            "wrapped already; wrap the original model, or pass experts_implementation='grouped_mm' (or 'eager')"
+        )
+    if implementation not in ALL_EXPERTS_FUNCTIONS:
+        raise ConfigError(
+            f"experts_implementation {implementation!r} is not registered in transformers' ExpertsInterface; "
+            f"known: eager, {', '.join(sorted(k for k in ALL_EXPERTS_FUNCTIONS if k != IMPLEMENTATION))}"
+        )
+    return ALL_EXPERTS_FUNCTIONS[implementation]
+

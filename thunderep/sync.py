@@ -1,0 +1,253 @@
+"""Gradient synchronization for expert-parallel training.
+
+Objective: each rank's loss is the mean over its own tokens, and training minimises the mean of the
+ranks' losses (as torch DDP does). Then:
+
+* replicated parameters (attention, norms, router, shared experts, embeddings) hold a local gradient;
+  "every_step" averages it over all ranks after every backward (bucketed, launched during backward);
+  "delta" lets every rank take H local optimizer steps and then averages the parameter change and
+  applies an outer Nesterov-momentum step (DiLoCo);
+* expert parameters live on the ranks holding their slots; the all-to-all backward already delivers
+  the gradient from every rank's tokens, so they are never all-reduced: only scaled by 1 / world. An
+  expert held by several ranks (a redundant slot, or the same slot in several data-parallel
+  replicas) sums its gradient among exactly those holders.
+
+`SyncStats` counts bytes (payload each rank hands to all-reduce) and seconds per step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import SyncConfig
+from .errors import CommError
+from .layer import ThunderMoELayer
+
+__all__ = ["GradSync", "SyncStats"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SyncStats:
+    """Per-step and total gradient-synchronization cost of this rank."""
+
+    steps: int = 0
+    total_bytes: int = 0
+    total_seconds: float = 0.0
+    expert_bytes: int = 0
+    last_step_bytes: int = 0
+    last_step_seconds: float = 0.0
+    history: list = field(default_factory=list)  # (step, bytes, seconds)
+
+    def record(self, nbytes: int, seconds: float, expert: bool = False) -> None:
+        self.last_step_bytes += nbytes
+        self.last_step_seconds += seconds
+        self.total_bytes += nbytes
+        self.total_seconds += seconds
+        if expert:
+            self.expert_bytes += nbytes
+
+    def end_step(self) -> None:
+        self.history.append((self.steps, self.last_step_bytes, self.last_step_seconds))
+        self.steps += 1
+        self.last_step_bytes, self.last_step_seconds = 0, 0.0
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.ready = 0
+        self.flat: torch.Tensor | None = None
+        self.work = None
+        self.started = 0.0
+
+
+class GradSync:
+    """Synchronizes a model's gradients / parameters among ranks (see the module docstring).
+
+    Use: `sync = GradSync(model, ep, config)`; every step `loss.backward(); sync.finish();
+    optimizer.step(); sync.after_step()`. Collective: every rank makes the same calls.
+    group: the group of ranks holding replicas of the dense parameters (default: all ranks).
+    """
+
+    def __init__(self, model: nn.Module, ep=None, config: SyncConfig | None = None, group=None):
+        self.model, self.ep, self.config = model, ep, config or SyncConfig()
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.timeout = datetime.timedelta(seconds=ep.groups.timeout_s if ep is not None else 300.0)
+        self.stats = SyncStats()
+        self.step = 0
+        expert_ids = set()
+        self._expert_groups: list[tuple[nn.Parameter, int, object]] = []  # (param, slot, group)
+        for layer in model.modules():
+            if isinstance(layer, ThunderMoELayer) and layer.ep is not None:
+                for p in layer.experts.parameters():
+                    expert_ids.add(id(p))
+                self._expert_groups += self._replica_groups(layer)
+        self.expert_params = [p for p in model.parameters() if id(p) in expert_ids and p.requires_grad]
+        self.replicated = [p for p in model.parameters() if id(p) not in expert_ids and p.requires_grad]
+        self._buckets = self._make_buckets(self.replicated)
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._next_launch = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.replicated]
+        self._anchor: list[torch.Tensor] | None = None
+        self._momentum: list[torch.Tensor] | None = None
+        self._pending_delta = None
+
+    # -- set-up
+
+    def _replica_groups(self, layer: ThunderMoELayer):
+        """(param, local slot, group) for local slots whose expert has other holders; collective."""
+        groups = layer.ep.groups
+        placement = layer.placement
+        S = placement.slots_per_rank
+        out, made = [], {}
+        for e in range(placement.num_experts):
+            holders_ep = sorted({p // S for p in placement.replicas(e)})
+            ranks = tuple(d * groups.ep_size + r for d in range(groups.dp_size) for r in holders_ep)
+            if len(ranks) < 2:
+                continue
+            if ranks not in made:
+                made[ranks] = dist.new_group(list(ranks), timeout=self.timeout)  # every rank calls it
+            if groups.rank in ranks:
+                for slot, expert in enumerate(placement.experts_of(groups.ep_rank)):
+                    if expert == e:
+                        for p in layer.experts.parameters():
+                            out.append((p, slot, made[ranks]))
+        return out
+
+    def _make_buckets(self, params: list[nn.Parameter]) -> list[_Bucket]:
+        limit = self.config.bucket_mb * 2**20
+        buckets, current, size = [], [], 0
+        for p in reversed(params):  # gradients arrive roughly in reverse order of definition
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= limit:
+                buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            buckets.append(_Bucket(current))
+        return buckets
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- every-step gradient all-reduce
+
+    @property
+    def syncing_grads(self) -> bool:
+        return self.config.mode == "every_step" or self.step < self.config.warmup_steps
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.syncing_grads:
+            return
+        bucket = self._bucket_of[id(p)]
+        bucket.ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        # Buckets launch strictly in index order so that every rank issues the same collectives.
+        while self._next_launch < len(self._buckets):
+            bucket = self._buckets[self._next_launch]
+            if not force and bucket.ready < len(bucket.params):
+                return
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+            bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+            bucket.started = time.perf_counter()
+            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            self._next_launch += 1
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except RuntimeError as exc:
+            raise CommError(f"gradient sync ({what}) failed: a peer died or did not answer within "
+                            f"{self.timeout.total_seconds():g} s ({str(exc).splitlines()[0][:200]})") from exc
+
+    def finish(self) -> None:
+        """Call after backward, before the optimizer step."""
+        if self.syncing_grads:
+            self._launch_ready(force=True)
+            for bucket in self._buckets:
+                self._wait(bucket.work, "gradient all-reduce")
+                self.stats.record(bucket.flat.numel() * bucket.flat.element_size(),
+                                  time.perf_counter() - bucket.started)
+                bucket.flat.div_(self.world)
+                offset = 0
+                for p in bucket.params:
+                    n = p.numel()
+                    p.grad = bucket.flat[offset:offset + n].view_as(p).to(p.dtype)
+                    offset += n
+                bucket.ready, bucket.flat, bucket.work = 0, None, None
+            self._next_launch = 0
+        elif self._anchor is None:  # the first delta window starts with this step's parameters
+            self._anchor = [p.detach().clone() for p in self.replicated]
+            self._momentum = [torch.zeros_like(p) for p in self._anchor]
+        self._sync_experts()
+
+    def _sync_experts(self) -> None:
+        for p in self.expert_params:
+            if p.grad is not None:
+                p.grad.div_(self.world)
+        for p, slot, group in self._expert_groups:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad[slot].contiguous()
+            started = time.perf_counter()
+            self._wait(dist.all_reduce(g, group=group, async_op=True), "expert replica all-reduce")
+            self.stats.record(g.numel() * g.element_size(), time.perf_counter() - started, expert=True)
+            p.grad[slot].copy_(g)
+
+    # -- delta mode
+
+    def after_step(self) -> None:
+        """Call after the optimizer step: counts steps and runs the outer step at window ends."""
+        self.step += 1
+        c = self.config
+        if c.mode == "delta" and self.step > c.warmup_steps and (self.step - c.warmup_steps) % c.delta_steps == 0:
+            self._outer_step()
+        self.stats.end_step()
+
+    def _launch_delta(self):
+        dtype = _DTYPES[self.config.delta_dtype]
+        flat = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(self._anchor, self.replicated)])
+        flat = flat.to(dtype)
+        started = time.perf_counter()
+        return flat, dist.all_reduce(flat, group=self.group, async_op=True), started
+
+    def _outer_step(self) -> None:
+        """Average this window's parameter change and take the outer step from the anchor.
+
+        With `overlap`, this window's all-reduce runs behind the next window and the previous
+        window's (already averaged) change is applied instead: one window late. Either way every
+        rank restarts the next window from the same anchor.
+        """
+        c = self.config
+        launched = self._launch_delta()
+        if c.overlap:
+            launched, self._pending_delta = self._pending_delta, launched
+        if launched is not None:
+            flat, work, started = launched
+            self._wait(work, "delta all-reduce")
+            self.stats.record(flat.numel() * flat.element_size(), time.perf_counter() - started)
+            delta = flat.float().div_(self.world)
+            offset = 0
+            with torch.no_grad():
+                for a, m in zip(self._anchor, self._momentum):
+                    n = a.numel()
+                    d = delta[offset:offset + n].view_as(a).to(m.dtype)
+                    offset += n
+                    m.mul_(c.outer_momentum).add_(d)
+                    a.sub_(d + c.outer_momentum * m, alpha=c.outer_lr)  # Nesterov
+        with torch.no_grad():
+            for a, p in zip(self._anchor, self.replicated):
+                p.copy_(a)
