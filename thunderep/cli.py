@@ -10,6 +10,7 @@ __all__ = ["main"]
 # subcommand -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS = {
     "demo": ("thunderep.demo", "run the main demo on this machine (CPU or GPU)"),
+    "train": ("thunderep.train", "expert-parallel training of a byte-level MoE model on local text"),
     "doctor": ("thunderep.doctor", "check this machine's GPUs, PCIe links, ACS, IOMMU and P2P"),
 }
 

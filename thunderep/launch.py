@@ -1,0 +1,55 @@
+"""Start N ranks on this host without torchrun, or join the ranks torchrun started.
+
+`launch(fn, nprocs, *args)` runs `fn(rank, world_size, *args)` in `nprocs` spawned processes with the
+torch.distributed environment set (NCCL and one GPU per rank when there are enough GPUs, else gloo
+on CPU), and raises if any rank fails; under torchrun (RANK set) it runs `fn` in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+
+from .errors import ThunderError
+
+__all__ = ["free_port", "launch"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, fn, args, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        # CPU ranks share the cores: one thread each keeps them from oversubscribing.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        fn(rank, world, *args)
+    except BaseException as exc:  # reported by the parent with the rank
+        errors.put((rank, "".join(traceback.format_exception(exc))))
+        raise SystemExit(1) from None
+
+
+def launch(fn, nprocs: int, *args) -> None:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args)
+        return
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_child, args=(nprocs, free_port(), fn, args, errors), nprocs=nprocs,
+                           start_method="spawn", join=True)
+    except mp.ProcessRaisedException as exc:
+        raise ThunderError(f"a rank failed: {exc}") from None
+    except mp.ProcessExitedException as exc:
+        detail = "" if errors.empty() else "\n" + "\n".join(f"rank {r}:\n{t}" for r, t in [errors.get()])
+        raise ThunderError(f"rank {exc.error_index} exited with code {exc.exit_code}{detail}") from None

@@ -1,0 +1,167 @@
+"""`thunderep train`: expert-parallel training of a byte-level MoE language model on local text.
+
+    torchrun --nproc_per_node=2 -m thunderep.cli train --steps 200      # or: thunderep train --nproc 2
+
+Data: any text files (`--data FILE ...`), read as bytes (vocabulary 256, no tokenizer); by default the
+English reference text that ships with Python (`pydoc_data.topics`), so it works offline. Each rank
+draws its own batches; a fixed held-out slice gives the evaluation loss. NCCL with one GPU per rank
+when GPUs are present, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .config import EPConfig, SyncConfig
+from .model import MoEModelConfig
+
+__all__ = ["TrainArgs", "load_corpus", "main", "train"]
+
+
+def load_corpus(paths: list[str] | None = None) -> torch.Tensor:
+    """uint8 tensor of the concatenated text bytes."""
+    if paths:
+        data = b"\n".join(Path(p).read_bytes() for p in paths)
+    else:
+        from pydoc_data import topics  # English reference text shipped with CPython
+
+        data = "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode()
+    if len(data) < 4096:
+        raise ValueError(f"the training text has {len(data)} bytes; give at least 4096")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="thunderep train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start on this host (ignored under torchrun)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--sync", choices=("every_step", "delta"), default="every_step")
+    p.add_argument("--delta-steps", type=int, default=16)
+    p.add_argument("--delta-dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--warmup", type=int, default=0, help="every_step sync steps before delta mode")
+    p.add_argument("--overlap", action="store_true", help="overlap the delta all-reduce with the next window")
+    p.add_argument("--waves", type=int, default=1)
+    p.add_argument("--compression", choices=("none", "bf16", "fp8"), default="none")
+    p.add_argument("--data", nargs="*", help="text files (default: Python's bundled reference text)")
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write metrics JSON here (rank 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+TrainArgs = argparse.Namespace
+
+
+def _batch(corpus: torch.Tensor, gen: torch.Generator, batch: int, length: int, lo: int, hi: int):
+    starts = torch.randint(lo, hi - length - 1, (batch,), generator=gen)
+    return torch.stack([corpus[s:s + length + 1] for s in starts.tolist()]).long()
+
+
+def _bar(step: int, total: int, width: int = 24) -> str:
+    filled = int(width * step / total)
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
+    """One rank's training loop; returns the metrics (identical keys on every rank)."""
+    import torch.distributed as dist
+
+    from .comm.runtime import ExpertParallel
+    from .model import MoETransformer
+    from .sync import GradSync
+
+    ep = ExpertParallel.init(config=EPConfig(waves=args.waves, compression=args.compression))
+    device = ep.groups.device
+    corpus = load_corpus(args.data)
+    split = int(len(corpus) * 0.95)
+    config = MoEModelConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_layers=args.layers,
+                            num_heads=4, num_kv_heads=2, num_experts=args.experts, top_k=args.top_k,
+                            max_seq_len=args.seq_len)
+    model = MoETransformer(config, ep=ep, seed=args.seed)
+    sync_config = SyncConfig(mode=args.sync, delta_steps=args.delta_steps, delta_dtype=args.delta_dtype,
+                             outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                             warmup_steps=args.warmup, overlap=args.overlap)
+    sync = GradSync(model, ep, sync_config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    losses, tokens_per_step = [], args.batch * args.seq_len * world
+    started = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        ids = _batch(corpus, gen, args.batch, args.seq_len, 0, split).to(device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model.loss(ids)
+        loss.backward()
+        sync.finish()
+        optimizer.step()
+        schedule.step()
+        sync.after_step()
+        losses.append(loss.item())
+        if rank == 0 and not args.quiet and (step % max(1, args.steps // 50) == 0 or step == args.steps):
+            rate = tokens_per_step * step / (time.perf_counter() - started)
+            print(f"\r{_bar(step, args.steps)} step {step}/{args.steps} loss {losses[-1]:.3f} "
+                  f"{rate:,.0f} tok/s sync {sync.stats.total_bytes / 1e6:.2f} MB", end="", flush=True)
+    elapsed = time.perf_counter() - started
+    if rank == 0 and not args.quiet:
+        print()
+    # Evaluation on the held-out tail: the same batches on every rank, mean over ranks.
+    eval_gen = torch.Generator().manual_seed(12345 + rank)
+    with torch.no_grad():
+        eval_loss = torch.stack([model.loss(_batch(corpus, eval_gen, args.batch, args.seq_len, split,
+                                                   len(corpus)).to(device))
+                                 for _ in range(args.eval_batches)]).mean()
+    dist.all_reduce(eval_loss)
+    stats = ep.stats.snapshot()
+    metrics = {
+        "rank": rank, "world": world, "steps": args.steps, "tokens": tokens_per_step * args.steps,
+        "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]), "eval_loss": eval_loss.item() / world,
+        "seconds": elapsed, "tokens_per_s": tokens_per_step * args.steps / elapsed,
+        "sync": {"mode": args.sync, "delta_steps": args.delta_steps, "bytes": sync.stats.total_bytes,
+                 "seconds": sync.stats.total_seconds, "expert_bytes": sync.stats.expert_bytes},
+        "ep": {"remote_bytes": stats["remote_bytes"], "seconds": stats["seconds"]},
+        "model": asdict(config), "losses": losses,
+    }
+    if rank == 0:
+        print(f"eval loss {metrics['eval_loss']:.4f} | train loss (last 10) {metrics['train_loss_last10']:.4f} | "
+              f"{metrics['tokens_per_s']:,.0f} tok/s | gradient sync {metrics['sync']['bytes'] / 1e6:.2f} MB in "
+              f"{metrics['sync']['seconds']:.2f} s ({100 * metrics['sync']['seconds'] / elapsed:.1f}% of time) | "
+              f"dispatch+combine {stats['remote_bytes'] / 1e6:.2f} MB")
+        if args.out:
+            Path(args.out).write_text(json.dumps(metrics, indent=1))
+    if result_queue is not None and rank == 0:
+        result_queue.put(metrics)
+    ep.close()
+    dist.destroy_process_group()
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .launch import launch
+
+    args = _parser().parse_args(argv)
+    launch(train, args.nproc, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
