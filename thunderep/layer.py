@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .balance.placement import Placement
+from .comm.dispatcher import CommStats
 from .config import LayerConfig, SharedExpertsConfig
 from .errors import ConfigError
 from .experts import ACTIVATION_FNS, FusedExperts
@@ -95,6 +96,8 @@ class ThunderMoELayer(nn.Module):
             experts_config = replace(experts_config, num_experts=placement.slots_per_rank)
             device = device if device is not None else ep.groups.device
         self.placement = placement
+        # This layer's own traffic, loads and times (the runtime's stats hold the totals).
+        self.stats = CommStats(ep.groups.ep_size, ep.groups.ep_rank) if ep is not None else None
         self.router = TopKRouter(config.router, device=device, dtype=dtype)
         self.experts = FusedExperts(experts_config, device=device, dtype=dtype)
         self.shared_experts = (
@@ -143,7 +146,7 @@ class ThunderMoELayer(nn.Module):
             ids = routing.ids_TK[start:stop]
             counts = torch.bincount(ids.reshape(-1), minlength=routing.counts_E.numel())
             waves.append(Routing(routing.weights_TK[start:stop], ids, counts, routing.logits_TE[start:stop]))
-        metas = dispatcher.plan(waves, self.placement)
+        metas = dispatcher.plan(waves, self.placement, self.stats)
         dispatches = [dispatcher.dispatch_async(x_TD[a:b], m) for (a, b), m in zip(bounds, metas)]
         shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None
         combines = []

@@ -177,3 +177,18 @@ class MoETransformer(nn.Module):
 
     def moe_layers(self) -> list[ThunderMoELayer]:
         return [layer.mlp for layer in self.layers]
+
+    @torch.no_grad()
+    def generate(self, ids_BL: torch.Tensor, new_tokens: int, *, replicated: bool = True,
+                 on_token=None) -> torch.Tensor:
+        """Greedy decoding (full recompute per token; the model is small). With `replicated`, every
+        rank holds the same prompt and the MoE layers run in latency mode. `on_token(ids_B)` is
+        called with each new token (for streaming)."""
+        for _ in range(new_tokens):
+            window = ids_BL[:, -self.config.max_seq_len:]
+            logits = self(window, replicated=replicated)
+            next_B = logits[:, -1].argmax(dim=-1)
+            ids_BL = torch.cat([ids_BL, next_B[:, None]], dim=1)
+            if on_token is not None:
+                on_token(next_B)
+        return ids_BL

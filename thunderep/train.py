@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="*", help="text files (default: Python's bundled reference text)")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write metrics JSON here (rank 0)")
+    p.add_argument("--out", help="run directory: metrics.json, sync-tax report, Chrome trace")
+    p.add_argument("--generate", type=int, default=0, help="bytes to generate after training")
+    p.add_argument("--prompt", default="The ")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -88,6 +90,7 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     from .comm.runtime import ExpertParallel
     from .model import MoETransformer
     from .sync import GradSync
+    from .telemetry import SyncTaxMeter, format_report
 
     ep = ExpertParallel.init(config=EPConfig(waves=args.waves, compression=args.compression))
     device = ep.groups.device
@@ -104,10 +107,12 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    meter = SyncTaxMeter(model, ep, sync)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     losses, tokens_per_step = [], args.batch * args.seq_len * world
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
+        step_started = time.perf_counter()
         ids = _batch(corpus, gen, args.batch, args.seq_len, 0, split).to(device)
         optimizer.zero_grad(set_to_none=True)
         loss = model.loss(ids)
@@ -117,10 +122,13 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         schedule.step()
         sync.after_step()
         losses.append(loss.item())
+        meter.step(time.perf_counter() - step_started)
         if rank == 0 and not args.quiet and (step % max(1, args.steps // 50) == 0 or step == args.steps):
             rate = tokens_per_step * step / (time.perf_counter() - started)
+            imbalance = max(layer["imbalance"] for layer in meter.steps[-1]["layers"])
             print(f"\r{_bar(step, args.steps)} step {step}/{args.steps} loss {losses[-1]:.3f} "
-                  f"{rate:,.0f} tok/s sync {sync.stats.total_bytes / 1e6:.2f} MB", end="", flush=True)
+                  f"{rate:,.0f} tok/s imbalance {imbalance:.2f} grad sync {sync.stats.total_bytes / 1e6:.2f} MB",
+                  end="", flush=True)
     elapsed = time.perf_counter() - started
     if rank == 0 and not args.quiet:
         print()
@@ -139,15 +147,38 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         "sync": {"mode": args.sync, "delta_steps": args.delta_steps, "bytes": sync.stats.total_bytes,
                  "seconds": sync.stats.total_seconds, "expert_bytes": sync.stats.expert_bytes},
         "ep": {"remote_bytes": stats["remote_bytes"], "seconds": stats["seconds"]},
-        "model": asdict(config), "losses": losses,
+        "model": asdict(config), "losses": losses, "synctax": {k: v for k, v in meter.report().items()
+                                                                if k != "per_step"},
     }
+    if args.generate:
+        prompt = torch.tensor([list(args.prompt.encode())], device=device)
+        streamed = []
+        if rank == 0:
+            print(f"generating {args.generate} bytes after {args.prompt!r} (latency mode, every rank "
+                  "holds the prompt):\n  ", end="", flush=True)
+
+        def show(next_B):
+            streamed.append(int(next_B[0]))
+            if rank == 0:
+                print(bytes([streamed[-1]]).decode("latin-1"), end="", flush=True)
+
+        model.eval()
+        model.generate(prompt, args.generate, on_token=show)
+        if rank == 0:
+            print()
+        metrics["generated"] = bytes(streamed).decode("latin-1")
     if rank == 0:
         print(f"eval loss {metrics['eval_loss']:.4f} | train loss (last 10) {metrics['train_loss_last10']:.4f} | "
               f"{metrics['tokens_per_s']:,.0f} tok/s | gradient sync {metrics['sync']['bytes'] / 1e6:.2f} MB in "
               f"{metrics['sync']['seconds']:.2f} s ({100 * metrics['sync']['seconds'] / elapsed:.1f}% of time) | "
               f"dispatch+combine {stats['remote_bytes'] / 1e6:.2f} MB")
-        if args.out:
-            Path(args.out).write_text(json.dumps(metrics, indent=1))
+        print(format_report(meter.report()))
+    if args.out:
+        out = Path(args.out)
+        meter.save(out, rank)
+        if rank == 0:
+            (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+            print(f"wrote {out}/metrics.json and the sync-tax report (`thunderep report {out}`)")
     if result_queue is not None and rank == 0:
         result_queue.put(metrics)
     ep.close()

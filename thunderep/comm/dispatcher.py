@@ -52,6 +52,12 @@ class CommStats:
         self.bytes_R = {op: [0] * self.world for op in self.OPS}
         self.seconds = {op: 0.0 for op in self.OPS}
         self.calls = {op: 0 for op in self.OPS}
+        self.loads_R: list[list[int]] = []  # rows each EP rank's experts computed, per plan() call
+
+    def imbalance(self) -> float:
+        """Mean over recorded steps of max rank load / mean rank load (1.0 = perfectly even)."""
+        values = [max(l) * len(l) / sum(l) for l in self.loads_R if sum(l)]
+        return sum(values) / len(values) if values else 1.0
 
     def record(self, op: str, sent_R: list[int], seconds: float) -> None:
         row = self.bytes_R[op]
@@ -68,7 +74,8 @@ class CommStats:
     def snapshot(self) -> dict:
         return {"rank": self.rank, "bytes_R": {k: list(v) for k, v in self.bytes_R.items()},
                 "seconds": dict(self.seconds), "calls": dict(self.calls),
-                "remote_bytes": self.remote_bytes()}
+                "remote_bytes": self.remote_bytes(), "loads_R": [list(l) for l in self.loads_R],
+                "imbalance": self.imbalance()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,6 +87,7 @@ class DispatchMeta:
     local_order_M / local_inverse_M: received rows (grouped by source rank) to local-slot order and back.
     counts_S: [S] int64 rows per local slot, in local-slot order.
     weights_TK: the routing weights, applied in combine (differentiable).
+    sinks: the `CommStats` that record this wave's bytes and times.
     """
 
     num_tokens: int
@@ -92,6 +100,7 @@ class DispatchMeta:
     local_inverse_M: torch.Tensor
     counts_S: torch.Tensor
     weights_TK: torch.Tensor
+    sinks: tuple = ()  # CommStats that record this wave's traffic (the runtime's and the layer's)
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:
@@ -104,9 +113,9 @@ class Pending:
     """An all-to-all in flight. `wait()` returns its (decoded) result; call it exactly once."""
 
     def __init__(self, dispatcher: "Dispatcher", op: str, work, wire: torch.Tensor, out: torch.Tensor,
-                 sent_R: list[int], started: float, finish=None):
+                 sent_R: list[int], started: float, sinks: tuple, finish=None):
         self._d, self._op, self._work, self._wire, self._out = dispatcher, op, work, wire, out
-        self._sent_R, self._started, self._finish = sent_R, started, finish
+        self._sent_R, self._started, self._sinks, self._finish = sent_R, started, sinks, finish
 
     def wait(self) -> torch.Tensor:
         d = self._d
@@ -122,7 +131,9 @@ class Pending:
             if self._out is not self._wire:
                 with torch.no_grad():
                     self._out.copy_(d.codec.decode(self._wire, self._out.dtype))
-            d.stats.record(self._op, self._sent_R, time.perf_counter() - self._started)
+            elapsed = time.perf_counter() - self._started
+            for sink in self._sinks:
+                sink.record(self._op, self._sent_R, elapsed)
         return self._out if self._finish is None else self._finish(self._out)
 
 
@@ -130,17 +141,18 @@ class _AllToAll(torch.autograd.Function):
     """Differentiable variable-size all-to-all; forward is asynchronous (see `Pending`)."""
 
     @staticmethod
-    def forward(ctx, x_ND, dispatcher, send_splits, recv_splits, op, box):
-        ctx.args = (dispatcher, send_splits, recv_splits, op)
-        pending = dispatcher._launch(x_ND.detach(), send_splits, recv_splits, op)
+    def forward(ctx, x_ND, dispatcher, send_splits, recv_splits, op, sinks, box):
+        ctx.args = (dispatcher, send_splits, recv_splits, op, sinks)
+        pending = dispatcher._launch(x_ND.detach(), send_splits, recv_splits, op, sinks)
         box.append(pending)
         return pending._out
 
     @staticmethod
     def backward(ctx, grad_MD):
-        dispatcher, send_splits, recv_splits, op = ctx.args
-        grad_ND = dispatcher._launch(grad_MD.contiguous(), recv_splits, send_splits, op + "_backward").wait()
-        return grad_ND, None, None, None, None, None
+        dispatcher, send_splits, recv_splits, op, sinks = ctx.args
+        grad_ND = dispatcher._launch(grad_MD.contiguous(), recv_splits, send_splits, op + "_backward",
+                                     sinks).wait()
+        return grad_ND, None, None, None, None, None, None
 
 
 class Dispatcher:
@@ -154,8 +166,10 @@ class Dispatcher:
 
     # -- planning
 
-    def plan(self, routings: list[Routing], placement: Placement) -> list[DispatchMeta]:
-        """Split sizes for each wave's routing, exchanged in one control-plane round."""
+    def plan(self, routings: list[Routing], placement: Placement, stats: CommStats | None = None
+             ) -> list[DispatchMeta]:
+        """Split sizes for each wave's routing, exchanged in one control-plane round. `stats`: a
+        further `CommStats` (e.g. the layer's) that records this step's traffic and rank loads."""
         R, S = self.groups.ep_size, placement.slots_per_rank
         if placement.ep_size != R:
             raise CommError(f"placement is for {placement.ep_size} ranks but the EP group has {R}")
@@ -178,7 +192,12 @@ class Dispatcher:
                 f"split-size exchange on EP rank {me} failed: a peer died or did not answer within the "
                 f"process group's timeout ({str(exc).splitlines()[0][:200]})"
             ) from exc
-        self.stats.record("control", [send_WP.numel() * 4] * R, time.perf_counter() - started)
+        sinks = (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)
+        control_s = time.perf_counter() - started
+        load_R = all_RWP.view(R, -1, R, S).sum(dim=(0, 1, 3)).tolist()  # rows each rank's experts get
+        for sink in sinks:
+            sink.record("control", [send_WP.numel() * 4 if r != me else 0 for r in range(R)], control_s)
+            sink.loads_R.append(load_R)
         metas = []
         for w, routing in enumerate(routings):
             recv_RS = all_RWP[:, w, me * S:(me + 1) * S].to(torch.int64)
@@ -190,13 +209,13 @@ class Dispatcher:
                 send_splits=tuple(send_WP[w].view(R, S).sum(1).tolist()),
                 recv_splits=tuple(recv_RS.sum(1).tolist()),
                 local_order_M=local_order_M, local_inverse_M=_inverse(local_order_M),
-                counts_S=recv_RS.sum(0).to(device), weights_TK=routing.weights_TK,
+                counts_S=recv_RS.sum(0).to(device), weights_TK=routing.weights_TK, sinks=sinks,
             ))
         return metas
 
     # -- data movement
 
-    def _launch(self, x_ND: torch.Tensor, send_splits, recv_splits, op: str) -> Pending:
+    def _launch(self, x_ND: torch.Tensor, send_splits, recv_splits, op: str, sinks: tuple) -> Pending:
         codec, width, dtype = self.codec, x_ND.shape[-1], x_ND.dtype
         wire_in = codec.encode(x_ND)
         rows = sum(recv_splits)
@@ -211,13 +230,13 @@ class Dispatcher:
         except RuntimeError as exc:
             raise CommError(f"{op} all_to_all on EP rank {self.groups.ep_rank} failed to start: "
                             f"{str(exc).splitlines()[0][:200]}") from exc
-        return Pending(self, op, work, wire_out, out, [n * row_bytes for n in send_splits], started)
+        return Pending(self, op, work, wire_out, out, [n * row_bytes for n in send_splits], started, sinks)
 
     def dispatch_async(self, x_TD: torch.Tensor, meta: DispatchMeta) -> Pending:
         """Send each (token, k) row to its slot's rank. wait() -> [M, D] grouped by local slot."""
         x_ND = x_TD[meta.send_order_N // meta.top_k]
         box: list[Pending] = []
-        recv_MD = _AllToAll.apply(x_ND, self, meta.send_splits, meta.recv_splits, "dispatch", box)
+        recv_MD = _AllToAll.apply(x_ND, self, meta.send_splits, meta.recv_splits, "dispatch", meta.sinks, box)
         pending = box[0]
         pending._out = recv_MD
         pending._finish = lambda recv: recv[meta.local_order_M]
@@ -227,7 +246,7 @@ class Dispatcher:
         """Return expert outputs to their tokens' ranks. wait() -> [T, D] weighted sum over k."""
         y_recv = y_MD[meta.local_inverse_M]
         box: list[Pending] = []
-        back_ND = _AllToAll.apply(y_recv, self, meta.recv_splits, meta.send_splits, "combine", box)
+        back_ND = _AllToAll.apply(y_recv, self, meta.recv_splits, meta.send_splits, "combine", meta.sinks, box)
         pending = box[0]
         pending._out = back_ND
         T, K = meta.num_tokens, meta.top_k
