@@ -11,6 +11,7 @@ __all__ = ["main"]
 COMMANDS = {
     "demo": ("thunderep.demo", "run the main demo on this machine (CPU or GPU)"),
     "train": ("thunderep.train", "expert-parallel training of a byte-level MoE model on local text"),
+    "bench": ("thunderep.bench", "benchmarks, baseline and candidate side by side"),
     "report": ("thunderep.telemetry", "print the sync-tax report of a run directory"),
     "doctor": ("thunderep.doctor", "check this machine's GPUs, PCIe links, ACS, IOMMU and P2P"),
 }

@@ -1,13 +1,13 @@
-"""`thunderep demo`: a tiny Mixtral-shaped MoE layer, checked against the slow reference and timed.
+"""`thunderep demo`: expert parallelism end to end on this machine, in about a minute.
 
-Runs on a CPU-only machine in seconds; on a CUDA machine it also times the layer on the GPU.
+Checks one MoE layer against the slow reference, then trains a small byte-level Mixtral-shaped model
+split over 2 expert-parallel ranks (CPU processes with gloo, or GPUs with NCCL when there are enough),
+with a progress bar, generates a few bytes, and prints the sync-tax report.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
-import time
 
 import torch
 
@@ -15,13 +15,7 @@ from .config import LayerConfig
 from .layer import ThunderMoELayer
 from .reference import reference_layer
 
-__all__ = ["main", "run_check", "time_layer"]
-
-
-def _hardware(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__})"
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads (torch {torch.__version__})"
+__all__ = ["main", "run_check"]
 
 
 def run_check(config: LayerConfig, tokens: int, seed: int = 0) -> dict[str, float]:
@@ -50,60 +44,28 @@ def run_check(config: LayerConfig, tokens: int, seed: int = 0) -> dict[str, floa
     return errors
 
 
-def time_layer(layer: ThunderMoELayer, x: torch.Tensor, repeats: int = 20, backward: bool = True) -> float:
-    """Median milliseconds of one forward (+ backward) step."""
-    times = []
-    for i in range(repeats + 3):
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
-        start = time.perf_counter()
-        y = layer(x)
-        if backward:
-            y.float().pow(2).mean().backward()
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
-        if i >= 3:
-            times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="thunderep demo", description=__doc__)
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per timed step (default 512)")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2, help="expert-parallel ranks (default 2)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    parser.add_argument("--generate", type=int, default=48, help="bytes to generate after training")
+    parser.add_argument("--out", default=None, help="run directory for the sync-tax report and trace")
     args = parser.parse_args(argv)
 
-    config = LayerConfig.build(
-        family="mixtral", hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_experts=args.experts, top_k=args.top_k,
-    )
-    print(f"ThunderEP demo: Mixtral-shaped MoE layer, {args.experts} experts, top-{args.top_k}, "
-          f"hidden {args.hidden}, intermediate {args.intermediate}")
-    small = LayerConfig.build(family="mixtral", hidden_size=32, intermediate_size=16,
-                              num_experts=args.experts, top_k=args.top_k)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = f"{args.nproc} GPUs (NCCL)" if gpus >= args.nproc else f"{args.nproc} CPU processes (gloo)"
+    print(f"ThunderEP demo: a byte-level Mixtral-shaped MoE model, 8 experts, top-2, split over {where}\n")
+    small = LayerConfig.build(family="mixtral", hidden_size=32, intermediate_size=16, num_experts=8, top_k=2)
     errors = run_check(small, tokens=33)
     ok = errors["output"] < 1e-5 and errors["gradients"] < 1e-4
-    print(f"check vs slow reference (33 tokens, fp32): max relative error output {errors['output']:.1e}, "
+    print(f"1. one MoE layer vs the slow reference (fp32): max relative error output {errors['output']:.1e}, "
           f"gradients {errors['gradients']:.1e} -> {'OK' if ok else 'MISMATCH'}")
+    print(f"2. expert-parallel training, {args.steps} steps on Python's bundled reference text:")
+    from .train import main as train_main
 
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
-    for device in devices:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        print(f"\ntiming on {_hardware(device)}, {dtype}, {args.tokens} tokens, forward+backward, median:")
-        x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
-        rows = {}
-        for backend in ("loop", "grouped_mm"):
-            layer = ThunderMoELayer(config.with_backend(backend), device=device, dtype=dtype)
-            try:
-                rows[backend] = time_layer(layer, x)
-            except RuntimeError as exc:  # grouped GEMM unsupported on this device / dtype
-                print(f"  {backend:<11} unavailable here ({str(exc).splitlines()[0]})")
-        for backend, ms in rows.items():
-            print(f"  {backend:<11} {ms:8.2f} ms")
-        if len(rows) == 2:
-            print(f"  ratio loop / grouped_mm: {rows['loop'] / rows['grouped_mm']:.2f}x")
+    train_argv = ["--nproc", str(args.nproc), "--steps", str(args.steps), "--generate", str(args.generate),
+                  "--prompt", "The ", "--lr", "1e-2", "--hidden", "64", "--batch", "8", "--seq-len", "64"]
+    if args.out:
+        train_argv += ["--out", args.out]
+    train_main(train_argv)
     return 0 if ok else 1
