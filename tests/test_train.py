@@ -13,9 +13,10 @@ def _run(rank, world, argv):
     return train(rank, world, _parser().parse_args(argv + ["--quiet"]))
 
 
-def test_train_learns_and_counts_sync_bytes():
+def test_train_learns_and_counts_sync_bytes(tmp_path):
     common = ["--steps", "40", "--batch", "4", "--seq-len", "32", "--hidden", "32", "--eval-batches", "2"]
-    every = run_ranks(_run, 2, common + ["--sync", "every_step"], timeout=240)
+    every = run_ranks(_run, 2, common + ["--sync", "every_step", "--out", str(tmp_path), "--generate", "5"],
+                      timeout=240)
     delta = run_ranks(_run, 2, common + ["--sync", "delta", "--delta-steps", "8"], timeout=240)
     for runs in (every, delta):
         losses = runs[0]["losses"]
@@ -30,3 +31,28 @@ def test_default_corpus_is_real_offline_text():
     corpus = load_corpus()
     text = bytes(corpus[:100000].tolist()).decode(errors="replace")
     assert len(corpus) > 500_000 and " the " in text
+    # The sync-tax report sums the same counters the runtime keeps (no second bookkeeping).
+    report = every[0]["synctax"]
+    assert report["steps"] == 40
+    assert report["bytes"]["gradient"] == every[0]["sync"]["bytes"]
+    ep_bytes = sum(v for k, v in report["bytes"].items() if k != "gradient")
+    assert ep_bytes == every[0]["ep"]["remote_bytes"]
+    assert len(every[0]["generated"]) == 5 and every[0]["generated"] == every[1]["generated"]
+    for name in ("metrics.json", "synctax-rank0.json", "synctax-rank1.json", "trace-rank0.json"):
+        assert (tmp_path / name).exists(), name
+    from thunderep.projection import main as project
+    from thunderep.telemetry import main as report_main
+
+    assert report_main([str(tmp_path)]) == 0
+    assert project([str(tmp_path)]) == 0
+
+
+def test_projection_formulas():
+    from thunderep.projection import LINKS, project_step
+
+    r = project_step(R=2, T=100, K=2, D=10, layers=1, b=2, compute_s=0.0, imbalance=1.0, link=LINKS[0])
+    assert r["ours_bytes"] == 4 * 100 * 2 * 10 * 2 / 2  # 4 all-to-alls, half of the rows leave the GPU
+    assert r["baseline_bytes"] == 4 * 100 * 10 * 2      # 4 ring collectives of (R - 1) T D b
+    slow = project_step(R=4, T=100, K=2, D=10, layers=1, b=2, compute_s=0.0, imbalance=1.0, link=LINKS[1])
+    fast = project_step(R=4, T=100, K=2, D=10, layers=1, b=2, compute_s=0.0, imbalance=1.0, link=LINKS[0])
+    assert slow["thunderep_s"] > fast["thunderep_s"]   # host-staged costs more than P2P

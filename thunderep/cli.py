@@ -13,6 +13,7 @@ COMMANDS = {
     "train": ("thunderep.train", "expert-parallel training of a byte-level MoE model on local text"),
     "bench": ("thunderep.bench", "benchmarks, baseline and candidate side by side"),
     "report": ("thunderep.telemetry", "print the sync-tax report of a run directory"),
+    "project": ("thunderep.projection", "project a run's step time to 2 / 4 GPUs over PCIe (a model)"),
     "doctor": ("thunderep.doctor", "check this machine's GPUs, PCIe links, ACS, IOMMU and P2P"),
 }
 

@@ -330,7 +330,9 @@ class SyncConfig:
         and an outer Nesterov-momentum SGD step, DiLoCo-style).
     bucket_mb: gradient bucket size for "every_step".
     delta_dtype: wire dtype of the delta all-reduce: "float32", "bfloat16" or "float16".
-    outer_lr, outer_momentum: the outer optimizer (DiLoCo's defaults: 0.7 and 0.9, Nesterov).
+    outer_lr, outer_momentum: the outer step, SGD with Nesterov momentum on the averaged change.
+        Default 1.0 and 0.0: plain parameter averaging. DiLoCo's 0.7 and 0.9 suit windows of hundreds
+        of steps; with H = 4-64 they overshoot (measured in docs/BENCHMARKS.md, "Gradient sync").
     overlap: run the delta all-reduce behind the next window and apply it one window late.
     warmup_steps: steps of "every_step" synchronization before delta mode starts.
     """
@@ -339,8 +341,8 @@ class SyncConfig:
     bucket_mb: float = 4.0
     delta_steps: int = 16
     delta_dtype: str = "bfloat16"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
     overlap: bool = False
     warmup_steps: int = 0
 

@@ -54,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sync", choices=("every_step", "delta"), default="every_step")
     p.add_argument("--delta-steps", type=int, default=16)
     p.add_argument("--delta-dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--outer-lr", type=float, default=1.0)
+    p.add_argument("--outer-momentum", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=0, help="every_step sync steps before delta mode")
     p.add_argument("--overlap", action="store_true", help="overlap the delta all-reduce with the next window")
     p.add_argument("--waves", type=int, default=1)
@@ -132,6 +132,8 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     elapsed = time.perf_counter() - started
     if rank == 0 and not args.quiet:
         print()
+    stats = ep.stats.snapshot()  # training traffic only
+    report = meter.report()
     # Evaluation on the held-out tail: the same batches on every rank, mean over ranks.
     eval_gen = torch.Generator().manual_seed(12345 + rank)
     with torch.no_grad():
@@ -139,7 +141,6 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
                                                    len(corpus)).to(device))
                                  for _ in range(args.eval_batches)]).mean()
     dist.all_reduce(eval_loss)
-    stats = ep.stats.snapshot()
     metrics = {
         "rank": rank, "world": world, "steps": args.steps, "tokens": tokens_per_step * args.steps,
         "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]), "eval_loss": eval_loss.item() / world,
@@ -147,8 +148,8 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         "sync": {"mode": args.sync, "delta_steps": args.delta_steps, "bytes": sync.stats.total_bytes,
                  "seconds": sync.stats.total_seconds, "expert_bytes": sync.stats.expert_bytes},
         "ep": {"remote_bytes": stats["remote_bytes"], "seconds": stats["seconds"]},
-        "model": asdict(config), "losses": losses, "synctax": {k: v for k, v in meter.report().items()
-                                                                if k != "per_step"},
+        "model": asdict(config), "losses": losses,
+        "synctax": {k: v for k, v in report.items() if k != "per_step"},
     }
     if args.generate:
         prompt = torch.tensor([list(args.prompt.encode())], device=device)
@@ -172,7 +173,7 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
               f"{metrics['tokens_per_s']:,.0f} tok/s | gradient sync {metrics['sync']['bytes'] / 1e6:.2f} MB in "
               f"{metrics['sync']['seconds']:.2f} s ({100 * metrics['sync']['seconds'] / elapsed:.1f}% of time) | "
               f"dispatch+combine {stats['remote_bytes'] / 1e6:.2f} MB")
-        print(format_report(meter.report()))
+        print(format_report(report))
     if args.out:
         out = Path(args.out)
         meter.save(out, rank)
