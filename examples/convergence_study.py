@@ -32,13 +32,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--h", type=int, nargs="+", default=[4, 16, 64])
+    p.add_argument("--outer-lr", default="1.0")
+    p.add_argument("--outer-momentum", default="0.0")
     a = p.parse_args()
     common = ["--steps", str(a.steps), "--seq-len", "64", "--batch", "8"]
     print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-          f"{a.nproc} gloo ranks; {a.steps} steps x 8 sequences x 64 bytes per rank")
+          f"{a.nproc} gloo ranks; {a.steps} steps x 8 sequences x 64 bytes per rank; "
+          f"delta: outer lr {a.outer_lr}, momentum {a.outer_momentum}")
     rows = [("every_step", run(common + ["--sync", "every_step"], a.nproc))]
     for h in a.h:
-        rows.append((f"delta H={h}", run(common + ["--sync", "delta", "--delta-steps", str(h)], a.nproc)))
+        outer = ["--outer-lr", a.outer_lr, "--outer-momentum", a.outer_momentum]
+        rows.append((f"delta H={h}", run(common + ["--sync", "delta", "--delta-steps", str(h)] + outer, a.nproc)))
     base = rows[0][1]
     print(f"{'mode':<12} | {'eval loss':>9} | {'vs every_step':>13} | {'sync MB/rank':>12} | {'bytes ratio':>11} | "
           f"{'tok/s':>7}")
