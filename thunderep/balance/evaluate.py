@@ -38,9 +38,9 @@ import torch
 from .fingerprint import Baseline, fingerprint
 from .machine import BalanceMachine, BalancerConfig, decode_records, encode_record
 from .placement import Placement, TradePlan
-from .planner import plan_placement
+from .planner import plan_placement, plan_trade
 
-__all__ = ["RunResult", "TRACES", "evaluate", "main", "make_trace", "run"]
+__all__ = ["RunResult", "STATIONARY", "TRACES", "evaluate", "main", "make_trace", "run", "timings"]
 
 TRACES = ("uniform", "zipf0.8", "zipf1.2", "zipf1.6", "drift", "burst")
 STATIONARY = ("uniform", "zipf0.8", "zipf1.2", "zipf1.6")
@@ -162,7 +162,7 @@ def _time_us(fn, n: int) -> float:
 
 
 def timings(seed: int = 0) -> list[tuple[str, float]]:
-    """Microseconds per call of the per-step pieces on this CPU (one thread)."""
+    """Microseconds per call of the per-step and per-decision pieces on this CPU (one thread)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for E in (64, 256):
@@ -173,6 +173,22 @@ def timings(seed: int = 0) -> list[tuple[str, float]]:
         probe = BalancerConfig().probe(E)
         probe.commit(probe.record(counts, True))
         out.append((f"LoadProbe.record (stable), E={E}", _time_us(lambda: probe.record(counts, False), 2000)))
+    E, R = 64, 4
+    load_RE = (_zipf(E, 1.2, gen) * 8192).expand(R, E).round().to(torch.int64)
+    previous = plan_placement(torch.ones(E), R, E // R + 1)
+    placement = plan_placement(load_RE.sum(0), R, E // R + 1, previous)
+    plan = plan_trade(load_RE, placement)
+    ids_TK = torch.multinomial(load_RE[0].double(), 100_000, replacement=True, generator=gen).view(-1, 2)
+    out.append((f"plan_placement (with previous), E={E} R={R}",
+                _time_us(lambda: plan_placement(load_RE.sum(0), R, E // R + 1, previous), 20)))
+    out.append((f"plan_trade, E={E} R={R}", _time_us(lambda: plan_trade(load_RE, placement), 20)))
+    for r in range(R):
+        if plan.split_experts(r):
+            out.append((f"TradePlan.assign, 100k pairs, {len(plan.split_experts(r))} split expert(s)",
+                        _time_us(lambda: plan.assign(r, ids_TK), 20)))
+            break
+    out.append(("Placement.slot_table gather, 100k pairs",
+                _time_us(lambda: placement.slot_table(0)[ids_TK.reshape(-1)], 20)))
     return out
 
 
@@ -201,10 +217,13 @@ def _targets(results: list[RunResult], config: BalancerConfig) -> list[str]:
          f"min {min(r.stable for r in stationary):.1%}"),
         ("false-stable <= 2%", max(r.false_stable for r in results) <= 0.02,
          f"max {max(r.false_stable for r in results):.2%} (all traces)"),
-        ("zipf1.2: balanced (warm) <= 1.10", max(r.balanced_warm for r in zipf) <= 1.10,
-         f"max {max(r.balanced_warm for r in zipf):.3f}; all steps max {max(r.balanced for r in zipf):.3f}"),
-        ("zipf1.2: static >= 1.5", min(r.static for r in zipf) >= 1.5,
-         f"min {min(r.static for r in zipf):.3f}"),
+        ("zipf1.2: mean imbalance <= 1.10 with one redundant slot per rank",
+         max(r.balanced for r in zipf) <= 1.10,
+         f"max {max(r.balanced for r in zipf):.3f} over all steps, {max(r.balanced_warm for r in zipf):.3f} "
+         f"after warm-up"),
+        ("zipf1.2: static >= 1.5 (a property of the trace and the seed's permutation)",
+         min(r.static for r in zipf) >= 1.5,
+         ", ".join(f"E={r.E} R={r.R}: {r.static:.2f}" for r in zipf)),
         ("Stable-step control <= 16 B / rank / layer", max(r.bytes_stable for r in results) <= 16,
          f"max {max(r.bytes_stable for r in results):.0f} B"),
         ("no oscillating migrations on stationary traces",
@@ -215,8 +234,20 @@ def _targets(results: list[RunResult], config: BalancerConfig) -> list[str]:
     return [f"- [{'x' if ok else ' '}] {name}: {detail}" for name, ok, detail in rows]
 
 
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m thunderep.balance.evaluate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m thunderep.balance.evaluate",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--pairs", type=int, default=8192, help="(token, k) pairs per rank per step")
     parser.add_argument("--seed", type=int, default=0)
@@ -227,8 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     config = BalancerConfig()
-    print(f"host: {platform.processor() or platform.machine()}, {platform.system()}, "
-          f"python {platform.python_version()}, torch {torch.__version__}, 1 thread")
+    print(f"host: {_cpu()}, {platform.system()}, python {platform.python_version()}, "
+          f"torch {torch.__version__}, 1 thread")
     print(f"config: {config}")
     print(f"steps {args.steps}, pairs/rank/step {args.pairs}, seed {args.seed}, warm-up {args.warmup}\n")
     started = time.perf_counter()

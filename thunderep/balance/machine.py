@@ -12,9 +12,10 @@ Protocol (per MoE layer, per step t; lag-1)
   baseline nothing else happens. A mismatch (an alarm) makes step t + 1 a NEGOTIATE step.
 * NEGOTIATE: each rank's record is its fingerprint plus its load vector (int32 [E]: the rank's fast
   EMA of its per-expert pair counts). Every rank then computes the same imbalance (max rank load /
-  mean rank load) of the plan in effect and, over `threshold`, the same new `TradePlan`
-  (`plan_trade`). The fingerprints of this step become the new baseline; the next step is STABLE.
-* MIGRATE: when the imbalance the current placement can reach has stayed over `threshold` for
+  mean rank load) of the plan in effect and, over `threshold - margin`, the same new `TradePlan`
+  (`plan_trade`). The fingerprints of this step become the new baseline; the next step is STABLE
+  (a negotiation right after an alarm is confirmed by one more, `settle` steps later).
+* MIGRATE: when the imbalance the current placement can reach has stayed over `threshold - margin` for
   `slow_window` consecutive steps, at least `min_dwell` steps after the last migration, `plan_placement`
   proposes a new Placement; it is taken if it lowers the predicted imbalance by `migrate_gain` and the
   time it saves over the expected stable period exceeds the time to move the weights (cost check).
@@ -42,9 +43,11 @@ Integration recipe (what is exchanged when)
     # from step t + 1 use machine.placement, machine.trade, machine.record_words
 
 Costs: a Stable step adds 8 bytes per rank per layer to a record that is exchanged anyway; a Negotiate
-step adds 4 * E more. If the runtime already has every source rank's per-expert counts (they are the
-split sizes when each expert has one slot per source), it may pass them as load_RE and skip the load
-words - the decisions only need the numbers, not where they came from.
+step adds 4 * E more. With waves, counts_E is the sum over the waves and the record rides in the one
+exchange of `Dispatcher.plan`. The split sizes of a negotiate step already hold every source rank's
+per-expert counts of that step (summed over an expert's slots); a runtime may pass those as load_RE
+and leave the load words out of the record (the probe still records with negotiate=True, so that
+its baseline moves): the decisions only need the same numbers on every rank, not their origin.
 """
 
 from __future__ import annotations
@@ -82,8 +85,15 @@ class Mode(enum.Enum):
 class BalancerConfig:
     """Balancer knobs; the defaults and why.
 
-    threshold 1.10: the issue's target imbalance; below 10% excess on the slowest rank, the PCIe bytes
+    threshold 1.10: the imbalance to stay under; below 10% excess on the slowest rank, the PCIe bytes
         a trade adds (pairs sent to a remote replica) cost about what they save.
+    margin 0.02: the machine acts (plans a trade, counts toward a migration) from threshold - margin:
+        its imbalance estimates carry about 1% of sampling noise, and a plan estimated at 1.099 but
+        truly at 1.104 would otherwise never be revisited.
+    settle 8: at step 0 and after an alarm the probes' EMAs are young (after an alarm they restart),
+        so the loads negotiated then are noisy (variance factor 1 or 0.58 instead of 0.18); the
+        machine negotiates once more `settle` steps later, when the EMAs have settled (0: never).
+        One extra load record per alarm.
     trade_gain 0.02: a new TradePlan replaces the current one only if it lowers the predicted
         imbalance by 2 points, so sampling noise never churns plans.
     ema_alpha 0.3: the fast EMA of each rank's counts (effective memory ~6 steps): 2.4x less noise than
@@ -104,6 +114,8 @@ class BalancerConfig:
     """
 
     threshold: float = 1.10
+    margin: float = 0.02
+    settle: int = 8
     trade_gain: float = 0.02
     ema_alpha: float = 0.3
     slow_window: int = 32
@@ -126,11 +138,11 @@ class BalancerConfig:
             raise ConfigError(f"threshold ({self.threshold!r}) is a max/mean imbalance and must be >= 1.0")
         if not 0 < self.ema_alpha <= 1:
             raise ConfigError(f"ema_alpha ({self.ema_alpha!r}) must be in (0, 1]")
-        for name in ("slow_window", "min_dwell", "refresh_every"):
+        for name in ("slow_window", "min_dwell", "refresh_every", "settle"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
-        for name in ("trade_gain", "migrate_gain", "bytes_per_expert", "seconds_per_pair"):
+        for name in ("margin", "trade_gain", "migrate_gain", "bytes_per_expert", "seconds_per_pair"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.bandwidth > 0 or not self.fingerprint_width > 0 or not self.fingerprint_z >= 0:
@@ -177,7 +189,8 @@ def encode_record(record: ProbeRecord) -> torch.Tensor:
 
 def decode_records(rows_RW: torch.Tensor, num_experts: int) -> tuple[tuple[int, ...], torch.Tensor | None]:
     """Exchanged records int32 [R, W] -> (fingerprints_R, load_RE int64 [R, E] or None when W == 2)."""
-    if not isinstance(rows_RW, torch.Tensor) or rows_RW.dim() != 2 or rows_RW.shape[1] not in (2, 2 + num_experts):
+    if (not isinstance(rows_RW, torch.Tensor) or rows_RW.dim() != 2
+            or rows_RW.shape[1] not in (2, 2 + num_experts)):
         got = tuple(rows_RW.shape) if isinstance(rows_RW, torch.Tensor) else type(rows_RW).__name__
         raise ConfigError(f"balancer records must be int32 [R, 2] or [R, {2 + num_experts}], got {got}")
     rows = rows_RW.detach().to("cpu", torch.int32)
@@ -197,6 +210,8 @@ class _State:
     last_negotiation: int = 0
     next_check: int = 0
     regime_start: int = 0
+    settle_at: int | None = None
+    young: bool = True
     counters: dict = field(default_factory=lambda: {"stable": 0, "negotiate": 0, "alarm": 0,
                                                      "trade": 0, "migrate": 0})
 
@@ -260,11 +275,15 @@ class BalanceMachine:
             load_RE = load_RE.detach().to("cpu", torch.int64)
         before = s.believed
         alarm = traded = False
+        act = cfg.threshold - cfg.margin
         if negotiating:
+            if s.young and cfg.settle:  # loads of young EMAs (first step, after an alarm): confirm later
+                s.settle_at = s.step + cfg.settle
+            s.young = False
             s.baseline_R, s.load_RE, s.last_negotiation = fps, load_RE, s.step
             current = self.trade.imbalance(load_RE)
             before = s.believed = current
-            if current > cfg.threshold:
+            if current > act:
                 candidate = plan_trade(load_RE, pl)
                 predicted = candidate.imbalance(load_RE)
                 if predicted <= current - cfg.trade_gain and candidate != self.trade:
@@ -273,10 +292,13 @@ class BalanceMachine:
         else:
             alarm = fps != s.baseline_R
             if alarm:
-                s.regime_start = s.step
+                s.regime_start, s.settle_at, s.young = s.step, None, True
             refresh = cfg.refresh_every and s.step - s.last_negotiation >= cfg.refresh_every
-            next_mode = Mode.NEGOTIATE if alarm or refresh else Mode.STABLE
-        s.above = s.above + 1 if s.believed > cfg.threshold else 0
+            settle = s.settle_at is not None and s.step + 1 >= s.settle_at
+            if settle:
+                s.settle_at = None
+            next_mode = Mode.NEGOTIATE if alarm or refresh or settle else Mode.STABLE
+        s.above = s.above + 1 if s.believed > act else 0
         moved: tuple[int, ...] = ()
         if not alarm and s.load_RE is not None and self._may_migrate():
             moved = self._try_migrate()
@@ -317,6 +339,42 @@ class BalanceMachine:
                 return moved
         s.next_check = s.step + max(cfg.slow_window, 1)
         return ()
+
+    # -- checkpoints
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume identically, as plain ints, floats, strings and lists."""
+        s = self._s
+        return {
+            "num_experts": self.placement.num_experts,
+            "slot_expert_RS": [list(row) for row in self.placement.slot_expert_RS],
+            "quota_RP": [list(row) for row in self.trade.quota_RP],
+            "step": s.step, "mode": s.mode.value,
+            "baseline_R": None if s.baseline_R is None else list(s.baseline_R),
+            "load_RE": None if s.load_RE is None else s.load_RE.tolist(),
+            "believed": s.believed, "above": s.above, "last_migration": s.last_migration,
+            "last_negotiation": s.last_negotiation, "next_check": s.next_check,
+            "regime_start": s.regime_start, "settle_at": s.settle_at, "young": s.young,
+            "counters": dict(s.counters),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output (the config stays this machine's own)."""
+        try:
+            placement = Placement(state["num_experts"], tuple(tuple(r) for r in state["slot_expert_RS"]))
+            trade = TradePlan(placement, tuple(tuple(r) for r in state["quota_RP"]))
+            load = state["load_RE"]
+            s = _State(
+                step=state["step"], mode=Mode(state["mode"]),
+                baseline_R=None if state["baseline_R"] is None else tuple(state["baseline_R"]),
+                load_RE=None if load is None else torch.tensor(load, dtype=torch.int64),
+                believed=state["believed"], above=state["above"], last_migration=state["last_migration"],
+                last_negotiation=state["last_negotiation"], next_check=state["next_check"],
+                regime_start=state["regime_start"], settle_at=state["settle_at"],
+                young=state["young"], counters=dict(state["counters"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"not a BalanceMachine state: {exc!r:.200}") from exc
+        self.placement, self.trade, self._s = placement, trade, s
 
     def __repr__(self) -> str:
         return (f"BalanceMachine(step={self._s.step}, mode={self._s.mode.value}, "

@@ -24,7 +24,7 @@ __all__ = ["QUOTA_ONE", "Placement", "TradePlan"]
 
 _FEW_SPLIT = 8  # assign(): up to this many split experts per source use a one-hot running count
 _QUOTA_BITS = 16
-QUOTA_ONE = 1 << _QUOTA_BITS  # a TradePlan quota of QUOTA_ONE sends all of a (source, expert)'s pairs to one slot
+QUOTA_ONE = 1 << _QUOTA_BITS  # a quota of QUOTA_ONE: all of a (source, expert)'s pairs go to that slot
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,8 +155,9 @@ class TradePlan:
     def __post_init__(self) -> None:
         pl, R, P = self.placement, self.placement.ep_size, self.placement.num_slots
         if len(self.quota_RP) != R or any(len(row) != P for row in self.quota_RP):
+            lengths = sorted({len(r) for r in self.quota_RP})
             raise ConfigError(f"TradePlan.quota_RP must be {R} x {P} (ranks x slots of {pl!r}); got "
-                              f"{len(self.quota_RP)} rows of lengths {sorted({len(r) for r in self.quota_RP})}")
+                              f"{len(self.quota_RP)} rows of lengths {lengths}")
         for r, row in enumerate(self.quota_RP):
             if any(type(q) is not int or not 0 <= q <= QUOTA_ONE for q in row):
                 raise ConfigError(f"TradePlan: quotas of source rank {r} must be ints in [0, {QUOTA_ONE}]")
@@ -241,7 +242,8 @@ class TradePlan:
         counts_E = torch.bincount(sub_M, minlength=self.placement.num_experts)
         if compact_E is not None:  # few split experts: position in the expert = running count - 1
             c_M = compact_E.index_select(0, sub_M).unsqueeze(1)
-            running_MC = (c_M == torch.arange(C, device=c_M.device)).to(torch.int32).cumsum(0, dtype=torch.int32)
+            onehot_MC = (c_M == torch.arange(C, device=c_M.device)).to(torch.int32)
+            running_MC = onehot_MC.cumsum(0, dtype=torch.int32)
             pos_M = running_MC.gather(1, c_M).squeeze(1) - 1
         else:  # many: stable sort by expert, position = index - start of the expert's run
             order_M = torch.argsort(sub_M, stable=True)

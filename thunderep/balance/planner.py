@@ -198,6 +198,32 @@ def _pack(loads: list[float], reps: list[int], R: int, S: int, previous: Placeme
     return sets
 
 
+def _repair(loads: list[float], reps: list[int], previous: Placement) -> Placement:
+    """The fewest-moves candidate: keep `previous` and only retarget redundant slots - each replica an
+    expert gains takes the slot of a replica another expert loses, on the least loaded rank that does
+    not hold the gaining expert yet."""
+    R, S = previous.ep_size, previous.slots_per_rank
+    rows = [list(previous.experts_of(q)) for q in range(R)]
+    have = [0] * len(loads)
+    for row in rows:
+        for e in row:
+            have[e] += 1
+
+    def level(q: int) -> float:
+        return sum(loads[e] / reps[e] for e in rows[q])
+
+    gain = sorted((e for e in range(len(loads)) for _ in range(max(0, reps[e] - have[e]))),
+                  key=lambda e: (-loads[e], e))
+    for e in gain:
+        spare = [(q, s) for q in range(R) for s in range(S) if have[rows[q][s]] > reps[rows[q][s]]]
+        fresh = [(q, s) for q, s in spare if e not in rows[q]] or spare
+        q, s = min(fresh, key=lambda qs: (level(qs[0]), qs))
+        have[rows[q][s]] -= 1
+        rows[q][s] = e
+        have[e] += 1
+    return Placement(previous.num_experts, tuple(tuple(row) for row in rows))
+
+
 def _to_slots(num_experts: int, sets: list[list[int]], S: int, previous: Placement | None) -> Placement:
     """Rank sets -> slots: an expert that stays on a rank keeps its slot; newcomers fill the rest."""
     rows = []
@@ -230,11 +256,12 @@ def plan_placement(load_E: torch.Tensor, ep_size: int, slots_per_rank: int,
 
     1. replicas: each of the P - E redundant slots goes to the expert with the most load per replica;
     2. packing: replicas, heaviest first, onto the least loaded rank with a free slot;
-    3. keep what stays: candidates are `previous` itself, a sticky packing (replicas return to ranks
-       that held them while the rank stays within the plain packing's max load x (1 + tolerance)) and
-       the plain packing; each is scored by its water-filled max rank load (`water_fill`, i.e. after
-       trading), and among those within (1 + tolerance) of the best the one moving the fewest slots
-       wins (ties: previous, sticky, plain). Experts that stay on a rank keep their slot.
+    3. keep what stays: candidates are `previous` itself; a repair of it (only redundant slots change
+       hands, to the experts whose replica count grew); a sticky packing (replicas return to ranks
+       that held them while the rank stays within the plain packing's max load x (1 + tolerance));
+       and the plain packing. Each is scored by its water-filled max rank load (`water_fill`, i.e.
+       after trading); among those within (1 + tolerance) of the best, the one moving the fewest
+       slots wins (ties in that order). Experts that stay on a rank keep their slot.
     """
     for name, v in (("ep_size", ep_size), ("slots_per_rank", slots_per_rank)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -244,7 +271,8 @@ def plan_placement(load_E: torch.Tensor, ep_size: int, slots_per_rank: int,
     E, R, S = load_E.numel(), ep_size, slots_per_rank
     if R * S < E:
         raise ConfigError(f"slots_per_rank ({S}) x ep_size ({R}) = {R * S} slots cannot hold {E} experts")
-    if previous is not None and (previous.num_experts, previous.ep_size, previous.slots_per_rank) != (E, R, S):
+    shape = None if previous is None else (previous.num_experts, previous.ep_size, previous.slots_per_rank)
+    if previous is not None and shape != (E, R, S):
         raise ConfigError(f"previous placement has {previous.num_experts} experts on {previous.ep_size} x "
                           f"{previous.slots_per_rank} slots; the plan is for {E} on {R} x {S}")
     loads = _loads("load_E", load_E, (E,))
@@ -255,7 +283,7 @@ def plan_placement(load_E: torch.Tensor, ep_size: int, slots_per_rank: int,
     plain_max = max(water_fill(loads, plain)[1])
     sticky = _to_slots(E, _pack(loads, reps, R, S, previous, plain_max * (1.0 + tolerance)), S, previous)
     scored = []
-    for i, cand in enumerate((previous, sticky, plain)):
+    for i, cand in enumerate((previous, _repair(loads, reps, previous), sticky, plain)):
         scored.append((max(water_fill(loads, cand)[1]), len(moved_slots(previous, cand)), i, cand))
     best = min(s[0] for s in scored)
     keep = [s for s in scored if s[0] <= best * (1.0 + tolerance) + 1e-12]

@@ -1,0 +1,223 @@
+"""The Stable / Negotiate / Migrate machine on simulated ranks (one probe and one machine per rank)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from thunderep import ConfigError, Placement
+from thunderep.balance.fingerprint import ProbeRecord
+from thunderep.balance.machine import BalanceMachine, BalancerConfig, Mode, decode_records, encode_record
+from thunderep.balance.placement import TradePlan
+from thunderep.balance.planner import plan_placement
+
+PAIRS = 4096
+
+
+def _zipf(E: int, s: float, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.empty(E, dtype=torch.float64)
+    p[torch.randperm(E, generator=gen)] = torch.arange(1, E + 1, dtype=torch.float64) ** -s
+    return p / p.sum()
+
+
+def simulate(p_TE: torch.Tensor, R: int, placement: Placement, config: BalancerConfig = BalancerConfig(),
+             seed: int = 0) -> list:
+    """R ranks, each with its own probe and its own machine; records go through encode / decode like
+    the control plane would carry them. Asserts that every rank takes the same decision every step."""
+    E = p_TE.shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    probes = [config.probe(E) for _ in range(R)]
+    machines = [BalanceMachine(placement, config) for _ in range(R)]
+    decisions = []
+    for p_E in p_TE:
+        words = {m.record_words for m in machines}
+        assert len(words) == 1
+        records = [probe.record(torch.poisson(p_E * PAIRS, generator=gen), machines[r].negotiating)
+                   for r, probe in enumerate(probes)]
+        rows_RW = torch.stack([encode_record(rec) for rec in records])
+        assert rows_RW.shape[1] == words.pop()
+        step = [m.step(*decode_records(rows_RW.clone(), E)) for m in machines]
+        assert all(d == step[0] for d in step[1:]), "ranks disagree"
+        for probe, rec in zip(probes, records):
+            probe.commit(rec, reset=step[0].alarm)
+        decisions.append(step[0])
+    return decisions
+
+
+def test_records_round_trip():
+    for fp in (0, 1, 2**63, 2**64 - 1, 0x0123456789ABCDEF):
+        load = torch.tensor([5, 0, 7], dtype=torch.int32)
+        rec = ProbeRecord(fp, load, torch.zeros(3), torch.zeros(3), 1.0)
+        words = encode_record(rec)
+        assert words.dtype == torch.int32 and words.numel() == 5
+        fps, load_RE = decode_records(torch.stack([words, words]), 3)
+        assert fps == (fp, fp) and load_RE.tolist() == [[5, 0, 7]] * 2
+        stable = encode_record(dataclasses.replace(rec, load_E=None))
+        assert decode_records(stable.view(1, 2), 3) == ((fp,), None)
+    with pytest.raises(ConfigError, match=r"\[R, 2\] or \[R, 5\]"):
+        decode_records(torch.zeros(2, 4, dtype=torch.int32), 3)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_stationary_uniform_trace_stays_stable(R):
+    E = 16
+    placement = plan_placement(torch.ones(E), R, E // R + 1)
+    decisions = simulate(torch.full((300, E), 1.0 / E, dtype=torch.float64), R, placement, seed=R)
+    assert decisions[0].state == "negotiate" and decisions[0].next_mode is Mode.STABLE
+    stable = sum(d.state == "stable" for d in decisions)
+    assert stable >= 0.95 * len(decisions)
+    assert not any(d.migrated or d.traded for d in decisions)
+    assert all(d.record_bytes == 8 for d in decisions if d.state == "stable")
+    assert all(d.record_bytes == 8 + 4 * E for d in decisions if d.state == "negotiate")
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_forced_skew_negotiates_then_migrates(R):
+    E = 8
+    config = BalancerConfig()
+    start = Placement.contiguous(E, R, E // R + 1)
+    hot = 7  # contiguous(...) replicates experts 0.. R-1: expert 7 has a single slot
+    assert len(start.replicas(hot)) == 1
+    p_TE = torch.full((400, E), 1.0 / E, dtype=torch.float64)
+    p_TE[100:] = 0.5 / (E - 1)
+    p_TE[100:, hot] = 0.5
+    decisions = simulate(p_TE, R, start, config, seed=R)
+    before = decisions[:100]
+    assert not any(d.migrated for d in before)
+    alarms = [d.step for d in decisions if d.alarm]
+    assert alarms and 100 <= alarms[0] <= 102
+    assert decisions[alarms[0] + 1].state == "negotiate"
+    assert decisions[alarms[0] + 1].imbalance > config.threshold  # everyone sees the same skew
+    migrations = [d for d in decisions if d.migrated]
+    assert len(migrations) == 1
+    m = migrations[0]
+    assert alarms[0] + config.slow_window <= m.step <= alarms[0] + config.slow_window + 10
+    assert len(m.placement.replicas(hot)) >= 2 and m.moved_slots and m.bytes_moved > 0
+    assert m.predicted <= config.threshold
+    after = decisions[m.step + 20:]
+    assert sum(d.state == "stable" for d in after) >= 0.95 * len(after)
+    assert max(d.imbalance for d in after) <= config.threshold
+
+
+def test_no_oscillation_on_a_stationary_skewed_trace():
+    E, R = 16, 4
+    p_TE = _zipf(E, 1.2).expand(1200, E)
+    decisions = simulate(p_TE, R, plan_placement(torch.ones(E), R, E // R + 1), seed=5)
+    migrations = [d for d in decisions if d.migrated]
+    assert len(migrations) == 1
+    assert sum(d.state == "stable" for d in decisions) >= 0.95 * len(decisions)
+    assert max(d.imbalance for d in decisions[migrations[0].step + 5:]) <= 1.10
+
+
+def test_cost_check_and_dwell():
+    E, R = 8, 2
+    start = Placement.contiguous(E, R, E // R + 1)
+    p_TE = torch.full((300, E), 0.5 / (E - 1), dtype=torch.float64)
+    p_TE[:, 7] = 0.5
+    expensive = BalancerConfig(bytes_per_expert=1e15)  # moving a byte never pays
+    assert not any(d.migrated for d in simulate(p_TE, R, start, expensive))
+    # two shifts 60 steps apart with min_dwell 150: the second migration waits for the dwell
+    config = BalancerConfig(min_dwell=150)
+    first = [d for d in simulate(p_TE[:60], R, start, config) if d.migrated]
+    assert len(first) == 1
+    hot2 = next(e for e in range(E) if len(first[0].placement.replicas(e)) == 1)
+    p_TE = torch.cat([p_TE[:60], torch.full((340, E), 0.5 / (E - 1), dtype=torch.float64)])
+    p_TE[60:, hot2] = 0.5
+    steps = [d.step for d in simulate(p_TE, R, start, config) if d.migrated]
+    assert len(steps) == 2 and steps[1] - steps[0] >= 150
+
+
+def test_lag_one_modes_and_words():
+    E, R = 4, 2
+    machine = BalanceMachine(Placement.contiguous(E, R), BalancerConfig())
+    assert machine.negotiating and machine.record_words == 2 + E
+    load = torch.tensor([[10, 10, 10, 10], [10, 10, 10, 10]])
+    d = machine.step((1, 2), load)
+    assert d.state == "negotiate" and d.next_mode is Mode.STABLE and machine.record_words == 2
+    d = machine.step((1, 2))
+    assert d.state == "stable" and not d.alarm and machine.mode is Mode.STABLE
+    d = machine.step((1, 3))
+    assert d.alarm and machine.negotiating and machine.record_words == 2 + E
+    assert machine.counters == {"stable": 2, "negotiate": 1, "alarm": 1, "trade": 0, "migrate": 0}
+
+
+def test_refresh_every_forces_a_negotiation():
+    machine = BalanceMachine(Placement.contiguous(4, 2), BalancerConfig(refresh_every=3))
+    load = torch.ones(2, 4, dtype=torch.int64)
+    modes = []
+    for _ in range(8):
+        modes.append(machine.step((0, 0), load if machine.negotiating else None).state)
+    assert modes == ["negotiate", "stable", "stable", "stable", "negotiate", "stable", "stable", "stable"]
+
+
+def test_young_loads_are_confirmed_by_a_settle_negotiation():
+    machine = BalanceMachine(Placement.contiguous(4, 2), BalancerConfig(settle=3))
+    load = torch.ones(2, 4, dtype=torch.int64)
+    fps = [(0, 0)] * 5 + [(0, 9)] + [(0, 9)] * 6  # an alarm at step 5; the new baseline is (0, 9)
+    states = [machine.step(fp, load if machine.negotiating else None).state for fp in fps]
+    assert states == ["negotiate", "stable", "stable", "negotiate", "stable", "stable",
+                      "negotiate", "stable", "stable", "negotiate", "stable", "stable"]
+
+
+def test_trade_only_when_over_threshold_and_it_helps():
+    placement = Placement(3, ((0, 2), (1, 2)))
+    machine = BalanceMachine(placement, BalancerConfig())
+    skewed = torch.tensor([[100, 0, 50], [0, 20, 50]])
+    d = machine.step((0, 0), skewed)
+    assert d.traded and d.imbalance > 1.1 and d.predicted == pytest.approx(1.0, abs=1e-4)
+    assert machine.trade != TradePlan.identity(placement) and d.trade == machine.trade
+    machine = BalanceMachine(placement, BalancerConfig())
+    d = machine.step((0, 0), torch.tensor([[50, 0, 50], [0, 50, 50]]))
+    assert not d.traded and d.imbalance == 1.0 and machine.trade == TradePlan.identity(placement)
+
+
+def test_misuse_raises_config_errors():
+    machine = BalanceMachine(Placement.contiguous(4, 2))
+    with pytest.raises(ConfigError, match=r"got 3 fingerprints for an EP group of 2 ranks"):
+        machine.step((0, 0, 0), torch.ones(2, 4))
+    with pytest.raises(ConfigError, match=r"needs the exchanged load_RE \[2, 4\], got None"):
+        machine.step((0, 0))
+    with pytest.raises(ConfigError, match=r"threshold \(0.9\)"):
+        BalancerConfig(threshold=0.9)
+    with pytest.raises(ConfigError, match=r"slow_window must be a non-negative integer, got -1"):
+        BalancerConfig(slow_window=-1)
+    with pytest.raises(ConfigError, match=r"needs a Placement"):
+        BalanceMachine("contiguous")
+
+
+def test_state_dicts_resume_identically():
+    import json
+
+    E, R = 8, 4
+    p_TE = _zipf(E, 1.2).expand(120, E)
+    config = BalancerConfig()
+    start = plan_placement(torch.ones(E), R, E // R + 1)
+    gen = torch.Generator().manual_seed(0)
+    counts = [torch.poisson(p_TE[t].expand(R, E) * PAIRS, generator=gen) for t in range(120)]
+
+    def run(machine, probes, steps):
+        out = []
+        for t in steps:
+            recs = [pr.record(counts[t][r], machine.negotiating) for r, pr in enumerate(probes)]
+            d = machine.step(*decode_records(torch.stack([encode_record(x) for x in recs]), E))
+            for pr, x in zip(probes, recs):
+                pr.commit(x, reset=d.alarm)
+            out.append(d)
+        return out
+
+    machine, probes = BalanceMachine(start, config), [config.probe(E) for _ in range(R)]
+    whole = run(machine, probes, range(120))
+    assert any(d.migrated for d in whole[:60])  # the saved state holds a placement of its own
+    machine, probes = BalanceMachine(start, config), [config.probe(E) for _ in range(R)]
+    run(machine, probes, range(60))
+    saved = json.loads(json.dumps({"m": machine.state_dict(), "p": [p.state_dict() for p in probes]}))
+    machine, probes = BalanceMachine(start, config), [config.probe(E) for _ in range(R)]
+    machine.load_state_dict(saved["m"])
+    for probe, state in zip(probes, saved["p"]):
+        probe.load_state_dict(state)
+    assert run(machine, probes, range(60, 120)) == whole[60:]
+    with pytest.raises(ConfigError, match=r"not a BalanceMachine state"):
+        machine.load_state_dict({"num_experts": 8})
