@@ -56,3 +56,15 @@ def test_projection_formulas():
     slow = project_step(R=4, T=100, K=2, D=10, layers=1, b=2, compute_s=0.0, imbalance=1.0, link=LINKS[1])
     fast = project_step(R=4, T=100, K=2, D=10, layers=1, b=2, compute_s=0.0, imbalance=1.0, link=LINKS[0])
     assert slow["thunderep_s"] > fast["thunderep_s"]   # host-staged costs more than P2P
+
+
+def test_balancer_does_not_change_the_loss_curve():
+    """Same seeds, balancer off vs on (redundant slots, trades, migrations): the same losses."""
+    common = ["--steps", "30", "--batch", "4", "--seq-len", "32", "--hidden", "32", "--eval-batches", "1",
+              "--lr", "1e-2"]
+    off = run_ranks(_run, 2, common, timeout=240)
+    on = run_ranks(_run, 2, common + ["--balance"], timeout=240)
+    import torch
+
+    torch.testing.assert_close(torch.tensor(on[0]["losses"]), torch.tensor(off[0]["losses"]), rtol=1e-4, atol=1e-5)
+    assert on[0]["synctax"]["balancer_states"].get("negotiate", 0) > 0  # the balancer did work

@@ -47,7 +47,7 @@ def run_check(config: LayerConfig, tokens: int, seed: int = 0) -> dict[str, floa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="thunderep demo", description=__doc__)
     parser.add_argument("--nproc", type=int, default=2, help="expert-parallel ranks (default 2)")
-    parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    parser.add_argument("--steps", type=int, default=150, help="training steps (default 150)")
     parser.add_argument("--generate", type=int, default=48, help="bytes to generate after training")
     parser.add_argument("--out", default=None, help="run directory for the sync-tax report and trace")
     args = parser.parse_args(argv)
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     from .train import main as train_main
 
     train_argv = ["--nproc", str(args.nproc), "--steps", str(args.steps), "--generate", str(args.generate),
-                  "--prompt", "The ", "--lr", "1e-2", "--hidden", "64", "--batch", "8", "--seq-len", "64"]
+                  "--prompt", "The ", "--lr", "1e-2", "--hidden", "64", "--batch", "8", "--seq-len", "64",
+                  "--balance", "--temperature", "0.8"]
     if args.out:
         train_argv += ["--out", args.out]
     train_main(train_argv)

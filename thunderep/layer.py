@@ -80,7 +80,7 @@ class ThunderMoELayer(nn.Module):
     """
 
     def __init__(self, config: LayerConfig, *, ep=None, placement: Placement | None = None,
-                 device=None, dtype=None):
+                 balancer=None, device=None, dtype=None):
         super().__init__()
         self.config = config
         self.ep = ep
@@ -96,6 +96,12 @@ class ThunderMoELayer(nn.Module):
             experts_config = replace(experts_config, num_experts=placement.slots_per_rank)
             device = device if device is not None else ep.groups.device
         self.placement = placement
+        # The layer's balancer (a `BalancerConfig` turns it on; EP mode only).
+        self.balancer = None
+        if balancer is not None and ep is not None:
+            from .balance.layer_balancer import LayerBalancer
+
+            self.balancer = LayerBalancer(placement, balancer)
         # This layer's own traffic, loads and times (the runtime's stats hold the totals).
         self.stats = CommStats(ep.groups.ep_size, ep.groups.ep_rank) if ep is not None else None
         self.router = TopKRouter(config.router, device=device, dtype=dtype)
@@ -118,6 +124,19 @@ class ThunderMoELayer(nn.Module):
         for name, value in full.items():
             out[name] = value[local.to(value.device)] if name.startswith("experts.") else value
         return out
+
+    def balance_step(self, optimizer=None):
+        """At a step boundary (after the optimizer step): run the balancer on this step's exchanged
+        records; on a migration decision, move expert weights (and `optimizer`'s state) to the new
+        placement. Collective over the EP group. Returns the `Decision` or None."""
+        if self.balancer is None:
+            return None
+        decision = self.balancer.step()
+        if decision is not None and decision.migrated:
+            from .balance.migrate import migrate_layer
+
+            migrate_layer(self, decision.placement, optimizer)
+        return decision
 
     def forward(self, x: torch.Tensor, *, return_routing: bool = False, mode: str = "auto",
                 replicated: bool = False):
@@ -146,7 +165,7 @@ class ThunderMoELayer(nn.Module):
             ids = routing.ids_TK[start:stop]
             counts = torch.bincount(ids.reshape(-1), minlength=routing.counts_E.numel())
             waves.append(Routing(routing.weights_TK[start:stop], ids, counts, routing.logits_TE[start:stop]))
-        metas = dispatcher.plan(waves, self.placement, self.stats)
+        metas = dispatcher.plan(waves, self.placement, self.stats, self.balancer)
         dispatches = [dispatcher.dispatch_async(x_TD[a:b], m) for (a, b), m in zip(bounds, metas)]
         shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None
         combines = []

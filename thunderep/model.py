@@ -113,12 +113,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: MoEModelConfig, ep=None, placement=None, device=None, dtype=None):
+    def __init__(self, config: MoEModelConfig, ep=None, placement=None, device=None, dtype=None, balancer=None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.self_attn = Attention(config, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.mlp = ThunderMoELayer(config.layer_config(), ep=ep, placement=placement, device=device, dtype=dtype)
+        self.mlp = ThunderMoELayer(config.layer_config(), ep=ep, placement=placement, balancer=balancer,
+                                   device=device, dtype=dtype)
 
     def forward(self, x_BLD: torch.Tensor, **moe_kwargs) -> torch.Tensor:
         x_BLD = x_BLD + self.self_attn(self.input_layernorm(x_BLD))
@@ -130,9 +131,11 @@ class MoETransformer(nn.Module):
 
     ep: an `ExpertParallel` runtime: every rank holds the attention and norms, and its share of the
     experts of every layer (`placements[i]` for layer i, default contiguous blocks).
+    balancer: a `BalancerConfig` to balance every layer (call `balance_step(optimizer)` after each step).
     """
 
-    def __init__(self, config: MoEModelConfig, *, ep=None, placements=None, device=None, dtype=None, seed: int = 0):
+    def __init__(self, config: MoEModelConfig, *, ep=None, placements=None, balancer=None, device=None,
+                 dtype=None, seed: int = 0):
         super().__init__()
         self.config = config
         self.ep = ep
@@ -141,7 +144,7 @@ class MoETransformer(nn.Module):
         placements = placements or [None] * config.num_layers
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ep, placements[i], device, dtype) for i in range(config.num_layers)
+            DecoderLayer(config, ep, placements[i], device, dtype, balancer) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
@@ -178,16 +181,26 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[ThunderMoELayer]:
         return [layer.mlp for layer in self.layers]
 
+    def balance_step(self, optimizer=None) -> list:
+        """Every MoE layer's balancer decision for this step (None where it has none)."""
+        return [layer.balance_step(optimizer) for layer in self.moe_layers()]
+
     @torch.no_grad()
     def generate(self, ids_BL: torch.Tensor, new_tokens: int, *, replicated: bool = True,
-                 on_token=None) -> torch.Tensor:
-        """Greedy decoding (full recompute per token; the model is small). With `replicated`, every
-        rank holds the same prompt and the MoE layers run in latency mode. `on_token(ids_B)` is
-        called with each new token (for streaming)."""
+                 temperature: float = 0.0, seed: int = 0, on_token=None) -> torch.Tensor:
+        """Greedy (temperature 0) or sampled decoding, recomputing the window per token (the model is
+        small). With `replicated`, every rank holds the same prompt and the MoE layers run in latency
+        mode; sampling uses a generator seeded alike on every rank, so all ranks pick the same tokens.
+        `on_token(ids_B)` is called with each new token (for streaming)."""
+        gen = torch.Generator().manual_seed(seed)
         for _ in range(new_tokens):
             window = ids_BL[:, -self.config.max_seq_len:]
-            logits = self(window, replicated=replicated)
-            next_B = logits[:, -1].argmax(dim=-1)
+            logits = self(window, replicated=replicated)[:, -1].float().cpu()
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                next_B = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(ids_BL.device)
+            else:
+                next_B = logits.argmax(dim=-1).to(ids_BL.device)
             ids_BL = torch.cat([ids_BL, next_B[:, None]], dim=1)
             if on_token is not None:
                 on_token(next_B)

@@ -101,6 +101,13 @@ class GradSync:
         self._momentum: list[torch.Tensor] | None = None
         self._pending_delta = None
 
+    def placement_changed(self) -> None:
+        """Rebuild the expert-replica groups after a migration (collective: every rank calls it)."""
+        self._expert_groups = []
+        for layer in self.model.modules():
+            if isinstance(layer, ThunderMoELayer) and layer.ep is not None:
+                self._expert_groups += self._replica_groups(layer)
+
     # -- set-up
 
     def _replica_groups(self, layer: ThunderMoELayer):

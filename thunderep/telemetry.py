@@ -26,16 +26,17 @@ def _totals(stats) -> tuple[dict, dict, int]:
 class SyncTaxMeter:
     """Call `step(step_seconds)` after every optimizer step (or decode step) on each rank."""
 
-    def __init__(self, model, ep=None, sync=None, balancers=None):
+    def __init__(self, model, ep=None, sync=None):
         from .layer import ThunderMoELayer
 
         self.layers = [m for m in model.modules() if isinstance(m, ThunderMoELayer) and m.stats is not None]
-        self.ep, self.sync, self.balancers = ep, sync, balancers
+        self.ep, self.sync = ep, sync
         self.steps: list[dict] = []
         self._last = [_totals(layer.stats) for layer in self.layers]
         self._last_grad = (0, 0.0)
 
-    def step(self, step_seconds: float) -> dict:
+    def step(self, step_seconds: float, decisions=None) -> dict:
+        """Record one step; `decisions`: the layers' balancer decisions of this step (or None)."""
         record = {"step": len(self.steps), "seconds": step_seconds, "layers": []}
         for i, layer in enumerate(self.layers):
             (b0, s0, n0), now = self._last[i], _totals(layer.stats)
@@ -46,7 +47,7 @@ class SyncTaxMeter:
                 "bytes": {op: b1[op] - b0[op] for op in _COMM_OPS},
                 "seconds": {op: s1[op] - s0[op] for op in _COMM_OPS},
                 "imbalance": imbalance, "load_R": loads[-1] if loads else [],
-                "state": self.balancers[i].state if self.balancers else "static",
+                "state": _state(decisions[i] if decisions and i < len(decisions) else None),
             })
             self._last[i] = now
         if self.sync is not None:
@@ -66,6 +67,10 @@ class SyncTaxMeter:
         grad_s = sum(s.get("gradient_seconds", 0.0) for s in steps)
         comm_s = sum(per_op_s.values()) + grad_s
         imbalance = [l["imbalance"] for s in steps for l in s["layers"]]
+        states: dict[str, int] = {}
+        for s in steps:
+            for l in s["layers"]:
+                states[l["state"]] = states.get(l["state"], 0) + 1
         mean_imb = sum(imbalance) / len(imbalance) if imbalance else 1.0
         costs = {"dispatch/combine wait": sum(v for k, v in per_op_s.items() if k != "control"),
                  "control plane": per_op_s["control"], "gradient sync": grad_s}
@@ -74,6 +79,7 @@ class SyncTaxMeter:
             "steps": len(steps), "seconds": total_s, "bytes": {**per_op_b, "gradient": grad_b},
             "seconds_by_op": {**per_op_s, "gradient": grad_s},
             "sync_tax_share": comm_s / total_s, "mean_imbalance": mean_imb, "bottleneck": bottleneck,
+            "balancer_states": states,
             "recommendation": _recommend(bottleneck, mean_imb, comm_s / total_s),
             "per_step": steps,
         }
@@ -99,6 +105,12 @@ class SyncTaxMeter:
         return path
 
 
+def _state(decision) -> str:
+    if decision is None:
+        return "static"
+    return "migrate" if decision.migrated else decision.state
+
+
 def _recommend(bottleneck: str, imbalance: float, share: float) -> str:
     if share < 0.1:
         return "communication is under 10% of step time: add tokens per step or ranks before tuning it"
@@ -122,7 +134,8 @@ def format_report(r: dict) -> str:
         f"  communication in flight (launch to completion, overlap included): {100 * r['sync_tax_share']:.1f}% of step time "
         f"(dispatch+combine {sum(v for k, v in r['seconds_by_op'].items() if k not in ('control', 'gradient')):.2f} s, "
         f"control {r['seconds_by_op']['control']:.3f} s, gradient {r['seconds_by_op']['gradient']:.2f} s)",
-        f"  mean load imbalance (max rank / mean): {r['mean_imbalance']:.2f}",
+        f"  mean load imbalance (max rank / mean): {r['mean_imbalance']:.2f}; balancer layer-steps: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(r.get("balancer_states", {}).items())),
         f"  bottleneck: {r['bottleneck']}",
         f"  recommendation: {r['recommendation']}",
     ]

@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=0, help="every_step sync steps before delta mode")
     p.add_argument("--overlap", action="store_true", help="overlap the delta all-reduce with the next window")
     p.add_argument("--waves", type=int, default=1)
+    p.add_argument("--balance", action="store_true", help="run the Stable/Negotiate/Migrate balancer")
+    p.add_argument("--redundant", type=int, default=1, help="redundant expert slots per rank with --balance")
     p.add_argument("--compression", choices=("none", "bf16", "fp8"), default="none")
     p.add_argument("--data", nargs="*", help="text files (default: Python's bundled reference text)")
     p.add_argument("--eval-batches", type=int, default=8)
@@ -66,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="run directory: metrics.json, sync-tax report, Chrome trace")
     p.add_argument("--generate", type=int, default=0, help="bytes to generate after training")
     p.add_argument("--prompt", default="The ")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -99,7 +102,15 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     config = MoEModelConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_layers=args.layers,
                             num_heads=4, num_kv_heads=2, num_experts=args.experts, top_k=args.top_k,
                             max_seq_len=args.seq_len)
-    model = MoETransformer(config, ep=ep, seed=args.seed)
+    placements, balancer = None, None
+    if args.balance:
+        from .balance import BalancerConfig, plan_placement
+
+        R = ep.groups.ep_size
+        slots = -(-args.experts // R) + args.redundant
+        placements = [plan_placement(torch.ones(args.experts), R, slots)] * args.layers
+        balancer = BalancerConfig()
+    model = MoETransformer(config, ep=ep, placements=placements, balancer=balancer, seed=args.seed)
     sync_config = SyncConfig(mode=args.sync, delta_steps=args.delta_steps, delta_dtype=args.delta_dtype,
                              outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                              warmup_steps=args.warmup, overlap=args.overlap)
@@ -121,8 +132,18 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         optimizer.step()
         schedule.step()
         sync.after_step()
+        decisions = model.balance_step(optimizer) if args.balance else []
+        if any(d is not None and d.migrated for d in decisions):
+            sync.placement_changed()
         losses.append(loss.item())
-        meter.step(time.perf_counter() - step_started)
+        meter.step(time.perf_counter() - step_started, decisions)
+        if rank == 0 and not args.quiet:
+            for i, d in enumerate(decisions):  # the balancer's actions, and alarms over threshold
+                if d is not None and (d.traded or d.migrated or (d.alarm and d.imbalance > balancer.threshold)):
+                    what = ("migrated " + str(len(d.moved_slots)) + " slots" if d.migrated else
+                            "traded" if d.traded else "load changed, negotiating")
+                    print(f"\n  balancer, layer {i}, step {step}: {d.state} -> {d.next_mode.value}: {what} "
+                          f"(imbalance {d.imbalance:.2f} -> predicted {d.predicted:.2f})", flush=True)
         if rank == 0 and not args.quiet and (step % max(1, args.steps // 50) == 0 or step == args.steps):
             rate = tokens_per_step * step / (time.perf_counter() - started)
             imbalance = max(layer["imbalance"] for layer in meter.steps[-1]["layers"])
@@ -155,7 +176,8 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         prompt = torch.tensor([list(args.prompt.encode())], device=device)
         streamed = []
         if rank == 0:
-            print(f"generating {args.generate} bytes after {args.prompt!r} (latency mode, every rank "
+            how = f"sampled at temperature {args.temperature}" if args.temperature > 0 else "greedy"
+            print(f"generating {args.generate} bytes after {args.prompt!r} ({how}, latency mode: every rank "
                   "holds the prompt):\n  ", end="", flush=True)
 
         def show(next_B):
@@ -164,7 +186,7 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
                 print(bytes([streamed[-1]]).decode("latin-1"), end="", flush=True)
 
         model.eval()
-        model.generate(prompt, args.generate, on_token=show)
+        model.generate(prompt, args.generate, temperature=args.temperature, seed=args.seed, on_token=show)
         if rank == 0:
             print()
         metrics["generated"] = bytes(streamed).decode("latin-1")

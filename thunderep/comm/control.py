@@ -4,7 +4,7 @@ Per MoE layer the expert-parallel runtime exchanges split sizes and load fingerp
 rank, latency-critical. `ControlPlane` is the interface; two implementations share it:
 
 * `MailboxControlPlane` - one host: seqlocked slots in POSIX shared memory (`mailbox.Mailbox`),
-  about a microsecond per exchange; a silent peer raises `PeerTimeout` naming its rank and round.
+  a few microseconds per exchange; a silent peer raises `PeerTimeout` naming its rank and round.
 * `CollectiveControlPlane` - any topology: torch.distributed collectives on the given group.
 
 `make_control_plane("auto")` picks the mailbox when every rank of the group is on one host and the
@@ -140,13 +140,23 @@ def _check_record_bytes(record_bytes: object) -> int:
     return record_bytes
 
 
+def _check_timeout(timeout_s: object) -> float:
+    if type(timeout_s) not in (int, float) or not 0 < timeout_s <= 86400:  # type: ignore[operator]
+        raise ConfigError(f"timeout_s ({timeout_s!r}) must be a number of seconds in (0, 86400]")
+    return float(timeout_s)  # type: ignore[arg-type]
+
+
 def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int, torch.device]:
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialized: call torch.distributed."
                           "init_process_group() before creating a control plane")
     backend = str(dist.get_backend(group)).lower()
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    return dist.get_rank(group), dist.get_world_size(group), device
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ConfigError(f"this process (global rank {dist.get_rank()}) is not a member of the group "
+                          f"it builds a control plane for; only members may call it")
+    return rank, dist.get_world_size(group), device
 
 
 def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
@@ -245,16 +255,15 @@ class MailboxControlPlane(ControlPlane):
 
     kind = "mailbox"
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, record_bytes: int = DEFAULT_RECORD_BYTES,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, group: dist.ProcessGroup | None = None, *,
+                 record_bytes: int = DEFAULT_RECORD_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S):
         rank, world, device = _group_info(group)
         super().__init__(rank, world, _check_record_bytes(record_bytes))
-        self._timeout_s = timeout_s
+        self._timeout_s = _check_timeout(timeout_s)
         self._round = 0
         self._failed: BaseException | None = None
         self._mb = self._connect(group, device)
         self._exchange = self._mb.exchange
-        self._address = 0
 
     def _connect(self, group: dist.ProcessGroup | None, device: torch.device) -> Mailbox:
         mb: Mailbox | None = None
@@ -393,8 +402,7 @@ def make_control_plane(kind: str = "auto", group: dist.ProcessGroup | None = Non
     if kind not in ("auto", "mailbox", "collective"):
         raise ConfigError(f"control plane kind ({kind!r}) must be 'auto', 'mailbox' or 'collective'")
     _check_record_bytes(record_bytes)
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 86400:
-        raise ConfigError(f"timeout_s ({timeout_s!r}) must be a number of seconds in (0, 86400]")
+    _check_timeout(timeout_s)
     if kind == "collective":
         return CollectiveControlPlane(group, record_bytes=record_bytes)
     rank, world, device = _group_info(group)

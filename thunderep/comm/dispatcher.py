@@ -166,10 +166,12 @@ class Dispatcher:
 
     # -- planning
 
-    def plan(self, routings: list[Routing], placement: Placement, stats: CommStats | None = None
-             ) -> list[DispatchMeta]:
+    def plan(self, routings: list[Routing], placement: Placement, stats: CommStats | None = None,
+             balancer=None) -> list[DispatchMeta]:
         """Split sizes for each wave's routing, exchanged in one control-plane round. `stats`: a
-        further `CommStats` (e.g. the layer's) that records this step's traffic and rank loads."""
+        further `CommStats` (e.g. the layer's) that records this step's traffic and rank loads.
+        `balancer`: a `LayerBalancer` whose words ride in the same record and whose trade plan picks
+        each pair's replica."""
         R, S = self.groups.ep_size, placement.slots_per_rank
         if placement.ep_size != R:
             raise CommError(f"placement is for {placement.ep_size} ranks but the EP group has {R}")
@@ -177,14 +179,22 @@ class Dispatcher:
         device = routings[0].ids_TK.device
         table_E = placement.slot_table(me, device)
         orders, sends = [], []
+        words = torch.zeros(0, dtype=torch.int32)
+        if balancer is not None:
+            words = balancer.record(sum(r.counts_E for r in routings))
         for routing in routings:
-            slots_N = table_E[routing.ids_TK.reshape(-1)]
+            if balancer is not None:
+                slots_N = balancer.assign(me, routing.ids_TK).to(device)
+            else:
+                slots_N = table_E[routing.ids_TK.reshape(-1)]
             orders.append(torch.argsort(slots_N, stable=True))
             sends.append(torch.bincount(slots_N, minlength=R * S))
         send_WP = torch.stack(sends).to(torch.int32)
         started = time.perf_counter()
+        record = torch.cat([send_WP.reshape(-1).cpu(), words])
         try:
-            all_RWP = self.control.exchange_tensor(send_WP.reshape(-1).cpu()).view(R, len(routings), R * S)
+            rows = self.control.exchange_tensor(record)
+            all_RWP = rows[:, :send_WP.numel()].reshape(R, len(routings), R * S)
         except CommError:
             raise
         except RuntimeError as exc:  # a collective control plane reports peers through torch errors
@@ -192,11 +202,13 @@ class Dispatcher:
                 f"split-size exchange on EP rank {me} failed: a peer died or did not answer within the "
                 f"process group's timeout ({str(exc).splitlines()[0][:200]})"
             ) from exc
+        if balancer is not None:
+            balancer.received(rows[:, send_WP.numel():])
         sinks = (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)
         control_s = time.perf_counter() - started
         load_R = all_RWP.view(R, -1, R, S).sum(dim=(0, 1, 3)).tolist()  # rows each rank's experts get
         for sink in sinks:
-            sink.record("control", [send_WP.numel() * 4 if r != me else 0 for r in range(R)], control_s)
+            sink.record("control", [record.numel() * 4 if r != me else 0 for r in range(R)], control_s)
             sink.loads_R.append(load_R)
         metas = []
         for w, routing in enumerate(routings):

@@ -1,0 +1,64 @@
+"""One MoE layer's balancer as the runtime drives it: a rank-local `LoadProbe` plus the replicated
+`BalanceMachine`, glued to the dispatcher's one control exchange per step.
+
+Per step (see `machine.py` for the protocol):
+  forward   `record(counts_E)` -> int32 words appended to the split-size record; `assign()` picks each
+            pair's replica with the current TradePlan; `received(rows_RW)` keeps every rank's words;
+  boundary  `step()` -> the Decision for the next step (trade plan, maybe a new placement).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .machine import BalanceMachine, BalancerConfig, Decision, decode_records, encode_record
+from .placement import Placement
+
+__all__ = ["LayerBalancer"]
+
+
+class LayerBalancer:
+    def __init__(self, placement: Placement, config: BalancerConfig | None = None, seed: int = 0):
+        self.config = config or BalancerConfig()
+        self.machine = BalanceMachine(placement, self.config)
+        self.probe = self.config.probe(placement.num_experts, seed=seed)
+        self._record = None
+        self._rows_RW: torch.Tensor | None = None
+        self.last: Decision | None = None
+
+    @property
+    def record_words(self) -> int:
+        return self.machine.record_words
+
+    @property
+    def state(self) -> str:
+        return self.machine.mode.value
+
+    def record(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """This step's balancer words (int32 [record_words]); pure, so a recomputed forward is safe."""
+        self._record = self.probe.record(counts_E.detach().to("cpu", torch.int64), self.machine.negotiating)
+        return encode_record(self._record)
+
+    def assign(self, rank: int, ids_TK: torch.Tensor) -> torch.Tensor:
+        return self.machine.trade.assign(rank, ids_TK)
+
+    def received(self, rows_RW: torch.Tensor) -> None:
+        self._rows_RW = rows_RW
+
+    def step(self) -> Decision | None:
+        """Consume this step's exchanged records (None if the layer did not dispatch this step)."""
+        if self._rows_RW is None:
+            return None
+        fingerprints_R, load_RE = decode_records(self._rows_RW, self.machine.placement.num_experts)
+        decision = self.machine.step(fingerprints_R, load_RE)
+        self.probe.commit(self._record, reset=decision.alarm)
+        self._rows_RW = self._record = None
+        self.last = decision
+        return decision
+
+    def state_dict(self) -> dict:
+        return {"machine": self.machine.state_dict(), "probe": self.probe.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.machine.load_state_dict(state["machine"])
+        self.probe.load_state_dict(state["probe"])

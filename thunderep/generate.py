@@ -1,0 +1,226 @@
+"""`thunderep generate`: text generation from a local Hugging Face MoE checkpoint on N expert-parallel ranks.
+
+    thunderep generate --model DIR --ep 2 --prompt "Hello" --max-new-tokens 32
+    thunderep generate --model DIR --ep 4 --prompt "a" --prompt "b" --prompt "c" --prompt "d"
+
+Launches its own N processes on this host (torch.multiprocessing spawn; NCCL with one GPU per rank when
+N GPUs are visible, else gloo on CPU; no torchrun). Each rank loads the replicated weights and only its
+own experts (`ThunderMoE.from_pretrained`). Fewer prompts than ranks: every rank holds all prompts and
+decodes in latency mode (one all-reduce per MoE layer); otherwise the prompts are split across ranks and
+decoded in ep mode (tokens travel to their experts), ranks stepping in lockstep until all have finished.
+Rank 0 streams the first sequence's tokens as they come and reports tokens per second.
+
+Tokenizer: the checkpoint's own when DIR has one, else a byte-level fallback (prompt bytes are token ids,
+modulo the vocabulary size; generated ids print as characters when printable, else as <id>) - enough for
+the tiny random models of tests and demos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+__all__ = ["ByteTokenizer", "StreamPrinter", "encode_batch", "generate_on_rank", "load_tokenizer", "main", "parse_args"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class ByteTokenizer:
+    """Byte-level fallback: UTF-8 bytes are ids (mod vocab_size); printable ids decode to characters."""
+
+    def __init__(self, vocab_size: int, pad_token_id: int = 0):
+        self.vocab_size, self.pad_token_id = vocab_size, pad_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return [b % self.vocab_size for b in text.encode("utf-8")] or [self.pad_token_id]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i) if 32 <= i < 127 else f"<{i}>" for i in (int(t) for t in ids))
+
+
+def load_tokenizer(model_dir: str | os.PathLike, vocab_size: int):
+    """The checkpoint's tokenizer if `model_dir` has one, else a `ByteTokenizer`."""
+    if any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tok.padding_side = "left"
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        return tok
+    return ByteTokenizer(vocab_size)
+
+
+def encode_batch(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded [B, L] input_ids and attention_mask."""
+    seqs = [tokenizer.encode(p) for p in prompts]
+    width = max(len(s) for s in seqs)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
+    return ids, mask
+
+
+class StreamPrinter(BaseStreamer):
+    """A `generate()` streamer: prints sequence 0's new tokens as they arrive and times them."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
+        self.tokens: list[int] = []
+        self.times: list[float] = []
+        self._printed = ""
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # the first call carries the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.tokens.append(int(value.reshape(-1)[0]))
+        text = self.tokenizer.decode(self.tokens)
+        self.out.write(text[len(self._printed):])
+        self.out.flush()
+        self._printed = text
+
+    def end(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def generate_on_rank(args: argparse.Namespace, ep=None, out=None) -> dict | None:
+    """Load `args.model`, generate for this rank's prompts, stream and report on EP rank 0.
+
+    Collective over the EP group of `ep` (None: one process). Returns on EP rank 0 a summary
+    {"texts": [completion per prompt], "tokens": new tokens, "seconds": wall time, "tokens_per_s",
+    "first_token_ms"}, None on the other ranks.
+    """
+    import torch.distributed as dist
+
+    from .hf import ThunderMoE
+
+    out = out or sys.stdout
+    rank, world = (ep.groups.ep_rank, ep.groups.ep_size) if ep is not None else (0, 1)
+    device = ep.groups.device if ep is not None else torch.device(
+        "cuda" if not args.cpu and torch.cuda.is_available() else "cpu")
+    tm = ThunderMoE.from_pretrained(args.model, ep, dtype=args.dtype, device=device)
+    tokenizer = load_tokenizer(args.model, tm.config.get_text_config().vocab_size)
+    latency = args.mode == "latency" or (args.mode == "auto" and len(args.prompt) < world)
+    mine = list(range(len(args.prompt))) if latency else list(range(rank, len(args.prompt), world))
+    ids, mask = encode_batch(tokenizer, [args.prompt[i] for i in mine])
+    streamer = StreamPrinter(tokenizer, out) if rank == 0 else None
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, streamer=streamer,
+               pad_token_id=tokenizer.pad_token_id)
+    if args.temperature > 0:
+        gen["temperature"] = args.temperature
+    torch.manual_seed(args.seed)  # the same sampling stream on every rank (latency mode needs it)
+    if rank == 0:
+        out.write(f"[thunderep] {type(tm.model).__name__}: {len(tm.bindings)} MoE layers, ep={world}, "
+                  f"mode={'latency' if latency else 'ep'}, device={device}; {tm.load_report.summary()}\n"
+                  f"[thunderep] prompt 0: {args.prompt[0]!r}\n")
+        out.flush()
+    if world > 1:  # time generation only, not the slowest rank's loading
+        dist.barrier(group=ep.groups.ep_group)
+    started = time.perf_counter()
+    tokens = tm.generate(ids.to(device), attention_mask=mask.to(device), replicated=latency, **gen)
+    seconds = time.perf_counter() - started
+    eos = tm.model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    texts, count = {}, 0
+    for i, row in zip(mine, tokens[:, ids.shape[1]:].tolist()):
+        stop = next((j for j, t in enumerate(row) if t in eos), None)  # padding follows an end of sequence
+        texts[i] = tokenizer.decode(row[:stop])
+        count += len(row) if stop is None else stop + 1
+    mine_summary = (texts, count if (not latency or rank == 0) else 0, seconds)
+    gathered = [mine_summary]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine_summary, group=ep.groups.ep_group)
+    if rank != 0:
+        return None
+    total, wall = sum(g[1] for g in gathered), max(g[2] for g in gathered)
+    first = (streamer.times[0] - started) * 1e3 if streamer.times else float("nan")
+    summary = {"texts": [next(g[0][i] for g in gathered if i in g[0]) for i in range(len(args.prompt))],
+               "tokens": total, "seconds": wall, "tokens_per_s": total / wall, "first_token_ms": first}
+    for i, text in enumerate(summary["texts"]):
+        out.write(f"[{i}] {args.prompt[i]!r} -> {text!r}\n")
+    out.write(f"[thunderep] {total} new tokens in {wall:.2f} s: {total / wall:.1f} tokens/s (first token after "
+              f"{first:.0f} ms; {wall / max(1, args.max_new_tokens) * 1e3:.1f} ms per step)\n")
+    out.flush()
+    return summary
+
+
+def _rank_main(rank: int, world: int, args: argparse.Namespace, port: int | None) -> None:
+    """One launched rank: its own process group, then `generate_on_rank`."""
+    import torch.distributed as dist
+
+    from .comm.runtime import ExpertParallel
+    from .config import EPConfig
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = "nccl" if not args.cpu and torch.cuda.device_count() >= world else "gloo"
+    ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), rank=rank, world_size=world,
+                             init_method=f"tcp://127.0.0.1:{port}", backend=backend)
+    try:
+        generate_on_rank(args, ep)
+    finally:
+        ep.close()
+        dist.destroy_process_group()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="thunderep generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks to launch on this host")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--mode", choices=("auto", "latency", "ep"), default="auto",
+                   help="auto: latency mode when there are fewer prompts than ranks, else ep mode")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.ep < 1:
+        print(f"thunderep generate: --ep must be at least 1, got {args.ep}", file=sys.stderr)
+        return 2
+    if not Path(args.model).is_dir():
+        print(f"thunderep generate: --model {args.model!r} is not a directory", file=sys.stderr)
+        return 2
+    if args.mode == "ep" and len(args.prompt) < args.ep:
+        print(f"thunderep generate: --mode ep needs at least one prompt per rank ({len(args.prompt)} prompts, "
+              f"{args.ep} ranks)", file=sys.stderr)
+        return 2
+    if args.ep == 1:
+        generate_on_rank(args)
+        return 0
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank_main, args=(args.ep, args, _free_port()), nprocs=args.ep, join=True,
+                       start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""Per-rank loading of a Hugging Face safetensors checkpoint: replicated tensors + this rank's experts.
+
+Shape legend: E experts, S local slots, I intermediate size, D hidden size.
+
+The model is built on the meta device (no memory), wrapped (its experts modules shrink to S slots),
+materialised empty on the target device, and filled from the checkpoint with `safe_open`: replicated
+tensors are read whole, expert tensors only for this rank's experts (a slice of a fused tensor, or the
+per-expert tensors of the local experts; other ranks' experts are never read). Non-persistent buffers
+(rotary frequencies) are recomputed with the model's own `_init_weights`, as transformers does.
+
+Checkpoint names accepted for the experts of layer prefix P (model name `P.experts.gate_up_proj [E, 2I, D]`
+and `P.experts.down_proj [E, D, I]`):
+    fused:       P.experts.gate_up_proj, P.experts.down_proj (and biases), as the model names them
+    per expert:  P.experts.{e}.gate_proj|up_proj|down_proj.weight   (Qwen-MoE, DeepSeek, OLMoE, ... as
+                 transformers 5.x save_pretrained writes them)
+                 P.experts.{e}.w1|w3|w2.weight under `block_sparse_moe` (Mixtral, MiniMax, PhiMoE)
+    GraniteMoE:  block_sparse_moe.input_linear.weight / output_linear.weight
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, UnsupportedModelError
+
+__all__ = ["CheckpointIndex", "LoadReport", "load_pretrained", "peak_rss_bytes", "rss_bytes"]
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_RENAMES = (  # (pattern, replacement) tried one at a time and all together; first that resolves wins
+    (re.compile(r"\.block_sparse_moe\.gate\.weight$"), ".mlp.router.weight"),  # PhiMoE
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),  # Mixtral, MiniMax, PhiMoE
+    (re.compile(r"\.block_sparse_moe\.input_linear\.weight$"), ".block_sparse_moe.experts.gate_up_proj"),
+    (re.compile(r"\.block_sparse_moe\.output_linear\.weight$"), ".block_sparse_moe.experts.down_proj"),
+    (re.compile(r"\.block_sparse_moe\.router\.layer\.weight$"), ".block_sparse_moe.router.weight"),
+)
+_GATE, _UP, _DOWN = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class LoadReport:
+    """What one rank read and holds after `from_pretrained`.
+
+    bytes_read / bytes_total: checkpoint bytes this rank read / all tensor bytes of the checkpoint.
+    expert_bytes / replicated_bytes: this rank's tensors after loading (in the model's dtype).
+    rss_before / rss_after / peak_rss: process resident memory before the weights are materialised (libraries
+        imported, model on the meta device), after loading (checkpoint unmapped), and the process's peak so far
+        (which counts the memory-mapped checkpoint pages this rank touched: about bytes_read).
+    cuda_peak: torch.cuda.max_memory_allocated on this rank's GPU (0 on CPU).
+    unused_keys: checkpoint tensors that match nothing in the model (e.g. old rotary buffers).
+    """
+
+    path: str
+    files: int
+    tensors_read: int
+    bytes_read: int
+    bytes_total: int
+    expert_bytes: int
+    replicated_bytes: int
+    rss_before: int
+    rss_after: int
+    peak_rss: int
+    cuda_peak: int
+    seconds: float
+    unused_keys: list = field(default_factory=list)
+
+    def summary(self) -> str:
+        mb = 1 / 2**20
+        return (f"read {self.bytes_read * mb:.1f} of {self.bytes_total * mb:.1f} MiB ({self.tensors_read} tensors, "
+                f"{self.files} files) in {self.seconds:.2f} s; holds experts {self.expert_bytes * mb:.1f} MiB + "
+                f"replicated {self.replicated_bytes * mb:.1f} MiB; RSS {self.rss_before * mb:.0f} -> "
+                f"{self.rss_after * mb:.0f} MiB, peak {self.peak_rss * mb:.0f} MiB")
+
+
+class CheckpointIndex:
+    """The tensors of a local safetensors checkpoint (single file, sharded with an index, or several files)."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ConfigError(f"checkpoint directory {str(self.path)!r} does not exist (ThunderEP loads local "
+                              "directories only; download the model first)")
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(
+                f"no safetensors weights in {str(self.path)!r} (model.safetensors or model.safetensors.index.json); "
+                "re-save the checkpoint with save_pretrained(..., safe_serialization=True)"
+            )
+        self.file_names = tuple(files)
+        self._handles = {f: safe_open(str(self.path / f), framework="pt", device="cpu") for f in files}
+        self.key_file = {k: f for f, h in self._handles.items() for k in h.keys()}
+
+    @property
+    def files(self) -> int:
+        return len(self.file_names)
+
+    def keys(self) -> list[str]:
+        return list(self.key_file)
+
+    def slice(self, key: str):
+        return self._handles[self.key_file[key]].get_slice(key)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._handles[self.key_file[key]].get_tensor(key)
+
+    def nbytes(self, key: str) -> int:
+        sl = self.slice(key)
+        n = 1
+        for d in sl.get_shape():
+            n *= d
+        return n * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _candidates(key: str, prefix: str) -> list[str]:
+    out = [key]
+    for pattern, repl in _RENAMES:
+        if pattern.search(key):
+            out.append(pattern.sub(repl, key))
+    together = key
+    for pattern, repl in _RENAMES[1:]:
+        together = pattern.sub(repl, together)
+    out.append(together)
+    if prefix:  # a base-model checkpoint loaded into ...ForCausalLM, or the other way round
+        out += [f"{prefix}.{k}" for k in list(out)]
+        out += [k[len(prefix) + 1:] for k in list(out) if k.startswith(prefix + ".")]
+    return list(dict.fromkeys(out))
+
+
+class _Loader:
+    """Fills a materialised, wrapped model from a `CheckpointIndex` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, bindings: dict, index: CheckpointIndex):
+        self.model, self.index = model, index
+        self.targets = model.state_dict(keep_vars=True)
+        self.expert_of = {}  # full tensor name -> (binding, module, tensor name)
+        self.experts_at = {}  # module path -> (binding, module)
+        for path, binding in bindings.items():
+            module = model.get_submodule(path)
+            self.experts_at[path] = (binding, module)
+            for t in binding.tensors:
+                self.expert_of[f"{path}.{t}"] = (binding, module, t)
+        self.prefix = getattr(model, "base_model_prefix", "") or ""
+        self.loaded: set[str] = set()
+        self.parts: dict[str, dict[int, set]] = {}  # expert tensor -> slot -> parts loaded
+        self.bytes_read = self.tensors_read = 0
+        self.unused: list[str] = []
+
+    def run(self) -> None:
+        with torch.no_grad():
+            for key in self.index.keys():
+                if not self._load(key):
+                    self.unused.append(key)
+        self._check_complete()
+
+    def _load(self, key: str) -> bool:
+        for cand in _candidates(key, self.prefix):
+            if cand in self.expert_of:
+                self._load_fused(key, *self.expert_of[cand])
+                return True
+            if cand in self.targets:
+                self._load_whole(key, cand)
+                return True
+            m = _PER_EXPERT.match(cand)
+            if m and f"{m['prefix']}.experts" in self.experts_at:
+                self._load_per_expert(key, m["prefix"] + ".experts", int(m["e"]), m["part"])
+                return True
+        return False
+
+    def _read(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        self.tensors_read += 1
+        return tensor
+
+    def _load_whole(self, key: str, name: str) -> None:
+        target = self.targets[name]
+        shape = tuple(self.index.slice(key).get_shape())
+        if shape != tuple(target.shape):
+            raise ConfigError(f"checkpoint tensor {key!r} has shape {shape} but the model's {name!r} is "
+                              f"{tuple(target.shape)}: config.json does not match the weights")
+        target.copy_(self._read(self.index.tensor(key)))
+        self.loaded.add(name)
+
+    def _load_fused(self, key: str, binding, module, tname: str) -> None:
+        target = getattr(module, tname)
+        sl = self.index.slice(key)
+        shape = tuple(sl.get_shape())
+        if shape[0] != binding.num_experts or shape[1:] != tuple(target.shape[1:]):
+            raise ConfigError(f"checkpoint tensor {key!r} has shape {shape}; expected ({binding.num_experts}, "
+                              f"{', '.join(map(str, target.shape[1:]))}) for {binding.name}.{tname}")
+        local = binding.local_experts
+        s = 0
+        while s < len(local):  # contiguous runs of experts are read with one slice each
+            n = 1
+            while s + n < len(local) and local[s + n] == local[s] + n:
+                n += 1
+            target[s:s + n].copy_(self._read(sl[local[s]:local[s] + n]))
+            s += n
+        name = f"{binding.name}.{tname}"
+        self.parts[name] = {slot: {None} for slot in range(len(local))}
+
+    def _load_per_expert(self, key: str, path: str, e: int, part: str) -> None:
+        binding, module = self.experts_at[path]
+        if not 0 <= e < binding.num_experts:
+            raise ConfigError(f"checkpoint tensor {key!r} names expert {e}, but {path} has {binding.num_experts}")
+        slots = [s for s, x in enumerate(binding.local_experts) if x == e]
+        if part in _DOWN:
+            tname, rows = "down_proj", None
+        elif "gate_up_proj" in binding.tensors:
+            if module.is_transposed or not module.is_concatenated:
+                raise UnsupportedModelError(
+                    f"{binding.class_name} stores gate/up {'transposed' if module.is_transposed else 'interleaved'}; "
+                    f"per-expert checkpoint tensors ({key!r}) cannot be placed into it. Save the checkpoint with "
+                    "fused experts: save_pretrained(..., save_original_format=False)"
+                )
+            tname, rows = "gate_up_proj", ("gate" if part in _GATE else "up")
+        elif part in _UP and "up_proj" in binding.tensors:
+            tname, rows = "up_proj", None
+        else:
+            raise UnsupportedModelError(f"checkpoint tensor {key!r} has no place in {binding.class_name} "
+                                        f"(expert tensors: {', '.join(binding.tensors)})")
+        if not slots:
+            return  # another rank's expert: never read
+        target = getattr(module, tname)
+        value = self._read(self.index.tensor(key))
+        for s in slots:
+            if rows is None:
+                dst = target[s]
+            else:
+                half = target.shape[1] // 2
+                dst = target[s, :half] if rows == "gate" else target[s, half:]
+            if tuple(dst.shape) != tuple(value.shape):
+                raise ConfigError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}; "
+                                  f"{binding.name}.{tname}[{s}] needs {tuple(dst.shape)}")
+            dst.copy_(value)
+            self.parts.setdefault(f"{binding.name}.{tname}", {}).setdefault(s, set()).add(rows)
+
+    def _check_complete(self) -> None:
+        loaded_ptrs = {self.targets[n].data_ptr() for n in self.loaded}
+        missing = []
+        for name, t in self.targets.items():
+            if name in self.expert_of:
+                binding = self.expert_of[name][0]
+                need = {"gate", "up"} if name.endswith("gate_up_proj") else {None}
+                have = self.parts.get(name, {})
+                if any(not (need <= have.get(s, set()) or None in have.get(s, set()))
+                       for s in range(binding.num_slots)):
+                    missing.append(name)
+            elif name not in self.loaded and t.data_ptr() not in loaded_ptrs:  # tied weights share storage
+                missing.append(name)
+        if missing:
+            raise ConfigError(
+                f"checkpoint {str(self.index.path)!r} lacks {len(missing)} tensors the model needs, e.g. "
+                f"{missing[:5]}; unused checkpoint tensors: {self.unused[:5]}"
+            )
+
+
+def _init_non_persistent_buffers(model: nn.Module) -> None:
+    """Recompute non-persistent buffers (rotary frequencies, ...) with the owning model's `_init_weights`."""
+    from transformers import PreTrainedModel
+
+    owners = [(n, m) for n, m in model.named_modules() if isinstance(m, PreTrainedModel)]
+    for name, module in model.named_modules():
+        names = [b for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
+        if not names:
+            continue
+        for b in names:
+            if module._buffers[b].is_floating_point():
+                module._buffers[b].fill_(float("nan"))
+        owner = max((o for o in owners if name == o[0] or name.startswith(o[0] + ".") or o[0] == ""),
+                    key=lambda o: len(o[0]))[1]
+        with torch.no_grad():
+            owner._init_weights(module)
+        for b in names:
+            buf = module._buffers[b]
+            if buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
+                raise UnsupportedModelError(
+                    f"{type(module).__name__}.{b} ({name}) is a non-persistent buffer that "
+                    f"{type(owner).__name__}._init_weights does not recompute; ThunderEP cannot materialise it"
+                )
+
+
+def _resolve_dtype(dtype, config) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
+                    attn_implementation: str | None = None, experts_implementation: str | None = None):
+    """`ThunderMoE.from_pretrained`: build, wrap and fill the model of checkpoint directory `path`.
+
+    dtype: torch dtype or name (default: the checkpoint's `dtype`, else float32). device: default the EP
+    runtime's device, else CPU. model_class: default `AutoModelForCausalLM`. Other keywords as `wrap`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    started = time.perf_counter()
+    path = Path(path)
+    index = CheckpointIndex(path)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if getattr(config, "quantization_config", None):
+        raise UnsupportedModelError(
+            f"{str(path)!r} is a quantized checkpoint ({config.quantization_config.get('quant_method', '?')}); "
+            "load it with transformers' from_pretrained and pass the model to ThunderMoE.wrap"
+        )
+    dtype = _resolve_dtype(dtype, config)
+    device = torch.device(device) if device is not None else (ep.groups.device if ep is not None else torch.device("cpu"))
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        model = (model_class or AutoModelForCausalLM).from_config(config, **kwargs)
+    wrapped = cls.wrap(model, ep, placement=placement, experts_implementation=experts_implementation, move=False)
+    rss_before = rss_bytes()  # libraries imported, model on meta: what follows is the weights
+    model.to_empty(device=device)
+    _init_non_persistent_buffers(model)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    loader = _Loader(model, wrapped.bindings, index)
+    loader.run()
+    if (path / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    model.eval()
+    memory = wrapped.memory()
+    bytes_total = sum(index.nbytes(k) for k in index.keys())
+    index.close()  # unmaps the checkpoint files
+    cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    wrapped.load_report = LoadReport(
+        path=str(path), files=index.files, tensors_read=loader.tensors_read, bytes_read=loader.bytes_read,
+        bytes_total=bytes_total, expert_bytes=memory["expert_bytes"], replicated_bytes=memory["replicated_bytes"],
+        rss_before=rss_before, rss_after=rss_bytes(), peak_rss=peak_rss_bytes(), cuda_peak=cuda_peak,
+        seconds=time.perf_counter() - started, unused_keys=loader.unused,
+    )
+    return wrapped

@@ -1,0 +1,343 @@
+"""`ThunderMoE`: a Hugging Face transformers 5.x MoE model whose routed experts run expert-parallel.
+
+    ep = ExpertParallel.init()                                   # torchrun, or rank=/world_size=/init_method=
+    tm = ThunderMoE.from_pretrained("path/to/checkpoint", ep)    # each rank reads only its experts
+    # or: tm = ThunderMoE.wrap(AutoModelForCausalLM.from_pretrained(...), ep)
+    out = tm(input_ids=ids_BL, labels=ids_BL)                    # ep mode: each rank its own sequences
+    tokens = tm.generate(prompt_1L, replicated=True, max_new_tokens=32)   # latency mode: same prompt everywhere
+
+Wrapping is an explicit call that changes the model in place: every experts module that uses
+transformers' experts interface (`@use_experts_implementation`) keeps only this rank's experts (its
+expert tensors are sliced along the expert dimension) and gets an `ExpertsBinding`; the model's
+`experts_implementation` becomes "thunderep" (registered in `ExpertsInterface`). The Hugging Face router,
+shared experts, dense layers, router-logit recording (`output_router_logits`) and auxiliary loss are
+untouched. Nothing is patched at import.
+
+Modes: "ep" (each rank holds its own tokens; rows travel with all-to-all) and "latency" (every rank
+holds the same tokens, e.g. batch-1 decode; one all-reduce per layer). `mode="auto"` picks latency
+when the caller passes `replicated=True`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..balance.placement import Placement
+from ..errors import ConfigError, UnsupportedModelError
+from .experts import (
+    IMPLEMENTATION,
+    ExpertsBinding,
+    RunState,
+    experts_compute_fn,
+    register_experts_implementation,
+)
+
+__all__ = ["ThunderMoE", "find_experts_modules"]
+
+# Experts classes known not to use the experts interface, and why ThunderEP cannot shard them.
+_KNOWN_UNSUPPORTED = {
+    "DbrxExperts": "its weights are packed as 2-D [E * I, D] tensors `mlp.w1`, `mlp.v1`, `mlp.w2` and its "
+                   "forward does not go through transformers' experts interface",
+    "Llama4TextExperts": "it takes every token for every expert in a dense [E, T, D] layout with the routing "
+                         "weights already applied to its input, not (hidden_states, top_k_index, top_k_weights)",
+    "SwitchTransformersSparseMLP": "its experts are a ModuleDict of separate MLPs with capacity-based top-1 routing",
+    "NllbMoeSparseMLP": "its experts are a ModuleDict of separate MLPs with capacity-based routing",
+}
+
+
+def _uses_experts_interface(module: nn.Module) -> bool:
+    return (all(hasattr(module, a) for a in ("has_gate", "is_transposed", "is_concatenated", "config"))
+            and hasattr(type(module).forward, "__wrapped__"))
+
+
+def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every experts module that uses transformers' experts interface.
+
+    Raises `UnsupportedModelError` naming the class and the reason when the model holds experts
+    ThunderEP cannot shard, or holds no MoE layer at all.
+    """
+    found, unsupported = [], {}  # class -> (reason, paths)
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        reason = None
+        if _uses_experts_interface(module):
+            found.append((name, module))
+        elif cls in _KNOWN_UNSUPPORTED:
+            reason = _KNOWN_UNSUPPORTED[cls]
+        elif "Experts" in cls and "Shared" not in cls and any(True for _ in module.parameters(recurse=False)):
+            reason = ("it does not use transformers' experts interface (@use_experts_implementation), so its "
+                      "tokens cannot be routed to other ranks")
+        elif isinstance(getattr(module, "experts", None), (nn.ModuleList, nn.ModuleDict)):
+            reason = ("its experts are a list of separate modules (the pre-5.0 layout), not packed [E, ...] "
+                      "tensors behind transformers' experts interface")
+        if reason:
+            unsupported.setdefault(cls, (reason, []))[1].append(name)
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} cannot be wrapped by ThunderEP: " + "; ".join(
+                f"{cls} ({len(paths)} modules, e.g. {paths[0]}): {reason}"
+                for cls, (reason, paths) in unsupported.items())
+        )
+    if not found:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no MoE layer whose experts use transformers' experts interface "
+            "(@use_experts_implementation); ThunderEP wraps Mixture-of-Experts models only"
+        )
+    return found
+
+
+def _expert_tensors(name: str, module: nn.Module) -> tuple[int, tuple[str, ...]]:
+    """E and the names of the module's own tensors that hold one entry per expert."""
+    cls = type(module).__name__
+    E = getattr(module, "num_experts", None)
+    if isinstance(E, bool) or not isinstance(E, int) or E <= 0:
+        raise UnsupportedModelError(f"{cls} ({name}) has no integer `num_experts` attribute (got {E!r})")
+    if getattr(module, "_is_expert_parallel", False):
+        raise UnsupportedModelError(
+            f"{cls} ({name}) is already sharded by transformers' own expert parallelism "
+            "(distributed_config / ep_plan); load the model without it and let ThunderEP shard the experts"
+        )
+    names = []
+    own = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+    for tname, t in own:
+        if t is None:
+            continue
+        if t.dim() == 0 or t.shape[0] != E:
+            raise UnsupportedModelError(
+                f"{cls}.{tname} ({name}) has shape {tuple(t.shape)}, not one entry per expert (num_experts={E}); "
+                "ThunderEP shards experts along their first dimension"
+            )
+        names.append(tname)
+    if not names:
+        raise UnsupportedModelError(f"{cls} ({name}) holds no expert tensors")
+    return E, tuple(names)
+
+
+def _slice_experts(module: nn.Module, tensors: tuple[str, ...], local: tuple[int, ...]) -> None:
+    """Keep only the local experts' rows of every expert tensor (a copy; the full tensors are released)."""
+    for tname in tensors:
+        t = getattr(module, tname)
+        idx = torch.tensor(local, dtype=torch.int64, device=t.device)
+        kept = t.detach().index_select(0, idx)
+        if tname in module._parameters:
+            module._parameters[tname] = nn.Parameter(kept, requires_grad=t.requires_grad)
+        else:
+            module._buffers[tname] = kept
+    module.num_experts = len(local)
+
+
+def _set_implementation(model: nn.Module, modules: list[nn.Module]) -> None:
+    register_experts_implementation()
+    setter = getattr(model, "set_experts_implementation", None)
+    error = None
+    if setter is not None:
+        try:
+            setter(IMPLEMENTATION)
+        except (ValueError, KeyError, RuntimeError) as exc:  # fall back to the per-config attribute below
+            error = exc
+    for module in modules:
+        if module.config._experts_implementation != IMPLEMENTATION:
+            module.config._experts_implementation = IMPLEMENTATION
+        if module.config._experts_implementation != IMPLEMENTATION:
+            raise ConfigError(
+                f"could not select the {IMPLEMENTATION!r} experts implementation on {type(module).__name__}'s "
+                f"config ({error or 'the attribute did not change'})"
+            )
+
+
+class ThunderMoE(nn.Module):
+    """A wrapped Hugging Face MoE model (see the module docstring). `model` is the HF model itself.
+
+    bindings: {experts module path: ExpertsBinding}. load_report: a `LoadReport` when built by
+    `from_pretrained`. The caller owns `ep` (create it before, close it after).
+    """
+
+    def __init__(self, model: nn.Module, bindings: dict[str, ExpertsBinding], ep=None, state: RunState | None = None,
+                 load_report=None):
+        super().__init__()
+        self.model = model
+        self.bindings = dict(bindings)
+        self.ep = ep
+        self._state = state or RunState()
+        self.load_report = load_report
+
+    # -- construction
+
+    @classmethod
+    def wrap(cls, model: nn.Module, ep=None, *, placement: Placement | None = None,
+             experts_implementation: str | None = None, move: bool = True) -> "ThunderMoE":
+        """Shard `model`'s experts over `ep` (in place) and route them through ThunderEP.
+
+        ep: an `ExpertParallel` runtime, or None (all experts stay local; nothing moves).
+        placement: which experts each EP rank holds (default: contiguous blocks), the same for every layer.
+        experts_implementation: the Hugging Face computation of the local experts (default: the model's
+            current one, e.g. "grouped_mm"; "eager" = the experts class's own loop).
+        move: move the model to the EP runtime's device (its GPU under NCCL) after slicing.
+        Wrap before creating an optimizer: expert parameters are replaced by their local slices.
+        """
+        if ep is None and placement is not None:
+            raise ConfigError("a placement needs an ExpertParallel runtime (ep=...)")
+        modules = find_experts_modules(model)
+        state = RunState()
+        bindings = {}
+        for name, module in modules:
+            E, tensors = _expert_tensors(name, module)
+            if ep is not None:
+                R = ep.groups.ep_size
+                layer_placement = placement or Placement.contiguous(E, R)
+                if layer_placement.num_experts != E or layer_placement.ep_size != R:
+                    raise ConfigError(
+                        f"placement ({layer_placement.num_experts} experts on {layer_placement.ep_size} ranks) does "
+                        f"not match {name} ({E} experts) and the EP group ({R} ranks)"
+                    )
+                local = layer_placement.experts_of(ep.groups.ep_rank)
+            else:
+                layer_placement, local = None, tuple(range(E))
+            implementation = experts_implementation or module.config._experts_implementation or "grouped_mm"
+            compute = experts_compute_fn(module, implementation)
+            if local != tuple(range(E)):
+                _slice_experts(module, tensors, local)
+            binding = ExpertsBinding(name=name, class_name=type(module).__name__, num_experts=E,
+                                     local_experts=tuple(local), tensors=tensors, compute=compute, state=state,
+                                     ep=ep, placement=layer_placement)
+            module.__dict__["_thunderep"] = binding  # a plain attribute: not a submodule, not in state_dict
+            bindings[name] = binding
+        _set_implementation(model, [m for _, m in modules])
+        if move and ep is not None:
+            device = ep.groups.device
+            first = next(model.parameters(), None)
+            if first is not None and first.device != device and first.device.type != "meta":
+                model.to(device)
+        return cls(model, bindings, ep, state)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, ep=None, **kwargs) -> "ThunderMoE":
+        """Build the model from a local checkpoint directory; this rank reads only its own experts'
+        tensors plus the replicated ones. See `thunderep.hf.load.load_pretrained` for the keywords
+        (dtype, device, placement, model_class, attn_implementation, experts_implementation)."""
+        from .load import load_pretrained
+
+        return load_pretrained(cls, path, ep, **kwargs)
+
+    # -- running
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def mode(self) -> str:
+        return self._state.mode
+
+    @contextlib.contextmanager
+    def running(self, mode: str = "auto", replicated: bool = False):
+        """Run the enclosed calls in `mode` ("ep", "latency", or "auto": latency iff `replicated`)."""
+        if mode not in ("auto", "ep", "latency"):
+            raise ConfigError(f"mode must be one of auto, ep, latency; got {mode!r}")
+        resolved = ("latency" if replicated else "ep") if mode == "auto" else mode
+        previous = self._state.mode
+        self._state.mode = resolved
+        try:
+            yield self
+        finally:
+            self._state.mode = previous
+
+    def forward(self, *args, mode: str = "auto", replicated: bool = False, **kwargs):
+        """The Hugging Face model's forward. replicated=True: every EP rank passes the same inputs."""
+        with self.running(mode, replicated):
+            if self._state.mode == "latency":
+                self._check_replicated(kwargs.get("input_ids", args[0] if args else None))
+            return self.model(*args, **kwargs)
+
+    def generate(self, *args, mode: str = "auto", replicated: bool = False, **kwargs):
+        """The Hugging Face `generate()`, with ranks in lockstep.
+
+        replicated=True (batch-1 decode, every rank the same prompt): latency mode. Otherwise each rank
+        generates for its own sequences in ep mode. Every layer is a collective, so a rank whose
+        sequences have finished keeps stepping until all ranks have (transformers' `synced_gpus`).
+        """
+        if self.ep is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            kwargs.setdefault("synced_gpus", True)
+        with self.running(mode, replicated):
+            if self._state.mode == "latency":
+                self._check_replicated(kwargs.get("input_ids", args[0] if args else None))
+            return self.model.generate(*args, **kwargs)
+
+    def _check_replicated(self, input_ids) -> None:
+        """Latency mode needs the same tokens on every EP rank: compare a cheap checksum (one collective)."""
+        if self.ep is None or self.ep.groups.ep_size == 1 or not isinstance(input_ids, torch.Tensor):
+            return
+        ids = input_ids.detach().to(torch.int64).reshape(-1)
+        pos = torch.arange(1, ids.numel() + 1, device=ids.device)
+        mine = torch.stack([torch.tensor(ids.numel(), device=ids.device), ids.sum(), (ids * pos % 1000003).sum()])
+        lo, hi = mine.clone(), mine.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.ep.groups.ep_group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.ep.groups.ep_group)
+        if not torch.equal(lo, hi):
+            raise ConfigError(
+                f"replicated=True (latency mode) needs the same input_ids on every EP rank, but EP rank "
+                f"{self.ep.groups.ep_rank} holds different ones; pass replicated=False (ep mode) for per-rank batches"
+            )
+
+    # -- parameters and memory
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """This rank's expert shards (their gradients arrive through the all-to-all backward)."""
+        out = []
+        for name, binding in self.bindings.items():
+            module = self.model.get_submodule(name)
+            out += [getattr(module, t) for t in binding.tensors if isinstance(getattr(module, t), nn.Parameter)]
+        return out
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters every rank holds (attention, norms, embeddings, routers, shared experts)."""
+        experts = {id(p) for p in self.expert_parameters()}
+        return [p for p in self.model.parameters() if id(p) not in experts]
+
+    def all_reduce_grads(self, average: bool = True) -> None:
+        """Plain data-parallel gradient sync after backward (collective; every rank calls it).
+
+        Replicated parameters: sum over all ranks. Expert shards: sum over the ranks holding the same
+        experts in other EP groups (the DP group). average=True divides both by the world size, which
+        makes the update that of the mean of the ranks' losses. (`thunderep.sync.GradSync` is the
+        bucketed / overlapped / delta-mode alternative for ThunderEP's own layers.)
+        """
+        if self.ep is None or not dist.is_initialized():
+            return
+        world = dist.get_world_size()
+        groups = ((self.replicated_parameters(), None),
+                  (self.expert_parameters(), self.ep.groups.dp_group if self.ep.groups.dp_size > 1 else False))
+        for params, group in groups:
+            params = [p for p in params if p.requires_grad]
+            if not params:
+                continue
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if group is not False:
+                dist.all_reduce(flat, group=group)
+            if average:
+                flat /= world
+            offset = 0
+            for p, g in zip(params, grads):
+                p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+                offset += g.numel()
+
+    def memory(self) -> dict:
+        """Bytes of this rank's tensors: expert shards, replicated tensors, and the experts per layer."""
+        experts = {id(p) for p in self.expert_parameters()}
+        expert_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if id(p) in experts)
+        total = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        buffers = sum(t.numel() * t.element_size() for t in self.model.buffers())
+        return {"expert_bytes": expert_bytes, "replicated_bytes": total - expert_bytes + buffers,
+                "local_experts": {n: b.local_experts for n, b in self.bindings.items()}}
+
+    def extra_repr(self) -> str:
+        ranks = self.ep.groups.ep_size if self.ep is not None else 1
+        first = next(iter(self.bindings.values()))
+        return (f"moe_layers={len(self.bindings)}, experts={first.num_experts}, ep_size={ranks}, "
+                f"local_experts={len(first.local_experts)}, mode={self.mode}")
