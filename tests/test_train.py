@@ -25,12 +25,6 @@ def test_train_learns_and_counts_sync_bytes(tmp_path):
         assert runs[0]["sync"]["expert_bytes"] == 0
     # 40 steps of fp32 gradients vs 5 bf16 deltas: 16x fewer bytes.
     assert every[0]["sync"]["bytes"] == 16 * delta[0]["sync"]["bytes"]
-
-
-def test_default_corpus_is_real_offline_text():
-    corpus = load_corpus()
-    text = bytes(corpus[:100000].tolist()).decode(errors="replace")
-    assert len(corpus) > 400_000 and " the " in text
     # The sync-tax report sums the same counters the runtime keeps (no second bookkeeping).
     report = every[0]["synctax"]
     assert report["steps"] == 40
@@ -47,6 +41,10 @@ def test_default_corpus_is_real_offline_text():
     assert project([str(tmp_path)]) == 0
 
 
+def test_default_corpus_is_real_offline_text():
+    corpus = load_corpus()
+    text = bytes(corpus[:100000].tolist()).decode(errors="replace")
+    assert len(corpus) > 400_000 and " the " in text
 def test_projection_formulas():
     from thunderep.projection import LINKS, project_step
 
