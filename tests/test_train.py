@@ -34,6 +34,13 @@ def test_train_learns_and_counts_sync_bytes(tmp_path):
     assert len(every[0]["generated"]) == 5 and every[0]["generated"] == every[1]["generated"]
     for name in ("metrics.json", "synctax-rank0.json", "synctax-rank1.json", "trace-rank0.json"):
         assert (tmp_path / name).exists(), name
+    try:
+        import matplotlib  # noqa: F401  (optional: plots only when it is installed)
+
+        assert all((tmp_path / f).exists() for f in ("load_heatmap.png", "imbalance.png", "states.png"))
+    except ImportError:
+        pass
+    assert 0 < report["idle_fraction"] < 1 and report["compute_seconds"] > 0
     from thunderep.projection import main as project
     from thunderep.telemetry import main as report_main
 

@@ -4,7 +4,8 @@ Fed by each `ThunderMoELayer.stats` (dispatch / combine / control bytes and wait
 `ExpertParallel.stats` (latency-mode all-reduces) and `GradSync.stats` (gradient synchronization):
 no second bookkeeping. `SyncTaxMeter.step()` takes the per-step differences; `report()` sums them up
 and names the bottleneck; `save()` writes JSON (and a Chrome / Perfetto trace of the steps);
-`thunderep report RUN_DIR` prints a saved report.
+`thunderep report RUN_DIR` prints a saved report. With matplotlib installed, `save()` also draws
+PNG plots (per-expert load heatmap, imbalance over steps, balancer state timeline).
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import argparse
 import json
 from pathlib import Path
 
-__all__ = ["SyncTaxMeter", "format_report", "main"]
+__all__ = ["SyncTaxMeter", "format_report", "main", "plot"]
 
 _COMM_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "control")
 
 
-def _totals(stats) -> tuple[dict, dict, int]:
+def _totals(stats) -> tuple[dict, dict, dict, int]:
     remote = {op: sum(b for r, b in enumerate(stats.bytes_R[op]) if r != stats.rank) for op in stats.OPS}
-    return remote, dict(stats.seconds), len(stats.loads_R)
+    return remote, dict(stats.seconds), dict(stats.blocked), len(stats.loads_R)
 
 
 class SyncTaxMeter:
@@ -38,15 +39,20 @@ class SyncTaxMeter:
     def step(self, step_seconds: float, decisions=None) -> dict:
         """Record one step; `decisions`: the layers' balancer decisions of this step (or None)."""
         record = {"step": len(self.steps), "seconds": step_seconds, "layers": []}
+        blocked_total = 0.0
         for i, layer in enumerate(self.layers):
-            (b0, s0, n0), now = self._last[i], _totals(layer.stats)
-            b1, s1, n1 = now
+            (b0, s0, w0, n0), now = self._last[i], _totals(layer.stats)
+            b1, s1, w1, n1 = now
             loads = layer.stats.loads_R[n0:n1]
             imbalance = max((max(l) * len(l) / sum(l) for l in loads if sum(l)), default=1.0)
+            blocked = {op: w1[op] - w0[op] for op in _COMM_OPS}
+            blocked_total += sum(blocked.values())
             record["layers"].append({
                 "bytes": {op: b1[op] - b0[op] for op in _COMM_OPS},
                 "seconds": {op: s1[op] - s0[op] for op in _COMM_OPS},
+                "blocked": blocked,
                 "imbalance": imbalance, "load_R": loads[-1] if loads else [],
+                "load_E": layer.stats.loads_E[n1 - 1] if n1 > n0 else [],
                 "state": _state(decisions[i] if decisions and i < len(decisions) else None),
             })
             self._last[i] = now
@@ -55,6 +61,10 @@ class SyncTaxMeter:
             record["gradient_bytes"] = total_b - self._last_grad[0]
             record["gradient_seconds"] = total_s - self._last_grad[1]
             self._last_grad = (total_b, total_s)
+            blocked_total += record["gradient_seconds"]
+        # Idle: time this rank sat blocked waiting for peers; compute: the rest of the step.
+        record["idle_seconds"] = blocked_total
+        record["compute_seconds"] = max(0.0, step_seconds - blocked_total)
         self.steps.append(record)
         return record
 
@@ -79,6 +89,8 @@ class SyncTaxMeter:
             "steps": len(steps), "seconds": total_s, "bytes": {**per_op_b, "gradient": grad_b},
             "seconds_by_op": {**per_op_s, "gradient": grad_s},
             "sync_tax_share": comm_s / total_s, "mean_imbalance": mean_imb, "bottleneck": bottleneck,
+            "idle_fraction": sum(s.get("idle_seconds", 0.0) for s in steps) / total_s,
+            "compute_seconds": sum(s.get("compute_seconds", 0.0) for s in steps),
             "balancer_states": states,
             "recommendation": _recommend(bottleneck, mean_imb, comm_s / total_s),
             "per_step": steps,
@@ -94,15 +106,64 @@ class SyncTaxMeter:
             events.append({"name": f"step {s['step']}", "ph": "X", "ts": t * 1e6, "dur": s["seconds"] * 1e6,
                            "pid": rank, "tid": 0})
             inner = t
-            for i, layer in enumerate(s["layers"]):
+            for i, layer in enumerate(s["layers"]):  # communication in flight, and blocked waits
                 for op, sec in layer["seconds"].items():
                     if sec > 0:
-                        events.append({"name": f"layer {i} {op}", "ph": "X", "ts": inner * 1e6,
+                        events.append({"name": f"layer {i} {op} in flight", "ph": "X", "ts": inner * 1e6,
                                        "dur": sec * 1e6, "pid": rank, "tid": 1})
+                        blocked = layer["blocked"][op]
+                        if blocked > 0:
+                            events.append({"name": f"layer {i} {op} blocked", "ph": "X",
+                                           "ts": (inner + sec - blocked) * 1e6, "dur": blocked * 1e6,
+                                           "pid": rank, "tid": 2})
                         inner += sec
             t += s["seconds"]
         (run_dir / f"trace-rank{rank}.json").write_text(json.dumps({"traceEvents": events}))
+        if rank == 0:
+            plot(self.steps, run_dir)
         return path
+
+
+def plot(steps: list[dict], run_dir: Path) -> list[Path]:
+    """PNG plots when matplotlib is installed: per-expert load heatmap (layer 0), imbalance over steps,
+    balancer state timeline. Returns the files written (none without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    if not steps or not steps[0]["layers"]:
+        return []
+    out = []
+    loads = [s["layers"][0]["load_E"] for s in steps if s["layers"][0]["load_E"]]
+    if loads:
+        fig, ax = plt.subplots(figsize=(8, 3))
+        ax.imshow(list(map(list, zip(*loads))), aspect="auto", cmap="viridis", interpolation="nearest")
+        ax.set(xlabel="step", ylabel="expert", title="layer 0: (token, k) pairs per expert")
+        out.append(run_dir / "load_heatmap.png")
+        fig.savefig(out[-1], dpi=100, bbox_inches="tight")
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(8, 3))
+    for i in range(len(steps[0]["layers"])):
+        ax.plot([s["layers"][i]["imbalance"] for s in steps], label=f"layer {i}")
+    ax.set(xlabel="step", ylabel="max / mean rank load", title="load imbalance")
+    ax.legend()
+    out.append(run_dir / "imbalance.png")
+    fig.savefig(out[-1], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    states = sorted({l["state"] for s in steps for l in s["layers"]})
+    fig, ax = plt.subplots(figsize=(8, 2 + 0.3 * len(steps[0]["layers"])))
+    for i in range(len(steps[0]["layers"])):
+        ax.scatter(range(len(steps)), [i] * len(steps), c=[states.index(s["layers"][i]["state"]) for s in steps],
+                   cmap="tab10", vmin=0, vmax=9, marker="s", s=12)
+    ax.set(xlabel="step", ylabel="layer", title="balancer state: " + ", ".join(
+        f"{k} = C{j}" for j, k in enumerate(states)))
+    out.append(run_dir / "states.png")
+    fig.savefig(out[-1], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return out
 
 
 def _state(decision) -> str:
@@ -134,6 +195,8 @@ def format_report(r: dict) -> str:
         f"  communication in flight (launch to completion, overlap included): {100 * r['sync_tax_share']:.1f}% of step time "
         f"(dispatch+combine {sum(v for k, v in r['seconds_by_op'].items() if k not in ('control', 'gradient')):.2f} s, "
         f"control {r['seconds_by_op']['control']:.3f} s, gradient {r['seconds_by_op']['gradient']:.2f} s)",
+        f"  idle (blocked waiting for peers): {100 * r.get('idle_fraction', 0.0):.1f}% of step time; compute "
+        f"{r.get('compute_seconds', 0.0):.2f} s",
         f"  mean load imbalance (max rank / mean): {r['mean_imbalance']:.2f}; balancer layer-steps: "
         + ", ".join(f"{k} {v}" for k, v in sorted(r.get("balancer_states", {}).items())),
         f"  bottleneck: {r['bottleneck']}",

@@ -52,18 +52,21 @@ class CommStats:
         self.bytes_R = {op: [0] * self.world for op in self.OPS}
         self.seconds = {op: 0.0 for op in self.OPS}
         self.calls = {op: 0 for op in self.OPS}
+        self.blocked = {op: 0.0 for op in self.OPS}  # seconds this rank sat blocked in wait()
         self.loads_R: list[list[int]] = []  # rows each EP rank's experts computed, per plan() call
+        self.loads_E: list[list[int]] = []  # (token, k) pairs per logical expert, all ranks, per plan()
 
     def imbalance(self) -> float:
         """Mean over recorded steps of max rank load / mean rank load (1.0 = perfectly even)."""
         values = [max(l) * len(l) / sum(l) for l in self.loads_R if sum(l)]
         return sum(values) / len(values) if values else 1.0
 
-    def record(self, op: str, sent_R: list[int], seconds: float) -> None:
+    def record(self, op: str, sent_R: list[int], seconds: float, blocked: float | None = None) -> None:
         row = self.bytes_R[op]
         for r, b in enumerate(sent_R):
             row[r] += b
         self.seconds[op] += seconds
+        self.blocked[op] += seconds if blocked is None else blocked
         self.calls[op] += 1
 
     def remote_bytes(self, op: str | None = None) -> int:
@@ -73,7 +76,7 @@ class CommStats:
 
     def snapshot(self) -> dict:
         return {"rank": self.rank, "bytes_R": {k: list(v) for k, v in self.bytes_R.items()},
-                "seconds": dict(self.seconds), "calls": dict(self.calls),
+                "seconds": dict(self.seconds), "blocked": dict(self.blocked), "calls": dict(self.calls),
                 "remote_bytes": self.remote_bytes(), "loads_R": [list(l) for l in self.loads_R],
                 "imbalance": self.imbalance()}
 
@@ -120,6 +123,7 @@ class Pending:
     def wait(self) -> torch.Tensor:
         d = self._d
         if self._work is not None:
+            blocked_from = time.perf_counter()
             try:
                 self._work.wait(timeout=datetime.timedelta(seconds=d.groups.timeout_s))
             except RuntimeError as exc:
@@ -131,9 +135,9 @@ class Pending:
             if self._out is not self._wire:
                 with torch.no_grad():
                     self._out.copy_(d.codec.decode(self._wire, self._out.dtype))
-            elapsed = time.perf_counter() - self._started
+            now = time.perf_counter()
             for sink in self._sinks:
-                sink.record(self._op, self._sent_R, elapsed)
+                sink.record(self._op, self._sent_R, now - self._started, now - blocked_from)
         return self._out if self._finish is None else self._finish(self._out)
 
 
@@ -206,10 +210,14 @@ class Dispatcher:
             balancer.received(rows[:, send_WP.numel():])
         sinks = (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)
         control_s = time.perf_counter() - started
-        load_R = all_RWP.view(R, -1, R, S).sum(dim=(0, 1, 3)).tolist()  # rows each rank's experts get
+        slot_load_P = all_RWP.sum(dim=(0, 1))  # rows each global slot's expert gets this step
+        load_R = slot_load_P.view(R, S).sum(dim=1).tolist()
+        load_E = torch.zeros(placement.num_experts, dtype=torch.int64).index_add_(
+            0, placement.slot_experts_P, slot_load_P.to(torch.int64)).tolist()
         for sink in sinks:
             sink.record("control", [record.numel() * 4 if r != me else 0 for r in range(R)], control_s)
             sink.loads_R.append(load_R)
+            sink.loads_E.append(load_E)
         metas = []
         for w, routing in enumerate(routings):
             recv_RS = all_RWP[:, w, me * S:(me + 1) * S].to(torch.int64)
