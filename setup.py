@@ -9,6 +9,7 @@ use if a compiler appears later in a source checkout).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
@@ -69,12 +70,15 @@ class OptionalBuildExt(build_ext):
             self.extensions = all_exts
 
 
-try:
-    import cffi  # noqa: F401  (build requirement; absent only with --no-build-isolation)
-except ImportError as exc:
-    _warn(f"cffi is not importable at build time: {exc}")
-    _cffi_modules: list[str] = []
+_cffi_modules: list[str] = []
+if not Path(__file__).with_name("native").joinpath("build_mailbox.py").is_file():
+    _warn("native/build_mailbox.py is missing from this source tree")
 else:
-    _cffi_modules = ["native/build_mailbox.py:ffibuilder"]
+    try:
+        import cffi  # noqa: F401  (build requirement; absent only with --no-build-isolation)
+    except ImportError as exc:
+        _warn(f"cffi is not importable at build time: {exc}")
+    else:
+        _cffi_modules = ["native/build_mailbox.py:ffibuilder"]
 
 setup(cmdclass={"build_ext": OptionalBuildExt}, cffi_modules=_cffi_modules)

@@ -100,7 +100,8 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
         '#include "mailbox.h"\n',
         sources=[_path(NATIVE_DIR / "mailbox.c", relative_paths)],
         include_dirs=[_path(NATIVE_DIR, relative_paths)],
-        depends=[_path(NATIVE_DIR / "mailbox.h", relative_paths)],
+        # Rebuild when the header or this builder changes (also puts both into source distributions).
+        depends=[_path(NATIVE_DIR / name, relative_paths) for name in ("mailbox.h", "build_mailbox.py")],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         libraries=["rt"] if sys.platform.startswith("linux") else [],
         py_limited_api=True,  # the same file name (.abi3.so) however it is built

@@ -29,8 +29,7 @@
 #define tep_pause() atomic_signal_fence(memory_order_seq_cst)
 #endif
 
-_Static_assert(ATOMIC_LLONG_LOCK_FREE == 2, "the mailbox needs lock-free 64-bit atomics");
-_Static_assert(ATOMIC_INT_LOCK_FREE == 2, "the mailbox needs lock-free 32-bit atomics");
+_Static_assert(ATOMIC_LLONG_LOCK_FREE == 2 && ATOMIC_INT_LOCK_FREE == 2, "needs lock-free atomics");
 
 /* ---- shared layout (offsets are part of the format; bump TEP_VERSION when they change) ---- */
 
@@ -79,9 +78,8 @@ struct tep_mailbox {
     uint64_t size;
     tep_header *hdr;
     uint32_t world, rank, slot_size, cell_stride, slot_stride;
-    uint64_t generation, last_round, own_seq[2];
-    uint64_t spin_ns, yield_ns, sleep_max_ns;
-    uint64_t my_pidns;
+    uint64_t generation, last_round, own_seq[2], external_round;
+    uint64_t spin_ns, yield_ns, sleep_max_ns, my_pidns;
 };
 
 static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
@@ -201,11 +199,12 @@ static int check_open(const char *name, uint32_t world, uint32_t rank, uint32_t 
 static void default_backoff(tep_mailbox *mb) {
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     int oversubscribed = cpus > 0 && (long)mb->world > cpus;
-    /* With more ranks than cores a spinning (or yielding) waiter steals the core its peer needs:
-     * give the core up early, and sleep once a wait gets long. */
-    mb->spin_ns = oversubscribed ? 2000ull : 50000ull;
-    mb->yield_ns = oversubscribed ? 200000ull : 1000000ull;
-    mb->sleep_max_ns = oversubscribed ? 50000ull : 100000ull;
+    /* A peer that is not there within tens of microseconds is computing or descheduled: block
+     * rather than burn the core (with more ranks than cores, the core the peer needs). Blocked
+     * waiters are woken by publishes, so naps can be long: short ones only add wake-ups. */
+    mb->spin_ns = oversubscribed ? 2000ull : 20000ull;
+    mb->yield_ns = oversubscribed ? 200000ull : 100000ull;
+    mb->sleep_max_ns = 10000000ull;
 }
 
 /* Claim `rank` in a mapped segment. Takes ownership of the mapping (unmapped on failure). */
@@ -395,6 +394,7 @@ int tep_collect(tep_mailbox *mb, uint64_t round, void *out, uint32_t out_stride,
             if (rs == READ_OK) {
                 done[r] = 1;
                 --remaining;
+                if (r == mb->rank && round == mb->external_round) wake_waiters(mb->hdr); /* GPU wrote it */
             } else if (rs != READ_NOT_YET) {
                 fill_peer(mb, r, d);
                 if (d) d->found = found, d->waited_ns = now_ns() - t0;
@@ -474,7 +474,7 @@ int tep_reserve_external(tep_mailbox *mb, uint64_t round, tep_cell_layout *layou
     *seq_even = mb->own_seq[round & 1u];
     *generation = mb->generation;
     mb->own_seq[round & 1u] += 2;
-    mb->last_round = round;
+    mb->last_round = mb->external_round = round;
     atomic_store_explicit(&rank_info(mb, mb->rank)->last_round, round, memory_order_relaxed);
     return TEP_OK;
 }

@@ -136,8 +136,9 @@ uint32_t tep_slot_size(const tep_mailbox *mb);
 int tep_peer_info(const tep_mailbox *mb, uint32_t rank, tep_diag *diag);
 
 /* Polling schedule: spin with a pause instruction for spin_ns, then sched_yield until yield_ns, then
- * block for at most sleep_max_ns at a time (the bound after which records written without a wake-up,
- * e.g. by a CUDA stream, are noticed). Defaults depend on world size vs online CPUs. */
+ * block until a publish or close wakes the waiter, at most sleep_max_ns at a time. A record written
+ * by a CUDA stream wakes nobody itself; its rank's own collect wakes the others when it sees it.
+ * Defaults depend on world size vs online CPUs. */
 void tep_set_backoff(tep_mailbox *mb, uint64_t spin_ns, uint64_t yield_ns, uint64_t sleep_max_ns);
 
 /* Bytes of a segment for world_size ranks of slot_size-byte records (a multiple of 4096). */

@@ -1,6 +1,6 @@
 """Control-plane latency, side by side in one run: mailbox vs gloo all_gather vs gloo all_to_all_single.
 
-    python -m thunderep.comm.bench_control [--worlds 2 4] [--sizes 8 256] [--markdown]
+    python -m thunderep.comm.bench_control [--worlds 2 4] [--sizes 8 256] [--pin] [--markdown]
 
 For each world size, that many processes are spawned on this host with a gloo process group. Each
 rank times every call of:
@@ -10,6 +10,8 @@ rank times every call of:
                  `size` bytes from every rank (how split sizes are usually exchanged).
 Methods alternate in blocks so drift affects them alike; latencies of all ranks are pooled, and the
 table gives median and p99 per call and the ratio of each gloo median to the mailbox median.
+`--pin` binds rank r to core r mod cores (all methods alike), so that the scheduler cannot stack the
+ranks on one core.
 """
 
 from __future__ import annotations
@@ -58,12 +60,15 @@ def _time_calls(fn, iters: int) -> list[float]:
 
 
 def _rank_main(rank: int, world: int, port: int, sizes: list[int], iters: dict[str, int], blocks: int,
-               backoff: tuple[float, float, float] | None, results: mp.Queue) -> None:
+               backoff: tuple[float, float, float] | None, pin: bool, results: mp.Queue) -> None:
     import torch.distributed as dist
 
     from .control import make_control_plane
 
     torch.set_num_threads(1)
+    if pin and hasattr(os, "sched_setaffinity"):  # rank r on core r mod cores, for every method alike
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
@@ -101,7 +106,7 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], iters: dict[s
 
 
 def run(world: int, sizes: list[int], iters: dict[str, int], blocks: int = 2,
-        backoff: tuple[float, float, float] | None = None,
+        backoff: tuple[float, float, float] | None = None, pin: bool = False,
         timeout_s: float = 600.0) -> dict[str, dict[str, float]]:
     """Spawn `world` ranks and return {"method/size": {"median_us", "p99_us", "n"}}."""
     for s in sizes:
@@ -112,8 +117,9 @@ def run(world: int, sizes: list[int], iters: dict[str, int], blocks: int = 2,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, iters, blocks, backoff, results),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, world, port, sizes, iters, blocks, backoff, pin, results))
+             for r in range(world)]
     for p in procs:
         p.start()
     got: dict[int, object] = {}
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=3, help="alternating blocks per method")
     ap.add_argument("--backoff", type=float, nargs=3, metavar=("SPIN_US", "YIELD_US", "SLEEP_MAX_US"),
                     help="mailbox polling schedule (default: chosen from ranks vs cores)")
+    ap.add_argument("--pin", action="store_true", help="pin rank r to core r mod cores")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     ap.add_argument("--json", help="also write the raw statistics to this file")
     args = ap.parse_args(argv)
@@ -182,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     all_stats = {}
     for world in args.worlds:
         t0 = time.perf_counter()
-        all_stats[world] = run(world, args.sizes, iters, blocks=args.blocks, backoff=args.backoff)
+        all_stats[world] = run(world, args.sizes, iters, blocks=args.blocks, backoff=args.backoff,
+                               pin=args.pin)
         print(f"[{world} ranks done in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     print(hardware_line())
     print(_table(all_stats, args.sizes, args.markdown))
