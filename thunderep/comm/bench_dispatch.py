@@ -107,7 +107,12 @@ def _bench_rank(rank, world, args, queue):
     torch.manual_seed(100 + rank)
     x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype, requires_grad=True)  # hidden states
     g = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
-    methods = {"thunderep_a2a": lambda: layer(x), "allgather_rs": lambda: allgather_forward(layer, x)}
+    # The same layer with its split sizes through collectives instead of the runtime's control plane.
+    ep_collective = ExpertParallel(ep.groups, EPConfig(control="collective", waves=args.waves))
+    layer_collective = ThunderMoELayer(config, ep=ep_collective, dtype=dtype)
+    layer_collective.load_state_dict(layer.state_dict())
+    methods = {"thunderep_a2a": lambda: layer(x), "allgather_rs": lambda: allgather_forward(layer, x),
+               "a2a_collective_control": lambda: layer_collective(x)}
     times = {name: [] for name in methods}
     for it in range(args.warmup + args.iters):
         for name, fn in methods.items():  # interleaved, so drift hits both alike
@@ -138,7 +143,9 @@ def _bench_rank(rank, world, args, queue):
         lossy.close()
     layer.ep = ep
     ep.close()
-    queue.put((rank, times, a2a_bytes, errors))
+    kind = ep.control.kind
+    ep_collective.close()
+    queue.put((rank, times, a2a_bytes, errors, kind))
     dist.destroy_process_group()
 
 
@@ -156,12 +163,13 @@ def run(world: int, args) -> dict:
     results.sort()
     iters = len(results[0][1]["thunderep_a2a"])
     step = {name: statistics.median(max(r[1][name][i] for r in results) for i in range(iters))
-            for name in ("thunderep_a2a", "allgather_rs")}
+            for name in ("thunderep_a2a", "allgather_rs", "a2a_collective_control")}
     element = 2 if args.device == "cuda" else 4
     baseline_bytes = 4 * (world - 1) * args.tokens * args.hidden * element  # x gather + RS, fwd and bwd
     baseline_bytes += 2 * (world - 1) * args.tokens * args.top_k * (element + 8)  # weights + ids gathers
     codec_error = {c: [max(r[3][c][i] for r in results) for i in range(2)] for c in ("bf16", "fp8")}
     return {"ranks": world, "a2a_ms": step["thunderep_a2a"] * 1e3, "ag_ms": step["allgather_rs"] * 1e3,
+            "a2a_coll_ms": step["a2a_collective_control"] * 1e3, "control": results[0][4],
             "a2a_bytes": statistics.mean(r[2]["none"] for r in results), "ag_bytes": baseline_bytes,
             "codec_bytes": {c: statistics.mean(r[2][c] for r in results) for c in ("bf16", "fp8")},
             "codec_error": codec_error}
@@ -204,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{world:>5} | {r['a2a_ms']:8.2f} | {r['ag_ms']:12.2f} | {r['ag_ms'] / r['a2a_ms']:9.2f}x | "
               f"{r['a2a_bytes'] / 1e6:11.3f} | {r['ag_bytes'] / 1e6:17.3f} | "
               f"{r['ag_bytes'] / r['a2a_bytes']:10.2f}x")
+    print("\nsplit sizes through the runtime's control plane vs through collectives (same layer, same run):")
+    print(f"{'ranks':>5} | {'control plane':>13} | {'step ms':>8} | {'collective ms':>13} | {'ratio':>6}")
+    for r in rows:
+        print(f"{r['ranks']:>5} | {r['control']:>13} | {r['a2a_ms']:8.2f} | {r['a2a_coll_ms']:13.2f} | "
+              f"{r['a2a_coll_ms'] / r['a2a_ms']:5.2f}x")
     print("\npayload compression (dispatch, combine and their gradients), against the uncompressed run:")
     print(f"{'ranks':>5} | {'codec':>5} | {'MB/rank':>8} | {'bytes ratio':>11} | {'max rel err y':>13} | "
           f"{'max rel err dx':>14}")
