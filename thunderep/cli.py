@@ -10,6 +10,7 @@ __all__ = ["main"]
 # subcommand -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS = {
     "demo": ("thunderep.demo", "run the main demo on this machine (CPU or GPU)"),
+    "generate": ("thunderep.generate", "generate text from a local HF MoE checkpoint on N expert-parallel ranks"),
     "train": ("thunderep.train", "expert-parallel training of a byte-level MoE model on local text"),
     "bench": ("thunderep.bench", "benchmarks, baseline and candidate side by side"),
     "report": ("thunderep.telemetry", "print the sync-tax report of a run directory"),

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +31,13 @@ from torch import nn
 
 from ..errors import ConfigError, UnsupportedModelError
 
-__all__ = ["CheckpointIndex", "LoadReport", "load_pretrained", "peak_rss_bytes", "rss_bytes"]
+__all__ = ["CheckpointIndex", "LoadReport", "load_pretrained", "rss_bytes"]
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
-_PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
 _RENAMES = (  # (pattern, replacement) tried one at a time and all together; first that resolves wins
     (re.compile(r"\.block_sparse_moe\.gate\.weight$"), ".mlp.router.weight"),  # PhiMoE
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),  # Mixtral, MiniMax, PhiMoE
@@ -48,15 +49,10 @@ _GATE, _UP, _DOWN = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
 
 
 def rss_bytes() -> int:
-    """This process's resident memory now."""
+    """This process's resident memory now (memory-mapped file pages it touched included)."""
     import psutil
 
     return psutil.Process().memory_info().rss
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (Linux reports kilobytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass
@@ -66,8 +62,9 @@ class LoadReport:
     bytes_read / bytes_total: checkpoint bytes this rank read / all tensor bytes of the checkpoint.
     expert_bytes / replicated_bytes: this rank's tensors after loading (in the model's dtype).
     rss_before / rss_after / peak_rss: process resident memory before the weights are materialised (libraries
-        imported, model on the meta device), after loading (checkpoint unmapped), and the process's peak so far
-        (which counts the memory-mapped checkpoint pages this rank touched: about bytes_read).
+        imported, model on the meta device), after loading (checkpoint unmapped), and its peak while loading
+        (sampled after every checkpoint tensor; it counts the memory-mapped checkpoint pages this rank
+        touched, about bytes_read, which are shared page cache the kernel can drop).
     cuda_peak: torch.cuda.max_memory_allocated on this rank's GPU (0 on CPU).
     unused_keys: checkpoint tensors that match nothing in the model (e.g. old rotary buffers).
     """
@@ -175,12 +172,14 @@ class _Loader:
         self.parts: dict[str, dict[int, set]] = {}  # expert tensor -> slot -> parts loaded
         self.bytes_read = self.tensors_read = 0
         self.unused: list[str] = []
+        self.peak_rss = rss_bytes()
 
     def run(self) -> None:
         with torch.no_grad():
             for key in self.index.keys():
                 if not self._load(key):
                     self.unused.append(key)
+                self.peak_rss = max(self.peak_rss, rss_bytes())
         self._check_complete()
 
     def _load(self, key: str) -> bool:
@@ -337,7 +336,9 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
             "load it with transformers' from_pretrained and pass the model to ThunderMoE.wrap"
         )
     dtype = _resolve_dtype(dtype, config)
-    device = torch.device(device) if device is not None else (ep.groups.device if ep is not None else torch.device("cpu"))
+    if device is None:
+        device = ep.groups.device if ep is not None else "cpu"
+    device = torch.device(device)
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -361,7 +362,7 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     wrapped.load_report = LoadReport(
         path=str(path), files=index.files, tensors_read=loader.tensors_read, bytes_read=loader.bytes_read,
         bytes_total=bytes_total, expert_bytes=memory["expert_bytes"], replicated_bytes=memory["replicated_bytes"],
-        rss_before=rss_before, rss_after=rss_bytes(), peak_rss=peak_rss_bytes(), cuda_peak=cuda_peak,
+        rss_before=rss_before, rss_after=rss_bytes(), peak_rss=loader.peak_rss, cuda_peak=cuda_peak,
         seconds=time.perf_counter() - started, unused_keys=loader.unused,
     )
     return wrapped

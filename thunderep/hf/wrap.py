@@ -259,7 +259,9 @@ class ThunderMoE(nn.Module):
 
         replicated=True (batch-1 decode, every rank the same prompt): latency mode. Otherwise each rank
         generates for its own sequences in ep mode. Every layer is a collective, so a rank whose
-        sequences have finished keeps stepping until all ranks have (transformers' `synced_gpus`).
+        sequences have finished keeps stepping until all ranks have (transformers' `synced_gpus`, over
+        the default process group: every rank of the world must call generate). Sampling in latency
+        mode needs the same seed on every rank (torch.manual_seed) so that the ranks pick the same tokens.
         """
         if self.ep is not None and dist.is_initialized() and dist.get_world_size() > 1:
             kwargs.setdefault("synced_gpus", True)

@@ -1,0 +1,232 @@
+"""Wrapped Hugging Face MoE models on 1, 2 and 4 EP ranks (real processes, gloo, CPU) against the plain
+transformers model: logits, router logits and aux loss, greedy generation (latency and ep mode, ranks
+finishing at different steps) and training losses.
+
+One spawn of 4 processes runs every case (process start-up dominates): EP groups of size 1, 2 and 4
+are built inside the same world (4 x 1 and 2 x 2 groups run data-parallel over the others). Each
+rank holds rows [2r, 2r + 2) of a global batch; the reference runs the unwrapped model on the same rows
+(or on the whole batch for training, whose loss is the mean of the ranks' losses).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_ranks
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+WORLD = 4
+ROWS, SEQ = 2, 6  # sequences per rank, prompt length
+CHECKPOINTS = {  # family -> fused expert tensors in the checkpoint (else transformers' per-expert names)
+    "mixtral": False,
+    "qwen3_moe": True,
+    "deepseek_v3": False,
+}
+WRAPPED = ("qwen2_moe", "gpt_oss", "glm4_moe")  # built in memory and wrapped, ep_size 4
+TRAIN_STEPS = 3
+PROMPTS = ["Hello", "MoE on PCIe", "abc", "x", "expert parallel"]
+
+
+def _batch(world: int, seed: int = 5) -> torch.Tensor:
+    from hf_tiny import V
+
+    return torch.randint(3, V, (ROWS * world, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(model, rank, world, train_model):
+    """The unwrapped model's outputs on this rank's rows, generation, and full-batch training losses."""
+    x = _batch(world)
+    mine = x[ROWS * rank:ROWS * (rank + 1)]
+    out = {}
+    with torch.no_grad():
+        o = model(input_ids=mine, output_router_logits=True)
+        out["logits"] = o.logits
+        router = getattr(o, "router_logits", None)
+        out["router_logits"] = torch.stack([r.float() for r in router]) if router else None
+        out["aux_loss"] = getattr(o, "aux_loss", None)
+        out["latency_logits"] = model(input_ids=x).logits
+    out["gen_latency"] = model.generate(x[:1], max_new_tokens=5, do_sample=False)
+    out["gen_ep"] = model.generate(mine, max_new_tokens=2 + rank, do_sample=False)
+    if train_model is not None:
+        opt = torch.optim.SGD(train_model.parameters(), lr=0.1)
+        losses = []
+        train_model.train()
+        for _ in range(TRAIN_STEPS):
+            opt.zero_grad()
+            loss = train_model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        out["train_losses"] = torch.stack(losses)
+    return out
+
+
+def _ours(tm, rank, world, train: bool):
+    import torch.distributed as dist
+
+    x = _batch(world)
+    mine = x[ROWS * rank:ROWS * (rank + 1)]
+    out = {}
+    with torch.no_grad():
+        o = tm(input_ids=mine, output_router_logits=True)
+        out["logits"] = o.logits
+        router = getattr(o, "router_logits", None)
+        out["router_logits"] = torch.stack([r.float() for r in router]) if router else None
+        out["aux_loss"] = getattr(o, "aux_loss", None)
+        out["latency_logits"] = tm(input_ids=x, replicated=True).logits
+    out["gen_latency"] = tm.generate(x[:1], replicated=True, max_new_tokens=5, do_sample=False)
+    out["gen_ep"] = tm.generate(mine, max_new_tokens=2 + rank, do_sample=False)  # ranks finish at different steps
+    if train:
+        opt = torch.optim.SGD(tm.parameters(), lr=0.1)
+        losses = []
+        tm.train()
+        for _ in range(TRAIN_STEPS):
+            opt.zero_grad()
+            loss = tm(input_ids=mine, labels=mine).loss
+            (loss / world).backward()  # grads of the mean of the ranks' losses
+            tm.all_reduce_grads(average=False)
+            opt.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean / world)
+        out["train_losses"] = torch.stack(losses)
+        tm.eval()
+    return out
+
+
+def _run_cases(rank, world, checkpoints):
+    import copy
+    import io
+
+    from hf_tiny import tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from thunderep import EPConfig, Placement
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.generate import generate_on_rank, parse_args
+    from thunderep.hf import ThunderMoE
+
+    torch.manual_seed(0)
+    results = {}
+    eps = {size: ExpertParallel(init_expert_parallel(size), EPConfig(control="collective", waves=size // 2 + 1))
+           for size in (1, 2, 4)}  # 1, 2 and 3 waves
+    for family, path in checkpoints.items():
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()
+        want = _reference(ref, rank, world, copy.deepcopy(ref))
+        for size, ep in eps.items():
+            tm = ThunderMoE.from_pretrained(path, ep)
+            got = _ours(tm, rank, world, train=True)
+            report = tm.load_report
+            got["memory"] = (report.bytes_read, report.bytes_total, report.expert_bytes, report.replicated_bytes)
+            got["local_experts"] = next(iter(tm.bindings.values())).local_experts
+            results[family, size] = (got, want)
+    # Redundant slots: 4 ranks x 3 slots hold 8 experts, 4 of them twice (a replica on the token's own rank
+    # is used first in ep mode, the first replica in latency mode).
+    tm = ThunderMoE.from_pretrained(checkpoints["mixtral"], eps[4], placement=Placement.contiguous(8, 4, 3))
+    results["mixtral_replicas", 4] = (_ours(tm, rank, world, train=False), results["mixtral", 4][1])
+    for family in WRAPPED:
+        model = tiny_model(family, seed=3)
+        want = _reference(model, rank, world, None)
+        tm = ThunderMoE.wrap(copy.deepcopy(model), eps[4])
+        results[family, 4] = (_ours(tm, rank, world, train=False), want)
+    for size, prompts in ((2, ["Hello"]), (4, PROMPTS)):  # latency mode (1 prompt), ep mode (5 prompts)
+        args = parse_args(["--model", checkpoints["mixtral"], "--max-new-tokens", "5", "--cpu"]
+                          + [a for p in prompts for a in ("--prompt", p)])
+        results["cli", size] = generate_on_rank(args, eps[size], out=io.StringIO())
+    for ep in eps.values():
+        ep.close()
+    return results
+
+
+_CACHE: dict = {}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    if "results" not in _CACHE:
+        from hf_tiny import save_tiny
+
+        root = tmp_path_factory.mktemp("hf_ep")
+        checkpoints = {f: save_tiny(f, root / f, seed=1, fused=fused) for f, fused in CHECKPOINTS.items()}
+        per_rank = run_ranks(_run_cases, WORLD, checkpoints, timeout=300, dist_timeout=120)
+        _CACHE["results"], _CACHE["checkpoints"] = per_rank, checkpoints
+    return _CACHE["results"]
+
+
+def _close(got, want, what, rtol=1e-5, atol=1e-5):
+    if want is None:
+        assert got is None, what
+        return
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+CASES = [(f, s) for f in CHECKPOINTS for s in (1, 2, 4)] + [(f, 4) for f in WRAPPED + ("mixtral_replicas",)]
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("family,ep_size", CASES, ids=[f"{f}-ep{s}" for f, s in CASES])
+def test_logits_router_logits_and_aux_loss_equal_hf(results, family, ep_size):
+    for rank, per_rank in enumerate(results):
+        got, want = per_rank[family, ep_size]
+        for key in ("logits", "latency_logits", "router_logits", "aux_loss"):
+            _close(got[key], want[key], f"rank {rank} {family} ep{ep_size} {key}")
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("family,ep_size", CASES, ids=[f"{f}-ep{s}" for f, s in CASES])
+def test_greedy_generation_equals_hf(results, family, ep_size):
+    for rank, per_rank in enumerate(results):
+        got, want = per_rank[family, ep_size]
+        assert torch.equal(got["gen_latency"], want["gen_latency"]), (rank, got["gen_latency"], want["gen_latency"])
+        assert torch.equal(got["gen_ep"], want["gen_ep"]), (rank, got["gen_ep"], want["gen_ep"])
+        assert got["gen_ep"].shape[1] == SEQ + 2 + rank  # each rank stopped at its own length
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("family", sorted(CHECKPOINTS))
+@pytest.mark.parametrize("ep_size", [1, 2, 4])
+def test_training_losses_equal_hf(results, family, ep_size):
+    for rank, per_rank in enumerate(results):
+        got, want = per_rank[family, ep_size]
+        _close(got["train_losses"], want["train_losses"], f"rank {rank} {family} ep{ep_size} losses")
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("family", sorted(CHECKPOINTS))
+def test_each_rank_reads_only_its_experts(results, family):
+    """Per rank: expert bytes held = all experts / ep_size; checkpoint bytes read = replicated + its share."""
+    full = {}
+    for ep_size in (1, 2, 4):
+        for rank, per_rank in enumerate(results):
+            got, _ = per_rank[family, ep_size]
+            read, total, experts, replicated = got["memory"]
+            full.setdefault("experts", experts * ep_size)
+            assert experts * ep_size == full["experts"], (family, ep_size, rank)
+            assert read == total - full["experts"] + experts, (family, ep_size, rank, read, total, experts)
+            slots = len(got["local_experts"])
+            assert got["local_experts"] == tuple(range((rank % ep_size) * slots, (rank % ep_size + 1) * slots))
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_generate_command_on_ranks_equals_one_process(results, tmp_path, ep_size):
+    """`thunderep generate`'s per-rank body (latency mode on 2 ranks, ep mode over 4) prints and returns
+    the same completions as one process."""
+    import io
+
+    from thunderep.generate import generate_on_rank, parse_args
+
+    prompts = ["Hello"] if ep_size == 2 else PROMPTS
+    path = _CACHE["checkpoints"]["mixtral"]
+    args = parse_args(["--model", path, "--max-new-tokens", "5"] + [a for p in prompts for a in ("--prompt", p)])
+    want = generate_on_rank(args, out=io.StringIO())
+    for rank, per_rank in enumerate(results):
+        got = per_rank["cli", ep_size]
+        if rank % ep_size:
+            assert got is None
+            continue
+        assert got["texts"] == want["texts"] and got["tokens"] == want["tokens"] > 0
+        assert got["tokens_per_s"] > 0

@@ -1,0 +1,47 @@
+"""`thunderep generate`: the byte-level tokenizer, argument checks, and a real launch of its own ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from thunderep.generate import ByteTokenizer, encode_batch, main  # noqa: E402
+
+
+def test_byte_tokenizer_round_trip_and_left_padding():
+    tok = ByteTokenizer(vocab_size=256)
+    assert tok.decode(tok.encode("MoE, PCIe!")) == "MoE, PCIe!"
+    assert ByteTokenizer(vocab_size=96).encode("a") == [ord("a") % 96]
+    assert tok.decode([7, 300]) == "<7><300>"
+    ids, mask = encode_batch(tok, ["ab", "abcd"])
+    assert ids.tolist() == [[0, 0, 97, 98], [97, 98, 99, 100]]
+    assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+
+
+def test_bad_arguments_exit_with_2(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert main(["--model", str(tmp_path), "--prompt", "x", "--ep", "0"]) == 2
+    assert main(["--model", str(tmp_path), "--prompt", "x", "--ep", "2", "--mode", "ep"]) == 2
+    err = capsys.readouterr().err
+    assert "not a directory" in err and "at least 1" in err and "one prompt per rank" in err
+
+
+@pytest.mark.world_size(2)
+def test_generate_launches_its_own_ranks_and_streams(tmp_path, capfd):
+    """--ep 2 spawns two ranks (gloo), each loading half of the experts; output equals --ep 1."""
+    from hf_tiny import save_tiny
+
+    path = save_tiny("mixtral", tmp_path / "ckpt", seed=1)
+    args = ["--model", path, "--prompt", "Hello", "--prompt", "MoE", "--max-new-tokens", "5", "--cpu"]
+    assert main(args) == 0
+    one = capfd.readouterr().out
+    assert main(args + ["--ep", "2"]) == 0
+    two = capfd.readouterr().out
+    assert "ep=2, mode=ep" in two and "tokens/s" in two
+    completions = [[line for line in out.splitlines() if line.startswith("[0] ") or line.startswith("[1] ")]
+                   for out in (one, two)]
+    assert completions[0] == completions[1] and len(completions[0]) == 2
+    assert torch.cuda.is_available() or "device=cpu" in two

@@ -1,0 +1,141 @@
+"""`ThunderMoE.wrap` / `from_pretrained` in one process: every supported family against the plain
+transformers model, the checkpoint names transformers writes, and the errors for what cannot run.
+
+(The multi-rank equality tests are in test_hf_ep.py.)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from hf_tiny import FAMILIES, UNSUPPORTED, V, save_tiny, tiny_config, tiny_model  # noqa: E402
+
+from thunderep.errors import ConfigError, UnsupportedModelError  # noqa: E402
+from thunderep.hf import IMPLEMENTATION, ThunderMoE, find_experts_modules  # noqa: E402
+
+
+def _ids(seed=3, rows=2, seq=7):
+    return torch.randint(3, V, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_wrap_routes_every_moe_layer_through_thunderep_and_equals_hf(family):
+    model = tiny_model(family, seed=1)
+    ref = copy.deepcopy(model)
+    n_experts = len(find_experts_modules(model))
+    tm = ThunderMoE.wrap(model)
+    assert model.config._experts_implementation == IMPLEMENTATION
+    assert len(tm.bindings) == n_experts > 0
+    x = _ids()
+    with torch.no_grad():
+        want = ref(input_ids=x, output_router_logits=True)
+        got = tm(input_ids=x, output_router_logits=True)
+    assert all(b.calls["local"] == 1 for b in tm.bindings.values())  # every MoE layer went through ThunderEP
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
+    for key in ("aux_loss", "router_logits"):
+        a, b = getattr(got, key, None), getattr(want, key, None)
+        if b is None:
+            continue
+        if key == "router_logits":
+            a, b = torch.stack([t.float() for t in a]), torch.stack([t.float() for t in b])
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_training_step_through_wrapped_model_equals_hf():
+    model = tiny_model("deepseek_v3", seed=2)
+    ref = copy.deepcopy(model).train()
+    tm = ThunderMoE.wrap(model).train()
+    x = _ids(rows=3)
+    losses = []
+    for m in (ref, tm):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", sorted(UNSUPPORTED))
+def test_unsupported_models_raise_naming_class_and_reason(family):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config(family))
+    expected = {"dbrx": "DbrxExperts.*packed", "llama4": "Llama4TextExperts.*dense",
+                "llama": "LlamaForCausalLM has no MoE layer"}[family]
+    with pytest.raises(UnsupportedModelError, match=expected):
+        ThunderMoE.wrap(model)
+
+
+def test_wrapping_twice_and_bad_placement_are_config_errors():
+    from thunderep import Placement
+
+    model = tiny_model("mixtral")
+    ThunderMoE.wrap(model)
+    with pytest.raises(ConfigError, match="already"):
+        ThunderMoE.wrap(model)
+    with pytest.raises(ConfigError, match="placement needs"):
+        ThunderMoE.wrap(tiny_model("mixtral"), placement=Placement.contiguous(8, 2))
+    with pytest.raises(ConfigError, match="mode must be"):
+        ThunderMoE.wrap(tiny_model("mixtral"))(input_ids=_ids(), mode="fast")
+
+
+def test_save_pretrained_writes_per_expert_names_and_both_load(tmp_path):
+    """transformers 5.x save_pretrained reverts its conversion mapping: Mixtral is saved as
+    block_sparse_moe.experts.{e}.w1/w2/w3, Qwen3-MoE / DeepSeek-V3 as mlp.experts.{e}.gate_proj/...;
+    save_original_format=False keeps the fused experts.gate_up_proj / down_proj."""
+    from safetensors import safe_open
+
+    def keys(path):
+        with safe_open(f"{path}/model.safetensors", "pt") as f:
+            return set(f.keys())
+
+    mixtral = keys(save_tiny("mixtral", tmp_path / "m"))
+    assert "model.layers.0.block_sparse_moe.experts.7.w3.weight" in mixtral
+    qwen = keys(save_tiny("qwen3_moe", tmp_path / "q"))
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in qwen
+    fused = keys(save_tiny("qwen3_moe", tmp_path / "qf", fused=True))
+    assert "model.layers.1.mlp.experts.gate_up_proj" in fused
+    assert not any(".experts.0." in k for k in fused)
+
+
+@pytest.mark.parametrize("family,fused,shard", [("mixtral", False, None), ("qwen3_moe", True, None),
+                                                ("deepseek_v3", False, "40KB"), ("gpt_oss", True, None),
+                                                ("granitemoe", False, None), ("phimoe", False, None)])
+def test_from_pretrained_equals_transformers_from_pretrained(tmp_path, family, fused, shard):
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny(family, tmp_path, seed=4, fused=fused, max_shard_size=shard)
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    tm = ThunderMoE.from_pretrained(path)
+    report = tm.load_report
+    assert report.bytes_read == report.bytes_total and not report.unused_keys
+    assert (report.files > 1) == (shard is not None)
+    x = _ids(seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(tm(input_ids=x).logits, ref(input_ids=x).logits, rtol=1e-5, atol=1e-6)
+    for (n, a), (m, b) in zip(tm.model.state_dict().items(), ref.state_dict().items()):
+        assert n == m and torch.equal(a, b), n
+    assert torch.equal(tm.generate(x[:1], max_new_tokens=4, do_sample=False),
+                       ref.generate(x[:1], max_new_tokens=4, do_sample=False))
+
+
+def test_incomplete_checkpoint_and_missing_directory_are_config_errors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny("mixtral", tmp_path / "m")
+    tensors = load_file(f"{path}/model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="lacks 1 tensors.*layers.1.mlp.experts.gate_up_proj"):
+        ThunderMoE.from_pretrained(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        ThunderMoE.from_pretrained(tmp_path / "nowhere")
