@@ -152,6 +152,8 @@ class GradSync:
 
     @property
     def syncing_grads(self) -> bool:
+        if self.world == 1:  # one rank: nothing to average
+            return False
         return self.config.mode == "every_step" or self.step < self.config.warmup_steps
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -196,7 +198,7 @@ class GradSync:
                     offset += n
                 bucket.ready, bucket.flat, bucket.work = 0, None, None
             self._next_launch = 0
-        elif self._anchor is None:  # the first delta window starts with this step's parameters
+        elif self._anchor is None and self.world > 1:  # the first delta window starts with this step's parameters
             self._anchor = [p.detach().clone() for p in self.replicated]
             self._momentum = [torch.zeros_like(p) for p in self._anchor]
         self._sync_experts()
@@ -220,7 +222,8 @@ class GradSync:
         """Call after the optimizer step: counts steps and runs the outer step at window ends."""
         self.step += 1
         c = self.config
-        if c.mode == "delta" and self.step > c.warmup_steps and (self.step - c.warmup_steps) % c.delta_steps == 0:
+        if (c.mode == "delta" and self.world > 1 and self.step > c.warmup_steps
+                and (self.step - c.warmup_steps) % c.delta_steps == 0):
             self._outer_step()
         self.stats.end_step()
 
