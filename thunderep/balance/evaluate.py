@@ -55,6 +55,8 @@ def _zipf(E: int, s: float, gen: torch.Generator) -> torch.Tensor:
 def make_trace(kind: str, E: int, steps: int, seed: int = 0, drift_every: int = 250):
     """The per-step expert distribution of a trace: returns p_TE float64 [steps, E] (rows sum to 1)."""
     gen = torch.Generator().manual_seed(seed)
+    if kind.startswith("recorded="):
+        return recorded_trace(kind.split("=", 1)[1], E, steps)
     if kind == "uniform":
         return torch.full((steps, E), 1.0 / E, dtype=torch.float64)
     if kind.startswith("zipf"):
@@ -80,6 +82,23 @@ def make_trace(kind: str, E: int, steps: int, seed: int = 0, drift_every: int = 
             p_TE[t:t + length, e] += 0.25
             t += length
     raise ValueError(f"unknown trace {kind!r}; one of {', '.join(TRACES)}")
+
+
+def recorded_trace(run_dir: str, E: int, steps: int):
+    """Per-step expert distributions recorded by `thunderep train --out RUN_DIR` (every MoE layer's
+    (token, k) pairs per expert, summed over ranks, one step after another, layers in turn), cycled
+    to `steps`. A real model's routing on real text, as it changed while the model trained."""
+    import json
+    from pathlib import Path
+
+    report = json.loads((Path(run_dir) / "synctax-rank0.json").read_text())
+    rows = [layer["load_E"] for layer_i in range(len(report["per_step"][0]["layers"]))
+            for step in report["per_step"] for layer in [step["layers"][layer_i]] if layer["load_E"]]
+    if not rows or len(rows[0]) != E:
+        raise ValueError(f"{run_dir}: recorded loads have {len(rows[0]) if rows else 0} experts, not {E}")
+    loads = torch.tensor(rows, dtype=torch.float64)
+    p_TE = loads / loads.sum(dim=1, keepdim=True)
+    return p_TE[torch.arange(steps) % p_TE.shape[0]]
 
 
 @dataclass
@@ -252,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairs", type=int, default=8192, help="(token, k) pairs per rank per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=100, help="steps left out of 'balanced (warm)'")
-    parser.add_argument("--traces", default=",".join(TRACES))
+    parser.add_argument("--traces", default=",".join(TRACES),
+                        help="comma-separated; also recorded=RUN_DIR (a `thunderep train --out` run)")
     parser.add_argument("--experts", default="8,16,64")
     parser.add_argument("--ranks", default="2,4")
     args = parser.parse_args(argv)
@@ -267,8 +287,9 @@ def main(argv: list[str] | None = None) -> None:
                        [int(v) for v in args.ranks.split(",")], steps=args.steps, pairs=args.pairs,
                        seed=args.seed, warmup=args.warmup, config=config)
     print(_table(results))
-    print(f"\nTargets (threshold {config.threshold}):")
-    print("\n".join(_targets(results, config)))
+    if all(t in TRACES for t in args.traces.split(",")):  # the targets are stated for the synthetic traces
+        print(f"\nTargets (threshold {config.threshold}):")
+        print("\n".join(_targets(results, config)))
     print("\nPer-call cost (us):")
     for name, us in timings(args.seed):
         print(f"- {name}: {us:.1f}")
