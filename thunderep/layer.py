@@ -133,9 +133,14 @@ class ThunderMoELayer(nn.Module):
             return None
         decision = self.balancer.step()
         if decision is not None and decision.migrated:
+            import time
+
             from .balance.migrate import migrate_layer
 
-            migrate_layer(self, decision.placement, optimizer)
+            started = time.perf_counter()
+            sent = migrate_layer(self, decision.placement, optimizer)
+            R = self.ep.groups.ep_size
+            self.stats.record("migration", [sent // max(1, R - 1)] * R, time.perf_counter() - started)
         return decision
 
     def forward(self, x: torch.Tensor, *, return_routing: bool = False, mode: str = "auto",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 __all__ = ["SyncTaxMeter", "format_report", "main", "plot"]
 
-_COMM_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "control")
+_COMM_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "control", "migration")
 
 
 def _totals(stats) -> tuple[dict, dict, dict, int]:
@@ -54,6 +54,7 @@ class SyncTaxMeter:
                 "imbalance": imbalance, "load_R": loads[-1] if loads else [],
                 "load_E": layer.stats.loads_E[n1 - 1] if n1 > n0 else [],
                 "state": _state(decisions[i] if decisions and i < len(decisions) else None),
+                **_actions(decisions[i] if decisions and i < len(decisions) else None),
             })
             self._last[i] = now
         if self.sync is not None:
@@ -82,7 +83,7 @@ class SyncTaxMeter:
             for l in s["layers"]:
                 states[l["state"]] = states.get(l["state"], 0) + 1
         mean_imb = sum(imbalance) / len(imbalance) if imbalance else 1.0
-        costs = {"dispatch/combine wait": sum(v for k, v in per_op_s.items() if k != "control"),
+        costs = {"dispatch/combine wait": sum(v for k, v in per_op_s.items() if k not in ("control", "migration")),
                  "control plane": per_op_s["control"], "gradient sync": grad_s}
         bottleneck = max(costs, key=costs.get) if comm_s > 0 else "none"
         return {
@@ -92,7 +93,11 @@ class SyncTaxMeter:
             "idle_fraction": sum(s.get("idle_seconds", 0.0) for s in steps) / total_s,
             "compute_seconds": sum(s.get("compute_seconds", 0.0) for s in steps),
             "balancer_states": states,
-            "recommendation": _recommend(bottleneck, mean_imb, comm_s / total_s),
+            "trades": sum(l.get("traded", False) for s in steps for l in s["layers"]),
+            "migrations": sum(l.get("migrated", False) for s in steps for l in s["layers"]),
+            "bytes_moved": per_op_b["migration"],
+            "recommendation": _recommend(bottleneck, mean_imb, comm_s / total_s,
+                                         self.ep.control.kind if self.ep is not None else "collective"),
             "per_step": steps,
         }
 
@@ -166,13 +171,19 @@ def plot(steps: list[dict], run_dir: Path) -> list[Path]:
     return out
 
 
+def _actions(decision) -> dict:
+    if decision is None:
+        return {"traded": False, "migrated": False}
+    return {"traded": decision.traded, "migrated": decision.migrated}
+
+
 def _state(decision) -> str:
     if decision is None:
         return "static"
     return "migrate" if decision.migrated else decision.state
 
 
-def _recommend(bottleneck: str, imbalance: float, share: float) -> str:
+def _recommend(bottleneck: str, imbalance: float, share: float, control_kind: str) -> str:
     if share < 0.1:
         return "communication is under 10% of step time: add tokens per step or ranks before tuning it"
     if imbalance > 1.3:
@@ -182,6 +193,9 @@ def _recommend(bottleneck: str, imbalance: float, share: float) -> str:
         return "gradient sync dominates: use SyncConfig(mode='delta') to all-reduce every H steps"
     if bottleneck == "dispatch/combine wait":
         return "dispatch/combine dominate: try EPConfig(compression='bf16') and waves=2-4 to overlap"
+    if control_kind == "mailbox":
+        return ("the control exchange is where ranks wait for each other (the mailbox itself takes "
+                "microseconds): even out per-rank work (tokens per rank, load balance, pin ranks to cores)")
     return "control exchanges dominate: use the shared-memory mailbox control plane (one host)"
 
 
@@ -191,14 +205,16 @@ def format_report(r: dict) -> str:
         f"sync-tax report: {r['steps']} steps, {r['seconds']:.2f} s",
         f"  bytes sent to peers (MB): dispatch {mb['dispatch']:.2f} + backward {mb['dispatch_backward']:.2f}, "
         f"combine {mb['combine']:.2f} + backward {mb['combine_backward']:.2f}, control {mb['control']:.4f}, "
-        f"gradient {mb['gradient']:.2f}",
+        f"gradient {mb['gradient']:.2f}, expert migration {mb.get('migration', 0.0):.2f}",
         f"  communication in flight (launch to completion, overlap included): {100 * r['sync_tax_share']:.1f}% of step time "
-        f"(dispatch+combine {sum(v for k, v in r['seconds_by_op'].items() if k not in ('control', 'gradient')):.2f} s, "
+        f"(dispatch+combine {sum(v for k, v in r['seconds_by_op'].items() if k not in ('control', 'gradient', 'migration')):.2f} s, "
         f"control {r['seconds_by_op']['control']:.3f} s, gradient {r['seconds_by_op']['gradient']:.2f} s)",
         f"  idle (blocked waiting for peers): {100 * r.get('idle_fraction', 0.0):.1f}% of step time; compute "
         f"{r.get('compute_seconds', 0.0):.2f} s",
         f"  mean load imbalance (max rank / mean): {r['mean_imbalance']:.2f}; balancer layer-steps: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(r.get("balancer_states", {}).items())),
+        + ", ".join(f"{k} {v}" for k, v in sorted(r.get("balancer_states", {}).items()))
+        + f"; trades {r.get('trades', 0)}, migrations {r.get('migrations', 0)} "
+        f"({r.get('bytes_moved', 0) / 1e6:.2f} MB sent)",
         f"  bottleneck: {r['bottleneck']}",
         f"  recommendation: {r['recommendation']}",
     ]

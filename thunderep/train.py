@@ -95,7 +95,9 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     from .sync import GradSync
     from .telemetry import SyncTaxMeter, format_report
 
-    ep = ExpertParallel.init(config=EPConfig(waves=args.waves, compression=args.compression))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ep = ExpertParallel.init(config=EPConfig(waves=args.waves, compression=args.compression),
+                             backend="nccl" if gpus >= world else "gloo")  # one GPU per rank, else CPU
     device = ep.groups.device
     corpus = load_corpus(args.data)
     split = int(len(corpus) * 0.95)

@@ -42,7 +42,7 @@ class CommStats:
     """
 
     OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "latency_allreduce",
-           "latency_allreduce_backward", "control")
+           "latency_allreduce_backward", "control", "migration")
 
     def __init__(self, world: int, rank: int):
         self.world, self.rank = world, rank
