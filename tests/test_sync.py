@@ -49,12 +49,12 @@ def _ddp_case(rank, world):
     return [(a.detach(), b.detach()) for a, b in zip(ours.parameters(), ref.parameters())], sync.stats.total_bytes
 
 
-def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer="adamw"):
+def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer="adamw", ep_size=None):
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
     from thunderep.sync import GradSync
 
-    ep = ExpertParallel(init_expert_parallel(), EPConfig(control="collective"))
+    ep = ExpertParallel(init_expert_parallel(ep_size), EPConfig(control="collective"))
     model = MoETransformer(MODEL, ep=ep, placements=placements)
     sync = GradSync(model, ep, sync_config)
     opt = (torch.optim.AdamW(model.parameters(), lr=lr) if optimizer == "adamw"
@@ -104,7 +104,8 @@ def _cases(rank, world):
     redundant = [Placement.contiguous(E, world, slots_per_rank=E // world + 1)] * MODEL.num_layers
     if world > 2:  # delta mode is rank-count agnostic; 4 ranks on 2 cores are slow
         return {"every_step": _train(rank, world, 3, SyncConfig()),
-                "replicas": _train(rank, world, 3, SyncConfig(), placements=redundant)}
+                "replicas": _train(rank, world, 3, SyncConfig(), placements=redundant),
+                "ep2_dp2": _train(rank, world, 3, SyncConfig(), ep_size=2)}
     return {
         "every_step": _train(rank, world, 3, SyncConfig()),
         "replicas": _train(rank, world, 3, SyncConfig(), placements=redundant),
@@ -174,3 +175,10 @@ def test_delta_windows_sync_and_count_bytes(world, case):
             assert per_step == [full, full, 0, half, 0, half, 0, half]
         else:  # the first window's delta is launched at step 2 and counted when applied at step 4
             assert per_step == [0, 0, 0, half, 0, half]
+
+
+def test_two_data_parallel_replicas_of_an_ep_group_equal_single_process():
+    """4 ranks as 2 EP groups of 2 (rank = dp * 2 + ep): experts sync across the DP replicas only."""
+    results = cases(4)["ep2_dp2"]
+    _compare_to_single(results, _single_process(4, 3))
+    assert all(res["expert_bytes"] > 0 for res in results)
