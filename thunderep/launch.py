@@ -28,8 +28,13 @@ def _child(rank: int, world: int, port: int, fn, args, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
-        # CPU ranks share the cores: one thread each keeps them from oversubscribing.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        # CPU ranks share the cores: give each its own (the shared-memory control plane then never
+        # waits for a peer that the scheduler parked on a busy core) and as many threads as cores.
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        share = len(cores) // world
+        if share >= 1:
+            os.sched_setaffinity(0, cores[rank * share:(rank + 1) * share])
+        torch.set_num_threads(max(1, share))
     try:
         fn(rank, world, *args)
     except BaseException as exc:  # reported by the parent with the rank
