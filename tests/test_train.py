@@ -73,3 +73,12 @@ def test_balancer_does_not_change_the_loss_curve():
 
     torch.testing.assert_close(torch.tensor(on[0]["losses"]), torch.tensor(off[0]["losses"]), rtol=1e-4, atol=1e-5)
     assert on[0]["synctax"]["balancer_states"].get("negotiate", 0) > 0  # the balancer did work
+
+
+def test_cli_reports_a_bad_config_in_one_line(capsys):
+    """A rank's ConfigError comes back through the launcher as one clear line and exit code 1."""
+    from thunderep.cli import main
+
+    assert main(["train", "--nproc", "2", "--experts", "7", "--steps", "1", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "num_experts (7) must be divisible by ep_size (2)" in err and "Traceback" not in err

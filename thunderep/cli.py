@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+from .errors import ThunderError
 
 __all__ = ["main"]
 
@@ -36,7 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"thunderep: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except ThunderError as exc:  # a clear message; THUNDEREP_DEBUG=1 shows the traceback
+        if os.environ.get("THUNDEREP_DEBUG"):
+            raise
+        print(f"thunderep {name}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def _child(rank: int, world: int, port: int, fn, args, errors) -> None:
     try:
         fn(rank, world, *args)
     except BaseException as exc:  # reported by the parent with the rank
-        errors.put((rank, "".join(traceback.format_exception(exc))))
+        errors.put((rank, type(exc).__name__, str(exc), "".join(traceback.format_exception(exc))))
         raise SystemExit(1) from None
 
 
@@ -56,5 +56,9 @@ def launch(fn, nprocs: int, *args) -> None:
     except mp.ProcessRaisedException as exc:
         raise ThunderError(f"a rank failed: {exc}") from None
     except mp.ProcessExitedException as exc:
-        detail = "" if errors.empty() else "\n" + "\n".join(f"rank {r}:\n{t}" for r, t in [errors.get()])
-        raise ThunderError(f"rank {exc.error_index} exited with code {exc.exit_code}{detail}") from None
+        if errors.empty():
+            raise ThunderError(f"rank {exc.error_index} exited with code {exc.exit_code}") from None
+        rank, name, message, trace = errors.get()
+        if os.environ.get("THUNDEREP_DEBUG"):
+            message += "\n" + trace
+        raise ThunderError(f"rank {rank} failed: {name}: {message}") from None
