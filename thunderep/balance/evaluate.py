@@ -121,6 +121,8 @@ class RunResult:
     bytes_stable: float
     bytes_baseline: float
     seconds: float
+    misjudged: float = 0.0          # the machine's false-stable + false-alarm steps
+    count_only_misjudged: float = 0.0  # a detector that sees only per-rank totals, judged the same way
 
 
 def run(kind: str, E: int, R: int, *, steps: int = 1500, pairs: int = 8192, seed: int = 0,
@@ -135,7 +137,7 @@ def run(kind: str, E: int, R: int, *, steps: int = 1500, pairs: int = 8192, seed
     probes = [config.probe(E) for _ in range(R)]
     thr = config.threshold
     sums = dict(static=0.0, balanced=0.0, warm=0.0, stable=0, false_stable=0, oracle_over=0, alarm=0,
-                bytes=0, stable_bytes=0)
+                bytes=0, stable_bytes=0, count_only=0)
     seen, migrations, revisits = {machine.placement}, 0, 0
     for t in range(steps):
         expected_RE = (p_TE[t] * pairs).expand(R, E)
@@ -158,6 +160,9 @@ def run(kind: str, E: int, R: int, *, steps: int = 1500, pairs: int = 8192, seed
                 sums["oracle_over"] += 1
                 sums["false_stable"] += d.imbalance <= thr
         sums["alarm"] += d.alarm and oracle <= thr
+        # Count-only baseline: each rank reports just its total rows under the plan in effect (what
+        # split sizes carry); it calls imbalance when their max / mean is over the threshold.
+        sums["count_only"] += (realized > thr) != (oracle > thr)
         if d.migrated:
             migrations += 1
             revisits += d.placement in seen
@@ -168,7 +173,8 @@ def run(kind: str, E: int, R: int, *, steps: int = 1500, pairs: int = 8192, seed
         sums["warm"] / max(steps - warmup, 1), sums["stable"] / steps, sums["false_stable"] / steps,
         sums["oracle_over"] / steps, sums["alarm"] / steps, migrations, revisits,
         machine.counters["trade"], sums["bytes"] / steps, sums["stable_bytes"] / n_stable,
-        float(pairs), time.perf_counter() - started)
+        float(pairs), time.perf_counter() - started,
+        (sums["false_stable"] + sums["alarm"]) / steps, sums["count_only"] / steps)
 
 
 def _time_us(fn, n: int) -> float:
@@ -217,14 +223,15 @@ def evaluate(traces=TRACES, experts=(8, 16, 64), ranks=(2, 4), **kw) -> list[Run
 
 def _table(results: list[RunResult]) -> str:
     head = ("| trace | E | R | static | balanced | balanced (warm) | stable | false-stable | oracle>thr "
-            "| false-alarm | migr. (revisits) | trades | B/step | B/stable step | baseline B/step |")
+            "| false-alarm | migr. (revisits) | trades | B/step | B/stable step | baseline B/step "
+            "| misjudged | count-only misjudged |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         lines.append(
             f"| {r.trace} | {r.E} | {r.R} | {r.static:.3f} | {r.balanced:.3f} | {r.balanced_warm:.3f} "
             f"| {r.stable:.1%} | {r.false_stable:.2%} | {r.oracle_over:.2%} | {r.false_alarm:.2%} "
             f"| {r.migrations} ({r.revisits}) | {r.trades} | {r.bytes_mean:.1f} | {r.bytes_stable:.0f} "
-            f"| {r.bytes_baseline:.0f} |")
+            f"| {r.bytes_baseline:.0f} | {r.misjudged:.2%} | {r.count_only_misjudged:.2%} |")
     return "\n".join(lines)
 
 
