@@ -263,14 +263,7 @@ class TradePlan:
 
     @cached_property
     def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        pl = self.placement
-        expert_P = torch.tensor([e for row in pl.slot_expert_RS for e in row], dtype=torch.int64)
-        return torch.tensor(self.quota_RP, dtype=torch.int64), expert_P
-
-    @cached_property
-    def slot_experts_P(self) -> torch.Tensor:
-        """[P] int64 (CPU): the logical expert of every global slot."""
-        return torch.tensor([e for row in self.slot_expert_RS for e in row], dtype=torch.int64)
+        return torch.tensor(self.quota_RP, dtype=torch.int64), self.placement.slot_experts_P
 
     @cached_property
     def _tables(self) -> dict:
