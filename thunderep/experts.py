@@ -102,7 +102,8 @@ def expert_mlp(
 ) -> torch.Tensor:
     """The expert MLP over rows grouped by expert: rows [offset_e, offset_e + counts_E[e]) use expert e.
 
-    x_ND: [N, D] with N == counts_E.sum(). counts_E: [E] integer. gate_up_proj: [E, 2I, D].
+    x_ND: [N, D] with N == counts_E.sum(). counts_E: [E] integer, on any device (the host avoids a
+    sync). gate_up_proj: [E, 2I, D].
     down_proj: [E, D, I]. Biases: [E, 2I] and [E, D]. Returns [N, D] in x's dtype (unweighted).
     """
     E = gate_up_proj.shape[0]
@@ -125,7 +126,9 @@ def expert_mlp(
         and grouped_mm_supported(x_ND, gate_up_proj)
         and grouped_mm_supported(x_ND.new_empty(1, down_proj.shape[2]), down_proj)
     )
-    offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32) if use_grouped else None
+    offsets_E = None
+    if use_grouped:  # counts may live on the host (the dispatcher's): no device-to-host sync then
+        offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32).to(x_ND.device, non_blocking=True)
     row_expert_N = None
     if gate_up_bias is not None or down_bias is not None:
         row_expert_N = torch.repeat_interleave(

@@ -88,7 +88,7 @@ class DispatchMeta:
     send_order_N / send_inverse_N: pairs sorted by global slot and back (int64 [N]).
     send_splits / recv_splits: rows sent to / received from each EP rank (tuples of R ints).
     local_order_M / local_inverse_M: received rows (grouped by source rank) to local-slot order and back.
-    counts_S: [S] int64 rows per local slot, in local-slot order.
+    counts_S: [S] int64 rows per local slot, in local-slot order (on the host: sizes are host data).
     weights_TK: the routing weights, applied in combine (differentiable).
     sinks: the `CommStats` that record this wave's bytes and times.
     """
@@ -229,7 +229,7 @@ class Dispatcher:
                 send_splits=tuple(send_WP[w].view(R, S).sum(1).tolist()),
                 recv_splits=tuple(recv_RS.sum(1).tolist()),
                 local_order_M=local_order_M, local_inverse_M=_inverse(local_order_M),
-                counts_S=recv_RS.sum(0).to(device), weights_TK=routing.weights_TK, sinks=sinks,
+                counts_S=recv_RS.sum(0), weights_TK=routing.weights_TK, sinks=sinks,
             ))
         return metas
 

@@ -127,9 +127,9 @@ class ExpertsBinding:
         combines = []
         for p, meta in zip(pending, metas):
             x_MD = p.wait()
-            slot_M = torch.repeat_interleave(
-                torch.arange(S, device=x_MD.device), meta.counts_S, output_size=x_MD.shape[0]
-            )
+            counts_S = meta.counts_S.to(x_MD.device)  # split sizes are host data
+            slot_M = torch.repeat_interleave(torch.arange(S, device=x_MD.device), counts_S,
+                                             output_size=x_MD.shape[0])
             combines.append(dispatcher.combine_async(self.compute_rows(module, x_MD, slot_M), meta))
         return torch.cat([c.wait() for c in combines]).to(x_TD.dtype)
 
