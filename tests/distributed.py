@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from thunderep.launch import free_port
 
 
 def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout, backend):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -94,12 +93,6 @@ class StreamPrinter(BaseStreamer):
         self.out.flush()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def generate_on_rank(args: argparse.Namespace, ep=None, out=None) -> dict | None:
     """Load `args.model`, generate for this rank's prompts, stream and report on EP rank 0.
 
@@ -162,17 +155,15 @@ def generate_on_rank(args: argparse.Namespace, ep=None, out=None) -> dict | None
     return summary
 
 
-def _rank_main(rank: int, world: int, args: argparse.Namespace, port: int | None) -> None:
-    """One launched rank: its own process group, then `generate_on_rank`."""
+def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
+    """One rank started by `launch` (environment set): its process group, then `generate_on_rank`."""
     import torch.distributed as dist
 
     from .comm.runtime import ExpertParallel
     from .config import EPConfig
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     backend = "nccl" if not args.cpu and torch.cuda.device_count() >= world else "gloo"
-    ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), rank=rank, world_size=world,
-                             init_method=f"tcp://127.0.0.1:{port}", backend=backend)
+    ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), backend=backend)
     try:
         generate_on_rank(args, ep)
     finally:
@@ -215,10 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep == 1:
         generate_on_rank(args)
         return 0
-    import torch.multiprocessing as mp
+    from .launch import launch
 
-    mp.start_processes(_rank_main, args=(args.ep, args, _free_port()), nprocs=args.ep, join=True,
-                       start_method="spawn")
+    launch(_rank_main, args.ep, args)
     return 0
 
 

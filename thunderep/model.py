@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import LayerConfig
+from .config import LayerConfig, _positive
 from .errors import ConfigError
 from .layer import ThunderMoELayer
 
@@ -41,9 +41,7 @@ class MoEModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "num_experts", "top_k", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"MoEModelConfig.{name} must be a positive integer, got {value!r}")
+            _positive(f"MoEModelConfig.{name}", getattr(self, name))
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"MoEModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
                               f"num_heads ({self.num_heads})")

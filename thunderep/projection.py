@@ -21,9 +21,10 @@ its owner too, so it pays the same imbalance). No overlap of communication with 
 Link parameters (assumptions, with sources):
 * PCIe 4.0 x16: 16 GT/s per lane, 128b/130b encoding -> 31.5 GB/s per direction; 80% of that for large
   DMA transfers (25 GB/s). PCIe 5.0 x16: twice that (50 GB/s).
-* alpha: 30 us per collective step with P2P, 45 us host-staged: the order of NCCL's small-message
-  all-to-all latency between two GPUs (about 31 us with P2P, 47 us with NCCL_P2P_DISABLE=1, measured
-  for this project on two H200s); consumer boxes are not faster.
+* alpha: 30 us per collective step with P2P, 45 us host-staged: an assumption of the order of
+  NCCL's small-message all-to-all latency between two GPUs (tens of microseconds; staging through
+  host memory adds a second copy). Not measured by this repository yet; a multi-GPU run should
+  replace it.
 """
 
 from __future__ import annotations

@@ -110,6 +110,8 @@ class SyncTaxMeter:
         for s in self.steps:  # one slice per step, with its communication waits stacked inside
             events.append({"name": f"step {s['step']}", "ph": "X", "ts": t * 1e6, "dur": s["seconds"] * 1e6,
                            "pid": rank, "tid": 0})
+            events.append({"name": "compute (step minus blocked waits)", "ph": "X", "ts": t * 1e6,
+                           "dur": s.get("compute_seconds", 0.0) * 1e6, "pid": rank, "tid": 3})
             inner = t
             for i, layer in enumerate(s["layers"]):  # communication in flight, and blocked waits
                 for op, sec in layer["seconds"].items():
