@@ -165,11 +165,13 @@ class ThunderMoELayer(nn.Module):
     def _forward_ep(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         dispatcher = self.ep.dispatcher
         bounds = _wave_bounds(x_TD.shape[0], self.ep.config.waves)
-        waves = []
-        for start, stop in bounds:
-            ids = routing.ids_TK[start:stop]
-            counts = torch.bincount(ids.reshape(-1), minlength=routing.counts_E.numel())
-            waves.append(Routing(routing.weights_TK[start:stop], ids, counts, routing.logits_TE[start:stop]))
+        waves = [routing]  # one wave: the routing as it is, no slicing or recount
+        if len(bounds) > 1:
+            waves = []
+            for start, stop in bounds:
+                ids = routing.ids_TK[start:stop]
+                counts = torch.bincount(ids.reshape(-1), minlength=routing.counts_E.numel())
+                waves.append(Routing(routing.weights_TK[start:stop], ids, counts, routing.logits_TE[start:stop]))
         metas = dispatcher.plan(waves, self.placement, self.stats, self.balancer)
         dispatches = [dispatcher.dispatch_async(x_TD[a:b], m) for (a, b), m in zip(bounds, metas)]
         shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None
