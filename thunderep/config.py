@@ -28,7 +28,7 @@ SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 GROUP_SCORES = ("top2_sum", "max")
 DTYPES = ("float32", "input")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "gpt_oss_swiglu")
-EXPERT_BACKENDS = ("auto", "grouped_mm", "loop")
+EXPERT_BACKENDS = ("auto", "triton", "grouped_mm", "loop")
 
 
 def _positive(name: str, value: Any) -> None:
@@ -180,8 +180,10 @@ class ExpertsConfig:
         (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit).
     interleaved: gate and up rows of `gate_up_proj` alternate (GPT-OSS) instead of gate-then-up.
     bias: the experts carry `gate_up_bias [E, 2I]` and `down_bias [E, H]`.
-    backend: "grouped_mm" (torch grouped GEMM), "loop" (one matmul per expert) or "auto" (grouped_mm
-        where the installed torch supports it for the tensors' device, dtype and alignment).
+    backend: "triton" (ThunderEP's Triton kernels, CUDA only), "grouped_mm" (torch grouped GEMM), "loop"
+        (one matmul per expert) or "auto": Triton on CUDA where the kernels cover the experts (no bias,
+        activation silu/gelu/gelu_tanh/relu, Triton installed), else grouped_mm where the installed torch
+        supports it for the tensors' device, dtype and alignment, else loop.
     """
 
     num_experts: int

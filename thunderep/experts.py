@@ -11,6 +11,10 @@ Weights use the Hugging Face transformers 5.x layout so checkpoints load without
 Two levels: `expert_mlp(x_ND, counts_E, ...)` computes rows already grouped by expert (the expert-
 parallel runtime calls it on received rows); `FusedExperts.forward(x_TD, routing)` sorts tokens by
 expert once, runs it, applies the routing weights and sums each token's K outputs.
+
+On CUDA both levels run ThunderEP's Triton kernels (`thunderep.kernels`) where they cover the experts
+(`_triton_ok`): the gather of token rows, the gate/up activation, the routing-weight multiply and the
+un-permute are fused into two grouped GEMMs. Elsewhere: torch's grouped GEMM, or a loop of matmuls.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ExpertsConfig
-from .errors import RoutingError
+from .errors import ConfigError, RoutingError
 from .router import Routing
 
 __all__ = ["ACTIVATION_FNS", "FusedExperts", "expert_mlp", "gated_activation", "grouped_mm_supported", "sort_by_expert"]
@@ -77,6 +81,28 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def _triton_ok(x: torch.Tensor, gate_up_proj: torch.Tensor, config: ExpertsConfig) -> bool:
+    """Whether the Triton kernels run these experts (backend "triton", or "auto" on CUDA)."""
+    if config.backend not in ("auto", "triton") or x.device.type != "cuda":
+        return False
+    from . import kernels
+
+    if not kernels.available(x.device):
+        return False
+    from .kernels import ops
+
+    return ops.supported(x, gate_up_proj, config.activation, config.bias)
+
+
+def _check_backend(x: torch.Tensor, gate_up_proj: torch.Tensor, config: ExpertsConfig) -> None:
+    if config.backend == "triton" and not _triton_ok(x, gate_up_proj, config):
+        raise ConfigError(
+            f"ExpertsConfig.backend is 'triton' but the Triton kernels cannot run these experts (device "
+            f"{x.device}, dtype {x.dtype}, activation {config.activation!r}, bias {config.bias}); they need a "
+            f"CUDA device, Triton, no bias and activation silu/gelu/gelu_tanh/relu: use backend 'auto'"
+        )
+
+
 def _grouped_linear(x_ND, w_EOD, offsets_E, counts, bias_EO, row_expert_N, use_grouped: bool):
     """y[n] = x[n] @ w[e(n)].T (+ bias[e(n)]) for rows grouped by expert."""
     if use_grouped:
@@ -120,6 +146,12 @@ def expert_mlp(
         zero = x_ND.sum() + gate_up_proj.flatten()[:0].sum() + down_proj.flatten()[:0].sum()
         return x_ND.new_zeros(0, down_proj.shape[1]) + zero.to(x_ND.dtype)
     x_ND = x_ND.to(gate_up_proj.dtype)
+    _check_backend(x_ND, gate_up_proj, config)
+    if _triton_ok(x_ND, gate_up_proj, config):
+        from .kernels.ops import moe_mlp
+
+        return moe_mlp(x_ND, gate_up_proj, down_proj, counts_E, activation=config.activation,
+                       interleaved=config.interleaved)
     backend = config.backend
     use_grouped = backend == "grouped_mm" or (
         backend == "auto"
@@ -189,6 +221,15 @@ class FusedExperts(nn.Module):
         T, K = routing.ids_TK.shape
         if x_TD.shape[0] != T:
             raise RoutingError(f"x_TD has {x_TD.shape[0]} tokens but the routing has {T}")
+        _check_backend(x_TD, self.gate_up_proj, self.config)
+        if T and _triton_ok(x_TD, self.gate_up_proj, self.config):
+            from .kernels.ops import moe_mlp
+
+            order_N = torch.argsort(routing.ids_TK.reshape(-1), stable=True)
+            y_TD = moe_mlp(x_TD.to(self.gate_up_proj.dtype), self.gate_up_proj, self.down_proj, routing.counts_E,
+                           order_N=order_N, weights_N=routing.weights_TK, top_k=K,
+                           activation=self.config.activation, interleaved=self.config.interleaved)
+            return y_TD.to(x_TD.dtype)
         order_N, inverse_N = sort_by_expert(routing.ids_TK)
         y_ND = self.compute_sorted(x_TD[order_N // K], routing.counts_E)
         weighted_ND = y_ND * routing.weights_TK.reshape(-1)[order_N].unsqueeze(-1)

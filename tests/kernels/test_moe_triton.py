@@ -1,0 +1,198 @@
+"""The Triton expert kernels against a float64 reference: outputs and every gradient.
+
+On a machine without CUDA the kernels run in Triton's interpreter on small shapes (the same code,
+indexing and masks; not the compiler). The `gpu` tests run the compiled kernels on the model shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+from thunderep.config import ExpertsConfig  # noqa: E402
+from thunderep.errors import ConfigError  # noqa: E402
+from thunderep.experts import ACTIVATION_FNS, FusedExperts  # noqa: E402
+from thunderep.kernels.ops import moe_mlp  # noqa: E402
+from thunderep.router import Routing  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def reference(x_TD, w_gu, w_d, ids_TK, weights_TK, activation="silu", interleaved=False):
+    """y_TD = sum_k w_tk * expert_{ids_tk}(x_t), one expert at a time, in the inputs' dtype."""
+    T, K = ids_TK.shape
+    y_TD = torch.zeros_like(x_TD)
+    for e in ids_TK.unique().tolist():
+        tok, slot = torch.where(ids_TK == e)
+        gu = x_TD[tok] @ w_gu[e].T
+        gate, up = (gu[:, ::2], gu[:, 1::2]) if interleaved else gu.chunk(2, dim=-1)
+        y = (ACTIVATION_FNS[activation](gate) * up) @ w_d[e].T
+        y_TD = y_TD.index_add(0, tok, y * weights_TK[tok, slot, None])
+    return y_TD
+
+
+def make_case(T, D, I, E, K, dtype, seed, empty_experts=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen)
+    w_gu = torch.randn(E, 2 * I, D, generator=gen) / D**0.5
+    w_d = torch.randn(E, D, I, generator=gen) / I**0.5
+    usable = E - empty_experts  # the last `empty_experts` experts get no tokens
+    ids = torch.stack([torch.randperm(usable, generator=gen)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=gen), dim=-1)
+    to = dict(device=DEVICE, dtype=dtype)
+    return x.to(**to), w_gu.to(**to), w_d.to(**to), ids.to(DEVICE), weights.to(**to)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def check(T, D, I, E, K, dtype, tol, activation="silu", interleaved=False, empty_experts=0, seed=0):
+    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, dtype, seed, empty_experts)
+    leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    y = moe_mlp(leaves[0], leaves[1], leaves[2], counts, order_N=order, weights_N=leaves[3], top_k=K,
+                activation=activation, interleaved=interleaved)
+    ref_leaves = [t.double().requires_grad_() for t in (x, w_gu, w_d, weights)]
+    y_ref = reference(*ref_leaves[:3], ids, ref_leaves[3], activation, interleaved)
+    assert y.shape == (T, D) and y.dtype == dtype
+    assert torch.isfinite(y).all()
+    assert rel_err(y, y_ref) < tol, f"output: relative error {rel_err(y, y_ref):.2e}"
+    dy = torch.randn(T, D, device=DEVICE, dtype=dtype)
+    grads = torch.autograd.grad(y, leaves, dy)
+    grads_ref = torch.autograd.grad(y_ref, ref_leaves, dy.double())
+    for name, g, g_ref in zip(("x", "w_gate_up", "w_down", "weights"), grads, grads_ref):
+        assert g.dtype == dtype and torch.isfinite(g).all(), name
+        assert rel_err(g, g_ref) < tol, f"grad {name}: relative error {rel_err(g, g_ref):.2e}"
+    if empty_experts:
+        # Experts without tokens get exactly zero weight gradients.
+        assert grads[1][-empty_experts:].abs().max() == 0 and grads[2][-empty_experts:].abs().max() == 0
+
+
+INTERP_CASES = [  # T, D, I, E, K
+    (5, 32, 48, 4, 2),
+    (1, 16, 16, 8, 3),
+    (37, 64, 80, 6, 2),
+]
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")
+@pytest.mark.parametrize("case", INTERP_CASES, ids=lambda c: "T{}-D{}-I{}-E{}-K{}".format(*c))
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_interpreter_matches_reference(case, interleaved):
+    check(*case, torch.float32, tol=1e-5, interleaved=interleaved, empty_experts=1 if case[3] > 4 else 0)
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_interpreter_activations(activation):
+    check(9, 32, 32, 4, 2, torch.float32, tol=1e-5, activation=activation)
+
+
+def test_sorted_mode_equals_gathered_rows():
+    """Sorted mode (the expert-parallel runtime's rows) = the unweighted expert outputs, row by row."""
+    T, D, I, E, K = 11, 32, 48, 5, 2
+    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.float32, 3, empty_experts=1)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    x_ND = x[order // K]
+    y_ND = moe_mlp(x_ND, w_gu, w_d, counts)
+    flat_ids = ids.reshape(-1)[order]
+    for r in range(x_ND.shape[0]):
+        e = flat_ids[r]
+        gate, up = (x_ND[r] @ w_gu[e].T).chunk(2)
+        expected = (F.silu(gate) * up) @ w_d[e].T
+        torch.testing.assert_close(y_ND[r], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_input_is_rejected():
+    x, w_gu, w_d, ids, weights = make_case(4, 16, 16, 4, 2, torch.float32, 0)
+    counts = torch.bincount(ids.reshape(-1), minlength=4)
+    with pytest.raises(ValueError, match="activation 'swish' has no Triton kernel"):
+        moe_mlp(x, w_gu, w_d, counts, activation="swish")
+    with pytest.raises(ValueError, match="counts_E has shape"):
+        moe_mlp(x, w_gu, w_d, counts[:3])
+    with pytest.raises(ValueError, match="shapes do not match"):
+        moe_mlp(x[:, :8], w_gu, w_d, counts)
+
+
+def test_triton_backend_needs_cuda():
+    config = ExpertsConfig(num_experts=4, hidden_size=16, intermediate_size=16, backend="triton")
+    experts = FusedExperts(config)
+    x = torch.randn(3, 16)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    routing = Routing(torch.full((3, 2), 0.5), ids, torch.bincount(ids.reshape(-1), minlength=4), None)
+    with pytest.raises(ConfigError, match="backend is 'triton' but the Triton kernels cannot run"):
+        experts(x, routing)
+
+
+# ---- compiled kernels on a GPU --------------------------------------------------------------------------
+
+MODEL_SHAPES = {  # D, I, E, K (DeepSeek-V3 with 32 of its 256 experts: the weights and fp64 reference fit)
+    "mixtral": (4096, 14336, 8, 2),
+    "qwen3": (2048, 768, 128, 8),
+    "deepseek": (7168, 2048, 32, 8),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+@pytest.mark.parametrize("T", [1, 64, 512])
+def test_gpu_model_shapes_bf16(shape, T):
+    D, I, E, K = MODEL_SHAPES[shape]
+    check(T, D, I, E, K, torch.bfloat16, tol=2e-2, empty_experts=1 if T * K < E else 0, seed=T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+def test_gpu_model_shapes_fp32(shape):
+    D, I, E, K = MODEL_SHAPES[shape]
+    check(64, D, I, E, K, torch.float32, tol=1e-4, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu"])
+def test_gpu_layouts_and_activations(activation, interleaved):
+    check(300, 256, 192, 256, 8, torch.bfloat16, tol=2e-2, activation=activation, interleaved=interleaved,
+          empty_experts=3)
+    check(33, 96, 80, 6, 2, torch.float32, tol=1e-4, activation=activation, interleaved=interleaved)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_experts_uses_kernels_and_matches_loop():
+    config = ExpertsConfig(num_experts=8, hidden_size=256, intermediate_size=512)
+    experts = FusedExperts(config, device="cuda", dtype=torch.bfloat16)
+    loop = FusedExperts(ExpertsConfig(8, 256, 512, backend="loop"), device="cuda", dtype=torch.bfloat16)
+    loop.load_state_dict(experts.state_dict())
+    x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(100)]).cuda()
+    routing = Routing(torch.rand(100, 2, device="cuda"), ids, torch.bincount(ids.reshape(-1), minlength=8), None)
+    with torch.autograd.profiler.profile() as prof:
+        y = experts(x, routing)
+    assert any("thunderep::moe_mlp" in e.name for e in prof.function_events)
+    assert rel_err(y, loop(x, routing)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile():
+    """The custom ops trace under torch.compile (fullgraph) and give the eager result, forward and backward."""
+    x, w_gu, w_d, ids, weights = make_case(64, 128, 96, 8, 2, torch.bfloat16, 5)
+
+    def f(x, w_gu, w_d, ids, weights):
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        counts = torch.bincount(ids.reshape(-1), minlength=8)
+        return moe_mlp(x, w_gu, w_d, counts, order_N=order, weights_N=weights, top_k=2)
+
+    compiled = torch.compile(f, fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
+    y_c = compiled(leaves[0], leaves[1], leaves[2], ids, leaves[3])
+    y_e = f(x, w_gu, w_d, ids, weights)
+    torch.testing.assert_close(y_c, y_e)
+    y_c.float().square().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)

@@ -1,0 +1,342 @@
+"""Triton kernels for the routed-expert MLP: grouped GEMMs over rows sorted by expert.
+
+Shape legend: T tokens, D hidden size, K experts per token, E experts, I intermediate size,
+N = T * K routed rows (or the received rows under expert parallelism), in expert order.
+Row r of the sorted order is the flat (token-major) pair `order_N[r]`; its token is `order_N[r] // K`.
+
+Four kernels cover forward and backward (see `ops.py` for how they chain):
+
+    _up_kernel        h_NI = act(x[tok] @ Wg[e].T) * (x[tok] @ Wu[e].T)   gather fused into the A load,
+                      gate/up activation fused into the epilogue; optionally keeps gu_N2I for backward.
+    _rows_kernel      c[dst] = w * (a_NK @ B[e].T)                         a plain grouped GEMM whose
+                      epilogue multiplies by the routing weight and un-permutes (scatter to the flat row).
+                      Forward down projection and the backward dX = dgu @ Wgu[e].
+    _act_bwd_kernel   dhu = dy[tok] @ Wd[e]; epilogue: d routing weight partials <dhu, h>, and
+                      dgu = d(act(g) * u) for dh = w * dhu, written in the weight's gate/up layout.
+    _wgrad_kernel     dW[e] = sum over e's rows of (s * A[ia]).T @ B[ib]   weight gradients, rows
+                      gathered on load (tokens for x and dy), scaled by the routing weight.
+
+Row tiles are scheduled without a host sync: every program reads counts_E (E <= a few hundred) and
+finds its expert from the running sum of tiles per expert; launch grids use an upper bound
+(min(ceil(N / BLOCK_M) + E, N) row tiles) and surplus programs return at once.
+
+The kernels use only portable Triton (tl.dot, masked loads and stores): no tensor-memory
+descriptors, no warp specialization. On Hopper Triton lowers tl.dot to wgmma by itself; on Ada and
+Blackwell consumer parts (sm_89, sm_120) to mma.sync.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    if ACT == 0:
+        return g * tl.sigmoid(g)
+    elif ACT == 1:
+        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    elif ACT == 2:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+    else:
+        return tl.maximum(g, 0.0)
+
+
+@triton.jit
+def _act_grad(g, ACT: tl.constexpr):
+    """d act(g) / d g."""
+    if ACT == 0:
+        s = tl.sigmoid(g)
+        return s * (1.0 + g * (1.0 - s))
+    elif ACT == 1:
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+        pdf = 0.3989422804014327 * tl.exp(-0.5 * g * g)
+        return cdf + g * pdf
+    elif ACT == 2:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        th = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        d_inner = 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+        return 0.5 * (1.0 + th) + 0.5 * g * (1.0 - th * th) * d_inner
+    else:
+        return (g > 0).to(tl.float32)
+
+
+@triton.jit
+def _row_tile(pid_m, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row tile `pid_m` -> (expert, first row, end of the expert's rows). expert >= E: no such tile."""
+    e_E = tl.arange(0, BLOCK_E)
+    counts_E = tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32)
+    tiles_E = (counts_E + BLOCK_M - 1) // BLOCK_M
+    tiles_end_E = tl.cumsum(tiles_E, 0)
+    expert = tl.sum((tiles_end_E <= pid_m).to(tl.int32), 0)
+    tiles_before = tl.sum(tl.where(e_E == expert, tiles_end_E - tiles_E, 0), 0)
+    rows_before = tl.sum(tl.where(e_E < expert, counts_E, 0), 0)
+    rows_end = rows_before + tl.sum(tl.where(e_E == expert, counts_E, 0), 0)
+    return expert, rows_before + (pid_m - tiles_before) * BLOCK_M, rows_end
+
+
+@triton.jit
+def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Program id -> (row tile, column tile), GROUP_M row tiles at a time (L2 reuse of B tiles)."""
+    in_group = GROUP_M * num_n
+    group = pid // in_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _num_row_tiles(n_rows, E, BLOCK_M: tl.constexpr):
+    return tl.minimum(tl.cdiv(n_rows, BLOCK_M) + E, n_rows)
+
+
+@triton.jit
+def _up_kernel(
+    x_ptr, w_ptr, h_ptr, gu_ptr, order_ptr, counts_ptr,
+    n_rows, I, D, E, top_k,
+    stride_xm, stride_we, stride_wn, stride_hm, stride_gm,
+    m_class,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, GATHER: tl.constexpr, SAVE_GU: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """h[r, c] = act(x[src(r)] . Wgu[e, gate(c)]) * (x[src(r)] . Wgu[e, up(c)]) for c < I.
+
+    x: [*, D] (row stride stride_xm, unit column stride). Wgu: [E, 2I, D] (unit stride along D).
+    h: [N, I]; gu (SAVE_GU): [N, 2I] in the weight's gate/up layout.
+    """
+    num_m = _num_row_tiles(n_rows, E, BLOCK_M)
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    expert, row0, row_end = _row_tile(pid_m, counts_ptr, E, BLOCK_M, BLOCK_E)
+    if expert >= E:
+        return
+    rows_M = row0 + tl.arange(0, BLOCK_M)
+    row_ok_M = rows_M < row_end
+    if GATHER:
+        src_M = tl.load(order_ptr + rows_M, mask=row_ok_M, other=0) // top_k
+    else:
+        src_M = tl.where(row_ok_M, rows_M, 0)
+    cols_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok_N = cols_N < I
+    if INTERLEAVED:
+        gate_N = 2 * cols_N
+        up_N = 2 * cols_N + 1
+    else:
+        gate_N = cols_N
+        up_N = cols_N + I
+    k_K = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + src_M.to(tl.int64)[:, None] * stride_xm + k_K[None, :]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    g_ptrs = w_base + gate_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
+    u_ptrs = w_base + up_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
+            bg = tl.load(g_ptrs, mask=col_ok_N[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=col_ok_N[None, :], other=0.0)
+        else:
+            k_ok_K = k_K < D - k0
+            a = tl.load(a_ptrs, mask=row_ok_M[:, None] & k_ok_K[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    out_ok = row_ok_M[:, None] & col_ok_N[None, :]
+    rows64_M = rows_M.to(tl.int64)
+    if SAVE_GU:
+        gu_dtype = gu_ptr.dtype.element_ty
+        g_lo = acc_g.to(gu_dtype)
+        u_lo = acc_u.to(gu_dtype)
+        tl.store(gu_ptr + rows64_M[:, None] * stride_gm + gate_N[None, :], g_lo, mask=out_ok)
+        tl.store(gu_ptr + rows64_M[:, None] * stride_gm + up_N[None, :], u_lo, mask=out_ok)
+        # Backward recomputes h from the rounded g and u: use the same values here.
+        acc_g = g_lo.to(tl.float32)
+        acc_u = u_lo.to(tl.float32)
+    h = _act(acc_g, ACT) * acc_u
+    tl.store(h_ptr + rows64_M[:, None] * stride_hm + cols_N[None, :], h.to(h_ptr.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def _rows_kernel(
+    a_ptr, b_ptr, c_ptr, order_ptr, weight_ptr, counts_ptr,
+    n_rows, N, K, E,
+    stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    m_class,
+    SCATTER: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """c[dst(r), n] = w(r) * sum_k a[r, k] * B[e(r), n, k].
+
+    a: [N_rows, K] sorted by expert (unit column stride). B: [E, N, K] by strides.
+    dst(r) = order[r] (SCATTER, un-permute to the flat pair) else r. w(r) = weight[order[r]] (WEIGHTED).
+    """
+    num_m = _num_row_tiles(n_rows, E, BLOCK_M)
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert, row0, row_end = _row_tile(pid_m, counts_ptr, E, BLOCK_M, BLOCK_E)
+    if expert >= E:
+        return
+    rows_M = row0 + tl.arange(0, BLOCK_M)
+    row_ok_M = rows_M < row_end
+    cols_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok_N = cols_N < N
+    k_K = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + tl.where(row_ok_M, rows_M, 0).to(tl.int64)[:, None] * stride_am + k_K[None, :]
+    b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + cols_N.to(tl.int64)[None, :] * stride_bn
+              + k_K[:, None] * stride_bk)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok_N[None, :], other=0.0)
+        else:
+            k_ok_K = k_K < K - k0
+            a = tl.load(a_ptrs, mask=row_ok_M[:, None] & k_ok_K[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    if SCATTER or WEIGHTED:
+        flat_M = tl.load(order_ptr + rows_M, mask=row_ok_M, other=0)
+    if WEIGHTED:
+        acc = acc * tl.load(weight_ptr + flat_M, mask=row_ok_M, other=0.0).to(tl.float32)[:, None]
+    if SCATTER:
+        dst_M = flat_M.to(tl.int64)
+    else:
+        dst_M = rows_M.to(tl.int64)
+    c_ptrs = c_ptr + dst_M[:, None] * stride_cm + cols_N[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok_M[:, None] & col_ok_N[None, :])
+
+
+@triton.jit
+def _act_bwd_kernel(
+    dy_ptr, w_ptr, gu_ptr, dgu_ptr, dwp_ptr, order_ptr, weight_ptr, counts_ptr,
+    n_rows, I, D, E, top_k,
+    stride_dym, stride_we, stride_wd, stride_gm, stride_dwp,
+    m_class,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """dhu[r, c] = dy[src(r)] . Wd[e, :, c]; then with g, u = gu[r] and w = weight[order[r]]:
+    dgu[r, gate(c)] = w * dhu * u * act'(g), dgu[r, up(c)] = w * dhu * act(g),
+    dwp[r, pid_n] = sum over this tile's c of dhu * act(g) * u  (partial d routing weight).
+
+    dy: [*, D] (gathered by token when GATHER). Wd: [E, D, I] (unit stride along I). gu, dgu: [N, 2I].
+    """
+    num_m = _num_row_tiles(n_rows, E, BLOCK_M)
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    expert, row0, row_end = _row_tile(pid_m, counts_ptr, E, BLOCK_M, BLOCK_E)
+    if expert >= E:
+        return
+    rows_M = row0 + tl.arange(0, BLOCK_M)
+    row_ok_M = rows_M < row_end
+    if GATHER or WEIGHTED:
+        flat_M = tl.load(order_ptr + rows_M, mask=row_ok_M, other=0)
+    if GATHER:
+        src_M = flat_M // top_k
+    else:
+        src_M = tl.where(row_ok_M, rows_M, 0)
+    cols_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok_N = cols_N < I
+    k_K = tl.arange(0, BLOCK_K)
+    a_ptrs = dy_ptr + src_M.to(tl.int64)[:, None] * stride_dym + k_K[None, :]
+    b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols_N[None, :] + k_K.to(tl.int64)[:, None] * stride_wd
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok_N[None, :], other=0.0)
+        else:
+            k_ok_K = k_K < D - k0
+            a = tl.load(a_ptrs, mask=row_ok_M[:, None] & k_ok_K[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wd
+    if INTERLEAVED:
+        gate_N = 2 * cols_N
+        up_N = 2 * cols_N + 1
+    else:
+        gate_N = cols_N
+        up_N = cols_N + I
+    ok = row_ok_M[:, None] & col_ok_N[None, :]
+    rows64_M = rows_M.to(tl.int64)
+    g = tl.load(gu_ptr + rows64_M[:, None] * stride_gm + gate_N[None, :], mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + rows64_M[:, None] * stride_gm + up_N[None, :], mask=ok, other=0.0).to(tl.float32)
+    act_g = _act(g, ACT)
+    if WEIGHTED:
+        h = (act_g * u).to(gu_ptr.dtype.element_ty).to(tl.float32)  # h as the forward rounded it
+        tl.store(dwp_ptr + rows64_M * stride_dwp + pid_n, tl.sum(acc * h, 1), mask=row_ok_M)
+        acc = acc * tl.load(weight_ptr + flat_M, mask=row_ok_M, other=0.0).to(tl.float32)[:, None]
+    dgu_dtype = dgu_ptr.dtype.element_ty
+    tl.store(dgu_ptr + rows64_M[:, None] * stride_gm + gate_N[None, :],
+             (acc * u * _act_grad(g, ACT)).to(dgu_dtype), mask=ok)
+    tl.store(dgu_ptr + rows64_M[:, None] * stride_gm + up_N[None, :], (acc * act_g).to(dgu_dtype), mask=ok)
+
+
+@triton.jit
+def _wgrad_kernel(
+    a_ptr, b_ptr, c_ptr, order_ptr, weight_ptr, counts_ptr,
+    M, N, E, top_k,
+    stride_am, stride_bm, stride_ce, stride_cm,
+    m_class,
+    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """c[e, m, n] = sum over expert e's rows r of s(r) * A[ia(r), m] * B[ib(r), n].
+
+    A: [*, M], B: [*, N] (unit column strides). ia(r) = order[r] // top_k (A_GATHER) else r; same
+    for ib. s(r) = weight[order[r]] (SCALED) else 1. c: [E, M, N] (unit stride along N). Experts
+    with no rows get zeros.
+    """
+    expert = tl.program_id(1)
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    e_E = tl.arange(0, BLOCK_E)
+    counts_E = tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32)
+    row0 = tl.sum(tl.where(e_E < expert, counts_E, 0), 0)
+    row_end = row0 + tl.sum(tl.where(e_E == expert, counts_E, 0), 0)
+    ms_M = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok_M = ms_M < M
+    n_ok_N = ns_N < N
+    k_K = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(row0, row_end, BLOCK_K):
+        rows_K = r0 + k_K
+        ok_K = rows_K < row_end
+        if A_GATHER or B_GATHER or SCALED:
+            flat_K = tl.load(order_ptr + rows_K, mask=ok_K, other=0)
+        safe_K = tl.where(ok_K, rows_K, 0)
+        if A_GATHER:
+            ia_K = flat_K // top_k
+        else:
+            ia_K = safe_K
+        if B_GATHER:
+            ib_K = flat_K // top_k
+        else:
+            ib_K = safe_K
+        a = tl.load(a_ptr + ia_K.to(tl.int64)[None, :] * stride_am + ms_M[:, None],
+                    mask=m_ok_M[:, None] & ok_K[None, :], other=0.0)
+        if SCALED:
+            s_K = tl.load(weight_ptr + flat_K, mask=ok_K, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * s_K[None, :]).to(a_ptr.dtype.element_ty)
+        b = tl.load(b_ptr + ib_K.to(tl.int64)[:, None] * stride_bm + ns_N[None, :],
+                    mask=ok_K[:, None] & n_ok_N[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + ms_M.to(tl.int64)[:, None] * stride_cm + ns_N[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok_M[:, None] & n_ok_N[None, :])

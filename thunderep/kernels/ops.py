@@ -1,0 +1,330 @@
+"""The routed-expert MLP as torch.library custom ops over the Triton kernels (forward and backward).
+
+Shape legend: T tokens, D hidden size, K experts per token, E experts, I intermediate size,
+N routed rows in expert order, P = ceil(I / BLOCK_N) column tiles.
+
+    thunderep::moe_mlp(x, w_gate_up_E2ID, w_down_EDI, order_N, counts_E, weights, top_k, ...)
+        -> (y, h_NI, gu_N2I)
+    thunderep::moe_mlp_backward(dy, x, ..., h_NI, gu_N2I) -> (dx, dw_gate_up, dw_down, dweights)
+
+Two entry modes, one op:
+  * gathered (`order_N` given, FusedExperts.forward): x is x_TD; row r reads token order_N[r] // K;
+    the down projection's epilogue multiplies by weights[order_N[r]] (the flat [T*K] routing weights)
+    and writes flat row order_N[r]; y = y_TKD.sum(K) -> [T, D].
+  * sorted (`order_N` None, the expert-parallel runtime): x is x_ND already grouped by expert; y is
+    the unweighted [N, D] in the same order.
+
+`h_NI` and `gu_N2I` are returned for backward only (empty [0, ...] unless `save`). Both ops carry
+`register_fake`, so torch.compile traces through them; `register_autograd` chains forward to backward.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+
+from . import moe_triton as K
+
+__all__ = ["moe_mlp", "kernel_configs", "supported"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_M_CLASSES = (16, 32, 64, 128)
+
+
+def supported(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, bias: bool) -> bool:
+    """Whether the Triton kernels can run this expert MLP."""
+    return (
+        activation in K.ACTIVATIONS
+        and not bias
+        and x.dtype == w_gate_up.dtype
+        and x.dtype in _DTYPES
+        and w_gate_up.is_contiguous()
+    )
+
+
+def _m_class(n_rows: int, E: int) -> int:
+    """BLOCK_M for the row kernels: the smallest of 16/32/64/128 that holds the mean rows per active expert."""
+    mean = n_rows / max(1, min(E, n_rows))
+    return next((m for m in _M_CLASSES if mean <= m), _M_CLASSES[-1])
+
+
+def _cfg(bm, bn, bk, warps, stages, group=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+                         num_warps=warps, num_stages=stages)
+
+
+# Row kernels: BLOCK_M is fixed by the size class (the mean rows per expert), the rest is tuned.
+_ROW_CONFIGS = [
+    _cfg(16, 32, 128, 4, 5), _cfg(16, 64, 128, 4, 4), _cfg(16, 64, 256, 4, 3), _cfg(16, 128, 128, 4, 4),
+    _cfg(32, 64, 128, 4, 4), _cfg(32, 128, 64, 4, 4), _cfg(32, 64, 256, 4, 3),
+    _cfg(64, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(64, 128, 64, 8, 3), _cfg(64, 256, 64, 8, 3),
+    _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 64, 64, 4, 4),
+]
+_WGRAD_CONFIGS = [
+    _cfg(128, 128, 32, 8, 4), _cfg(128, 128, 64, 8, 3), _cfg(128, 256, 32, 8, 3), _cfg(64, 128, 32, 4, 4),
+    _cfg(128, 64, 64, 4, 4),
+]
+# Fixed choices where autotuning is off (THUNDEREP_TRITON_AUTOTUNE=0, or the CPU interpreter).
+_DEFAULT = {16: _cfg(16, 64, 128, 4, 4), 32: _cfg(32, 64, 128, 4, 4), 64: _cfg(64, 128, 64, 4, 4),
+            128: _cfg(128, 128, 64, 8, 3)}
+_DEFAULT_WGRAD = _cfg(128, 128, 32, 8, 4)
+
+
+def _prune_rows(configs, named_args, **kwargs):
+    bm = {**named_args, **kwargs}["m_class"]
+    keep = [c for c in configs if c.kwargs["BLOCK_M"] == bm]
+    return keep or [_DEFAULT[bm]]
+
+
+def _prune_up(configs, named_args, **kwargs):
+    # Two accumulators: keep BLOCK_M * BLOCK_N within 128 * 128 floats each.
+    keep = [c for c in _prune_rows(configs, named_args, **kwargs)
+            if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+    return keep or [_DEFAULT[{**named_args, **kwargs}["m_class"]]]
+
+
+def _prune_wgrad(configs, named_args, **kwargs):
+    if {**named_args, **kwargs}["m_class"] <= 32:  # few rows per expert: short row loops
+        return [c for c in configs if c.kwargs["BLOCK_K"] == 32] or configs
+    return configs
+
+
+def _even_k(name):
+    return triton.heuristics({"EVEN_K": lambda args: args[name] % args["BLOCK_K"] == 0})
+
+
+def _tuned(kernel, configs, key, prune, even_k=None):
+    fn = _even_k(even_k)(kernel) if even_k else kernel
+    tuned = triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
+                            cache_results=True)(fn)
+    return tuned, fn
+
+
+_UP, _UP_PLAIN = _tuned(K._up_kernel, _ROW_CONFIGS, ["m_class", "I", "D", "GATHER", "SAVE_GU"], _prune_up, "D")
+_ROWS, _ROWS_PLAIN = _tuned(K._rows_kernel, _ROW_CONFIGS, ["m_class", "N", "K", "SCATTER", "WEIGHTED"],
+                            _prune_rows, "K")
+_ACT_BWD, _ACT_BWD_PLAIN = _tuned(K._act_bwd_kernel, _ROW_CONFIGS, ["m_class", "I", "D", "GATHER", "WEIGHTED"],
+                                  _prune_up, "D")
+_WGRAD, _WGRAD_PLAIN = _tuned(K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class", "M", "N", "A_GATHER", "B_GATHER"],
+                              _prune_wgrad)
+
+
+def _autotune(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("THUNDEREP_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _launch(tuned, plain, default, grid, device, **args):
+    """Run the autotuned kernel on CUDA, else (CPU interpreter, or tuning off) a fixed config."""
+    if _autotune(device):
+        tuned[grid](**args)
+    else:
+        meta = dict(default.kwargs)
+        plain[grid](**args, **meta, num_warps=default.num_warps, num_stages=default.num_stages)
+
+
+def kernel_configs() -> dict:
+    """The configs autotuning chose so far, per kernel and key (for reports and benchmarks)."""
+    out = {}
+    for name, tuned in (("up", _UP), ("rows", _ROWS), ("act_bwd", _ACT_BWD), ("wgrad", _WGRAD)):
+        out[name] = {str(k): str(v) for k, v in tuned.cache.items()}
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_e(E: int) -> int:
+    return max(16, triton.next_power_of_2(E))
+
+
+def _row_grid(n_rows: int, E: int, cols: int):
+    return lambda meta: (min(triton.cdiv(n_rows, meta["BLOCK_M"]) + E, n_rows) * triton.cdiv(cols, meta["BLOCK_N"]),)
+
+
+def _up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows):
+    E, I2, D = w_gu.shape
+    I = I2 // 2
+    h = x.new_empty(n_rows, I)
+    gu = x.new_empty(n_rows if save else 0, I2)
+    bm = _m_class(n_rows, E)
+    _launch(_UP, _UP_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, I), x.device,
+            x_ptr=x, w_ptr=w_gu, h_ptr=h, gu_ptr=gu, order_ptr=order if order is not None else counts,
+            counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k,
+            stride_xm=x.stride(0), stride_we=w_gu.stride(0), stride_wn=w_gu.stride(1), stride_hm=h.stride(0),
+            stride_gm=I2, m_class=bm, ACT=act, INTERLEAVED=interleaved, GATHER=order is not None,
+            SAVE_GU=save, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E))
+    return h, gu
+
+
+def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter):
+    """out[dst(r)] = w * a[r] @ B[e].T with B[e, n, k] at b + e*s0 + n*s1 + k*s2."""
+    n_rows, Kdim = a.shape
+    E = counts.shape[0]
+    bm = _m_class(n_rows, E)
+    _launch(_ROWS, _ROWS_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, n_out), a.device,
+            a_ptr=a, b_ptr=b, c_ptr=out, order_ptr=order if order is not None else counts,
+            weight_ptr=weights if weights is not None else a, counts_ptr=counts,
+            n_rows=n_rows, N=n_out, K=Kdim, E=E, stride_am=a.stride(0), stride_be=b_strides[0],
+            stride_bn=b_strides[1], stride_bk=b_strides[2], stride_cm=out.stride(0), m_class=bm,
+            SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
+
+
+def _wgrad(a, b, order, weights, counts, top_k, a_gather, b_gather, n_rows, out):
+    E, M, N = out.shape
+    bm = _m_class(n_rows, E)
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
+    _launch(_WGRAD, _WGRAD_PLAIN, _DEFAULT_WGRAD, grid, a.device,
+            a_ptr=a, b_ptr=b, c_ptr=out, order_ptr=order if order is not None else counts,
+            weight_ptr=weights if weights is not None else a, counts_ptr=counts, M=M, N=N, E=E, top_k=top_k,
+            stride_am=a.stride(0), stride_bm=b.stride(0), stride_ce=out.stride(0), stride_cm=out.stride(1),
+            m_class=bm, A_GATHER=a_gather, B_GATHER=b_gather, SCALED=weights is not None,
+            PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
+
+
+def _check(x, w_gu, w_d, order, counts, weights, top_k, activation):
+    E, I2, D = w_gu.shape
+    if activation not in K.ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} has no Triton kernel; use one of {sorted(K.ACTIVATIONS)}")
+    if w_d.shape != (E, D, I2 // 2) or x.shape[-1] != D:
+        raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w_gate_up {tuple(w_gu.shape)}, "
+                         f"w_down {tuple(w_d.shape)} (expected [E, 2I, D] and [E, D, I])")
+    if counts.shape != (E,):
+        raise ValueError(f"counts_E has shape {tuple(counts.shape)}, expected ({E},)")
+    if order is not None and weights is not None and weights.shape != order.shape:
+        raise ValueError(f"weights {tuple(weights.shape)} must match order {tuple(order.shape)}")
+
+
+@torch.library.custom_op("thunderep::moe_mlp", mutates_args=())
+def _moe_mlp_op(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, order: Optional[torch.Tensor],
+    counts: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, activation: str, interleaved: bool,
+    save: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check(x, w_gate_up, w_down, order, counts, weights, top_k, activation)
+    E, I2, D = w_gate_up.shape
+    n_rows = order.shape[0] if order is not None else x.shape[0]
+    if n_rows == 0:
+        return x.new_zeros(x.shape[0], D), x.new_empty(0, I2 // 2), x.new_empty(0, I2)
+    h, gu = _up(x, w_gate_up, order, counts, top_k, K.ACTIVATIONS[activation], interleaved, save, n_rows)
+    if order is None:
+        y = x.new_empty(n_rows, D)
+        _rows(h, w_down, w_down.stride(), D, None, None, counts, y, scatter=False)
+    else:
+        y_flat = x.new_empty(n_rows, D)
+        _rows(h, w_down, w_down.stride(), D, order, weights, counts, y_flat, scatter=True)
+        y = y_flat.view(-1, top_k, D).sum(dim=1)
+    if not save:
+        h = x.new_empty(0, I2 // 2)
+    return y, h, gu
+
+
+@_moe_mlp_op.register_fake
+def _(x, w_gate_up, w_down, order, counts, weights, top_k, activation, interleaved, save):
+    E, I2, D = w_gate_up.shape
+    n_rows = order.shape[0] if order is not None else x.shape[0]
+    rows = n_rows if save else 0
+    return x.new_empty(x.shape[0], D), x.new_empty(rows, I2 // 2), x.new_empty(rows, I2)
+
+
+@torch.library.custom_op("thunderep::moe_mlp_backward", mutates_args=())
+def _moe_mlp_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+    order: Optional[torch.Tensor], counts: torch.Tensor, weights: Optional[torch.Tensor], h: torch.Tensor,
+    gu: torch.Tensor, top_k: int, activation: str, interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    E, I2, D = w_gate_up.shape
+    I = I2 // 2
+    n_rows = h.shape[0]
+    gather = order is not None
+    dy = dy.contiguous()
+    dweights = torch.zeros(n_rows if weights is not None else 0, dtype=torch.float32, device=dy.device)
+    if n_rows == 0:
+        return torch.zeros_like(x), torch.zeros_like(w_gate_up), torch.zeros_like(w_down), dweights.to(x.dtype)
+    bm = _m_class(n_rows, E)
+    dgu = dy.new_empty(n_rows, I2)
+    cfg = _DEFAULT[bm]
+    n_col_tiles_max = triton.cdiv(I, 16)
+    dwp = torch.zeros(n_rows if weights is not None else 0, n_col_tiles_max, dtype=torch.float32, device=dy.device)
+    _launch(_ACT_BWD, _ACT_BWD_PLAIN, cfg, _row_grid(n_rows, E, I), dy.device,
+            dy_ptr=dy, w_ptr=w_down, gu_ptr=gu, dgu_ptr=dgu, dwp_ptr=dwp if weights is not None else dgu,
+            order_ptr=order if gather else counts, weight_ptr=weights if weights is not None else dy,
+            counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k, stride_dym=dy.stride(0),
+            stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_gm=I2, stride_dwp=n_col_tiles_max,
+            m_class=bm, ACT=K.ACTIVATIONS[activation], INTERLEAVED=interleaved, GATHER=gather,
+            WEIGHTED=weights is not None, PRECISION=_precision(dy.dtype), BLOCK_E=_block_e(E))
+    # dx: dgu @ Wgu[e] (B[e, n=D, k=2I] = w_gate_up[e, k, n]), un-permuted to flat rows then summed per token.
+    dx_rows = dy.new_empty(n_rows, D)
+    wg = w_gate_up
+    _rows(dgu, wg, (wg.stride(0), wg.stride(2), wg.stride(1)), D, order, None, counts, dx_rows, scatter=gather)
+    dx = dx_rows.view(-1, top_k, D).sum(dim=1) if gather else dx_rows
+    # Weight gradients: dWd[e] = (w * dy[tok]).T @ h ; dWgu[e] = dgu.T @ x[tok].
+    dw_down = torch.empty_like(w_down)
+    _wgrad(dy, h, order, weights, counts, top_k, gather, False, n_rows, dw_down)
+    dw_gate_up = torch.empty_like(w_gate_up)
+    _wgrad(dgu, x.contiguous(), order, None, counts, top_k, False, gather, n_rows, dw_gate_up)
+    if weights is not None:
+        dweights = torch.empty_like(dweights).index_copy_(0, order.long(), dwp.sum(dim=1))
+    return dx.to(x.dtype), dw_gate_up, dw_down, dweights.to(weights.dtype if weights is not None else x.dtype)
+
+
+@_moe_mlp_backward_op.register_fake
+def _(dy, x, w_gate_up, w_down, order, counts, weights, h, gu, top_k, activation, interleaved):
+    n = h.shape[0] if weights is not None else 0
+    dtype = weights.dtype if weights is not None else x.dtype
+    return torch.empty_like(x), torch.empty_like(w_gate_up), torch.empty_like(w_down), x.new_empty(n, dtype=dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_gate_up, w_down, order, counts, weights, top_k, activation, interleaved, save = inputs
+    _, h, gu = output
+    ctx.save_for_backward(x, w_gate_up, w_down, order, counts, weights, h, gu)
+    ctx.top_k, ctx.activation, ctx.interleaved, ctx.save = top_k, activation, interleaved, save
+
+
+def _backward(ctx, dy, dh, dgu):
+    x, w_gate_up, w_down, order, counts, weights, h, gu = ctx.saved_tensors
+    if not ctx.save:
+        raise RuntimeError("thunderep::moe_mlp ran with save=False: its intermediates were not kept for backward")
+    dx, dw_gu, dw_d, dweights = _moe_mlp_backward_op(
+        dy, x, w_gate_up, w_down, order, counts, weights, h, gu, ctx.top_k, ctx.activation, ctx.interleaved)
+    return dx, dw_gu, dw_d, None, None, (dweights if weights is not None else None), None, None, None, None
+
+
+_moe_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moe_mlp(
+    x: torch.Tensor,
+    w_gate_up_E2ID: torch.Tensor,
+    w_down_EDI: torch.Tensor,
+    counts_E: torch.Tensor,
+    *,
+    order_N: torch.Tensor | None = None,
+    weights_N: torch.Tensor | None = None,
+    top_k: int = 1,
+    activation: str = "silu",
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """The expert MLP through the Triton kernels.
+
+    x: [T, D] with `order_N` (gathered mode) or [N, D] sorted by expert (sorted mode).
+    w_gate_up_E2ID: [E, 2I, D]; w_down_EDI: [E, D, I] (Hugging Face 5.x layout), x's dtype.
+    counts_E: [E] rows per expert (any integer dtype, any device; moved to x's device).
+    order_N: [N] integer, the flat (token * top_k + slot) pair of each sorted row.
+    weights_N: [T * K] routing weights in flat order (gathered mode only).
+    Returns y_TD (gathered: weighted and summed over each token's K rows) or y_ND (sorted, unweighted).
+    """
+    counts = counts_E.to(device=x.device, dtype=torch.int32, non_blocking=True)
+    order = order_N.to(torch.int32) if order_N is not None else None
+    weights = weights_N.reshape(-1) if weights_N is not None else None
+    if weights is not None and order is None:
+        raise ValueError("weights_N needs order_N (the sorted mode returns unweighted rows)")
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, w_gate_up_E2ID, w_down_EDI, weights))
+    y, _, _ = _moe_mlp_op(x.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), order, counts, weights,
+                          top_k, activation, interleaved, needs_grad)
+    return y
