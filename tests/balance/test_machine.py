@@ -9,7 +9,8 @@ import torch
 
 from thunderep import ConfigError, Placement
 from thunderep.balance.fingerprint import ProbeRecord
-from thunderep.balance.machine import BalanceMachine, BalancerConfig, Mode, decode_records, encode_record
+from thunderep.balance.machine import (BalanceMachine, BalancerConfig, Mode, decode_records, encode_record,
+                                       realized_imbalance)
 from thunderep.balance.placement import TradePlan
 from thunderep.balance.planner import plan_placement
 
@@ -24,9 +25,11 @@ def _zipf(E: int, s: float, seed: int = 0) -> torch.Tensor:
 
 
 def simulate(p_TE: torch.Tensor, R: int, placement: Placement, config: BalancerConfig = BalancerConfig(),
-             seed: int = 0) -> list:
+             seed: int = 0, totals: bool = True) -> list:
     """R ranks, each with its own probe and its own machine; records go through encode / decode like
-    the control plane would carry them. Asserts that every rank takes the same decision every step."""
+    the control plane would carry them, and (totals=True) every rank sees every rank's total rows
+    under the plan in effect, as the split sizes carry them. Asserts that every rank takes the same
+    decision every step."""
     E = p_TE.shape[1]
     gen = torch.Generator().manual_seed(seed)
     probes = [config.probe(E) for _ in range(R)]
@@ -35,14 +38,15 @@ def simulate(p_TE: torch.Tensor, R: int, placement: Placement, config: BalancerC
     for p_E in p_TE:
         words = {m.record_words for m in machines}
         assert len(words) == 1
-        records = [probe.record(torch.poisson(p_E * PAIRS, generator=gen), machines[r].negotiating)
-                   for r, probe in enumerate(probes)]
+        counts_RE = torch.poisson(p_E.expand(R, E) * PAIRS, generator=gen)
+        records = [probe.record(counts_RE[r], machines[r].negotiating) for r, probe in enumerate(probes)]
         rows_RW = torch.stack([encode_record(rec) for rec in records])
         assert rows_RW.shape[1] == words.pop()
-        step = [m.step(*decode_records(rows_RW.clone(), E)) for m in machines]
+        rank_load_R = machines[0].trade.rank_loads(counts_RE.to(torch.int64)).tolist() if totals else None
+        step = [m.step(*decode_records(rows_RW.clone(), E), rank_load_R) for m in machines]
         assert all(d == step[0] for d in step[1:]), "ranks disagree"
         for probe, rec in zip(probes, records):
-            probe.commit(rec, reset=step[0].alarm)
+            probe.commit(rec, reset=step[0].alarm, rebase=step[0].rebaselined)
         decisions.append(step[0])
     return decisions
 
@@ -141,7 +145,133 @@ def test_lag_one_modes_and_words():
     assert d.state == "stable" and not d.alarm and machine.mode is Mode.STABLE
     d = machine.step((1, 3))
     assert d.alarm and machine.negotiating and machine.record_words == 2 + E
-    assert machine.counters == {"stable": 2, "negotiate": 1, "alarm": 1, "trade": 0, "migrate": 0}
+    assert machine.counters == {"stable": 2, "negotiate": 1, "alarm": 1, "trade": 0, "migrate": 0,
+                                "rebaseline": 0}
+
+
+def _swapping_within_ranks(placement: Placement, steps: int, every: int) -> torch.Tensor:
+    """p_TE where, on every rank, the first two local experts trade 3/4 of their joint mass every
+    `every` steps: the load profile moves a lot, every rank's total stays the same."""
+    E = placement.num_experts
+    p_TE = torch.full((steps, E), 1.0 / E, dtype=torch.float64)
+    for r in range(placement.ep_size):
+        a, b = placement.slot_expert_RS[r][:2]
+        for t in range(steps):
+            hot, cold = (a, b) if (t // every) % 2 == 0 else (b, a)
+            p_TE[t, hot], p_TE[t, cold] = 1.75 / E, 0.25 / E
+    return p_TE
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_drifting_but_balanced_load_rebaselines_without_negotiating(R):
+    E = 8
+    placement = Placement.contiguous(E, R)
+    p_TE = _swapping_within_ranks(placement, 200, every=25)
+    decisions = simulate(p_TE, R, placement, seed=R)
+    late = decisions[20:]  # after the first negotiation and its settle negotiation
+    assert all(d.state == "stable" and not d.alarm for d in late)
+    assert all(d.realized is not None and d.realized < 1.10 for d in late)
+    rebaselines = [d.step for d in decisions if d.rebaselined]
+    assert len(rebaselines) >= 5 and all(d.next_mode is Mode.STABLE for d in decisions if d.rebaselined)
+    assert all(d.record_bytes == 8 for d in late)
+    # Without the rank totals the same trace negotiates on every profile change.
+    blind = simulate(p_TE, R, placement, seed=R, totals=False)
+    assert sum(d.alarm for d in blind[20:]) >= 5
+
+
+def test_rebaseline_adopts_the_changed_fingerprints():
+    machine = BalanceMachine(Placement.contiguous(4, 2), BalancerConfig(settle=0))
+    machine.step((1, 2), torch.full((2, 4), 10))
+    d = machine.step((1, 3), rank_load_R=(100, 98))
+    assert d.rebaselined and not d.alarm and d.next_mode is Mode.STABLE
+    assert d.realized == pytest.approx(200 / 198)
+    d = machine.step((1, 3), rank_load_R=(100, 98))  # the adopted fingerprints are the baseline now
+    assert not d.rebaselined and not d.alarm
+    d = machine.step((1, 2), rank_load_R=(99, 101))  # back to the first profile: adopted again
+    assert d.rebaselined and machine.counters["rebaseline"] == 2 and machine.counters["alarm"] == 0
+
+
+def test_realized_imbalance_over_threshold_with_unchanged_fingerprints_alarms():
+    config = BalancerConfig(settle=0)
+    machine = BalanceMachine(Placement.contiguous(4, 2), config)
+    d = machine.step((1, 2), torch.full((2, 4), 10))  # negotiated loads: balanced
+    assert d.imbalance == 1.0
+    d = machine.step((1, 2), rank_load_R=(104, 96))  # within threshold: nothing to do
+    assert not d.alarm and d.next_mode is Mode.STABLE
+    d = machine.step((1, 2), rank_load_R=(130, 70))  # 1.30: the stale baseline must not hide it
+    assert d.alarm and d.realized == pytest.approx(1.3) and machine.negotiating
+    d = machine.step((1, 2), torch.tensor([[30, 30, 10, 10], [30, 30, 10, 10]]))
+    assert d.state == "negotiate" and d.imbalance == pytest.approx(1.5)
+    # Without rank totals (fingerprints only) the same skew behind unchanged fingerprints goes unseen.
+    blind = BalanceMachine(Placement.contiguous(4, 2), config)
+    blind.step((1, 2), torch.full((2, 4), 10))
+    assert not blind.step((1, 2)).alarm
+
+
+def test_a_known_imbalance_is_not_renegotiated_every_step():
+    machine = BalanceMachine(Placement.contiguous(4, 2), BalancerConfig(settle=0))
+    d = machine.step((1, 2), torch.tensor([[30, 30, 10, 10], [30, 30, 10, 10]]))
+    assert d.imbalance == pytest.approx(1.5) and not d.traded  # no replicas: nothing to trade
+    for _ in range(5):  # realized as believed, fingerprints unchanged: the slow window runs
+        d = machine.step((1, 2), rank_load_R=(121, 80))
+        assert not d.alarm and d.state == "stable"
+    d = machine.step((1, 2), rank_load_R=(160, 40))  # 1.6: worse than believed by more than the margin
+    assert d.alarm
+    machine.step((1, 2), torch.tensor([[40, 40, 5, 5], [40, 40, 5, 5]]))
+    d = machine.step((1, 7), rank_load_R=(160, 40))  # over threshold and the loads moved: negotiate
+    assert d.alarm
+
+
+def test_probe_rebase_takes_its_ema_as_baseline():
+    from thunderep.balance.fingerprint import LoadProbe, fingerprint
+
+    probe = LoadProbe(4)
+    probe.commit(probe.record(torch.tensor([100, 100, 100, 100]), True))
+    first = probe.record(torch.tensor([100, 100, 100, 100]), False).fingerprint
+    moved = torch.tensor([300, 30, 100, 100])
+    for _ in range(20):
+        rec = probe.record(moved, False)
+        probe.commit(rec)
+    assert rec.fingerprint != first
+    probe.commit(rec, rebase=True)  # the machine re-baselined: nothing was sent
+    assert probe.baseline.counts_E.tolist() == rec.ema_E.round().tolist()
+    again = probe.record(moved, False).fingerprint  # what the machine adopts on the next step
+    assert again == fingerprint(probe.baseline.counts_E) != rec.fingerprint
+
+
+def test_loads_older_than_a_rebaseline_are_refreshed_before_a_migration():
+    config = BalancerConfig(settle=0, slow_window=3, min_dwell=0, bandwidth=1e15, seconds_per_pair=1.0)
+    skew = torch.tensor([[10, 10, 10, 200], [10, 10, 10, 200]])
+    placement = Placement.contiguous(4, 2, 3)  # expert 3 has one slot: only a migration helps
+
+    def run(fps, fresh_loads, rank_load_R=(420, 60)):
+        machine = BalanceMachine(placement, config)
+        machine.step((1, 2), skew)  # believed 1.68, slow window counting from here
+        out = []
+        for fp in fps:
+            if machine.negotiating:
+                out.append(machine.step((5, 5), fresh_loads))
+                break
+            out.append(machine.step(fp, rank_load_R=rank_load_R))
+        return out
+
+    known = run([(1, 2)] * 3, skew)  # the known skew persists: migrate on the negotiated loads
+    assert [d.migrated for d in known[:2]] == [False, True] and not known[0].alarm
+    # The profile moved, the plan holds (a re-baseline) before the slow window ran out: the loads the
+    # migration would be planned on are stale, so negotiate first, then decide on the fresh ones.
+    moved = run([(1, 9)] * 4, torch.full((2, 4), 50), rank_load_R=(250, 230))
+    assert moved[0].rebaselined and not any(d.alarm or d.migrated for d in moved)
+    assert moved[1].next_mode is Mode.NEGOTIATE
+    assert moved[2].state == "negotiate" and not moved[2].migrated and moved[2].predicted <= 1.1
+
+
+def test_realized_imbalance_is_exact_and_checked():
+    assert realized_imbalance((3, 1), 2) == 1.5 and realized_imbalance([0, 0, 0], 3) == 1.0
+    assert realized_imbalance(torch.tensor([5.0, 3.0]), 2) == realized_imbalance((5, 3), 2) == 1.25
+    with pytest.raises(ConfigError, match=r"2 non-negative rank totals"):
+        realized_imbalance((1, 2, 3), 2)
+    with pytest.raises(ConfigError, match=r"2 non-negative rank totals"):
+        BalanceMachine(Placement.contiguous(4, 2)).step((0, 0), torch.ones(2, 4), (4, -1))
 
 
 def test_refresh_every_forces_a_negotiation():

@@ -5,6 +5,8 @@ step of one MoE layer.
 
 Why a fingerprint: while every rank's fingerprint equals the one it sent at the last negotiation, the
 load profile has not moved enough to matter and nothing else needs to be exchanged (`machine.py`).
+When it moves while the plan in effect is still balanced, the machine re-baselines: each probe takes
+its current EMA as its baseline without sending it (`LoadProbe.commit(rebase=True)`).
 Token order never matters to balance, so the *profile* is hashed, not the routing.
 
 Bucketing
@@ -247,12 +249,16 @@ class LoadProbe:
             torch.tensor(base, dtype=torch.float64), variance=state["baseline_variance"],
             width=self.width, z=self.z)
 
-    def commit(self, record: ProbeRecord, reset: bool = False) -> None:
+    def commit(self, record: ProbeRecord, reset: bool = False, rebase: bool = False) -> None:
         """At the step boundary: keep the EMA (or, with reset, restart it from this step's counts);
-        a sent load becomes the new baseline."""
+        a sent load becomes the new baseline, and so does, with rebase (the machine re-baselined:
+        the profile moved, the plan still holds), the rounded EMA that was not sent."""
         if reset:
             self.ema_E, self.variance = record.counts_E, 1.0
         else:
             self.ema_E, self.variance = record.ema_E, record.variance
-        if record.load_E is not None:
-            self.baseline = Baseline.of(record.load_E, variance=record.variance, width=self.width, z=self.z)
+        load_E = record.load_E
+        if load_E is None and rebase:
+            load_E = record.ema_E.round().clamp_(0, 2**31 - 1).to(torch.int32)
+        if load_E is not None:
+            self.baseline = Baseline.of(load_E, variance=record.variance, width=self.width, z=self.z)

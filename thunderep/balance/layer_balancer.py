@@ -3,7 +3,9 @@
 
 Per step (see `machine.py` for the protocol):
   forward   `record(counts_E)` -> int32 words appended to the split-size record; `assign()` picks each
-            pair's replica with the current TradePlan; `received(rows_RW)` keeps every rank's words;
+            pair's replica with the current TradePlan; `received(rows_RW, rank_load_R)` keeps every
+            rank's words and every rank's total rows under the plan in effect (the column sums of the
+            exchanged split sizes: the same integers on every rank, no extra bytes);
   boundary  `step()` -> the Decision for the next step (trade plan, maybe a new placement).
 """
 
@@ -24,6 +26,7 @@ class LayerBalancer:
         self.probe = self.config.probe(placement.num_experts, seed=seed)
         self._record = None
         self._rows_RW: torch.Tensor | None = None
+        self._rank_load_R: tuple[int, ...] | None = None
         self.last: Decision | None = None
 
     @property
@@ -42,17 +45,20 @@ class LayerBalancer:
     def assign(self, rank: int, ids_TK: torch.Tensor) -> torch.Tensor:
         return self.machine.trade.assign(rank, ids_TK)
 
-    def received(self, rows_RW: torch.Tensor) -> None:
+    def received(self, rows_RW: torch.Tensor, rank_load_R=None) -> None:
+        """rows_RW: int32 [R, record_words] every rank's balancer words; rank_load_R: R ints, the rows
+        each rank computes this step under the current plan (None: fingerprint-only alarms)."""
         self._rows_RW = rows_RW
+        self._rank_load_R = None if rank_load_R is None else tuple(int(v) for v in rank_load_R)
 
     def step(self) -> Decision | None:
         """Consume this step's exchanged records (None if the layer did not dispatch this step)."""
         if self._rows_RW is None:
             return None
         fingerprints_R, load_RE = decode_records(self._rows_RW, self.machine.placement.num_experts)
-        decision = self.machine.step(fingerprints_R, load_RE)
-        self.probe.commit(self._record, reset=decision.alarm)
-        self._rows_RW = self._record = None
+        decision = self.machine.step(fingerprints_R, load_RE, self._rank_load_R)
+        self.probe.commit(self._record, reset=decision.alarm, rebase=decision.rebaselined)
+        self._rows_RW = self._record = self._rank_load_R = None
         self.last = decision
         return decision
 

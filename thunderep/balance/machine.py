@@ -8,8 +8,19 @@ Protocol (per MoE layer, per step t; lag-1)
 `machine.mode` for step t is known to every rank before step t starts (decided at the end of t - 1):
 
 * STABLE: each rank's balancer record is its 8-byte load fingerprint (`fingerprint.py`), taken
-  relative to the baseline it sent at the last negotiation. If all R fingerprints equal the agreed
-  baseline nothing else happens. A mismatch (an alarm) makes step t + 1 a NEGOTIATE step.
+  relative to the baseline it sent at the last negotiation. The same exchange carries every rank's
+  split sizes (rows per destination slot), so every rank also knows each rank's total rows under
+  the plan in effect, `rank_load_R`, at no extra byte; their max / mean is the step's *realized
+  imbalance*. An alarm - step t + 1 negotiates - needs the realized imbalance over `threshold` and
+  news: a fingerprint off the agreed baseline (the loads moved), or a realized imbalance above the
+  believed one (from the last negotiated loads) by more than `margin`. A changed fingerprint while
+  the realized imbalance is within threshold is a *re-baseline* (the profile moved, the plan still
+  holds; nothing else is sent): each probe takes its rounded EMA as its new baseline loads, locally
+  (`LoadProbe.commit(rebase=True)`), and the fingerprints of step t + 1 - relative to those - are
+  adopted as the agreed baseline without being compared (a change in that one step is still caught
+  by the realized imbalance). Unchanged fingerprints over threshold leave the machine Stable only
+  while it already believes that imbalance (it negotiated it and no trade helped; the slow window
+  is running). Without `rank_load_R` every mismatch is an alarm.
 * NEGOTIATE: each rank's record is its fingerprint plus its load vector (int32 [E]: the rank's fast
   EMA of its per-expert pair counts). Every rank then computes the same imbalance (max rank load /
   mean rank load) of the plan in effect and, over `threshold - margin`, the same new `TradePlan`
@@ -19,10 +30,18 @@ Protocol (per MoE layer, per step t; lag-1)
   `slow_window` consecutive steps, at least `min_dwell` steps after the last migration, `plan_placement`
   proposes a new Placement; it is taken if it lowers the predicted imbalance by `migrate_gain` and the
   time it saves over the expected stable period exceeds the time to move the weights (cost check).
+  Loads negotiated before a re-baseline no longer describe the profile: then the machine first
+  negotiates once more (not an alarm: the EMAs are kept) and plans the migration on the fresh loads.
 
-Every decision is a pure function of the exchanged records, so all ranks take it without a leader
-or an extra round. Decisions made at the end of step t take effect from step t + 1; forward never
-waits for them.
+Realized vs true imbalance: the realized imbalance of step t is the plan in effect at step t applied
+to the pairs routed at step t; the evaluation's oracle (`evaluate.py`) applies the same plan to the
+expected pairs of step t, so the two differ only by sampling noise (about 1 / sqrt(rows per rank),
+1% at 8192 rows; the max over R ranks biases the realized value up by about that). Both judge the
+plan that step t ran with, which is also what decides step t's speed.
+
+Every decision is a pure function of the exchanged records (the rank totals are exact integer sums
+of exchanged split sizes), so all ranks take it without a leader or an extra round. Decisions made
+at the end of step t take effect from step t + 1; forward never waits for them.
 
 Integration recipe (what is exchanged when)
 -------------------------------------------
@@ -32,19 +51,21 @@ Integration recipe (what is exchanged when)
     # forward of step t, where the dispatcher knows this rank's counts_E, before its exchange:
     rec = probe.record(counts_E, machine.negotiating)      # pure: safe under recomputation
     words_W = encode_record(rec)                            # int32 [machine.record_words]
-    #   append words_W to the split-size record; after the exchange keep every rank's words: rows_RW
+    #   append words_W to the split-size record; after the exchange keep every rank's words: rows_RW,
+    #   and every rank's total rows under the plan in effect: rank_load_R (sums of the split sizes)
     slots_N = machine.trade.assign(my_rank, ids_TK)         # instead of placement.slot_table(me)[ids]
 
     # step boundary (after the optimizer step; after each generated token in inference):
-    decision = machine.step(*decode_records(rows_RW, E))
-    probe.commit(rec, reset=decision.alarm)                  # an alarm restarts the EMA
+    decision = machine.step(*decode_records(rows_RW, E), rank_load_R)
+    probe.commit(rec, reset=decision.alarm, rebase=decision.rebaselined)  # an alarm restarts the EMA
     if decision.migrated:   # every rank, same step: move weights of decision.moved_slots (migrate.py)
         ...
     # from step t + 1 use machine.placement, machine.trade, machine.record_words
 
-Costs: a Stable step adds 8 bytes per rank per layer to a record that is exchanged anyway; a Negotiate
-step adds 4 * E more. With waves, counts_E is the sum over the waves and the record rides in the one
-exchange of `Dispatcher.plan`. The split sizes of a negotiate step already hold every source rank's
+Costs: a Stable step adds 8 bytes per rank per layer to a record that is exchanged anyway (the rank
+totals are sums of split sizes every rank already receives: 0 bytes more); a Negotiate step adds
+4 * E more. With waves, counts_E is the sum over the waves and the record rides in the one exchange
+of `Dispatcher.plan`. The split sizes of a negotiate step already hold every source rank's
 per-expert counts of that step (summed over an expert's slots); a runtime may pass those as load_RE
 and leave the load words out of the record (the probe still records with negotiate=True, so that
 its baseline moves): the decisions only need the same numbers on every rank, not their origin.
@@ -71,6 +92,7 @@ __all__ = [
     "Mode",
     "decode_records",
     "encode_record",
+    "realized_imbalance",
 ]
 
 
@@ -89,7 +111,9 @@ class BalancerConfig:
         a trade adds (pairs sent to a remote replica) cost about what they save.
     margin 0.02: the machine acts (plans a trade, counts toward a migration) from threshold - margin:
         its imbalance estimates carry about 1% of sampling noise, and a plan estimated at 1.099 but
-        truly at 1.104 would otherwise never be revisited.
+        truly at 1.104 would otherwise never be revisited. On a Stable step it is also the noise
+        allowance of the realized imbalance: with unchanged fingerprints, a realized imbalance over
+        threshold is an alarm only if it exceeds the believed one by more than the margin.
     settle 8: at step 0 and after an alarm the probes' EMAs are young (after an alarm they restart),
         so the loads negotiated then are noisy (variance factor 1 or 0.58 instead of 0.18); the
         machine negotiates once more `settle` steps later, when the EMAs have settled (0: never).
@@ -163,6 +187,9 @@ class Decision:
     moved_slots: global slots whose expert changes at the boundary (non-empty only when migrated);
         bytes_moved = len(moved_slots) * bytes_per_expert.
     next_mode: the record mode of the next step; record_bytes: balancer bytes per rank this step.
+    realized: max / mean of the rank totals the plan in effect produced this step (None when the
+        runtime passed none); rebaselined: a Stable step whose changed fingerprints were adopted as
+        the baseline because the realized imbalance was within threshold (no negotiation).
     """
 
     step: int
@@ -178,6 +205,22 @@ class Decision:
     bytes_moved: int
     next_mode: Mode
     record_bytes: int
+    realized: float | None = None
+    rebaselined: bool = False
+
+
+def realized_imbalance(rank_load_R: "Sequence[int] | torch.Tensor", ep_size: int) -> float:
+    """max / mean of R rank totals (1.0 when all are zero), from exact integers so that every rank
+    computes the same float. rank_load_R: R non-negative integers (a tensor is rounded to int64)."""
+    if isinstance(rank_load_R, torch.Tensor):
+        t = rank_load_R.detach().to("cpu")
+        loads = (t.round() if t.is_floating_point() else t).to(torch.int64).reshape(-1).tolist()
+    else:
+        loads = [int(v) for v in rank_load_R]
+    if len(loads) != ep_size or min(loads) < 0:
+        raise ConfigError(f"rank_load_R must be {ep_size} non-negative rank totals, got {loads[:8]}")
+    total = sum(loads)
+    return max(loads) * ep_size / total if total > 0 else 1.0
 
 
 def encode_record(record: ProbeRecord) -> torch.Tensor:
@@ -212,8 +255,10 @@ class _State:
     regime_start: int = 0
     settle_at: int | None = None
     young: bool = True
+    adopt: bool = False
+    stale: bool = False
     counters: dict = field(default_factory=lambda: {"stable": 0, "negotiate": 0, "alarm": 0,
-                                                     "trade": 0, "migrate": 0})
+                                                     "trade": 0, "migrate": 0, "rebaseline": 0})
 
 
 class BalanceMachine:
@@ -249,22 +294,28 @@ class BalanceMachine:
 
     @property
     def counters(self) -> dict:
-        """Steps by kind so far: stable, negotiate, alarm, trade, migrate."""
+        """Steps by kind so far: stable, negotiate, alarm, trade, migrate, rebaseline."""
         return dict(self._s.counters)
 
     # -- the transition
 
-    def step(self, fingerprints_R: Sequence[int], load_RE: torch.Tensor | None = None) -> Decision:
+    def step(self, fingerprints_R: Sequence[int], load_RE: torch.Tensor | None = None,
+             rank_load_R: "Sequence[int] | torch.Tensor | None" = None) -> Decision:
         """Consume this step's exchanged records; return the Decision for the next step.
 
         fingerprints_R: R unsigned 64-bit fingerprints, indexed by rank.
         load_RE: int [R, E] exchanged loads; required when `negotiating`, ignored otherwise.
+        rank_load_R: R non-negative ints, the pairs each rank computes this step under the plan in
+            effect (the column sums of the exchanged split sizes; any common unit). With them an
+            alarm needs a realized imbalance over threshold; without them every fingerprint change
+            is an alarm (see the module docstring).
         """
         s, cfg, pl = self._s, self.config, self.placement
         R, E = pl.ep_size, pl.num_experts
         fps = tuple(int(f) for f in fingerprints_R)
         if len(fps) != R:
             raise ConfigError(f"step() got {len(fps)} fingerprints for an EP group of {R} ranks")
+        realized = None if rank_load_R is None else realized_imbalance(rank_load_R, R)
         negotiating = s.mode is Mode.NEGOTIATE
         if negotiating:
             if not isinstance(load_RE, torch.Tensor) or tuple(load_RE.shape) != (R, E):
@@ -274,13 +325,14 @@ class BalanceMachine:
                 load_RE = load_RE.round()
             load_RE = load_RE.detach().to("cpu", torch.int64)
         before = s.believed
-        alarm = traded = False
+        alarm = traded = rebaselined = False
         act = cfg.threshold - cfg.margin
         if negotiating:
             if s.young and cfg.settle:  # loads of young EMAs (first step, after an alarm): confirm later
                 s.settle_at = s.step + cfg.settle
             s.young = False
             s.baseline_R, s.load_RE, s.last_negotiation = fps, load_RE, s.step
+            s.stale = s.adopt = False
             current = self.trade.imbalance(load_RE)
             before = s.believed = current
             if current > act:
@@ -290,7 +342,17 @@ class BalanceMachine:
                     self.trade, s.believed, traded = candidate, predicted, True
             next_mode = Mode.STABLE
         else:
-            alarm = fps != s.baseline_R
+            changed = fps != s.baseline_R and not s.adopt
+            if s.adopt:  # the probes re-based their loads last step: these fingerprints are the baseline
+                s.baseline_R, s.adopt = fps, False
+            if realized is None:  # no rank totals: a changed profile is all the machine can see
+                alarm = changed
+            else:  # alarm on a realized imbalance over threshold that is news: loads moved, or it is
+                # worse than the machine believes by more than its noise allowance (the margin)
+                alarm = realized > cfg.threshold and (changed or realized > s.believed + cfg.margin)
+                rebaselined = changed and not alarm
+                if rebaselined:  # the profile moved but the plan still holds: adopt, send nothing
+                    s.baseline_R, s.adopt, s.stale = fps, True, True
             if alarm:
                 s.regime_start, s.settle_at, s.young = s.step, None, True
             refresh = cfg.refresh_every and s.step - s.last_negotiation >= cfg.refresh_every
@@ -301,16 +363,20 @@ class BalanceMachine:
         s.above = s.above + 1 if s.believed > act else 0
         moved: tuple[int, ...] = ()
         if not alarm and s.load_RE is not None and self._may_migrate():
-            moved = self._try_migrate()
+            if not s.stale:
+                moved = self._try_migrate()
+            else:  # the loads predate a re-baseline: a migration is planned on fresh ones only
+                next_mode = Mode.NEGOTIATE
         s.counters[s.mode.value] += 1
         s.counters["alarm"] += alarm
         s.counters["trade"] += traded
         s.counters["migrate"] += bool(moved)
+        s.counters["rebaseline"] += rebaselined
         decision = Decision(
             step=s.step, state=s.mode.value, alarm=alarm, traded=traded, migrated=bool(moved),
             imbalance=before, predicted=s.believed, placement=self.placement, trade=self.trade,
             moved_slots=moved, bytes_moved=int(len(moved) * cfg.bytes_per_expert), next_mode=next_mode,
-            record_bytes=4 * self.record_words)
+            record_bytes=4 * self.record_words, realized=realized, rebaselined=rebaselined)
         s.mode = next_mode
         s.step += 1
         return decision
@@ -354,7 +420,8 @@ class BalanceMachine:
             "load_RE": None if s.load_RE is None else s.load_RE.tolist(),
             "believed": s.believed, "above": s.above, "last_migration": s.last_migration,
             "last_negotiation": s.last_negotiation, "next_check": s.next_check,
-            "regime_start": s.regime_start, "settle_at": s.settle_at, "young": s.young,
+            "regime_start": s.regime_start, "settle_at": s.settle_at, "young": s.young, "adopt": s.adopt,
+            "stale": s.stale,
             "counters": dict(s.counters),
         }
 
@@ -371,7 +438,8 @@ class BalanceMachine:
                 believed=state["believed"], above=state["above"], last_migration=state["last_migration"],
                 last_negotiation=state["last_negotiation"], next_check=state["next_check"],
                 regime_start=state["regime_start"], settle_at=state["settle_at"],
-                young=state["young"], counters=dict(state["counters"]))
+                young=state["young"], adopt=state.get("adopt", False), stale=state.get("stale", False),
+                counters={**_State().counters, **state["counters"]})
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"not a BalanceMachine state: {exc!r:.200}") from exc
         self.placement, self.trade, self._s = placement, trade, s

@@ -206,12 +206,12 @@ class Dispatcher:
                 f"split-size exchange on EP rank {me} failed: a peer died or did not answer within the "
                 f"process group's timeout ({str(exc).splitlines()[0][:200]})"
             ) from exc
-        if balancer is not None:
-            balancer.received(rows[:, send_WP.numel():])
         sinks = (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)
         control_s = time.perf_counter() - started
         slot_load_P = all_RWP.sum(dim=(0, 1))  # rows each global slot's expert gets this step
         load_R = slot_load_P.view(R, S).sum(dim=1).tolist()
+        if balancer is not None:  # every rank holds every rank's splits: the same totals everywhere
+            balancer.received(rows[:, send_WP.numel():], load_R)
         load_E = torch.zeros(placement.num_experts, dtype=torch.int64).index_add_(
             0, placement.slot_experts_P, slot_load_P.to(torch.int64)).tolist()
         for sink in sinks:
