@@ -17,7 +17,7 @@ from torch import nn
 from .config import RouterConfig
 from .errors import RoutingError
 
-__all__ = ["Routing", "TopKRouter", "route"]
+__all__ = ["Routing", "TopKRouter", "expert_counts", "route"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,12 @@ def _group_mask(choice_TE: torch.Tensor, config: RouterConfig) -> torch.Tensor:
     best_Tg = torch.topk(group_TG, k=config.topk_group, dim=-1, sorted=False)[1]
     keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_Tg, True)
     return keep_TG.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+
+
+def expert_counts(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 rows per expert. Unlike torch.bincount on CUDA, no device-to-host sync (CUDA graphs)."""
+    flat = ids_TK.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def route(
@@ -117,7 +123,7 @@ def route(
     if config.scaling_factor != 1.0:
         weights_TK = weights_TK * config.scaling_factor
     out_dtype = torch.float32 if config.weights_dtype == "float32" else x_TD.dtype
-    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=config.num_experts)
+    counts_E = expert_counts(ids_TK, config.num_experts)
     return Routing(weights_TK.to(out_dtype), ids_TK, counts_E, logits_TE)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from ..balance.placement import Placement
 from ..errors import ConfigError, UnsupportedModelError
-from ..router import Routing
+from ..router import Routing, expert_counts
 
 __all__ = [
     "IMPLEMENTATION",
@@ -120,7 +120,7 @@ class ExpertsBinding:
         routings = []
         for a, b in bounds:
             ids = ids_TK[a:b]
-            counts_E = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+            counts_E = expert_counts(ids, self.num_experts)
             routings.append(Routing(weights_TK[a:b], ids, counts_E, x_TD.new_empty(b - a, 0)))
         metas = dispatcher.plan(routings, self.placement)
         pending = [dispatcher.dispatch_async(x_TD[a:b], m) for (a, b), m in zip(bounds, metas)]

@@ -57,16 +57,57 @@ def _hf_experts(D, I, E, K, w_gu, w_d, implementation):
 
 def _thunder_experts(D, I, E, K, w_gu, w_d):
     from ..kernels.ops import moe_mlp
+    from ..router import expert_counts
 
     def run(x, ids, w):
         order = torch.argsort(ids.reshape(-1), stable=True)
-        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        counts = expert_counts(ids, E)
         return moe_mlp(x, w_gu, w_d, counts, order_N=order, weights_N=w, top_k=K)
 
     return run
 
 
-def bench_shape(name, tokens, impls, bw, device, out_rows):
+def graph_ms(fn, sets) -> float:
+    """Forward time with launch overhead removed: the ROTATE calls captured once in a CUDA graph, replayed."""
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for s in sets:  # warm-up outside the capture (autotuning, allocator)
+                fn(s[0], s[1], s[2])
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for s in sets:
+                fn(s[0], s[1], s[2])
+    return _bench(graph.replay) / len(sets)
+
+
+def profile_kernels(fn, sets, backward: bool) -> list[tuple[str, float]]:
+    """Per-kernel device time (ms per call) of one implementation, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step(s):
+        x = s[0].detach().requires_grad_(backward)
+        w = s[2].detach().requires_grad_(backward)
+        with torch.set_grad_enabled(backward):
+            y = fn(x, s[1], w)
+            if backward:
+                torch.autograd.grad(y, [x, w], s[3])
+
+    for s in sets:
+        step(s)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for s in sets:
+            step(s)
+        torch.cuda.synchronize()
+    rows = [(e.key[:70], e.device_time_total / 1e3 / len(sets)) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])[:12]
+
+
+def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profile_t=()):
     D, I, E, K = SHAPES[name]
     gen = torch.Generator(device=device).manual_seed(0)
     dt = torch.bfloat16
@@ -128,6 +169,22 @@ def bench_shape(name, tokens, impls, bw, device, out_rows):
                        "hbm_frac": hit * expert_bytes / (ms * 1e-3) / bw, "rel_err_vs_grouped_mm": err}
                 out_rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
+            if T <= graph_max_t and impl != "eager":  # eager syncs with the host: no graph
+                try:
+                    ms = graph_ms(fn, sets)
+                except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                    print(f"graph capture failed for {impl}: {exc!r}"[:300], file=sys.stderr)
+                    ms = float("nan")
+                row = {"shape": name, "T": T, "impl": impl, "mode": "fwd-graph", "ms": ms,
+                       "tflops": flops / (ms * 1e-3) / 1e12, "experts_hit": hit,
+                       "hbm_frac": hit * expert_bytes / (ms * 1e-3) / bw, "rel_err_vs_grouped_mm": err}
+                out_rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+            if T in profile_t and impl in ("thunderep", "grouped_mm"):
+                for backward in (False, True):
+                    print(f"## profile {name} T={T} {impl} {'fwd+bwd' if backward else 'fwd'} (ms per call)")
+                    for key, ms in profile_kernels(fn, sets, backward):
+                        print(f"   {ms:8.3f}  {key}")
     del w_gu, w_d
     torch.cuda.empty_cache()
 
@@ -159,6 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,64,512,4096,16384")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--graph-max-tokens", type=int, default=512,
+                    help="also time forward as CUDA-graph replays (no launch overhead) up to this T")
+    ap.add_argument("--profile-tokens", default="", help="print per-kernel device times at these T")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("thunderep.kernels.bench needs a CUDA GPU", file=sys.stderr)
@@ -172,11 +232,17 @@ def main(argv=None) -> int:
           f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows: list[dict] = []
     for name in args.shapes.split(","):
-        bench_shape(name, [int(t) for t in args.tokens.split(",")], impls, bw, device, rows)
+        bench_shape(name, [int(t) for t in args.tokens.split(",")], impls, bw, device, rows,
+                    graph_max_t=args.graph_max_tokens,
+                    profile_t={int(t) for t in args.profile_tokens.split(",") if t})
         print(table([r for r in rows if r["shape"] == name], impls), flush=True)
+    from .ops import kernel_configs
+
+    configs = kernel_configs()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows,
+                       "configs": configs}, f, indent=1)
     print(table(rows, impls))
     errs = [r["rel_err_vs_grouped_mm"] for r in rows if r["rel_err_vs_grouped_mm"] is not None]
     if errs:

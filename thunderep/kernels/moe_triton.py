@@ -303,22 +303,31 @@ def _wgrad_kernel(
     A: [*, M], B: [*, N] (unit column strides). ia(r) = order[r] // top_k (A_GATHER) else r; same
     for ib. s(r) = weight[order[r]] (SCALED) else 1. c: [E, M, N] (unit stride along N). Experts
     with no rows get zeros.
+
+    One program owns (expert, BLOCK_M rows of c) and walks every column tile in one flattened loop
+    over (column tile, chunk of BLOCK_K rows): experts often have few rows, and a loop per tile
+    would be all prologue; flattened, the loads of the next tile overlap the current one.
     """
     expert = tl.program_id(1)
-    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m = tl.program_id(0)
     e_E = tl.arange(0, BLOCK_E)
     counts_E = tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32)
     row0 = tl.sum(tl.where(e_E < expert, counts_E, 0), 0)
     row_end = row0 + tl.sum(tl.where(e_E == expert, counts_E, 0), 0)
+    chunks = tl.maximum(tl.cdiv(row_end - row0, BLOCK_K), 1)  # >= 1: an expert without rows stores zeros
+    n_tiles = tl.cdiv(N, BLOCK_N)
     ms_M = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ns_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok_M = ms_M < M
-    n_ok_N = ns_N < N
     k_K = tl.arange(0, BLOCK_K)
+    c_base = c_ptr + expert.to(tl.int64) * stride_ce + ms_M.to(tl.int64)[:, None] * stride_cm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(row0, row_end, BLOCK_K):
-        rows_K = r0 + k_K
+    for it in range(0, n_tiles * chunks):
+        tile = it // chunks
+        chunk = it - tile * chunks
+        rows_K = row0 + chunk * BLOCK_K + k_K
         ok_K = rows_K < row_end
+        ns_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok_N = ns_N < N
         if A_GATHER or B_GATHER or SCALED:
             flat_K = tl.load(order_ptr + rows_K, mask=ok_K, other=0)
         safe_K = tl.where(ok_K, rows_K, 0)
@@ -338,5 +347,6 @@ def _wgrad_kernel(
         b = tl.load(b_ptr + ib_K.to(tl.int64)[:, None] * stride_bm + ns_N[None, :],
                     mask=ok_K[:, None] & n_ok_N[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + ms_M.to(tl.int64)[:, None] * stride_cm + ns_N[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok_M[:, None] & n_ok_N[None, :])
+        if chunk == chunks - 1:
+            tl.store(c_base + ns_N[None, :], acc.to(c_ptr.dtype.element_ty), mask=m_ok_M[:, None] & n_ok_N[None, :])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -64,8 +64,8 @@ _ROW_CONFIGS = [
     _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 64, 64, 4, 4),
 ]
 _WGRAD_CONFIGS = [
-    _cfg(128, 128, 32, 8, 4), _cfg(128, 128, 64, 8, 3), _cfg(128, 256, 32, 8, 3), _cfg(64, 128, 32, 4, 4),
-    _cfg(128, 64, 64, 4, 4),
+    _cfg(128, 128, 32, 8, 4), _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 32, 8, 3),
+    _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 32, 4, 4), _cfg(128, 64, 64, 4, 4),
 ]
 # Fixed choices where autotuning is off (THUNDEREP_TRITON_AUTOTUNE=0, or the CPU interpreter).
 _DEFAULT = {16: _cfg(16, 64, 128, 4, 4), 32: _cfg(32, 64, 128, 4, 4), 64: _cfg(64, 128, 64, 4, 4),
@@ -176,13 +176,49 @@ def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter):
 def _wgrad(a, b, order, weights, counts, top_k, a_gather, b_gather, n_rows, out):
     E, M, N = out.shape
     bm = _m_class(n_rows, E)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), E)  # noqa: E731
     _launch(_WGRAD, _WGRAD_PLAIN, _DEFAULT_WGRAD, grid, a.device,
             a_ptr=a, b_ptr=b, c_ptr=out, order_ptr=order if order is not None else counts,
             weight_ptr=weights if weights is not None else a, counts_ptr=counts, M=M, N=N, E=E, top_k=top_k,
             stride_am=a.stride(0), stride_bm=b.stride(0), stride_ce=out.stride(0), stride_cm=out.stride(1),
             m_class=bm, A_GATHER=a_gather, B_GATHER=b_gather, SCALED=weights is not None,
             PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
+
+
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _wgrad_backend(t: torch.Tensor, *dims: int) -> str:
+    """"torch" (CUTLASS grouped GEMM, Hopper) or "triton" (the portable kernel) for the weight gradients.
+
+    THUNDEREP_WGRAD=triton|torch forces one. On sm_90, torch's grouped GEMM (TMA, warp-specialized
+    CUTLASS) computes these K-grouped products faster than the portable Triton kernel; elsewhere
+    (RTX 4090 / 5090, or without it) the Triton kernel runs.
+    """
+    forced = os.environ.get("THUNDEREP_WGRAD", "")
+    if forced in ("triton", "torch"):
+        return forced
+    ok = (_GROUPED_MM is not None and t.is_cuda and t.dtype == torch.bfloat16
+          and torch.cuda.get_device_capability(t.device) == (9, 0) and all(d % 8 == 0 for d in dims))
+    return "torch" if ok else "triton"
+
+
+def _wgrad_torch(dy, x, h, dgu, order, weights, counts, top_k):
+    """Weight gradients through torch's grouped GEMM over the K (row) dimension.
+
+    Rows are gathered once ([N, D] each); dW_down[e] = (w * dy_rows).T @ h, dW_gate_up[e] = dgu.T @ x_rows.
+    """
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    if order is not None:
+        tok = order.long() // top_k
+        dy_rows, x_rows = dy[tok], x[tok]
+    else:
+        dy_rows, x_rows = dy, x
+    if weights is not None:
+        dy_rows = (dy_rows.float() * weights[order.long()].float()[:, None]).to(dy.dtype)
+    dw_down = _GROUPED_MM(dy_rows.t(), h, offs=offs)
+    dw_gate_up = _GROUPED_MM(dgu.t(), x_rows.contiguous(), offs=offs)
+    return dw_gate_up, dw_down
 
 
 def _check(x, w_gu, w_d, order, counts, weights, top_k, activation):
@@ -262,10 +298,13 @@ def _moe_mlp_backward_op(
     _rows(dgu, wg, (wg.stride(0), wg.stride(2), wg.stride(1)), D, order, None, counts, dx_rows, scatter=gather)
     dx = dx_rows.view(-1, top_k, D).sum(dim=1) if gather else dx_rows
     # Weight gradients: dWd[e] = (w * dy[tok]).T @ h ; dWgu[e] = dgu.T @ x[tok].
-    dw_down = torch.empty_like(w_down)
-    _wgrad(dy, h, order, weights, counts, top_k, gather, False, n_rows, dw_down)
-    dw_gate_up = torch.empty_like(w_gate_up)
-    _wgrad(dgu, x.contiguous(), order, None, counts, top_k, False, gather, n_rows, dw_gate_up)
+    if _wgrad_backend(dy, D, I) == "torch":
+        dw_gate_up, dw_down = _wgrad_torch(dy, x, h, dgu, order, weights, counts, top_k)
+    else:
+        dw_down = torch.empty_like(w_down)
+        _wgrad(dy, h, order, weights, counts, top_k, gather, False, n_rows, dw_down)
+        dw_gate_up = torch.empty_like(w_gate_up)
+        _wgrad(dgu, x.contiguous(), order, None, counts, top_k, False, gather, n_rows, dw_gate_up)
     if weights is not None:
         dweights = torch.empty_like(dweights).index_copy_(0, order.long(), dwp.sum(dim=1))
     return dx.to(x.dtype), dw_gate_up, dw_down, dweights.to(weights.dtype if weights is not None else x.dtype)

@@ -1,0 +1,43 @@
+"""The kernels' default path builds for RTX 4090 / 5090 without Hopper-only instructions (no GPU needed).
+
+The build runs in a child process: the kernel tests may have put Triton in interpreter mode here,
+and interpreted kernels cannot be compiled.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+_SCRIPT = """
+import json, dataclasses
+from thunderep.kernels.targets import compile_kernels
+print(json.dumps({arch: [dataclasses.asdict(b) for b in compile_kernels(arch)] for arch in (89, 90, 120)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def builds():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+@pytest.mark.parametrize("arch", [89, 120])
+def test_consumer_targets_have_no_hopper_only_instructions(builds, arch):
+    assert {b["name"] for b in builds[arch]} == {"up", "rows", "act_bwd", "wgrad"}
+    for b in builds[arch]:
+        assert b["hopper_only"] == [], f"{b['name']} on sm_{arch} uses {b['hopper_only']}"
+        assert b["uses_mma_sync"], f"{b['name']} on sm_{arch} has no tensor-core instructions"
+        assert b["shared_bytes"] <= 99 * 1024, f"{b['name']} needs {b['shared_bytes']} B of shared memory"
+
+
+def test_detector_sees_hopper_instructions(builds):
+    """On sm_90 Triton lowers tl.dot to wgmma: the same check must report it (it is not blind)."""
+    for b in builds[90]:
+        assert b["uses_wgmma"] and "wgmma." in b["hopper_only"], b["name"]

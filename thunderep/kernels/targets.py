@@ -1,0 +1,99 @@
+"""Compile the expert kernels for a GPU architecture without that GPU, and inspect what comes out.
+
+    python -m thunderep.kernels.targets [--arch 89,90,120]
+
+The product's users run RTX 4090 (sm_89) and RTX 5090 (sm_120); the kernels' default path must not
+depend on Hopper-only instructions. Triton compiles for any target on any machine (no driver
+needed), so this check runs in CI: it builds every kernel as the JIT would specialize it at run time
+(16-byte-aligned pointers and strides, unit inner strides) and searches the PTX for instructions that
+exist only on sm_90a-class parts. On sm_90 itself Triton's compiler picks wgmma for tl.dot: that is
+the compiler's choice for that target, not something the kernel source asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import moe_triton as K
+
+__all__ = ["HOPPER_ONLY", "KernelBuild", "compile_kernels"]
+
+# PTX that only Hopper-class (sm_90 / sm_90a) parts execute.
+HOPPER_ONLY = ("wgmma.", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait.parity")
+
+_ROW_META = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, BLOCK_E=16, GROUP_M=8)
+_KERNELS = {
+    "up": (K._up_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, SAVE_GU=True, PRECISION="tf32", EVEN_K=True)),
+    "rows": (K._rows_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True)),
+    "act_bwd": (K._act_bwd_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, WEIGHTED=True, PRECISION="tf32",
+                                        EVEN_K=True)),
+    "wgrad": (K._wgrad_kernel, dict(A_GATHER=True, B_GATHER=False, SCALED=True, PRECISION="tf32")),
+}
+_UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    name: str
+    arch: int
+    shared_bytes: int
+    hopper_only: tuple[str, ...]  # the HOPPER_ONLY patterns found in the PTX
+    uses_wgmma: bool
+    uses_mma_sync: bool
+
+
+def _signature(fn, name: str):
+    sig, attrs, consts = {}, {}, {}
+    unit = _UNIT_STRIDES.get(name, ())
+    for i, arg in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            sig[arg] = "constexpr"
+        elif arg in unit:
+            sig[arg] = "constexpr"
+            consts[arg] = 1
+        elif arg.endswith("_ptr"):
+            sig[arg] = {"order_ptr": "*i32", "counts_ptr": "*i32", "dwp_ptr": "*fp32"}.get(arg, "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[arg] = "i32"
+            if arg.startswith("stride") or arg in ("D", "I", "N", "K", "M"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs, consts
+
+
+def compile_kernels(arch: int, names=None) -> list[KernelBuild]:
+    """Compile each expert kernel (bf16, a prefill-sized tile) for sm_<arch>; no GPU needed."""
+    out = []
+    for name, (fn, flags) in _KERNELS.items():
+        if names is not None and name not in names:
+            continue
+        sig, attrs, consts = _signature(fn, name)
+        src = ASTSource(fn=fn, signature=sig, constexprs={**flags, **_ROW_META, **consts}, attrs=attrs)
+        build = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=3))
+        ptx = build.asm["ptx"]
+        out.append(KernelBuild(name, arch, build.metadata.shared, tuple(p for p in HOPPER_ONLY if p in ptx),
+                               "wgmma." in ptx, "mma.sync" in ptx))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="89,90,120", help="compute capabilities, e.g. 89,90,120")
+    args = ap.parse_args(argv)
+    print("| kernel | arch | shared memory | matrix instructions | Hopper-only PTX |")
+    print("|---|---|---|---|---|")
+    for arch in (int(a) for a in args.arch.split(",")):
+        for b in compile_kernels(arch):
+            mma = "wgmma" if b.uses_wgmma else ("mma.sync" if b.uses_mma_sync else "none")
+            print(f"| {b.name} | sm_{b.arch} | {b.shared_bytes // 1024} KiB | {mma} | {', '.join(b.hopper_only) or 'none'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
