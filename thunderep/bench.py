@@ -2,6 +2,7 @@
 run, the ratio, and a line naming the hardware.
 
     thunderep bench experts     grouped GEMM vs per-expert loop (this device; CUDA too when present)
+    thunderep bench kernels     Triton expert kernels vs transformers' eager / grouped_mm (needs a GPU)
     thunderep bench dispatch    all-to-all dispatch vs all-gather + reduce-scatter, 2 and 4 ranks
     thunderep bench control     shared-memory mailbox vs gloo all_gather / all_to_all latency
     thunderep bench balancer    fingerprint balancer vs static placement on routing traces
@@ -27,6 +28,7 @@ TARGETS = {
     "dispatch": "thunderep.comm.bench_dispatch",
     "control": "thunderep.comm.bench_control",
     "balancer": "thunderep.balance.evaluate",
+    "kernels": "thunderep.kernels.bench",
 }
 
 
