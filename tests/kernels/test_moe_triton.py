@@ -156,6 +156,11 @@ def test_bad_input_is_rejected():
         moe_mlp(x, w_gu, w_d, counts[:3])
     with pytest.raises(ValueError, match="shapes do not match"):
         moe_mlp(x[:, :8], w_gu, w_d, counts)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    with pytest.raises(ValueError, match="order_N has 8 rows; x has 4 tokens x top_k 3"):
+        moe_mlp(x, w_gu, w_d, counts, order_N=order, top_k=3)
+    with pytest.raises(ValueError, match="weights_N needs order_N"):
+        moe_mlp(x, w_gu, w_d, counts, weights_N=weights)
 
 
 def test_triton_backend_needs_cuda():

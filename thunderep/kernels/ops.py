@@ -230,6 +230,9 @@ def _check(x, w_gu, w_d, order, counts, weights, top_k, activation):
                          f"w_down {tuple(w_d.shape)} (expected [E, 2I, D] and [E, D, I])")
     if counts.shape != (E,):
         raise ValueError(f"counts_E has shape {tuple(counts.shape)}, expected ({E},)")
+    if order is not None and order.shape[0] != x.shape[0] * top_k:
+        raise ValueError(f"order_N has {order.shape[0]} rows; x has {x.shape[0]} tokens x top_k {top_k} = "
+                         f"{x.shape[0] * top_k}")
     if order is not None and weights is not None and weights.shape != order.shape:
         raise ValueError(f"weights {tuple(weights.shape)} must match order {tuple(order.shape)}")
 
