@@ -28,7 +28,11 @@ def _run(rank, world, steps):
     with torch.no_grad():  # `hot` is every token's first choice: a skew the balancer must see
         full.router.weight[:, 0] = 0.0
         full.router.weight[hot, 0] = 5.0
-    cfg = BalancerConfig(slow_window=4, min_dwell=6, settle=2, seconds_per_pair=1e-3, bandwidth=1e12)
+    # The cost check divides the real size of one slot's weights by the bandwidth the ranks measured
+    # on their all-to-alls and agreed on (the configured 1e12 only until a measurement exists).
+    slot_bytes = sum(p[0].numel() * p.element_size() for p in full.experts.parameters())
+    cfg = BalancerConfig(slow_window=4, min_dwell=6, settle=2, seconds_per_pair=1e-3, bandwidth=1e12,
+                         bytes_per_expert=float(slot_bytes))
     layer = ThunderMoELayer(config, ep=ep, placement=placement, balancer=cfg)
     layer.load_state_dict(layer.shard_state_dict(full.state_dict()))
     opt = torch.optim.SGD(layer.parameters(), lr=0.0)  # lr 0: weights stay equal to `full`'s
@@ -50,7 +54,7 @@ def _run(rank, world, steps):
         full.zero_grad()
         d = layer.balance_step(opt)
         out["decisions"].append((d.state, d.alarm, d.traded, d.migrated, d.placement.slot_expert_RS,
-                                 round(d.imbalance, 6)))
+                                 round(d.imbalance, 6), d.bandwidth, d.measured))
     # After migrations every local slot still holds exactly its logical expert's weights.
     local = torch.tensor(layer.local_experts)
     out["weights_ok"] = bool(torch.equal(layer.experts.gate_up_proj, full.experts.gate_up_proj[local])
@@ -73,3 +77,6 @@ def test_balancer_trades_and_migrates_without_changing_the_math(world):
     assert "negotiate" in states and any(d[2] for d in first), "the skew must be negotiated and traded"
     assert any(d[3] for d in first), "a persistent skew must end in a migration"
     assert sum(d[3] for d in first) <= 40 // 6 + 1, "no more migrations than the dwell allows"
+    assert not first[0][7] and first[0][6] == 1e12, "before any measurement: the configured bandwidth"
+    assert first[-1][7] and first[-1][6] < 1e12, "later negotiations agree on a measured bandwidth"
+    assert all(d[7] for d in first if d[3]), "migrations were checked against the measured bandwidth"

@@ -128,10 +128,11 @@ class ThunderMoELayer(nn.Module):
     def balance_step(self, optimizer=None):
         """At a step boundary (after the optimizer step): run the balancer on this step's exchanged
         records; on a migration decision, move expert weights (and `optimizer`'s state) to the new
-        placement. Collective over the EP group. Returns the `Decision` or None."""
+        placement. Collective over the EP group. Returns the `Decision` or None. The layer's stats
+        give the balancer this step's all-to-all bytes and times (its bandwidth measurement)."""
         if self.balancer is None:
             return None
-        decision = self.balancer.step()
+        decision = self.balancer.step(self.stats)
         if decision is not None and decision.migrated:
             import time
 

@@ -11,6 +11,7 @@ from thunderep import ConfigError, Placement
 from thunderep.balance.fingerprint import ProbeRecord
 from thunderep.balance.machine import (BalanceMachine, BalancerConfig, Mode, decode_records, encode_record,
                                        realized_imbalance)
+from thunderep.balance.measure import decode_bandwidth, encode_bandwidth
 from thunderep.balance.placement import TradePlan
 from thunderep.balance.planner import plan_placement
 
@@ -25,11 +26,12 @@ def _zipf(E: int, s: float, seed: int = 0) -> torch.Tensor:
 
 
 def simulate(p_TE: torch.Tensor, R: int, placement: Placement, config: BalancerConfig = BalancerConfig(),
-             seed: int = 0, totals: bool = True) -> list:
+             seed: int = 0, totals: bool = True, bandwidth_R=None) -> list:
     """R ranks, each with its own probe and its own machine; records go through encode / decode like
     the control plane would carry them, and (totals=True) every rank sees every rank's total rows
-    under the plan in effect, as the split sizes carry them. Asserts that every rank takes the same
-    decision every step."""
+    under the plan in effect, as the split sizes carry them. bandwidth_R: each rank's own measured
+    bandwidth (B/s; None: not measured), sent on Negotiate steps. Asserts that every rank takes the
+    same decision every step."""
     E = p_TE.shape[1]
     gen = torch.Generator().manual_seed(seed)
     probes = [config.probe(E) for _ in range(R)]
@@ -40,7 +42,8 @@ def simulate(p_TE: torch.Tensor, R: int, placement: Placement, config: BalancerC
         assert len(words) == 1
         counts_RE = torch.poisson(p_E.expand(R, E) * PAIRS, generator=gen)
         records = [probe.record(counts_RE[r], machines[r].negotiating) for r, probe in enumerate(probes)]
-        rows_RW = torch.stack([encode_record(rec) for rec in records])
+        codes_R = [encode_bandwidth(b) for b in bandwidth_R] if bandwidth_R else [0] * R
+        rows_RW = torch.stack([encode_record(rec, code) for rec, code in zip(records, codes_R)])
         assert rows_RW.shape[1] == words.pop()
         rank_load_R = machines[0].trade.rank_loads(counts_RE.to(torch.int64)).tolist() if totals else None
         step = [m.step(*decode_records(rows_RW.clone(), E), rank_load_R) for m in machines]
@@ -56,12 +59,14 @@ def test_records_round_trip():
         load = torch.tensor([5, 0, 7], dtype=torch.int32)
         rec = ProbeRecord(fp, load, torch.zeros(3), torch.zeros(3), 1.0)
         words = encode_record(rec)
-        assert words.dtype == torch.int32 and words.numel() == 5
-        fps, load_RE = decode_records(torch.stack([words, words]), 3)
-        assert fps == (fp, fp) and load_RE.tolist() == [[5, 0, 7]] * 2
-        stable = encode_record(dataclasses.replace(rec, load_E=None))
-        assert decode_records(stable.view(1, 2), 3) == ((fp,), None)
-    with pytest.raises(ConfigError, match=r"\[R, 2\] or \[R, 5\]"):
+        assert words.dtype == torch.int32 and words.numel() == 6
+        fps, load_RE, codes = decode_records(torch.stack([words, encode_record(rec, 65535)]), 3)
+        assert fps == (fp, fp) and load_RE.tolist() == [[5, 0, 7]] * 2 and codes == (0, 65535)
+        stable = encode_record(dataclasses.replace(rec, load_E=None), 123)  # no code on a Stable record
+        assert decode_records(stable.view(1, 2), 3) == ((fp,), None, None)
+    with pytest.raises(ConfigError, match=r"bandwidth_code"):
+        encode_record(rec, 1 << 16)
+    with pytest.raises(ConfigError, match=r"\[R, 2\] or \[R, 6\]"):
         decode_records(torch.zeros(2, 4, dtype=torch.int32), 3)
 
 
@@ -75,7 +80,7 @@ def test_stationary_uniform_trace_stays_stable(R):
     assert stable >= 0.95 * len(decisions)
     assert not any(d.migrated or d.traded for d in decisions)
     assert all(d.record_bytes == 8 for d in decisions if d.state == "stable")
-    assert all(d.record_bytes == 8 + 4 * E for d in decisions if d.state == "negotiate")
+    assert all(d.record_bytes == 12 + 4 * E for d in decisions if d.state == "negotiate")
 
 
 @pytest.mark.parametrize("R", [2, 4])
@@ -134,17 +139,46 @@ def test_cost_check_and_dwell():
     assert len(steps) == 2 and steps[1] - steps[0] >= 150
 
 
+@pytest.mark.parametrize("R", [2, 4])
+def test_cost_check_uses_the_agreed_measured_bandwidth(R):
+    E = 8
+    start = Placement.contiguous(E, R, E // R + 1)
+    p_TE = torch.full((150, E), 0.5 / (E - 1), dtype=torch.float64)
+    p_TE[:, 7] = 0.5  # expert 7 has one slot: only a migration balances it
+    # What the first migration must save: 32 steps x ~0.5 x 4096 pairs x 0.6 us ~ 0.04 s; moving 1-2
+    # slots of 12.6 MB takes 1-2 ms at the configured 12 GB/s, 1-2 s at a measured 12 MB/s.
+    fast = [25e9 - 1e9 * r for r in range(R)]  # every rank measured its own (different) value
+    slow = list(fast)
+    slow[R - 1] = 12e6  # one slow link
+    constant = simulate(p_TE, R, start)
+    assert any(d.migrated for d in constant) and not any(d.measured for d in constant)
+    assert all(d.bandwidth == 12e9 for d in constant)
+    blocked = simulate(p_TE, R, start, bandwidth_R=slow)  # the slowest measurement decides, everywhere
+    assert not any(d.migrated for d in blocked)
+    agreed = decode_bandwidth(encode_bandwidth(12e6))
+    assert all(d.measured and d.bandwidth == agreed for d in blocked)
+    allowed = simulate(p_TE, R, start, bandwidth_R=fast)
+    assert [d.migrated for d in allowed] == [d.migrated for d in constant]
+    assert all(d.bandwidth == decode_bandwidth(encode_bandwidth(min(fast))) for d in allowed)
+    # A constant that would block a move does not, once the ranks measured a fast link.
+    pessimistic = BalancerConfig(bandwidth=1e6)
+    assert not any(d.migrated for d in simulate(p_TE, R, start, pessimistic))
+    assert any(d.migrated for d in simulate(p_TE, R, start, pessimistic, bandwidth_R=fast))
+    # Measurement off (the runtime then sends code 0): the constant again.
+    assert not any(d.measured for d in simulate(p_TE, R, start, bandwidth_R=[None] * R))
+
+
 def test_lag_one_modes_and_words():
     E, R = 4, 2
     machine = BalanceMachine(Placement.contiguous(E, R), BalancerConfig())
-    assert machine.negotiating and machine.record_words == 2 + E
+    assert machine.negotiating and machine.record_words == 3 + E
     load = torch.tensor([[10, 10, 10, 10], [10, 10, 10, 10]])
     d = machine.step((1, 2), load)
     assert d.state == "negotiate" and d.next_mode is Mode.STABLE and machine.record_words == 2
     d = machine.step((1, 2))
     assert d.state == "stable" and not d.alarm and machine.mode is Mode.STABLE
     d = machine.step((1, 3))
-    assert d.alarm and machine.negotiating and machine.record_words == 2 + E
+    assert d.alarm and machine.negotiating and machine.record_words == 3 + E
     assert machine.counters == {"stable": 2, "negotiate": 1, "alarm": 1, "trade": 0, "migrate": 0,
                                 "rebaseline": 0}
 
@@ -271,7 +305,7 @@ def test_realized_imbalance_is_exact_and_checked():
     with pytest.raises(ConfigError, match=r"2 non-negative rank totals"):
         realized_imbalance((1, 2, 3), 2)
     with pytest.raises(ConfigError, match=r"2 non-negative rank totals"):
-        BalanceMachine(Placement.contiguous(4, 2)).step((0, 0), torch.ones(2, 4), (4, -1))
+        BalanceMachine(Placement.contiguous(4, 2)).step((0, 0), torch.ones(2, 4), rank_load_R=(4, -1))
 
 
 def test_refresh_every_forces_a_negotiation():

@@ -1,9 +1,11 @@
 """Load balancing: where experts live (`Placement`), which replica each pair uses (`TradePlan`), the
-pure planners that make both, load fingerprints, and the per-layer Stable / Negotiate / Migrate
-state machine. The evaluation harness is `python -m thunderep.balance.evaluate`."""
+pure planners that make both, load fingerprints, the per-layer Stable / Negotiate / Migrate state
+machine and the measured bandwidth its migration cost check uses. The evaluation harness is
+`python -m thunderep.balance.evaluate`."""
 
 from .fingerprint import Baseline, LoadProbe, ProbeRecord, fingerprint, load_profile
 from .machine import BalanceMachine, BalancerConfig, Decision, Mode, decode_records, encode_record
+from .measure import LinkMeter, agreed_code, decode_bandwidth, encode_bandwidth
 from .placement import QUOTA_ONE, Placement, TradePlan
 from .planner import moved_slots, plan_placement, plan_trade, water_fill
 
@@ -13,12 +15,16 @@ __all__ = [
     "BalancerConfig",
     "Baseline",
     "Decision",
+    "LinkMeter",
     "LoadProbe",
     "Mode",
     "Placement",
     "ProbeRecord",
     "TradePlan",
+    "agreed_code",
+    "decode_bandwidth",
     "decode_records",
+    "encode_bandwidth",
     "encode_record",
     "fingerprint",
     "load_profile",

@@ -7,6 +7,10 @@ the R simulated ranks draws its counts_E ~ Poisson(pairs * p_E) independently. T
 one `BalanceMachine` run in this process: the machine's decisions are pure functions of the exchanged
 records, so one instance stands for all R (tests check that R instances agree). Like the runtime's
 machine, it also gets each rank's total pairs under the plan in effect (what the split sizes carry).
+Bandwidth: without `bandwidth_R` (`--bandwidth`) no rank has a measurement and the cost check uses
+the configured constant; with it, simulated rank r sends the code of bandwidth_R[r] on Negotiate
+steps, as a rank that measured that bandwidth would (`measure.py`), and the machine uses the agreed
+(smallest) one.
 
 Oracle and realized imbalance judge the same thing: the plan in effect at step t (the one step t ran
 with), applied to step t's expected pairs (oracle) or to its sampled pairs (realized, what the
@@ -43,6 +47,7 @@ import torch
 
 from .fingerprint import Baseline, fingerprint
 from .machine import BalanceMachine, BalancerConfig, decode_records, encode_record
+from .measure import encode_bandwidth
 from .placement import Placement, TradePlan
 from .planner import plan_placement, plan_trade
 
@@ -133,8 +138,11 @@ class RunResult:
 
 
 def run(kind: str, E: int, R: int, *, steps: int = 1500, pairs: int = 8192, seed: int = 0,
-        warmup: int = 100, config: BalancerConfig = BalancerConfig()) -> RunResult:
-    """Simulate one layer of R ranks for `steps` steps of a trace; `pairs` (token, k) pairs per rank."""
+        warmup: int = 100, config: BalancerConfig = BalancerConfig(),
+        bandwidth_R=None) -> RunResult:
+    """Simulate one layer of R ranks for `steps` steps of a trace; `pairs` (token, k) pairs per rank.
+    bandwidth_R: each simulated rank's measured bandwidth in B/s (a sequence, cycled over the R
+    ranks), or None: no rank has measured (the configured constant)."""
     started = time.perf_counter()
     p_TE = make_trace(kind, E, steps, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -142,6 +150,8 @@ def run(kind: str, E: int, R: int, *, steps: int = 1500, pairs: int = 8192, seed
     start = plan_placement(torch.ones(E), R, E // R + 1)  # load-agnostic even start
     machine = BalanceMachine(start, config)
     probes = [config.probe(E) for _ in range(R)]
+    codes_R = [0] * R if not bandwidth_R else [encode_bandwidth(bandwidth_R[r % len(bandwidth_R)])
+                                                for r in range(R)]
     thr = config.threshold
     sums = dict(static=0.0, balanced=0.0, warm=0.0, stable=0, false_stable=0, oracle_over=0, alarm=0,
                 bytes=0, stable_bytes=0, count_only=0)
@@ -150,14 +160,15 @@ def run(kind: str, E: int, R: int, *, steps: int = 1500, pairs: int = 8192, seed
         expected_RE = (p_TE[t] * pairs).expand(R, E)
         counts_RE = torch.poisson(expected_RE, generator=gen)
         records = [probe.record(counts_RE[r], machine.negotiating) for r, probe in enumerate(probes)]
-        fps, load_RE = decode_records(torch.stack([encode_record(rec) for rec in records]), E)
+        rows_RW = torch.stack([encode_record(rec, code) for rec, code in zip(records, codes_R)])
+        fps, load_RE, exchanged_R = decode_records(rows_RW, E)
         oracle = machine.trade.imbalance(expected_RE)
         rank_load_R = machine.trade.rank_loads(counts_RE.to(torch.int64))  # what the split sizes carry
         realized = machine.trade.imbalance(counts_RE)
         sums["static"] += static.imbalance(counts_RE)
         sums["balanced"] += realized
         sums["warm"] += realized if t >= warmup else 0.0
-        d = machine.step(fps, load_RE, rank_load_R)
+        d = machine.step(fps, load_RE, exchanged_R, rank_load_R)
         for probe, rec in zip(probes, records):
             probe.commit(rec, reset=d.alarm, rebase=d.rebaselined)
         sums["bytes"] += d.record_bytes
@@ -293,17 +304,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated; also recorded=RUN_DIR (a `thunderep train --out` run)")
     parser.add_argument("--experts", default="8,16,64")
     parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--bandwidth", default="",
+                        help="simulated measured bandwidth per rank in B/s, comma-separated, cycled over "
+                             "the ranks (default: none measured, the configured constant)")
     args = parser.parse_args(argv)
+    bandwidth_R = [float(v) for v in args.bandwidth.split(",")] if args.bandwidth else None
     torch.set_num_threads(1)
     config = BalancerConfig()
     print(f"host: {_cpu()}, {platform.system()}, python {platform.python_version()}, "
           f"torch {torch.__version__}, 1 thread")
     print(f"config: {config}")
-    print(f"steps {args.steps}, pairs/rank/step {args.pairs}, seed {args.seed}, warm-up {args.warmup}\n")
+    print(f"steps {args.steps}, pairs/rank/step {args.pairs}, seed {args.seed}, warm-up {args.warmup}, "
+          f"measured bandwidth per rank: {bandwidth_R or 'none (configured constant)'}\n")
     started = time.perf_counter()
     results = evaluate(args.traces.split(","), [int(v) for v in args.experts.split(",")],
                        [int(v) for v in args.ranks.split(",")], steps=args.steps, pairs=args.pairs,
-                       seed=args.seed, warmup=args.warmup, config=config)
+                       seed=args.seed, warmup=args.warmup, config=config, bandwidth_R=bandwidth_R)
     print(_table(results))
     if all(t in TRACES for t in args.traces.split(",")):  # the targets are stated for the synthetic traces
         print(f"\nTargets (threshold {config.threshold}):")

@@ -1,12 +1,14 @@
-"""One MoE layer's balancer as the runtime drives it: a rank-local `LoadProbe` plus the replicated
-`BalanceMachine`, glued to the dispatcher's one control exchange per step.
+"""One MoE layer's balancer as the runtime drives it: a rank-local `LoadProbe` and `LinkMeter` plus
+the replicated `BalanceMachine`, glued to the dispatcher's one control exchange per step.
 
 Per step (see `machine.py` for the protocol):
-  forward   `record(counts_E)` -> int32 words appended to the split-size record; `assign()` picks each
-            pair's replica with the current TradePlan; `received(rows_RW, rank_load_R)` keeps every
-            rank's words and every rank's total rows under the plan in effect (the column sums of the
-            exchanged split sizes: the same integers on every rank, no extra bytes);
-  boundary  `step()` -> the Decision for the next step (trade plan, maybe a new placement).
+  forward   `record(counts_E)` -> int32 words appended to the split-size record (on a Negotiate step
+            with this rank's measured bandwidth code); `assign()` picks each pair's replica with the
+            current TradePlan; `received(rows_RW, rank_load_R)` keeps every rank's words and every
+            rank's total rows under the plan in effect (the column sums of the exchanged split
+            sizes: the same integers on every rank, no extra bytes);
+  boundary  `step(stats)` -> the Decision for the next step (trade plan, maybe a new placement);
+            `stats`, the layer's `CommStats`, gives the meter this step's all-to-all bytes and times.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .machine import BalanceMachine, BalancerConfig, Decision, decode_records, encode_record
+from .measure import LinkMeter
 from .placement import Placement
 
 __all__ = ["LayerBalancer"]
@@ -24,6 +27,7 @@ class LayerBalancer:
         self.config = config or BalancerConfig()
         self.machine = BalanceMachine(placement, self.config)
         self.probe = self.config.probe(placement.num_experts, seed=seed)
+        self.meter = LinkMeter(self.config.ema_alpha)
         self._record = None
         self._rows_RW: torch.Tensor | None = None
         self._rank_load_R: tuple[int, ...] | None = None
@@ -40,7 +44,7 @@ class LayerBalancer:
     def record(self, counts_E: torch.Tensor) -> torch.Tensor:
         """This step's balancer words (int32 [record_words]); pure, so a recomputed forward is safe."""
         self._record = self.probe.record(counts_E.detach().to("cpu", torch.int64), self.machine.negotiating)
-        return encode_record(self._record)
+        return encode_record(self._record, self.meter.code if self.config.measure else 0)
 
     def assign(self, rank: int, ids_TK: torch.Tensor) -> torch.Tensor:
         return self.machine.trade.assign(rank, ids_TK)
@@ -51,20 +55,28 @@ class LayerBalancer:
         self._rows_RW = rows_RW
         self._rank_load_R = None if rank_load_R is None else tuple(int(v) for v in rank_load_R)
 
-    def step(self) -> Decision | None:
-        """Consume this step's exchanged records (None if the layer did not dispatch this step)."""
+    def step(self, stats=None) -> Decision | None:
+        """Consume this step's exchanged records (None if the layer did not dispatch this step).
+        stats: the layer's `CommStats`; its dispatch / combine bytes and seconds since the last step
+        feed this rank's bandwidth measurement (None: no measurement from this step)."""
+        if stats is not None:
+            self.meter.observe_stats(stats)
         if self._rows_RW is None:
             return None
-        fingerprints_R, load_RE = decode_records(self._rows_RW, self.machine.placement.num_experts)
-        decision = self.machine.step(fingerprints_R, load_RE, self._rank_load_R)
+        records = decode_records(self._rows_RW, self.machine.placement.num_experts)
+        decision = self.machine.step(*records, self._rank_load_R)
         self.probe.commit(self._record, reset=decision.alarm, rebase=decision.rebaselined)
         self._rows_RW = self._record = self._rank_load_R = None
         self.last = decision
         return decision
 
     def state_dict(self) -> dict:
-        return {"machine": self.machine.state_dict(), "probe": self.probe.state_dict()}
+        return {"machine": self.machine.state_dict(), "probe": self.probe.state_dict(),
+                "meter": self.meter.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; a state saved before bandwidth was measured has no meter:
+        the meter starts empty (code 0 until it measures, the agreed value is in the machine's)."""
         self.machine.load_state_dict(state["machine"])
         self.probe.load_state_dict(state["probe"])
+        self.meter.load_state_dict(state.get("meter") or {"bytes_ema": None, "seconds_ema": None})

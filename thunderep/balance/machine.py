@@ -1,7 +1,7 @@
 """The per-layer balancer state machine: Stable / Negotiate / Migrate.
 
 Shape legend: E logical experts, R ranks of the EP group, S slots per rank, W int32 words of a
-balancer record (2 when stable, 2 + E when negotiating).
+balancer record (2 when stable, 3 + E when negotiating).
 
 Protocol (per MoE layer, per step t; lag-1)
 -------------------------------------------
@@ -21,15 +21,26 @@ Protocol (per MoE layer, per step t; lag-1)
   by the realized imbalance). Unchanged fingerprints over threshold leave the machine Stable only
   while it already believes that imbalance (it negotiated it and no trade helped; the slow window
   is running). Without `rank_load_R` every mismatch is an alarm.
-* NEGOTIATE: each rank's record is its fingerprint plus its load vector (int32 [E]: the rank's fast
-  EMA of its per-expert pair counts). Every rank then computes the same imbalance (max rank load /
-  mean rank load) of the plan in effect and, over `threshold - margin`, the same new `TradePlan`
-  (`plan_trade`). The fingerprints of this step become the new baseline; the next step is STABLE
-  (a negotiation right after an alarm is confirmed by one more, `settle` steps later).
+* NEGOTIATE: each rank's record is its fingerprint, its load vector (int32 [E]: the rank's fast
+  EMA of its per-expert pair counts) and its measured bandwidth (one word holding a 16-bit code,
+  `measure.py`; 0 before the rank has measured). Every rank then computes the same imbalance (max
+  rank load / mean rank load) of the plan in effect and, over `threshold - margin`, the same new
+  `TradePlan` (`plan_trade`), and takes the same agreed bandwidth: the smallest measured code (the
+  slowest link), kept until a later negotiation brings a measurement. The fingerprints of this step
+  become the new baseline; the next step is STABLE (a negotiation right after an alarm is confirmed
+  by one more, `settle` steps later).
 * MIGRATE: when the imbalance the current placement can reach has stayed over `threshold - margin` for
   `slow_window` consecutive steps, at least `min_dwell` steps after the last migration, `plan_placement`
   proposes a new Placement; it is taken if it lowers the predicted imbalance by `migrate_gain` and the
-  time it saves over the expected stable period exceeds the time to move the weights (cost check).
+  time it saves over the expected stable period exceeds the time to move the weights (cost check):
+
+      saving_s = (believed - predicted) * mean pairs per rank * seconds_per_pair * horizon
+      cost_s   = moved slots * bytes_per_expert / bandwidth
+
+  horizon = max(slow_window, steps since the regime began). `bandwidth` is *measured*: the agreed
+  value of the last negotiation (a migration is only planned on negotiated loads, so on the
+  measurements of the same exchange or a later one), or the configured constant until any rank has
+  measured. `seconds_per_pair` and `bytes_per_expert` are configured assumptions.
   Loads negotiated before a re-baseline no longer describe the profile: then the machine first
   negotiates once more (not an alarm: the EMAs are kept) and plans the migration on the fresh loads.
 
@@ -46,11 +57,12 @@ at the end of step t take effect from step t + 1; forward never waits for them.
 Integration recipe (what is exchanged when)
 -------------------------------------------
     probe = cfg.probe(E)                                    # per layer, rank-local (LoadProbe)
+    meter = LinkMeter(cfg.ema_alpha)                        # per layer, rank-local (measure.py)
     machine = BalanceMachine(placement, cfg)                # per layer, the same on every rank
 
     # forward of step t, where the dispatcher knows this rank's counts_E, before its exchange:
     rec = probe.record(counts_E, machine.negotiating)      # pure: safe under recomputation
-    words_W = encode_record(rec)                            # int32 [machine.record_words]
+    words_W = encode_record(rec, meter.code)                # int32 [machine.record_words]
     #   append words_W to the split-size record; after the exchange keep every rank's words: rows_RW,
     #   and every rank's total rows under the plan in effect: rank_load_R (sums of the split sizes)
     slots_N = machine.trade.assign(my_rank, ids_TK)         # instead of placement.slot_table(me)[ids]
@@ -58,17 +70,19 @@ Integration recipe (what is exchanged when)
     # step boundary (after the optimizer step; after each generated token in inference):
     decision = machine.step(*decode_records(rows_RW, E), rank_load_R)
     probe.commit(rec, reset=decision.alarm, rebase=decision.rebaselined)  # an alarm restarts the EMA
+    meter.observe_stats(layer_stats)                        # this step's all-to-all bytes and seconds
     if decision.migrated:   # every rank, same step: move weights of decision.moved_slots (migrate.py)
         ...
     # from step t + 1 use machine.placement, machine.trade, machine.record_words
 
 Costs: a Stable step adds 8 bytes per rank per layer to a record that is exchanged anyway (the rank
 totals are sums of split sizes every rank already receives: 0 bytes more); a Negotiate step adds
-4 * E more. With waves, counts_E is the sum over the waves and the record rides in the one exchange
-of `Dispatcher.plan`. The split sizes of a negotiate step already hold every source rank's
-per-expert counts of that step (summed over an expert's slots); a runtime may pass those as load_RE
-and leave the load words out of the record (the probe still records with negotiate=True, so that
-its baseline moves): the decisions only need the same numbers on every rank, not their origin.
+4 + 4 * E more (the bandwidth word and the load vector). With waves, counts_E is the sum over the
+waves and the record rides in the one exchange of `Dispatcher.plan`. The split sizes of a negotiate
+step already hold every source rank's per-expert counts of that step (summed over an expert's
+slots); a runtime may pass those as load_RE instead of the exchanged loads (the probe still records
+with negotiate=True, so that its baseline moves): the decisions only need the same numbers on every
+rank, not their origin.
 """
 
 from __future__ import annotations
@@ -82,6 +96,7 @@ import torch
 
 from ..errors import ConfigError
 from .fingerprint import NOISE_Z, WIDTH_OCTAVES, LoadProbe, ProbeRecord
+from .measure import BANDWIDTH_CODES, agreed_code, decode_bandwidth
 from .placement import Placement, TradePlan
 from .planner import moved_slots, plan_placement, plan_trade
 
@@ -100,7 +115,7 @@ class Mode(enum.Enum):
     """What every rank's balancer record carries this step."""
 
     STABLE = "stable"        # fingerprint only: 8 bytes
-    NEGOTIATE = "negotiate"  # fingerprint + int32 load vector: 8 + 4 E bytes
+    NEGOTIATE = "negotiate"  # fingerprint + int32 load vector + bandwidth word: 12 + 4 E bytes
 
 
 @dataclass(frozen=True)
@@ -128,11 +143,18 @@ class BalancerConfig:
     min_dwell 100: steps between migrations: at most one weight move per 100 steps whatever the
         trace does (hysteresis against oscillation, with migrate_gain and the cost check).
     migrate_gain 0.05: a new Placement must lower the predicted imbalance by 5 points.
-    bytes_per_expert 12.6e6: one bf16 expert of an OLMoE-1B-7B-sized layer (3 x 2048 x 1024 x 2 B);
-        the runtime passes the real size (x3-4 in training with gradients and optimizer state).
+    bytes_per_expert 12.6e6: one bf16 expert of an OLMoE-1B-7B-sized layer (3 x 2048 x 1024 x 2 B).
+        A configured assumption: set it to the real size of one slot (x2-3 in training, where
+        `migrate.py` moves the optimizer state shaped like the weights along).
     bandwidth 12e9 B/s: PCIe 4.0 x16 staged through host memory (no P2P), as measured on such boxes.
+        The fallback: the cost check uses the agreed *measured* bandwidth (`measure.py`) once any
+        rank has measured one, and this value until then (or always, with measure=False).
+    measure True: ranks measure their all-to-all bandwidth and send it on Negotiate steps (with
+        False they send code 0, the record keeps its size).
     seconds_per_pair 0.6e-6: what one extra pair costs the slowest rank (its 8 KB round trip over
-        PCIe plus the expert GEMMs) for the same layer; the runtime passes a measured value.
+        PCIe plus the expert GEMMs) for the same layer. A configured assumption: the marginal cost
+        of a pair is not measured (per-step wall time / rows would fold fixed costs into it, and host
+        clocks do not see asynchronous GPU work).
     refresh_every 0: force a negotiation every N steps (0: never; fingerprints suffice).
     fingerprint_width / fingerprint_z: the bucketing of `fingerprint.load_profile`.
     """
@@ -147,6 +169,7 @@ class BalancerConfig:
     migrate_gain: float = 0.05
     bytes_per_expert: float = 12.6e6
     bandwidth: float = 12e9
+    measure: bool = True
     seconds_per_pair: float = 0.6e-6
     refresh_every: int = 0
     fingerprint_width: float = WIDTH_OCTAVES
@@ -162,6 +185,8 @@ class BalancerConfig:
             raise ConfigError(f"threshold ({self.threshold!r}) is a max/mean imbalance and must be >= 1.0")
         if not 0 < self.ema_alpha <= 1:
             raise ConfigError(f"ema_alpha ({self.ema_alpha!r}) must be in (0, 1]")
+        if not isinstance(self.measure, bool):
+            raise ConfigError(f"measure must be True or False, got {self.measure!r}")
         for name in ("slow_window", "min_dwell", "refresh_every", "settle"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -190,6 +215,8 @@ class Decision:
     realized: max / mean of the rank totals the plan in effect produced this step (None when the
         runtime passed none); rebaselined: a Stable step whose changed fingerprints were adopted as
         the baseline because the realized imbalance was within threshold (no negotiation).
+    bandwidth: the B/s the cost check uses from the next step: the agreed measurement (measured
+        True) or the configured constant (measured False, until any rank has measured).
     """
 
     step: int
@@ -207,6 +234,8 @@ class Decision:
     record_bytes: int
     realized: float | None = None
     rebaselined: bool = False
+    bandwidth: float = 0.0
+    measured: bool = False
 
 
 def realized_imbalance(rank_load_R: "Sequence[int] | torch.Tensor", ep_size: int) -> float:
@@ -223,22 +252,33 @@ def realized_imbalance(rank_load_R: "Sequence[int] | torch.Tensor", ep_size: int
     return max(loads) * ep_size / total if total > 0 else 1.0
 
 
-def encode_record(record: ProbeRecord) -> torch.Tensor:
-    """A probe's record -> int32 [2] (fingerprint, little-endian halves) or [2 + E] (+ load vector)."""
+def encode_record(record: ProbeRecord, bandwidth_code: int = 0) -> torch.Tensor:
+    """A probe's record -> int32 [2] (fingerprint, little-endian halves) or, when it carries a load
+    vector, [3 + E]: + load vector + one word holding this rank's 16-bit bandwidth code
+    (`measure.encode_bandwidth`; 0: no measurement)."""
     lo, hi = struct.unpack("<ii", struct.pack("<Q", record.fingerprint))
     head = torch.tensor([lo, hi], dtype=torch.int32)
-    return head if record.load_E is None else torch.cat([head, record.load_E.to(torch.int32)])
+    if record.load_E is None:
+        return head
+    if not 0 <= int(bandwidth_code) < BANDWIDTH_CODES:
+        raise ConfigError(f"bandwidth_code ({bandwidth_code!r}) must be in [0, {BANDWIDTH_CODES - 1}]")
+    tail = torch.tensor([int(bandwidth_code)], dtype=torch.int32)
+    return torch.cat([head, record.load_E.to(torch.int32), tail])
 
 
-def decode_records(rows_RW: torch.Tensor, num_experts: int) -> tuple[tuple[int, ...], torch.Tensor | None]:
-    """Exchanged records int32 [R, W] -> (fingerprints_R, load_RE int64 [R, E] or None when W == 2)."""
+def decode_records(rows_RW: torch.Tensor, num_experts: int
+                   ) -> tuple[tuple[int, ...], torch.Tensor | None, tuple[int, ...] | None]:
+    """Exchanged records int32 [R, W] -> (fingerprints_R, load_RE int64 [R, E], bandwidth codes_R),
+    the last two None when W == 2 (Stable records)."""
     if (not isinstance(rows_RW, torch.Tensor) or rows_RW.dim() != 2
-            or rows_RW.shape[1] not in (2, 2 + num_experts)):
+            or rows_RW.shape[1] not in (2, 3 + num_experts)):
         got = tuple(rows_RW.shape) if isinstance(rows_RW, torch.Tensor) else type(rows_RW).__name__
-        raise ConfigError(f"balancer records must be int32 [R, 2] or [R, {2 + num_experts}], got {got}")
+        raise ConfigError(f"balancer records must be int32 [R, 2] or [R, {3 + num_experts}], got {got}")
     rows = rows_RW.detach().to("cpu", torch.int32)
     fps = tuple(struct.unpack("<Q", struct.pack("<ii", lo, hi))[0] for lo, hi in rows[:, :2].tolist())
-    return fps, (rows[:, 2:].to(torch.int64) if rows.shape[1] > 2 else None)
+    if rows.shape[1] == 2:
+        return fps, None, None
+    return fps, rows[:, 2:-1].to(torch.int64), tuple(rows[:, -1].tolist())
 
 
 @dataclass
@@ -257,6 +297,7 @@ class _State:
     young: bool = True
     adopt: bool = False
     stale: bool = False
+    bandwidth_code: int = 0  # the agreed measured bandwidth (measure.py); 0: the configured constant
     counters: dict = field(default_factory=lambda: {"stable": 0, "negotiate": 0, "alarm": 0,
                                                      "trade": 0, "migrate": 0, "rebaseline": 0})
 
@@ -289,8 +330,15 @@ class BalanceMachine:
 
     @property
     def record_words(self) -> int:
-        """int32 words of this step's balancer record (2, or 2 + E when negotiating)."""
-        return 2 + (self.placement.num_experts if self.negotiating else 0)
+        """int32 words of this step's balancer record (2, or 3 + E when negotiating)."""
+        return 2 + (1 + self.placement.num_experts if self.negotiating else 0)
+
+    @property
+    def bandwidth(self) -> tuple[float, bool]:
+        """(B/s the cost check uses, whether it is measured): the agreed measurement of the last
+        negotiation that had one, else the configured constant."""
+        measured = decode_bandwidth(self._s.bandwidth_code)
+        return (self.config.bandwidth, False) if measured is None else (measured, True)
 
     @property
     def counters(self) -> dict:
@@ -300,11 +348,15 @@ class BalanceMachine:
     # -- the transition
 
     def step(self, fingerprints_R: Sequence[int], load_RE: torch.Tensor | None = None,
+             bandwidth_R: Sequence[int] | None = None,
              rank_load_R: "Sequence[int] | torch.Tensor | None" = None) -> Decision:
         """Consume this step's exchanged records; return the Decision for the next step.
+        `step(*decode_records(rows_RW, E), rank_load_R)` passes the first three.
 
         fingerprints_R: R unsigned 64-bit fingerprints, indexed by rank.
         load_RE: int [R, E] exchanged loads; required when `negotiating`, ignored otherwise.
+        bandwidth_R: R exchanged 16-bit bandwidth codes (0: that rank has not measured), read when
+            `negotiating` (None: no rank measured), ignored otherwise.
         rank_load_R: R non-negative ints, the pairs each rank computes this step under the plan in
             effect (the column sums of the exchanged split sizes; any common unit). With them an
             alarm needs a realized imbalance over threshold; without them every fingerprint change
@@ -324,6 +376,9 @@ class BalanceMachine:
             if load_RE.is_floating_point():
                 load_RE = load_RE.round()
             load_RE = load_RE.detach().to("cpu", torch.int64)
+            if bandwidth_R is not None and len(bandwidth_R) != R:
+                raise ConfigError(f"a negotiate step needs {R} bandwidth codes, got {len(bandwidth_R)}")
+            agreed = agreed_code(bandwidth_R or ())
         before = s.believed
         alarm = traded = rebaselined = False
         act = cfg.threshold - cfg.margin
@@ -333,6 +388,8 @@ class BalanceMachine:
             s.young = False
             s.baseline_R, s.load_RE, s.last_negotiation = fps, load_RE, s.step
             s.stale = s.adopt = False
+            if agreed:  # a negotiation without any measurement keeps the last agreed one
+                s.bandwidth_code = agreed
             current = self.trade.imbalance(load_RE)
             before = s.believed = current
             if current > act:
@@ -372,11 +429,13 @@ class BalanceMachine:
         s.counters["trade"] += traded
         s.counters["migrate"] += bool(moved)
         s.counters["rebaseline"] += rebaselined
+        bandwidth, measured = self.bandwidth
         decision = Decision(
             step=s.step, state=s.mode.value, alarm=alarm, traded=traded, migrated=bool(moved),
             imbalance=before, predicted=s.believed, placement=self.placement, trade=self.trade,
             moved_slots=moved, bytes_moved=int(len(moved) * cfg.bytes_per_expert), next_mode=next_mode,
-            record_bytes=4 * self.record_words, realized=realized, rebaselined=rebaselined)
+            record_bytes=4 * self.record_words, realized=realized, rebaselined=rebaselined,
+            bandwidth=bandwidth, measured=measured)
         s.mode = next_mode
         s.step += 1
         return decision
@@ -398,7 +457,7 @@ class BalanceMachine:
             mean_pairs = float(load_RE.sum()) / pl.ep_size
             horizon = max(cfg.slow_window, s.step - s.regime_start)
             saving_s = (s.believed - predicted) * mean_pairs * cfg.seconds_per_pair * horizon
-            cost_s = len(moved) * cfg.bytes_per_expert / cfg.bandwidth
+            cost_s = len(moved) * cfg.bytes_per_expert / self.bandwidth[0]
             if predicted <= s.believed - cfg.migrate_gain and saving_s > cost_s:
                 self.placement, self.trade, s.believed = new, trade, predicted
                 s.last_migration, s.above = s.step, 0
@@ -421,7 +480,7 @@ class BalanceMachine:
             "believed": s.believed, "above": s.above, "last_migration": s.last_migration,
             "last_negotiation": s.last_negotiation, "next_check": s.next_check,
             "regime_start": s.regime_start, "settle_at": s.settle_at, "young": s.young, "adopt": s.adopt,
-            "stale": s.stale,
+            "stale": s.stale, "bandwidth_code": s.bandwidth_code,
             "counters": dict(s.counters),
         }
 
@@ -439,6 +498,7 @@ class BalanceMachine:
                 last_negotiation=state["last_negotiation"], next_check=state["next_check"],
                 regime_start=state["regime_start"], settle_at=state["settle_at"],
                 young=state["young"], adopt=state.get("adopt", False), stale=state.get("stale", False),
+                bandwidth_code=agreed_code([state.get("bandwidth_code", 0)]),  # older states: none
                 counters={**_State().counters, **state["counters"]})
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"not a BalanceMachine state: {exc!r:.200}") from exc
