@@ -28,11 +28,10 @@ def _run(rank, world, steps):
     with torch.no_grad():  # `hot` is every token's first choice: a skew the balancer must see
         full.router.weight[:, 0] = 0.0
         full.router.weight[hot, 0] = 5.0
-    # The cost check divides the real size of one slot's weights by the bandwidth the ranks measured
-    # on their all-to-alls and agreed on (the configured 1e12 only until a measurement exists).
-    slot_bytes = sum(p[0].numel() * p.element_size() for p in full.experts.parameters())
-    cfg = BalancerConfig(slow_window=4, min_dwell=6, settle=2, seconds_per_pair=1e-3, bandwidth=1e12,
-                         bytes_per_expert=float(slot_bytes))
+    # The cost check divides the real size of one slot (the layer fills it in: bytes_per_expert left
+    # None) by the bandwidth the ranks measured on their all-to-alls and agreed on (the configured 1e12
+    # only until a measurement exists).
+    cfg = BalancerConfig(slow_window=4, min_dwell=6, settle=2, seconds_per_pair=1e-3, bandwidth=1e12)
     layer = ThunderMoELayer(config, ep=ep, placement=placement, balancer=cfg)
     layer.load_state_dict(layer.shard_state_dict(full.state_dict()))
     opt = torch.optim.SGD(layer.parameters(), lr=0.0)  # lr 0: weights stay equal to `full`'s
@@ -60,6 +59,8 @@ def _run(rank, world, steps):
     out["weights_ok"] = bool(torch.equal(layer.experts.gate_up_proj, full.experts.gate_up_proj[local])
                              and torch.equal(layer.experts.down_proj, full.experts.down_proj[local]))
     out["imbalance_first_last"] = (layer.stats.loads_R[0], layer.stats.loads_R[-1])
+    out["slot_bytes"] = (layer.balancer.config.bytes_per_expert,
+                         sum(p[0].numel() * p.element_size() for p in full.experts.parameters()))
     dist.barrier()
     ep.close()
     return out
@@ -73,6 +74,8 @@ def test_balancer_trades_and_migrates_without_changing_the_math(world):
         assert res["decisions"] == first, "every rank must reach the same decisions"
         assert res["max_err"] < 1e-5 and res["max_grad_err"] < 1e-5
         assert res["weights_ok"]
+        used, real = res["slot_bytes"]
+        assert used == real, "the cost check must use the layer's real slot size (SGD: no state)"
     states = [d[0] for d in first]
     assert "negotiate" in states and any(d[2] for d in first), "the skew must be negotiated and traded"
     assert any(d[3] for d in first), "a persistent skew must end in a migration"
@@ -80,3 +83,16 @@ def test_balancer_trades_and_migrates_without_changing_the_math(world):
     assert not first[0][7] and first[0][6] == 1e12, "before any measurement: the configured bandwidth"
     assert first[-1][7] and first[-1][6] < 1e12, "later negotiations agree on a measured bandwidth"
     assert all(d[7] for d in first if d[3]), "migrations were checked against the measured bandwidth"
+
+
+def test_slot_bytes_count_weights_and_optimizer_state():
+    """What a slot's migration moves: its weights, plus optimizer state shaped like them (Adam: 2x)."""
+    config = LayerConfig.build(family="mixtral", hidden_size=D, intermediate_size=I, num_experts=E, top_k=2)
+    layer = ThunderMoELayer(config)
+    weights = sum(p[0].numel() * p.element_size() for p in layer.experts.parameters())
+    assert layer._slot_bytes() == weights == (2 * I * D + D * I) * 4
+    opt = torch.optim.Adam(layer.parameters())
+    assert layer._slot_bytes(opt) == weights  # no state before the first step
+    layer(torch.randn(5, D)).sum().backward()
+    opt.step()
+    assert layer._slot_bytes(opt) == 3 * weights  # exp_avg and exp_avg_sq move along

@@ -125,6 +125,18 @@ class ThunderMoELayer(nn.Module):
             out[name] = value[local.to(value.device)] if name.startswith("experts.") else value
         return out
 
+    def _slot_bytes(self, optimizer=None) -> int:
+        """Bytes one slot's migration moves: the slot's expert weights (and biases), plus `optimizer`'s
+        state tensors shaped like them (what `migrate_layer` moves along)."""
+        S = self.experts.num_experts
+        total = 0
+        for p in self.experts.parameters():
+            total += p.numel() * p.element_size()
+            state = optimizer.state.get(p, {}) if optimizer is not None else {}
+            total += sum(v.numel() * v.element_size() for v in state.values()
+                         if torch.is_tensor(v) and v.shape == p.shape)
+        return total // S
+
     def balance_step(self, optimizer=None):
         """At a step boundary (after the optimizer step): run the balancer on this step's exchanged
         records; on a migration decision, move expert weights (and `optimizer`'s state) to the new
@@ -132,6 +144,7 @@ class ThunderMoELayer(nn.Module):
         give the balancer this step's all-to-all bytes and times (its bandwidth measurement)."""
         if self.balancer is None:
             return None
+        self.balancer.set_slot_bytes(self._slot_bytes(optimizer))
         decision = self.balancer.step(self.stats)
         if decision is not None and decision.migrated:
             import time

@@ -13,6 +13,8 @@ Per step (see `machine.py` for the protocol):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .machine import BalanceMachine, BalancerConfig, Decision, decode_records, encode_record
@@ -32,6 +34,16 @@ class LayerBalancer:
         self._rows_RW: torch.Tensor | None = None
         self._rank_load_R: tuple[int, ...] | None = None
         self.last: Decision | None = None
+        self._auto_slot_bytes = False
+
+    def set_slot_bytes(self, slot_bytes: int) -> None:
+        """The layer's real bytes per slot, where the config left `bytes_per_expert` to the layer.
+        Every rank passes the same value (same shapes, same optimizer), so decisions stay identical."""
+        if self.config.bytes_per_expert is not None and not self._auto_slot_bytes:
+            return
+        self._auto_slot_bytes = True
+        self.config = replace(self.config, bytes_per_expert=float(slot_bytes))
+        self.machine.config = self.config
 
     @property
     def record_words(self) -> int:

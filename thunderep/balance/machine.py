@@ -40,7 +40,8 @@ Protocol (per MoE layer, per step t; lag-1)
   horizon = max(slow_window, steps since the regime began). `bandwidth` is *measured*: the agreed
   value of the last negotiation (a migration is only planned on negotiated loads, so on the
   measurements of the same exchange or a later one), or the configured constant until any rank has
-  measured. `seconds_per_pair` and `bytes_per_expert` are configured assumptions.
+  measured. `bytes_per_expert` is the layer's real slot size (weights plus the optimizer state that
+  moves with them; a constant only without a layer). `seconds_per_pair` is a configured assumption.
   Loads negotiated before a re-baseline no longer describe the profile: then the machine first
   negotiates once more (not an alarm: the EMAs are kept) and plans the migration on the fresh loads.
 
@@ -118,6 +119,9 @@ class Mode(enum.Enum):
     NEGOTIATE = "negotiate"  # fingerprint + int32 load vector + bandwidth word: 12 + 4 E bytes
 
 
+DEFAULT_BYTES_PER_EXPERT = 12.6e6  # one bf16 OLMoE-1B-7B-sized expert: 3 x 2048 x 1024 x 2 B
+
+
 @dataclass(frozen=True)
 class BalancerConfig:
     """Balancer knobs; the defaults and why.
@@ -143,9 +147,11 @@ class BalancerConfig:
     min_dwell 100: steps between migrations: at most one weight move per 100 steps whatever the
         trace does (hysteresis against oscillation, with migrate_gain and the cost check).
     migrate_gain 0.05: a new Placement must lower the predicted imbalance by 5 points.
-    bytes_per_expert 12.6e6: one bf16 expert of an OLMoE-1B-7B-sized layer (3 x 2048 x 1024 x 2 B).
-        A configured assumption: set it to the real size of one slot (x2-3 in training, where
-        `migrate.py` moves the optimizer state shaped like the weights along).
+    bytes_per_expert None: the bytes one slot's migration moves. None: a `ThunderMoELayer` fills in its
+        real slot size (the expert weights, plus the optimizer state shaped like them once
+        `balance_step(optimizer)` has seen it: `migrate.py` moves that state along); without a layer
+        (the evaluation harness) DEFAULT_BYTES_PER_EXPERT, one bf16 expert of an OLMoE-1B-7B-sized
+        layer (3 x 2048 x 1024 x 2 B = 12.6e6). A number overrides both.
     bandwidth 12e9 B/s: PCIe 4.0 x16 staged through host memory (no P2P), as measured on such boxes.
         The fallback: the cost check uses the agreed *measured* bandwidth (`measure.py`) once any
         rank has measured one, and this value until then (or always, with measure=False).
@@ -167,13 +173,18 @@ class BalancerConfig:
     slow_window: int = 32
     min_dwell: int = 100
     migrate_gain: float = 0.05
-    bytes_per_expert: float = 12.6e6
+    bytes_per_expert: float | None = None
     bandwidth: float = 12e9
     measure: bool = True
     seconds_per_pair: float = 0.6e-6
     refresh_every: int = 0
     fingerprint_width: float = WIDTH_OCTAVES
     fingerprint_z: float = NOISE_Z
+
+    @property
+    def slot_bytes(self) -> float:
+        """Bytes one slot's migration moves (bytes_per_expert, or the default without a layer)."""
+        return DEFAULT_BYTES_PER_EXPERT if self.bytes_per_expert is None else self.bytes_per_expert
 
     def probe(self, num_experts: int, seed: int = 0) -> LoadProbe:
         """The rank-local `LoadProbe` matching this config (EMA weight, bucketing)."""
@@ -192,6 +203,8 @@ class BalancerConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
         for name in ("margin", "trade_gain", "migrate_gain", "bytes_per_expert", "seconds_per_pair"):
+            if name == "bytes_per_expert" and self.bytes_per_expert is None:
+                continue
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.bandwidth > 0 or not self.fingerprint_width > 0 or not self.fingerprint_z >= 0:
@@ -433,7 +446,7 @@ class BalanceMachine:
         decision = Decision(
             step=s.step, state=s.mode.value, alarm=alarm, traded=traded, migrated=bool(moved),
             imbalance=before, predicted=s.believed, placement=self.placement, trade=self.trade,
-            moved_slots=moved, bytes_moved=int(len(moved) * cfg.bytes_per_expert), next_mode=next_mode,
+            moved_slots=moved, bytes_moved=int(len(moved) * cfg.slot_bytes), next_mode=next_mode,
             record_bytes=4 * self.record_words, realized=realized, rebaselined=rebaselined,
             bandwidth=bandwidth, measured=measured)
         s.mode = next_mode
@@ -457,7 +470,7 @@ class BalanceMachine:
             mean_pairs = float(load_RE.sum()) / pl.ep_size
             horizon = max(cfg.slow_window, s.step - s.regime_start)
             saving_s = (s.believed - predicted) * mean_pairs * cfg.seconds_per_pair * horizon
-            cost_s = len(moved) * cfg.bytes_per_expert / self.bandwidth[0]
+            cost_s = len(moved) * cfg.slot_bytes / self.bandwidth[0]
             if predicted <= s.believed - cfg.migrate_gain and saving_s > cost_s:
                 self.placement, self.trade, s.believed = new, trade, predicted
                 s.last_migration, s.above = s.step, 0
