@@ -97,6 +97,40 @@ def _num_row_tiles(n_rows, E, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _row_tile_of_program(n_rows, n_cols, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's tile of a row kernel: (expert, rows_M, row_ok_M, cols_N, col_ok_N, pid_n).
+    expert >= E: the program has no tile (the grid is an upper bound) and must return."""
+    num_m = _num_row_tiles(n_rows, E, BLOCK_M)
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
+    expert, row0, row_end = _row_tile(pid_m, counts_ptr, E, BLOCK_M, BLOCK_E)
+    rows_M = row0 + tl.arange(0, BLOCK_M)
+    cols_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, rows_M, rows_M < row_end, cols_N, cols_N < n_cols, pid_n
+
+
+@triton.jit
+def _dot_k(a_ptrs, b_ptrs, row_ok_M, col_ok_N, K, stride_bk, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum over k < K of A[m, k] * B[k, n]: a_ptrs [BLOCK_M, BLOCK_K] (unit stride along k), b_ptrs
+    [BLOCK_K, BLOCK_N] (stride_bk along k), both at k = 0. Masked rows and columns read zeros."""
+    k_K = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok_N[None, :], other=0.0)
+        else:
+            k_ok_K = k_K < K - k0
+            a = tl.load(a_ptrs, mask=row_ok_M[:, None] & k_ok_K[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _up_kernel(
     x_ptr, w_ptr, h_ptr, gu_ptr, order_ptr, counts_ptr,
     n_rows, I, D, E, top_k,
@@ -112,19 +146,14 @@ def _up_kernel(
     x: [*, D] (row stride stride_xm, unit column stride). Wgu: [E, 2I, D] (unit stride along D).
     h: [N, I]; gu (SAVE_GU): [N, 2I] in the weight's gate/up layout.
     """
-    num_m = _num_row_tiles(n_rows, E, BLOCK_M)
-    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-    expert, row0, row_end = _row_tile(pid_m, counts_ptr, E, BLOCK_M, BLOCK_E)
+    expert, rows_M, row_ok_M, cols_N, col_ok_N, pid_n = _row_tile_of_program(
+        n_rows, I, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M)
     if expert >= E:
         return
-    rows_M = row0 + tl.arange(0, BLOCK_M)
-    row_ok_M = rows_M < row_end
     if GATHER:
         src_M = tl.load(order_ptr + rows_M, mask=row_ok_M, other=0) // top_k
     else:
         src_M = tl.where(row_ok_M, rows_M, 0)
-    cols_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok_N = cols_N < I
     if INTERLEAVED:
         gate_N = 2 * cols_N
         up_N = 2 * cols_N + 1
@@ -183,31 +212,15 @@ def _rows_kernel(
     a: [N_rows, K] sorted by expert (unit column stride). B: [E, N, K] by strides.
     dst(r) = order[r] (SCATTER, un-permute to the flat pair) else r. w(r) = weight[order[r]] (WEIGHTED).
     """
-    num_m = _num_row_tiles(n_rows, E, BLOCK_M)
-    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    expert, row0, row_end = _row_tile(pid_m, counts_ptr, E, BLOCK_M, BLOCK_E)
+    expert, rows_M, row_ok_M, cols_N, col_ok_N, pid_n = _row_tile_of_program(
+        n_rows, N, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M)
     if expert >= E:
         return
-    rows_M = row0 + tl.arange(0, BLOCK_M)
-    row_ok_M = rows_M < row_end
-    cols_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok_N = cols_N < N
     k_K = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + tl.where(row_ok_M, rows_M, 0).to(tl.int64)[:, None] * stride_am + k_K[None, :]
     b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + cols_N.to(tl.int64)[None, :] * stride_bn
               + k_K[:, None] * stride_bk)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok_N[None, :], other=0.0)
-        else:
-            k_ok_K = k_K < K - k0
-            a = tl.load(a_ptrs, mask=row_ok_M[:, None] & k_ok_K[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
+    acc = _dot_k(a_ptrs, b_ptrs, row_ok_M, col_ok_N, K, stride_bk, PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
     if SCATTER or WEIGHTED:
         flat_M = tl.load(order_ptr + rows_M, mask=row_ok_M, other=0)
     if WEIGHTED:
@@ -237,36 +250,20 @@ def _act_bwd_kernel(
 
     dy: [*, D] (gathered by token when GATHER). Wd: [E, D, I] (unit stride along I). gu, dgu: [N, 2I].
     """
-    num_m = _num_row_tiles(n_rows, E, BLOCK_M)
-    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-    expert, row0, row_end = _row_tile(pid_m, counts_ptr, E, BLOCK_M, BLOCK_E)
+    expert, rows_M, row_ok_M, cols_N, col_ok_N, pid_n = _row_tile_of_program(
+        n_rows, I, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M)
     if expert >= E:
         return
-    rows_M = row0 + tl.arange(0, BLOCK_M)
-    row_ok_M = rows_M < row_end
     if GATHER or WEIGHTED:
         flat_M = tl.load(order_ptr + rows_M, mask=row_ok_M, other=0)
     if GATHER:
         src_M = flat_M // top_k
     else:
         src_M = tl.where(row_ok_M, rows_M, 0)
-    cols_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok_N = cols_N < I
     k_K = tl.arange(0, BLOCK_K)
     a_ptrs = dy_ptr + src_M.to(tl.int64)[:, None] * stride_dym + k_K[None, :]
     b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols_N[None, :] + k_K.to(tl.int64)[:, None] * stride_wd
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok_N[None, :], other=0.0)
-        else:
-            k_ok_K = k_K < D - k0
-            a = tl.load(a_ptrs, mask=row_ok_M[:, None] & k_ok_K[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wd
+    acc = _dot_k(a_ptrs, b_ptrs, row_ok_M, col_ok_N, D, stride_wd, PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
     if INTERLEAVED:
         gate_N = 2 * cols_N
         up_N = 2 * cols_N + 1
