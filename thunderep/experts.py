@@ -13,7 +13,7 @@ parallel runtime calls it on received rows); `FusedExperts.forward(x_TD, routing
 expert once, runs it, applies the routing weights and sums each token's K outputs.
 
 On CUDA both levels run ThunderEP's Triton kernels (`thunderep.kernels`) where they cover the experts
-(`_triton_ok`): the gather of token rows, the gate/up activation, the routing-weight multiply and the
+(`_use_triton`): the gather of token rows, the gate/up activation, the routing-weight multiply and the
 un-permute are fused into two grouped GEMMs. Elsewhere: torch's grouped GEMM, or a loop of matmuls.
 """
 
@@ -81,26 +81,24 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _triton_ok(x: torch.Tensor, gate_up_proj: torch.Tensor, config: ExpertsConfig) -> bool:
-    """Whether the Triton kernels run these experts (backend "triton", or "auto" on CUDA)."""
-    if config.backend not in ("auto", "triton") or x.device.type != "cuda":
-        return False
-    from . import kernels
+def _use_triton(x: torch.Tensor, gate_up_proj: torch.Tensor, config: ExpertsConfig) -> bool:
+    """Whether the Triton kernels run these experts: backend "auto" on CUDA where they cover them,
+    or "triton" (which raises where they cannot)."""
+    ok = False
+    if config.backend in ("auto", "triton") and x.device.type == "cuda":
+        from . import kernels
 
-    if not kernels.available(x.device):
-        return False
-    from .kernels import ops
+        if kernels.available(x.device):
+            from .kernels import ops
 
-    return ops.supported(x, gate_up_proj, config.activation, config.bias)
-
-
-def _check_backend(x: torch.Tensor, gate_up_proj: torch.Tensor, config: ExpertsConfig) -> None:
-    if config.backend == "triton" and not _triton_ok(x, gate_up_proj, config):
+            ok = ops.supported(x, gate_up_proj, config.activation, config.bias)
+    if config.backend == "triton" and not ok:
         raise ConfigError(
             f"ExpertsConfig.backend is 'triton' but the Triton kernels cannot run these experts (device "
             f"{x.device}, dtype {x.dtype}, activation {config.activation!r}, bias {config.bias}); they need a "
             f"CUDA device, Triton, no bias and activation silu/gelu/gelu_tanh/relu: use backend 'auto'"
         )
+    return ok
 
 
 def _grouped_linear(x_ND, w_EOD, offsets_E, counts, bias_EO, row_expert_N, use_grouped: bool):
@@ -146,8 +144,7 @@ def expert_mlp(
         zero = x_ND.sum() + gate_up_proj.flatten()[:0].sum() + down_proj.flatten()[:0].sum()
         return x_ND.new_zeros(0, down_proj.shape[1]) + zero.to(x_ND.dtype)
     x_ND = x_ND.to(gate_up_proj.dtype)
-    _check_backend(x_ND, gate_up_proj, config)
-    if _triton_ok(x_ND, gate_up_proj, config):
+    if _use_triton(x_ND, gate_up_proj, config):
         from .kernels.ops import moe_mlp
 
         return moe_mlp(x_ND, gate_up_proj, down_proj, counts_E, activation=config.activation,
@@ -221,8 +218,7 @@ class FusedExperts(nn.Module):
         T, K = routing.ids_TK.shape
         if x_TD.shape[0] != T:
             raise RoutingError(f"x_TD has {x_TD.shape[0]} tokens but the routing has {T}")
-        _check_backend(x_TD, self.gate_up_proj, self.config)
-        if T and _triton_ok(x_TD, self.gate_up_proj, self.config):
+        if _use_triton(x_TD, self.gate_up_proj, self.config) and T:
             from .kernels.ops import moe_mlp
 
             order_N = torch.argsort(routing.ids_TK.reshape(-1), stable=True)

@@ -144,7 +144,8 @@ class ThunderMoELayer(nn.Module):
         give the balancer this step's all-to-all bytes and times (its bandwidth measurement)."""
         if self.balancer is None:
             return None
-        self.balancer.set_slot_bytes(self._slot_bytes(optimizer))
+        if self.balancer.sized_by_layer:
+            self.balancer.set_slot_bytes(self._slot_bytes(optimizer))
         decision = self.balancer.step(self.stats)
         if decision is not None and decision.migrated:
             import time

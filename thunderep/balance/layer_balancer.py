@@ -34,14 +34,13 @@ class LayerBalancer:
         self._rows_RW: torch.Tensor | None = None
         self._rank_load_R: tuple[int, ...] | None = None
         self.last: Decision | None = None
-        self._auto_slot_bytes = False
+        self.sized_by_layer = self.config.bytes_per_expert is None  # the layer reports its slot size
 
     def set_slot_bytes(self, slot_bytes: int) -> None:
         """The layer's real bytes per slot, where the config left `bytes_per_expert` to the layer.
         Every rank passes the same value (same shapes, same optimizer), so decisions stay identical."""
-        if self.config.bytes_per_expert is not None and not self._auto_slot_bytes:
+        if not self.sized_by_layer or self.config.bytes_per_expert == slot_bytes:
             return
-        self._auto_slot_bytes = True
         self.config = replace(self.config, bytes_per_expert=float(slot_bytes))
         self.machine.config = self.config
 

@@ -173,6 +173,24 @@ def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter):
             SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
 
 
+def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
+    """dgu [N, 2I] and the routing-weight partials dwp [N, column tiles] (empty without weights)."""
+    n_rows, I2 = gu.shape
+    E, D, I = w_down.shape
+    bm = _m_class(n_rows, E)
+    dgu = dy.new_empty(n_rows, I2)
+    tiles = triton.cdiv(I, 16)  # at least the column tiles of any config; unused ones stay zero
+    dwp = torch.zeros(n_rows if weights is not None else 0, tiles, dtype=torch.float32, device=dy.device)
+    _launch(_ACT_BWD, _ACT_BWD_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, I), dy.device,
+            dy_ptr=dy, w_ptr=w_down, gu_ptr=gu, dgu_ptr=dgu, dwp_ptr=dwp if weights is not None else dgu,
+            order_ptr=order if order is not None else counts, weight_ptr=weights if weights is not None else dy,
+            counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k, stride_dym=dy.stride(0),
+            stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_gm=I2, stride_dwp=tiles,
+            m_class=bm, ACT=act, INTERLEAVED=interleaved, GATHER=order is not None,
+            WEIGHTED=weights is not None, PRECISION=_precision(dy.dtype), BLOCK_E=_block_e(E))
+    return dgu, dwp
+
+
 def _wgrad(a, b, order, weights, counts, top_k, a_gather, b_gather, n_rows, out):
     E, M, N = out.shape
     bm = _m_class(n_rows, E)
@@ -280,21 +298,11 @@ def _moe_mlp_backward_op(
     n_rows = h.shape[0]
     gather = order is not None
     dy = dy.contiguous()
-    dweights = torch.zeros(n_rows if weights is not None else 0, dtype=torch.float32, device=dy.device)
+    dw_dtype = weights.dtype if weights is not None else x.dtype
     if n_rows == 0:
-        return torch.zeros_like(x), torch.zeros_like(w_gate_up), torch.zeros_like(w_down), dweights.to(x.dtype)
-    bm = _m_class(n_rows, E)
-    dgu = dy.new_empty(n_rows, I2)
-    cfg = _DEFAULT[bm]
-    n_col_tiles_max = triton.cdiv(I, 16)
-    dwp = torch.zeros(n_rows if weights is not None else 0, n_col_tiles_max, dtype=torch.float32, device=dy.device)
-    _launch(_ACT_BWD, _ACT_BWD_PLAIN, cfg, _row_grid(n_rows, E, I), dy.device,
-            dy_ptr=dy, w_ptr=w_down, gu_ptr=gu, dgu_ptr=dgu, dwp_ptr=dwp if weights is not None else dgu,
-            order_ptr=order if gather else counts, weight_ptr=weights if weights is not None else dy,
-            counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k, stride_dym=dy.stride(0),
-            stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_gm=I2, stride_dwp=n_col_tiles_max,
-            m_class=bm, ACT=K.ACTIVATIONS[activation], INTERLEAVED=interleaved, GATHER=gather,
-            WEIGHTED=weights is not None, PRECISION=_precision(dy.dtype), BLOCK_E=_block_e(E))
+        return (torch.zeros_like(x), torch.zeros_like(w_gate_up), torch.zeros_like(w_down),
+                dy.new_zeros(0, dtype=dw_dtype))
+    dgu, dwp = _act_bwd(dy, w_down, gu, order, weights, counts, top_k, K.ACTIVATIONS[activation], interleaved)
     # dx: dgu @ Wgu[e] (B[e, n=D, k=2I] = w_gate_up[e, k, n]), un-permuted to flat rows then summed per token.
     dx_rows = dy.new_empty(n_rows, D)
     wg = w_gate_up
@@ -308,9 +316,10 @@ def _moe_mlp_backward_op(
         _wgrad(dy, h, order, weights, counts, top_k, gather, False, n_rows, dw_down)
         dw_gate_up = torch.empty_like(w_gate_up)
         _wgrad(dgu, x.contiguous(), order, None, counts, top_k, False, gather, n_rows, dw_gate_up)
-    if weights is not None:
-        dweights = torch.empty_like(dweights).index_copy_(0, order.long(), dwp.sum(dim=1))
-    return dx.to(x.dtype), dw_gate_up, dw_down, dweights.to(weights.dtype if weights is not None else x.dtype)
+    dweights = dy.new_empty(0, dtype=torch.float32)
+    if weights is not None:  # partials per column tile -> per row -> flat (token, slot) order
+        dweights = dwp.new_empty(n_rows).index_copy_(0, order.long(), dwp.sum(dim=1))
+    return dx.to(x.dtype), dw_gate_up, dw_down, dweights.to(dw_dtype)
 
 
 @_moe_mlp_backward_op.register_fake
