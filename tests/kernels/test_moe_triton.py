@@ -81,20 +81,56 @@ INTERP_CASES = [  # T, D, I, E, K
 ]
 
 
+def _grouped_mm_or_skip():
+    import thunderep.kernels.ops as ops
+
+    if ops._GROUPED_MM is None:
+        pytest.skip("this torch has no grouped GEMM")
+
+
+@pytest.fixture(params=["triton", "torch"])
+def gemm(request, monkeypatch):
+    """Both GEMM paths: the fused Triton kernels, and torch's grouped GEMM with the Triton memory passes
+    around it (the Hopper path; on CPU torch's grouped GEMM runs it, the passes run in the interpreter)."""
+    if request.param == "torch":
+        _grouped_mm_or_skip()
+    monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", request.param)
+    return request.param
+
+
 @pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")
 @pytest.mark.parametrize("case", INTERP_CASES, ids=lambda c: "T{}-D{}-I{}-E{}-K{}".format(*c))
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_interpreter_matches_reference(case, interleaved):
+def test_interpreter_matches_reference(case, interleaved, gemm):
     check(*case, torch.float32, tol=1e-5, interleaved=interleaved, empty_experts=1 if case[3] > 4 else 0)
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
-def test_interpreter_activations(activation):
+def test_interpreter_activations(activation, gemm):
     check(9, 32, 32, 4, 2, torch.float32, tol=1e-5, activation=activation)
 
 
-def test_sorted_mode_equals_gathered_rows():
+def test_gemm_path_choice(monkeypatch):
+    """The fused kernels unless torch's grouped GEMM runs CUTLASS's sm_90 kernel and experts get many rows."""
+    import thunderep.kernels.ops as ops
+
+    x = torch.empty(4, 64, dtype=torch.bfloat16)
+    monkeypatch.delenv("THUNDEREP_EXPERT_GEMM", raising=False)
+    many = 8 * ops.TORCH_GEMM_MIN_ROWS
+    assert ops._gemm_backend(x, many, 8, 64, 64) == "triton"  # CPU: no CUTLASS kernel
+    monkeypatch.setattr(ops, "_grouped_mm_usable", lambda t, *dims: True)
+    assert ops._gemm_backend(x, many, 8, 64, 64) == "torch"
+    assert ops._gemm_backend(x, many - 8, 8, 64, 64) == "triton"  # below the mean rows per expert
+    assert ops._gemm_backend(x, 100, 256, 64, 64) == "triton"  # decode: few rows over many experts
+    monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "triton")
+    assert ops._gemm_backend(x, many, 8, 64, 64) == "triton"
+    monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "torch")
+    monkeypatch.setattr(ops, "_grouped_mm_usable", lambda t, *dims: False)
+    assert ops._gemm_backend(x, 1, 8, 64, 64) == "torch"
+
+
+def test_sorted_mode_equals_gathered_rows(gemm):
     """Sorted mode (the expert-parallel runtime's rows) = the unweighted expert outputs, row by row."""
     T, D, I, E, K = 11, 32, 48, 5, 2
     x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.float32, 3, empty_experts=1)
@@ -114,17 +150,14 @@ def test_sorted_mode_equals_gathered_rows():
 def test_weight_gradient_backends(backend, monkeypatch):
     """Both weight-gradient paths (portable Triton kernel; torch's grouped GEMM, used on Hopper) are exact."""
     if backend == "torch" and not CUDA:
-        import thunderep.kernels.ops as ops
-
-        if ops._GROUPED_MM is None:
-            pytest.skip("this torch has no grouped GEMM")
+        _grouped_mm_or_skip()
     monkeypatch.setenv("THUNDEREP_WGRAD", backend)
     # Dimensions that are multiples of 8 (torch's grouped GEMM needs 16-byte rows); one expert empty.
     dtype = torch.bfloat16 if CUDA else torch.float32  # the CPU interpreter has no bfloat16 arithmetic
     check(13, 32, 48, 6, 2, dtype, tol=2e-2 if dtype == torch.bfloat16 else 1e-5, empty_experts=1, seed=7)
 
 
-def test_sorted_mode_gradients():
+def test_sorted_mode_gradients(gemm):
     """Sorted mode's backward (what the expert-parallel runtime differentiates) against float64 autograd."""
     T, D, I, E, K = 10, 32, 40, 5, 2
     x, w_gu, w_d, ids, _ = make_case(T, D, I, E, K, torch.float32, 4, empty_experts=1)
@@ -204,6 +237,24 @@ def test_gpu_layouts_and_activations(activation, interleaved):
     check(300, 256, 192, 256, 8, torch.bfloat16, tol=2e-2, activation=activation, interleaved=interleaved,
           empty_experts=3)
     check(33, 96, 80, 6, 2, torch.float32, tol=1e-4, activation=activation, interleaved=interleaved)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+@pytest.mark.parametrize("T", [1, 512])
+def test_gpu_torch_gemm_path(shape, T, monkeypatch):
+    """The Hopper path (torch's grouped GEMM + Triton activation, activation-backward and combine passes)."""
+    monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "torch")
+    D, I, E, K = MODEL_SHAPES[shape]
+    check(T, D, I, E, K, torch.bfloat16, tol=2e-2, empty_experts=1 if T * K < E else 0, seed=T + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation,interleaved", [("gelu_tanh", True), ("relu", False)])
+def test_gpu_torch_gemm_layouts(activation, interleaved, monkeypatch):
+    monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "torch")
+    check(300, 256, 192, 256, 8, torch.bfloat16, tol=2e-2, activation=activation, interleaved=interleaved,
+          empty_experts=3)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -24,6 +25,7 @@ SHAPES = {  # D, I, E, K
     "deepseek": (7168, 2048, 256, 8),
 }
 IMPLS = ("eager", "grouped_mm", "thunderep")
+# Also accepted: "thunderep:triton" and "thunderep:torch", ThunderEP with its GEMM path pinned.
 ROTATE = 4
 
 
@@ -55,16 +57,29 @@ def _hf_experts(D, I, E, K, w_gu, w_d, implementation):
     return lambda x, ids, w: module(x, ids, w)
 
 
-def _thunder_experts(D, I, E, K, w_gu, w_d):
+def _thunder_experts(D, I, E, K, w_gu, w_d, gemm=""):
+    """ThunderEP's experts; `gemm` "triton" or "torch" pins the GEMM path (THUNDEREP_EXPERT_GEMM), "" = auto."""
     from ..kernels.ops import moe_mlp
     from ..router import expert_counts
 
     def run(x, ids, w):
-        order = torch.argsort(ids.reshape(-1), stable=True)
-        counts = expert_counts(ids, E)
-        return moe_mlp(x, w_gu, w_d, counts, order_N=order, weights_N=w, top_k=K)
+        saved = os.environ.pop("THUNDEREP_EXPERT_GEMM", None)
+        if gemm:
+            os.environ["THUNDEREP_EXPERT_GEMM"] = gemm
+        try:
+            order = torch.argsort(ids.reshape(-1), stable=True)
+            counts = expert_counts(ids, E)
+            return moe_mlp(x, w_gu, w_d, counts, order_N=order, weights_N=w, top_k=K)
+        finally:
+            os.environ.pop("THUNDEREP_EXPERT_GEMM", None)
+            if saved is not None:
+                os.environ["THUNDEREP_EXPERT_GEMM"] = saved
 
     return run
+
+
+def _ours(impl: str) -> bool:
+    return impl.startswith("thunderep")
 
 
 def graph_ms(fn, sets) -> float:
@@ -115,7 +130,7 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
     w_d = torch.nn.Parameter(torch.randn(E, D, I, device=device, dtype=dt, generator=gen) * I**-0.5)
     fns = {}
     for impl in impls:
-        fns[impl] = _thunder_experts(D, I, E, K, w_gu, w_d) if impl == "thunderep" else \
+        fns[impl] = _thunder_experts(D, I, E, K, w_gu, w_d, impl.partition(":")[2]) if _ours(impl) else \
             _hf_experts(D, I, E, K, w_gu, w_d, impl)
     expert_bytes = 3 * D * I * 2
     for T in tokens:
@@ -127,16 +142,17 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
             sets.append((x, ids, w, torch.randn(T, D, device=device, dtype=dt, generator=gen)))
         hit = sum(torch.unique(s[1]).numel() for s in sets) / ROTATE
         flops = 2 * T * K * 3 * D * I
-        err = None  # agreement with grouped_mm on one set (same weights, same routing)
-        if "grouped_mm" in fns and "thunderep" in fns:
+        errs = {}  # agreement of each ThunderEP variant with grouped_mm on one set (same weights and routing)
+        if "grouped_mm" in fns:
             with torch.no_grad():
-                ref, ours = (fns[i](*sets[0][:3]).float() for i in ("grouped_mm", "thunderep"))
-            err = ((ours - ref).norm() / ref.norm()).item()
+                ref = fns["grouped_mm"](*sets[0][:3]).float()
+                for impl in filter(_ours, fns):
+                    errs[impl] = ((fns[impl](*sets[0][:3]).float() - ref).norm() / ref.norm()).item()
 
         def record(impl, mode, ms, mode_flops):
             row = {"shape": name, "T": T, "impl": impl, "mode": mode, "ms": ms,
                    "tflops": mode_flops / (ms * 1e-3) / 1e12, "experts_hit": hit,
-                   "hbm_frac": hit * expert_bytes / (ms * 1e-3) / bw, "rel_err_vs_grouped_mm": err}
+                   "hbm_frac": hit * expert_bytes / (ms * 1e-3) / bw, "rel_err_vs_grouped_mm": errs.get(impl)}
             out_rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
 
@@ -171,7 +187,7 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
                     print(f"graph capture failed for {impl}: {exc!r}"[:300], file=sys.stderr)
                     ms = float("nan")
                 record(impl, "fwd-graph", ms, flops)
-            if T in profile_t and impl in ("thunderep", "grouped_mm"):
+            if T in profile_t and impl != "eager":
                 for backward in (False, True):
                     print(f"## profile {name} T={T} {impl} {'fwd+bwd' if backward else 'fwd'} (ms per call)")
                     for key, ms in profile_kernels(fn, sets, backward):
@@ -186,11 +202,11 @@ def table(rows, impls) -> str:
     keyed = {(r["shape"], r["T"], r["mode"], r["impl"]): r for r in rows}
     for shape, T, mode in dict.fromkeys((r["shape"], r["T"], r["mode"]) for r in rows):
         ms = {i: keyed[(shape, T, mode, i)]["ms"] for i in impls if (shape, T, mode, i) in keyed}
-        hf = [ms[i] for i in ms if i != "thunderep" and ms[i] == ms[i]]
+        hf = [ms[i] for i in ms if not _ours(i) and ms[i] == ms[i]]
         best = min(hf) if hf else float("nan")
         ours = keyed.get((shape, T, mode, "thunderep"))
         ratio = best / ours["ms"] if ours else float("nan")
-        best_impl = min((i for i in ms if i != "thunderep" and ms[i] == ms[i]), key=ms.get, default=None)
+        best_impl = min((i for i in ms if not _ours(i) and ms[i] == ms[i]), key=ms.get, default=None)
         frac = f"{ours['hbm_frac']:.0%} / {keyed[(shape, T, mode, best_impl)]['hbm_frac']:.0%}" \
             if ours and best_impl else "-"
         cells = " | ".join(f"{ms.get(i, float('nan')):.3f}" for i in impls)

@@ -347,3 +347,90 @@ def _wgrad_kernel(
         if chunk == chunks - 1:
             tl.store(c_base + ns_N[None, :], acc.to(c_ptr.dtype.element_ty), mask=m_ok_M[:, None] & n_ok_N[None, :])
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+# ---- memory-bound passes around torch's grouped GEMM (the Hopper path, see ops.py) ---------------------
+
+
+@triton.jit
+def _act_kernel(gu_ptr, h_ptr, n_rows, I, stride_gm, stride_hm,
+                ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """h[r, c] = act(gu[r, gate(c)]) * gu[r, up(c)]: the gated activation of a [N, 2I] GEMM output."""
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols_C = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (rows_R < n_rows)[:, None] & (cols_C < I)[None, :]
+    if INTERLEAVED:
+        gate_C = 2 * cols_C
+        up_C = 2 * cols_C + 1
+    else:
+        gate_C = cols_C
+        up_C = cols_C + I
+    base = gu_ptr + rows_R.to(tl.int64)[:, None] * stride_gm
+    g = tl.load(base + gate_C[None, :], mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(base + up_C[None, :], mask=ok, other=0.0).to(tl.float32)
+    h = _act(g, ACT) * u
+    tl.store(h_ptr + rows_R.to(tl.int64)[:, None] * stride_hm + cols_C[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit
+def _act_bwd_rows_kernel(dhu_ptr, gu_ptr, dgu_ptr, dw_ptr, order_ptr, weight_ptr, n_rows, I,
+                         stride_dm, stride_gm,
+                         ACT: tl.constexpr, INTERLEAVED: tl.constexpr, WEIGHTED: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The elementwise half of _act_bwd_kernel, for an unweighted dhu = dy[tok] @ Wd[e] computed elsewhere:
+    dgu[r, gate(c)] = w * dhu * u * act'(g), dgu[r, up(c)] = w * dhu * act(g), and (WEIGHTED) the routing
+    weight's gradient dw[order[r]] = sum over c of dhu * h, h = act(g) * u as the forward rounded it.
+    One program walks all I columns of BLOCK_R rows, so the sum over c needs no second pass."""
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok_R = rows_R < n_rows
+    rows64_R = rows_R.to(tl.int64)
+    if WEIGHTED:
+        flat_R = tl.load(order_ptr + rows_R, mask=row_ok_R, other=0)
+        w_R = tl.load(weight_ptr + flat_R, mask=row_ok_R, other=0.0).to(tl.float32)
+    dw_R = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, I, BLOCK_C):
+        cols_C = c0 + tl.arange(0, BLOCK_C)
+        ok = row_ok_R[:, None] & (cols_C < I)[None, :]
+        if INTERLEAVED:
+            gate_C = 2 * cols_C
+            up_C = 2 * cols_C + 1
+        else:
+            gate_C = cols_C
+            up_C = cols_C + I
+        gu_base = gu_ptr + rows64_R[:, None] * stride_gm
+        g = tl.load(gu_base + gate_C[None, :], mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gu_base + up_C[None, :], mask=ok, other=0.0).to(tl.float32)
+        dhu = tl.load(dhu_ptr + rows64_R[:, None] * stride_dm + cols_C[None, :], mask=ok, other=0.0).to(tl.float32)
+        act_g = _act(g, ACT)
+        if WEIGHTED:
+            h = (act_g * u).to(gu_ptr.dtype.element_ty).to(tl.float32)
+            dw_R += tl.sum(dhu * h, 1)
+            dhu = dhu * w_R[:, None]
+        dgu_base = dgu_ptr + rows64_R[:, None] * stride_gm
+        dgu_dtype = dgu_ptr.dtype.element_ty
+        tl.store(dgu_base + gate_C[None, :], (dhu * u * _act_grad(g, ACT)).to(dgu_dtype), mask=ok)
+        tl.store(dgu_base + up_C[None, :], (dhu * act_g).to(dgu_dtype), mask=ok)
+    if WEIGHTED:
+        tl.store(dw_ptr + flat_R, dw_R, mask=row_ok_R)
+
+
+@triton.jit
+def _combine_kernel(rows_ptr, inv_ptr, weight_ptr, out_ptr, T, D, top_k, stride_rm, stride_om,
+                    WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = sum over k of w[t, k] * rows[inv[t * top_k + k]] (w = 1 unless WEIGHTED), summed in fp32:
+    the un-permute and the sum over each token's K expert rows in one pass."""
+    t_T = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d_D = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_ok_T = t_T < T
+    ok = t_ok_T[:, None] & (d_D < D)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in range(0, top_k):
+        flat_T = t_T * top_k + k
+        src_T = tl.load(inv_ptr + flat_T, mask=t_ok_T, other=0).to(tl.int64)
+        v = tl.load(rows_ptr + src_T[:, None] * stride_rm + d_D[None, :], mask=ok, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            v = v * tl.load(weight_ptr + flat_T, mask=t_ok_T, other=0.0).to(tl.float32)[:, None]
+        acc += v
+    tl.store(out_ptr + t_T.to(tl.int64)[:, None] * stride_om + d_D[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=ok)

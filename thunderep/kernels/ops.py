@@ -204,36 +204,126 @@ def _wgrad(a, b, order, weights, counts, top_k, a_gather, b_gather, n_rows, out)
 
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# The Hopper path's GEMMs need this many rows per active expert, on average, to beat the fused Triton
+# kernels (measured on the H200, docs/BENCHMARKS.md): below it the gathers, epilogues and row-tile
+# schedule the fused kernels save outweigh CUTLASS's faster tiles.
+TORCH_GEMM_MIN_ROWS = 512
+
+
+def _grouped_mm_usable(t: torch.Tensor, *dims: int) -> bool:
+    """torch's grouped GEMM runs its TMA, warp-specialized CUTLASS kernel here: sm_90, bf16, 16-byte rows."""
+    return (_GROUPED_MM is not None and t.is_cuda and t.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(t.device) == (9, 0) and all(d % 8 == 0 for d in dims))
+
+
+def _forced(name: str) -> str:
+    forced = os.environ.get(name, "")
+    return forced if forced in ("triton", "torch") else ""
 
 
 def _wgrad_backend(t: torch.Tensor, *dims: int) -> str:
     """"torch" (CUTLASS grouped GEMM, Hopper) or "triton" (the portable kernel) for the weight gradients.
 
-    THUNDEREP_WGRAD=triton|torch forces one. On sm_90, torch's grouped GEMM (TMA, warp-specialized
-    CUTLASS) computes these K-grouped products faster than the portable Triton kernel; elsewhere
-    (RTX 4090 / 5090, or without it) the Triton kernel runs.
+    THUNDEREP_WGRAD=triton|torch forces one. On sm_90, torch's grouped GEMM computes these K-grouped
+    products faster than the portable Triton kernel at every size measured; elsewhere (RTX 4090 / 5090,
+    or without it) the Triton kernel runs.
     """
-    forced = os.environ.get("THUNDEREP_WGRAD", "")
-    if forced in ("triton", "torch"):
+    return _forced("THUNDEREP_WGRAD") or ("torch" if _grouped_mm_usable(t, *dims) else "triton")
+
+
+def _gemm_backend(t: torch.Tensor, n_rows: int, E: int, D: int, I: int) -> str:
+    """"torch" or "triton" for the forward GEMMs and backward dX (the weight gradients choose separately).
+
+    "triton": the fused kernels (gather in the A load, activation and weight/un-permute epilogues).
+    "torch" (the Hopper path): torch's grouped GEMM for the GEMMs, with three memory-bound Triton
+    passes around it (activation, activation backward, un-permute + sum over K); chosen on sm_90 when
+    the experts get at least TORCH_GEMM_MIN_ROWS rows on average, where GEMM speed decides.
+    THUNDEREP_EXPERT_GEMM=triton|torch forces one.
+    """
+    forced = _forced("THUNDEREP_EXPERT_GEMM")
+    if forced:
         return forced
-    ok = (_GROUPED_MM is not None and t.is_cuda and t.dtype == torch.bfloat16
-          and torch.cuda.get_device_capability(t.device) == (9, 0) and all(d % 8 == 0 for d in dims))
-    return "torch" if ok else "triton"
+    mean_rows = n_rows / max(1, min(E, n_rows))
+    return "torch" if mean_rows >= TORCH_GEMM_MIN_ROWS and _grouped_mm_usable(t, D, I) else "triton"
 
 
-def _wgrad_torch(dy, x, h, dgu, order, weights, counts, top_k):
-    """Weight gradients through torch's grouped GEMM over the K (row) dimension.
+def _elementwise_meta(device: torch.device) -> dict:
+    return {} if device.type == "cuda" else {"num_warps": 1}
 
-    Rows are gathered once ([N, D] each); dW_down[e] = (w * dy_rows).T @ h, dW_gate_up[e] = dgu.T @ x_rows.
-    """
-    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    if order is not None:
-        tok = order.long() // top_k
-        dy_rows, x_rows = dy[tok], x[tok]
-    else:
-        dy_rows, x_rows = dy, x
+
+def _act_rows(gu, act, interleaved):
+    n_rows, I2 = gu.shape
+    I = I2 // 2
+    h = gu.new_empty(n_rows, I)
+    grid = (triton.cdiv(n_rows, 8), triton.cdiv(I, 256))
+    K._act_kernel[grid](gu, h, n_rows, I, gu.stride(0), h.stride(0), ACT=act, INTERLEAVED=interleaved,
+                        BLOCK_R=8, BLOCK_C=256, **_elementwise_meta(gu.device))
+    return h
+
+
+def _act_bwd_rows(dhu, gu, order, weights, act, interleaved):
+    """dgu [N, 2I] and the routing-weight gradient in flat (token, slot) order (empty without weights)."""
+    n_rows, I2 = gu.shape
+    dgu = torch.empty_like(gu)
+    dw = torch.empty(n_rows if weights is not None else 0, dtype=torch.float32, device=gu.device)
+    K._act_bwd_rows_kernel[(triton.cdiv(n_rows, 4),)](
+        dhu, gu, dgu, dw if weights is not None else dgu, order if order is not None else dhu,
+        weights if weights is not None else dhu, n_rows, I2 // 2, dhu.stride(0), gu.stride(0),
+        ACT=act, INTERLEAVED=interleaved, WEIGHTED=weights is not None, BLOCK_R=4, BLOCK_C=256,
+        **_elementwise_meta(gu.device))
+    return dgu, dw
+
+
+def _inverse(order):
+    """inv[order[r]] = r: where each flat (token, slot) pair sits in the sorted rows."""
+    return torch.empty_like(order).index_put_(
+        (order.long(),), torch.arange(order.shape[0], dtype=order.dtype, device=order.device))
+
+
+def _combine(rows, inv, weights, T, top_k):
+    """out[t] = sum over k of w[t, k] * rows[inv[t, k]] (un-permute and sum over K, one pass)."""
+    D = rows.shape[1]
+    out = rows.new_empty(T, D)
+    grid = (triton.cdiv(T, 4), triton.cdiv(D, 512))
+    K._combine_kernel[grid](rows, inv, weights if weights is not None else rows, out, T, D, top_k,
+                            rows.stride(0), out.stride(0), WEIGHTED=weights is not None, BLOCK_T=4,
+                            BLOCK_D=512, **_elementwise_meta(rows.device))
+    return out
+
+
+def _offsets(counts):
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def _forward_torch_gemm(x, w_gu, w_d, order, counts, weights, top_k, act, interleaved):
+    """The Hopper path's forward: rows gathered once, CUTLASS grouped GEMMs, Triton activation and combine."""
+    offs = _offsets(counts)
+    x_rows = x.index_select(0, order.long() // top_k) if order is not None else x
+    gu = _GROUPED_MM(x_rows, w_gu.transpose(1, 2), offs=offs)
+    h = _act_rows(gu, act, interleaved)
+    y_rows = _GROUPED_MM(h, w_d.transpose(1, 2), offs=offs)
+    if order is None:
+        return y_rows, h, gu
+    return _combine(y_rows, _inverse(order), weights, x.shape[0], top_k), h, gu
+
+
+def _dx_torch_gemm(dy, w_gu, w_d, order, counts, weights, gu, top_k, act, interleaved):
+    """The Hopper path's backward up to dX: dhu and dX through the grouped GEMM; returns (dx, dgu, dweights, dy_rows)."""
+    offs = _offsets(counts)
+    dy_rows = dy.index_select(0, order.long() // top_k) if order is not None else dy
+    dhu = _GROUPED_MM(dy_rows, w_d, offs=offs)  # dy_rows @ Wd[e]: [N, I]
+    dgu, dw = _act_bwd_rows(dhu, gu, order, weights, act, interleaved)
+    dx_rows = _GROUPED_MM(dgu, w_gu, offs=offs)  # dgu @ Wgu[e]: [N, D]
+    dx = _combine(dx_rows, _inverse(order), None, dy.shape[0], top_k) if order is not None else dx_rows
+    return dx, dgu, dw, dy_rows
+
+
+def _wgrad_torch(dy_rows, x_rows, h, dgu, order, weights, counts):
+    """Weight gradients through torch's grouped GEMM over the K (row) dimension, rows already gathered:
+    dW_down[e] = (w * dy_rows).T @ h, dW_gate_up[e] = dgu.T @ x_rows."""
+    offs = _offsets(counts)
     if weights is not None:
-        dy_rows = (dy_rows.float() * weights[order.long()].float()[:, None]).to(dy.dtype)
+        dy_rows = (dy_rows.float() * weights[order.long()].float()[:, None]).to(dy_rows.dtype)
     dw_down = _GROUPED_MM(dy_rows.t(), h, offs=offs)
     dw_gate_up = _GROUPED_MM(dgu.t(), x_rows.contiguous(), offs=offs)
     return dw_gate_up, dw_down
@@ -266,7 +356,13 @@ def _moe_mlp_op(
     n_rows = order.shape[0] if order is not None else x.shape[0]
     if n_rows == 0:
         return x.new_zeros(x.shape[0], D), x.new_empty(0, I2 // 2), x.new_empty(0, I2)
-    h, gu = _up(x, w_gate_up, order, counts, top_k, K.ACTIVATIONS[activation], interleaved, save, n_rows)
+    act = K.ACTIVATIONS[activation]
+    if _gemm_backend(x, n_rows, E, D, I2 // 2) == "torch":
+        y, h, gu = _forward_torch_gemm(x, w_gate_up, w_down, order, counts, weights, top_k, act, interleaved)
+        if not save:
+            h, gu = x.new_empty(0, I2 // 2), x.new_empty(0, I2)
+        return y, h, gu
+    h, gu = _up(x, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows)
     if order is None:
         y = x.new_empty(n_rows, D)
         _rows(h, w_down, w_down.stride(), D, None, None, counts, y, scatter=False)
@@ -302,23 +398,33 @@ def _moe_mlp_backward_op(
     if n_rows == 0:
         return (torch.zeros_like(x), torch.zeros_like(w_gate_up), torch.zeros_like(w_down),
                 dy.new_zeros(0, dtype=dw_dtype))
-    dgu, dwp = _act_bwd(dy, w_down, gu, order, weights, counts, top_k, K.ACTIVATIONS[activation], interleaved)
-    # dx: dgu @ Wgu[e] (B[e, n=D, k=2I] = w_gate_up[e, k, n]), un-permuted to flat rows then summed per token.
-    dx_rows = dy.new_empty(n_rows, D)
-    wg = w_gate_up
-    _rows(dgu, wg, (wg.stride(0), wg.stride(2), wg.stride(1)), D, order, None, counts, dx_rows, scatter=gather)
-    dx = dx_rows.view(-1, top_k, D).sum(dim=1) if gather else dx_rows
+    act = K.ACTIVATIONS[activation]
+    dy_rows = None
+    if _gemm_backend(dy, n_rows, E, D, I) == "torch":
+        dx, dgu, dweights, dy_rows = _dx_torch_gemm(dy, w_gate_up, w_down, order, counts, weights, gu, top_k,
+                                                    act, interleaved)
+    else:
+        dgu, dwp = _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved)
+        # dx: dgu @ Wgu[e] (B[e, n=D, k=2I] = w_gate_up[e, k, n]), un-permuted to flat rows then summed per token.
+        dx_rows = dy.new_empty(n_rows, D)
+        wg = w_gate_up
+        _rows(dgu, wg, (wg.stride(0), wg.stride(2), wg.stride(1)), D, order, None, counts, dx_rows, scatter=gather)
+        dx = dx_rows.view(-1, top_k, D).sum(dim=1) if gather else dx_rows
+        dweights = dy.new_empty(0, dtype=torch.float32)
+        if weights is not None:  # partials per column tile -> per row -> flat (token, slot) order
+            dweights = dwp.new_empty(n_rows).index_copy_(0, order.long(), dwp.sum(dim=1))
     # Weight gradients: dWd[e] = (w * dy[tok]).T @ h ; dWgu[e] = dgu.T @ x[tok].
     if _wgrad_backend(dy, D, I) == "torch":
-        dw_gate_up, dw_down = _wgrad_torch(dy, x, h, dgu, order, weights, counts, top_k)
+        tok = order.long() // top_k if gather else None
+        if dy_rows is None:
+            dy_rows = dy.index_select(0, tok) if gather else dy
+        x_rows = x.index_select(0, tok) if gather else x
+        dw_gate_up, dw_down = _wgrad_torch(dy_rows, x_rows, h, dgu, order, weights, counts)
     else:
         dw_down = torch.empty_like(w_down)
         _wgrad(dy, h, order, weights, counts, top_k, gather, False, n_rows, dw_down)
         dw_gate_up = torch.empty_like(w_gate_up)
         _wgrad(dgu, x.contiguous(), order, None, counts, top_k, False, gather, n_rows, dw_gate_up)
-    dweights = dy.new_empty(0, dtype=torch.float32)
-    if weights is not None:  # partials per column tile -> per row -> flat (token, slot) order
-        dweights = dwp.new_empty(n_rows).index_copy_(0, order.long(), dwp.sum(dim=1))
     return dx.to(x.dtype), dw_gate_up, dw_down, dweights.to(dw_dtype)
 
 
