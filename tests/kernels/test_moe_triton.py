@@ -147,7 +147,7 @@ def test_sorted_mode_equals_gathered_rows(gemm):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_weight_gradient_backends(backend, monkeypatch):
+def test_weight_gradient_backends(backend, gemm, monkeypatch):
     """Both weight-gradient paths (portable Triton kernel; torch's grouped GEMM, used on Hopper) are exact."""
     if backend == "torch" and not CUDA:
         _grouped_mm_or_skip()

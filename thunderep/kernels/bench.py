@@ -13,6 +13,7 @@ top-K; four routing sets rotate so that small-T runs do not re-read weights from
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -57,25 +58,33 @@ def _hf_experts(D, I, E, K, w_gu, w_d, implementation):
     return lambda x, ids, w: module(x, ids, w)
 
 
-def _thunder_experts(D, I, E, K, w_gu, w_d, gemm=""):
-    """ThunderEP's experts; `gemm` "triton" or "torch" pins the GEMM path (THUNDEREP_EXPERT_GEMM), "" = auto."""
+def _thunder_experts(D, I, E, K, w_gu, w_d):
     from ..kernels.ops import moe_mlp
     from ..router import expert_counts
 
     def run(x, ids, w):
-        saved = os.environ.pop("THUNDEREP_EXPERT_GEMM", None)
-        if gemm:
-            os.environ["THUNDEREP_EXPERT_GEMM"] = gemm
-        try:
-            order = torch.argsort(ids.reshape(-1), stable=True)
-            counts = expert_counts(ids, E)
-            return moe_mlp(x, w_gu, w_d, counts, order_N=order, weights_N=w, top_k=K)
-        finally:
-            os.environ.pop("THUNDEREP_EXPERT_GEMM", None)
-            if saved is not None:
-                os.environ["THUNDEREP_EXPERT_GEMM"] = saved
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        counts = expert_counts(ids, E)
+        return moe_mlp(x, w_gu, w_d, counts, order_N=order, weights_N=w, top_k=K)
 
     return run
+
+
+@contextlib.contextmanager
+def _pinned(impl: str):
+    """"thunderep:triton" / "thunderep:torch" pin ThunderEP's GEMM path (THUNDEREP_EXPERT_GEMM) while
+    that implementation is measured; anything else runs as configured."""
+    gemm = impl.partition(":")[2] if _ours(impl) else ""
+    saved = os.environ.get("THUNDEREP_EXPERT_GEMM")
+    if gemm:
+        os.environ["THUNDEREP_EXPERT_GEMM"] = gemm
+    try:
+        yield
+    finally:
+        if gemm:
+            os.environ.pop("THUNDEREP_EXPERT_GEMM")
+            if saved is not None:
+                os.environ["THUNDEREP_EXPERT_GEMM"] = saved
 
 
 def _ours(impl: str) -> bool:
@@ -130,7 +139,7 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
     w_d = torch.nn.Parameter(torch.randn(E, D, I, device=device, dtype=dt, generator=gen) * I**-0.5)
     fns = {}
     for impl in impls:
-        fns[impl] = _thunder_experts(D, I, E, K, w_gu, w_d, impl.partition(":")[2]) if _ours(impl) else \
+        fns[impl] = _thunder_experts(D, I, E, K, w_gu, w_d) if _ours(impl) else \
             _hf_experts(D, I, E, K, w_gu, w_d, impl)
     expert_bytes = 3 * D * I * 2
     for T in tokens:
@@ -147,7 +156,8 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
             with torch.no_grad():
                 ref = fns["grouped_mm"](*sets[0][:3]).float()
                 for impl in filter(_ours, fns):
-                    errs[impl] = ((fns[impl](*sets[0][:3]).float() - ref).norm() / ref.norm()).item()
+                    with _pinned(impl):
+                        errs[impl] = ((fns[impl](*sets[0][:3]).float() - ref).norm() / ref.norm()).item()
 
         def record(impl, mode, ms, mode_flops):
             row = {"shape": name, "T": T, "impl": impl, "mode": mode, "ms": ms,
@@ -157,41 +167,42 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
             print(json.dumps(row), file=sys.stderr, flush=True)
 
         for impl, fn in fns.items():
-            it = {"i": 0}
+            with _pinned(impl):
+                it = {"i": 0}
 
-            def fwd():
-                s = sets[it["i"] % ROTATE]
-                it["i"] += 1
-                with torch.no_grad():
-                    fn(s[0], s[1], s[2])
+                def fwd():
+                    s = sets[it["i"] % ROTATE]
+                    it["i"] += 1
+                    with torch.no_grad():
+                        fn(s[0], s[1], s[2])
 
-            def fwdbwd():
-                s = sets[it["i"] % ROTATE]
-                it["i"] += 1
-                x = s[0].detach().requires_grad_()
-                w = s[2].detach().requires_grad_()
-                y = fn(x, s[1], w)
-                torch.autograd.grad(y, (x, w_gu, w_d, w), s[3])
+                def fwdbwd():
+                    s = sets[it["i"] % ROTATE]
+                    it["i"] += 1
+                    x = s[0].detach().requires_grad_()
+                    w = s[2].detach().requires_grad_()
+                    y = fn(x, s[1], w)
+                    torch.autograd.grad(y, (x, w_gu, w_d, w), s[3])
 
-            for mode, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-                try:
-                    ms = _bench(f)
-                except torch.OutOfMemoryError:
-                    ms = float("nan")
-                torch.cuda.empty_cache()
-                record(impl, mode, ms, flops * (3 if mode == "fwdbwd" else 1))
-            if T <= graph_max_t and impl != "eager":  # eager syncs with the host: no graph
-                try:
-                    ms = graph_ms(fn, sets)
-                except Exception as exc:  # noqa: BLE001 - reported, not fatal
-                    print(f"graph capture failed for {impl}: {exc!r}"[:300], file=sys.stderr)
-                    ms = float("nan")
-                record(impl, "fwd-graph", ms, flops)
-            if T in profile_t and impl != "eager":
-                for backward in (False, True):
-                    print(f"## profile {name} T={T} {impl} {'fwd+bwd' if backward else 'fwd'} (ms per call)")
-                    for key, ms in profile_kernels(fn, sets, backward):
-                        print(f"   {ms:8.3f}  {key}")
+                for mode, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+                    try:
+                        ms = _bench(f)
+                    except torch.OutOfMemoryError:
+                        ms = float("nan")
+                    torch.cuda.empty_cache()
+                    record(impl, mode, ms, flops * (3 if mode == "fwdbwd" else 1))
+                if T <= graph_max_t and impl != "eager":  # eager syncs with the host: no graph
+                    try:
+                        ms = graph_ms(fn, sets)
+                    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                        print(f"graph capture failed for {impl}: {exc!r}"[:300], file=sys.stderr)
+                        ms = float("nan")
+                    record(impl, "fwd-graph", ms, flops)
+                if T in profile_t and impl != "eager":
+                    for backward in (False, True):
+                        print(f"## profile {name} T={T} {impl} {'fwd+bwd' if backward else 'fwd'} (ms per call)")
+                        for key, ms in profile_kernels(fn, sets, backward):
+                            print(f"   {ms:8.3f}  {key}")
 
 
 def table(rows, impls) -> str:

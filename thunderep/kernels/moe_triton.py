@@ -235,20 +235,23 @@ def _rows_kernel(
 
 @triton.jit
 def _act_bwd_kernel(
-    dy_ptr, w_ptr, gu_ptr, dgu_ptr, dwp_ptr, order_ptr, weight_ptr, counts_ptr,
+    dy_ptr, w_ptr, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr, order_ptr, weight_ptr, counts_ptr,
     n_rows, I, D, E, top_k,
     stride_dym, stride_we, stride_wd, stride_gm, stride_dwp,
     m_class,
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
-    PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    SAVE_HW: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """dhu[r, c] = dy[src(r)] . Wd[e, :, c]; then with g, u = gu[r] and w = weight[order[r]]:
     dgu[r, gate(c)] = w * dhu * u * act'(g), dgu[r, up(c)] = w * dhu * act(g),
-    dwp[r, pid_n] = sum over this tile's c of dhu * act(g) * u  (partial d routing weight).
+    dwp[r, pid_n] = sum over this tile's c of dhu * act(g) * u  (partial d routing weight),
+    hw[r, c] = w * h (SAVE_HW: the down projection's weight gradient is then dy[tok].T @ hw, with no
+    weighted copy of dy).
 
     dy: [*, D] (gathered by token when GATHER). Wd: [E, D, I] (unit stride along I). gu, dgu: [N, 2I].
+    hw: [N, I].
     """
     expert, rows_M, row_ok_M, cols_N, col_ok_N, pid_n = _row_tile_of_program(
         n_rows, I, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M)
@@ -278,7 +281,11 @@ def _act_bwd_kernel(
     if WEIGHTED:
         h = (act_g * u).to(gu_ptr.dtype.element_ty).to(tl.float32)  # h as the forward rounded it
         tl.store(dwp_ptr + rows64_M * stride_dwp + pid_n, tl.sum(acc * h, 1), mask=row_ok_M)
-        acc = acc * tl.load(weight_ptr + flat_M, mask=row_ok_M, other=0.0).to(tl.float32)[:, None]
+        w_M = tl.load(weight_ptr + flat_M, mask=row_ok_M, other=0.0).to(tl.float32)
+        acc = acc * w_M[:, None]
+        if SAVE_HW:
+            tl.store(hw_ptr + rows64_M[:, None] * I + cols_N[None, :], (h * w_M[:, None]).to(hw_ptr.dtype.element_ty),
+                     mask=ok)
     dgu_dtype = dgu_ptr.dtype.element_ty
     tl.store(dgu_ptr + rows64_M[:, None] * stride_gm + gate_N[None, :],
              (acc * u * _act_grad(g, ACT)).to(dgu_dtype), mask=ok)
@@ -374,13 +381,14 @@ def _act_kernel(gu_ptr, h_ptr, n_rows, I, stride_gm, stride_hm,
 
 
 @triton.jit
-def _act_bwd_rows_kernel(dhu_ptr, gu_ptr, dgu_ptr, dw_ptr, order_ptr, weight_ptr, n_rows, I,
+def _act_bwd_rows_kernel(dhu_ptr, gu_ptr, dgu_ptr, dw_ptr, hw_ptr, order_ptr, weight_ptr, n_rows, I,
                          stride_dm, stride_gm,
                          ACT: tl.constexpr, INTERLEAVED: tl.constexpr, WEIGHTED: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """The elementwise half of _act_bwd_kernel, for an unweighted dhu = dy[tok] @ Wd[e] computed elsewhere:
     dgu[r, gate(c)] = w * dhu * u * act'(g), dgu[r, up(c)] = w * dhu * act(g), and (WEIGHTED) the routing
-    weight's gradient dw[order[r]] = sum over c of dhu * h, h = act(g) * u as the forward rounded it.
+    weight's gradient dw[order[r]] = sum over c of dhu * h, h = act(g) * u as the forward rounded it, and
+    hw[r, c] = w * h [N, I] for the down projection's weight gradient.
     One program walks all I columns of BLOCK_R rows, so the sum over c needs no second pass."""
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok_R = rows_R < n_rows
@@ -407,6 +415,8 @@ def _act_bwd_rows_kernel(dhu_ptr, gu_ptr, dgu_ptr, dw_ptr, order_ptr, weight_ptr
             h = (act_g * u).to(gu_ptr.dtype.element_ty).to(tl.float32)
             dw_R += tl.sum(dhu * h, 1)
             dhu = dhu * w_R[:, None]
+            tl.store(hw_ptr + rows64_R[:, None] * I + cols_C[None, :], (h * w_R[:, None]).to(hw_ptr.dtype.element_ty),
+                     mask=ok)
         dgu_base = dgu_ptr + rows64_R[:, None] * stride_gm
         dgu_dtype = dgu_ptr.dtype.element_ty
         tl.store(dgu_base + gate_C[None, :], (dhu * u * _act_grad(g, ACT)).to(dgu_dtype), mask=ok)

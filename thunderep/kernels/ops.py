@@ -14,6 +14,13 @@ Two entry modes, one op:
   * sorted (`order_N` None, the expert-parallel runtime): x is x_ND already grouped by expert; y is
     the unweighted [N, D] in the same order.
 
+Two GEMM paths, one choice per call (`gemm`, made by `moe_mlp` and kept for the backward):
+  * "triton": the fused kernels of moe_triton.py (gather in the A load, activation and
+    weight/un-permute epilogues); portable, the only path on sm_89 / sm_120.
+  * "torch" (Hopper): rows gathered once, torch's grouped GEMM (CUTLASS, TMA + warp specialization)
+    for the GEMMs, and Triton passes for what the fused epilogues did (activation, its backward,
+    un-permute + sum over K). Chosen on sm_90 in bf16 when experts get many rows (`_gemm_backend`).
+
 `h_NI` and `gu_N2I` are returned for backward only (empty [0, ...] unless `save`). Both ops carry
 `register_fake`, so torch.compile traces through them; `register_autograd` chains forward to backward.
 """
@@ -173,22 +180,25 @@ def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter):
             SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
 
 
-def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
-    """dgu [N, 2I] and the routing-weight partials dwp [N, column tiles] (empty without weights)."""
+def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved, save_hw):
+    """dgu [N, 2I], the routing-weight partials dwp [N, column tiles] (empty without weights) and, with
+    `save_hw` and weights, hw = w * h [N, I] (else None)."""
     n_rows, I2 = gu.shape
     E, D, I = w_down.shape
     bm = _m_class(n_rows, E)
     dgu = dy.new_empty(n_rows, I2)
     tiles = triton.cdiv(I, 16)  # at least the column tiles of any config; unused ones stay zero
     dwp = torch.zeros(n_rows if weights is not None else 0, tiles, dtype=torch.float32, device=dy.device)
+    hw = dy.new_empty(n_rows, I) if save_hw and weights is not None else None
     _launch(_ACT_BWD, _ACT_BWD_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, I), dy.device,
             dy_ptr=dy, w_ptr=w_down, gu_ptr=gu, dgu_ptr=dgu, dwp_ptr=dwp if weights is not None else dgu,
-            order_ptr=order if order is not None else counts, weight_ptr=weights if weights is not None else dy,
+            hw_ptr=hw if hw is not None else dgu, order_ptr=order if order is not None else counts, weight_ptr=weights if weights is not None else dy,
             counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k, stride_dym=dy.stride(0),
             stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_gm=I2, stride_dwp=tiles,
             m_class=bm, ACT=act, INTERLEAVED=interleaved, GATHER=order is not None,
-            WEIGHTED=weights is not None, PRECISION=_precision(dy.dtype), BLOCK_E=_block_e(E))
-    return dgu, dwp
+            WEIGHTED=weights is not None, SAVE_HW=hw is not None, PRECISION=_precision(dy.dtype),
+            BLOCK_E=_block_e(E))
+    return dgu, dwp, hw
 
 
 def _wgrad(a, b, order, weights, counts, top_k, a_gather, b_gather, n_rows, out):
@@ -262,16 +272,19 @@ def _act_rows(gu, act, interleaved):
 
 
 def _act_bwd_rows(dhu, gu, order, weights, act, interleaved):
-    """dgu [N, 2I] and the routing-weight gradient in flat (token, slot) order (empty without weights)."""
+    """dgu [N, 2I], the routing-weight gradient in flat (token, slot) order (empty without weights) and
+    hw = w * h [N, I] (None without weights)."""
     n_rows, I2 = gu.shape
     dgu = torch.empty_like(gu)
     dw = torch.empty(n_rows if weights is not None else 0, dtype=torch.float32, device=gu.device)
+    hw = gu.new_empty(n_rows, I2 // 2) if weights is not None else None
     K._act_bwd_rows_kernel[(triton.cdiv(n_rows, 4),)](
-        dhu, gu, dgu, dw if weights is not None else dgu, order if order is not None else dhu,
+        dhu, gu, dgu, dw if weights is not None else dgu, hw if hw is not None else dgu,
+        order if order is not None else dhu,
         weights if weights is not None else dhu, n_rows, I2 // 2, dhu.stride(0), gu.stride(0),
         ACT=act, INTERLEAVED=interleaved, WEIGHTED=weights is not None, BLOCK_R=4, BLOCK_C=256,
         **_elementwise_meta(gu.device))
-    return dgu, dw
+    return dgu, dw, hw
 
 
 def _inverse(order):
@@ -308,29 +321,31 @@ def _forward_torch_gemm(x, w_gu, w_d, order, counts, weights, top_k, act, interl
 
 
 def _dx_torch_gemm(dy, w_gu, w_d, order, counts, weights, gu, top_k, act, interleaved):
-    """The Hopper path's backward up to dX: dhu and dX through the grouped GEMM; returns (dx, dgu, dweights, dy_rows)."""
+    """The Hopper path's backward up to dX: dhu and dX through the grouped GEMM.
+    Returns (dx, dgu, dweights, dy_rows, hw)."""
     offs = _offsets(counts)
     dy_rows = dy.index_select(0, order.long() // top_k) if order is not None else dy
     dhu = _GROUPED_MM(dy_rows, w_d, offs=offs)  # dy_rows @ Wd[e]: [N, I]
-    dgu, dw = _act_bwd_rows(dhu, gu, order, weights, act, interleaved)
+    dgu, dw, hw = _act_bwd_rows(dhu, gu, order, weights, act, interleaved)
     dx_rows = _GROUPED_MM(dgu, w_gu, offs=offs)  # dgu @ Wgu[e]: [N, D]
     dx = _combine(dx_rows, _inverse(order), None, dy.shape[0], top_k) if order is not None else dx_rows
-    return dx, dgu, dw, dy_rows
+    return dx, dgu, dw, dy_rows, hw
 
 
-def _wgrad_torch(dy_rows, x_rows, h, dgu, order, weights, counts):
+def _wgrad_torch(dy_rows, x_rows, hw, dgu, counts):
     """Weight gradients through torch's grouped GEMM over the K (row) dimension, rows already gathered:
-    dW_down[e] = (w * dy_rows).T @ h, dW_gate_up[e] = dgu.T @ x_rows."""
+    dW_down[e] = dy_rows.T @ (w * h), dW_gate_up[e] = dgu.T @ x_rows. The routing weight rides on h
+    (hw, written by the activation-backward kernels), so dy needs no weighted copy."""
     offs = _offsets(counts)
-    if weights is not None:
-        dy_rows = (dy_rows.float() * weights[order.long()].float()[:, None]).to(dy_rows.dtype)
-    dw_down = _GROUPED_MM(dy_rows.t(), h, offs=offs)
+    dw_down = _GROUPED_MM(dy_rows.t(), hw, offs=offs)
     dw_gate_up = _GROUPED_MM(dgu.t(), x_rows.contiguous(), offs=offs)
     return dw_gate_up, dw_down
 
 
-def _check(x, w_gu, w_d, order, counts, weights, top_k, activation):
+def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
     E, I2, D = w_gu.shape
+    if gemm not in ("triton", "torch"):
+        raise ValueError(f"gemm must be 'triton' or 'torch', got {gemm!r}")
     if activation not in K.ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no Triton kernel; use one of {sorted(K.ACTIVATIONS)}")
     if w_d.shape != (E, D, I2 // 2) or x.shape[-1] != D:
@@ -349,15 +364,15 @@ def _check(x, w_gu, w_d, order, counts, weights, top_k, activation):
 def _moe_mlp_op(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, order: Optional[torch.Tensor],
     counts: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, activation: str, interleaved: bool,
-    save: bool,
+    save: bool, gemm: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check(x, w_gate_up, w_down, order, counts, weights, top_k, activation)
+    _check(x, w_gate_up, w_down, order, counts, weights, top_k, activation, gemm)
     E, I2, D = w_gate_up.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]
     if n_rows == 0:
         return x.new_zeros(x.shape[0], D), x.new_empty(0, I2 // 2), x.new_empty(0, I2)
     act = K.ACTIVATIONS[activation]
-    if _gemm_backend(x, n_rows, E, D, I2 // 2) == "torch":
+    if gemm == "torch":
         y, h, gu = _forward_torch_gemm(x, w_gate_up, w_down, order, counts, weights, top_k, act, interleaved)
         if not save:
             h, gu = x.new_empty(0, I2 // 2), x.new_empty(0, I2)
@@ -376,7 +391,7 @@ def _moe_mlp_op(
 
 
 @_moe_mlp_op.register_fake
-def _(x, w_gate_up, w_down, order, counts, weights, top_k, activation, interleaved, save):
+def _(x, w_gate_up, w_down, order, counts, weights, top_k, activation, interleaved, save, gemm):
     E, I2, D = w_gate_up.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]
     rows = n_rows if save else 0
@@ -387,7 +402,7 @@ def _(x, w_gate_up, w_down, order, counts, weights, top_k, activation, interleav
 def _moe_mlp_backward_op(
     dy: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     order: Optional[torch.Tensor], counts: torch.Tensor, weights: Optional[torch.Tensor], h: torch.Tensor,
-    gu: torch.Tensor, top_k: int, activation: str, interleaved: bool,
+    gu: torch.Tensor, top_k: int, activation: str, interleaved: bool, gemm: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     E, I2, D = w_gate_up.shape
     I = I2 // 2
@@ -400,11 +415,12 @@ def _moe_mlp_backward_op(
                 dy.new_zeros(0, dtype=dw_dtype))
     act = K.ACTIVATIONS[activation]
     dy_rows = None
-    if _gemm_backend(dy, n_rows, E, D, I) == "torch":
-        dx, dgu, dweights, dy_rows = _dx_torch_gemm(dy, w_gate_up, w_down, order, counts, weights, gu, top_k,
-                                                    act, interleaved)
+    wgrad_torch = _wgrad_backend(dy, D, I) == "torch"
+    if gemm == "torch":
+        dx, dgu, dweights, dy_rows, hw = _dx_torch_gemm(dy, w_gate_up, w_down, order, counts, weights, gu,
+                                                        top_k, act, interleaved)
     else:
-        dgu, dwp = _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved)
+        dgu, dwp, hw = _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved, wgrad_torch)
         # dx: dgu @ Wgu[e] (B[e, n=D, k=2I] = w_gate_up[e, k, n]), un-permuted to flat rows then summed per token.
         dx_rows = dy.new_empty(n_rows, D)
         wg = w_gate_up
@@ -414,12 +430,12 @@ def _moe_mlp_backward_op(
         if weights is not None:  # partials per column tile -> per row -> flat (token, slot) order
             dweights = dwp.new_empty(n_rows).index_copy_(0, order.long(), dwp.sum(dim=1))
     # Weight gradients: dWd[e] = (w * dy[tok]).T @ h ; dWgu[e] = dgu.T @ x[tok].
-    if _wgrad_backend(dy, D, I) == "torch":
+    if wgrad_torch:
         tok = order.long() // top_k if gather else None
         if dy_rows is None:
             dy_rows = dy.index_select(0, tok) if gather else dy
         x_rows = x.index_select(0, tok) if gather else x
-        dw_gate_up, dw_down = _wgrad_torch(dy_rows, x_rows, h, dgu, order, weights, counts)
+        dw_gate_up, dw_down = _wgrad_torch(dy_rows, x_rows, hw if hw is not None else h, dgu, counts)
     else:
         dw_down = torch.empty_like(w_down)
         _wgrad(dy, h, order, weights, counts, top_k, gather, False, n_rows, dw_down)
@@ -429,17 +445,17 @@ def _moe_mlp_backward_op(
 
 
 @_moe_mlp_backward_op.register_fake
-def _(dy, x, w_gate_up, w_down, order, counts, weights, h, gu, top_k, activation, interleaved):
+def _(dy, x, w_gate_up, w_down, order, counts, weights, h, gu, top_k, activation, interleaved, gemm):
     n = h.shape[0] if weights is not None else 0
     dtype = weights.dtype if weights is not None else x.dtype
     return torch.empty_like(x), torch.empty_like(w_gate_up), torch.empty_like(w_down), x.new_empty(n, dtype=dtype)
 
 
 def _setup_context(ctx, inputs, output):
-    x, w_gate_up, w_down, order, counts, weights, top_k, activation, interleaved, save = inputs
+    x, w_gate_up, w_down, order, counts, weights, top_k, activation, interleaved, save, gemm = inputs
     _, h, gu = output
     ctx.save_for_backward(x, w_gate_up, w_down, order, counts, weights, h, gu)
-    ctx.top_k, ctx.activation, ctx.interleaved, ctx.save = top_k, activation, interleaved, save
+    ctx.top_k, ctx.activation, ctx.interleaved, ctx.save, ctx.gemm = top_k, activation, interleaved, save, gemm
 
 
 def _backward(ctx, dy, dh, dgu):
@@ -447,8 +463,9 @@ def _backward(ctx, dy, dh, dgu):
     if not ctx.save:
         raise RuntimeError("thunderep::moe_mlp ran with save=False: its intermediates were not kept for backward")
     dx, dw_gu, dw_d, dweights = _moe_mlp_backward_op(
-        dy, x, w_gate_up, w_down, order, counts, weights, h, gu, ctx.top_k, ctx.activation, ctx.interleaved)
-    return dx, dw_gu, dw_d, None, None, (dweights if weights is not None else None), None, None, None, None
+        dy, x, w_gate_up, w_down, order, counts, weights, h, gu, ctx.top_k, ctx.activation, ctx.interleaved,
+        ctx.gemm)
+    return dx, dw_gu, dw_d, None, None, (dweights if weights is not None else None), None, None, None, None, None
 
 
 _moe_mlp_op.register_autograd(_backward, setup_context=_setup_context)
@@ -482,6 +499,9 @@ def moe_mlp(
         raise ValueError("weights_N needs order_N (the sorted mode returns unweighted rows)")
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, w_gate_up_E2ID, w_down_EDI, weights))
+    E, I2, D = w_gate_up_E2ID.shape
+    n_rows = order.shape[0] if order is not None else x.shape[0]
+    gemm = _gemm_backend(x, n_rows, E, D, I2 // 2)  # one choice for forward and backward
     y, _, _ = _moe_mlp_op(x.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), order, counts, weights,
-                          top_k, activation, interleaved, needs_grad)
+                          top_k, activation, interleaved, needs_grad, gemm)
     return y
