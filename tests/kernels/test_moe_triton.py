@@ -117,17 +117,31 @@ def test_gemm_path_choice(monkeypatch):
 
     x = torch.empty(4, 64, dtype=torch.bfloat16)
     monkeypatch.delenv("THUNDEREP_EXPERT_GEMM", raising=False)
-    many = 8 * ops.TORCH_GEMM_MIN_ROWS
-    assert ops._gemm_backend(x, many, 8, 64, 64) == "triton"  # CPU: no CUTLASS kernel
+    fwd_rows, bwd_rows = ops.TORCH_GEMM_MIN_ROWS
+    assert ops._gemm_backend(x, 8 * fwd_rows, 8, 64, 64) == "triton"  # CPU: no CUTLASS kernel
     monkeypatch.setattr(ops, "_grouped_mm_usable", lambda t, *dims: True)
-    assert ops._gemm_backend(x, many, 8, 64, 64) == "torch"
-    assert ops._gemm_backend(x, many - 8, 8, 64, 64) == "triton"  # below the mean rows per expert
+    assert ops._gemm_backend(x, 8 * fwd_rows, 8, 64, 64) == "torch"
+    assert ops._gemm_backend(x, 8 * fwd_rows - 8, 8, 64, 64) == "triton"  # below the mean rows per expert
+    assert ops._gemm_backend(x, 8 * bwd_rows, 8, 64, 64, backward=True) == "torch"
+    assert ops._gemm_backend(x, 8 * bwd_rows - 8, 8, 64, 64, backward=True) == "triton"
     assert ops._gemm_backend(x, 100, 256, 64, 64) == "triton"  # decode: few rows over many experts
     monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "triton")
-    assert ops._gemm_backend(x, many, 8, 64, 64) == "triton"
+    assert ops._gemm_backend(x, 8 * fwd_rows, 8, 64, 64, backward=True) == "triton"
     monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "torch")
     monkeypatch.setattr(ops, "_grouped_mm_usable", lambda t, *dims: False)
     assert ops._gemm_backend(x, 1, 8, 64, 64) == "torch"
+
+
+def test_backward_path_independent_of_forward(monkeypatch):
+    """Forward on one path, backward on the other: both paths save the same tensors, gradients agree."""
+    _grouped_mm_or_skip()
+    import thunderep.kernels.ops as ops
+
+    monkeypatch.delenv("THUNDEREP_EXPERT_GEMM", raising=False)
+    monkeypatch.setattr(ops, "_gemm_backend", lambda t, n, E, D, I, backward=False: "torch" if backward else "triton")
+    check(13, 32, 48, 6, 2, torch.float32, tol=1e-5, empty_experts=1, seed=9)
+    monkeypatch.setattr(ops, "_gemm_backend", lambda t, n, E, D, I, backward=False: "triton" if backward else "torch")
+    check(13, 32, 48, 6, 2, torch.float32, tol=1e-5, empty_experts=1, seed=9)
 
 
 def test_sorted_mode_equals_gathered_rows(gemm):

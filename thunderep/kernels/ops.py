@@ -14,7 +14,7 @@ Two entry modes, one op:
   * sorted (`order_N` None, the expert-parallel runtime): x is x_ND already grouped by expert; y is
     the unweighted [N, D] in the same order.
 
-Two GEMM paths, one choice per call (`gemm`, made by `moe_mlp` and kept for the backward):
+Two GEMM paths (`gemm`; forward and backward choose separately, `_gemm_backend`):
   * "triton": the fused kernels of moe_triton.py (gather in the A load, activation and
     weight/un-permute epilogues); portable, the only path on sm_89 / sm_120.
   * "torch" (Hopper): rows gathered once, torch's grouped GEMM (CUTLASS, TMA + warp specialization)
@@ -214,10 +214,11 @@ def _wgrad(a, b, order, weights, counts, top_k, a_gather, b_gather, n_rows, out)
 
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-# The Hopper path's GEMMs need this many rows per active expert, on average, to beat the fused Triton
-# kernels (measured on the H200, docs/BENCHMARKS.md): below it the gathers, epilogues and row-tile
-# schedule the fused kernels save outweigh CUTLASS's faster tiles.
-TORCH_GEMM_MIN_ROWS = 512
+# The Hopper path takes over when experts get at least this many rows on average (forward, backward):
+# below it the gathers, epilogues and row-tile schedule the fused kernels save outweigh CUTLASS's
+# faster tiles. Measured on the H200 (docs/BENCHMARKS.md): forward, the paths tie at 256 rows per
+# expert and CUTLASS wins from 512; backward, Triton wins at 128 and CUTLASS from 256.
+TORCH_GEMM_MIN_ROWS = (512, 256)
 
 
 def _grouped_mm_usable(t: torch.Tensor, *dims: int) -> bool:
@@ -241,20 +242,23 @@ def _wgrad_backend(t: torch.Tensor, *dims: int) -> str:
     return _forced("THUNDEREP_WGRAD") or ("torch" if _grouped_mm_usable(t, *dims) else "triton")
 
 
-def _gemm_backend(t: torch.Tensor, n_rows: int, E: int, D: int, I: int) -> str:
-    """"torch" or "triton" for the forward GEMMs and backward dX (the weight gradients choose separately).
+def _gemm_backend(t: torch.Tensor, n_rows: int, E: int, D: int, I: int, backward: bool = False) -> str:
+    """"torch" or "triton" for the forward GEMMs, or (`backward`) for the backward's dhu and dX
+    (the weight gradients choose separately, `_wgrad_backend`).
 
     "triton": the fused kernels (gather in the A load, activation and weight/un-permute epilogues).
     "torch" (the Hopper path): torch's grouped GEMM for the GEMMs, with three memory-bound Triton
     passes around it (activation, activation backward, un-permute + sum over K); chosen on sm_90 when
-    the experts get at least TORCH_GEMM_MIN_ROWS rows on average, where GEMM speed decides.
-    THUNDEREP_EXPERT_GEMM=triton|torch forces one.
+    the experts get at least TORCH_GEMM_MIN_ROWS rows on average, where GEMM speed decides. Both
+    forward paths save the same tensors, so the backward chooses on its own.
+    THUNDEREP_EXPERT_GEMM=triton|torch forces one for both.
     """
     forced = _forced("THUNDEREP_EXPERT_GEMM")
     if forced:
         return forced
     mean_rows = n_rows / max(1, min(E, n_rows))
-    return "torch" if mean_rows >= TORCH_GEMM_MIN_ROWS and _grouped_mm_usable(t, D, I) else "triton"
+    usable = mean_rows >= TORCH_GEMM_MIN_ROWS[backward] and _grouped_mm_usable(t, D, I)
+    return "torch" if usable else "triton"
 
 
 def _elementwise_meta(device: torch.device) -> dict:
@@ -455,16 +459,18 @@ def _setup_context(ctx, inputs, output):
     x, w_gate_up, w_down, order, counts, weights, top_k, activation, interleaved, save, gemm = inputs
     _, h, gu = output
     ctx.save_for_backward(x, w_gate_up, w_down, order, counts, weights, h, gu)
-    ctx.top_k, ctx.activation, ctx.interleaved, ctx.save, ctx.gemm = top_k, activation, interleaved, save, gemm
+    ctx.top_k, ctx.activation, ctx.interleaved, ctx.save = top_k, activation, interleaved, save
 
 
 def _backward(ctx, dy, dh, dgu):
     x, w_gate_up, w_down, order, counts, weights, h, gu = ctx.saved_tensors
     if not ctx.save:
         raise RuntimeError("thunderep::moe_mlp ran with save=False: its intermediates were not kept for backward")
+    E, I2, D = w_gate_up.shape
+    gemm = _gemm_backend(dy, h.shape[0], E, D, I2 // 2, backward=True)
     dx, dw_gu, dw_d, dweights = _moe_mlp_backward_op(
         dy, x, w_gate_up, w_down, order, counts, weights, h, gu, ctx.top_k, ctx.activation, ctx.interleaved,
-        ctx.gemm)
+        gemm)
     return dx, dw_gu, dw_d, None, None, (dweights if weights is not None else None), None, None, None, None, None
 
 
@@ -501,7 +507,7 @@ def moe_mlp(
         t is not None and t.requires_grad for t in (x, w_gate_up_E2ID, w_down_EDI, weights))
     E, I2, D = w_gate_up_E2ID.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]
-    gemm = _gemm_backend(x, n_rows, E, D, I2 // 2)  # one choice for forward and backward
+    gemm = _gemm_backend(x, n_rows, E, D, I2 // 2)
     y, _, _ = _moe_mlp_op(x.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), order, counts, weights,
                           top_k, activation, interleaved, needs_grad, gemm)
     return y
