@@ -16,6 +16,14 @@ Four kernels cover forward and backward (see `ops.py` for how they chain):
     _wgrad_kernel     dW[e] = sum over e's rows of (s * A[ia]).T @ B[ib]   weight gradients, rows
                       gathered on load (tokens for x and dy), scaled by the routing weight.
 
+Four memory-bound passes serve the Hopper path (ops.py), where torch's grouped GEMM (CUTLASS) runs
+the GEMMs and cannot fuse gathers or epilogues:
+
+    _gather_kernel         x_rows[r] = x[order[r] // K]
+    _act_kernel            h = act(g) * u from the [N, 2I] gate/up GEMM output
+    _act_bwd_rows_kernel   dgu, d routing weight and w * h from dhu (the elementwise half of _act_bwd_kernel)
+    _combine_kernel        y[t] = sum over k of w[t, k] * rows[inv[t, k]]   (un-permute + sum over K)
+
 Row tiles are scheduled without a host sync: every program reads counts_E (E <= a few hundred) and
 finds its expert from the running sum of tiles per expert; launch grids use an upper bound
 (min(ceil(N / BLOCK_M) + E, N) row tiles) and surplus programs return at once.
@@ -357,6 +365,19 @@ def _wgrad_kernel(
 
 
 # ---- memory-bound passes around torch's grouped GEMM (the Hopper path, see ops.py) ---------------------
+
+
+@triton.jit
+def _gather_kernel(src_ptr, order_ptr, out_ptr, n_rows, D, top_k, stride_sm, stride_om,
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[r] = src[order[r] // top_k]: token rows in expert order, for GEMMs that cannot gather."""
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d_D = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok_R = rows_R < n_rows
+    src_R = (tl.load(order_ptr + rows_R, mask=row_ok_R, other=0) // top_k).to(tl.int64)
+    ok = row_ok_R[:, None] & (d_D < D)[None, :]
+    v = tl.load(src_ptr + src_R[:, None] * stride_sm + d_D[None, :], mask=ok)
+    tl.store(out_ptr + rows_R.to(tl.int64)[:, None] * stride_om + d_D[None, :], v, mask=ok)
 
 
 @triton.jit

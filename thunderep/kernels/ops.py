@@ -291,6 +291,16 @@ def _act_bwd_rows(dhu, gu, order, weights, act, interleaved):
     return dgu, dw, hw
 
 
+def _gather_rows(src, order, top_k):
+    """src[order[r] // top_k] for every sorted row r: [N, D] (the tokens' rows in expert order)."""
+    n_rows, D = order.shape[0], src.shape[1]
+    out = src.new_empty(n_rows, D)
+    grid = (triton.cdiv(n_rows, 8), triton.cdiv(D, 1024))
+    K._gather_kernel[grid](src, order, out, n_rows, D, top_k, src.stride(0), out.stride(0), BLOCK_R=8,
+                           BLOCK_D=1024, **_elementwise_meta(src.device))
+    return out
+
+
 def _inverse(order):
     """inv[order[r]] = r: where each flat (token, slot) pair sits in the sorted rows."""
     return torch.empty_like(order).index_put_(
@@ -315,7 +325,7 @@ def _offsets(counts):
 def _forward_torch_gemm(x, w_gu, w_d, order, counts, weights, top_k, act, interleaved):
     """The Hopper path's forward: rows gathered once, CUTLASS grouped GEMMs, Triton activation and combine."""
     offs = _offsets(counts)
-    x_rows = x.index_select(0, order.long() // top_k) if order is not None else x
+    x_rows = _gather_rows(x, order, top_k) if order is not None else x
     gu = _GROUPED_MM(x_rows, w_gu.transpose(1, 2), offs=offs)
     h = _act_rows(gu, act, interleaved)
     y_rows = _GROUPED_MM(h, w_d.transpose(1, 2), offs=offs)
@@ -328,7 +338,7 @@ def _dx_torch_gemm(dy, w_gu, w_d, order, counts, weights, gu, top_k, act, interl
     """The Hopper path's backward up to dX: dhu and dX through the grouped GEMM.
     Returns (dx, dgu, dweights, dy_rows, hw)."""
     offs = _offsets(counts)
-    dy_rows = dy.index_select(0, order.long() // top_k) if order is not None else dy
+    dy_rows = _gather_rows(dy, order, top_k) if order is not None else dy
     dhu = _GROUPED_MM(dy_rows, w_d, offs=offs)  # dy_rows @ Wd[e]: [N, I]
     dgu, dw, hw = _act_bwd_rows(dhu, gu, order, weights, act, interleaved)
     dx_rows = _GROUPED_MM(dgu, w_gu, offs=offs)  # dgu @ Wgu[e]: [N, D]
@@ -435,10 +445,9 @@ def _moe_mlp_backward_op(
             dweights = dwp.new_empty(n_rows).index_copy_(0, order.long(), dwp.sum(dim=1))
     # Weight gradients: dWd[e] = (w * dy[tok]).T @ h ; dWgu[e] = dgu.T @ x[tok].
     if wgrad_torch:
-        tok = order.long() // top_k if gather else None
         if dy_rows is None:
-            dy_rows = dy.index_select(0, tok) if gather else dy
-        x_rows = x.index_select(0, tok) if gather else x
+            dy_rows = _gather_rows(dy, order, top_k) if gather else dy
+        x_rows = _gather_rows(x, order, top_k) if gather else x
         dw_gate_up, dw_down = _wgrad_torch(dy_rows, x_rows, hw if hw is not None else h, dgu, counts)
     else:
         dw_down = torch.empty_like(w_down)
@@ -459,11 +468,14 @@ def _setup_context(ctx, inputs, output):
     x, w_gate_up, w_down, order, counts, weights, top_k, activation, interleaved, save, gemm = inputs
     _, h, gu = output
     ctx.save_for_backward(x, w_gate_up, w_down, order, counts, weights, h, gu)
+    ctx.set_materialize_grads(False)  # h and gu are never used downstream: no zero [N, 3I] gradients
     ctx.top_k, ctx.activation, ctx.interleaved, ctx.save = top_k, activation, interleaved, save
 
 
 def _backward(ctx, dy, dh, dgu):
     x, w_gate_up, w_down, order, counts, weights, h, gu = ctx.saved_tensors
+    if dy is None:  # y did not reach the loss
+        return (None,) * 11
     if not ctx.save:
         raise RuntimeError("thunderep::moe_mlp ran with save=False: its intermediates were not kept for backward")
     E, I2, D = w_gate_up.shape
