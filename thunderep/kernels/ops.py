@@ -257,7 +257,7 @@ def _gemm_backend(t: torch.Tensor, n_rows: int, E: int, D: int, I: int, backward
     if forced:
         return forced
     mean_rows = n_rows / max(1, min(E, n_rows))
-    usable = mean_rows >= TORCH_GEMM_MIN_ROWS[backward] and _grouped_mm_usable(t, D, I)
+    usable = mean_rows >= TORCH_GEMM_MIN_ROWS[1 if backward else 0] and _grouped_mm_usable(t, D, I)
     return "torch" if usable else "triton"
 
 
