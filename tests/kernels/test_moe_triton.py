@@ -308,7 +308,9 @@ def test_gpu_torch_compile():
     compiled = torch.compile(f, fullgraph=True)
     leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
     y_c = compiled(leaves[0], leaves[1], leaves[2], ids, leaves[3])
-    y_e = f(x, w_gu, w_d, ids, weights)
+    # Eager with gradients too: a forward that keeps its intermediates rounds h from the rounded g and u.
+    eager_leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
+    y_e = f(eager_leaves[0], eager_leaves[1], eager_leaves[2], ids, eager_leaves[3])
     torch.testing.assert_close(y_c, y_e)
     y_c.float().square().sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
