@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton")
 from thunderep.config import ExpertsConfig  # noqa: E402
 from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.experts import ACTIVATION_FNS, FusedExperts  # noqa: E402
+from thunderep.kernels import grouped_gemm  # noqa: E402
 from thunderep.kernels.ops import moe_mlp  # noqa: E402
 from thunderep.router import Routing  # noqa: E402
 
@@ -82,9 +83,7 @@ INTERP_CASES = [  # T, D, I, E, K
 
 
 def _grouped_mm_or_skip():
-    import thunderep.kernels.ops as ops
-
-    if ops._GROUPED_MM is None:
+    if grouped_gemm.GROUPED_MM is None:
         pytest.skip("this torch has no grouped GEMM")
 
 
@@ -113,35 +112,47 @@ def test_interpreter_activations(activation, gemm):
 
 def test_gemm_path_choice(monkeypatch):
     """The fused kernels unless torch's grouped GEMM runs CUTLASS's sm_90 kernel and experts get many rows."""
-    import thunderep.kernels.ops as ops
-
+    G = grouped_gemm
     x = torch.empty(4, 64, dtype=torch.bfloat16)
     monkeypatch.delenv("THUNDEREP_EXPERT_GEMM", raising=False)
-    fwd_rows, bwd_rows = ops.TORCH_GEMM_MIN_ROWS
-    assert ops._gemm_backend(x, 8 * fwd_rows, 8, 64, 64) == "triton"  # CPU: no CUTLASS kernel
-    monkeypatch.setattr(ops, "_grouped_mm_usable", lambda t, *dims: True)
-    assert ops._gemm_backend(x, 8 * fwd_rows, 8, 64, 64) == "torch"
-    assert ops._gemm_backend(x, 8 * fwd_rows - 8, 8, 64, 64) == "triton"  # below the mean rows per expert
-    assert ops._gemm_backend(x, 8 * bwd_rows, 8, 64, 64, backward=True) == "torch"
-    assert ops._gemm_backend(x, 8 * bwd_rows - 8, 8, 64, 64, backward=True) == "triton"
-    assert ops._gemm_backend(x, 100, 256, 64, 64) == "triton"  # decode: few rows over many experts
+    fwd_rows, bwd_rows = G.TORCH_GEMM_MIN_ROWS
+    assert G.gemm_path(x, 8 * fwd_rows, 8, 64, 64) == "triton"  # CPU: no CUTLASS kernel
+    monkeypatch.setattr(G, "_grouped_mm_usable", lambda t, *dims: True)
+    assert G.gemm_path(x, 8 * fwd_rows, 8, 64, 64) == "torch"
+    assert G.gemm_path(x, 8 * fwd_rows - 8, 8, 64, 64) == "triton"  # below the mean rows per expert
+    assert G.gemm_path(x, 8 * bwd_rows, 8, 64, 64, backward=True) == "torch"
+    assert G.gemm_path(x, 8 * bwd_rows - 8, 8, 64, 64, backward=True) == "triton"
+    assert G.gemm_path(x, 100, 256, 64, 64) == "triton"  # decode: few rows over many experts
     monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "triton")
-    assert ops._gemm_backend(x, 8 * fwd_rows, 8, 64, 64, backward=True) == "triton"
+    assert G.gemm_path(x, 8 * fwd_rows, 8, 64, 64, backward=True) == "triton"
     monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "torch")
-    monkeypatch.setattr(ops, "_grouped_mm_usable", lambda t, *dims: False)
-    assert ops._gemm_backend(x, 1, 8, 64, 64) == "torch"
+    monkeypatch.setattr(G, "_grouped_mm_usable", lambda t, *dims: False)
+    assert G.gemm_path(x, 1, 8, 64, 64) == "torch"
+
+
+def test_bad_path_setting_is_rejected(monkeypatch):
+    G = grouped_gemm
+    x = torch.empty(4, 64)
+    for name, call in (("THUNDEREP_EXPERT_GEMM", lambda: G.gemm_path(x, 8, 2, 64, 64)),
+                       ("THUNDEREP_WGRAD", lambda: G.wgrad_path(x, 64, 64))):
+        monkeypatch.setenv(name, "cutlass")
+        with pytest.raises(ConfigError, match=f"{name}='cutlass': use 'triton', 'torch', or leave it unset"):
+            call()
+        monkeypatch.setenv(name, "torch")
+        monkeypatch.setattr(G, "GROUPED_MM", None)
+        with pytest.raises(ConfigError, match=f"{name}=torch needs torch's grouped GEMM"):
+            call()
+        monkeypatch.undo()
 
 
 def test_backward_path_independent_of_forward(monkeypatch):
     """Forward on one path, backward on the other: both paths save the same tensors, gradients agree."""
     _grouped_mm_or_skip()
-    import thunderep.kernels.ops as ops
-
     monkeypatch.delenv("THUNDEREP_EXPERT_GEMM", raising=False)
-    monkeypatch.setattr(ops, "_gemm_backend", lambda t, n, E, D, I, backward=False: "torch" if backward else "triton")
-    check(13, 32, 48, 6, 2, torch.float32, tol=1e-5, empty_experts=1, seed=9)
-    monkeypatch.setattr(ops, "_gemm_backend", lambda t, n, E, D, I, backward=False: "triton" if backward else "torch")
-    check(13, 32, 48, 6, 2, torch.float32, tol=1e-5, empty_experts=1, seed=9)
+    for forward_path, backward_path in (("triton", "torch"), ("torch", "triton")):
+        paths = {False: forward_path, True: backward_path}
+        monkeypatch.setattr(grouped_gemm, "gemm_path", lambda t, n, E, D, I, backward=False: paths[backward])
+        check(13, 32, 48, 6, 2, torch.float32, tol=1e-5, empty_experts=1, seed=9)
 
 
 def test_sorted_mode_equals_gathered_rows(gemm):

@@ -14,12 +14,12 @@ Two entry modes, one op:
   * sorted (`order_N` None, the expert-parallel runtime): x is x_ND already grouped by expert; y is
     the unweighted [N, D] in the same order.
 
-Two GEMM paths (`gemm`; forward and backward choose separately, `_gemm_backend`):
+Two GEMM paths (`gemm`; forward and backward choose separately, `grouped_gemm.gemm_path`):
   * "triton": the fused kernels of moe_triton.py (gather in the A load, activation and
     weight/un-permute epilogues); portable, the only path on sm_89 / sm_120.
   * "torch" (Hopper): rows gathered once, torch's grouped GEMM (CUTLASS, TMA + warp specialization)
     for the GEMMs, and Triton passes for what the fused epilogues did (activation, its backward,
-    un-permute + sum over K). Chosen on sm_90 in bf16 when experts get many rows (`_gemm_backend`).
+    un-permute + sum over K). Chosen on sm_90 in bf16 when experts get many rows (`grouped_gemm.gemm_path`).
 
 `h_NI` and `gu_N2I` are returned for backward only (empty [0, ...] unless `save`). Both ops carry
 `register_fake`, so torch.compile traces through them; `register_autograd` chains forward to backward.
@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import triton
 
+from . import grouped_gemm as G
 from . import moe_triton as K
 
 __all__ = ["moe_mlp", "kernel_configs", "supported"]
@@ -192,7 +193,8 @@ def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved, sa
     hw = dy.new_empty(n_rows, I) if save_hw and weights is not None else None
     _launch(_ACT_BWD, _ACT_BWD_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, I), dy.device,
             dy_ptr=dy, w_ptr=w_down, gu_ptr=gu, dgu_ptr=dgu, dwp_ptr=dwp if weights is not None else dgu,
-            hw_ptr=hw if hw is not None else dgu, order_ptr=order if order is not None else counts, weight_ptr=weights if weights is not None else dy,
+            hw_ptr=hw if hw is not None else dgu, order_ptr=order if order is not None else counts,
+            weight_ptr=weights if weights is not None else dy,
             counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k, stride_dym=dy.stride(0),
             stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_gm=I2, stride_dwp=tiles,
             m_class=bm, ACT=act, INTERLEAVED=interleaved, GATHER=order is not None,
@@ -211,149 +213,6 @@ def _wgrad(a, b, order, weights, counts, top_k, a_gather, b_gather, n_rows, out)
             stride_am=a.stride(0), stride_bm=b.stride(0), stride_ce=out.stride(0), stride_cm=out.stride(1),
             m_class=bm, A_GATHER=a_gather, B_GATHER=b_gather, SCALED=weights is not None,
             PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
-
-
-_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-# The Hopper path takes over when experts get at least this many rows on average (forward, backward):
-# below it the gathers, epilogues and row-tile schedule the fused kernels save outweigh CUTLASS's
-# faster tiles. Measured on the H200 (docs/BENCHMARKS.md): forward, the paths tie at 256 rows per
-# expert and CUTLASS wins from 512; backward, Triton wins at 128 and CUTLASS from 256.
-TORCH_GEMM_MIN_ROWS = (512, 256)
-
-
-def _grouped_mm_usable(t: torch.Tensor, *dims: int) -> bool:
-    """torch's grouped GEMM runs its TMA, warp-specialized CUTLASS kernel here: sm_90, bf16, 16-byte rows."""
-    return (_GROUPED_MM is not None and t.is_cuda and t.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(t.device) == (9, 0) and all(d % 8 == 0 for d in dims))
-
-
-def _forced(name: str) -> str:
-    forced = os.environ.get(name, "")
-    return forced if forced in ("triton", "torch") else ""
-
-
-def _wgrad_backend(t: torch.Tensor, *dims: int) -> str:
-    """"torch" (CUTLASS grouped GEMM, Hopper) or "triton" (the portable kernel) for the weight gradients.
-
-    THUNDEREP_WGRAD=triton|torch forces one. On sm_90, torch's grouped GEMM computes these K-grouped
-    products faster than the portable Triton kernel at every size measured; elsewhere (RTX 4090 / 5090,
-    or without it) the Triton kernel runs.
-    """
-    return _forced("THUNDEREP_WGRAD") or ("torch" if _grouped_mm_usable(t, *dims) else "triton")
-
-
-def _gemm_backend(t: torch.Tensor, n_rows: int, E: int, D: int, I: int, backward: bool = False) -> str:
-    """"torch" or "triton" for the forward GEMMs, or (`backward`) for the backward's dhu and dX
-    (the weight gradients choose separately, `_wgrad_backend`).
-
-    "triton": the fused kernels (gather in the A load, activation and weight/un-permute epilogues).
-    "torch" (the Hopper path): torch's grouped GEMM for the GEMMs, with three memory-bound Triton
-    passes around it (activation, activation backward, un-permute + sum over K); chosen on sm_90 when
-    the experts get at least TORCH_GEMM_MIN_ROWS rows on average, where GEMM speed decides. Both
-    forward paths save the same tensors, so the backward chooses on its own.
-    THUNDEREP_EXPERT_GEMM=triton|torch forces one for both.
-    """
-    forced = _forced("THUNDEREP_EXPERT_GEMM")
-    if forced:
-        return forced
-    mean_rows = n_rows / max(1, min(E, n_rows))
-    usable = mean_rows >= TORCH_GEMM_MIN_ROWS[1 if backward else 0] and _grouped_mm_usable(t, D, I)
-    return "torch" if usable else "triton"
-
-
-def _elementwise_meta(device: torch.device) -> dict:
-    return {} if device.type == "cuda" else {"num_warps": 1}
-
-
-def _act_rows(gu, act, interleaved):
-    n_rows, I2 = gu.shape
-    I = I2 // 2
-    h = gu.new_empty(n_rows, I)
-    grid = (triton.cdiv(n_rows, 8), triton.cdiv(I, 256))
-    K._act_kernel[grid](gu, h, n_rows, I, gu.stride(0), h.stride(0), ACT=act, INTERLEAVED=interleaved,
-                        BLOCK_R=8, BLOCK_C=256, **_elementwise_meta(gu.device))
-    return h
-
-
-def _act_bwd_rows(dhu, gu, order, weights, act, interleaved):
-    """dgu [N, 2I], the routing-weight gradient in flat (token, slot) order (empty without weights) and
-    hw = w * h [N, I] (None without weights)."""
-    n_rows, I2 = gu.shape
-    dgu = torch.empty_like(gu)
-    dw = torch.empty(n_rows if weights is not None else 0, dtype=torch.float32, device=gu.device)
-    hw = gu.new_empty(n_rows, I2 // 2) if weights is not None else None
-    K._act_bwd_rows_kernel[(triton.cdiv(n_rows, 4),)](
-        dhu, gu, dgu, dw if weights is not None else dgu, hw if hw is not None else dgu,
-        order if order is not None else dhu,
-        weights if weights is not None else dhu, n_rows, I2 // 2, dhu.stride(0), gu.stride(0),
-        ACT=act, INTERLEAVED=interleaved, WEIGHTED=weights is not None, BLOCK_R=4, BLOCK_C=256,
-        **_elementwise_meta(gu.device))
-    return dgu, dw, hw
-
-
-def _gather_rows(src, order, top_k):
-    """src[order[r] // top_k] for every sorted row r: [N, D] (the tokens' rows in expert order)."""
-    n_rows, D = order.shape[0], src.shape[1]
-    out = src.new_empty(n_rows, D)
-    grid = (triton.cdiv(n_rows, 8), triton.cdiv(D, 1024))
-    K._gather_kernel[grid](src, order, out, n_rows, D, top_k, src.stride(0), out.stride(0), BLOCK_R=8,
-                           BLOCK_D=1024, **_elementwise_meta(src.device))
-    return out
-
-
-def _inverse(order):
-    """inv[order[r]] = r: where each flat (token, slot) pair sits in the sorted rows."""
-    return torch.empty_like(order).index_put_(
-        (order.long(),), torch.arange(order.shape[0], dtype=order.dtype, device=order.device))
-
-
-def _combine(rows, inv, weights, T, top_k):
-    """out[t] = sum over k of w[t, k] * rows[inv[t, k]] (un-permute and sum over K, one pass)."""
-    D = rows.shape[1]
-    out = rows.new_empty(T, D)
-    grid = (triton.cdiv(T, 4), triton.cdiv(D, 512))
-    K._combine_kernel[grid](rows, inv, weights if weights is not None else rows, out, T, D, top_k,
-                            rows.stride(0), out.stride(0), WEIGHTED=weights is not None, BLOCK_T=4,
-                            BLOCK_D=512, **_elementwise_meta(rows.device))
-    return out
-
-
-def _offsets(counts):
-    return torch.cumsum(counts, dim=0, dtype=torch.int32)
-
-
-def _forward_torch_gemm(x, w_gu, w_d, order, counts, weights, top_k, act, interleaved):
-    """The Hopper path's forward: rows gathered once, CUTLASS grouped GEMMs, Triton activation and combine."""
-    offs = _offsets(counts)
-    x_rows = _gather_rows(x, order, top_k) if order is not None else x
-    gu = _GROUPED_MM(x_rows, w_gu.transpose(1, 2), offs=offs)
-    h = _act_rows(gu, act, interleaved)
-    y_rows = _GROUPED_MM(h, w_d.transpose(1, 2), offs=offs)
-    if order is None:
-        return y_rows, h, gu
-    return _combine(y_rows, _inverse(order), weights, x.shape[0], top_k), h, gu
-
-
-def _dx_torch_gemm(dy, w_gu, w_d, order, counts, weights, gu, top_k, act, interleaved):
-    """The Hopper path's backward up to dX: dhu and dX through the grouped GEMM.
-    Returns (dx, dgu, dweights, dy_rows, hw)."""
-    offs = _offsets(counts)
-    dy_rows = _gather_rows(dy, order, top_k) if order is not None else dy
-    dhu = _GROUPED_MM(dy_rows, w_d, offs=offs)  # dy_rows @ Wd[e]: [N, I]
-    dgu, dw, hw = _act_bwd_rows(dhu, gu, order, weights, act, interleaved)
-    dx_rows = _GROUPED_MM(dgu, w_gu, offs=offs)  # dgu @ Wgu[e]: [N, D]
-    dx = _combine(dx_rows, _inverse(order), None, dy.shape[0], top_k) if order is not None else dx_rows
-    return dx, dgu, dw, dy_rows, hw
-
-
-def _wgrad_torch(dy_rows, x_rows, hw, dgu, counts):
-    """Weight gradients through torch's grouped GEMM over the K (row) dimension, rows already gathered:
-    dW_down[e] = dy_rows.T @ (w * h), dW_gate_up[e] = dgu.T @ x_rows. The routing weight rides on h
-    (hw, written by the activation-backward kernels), so dy needs no weighted copy."""
-    offs = _offsets(counts)
-    dw_down = _GROUPED_MM(dy_rows.t(), hw, offs=offs)
-    dw_gate_up = _GROUPED_MM(dgu.t(), x_rows.contiguous(), offs=offs)
-    return dw_gate_up, dw_down
 
 
 def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
@@ -387,7 +246,7 @@ def _moe_mlp_op(
         return x.new_zeros(x.shape[0], D), x.new_empty(0, I2 // 2), x.new_empty(0, I2)
     act = K.ACTIVATIONS[activation]
     if gemm == "torch":
-        y, h, gu = _forward_torch_gemm(x, w_gate_up, w_down, order, counts, weights, top_k, act, interleaved)
+        y, h, gu = G.forward(x, w_gate_up, w_down, order, counts, weights, top_k, act, interleaved)
         if not save:
             h, gu = x.new_empty(0, I2 // 2), x.new_empty(0, I2)
         return y, h, gu
@@ -429,9 +288,9 @@ def _moe_mlp_backward_op(
                 dy.new_zeros(0, dtype=dw_dtype))
     act = K.ACTIVATIONS[activation]
     dy_rows = None
-    wgrad_torch = _wgrad_backend(dy, D, I) == "torch"
+    wgrad_torch = G.wgrad_path(dy, D, I) == "torch"
     if gemm == "torch":
-        dx, dgu, dweights, dy_rows, hw = _dx_torch_gemm(dy, w_gate_up, w_down, order, counts, weights, gu,
+        dx, dgu, dweights, dy_rows, hw = G.backward_dx(dy, w_gate_up, w_down, order, counts, weights, gu,
                                                         top_k, act, interleaved)
     else:
         dgu, dwp, hw = _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved, wgrad_torch)
@@ -446,9 +305,9 @@ def _moe_mlp_backward_op(
     # Weight gradients: dWd[e] = (w * dy[tok]).T @ h ; dWgu[e] = dgu.T @ x[tok].
     if wgrad_torch:
         if dy_rows is None:
-            dy_rows = _gather_rows(dy, order, top_k) if gather else dy
-        x_rows = _gather_rows(x, order, top_k) if gather else x
-        dw_gate_up, dw_down = _wgrad_torch(dy_rows, x_rows, hw if hw is not None else h, dgu, counts)
+            dy_rows = G.gather_rows(dy, order, top_k) if gather else dy
+        x_rows = G.gather_rows(x, order, top_k) if gather else x
+        dw_gate_up, dw_down = G.weight_grads(dy_rows, x_rows, hw if hw is not None else h, dgu, counts)
     else:
         dw_down = torch.empty_like(w_down)
         _wgrad(dy, h, order, weights, counts, top_k, gather, False, n_rows, dw_down)
@@ -479,7 +338,7 @@ def _backward(ctx, dy, dh, dgu):
     if not ctx.save:
         raise RuntimeError("thunderep::moe_mlp ran with save=False: its intermediates were not kept for backward")
     E, I2, D = w_gate_up.shape
-    gemm = _gemm_backend(dy, h.shape[0], E, D, I2 // 2, backward=True)
+    gemm = G.gemm_path(dy, h.shape[0], E, D, I2 // 2, backward=True)
     dx, dw_gu, dw_d, dweights = _moe_mlp_backward_op(
         dy, x, w_gate_up, w_down, order, counts, weights, h, gu, ctx.top_k, ctx.activation, ctx.interleaved,
         gemm)
@@ -519,7 +378,7 @@ def moe_mlp(
         t is not None and t.requires_grad for t in (x, w_gate_up_E2ID, w_down_EDI, weights))
     E, I2, D = w_gate_up_E2ID.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]
-    gemm = _gemm_backend(x, n_rows, E, D, I2 // 2)
+    gemm = G.gemm_path(x, n_rows, E, D, I2 // 2)
     y, _, _ = _moe_mlp_op(x.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), order, counts, weights,
                           top_k, activation, interleaved, needs_grad, gemm)
     return y

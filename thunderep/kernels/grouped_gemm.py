@@ -1,0 +1,192 @@
+"""The Hopper path: torch's grouped GEMM for the expert GEMMs, Triton passes for the rest.
+
+Shape legend as in ops.py: T tokens, D hidden size, K experts per token, E experts, I intermediate
+size, N routed rows in expert order.
+
+On sm_90 torch's grouped GEMM runs CUTLASS's TMA, warp-specialized kernel, faster than Triton's GEMMs
+once experts get many rows; it cannot gather rows or fuse epilogues, so the memory-bound work the fused
+kernels do in their prologues and epilogues runs here as four small Triton passes (moe_triton.py):
+
+    forward    x_rows = x[order // K]  ->  gu = x_rows @ Wgu[e].T  ->  h = act(g) * u
+               ->  y_rows = h @ Wd[e].T  ->  y[t] = sum_k w[t, k] * y_rows[inv[t, k]]
+    backward   dy_rows = dy[order // K]  ->  dhu = dy_rows @ Wd[e]  ->  dgu, d routing weight, w * h
+               ->  dx_rows = dgu @ Wgu[e]  ->  dx[t] = sum_k dx_rows[inv[t, k]]
+    weights    dWd[e] = dy_rows.T @ (w * h),  dWgu[e] = dgu.T @ x_rows   (grouped over rows)
+
+It saves the same g, u, h as the fused forward, so either backward can follow either forward.
+`gemm_path` and `wgrad_path` choose between this path and the fused kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..errors import ConfigError
+from . import moe_triton as K
+
+__all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "gemm_path", "wgrad_path", "gather_rows", "forward",
+           "backward_dx", "weight_grads"]
+
+GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# The Hopper path takes over when experts get at least this many rows on average (forward, backward):
+# below it the gathers, epilogues and row-tile schedule the fused kernels save outweigh CUTLASS's
+# faster tiles. Measured on the H200 (docs/BENCHMARKS.md): forward, the paths tie at 256 rows per
+# expert and CUTLASS wins from 512; backward, Triton wins at 128 and CUTLASS from 256.
+TORCH_GEMM_MIN_ROWS = (512, 256)
+
+
+def _grouped_mm_usable(t: torch.Tensor, *dims: int) -> bool:
+    """torch's grouped GEMM runs its TMA, warp-specialized CUTLASS kernel here: sm_90, bf16, 16-byte rows."""
+    return (GROUPED_MM is not None and t.is_cuda and t.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(t.device) == (9, 0) and all(d % 8 == 0 for d in dims))
+
+
+def _forced(name: str) -> str:
+    """The path an environment variable pins ("triton" / "torch"), or "" when it is unset."""
+    forced = os.environ.get(name, "")
+    if forced not in ("", "triton", "torch"):
+        raise ConfigError(f"{name}={forced!r}: use 'triton', 'torch', or leave it unset")
+    if forced == "torch" and GROUPED_MM is None:
+        raise ConfigError(f"{name}=torch needs torch's grouped GEMM (torch.nn.functional.grouped_mm or "
+                          f"torch._grouped_mm), which this torch {torch.__version__} lacks")
+    return forced
+
+
+def wgrad_path(t: torch.Tensor, *dims: int) -> str:
+    """"torch" (CUTLASS grouped GEMM, Hopper) or "triton" (the portable kernel) for the weight gradients.
+
+    THUNDEREP_WGRAD=triton|torch forces one. On sm_90, torch's grouped GEMM computes these K-grouped
+    products faster than the portable Triton kernel at every size measured; elsewhere (RTX 4090 / 5090,
+    or without it) the Triton kernel runs.
+    """
+    return _forced("THUNDEREP_WGRAD") or ("torch" if _grouped_mm_usable(t, *dims) else "triton")
+
+
+def gemm_path(t: torch.Tensor, n_rows: int, E: int, D: int, I: int, backward: bool = False) -> str:
+    """"torch" or "triton" for the forward GEMMs, or (`backward`) for the backward's dhu and dX
+    (the weight gradients choose separately, `wgrad_path`).
+
+    "triton": the fused kernels (gather in the A load, activation and weight/un-permute epilogues).
+    "torch" (the Hopper path): torch's grouped GEMM for the GEMMs, with three memory-bound Triton
+    passes around it (activation, activation backward, un-permute + sum over K); chosen on sm_90 when
+    the experts get at least TORCH_GEMM_MIN_ROWS rows on average, where GEMM speed decides. Both
+    forward paths save the same tensors, so the backward chooses on its own.
+    THUNDEREP_EXPERT_GEMM=triton|torch forces one for both.
+    """
+    forced = _forced("THUNDEREP_EXPERT_GEMM")
+    if forced:
+        return forced
+    mean_rows = n_rows / max(1, min(E, n_rows))
+    usable = mean_rows >= TORCH_GEMM_MIN_ROWS[1 if backward else 0] and _grouped_mm_usable(t, D, I)
+    return "torch" if usable else "triton"
+
+
+def _elementwise_meta(device: torch.device) -> dict:
+    return {} if device.type == "cuda" else {"num_warps": 1}
+
+
+def _act_rows(gu, act, interleaved):
+    n_rows, I2 = gu.shape
+    I = I2 // 2
+    h = gu.new_empty(n_rows, I)
+    grid = (triton.cdiv(n_rows, 8), triton.cdiv(I, 256))
+    K._act_kernel[grid](gu, h, n_rows, I, gu.stride(0), h.stride(0), ACT=act, INTERLEAVED=interleaved,
+                        BLOCK_R=8, BLOCK_C=256, **_elementwise_meta(gu.device))
+    return h
+
+
+def _act_bwd_rows(dhu, gu, order, weights, act, interleaved):
+    """dgu [N, 2I], the routing-weight gradient in flat (token, slot) order (empty without weights) and
+    hw = w * h [N, I] (None without weights)."""
+    n_rows, I2 = gu.shape
+    dgu = torch.empty_like(gu)
+    dw = torch.empty(n_rows if weights is not None else 0, dtype=torch.float32, device=gu.device)
+    hw = gu.new_empty(n_rows, I2 // 2) if weights is not None else None
+    K._act_bwd_rows_kernel[(triton.cdiv(n_rows, 4),)](
+        dhu, gu, dgu, dw if weights is not None else dgu, hw if hw is not None else dgu,
+        order if order is not None else dhu,
+        weights if weights is not None else dhu, n_rows, I2 // 2, dhu.stride(0), gu.stride(0),
+        ACT=act, INTERLEAVED=interleaved, WEIGHTED=weights is not None, BLOCK_R=4, BLOCK_C=256,
+        **_elementwise_meta(gu.device))
+    return dgu, dw, hw
+
+
+def gather_rows(src, order, top_k):
+    """src[order[r] // top_k] for every sorted row r: [N, D] (the tokens' rows in expert order)."""
+    n_rows, D = order.shape[0], src.shape[1]
+    out = src.new_empty(n_rows, D)
+    grid = (triton.cdiv(n_rows, 8), triton.cdiv(D, 1024))
+    K._gather_kernel[grid](src, order, out, n_rows, D, top_k, src.stride(0), out.stride(0), BLOCK_R=8,
+                           BLOCK_D=1024, **_elementwise_meta(src.device))
+    return out
+
+
+def _inverse(order):
+    """inv[order[r]] = r: where each flat (token, slot) pair sits in the sorted rows."""
+    return torch.empty_like(order).index_put_(
+        (order.long(),), torch.arange(order.shape[0], dtype=order.dtype, device=order.device))
+
+
+def _combine(rows, inv, weights, T, top_k):
+    """out[t] = sum over k of w[t, k] * rows[inv[t, k]] (un-permute and sum over K, one pass)."""
+    D = rows.shape[1]
+    out = rows.new_empty(T, D)
+    grid = (triton.cdiv(T, 4), triton.cdiv(D, 512))
+    K._combine_kernel[grid](rows, inv, weights if weights is not None else rows, out, T, D, top_k,
+                            rows.stride(0), out.stride(0), WEIGHTED=weights is not None, BLOCK_T=4,
+                            BLOCK_D=512, **_elementwise_meta(rows.device))
+    return out
+
+
+def _offsets(counts):
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def forward(x, w_gu, w_d, order, counts, weights, top_k, act, interleaved):
+    """The Hopper path's forward -> (y, h_NI, gu_N2I).
+
+    x: x_TD with `order` [N] int32 (gathered mode; y = y_TD, weighted by `weights` [T*K] and summed
+    over K) or x_ND sorted by expert (`order` None; y = y_ND, unweighted). w_gu: [E, 2I, D];
+    w_d: [E, D, I]; counts: [E] int32; all float tensors in x's dtype. `act` is a moe_triton code.
+    """
+    offs = _offsets(counts)
+    x_rows = gather_rows(x, order, top_k) if order is not None else x
+    gu = GROUPED_MM(x_rows, w_gu.transpose(1, 2), offs=offs)
+    h = _act_rows(gu, act, interleaved)
+    y_rows = GROUPED_MM(h, w_d.transpose(1, 2), offs=offs)
+    if order is None:
+        return y_rows, h, gu
+    return _combine(y_rows, _inverse(order), weights, x.shape[0], top_k), h, gu
+
+
+def backward_dx(dy, w_gu, w_d, order, counts, weights, gu, top_k, act, interleaved):
+    """The Hopper path's backward up to dX -> (dx, dgu_N2I, dweights, dy_rows_ND, hw_NI).
+
+    dy: dy_TD (gathered mode) or dy_ND; gu: [N, 2I] saved by the forward; other arguments as in
+    `forward`. dweights: [T*K] float32 in flat (token, slot) order (empty without weights); hw = w * h
+    for `weight_grads` (None without weights); dy_rows: dy gathered into expert order (dy itself in
+    sorted mode), kept for the weight gradients.
+    """
+    offs = _offsets(counts)
+    dy_rows = gather_rows(dy, order, top_k) if order is not None else dy
+    dhu = GROUPED_MM(dy_rows, w_d, offs=offs)  # dy_rows @ Wd[e]: [N, I]
+    dgu, dw, hw = _act_bwd_rows(dhu, gu, order, weights, act, interleaved)
+    dx_rows = GROUPED_MM(dgu, w_gu, offs=offs)  # dgu @ Wgu[e]: [N, D]
+    dx = _combine(dx_rows, _inverse(order), None, dy.shape[0], top_k) if order is not None else dx_rows
+    return dx, dgu, dw, dy_rows, hw
+
+
+def weight_grads(dy_rows, x_rows, hw, dgu, counts):
+    """(dW_gate_up [E, 2I, D], dW_down [E, D, I]) through torch's grouped GEMM over the row dimension.
+
+    dy_rows: [N, D], x_rows: [N, D], hw: [N, I], dgu: [N, 2I], all in expert order; counts: [E] int32.
+    dW_down[e] = dy_rows.T @ hw, dW_gate_up[e] = dgu.T @ x_rows. The routing weight rides on h
+    (hw = w * h, written by the activation-backward kernels), so dy needs no weighted copy.
+    """
+    offs = _offsets(counts)
+    dw_down = GROUPED_MM(dy_rows.t(), hw, offs=offs)
+    dw_gate_up = GROUPED_MM(dgu.t(), x_rows.contiguous(), offs=offs)
+    return dw_gate_up, dw_down
