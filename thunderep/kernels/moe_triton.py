@@ -74,6 +74,16 @@ def _act_grad(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_cols(cols, I, INTERLEAVED: tl.constexpr):
+    """Columns of the gate and up halves for intermediate columns `cols` in a [*, 2I] gate/up layout:
+    gate rows first (c, c + I) or interleaved (2c, 2c + 1)."""
+    if INTERLEAVED:
+        return 2 * cols, 2 * cols + 1
+    else:
+        return cols, cols + I
+
+
+@triton.jit
 def _row_tile(pid_m, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """Row tile `pid_m` -> (expert, first row, end of the expert's rows). expert >= E: no such tile."""
     e_E = tl.arange(0, BLOCK_E)
@@ -162,12 +172,7 @@ def _up_kernel(
         src_M = tl.load(order_ptr + rows_M, mask=row_ok_M, other=0) // top_k
     else:
         src_M = tl.where(row_ok_M, rows_M, 0)
-    if INTERLEAVED:
-        gate_N = 2 * cols_N
-        up_N = 2 * cols_N + 1
-    else:
-        gate_N = cols_N
-        up_N = cols_N + I
+    gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
     k_K = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + src_M.to(tl.int64)[:, None] * stride_xm + k_K[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -275,12 +280,7 @@ def _act_bwd_kernel(
     a_ptrs = dy_ptr + src_M.to(tl.int64)[:, None] * stride_dym + k_K[None, :]
     b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols_N[None, :] + k_K.to(tl.int64)[:, None] * stride_wd
     acc = _dot_k(a_ptrs, b_ptrs, row_ok_M, col_ok_N, D, stride_wd, PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-    if INTERLEAVED:
-        gate_N = 2 * cols_N
-        up_N = 2 * cols_N + 1
-    else:
-        gate_N = cols_N
-        up_N = cols_N + I
+    gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
     ok = row_ok_M[:, None] & col_ok_N[None, :]
     rows64_M = rows_M.to(tl.int64)
     g = tl.load(gu_ptr + rows64_M[:, None] * stride_gm + gate_N[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -387,12 +387,7 @@ def _act_kernel(gu_ptr, h_ptr, n_rows, I, stride_gm, stride_hm,
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols_C = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (rows_R < n_rows)[:, None] & (cols_C < I)[None, :]
-    if INTERLEAVED:
-        gate_C = 2 * cols_C
-        up_C = 2 * cols_C + 1
-    else:
-        gate_C = cols_C
-        up_C = cols_C + I
+    gate_C, up_C = _gate_up_cols(cols_C, I, INTERLEAVED)
     base = gu_ptr + rows_R.to(tl.int64)[:, None] * stride_gm
     g = tl.load(base + gate_C[None, :], mask=ok, other=0.0).to(tl.float32)
     u = tl.load(base + up_C[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -421,12 +416,7 @@ def _act_bwd_rows_kernel(dhu_ptr, gu_ptr, dgu_ptr, dw_ptr, hw_ptr, order_ptr, we
     for c0 in range(0, I, BLOCK_C):
         cols_C = c0 + tl.arange(0, BLOCK_C)
         ok = row_ok_R[:, None] & (cols_C < I)[None, :]
-        if INTERLEAVED:
-            gate_C = 2 * cols_C
-            up_C = 2 * cols_C + 1
-        else:
-            gate_C = cols_C
-            up_C = cols_C + I
+        gate_C, up_C = _gate_up_cols(cols_C, I, INTERLEAVED)
         gu_base = gu_ptr + rows64_R[:, None] * stride_gm
         g = tl.load(gu_base + gate_C[None, :], mask=ok, other=0.0).to(tl.float32)
         u = tl.load(gu_base + up_C[None, :], mask=ok, other=0.0).to(tl.float32)
