@@ -35,10 +35,10 @@ def _batch(world: int, seed: int = 5) -> torch.Tensor:
     return torch.randint(3, V, (ROWS * world, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _reference(model, rank, world, train_model):
-    """The unwrapped model's outputs on this rank's rows, generation, and full-batch training losses."""
-    x = _batch(world)
-    mine = x[ROWS * rank:ROWS * (rank + 1)]
+def _inference_outputs(model, x, mine, rank, **replicated):
+    """Logits, router logits and aux loss on this rank's rows; logits and greedy tokens on the whole batch
+    (`replicated` passes ThunderMoE's flag for it, the plain model takes none); greedy tokens on this
+    rank's rows, a different length per rank (ranks finish generating at different steps)."""
     out = {}
     with torch.no_grad():
         o = model(input_ids=mine, output_router_logits=True)
@@ -46,9 +46,17 @@ def _reference(model, rank, world, train_model):
         router = getattr(o, "router_logits", None)
         out["router_logits"] = torch.stack([r.float() for r in router]) if router else None
         out["aux_loss"] = getattr(o, "aux_loss", None)
-        out["latency_logits"] = model(input_ids=x).logits
-    out["gen_latency"] = model.generate(x[:1], max_new_tokens=5, do_sample=False)
+        out["latency_logits"] = model(input_ids=x, **replicated).logits
+    out["gen_latency"] = model.generate(x[:1], **replicated, max_new_tokens=5, do_sample=False)
     out["gen_ep"] = model.generate(mine, max_new_tokens=2 + rank, do_sample=False)
+    return out
+
+
+def _reference(model, rank, world, train_model):
+    """The unwrapped model's outputs on this rank's rows, generation, and full-batch training losses."""
+    x = _batch(world)
+    mine = x[ROWS * rank:ROWS * (rank + 1)]
+    out = _inference_outputs(model, x, mine, rank)
     if train_model is not None:
         opt = torch.optim.SGD(train_model.parameters(), lr=0.1)
         losses = []
@@ -68,16 +76,7 @@ def _ours(tm, rank, world, train: bool):
 
     x = _batch(world)
     mine = x[ROWS * rank:ROWS * (rank + 1)]
-    out = {}
-    with torch.no_grad():
-        o = tm(input_ids=mine, output_router_logits=True)
-        out["logits"] = o.logits
-        router = getattr(o, "router_logits", None)
-        out["router_logits"] = torch.stack([r.float() for r in router]) if router else None
-        out["aux_loss"] = getattr(o, "aux_loss", None)
-        out["latency_logits"] = tm(input_ids=x, replicated=True).logits
-    out["gen_latency"] = tm.generate(x[:1], replicated=True, max_new_tokens=5, do_sample=False)
-    out["gen_ep"] = tm.generate(mine, max_new_tokens=2 + rank, do_sample=False)  # ranks finish at different steps
+    out = _inference_outputs(tm, x, mine, rank, replicated=True)
     if train:
         opt = torch.optim.SGD(tm.parameters(), lr=0.1)
         losses = []

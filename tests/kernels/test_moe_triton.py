@@ -48,6 +48,15 @@ def make_case(T, D, I, E, K, dtype, seed, empty_experts=0):
     return x.to(**to), w_gu.to(**to), w_d.to(**to), ids.to(DEVICE), weights.to(**to)
 
 
+def sorted_case(T, D, I, E, K, seed):
+    """The expert-parallel runtime's input (fp32, the last expert empty): rows already grouped by expert.
+    Returns x_ND, w_gate_up, w_down, counts_E and the expert of each row."""
+    x, w_gu, w_d, ids, _ = make_case(T, D, I, E, K, torch.float32, seed, empty_experts=1)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    return x[order // K], w_gu, w_d, counts, ids.reshape(-1)[order]
+
+
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -157,13 +166,8 @@ def test_backward_path_independent_of_forward(monkeypatch):
 
 def test_sorted_mode_equals_gathered_rows(gemm):
     """Sorted mode (the expert-parallel runtime's rows) = the unweighted expert outputs, row by row."""
-    T, D, I, E, K = 11, 32, 48, 5, 2
-    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.float32, 3, empty_experts=1)
-    order = torch.argsort(ids.reshape(-1), stable=True)
-    counts = torch.bincount(ids.reshape(-1), minlength=E)
-    x_ND = x[order // K]
+    x_ND, w_gu, w_d, counts, flat_ids = sorted_case(11, 32, 48, 5, 2, seed=3)
     y_ND = moe_mlp(x_ND, w_gu, w_d, counts)
-    flat_ids = ids.reshape(-1)[order]
     for r in range(x_ND.shape[0]):
         e = flat_ids[r]
         gate, up = (x_ND[r] @ w_gu[e].T).chunk(2)
@@ -184,15 +188,10 @@ def test_weight_gradient_backends(backend, gemm, monkeypatch):
 
 def test_sorted_mode_gradients(gemm):
     """Sorted mode's backward (what the expert-parallel runtime differentiates) against float64 autograd."""
-    T, D, I, E, K = 10, 32, 40, 5, 2
-    x, w_gu, w_d, ids, _ = make_case(T, D, I, E, K, torch.float32, 4, empty_experts=1)
-    order = torch.argsort(ids.reshape(-1), stable=True)
-    counts = torch.bincount(ids.reshape(-1), minlength=E)
-    x_ND = x[order // K]
+    x_ND, w_gu, w_d, counts, flat_ids = sorted_case(10, 32, 40, 5, 2, seed=4)
     leaves = [t.clone().requires_grad_() for t in (x_ND, w_gu, w_d)]
     y_ND = moe_mlp(*leaves, counts)
     ref = [t.double().requires_grad_() for t in (x_ND, w_gu, w_d)]
-    flat_ids = ids.reshape(-1)[order]
     rows = []
     for r in range(x_ND.shape[0]):
         gate, up = (ref[0][r] @ ref[1][flat_ids[r]].T).chunk(2)
@@ -306,22 +305,27 @@ def test_gpu_fused_experts_uses_kernels_and_matches_loop():
     assert rel_err(y, loop(x, routing)) < 2e-2
 
 
-@pytest.mark.gpu
-def test_gpu_torch_compile():
-    """The custom ops trace under torch.compile (fullgraph) and give the eager result, forward and backward."""
-    x, w_gu, w_d, ids, weights = make_case(64, 128, 96, 8, 2, torch.bfloat16, 5)
+def _compiled_and_eager(T, D, I, E, dtype, seed, backend):
+    """moe_mlp under torch.compile(fullgraph=True) and eagerly, both keeping their intermediates (a forward
+    that does rounds h from the rounded g and u): (y_compiled, y_eager, compiled leaves, eager leaves)."""
+    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, 2, dtype, seed)
 
     def f(x, w_gu, w_d, ids, weights):
         order = torch.argsort(ids.reshape(-1), stable=True)
-        counts = torch.bincount(ids.reshape(-1), minlength=8)
+        counts = torch.bincount(ids.reshape(-1), minlength=E)
         return moe_mlp(x, w_gu, w_d, counts, order_N=order, weights_N=weights, top_k=2)
 
-    compiled = torch.compile(f, fullgraph=True)
     leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
-    y_c = compiled(leaves[0], leaves[1], leaves[2], ids, leaves[3])
-    # Eager with gradients too: a forward that keeps its intermediates rounds h from the rounded g and u.
+    y_c = torch.compile(f, fullgraph=True, backend=backend)(leaves[0], leaves[1], leaves[2], ids, leaves[3])
     eager_leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
     y_e = f(eager_leaves[0], eager_leaves[1], eager_leaves[2], ids, eager_leaves[3])
+    return y_c, y_e, leaves, eager_leaves
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile():
+    """The custom ops trace under torch.compile (fullgraph) and give the eager result, forward and backward."""
+    y_c, y_e, leaves, _ = _compiled_and_eager(64, 128, 96, 8, torch.bfloat16, 5, "inductor")
     torch.testing.assert_close(y_c, y_e)
     y_c.float().square().sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
@@ -330,18 +334,8 @@ def test_gpu_torch_compile():
 @pytest.mark.skipif(CUDA, reason="test_gpu_torch_compile covers this on the compiled kernels")
 def test_interpreter_torch_compile():
     """The ops' fake (meta) registrations let torch.compile trace fullgraph; the result equals eager."""
-    x, w_gu, w_d, ids, weights = make_case(9, 32, 32, 4, 2, torch.float32, 11)
-
-    def f(x, w_gu, w_d, ids, weights):
-        order = torch.argsort(ids.reshape(-1), stable=True)
-        counts = torch.bincount(ids.reshape(-1), minlength=4)
-        return moe_mlp(x, w_gu, w_d, counts, order_N=order, weights_N=weights, top_k=2)
-
-    leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
-    y_c = torch.compile(f, fullgraph=True, backend="aot_eager")(leaves[0], leaves[1], leaves[2], ids, leaves[3])
-    torch.testing.assert_close(y_c, f(x, w_gu, w_d, ids, weights))
+    y_c, y_e, leaves, eager_leaves = _compiled_and_eager(9, 32, 32, 4, torch.float32, 11, "aot_eager")
+    torch.testing.assert_close(y_c, y_e)
     grads = torch.autograd.grad(y_c.square().sum(), leaves)
-    eager_leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
-    y_e = f(eager_leaves[0], eager_leaves[1], eager_leaves[2], ids, eager_leaves[3])
     for g, g_e in zip(grads, torch.autograd.grad(y_e.square().sum(), eager_leaves)):
         torch.testing.assert_close(g, g_e)
