@@ -306,7 +306,7 @@ def _moe_mlp_backward_op(
     if wgrad_torch:
         if dy_rows is None:
             dy_rows = G.gather_rows(dy, order, top_k) if gather else dy
-        # Gathered again rather than kept from the forward: [N, D] is K times x's size, 0.03 ms to redo.
+        # Gathered again rather than kept from the forward: [N, D] is K times the size of x; one memory pass.
         x_rows = G.gather_rows(x, order, top_k) if gather else x
         dw_gate_up, dw_down = G.weight_grads(dy_rows, x_rows, hw if hw is not None else h, dgu, counts)
     else:
