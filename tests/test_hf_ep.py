@@ -95,6 +95,31 @@ def _ours(tm, rank, world, train: bool):
     return out
 
 
+def _allgather_mode(tm, rank, world):
+    """Logits of this rank's rows and the training losses, every MoE layer in all-gather mode."""
+    import torch.distributed as dist
+
+    x = _batch(world)
+    mine = x[ROWS * rank:ROWS * (rank + 1)]
+    with torch.no_grad():
+        out = {"logits": tm(input_ids=mine, mode="allgather").logits}
+    opt = torch.optim.SGD(tm.parameters(), lr=0.1)
+    losses = []
+    tm.train()
+    for _ in range(TRAIN_STEPS):
+        opt.zero_grad()
+        loss = tm(input_ids=mine, labels=mine, mode="allgather").loss
+        (loss / world).backward()
+        tm.all_reduce_grads(average=False)
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean / world)
+    out["train_losses"] = torch.stack(losses)
+    out["calls"] = [b.calls["allgather"] for b in tm.bindings.values()]
+    return out
+
+
 def _run_cases(rank, world, checkpoints):
     import copy
     import io
@@ -122,6 +147,9 @@ def _run_cases(rank, world, checkpoints):
             got["memory"] = (report.bytes_read, report.bytes_total, report.expert_bytes, report.replicated_bytes)
             got["local_experts"] = next(iter(tm.bindings.values())).local_experts
             results[family, size] = (got, want)
+            if size > 1 and family != "qwen3_moe":
+                tm = ThunderMoE.from_pretrained(path, ep)
+                results[family, size, "allgather"] = (_allgather_mode(tm, rank, world), want)
     # Redundant slots: 4 ranks x 3 slots hold 8 experts, 4 of them twice (a replica on the token's own rank
     # is used first in ep mode, the first replica in latency mode).
     tm = ThunderMoE.from_pretrained(checkpoints["mixtral"], eps[4], placement=Placement.contiguous(8, 4, 3))
@@ -193,6 +221,20 @@ def test_training_losses_equal_hf(results, family, ep_size):
         _close(got["train_losses"], want["train_losses"], f"rank {rank} {family} ep{ep_size} losses")
 
 
+ALLGATHER_CASES = [(f, s) for f in ("mixtral", "deepseek_v3") for s in (2, 4)]
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("family,ep_size", ALLGATHER_CASES, ids=[f"{f}-ep{s}" for f, s in ALLGATHER_CASES])
+def test_allgather_mode_equals_hf(results, family, ep_size):
+    """The all-gather baseline mode gives the plain model's logits and training losses."""
+    for rank, per_rank in enumerate(results):
+        got, want = per_rank[family, ep_size, "allgather"]
+        _close(got["logits"], want["logits"], f"rank {rank} {family} ep{ep_size} allgather logits")
+        _close(got["train_losses"], want["train_losses"], f"rank {rank} {family} ep{ep_size} allgather losses")
+        assert got["calls"] == [1 + TRAIN_STEPS] * len(got["calls"])  # every MoE layer, every forward
+
+
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("family", sorted(CHECKPOINTS))
 def test_each_rank_reads_only_its_experts(results, family):
@@ -229,3 +271,72 @@ def test_generate_command_on_ranks_equals_one_process(results, tmp_path, ep_size
             continue
         assert got["texts"] == want["texts"] and got["tokens"] == want["tokens"] > 0
         assert got["tokens_per_s"] > 0
+
+
+# -- NCCL, one GPU per rank
+
+def _gpu_case(rank, world, checkpoints):
+    """On this rank's GPU (fp32): the plain model on the whole batch as the single-GPU reference, the
+    wrapped model on this rank's rows in ep and all-gather mode and on the whole batch in latency mode.
+    Returns (got, want) pairs: logits, greedy tokens, and every parameter's gradient after one backward
+    of the mean loss (expert shards against the reference's rows of this rank's experts, replicated
+    parameters after the data-parallel sum)."""
+    from transformers import AutoModelForCausalLM
+
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.hf import ThunderMoE
+
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig(waves=2))  # default control plane
+    device = ep.groups.device
+    x = _batch(world).to(device)
+    mine = x[ROWS * rank:ROWS * (rank + 1)]
+    pairs = {}
+    for family, path in checkpoints.items():
+        ref = AutoModelForCausalLM.from_pretrained(path).to(device)
+        with torch.no_grad():
+            ref_logits = ref(input_ids=x).logits
+        ref_tokens = ref.generate(x[:1], max_new_tokens=5, do_sample=False)
+        ref(input_ids=x, labels=x).loss.backward()
+        ref_grads = dict(ref.named_parameters())
+        tm = ThunderMoE.from_pretrained(path, ep)
+        assert next(tm.parameters()).device == device
+        rows = slice(ROWS * rank, ROWS * (rank + 1))
+        with torch.no_grad():
+            for mode in ("ep", "allgather"):
+                pairs[family, f"{mode}_logits"] = (tm(input_ids=mine, mode=mode).logits, ref_logits[rows])
+            pairs[family, "latency_logits"] = (tm(input_ids=x, replicated=True).logits, ref_logits)
+        pairs[family, "gen_latency"] = (tm.generate(x[:1], replicated=True, max_new_tokens=5, do_sample=False),
+                                        ref_tokens)
+        (tm(input_ids=mine, labels=mine).loss / world).backward()
+        tm.all_reduce_grads(average=False)
+        sliced = {f"{name}.{t}": b.local_experts for name, b in tm.bindings.items() for t in b.tensors}
+        for name, p in tm.model.named_parameters():
+            want = ref_grads[name].grad
+            if name in sliced:
+                want = want[list(sliced[name])]
+            pairs[family, f"grad {name}"] = (p.grad, want)
+        del ref, tm
+    ep.close()
+    return {k: (a.cpu(), b.cpu()) for k, (a, b) in pairs.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_hf_models_on_gpus_with_nccl_equal_single_gpu(tmp_path, world):
+    """A wrapped Mixtral, Qwen3-MoE and DeepSeek-V3 on `world` GPUs (NCCL; ep, all-gather and latency
+    modes) against the plain model on one GPU: logits, greedy tokens and every gradient."""
+    from hf_tiny import save_tiny
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    checkpoints = {f: save_tiny(f, tmp_path / f, seed=1, fused=fused) for f, fused in CHECKPOINTS.items()}
+    per_rank = run_ranks(_gpu_case, world, checkpoints, timeout=300, dist_timeout=120, backend="nccl")
+    for rank, pairs in enumerate(per_rank):
+        assert any(k[1].startswith("grad") and "experts" in k[1] for k in pairs)
+        for (family, what), (got, want) in pairs.items():
+            if what == "gen_latency":
+                assert torch.equal(got, want), (rank, family, got, want)
+            else:
+                _close(got, want, f"rank {rank} {family} {what}", rtol=1e-4, atol=1e-5)

@@ -89,12 +89,31 @@ def _scenario(rank, world, name, tokens_per_rank, skew, ep_config, mode, groups)
     return {k: (a.cpu(), b.cpu()) for k, (a, b) in out.items()}, stats
 
 
+def _allgather_unequal_tokens(rank, groups) -> str:
+    """All-gather mode with a different token count on every rank: the error each rank raises."""
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.errors import ConfigError
+
+    ep = ExpertParallel(groups, COLLECTIVE)
+    layer = ThunderMoELayer(_full_layer("mixtral").config, ep=ep).to(groups.device)
+    try:
+        layer(torch.randn(rank + 1, D, device=groups.device), mode="allgather")
+    except ConfigError as exc:
+        return str(exc)
+    finally:
+        ep.close()
+    return "no error"
+
+
 def _run_cases(rank, world, cases):
     """All cases in one set of processes (process start-up dominates the cost of these tests)."""
     from thunderep.comm.groups import init_expert_parallel
 
     groups = init_expert_parallel()
-    return {key: _scenario(rank, world, *args, groups) for key, args in cases.items()}
+    out = {key: _scenario(rank, world, *args, groups) for key, args in cases.items()}
+    if world > 1:
+        out["allgather_unequal_tokens"] = _allgather_unequal_tokens(rank, groups)
+    return out
 
 
 def _check(results, rtol=1e-5, atol=1e-6):
@@ -116,6 +135,9 @@ COLLECTIVE = EPConfig(control="collective")
 EXTRA = {  # name: (layer, tokens per rank for 2 / 4 ranks, skew, EPConfig, mode)
     "latency_mode": ("deepseek", {2: [5, 5], 4: [5, 5, 5, 5]}, False, COLLECTIVE, "latency"),
     "latency_mode_top1_skewed": ("top1", {2: [3, 3], 4: [3, 3, 3, 3]}, True, COLLECTIVE, "latency"),
+    "allgather_mode": ("deepseek", {2: [7, 7], 4: [7, 7, 7, 7]}, False, COLLECTIVE, "allgather"),
+    "allgather_mode_mailbox_skewed": ("top1", {2: [9, 9], 4: [9, 9, 9, 9]}, True, EPConfig(control="mailbox"),
+                                      "allgather"),
     "four_waves_mailbox": ("mixtral", {2: [1, 40], 4: [1, 17, 0, 40]}, False, EPConfig(waves=4, control="mailbox"), "ep"),
     "bf16_payload": ("mixtral", {2: [64, 64], 4: [32, 32, 32, 32]}, False, EPConfig(compression="bf16", control="collective"), "ep"),
     "fp8_payload": ("mixtral", {2: [64, 64], 4: [32, 32, 32, 32]}, False, EPConfig(compression="fp8", control="collective"), "ep"),
@@ -131,7 +153,7 @@ def results_for(world: int, backend: str = "gloo") -> dict:
         cases = {k: (n, tokens(t), skew, COLLECTIVE, "ep") for k, (n, t, skew) in SCENARIOS.items()}
         cases.update({k: (n, tokens(t), skew, cfg, mode) for k, (n, t, skew, cfg, mode) in EXTRA.items()})
         per_rank = run_ranks(_run_cases, world, cases, timeout=240, backend=backend)
-        _CACHE[world, backend] = {key: [r[key] for r in per_rank] for key in cases}
+        _CACHE[world, backend] = {key: [r[key] for r in per_rank] for key in per_rank[0]}
     return _CACHE[world, backend]
 
 
@@ -157,6 +179,26 @@ def test_latency_mode_and_waves_equal_single_process(world, scenario):
     if scenario.startswith("latency"):
         for _, stats in results_for(world)[scenario]:
             assert stats["calls"]["dispatch"] == 0 and stats["calls"]["latency_allreduce"] == 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario", ["allgather_mode", "allgather_mode_mailbox_skewed"])
+def test_allgather_mode_equals_single_process(world, scenario):
+    results = results_for(world)[scenario]
+    _check(results)
+    for _, stats in results:  # all-gathers and reduce-scatters, no dispatch
+        assert stats["calls"]["dispatch"] == 0 and stats["calls"]["allgather"] == 2
+        assert stats["calls"]["reduce_scatter"] == 1 and stats["calls"]["allgather_backward"] == 2
+        T, K = EXTRA[scenario][1][world][stats["rank"]], {"deepseek": 3, "top1": 1}[EXTRA[scenario][0]]
+        peer = (stats["rank"] + 1) % world  # each peer gets this rank's x and routing weights (fp32)
+        assert stats["bytes_R"]["allgather"][peer] == T * D * 4 + T * K * 4
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_allgather_mode_needs_equal_tokens(world):
+    for rank, message in enumerate(results_for(world)["allgather_unequal_tokens"]):
+        assert f"rank {rank} has {rank + 1}" in message and "same number of tokens" in message
+        assert f"between 1 and {world}" in message
 
 
 # Stated payload-compression error: max |compressed - exact| / max |exact| over outputs and input
@@ -188,7 +230,8 @@ def test_ep_on_gpus_with_nccl_equals_single_gpu(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
     results = results_for(world, backend="nccl")
-    for scenario in list(SCENARIOS) + ["latency_mode", "four_waves_mailbox"]:
+    for scenario in list(SCENARIOS) + ["latency_mode", "four_waves_mailbox", "allgather_mode",
+                                       "allgather_mode_mailbox_skewed"]:
         _check(results[scenario], rtol=1e-4, atol=1e-5)
     for scenario, tol in COMPRESSION_TOLERANCE.items():
         for out, _ in results[scenario]:

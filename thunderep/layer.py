@@ -11,6 +11,12 @@ tokens while the dispatch is in flight.
 Latency mode: every rank holds the same tokens (batch-1 decode), computes only the pairs whose expert
 it owns, and one all-reduce sums the partial outputs; no dispatch. `mode="auto"` picks latency mode
 when the caller passes `replicated=True` (all ranks hold the same tokens) and EP mode otherwise.
+
+All-gather mode: each rank holds its own tokens (the same number on every rank); every rank gathers
+all tokens and routings, computes its own experts on all of them, and a reduce-scatter returns each
+rank its tokens' sums. Each rank sends (R - 1) T rows each way where EP mode sends about
+T K (R - 1) / R; it is here as the baseline that frameworks without an EP kernel library use (vLLM's
+`allgather_reducescatter`), to measure against.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from .router import Routing, TopKRouter
 
 __all__ = ["SharedExperts", "ThunderMoELayer"]
 
-MODES = ("auto", "ep", "latency")
+MODES = ("auto", "ep", "latency", "allgather")
 
 
 class SharedExperts(nn.Module):
@@ -172,6 +178,10 @@ class ThunderMoELayer(nn.Module):
             y_TD = self._forward_latency(x_TD, routing)
             if self.shared_experts is not None:
                 y_TD = y_TD + self.shared_experts(x_TD)
+        elif mode == "allgather":
+            y_TD = self._forward_allgather(x_TD, routing)
+            if self.shared_experts is not None:
+                y_TD = y_TD + self.shared_experts(x_TD)
         else:
             y_TD = self._forward_ep(x_TD, routing)
         y = y_TD.view(x.shape)
@@ -204,6 +214,16 @@ class ThunderMoELayer(nn.Module):
         w_e = CopyToEP.apply(routing.weights_TK, self.ep)
         partial_TD = self.local_partial(x_e, w_e, routing.ids_TK)
         return ReduceFromEP.apply(partial_TD, self.ep).to(x_TD.dtype)
+
+    def _forward_allgather(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        from .comm.runtime import GatherFromEP, ScatterToEP
+
+        self.ep.check_same_tokens(x_TD.shape[0])
+        x_all = GatherFromEP.apply(x_TD, self.ep)
+        w_all = GatherFromEP.apply(routing.weights_TK, self.ep)
+        ids_all = self.ep.all_gather_rows(routing.ids_TK, op="allgather_ids")  # ids carry no gradient
+        partial = self.local_partial(x_all, w_all, ids_all)
+        return ScatterToEP.apply(partial, self.ep).to(x_TD.dtype)
 
     def local_partial(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
         """sum_k weights_TK * expert(x) over the (token, k) pairs whose expert this rank owns (its first

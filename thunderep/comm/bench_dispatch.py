@@ -21,63 +21,11 @@ import os
 import platform
 import statistics
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["main"]
-
-
-class _AllGather(torch.autograd.Function):
-    """[T, C] per rank -> [R * T, C]; backward reduce-scatters the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        R = dist.get_world_size(group)
-        out = x.new_empty(R * x.shape[0], *x.shape[1:])
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        R = dist.get_world_size(ctx.group)
-        out = grad.new_empty(grad.shape[0] // R, *grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
-        return out, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """[R * T, C] partial sums -> [T, C] totals of this rank's rows; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        R = dist.get_world_size(group)
-        out = x.new_empty(x.shape[0] // R, *x.shape[1:])
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        R = dist.get_world_size(ctx.group)
-        out = grad.new_empty(R * grad.shape[0], *grad.shape[1:])
-        dist.all_gather_into_tensor(out, grad.contiguous(), group=ctx.group)
-        return out, None
-
-
-def allgather_forward(layer, x_TD: torch.Tensor) -> torch.Tensor:
-    """The baseline MoE forward on an EP `ThunderMoELayer` (no shared experts)."""
-    group = layer.ep.groups.ep_group
-    routing = layer.router(x_TD)
-    x_all = _AllGather.apply(x_TD, group)
-    w_all = _AllGather.apply(routing.weights_TK, group)
-    ids_all = torch.empty(  # ids carry no gradient: a plain all-gather
-        x_all.shape[0], routing.ids_TK.shape[1], dtype=routing.ids_TK.dtype, device=x_TD.device)
-    dist.all_gather_into_tensor(ids_all, routing.ids_TK.contiguous(), group=group)
-    partial = layer.local_partial(x_all, w_all, ids_all)
-    return _ReduceScatter.apply(partial, group).to(x_TD.dtype)
 
 
 def _bench_rank(rank, world, args, queue):
@@ -86,8 +34,6 @@ def _bench_rank(rank, world, args, queue):
     cuda = args.device == "cuda"
     if not cuda:
         torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message=".*(reduce_scatter_tensor|all_gather_into_tensor).*",
-                            category=FutureWarning)
     from ..config import EPConfig, LayerConfig
     from ..layer import ThunderMoELayer
     from .runtime import ExpertParallel
@@ -111,7 +57,7 @@ def _bench_rank(rank, world, args, queue):
     ep_collective = ExpertParallel(ep.groups, EPConfig(control="collective", waves=args.waves))
     layer_collective = ThunderMoELayer(config, ep=ep_collective, dtype=dtype)
     layer_collective.load_state_dict(layer.state_dict())
-    methods = {"thunderep_a2a": lambda: layer(x), "allgather_rs": lambda: allgather_forward(layer, x),
+    methods = {"thunderep_a2a": lambda: layer(x), "allgather_rs": lambda: layer(x, mode="allgather"),
                "a2a_collective_control": lambda: layer_collective(x)}
     times = {name: [] for name in methods}
     for it in range(args.warmup + args.iters):

@@ -36,13 +36,14 @@ __all__ = ["CommStats", "DispatchMeta", "Dispatcher", "Pending"]
 class CommStats:
     """Bytes and wall time of the runtime's communication, accumulated until `reset()`.
 
-    bytes_R[op][r]: bytes this rank sent to EP rank r for op in {"dispatch", "combine",
-    "dispatch_backward", "combine_backward", "latency_allreduce"}; the entry of this rank itself
-    stays on the device (no PCIe). seconds[op]: wall time from launch to completed wait.
+    bytes_R[op][r]: bytes this rank sent to EP rank r for op in OPS (ep mode's dispatch and combine,
+    latency mode's all-reduce, all-gather mode's all-gathers and reduce-scatters, each with its
+    backward; the control plane; migrations); the entry of this rank itself stays on the device (no PCIe). seconds[op]: wall time from launch to completed wait.
     """
 
     OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "latency_allreduce",
-           "latency_allreduce_backward", "control", "migration")
+           "latency_allreduce_backward", "allgather", "allgather_ids", "allgather_backward", "reduce_scatter",
+           "reduce_scatter_backward", "control", "migration")
 
     def __init__(self, world: int, rank: int):
         self.world, self.rank = world, rank

@@ -1,9 +1,10 @@
 """`ExpertParallel`: the per-process runtime shared by every MoE layer of a model.
 
-It owns the EP process groups, the control plane and the `Dispatcher`, and provides the two
-collectives of latency mode. Create it once, pass it to every `ThunderMoELayer`, `close()` it at the end.
+It owns the EP process groups, the control plane and the `Dispatcher`, and provides the collectives of
+latency mode (all-reduce) and all-gather mode (all-gather, reduce-scatter). Create it once, pass it to
+every `ThunderMoELayer`, `close()` it at the end.
 
-Shape legend: T tokens, D hidden size.
+Shape legend: T tokens, D hidden size, C columns, R ranks.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import torch
 import torch.distributed as dist
 
 from ..config import EPConfig
-from ..errors import CommError
-from .control import ControlPlane, make_control_plane
+from ..errors import CommError, ConfigError
+from .control import ControlPlane, _all_gather_single, make_control_plane
 from .dispatcher import Dispatcher
 from .groups import EPGroups, init_expert_parallel
 
-__all__ = ["ExpertParallel"]
+__all__ = ["ExpertParallel", "GatherFromEP", "ScatterToEP"]
+
+# Newer torch deprecates reduce_scatter_tensor in favour of reduce_scatter_single (see control.py).
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class ExpertParallel:
@@ -48,19 +52,46 @@ class ExpertParallel:
 
     def all_reduce_sum(self, x_TD: torch.Tensor, op: str = "latency_allreduce") -> torch.Tensor:
         """In-place sum over the EP group, bounded by the timeout."""
+        return self._collective(op, x_TD, lambda: dist.all_reduce(x_TD, group=self.groups.ep_group, async_op=True))
+
+    def all_gather_rows(self, x_TC: torch.Tensor, op: str = "allgather") -> torch.Tensor:
+        """[T, C] on every rank (the same T everywhere) -> [R * T, C], rank r's rows at r * T."""
+        x_TC = x_TC.contiguous()
+        out = x_TC.new_empty(self.groups.ep_size * x_TC.shape[0], *x_TC.shape[1:])
+        return self._collective(op, x_TC, lambda: _all_gather_single(
+            out, x_TC, group=self.groups.ep_group, async_op=True), out)
+
+    def reduce_scatter_rows(self, x_RTC: torch.Tensor, op: str = "reduce_scatter") -> torch.Tensor:
+        """[R * T, C] partial sums on every rank -> [T, C]: this rank's block of the sum over ranks."""
+        x_RTC = x_RTC.contiguous()
+        out = x_RTC.new_empty(x_RTC.shape[0] // self.groups.ep_size, *x_RTC.shape[1:])
+        return self._collective(op, out, lambda: _reduce_scatter_single(
+            out, x_RTC, group=self.groups.ep_group, async_op=True), out)
+
+    def check_same_tokens(self, T: int, what: str = "all-gather mode") -> None:
+        """Raise ConfigError unless every EP rank passes the same T (one control-plane exchange)."""
+        most, neg_least = self.control.allreduce_max([T, -T])
+        if most != -neg_least:
+            raise ConfigError(
+                f"{what} needs the same number of tokens on every EP rank; rank {self.groups.ep_rank} has {T}, "
+                f"others between {-neg_least} and {most} (pad the batch, or use ep mode)"
+            )
+
+    def _collective(self, op: str, sent_TC: torch.Tensor, launch, result: torch.Tensor | None = None) -> torch.Tensor:
+        """Run `launch()` (an async collective over the EP group), wait bounded by the timeout, and record
+        `sent_TC`'s bytes as sent to every peer."""
         started = time.perf_counter()
         try:
-            work = dist.all_reduce(x_TD, group=self.groups.ep_group, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=self.groups.timeout_s))
+            launch().wait(timeout=datetime.timedelta(seconds=self.groups.timeout_s))
         except RuntimeError as exc:
             raise CommError(
                 f"{op} on EP rank {self.groups.ep_rank} failed: a peer died or did not answer within "
                 f"{self.groups.timeout_s:g} s ({str(exc).splitlines()[0][:200]})"
             ) from exc
-        nbytes = x_TD.numel() * x_TD.element_size()
+        nbytes = sent_TC.numel() * sent_TC.element_size()
         sent = [0 if r == self.groups.ep_rank else nbytes for r in range(self.groups.ep_size)]
         self.stats.record(op, sent, time.perf_counter() - started)
-        return x_TD
+        return sent_TC if result is None else result
 
     def close(self) -> None:
         self.control.close()
@@ -95,3 +126,29 @@ class CopyToEP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.ep.all_reduce_sum(grad.contiguous().clone(), op="latency_allreduce_backward"), None
+
+
+class GatherFromEP(torch.autograd.Function):
+    """Forward: all-gather rows over the EP group ([T, C] -> [R * T, C]). Backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x_TC, ep: ExpertParallel):
+        ctx.ep = ep
+        return ep.all_gather_rows(x_TC)
+
+    @staticmethod
+    def backward(ctx, grad_RTC):
+        return ctx.ep.reduce_scatter_rows(grad_RTC, op="allgather_backward"), None
+
+
+class ScatterToEP(torch.autograd.Function):
+    """Forward: reduce-scatter partial sums ([R * T, C] -> this rank's [T, C]). Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x_RTC, ep: ExpertParallel):
+        ctx.ep = ep
+        return ep.reduce_scatter_rows(x_RTC)
+
+    @staticmethod
+    def backward(ctx, grad_TC):
+        return ctx.ep.all_gather_rows(grad_TC, op="reduce_scatter_backward"), None

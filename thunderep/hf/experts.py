@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 IMPLEMENTATION = "thunderep"
-MODES = ("ep", "latency")
+MODES = ("ep", "latency", "allgather")
 
 
 @dataclass
@@ -71,7 +71,7 @@ class ExpertsBinding:
     state: RunState
     ep: object = None  # ExpertParallel | None
     placement: Placement | None = None
-    calls: dict = field(default_factory=lambda: {"ep": 0, "latency": 0, "local": 0})
+    calls: dict = field(default_factory=lambda: {"ep": 0, "latency": 0, "allgather": 0, "local": 0})
 
     @property
     def num_slots(self) -> int:
@@ -93,6 +93,8 @@ class ExpertsBinding:
         self.calls[mode] += 1
         if mode == "latency":
             return self._forward_latency(module, x_TD, ids_TK, weights_TK)
+        if mode == "allgather":
+            return self._forward_allgather(module, x_TD, ids_TK, weights_TK)
         return self._forward_ep(module, x_TD, ids_TK, weights_TK)
 
     # -- local compute
@@ -136,21 +138,37 @@ class ExpertsBinding:
     def _forward_latency(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
         from ..comm.runtime import CopyToEP, ReduceFromEP
 
-        ep, S = self.ep, self.num_slots
-        me = ep.groups.ep_rank
+        x_e = CopyToEP.apply(x_TD, self.ep)
+        w_e = CopyToEP.apply(weights_TK, self.ep)
+        partial_TD = self._local_partial(module, x_e, w_e, ids_TK)
+        return ReduceFromEP.apply(partial_TD, self.ep).to(x_TD.dtype)
+
+    def _forward_allgather(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
+        from ..comm.runtime import GatherFromEP, ScatterToEP
+
+        ep = self.ep
+        ep.check_same_tokens(x_TD.shape[0])
+        x_all = GatherFromEP.apply(x_TD, ep)
+        w_all = GatherFromEP.apply(weights_TK, ep)
+        ids_all = ep.all_gather_rows(ids_TK, op="allgather_ids")  # ids carry no gradient
+        partial = self._local_partial(module, x_all, w_all, ids_all)
+        # Reduce-scattered in the model's dtype, as the frameworks this mode stands for do.
+        return ScatterToEP.apply(partial.to(x_TD.dtype), ep)
+
+    def _local_partial(self, module, x_TD, weights_TK, ids_TK) -> torch.Tensor:
+        """sum_k weights_TK * expert(x) over the (token, k) pairs whose expert this rank owns, zero
+        elsewhere (float32 [T, D]): this rank's share of the output when it holds every token."""
+        S, me = self.num_slots, self.ep.groups.ep_rank
         T, K = ids_TK.shape
-        x_e = CopyToEP.apply(x_TD, ep)
-        w_e = CopyToEP.apply(weights_TK, ep)
         slots_N = self.placement.owner_table(x_TD.device)[ids_TK.reshape(-1)]
         pairs = ((slots_N // S) == me).nonzero().squeeze(1)
         local_slot = slots_N[pairs] % S
         order = torch.argsort(local_slot, stable=True)
         pairs, local_slot = pairs[order], local_slot[order]
-        y_MD = self.compute_rows(module, x_e[pairs // K], local_slot)
-        weighted_MD = y_MD * w_e.reshape(-1)[pairs].unsqueeze(-1)  # the dtype transformers weights in
+        y_MD = self.compute_rows(module, x_TD[pairs // K], local_slot)
+        weighted_MD = y_MD * weights_TK.reshape(-1)[pairs].unsqueeze(-1)  # the dtype transformers weights in
         full_ND = weighted_MD.new_zeros(T * K, x_TD.shape[-1]).index_copy(0, pairs, weighted_MD)
-        partial_TD = full_ND.view(T, K, x_TD.shape[-1]).float().sum(dim=1)
-        return ReduceFromEP.apply(partial_TD, ep).to(x_TD.dtype)
+        return full_ND.view(T, K, x_TD.shape[-1]).float().sum(dim=1)
 
 
 def thunderep_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -13,9 +13,11 @@ expert tensors are sliced along the expert dimension) and gets an `ExpertsBindin
 shared experts, dense layers, router-logit recording (`output_router_logits`) and auxiliary loss are
 untouched. Nothing is patched at import.
 
-Modes: "ep" (each rank holds its own tokens; rows travel with all-to-all) and "latency" (every rank
-holds the same tokens, e.g. batch-1 decode; one all-reduce per layer). `mode="auto"` picks latency
-when the caller passes `replicated=True`.
+Modes: "ep" (each rank holds its own tokens; rows travel with all-to-all), "latency" (every rank
+holds the same tokens, e.g. batch-1 decode; one all-reduce per layer) and "allgather" (each rank its
+own tokens, the same number on every rank; all tokens are gathered everywhere and a reduce-scatter
+returns the sums: the baseline of frameworks without an EP kernel library, kept to measure against).
+`mode="auto"` picks latency when the caller passes `replicated=True`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..balance.placement import Placement
 from ..errors import ConfigError, UnsupportedModelError
 from .experts import (
     IMPLEMENTATION,
+    MODES,
     ExpertsBinding,
     RunState,
     experts_compute_fn,
@@ -236,9 +239,10 @@ class ThunderMoE(nn.Module):
 
     @contextlib.contextmanager
     def running(self, mode: str = "auto", replicated: bool = False):
-        """Run the enclosed calls in `mode` ("ep", "latency", or "auto": latency iff `replicated`)."""
-        if mode not in ("auto", "ep", "latency"):
-            raise ConfigError(f"mode must be one of auto, ep, latency; got {mode!r}")
+        """Run the enclosed calls in `mode` ("ep", "latency", "allgather", or "auto": latency iff
+        `replicated`, else ep)."""
+        if mode != "auto" and mode not in MODES:
+            raise ConfigError(f"mode must be one of auto, {', '.join(MODES)}; got {mode!r}")
         resolved = ("latency" if replicated else "ep") if mode == "auto" else mode
         previous = self._state.mode
         self._state.mode = resolved
