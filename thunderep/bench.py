@@ -5,6 +5,9 @@ run, the ratio, and a line naming the hardware.
     thunderep bench kernels     Triton expert kernels vs transformers' eager / grouped_mm (needs a GPU)
     thunderep bench dispatch    all-to-all dispatch vs all-gather + reduce-scatter, 2 and 4 ranks
     thunderep bench control     shared-memory mailbox vs gloo all_gather / all_to_all latency
+    thunderep bench control-gpu GPU-written mailbox vs NCCL all_gather / all_to_all latency (needs GPUs)
+    thunderep bench link        NCCL all-to-all latency / bandwidth (P2P vs host-staged), fitted for
+                                `thunderep project --link`; peer vs host-staged copies (needs 2+ GPUs)
     thunderep bench balancer    fingerprint balancer vs static placement on routing traces
     thunderep bench sync        every_step vs delta gradient sync convergence (several minutes)
 
@@ -27,6 +30,8 @@ __all__ = ["main", "time_layer"]
 TARGETS = {
     "dispatch": "thunderep.comm.bench_dispatch",
     "control": "thunderep.comm.bench_control",
+    "control-gpu": "thunderep.comm.bench_control_gpu",
+    "link": "thunderep.comm.bench_link",
     "balancer": "thunderep.balance.evaluate",
     "kernels": "thunderep.kernels.bench",
 }

@@ -1,7 +1,7 @@
 """A PCIe projection: step time of a measured run, projected to 2 and 4 GPUs over PCIe 4.0 / 5.0 x16,
 for ThunderEP's all-to-all vs the all-gather + reduce-scatter baseline. A PROJECTION, not a measurement.
 
-    thunderep project RUN_DIR [--compute-ms MS] [--bytes-per-element 2]
+    thunderep project RUN_DIR [--compute-ms MS] [--bytes-per-element 2] [--link FILE | --alpha-us US --link-gbps GBPS]
 
 Model (alpha-beta): a collective costs (messages x alpha) + (bytes this rank sends / beta); with P2P
 a byte crosses PCIe once, without P2P it is staged through host memory and crosses twice (beta
@@ -23,25 +23,47 @@ Link parameters (assumptions, with sources):
   DMA transfers (25 GB/s). PCIe 5.0 x16: twice that (50 GB/s).
 * alpha: 30 us per collective step with P2P, 45 us host-staged: an assumption of the order of
   NCCL's small-message all-to-all latency between two GPUs (tens of microseconds; staging through
-  host memory adds a second copy). Not measured by this repository yet; a multi-GPU run should
-  replace it.
+  host memory adds a second copy). An assumption; measured values replace it (below).
+
+Measured link parameters replace the four assumed links with one measured link per GPU count:
+
+    thunderep bench link --worlds 2 4 --json link.json       # on the multi-GPU machine
+    thunderep project RUN_DIR --link link.json --link-setting p2p_disabled
+    thunderep project RUN_DIR --alpha-us 20 --link-gbps 12    # measured elsewhere, given by hand
+
+alpha is per message (a collective over R GPUs costs (R - 1) alpha), beta the bytes one GPU sends to
+its peers per second. `--link` takes, for R GPUs, the fit that `thunderep bench link` made at world R
+(NCCL all-to-all; the baseline's ring collectives are costed with the same link). `--json PATH`
+writes the table's rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["LINKS", "Link", "main", "project_step"]
+from .errors import ConfigError
+
+__all__ = ["LINKS", "Link", "load_link", "main", "project_step"]
 
 
 @dataclass(frozen=True)
 class Link:
+    """A link of the alpha-beta model: `beta_GBps` bytes per second one GPU sends to its peers (1e9),
+    `alpha_us` microseconds per message (a collective over R GPUs sends R - 1)."""
+
     name: str
     beta_GBps: float
     alpha_us: float
+
+    def __post_init__(self):
+        if not (math.isfinite(self.beta_GBps) and self.beta_GBps > 0):
+            raise ConfigError(f"link {self.name!r}: bandwidth ({self.beta_GBps} GB/s) must be a positive number")
+        if not (math.isfinite(self.alpha_us) and self.alpha_us >= 0):
+            raise ConfigError(f"link {self.name!r}: latency alpha ({self.alpha_us} us) must be zero or positive")
 
 
 LINKS = (
@@ -65,6 +87,47 @@ def project_step(*, R: int, T: int, K: int, D: int, layers: int, b: int, compute
             "ours_bytes": layers * 4 * a2a_bytes, "baseline_bytes": layers * 4 * ring_bytes}
 
 
+def load_link(path: str | Path, *, world: int, setting: str) -> tuple[Link, str] | None:
+    """The link `thunderep bench link --json` measured at `world` GPUs under NCCL `setting`, and a line
+    saying where it comes from; None when the file has that setting but not that world."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read link file {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"link file {path} is not JSON ({exc}); write it with `thunderep bench link "
+                          "--json PATH`") from None
+    fits = data.get("fits") if isinstance(data, dict) else None
+    if not isinstance(fits, list):
+        raise ConfigError(f"link file {path} has no 'fits' list; write it with `thunderep bench link --json PATH`")
+    settings = sorted({str(f.get("setting")) for f in fits if isinstance(f, dict)})
+    if setting not in settings:
+        raise ConfigError(f"link file {path} has no fits for setting {setting!r} (it has: "
+                          f"{', '.join(settings) or 'none'}); pick one with --link-setting")
+    for fit in fits:
+        if isinstance(fit, dict) and fit.get("setting") == setting and fit.get("world") == world:
+            missing = [k for k in ("alpha_us", "beta_GBps") if k not in fit]
+            if missing:
+                raise ConfigError(f"link file {path}: the fit for world {world}, setting {setting!r} lacks "
+                                  f"{', '.join(repr(k) for k in missing)}")
+            try:
+                beta, alpha = float(fit["beta_GBps"]), float(fit["alpha_us"])
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"link file {path}: the fit for world {world}, setting {setting!r} holds "
+                                  f"a value that is not a number ({exc})") from None
+            try:
+                link = Link(f"measured {setting}", beta, alpha)
+            except ConfigError as exc:
+                raise ConfigError(f"link file {path}: {exc}") from None
+            source = (f"measured by `thunderep bench link` ({data.get('hardware', 'hardware not recorded')}), "
+                      f"world {world}, setting {setting}, from {path}: NCCL all-to-all latency "
+                      f"{(world - 1) * link.alpha_us:.1f} us = {world - 1} x alpha {link.alpha_us:.1f} us, "
+                      f"beta {link.beta_GBps:.2f} GB/s")
+            return link, source
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="thunderep project", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -75,7 +138,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, help="hidden size (default: the run's)")
     p.add_argument("--layers", type=int, help="MoE layers (default: the run's)")
     p.add_argument("--top-k", type=int, help="experts per token (default: the run's)")
+    p.add_argument("--link", metavar="FILE", help="measured link parameters: a `thunderep bench link --json` file")
+    p.add_argument("--link-setting", default="p2p_disabled",
+                   help="the NCCL setting of --link to use: p2p_disabled (host-staged, default) or default")
+    p.add_argument("--alpha-us", type=float, help="measured latency per message in microseconds (with --link-gbps)")
+    p.add_argument("--link-gbps", type=float, help="measured bytes per second one GPU sends to its peers, in GB/s")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
+    if a.link and (a.alpha_us is not None or a.link_gbps is not None):
+        p.error("give either --link FILE or --alpha-us and --link-gbps, not both")
+    if (a.alpha_us is None) != (a.link_gbps is None):
+        p.error("--alpha-us and --link-gbps go together: give both")
+    # links_R: the links to project R GPUs over, and one line each saying where they come from.
+    if a.link:
+        links_R, notes = {}, []
+        for R in (2, 4):
+            found = load_link(a.link, world=R, setting=a.link_setting)
+            if found is None:
+                notes.append(f"{R} GPUs: not projected, {a.link} has no fit at world {R} (setting {a.link_setting})")
+            else:
+                links_R[R] = [found[0]]
+                notes.append(f"{R} GPUs: link parameters {found[1]}")
+        label = f"MEASURED link parameters from {a.link}"
+    elif a.alpha_us is not None:
+        link = Link("measured (command line)", a.link_gbps, a.alpha_us)
+        links_R = {R: [link] for R in (2, 4)}
+        notes = [f"link parameters measured, given on the command line: alpha {a.alpha_us:g} us per message, "
+                 f"beta {a.link_gbps:g} GB/s (--alpha-us, --link-gbps), for 2 and 4 GPUs alike"]
+        label = "MEASURED link parameters given on the command line"
+    else:
+        links_R, notes = {R: list(LINKS) for R in (2, 4)}, []
+        label = "parameters and sources in `thunderep project --help`"
     run = Path(a.run_dir)
     metrics = json.loads((run / "metrics.json").read_text())
     tax = metrics["synctax"]
@@ -90,18 +183,28 @@ def main(argv: list[str] | None = None) -> int:
     compute_s = (a.compute_ms / 1e3 if a.compute_ms is not None
                  else tax["seconds"] * (1 - min(tax["sync_tax_share"], 0.95)) / steps)
     imbalance = tax["mean_imbalance"]
-    print("PROJECTION (alpha-beta model, parameters and sources in `thunderep project --help`), not a measurement")
+    print(f"PROJECTION (alpha-beta model, {label}), not a measurement")
     print(f"from run {run}: {T} tokens per rank per step, D={model['hidden_size']}, K={model['top_k']}, "
           f"{model['num_layers']} MoE layers, compute {compute_s * 1e3:.2f} ms per step "
           f"({'given' if a.compute_ms is not None else 'measured on the run device'}), imbalance {imbalance:.2f}, "
           f"{a.bytes_per_element}-byte payloads")
+    for note in notes:
+        print(note)
     print(f"{'GPUs':>4} | {'link':<26} | {'ThunderEP ms':>12} | {'all-gather ms':>13} | {'speed-up':>8} | "
           f"{'scaling vs 1 GPU (ours / baseline)':>35}")
-    for R in (2, 4):
-        for link in LINKS:
+    rows = []
+    for R, links in links_R.items():
+        for link in links:
             r = project_step(R=R, T=T, K=model["top_k"], D=model["hidden_size"], layers=model["num_layers"],
                              b=a.bytes_per_element, compute_s=compute_s, imbalance=imbalance, link=link)
             ours, base = r["thunderep_s"], r["baseline_s"]
             print(f"{R:>4} | {link.name:<26} | {ours * 1e3:12.2f} | {base * 1e3:13.2f} | {base / ours:7.2f}x | "
                   f"{R * compute_s / ours:16.2f}x / {R * compute_s / base:.2f}x")
+            rows.append({"gpus": R, "link": asdict(link), **r})
+    if a.json:
+        out = {"projection": True, "label": label, "notes": notes, "run": str(run), "tokens_per_gpu": T,
+               "compute_s": compute_s, "imbalance": imbalance, "bytes_per_element": a.bytes_per_element,
+               "rows": rows}
+        Path(a.json).write_text(json.dumps(out, indent=1))
+        print(f"wrote {a.json}")
     return 0

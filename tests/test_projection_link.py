@@ -1,0 +1,164 @@
+"""`thunderep project` with measured link parameters, and the alpha-beta fit of `thunderep bench link`.
+
+The fit against synthetic times with known latency and bandwidth; the projection's table and rows
+against a hand computation of the model; bad link input; bench link's process machinery on gloo
+(the GPU runs use the same code with NCCL) and its one-line error without GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from thunderep.cli import main as cli
+from thunderep.comm.bench_link import fit_alpha_beta, measure_world, sizes
+from thunderep.errors import ConfigError, PeerTimeout, ThunderError
+from thunderep.projection import Link, load_link
+from thunderep.projection import main as project
+
+# A 1-GPU run as `thunderep train --out` writes it, only the keys the projection reads.
+RUN = {"world": 1, "steps": 10, "tokens": 10 * 4096, "model": {"hidden_size": 1024, "num_layers": 4, "top_k": 2},
+       "synctax": {"seconds": 1.0, "sync_tax_share": 0.0, "mean_imbalance": 1.0}}
+
+
+def _hand(R: int, alpha_us: float, gbps: float, compute_ms: float, b: int = 4) -> float:
+    """ThunderEP step time in ms by the module docstring: 4 all-to-alls per layer, each (R - 1) alpha
+    plus T K D b (R - 1) / R bytes over beta, plus 3 us of control exchange."""
+    T, K, D, layers = 4096, 2, 1024, 4
+    per_a2a = (R - 1) * alpha_us * 1e-6 + T * K * D * b * (R - 1) / R / (gbps * 1e9)
+    return compute_ms + 1e3 * layers * (4 * per_a2a + 3e-6)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    (tmp_path / "metrics.json").write_text(json.dumps(RUN))
+    return tmp_path
+
+
+def _link_file(tmp_path, fits, name="link.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps({"tool": "thunderep bench link", "hardware": "2 x Test GPU", "fits": fits}))
+    return str(path)
+
+
+def test_fit_recovers_known_latency_and_bandwidth():
+    sent = [s / 2 for s in sizes(8, 256 << 20, 2)]
+    latency, beta = 35e-6, 12.5e9
+    fit = fit_alpha_beta(sent, [latency + x / beta for x in sent])
+    assert fit == pytest.approx((latency, beta), rel=1e-9)
+    # 5% multiplicative noise, alternating: both ends stay within a few percent.
+    noisy = [(latency + x / beta) * (1.05 if i % 2 else 0.95) for i, x in enumerate(sent)]
+    got_latency, got_beta = fit_alpha_beta(sent, noisy)
+    assert got_latency == pytest.approx(latency, rel=0.06) and got_beta == pytest.approx(beta, rel=0.06)
+
+
+def test_fit_clamps_negative_latency_and_rejects_flat_times():
+    sent = [1e6, 2e6, 4e6]  # exactly t = x / beta - 5 us: latency clamped to 0, beta refitted
+    latency, beta = fit_alpha_beta(sent, [x / 10e9 - 5e-6 for x in sent])
+    assert latency == 0.0 and beta == pytest.approx(10e9, rel=0.06)
+    with pytest.raises(ConfigError, match="do not vary"):
+        fit_alpha_beta([8.0, 8.0], [1e-5, 2e-5])
+    with pytest.raises(ThunderError, match="does not grow"):
+        fit_alpha_beta([8.0, 1e6], [2e-5, 1e-5])
+    with pytest.raises(ConfigError):
+        fit_alpha_beta([8.0, 16.0], [0.0, 1e-5])
+
+
+def test_sizes_are_log_spaced_multiples_of_the_world():
+    assert sizes(8, 64, 2) == [8, 16, 32, 64]
+    assert sizes(8, 32, 3) == [6, 15, 30]
+    assert sizes(5, 8, 4) == [8]
+
+
+def test_project_with_alpha_and_bandwidth_given(run_dir, capsys):
+    out = run_dir / "rows.json"
+    assert project([str(run_dir), "--alpha-us", "40", "--link-gbps", "10", "--compute-ms", "20",
+                    "--bytes-per-element", "4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("PROJECTION") and "MEASURED link parameters given on the command line" in text
+    assert "alpha 40 us per message, beta 10 GB/s" in text and "PCIe 4.0" not in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["gpus"] for r in rows] == [2, 4]
+    for r in rows:
+        expected = _hand(r["gpus"], 40.0, 10.0, 20.0)
+        assert r["thunderep_s"] * 1e3 == pytest.approx(expected, rel=1e-12)
+        assert f"{expected:12.2f}" in text
+
+
+def test_project_with_bench_link_file(run_dir, tmp_path, capsys):
+    link = _link_file(tmp_path, [
+        {"world": 2, "setting": "p2p_disabled", "latency_us": 50.0, "alpha_us": 50.0, "beta_GBps": 8.0},
+        {"world": 2, "setting": "default", "latency_us": 20.0, "alpha_us": 20.0, "beta_GBps": 80.0},
+    ])
+    out = tmp_path / "rows.json"
+    assert project([str(run_dir), "--link", link, "--compute-ms", "20", "--bytes-per-element", "4",
+                    "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"MEASURED link parameters from {link}" in text and "2 x Test GPU" in text
+    assert "4 GPUs: not projected" in text  # the file has no fit at world 4
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["gpus"] == 2 and row["link"]["beta_GBps"] == 8.0
+    assert row["thunderep_s"] * 1e3 == pytest.approx(_hand(2, 50.0, 8.0, 20.0), rel=1e-12)
+    project([str(run_dir), "--link", link, "--link-setting", "default", "--compute-ms", "20",
+             "--bytes-per-element", "4", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["thunderep_s"] * 1e3 == pytest.approx(_hand(2, 20.0, 80.0, 20.0), rel=1e-12)
+
+
+def test_project_default_links_unchanged(run_dir, capsys):
+    project([str(run_dir)])
+    text = capsys.readouterr().out
+    assert "PROJECTION (alpha-beta model, parameters and sources in `thunderep project --help`)" in text
+    assert "MEASURED" not in text and text.count("PCIe") == 8
+
+
+@pytest.mark.parametrize("gbps", ["0", "-3", "nan"])
+def test_bad_bandwidth_is_a_clear_error(run_dir, gbps):
+    with pytest.raises(ConfigError, match=r"bandwidth \(.*GB/s\) must be a positive number"):
+        project([str(run_dir), "--alpha-us", "10", "--link-gbps", gbps])
+    with pytest.raises(ConfigError, match="must be zero or positive"):
+        Link("x", 10.0, -1.0)
+
+
+def test_bad_link_files_are_clear_errors(run_dir, tmp_path, capsys):
+    no_beta = _link_file(tmp_path, [{"world": 2, "setting": "p2p_disabled", "alpha_us": 30.0}], "a.json")
+    with pytest.raises(ConfigError, match="lacks 'beta_GBps'"):
+        project([str(run_dir), "--link", no_beta])
+    zero = _link_file(tmp_path, [{"world": 2, "setting": "p2p_disabled", "alpha_us": 3.0, "beta_GBps": 0}], "b.json")
+    with pytest.raises(ConfigError, match="b.json.*must be a positive number"):
+        load_link(zero, world=2, setting="p2p_disabled")
+    (tmp_path / "c.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="is not JSON"):
+        load_link(tmp_path / "c.json", world=2, setting="p2p_disabled")
+    (tmp_path / "d.json").write_text("{}")
+    with pytest.raises(ConfigError, match="has no 'fits' list"):
+        load_link(tmp_path / "d.json", world=2, setting="p2p_disabled")
+    with pytest.raises(ConfigError, match="cannot read link file"):
+        load_link(tmp_path / "missing.json", world=2, setting="p2p_disabled")
+    with pytest.raises(ConfigError, match="no fits for setting 'nvlink'"):
+        load_link(no_beta, world=2, setting="nvlink")
+    # Through the command line: one line on stderr, exit code 1; half of --alpha-us / --link-gbps: usage error.
+    assert cli(["project", str(run_dir), "--link", no_beta]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lacks 'beta_GBps'" in err
+    with pytest.raises(SystemExit):
+        project([str(run_dir), "--alpha-us", "10"])
+    assert "go together" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() >= 2, reason="needs no GPUs")
+def test_bench_link_without_gpus_is_one_line(capsys):
+    assert cli(["bench", "link", "--worlds", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs 2 or more CUDA GPUs and finds" in err
+
+
+def test_bench_link_ranks_on_gloo_and_timeout():
+    """The NCCL runs' process machinery (start, results, kill), here with gloo on CPU."""
+    size_list = sizes(8, 4096, 2)
+    seconds = measure_world(2, "p2p_disabled", size_list, iters=2, warmup=1, timeout_s=60, backend="gloo")
+    assert len(seconds) == len(size_list) and all(0 < t < 5 for t in seconds)
+    with pytest.raises(PeerTimeout, match="still running after --timeout 0.2 s, killed"):
+        measure_world(2, "default", size_list, iters=2, warmup=1, timeout_s=0.2, backend="gloo")
