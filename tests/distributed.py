@@ -17,7 +17,10 @@ import torch.multiprocessing as mp
 from thunderep.launch import free_port
 
 
-def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout, backend):
+def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout, backend, timeout):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(max(1.0, timeout - 10.0), exit=False)  # where a stuck rank is
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import datetime
@@ -52,7 +55,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, init_dist: boo
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue, init_dist, dist_timeout, backend))
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue, init_dist, dist_timeout, backend,
+                                                    timeout))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import SyncConfig
+from .comm.groups import wait_work
 from .errors import CommError
 from .layer import ThunderMoELayer
 
@@ -175,9 +176,9 @@ class GradSync:
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
             self._next_launch += 1
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: str, on_cuda: bool) -> None:
         try:
-            work.wait(timeout=self.timeout)
+            wait_work(work, self.timeout.total_seconds(), on_cuda)
         except RuntimeError as exc:
             raise CommError(f"gradient sync ({what}) failed: a peer died or did not answer within "
                             f"{self.timeout.total_seconds():g} s ({str(exc).splitlines()[0][:200]})") from exc
@@ -187,7 +188,7 @@ class GradSync:
         if self.syncing_grads:
             self._launch_ready(force=True)
             for bucket in self._buckets:
-                self._wait(bucket.work, "gradient all-reduce")
+                self._wait(bucket.work, "gradient all-reduce", bucket.flat.is_cuda)
                 self.stats.record(bucket.flat.numel() * bucket.flat.element_size(),
                                   time.perf_counter() - bucket.started)
                 bucket.flat.div_(self.world)
@@ -212,7 +213,7 @@ class GradSync:
                 p.grad = torch.zeros_like(p)
             g = p.grad[slot].contiguous()
             started = time.perf_counter()
-            self._wait(dist.all_reduce(g, group=group, async_op=True), "expert replica all-reduce")
+            self._wait(dist.all_reduce(g, group=group, async_op=True), "expert replica all-reduce", g.is_cuda)
             self.stats.record(g.numel() * g.element_size(), time.perf_counter() - started, expert=True)
             p.grad[slot].copy_(g)
 
@@ -247,7 +248,7 @@ class GradSync:
             launched, self._pending_delta = self._pending_delta, launched
         if launched is not None:
             flat, work, started = launched
-            self._wait(work, "delta all-reduce")
+            self._wait(work, "delta all-reduce", flat.is_cuda)
             self.stats.record(flat.numel() * flat.element_size(), time.perf_counter() - started)
             delta = flat.float().div_(self.world)
             offset = 0

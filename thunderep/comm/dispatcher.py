@@ -16,7 +16,6 @@ with no tokens, and every wait is bounded by the groups' timeout, so a dead or s
 
 from __future__ import annotations
 
-import datetime
 import time
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ from ..errors import CommError
 from ..router import Routing
 from .codec import Codec, get_codec
 from .control import ControlPlane
-from .groups import EPGroups
+from .groups import EPGroups, wait_work
 
 __all__ = ["CommStats", "DispatchMeta", "Dispatcher", "Pending"]
 
@@ -126,7 +125,7 @@ class Pending:
         if self._work is not None:
             blocked_from = time.perf_counter()
             try:
-                self._work.wait(timeout=datetime.timedelta(seconds=d.groups.timeout_s))
+                wait_work(self._work, d.groups.timeout_s, self._wire.is_cuda)
             except RuntimeError as exc:
                 raise CommError(
                     f"{self._op} all_to_all on EP rank {d.groups.ep_rank} failed: a peer died or did not "

@@ -115,3 +115,18 @@ def init_expert_parallel(
     is_nccl = "nccl" in str(dist.get_backend()).lower()
     device = torch.device("cuda", torch.cuda.current_device()) if is_nccl else torch.device("cpu")
     return EPGroups(me, world, ep_rank, ep_size, dp_rank, dp_size, ep_group, dp_group, device, timeout_s)
+
+
+def wait_work(work, timeout_s: float, on_cuda: bool) -> None:
+    """Wait for an async collective.
+
+    CUDA (NCCL): the wait is stream-ordered: the current stream waits for the collective and the host
+    goes on queueing work. (A host wait with a timeout would block the CPU until the GPU finished,
+    polling in 1 ms sleeps: a decode step of a 2-layer model took twice as long.) The bound is the
+    process group's own timeout, set from the same `timeout_s` at init: NCCL's watchdog aborts a
+    collective that a peer never joins. CPU (gloo): the host waits at most `timeout_s`.
+    """
+    if on_cuda:
+        work.wait()
+    else:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))

@@ -9,7 +9,6 @@ Shape legend: T tokens, D hidden size, C columns, R ranks.
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import torch
@@ -19,7 +18,7 @@ from ..config import EPConfig
 from ..errors import CommError, ConfigError
 from .control import ControlPlane, _all_gather_single, make_control_plane
 from .dispatcher import Dispatcher
-from .groups import EPGroups, init_expert_parallel
+from .groups import EPGroups, init_expert_parallel, wait_work
 
 __all__ = ["ExpertParallel", "GatherFromEP", "ScatterToEP"]
 
@@ -82,7 +81,7 @@ class ExpertParallel:
         `sent_TC`'s bytes as sent to every peer."""
         started = time.perf_counter()
         try:
-            launch().wait(timeout=datetime.timedelta(seconds=self.groups.timeout_s))
+            wait_work(launch(), self.groups.timeout_s, sent_TC.is_cuda)
         except RuntimeError as exc:
             raise CommError(
                 f"{op} on EP rank {self.groups.ep_rank} failed: a peer died or did not answer within "
