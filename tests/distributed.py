@@ -20,7 +20,8 @@ from thunderep.launch import free_port
 def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout, backend, timeout):
     import faulthandler
 
-    faulthandler.dump_traceback_later(max(1.0, timeout - 10.0), exit=False)  # where a stuck rank is
+    # Where a stuck rank is: its stack on stderr every minute (or shortly before the run's timeout).
+    faulthandler.dump_traceback_later(max(1.0, min(60.0, timeout - 10.0)), repeat=True, exit=False)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import datetime
