@@ -8,6 +8,8 @@ replicated parameters' gradients summed over ranks (what data-parallel gradient 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from distributed import run_ranks
@@ -110,7 +112,10 @@ def _run_cases(rank, world, cases):
     from thunderep.comm.groups import init_expert_parallel
 
     groups = init_expert_parallel()
-    out = {key: _scenario(rank, world, *args, groups) for key, args in cases.items()}
+    out = {}
+    for key, args in cases.items():
+        print(f"rank {rank}: {key}", file=sys.stderr, flush=True)  # with a stuck rank's stack: which case
+        out[key] = _scenario(rank, world, *args, groups)
     if world > 1:
         out["allgather_unequal_tokens"] = _allgather_unequal_tokens(rank, groups)
     return out
