@@ -339,3 +339,32 @@ def test_interpreter_torch_compile():
     grads = torch.autograd.grad(y_c.square().sum(), leaves)
     for g, g_e in zip(grads, torch.autograd.grad(y_e.square().sum(), eager_leaves)):
         torch.testing.assert_close(g, g_e)
+
+
+def test_fixed_config_too_big_for_shared_memory_is_retried_with_fewer_stages(monkeypatch):
+    """Tuning off: a fixed config whose float32 tiles overflow shared memory runs with fewer stages;
+    one that cannot fit at all raises the GPU's error."""
+    from triton.runtime.errors import OutOfResources
+
+    from thunderep.kernels import ops
+
+    class Kernel:
+        def __init__(self, most_stages):
+            self.most_stages, self.calls = most_stages, []
+
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                self.calls.append(kwargs["num_stages"])
+                if kwargs["num_stages"] > self.most_stages:
+                    raise OutOfResources(245760, 232448, "shared memory")
+            return run
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    default = ops._DEFAULT[64]
+    fits_two = Kernel(most_stages=2)
+    ops._launch(None, fits_two, default, (1,), torch.device("cuda"), x=1)
+    assert fits_two.calls == list(range(default.num_stages, 1, -1))  # 4, 3, 2: ran with 2
+    never = Kernel(most_stages=0)
+    with pytest.raises(OutOfResources):
+        ops._launch(None, never, default, (1,), torch.device("cuda"), x=1)
+    assert never.calls == list(range(default.num_stages, 0, -1))

@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from . import grouped_gemm as G
 from . import moe_triton as K
@@ -125,12 +126,23 @@ def _autotune(device: torch.device) -> bool:
 
 
 def _launch(tuned, plain, default, grid, device, **args):
-    """Run the autotuned kernel on CUDA, else (CPU interpreter, or tuning off) a fixed config."""
+    """Run the autotuned kernel on CUDA, else (CPU interpreter, or tuning off) a fixed config.
+
+    The fixed configs are sized for 16-bit tiles; float32 tiles take twice the shared memory, so a
+    config the GPU cannot hold is retried with one pipeline stage fewer (the autotuner skips such
+    configs itself). The error is raised before the kernel runs: nothing is half written."""
     if _autotune(device):
         tuned[grid](**args)
-    else:
-        meta = dict(default.kwargs)
-        plain[grid](**args, **meta, num_warps=default.num_warps, num_stages=default.num_stages)
+        return
+    stages = default.num_stages
+    while True:
+        try:
+            plain[grid](**args, **default.kwargs, num_warps=default.num_warps, num_stages=stages)
+            return
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
 
 
 def kernel_configs() -> dict:
