@@ -33,6 +33,7 @@ def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout, backend,
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+            os.environ.setdefault("THUNDEREP_TRITON_AUTOTUNE", "0")  # correctness: fixed kernel configs
         if init_dist:
             dist.init_process_group(backend, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=dist_timeout))
