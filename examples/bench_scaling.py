@@ -108,7 +108,8 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)
-    ep = ExpertParallel.init(config=EPConfig(timeout_s=args.timeout), backend="nccl" if cuda else "gloo")
+    ep = ExpertParallel.init(config=EPConfig(timeout_s=args.timeout, control=args.control),
+                             backend="nccl" if cuda else "gloo")
     device = ep.groups.device
     dtype = torch.bfloat16
 
@@ -218,6 +219,8 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
             fns[name, "full"] = generate(s, prompt_1, args.new_tokens + 1, batch1=True)
             fns[name, "one"] = generate(s, prompt_1, 1, batch1=True)
         measure(fns, args.gen_repeats, "decode_1_s")
+        if args.profile:
+            _profile(systems, prompts, generate, args, rank, world)
     if cuda:
         results["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     results["shared_batch"] = {name: s["shared"] for name, s in systems.items()}
@@ -226,6 +229,30 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
     dist.barrier()
     ep.close()
     dist.destroy_process_group()
+
+
+def _profile(systems: dict, prompts: dict, generate, args, rank: int, world: int) -> None:
+    """One batch decode of 4 new tokens per system under torch.profiler: rank 0 writes the operators
+    that took the most host and device time to PROFILE/profile-<R>gpu.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if not args.cpu else [])
+    lines = []
+    for name, s in systems.items():
+        fn = generate(s, prompts[s["shared"]], 4)
+        fn()  # warm
+        with profile(activities=activities) as prof:
+            fn()
+            if not args.cpu:
+                torch.cuda.synchronize()
+        averages = prof.key_averages()
+        for key in ("self_cpu_time_total", "cpu_time_total") + (() if args.cpu else ("self_device_time_total",)):
+            lines += [f"== {world} GPU(s), {name}, batch decode of 4 tokens, by {key}",
+                      averages.table(sort_by=key, row_limit=20, max_name_column_width=60), ""]
+    if rank == 0:
+        os.makedirs(args.profile, exist_ok=True)
+        with open(os.path.join(args.profile, f"profile-{world}gpu.txt"), "w") as f:
+            f.write("\n".join(lines))
 
 
 def run_world(world: int, args, path: str) -> list[dict]:
@@ -322,6 +349,10 @@ def main(argv=None) -> int:
     p.add_argument("--gen-repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait")
     p.add_argument("--json", help="write per-rank times and the summary here")
+    p.add_argument("--control", default="auto", choices=("auto", "mailbox", "collective"),
+                   help="ThunderEP's control plane for split sizes")
+    p.add_argument("--profile", metavar="DIR", help="also profile one batch decode per system (rank 0's "
+                   "operator tables in DIR/profile-<R>gpu.txt)")
     args = p.parse_args(argv)
     if any(g < 1 for g in args.gpus):
         p.error("--gpus takes positive numbers")
@@ -343,7 +374,8 @@ def main(argv=None) -> int:
           f"{os.environ.get('NCCL_P2P_DISABLE', 'unset')}; torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {platform.machine()}")
     print(f"train: {args.batch} x {args.seq_len} tokens per GPU; decode: {args.gen_batch} prompts of "
-          f"{args.prompt_len} per GPU, {args.new_tokens} new tokens", flush=True)
+          f"{args.prompt_len} per GPU, {args.new_tokens} new tokens; ThunderEP control plane: {args.control}",
+          flush=True)
     summaries, raw = {}, {}
     with tempfile.TemporaryDirectory() as root:
         started = time.perf_counter()

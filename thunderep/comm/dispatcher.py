@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ..balance.placement import Placement
 from ..errors import CommError
@@ -195,9 +196,11 @@ class Dispatcher:
             sends.append(torch.bincount(slots_N, minlength=R * S))
         send_WP = torch.stack(sends).to(torch.int32)
         started = time.perf_counter()
-        record = torch.cat([send_WP.reshape(-1).cpu(), words])
+        with record_function("thunderep.split_sizes_to_host"):  # waits for this rank's GPU
+            record = torch.cat([send_WP.reshape(-1).cpu(), words])
         try:
-            rows = self.control.exchange_tensor(record)
+            with record_function("thunderep.control_exchange"):
+                rows = self.control.exchange_tensor(record)
             all_RWP = rows[:, :send_WP.numel()].reshape(R, len(routings), R * S)
         except CommError:
             raise
