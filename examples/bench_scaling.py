@@ -112,6 +112,11 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
                              backend="nccl" if cuda else "gloo")
     device = ep.groups.device
     dtype = torch.bfloat16
+    if args.mailbox_backoff:
+        if ep.control.kind != "mailbox":
+            raise SystemExit(f"--mailbox-backoff needs the mailbox control plane; this run has {ep.control.kind!r}")
+        spin, yield_, sleep = args.mailbox_backoff
+        ep.control.mailbox.set_backoff(spin_us=spin, yield_us=yield_, sleep_max_us=sleep)
 
     def sync():
         if cuda:
@@ -351,6 +356,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write per-rank times and the summary here")
     p.add_argument("--control", default="auto", choices=("auto", "mailbox", "collective"),
                    help="ThunderEP's control plane for split sizes")
+    p.add_argument("--mailbox-backoff", type=float, nargs=3, metavar=("SPIN_US", "YIELD_US", "SLEEP_MAX_US"),
+                   help="how long a mailbox wait spins, then yields, before it sleeps on a futex (and the "
+                   "longest nap); default: the mailbox's own choice")
     p.add_argument("--profile", metavar="DIR", help="also profile one batch decode per system (rank 0's "
                    "operator tables in DIR/profile-<R>gpu.txt)")
     args = p.parse_args(argv)
@@ -374,7 +382,8 @@ def main(argv=None) -> int:
           f"{os.environ.get('NCCL_P2P_DISABLE', 'unset')}; torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {platform.machine()}")
     print(f"train: {args.batch} x {args.seq_len} tokens per GPU; decode: {args.gen_batch} prompts of "
-          f"{args.prompt_len} per GPU, {args.new_tokens} new tokens; ThunderEP control plane: {args.control}",
+          f"{args.prompt_len} per GPU, {args.new_tokens} new tokens; ThunderEP control plane: {args.control}"
+          f"{f', mailbox backoff {args.mailbox_backoff} us' if args.mailbox_backoff else ''}",
           flush=True)
     summaries, raw = {}, {}
     with tempfile.TemporaryDirectory() as root:
