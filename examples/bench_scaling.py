@@ -364,6 +364,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if any(g < 1 for g in args.gpus):
         p.error("--gpus takes positive numbers")
+    if args.mailbox_backoff and args.control == "collective":
+        p.error("--mailbox-backoff sets the mailbox's waits; --control collective has no mailbox")
     if not args.cpu:
         if not torch.cuda.is_available():
             p.error("no CUDA GPU here; --cpu runs the same code on CPU ranks")
