@@ -160,9 +160,9 @@ def expert_mlp(
         offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32).to(x_ND.device, non_blocking=True)
     row_expert_N = None
     if gate_up_bias is not None or down_bias is not None:
-        row_expert_N = torch.repeat_interleave(
-            torch.arange(E, device=x_ND.device), counts_E.to(x_ND.device), output_size=x_ND.shape[0]
-        )
+        row_expert_N = torch.repeat_interleave(torch.arange(E, device=x_ND.device),
+                                               counts_E.to(x_ND.device, non_blocking=True),
+                                               output_size=x_ND.shape[0])
     h_N2I = _grouped_linear(x_ND, gate_up_proj, offsets_E, counts, gate_up_bias, row_expert_N, use_grouped)
     a_NI = gated_activation(h_N2I, config)
     return _grouped_linear(a_NI, down_proj, offsets_E, counts, down_bias, row_expert_N, use_grouped)

@@ -225,7 +225,8 @@ class Dispatcher:
         for w, routing in enumerate(routings):
             recv_RS = all_RWP[:, w, me * S:(me + 1) * S].to(torch.int64)
             slot_ids_M = torch.repeat_interleave(torch.arange(S).repeat(R), recv_RS.reshape(-1))
-            local_order_M = torch.argsort(slot_ids_M, stable=True).to(device)
+            # non_blocking: a host-to-device copy that would otherwise wait for this rank's GPU
+            local_order_M = torch.argsort(slot_ids_M, stable=True).to(device, non_blocking=True)
             metas.append(DispatchMeta(
                 num_tokens=routing.ids_TK.shape[0], top_k=routing.ids_TK.shape[1],
                 send_order_N=orders[w], send_inverse_N=_inverse(orders[w]),

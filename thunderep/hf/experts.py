@@ -130,7 +130,7 @@ class ExpertsBinding:
         combines = []
         for p, meta in zip(pending, metas):
             x_MD = p.wait()
-            counts_S = meta.counts_S.to(x_MD.device)  # split sizes are host data
+            counts_S = meta.counts_S.to(x_MD.device, non_blocking=True)  # host data; no wait for the GPU
             slot_M = torch.repeat_interleave(torch.arange(S, device=x_MD.device), counts_S,
                                              output_size=x_MD.shape[0])
             combines.append(dispatcher.combine_async(self.compute_rows(module, x_MD, slot_M), meta))
