@@ -60,3 +60,17 @@ def test_configs_are_frozen():
     r = RouterConfig(num_experts=8, top_k=2, hidden_size=16)
     with pytest.raises(AttributeError):
         r.top_k = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(waves=0), r"EPConfig.waves must be a positive integer, got 0"),
+    (dict(control="shm"), r"EPConfig.control must be one of .*got 'shm'"),
+    (dict(timeout_s=0.0), r"EPConfig.timeout_s must be positive, got 0.0"),
+    (dict(allgather_max_tokens=-1), r"EPConfig.allgather_max_tokens must be an int >= 0, got -1"),
+    (dict(allgather_max_tokens=2.5), r"EPConfig.allgather_max_tokens must be an int >= 0, got 2.5"),
+])
+def test_ep_config_errors(kwargs, message):
+    from thunderep import EPConfig
+
+    with pytest.raises(ConfigError, match=message):
+        EPConfig(**kwargs)

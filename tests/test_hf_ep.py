@@ -35,20 +35,22 @@ def _batch(world: int, seed: int = 5) -> torch.Tensor:
     return torch.randint(3, V, (ROWS * world, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _inference_outputs(model, x, mine, rank, **replicated):
+def _inference_outputs(model, x, mine, rank, ours=False):
     """Logits, router logits and aux loss on this rank's rows; logits and greedy tokens on the whole batch
-    (`replicated` passes ThunderMoE's flag for it, the plain model takes none); greedy tokens on this
-    rank's rows, a different length per rank (ranks finish generating at different steps)."""
+    (ThunderMoE in latency mode, `replicated=True`); greedy tokens on this rank's rows, a different length
+    per rank (ranks finish generating at different steps), ThunderMoE in ep mode. The plain model takes
+    neither flag."""
+    own, replicated = (dict(mode="ep"), dict(replicated=True)) if ours else ({}, {})
     out = {}
     with torch.no_grad():
-        o = model(input_ids=mine, output_router_logits=True)
+        o = model(input_ids=mine, output_router_logits=True, **own)
         out["logits"] = o.logits
         router = getattr(o, "router_logits", None)
         out["router_logits"] = torch.stack([r.float() for r in router]) if router else None
         out["aux_loss"] = getattr(o, "aux_loss", None)
         out["latency_logits"] = model(input_ids=x, **replicated).logits
     out["gen_latency"] = model.generate(x[:1], **replicated, max_new_tokens=5, do_sample=False)
-    out["gen_ep"] = model.generate(mine, max_new_tokens=2 + rank, do_sample=False)
+    out["gen_ep"] = model.generate(mine, max_new_tokens=2 + rank, do_sample=False, **own)
     return out
 
 
@@ -76,14 +78,14 @@ def _ours(tm, rank, world, train: bool):
 
     x = _batch(world)
     mine = x[ROWS * rank:ROWS * (rank + 1)]
-    out = _inference_outputs(tm, x, mine, rank, replicated=True)
+    out = _inference_outputs(tm, x, mine, rank, ours=True)
     if train:
         opt = torch.optim.SGD(tm.parameters(), lr=0.1)
         losses = []
         tm.train()
         for _ in range(TRAIN_STEPS):
             opt.zero_grad()
-            loss = tm(input_ids=mine, labels=mine).loss
+            loss = tm(input_ids=mine, labels=mine, mode="ep").loss
             (loss / world).backward()  # grads of the mean of the ranks' losses
             tm.all_reduce_grads(average=False)
             opt.step()
@@ -309,7 +311,7 @@ def _gpu_case(rank, world, checkpoints):
             pairs[family, "latency_logits"] = (tm(input_ids=x, replicated=True).logits, ref_logits)
         pairs[family, "gen_latency"] = (tm.generate(x[:1], replicated=True, max_new_tokens=5, do_sample=False),
                                         ref_tokens)
-        (tm(input_ids=mine, labels=mine).loss / world).backward()
+        (tm(input_ids=mine, labels=mine, mode="ep").loss / world).backward()
         tm.all_reduce_grads(average=False)
         sliced = {f"{name}.{t}": b.local_experts for name, b in tm.bindings.items() for t in b.tensors}
         for name, p in tm.model.named_parameters():

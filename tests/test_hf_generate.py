@@ -40,7 +40,10 @@ def test_generate_launches_its_own_ranks_and_streams(tmp_path, capfd):
     one = capfd.readouterr().out
     assert main(args + ["--ep", "2"]) == 0
     two = capfd.readouterr().out
-    assert "ep=2, mode=ep" in two and "tokens/s" in two
+    assert "ep=2, mode=auto" in two and "tokens/s" in two
+    # One prompt per rank, padded to its own length: the prefill runs in ep mode, the decode steps (one
+    # token on every rank) in all-gather mode; 2 MoE layers, 4 decode steps after the prefill.
+    assert "MoE layer calls: allgather 8, ep 2" in two
     completions = [[line for line in out.splitlines() if line.startswith("[0] ") or line.startswith("[1] ")]
                    for out in (one, two)]
     assert completions[0] == completions[1] and len(completions[0]) == 2

@@ -143,6 +143,11 @@ EXTRA = {  # name: (layer, tokens per rank for 2 / 4 ranks, skew, EPConfig, mode
     "allgather_mode": ("deepseek", {2: [7, 7], 4: [7, 7, 7, 7]}, False, COLLECTIVE, "allgather"),
     "allgather_mode_mailbox_skewed": ("top1", {2: [9, 9], 4: [9, 9, 9, 9]}, True, EPConfig(control="mailbox"),
                                       "allgather"),
+    # mode "auto": all-gather mode for equal batches of at most allgather_max_tokens, else ep mode
+    "auto_small_equal": ("deepseek", {2: [9, 9], 4: [9, 9, 9, 9]}, False, COLLECTIVE, "auto"),
+    "auto_unequal": ("mixtral", {2: [9, 10], 4: [9, 9, 9, 10]}, False, COLLECTIVE, "auto"),
+    "auto_over_limit": ("mixtral", {2: [9, 9], 4: [9, 9, 9, 9]}, False,
+                        EPConfig(control="mailbox", allgather_max_tokens=8), "auto"),
     "four_waves_mailbox": ("mixtral", {2: [1, 40], 4: [1, 17, 0, 40]}, False, EPConfig(waves=4, control="mailbox"), "ep"),
     "bf16_payload": ("mixtral", {2: [64, 64], 4: [32, 32, 32, 32]}, False, EPConfig(compression="bf16", control="collective"), "ep"),
     "fp8_payload": ("mixtral", {2: [64, 64], 4: [32, 32, 32, 32]}, False, EPConfig(compression="fp8", control="collective"), "ep"),
@@ -197,6 +202,17 @@ def test_allgather_mode_equals_single_process(world, scenario):
         T, K = EXTRA[scenario][1][world][stats["rank"]], {"deepseek": 3, "top1": 1}[EXTRA[scenario][0]]
         peer = (stats["rank"] + 1) % world  # each peer gets this rank's x and routing weights (fp32)
         assert stats["bytes_R"]["allgather"][peer] == T * D * 4 + T * K * 4
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario,chosen", [("auto_small_equal", "allgather"), ("auto_unequal", "ep"),
+                                             ("auto_over_limit", "ep")])
+def test_auto_mode_picks_allgather_for_small_equal_batches(world, scenario, chosen):
+    results = results_for(world)[scenario]
+    _check(results)
+    for _, stats in results:
+        ran = {m: stats["calls"][op] for m, op in (("allgather", "reduce_scatter"), ("ep", "dispatch"))}
+        assert ran == {m: int(m == chosen) for m in ran}
 
 
 @pytest.mark.parametrize("world", [2, 4])

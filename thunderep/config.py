@@ -305,6 +305,9 @@ class EPConfig:
         host, else collectives), "mailbox" or "collective".
     timeout_s: bound on every wait; a dead or silent peer raises instead of hanging.
     record_bytes: largest control record (split sizes of all waves: 4 * waves * ranks * slots bytes).
+    allgather_max_tokens: in mode "auto" without replicated inputs, a layer call whose EP ranks all hold
+        the same number of tokens, at most this many (decode steps), runs in all-gather mode: fixed
+        sizes, no split sizes to exchange, no host synchronization. Otherwise, and with 0, EP mode.
     """
 
     waves: int = 1
@@ -312,6 +315,7 @@ class EPConfig:
     control: str = "auto"
     timeout_s: float = 60.0
     record_bytes: int = 16384
+    allgather_max_tokens: int = 256
 
     def __post_init__(self) -> None:
         _positive("EPConfig.waves", self.waves)
@@ -321,6 +325,9 @@ class EPConfig:
         if self.timeout_s <= 0:
             raise ConfigError(f"EPConfig.timeout_s must be positive, got {self.timeout_s!r}")
         _positive("EPConfig.record_bytes", self.record_bytes)
+        if type(self.allgather_max_tokens) is not int or self.allgather_max_tokens < 0:
+            raise ConfigError(
+                f"EPConfig.allgather_max_tokens must be an int >= 0, got {self.allgather_max_tokens!r}")
 
 
 @dataclass(frozen=True)

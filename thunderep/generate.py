@@ -6,8 +6,9 @@
 Launches its own N processes on this host (torch.multiprocessing spawn; NCCL with one GPU per rank when
 N GPUs are visible, else gloo on CPU; no torchrun). Each rank loads the replicated weights and only its
 own experts (`ThunderMoE.from_pretrained`). Fewer prompts than ranks: every rank holds all prompts and
-decodes in latency mode (one all-reduce per MoE layer); otherwise the prompts are split across ranks and
-decoded in ep mode (tokens travel to their experts), ranks stepping in lockstep until all have finished.
+decodes in latency mode (one all-reduce per MoE layer); otherwise the prompts are split across ranks,
+ranks stepping in lockstep until all have finished: the prefill in ep mode (tokens travel to their
+experts), decode steps in all-gather mode when every rank holds as many sequences (`--mode` forces one).
 Rank 0 streams the first sequence's tokens as they come and reports tokens per second.
 
 Tokenizer: the checkpoint's own when DIR has one, else a byte-level fallback (prompt bytes are token ids,
@@ -121,13 +122,14 @@ def generate_on_rank(args: argparse.Namespace, ep=None, out=None) -> dict | None
     torch.manual_seed(args.seed)  # the same sampling stream on every rank (latency mode needs it)
     if rank == 0:
         out.write(f"[thunderep] {type(tm.model).__name__}: {len(tm.bindings)} MoE layers, ep={world}, "
-                  f"mode={'latency' if latency else 'ep'}, device={device}; {tm.load_report.summary()}\n"
+                  f"mode={'latency' if latency else args.mode}, device={device}; {tm.load_report.summary()}\n"
                   f"[thunderep] prompt 0: {args.prompt[0]!r}\n")
         out.flush()
     if world > 1:  # time generation only, not the slowest rank's loading
         dist.barrier(group=ep.groups.ep_group)
     started = time.perf_counter()
-    tokens = tm.generate(ids.to(device), attention_mask=mask.to(device), replicated=latency, **gen)
+    mode = "latency" if latency else args.mode
+    tokens = tm.generate(ids.to(device), attention_mask=mask.to(device), mode=mode, replicated=latency, **gen)
     seconds = time.perf_counter() - started
     eos = tm.model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
@@ -145,12 +147,19 @@ def generate_on_rank(args: argparse.Namespace, ep=None, out=None) -> dict | None
         return None
     total, wall = sum(g[1] for g in gathered), max(g[2] for g in gathered)
     first = (streamer.times[0] - started) * 1e3 if streamer.times else float("nan")
+    calls = {}  # MoE layer calls per mode, this rank (every rank runs the same ones)
+    for binding in tm.bindings.values():
+        for m, n in binding.calls.items():
+            if n:
+                calls[m] = calls.get(m, 0) + n
     summary = {"texts": [next(g[0][i] for g in gathered if i in g[0]) for i in range(len(args.prompt))],
-               "tokens": total, "seconds": wall, "tokens_per_s": total / wall, "first_token_ms": first}
+               "tokens": total, "seconds": wall, "tokens_per_s": total / wall, "first_token_ms": first,
+               "layer_calls": calls}
     for i, text in enumerate(summary["texts"]):
         out.write(f"[{i}] {args.prompt[i]!r} -> {text!r}\n")
     out.write(f"[thunderep] {total} new tokens in {wall:.2f} s: {total / wall:.1f} tokens/s (first token after "
-              f"{first:.0f} ms; {wall / max(1, args.max_new_tokens) * 1e3:.1f} ms per step)\n")
+              f"{first:.0f} ms; {wall / max(1, args.max_new_tokens) * 1e3:.1f} ms per step); MoE layer calls: "
+              + ", ".join(f"{m} {n}" for m, n in sorted(calls.items())) + "\n")
     out.flush()
     return summary
 
@@ -177,8 +186,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks to launch on this host")
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--mode", choices=("auto", "latency", "ep"), default="auto",
-                   help="auto: latency mode when there are fewer prompts than ranks, else ep mode")
+    p.add_argument("--mode", choices=("auto", "latency", "ep", "allgather"), default="auto",
+                   help="auto: latency mode when there are fewer prompts than ranks, else per MoE layer "
+                        "call all-gather mode for equal small batches (decode steps) and ep mode for the rest")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0)

@@ -67,6 +67,15 @@ class ExpertParallel:
         return self._collective(op, out, lambda: _reduce_scatter_single(
             out, x_RTC, group=self.groups.ep_group, async_op=True), out)
 
+    def auto_mode(self, T: int) -> str:
+        """Mode "auto" for a layer call with T tokens on this rank: "allgather" when every EP rank holds
+        the same T <= `config.allgather_max_tokens`, else "ep". One control-plane exchange (host data
+        only: no wait for the GPU); every rank gets the same answer."""
+        if self.groups.ep_size == 1 or self.config.allgather_max_tokens == 0:
+            return "ep"
+        most, neg_least = self.control.allreduce_max([T, -T])
+        return "allgather" if most == -neg_least and most <= self.config.allgather_max_tokens else "ep"
+
     def check_same_tokens(self, T: int, what: str = "all-gather mode") -> None:
         """Raise ConfigError unless every EP rank passes the same T (one control-plane exchange)."""
         most, neg_least = self.control.allreduce_max([T, -T])

@@ -50,7 +50,7 @@ MODES = ("ep", "latency", "allgather")
 class RunState:
     """Mutable state shared by every binding of one wrapped model: the current mode."""
 
-    mode: str = "ep"
+    mode: str = "auto"
 
 
 @dataclass(eq=False)
@@ -91,11 +91,14 @@ class ExpertsBinding:
             self.calls["local"] += 1
             return self.compute(module, x_TD, ids_TK, weights_TK)
         mode = self.state.mode
+        checked = mode == "auto"
+        if checked:  # per call: all-gather mode for small equal batches, else ep (see EPConfig)
+            mode = self.ep.auto_mode(x_TD.shape[0])
         self.calls[mode] += 1
         if mode == "latency":
             return self._forward_latency(module, x_TD, ids_TK, weights_TK)
         if mode == "allgather":
-            return self._forward_allgather(module, x_TD, ids_TK, weights_TK)
+            return self._forward_allgather(module, x_TD, ids_TK, weights_TK, checked)
         return self._forward_ep(module, x_TD, ids_TK, weights_TK)
 
     # -- local compute
@@ -144,11 +147,12 @@ class ExpertsBinding:
         partial_TD = self._local_partial(module, x_e, w_e, ids_TK)
         return ReduceFromEP.apply(partial_TD, self.ep).to(x_TD.dtype)
 
-    def _forward_allgather(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
+    def _forward_allgather(self, module, x_TD, ids_TK, weights_TK, checked: bool = False) -> torch.Tensor:
         from ..comm.runtime import GatherFromEP, ScatterToEP
 
         ep = self.ep
-        ep.check_same_tokens(x_TD.shape[0])
+        if not checked:
+            ep.check_same_tokens(x_TD.shape[0])
         x_all = GatherFromEP.apply(x_TD, ep)
         w_all = GatherFromEP.apply(weights_TK, ep)
         ids_all = ep.all_gather_rows(ids_TK, op="allgather_ids")  # ids carry no gradient

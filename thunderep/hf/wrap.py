@@ -16,8 +16,10 @@ untouched. Nothing is patched at import.
 Modes: "ep" (each rank holds its own tokens; rows travel with all-to-all), "latency" (every rank
 holds the same tokens, e.g. batch-1 decode; one all-reduce per layer) and "allgather" (each rank its
 own tokens, the same number on every rank; all tokens are gathered everywhere and a reduce-scatter
-returns the sums: the baseline of frameworks without an EP kernel library, kept to measure against).
-`mode="auto"` picks latency when the caller passes `replicated=True`.
+returns the sums: the baseline of frameworks without an EP kernel library, and the faster mode for small
+batches). `mode="auto"` picks latency when the caller passes `replicated=True`; otherwise each MoE
+layer call runs in all-gather mode when every rank holds the same number of tokens, at most
+`EPConfig.allgather_max_tokens` (decode steps), and in ep mode else.
 """
 
 from __future__ import annotations
@@ -240,10 +242,10 @@ class ThunderMoE(nn.Module):
     @contextlib.contextmanager
     def running(self, mode: str = "auto", replicated: bool = False):
         """Run the enclosed calls in `mode` ("ep", "latency", "allgather", or "auto": latency iff
-        `replicated`, else ep)."""
+        `replicated`, else chosen per layer call, see the module docstring)."""
         if mode != "auto" and mode not in MODES:
             raise ConfigError(f"mode must be one of auto, {', '.join(MODES)}; got {mode!r}")
-        resolved = ("latency" if replicated else "ep") if mode == "auto" else mode
+        resolved = ("latency" if replicated else "auto") if mode == "auto" else mode
         previous = self._state.mode
         self._state.mode = resolved
         try:
