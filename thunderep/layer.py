@@ -181,7 +181,8 @@ class ThunderMoELayer(nn.Module):
             y_TD = self._forward_latency(x_TD, routing)
             if self.shared_experts is not None:
                 y_TD = y_TD + self.shared_experts(x_TD)
-        elif mode == "allgather" or (mode == "auto" and self.ep.auto_mode(x_TD.shape[0]) == "allgather"):
+        elif mode == "allgather" or (mode == "auto" and self.balancer is None  # the balancer works in ep mode
+                                     and self.ep.auto_mode(x_TD.shape[0]) == "allgather"):
             y_TD = self._forward_allgather(x_TD, routing, checked=mode == "auto")
             if self.shared_experts is not None:
                 y_TD = y_TD + self.shared_experts(x_TD)
@@ -223,11 +224,11 @@ class ThunderMoELayer(nn.Module):
 
         if not checked:
             self.ep.check_same_tokens(x_TD.shape[0])
-        x_all = GatherFromEP.apply(x_TD, self.ep)
-        w_all = GatherFromEP.apply(routing.weights_TK, self.ep)
-        ids_all = self.ep.all_gather_rows(routing.ids_TK, op="allgather_ids")  # ids carry no gradient
+        x_all = GatherFromEP.apply(x_TD, self.ep, self.stats)
+        w_all = GatherFromEP.apply(routing.weights_TK, self.ep, self.stats)
+        ids_all = self.ep.all_gather_rows(routing.ids_TK, op="allgather_ids", stats=self.stats)  # no gradient
         partial = self.local_partial(x_all, w_all, ids_all)
-        return ScatterToEP.apply(partial, self.ep).to(x_TD.dtype)
+        return ScatterToEP.apply(partial, self.ep, self.stats).to(x_TD.dtype)
 
     def local_partial(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
         """sum_k weights_TK * expert(x) over the (token, k) pairs whose expert this rank owns (its first

@@ -14,9 +14,13 @@ import argparse
 import json
 from pathlib import Path
 
+from .comm.dispatcher import CommStats
+
 __all__ = ["SyncTaxMeter", "format_report", "main", "plot"]
 
-_COMM_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "control", "migration")
+# Every operation the runtime counts (EP mode's dispatch and combine, all-gather mode's collectives,
+# latency mode's all-reduce, the control plane, migrations), each with its backward.
+_COMM_OPS = CommStats.OPS
 
 
 def _totals(stats) -> tuple[dict, dict, dict, int]:

@@ -53,19 +53,20 @@ class ExpertParallel:
         """In-place sum over the EP group, bounded by the timeout."""
         return self._collective(op, x_TD, lambda: dist.all_reduce(x_TD, group=self.groups.ep_group, async_op=True))
 
-    def all_gather_rows(self, x_TC: torch.Tensor, op: str = "allgather") -> torch.Tensor:
-        """[T, C] on every rank (the same T everywhere) -> [R * T, C], rank r's rows at r * T."""
+    def all_gather_rows(self, x_TC: torch.Tensor, op: str = "allgather", stats=None) -> torch.Tensor:
+        """[T, C] on every rank (the same T everywhere) -> [R * T, C], rank r's rows at r * T.
+        `stats`: a further `CommStats` (e.g. the layer's) that records the bytes."""
         x_TC = x_TC.contiguous()
         out = x_TC.new_empty(self.groups.ep_size * x_TC.shape[0], *x_TC.shape[1:])
         return self._collective(op, x_TC, lambda: _all_gather_single(
-            out, x_TC, group=self.groups.ep_group, async_op=True), out)
+            out, x_TC, group=self.groups.ep_group, async_op=True), out, stats)
 
-    def reduce_scatter_rows(self, x_RTC: torch.Tensor, op: str = "reduce_scatter") -> torch.Tensor:
+    def reduce_scatter_rows(self, x_RTC: torch.Tensor, op: str = "reduce_scatter", stats=None) -> torch.Tensor:
         """[R * T, C] partial sums on every rank -> [T, C]: this rank's block of the sum over ranks."""
         x_RTC = x_RTC.contiguous()
         out = x_RTC.new_empty(x_RTC.shape[0] // self.groups.ep_size, *x_RTC.shape[1:])
         return self._collective(op, out, lambda: _reduce_scatter_single(
-            out, x_RTC, group=self.groups.ep_group, async_op=True), out)
+            out, x_RTC, group=self.groups.ep_group, async_op=True), out, stats)
 
     def auto_mode(self, T: int) -> str:
         """Mode "auto" for a layer call with T tokens on this rank: "allgather" when every EP rank holds
@@ -73,19 +74,32 @@ class ExpertParallel:
         only: no wait for the GPU); every rank gets the same answer."""
         if self.groups.ep_size == 1 or self.config.allgather_max_tokens == 0:
             return "ep"
-        most, neg_least = self.control.allreduce_max([T, -T])
+        most, neg_least = self._token_range(T)
         return "allgather" if most == -neg_least and most <= self.config.allgather_max_tokens else "ep"
 
     def check_same_tokens(self, T: int, what: str = "all-gather mode") -> None:
         """Raise ConfigError unless every EP rank passes the same T (one control-plane exchange)."""
-        most, neg_least = self.control.allreduce_max([T, -T])
+        most, neg_least = self._token_range(T)
         if most != -neg_least:
             raise ConfigError(
                 f"{what} needs the same number of tokens on every EP rank; rank {self.groups.ep_rank} has {T}, "
                 f"others between {-neg_least} and {most} (pad the batch, or use ep mode)"
             )
 
-    def _collective(self, op: str, sent_TC: torch.Tensor, launch, result: torch.Tensor | None = None) -> torch.Tensor:
+    def _token_range(self, T: int) -> list[int]:
+        """[max T, -min T] over the EP ranks (one control-plane exchange)."""
+        try:
+            return self.control.allreduce_max([T, -T])
+        except CommError:
+            raise
+        except RuntimeError as exc:  # a collective control plane reports peers through torch errors
+            raise CommError(
+                f"token-count exchange on EP rank {self.groups.ep_rank} failed: a peer died or did not answer "
+                f"within the process group's timeout ({str(exc).splitlines()[0][:200]})"
+            ) from exc
+
+    def _collective(self, op: str, sent_TC: torch.Tensor, launch, result: torch.Tensor | None = None,
+                    stats=None) -> torch.Tensor:
         """Run `launch()` (an async collective over the EP group), wait bounded by the timeout, and record
         `sent_TC`'s bytes as sent to every peer."""
         started = time.perf_counter()
@@ -98,7 +112,9 @@ class ExpertParallel:
             ) from exc
         nbytes = sent_TC.numel() * sent_TC.element_size()
         sent = [0 if r == self.groups.ep_rank else nbytes for r in range(self.groups.ep_size)]
-        self.stats.record(op, sent, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        for sink in (self.stats,) if stats is None or stats is self.stats else (self.stats, stats):
+            sink.record(op, sent, seconds)
         return sent_TC if result is None else result
 
     def close(self) -> None:
@@ -140,23 +156,23 @@ class GatherFromEP(torch.autograd.Function):
     """Forward: all-gather rows over the EP group ([T, C] -> [R * T, C]). Backward: reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, x_TC, ep: ExpertParallel):
-        ctx.ep = ep
-        return ep.all_gather_rows(x_TC)
+    def forward(ctx, x_TC, ep: ExpertParallel, stats=None):
+        ctx.ep, ctx.stats = ep, stats
+        return ep.all_gather_rows(x_TC, stats=stats)
 
     @staticmethod
     def backward(ctx, grad_RTC):
-        return ctx.ep.reduce_scatter_rows(grad_RTC, op="allgather_backward"), None
+        return ctx.ep.reduce_scatter_rows(grad_RTC, op="allgather_backward", stats=ctx.stats), None, None
 
 
 class ScatterToEP(torch.autograd.Function):
     """Forward: reduce-scatter partial sums ([R * T, C] -> this rank's [T, C]). Backward: all-gather."""
 
     @staticmethod
-    def forward(ctx, x_RTC, ep: ExpertParallel):
-        ctx.ep = ep
-        return ep.reduce_scatter_rows(x_RTC)
+    def forward(ctx, x_RTC, ep: ExpertParallel, stats=None):
+        ctx.ep, ctx.stats = ep, stats
+        return ep.reduce_scatter_rows(x_RTC, stats=stats)
 
     @staticmethod
     def backward(ctx, grad_TC):
-        return ctx.ep.all_gather_rows(grad_TC, op="reduce_scatter_backward"), None
+        return ctx.ep.all_gather_rows(grad_TC, op="reduce_scatter_backward", stats=ctx.stats), None, None
