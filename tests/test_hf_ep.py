@@ -74,50 +74,41 @@ def _reference(model, rank, world, train_model):
 
 
 def _ours(tm, rank, world, train: bool):
-    import torch.distributed as dist
-
     x = _batch(world)
     mine = x[ROWS * rank:ROWS * (rank + 1)]
     out = _inference_outputs(tm, x, mine, rank, ours=True)
     if train:
-        opt = torch.optim.SGD(tm.parameters(), lr=0.1)
-        losses = []
-        tm.train()
-        for _ in range(TRAIN_STEPS):
-            opt.zero_grad()
-            loss = tm(input_ids=mine, labels=mine, mode="ep").loss
-            (loss / world).backward()  # grads of the mean of the ranks' losses
-            tm.all_reduce_grads(average=False)
-            opt.step()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean / world)
-        out["train_losses"] = torch.stack(losses)
-        tm.eval()
+        out["train_losses"] = _train_losses(tm, mine, world, "ep")
     return out
 
 
-def _allgather_mode(tm, rank, world):
-    """Logits of this rank's rows and the training losses, every MoE layer in all-gather mode."""
+def _train_losses(tm, mine, world, mode):
+    """SGD steps on this rank's rows in `mode`; the mean of the ranks' losses per step."""
     import torch.distributed as dist
 
-    x = _batch(world)
-    mine = x[ROWS * rank:ROWS * (rank + 1)]
-    with torch.no_grad():
-        out = {"logits": tm(input_ids=mine, mode="allgather").logits}
     opt = torch.optim.SGD(tm.parameters(), lr=0.1)
     losses = []
     tm.train()
     for _ in range(TRAIN_STEPS):
         opt.zero_grad()
-        loss = tm(input_ids=mine, labels=mine, mode="allgather").loss
-        (loss / world).backward()
+        loss = tm(input_ids=mine, labels=mine, mode=mode).loss
+        (loss / world).backward()  # grads of the mean of the ranks' losses
         tm.all_reduce_grads(average=False)
         opt.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean / world)
-    out["train_losses"] = torch.stack(losses)
+    tm.eval()
+    return torch.stack(losses)
+
+
+def _allgather_mode(tm, rank, world):
+    """Logits of this rank's rows and the training losses, every MoE layer in all-gather mode."""
+    x = _batch(world)
+    mine = x[ROWS * rank:ROWS * (rank + 1)]
+    with torch.no_grad():
+        out = {"logits": tm(input_ids=mine, mode="allgather").logits}
+    out["train_losses"] = _train_losses(tm, mine, world, "allgather")
     out["calls"] = [b.calls["allgather"] for b in tm.bindings.values()]
     return out
 
