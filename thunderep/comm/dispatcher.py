@@ -197,7 +197,8 @@ class Dispatcher:
         send_WP = torch.stack(sends).to(torch.int32)
         started = time.perf_counter()
         with record_function("thunderep.split_sizes_to_host"):  # waits for this rank's GPU
-            record = torch.cat([send_WP.reshape(-1).cpu(), words])
+            send_WP = send_WP.cpu()  # the one device-to-host copy of the plan; the rest is host data
+            record = torch.cat([send_WP.reshape(-1), words])
         try:
             with record_function("thunderep.control_exchange"):
                 rows = self.control.exchange_tensor(record)
