@@ -184,7 +184,9 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
         return lambda: s["model"].generate(ids, **kw)
 
     def measure(name_fns: dict, repeats: int, key: str) -> None:
-        """Time the systems side by side; if that fails, record why and time ours without transformers'."""
+        """Time the systems side by side; if that fails, record why and time ours without transformers'.
+        Also keeps ThunderEP's runtime counters of the run (calls and seconds per operation)."""
+        ep.stats.reset()
         try:
             times = _timed(name_fns, repeats, sync)
             error = None
@@ -204,6 +206,8 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
                 return
         for name, t in times.items():
             results.setdefault(key, {})["/".join(name) if isinstance(name, tuple) else name] = t
+        snap = ep.stats.snapshot()
+        results.setdefault("runtime", {})[key] = {op: [n, snap["seconds"][op]] for op, n in snap["calls"].items() if n}
 
     for s in systems.values():
         s["model"].train()
@@ -399,6 +403,9 @@ def main(argv=None) -> int:
             peak = max(r.get("peak_gib", 0.0) for r in raw[world])
             print(f"{world} GPU(s): {time.perf_counter() - started:.0f} s, peak GPU memory {peak:.1f} GiB, "
                   f"shared batch: {raw[world][0]['shared_batch']}", flush=True)
+            for key, ops in raw[world][0].get("runtime", {}).items():  # where ThunderEP's time went
+                print(f"  rank 0, ThunderEP runtime during {key[:-2]} (ms per call, calls): " + ", ".join(
+                    f"{op} {s / n * 1e3:.3f} ({n})" for op, (n, s) in ops.items()), flush=True)
     print_table(summaries)
     if args.json:
         with open(args.json, "w") as f:

@@ -182,7 +182,7 @@ class ThunderMoELayer(nn.Module):
             if self.shared_experts is not None:
                 y_TD = y_TD + self.shared_experts(x_TD)
         elif mode == "allgather" or (mode == "auto" and self.balancer is None  # the balancer works in ep mode
-                                     and self.ep.auto_mode(x_TD.shape[0]) == "allgather"):
+                                     and self.ep.auto_mode(x_TD.shape[0], self.stats) == "allgather"):
             y_TD = self._forward_allgather(x_TD, routing, checked=mode == "auto")
             if self.shared_experts is not None:
                 y_TD = y_TD + self.shared_experts(x_TD)
@@ -223,7 +223,7 @@ class ThunderMoELayer(nn.Module):
         from .comm.runtime import GatherFromEP, ScatterToEP
 
         if not checked:
-            self.ep.check_same_tokens(x_TD.shape[0])
+            self.ep.check_same_tokens(x_TD.shape[0], stats=self.stats)
         x_all = GatherFromEP.apply(x_TD, self.ep, self.stats)
         w_all = GatherFromEP.apply(routing.weights_TK, self.ep, self.stats)
         ids_all = self.ep.all_gather_rows(routing.ids_TK, op="allgather_ids", stats=self.stats)  # no gradient

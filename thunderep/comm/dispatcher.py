@@ -38,12 +38,15 @@ class CommStats:
 
     bytes_R[op][r]: bytes this rank sent to EP rank r for op in OPS (ep mode's dispatch and combine,
     latency mode's all-reduce, all-gather mode's all-gathers and reduce-scatters, each with its
-    backward; the control plane; migrations); the entry of this rank itself stays on the device (no PCIe). seconds[op]: wall time from launch to completed wait.
+    backward; the control plane; migrations); the entry of this rank itself stays on the device (no
+    PCIe). seconds[op]: wall time from launch to completed wait. "split_sizes_to_host" moves no bytes
+    between ranks: its seconds are the wait for this rank's own GPU before the split sizes exist on the
+    host (not counted as blocked on peers); "control" is the exchange itself.
     """
 
     OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "latency_allreduce",
            "latency_allreduce_backward", "allgather", "allgather_ids", "allgather_backward", "reduce_scatter",
-           "reduce_scatter_backward", "control", "migration")
+           "reduce_scatter_backward", "split_sizes_to_host", "control", "migration")
 
     def __init__(self, world: int, rank: int):
         self.world, self.rank = world, rank
@@ -199,6 +202,7 @@ class Dispatcher:
         with record_function("thunderep.split_sizes_to_host"):  # waits for this rank's GPU
             send_WP = send_WP.cpu()  # the one device-to-host copy of the plan; the rest is host data
             record = torch.cat([send_WP.reshape(-1), words])
+        on_host = time.perf_counter()
         try:
             with record_function("thunderep.control_exchange"):
                 rows = self.control.exchange_tensor(record)
@@ -211,7 +215,7 @@ class Dispatcher:
                 f"process group's timeout ({str(exc).splitlines()[0][:200]})"
             ) from exc
         sinks = (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)
-        control_s = time.perf_counter() - started
+        to_host_s, control_s = on_host - started, time.perf_counter() - on_host
         slot_load_P = all_RWP.sum(dim=(0, 1))  # rows each global slot's expert gets this step
         load_R = slot_load_P.view(R, S).sum(dim=1).tolist()
         if balancer is not None:  # every rank holds every rank's splits: the same totals everywhere
@@ -219,6 +223,7 @@ class Dispatcher:
         load_E = torch.zeros(placement.num_experts, dtype=torch.int64).index_add_(
             0, placement.slot_experts_P, slot_load_P.to(torch.int64)).tolist()
         for sink in sinks:
+            sink.record("split_sizes_to_host", [0] * R, to_host_s, blocked=0.0)
             sink.record("control", [record.numel() * 4 if r != me else 0 for r in range(R)], control_s)
             sink.loads_R.append(load_R)
             sink.loads_E.append(load_E)

@@ -68,28 +68,39 @@ class ExpertParallel:
         return self._collective(op, out, lambda: _reduce_scatter_single(
             out, x_RTC, group=self.groups.ep_group, async_op=True), out, stats)
 
-    def auto_mode(self, T: int) -> str:
+    def auto_mode(self, T: int, stats=None) -> str:
         """Mode "auto" for a layer call with T tokens on this rank: "allgather" when every EP rank holds
         the same T <= `config.allgather_max_tokens`, else "ep". One control-plane exchange (host data
         only: no wait for the GPU); every rank gets the same answer."""
         if self.groups.ep_size == 1 or self.config.allgather_max_tokens == 0:
             return "ep"
-        most, neg_least = self._token_range(T)
+        most, neg_least = self._token_range(T, stats)
         return "allgather" if most == -neg_least and most <= self.config.allgather_max_tokens else "ep"
 
-    def check_same_tokens(self, T: int, what: str = "all-gather mode") -> None:
+    def check_same_tokens(self, T: int, what: str = "all-gather mode", stats=None) -> None:
         """Raise ConfigError unless every EP rank passes the same T (one control-plane exchange)."""
-        most, neg_least = self._token_range(T)
+        most, neg_least = self._token_range(T, stats)
         if most != -neg_least:
             raise ConfigError(
                 f"{what} needs the same number of tokens on every EP rank; rank {self.groups.ep_rank} has {T}, "
                 f"others between {-neg_least} and {most} (pad the batch, or use ep mode)"
             )
 
-    def _token_range(self, T: int) -> list[int]:
-        """[max T, -min T] over the EP ranks (one control-plane exchange)."""
+    def _sinks(self, stats) -> tuple:
+        """The runtime's `CommStats`, and `stats` (e.g. a layer's) when it is another one."""
+        return (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)
+
+    def _token_range(self, T: int, stats=None) -> list[int]:
+        """[max T, -min T] over the EP ranks (one control-plane exchange, recorded as "control" here and
+        in `stats`)."""
+        started = time.perf_counter()
         try:
-            return self.control.allreduce_max([T, -T])
+            out = self.control.allreduce_max([T, -T])
+            me, R = self.groups.ep_rank, self.groups.ep_size
+            seconds = time.perf_counter() - started
+            for sink in self._sinks(stats):
+                sink.record("control", [0 if r == me else 16 for r in range(R)], seconds)
+            return out
         except CommError:
             raise
         except RuntimeError as exc:  # a collective control plane reports peers through torch errors
@@ -113,7 +124,7 @@ class ExpertParallel:
         nbytes = sent_TC.numel() * sent_TC.element_size()
         sent = [0 if r == self.groups.ep_rank else nbytes for r in range(self.groups.ep_size)]
         seconds = time.perf_counter() - started
-        for sink in (self.stats,) if stats is None or stats is self.stats else (self.stats, stats):
+        for sink in self._sinks(stats):
             sink.record(op, sent, seconds)
         return sent_TC if result is None else result
 
