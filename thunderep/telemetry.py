@@ -6,6 +6,10 @@ no second bookkeeping. `SyncTaxMeter.step()` takes the per-step differences; `re
 and names the bottleneck; `save()` writes JSON (and a Chrome / Perfetto trace of the steps);
 `thunderep report RUN_DIR` prints a saved report. With matplotlib installed, `save()` also draws
 PNG plots (per-expert load heatmap, imbalance over steps, balancer state timeline).
+
+Times are host times. Under NCCL the runtime's waits are stream-ordered, so a collective's seconds are
+its launch; the host blocks where it needs data (the plan's copy of the split sizes, the control
+exchange). GPU-side collective time needs a profiler.
 """
 
 from __future__ import annotations
