@@ -220,15 +220,9 @@ class ThunderMoELayer(nn.Module):
         return ReduceFromEP.apply(partial_TD, self.ep).to(x_TD.dtype)
 
     def _forward_allgather(self, x_TD: torch.Tensor, routing: Routing, checked: bool = False) -> torch.Tensor:
-        from .comm.runtime import GatherFromEP, ScatterToEP
-
-        if not checked:
-            self.ep.check_same_tokens(x_TD.shape[0], stats=self.stats)
-        x_all = GatherFromEP.apply(x_TD, self.ep, self.stats)
-        w_all = GatherFromEP.apply(routing.weights_TK, self.ep, self.stats)
-        ids_all = self.ep.all_gather_rows(routing.ids_TK, op="allgather_ids", stats=self.stats)  # no gradient
-        partial = self.local_partial(x_all, w_all, ids_all)
-        return ScatterToEP.apply(partial, self.ep, self.stats).to(x_TD.dtype)
+        y_TD = self.ep.all_gather_mode(x_TD, routing.weights_TK, routing.ids_TK, self.local_partial, self.stats,
+                                       checked)
+        return y_TD.to(x_TD.dtype)
 
     def local_partial(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
         """sum_k weights_TK * expert(x) over the (token, k) pairs whose expert this rank owns (its first

@@ -26,8 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import SyncConfig
-from .comm.groups import wait_work
-from .errors import CommError
+from .comm.groups import peer_errors, wait_work
 from .layer import ThunderMoELayer
 
 __all__ = ["GradSync", "SyncStats"]
@@ -177,11 +176,9 @@ class GradSync:
             self._next_launch += 1
 
     def _wait(self, work, what: str, on_cuda: bool) -> None:
-        try:
-            wait_work(work, self.timeout.total_seconds(), on_cuda)
-        except RuntimeError as exc:
-            raise CommError(f"gradient sync ({what}) failed: a peer died or did not answer within "
-                            f"{self.timeout.total_seconds():g} s ({str(exc).splitlines()[0][:200]})") from exc
+        seconds = self.timeout.total_seconds()
+        with peer_errors(f"gradient sync ({what})", f"{seconds:g} s"):
+            wait_work(work, seconds, on_cuda)
 
     def finish(self) -> None:
         """Call after backward, before the optimizer step."""

@@ -23,7 +23,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ..errors import CommError, ConfigError
+from ..comm.groups import peer_errors
+from ..errors import ConfigError
 from .placement import Placement
 
 __all__ = ["migrate_layer"]
@@ -79,12 +80,9 @@ def migrate_layer(layer, new: Placement, optimizer=None, timeout_s: float | None
         ops += [dist.P2POp(dist.irecv, part, groups.ep_global_rank(src), group=groups.ep_group) for part in parts]
     timeout = datetime.timedelta(seconds=timeout_s or groups.timeout_s)
     if ops:
-        try:
+        with peer_errors(f"expert migration on EP rank {me}", f"{timeout.total_seconds():g} s"):
             for work in dist.batch_isend_irecv(ops):
                 work.wait(timeout=timeout)
-        except RuntimeError as exc:
-            raise CommError(f"expert migration on EP rank {me} failed: a peer died or did not answer within "
-                            f"{timeout.total_seconds():g} s ({str(exc).splitlines()[0][:200]})") from exc
     with torch.no_grad():
         for s, parts in copies:
             for t, part in zip(tensors, parts):

@@ -28,7 +28,7 @@ from ..errors import CommError
 from ..router import Routing
 from .codec import Codec, get_codec
 from .control import ControlPlane
-from .groups import EPGroups, wait_work
+from .groups import EPGroups, peer_errors, wait_work
 
 __all__ = ["CommStats", "DispatchMeta", "Dispatcher", "Pending"]
 
@@ -128,13 +128,8 @@ class Pending:
         d = self._d
         if self._work is not None:
             blocked_from = time.perf_counter()
-            try:
+            with peer_errors(f"{self._op} all_to_all on EP rank {d.groups.ep_rank}", f"{d.groups.timeout_s:g} s"):
                 wait_work(self._work, d.groups.timeout_s, self._wire.is_cuda)
-            except RuntimeError as exc:
-                raise CommError(
-                    f"{self._op} all_to_all on EP rank {d.groups.ep_rank} failed: a peer died or did not "
-                    f"answer within {d.groups.timeout_s:g} s ({str(exc).splitlines()[0][:200]})"
-                ) from exc
             self._work = None
             if self._out is not self._wire:
                 with torch.no_grad():
@@ -203,17 +198,11 @@ class Dispatcher:
             send_WP = send_WP.cpu()  # the one device-to-host copy of the plan; the rest is host data
             record = torch.cat([send_WP.reshape(-1), words])
         on_host = time.perf_counter()
-        try:
-            with record_function("thunderep.control_exchange"):
-                rows = self.control.exchange_tensor(record)
-            all_RWP = rows[:, :send_WP.numel()].reshape(R, len(routings), R * S)
-        except CommError:
-            raise
-        except RuntimeError as exc:  # a collective control plane reports peers through torch errors
-            raise CommError(
-                f"split-size exchange on EP rank {me} failed: a peer died or did not answer within the "
-                f"process group's timeout ({str(exc).splitlines()[0][:200]})"
-            ) from exc
+        # A collective control plane reports dead peers through torch errors.
+        with record_function("thunderep.control_exchange"), peer_errors(
+                f"split-size exchange on EP rank {me}", "the process group's timeout"):
+            rows = self.control.exchange_tensor(record)
+        all_RWP = rows[:, :send_WP.numel()].reshape(R, len(routings), R * S)
         sinks = (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)
         to_host_s, control_s = on_host - started, time.perf_counter() - on_host
         slot_load_P = all_RWP.sum(dim=(0, 1))  # rows each global slot's expert gets this step

@@ -15,6 +15,7 @@ Two hosts, 4 GPUs each: torchrun --nnodes=2 --nproc_per_node=4 --node_rank=N \\
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ..errors import CommError, ConfigError, ThunderError
 
 __all__ = ["EPGroups", "init_expert_parallel", "ep_layout"]
 
@@ -130,3 +131,17 @@ def wait_work(work, timeout_s: float, on_cuda: bool) -> None:
         work.wait()
     else:
         work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+
+
+@contextlib.contextmanager
+def peer_errors(what: str, within: str):
+    """Turn the RuntimeError torch.distributed raises when a peer dies or a wait runs out into a
+    `CommError`: "<what> failed: a peer died or did not answer within <within> (<torch's first line>)".
+    ThunderEP's own errors pass through."""
+    try:
+        yield
+    except ThunderError:
+        raise
+    except RuntimeError as exc:
+        raise CommError(f"{what} failed: a peer died or did not answer within {within} "
+                        f"({str(exc).splitlines()[0][:200]})") from exc

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import EPConfig
-from ..errors import CommError, ConfigError
+from ..errors import ConfigError
 from .control import ControlPlane, _all_gather_single, make_control_plane
 from .dispatcher import Dispatcher
-from .groups import EPGroups, init_expert_parallel, wait_work
+from .groups import EPGroups, init_expert_parallel, peer_errors, wait_work
 
 __all__ = ["ExpertParallel", "GatherFromEP", "ScatterToEP"]
 
@@ -86,6 +86,19 @@ class ExpertParallel:
                 f"others between {-neg_least} and {most} (pad the batch, or use ep mode)"
             )
 
+    def all_gather_mode(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, partial,
+                        stats=None, checked: bool = False) -> torch.Tensor:
+        """All-gather mode's exchange around this rank's expert work: every rank's tokens, routing
+        weights and ids are gathered, `partial(x_all, weights_all, ids_all)` computes this rank's share
+        ([R * T, D]) and a reduce-scatter returns [T, D] for this rank's tokens (differentiable in x and
+        the weights). `checked`: the token counts are already known to be equal (auto mode)."""
+        if not checked:
+            self.check_same_tokens(x_TD.shape[0], stats=stats)
+        x_all = GatherFromEP.apply(x_TD, self, stats)
+        w_all = GatherFromEP.apply(weights_TK, self, stats)
+        ids_all = self.all_gather_rows(ids_TK, op="allgather_ids", stats=stats)  # ids carry no gradient
+        return ScatterToEP.apply(partial(x_all, w_all, ids_all), self, stats)
+
     def _sinks(self, stats) -> tuple:
         """The runtime's `CommStats`, and `stats` (e.g. a layer's) when it is another one."""
         return (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)
@@ -93,34 +106,22 @@ class ExpertParallel:
     def _token_range(self, T: int, stats=None) -> list[int]:
         """[max T, -min T] over the EP ranks (one control-plane exchange, recorded as "control" here and
         in `stats`)."""
+        me, R = self.groups.ep_rank, self.groups.ep_size
         started = time.perf_counter()
-        try:
+        with peer_errors(f"token-count exchange on EP rank {me}", "the process group's timeout"):
             out = self.control.allreduce_max([T, -T])
-            me, R = self.groups.ep_rank, self.groups.ep_size
-            seconds = time.perf_counter() - started
-            for sink in self._sinks(stats):
-                sink.record("control", [0 if r == me else 16 for r in range(R)], seconds)
-            return out
-        except CommError:
-            raise
-        except RuntimeError as exc:  # a collective control plane reports peers through torch errors
-            raise CommError(
-                f"token-count exchange on EP rank {self.groups.ep_rank} failed: a peer died or did not answer "
-                f"within the process group's timeout ({str(exc).splitlines()[0][:200]})"
-            ) from exc
+        seconds = time.perf_counter() - started
+        for sink in self._sinks(stats):
+            sink.record("control", [0 if r == me else 16 for r in range(R)], seconds)
+        return out
 
     def _collective(self, op: str, sent_TC: torch.Tensor, launch, result: torch.Tensor | None = None,
                     stats=None) -> torch.Tensor:
         """Run `launch()` (an async collective over the EP group), wait bounded by the timeout, and record
         `sent_TC`'s bytes as sent to every peer."""
         started = time.perf_counter()
-        try:
+        with peer_errors(f"{op} on EP rank {self.groups.ep_rank}", f"{self.groups.timeout_s:g} s"):
             wait_work(launch(), self.groups.timeout_s, sent_TC.is_cuda)
-        except RuntimeError as exc:
-            raise CommError(
-                f"{op} on EP rank {self.groups.ep_rank} failed: a peer died or did not answer within "
-                f"{self.groups.timeout_s:g} s ({str(exc).splitlines()[0][:200]})"
-            ) from exc
         nbytes = sent_TC.numel() * sent_TC.element_size()
         sent = [0 if r == self.groups.ep_rank else nbytes for r in range(self.groups.ep_size)]
         seconds = time.perf_counter() - started

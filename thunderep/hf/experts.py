@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -73,6 +74,12 @@ class ExpertsBinding:
     placement: Placement | None = None
     calls: dict = field(default_factory=lambda: {"ep": 0, "latency": 0, "allgather": 0, "local": 0})
 
+    @cached_property
+    def all_local(self) -> bool:
+        """No expert parallelism to do: no runtime, or one rank holding every expert in order."""
+        return self.ep is None or (self.ep.groups.ep_size == 1
+                                   and self.local_experts == tuple(range(self.num_experts)))
+
     @property
     def num_slots(self) -> int:
         return len(self.local_experts)
@@ -86,8 +93,7 @@ class ExpertsBinding:
                 f"{tuple(ids_TK.shape)} and top_k_weights {tuple(weights_TK.shape)}; ThunderEP needs [T, D], [T, K], "
                 "[T, K] (the transformers 5.x experts calling convention)"
             )
-        if self.ep is None or (self.ep.groups.ep_size == 1 and self.local_experts == tuple(range(self.num_experts))):
-            # Every expert is here, in order: the Hugging Face computation as it is, no dispatch.
+        if self.all_local:  # the Hugging Face computation as it is, no dispatch
             self.calls["local"] += 1
             return self.compute(module, x_TD, ids_TK, weights_TK)
         mode = self.state.mode
@@ -148,17 +154,10 @@ class ExpertsBinding:
         return ReduceFromEP.apply(partial_TD, self.ep).to(x_TD.dtype)
 
     def _forward_allgather(self, module, x_TD, ids_TK, weights_TK, checked: bool = False) -> torch.Tensor:
-        from ..comm.runtime import GatherFromEP, ScatterToEP
-
-        ep = self.ep
-        if not checked:
-            ep.check_same_tokens(x_TD.shape[0])
-        x_all = GatherFromEP.apply(x_TD, ep)
-        w_all = GatherFromEP.apply(weights_TK, ep)
-        ids_all = ep.all_gather_rows(ids_TK, op="allgather_ids")  # ids carry no gradient
-        partial = self._local_partial(module, x_all, w_all, ids_all)
         # Reduce-scattered in the model's dtype, as the frameworks this mode stands for do.
-        return ScatterToEP.apply(partial.to(x_TD.dtype), ep)
+        return self.ep.all_gather_mode(
+            x_TD, weights_TK, ids_TK, lambda x, w, ids: self._local_partial(module, x, w, ids).to(x_TD.dtype),
+            checked=checked)
 
     def _local_partial(self, module, x_TD, weights_TK, ids_TK) -> torch.Tensor:
         """sum_k weights_TK * expert(x) over the (token, k) pairs whose expert this rank owns, zero
