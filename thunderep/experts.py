@@ -219,12 +219,11 @@ class FusedExperts(nn.Module):
         if x_TD.shape[0] != T:
             raise RoutingError(f"x_TD has {x_TD.shape[0]} tokens but the routing has {T}")
         if _use_triton(x_TD, self.gate_up_proj, self.config) and T:
-            from .kernels.ops import moe_mlp
+            from .kernels.ops import routed_moe_mlp
 
-            order_N = torch.argsort(routing.ids_TK.reshape(-1), stable=True)
-            y_TD = moe_mlp(x_TD.to(self.gate_up_proj.dtype), self.gate_up_proj, self.down_proj, routing.counts_E,
-                           order_N=order_N, weights_N=routing.weights_TK, top_k=K,
-                           activation=self.config.activation, interleaved=self.config.interleaved)
+            y_TD = routed_moe_mlp(x_TD.to(self.gate_up_proj.dtype), self.gate_up_proj, self.down_proj,
+                                  routing.ids_TK, routing.weights_TK, counts_E=routing.counts_E,
+                                  activation=self.config.activation, interleaved=self.config.interleaved)
             return y_TD.to(x_TD.dtype)
         order_N, inverse_N = sort_by_expert(routing.ids_TK)
         y_ND = self.compute_sorted(x_TD[order_N // K], routing.counts_E)

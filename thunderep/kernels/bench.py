@@ -26,7 +26,7 @@ SHAPES = {  # D, I, E, K
     "deepseek": (7168, 2048, 256, 8),
 }
 IMPLS = ("eager", "grouped_mm", "thunderep")
-# Also accepted: "thunderep:triton" and "thunderep:torch", ThunderEP with its GEMM path pinned.
+# Also accepted: "thunderep:<pin>", ThunderEP with one path pinned (PINS).
 ROTATE = 4
 
 
@@ -59,32 +59,36 @@ def _hf_experts(D, I, E, K, w_gu, w_d, implementation):
 
 
 def _thunder_experts(D, I, E, K, w_gu, w_d):
-    from ..kernels.ops import moe_mlp
-    from ..router import expert_counts
+    from ..kernels.ops import routed_moe_mlp
 
-    def run(x, ids, w):
-        order = torch.argsort(ids.reshape(-1), stable=True)
-        counts = expert_counts(ids, E)
-        return moe_mlp(x, w_gu, w_d, counts, order_N=order, weights_N=w, top_k=K)
+    return lambda x, ids, w: routed_moe_mlp(x, w_gu, w_d, ids, w)
 
-    return run
+
+# Implementation suffixes that pin one of ThunderEP's paths while that implementation is measured.
+PINS = {
+    "triton": ("THUNDEREP_EXPERT_GEMM", "triton"),  # the fused, portable kernels
+    "torch": ("THUNDEREP_EXPERT_GEMM", "torch"),  # the Hopper path (torch's grouped GEMM)
+    "pairs": ("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30)),  # the decode pair kernels at every T (no grad)
+    "sorted": ("THUNDEREP_PAIRS_MAX_TOKENS", "0"),  # never the pair kernels
+}
 
 
 @contextlib.contextmanager
 def _pinned(impl: str):
-    """"thunderep:triton" / "thunderep:torch" pin ThunderEP's GEMM path (THUNDEREP_EXPERT_GEMM) while
-    that implementation is measured; anything else runs as configured."""
-    gemm = impl.partition(":")[2] if _ours(impl) else ""
-    saved = os.environ.get("THUNDEREP_EXPERT_GEMM")
-    if gemm:
-        os.environ["THUNDEREP_EXPERT_GEMM"] = gemm
+    """"thunderep:<pin>" sets the environment variable of PINS[pin] while that implementation is
+    measured; anything else runs as configured."""
+    pin = impl.partition(":")[2] if _ours(impl) else ""
+    name, value = PINS[pin] if pin else ("", "")
+    saved = os.environ.get(name) if name else None
+    if name:
+        os.environ[name] = value
     try:
         yield
     finally:
-        if gemm:
-            os.environ.pop("THUNDEREP_EXPERT_GEMM")
+        if name:
+            os.environ.pop(name)
             if saved is not None:
-                os.environ["THUNDEREP_EXPERT_GEMM"] = saved
+                os.environ[name] = saved
 
 
 def _ours(impl: str) -> bool:
@@ -131,7 +135,7 @@ def profile_kernels(fn, sets, backward: bool) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])[:12]
 
 
-def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profile_t=()):
+def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profile_t=(), modes=("fwd", "fwdbwd")):
     D, I, E, K = SHAPES[name]
     gen = torch.Generator(device=device).manual_seed(0)
     dt = torch.bfloat16
@@ -185,6 +189,8 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
                     torch.autograd.grad(y, (x, w_gu, w_d, w), s[3])
 
                 for mode, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+                    if mode not in modes:
+                        continue
                     try:
                         ms = _bench(f)
                     except torch.OutOfMemoryError:
@@ -235,12 +241,16 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-max-tokens", type=int, default=512,
                     help="also time forward as CUDA-graph replays (no launch overhead) up to this T")
     ap.add_argument("--profile-tokens", default="", help="print per-kernel device times at these T")
+    ap.add_argument("--modes", default="fwd,fwdbwd", help="eager-launch modes to time: fwd, fwdbwd or both")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("thunderep.kernels.bench needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     impls = args.impls.split(",")
+    bad = [i for i in impls if _ours(i) and i.partition(":")[2] not in ("", *PINS)]
+    if bad:
+        ap.error(f"unknown ThunderEP variant(s) {bad}: use thunderep or thunderep:<{'|'.join(PINS)}>")
     bw = copy_bandwidth(device)
     import transformers
 
@@ -250,7 +260,8 @@ def main(argv=None) -> int:
     for name in args.shapes.split(","):
         bench_shape(name, [int(t) for t in args.tokens.split(",")], impls, bw, device, rows,
                     graph_max_t=args.graph_max_tokens,
-                    profile_t={int(t) for t in args.profile_tokens.split(",") if t})
+                    profile_t={int(t) for t in args.profile_tokens.split(",") if t},
+                    modes=tuple(args.modes.split(",")))
         torch.cuda.empty_cache()  # this shape's weights are gone with bench_shape's frame
         print(table([r for r in rows if r["shape"] == name], impls), flush=True)
     from .ops import kernel_configs

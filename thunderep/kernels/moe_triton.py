@@ -455,3 +455,90 @@ def _combine_kernel(rows_ptr, inv_ptr, weight_ptr, out_ptr, T, D, top_k, stride_
         acc += v
     tl.store(out_ptr + t_T.to(tl.int64)[:, None] * stride_om + d_D[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=ok)
+
+
+# ---- decode: a few tokens, one (token, slot) pair at a time, no sort ----------------------------------
+
+
+@triton.jit
+def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn, stride_hm,
+                     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
+    program_id(0), columns c of tile program_id(1).
+
+    A matrix-vector product per pair: decode reads each hit expert's weights once and does little
+    arithmetic, so the products are elementwise multiply-adds into a [BLOCK_N, BLOCK_K] float32 tile,
+    summed over k at the end (no tensor-core tile to fill with one row, no sort, no counts).
+    x: [T, D]; Wgu: [E, 2I, D] (unit stride along D); h: [T*K, I] in flat (token, slot) order.
+    An expert id outside [0, E) reads expert 0 and writes NaN (no sync to check ids on the host; the
+    token's output then shows it)."""
+    j = tl.program_id(0)
+    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok_N = cols_N < I
+    expert = tl.load(ids_ptr + j).to(tl.int64)
+    known = (expert >= 0) & (expert < E)
+    expert = tl.where(known, expert, 0)
+    gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
+    k_K = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (j // top_k).to(tl.int64) * stride_xm + k_K
+    w_base = w_ptr + expert * stride_we
+    g_ptrs = w_base + gate_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
+    u_ptrs = w_base + up_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            xv = tl.load(x_ptrs).to(tl.float32)
+            g = tl.load(g_ptrs, mask=col_ok_N[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=col_ok_N[:, None], other=0.0)
+        else:
+            k_ok_K = k_K < D - k0
+            xv = tl.load(x_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
+            g = tl.load(g_ptrs, mask=col_ok_N[:, None] & k_ok_K[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=col_ok_N[:, None] & k_ok_K[None, :], other=0.0)
+        acc_g += g.to(tl.float32) * xv[None, :]
+        acc_u += u.to(tl.float32) * xv[None, :]
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = tl.where(known, _act(tl.sum(acc_g, 1), ACT) * tl.sum(acc_u, 1), float("nan"))
+    tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=col_ok_N)
+
+
+@triton.jit
+def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k, stride_hm, stride_we, stride_wd,
+                       stride_ym, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
+    columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass,
+    summed in float32 in a fixed order (no atomics). h: [T*K, I]; Wd: [E, D, I] (unit stride along I).
+    An expert id outside [0, E) reads expert 0; its h row is NaN (_up_pairs_kernel), so y[t] is NaN."""
+    t = tl.program_id(0)
+    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok_N = cols_N < D
+    k_K = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for slot in range(0, top_k):
+        j = t * top_k + slot
+        expert = tl.load(ids_ptr + j).to(tl.int64)
+        expert = tl.where((expert >= 0) & (expert < E), expert, 0)
+        h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
+        w_ptrs = w_ptr + expert * stride_we + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :]
+        if WEIGHTED:
+            scale = tl.load(weight_ptr + j).to(tl.float32)
+        else:
+            scale = 1.0
+        for k0 in range(0, I, BLOCK_K):
+            if EVEN_K:
+                hv = tl.load(h_ptrs).to(tl.float32)
+                w = tl.load(w_ptrs, mask=col_ok_N[:, None], other=0.0)
+            else:
+                k_ok_K = k_K < I - k0
+                hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=col_ok_N[:, None] & k_ok_K[None, :], other=0.0)
+            acc += w.to(tl.float32) * (hv * scale)[None, :]
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    y = tl.sum(acc, 1)
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, y.to(y_ptr.dtype.element_ty), mask=col_ok_N)

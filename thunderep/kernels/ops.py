@@ -34,10 +34,11 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ..errors import ConfigError
 from . import grouped_gemm as G
 from . import moe_triton as K
 
-__all__ = ["moe_mlp", "kernel_configs", "supported"]
+__all__ = ["PAIRS_MAX_TOKENS", "moe_mlp", "routed_moe_mlp", "pairs_max_tokens", "kernel_configs", "supported"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _M_CLASSES = (16, 32, 64, 128)
@@ -82,6 +83,17 @@ _DEFAULT = {16: _cfg(16, 64, 128, 4, 4), 32: _cfg(32, 64, 128, 4, 4), 64: _cfg(6
 _DEFAULT_WGRAD = _cfg(128, 128, 32, 8, 4)
 
 
+def _pair_cfg(bn, bk, warps, stages):
+    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+
+
+# Pair kernels (decode): matrix-vector tiles; enough programs to keep every SM streaming weights.
+_PAIR_CONFIGS = [_pair_cfg(8, 256, 4, 3), _pair_cfg(16, 256, 4, 3), _pair_cfg(16, 128, 4, 4),
+                 _pair_cfg(16, 512, 4, 2), _pair_cfg(32, 128, 4, 3), _pair_cfg(32, 256, 8, 3),
+                 _pair_cfg(64, 128, 8, 3), _pair_cfg(64, 256, 8, 2)]
+_DEFAULT_PAIR = _pair_cfg(16, 256, 4, 3)
+
+
 def _prune_rows(configs, named_args, **kwargs):
     bm = {**named_args, **kwargs}["m_class"]
     keep = [c for c in configs if c.kwargs["BLOCK_M"] == bm]
@@ -105,10 +117,10 @@ def _even_k(name):
     return triton.heuristics({"EVEN_K": lambda args: args[name] % args["BLOCK_K"] == 0})
 
 
-def _tuned(kernel, configs, key, prune, even_k=None):
+def _tuned(kernel, configs, key, prune=None, even_k=None):
     fn = _even_k(even_k)(kernel) if even_k else kernel
-    tuned = triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
-                            cache_results=True)(fn)
+    tuned = triton.autotune(configs=configs, key=key, cache_results=True,
+                            prune_configs_by={"early_config_prune": prune} if prune else None)(fn)
     return tuned, fn
 
 
@@ -119,6 +131,10 @@ _ACT_BWD, _ACT_BWD_PLAIN = _tuned(K._act_bwd_kernel, _ROW_CONFIGS, ["m_class", "
                                   _prune_up, "D")
 _WGRAD, _WGRAD_PLAIN = _tuned(K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class", "M", "N", "A_GATHER", "B_GATHER"],
                               _prune_wgrad)
+_UP_PAIRS, _UP_PAIRS_PLAIN = _tuned(K._up_pairs_kernel, _PAIR_CONFIGS, ["I", "D", "top_k", "INTERLEAVED"],
+                                    even_k="D")
+_DOWN_PAIRS, _DOWN_PAIRS_PLAIN = _tuned(K._down_pairs_kernel, _PAIR_CONFIGS, ["I", "D", "top_k", "WEIGHTED"],
+                                        even_k="I")
 
 
 def _autotune(device: torch.device) -> bool:
@@ -148,7 +164,8 @@ def _launch(tuned, plain, default, grid, device, **args):
 def kernel_configs() -> dict:
     """The configs autotuning chose so far, per kernel and key (for reports and benchmarks)."""
     out = {}
-    for name, tuned in (("up", _UP), ("rows", _ROWS), ("act_bwd", _ACT_BWD), ("wgrad", _WGRAD)):
+    for name, tuned in (("up", _UP), ("rows", _ROWS), ("act_bwd", _ACT_BWD), ("wgrad", _WGRAD),
+                        ("up_pairs", _UP_PAIRS), ("down_pairs", _DOWN_PAIRS)):
         out[name] = {str(k): str(v) for k, v in tuned.cache.items()}
     return out
 
@@ -245,8 +262,7 @@ def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
         raise ValueError(f"weights {tuple(weights.shape)} must match order {tuple(order.shape)}")
 
 
-@torch.library.custom_op("thunderep::moe_mlp", mutates_args=())
-def _moe_mlp_op(
+def _moe_mlp_impl(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, order: Optional[torch.Tensor],
     counts: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, activation: str, interleaved: bool,
     save: bool, gemm: str,
@@ -273,6 +289,9 @@ def _moe_mlp_op(
     if not save:
         h = x.new_empty(0, I2 // 2)
     return y, h, gu
+
+
+_moe_mlp_op = torch.library.custom_op("thunderep::moe_mlp", mutates_args=())(_moe_mlp_impl)
 
 
 @_moe_mlp_op.register_fake
@@ -392,6 +411,106 @@ def moe_mlp(
     E, I2, D = w_gate_up_E2ID.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]
     gemm = G.gemm_path(x, n_rows, E, D, I2 // 2)
-    y, _, _ = _moe_mlp_op(x.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), order, counts, weights,
-                          top_k, activation, interleaved, needs_grad, gemm)
+    # Eager inference calls the implementation itself: the dispatcher's custom-op layer costs host time
+    # comparable to a decode step's GPU time; autograd and torch.compile need the op.
+    op = _moe_mlp_op if needs_grad or torch.compiler.is_compiling() else _moe_mlp_impl
+    y, _, _ = op(x.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), order, counts, weights,
+                 top_k, activation, interleaved, needs_grad, gemm)
     return y
+
+
+# ---- decode: the pair kernels --------------------------------------------------------------------------
+
+# Up to this many tokens, inference runs the pair kernels (no sort, no counts, two launches); above it
+# the sorted grouped GEMMs, which read each hit expert once however many tokens share it. Measured on
+# the H200 (docs/BENCHMARKS.md, "Decode"): the pair kernels win at T = 1 on all three model shapes; at
+# T = 2 and 4 only on Qwen3's small experts (graph replay), as tokens start to share experts.
+PAIRS_MAX_TOKENS = 1
+
+
+def pairs_max_tokens() -> int:
+    """PAIRS_MAX_TOKENS, or THUNDEREP_PAIRS_MAX_TOKENS when set (0 turns the pair kernels off)."""
+    raw = os.environ.get("THUNDEREP_PAIRS_MAX_TOKENS", "")
+    if not raw:
+        return PAIRS_MAX_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"THUNDEREP_PAIRS_MAX_TOKENS={raw!r}: use a token count >= 0, or leave it unset")
+    return value
+
+
+def _moe_mlp_pairs_impl(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
+    weights: Optional[torch.Tensor], activation: str, interleaved: bool,
+) -> torch.Tensor:
+    T, D = x.shape
+    E, I2, _ = w_gate_up.shape
+    I, N = I2 // 2, ids.numel()
+    top_k = N // T
+    h = x.new_empty(N, I)
+    _launch(_UP_PAIRS, _UP_PAIRS_PLAIN, _DEFAULT_PAIR, lambda meta: (N, triton.cdiv(I, meta["BLOCK_N"])),
+            x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, I=I, D=D, E=E, top_k=top_k,
+            stride_xm=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
+            stride_hm=h.stride(0), ACT=K.ACTIVATIONS[activation], INTERLEAVED=interleaved)
+    y = x.new_empty(T, D)
+    _launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_PAIR, lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"])),
+            x.device, h_ptr=h, w_ptr=w_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
+            D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0), stride_we=w_down.stride(0),
+            stride_wd=w_down.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None)
+    return y
+
+
+_moe_mlp_pairs_op = torch.library.custom_op("thunderep::moe_mlp_pairs", mutates_args=())(_moe_mlp_pairs_impl)
+
+
+@_moe_mlp_pairs_op.register_fake
+def _(x, w_gate_up, w_down, ids, weights, activation, interleaved):
+    return x.new_empty(x.shape[0], w_down.shape[1])
+
+
+def _int32_counts(ids_TK: torch.Tensor, E: int) -> torch.Tensor:
+    """[E] int32 rows per expert, without a device-to-host sync."""
+    flat = ids_TK.reshape(-1)
+    return torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+
+def routed_moe_mlp(
+    x_TD: torch.Tensor,
+    w_gate_up_E2ID: torch.Tensor,
+    w_down_EDI: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None = None,
+    *,
+    counts_E: torch.Tensor | None = None,
+    activation: str = "silu",
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """y_TD = sum over k of weights_TK[t, k] * expert_{ids_TK[t, k]}(x_TD[t]): the expert MLP from the
+    router's output.
+
+    Inference on at most `pairs_max_tokens()` tokens (decode) runs the pair kernels: one
+    matrix-vector pass per (token, slot) pair, no sort, two launches. Otherwise the pairs are sorted by
+    expert and `moe_mlp` runs (counts_E [E], if the router computed it, saves recounting).
+    x_TD: [T, D]; ids_TK: [T, K] integer; weights_TK: [T, K] or None (unweighted sum over K).
+    """
+    if ids_TK.dim() != 2 or x_TD.dim() != 2 or ids_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(f"ids_TK {tuple(ids_TK.shape)} must be [T, K] for x_TD {tuple(x_TD.shape)}")
+    if weights_TK is not None and weights_TK.shape != ids_TK.shape:
+        raise ValueError(f"weights_TK {tuple(weights_TK.shape)} must match ids_TK {tuple(ids_TK.shape)}")
+    T, K = ids_TK.shape
+    E, I2, D = w_gate_up_E2ID.shape
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK))
+    if 0 < T <= pairs_max_tokens() and not needs_grad:
+        _check(x_TD, w_gate_up_E2ID, w_down_EDI, None, x_TD.new_empty(E), None, K, activation, "triton")
+        op = _moe_mlp_pairs_op if torch.compiler.is_compiling() else _moe_mlp_pairs_impl
+        return op(x_TD.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), ids_TK.contiguous(),
+                  weights_TK.contiguous() if weights_TK is not None else None, activation, interleaved)
+    order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
+    counts = counts_E if counts_E is not None else _int32_counts(ids_TK, E)
+    return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_TK, top_k=K,
+                   activation=activation, interleaved=interleaved)

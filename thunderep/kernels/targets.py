@@ -35,7 +35,10 @@ _KERNELS = {
     "act_bwd": (K._act_bwd_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, WEIGHTED=True, SAVE_HW=False,
                                         PRECISION="tf32", EVEN_K=True)),
     "wgrad": (K._wgrad_kernel, dict(A_GATHER=True, B_GATHER=False, SCALED=True, PRECISION="tf32")),
+    "up_pairs": (K._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True)),
+    "down_pairs": (K._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True)),
 }
+_PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
 
 
@@ -59,7 +62,7 @@ def _signature(fn, name: str):
             sig[arg] = "constexpr"
             consts[arg] = 1
         elif arg.endswith("_ptr"):
-            sig[arg] = {"order_ptr": "*i32", "counts_ptr": "*i32", "dwp_ptr": "*fp32"}.get(arg, "*bf16")
+            sig[arg] = {"order_ptr": "*i32", "counts_ptr": "*i32", "dwp_ptr": "*fp32", "ids_ptr": "*i64"}.get(arg, "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[arg] = "i32"
@@ -75,7 +78,8 @@ def compile_kernels(arch: int, names=None) -> list[KernelBuild]:
         if names is not None and name not in names:
             continue
         sig, attrs, consts = _signature(fn, name)
-        src = ASTSource(fn=fn, signature=sig, constexprs={**flags, **_ROW_META, **consts}, attrs=attrs)
+        meta = _PAIR_META if name.endswith("_pairs") else _ROW_META
+        src = ASTSource(fn=fn, signature=sig, constexprs={**flags, **meta, **consts}, attrs=attrs)
         build = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=3))
         ptx = build.asm["ptx"]
         out.append(KernelBuild(name, arch, build.metadata.shared, tuple(p for p in HOPPER_ONLY if p in ptx),
