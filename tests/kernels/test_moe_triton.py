@@ -485,3 +485,37 @@ def test_fixed_config_too_big_for_shared_memory_is_retried_with_fewer_stages(mon
     with pytest.raises(OutOfResources):
         ops._launch(None, never, default, (1,), torch.device("cuda"), x=1)
     assert never.calls == list(range(default.num_stages, 0, -1))
+
+
+def test_tuned_config_is_reused_without_the_autotuner(monkeypatch):
+    """After the autotuner chose a config for a key, launches with that key run the kernel with it directly;
+    a new key (another size or dtype) goes back to the autotuner."""
+    from thunderep.kernels import ops
+
+    class Tuned:
+        keys = ["n"]
+
+        def __init__(self):
+            self.calls, self.best_config = [], None
+
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                self.calls.append(kwargs["n"])
+                self.best_config = triton.Config({"BLOCK": 32 * kwargs["n"]}, num_warps=2, num_stages=3)
+            return run
+
+    class Plain:
+        def __init__(self):
+            self.calls = []
+
+        def __getitem__(self, grid):
+            return lambda **kwargs: self.calls.append((kwargs["n"], kwargs["BLOCK"], kwargs["num_warps"]))
+
+    monkeypatch.delenv("THUNDEREP_TRITON_AUTOTUNE", raising=False)
+    monkeypatch.setattr(ops, "_TUNED", {})
+    tuned, plain, cuda = Tuned(), Plain(), torch.device("cuda")
+    x16, x32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
+    for n, x in ((1, x16), (1, x16), (2, x16), (1, x16), (1, x32)):
+        ops._launch(tuned, plain, None, (1,), cuda, n=n, x=x)
+    assert tuned.calls == [1, 2, 1]  # first (1, bf16), (2, bf16), (1, fp32)
+    assert plain.calls == [(1, 32, 2), (1, 32, 2)]

@@ -141,14 +141,27 @@ def _autotune(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("THUNDEREP_TRITON_AUTOTUNE", "1") != "0"
 
 
+_TUNED: dict[tuple, triton.Config] = {}  # (autotuner, its key) -> the config it chose
+
+
 def _launch(tuned, plain, default, grid, device, **args):
     """Run the autotuned kernel on CUDA, else (CPU interpreter, or tuning off) a fixed config.
 
     The fixed configs are sized for 16-bit tiles; float32 tiles take twice the shared memory, so a
     config the GPU cannot hold is retried with one pipeline stage fewer (the autotuner skips such
-    configs itself). The error is raised before the kernel runs: nothing is half written."""
+    configs itself). The error is raised before the kernel runs: nothing is half written.
+
+    Once a key is tuned, its config launches the kernel directly: the autotuner's own per-call work
+    (building its key, hooks) is host time a decode step cannot spare."""
     if _autotune(device):
-        tuned[grid](**args)
+        key = (id(tuned), *(args[k] for k in tuned.keys),
+               *(str(v.dtype) for v in args.values() if isinstance(v, torch.Tensor)))
+        config = _TUNED.get(key)
+        if config is None:
+            tuned[grid](**args)
+            _TUNED[key] = tuned.best_config
+        else:
+            plain[grid](**args, **config.all_kwargs())
         return
     stages = default.num_stages
     while True:
