@@ -234,10 +234,15 @@ def test_triton_backend_needs_cuda():
 # ---- decode: the pair kernels ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def pairs(monkeypatch):
-    """Pin the pair kernels for inference at every T (the default takes them up to PAIRS_MAX_TOKENS)."""
+@pytest.fixture(params=[False, True], ids=["fma", "dot"])
+def pairs(request, monkeypatch):
+    """Pin the pair kernels for inference at every T (the default takes them up to PAIRS_MAX_TOKENS), in
+    both variants: elementwise multiply-adds and 16-row tensor-core tiles. On the GPU the variant is
+    pinned by turning autotuning off, so the fixed config runs."""
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setattr(ops, "_DEFAULT_PAIR", ops._pair_cfg(32, 128, 4, 3, dot=request.param))
+    return request.param
 
 
 def check_pairs(T, D, I, E, K, dtype, tol, activation="silu", interleaved=False, seed=0, weighted=True):
@@ -420,6 +425,17 @@ def test_gpu_fused_experts_uses_kernels_and_matches_loop():
         y = experts(x, routing)
     assert any("thunderep::moe_mlp" in e.name for e in prof.function_events)
     assert rel_err(y, loop(x, routing)) < 2e-2
+    # Decode: one token, no gradients -> the pair kernels, same result as the loop.
+    calls = []
+    real = ops._moe_mlp_pairs_impl
+    ops._moe_mlp_pairs_impl = lambda *a: calls.append(1) or real(*a)
+    try:
+        one = Routing(routing.weights_TK[:1], ids[:1], torch.bincount(ids[0], minlength=8), None)
+        with torch.no_grad():
+            y1 = experts(x[:1], one)
+    finally:
+        ops._moe_mlp_pairs_impl = real
+    assert calls and rel_err(y1, loop(x[:1], one)) < 2e-2
 
 
 def _compiled_and_eager(T, D, I, E, dtype, seed, backend):

@@ -461,15 +461,31 @@ def _combine_kernel(rows_ptr, inv_ptr, weight_ptr, out_ptr, T, D, top_k, stride_
 
 
 @triton.jit
+def _one_row(v_K, ROWS: tl.constexpr):
+    """[ROWS, len(v)] with v in row 0 and zeros below: one vector as the A tile of a tensor-core product."""
+    r_R = tl.arange(0, ROWS)
+    return tl.where(r_R[:, None] == 0, v_K[None, :], tl.zeros((ROWS, v_K.shape[0]), dtype=v_K.dtype))
+
+
+@triton.jit
+def _row0(acc_RN):
+    """Row 0 of a [ROWS, N] accumulator."""
+    r_R = tl.arange(0, acc_RN.shape[0])
+    return tl.sum(tl.where(r_R[:, None] == 0, acc_RN, 0.0), 0)
+
+
+@triton.jit
 def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn, stride_hm,
-                     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1).
 
-    A matrix-vector product per pair: decode reads each hit expert's weights once and does little
-    arithmetic, so the products are elementwise multiply-adds into a [BLOCK_N, BLOCK_K] float32 tile,
-    summed over k at the end (no tensor-core tile to fill with one row, no sort, no counts).
+    A matrix-vector product per pair (no sort, no counts): decode reads each hit expert's weights once
+    and does little arithmetic, so what matters is how many weight bytes are in flight. Two ways, tuned
+    per shape (DOT): elementwise multiply-adds into a [BLOCK_N, BLOCK_K] float32 tile summed over k at
+    the end; or the vector as row 0 of a 16-row tensor-core tile, whose weight loads Triton pipelines
+    through shared memory over `num_stages` (the 15 zero rows cost only arithmetic).
     x: [T, D]; Wgu: [E, 2I, D] (unit stride along D); h: [T*K, I] in flat (token, slot) order.
     An expert id outside [0, E) reads expert 0 and writes NaN (no sync to check ids on the host; the
     token's output then shows it)."""
@@ -483,62 +499,79 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, st
     k_K = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (j // top_k).to(tl.int64) * stride_xm + k_K
     w_base = w_ptr + expert * stride_we
-    g_ptrs = w_base + gate_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
-    u_ptrs = w_base + up_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if DOT:  # weight tiles [BLOCK_K, BLOCK_N], the B operand of a 16-row product
+        g_ptrs = w_base + gate_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
+        u_ptrs = w_base + up_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
+        acc_g = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    else:  # weight tiles [BLOCK_N, BLOCK_K]
+        g_ptrs = w_base + gate_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
+        u_ptrs = w_base + up_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        if EVEN_K:
-            xv = tl.load(x_ptrs).to(tl.float32)
-            g = tl.load(g_ptrs, mask=col_ok_N[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=col_ok_N[:, None], other=0.0)
+        k_ok_K = (k_K < D - k0) | EVEN_K
+        xv = tl.load(x_ptrs, mask=k_ok_K, other=0.0)
+        if DOT:
+            ok = k_ok_K[:, None] & col_ok_N[None, :]
+            a = _one_row(xv, 16)
+            acc_g = tl.dot(a, tl.load(g_ptrs, mask=ok, other=0.0), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, tl.load(u_ptrs, mask=ok, other=0.0), acc_u, input_precision=PRECISION)
         else:
-            k_ok_K = k_K < D - k0
-            xv = tl.load(x_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
-            g = tl.load(g_ptrs, mask=col_ok_N[:, None] & k_ok_K[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=col_ok_N[:, None] & k_ok_K[None, :], other=0.0)
-        acc_g += g.to(tl.float32) * xv[None, :]
-        acc_u += u.to(tl.float32) * xv[None, :]
+            ok = col_ok_N[:, None] & k_ok_K[None, :]
+            acc_g += tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32) * xv.to(tl.float32)[None, :]
+            acc_u += tl.load(u_ptrs, mask=ok, other=0.0).to(tl.float32) * xv.to(tl.float32)[None, :]
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    h = tl.where(known, _act(tl.sum(acc_g, 1), ACT) * tl.sum(acc_u, 1), float("nan"))
+    if DOT:
+        g_N, u_N = _row0(acc_g), _row0(acc_u)
+    else:
+        g_N, u_N = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+    h = tl.where(known, _act(g_N, ACT) * u_N, float("nan"))
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=col_ok_N)
 
 
 @triton.jit
 def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k, stride_hm, stride_we, stride_wd,
-                       stride_ym, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       stride_ym, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
+                       PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass,
     summed in float32 in a fixed order (no atomics). h: [T*K, I]; Wd: [E, D, I] (unit stride along I).
+    One loop runs over (slot, chunk of I), so loads never wait at a slot boundary; DOT as in
+    _up_pairs_kernel (there w * h is rounded to the input dtype as the A tile).
     An expert id outside [0, E) reads expert 0; its h row is NaN (_up_pairs_kernel), so y[t] is NaN."""
     t = tl.program_id(0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok_N = cols_N < D
     k_K = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for slot in range(0, top_k):
+    chunks = tl.cdiv(I, BLOCK_K)
+    if DOT:
+        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for it in range(0, top_k * chunks):
+        slot = it // chunks
+        k0 = (it - slot * chunks) * BLOCK_K
         j = t * top_k + slot
         expert = tl.load(ids_ptr + j).to(tl.int64)
         expert = tl.where((expert >= 0) & (expert < E), expert, 0)
-        h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
-        w_ptrs = w_ptr + expert * stride_we + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :]
+        k_ok_K = (k_K < I - k0) | EVEN_K
+        hv = tl.load(h_ptr + j.to(tl.int64) * stride_hm + k0 + k_K, mask=k_ok_K, other=0.0).to(tl.float32)
         if WEIGHTED:
-            scale = tl.load(weight_ptr + j).to(tl.float32)
+            hv = hv * tl.load(weight_ptr + j).to(tl.float32)
+        w_base = w_ptr + expert * stride_we + k0
+        if DOT:
+            w = tl.load(w_base + cols_N.to(tl.int64)[None, :] * stride_wd + k_K[:, None],
+                        mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
+            acc = tl.dot(_one_row(hv.to(w.dtype), 16), w, acc, input_precision=PRECISION)
         else:
-            scale = 1.0
-        for k0 in range(0, I, BLOCK_K):
-            if EVEN_K:
-                hv = tl.load(h_ptrs).to(tl.float32)
-                w = tl.load(w_ptrs, mask=col_ok_N[:, None], other=0.0)
-            else:
-                k_ok_K = k_K < I - k0
-                hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
-                w = tl.load(w_ptrs, mask=col_ok_N[:, None] & k_ok_K[None, :], other=0.0)
-            acc += w.to(tl.float32) * (hv * scale)[None, :]
-            h_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-    y = tl.sum(acc, 1)
+            w = tl.load(w_base + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :],
+                        mask=col_ok_N[:, None] & k_ok_K[None, :], other=0.0)
+            acc += w.to(tl.float32) * hv[None, :]
+    if DOT:
+        y = _row0(acc)
+    else:
+        y = tl.sum(acc, 1)
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, y.to(y_ptr.dtype.element_ty), mask=col_ok_N)

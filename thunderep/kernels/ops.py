@@ -83,14 +83,16 @@ _DEFAULT = {16: _cfg(16, 64, 128, 4, 4), 32: _cfg(32, 64, 128, 4, 4), 64: _cfg(6
 _DEFAULT_WGRAD = _cfg(128, 128, 32, 8, 4)
 
 
-def _pair_cfg(bn, bk, warps, stages):
-    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+def _pair_cfg(bn, bk, warps, stages, dot=False):
+    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "DOT": dot}, num_warps=warps, num_stages=stages)
 
 
-# Pair kernels (decode): matrix-vector tiles; enough programs to keep every SM streaming weights.
-_PAIR_CONFIGS = [_pair_cfg(8, 256, 4, 3), _pair_cfg(16, 256, 4, 3), _pair_cfg(16, 128, 4, 4),
-                 _pair_cfg(16, 512, 4, 2), _pair_cfg(32, 128, 4, 3), _pair_cfg(32, 256, 8, 3),
-                 _pair_cfg(64, 128, 8, 3), _pair_cfg(64, 256, 8, 2)]
+# Pair kernels (decode): enough programs to keep every SM streaming weights; elementwise tiles, or
+# (dot=True) 16-row tensor-core tiles whose weight loads are pipelined through shared memory.
+_PAIR_CONFIGS = [_pair_cfg(8, 256, 4, 3), _pair_cfg(16, 256, 4, 3), _pair_cfg(16, 512, 4, 2),
+                 _pair_cfg(32, 256, 8, 3), _pair_cfg(64, 128, 8, 3),
+                 _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),
+                 _pair_cfg(64, 128, 4, 4, True), _pair_cfg(64, 256, 8, 3, True)]
 _DEFAULT_PAIR = _pair_cfg(16, 256, 4, 3)
 
 
@@ -467,12 +469,14 @@ def _moe_mlp_pairs_impl(
     _launch(_UP_PAIRS, _UP_PAIRS_PLAIN, _DEFAULT_PAIR, lambda meta: (N, triton.cdiv(I, meta["BLOCK_N"])),
             x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, I=I, D=D, E=E, top_k=top_k,
             stride_xm=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
-            stride_hm=h.stride(0), ACT=K.ACTIVATIONS[activation], INTERLEAVED=interleaved)
+            stride_hm=h.stride(0), ACT=K.ACTIVATIONS[activation], INTERLEAVED=interleaved,
+            PRECISION=_precision(x.dtype))
     y = x.new_empty(T, D)
     _launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_PAIR, lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"])),
             x.device, h_ptr=h, w_ptr=w_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
             D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0), stride_we=w_down.stride(0),
-            stride_wd=w_down.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None)
+            stride_wd=w_down.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None,
+            PRECISION=_precision(x.dtype))
     return y
 
 

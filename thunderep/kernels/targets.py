@@ -35,8 +35,10 @@ _KERNELS = {
     "act_bwd": (K._act_bwd_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, WEIGHTED=True, SAVE_HW=False,
                                         PRECISION="tf32", EVEN_K=True)),
     "wgrad": (K._wgrad_kernel, dict(A_GATHER=True, B_GATHER=False, SCALED=True, PRECISION="tf32")),
-    "up_pairs": (K._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True)),
-    "down_pairs": (K._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True)),
+    "up_pairs": (K._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32")),
+    "down_pairs": (K._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, DOT=False, PRECISION="tf32")),
+    "up_pairs_dot": (K._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=True, PRECISION="tf32")),
+    "down_pairs_dot": (K._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, DOT=True, PRECISION="tf32")),
 }
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
@@ -78,7 +80,7 @@ def compile_kernels(arch: int, names=None) -> list[KernelBuild]:
         if names is not None and name not in names:
             continue
         sig, attrs, consts = _signature(fn, name)
-        meta = _PAIR_META if name.endswith("_pairs") else _ROW_META
+        meta = _PAIR_META if "_pairs" in name else _ROW_META
         src = ASTSource(fn=fn, signature=sig, constexprs={**flags, **meta, **consts}, attrs=attrs)
         build = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=3))
         ptx = build.asm["ptx"]
