@@ -236,12 +236,12 @@ def test_triton_backend_needs_cuda():
 
 @pytest.fixture(params=[False, True], ids=["fma", "dot"])
 def pairs(request, monkeypatch):
-    """Pin the pair kernels for inference at every T (the default takes them up to PAIRS_MAX_TOKENS), in
-    both variants: elementwise multiply-adds and 16-row tensor-core tiles. On the GPU the variant is
-    pinned by turning autotuning off, so the fixed config runs."""
+    """Pin the pair kernels for inference at every T (the default takes them up to PAIRS_MAX_TOKENS), the
+    gate/up pass in both variants: elementwise multiply-adds and 16-row tensor-core tiles. On the GPU the
+    variant is pinned by turning autotuning off, so the fixed config runs."""
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    monkeypatch.setattr(ops, "_DEFAULT_PAIR", ops._pair_cfg(32, 128, 4, 3, dot=request.param))
+    monkeypatch.setattr(ops, "_DEFAULT_UP_PAIR", ops._pair_cfg(32, 128, 4, 3, dot=request.param))
     return request.param
 
 

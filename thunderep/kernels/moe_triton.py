@@ -534,44 +534,35 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, st
 
 @triton.jit
 def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k, stride_hm, stride_we, stride_wd,
-                       stride_ym, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
-                       PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       stride_ym, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass,
     summed in float32 in a fixed order (no atomics). h: [T*K, I]; Wd: [E, D, I] (unit stride along I).
-    One loop runs over (slot, chunk of I), so loads never wait at a slot boundary; DOT as in
-    _up_pairs_kernel (there w * h is rounded to the input dtype as the A tile).
+    Elementwise multiply-adds as in _up_pairs_kernel (measured on the H200: a loop over (slot, chunk)
+    and 16-row tensor-core tiles were both slower here).
     An expert id outside [0, E) reads expert 0; its h row is NaN (_up_pairs_kernel), so y[t] is NaN."""
     t = tl.program_id(0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok_N = cols_N < D
     k_K = tl.arange(0, BLOCK_K)
-    chunks = tl.cdiv(I, BLOCK_K)
-    if DOT:
-        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for it in range(0, top_k * chunks):
-        slot = it // chunks
-        k0 = (it - slot * chunks) * BLOCK_K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for slot in range(0, top_k):
         j = t * top_k + slot
         expert = tl.load(ids_ptr + j).to(tl.int64)
         expert = tl.where((expert >= 0) & (expert < E), expert, 0)
-        k_ok_K = (k_K < I - k0) | EVEN_K
-        hv = tl.load(h_ptr + j.to(tl.int64) * stride_hm + k0 + k_K, mask=k_ok_K, other=0.0).to(tl.float32)
+        h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
+        w_ptrs = w_ptr + expert * stride_we + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :]
         if WEIGHTED:
-            hv = hv * tl.load(weight_ptr + j).to(tl.float32)
-        w_base = w_ptr + expert * stride_we + k0
-        if DOT:
-            w = tl.load(w_base + cols_N.to(tl.int64)[None, :] * stride_wd + k_K[:, None],
-                        mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
-            acc = tl.dot(_one_row(hv.to(w.dtype), 16), w, acc, input_precision=PRECISION)
+            scale = tl.load(weight_ptr + j).to(tl.float32)
         else:
-            w = tl.load(w_base + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :],
-                        mask=col_ok_N[:, None] & k_ok_K[None, :], other=0.0)
-            acc += w.to(tl.float32) * hv[None, :]
-    if DOT:
-        y = _row0(acc)
-    else:
-        y = tl.sum(acc, 1)
+            scale = 1.0
+        for k0 in range(0, I, BLOCK_K):
+            k_ok_K = (k_K < I - k0) | EVEN_K
+            hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=col_ok_N[:, None] & k_ok_K[None, :], other=0.0)
+            acc += w.to(tl.float32) * (hv * scale)[None, :]
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    y = tl.sum(acc, 1)
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, y.to(y_ptr.dtype.element_ty), mask=col_ok_N)

@@ -83,17 +83,23 @@ _DEFAULT = {16: _cfg(16, 64, 128, 4, 4), 32: _cfg(32, 64, 128, 4, 4), 64: _cfg(6
 _DEFAULT_WGRAD = _cfg(128, 128, 32, 8, 4)
 
 
-def _pair_cfg(bn, bk, warps, stages, dot=False):
-    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "DOT": dot}, num_warps=warps, num_stages=stages)
+def _pair_cfg(bn, bk, warps, stages, dot=None):
+    """A pair-kernel config; `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise."""
+    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot})}
+    return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
-# Pair kernels (decode): enough programs to keep every SM streaming weights; elementwise tiles, or
-# (dot=True) 16-row tensor-core tiles whose weight loads are pipelined through shared memory.
-_PAIR_CONFIGS = [_pair_cfg(8, 256, 4, 3), _pair_cfg(16, 256, 4, 3), _pair_cfg(16, 512, 4, 2),
-                 _pair_cfg(32, 256, 8, 3), _pair_cfg(64, 128, 8, 3),
-                 _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),
-                 _pair_cfg(64, 128, 4, 4, True), _pair_cfg(64, 256, 8, 3, True)]
-_DEFAULT_PAIR = _pair_cfg(16, 256, 4, 3)
+# Pair kernels (decode): enough programs to keep every SM streaming weights. The gate/up pass tunes
+# elementwise tiles against (dot=True) 16-row tensor-core tiles, whose weight loads Triton pipelines
+# through shared memory; the down pass is elementwise only (the tensor-core variant lost on the H200).
+_PAIR_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3),
+               (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 2)]
+_DOWN_PAIR_CONFIGS = [_pair_cfg(*tile) for tile in _PAIR_TILES]
+_UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
+    _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),
+    _pair_cfg(64, 128, 4, 4, True), _pair_cfg(64, 256, 8, 3, True)]
+_DEFAULT_UP_PAIR = _pair_cfg(16, 256, 4, 3, dot=False)
+_DEFAULT_DOWN_PAIR = _pair_cfg(16, 256, 4, 3)
 
 
 def _prune_rows(configs, named_args, **kwargs):
@@ -133,9 +139,9 @@ _ACT_BWD, _ACT_BWD_PLAIN = _tuned(K._act_bwd_kernel, _ROW_CONFIGS, ["m_class", "
                                   _prune_up, "D")
 _WGRAD, _WGRAD_PLAIN = _tuned(K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class", "M", "N", "A_GATHER", "B_GATHER"],
                               _prune_wgrad)
-_UP_PAIRS, _UP_PAIRS_PLAIN = _tuned(K._up_pairs_kernel, _PAIR_CONFIGS, ["I", "D", "top_k", "INTERLEAVED"],
+_UP_PAIRS, _UP_PAIRS_PLAIN = _tuned(K._up_pairs_kernel, _UP_PAIR_CONFIGS, ["I", "D", "top_k", "INTERLEAVED"],
                                     even_k="D")
-_DOWN_PAIRS, _DOWN_PAIRS_PLAIN = _tuned(K._down_pairs_kernel, _PAIR_CONFIGS, ["I", "D", "top_k", "WEIGHTED"],
+_DOWN_PAIRS, _DOWN_PAIRS_PLAIN = _tuned(K._down_pairs_kernel, _DOWN_PAIR_CONFIGS, ["I", "D", "top_k", "WEIGHTED"],
                                         even_k="I")
 
 
@@ -466,17 +472,16 @@ def _moe_mlp_pairs_impl(
     I, N = I2 // 2, ids.numel()
     top_k = N // T
     h = x.new_empty(N, I)
-    _launch(_UP_PAIRS, _UP_PAIRS_PLAIN, _DEFAULT_PAIR, lambda meta: (N, triton.cdiv(I, meta["BLOCK_N"])),
+    _launch(_UP_PAIRS, _UP_PAIRS_PLAIN, _DEFAULT_UP_PAIR, lambda meta: (N, triton.cdiv(I, meta["BLOCK_N"])),
             x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, I=I, D=D, E=E, top_k=top_k,
             stride_xm=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
             stride_hm=h.stride(0), ACT=K.ACTIVATIONS[activation], INTERLEAVED=interleaved,
             PRECISION=_precision(x.dtype))
     y = x.new_empty(T, D)
-    _launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_PAIR, lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"])),
+    _launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_DOWN_PAIR, lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"])),
             x.device, h_ptr=h, w_ptr=w_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
             D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0), stride_we=w_down.stride(0),
-            stride_wd=w_down.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None,
-            PRECISION=_precision(x.dtype))
+            stride_wd=w_down.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None)
     return y
 
 

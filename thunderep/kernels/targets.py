@@ -36,9 +36,8 @@ _KERNELS = {
                                         PRECISION="tf32", EVEN_K=True)),
     "wgrad": (K._wgrad_kernel, dict(A_GATHER=True, B_GATHER=False, SCALED=True, PRECISION="tf32")),
     "up_pairs": (K._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32")),
-    "down_pairs": (K._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, DOT=False, PRECISION="tf32")),
+    "down_pairs": (K._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True)),
     "up_pairs_dot": (K._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=True, PRECISION="tf32")),
-    "down_pairs_dot": (K._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, DOT=True, PRECISION="tf32")),
 }
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
