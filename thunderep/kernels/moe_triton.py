@@ -24,6 +24,11 @@ the GEMMs and cannot fuse gathers or epilogues:
     _act_bwd_rows_kernel   dgu, d routing weight and w * h from dhu (the elementwise half of _act_bwd_kernel)
     _combine_kernel        y[t] = sum over k of w[t, k] * rows[inv[t, k]]   (un-permute + sum over K)
 
+Two kernels serve decode (inference on a token or so, ops.routed_moe_mlp), with no sort and no counts:
+
+    _up_pairs_kernel       h[j] = act(x[j // K] @ Wg[ids[j]].T) * (x[j // K] @ Wu[ids[j]].T)   per pair j
+    _down_pairs_kernel     y[t] = sum over k of w[t, k] * h[t*K + k] @ Wd[ids[t*K + k]].T
+
 Row tiles are scheduled without a host sync: every program reads counts_E (E <= a few hundred) and
 finds its expert from the running sum of tiles per expert; launch grids use an upper bound
 (min(ceil(N / BLOCK_M) + E, N) row tiles) and surplus programs return at once.

@@ -8,7 +8,7 @@ N routed rows in expert order, P = ceil(I / BLOCK_N) column tiles.
     thunderep::moe_mlp_backward(dy, x, ..., h_NI, gu_N2I) -> (dx, dw_gate_up, dw_down, dweights)
 
 Two entry modes, one op:
-  * gathered (`order_N` given, FusedExperts.forward): x is x_TD; row r reads token order_N[r] // K;
+  * gathered (`order_N` given; routed_moe_mlp, below): x is x_TD; row r reads token order_N[r] // K;
     the down projection's epilogue multiplies by weights[order_N[r]] (the flat [T*K] routing weights)
     and writes flat row order_N[r]; y = y_TKD.sum(K) -> [T, D].
   * sorted (`order_N` None, the expert-parallel runtime): x is x_ND already grouped by expert; y is
@@ -21,8 +21,16 @@ Two GEMM paths (`gemm`; forward and backward choose separately, `grouped_gemm.ge
     for the GEMMs, and Triton passes for what the fused epilogues did (activation, its backward,
     un-permute + sum over K). Chosen on sm_90 in bf16 when experts get many rows (`grouped_gemm.gemm_path`).
 
-`h_NI` and `gu_N2I` are returned for backward only (empty [0, ...] unless `save`). Both ops carry
-`register_fake`, so torch.compile traces through them; `register_autograd` chains forward to backward.
+Decode: `routed_moe_mlp` (FusedExperts' entry, from the router's ids and weights) runs inference on at
+most PAIRS_MAX_TOKENS tokens through a third op, with no sort:
+
+    thunderep::moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, ...) -> y_TD
+
+and otherwise sorts the pairs by expert and calls `moe_mlp` (gathered mode).
+
+`h_NI` and `gu_N2I` are returned for backward only (empty [0, ...] unless `save`). The ops carry
+`register_fake`, so torch.compile traces through them; `register_autograd` chains forward to backward
+(the pair op is inference-only).
 """
 
 from __future__ import annotations
