@@ -409,6 +409,10 @@ def _backward(ctx, dy, dh, dgu):
 _moe_mlp_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def moe_mlp(
     x: torch.Tensor,
     w_gate_up_E2ID: torch.Tensor,
@@ -435,8 +439,7 @@ def moe_mlp(
     weights = weights_N.reshape(-1) if weights_N is not None else None
     if weights is not None and order is None:
         raise ValueError("weights_N needs order_N (the sorted mode returns unweighted rows)")
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, w_gate_up_E2ID, w_down_EDI, weights))
+    needs_grad = _needs_grad(x, w_gate_up_E2ID, w_down_EDI, weights)
     E, I2, D = w_gate_up_E2ID.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]
     gemm = G.gemm_path(x, n_rows, E, D, I2 // 2)
@@ -533,8 +536,7 @@ def routed_moe_mlp(
         raise ValueError(f"weights_TK {tuple(weights_TK.shape)} must match ids_TK {tuple(ids_TK.shape)}")
     T, K = ids_TK.shape
     E, I2, D = w_gate_up_E2ID.shape
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK))
+    needs_grad = _needs_grad(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK)
     if 0 < T <= pairs_max_tokens() and not needs_grad:
         _check(x_TD, w_gate_up_E2ID, w_down_EDI, None, x_TD.new_empty(E), None, K, activation, "triton")
         op = _moe_mlp_pairs_op if torch.compiler.is_compiling() else _moe_mlp_pairs_impl
