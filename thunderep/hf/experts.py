@@ -16,10 +16,13 @@ transformers 5.x MoE blocks route with their own router and then call
   all-reduce sums the partial outputs (no dispatch);
 * without an `ExpertParallel` runtime: all experts are local and nothing moves.
 
-The local experts always run through the experts module's own Hugging Face computation (`grouped_mm`,
+The local experts run through the experts module's own Hugging Face computation (`grouped_mm`,
 `batched_mm`, eager, ...) on its sliced weights, with local expert ids and unit weights; the routing
 weights are applied on the sending rank exactly as transformers applies them. So every layout the
 experts class supports (transposed, interleaved, biases, custom gates) runs unchanged.
+`experts_implementation="triton"` runs ThunderEP's Triton kernels instead (`kernel_compute_fn`), for
+experts in the plain gated layout (gate_up_proj [E, 2I, D], down_proj [E, D, I], no biases, no
+custom gate, a silu / gelu / gelu_tanh / relu activation) on CUDA.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+
+import os
 
 import torch
 
@@ -36,14 +41,17 @@ from ..router import Routing, expert_counts
 
 __all__ = [
     "IMPLEMENTATION",
+    "KERNELS",
     "ExpertsBinding",
     "RunState",
     "experts_compute_fn",
+    "kernel_compute_fn",
     "register_experts_implementation",
     "thunderep_experts_forward",
 ]
 
 IMPLEMENTATION = "thunderep"
+KERNELS = "triton"  # experts_implementation value: ThunderEP's Triton kernels compute the local experts
 MODES = ("ep", "latency", "allgather")
 
 
@@ -209,6 +217,8 @@ def experts_compute_fn(module, implementation: str | None) -> Callable:
 
     if implementation in (None, "eager"):
         return type(module).forward.__wrapped__
+    if implementation == KERNELS:
+        return kernel_compute_fn(module)
     if implementation == IMPLEMENTATION:
         raise ConfigError(
             f"{type(module).__name__} already runs the {IMPLEMENTATION!r} experts implementation: the model is "
@@ -217,7 +227,72 @@ def experts_compute_fn(module, implementation: str | None) -> Callable:
     if implementation not in ALL_EXPERTS_FUNCTIONS:
         raise ConfigError(
             f"experts_implementation {implementation!r} is not registered in transformers' ExpertsInterface; "
-            f"known: eager, {', '.join(sorted(k for k in ALL_EXPERTS_FUNCTIONS if k != IMPLEMENTATION))}"
+            f"known: eager, {KERNELS} (ThunderEP's kernels), "
+            f"{', '.join(sorted(k for k in ALL_EXPERTS_FUNCTIONS if k != IMPLEMENTATION))}"
         )
     return ALL_EXPERTS_FUNCTIONS[implementation]
 
+
+
+def _activation_name(act_fn) -> str | None:
+    """Which of the kernels' activations `act_fn` computes (probed on values, so any class that
+    implements it matches), or None."""
+    from ..experts import ACTIVATION_FNS
+
+    probe = torch.linspace(-8.0, 8.0, 161, dtype=torch.float64)
+    for name in ("silu", "gelu", "gelu_tanh", "relu"):
+        try:
+            if torch.allclose(act_fn(probe), ACTIVATION_FNS[name](probe), rtol=1e-6, atol=1e-9):
+                return name
+        except Exception:  # noqa: BLE001 - an activation that cannot take the probe matches nothing
+            return None
+    return None
+
+
+def kernel_compute_fn(module) -> Callable:
+    """`compute(module, x_TD, ids_TK, weights_TK) -> y_TD` through ThunderEP's Triton kernels
+    (`thunderep.kernels.ops.routed_moe_mlp`), for `experts_implementation="triton"`.
+
+    Checks the experts module's layout once; raises ConfigError naming what the kernels do not cover.
+    The kernels run on CUDA tensors (or in Triton's CPU interpreter, TRITON_INTERPRET=1)."""
+    name = type(module).__name__
+    reasons = []
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
+        reasons.append("it has no packed gate_up_proj / down_proj tensors")
+    elif getattr(module, "is_transposed", False) or gate_up.shape[1] != 2 * down.shape[2] \
+            or gate_up.shape[2] != down.shape[1]:
+        reasons.append(f"its weights are not laid out as gate_up_proj [E, 2I, D] and down_proj [E, D, I] "
+                       f"(got {tuple(gate_up.shape)} and {tuple(down.shape)})")
+    if getattr(module, "has_bias", False):
+        reasons.append("its experts have biases")
+    if not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
+        reasons.append("its experts are not a plain gated MLP (no gate, or a norm after each expert)")
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    if gate_fn is not None:
+        import transformers.integrations.moe as hf_moe
+
+        if gate_fn is not getattr(hf_moe, "_default_apply_gate", None):
+            reasons.append("it has its own gating function")
+    activation = _activation_name(getattr(module, "act_fn", None))
+    if activation is None:
+        reasons.append("its activation is none of silu, gelu, gelu_tanh, relu")
+    if reasons:
+        raise ConfigError(f"{name} cannot run ThunderEP's Triton kernels (experts_implementation={KERNELS!r}): "
+                          f"{'; '.join(reasons)}; use experts_implementation='grouped_mm' (or 'eager')")
+    interleaved = not getattr(module, "is_concatenated", True)
+
+    def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        from ..kernels import available
+
+        if not available(x_TD.device) and not (x_TD.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+            raise ConfigError(f"experts_implementation={KERNELS!r} runs ThunderEP's Triton kernels, which need a "
+                              f"CUDA GPU and Triton; {name} runs on {x_TD.device}. Use 'grouped_mm' (or 'eager') here")
+        from ..kernels.ops import routed_moe_mlp
+
+        w_gate_up = module.gate_up_proj
+        y_TD = routed_moe_mlp(x_TD.to(w_gate_up.dtype), w_gate_up, module.down_proj, ids_TK, weights_TK,
+                              activation=activation, interleaved=interleaved)
+        return y_TD.to(x_TD.dtype)
+
+    return compute

@@ -181,7 +181,8 @@ class ThunderMoE(nn.Module):
         ep: an `ExpertParallel` runtime, or None (all experts stay local; nothing moves).
         placement: which experts each EP rank holds (default: contiguous blocks), the same for every layer.
         experts_implementation: the Hugging Face computation of the local experts (default: the model's
-            current one, e.g. "grouped_mm"; "eager" = the experts class's own loop).
+            current one, e.g. "grouped_mm"; "eager" = the experts class's own loop), or "triton":
+            ThunderEP's Triton kernels (CUDA; plain gated experts only, others raise ConfigError).
         move: move the model to the EP runtime's device (its GPU under NCCL) after slicing.
         Wrap before creating an optimizer: expert parameters are replaced by their local slices.
         """

@@ -1,0 +1,145 @@
+"""Wrapped Hugging Face models with `experts_implementation="triton"`: ThunderEP's Triton kernels compute
+the local experts instead of transformers' function. Without a GPU the kernels run in Triton's CPU
+interpreter (float32, tiny models): logits, one-token decode (the pair kernels), training gradients,
+and 2 and 4 EP ranks (real processes, gloo) against the plain transformers model; the layouts the
+kernels do not cover are refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from distributed import run_ranks
+
+pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+from hf_tiny import V, tiny_model  # noqa: E402
+
+from thunderep.errors import ConfigError  # noqa: E402
+from thunderep.hf import ThunderMoE, find_experts_modules  # noqa: E402
+from thunderep.hf.experts import KERNELS  # noqa: E402
+
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "olmoe")
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests; the gpu test covers CUDA")
+
+
+def _ids(rows=2, seq=5, seed=3):
+    return torch.randint(3, V, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernels_equal_hf_logits_decode_and_gradients(family):
+    model = tiny_model(family, seed=1)
+    ref = copy.deepcopy(model)
+    tm = ThunderMoE.wrap(model, experts_implementation=KERNELS)
+    calls = []
+    from thunderep.kernels import ops
+
+    real = ops._moe_mlp_pairs_impl
+    ops_pairs = lambda *a: calls.append(1) or real(*a)  # noqa: E731
+    x = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(tm(input_ids=x).logits, ref(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+        one = x[:1, :1]  # one token: every MoE layer runs the pair kernels
+        try:
+            ops._moe_mlp_pairs_impl = ops_pairs
+            got = tm(input_ids=one).logits
+        finally:
+            ops._moe_mlp_pairs_impl = real
+        assert len(calls) == len(tm.bindings)
+        torch.testing.assert_close(got, ref(input_ids=one).logits, rtol=1e-5, atol=1e-5)
+    tm.train()
+    ref.train()
+    for m in (tm, ref):
+        m.zero_grad()
+        m(input_ids=x, labels=x).loss.backward()
+    want = dict(ref.named_parameters())
+    for name, p in tm.model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_layouts_the_kernels_do_not_cover_are_refused():
+    with pytest.raises(ConfigError, match="GptOssExperts cannot run ThunderEP's Triton kernels.*biases"):
+        ThunderMoE.wrap(tiny_model("gpt_oss", seed=1), experts_implementation=KERNELS)
+    model = tiny_model("mixtral", seed=1)
+    for _, module in find_experts_modules(model):
+        module.act_fn = torch.nn.Tanh()
+    with pytest.raises(ConfigError, match="MixtralExperts cannot run.*activation is none of silu"):
+        ThunderMoE.wrap(model, experts_implementation=KERNELS)
+
+
+@CPU_ONLY
+def test_kernels_off_cuda_without_the_interpreter_is_a_config_error(monkeypatch):
+    tm = ThunderMoE.wrap(tiny_model("mixtral", seed=1), experts_implementation=KERNELS)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with torch.no_grad(), pytest.raises(ConfigError, match="need a CUDA GPU and Triton; MixtralExperts runs on cpu"):
+        tm(input_ids=_ids())
+
+
+def _ranks_case(rank, world):
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+
+    model = tiny_model("mixtral", seed=2)
+    x = _ids(rows=world, seq=4, seed=7)
+    mine = x[rank:rank + 1]
+    with torch.no_grad():
+        want = {"ep": model(input_ids=mine).logits, "latency": model(input_ids=x).logits}
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
+    tm = ThunderMoE.wrap(copy.deepcopy(model), ep, experts_implementation=KERNELS)
+    with torch.no_grad():
+        got = {"ep": tm(input_ids=mine, mode="ep").logits, "latency": tm(input_ids=x, replicated=True).logits}
+    ep.close()
+    return got, want
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("world", [2, 4])
+def test_kernels_on_ep_ranks_equal_hf(world):
+    for got, want in run_ranks(_ranks_case, world, timeout=240, dist_timeout=120):
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+@CPU_ONLY
+def test_from_pretrained_with_kernels_equals_hf(tmp_path):
+    from hf_tiny import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny("qwen3_moe", tmp_path / "m", seed=4, fused=True)
+    tm = ThunderMoE.from_pretrained(path, experts_implementation=KERNELS)
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    x = _ids(seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(tm(input_ids=x).logits, ref(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_equal_grouped_mm_in_a_model():
+    """On CUDA in bf16: the wrapped model through ThunderEP's kernels against transformers' grouped_mm,
+    prompt logits, one-token decode logits and the training loss."""
+    model = tiny_model("qwen3_moe", seed=1, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                       num_experts=32, num_experts_per_tok=4).to("cuda", torch.bfloat16)
+    ref = copy.deepcopy(model)
+    for _, module in find_experts_modules(ref):
+        module.config._experts_implementation = "grouped_mm"
+    tm = ThunderMoE.wrap(model, experts_implementation=KERNELS)
+    x = _ids(rows=4, seq=16).cuda()
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    with torch.no_grad():
+        assert rel(tm(input_ids=x).logits, ref(input_ids=x).logits) < 2e-2
+        assert rel(tm(input_ids=x[:1, :1]).logits, ref(input_ids=x[:1, :1]).logits) < 2e-2
+    tm.train()
+    ref.train()
+    loss, loss_ref = tm(input_ids=x, labels=x).loss, ref(input_ids=x, labels=x).loss
+    loss.backward()
+    assert abs(loss.item() - loss_ref.item()) < 2e-2 * abs(loss_ref.item())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in tm.model.parameters() if p.requires_grad)
