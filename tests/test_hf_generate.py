@@ -48,3 +48,25 @@ def test_generate_launches_its_own_ranks_and_streams(tmp_path, capfd):
                    for out in (one, two)]
     assert completions[0] == completions[1] and len(completions[0]) == 2
     assert torch.cuda.is_available() or "device=cpu" in two
+
+
+def test_generate_with_thunderep_kernels_equals_default(tmp_path, capfd):
+    """--experts-implementation triton: the same completions through ThunderEP's kernels (without a GPU,
+    in Triton's interpreter); a name transformers does not know is a clear error."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter case; tests/test_hf_kernels.py has the GPU test")
+    from hf_tiny import save_tiny
+
+    from thunderep.cli import main as cli_main
+
+    path = save_tiny("qwen3_moe", tmp_path / "ckpt", seed=2)
+    args = ["--model", path, "--prompt", "Hello", "--max-new-tokens", "4", "--cpu"]
+    assert main(args) == 0
+    default = capfd.readouterr().out
+    assert main(args + ["--experts-implementation", "triton"]) == 0
+    kernels = capfd.readouterr().out
+    pick = lambda out: [line for line in out.splitlines() if line.startswith("[0] ")]  # noqa: E731
+    assert pick(default) == pick(kernels) and len(pick(default)) == 1
+    assert cli_main(["generate"] + args + ["--experts-implementation", "fastest"]) != 0
+    assert "experts_implementation 'fastest' is not registered" in capfd.readouterr().err

@@ -109,7 +109,8 @@ def generate_on_rank(args: argparse.Namespace, ep=None, out=None) -> dict | None
     rank, world = (ep.groups.ep_rank, ep.groups.ep_size) if ep is not None else (0, 1)
     device = ep.groups.device if ep is not None else torch.device(
         "cuda" if not args.cpu and torch.cuda.is_available() else "cpu")
-    tm = ThunderMoE.from_pretrained(args.model, ep, dtype=args.dtype, device=device)
+    tm = ThunderMoE.from_pretrained(args.model, ep, dtype=args.dtype, device=device,
+                                    experts_implementation=args.experts_implementation)
     tokenizer = load_tokenizer(args.model, tm.config.get_text_config().vocab_size)
     latency = args.mode == "latency" or (args.mode == "auto" and len(args.prompt) < world)
     mine = list(range(len(args.prompt))) if latency else list(range(rank, len(args.prompt), world))
@@ -193,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
+    p.add_argument("--experts-implementation", default=None,
+                   help="what computes each rank's experts: the model's own transformers function (default), "
+                        "another one (grouped_mm, eager, ...), or triton (ThunderEP's kernels, CUDA)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
     return p
 
