@@ -37,19 +37,19 @@ def test_kernels_equal_hf_logits_decode_and_gradients(family):
     ref = copy.deepcopy(model)
     tm = ThunderMoE.wrap(model, experts_implementation=KERNELS)
     calls = []
-    from thunderep.kernels import ops
+    from thunderep.kernels import pairs
 
-    real = ops._moe_mlp_pairs_impl
+    real = pairs._moe_mlp_pairs_impl
     ops_pairs = lambda *a: calls.append(1) or real(*a)  # noqa: E731
     x = _ids()
     with torch.no_grad():
         torch.testing.assert_close(tm(input_ids=x).logits, ref(input_ids=x).logits, rtol=1e-5, atol=1e-5)
         one = x[:1, :1]  # one token: every MoE layer runs the pair kernels
         try:
-            ops._moe_mlp_pairs_impl = ops_pairs
+            pairs._moe_mlp_pairs_impl = ops_pairs
             got = tm(input_ids=one).logits
         finally:
-            ops._moe_mlp_pairs_impl = real
+            pairs._moe_mlp_pairs_impl = real
         assert len(calls) == len(tm.bindings)
         torch.testing.assert_close(got, ref(input_ids=one).logits, rtol=1e-5, atol=1e-5)
     tm.train()

@@ -22,7 +22,7 @@ Two GEMM paths (`gemm`; forward and backward choose separately, `grouped_gemm.ge
     un-permute + sum over K). Chosen on sm_90 in bf16 when experts get many rows (`grouped_gemm.gemm_path`).
 
 Decode: `routed_moe_mlp` (FusedExperts' entry, from the router's ids and weights) runs inference on at
-most PAIRS_MAX_TOKENS tokens through a third op, with no sort:
+most PAIRS_MAX_TOKENS tokens through a third op (pairs.py), with no sort:
 
     thunderep::moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, ...) -> y_TD
 
@@ -35,18 +35,20 @@ and otherwise sorts the pairs by expert and calls `moe_mlp` (gathered mode).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
-from triton.runtime.errors import OutOfResources
 
-from ..errors import ConfigError
 from . import grouped_gemm as G
 from . import moe_triton as K
+from . import pairs as P
+from .tuning import kernel_configs
+from .tuning import launch as _launch
+from .tuning import precision as _precision
+from .tuning import tuned
 
-__all__ = ["PAIRS_MAX_TOKENS", "moe_mlp", "routed_moe_mlp", "pairs_max_tokens", "kernel_configs", "supported"]
+__all__ = ["moe_mlp", "routed_moe_mlp", "kernel_configs", "supported"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _M_CLASSES = (16, 32, 64, 128)
@@ -91,25 +93,6 @@ _DEFAULT = {16: _cfg(16, 64, 128, 4, 4), 32: _cfg(32, 64, 128, 4, 4), 64: _cfg(6
 _DEFAULT_WGRAD = _cfg(128, 128, 32, 8, 4)
 
 
-def _pair_cfg(bn, bk, warps, stages, dot=None):
-    """A pair-kernel config; `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise."""
-    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot})}
-    return triton.Config(kwargs, num_warps=warps, num_stages=stages)
-
-
-# Pair kernels (decode): enough programs to keep every SM streaming weights. The gate/up pass tunes
-# elementwise tiles against (dot=True) 16-row tensor-core tiles, whose weight loads Triton pipelines
-# through shared memory; the down pass is elementwise only (the tensor-core variant lost on the H200).
-_PAIR_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3),
-               (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 2)]
-_DOWN_PAIR_CONFIGS = [_pair_cfg(*tile) for tile in _PAIR_TILES]
-_UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
-    _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),
-    _pair_cfg(64, 128, 4, 4, True), _pair_cfg(64, 256, 8, 3, True)]
-_DEFAULT_UP_PAIR = _pair_cfg(16, 256, 4, 3, dot=False)
-_DEFAULT_DOWN_PAIR = _pair_cfg(16, 256, 4, 3)
-
-
 def _prune_rows(configs, named_args, **kwargs):
     bm = {**named_args, **kwargs}["m_class"]
     keep = [c for c in configs if c.kwargs["BLOCK_M"] == bm]
@@ -129,78 +112,13 @@ def _prune_wgrad(configs, named_args, **kwargs):
     return configs
 
 
-def _even_k(name):
-    return triton.heuristics({"EVEN_K": lambda args: args[name] % args["BLOCK_K"] == 0})
-
-
-def _tuned(kernel, configs, key, prune=None, even_k=None):
-    fn = _even_k(even_k)(kernel) if even_k else kernel
-    tuned = triton.autotune(configs=configs, key=key, cache_results=True,
-                            prune_configs_by={"early_config_prune": prune} if prune else None)(fn)
-    return tuned, fn
-
-
-_UP, _UP_PLAIN = _tuned(K._up_kernel, _ROW_CONFIGS, ["m_class", "I", "D", "GATHER", "SAVE_GU"], _prune_up, "D")
-_ROWS, _ROWS_PLAIN = _tuned(K._rows_kernel, _ROW_CONFIGS, ["m_class", "N", "K", "SCATTER", "WEIGHTED"],
+_UP, _UP_PLAIN = tuned("up", K._up_kernel, _ROW_CONFIGS, ["m_class", "I", "D", "GATHER", "SAVE_GU"], _prune_up, "D")
+_ROWS, _ROWS_PLAIN = tuned("rows", K._rows_kernel, _ROW_CONFIGS, ["m_class", "N", "K", "SCATTER", "WEIGHTED"],
                             _prune_rows, "K")
-_ACT_BWD, _ACT_BWD_PLAIN = _tuned(K._act_bwd_kernel, _ROW_CONFIGS, ["m_class", "I", "D", "GATHER", "WEIGHTED"],
+_ACT_BWD, _ACT_BWD_PLAIN = tuned("act_bwd", K._act_bwd_kernel, _ROW_CONFIGS, ["m_class", "I", "D", "GATHER", "WEIGHTED"],
                                   _prune_up, "D")
-_WGRAD, _WGRAD_PLAIN = _tuned(K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class", "M", "N", "A_GATHER", "B_GATHER"],
+_WGRAD, _WGRAD_PLAIN = tuned("wgrad", K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class", "M", "N", "A_GATHER", "B_GATHER"],
                               _prune_wgrad)
-_UP_PAIRS, _UP_PAIRS_PLAIN = _tuned(K._up_pairs_kernel, _UP_PAIR_CONFIGS, ["I", "D", "top_k", "INTERLEAVED"],
-                                    even_k="D")
-_DOWN_PAIRS, _DOWN_PAIRS_PLAIN = _tuned(K._down_pairs_kernel, _DOWN_PAIR_CONFIGS, ["I", "D", "top_k", "WEIGHTED"],
-                                        even_k="I")
-
-
-def _autotune(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("THUNDEREP_TRITON_AUTOTUNE", "1") != "0"
-
-
-_TUNED: dict[tuple, triton.Config] = {}  # (autotuner, its key) -> the config it chose
-
-
-def _launch(tuned, plain, default, grid, device, **args):
-    """Run the autotuned kernel on CUDA, else (CPU interpreter, or tuning off) a fixed config.
-
-    The fixed configs are sized for 16-bit tiles; float32 tiles take twice the shared memory, so a
-    config the GPU cannot hold is retried with one pipeline stage fewer (the autotuner skips such
-    configs itself). The error is raised before the kernel runs: nothing is half written.
-
-    Once a key is tuned, its config launches the kernel directly: the autotuner's own per-call work
-    (building its key, hooks) is host time a decode step cannot spare."""
-    if _autotune(device):
-        key = (id(tuned), *(args[k] for k in tuned.keys),
-               *(str(v.dtype) for v in args.values() if isinstance(v, torch.Tensor)))
-        config = _TUNED.get(key)
-        if config is None:
-            tuned[grid](**args)
-            _TUNED[key] = tuned.best_config
-        else:
-            plain[grid](**args, **config.all_kwargs())
-        return
-    stages = default.num_stages
-    while True:
-        try:
-            plain[grid](**args, **default.kwargs, num_warps=default.num_warps, num_stages=stages)
-            return
-        except OutOfResources:
-            if stages <= 1:
-                raise
-            stages -= 1
-
-
-def kernel_configs() -> dict:
-    """The configs autotuning chose so far, per kernel and key (for reports and benchmarks)."""
-    out = {}
-    for name, tuned in (("up", _UP), ("rows", _ROWS), ("act_bwd", _ACT_BWD), ("wgrad", _WGRAD),
-                        ("up_pairs", _UP_PAIRS), ("down_pairs", _DOWN_PAIRS)):
-        out[name] = {str(k): str(v) for k, v in tuned.cache.items()}
-    return out
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _block_e(E: int) -> int:
@@ -451,59 +369,6 @@ def moe_mlp(
     return y
 
 
-# ---- decode: the pair kernels --------------------------------------------------------------------------
-
-# Up to this many tokens, inference runs the pair kernels (no sort, no counts, two launches); above it
-# the sorted grouped GEMMs, which read each hit expert once however many tokens share it. Measured on
-# the H200 (docs/BENCHMARKS.md, "Decode"): the pair kernels win at T = 1 on all three model shapes; at
-# T = 2 and 4 only on Qwen3's small experts (graph replay), as tokens start to share experts.
-PAIRS_MAX_TOKENS = 1
-
-
-def pairs_max_tokens() -> int:
-    """PAIRS_MAX_TOKENS, or THUNDEREP_PAIRS_MAX_TOKENS when set (0 turns the pair kernels off)."""
-    raw = os.environ.get("THUNDEREP_PAIRS_MAX_TOKENS", "")
-    if not raw:
-        return PAIRS_MAX_TOKENS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"THUNDEREP_PAIRS_MAX_TOKENS={raw!r}: use a token count >= 0, or leave it unset")
-    return value
-
-
-def _moe_mlp_pairs_impl(
-    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
-    weights: Optional[torch.Tensor], activation: str, interleaved: bool,
-) -> torch.Tensor:
-    T, D = x.shape
-    E, I2, _ = w_gate_up.shape
-    I, N = I2 // 2, ids.numel()
-    top_k = N // T
-    h = x.new_empty(N, I)
-    _launch(_UP_PAIRS, _UP_PAIRS_PLAIN, _DEFAULT_UP_PAIR, lambda meta: (N, triton.cdiv(I, meta["BLOCK_N"])),
-            x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, I=I, D=D, E=E, top_k=top_k,
-            stride_xm=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
-            stride_hm=h.stride(0), ACT=K.ACTIVATIONS[activation], INTERLEAVED=interleaved,
-            PRECISION=_precision(x.dtype))
-    y = x.new_empty(T, D)
-    _launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_DOWN_PAIR, lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"])),
-            x.device, h_ptr=h, w_ptr=w_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
-            D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0), stride_we=w_down.stride(0),
-            stride_wd=w_down.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None)
-    return y
-
-
-_moe_mlp_pairs_op = torch.library.custom_op("thunderep::moe_mlp_pairs", mutates_args=())(_moe_mlp_pairs_impl)
-
-
-@_moe_mlp_pairs_op.register_fake
-def _(x, w_gate_up, w_down, ids, weights, activation, interleaved):
-    return x.new_empty(x.shape[0], w_down.shape[1])
-
-
 def _int32_counts(ids_TK: torch.Tensor, E: int) -> torch.Tensor:
     """[E] int32 rows per expert, without a device-to-host sync."""
     flat = ids_TK.reshape(-1)
@@ -525,7 +390,7 @@ def routed_moe_mlp(
     """y_TD = sum over k of weights_TK[t, k] * expert_{ids_TK[t, k]}(x_TD[t]): the expert MLP from the
     router's output.
 
-    Inference on at most `pairs_max_tokens()` tokens (decode) runs the pair kernels: one
+    Inference on at most `pairs.pairs_max_tokens()` tokens (decode) runs the pair kernels: one
     matrix-vector pass per (token, slot) pair, no sort, two launches. Otherwise the pairs are sorted by
     expert and `moe_mlp` runs (counts_E [E], if the router computed it, saves recounting).
     x_TD: [T, D]; ids_TK: [T, K] integer; weights_TK: [T, K] or None (unweighted sum over K).
@@ -537,11 +402,9 @@ def routed_moe_mlp(
     T, K = ids_TK.shape
     E, I2, D = w_gate_up_E2ID.shape
     needs_grad = _needs_grad(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK)
-    if 0 < T <= pairs_max_tokens() and not needs_grad:
+    if 0 < T <= P.pairs_max_tokens() and not needs_grad:
         _check(x_TD, w_gate_up_E2ID, w_down_EDI, None, x_TD.new_empty(E), None, K, activation, "triton")
-        op = _moe_mlp_pairs_op if torch.compiler.is_compiling() else _moe_mlp_pairs_impl
-        return op(x_TD.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), ids_TK.contiguous(),
-                  weights_TK.contiguous() if weights_TK is not None else None, activation, interleaved)
+        return P.moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved)
     order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
     counts = counts_E if counts_E is not None else _int32_counts(ids_TK, E)
     return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_TK, top_k=K,

@@ -1,0 +1,135 @@
+"""The decode pair kernels (thunderep/kernels/pairs.py) and `routed_moe_mlp`'s choice of path, against the
+float64 reference: in Triton's CPU interpreter without CUDA, on the model shapes on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from test_moe_triton import CUDA, INTERP_CASES, MODEL_SHAPES, make_case, reference, rel_err  # noqa: E402
+
+from thunderep.errors import ConfigError  # noqa: E402
+from thunderep.kernels import ops  # noqa: E402
+from thunderep.kernels import pairs as pairs_mod  # noqa: E402
+from thunderep.kernels.ops import routed_moe_mlp  # noqa: E402
+
+
+@pytest.fixture(params=[False, True], ids=["fma", "dot"])
+def pairs(request, monkeypatch):
+    """Pin the pair kernels for inference at every T (the default takes them up to PAIRS_MAX_TOKENS), the
+    gate/up pass in both variants: elementwise multiply-adds and 16-row tensor-core tiles. On the GPU the
+    variant is pinned by turning autotuning off, so the fixed config runs."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(32, 128, 4, 3, dot=request.param))
+    return request.param
+
+
+def check_pairs(T, D, I, E, K, dtype, tol, activation="silu", interleaved=False, seed=0, weighted=True):
+    """Inference through routed_moe_mlp's pair kernels against the float64 reference."""
+    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, dtype, seed)
+    with torch.no_grad():
+        y = routed_moe_mlp(x, w_gu, w_d, ids, weights if weighted else None, activation=activation,
+                           interleaved=interleaved)
+    ref_w = weights if weighted else torch.ones_like(weights)
+    y_ref = reference(x.double(), w_gu.double(), w_d.double(), ids, ref_w.double(), activation, interleaved)
+    assert y.shape == (T, D) and y.dtype == dtype
+    assert rel_err(y, y_ref) < tol, f"relative error {rel_err(y, y_ref):.2e}"
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")
+@pytest.mark.parametrize("case", INTERP_CASES, ids=lambda c: "T{}-D{}-I{}-E{}-K{}".format(*c))
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_interpreter_pairs_match_reference(case, interleaved, pairs):
+    check_pairs(*case, torch.float32, tol=1e-5, interleaved=interleaved)
+    check_pairs(*case, torch.float32, tol=1e-5, interleaved=interleaved, weighted=False, seed=1)
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_interpreter_pairs_activations(activation, pairs):
+    check_pairs(3, 32, 32, 4, 2, torch.float32, tol=1e-5, activation=activation)
+
+
+def test_routed_path_choice(monkeypatch):
+    """Pair kernels for inference on at most PAIRS_MAX_TOKENS tokens; the sorted kernels when gradients
+    are needed or there are more tokens, and then the result and gradients still match the reference."""
+    monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
+    calls = []
+    real_pairs, real_sorted = pairs_mod._moe_mlp_pairs_impl, ops.moe_mlp
+    monkeypatch.setattr(pairs_mod, "_moe_mlp_pairs_impl", lambda *a: calls.append("pairs") or real_pairs(*a))
+    monkeypatch.setattr(ops, "moe_mlp", lambda *a, **k: calls.append("sorted") or real_sorted(*a, **k))
+    small, large = pairs_mod.PAIRS_MAX_TOKENS, pairs_mod.PAIRS_MAX_TOKENS + 1
+    for T, grad, expected in ((small, False, "pairs"), (1, True, "sorted"), (large, False, "sorted")):
+        x, w_gu, w_d, ids, weights = make_case(T, 16, 16, 4, 2, torch.float32, T)
+        leaf = x.clone().requires_grad_(grad)
+        y = routed_moe_mlp(leaf, w_gu, w_d, ids, weights)
+        assert calls[-1] == expected, (T, grad)
+        y_ref = reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())
+        assert rel_err(y, y_ref) < 1e-5
+        if grad:
+            ref_leaf = x.double().requires_grad_()
+            dy = torch.randn_like(y)
+            (dx,) = torch.autograd.grad(y, leaf, dy)
+            (dx_ref,) = torch.autograd.grad(reference(ref_leaf, w_gu.double(), w_d.double(), ids, weights.double()),
+                                            ref_leaf, dy.double())
+            assert rel_err(dx, dx_ref) < 1e-5
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    x, w_gu, w_d, ids, weights = make_case(1, 16, 16, 4, 2, torch.float32, 0)
+    routed_moe_mlp(x, w_gu, w_d, ids, weights)
+    assert calls[-1] == "sorted"
+
+
+def test_pairs_unknown_expert_gives_nan_for_that_token_only(pairs):
+    """No host sync checks ids on the GPU: an id outside [0, E) makes its token's output NaN, not a wrong
+    number or a read out of bounds; the other tokens are unaffected."""
+    x, w_gu, w_d, ids, weights = make_case(3, 16, 16, 4, 2, torch.float32, 2)
+    bad = ids.clone()
+    bad[1, 0] = 4
+    with torch.no_grad():
+        y = routed_moe_mlp(x, w_gu, w_d, bad, weights)
+        good = routed_moe_mlp(x, w_gu, w_d, ids, weights)
+    assert y[1].isnan().all()
+    torch.testing.assert_close(y[[0, 2]], good[[0, 2]])
+
+
+def test_routed_bad_input_is_rejected(monkeypatch):
+    x, w_gu, w_d, ids, weights = make_case(2, 16, 16, 4, 2, torch.float32, 0)
+    with pytest.raises(ValueError, match=r"ids_TK \(3, 2\) must be \[T, K\] for x_TD \(2, 16\)"):
+        routed_moe_mlp(x, w_gu, w_d, torch.cat([ids, ids[:1]]), weights)
+    with pytest.raises(ValueError, match=r"weights_TK \(2, 1\) must match ids_TK \(2, 2\)"):
+        routed_moe_mlp(x, w_gu, w_d, ids, weights[:, :1])
+    with torch.no_grad(), pytest.raises(ValueError, match="shapes do not match"):
+        routed_moe_mlp(x[:, :8], w_gu, w_d, ids, weights)
+    with torch.no_grad(), pytest.raises(ValueError, match="activation 'swish' has no Triton kernel"):
+        routed_moe_mlp(x, w_gu, w_d, ids, weights, activation="swish")
+    for raw in ("-1", "many"):
+        monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", raw)
+        with pytest.raises(ConfigError, match=f"THUNDEREP_PAIRS_MAX_TOKENS='{raw}': use a token count >= 0"):
+            routed_moe_mlp(x, w_gu, w_d, ids, weights)
+
+
+@pytest.mark.skipif(CUDA, reason="test_gpu_torch_compile covers the ops on the compiled kernels")
+def test_interpreter_pairs_torch_compile(pairs):
+    """The pair op's fake registration lets torch.compile trace inference fullgraph; result equals eager."""
+    x, w_gu, w_d, ids, weights = make_case(3, 32, 32, 4, 2, torch.float32, 12)
+    f = lambda x, ids, w: routed_moe_mlp(x, w_gu, w_d, ids, w)  # noqa: E731
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, ids, weights),
+                                   f(x, ids, weights))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+@pytest.mark.parametrize("T", [1, 2, 4, 64])
+def test_gpu_pairs_model_shapes(shape, T, pairs):
+    """The decode pair kernels (inference; the default takes them up to PAIRS_MAX_TOKENS tokens)."""
+    D, I, E, K = MODEL_SHAPES[shape]
+    check_pairs(T, D, I, E, K, torch.bfloat16, tol=2e-2, seed=T + 5)
+    if T == 2:
+        check_pairs(T, D, I, E, K, torch.float32, tol=1e-4, seed=T + 6)
+        check_pairs(T, D, I, E, K, torch.bfloat16, tol=2e-2, seed=T + 7, weighted=False, interleaved=True,
+                    activation="gelu_tanh")

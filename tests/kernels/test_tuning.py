@@ -1,0 +1,71 @@
+"""Kernel launching (thunderep/kernels/tuning.py): the fixed-config fallback and the reuse of tuned configs,
+with stand-in kernels (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from thunderep.kernels import ops, tuning  # noqa: E402
+
+
+def test_fixed_config_too_big_for_shared_memory_is_retried_with_fewer_stages(monkeypatch):
+    """Tuning off: a fixed config whose float32 tiles overflow shared memory runs with fewer stages;
+    one that cannot fit at all raises the GPU's error."""
+    from triton.runtime.errors import OutOfResources
+
+    class Kernel:
+        def __init__(self, most_stages):
+            self.most_stages, self.calls = most_stages, []
+
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                self.calls.append(kwargs["num_stages"])
+                if kwargs["num_stages"] > self.most_stages:
+                    raise OutOfResources(245760, 232448, "shared memory")
+            return run
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    default = ops._DEFAULT[64]
+    fits_two = Kernel(most_stages=2)
+    tuning.launch(None, fits_two, default, (1,), torch.device("cuda"), x=1)
+    assert fits_two.calls == list(range(default.num_stages, 1, -1))  # 4, 3, 2: ran with 2
+    never = Kernel(most_stages=0)
+    with pytest.raises(OutOfResources):
+        tuning.launch(None, never, default, (1,), torch.device("cuda"), x=1)
+    assert never.calls == list(range(default.num_stages, 0, -1))
+
+
+def test_tuned_config_is_reused_without_the_autotuner(monkeypatch):
+    """After the autotuner chose a config for a key, launches with that key run the kernel with it directly;
+    a new key (another size or dtype) goes back to the autotuner."""
+
+    class Tuned:
+        keys = ["n"]
+
+        def __init__(self):
+            self.calls, self.best_config = [], None
+
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                self.calls.append(kwargs["n"])
+                self.best_config = triton.Config({"BLOCK": 32 * kwargs["n"]}, num_warps=2, num_stages=3)
+            return run
+
+    class Plain:
+        def __init__(self):
+            self.calls = []
+
+        def __getitem__(self, grid):
+            return lambda **kwargs: self.calls.append((kwargs["n"], kwargs["BLOCK"], kwargs["num_warps"]))
+
+    monkeypatch.delenv("THUNDEREP_TRITON_AUTOTUNE", raising=False)
+    monkeypatch.setattr(tuning, "_TUNED", {})
+    tuned, plain, cuda = Tuned(), Plain(), torch.device("cuda")
+    x16, x32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
+    for n, x in ((1, x16), (1, x16), (2, x16), (1, x16), (1, x32)):
+        tuning.launch(tuned, plain, None, (1,), cuda, n=n, x=x)
+    assert tuned.calls == [1, 2, 1]  # first (1, bf16), (2, bf16), (1, fp32)
+    assert plain.calls == [(1, 32, 2), (1, 32, 2)]

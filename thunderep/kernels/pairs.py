@@ -1,0 +1,228 @@
+"""Decode: the expert MLP for one token or so, one (token, slot) pair at a time, with no sort.
+
+Shape legend: T tokens, D hidden size, K experts per token, E experts, I intermediate size,
+N = T * K (token, slot) pairs in flat (token-major) order.
+
+    _up_pairs_kernel     h_NI[j] = act(x[j // K] @ Wg[ids[j]].T) * (x[j // K] @ Wu[ids[j]].T)
+    _down_pairs_kernel   y_TD[t] = sum over k of w[t, k] * (h_NI[t*K + k] @ Wd[ids[t*K + k]].T)
+
+    thunderep::moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, ...) -> y_TD
+
+Two launches, where the sorted kernels (ops.py) need a sort, counts and a sum over K around their two
+GEMMs. Each pair reads its expert's weights itself, so tokens that share an expert read it twice:
+`routed_moe_mlp` (ops.py) uses these kernels for inference on at most PAIRS_MAX_TOKENS tokens.
+Inference only (no saved intermediates, no backward). Portable Triton: elementwise multiply-adds,
+or tl.dot on a 16-row tile (mma.sync on sm_89 / sm_120).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import ConfigError
+from . import tuning
+from .moe_triton import ACTIVATIONS, _act, _gate_up_cols
+
+__all__ = ["PAIRS_MAX_TOKENS", "moe_mlp_pairs", "pairs_max_tokens"]
+
+
+@triton.jit
+def _one_row(v_K, ROWS: tl.constexpr):
+    """[ROWS, len(v)] with v in row 0 and zeros below: one vector as the A tile of a tensor-core product."""
+    r_R = tl.arange(0, ROWS)
+    return tl.where(r_R[:, None] == 0, v_K[None, :], tl.zeros((ROWS, v_K.shape[0]), dtype=v_K.dtype))
+
+
+@triton.jit
+def _row0(acc_RN):
+    """Row 0 of a [ROWS, N] accumulator."""
+    r_R = tl.arange(0, acc_RN.shape[0])
+    return tl.sum(tl.where(r_R[:, None] == 0, acc_RN, 0.0), 0)
+
+
+@triton.jit
+def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn, stride_hm,
+                     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
+    program_id(0), columns c of tile program_id(1).
+
+    A matrix-vector product per pair (no sort, no counts): decode reads each hit expert's weights once
+    and does little arithmetic, so what matters is how many weight bytes are in flight. Two ways, tuned
+    per shape (DOT): elementwise multiply-adds into a [BLOCK_N, BLOCK_K] float32 tile summed over k at
+    the end; or the vector as row 0 of a 16-row tensor-core tile, whose weight loads Triton pipelines
+    through shared memory over `num_stages` (the 15 zero rows cost only arithmetic).
+    x: [T, D]; Wgu: [E, 2I, D] (unit stride along D); h: [T*K, I] in flat (token, slot) order.
+    An expert id outside [0, E) reads expert 0 and writes NaN (no sync to check ids on the host; the
+    token's output then shows it)."""
+    j = tl.program_id(0)
+    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok_N = cols_N < I
+    expert = tl.load(ids_ptr + j).to(tl.int64)
+    known = (expert >= 0) & (expert < E)
+    expert = tl.where(known, expert, 0)
+    gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
+    k_K = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (j // top_k).to(tl.int64) * stride_xm + k_K
+    w_base = w_ptr + expert * stride_we
+    if DOT:  # weight tiles [BLOCK_K, BLOCK_N], the B operand of a 16-row product
+        g_ptrs = w_base + gate_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
+        u_ptrs = w_base + up_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
+        acc_g = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    else:  # weight tiles [BLOCK_N, BLOCK_K]
+        g_ptrs = w_base + gate_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
+        u_ptrs = w_base + up_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_ok_K = (k_K < D - k0) | EVEN_K
+        xv = tl.load(x_ptrs, mask=k_ok_K, other=0.0)
+        if DOT:
+            ok = k_ok_K[:, None] & col_ok_N[None, :]
+            a = _one_row(xv, 16)
+            acc_g = tl.dot(a, tl.load(g_ptrs, mask=ok, other=0.0), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, tl.load(u_ptrs, mask=ok, other=0.0), acc_u, input_precision=PRECISION)
+        else:
+            ok = col_ok_N[:, None] & k_ok_K[None, :]
+            acc_g += tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32) * xv.to(tl.float32)[None, :]
+            acc_u += tl.load(u_ptrs, mask=ok, other=0.0).to(tl.float32) * xv.to(tl.float32)[None, :]
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if DOT:
+        g_N, u_N = _row0(acc_g), _row0(acc_u)
+    else:
+        g_N, u_N = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+    h = tl.where(known, _act(g_N, ACT) * u_N, float("nan"))
+    tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=col_ok_N)
+
+
+@triton.jit
+def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k, stride_hm, stride_we, stride_wd,
+                       stride_ym, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
+    columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass,
+    summed in float32 in a fixed order (no atomics). h: [T*K, I]; Wd: [E, D, I] (unit stride along I).
+    Elementwise multiply-adds as in _up_pairs_kernel (measured on the H200: a loop over (slot, chunk)
+    and 16-row tensor-core tiles were both slower here).
+    An expert id outside [0, E) reads expert 0; its h row is NaN (_up_pairs_kernel), so y[t] is NaN."""
+    t = tl.program_id(0)
+    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok_N = cols_N < D
+    k_K = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for slot in range(0, top_k):
+        j = t * top_k + slot
+        expert = tl.load(ids_ptr + j).to(tl.int64)
+        expert = tl.where((expert >= 0) & (expert < E), expert, 0)
+        h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
+        w_ptrs = w_ptr + expert * stride_we + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :]
+        if WEIGHTED:
+            scale = tl.load(weight_ptr + j).to(tl.float32)
+        else:
+            scale = 1.0
+        for k0 in range(0, I, BLOCK_K):
+            k_ok_K = (k_K < I - k0) | EVEN_K
+            hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=col_ok_N[:, None] & k_ok_K[None, :], other=0.0)
+            acc += w.to(tl.float32) * (hv * scale)[None, :]
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    y = tl.sum(acc, 1)
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, y.to(y_ptr.dtype.element_ty), mask=col_ok_N)
+
+
+# ---- host side ----------------------------------------------------------------------------------------
+
+
+def _pair_cfg(bn, bk, warps, stages, dot=None):
+    """A pair-kernel config; `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise."""
+    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot})}
+    return triton.Config(kwargs, num_warps=warps, num_stages=stages)
+
+
+# Pair kernels (decode): enough programs to keep every SM streaming weights. The gate/up pass tunes
+# elementwise tiles against (dot=True) 16-row tensor-core tiles, whose weight loads Triton pipelines
+# through shared memory; the down pass is elementwise only (the tensor-core variant lost on the H200).
+_PAIR_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3),
+               (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 2)]
+_DOWN_PAIR_CONFIGS = [_pair_cfg(*tile) for tile in _PAIR_TILES]
+_UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
+    _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),
+    _pair_cfg(64, 128, 4, 4, True), _pair_cfg(64, 256, 8, 3, True)]
+_DEFAULT_UP_PAIR = _pair_cfg(16, 256, 4, 3, dot=False)
+_DEFAULT_DOWN_PAIR = _pair_cfg(16, 256, 4, 3)
+
+
+_UP_PAIRS, _UP_PAIRS_PLAIN = tuning.tuned("up_pairs", _up_pairs_kernel, _UP_PAIR_CONFIGS,
+                                          ["I", "D", "top_k", "INTERLEAVED"], even_k="D")
+_DOWN_PAIRS, _DOWN_PAIRS_PLAIN = tuning.tuned("down_pairs", _down_pairs_kernel, _DOWN_PAIR_CONFIGS,
+                                              ["I", "D", "top_k", "WEIGHTED"], even_k="I")
+
+
+# Up to this many tokens, inference runs the pair kernels (no sort, no counts, two launches); above it
+# the sorted grouped GEMMs, which read each hit expert once however many tokens share it. Measured on
+# the H200 (docs/BENCHMARKS.md, "Decode"): the pair kernels win at T = 1 on all three model shapes; at
+# T = 2 and 4 only on Qwen3's small experts (graph replay), as tokens start to share experts.
+PAIRS_MAX_TOKENS = 1
+
+
+def pairs_max_tokens() -> int:
+    """PAIRS_MAX_TOKENS, or THUNDEREP_PAIRS_MAX_TOKENS when set (0 turns the pair kernels off)."""
+    raw = os.environ.get("THUNDEREP_PAIRS_MAX_TOKENS", "")
+    if not raw:
+        return PAIRS_MAX_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"THUNDEREP_PAIRS_MAX_TOKENS={raw!r}: use a token count >= 0, or leave it unset")
+    return value
+
+
+def _moe_mlp_pairs_impl(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
+    weights: Optional[torch.Tensor], activation: str, interleaved: bool,
+) -> torch.Tensor:
+    T, D = x.shape
+    E, I2, _ = w_gate_up.shape
+    I, N = I2 // 2, ids.numel()
+    top_k = N // T
+    h = x.new_empty(N, I)
+    tuning.launch(_UP_PAIRS, _UP_PAIRS_PLAIN, _DEFAULT_UP_PAIR, lambda meta: (N, triton.cdiv(I, meta["BLOCK_N"])),
+            x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, I=I, D=D, E=E, top_k=top_k,
+            stride_xm=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
+            stride_hm=h.stride(0), ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved,
+            PRECISION=tuning.precision(x.dtype))
+    y = x.new_empty(T, D)
+    tuning.launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_DOWN_PAIR, lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"])),
+            x.device, h_ptr=h, w_ptr=w_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
+            D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0), stride_we=w_down.stride(0),
+            stride_wd=w_down.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None)
+    return y
+
+
+_moe_mlp_pairs_op = torch.library.custom_op("thunderep::moe_mlp_pairs", mutates_args=())(_moe_mlp_pairs_impl)
+
+
+@_moe_mlp_pairs_op.register_fake
+def _(x, w_gate_up, w_down, ids, weights, activation, interleaved):
+    return x.new_empty(x.shape[0], w_down.shape[1])
+
+
+def moe_mlp_pairs(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
+                  weights_TK: torch.Tensor | None, activation: str, interleaved: bool) -> torch.Tensor:
+    """y_TD through the pair kernels (inference). x_TD: [T, D]; w_gate_up_E2ID: [E, 2I, D] and
+    w_down_EDI: [E, D, I] in x's dtype; ids_TK: [T, K] integer; weights_TK: [T, K] or None
+    (unweighted). Inputs are checked by the caller (ops.routed_moe_mlp)."""
+    op = _moe_mlp_pairs_op if torch.compiler.is_compiling() else _moe_mlp_pairs_impl
+    return op(x_TD.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), ids_TK.contiguous(),
+              weights_TK.contiguous() if weights_TK is not None else None, activation, interleaved)
