@@ -88,12 +88,21 @@ def _ranks_case(rank, world):
     model = tiny_model("mixtral", seed=2)
     x = _ids(rows=world, seq=4, seed=7)
     mine = x[rank:rank + 1]
+    one = x[:1, :1]
     with torch.no_grad():
-        want = {"ep": model(input_ids=mine).logits, "latency": model(input_ids=x).logits}
+        want = {"ep": model(input_ids=mine).logits, "latency": model(input_ids=x).logits,
+                "decode": model(input_ids=one).logits}
     ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
     tm = ThunderMoE.wrap(copy.deepcopy(model), ep, experts_implementation=KERNELS)
+    from thunderep.kernels import pairs
+
+    calls, real = [], pairs._moe_mlp_pairs_impl
+    pairs._moe_mlp_pairs_impl = lambda *a: calls.append(1) or real(*a)
     with torch.no_grad():
         got = {"ep": tm(input_ids=mine, mode="ep").logits, "latency": tm(input_ids=x, replicated=True).logits}
+        before = len(calls)  # (ep mode may have handed a rank a single row: the pair kernels, rightly)
+        got["decode"] = tm(input_ids=one, replicated=True).logits  # one token, latency mode: the pair kernels
+        assert len(calls) - before == len(tm.bindings)
     ep.close()
     return got, want
 

@@ -258,3 +258,49 @@ def test_ep_on_gpus_with_nccl_equals_single_gpu(world):
         for out, _ in results[scenario]:
             got, want = out["y"]
             assert want.numel() and ((got - want).abs().max() / want.abs().max()).item() < tol
+
+
+def _decode_with_pair_kernels(rank, world):
+    """One decode token per rank through the pair kernels (forced on the CPU, where Triton's interpreter
+    runs them): latency mode on the whole batch, all-gather mode on this rank's token, against one
+    process on the loop path."""
+    import os
+
+    import thunderep.experts as experts_module
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.kernels import pairs
+
+    ep = ExpertParallel(init_expert_parallel(), EPConfig(control="collective"))
+    full = _full_layer("deepseek")
+    x_all = torch.randn(world, D, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        want = full(x_all)
+    layer = ThunderMoELayer(full.config, ep=ep)
+    layer.load_state_dict(layer.shard_state_dict(full.state_dict()))
+    calls = []
+    real = pairs._moe_mlp_pairs_impl
+    experts_module._use_triton = lambda x, w, config: True
+    pairs._moe_mlp_pairs_impl = lambda *a: calls.append(1) or real(*a)
+    with torch.no_grad():
+        latency = layer(x_all[:1], replicated=True)  # one token held by every rank: the pair kernels
+        calls_latency = len(calls)
+        allgather = layer(x_all[rank:rank + 1], mode="allgather")  # `world` tokens gathered: sorted kernels
+        calls_sorted = len(calls) - calls_latency
+        os.environ["THUNDEREP_PAIRS_MAX_TOKENS"] = str(world)
+        allgather_pairs = layer(x_all[rank:rank + 1], mode="allgather")  # the pair kernels on all of them
+    ep.close()
+    return {"latency": (latency, want[:1]), "allgather": (allgather, want[rank:rank + 1]),
+            "allgather_pairs": (allgather_pairs, want[rank:rank + 1]),
+            "calls": (calls_latency, calls_sorted, len(calls) - calls_latency - calls_sorted)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="forces Triton's CPU interpreter")
+@pytest.mark.parametrize("world", [2, 4])
+def test_decode_modes_through_pair_kernels_equal_single_process(world):
+    pytest.importorskip("triton")
+    for out in run_ranks(_decode_with_pair_kernels, world, timeout=240):
+        assert out["calls"] == (1, 0, 1)  # pair kernels for latency mode and the pinned all-gather call only
+        for mode in ("latency", "allgather", "allgather_pairs"):
+            got, want = out[mode]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode}: {m}")

@@ -214,6 +214,24 @@ class FusedExperts(nn.Module):
             x_ND, counts_E, self.gate_up_proj, self.down_proj, self.config, self.gate_up_bias, self.down_bias
         )
 
+    def pairs_partial(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor | None:
+        """sum over k of weights_TK * expert_{ids_TK}(x_TD) [T, D] through the decode pair kernels, where
+        id -1 marks a pair these experts do not compute (it adds nothing); None where the pair kernels do
+        not apply (no CUDA kernels here, gradients needed, or more than `pairs_max_tokens()` tokens).
+
+        For expert parallelism's latency and all-gather modes: each rank's share of the output, with no
+        sort, no compaction of its pairs and no device-to-host sync."""
+        if not x_TD.shape[0] or not _use_triton(x_TD, self.gate_up_proj, self.config):
+            return None
+        from .kernels import pairs
+
+        needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x_TD, weights_TK, self.gate_up_proj, self.down_proj))
+        if needs_grad or x_TD.shape[0] > pairs.pairs_max_tokens():
+            return None
+        return pairs.moe_mlp_pairs(x_TD.to(self.gate_up_proj.dtype), self.gate_up_proj, self.down_proj, ids_TK,
+                                   weights_TK, self.config.activation, self.config.interleaved)
+
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         T, K = routing.ids_TK.shape
         if x_TD.shape[0] != T:

@@ -230,6 +230,10 @@ class ThunderMoELayer(nn.Module):
         T, K = ids_TK.shape
         S, me = self.placement.slots_per_rank, self.ep.groups.ep_rank
         slots_N = self.placement.owner_table(x_TD.device)[ids_TK.reshape(-1)]
+        local_TK = torch.where(slots_N // S == me, slots_N % S, -1).view(T, K)
+        partial_TD = self.experts.pairs_partial(x_TD, local_TK, weights_TK)  # decode: no sync, no sort
+        if partial_TD is not None:
+            return partial_TD
         pairs = ((slots_N // S) == me).nonzero().squeeze(1)
         local_slot = slots_N[pairs] % S
         order = torch.argsort(local_slot, stable=True)

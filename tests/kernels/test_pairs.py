@@ -133,3 +133,15 @@ def test_gpu_pairs_model_shapes(shape, T, pairs):
         check_pairs(T, D, I, E, K, torch.float32, tol=1e-4, seed=T + 6)
         check_pairs(T, D, I, E, K, torch.bfloat16, tol=2e-2, seed=T + 7, weighted=False, interleaved=True,
                     activation="gelu_tanh")
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests cover the kernels")
+def test_pairs_skip_id_minus_one(pairs):
+    """Id -1 marks a pair computed elsewhere (another rank's expert): it adds nothing, the rest is exact."""
+    x, w_gu, w_d, ids, weights = make_case(3, 32, 48, 4, 2, torch.float32, 21)
+    skip = torch.tensor([[True, False], [False, False], [True, True]])
+    with torch.no_grad():
+        y = pairs_mod.moe_mlp_pairs(x, w_gu, w_d, ids.masked_fill(skip, -1), weights, "silu", False)
+    y_ref = reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double().masked_fill(skip, 0.0))
+    assert torch.isfinite(y).all() and y[2].abs().max() == 0
+    assert rel_err(y, y_ref) < 1e-5

@@ -173,6 +173,12 @@ class ExpertsBinding:
         S, me = self.num_slots, self.ep.groups.ep_rank
         T, K = ids_TK.shape
         slots_N = self.placement.owner_table(x_TD.device)[ids_TK.reshape(-1)]
+        pairs_partial = getattr(self.compute, "pairs_partial", None)  # ThunderEP's kernels: decode, no sync
+        if pairs_partial is not None:
+            local_TK = torch.where(slots_N // S == me, slots_N % S, -1).view(T, K)
+            partial_TD = pairs_partial(module, x_TD, local_TK, weights_TK)
+            if partial_TD is not None:
+                return partial_TD.float()
         pairs = ((slots_N // S) == me).nonzero().squeeze(1)
         local_slot = slots_N[pairs] % S
         order = torch.argsort(local_slot, stable=True)
@@ -282,12 +288,15 @@ def kernel_compute_fn(module) -> Callable:
                           f"{'; '.join(reasons)}; use experts_implementation='grouped_mm' (or 'eager')")
     interleaved = not getattr(module, "is_concatenated", True)
 
-    def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    def check_device(x_TD: torch.Tensor) -> None:
         from ..kernels import available
 
         if not available(x_TD.device) and not (x_TD.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
             raise ConfigError(f"experts_implementation={KERNELS!r} runs ThunderEP's Triton kernels, which need a "
                               f"CUDA GPU and Triton; {name} runs on {x_TD.device}. Use 'grouped_mm' (or 'eager') here")
+
+    def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        check_device(x_TD)
         from ..kernels.ops import routed_moe_mlp
 
         w_gate_up = module.gate_up_proj
@@ -295,4 +304,18 @@ def kernel_compute_fn(module) -> Callable:
                               activation=activation, interleaved=interleaved)
         return y_TD.to(x_TD.dtype)
 
+    def pairs_partial(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor):
+        """The local share for latency and all-gather modes through the pair kernels (id -1: another
+        rank's expert), or None where they do not apply (gradients, more than pairs_max_tokens() tokens)."""
+        check_device(x_TD)
+        from ..kernels import pairs
+
+        w_gate_up, w_down = module.gate_up_proj, module.down_proj
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, weights_TK, w_gate_up, w_down))
+        if needs_grad or not 0 < x_TD.shape[0] <= pairs.pairs_max_tokens():
+            return None
+        return pairs.moe_mlp_pairs(x_TD.to(w_gate_up.dtype), w_gate_up, w_down, ids_TK, weights_TK, activation,
+                                   interleaved)
+
+    compute.pairs_partial = pairs_partial
     return compute

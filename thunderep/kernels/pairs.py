@@ -58,14 +58,16 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, st
     the end; or the vector as row 0 of a 16-row tensor-core tile, whose weight loads Triton pipelines
     through shared memory over `num_stages` (the 15 zero rows cost only arithmetic).
     x: [T, D]; Wgu: [E, 2I, D] (unit stride along D); h: [T*K, I] in flat (token, slot) order.
-    An expert id outside [0, E) reads expert 0 and writes NaN (no sync to check ids on the host; the
-    token's output then shows it)."""
+    Expert id -1 marks a pair that is not computed here (another rank's expert): h = 0 and no weight
+    is read. Any other id outside [0, E) writes NaN (no sync to check ids on the host; the token's
+    output then shows it)."""
     j = tl.program_id(0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok_N = cols_N < I
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
+    skipped = expert == -1
     expert = tl.where(known, expert, 0)
+    col_ok_N = (cols_N < I) & known  # no weight reads for a pair without a (valid) expert
     gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
     k_K = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (j // top_k).to(tl.int64) * stride_xm + k_K
@@ -99,8 +101,8 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, st
         g_N, u_N = _row0(acc_g), _row0(acc_u)
     else:
         g_N, u_N = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-    h = tl.where(known, _act(g_N, ACT) * u_N, float("nan"))
-    tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=col_ok_N)
+    h = tl.where(known, _act(g_N, ACT) * u_N, tl.where(skipped, 0.0, float("nan")))
+    tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
 
 
 @triton.jit
@@ -112,7 +114,8 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k,
     summed in float32 in a fixed order (no atomics). h: [T*K, I]; Wd: [E, D, I] (unit stride along I).
     Elementwise multiply-adds as in _up_pairs_kernel (measured on the H200: a loop over (slot, chunk)
     and 16-row tensor-core tiles were both slower here).
-    An expert id outside [0, E) reads expert 0; its h row is NaN (_up_pairs_kernel), so y[t] is NaN."""
+    Expert id -1 (not computed here) adds nothing and reads no weights; for any other id outside
+    [0, E) the h row is NaN (_up_pairs_kernel), so y[t] is NaN."""
     t = tl.program_id(0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok_N = cols_N < D
@@ -121,7 +124,9 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k,
     for slot in range(0, top_k):
         j = t * top_k + slot
         expert = tl.load(ids_ptr + j).to(tl.int64)
-        expert = tl.where((expert >= 0) & (expert < E), expert, 0)
+        known = (expert >= 0) & (expert < E)
+        expert = tl.where(known, expert, 0)
+        w_ok_N = col_ok_N & known  # no weight reads without a valid expert: h is 0 (id -1) or NaN there
         h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
         w_ptrs = w_ptr + expert * stride_we + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :]
         if WEIGHTED:
@@ -131,7 +136,7 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k,
         for k0 in range(0, I, BLOCK_K):
             k_ok_K = (k_K < I - k0) | EVEN_K
             hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=col_ok_N[:, None] & k_ok_K[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=w_ok_N[:, None] & k_ok_K[None, :], other=0.0)
             acc += w.to(tl.float32) * (hv * scale)[None, :]
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
