@@ -145,3 +145,24 @@ def test_pairs_skip_id_minus_one(pairs):
     y_ref = reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double().masked_fill(skip, 0.0))
     assert torch.isfinite(y).all() and y[2].abs().max() == 0
     assert rel_err(y, y_ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_fused_experts_pairs_partial_skips_other_ranks_pairs():
+    """FusedExperts.pairs_partial (the local share in latency / all-gather mode) on CUDA in bf16: pairs
+    with id -1 add nothing, the rest equals the float64 reference; with gradients it declines (None)."""
+    from thunderep.config import ExpertsConfig
+    from thunderep.experts import FusedExperts
+
+    experts = FusedExperts(ExpertsConfig(num_experts=8, hidden_size=256, intermediate_size=512), device="cuda",
+                           dtype=torch.bfloat16)
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([[1, 6]], device="cuda")
+    weights = torch.tensor([[0.7, 0.3]], device="cuda")
+    local = torch.tensor([[1, -1]], device="cuda")
+    with torch.no_grad():
+        y = experts.pairs_partial(x, local, weights)
+    w64 = [t.detach().double() for t in (experts.gate_up_proj, experts.down_proj)]
+    y_ref = reference(x.double(), *w64, ids, weights.double() * torch.tensor([[1.0, 0.0]], device="cuda").double())
+    assert y is not None and rel_err(y, y_ref) < 2e-2
+    assert experts.pairs_partial(x, local, weights.requires_grad_()) is None
