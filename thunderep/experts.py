@@ -223,14 +223,10 @@ class FusedExperts(nn.Module):
         sort, no compaction of its pairs and no device-to-host sync."""
         if not x_TD.shape[0] or not _use_triton(x_TD, self.gate_up_proj, self.config):
             return None
-        from .kernels import pairs
+        from .kernels.pairs import pairs_if_decode
 
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x_TD, weights_TK, self.gate_up_proj, self.down_proj))
-        if needs_grad or x_TD.shape[0] > pairs.pairs_max_tokens():
-            return None
-        return pairs.moe_mlp_pairs(x_TD.to(self.gate_up_proj.dtype), self.gate_up_proj, self.down_proj, ids_TK,
-                                   weights_TK, self.config.activation, self.config.interleaved)
+        return pairs_if_decode(x_TD, self.gate_up_proj, self.down_proj, ids_TK, weights_TK, self.config.activation,
+                               self.config.interleaved)
 
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         T, K = routing.ids_TK.shape

@@ -308,14 +308,11 @@ def kernel_compute_fn(module) -> Callable:
         """The local share for latency and all-gather modes through the pair kernels (id -1: another
         rank's expert), or None where they do not apply (gradients, more than pairs_max_tokens() tokens)."""
         check_device(x_TD)
-        from ..kernels import pairs
+        from ..kernels.pairs import pairs_if_decode
 
-        w_gate_up, w_down = module.gate_up_proj, module.down_proj
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, weights_TK, w_gate_up, w_down))
-        if needs_grad or not 0 < x_TD.shape[0] <= pairs.pairs_max_tokens():
-            return None
-        return pairs.moe_mlp_pairs(x_TD.to(w_gate_up.dtype), w_gate_up, w_down, ids_TK, weights_TK, activation,
-                                   interleaved)
+        partial_TD = pairs_if_decode(x_TD, module.gate_up_proj, module.down_proj, ids_TK, weights_TK, activation,
+                                     interleaved)
+        return partial_TD.to(x_TD.dtype) if partial_TD is not None else None
 
     compute.pairs_partial = pairs_partial
     return compute
