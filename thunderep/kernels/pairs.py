@@ -67,7 +67,7 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, st
     known = (expert >= 0) & (expert < E)
     skipped = expert == -1
     expert = tl.where(known, expert, 0)
-    col_ok_N = (cols_N < I) & known  # no weight reads for a pair without a (valid) expert
+    col_ok_N = cols_N < tl.where(known, I, 0)  # no weight reads for a pair without a (valid) expert
     gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
     k_K = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (j // top_k).to(tl.int64) * stride_xm + k_K
@@ -126,7 +126,7 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k,
         expert = tl.load(ids_ptr + j).to(tl.int64)
         known = (expert >= 0) & (expert < E)
         expert = tl.where(known, expert, 0)
-        w_ok_N = col_ok_N & known  # no weight reads without a valid expert: h is 0 (id -1) or NaN there
+        w_ok_N = cols_N < tl.where(known, D, 0)  # no weight reads without a valid expert: h is 0 (id -1) or NaN
         h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
         w_ptrs = w_ptr + expert * stride_we + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :]
         if WEIGHTED:
