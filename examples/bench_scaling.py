@@ -129,7 +129,7 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
 
     results: dict = {"rank": rank, "world": world, "errors": {}}
     systems: dict = {}
-    tm = ThunderMoE.from_pretrained(path, ep, dtype=dtype)
+    tm = ThunderMoE.from_pretrained(path, ep, dtype=dtype, experts_implementation=args.experts_implementation)
     tm_opt = torch.optim.AdamW(tm.parameters(), lr=1e-5)
     systems["thunderep"] = dict(model=tm, opt=tm_opt, mode="ep", shared=False)
     if world > 1:
@@ -363,6 +363,9 @@ def main(argv=None) -> int:
     p.add_argument("--mailbox-backoff", type=float, nargs=3, metavar=("SPIN_US", "YIELD_US", "SLEEP_MAX_US"),
                    help="how long a mailbox wait spins, then yields, before it sleeps on a futex (and the "
                    "longest nap); default: the mailbox's own choice")
+    p.add_argument("--experts-implementation", default=None,
+                   help="what computes ThunderEP's local experts: the model's transformers function (default) "
+                        "or triton (ThunderEP's kernels; decode shares then use the pair kernels)")
     p.add_argument("--profile", metavar="DIR", help="also profile one batch decode per system (rank 0's "
                    "operator tables in DIR/profile-<R>gpu.txt)")
     args = p.parse_args(argv)
