@@ -228,14 +228,14 @@ class ThunderMoELayer(nn.Module):
         """sum_k weights_TK * expert(x) over the (token, k) pairs whose expert this rank owns (its first
         replica), zero elsewhere: this rank's share of the output when every rank holds the same tokens."""
         T, K = ids_TK.shape
-        S, me = self.placement.slots_per_rank, self.ep.groups.ep_rank
-        slots_N = self.placement.owner_table(x_TD.device)[ids_TK.reshape(-1)]
-        local_TK = torch.where(slots_N // S == me, slots_N % S, -1).view(T, K)
+        S = self.placement.slots_per_rank
+        local_TK = self.placement.local_slots(ids_TK, self.ep.groups.ep_rank)
         partial_TD = self.experts.pairs_partial(x_TD, local_TK, weights_TK)  # decode: no sync, no sort
         if partial_TD is not None:
             return partial_TD
-        pairs = ((slots_N // S) == me).nonzero().squeeze(1)
-        local_slot = slots_N[pairs] % S
+        local_N = local_TK.reshape(-1)
+        pairs = (local_N >= 0).nonzero().squeeze(1)
+        local_slot = local_N[pairs]
         order = torch.argsort(local_slot, stable=True)
         pairs, local_slot = pairs[order], local_slot[order]
         y_MD = self.experts.compute_sorted(x_TD[pairs // K], torch.bincount(local_slot, minlength=S))

@@ -124,6 +124,14 @@ class Placement:
                                              device=device)
         return self._tables[key]
 
+    def local_slots(self, ids_TK: torch.Tensor, rank: int) -> torch.Tensor:
+        """[T, K] int64: for each (token, k) pair whose expert's first replica (`owner_table`) is on EP
+        rank `rank`, that rank's local slot; -1 for the pairs other ranks compute (latency and
+        all-gather mode, where every rank holds the same tokens)."""
+        S = self.slots_per_rank
+        slots_TK = self.owner_table(ids_TK.device)[ids_TK]
+        return torch.where(slots_TK // S == rank, slots_TK % S, -1)
+
     @cached_property
     def slot_experts_P(self) -> torch.Tensor:
         """[P] int64 (CPU): the logical expert of every global slot."""

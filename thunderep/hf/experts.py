@@ -27,11 +27,10 @@ custom gate, a silu / gelu / gelu_tanh / relu activation) on CUDA.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-
-import os
 
 import torch
 
@@ -170,17 +169,16 @@ class ExpertsBinding:
     def _local_partial(self, module, x_TD, weights_TK, ids_TK) -> torch.Tensor:
         """sum_k weights_TK * expert(x) over the (token, k) pairs whose expert this rank owns, zero
         elsewhere (float32 [T, D]): this rank's share of the output when it holds every token."""
-        S, me = self.num_slots, self.ep.groups.ep_rank
         T, K = ids_TK.shape
-        slots_N = self.placement.owner_table(x_TD.device)[ids_TK.reshape(-1)]
+        local_TK = self.placement.local_slots(ids_TK, self.ep.groups.ep_rank)
         pairs_partial = getattr(self.compute, "pairs_partial", None)  # ThunderEP's kernels: decode, no sync
         if pairs_partial is not None:
-            local_TK = torch.where(slots_N // S == me, slots_N % S, -1).view(T, K)
             partial_TD = pairs_partial(module, x_TD, local_TK, weights_TK)
             if partial_TD is not None:
                 return partial_TD.float()
-        pairs = ((slots_N // S) == me).nonzero().squeeze(1)
-        local_slot = slots_N[pairs] % S
+        local_N = local_TK.reshape(-1)
+        pairs = (local_N >= 0).nonzero().squeeze(1)
+        local_slot = local_N[pairs]
         order = torch.argsort(local_slot, stable=True)
         pairs, local_slot = pairs[order], local_slot[order]
         y_MD = self.compute_rows(module, x_TD[pairs // K], local_slot)
@@ -237,7 +235,6 @@ def experts_compute_fn(module, implementation: str | None) -> Callable:
             f"{', '.join(sorted(k for k in ALL_EXPERTS_FUNCTIONS if k != IMPLEMENTATION))}"
         )
     return ALL_EXPERTS_FUNCTIONS[implementation]
-
 
 
 def _activation_name(act_fn) -> str | None:

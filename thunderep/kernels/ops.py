@@ -43,6 +43,7 @@ import triton
 from . import grouped_gemm as G
 from . import moe_triton as K
 from . import pairs as P
+from .pairs import needs_grad as _needs_grad
 from .tuning import kernel_configs
 from .tuning import launch as _launch
 from .tuning import precision as _precision
@@ -192,6 +193,7 @@ def _wgrad(a, b, order, weights, counts, top_k, a_gather, b_gather, n_rows, out)
 
 
 def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
+    """ValueError on inputs the kernels cannot take; `counts` None (the pair kernels take none) is not checked."""
     E, I2, D = w_gu.shape
     if gemm not in ("triton", "torch"):
         raise ValueError(f"gemm must be 'triton' or 'torch', got {gemm!r}")
@@ -200,7 +202,7 @@ def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
     if w_d.shape != (E, D, I2 // 2) or x.shape[-1] != D:
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w_gate_up {tuple(w_gu.shape)}, "
                          f"w_down {tuple(w_d.shape)} (expected [E, 2I, D] and [E, D, I])")
-    if counts.shape != (E,):
+    if counts is not None and counts.shape != (E,):
         raise ValueError(f"counts_E has shape {tuple(counts.shape)}, expected ({E},)")
     if order is not None and order.shape[0] != x.shape[0] * top_k:
         raise ValueError(f"order_N has {order.shape[0]} rows; x has {x.shape[0]} tokens x top_k {top_k} = "
@@ -327,10 +329,6 @@ def _backward(ctx, dy, dh, dgu):
 _moe_mlp_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def moe_mlp(
     x: torch.Tensor,
     w_gate_up_E2ID: torch.Tensor,
@@ -400,12 +398,10 @@ def routed_moe_mlp(
     if weights_TK is not None and weights_TK.shape != ids_TK.shape:
         raise ValueError(f"weights_TK {tuple(weights_TK.shape)} must match ids_TK {tuple(ids_TK.shape)}")
     T, K = ids_TK.shape
-    E, I2, D = w_gate_up_E2ID.shape
-    needs_grad = _needs_grad(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK)
-    if 0 < T <= P.pairs_max_tokens() and not needs_grad:
-        _check(x_TD, w_gate_up_E2ID, w_down_EDI, None, x_TD.new_empty(E), None, K, activation, "triton")
+    if P.decode_applies(T, x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK):
+        _check(x_TD, w_gate_up_E2ID, w_down_EDI, None, None, None, K, activation, "triton")
         return P.moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved)
     order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
-    counts = counts_E if counts_E is not None else _int32_counts(ids_TK, E)
+    counts = counts_E if counts_E is not None else _int32_counts(ids_TK, w_gate_up_E2ID.shape[0])
     return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_TK, top_k=K,
                    activation=activation, interleaved=interleaved)

@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from . import tuning
 from .moe_triton import ACTIVATIONS, _act, _gate_up_cols
 
-__all__ = ["PAIRS_MAX_TOKENS", "moe_mlp_pairs", "pairs_max_tokens", "pairs_if_decode"]
+__all__ = ["PAIRS_MAX_TOKENS", "decode_applies", "moe_mlp_pairs", "needs_grad", "pairs_if_decode", "pairs_max_tokens"]
 
 
 @triton.jit
@@ -233,14 +233,22 @@ def moe_mlp_pairs(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: 
               weights_TK.contiguous() if weights_TK is not None else None, activation, interleaved)
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd will differentiate through these tensors (None entries are ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def decode_applies(T: int, *tensors) -> bool:
+    """The pair kernels' domain: inference (no gradient through `tensors`) on 1 to `pairs_max_tokens()`
+    tokens."""
+    return 0 < T <= pairs_max_tokens() and not needs_grad(*tensors)
+
+
 def pairs_if_decode(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
                     weights_TK: torch.Tensor | None, activation: str, interleaved: bool) -> torch.Tensor | None:
-    """`moe_mlp_pairs` (x cast to the weights' dtype) where the pair kernels apply: inference on 1 to
-    `pairs_max_tokens()` tokens. None otherwise (gradients needed, or more tokens): the caller's sorted
-    path runs. The caller has checked that the Triton kernels can run these experts."""
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI))
-    if needs_grad or not 0 < x_TD.shape[0] <= pairs_max_tokens():
+    """`moe_mlp_pairs` (x cast to the weights' dtype) where `decode_applies`, else None (the caller's
+    sorted path runs). The caller has checked that the Triton kernels can run these experts."""
+    if not decode_applies(x_TD.shape[0], x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
         return None
     return moe_mlp_pairs(x_TD.to(w_gate_up_E2ID.dtype), w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation,
                          interleaved)
