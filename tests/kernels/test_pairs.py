@@ -17,14 +17,18 @@ from thunderep.kernels import pairs as pairs_mod  # noqa: E402
 from thunderep.kernels.ops import routed_moe_mlp  # noqa: E402
 
 
-@pytest.fixture(params=[False, True], ids=["fma", "dot"])
+@pytest.fixture(params=[(False, False), (True, True)], ids=["fma-loop", "dot-split"])
 def pairs(request, monkeypatch):
-    """Pin the pair kernels for inference at every T (the default takes them up to PAIRS_MAX_TOKENS), the
-    gate/up pass in both variants: elementwise multiply-adds and 16-row tensor-core tiles. On the GPU the
-    variant is pinned by turning autotuning off, so the fixed config runs."""
+    """Pin the pair kernels for inference at every T (the default takes them up to PAIRS_MAX_TOKENS), each
+    pass in both of its variants: the gate/up pass as elementwise multiply-adds or 16-row tensor-core
+    tiles, the down pass as one program looping over a token's slots or one program per slot (partials
+    summed by the last). On the GPU the variants are pinned by turning autotuning off, so the fixed
+    configs run."""
+    dot, split = request.param
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(32, 128, 4, 3, dot=request.param))
+    monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(32, 128, 4, 3, dot=dot))
+    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(16, 128, 4, 3, split=split))
     return request.param
 
 
@@ -166,3 +170,88 @@ def test_gpu_fused_experts_pairs_partial_skips_other_ranks_pairs():
     y_ref = reference(x.double(), *w64, ids, weights.double() * torch.tensor([[1.0, 0.0]], device="cuda").double())
     assert y is not None and rel_err(y, y_ref) < 2e-2
     assert experts.pairs_partial(x, local, weights.requires_grad_()) is None
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests cover the kernels")
+def test_split_down_pass_leaves_counts_zero_for_reruns(monkeypatch):
+    """The split down pass counts each token's slots and the last one writes y: a second launch on the
+    same buffers (as Triton's autotuner reruns a kernel) must find the counts back at 0 and write y again."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "8")
+    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(16, 128, 4, 3, split=True))
+    real_launch = pairs_mod.tuning.launch
+    counts_after = []
+
+    def launch_down_twice(autotuner, plain, default, grid, device, **args):
+        real_launch(autotuner, plain, default, grid, device, **args)
+        if autotuner is pairs_mod._DOWN_PAIRS:
+            counts_after.append(args["count_ptr"].clone())
+            args["y_ptr"].fill_(float("nan"))
+            real_launch(autotuner, plain, default, grid, device, **args)
+
+    monkeypatch.setattr(pairs_mod.tuning, "launch", launch_down_twice)
+    check_pairs(3, 40, 48, 4, 3, torch.float32, tol=1e-5, seed=30)
+    assert len(counts_after) == 1 and counts_after[0].numel() == 3 * 5 and (counts_after[0] == 0).all()
+
+
+DEVICE = "cuda" if CUDA else "cpu"  # the route tests: compiled on a GPU, else Triton's interpreter
+
+
+@pytest.mark.parametrize("N,E", [(1, 4), (7, 5), (64, 16), (300, 128), (1024, 256)])
+def test_route_kernel_equals_stable_argsort_and_counts(N, E):
+    """The one-program sort of small inference batches: the same order as a stable argsort, the same
+    counts as a bincount, the weights passed through."""
+    gen = torch.Generator().manual_seed(N)
+    ids = torch.randint(0, E, (N, 1), generator=gen).to(DEVICE)
+    weights = torch.rand(N, 1, generator=gen).to(DEVICE)
+    order, counts, w = ops._route(ids, weights, E, torch.float32)
+    assert order.dtype == counts.dtype == torch.int32
+    assert torch.equal(order.long(), torch.argsort(ids.reshape(-1), stable=True))
+    assert torch.equal(counts.long(), torch.bincount(ids.reshape(-1), minlength=E))
+    assert torch.equal(w, weights.reshape(-1))
+    _, _, ones = ops._route(ids, None, E, torch.bfloat16)
+    assert ones.dtype == torch.bfloat16 and (ones == 1).all()
+
+
+def test_route_kernel_unknown_ids_become_expert_zero_with_weight_zero_or_nan():
+    ids = torch.tensor([[2, -1], [5, 0], [1, 7]], device=DEVICE)
+    order, counts, w = ops._route(ids, torch.full((3, 2), 0.5, device=DEVICE), 4, torch.float32)
+    assert order.tolist() == [1, 2, 3, 5, 4, 0]  # -1, 5, 0 and 7 count as expert 0, in flat order
+    assert counts.tolist() == [4, 1, 1, 0]
+    assert w[[0, 3, 4]].tolist() == [0.5] * 3 and w[1] == 0 and w[[2, 5]].isnan().all()
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests cover the kernels")
+@pytest.mark.parametrize("path", ["pairs", "route"])
+def test_inference_skips_id_minus_one_and_gives_nan_for_unknown_ids_on_both_paths(path, monkeypatch):
+    """Inference has one contract whichever kernels run: id -1 adds nothing, any other id outside [0, E)
+    makes that token's output NaN, the other tokens are exact."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "64" if path == "pairs" else "0")
+    calls = []
+    real_route = ops._route
+    monkeypatch.setattr(ops, "_route", lambda *a: calls.append("route") or real_route(*a))
+    x, w_gu, w_d, ids, weights = make_case(4, 32, 48, 4, 2, torch.float32, 22)
+    skip = torch.tensor([[True, False], [False, False], [True, True], [False, False]])
+    bad = ids.masked_fill(skip, -1)
+    bad[3, 1] = 9
+    with torch.no_grad():
+        y = routed_moe_mlp(x, w_gu, w_d, bad, weights)
+    assert calls == ([] if path == "pairs" else ["route"])
+    y_ref = reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double().masked_fill(skip, 0.0))
+    assert y[3].isnan().all() and torch.isfinite(y[:3]).all() and y[2].abs().max() == 0
+    assert rel_err(y[:3], y_ref[:3]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+def test_gpu_routed_small_batch_through_route_kernel(shape, monkeypatch):
+    """Inference on 64 tokens: the one-program sort feeds the sorted kernels; bf16 against float64."""
+    monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
+    calls = []
+    real_route = ops._route
+    monkeypatch.setattr(ops, "_route", lambda *a: calls.append("route") or real_route(*a))
+    D, I, E, K = MODEL_SHAPES[shape]
+    x, w_gu, w_d, ids, weights = make_case(64, D, I, E, K, torch.bfloat16, 40)
+    with torch.no_grad():
+        y = routed_moe_mlp(x, w_gu, w_d, ids, weights)
+    y_ref = reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())
+    assert calls == ["route"] and rel_err(y, y_ref) < 2e-2

@@ -26,7 +26,11 @@ SHAPES = {  # D, I, E, K
     "deepseek": (7168, 2048, 256, 8),
 }
 IMPLS = ("eager", "grouped_mm", "thunderep")
-# Also accepted: "thunderep:<pin>", ThunderEP with one path pinned (PINS).
+# Also accepted: "thunderep:<pin>", ThunderEP with one path pinned (PINS); and COPY, a reference that is
+# no MLP: one device-to-device copy moving as many bytes (read + write) as the step reads in expert
+# weights, forward only. It is what one tuned memory-bound kernel takes for those bytes, launch and
+# ramp included: the floor for a small-T step, which must also read them.
+COPY = "copy"
 ROTATE = 4
 
 
@@ -95,6 +99,26 @@ def _ours(impl: str) -> bool:
     return impl.startswith("thunderep")
 
 
+def _hf(impl: str) -> bool:
+    """A transformers implementation (what the ratio compares against)."""
+    return not _ours(impl) and impl != COPY
+
+
+def _copy_of(n_bytes: int, device):
+    """(fn, bytes moved): a call copies n_bytes / 2 bytes, a different buffer pair each of ROTATE calls
+    (so L2 does not hold them), ignoring the MLP's arguments."""
+    half = max(n_bytes // 2 // 16 * 16, 16)
+    pairs = [(torch.empty(half, dtype=torch.uint8, device=device), torch.empty(half, dtype=torch.uint8, device=device))
+             for _ in range(ROTATE)]
+    it = {"i": 0}
+
+    def fn(*_):
+        src, dst = pairs[it["i"] % ROTATE]
+        it["i"] += 1
+        dst.copy_(src)
+    return fn
+
+
 def graph_ms(fn, sets) -> float:
     """Forward time with launch overhead removed: the ROTATE calls captured once in a CUDA graph, replayed."""
     with torch.no_grad():
@@ -143,8 +167,9 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
     w_d = torch.nn.Parameter(torch.randn(E, D, I, device=device, dtype=dt, generator=gen) * I**-0.5)
     fns = {}
     for impl in impls:
-        fns[impl] = _thunder_experts(D, I, E, K, w_gu, w_d) if _ours(impl) else \
-            _hf_experts(D, I, E, K, w_gu, w_d, impl)
+        if impl != COPY:
+            fns[impl] = _thunder_experts(D, I, E, K, w_gu, w_d) if _ours(impl) else \
+                _hf_experts(D, I, E, K, w_gu, w_d, impl)
     expert_bytes = 3 * D * I * 2
     for T in tokens:
         sets = []
@@ -155,6 +180,8 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
             sets.append((x, ids, w, torch.randn(T, D, device=device, dtype=dt, generator=gen)))
         hit = sum(torch.unique(s[1]).numel() for s in sets) / ROTATE
         flops = 2 * T * K * 3 * D * I
+        if COPY in impls:
+            fns[COPY] = _copy_of(int(hit * expert_bytes), device)
         errs = {}  # agreement of each ThunderEP variant with grouped_mm on one set (same weights and routing)
         if "grouped_mm" in fns:
             with torch.no_grad():
@@ -189,7 +216,7 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
                     torch.autograd.grad(y, (x, w_gu, w_d, w), s[3])
 
                 for mode, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-                    if mode not in modes:
+                    if mode not in modes or (impl == COPY and mode != "fwd"):
                         continue
                     try:
                         ms = _bench(f)
@@ -204,7 +231,7 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
                         print(f"graph capture failed for {impl}: {exc!r}"[:300], file=sys.stderr)
                         ms = float("nan")
                     record(impl, "fwd-graph", ms, flops)
-                if T in profile_t and impl != "eager":
+                if T in profile_t and impl not in ("eager", COPY):
                     for backward in (False, True):
                         print(f"## profile {name} T={T} {impl} {'fwd+bwd' if backward else 'fwd'} (ms per call)")
                         for key, ms in profile_kernels(fn, sets, backward):
@@ -219,11 +246,11 @@ def table(rows, impls) -> str:
     keyed = {(r["shape"], r["T"], r["mode"], r["impl"]): r for r in rows}
     for shape, T, mode in dict.fromkeys((r["shape"], r["T"], r["mode"]) for r in rows):
         ms = {i: keyed[(shape, T, mode, i)]["ms"] for i in impls if (shape, T, mode, i) in keyed}
-        hf = [ms[i] for i in ms if not _ours(i) and ms[i] == ms[i]]
+        hf = [ms[i] for i in ms if _hf(i) and ms[i] == ms[i]]
         best = min(hf) if hf else float("nan")
         ours = keyed.get((shape, T, mode, "thunderep"))
         ratio = best / ours["ms"] if ours else float("nan")
-        best_impl = min((i for i in ms if not _ours(i) and ms[i] == ms[i]), key=ms.get, default=None)
+        best_impl = min((i for i in ms if _hf(i) and ms[i] == ms[i]), key=ms.get, default=None)
         frac = f"{ours['hbm_frac']:.0%} / {keyed[(shape, T, mode, best_impl)]['hbm_frac']:.0%}" \
             if ours and best_impl else "-"
         cells = " | ".join(f"{ms.get(i, float('nan')):.3f}" for i in impls)

@@ -24,6 +24,8 @@ the GEMMs and cannot fuse gathers or epilogues:
     _act_bwd_rows_kernel   dgu, d routing weight and w * h from dhu (the elementwise half of _act_bwd_kernel)
     _combine_kernel        y[t] = sum over k of w[t, k] * rows[inv[t, k]]   (un-permute + sum over K)
 
+And `_route_kernel`, which sorts a small batch's pairs by expert and counts them in one launch.
+
 The decode kernels (one token, no sort) are in pairs.py.
 
 Row tiles are scheduled without a host sync: every program reads counts_E (E <= a few hundred) and
@@ -457,3 +459,29 @@ def _combine_kernel(rows_ptr, inv_ptr, weight_ptr, out_ptr, T, D, top_k, stride_
         acc += v
     tl.store(out_ptr + t_T.to(tl.int64)[:, None] * stride_om + d_D[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=ok)
+
+
+@triton.jit
+def _route_kernel(ids_ptr, weight_ptr, order_ptr, counts_ptr, w_out_ptr, N, E, WEIGHTED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program sorts a small batch's N pairs by expert: order[r] = the flat pair of sorted row r
+    (stable: pairs of one expert in flat order), counts[e] = pairs of expert e, and w_out[j] = the
+    pair's routing weight (1 unless WEIGHTED). A pair whose id is outside [0, E) is computed as expert
+    0 with weight 0 for id -1 (computed elsewhere: adds nothing, as in the pair kernels) and NaN for
+    any other id (its token's output shows it). Replaces a radix sort, a scatter for the counts and
+    their fills and copies (one launch against about six) where N fits one block."""
+    i_N = tl.arange(0, BLOCK_N)
+    ok_N = i_N < N
+    raw_N = tl.load(ids_ptr + i_N, mask=ok_N, other=0)
+    known_N = (raw_N >= 0) & (raw_N < E)
+    e_N = tl.where(known_N, raw_N, 0).to(tl.int32)
+    key_N = tl.where(ok_N, e_N, BLOCK_E) * BLOCK_N + i_N  # unique keys: a stable order; padding last
+    tl.store(order_ptr + i_N, tl.sort(key_N) % BLOCK_N, mask=ok_N)
+    e_E = tl.arange(0, BLOCK_E)
+    tl.store(counts_ptr + e_E, tl.histogram(e_N, BLOCK_E, mask=ok_N), mask=e_E < E)
+    if WEIGHTED:
+        w_N = tl.load(weight_ptr + i_N, mask=ok_N, other=0.0).to(tl.float32)
+    else:
+        w_N = tl.full((BLOCK_N,), 1.0, tl.float32)
+    w_N = tl.where(known_N, w_N, tl.where(raw_N == -1, 0.0, float("nan")))
+    tl.store(w_out_ptr + i_N, w_N.to(w_out_ptr.dtype.element_ty), mask=ok_N)

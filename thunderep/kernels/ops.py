@@ -80,6 +80,7 @@ def _cfg(bm, bn, bk, warps, stages, group=8):
 # Row kernels: BLOCK_M is fixed by the size class (the mean rows per expert), the rest is tuned.
 _ROW_CONFIGS = [
     _cfg(16, 32, 128, 4, 5), _cfg(16, 64, 128, 4, 4), _cfg(16, 64, 256, 4, 3), _cfg(16, 128, 128, 4, 4),
+    _cfg(16, 32, 256, 4, 4), _cfg(16, 64, 128, 4, 6),
     _cfg(32, 64, 128, 4, 4), _cfg(32, 128, 64, 4, 4), _cfg(32, 64, 256, 4, 3),
     _cfg(64, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(64, 128, 64, 8, 3), _cfg(64, 256, 64, 8, 3),
     _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 64, 64, 4, 4),
@@ -367,6 +368,26 @@ def moe_mlp(
     return y
 
 
+# Up to this many (token, slot) pairs, inference sorts the pairs by expert and counts them in one Triton
+# program (_route_kernel): one launch where torch takes a radix sort, a scatter and their fills and
+# copies (about 20 us of a 64-token decode step on the H200; docs/BENCHMARKS.md, "Decode").
+ROUTE_MAX_PAIRS = 1024
+
+
+def _route(ids_TK: torch.Tensor, weights_TK: torch.Tensor | None, E: int, dtype: torch.dtype):
+    """(order_N int32, counts_E int32, weights_N) for at most ROUTE_MAX_PAIRS pairs, through _route_kernel
+    (ids outside [0, E): weight 0 for -1, NaN otherwise; see the kernel)."""
+    N = ids_TK.numel()
+    device = ids_TK.device
+    order = torch.empty(N, dtype=torch.int32, device=device)
+    counts = torch.empty(E, dtype=torch.int32, device=device)
+    weights = torch.empty(N, dtype=weights_TK.dtype if weights_TK is not None else dtype, device=device)
+    K._route_kernel[(1,)](ids_TK.reshape(-1), weights_TK.reshape(-1) if weights_TK is not None else weights, order,
+                          counts, weights, N, E, WEIGHTED=weights_TK is not None,
+                          BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_E=_block_e(E))
+    return order, counts, weights
+
+
 def _int32_counts(ids_TK: torch.Tensor, E: int) -> torch.Tensor:
     """[E] int32 rows per expert, without a device-to-host sync."""
     flat = ids_TK.reshape(-1)
@@ -390,8 +411,11 @@ def routed_moe_mlp(
 
     Inference on at most `pairs.pairs_max_tokens()` tokens (decode) runs the pair kernels: one
     matrix-vector pass per (token, slot) pair, no sort, two launches. Otherwise the pairs are sorted by
-    expert and `moe_mlp` runs (counts_E [E], if the router computed it, saves recounting).
+    expert and `moe_mlp` runs (counts_E [E], if the router computed it, saves recounting); for
+    inference on at most ROUTE_MAX_PAIRS pairs one Triton program sorts and counts them.
     x_TD: [T, D]; ids_TK: [T, K] integer; weights_TK: [T, K] or None (unweighted sum over K).
+    Inference treats id -1 as a pair computed elsewhere (it adds nothing) and gives NaN for a token
+    with any other id outside [0, E); with gradients, ids must be in [0, E).
     """
     if ids_TK.dim() != 2 or x_TD.dim() != 2 or ids_TK.shape[0] != x_TD.shape[0]:
         raise ValueError(f"ids_TK {tuple(ids_TK.shape)} must be [T, K] for x_TD {tuple(x_TD.shape)}")
@@ -401,6 +425,10 @@ def routed_moe_mlp(
     if P.decode_applies(T, x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK):
         _check(x_TD, w_gate_up_E2ID, w_down_EDI, None, None, None, K, activation, "triton")
         return P.moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved)
+    if T * K <= ROUTE_MAX_PAIRS and not _needs_grad(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK):
+        order_N, counts, weights_N = _route(ids_TK, weights_TK, w_gate_up_E2ID.shape[0], x_TD.dtype)
+        return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_N, top_k=K,
+                       activation=activation, interleaved=interleaved)
     order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
     counts = counts_E if counts_E is not None else _int32_counts(ids_TK, w_gate_up_E2ID.shape[0])
     return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_TK, top_k=K,

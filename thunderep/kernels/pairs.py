@@ -46,8 +46,8 @@ def _row0(acc_RN):
 
 
 @triton.jit
-def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn, stride_hm,
-                     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
+def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn,
+                     stride_hm, n_counts, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
                      PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1).
@@ -60,8 +60,13 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, st
     x: [T, D]; Wgu: [E, 2I, D] (unit stride along D); h: [T*K, I] in flat (token, slot) order.
     Expert id -1 marks a pair that is not computed here (another rank's expert): h = 0 and no weight
     is read. Any other id outside [0, E) writes NaN (no sync to check ids on the host; the token's
-    output then shows it)."""
+    output then shows it). Also zeroes the down pass's per-token counts (count: [T, n_counts])."""
     j = tl.program_id(0)
+    if (tl.program_id(1) == 0) & (j % top_k == 0):
+        c_C = tl.arange(0, 128)
+        for c0 in range(0, n_counts, 128):
+            tl.store(count_ptr + (j // top_k).to(tl.int64) * n_counts + c0 + c_C, tl.zeros((128,), dtype=tl.int32),
+                     mask=c_C < n_counts - c0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
@@ -106,64 +111,102 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, st
 
 
 @triton.jit
-def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k, stride_hm, stride_we, stride_wd,
-                       stride_ym, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
+                  WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w[j] * (h[j] . Wd[ids[j], n]) for columns n, as a [BLOCK_N, BLOCK_K] float32 tile to be summed
+    over its second axis. An id outside [0, E) reads no weights (its h row is 0 or NaN)."""
+    expert = tl.load(ids_ptr + j).to(tl.int64)
+    known = (expert >= 0) & (expert < E)
+    expert = tl.where(known, expert, 0)
+    w_ok_N = cols_N < tl.where(known, D, 0)
+    k_K = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
+    w_ptrs = w_ptr + expert * stride_we + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :]
+    if WEIGHTED:
+        scale = tl.load(weight_ptr + j).to(tl.float32)
+    else:
+        scale = 1.0
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok_K = (k_K < I - k0) | EVEN_K
+        hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=w_ok_N[:, None] & k_ok_K[None, :], other=0.0)
+        acc += w.to(tl.float32) * (hv * scale)[None, :]
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_ptr, D, I, E, top_k, stride_hm,
+                       stride_we, stride_wd, stride_ym, stride_cm, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
+                       SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
-    columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass,
-    summed in float32 in a fixed order (no atomics). h: [T*K, I]; Wd: [E, D, I] (unit stride along I).
-    Elementwise multiply-adds as in _up_pairs_kernel (measured on the H200: a loop over (slot, chunk)
-    and 16-row tensor-core tiles were both slower here).
+    columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass.
+    h: [T*K, I]; Wd: [E, D, I] (unit stride along I). Elementwise multiply-adds as in _up_pairs_kernel
+    (measured on the H200: 16-row tensor-core tiles were slower here).
+
+    The sum over K is float32 in a fixed order (no float atomics), two ways, tuned per shape:
+    - one program loops over the token's K slots;
+    - SPLIT: one program per slot (program_id(2)) writes its float32 partial to part[t*K + k] and
+      counts itself in count[t, tile] (acquire/release); the slot that arrives last sums the K
+      partials in slot order, writes y and sets the count back to 0. K times the programs, for
+      shapes with few columns (Qwen3's D = 2048) where the loop leaves SMs idle. The counts start
+      at 0: _up_pairs_kernel zeroes them, and each launch leaves them at 0 (the autotuner reruns).
     Expert id -1 (not computed here) adds nothing and reads no weights; for any other id outside
     [0, E) the h row is NaN (_up_pairs_kernel), so y[t] is NaN."""
     t = tl.program_id(0)
-    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(1)
+    cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok_N = cols_N < D
-    k_K = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for slot in range(0, top_k):
-        j = t * top_k + slot
-        expert = tl.load(ids_ptr + j).to(tl.int64)
-        known = (expert >= 0) & (expert < E)
-        expert = tl.where(known, expert, 0)
-        w_ok_N = cols_N < tl.where(known, D, 0)  # no weight reads without a valid expert: h is 0 (id -1) or NaN
-        h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
-        w_ptrs = w_ptr + expert * stride_we + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :]
-        if WEIGHTED:
-            scale = tl.load(weight_ptr + j).to(tl.float32)
-        else:
-            scale = 1.0
-        for k0 in range(0, I, BLOCK_K):
-            k_ok_K = (k_K < I - k0) | EVEN_K
-            hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=w_ok_N[:, None] & k_ok_K[None, :], other=0.0)
-            acc += w.to(tl.float32) * (hv * scale)[None, :]
-            h_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-    y = tl.sum(acc, 1)
-    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, y.to(y_ptr.dtype.element_ty), mask=col_ok_N)
+    y_ptrs = y_ptr + t.to(tl.int64) * stride_ym + cols_N
+    if SPLIT:
+        j = t * top_k + tl.program_id(2)
+        part_N = tl.sum(_slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
+                                      stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K), 1)
+        tl.store(part_ptr + j.to(tl.int64) * D + cols_N, part_N, mask=col_ok_N)
+        count = count_ptr + t.to(tl.int64) * stride_cm + tile
+        if tl.atomic_add(count, 1, sem="acq_rel") == top_k - 1:  # the token's other slots are stored
+            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            part_ptrs = part_ptr + (t * top_k).to(tl.int64) * D + cols_N
+            for _ in range(0, top_k):
+                y += tl.load(part_ptrs, mask=col_ok_N, other=0.0, cache_modifier=".cg")
+                part_ptrs += D
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=col_ok_N)
+            tl.store(count, 0)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for slot in range(0, top_k):
+            acc += _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E, stride_hm,
+                                 stride_we, stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K)
+        tl.store(y_ptrs, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=col_ok_N)
 
 
 # ---- host side ----------------------------------------------------------------------------------------
 
 
-def _pair_cfg(bn, bk, warps, stages, dot=None):
-    """A pair-kernel config; `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise."""
-    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot})}
+def _pair_cfg(bn, bk, warps, stages, dot=None, split=None):
+    """A pair-kernel config. `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise;
+    `split` (down pass only): one program per (token, column tile, slot) instead of a loop over slots."""
+    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot}),
+              **({} if split is None else {"SPLIT": split})}
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
 # Pair kernels (decode): enough programs to keep every SM streaming weights. The gate/up pass tunes
 # elementwise tiles against (dot=True) 16-row tensor-core tiles, whose weight loads Triton pipelines
-# through shared memory; the down pass is elementwise only (the tensor-core variant lost on the H200).
+# through shared memory; the down pass is elementwise only (the tensor-core variant lost on the H200),
+# a loop over the K slots per program or (split=True) one program per slot.
 _PAIR_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3),
                (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 2)]
-_DOWN_PAIR_CONFIGS = [_pair_cfg(*tile) for tile in _PAIR_TILES]
+_DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for split in (False, True)]
 _UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
     _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),
     _pair_cfg(64, 128, 4, 4, True), _pair_cfg(64, 256, 8, 3, True)]
 _DEFAULT_UP_PAIR = _pair_cfg(16, 256, 4, 3, dot=False)
-_DEFAULT_DOWN_PAIR = _pair_cfg(16, 256, 4, 3)
+_DEFAULT_DOWN_PAIR = _pair_cfg(16, 256, 4, 3, split=False)
+# The split down pass counts its slots per (token, column tile); room for the narrowest tile.
+_MIN_DOWN_BLOCK_N = min(cfg.kwargs["BLOCK_N"] for cfg in _DOWN_PAIR_CONFIGS)
 
 
 _UP_PAIRS, _UP_PAIRS_PLAIN = tuning.tuned("up_pairs", _up_pairs_kernel, _UP_PAIR_CONFIGS,
@@ -201,17 +244,22 @@ def _moe_mlp_pairs_impl(
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()
     top_k = N // T
+    n_counts = triton.cdiv(D, _MIN_DOWN_BLOCK_N)
     h = x.new_empty(N, I)
+    part = torch.empty(N * D + T * n_counts, dtype=torch.float32, device=x.device)  # split down pass: partials, counts
+    count = part[N * D:].view(torch.int32)
     tuning.launch(_UP_PAIRS, _UP_PAIRS_PLAIN, _DEFAULT_UP_PAIR, lambda meta: (N, triton.cdiv(I, meta["BLOCK_N"])),
-            x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, I=I, D=D, E=E, top_k=top_k,
+            x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=top_k,
             stride_xm=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
-            stride_hm=h.stride(0), ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved,
+            stride_hm=h.stride(0), n_counts=n_counts, ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved,
             PRECISION=tuning.precision(x.dtype))
     y = x.new_empty(T, D)
-    tuning.launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_DOWN_PAIR, lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"])),
+    tuning.launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_DOWN_PAIR,
+            lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"]), top_k if meta["SPLIT"] else 1),
             x.device, h_ptr=h, w_ptr=w_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
-            D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0), stride_we=w_down.stride(0),
-            stride_wd=w_down.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None)
+            part_ptr=part, count_ptr=count, D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0),
+            stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_ym=y.stride(0), stride_cm=n_counts,
+            WEIGHTED=weights is not None)
     return y
 
 
