@@ -122,8 +122,8 @@ def test_interpreter_pairs_torch_compile(pairs):
     x, w_gu, w_d, ids, weights = make_case(3, 32, 32, 4, 2, torch.float32, 12)
     f = lambda x, ids, w: routed_moe_mlp(x, w_gu, w_d, ids, w)  # noqa: E731
     with torch.no_grad():
-        torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, ids, weights),
-                                   f(x, ids, weights))
+        torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="inductor" if CUDA else "aot_eager")(
+            x, ids, weights), f(x, ids, weights))
 
 
 @pytest.mark.gpu
@@ -255,3 +255,14 @@ def test_gpu_routed_small_batch_through_route_kernel(shape, monkeypatch):
         y = routed_moe_mlp(x, w_gu, w_d, ids, weights)
     y_ref = reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())
     assert calls == ["route"] and rel_err(y, y_ref) < 2e-2
+
+
+def test_route_torch_compile(monkeypatch):
+    """Inference on the sorted path (the one-program sort) traces under torch.compile fullgraph and
+    equals eager (inductor on a GPU, else aot_eager over Triton's interpreter)."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    x, w_gu, w_d, ids, weights = make_case(5, 32, 32, 4, 2, torch.float32, 13)
+    f = lambda x, ids, w: routed_moe_mlp(x, w_gu, w_d, ids, w)  # noqa: E731
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="inductor" if CUDA else "aot_eager")(
+            x, ids, weights), f(x, ids, weights))

@@ -374,9 +374,8 @@ def moe_mlp(
 ROUTE_MAX_PAIRS = 1024
 
 
-def _route(ids_TK: torch.Tensor, weights_TK: torch.Tensor | None, E: int, dtype: torch.dtype):
-    """(order_N int32, counts_E int32, weights_N) for at most ROUTE_MAX_PAIRS pairs, through _route_kernel
-    (ids outside [0, E): weight 0 for -1, NaN otherwise; see the kernel)."""
+def _route_impl(ids_TK: torch.Tensor, weights_TK: Optional[torch.Tensor], E: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N = ids_TK.numel()
     device = ids_TK.device
     order = torch.empty(N, dtype=torch.int32, device=device)
@@ -386,6 +385,24 @@ def _route(ids_TK: torch.Tensor, weights_TK: torch.Tensor | None, E: int, dtype:
                           counts, weights, N, E, WEIGHTED=weights_TK is not None,
                           BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_E=_block_e(E))
     return order, counts, weights
+
+
+_route_op = torch.library.custom_op("thunderep::route", mutates_args=())(_route_impl)
+
+
+@_route_op.register_fake
+def _(ids_TK, weights_TK, E, dtype):
+    N = ids_TK.numel()
+    w_dtype = weights_TK.dtype if weights_TK is not None else dtype
+    return (ids_TK.new_empty(N, dtype=torch.int32), ids_TK.new_empty(E, dtype=torch.int32),
+            ids_TK.new_empty(N, dtype=w_dtype))
+
+
+def _route(ids_TK: torch.Tensor, weights_TK: torch.Tensor | None, E: int, dtype: torch.dtype):
+    """(order_N int32, counts_E int32, weights_N) for at most ROUTE_MAX_PAIRS pairs, through _route_kernel
+    (ids outside [0, E): weight 0 for -1, NaN otherwise; see the kernel). Inference only."""
+    op = _route_op if torch.compiler.is_compiling() else _route_impl
+    return op(ids_TK.contiguous(), weights_TK.contiguous() if weights_TK is not None else None, E, dtype)
 
 
 def _int32_counts(ids_TK: torch.Tensor, E: int) -> torch.Tensor:
