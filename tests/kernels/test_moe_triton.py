@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 from thunderep.config import ExpertsConfig  # noqa: E402
 from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.experts import ACTIVATION_FNS, FusedExperts  # noqa: E402
-from thunderep.kernels import grouped_gemm  # noqa: E402
+from thunderep.kernels import grouped_gemm, ops  # noqa: E402
 from thunderep.kernels import pairs as pairs_mod  # noqa: E402
 from thunderep.kernels.ops import moe_mlp  # noqa: E402
 from thunderep.router import Routing  # noqa: E402
@@ -351,3 +351,18 @@ def test_interpreter_torch_compile():
     grads = torch.autograd.grad(y_c.square().sum(), leaves)
     for g, g_e in zip(grads, torch.autograd.grad(y_e.square().sum(), eager_leaves)):
         torch.testing.assert_close(g, g_e)
+
+
+@pytest.mark.gpu
+def test_gpu_gradients_right_on_the_first_autotuned_call(monkeypatch):
+    """The first call of a shape autotunes, running every config on the real arguments before the chosen
+    one: outputs a config writes only in part (the routing-weight partials) must not keep another
+    config's values. Autotuning on, nothing cached on disk or in memory."""
+    from thunderep.kernels import tuning
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "1")
+    for autotuner in (ops._UP, ops._ROWS, ops._ACT_BWD, ops._WGRAD):
+        monkeypatch.setattr(autotuner, "cache_results", False)
+        monkeypatch.setattr(autotuner, "cache", {})
+    monkeypatch.setattr(tuning, "_TUNED", {})
+    check(64, 512, 384, 16, 4, torch.bfloat16, tol=2e-2, seed=3)

@@ -117,8 +117,11 @@ def _prune_wgrad(configs, named_args, **kwargs):
 _UP, _UP_PLAIN = tuned("up", K._up_kernel, _ROW_CONFIGS, ["m_class", "I", "D", "GATHER", "SAVE_GU"], _prune_up, "D")
 _ROWS, _ROWS_PLAIN = tuned("rows", K._rows_kernel, _ROW_CONFIGS, ["m_class", "N", "K", "SCATTER", "WEIGHTED"],
                             _prune_rows, "K")
+# The routing-weight partials dwp have one column per column tile of the config that ran: a trial with
+# narrower tiles would leave partials the chosen config does not overwrite (wrong d weights on the
+# first backward of each shape), so the autotuner zeroes dwp before every run.
 _ACT_BWD, _ACT_BWD_PLAIN = tuned("act_bwd", K._act_bwd_kernel, _ROW_CONFIGS, ["m_class", "I", "D", "GATHER", "WEIGHTED"],
-                                  _prune_up, "D")
+                                  _prune_up, "D", reset_to_zero=["dwp_ptr"])
 _WGRAD, _WGRAD_PLAIN = tuned("wgrad", K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class", "M", "N", "A_GATHER", "B_GATHER"],
                               _prune_wgrad)
 
@@ -369,8 +372,9 @@ def moe_mlp(
 
 
 # Up to this many (token, slot) pairs, inference sorts the pairs by expert and counts them in one Triton
-# program (_route_kernel): one launch where torch takes a radix sort, a scatter and their fills and
-# copies (about 20 us of a 64-token decode step on the H200; docs/BENCHMARKS.md, "Decode").
+# program (_route_kernel): one launch where torch takes five (a radix sort, the copy before it, a fill
+# and a scatter for the counts, the index conversion: 17 us of Mixtral's 64-token step on the H200,
+# against 2 us; docs/BENCHMARKS.md, "Decode"). One program holds the whole batch: the bound keeps it small.
 ROUTE_MAX_PAIRS = 1024
 
 
@@ -431,8 +435,9 @@ def routed_moe_mlp(
     expert and `moe_mlp` runs (counts_E [E], if the router computed it, saves recounting); for
     inference on at most ROUTE_MAX_PAIRS pairs one Triton program sorts and counts them.
     x_TD: [T, D]; ids_TK: [T, K] integer; weights_TK: [T, K] or None (unweighted sum over K).
-    Inference treats id -1 as a pair computed elsewhere (it adds nothing) and gives NaN for a token
-    with any other id outside [0, E); with gradients, ids must be in [0, E).
+    Inference treats id -1 as a pair computed elsewhere (it adds nothing; the pair kernels skip it, the
+    sorted path computes it as expert 0 with weight 0) and gives NaN for a token with any other id
+    outside [0, E); with gradients, ids must be in [0, E).
     """
     if ids_TK.dim() != 2 or x_TD.dim() != 2 or ids_TK.shape[0] != x_TD.shape[0]:
         raise ValueError(f"ids_TK {tuple(ids_TK.shape)} must be [T, K] for x_TD {tuple(x_TD.shape)}")

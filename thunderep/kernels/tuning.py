@@ -25,11 +25,13 @@ def _even_k(name):
     return triton.heuristics({"EVEN_K": lambda args: args[name] % args["BLOCK_K"] == 0})
 
 
-def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None):
+def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None, reset_to_zero=None):
     """(autotuned kernel, plain kernel). `prune`: Triton's early config prune; `even_k`: the argument
-    whose divisibility by BLOCK_K sets the kernel's EVEN_K."""
+    whose divisibility by BLOCK_K sets the kernel's EVEN_K; `reset_to_zero`: tensor arguments that
+    configs write only in part (a config leaves what it does not write at zero), which the autotuner
+    must zero before each trial and before the real run."""
     fn = _even_k(even_k)(kernel) if even_k else kernel
-    autotuner = triton.autotune(configs=configs, key=key, cache_results=True,
+    autotuner = triton.autotune(configs=configs, key=key, cache_results=True, reset_to_zero=reset_to_zero,
                                 prune_configs_by={"early_config_prune": prune} if prune else None)(fn)
     _REGISTRY[name] = autotuner
     return autotuner, fn
