@@ -8,6 +8,9 @@ and forward+backward (gradients of x, both weight tensors and the routing weight
 implementation, TFLOP/s, and the HBM bandwidth achieved over the expert weights the step actually
 reads, as a fraction of a device-to-device copy measured in the same run. Routing is uniform random
 top-K; four routing sets rotate so that small-T runs do not re-read weights from L2.
+
+--impls takes eager, grouped_mm, thunderep, thunderep:<pin> (one of ThunderEP's paths pinned: PINS)
+and copy (a reference row, not a baseline: one device-to-device copy moving the bytes the step reads).
 """
 
 from __future__ import annotations
@@ -263,7 +266,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="mixtral,qwen3,deepseek")
     ap.add_argument("--tokens", default="1,64,512,4096,16384")
-    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--impls", default=",".join(IMPLS),
+                    help=f"comma-separated: eager, grouped_mm, thunderep, thunderep:<{'|'.join(PINS)}>, {COPY}")
     ap.add_argument("--json", help="write every measurement here")
     ap.add_argument("--graph-max-tokens", type=int, default=512,
                     help="also time forward as CUDA-graph replays (no launch overhead) up to this T")
