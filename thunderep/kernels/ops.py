@@ -382,13 +382,13 @@ def _route_impl(ids_TK: torch.Tensor, weights_TK: Optional[torch.Tensor], E: int
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N = ids_TK.numel()
     device = ids_TK.device
-    order = torch.empty(N, dtype=torch.int32, device=device)
-    counts = torch.empty(E, dtype=torch.int32, device=device)
-    weights = torch.empty(N, dtype=weights_TK.dtype if weights_TK is not None else dtype, device=device)
-    K._route_kernel[(1,)](ids_TK.reshape(-1), weights_TK.reshape(-1) if weights_TK is not None else weights, order,
-                          counts, weights, N, E, WEIGHTED=weights_TK is not None,
+    order_N = torch.empty(N, dtype=torch.int32, device=device)
+    counts_E = torch.empty(E, dtype=torch.int32, device=device)
+    weights_N = torch.empty(N, dtype=weights_TK.dtype if weights_TK is not None else dtype, device=device)
+    K._route_kernel[(1,)](ids_TK.reshape(-1), weights_TK.reshape(-1) if weights_TK is not None else weights_N,
+                          order_N, counts_E, weights_N, N, E, WEIGHTED=weights_TK is not None,
                           BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_E=_block_e(E))
-    return order, counts, weights
+    return order_N, counts_E, weights_N
 
 
 _route_op = torch.library.custom_op("thunderep::route", mutates_args=())(_route_impl)
@@ -403,8 +403,9 @@ def _(ids_TK, weights_TK, E, dtype):
 
 
 def _route(ids_TK: torch.Tensor, weights_TK: torch.Tensor | None, E: int, dtype: torch.dtype):
-    """(order_N int32, counts_E int32, weights_N) for at most ROUTE_MAX_PAIRS pairs, through _route_kernel
-    (ids outside [0, E): weight 0 for -1, NaN otherwise; see the kernel). Inference only."""
+    """(order_N [N] int32, counts_E [E] int32, weights_N [N]) for at most ROUTE_MAX_PAIRS pairs, through
+    _route_kernel. ids_TK: [T, K] integer; weights_TK: [T, K] or None (weights_N is then 1 in `dtype`).
+    Ids outside [0, E) count as expert 0 with weight 0 for -1, NaN otherwise. Inference only."""
     op = _route_op if torch.compiler.is_compiling() else _route_impl
     return op(ids_TK.contiguous(), weights_TK.contiguous() if weights_TK is not None else None, E, dtype)
 
