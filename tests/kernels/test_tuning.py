@@ -69,3 +69,39 @@ def test_tuned_config_is_reused_without_the_autotuner(monkeypatch):
         tuning.launch(tuned, plain, None, (1,), cuda, n=n, x=x)
     assert tuned.calls == [1, 2, 1]  # first (1, bf16), (2, bf16), (1, fp32)
     assert plain.calls == [(1, 32, 2), (1, 32, 2)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter sweep; test_gpu_gradients_right_on_the_first_"
+                    "autotuned_call covers the GPU")
+def test_every_tuned_kernel_is_right_after_all_its_configs_ran_on_the_same_buffers(monkeypatch):
+    """On a GPU the first call of a shape autotunes: Triton runs every (pruned) config on the real arguments,
+    zeroing only the kernel's `reset_to_zero` tensors between runs, and then the chosen one. A kernel that
+    leaves what one config wrote and the next does not overwrite gives wrong results on that call.
+    Simulated in the interpreter: each launch runs all of its kernel's configs, then the fixed one; the
+    sorted kernels' outputs and four gradients and the pair kernels' outputs still match float64."""
+    from test_moe_triton import check
+    from test_pairs import check_pairs
+
+    swept = set()
+
+    def sweep(autotuner, plain, default, grid, device, **args):
+        configs = autotuner.configs
+        if autotuner.early_config_prune:
+            configs = autotuner.early_config_prune(configs, args)
+        for cfg in [*configs, default]:
+            for name in autotuner.reset_to_zero:
+                args[name].zero_()
+            plain[grid](**args, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        swept.add(autotuner)
+
+    monkeypatch.setattr(tuning, "launch", sweep)
+    monkeypatch.setattr(ops, "_launch", sweep)
+    monkeypatch.setenv("THUNDEREP_WGRAD", "triton")
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    check(5, 32, 48, 4, 2, torch.float32, tol=1e-5, seed=4)
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "8")
+    check_pairs(3, 40, 48, 4, 3, torch.float32, tol=1e-5, seed=5)
+    assert {ops._UP, ops._ROWS, ops._ACT_BWD, ops._WGRAD} <= swept
+    from thunderep.kernels import pairs
+
+    assert {pairs._UP_PAIRS, pairs._DOWN_PAIRS} <= swept
