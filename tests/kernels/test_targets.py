@@ -29,13 +29,14 @@ def builds():
 
 
 GEMM_KERNELS = {"up", "rows", "act_bwd", "wgrad"}
-PAIR_KERNELS = {"up_pairs", "down_pairs"}  # decode: matrix-vector products, no tensor cores
+PAIR_KERNELS = {"up_pairs", "down_pairs", "down_pairs_split"}  # decode: matrix-vector products, no tensor cores
 PAIR_DOT_KERNELS = {"up_pairs_dot"}  # decode with 16-row tensor-core tiles
+SORT_KERNELS = {"route"}  # the one-program sort of small inference batches
 
 
 @pytest.mark.parametrize("arch", [89, 120])
 def test_consumer_targets_have_no_hopper_only_instructions(builds, arch):
-    assert {b["name"] for b in builds[arch]} == GEMM_KERNELS | PAIR_KERNELS | PAIR_DOT_KERNELS
+    assert {b["name"] for b in builds[arch]} == GEMM_KERNELS | PAIR_KERNELS | PAIR_DOT_KERNELS | SORT_KERNELS
     for b in builds[arch]:
         assert b["hopper_only"] == [], f"{b['name']} on sm_{arch} uses {b['hopper_only']}"
         if b["name"] in GEMM_KERNELS | PAIR_DOT_KERNELS:
@@ -48,5 +49,5 @@ def test_detector_sees_hopper_instructions(builds):
     for b in builds[90]:
         if b["name"] in GEMM_KERNELS:
             assert b["uses_wgmma"] and "wgmma." in b["hopper_only"], b["name"]
-        elif b["name"] in PAIR_KERNELS:
+        elif b["name"] in PAIR_KERNELS | SORT_KERNELS:
             assert not b["uses_wgmma"] and b["hopper_only"] == [], b["name"]

@@ -37,10 +37,13 @@ _KERNELS = {
                                         PRECISION="tf32", EVEN_K=True)),
     "wgrad": (K._wgrad_kernel, dict(A_GATHER=True, B_GATHER=False, SCALED=True, PRECISION="tf32")),
     "up_pairs": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32")),
-    "down_pairs": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True)),
+    "down_pairs": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=False)),
+    "down_pairs_split": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True)),
     "up_pairs_dot": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=True, PRECISION="tf32")),
+    "route": (K._route_kernel, dict(WEIGHTED=True)),
 }
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
+_ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (ROUTE_MAX_PAIRS), 256 experts
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
 
 
@@ -64,7 +67,8 @@ def _signature(fn, name: str):
             sig[arg] = "constexpr"
             consts[arg] = 1
         elif arg.endswith("_ptr"):
-            sig[arg] = {"order_ptr": "*i32", "counts_ptr": "*i32", "dwp_ptr": "*fp32", "ids_ptr": "*i64"}.get(arg, "*bf16")
+            sig[arg] = {"order_ptr": "*i32", "counts_ptr": "*i32", "dwp_ptr": "*fp32", "ids_ptr": "*i64",
+                        "count_ptr": "*i32", "part_ptr": "*fp32"}.get(arg, "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[arg] = "i32"
@@ -80,7 +84,7 @@ def compile_kernels(arch: int, names=None) -> list[KernelBuild]:
         if names is not None and name not in names:
             continue
         sig, attrs, consts = _signature(fn, name)
-        meta = _PAIR_META if "_pairs" in name else _ROW_META
+        meta = _PAIR_META if "_pairs" in name else _ROUTE_META if name == "route" else _ROW_META
         src = ASTSource(fn=fn, signature=sig, constexprs={**flags, **meta, **consts}, attrs=attrs)
         build = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=3))
         ptx = build.asm["ptx"]
