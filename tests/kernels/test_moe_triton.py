@@ -140,11 +140,29 @@ def test_gemm_path_choice(monkeypatch):
     assert G.gemm_path(x, 1, 8, 64, 64) == "torch"
 
 
+def test_weight_gradient_path_choice(monkeypatch):
+    """torch's grouped GEMM for the weight gradients only where it runs CUTLASS's sm_90 kernel and the
+    experts get WGRAD_TORCH_MIN_ROWS rows on average; THUNDEREP_WGRAD overrides."""
+    G = grouped_gemm
+    x = torch.empty(4, 64, dtype=torch.bfloat16)
+    monkeypatch.delenv("THUNDEREP_WGRAD", raising=False)
+    rows = G.WGRAD_TORCH_MIN_ROWS
+    assert G.wgrad_path(x, 256 * rows, 256, 64, 64) == "triton"  # CPU: no CUTLASS kernel
+    monkeypatch.setattr(G, "_grouped_mm_usable", lambda t, *dims: True)
+    assert G.wgrad_path(x, 256 * rows, 256, 64, 64) == "torch"
+    assert G.wgrad_path(x, 256 * rows - 256, 256, 64, 64) == "triton"  # below the mean rows per expert
+    monkeypatch.setenv("THUNDEREP_WGRAD", "triton")
+    assert G.wgrad_path(x, 256 * rows, 256, 64, 64) == "triton"
+    monkeypatch.setenv("THUNDEREP_WGRAD", "torch")
+    monkeypatch.setattr(G, "_grouped_mm_usable", lambda t, *dims: False)
+    assert G.wgrad_path(x, 1, 256, 64, 64) == "torch"
+
+
 def test_bad_path_setting_is_rejected(monkeypatch):
     G = grouped_gemm
     x = torch.empty(4, 64)
     for name, call in (("THUNDEREP_EXPERT_GEMM", lambda: G.gemm_path(x, 8, 2, 64, 64)),
-                       ("THUNDEREP_WGRAD", lambda: G.wgrad_path(x, 64, 64))):
+                       ("THUNDEREP_WGRAD", lambda: G.wgrad_path(x, 8, 2, 64, 64))):
         monkeypatch.setenv(name, "cutlass")
         with pytest.raises(ConfigError, match=f"{name}='cutlass': use 'triton', 'torch', or leave it unset"):
             call()

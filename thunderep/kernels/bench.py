@@ -77,6 +77,8 @@ PINS = {
     "torch": ("THUNDEREP_EXPERT_GEMM", "torch"),  # the Hopper path (torch's grouped GEMM)
     "pairs": ("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30)),  # the decode pair kernels at every T (no grad)
     "sorted": ("THUNDEREP_PAIRS_MAX_TOKENS", "0"),  # never the pair kernels
+    "wgrad_triton": ("THUNDEREP_WGRAD", "triton"),  # weight gradients: the portable kernel
+    "wgrad_torch": ("THUNDEREP_WGRAD", "torch"),  # weight gradients: torch's grouped GEMM
 }
 
 

@@ -27,7 +27,7 @@ import triton
 from ..errors import ConfigError
 from . import moe_triton as K
 
-__all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "gemm_path", "wgrad_path", "gather_rows", "forward",
+__all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "WGRAD_TORCH_MIN_ROWS", "gemm_path", "wgrad_path", "gather_rows", "forward",
            "backward_dx", "weight_grads"]
 
 GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -36,12 +36,21 @@ GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, 
 # faster tiles. Measured on the H200 (docs/BENCHMARKS.md): forward, the paths tie at 256 rows per
 # expert and CUTLASS wins from 512; backward, Triton wins at 128 and CUTLASS from 256.
 TORCH_GEMM_MIN_ROWS = (512, 256)
+# The weight gradients take torch's grouped GEMM from this many rows per expert on average. Measured on
+# the H200 (docs/BENCHMARKS.md, DeepSeek-V3's shape): the portable kernel is 1.36-1.40x faster at 16 rows
+# and 1.11-1.13x at 32, the two tie at 64, the grouped GEMM is 1.15x faster at 128.
+WGRAD_TORCH_MIN_ROWS = 64
 
 
 def _grouped_mm_usable(t: torch.Tensor, *dims: int) -> bool:
     """torch's grouped GEMM runs its TMA, warp-specialized CUTLASS kernel here: sm_90, bf16, 16-byte rows."""
     return (GROUPED_MM is not None and t.is_cuda and t.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(t.device) == (9, 0) and all(d % 8 == 0 for d in dims))
+
+
+def _mean_rows(n_rows: int, E: int) -> float:
+    """Rows per expert on average, over the experts that can have rows (at most one per row)."""
+    return n_rows / max(1, min(E, n_rows))
 
 
 def _forced(name: str) -> str:
@@ -55,14 +64,18 @@ def _forced(name: str) -> str:
     return forced
 
 
-def wgrad_path(t: torch.Tensor, *dims: int) -> str:
+def wgrad_path(t: torch.Tensor, n_rows: int, E: int, *dims: int) -> str:
     """"torch" (CUTLASS grouped GEMM, Hopper) or "triton" (the portable kernel) for the weight gradients.
 
-    THUNDEREP_WGRAD=triton|torch forces one. On sm_90, torch's grouped GEMM computes these K-grouped
-    products faster than the portable Triton kernel at every size measured; elsewhere (RTX 4090 / 5090,
-    or without it) the Triton kernel runs.
+    THUNDEREP_WGRAD=triton|torch forces one. On sm_90 torch's grouped GEMM computes these row-grouped
+    products faster once the experts get WGRAD_TORCH_MIN_ROWS rows on average; with fewer, each
+    output value is a short sum, writing dW decides, and the portable kernel (which also gathers its
+    rows itself) is faster. Elsewhere (RTX 4090 / 5090, or without it) the Triton kernel runs.
     """
-    return _forced("THUNDEREP_WGRAD") or ("torch" if _grouped_mm_usable(t, *dims) else "triton")
+    forced = _forced("THUNDEREP_WGRAD")
+    if forced:
+        return forced
+    return "torch" if _mean_rows(n_rows, E) >= WGRAD_TORCH_MIN_ROWS and _grouped_mm_usable(t, *dims) else "triton"
 
 
 def gemm_path(t: torch.Tensor, n_rows: int, E: int, D: int, I: int, backward: bool = False) -> str:
@@ -79,8 +92,7 @@ def gemm_path(t: torch.Tensor, n_rows: int, E: int, D: int, I: int, backward: bo
     forced = _forced("THUNDEREP_EXPERT_GEMM")
     if forced:
         return forced
-    mean_rows = n_rows / max(1, min(E, n_rows))
-    usable = mean_rows >= TORCH_GEMM_MIN_ROWS[1 if backward else 0] and _grouped_mm_usable(t, D, I)
+    usable = _mean_rows(n_rows, E) >= TORCH_GEMM_MIN_ROWS[1 if backward else 0] and _grouped_mm_usable(t, D, I)
     return "torch" if usable else "triton"
 
 

@@ -272,7 +272,7 @@ def _moe_mlp_backward_op(
                 dy.new_zeros(0, dtype=dw_dtype))
     act = K.ACTIVATIONS[activation]
     dy_rows = None
-    wgrad_torch = G.wgrad_path(dy, D, I) == "torch"
+    wgrad_torch = G.wgrad_path(dy, n_rows, E, D, I) == "torch"
     if gemm == "torch":
         dx, dgu, dweights, dy_rows, hw = G.backward_dx(dy, w_gate_up, w_down, order, counts, weights, gu,
                                                         top_k, act, interleaved)
