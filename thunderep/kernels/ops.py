@@ -255,8 +255,7 @@ def _(x, w_gate_up, w_down, order, counts, weights, top_k, activation, interleav
     return x.new_empty(x.shape[0], D), x.new_empty(rows, I2 // 2), x.new_empty(rows, I2)
 
 
-@torch.library.custom_op("thunderep::moe_mlp_backward", mutates_args=())
-def _moe_mlp_backward_op(
+def _moe_mlp_backward_impl(
     dy: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     order: Optional[torch.Tensor], counts: torch.Tensor, weights: Optional[torch.Tensor], h: torch.Tensor,
     gu: torch.Tensor, top_k: int, activation: str, interleaved: bool, gemm: str,
@@ -301,6 +300,9 @@ def _moe_mlp_backward_op(
     return dx.to(x.dtype), dw_gate_up, dw_down, dweights.to(dw_dtype)
 
 
+_moe_mlp_backward_op = torch.library.custom_op("thunderep::moe_mlp_backward", mutates_args=())(_moe_mlp_backward_impl)
+
+
 @_moe_mlp_backward_op.register_fake
 def _(dy, x, w_gate_up, w_down, order, counts, weights, h, gu, top_k, activation, interleaved, gemm):
     n = h.shape[0] if weights is not None else 0
@@ -324,13 +326,32 @@ def _backward(ctx, dy, dh, dgu):
         raise RuntimeError("thunderep::moe_mlp ran with save=False: its intermediates were not kept for backward")
     E, I2, D = w_gate_up.shape
     gemm = G.gemm_path(dy, h.shape[0], E, D, I2 // 2, backward=True)
-    dx, dw_gu, dw_d, dweights = _moe_mlp_backward_op(
+    op = _moe_mlp_backward_op if torch.compiler.is_compiling() else _moe_mlp_backward_impl
+    dx, dw_gu, dw_d, dweights = op(
         dy, x, w_gate_up, w_down, order, counts, weights, h, gu, ctx.top_k, ctx.activation, ctx.interleaved,
         gemm)
     return dx, dw_gu, dw_d, None, None, (dweights if weights is not None else None), None, None, None, None, None
 
 
 _moe_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _MoeMlpFunction(torch.autograd.Function):
+    """The op's autograd in eager mode without the dispatcher's custom-op layer, whose host time a small
+    training step's kernels do not cover (on the H200, 0.26-0.67 ms per forward + backward of Qwen3's
+    layer at 64 and 512 tokens; docs/BENCHMARKS.md); torch.compile traces the custom ops instead. Same
+    implementation, context and backward as the op."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _moe_mlp_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(output[1], output[2])  # h and gu: kept for backward only
+        return output
+
+    @staticmethod
+    def backward(ctx, dy, dh, dgu):
+        return _backward(ctx, dy, dh, dgu)
 
 
 def moe_mlp(
@@ -363,9 +384,13 @@ def moe_mlp(
     E, I2, D = w_gate_up_E2ID.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]
     gemm = G.gemm_path(x, n_rows, E, D, I2 // 2)
-    # Eager inference calls the implementation itself: the dispatcher's custom-op layer costs host time
-    # comparable to a decode step's GPU time; autograd and torch.compile need the op.
-    op = _moe_mlp_op if needs_grad or torch.compiler.is_compiling() else _moe_mlp_impl
+    # Eager mode calls the implementation itself (inference) or through an autograd.Function (training):
+    # the dispatcher's custom-op layer costs host time comparable to a decode step's GPU time;
+    # torch.compile needs the op.
+    if torch.compiler.is_compiling():
+        op = _moe_mlp_op
+    else:
+        op = _MoeMlpFunction.apply if needs_grad else _moe_mlp_impl
     y, _, _ = op(x.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), order, counts, weights,
                  top_k, activation, interleaved, needs_grad, gemm)
     return y
