@@ -371,6 +371,41 @@ def test_interpreter_torch_compile():
         torch.testing.assert_close(g, g_e)
 
 
+def test_compiled_backward_keeps_the_kernels_behind_the_backward_op(monkeypatch):
+    """Under torch.compile the op's backward is thunderep::moe_mlp_backward, one opaque node: the compiler
+    traces it with fake tensors and never runs the Triton launches. This holds whatever
+    torch.compiler.is_compiling() answers while the backward is traced (False there on some torch
+    versions): the op's registered autograd does not ask it."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    x, w_gu, w_d, ids, weights = make_case(9, 32, 32, 4, 2, torch.float32, seed=17)
+
+    def f(x, w_gu, w_d, ids, weights):
+        order = torch.argsort(ids.reshape(-1), stable=True).to(torch.int32)
+        counts = torch.bincount(ids.reshape(-1), minlength=4).to(torch.int32)
+        return ops._moe_mlp_op(x, w_gu, w_d, order, counts, weights.reshape(-1), 2, "silu", False, True,
+                               "triton")[0]
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    torch._dynamo.reset()
+    leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
+    y = torch.compile(f, fullgraph=True, backend=backend)(leaves[0], leaves[1], leaves[2], ids, leaves[3])
+    y.square().sum().backward()
+    targets = {str(n.target) for n in graphs["backward"].graph.nodes if n.op == "call_function"}
+    assert "thunderep.moe_mlp_backward.default" in targets, targets
+    assert all(t.grad is not None for t in leaves)
+
+
 def test_eager_autograd_equals_the_custom_ops_autograd():
     """Eager training runs an autograd.Function (no dispatcher layer); torch.compile traces the custom op
     with its registered autograd. Both give the same output and the same gradients, bit for bit."""

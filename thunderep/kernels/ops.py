@@ -318,7 +318,9 @@ def _setup_context(ctx, inputs, output):
     ctx.top_k, ctx.activation, ctx.interleaved, ctx.save = top_k, activation, interleaved, save
 
 
-def _backward(ctx, dy, dh, dgu):
+def _backward(ctx, dy, dh, dgu, backward_op=_moe_mlp_backward_op):
+    """The op's autograd formula. `backward_op`: the backward custom op (what torch.compile traces, as an
+    opaque node) or, from the eager autograd.Function, its implementation."""
     x, w_gate_up, w_down, order, counts, weights, h, gu = ctx.saved_tensors
     if dy is None:  # y did not reach the loss
         return (None,) * 11
@@ -326,8 +328,7 @@ def _backward(ctx, dy, dh, dgu):
         raise RuntimeError("thunderep::moe_mlp ran with save=False: its intermediates were not kept for backward")
     E, I2, D = w_gate_up.shape
     gemm = G.gemm_path(dy, h.shape[0], E, D, I2 // 2, backward=True)
-    op = _moe_mlp_backward_op if torch.compiler.is_compiling() else _moe_mlp_backward_impl
-    dx, dw_gu, dw_d, dweights = op(
+    dx, dw_gu, dw_d, dweights = backward_op(
         dy, x, w_gate_up, w_down, order, counts, weights, h, gu, ctx.top_k, ctx.activation, ctx.interleaved,
         gemm)
     return dx, dw_gu, dw_d, None, None, (dweights if weights is not None else None), None, None, None, None, None
@@ -351,7 +352,7 @@ class _MoeMlpFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh, dgu):
-        return _backward(ctx, dy, dh, dgu)
+        return _backward(ctx, dy, dh, dgu, backward_op=_moe_mlp_backward_impl)
 
 
 def moe_mlp(
