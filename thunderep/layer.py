@@ -233,11 +233,7 @@ class ThunderMoELayer(nn.Module):
         partial_TD = self.experts.pairs_partial(x_TD, local_TK, weights_TK)  # decode: no sync, no sort
         if partial_TD is not None:
             return partial_TD
-        local_N = local_TK.reshape(-1)
-        pairs = (local_N >= 0).nonzero().squeeze(1)
-        local_slot = local_N[pairs]
-        order = torch.argsort(local_slot, stable=True)
-        pairs, local_slot = pairs[order], local_slot[order]
+        pairs, local_slot = self.placement.sorted_local_pairs(local_TK)
         y_MD = self.experts.compute_sorted(x_TD[pairs // K], torch.bincount(local_slot, minlength=S))
         weighted_MD = y_MD * weights_TK.reshape(-1)[pairs].unsqueeze(-1)
         full_ND = weighted_MD.new_zeros(T * K, weighted_MD.shape[-1]).index_copy(0, pairs, weighted_MD)

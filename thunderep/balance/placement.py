@@ -132,6 +132,16 @@ class Placement:
         slots_TK = self.owner_table(ids_TK.device)[ids_TK]
         return torch.where(slots_TK // S == rank, slots_TK % S, -1)
 
+    @staticmethod
+    def sorted_local_pairs(local_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pairs_M, slots_M) int64: the flat (token * K + k) index of every pair with a local slot (>= 0
+        in `local_slots`), ordered by slot (stable), and that slot: the rows a rank's experts compute."""
+        local_N = local_TK.reshape(-1)
+        pairs_M = (local_N >= 0).nonzero().squeeze(1)
+        slots_M = local_N[pairs_M]
+        order_M = torch.argsort(slots_M, stable=True)
+        return pairs_M[order_M], slots_M[order_M]
+
     @cached_property
     def slot_experts_P(self) -> torch.Tensor:
         """[P] int64 (CPU): the logical expert of every global slot."""

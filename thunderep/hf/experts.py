@@ -176,11 +176,7 @@ class ExpertsBinding:
             partial_TD = pairs_partial(module, x_TD, local_TK, weights_TK)
             if partial_TD is not None:
                 return partial_TD.float()
-        local_N = local_TK.reshape(-1)
-        pairs = (local_N >= 0).nonzero().squeeze(1)
-        local_slot = local_N[pairs]
-        order = torch.argsort(local_slot, stable=True)
-        pairs, local_slot = pairs[order], local_slot[order]
+        pairs, local_slot = self.placement.sorted_local_pairs(local_TK)
         y_MD = self.compute_rows(module, x_TD[pairs // K], local_slot)
         weighted_MD = y_MD * weights_TK.reshape(-1)[pairs].unsqueeze(-1)  # the dtype transformers weights in
         full_ND = weighted_MD.new_zeros(T * K, x_TD.shape[-1]).index_copy(0, pairs, weighted_MD)

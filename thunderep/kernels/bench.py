@@ -110,8 +110,8 @@ def _hf(impl: str) -> bool:
 
 
 def _copy_of(n_bytes: int, device):
-    """(fn, bytes moved): a call copies n_bytes / 2 bytes, a different buffer pair each of ROTATE calls
-    (so L2 does not hold them), ignoring the MLP's arguments."""
+    """A function that copies n_bytes / 2 bytes (n_bytes moved), a different buffer pair each of ROTATE
+    calls (so L2 does not hold them), ignoring the MLP's arguments."""
     half = max(n_bytes // 2 // 16 * 16, 16)
     pairs = [(torch.empty(half, dtype=torch.uint8, device=device), torch.empty(half, dtype=torch.uint8, device=device))
              for _ in range(ROTATE)]

@@ -27,8 +27,8 @@ import triton
 from ..errors import ConfigError
 from . import moe_triton as K
 
-__all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "WGRAD_TORCH_MIN_ROWS", "gemm_path", "wgrad_path", "gather_rows", "forward",
-           "backward_dx", "weight_grads"]
+__all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "WGRAD_TORCH_MIN_ROWS", "gemm_path", "wgrad_path", "gather_rows",
+           "forward", "backward_dx", "weight_grads"]
 
 GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # The Hopper path takes over when experts get at least this many rows on average (forward, backward):
@@ -38,7 +38,7 @@ GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, 
 TORCH_GEMM_MIN_ROWS = (512, 256)
 # The weight gradients take torch's grouped GEMM from this many rows per expert on average. Measured on
 # the H200 (docs/BENCHMARKS.md, DeepSeek-V3's shape): the portable kernel is 1.36-1.40x faster at 16 rows
-# and 1.11-1.13x at 32, the two tie at 64, the grouped GEMM is 1.15x faster at 128.
+# and 1.11-1.13x at 32, the two tie at 64, the grouped GEMM is 1.12-1.16x faster at 128.
 WGRAD_TORCH_MIN_ROWS = 64
 
 
