@@ -266,3 +266,51 @@ def test_route_torch_compile(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="inductor" if CUDA else "aot_eager")(
             x, ids, weights), f(x, ids, weights))
+
+
+def test_dependent_launch_where_it_exists(monkeypatch):
+    """The down pass launches as a programmatic dependent of the gate/up pass only on CUDA devices of
+    compute capability 9 and up, outside the interpreter; THUNDEREP_PDL=0 turns it off; other values
+    are refused with a message that names the variable."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("THUNDEREP_PDL", raising=False)
+    for capability, expected in [((8, 9), False), ((9, 0), True), ((12, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        pairs_mod._has_pdl.cache_clear()
+        assert pairs_mod.pdl_applies(torch.device("cuda", 0)) is expected
+        monkeypatch.setenv("THUNDEREP_PDL", "0")
+        assert pairs_mod.pdl_applies(torch.device("cuda")) is False
+        monkeypatch.delenv("THUNDEREP_PDL")
+    assert pairs_mod.pdl_applies(torch.device("cpu")) is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pairs_mod.pdl_applies(torch.device("cuda")) is False
+    monkeypatch.setenv("THUNDEREP_PDL", "yes")
+    with pytest.raises(ConfigError, match="THUNDEREP_PDL='yes'"):
+        pairs_mod.pdl_applies(torch.device("cuda"))
+    pairs_mod._has_pdl.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+def test_gpu_dependent_launch_changes_no_bit(shape, pairs, monkeypatch):
+    """With the down pass launched while the gate/up pass still runs (PDL), every output equals the
+    plain launch's bit for bit (same configs, same arithmetic), eagerly and over 50 graph replays on 1
+    and 3 tokens: a down program that read h before the gate/up pass finished would show."""
+    D, I, E, K = MODEL_SHAPES[shape]
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9 or later")
+    for T in (1, 3):
+        x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.bfloat16, 60 + T)
+        f = lambda: routed_moe_mlp(x, w_gu, w_d, ids, weights)  # noqa: E731
+        with torch.no_grad():
+            monkeypatch.setenv("THUNDEREP_PDL", "0")
+            y_plain = f()
+            monkeypatch.setenv("THUNDEREP_PDL", "1")
+            assert pairs_mod.pdl_applies(x.device)
+            assert torch.equal(f(), y_plain)  # also the warm-up before the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = f()
+            for _ in range(50):
+                graph.replay()
+                assert torch.equal(y, y_plain)

@@ -32,11 +32,13 @@ GEMM_KERNELS = {"up", "rows", "act_bwd", "wgrad"}
 PAIR_KERNELS = {"up_pairs", "down_pairs", "down_pairs_split"}  # decode: matrix-vector products, no tensor cores
 PAIR_DOT_KERNELS = {"up_pairs_dot"}  # decode with 16-row tensor-core tiles
 SORT_KERNELS = {"route"}  # the one-program sort of small inference batches
+PDL_KERNELS = {"up_pairs_pdl", "down_pairs_pdl", "down_pairs_split_pdl"}  # decode with dependent launch (sm_90+)
 
 
 @pytest.mark.parametrize("arch", [89, 120])
 def test_consumer_targets_have_no_hopper_only_instructions(builds, arch):
-    assert {b["name"] for b in builds[arch]} == GEMM_KERNELS | PAIR_KERNELS | PAIR_DOT_KERNELS | SORT_KERNELS
+    pdl = PDL_KERNELS if arch >= 90 else set()
+    assert {b["name"] for b in builds[arch]} == GEMM_KERNELS | PAIR_KERNELS | PAIR_DOT_KERNELS | SORT_KERNELS | pdl
     for b in builds[arch]:
         assert b["hopper_only"] == [], f"{b['name']} on sm_{arch} uses {b['hopper_only']}"
         if b["name"] in GEMM_KERNELS | PAIR_DOT_KERNELS:
@@ -51,3 +53,12 @@ def test_detector_sees_hopper_instructions(builds):
             assert b["uses_wgmma"] and "wgmma." in b["hopper_only"], b["name"]
         elif b["name"] in PAIR_KERNELS | SORT_KERNELS:
             assert not b["uses_wgmma"] and b["hopper_only"] == [], b["name"]
+
+
+def test_dependent_launch_only_where_it_runs(builds):
+    """Programmatic dependent launch (griddepcontrol) is in the decode kernels built for it, on sm_90 and
+    sm_120 (pairs.pdl_applies), and in no other build: sm_89 has no such instruction."""
+    for arch, arch_builds in builds.items():
+        for b in arch_builds:
+            assert b["dependent_launch"] == (b["name"] in PDL_KERNELS), (arch, b["name"])
+    assert {b["name"] for b in builds[90]} >= PDL_KERNELS and {b["name"] for b in builds[120]} >= PDL_KERNELS

@@ -13,16 +13,37 @@ GEMMs. Each pair reads its expert's weights itself, so tokens that share an expe
 `routed_moe_mlp` (ops.py) uses these kernels for inference on at most PAIRS_MAX_TOKENS tokens.
 Inference only (no saved intermediates, no backward). Portable Triton: elementwise multiply-adds,
 or tl.dot on a 16-row tile (mma.sync on sm_89 / sm_120).
+
+Where the GPU has programmatic dependent launch (sm_90 and later: H100 / H200, RTX 5090;
+`pdl_applies`), the down pass is launched as a dependent of the gate/up pass: its programs start in
+the SM room the gate/up pass leaves, load their first Wd chunk, and wait (griddepcontrol.wait) for h;
+the gap between the two launches, and part of the down pass's weight reads, overlap the gate/up pass.
+Same arithmetic, same result bit for bit. RTX 4090 (sm_89) runs the plain launch.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch (sm_90 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = True
+except ImportError:  # pragma: no cover - a Triton without it: the kernels run with PDL off
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
 
 from ..errors import ConfigError
 from . import tuning
@@ -48,7 +69,8 @@ def _row0(acc_RN):
 @triton.jit
 def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn,
                      stride_hm, n_counts, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr,
-                     DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1).
 
@@ -61,6 +83,8 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
     Expert id -1 marks a pair that is not computed here (another rank's expert): h = 0 and no weight
     is read. Any other id outside [0, E) writes NaN (no sync to check ids on the host; the token's
     output then shows it). Also zeroes the down pass's per-token counts (count: [T, n_counts])."""
+    if PDL:  # the down pass may launch now: its programs take the SM room this grid leaves
+        gdc_launch_dependents()
     j = tl.program_id(0)
     if (tl.program_id(1) == 0) & (j % top_k == 0):
         c_C = tl.arange(0, 128)
@@ -112,9 +136,13 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
 
 @triton.jit
 def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
-                  WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  WAIT: tl.constexpr):
     """w[j] * (h[j] . Wd[ids[j], n]) for columns n, as a [BLOCK_N, BLOCK_K] float32 tile to be summed
-    over its second axis. An id outside [0, E) reads no weights (its h row is 0 or NaN)."""
+    over its second axis. An id outside [0, E) reads no weights (its h row is 0 or NaN).
+    WAIT (launched as a programmatic dependent of the gate/up pass): load the first weight chunk while
+    that pass still runs, then wait for it (gdc_wait) before reading h; each later chunk is loaded one
+    step ahead."""
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
     expert = tl.where(known, expert, 0)
@@ -127,20 +155,32 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
     else:
         scale = 1.0
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k_ok_K = (k_K < I - k0) | EVEN_K
-        hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=w_ok_N[:, None] & k_ok_K[None, :], other=0.0)
-        acc += w.to(tl.float32) * (hv * scale)[None, :]
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if WAIT:
+        w_next = tl.load(w_ptrs, mask=w_ok_N[:, None] & ((k_K < I) | EVEN_K)[None, :], other=0.0)
+        gdc_wait()
+        for k0 in range(0, I, BLOCK_K):
+            k_ok_K = (k_K < I - k0) | EVEN_K
+            w = w_next
+            w_ptrs += BLOCK_K
+            w_next = tl.load(w_ptrs, mask=w_ok_N[:, None] & (k_K < I - k0 - BLOCK_K)[None, :], other=0.0)
+            hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * (hv * scale)[None, :]
+            h_ptrs += BLOCK_K
+    else:
+        for k0 in range(0, I, BLOCK_K):
+            k_ok_K = (k_K < I - k0) | EVEN_K
+            hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=w_ok_N[:, None] & k_ok_K[None, :], other=0.0)
+            acc += w.to(tl.float32) * (hv * scale)[None, :]
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     return acc
 
 
 @triton.jit
 def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_ptr, D, I, E, top_k, stride_hm,
                        stride_we, stride_wd, stride_ym, stride_cm, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SPLIT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass.
     h: [T*K, I]; Wd: [E, D, I] (unit stride along I). Elementwise multiply-adds as in _up_pairs_kernel
@@ -163,7 +203,7 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
     if SPLIT:
         j = t * top_k + tl.program_id(2)
         part_N = tl.sum(_slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
-                                      stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K), 1)
+                                      stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL), 1)
         tl.store(part_ptr + j.to(tl.int64) * D + cols_N, part_N, mask=col_ok_N)
         count = count_ptr + t.to(tl.int64) * stride_cm + tile
         if tl.atomic_add(count, 1, sem="acq_rel") == top_k - 1:  # the token's other slots are stored
@@ -175,10 +215,11 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
             tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=col_ok_N)
             tl.store(count, 0)
     else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for slot in range(0, top_k):
+        acc = _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm, stride_we,
+                            stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL)
+        for slot in range(1, top_k):
             acc += _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E, stride_hm,
-                                 stride_we, stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K)
+                                 stride_we, stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, False)
         tl.store(y_ptrs, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=col_ok_N)
 
 
@@ -209,6 +250,7 @@ _DEFAULT_DOWN_PAIR = _pair_cfg(16, 256, 4, 3, split=False)
 _MIN_DOWN_BLOCK_N = min(cfg.kwargs["BLOCK_N"] for cfg in _DOWN_PAIR_CONFIGS)
 
 
+# PDL is left out of the keys: with it on or off (THUNDEREP_PDL) a shape runs the config tuned first.
 _UP_PAIRS, _UP_PAIRS_PLAIN = tuning.tuned("up_pairs", _up_pairs_kernel, _UP_PAIR_CONFIGS,
                                           ["I", "D", "top_k", "INTERLEAVED"], even_k="D")
 _DOWN_PAIRS, _DOWN_PAIRS_PLAIN = tuning.tuned("down_pairs", _down_pairs_kernel, _DOWN_PAIR_CONFIGS,
@@ -236,6 +278,26 @@ def pairs_max_tokens() -> int:
     return value
 
 
+def pdl_applies(device: torch.device) -> bool:
+    """Whether the down pass launches as a programmatic dependent of the gate/up pass (PDL): on sm_90
+    and later (H100 / H200, RTX 5090), outside Triton's interpreter; THUNDEREP_PDL=0 turns it off.
+    Its programs then start while the gate/up pass still runs, load their first weight chunk and wait
+    for h there (docs/ARCHITECTURE.md, "Decode")."""
+    raw = os.environ.get("THUNDEREP_PDL", "")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"THUNDEREP_PDL={raw!r}: use 0 (off) or 1, or leave it unset")
+    if raw == "0" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _has_pdl(index: int) -> bool:
+    """Whether CUDA device `index` (and this Triton) can launch programmatic dependents: asked once per
+    device, as decode asks pdl_applies on every step."""
+    return _HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def _moe_mlp_pairs_impl(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
     weights: Optional[torch.Tensor], activation: str, interleaved: bool,
@@ -245,6 +307,7 @@ def _moe_mlp_pairs_impl(
     I, N = I2 // 2, ids.numel()
     top_k = N // T
     n_counts = triton.cdiv(D, _MIN_DOWN_BLOCK_N)
+    pdl = pdl_applies(x.device)
     h = x.new_empty(N, I)
     part = torch.empty(N * D + T * n_counts, dtype=torch.float32, device=x.device)  # split down pass: partials, counts
     count = part[N * D:].view(torch.int32)
@@ -252,14 +315,14 @@ def _moe_mlp_pairs_impl(
             x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=top_k,
             stride_xm=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
             stride_hm=h.stride(0), n_counts=n_counts, ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved,
-            PRECISION=tuning.precision(x.dtype))
+            PRECISION=tuning.precision(x.dtype), PDL=pdl)
     y = x.new_empty(T, D)
     tuning.launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_DOWN_PAIR,
             lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"]), top_k if meta["SPLIT"] else 1),
             x.device, h_ptr=h, w_ptr=w_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
             part_ptr=part, count_ptr=count, D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0),
             stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_ym=y.stride(0), stride_cm=n_counts,
-            WEIGHTED=weights is not None)
+            WEIGHTED=weights is not None, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     return y
 
 

@@ -36,12 +36,19 @@ _KERNELS = {
     "act_bwd": (K._act_bwd_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, WEIGHTED=True, SAVE_HW=False,
                                         PRECISION="tf32", EVEN_K=True)),
     "wgrad": (K._wgrad_kernel, dict(A_GATHER=True, B_GATHER=False, SCALED=True, PRECISION="tf32")),
-    "up_pairs": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32")),
-    "down_pairs": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=False)),
-    "down_pairs_split": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True)),
-    "up_pairs_dot": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=True, PRECISION="tf32")),
+    "up_pairs": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32",
+                                          PDL=False)),
+    "down_pairs": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=False, PDL=False)),
+    "down_pairs_split": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True, PDL=False)),
+    "up_pairs_dot": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=True, PRECISION="tf32",
+                                              PDL=False)),
     "route": (K._route_kernel, dict(WEIGHTED=True)),
 }
+# The decode kernels as they run where programmatic dependent launch exists (pairs.pdl_applies: sm_90
+# and later), built only for those targets.
+_PDL_MIN_ARCH = 90
+_PDL_KERNELS = {f"{name}_pdl": (_KERNELS[name][0], {**_KERNELS[name][1], "PDL": True})
+                for name in ("up_pairs", "down_pairs", "down_pairs_split")}
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (ROUTE_MAX_PAIRS), 256 experts
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
@@ -55,6 +62,7 @@ class KernelBuild:
     hopper_only: tuple[str, ...]  # the HOPPER_ONLY patterns found in the PTX
     uses_wgmma: bool
     uses_mma_sync: bool
+    dependent_launch: bool  # griddepcontrol (programmatic dependent launch, sm_90 and later)
 
 
 def _signature(fn, name: str):
@@ -80,16 +88,17 @@ def _signature(fn, name: str):
 def compile_kernels(arch: int, names=None) -> list[KernelBuild]:
     """Compile each expert kernel (bf16, a prefill-sized tile) for sm_<arch>; no GPU needed."""
     out = []
-    for name, (fn, flags) in _KERNELS.items():
+    kernels = {**_KERNELS, **(_PDL_KERNELS if arch >= _PDL_MIN_ARCH else {})}
+    for name, (fn, flags) in kernels.items():
         if names is not None and name not in names:
             continue
-        sig, attrs, consts = _signature(fn, name)
+        sig, attrs, consts = _signature(fn, name.removesuffix("_pdl"))
         meta = _PAIR_META if "_pairs" in name else _ROUTE_META if name == "route" else _ROW_META
         src = ASTSource(fn=fn, signature=sig, constexprs={**flags, **meta, **consts}, attrs=attrs)
         build = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=3))
         ptx = build.asm["ptx"]
         out.append(KernelBuild(name, arch, build.metadata.shared, tuple(p for p in HOPPER_ONLY if p in ptx),
-                               "wgmma." in ptx, "mma.sync" in ptx))
+                               "wgmma." in ptx, "mma.sync" in ptx, "griddepcontrol." in ptx))
     return out
 
 
@@ -97,12 +106,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="89,90,120", help="compute capabilities, e.g. 89,90,120")
     args = ap.parse_args(argv)
-    print("| kernel | arch | shared memory | matrix instructions | Hopper-only PTX |")
-    print("|---|---|---|---|---|")
+    print("| kernel | arch | shared memory | matrix instructions | Hopper-only PTX | dependent launch |")
+    print("|---|---|---|---|---|---|")
     for arch in (int(a) for a in args.arch.split(",")):
         for b in compile_kernels(arch):
             mma = "wgmma" if b.uses_wgmma else ("mma.sync" if b.uses_mma_sync else "none")
-            print(f"| {b.name} | sm_{b.arch} | {b.shared_bytes // 1024} KiB | {mma} | {', '.join(b.hopper_only) or 'none'} |")
+            print(f"| {b.name} | sm_{b.arch} | {b.shared_bytes // 1024} KiB | {mma} | "
+                  f"{', '.join(b.hopper_only) or 'none'} | {'yes' if b.dependent_launch else 'no'} |")
     return 0
 
 
