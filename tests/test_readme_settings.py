@@ -1,0 +1,18 @@
+"""The README's settings table names every THUNDEREP_* environment variable the package reads, and
+only those."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_environment_variable_is_documented():
+    read = set()
+    for path in (ROOT / "thunderep").rglob("*.py"):
+        read |= set(re.findall(r"\"(THUNDEREP_[A-Z_]+)\"", path.read_text()))
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("### Settings"):readme.index("## Status")]
+    documented = set(re.findall(r"^\| `(THUNDEREP_[A-Z_]+)", table, re.M))
+    assert read, "no THUNDEREP_* variables found: the search is broken"
+    assert read == documented, f"read but not documented: {read - documented}; documented but not read: {documented - read}"
