@@ -8,6 +8,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")  # visible to the jit functions defined here
 
 from test_moe_triton import CUDA, INTERP_CASES, MODEL_SHAPES, make_case, reference, rel_err  # noqa: E402
 
@@ -288,6 +289,29 @@ def test_dependent_launch_where_it_exists(monkeypatch):
     with pytest.raises(ConfigError, match="THUNDEREP_PDL='yes'"):
         pairs_mod.pdl_applies(torch.device("cuda"))
     pairs_mod._has_pdl.cache_clear()
+
+
+@triton.jit
+def _no_op():
+    pass
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU test below runs the real dependent launch")
+@pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
+def test_interpreter_dependent_launch_path(split, monkeypatch):
+    """The down pass as it runs under PDL (first weight chunk loaded before the wait, each later one a
+    step ahead), in the interpreter with the grid-dependency instructions as no-ops: equal to the
+    reference over 1 to 3 chunks of I, and an I shorter than one chunk."""
+    monkeypatch.setattr(pairs_mod, "gdc_wait", _no_op)
+    monkeypatch.setattr(pairs_mod, "gdc_launch_dependents", _no_op)
+    monkeypatch.setattr(pairs_mod, "pdl_applies", lambda device: True)
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(16, 32, 4, 3, split=split))
+    for T, D, I, E, K in [(3, 32, 48, 4, 2), (2, 64, 96, 5, 3), (1, 16, 16, 8, 3)]:
+        x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.float32, 7)
+        with torch.no_grad():
+            y = pairs_mod.moe_mlp_pairs(x, w_gu, w_d, ids, weights, "silu", False)
+        assert rel_err(y, reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())) < 1e-5
 
 
 @pytest.mark.gpu
