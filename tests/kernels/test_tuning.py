@@ -71,6 +71,29 @@ def test_tuned_config_is_reused_without_the_autotuner(monkeypatch):
     assert plain.calls == [(1, 32, 2), (1, 32, 2)]
 
 
+def test_each_tuning_is_logged_once(monkeypatch, caplog):
+    """The first launch of a key, which autotunes, logs the key and the config it chose; launches that
+    reuse it log nothing."""
+
+    class Tuned:
+        keys = ["n"]
+        best_config = triton.Config({"BLOCK": 64}, num_warps=4, num_stages=2)
+
+        def __getitem__(self, grid):
+            return lambda **kwargs: None
+
+    monkeypatch.delenv("THUNDEREP_TRITON_AUTOTUNE", raising=False)
+    monkeypatch.setattr(tuning, "_TUNED", {})
+    tuned = Tuned()
+    monkeypatch.setitem(tuning._REGISTRY, "stand_in", tuned)
+    with caplog.at_level("INFO", logger="thunderep.kernels"):
+        for _ in range(3):
+            tuning.launch(tuned, {(1,): lambda **kwargs: None}, None, (1,), torch.device("cuda"), n=7)
+    records = [r.getMessage() for r in caplog.records if r.name == "thunderep.kernels"]
+    assert len(records) == 1 and records[0].startswith("tuned stand_in for {'n': 7} in ")
+    assert "BLOCK: 64" in records[0]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter sweep; test_gpu_gradients_right_on_the_first_"
                     "autotuned_call covers the GPU")
 def test_every_tuned_kernel_is_right_after_all_its_configs_ran_on_the_same_buffers(monkeypatch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 
@@ -270,6 +271,16 @@ def table(rows, impls) -> str:
     return "\n".join(lines)
 
 
+def _show_tuning() -> None:
+    """Print the kernels' autotuning log lines to stderr (each new shape tunes once, for seconds)."""
+    log = logging.getLogger("thunderep.kernels")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[thunderep] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="mixtral,qwen3,deepseek")
@@ -282,6 +293,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-tokens", default="", help="print per-kernel device times at these T")
     ap.add_argument("--modes", default="fwd,fwdbwd", help="eager-launch modes to time: fwd, fwdbwd or both")
     args = ap.parse_args(argv)
+    _show_tuning()
     if not torch.cuda.is_available():
         print("thunderep.kernels.bench needs a CUDA GPU", file=sys.stderr)
         return 2

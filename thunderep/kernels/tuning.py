@@ -4,12 +4,15 @@
 `kernel_configs()`); `launch(...)` runs it: autotuned on CUDA, else (Triton's CPU interpreter, or
 THUNDEREP_TRITON_AUTOTUNE=0) with a fixed config. Once the autotuner has chosen a config for a key,
 `launch` runs the kernel with it directly: the autotuner's per-call work is host time that a decode
-step cannot spare.
+step cannot spare. Each tuning is logged (logger "thunderep.kernels", INFO) with its key, its time
+and the config chosen: the first step of a new shape is slow, and the log says why.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import torch
 import triton
@@ -17,6 +20,7 @@ from triton.runtime.errors import OutOfResources
 
 __all__ = ["autotune_enabled", "kernel_configs", "launch", "precision", "tuned"]
 
+_LOG = logging.getLogger("thunderep.kernels")
 _REGISTRY: dict[str, object] = {}  # name -> autotuner, for kernel_configs()
 _TUNED: dict[tuple, triton.Config] = {}  # (autotuner, its key) -> the config it chose
 
@@ -52,8 +56,12 @@ def launch(autotuner, plain, default, grid, device, **args) -> None:
                *(str(v.dtype) for v in args.values() if isinstance(v, torch.Tensor)))
         config = _TUNED.get(key)
         if config is None:
+            start = time.perf_counter()
             autotuner[grid](**args)
             _TUNED[key] = autotuner.best_config
+            name = next((n for n, a in _REGISTRY.items() if a is autotuner), type(autotuner).__name__)
+            _LOG.info("tuned %s for %s in %.1f s: %s", name, dict(zip(autotuner.keys, key[1:])),
+                      time.perf_counter() - start, autotuner.best_config)
         else:
             plain[grid](**args, **config.all_kwargs())
         return
