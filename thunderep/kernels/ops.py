@@ -68,7 +68,7 @@ def supported(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, bias: b
 
 def _m_class(n_rows: int, E: int) -> int:
     """BLOCK_M for the row kernels: the smallest of 16/32/64/128 that holds the mean rows per active expert."""
-    mean = n_rows / max(1, min(E, n_rows))
+    mean = G._mean_rows(n_rows, E)
     return next((m for m in _M_CLASSES if mean <= m), _M_CLASSES[-1])
 
 
