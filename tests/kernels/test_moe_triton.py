@@ -62,8 +62,11 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def check(T, D, I, E, K, dtype, tol, activation="silu", interleaved=False, empty_experts=0, seed=0):
-    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, dtype, seed, empty_experts)
+def check(T, D, I, E, K, dtype, tol, activation="silu", interleaved=False, empty_experts=0, seed=0, ids=None):
+    """Forward and all four gradients against the float64 reference; `ids` [T, K] replaces the random
+    routing."""
+    x, w_gu, w_d, random_ids, weights = make_case(T, D, I, E, K, dtype, seed, empty_experts)
+    ids = random_ids if ids is None else ids.to(DEVICE)
     leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
     order = torch.argsort(ids.reshape(-1), stable=True)
     counts = torch.bincount(ids.reshape(-1), minlength=E)
@@ -112,6 +115,42 @@ def gemm(request, monkeypatch):
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_interpreter_matches_reference(case, interleaved, gemm):
     check(*case, torch.float32, tol=1e-5, interleaved=interleaved, empty_experts=1 if case[3] > 4 else 0)
+
+
+def check_fixed_tiles(counts, config, D, I, dtype, tol, monkeypatch):
+    """`check` with one fixed row-kernel config (autotuning off) and routing with exactly counts[e] rows for
+    expert e (K = 1, rows shuffled)."""
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "triton")
+    bm = config.kwargs["BLOCK_M"]
+    monkeypatch.setitem(ops._DEFAULT, bm, config)
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))]
+    assert ops._m_class(len(ids), len(counts)) == bm
+    check(len(ids), D, I, len(counts), 1, dtype, tol=tol, ids=ids[:, None])
+
+
+@pytest.mark.skipif(CUDA, reason="test_gpu_last_tile_takes_a_tail covers this on the compiled kernels")
+@pytest.mark.parametrize("tail", [False, True])
+def test_interpreter_last_tile_takes_a_tail(tail, monkeypatch):
+    """444 rows over 8 experts (size class 64: 64-row tiles, tails of up to 32 rows). With a tail,
+    expert 0's 70 rows are one tile (64 + 6), expert 1's 96 one (64 + 32), expert 2's 97 two (64, then
+    33: no tail), expert 5's 150 two (64, then 64 + 22); experts with 20, 10, 1 and 0 rows one tile or
+    none. Forward and every gradient equal the reference with and without tails (a dropped tail row
+    would leave its output unwritten)."""
+    check_fixed_tiles([70, 96, 97, 20, 0, 150, 10, 1], ops._row_cfg(64, 32, 64, 4, 2, tail=tail), 32, 48,
+                      torch.float32, 1e-5, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+def test_gpu_last_tile_takes_a_tail(tail, dtype, tol, monkeypatch):
+    """The compiled kernels at the 128-row size class, the tile autotuning picks for DeepSeek-V3 at 4096
+    tokens: last tiles of 128 + 6 and 128 + 64 rows, 65 rows past a full tile in a tile of their own, and
+    a 300-row expert (one full tile, then 128 + 44)."""
+    check_fixed_tiles([134, 192, 193, 40, 0, 300, 100, 150], ops._row_cfg(128, 128, 64, 8, 3, tail=tail), 1024,
+                      512, dtype, tol, monkeypatch)
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")

@@ -88,17 +88,27 @@ def _gate_up_cols(cols, I, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(pid_m, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Row tile `pid_m` -> (expert, first row, end of the expert's rows). expert >= E: no such tile."""
+def _row_tile(pid_m, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, TAIL: tl.constexpr):
+    """Row tile `pid_m` -> (expert, first row, end of the tile's rows). expert >= E: no such tile.
+
+    An expert's rows are cut into BLOCK_M-row tiles; with TAIL its last tile also takes up to
+    BLOCK_M / 2 rows past BLOCK_M, so an expert a few rows over a multiple of BLOCK_M has no nearly empty
+    tile of its own: those rows ride along in the tile before, which loads the weights for both."""
     e_E = tl.arange(0, BLOCK_E)
     counts_E = tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32)
-    tiles_E = (counts_E + BLOCK_M - 1) // BLOCK_M
+    if TAIL:
+        tail = BLOCK_M // 2
+        tiles_E = tl.where(counts_E > tail, (counts_E - tail + BLOCK_M - 1) // BLOCK_M, (counts_E > 0).to(tl.int32))
+    else:
+        tiles_E = (counts_E + BLOCK_M - 1) // BLOCK_M
     tiles_end_E = tl.cumsum(tiles_E, 0)
     expert = tl.sum((tiles_end_E <= pid_m).to(tl.int32), 0)
     tiles_before = tl.sum(tl.where(e_E == expert, tiles_end_E - tiles_E, 0), 0)
+    is_last = tl.sum(tl.where(e_E == expert, tiles_end_E, 0), 0) == pid_m + 1
     rows_before = tl.sum(tl.where(e_E < expert, counts_E, 0), 0)
     rows_end = rows_before + tl.sum(tl.where(e_E == expert, counts_E, 0), 0)
-    return expert, rows_before + (pid_m - tiles_before) * BLOCK_M, rows_end
+    row0 = rows_before + (pid_m - tiles_before) * BLOCK_M
+    return expert, row0, tl.where(is_last, rows_end, row0 + BLOCK_M)
 
 
 @triton.jit
@@ -120,36 +130,120 @@ def _num_row_tiles(n_rows, E, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _row_tile_of_program(n_rows, n_cols, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's tile of a row kernel: (expert, rows_M, row_ok_M, cols_N, col_ok_N, pid_n).
+                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr):
+    """This program's tile of a row kernel: (expert, row0, tile_end, cols_N, col_ok_N, pid_n); its rows
+    are [row0, tile_end): BLOCK_M of them, plus up to BLOCK_M / 2 more (TAIL) in an expert's last tile.
     expert >= E: the program has no tile (the grid is an upper bound) and must return."""
     num_m = _num_row_tiles(n_rows, E, BLOCK_M)
     pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
-    expert, row0, row_end = _row_tile(pid_m, counts_ptr, E, BLOCK_M, BLOCK_E)
-    rows_M = row0 + tl.arange(0, BLOCK_M)
+    expert, row0, tile_end = _row_tile(pid_m, counts_ptr, E, BLOCK_M, BLOCK_E, TAIL)
     cols_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return expert, rows_M, rows_M < row_end, cols_N, cols_N < n_cols, pid_n
+    return expert, row0, tile_end, cols_N, cols_N < n_cols, pid_n
 
 
 @triton.jit
-def _dot_k(a_ptrs, b_ptrs, row_ok_M, col_ok_N, K, stride_bk, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _rows_in(first, end, ROWS: tl.constexpr):
+    """ROWS row indices from `first` and which of them are below `end`."""
+    rows = first + tl.arange(0, ROWS)
+    return rows, rows < end
+
+
+@triton.jit
+def _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, PRECISION: tl.constexpr,
+           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           WITH_TAIL: tl.constexpr):
     """sum over k < K of A[m, k] * B[k, n]: a_ptrs [BLOCK_M, BLOCK_K] (unit stride along k), b_ptrs
-    [BLOCK_K, BLOCK_N] (stride_bk along k), both at k = 0. Masked rows and columns read zeros."""
+    [BLOCK_K, BLOCK_N] (stride_bk along k), both at k = 0. Masked rows and columns read zeros.
+    WITH_TAIL: also the tail's [S = BLOCK_M / 2] rows at s_ptrs, against the same loaded B tiles.
+    Returns (acc_MN, acc_SN); acc_SN is zeros without the tail."""
     k_K = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_s = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=col_ok_N[None, :], other=0.0)
+            if WITH_TAIL:
+                s = tl.load(s_ptrs, mask=row_ok_S[:, None], other=0.0)
         else:
             k_ok_K = k_K < K - k0
             a = tl.load(a_ptrs, mask=row_ok_M[:, None] & k_ok_K[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
+            if WITH_TAIL:
+                s = tl.load(s_ptrs, mask=row_ok_S[:, None] & k_ok_K[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if WITH_TAIL:
+            acc_s = tl.dot(s, b, acc_s, input_precision=PRECISION)
+            s_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
-    return acc
+    return acc, acc_s
+
+
+@triton.jit
+def _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D, PRECISION: tl.constexpr,
+                 EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 WITH_TAIL: tl.constexpr):
+    """_dot_k for the gate and the up halves at once (g_ptrs, u_ptrs: [BLOCK_K, BLOCK_N], unit stride
+    along k): (acc_g_MN, acc_u_MN, acc_g_SN, acc_u_SN)."""
+    k_K = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    tail_g = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
+    tail_u = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
+            bg = tl.load(g_ptrs, mask=col_ok_N[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=col_ok_N[None, :], other=0.0)
+            if WITH_TAIL:
+                s = tl.load(s_ptrs, mask=row_ok_S[:, None], other=0.0)
+        else:
+            k_ok_K = k_K < D - k0
+            a = tl.load(a_ptrs, mask=row_ok_M[:, None] & k_ok_K[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
+            if WITH_TAIL:
+                s = tl.load(s_ptrs, mask=row_ok_S[:, None] & k_ok_K[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        if WITH_TAIL:
+            tail_g = tl.dot(s, bg, tail_g, input_precision=PRECISION)
+            tail_u = tl.dot(s, bu, tail_u, input_precision=PRECISION)
+            s_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    return acc_g, acc_u, tail_g, tail_u
+
+
+@triton.jit
+def _token_rows(rows, row_ok, order_ptr, top_k, GATHER: tl.constexpr):
+    """The source row of each sorted row: its token order[r] // top_k (GATHER), else the row itself
+    (masked rows read row 0)."""
+    if GATHER:
+        return tl.load(order_ptr + rows, mask=row_ok, other=0) // top_k
+    else:
+        return tl.where(row_ok, rows, 0)
+
+
+@triton.jit
+def _up_store(acc_g, acc_u, rows, row_ok, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm, stride_gm,
+              ACT: tl.constexpr, SAVE_GU: tl.constexpr):
+    """_up_kernel's epilogue for one block of rows: gu (SAVE_GU) and h = act(g) * u."""
+    out_ok = row_ok[:, None] & col_ok_N[None, :]
+    rows64 = rows.to(tl.int64)
+    if SAVE_GU:
+        gu_dtype = gu_ptr.dtype.element_ty
+        g_lo = acc_g.to(gu_dtype)
+        u_lo = acc_u.to(gu_dtype)
+        tl.store(gu_ptr + rows64[:, None] * stride_gm + gate_N[None, :], g_lo, mask=out_ok)
+        tl.store(gu_ptr + rows64[:, None] * stride_gm + up_N[None, :], u_lo, mask=out_ok)
+        # Backward recomputes h from the rounded g and u: use the same values here.
+        acc_g = g_lo.to(tl.float32)
+        acc_u = u_lo.to(tl.float32)
+    h = _act(acc_g, ACT) * acc_u
+    tl.store(h_ptr + rows64[:, None] * stride_hm + cols_N[None, :], h.to(h_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
@@ -161,57 +255,57 @@ def _up_kernel(
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, GATHER: tl.constexpr, SAVE_GU: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, TAIL: tl.constexpr,
 ):
     """h[r, c] = act(x[src(r)] . Wgu[e, gate(c)]) * (x[src(r)] . Wgu[e, up(c)]) for c < I.
 
     x: [*, D] (row stride stride_xm, unit column stride). Wgu: [E, 2I, D] (unit stride along D).
     h: [N, I]; gu (SAVE_GU): [N, 2I] in the weight's gate/up layout.
     """
-    expert, rows_M, row_ok_M, cols_N, col_ok_N, pid_n = _row_tile_of_program(
-        n_rows, I, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M)
+    expert, row0, tile_end, cols_N, col_ok_N, pid_n = _row_tile_of_program(
+        n_rows, I, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M, TAIL)
     if expert >= E:
         return
-    if GATHER:
-        src_M = tl.load(order_ptr + rows_M, mask=row_ok_M, other=0) // top_k
-    else:
-        src_M = tl.where(row_ok_M, rows_M, 0)
+    rows_M, row_ok_M = _rows_in(row0, tile_end, BLOCK_M)
     gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
     k_K = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + src_M.to(tl.int64)[:, None] * stride_xm + k_K[None, :]
+    a_ptrs = x_ptr + _token_rows(rows_M, row_ok_M, order_ptr, top_k, GATHER).to(tl.int64)[:, None] * stride_xm + k_K[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     g_ptrs = w_base + gate_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
     u_ptrs = w_base + up_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
-            bg = tl.load(g_ptrs, mask=col_ok_N[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=col_ok_N[None, :], other=0.0)
+    if TAIL:
+        if tile_end > row0 + BLOCK_M:
+            rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
+            s_ptrs = (x_ptr + _token_rows(rows_S, row_ok_S, order_ptr, top_k, GATHER).to(tl.int64)[:, None] * stride_xm
+                      + k_K[None, :])
+            acc_g, acc_u, tail_g, tail_u = _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D,
+                                                        PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True)
+            _up_store(tail_g, tail_u, rows_S, row_ok_S, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm,
+                      stride_gm, ACT, SAVE_GU)
         else:
-            k_ok_K = k_K < D - k0
-            a = tl.load(a_ptrs, mask=row_ok_M[:, None] & k_ok_K[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    out_ok = row_ok_M[:, None] & col_ok_N[None, :]
-    rows64_M = rows_M.to(tl.int64)
-    if SAVE_GU:
-        gu_dtype = gu_ptr.dtype.element_ty
-        g_lo = acc_g.to(gu_dtype)
-        u_lo = acc_u.to(gu_dtype)
-        tl.store(gu_ptr + rows64_M[:, None] * stride_gm + gate_N[None, :], g_lo, mask=out_ok)
-        tl.store(gu_ptr + rows64_M[:, None] * stride_gm + up_N[None, :], u_lo, mask=out_ok)
-        # Backward recomputes h from the rounded g and u: use the same values here.
-        acc_g = g_lo.to(tl.float32)
-        acc_u = u_lo.to(tl.float32)
-    h = _act(acc_g, ACT) * acc_u
-    tl.store(h_ptr + rows64_M[:, None] * stride_hm + cols_N[None, :], h.to(h_ptr.dtype.element_ty), mask=out_ok)
+            acc_g, acc_u, _, _ = _dot_gate_up(a_ptrs, a_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_M, col_ok_N, D,
+                                              PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, False)
+    else:
+        acc_g, acc_u, _, _ = _dot_gate_up(a_ptrs, a_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_M, col_ok_N, D,
+                                          PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, False)
+    _up_store(acc_g, acc_u, rows_M, row_ok_M, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm, stride_gm,
+              ACT, SAVE_GU)
+
+
+@triton.jit
+def _rows_store(acc, rows, row_ok, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm,
+                SCATTER: tl.constexpr, WEIGHTED: tl.constexpr):
+    """_rows_kernel's epilogue for one block of rows: weight, un-permute, store."""
+    if SCATTER or WEIGHTED:
+        flat = tl.load(order_ptr + rows, mask=row_ok, other=0)
+    if WEIGHTED:
+        acc = acc * tl.load(weight_ptr + flat, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    if SCATTER:
+        dst = flat.to(tl.int64)
+    else:
+        dst = rows.to(tl.int64)
+    tl.store(c_ptr + dst[:, None] * stride_cm + cols_N[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok_N[None, :])
 
 
 @triton.jit
@@ -222,32 +316,63 @@ def _rows_kernel(
     m_class,
     SCATTER: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, TAIL: tl.constexpr,
 ):
     """c[dst(r), n] = w(r) * sum_k a[r, k] * B[e(r), n, k].
 
     a: [N_rows, K] sorted by expert (unit column stride). B: [E, N, K] by strides.
     dst(r) = order[r] (SCATTER, un-permute to the flat pair) else r. w(r) = weight[order[r]] (WEIGHTED).
     """
-    expert, rows_M, row_ok_M, cols_N, col_ok_N, pid_n = _row_tile_of_program(
-        n_rows, N, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M)
+    expert, row0, tile_end, cols_N, col_ok_N, pid_n = _row_tile_of_program(
+        n_rows, N, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M, TAIL)
     if expert >= E:
         return
+    rows_M, row_ok_M = _rows_in(row0, tile_end, BLOCK_M)
     k_K = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + tl.where(row_ok_M, rows_M, 0).to(tl.int64)[:, None] * stride_am + k_K[None, :]
     b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + cols_N.to(tl.int64)[None, :] * stride_bn
               + k_K[:, None] * stride_bk)
-    acc = _dot_k(a_ptrs, b_ptrs, row_ok_M, col_ok_N, K, stride_bk, PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-    if SCATTER or WEIGHTED:
-        flat_M = tl.load(order_ptr + rows_M, mask=row_ok_M, other=0)
-    if WEIGHTED:
-        acc = acc * tl.load(weight_ptr + flat_M, mask=row_ok_M, other=0.0).to(tl.float32)[:, None]
-    if SCATTER:
-        dst_M = flat_M.to(tl.int64)
+    if TAIL:
+        if tile_end > row0 + BLOCK_M:
+            rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
+            s_ptrs = a_ptr + tl.where(row_ok_S, rows_S, 0).to(tl.int64)[:, None] * stride_am + k_K[None, :]
+            acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, PRECISION, EVEN_K,
+                                BLOCK_M, BLOCK_N, BLOCK_K, True)
+            _rows_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER,
+                        WEIGHTED)
+        else:
+            acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, K, stride_bk, PRECISION, EVEN_K,
+                            BLOCK_M, BLOCK_N, BLOCK_K, False)
     else:
-        dst_M = rows_M.to(tl.int64)
-    c_ptrs = c_ptr + dst_M[:, None] * stride_cm + cols_N[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok_M[:, None] & col_ok_N[None, :])
+        acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, K, stride_bk, PRECISION, EVEN_K,
+                        BLOCK_M, BLOCK_N, BLOCK_K, False)
+    _rows_store(acc, rows_M, row_ok_M, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER, WEIGHTED)
+
+
+@triton.jit
+def _act_bwd_store(acc, rows, row_ok, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr, order_ptr,
+                   weight_ptr, stride_gm, stride_dwp, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                   WEIGHTED: tl.constexpr, SAVE_HW: tl.constexpr):
+    """_act_bwd_kernel's epilogue for one block of rows, from its dhu."""
+    gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
+    ok = row_ok[:, None] & col_ok_N[None, :]
+    rows64 = rows.to(tl.int64)
+    g = tl.load(gu_ptr + rows64[:, None] * stride_gm + gate_N[None, :], mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + rows64[:, None] * stride_gm + up_N[None, :], mask=ok, other=0.0).to(tl.float32)
+    act_g = _act(g, ACT)
+    if WEIGHTED:
+        h = (act_g * u).to(gu_ptr.dtype.element_ty).to(tl.float32)  # h as the forward rounded it
+        tl.store(dwp_ptr + rows64 * stride_dwp + pid_n, tl.sum(acc * h, 1), mask=row_ok)
+        w = tl.load(weight_ptr + tl.load(order_ptr + rows, mask=row_ok, other=0), mask=row_ok, other=0.0)
+        w = w.to(tl.float32)
+        acc = acc * w[:, None]
+        if SAVE_HW:
+            tl.store(hw_ptr + rows64[:, None] * I + cols_N[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty),
+                     mask=ok)
+    dgu_dtype = dgu_ptr.dtype.element_ty
+    tl.store(dgu_ptr + rows64[:, None] * stride_gm + gate_N[None, :],
+             (acc * u * _act_grad(g, ACT)).to(dgu_dtype), mask=ok)
+    tl.store(dgu_ptr + rows64[:, None] * stride_gm + up_N[None, :], (acc * act_g).to(dgu_dtype), mask=ok)
 
 
 @triton.jit
@@ -259,7 +384,7 @@ def _act_bwd_kernel(
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
     SAVE_HW: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, TAIL: tl.constexpr,
 ):
     """dhu[r, c] = dy[src(r)] . Wd[e, :, c]; then with g, u = gu[r] and w = weight[order[r]]:
     dgu[r, gate(c)] = w * dhu * u * act'(g), dgu[r, up(c)] = w * dhu * act(g),
@@ -270,38 +395,31 @@ def _act_bwd_kernel(
     dy: [*, D] (gathered by token when GATHER). Wd: [E, D, I] (unit stride along I). gu, dgu: [N, 2I].
     hw: [N, I].
     """
-    expert, rows_M, row_ok_M, cols_N, col_ok_N, pid_n = _row_tile_of_program(
-        n_rows, I, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M)
+    expert, row0, tile_end, cols_N, col_ok_N, pid_n = _row_tile_of_program(
+        n_rows, I, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M, TAIL)
     if expert >= E:
         return
-    if GATHER or WEIGHTED:
-        flat_M = tl.load(order_ptr + rows_M, mask=row_ok_M, other=0)
-    if GATHER:
-        src_M = flat_M // top_k
-    else:
-        src_M = tl.where(row_ok_M, rows_M, 0)
+    rows_M, row_ok_M = _rows_in(row0, tile_end, BLOCK_M)
     k_K = tl.arange(0, BLOCK_K)
-    a_ptrs = dy_ptr + src_M.to(tl.int64)[:, None] * stride_dym + k_K[None, :]
+    a_ptrs = dy_ptr + _token_rows(rows_M, row_ok_M, order_ptr, top_k, GATHER).to(tl.int64)[:, None] * stride_dym + k_K[None, :]
     b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols_N[None, :] + k_K.to(tl.int64)[:, None] * stride_wd
-    acc = _dot_k(a_ptrs, b_ptrs, row_ok_M, col_ok_N, D, stride_wd, PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-    gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
-    ok = row_ok_M[:, None] & col_ok_N[None, :]
-    rows64_M = rows_M.to(tl.int64)
-    g = tl.load(gu_ptr + rows64_M[:, None] * stride_gm + gate_N[None, :], mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + rows64_M[:, None] * stride_gm + up_N[None, :], mask=ok, other=0.0).to(tl.float32)
-    act_g = _act(g, ACT)
-    if WEIGHTED:
-        h = (act_g * u).to(gu_ptr.dtype.element_ty).to(tl.float32)  # h as the forward rounded it
-        tl.store(dwp_ptr + rows64_M * stride_dwp + pid_n, tl.sum(acc * h, 1), mask=row_ok_M)
-        w_M = tl.load(weight_ptr + flat_M, mask=row_ok_M, other=0.0).to(tl.float32)
-        acc = acc * w_M[:, None]
-        if SAVE_HW:
-            tl.store(hw_ptr + rows64_M[:, None] * I + cols_N[None, :], (h * w_M[:, None]).to(hw_ptr.dtype.element_ty),
-                     mask=ok)
-    dgu_dtype = dgu_ptr.dtype.element_ty
-    tl.store(dgu_ptr + rows64_M[:, None] * stride_gm + gate_N[None, :],
-             (acc * u * _act_grad(g, ACT)).to(dgu_dtype), mask=ok)
-    tl.store(dgu_ptr + rows64_M[:, None] * stride_gm + up_N[None, :], (acc * act_g).to(dgu_dtype), mask=ok)
+    if TAIL:
+        if tile_end > row0 + BLOCK_M:
+            rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
+            s_ptrs = (dy_ptr + _token_rows(rows_S, row_ok_S, order_ptr, top_k, GATHER).to(tl.int64)[:, None] * stride_dym
+                      + k_K[None, :])
+            acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, D, stride_wd, PRECISION, EVEN_K,
+                                BLOCK_M, BLOCK_N, BLOCK_K, True)
+            _act_bwd_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr,
+                           order_ptr, weight_ptr, stride_gm, stride_dwp, ACT, INTERLEAVED, WEIGHTED, SAVE_HW)
+        else:
+            acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, D, stride_wd, PRECISION, EVEN_K,
+                            BLOCK_M, BLOCK_N, BLOCK_K, False)
+    else:
+        acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, D, stride_wd, PRECISION, EVEN_K,
+                        BLOCK_M, BLOCK_N, BLOCK_K, False)
+    _act_bwd_store(acc, rows_M, row_ok_M, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr, order_ptr,
+                   weight_ptr, stride_gm, stride_dwp, ACT, INTERLEAVED, WEIGHTED, SAVE_HW)
 
 
 @triton.jit

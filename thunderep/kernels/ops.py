@@ -72,26 +72,35 @@ def _m_class(n_rows: int, E: int) -> int:
     return next((m for m in _M_CLASSES if mean <= m), _M_CLASSES[-1])
 
 
-def _cfg(bm, bn, bk, warps, stages, group=8):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+def _cfg(bm, bn, bk, warps, stages, group=8, **flags):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, **flags},
                          num_warps=warps, num_stages=stages)
 
 
-# Row kernels: BLOCK_M is fixed by the size class (the mean rows per expert), the rest is tuned.
-_ROW_CONFIGS = [
-    _cfg(16, 32, 128, 4, 5), _cfg(16, 64, 128, 4, 4), _cfg(16, 64, 256, 4, 3), _cfg(16, 128, 128, 4, 4),
-    _cfg(16, 32, 256, 4, 4), _cfg(16, 64, 128, 4, 6),
-    _cfg(32, 64, 128, 4, 4), _cfg(32, 128, 64, 4, 4), _cfg(32, 64, 256, 4, 3),
-    _cfg(64, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(64, 128, 64, 8, 3), _cfg(64, 256, 64, 8, 3),
-    _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 64, 64, 4, 4),
+def _row_cfg(bm, bn, bk, warps, stages, tail=False):
+    """A row kernel's config; `tail`: an expert's last tile also takes up to bm / 2 rows past bm (moe_triton._row_tile)."""
+    return _cfg(bm, bn, bk, warps, stages, TAIL=tail)
+
+
+# Row kernels: BLOCK_M is fixed by the size class (the mean rows per expert), the rest is tuned. Where
+# experts get 64 or more rows on average, their counts scatter around a multiple of the tile: the
+# configs with a tail let the last tile take the few rows over it instead of a nearly empty tile.
+_ROW_TILES = [
+    (16, 32, 128, 4, 5), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4),
+    (16, 32, 256, 4, 4), (16, 64, 128, 4, 6),
+    (32, 64, 128, 4, 4), (32, 128, 64, 4, 4), (32, 64, 256, 4, 3),
+    (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 8, 3), (64, 256, 64, 8, 3),
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4),
 ]
+_ROW_CONFIGS = ([_row_cfg(*t) for t in _ROW_TILES]
+                + [_row_cfg(*t, tail=True) for t in _ROW_TILES if t[0] >= 64])
 _WGRAD_CONFIGS = [
     _cfg(128, 128, 32, 8, 4), _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 32, 8, 3),
     _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 32, 4, 4), _cfg(128, 64, 64, 4, 4),
 ]
 # Fixed choices where autotuning is off (THUNDEREP_TRITON_AUTOTUNE=0, or the CPU interpreter).
-_DEFAULT = {16: _cfg(16, 64, 128, 4, 4), 32: _cfg(32, 64, 128, 4, 4), 64: _cfg(64, 128, 64, 4, 4),
-            128: _cfg(128, 128, 64, 8, 3)}
+_DEFAULT = {16: _row_cfg(16, 64, 128, 4, 4), 32: _row_cfg(32, 64, 128, 4, 4), 64: _row_cfg(64, 128, 64, 4, 4),
+            128: _row_cfg(128, 128, 64, 8, 3)}
 _DEFAULT_WGRAD = _cfg(128, 128, 32, 8, 4)
 
 

@@ -31,10 +31,11 @@ HOPPER_ONLY = ("wgmma.", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wai
 
 _ROW_META = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, BLOCK_E=16, GROUP_M=8)
 _KERNELS = {
-    "up": (K._up_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, SAVE_GU=True, PRECISION="tf32", EVEN_K=True)),
-    "rows": (K._rows_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True)),
+    "up": (K._up_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, SAVE_GU=True, PRECISION="tf32", EVEN_K=True,
+                               TAIL=True)),
+    "rows": (K._rows_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True, TAIL=True)),
     "act_bwd": (K._act_bwd_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, WEIGHTED=True, SAVE_HW=False,
-                                        PRECISION="tf32", EVEN_K=True)),
+                                        PRECISION="tf32", EVEN_K=True, TAIL=True)),
     "wgrad": (K._wgrad_kernel, dict(A_GATHER=True, B_GATHER=False, SCALED=True, PRECISION="tf32")),
     "up_pairs": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32",
                                           PDL=False)),
