@@ -28,7 +28,7 @@ def builds():
     return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
 
 
-GEMM_KERNELS = {"up", "rows", "act_bwd", "wgrad"}
+GEMM_KERNELS = {"up", "rows", "act_bwd", "wgrad", "up_tail", "rows_tail", "act_bwd_tail"}
 PAIR_KERNELS = {"up_pairs", "down_pairs", "down_pairs_split"}  # decode: matrix-vector products, no tensor cores
 PAIR_DOT_KERNELS = {"up_pairs_dot"}  # decode with 16-row tensor-core tiles
 SORT_KERNELS = {"route"}  # the one-program sort of small inference batches

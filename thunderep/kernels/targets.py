@@ -32,10 +32,10 @@ HOPPER_ONLY = ("wgmma.", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wai
 _ROW_META = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, BLOCK_E=16, GROUP_M=8)
 _KERNELS = {
     "up": (K._up_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, SAVE_GU=True, PRECISION="tf32", EVEN_K=True,
-                               TAIL=True)),
-    "rows": (K._rows_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True, TAIL=True)),
+                               TAIL=False)),
+    "rows": (K._rows_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True, TAIL=False)),
     "act_bwd": (K._act_bwd_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, WEIGHTED=True, SAVE_HW=False,
-                                        PRECISION="tf32", EVEN_K=True, TAIL=True)),
+                                        PRECISION="tf32", EVEN_K=True, TAIL=False)),
     "wgrad": (K._wgrad_kernel, dict(A_GATHER=True, B_GATHER=False, SCALED=True, PRECISION="tf32")),
     "up_pairs": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32",
                                           PDL=False)),
@@ -50,6 +50,11 @@ _KERNELS = {
 _PDL_MIN_ARCH = 90
 _PDL_KERNELS = {f"{name}_pdl": (_KERNELS[name][0], {**_KERNELS[name][1], "PDL": True})
                 for name in ("up_pairs", "down_pairs", "down_pairs_split")}
+# The row kernels as the configs with a tail run them (an expert's last tile also takes up to BLOCK_M / 2
+# rows), at a tile that fits sm_89's 99 KiB of shared memory per block.
+_TAIL_KERNELS = {f"{name}_tail": (_KERNELS[name][0], {**_KERNELS[name][1], "TAIL": True})
+                 for name in ("up", "rows", "act_bwd")}
+_TAIL_META = {**_ROW_META, "BLOCK_N": 64}
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (ROUTE_MAX_PAIRS), 256 experts
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
@@ -89,12 +94,13 @@ def _signature(fn, name: str):
 def compile_kernels(arch: int, names=None) -> list[KernelBuild]:
     """Compile each expert kernel (bf16, a prefill-sized tile) for sm_<arch>; no GPU needed."""
     out = []
-    kernels = {**_KERNELS, **(_PDL_KERNELS if arch >= _PDL_MIN_ARCH else {})}
+    kernels = {**_KERNELS, **_TAIL_KERNELS, **(_PDL_KERNELS if arch >= _PDL_MIN_ARCH else {})}
     for name, (fn, flags) in kernels.items():
         if names is not None and name not in names:
             continue
-        sig, attrs, consts = _signature(fn, name.removesuffix("_pdl"))
-        meta = _PAIR_META if "_pairs" in name else _ROUTE_META if name == "route" else _ROW_META
+        sig, attrs, consts = _signature(fn, name.removesuffix("_pdl").removesuffix("_tail"))
+        meta = (_PAIR_META if "_pairs" in name else _ROUTE_META if name == "route"
+                else _TAIL_META if name.endswith("_tail") else _ROW_META)
         src = ASTSource(fn=fn, signature=sig, constexprs={**flags, **meta, **consts}, attrs=attrs)
         build = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=3))
         ptx = build.asm["ptx"]
