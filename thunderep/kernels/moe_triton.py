@@ -3,6 +3,7 @@
 Shape legend: T tokens, D hidden size, K experts per token, E experts, I intermediate size,
 N = T * K routed rows (or the received rows under expert parallelism), in expert order.
 Row r of the sorted order is the flat (token-major) pair `order_N[r]`; its token is `order_N[r] // K`.
+In the row kernels M is a tile's BLOCK_M rows and S the up to BLOCK_M / 2 tail rows it may carry.
 
 Four kernels cover forward and backward (see `ops.py` for how they chain):
 
@@ -30,7 +31,10 @@ The decode kernels (one token, no sort) are in pairs.py.
 
 Row tiles are scheduled without a host sync: every program reads counts_E (E <= a few hundred) and
 finds its expert from the running sum of tiles per expert; launch grids use an upper bound
-(min(ceil(N / BLOCK_M) + E, N) row tiles) and surplus programs return at once.
+(min(ceil(N / BLOCK_M) + E, N) row tiles) and surplus programs return at once. With TAIL (a config
+flag) an expert's last tile also takes up to BLOCK_M / 2 rows past BLOCK_M (the S rows below),
+multiplied against the same loaded weight tiles, instead of leaving them a nearly empty tile of
+their own (`_row_tile`).
 
 The kernels use only portable Triton (tl.dot, masked loads and stores): no tensor-memory
 descriptors, no warp specialization. On Hopper Triton lowers tl.dot to wgmma by itself; on Ada and
