@@ -119,15 +119,31 @@ def test_interpreter_matches_reference(case, interleaved, gemm):
 
 def check_fixed_tiles(counts, config, D, I, dtype, tol, monkeypatch):
     """`check` with one fixed row-kernel config (autotuning off) and routing with exactly counts[e] rows for
-    expert e (K = 1, rows shuffled)."""
+    expert e (K = 1, rows shuffled); then sorted mode (the expert-parallel runtime's input) on the same
+    rows grouped by expert, forward and gradients against the float64 reference."""
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "triton")
     bm = config.kwargs["BLOCK_M"]
     monkeypatch.setitem(ops._DEFAULT, bm, config)
+    E = len(counts)
     ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))]
-    assert ops._m_class(len(ids), len(counts)) == bm
-    check(len(ids), D, I, len(counts), 1, dtype, tol=tol, ids=ids[:, None])
+    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))].to(DEVICE)
+    assert ops._m_class(len(ids), E) == bm
+    check(len(ids), D, I, E, 1, dtype, tol=tol, ids=ids[:, None])
+
+    x, w_gu, w_d, _, _ = make_case(len(ids), D, I, E, 1, dtype, seed=5)
+    order = torch.argsort(ids, stable=True)
+    leaves = [t.clone().requires_grad_() for t in (x[order], w_gu, w_d)]
+    y_ND = moe_mlp(*leaves, torch.bincount(ids, minlength=E))
+    ref = [t.double().requires_grad_() for t in (x, w_gu, w_d)]
+    ones = torch.ones(len(ids), 1, dtype=torch.float64, device=DEVICE)
+    y_ref = reference(*ref, ids[:, None], ones)[order]
+    assert rel_err(y_ND, y_ref) < tol, f"sorted output: relative error {rel_err(y_ND, y_ref):.2e}"
+    dy = torch.randn_like(y_ND)
+    grads = torch.autograd.grad(y_ND, leaves, dy)
+    grads_ref = torch.autograd.grad(y_ref, ref, dy.double())
+    for name, g, g_ref in zip(("x", "w_gate_up", "w_down"), grads, (grads_ref[0][order], *grads_ref[1:])):
+        assert rel_err(g, g_ref) < tol, f"sorted grad {name}: relative error {rel_err(g, g_ref):.2e}"
 
 
 @pytest.mark.skipif(CUDA, reason="test_gpu_last_tile_takes_a_tail covers this on the compiled kernels")
@@ -136,8 +152,8 @@ def test_interpreter_last_tile_takes_a_tail(tail, monkeypatch):
     """444 rows over 8 experts (size class 64: 64-row tiles, tails of up to 32 rows). With a tail,
     expert 0's 70 rows are one tile (64 + 6), expert 1's 96 one (64 + 32), expert 2's 97 two (64, then
     33: no tail), expert 5's 150 two (64, then 64 + 22); experts with 20, 10, 1 and 0 rows one tile or
-    none. Forward and every gradient equal the reference with and without tails (a dropped tail row
-    would leave its output unwritten)."""
+    none. Forward and every gradient equal the reference with and without tails, gathered and sorted
+    (a dropped tail row would leave its output unwritten)."""
     check_fixed_tiles([70, 96, 97, 20, 0, 150, 10, 1], ops._row_cfg(64, 32, 64, 4, 2, tail=tail), 32, 48,
                       torch.float32, 1e-5, monkeypatch)
 
