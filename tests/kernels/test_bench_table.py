@@ -1,9 +1,13 @@
-"""The kernel benchmark's table (no GPU needed): the ratio compares ThunderEP with the best transformers
-implementation only; the copy reference is shown beside them and never counts as a baseline."""
+"""The kernel benchmark's table and rounds (no GPU needed): the ratio compares ThunderEP with the best
+transformers implementation only; the copy reference is shown beside them and never counts as a
+baseline; rounds time every implementation once each, in alternating order."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -19,3 +23,59 @@ def test_table_ratio_ignores_the_copy_reference():
     line = bench.table(rows, ["grouped_mm", "thunderep", "copy"]).splitlines()[-1]
     assert line == "| qwen3 | 1 | fwd-graph | 0.100 | 0.040 | 0.020 | 2.50x | 1 | 50% / 20% |"
 
+
+
+def test_table_shows_each_rounds_ratio():
+    """With rounds, the ratio column is the ratio of the medians and each round's own ratio follows; a row
+    timed once (the graph replay) shows none."""
+    rows = [dict(_row("grouped_mm", 0.300, 0.2), mode="fwd", ms_rounds=[0.300, 0.280, 0.320]),
+            dict(_row("thunderep", 0.200, 0.5), mode="fwd", ms_rounds=[0.200, 0.200, 0.160]),
+            dict(_row("grouped_mm", 0.100, 0.2), ms_rounds=[0.100]),
+            dict(_row("thunderep", 0.050, 0.5), ms_rounds=[0.050])]
+    lines = bench.table(rows, ["grouped_mm", "thunderep"]).splitlines()
+    assert lines[0].endswith("| ratio by round |")
+    assert lines[2] == "| qwen3 | 1 | fwd | 0.300 | 0.200 | 1.50x | 1 | 50% / 20% | 1.50x / 1.40x / 2.00x |"
+    assert lines[3] == "| qwen3 | 1 | fwd-graph | 0.100 | 0.050 | 2.00x | 1 | 50% / 20% | - |"
+
+
+def test_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0"])
+    assert "--rounds 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_rounds_interleave_implementations(monkeypatch):
+    """Three rounds over two pinned variants: each round times every (implementation, mode) once, odd
+    rounds in reverse order, and each row keeps its rounds' times with their median as `ms`."""
+    calls = []
+
+    def experts(D, I, E, K, w_gu, w_d):
+        def fn(x, ids, w):
+            calls.append((os.environ["THUNDEREP_EXPERT_GEMM"], "fwdbwd" if torch.is_grad_enabled() else "fwd"))
+            return x * w.sum(-1, keepdim=True) + 0 * (w_gu.sum() + w_d.sum())
+        return fn
+
+    clock = iter(range(1, 100))
+
+    def fake_bench(f):
+        del calls[:]
+        f()
+        assert calls == [order[-1]]  # the step ran under its own pin, with grad only for fwdbwd
+        return float(next(clock))
+
+    monkeypatch.setattr(bench, "SHAPES", {"tiny": (8, 4, 2, 1)})
+    monkeypatch.setattr(bench, "_thunder_experts", experts)
+    monkeypatch.setattr(bench, "_bench", fake_bench)
+    order = []
+    monkeypatch.setattr(bench, "_step", lambda fn, sets, mode, w_gu, w_d, _step=bench._step: (
+        order.append((os.environ["THUNDEREP_EXPERT_GEMM"], mode)) or _step(fn, sets, mode, w_gu, w_d)))
+    rows = []
+    bench.bench_shape("tiny", [3], ["thunderep:triton", "thunderep:torch"], 1e12, torch.device("cpu"), rows,
+                      rounds=3)
+    one = [("triton", "fwd"), ("triton", "fwdbwd"), ("torch", "fwd"), ("torch", "fwdbwd")]
+    assert order == one + one[::-1] + one
+    got = {(r["impl"], r["mode"]): (r["ms_rounds"], r["ms"]) for r in rows}
+    assert got == {("thunderep:triton", "fwd"): ([1.0, 8.0, 9.0], 8.0),
+                   ("thunderep:triton", "fwdbwd"): ([2.0, 7.0, 10.0], 7.0),
+                   ("thunderep:torch", "fwd"): ([3.0, 6.0, 11.0], 6.0),
+                   ("thunderep:torch", "fwdbwd"): ([4.0, 5.0, 12.0], 5.0)}

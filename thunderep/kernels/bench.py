@@ -4,8 +4,9 @@
 
 For every shape and token count, in one run and on the same weights and routing: forward (no grad)
 and forward+backward (gradients of x, both weight tensors and the routing weights) milliseconds
-(median of CUDA-event timings, triton.testing.do_bench), the ratio to the best transformers
-implementation, TFLOP/s, and the HBM bandwidth achieved over the expert weights the step actually
+(median of CUDA-event timings, triton.testing.do_bench; with --rounds R, every implementation is
+timed R times, interleaved, and the median of the rounds is reported beside each round's ratio), the
+ratio to the best transformers implementation, TFLOP/s, and the HBM bandwidth achieved over the expert weights the step actually
 reads, as a fraction of a device-to-device copy measured in the same run. Routing is uniform random
 top-K; four routing sets rotate so that small-T runs do not re-read weights from L2.
 
@@ -20,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import statistics
 import sys
 
 import torch
@@ -166,7 +168,30 @@ def profile_kernels(fn, sets, backward: bool) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])[:12]
 
 
-def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profile_t=(), modes=("fwd", "fwdbwd")):
+def _step(fn, sets, mode, w_gu, w_d):
+    """One call of `fn` per invocation, rotating over the routing sets: forward without grad ("fwd"), or
+    forward and the gradients of x, both weight tensors and the routing weights ("fwdbwd")."""
+    it = {"i": 0}
+
+    def fwd():
+        s = sets[it["i"] % ROTATE]
+        it["i"] += 1
+        with torch.no_grad():
+            fn(s[0], s[1], s[2])
+
+    def fwdbwd():
+        s = sets[it["i"] % ROTATE]
+        it["i"] += 1
+        x = s[0].detach().requires_grad_()
+        w = s[2].detach().requires_grad_()
+        y = fn(x, s[1], w)
+        torch.autograd.grad(y, (x, w_gu, w_d, w), s[3])
+
+    return fwd if mode == "fwd" else fwdbwd
+
+
+def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profile_t=(), modes=("fwd", "fwdbwd"),
+                rounds=1):
     D, I, E, K = SHAPES[name]
     gen = torch.Generator(device=device).manual_seed(0)
     dt = torch.bfloat16
@@ -202,47 +227,38 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
                     with _pinned(impl):
                         errs[impl] = ((fns[impl](*sets[0][:3]).float() - ref).norm() / ref.norm()).item()
 
-        def record(impl, mode, ms, mode_flops):
-            row = {"shape": name, "T": T, "impl": impl, "mode": mode, "ms": ms,
+        def record(impl, mode, ms_rounds, mode_flops):
+            ms = statistics.median(ms_rounds)
+            row = {"shape": name, "T": T, "impl": impl, "mode": mode, "ms": ms, "ms_rounds": ms_rounds,
                    "tflops": mode_flops / (ms * 1e-3) / 1e12, "experts_hit": hit,
                    "hbm_frac": hit * expert_bytes / (ms * 1e-3) / bw, "rel_err_vs_grouped_mm": errs.get(impl)}
             out_rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
 
+        timed = [(impl, mode) for impl in fns for mode in modes if mode in ("fwd", "fwdbwd")
+                 and not (impl == COPY and mode != "fwd")]
+        times = {key: [] for key in timed}
+        for r in range(rounds):
+            # Every implementation once per round, the order reversed on odd rounds: a slow drift of the
+            # GPU's clocks (it runs at its power limit) then falls on both sides of each comparison.
+            for impl, mode in (timed if r % 2 == 0 else timed[::-1]):
+                with _pinned(impl):
+                    try:
+                        times[(impl, mode)].append(_bench(_step(fns[impl], sets, mode, w_gu, w_d)))
+                    except torch.OutOfMemoryError:
+                        times[(impl, mode)].append(float("nan"))
+                    torch.cuda.empty_cache()
+        for impl, mode in timed:
+            record(impl, mode, times[(impl, mode)], flops * (3 if mode == "fwdbwd" else 1))
         for impl, fn in fns.items():
             with _pinned(impl):
-                it = {"i": 0}
-
-                def fwd():
-                    s = sets[it["i"] % ROTATE]
-                    it["i"] += 1
-                    with torch.no_grad():
-                        fn(s[0], s[1], s[2])
-
-                def fwdbwd():
-                    s = sets[it["i"] % ROTATE]
-                    it["i"] += 1
-                    x = s[0].detach().requires_grad_()
-                    w = s[2].detach().requires_grad_()
-                    y = fn(x, s[1], w)
-                    torch.autograd.grad(y, (x, w_gu, w_d, w), s[3])
-
-                for mode, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-                    if mode not in modes or (impl == COPY and mode != "fwd"):
-                        continue
-                    try:
-                        ms = _bench(f)
-                    except torch.OutOfMemoryError:
-                        ms = float("nan")
-                    torch.cuda.empty_cache()
-                    record(impl, mode, ms, flops * (3 if mode == "fwdbwd" else 1))
                 if T <= graph_max_t and impl != "eager":  # eager syncs with the host: no graph
                     try:
                         ms = graph_ms(fn, sets)
                     except Exception as exc:  # noqa: BLE001 - reported, not fatal
                         print(f"graph capture failed for {impl}: {exc!r}"[:300], file=sys.stderr)
                         ms = float("nan")
-                    record(impl, "fwd-graph", ms, flops)
+                    record(impl, "fwd-graph", [ms], flops)
                 if T in profile_t and impl not in ("eager", COPY):
                     for backward in (False, True):
                         print(f"## profile {name} T={T} {impl} {'fwd+bwd' if backward else 'fwd'} (ms per call)")
@@ -251,10 +267,12 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
 
 
 def table(rows, impls) -> str:
-    """Markdown table: one line per shape, T and mode; ratio = best transformers ms / ThunderEP ms."""
+    """Markdown table: one line per shape, T and mode; ratio = best transformers ms / ThunderEP ms (the
+    medians over rounds). With more than one round, the ratio of each round too (its own two timings)."""
+    rounds = max((len(r.get("ms_rounds", ())) for r in rows), default=1)
     lines = ["| shape | T | mode | " + " | ".join(f"{i} ms" for i in impls)
-             + " | ratio | ThunderEP TFLOP/s | HBM frac (ThunderEP / best HF) |",
-             "|" + "---|" * (len(impls) + 6)]
+             + " | ratio | ThunderEP TFLOP/s | HBM frac (ThunderEP / best HF) |" + (" ratio by round |" if rounds > 1 else ""),
+             "|" + "---|" * (len(impls) + 6 + (rounds > 1))]
     keyed = {(r["shape"], r["T"], r["mode"], r["impl"]): r for r in rows}
     for shape, T, mode in dict.fromkeys((r["shape"], r["T"], r["mode"]) for r in rows):
         ms = {i: keyed[(shape, T, mode, i)]["ms"] for i in impls if (shape, T, mode, i) in keyed}
@@ -266,8 +284,14 @@ def table(rows, impls) -> str:
         frac = f"{ours['hbm_frac']:.0%} / {keyed[(shape, T, mode, best_impl)]['hbm_frac']:.0%}" \
             if ours and best_impl else "-"
         cells = " | ".join(f"{ms.get(i, float('nan')):.3f}" for i in impls)
-        lines.append(f"| {shape} | {T} | {mode} | {cells} | {ratio:.2f}x | "
-                     f"{ours['tflops'] if ours else float('nan'):.0f} | {frac} |")
+        line = (f"| {shape} | {T} | {mode} | {cells} | {ratio:.2f}x | "
+                f"{ours['tflops'] if ours else float('nan'):.0f} | {frac} |")
+        if rounds > 1:
+            theirs = keyed[(shape, T, mode, best_impl)].get("ms_rounds", ()) if best_impl else ()
+            mine = ours.get("ms_rounds", ()) if ours else ()
+            by_round = [f"{b / o:.2f}x" for b, o in zip(theirs, mine)] if len(mine) > 1 else []
+            line += f" {' / '.join(by_round) or '-'} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -292,16 +316,21 @@ def main(argv=None) -> int:
                     help="also time forward as CUDA-graph replays (no launch overhead) up to this T")
     ap.add_argument("--profile-tokens", default="", help="print per-kernel device times at these T")
     ap.add_argument("--modes", default="fwd,fwdbwd", help="eager-launch modes to time: fwd, fwdbwd or both")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every implementation this many times, interleaved (order reversed on odd rounds); "
+                         "report the medians and each round's ratio")
     args = ap.parse_args(argv)
     _show_tuning()
-    if not torch.cuda.is_available():
-        print("thunderep.kernels.bench needs a CUDA GPU", file=sys.stderr)
-        return 2
-    device = torch.device("cuda")
     impls = args.impls.split(",")
     bad = [i for i in impls if _ours(i) and i.partition(":")[2] not in ("", *PINS)]
     if bad:
         ap.error(f"unknown ThunderEP variant(s) {bad}: use thunderep or thunderep:<{'|'.join(PINS)}>")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: must be at least 1")
+    if not torch.cuda.is_available():
+        print("thunderep.kernels.bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
     bw = copy_bandwidth(device)
     import transformers
 
@@ -312,7 +341,7 @@ def main(argv=None) -> int:
         bench_shape(name, [int(t) for t in args.tokens.split(",")], impls, bw, device, rows,
                     graph_max_t=args.graph_max_tokens,
                     profile_t={int(t) for t in args.profile_tokens.split(",") if t},
-                    modes=tuple(args.modes.split(",")))
+                    modes=tuple(args.modes.split(",")), rounds=args.rounds)
         torch.cuda.empty_cache()  # this shape's weights are gone with bench_shape's frame
         print(table([r for r in rows if r["shape"] == name], impls), flush=True)
     from .ops import kernel_configs
