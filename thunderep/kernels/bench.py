@@ -6,8 +6,9 @@ For every shape and token count, in one run and on the same weights and routing:
 and forward+backward (gradients of x, both weight tensors and the routing weights) milliseconds
 (median of CUDA-event timings, triton.testing.do_bench; with --rounds R, every implementation is
 timed R times, interleaved, and the median of the rounds is reported beside each round's ratio), the
-ratio to the best transformers implementation, TFLOP/s, and the HBM bandwidth achieved over the expert weights the step actually
-reads, as a fraction of a device-to-device copy measured in the same run. Routing is uniform random
+ratio to the best transformers implementation, TFLOP/s, and the HBM bandwidth achieved over the
+expert weights the step actually reads, as a fraction of a device-to-device copy measured in the
+same run. Routing is uniform random
 top-K; four routing sets rotate so that small-T runs do not re-read weights from L2.
 
 --impls takes eager, grouped_mm, thunderep, thunderep:<pin> (one of ThunderEP's paths pinned: PINS)
@@ -270,8 +271,9 @@ def table(rows, impls) -> str:
     """Markdown table: one line per shape, T and mode; ratio = best transformers ms / ThunderEP ms (the
     medians over rounds). With more than one round, the ratio of each round too (its own two timings)."""
     rounds = max((len(r.get("ms_rounds", ())) for r in rows), default=1)
+    by_round_col = " ratio by round |" if rounds > 1 else ""
     lines = ["| shape | T | mode | " + " | ".join(f"{i} ms" for i in impls)
-             + " | ratio | ThunderEP TFLOP/s | HBM frac (ThunderEP / best HF) |" + (" ratio by round |" if rounds > 1 else ""),
+             + " | ratio | ThunderEP TFLOP/s | HBM frac (ThunderEP / best HF) |" + by_round_col,
              "|" + "---|" * (len(impls) + 6 + (rounds > 1))]
     keyed = {(r["shape"], r["T"], r["mode"], r["impl"]): r for r in rows}
     for shape, T, mode in dict.fromkeys((r["shape"], r["T"], r["mode"]) for r in rows):

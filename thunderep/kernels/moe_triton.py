@@ -98,21 +98,21 @@ def _row_tile(pid_m, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
     An expert's rows are cut into BLOCK_M-row tiles; with TAIL its last tile also takes up to
     BLOCK_M / 2 rows past BLOCK_M, so an expert a few rows over a multiple of BLOCK_M has no nearly empty
     tile of its own: those rows ride along in the tile before, which loads the weights for both."""
-    e_E = tl.arange(0, BLOCK_E)
-    counts_E = tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32)
     if TAIL:
         tail = BLOCK_M // 2
-        tiles_E = tl.where(counts_E > tail, (counts_E - tail + BLOCK_M - 1) // BLOCK_M, (counts_E > 0).to(tl.int32))
     else:
-        tiles_E = (counts_E + BLOCK_M - 1) // BLOCK_M
+        tail = 0
+    e_E = tl.arange(0, BLOCK_E)
+    counts_E = tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32)
+    tiles_E = tl.where(counts_E > tail, (counts_E - tail + BLOCK_M - 1) // BLOCK_M, (counts_E > 0).to(tl.int32))
     tiles_end_E = tl.cumsum(tiles_E, 0)
     expert = tl.sum((tiles_end_E <= pid_m).to(tl.int32), 0)
     tiles_before = tl.sum(tl.where(e_E == expert, tiles_end_E - tiles_E, 0), 0)
-    is_last = tl.sum(tl.where(e_E == expert, tiles_end_E, 0), 0) == pid_m + 1
     rows_before = tl.sum(tl.where(e_E < expert, counts_E, 0), 0)
     rows_end = rows_before + tl.sum(tl.where(e_E == expert, counts_E, 0), 0)
     row0 = rows_before + (pid_m - tiles_before) * BLOCK_M
-    return expert, row0, tl.where(is_last, rows_end, row0 + BLOCK_M)
+    # Only an expert's last tile has at most BLOCK_M + tail rows from row0 to the expert's end.
+    return expert, row0, tl.where(rows_end - row0 <= BLOCK_M + tail, rows_end, row0 + BLOCK_M)
 
 
 @triton.jit
@@ -222,13 +222,14 @@ def _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D
 
 
 @triton.jit
-def _token_rows(rows, row_ok, order_ptr, top_k, GATHER: tl.constexpr):
-    """The source row of each sorted row: its token order[r] // top_k (GATHER), else the row itself
-    (masked rows read row 0)."""
+def _token_row_ptrs(base_ptr, rows, row_ok, order_ptr, top_k, stride, k_K, GATHER: tl.constexpr):
+    """[rows, BLOCK_K] pointers at k = 0 into the source row of each sorted row: its token
+    order[r] // top_k (GATHER), else the row itself (masked rows point at row 0)."""
     if GATHER:
-        return tl.load(order_ptr + rows, mask=row_ok, other=0) // top_k
+        src = tl.load(order_ptr + rows, mask=row_ok, other=0) // top_k
     else:
-        return tl.where(row_ok, rows, 0)
+        src = tl.where(row_ok, rows, 0)
+    return base_ptr + src.to(tl.int64)[:, None] * stride + k_K[None, :]
 
 
 @triton.jit
@@ -273,22 +274,20 @@ def _up_kernel(
     rows_M, row_ok_M = _rows_in(row0, tile_end, BLOCK_M)
     gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
     k_K = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + _token_rows(rows_M, row_ok_M, order_ptr, top_k, GATHER).to(tl.int64)[:, None] * stride_xm + k_K[None, :]
+    a_ptrs = _token_row_ptrs(x_ptr, rows_M, row_ok_M, order_ptr, top_k, stride_xm, k_K, GATHER)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     g_ptrs = w_base + gate_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
     u_ptrs = w_base + up_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
+    has_tail = False
     if TAIL:
-        if tile_end > row0 + BLOCK_M:
-            rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
-            s_ptrs = (x_ptr + _token_rows(rows_S, row_ok_S, order_ptr, top_k, GATHER).to(tl.int64)[:, None] * stride_xm
-                      + k_K[None, :])
-            acc_g, acc_u, tail_g, tail_u = _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D,
-                                                        PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True)
-            _up_store(tail_g, tail_u, rows_S, row_ok_S, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm,
-                      stride_gm, ACT, SAVE_GU)
-        else:
-            acc_g, acc_u, _, _ = _dot_gate_up(a_ptrs, a_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_M, col_ok_N, D,
-                                              PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, False)
+        has_tail = tile_end > row0 + BLOCK_M
+    if has_tail:
+        rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
+        s_ptrs = _token_row_ptrs(x_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_xm, k_K, GATHER)
+        acc_g, acc_u, tail_g, tail_u = _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D,
+                                                    PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True)
+        _up_store(tail_g, tail_u, rows_S, row_ok_S, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm,
+                  stride_gm, ACT, SAVE_GU)
     else:
         acc_g, acc_u, _, _ = _dot_gate_up(a_ptrs, a_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_M, col_ok_N, D,
                                           PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, False)
@@ -336,17 +335,16 @@ def _rows_kernel(
     a_ptrs = a_ptr + tl.where(row_ok_M, rows_M, 0).to(tl.int64)[:, None] * stride_am + k_K[None, :]
     b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + cols_N.to(tl.int64)[None, :] * stride_bn
               + k_K[:, None] * stride_bk)
+    has_tail = False
     if TAIL:
-        if tile_end > row0 + BLOCK_M:
-            rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
-            s_ptrs = a_ptr + tl.where(row_ok_S, rows_S, 0).to(tl.int64)[:, None] * stride_am + k_K[None, :]
-            acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, PRECISION, EVEN_K,
-                                BLOCK_M, BLOCK_N, BLOCK_K, True)
-            _rows_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER,
-                        WEIGHTED)
-        else:
-            acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, K, stride_bk, PRECISION, EVEN_K,
-                            BLOCK_M, BLOCK_N, BLOCK_K, False)
+        has_tail = tile_end > row0 + BLOCK_M
+    if has_tail:
+        rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
+        s_ptrs = a_ptr + tl.where(row_ok_S, rows_S, 0).to(tl.int64)[:, None] * stride_am + k_K[None, :]
+        acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, PRECISION, EVEN_K,
+                            BLOCK_M, BLOCK_N, BLOCK_K, True)
+        _rows_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER,
+                    WEIGHTED)
     else:
         acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, K, stride_bk, PRECISION, EVEN_K,
                         BLOCK_M, BLOCK_N, BLOCK_K, False)
@@ -405,20 +403,18 @@ def _act_bwd_kernel(
         return
     rows_M, row_ok_M = _rows_in(row0, tile_end, BLOCK_M)
     k_K = tl.arange(0, BLOCK_K)
-    a_ptrs = dy_ptr + _token_rows(rows_M, row_ok_M, order_ptr, top_k, GATHER).to(tl.int64)[:, None] * stride_dym + k_K[None, :]
+    a_ptrs = _token_row_ptrs(dy_ptr, rows_M, row_ok_M, order_ptr, top_k, stride_dym, k_K, GATHER)
     b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols_N[None, :] + k_K.to(tl.int64)[:, None] * stride_wd
+    has_tail = False
     if TAIL:
-        if tile_end > row0 + BLOCK_M:
-            rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
-            s_ptrs = (dy_ptr + _token_rows(rows_S, row_ok_S, order_ptr, top_k, GATHER).to(tl.int64)[:, None] * stride_dym
-                      + k_K[None, :])
-            acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, D, stride_wd, PRECISION, EVEN_K,
-                                BLOCK_M, BLOCK_N, BLOCK_K, True)
-            _act_bwd_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr,
-                           order_ptr, weight_ptr, stride_gm, stride_dwp, ACT, INTERLEAVED, WEIGHTED, SAVE_HW)
-        else:
-            acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, D, stride_wd, PRECISION, EVEN_K,
-                            BLOCK_M, BLOCK_N, BLOCK_K, False)
+        has_tail = tile_end > row0 + BLOCK_M
+    if has_tail:
+        rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
+        s_ptrs = _token_row_ptrs(dy_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_dym, k_K, GATHER)
+        acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, D, stride_wd, PRECISION, EVEN_K,
+                            BLOCK_M, BLOCK_N, BLOCK_K, True)
+        _act_bwd_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr,
+                       order_ptr, weight_ptr, stride_gm, stride_dwp, ACT, INTERLEAVED, WEIGHTED, SAVE_HW)
     else:
         acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, D, stride_wd, PRECISION, EVEN_K,
                         BLOCK_M, BLOCK_N, BLOCK_K, False)

@@ -78,7 +78,8 @@ def _cfg(bm, bn, bk, warps, stages, group=8, **flags):
 
 
 def _row_cfg(bm, bn, bk, warps, stages, tail=False):
-    """A row kernel's config; `tail`: an expert's last tile also takes up to bm / 2 rows past bm (moe_triton._row_tile)."""
+    """A row kernel's config; `tail`: an expert's last tile also takes up to bm / 2 rows past bm
+    (moe_triton._row_tile)."""
     return _cfg(bm, bn, bk, warps, stages, TAIL=tail)
 
 
