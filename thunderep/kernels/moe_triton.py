@@ -278,9 +278,10 @@ def _up_kernel(
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     g_ptrs = w_base + gate_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
     u_ptrs = w_base + up_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
-    has_tail = False
     if TAIL:
         has_tail = tile_end > row0 + BLOCK_M
+    else:
+        has_tail: tl.constexpr = False  # a constant: the tail path below is not compiled
     if has_tail:
         rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
         s_ptrs = _token_row_ptrs(x_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_xm, k_K, GATHER)
@@ -335,9 +336,10 @@ def _rows_kernel(
     a_ptrs = a_ptr + tl.where(row_ok_M, rows_M, 0).to(tl.int64)[:, None] * stride_am + k_K[None, :]
     b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + cols_N.to(tl.int64)[None, :] * stride_bn
               + k_K[:, None] * stride_bk)
-    has_tail = False
     if TAIL:
         has_tail = tile_end > row0 + BLOCK_M
+    else:
+        has_tail: tl.constexpr = False  # a constant: the tail path below is not compiled
     if has_tail:
         rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
         s_ptrs = a_ptr + tl.where(row_ok_S, rows_S, 0).to(tl.int64)[:, None] * stride_am + k_K[None, :]
@@ -405,9 +407,10 @@ def _act_bwd_kernel(
     k_K = tl.arange(0, BLOCK_K)
     a_ptrs = _token_row_ptrs(dy_ptr, rows_M, row_ok_M, order_ptr, top_k, stride_dym, k_K, GATHER)
     b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols_N[None, :] + k_K.to(tl.int64)[:, None] * stride_wd
-    has_tail = False
     if TAIL:
         has_tail = tile_end > row0 + BLOCK_M
+    else:
+        has_tail: tl.constexpr = False  # a constant: the tail path below is not compiled
     if has_tail:
         rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
         s_ptrs = _token_row_ptrs(dy_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_dym, k_K, GATHER)
