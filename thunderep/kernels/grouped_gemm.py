@@ -69,8 +69,8 @@ def wgrad_path(t: torch.Tensor, n_rows: int, E: int, *dims: int) -> str:
 
     THUNDEREP_WGRAD=triton|torch forces one. On sm_90 torch's grouped GEMM computes these row-grouped
     products faster once the experts get WGRAD_TORCH_MIN_ROWS rows on average; with fewer, each
-    output value is a short sum, writing dW decides, and the portable kernel (which also gathers its
-    rows itself) is faster. Elsewhere (RTX 4090 / 5090, or without it) the Triton kernel runs.
+    output value is a short sum, writing dW decides, and the portable kernel is faster. Elsewhere
+    (RTX 4090 / 5090, or without it) the Triton kernel runs. Both take rows gathered into expert order.
     """
     forced = _forced("THUNDEREP_WGRAD")
     if forced:

@@ -132,8 +132,7 @@ _ROWS, _ROWS_PLAIN = tuned("rows", K._rows_kernel, _ROW_CONFIGS, ["m_class", "N"
 # first backward of each shape), so the autotuner zeroes dwp before every run.
 _ACT_BWD, _ACT_BWD_PLAIN = tuned("act_bwd", K._act_bwd_kernel, _ROW_CONFIGS, ["m_class", "I", "D", "GATHER", "WEIGHTED"],
                                   _prune_up, "D", reset_to_zero=["dwp_ptr"])
-_WGRAD, _WGRAD_PLAIN = tuned("wgrad", K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class", "M", "N", "A_GATHER", "B_GATHER"],
-                              _prune_wgrad)
+_WGRAD, _WGRAD_PLAIN = tuned("wgrad", K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class", "M", "N"], _prune_wgrad)
 
 
 def _block_e(E: int) -> int:
@@ -172,16 +171,16 @@ def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter):
             SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
 
 
-def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved, save_hw):
+def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
     """dgu [N, 2I], the routing-weight partials dwp [N, column tiles] (empty without weights) and, with
-    `save_hw` and weights, hw = w * h [N, I] (else None)."""
+    weights, hw = w * h [N, I] for the down projection's weight gradient (else None)."""
     n_rows, I2 = gu.shape
     E, D, I = w_down.shape
     bm = _m_class(n_rows, E)
     dgu = dy.new_empty(n_rows, I2)
     tiles = triton.cdiv(I, 16)  # at least the column tiles of any config; unused ones stay zero
     dwp = torch.zeros(n_rows if weights is not None else 0, tiles, dtype=torch.float32, device=dy.device)
-    hw = dy.new_empty(n_rows, I) if save_hw and weights is not None else None
+    hw = dy.new_empty(n_rows, I) if weights is not None else None
     _launch(_ACT_BWD, _ACT_BWD_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, I), dy.device,
             dy_ptr=dy, w_ptr=w_down, gu_ptr=gu, dgu_ptr=dgu, dwp_ptr=dwp if weights is not None else dgu,
             hw_ptr=hw if hw is not None else dgu, order_ptr=order if order is not None else counts,
@@ -189,21 +188,20 @@ def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved, sa
             counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k, stride_dym=dy.stride(0),
             stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_gm=I2, stride_dwp=tiles,
             m_class=bm, ACT=act, INTERLEAVED=interleaved, GATHER=order is not None,
-            WEIGHTED=weights is not None, SAVE_HW=hw is not None, PRECISION=_precision(dy.dtype),
+            WEIGHTED=weights is not None, PRECISION=_precision(dy.dtype),
             BLOCK_E=_block_e(E))
     return dgu, dwp, hw
 
 
-def _wgrad(a, b, order, weights, counts, top_k, a_gather, b_gather, n_rows, out):
+def _wgrad(a, b, counts, out):
+    """out[e] = a_e.T @ b_e over expert e's rows (a, b in expert order)."""
     E, M, N = out.shape
-    bm = _m_class(n_rows, E)
+    bm = _m_class(a.shape[0], E)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), E)  # noqa: E731
     _launch(_WGRAD, _WGRAD_PLAIN, _DEFAULT_WGRAD, grid, a.device,
-            a_ptr=a, b_ptr=b, c_ptr=out, order_ptr=order if order is not None else counts,
-            weight_ptr=weights if weights is not None else a, counts_ptr=counts, M=M, N=N, E=E, top_k=top_k,
+            a_ptr=a, b_ptr=b, c_ptr=out, counts_ptr=counts, M=M, N=N, E=E,
             stride_am=a.stride(0), stride_bm=b.stride(0), stride_ce=out.stride(0), stride_cm=out.stride(1),
-            m_class=bm, A_GATHER=a_gather, B_GATHER=b_gather, SCALED=weights is not None,
-            PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
+            m_class=bm, PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
 
 
 def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
@@ -281,12 +279,11 @@ def _moe_mlp_backward_impl(
                 dy.new_zeros(0, dtype=dw_dtype))
     act = K.ACTIVATIONS[activation]
     dy_rows = None
-    wgrad_torch = G.wgrad_path(dy, n_rows, E, D, I) == "torch"
     if gemm == "torch":
         dx, dgu, dweights, dy_rows, hw = G.backward_dx(dy, w_gate_up, w_down, order, counts, weights, gu,
                                                         top_k, act, interleaved)
     else:
-        dgu, dwp, hw = _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved, wgrad_torch)
+        dgu, dwp, hw = _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved)
         # dx: dgu @ Wgu[e] (B[e, n=D, k=2I] = w_gate_up[e, k, n]), un-permuted to flat rows then summed per token.
         dx_rows = dy.new_empty(n_rows, D)
         wg = w_gate_up
@@ -295,18 +292,21 @@ def _moe_mlp_backward_impl(
         dweights = dy.new_empty(0, dtype=torch.float32)
         if weights is not None:  # partials per column tile -> per row -> flat (token, slot) order
             dweights = dwp.new_empty(n_rows).index_copy_(0, order.long(), dwp.sum(dim=1))
-    # Weight gradients: dWd[e] = (w * dy[tok]).T @ h ; dWgu[e] = dgu.T @ x[tok].
-    if wgrad_torch:
-        if dy_rows is None:
-            dy_rows = G.gather_rows(dy, order, top_k) if gather else dy
-        # Gathered again rather than kept from the forward: [N, D] is K times the size of x; one memory pass.
-        x_rows = G.gather_rows(x, order, top_k) if gather else x
-        dw_gate_up, dw_down = G.weight_grads(dy_rows, x_rows, hw if hw is not None else h, dgu, counts)
+    # Weight gradients over rows in expert order: dWd[e] = dy_rows.T @ (w * h), dWgu[e] = dgu.T @ x_rows.
+    # The token rows are gathered here, once, for both paths: gathered again rather than kept from the
+    # forward ([N, D] is K times the size of x; one memory pass), and not inside the weight-gradient
+    # GEMM, where an index load before every row load costs more than the pass (docs/BENCHMARKS.md).
+    if dy_rows is None:
+        dy_rows = G.gather_rows(dy, order, top_k) if gather else dy
+    x_rows = G.gather_rows(x, order, top_k) if gather else x.contiguous()
+    hw = hw if hw is not None else h
+    if G.wgrad_path(dy, n_rows, E, D, I) == "torch":
+        dw_gate_up, dw_down = G.weight_grads(dy_rows, x_rows, hw, dgu, counts)
     else:
         dw_down = torch.empty_like(w_down)
-        _wgrad(dy, h, order, weights, counts, top_k, gather, False, n_rows, dw_down)
+        _wgrad(dy_rows, hw, counts, dw_down)
         dw_gate_up = torch.empty_like(w_gate_up)
-        _wgrad(dgu, x.contiguous(), order, None, counts, top_k, False, gather, n_rows, dw_gate_up)
+        _wgrad(dgu, x_rows, counts, dw_gate_up)
     return dx.to(x.dtype), dw_gate_up, dw_down, dweights.to(dw_dtype)
 
 
