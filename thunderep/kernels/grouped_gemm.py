@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from . import moe_triton as K
 
 __all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "WGRAD_TORCH_MIN_ROWS", "gemm_path", "wgrad_path", "gather_rows",
-           "forward", "backward_dx", "weight_grads"]
+           "forward", "backward_dx", "weight_grad"]
 
 GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # The Hopper path takes over when experts get at least this many rows on average (forward, backward):
@@ -179,7 +179,7 @@ def backward_dx(dy, w_gu, w_d, order, counts, weights, gu, top_k, act, interleav
 
     dy: dy_TD (gathered mode) or dy_ND; gu: [N, 2I] saved by the forward; other arguments as in
     `forward`. dweights: [T*K] float32 in flat (token, slot) order (empty without weights); hw = w * h
-    for `weight_grads` (None without weights); dy_rows: dy gathered into expert order (dy itself in
+    for the weight gradients (None without weights); dy_rows: dy gathered into expert order (dy itself in
     sorted mode), kept for the weight gradients.
     """
     offs = _offsets(counts)
@@ -191,14 +191,9 @@ def backward_dx(dy, w_gu, w_d, order, counts, weights, gu, top_k, act, interleav
     return dx, dgu, dw, dy_rows, hw
 
 
-def weight_grads(dy_rows, x_rows, hw, dgu, counts):
-    """(dW_gate_up [E, 2I, D], dW_down [E, D, I]) through torch's grouped GEMM over the row dimension.
-
-    dy_rows: [N, D], x_rows: [N, D], hw: [N, I], dgu: [N, 2I], all in expert order; counts: [E] int32.
-    dW_down[e] = dy_rows.T @ hw, dW_gate_up[e] = dgu.T @ x_rows. The routing weight rides on h
-    (hw = w * h, written by the activation-backward kernels), so dy needs no weighted copy.
+def weight_grad(a_rows, b_rows, counts):
+    """out[e] = a_rows_e.T @ b_rows_e over expert e's rows, through torch's grouped GEMM over the row
+    dimension: [E, M, N] from a_rows [N_rows, M] and b_rows [N_rows, N] in expert order; counts: [E]
+    int32. The backward's two weight gradients: dW_down = dy_rows.T @ (w * h), dW_gate_up = dgu.T @ x_rows.
     """
-    offs = _offsets(counts)
-    dw_down = GROUPED_MM(dy_rows.t(), hw, offs=offs)
-    dw_gate_up = GROUPED_MM(dgu.t(), x_rows.contiguous(), offs=offs)
-    return dw_gate_up, dw_down
+    return GROUPED_MM(a_rows.t(), b_rows.contiguous(), offs=_offsets(counts))

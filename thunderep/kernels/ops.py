@@ -194,7 +194,7 @@ def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
 
 
 def _wgrad(a, b, counts, out):
-    """out[e] = a_e.T @ b_e over expert e's rows (a, b in expert order)."""
+    """out[e] = a_e.T @ b_e over expert e's rows (a, b in expert order), the portable kernel."""
     E, M, N = out.shape
     bm = _m_class(a.shape[0], E)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), E)  # noqa: E731
@@ -202,6 +202,16 @@ def _wgrad(a, b, counts, out):
             a_ptr=a, b_ptr=b, c_ptr=out, counts_ptr=counts, M=M, N=N, E=E,
             stride_am=a.stride(0), stride_bm=b.stride(0), stride_ce=out.stride(0), stride_cm=out.stride(1),
             m_class=bm, PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
+
+
+def _weight_grad(a, b, counts, weight, torch_gemm):
+    """The gradient of `weight` ([E, M, N]): a_e.T @ b_e over expert e's rows, through torch's grouped
+    GEMM (`torch_gemm`, see grouped_gemm.wgrad_path) or the portable kernel."""
+    if torch_gemm:
+        return G.weight_grad(a, b, counts)
+    out = torch.empty_like(weight)
+    _wgrad(a, b.contiguous(), counts, out)
+    return out
 
 
 def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
@@ -293,20 +303,17 @@ def _moe_mlp_backward_impl(
         if weights is not None:  # partials per column tile -> per row -> flat (token, slot) order
             dweights = dwp.new_empty(n_rows).index_copy_(0, order.long(), dwp.sum(dim=1))
     # Weight gradients over rows in expert order: dWd[e] = dy_rows.T @ (w * h), dWgu[e] = dgu.T @ x_rows.
-    # The token rows are gathered here, once, for both paths: gathered again rather than kept from the
-    # forward ([N, D] is K times the size of x; one memory pass), and not inside the weight-gradient
-    # GEMM, where an index load before every row load costs more than the pass (docs/BENCHMARKS.md).
+    # The token rows are gathered here for both paths: gathered again rather than kept from the forward
+    # ([N, D] is K times the size of x; one memory pass), and not inside the weight-gradient GEMM, where
+    # an index load before every row load costs more than the pass (docs/BENCHMARKS.md). One gathered
+    # [N, D] copy is alive at a time.
+    wgrad_torch = G.wgrad_path(dy, n_rows, E, D, I) == "torch"
     if dy_rows is None:
         dy_rows = G.gather_rows(dy, order, top_k) if gather else dy
-    x_rows = G.gather_rows(x, order, top_k) if gather else x.contiguous()
-    hw = hw if hw is not None else h
-    if G.wgrad_path(dy, n_rows, E, D, I) == "torch":
-        dw_gate_up, dw_down = G.weight_grads(dy_rows, x_rows, hw, dgu, counts)
-    else:
-        dw_down = torch.empty_like(w_down)
-        _wgrad(dy_rows, hw, counts, dw_down)
-        dw_gate_up = torch.empty_like(w_gate_up)
-        _wgrad(dgu, x_rows, counts, dw_gate_up)
+    dw_down = _weight_grad(dy_rows, hw if hw is not None else h, counts, w_down, wgrad_torch)
+    del dy_rows
+    x_rows = G.gather_rows(x, order, top_k) if gather else x
+    dw_gate_up = _weight_grad(dgu, x_rows, counts, w_gate_up, wgrad_torch)
     return dx.to(x.dtype), dw_gate_up, dw_down, dweights.to(dw_dtype)
 
 
