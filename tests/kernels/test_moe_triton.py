@@ -6,6 +6,8 @@ indexing and masks; not the compiler). The `gpu` tests run the compiled kernels 
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -258,6 +260,28 @@ def test_weight_gradient_backends(backend, gemm, monkeypatch):
     # Dimensions that are multiples of 8 (torch's grouped GEMM needs 16-byte rows); one expert empty.
     dtype = torch.bfloat16 if CUDA else torch.float32  # the CPU interpreter has no bfloat16 arithmetic
     check(13, 32, 48, 6, 2, dtype, tol=2e-2 if dtype == torch.bfloat16 else 1e-5, empty_experts=1, seed=7)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_backward_holds_one_gathered_copy_at_a_time(backend, gemm, monkeypatch):
+    """Every [N, D] copy of token rows in expert order is freed before the next one is gathered: the
+    weight gradients use dy's rows, drop them, then gather x's (one copy alive, not two)."""
+    if backend == "torch" and not CUDA:
+        _grouped_mm_or_skip()
+    monkeypatch.setenv("THUNDEREP_WGRAD", backend)
+    gathered, real = [], grouped_gemm.gather_rows
+
+    def gather_rows(src, order, top_k):
+        alive = [ref() for ref in gathered if ref() is not None]
+        assert not alive, f"{len(alive)} gathered copy still alive while another is gathered"
+        out = real(src, order, top_k)
+        gathered.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(grouped_gemm, "gather_rows", gather_rows)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    check(13, 32, 48, 6, 2, dtype, tol=2e-2 if dtype == torch.bfloat16 else 1e-5, seed=5)
+    assert len(gathered) >= 2  # dy's rows and x's rows, at least
 
 
 def test_sorted_mode_gradients(gemm):
