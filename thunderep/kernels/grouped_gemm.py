@@ -193,7 +193,8 @@ def backward_dx(dy, w_gu, w_d, order, counts, weights, gu, top_k, act, interleav
 
 def weight_grad(a_rows, b_rows, counts):
     """out[e] = a_rows_e.T @ b_rows_e over expert e's rows, through torch's grouped GEMM over the row
-    dimension: [E, M, N] from a_rows [N_rows, M] and b_rows [N_rows, N] in expert order; counts: [E]
-    int32. The backward's two weight gradients: dW_down = dy_rows.T @ (w * h), dW_gate_up = dgu.T @ x_rows.
+    dimension: [E, M, N] from a_rows [N_rows, M] and contiguous b_rows [N_rows, N] in expert order;
+    counts: [E] int32. The backward's two weight gradients: dW_down = dy_rows.T @ (w * h), dW_gate_up =
+    dgu.T @ x_rows.
     """
-    return GROUPED_MM(a_rows.t(), b_rows.contiguous(), offs=_offsets(counts))
+    return GROUPED_MM(a_rows.t(), b_rows, offs=_offsets(counts))

@@ -333,7 +333,7 @@ def _rows_kernel(
         return
     rows_M, row_ok_M = _rows_in(row0, tile_end, BLOCK_M)
     k_K = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + tl.where(row_ok_M, rows_M, 0).to(tl.int64)[:, None] * stride_am + k_K[None, :]
+    a_ptrs = _token_row_ptrs(a_ptr, rows_M, row_ok_M, order_ptr, 1, stride_am, k_K, False)
     b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + cols_N.to(tl.int64)[None, :] * stride_bn
               + k_K[:, None] * stride_bk)
     if TAIL:
@@ -342,7 +342,7 @@ def _rows_kernel(
         has_tail: tl.constexpr = False  # a constant: the tail path below is not compiled
     if has_tail:
         rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
-        s_ptrs = a_ptr + tl.where(row_ok_S, rows_S, 0).to(tl.int64)[:, None] * stride_am + k_K[None, :]
+        s_ptrs = _token_row_ptrs(a_ptr, rows_S, row_ok_S, order_ptr, 1, stride_am, k_K, False)
         acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, PRECISION, EVEN_K,
                             BLOCK_M, BLOCK_N, BLOCK_K, True)
         _rows_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER,

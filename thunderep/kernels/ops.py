@@ -210,7 +210,7 @@ def _weight_grad(a, b, counts, weight, torch_gemm):
     if torch_gemm:
         return G.weight_grad(a, b, counts)
     out = torch.empty_like(weight)
-    _wgrad(a, b.contiguous(), counts, out)
+    _wgrad(a, b, counts, out)
     return out
 
 
@@ -312,7 +312,7 @@ def _moe_mlp_backward_impl(
         dy_rows = G.gather_rows(dy, order, top_k) if gather else dy
     dw_down = _weight_grad(dy_rows, hw if hw is not None else h, counts, w_down, wgrad_torch)
     del dy_rows
-    x_rows = G.gather_rows(x, order, top_k) if gather else x
+    x_rows = G.gather_rows(x, order, top_k) if gather else x.contiguous()
     dw_gate_up = _weight_grad(dgu, x_rows, counts, w_gate_up, wgrad_torch)
     return dx.to(x.dtype), dw_gate_up, dw_down, dweights.to(dw_dtype)
 
