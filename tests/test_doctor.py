@@ -27,6 +27,7 @@ from thunderep.doctor.pci import (
     read_acs,
     scan_pci,
 )
+from thunderep.doctor.software import SoftwareReport, software_report
 from thunderep.doctor.sources import CommandResult, HostFS, RecordedRunner
 
 BOXES = Path(__file__).parent / "fixtures" / "boxes"
@@ -266,7 +267,7 @@ def test_table_output_and_usage_errors(tmp_path, capsys):
     assert main(["--root", str(BOXES / TRANSLATED)], out=out) == 1
     text = out.getvalue()
     assert "nvidia_uvm         fail" in text and "fix: delete /etc/modprobe.d/50-nvidia-uvm-off.conf" in text
-    assert "verdicts: 6 ok, 4 warn, 1 fail, 2 n/a" in text
+    assert "verdicts: 6 ok, 4 warn, 1 fail, 4 n/a" in text  # mailbox, triton: not read for a fixture root
     assert main(["--root", str(tmp_path / "missing")], out=io.StringIO()) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert main(["--copy-mib", "0", "--root", str(tmp_path)], out=io.StringIO()) == 2
@@ -280,6 +281,40 @@ def test_parsers():
     assert parse_p2p_matrix(p2p) == [["X", "NS"], ["NS", "X"]]
     assert parse_p2p_matrix("\t\x1b[4mGPU0\tGPU1\x1b[0m\n GPU0\tX\tOK\n GPU1\tOK\tX\n") == [["X", "OK"], ["OK", "X"]]
     assert normalize_bdf("00000000:0A:00.0") == "0000:0a:00.0" and normalize_bdf("01:00.0") == "0000:01:00.0"
+
+
+def test_software_checks():
+    missing = ("the mailbox extension is missing and building it failed (ModuleNotFoundError: No module "
+               "named 'cffi'); install a C compiler (e.g. `apt install gcc`) and reinstall thunderep")
+    c = by_name(diagnose(BOXES / PLX, cuda=False, software=SoftwareReport(missing, None)))
+    assert c["mailbox"].verdict == "warn" and "collective control plane" in c["mailbox"].summary
+    assert c["mailbox"].fix == missing
+    assert c["triton"].verdict == "warn" and c["triton"].fix.startswith("`pip install triton`")
+    c = by_name(diagnose(BOXES / PLX, cuda=False, software=SoftwareReport(None, "3.6.0")))
+    assert c["mailbox"].verdict == "ok" and c["triton"].verdict == "ok" and "Triton 3.6.0" in c["triton"].summary
+    c = by_name(diagnose(BOXES / NO_DRIVER, cuda=False, software=SoftwareReport(None, None)))
+    assert c["triton"].verdict == "warn"  # a GPU on the bus, no Triton: the kernels could not run
+    c = by_name(diagnose(BOXES / PLX, cuda=False))  # a fixture root: this interpreter is not that box's
+    assert c["mailbox"].verdict == c["triton"].verdict == "n/a" and "--root /" in c["mailbox"].summary
+    out = io.StringIO()
+    assert main(["--json", "--root", str(BOXES / PLX)], out=out) == 0
+    assert json.loads(out.getvalue())["software"] is None
+
+
+def test_software_checks_without_a_gpu(tmp_path):
+    c = by_name(diagnose(tmp_path, cuda=False, software=SoftwareReport(None, None)))
+    assert c["triton"].verdict == "n/a" and "needs no Triton" in c["triton"].summary
+    assert c["mailbox"].verdict == "ok"
+
+
+def test_software_report_reads_this_interpreter():
+    import importlib.util
+
+    from thunderep.comm.mailbox import native_unavailable_reason
+
+    report = software_report()
+    assert report.mailbox_unavailable == native_unavailable_reason()
+    assert (report.triton_version is None) == (importlib.util.find_spec("triton") is None)
 
 
 def test_cuda_report_without_cuda_is_none():

@@ -4,7 +4,9 @@ Checks: GPUs and driver (open or proprietary kernel module), nvidia_uvm and /dev
 GPU's PCIe link (current vs maximum) and NUMA node, the path from each GPU to its root complex with
 the ACS control bits of every bridge on it, IOMMU mode, ACS-related kernel parameters, BAR1
 (Resizable BAR) size, the P2P access matrix and, with two or more CUDA GPUs, measured GPU-to-GPU copy
-bandwidth direct vs through host memory.
+bandwidth direct vs through host memory. For the real root also this Python environment: whether
+the mailbox extension (the one-host control plane) and Triton (the CUDA expert kernels) can run,
+since without them ThunderEP falls back to slower paths without an error.
 
 It works with or without GPUs, drivers or torch.cuda, and never needs root (what only root can read
 is reported as such). Every file is read under `root` and every command goes through a runner, so a
@@ -27,6 +29,7 @@ from .checks import VERDICTS, Check, run_checks
 from .facts import Facts, collect
 from .gpu import CudaReport, cuda_report
 from .report import Diagnosis, render_json, render_table, to_dict
+from .software import SoftwareReport, software_report
 from .sources import CommandResult, HostFS, RecordedRunner, Runner, SystemRunner, default_runner
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "HostFS",
     "RecordedRunner",
     "Runner",
+    "SoftwareReport",
     "SystemRunner",
     "VERDICTS",
     "diagnose",
@@ -53,6 +57,7 @@ def diagnose(
     cuda: bool | CudaReport | None = True,
     measure: bool = True,
     copy_mib: int = 64,
+    software: bool | SoftwareReport | None = True,
 ) -> Diagnosis:
     """Collect facts under `root` and run every check.
 
@@ -61,6 +66,8 @@ def diagnose(
     cuda: True asks torch.cuda (only when `root` is "/": a fixture tree is not this machine's GPUs),
         False skips it, or pass a ready `CudaReport`.
     measure, copy_mib: measure copy bandwidth with buffers of `copy_mib` MiB.
+    software: True reads this interpreter (mailbox extension, Triton; only when `root` is "/"), False
+        skips it, or pass a ready `SoftwareReport`.
     """
     if copy_mib <= 0:
         raise ConfigError(f"copy_mib ({copy_mib}) must be positive: it is the size of each test copy in MiB")
@@ -73,7 +80,9 @@ def diagnose(
         report = cuda
     elif cuda and fs.is_real_root:
         report = cuda_report(measure=measure, nbytes=copy_mib << 20)
-    facts = collect(fs, runner if runner is not None else default_runner(fs), report)
+    soft = software if isinstance(software, SoftwareReport) else (
+        software_report() if software and fs.is_real_root else None)
+    facts = collect(fs, runner if runner is not None else default_runner(fs), report, soft)
     return Diagnosis(facts, tuple(run_checks(facts)))
 
 

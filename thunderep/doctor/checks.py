@@ -299,7 +299,36 @@ def _bandwidth(f: Facts) -> Check:
     return Check("bandwidth", "ok", summary, details=details)
 
 
+_NOT_READ = "not read: this interpreter is read only for the real root (`--root /`)"
+
+
+def _mailbox(f: Facts) -> Check:
+    if f.software is None:
+        return Check("mailbox", "n/a", _NOT_READ)
+    reason = f.software.mailbox_unavailable
+    if reason is None:
+        return Check("mailbox", "ok", "the mailbox extension loads: runs on one host use the shared-memory "
+                                      "control plane")
+    return Check("mailbox", "warn", "the mailbox extension cannot be used: runs fall back to the collective "
+                                    "control plane (slower per step), and EPConfig(control='mailbox') raises",
+                 reason)
+
+
+def _triton(f: Facts) -> Check:
+    if f.software is None:
+        return Check("triton", "n/a", _NOT_READ)
+    version = f.software.triton_version
+    if not f.gpus and (f.cuda is None or not f.cuda.devices):
+        return Check("triton", "n/a", "no NVIDIA GPU: the CPU path needs no Triton"
+                     + (f" (Triton {version} is installed)" if version else ""))
+    if version is None:
+        return Check("triton", "warn", "Triton cannot be imported: on CUDA, FusedExperts runs torch's grouped "
+                                       "GEMM or a per-expert loop instead of the Triton expert kernels",
+                     "`pip install triton` (CUDA builds of torch on Linux bring it along)")
+    return Check("triton", "ok", f"Triton {version}: FusedExperts runs the Triton expert kernels on CUDA")
+
+
 def run_checks(f: Facts) -> list[Check]:
     """Every check, in report order."""
     return [_gpus(f), *_driver(f), _uvm(f), *_links(f), _numa(f), _iommu(f), _acs(f), _kernel_params(f),
-            _bar1(f), _p2p(f), _bandwidth(f)]
+            _bar1(f), _p2p(f), _bandwidth(f), _mailbox(f), _triton(f)]

@@ -23,6 +23,7 @@ from .host import (
     uvm_modprobe_rules,
 )
 from .pci import Acs, LspciEntry, PciDevice, bar_sizes, nvidia_gpus, parse_lspci, read_acs, scan_pci, upstream_bridges
+from .software import SoftwareReport
 from .sources import HostFS, Runner
 
 __all__ = ["Facts", "collect", "LSPCI_ARGV", "SMI_MEMORY_ARGV", "SMI_P2P_ARGV"]
@@ -51,6 +52,7 @@ class Facts:
     smi_p2p: tuple[tuple[str, ...], ...]  # nvidia-smi topo -p2p r (GPU order = PCI order)
     cuda: CudaReport | None
     notes: tuple[str, ...] = field(default=())
+    software: SoftwareReport | None = None  # this interpreter (real root only)
 
     def name(self, bdf: str) -> str:
         """A human name for a device: lspci's description, else vendor:device ids."""
@@ -68,8 +70,10 @@ class Facts:
         return entry.port_type if entry else None
 
 
-def collect(fs: HostFS, runner: Runner, cuda: CudaReport | None = None) -> Facts:
-    """Read the machine under `fs` (commands through `runner`); `cuda` comes from gpu.cuda_report()."""
+def collect(fs: HostFS, runner: Runner, cuda: CudaReport | None = None,
+            software: SoftwareReport | None = None) -> Facts:
+    """Read the machine under `fs` (commands through `runner`); `cuda` comes from gpu.cuda_report(),
+    `software` from software.software_report()."""
     notes = []
     devices = scan_pci(fs)
     gpus = tuple(nvidia_gpus(devices))
@@ -127,4 +131,5 @@ def collect(fs: HostFS, runner: Runner, cuda: CudaReport | None = None) -> Facts
         smi_p2p=tuple(tuple(r) for r in smi_p2p),
         cuda=cuda,
         notes=tuple(notes),
+        software=software,
     )

@@ -156,6 +156,7 @@ def to_dict(d: Diagnosis) -> dict:
         "driver": asdict(f.driver),
         "nvidia_smi_p2p": [list(r) for r in f.smi_p2p],
         "cuda": cuda,
+        "software": asdict(f.software) if f.software is not None else None,
         "notes": list(f.notes),
     }
 
