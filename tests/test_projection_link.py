@@ -88,9 +88,12 @@ def test_project_with_alpha_and_bandwidth_given(run_dir, capsys):
 
 
 def test_project_with_bench_link_file(run_dir, tmp_path, capsys):
-    link = _link_file(tmp_path, [
+    link = _link_file(tmp_path, [  # the ring collectives' fits (`--ops`) must not feed the projection
+        {"world": 2, "setting": "p2p_disabled", "op": "all_gather", "alpha_us": 5.0, "beta_GBps": 30.0},
         {"world": 2, "setting": "p2p_disabled", "latency_us": 50.0, "alpha_us": 50.0, "beta_GBps": 8.0},
-        {"world": 2, "setting": "default", "latency_us": 20.0, "alpha_us": 20.0, "beta_GBps": 80.0},
+        {"world": 2, "setting": "default", "op": "reduce_scatter", "alpha_us": 5.0, "beta_GBps": 30.0},
+        {"world": 2, "setting": "default", "op": "all_to_all", "latency_us": 20.0, "alpha_us": 20.0,
+         "beta_GBps": 80.0},
     ])
     out = tmp_path / "rows.json"
     assert project([str(run_dir), "--link", link, "--compute-ms", "20", "--bytes-per-element", "4",
@@ -160,5 +163,18 @@ def test_bench_link_ranks_on_gloo_and_timeout():
     size_list = sizes(8, 4096, 2)
     seconds = measure_world(2, "p2p_disabled", size_list, iters=2, warmup=1, timeout_s=60, backend="gloo")
     assert len(seconds) == len(size_list) and all(0 < t < 5 for t in seconds)
-    with pytest.raises(PeerTimeout, match="still running after --timeout 0.2 s, killed"):
+    with pytest.raises(PeerTimeout, match="all_to_all, world 2, default: ranks .* still running after --timeout "
+                                           "0.2 s, killed"):
         measure_world(2, "default", size_list, iters=2, warmup=1, timeout_s=0.2, backend="gloo")
+    with pytest.raises(ConfigError, match="unknown collective 'broadcast'; known: all_to_all, all_gather"):
+        measure_world(2, "default", size_list, iters=2, warmup=1, timeout_s=60, backend="gloo", op="broadcast")
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+def test_bench_link_ring_collectives_on_gloo(op):
+    """`--ops`: the ring collectives run at every size of the list, including sizes not a multiple of
+    2 * world bytes (the bf16 reduce-scatter rounds its element count to the world)."""
+    size_list = sizes(8, 4096, 4)
+    assert size_list[0] == 8
+    seconds = measure_world(4, "p2p_disabled", size_list, iters=2, warmup=1, timeout_s=90, backend="gloo", op=op)
+    assert len(seconds) == len(size_list) and all(0 < t < 5 for t in seconds)

@@ -57,8 +57,9 @@ def _bench_rank(rank, world, args, queue):
     ep_collective = ExpertParallel(ep.groups, EPConfig(control="collective", waves=args.waves))
     layer_collective = ThunderMoELayer(config, ep=ep_collective, dtype=dtype)
     layer_collective.load_state_dict(layer.state_dict())
-    methods = {"thunderep_a2a": lambda: layer(x), "allgather_rs": lambda: layer(x, mode="allgather"),
-               "a2a_collective_control": lambda: layer_collective(x)}
+    # ep mode pinned: mode "auto" would run small equal batches (the default --tokens too) in all-gather mode.
+    methods = {"thunderep_a2a": lambda: layer(x, mode="ep"), "allgather_rs": lambda: layer(x, mode="allgather"),
+               "a2a_collective_control": lambda: layer_collective(x, mode="ep")}
     times = {name: [] for name in methods}
     for it in range(args.warmup + args.iters):
         for name, fn in methods.items():  # interleaved, so drift hits both alike
@@ -71,9 +72,11 @@ def _bench_rank(rank, world, args, queue):
             elapsed = time.perf_counter() - start
             if it >= args.warmup:
                 times[name].append(elapsed)
+    if args.profile:  # one more step per method; rank 0 writes where its time went
+        _profile(methods, g, sync, rank, world, args.profile)
     ep.stats.reset()
     x_exact = x.detach().clone().requires_grad_(True)
-    y_exact = layer(x_exact)
+    y_exact = layer(x_exact, mode="ep")
     y_exact.backward(g)
     a2a_bytes = {"none": ep.stats.remote_bytes()}
     errors = {}
@@ -81,7 +84,7 @@ def _bench_rank(rank, world, args, queue):
         lossy = ExpertParallel(ep.groups, EPConfig(control="collective", compression=codec))
         layer.ep = lossy
         x_lossy = x.detach().clone().requires_grad_(True)
-        y_lossy = layer(x_lossy)
+        y_lossy = layer(x_lossy, mode="ep")
         y_lossy.backward(g)
         errors[codec] = [((a - b).abs().max() / b.abs().max()).item()
                          for a, b in ((y_lossy, y_exact), (x_lossy.grad, x_exact.grad))]
@@ -93,6 +96,31 @@ def _bench_rank(rank, world, args, queue):
     ep_collective.close()
     queue.put((rank, times, a2a_bytes, errors, kind))
     dist.destroy_process_group()
+
+
+def _profile(methods: dict, g: torch.Tensor, sync, rank: int, world: int, directory: str) -> None:
+    """Every rank runs each method once more; rank 0 under torch.profiler, writing its operator table
+    (sorted by device time where there is a device, else by CPU time) to
+    DIR/dispatch-<world>ranks-<method>.txt."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if g.is_cuda else [])
+    for name, fn in methods.items():
+        sync()
+        dist.barrier()
+        if rank != 0:
+            fn().backward(g)
+            sync()
+            continue
+        with profile(activities=activities) as prof:
+            fn().backward(g)
+            sync()
+        key = "self_cuda_time_total" if g.is_cuda else "self_cpu_time_total"
+        path = Path(directory) / f"dispatch-{world}ranks-{name}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(prof.key_averages().table(sort_by=key, row_limit=-1, max_name_column_width=60))
 
 
 def run(world: int, args) -> dict:
@@ -135,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--port", type=int, default=29611)
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also profile one forward+backward per method (rank 0's operator tables in DIR)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo, fp32, 1 thread per rank; cuda: NCCL, bf16, one GPU per rank")
     args = parser.parse_args(argv)

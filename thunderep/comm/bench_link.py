@@ -15,7 +15,13 @@ the ranks time `all_to_all_single` for per-rank buffers of S bytes, S log-spaced
 (setting, world) runs in freshly started processes: NCCL reads its environment when a communicator is
 created.
 
-Timing: every iteration is a barrier, a device synchronize, then one `all_to_all_single` and a device
+`--ops` adds the ring collectives of all-gather mode at the same bytes per rank: `all_gather`
+(`all_gather_into_tensor`, S / R bytes in, S out) and `reduce_scatter` (S bytes of bf16 in, S / R
+out, summed). Each sends S (R - 1) / R bytes to its peers, as the all-to-all does, so the three
+columns compare NCCL's point-to-point path (which carries the all-to-all) with its ring path on the
+same link. Only the all-to-all fit feeds `thunderep project`.
+
+Timing: every iteration is a barrier, a device synchronize, then one collective and a device
 synchronize, timed on the host: the exposed time of one collective, launch included, as the projection
 charges it (no overlap). Per size: the median over iterations on each rank, then the largest over ranks.
 
@@ -53,10 +59,12 @@ import torch
 
 from ..errors import CommError, ConfigError, PeerTimeout, ThunderError
 
-__all__ = ["SETTINGS", "fit_alpha_beta", "main", "measure_world", "sizes"]
+__all__ = ["OPS", "SETTINGS", "fit_alpha_beta", "main", "measure_world", "sizes"]
 
 # setting -> NCCL environment on top of this process's; "default" also removes NCCL_P2P_DISABLE.
 SETTINGS = {"default": {}, "p2p_disabled": {"NCCL_P2P_DISABLE": "1"}}
+# The collectives a run can time, each at S bytes per rank with S (R - 1) / R of them sent to peers.
+OPS = ("all_to_all", "all_gather", "reduce_scatter")
 
 
 def sizes(min_bytes: int, max_bytes: int, world: int) -> list[int]:
@@ -99,9 +107,22 @@ def fit_alpha_beta(bytes_sent: list[float], seconds: list[float]) -> tuple[float
     return latency, 1.0 / c
 
 
+def _collective(op: str, size: int, world: int, send: torch.Tensor, recv: torch.Tensor, send_bf16: torch.Tensor,
+                recv_bf16: torch.Tensor):
+    """A function that runs `op` (one of OPS) once for a per-rank buffer of `size` bytes."""
+    import torch.distributed as dist
+
+    if op == "all_to_all":
+        return lambda: dist.all_to_all_single(recv[:size], send[:size])
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(recv[:size], send[:size // world])
+    n = max(world, size // 2 // world * world)  # bf16 elements, a multiple of the world
+    return lambda: dist.reduce_scatter_tensor(recv_bf16[:n // world], send_bf16[:n])
+
+
 def _worker(spec: dict) -> int:
-    """One rank of a (setting, world) run, in its own process: times all_to_all_single per size and
-    writes {"rank", "seconds"} (median seconds per size) to spec["out"]."""
+    """One rank of a (setting, world) run, in its own process: times spec["op"] per size and writes
+    {"rank", "seconds"} (median seconds per size) to spec["out"]."""
     import torch.distributed as dist
 
     rank, world, cuda = spec["rank"], spec["world"], spec["backend"] == "nccl"  # gloo: the CPU tests
@@ -119,8 +140,11 @@ def _worker(spec: dict) -> int:
     try:
         send_N = torch.ones(max(spec["sizes"]), dtype=torch.uint8, device=device)
         recv_N = torch.empty_like(send_N)
+        send_bf16 = torch.ones(max(spec["sizes"]) // 2 + world, dtype=torch.bfloat16, device=device)
+        recv_bf16 = torch.empty_like(send_bf16)
         medians = []
         for size in spec["sizes"]:
+            run = _collective(spec.get("op", "all_to_all"), size, world, send_N, recv_N, send_bf16, recv_bf16)
             times = []
             for i in range(spec["warmup"] + spec["iters"]):
                 if cuda:
@@ -129,7 +153,7 @@ def _worker(spec: dict) -> int:
                     dist.barrier()
                 sync()
                 start = time.perf_counter()
-                dist.all_to_all_single(recv_N[:size], send_N[:size])
+                run()
                 sync()
                 if i >= spec["warmup"]:
                     times.append(time.perf_counter() - start)
@@ -160,18 +184,21 @@ def _tail(path: Path, lines: int = 6) -> str:
 
 
 def measure_world(world: int, setting: str, size_list: list[int], *, iters: int, warmup: int,
-                  timeout_s: float, backend: str = "nccl") -> list[float]:
-    """Seconds per size (median over iterations, largest over ranks) of all_to_all_single on GPUs
-    0 .. world-1 under NCCL `setting`, in `world` freshly started processes (backend "gloo": on CPU)."""
+                  timeout_s: float, backend: str = "nccl", op: str = "all_to_all") -> list[float]:
+    """Seconds per size (median over iterations, largest over ranks) of `op` (one of OPS; per-rank
+    buffers of each size in bytes) on GPUs 0 .. world-1 under NCCL `setting`, in `world` freshly
+    started processes (backend "gloo": on CPU)."""
     from ..launch import free_port
 
     if setting not in SETTINGS:
         raise ConfigError(f"unknown NCCL setting {setting!r}; known: {', '.join(SETTINGS)}")
+    if op not in OPS:
+        raise ConfigError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
     with tempfile.TemporaryDirectory(prefix="thunderep-link-") as tmp:
         port, procs, logs = free_port(), [], []
         try:
             for rank in range(world):
-                spec = {"rank": rank, "world": world, "port": port, "backend": backend, "sizes": size_list,
+                spec = {"rank": rank, "world": world, "port": port, "backend": backend, "sizes": size_list, "op": op,
                         "iters": iters, "warmup": warmup, "timeout_s": timeout_s,
                         "out": str(Path(tmp) / f"rank{rank}.json")}
                 logs.append(Path(tmp) / f"rank{rank}.log")
@@ -184,17 +211,17 @@ def measure_world(world: int, setting: str, size_list: list[int], *, iters: int,
                 failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
                 if failed:
                     r = failed[0]
-                    raise CommError(f"bench link, world {world}, {setting}: rank {r} exited with code "
+                    raise CommError(f"bench link, {op}, world {world}, {setting}: rank {r} exited with code "
                                     f"{procs[r].returncode}: {_tail(logs[r])}")
                 if time.monotonic() > deadline:
                     late = [r for r, p in enumerate(procs) if p.poll() is None]
-                    raise PeerTimeout(f"bench link, world {world}, {setting}: ranks {late} still running after "
+                    raise PeerTimeout(f"bench link, {op}, world {world}, {setting}: ranks {late} still running after "
                                       f"--timeout {timeout_s:g} s, killed; rank {late[0]} said: {_tail(logs[late[0]])}",
                                       rank=late[0])
                 time.sleep(0.1)
             for r, p in enumerate(procs):
                 if p.returncode != 0:
-                    raise CommError(f"bench link, world {world}, {setting}: rank {r} exited with code "
+                    raise CommError(f"bench link, {op}, world {world}, {setting}: rank {r} exited with code "
                                     f"{p.returncode}: {_tail(logs[r])}")
             per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text())["seconds"] for r in range(world)]
         finally:
@@ -205,11 +232,11 @@ def measure_world(world: int, setting: str, size_list: list[int], *, iters: int,
     return [max(column) for column in zip(*per_rank)]
 
 
-def _fit_row(world: int, setting: str, size_list: list[int], seconds: list[float]) -> dict:
+def _fit_row(world: int, setting: str, size_list: list[int], seconds: list[float], op: str = "all_to_all") -> dict:
     sent = [s * (world - 1) / world for s in size_list]
     latency, beta = fit_alpha_beta(sent, seconds)
     errors = [abs(latency + x / beta - t) / t for x, t in zip(sent, seconds)]
-    return {"world": world, "setting": setting, "env": SETTINGS[setting],
+    return {"world": world, "setting": setting, "op": op, "env": SETTINGS[setting],
             "latency_us": latency * 1e6, "alpha_us": latency * 1e6 / (world - 1), "beta_GBps": beta / 1e9,
             "smallest_us": seconds[0] * 1e6, "largest_GBps": sent[-1] / seconds[-1] / 1e9,
             "max_rel_error": max(errors),
@@ -241,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="GPUs per run (default: 2 4)")
     p.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=list(SETTINGS))
+    p.add_argument("--ops", nargs="+", choices=OPS, default=["all_to_all"],
+                   help="collectives to time (default: all_to_all; the fit for the projection)")
     p.add_argument("--min-bytes", type=int, default=8, help="smallest per-rank buffer (default 8)")
     p.add_argument("--max-bytes", type=int, default=256 << 20, help="largest per-rank buffer (default 256 MiB)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
@@ -281,29 +310,36 @@ def main(argv: list[str] | None = None) -> int:
     for setting in a.settings:
         for world in worlds:
             size_list = sizes(a.min_bytes, a.max_bytes, world)
-            started = time.perf_counter()
-            seconds = measure_world(world, setting, size_list, iters=a.iters, warmup=a.warmup, timeout_s=a.timeout)
-            fits.append(_fit_row(world, setting, size_list, seconds))
-            print(f"measured {setting}, {world} GPUs: {len(size_list)} sizes in {time.perf_counter() - started:.1f} s",
-                  flush=True)
+            for op in a.ops:  # the ops of one (setting, world) next to each other: drift hits them alike
+                started = time.perf_counter()
+                seconds = measure_world(world, setting, size_list, iters=a.iters, warmup=a.warmup,
+                                        timeout_s=a.timeout, op=op)
+                fits.append(_fit_row(world, setting, size_list, seconds, op))
+                print(f"measured {op}, {setting}, {world} GPUs: {len(size_list)} sizes in "
+                      f"{time.perf_counter() - started:.1f} s", flush=True)
 
-    print("\nNCCL all_to_all_single, exposed time of one collective (median over iterations, slowest rank), us:")
-    print(f"{'bytes/rank':>10} | " + " | ".join(f"{f['setting'] + ' R=' + str(f['world']):>16}" for f in fits))
+    def label(f: dict) -> str:
+        return f"{f['setting']} R={f['world']}" + ("" if len(a.ops) == 1 else f" {f['op']}")
+
+    width = max(16, *(len(label(f)) for f in fits)) if fits else 16
+    print(f"\nNCCL {', '.join(a.ops)}: exposed time of one collective (median over iterations, slowest rank), us:")
+    print(f"{'bytes/rank':>10} | " + " | ".join(f"{label(f):>{width}}" for f in fits))
     for i in range(max((len(f["points"]) for f in fits), default=0)):
-        cells = [f"{f['points'][i]['seconds'] * 1e6:16.1f}" if i < len(f["points"]) else " " * 16 for f in fits]
+        cells = [f"{f['points'][i]['seconds'] * 1e6:{width}.1f}" if i < len(f["points"]) else " " * width
+                 for f in fits]
         size = next(f["points"][i]["bytes_per_rank"] for f in fits if i < len(f["points"]))
         print(f"{_bytes(size):>10} | " + " | ".join(cells))
     print("\nfit t = latency + sent / beta (least squares on relative error), sent = S (R - 1) / R bytes per rank;"
-          "\nalpha = latency / (R - 1) per message, what `thunderep project --link` uses:")
-    print(f"{'setting':<12} | {'GPUs':>4} | {'latency us':>10} | {'alpha us':>8} | {'beta GB/s':>9} | "
+          "\nalpha = latency / (R - 1) per message; `thunderep project --link` uses the all_to_all rows:")
+    print(f"{'op':<14} | {'setting':<12} | {'GPUs':>4} | {'latency us':>10} | {'alpha us':>8} | {'beta GB/s':>9} | "
           f"{'smallest us':>11} | {'largest GB/s':>12} | {'max fit err':>11}")
     for f in fits:
-        print(f"{f['setting']:<12} | {f['world']:>4} | {f['latency_us']:10.1f} | {f['alpha_us']:8.1f} | "
+        print(f"{f['op']:<14} | {f['setting']:<12} | {f['world']:>4} | {f['latency_us']:10.1f} | {f['alpha_us']:8.1f} | "
               f"{f['beta_GBps']:9.2f} | {f['smallest_us']:11.1f} | {f['largest_GBps']:12.2f} | "
               f"{100 * f['max_rel_error']:10.1f}%")
     if a.json:
         out = {"tool": "thunderep bench link", "hardware": hardware,
-               "timing": "barrier, synchronize, one all_to_all_single, synchronize; median over "
+               "timing": "barrier, synchronize, one collective, synchronize; median over "
                          f"{a.iters} iterations after {a.warmup}, slowest rank",
                "fit": "t = latency + bytes_sent / beta, least squares on relative error; "
                       "alpha_us = latency_us / (world - 1)",
