@@ -91,3 +91,20 @@ def test_dead_or_silent_peer_raises_within_timeout(how, control):
     assert name in ("CommError", "PeerTimeout"), (name, message)
     assert "rank" in message
     assert seconds < 6.0, f"took {seconds:.1f} s"
+
+
+def test_slot_major_order_equals_a_stable_sort_of_slot_ids():
+    """The local order plan() builds on the device from host counts equals a stable sort of the
+    received rows' slot ids (what plan() computed on the host before), zero-row groups included."""
+    from thunderep.comm.dispatcher import _slot_major_order
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1, 1), (2, 1), (1, 5), (2, 4), (4, 3), (3, 8)]
+    for R, S in shapes:
+        for _ in range(20):
+            recv_RS = torch.randint(0, 6, (R, S), generator=gen) * (torch.rand(R, S, generator=gen) > 0.3)
+            slot_ids_M = torch.repeat_interleave(torch.arange(S).repeat(R), recv_RS.reshape(-1))
+            want = torch.argsort(slot_ids_M, stable=True)
+            got = _slot_major_order(recv_RS.tolist(), torch.device("cpu"))
+            assert got.dtype == torch.int64 and torch.equal(got, want), (recv_RS, got, want)
+    assert _slot_major_order([[0, 0], [0, 0]], torch.device("cpu")).numel() == 0

@@ -399,7 +399,8 @@ def test_gpu_fused_experts_uses_kernels_and_matches_loop():
     routing = Routing(torch.rand(100, 2, device="cuda"), ids, torch.bincount(ids.reshape(-1), minlength=8), None)
     with torch.autograd.profiler.profile() as prof:
         y = experts(x, routing)
-    assert any("thunderep::moe_mlp" in e.name for e in prof.function_events)
+    # Eager training calls the kernels through their autograd.Function (compiled code, through the op).
+    assert any(e.name == "_MoeMlpFunction" for e in prof.function_events)
     assert rel_err(y, loop(x, routing)) < 2e-2
     # Decode: one token, no gradients -> the pair kernels, same result as the loop.
     calls = []
