@@ -304,3 +304,52 @@ def test_decode_modes_through_pair_kernels_equal_single_process(world):
         for mode in ("latency", "allgather", "allgather_pairs"):
             got, want = out[mode]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode}: {m}")
+
+
+def _ep_host_syncs(rank, world):
+    """Host-device synchronizations of one EP-mode forward and one backward of a bf16 layer on this
+    rank's GPU (ThunderEP's kernels, mailbox control plane), counted by CUDA's sync debug mode."""
+    import warnings
+
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+
+    ep = ExpertParallel(init_expert_parallel(), EPConfig(control="mailbox"))
+    # check_finite off: the router's NaN check is its own documented sync, one per call in every mode.
+    config = LayerConfig.build(family="mixtral", hidden_size=256, intermediate_size=512, num_experts=8, top_k=2,
+                               check_finite=False)
+    torch.manual_seed(0)
+    layer = ThunderMoELayer(config, ep=ep, dtype=torch.bfloat16)
+    x = torch.randn(512, 256, device=ep.groups.device, dtype=torch.bfloat16, requires_grad=True)
+    layer(x, mode="ep").float().square().sum().backward()  # compiles (and tunes) the kernels first
+    torch.cuda.synchronize()
+    syncs = []  # per pass: where (file:line) each synchronizing call came from
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = layer(x, mode="ep").float().square().sum()
+            syncs.append([f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)])
+            done = len(caught)
+            loss.backward()
+            syncs.append([f"{w.filename}:{w.lineno}" for w in caught[done:] if "synchronizing" in str(w.message)])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ep.close()
+    return syncs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_ep_mode_waits_for_the_gpu_once_per_forward(world):
+    """EP mode's one host wait per layer forward is the split counts' copy in `plan`; the backward
+    (reverse all-to-alls, expert gradients) queues without waiting."""
+    from thunderep.comm.mailbox import native_available
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    if not native_available():
+        pytest.skip("the mailbox extension is not built (a collective control plane may add waits)")
+    for forward, backward in run_ranks(_ep_host_syncs, world, backend="nccl", timeout=240):
+        assert len(forward) == 1 and "dispatcher.py" in forward[0] and not backward, (
+            f"host syncs: forward {forward}, backward {backward}")

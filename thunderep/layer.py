@@ -35,7 +35,7 @@ from .comm.dispatcher import CommStats
 from .config import LayerConfig, SharedExpertsConfig
 from .errors import ConfigError
 from .experts import ACTIVATION_FNS, FusedExperts
-from .router import Routing, TopKRouter
+from .router import Routing, TopKRouter, expert_counts
 
 __all__ = ["SharedExperts", "ThunderMoELayer"]
 
@@ -199,7 +199,7 @@ class ThunderMoELayer(nn.Module):
             waves = []
             for start, stop in bounds:
                 ids = routing.ids_TK[start:stop]
-                counts = torch.bincount(ids.reshape(-1), minlength=routing.counts_E.numel())
+                counts = expert_counts(ids, routing.counts_E.numel())  # no wait for the GPU, unlike bincount
                 waves.append(Routing(routing.weights_TK[start:stop], ids, counts, routing.logits_TE[start:stop]))
         metas = dispatcher.plan(waves, self.placement, self.stats, self.balancer)
         dispatches = [dispatcher.dispatch_async(x_TD[a:b], m) for (a, b), m in zip(bounds, metas)]

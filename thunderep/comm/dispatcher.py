@@ -25,7 +25,7 @@ from torch.profiler import record_function
 
 from ..balance.placement import Placement
 from ..errors import CommError
-from ..router import Routing
+from ..router import Routing, expert_counts
 from .codec import Codec, get_codec
 from .control import ControlPlane
 from .groups import EPGroups, peer_errors, wait_work
@@ -219,7 +219,7 @@ class Dispatcher:
             else:
                 slots_N = table_E[routing.ids_TK.reshape(-1)]
             orders.append(torch.argsort(slots_N, stable=True))
-            sends.append(torch.bincount(slots_N, minlength=R * S))
+            sends.append(expert_counts(slots_N, R * S))  # torch.bincount would wait for the GPU here
         send_WP = torch.stack(sends).to(torch.int32)
         started = time.perf_counter()
         with record_function("thunderep.split_sizes_to_host"):  # waits for this rank's GPU
