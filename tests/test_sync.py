@@ -182,3 +182,53 @@ def test_two_data_parallel_replicas_of_an_ep_group_equal_single_process():
     results = cases(4)["ep2_dp2"]
     _compare_to_single(results, _single_process(4, 3))
     assert all(res["expert_bytes"] > 0 for res in results)
+
+
+def _hf_grads(rank, world):
+    """A wrapped Hugging Face Mixtral (tiny): one backward on this rank's rows, then its gradients after
+    GradSync (bucketed, launched during backward) and after `ThunderMoE.all_reduce_grads` (the plain
+    sync) from the same local gradients, for three layouts: EP over all ranks, EP with a redundant
+    slot per rank, and EP groups of 2 replicated data-parallel (4 ranks)."""
+    from hf_tiny import V, tiny_model
+
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.hf import ThunderMoE
+    from thunderep.sync import GradSync
+
+    E = tiny_model("mixtral").config.num_local_experts
+    layouts = {"ep": (None, None), "replicas": (None, E // world + 1)}
+    if world == 4:
+        layouts["ep2_dp2"] = (2, None)
+    out = {}
+    for name, (ep_size, slots) in layouts.items():
+        ep = ExpertParallel(init_expert_parallel(ep_size), EPConfig(control="collective"))
+        placement = Placement.contiguous(E, ep.groups.ep_size, slots_per_rank=slots) if slots else None
+        tm = ThunderMoE.wrap(tiny_model("mixtral"), ep, placement=placement)
+        sync = GradSync(tm, ep, SyncConfig(bucket_mb=0.01))  # several buckets
+        ids = torch.randint(3, V, (2, 8), generator=torch.Generator().manual_seed(rank))
+        tm(input_ids=ids, labels=ids, mode="ep").loss.backward()
+        local = {n: p.grad.clone() for n, p in tm.named_parameters() if p.grad is not None}
+        sync.finish()
+        synced = {n: p.grad.clone() for n, p in tm.named_parameters() if p.grad is not None}
+        for n, p in tm.named_parameters():
+            p.grad = local[n].clone() if n in local else None
+        tm.all_reduce_grads(average=True)
+        plain = {n: p.grad.clone() for n, p in tm.named_parameters() if p.grad is not None}
+        experts = {n for n, p in tm.named_parameters() if any(p is q for q in tm.expert_parameters())}
+        out[name] = (synced, plain, experts, len(sync._buckets), len(sync._expert_groups))
+        sync.close()
+        ep.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_grad_sync_of_a_wrapped_hf_model_equals_its_plain_sync(world):
+    pytest.importorskip("transformers")
+    for rank, cases in enumerate(run_ranks(_hf_grads, world, timeout=300)):
+        for layout, (synced, plain, experts, buckets, replica_groups) in cases.items():
+            assert synced.keys() == plain.keys() and experts and buckets > 1, layout
+            assert (replica_groups > 0) == (layout != "ep"), (layout, replica_groups)
+            for n in plain:
+                torch.testing.assert_close(synced[n], plain[n], rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"rank {rank}, {layout}, {n}: {m}")

@@ -29,7 +29,7 @@ from .config import SyncConfig
 from .comm.groups import peer_errors, wait_work
 from .layer import ThunderMoELayer
 
-__all__ = ["GradSync", "SyncStats"]
+__all__ = ["GradSync", "SyncStats", "expert_layers", "replica_groups"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,6 +60,38 @@ class SyncStats:
         self.last_step_bytes, self.last_step_seconds = 0, 0.0
 
 
+def expert_layers(model: nn.Module) -> list[tuple[object, object, list[nn.Parameter]]]:
+    """(ExpertParallel runtime, Placement, expert parameters with one leading entry per local slot) of
+    every expert-parallel layer of `model`: its `ThunderMoELayer`s, or the experts modules of a wrapped
+    Hugging Face model (`ThunderMoE.expert_layers()`)."""
+    if callable(getattr(model, "expert_layers", None)):
+        return model.expert_layers()
+    return [(layer.ep, layer.placement, list(layer.experts.parameters())) for layer in model.modules()
+            if isinstance(layer, ThunderMoELayer) and layer.ep is not None]
+
+
+def replica_groups(ep, placement, params: list[nn.Parameter], timeout: datetime.timedelta):
+    """(param, local slot, process group) for the local slots of one expert-parallel layer whose expert
+    has other holders: its replicas in this EP group and its copies in the other EP groups (data
+    parallel). Collective over the whole world: every rank calls it with the same placement."""
+    groups = ep.groups
+    S = placement.slots_per_rank
+    out, made = [], {}
+    for e in range(placement.num_experts):
+        holders_ep = sorted({p // S for p in placement.replicas(e)})
+        ranks = tuple(d * groups.ep_size + r for d in range(groups.dp_size) for r in holders_ep)
+        if len(ranks) < 2:
+            continue
+        if ranks not in made:
+            made[ranks] = dist.new_group(list(ranks), timeout=timeout)  # every rank calls it
+        if groups.rank in ranks:
+            for slot, expert in enumerate(placement.experts_of(groups.ep_rank)):
+                if expert == e:
+                    for p in params:
+                        out.append((p, slot, made[ranks]))
+    return out
+
+
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
@@ -74,6 +106,8 @@ class GradSync:
 
     Use: `sync = GradSync(model, ep, config)`; every step `loss.backward(); sync.finish();
     optimizer.step(); sync.after_step()`. Collective: every rank makes the same calls.
+    model: a model of `ThunderMoELayer`s, or a wrapped Hugging Face model (`ThunderMoE`), whose
+        `all_reduce_grads` is the plain, unbucketed alternative.
     group: the group of ranks holding replicas of the dense parameters (default: all ranks).
     """
 
@@ -86,11 +120,9 @@ class GradSync:
         self.step = 0
         expert_ids = set()
         self._expert_groups: list[tuple[nn.Parameter, int, object]] = []  # (param, slot, group)
-        for layer in model.modules():
-            if isinstance(layer, ThunderMoELayer) and layer.ep is not None:
-                for p in layer.experts.parameters():
-                    expert_ids.add(id(p))
-                self._expert_groups += self._replica_groups(layer)
+        for ep_layer, placement, params in expert_layers(model):
+            expert_ids.update(id(p) for p in params)
+            self._expert_groups += replica_groups(ep_layer, placement, params, self.timeout)
         self.expert_params = [p for p in model.parameters() if id(p) in expert_ids and p.requires_grad]
         self.replicated = [p for p in model.parameters() if id(p) not in expert_ids and p.requires_grad]
         self._buckets = self._make_buckets(self.replicated)
@@ -104,31 +136,10 @@ class GradSync:
     def placement_changed(self) -> None:
         """Rebuild the expert-replica groups after a migration (collective: every rank calls it)."""
         self._expert_groups = []
-        for layer in self.model.modules():
-            if isinstance(layer, ThunderMoELayer) and layer.ep is not None:
-                self._expert_groups += self._replica_groups(layer)
+        for ep_layer, placement, params in expert_layers(self.model):
+            self._expert_groups += replica_groups(ep_layer, placement, params, self.timeout)
 
     # -- set-up
-
-    def _replica_groups(self, layer: ThunderMoELayer):
-        """(param, local slot, group) for local slots whose expert has other holders; collective."""
-        groups = layer.ep.groups
-        placement = layer.placement
-        S = placement.slots_per_rank
-        out, made = [], {}
-        for e in range(placement.num_experts):
-            holders_ep = sorted({p // S for p in placement.replicas(e)})
-            ranks = tuple(d * groups.ep_size + r for d in range(groups.dp_size) for r in holders_ep)
-            if len(ranks) < 2:
-                continue
-            if ranks not in made:
-                made[ranks] = dist.new_group(list(ranks), timeout=self.timeout)  # every rank calls it
-            if groups.rank in ranks:
-                for slot, expert in enumerate(placement.experts_of(groups.ep_rank)):
-                    if expert == e:
-                        for p in layer.experts.parameters():
-                            out.append((p, slot, made[ranks]))
-        return out
 
     def _make_buckets(self, params: list[nn.Parameter]) -> list[_Bucket]:
         limit = self.config.bucket_mb * 2**20

@@ -25,6 +25,7 @@ layer call runs in all-gather mode when every rank holds the same number of toke
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 
 import torch
@@ -170,6 +171,7 @@ class ThunderMoE(nn.Module):
         self.ep = ep
         self._state = state or RunState()
         self.load_report = load_report
+        self._replicas = None  # (expert parameter, slot, process group) for experts held by several ranks
 
     # -- construction
 
@@ -303,6 +305,18 @@ class ThunderMoE(nn.Module):
             out += [getattr(module, t) for t in binding.tensors if isinstance(getattr(module, t), nn.Parameter)]
         return out
 
+    def expert_layers(self) -> list[tuple[object, Placement, list[nn.Parameter]]]:
+        """(ExpertParallel runtime, Placement, expert parameters) of every wrapped experts module under
+        expert parallelism: what `thunderep.sync.GradSync` needs to sync this model's gradients."""
+        out = []
+        for name, binding in self.bindings.items():
+            if binding.ep is None or binding.placement is None:
+                continue
+            module = self.model.get_submodule(name)
+            params = [getattr(module, t) for t in binding.tensors if isinstance(getattr(module, t), nn.Parameter)]
+            out.append((binding.ep, binding.placement, params))
+        return out
+
     def replicated_parameters(self) -> list[nn.Parameter]:
         """Parameters every rank holds (attention, norms, embeddings, routers, shared experts)."""
         experts = {id(p) for p in self.expert_parameters()}
@@ -312,29 +326,41 @@ class ThunderMoE(nn.Module):
         """Plain data-parallel gradient sync after backward (collective; every rank calls it).
 
         Replicated parameters: sum over all ranks. Expert shards: sum over the ranks holding the same
-        experts in other EP groups (the DP group). average=True divides both by the world size, which
-        makes the update that of the mean of the ranks' losses. (`thunderep.sync.GradSync` is the
-        bucketed / overlapped / delta-mode alternative for ThunderEP's own layers.)
+        expert (its replicas under a placement with redundant slots, and its copies in other EP groups,
+        the DP group). average=True divides both by the world size, which makes the update that of the
+        mean of the ranks' losses. (`thunderep.sync.GradSync(model, ep)` is the bucketed alternative,
+        overlapped with backward, and has delta mode; both give the same gradients.)
         """
         if self.ep is None or not dist.is_initialized():
             return
+        from ..sync import replica_groups
+
         world = dist.get_world_size()
-        groups = ((self.replicated_parameters(), None),
-                  (self.expert_parameters(), self.ep.groups.dp_group if self.ep.groups.dp_size > 1 else False))
-        for params, group in groups:
-            params = [p for p in params if p.requires_grad]
-            if not params:
-                continue
+        params = [p for p in self.replicated_parameters() if p.requires_grad]
+        if params:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            if group is not False:
-                dist.all_reduce(flat, group=group)
+            dist.all_reduce(flat)
             if average:
                 flat /= world
             offset = 0
             for p, g in zip(params, grads):
                 p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
                 offset += g.numel()
+        for p in self.expert_parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if average:
+                    p.grad /= world
+        if self._replicas is None:  # built once, by every rank alike (creating groups is collective)
+            timeout = datetime.timedelta(seconds=self.ep.groups.timeout_s)
+            self._replicas = [group for layer in self.expert_layers() for group in replica_groups(*layer, timeout)]
+        for p, slot, group in self._replicas:
+            if p.requires_grad:
+                g = p.grad[slot].contiguous()
+                dist.all_reduce(g, group=group)
+                p.grad[slot].copy_(g)
 
     def memory(self) -> dict:
         """Bytes of this rank's tensors: expert shards, replicated tensors, and the experts per layer."""
