@@ -23,7 +23,7 @@ between the systems call by call:
   hf          (R = 1) the plain transformers model on one GPU.
 
 Throughput counts the job's tokens: training tokens/s = R x batch x seq-len / step time (forward, backward,
-gradient sync, AdamW); batch decode tokens/s = R x gen-batch x new tokens / decode time, prefill excluded
+gradient sync of the replicated weights, `--grad-sync`, AdamW); batch decode tokens/s = R x gen-batch x new tokens / decode time, prefill excluded
 (the time of n + 1 generated tokens minus that of 1); batch-1 decode in ms per token. Times are medians over
 the repeats of the slowest rank.
 """
@@ -131,6 +131,12 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
     systems: dict = {}
     tm = ThunderMoE.from_pretrained(path, ep, dtype=dtype, experts_implementation=args.experts_implementation)
     tm_opt = torch.optim.AdamW(tm.parameters(), lr=1e-5)
+    grad_sync = None
+    if world > 1 and args.grad_sync == "bucketed":  # buckets all-reduced while backward still runs
+        from thunderep import SyncConfig
+        from thunderep.sync import GradSync
+
+        grad_sync = GradSync(tm, ep, SyncConfig())
     systems["thunderep"] = dict(model=tm, opt=tm_opt, mode="ep", shared=False)
     if world > 1:
         systems["allgather"] = dict(model=tm, opt=tm_opt, mode="allgather", shared=False)
@@ -171,8 +177,13 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
             opt.zero_grad(set_to_none=True)
             model(input_ids=batch, labels=batch, **extra).loss.backward()
             if s["mode"] and world > 1:
-                model.all_reduce_grads(average=True)
+                if grad_sync is not None:
+                    grad_sync.finish()
+                else:
+                    model.all_reduce_grads(average=True)
             opt.step()
+            if s["mode"] and grad_sync is not None:
+                grad_sync.after_step()
         return step
 
     def generate(s, ids, n, batch1=False):
@@ -366,6 +377,9 @@ def main(argv=None) -> int:
     p.add_argument("--experts-implementation", default=None,
                    help="what computes ThunderEP's local experts: the model's transformers function (default) "
                         "or triton (ThunderEP's kernels; decode shares then use the pair kernels)")
+    p.add_argument("--grad-sync", choices=("plain", "bucketed"), default="plain",
+                   help="ThunderEP's gradient sync: plain (ThunderMoE.all_reduce_grads after backward; "
+                        "default) or bucketed (thunderep.sync.GradSync, buckets launched during backward)")
     p.add_argument("--profile", metavar="DIR", help="also profile one batch decode per system (rank 0's "
                    "operator tables in DIR/profile-<R>gpu.txt)")
     args = p.parse_args(argv)
@@ -391,7 +405,8 @@ def main(argv=None) -> int:
           f"{os.environ.get('NCCL_P2P_DISABLE', 'unset')}; torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {platform.machine()}")
     print(f"train: {args.batch} x {args.seq_len} tokens per GPU; decode: {args.gen_batch} prompts of "
-          f"{args.prompt_len} per GPU, {args.new_tokens} new tokens; ThunderEP control plane: {args.control}"
+          f"{args.prompt_len} per GPU, {args.new_tokens} new tokens; ThunderEP control plane: {args.control}, "
+          f"gradient sync: {args.grad_sync}"
           f"{f', mailbox backoff {args.mailbox_backoff} us' if args.mailbox_backoff else ''}",
           flush=True)
     summaries, raw = {}, {}

@@ -26,9 +26,10 @@ def test_bench_scaling_on_cpu_ranks(bench, tmp_path, capsys):
     out = tmp_path / "scaling.json"
     assert bench.main(["--cpu", "--gpus", "1", "2", "--batch", "2", "--seq-len", "16", "--gen-batch", "2",
                        "--prompt-len", "4", "--new-tokens", "2", "--steps", "1", "--gen-repeats", "1",
-                       "--json", str(out)]) == 0
+                       "--grad-sync", "bucketed", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "train tokens/s" in printed and "decode ms/token (batch 1)" in printed
+    assert "gradient sync: bucketed" in printed
     summary = json.loads(out.read_text())["summary"]
     for system in ("thunderep", "hf"):
         assert summary["1"][system]["train_tokens_s"] > 0 and summary["1"][system]["decode_tokens_s"] > 0
