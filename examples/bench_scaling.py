@@ -23,9 +23,9 @@ between the systems call by call:
   hf          (R = 1) the plain transformers model on one GPU.
 
 Throughput counts the job's tokens: training tokens/s = R x batch x seq-len / step time (forward, backward,
-gradient sync of the replicated weights, `--grad-sync`, AdamW); batch decode tokens/s = R x gen-batch x new tokens / decode time, prefill excluded
-(the time of n + 1 generated tokens minus that of 1); batch-1 decode in ms per token. Times are medians over
-the repeats of the slowest rank.
+gradient sync of the replicated weights, `--grad-sync`, AdamW); batch decode tokens/s = R x gen-batch x new
+tokens / decode time, prefill excluded (the time of n + 1 generated tokens minus that of 1); batch-1 decode in
+ms per token. Times are medians over the repeats of the slowest rank.
 """
 
 from __future__ import annotations

@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'op':<14} | {'setting':<12} | {'GPUs':>4} | {'latency us':>10} | {'alpha us':>8} | {'beta GB/s':>9} | "
           f"{'smallest us':>11} | {'largest GB/s':>12} | {'max fit err':>11}")
     for f in fits:
-        print(f"{f['op']:<14} | {f['setting']:<12} | {f['world']:>4} | {f['latency_us']:10.1f} | {f['alpha_us']:8.1f} | "
+        print(f"{f['op']:<14} | {f['setting']:<12} | {f['world']:>4} | {f['latency_us']:10.1f} | "
+              f"{f['alpha_us']:8.1f} | "
               f"{f['beta_GBps']:9.2f} | {f['smallest_us']:11.1f} | {f['largest_GBps']:12.2f} | "
               f"{100 * f['max_rel_error']:10.1f}%")
     if a.json:

@@ -210,9 +210,6 @@ class Dispatcher:
         device = routings[0].ids_TK.device
         table_E = placement.slot_table(me, device)
         orders, sends = [], []
-        words = torch.zeros(0, dtype=torch.int32)
-        if balancer is not None:
-            words = balancer.record(sum(r.counts_E for r in routings))
         for routing in routings:
             if balancer is not None:
                 slots_N = balancer.assign(me, routing.ids_TK).to(device)
@@ -221,9 +218,15 @@ class Dispatcher:
             orders.append(torch.argsort(slots_N, stable=True))
             sends.append(expert_counts(slots_N, R * S))  # torch.bincount would wait for the GPU here
         send_WP = torch.stack(sends).to(torch.int32)
+        W = len(routings)
+        if balancer is not None:  # the step's expert counts ride in the same copy
+            counts_E = sum(r.counts_E for r in routings).to(device, torch.int32)
+            send_WP = torch.cat([send_WP.reshape(-1), counts_E])
         started = time.perf_counter()
         with record_function("thunderep.split_sizes_to_host"):  # waits for this rank's GPU
-            send_WP = send_WP.cpu()  # the one device-to-host copy of the plan; the rest is host data
+            host = send_WP.cpu()  # the one device-to-host copy of the plan; the rest is host data
+            send_WP = host[:W * R * S].view(W, R * S)
+            words = balancer.record(host[W * R * S:]) if balancer is not None else torch.zeros(0, dtype=torch.int32)
             record = torch.cat([send_WP.reshape(-1), words])
         on_host = time.perf_counter()
         # A collective control plane reports dead peers through torch errors.
