@@ -27,13 +27,18 @@ def free_port() -> int:
 def _child(rank: int, world: int, port: int, fn, args, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    share = len(cores) // world
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         # CPU ranks share the cores: give each its own (the shared-memory control plane then never
         # waits for a peer that the scheduler parked on a busy core) and as many threads as cores.
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        share = len(cores) // world
         if share >= 1:
             os.sched_setaffinity(0, cores[rank * share:(rank + 1) * share])
+        torch.set_num_threads(max(1, share))
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # GPU ranks: torch would give every rank a thread pool as large as the machine, and a CPU
+        # operator that goes parallel then waits for threads the other ranks' pools hold
+        # (docs/SYSTEM_SETUP.md, "CPU threads per rank"). Each rank gets its share of the cores.
         torch.set_num_threads(max(1, share))
     try:
         fn(rank, world, *args)
