@@ -454,27 +454,32 @@ def load_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
             "rng_restored": staged["rng"] is not None, "path": path}
 
 
-def _gather_experts(layer: ThunderMoELayer, t_S: torch.Tensor, ranks: _Ranks) -> torch.Tensor | None:
-    """t_S [S, ...] of every EP rank -> [E, ...] (each expert's first replica) on rank 0, CPU; else None."""
-    if layer.ep is None or ranks.dp_rank != 0:
+def _gather_experts(ep, placement: Placement | None, t_S: torch.Tensor, ranks: _Ranks) -> torch.Tensor | None:
+    """t_S [S, ...] of every EP rank of one layer (`ep` None: all E local) -> [E, ...] (each expert's
+    first replica) on rank 0, CPU; else None."""
+    if ep is None or ranks.dp_rank != 0:
         return _cpu(t_S) if ranks.rank == 0 else None
-    g = layer.ep.groups
+    g = ep.groups
     bufs = [torch.empty_like(t_S) for _ in range(g.ep_size)] if g.ep_rank == 0 else None
     dist.gather(t_S.detach().contiguous(), bufs, dst=g.ep_global_rank(0), group=g.ep_group)
-    return torch.cat(bufs).cpu()[layer.placement.owner_table()].contiguous() if g.ep_rank == 0 else None
+    return torch.cat(bufs).cpu()[placement.owner_table()].contiguous() if g.ep_rank == 0 else None
 
 
 def export_hf(path, model: torch.nn.Module) -> Path:
     """Write a `MoETransformer` as a plain Hugging Face Mixtral directory (config.json, model.safetensors)
-    that `transformers.MixtralForCausalLM.from_pretrained(path)` loads. Collective under EP: experts are
-    gathered to rank 0 layer by layer, and rank 0 writes, atomically like `save_checkpoint`."""
+    that `transformers.MixtralForCausalLM.from_pretrained(path)` loads, or a wrapped Hugging Face model
+    (`ThunderMoE`) as its own family's checkpoint, every expert included. Collective under EP: experts
+    are gathered to rank 0 layer by layer, and rank 0 writes, atomically like `save_checkpoint`."""
     from .model import MoETransformer
 
+    if callable(getattr(model, "expert_layers", None)) and hasattr(model, "bindings"):  # ThunderMoE
+        return _export_wrapped(Path(path).absolute(), model)
     if not isinstance(model, MoETransformer):
-        raise UnsupportedModelError(f"export_hf writes MoETransformer models, not {type(model).__name__}")
+        raise UnsupportedModelError(f"export_hf writes MoETransformer models and wrapped Hugging Face models "
+                                    f"(ThunderMoE), not {type(model).__name__}")
     ranks, path, cfg = _Ranks(model), Path(path).absolute(), model.config
     hf_name = lambda k: k if k.startswith("lm_head.") else "model." + k.replace(".mlp.router.", ".mlp.gate.")  # noqa
-    tensors = {f"{prefix}.experts.{n}": _gather_experts(layer, t, ranks)
+    tensors = {f"{prefix}.experts.{n}": _gather_experts(layer.ep, layer.placement, t, ranks)
                for prefix, layer in _moe_layers(model) for n, t in layer.experts.state_dict().items()}
     tmp = _begin(path, ranks)
     error = cause = None
@@ -492,6 +497,29 @@ def export_hf(path, model: torch.nn.Module) -> Path:
             hf.architectures, hf.dtype = ["MixtralForCausalLM"], next(model.parameters()).dtype
             hf.save_pretrained(str(tmp))
             _put(tmp, {}, "model.safetensors", tensors, doc=False)
+            _publish(tmp, path)
+        except Exception as exc:
+            error, cause = f"rank 0: {type(exc).__name__}: {exc}", exc
+            shutil.rmtree(tmp, ignore_errors=True)
+    ranks.agree(error, f"exporting {path}", cause)
+    return path
+
+
+def _export_wrapped(path: Path, tm) -> Path:
+    """export_hf for a `ThunderMoE`: its experts gathered to full [E, ...] tensors, the rest as rank 0
+    holds it, written by transformers' `save_pretrained` (its config, its tensor names and format)."""
+    ranks = _Ranks(tm)
+    full = {}
+    for name, binding in tm.bindings.items():
+        module = tm.model.get_submodule(name)
+        for t in binding.tensors:
+            full[f"{name}.{t}"] = _gather_experts(binding.ep, binding.placement, getattr(module, t), ranks)
+    tmp = _begin(path, ranks)
+    error = cause = None
+    if ranks.rank == 0:
+        try:
+            state = {k: full[k] if k in full else _cpu(v) for k, v in tm.model.state_dict().items()}
+            tm.model.save_pretrained(str(tmp), state_dict=state)
             _publish(tmp, path)
         except Exception as exc:
             error, cause = f"rank 0: {type(exc).__name__}: {exc}", exc
