@@ -1,0 +1,167 @@
+"""`thunderep finetune`: fine-tune a local Hugging Face MoE checkpoint on N expert-parallel ranks and
+write the result as a checkpoint of the same family.
+
+    thunderep finetune --model DIR --out OUT_DIR --data notes.txt --ep 2 --steps 200 --lr 1e-5
+
+Each rank loads only its share of the experts (`ThunderMoE.from_pretrained`) and the replicated
+weights, trains on its own batches of the text (the checkpoint's tokenizer, or bytes when it has
+none), with ep mode for every MoE layer, AdamW, and `GradSync` for the replicated weights (every
+step, or `--sync delta`). The objective is the mean of the ranks' losses, as with torch DDP. At the
+end the experts are gathered to rank 0, which writes OUT_DIR with transformers' `save_pretrained`
+(plus the tokenizer files of DIR): `thunderep generate --model OUT_DIR` and
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it. NCCL with one GPU per rank when there are
+enough GPUs, else gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["batch_at", "finetune_on_rank", "main", "parse_args", "tokenize_corpus"]
+
+
+def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
+    """int64 [N] token ids of the text files (default: Python's bundled reference text)."""
+    from .train import load_corpus
+
+    text = bytes(load_corpus(paths).tolist()).decode("utf-8", errors="replace")
+    return torch.tensor(tokenizer.encode(text), dtype=torch.long)
+
+
+def batch_at(tokens: torch.Tensor, seed: int, rank: int, step: int, batch: int, length: int) -> torch.Tensor:
+    """[batch, length] windows of `tokens` for `rank` at `step`: a function of its arguments only, so a
+    run can be replayed (and checked against one process)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step)
+    starts = torch.randint(0, len(tokens) - length + 1, (batch,), generator=gen)
+    return torch.stack([tokens[s:s + length] for s in starts.tolist()])
+
+
+def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dict:
+    """One rank's fine-tuning loop and the export (collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    from .checkpoint import export_hf
+    from .config import SyncConfig
+    from .generate import _TOKENIZER_FILES, load_tokenizer
+    from .hf import ThunderMoE
+    from .sync import GradSync
+
+    device = ep.groups.device
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    tm = ThunderMoE.from_pretrained(args.model, ep, dtype=getattr(torch, dtype), device=device,
+                                    experts_implementation=args.experts_implementation)
+    tokens = tokenize_corpus(load_tokenizer(args.model, tm.config.vocab_size), args.data)
+    if len(tokens) < args.seq_len + 1:
+        raise ValueError(f"the training text gives {len(tokens)} tokens; --seq-len {args.seq_len} needs more")
+    sync = GradSync(tm, ep, SyncConfig(mode=args.sync, delta_steps=args.delta_steps))
+    optimizer = torch.optim.AdamW(tm.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    tm.train()
+    losses, started = [], time.perf_counter()
+    tokens_per_step = args.batch * args.seq_len * world
+    for step in range(args.steps):
+        ids = batch_at(tokens, args.seed, rank, step, args.batch, args.seq_len).to(device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = tm(input_ids=ids, labels=ids, mode="ep").loss
+        loss.backward()
+        sync.finish()
+        optimizer.step()
+        sync.after_step()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        if rank == 0 and not args.quiet and (step % max(1, args.steps // 20) == 0 or step == args.steps - 1):
+            rate = tokens_per_step * (step + 1) / (time.perf_counter() - started)
+            print(f"step {step + 1}/{args.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s)", flush=True)
+    seconds = time.perf_counter() - started
+    sync.close()
+    tm.eval()
+    out = export_hf(args.out, tm)
+    if rank == 0:
+        for name in _TOKENIZER_FILES + ("special_tokens_map.json", "merges.txt"):
+            if (Path(args.model) / name).is_file():
+                shutil.copy2(Path(args.model) / name, out / name)
+        if not args.quiet:
+            print(f"[thunderep] {args.steps} steps, {tokens_per_step * args.steps} tokens in {seconds:.1f} s; "
+                  f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; wrote {out}", flush=True)
+    return {"losses": losses, "seconds": seconds, "out": str(out)}
+
+
+def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
+    """One rank started by `launch` (environment set): its process group, then `finetune_on_rank`."""
+    import torch.distributed as dist
+
+    from .comm.runtime import ExpertParallel
+    from .config import EPConfig
+
+    backend = "nccl" if not args.cpu and torch.cuda.device_count() >= world else "gloo"
+    ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), backend=backend)
+    try:
+        finetune_on_rank(rank, world, args, ep)
+    finally:
+        ep.close()
+        dist.destroy_process_group()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="thunderep finetune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--out", required=True, help="directory to write the fine-tuned checkpoint to")
+    p.add_argument("--data", nargs="*", help="text files (default: Python's bundled reference text)")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks to launch on this host")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--sync", choices=("every_step", "delta"), default="every_step",
+                   help="gradient sync of the replicated weights (GradSync)")
+    p.add_argument("--delta-steps", type=int, default=16, help="local steps per window with --sync delta")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPUs, float32 on CPU), float32, bfloat16")
+    p.add_argument("--experts-implementation", default=None,
+                   help="what computes each rank's experts: the model's own transformers function (default), "
+                        "another one (grouped_mm, eager, ...), or triton (ThunderEP's kernels, CUDA)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    problems = [f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+                for name in ("ep", "steps", "batch", "seq_len", "delta_steps") if getattr(args, name) < 1]
+    if not args.lr > 0:
+        problems.append(f"--lr must be positive, got {args.lr}")
+    if not (Path(args.model) / "config.json").is_file():
+        problems.append(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
+    if Path(args.out).resolve() == Path(args.model).resolve():
+        problems.append("--out must differ from --model (the checkpoint is read while training)")
+    if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        problems.append(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
+    missing = [f for f in args.data or [] if not Path(f).is_file()]
+    if missing:
+        problems.append(f"--data: no such file: {', '.join(missing)}")
+    if problems:
+        for line in problems:
+            print(f"thunderep finetune: {line}", file=sys.stderr)
+        return 2
+    from .launch import launch
+
+    launch(_rank_main, args.ep, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
