@@ -4,6 +4,8 @@ the same batches (the mean of the ranks' losses)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from distributed import run_ranks
@@ -128,8 +130,12 @@ def test_finetune_command_equals_one_process_training(tmp_path, capfd):
     assert cli(args) == 0
     printed = capfd.readouterr().out  # the ranks' output (spawned processes)
     assert "step 3/3 loss" in printed and f"wrote {tmp_path / 'tuned'}" in printed
+    record = json.loads((tmp_path / "tuned" / "thunderep_finetune.json").read_text())
+    assert record["ranks"] == 2 and len(record["train_losses"]) == 3
+    assert f"held-out loss {record['eval_loss_before']:.4f} -> {record['eval_loss_after']:.4f}" in printed
 
     tokens = tokenize_corpus(ByteTokenizer(V), [str(tmp_path / "notes.txt")])
+    tokens = tokens[:len(tokens) - len(tokens) // 20]  # the last 5% is held out for the loss before / after
     want = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     start = {k: v.clone() for k, v in want.state_dict().items()}
     want.train()
@@ -151,8 +157,22 @@ def test_finetune_command_rejects_bad_arguments(tmp_path, capsys):
     from thunderep.cli import main as cli
 
     assert cli(["finetune", "--model", str(tmp_path), "--out", str(tmp_path), "--steps", "0", "--lr", "0",
-                "--data", str(tmp_path / "missing.txt")]) == 2
+                "--eval-batches", "-1", "--data", str(tmp_path / "missing.txt")]) == 2
     err = capsys.readouterr().err
     for line in ("--steps must be at least 1, got 0", "--lr must be positive", "is not a checkpoint directory",
-                 "--out must differ from --model", "no such file"):
+                 "--out must differ from --model", "no such file", "--eval-batches must be 0 or more"):
         assert line in err
+
+
+def test_finetune_command_names_a_text_too_short(tmp_path, capsys):
+    from hf_tiny import save_tiny
+
+    from thunderep.cli import main as cli
+
+    model_dir = save_tiny("mixtral", tmp_path / "model")
+    (tmp_path / "notes.txt").write_text(TEXT)  # about 4800 byte tokens: 5% held out is too few for 512
+    assert cli(["finetune", "--model", model_dir, "--out", str(tmp_path / "tuned"), "--data",
+                str(tmp_path / "notes.txt"), "--ep", "1", "--seq-len", "512", "--cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "too few for --seq-len 512 with 5% held out (it needs 10240; or --eval-batches 0)" in err
+    assert not (tmp_path / "tuned").exists()

@@ -8,14 +8,17 @@ weights, trains on its own batches of the text (the checkpoint's tokenizer, or b
 none), with ep mode for every MoE layer, AdamW, and `GradSync` for the replicated weights (every
 step, or `--sync delta`). The objective is the mean of the ranks' losses, as with torch DDP. At the
 end the experts are gathered to rank 0, which writes OUT_DIR with transformers' `save_pretrained`
-(plus the tokenizer files of DIR): `thunderep generate --model OUT_DIR` and
-`AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it. NCCL with one GPU per rank when there are
+(plus the tokenizer files of DIR, and `thunderep_finetune.json`: the losses, the held-out loss before
+and after, the speed and the arguments): `thunderep generate --model OUT_DIR` and
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it. The text's last 5% is held out (with
+`--eval-batches` > 0) and scored before and after training. NCCL with one GPU per rank when there are
 enough GPUs, else gloo on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -57,15 +60,34 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     tm = ThunderMoE.from_pretrained(args.model, ep, dtype=getattr(torch, dtype), device=device,
                                     experts_implementation=args.experts_implementation)
     tokens = tokenize_corpus(load_tokenizer(args.model, tm.config.vocab_size), args.data)
-    if len(tokens) < args.seq_len + 1:
-        raise ValueError(f"the training text gives {len(tokens)} tokens; --seq-len {args.seq_len} needs more")
+    held = len(tokens) // 20 if args.eval_batches else 0  # the text's last 5%: held out
+    train_tokens, held_out = tokens[:len(tokens) - held], tokens[len(tokens) - held:]
+    if len(train_tokens) < args.seq_len or (held and len(held_out) < args.seq_len):
+        raise ValueError(f"the training text gives {len(tokens)} tokens, too few for --seq-len {args.seq_len}"
+                         + (f" with 5% held out (it needs {20 * args.seq_len}; or --eval-batches 0)" if held else ""))
+
+    def evaluate() -> float | None:  # mean loss over the ranks' held-out batches (the same each time)
+        if not held:
+            return None
+        tm.eval()
+        scores = []
+        with torch.no_grad():
+            for i in range(args.eval_batches):
+                ids = batch_at(held_out, args.seed + 1, rank, i, args.batch, args.seq_len).to(device)
+                scores.append(tm(input_ids=ids, labels=ids, mode="ep").loss.float())
+        total = torch.stack(scores).mean()
+        dist.all_reduce(total)
+        tm.train()
+        return total.item() / world
+
+    eval_before = evaluate()
     sync = GradSync(tm, ep, SyncConfig(mode=args.sync, delta_steps=args.delta_steps))
     optimizer = torch.optim.AdamW(tm.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     tm.train()
     losses, started = [], time.perf_counter()
     tokens_per_step = args.batch * args.seq_len * world
     for step in range(args.steps):
-        ids = batch_at(tokens, args.seed, rank, step, args.batch, args.seq_len).to(device)
+        ids = batch_at(train_tokens, args.seed, rank, step, args.batch, args.seq_len).to(device)
         optimizer.zero_grad(set_to_none=True)
         loss = tm(input_ids=ids, labels=ids, mode="ep").loss
         loss.backward()
@@ -80,16 +102,25 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
             print(f"step {step + 1}/{args.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s)", flush=True)
     seconds = time.perf_counter() - started
     sync.close()
+    eval_after = evaluate()
     tm.eval()
     out = export_hf(args.out, tm)
+    result = {"model": str(Path(args.model).absolute()), "ranks": world, "steps": args.steps,
+              "tokens": tokens_per_step * args.steps, "seconds": seconds,
+              "tokens_per_s": tokens_per_step * args.steps / seconds, "train_losses": losses,
+              "eval_loss_before": eval_before, "eval_loss_after": eval_after,
+              "args": {k: v for k, v in vars(args).items() if k not in ("model", "out")}}
     if rank == 0:
         for name in _TOKENIZER_FILES + ("special_tokens_map.json", "merges.txt"):
             if (Path(args.model) / name).is_file():
                 shutil.copy2(Path(args.model) / name, out / name)
+        (out / "thunderep_finetune.json").write_text(json.dumps(result, indent=1))
         if not args.quiet:
-            print(f"[thunderep] {args.steps} steps, {tokens_per_step * args.steps} tokens in {seconds:.1f} s; "
-                  f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; wrote {out}", flush=True)
-    return {"losses": losses, "seconds": seconds, "out": str(out)}
+            held = (f"; held-out loss {eval_before:.4f} -> {eval_after:.4f}" if eval_before is not None else "")
+            print(f"[thunderep] {args.steps} steps, {result['tokens']} tokens in {seconds:.1f} s "
+                  f"({result['tokens_per_s']:,.0f} tokens/s); training loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+                  f"{held}; wrote {out}", flush=True)
+    return result
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -127,6 +158,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--experts-implementation", default=None,
                    help="what computes each rank's experts: the model's own transformers function (default), "
                         "another one (grouped_mm, eager, ...), or triton (ThunderEP's kernels, CUDA)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="held-out batches per rank (the text's last 5%%) scored before and after; 0: none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
@@ -142,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     problems = [f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
                 for name in ("ep", "steps", "batch", "seq_len", "delta_steps") if getattr(args, name) < 1]
+    if args.eval_batches < 0:
+        problems.append(f"--eval-batches must be 0 or more, got {args.eval_batches}")
     if not args.lr > 0:
         problems.append(f"--lr must be positive, got {args.lr}")
     if not (Path(args.model) / "config.json").is_file():
