@@ -176,3 +176,67 @@ def test_finetune_command_names_a_text_too_short(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "too few for --seq-len 512 with 5% held out (it needs 10240; or --eval-batches 0)" in err
     assert not (tmp_path / "tuned").exists()
+
+
+def _train_steps(tm, ep, rank, steps, opt=None, sync=None):
+    from thunderep import SyncConfig
+    from thunderep.sync import GradSync
+
+    sync = sync or GradSync(tm, ep, SyncConfig())
+    opt = opt or torch.optim.AdamW(tm.parameters(), lr=1e-2)
+    tm.train()
+    for step in steps:
+        opt.zero_grad()
+        ids = _ids(rank, step)
+        tm(input_ids=ids, labels=ids, mode="ep").loss.backward()
+        sync.finish()
+        opt.step()
+        sync.after_step()
+    return opt, sync
+
+
+def _checkpoint_case(rank, world, d, phase):
+    """save: 2 AdamW steps on 2 ranks, checkpoint, export; one more step, export. resume: load that
+    checkpoint into a fresh wrap (on 2 or 4 ranks), export; on 2 ranks also take the third step."""
+    from hf_tiny import E, tiny_model
+
+    from thunderep import EPConfig
+    from thunderep.checkpoint import export_hf, load_checkpoint, save_checkpoint
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.hf import ThunderMoE
+
+    ep = ExpertParallel(init_expert_parallel(), EPConfig(control="collective"))
+    tm = ThunderMoE.wrap(tiny_model("qwen3_moe"), ep, placement=_scrambled(E, world, redundant=world == 2))
+    if phase == "save":
+        opt, sync = _train_steps(tm, ep, rank, range(2))
+        save_checkpoint(f"{d}/ckpt", tm, opt, step=2)
+        export_hf(f"{d}/at2", tm)
+        _train_steps(tm, ep, rank, [2], opt, sync)
+        export_hf(f"{d}/at3", tm)
+    else:
+        opt = torch.optim.AdamW(tm.parameters(), lr=1e-2)
+        assert load_checkpoint(f"{d}/ckpt", tm, opt)["step"] == 2
+        export_hf(f"{d}/loaded{world}", tm)
+        if world == 2:
+            _train_steps(tm, ep, rank, [2], opt)
+            export_hf(f"{d}/resumed", tm)
+    ep.close()
+
+
+def test_checkpoint_of_a_wrapped_model_resumes_and_reshards(tmp_path):
+    """save_checkpoint / load_checkpoint of a wrapped HF model (experts out of order, replicated):
+    loading on 2 ranks and re-sharding onto 4 give the saved model; resuming on 2 ranks takes the
+    same next step as the run that saved it (optimizer state included)."""
+    from transformers import AutoModelForCausalLM
+
+    run_ranks(_checkpoint_case, 2, str(tmp_path), "save", timeout=300)
+    run_ranks(_checkpoint_case, 4, str(tmp_path), "resume", timeout=300)
+    run_ranks(_checkpoint_case, 2, str(tmp_path), "resume", timeout=300)
+    load = lambda name: AutoModelForCausalLM.from_pretrained(str(tmp_path / name), dtype=torch.float32).state_dict()  # noqa
+    at2, at3 = load("at2"), load("at3")
+    for name, want in (("loaded2", at2), ("loaded4", at2), ("resumed", at3)):
+        got = load(name)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}, {key}: {m}")
+    assert any(not torch.equal(at2[k], at3[k]) for k in at2 if ".experts." in k)

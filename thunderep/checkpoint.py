@@ -53,7 +53,7 @@ class _Ranks:
     """This process's global rank and world size, its EP / DP coordinates, and the collectives used."""
 
     def __init__(self, model: torch.nn.Module):
-        ep = getattr(model, "ep", None) or next((l.ep for _, l in _moe_layers(model) if l.ep), None)
+        ep = getattr(model, "ep", None) or next((u.ep for u in _expert_units(model) if u.ep), None)
         if ep is not None:
             g = ep.groups
             self.rank, self.world, self.ep_rank, self.ep_size, self.dp_rank = (
@@ -83,6 +83,41 @@ def _moe_layers(model: torch.nn.Module) -> list[tuple[str, ThunderMoELayer]]:
 def _placement(layer: ThunderMoELayer) -> Placement:
     E = layer.config.experts.num_experts
     return layer.placement if layer.ep is not None else Placement(E, (tuple(range(E)),))
+
+
+@dataclasses.dataclass
+class _Experts:
+    """One layer's expert-sharded tensors as a checkpoint sees them.
+
+    key: the layer's name in the manifest. tensors: short name -> key in `model.state_dict()` (leading
+    dim: local slots). stem: expert e's tensor n is stored as f"{stem}.{e}.{n}". restore: sets a saved
+    placement back on the layer (None: the layer keeps its own; experts are re-sharded onto it)."""
+
+    key: str
+    tensors: dict
+    stem: str
+    num_experts: int
+    ep: object
+    placement: Placement
+    restore: object = None
+
+
+def _expert_units(model: torch.nn.Module) -> list[_Experts]:
+    """The expert-parallel layers of a ThunderEP model, or the experts modules of a wrapped Hugging Face
+    model (`ThunderMoE`, whose state dict keys start with "model.")."""
+    bindings = getattr(model, "bindings", None)
+    if isinstance(bindings, dict) and callable(getattr(model, "expert_layers", None)):
+        units = []
+        for name, b in bindings.items():
+            E = b.num_experts
+            placement = b.placement if b.placement is not None else Placement(E, (tuple(range(E)),))
+            units.append(_Experts(name, {t: f"model.{name}.{t}" for t in b.tensors}, f"model.{name}", E, b.ep,
+                                  placement))
+        return units
+    return [_Experts(prefix, {n: f"{prefix}.experts.{n}" for n in layer.experts.state_dict()}, f"{prefix}.experts",
+                     layer.config.experts.num_experts, layer.ep, _placement(layer),
+                     (lambda pl, layer=layer: setattr(layer, "placement", pl)) if layer.ep is not None else None)
+            for prefix, layer in _moe_layers(model)]
 
 
 def _owner_file(stem: str, placement: Placement, expert: int) -> str:  # the rank that wrote `expert`
@@ -206,18 +241,17 @@ def _param_names(model: torch.nn.Module, optimizer) -> list[list[str]]:
 def _write_rank(tmp: Path, ranks: _Ranks, model, optimizer, extra_state, rng: bool) -> dict:
     """This rank's files; returns {file: {bytes, sha256}}."""
     files: dict[str, dict] = {}
-    layers = _moe_layers(model)
-    owned = {prefix: [(e, p % pl.slots_per_rank) for e, p in enumerate(pl.owner_table().tolist())
-                      if p // pl.slots_per_rank == ranks.ep_rank]  # (logical id, local slot) this rank writes
-             for prefix, layer in layers for pl in [_placement(layer)]}
-    expert_params = {f"{prefix}.experts.{n}": (prefix, n) for prefix, layer in layers
-                     for n in layer.experts.state_dict()}
+    units, state = _expert_units(model), model.state_dict()
+    owned = {u.key: [(e, p % pl.slots_per_rank) for e, p in enumerate(pl.owner_table().tolist())
+                     if p // pl.slots_per_rank == ranks.ep_rank]  # (logical id, local slot) this rank writes
+             for u in units for pl in [u.placement]}
+    expert_params = {key: (u, n) for u in units for n, key in u.tensors.items()}
     if ranks.rank == 0:
-        dense = {k: _cpu(v) for k, v in model.state_dict().items() if k not in expert_params}
+        dense = {k: _cpu(v) for k, v in state.items() if k not in expert_params}
         _put(tmp, files, "model.safetensors", dense, doc=False)
     if ranks.dp_rank == 0:
-        experts = {f"{prefix}.experts.{e}.{n}": _cpu(t[s]) for prefix, layer in layers
-                   for n, t in layer.experts.state_dict().items() for e, s in owned[prefix]}
+        experts = {f"{u.stem}.{e}.{n}": _cpu(state[key][s]) for u in units
+                   for n, key in u.tensors.items() for e, s in owned[u.key]}
         _put(tmp, files, f"experts-rank{ranks.ep_rank}.safetensors", experts, doc=False)
     if optimizer is not None:
         groups, dense_state, expert_state = [], {}, {}
@@ -228,12 +262,12 @@ def _write_rank(tmp: Path, ranks: _Ranks, model, optimizer, extra_state, rng: bo
                 if state and name not in expert_params:
                     dense_state[name] = state
                 elif state:
-                    prefix, n = expert_params[name]
+                    unit, n = expert_params[name]
                     rows = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape]
                     other = {k: v for k, v in state.items() if k not in rows}
-                    for e, s in owned[prefix]:
-                        expert_state[f"{prefix}.experts.{e}.{n}"] = {"sliced": {k: state[k][s] for k in rows},
-                                                                    "other": other}
+                    for e, s in owned[unit.key]:
+                        expert_state[f"{unit.stem}.{e}.{n}"] = {"sliced": {k: state[k][s] for k in rows},
+                                                               "other": other}
         if ranks.rank == 0:
             _put(tmp, files, "optimizer.safetensors", {"param_groups": groups, "state": dense_state})
         if ranks.dp_rank == 0:
@@ -265,7 +299,7 @@ def save_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     gathered = ranks.all_gather((error, files))
     if ranks.rank == 0 and not any(e for e, _ in gathered):
         try:
-            placements = {prefix: _placement(layer) for prefix, layer in _moe_layers(model)}
+            placements = {u.key: u.placement for u in _expert_units(model)}
             manifest = {
                 "format": FORMAT, "version": VERSION, "step": step, "model_class": type(model).__name__,
                 "model_config": _config_dict(model), "world_size": ranks.world, "ep_size": ranks.ep_size,
@@ -349,27 +383,30 @@ def _stage(reader: _Reader, model, optimizer, ranks: _Ranks) -> dict:
         diffs = [f"{k}={saved_cfg.get(k)!r} in the checkpoint, {cfg.get(k)!r} in the model"
                  for k in sorted(set(cfg) | set(saved_cfg)) if cfg.get(k) != saved_cfg.get(k)]
         raise CheckpointError(f"{where}: the checkpoint is of another model configuration ({'; '.join(diffs)})")
-    staged, experts = {"placements": {}, "state": {}, "optim": None}, {}  # experts: name -> (prefix, n, saved, local)
-    for prefix, layer in _moe_layers(model):
-        saved, E = m["moe_layers"].get(prefix, {}), layer.config.experts.num_experts
+    staged, experts = {"placements": {}, "state": {}, "optim": None}, {}  # experts: key -> (unit, n, saved, local)
+    model_state = model.state_dict()
+    for unit in _expert_units(model):
+        saved, E = m["moe_layers"].get(unit.key, {}), unit.num_experts
         if saved.get("num_experts") != E:
-            raise CheckpointError(f"{where}: {prefix} has {saved.get('num_experts')} experts saved, {E} in the model")
+            raise CheckpointError(f"{where}: {unit.key} has {saved.get('num_experts')} experts saved, {E} in the model")
         try:
             saved = Placement(E, tuple(tuple(row) for row in saved["placement"]))
         except (ConfigError, TypeError, KeyError) as exc:
-            raise CheckpointError(f"{where}: the placement of {prefix} is invalid ({exc})") from None
-        target = _placement(layer)
-        if layer.ep is not None and (saved.ep_size, saved.slots_per_rank) == (target.ep_size, target.slots_per_rank):
-            target = staged["placements"][prefix] = saved  # same layout: the balancer's placement comes back
+            raise CheckpointError(f"{where}: the placement of {unit.key} is invalid ({exc})") from None
+        target = unit.placement
+        if unit.restore is not None and (saved.ep_size, saved.slots_per_rank) == (target.ep_size, target.slots_per_rank):
+            target = saved  # same layout: the balancer's placement comes back
+            staged["placements"][unit.key] = (unit, saved)
         local = target.experts_of(ranks.ep_rank)
-        for n, t in layer.experts.state_dict().items():
-            experts[f"{prefix}.experts.{n}"] = (prefix, n, saved, local)
-            rows = [reader.tensor(_owner_file("experts", saved, e), f"{prefix}.experts.{e}.{n}") for e in local]
+        for n, key in unit.tensors.items():
+            t = model_state[key]
+            experts[key] = (unit, n, saved, local)
+            rows = [reader.tensor(_owner_file("experts", saved, e), f"{unit.stem}.{e}.{n}") for e in local]
             if any(r.shape != t.shape[1:] for r in rows):
-                raise CheckpointError(f"{reader.path}/experts-rank*.safetensors: {prefix}.experts.*.{n} has shape "
+                raise CheckpointError(f"{reader.path}/experts-rank*.safetensors: {unit.stem}.*.{n} has shape "
                                       f"{tuple(rows[0].shape)}, the model's experts {tuple(t.shape[1:])}")
-            staged["state"][f"{prefix}.experts.{n}"] = torch.stack(rows)
-    for key, t in model.state_dict().items():
+            staged["state"][key] = torch.stack(rows)
+    for key, t in model_state.items():
         if key not in experts:
             value = staged["state"][key] = reader.tensor("model.safetensors", key)
             if value.shape != t.shape:
@@ -400,12 +437,12 @@ def _stage_optimizer(reader: _Reader, model, optimizer, experts: dict) -> dict:
             if name not in experts:
                 state[index] = reader.record("optimizer.safetensors", "state", name)
             else:  # expert parameter [S, ...]: stack the saved entries of the local slots' experts
-                prefix, n, saved, local = experts[name]
-                per = [reader.record(_owner_file("optimizer-experts", saved, e), f"{prefix}.experts.{e}.{n}")
+                unit, n, saved, local = experts[name]
+                per = [reader.record(_owner_file("optimizer-experts", saved, e), f"{unit.stem}.{e}.{n}")
                        for e in local]
                 if any(p is None for p in per) and not all(p is None for p in per):
                     raise CheckpointError(f"{reader.path}/optimizer-experts-rank*.safetensors: some experts of "
-                                          f"{prefix} ({list(local)}) have optimizer state for {n}, others none")
+                                          f"{unit.key} ({list(local)}) have optimizer state for {n}, others none")
                 state[index] = per[0] and {**per[0]["other"], **{k: torch.stack([p["sliced"][k] for p in per])
                                                                  for k in per[0]["sliced"]}}
             index += 1
@@ -437,8 +474,8 @@ def load_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         error, cause = f"rank {ranks.rank}: {msg}" if ranks.world > 1 else msg, exc
     try:
         ranks.agree(error, f"loading checkpoint {path}", cause)
-        for prefix, placement in staged["placements"].items():
-            model.get_submodule(prefix).placement = placement
+        for unit, placement in staged["placements"].values():
+            unit.restore(placement)
         model.load_state_dict(staged["state"], strict=True)
         if optimizer is not None:
             optimizer.load_state_dict(staged["optim"])
