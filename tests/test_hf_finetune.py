@@ -150,17 +150,20 @@ def test_finetune_command_equals_one_process_training(tmp_path, capfd):
         # atol 1e-5 (lr 1e-3): Adam divides by sqrt(v), which magnifies the float32 rounding of a
         # near-zero gradient summed in another order into ~1e-6 of a parameter.
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    assert not torch.equal(got["model.layers.0.mlp.experts.gate_up_proj"], start["model.layers.0.mlp.experts.gate_up_proj"])
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(got[experts], start[experts])
 
 
 def test_finetune_command_rejects_bad_arguments(tmp_path, capsys):
     from thunderep.cli import main as cli
 
     assert cli(["finetune", "--model", str(tmp_path), "--out", str(tmp_path), "--steps", "0", "--lr", "0",
-                "--eval-batches", "-1", "--data", str(tmp_path / "missing.txt")]) == 2
+                "--eval-batches", "-1", "--data", str(tmp_path / "missing.txt"), "--checkpoint", str(tmp_path),
+                "--checkpoint-every", "0"]) == 2
     err = capsys.readouterr().err
     for line in ("--steps must be at least 1, got 0", "--lr must be positive", "is not a checkpoint directory",
-                 "--out must differ from --model", "no such file", "--eval-batches must be 0 or more"):
+                 "--out must differ from --model", "no such file", "--eval-batches must be 0 or more",
+                 "--checkpoint must differ from --out and --model", "--checkpoint-every must be at least 1"):
         assert line in err
 
 
@@ -233,10 +236,38 @@ def test_checkpoint_of_a_wrapped_model_resumes_and_reshards(tmp_path):
     run_ranks(_checkpoint_case, 2, str(tmp_path), "save", timeout=300)
     run_ranks(_checkpoint_case, 4, str(tmp_path), "resume", timeout=300)
     run_ranks(_checkpoint_case, 2, str(tmp_path), "resume", timeout=300)
-    load = lambda name: AutoModelForCausalLM.from_pretrained(str(tmp_path / name), dtype=torch.float32).state_dict()  # noqa
+    load = lambda name: AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        str(tmp_path / name), dtype=torch.float32).state_dict()
     at2, at3 = load("at2"), load("at3")
     for name, want in (("loaded2", at2), ("loaded4", at2), ("resumed", at3)):
         got = load(name)
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}, {key}: {m}")
     assert any(not torch.equal(at2[k], at3[k]) for k in at2 if ".experts." in k)
+
+
+def test_finetune_command_resumes_from_its_checkpoint(tmp_path, capfd):
+    """3 steps straight, against 2 steps with --checkpoint and then the same command for 3 steps: the
+    second run resumes at step 2 on the same batches, and the checkpoints written are equal."""
+    from hf_tiny import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    from thunderep.cli import main as cli
+
+    model_dir = save_tiny("mixtral", tmp_path / "model")
+    (tmp_path / "notes.txt").write_text(TEXT)
+    common = ["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
+              "--seq-len", "12", "--lr", "1e-3", "--cpu", "--eval-batches", "0"]
+    assert cli(common + ["--steps", "3", "--out", str(tmp_path / "straight")]) == 0
+    ckpt = ["--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
+    assert cli(common + ["--steps", "2", "--out", str(tmp_path / "first")] + ckpt) == 0
+    capfd.readouterr()
+    assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")] + ckpt) == 0
+    printed = capfd.readouterr().out
+    assert f"resuming from {tmp_path / 'ckpt'} at step 2" in printed and "step 3/3 loss" in printed
+    assert "step 1/3" not in printed and "step 2/3" not in printed
+    load = lambda name: AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        str(tmp_path / name), dtype=torch.float32).state_dict()
+    straight, resumed = load("straight"), load("resumed")
+    for key, value in straight.items():
+        torch.testing.assert_close(resumed[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")

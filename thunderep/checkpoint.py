@@ -394,7 +394,8 @@ def _stage(reader: _Reader, model, optimizer, ranks: _Ranks) -> dict:
         except (ConfigError, TypeError, KeyError) as exc:
             raise CheckpointError(f"{where}: the placement of {unit.key} is invalid ({exc})") from None
         target = unit.placement
-        if unit.restore is not None and (saved.ep_size, saved.slots_per_rank) == (target.ep_size, target.slots_per_rank):
+        same_layout = (saved.ep_size, saved.slots_per_rank) == (target.ep_size, target.slots_per_rank)
+        if unit.restore is not None and same_layout:
             target = saved  # same layout: the balancer's placement comes back
             staged["placements"][unit.key] = (unit, saved)
         local = target.experts_of(ranks.ep_rank)

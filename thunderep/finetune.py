@@ -11,7 +11,11 @@ end the experts are gathered to rank 0, which writes OUT_DIR with transformers' 
 (plus the tokenizer files of DIR, and `thunderep_finetune.json`: the losses, the held-out loss before
 and after, the speed and the arguments): `thunderep generate --model OUT_DIR` and
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it. The text's last 5% is held out (with
-`--eval-batches` > 0) and scored before and after training. NCCL with one GPU per rank when there are
+`--eval-batches` > 0) and scored before and after training. `--checkpoint DIR` saves a resumable
+checkpoint (`thunderep.checkpoint`: experts by logical id, AdamW state) every `--checkpoint-every`
+steps; run the same command again and it resumes from there, on the same batches it would have
+drawn (a batch is a function of seed, rank and step). With `--sync delta`, a resumed run starts a new
+delta window. NCCL with one GPU per rank when there are
 enough GPUs, else gloo on CPU.
 """
 
@@ -49,7 +53,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     """One rank's fine-tuning loop and the export (collective: every rank calls it)."""
     import torch.distributed as dist
 
-    from .checkpoint import export_hf
+    from .checkpoint import export_hf, load_checkpoint, save_checkpoint
     from .config import SyncConfig
     from .generate import _TOKENIZER_FILES, load_tokenizer
     from .hf import ThunderMoE
@@ -80,13 +84,18 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         tm.train()
         return total.item() / world
 
-    eval_before = evaluate()
     sync = GradSync(tm, ep, SyncConfig(mode=args.sync, delta_steps=args.delta_steps))
     optimizer = torch.optim.AdamW(tm.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    first = 0
+    if args.checkpoint and (Path(args.checkpoint) / "manifest.json").is_file():  # resume where it stopped
+        first = load_checkpoint(args.checkpoint, tm, optimizer)["step"]
+        if rank == 0 and not args.quiet:
+            print(f"resuming from {args.checkpoint} at step {first}", flush=True)
+    eval_before = evaluate()
     tm.train()
     losses, started = [], time.perf_counter()
     tokens_per_step = args.batch * args.seq_len * world
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         ids = batch_at(train_tokens, args.seed, rank, step, args.batch, args.seq_len).to(device)
         optimizer.zero_grad(set_to_none=True)
         loss = tm(input_ids=ids, labels=ids, mode="ep").loss
@@ -98,16 +107,19 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
         if rank == 0 and not args.quiet and (step % max(1, args.steps // 20) == 0 or step == args.steps - 1):
-            rate = tokens_per_step * (step + 1) / (time.perf_counter() - started)
+            rate = tokens_per_step * len(losses) / (time.perf_counter() - started)
             print(f"step {step + 1}/{args.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s)", flush=True)
+        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            save_checkpoint(args.checkpoint, tm, optimizer, step=step + 1)
     seconds = time.perf_counter() - started
     sync.close()
     eval_after = evaluate()
     tm.eval()
     out = export_hf(args.out, tm)
-    result = {"model": str(Path(args.model).absolute()), "ranks": world, "steps": args.steps,
-              "tokens": tokens_per_step * args.steps, "seconds": seconds,
-              "tokens_per_s": tokens_per_step * args.steps / seconds, "train_losses": losses,
+    done = args.steps - first  # this run's steps (after a resume: those since the checkpoint)
+    result = {"model": str(Path(args.model).absolute()), "ranks": world, "steps": args.steps, "first_step": first,
+              "tokens": tokens_per_step * done, "seconds": seconds,
+              "tokens_per_s": tokens_per_step * done / max(seconds, 1e-9), "train_losses": losses,
               "eval_loss_before": eval_before, "eval_loss_after": eval_after,
               "args": {k: v for k, v in vars(args).items() if k not in ("model", "out")}}
     if rank == 0:
@@ -117,9 +129,9 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         (out / "thunderep_finetune.json").write_text(json.dumps(result, indent=1))
         if not args.quiet:
             held = (f"; held-out loss {eval_before:.4f} -> {eval_after:.4f}" if eval_before is not None else "")
-            print(f"[thunderep] {args.steps} steps, {result['tokens']} tokens in {seconds:.1f} s "
-                  f"({result['tokens_per_s']:,.0f} tokens/s); training loss {losses[0]:.4f} -> {losses[-1]:.4f}"
-                  f"{held}; wrote {out}", flush=True)
+            trained = f"; training loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""
+            print(f"[thunderep] {done} steps, {result['tokens']} tokens in {seconds:.1f} s "
+                  f"({result['tokens_per_s']:,.0f} tokens/s){trained}{held}; wrote {out}", flush=True)
     return result
 
 
@@ -158,6 +170,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--experts-implementation", default=None,
                    help="what computes each rank's experts: the model's own transformers function (default), "
                         "another one (grouped_mm, eager, ...), or triton (ThunderEP's kernels, CUDA)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="save a resumable checkpoint here (model, AdamW state, step) every --checkpoint-every "
+                        "steps and at the end; a run that finds one there resumes from it")
+    p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=4,
                    help="held-out batches per rank (the text's last 5%%) scored before and after; 0: none")
     p.add_argument("--seed", type=int, default=0)
@@ -174,7 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     problems = [f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
-                for name in ("ep", "steps", "batch", "seq_len", "delta_steps") if getattr(args, name) < 1]
+                for name in ("ep", "steps", "batch", "seq_len", "delta_steps", "checkpoint_every")
+                if getattr(args, name) < 1]
     if args.eval_batches < 0:
         problems.append(f"--eval-batches must be 0 or more, got {args.eval_batches}")
     if not args.lr > 0:
@@ -183,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
     if Path(args.out).resolve() == Path(args.model).resolve():
         problems.append("--out must differ from --model (the checkpoint is read while training)")
+    if args.checkpoint and Path(args.checkpoint).resolve() in (Path(args.out).resolve(), Path(args.model).resolve()):
+        problems.append("--checkpoint must differ from --out and --model")
     if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
         problems.append(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
     missing = [f for f in args.data or [] if not Path(f).is_file()]
