@@ -271,3 +271,32 @@ def test_finetune_command_resumes_from_its_checkpoint(tmp_path, capfd):
     straight, resumed = load("straight"), load("resumed")
     for key, value in straight.items():
         torch.testing.assert_close(resumed[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+def test_finetune_command_mixed_precision_keeps_small_steps(tmp_path):
+    """--dtype mixed (the GPU default; autocast bfloat16 on CPU here) on 2 ranks writes the input
+    checkpoint's bfloat16, config included. Its float32 weights keep AdamW's small steps: after 8 steps
+    of lr 1e-5 far more of the written weights moved than with bfloat16 weights (--dtype bfloat16),
+    where a step below half a bfloat16 spacing is lost each time (measured: 6.9% against 1.9%)."""
+    from hf_tiny import tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from thunderep.cli import main as cli
+
+    tiny_model("mixtral").to(torch.bfloat16).save_pretrained(str(tmp_path / "model"))
+    (tmp_path / "notes.txt").write_text(TEXT)
+    common = ["finetune", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "notes.txt"), "--ep", "2",
+              "--steps", "8", "--batch", "2", "--seq-len", "12", "--lr", "1e-5", "--cpu", "--eval-batches", "0",
+              "--quiet"]
+    assert cli(common + ["--dtype", "mixed", "--out", str(tmp_path / "mixed")]) == 0
+    assert cli(common + ["--dtype", "bfloat16", "--out", str(tmp_path / "bf16")]) == 0
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    source = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).state_dict()[key]
+    mixed = AutoModelForCausalLM.from_pretrained(str(tmp_path / "mixed"))
+    bf16 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16")).state_dict()[key]
+    assert mixed.config.dtype == torch.bfloat16
+    assert json.loads((tmp_path / "mixed" / "config.json").read_text())["dtype"] == "bfloat16"
+    moved = {name: (t != source).float().mean().item() for name, t in (("mixed", mixed.state_dict()[key]),
+                                                                       ("bf16", bf16))}
+    assert mixed.state_dict()[key].dtype == torch.bfloat16
+    assert moved["mixed"] > 2.5 * moved["bf16"] > 0, moved

@@ -503,15 +503,17 @@ def _gather_experts(ep, placement: Placement | None, t_S: torch.Tensor, ranks: _
     return torch.cat(bufs).cpu()[placement.owner_table()].contiguous() if g.ep_rank == 0 else None
 
 
-def export_hf(path, model: torch.nn.Module) -> Path:
+def export_hf(path, model: torch.nn.Module, dtype: torch.dtype | None = None) -> Path:
     """Write a `MoETransformer` as a plain Hugging Face Mixtral directory (config.json, model.safetensors)
     that `transformers.MixtralForCausalLM.from_pretrained(path)` loads, or a wrapped Hugging Face model
     (`ThunderMoE`) as its own family's checkpoint, every expert included. Collective under EP: experts
-    are gathered to rank 0 layer by layer, and rank 0 writes, atomically like `save_checkpoint`."""
+    are gathered to rank 0 layer by layer, and rank 0 writes, atomically like `save_checkpoint`.
+    dtype: the floating-point tensors are written in this dtype, and config.json says so (default:
+    as the model holds them)."""
     from .model import MoETransformer
 
     if callable(getattr(model, "expert_layers", None)) and hasattr(model, "bindings"):  # ThunderMoE
-        return _export_wrapped(Path(path).absolute(), model)
+        return _export_wrapped(Path(path).absolute(), model, dtype)
     if not isinstance(model, MoETransformer):
         raise UnsupportedModelError(f"export_hf writes MoETransformer models and wrapped Hugging Face models "
                                     f"(ThunderMoE), not {type(model).__name__}")
@@ -525,14 +527,15 @@ def export_hf(path, model: torch.nn.Module) -> Path:
         try:
             from transformers import MixtralConfig  # the `hf` extra
 
-            tensors = {hf_name(k): tensors[k] if k in tensors else _cpu(v) for k, v in model.state_dict().items()}
+            tensors = {hf_name(k): _as(tensors[k] if k in tensors else _cpu(v), dtype)
+                       for k, v in model.state_dict().items()}
             hf = MixtralConfig(
                 vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                 num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                 num_key_value_heads=cfg.num_kv_heads, num_local_experts=cfg.num_experts,
                 num_experts_per_tok=cfg.top_k, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
                 max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=False)
-            hf.architectures, hf.dtype = ["MixtralForCausalLM"], next(model.parameters()).dtype
+            hf.architectures, hf.dtype = ["MixtralForCausalLM"], dtype or next(model.parameters()).dtype
             hf.save_pretrained(str(tmp))
             _put(tmp, {}, "model.safetensors", tensors, doc=False)
             _publish(tmp, path)
@@ -543,7 +546,11 @@ def export_hf(path, model: torch.nn.Module) -> Path:
     return path
 
 
-def _export_wrapped(path: Path, tm) -> Path:
+def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def _export_wrapped(path: Path, tm, dtype: torch.dtype | None = None) -> Path:
     """export_hf for a `ThunderMoE`: its experts gathered to full [E, ...] tensors, the rest as rank 0
     holds it, written by transformers' `save_pretrained` (its config, its tensor names and format)."""
     ranks = _Ranks(tm)
@@ -556,8 +563,14 @@ def _export_wrapped(path: Path, tm) -> Path:
     error = cause = None
     if ranks.rank == 0:
         try:
-            state = {k: full[k] if k in full else _cpu(v) for k, v in tm.model.state_dict().items()}
+            state = {k: _as(full[k] if k in full else _cpu(v), dtype) for k, v in tm.model.state_dict().items()}
             tm.model.save_pretrained(str(tmp), state_dict=state)
+            if dtype is not None:  # transformers names the dtype of the model's parameters there
+                config = json.loads((tmp / "config.json").read_text())
+                for key in ("dtype", "torch_dtype"):
+                    if key in config or key == "dtype":
+                        config[key] = str(dtype).removeprefix("torch.")
+                (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             _publish(tmp, path)
         except Exception as exc:
             error, cause = f"rank 0: {type(exc).__name__}: {exc}", exc

@@ -6,10 +6,12 @@ write the result as a checkpoint of the same family.
 Each rank loads only its share of the experts (`ThunderMoE.from_pretrained`) and the replicated
 weights, trains on its own batches of the text (the checkpoint's tokenizer, or bytes when it has
 none), with ep mode for every MoE layer, AdamW, and `GradSync` for the replicated weights (every
-step, or `--sync delta`). The objective is the mean of the ranks' losses, as with torch DDP. At the
+step, or `--sync delta`). The objective is the mean of the ranks' losses, as with torch DDP. On GPUs
+the weights and AdamW stay in float32 and the products run in bfloat16 (`--dtype mixed`): AdamW on
+bfloat16 weights would lose the small steps fine-tuning takes. At the
 end the experts are gathered to rank 0, which writes OUT_DIR with transformers' `save_pretrained`
-(plus the tokenizer files of DIR, and `thunderep_finetune.json`: the losses, the held-out loss before
-and after, the speed and the arguments): `thunderep generate --model OUT_DIR` and
+(in DIR's dtype, plus its tokenizer files, and `thunderep_finetune.json`: the losses, the held-out
+loss before and after, the speed and the arguments): `thunderep generate --model OUT_DIR` and
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it. The text's last 5% is held out (with
 `--eval-batches` > 0) and scored before and after training. `--checkpoint DIR` saves a resumable
 checkpoint (`thunderep.checkpoint`: experts by logical id, AdamW state) every `--checkpoint-every`
@@ -22,6 +24,7 @@ enough GPUs, else gloo on CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -60,9 +63,16 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     from .sync import GradSync
 
     device = ep.groups.device
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    tm = ThunderMoE.from_pretrained(args.model, ep, dtype=getattr(torch, dtype), device=device,
+    precision = args.dtype if args.dtype != "auto" else ("mixed" if device.type == "cuda" else "float32")
+    tm = ThunderMoE.from_pretrained(args.model, ep, dtype=torch.float32 if precision == "mixed" else
+                                    getattr(torch, precision), device=device,
                                     experts_implementation=args.experts_implementation)
+
+    def compute():  # mixed: float32 weights (and AdamW's updates on them), bfloat16 products
+        if precision == "mixed":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     tokens = tokenize_corpus(load_tokenizer(args.model, tm.config.vocab_size), args.data)
     held = len(tokens) // 20 if args.eval_batches else 0  # the text's last 5%: held out
     train_tokens, held_out = tokens[:len(tokens) - held], tokens[len(tokens) - held:]
@@ -78,7 +88,8 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         with torch.no_grad():
             for i in range(args.eval_batches):
                 ids = batch_at(held_out, args.seed + 1, rank, i, args.batch, args.seq_len).to(device)
-                scores.append(tm(input_ids=ids, labels=ids, mode="ep").loss.float())
+                with compute():
+                    scores.append(tm(input_ids=ids, labels=ids, mode="ep").loss.float())
         total = torch.stack(scores).mean()
         dist.all_reduce(total)
         tm.train()
@@ -98,7 +109,8 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     for step in range(first, args.steps):
         ids = batch_at(train_tokens, args.seed, rank, step, args.batch, args.seq_len).to(device)
         optimizer.zero_grad(set_to_none=True)
-        loss = tm(input_ids=ids, labels=ids, mode="ep").loss
+        with compute():
+            loss = tm(input_ids=ids, labels=ids, mode="ep").loss
         loss.backward()
         sync.finish()
         optimizer.step()
@@ -115,7 +127,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     sync.close()
     eval_after = evaluate()
     tm.eval()
-    out = export_hf(args.out, tm)
+    out = export_hf(args.out, tm, dtype=_save_dtype(args))
     done = args.steps - first  # this run's steps (after a resume: those since the checkpoint)
     result = {"model": str(Path(args.model).absolute()), "ranks": world, "steps": args.steps, "first_step": first,
               "tokens": tokens_per_step * done, "seconds": seconds,
@@ -133,6 +145,15 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
             print(f"[thunderep] {done} steps, {result['tokens']} tokens in {seconds:.1f} s "
                   f"({result['tokens_per_s']:,.0f} tokens/s){trained}{held}; wrote {out}", flush=True)
     return result
+
+
+def _save_dtype(args: argparse.Namespace) -> torch.dtype:
+    """--save-dtype, or with "auto" the dtype the input checkpoint's config names (float32 if none)."""
+    if args.save_dtype != "auto":
+        return getattr(torch, args.save_dtype)
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    name = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    return getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) else torch.float32
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -166,7 +187,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sync", choices=("every_step", "delta"), default="every_step",
                    help="gradient sync of the replicated weights (GradSync)")
     p.add_argument("--delta-steps", type=int, default=16, help="local steps per window with --sync delta")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPUs, float32 on CPU), float32, bfloat16")
+    p.add_argument("--dtype", default="auto",
+                   help="mixed (float32 weights and optimizer, bfloat16 products under autocast), float32, "
+                        "bfloat16 (half the weight memory, but AdamW steps below bfloat16's resolution are "
+                        "lost: at lr 1e-5 most weights do not move) or float16; auto: mixed on GPUs, float32 "
+                        "on CPU")
+    p.add_argument("--save-dtype", default="auto",
+                   help="dtype of the written checkpoint (auto: the input checkpoint's)")
     p.add_argument("--experts-implementation", default=None,
                    help="what computes each rank's experts: the model's own transformers function (default), "
                         "another one (grouped_mm, eager, ...), or triton (ThunderEP's kernels, CUDA)")
@@ -202,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--out must differ from --model (the checkpoint is read while training)")
     if args.checkpoint and Path(args.checkpoint).resolve() in (Path(args.out).resolve(), Path(args.model).resolve()):
         problems.append("--checkpoint must differ from --out and --model")
-    if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        problems.append(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
+    if args.dtype not in ("auto", "mixed", "float32", "bfloat16", "float16"):
+        problems.append(f"--dtype must be auto, mixed, float32, bfloat16 or float16, got {args.dtype!r}")
+    if args.save_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        problems.append(f"--save-dtype must be auto, float32, bfloat16 or float16, got {args.save_dtype!r}")
     missing = [f for f in args.data or [] if not Path(f).is_file()]
     if missing:
         problems.append(f"--data: no such file: {', '.join(missing)}")
