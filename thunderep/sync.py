@@ -29,7 +29,7 @@ from .config import SyncConfig
 from .comm.groups import peer_errors, wait_work
 from .layer import ThunderMoELayer
 
-__all__ = ["GradSync", "SyncStats", "expert_layers", "replica_groups"]
+__all__ = ["GradSync", "SyncStats", "expert_layers", "replica_groups", "sum_replica_grads"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,6 +90,33 @@ def replica_groups(ep, placement, params: list[nn.Parameter], timeout: datetime.
                     for p in params:
                         out.append((p, slot, made[ranks]))
     return out
+
+
+def sum_replica_grads(replicas: list, wait=None) -> int:
+    """Sum the gradient of each (param, slot, group) entry of `replica_groups` over its group: one flat
+    all-reduce per group (a layer's holders of the same experts), not one per slot and tensor. Groups
+    go in the order of their first entry, the same on every member (entries follow expert order).
+    wait(work, flat): how to wait (default: work.wait()). Returns the bytes handed to all-reduce."""
+    by_group: dict = {}
+    for p, slot, group in replicas:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_group.setdefault(group, []).append((p, slot))
+    total = 0
+    for group, entries in by_group.items():
+        flat = torch.cat([p.grad[slot].reshape(-1) for p, slot in entries])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        if wait is None:
+            work.wait()
+        else:
+            wait(work, flat)
+        offset = 0
+        for p, slot in entries:
+            g = p.grad[slot]
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        total += flat.numel() * flat.element_size()
+    return total
 
 
 class _Bucket:
@@ -216,14 +243,11 @@ class GradSync:
         for p in self.expert_params:
             if p.grad is not None:
                 p.grad.div_(self.world)
-        for p, slot, group in self._expert_groups:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            g = p.grad[slot].contiguous()
-            started = time.perf_counter()
-            self._wait(dist.all_reduce(g, group=group, async_op=True), "expert replica all-reduce", g.is_cuda)
-            self.stats.record(g.numel() * g.element_size(), time.perf_counter() - started, expert=True)
-            p.grad[slot].copy_(g)
+        started = time.perf_counter()
+        nbytes = sum_replica_grads(self._expert_groups,
+                                   lambda work, flat: self._wait(work, "expert replica all-reduce", flat.is_cuda))
+        if nbytes:
+            self.stats.record(nbytes, time.perf_counter() - started, expert=True)
 
     # -- delta mode
 

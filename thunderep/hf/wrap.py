@@ -333,7 +333,7 @@ class ThunderMoE(nn.Module):
         """
         if self.ep is None or not dist.is_initialized():
             return
-        from ..sync import replica_groups
+        from ..sync import replica_groups, sum_replica_grads
 
         world = dist.get_world_size()
         params = [p for p in self.replicated_parameters() if p.requires_grad]
@@ -356,11 +356,7 @@ class ThunderMoE(nn.Module):
         if self._replicas is None:  # built once, by every rank alike (creating groups is collective)
             timeout = datetime.timedelta(seconds=self.ep.groups.timeout_s)
             self._replicas = [group for layer in self.expert_layers() for group in replica_groups(*layer, timeout)]
-        for p, slot, group in self._replicas:
-            if p.requires_grad:
-                g = p.grad[slot].contiguous()
-                dist.all_reduce(g, group=group)
-                p.grad[slot].copy_(g)
+        sum_replica_grads([entry for entry in self._replicas if entry[0].requires_grad])
 
     def memory(self) -> dict:
         """Bytes of this rank's tensors: expert shards, replicated tensors, and the experts per layer."""
