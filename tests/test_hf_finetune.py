@@ -39,30 +39,39 @@ def _finetune_and_export(rank, world, out_dir):
     placed out of order; with a redundant slot per rank for the second family."""
     from hf_tiny import E, tiny_model
 
-    from thunderep import EPConfig, SyncConfig
+    from thunderep import EPConfig
     from thunderep.checkpoint import export_hf
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
     from thunderep.hf import ThunderMoE
-    from thunderep.sync import GradSync
 
     ep = ExpertParallel(init_expert_parallel(), EPConfig(control="collective"))
     for i, family in enumerate(FAMILIES):
         placement = _scrambled(E, world, redundant=i == 1)
         tm = ThunderMoE.wrap(tiny_model(family), ep, placement=placement)
-        tm.train()
-        sync = GradSync(tm, ep, SyncConfig())
-        opt = torch.optim.SGD(tm.parameters(), lr=LR)
-        for step in range(STEPS):
-            opt.zero_grad()
-            ids = _ids(rank, step)
-            tm(input_ids=ids, labels=ids, mode="ep").loss.backward()
-            sync.finish()
-            opt.step()
-            sync.after_step()
+        _, sync = _train_steps(tm, ep, rank, range(STEPS), torch.optim.SGD(tm.parameters(), lr=LR))
         sync.close()
         export_hf(f"{out_dir}/{family}", tm)
     ep.close()
+
+
+def _on_rank(rank, world, d):
+    """Every rank-side case of this file that runs on a plain spawn: the gradient syncs, fine-tuning and
+    export, and the checkpoint (saved on 2 ranks, loaded on 2 and 4)."""
+    out = {"grads": _hf_grads(rank, world)}
+    _finetune_and_export(rank, world, f"{d}/export{world}")
+    if world == 2:
+        _checkpoint_case(rank, world, d, "save")
+    _checkpoint_case(rank, world, d, "resume")
+    return out
+
+
+@pytest.fixture(scope="module")
+def on_ranks(tmp_path_factory):
+    """(directory, {world: per-rank results}): one spawn of 2 ranks, then one of 4 (process start-up
+    dominates these cases)."""
+    d = tmp_path_factory.mktemp("ranks")
+    return d, {world: run_ranks(_on_rank, world, str(d), timeout=600) for world in (2, 4)}
 
 
 def _reference(family: str, world: int):
@@ -79,10 +88,10 @@ def _reference(family: str, world: int):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_finetuned_export_equals_one_process_training(world, tmp_path):
+def test_finetuned_export_equals_one_process_training(on_ranks, world):
     from transformers import AutoModelForCausalLM
 
-    run_ranks(_finetune_and_export, world, str(tmp_path), timeout=300)
+    tmp_path = on_ranks[0] / f"export{world}"
     ids = _ids(99, 0)
     for family in FAMILIES:
         want = _reference(family, world)
@@ -167,18 +176,19 @@ def test_finetune_command_rejects_bad_arguments(tmp_path, capsys):
         assert line in err
 
 
-def test_finetune_command_names_a_text_too_short(tmp_path, capsys):
-    from hf_tiny import save_tiny
+def test_a_text_too_short_is_named():
+    from thunderep.finetune import split_tokens
 
-    from thunderep.cli import main as cli
-
-    model_dir = save_tiny("mixtral", tmp_path / "model")
-    (tmp_path / "notes.txt").write_text(TEXT)  # about 4800 byte tokens: 5% held out is too few for 512
-    assert cli(["finetune", "--model", model_dir, "--out", str(tmp_path / "tuned"), "--data",
-                str(tmp_path / "notes.txt"), "--ep", "1", "--seq-len", "512", "--cpu"]) == 1
-    err = capsys.readouterr().err
-    assert "too few for --seq-len 512 with 5% held out (it needs 10240; or --eval-batches 0)" in err
-    assert not (tmp_path / "tuned").exists()
+    tokens = torch.arange(4800)
+    train, held = split_tokens(tokens, seq_len=12, eval_batches=4)
+    assert torch.equal(torch.cat([train, held]), tokens) and len(held) == 240
+    train, held = split_tokens(tokens, seq_len=512, eval_batches=0)
+    assert len(train) == 4800 and len(held) == 0
+    with pytest.raises(ValueError, match=r"4800 tokens, too few for --seq-len 512 with 5% held out \(it needs "
+                                         r"10240; or --eval-batches 0\)"):
+        split_tokens(tokens, seq_len=512, eval_batches=4)
+    with pytest.raises(ValueError, match="4800 tokens, too few for --seq-len 5000$"):
+        split_tokens(tokens, seq_len=5000, eval_batches=0)
 
 
 def _train_steps(tm, ep, rank, steps, opt=None, sync=None):
@@ -227,15 +237,13 @@ def _checkpoint_case(rank, world, d, phase):
     ep.close()
 
 
-def test_checkpoint_of_a_wrapped_model_resumes_and_reshards(tmp_path):
+def test_checkpoint_of_a_wrapped_model_resumes_and_reshards(on_ranks):
     """save_checkpoint / load_checkpoint of a wrapped HF model (experts out of order, replicated):
     loading on 2 ranks and re-sharding onto 4 give the saved model; resuming on 2 ranks takes the
     same next step as the run that saved it (optimizer state included)."""
     from transformers import AutoModelForCausalLM
 
-    run_ranks(_checkpoint_case, 2, str(tmp_path), "save", timeout=300)
-    run_ranks(_checkpoint_case, 4, str(tmp_path), "resume", timeout=300)
-    run_ranks(_checkpoint_case, 2, str(tmp_path), "resume", timeout=300)
+    tmp_path = on_ranks[0]
     load = lambda name: AutoModelForCausalLM.from_pretrained(  # noqa: E731
         str(tmp_path / name), dtype=torch.float32).state_dict()
     at2, at3 = load("at2"), load("at3")
@@ -247,30 +255,39 @@ def test_checkpoint_of_a_wrapped_model_resumes_and_reshards(tmp_path):
 
 
 def test_finetune_command_resumes_from_its_checkpoint(tmp_path, capfd):
-    """3 steps straight, against 2 steps with --checkpoint and then the same command for 3 steps: the
-    second run resumes at step 2 on the same batches, and the checkpoints written are equal."""
-    from hf_tiny import save_tiny
+    """2 steps with --checkpoint, then the same command for 3 steps: the second run resumes at step 2 on
+    the batches it would have drawn, and writes the model of 3 AdamW steps in one process."""
+    from hf_tiny import V, save_tiny
     from transformers import AutoModelForCausalLM
 
     from thunderep.cli import main as cli
+    from thunderep.finetune import batch_at, tokenize_corpus
+    from thunderep.generate import ByteTokenizer
 
     model_dir = save_tiny("mixtral", tmp_path / "model")
     (tmp_path / "notes.txt").write_text(TEXT)
     common = ["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
-              "--seq-len", "12", "--lr", "1e-3", "--cpu", "--eval-batches", "0"]
-    assert cli(common + ["--steps", "3", "--out", str(tmp_path / "straight")]) == 0
-    ckpt = ["--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
-    assert cli(common + ["--steps", "2", "--out", str(tmp_path / "first")] + ckpt) == 0
+              "--seq-len", "12", "--lr", "1e-3", "--cpu", "--eval-batches", "0", "--checkpoint", str(tmp_path / "ckpt"),
+              "--checkpoint-every", "1"]
+    assert cli(common + ["--steps", "2", "--out", str(tmp_path / "first")]) == 0
     capfd.readouterr()
-    assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")] + ckpt) == 0
+    assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")]) == 0
     printed = capfd.readouterr().out
     assert f"resuming from {tmp_path / 'ckpt'} at step 2" in printed and "step 3/3 loss" in printed
     assert "step 1/3" not in printed and "step 2/3" not in printed
-    load = lambda name: AutoModelForCausalLM.from_pretrained(  # noqa: E731
-        str(tmp_path / name), dtype=torch.float32).state_dict()
-    straight, resumed = load("straight"), load("resumed")
-    for key, value in straight.items():
-        torch.testing.assert_close(resumed[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+    tokens = tokenize_corpus(ByteTokenizer(V), [str(tmp_path / "notes.txt")])  # nothing held out
+    want = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    want.train()
+    opt = torch.optim.AdamW(want.parameters(), lr=1e-3, weight_decay=0.0)
+    for step in range(3):
+        opt.zero_grad()
+        batches = [batch_at(tokens, 0, r, step, 2, 12) for r in range(2)]
+        torch.stack([want(input_ids=b, labels=b).loss for b in batches]).mean().backward()
+        opt.step()
+    resumed = AutoModelForCausalLM.from_pretrained(str(tmp_path / "resumed"), dtype=torch.float32).state_dict()
+    for key, value in want.state_dict().items():  # atol: see the test above
+        torch.testing.assert_close(resumed[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
 
 
 def test_finetune_command_mixed_precision_keeps_small_steps(tmp_path):
@@ -300,3 +317,53 @@ def test_finetune_command_mixed_precision_keeps_small_steps(tmp_path):
                                                                        ("bf16", bf16))}
     assert mixed.state_dict()[key].dtype == torch.bfloat16
     assert moved["mixed"] > 2.5 * moved["bf16"] > 0, moved
+
+
+def _hf_grads(rank, world):
+    """A wrapped Hugging Face Mixtral (tiny): one backward on this rank's rows, then its gradients after
+    GradSync (bucketed, launched during backward) and after `ThunderMoE.all_reduce_grads` (the plain
+    sync) from the same local gradients, for three layouts: EP over all ranks, EP with a redundant
+    slot per rank, and EP groups of 2 replicated data-parallel (4 ranks)."""
+    from hf_tiny import V, tiny_model
+
+    from thunderep import EPConfig, Placement, SyncConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.hf import ThunderMoE
+    from thunderep.sync import GradSync
+
+    E = tiny_model("mixtral").config.num_local_experts
+    layouts = {"ep": (None, None), "replicas": (None, E // world + 1)}
+    if world == 4:
+        layouts["ep2_dp2"] = (2, None)
+    out = {}
+    for name, (ep_size, slots) in layouts.items():
+        ep = ExpertParallel(init_expert_parallel(ep_size), EPConfig(control="collective"))
+        placement = Placement.contiguous(E, ep.groups.ep_size, slots_per_rank=slots) if slots else None
+        tm = ThunderMoE.wrap(tiny_model("mixtral"), ep, placement=placement)
+        sync = GradSync(tm, ep, SyncConfig(bucket_mb=0.01))  # several buckets
+        ids = torch.randint(3, V, (2, 8), generator=torch.Generator().manual_seed(rank))
+        tm(input_ids=ids, labels=ids, mode="ep").loss.backward()
+        local = {n: p.grad.clone() for n, p in tm.named_parameters() if p.grad is not None}
+        sync.finish()
+        synced = {n: p.grad.clone() for n, p in tm.named_parameters() if p.grad is not None}
+        for n, p in tm.named_parameters():
+            p.grad = local[n].clone() if n in local else None
+        tm.all_reduce_grads(average=True)
+        plain = {n: p.grad.clone() for n, p in tm.named_parameters() if p.grad is not None}
+        experts = {n for n, p in tm.named_parameters() if any(p is q for q in tm.expert_parameters())}
+        out[name] = (synced, plain, experts, len(sync._buckets), len(sync._expert_groups))
+        sync.close()
+        ep.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_grad_sync_of_a_wrapped_hf_model_equals_its_plain_sync(on_ranks, world):
+    for rank, cases in enumerate(r["grads"] for r in on_ranks[1][world]):
+        for layout, (synced, plain, experts, buckets, replica_groups) in cases.items():
+            assert synced.keys() == plain.keys() and experts and buckets > 1, layout
+            assert (replica_groups > 0) == (layout != "ep"), (layout, replica_groups)
+            for n in plain:
+                torch.testing.assert_close(synced[n], plain[n], rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"rank {rank}, {layout}, {n}: {m}")

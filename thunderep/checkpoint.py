@@ -521,23 +521,32 @@ def export_hf(path, model: torch.nn.Module, dtype: torch.dtype | None = None) ->
     hf_name = lambda k: k if k.startswith("lm_head.") else "model." + k.replace(".mlp.router.", ".mlp.gate.")  # noqa
     tensors = {f"{prefix}.experts.{n}": _gather_experts(layer.ep, layer.placement, t, ranks)
                for prefix, layer in _moe_layers(model) for n, t in layer.experts.state_dict().items()}
+
+    def write(tmp: Path) -> None:
+        from transformers import MixtralConfig  # the `hf` extra
+
+        state = {hf_name(k): _as(tensors[k] if k in tensors else _cpu(v), dtype) for k, v in model.state_dict().items()}
+        hf = MixtralConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.top_k, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=False)
+        hf.architectures, hf.dtype = ["MixtralForCausalLM"], dtype or next(model.parameters()).dtype
+        hf.save_pretrained(str(tmp))
+        _put(tmp, {}, "model.safetensors", state, doc=False)
+
+    return _rank0_writes(path, ranks, write)
+
+
+def _rank0_writes(path: Path, ranks: _Ranks, write) -> Path:
+    """Collective: rank 0 runs write(tmp) in a fresh temporary directory next to `path` and renames it
+    into place (as `save_checkpoint` does); a failure raises CheckpointError on every rank."""
     tmp = _begin(path, ranks)
     error = cause = None
     if ranks.rank == 0:
         try:
-            from transformers import MixtralConfig  # the `hf` extra
-
-            tensors = {hf_name(k): _as(tensors[k] if k in tensors else _cpu(v), dtype)
-                       for k, v in model.state_dict().items()}
-            hf = MixtralConfig(
-                vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                num_key_value_heads=cfg.num_kv_heads, num_local_experts=cfg.num_experts,
-                num_experts_per_tok=cfg.top_k, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-                max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=False)
-            hf.architectures, hf.dtype = ["MixtralForCausalLM"], dtype or next(model.parameters()).dtype
-            hf.save_pretrained(str(tmp))
-            _put(tmp, {}, "model.safetensors", tensors, doc=False)
+            write(tmp)
             _publish(tmp, path)
         except Exception as exc:
             error, cause = f"rank 0: {type(exc).__name__}: {exc}", exc
@@ -559,21 +568,15 @@ def _export_wrapped(path: Path, tm, dtype: torch.dtype | None = None) -> Path:
         module = tm.model.get_submodule(name)
         for t in binding.tensors:
             full[f"{name}.{t}"] = _gather_experts(binding.ep, binding.placement, getattr(module, t), ranks)
-    tmp = _begin(path, ranks)
-    error = cause = None
-    if ranks.rank == 0:
-        try:
-            state = {k: _as(full[k] if k in full else _cpu(v), dtype) for k, v in tm.model.state_dict().items()}
-            tm.model.save_pretrained(str(tmp), state_dict=state)
-            if dtype is not None:  # transformers names the dtype of the model's parameters there
-                config = json.loads((tmp / "config.json").read_text())
-                for key in ("dtype", "torch_dtype"):
-                    if key in config or key == "dtype":
-                        config[key] = str(dtype).removeprefix("torch.")
-                (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            _publish(tmp, path)
-        except Exception as exc:
-            error, cause = f"rank 0: {type(exc).__name__}: {exc}", exc
-            shutil.rmtree(tmp, ignore_errors=True)
-    ranks.agree(error, f"exporting {path}", cause)
-    return path
+
+    def write(tmp: Path) -> None:
+        state = {k: _as(full[k] if k in full else _cpu(v), dtype) for k, v in tm.model.state_dict().items()}
+        tm.model.save_pretrained(str(tmp), state_dict=state)
+        if dtype is not None:  # transformers names the dtype of the model's parameters there
+            config = json.loads((tmp / "config.json").read_text())
+            for key in ("dtype", "torch_dtype"):
+                if key in config or key == "dtype":
+                    config[key] = str(dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    return _rank0_writes(path, ranks, write)

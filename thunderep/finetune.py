@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["batch_at", "finetune_on_rank", "main", "parse_args", "tokenize_corpus"]
+__all__ = ["batch_at", "finetune_on_rank", "main", "parse_args", "split_tokens", "tokenize_corpus"]
 
 
 def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
@@ -42,6 +42,17 @@ def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
 
     text = bytes(load_corpus(paths).tolist()).decode("utf-8", errors="replace")
     return torch.tensor(tokenizer.encode(text), dtype=torch.long)
+
+
+def split_tokens(tokens: torch.Tensor, seq_len: int, eval_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training tokens, held-out tokens): the last 5% held out when eval_batches > 0. ValueError when a
+    part is shorter than one sequence."""
+    held = len(tokens) // 20 if eval_batches else 0
+    train, held_out = tokens[:len(tokens) - held], tokens[len(tokens) - held:]
+    if len(train) < seq_len or (held and len(held_out) < seq_len):
+        raise ValueError(f"the training text gives {len(tokens)} tokens, too few for --seq-len {seq_len}"
+                         + (f" with 5% held out (it needs {20 * seq_len}; or --eval-batches 0)" if held else ""))
+    return train, held_out
 
 
 def batch_at(tokens: torch.Tensor, seed: int, rank: int, step: int, batch: int, length: int) -> torch.Tensor:
@@ -74,11 +85,8 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         return contextlib.nullcontext()
 
     tokens = tokenize_corpus(load_tokenizer(args.model, tm.config.vocab_size), args.data)
-    held = len(tokens) // 20 if args.eval_batches else 0  # the text's last 5%: held out
-    train_tokens, held_out = tokens[:len(tokens) - held], tokens[len(tokens) - held:]
-    if len(train_tokens) < args.seq_len or (held and len(held_out) < args.seq_len):
-        raise ValueError(f"the training text gives {len(tokens)} tokens, too few for --seq-len {args.seq_len}"
-                         + (f" with 5% held out (it needs {20 * args.seq_len}; or --eval-batches 0)" if held else ""))
+    train_tokens, held_out = split_tokens(tokens, args.seq_len, args.eval_batches)
+    held = len(held_out)
 
     def evaluate() -> float | None:  # mean loss over the ranks' held-out batches (the same each time)
         if not held:
