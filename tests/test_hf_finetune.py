@@ -122,15 +122,34 @@ def tiny_state(family: str) -> dict:
 TEXT = "Expert parallelism on PCIe: every rank holds its own experts and trades rows. " * 60  # > 4096 bytes
 
 
+def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3):
+    """The plain model trained in one process as `thunderep finetune --ep 2 --batch 2 --seq-len 12
+    --lr 1e-3` trains it: AdamW on the mean of the two ranks' losses, on the batches they draw."""
+    from hf_tiny import V
+    from transformers import AutoModelForCausalLM
+
+    from thunderep.finetune import batch_at, split_tokens, tokenize_corpus
+    from thunderep.generate import ByteTokenizer
+
+    tokens, _ = split_tokens(tokenize_corpus(ByteTokenizer(V), [str(text)]), 12, 4 if held_out else 0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    for step in range(steps):
+        opt.zero_grad()
+        batches = [batch_at(tokens, 0, r, step, 2, 12) for r in range(2)]
+        torch.stack([model(input_ids=b, labels=b).loss for b in batches]).mean().backward()
+        opt.step()
+    return model
+
+
 def test_finetune_command_equals_one_process_training(tmp_path, capfd):
     """`thunderep finetune` on 2 ranks (AdamW, GradSync) writes a checkpoint equal to the plain model
     trained in one process on the ranks' batches, and says what it did."""
-    from hf_tiny import V, save_tiny
+    from hf_tiny import save_tiny
     from transformers import AutoModelForCausalLM
 
     from thunderep.cli import main as cli
-    from thunderep.finetune import batch_at, tokenize_corpus
-    from thunderep.generate import ByteTokenizer
 
     model_dir = save_tiny("mixtral", tmp_path / "model")
     (tmp_path / "notes.txt").write_text(TEXT)
@@ -143,17 +162,8 @@ def test_finetune_command_equals_one_process_training(tmp_path, capfd):
     assert record["ranks"] == 2 and len(record["train_losses"]) == 3
     assert f"held-out loss {record['eval_loss_before']:.4f} -> {record['eval_loss_after']:.4f}" in printed
 
-    tokens = tokenize_corpus(ByteTokenizer(V), [str(tmp_path / "notes.txt")])
-    tokens = tokens[:len(tokens) - len(tokens) // 20]  # the last 5% is held out for the loss before / after
-    want = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    start = {k: v.clone() for k, v in want.state_dict().items()}
-    want.train()
-    opt = torch.optim.AdamW(want.parameters(), lr=1e-3, weight_decay=0.0)
-    for step in range(3):
-        opt.zero_grad()
-        batches = [batch_at(tokens, 0, r, step, 2, 12) for r in range(2)]
-        torch.stack([want(input_ids=b, labels=b).loss for b in batches]).mean().backward()
-        opt.step()
+    start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=True)
     got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tuned"), dtype=torch.float32).state_dict()
     for name, value in want.state_dict().items():
         # atol 1e-5 (lr 1e-3): Adam divides by sqrt(v), which magnifies the float32 rounding of a
@@ -257,12 +267,10 @@ def test_checkpoint_of_a_wrapped_model_resumes_and_reshards(on_ranks):
 def test_finetune_command_resumes_from_its_checkpoint(tmp_path, capfd):
     """2 steps with --checkpoint, then the same command for 3 steps: the second run resumes at step 2 on
     the batches it would have drawn, and writes the model of 3 AdamW steps in one process."""
-    from hf_tiny import V, save_tiny
+    from hf_tiny import save_tiny
     from transformers import AutoModelForCausalLM
 
     from thunderep.cli import main as cli
-    from thunderep.finetune import batch_at, tokenize_corpus
-    from thunderep.generate import ByteTokenizer
 
     model_dir = save_tiny("mixtral", tmp_path / "model")
     (tmp_path / "notes.txt").write_text(TEXT)
@@ -276,15 +284,7 @@ def test_finetune_command_resumes_from_its_checkpoint(tmp_path, capfd):
     assert f"resuming from {tmp_path / 'ckpt'} at step 2" in printed and "step 3/3 loss" in printed
     assert "step 1/3" not in printed and "step 2/3" not in printed
 
-    tokens = tokenize_corpus(ByteTokenizer(V), [str(tmp_path / "notes.txt")])  # nothing held out
-    want = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    want.train()
-    opt = torch.optim.AdamW(want.parameters(), lr=1e-3, weight_decay=0.0)
-    for step in range(3):
-        opt.zero_grad()
-        batches = [batch_at(tokens, 0, r, step, 2, 12) for r in range(2)]
-        torch.stack([want(input_ids=b, labels=b).loss for b in batches]).mean().backward()
-        opt.step()
+    want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False)
     resumed = AutoModelForCausalLM.from_pretrained(str(tmp_path / "resumed"), dtype=torch.float32).state_dict()
     for key, value in want.state_dict().items():  # atol: see the test above
         torch.testing.assert_close(resumed[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
