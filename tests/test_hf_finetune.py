@@ -143,36 +143,6 @@ def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3):
     return model
 
 
-def test_finetune_command_equals_one_process_training(tmp_path, capfd):
-    """`thunderep finetune` on 2 ranks (AdamW, GradSync) writes a checkpoint equal to the plain model
-    trained in one process on the ranks' batches, and says what it did."""
-    from hf_tiny import save_tiny
-    from transformers import AutoModelForCausalLM
-
-    from thunderep.cli import main as cli
-
-    model_dir = save_tiny("mixtral", tmp_path / "model")
-    (tmp_path / "notes.txt").write_text(TEXT)
-    args = ["finetune", "--model", model_dir, "--out", str(tmp_path / "tuned"), "--data", str(tmp_path / "notes.txt"),
-            "--ep", "2", "--steps", "3", "--batch", "2", "--seq-len", "12", "--lr", "1e-3", "--cpu"]
-    assert cli(args) == 0
-    printed = capfd.readouterr().out  # the ranks' output (spawned processes)
-    assert "step 3/3 loss" in printed and f"wrote {tmp_path / 'tuned'}" in printed
-    record = json.loads((tmp_path / "tuned" / "thunderep_finetune.json").read_text())
-    assert record["ranks"] == 2 and len(record["train_losses"]) == 3
-    assert f"held-out loss {record['eval_loss_before']:.4f} -> {record['eval_loss_after']:.4f}" in printed
-
-    start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=True)
-    got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tuned"), dtype=torch.float32).state_dict()
-    for name, value in want.state_dict().items():
-        # atol 1e-5 (lr 1e-3): Adam divides by sqrt(v), which magnifies the float32 rounding of a
-        # near-zero gradient summed in another order into ~1e-6 of a parameter.
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    experts = "model.layers.0.mlp.experts.gate_up_proj"
-    assert not torch.equal(got[experts], start[experts])
-
-
 def test_finetune_command_rejects_bad_arguments(tmp_path, capsys):
     from thunderep.cli import main as cli
 
@@ -264,9 +234,10 @@ def test_checkpoint_of_a_wrapped_model_resumes_and_reshards(on_ranks):
     assert any(not torch.equal(at2[k], at3[k]) for k in at2 if ".experts." in k)
 
 
-def test_finetune_command_resumes_from_its_checkpoint(tmp_path, capfd):
-    """2 steps with --checkpoint, then the same command for 3 steps: the second run resumes at step 2 on
-    the batches it would have drawn, and writes the model of 3 AdamW steps in one process."""
+def test_finetune_command_equals_one_process_training_and_resumes(tmp_path, capfd):
+    """`thunderep finetune` on 2 ranks (AdamW, GradSync) for 2 steps with --checkpoint writes the plain
+    model trained in one process on the ranks' batches, and says what it did; the same command for 3
+    steps resumes at step 2 on the batches it would have drawn and writes the model of 3 such steps."""
     from hf_tiny import save_tiny
     from transformers import AutoModelForCausalLM
 
@@ -275,19 +246,29 @@ def test_finetune_command_resumes_from_its_checkpoint(tmp_path, capfd):
     model_dir = save_tiny("mixtral", tmp_path / "model")
     (tmp_path / "notes.txt").write_text(TEXT)
     common = ["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
-              "--seq-len", "12", "--lr", "1e-3", "--cpu", "--eval-batches", "0", "--checkpoint", str(tmp_path / "ckpt"),
+              "--seq-len", "12", "--lr", "1e-3", "--cpu", "--checkpoint", str(tmp_path / "ckpt"),
               "--checkpoint-every", "1"]
     assert cli(common + ["--steps", "2", "--out", str(tmp_path / "first")]) == 0
-    capfd.readouterr()
+    printed = capfd.readouterr().out  # the ranks' output (spawned processes)
+    assert "step 2/2 loss" in printed and f"wrote {tmp_path / 'first'}" in printed
+    record = json.loads((tmp_path / "first" / "thunderep_finetune.json").read_text())
+    assert record["ranks"] == 2 and len(record["train_losses"]) == 2
+    assert f"held-out loss {record['eval_loss_before']:.4f} -> {record['eval_loss_after']:.4f}" in printed
     assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")]) == 0
     printed = capfd.readouterr().out
     assert f"resuming from {tmp_path / 'ckpt'} at step 2" in printed and "step 3/3 loss" in printed
     assert "step 1/3" not in printed and "step 2/3" not in printed
 
-    want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False)
-    resumed = AutoModelForCausalLM.from_pretrained(str(tmp_path / "resumed"), dtype=torch.float32).state_dict()
-    for key, value in want.state_dict().items():  # atol: see the test above
-        torch.testing.assert_close(resumed[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    for out, steps in (("first", 2), ("resumed", 3)):
+        want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=True, steps=steps).state_dict()
+        got = AutoModelForCausalLM.from_pretrained(str(tmp_path / out), dtype=torch.float32).state_dict()
+        for key, value in want.items():
+            # atol 1e-5 (lr 1e-3): Adam divides by sqrt(v), which magnifies the float32 rounding of a
+            # near-zero gradient summed in another order into ~1e-6 of a parameter.
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{out}, {key}: {m}")
+        experts = "model.layers.0.mlp.experts.gate_up_proj"
+        assert not torch.equal(got[experts], start[experts])
 
 
 def test_finetune_command_mixed_precision_keeps_small_steps(tmp_path):
