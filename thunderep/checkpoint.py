@@ -102,13 +102,17 @@ class _Experts:
     restore: object = None
 
 
+def _is_wrapped(model: torch.nn.Module) -> bool:
+    """A wrapped Hugging Face model (`ThunderMoE`, not imported here: it needs transformers)."""
+    return isinstance(getattr(model, "bindings", None), dict) and callable(getattr(model, "expert_layers", None))
+
+
 def _expert_units(model: torch.nn.Module) -> list[_Experts]:
     """The expert-parallel layers of a ThunderEP model, or the experts modules of a wrapped Hugging Face
     model (`ThunderMoE`, whose state dict keys start with "model.")."""
-    bindings = getattr(model, "bindings", None)
-    if isinstance(bindings, dict) and callable(getattr(model, "expert_layers", None)):
+    if _is_wrapped(model):
         units = []
-        for name, b in bindings.items():
+        for name, b in model.bindings.items():
             E = b.num_experts
             placement = b.placement if b.placement is not None else Placement(E, (tuple(range(E)),))
             units.append(_Experts(name, {t: f"model.{name}.{t}" for t in b.tensors}, f"model.{name}", E, b.ep,
@@ -512,20 +516,20 @@ def export_hf(path, model: torch.nn.Module, dtype: torch.dtype | None = None) ->
     as the model holds them)."""
     from .model import MoETransformer
 
-    if callable(getattr(model, "expert_layers", None)) and hasattr(model, "bindings"):  # ThunderMoE
+    if _is_wrapped(model):
         return _export_wrapped(Path(path).absolute(), model, dtype)
     if not isinstance(model, MoETransformer):
         raise UnsupportedModelError(f"export_hf writes MoETransformer models and wrapped Hugging Face models "
                                     f"(ThunderMoE), not {type(model).__name__}")
     ranks, path, cfg = _Ranks(model), Path(path).absolute(), model.config
     hf_name = lambda k: k if k.startswith("lm_head.") else "model." + k.replace(".mlp.router.", ".mlp.gate.")  # noqa
-    tensors = {f"{prefix}.experts.{n}": _gather_experts(layer.ep, layer.placement, t, ranks)
-               for prefix, layer in _moe_layers(model) for n, t in layer.experts.state_dict().items()}
+    state = model.state_dict()
+    full = _gather_sharded(model, state, ranks)
 
     def write(tmp: Path) -> None:
         from transformers import MixtralConfig  # the `hf` extra
 
-        state = {hf_name(k): _as(tensors[k] if k in tensors else _cpu(v), dtype) for k, v in model.state_dict().items()}
+        tensors = {hf_name(k): _as(full[k] if k in full else _cpu(v), dtype) for k, v in state.items()}
         hf = MixtralConfig(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -534,7 +538,7 @@ def export_hf(path, model: torch.nn.Module, dtype: torch.dtype | None = None) ->
             max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=False)
         hf.architectures, hf.dtype = ["MixtralForCausalLM"], dtype or next(model.parameters()).dtype
         hf.save_pretrained(str(tmp))
-        _put(tmp, {}, "model.safetensors", state, doc=False)
+        _put(tmp, {}, "model.safetensors", tensors, doc=False)
 
     return _rank0_writes(path, ranks, write)
 
@@ -555,6 +559,13 @@ def _rank0_writes(path: Path, ranks: _Ranks, write) -> Path:
     return path
 
 
+def _gather_sharded(model: torch.nn.Module, state: dict, ranks: _Ranks) -> dict:
+    """{state-dict key: [E, ...] on rank 0, CPU (None elsewhere)} for every expert-sharded tensor of
+    `model` (its `_expert_units`); collective, in the same order on every rank."""
+    return {key: _gather_experts(u.ep, u.placement, state[key], ranks)
+            for u in _expert_units(model) for key in u.tensors.values()}
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
@@ -562,16 +573,12 @@ def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def _export_wrapped(path: Path, tm, dtype: torch.dtype | None = None) -> Path:
     """export_hf for a `ThunderMoE`: its experts gathered to full [E, ...] tensors, the rest as rank 0
     holds it, written by transformers' `save_pretrained` (its config, its tensor names and format)."""
-    ranks = _Ranks(tm)
-    full = {}
-    for name, binding in tm.bindings.items():
-        module = tm.model.get_submodule(name)
-        for t in binding.tensors:
-            full[f"{name}.{t}"] = _gather_experts(binding.ep, binding.placement, getattr(module, t), ranks)
+    ranks, state = _Ranks(tm), tm.state_dict()  # keys "model." + the Hugging Face model's own
+    full = _gather_sharded(tm, state, ranks)
 
     def write(tmp: Path) -> None:
-        state = {k: _as(full[k] if k in full else _cpu(v), dtype) for k, v in tm.model.state_dict().items()}
-        tm.model.save_pretrained(str(tmp), state_dict=state)
+        tensors = {k.removeprefix("model."): _as(full[k] if k in full else _cpu(v), dtype) for k, v in state.items()}
+        tm.model.save_pretrained(str(tmp), state_dict=tensors)
         if dtype is not None:  # transformers names the dtype of the model's parameters there
             config = json.loads((tmp / "config.json").read_text())
             for key in ("dtype", "torch_dtype"):

@@ -161,9 +161,11 @@ def _save_dtype(args: argparse.Namespace) -> torch.dtype:
     """--save-dtype, or with "auto" the dtype the input checkpoint's config names (float32 if none)."""
     if args.save_dtype != "auto":
         return getattr(torch, args.save_dtype)
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    name = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
-    return getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) else torch.float32
+    from transformers import AutoConfig
+
+    from .hf.load import _resolve_dtype  # the reading `from_pretrained` makes of the same config
+
+    return _resolve_dtype(None, AutoConfig.from_pretrained(args.model, local_files_only=True))
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:

@@ -297,25 +297,20 @@ class ThunderMoE(nn.Module):
 
     # -- parameters and memory
 
+    def _shards(self, name: str, binding: ExpertsBinding) -> list[nn.Parameter]:
+        """The expert-sharded parameters of the experts module at `name`."""
+        module = self.model.get_submodule(name)
+        return [getattr(module, t) for t in binding.tensors if isinstance(getattr(module, t), nn.Parameter)]
+
     def expert_parameters(self) -> list[nn.Parameter]:
         """This rank's expert shards (their gradients arrive through the all-to-all backward)."""
-        out = []
-        for name, binding in self.bindings.items():
-            module = self.model.get_submodule(name)
-            out += [getattr(module, t) for t in binding.tensors if isinstance(getattr(module, t), nn.Parameter)]
-        return out
+        return [p for name, binding in self.bindings.items() for p in self._shards(name, binding)]
 
     def expert_layers(self) -> list[tuple[object, Placement, list[nn.Parameter]]]:
         """(ExpertParallel runtime, Placement, expert parameters) of every wrapped experts module under
         expert parallelism: what `thunderep.sync.GradSync` needs to sync this model's gradients."""
-        out = []
-        for name, binding in self.bindings.items():
-            if binding.ep is None or binding.placement is None:
-                continue
-            module = self.model.get_submodule(name)
-            params = [getattr(module, t) for t in binding.tensors if isinstance(getattr(module, t), nn.Parameter)]
-            out.append((binding.ep, binding.placement, params))
-        return out
+        return [(binding.ep, binding.placement, self._shards(name, binding)) for name, binding in self.bindings.items()
+                if binding.ep is not None and binding.placement is not None]
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """Parameters every rank holds (attention, norms, embeddings, routers, shared experts)."""
