@@ -177,10 +177,18 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
             opt.zero_grad(set_to_none=True)
             model(input_ids=batch, labels=batch, **extra).loss.backward()
             if s["mode"] and world > 1:
+                # The gradient sync's exposed time: how long the compute stream waits for it after
+                # backward (CUDA events; the waits are stream-ordered, so the host cannot see it).
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+                if events:
+                    events[0].record()
                 if grad_sync is not None:
                     grad_sync.finish()
                 else:
                     model.all_reduce_grads(average=True)
+                if events:
+                    events[1].record()
+                    s.setdefault("sync_events", []).append(events)
             opt.step()
             if s["mode"] and grad_sync is not None:
                 grad_sync.after_step()
@@ -223,6 +231,10 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
     for s in systems.values():
         s["model"].train()
     measure({name: train_step(s) for name, s in systems.items()}, args.steps, "train_s")
+    for name, s in systems.items():
+        if s.get("sync_events"):
+            sync()
+            results.setdefault("grad_sync_s", {})[name] = [a.elapsed_time(b) / 1e3 for a, b in s["sync_events"]]
     for s in systems.values():
         s["model"].eval()
     with torch.no_grad():
@@ -309,6 +321,8 @@ def summarize(per_rank: list[dict], args) -> dict:
             step = slowest("train_s", name)
             out.setdefault(name, {}).update(train_step_ms=step * 1e3,
                                             train_tokens_s=world * args.batch * args.seq_len / step)
+            if name in per_rank[0].get("grad_sync_s", {}):
+                out[name]["grad_sync_ms"] = slowest("grad_sync_s", name) * 1e3
     for key, metric in (("decode_batch_s", "decode_tokens_s"), ("decode_1_s", "decode_1_ms")):
         if key not in per_rank[0]:
             continue
@@ -328,6 +342,7 @@ def summarize(per_rank: list[dict], args) -> dict:
 
 def print_table(summaries: dict[int, dict]) -> None:
     rows = [("train tokens/s", "train_tokens_s", True), ("train step ms", "train_step_ms", False),
+            ("of which the gradient sync's exposed ms (GPU events)", "grad_sync_ms", False),
             ("decode tokens/s (batch)", "decode_tokens_s", True), ("decode ms/token (batch 1)", "decode_1_ms", False)]
     base1 = summaries.get(1, {}).get("thunderep", {})
     for label, key, higher in rows:

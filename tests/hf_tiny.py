@@ -94,3 +94,15 @@ def save_tiny(family: str, directory, seed: int = 0, fused: bool = False, max_sh
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(str(directory), **kwargs)
     return str(directory)
+
+
+def bf16_experts(model):
+    """`model` with its experts modules in bfloat16, taking bfloat16 input and returning their output in
+    the input's dtype: what autocast gives a wrapped model's float32 experts."""
+    from thunderep.hf import find_experts_modules
+
+    for _, module in find_experts_modules(model):
+        module.to(torch.bfloat16)
+        module.register_forward_pre_hook(lambda m, args: (args[0].to(torch.bfloat16),) + args[1:])
+        module.register_forward_hook(lambda m, args, out: out.float())
+    return model

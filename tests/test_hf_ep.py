@@ -113,11 +113,36 @@ def _allgather_mode(tm, rank, world):
     return out
 
 
+def _autocast_step(model, x, world=1):
+    """One forward and backward under CPU autocast (bfloat16) on rows x, (loss / world) backward, the
+    gradients summed over the ranks (`all_reduce_grads`) when `model` is a ThunderMoE. Returns the
+    logits, the loss (the mean of the ranks') and {experts module: (logical expert of each slot, gate_up grad, down grad)}."""
+    from thunderep.hf import ThunderMoE, find_experts_modules
+
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=x, labels=x, **({"mode": "ep"} if isinstance(model, ThunderMoE) else {}))
+    (out.loss / world).backward()
+    loss = out.loss.detach().clone()
+    if isinstance(model, ThunderMoE):
+        import torch.distributed as dist
+
+        model.all_reduce_grads(average=False)
+        dist.all_reduce(loss)
+        loss /= world
+    grads = {}
+    for name, module in find_experts_modules(getattr(model, "model", model)):
+        binding = module.__dict__.get("_thunderep")
+        slots = binding.local_experts if binding else tuple(range(module.gate_up_proj.shape[0]))
+        grads[name.removeprefix("model.")] = (slots, module.gate_up_proj.grad.float(), module.down_proj.grad.float())
+    return {"logits": out.logits.detach().float(), "loss": loss, "grads": grads}
+
+
 def _run_cases(rank, world, checkpoints):
     import copy
     import io
 
-    from hf_tiny import tiny_model
+    from hf_tiny import bf16_experts, tiny_model
     from transformers import AutoModelForCausalLM
 
     from thunderep import EPConfig, Placement
@@ -143,6 +168,14 @@ def _run_cases(rank, world, checkpoints):
             if size > 1 and family != "qwen3_moe":
                 tm = ThunderMoE.from_pretrained(path, ep)
                 results[family, size, "allgather"] = (_allgather_mode(tm, rank, world), want)
+    # Autocast (mixed-precision training): float32 experts computed in bfloat16, dispatched in ep mode.
+    x = _batch(world)
+    mine = x[ROWS * rank:ROWS * (rank + 1)]
+    want = _autocast_step(bf16_experts(AutoModelForCausalLM.from_pretrained(checkpoints["mixtral"])), x)
+    want["logits"] = want["logits"][ROWS * rank:ROWS * (rank + 1)]
+    for size in (2, 4):
+        tm = ThunderMoE.from_pretrained(checkpoints["mixtral"], eps[size])
+        results["mixtral_autocast", size] = (_autocast_step(tm, mine, world), want)
     # Redundant slots: 4 ranks x 3 slots hold 8 experts, 4 of them twice (a replica on the token's own rank
     # is used first in ep mode, the first replica in latency mode).
     tm = ThunderMoE.from_pretrained(checkpoints["mixtral"], eps[4], placement=Placement.contiguous(8, 4, 3))
@@ -226,6 +259,24 @@ def test_allgather_mode_equals_hf(results, family, ep_size):
         _close(got["logits"], want["logits"], f"rank {rank} {family} ep{ep_size} allgather logits")
         _close(got["train_losses"], want["train_losses"], f"rank {rank} {family} ep{ep_size} allgather losses")
         assert got["calls"] == [1 + TRAIN_STEPS] * len(got["calls"])  # every MoE layer, every forward
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_autocast_ep_mode_equals_hf_with_bfloat16_experts(results, ep_size):
+    """Under autocast, ep mode on float32 weights equals the plain model whose experts compute in
+    bfloat16: logits, loss, and each rank's expert gradients (float32, summed over the ranks)."""
+    for rank, per_rank in enumerate(results):
+        got, want = per_rank["mixtral_autocast", ep_size]
+        what = f"rank {rank} ep{ep_size} autocast"
+        _close(got["logits"], want["logits"], f"{what} logits", rtol=2e-2, atol=2e-2)
+        _close(got["loss"], want["loss"], f"{what} loss (the mean of the ranks')", rtol=1e-2, atol=1e-2)
+        assert got["grads"].keys() == want["grads"].keys() and got["grads"], what
+        for name, (slots, gate_up, down) in got["grads"].items():
+            _, want_gate_up, want_down = want["grads"][name]
+            assert gate_up.shape[0] == len(slots) == 8 // ep_size, (what, name, slots)
+            for g, w in ((gate_up, want_gate_up[list(slots)]), (down, want_down[list(slots)])):
+                _close(g, w, f"{what} {name} expert grads", rtol=5e-2, atol=5e-2 * w.abs().max().item())
 
 
 @pytest.mark.world_size(4)

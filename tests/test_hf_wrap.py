@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_tiny import FAMILIES, UNSUPPORTED, V, save_tiny, tiny_config, tiny_model  # noqa: E402
+from hf_tiny import FAMILIES, UNSUPPORTED, V, bf16_experts, save_tiny, tiny_config, tiny_model  # noqa: E402
 
 from thunderep.errors import ConfigError, UnsupportedModelError  # noqa: E402
 from thunderep.hf import IMPLEMENTATION, ThunderMoE, find_experts_modules  # noqa: E402
@@ -139,3 +139,46 @@ def test_incomplete_checkpoint_and_missing_directory_are_config_errors(tmp_path)
         ThunderMoE.from_pretrained(path)
     with pytest.raises(ConfigError, match="does not exist"):
         ThunderMoE.from_pretrained(tmp_path / "nowhere")
+
+
+def _bf16_experts_loss(model, x):
+    """Logits and loss under CPU autocast (bfloat16)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=x, labels=x)
+    return out.logits.float(), out.loss
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_autocast_computes_float32_experts_in_bfloat16_and_grads_reach_float32_weights(implementation):
+    """Under autocast, a wrapped model's float32 experts compute in autocast's dtype (transformers'
+    own experts function would cast the input up to float32): equal to the plain model whose experts
+    take bfloat16 input and weights, with the expert gradients landing on the float32 weights, and the modules
+    holding their float32 parameters again afterwards."""
+    model = tiny_model("mixtral", seed=4)
+    ref = bf16_experts(copy.deepcopy(model))
+    ref.set_experts_implementation(implementation)
+    tm = ThunderMoE.wrap(model, experts_implementation=implementation)
+    seen = []
+    for binding in tm.bindings.values():
+        compute = binding.compute
+        binding.compute = lambda module, *a, _f=compute: seen.append(module.gate_up_proj.dtype) or _f(module, *a)
+    params = {name: p for name, p in model.named_parameters() if "experts" in name}
+    x = _ids(seed=5, rows=3, seq=9)
+    got_logits, got_loss = _bf16_experts_loss(tm, x)
+    want_logits, want_loss = _bf16_experts_loss(ref, x)
+    got_loss.backward()
+    want_loss.backward()
+    assert seen == [torch.bfloat16] * len(tm.bindings)
+    torch.testing.assert_close(got_logits, want_logits, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-2, atol=1e-2)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if "experts" in name:
+            assert p is params[name] and p.dtype == torch.float32 and isinstance(p, torch.nn.Parameter), name
+            assert p.grad is not None and p.grad.dtype == torch.float32, name
+            want = ref_params[name].grad.float()
+            torch.testing.assert_close(p.grad, want, rtol=5e-2, atol=5e-2 * want.abs().max().item(), msg=name)
+    seen.clear()
+    with torch.no_grad():
+        tm(input_ids=x)  # no autocast: the float32 weights as they are
+    assert seen == [torch.float32] * len(tm.bindings)
