@@ -12,7 +12,8 @@ For each number of GPUs R, R processes (one GPU each, NCCL) load every system, a
 between the systems call by call:
   thunderep   ThunderMoE.from_pretrained(dir, ep): experts sharded over the R GPUs, attention and dense weights
               replicated; each GPU trains on / generates for its own sequences (ep mode: all-to-all dispatch);
-              gradients of replicated weights all-reduced after backward. Batch-1 decode runs in latency mode.
+              gradients of replicated weights all-reduced in buckets while backward runs (GradSync; `--grad-sync
+              plain`: one all-reduce after backward). Batch-1 decode runs in latency mode.
   allgather   the same model in all-gather mode: every GPU gathers every GPU's tokens, computes its experts on
               all of them, and a reduce-scatter returns the sums (the baseline of frameworks without an EP kernel
               library). Same weights, same optimizer.
@@ -392,9 +393,9 @@ def main(argv=None) -> int:
     p.add_argument("--experts-implementation", default=None,
                    help="what computes ThunderEP's local experts: the model's transformers function (default) "
                         "or triton (ThunderEP's kernels; decode shares then use the pair kernels)")
-    p.add_argument("--grad-sync", choices=("plain", "bucketed"), default="plain",
-                   help="ThunderEP's gradient sync: plain (ThunderMoE.all_reduce_grads after backward; "
-                        "default) or bucketed (thunderep.sync.GradSync, buckets launched during backward)")
+    p.add_argument("--grad-sync", choices=("plain", "bucketed"), default="bucketed",
+                   help="ThunderEP's gradient sync: bucketed (thunderep.sync.GradSync, buckets all-reduced while "
+                        "backward runs; default) or plain (ThunderMoE.all_reduce_grads after backward)")
     p.add_argument("--profile", metavar="DIR", help="also profile one batch decode per system (rank 0's "
                    "operator tables in DIR/profile-<R>gpu.txt)")
     args = p.parse_args(argv)

@@ -252,7 +252,9 @@ def test_finetune_command_equals_one_process_training_and_resumes(tmp_path, capf
     printed = capfd.readouterr().out  # the ranks' output (spawned processes)
     assert "step 2/2 loss" in printed and f"wrote {tmp_path / 'first'}" in printed
     record = json.loads((tmp_path / "first" / "thunderep_finetune.json").read_text())
-    assert record["ranks"] == 2 and len(record["train_losses"]) == 2
+    assert record["ranks"] == 2 and len(record["train_losses"]) == len(record["step_seconds"]) == 2
+    assert record["seconds"] >= sum(record["step_seconds"]) > 0 and record["steady_tokens_per_s"] > 0
+    assert f"{record['steady_tokens_per_s']:,.0f} at the median step" in printed
     assert f"held-out loss {record['eval_loss_before']:.4f} -> {record['eval_loss_after']:.4f}" in printed
     assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")]) == 0
     printed = capfd.readouterr().out
