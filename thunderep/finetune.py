@@ -7,13 +7,13 @@ Each rank loads only its share of the experts (`ThunderMoE.from_pretrained`) and
 weights, trains on its own batches of the text (the checkpoint's tokenizer, or bytes when it has
 none), with ep mode for every MoE layer, AdamW, and `GradSync` for the replicated weights (every
 step, or `--sync delta`). The objective is the mean of the ranks' losses, as with torch DDP. On GPUs
-the weights and AdamW stay in float32 and autocast runs the dense products in bfloat16 (`--dtype
-mixed`): AdamW on bfloat16 weights would lose the small steps fine-tuning takes. Autocast does not
-cover transformers' grouped expert GEMMs, which cast their input to the weights' dtype, so the experts
-compute in float32 there (`--dtype bfloat16` trades that for the lost steps). At the
+the weights and AdamW stay in float32 and autocast runs the products in bfloat16, the experts'
+included (`--dtype mixed`; ThunderEP casts the local expert weights for the experts call and sends
+the rows in bfloat16): AdamW on bfloat16 weights would lose the small steps fine-tuning takes
+(`--dtype bfloat16` trades them for speed and half the weight memory). At the
 end the experts are gathered to rank 0, which writes OUT_DIR with transformers' `save_pretrained`
 (in DIR's dtype, plus its tokenizer files, and `thunderep_finetune.json`: the losses, the held-out
-loss before and after, the speed and the arguments): `thunderep generate --model OUT_DIR` and
+loss before and after, each step's time, tokens/s overall and at the median step, the arguments): `thunderep generate --model OUT_DIR` and
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it. The text's last 5% is held out (with
 `--eval-batches` > 0) and scored before and after training. `--checkpoint DIR` saves a resumable
 checkpoint (`thunderep.checkpoint`: experts by logical id, AdamW state) every `--checkpoint-every`
@@ -208,8 +208,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="gradient sync of the replicated weights (GradSync)")
     p.add_argument("--delta-steps", type=int, default=16, help="local steps per window with --sync delta")
     p.add_argument("--dtype", default="auto",
-                   help="mixed (float32 weights and optimizer, autocast bfloat16 for the dense products; "
-                        "transformers' expert GEMMs stay float32), float32, "
+                   help="mixed (float32 weights and optimizer, autocast bfloat16 for the products, the "
+                        "experts' included), float32, "
                         "bfloat16 (half the weight memory, but AdamW steps below bfloat16's resolution are "
                         "lost: at lr 1e-5 most weights do not move) or float16; auto: mixed on GPUs, float32 "
                         "on CPU")
