@@ -5,6 +5,7 @@ the same batches (the mean of the ranks' losses)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -122,9 +123,10 @@ def tiny_state(family: str) -> dict:
 TEXT = "Expert parallelism on PCIe: every rank holds its own experts and trades rows. " * 60  # > 4096 bytes
 
 
-def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3):
+def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freeze: str | None = None):
     """The plain model trained in one process as `thunderep finetune --ep 2 --batch 2 --seq-len 12
-    --lr 1e-3` trains it: AdamW on the mean of the two ranks' losses, on the batches they draw."""
+    --lr 1e-3` trains it: AdamW on the mean of the two ranks' losses, on the batches they draw; the
+    parameters whose name matches `freeze` left out."""
     from hf_tiny import V
     from transformers import AutoModelForCausalLM
 
@@ -134,7 +136,8 @@ def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3):
     tokens, _ = split_tokens(tokenize_corpus(ByteTokenizer(V), [str(text)]), 12, 4 if held_out else 0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    params = [p for name, p in model.named_parameters() if not (freeze and re.search(freeze, name))]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     for step in range(steps):
         opt.zero_grad()
         batches = [batch_at(tokens, 0, r, step, 2, 12) for r in range(2)]
@@ -148,11 +151,12 @@ def test_finetune_command_rejects_bad_arguments(tmp_path, capsys):
 
     assert cli(["finetune", "--model", str(tmp_path), "--out", str(tmp_path), "--steps", "0", "--lr", "0",
                 "--eval-batches", "-1", "--data", str(tmp_path / "missing.txt"), "--checkpoint", str(tmp_path),
-                "--checkpoint-every", "0"]) == 2
+                "--checkpoint-every", "0", "--freeze", "experts", "layers.(0"]) == 2
     err = capsys.readouterr().err
     for line in ("--steps must be at least 1, got 0", "--lr must be positive", "is not a checkpoint directory",
                  "--out must differ from --model", "no such file", "--eval-batches must be 0 or more",
-                 "--checkpoint must differ from --out and --model", "--checkpoint-every must be at least 1"):
+                 "--checkpoint must differ from --out and --model", "--checkpoint-every must be at least 1",
+                 "--freeze 'layers.(0' is not a regular expression"):
         assert line in err
 
 
@@ -271,6 +275,65 @@ def test_finetune_command_equals_one_process_training_and_resumes(tmp_path, capf
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{out}, {key}: {m}")
         experts = "model.layers.0.mlp.experts.gate_up_proj"
         assert not torch.equal(got[experts], start[experts])
+
+
+def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_one_process(tmp_path, capfd):
+    """--freeze experts --gradient-checkpointing on 2 ranks: the experts come out as they went in, the
+    rest as one process trains it with AdamW on the other parameters (the recomputed layers dispatch in
+    ep mode again; in the mode "auto" of after the forward these small batches would take all-gather
+    mode). The memory line counts only the trainable parameters' gradients and AdamW state."""
+    from hf_tiny import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    from thunderep.cli import main as cli
+
+    model_dir = save_tiny("mixtral", tmp_path / "model")
+    (tmp_path / "notes.txt").write_text(TEXT)
+    assert cli(["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
+                "--seq-len", "12", "--lr", "1e-3", "--cpu", "--steps", "3", "--eval-batches", "0",
+                "--freeze", "experts", "--gradient-checkpointing", "--out", str(tmp_path / "out")]) == 0
+    printed = capfd.readouterr().out
+    record = json.loads((tmp_path / "out" / "thunderep_finetune.json").read_text())
+    memory = record["memory"]
+    assert memory["trainable"] < memory["weights"] and memory["grads"] == memory["trainable"]
+    assert memory["adamw"] == 2 * memory["trainable"] and f"(of which training {memory['trainable'] / 1e9:.2f} GB)" \
+        in printed
+    start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=3, freeze="experts").state_dict()
+    got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).state_dict()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        if ".experts." in key:
+            assert torch.equal(got[key], start[key]), key
+    assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"], start["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_freeze_patterns_and_memory_shortfall_are_named():
+    from hf_tiny import tiny_model
+
+    from thunderep.errors import ConfigError
+    from thunderep.finetune import memory_plan, select_trainable
+    from thunderep.hf import ThunderMoE
+
+    tm = ThunderMoE.wrap(tiny_model("mixtral"))
+    with pytest.raises(ConfigError, match=r"--freeze nothing_like_this matches no parameter; names look like "
+                                          r"model\.embed_tokens\.weight"):
+        select_trainable(tm, ["experts", "nothing_like_this"])
+    with pytest.raises(ConfigError, match="freezes every parameter: nothing would train"):
+        select_trainable(tm, ["."])
+    trainable = select_trainable(tm, ["experts", "embed_tokens"])
+    names = {name for name, p in tm.model.named_parameters() if p.requires_grad}
+    assert names and not any("experts" in n or "embed_tokens" in n for n in names)
+    assert len(trainable) == len(names)
+    size = sum(p.numel() * 4 for p in trainable)
+    plan = memory_plan(tm, torch.device("cpu"), world=1, free=10 * size)
+    assert (plan.grads, plan.adamw, plan.short) == (size, 2 * size, 0)
+    plan.check()
+    plan = memory_plan(tm, torch.device("cpu"), world=1, free=size)
+    assert plan.short == plan.need - size > 0
+    with pytest.raises(ConfigError, match=rf"a rank needs {plan.short / 1e9:.2f} GB more than it has free .*--freeze "
+                                          r"experts.*--dtype bfloat16.*--ep"):
+        plan.check()
 
 
 def test_finetune_command_mixed_precision_keeps_small_steps(tmp_path):

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -35,6 +37,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from .errors import ConfigError
 
 __all__ = ["batch_at", "finetune_on_rank", "main", "parse_args", "split_tokens", "tokenize_corpus"]
 
@@ -78,9 +82,20 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
 
     device = ep.groups.device
     precision = args.dtype if args.dtype != "auto" else ("mixed" if device.type == "cuda" else "float32")
-    tm = ThunderMoE.from_pretrained(args.model, ep, dtype=torch.float32 if precision == "mixed" else
+    # mixed: load as stored; what trains becomes float32 below, frozen weights keep the stored dtype
+    tm = ThunderMoE.from_pretrained(args.model, ep, dtype=_stored_dtype(args.model) if precision == "mixed" else
                                     getattr(torch, precision), device=device,
                                     experts_implementation=args.experts_implementation)
+    trainable = select_trainable(tm, args.freeze)
+    if precision == "mixed":
+        for p in trainable:
+            p.data = p.data.float()
+    if args.gradient_checkpointing:
+        tm.gradient_checkpointing_enable()
+    plan = memory_plan(tm, device, world)
+    if rank == 0 and not args.quiet:
+        print(plan.describe(), flush=True)
+    plan.check()  # collective: every rank raises the same error, before any training collective
 
     def compute():  # mixed: float32 weights (and AdamW's updates on them), bfloat16 products
         if precision == "mixed":
@@ -107,7 +122,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         return total.item() / world
 
     sync = GradSync(tm, ep, SyncConfig(mode=args.sync, delta_steps=args.delta_steps))
-    optimizer = torch.optim.AdamW(tm.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     first = 0
     if args.checkpoint and (Path(args.checkpoint) / "manifest.json").is_file():  # resume where it stopped
         first = load_checkpoint(args.checkpoint, tm, optimizer)["step"]
@@ -148,6 +163,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
               # step or a kernel compiled for a new shape mid-run (a 2.7 s step seen on 2 H200s)
               "steady_tokens_per_s": tokens_per_step / max(statistics.median(step_seconds), 1e-9) if done else None,
               "step_seconds": step_seconds, "train_losses": losses,
+              "memory": dataclasses.asdict(plan),
               "eval_loss_before": eval_before, "eval_loss_after": eval_after,
               "args": {k: v for k, v in vars(args).items() if k not in ("model", "out")}}
     if rank == 0:
@@ -169,11 +185,105 @@ def _save_dtype(args: argparse.Namespace) -> torch.dtype:
     """--save-dtype, or with "auto" the dtype the input checkpoint's config names (float32 if none)."""
     if args.save_dtype != "auto":
         return getattr(torch, args.save_dtype)
+    return _stored_dtype(args.model)
+
+
+def _stored_dtype(model_dir: str) -> torch.dtype:
+    """The dtype the checkpoint's config names (float32 if none)."""
     from transformers import AutoConfig
 
     from .hf.load import _resolve_dtype  # the reading `from_pretrained` makes of the same config
 
-    return _resolve_dtype(None, AutoConfig.from_pretrained(args.model, local_files_only=True))
+    return _resolve_dtype(None, AutoConfig.from_pretrained(model_dir, local_files_only=True))
+
+
+def select_trainable(tm, patterns: list[str] | None) -> list[torch.nn.Parameter]:
+    """Freeze the parameters whose name (transformers' name in the model, e.g.
+    `model.layers.0.mlp.experts.gate_up_proj`) matches any of the regular expressions `patterns`
+    (`re.search`); return the others, which train. ConfigError when a pattern matches nothing or
+    nothing is left to train: both name the patterns."""
+    named = list(tm.model.named_parameters())
+    compiled = [(p, re.compile(p)) for p in patterns or []]
+    unused = [p for p, rx in compiled if not any(rx.search(name) for name, _ in named)]
+    if unused:
+        raise ConfigError(f"--freeze {' '.join(unused)} matches no parameter; names look like "
+                          f"{', '.join(name for name, _ in named[:3])}, ...")
+    trainable = []
+    for name, param in named:
+        frozen = any(rx.search(name) for _, rx in compiled)
+        param.requires_grad_(not frozen)
+        if not frozen:
+            trainable.append(param)
+    if not trainable:
+        raise ConfigError(f"--freeze {' '.join(patterns)} freezes every parameter: nothing would train")
+    return trainable
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """What one rank holds for training, in bytes, against what its device has free.
+
+    weights: every parameter as loaded (this rank's experts and the replicated weights); trainable:
+    the parameters that train; grads, adamw: their gradients and AdamW's two moments; sync: the flat
+    buffers GradSync all-reduces the replicated gradients in (held with the gradients while they are
+    in flight); free: the device's free memory after loading (CPU: the host's available memory over
+    the ranks of this host, which share it). `short`: the largest shortfall over the ranks, the same
+    on every rank (`check` raises on all of them). Activations come on top and are not counted."""
+
+    rank: int
+    device: str
+    weights: int
+    trainable: int
+    grads: int
+    adamw: int
+    sync: int
+    free: int
+    short: int = 0
+
+    @property
+    def need(self) -> int:
+        return self.grads + self.adamw + self.sync
+
+    def describe(self) -> str:
+        gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+        return (f"memory per rank (rank {self.rank}, {self.device}): weights {gb(self.weights)} (of which "
+                f"training {gb(self.trainable)}); training adds gradients {gb(self.grads)}, AdamW state "
+                f"{gb(self.adamw)}, gradient sync buffers up to {gb(self.sync)}: {gb(self.need)} plus "
+                f"activations; {gb(self.free)} free")
+
+    def check(self) -> None:
+        if self.short > 0:
+            raise ConfigError(
+                f"not enough memory to train: a rank needs {self.short / 1e9:.2f} GB more than it has free "
+                f"({self.describe()}). Freeze what need not train (--freeze experts, or other name "
+                "patterns), keep the weights in bfloat16 (--dtype bfloat16: half the weights, gradients and "
+                "AdamW state, but small steps are lost), or spread the experts over more ranks (--ep)")
+
+
+def memory_plan(tm, device: torch.device, world: int, free: int | None = None) -> MemoryPlan:
+    """This rank's `MemoryPlan` (collective: the shortfall is all-reduced). free: override the free
+    bytes (default: `torch.cuda.mem_get_info` on CUDA, psutil's available memory / ranks on CPU)."""
+    import torch.distributed as dist
+
+    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    trainable = [p for p in tm.parameters() if p.requires_grad]
+    experts = {id(p) for p in tm.expert_parameters()}
+    plan = MemoryPlan(rank=dist.get_rank() if dist.is_initialized() else 0, device=str(device),
+                      weights=size(tm.parameters()), trainable=size(trainable), grads=size(trainable),
+                      adamw=2 * size(trainable), sync=size(p for p in trainable if id(p) not in experts), free=0)
+    if free is None:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available // world  # the ranks of this host share it
+    plan.free = free
+    short = torch.tensor([max(0, plan.need - free)], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(short, op=dist.ReduceOp.MAX)
+    plan.short = int(short.item())
+    return plan
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -218,6 +328,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--experts-implementation", default=None,
                    help="what computes each rank's experts: the model's own transformers function (default), "
                         "another one (grouped_mm, eager, ...), or triton (ThunderEP's kernels, CUDA)")
+    p.add_argument("--freeze", nargs="+", metavar="PATTERN",
+                   help="train only the rest: parameters whose name matches a pattern (a regular expression, "
+                        "searched in transformers' names such as model.layers.0.mlp.experts.gate_up_proj) get "
+                        "no gradient and no AdamW state, and under --dtype mixed stay in the checkpoint's dtype. "
+                        "E.g. --freeze experts (the routed and shared experts), --freeze embed_tokens lm_head")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each decoder layer's activations in backward instead of keeping them "
+                        "(less memory for long sequences, about one more forward of time); the MoE layers "
+                        "dispatch again in the recomputation")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="save a resumable checkpoint here (model, AdamW state, step) every --checkpoint-every "
                         "steps and at the end; a run that finds one there resumes from it")
@@ -254,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--dtype must be auto, mixed, float32, bfloat16 or float16, got {args.dtype!r}")
     if args.save_dtype not in ("auto", "float32", "bfloat16", "float16"):
         problems.append(f"--save-dtype must be auto, float32, bfloat16 or float16, got {args.save_dtype!r}")
+    for pattern in args.freeze or []:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            problems.append(f"--freeze {pattern!r} is not a regular expression ({exc})")
     missing = [f for f in args.data or [] if not Path(f).is_file()]
     if missing:
         problems.append(f"--data: no such file: {', '.join(missing)}")

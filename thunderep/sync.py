@@ -88,7 +88,8 @@ def replica_groups(ep, placement, params: list[nn.Parameter], timeout: datetime.
             for slot, expert in enumerate(placement.experts_of(groups.ep_rank)):
                 if expert == e:
                     for p in params:
-                        out.append((p, slot, made[ranks]))
+                        if p.requires_grad:  # a frozen tensor has no gradient to sum
+                            out.append((p, slot, made[ranks]))
     return out
 
 

@@ -249,12 +249,45 @@ class ThunderMoE(nn.Module):
         if mode != "auto" and mode not in MODES:
             raise ConfigError(f"mode must be one of auto, {', '.join(MODES)}; got {mode!r}")
         resolved = ("latency" if replicated else "auto") if mode == "auto" else mode
+        with self._mode(resolved):
+            yield self
+
+    @contextlib.contextmanager
+    def _mode(self, resolved: str):
         previous = self._state.mode
         self._state.mode = resolved
         try:
-            yield self
+            yield
         finally:
             self._state.mode = previous
+
+    def gradient_checkpointing_enable(self, every_n_layers: int = 1) -> None:
+        """transformers' activation checkpointing of the decoder layers (activations recomputed in backward
+        instead of kept), made safe for expert parallelism.
+
+        torch's non-reentrant checkpoint recomputes a layer when backward first needs it, after this
+        model's forward has returned, so the layer's MoE call would run in mode "auto" instead of the
+        mode its forward ran in (and a different mode keeps different tensors). A `context_fn` puts the
+        forward's mode back around each recomputation. The recomputation dispatches again: every rank
+        recomputes the same layers in the same order, so the collectives pair up. `every_n_layers`:
+        checkpoint only every n-th layer (transformers 5.2x; must be 1 on versions without it)."""
+        def context_fn():
+            return contextlib.nullcontext(), self._mode(self._state.mode)
+
+        kwargs = {"use_reentrant": False, "context_fn": context_fn}
+        enable = getattr(self.model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+        elif every_n_layers != 1:
+            raise ConfigError(f"every_n_layers={every_n_layers} needs a transformers version with "
+                              "activation_checkpointing_enable (5.2x); this one checkpoints every layer")
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        disable = getattr(self.model, "activation_checkpointing_disable", None) \
+            or self.model.gradient_checkpointing_disable
+        disable()
 
     def forward(self, *args, mode: str = "auto", replicated: bool = False, **kwargs):
         """The Hugging Face model's forward. replicated=True: every EP rank passes the same inputs."""
