@@ -334,6 +334,14 @@ def test_freeze_patterns_and_memory_shortfall_are_named():
     with pytest.raises(ConfigError, match=rf"a rank needs {plan.short / 1e9:.2f} GB more than it has free .*--freeze "
                                           r"experts.*--dtype bfloat16.*--ep"):
         plan.check()
+    from thunderep.finetune import _memory_hint, parse_args
+
+    args = parse_args(["--model", "m", "--out", "o", "--batch", "3", "--seq-len", "40"])
+    with pytest.raises(ConfigError, match=r"out of memory in training step 5 on rank 0 \(cpu\), 3 x 40 tokens per "
+                                          r"rank; before training: memory per rank.*--gradient-checkpointing.*"
+                                          r"CUDA out of memory. Tried"):
+        with _memory_hint(args, 4, plan):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
 def test_finetune_command_mixed_precision_keeps_small_steps(tmp_path):

@@ -135,11 +135,12 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     for step in range(first, args.steps):
         ids = batch_at(train_tokens, args.seed, rank, step, args.batch, args.seq_len).to(device)
         optimizer.zero_grad(set_to_none=True)
-        with compute():
-            loss = tm(input_ids=ids, labels=ids, mode="ep").loss
-        loss.backward()
-        sync.finish()
-        optimizer.step()
+        with _memory_hint(args, step, plan):
+            with compute():
+                loss = tm(input_ids=ids, labels=ids, mode="ep").loss
+            loss.backward()
+            sync.finish()
+            optimizer.step()
         sync.after_step()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
@@ -179,6 +180,20 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
             print(f"[thunderep] {done} steps, {result['tokens']} tokens in {seconds:.1f} s "
                   f"({result['tokens_per_s']:,.0f} tokens/s{steady}){trained}{held}; wrote {out}", flush=True)
     return result
+
+
+@contextlib.contextmanager
+def _memory_hint(args: argparse.Namespace, step: int, plan: "MemoryPlan"):
+    """Turn running out of device memory in a training step into a ConfigError that says where and what
+    to change (the other ranks then fail at their next collective, within --timeout)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        raise ConfigError(
+            f"out of memory in training step {step + 1} on rank {plan.rank} ({plan.device}), "
+            f"{args.batch} x {args.seq_len} tokens per rank; before training: {plan.describe()}. The activations "
+            "grow with --batch x --seq-len: lower them, or add --gradient-checkpointing; or train less "
+            f"(--freeze) ({str(exc).splitlines()[0][:200]})") from exc
 
 
 def _save_dtype(args: argparse.Namespace) -> torch.dtype:
