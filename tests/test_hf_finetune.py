@@ -123,10 +123,12 @@ def tiny_state(family: str) -> dict:
 TEXT = "Expert parallelism on PCIe: every rank holds its own experts and trades rows. " * 60  # > 4096 bytes
 
 
-def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freeze: str | None = None):
+def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freeze: str | None = None,
+                     lora_rank: int = 0):
     """The plain model trained in one process as `thunderep finetune --ep 2 --batch 2 --seq-len 12
     --lr 1e-3` trains it: AdamW on the mean of the two ranks' losses, on the batches they draw; the
-    parameters whose name matches `freeze` left out."""
+    parameters whose name matches `freeze` left out; with `lora_rank`, adapters trained instead (seed
+    0, as the command draws them) and merged at the end."""
     from hf_tiny import V
     from transformers import AutoModelForCausalLM
 
@@ -137,12 +139,20 @@ def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freez
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     params = [p for name, p in model.named_parameters() if not (freeze and re.search(freeze, name))]
+    if lora_rank:
+        from thunderep.lora import apply_lora
+
+        params = apply_lora(model, rank=lora_rank, seed=0)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     for step in range(steps):
         opt.zero_grad()
         batches = [batch_at(tokens, 0, r, step, 2, 12) for r in range(2)]
         torch.stack([model(input_ids=b, labels=b).loss for b in batches]).mean().backward()
         opt.step()
+    if lora_rank:
+        from thunderep.lora import merge_lora
+
+        merge_lora(model)
     return model
 
 
@@ -156,7 +166,7 @@ def test_finetune_command_rejects_bad_arguments(tmp_path, capsys):
     for line in ("--steps must be at least 1, got 0", "--lr must be positive", "is not a checkpoint directory",
                  "--out must differ from --model", "no such file", "--eval-batches must be 0 or more",
                  "--checkpoint must differ from --out and --model", "--checkpoint-every must be at least 1",
-                 "--freeze 'layers.(0' is not a regular expression"):
+                 "'layers.(0' is not a regular expression"):
         assert line in err
 
 
@@ -306,6 +316,33 @@ def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_
         if ".experts." in key:
             assert torch.equal(got[key], start[key]), key
     assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"], start["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, capfd):
+    """--lora-rank 4 on 2 ranks: 2 steps with --checkpoint, then the same command for 3 steps resumes
+    there; the written checkpoint is the plain family (adapters merged) and equals one process training
+    the same adapters; only attention weights changed."""
+    from hf_tiny import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    from thunderep.cli import main as cli
+
+    model_dir = save_tiny("qwen3_moe", tmp_path / "model")
+    (tmp_path / "notes.txt").write_text(TEXT)
+    common = ["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
+              "--seq-len", "12", "--lr", "1e-3", "--cpu", "--eval-batches", "0", "--lora-rank", "4",
+              "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--quiet"]
+    assert cli(common + ["--steps", "2", "--out", str(tmp_path / "first")]) == 0
+    assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")]) == 0
+    start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    for out, steps in (("first", 2), ("resumed", 3)):
+        want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=steps,
+                                lora_rank=4).state_dict()
+        got = AutoModelForCausalLM.from_pretrained(str(tmp_path / out), dtype=torch.float32).state_dict()
+        assert got.keys() == want.keys() == start.keys()
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{out}, {key}: {m}")
+            assert torch.equal(got[key], start[key]) == ("self_attn" not in key or "norm" in key), (out, key)
 
 
 def test_freeze_patterns_and_memory_shortfall_are_named():

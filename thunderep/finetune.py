@@ -10,7 +10,11 @@ step, or `--sync delta`). The objective is the mean of the ranks' losses, as wit
 the weights and AdamW stay in float32 and autocast runs the products in bfloat16, the experts'
 included (`--dtype mixed`; ThunderEP casts the local expert weights for the experts call and sends
 the rows in bfloat16): AdamW on bfloat16 weights would lose the small steps fine-tuning takes
-(`--dtype bfloat16` trades them for speed and half the weight memory). At the
+(`--dtype bfloat16` trades them for speed and half the weight memory). To fit small cards:
+`--freeze PATTERN...` trains only the rest, `--lora-rank R` trains low-rank adapters on the attention
+projections instead of any weight (`thunderep.lora`; merged into the written checkpoint), and
+`--gradient-checkpointing` recomputes activations in backward. Before the first step each rank prints
+its memory plan and all stop with a named shortfall if it does not fit. At the
 end the experts are gathered to rank 0, which writes OUT_DIR with transformers' `save_pretrained`
 (in DIR's dtype, plus its tokenizer files, and `thunderep_finetune.json`: the losses, the held-out
 loss before and after, each step's time, tokens/s overall and at the median step, the arguments): `thunderep generate --model OUT_DIR` and
@@ -86,10 +90,16 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     tm = ThunderMoE.from_pretrained(args.model, ep, dtype=_stored_dtype(args.model) if precision == "mixed" else
                                     getattr(torch, precision), device=device,
                                     experts_implementation=args.experts_implementation)
-    trainable = select_trainable(tm, args.freeze)
-    if precision == "mixed":
-        for p in trainable:
-            p.data = p.data.float()
+    if args.lora_rank:  # adapters on the attention projections (or --lora-targets); everything else frozen
+        from .lora import apply_lora
+
+        trainable = apply_lora(tm.model, args.lora_targets, args.lora_rank, args.lora_alpha, seed=args.seed,
+                               dtype=torch.float32 if precision in ("mixed", "float32") else getattr(torch, precision))
+    else:
+        trainable = select_trainable(tm, args.freeze)
+        if precision == "mixed":
+            for p in trainable:
+                p.data = p.data.float()
     if args.gradient_checkpointing:
         tm.gradient_checkpointing_enable()
     plan = memory_plan(tm, device, world)
@@ -155,6 +165,10 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     sync.close()
     eval_after = evaluate()
     tm.eval()
+    if args.lora_rank:
+        from .lora import merge_lora
+
+        merge_lora(tm.model)  # the adapters folded into their layers: a plain checkpoint of the family
     out = export_hf(args.out, tm, dtype=_save_dtype(args))
     done = args.steps - first  # this run's steps (after a resume: those since the checkpoint)
     result = {"model": str(Path(args.model).absolute()), "ranks": world, "steps": args.steps, "first_step": first,
@@ -348,6 +362,13 @@ def _parser() -> argparse.ArgumentParser:
                         "searched in transformers' names such as model.layers.0.mlp.experts.gate_up_proj) get "
                         "no gradient and no AdamW state, and under --dtype mixed stay in the checkpoint's dtype. "
                         "E.g. --freeze experts (the routed and shared experts), --freeze embed_tokens lm_head")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train low-rank adapters (LoRA) of this rank instead of the weights, which all stay "
+                        "frozen (0: full fine-tuning); the adapters are merged into the written checkpoint")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default 2 x rank)")
+    p.add_argument("--lora-targets", nargs="+", metavar="PATTERN",
+                   help="linear layers to adapt, regular expressions searched in their names (default: the "
+                        "attention projections, e.g. model.layers.0.self_attn.q_proj)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each decoder layer's activations in backward instead of keeping them "
                         "(less memory for long sequences, about one more forward of time); the MoE layers "
@@ -388,11 +409,18 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--dtype must be auto, mixed, float32, bfloat16 or float16, got {args.dtype!r}")
     if args.save_dtype not in ("auto", "float32", "bfloat16", "float16"):
         problems.append(f"--save-dtype must be auto, float32, bfloat16 or float16, got {args.save_dtype!r}")
-    for pattern in args.freeze or []:
+    if args.lora_rank < 0:
+        problems.append(f"--lora-rank must be 0 (off) or more, got {args.lora_rank}")
+    if args.lora_rank and args.freeze:
+        problems.append("--freeze and --lora-rank do not mix: with LoRA every weight is frozen and only the "
+                        "adapters train (choose them with --lora-targets)")
+    if (args.lora_targets or args.lora_alpha is not None) and not args.lora_rank:
+        problems.append("--lora-targets / --lora-alpha need --lora-rank")
+    for pattern in (args.freeze or []) + (args.lora_targets or []):
         try:
             re.compile(pattern)
         except re.error as exc:
-            problems.append(f"--freeze {pattern!r} is not a regular expression ({exc})")
+            problems.append(f"{pattern!r} is not a regular expression ({exc})")
     missing = [f for f in args.data or [] if not Path(f).is_file()]
     if missing:
         problems.append(f"--data: no such file: {', '.join(missing)}")
