@@ -133,11 +133,11 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
     tm = ThunderMoE.from_pretrained(path, ep, dtype=dtype, experts_implementation=args.experts_implementation)
     tm_opt = torch.optim.AdamW(tm.parameters(), lr=1e-5)
     grad_sync = None
-    if world > 1 and args.grad_sync == "bucketed":  # buckets all-reduced while backward still runs
+    if world > 1 and args.grad_sync != "plain":  # buckets all-reduced while backward still runs
         from thunderep import SyncConfig
         from thunderep.sync import GradSync
 
-        grad_sync = GradSync(tm, ep, SyncConfig())
+        grad_sync = GradSync(tm, ep, SyncConfig(grad_dtype=args.grad_dtype))
     systems["thunderep"] = dict(model=tm, opt=tm_opt, mode="ep", shared=False)
     if world > 1:
         systems["allgather"] = dict(model=tm, opt=tm_opt, mode="allgather", shared=False)
@@ -177,6 +177,9 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
         def step():
             opt.zero_grad(set_to_none=True)
             model(input_ids=batch, labels=batch, **extra).loss.backward()
+            if s["mode"] and grad_sync is not None and args.grad_sync == "overlapped":
+                grad_sync.step_optimizer(opt)  # the last bucket's all-reduce behind the optimizer step
+                return
             if s["mode"] and world > 1:
                 # The gradient sync's exposed time: how long the compute stream waits for it after
                 # backward (CUDA events; the waits are stream-ordered, so the host cannot see it).
@@ -393,9 +396,14 @@ def main(argv=None) -> int:
     p.add_argument("--experts-implementation", default=None,
                    help="what computes ThunderEP's local experts: the model's transformers function (default) "
                         "or triton (ThunderEP's kernels; decode shares then use the pair kernels)")
-    p.add_argument("--grad-sync", choices=("plain", "bucketed"), default="bucketed",
+    p.add_argument("--grad-sync", choices=("plain", "bucketed", "overlapped"), default="bucketed",
                    help="ThunderEP's gradient sync: bucketed (thunderep.sync.GradSync, buckets all-reduced while "
-                        "backward runs; default) or plain (ThunderMoE.all_reduce_grads after backward)")
+                        "backward runs; default), overlapped (the same, and the last bucket's all-reduce behind "
+                        "the optimizer step: GradSync.step_optimizer; no exposed-time row) or plain "
+                        "(ThunderMoE.all_reduce_grads after backward)")
+    p.add_argument("--grad-dtype", choices=("bfloat16", "float16"), default=None,
+                   help="all-reduce the replicated gradients in this dtype (SyncConfig.grad_dtype; default: "
+                        "their own)")
     p.add_argument("--profile", metavar="DIR", help="also profile one batch decode per system (rank 0's "
                    "operator tables in DIR/profile-<R>gpu.txt)")
     args = p.parse_args(argv)
@@ -422,7 +430,7 @@ def main(argv=None) -> int:
           f"{transformers.__version__}, {platform.machine()}")
     print(f"train: {args.batch} x {args.seq_len} tokens per GPU; decode: {args.gen_batch} prompts of "
           f"{args.prompt_len} per GPU, {args.new_tokens} new tokens; ThunderEP control plane: {args.control}, "
-          f"gradient sync: {args.grad_sync}"
+          f"gradient sync: {args.grad_sync}{f' in {args.grad_dtype}' if args.grad_dtype else ''}"
           f"{f', mailbox backoff {args.mailbox_backoff} us' if args.mailbox_backoff else ''}",
           flush=True)
     summaries, raw = {}, {}

@@ -49,7 +49,8 @@ def _ddp_case(rank, world):
     return [(a.detach(), b.detach()) for a, b in zip(ours.parameters(), ref.parameters())], sync.stats.total_bytes
 
 
-def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer="adamw", ep_size=None):
+def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer="adamw", ep_size=None,
+           overlapped=False):
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
     from thunderep.sync import GradSync
@@ -64,9 +65,12 @@ def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer=
         opt.zero_grad()
         loss = model.loss(ids[rank * B:(rank + 1) * B])
         loss.backward()
-        sync.finish()
-        opt.step()
-        sync.after_step()
+        if overlapped:  # the last bucket's all-reduce behind the optimizer step
+            sync.step_optimizer(opt)
+        else:
+            sync.finish()
+            opt.step()
+            sync.after_step()
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     local = {i: layer.local_experts for i, layer in enumerate(model.moe_layers())}
@@ -102,8 +106,10 @@ def _compare_to_single(results, ref, rtol=1e-5, atol=1e-5):
 def _cases(rank, world):
     E = MODEL.num_experts
     redundant = [Placement.contiguous(E, world, slots_per_rank=E // world + 1)] * MODEL.num_layers
+    small = SyncConfig(bucket_mb=0.002)  # several buckets
+    overlap = {"buckets": _train(rank, world, 3, small), "buckets_step": _train(rank, world, 3, small, overlapped=True)}
     if world > 2:  # delta mode is rank-count agnostic; 4 ranks on 2 cores are slow
-        return {"every_step": _train(rank, world, 3, SyncConfig()),
+        return {**overlap, "every_step": _train(rank, world, 3, SyncConfig()),
                 "replicas": _train(rank, world, 3, SyncConfig(), placements=redundant),
                 "ep2_dp2": _train(rank, world, 3, SyncConfig(), ep_size=2)}
     return {
@@ -111,7 +117,9 @@ def _cases(rank, world):
         "replicas": _train(rank, world, 3, SyncConfig(), placements=redundant),
         "delta_h1_is_averaging": _train(rank, world, 3, SyncConfig(mode="delta", delta_steps=1, outer_lr=1.0,
                                         outer_momentum=0.0, delta_dtype="float32"), lr=0.1, optimizer="sgd"),
+        **overlap,
         "every_step_sgd": _train(rank, world, 3, SyncConfig(), lr=0.1, optimizer="sgd"),
+        "bf16_grads_sgd": _train(rank, world, 3, SyncConfig(grad_dtype="bfloat16"), lr=0.1, optimizer="sgd"),
         "delta_h2_warmup": _train(rank, world, 8, SyncConfig(mode="delta", delta_steps=2, warmup_steps=2)),
         "delta_h2_overlap": _train(rank, world, 6, SyncConfig(mode="delta", delta_steps=2, overlap=True)),
     }
@@ -125,6 +133,30 @@ def cases(world):
         per_rank = run_ranks(_cases, world, timeout=300)
         _CACHE[world] = {k: [r[k] for r in per_rank] for k in per_rank[0]}
     return _CACHE[world]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_step_overlapping_the_last_bucket_equals_finish_then_step(world):
+    """GradSync.step_optimizer(optimizer) (the last bucket's all-reduce behind a first optimizer step) leaves
+    exactly the parameters of finish(); optimizer.step(); after_step(), and one process's."""
+    res = cases(world)
+    for ours, plain in zip(res["buckets_step"], res["buckets"]):
+        assert ours["params"].keys() == plain["params"].keys()
+        for name, p in ours["params"].items():
+            assert torch.equal(p, plain["params"][name]), name
+        assert [h[1] for h in ours["history"]] == [h[1] for h in plain["history"]]
+    _compare_to_single(res["buckets_step"], _single_process(world, 3))
+
+
+def test_bfloat16_gradient_all_reduce_halves_the_bytes_and_stays_close():
+    """SyncConfig(grad_dtype="bfloat16"): the replicated gradients go over the wire in bfloat16 (half the
+    bytes of float32) and SGD lands within bfloat16 rounding of one process's result."""
+    res = cases(2)
+    for ours, plain in zip(res["bf16_grads_sgd"], res["every_step_sgd"]):
+        expert = ours["expert_bytes"]
+        assert [h[1] for h in ours["history"]] == [(h[1] - expert // 3) // 2 + expert // 3 for h in plain["history"]]
+        assert any(not torch.equal(p, plain["params"][n]) for n, p in ours["params"].items())
+    _compare_to_single(res["bf16_grads_sgd"], _single_process(2, 3, lr=0.1, optimizer="sgd"), rtol=1e-2, atol=1e-3)
 
 
 def test_every_step_equals_torch_ddp():

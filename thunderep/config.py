@@ -340,6 +340,9 @@ class SyncConfig:
         "delta" (H = `delta_steps` local optimizer steps, then an all-reduce of the parameter change
         and an outer Nesterov-momentum SGD step, DiLoCo-style).
     bucket_mb: gradient bucket size for "every_step".
+    grad_dtype: wire dtype of the "every_step" gradient all-reduce: None (the gradients' own dtype) or
+        "bfloat16" / "float16" (half the bytes for float32 gradients, as DDP's compression hook; the
+        averaged gradient is rounded to that dtype, and comes back in the gradients' dtype).
     delta_dtype: wire dtype of the delta all-reduce: "float32", "bfloat16" or "float16".
     outer_lr, outer_momentum: the outer step, SGD with Nesterov momentum on the averaged change.
         Default 1.0 and 0.0: plain parameter averaging. DiLoCo's 0.7 and 0.9 suit windows of hundreds
@@ -350,6 +353,7 @@ class SyncConfig:
 
     mode: str = "every_step"
     bucket_mb: float = 4.0
+    grad_dtype: str | None = None
     delta_steps: int = 16
     delta_dtype: str = "bfloat16"
     outer_lr: float = 1.0
@@ -360,6 +364,8 @@ class SyncConfig:
     def __post_init__(self) -> None:
         _choice("SyncConfig.mode", self.mode, ("every_step", "delta"))
         _choice("SyncConfig.delta_dtype", self.delta_dtype, ("float32", "bfloat16", "float16"))
+        if self.grad_dtype is not None:
+            _choice("SyncConfig.grad_dtype", self.grad_dtype, ("float32", "bfloat16", "float16"))
         _positive("SyncConfig.delta_steps", self.delta_steps)
         for name in ("bucket_mb", "outer_lr", "outer_momentum"):
             _finite(f"SyncConfig.{name}", getattr(self, name))

@@ -210,6 +210,8 @@ class GradSync:
                 return
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
             bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+            if self.config.grad_dtype is not None:
+                bucket.flat = bucket.flat.to(_DTYPES[self.config.grad_dtype])
             bucket.started = time.perf_counter()
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
             self._next_launch += 1
@@ -224,21 +226,63 @@ class GradSync:
         if self.syncing_grads:
             self._launch_ready(force=True)
             for bucket in self._buckets:
-                self._wait(bucket.work, "gradient all-reduce", bucket.flat.is_cuda)
-                self.stats.record(bucket.flat.numel() * bucket.flat.element_size(),
-                                  time.perf_counter() - bucket.started)
-                bucket.flat.div_(self.world)
-                offset = 0
-                for p in bucket.params:
-                    n = p.numel()
-                    p.grad = bucket.flat[offset:offset + n].view_as(p).to(p.dtype)
-                    offset += n
-                bucket.ready, bucket.flat, bucket.work = 0, None, None
+                self._complete(bucket)
             self._next_launch = 0
         elif self._anchor is None and self.world > 1:  # the first delta window starts with this step's parameters
             self._anchor = [p.detach().clone() for p in self.replicated]
             self._momentum = [torch.zeros_like(p) for p in self._anchor]
         self._sync_experts()
+
+    def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """`finish()`, `optimizer.step()` and `after_step()` in one call, with the last bucket's
+        all-reduce overlapped with the optimizer: its parameters are updated in a second
+        `optimizer.step()` once it is in, the others in a first one while it is still on the wire.
+        The last bucket becomes ready last (at the end of backward: in a language model, the input
+        embedding's gradient), so nothing but the optimizer is left to hide it behind.
+
+        For optimizers that update each parameter from its own gradient and state (SGD, Adam, AdamW,
+        ...: torch's skip parameters without a gradient): the same result as the three calls. Not for
+        code that needs every gradient at once between sync and step (clipping by the global norm:
+        use the three calls). Every step hook of `optimizer` runs twice."""
+        if not self.syncing_grads or len(self._buckets) < 2:
+            self.finish()
+            optimizer.step()
+            self.after_step()
+            return
+        self._launch_ready(force=True)
+        *early, last = self._buckets
+        for bucket in early:
+            self._complete(bucket)
+        self._next_launch = 0
+        self._sync_experts()
+        late = {id(p) for p in last.params}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        held = [(p, p.grad) for p in params if id(p) in late]
+        for p, _ in held:
+            p.grad = None
+        optimizer.step()  # everything but the last bucket, while it is still being all-reduced
+        for p, g in held:
+            p.grad = g
+        self._complete(last)
+        held = [(p, p.grad) for p in params if id(p) not in late]
+        for p, _ in held:
+            p.grad = None
+        optimizer.step()  # the last bucket's parameters
+        for p, g in held:
+            p.grad = g
+        self.after_step()
+
+    def _complete(self, bucket: _Bucket) -> None:
+        """Wait for a bucket's all-reduce and point its parameters' gradients at the averaged values."""
+        self._wait(bucket.work, "gradient all-reduce", bucket.flat.is_cuda)
+        self.stats.record(bucket.flat.numel() * bucket.flat.element_size(), time.perf_counter() - bucket.started)
+        bucket.flat.div_(self.world)
+        offset = 0
+        for p in bucket.params:
+            n = p.numel()
+            p.grad = bucket.flat[offset:offset + n].view_as(p).to(p.dtype)
+            offset += n
+        bucket.ready, bucket.flat, bucket.work = 0, None, None
 
     def _sync_experts(self) -> None:
         for p in self.expert_params:
