@@ -308,6 +308,8 @@ def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_
     assert memory["trainable"] < memory["weights"] and memory["grads"] == memory["trainable"]
     assert memory["adamw"] == 2 * memory["trainable"] and f"(of which training {memory['trainable'] / 1e9:.2f} GB)" \
         in printed
+    assert record["peak_bytes"] > memory["weights"] and f"peak memory of a rank {record['peak_bytes'] / 1e9:.2f} GB" \
+        in printed
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=3, freeze="experts").state_dict()
     got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).state_dict()

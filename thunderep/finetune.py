@@ -162,6 +162,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args.checkpoint, tm, optimizer, step=step + 1)
     seconds = time.perf_counter() - started
+    peak = _peak_bytes(device)  # the largest over the ranks, weights and activations included
     sync.close()
     eval_after = evaluate()
     tm.eval()
@@ -178,7 +179,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
               # step or a kernel compiled for a new shape mid-run (a 2.7 s step seen on 2 H200s)
               "steady_tokens_per_s": tokens_per_step / max(statistics.median(step_seconds), 1e-9) if done else None,
               "step_seconds": step_seconds, "train_losses": losses,
-              "memory": dataclasses.asdict(plan),
+              "memory": dataclasses.asdict(plan), "peak_bytes": peak,
               "eval_loss_before": eval_before, "eval_loss_after": eval_after,
               "args": {k: v for k, v in vars(args).items() if k not in ("model", "out")}}
     if rank == 0:
@@ -192,8 +193,26 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
             steady = (f", {result['steady_tokens_per_s']:,.0f} at the median step"
                       if result["steady_tokens_per_s"] else "")
             print(f"[thunderep] {done} steps, {result['tokens']} tokens in {seconds:.1f} s "
-                  f"({result['tokens_per_s']:,.0f} tokens/s{steady}){trained}{held}; wrote {out}", flush=True)
+                  f"({result['tokens_per_s']:,.0f} tokens/s{steady}){trained}{held}; peak memory of a rank "
+                  f"{peak / 1e9:.2f} GB; wrote {out}", flush=True)
     return result
+
+
+def _peak_bytes(device: torch.device) -> int:
+    """The largest peak memory over the ranks (collective): CUDA's peak allocation, or on CPU the
+    process's peak resident size."""
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    t = torch.tensor([peak], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 @contextlib.contextmanager
