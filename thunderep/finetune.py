@@ -44,7 +44,8 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["batch_at", "finetune_on_rank", "main", "parse_args", "split_tokens", "tokenize_corpus"]
+__all__ = ["MemoryPlan", "batch_at", "finetune_on_rank", "main", "memory_plan", "parse_args", "select_trainable",
+           "split_tokens", "tokenize_corpus"]
 
 
 def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
@@ -143,6 +144,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     losses, step_seconds, started = [], [], time.perf_counter()
     tokens_per_step = args.batch * args.seq_len * world
     for step in range(first, args.steps):
+        step_started = time.perf_counter()
         ids = batch_at(train_tokens, args.seed, rank, step, args.batch, args.seq_len).to(device)
         optimizer.zero_grad(set_to_none=True)
         with _memory_hint(args, step, plan):
@@ -155,7 +157,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)  # .item() waits for the step: the step times below are real
-        step_seconds.append(time.perf_counter() - started - sum(step_seconds))
+        step_seconds.append(time.perf_counter() - step_started)
         if rank == 0 and not args.quiet and (step % max(1, args.steps // 20) == 0 or step == args.steps - 1):
             rate = tokens_per_step * len(losses) / (time.perf_counter() - started)
             print(f"step {step + 1}/{args.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s)", flush=True)

@@ -17,6 +17,7 @@ ranks' losses (as torch DDP does). Then:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from dataclasses import dataclass, field
@@ -118,6 +119,19 @@ def sum_replica_grads(replicas: list, wait=None) -> int:
             offset += g.numel()
         total += flat.numel() * flat.element_size()
     return total
+
+
+@contextlib.contextmanager
+def _grads_set_aside(params):
+    """Within the block the parameters have no gradient (an optimizer step skips them); restored after."""
+    held = [(p, p.grad) for p in params]
+    for p, _ in held:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in held:
+            p.grad = g
 
 
 class _Bucket:
@@ -257,19 +271,11 @@ class GradSync:
         self._sync_experts()
         late = {id(p) for p in last.params}
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        held = [(p, p.grad) for p in params if id(p) in late]
-        for p, _ in held:
-            p.grad = None
-        optimizer.step()  # everything but the last bucket, while it is still being all-reduced
-        for p, g in held:
-            p.grad = g
+        with _grads_set_aside(p for p in params if id(p) in late):
+            optimizer.step()  # everything but the last bucket, while it is still being all-reduced
         self._complete(last)
-        held = [(p, p.grad) for p in params if id(p) not in late]
-        for p, _ in held:
-            p.grad = None
-        optimizer.step()  # the last bucket's parameters
-        for p, g in held:
-            p.grad = g
+        with _grads_set_aside(p for p in params if id(p) not in late):
+            optimizer.step()  # the last bucket's parameters
         self.after_step()
 
     def _complete(self, bucket: _Bucket) -> None:
