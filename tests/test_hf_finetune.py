@@ -124,11 +124,12 @@ TEXT = "Expert parallelism on PCIe: every rank holds its own experts and trades 
 
 
 def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freeze: str | None = None,
-                     lora_rank: int = 0):
+                     lora_rank: int = 0, lora_targets=None):
     """The plain model trained in one process as `thunderep finetune --ep 2 --batch 2 --seq-len 12
     --lr 1e-3` trains it: AdamW on the mean of the two ranks' losses, on the batches they draw; the
     parameters whose name matches `freeze` left out; with `lora_rank`, adapters trained instead (seed
-    0, as the command draws them) and merged at the end."""
+    0, as the command draws them; the model wrapped without expert parallelism, so that its experts
+    can take adapters) and merged at the end."""
     from hf_tiny import V
     from transformers import AutoModelForCausalLM
 
@@ -139,10 +140,13 @@ def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freez
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     params = [p for name, p in model.named_parameters() if not (freeze and re.search(freeze, name))]
+    plain = model
     if lora_rank:
+        from thunderep.hf import ThunderMoE
         from thunderep.lora import apply_lora
 
-        params = apply_lora(model, rank=lora_rank, seed=0)
+        model = ThunderMoE.wrap(model)
+        params = apply_lora(plain, lora_targets, rank=lora_rank, seed=0)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     for step in range(steps):
         opt.zero_grad()
@@ -152,8 +156,8 @@ def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freez
     if lora_rank:
         from thunderep.lora import merge_lora
 
-        merge_lora(model)
-    return model
+        merge_lora(plain)
+    return plain
 
 
 def test_finetune_command_rejects_bad_arguments(tmp_path, capsys):
@@ -321,9 +325,10 @@ def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_
 
 
 def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, capfd):
-    """--lora-rank 4 on 2 ranks: 2 steps with --checkpoint, then the same command for 3 steps resumes
-    there; the written checkpoint is the plain family (adapters merged) and equals one process training
-    the same adapters; only attention weights changed."""
+    """--lora-rank 4 --lora-targets self_attn experts on 2 ranks: 2 steps with --checkpoint, then the
+    same command for 3 steps resumes there; the written checkpoint is the plain family (adapters merged)
+    and equals one process training the same adapters (the experts' adapters live on the ranks holding
+    their experts); only attention weights and experts changed."""
     from hf_tiny import save_tiny
     from transformers import AutoModelForCausalLM
 
@@ -333,18 +338,19 @@ def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, cap
     (tmp_path / "notes.txt").write_text(TEXT)
     common = ["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
               "--seq-len", "12", "--lr", "1e-3", "--cpu", "--eval-batches", "0", "--lora-rank", "4",
-              "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--quiet"]
+              "--lora-targets", "self_attn", "experts", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--quiet"]
     assert cli(common + ["--steps", "2", "--out", str(tmp_path / "first")]) == 0
     assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")]) == 0
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     for out, steps in (("first", 2), ("resumed", 3)):
-        want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=steps,
-                                lora_rank=4).state_dict()
+        want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=steps, lora_rank=4,
+                                lora_targets=["self_attn", "experts"]).state_dict()
         got = AutoModelForCausalLM.from_pretrained(str(tmp_path / out), dtype=torch.float32).state_dict()
         assert got.keys() == want.keys() == start.keys()
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{out}, {key}: {m}")
-            assert torch.equal(got[key], start[key]) == ("self_attn" not in key or "norm" in key), (out, key)
+            adapted = ("self_attn" in key and "norm" not in key) or ".experts." in key
+            assert torch.equal(got[key], start[key]) != adapted, (out, key)
 
 
 def test_freeze_patterns_and_memory_shortfall_are_named():

@@ -56,8 +56,43 @@ def test_the_draw_of_A_depends_on_seed_and_name_only_and_bad_targets_are_named()
     assert all(torch.equal(x, y) for x, y in zip(pa, pb))
     pc = apply_lora(tiny_model("mixtral"), rank=2, seed=4)
     assert not torch.equal(pa[0], pc[0])
-    with pytest.raises(ConfigError, match=r"LoRA targets nope match no linear layer; linear layers are named like "
-                                          r"model\.layers\.0\.self_attn\.q_proj"):
+    with pytest.raises(ConfigError, match=r"LoRA targets nope match no linear layer or expert tensor; they are named "
+                                          r"like model\.layers\.0\.self_attn\.q_proj"):
         apply_lora(tiny_model("mixtral"), ["q_proj", "nope"], rank=2)
     with pytest.raises(ConfigError, match="LoRA rank must be at least 1, got 0"):
         apply_lora(tiny_model("mixtral"), rank=0)
+
+
+def test_expert_adapters_compute_with_the_updated_weights_and_merge_back():
+    """Adapters on a wrapped model's packed expert tensors: the experts compute with W + scale * B @ A
+    (equal to the plain model holding those weights), only A and B get gradients, and merging leaves the
+    wrapped model's own tensors and the plain model's state-dict names."""
+    from thunderep.hf import ThunderMoE
+
+    plain = tiny_model("mixtral", seed=3)
+    tm = ThunderMoE.wrap(copy.deepcopy(plain))
+    bindings = list(tm.bindings.values())
+    before = [b.tensors for b in bindings]
+    params = apply_lora(tm.model, ["experts"], rank=3, alpha=6.0, seed=1)
+    assert len(params) == 4 * len(bindings) and all(set(b.adapters) == {"gate_up_proj", "down_proj"} for b in bindings)
+    x = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(tm(input_ids=x).logits, plain(input_ids=x).logits)  # B = 0
+        for p in params[1::2]:
+            p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+        want = copy.deepcopy(plain)
+        for (name, module), binding in zip([(n, m) for n, m in want.named_modules() if n in tm.bindings], bindings):
+            src = tm.model.get_submodule(name)
+            for t, adapter in binding.adapters.items():
+                a, b = getattr(src, adapter.a), getattr(src, adapter.b)
+                getattr(module, t).add_(torch.bmm(b, a) * adapter.scale)
+        torch.testing.assert_close(tm(input_ids=x).logits, want(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+    tm(input_ids=x, labels=x).loss.backward()
+    with_grad = {n for n, p in tm.model.named_parameters() if p.grad is not None}
+    assert with_grad == {n for n, p in tm.model.named_parameters() if "lora_" in n} and with_grad
+    with torch.no_grad():
+        adapted = tm(input_ids=x).logits
+        assert merge_lora(tm.model) == 2 * len(bindings)
+        assert [b.tensors for b in bindings] == before and not any(b.adapters for b in bindings)
+        assert tm.model.state_dict().keys() == plain.state_dict().keys()
+        torch.testing.assert_close(tm(input_ids=x).logits, adapted, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,8 @@ included (`--dtype mixed`; ThunderEP casts the local expert weights for the expe
 the rows in bfloat16): AdamW on bfloat16 weights would lose the small steps fine-tuning takes
 (`--dtype bfloat16` trades them for speed and half the weight memory). To fit small cards:
 `--freeze PATTERN...` trains only the rest, `--lora-rank R` trains low-rank adapters on the attention
-projections instead of any weight (`thunderep.lora`; merged into the written checkpoint), and
+projections (and with `--lora-targets ... experts` on each expert, on the rank holding it) instead of
+any weight (`thunderep.lora`; merged into the written checkpoint), and
 `--gradient-checkpointing` recomputes activations in backward. Before the first step each rank prints
 its memory plan and all stop with a named shortfall if it does not fit. At the
 end the experts are gathered to rank 0, which writes OUT_DIR with transformers' `save_pretrained`
@@ -388,8 +389,10 @@ def _parser() -> argparse.ArgumentParser:
                         "frozen (0: full fine-tuning); the adapters are merged into the written checkpoint")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default 2 x rank)")
     p.add_argument("--lora-targets", nargs="+", metavar="PATTERN",
-                   help="linear layers to adapt, regular expressions searched in their names (default: the "
-                        "attention projections, e.g. model.layers.0.self_attn.q_proj)")
+                   help="what to adapt: regular expressions searched in the names of linear layers and expert "
+                        "tensors (default: the attention projections, e.g. model.layers.0.self_attn.q_proj; "
+                        "'experts' adds an adapter per expert to model.layers.N.mlp.experts.gate_up_proj / "
+                        "down_proj, and to shared experts' linear layers)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each decoder layer's activations in backward instead of keeping them "
                         "(less memory for long sequences, about one more forward of time); the MoE layers "

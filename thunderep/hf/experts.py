@@ -40,6 +40,7 @@ from ..errors import ConfigError, UnsupportedModelError
 from ..router import Routing, expert_counts
 
 __all__ = [
+    "ExpertAdapter",
     "IMPLEMENTATION",
     "KERNELS",
     "ExpertsBinding",
@@ -62,6 +63,16 @@ class RunState:
     mode: str = "auto"
 
 
+@dataclass(frozen=True)
+class ExpertAdapter:
+    """A low-rank update of one expert-sharded tensor W [S, a, b] (`thunderep.lora`): the module's
+    parameters named `a` ([S, r, b]) and `b` ([S, a, r]); W + scale * b @ a is what the experts compute with."""
+
+    a: str
+    b: str
+    scale: float
+
+
 @dataclass(eq=False)
 class ExpertsBinding:
     """What one wrapped experts module needs at run time.
@@ -81,6 +92,7 @@ class ExpertsBinding:
     ep: object = None  # ExpertParallel | None
     placement: Placement | None = None
     calls: dict = field(default_factory=lambda: {"ep": 0, "latency": 0, "allgather": 0, "local": 0})
+    adapters: dict = field(default_factory=dict)  # tensor name -> ExpertAdapter (thunderep.lora)
 
     @cached_property
     def all_local(self) -> bool:
@@ -102,9 +114,9 @@ class ExpertsBinding:
                 "[T, K] (the transformers 5.x experts calling convention)"
             )
         low = self._autocast_dtype(module, x_TD)
-        if low is not None:  # autocast: the experts' products in its dtype, like nn.Linear's under autocast
-            with _experts_cast(module, self.tensors, low):
-                return self._forward(module, x_TD.to(low), ids_TK, weights_TK).to(x_TD.dtype)
+        if low is not None or self.adapters:  # autocast: the experts' products in its dtype, as nn.Linear's
+            with _effective_weights(module, self.tensors, self.adapters, low):
+                return self._forward(module, x_TD if low is None else x_TD.to(low), ids_TK, weights_TK).to(x_TD.dtype)
         return self._forward(module, x_TD, ids_TK, weights_TK)
 
     def _autocast_dtype(self, module, x_TD: torch.Tensor) -> torch.dtype | None:
@@ -209,14 +221,26 @@ class ExpertsBinding:
 
 
 @contextmanager
-def _experts_cast(module, names: tuple[str, ...], dtype: torch.dtype):
-    """Within the block, `module`'s floating expert parameters named in `names` that are wider than
-    `dtype` read as their casts to `dtype` (differentiable: gradients reach the parameters)."""
+def _effective_weights(module, names: tuple[str, ...], adapters: dict, dtype: torch.dtype | None):
+    """Within the block, `module`'s expert parameters named in `names` read as what the experts compute
+    with: W + scale * B @ A where W has an adapter (summed in float32), cast to `dtype` (autocast's)
+    where that is narrower, else kept in W's dtype. Differentiable: gradients reach the parameters
+    (the adapters' A and B; W's where it trains). The adapters' own tensors are not swapped."""
+    own = {n for adapter in adapters.values() for n in (adapter.a, adapter.b)}
     saved = {}
     try:
         for name in names:
             t = module._parameters.get(name)
-            if t is not None and t.is_floating_point() and t.dtype.itemsize > dtype.itemsize:
+            if name in own or t is None or not t.is_floating_point():
+                continue
+            adapter = adapters.get(name)
+            if adapter is not None:
+                with torch.autocast(t.device.type, enabled=False):  # the small update survives the sum
+                    a, b = module._parameters[adapter.a], module._parameters[adapter.b]
+                    eff = t.float() + torch.bmm(b.float(), a.float()) * adapter.scale
+                saved[name] = t
+                module._parameters[name] = eff.to(dtype or t.dtype)
+            elif dtype is not None and t.dtype.itemsize > dtype.itemsize:
                 saved[name] = t
                 module._parameters[name] = t.to(dtype)
         yield
