@@ -133,10 +133,10 @@ def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freez
     from hf_tiny import V
     from transformers import AutoModelForCausalLM
 
-    from thunderep.finetune import batch_at, split_tokens, tokenize_corpus
-    from thunderep.generate import ByteTokenizer
+    from thunderep.finetune import batch_at, load_training_data, split_tokens
+    from thunderep.generate import load_tokenizer
 
-    tokens, _ = split_tokens(tokenize_corpus(ByteTokenizer(V), [str(text)]), 12, 4 if held_out else 0)
+    tokens, _ = split_tokens(load_training_data(load_tokenizer(model_dir, V), [str(text)]), 12, 4 if held_out else 0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     params = [p for name, p in model.named_parameters() if not (freeze and re.search(freeze, name))]
@@ -151,7 +151,7 @@ def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freez
     for step in range(steps):
         opt.zero_grad()
         batches = [batch_at(tokens, 0, r, step, 2, 12) for r in range(2)]
-        torch.stack([model(input_ids=b, labels=b).loss for b in batches]).mean().backward()
+        torch.stack([model(input_ids=b[..., 0], labels=b[..., 1]).loss for b in batches]).mean().backward()
         opt.step()
     if lora_rank:
         from thunderep.lora import merge_lora
@@ -292,18 +292,21 @@ def test_finetune_command_equals_one_process_training_and_resumes(tmp_path, capf
 
 
 def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_one_process(tmp_path, capfd):
-    """--freeze experts --gradient-checkpointing on 2 ranks: the experts come out as they went in, the
-    rest as one process trains it with AdamW on the other parameters (the recomputed layers dispatch in
-    ep mode again; in the mode "auto" of after the forward these small batches would take all-gather
-    mode). The memory line counts only the trainable parameters' gradients and AdamW state."""
+    """--freeze experts --gradient-checkpointing on 2 ranks, on prompt / completion examples (JSON Lines):
+    the experts come out as they went in, the rest as one process trains it with AdamW on the other
+    parameters and the completions' tokens only (the recomputed layers dispatch in ep mode again; in
+    the mode "auto" of after the forward these small batches would take all-gather mode). The memory
+    line counts only the trainable parameters' gradients and AdamW state."""
     from hf_tiny import save_tiny
     from transformers import AutoModelForCausalLM
 
     from thunderep.cli import main as cli
 
     model_dir = save_tiny("mixtral", tmp_path / "model")
-    (tmp_path / "notes.txt").write_text(TEXT)
-    assert cli(["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}: which rank holds expert {i % 8}?",
+                                        "completion": f" rank {i % 8 // 4}"}) + "\n" for i in range(40)))
+    assert cli(["finetune", "--model", model_dir, "--data", str(data), "--ep", "2", "--batch", "2",
                 "--seq-len", "12", "--lr", "1e-3", "--cpu", "--steps", "3", "--eval-batches", "0",
                 "--freeze", "experts", "--gradient-checkpointing", "--out", str(tmp_path / "out")]) == 0
     printed = capfd.readouterr().out
@@ -315,7 +318,7 @@ def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_
     assert record["peak_bytes"] > memory["weights"] and f"peak memory of a rank {record['peak_bytes'] / 1e9:.2f} GB" \
         in printed
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=3, freeze="experts").state_dict()
+    want = _adamw_reference(model_dir, data, held_out=False, steps=3, freeze="experts").state_dict()
     got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).state_dict()
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
@@ -325,25 +328,33 @@ def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_
 
 
 def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, capfd):
-    """--lora-rank 4 --lora-targets self_attn experts on 2 ranks: 2 steps with --checkpoint, then the
-    same command for 3 steps resumes there; the written checkpoint is the plain family (adapters merged)
-    and equals one process training the same adapters (the experts' adapters live on the ranks holding
-    their experts); only attention weights and experts changed."""
+    """--lora-rank 4 --lora-targets self_attn experts on 2 ranks, on chat examples through the
+    checkpoint's own tokenizer and chat template: 2 steps with --checkpoint, then the same command for 3
+    steps resumes there; the written checkpoint is the plain family (adapters merged), carries the
+    tokenizer and its chat template, and equals one process training the same adapters on the same
+    answers (the experts' adapters live on the ranks holding their experts); only attention weights and
+    experts changed."""
     from hf_tiny import save_tiny
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from thunderep.cli import main as cli
 
     model_dir = save_tiny("qwen3_moe", tmp_path / "model")
-    (tmp_path / "notes.txt").write_text(TEXT)
-    common = ["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
+    _chat_tokenizer().save_pretrained(model_dir)
+    data = tmp_path / "chat.jsonl"
+    words = ["hello", "there", "hi", "how", "are", "you", "fine"]
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": " ".join(words[(i + j) % 7] for j in range(3))},
+        {"role": "assistant", "content": " ".join(words[(2 * i + j) % 7] for j in range(1 + i % 4))}]}) + "\n"
+        for i in range(40)))
+    common = ["finetune", "--model", model_dir, "--data", str(data), "--ep", "2", "--batch", "2",
               "--seq-len", "12", "--lr", "1e-3", "--cpu", "--eval-batches", "0", "--lora-rank", "4",
               "--lora-targets", "self_attn", "experts", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--quiet"]
     assert cli(common + ["--steps", "2", "--out", str(tmp_path / "first")]) == 0
     assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")]) == 0
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     for out, steps in (("first", 2), ("resumed", 3)):
-        want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=steps, lora_rank=4,
+        want = _adamw_reference(model_dir, data, held_out=False, steps=steps, lora_rank=4,
                                 lora_targets=["self_attn", "experts"]).state_dict()
         got = AutoModelForCausalLM.from_pretrained(str(tmp_path / out), dtype=torch.float32).state_dict()
         assert got.keys() == want.keys() == start.keys()
@@ -351,6 +362,8 @@ def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, cap
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{out}, {key}: {m}")
             adapted = ("self_attn" in key and "norm" not in key) or ".experts." in key
             assert torch.equal(got[key], start[key]) != adapted, (out, key)
+        tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / out))
+        assert tokenizer.chat_template == _chat_tokenizer().chat_template
 
 
 def test_freeze_patterns_and_memory_shortfall_are_named():
@@ -468,3 +481,57 @@ def test_grad_sync_of_a_wrapped_hf_model_equals_its_plain_sync(on_ranks, world):
             for n in plain:
                 torch.testing.assert_close(synced[n], plain[n], rtol=1e-6, atol=1e-7,
                                            msg=lambda m: f"rank {rank}, {layout}, {n}: {m}")
+
+
+def _chat_tokenizer():
+    """A word-level tokenizer with a chat template, built here (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<s>", "</s>", "[UNK]", "<user>", "<assistant>", "hello", "there", "hi", "how", "are", "you", "fine"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}<assistant> {% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="[UNK]", chat_template=template)
+
+
+def test_training_data_masks_prompts_and_names_bad_examples(tmp_path):
+    """JSON Lines examples: "text" trains every token, "prompt"/"completion" and "messages" only the
+    answer (labels -100 elsewhere), each example ended by EOS (which trains; a newline for bytes); text
+    files train every token; bad lines are named with file and line."""
+    from thunderep.finetune import IGNORE, batch_at, load_training_data
+    from thunderep.generate import ByteTokenizer
+
+    bt = ByteTokenizer(256)
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "ab"}) + "\n\n" + json.dumps({"prompt": "Q", "completion": "A"})
+                                      + "\n")
+    (tmp_path / "b.txt").write_text("xy")
+    got = load_training_data(bt, [str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")])
+    nl = ord("\n")
+    assert got[:, 0].tolist() == [97, 98, nl, 81, 65, nl, 120, 121, nl]
+    assert got[:, 1].tolist() == [97, 98, nl, IGNORE, 65, nl, 120, 121, nl]
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hello there"},
+                                             {"role": "assistant", "content": "hi how are you"}]}) + "\n")
+    got = load_training_data(_chat_tokenizer(), [str(chat)])
+    assert got[:, 0].tolist() == [3, 5, 6, 4, 7, 8, 9, 10, 1]  # <user> hello there <assistant> hi how are you </s>
+    assert got[:, 1].tolist() == [IGNORE] * 4 + [7, 8, 9, 10, 1]
+
+    for line, message in ((json.dumps({"prompt": "Q"}), r"line 2: an example needs .* it has \['prompt'\]"),
+                          ("{not json", "line 2: not JSON"), ("[1]", "line 2: an example is a JSON object, got list")):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + line + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_training_data(bt, [str(tmp_path / "bad.jsonl")])
+    with pytest.raises(ValueError, match="need the checkpoint's tokenizer with a chat template"):
+        load_training_data(bt, [str(chat)])
+    (tmp_path / "user_last.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match="must be the assistant's; it is user"):
+        load_training_data(_chat_tokenizer(), [str(tmp_path / "user_last.jsonl")])
+
+    stream = torch.tensor([[5, IGNORE]] * 50 + [[6, 6]] * 2)  # almost nothing trains
+    windows = batch_at(stream, 0, 0, 0, 2, 4)
+    assert windows.shape == (2, 4, 2) and (windows[:, 1:, 1] != IGNORE).any()
+    with pytest.raises(ValueError, match="found no token that trains"):
+        batch_at(torch.tensor([[5, IGNORE]] * 50), 0, 0, 0, 2, 4)

@@ -4,8 +4,9 @@ write the result as a checkpoint of the same family.
     thunderep finetune --model DIR --out OUT_DIR --data notes.txt --ep 2 --steps 200 --lr 1e-5
 
 Each rank loads only its share of the experts (`ThunderMoE.from_pretrained`) and the replicated
-weights, trains on its own batches of the text (the checkpoint's tokenizer, or bytes when it has
-none), with ep mode for every MoE layer, AdamW, and `GradSync` for the replicated weights (every
+weights, trains on its own batches of the data (the checkpoint's tokenizer, or bytes when it has
+none; text files, or JSON Lines of text, prompt / completion or chat examples, where only the answers
+train: `load_training_data`), with ep mode for every MoE layer, AdamW, and `GradSync` for the replicated weights (every
 step, or `--sync delta`). The objective is the mean of the ranks' losses, as with torch DDP. On GPUs
 the weights and AdamW stay in float32 and autocast runs the products in bfloat16, the experts'
 included (`--dtype mixed`; ThunderEP casts the local expert weights for the experts call and sends
@@ -45,8 +46,8 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["MemoryPlan", "batch_at", "finetune_on_rank", "main", "memory_plan", "parse_args", "select_trainable",
-           "split_tokens", "tokenize_corpus"]
+__all__ = ["IGNORE", "MemoryPlan", "batch_at", "finetune_on_rank", "load_training_data", "main", "memory_plan",
+           "parse_args", "select_trainable", "split_tokens", "tokenize_corpus"]
 
 
 def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
@@ -55,6 +56,104 @@ def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
 
     text = bytes(load_corpus(paths).tolist()).decode("utf-8", errors="replace")
     return torch.tensor(tokenizer.encode(text), dtype=torch.long)
+
+
+IGNORE = -100  # a label transformers' loss skips
+
+
+def load_training_data(tokenizer, paths: list[str] | None) -> torch.Tensor:
+    """int64 [N, 2]: the token ids of the training data and their labels (IGNORE where no loss is taken).
+
+    Text files (any name but *.jsonl; default: Python's bundled reference text): every token trains.
+    JSON Lines files (*.jsonl), one example per line, in one of three forms:
+      {"text": "..."}                                every token trains;
+      {"prompt": "...", "completion": "..."}         only the completion's tokens train;
+      {"messages": [{"role": ..., "content": ...}]}  the tokenizer's chat template; only the last
+                                                     message, which must be the assistant's, trains.
+    Examples follow each other, each ended by the tokenizer's EOS token (which trains; a newline when
+    the tokenizer has none). ValueError naming the file and line for anything else."""
+    paths = list(paths or [])
+    if not any(str(p).endswith(".jsonl") for p in paths):
+        ids = tokenize_corpus(tokenizer, paths or None)
+        return torch.stack([ids, ids], 1)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    end = [eos] if eos is not None else tokenizer.encode("\n")
+    ids, labels = [], []
+
+    def add(prompt: list[int], target: list[int]) -> None:
+        ids.extend(prompt + target + end)
+        labels.extend([IGNORE] * len(prompt) + target + end)
+
+    for path in paths:
+        if not str(path).endswith(".jsonl"):
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+            add([], tokenizer.encode(text))
+            continue
+        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {n}"
+            try:
+                example = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+            if not isinstance(example, dict):
+                raise ValueError(f"{where}: an example is a JSON object, got {type(example).__name__}")
+            if isinstance(example.get("text"), str):
+                add([], tokenizer.encode(example["text"]))
+            elif isinstance(example.get("prompt"), str) and isinstance(example.get("completion"), str):
+                add(tokenizer.encode(example["prompt"]), _encode_more(tokenizer, example["completion"]))
+            elif isinstance(example.get("messages"), list) and example["messages"]:
+                add(*_chat_example(tokenizer, example["messages"], where))
+            else:
+                raise ValueError(f"{where}: an example needs \"text\", \"prompt\" and \"completion\", or "
+                                 f"\"messages\" (strings; a non-empty list); it has {sorted(example)}")
+    if not ids:
+        raise ValueError(f"{', '.join(map(str, paths))}: no examples")
+    return torch.tensor([ids, labels], dtype=torch.long).T.contiguous()
+
+
+def _encode_more(tokenizer, text: str) -> list[int]:
+    """Token ids of text that continues other text: without the special tokens an HF tokenizer puts
+    at the start of a sequence."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    except TypeError:  # ByteTokenizer
+        return tokenizer.encode(text)
+
+
+def _chat_example(tokenizer, messages: list, where: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, target ids) of a chat: the template's rendering of all messages but the last (with
+    the generation prompt), and the rest of the full rendering."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: \"messages\" need the checkpoint's tokenizer with a chat template; "
+                         "this checkpoint has none (use \"prompt\" and \"completion\")")
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        who = last.get("role") if isinstance(last, dict) else repr(last)
+        raise ValueError(f"{where}: the last message is what trains and must be the assistant's; it is {who}")
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    if not full.startswith(prompt):
+        raise ValueError(f"{where}: the chat template renders the conversation without the last message "
+                         "differently from its start; ThunderEP cannot tell which tokens are the answer")
+    return _encode_more(tokenizer, prompt), _encode_more(tokenizer, full[len(prompt):])
+
+
+# What transformers writes for a tokenizer (the chat template is a file of its own since 4.43).
+_TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.*",
+                    "chat_template.*", "*.tiktoken", "spiece.model", "sentencepiece*.model")
+
+
+def _tokenizer_files(model_dir: Path) -> list[Path]:
+    """The tokenizer's files in a checkpoint directory (copied next to the fine-tuned weights)."""
+    return sorted({f for pattern in _TOKENIZER_GLOBS for f in model_dir.glob(pattern) if f.is_file()})
+
+
+def _ids_labels(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and labels ([B, L] each, contiguous) of a [B, L, 2] batch, on `device`."""
+    batch = batch.to(device)
+    return batch[..., 0].contiguous(), batch[..., 1].contiguous()
 
 
 def split_tokens(tokens: torch.Tensor, seq_len: int, eval_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,10 +168,18 @@ def split_tokens(tokens: torch.Tensor, seq_len: int, eval_batches: int) -> tuple
 
 
 def batch_at(tokens: torch.Tensor, seed: int, rank: int, step: int, batch: int, length: int) -> torch.Tensor:
-    """[batch, length] windows of `tokens` for `rank` at `step`: a function of its arguments only, so a
-    run can be replayed (and checked against one process)."""
+    """[batch, length] windows of `tokens` ([N], or [N, 2] ids and labels: then [batch, length, 2]) for
+    `rank` at `step`: a function of its arguments only, so a run can be replayed (and checked against
+    one process). With labels, a draw whose windows hold no label the loss takes (positions after the
+    first; transformers shifts them) is drawn again; ValueError after 100 such draws."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step)
-    starts = torch.randint(0, len(tokens) - length + 1, (batch,), generator=gen)
+    for _ in range(100):
+        starts = torch.randint(0, len(tokens) - length + 1, (batch,), generator=gen)
+        if tokens.dim() == 1 or any(bool((tokens[s + 1:s + length, 1] != IGNORE).any()) for s in starts.tolist()):
+            break
+    else:
+        raise ValueError(f"100 draws of {batch} windows of {length} tokens found no token that trains (the "
+                         "examples' prompts are longer than --seq-len?)")
     return torch.stack([tokens[s:s + length] for s in starts.tolist()])
 
 
@@ -82,7 +189,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
 
     from .checkpoint import export_hf, load_checkpoint, save_checkpoint
     from .config import SyncConfig
-    from .generate import _TOKENIZER_FILES, load_tokenizer
+    from .generate import load_tokenizer
     from .hf import ThunderMoE
     from .sync import GradSync
 
@@ -114,7 +221,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
             return torch.autocast(device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    tokens = tokenize_corpus(load_tokenizer(args.model, tm.config.vocab_size), args.data)
+    tokens = load_training_data(load_tokenizer(args.model, tm.config.vocab_size), args.data)
     train_tokens, held_out = split_tokens(tokens, args.seq_len, args.eval_batches)
     held = len(held_out)
 
@@ -125,9 +232,9 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         scores = []
         with torch.no_grad():
             for i in range(args.eval_batches):
-                ids = batch_at(held_out, args.seed + 1, rank, i, args.batch, args.seq_len).to(device)
+                ids, labels = _ids_labels(batch_at(held_out, args.seed + 1, rank, i, args.batch, args.seq_len), device)
                 with compute():
-                    scores.append(tm(input_ids=ids, labels=ids, mode="ep").loss.float())
+                    scores.append(tm(input_ids=ids, labels=labels, mode="ep").loss.float())
         total = torch.stack(scores).mean()
         dist.all_reduce(total)
         tm.train()
@@ -146,11 +253,11 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     tokens_per_step = args.batch * args.seq_len * world
     for step in range(first, args.steps):
         step_started = time.perf_counter()
-        ids = batch_at(train_tokens, args.seed, rank, step, args.batch, args.seq_len).to(device)
+        ids, labels = _ids_labels(batch_at(train_tokens, args.seed, rank, step, args.batch, args.seq_len), device)
         optimizer.zero_grad(set_to_none=True)
         with _memory_hint(args, step, plan):
             with compute():
-                loss = tm(input_ids=ids, labels=ids, mode="ep").loss
+                loss = tm(input_ids=ids, labels=labels, mode="ep").loss
             loss.backward()
             sync.finish()
             optimizer.step()
@@ -186,9 +293,8 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
               "eval_loss_before": eval_before, "eval_loss_after": eval_after,
               "args": {k: v for k, v in vars(args).items() if k not in ("model", "out")}}
     if rank == 0:
-        for name in _TOKENIZER_FILES + ("special_tokens_map.json", "merges.txt"):
-            if (Path(args.model) / name).is_file():
-                shutil.copy2(Path(args.model) / name, out / name)
+        for source in _tokenizer_files(Path(args.model)):
+            shutil.copy2(source, out / source.name)
         (out / "thunderep_finetune.json").write_text(json.dumps(result, indent=1))
         if not args.quiet:
             held = (f"; held-out loss {eval_before:.4f} -> {eval_after:.4f}" if eval_before is not None else "")
@@ -358,7 +464,11 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors)")
     p.add_argument("--out", required=True, help="directory to write the fine-tuned checkpoint to")
-    p.add_argument("--data", nargs="*", help="text files (default: Python's bundled reference text)")
+    p.add_argument("--data", nargs="*",
+                   help="text files, every token trains, and/or JSON Lines files (*.jsonl) of examples: "
+                        "{\"text\"}, {\"prompt\", \"completion\"} (the completion trains) or {\"messages\"} "
+                        "(the tokenizer's chat template; the last, assistant message trains) (default: Python's "
+                        "bundled reference text)")
     p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks to launch on this host")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
