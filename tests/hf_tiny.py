@@ -106,3 +106,22 @@ def bf16_experts(model):
         module.register_forward_pre_hook(lambda m, args: (args[0].to(torch.bfloat16),) + args[1:])
         module.register_forward_hook(lambda m, args, out: out.float())
     return model
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant> {% endif %}")
+
+
+def chat_tokenizer(vocab_size: int = 12):
+    """A word-level tokenizer with a chat template, built here (no hub): <s> </s> [UNK] <user>
+    <assistant> hello there hi how are you fine, then w12, w13, ... up to `vocab_size` words, so that
+    every id a tiny model can produce decodes to a word of its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<s>", "</s>", "[UNK]", "<user>", "<assistant>", "hello", "there", "hi", "how", "are", "you", "fine"]
+    words += [f"w{i}" for i in range(len(words), vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="[UNK]",
+                                   chat_template=CHAT_TEMPLATE)

@@ -484,16 +484,9 @@ def test_grad_sync_of_a_wrapped_hf_model_equals_its_plain_sync(on_ranks, world):
 
 
 def _chat_tokenizer():
-    """A word-level tokenizer with a chat template, built here (no hub)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from hf_tiny import chat_tokenizer
 
-    words = ["<s>", "</s>", "[UNK]", "<user>", "<assistant>", "hello", "there", "hi", "how", "are", "you", "fine"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
-                "{% if add_generation_prompt %}<assistant> {% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="[UNK]", chat_template=template)
+    return chat_tokenizer()
 
 
 def test_training_data_masks_prompts_and_names_bad_examples(tmp_path):

@@ -16,6 +16,7 @@ COMMANDS = {
     "generate": ("thunderep.generate", "generate text from a local HF MoE checkpoint on N expert-parallel ranks"),
     "train": ("thunderep.train", "expert-parallel training of a byte-level MoE model on local text"),
     "finetune": ("thunderep.finetune", "fine-tune a local HF MoE checkpoint on N expert-parallel ranks"),
+    "serve": ("thunderep.serve", "serve a local HF MoE checkpoint over HTTP (OpenAI-style) on N ranks"),
     "bench": ("thunderep.bench", "benchmarks, baseline and candidate side by side"),
     "report": ("thunderep.telemetry", "print the sync-tax report of a run directory"),
     "project": ("thunderep.projection", "project a run's step time to 2 / 4 GPUs over PCIe (a model)"),

@@ -1,0 +1,150 @@
+"""`thunderep serve` on 2 CPU ranks (a real server process, gloo), answered over HTTP and compared with
+the plain transformers model generating in one process: completions, chat completions through the
+checkpoint's chat template, batched concurrent requests, seeded sampling, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base URL, checkpoint directory) of a server on 2 ranks; stopped (its process group) at the end."""
+    from hf_tiny import V, chat_tokenizer, save_tiny
+
+    d = tmp_path_factory.mktemp("serve")
+    model_dir = save_tiny("mixtral", d / "model", seed=1)
+    chat_tokenizer(V).save_pretrained(model_dir)
+    log = open(d / "log.txt", "w")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "thunderep.cli", "serve", "--model", model_dir, "--ep", "2",
+                             "--cpu", "--port", "0", "--quiet", "--max-batch", "4"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline, url = time.monotonic() + 180, None
+        while url is None:
+            found = re.search(r"listening on (http://\S+)", (d / "log.txt").read_text())
+            url = found.group(1) if found else None
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: {(d / 'log.txt').read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield url, model_dir
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=20)
+        log.close()
+
+
+def _post(url: str, path: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+_REF: dict = {}
+
+
+def _reference(model_dir: str, ids: list[int], n: int) -> tuple[str, int, str]:
+    """(text, new tokens, finish reason) of the plain model's greedy continuation, cut at its EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model_dir not in _REF:
+        _REF[model_dir] = (AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir))
+    model, tok = _REF[model_dir]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    new = out[0, len(ids):].tolist()
+    eos = model.generation_config.eos_token_id
+    stop = next((j for j, t in enumerate(new) if t == eos), None)
+    new = new[:stop] if stop is not None and stop < n else new[:n]
+    return tok.decode(new, skip_special_tokens=True), len(new), "stop" if stop is not None and stop < n else "length"
+
+
+def test_completions_and_chat_equal_the_plain_model(server):
+    from transformers import AutoTokenizer
+
+    url, model_dir = server
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+        assert json.loads(r.read()) == {"status": "ok", "model": "model", "ranks": 2}
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for prompt, n in (("hello there how", 6), ("w20 w31 w40 w41 fine", 9)):
+        status, body = _post(url, "/v1/completions", {"prompt": prompt, "max_tokens": n})
+        text, count, finish = _reference(model_dir, tok.encode(prompt), n)
+        assert status == 200 and body["object"] == "text_completion"
+        assert body["choices"][0]["text"] == text and body["choices"][0]["finish_reason"] == finish
+        assert body["usage"] == {"prompt_tokens": len(tok.encode(prompt)), "completion_tokens": count,
+                                 "total_tokens": len(tok.encode(prompt)) + count}
+    messages = [{"role": "user", "content": "hello w50 w51"}, {"role": "assistant", "content": "hi"},
+                {"role": "user", "content": "how are you"}]
+    status, body = _post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 7})
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    text, count, finish = _reference(model_dir, ids, 7)
+    assert status == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == count
+
+
+def test_concurrent_requests_and_seeded_sampling(server):
+    """Requests sent together are generated together (left-padded) and each gets its own answer, the one
+    it gets alone; a seeded sampled request gets the same answer twice."""
+    url, _ = server
+    prompts = ["hello", "w30 w31 w32 w33 w34 w35", "you are fine", "w60 how"]
+    alone = [_post(url, "/v1/completions", {"prompt": p, "max_tokens": 5})[1]["choices"][0]["text"] for p in prompts]
+    answers = [None] * len(prompts)
+
+    def ask(i):
+        answers[i] = _post(url, "/v1/completions", {"prompt": prompts[i], "max_tokens": 5})
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(a is not None and a[0] == 200 for a in answers), answers
+    assert [a[1]["choices"][0]["text"] for a in answers] == alone
+    sampled = [_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 8, "temperature": 1.0, "seed": 5})
+               for _ in range(2)]
+    assert sampled[0][0] == 200 and sampled[0][1]["choices"] == sampled[1][1]["choices"]
+
+
+def test_bad_requests_are_refused_with_a_message(server):
+    url, _ = server
+    for body, message in ((b"{nope", "the body is not JSON"), ({"prompt": ["a", "b"]}, "one prompt per request"),
+                          ({"prompt": "hi", "stream": True}, "streaming is not supported"),
+                          ({"prompt": "hi", "max_tokens": 0}, "\"max_tokens\" is a positive integer"),
+                          ({"prompt": "hi", "temperature": -1}, "\"temperature\" is a number in"),
+                          ({"prompt": " ".join(["hello"] * 70)}, "exceed the model's context of 64 tokens")):
+        status, reply = _post(url, "/v1/completions", body)
+        assert status == 400 and message in reply["error"]["message"], (body, reply)
+    status, reply = _post(url, "/v1/chat/completions", {"messages": "hi"})
+    assert status == 400 and "\"messages\" is a non-empty list" in reply["error"]["message"]
+    assert _post(url, "/v2/anything", {})[0] == 404
+    status, body = _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})  # still serving
+    assert status == 200 and body["usage"]["completion_tokens"] <= 2
