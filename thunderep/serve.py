@@ -16,7 +16,9 @@ Endpoints, in the OpenAI API's shape (no streaming, one prompt per request):
   POST /v1/chat/completions  {"messages", ...}: the checkpoint's chat template, generation prompt added
   GET  /health, GET /v1/models
 temperature defaults to 0 (greedy: the same answer every time). A bad request gets 400 and a message;
-what the model cannot take (a prompt longer than its context) is refused before any rank starts.
+what the model cannot take (a prompt longer than its context) is refused before any rank starts. A
+batch whose generation fails on any rank is answered with 500 on every request in it, and the ranks
+go on serving in step; a rank that dies or stops answering ends the server within `--timeout`.
 """
 
 from __future__ import annotations
@@ -225,8 +227,13 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
             try:
                 rows, finishes = _generate(tm, tokenizer, message, eos, device)
                 error = None
-            except Exception as exc:  # noqa: BLE001 - every rank fails alike on the same input; keep serving
+            except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
                 rows, finishes, error = None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            if control is not None:  # every rank learns whether any failed, so all go on in step
+                flag = torch.tensor([0 if error is None else 1])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
+                if flag.item() and error is None:
+                    error = "generation failed on another rank"
             for i, job in enumerate(jobs):
                 if error is not None:
                     job.error = error
