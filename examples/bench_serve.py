@@ -1,0 +1,155 @@
+"""`thunderep serve` under load: requests batched together (`--max-batch N`) against one at a time
+(`--max-batch 1`), the same checkpoint, ranks and clients, side by side.
+
+    python examples/bench_serve.py --model DIR --ep 2 --clients 8 --requests 32 --max-tokens 32
+    python examples/bench_serve.py --model DIR --ep 2 --cpu      # the same on CPU ranks (a check of the code)
+
+For each setting the script starts a server (its own process group), waits until it answers, sends
+one warm-up request, then `--clients` threads send `--requests` completions in all (greedy, prompts of
+`--prompt-words` words drawn from a fixed list, `--max-tokens` new tokens each), and stops the server.
+It prints, per setting: requests/s, generated tokens/s, and the median and 90th-percentile request
+latency; then the ratio of the batched setting to the unbatched one. Settings alternate (1, N, 1, N
+with `--rounds 2`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+WORDS = ("expert parallel routing token batch layer rank model serve cache decode prefill gradient "
+         "mixture sparse dense weight").split()
+
+
+def start_server(args, max_batch: int, log_path: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "thunderep.cli", "serve", "--model", args.model, "--ep", str(args.ep),
+           "--port", "0", "--quiet", "--max-batch", str(max_batch)] + (["--cpu"] if args.cpu else [])
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + args.start_timeout
+    while True:
+        found = re.search(r"listening on (http://\S+)", Path(log_path).read_text())
+        if found:
+            return proc, found.group(1)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            raise SystemExit(f"the server did not start:\n{Path(log_path).read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+def complete(url: str, prompt: str, max_tokens: int) -> dict:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def load(url: str, args) -> dict:
+    """Send the requests from `args.clients` threads; requests/s, tokens/s and latencies."""
+    prompts = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(args.prompt_words))
+               for i in range(args.requests)]
+    latencies, tokens, errors = [], [], []
+    lock, next_index = threading.Lock(), [0]
+
+    def client():
+        while True:
+            with lock:
+                i = next_index[0]
+                next_index[0] += 1
+            if i >= len(prompts):
+                return
+            started = time.perf_counter()
+            try:
+                reply = complete(url, prompts[i], args.max_tokens)
+            except Exception as exc:  # noqa: BLE001 - counted and reported
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            with lock:
+                latencies.append(time.perf_counter() - started)
+                tokens.append(reply["usage"]["completion_tokens"])
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(args.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    if errors:
+        raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
+    lat = sorted(latencies)
+    return {"requests_s": len(lat) / wall, "tokens_s": sum(tokens) / wall, "latency_p50_s": statistics.median(lat),
+            "latency_p90_s": lat[min(len(lat) - 1, int(0.9 * len(lat)))], "wall_s": wall, "tokens": sum(tokens)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-words", type=int, default=24)
+    p.add_argument("--max-batch", type=int, default=8, help="the batched setting (the other is 1)")
+    p.add_argument("--rounds", type=int, default=1, help="alternations of the two settings")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    results: dict = {1: [], args.max_batch: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for max_batch in (1, args.max_batch):
+                proc, url = start_server(args, max_batch, os.path.join(tmp, f"server-{max_batch}-{r}.log"))
+                try:
+                    complete(url, "warm up", 2)
+                    results[max_batch].append(load(url, args))
+                finally:
+                    stop_server(proc)
+                m = results[max_batch][-1]
+                print(f"round {r + 1}, --max-batch {max_batch}: {m['requests_s']:.2f} requests/s, "
+                      f"{m['tokens_s']:.1f} tokens/s, latency p50 {m['latency_p50_s'] * 1e3:.0f} ms, "
+                      f"p90 {m['latency_p90_s'] * 1e3:.0f} ms", flush=True)
+    print(f"\n{args.ep} rank(s), {args.clients} clients, {args.requests} requests of {args.max_tokens} new tokens "
+          f"({'CPU' if args.cpu else 'GPU'}); medians over rounds")
+    print(f"| | --max-batch 1 | --max-batch {args.max_batch} | ratio |\n|---|---|---|---|")
+    for key, label, higher in (("requests_s", "requests/s", True), ("tokens_s", "tokens/s", True),
+                               ("latency_p50_s", "latency p50 ms", False), ("latency_p90_s", "latency p90 ms", False)):
+        a = statistics.median(m[key] for m in results[1])
+        b = statistics.median(m[key] for m in results[args.max_batch])
+        scale = 1e3 if "latency" in key else 1.0
+        ratio = b / a if higher else a / b
+        print(f"| {label} | {a * scale:.1f} | {b * scale:.1f} | {ratio:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": {str(k): v for k, v in results.items()}},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
