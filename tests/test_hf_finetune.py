@@ -133,7 +133,7 @@ def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freez
     from hf_tiny import V
     from transformers import AutoModelForCausalLM
 
-    from thunderep.finetune import batch_at, load_training_data, split_tokens
+    from thunderep.data import batch_at, load_training_data, split_tokens
     from thunderep.generate import load_tokenizer
 
     tokens, _ = split_tokens(load_training_data(load_tokenizer(model_dir, V), [str(text)]), 12, 4 if held_out else 0)
@@ -175,7 +175,7 @@ def test_finetune_command_rejects_bad_arguments(tmp_path, capsys):
 
 
 def test_a_text_too_short_is_named():
-    from thunderep.finetune import split_tokens
+    from thunderep.data import split_tokens
 
     tokens = torch.arange(4800)
     train, held = split_tokens(tokens, seq_len=12, eval_batches=4)
@@ -493,7 +493,7 @@ def test_training_data_masks_prompts_and_names_bad_examples(tmp_path):
     """JSON Lines examples: "text" trains every token, "prompt"/"completion" and "messages" only the
     answer (labels -100 elsewhere), each example ended by EOS (which trains; a newline for bytes); text
     files train every token; bad lines are named with file and line."""
-    from thunderep.finetune import IGNORE, batch_at, load_training_data
+    from thunderep.data import IGNORE, batch_at, load_training_data
     from thunderep.generate import ByteTokenizer
 
     bt = ByteTokenizer(256)

@@ -5,9 +5,9 @@ write the result as a checkpoint of the same family.
 
 Each rank loads only its share of the experts (`ThunderMoE.from_pretrained`) and the replicated
 weights, trains on its own batches of the data (the checkpoint's tokenizer, or bytes when it has
-none; text files, or JSON Lines of text, prompt / completion or chat examples, where only the answers
-train: `load_training_data`), with ep mode for every MoE layer, AdamW, and `GradSync` for the replicated weights (every
-step, or `--sync delta`). The objective is the mean of the ranks' losses, as with torch DDP. On GPUs
+none; text files, or JSON Lines of text, prompt / completion or chat examples, where only the
+answers train: `thunderep.data`), with ep mode for every MoE layer, AdamW, and `GradSync` for the
+replicated weights (every step, or `--sync delta`). The objective is the mean of the ranks' losses, as with torch DDP. On GPUs
 the weights and AdamW stay in float32 and autocast runs the products in bfloat16, the experts'
 included (`--dtype mixed`; ThunderEP casts the local expert weights for the experts call and sends
 the rows in bfloat16): AdamW on bfloat16 weights would lose the small steps fine-tuning takes
@@ -44,100 +44,10 @@ from pathlib import Path
 
 import torch
 
+from .data import _ids_labels, batch_at, load_training_data, split_tokens
 from .errors import ConfigError
 
-__all__ = ["IGNORE", "MemoryPlan", "batch_at", "finetune_on_rank", "load_training_data", "main", "memory_plan",
-           "parse_args", "select_trainable", "split_tokens", "tokenize_corpus"]
-
-
-def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
-    """int64 [N] token ids of the text files (default: Python's bundled reference text)."""
-    from .train import load_corpus
-
-    text = bytes(load_corpus(paths).tolist()).decode("utf-8", errors="replace")
-    return torch.tensor(tokenizer.encode(text), dtype=torch.long)
-
-
-IGNORE = -100  # a label transformers' loss skips
-
-
-def load_training_data(tokenizer, paths: list[str] | None) -> torch.Tensor:
-    """int64 [N, 2]: the token ids of the training data and their labels (IGNORE where no loss is taken).
-
-    Text files (any name but *.jsonl; default: Python's bundled reference text): every token trains.
-    JSON Lines files (*.jsonl), one example per line, in one of three forms:
-      {"text": "..."}                                every token trains;
-      {"prompt": "...", "completion": "..."}         only the completion's tokens train;
-      {"messages": [{"role": ..., "content": ...}]}  the tokenizer's chat template; only the last
-                                                     message, which must be the assistant's, trains.
-    Examples follow each other, each ended by the tokenizer's EOS token (which trains; a newline when
-    the tokenizer has none). ValueError naming the file and line for anything else."""
-    paths = list(paths or [])
-    if not any(str(p).endswith(".jsonl") for p in paths):
-        ids = tokenize_corpus(tokenizer, paths or None)
-        return torch.stack([ids, ids], 1)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    end = [eos] if eos is not None else tokenizer.encode("\n")
-    ids, labels = [], []
-
-    def add(prompt: list[int], target: list[int]) -> None:
-        ids.extend(prompt + target + end)
-        labels.extend([IGNORE] * len(prompt) + target + end)
-
-    for path in paths:
-        if not str(path).endswith(".jsonl"):
-            text = Path(path).read_text(encoding="utf-8", errors="replace")
-            add([], tokenizer.encode(text))
-            continue
-        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {n}"
-            try:
-                example = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not JSON ({exc.msg})") from None
-            if not isinstance(example, dict):
-                raise ValueError(f"{where}: an example is a JSON object, got {type(example).__name__}")
-            if isinstance(example.get("text"), str):
-                add([], tokenizer.encode(example["text"]))
-            elif isinstance(example.get("prompt"), str) and isinstance(example.get("completion"), str):
-                add(tokenizer.encode(example["prompt"]), _encode_more(tokenizer, example["completion"]))
-            elif isinstance(example.get("messages"), list) and example["messages"]:
-                add(*_chat_example(tokenizer, example["messages"], where))
-            else:
-                raise ValueError(f"{where}: an example needs \"text\", \"prompt\" and \"completion\", or "
-                                 f"\"messages\" (strings; a non-empty list); it has {sorted(example)}")
-    if not ids:
-        raise ValueError(f"{', '.join(map(str, paths))}: no examples")
-    return torch.tensor([ids, labels], dtype=torch.long).T.contiguous()
-
-
-def _encode_more(tokenizer, text: str) -> list[int]:
-    """Token ids of text that continues other text: without the special tokens an HF tokenizer puts
-    at the start of a sequence."""
-    try:
-        return tokenizer.encode(text, add_special_tokens=False)
-    except TypeError:  # ByteTokenizer
-        return tokenizer.encode(text)
-
-
-def _chat_example(tokenizer, messages: list, where: str) -> tuple[list[int], list[int]]:
-    """(prompt ids, target ids) of a chat: the template's rendering of all messages but the last (with
-    the generation prompt), and the rest of the full rendering."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{where}: \"messages\" need the checkpoint's tokenizer with a chat template; "
-                         "this checkpoint has none (use \"prompt\" and \"completion\")")
-    last = messages[-1]
-    if not isinstance(last, dict) or last.get("role") != "assistant":
-        who = last.get("role") if isinstance(last, dict) else repr(last)
-        raise ValueError(f"{where}: the last message is what trains and must be the assistant's; it is {who}")
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
-    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-    if not full.startswith(prompt):
-        raise ValueError(f"{where}: the chat template renders the conversation without the last message "
-                         "differently from its start; ThunderEP cannot tell which tokens are the answer")
-    return _encode_more(tokenizer, prompt), _encode_more(tokenizer, full[len(prompt):])
+__all__ = ["MemoryPlan", "finetune_on_rank", "main", "memory_plan", "parse_args", "select_trainable"]
 
 
 # What transformers writes for a tokenizer (the chat template is a file of its own since 4.43).
@@ -148,39 +58,6 @@ _TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json"
 def _tokenizer_files(model_dir: Path) -> list[Path]:
     """The tokenizer's files in a checkpoint directory (copied next to the fine-tuned weights)."""
     return sorted({f for pattern in _TOKENIZER_GLOBS for f in model_dir.glob(pattern) if f.is_file()})
-
-
-def _ids_labels(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids and labels ([B, L] each, contiguous) of a [B, L, 2] batch, on `device`."""
-    batch = batch.to(device)
-    return batch[..., 0].contiguous(), batch[..., 1].contiguous()
-
-
-def split_tokens(tokens: torch.Tensor, seq_len: int, eval_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training tokens, held-out tokens): the last 5% held out when eval_batches > 0. ValueError when a
-    part is shorter than one sequence."""
-    held = len(tokens) // 20 if eval_batches else 0
-    train, held_out = tokens[:len(tokens) - held], tokens[len(tokens) - held:]
-    if len(train) < seq_len or (held and len(held_out) < seq_len):
-        raise ValueError(f"the training text gives {len(tokens)} tokens, too few for --seq-len {seq_len}"
-                         + (f" with 5% held out (it needs {20 * seq_len}; or --eval-batches 0)" if held else ""))
-    return train, held_out
-
-
-def batch_at(tokens: torch.Tensor, seed: int, rank: int, step: int, batch: int, length: int) -> torch.Tensor:
-    """[batch, length] windows of `tokens` ([N], or [N, 2] ids and labels: then [batch, length, 2]) for
-    `rank` at `step`: a function of its arguments only, so a run can be replayed (and checked against
-    one process). With labels, a draw whose windows hold no label the loss takes (positions after the
-    first; transformers shifts them) is drawn again; ValueError after 100 such draws."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step)
-    for _ in range(100):
-        starts = torch.randint(0, len(tokens) - length + 1, (batch,), generator=gen)
-        if tokens.dim() == 1 or any(bool((tokens[s + 1:s + length, 1] != IGNORE).any()) for s in starts.tolist()):
-            break
-    else:
-        raise ValueError(f"100 draws of {batch} windows of {length} tokens found no token that trains (the "
-                         "examples' prompts are longer than --seq-len?)")
-    return torch.stack([tokens[s:s + length] for s in starts.tolist()])
 
 
 def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dict:
