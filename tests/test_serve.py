@@ -134,10 +134,53 @@ def test_concurrent_requests_and_seeded_sampling(server):
     assert sampled[0][0] == 200 and sampled[0][1]["choices"] == sampled[1][1]["choices"]
 
 
+def _stream(url: str, path: str, body: dict) -> list:
+    """The server-sent events of a streamed request: the decoded chunks, then "[DONE]"."""
+    request = urllib.request.Request(url + path, data=json.dumps(dict(body, stream=True)).encode(),
+                                     headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(request, timeout=120) as r:
+        assert r.headers["Content-Type"] == "text/event-stream"
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_streamed_answers_are_the_answers_in_pieces(server):
+    """"stream": true sends the text as it is decoded, in pieces whose concatenation is the answer the
+    same request gets without streaming, the last one with the finish reason, then [DONE]; a streamed
+    and a plain request in the same batch both get theirs."""
+    url, _ = server
+    body = {"prompt": "w40 w41 hello", "max_tokens": 8}
+    plain = _post(url, "/v1/completions", body)[1]["choices"][0]
+    events = _stream(url, "/v1/completions", body)
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == plain["text"]
+    assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [plain["finish_reason"]]
+    chat = {"messages": [{"role": "user", "content": "hello w70"}], "max_tokens": 6}
+    answers = [None, None]
+
+    def plain_chat():
+        answers[0] = _post(url, "/v1/chat/completions", chat)[1]["choices"][0]
+
+    thread = threading.Thread(target=plain_chat)
+    thread.start()
+    answers[1] = _stream(url, "/v1/chat/completions", chat)
+    thread.join(timeout=120)
+    deltas = [e["choices"][0]["delta"] for e in answers[1][:-1]]
+    assert deltas[0].get("role") == "assistant" and all("role" not in d for d in deltas[1:])
+    assert "".join(d.get("content", "") for d in deltas) == answers[0]["message"]["content"]
+    assert answers[1][-2]["choices"][0]["finish_reason"] == answers[0]["finish_reason"]
+
+
 def test_bad_requests_are_refused_with_a_message(server):
     url, _ = server
     for body, message in ((b"{nope", "the body is not JSON"), ({"prompt": ["a", "b"]}, "one prompt per request"),
-                          ({"prompt": "hi", "stream": True}, "streaming is not supported"),
+                          ({"prompt": "hi", "stream": "yes"}, "\"stream\" is true or false"),
                           ({"prompt": "hi", "max_tokens": 0}, "\"max_tokens\" is a positive integer"),
                           ({"prompt": "hi", "temperature": -1}, "\"temperature\" is a number in"),
                           ({"prompt": " ".join(["hello"] * 70)}, "exceed the model's context of 64 tokens")):

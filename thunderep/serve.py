@@ -11,11 +11,12 @@ gloo broadcast of host objects) and all ranks generate the batch together in lat
 holds the same tokens, computes the pairs of its own experts, and an all-reduce sums them. When idle,
 rank 0 sends an empty batch every half second, so a rank that dies is noticed within `--timeout`.
 
-Endpoints, in the OpenAI API's shape (no streaming, one prompt per request):
-  POST /v1/completions       {"prompt", "max_tokens", "temperature", "top_p", "seed"}
+Endpoints, in the OpenAI API's shape (one prompt per request):
+  POST /v1/completions       {"prompt", "max_tokens", "temperature", "top_p", "seed", "stream"}
   POST /v1/chat/completions  {"messages", ...}: the checkpoint's chat template, generation prompt added
   GET  /health, GET /v1/models
-temperature defaults to 0 (greedy: the same answer every time). A bad request gets 400 and a message;
+temperature defaults to 0 (greedy: the same answer every time). "stream": true sends the answer as
+server-sent events (`data: {chunk}` as text is decoded, then `data: [DONE]`). A bad request gets 400 and a message;
 what the model cannot take (a prompt longer than its context) is refused before any rank starts. A
 batch whose generation fails on any rank is answered with 500 on every request in it, and the ranks
 go on serving in step; a rank that dies or stops answering ends the server within `--timeout`.
@@ -46,11 +47,14 @@ class BadRequest(ValueError):
 class _Job:
     """One request waiting for the serving loop: its prompt ids and settings, and the answer."""
 
-    def __init__(self, kind: str, ids: list[int], max_tokens: int, sampling: tuple[float, float], seed: int | None):
+    def __init__(self, kind: str, ids: list[int], max_tokens: int, sampling: tuple[float, float], seed: int | None,
+                 stream: bool = False):
         self.kind, self.ids, self.max_tokens, self.sampling, self.seed = kind, ids, max_tokens, sampling, seed
         self.done = threading.Event()
         self.result: dict | None = None
         self.error: str | None = None
+        # stream=True: server-sent events; the serving loop puts chunks (dicts) here, then None
+        self.chunks: queue.Queue | None = queue.Queue() if stream else None
 
 
 class _Server:
@@ -87,12 +91,35 @@ class _Server:
                     self._reply(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
                     return
                 server.jobs.put(job)
+                if job.chunks is not None:
+                    self._stream(job)
+                    return
                 if not job.done.wait(args.request_timeout):
                     self._reply(504, {"error": {"message": f"no answer within {args.request_timeout:g} s"}})
                 elif job.error is not None:
                     self._reply(500, {"error": {"message": job.error}})
                 else:
                     self._reply(200, job.result)
+
+            def _stream(self, job: _Job) -> None:
+                """Server-sent events: one `data: {chunk}` per piece of text, then `data: [DONE]`."""
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                while True:
+                    try:
+                        chunk = job.chunks.get(timeout=args.request_timeout)
+                    except queue.Empty:
+                        chunk = {"error": {"message": f"no answer within {args.request_timeout:g} s"}}
+                    if chunk is None:
+                        break
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.flush()
+                    if "error" in chunk:
+                        break
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
 
             def _reply(self, status: int, body: dict) -> None:
                 data = json.dumps(body).encode()
@@ -114,8 +141,9 @@ class _Server:
             raise BadRequest(f"the body is not JSON ({exc.msg})") from None
         if not isinstance(body, dict):
             raise BadRequest("the body is a JSON object")
-        if body.get("stream"):
-            raise BadRequest("streaming is not supported; leave \"stream\" out")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest(f"\"stream\" is true or false, got {stream!r}")
         if kind == "completion":
             prompt = body.get("prompt")
             if not isinstance(prompt, str) or not prompt:
@@ -144,7 +172,7 @@ class _Server:
         if len(ids) + max_tokens > self.context:
             raise BadRequest(f"the prompt's {len(ids)} tokens and max_tokens {max_tokens} exceed the model's "
                              f"context of {self.context} tokens")
-        return _Job(kind, ids, max_tokens, (float(temperature), float(top_p)), seed)
+        return _Job(kind, ids, max_tokens, (float(temperature), float(top_p)), seed, stream)
 
     def next_batch(self, limit: int) -> list[_Job]:
         """Up to `limit` queued jobs with the first one's sampling settings (waits up to IDLE_S for one)."""
@@ -163,12 +191,37 @@ class _Server:
             self.jobs.put(job)
         return batch
 
+    def decode(self, ids: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        except TypeError:  # ByteTokenizer
+            return self.tokenizer.decode(ids)
+
+    def chunk(self, job: _Job, text: str, finish: str | None, first: bool = False) -> dict:
+        """One server-sent event of a streamed answer, in the OpenAI API's chunk shape."""
+        if job.kind == "completion":
+            return {"id": f"cmpl-{id(job)}", "object": "text_completion", "created": int(time.time()),
+                    "model": self.name, "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+        return {"id": f"chatcmpl-{id(job)}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    def fail(self, job: _Job, error: str) -> None:
+        job.error = error
+        if job.chunks is not None:
+            job.chunks.put({"error": {"message": error}})
+        job.done.set()
+
     def answer(self, job: _Job, new: list[int], finish: str) -> None:
         self.count += 1
-        try:
-            text = self.tokenizer.decode(new, skip_special_tokens=True)
-        except TypeError:  # ByteTokenizer
-            text = self.tokenizer.decode(new)
+        if job.chunks is not None:  # the text went out as it came (_Streamer); what is left, and the reason
+            text, sent = self.decode(new), getattr(job, "sent", None)
+            rest = text[len(sent or ""):] if text.startswith(sent or "") else ""
+            job.chunks.put(self.chunk(job, rest, finish, first=sent is None))
+            job.chunks.put(None)
+            job.done.set()
+            return
+        text = self.decode(new)
         usage = {"prompt_tokens": len(job.ids), "completion_tokens": len(new),
                  "total_tokens": len(job.ids) + len(new)}
         common = {"created": int(time.time()), "model": self.name, "usage": usage}
@@ -225,7 +278,8 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
             if not message:
                 continue
             try:
-                rows, finishes = _generate(tm, tokenizer, message, eos, device)
+                streamer = _Streamer(server, jobs, eos) if server and any(j.chunks is not None for j in jobs) else None
+                rows, finishes = _generate(tm, tokenizer, message, eos, device, streamer)
                 error = None
             except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
                 rows, finishes, error = None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
@@ -236,8 +290,7 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
                     error = "generation failed on another rank"
             for i, job in enumerate(jobs):
                 if error is not None:
-                    job.error = error
-                    job.done.set()
+                    server.fail(job, error)
                 else:
                     server.answer(job, rows[i], finishes[i])
     finally:
@@ -246,7 +299,42 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
             server.http.server_close()
 
 
-def _generate(tm, tokenizer, message: list, eos: set, device) -> tuple[list[list[int]], list[str]]:
+class _Streamer:
+    """A `generate()` streamer on rank 0: sends each streamed job's new text as it is decoded, until the
+    job's end of sequence or max_tokens (the batch may go on for the others)."""
+
+    def __init__(self, server: _Server, jobs: list[_Job], eos: set):
+        self.server, self.jobs, self.eos = server, jobs, eos
+        self.tokens: list[list[int]] = [[] for _ in jobs]
+        self.open = [j.chunks is not None for j in jobs]
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # the first call carries the prompts
+            self.prompt_seen = True
+            return
+        for i, token in enumerate(value.reshape(-1).tolist()):
+            if not self.open[i]:
+                continue
+            job = self.jobs[i]
+            if token in self.eos or len(self.tokens[i]) >= job.max_tokens:
+                self.open[i] = False
+                continue
+            self.tokens[i].append(token)
+            text, sent = self.server.decode(self.tokens[i]), getattr(job, "sent", None)
+            if sent is None:
+                job.sent = sent = ""
+                if job.kind == "chat":  # the first event of a chat answer names the role
+                    job.chunks.put(self.server.chunk(job, "", None, first=True))
+            if len(text) > len(sent) and text.startswith(sent) and not text.endswith("\ufffd"):
+                job.chunks.put(self.server.chunk(job, text[len(sent):], None))
+                job.sent = text
+
+    def end(self) -> None:
+        pass
+
+
+def _generate(tm, tokenizer, message: list, eos: set, device, streamer=None) -> tuple[list[list[int]], list[str]]:
     """Every rank: generate the batch in latency mode; the new tokens of each request (cut at its end of
     sequence and its max_tokens) and why it stopped ("stop" or "length")."""
     prompts = [ids for ids, _, _, _ in message]
@@ -258,7 +346,7 @@ def _generate(tm, tokenizer, message: list, eos: set, device) -> tuple[list[list
     temperature, top_p = message[0][2]
     seed = message[0][3]
     torch.manual_seed(seed if seed is not None else 0)  # the same sampling stream on every rank
-    gen = dict(max_new_tokens=longest, do_sample=temperature > 0, pad_token_id=pad)
+    gen = dict(max_new_tokens=longest, do_sample=temperature > 0, pad_token_id=pad, streamer=streamer)
     if temperature > 0:
         gen.update(temperature=temperature, top_p=top_p)
     with torch.no_grad():
