@@ -55,6 +55,7 @@ class _Job:
         self.error: str | None = None
         # stream=True: server-sent events; the serving loop puts chunks (dicts) here, then None
         self.chunks: queue.Queue | None = queue.Queue() if stream else None
+        self.sent: str | None = None  # the streamed text so far (None: nothing sent yet)
 
 
 class _Server:
@@ -215,7 +216,7 @@ class _Server:
     def answer(self, job: _Job, new: list[int], finish: str) -> None:
         self.count += 1
         if job.chunks is not None:  # the text went out as it came (_Streamer); what is left, and the reason
-            text, sent = self.decode(new), getattr(job, "sent", None)
+            text, sent = self.decode(new), job.sent
             rest = text[len(sent or ""):] if text.startswith(sent or "") else ""
             job.chunks.put(self.chunk(job, rest, finish, first=sent is None))
             job.chunks.put(None)
@@ -321,7 +322,7 @@ class _Streamer:
                 self.open[i] = False
                 continue
             self.tokens[i].append(token)
-            text, sent = self.server.decode(self.tokens[i]), getattr(job, "sent", None)
+            text, sent = self.server.decode(self.tokens[i]), job.sent
             if sent is None:
                 job.sent = sent = ""
                 if job.kind == "chat":  # the first event of a chat answer names the role
