@@ -124,12 +124,13 @@ TEXT = "Expert parallelism on PCIe: every rank holds its own experts and trades 
 
 
 def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freeze: str | None = None,
-                     lora_rank: int = 0, lora_targets=None):
+                     lora_rank: int = 0, lora_targets=None, clip: float = 0.0, schedule=None):
     """The plain model trained in one process as `thunderep finetune --ep 2 --batch 2 --seq-len 12
     --lr 1e-3` trains it: AdamW on the mean of the two ranks' losses, on the batches they draw; the
     parameters whose name matches `freeze` left out; with `lora_rank`, adapters trained instead (seed
     0, as the command draws them; the model wrapped without expert parallelism, so that its experts
-    can take adapters) and merged at the end."""
+    can take adapters) and merged at the end; `clip`: clip_grad_norm_ over what trains; `schedule`:
+    (warm-up steps, "cosine" / "linear" / "constant") as --warmup-steps / --lr-schedule."""
     from hf_tiny import V
     from transformers import AutoModelForCausalLM
 
@@ -149,9 +150,16 @@ def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freez
         params = apply_lora(plain, lora_targets, rank=lora_rank, seed=0)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     for step in range(steps):
+        if schedule:
+            from thunderep.finetune import lr_factor
+
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * lr_factor(step, steps, *schedule)
         opt.zero_grad()
         batches = [batch_at(tokens, 0, r, step, 2, 12) for r in range(2)]
         torch.stack([model(input_ids=b[..., 0], labels=b[..., 1]).loss for b in batches]).mean().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
     if lora_rank:
         from thunderep.lora import merge_lora
@@ -266,7 +274,7 @@ def test_finetune_command_equals_one_process_training_and_resumes(tmp_path, capf
     common = ["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
               "--seq-len", "12", "--lr", "1e-3", "--cpu", "--checkpoint", str(tmp_path / "ckpt"),
               "--checkpoint-every", "1"]
-    assert cli(common + ["--steps", "2", "--out", str(tmp_path / "first")]) == 0
+    assert cli(common + ["--steps", "2", "--eval-every", "1", "--out", str(tmp_path / "first")]) == 0
     printed = capfd.readouterr().out  # the ranks' output (spawned processes)
     assert "step 2/2 loss" in printed and f"wrote {tmp_path / 'first'}" in printed
     record = json.loads((tmp_path / "first" / "thunderep_finetune.json").read_text())
@@ -274,6 +282,8 @@ def test_finetune_command_equals_one_process_training_and_resumes(tmp_path, capf
     assert record["seconds"] >= sum(record["step_seconds"]) > 0 and record["steady_tokens_per_s"] > 0
     assert f"{record['steady_tokens_per_s']:,.0f} at the median step" in printed
     assert f"held-out loss {record['eval_loss_before']:.4f} -> {record['eval_loss_after']:.4f}" in printed
+    (at, score), = record["eval_losses"]  # after step 1 (the last step's is eval_loss_after)
+    assert at == 1 and f"step 1/2 held-out loss {score:.4f}" in printed
     assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")]) == 0
     printed = capfd.readouterr().out
     assert f"resuming from {tmp_path / 'ckpt'} at step 2" in printed and "step 3/3 loss" in printed
@@ -292,7 +302,8 @@ def test_finetune_command_equals_one_process_training_and_resumes(tmp_path, capf
 
 
 def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_one_process(tmp_path, capfd):
-    """--freeze experts --gradient-checkpointing on 2 ranks, on prompt / completion examples (JSON Lines):
+    """--freeze experts --gradient-checkpointing --max-grad-norm --lr-schedule cosine on 2 ranks, on
+    prompt / completion examples (JSON Lines):
     the experts come out as they went in, the rest as one process trains it with AdamW on the other
     parameters and the completions' tokens only (the recomputed layers dispatch in ep mode again; in
     the mode "auto" of after the forward these small batches would take all-gather mode). The memory
@@ -308,7 +319,8 @@ def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_
                                         "completion": f" rank {i % 8 // 4}"}) + "\n" for i in range(40)))
     assert cli(["finetune", "--model", model_dir, "--data", str(data), "--ep", "2", "--batch", "2",
                 "--seq-len", "12", "--lr", "1e-3", "--cpu", "--steps", "3", "--eval-batches", "0",
-                "--freeze", "experts", "--gradient-checkpointing", "--out", str(tmp_path / "out")]) == 0
+                "--freeze", "experts", "--gradient-checkpointing", "--max-grad-norm", "0.05", "--lr-schedule",
+                "cosine", "--warmup-steps", "1", "--out", str(tmp_path / "out")]) == 0
     printed = capfd.readouterr().out
     record = json.loads((tmp_path / "out" / "thunderep_finetune.json").read_text())
     memory = record["memory"]
@@ -318,7 +330,11 @@ def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_
     assert record["peak_bytes"] > memory["weights"] and f"peak memory of a rank {record['peak_bytes'] / 1e9:.2f} GB" \
         in printed
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    want = _adamw_reference(model_dir, data, held_out=False, steps=3, freeze="experts").state_dict()
+    assert len(record["grad_norms"]) == 3 and min(record["grad_norms"]) > 0.05  # every step clipped
+    assert "step 2/3 loss" in printed and "lr 0.001, gradient norm" in printed  # warm-up, then cosine: 1, 1, 0
+    assert re.search(r"step 3/3 loss \S+ lr 0, gradient norm", printed)
+    want = _adamw_reference(model_dir, data, held_out=False, steps=3, freeze="experts", clip=0.05,
+                            schedule=(1, "cosine")).state_dict()
     got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).state_dict()
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
@@ -364,6 +380,16 @@ def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, cap
             assert torch.equal(got[key], start[key]) != adapted, (out, key)
         tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / out))
         assert tokenizer.chat_template == _chat_tokenizer().chat_template
+
+
+def test_learning_rate_schedules():
+    from thunderep.finetune import lr_factor
+
+    assert [lr_factor(s, 6, 2, "constant") for s in range(6)] == [0.5, 1, 1, 1, 1, 1]
+    assert [lr_factor(s, 6, 2, "linear") for s in range(6)] == pytest.approx([0.5, 1, 1, 2 / 3, 1 / 3, 0])
+    cosine = [lr_factor(s, 7, 2, "cosine") for s in range(7)]
+    assert cosine[:3] == [0.5, 1, 1] and cosine[4] == pytest.approx(0.5) and cosine[6] == pytest.approx(0)
+    assert lr_factor(0, 1, 0, "cosine") == 1.0  # one step: nothing to decay over
 
 
 def test_freeze_patterns_and_memory_shortfall_are_named():

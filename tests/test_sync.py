@@ -50,7 +50,7 @@ def _ddp_case(rank, world):
 
 
 def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer="adamw", ep_size=None,
-           overlapped=False):
+           overlapped=False, clip=None):
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
     from thunderep.sync import GradSync
@@ -60,7 +60,7 @@ def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer=
     sync = GradSync(model, ep, sync_config)
     opt = (torch.optim.AdamW(model.parameters(), lr=lr) if optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=lr))
-    losses = []
+    losses, norms = [], []
     for ids in _batches(world, steps):
         opt.zero_grad()
         loss = model.loss(ids[rank * B:(rank + 1) * B])
@@ -69,6 +69,8 @@ def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer=
             sync.step_optimizer(opt)
         else:
             sync.finish()
+            if clip is not None:
+                norms.append(sync.clip_grad_norm_(clip).item())
             opt.step()
             sync.after_step()
         losses.append(loss.item())
@@ -76,18 +78,20 @@ def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer=
     local = {i: layer.local_experts for i, layer in enumerate(model.moe_layers())}
     stats = sync.stats
     ep.close()
-    return {"params": params, "local": local, "losses": losses, "history": stats.history,
+    return {"params": params, "local": local, "losses": losses, "history": stats.history, "norms": norms,
             "expert_bytes": stats.expert_bytes,
             "replicated_bytes": sum(p.numel() * 4 for p in sync.replicated)}
 
 
-def _single_process(world, steps, lr=1e-2, optimizer="adamw"):
+def _single_process(world, steps, lr=1e-2, optimizer="adamw", clip=None, norms=None):
     model = MoETransformer(MODEL)
     opt = (torch.optim.AdamW(model.parameters(), lr=lr) if optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=lr))
     for ids in _batches(world, steps):
         opt.zero_grad()
         torch.stack([model.loss(ids[r * B:(r + 1) * B]) for r in range(world)]).mean().backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
     return {n: p.detach() for n, p in model.named_parameters()}
 
@@ -107,7 +111,10 @@ def _cases(rank, world):
     E = MODEL.num_experts
     redundant = [Placement.contiguous(E, world, slots_per_rank=E // world + 1)] * MODEL.num_layers
     small = SyncConfig(bucket_mb=0.002)  # several buckets
-    overlap = {"buckets": _train(rank, world, 3, small), "buckets_step": _train(rank, world, 3, small, overlapped=True)}
+    redundant_ = [Placement.contiguous(MODEL.num_experts, world, slots_per_rank=MODEL.num_experts // world + 1)]
+    overlap = {"buckets": _train(rank, world, 3, small), "buckets_step": _train(rank, world, 3, small, overlapped=True),
+               "clipped": _train(rank, world, 3, SyncConfig(), lr=0.1, optimizer="sgd", clip=0.5,
+                                 placements=redundant_ * MODEL.num_layers)}
     if world > 2:  # delta mode is rank-count agnostic; 4 ranks on 2 cores are slow
         return {**overlap, "every_step": _train(rank, world, 3, SyncConfig()),
                 "replicas": _train(rank, world, 3, SyncConfig(), placements=redundant),
@@ -146,6 +153,19 @@ def test_step_overlapping_the_last_bucket_equals_finish_then_step(world):
             assert torch.equal(p, plain["params"][name]), name
         assert [h[1] for h in ours["history"]] == [h[1] for h in plain["history"]]
     _compare_to_single(res["buckets_step"], _single_process(world, 3))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_clip_grad_norm_over_ranks_equals_one_process(world):
+    """GradSync.clip_grad_norm_ (replicated gradients counted once, an expert held by two ranks once)
+    gives the norm and the clipped SGD steps of torch.nn.utils.clip_grad_norm_ on one process."""
+    res = cases(world)
+    norms = []
+    ref = _single_process(world, 3, lr=0.1, optimizer="sgd", clip=0.5, norms=norms)
+    assert min(norms) > 0.5  # every step clipped
+    for r in res["clipped"]:
+        assert r["norms"] == pytest.approx(norms, rel=1e-5)
+    _compare_to_single(res["clipped"], ref)
 
 
 def test_bfloat16_gradient_all_reduce_halves_the_bytes_and_stays_close():

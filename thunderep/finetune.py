@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import re
 import shutil
 import statistics
@@ -47,7 +48,7 @@ import torch
 from .data import _ids_labels, batch_at, load_training_data, split_tokens
 from .errors import ConfigError
 
-__all__ = ["MemoryPlan", "finetune_on_rank", "main", "memory_plan", "parse_args", "select_trainable"]
+__all__ = ["MemoryPlan", "finetune_on_rank", "lr_factor", "main", "memory_plan", "parse_args", "select_trainable"]
 
 
 # What transformers writes for a tokenizer (the chat template is a file of its own since 4.43).
@@ -126,17 +127,22 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
             print(f"resuming from {args.checkpoint} at step {first}", flush=True)
     eval_before = evaluate()
     tm.train()
-    losses, step_seconds, started = [], [], time.perf_counter()
+    losses, step_seconds, norms, evals, started = [], [], [], [], time.perf_counter()
     tokens_per_step = args.batch * args.seq_len * world
     for step in range(first, args.steps):
         step_started = time.perf_counter()
         ids, labels = _ids_labels(batch_at(train_tokens, args.seed, rank, step, args.batch, args.seq_len), device)
+        lr = args.lr * lr_factor(step, args.steps, args.warmup_steps, args.lr_schedule)
+        for group in optimizer.param_groups:  # a function of the step: a resumed run continues it exactly
+            group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         with _memory_hint(args, step, plan):
             with compute():
                 loss = tm(input_ids=ids, labels=labels, mode="ep").loss
             loss.backward()
             sync.finish()
+            if args.max_grad_norm:
+                norms.append(sync.clip_grad_norm_(args.max_grad_norm).item())
             optimizer.step()
         sync.after_step()
         mean = loss.detach().float().clone()
@@ -145,7 +151,13 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         step_seconds.append(time.perf_counter() - step_started)
         if rank == 0 and not args.quiet and (step % max(1, args.steps // 20) == 0 or step == args.steps - 1):
             rate = tokens_per_step * len(losses) / (time.perf_counter() - started)
-            print(f"step {step + 1}/{args.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s)", flush=True)
+            clipped = f", gradient norm {norms[-1]:.3g}" if norms else ""
+            print(f"step {step + 1}/{args.steps} loss {losses[-1]:.4f} lr {lr:.3g}{clipped} ({rate:,.0f} tokens/s)",
+                  flush=True)
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps and held:
+            evals.append((step + 1, evaluate()))
+            if rank == 0 and not args.quiet:
+                print(f"step {step + 1}/{args.steps} held-out loss {evals[-1][1]:.4f}", flush=True)
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args.checkpoint, tm, optimizer, step=step + 1)
     seconds = time.perf_counter() - started
@@ -165,7 +177,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
               # at the median step time: the rate a long run sees, without the warm-up of the first
               # step or a kernel compiled for a new shape mid-run (a 2.7 s step seen on 2 H200s)
               "steady_tokens_per_s": tokens_per_step / max(statistics.median(step_seconds), 1e-9) if done else None,
-              "step_seconds": step_seconds, "train_losses": losses,
+              "step_seconds": step_seconds, "train_losses": losses, "grad_norms": norms, "eval_losses": evals,
               "memory": dataclasses.asdict(plan), "peak_bytes": peak,
               "eval_loss_before": eval_before, "eval_loss_after": eval_after,
               "args": {k: v for k, v in vars(args).items() if k not in ("model", "out")}}
@@ -182,6 +194,17 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
                   f"({result['tokens_per_s']:,.0f} tokens/s{steady}){trained}{held}; peak memory of a rank "
                   f"{peak / 1e9:.2f} GB; wrote {out}", flush=True)
     return result
+
+
+def lr_factor(step: int, steps: int, warmup: int, schedule: str) -> float:
+    """The learning rate of step `step` (0-based) of `steps`, as a fraction of --lr: a linear warm-up
+    over the first `warmup` steps, then constant, or down to 0 at the last step along a cosine or a line."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or steps <= warmup + 1:
+        return 1.0
+    progress = (step - warmup) / (steps - warmup - 1)
+    return 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
 
 
 def _peak_bytes(device: torch.device) -> int:
@@ -352,6 +375,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant",
+                   help="after the warm-up: constant, or down to 0 at the last step along a cosine or a line")
+    p.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warm-up from lr / warmup to lr")
+    p.add_argument("--max-grad-norm", type=float, default=0.0,
+                   help="clip the gradients to this norm over all ranks, as clip_grad_norm_ on one process "
+                        "(0: no clipping; 1.0 is a common choice)")
     p.add_argument("--sync", choices=("every_step", "delta"), default="every_step",
                    help="gradient sync of the replicated weights (GradSync)")
     p.add_argument("--delta-steps", type=int, default=16, help="local steps per window with --sync delta")
@@ -388,6 +417,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="save a resumable checkpoint here (model, AdamW state, step) every --checkpoint-every "
                         "steps and at the end; a run that finds one there resumes from it")
     p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=0, help="also score the held-out text every N steps (0: "
+                   "only before and after)")
     p.add_argument("--eval-batches", type=int, default=4,
                    help="held-out batches per rank (the text's last 5%%) scored before and after; 0: none")
     p.add_argument("--seed", type=int, default=0)
@@ -406,8 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     problems = [f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
                 for name in ("ep", "steps", "batch", "seq_len", "delta_steps", "checkpoint_every")
                 if getattr(args, name) < 1]
-    if args.eval_batches < 0:
-        problems.append(f"--eval-batches must be 0 or more, got {args.eval_batches}")
+    for name in ("eval_batches", "eval_every", "warmup_steps"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    if not args.max_grad_norm >= 0:
+        problems.append(f"--max-grad-norm must be 0 (off) or positive, got {args.max_grad_norm}")
     if not args.lr > 0:
         problems.append(f"--lr must be positive, got {args.lr}")
     if not (Path(args.model) / "config.json").is_file():

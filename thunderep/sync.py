@@ -300,6 +300,36 @@ class GradSync:
         if nbytes:
             self.stats.record(nbytes, time.perf_counter() - started, expert=True)
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every gradient of the model so that their norm over all ranks is at most `max_norm`, as
+        `torch.nn.utils.clip_grad_norm_` does for one process holding the whole model; returns that norm
+        before clipping (the same on every rank). Call after `finish()` (the replicated gradients are
+        then equal on every rank and counted once; an expert held by several ranks is counted once);
+        collective. In delta mode the replicated gradients are each rank's own."""
+        device = next((p.grad.device for p in self.replicated + self.expert_params if p.grad is not None), None)
+        if device is None:
+            return torch.zeros(())
+        held = {}  # (parameter, slot) -> ranks holding that expert
+        for p, slot, group in self._expert_groups:
+            held[id(p), slot] = dist.get_world_size(group)
+        experts = torch.zeros((), device=device, dtype=torch.float32)
+        for p in self.expert_params:
+            if p.grad is None:
+                continue
+            per_slot = p.grad.float().pow(2).reshape(p.grad.shape[0], -1).sum(1)
+            share = torch.tensor([1.0 / held.get((id(p), s), 1) for s in range(per_slot.shape[0])], device=device)
+            experts = experts + (per_slot * share).sum()
+        if self.world > 1:
+            dist.all_reduce(experts)
+        replicated = sum((p.grad.float().pow(2).sum() for p in self.replicated if p.grad is not None),
+                         torch.zeros((), device=device))
+        norm = (experts + replicated).sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.replicated + self.expert_params:
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+        return norm
+
     # -- delta mode
 
     def after_step(self) -> None:
