@@ -124,13 +124,14 @@ TEXT = "Expert parallelism on PCIe: every rank holds its own experts and trades 
 
 
 def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freeze: str | None = None,
-                     lora_rank: int = 0, lora_targets=None, clip: float = 0.0, schedule=None):
+                     lora_rank: int = 0, lora_targets=None, clip: float = 0.0, schedule=None, accum: int = 1):
     """The plain model trained in one process as `thunderep finetune --ep 2 --batch 2 --seq-len 12
     --lr 1e-3` trains it: AdamW on the mean of the two ranks' losses, on the batches they draw; the
     parameters whose name matches `freeze` left out; with `lora_rank`, adapters trained instead (seed
     0, as the command draws them; the model wrapped without expert parallelism, so that its experts
     can take adapters) and merged at the end; `clip`: clip_grad_norm_ over what trains; `schedule`:
-    (warm-up steps, "cosine" / "linear" / "constant") as --warmup-steps / --lr-schedule."""
+    (warm-up steps, "cosine" / "linear" / "constant") as --warmup-steps / --lr-schedule; `accum`
+    micro-batches per step as --grad-accum (the mean of their losses)."""
     from hf_tiny import V
     from transformers import AutoModelForCausalLM
 
@@ -156,8 +157,11 @@ def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freez
             for group in opt.param_groups:
                 group["lr"] = 1e-3 * lr_factor(step, steps, *schedule)
         opt.zero_grad()
-        batches = [batch_at(tokens, 0, r, step, 2, 12) for r in range(2)]
-        torch.stack([model(input_ids=b[..., 0], labels=b[..., 1]).loss for b in batches]).mean().backward()
+        for micro in range(accum):
+            draw = step if accum == 1 else step * accum + micro
+            batches = [batch_at(tokens, 0, r, draw, 2, 12) for r in range(2)]
+            (torch.stack([model(input_ids=b[..., 0], labels=b[..., 1]).loss for b in batches]).mean()
+             / accum).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
@@ -344,7 +348,7 @@ def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_
 
 
 def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, capfd):
-    """--lora-rank 4 --lora-targets self_attn experts on 2 ranks, on chat examples through the
+    """--lora-rank 4 --lora-targets self_attn experts --grad-accum 2 on 2 ranks, on chat examples through the
     checkpoint's own tokenizer and chat template: 2 steps with --checkpoint, then the same command for 3
     steps resumes there; the written checkpoint is the plain family (adapters merged), carries the
     tokenizer and its chat template, and equals one process training the same adapters on the same
@@ -365,13 +369,13 @@ def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, cap
         for i in range(40)))
     common = ["finetune", "--model", model_dir, "--data", str(data), "--ep", "2", "--batch", "2",
               "--seq-len", "12", "--lr", "1e-3", "--cpu", "--eval-batches", "0", "--lora-rank", "4",
-              "--lora-targets", "self_attn", "experts", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--quiet"]
+              "--lora-targets", "self_attn", "experts", "--grad-accum", "2", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--quiet"]
     assert cli(common + ["--steps", "2", "--out", str(tmp_path / "first")]) == 0
     assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")]) == 0
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     for out, steps in (("first", 2), ("resumed", 3)):
         want = _adamw_reference(model_dir, data, held_out=False, steps=steps, lora_rank=4,
-                                lora_targets=["self_attn", "experts"]).state_dict()
+                                lora_targets=["self_attn", "experts"], accum=2).state_dict()
         got = AutoModelForCausalLM.from_pretrained(str(tmp_path / out), dtype=torch.float32).state_dict()
         assert got.keys() == want.keys() == start.keys()
         for key, value in want.items():

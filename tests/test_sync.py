@@ -50,7 +50,7 @@ def _ddp_case(rank, world):
 
 
 def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer="adamw", ep_size=None,
-           overlapped=False, clip=None):
+           overlapped=False, clip=None, accum=1):
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
     from thunderep.sync import GradSync
@@ -63,7 +63,11 @@ def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer=
     losses, norms = [], []
     for ids in _batches(world, steps):
         opt.zero_grad()
-        loss = model.loss(ids[rank * B:(rank + 1) * B])
+        rows = ids[rank * B:(rank + 1) * B]
+        for micro in range(accum - 1):  # gradient accumulation: these backward passes launch no bucket
+            with sync.no_sync():
+                (model.loss(rows[micro * B // accum:(micro + 1) * B // accum]) / accum).backward()
+        loss = model.loss(rows[(accum - 1) * B // accum:]) / accum
         loss.backward()
         if overlapped:  # the last bucket's all-reduce behind the optimizer step
             sync.step_optimizer(opt)
@@ -114,7 +118,8 @@ def _cases(rank, world):
     redundant_ = [Placement.contiguous(MODEL.num_experts, world, slots_per_rank=MODEL.num_experts // world + 1)]
     overlap = {"buckets": _train(rank, world, 3, small), "buckets_step": _train(rank, world, 3, small, overlapped=True),
                "clipped": _train(rank, world, 3, SyncConfig(), lr=0.1, optimizer="sgd", clip=0.5,
-                                 placements=redundant_ * MODEL.num_layers)}
+                                 placements=redundant_ * MODEL.num_layers),
+               "accumulated": _train(rank, world, 3, small, accum=2)}
     if world > 2:  # delta mode is rank-count agnostic; 4 ranks on 2 cores are slow
         return {**overlap, "every_step": _train(rank, world, 3, SyncConfig()),
                 "replicas": _train(rank, world, 3, SyncConfig(), placements=redundant),
@@ -166,6 +171,18 @@ def test_clip_grad_norm_over_ranks_equals_one_process(world):
     for r in res["clipped"]:
         assert r["norms"] == pytest.approx(norms, rel=1e-5)
     _compare_to_single(res["clipped"], ref)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_accumulating_under_no_sync_equals_the_whole_batch_and_syncs_once(world):
+    """Two micro-batches of one row each, the first under GradSync.no_sync(): the same parameters as one
+    backward of both rows (and one process), and the same bytes all-reduced per step: one sync."""
+    res = cases(world)
+    for ours, whole in zip(res["accumulated"], res["buckets"]):
+        assert [h[1] for h in ours["history"]] == [h[1] for h in whole["history"]]
+        for name, p in ours["params"].items():
+            torch.testing.assert_close(p, whole["params"][name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    _compare_to_single(res["accumulated"], _single_process(world, 3))
 
 
 def test_bfloat16_gradient_all_reduce_halves_the_bytes_and_stays_close():

@@ -128,18 +128,24 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     eval_before = evaluate()
     tm.train()
     losses, step_seconds, norms, evals, started = [], [], [], [], time.perf_counter()
-    tokens_per_step = args.batch * args.seq_len * world
+    tokens_per_step = args.batch * args.seq_len * world * args.grad_accum
     for step in range(first, args.steps):
         step_started = time.perf_counter()
-        ids, labels = _ids_labels(batch_at(train_tokens, args.seed, rank, step, args.batch, args.seq_len), device)
         lr = args.lr * lr_factor(step, args.steps, args.warmup_steps, args.lr_schedule)
         for group in optimizer.param_groups:  # a function of the step: a resumed run continues it exactly
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         with _memory_hint(args, step, plan):
-            with compute():
-                loss = tm(input_ids=ids, labels=labels, mode="ep").loss
-            loss.backward()
+            loss = 0.0
+            for micro in range(args.grad_accum):  # the objective: the mean of the micro-batches' losses
+                draw = step if args.grad_accum == 1 else step * args.grad_accum + micro
+                ids, labels = _ids_labels(batch_at(train_tokens, args.seed, rank, draw, args.batch, args.seq_len),
+                                          device)
+                with sync.no_sync() if micro + 1 < args.grad_accum else contextlib.nullcontext():
+                    with compute():
+                        part = tm(input_ids=ids, labels=labels, mode="ep").loss / args.grad_accum
+                    part.backward()
+                loss = loss + part.detach()
             sync.finish()
             if args.max_grad_norm:
                 norms.append(sync.clip_grad_norm_(args.max_grad_norm).item())
@@ -371,7 +377,10 @@ def _parser() -> argparse.ArgumentParser:
                         "bundled reference text)")
     p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks to launch on this host")
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimizer step (gradients accumulated, synced once): a step sees "
+                        "ranks x grad-accum x batch sequences with the activations of one micro-batch")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -435,7 +444,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     problems = [f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
-                for name in ("ep", "steps", "batch", "seq_len", "delta_steps", "checkpoint_every")
+                for name in ("ep", "steps", "batch", "grad_accum", "seq_len", "delta_steps", "checkpoint_every")
                 if getattr(args, name) < 1]
     for name in ("eval_batches", "eval_every", "warmup_steps"):
         if getattr(args, name) < 0:

@@ -170,6 +170,7 @@ class GradSync:
         self._buckets = self._make_buckets(self.replicated)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._next_launch = 0
+        self._accumulating = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.replicated]
         self._anchor: list[torch.Tensor] | None = None
         self._momentum: list[torch.Tensor] | None = None
@@ -209,8 +210,19 @@ class GradSync:
             return False
         return self.config.mode == "every_step" or self.step < self.config.warmup_steps
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: the backward passes inside the block only accumulate local gradients
+        (no bucket is launched), as torch DDP's `no_sync`; the backward after the block launches the
+        buckets with the accumulated gradients, and `finish()` follows as usual."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
     def _on_grad(self, p: nn.Parameter) -> None:
-        if not self.syncing_grads:
+        if not self.syncing_grads or self._accumulating:
             return
         bucket = self._bucket_of[id(p)]
         bucket.ready += 1
