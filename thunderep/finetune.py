@@ -350,19 +350,10 @@ def memory_plan(tm, device: torch.device, world: int, free: int | None = None) -
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
-    """One rank started by `launch` (environment set): its process group, then `finetune_on_rank`."""
-    import torch.distributed as dist
+    """One rank started by `launch`: its EP runtime, then `finetune_on_rank`."""
+    from .launch import run_on_ep
 
-    from .comm.runtime import ExpertParallel
-    from .config import EPConfig
-
-    backend = "nccl" if not args.cpu and torch.cuda.device_count() >= world else "gloo"
-    ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), backend=backend)
-    try:
-        finetune_on_rank(rank, world, args, ep)
-    finally:
-        ep.close()
-        dist.destroy_process_group()
+    run_on_ep(world, args, lambda ep: finetune_on_rank(rank, world, args, ep))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -166,19 +166,10 @@ def generate_on_rank(args: argparse.Namespace, ep=None, out=None) -> dict | None
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
-    """One rank started by `launch` (environment set): its process group, then `generate_on_rank`."""
-    import torch.distributed as dist
+    """One rank started by `launch`: its EP runtime, then `generate_on_rank`."""
+    from .launch import run_on_ep
 
-    from .comm.runtime import ExpertParallel
-    from .config import EPConfig
-
-    backend = "nccl" if not args.cpu and torch.cuda.device_count() >= world else "gloo"
-    ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), backend=backend)
-    try:
-        generate_on_rank(args, ep)
-    finally:
-        ep.close()
-        dist.destroy_process_group()
+    run_on_ep(world, args, lambda ep: generate_on_rank(args, ep))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ import torch
 
 from .errors import ThunderError
 
-__all__ = ["free_port", "launch"]
+__all__ = ["free_port", "launch", "run_on_ep"]
 
 
 def free_port() -> int:
@@ -67,3 +67,21 @@ def launch(fn, nprocs: int, *args) -> None:
         if os.environ.get("THUNDEREP_DEBUG"):
             message += "\n" + trace
         raise ThunderError(f"rank {rank} failed: {name}: {message}") from None
+
+
+def run_on_ep(world: int, args, body) -> None:
+    """One rank of a command started by `launch` (environment set): its ExpertParallel runtime over all
+    `world` ranks (NCCL with one GPU per rank when there are enough GPUs and not `args.cpu`, else gloo;
+    `args.timeout` seconds for any peer), then `body(ep)`, then the runtime and process group closed."""
+    import torch.distributed as dist
+
+    from .comm.runtime import ExpertParallel
+    from .config import EPConfig
+
+    backend = "nccl" if not args.cpu and torch.cuda.device_count() >= world else "gloo"
+    ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), backend=backend)
+    try:
+        body(ep)
+    finally:
+        ep.close()
+        dist.destroy_process_group()

@@ -365,18 +365,10 @@ def _generate(tm, tokenizer, message: list, eos: set, device, streamer=None) -> 
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
-    import torch.distributed as dist
+    """One rank started by `launch`: its EP runtime, then `serve_on_rank`."""
+    from .launch import run_on_ep
 
-    from .comm.runtime import ExpertParallel
-    from .config import EPConfig
-
-    backend = "nccl" if not args.cpu and torch.cuda.device_count() >= world else "gloo"
-    ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), backend=backend)
-    try:
-        serve_on_rank(args, ep)
-    finally:
-        ep.close()
-        dist.destroy_process_group()
+    run_on_ep(world, args, lambda ep: serve_on_rank(args, ep))
 
 
 def _parser() -> argparse.ArgumentParser:
