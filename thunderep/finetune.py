@@ -125,6 +125,9 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         first = load_checkpoint(args.checkpoint, tm, optimizer)["step"]
         if rank == 0 and not args.quiet:
             print(f"resuming from {args.checkpoint} at step {first}", flush=True)
+    if rank == 0 and not args.quiet and not args.checkpoint and args.steps - first > args.checkpoint_every:
+        print(f"note: no --checkpoint: if this run of {args.steps - first} steps fails, it starts again from "
+              "step 0; with --checkpoint DIR the same command resumes where it stopped", flush=True)
     eval_before = evaluate()
     tm.train()
     losses, step_seconds, norms, evals, started = [], [], [], [], time.perf_counter()
