@@ -386,6 +386,23 @@ def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, cap
         assert tokenizer.chat_template == _chat_tokenizer().chat_template
 
 
+def test_finetune_dry_run_takes_one_step_and_writes_nothing(tmp_path, capfd):
+    from hf_tiny import save_tiny
+
+    from thunderep.cli import main as cli
+
+    model_dir = save_tiny("mixtral", tmp_path / "model")
+    (tmp_path / "notes.txt").write_text(TEXT)
+    assert cli(["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
+                "--seq-len", "12", "--cpu", "--steps", "50", "--grad-accum", "2", "--dry-run",
+                "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    printed = capfd.readouterr().out
+    assert "memory per rank (rank 0, cpu)" in printed and "step 1/50 loss" in printed and "step 2/50" not in printed
+    assert re.search(r"dry run: one step of 96 tokens \(2 ranks x 2 x 2 x 12\) took \S+ s; peak memory of a rank "
+                     r"\S+ GB; nothing written", printed)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()
+
+
 def test_learning_rate_schedules():
     from thunderep.finetune import lr_factor
 

@@ -125,14 +125,15 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         first = load_checkpoint(args.checkpoint, tm, optimizer)["step"]
         if rank == 0 and not args.quiet:
             print(f"resuming from {args.checkpoint} at step {first}", flush=True)
-    if rank == 0 and not args.quiet and not args.checkpoint and args.steps - first > args.checkpoint_every:
+    if rank == 0 and not args.quiet and not args.checkpoint and not args.dry_run \
+            and args.steps - first > args.checkpoint_every:
         print(f"note: no --checkpoint: if this run of {args.steps - first} steps fails, it starts again from "
               "step 0; with --checkpoint DIR the same command resumes where it stopped", flush=True)
-    eval_before = evaluate()
+    eval_before = None if args.dry_run else evaluate()
     tm.train()
     losses, step_seconds, norms, evals, started = [], [], [], [], time.perf_counter()
     tokens_per_step = args.batch * args.seq_len * world * args.grad_accum
-    for step in range(first, args.steps):
+    for step in range(first, first + 1 if args.dry_run else args.steps):
         step_started = time.perf_counter()
         lr = args.lr * lr_factor(step, args.steps, args.warmup_steps, args.lr_schedule)
         for group in optimizer.param_groups:  # a function of the step: a resumed run continues it exactly
@@ -163,15 +164,22 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
             clipped = f", gradient norm {norms[-1]:.3g}" if norms else ""
             print(f"step {step + 1}/{args.steps} loss {losses[-1]:.4f} lr {lr:.3g}{clipped} ({rate:,.0f} tokens/s)",
                   flush=True)
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps and held:
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps and held \
+                and not args.dry_run:
             evals.append((step + 1, evaluate()))
             if rank == 0 and not args.quiet:
                 print(f"step {step + 1}/{args.steps} held-out loss {evals[-1][1]:.4f}", flush=True)
-        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+        if args.checkpoint and not args.dry_run and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args.checkpoint, tm, optimizer, step=step + 1)
     seconds = time.perf_counter() - started
     peak = _peak_bytes(device)  # the largest over the ranks, weights and activations included
     sync.close()
+    if args.dry_run:
+        if rank == 0 and not args.quiet:
+            print(f"[thunderep] dry run: one step of {tokens_per_step} tokens ({world} ranks x {args.grad_accum} x "
+                  f"{args.batch} x {args.seq_len}) took {step_seconds[0]:.2f} s; peak memory of a rank "
+                  f"{peak / 1e9:.2f} GB; nothing written", flush=True)
+        return {"dry_run": True, "step_seconds": step_seconds, "peak_bytes": peak, "memory": dataclasses.asdict(plan)}
     eval_after = evaluate()
     tm.eval()
     if args.lora_rank:
@@ -427,6 +435,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
+    p.add_argument("--dry-run", action="store_true",
+                   help="load, check the memory plan and take one training step (activations included), print "
+                        "its time and the peak memory of a rank, and stop: nothing is written")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
