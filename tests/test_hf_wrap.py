@@ -182,3 +182,18 @@ def test_autocast_computes_float32_experts_in_bfloat16_and_grads_reach_float32_w
     with torch.no_grad():
         tm(input_ids=x)  # no autocast: the float32 weights as they are
     assert seen == [torch.float32] * len(tm.bindings)
+
+
+def test_from_pretrained_refuses_a_share_that_does_not_fit_before_allocating(tmp_path, monkeypatch):
+    """The bytes this rank will hold are counted on the meta device and compared with the free memory
+    first: a clear error naming both, instead of running out halfway through loading."""
+    import thunderep.hf.load as load
+
+    path = save_tiny("mixtral", tmp_path / "m", seed=1)
+    need = sum(t.numel() * t.element_size() for t in list(tiny_model("mixtral").parameters()))
+    monkeypatch.setattr(load, "free_bytes", lambda device, ep=None: need // 2)
+    with pytest.raises(ConfigError, match=r"this rank's share of the model needs \d+\.\d+ GB on cpu and \d+\.\d+ GB "
+                                          r"is free: spread the experts over more ranks \(now 1\)"):
+        ThunderMoE.from_pretrained(path)
+    monkeypatch.setattr(load, "free_bytes", lambda device, ep=None: 2 * need)
+    assert ThunderMoE.from_pretrained(path).load_report.bytes_read > 0

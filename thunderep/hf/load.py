@@ -317,6 +317,31 @@ def _resolve_dtype(dtype, config) -> torch.dtype:
     return dtype
 
 
+def free_bytes(device: torch.device, ep=None) -> int:
+    """Memory free for this rank's weights on `device`: the GPU's free memory, or on CPU the host's
+    available memory shared by the ranks of this host."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return psutil.virtual_memory().available // max(1, local)
+
+
+def check_fits(model: nn.Module, device: torch.device, ep=None) -> None:
+    """ConfigError when the parameters and buffers this rank will hold (its experts and the replicated
+    weights, sized on the meta device) exceed `free_bytes`. The other ranks hold the same amount or
+    differ by a few experts; each checks its own device."""
+    need = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    free = free_bytes(device, ep)
+    if need > free:
+        ranks = ep.groups.ep_size if ep is not None else 1
+        raise ConfigError(
+            f"this rank's share of the model needs {need / 1e9:.2f} GB on {device} and {free / 1e9:.2f} GB is "
+            f"free: spread the experts over more ranks (now {ranks}), load a narrower dtype (bfloat16 instead "
+            "of float32), or free the device")
+
+
 def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
                     attn_implementation: str | None = None, experts_implementation: str | None = None):
     """`ThunderMoE.from_pretrained`: build, wrap and fill the model of checkpoint directory `path`.
@@ -345,6 +370,7 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     with torch.device("meta"):
         model = (model_class or AutoModelForCausalLM).from_config(config, **kwargs)
     wrapped = cls.wrap(model, ep, placement=placement, experts_implementation=experts_implementation, move=False)
+    check_fits(model, device, ep)  # before allocating: a clear error instead of running out mid-load
     rss_before = rss_bytes()  # libraries imported, model on meta: what follows is the weights
     model.to_empty(device=device)
     _init_non_persistent_buffers(model)
