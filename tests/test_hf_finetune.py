@@ -575,3 +575,37 @@ def test_training_data_masks_prompts_and_names_bad_examples(tmp_path):
     assert windows.shape == (2, 4, 2) and (windows[:, 1:, 1] != IGNORE).any()
     with pytest.raises(ValueError, match="found no token that trains"):
         batch_at(torch.tensor([[5, IGNORE]] * 50), 0, 0, 0, 2, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_finetune_command_on_gpus_equals_one_process(tmp_path, world):
+    """The small-card options on `world` GPUs (NCCL; float32 so that the comparison is tight): LoRA on
+    attention and experts, gradient checkpointing, 2 accumulated micro-batches, clipping and a cosine
+    schedule, against the same training in one CPU process. Then --dtype mixed runs and writes the
+    checkpoint's bfloat16."""
+    from hf_tiny import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    from thunderep.cli import main as cli
+
+    if torch.cuda.device_count() < max(world, 1):
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    model_dir = save_tiny("qwen3_moe", tmp_path / "model")
+    (tmp_path / "notes.txt").write_text(TEXT)
+    common = ["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", str(world),
+              "--batch", "2", "--seq-len", "12", "--lr", "1e-3", "--steps", "3", "--eval-batches", "0", "--quiet"]
+    assert cli(common + ["--dtype", "float32", "--lora-rank", "4", "--lora-targets", "self_attn", "experts",
+                         "--gradient-checkpointing", "--grad-accum", "2", "--max-grad-norm", "0.05",
+                         "--lr-schedule", "cosine", "--warmup-steps", "1", "--out", str(tmp_path / "lora")]) == 0
+    if world == 2:
+        want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=3, lora_rank=4,
+                                lora_targets=["self_attn", "experts"], clip=0.05, schedule=(1, "cosine"),
+                                accum=2).state_dict()
+        got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "lora"), dtype=torch.float32).state_dict()
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-4, msg=lambda m: f"{key}: {m}")
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(model_dir).to(torch.bfloat16).save_pretrained(str(bf16))
+    assert cli(common[:2] + [str(bf16)] + common[3:] + ["--out", str(tmp_path / "mixed")]) == 0
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "mixed")).dtype == torch.bfloat16

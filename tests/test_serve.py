@@ -191,3 +191,42 @@ def test_bad_requests_are_refused_with_a_message(server):
     assert _post(url, "/v2/anything", {})[0] == 404
     status, body = _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})  # still serving
     assert status == 200 and body["usage"]["completion_tokens"] <= 2
+
+
+@pytest.mark.gpu
+def test_serve_on_two_gpus_equals_the_plain_model(tmp_path):
+    """The server on 2 GPUs (NCCL for the model, gloo for the batches): a completion and a streamed one
+    equal the plain model's greedy continuation."""
+    from hf_tiny import V, chat_tokenizer, save_tiny
+    from transformers import AutoTokenizer
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    model_dir = save_tiny("mixtral", tmp_path / "model", seed=1)
+    chat_tokenizer(V).save_pretrained(model_dir)
+    log = open(tmp_path / "log.txt", "w")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "thunderep.cli", "serve", "--model", model_dir, "--ep", "2",
+                             "--port", "0", "--quiet"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    try:
+        deadline, url = time.monotonic() + 300, None
+        while url is None:
+            found = re.search(r"listening on (http://\S+)", (tmp_path / "log.txt").read_text())
+            url = found.group(1) if found else None
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-2000:]
+            time.sleep(0.2)
+        assert "cuda" in (tmp_path / "log.txt").read_text()
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        prompt = "hello there w40 w41"
+        text, _, _ = _reference(model_dir, tok.encode(prompt), 8)
+        assert _post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8})[1]["choices"][0]["text"] == text
+        events = _stream(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8})
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
