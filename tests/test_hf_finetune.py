@@ -348,7 +348,8 @@ def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_
 
 
 def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, capfd):
-    """--lora-rank 4 --lora-targets self_attn experts --grad-accum 2 on 2 ranks, on chat examples through the
+    """--lora-rank 4 --lora-targets self_attn experts --grad-accum 2 --balance (a spare slot per rank:
+    replicated experts and their adapters) on 2 ranks, on chat examples through the
     checkpoint's own tokenizer and chat template: 2 steps with --checkpoint, then the same command for 3
     steps resumes there; the written checkpoint is the plain family (adapters merged), carries the
     tokenizer and its chat template, and equals one process training the same adapters on the same
@@ -369,7 +370,7 @@ def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, cap
         for i in range(40)))
     common = ["finetune", "--model", model_dir, "--data", str(data), "--ep", "2", "--batch", "2",
               "--seq-len", "12", "--lr", "1e-3", "--cpu", "--eval-batches", "0", "--lora-rank", "4",
-              "--lora-targets", "self_attn", "experts", "--grad-accum", "2", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--quiet"]
+              "--lora-targets", "self_attn", "experts", "--grad-accum", "2", "--balance", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--quiet"]
     assert cli(common + ["--steps", "2", "--out", str(tmp_path / "first")]) == 0
     assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")]) == 0
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()

@@ -74,9 +74,15 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     device = ep.groups.device
     precision = args.dtype if args.dtype != "auto" else ("mixed" if device.type == "cuda" else "float32")
     # mixed: load as stored; what trains becomes float32 below, frozen weights keep the stored dtype
+    balancer = None
+    if args.balance:
+        from .balance import BalancerConfig
+
+        balancer = BalancerConfig()
     tm = ThunderMoE.from_pretrained(args.model, ep, dtype=_stored_dtype(args.model) if precision == "mixed" else
                                     getattr(torch, precision), device=device,
-                                    experts_implementation=args.experts_implementation)
+                                    experts_implementation=args.experts_implementation, balancer=balancer,
+                                    spare_slots=1 if args.balance else 0)
     if args.lora_rank:  # adapters on the attention projections (or --lora-targets); everything else frozen
         from .lora import apply_lora
 
@@ -132,6 +138,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     eval_before = None if args.dry_run else evaluate()
     tm.train()
     losses, step_seconds, norms, evals, started = [], [], [], [], time.perf_counter()
+    balance = {"trades": 0, "migrations": 0}  # layer-steps with a new trade plan / a migration
     tokens_per_step = args.batch * args.seq_len * world * args.grad_accum
     for step in range(first, first + 1 if args.dry_run else args.steps):
         step_started = time.perf_counter()
@@ -155,6 +162,14 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
                 norms.append(sync.clip_grad_norm_(args.max_grad_norm).item())
             optimizer.step()
         sync.after_step()
+        if args.balance:  # between steps: trades, and migrations that move experts with their AdamW state
+            decided = [d for d in tm.balance_step(optimizer) if d is not None]
+            balance["trades"] += sum(bool(d.traded) for d in decided)
+            balance["migrations"] += sum(bool(d.migrated) for d in decided)
+            if any(d.migrated for d in decided):
+                sync.placement_changed()
+                if rank == 0 and not args.quiet:
+                    print(f"step {step + 1}/{args.steps}: the balancer moved experts", flush=True)
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)  # .item() waits for the step: the step times below are real
@@ -195,7 +210,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
               # step or a kernel compiled for a new shape mid-run (a 2.7 s step seen on 2 H200s)
               "steady_tokens_per_s": tokens_per_step / max(statistics.median(step_seconds), 1e-9) if done else None,
               "step_seconds": step_seconds, "train_losses": losses, "grad_norms": norms, "eval_losses": evals,
-              "memory": dataclasses.asdict(plan), "peak_bytes": peak,
+              "memory": dataclasses.asdict(plan), "peak_bytes": peak, "balance": balance if args.balance else None,
               "eval_loss_before": eval_before, "eval_loss_after": eval_after,
               "args": {k: v for k, v in vars(args).items() if k not in ("model", "out")}}
     if rank == 0:
@@ -420,6 +435,9 @@ def _parser() -> argparse.ArgumentParser:
                         "tensors (default: the attention projections, e.g. model.layers.0.self_attn.q_proj; "
                         "'experts' adds an adapter per expert to model.layers.N.mlp.experts.gate_up_proj / "
                         "down_proj, and to shared experts' linear layers)")
+    p.add_argument("--balance", action="store_true",
+                   help="the load balancer on every MoE layer: one spare slot per rank for replicas of hot "
+                        "experts, trades between replicas, migrations between steps (the math is unchanged)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each decoder layer's activations in backward instead of keeping them "
                         "(less memory for long sequences, about one more forward of time); the MoE layers "

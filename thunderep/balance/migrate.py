@@ -27,13 +27,13 @@ from ..comm.groups import peer_errors
 from ..errors import ConfigError
 from .placement import Placement
 
-__all__ = ["migrate_layer"]
+__all__ = ["migrate_layer", "migrate_slots"]
 
 
-def _slot_tensors(layer, optimizer) -> list[torch.Tensor]:
+def _slot_tensors(params, optimizer) -> list[torch.Tensor]:
     """Every tensor with a leading slot dimension that must travel with a slot, in a fixed order."""
     out = []
-    for p in layer.experts.parameters():
+    for p in params:
         out.append(p.data)
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         for key in sorted(state):
@@ -46,15 +46,22 @@ def _slot_tensors(layer, optimizer) -> list[torch.Tensor]:
 def migrate_layer(layer, new: Placement, optimizer=None, timeout_s: float | None = None) -> int:
     """Re-home `layer`'s experts to `new` (collective over the layer's EP group). Returns the number
     of bytes this rank sent."""
-    old: Placement = layer.placement
-    groups = layer.ep.groups
+    sent = migrate_slots(list(layer.experts.parameters()), layer.placement, new, layer.ep.groups, optimizer, timeout_s)
+    layer.placement = new
+    return sent
+
+
+def migrate_slots(params, old: Placement, new: Placement, groups, optimizer=None, timeout_s: float | None = None) -> int:
+    """Move the slots of `params` (expert-sharded tensors, leading dim = local slots) and their optimizer
+    state from placement `old` to `new`, in place (collective over the EP group of `groups`). Returns
+    the number of bytes this rank sent. The caller records the new placement."""
     if new.num_experts != old.num_experts or new.ep_size != old.ep_size or new.slots_per_rank != old.slots_per_rank:
         raise ConfigError(
             f"migration keeps the shape: experts {old.num_experts}, ranks {old.ep_size}, slots "
             f"{old.slots_per_rank}; the new placement has {new.num_experts}, {new.ep_size}, {new.slots_per_rank}"
         )
     S, me = old.slots_per_rank, groups.ep_rank
-    tensors = _slot_tensors(layer, optimizer)
+    tensors = _slot_tensors(params, optimizer)
     sends, recvs, local = [], [], []
     for r in range(new.ep_size):
         for s in range(S):
@@ -90,5 +97,4 @@ def migrate_layer(layer, new: Placement, optimizer=None, timeout_s: float | None
         for _, s, parts in incoming:
             for t, part in zip(tensors, parts):
                 t[s].copy_(part)
-    layer.placement = new
     return sum(part.numel() * part.element_size() for _, parts in outgoing for part in parts)

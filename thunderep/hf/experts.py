@@ -93,6 +93,8 @@ class ExpertsBinding:
     placement: Placement | None = None
     calls: dict = field(default_factory=lambda: {"ep": 0, "latency": 0, "allgather": 0, "local": 0})
     adapters: dict = field(default_factory=dict)  # tensor name -> ExpertAdapter (thunderep.lora)
+    balancer: object = None  # LayerBalancer | None (ThunderMoE.wrap(balancer=...))
+    stats: object = None  # CommStats of this layer's all-to-alls, for the balancer's bandwidth meter
 
     @cached_property
     def all_local(self) -> bool:
@@ -142,8 +144,9 @@ class ExpertsBinding:
             return self.compute(module, x_TD, ids_TK, weights_TK)
         mode = self.state.mode
         checked = mode == "auto"
-        if checked:  # per call: all-gather mode for small equal batches, else ep (see EPConfig)
-            mode = self.ep.auto_mode(x_TD.shape[0])
+        if checked:  # per call: all-gather mode for small equal batches, else ep (see EPConfig); a
+            # balanced layer always runs ep mode, where the balancer's words ride in the dispatch record
+            mode = "ep" if self.balancer is not None else self.ep.auto_mode(x_TD.shape[0])
         self.calls[mode] += 1
         if mode == "latency":
             return self._forward_latency(module, x_TD, ids_TK, weights_TK)
@@ -178,7 +181,7 @@ class ExpertsBinding:
             ids = ids_TK[a:b]
             counts_E = expert_counts(ids, self.num_experts)
             routings.append(Routing(weights_TK[a:b], ids, counts_E, x_TD.new_empty(b - a, 0)))
-        metas = dispatcher.plan(routings, self.placement)
+        metas = dispatcher.plan(routings, self.placement, self.stats, self.balancer)
         pending = [dispatcher.dispatch_async(x_TD[a:b], m) for (a, b), m in zip(bounds, metas)]
         combines = []
         for p, meta in zip(pending, metas):

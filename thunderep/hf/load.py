@@ -343,7 +343,8 @@ def check_fits(model: nn.Module, device: torch.device, ep=None) -> None:
 
 
 def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
-                    attn_implementation: str | None = None, experts_implementation: str | None = None):
+                    attn_implementation: str | None = None, experts_implementation: str | None = None,
+                    balancer=None, spare_slots: int = 0):
     """`ThunderMoE.from_pretrained`: build, wrap and fill the model of checkpoint directory `path`.
 
     dtype: torch dtype or name (default: the checkpoint's `dtype`, else float32). device: default the EP
@@ -369,7 +370,8 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         kwargs["attn_implementation"] = attn_implementation
     with torch.device("meta"):
         model = (model_class or AutoModelForCausalLM).from_config(config, **kwargs)
-    wrapped = cls.wrap(model, ep, placement=placement, experts_implementation=experts_implementation, move=False)
+    wrapped = cls.wrap(model, ep, placement=placement, experts_implementation=experts_implementation, move=False,
+                       balancer=balancer, spare_slots=spare_slots)
     check_fits(model, device, ep)  # before allocating: a clear error instead of running out mid-load
     rss_before = rss_bytes()  # libraries imported, model on meta: what follows is the weights
     model.to_empty(device=device)

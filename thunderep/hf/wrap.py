@@ -177,7 +177,8 @@ class ThunderMoE(nn.Module):
 
     @classmethod
     def wrap(cls, model: nn.Module, ep=None, *, placement: Placement | None = None,
-             experts_implementation: str | None = None, move: bool = True) -> "ThunderMoE":
+             experts_implementation: str | None = None, move: bool = True, balancer=None,
+             spare_slots: int = 0) -> "ThunderMoE":
         """Shard `model`'s experts over `ep` (in place) and route them through ThunderEP.
 
         ep: an `ExpertParallel` runtime, or None (all experts stay local; nothing moves).
@@ -186,8 +187,16 @@ class ThunderMoE(nn.Module):
             current one, e.g. "grouped_mm"; "eager" = the experts class's own loop), or "triton":
             ThunderEP's Triton kernels (CUDA; plain gated experts only, others raise ConfigError).
         move: move the model to the EP runtime's device (its GPU under NCCL) after slicing.
+        spare_slots: without a placement, slots per rank beyond E / R (contiguous blocks, the extra slots
+            replicating experts round-robin): room for the balancer's replicas.
+        balancer: a `BalancerConfig` to balance every MoE layer (needs `ep`; works in ep mode, which
+            mode "auto" then always picks): its words ride in the dispatch's record, its trade plan
+            picks among an expert's replicas (give the placement spare slots), and `balance_step`
+            migrates experts between steps.
         Wrap before creating an optimizer: expert parameters are replaced by their local slices.
         """
+        if balancer is not None and ep is None:
+            raise ConfigError("a balancer needs an ExpertParallel runtime (ep=...)")
         if ep is None and placement is not None:
             raise ConfigError("a placement needs an ExpertParallel runtime (ep=...)")
         modules = find_experts_modules(model)
@@ -197,7 +206,8 @@ class ThunderMoE(nn.Module):
             E, tensors = _expert_tensors(name, module)
             if ep is not None:
                 R = ep.groups.ep_size
-                layer_placement = placement or Placement.contiguous(E, R)
+                layer_placement = placement or Placement.contiguous(
+                    E, R, -(-E // R) + spare_slots if spare_slots else None)
                 if layer_placement.num_experts != E or layer_placement.ep_size != R:
                     raise ConfigError(
                         f"placement ({layer_placement.num_experts} experts on {layer_placement.ep_size} ranks) does "
@@ -213,6 +223,12 @@ class ThunderMoE(nn.Module):
             binding = ExpertsBinding(name=name, class_name=type(module).__name__, num_experts=E,
                                      local_experts=tuple(local), tensors=tensors, compute=compute, state=state,
                                      ep=ep, placement=layer_placement)
+            if balancer is not None and ep.groups.ep_size > 1:
+                from ..balance.layer_balancer import LayerBalancer
+                from ..comm.dispatcher import CommStats
+
+                binding.balancer = LayerBalancer(layer_placement, balancer)
+                binding.stats = CommStats(ep.groups.ep_size, ep.groups.ep_rank)
             module.__dict__["_thunderep"] = binding  # a plain attribute: not a submodule, not in state_dict
             bindings[name] = binding
         _set_implementation(model, [m for _, m in modules])
@@ -231,6 +247,36 @@ class ThunderMoE(nn.Module):
         from .load import load_pretrained
 
         return load_pretrained(cls, path, ep, **kwargs)
+
+    def balance_step(self, optimizer=None) -> list:
+        """At a step boundary (after the optimizer step): every balanced MoE layer's decision (None where
+        a layer has no balancer). On a migration the layer's expert slots and `optimizer`'s state for
+        them move to the new placement in place (collective over the EP group); a `GradSync` then
+        needs `placement_changed()`."""
+        decisions = []
+        for name, binding in self.bindings.items():
+            balancer = binding.balancer
+            if balancer is None:
+                decisions.append(None)
+                continue
+            params = self._shards(name, binding)
+            if balancer.sized_by_layer:  # one slot's weights and optimizer state, the same on every rank
+                total = 0
+                for p in params:
+                    state = optimizer.state.get(p, {}) if optimizer is not None else {}
+                    total += p.numel() * p.element_size() + sum(
+                        v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.shape == p.shape)
+                balancer.set_slot_bytes(total // binding.num_slots)
+            decision = balancer.step(binding.stats)
+            if decision is not None and decision.migrated:
+                from ..balance.migrate import migrate_slots
+
+                migrate_slots(params, binding.placement, decision.placement, binding.ep.groups, optimizer)
+                binding.placement = decision.placement
+                binding.local_experts = tuple(decision.placement.experts_of(binding.ep.groups.ep_rank))
+                self._replicas = None  # all_reduce_grads rebuilds its replica groups
+            decisions.append(decision)
+        return decisions
 
     # -- running
 
