@@ -10,7 +10,7 @@ from distributed import run_ranks
 
 pytest.importorskip("transformers")
 
-STEPS = 24
+STEPS = 8  # trades from the first step; on 4 ranks a migration at step 5
 
 
 def _train(rank, world):
@@ -69,7 +69,7 @@ def test_balanced_wrapped_model_trains_like_the_plain_one(world):
     for rank, runs in enumerate(results):
         plain, balanced = runs["plain"], runs["balanced"]
         assert balanced["decisions"] == first, f"rank {rank}: every rank must reach the same decisions"
-        assert all(c["allgather"] == 0 and c["ep"] == 24 for c in balanced["calls"])
+        assert all(c["allgather"] == 0 and c["ep"] == STEPS for c in balanced["calls"])
         torch.testing.assert_close(balanced["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
     # after migrations, each rank's slot s holds expert local[s]: the same values as wherever the plain
     # run holds that expert
@@ -78,9 +78,8 @@ def test_balanced_wrapped_model_trains_like_the_plain_one(world):
         for key, (local, value) in runs["plain"]["experts"].items():
             for s, e in enumerate(local):
                 owners.setdefault((key, e), value[s])
-    moved = any(d[2] for step in first for d in step if d)
+    assert any(d[2] for step in first for d in step if d) == (world == 4)  # the 4-rank run migrates
     for runs in results:
         for key, (local, value) in runs["balanced"]["experts"].items():
             for s, e in enumerate(local):
                 torch.testing.assert_close(value[s], owners[key, e], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} {e}: {m}")
-    print(f"{world} ranks: migrated {moved}")
