@@ -33,7 +33,9 @@ def _train(rank, world):
         for layer in model.model.layers:
             layer.mlp.gate.weight[hot] += 3.0 * layer.mlp.gate.weight.abs().mean()
     placement = Placement.contiguous(E, world, E // world + 1)  # a spare slot per rank
-    config = BalancerConfig(slow_window=4, min_dwell=6, settle=2, seconds_per_pair=1e-3, bandwidth=1e12)
+    # measure=False: the cost check uses the configured bandwidth, not this machine's timings, so the
+    # decisions (the 4-rank migration included) do not depend on how busy the machine is
+    config = BalancerConfig(slow_window=4, min_dwell=6, settle=2, seconds_per_pair=1e-3, bandwidth=1e12, measure=False)
     runs = {}
     for name, balancer in (("plain", None), ("balanced", config)):
         tm = ThunderMoE.wrap(copy.deepcopy(model), ep, placement=placement, balancer=balancer)
