@@ -4,6 +4,7 @@ checkpoint's chat template, batched concurrent requests, seeded sampling, and th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,28 +26,23 @@ pytest.importorskip("safetensors")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(base URL, checkpoint directory) of a server on 2 ranks; stopped (its process group) at the end."""
-    from hf_tiny import V, chat_tokenizer, save_tiny
-
-    d = tmp_path_factory.mktemp("serve")
-    model_dir = save_tiny("mixtral", d / "model", seed=1)
-    chat_tokenizer(V).save_pretrained(model_dir)
-    log = open(d / "log.txt", "w")
+@contextlib.contextmanager
+def _running_server(model_dir: str, log_path: Path, *extra: str, start_timeout: float = 180):
+    """The base URL of `thunderep serve` on 2 ranks (its own process group, stopped at the end)."""
+    log = open(log_path, "w")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "thunderep.cli", "serve", "--model", model_dir, "--ep", "2",
-                             "--cpu", "--port", "0", "--quiet", "--max-batch", "4"],
+                             "--port", "0", "--quiet", *extra],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        deadline, url = time.monotonic() + 180, None
+        deadline, url = time.monotonic() + start_timeout, None
         while url is None:
-            found = re.search(r"listening on (http://\S+)", (d / "log.txt").read_text())
+            found = re.search(r"listening on (http://\S+)", log_path.read_text())
             url = found.group(1) if found else None
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {(d / 'log.txt').read_text()[-2000:]}")
+                raise RuntimeError(f"the server did not start: {log_path.read_text()[-2000:]}")
             time.sleep(0.2)
-        yield url, model_dir
+        yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -55,6 +51,18 @@ def server(tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=20)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base URL, checkpoint directory) of a server on 2 CPU ranks."""
+    from hf_tiny import V, chat_tokenizer, save_tiny
+
+    d = tmp_path_factory.mktemp("serve")
+    model_dir = save_tiny("mixtral", d / "model", seed=1)
+    chat_tokenizer(V).save_pretrained(model_dir)
+    with _running_server(model_dir, d / "log.txt", "--cpu", "--max-batch", "4") as url:
+        yield url, model_dir
 
 
 def _post(url: str, path: str, body) -> tuple[int, dict]:
@@ -204,18 +212,7 @@ def test_serve_on_two_gpus_equals_the_plain_model(tmp_path):
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     model_dir = save_tiny("mixtral", tmp_path / "model", seed=1)
     chat_tokenizer(V).save_pretrained(model_dir)
-    log = open(tmp_path / "log.txt", "w")
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "thunderep.cli", "serve", "--model", model_dir, "--ep", "2",
-                             "--port", "0", "--quiet"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    try:
-        deadline, url = time.monotonic() + 300, None
-        while url is None:
-            found = re.search(r"listening on (http://\S+)", (tmp_path / "log.txt").read_text())
-            url = found.group(1) if found else None
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-2000:]
-            time.sleep(0.2)
+    with _running_server(model_dir, tmp_path / "log.txt", start_timeout=300) as url:
         assert "cuda" in (tmp_path / "log.txt").read_text()
         tok = AutoTokenizer.from_pretrained(model_dir)
         prompt = "hello there w40 w41"
@@ -223,10 +220,3 @@ def test_serve_on_two_gpus_equals_the_plain_model(tmp_path):
         assert _post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8})[1]["choices"][0]["text"] == text
         events = _stream(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8})
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
