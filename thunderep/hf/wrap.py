@@ -56,6 +56,21 @@ _KNOWN_UNSUPPORTED = {
 }
 
 
+def decode_attention(cudnn: bool = False):
+    """A context for generation: `scaled_dot_product_attention` may pick any backend but cuDNN's, unless
+    `cudnn`. On the H200 (torch 2.11) cuDNN attention is the first choice for masked attention, and its
+    first call at a new (batch, length) shape builds an execution plan: about 31 ms, 16 such calls took
+    0.50 s of a 0.61 s first generate of 8 tokens (docs/BENCHMARKS.md, "Serving on 2 H200s"). A decode
+    meets a new length at every step, so a server would pay it for every (batch, length) it sees once.
+    Training keeps cuDNN (its shapes repeat)."""
+    if cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    allowed = [b for name, b in SDPBackend.__members__.items() if name not in ("CUDNN_ATTENTION", "ERROR")]
+    return sdpa_kernel(allowed)
+
+
 def _uses_experts_interface(module: nn.Module) -> bool:
     return (all(hasattr(module, a) for a in ("has_gate", "is_transposed", "is_concatenated", "config"))
             and hasattr(type(module).forward, "__wrapped__"))
@@ -342,7 +357,8 @@ class ThunderMoE(nn.Module):
                 self._check_replicated(kwargs.get("input_ids", args[0] if args else None))
             return self.model(*args, **kwargs)
 
-    def generate(self, *args, mode: str = "auto", replicated: bool = False, **kwargs):
+    def generate(self, *args, mode: str = "auto", replicated: bool = False, cudnn_attention: bool = False,
+                 **kwargs):
         """The Hugging Face `generate()`, with ranks in lockstep.
 
         replicated=True (batch-1 decode, every rank the same prompt): latency mode. Otherwise each rank
@@ -350,10 +366,14 @@ class ThunderMoE(nn.Module):
         sequences have finished keeps stepping until all ranks have (transformers' `synced_gpus`, over
         the default process group: every rank of the world must call generate). Sampling in latency
         mode needs the same seed on every rank (torch.manual_seed) so that the ranks pick the same tokens.
+
+        cudnn_attention=False leaves cuDNN out of the backends `scaled_dot_product_attention` may pick
+        (`decode_attention`): cuDNN builds an execution plan for every new (batch, length) shape, and a
+        decode meets a new length at every step.
         """
         if self.ep is not None and dist.is_initialized() and dist.get_world_size() > 1:
             kwargs.setdefault("synced_gpus", True)
-        with self.running(mode, replicated):
+        with self.running(mode, replicated), decode_attention(cudnn_attention):
             if self._state.mode == "latency":
                 self._check_replicated(kwargs.get("input_ids", args[0] if args else None))
             return self.model.generate(*args, **kwargs)
