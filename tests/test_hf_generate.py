@@ -70,3 +70,28 @@ def test_generate_with_thunderep_kernels_equals_default(tmp_path, capfd):
     assert pick(default) == pick(kernels) and len(pick(default)) == 1
     assert cli_main(["generate"] + args + ["--experts-implementation", "fastest"]) != 0
     assert "experts_implementation 'fastest' is not registered" in capfd.readouterr().err
+
+
+def test_generate_leaves_cudnn_out_of_attention_unless_asked():
+    """ThunderMoE.generate runs the model's generate with every attention backend but cuDNN's allowed
+    (cuDNN plans each new decode shape), and as before with cudnn_attention=True; the flags are restored."""
+    from hf_tiny import tiny_model
+
+    from thunderep.hf import ThunderMoE
+
+    tm = ThunderMoE.wrap(tiny_model("mixtral", seed=1), None)
+    seen, generate = [], tm.model.generate
+
+    def recording(*args, **kwargs):
+        b = torch.backends.cuda
+        seen.append((b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()))
+        return generate(*args, **kwargs)
+
+    tm.model.generate = recording
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    ids = torch.tensor([[3, 5, 7]])
+    default = tm.generate(ids, max_new_tokens=3, do_sample=False)
+    with_cudnn = tm.generate(ids, max_new_tokens=3, do_sample=False, cudnn_attention=True)
+    assert seen == [(False, True, True, True), (before, True, True, True)]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    assert torch.equal(default, with_cudnn)
