@@ -1,4 +1,4 @@
-"""`thunderep.launch`: the CPU threads each rank gets."""
+"""`thunderep.launch`: the CPU threads each rank gets, and how a spawned rank leaves."""
 
 from __future__ import annotations
 
@@ -21,10 +21,27 @@ def test_gpu_ranks_get_their_share_of_the_cores(monkeypatch):
     before = torch.get_num_threads()
     seen = []
     try:
-        launch_module._child(1, 4, 0, lambda rank, world: seen.append(torch.get_num_threads()), (), None)
+        launch_module._run_rank(1, 4, 0, lambda rank, world: seen.append(torch.get_num_threads()), (), None)
         torch.set_num_threads(before)
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
-        launch_module._child(1, 4, 0, lambda rank, world: seen.append(torch.get_num_threads()), (), None)
+        launch_module._run_rank(1, 4, 0, lambda rank, world: seen.append(torch.get_num_threads()), (), None)
     finally:
         torch.set_num_threads(before)
     assert before != 17 and seen == [17, before]
+
+
+def _print_and_register_atexit(rank, world, marker):
+    import atexit
+
+    atexit.register(lambda: open(f"{marker}.{rank}", "w").close())
+    print(f"rank {rank} of {world} done", end="\n" if rank else "")  # rank 0's line stays in the buffer
+
+
+def test_spawned_ranks_leave_without_finalization_and_flush_their_output(tmp_path, capfd):
+    """A launched rank that succeeded exits without the interpreter's finalization (atexit handlers
+    do not run: a process group's worker thread could abort the process there), after flushing its
+    output, and the launch succeeds."""
+    launch_module.launch(_print_and_register_atexit, 2, str(tmp_path / "atexit"))
+    out = capfd.readouterr().out
+    assert "rank 0 of 2 done" in out and "rank 1 of 2 done" in out
+    assert not list(tmp_path.iterdir())
