@@ -396,10 +396,10 @@ def main(argv=None) -> int:
     p.add_argument("--experts-implementation", default=None,
                    help="what computes ThunderEP's local experts: the model's transformers function (default) "
                         "or triton (ThunderEP's kernels; decode shares then use the pair kernels)")
-    p.add_argument("--grad-sync", choices=("plain", "bucketed", "overlapped"), default="bucketed",
-                   help="ThunderEP's gradient sync: bucketed (thunderep.sync.GradSync, buckets all-reduced while "
-                        "backward runs; default), overlapped (the same, and the last bucket's all-reduce behind "
-                        "the optimizer step: GradSync.step_optimizer; no exposed-time row) or plain "
+    p.add_argument("--grad-sync", choices=("plain", "bucketed", "overlapped"), default="overlapped",
+                   help="ThunderEP's gradient sync: overlapped (thunderep.sync.GradSync, buckets all-reduced while "
+                        "backward runs, the last bucket's behind the optimizer step: GradSync.step_optimizer; "
+                        "default; no exposed-time row), bucketed (the same without the last overlap) or plain "
                         "(ThunderMoE.all_reduce_grads after backward)")
     p.add_argument("--grad-dtype", choices=("bfloat16", "float16"), default=None,
                    help="all-reduce the replicated gradients in this dtype (SyncConfig.grad_dtype; default: "

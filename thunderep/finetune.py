@@ -118,7 +118,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
             for i in range(args.eval_batches):
                 ids, labels = _ids_labels(batch_at(held_out, args.seed + 1, rank, i, args.batch, args.seq_len), device)
                 with compute():
-                    scores.append(tm(input_ids=ids, labels=labels, mode="ep").loss.float())
+                    scores.append(tm(input_ids=ids, labels=labels, mode="ep", use_cache=False).loss.float())
         total = torch.stack(scores).mean()
         dist.all_reduce(total)
         tm.train()
@@ -154,14 +154,16 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
                                           device)
                 with sync.no_sync() if micro + 1 < args.grad_accum else contextlib.nullcontext():
                     with compute():
-                        part = tm(input_ids=ids, labels=labels, mode="ep").loss / args.grad_accum
+                        part = tm(input_ids=ids, labels=labels, mode="ep", use_cache=False).loss / args.grad_accum
                     part.backward()
                 loss = loss + part.detach()
-            sync.finish()
-            if args.max_grad_norm:
+            if args.max_grad_norm:  # the global norm needs every gradient before the step
+                sync.finish()
                 norms.append(sync.clip_grad_norm_(args.max_grad_norm).item())
-            optimizer.step()
-        sync.after_step()
+                optimizer.step()
+                sync.after_step()
+            else:  # the last bucket's all-reduce hides behind the update of the others
+                sync.step_optimizer(optimizer)
         if args.balance:  # between steps: trades, and migrations that move experts with their AdamW state
             decided = [d for d in tm.balance_step(optimizer) if d is not None]
             balance["trades"] += sum(bool(d.traded) for d in decided)

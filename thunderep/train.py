@@ -130,10 +130,8 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss = model.loss(ids)
         loss.backward()
-        sync.finish()
-        optimizer.step()
+        sync.step_optimizer(optimizer)  # finish, step, after_step: the last bucket hidden behind the step
         schedule.step()
-        sync.after_step()
         decisions = model.balance_step(optimizer) if args.balance else []
         if any(d is not None and d.migrated for d in decisions):
             sync.placement_changed()
