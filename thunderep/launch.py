@@ -55,6 +55,11 @@ def _child(rank: int, world: int, port: int, fn, args, errors) -> None:
     and the process aborts ("terminate called without an active exception", exit code -6) after all
     its work has succeeded (seen in about 1 of 6 runs of a 2-rank finetune on CPU)."""
     _run_rank(rank, world, port, fn, args, errors)
+    import multiprocessing.util
+
+    # What multiprocessing itself runs at a child's exit (its finalizers: without them the resource
+    # tracker warns of a leaked semaphore); not part of the interpreter's finalization.
+    getattr(multiprocessing.util, "_exit_function", lambda: None)()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
