@@ -1,15 +1,17 @@
-"""`thunderep serve` under load: requests batched together (`--max-batch N`) against one at a time
-(`--max-batch 1`), the same checkpoint, ranks and clients, side by side.
+"""`thunderep serve` under load, two server settings side by side: `--compare max-batch` (default)
+runs requests batched together (`--max-batch N`) against one at a time (`--max-batch 1`);
+`--compare batching` runs static batching against continuous batching, both at `--max-batch N`.
 
     python examples/bench_serve.py --model DIR --ep 2 --clients 8 --requests 32 --max-tokens 32
+    python examples/bench_serve.py --model DIR --ep 2 --compare batching --vary-tokens
     python examples/bench_serve.py --model DIR --ep 2 --cpu      # the same on CPU ranks (a check of the code)
 
 For each setting the script starts a server (its own process group), waits until it answers, sends
 one warm-up request, then `--clients` threads send `--requests` completions in all (greedy, prompts of
-`--prompt-words` words drawn from a fixed list, `--max-tokens` new tokens each), and stops the server.
-It prints, per setting: requests/s, generated tokens/s, and the median and 90th-percentile request
-latency; then the ratio of the batched setting to the unbatched one. Settings alternate (1, N, 1, N
-with `--rounds 2`).
+`--prompt-words` words drawn from a fixed list, `--max-tokens` new tokens each, or with
+`--vary-tokens` a fixed spread from a quarter of it to all of it), and stops the server. It prints, per
+setting: requests/s, generated tokens/s, and the median and 90th-percentile request latency; then the
+ratio of the second setting to the first. Settings alternate (A, B, A, B with `--rounds 2`).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ WORDS = ("expert parallel routing token batch layer rank model serve cache decod
          "mixture sparse dense weight").split()
 
 
-def start_server(args, max_batch: int, log_path: str) -> tuple[subprocess.Popen, str]:
+def start_server(args, setting: tuple[str, int], log_path: str) -> tuple[subprocess.Popen, str]:
+    batching, max_batch = setting
     cmd = [sys.executable, "-m", "thunderep.cli", "serve", "--model", args.model, "--ep", str(args.ep),
-           "--port", "0", "--quiet", "--max-batch", str(max_batch)] + (["--cpu"] if args.cpu else [])
+           "--port", "0", "--quiet", "--max-batch", str(max_batch), "--batching", batching] + (
+               ["--cpu"] if args.cpu else [])
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = open(log_path, "w")
@@ -73,6 +77,8 @@ def load(url: str, args) -> dict:
     """Send the requests from `args.clients` threads; requests/s, tokens/s and latencies."""
     prompts = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(args.prompt_words))
                for i in range(args.requests)]
+    budgets = [max(1, args.max_tokens * (1 + (i * 3) % 4) // 4) if args.vary_tokens else args.max_tokens
+               for i in range(args.requests)]  # with --vary-tokens: 1/4, 4/4, 3/4, 2/4 of max_tokens, repeated
     latencies, tokens, errors = [], [], []
     lock, next_index = threading.Lock(), [0]
 
@@ -85,7 +91,7 @@ def load(url: str, args) -> dict:
                 return
             started = time.perf_counter()
             try:
-                reply = complete(url, prompts[i], args.max_tokens)
+                reply = complete(url, prompts[i], budgets[i])
             except Exception as exc:  # noqa: BLE001 - counted and reported
                 errors.append(f"{type(exc).__name__}: {exc}")
                 continue
@@ -115,39 +121,48 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=24)
-    p.add_argument("--max-batch", type=int, default=8, help="the batched setting (the other is 1)")
+    p.add_argument("--max-batch", type=int, default=8, help="the batched setting's --max-batch")
+    p.add_argument("--compare", choices=("max-batch", "batching"), default="max-batch",
+                   help="max-batch: --max-batch 1 against N (both --batching); batching: static against "
+                        "continuous batching, both at --max-batch N")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="the server's batching with --compare max-batch")
+    p.add_argument("--vary-tokens", action="store_true", help="requests ask for 1/4 to all of --max-tokens")
     p.add_argument("--rounds", type=int, default=1, help="alternations of the two settings")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    results: dict = {1: [], args.max_batch: []}
+    settings = ([(args.batching, 1), (args.batching, args.max_batch)] if args.compare == "max-batch"
+                else [("static", args.max_batch), ("continuous", args.max_batch)])
+    labels = [f"{b}, --max-batch {n}" for b, n in settings]
+    results: dict = {label: [] for label in labels}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for max_batch in (1, args.max_batch):
-                proc, url = start_server(args, max_batch, os.path.join(tmp, f"server-{max_batch}-{r}.log"))
+            for setting, label in zip(settings, labels):
+                proc, url = start_server(args, setting, os.path.join(tmp, f"server-{setting[0]}-{setting[1]}-{r}.log"))
                 try:
                     complete(url, "warm up", 2)
-                    results[max_batch].append(load(url, args))
+                    results[label].append(load(url, args))
                 finally:
                     stop_server(proc)
-                m = results[max_batch][-1]
-                print(f"round {r + 1}, --max-batch {max_batch}: {m['requests_s']:.2f} requests/s, "
+                m = results[label][-1]
+                print(f"round {r + 1}, {label}: {m['requests_s']:.2f} requests/s, "
                       f"{m['tokens_s']:.1f} tokens/s, latency p50 {m['latency_p50_s'] * 1e3:.0f} ms, "
                       f"p90 {m['latency_p90_s'] * 1e3:.0f} ms", flush=True)
-    print(f"\n{args.ep} rank(s), {args.clients} clients, {args.requests} requests of {args.max_tokens} new tokens "
-          f"({'CPU' if args.cpu else 'GPU'}); medians over rounds")
-    print(f"| | --max-batch 1 | --max-batch {args.max_batch} | ratio |\n|---|---|---|---|")
+    spread = ", 1/4 to all of it" if args.vary_tokens else ""
+    print(f"\n{args.ep} rank(s), {args.clients} clients, {args.requests} requests of {args.max_tokens} new tokens"
+          f"{spread} ({'CPU' if args.cpu else 'GPU'}); medians over rounds")
+    print(f"| | {labels[0]} | {labels[1]} | ratio |\n|---|---|---|---|")
     for key, label, higher in (("requests_s", "requests/s", True), ("tokens_s", "tokens/s", True),
                                ("latency_p50_s", "latency p50 ms", False), ("latency_p90_s", "latency p90 ms", False)):
-        a = statistics.median(m[key] for m in results[1])
-        b = statistics.median(m[key] for m in results[args.max_batch])
+        a = statistics.median(m[key] for m in results[labels[0]])
+        b = statistics.median(m[key] for m in results[labels[1]])
         scale = 1e3 if "latency" in key else 1.0
         ratio = b / a if higher else a / b
         print(f"| {label} | {a * scale:.1f} | {b * scale:.1f} | {ratio:.2f}x |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": {str(k): v for k, v in results.items()}},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     return 0
 
 

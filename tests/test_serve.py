@@ -142,6 +142,29 @@ def test_concurrent_requests_and_seeded_sampling(server):
     assert sampled[0][0] == 200 and sampled[0][1]["choices"] == sampled[1][1]["choices"]
 
 
+def test_static_batching_gives_the_same_answers(server, tmp_path):
+    """--batching static (a batch runs to its longest request): concurrent requests get the answers the
+    continuously batching server gives, streamed ones too."""
+    url, model_dir = server
+    prompts = ["hello", "w30 w31 w32 w33 w34 w35", "you are fine"]
+    want = [_post(url, "/v1/completions", {"prompt": p, "max_tokens": 3 + 2 * i})[1]["choices"][0]
+            for i, p in enumerate(prompts)]
+    with _running_server(model_dir, tmp_path / "log.txt", "--cpu", "--batching", "static") as static_url:
+        answers = [None] * len(prompts)
+
+        def ask(i):
+            answers[i] = _post(static_url, "/v1/completions", {"prompt": prompts[i], "max_tokens": 3 + 2 * i})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [a[1]["choices"][0] for a in answers] == want
+        events = _stream(static_url, "/v1/completions", {"prompt": prompts[1], "max_tokens": 5})
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want[1]["text"]
+
+
 def _stream(url: str, path: str, body: dict) -> list:
     """The server-sent events of a streamed request: the decoded chunks, then "[DONE]"."""
     request = urllib.request.Request(url + path, data=json.dumps(dict(body, stream=True)).encode(),

@@ -5,11 +5,16 @@
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 Every rank loads its share of the experts (`ThunderMoE.from_pretrained`); rank 0 also answers HTTP
-(the standard library's threaded server, no other dependency). Requests queue on rank 0; the serving
-loop takes up to `--max-batch` of them with the same sampling settings, sends them to every rank (a
-gloo broadcast of host objects) and all ranks generate the batch together in latency mode: every rank
-holds the same tokens, computes the pairs of its own experts, and an all-reduce sums them. When idle,
-rank 0 sends an empty batch every half second, so a rank that dies is noticed within `--timeout`.
+(the standard library's threaded server, no other dependency). Requests queue on rank 0. With
+continuous batching (the default; `thunderep.engine`) the serving loop, at every decode step, takes
+queued requests while fewer than `--max-batch` sequences are being decoded and sends them to every rank
+(a gloo broadcast of host objects); all ranks prefill them into the running batch and decode one token
+for every sequence, in latency mode: every rank holds the same tokens, computes the pairs of its own
+experts, and an all-reduce sums them. A request is answered as soon as its sequence ends. With
+`--batching static` (and for models whose cache cannot be merged, e.g. sliding-window attention) a
+batch of requests with the same sampling settings runs to its longest request's end (transformers'
+`generate`) before the next starts. When idle, rank 0 sends an empty batch every half second, so a
+rank that dies is noticed within `--timeout`.
 
 Endpoints, in the OpenAI API's shape (one prompt per request):
   POST /v1/completions       {"prompt", "max_tokens", "temperature", "top_p", "seed", "stream"}
@@ -18,8 +23,9 @@ Endpoints, in the OpenAI API's shape (one prompt per request):
 temperature defaults to 0 (greedy: the same answer every time). "stream": true sends the answer as
 server-sent events (`data: {chunk}` as text is decoded, then `data: [DONE]`). A bad request gets 400 and a message;
 what the model cannot take (a prompt longer than its context) is refused before any rank starts. A
-batch whose generation fails on any rank is answered with 500 on every request in it, and the ranks
-go on serving in step; a rank that dies or stops answering ends the server within `--timeout`.
+step (or static batch) that fails on any rank is answered with 500 on every request being generated,
+and the ranks go on serving in step; a rank that dies or stops answering ends the server within
+`--timeout`.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["main", "parse_args", "serve_on_rank"]
 
@@ -56,6 +63,7 @@ class _Job:
         # stream=True: server-sent events; the serving loop puts chunks (dicts) here, then None
         self.chunks: queue.Queue | None = queue.Queue() if stream else None
         self.sent: str | None = None  # the streamed text so far (None: nothing sent yet)
+        self.tokens: list[int] = []  # continuous batching: the new tokens so far
 
 
 class _Server:
@@ -175,10 +183,13 @@ class _Server:
                              f"context of {self.context} tokens")
         return _Job(kind, ids, max_tokens, (float(temperature), float(top_p)), seed, stream)
 
-    def next_batch(self, limit: int) -> list[_Job]:
-        """Up to `limit` queued jobs with the first one's sampling settings (waits up to IDLE_S for one)."""
+    def next_batch(self, limit: int, wait: bool = True, same_sampling: bool = True) -> list[_Job]:
+        """Up to `limit` queued jobs (with the first one's sampling settings if `same_sampling`); waits up
+        to IDLE_S for the first if `wait`."""
+        if limit < 1:
+            return []
         try:
-            first = self.jobs.get(timeout=IDLE_S)
+            first = self.jobs.get(timeout=IDLE_S) if wait else self.jobs.get_nowait()
         except queue.Empty:
             return []
         batch, rest = [first], []
@@ -187,7 +198,7 @@ class _Server:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 break
-            (batch if job.sampling == first.sampling else rest).append(job)
+            (batch if job.sampling == first.sampling or not same_sampling else rest).append(job)
         for job in rest:
             self.jobs.put(job)
         return batch
@@ -206,6 +217,17 @@ class _Server:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
         return {"id": f"chatcmpl-{id(job)}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    def progress(self, job: _Job, tokens: list[int]) -> None:
+        """A streamed job's new text, sent as a chunk once it decodes to whole characters."""
+        text, sent = self.decode(tokens), job.sent
+        if sent is None:
+            job.sent = sent = ""
+            if job.kind == "chat":  # the first event of a chat answer names the role
+                job.chunks.put(self.chunk(job, "", None, first=True))
+        if len(text) > len(sent) and text.startswith(sent) and not text.endswith("\ufffd"):
+            job.chunks.put(self.chunk(job, text[len(sent):], None))
+            job.sent = text
 
     def fail(self, job: _Job, error: str) -> None:
         job.error = error
@@ -238,8 +260,6 @@ class _Server:
 
 def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
     """Load the model and serve until stopped (collective over the EP group; rank 0 answers HTTP)."""
-    import torch.distributed as dist
-
     from .generate import load_tokenizer
     from .hf import ThunderMoE
 
@@ -268,36 +288,110 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
         print(f"[thunderep serve] {type(tm.model).__name__} on {world} rank(s), {device}: "
               f"{tm.load_report.summary()}\n[thunderep serve] listening on http://{host}:{port}", flush=True)
     tm.eval()
+    from .engine import unsupported_reason
+
+    reason = unsupported_reason(tm.model) if args.batching == "continuous" else None
+    if reason is not None and rank == 0:
+        print(f"[thunderep serve] batching statically: {type(tm.model).__name__} cannot be batched "
+              f"continuously here, {reason}", flush=True)
+    loop = _serve_continuous if args.batching == "continuous" and reason is None else _serve_static
     try:
-        while True:
-            jobs = server.next_batch(args.max_batch) if server else []
-            message = [(j.ids, j.max_tokens, j.sampling, j.seed) for j in jobs]
-            if control is not None:
-                box = [message]
-                dist.broadcast_object_list(box, src=src, group=control)
-                message = box[0]
-            if not message:
-                continue
-            try:
-                streamer = _Streamer(server, jobs, eos) if server and any(j.chunks is not None for j in jobs) else None
-                rows, finishes = _generate(tm, tokenizer, message, eos, device, streamer)
-                error = None
-            except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
-                rows, finishes, error = None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-            if control is not None:  # every rank learns whether any failed, so all go on in step
-                flag = torch.tensor([0 if error is None else 1])
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
-                if flag.item() and error is None:
-                    error = "generation failed on another rank"
-            for i, job in enumerate(jobs):
-                if error is not None:
-                    server.fail(job, error)
-                else:
-                    server.answer(job, rows[i], finishes[i])
+        loop(tm, tokenizer, server, control, src, eos, device, args)
     finally:
         if server is not None:
             server.http.shutdown()
             server.http.server_close()
+
+
+def _agree_on_failure(error: str | None, control) -> str | None:
+    """Every rank learns whether any failed (one all-reduce), so all go on in step."""
+    if control is not None:
+        flag = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
+        if flag.item() and error is None:
+            error = "generation failed on another rank"
+    return error
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
+def _serve_continuous(tm, tokenizer, server, control, src, eos, device, args) -> None:
+    """Continuous batching (thunderep/engine.py): at every step rank 0 admits queued requests while the
+    batch has room and sends them to every rank; all ranks prefill them, then decode one token for
+    every sequence; a sequence leaves at its end of sequence or max_tokens and is answered at once."""
+    import random
+
+    from .engine import DecodeBatch, Entry
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batch, active, count = DecodeBatch(tm, device, eos, pad), {}, 0
+    while True:
+        entries = []
+        if server is not None:
+            for job in server.next_batch(args.max_batch - len(batch), wait=not len(batch), same_sampling=False):
+                count += 1
+                active[count] = job
+                seed = job.seed if job.seed is not None else random.getrandbits(62)
+                entries.append(Entry(count, job.ids, job.max_tokens, job.sampling, seed))
+        if control is not None:
+            box = [entries]
+            dist.broadcast_object_list(box, src=src, group=control)
+            entries = box[0]
+        if not entries and not len(batch):
+            continue
+        try:
+            events = batch.admit(entries)
+            events += batch.step()
+            error = None
+        except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
+            events, error = [], _describe(exc)
+        error = _agree_on_failure(error, control)
+        if error is not None:
+            batch.reset()
+            for job in active.values():
+                server.fail(job, error)
+            active.clear()
+            continue
+        for key, token, finish in events if server is not None else ():
+            job = active[key]
+            if token is not None:
+                job.tokens.append(token)
+                if job.chunks is not None:
+                    server.progress(job, job.tokens)
+            if finish is not None:
+                server.answer(job, job.tokens, finish)
+                del active[key]
+
+
+def _serve_static(tm, tokenizer, server, control, src, eos, device, args) -> None:
+    """Static batching: a batch of queued requests with the same sampling settings is generated to its
+    longest request's end (transformers' generate) before the next batch starts."""
+    from .engine import generate_static
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    while True:
+        jobs = server.next_batch(args.max_batch) if server else []
+        message = [(j.ids, j.max_tokens, j.sampling, j.seed) for j in jobs]
+        if control is not None:
+            box = [message]
+            dist.broadcast_object_list(box, src=src, group=control)
+            message = box[0]
+        if not message:
+            continue
+        try:
+            streamer = _Streamer(server, jobs, eos) if server and any(j.chunks is not None for j in jobs) else None
+            rows, finishes = generate_static(tm, pad, message, eos, device, streamer)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
+            rows, finishes, error = None, None, _describe(exc)
+        error = _agree_on_failure(error, control)
+        for i, job in enumerate(jobs):
+            if error is not None:
+                server.fail(job, error)
+            else:
+                server.answer(job, rows[i], finishes[i])
 
 
 class _Streamer:
@@ -322,46 +416,10 @@ class _Streamer:
                 self.open[i] = False
                 continue
             self.tokens[i].append(token)
-            text, sent = self.server.decode(self.tokens[i]), job.sent
-            if sent is None:
-                job.sent = sent = ""
-                if job.kind == "chat":  # the first event of a chat answer names the role
-                    job.chunks.put(self.server.chunk(job, "", None, first=True))
-            if len(text) > len(sent) and text.startswith(sent) and not text.endswith("\ufffd"):
-                job.chunks.put(self.server.chunk(job, text[len(sent):], None))
-                job.sent = text
+            self.server.progress(job, self.tokens[i])
 
     def end(self) -> None:
         pass
-
-
-def _generate(tm, tokenizer, message: list, eos: set, device, streamer=None) -> tuple[list[list[int]], list[str]]:
-    """Every rank: generate the batch in latency mode; the new tokens of each request (cut at its end of
-    sequence and its max_tokens) and why it stopped ("stop" or "length")."""
-    prompts = [ids for ids, _, _, _ in message]
-    width = max(len(p) for p in prompts)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
-    longest = max(n for _, n, _, _ in message)
-    temperature, top_p = message[0][2]
-    seed = message[0][3]
-    torch.manual_seed(seed if seed is not None else 0)  # the same sampling stream on every rank
-    gen = dict(max_new_tokens=longest, do_sample=temperature > 0, pad_token_id=pad, streamer=streamer)
-    if temperature > 0:
-        gen.update(temperature=temperature, top_p=top_p)
-    with torch.no_grad():
-        out = tm.generate(ids, attention_mask=mask, mode="latency", replicated=True, **gen)
-    rows, finishes = [], []
-    for (_, n, _, _), row in zip(message, out[:, width:].tolist()):
-        stop = next((j for j, t in enumerate(row) if t in eos), None)
-        if stop is not None and stop < n:
-            rows.append(row[:stop])
-            finishes.append("stop")
-        else:
-            rows.append(row[:n])
-            finishes.append("length")
-    return rows, finishes
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -379,6 +437,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--max-batch", type=int, default=8, help="requests generated together at most")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="continuous: requests join and leave the batch at every decode step (default; models "
+                        "whose cache cannot be merged fall back to static); static: a batch runs to its "
+                        "longest request before the next starts")
     p.add_argument("--max-new-tokens", type=int, default=128, help="max_tokens when a request gives none")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     p.add_argument("--experts-implementation", default=None,

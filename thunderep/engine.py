@@ -1,0 +1,242 @@
+"""Continuous batching for `thunderep serve`: requests join and leave the decoding batch at every step.
+
+`DecodeBatch` holds the sequences being decoded together on every rank, in lockstep: their KV cache
+(transformers' `DynamicCache`, left-padded to one length), their attention mask, and the next token of
+each. `admit(entries)` prefills new requests as a batch of their own and merges their cache into the
+running one (both left-padded to the longer length); `step()` decodes one token for every sequence.
+A sequence leaves when it produces an end-of-sequence token or reaches its max_tokens, and the cache
+drops its row and any leading columns that only padding holds. Every rank runs the same calls with the
+same inputs in latency mode, so the ranks stay in step without exchanging anything but the requests.
+
+Greedy requests take the argmax. Sampled ones (temperature > 0, top_p) draw from their own generator,
+seeded by the request (or by the server on rank 0, then sent to all ranks), so a sequence's tokens do
+not depend on which others share its steps: a seeded request gets the same answer alone or in a batch.
+
+Only caches whose every layer is a plain `DynamicLayer` (full attention) can be merged this way;
+`unsupported_reason` names what else a model uses, and `thunderep serve` then batches statically:
+`generate_static` runs a batch to its longest request's end with transformers' `generate`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DecodeBatch", "Entry", "generate_static", "unsupported_reason"]
+
+
+@dataclass
+class Entry:
+    """One request as every rank sees it: its key on rank 0, prompt ids, max_tokens, (temperature,
+    top_p) and the sampling seed."""
+
+    key: int
+    ids: list[int]
+    max_tokens: int
+    sampling: tuple[float, float]
+    seed: int
+
+
+@dataclass
+class _Row:
+    entry: Entry
+    tokens: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config.get_text_config())
+
+
+def unsupported_reason(model) -> str | None:
+    """Why `DecodeBatch` cannot merge this model's cache (None: it can)."""
+    try:
+        cache = _new_cache(model)
+    except Exception as exc:  # noqa: BLE001 - an older or newer cache API: say so, batch statically
+        return f"its KV cache could not be built ({type(exc).__name__}: {exc})"
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return "this transformers version's DynamicCache has no list of layers"
+    kinds = sorted({type(layer).__name__ for layer in layers} - {"DynamicLayer"})
+    if kinds:
+        return f"its cache has {', '.join(kinds)} layers (sliding-window or recurrent attention)"
+    return None
+
+
+class DecodeBatch:
+    """The sequences being decoded together (see the module docstring). `tm` is a `ThunderMoE` (or a
+    plain transformers model, for a reference); `eos` the end-of-sequence ids."""
+
+    def __init__(self, tm, device: torch.device, eos: set[int], pad: int):
+        self.tm, self.device, self.eos, self.pad = tm, torch.device(device), set(eos), pad
+        self.model = tm.model if hasattr(tm, "running") else tm  # ThunderMoE, or a transformers model
+        # the cache argument's name: `cache` in newer transformers 5.x, `past_key_values` before
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.rows: list[_Row] = []
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # [B, L] 1 where the cache holds a token, 0 for padding
+        self.next_ids: torch.Tensor | None = None  # [B, 1] each sequence's last token, not yet in the cache
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def admit(self, entries: list[Entry]) -> list[tuple[int, int | None, str | None]]:
+        """Prefill `entries` and add them to the batch; their first tokens as `step()` returns them."""
+        if not entries:
+            return []
+        width = max(len(e.ids) for e in entries)
+        ids = torch.tensor([[self.pad] * (width - len(e.ids)) + e.ids for e in entries], device=self.device)
+        mask = torch.tensor([[0] * (width - len(e.ids)) + [1] * len(e.ids) for e in entries], device=self.device)
+        cache = _new_cache(self.model)
+        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
+        rows = [_Row(e, generator=self._generator(e)) for e in entries]
+        self._merge(rows, cache, mask)
+        return self._emit(logits, first=len(self.rows) - len(rows))
+
+    def step(self) -> list[tuple[int, int | None, str | None]]:
+        """Decode one token for every sequence: (key, token or None, finish reason or None) per sequence
+        that was in the batch; a sequence with a finish reason has left it."""
+        if not self.rows:
+            return []
+        positions = self.mask.sum(-1, keepdim=True)  # the real tokens before the one fed now
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
+        logits = self._forward(self.next_ids, self.mask, positions, self.cache)
+        return self._emit(logits, first=0)
+
+    def reset(self) -> None:
+        """Drop every sequence (after a failed step: the ranks start again from an empty batch)."""
+        self.rows, self.cache, self.mask, self.next_ids = [], None, None, None
+
+    # -- internals
+
+    def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
+        from .hf.wrap import decode_attention
+
+        running = self.tm.running("latency") if hasattr(self.tm, "running") else _nullcontext()
+        with torch.no_grad(), running, decode_attention():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=1, **{self.cache_arg: cache})
+        return out.logits[:, -1].float()
+
+    def _generator(self, entry: Entry) -> torch.Generator | None:
+        if entry.sampling[0] <= 0:
+            return None
+        g = torch.Generator(device=self.device)
+        g.manual_seed(entry.seed)
+        return g
+
+    def _merge(self, rows: list[_Row], cache, mask: torch.Tensor) -> None:
+        """Append the prefilled `rows` (their cache and mask) to the running batch, both left-padded to
+        the longer length."""
+        if not self.rows:
+            self.rows, self.cache, self.mask = rows, cache, mask
+            self.next_ids = mask.new_zeros(len(rows), 1)
+            return
+        length = max(self.mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, length), _left_pad(theirs.keys, length)])
+            mine.values = torch.cat([_left_pad(mine.values, length), _left_pad(theirs.values, length)])
+        self.mask = torch.cat([_left_pad(self.mask, length, dim=1), _left_pad(mask, length, dim=1)])
+        self.next_ids = torch.cat([self.next_ids, self.next_ids.new_zeros(len(rows), 1)])
+        self.rows = self.rows + rows
+
+    def _emit(self, logits: torch.Tensor, first: int) -> list[tuple[int, int | None, str | None]]:
+        """Pick the next token of rows `first:` from their logits, record it, and let finished rows go."""
+        events, keep = [], []
+        rows = self.rows[first:]
+        picked = self._pick(logits, rows)
+        self.next_ids[first:, 0] = torch.tensor(picked, device=self.device)
+        for i, (row, token) in enumerate(zip(rows, picked)):
+            if token in self.eos:
+                events.append((row.entry.key, None, "stop"))
+                continue
+            row.tokens.append(token)
+            done = len(row.tokens) >= row.entry.max_tokens
+            events.append((row.entry.key, token, "length" if done else None))
+            if not done:
+                keep.append(first + i)
+        keep = list(range(first)) + keep
+        if len(keep) < len(self.rows):
+            self._drop(keep)
+        return events
+
+    def _pick(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
+        greedy = logits.argmax(-1).tolist()
+        picked = []
+        for i, row in enumerate(rows):
+            temperature, top_p = row.entry.sampling
+            if row.generator is None:
+                picked.append(greedy[i])
+                continue
+            probs = torch.softmax(logits[i] / temperature, dim=-1)
+            if top_p < 1.0:  # the smallest set of the most likely tokens whose probability reaches top_p
+                ordered, order = probs.sort(descending=True)
+                outside = ordered.cumsum(0) - ordered >= top_p
+                probs = probs.scatter(0, order, ordered.masked_fill(outside, 0.0))
+            picked.append(int(torch.multinomial(probs, 1, generator=row.generator)))
+        return picked
+
+    def _drop(self, keep: list[int]) -> None:
+        """Keep only rows `keep`; cut the leading cache columns that hold padding in every kept row."""
+        if not keep:
+            self.reset()
+            return
+        index = torch.tensor(keep, device=self.device)
+        self.rows = [self.rows[i] for i in keep]
+        self.mask, self.next_ids = self.mask[index], self.next_ids[index]
+        lead = int((self.mask.cumsum(1) == 0).sum(1).min())  # columns that are padding in every row
+        self.mask = self.mask[:, lead:]
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[index, :, lead:], layer.values[index, :, lead:]
+
+
+def generate_static(tm, pad: int, message: list, eos: set, device, streamer=None) -> tuple[list[list[int]], list[str]]:
+    """Static batching, every rank: generate the batch (a list of (ids, max_tokens, (temperature, top_p),
+    seed)) with transformers' `generate` in latency mode; the new tokens of each request (cut at its end of
+    sequence and its max_tokens) and why it stopped ("stop" or "length")."""
+    prompts = [ids for ids, _, _, _ in message]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
+    longest = max(n for _, n, _, _ in message)
+    temperature, top_p = message[0][2]
+    seed = message[0][3]
+    torch.manual_seed(seed if seed is not None else 0)  # the same sampling stream on every rank
+    gen = dict(max_new_tokens=longest, do_sample=temperature > 0, pad_token_id=pad, streamer=streamer)
+    if temperature > 0:
+        gen.update(temperature=temperature, top_p=top_p)
+    with torch.no_grad():
+        out = tm.generate(ids, attention_mask=mask, mode="latency", replicated=True, **gen)
+    rows, finishes = [], []
+    for (_, n, _, _), row in zip(message, out[:, width:].tolist()):
+        stop = next((j for j, t in enumerate(row) if t in eos), None)
+        if stop is not None and stop < n:
+            rows.append(row[:stop])
+            finishes.append("stop")
+        else:
+            rows.append(row[:n])
+            finishes.append("length")
+    return rows, finishes
+
+
+def _left_pad(x: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
+    """`x` with zeros put before its entries along `dim` up to `length`."""
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
