@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @contextlib.contextmanager
 def _running_server(model_dir: str, log_path: Path, *extra: str, start_timeout: float = 180):
-    """The base URL of `thunderep serve` on 2 ranks (its own process group, stopped at the end)."""
+    """(base URL, process) of `thunderep serve` on 2 ranks (its own process group, stopped at the end)."""
     log = open(log_path, "w")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "thunderep.cli", "serve", "--model", model_dir, "--ep", "2",
@@ -42,13 +42,15 @@ def _running_server(model_dir: str, log_path: Path, *extra: str, start_timeout: 
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start: {log_path.read_text()[-2000:]}")
             time.sleep(0.2)
-        yield url
+        yield url, proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=20)
         log.close()
 
@@ -61,7 +63,7 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     model_dir = save_tiny("mixtral", d / "model", seed=1)
     chat_tokenizer(V).save_pretrained(model_dir)
-    with _running_server(model_dir, d / "log.txt", "--cpu", "--max-batch", "4") as url:
+    with _running_server(model_dir, d / "log.txt", "--cpu", "--max-batch", "4") as (url, _):
         yield url, model_dir
 
 
@@ -149,7 +151,7 @@ def test_static_batching_gives_the_same_answers(server, tmp_path):
     prompts = ["hello", "w30 w31 w32 w33 w34 w35", "you are fine"]
     want = [_post(url, "/v1/completions", {"prompt": p, "max_tokens": 3 + 2 * i})[1]["choices"][0]
             for i, p in enumerate(prompts)]
-    with _running_server(model_dir, tmp_path / "log.txt", "--cpu", "--batching", "static") as static_url:
+    with _running_server(model_dir, tmp_path / "log.txt", "--cpu", "--batching", "static") as (static_url, _):
         answers = [None] * len(prompts)
 
         def ask(i):
@@ -235,7 +237,7 @@ def test_serve_on_two_gpus_equals_the_plain_model(tmp_path):
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     model_dir = save_tiny("mixtral", tmp_path / "model", seed=1)
     chat_tokenizer(V).save_pretrained(model_dir)
-    with _running_server(model_dir, tmp_path / "log.txt", start_timeout=300) as url:
+    with _running_server(model_dir, tmp_path / "log.txt", start_timeout=300) as (url, _):
         assert "cuda" in (tmp_path / "log.txt").read_text()
         tok = AutoTokenizer.from_pretrained(model_dir)
         prompt = "hello there w40 w41"
@@ -243,3 +245,25 @@ def test_serve_on_two_gpus_equals_the_plain_model(tmp_path):
         assert _post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8})[1]["choices"][0]["text"] == text
         events = _stream(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8})
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_dead_or_silent_rank_ends_the_server_within_its_timeout(tmp_path, how):
+    """Rank 1 killed (the launcher sees it exit) or stopped (SIGSTOP: rank 0's next heartbeat waits
+    for it until --timeout): the server exits non-zero within a bounded time, naming the rank."""
+    import psutil
+    from hf_tiny import save_tiny
+
+    model_dir = save_tiny("mixtral", tmp_path / "model", seed=1)
+    log_path = tmp_path / "log.txt"
+    with _running_server(model_dir, log_path, "--cpu", "--timeout", "5") as (url, proc):
+        assert _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})[0] == 200
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                 if "spawn_main" in " ".join(c.cmdline())]
+        assert len(ranks) == 2, [c.cmdline() for c in ranks]
+        started = time.monotonic()
+        ranks[-1].kill() if how == "killed" else ranks[-1].suspend()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - started
+    assert took < 30 and code != 0, (took, code)
+    assert re.search(r"rank \d", log_path.read_text()), log_path.read_text()[-2000:]

@@ -18,6 +18,8 @@ from .errors import ThunderError
 
 __all__ = ["free_port", "launch", "run_on_ep"]
 
+GRACE_S = 5.0  # seconds the other ranks get to end by themselves, then to take SIGTERM, after a failure
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -74,8 +76,13 @@ def launch(fn, nprocs: int, *args) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_child, args=(nprocs, free_port(), fn, args, errors), nprocs=nprocs,
-                           start_method="spawn", join=True)
+        context = mp.start_processes(_child, args=(nprocs, free_port(), fn, args, errors), nprocs=nprocs,
+                                     start_method="spawn", join=False)
+        # Once a rank has failed, the others get GRACE_S to end by themselves, then SIGTERM, then after
+        # GRACE_S more SIGKILL (torch's default waits 30 s for a rank that does not take SIGTERM,
+        # e.g. one stuck in a collective or stopped).
+        while not context.join(grace_period=GRACE_S):
+            pass
     except mp.ProcessRaisedException as exc:
         raise ThunderError(f"a rank failed: {exc}") from None
     except mp.ProcessExitedException as exc:
