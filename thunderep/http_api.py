@@ -1,0 +1,227 @@
+"""The HTTP side of `thunderep serve` on rank 0, in the OpenAI API's shape: requests parsed and checked
+(a bad one gets 400 with a message), queued as jobs for the serving loop, and answered whole or as
+server-sent events. Only the standard library's threaded HTTP server; no other dependency."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+__all__ = ["IDLE_S", "BadRequest", "Job", "Server"]
+
+IDLE_S = 0.5  # rank 0 sends an (empty) batch at least this often
+
+
+class BadRequest(ValueError):
+    """A request the server refuses, with the message the client gets (HTTP 400)."""
+
+
+class Job:
+    """One request waiting for the serving loop: its prompt ids and settings, and the answer."""
+
+    def __init__(self, kind: str, ids: list[int], max_tokens: int, sampling: tuple[float, float], seed: int | None,
+                 stream: bool = False):
+        self.kind, self.ids, self.max_tokens, self.sampling, self.seed = kind, ids, max_tokens, sampling, seed
+        self.done = threading.Event()
+        self.result: dict | None = None
+        self.error: str | None = None
+        # stream=True: server-sent events; the serving loop puts chunks (dicts) here, then None
+        self.chunks: queue.Queue | None = queue.Queue() if stream else None
+        self.sent: str | None = None  # the streamed text so far (None: nothing sent yet)
+        self.tokens: list[int] = []  # continuous batching: the new tokens so far
+
+
+class Server:
+    """Rank 0's side: the HTTP server thread and the queue of jobs it feeds the serving loop."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer, context: int, name: str, world: int):
+        self.args, self.tokenizer, self.context, self.name, self.world = args, tokenizer, context, name, world
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.count = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format, *a):  # noqa: A002 - one line per request, to stdout
+                if not args.quiet:
+                    print(f"[thunderep serve] {self.address_string()} {format % a}", flush=True)
+
+            def do_GET(self):  # noqa: N802 - the http.server convention
+                if self.path == "/health":
+                    self._reply(200, {"status": "ok", "model": server.name, "ranks": server.world})
+                elif self.path == "/v1/models":
+                    self._reply(200, {"object": "list", "data": [{"id": server.name, "object": "model"}]})
+                else:
+                    self._reply(404, {"error": {"message": f"no such path: {self.path}"}})
+
+            def do_POST(self):  # noqa: N802
+                kinds = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+                if self.path not in kinds:
+                    self._reply(404, {"error": {"message": f"no such path: {self.path}"}})
+                    return
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    job = server.parse(kinds[self.path], self.rfile.read(length))
+                except BadRequest as exc:
+                    self._reply(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                    return
+                server.jobs.put(job)
+                if job.chunks is not None:
+                    self._stream(job)
+                    return
+                if not job.done.wait(args.request_timeout):
+                    self._reply(504, {"error": {"message": f"no answer within {args.request_timeout:g} s"}})
+                elif job.error is not None:
+                    self._reply(500, {"error": {"message": job.error}})
+                else:
+                    self._reply(200, job.result)
+
+            def _stream(self, job: Job) -> None:
+                """Server-sent events: one `data: {chunk}` per piece of text, then `data: [DONE]`."""
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                while True:
+                    try:
+                        chunk = job.chunks.get(timeout=args.request_timeout)
+                    except queue.Empty:
+                        chunk = {"error": {"message": f"no answer within {args.request_timeout:g} s"}}
+                    if chunk is None:
+                        break
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.flush()
+                    if "error" in chunk:
+                        break
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+
+            def _reply(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.http = ThreadingHTTPServer((args.host, args.port), Handler)
+        self.http.daemon_threads = True
+        self.thread = threading.Thread(target=self.http.serve_forever, name="thunderep-http", daemon=True)
+
+    def parse(self, kind: str, raw: bytes) -> Job:
+        """A job from a request body, or BadRequest saying what is wrong."""
+        try:
+            body = json.loads(raw or b"{}")
+        except json.JSONDecodeError as exc:
+            raise BadRequest(f"the body is not JSON ({exc.msg})") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body is a JSON object")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest(f"\"stream\" is true or false, got {stream!r}")
+        if kind == "completion":
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str) or not prompt:
+                raise BadRequest("\"prompt\" is a non-empty string (one prompt per request)")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise BadRequest("\"messages\" is a non-empty list of {\"role\", \"content\"} strings")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise BadRequest("this checkpoint's tokenizer has no chat template; use /v1/completions")
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = body.get("max_tokens", self.args.max_new_tokens)
+        temperature, top_p, seed = body.get("temperature", 0.0), body.get("top_p", 1.0), body.get("seed")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise BadRequest(f"\"max_tokens\" is a positive integer, got {max_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 10:
+            raise BadRequest(f"\"temperature\" is a number in [0, 10], got {temperature!r}")
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise BadRequest(f"\"top_p\" is a number in (0, 1], got {top_p!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise BadRequest(f"\"seed\" is an integer, got {seed!r}")
+        if len(ids) + max_tokens > self.context:
+            raise BadRequest(f"the prompt's {len(ids)} tokens and max_tokens {max_tokens} exceed the model's "
+                             f"context of {self.context} tokens")
+        return Job(kind, ids, max_tokens, (float(temperature), float(top_p)), seed, stream)
+
+    def next_batch(self, limit: int, wait: bool = True, same_sampling: bool = True) -> list[Job]:
+        """Up to `limit` queued jobs (with the first one's sampling settings if `same_sampling`); waits up
+        to IDLE_S for the first if `wait`."""
+        if limit < 1:
+            return []
+        try:
+            first = self.jobs.get(timeout=IDLE_S) if wait else self.jobs.get_nowait()
+        except queue.Empty:
+            return []
+        batch, rest = [first], []
+        while len(batch) < limit:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            (batch if job.sampling == first.sampling or not same_sampling else rest).append(job)
+        for job in rest:
+            self.jobs.put(job)
+        return batch
+
+    def decode(self, ids: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        except TypeError:  # ByteTokenizer
+            return self.tokenizer.decode(ids)
+
+    def chunk(self, job: Job, text: str, finish: str | None, first: bool = False) -> dict:
+        """One server-sent event of a streamed answer, in the OpenAI API's chunk shape."""
+        if job.kind == "completion":
+            return {"id": f"cmpl-{id(job)}", "object": "text_completion", "created": int(time.time()),
+                    "model": self.name, "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+        return {"id": f"chatcmpl-{id(job)}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    def progress(self, job: Job, tokens: list[int]) -> None:
+        """A streamed job's new text, sent as a chunk once it decodes to whole characters."""
+        text, sent = self.decode(tokens), job.sent
+        if sent is None:
+            job.sent = sent = ""
+            if job.kind == "chat":  # the first event of a chat answer names the role
+                job.chunks.put(self.chunk(job, "", None, first=True))
+        if len(text) > len(sent) and text.startswith(sent) and not text.endswith("\ufffd"):
+            job.chunks.put(self.chunk(job, text[len(sent):], None))
+            job.sent = text
+
+    def fail(self, job: Job, error: str) -> None:
+        job.error = error
+        if job.chunks is not None:
+            job.chunks.put({"error": {"message": error}})
+        job.done.set()
+
+    def answer(self, job: Job, new: list[int], finish: str) -> None:
+        self.count += 1
+        if job.chunks is not None:  # the text went out as it came (_Streamer); what is left, and the reason
+            text, sent = self.decode(new), job.sent
+            rest = text[len(sent or ""):] if text.startswith(sent or "") else ""
+            job.chunks.put(self.chunk(job, rest, finish, first=sent is None))
+            job.chunks.put(None)
+            job.done.set()
+            return
+        text = self.decode(new)
+        usage = {"prompt_tokens": len(job.ids), "completion_tokens": len(new),
+                 "total_tokens": len(job.ids) + len(new)}
+        common = {"created": int(time.time()), "model": self.name, "usage": usage}
+        if job.kind == "completion":
+            job.result = {"id": f"cmpl-{self.count}", "object": "text_completion", **common,
+                          "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+        else:
+            job.result = {"id": f"chatcmpl-{self.count}", "object": "chat.completion", **common,
+                          "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                       "finish_reason": finish}]}
+        job.done.set()
