@@ -116,3 +116,23 @@ def test_ep_ranks_decode_like_one_process(world):
     assert want[0] == (_alone(model, PROMPTS[0], MAX_TOKENS[0], set())[0], "length")
     for got in run_ranks(_on_ranks, world, "qwen3_moe", timeout=180):
         assert got == want
+
+
+def test_cancelled_sequences_leave_and_the_others_go_on_alone():
+    """cancel(keys) drops those sequences (unknown keys ignored); the others still get their own tokens."""
+    from hf_tiny import tiny_model
+
+    model = tiny_model("mixtral", seed=1).eval()
+    batch = DecodeBatch(model, "cpu", set(), 0)
+    entries = [Entry(i, PROMPTS[i], MAX_TOKENS[i], (0.0, 1.0), 0) for i in (1, 3, 4)]
+    got = {e.key: [] for e in entries}
+    for key, token, _ in batch.admit(entries) + batch.step() + batch.step():
+        got[key].append(token)
+    batch.cancel([3, 77])
+    assert sorted(row.entry.key for row in batch.rows) == [1, 4] and batch.mask.shape[0] == 2
+    while len(batch):
+        for key, token, _ in batch.step():
+            got[key].append(token)
+    assert got[1] == _alone(model, PROMPTS[1], MAX_TOKENS[1], set())[0]
+    assert got[4] == _alone(model, PROMPTS[4], MAX_TOKENS[4], set())[0]
+    assert got[3] == _alone(model, PROMPTS[3], MAX_TOKENS[3], set())[0][:3]

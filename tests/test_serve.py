@@ -165,6 +165,9 @@ def test_static_batching_gives_the_same_answers(server, tmp_path):
         assert [a[1]["choices"][0] for a in answers] == want
         events = _stream(static_url, "/v1/completions", {"prompt": prompts[1], "max_tokens": 5})
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want[1]["text"]
+        stop = {"prompt": prompts[2], "max_tokens": 7, "stop": want[2]["text"].split()[1]}
+        assert _post(static_url, "/v1/completions", stop)[1]["choices"] == \
+            _post(url, "/v1/completions", stop)[1]["choices"]
 
 
 def _stream(url: str, path: str, body: dict) -> list:
@@ -210,12 +213,34 @@ def test_streamed_answers_are_the_answers_in_pieces(server):
     assert answers[1][-2]["choices"][0]["finish_reason"] == answers[0]["finish_reason"]
 
 
+def test_stop_strings_end_the_answer_before_them(server):
+    """"stop": the answer ends before the first stop string it would contain, finish_reason "stop", and
+    the rest is not generated (the sequence leaves the batch); streamed, no piece of the stop string is
+    sent; an answer that never meets its stop strings is the plain one."""
+    url, _ = server
+    body = {"prompt": "hello there how", "max_tokens": 9}
+    full = _post(url, "/v1/completions", body)[1]["choices"][0]["text"]
+    words = full.split()
+    assert len(words) >= 4, full
+    stops = [words[3], words[2]]  # the earliest of the two in the text wins
+    want = full[:min(full.find(x) for x in stops)]
+    status, reply = _post(url, "/v1/completions", dict(body, stop=stops))
+    assert status == 200 and reply["choices"][0] == {"index": 0, "text": want, "finish_reason": "stop"}
+    assert reply["usage"]["completion_tokens"] < 9
+    events = _stream(url, "/v1/completions", dict(body, stop=stops))
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    unmet = _post(url, "/v1/completions", dict(body, stop="no such text"))[1]["choices"][0]
+    assert unmet["text"] == full and unmet["finish_reason"] == "length"
+
+
 def test_bad_requests_are_refused_with_a_message(server):
     url, _ = server
     for body, message in ((b"{nope", "the body is not JSON"), ({"prompt": ["a", "b"]}, "one prompt per request"),
                           ({"prompt": "hi", "stream": "yes"}, "\"stream\" is true or false"),
                           ({"prompt": "hi", "max_tokens": 0}, "\"max_tokens\" is a positive integer"),
                           ({"prompt": "hi", "temperature": -1}, "\"temperature\" is a number in"),
+                          ({"prompt": "hi", "stop": ["a", ""]}, "\"stop\" is a non-empty string or a list"),
                           ({"prompt": " ".join(["hello"] * 70)}, "exceed the model's context of 64 tokens")):
         status, reply = _post(url, "/v1/completions", body)
         assert status == 400 and message in reply["error"]["message"], (body, reply)

@@ -108,6 +108,13 @@ class DecodeBatch:
         logits = self._forward(self.next_ids, self.mask, positions, self.cache)
         return self._emit(logits, first=0)
 
+    def cancel(self, keys) -> None:
+        """Drop the sequences of `keys` (answered or abandoned elsewhere); unknown keys are ignored."""
+        keys = set(keys)
+        keep = [i for i, row in enumerate(self.rows) if row.entry.key not in keys]
+        if len(keep) < len(self.rows):
+            self._drop(keep)
+
     def reset(self) -> None:
         """Drop every sequence (after a failed step: the ranks start again from an empty batch)."""
         self.rows, self.cache, self.mask, self.next_ids = [], None, None, None

@@ -11,7 +11,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["IDLE_S", "BadRequest", "Job", "Server"]
+__all__ = ["IDLE_S", "BadRequest", "Job", "Server", "cut_at_stop"]
 
 IDLE_S = 0.5  # rank 0 sends an (empty) batch at least this often
 
@@ -24,8 +24,10 @@ class Job:
     """One request waiting for the serving loop: its prompt ids and settings, and the answer."""
 
     def __init__(self, kind: str, ids: list[int], max_tokens: int, sampling: tuple[float, float], seed: int | None,
-                 stream: bool = False):
+                 stream: bool = False, stop: list[str] | None = None):
         self.kind, self.ids, self.max_tokens, self.sampling, self.seed = kind, ids, max_tokens, sampling, seed
+        self.stop = stop or []  # the answer ends before the first of these strings
+        self.cancelled = False  # its client went away: the serving loop drops it
         self.done = threading.Event()
         self.result: dict | None = None
         self.error: str | None = None
@@ -92,8 +94,12 @@ class Server:
                         chunk = {"error": {"message": f"no answer within {args.request_timeout:g} s"}}
                     if chunk is None:
                         break
-                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                    self.wfile.flush()
+                    try:
+                        self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                        self.wfile.flush()
+                    except OSError:  # the client went away: stop generating for it
+                        job.cancelled = True
+                        return
                     if "error" in chunk:
                         break
                 self.wfile.write(b"data: [DONE]\n\n")
@@ -147,10 +153,14 @@ class Server:
             raise BadRequest(f"\"top_p\" is a number in (0, 1], got {top_p!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise BadRequest(f"\"seed\" is an integer, got {seed!r}")
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
+            raise BadRequest(f"\"stop\" is a non-empty string or a list of up to 4, got {body.get('stop')!r}")
         if len(ids) + max_tokens > self.context:
             raise BadRequest(f"the prompt's {len(ids)} tokens and max_tokens {max_tokens} exceed the model's "
                              f"context of {self.context} tokens")
-        return Job(kind, ids, max_tokens, (float(temperature), float(top_p)), seed, stream)
+        return Job(kind, ids, max_tokens, (float(temperature), float(top_p)), seed, stream, stop)
 
     def next_batch(self, limit: int, wait: bool = True, same_sampling: bool = True) -> list[Job]:
         """Up to `limit` queued jobs (with the first one's sampling settings if `same_sampling`); waits up
@@ -187,9 +197,19 @@ class Server:
         return {"id": f"chatcmpl-{id(job)}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
-    def progress(self, job: Job, tokens: list[int]) -> None:
-        """A streamed job's new text, sent as a chunk once it decodes to whole characters."""
-        text, sent = self.decode(tokens), job.sent
+    def progress(self, job: Job, tokens: list[int]) -> bool:
+        """After a new token: whether the job's text now holds one of its stop strings; and for a streamed
+        job, its new text sent as a chunk once it decodes to whole characters, less any end that may
+        begin a stop string."""
+        if not job.stop and job.chunks is None:
+            return False
+        text, hit = cut_at_stop(self.decode(tokens), job.stop)
+        if job.chunks is None:
+            return hit
+        if not hit:  # hold back an end that a stop string may begin with
+            text = text[:len(text) - max((n for x in job.stop for n in range(len(x) - 1, 0, -1)
+                                          if text.endswith(x[:n])), default=0)]
+        sent = job.sent
         if sent is None:
             job.sent = sent = ""
             if job.kind == "chat":  # the first event of a chat answer names the role
@@ -197,6 +217,7 @@ class Server:
         if len(text) > len(sent) and text.startswith(sent) and not text.endswith("\ufffd"):
             job.chunks.put(self.chunk(job, text[len(sent):], None))
             job.sent = text
+        return hit
 
     def fail(self, job: Job, error: str) -> None:
         job.error = error
@@ -206,14 +227,15 @@ class Server:
 
     def answer(self, job: Job, new: list[int], finish: str) -> None:
         self.count += 1
-        if job.chunks is not None:  # the text went out as it came (_Streamer); what is left, and the reason
-            text, sent = self.decode(new), job.sent
+        text, hit = cut_at_stop(self.decode(new), job.stop)
+        finish = "stop" if hit else finish
+        if job.chunks is not None:  # the text went out as it came (progress); what is left, and the reason
+            sent = job.sent
             rest = text[len(sent or ""):] if text.startswith(sent or "") else ""
             job.chunks.put(self.chunk(job, rest, finish, first=sent is None))
             job.chunks.put(None)
             job.done.set()
             return
-        text = self.decode(new)
         usage = {"prompt_tokens": len(job.ids), "completion_tokens": len(new),
                  "total_tokens": len(job.ids) + len(new)}
         common = {"created": int(time.time()), "model": self.name, "usage": usage}
@@ -225,3 +247,9 @@ class Server:
                           "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                        "finish_reason": finish}]}
         job.done.set()
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """`text` up to the earliest of the stop strings, and whether one was found."""
+    found = [i for i in (text.find(x) for x in stops) if i >= 0]
+    return (text[:min(found)], True) if found else (text, False)

@@ -17,11 +17,13 @@ batch of requests with the same sampling settings runs to its longest request's 
 rank that dies is noticed within `--timeout`.
 
 Endpoints, in the OpenAI API's shape (one prompt per request):
-  POST /v1/completions       {"prompt", "max_tokens", "temperature", "top_p", "seed", "stream"}
+  POST /v1/completions       {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
   POST /v1/chat/completions  {"messages", ...}: the checkpoint's chat template, generation prompt added
   GET  /health, GET /v1/models
-temperature defaults to 0 (greedy: the same answer every time). "stream": true sends the answer as
-server-sent events (`data: {chunk}` as text is decoded, then `data: [DONE]`). A bad request gets 400 and a message;
+temperature defaults to 0 (greedy: the same answer every time). "stop" (a string or up to 4) ends the
+answer before the first of them (finish_reason "stop"; with continuous batching the sequence also stops
+being generated). "stream": true sends the answer as server-sent events (`data: {chunk}` as text is
+decoded, then `data: [DONE]`); a streaming client that goes away stops its sequence. A bad request gets 400 and a message;
 what the model cannot take (a prompt longer than its context) is refused before any rank starts. A
 step (or static batch) that fails on any rank is answered with 500 on every request being generated,
 and the ranks go on serving in step; a rank that dies or stops answering ends the server within
@@ -103,25 +105,33 @@ def _describe(exc: Exception) -> str:
 def _serve_continuous(tm, tokenizer, server, control, src, eos, device, args) -> None:
     """Continuous batching (thunderep/engine.py): at every step rank 0 admits queued requests while the
     batch has room and sends them to every rank; all ranks prefill them, then decode one token for
-    every sequence; a sequence leaves at its end of sequence or max_tokens and is answered at once."""
+    every sequence; a sequence leaves at its end of sequence or max_tokens and is answered at once.
+    A sequence whose text reaches a stop string, or whose streaming client went away, is answered (or
+    dropped) on rank 0 and leaves every rank's batch at the next step (the cancels of the message)."""
     import random
 
     from .engine import DecodeBatch, Entry
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch, active, count = DecodeBatch(tm, device, eos, pad), {}, 0
+    batch, active, count, ended = DecodeBatch(tm, device, eos, pad), {}, 0, []
     while True:
-        entries = []
+        entries, cancels = [], ended  # cancels: sequences answered early (a stop string) or abandoned
         if server is not None:
-            for job in server.next_batch(args.max_batch - len(batch), wait=not len(batch), same_sampling=False):
+            cancels += [key for key, job in active.items() if job.cancelled]
+            for key in cancels:
+                active.pop(key, None)
+            room = args.max_batch - len(batch) + len(cancels)
+            for job in server.next_batch(room, wait=not len(batch), same_sampling=False):
                 count += 1
                 active[count] = job
                 seed = job.seed if job.seed is not None else random.getrandbits(62)
                 entries.append(Entry(count, job.ids, job.max_tokens, job.sampling, seed))
         if control is not None:
-            box = [entries]
+            box = [(entries, cancels)]
             dist.broadcast_object_list(box, src=src, group=control)
-            entries = box[0]
+            entries, cancels = box[0]
+        ended = []
+        batch.cancel(cancels)
         if not entries and not len(batch):
             continue
         try:
@@ -138,11 +148,14 @@ def _serve_continuous(tm, tokenizer, server, control, src, eos, device, args) ->
             active.clear()
             continue
         for key, token, finish in events if server is not None else ():
-            job = active[key]
+            job = active.get(key)
+            if job is None:  # answered or abandoned on rank 0; its row leaves at the next step
+                continue
             if token is not None:
                 job.tokens.append(token)
-                if job.chunks is not None:
-                    server.progress(job, job.tokens)
+                if server.progress(job, job.tokens) and finish is None:  # a stop string: answer now
+                    finish = "stop"
+                    ended.append(key)
             if finish is not None:
                 server.answer(job, job.tokens, finish)
                 del active[key]
