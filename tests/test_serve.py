@@ -101,7 +101,8 @@ def test_completions_and_chat_equal_the_plain_model(server):
 
     url, model_dir = server
     with urllib.request.urlopen(url + "/health", timeout=30) as r:
-        assert json.loads(r.read()) == {"status": "ok", "model": "model", "ranks": 2}
+        assert json.loads(r.read()) == {"status": "ok", "model": "model", "ranks": 2, "batching": "continuous",
+                                        "generating": 0, "queued": 0}
     tok = AutoTokenizer.from_pretrained(model_dir)
     for prompt, n in (("hello there how", 6), ("w20 w31 w40 w41 fine", 9)):
         status, body = _post(url, "/v1/completions", {"prompt": prompt, "max_tokens": n})
@@ -165,6 +166,8 @@ def test_static_batching_gives_the_same_answers(server, tmp_path):
         assert [a[1]["choices"][0] for a in answers] == want
         events = _stream(static_url, "/v1/completions", {"prompt": prompts[1], "max_tokens": 5})
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want[1]["text"]
+        with urllib.request.urlopen(static_url + "/health", timeout=30) as r:
+            assert json.loads(r.read())["batching"] == "static"
         stop = {"prompt": prompts[2], "max_tokens": 7, "stop": want[2]["text"].split()[1]}
         assert _post(static_url, "/v1/completions", stop)[1]["choices"] == \
             _post(url, "/v1/completions", stop)[1]["choices"]

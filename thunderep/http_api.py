@@ -44,6 +44,8 @@ class Server:
         self.args, self.tokenizer, self.context, self.name, self.world = args, tokenizer, context, name, world
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.count = 0
+        self.generating = 0  # requests being generated, set by the serving loop
+        self.batching = getattr(args, "batching", "static")  # what the serving loop runs
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -53,7 +55,9 @@ class Server:
 
             def do_GET(self):  # noqa: N802 - the http.server convention
                 if self.path == "/health":
-                    self._reply(200, {"status": "ok", "model": server.name, "ranks": server.world})
+                    self._reply(200, {"status": "ok", "model": server.name, "ranks": server.world,
+                                      "batching": server.batching, "generating": server.generating,
+                                      "queued": server.jobs.qsize()})
                 elif self.path == "/v1/models":
                     self._reply(200, {"object": "list", "data": [{"id": server.name, "object": "model"}]})
                 else:

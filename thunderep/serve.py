@@ -19,7 +19,7 @@ rank that dies is noticed within `--timeout`.
 Endpoints, in the OpenAI API's shape (one prompt per request):
   POST /v1/completions       {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
   POST /v1/chat/completions  {"messages", ...}: the checkpoint's chat template, generation prompt added
-  GET  /health, GET /v1/models
+  GET  /health ({"status", "model", "ranks", "batching", "generating", "queued"}), GET /v1/models
 temperature defaults to 0 (greedy: the same answer every time). "stop" (a string or up to 4) ends the
 answer before the first of them (finish_reason "stop"; with continuous batching the sequence also stops
 being generated). "stream": true sends the answer as server-sent events (`data: {chunk}` as text is
@@ -80,6 +80,8 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
         print(f"[thunderep serve] batching statically: {type(tm.model).__name__} cannot be batched "
               f"continuously here, {reason}", flush=True)
     loop = _serve_continuous if args.batching == "continuous" and reason is None else _serve_static
+    if server is not None:
+        server.batching = "continuous" if loop is _serve_continuous else "static"
     try:
         loop(tm, tokenizer, server, control, src, eos, device, args)
     finally:
@@ -132,6 +134,8 @@ def _serve_continuous(tm, tokenizer, server, control, src, eos, device, args) ->
             entries, cancels = box[0]
         ended = []
         batch.cancel(cancels)
+        if server is not None:
+            server.generating = len(active)
         if not entries and not len(batch):
             continue
         try:
@@ -176,6 +180,8 @@ def _serve_static(tm, tokenizer, server, control, src, eos, device, args) -> Non
             message = box[0]
         if not message:
             continue
+        if server is not None:
+            server.generating = len(jobs)
         try:
             streamer = _Streamer(server, jobs, eos) if server and any(j.chunks is not None for j in jobs) else None
             rows, finishes = generate_static(tm, pad, message, eos, device, streamer)
@@ -188,6 +194,8 @@ def _serve_static(tm, tokenizer, server, control, src, eos, device, args) -> Non
                 server.fail(job, error)
             else:
                 server.answer(job, rows[i], finishes[i])
+        if server is not None:
+            server.generating = 0
 
 
 class _Streamer:
