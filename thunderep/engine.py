@@ -19,6 +19,7 @@ Only caches whose every layer is a plain `DynamicLayer` (full attention) can be 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -124,7 +125,7 @@ class DecodeBatch:
     def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
         from .hf.wrap import decode_attention
 
-        running = self.tm.running("latency") if hasattr(self.tm, "running") else _nullcontext()
+        running = self.tm.running("latency") if hasattr(self.tm, "running") else contextlib.nullcontext()
         with torch.no_grad(), running, decode_attention():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                              logits_to_keep=1, **{self.cache_arg: cache})
@@ -240,10 +241,3 @@ def _left_pad(x: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
     shape[dim] = missing
     return torch.cat([x.new_zeros(shape), x], dim=dim)
 
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
