@@ -14,18 +14,24 @@ import pytest
 pytest.importorskip("triton")
 
 _SCRIPT = """
-import json, dataclasses
+import json, dataclasses, sys
 from thunderep.kernels.targets import compile_kernels
-print(json.dumps({arch: [dataclasses.asdict(b) for b in compile_kernels(arch)] for arch in (89, 90, 120)}))
+print(json.dumps([dataclasses.asdict(b) for b in compile_kernels(int(sys.argv[1]))]))
 """
 
 
 @pytest.fixture(scope="module")
 def builds():
+    """Every kernel built for sm_89, sm_90 and sm_120, one process per target, side by side."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    procs = {arch: subprocess.Popen([sys.executable, "-c", _SCRIPT, str(arch)], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for arch in (89, 90, 120)}
+    out = {}
+    for arch, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-2000:]
+        out[arch] = json.loads(stdout.strip().splitlines()[-1])
+    return out
 
 
 GEMM_KERNELS = {"up", "rows", "act_bwd", "wgrad", "up_tail", "rows_tail", "act_bwd_tail"}
