@@ -68,6 +68,26 @@ def test_sequences_joining_and_leaving_get_their_tokens_alone(family):
     assert min(w for w, _ in widths) < max(w for w, _ in widths)  # the cache shrank as long rows left
 
 
+def test_every_family_decodes_like_generate_or_is_named_unsupported():
+    """All the tiny families ThunderEP wraps: those whose cache is plain full attention decode like
+    transformers' generate for each sequence alone; the others (sliding-window, linear-attention and
+    convolution layers) are named, so that serve batches them statically."""
+    from hf_tiny import FAMILIES, UNSUPPORTED, tiny_model
+
+    unsupported = {}
+    for family in sorted(set(FAMILIES) - set(UNSUPPORTED) - {"llama"}):
+        model = tiny_model(family, seed=1).eval()
+        reason = unsupported_reason(model)
+        if reason is not None:
+            unsupported[family] = reason
+            continue
+        entries = [Entry(i, PROMPTS[i], MAX_TOKENS[i], (0.0, 1.0), 0) for i in range(len(PROMPTS))]
+        got = _run_schedule(DecodeBatch(model, "cpu", set(), 0), entries)
+        assert got == {i: _alone(model, PROMPTS[i], MAX_TOKENS[i], set()) for i in range(len(PROMPTS))}, family
+    assert set(unsupported) == {"gpt_oss", "jamba", "lfm2_moe", "minimax", "qwen3_next"}, unsupported
+    assert "DynamicSlidingWindowLayer" in unsupported["gpt_oss"] and "LinearAttentionLayer" in unsupported["jamba"]
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch():
     from hf_tiny import tiny_model
 
