@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 from distributed import run_ranks  # noqa: E402
 
-from thunderep.engine import DecodeBatch, Entry, unsupported_reason  # noqa: E402
+from thunderep.engine import DecodeBatch, Entry, sample_token, unsupported_reason  # noqa: E402
 
 PROMPTS = [[5, 9, 12, 7], [3, 4], [8, 8, 8, 8, 8, 8, 8, 9], [11], [6, 2, 9]]
 MAX_TOKENS = [6, 9, 3, 12, 5]
@@ -156,3 +156,22 @@ def test_cancelled_sequences_leave_and_the_others_go_on_alone():
     assert got[1] == _alone(model, PROMPTS[1], MAX_TOKENS[1], set())[0]
     assert got[4] == _alone(model, PROMPTS[4], MAX_TOKENS[4], set())[0]
     assert got[3] == _alone(model, PROMPTS[3], MAX_TOKENS[3], set())[0][:3]
+
+
+def test_sampling_follows_temperature_and_top_p():
+    """Frequencies over 4000 draws match softmax(logits / T) within 0.03; top_p keeps the smallest set of
+    the most likely tokens that reaches it (0.7 of [0.5, 0.3, 0.15, 0.05]: the first two, renormalized;
+    0.5: the first alone)."""
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    g = torch.Generator().manual_seed(0)
+
+    def frequencies(temperature, top_p):
+        counts = torch.bincount(torch.tensor([sample_token(logits, temperature, top_p, g) for _ in range(4000)]),
+                                minlength=4)
+        return counts.float() / counts.sum()
+
+    torch.testing.assert_close(frequencies(1.0, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
+    hot = torch.softmax(logits / 2.0, dim=-1)
+    torch.testing.assert_close(frequencies(2.0, 1.0), hot, atol=0.03, rtol=0)
+    torch.testing.assert_close(frequencies(1.0, 0.7), torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.03, rtol=0)
+    assert frequencies(1.0, 0.5).tolist() == [1.0, 0.0, 0.0, 0.0]

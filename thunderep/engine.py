@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DecodeBatch", "Entry", "generate_static", "unsupported_reason"]
+__all__ = ["DecodeBatch", "Entry", "generate_static", "sample_token", "unsupported_reason"]
 
 
 @dataclass
@@ -175,19 +175,8 @@ class DecodeBatch:
 
     def _pick(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
         greedy = logits.argmax(-1).tolist()
-        picked = []
-        for i, row in enumerate(rows):
-            temperature, top_p = row.entry.sampling
-            if row.generator is None:
-                picked.append(greedy[i])
-                continue
-            probs = torch.softmax(logits[i] / temperature, dim=-1)
-            if top_p < 1.0:  # the smallest set of the most likely tokens whose probability reaches top_p
-                ordered, order = probs.sort(descending=True)
-                outside = ordered.cumsum(0) - ordered >= top_p
-                probs = probs.scatter(0, order, ordered.masked_fill(outside, 0.0))
-            picked.append(int(torch.multinomial(probs, 1, generator=row.generator)))
-        return picked
+        return [greedy[i] if row.generator is None else sample_token(logits[i], *row.entry.sampling, row.generator)
+                for i, row in enumerate(rows)]
 
     def _drop(self, keep: list[int]) -> None:
         """Keep only rows `keep`; cut the leading cache columns that hold padding in every kept row."""
@@ -201,6 +190,17 @@ class DecodeBatch:
         self.mask = self.mask[:, lead:]
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys[index, :, lead:], layer.values[index, :, lead:]
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token drawn from softmax(logits / temperature), restricted to the smallest set of the most
+    likely tokens whose probability reaches top_p (all of them at top_p = 1)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        outside = ordered.cumsum(0) - ordered >= top_p  # the mass before a token already reaches top_p
+        probs = probs.scatter(0, order, ordered.masked_fill(outside, 0.0))
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def generate_static(tm, pad: int, message: list, eos: set, device, streamer=None) -> tuple[list[list[int]], list[str]]:
