@@ -295,3 +295,63 @@ def test_a_dead_or_silent_rank_ends_the_server_within_its_timeout(tmp_path, how)
         took = time.monotonic() - started
     assert took < 30 and code != 0, (took, code)
     assert re.search(r"rank \d", log_path.read_text()), log_path.read_text()[-2000:]
+
+
+class _StopLoop(Exception):
+    pass
+
+
+class _ScriptedServer:
+    """Rank 0's server side for the serving loop in this process: queued jobs from a script, one list
+    per loop turn; answers and failures recorded."""
+
+    def __init__(self, script):
+        self.script, self.answers, self.failures, self.generating = list(script), {}, {}, 0
+
+    def next_batch(self, limit, wait=True, same_sampling=True):
+        if not self.script:
+            raise _StopLoop
+        return self.script.pop(0)[:limit]
+
+    def progress(self, job, tokens):
+        return False
+
+    def answer(self, job, new, finish):
+        self.answers[id(job)] = (list(new), finish)
+
+    def fail(self, job, error):
+        self.failures[id(job)] = error
+
+
+def test_a_failed_prefill_fails_only_its_own_requests(monkeypatch):
+    """Continuous batching: a request whose prefill fails (simulated out of memory) gets its error; the
+    request being decoded meanwhile and one admitted later get the tokens each gets alone."""
+    import argparse
+    import types
+
+    from hf_tiny import tiny_model
+
+    from thunderep import engine
+    from thunderep.http_api import Job
+    from thunderep.serve import _serve_continuous
+
+    model = tiny_model("mixtral", seed=1).eval()
+    ok, bad, later = (Job("completion", [5, 9, 12, 7], 8, (0.0, 1.0), None),
+                      Job("completion", [3, 13, 13], 4, (0.0, 1.0), None), Job("completion", [3, 4], 5, (0.0, 1.0), None))
+    admit = engine.DecodeBatch.admit
+
+    def failing_admit(self, entries):
+        if any(13 in e.ids for e in entries):
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return admit(self, entries)
+
+    monkeypatch.setattr(engine.DecodeBatch, "admit", failing_admit)
+    server = _ScriptedServer([[ok], [], [bad], [], [later]] + [[]] * 12)
+    with pytest.raises(_StopLoop):
+        _serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, None, set(),
+                          torch.device("cpu"), argparse.Namespace(max_batch=4))
+    assert server.failures == {id(bad): "prefill failed: OutOfMemoryError: out of memory (simulated)"}
+    for job in (ok, later):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([job.ids]), max_new_tokens=job.max_tokens, do_sample=False, pad_token_id=0)
+        assert server.answers[id(job)] == (out[0, len(job.ids):].tolist(), "length")

@@ -146,12 +146,15 @@ class DecodeBatch:
             self.next_ids = mask.new_zeros(len(rows), 1)
             return
         length = max(self.mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, length), _left_pad(theirs.keys, length)])
-            mine.values = torch.cat([_left_pad(mine.values, length), _left_pad(theirs.values, length)])
-        self.mask = torch.cat([_left_pad(self.mask, length, dim=1), _left_pad(mask, length, dim=1)])
-        self.next_ids = torch.cat([self.next_ids, self.next_ids.new_zeros(len(rows), 1)])
-        self.rows = self.rows + rows
+        # every new tensor first, then the batch changes at once: a failure (out of memory) leaves it whole
+        merged = [(torch.cat([_left_pad(mine.keys, length), _left_pad(theirs.keys, length)]),
+                   torch.cat([_left_pad(mine.values, length), _left_pad(theirs.values, length)]))
+                  for mine, theirs in zip(self.cache.layers, cache.layers)]
+        mask = torch.cat([_left_pad(self.mask, length, dim=1), _left_pad(mask, length, dim=1)])
+        next_ids = torch.cat([self.next_ids, self.next_ids.new_zeros(len(rows), 1)])
+        for layer, (keys, values) in zip(self.cache.layers, merged):
+            layer.keys, layer.values = keys, values
+        self.mask, self.next_ids, self.rows = mask, next_ids, self.rows + rows
 
     def _emit(self, logits: torch.Tensor, first: int) -> list[tuple[int, int | None, str | None]]:
         """Pick the next token of rows `first:` from their logits, record it, and let finished rows go."""

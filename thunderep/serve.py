@@ -25,8 +25,9 @@ answer before the first of them (finish_reason "stop"; with continuous batching 
 being generated). "stream": true sends the answer as server-sent events (`data: {chunk}` as text is
 decoded, then `data: [DONE]`); a streaming client that goes away stops its sequence. A bad request gets 400 and a message;
 what the model cannot take (a prompt longer than its context) is refused before any rank starts. A
-step (or static batch) that fails on any rank is answered with 500 on every request being generated,
-and the ranks go on serving in step; a rank that dies or stops answering ends the server within
+prefill that fails on any rank (continuous batching) is answered with 500 on its new requests only; a
+decode step (or static batch) that fails is answered with 500 on every request being generated. The
+ranks go on serving in step; a rank that dies or stops answering ends the server within
 `--timeout`.
 """
 
@@ -138,19 +139,30 @@ def _serve_continuous(tm, tokenizer, server, control, src, eos, device, args) ->
             server.generating = len(active)
         if not entries and not len(batch):
             continue
-        try:
-            events = batch.admit(entries)
-            events += batch.step()
-            error = None
-        except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
-            events, error = [], _describe(exc)
-        error = _agree_on_failure(error, control)
-        if error is not None:
-            batch.reset()
-            for job in active.values():
-                server.fail(job, error)
-            active.clear()
-            continue
+        events = []
+        if entries:  # a failed prefill fails its new requests; the sequences being decoded go on
+            try:
+                events, error = batch.admit(entries), None
+            except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
+                error = _describe(exc)
+            error = _agree_on_failure(error, control)
+            if error is not None:
+                events = []
+                batch.cancel([e.key for e in entries])
+                for e in entries if server is not None else ():
+                    server.fail(active.pop(e.key), f"prefill failed: {error}")
+        if len(batch):  # a failed step fails every request being generated
+            try:
+                events, error = events + batch.step(), None
+            except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
+                error = _describe(exc)
+            error = _agree_on_failure(error, control)
+            if error is not None:
+                batch.reset()
+                for job in active.values():
+                    server.fail(job, error)
+                active.clear()
+                continue
         for key, token, finish in events if server is not None else ():
             job = active.get(key)
             if job is None:  # answered or abandoned on rank 0; its row leaves at the next step
