@@ -432,10 +432,10 @@ def test_freeze_patterns_and_memory_shortfall_are_named():
     assert names and not any("experts" in n or "embed_tokens" in n for n in names)
     assert len(trainable) == len(names)
     size = sum(p.numel() * 4 for p in trainable)
-    plan = memory_plan(tm, torch.device("cpu"), world=1, free=10 * size)
+    plan = memory_plan(tm, torch.device("cpu"), free=10 * size)
     assert (plan.grads, plan.adamw, plan.short) == (size, 2 * size, 0)
     plan.check()
-    plan = memory_plan(tm, torch.device("cpu"), world=1, free=size)
+    plan = memory_plan(tm, torch.device("cpu"), free=size)
     assert plan.short == plan.need - size > 0
     with pytest.raises(ConfigError, match=rf"a rank needs {plan.short / 1e9:.2f} GB more than it has free .*--freeze "
                                           r"experts.*--dtype bfloat16.*--ep"):

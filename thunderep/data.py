@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["IGNORE", "batch_at", "load_training_data", "split_tokens", "tokenize_corpus"]
+__all__ = ["IGNORE", "batch_at", "ids_labels", "load_training_data", "split_tokens", "tokenize_corpus"]
 
 
 def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
@@ -106,7 +106,7 @@ def _chat_example(tokenizer, messages: list, where: str) -> tuple[list[int], lis
     return _encode_more(tokenizer, prompt), _encode_more(tokenizer, full[len(prompt):])
 
 
-def _ids_labels(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def ids_labels(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids and labels ([B, L] each, contiguous) of a [B, L, 2] batch, on `device`."""
     batch = batch.to(device)
     return batch[..., 0].contiguous(), batch[..., 1].contiguous()

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from .data import _ids_labels, batch_at, load_training_data, split_tokens
+from .data import ids_labels, batch_at, load_training_data, split_tokens
 from .errors import ConfigError
 
 __all__ = ["MemoryPlan", "finetune_on_rank", "lr_factor", "main", "memory_plan", "parse_args", "select_trainable"]
@@ -95,7 +95,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
                 p.data = p.data.float()
     if args.gradient_checkpointing:
         tm.gradient_checkpointing_enable()
-    plan = memory_plan(tm, device, world)
+    plan = memory_plan(tm, device)
     if rank == 0 and not args.quiet:
         print(plan.describe(), flush=True)
     plan.check()  # collective: every rank raises the same error, before any training collective
@@ -116,7 +116,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         scores = []
         with torch.no_grad():
             for i in range(args.eval_batches):
-                ids, labels = _ids_labels(batch_at(held_out, args.seed + 1, rank, i, args.batch, args.seq_len), device)
+                ids, labels = ids_labels(batch_at(held_out, args.seed + 1, rank, i, args.batch, args.seq_len), device)
                 with compute():
                     scores.append(tm(input_ids=ids, labels=labels, mode="ep", use_cache=False).loss.float())
         total = torch.stack(scores).mean()
@@ -150,7 +150,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
             loss = 0.0
             for micro in range(args.grad_accum):  # the objective: the mean of the micro-batches' losses
                 draw = step if args.grad_accum == 1 else step * args.grad_accum + micro
-                ids, labels = _ids_labels(batch_at(train_tokens, args.seed, rank, draw, args.batch, args.seq_len),
+                ids, labels = ids_labels(batch_at(train_tokens, args.seed, rank, draw, args.batch, args.seq_len),
                                           device)
                 with sync.no_sync() if micro + 1 < args.grad_accum else contextlib.nullcontext():
                     with compute():
@@ -351,9 +351,9 @@ class MemoryPlan:
                 "AdamW state, but small steps are lost), or spread the experts over more ranks (--ep)")
 
 
-def memory_plan(tm, device: torch.device, world: int, free: int | None = None) -> MemoryPlan:
+def memory_plan(tm, device: torch.device, free: int | None = None) -> MemoryPlan:
     """This rank's `MemoryPlan` (collective: the shortfall is all-reduced). free: override the free
-    bytes (default: `torch.cuda.mem_get_info` on CUDA, psutil's available memory / ranks on CPU)."""
+    bytes (default: `hf.load.free_bytes`, the GPU's free memory or the host's over its ranks)."""
     import torch.distributed as dist
 
     size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
@@ -363,12 +363,9 @@ def memory_plan(tm, device: torch.device, world: int, free: int | None = None) -
                       weights=size(tm.parameters()), trainable=size(trainable), grads=size(trainable),
                       adamw=2 * size(trainable), sync=size(p for p in trainable if id(p) not in experts), free=0)
     if free is None:
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            import psutil
+        from .hf.load import free_bytes
 
-            free = psutil.virtual_memory().available // world  # the ranks of this host share it
+        free = free_bytes(device)
     plan.free = free
     short = torch.tensor([max(0, plan.need - free)], dtype=torch.int64, device=device)
     if dist.is_initialized():

@@ -135,16 +135,10 @@ class ThunderMoELayer(nn.Module):
         return out
 
     def _slot_bytes(self, optimizer=None) -> int:
-        """Bytes one slot's migration moves: the slot's expert weights (and biases), plus `optimizer`'s
-        state tensors shaped like them (what `migrate_layer` moves along)."""
-        S = self.experts.num_experts
-        total = 0
-        for p in self.experts.parameters():
-            total += p.numel() * p.element_size()
-            state = optimizer.state.get(p, {}) if optimizer is not None else {}
-            total += sum(v.numel() * v.element_size() for v in state.values()
-                         if torch.is_tensor(v) and v.shape == p.shape)
-        return total // S
+        """Bytes one slot's migration moves (`balance.migrate.slot_bytes` of this layer's experts)."""
+        from .balance.migrate import slot_bytes
+
+        return slot_bytes(self.experts.parameters(), optimizer)
 
     def balance_step(self, optimizer=None):
         """At a step boundary (after the optimizer step): run the balancer on this step's exchanged

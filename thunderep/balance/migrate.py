@@ -27,7 +27,7 @@ from ..comm.groups import peer_errors
 from ..errors import ConfigError
 from .placement import Placement
 
-__all__ = ["migrate_layer", "migrate_slots"]
+__all__ = ["migrate_layer", "migrate_slots", "slot_bytes"]
 
 
 def _slot_tensors(params, optimizer) -> list[torch.Tensor]:
@@ -41,6 +41,13 @@ def _slot_tensors(params, optimizer) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor) and value.shape == p.shape:
                 out.append(value)
     return out
+
+
+def slot_bytes(params, optimizer=None) -> int:
+    """Bytes one slot's migration moves: its share of `params` (leading dim = slots) and of `optimizer`'s
+    state tensors shaped like them, i.e. of everything `migrate_slots` sends."""
+    params = list(params)
+    return sum(t.numel() * t.element_size() for t in _slot_tensors(params, optimizer)) // params[0].shape[0]
 
 
 def migrate_layer(layer, new: Placement, optimizer=None, timeout_s: float | None = None) -> int:

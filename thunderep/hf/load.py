@@ -317,7 +317,7 @@ def _resolve_dtype(dtype, config) -> torch.dtype:
     return dtype
 
 
-def free_bytes(device: torch.device, ep=None) -> int:
+def free_bytes(device: torch.device) -> int:
     """Memory free for this rank's weights on `device`: the GPU's free memory, or on CPU the host's
     available memory shared by the ranks of this host."""
     if device.type == "cuda":
@@ -333,7 +333,7 @@ def check_fits(model: nn.Module, device: torch.device, ep=None) -> None:
     weights, sized on the meta device) exceed `free_bytes`. The other ranks hold the same amount or
     differ by a few experts; each checks its own device."""
     need = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    free = free_bytes(device, ep)
+    free = free_bytes(device)
     if need > free:
         ranks = ep.groups.ep_size if ep is not None else 1
         raise ConfigError(

@@ -274,18 +274,13 @@ class ThunderMoE(nn.Module):
             if balancer is None:
                 decisions.append(None)
                 continue
+            from ..balance.migrate import migrate_slots, slot_bytes
+
             params = self._shards(name, binding)
             if balancer.sized_by_layer:  # one slot's weights and optimizer state, the same on every rank
-                total = 0
-                for p in params:
-                    state = optimizer.state.get(p, {}) if optimizer is not None else {}
-                    total += p.numel() * p.element_size() + sum(
-                        v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.shape == p.shape)
-                balancer.set_slot_bytes(total // binding.num_slots)
+                balancer.set_slot_bytes(slot_bytes(params, optimizer))
             decision = balancer.step(binding.stats)
             if decision is not None and decision.migrated:
-                from ..balance.migrate import migrate_slots
-
                 migrate_slots(params, binding.placement, decision.placement, binding.ep.groups, optimizer)
                 binding.placement = decision.placement
                 binding.local_experts = tuple(decision.placement.experts_of(binding.ep.groups.ep_rank))
