@@ -4,6 +4,7 @@
     python examples/decode_probe.py batches --model DIR --ep 2 [--impl triton] [--profile OUT_DIR]
     python examples/decode_probe.py first-calls --model DIR --ep 2 [--plain] [--profile OUT_DIR]
     python examples/decode_probe.py cudnn --model DIR --ep 2
+    python examples/decode_probe.py steps --model DIR --ep 2 [--impl triton] [--plain] [--profile OUT_DIR]
 
 batches: serve's static batch generation (`engine.generate_static`, latency mode) at batch 1, 2, 4,
 8, 16 (prompts of 24 words, 32 new tokens): the first call at each batch size and the median of three
@@ -14,6 +15,11 @@ OUT_DIR/first_call.txt. `--plain` runs the same shapes through transformers' own
 cudnn: six first calls at new shapes (16 new tokens) and a warm batch of 8 x 32 tokens, with cuDNN's
 attention allowed (`cudnn_attention=True`), left out (the default), and left out again on the same
 shapes.
+steps: continuous batching's decode step (`engine.DecodeBatch.step`, what `thunderep serve` runs) at
+batch 1 and 8 (prompts of 24 words): median ms per step over 48 steps, and the host syncs per step
+(profiled: `aten::_local_scalar_dense`, `aten::item`, device-to-host copies and stream syncs). `--plain`
+runs the plain transformers model on one GPU through the same `DecodeBatch`; `--profile` writes
+rank 0's operator tables of 16 steps at batch 8 to OUT_DIR/steps_<impl or plain>.txt.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import time
 
 import torch
@@ -79,6 +86,44 @@ def cudnn(args, tm, tok, rank, dev, generate) -> None:
                   f"8 x 32 tokens {steady:.1f} ms ({steady / 32:.2f} ms/token)", flush=True)
 
 
+def decode_steps(args, tm, tok, rank, dev) -> None:
+    """Median ms per continuous-batching decode step at batch 1 and 8, and host syncs per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from thunderep.engine import DecodeBatch, Entry
+
+    prompt = tok.encode(" ".join(WORDS[j % len(WORDS)] for j in range(24)))
+    name = "plain" if args.plain else (args.impl or "default")
+    for b in (1, 8):
+        batch = DecodeBatch(tm, dev, set(), 0)
+        batch.admit([Entry(i, prompt, 10_000, (0.0, 1.0), 0) for i in range(b)])
+        for _ in range(8):
+            batch.step()
+        times = []
+        for _ in range(48):
+            times.append(timed(batch.step))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(16):
+                batch.step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        syncs = {e.key: e.count / 16 for e in events
+                 if e.key in ("aten::_local_scalar_dense", "aten::item", "cudaStreamSynchronize",
+                              "cudaDeviceSynchronize", "cudaMemcpyAsync")}
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                            "cuLaunchKernelEx", "cudaLaunchKernelExC")) / 16
+        gpu_ms = sum(e.self_device_time_total for e in events) / 16 / 1e3
+        if rank == 0:
+            print(f"steps {name} batch {b}: median {statistics.median(times):.2f} ms/step (min {min(times):.2f}), "
+                  f"GPU {gpu_ms:.2f} ms/step, {launches:.0f} launches/step, per step: "
+                  + ", ".join(f"{k} {v:g}" for k, v in sorted(syncs.items())), flush=True)
+            if args.profile and b == 8:
+                os.makedirs(args.profile, exist_ok=True)
+                with open(os.path.join(args.profile, f"steps_{name}.txt"), "w") as f:
+                    f.write(events.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=90))
+                    f.write("\n\n" + events.table(sort_by="self_cuda_time_total", row_limit=25))
+
+
 def _profile(args, rank, fn, name: str, both: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -107,6 +152,9 @@ def body(args, ep) -> None:
     def generate(msg):
         return generate_static(tm, 0, msg, set(), dev)
 
+    if args.probe == "steps":
+        decode_steps(args, tm, tok, ep.groups.ep_rank, dev)
+        return
     {"batches": batches, "first-calls": first_calls, "cudnn": cudnn}[args.probe](
         args, tm, tok, ep.groups.ep_rank, dev, generate)
 
@@ -132,14 +180,23 @@ def rank_main(rank, world, args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("probe", choices=("batches", "first-calls", "cudnn"))
+    p.add_argument("probe", choices=("batches", "first-calls", "cudnn", "steps"))
     p.add_argument("--model", required=True)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--impl", default=None, help="experts_implementation (batches)")
-    p.add_argument("--plain", action="store_true", help="first-calls through transformers' generate, one GPU")
+    p.add_argument("--plain", action="store_true", help="first-calls through transformers' generate, steps through the plain model, one GPU")
     p.add_argument("--profile", metavar="OUT_DIR", help="write rank 0's operator tables here")
     args = p.parse_args(argv)
     args.cpu, args.timeout = False, 120.0
+    if args.plain and args.probe == "steps":
+        from transformers import AutoModelForCausalLM
+
+        from thunderep.generate import load_tokenizer
+
+        m = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
+        decode_steps(args, m, load_tokenizer(args.model, m.config.get_text_config().vocab_size), 0,
+                     torch.device("cuda"))
+        return 0
     if args.plain:
         plain(args)
         return 0

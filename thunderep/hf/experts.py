@@ -58,9 +58,11 @@ MODES = ("ep", "latency", "allgather")
 
 @dataclass
 class RunState:
-    """Mutable state shared by every binding of one wrapped model: the current mode."""
+    """Mutable state shared by every binding of one wrapped model: the current mode; `capturable`: latency
+    mode computes with no host sync and shapes fixed by T alone (a CUDA graph can capture it)."""
 
     mode: str = "auto"
+    capturable: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,11 @@ class ExpertsBinding:
             partial_TD = pairs_partial(module, x_TD, local_TK, weights_TK)
             if partial_TD is not None:
                 return partial_TD.float()
+        if self.state.capturable:  # every pair, other ranks' as local slot 0 and masked out: no nonzero
+            here_N1 = local_TK.reshape(-1, 1) >= 0
+            y_ND = self.compute_rows(module, x_TD.repeat_interleave(K, dim=0), local_TK.reshape(-1).clamp(min=0))
+            weighted_ND = torch.where(here_N1, y_ND * weights_TK.reshape(-1, 1).to(y_ND.dtype), 0)
+            return weighted_ND.view(T, K, x_TD.shape[-1]).float().sum(dim=1)
         pairs, local_slot = self.placement.sorted_local_pairs(local_TK)
         y_MD = self.compute_rows(module, x_TD[pairs // K], local_slot)
         weighted_MD = y_MD * weights_TK.reshape(-1)[pairs].unsqueeze(-1)  # the dtype transformers weights in

@@ -299,23 +299,27 @@ class ThunderMoE(nn.Module):
         return self._state.mode
 
     @contextlib.contextmanager
-    def running(self, mode: str = "auto", replicated: bool = False):
+    def running(self, mode: str = "auto", replicated: bool = False, capturable: bool = False):
         """Run the enclosed calls in `mode` ("ep", "latency", "allgather", or "auto": latency iff
-        `replicated`, else chosen per layer call, see the module docstring)."""
+        `replicated`, else chosen per layer call, see the module docstring). `capturable` (latency mode):
+        the experts run with no host sync, every (token, k) pair through a fixed-shape computation, so
+        that a CUDA graph can capture the call (`thunderep.static_decode`)."""
         if mode != "auto" and mode not in MODES:
             raise ConfigError(f"mode must be one of auto, {', '.join(MODES)}; got {mode!r}")
         resolved = ("latency" if replicated else "auto") if mode == "auto" else mode
-        with self._mode(resolved):
+        if capturable and resolved != "latency":
+            raise ConfigError(f"capturable runs need latency mode, not {resolved!r}")
+        with self._mode(resolved, capturable):
             yield self
 
     @contextlib.contextmanager
-    def _mode(self, resolved: str):
-        previous = self._state.mode
-        self._state.mode = resolved
+    def _mode(self, resolved: str, capturable: bool = False):
+        previous = self._state.mode, self._state.capturable
+        self._state.mode, self._state.capturable = resolved, capturable
         try:
             yield
         finally:
-            self._state.mode = previous
+            self._state.mode, self._state.capturable = previous
 
     def gradient_checkpointing_enable(self, every_n_layers: int = 1) -> None:
         """transformers' activation checkpointing of the decoder layers (activations recomputed in backward

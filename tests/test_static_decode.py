@@ -1,0 +1,145 @@
+"""StaticDecodeBatch: continuous batching over fixed cache storage (CUDA graphs on GPUs) gives the tokens
+DecodeBatch gives, with no host sync in a step, on one process and on EP ranks."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from distributed import run_ranks  # noqa: E402
+from test_engine import MAX_TOKENS, PROMPTS, _run_schedule  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import thunderep.static_decode as static_decode  # noqa: E402
+from thunderep.engine import DecodeBatch, Entry  # noqa: E402
+from thunderep.static_decode import StaticDecodeBatch, static_reason  # noqa: E402
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Counts the ops that make the host wait for the device (a CUDA graph cannot capture them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "_local_scalar_dense" in name or "nonzero" in name or "unique" in name or name.startswith("aten.item"):
+            self.seen[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _entries() -> list[Entry]:
+    return [Entry(i, PROMPTS[i], MAX_TOKENS[i], (0.7, 1.0) if i == 2 else (0.0, 1.0), 7) for i in range(len(PROMPTS))]
+
+
+def _syncs_of_a_step(batch: StaticDecodeBatch) -> dict:
+    batch.admit([Entry(0, [5, 6, 7], 20, (0.0, 1.0), 0), Entry(1, [4, 3], 20, (0.0, 1.0), 0)])
+    batch.step()
+    counter = _HostSyncs()
+    with counter:
+        batch._forward_static(2)
+    return dict(counter.seen)
+
+
+def test_every_family_decodes_like_the_dynamic_batch(monkeypatch):
+    """The 14 tiny families DecodeBatch serves: the same tokens (greedy and one sampled sequence) over a
+    schedule of joins and leaves, with storage that starts at 4 columns, so that it grows, and cuts the
+    columns only padding holds, several times."""
+    from hf_tiny import FAMILIES, UNSUPPORTED, tiny_model
+
+    monkeypatch.setattr(static_decode, "MIN_CAPACITY", 4)
+    served = []
+    for family in sorted(set(FAMILIES) - set(UNSUPPORTED) - {"llama"}):
+        model = tiny_model(family, seed=1).eval()
+        if static_reason(model) is not None:
+            continue
+        want = _run_schedule(DecodeBatch(model, "cpu", set(), 0), _entries())
+        batch = StaticDecodeBatch(model, "cpu", set(), 0, max_batch=4)
+        assert _run_schedule(batch, _entries()) == want, family
+        assert batch.capacity >= 16, family  # grew from 4
+        served.append(family)
+    assert len(served) == 14, served
+
+
+def test_a_step_has_no_host_sync():
+    """No op in a static step waits for the device: transformers' mask check is skipped (4D mask) and
+    the experts' computation has fixed shapes. (The dynamic step has one: the mask check.)"""
+    from hf_tiny import tiny_model
+
+    for family in ("mixtral", "qwen3_moe", "deepseek_v3"):
+        model = tiny_model(family, seed=1).eval()
+        assert _syncs_of_a_step(StaticDecodeBatch(model, "cpu", set(), 0, max_batch=4)) == {}, family
+    dynamic = DecodeBatch(tiny_model("mixtral", seed=1).eval(), "cpu", set(), 0)
+    dynamic.admit([Entry(0, [5, 6, 7], 20, (0.0, 1.0), 0)])
+    counter = _HostSyncs()
+    with counter:
+        dynamic.step()
+    assert counter.seen  # the detector sees what it should
+
+
+def test_a_failed_capture_turns_graphs_off_and_decoding_goes_on(capsys):
+    """On CPU a capture cannot start: the batch says so once and runs the same steps eagerly."""
+    from hf_tiny import tiny_model
+
+    model = tiny_model("mixtral", seed=1).eval()
+    want = _run_schedule(DecodeBatch(model, "cpu", set(), 0), _entries())
+    batch = StaticDecodeBatch(model, "cpu", set(), 0, max_batch=4, graphs=True)
+    assert _run_schedule(batch, _entries()) == want
+    assert not batch.graphs
+    assert capsys.readouterr().err.count("CUDA graphs off for decoding") == 1
+
+
+def test_admitting_past_max_batch_is_refused():
+    from hf_tiny import tiny_model
+
+    batch = StaticDecodeBatch(tiny_model("mixtral", seed=1).eval(), "cpu", set(), 0, max_batch=2)
+    batch.admit([Entry(0, [5, 6], 5, (0.0, 1.0), 0), Entry(1, [5], 5, (0.0, 1.0), 0)])
+    with pytest.raises(ValueError, match="exceed max_batch 2"):
+        batch.admit([Entry(2, [5], 5, (0.0, 1.0), 0)])
+
+
+def _on_ranks(rank, world, family):
+    from hf_tiny import tiny_model
+
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.hf import ThunderMoE
+
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
+    tm = ThunderMoE.wrap(tiny_model(family, seed=1), ep).eval()
+    got = _run_schedule(StaticDecodeBatch(tm, "cpu", set(), 0, max_batch=4), _entries())
+    return got, _syncs_of_a_step(StaticDecodeBatch(tm, "cpu", set(), 0, max_batch=4))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_ranks_decode_like_one_process(world):
+    """Every rank of 2 and 4 (latency mode, capturable: each rank's experts take every pair at a fixed
+    shape, other ranks' pairs masked out) gets the tokens one process gets from the dynamic batch, and
+    its steps have no host sync."""
+    from hf_tiny import tiny_model
+
+    want = _run_schedule(DecodeBatch(tiny_model("qwen3_moe", seed=1).eval(), "cpu", set(), 0), _entries())
+    for got, syncs in run_ranks(_on_ranks, world, "qwen3_moe", timeout=180):
+        assert got == want
+        assert syncs == {}
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_replay_the_tokens_of_the_dynamic_batch():
+    """On a GPU the steps run from captured CUDA graphs (one per batch size met) and give the tokens of
+    the eager dynamic batch (float32, so that a near tie cannot flip between the two)."""
+    from hf_tiny import tiny_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = tiny_model("qwen3_moe", seed=1).cuda().eval()
+    want = _run_schedule(DecodeBatch(model, "cuda", set(), 0), _entries())
+    batch = StaticDecodeBatch(model, torch.device("cuda"), set(), 0, max_batch=4)
+    assert _run_schedule(batch, _entries()) == want
+    assert batch.graphs and len(batch._graphs) >= 2
