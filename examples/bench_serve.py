@@ -1,9 +1,12 @@
 """`thunderep serve` under load, two server settings side by side: `--compare max-batch` (default)
 runs requests batched together (`--max-batch N`) against one at a time (`--max-batch 1`);
-`--compare batching` runs static batching against continuous batching, both at `--max-batch N`.
+`--compare batching` runs static batching against continuous batching, both at `--max-batch N`;
+`--compare cuda-graphs` runs continuous batching with eager decode steps (`--cuda-graphs off`) against
+steps replayed from CUDA graphs (`--cuda-graphs on`, the default), both at `--max-batch N`.
 
     python examples/bench_serve.py --model DIR --ep 2 --clients 8 --requests 32 --max-tokens 32
     python examples/bench_serve.py --model DIR --ep 2 --compare batching --vary-tokens
+    python examples/bench_serve.py --model DIR --ep 2 --compare cuda-graphs
     python examples/bench_serve.py --model DIR --ep 2 --cpu      # the same on CPU ranks (a check of the code)
 
 For each setting the script starts a server (its own process group), waits until it answers, sends
@@ -34,11 +37,11 @@ WORDS = ("expert parallel routing token batch layer rank model serve cache decod
          "mixture sparse dense weight").split()
 
 
-def start_server(args, setting: tuple[str, int], log_path: str) -> tuple[subprocess.Popen, str]:
-    batching, max_batch = setting
+def start_server(args, setting: tuple[str, int, str], log_path: str) -> tuple[subprocess.Popen, str]:
+    batching, max_batch, graphs = setting
     cmd = [sys.executable, "-m", "thunderep.cli", "serve", "--model", args.model, "--ep", str(args.ep),
-           "--port", "0", "--quiet", "--max-batch", str(max_batch), "--batching", batching] + (
-               ["--cpu"] if args.cpu else [])
+           "--port", "0", "--quiet", "--max-batch", str(max_batch), "--batching", batching,
+           "--cuda-graphs", graphs] + (["--cpu"] if args.cpu else [])
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = open(log_path, "w")
@@ -122,9 +125,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--max-batch", type=int, default=8, help="the batched setting's --max-batch")
-    p.add_argument("--compare", choices=("max-batch", "batching"), default="max-batch",
+    p.add_argument("--compare", choices=("max-batch", "batching", "cuda-graphs"), default="max-batch",
                    help="max-batch: --max-batch 1 against N (both --batching); batching: static against "
-                        "continuous batching, both at --max-batch N")
+                        "continuous batching, both at --max-batch N; cuda-graphs: continuous batching with "
+                        "--cuda-graphs off against on, both at --max-batch N")
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="the server's batching with --compare max-batch")
     p.add_argument("--vary-tokens", action="store_true", help="requests ask for 1/4 to all of --max-tokens")
@@ -133,14 +137,17 @@ def main(argv=None) -> int:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    settings = ([(args.batching, 1), (args.batching, args.max_batch)] if args.compare == "max-batch"
-                else [("static", args.max_batch), ("continuous", args.max_batch)])
-    labels = [f"{b}, --max-batch {n}" for b, n in settings]
+    settings = {"max-batch": [(args.batching, 1, "on"), (args.batching, args.max_batch, "on")],
+                "batching": [("static", args.max_batch, "on"), ("continuous", args.max_batch, "on")],
+                "cuda-graphs": [("continuous", args.max_batch, "off"), ("continuous", args.max_batch, "on")],
+                }[args.compare]
+    labels = [f"{b}, --max-batch {n}" + (f", --cuda-graphs {g}" if args.compare == "cuda-graphs" else "")
+              for b, n, g in settings]
     results: dict = {label: [] for label in labels}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for setting, label in zip(settings, labels):
-                proc, url = start_server(args, setting, os.path.join(tmp, f"server-{setting[0]}-{setting[1]}-{r}.log"))
+                proc, url = start_server(args, setting, os.path.join(tmp, "server-{}-{}-{}-{}.log".format(*setting, r)))
                 try:
                     complete(url, "warm up", 2)
                     results[label].append(load(url, args))

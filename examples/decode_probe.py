@@ -15,11 +15,12 @@ OUT_DIR/first_call.txt. `--plain` runs the same shapes through transformers' own
 cudnn: six first calls at new shapes (16 new tokens) and a warm batch of 8 x 32 tokens, with cuDNN's
 attention allowed (`cudnn_attention=True`), left out (the default), and left out again on the same
 shapes.
-steps: continuous batching's decode step (`engine.DecodeBatch.step`, what `thunderep serve` runs) at
-batch 1 and 8 (prompts of 24 words): median ms per step over 48 steps, and the host syncs per step
-(profiled: `aten::_local_scalar_dense`, `aten::item`, device-to-host copies and stream syncs). `--plain`
-runs the plain transformers model on one GPU through the same `DecodeBatch`; `--profile` writes
-rank 0's operator tables of 16 steps at batch 8 to OUT_DIR/steps_<impl or plain>.txt.
+steps: continuous batching's decode step at batch 1 and 8 (prompts of 24 words), eager
+(`engine.DecodeBatch`) against CUDA graphs (`static_decode.StaticDecodeBatch`, what `thunderep serve`
+runs on GPUs): median ms per step over 48 steps, kernel launches and host syncs per step (profiled:
+`aten::_local_scalar_dense`, `aten::item`, copies, stream syncs, graph launches). `--plain` runs the
+plain transformers model on one GPU through the same two batches; `--profile` writes rank 0's operator
+tables of 16 steps at batch 8 to OUT_DIR/steps_<impl or plain>_<dynamic or static>.txt.
 """
 
 from __future__ import annotations
@@ -87,41 +88,48 @@ def cudnn(args, tm, tok, rank, dev, generate) -> None:
 
 
 def decode_steps(args, tm, tok, rank, dev) -> None:
-    """Median ms per continuous-batching decode step at batch 1 and 8, and host syncs per step."""
+    """Median ms per continuous-batching decode step at batch 1 and 8, dynamic (eager) against static
+    (CUDA graphs), and host syncs and launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
     from thunderep.engine import DecodeBatch, Entry
+    from thunderep.static_decode import StaticDecodeBatch
 
     prompt = tok.encode(" ".join(WORDS[j % len(WORDS)] for j in range(24)))
     name = "plain" if args.plain else (args.impl or "default")
     for b in (1, 8):
-        batch = DecodeBatch(tm, dev, set(), 0)
-        batch.admit([Entry(i, prompt, 10_000, (0.0, 1.0), 0) for i in range(b)])
-        for _ in range(8):
-            batch.step()
-        times = []
-        for _ in range(48):
-            times.append(timed(batch.step))
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(16):
+        medians = {}
+        for kind in ("dynamic", "static"):
+            batch = (DecodeBatch(tm, dev, set(), 0) if kind == "dynamic"
+                     else StaticDecodeBatch(tm, dev, set(), 0, max_batch=8))
+            batch.admit([Entry(i, prompt, 10_000, (0.0, 1.0), 0) for i in range(b)])
+            for _ in range(8):
                 batch.step()
-            torch.cuda.synchronize()
-        events = prof.key_averages()
-        syncs = {e.key: e.count / 16 for e in events
-                 if e.key in ("aten::_local_scalar_dense", "aten::item", "cudaStreamSynchronize",
-                              "cudaDeviceSynchronize", "cudaMemcpyAsync")}
-        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
-                                                            "cuLaunchKernelEx", "cudaLaunchKernelExC")) / 16
-        gpu_ms = sum(e.self_device_time_total for e in events) / 16 / 1e3
+            times = [timed(batch.step) for _ in range(48)]
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(16):
+                    batch.step()
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            syncs = {e.key: e.count / 16 for e in events
+                     if e.key in ("aten::_local_scalar_dense", "aten::item", "cudaStreamSynchronize",
+                                  "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaGraphLaunch")}
+            launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                "cuLaunchKernelEx", "cudaLaunchKernelExC")) / 16
+            medians[kind] = statistics.median(times)
+            if rank == 0:
+                graphs = f", graphs {sorted(batch._graphs)}" if kind == "static" else ""
+                print(f"steps {name} {kind} batch {b}: median {medians[kind]:.2f} ms/step (min {min(times):.2f}), "
+                      f"{launches:.0f} launches/step, per step: "
+                      + ", ".join(f"{k} {v:g}" for k, v in sorted(syncs.items())) + graphs, flush=True)
+                if args.profile and b == 8:
+                    os.makedirs(args.profile, exist_ok=True)
+                    with open(os.path.join(args.profile, f"steps_{name}_{kind}.txt"), "w") as f:
+                        f.write(events.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=90))
+                        f.write("\n\n" + events.table(sort_by="self_cuda_time_total", row_limit=25))
         if rank == 0:
-            print(f"steps {name} batch {b}: median {statistics.median(times):.2f} ms/step (min {min(times):.2f}), "
-                  f"GPU {gpu_ms:.2f} ms/step, {launches:.0f} launches/step, per step: "
-                  + ", ".join(f"{k} {v:g}" for k, v in sorted(syncs.items())), flush=True)
-            if args.profile and b == 8:
-                os.makedirs(args.profile, exist_ok=True)
-                with open(os.path.join(args.profile, f"steps_{name}.txt"), "w") as f:
-                    f.write(events.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=90))
-                    f.write("\n\n" + events.table(sort_by="self_cuda_time_total", row_limit=25))
+            print(f"steps {name} batch {b}: dynamic / static = {medians['dynamic'] / medians['static']:.2f}x",
+                  flush=True)
 
 
 def _profile(args, rank, fn, name: str, both: bool) -> None:

@@ -256,8 +256,9 @@ def test_bad_requests_are_refused_with_a_message(server):
 
 @pytest.mark.gpu
 def test_serve_on_two_gpus_equals_the_plain_model(tmp_path):
-    """The server on 2 GPUs (NCCL for the model, gloo for the batches): a completion and a streamed one
-    equal the plain model's greedy continuation."""
+    """The server on 2 GPUs (NCCL for the model, gloo for the batches; decode steps from CUDA graphs): a
+    completion and a streamed one equal the plain model's greedy continuation, and so do requests sent
+    together, each of whose answers is the one it gets alone."""
     from hf_tiny import V, chat_tokenizer, save_tiny
     from transformers import AutoTokenizer
 
@@ -273,6 +274,21 @@ def test_serve_on_two_gpus_equals_the_plain_model(tmp_path):
         assert _post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8})[1]["choices"][0]["text"] == text
         events = _stream(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8})
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text
+        prompts = ["hello", "w30 w31 w32 w33 w34 w35", "you are fine", "w60 how", "w1 w2"]
+        alone = [_reference(model_dir, tok.encode(p), 12)[0] for p in prompts]
+        answers = [None] * len(prompts)
+
+        def ask(i):
+            answers[i] = _post(url, "/v1/completions", {"prompt": prompts[i], "max_tokens": 12})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [a[1]["choices"][0]["text"] for a in answers] == alone
+    log = (tmp_path / "log.txt").read_text()
+    assert "CUDA graphs off" not in log and "without CUDA graphs" not in log, log[-3000:]
 
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])
@@ -349,7 +365,7 @@ def test_a_failed_prefill_fails_only_its_own_requests(monkeypatch):
     server = _ScriptedServer([[ok], [], [bad], [], [later]] + [[]] * 12)
     with pytest.raises(_StopLoop):
         _serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, None, set(),
-                          torch.device("cpu"), argparse.Namespace(max_batch=4))
+                          torch.device("cpu"), argparse.Namespace(max_batch=4, cuda_graphs="on"))
     assert server.failures == {id(bad): "prefill failed: OutOfMemoryError: out of memory (simulated)"}
     for job in (ok, later):
         with torch.no_grad():

@@ -10,7 +10,10 @@ continuous batching (the default; `thunderep.engine`) the serving loop, at every
 queued requests while fewer than `--max-batch` sequences are being decoded and sends them to every rank
 (a gloo broadcast of host objects); all ranks prefill them into the running batch and decode one token
 for every sequence, in latency mode: every rank holds the same tokens, computes the pairs of its own
-experts, and an all-reduce sums them. A request is answered as soon as its sequence ends. With
+experts, and an all-reduce sums them. On GPUs (`--cuda-graphs on`, the default) the batch keeps its
+KV cache in fixed storage and each decode step replays a CUDA graph captured for its batch size
+(`thunderep.static_decode`): the host launches a handful of kernels per step instead of hundreds.
+A request is answered as soon as its sequence ends. With
 `--batching static` (and for models whose cache cannot be merged, e.g. sliding-window attention) a
 batch of requests with the same sampling settings runs to its longest request's end (transformers'
 `generate`) before the next starts. When idle, rank 0 sends an empty batch every half second, so a
@@ -105,6 +108,21 @@ def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
+def _decode_batch(tm, device, eos, pad, args, server):
+    """The continuous batch: on a GPU with `--cuda-graphs on`, fixed cache storage whose steps replay from
+    CUDA graphs (thunderep/static_decode.py) where the model allows it; else the eager dynamic batch."""
+    from .engine import DecodeBatch
+    from .static_decode import StaticDecodeBatch, static_reason
+
+    if args.cuda_graphs == "on" and torch.device(device).type == "cuda":
+        reason = static_reason(tm.model)
+        if reason is None:
+            return StaticDecodeBatch(tm, device, eos, pad, args.max_batch)
+        if server is not None:
+            print(f"[thunderep serve] decoding without CUDA graphs: {reason}", flush=True)
+    return DecodeBatch(tm, device, eos, pad)
+
+
 def _serve_continuous(tm, tokenizer, server, control, src, eos, device, args) -> None:
     """Continuous batching (thunderep/engine.py): at every step rank 0 admits queued requests while the
     batch has room and sends them to every rank; all ranks prefill them, then decode one token for
@@ -113,10 +131,10 @@ def _serve_continuous(tm, tokenizer, server, control, src, eos, device, args) ->
     dropped) on rank 0 and leaves every rank's batch at the next step (the cancels of the message)."""
     import random
 
-    from .engine import DecodeBatch, Entry
+    from .engine import Entry
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch, active, count, ended = DecodeBatch(tm, device, eos, pad), {}, 0, []
+    batch, active, count, ended = _decode_batch(tm, device, eos, pad, args, server), {}, 0, []
     while True:
         entries, cancels = [], ended  # cancels: sequences answered early (a stop string) or abandoned
         if server is not None:
@@ -257,6 +275,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="continuous: requests join and leave the batch at every decode step (default; models "
                         "whose cache cannot be merged fall back to static); static: a batch runs to its "
                         "longest request before the next starts")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
+                   help="on (default): on GPUs, continuous batching keeps the KV cache in fixed storage and "
+                        "replays each decode step from a CUDA graph (one per batch size); off: eager steps")
     p.add_argument("--max-new-tokens", type=int, default=128, help="max_tokens when a request gives none")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     p.add_argument("--experts-implementation", default=None,

@@ -165,16 +165,17 @@ class StaticDecodeBatch(DecodeBatch):
         while capacity < columns:
             capacity *= 2
         B = self.max_batch
-        old = (self.keys, self.values, self.store_mask, self.store_ids, self.capacity)
-        self.keys = [layer.keys.new_zeros(B, layer.keys.shape[1], capacity, layer.keys.shape[3]) for layer in cache.layers]
-        self.values = [layer.values.new_zeros(B, layer.values.shape[1], capacity, layer.values.shape[3])
-                       for layer in cache.layers]
-        self.store_mask = torch.zeros(B, capacity, dtype=torch.int64, device=self.device)
-        self.store_ids = torch.full((B, 1), self.pad, dtype=torch.int64, device=self.device)
-        if old[2] is not None:  # growing: the rows in use keep their columns
-            for new, prev in zip(self.keys + self.values + [self.store_mask], old[0] + old[1] + [old[2]]):
+        # every new tensor first: an allocation that fails (out of memory) leaves the batch as it was
+        keys = [layer.keys.new_zeros(B, layer.keys.shape[1], capacity, layer.keys.shape[3]) for layer in cache.layers]
+        values = [layer.values.new_zeros(B, layer.values.shape[1], capacity, layer.values.shape[3])
+                  for layer in cache.layers]
+        store_mask = torch.zeros(B, capacity, dtype=torch.int64, device=self.device)
+        store_ids = torch.full((B, 1), self.pad, dtype=torch.int64, device=self.device)
+        if self.store_mask is not None:  # growing: the rows in use keep their columns
+            for new, prev in zip(keys + values + [store_mask], self.keys + self.values + [self.store_mask]):
                 _columns(new, slice(None), 0, self.length).copy_(_columns(prev, slice(None), 0, self.length))
-            self.store_ids.copy_(old[3])
+            store_ids.copy_(self.store_ids)
+        self.keys, self.values, self.store_mask, self.store_ids = keys, values, store_mask, store_ids
         self.counters = [torch.full((), self.length, dtype=torch.int64, device=self.device) for _ in self.keys]
         self.capacity = capacity
         self._caches, self._graphs, self._warm = {}, {}, set()  # captured on the old storage
@@ -199,8 +200,9 @@ class StaticDecodeBatch(DecodeBatch):
 
     def _move(self, rows: slice, start: int, count: int, by: int) -> None:
         """Columns [start, start + count) of `rows` to [start + by, ...); the columns left behind are cleared."""
-        for t in self.keys + self.values + [self.store_mask]:
-            block = _columns(t, rows, start, start + count).clone()
+        tensors = self.keys + self.values + [self.store_mask]
+        blocks = [_columns(t, rows, start, start + count).clone() for t in tensors]  # before any write
+        for t, block in zip(tensors, blocks):
             _columns(t, rows, min(start, start + by), max(start, start + by) + count).zero_()
             _columns(t, rows, start + by, start + by + count).copy_(block)
 
