@@ -287,8 +287,6 @@ def test_serve_on_two_gpus_equals_the_plain_model(tmp_path):
         for t in threads:
             t.join(timeout=120)
         assert [a[1]["choices"][0]["text"] for a in answers] == alone
-    log = (tmp_path / "log.txt").read_text()
-    assert "CUDA graphs off" not in log and "without CUDA graphs" not in log, log[-3000:]
 
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])

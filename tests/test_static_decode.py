@@ -130,16 +130,51 @@ def test_ep_ranks_decode_like_one_process(world):
         assert syncs == {}
 
 
+def _graphs_against_eager(model, device) -> tuple[dict, dict, bool, list]:
+    """Tokens of the schedule with steps replayed from CUDA graphs and with the same steps run eagerly."""
+    eager = _run_schedule(StaticDecodeBatch(model, device, set(), 0, max_batch=4, graphs=False), _entries())
+    batch = StaticDecodeBatch(model, device, set(), 0, max_batch=4, graphs=True)
+    return _run_schedule(batch, _entries()), eager, batch.graphs, sorted(batch._graphs)
+
+
 @pytest.mark.gpu
-def test_gpu_graphs_replay_the_tokens_of_the_dynamic_batch():
-    """On a GPU the steps run from captured CUDA graphs (one per batch size met) and give the tokens of
-    the eager dynamic batch (float32, so that a near tie cannot flip between the two)."""
+def test_gpu_graph_steps_equal_eager_steps():
+    """On a GPU (bfloat16; transformers' grouped_mm, and ThunderEP's Triton kernels) the steps replay from
+    captured CUDA graphs, one per batch size met, and give the tokens of the same steps run eagerly."""
     from hf_tiny import tiny_model
+
+    from thunderep.hf import ThunderMoE
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    model = tiny_model("qwen3_moe", seed=1).cuda().eval()
-    want = _run_schedule(DecodeBatch(model, "cuda", set(), 0), _entries())
-    batch = StaticDecodeBatch(model, torch.device("cuda"), set(), 0, max_batch=4)
-    assert _run_schedule(batch, _entries()) == want
-    assert batch.graphs and len(batch._graphs) >= 2
+    device = torch.device("cuda")
+    for model in (tiny_model("qwen3_moe", seed=1).to(device, torch.bfloat16).eval(),
+                  ThunderMoE.wrap(tiny_model("mixtral", seed=1).to(device, torch.bfloat16),
+                                  experts_implementation="triton").eval()):
+        got, want, graphs, sizes = _graphs_against_eager(model, device)
+        assert got == want
+        assert graphs and len(sizes) >= 2, sizes
+
+
+def _gpu_ranks(rank, world):
+    from hf_tiny import tiny_model
+
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.hf import ThunderMoE
+
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig())
+    tm = ThunderMoE.wrap(tiny_model("qwen3_moe", seed=1).to(torch.bfloat16), ep).eval()
+    return _graphs_against_eager(tm, ep.groups.device)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_steps_on_two_ranks_equal_eager_steps():
+    """2 GPUs with NCCL: the latency-mode all-reduces are captured in the graphs, and every rank gets the
+    tokens of the same steps run eagerly."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    for got, want, graphs, sizes in run_ranks(_gpu_ranks, 2, timeout=300, dist_timeout=120, backend="nccl"):
+        assert got == want
+        assert graphs and len(sizes) >= 2, sizes
