@@ -105,8 +105,29 @@ def run_on_ep(world: int, args, body) -> None:
 
     backend = "nccl" if not args.cpu and torch.cuda.device_count() >= world else "gloo"
     ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), backend=backend)
+    store = dist.distributed_c10d._get_default_store() if world > 1 else None
+    rank = dist.get_rank()
     try:
         body(ep)
     finally:
         ep.close()
         dist.destroy_process_group()
+    if store is not None:
+        _leave_in_order(store, rank, world)
+
+
+def _leave_in_order(store, rank: int, world: int, timeout_s: float = 10.0) -> None:
+    """After a clean run: rank 0, whose process holds the rendezvous store, leaves after the others have
+    torn down their process groups. (NCCL's heartbeat thread polls that store until its process group is
+    destroyed; a store gone first makes every other rank print a page of connection errors at exit.)"""
+    if rank != 0:
+        try:
+            store.add("thunderep/left", 1)
+        except Exception:  # noqa: BLE001 - rank 0 already gone (it waited long enough): nothing to order
+            pass
+        return
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while store.add("thunderep/left", 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
