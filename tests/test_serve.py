@@ -23,6 +23,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from distributed import run_ranks  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -362,10 +364,38 @@ def test_a_failed_prefill_fails_only_its_own_requests(monkeypatch):
     monkeypatch.setattr(engine.DecodeBatch, "admit", failing_admit)
     server = _ScriptedServer([[ok], [], [bad], [], [later]] + [[]] * 12)
     with pytest.raises(_StopLoop):
-        _serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, None, set(),
+        _serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, set(),
                           torch.device("cpu"), argparse.Namespace(max_batch=4, cuda_graphs="on"))
     assert server.failures == {id(bad): "prefill failed: OutOfMemoryError: out of memory (simulated)"}
     for job in (ok, later):
         with torch.no_grad():
             out = model.generate(torch.tensor([job.ids]), max_new_tokens=job.max_tokens, do_sample=False, pad_token_id=0)
         assert server.answers[id(job)] == (out[0, len(job.ids):].tolist(), "length")
+
+
+def _share_on_ranks(rank, world):
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.serve import _Ranks
+
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig())
+    ranks = _Ranks(ep, 30.0)
+    small = ([("entry", [1, 2, 3])], [7]) if rank == 0 else None
+    big = ([("entry", list(range(5000)))], []) if rank == 0 else "ignored"  # over one record: gloo
+    got = [ranks.share(small), ranks.share(big), ranks.share(small)]
+    agreed = [ranks.agree(None), ranks.agree("boom" if rank == world - 1 else None)]
+    return got, agreed, ep.control.kind
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_share_rank_zeros_messages_and_agree_on_failures(world):
+    """The serving loop's step messages: rank 0's object reaches every rank, inline in a control-plane
+    record or, when longer than one, over gloo; one rank's failure becomes every rank's."""
+    results = run_ranks(_share_on_ranks, world, timeout=120)
+    for rank, (got, agreed, kind) in enumerate(results):
+        assert got == [([("entry", [1, 2, 3])], [7]), ([("entry", list(range(5000)))], []),
+                       ([("entry", [1, 2, 3])], [7])]
+        assert agreed[0] is None
+        assert agreed[1] == ("boom" if rank == world - 1 else "generation failed on another rank")
+    assert results[0][2] in ("mailbox", "collective")
