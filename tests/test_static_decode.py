@@ -66,6 +66,42 @@ def test_every_family_decodes_like_the_dynamic_batch(monkeypatch):
     assert len(served) == 14, served
 
 
+def test_storage_grows_by_bucket_and_narrows_after_a_long_sequence(monkeypatch):
+    """Rows grow with the batch's bucket (1, 2, 4), not to max_batch at once; columns double as a long
+    sequence grows, and once the batch is empty a short prompt gets narrow storage again. The tokens
+    stay those of the dynamic batch throughout."""
+    from hf_tiny import tiny_model
+
+    monkeypatch.setattr(static_decode, "MIN_CAPACITY", 4)
+    model = tiny_model("mixtral", seed=1).eval()
+    batch = StaticDecodeBatch(model, "cpu", set(), 0, max_batch=8)
+    dynamic = DecodeBatch(model, "cpu", set(), 0)
+    shapes = []
+
+    def run(entries):
+        got = [_run_schedule_once(b, entries) for b in (batch, dynamic)]
+        assert got[0] == got[1]
+        shapes.append((batch.row_capacity, batch.capacity))
+
+    run([Entry(0, [5, 6], 40, (0.0, 1.0), 0)])
+    run([Entry(1, [5, 6, 7], 3, (0.0, 1.0), 0)])
+    run([Entry(i, [4 + i, 9], 3, (0.0, 1.0), 0) for i in range(2, 5)])
+    assert shapes == [(1, 64), (1, 8), (4, 4)], shapes  # (1, 4) grew to (1, 8) within the second run
+
+
+def _run_schedule_once(batch, entries) -> dict:
+    """Admit `entries` at once and decode until the batch is empty: {key: tokens}."""
+    got = {e.key: [] for e in entries}
+    events = batch.admit(entries)
+    while True:
+        for key, token, _ in events:
+            if token is not None:
+                got[key].append(token)
+        if not len(batch):
+            return got
+        events = batch.step()
+
+
 def test_a_step_has_no_host_sync():
     """No op in a static step waits for the device: transformers' mask check is skipped (4D mask) and
     the experts' computation has fixed shapes. (The dynamic step has one: the mask check.)"""

@@ -5,9 +5,10 @@ step, each a few microseconds of host time, so a small batch waits on the host, 
 (docs/BENCHMARKS.md, "Serving on 2 H200s"). `StaticDecodeBatch` keeps the same sequences, prefill and
 sampling, but holds the cache in fixed storage so that a step's shapes depend only on the batch size:
 
-* storage: per layer, keys and values [max_batch, heads, capacity, head_dim]; row r is sequence r,
-  left-padded so that every sequence's next token goes to the same column `length`; a [max_batch,
-  capacity] mask marks the columns that hold a token;
+* storage: per layer, keys and values [rows, heads, capacity, head_dim]; row r is sequence r,
+  left-padded so that every sequence's next token goes to the same column `length`; a [rows,
+  capacity] mask marks the columns that hold a token. `rows` is the largest bucket the batch has
+  needed so far (at most max_batch), `capacity` a power of 2 from MIN_CAPACITY;
 * a step feeds the batch padded to a bucket size (1, 2, 4, ..., max_batch); the rows past the batch
   are idle sequences that attend only to their own columns, and their logits are dropped;
 * the model sees a 4D attention mask built from the storage mask (so transformers' mask code, which
@@ -17,7 +18,10 @@ sampling, but holds the cache in fixed storage so that a step's shapes depend on
   second is captured in a CUDA graph (all buckets share one memory pool) and every later step at that
   bucket replays it: a handful of launches per step instead of hundreds;
 * when the sequences need more columns than the storage has, the columns that only padding holds are
-  cut first; if that is not enough the storage doubles and the graphs are captured again.
+  cut first; if that is not enough the storage doubles and the graphs are captured again. More rows
+  (a larger bucket) also mean new storage and new graphs. When the batch is empty and the storage is
+  at least 4 times as wide as the next prompt needs, it is allocated again at that width, so that one
+  long sequence does not leave every later step attending over its length.
 
 The experts run in latency mode with `capturable=True` (`ThunderMoE.running`): every (token, k) pair
 goes through the local experts at a fixed shape, with no host sync. A capture that fails (an experts
@@ -92,9 +96,9 @@ class StaticDecodeBatch(DecodeBatch):
         super().__init__(tm, device, eos, pad)
         self.max_batch, self.buckets = max_batch, _buckets(max_batch)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.capacity, self.length = 0, 0  # storage columns; the column the next token goes to
-        self.keys = self.values = self.counters = None  # per layer: [max_batch, H, C, hd] x 2, [] int64
-        self.store_mask = self.store_ids = None  # [max_batch, C] int64, [max_batch, 1] int64
+        self.capacity, self.row_capacity, self.length = 0, 0, 0  # storage columns and rows; the write column
+        self.keys = self.values = self.counters = None  # per layer: [rows, H, C, hd] x 2, [] int64
+        self.store_mask = self.store_ids = None  # [rows, C] int64, [rows, 1] int64
         self._caches: dict[int, object] = {}
         self._graphs: dict[int, tuple] = {}
         self._warm: set[int] = set()
@@ -121,13 +125,15 @@ class StaticDecodeBatch(DecodeBatch):
 
     def _merge(self, rows, cache, mask: torch.Tensor) -> None:
         n, width = mask.shape
-        if len(self.rows) + n > self.max_batch:
-            raise ValueError(f"{len(self.rows)} + {n} sequences exceed max_batch {self.max_batch}")
-        if self.keys is None:
-            self._allocate(cache, width + 1)
         old = len(self.rows)
+        if old + n > self.max_batch:
+            raise ValueError(f"{old} + {n} sequences exceed max_batch {self.max_batch}")
         if old == 0:
             self.length = 0
+        if self.keys is None or old + n > self.row_capacity or (
+                old == 0 and self.capacity >= 4 * max(MIN_CAPACITY, width + 1)):
+            # first use, more rows, or an empty batch on storage a long sequence left much too wide
+            self._allocate(cache, old + n, width + 1 if old == 0 else max(self.length, width) + 1)
         shift = max(0, width - self.length)
         self._ensure_room(self.length + shift + 1)
         if shift and old:  # the running rows move right so the new prompts fit before the write column
@@ -160,24 +166,27 @@ class StaticDecodeBatch(DecodeBatch):
 
     # -- storage
 
-    def _allocate(self, cache, columns: int) -> None:
+    def _allocate(self, cache, rows: int, columns: int) -> None:
+        """Storage for `rows` rows (rounded up to a bucket) of `columns` columns (a power of 2, at least
+        MIN_CAPACITY), the rows in use copied over. Drops the graphs, which were captured on the old."""
         capacity = MIN_CAPACITY
         while capacity < columns:
             capacity *= 2
-        B = self.max_batch
+        B = next(size for size in self.buckets if size >= rows)
         # every new tensor first: an allocation that fails (out of memory) leaves the batch as it was
         keys = [layer.keys.new_zeros(B, layer.keys.shape[1], capacity, layer.keys.shape[3]) for layer in cache.layers]
         values = [layer.values.new_zeros(B, layer.values.shape[1], capacity, layer.values.shape[3])
                   for layer in cache.layers]
         store_mask = torch.zeros(B, capacity, dtype=torch.int64, device=self.device)
         store_ids = torch.full((B, 1), self.pad, dtype=torch.int64, device=self.device)
-        if self.store_mask is not None:  # growing: the rows in use keep their columns
+        if self.rows:  # the rows in use keep their columns (storage shrinks only when empty)
+            live = slice(0, len(self.rows))
             for new, prev in zip(keys + values + [store_mask], self.keys + self.values + [self.store_mask]):
-                _columns(new, slice(None), 0, self.length).copy_(_columns(prev, slice(None), 0, self.length))
-            store_ids.copy_(self.store_ids)
+                _columns(new, live, 0, self.length).copy_(_columns(prev, live, 0, self.length))
+            store_ids[live] = self.store_ids[live]
         self.keys, self.values, self.store_mask, self.store_ids = keys, values, store_mask, store_ids
         self.counters = [torch.full((), self.length, dtype=torch.int64, device=self.device) for _ in self.keys]
-        self.capacity = capacity
+        self.capacity, self.row_capacity = capacity, B
         self._caches, self._graphs, self._warm = {}, {}, set()  # captured on the old storage
         self.mask = self.store_mask[:len(self.rows), :self.length]
         self.next_ids = self.store_ids[:len(self.rows)]
@@ -196,7 +205,7 @@ class StaticDecodeBatch(DecodeBatch):
                     counter.fill_(self.length)
                 columns -= lead
         if columns > self.capacity:
-            self._allocate(_Layers(self.keys, self.values), columns)
+            self._allocate(_Layers(self.keys, self.values), self.row_capacity, columns)
 
     def _move(self, rows: slice, start: int, count: int, by: int) -> None:
         """Columns [start, start + count) of `rows` to [start + by, ...); the columns left behind are cleared."""
