@@ -124,16 +124,12 @@ def test_completions_and_chat_equal_the_plain_model(server):
     assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == count
 
 
-def test_concurrent_requests_and_seeded_sampling(server):
-    """Requests sent together are generated together (left-padded) and each gets its own answer, the one
-    it gets alone; a seeded sampled request gets the same answer twice."""
-    url, _ = server
-    prompts = ["hello", "w30 w31 w32 w33 w34 w35", "you are fine", "w60 how"]
-    alone = [_post(url, "/v1/completions", {"prompt": p, "max_tokens": 5})[1]["choices"][0]["text"] for p in prompts]
+def _ask_together(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """The completions of `prompts`, sent at once from one thread each (each must answer 200)."""
     answers = [None] * len(prompts)
 
     def ask(i):
-        answers[i] = _post(url, "/v1/completions", {"prompt": prompts[i], "max_tokens": 5})
+        answers[i] = _post(url, "/v1/completions", {"prompt": prompts[i], "max_tokens": max_tokens})
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -141,7 +137,16 @@ def test_concurrent_requests_and_seeded_sampling(server):
     for t in threads:
         t.join(timeout=120)
     assert all(a is not None and a[0] == 200 for a in answers), answers
-    assert [a[1]["choices"][0]["text"] for a in answers] == alone
+    return [a[1]["choices"][0]["text"] for a in answers]
+
+
+def test_concurrent_requests_and_seeded_sampling(server):
+    """Requests sent together are generated together (left-padded) and each gets its own answer, the one
+    it gets alone; a seeded sampled request gets the same answer twice."""
+    url, _ = server
+    prompts = ["hello", "w30 w31 w32 w33 w34 w35", "you are fine", "w60 how"]
+    alone = [_post(url, "/v1/completions", {"prompt": p, "max_tokens": 5})[1]["choices"][0]["text"] for p in prompts]
+    assert _ask_together(url, prompts, 5) == alone
     sampled = [_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 8, "temperature": 1.0, "seed": 5})
                for _ in range(2)]
     assert sampled[0][0] == 200 and sampled[0][1]["choices"] == sampled[1][1]["choices"]
@@ -278,17 +283,7 @@ def test_serve_on_two_gpus_equals_the_plain_model(tmp_path):
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text
         prompts = ["hello", "w30 w31 w32 w33 w34 w35", "you are fine", "w60 how", "w1 w2"]
         alone = [_reference(model_dir, tok.encode(p), 12)[0] for p in prompts]
-        answers = [None] * len(prompts)
-
-        def ask(i):
-            answers[i] = _post(url, "/v1/completions", {"prompt": prompts[i], "max_tokens": 12})
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert [a[1]["choices"][0]["text"] for a in answers] == alone
+        assert _ask_together(url, prompts, 12) == alone
 
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])
