@@ -34,6 +34,7 @@ or `eager`, and any cache `DecodeBatch` cannot merge.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -133,7 +134,8 @@ class StaticDecodeBatch(DecodeBatch):
         if self.keys is None or old + n > self.row_capacity or (
                 old == 0 and self.capacity >= 4 * max(MIN_CAPACITY, width + 1)):
             # first use, more rows, or an empty batch on storage a long sequence left much too wide
-            self._allocate(cache, old + n, width + 1 if old == 0 else max(self.length, width) + 1)
+            self._allocate([(layer.keys, layer.values) for layer in cache.layers], old + n,
+                           width + 1 if old == 0 else max(self.length, width) + 1)
         shift = max(0, width - self.length)
         self._ensure_room(self.length + shift + 1)
         if shift and old:  # the running rows move right so the new prompts fit before the write column
@@ -166,17 +168,17 @@ class StaticDecodeBatch(DecodeBatch):
 
     # -- storage
 
-    def _allocate(self, cache, rows: int, columns: int) -> None:
+    def _allocate(self, like: list[tuple[torch.Tensor, torch.Tensor]], rows: int, columns: int) -> None:
         """Storage for `rows` rows (rounded up to a bucket) of `columns` columns (a power of 2, at least
-        MIN_CAPACITY), the rows in use copied over. Drops the graphs, which were captured on the old."""
+        MIN_CAPACITY), heads, head sizes and dtypes as in `like` (keys, values per layer), the rows in use
+        copied over. Drops the graphs, which were captured on the old storage."""
         capacity = MIN_CAPACITY
         while capacity < columns:
             capacity *= 2
         B = next(size for size in self.buckets if size >= rows)
         # every new tensor first: an allocation that fails (out of memory) leaves the batch as it was
-        keys = [layer.keys.new_zeros(B, layer.keys.shape[1], capacity, layer.keys.shape[3]) for layer in cache.layers]
-        values = [layer.values.new_zeros(B, layer.values.shape[1], capacity, layer.values.shape[3])
-                  for layer in cache.layers]
+        keys = [k.new_zeros(B, k.shape[1], capacity, k.shape[3]) for k, _ in like]
+        values = [v.new_zeros(B, v.shape[1], capacity, v.shape[3]) for _, v in like]
         store_mask = torch.zeros(B, capacity, dtype=torch.int64, device=self.device)
         store_ids = torch.full((B, 1), self.pad, dtype=torch.int64, device=self.device)
         if self.rows:  # the rows in use keep their columns (storage shrinks only when empty)
@@ -205,7 +207,7 @@ class StaticDecodeBatch(DecodeBatch):
                     counter.fill_(self.length)
                 columns -= lead
         if columns > self.capacity:
-            self._allocate(_Layers(self.keys, self.values), self.row_capacity, columns)
+            self._allocate(list(zip(self.keys, self.values)), self.row_capacity, columns)
 
     def _move(self, rows: slice, start: int, count: int, by: int) -> None:
         """Columns [start, start + count) of `rows` to [start + by, ...); the columns left behind are cleared."""
@@ -235,7 +237,7 @@ class StaticDecodeBatch(DecodeBatch):
             dtype = self.keys[0].dtype
             seen = torch.zeros(seen.shape, dtype=dtype, device=self.device).masked_fill(~seen, torch.finfo(dtype).min)
         running = (self.tm.running("latency", capturable=True) if hasattr(self.tm, "running")
-                   else _null())
+                   else contextlib.nullcontext())
         with torch.no_grad(), running, decode_attention():
             out = self.model(input_ids=self.store_ids[:b], attention_mask=seen, position_ids=positions, use_cache=True,
                              logits_to_keep=1, **{self.cache_arg: self._cache(b)})
@@ -270,23 +272,3 @@ class StaticDecodeBatch(DecodeBatch):
 def _columns(t: torch.Tensor, rows: slice, start: int, stop: int) -> torch.Tensor:
     """Columns [start, stop) of storage `t` (keys / values [B, H, C, hd], or the mask [B, C]), rows `rows`."""
     return t[rows, :, start:stop] if t.dim() == 4 else t[rows, start:stop]
-
-
-class _Layers:
-    """The storage as a cache's `layers` (keys / values per layer), for `_allocate` to grow from."""
-
-    def __init__(self, keys, values):
-        self.layers = [_KV(k, v) for k, v in zip(keys, values)]
-
-
-class _KV:
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
