@@ -189,7 +189,10 @@ class StaticDecodeBatch(DecodeBatch):
         self.keys, self.values, self.store_mask, self.store_ids = keys, values, store_mask, store_ids
         self.counters = [torch.full((), self.length, dtype=torch.int64, device=self.device) for _ in self.keys]
         self.capacity, self.row_capacity = capacity, B
-        self._caches, self._graphs, self._warm = {}, {}, set()  # captured on the old storage
+        # The graphs were captured on the old storage. Their memory pool goes with them: torch's allocator
+        # drops a pool once no graph holds it, and a capture into a dropped pool's handle fails an
+        # internal assert, so the next capture takes a fresh handle.
+        self._caches, self._graphs, self._warm, self._pool = {}, {}, set(), None
         self.mask = self.store_mask[:len(self.rows), :self.length]
         self.next_ids = self.store_ids[:len(self.rows)]
 
