@@ -15,8 +15,9 @@ sampling, but holds the cache in fixed storage so that a step's shapes depend on
   checks the mask on the host, is skipped), the position of each row, and a cache whose layers write
   at `length` (a device counter) and return the whole storage view;
 * on CUDA the first step at a bucket runs eagerly (autotuning, lazy initialisation, NCCL set-up), the
-  second is captured in a CUDA graph (all buckets share one memory pool, a new one with each new storage) and every later step at that
-  bucket replays it: a handful of launches per step instead of hundreds;
+  second is captured in a CUDA graph (all buckets share one memory pool, a new one with each new
+  storage) and every later step at that bucket replays it: a handful of launches per step instead of
+  hundreds;
 * when the sequences need more columns than the storage has, the columns that only padding holds are
   cut first; if that is not enough the storage doubles and the graphs are captured again. More rows
   (a larger bucket) also mean new storage and new graphs. When the batch is empty and the storage is
