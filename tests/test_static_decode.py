@@ -130,6 +130,29 @@ def test_a_failed_capture_turns_graphs_off_and_decoding_goes_on(capsys):
     assert capsys.readouterr().err.count("CUDA graphs off for decoding") == 1
 
 
+def test_a_failed_admission_leaves_the_running_sequences_whole(monkeypatch):
+    """Storage that cannot grow (out of memory) fails the admission that needed it; the sequences being
+    decoded keep their rows and get the tokens they get alone."""
+    from hf_tiny import tiny_model
+
+    model = tiny_model("mixtral", seed=1).eval()
+    alone = _run_schedule_once(DecodeBatch(model, "cpu", set(), 0), [Entry(0, [5, 6, 7], 8, (0.0, 1.0), 0)])
+    batch = StaticDecodeBatch(model, "cpu", set(), 0, max_batch=4)
+    got = {0: [t for _, t, _ in batch.admit([Entry(0, [5, 6, 7], 8, (0.0, 1.0), 0)])]}
+    got[0] += [t for _, t, _ in batch.step()]
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("out of memory (simulated)")
+
+    monkeypatch.setattr(batch, "_allocate", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        batch.admit([Entry(1, [9, 9], 8, (0.0, 1.0), 0), Entry(2, [4], 8, (0.0, 1.0), 0)])  # 3 rows: a new bucket
+    assert len(batch) == 1
+    while len(batch):
+        got[0] += [t for _, t, _ in batch.step() if t is not None]
+    assert got == alone
+
+
 def test_admitting_past_max_batch_is_refused():
     from hf_tiny import tiny_model
 
