@@ -104,7 +104,7 @@ def test_completions_and_chat_equal_the_plain_model(server):
     url, model_dir = server
     with urllib.request.urlopen(url + "/health", timeout=30) as r:
         assert json.loads(r.read()) == {"status": "ok", "model": "model", "ranks": 2, "batching": "continuous",
-                                        "generating": 0, "queued": 0}
+                                        "decode": "eager", "generating": 0, "queued": 0}
     tok = AutoTokenizer.from_pretrained(model_dir)
     for prompt, n in (("hello there how", 6), ("w20 w31 w40 w41 fine", 9)):
         status, body = _post(url, "/v1/completions", {"prompt": prompt, "max_tokens": n})

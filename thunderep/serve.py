@@ -22,7 +22,7 @@ rank that dies is noticed within `--timeout`.
 Endpoints, in the OpenAI API's shape (one prompt per request):
   POST /v1/completions       {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
   POST /v1/chat/completions  {"messages", ...}: the checkpoint's chat template, generation prompt added
-  GET  /health ({"status", "model", "ranks", "batching", "generating", "queued"}), GET /v1/models
+  GET  /health ({"status", "model", "ranks", "batching", "decode", "generating", "queued"}), GET /v1/models
 temperature defaults to 0 (greedy: the same answer every time). "stop" (a string or up to 4) ends the
 answer before the first of them (finish_reason "stop"; with continuous batching the sequence also stops
 being generated). "stream": true sends the answer as server-sent events (`data: {chunk}` as text is
@@ -184,6 +184,7 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args) -> None:
         batch.cancel(cancels)
         if server is not None:
             server.generating = len(active)
+            server.decode = "cuda-graphs" if getattr(batch, "graphs", False) else "eager"
         if not entries and not len(batch):
             continue
         events = []
