@@ -46,7 +46,7 @@ class Server:
         self.count = 0
         self.generating = 0  # requests being generated, set by the serving loop
         self.batching = getattr(args, "batching", "static")  # what the serving loop runs
-        self.decode = "eager"  # or "cuda-graphs": how decode steps run now, set by the serving loop
+        self.decode_steps = "eager"  # or "cuda-graphs": how decode steps run now, set by the serving loop
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,7 +57,7 @@ class Server:
             def do_GET(self):  # noqa: N802 - the http.server convention
                 if self.path == "/health":
                     self._reply(200, {"status": "ok", "model": server.name, "ranks": server.world,
-                                      "batching": server.batching, "decode": server.decode,
+                                      "batching": server.batching, "decode": server.decode_steps,
                                       "generating": server.generating,
                                       "queued": server.jobs.qsize()})
                 elif self.path == "/v1/models":

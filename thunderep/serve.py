@@ -184,7 +184,7 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args) -> None:
         batch.cancel(cancels)
         if server is not None:
             server.generating = len(active)
-            server.decode = "cuda-graphs" if getattr(batch, "graphs", False) else "eager"
+            server.decode_steps = "cuda-graphs" if getattr(batch, "graphs", False) else "eager"
         if not entries and not len(batch):
             continue
         events = []
