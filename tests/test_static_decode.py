@@ -53,8 +53,16 @@ def test_every_family_decodes_like_the_dynamic_batch(monkeypatch):
     from hf_tiny import FAMILIES, UNSUPPORTED, tiny_model
 
     monkeypatch.setattr(static_decode, "MIN_CAPACITY", 4)
+    moves, move = [], StaticDecodeBatch._move
+
+    def recorded(self, rows, start, count, by):
+        moves.append(by)
+        return move(self, rows, start, count, by)
+
+    monkeypatch.setattr(StaticDecodeBatch, "_move", recorded)
     served = []
     for family in sorted(set(FAMILIES) - set(UNSUPPORTED) - {"llama"}):
+        moves.clear()
         model = tiny_model(family, seed=1).eval()
         if static_reason(model) is not None:
             continue
@@ -62,6 +70,7 @@ def test_every_family_decodes_like_the_dynamic_batch(monkeypatch):
         batch = StaticDecodeBatch(model, "cpu", set(), 0, max_batch=4)
         assert _run_schedule(batch, _entries()) == want, family
         assert batch.capacity >= 16, family  # grew from 4
+        assert min(moves) < 0 < max(moves), (family, moves)  # rows moved right for a longer prompt; cut left
         served.append(family)
     assert len(served) == 14, served
 
