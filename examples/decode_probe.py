@@ -127,6 +127,8 @@ def decode_steps(args, tm, tok, rank, dev) -> None:
                     with open(os.path.join(args.profile, f"steps_{name}_{kind}.txt"), "w") as f:
                         f.write(events.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=90))
                         f.write("\n\n" + events.table(sort_by="self_cuda_time_total", row_limit=25))
+            if kind == "static":
+                batch.close()
         if rank == 0:
             print(f"steps {name} batch {b}: dynamic / static = {medians['dynamic'] / medians['static']:.2f}x",
                   flush=True)

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import thunderep.static_decode as static_decode  # noqa: E402
 from thunderep.engine import DecodeBatch, Entry  # noqa: E402
+from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.static_decode import StaticDecodeBatch, static_reason  # noqa: E402
 
 
@@ -162,13 +163,18 @@ def test_a_failed_admission_leaves_the_running_sequences_whole(monkeypatch):
     assert got == alone
 
 
-def test_admitting_past_max_batch_is_refused():
+def test_admitting_past_max_batch_is_refused_and_close_releases_the_storage():
     from hf_tiny import tiny_model
 
     batch = StaticDecodeBatch(tiny_model("mixtral", seed=1).eval(), "cpu", set(), 0, max_batch=2)
     batch.admit([Entry(0, [5, 6], 5, (0.0, 1.0), 0), Entry(1, [5], 5, (0.0, 1.0), 0)])
-    with pytest.raises(ValueError, match="exceed max_batch 2"):
+    with pytest.raises(ConfigError, match=r"2 \+ 1 sequences exceed max_batch \(2\): admit at most 0 now"):
         batch.admit([Entry(2, [5], 5, (0.0, 1.0), 0)])
+    assert len(batch) == 2
+    batch.close()
+    assert len(batch) == 0 and batch.keys is None and batch.capacity == 0
+    alone = _run_schedule_once(DecodeBatch(batch.model, "cpu", set(), 0), [Entry(3, [5, 6], 4, (0.0, 1.0), 0)])
+    assert _run_schedule_once(batch, [Entry(3, [5, 6], 4, (0.0, 1.0), 0)]) == alone  # usable after close
 
 
 def _on_ranks(rank, world, family):

@@ -30,7 +30,9 @@ implementation that syncs, e.g. transformers' `eager` loop) turns graphs off for
 message, and the same steps run eagerly on the same storage.
 
 `static_reason(model)` names what this path cannot run (None: it can): attention other than `sdpa`
-or `eager`, and any cache `DecodeBatch` cannot merge.
+or `eager`, and any cache `DecodeBatch` cannot merge. `close()` releases the storage and the graphs.
+
+Shapes: B storage rows, C storage columns (capacity), H key / value heads, hd head size.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import sys
 import torch
 
 from .engine import DecodeBatch, _new_cache, unsupported_reason
+from .errors import ConfigError
 
 __all__ = ["StaticDecodeBatch", "static_reason"]
 
@@ -99,8 +102,8 @@ class StaticDecodeBatch(DecodeBatch):
         self.max_batch, self.buckets = max_batch, _buckets(max_batch)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.capacity, self.row_capacity, self.length = 0, 0, 0  # storage columns and rows; the write column
-        self.keys = self.values = self.counters = None  # per layer: [rows, H, C, hd] x 2, [] int64
-        self.store_mask = self.store_ids = None  # [rows, C] int64, [rows, 1] int64
+        self.keys = self.values = self.counters = None  # per layer: [B, H, C, hd] x 2, [] int64
+        self.store_mask = self.store_ids = None  # [B, C] int64 (1: the column holds a token), [B, 1] int64
         self._caches: dict[int, object] = {}
         self._graphs: dict[int, tuple] = {}
         self._warm: set[int] = set()
@@ -125,11 +128,20 @@ class StaticDecodeBatch(DecodeBatch):
         super().reset()
         self.length = 0
 
+    def close(self) -> None:
+        """Drop every sequence and release the storage and the captured graphs (the batch can be used
+        again: the next admission allocates anew)."""
+        self.reset()
+        self.keys = self.values = self.counters = self.store_mask = self.store_ids = None
+        self.capacity = self.row_capacity = 0
+        self._caches, self._graphs, self._warm, self._pool = {}, {}, set(), None
+
     def _merge(self, rows, cache, mask: torch.Tensor) -> None:
         n, width = mask.shape
         old = len(self.rows)
         if old + n > self.max_batch:
-            raise ValueError(f"{old} + {n} sequences exceed max_batch {self.max_batch}")
+            raise ConfigError(f"{old} + {n} sequences exceed max_batch ({self.max_batch}): admit at most "
+                              f"{self.max_batch - old} now, or make the batch with a larger max_batch")
         if old == 0:
             self.length = 0
         if self.keys is None or old + n > self.row_capacity or (
