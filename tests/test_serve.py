@@ -394,3 +394,68 @@ def test_ranks_share_rank_zeros_messages_and_agree_on_failures(world):
         assert agreed[0] is None
         assert agreed[1] == ("boom" if rank == world - 1 else "generation failed on another rank")
     assert results[0][2] in ("mailbox", "collective")
+
+
+TEXTS = ["Expert parallelism splits the experts, über alles: naïve café, 東京 and 🙂 too.",
+         "def f(x):\n    return x * 2  # twice  ,  spaced . out",
+         "Ünïcödé ✓ — “quotes” and 𝔘𝔫𝔦 𝔠𝔬𝔡𝔢, then plain words again."]
+
+
+def _subword(kind: str):
+    """A real subword tokenizer, built here: byte-level BPE trained on TEXTS with few merges (GPT-2's
+    scheme: a multi-byte character can span tokens), or a metaspace BPE over ASCII characters with
+    byte fallback for the rest (Llama's scheme, whose decode drops the leading space of a string)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "bytelevel":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    else:
+        vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+        for c in sorted({c for t in TEXTS for c in t if ord(c) < 128 and c != " "} | {"\u2581"}):
+            vocab[c] = len(vocab)
+        merges = [("\u2581", "t"), ("h", "e"), ("\u2581t", "he"), ("e", "r")]
+        for a, b in merges:
+            vocab[a + b] = len(vocab)
+        tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace", "words", "bytes", "cleanup"])
+def test_text_so_far_equals_decoding_everything(kind):
+    """Tokens added one at a time: the incrementally decoded text is the whole list's decode whenever
+    that ends in whole characters, never gives text the final decode does not start with (a byte-fallback
+    decode of a cut character turns the whole run of byte tokens into U+FFFD for a while), and ends
+    exactly at the final decode. Byte-level BPE
+    (multi-byte characters split across tokens), metaspace BPE with byte fallback, a word-level
+    tokenizer, serve's byte fallback, and a tokenizer that cleans up spaces before punctuation."""
+    from hf_tiny import chat_tokenizer
+
+    from thunderep.generate import ByteTokenizer
+    from thunderep.http_api import Server, TextSoFar
+
+    if kind in ("bytelevel", "metaspace"):
+        tok = _subword(kind)
+    elif kind == "bytes":
+        tok = ByteTokenizer(512)
+    else:
+        tok = chat_tokenizer(40)
+        tok.clean_up_tokenization_spaces = kind == "cleanup"
+    decode = Server.decode.__get__(type("S", (), {"tokenizer": tok})())
+    texts = TEXTS if kind not in ("words", "cleanup") else ["hello there , how are you . fine w20 ! w30 ?"]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False) if kind != "bytes" else tok.encode(text)
+        assert len(ids) > 10
+        so_far, final = TextSoFar(decode), decode(ids)
+        for n in range(1, len(ids) + 1):
+            got, whole = so_far.update(ids[:n]), decode(ids[:n])
+            assert final.startswith(got), (kind, n, got, final)  # nothing given is taken back
+            if not whole.endswith("\ufffd"):
+                assert got == whole, (kind, n, got, whole)
+        assert got == final

@@ -11,7 +11,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["IDLE_S", "BadRequest", "Job", "Server", "cut_at_stop"]
+__all__ = ["IDLE_S", "BadRequest", "Job", "Server", "TextSoFar", "cut_at_stop"]
 
 IDLE_S = 0.5  # rank 0 sends an (empty) batch at least this often
 
@@ -35,6 +35,36 @@ class Job:
         self.chunks: queue.Queue | None = queue.Queue() if stream else None
         self.sent: str | None = None  # the streamed text so far (None: nothing sent yet)
         self.tokens: list[int] = []  # continuous batching: the new tokens so far
+        self.text: TextSoFar | None = None  # their text, decoded as they come (streamed or with stop strings)
+
+
+class TextSoFar:
+    """The text of a growing list of token ids, decoded a few ids at a time instead of whole at every new
+    id (a stream of n tokens then costs O(n), not O(n^2), in the tokenizer).
+
+    Each update decodes the ids since the text last grew, after the ids that made that growth as
+    context, twice: with and without the new ids; the difference is the new text. Both decodes start at
+    the same id, so what a tokenizer does at the start of a string (dropping a leading space) cancels.
+    The text grows only by whole characters (no trailing U+FFFD of a cut multi-byte character). Where
+    the context would change text already given (a tokenizer that cleans up spaces around punctuation,
+    say), the whole list is decoded once and the window starts again."""
+
+    CONTEXT = 6  # ids kept before the window after a whole decode
+
+    def __init__(self, decode):
+        self.decode, self.text, self.start, self.done = decode, "", 0, 0
+
+    def update(self, ids: list[int]) -> str:
+        before = self.decode(ids[self.start:self.done])
+        now = self.decode(ids[self.start:])
+        if not now.startswith(before):
+            now = self.decode(ids)
+            if not now.endswith("\ufffd"):
+                self.text, self.start, self.done = now, max(0, len(ids) - self.CONTEXT), len(ids)
+        elif len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before):]
+            self.start, self.done = self.done, len(ids)
+        return self.text
 
 
 class Server:
@@ -209,7 +239,9 @@ class Server:
         begin a stop string."""
         if not job.stop and job.chunks is None:
             return False
-        text, hit = cut_at_stop(self.decode(tokens), job.stop)
+        if job.text is None:
+            job.text = TextSoFar(self.decode)
+        text, hit = cut_at_stop(job.text.update(tokens), job.stop)
         if job.chunks is None:
             return hit
         if not hit:  # hold back an end that a stop string may begin with
