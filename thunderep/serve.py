@@ -8,7 +8,8 @@ Every rank loads its share of the experts (`ThunderMoE.from_pretrained`); rank 0
 (the standard library's threaded server, no other dependency). Requests queue on rank 0. With
 continuous batching (the default; `thunderep.engine`) the serving loop, at every decode step, takes
 queued requests while fewer than `--max-batch` sequences are being decoded and sends them to every rank
-(a gloo broadcast of host objects); all ranks prefill them into the running batch and decode one token
+(host objects, through the EP runtime's control plane: `_Ranks`); all ranks prefill them into the
+running batch and decode one token
 for every sequence, in latency mode: every rank holds the same tokens, computes the pairs of its own
 experts, and an all-reduce sums them. On GPUs (`--cuda-graphs on`, the default) the batch keeps its
 KV cache in fixed storage and each decode step replays a CUDA graph captured for its batch size
