@@ -9,9 +9,8 @@ Every rank loads its share of the experts (`ThunderMoE.from_pretrained`); rank 0
 continuous batching (the default; `thunderep.engine`) the serving loop, at every decode step, takes
 queued requests while fewer than `--max-batch` sequences are being decoded and sends them to every rank
 (host objects, through the EP runtime's control plane: `_Ranks`); all ranks prefill them into the
-running batch and decode one token
-for every sequence, in latency mode: every rank holds the same tokens, computes the pairs of its own
-experts, and an all-reduce sums them. On GPUs (`--cuda-graphs on`, the default) the batch keeps its
+running batch and decode one token for every sequence, in latency mode: every rank holds the same
+tokens, computes the pairs of its own experts, and an all-reduce sums them. On GPUs (`--cuda-graphs on`, the default) the batch keeps its
 KV cache in fixed storage and each decode step replays a CUDA graph captured for its batch size
 (`thunderep.static_decode`): the host launches a handful of kernels per step instead of hundreds.
 A request is answered as soon as its sequence ends. With
