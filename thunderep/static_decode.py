@@ -121,7 +121,7 @@ class StaticDecodeBatch(DecodeBatch):
         self.store_mask[:, self.length] = 1  # the token fed now, for every row of the storage
         logits = self._run(b)
         self.length += 1
-        self.mask = self.store_mask[:len(self.rows), :self.length]
+        self._views()
         return self._emit(logits[:len(self.rows)], first=0)
 
     def reset(self) -> None:
@@ -161,11 +161,9 @@ class StaticDecodeBatch(DecodeBatch):
         self.store_mask[new] = 0
         self.store_mask[new, start:self.length] = mask
         self.store_ids[new] = 0
-        for counter in self.counters:
-            counter.fill_(self.length)
+        self._set_counters()
         self.rows = self.rows + rows
-        self.mask = self.store_mask[:len(self.rows), :self.length]
-        self.next_ids = self.store_ids[:len(self.rows)]
+        self._views()
 
     def _drop(self, keep: list[int]) -> None:
         if not keep:
@@ -176,10 +174,19 @@ class StaticDecodeBatch(DecodeBatch):
             t[:len(keep)] = t[index]
         self.store_mask[len(keep):] = 0
         self.rows = [self.rows[i] for i in keep]
+        self._views()
+
+    # -- storage
+
+    def _views(self) -> None:
+        """DecodeBatch's mask [n, length] and next ids [n, 1]: views of the storage's first n rows."""
         self.mask = self.store_mask[:len(self.rows), :self.length]
         self.next_ids = self.store_ids[:len(self.rows)]
 
-    # -- storage
+    def _set_counters(self) -> None:
+        """Every layer's write column (a device counter, read by the captured graphs) to `length`."""
+        for counter in self.counters:
+            counter.fill_(self.length)
 
     def _allocate(self, like: list[tuple[torch.Tensor, torch.Tensor]], rows: int, columns: int) -> None:
         """Storage for `rows` rows (rounded up to a bucket) of `columns` columns (a power of 2, at least
@@ -206,8 +213,7 @@ class StaticDecodeBatch(DecodeBatch):
         # drops a pool once no graph holds it, and a capture into a dropped pool's handle fails an
         # internal assert, so the next capture takes a fresh handle.
         self._caches, self._graphs, self._warm, self._pool = {}, {}, set(), None
-        self.mask = self.store_mask[:len(self.rows), :self.length]
-        self.next_ids = self.store_ids[:len(self.rows)]
+        self._views()
 
     def _ensure_room(self, columns: int) -> None:
         """Room for `columns` columns: cut the leading columns only padding holds, else grow."""
@@ -219,8 +225,7 @@ class StaticDecodeBatch(DecodeBatch):
             if lead:
                 self._move(slice(0, len(self.rows)), lead, self.length - lead, -lead)
                 self.length -= lead
-                for counter in self.counters:
-                    counter.fill_(self.length)
+                self._set_counters()
                 columns -= lead
         if columns > self.capacity:
             self._allocate(list(zip(self.keys, self.values)), self.row_capacity, columns)
