@@ -2,19 +2,24 @@
 runs requests batched together (`--max-batch N`) against one at a time (`--max-batch 1`);
 `--compare batching` runs static batching against continuous batching, both at `--max-batch N`;
 `--compare cuda-graphs` runs continuous batching with eager decode steps (`--cuda-graphs off`) against
-steps replayed from CUDA graphs (`--cuda-graphs on`, the default), both at `--max-batch N`.
+steps replayed from CUDA graphs (`--cuda-graphs on`, the default), both at `--max-batch N`;
+`--compare experts` runs two `--experts-implementation` values (`--experts A,B`, default
+grouped_mm,triton: transformers' grouped GEMM against ThunderEP's Triton kernels).
 
     python examples/bench_serve.py --model DIR --ep 2 --clients 8 --requests 32 --max-tokens 32
     python examples/bench_serve.py --model DIR --ep 2 --compare batching --vary-tokens
     python examples/bench_serve.py --model DIR --ep 2 --compare cuda-graphs
+    python examples/bench_serve.py --model DIR --ep 2 --compare experts
     python examples/bench_serve.py --model DIR --ep 2 --cpu      # the same on CPU ranks (a check of the code)
 
 For each setting the script starts a server (its own process group), waits until it answers, sends
 one warm-up request, then `--clients` threads send `--requests` completions in all (greedy, prompts of
 `--prompt-words` words drawn from a fixed list, `--max-tokens` new tokens each, or with
 `--vary-tokens` a fixed spread from a quarter of it to all of it), and stops the server. It prints, per
-setting: requests/s, generated tokens/s, and the median and 90th-percentile request latency; then the
-ratio of the second setting to the first. Settings alternate (A, B, A, B with `--rounds 2`).
+setting: requests/s, generated tokens/s, the median and 90th-percentile request latency, the seconds
+from launch until the server listens and the warm-up request's seconds (the first request pays for
+what the server does once: Triton's autotuning, CUDA graph captures); then the ratio of the second
+setting to the first. Settings alternate (A, B, A, B with `--rounds 2`).
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ WORDS = ("expert parallel routing token batch layer rank model serve cache decod
 
 
 def start_server(args, setting: tuple[str, int, str], log_path: str) -> tuple[subprocess.Popen, str]:
-    batching, max_batch, graphs = setting
+    batching, max_batch, graphs, experts = setting
     cmd = [sys.executable, "-m", "thunderep.cli", "serve", "--model", args.model, "--ep", str(args.ep),
            "--port", "0", "--quiet", "--max-batch", str(max_batch), "--batching", batching,
-           "--cuda-graphs", graphs] + (["--cpu"] if args.cpu else [])
+           "--cuda-graphs", graphs] + (["--cpu"] if args.cpu else []) \
+        + (["--experts-implementation", experts] if experts else [])
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = open(log_path, "w")
@@ -125,10 +131,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--max-batch", type=int, default=8, help="the batched setting's --max-batch")
-    p.add_argument("--compare", choices=("max-batch", "batching", "cuda-graphs"), default="max-batch",
+    p.add_argument("--compare", choices=("max-batch", "batching", "cuda-graphs", "experts"), default="max-batch",
                    help="max-batch: --max-batch 1 against N (both --batching); batching: static against "
                         "continuous batching, both at --max-batch N; cuda-graphs: continuous batching with "
-                        "--cuda-graphs off against on, both at --max-batch N")
+                        "--cuda-graphs off against on, both at --max-batch N; experts: --experts-implementation "
+                        "A against B (--experts)")
+    p.add_argument("--experts", default="grouped_mm,triton",
+                   help="with --compare experts: the two --experts-implementation values, A,B")
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="the server's batching with --compare max-batch")
     p.add_argument("--vary-tokens", action="store_true", help="requests ask for 1/4 to all of --max-tokens")
@@ -137,24 +146,34 @@ def main(argv=None) -> int:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    settings = {"max-batch": [(args.batching, 1, "on"), (args.batching, args.max_batch, "on")],
-                "batching": [("static", args.max_batch, "on"), ("continuous", args.max_batch, "on")],
-                "cuda-graphs": [("continuous", args.max_batch, "off"), ("continuous", args.max_batch, "on")],
+    experts = args.experts.split(",")
+    if len(experts) != 2 or not all(experts):
+        p.error(f"--experts takes two implementations, A,B; got {args.experts!r}")
+    settings = {"max-batch": [(args.batching, 1, "on", None), (args.batching, args.max_batch, "on", None)],
+                "batching": [("static", args.max_batch, "on", None), ("continuous", args.max_batch, "on", None)],
+                "cuda-graphs": [("continuous", args.max_batch, "off", None), ("continuous", args.max_batch, "on", None)],
+                "experts": [("continuous", args.max_batch, "on", e) for e in experts],
                 }[args.compare]
     labels = [f"{b}, --max-batch {n}" + (f", --cuda-graphs {g}" if args.compare == "cuda-graphs" else "")
-              for b, n, g in settings]
+              + (f", --experts-implementation {e}" if e else "") for b, n, g, e in settings]
     results: dict = {label: [] for label in labels}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for setting, label in zip(settings, labels):
-                proc, url = start_server(args, setting, os.path.join(tmp, "server-{}-{}-{}-{}.log".format(*setting, r)))
+                log = os.path.join(tmp, f"server-{len(os.listdir(tmp))}.log")
+                started = time.perf_counter()
+                proc, url = start_server(args, setting, log)
                 try:
+                    listening = time.perf_counter()
                     complete(url, "warm up", 2)
+                    first = time.perf_counter()
                     results[label].append(load(url, args))
                 finally:
                     stop_server(proc)
                 m = results[label][-1]
-                print(f"round {r + 1}, {label}: {m['requests_s']:.2f} requests/s, "
+                m.update(start_s=listening - started, first_request_s=first - listening)
+                print(f"round {r + 1}, {label}: started in {m['start_s']:.1f} s, first request "
+                      f"{m['first_request_s']:.2f} s; {m['requests_s']:.2f} requests/s, "
                       f"{m['tokens_s']:.1f} tokens/s, latency p50 {m['latency_p50_s'] * 1e3:.0f} ms, "
                       f"p90 {m['latency_p90_s'] * 1e3:.0f} ms", flush=True)
     spread = ", 1/4 to all of it" if args.vary_tokens else ""
@@ -162,12 +181,14 @@ def main(argv=None) -> int:
           f"{spread} ({'CPU' if args.cpu else 'GPU'}); medians over rounds")
     print(f"| | {labels[0]} | {labels[1]} | ratio |\n|---|---|---|---|")
     for key, label, higher in (("requests_s", "requests/s", True), ("tokens_s", "tokens/s", True),
-                               ("latency_p50_s", "latency p50 ms", False), ("latency_p90_s", "latency p90 ms", False)):
+                               ("latency_p50_s", "latency p50 ms", False), ("latency_p90_s", "latency p90 ms", False),
+                               ("start_s", "start s", False), ("first_request_s", "first request s", False)):
         a = statistics.median(m[key] for m in results[labels[0]])
         b = statistics.median(m[key] for m in results[labels[1]])
         scale = 1e3 if "latency" in key else 1.0
+        digits = 2 if key.endswith("request_s") else 1
         ratio = b / a if higher else a / b
-        print(f"| {label} | {a * scale:.1f} | {b * scale:.1f} | {ratio:.2f}x |")
+        print(f"| {label} | {a * scale:.{digits}f} | {b * scale:.{digits}f} | {ratio:.2f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     return 0
