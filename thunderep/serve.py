@@ -64,6 +64,13 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
     eos = tm.model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     ranks = _Ranks(ep, args.timeout) if world > 1 else None
+    tm.eval()
+    say = (lambda line: print(f"[thunderep serve] {line}", flush=True)) if rank == 0 else None
+    from .hf.tune import tune_kernels
+
+    tuned = tune_kernels(tm, args.max_batch, log=say)  # before listening: no request waits on autotuning
+    if tuned is not None and say is not None:
+        say(f"tuned {tuned.summary()}")
     server = None
     if rank == 0:
         context = getattr(text_config, "max_position_embeddings", None) or 1 << 30
@@ -72,7 +79,6 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
         host, port = server.http.server_address[:2]
         print(f"[thunderep serve] {type(tm.model).__name__} on {world} rank(s), {device}: "
               f"{tm.load_report.summary()}\n[thunderep serve] listening on http://{host}:{port}", flush=True)
-    tm.eval()
     from .engine import unsupported_reason
 
     reason = unsupported_reason(tm.model) if args.batching == "continuous" else None

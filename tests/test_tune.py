@@ -1,0 +1,137 @@
+"""`thunderep.hf.tune`: the synthetic calls reach every kernel key a server can meet (each class of rows
+per expert, on 1, 2 and 4 ranks), tuning leaves the model as it was (1, 2 and 4 EP ranks, real processes,
+against one process), nothing runs where nothing is tuned, and on a GPU serving after it tunes nothing."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+from distributed import run_ranks  # noqa: E402
+from test_engine import _run_schedule  # noqa: E402
+
+from thunderep.engine import DecodeBatch, Entry  # noqa: E402
+from thunderep.hf import ThunderMoE  # noqa: E402
+from thunderep.hf import tune  # noqa: E402
+from thunderep.hf.experts import KERNELS  # noqa: E402
+from thunderep.kernels import ops  # noqa: E402
+from thunderep.static_decode import StaticDecodeBatch, _buckets  # noqa: E402
+
+ENTRIES = [Entry(i, p, n, (0.0, 1.0), 0) for i, (p, n) in enumerate([([5, 6, 7], 6), ([9, 4], 4), ([3] * 9, 5)])]
+
+
+@pytest.mark.parametrize("experts, top_k, ranks", [(8, 2, 1), (8, 2, 2), (128, 8, 4), (256, 8, 2), (60, 4, 4)])
+def test_each_row_class_is_reached_once_on_every_rank(experts, top_k, ranks):
+    """Every rank's experts (contiguous blocks) get exactly c rows each from the call made for class c,
+    so the kernels pick each of their row classes once; the graph calls are the decode buckets."""
+    calls = tune.tuning_calls(experts, top_k, max_batch=8)
+    assert [t for t, captured in calls if captured] == _buckets(8)
+    prefill = [t for t, captured in calls if not captured]
+    assert prefill[0] == 1  # one token: the pair kernels
+    per_rank = experts // ranks
+    for rank in range(ranks):
+        classes = []
+        for tokens in prefill[1:]:
+            _, ids_TK, _ = tune._synthetic(tokens, experts, top_k, 4, torch.float32, torch.float32, "cpu")
+            assert all(len(set(row)) == top_k for row in ids_TK.tolist())  # a token's K experts differ
+            rows = torch.bincount(ids_TK.flatten(), minlength=experts)[rank * per_rank:(rank + 1) * per_rank]
+            assert rows.min() >= rows.max() - 1  # every local expert alike (round-robin)
+            classes.append(ops._m_class(int(rows.sum()), per_rank))
+        assert classes == list(ops._M_CLASSES)
+
+
+def test_nothing_is_tuned_without_the_kernels_on_a_gpu():
+    """transformers' grouped_mm, or the kernels on a CPU (no autotuning there): None, and the model is
+    not run."""
+    from hf_tiny import tiny_model
+
+    for implementation in (None, KERNELS):
+        tm = ThunderMoE.wrap(tiny_model("mixtral", seed=1), experts_implementation=implementation).eval()
+        if implementation is None or not torch.cuda.is_available():
+            assert tune.kernel_bindings(tm) == []
+            assert tune.tune_kernels(tm, 4) is None
+            assert all(b.signature is None for b in tm.bindings.values())
+
+
+def _tuned_then_decoded(rank, world, family):
+    """Tune (every kernel binding counted as tunable: the CPU interpreter stands in for the GPU), then decode."""
+    from hf_tiny import tiny_model
+
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+
+    ep = None
+    if world > 1:
+        ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
+    tm = ThunderMoE.wrap(tiny_model(family, seed=1), ep, experts_implementation=KERNELS).eval()
+    seen = collections.Counter()
+    for binding in tm.bindings.values():
+        compute = binding.compute
+
+        def counted(module, x, ids, w, compute=compute):
+            seen[(x.shape[0], binding.state.capturable)] += 1
+            return compute(module, x, ids, w)
+
+        counted.pairs_partial = compute.pairs_partial
+        binding.compute = counted
+    own = tune.kernel_bindings
+    tune.kernel_bindings = lambda tm: [(tm.model.get_submodule(n), b) for n, b in tm.bindings.items()]
+    try:
+        report = tune.tune_kernels(tm, max_batch=4)
+    finally:
+        tune.kernel_bindings = own
+    state = (tm._state.mode, tm._state.capturable)
+    got = _run_schedule(StaticDecodeBatch(tm, "cpu", set(), 0, max_batch=4), ENTRIES)
+    binding = next(iter(tm.bindings.values()))
+    return report.shapes, report.calls, state, got, binding.num_experts, binding.signature[0], dict(seen)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_tuning_leaves_the_model_as_it_was(world):
+    """1, 2 and 4 EP ranks (real processes, gloo), the kernels in Triton's CPU interpreter: one experts
+    shape (the model's layers share it) gets every call of `tuning_calls`; the run state is restored, and
+    decoding afterwards gives the plain model's tokens."""
+    from hf_tiny import tiny_model
+
+    want = _run_schedule(DecodeBatch(tiny_model("qwen3_moe", seed=1).eval(), "cpu", set(), 0), ENTRIES)
+    if world == 1:
+        results = [_tuned_then_decoded(0, 1, "qwen3_moe")]
+    else:
+        results = run_ranks(_tuned_then_decoded, world, "qwen3_moe", timeout=300)
+    for shapes, calls, state, got, experts, top_k, seen in results:
+        expected = tune.tuning_calls(experts, top_k, 4)
+        assert (shapes, calls) == (1, len(expected))
+        assert state == ("auto", False)
+        assert got == want
+        if world == 1:  # one process holds every expert: the calls reach the compute function as made
+            assert set(seen) >= set(expected)
+
+
+@pytest.mark.gpu
+def test_gpu_serving_after_tuning_tunes_nothing():
+    """On a GPU (bfloat16 Mixtral-like layers, the Triton kernels, autotuning on): after `tune_kernels`,
+    prompts of many lengths, eager and graph-replayed decode steps meet no kernel key left to tune."""
+    from hf_tiny import tiny_model
+
+    from thunderep.kernels import tuning
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not tuning.autotune_enabled(torch.device("cuda")):
+        pytest.skip("autotuning is off (THUNDEREP_TRITON_AUTOTUNE=0)")
+    device = torch.device("cuda")
+    tm = ThunderMoE.wrap(tiny_model("mixtral", seed=1).to(device, torch.bfloat16), experts_implementation=KERNELS)
+    report = tune.tune_kernels(tm.eval(), max_batch=8)
+    assert report is not None and report.shapes == 1
+    tuned = dict(tuning._TUNED)
+    prompts = [[3 + (i * 7 + j) % 50 for j in range(n)] for i, n in enumerate((1, 2, 5, 17, 40, 90, 200, 333))]
+    entries = [Entry(i, p, 6, (0.0, 1.0), 0) for i, p in enumerate(prompts)]
+    _run_schedule(DecodeBatch(tm, device, set(), 0), entries)
+    _run_schedule(StaticDecodeBatch(tm, device, set(), 0, max_batch=8), entries)
+    assert dict(tuning._TUNED) == tuned

@@ -1,0 +1,127 @@
+"""Tuning ThunderEP's Triton kernels before a server takes requests.
+
+On CUDA the kernels pick their tile configs by autotuning (`thunderep.kernels.tuning`): the first call
+of a new key times every config, seconds per kernel. A key is the experts' shape, the dtypes and a
+class of rows per expert (16, 32, 64, 128), so a server meets new keys as prompts of new lengths
+arrive, and every request being generated waits while one rank tunes. Measured on 2 H200s
+(docs/BENCHMARKS.md, "Serving: ThunderEP's kernels, tuned before the first request"): the first
+request took 28.6 s, and later ones up to 43 s.
+
+`tune_kernels(tm, max_batch)` makes every key a server can meet, once, up front:
+1. one token through the model, in latency mode (a collective: every rank calls it), so each binding
+   records how the model calls its experts (K, the activations' and the routing weights' dtypes);
+2. on each rank, for each distinct experts shape, synthetic calls of the binding's own local
+   computation (no collective), the same functions serving runs:
+   - graph-captured decode (`capturable`): every bucket size of `thunderep.static_decode`;
+   - prefill and eager decode: one token (the pair kernels), and for every class of rows per expert a
+     batch whose routing gives each expert exactly that many rows.
+
+Triton keeps the chosen configs in its cache directory (TRITON_CACHE_DIR), so a restart on the same
+machine reads them back in about a second. Models whose experts do not run ThunderEP's kernels, and
+CPU runs, have nothing to tune.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TuneReport", "kernel_bindings", "tune_kernels", "tuning_calls"]
+
+
+@dataclass
+class TuneReport:
+    """shapes: distinct experts shapes tuned; calls: synthetic calls made; seconds: wall time;
+    configs: kernel configs chosen (new ones and ones read back from Triton's cache)."""
+
+    shapes: int
+    calls: int
+    seconds: float
+    configs: int
+
+    def summary(self) -> str:
+        return (f"{self.configs} kernel configs for {self.shapes} experts shape(s) in {self.seconds:.1f} s "
+                f"({self.calls} calls)")
+
+
+def kernel_bindings(tm) -> list:
+    """(module, binding) of every experts module that runs ThunderEP's kernels on a GPU with autotuning on."""
+    from ..kernels.tuning import autotune_enabled
+
+    found = []
+    for name, binding in tm.bindings.items():
+        module = tm.model.get_submodule(name)
+        weight = getattr(module, binding.tensors[0])
+        if getattr(binding.compute, "pairs_partial", None) is not None and autotune_enabled(weight.device):
+            found.append((module, binding))
+    return found
+
+
+def tuning_calls(num_experts: int, top_k: int, max_batch: int) -> list[tuple[int, bool]]:
+    """(tokens, capturable) of the synthetic calls: the decode buckets captured in graphs, one token,
+    and for each class c of rows per expert the tokens that give every expert c rows (round-robin
+    routing over all `num_experts`, so each rank's experts get c rows each)."""
+    from ..kernels.ops import _M_CLASSES
+    from ..static_decode import _buckets
+
+    calls = [(b, True) for b in _buckets(max_batch)] + [(1, False)]
+    calls += [(math.ceil(c * num_experts / top_k), False) for c in _M_CLASSES]
+    return calls
+
+
+def _synthetic(tokens: int, num_experts: int, top_k: int, hidden: int, x_dtype, w_dtype, device):
+    g = torch.Generator(device="cpu").manual_seed(tokens)
+    x_TD = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=x_dtype)
+    ids_TK = (torch.arange(tokens * top_k) % num_experts).view(tokens, top_k).to(device)
+    weights_TK = torch.full((tokens, top_k), 1.0 / top_k, dtype=w_dtype, device=device)
+    return x_TD, ids_TK, weights_TK
+
+
+def _local(module, binding, x_TD, ids_TK, weights_TK) -> torch.Tensor:
+    """What serving runs on this rank's experts alone: the local computation, no collective."""
+    if binding.all_local:
+        return binding.compute(module, x_TD, ids_TK, weights_TK)
+    return binding._local_partial(module, x_TD, weights_TK, ids_TK)
+
+
+def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
+    """Autotune every kernel key a server of at most `max_batch` sequences can meet (collective: every
+    rank calls it, at the same point). None where nothing runs ThunderEP's kernels on a GPU. `log`:
+    a function given one line before tuning starts."""
+    from ..kernels.tuning import _TUNED
+
+    # Every rank decides alike (one experts implementation, one device type), so either all ranks run
+    # the one-token forward below (its all-reduces pair up) or none does.
+    bindings = kernel_bindings(tm)
+    if not bindings:
+        return None
+    if log is not None:
+        log(f"tuning ThunderEP's kernels for batches of up to {max_batch} (once per machine: Triton keeps "
+            "the choices in its cache)")
+    started, before = time.perf_counter(), len(_TUNED)
+    device = next(tm.model.parameters()).device
+    with torch.no_grad(), tm.running("latency"):
+        tm.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    seen, calls = set(), 0
+    with torch.no_grad():
+        for module, binding in bindings:
+            top_k, x_dtype, w_dtype = binding.signature
+            weights = tuple((tuple(getattr(module, n).shape), getattr(module, n).dtype) for n in binding.tensors)
+            key = (weights, binding.num_experts, binding.all_local, binding.signature)
+            if key in seen:
+                continue
+            seen.add(key)
+            hidden = module.down_proj.shape[1]  # [S, D, I]: the kernels take these layouts only
+            for tokens, capturable in tuning_calls(binding.num_experts, top_k, max_batch):
+                x_TD, ids_TK, weights_TK = _synthetic(tokens, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
+                                                      device)
+                with tm._mode("latency", capturable):
+                    _local(module, binding, x_TD, ids_TK, weights_TK)
+                calls += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return TuneReport(shapes=len(seen), calls=calls, seconds=time.perf_counter() - started,
+                      configs=len(_TUNED) - before)
