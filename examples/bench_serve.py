@@ -172,6 +172,10 @@ def main(argv=None) -> int:
                     stop_server(proc)
                 m = results[label][-1]
                 m.update(start_s=listening - started, first_request_s=first - listening)
+                tuned = re.search(r"\] tuned (.*)", Path(log).read_text())
+                if tuned:
+                    m["tuned"] = tuned.group(1)
+                    print(f"round {r + 1}, {label}: the server tuned {m['tuned']}")
                 print(f"round {r + 1}, {label}: started in {m['start_s']:.1f} s, first request "
                       f"{m['first_request_s']:.2f} s; {m['requests_s']:.2f} requests/s, "
                       f"{m['tokens_s']:.1f} tokens/s, latency p50 {m['latency_p50_s'] * 1e3:.0f} ms, "
