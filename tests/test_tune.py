@@ -129,9 +129,24 @@ def test_gpu_serving_after_tuning_tunes_nothing():
     tm = ThunderMoE.wrap(tiny_model("mixtral", seed=1).to(device, torch.bfloat16), experts_implementation=KERNELS)
     report = tune.tune_kernels(tm.eval(), max_batch=8)
     assert report is not None and report.shapes == 1
-    tuned = dict(tuning._TUNED)
+    tuned, compiled = dict(tuning._TUNED), _compiled_kernels()
     prompts = [[3 + (i * 7 + j) % 50 for j in range(n)] for i, n in enumerate((1, 2, 5, 17, 40, 90, 200, 333))]
     entries = [Entry(i, p, 6, (0.0, 1.0), 0) for i, p in enumerate(prompts)]
     _run_schedule(DecodeBatch(tm, device, set(), 0), entries)
     _run_schedule(StaticDecodeBatch(tm, device, set(), 0, max_batch=8), entries)
     assert dict(tuning._TUNED) == tuned
+    assert _compiled_kernels() == compiled  # nor a kernel compiled again for a new row count
+
+
+def _compiled_kernels() -> dict:
+    """{kernel: binaries Triton has compiled for it} over the kernels of thunderep.kernels."""
+    from triton.runtime.jit import JITFunction
+
+    from thunderep.kernels import moe_triton, pairs
+
+    found = {}
+    for module in (moe_triton, pairs):
+        for name, fn in vars(module).items():
+            if isinstance(fn, JITFunction) and name.endswith("_kernel"):
+                found[name] = sum(len(entry[0]) for entry in fn.device_caches.values())
+    return found

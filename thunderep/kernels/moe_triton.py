@@ -39,6 +39,10 @@ their own (`_row_tile`).
 The kernels use only portable Triton (tl.dot, masked loads and stores): no tensor-memory
 descriptors, no warp specialization. On Hopper Triton lowers tl.dot to wgmma by itself; on Ada and
 Blackwell consumer parts (sm_89, sm_120) to mma.sync.
+
+The row counts (n_rows, M, T, N) are not specialized (`do_not_specialize`): Triton would otherwise
+compile a kernel again for a count that is 1 or a multiple of 16, seconds of compilation that a
+server meets as requests of new lengths arrive. They only bound masks and tile loops.
 """
 
 from __future__ import annotations
@@ -251,7 +255,7 @@ def _up_store(acc_g, acc_u, rows, row_ok, cols_N, col_ok_N, gate_N, up_N, h_ptr,
     tl.store(h_ptr + rows64[:, None] * stride_hm + cols_N[None, :], h.to(h_ptr.dtype.element_ty), mask=out_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _up_kernel(
     x_ptr, w_ptr, h_ptr, gu_ptr, order_ptr, counts_ptr,
     n_rows, I, D, E, top_k,
@@ -312,7 +316,7 @@ def _rows_store(acc, rows, row_ok, cols_N, col_ok_N, c_ptr, order_ptr, weight_pt
              mask=row_ok[:, None] & col_ok_N[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rows_kernel(
     a_ptr, b_ptr, c_ptr, order_ptr, weight_ptr, counts_ptr,
     n_rows, N, K, E,
@@ -378,7 +382,7 @@ def _act_bwd_store(acc, rows, row_ok, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_pt
     tl.store(dgu_ptr + rows64[:, None] * stride_gm + up_N[None, :], (acc * act_g).to(dgu_dtype), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _act_bwd_kernel(
     dy_ptr, w_ptr, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr, order_ptr, weight_ptr, counts_ptr,
     n_rows, I, D, E, top_k,
@@ -424,7 +428,7 @@ def _act_bwd_kernel(
                    weight_ptr, stride_gm, stride_dwp, ACT, INTERLEAVED, WEIGHTED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _wgrad_kernel(
     a_ptr, b_ptr, c_ptr, counts_ptr,
     M, N, E,
@@ -478,7 +482,7 @@ def _wgrad_kernel(
 # ---- memory-bound passes around torch's grouped GEMM (the Hopper path, see ops.py) ---------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _gather_kernel(src_ptr, order_ptr, out_ptr, n_rows, D, top_k, stride_sm, stride_om,
                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[r] = src[order[r] // top_k]: token rows in expert order, for GEMMs that cannot gather."""
@@ -491,7 +495,7 @@ def _gather_kernel(src_ptr, order_ptr, out_ptr, n_rows, D, top_k, stride_sm, str
     tl.store(out_ptr + rows_R.to(tl.int64)[:, None] * stride_om + d_D[None, :], v, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _act_kernel(gu_ptr, h_ptr, n_rows, I, stride_gm, stride_hm,
                 ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """h[r, c] = act(gu[r, gate(c)]) * gu[r, up(c)]: the gated activation of a [N, 2I] GEMM output."""
@@ -507,7 +511,7 @@ def _act_kernel(gu_ptr, h_ptr, n_rows, I, stride_gm, stride_hm,
              mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _act_bwd_rows_kernel(dhu_ptr, gu_ptr, dgu_ptr, dw_ptr, hw_ptr, order_ptr, weight_ptr, n_rows, I,
                          stride_dm, stride_gm,
                          ACT: tl.constexpr, INTERLEAVED: tl.constexpr, WEIGHTED: tl.constexpr,
@@ -547,7 +551,7 @@ def _act_bwd_rows_kernel(dhu_ptr, gu_ptr, dgu_ptr, dw_ptr, hw_ptr, order_ptr, we
         tl.store(dw_ptr + flat_R, dw_R, mask=row_ok_R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _combine_kernel(rows_ptr, inv_ptr, weight_ptr, out_ptr, T, D, top_k, stride_rm, stride_om,
                     WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[t] = sum over k of w[t, k] * rows[inv[t * top_k + k]] (w = 1 unless WEIGHTED), summed in fp32:
@@ -568,7 +572,7 @@ def _combine_kernel(rows_ptr, inv_ptr, weight_ptr, out_ptr, T, D, top_k, stride_
              mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _route_kernel(ids_ptr, weight_ptr, order_ptr, counts_ptr, w_out_ptr, N, E, WEIGHTED: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program sorts a small batch's N pairs by expert: order[r] = the flat pair of sorted row r
