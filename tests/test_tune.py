@@ -113,6 +113,51 @@ def test_tuning_leaves_the_model_as_it_was(world):
             assert set(seen) >= set(expected)
 
 
+def _rehearsed(rank, world):
+    """The server's rehearsal on a tiny model: the batch sizes of its steps, then a schedule's tokens."""
+    import argparse
+
+    from hf_tiny import V, tiny_model
+
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.serve import _rehearse
+
+    ep = None
+    if world > 1:
+        ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
+    tm = ThunderMoE.wrap(tiny_model("qwen3_moe", seed=1), ep).eval()
+    sizes, step = [], DecodeBatch.step
+
+    def counted(self):
+        sizes.append(len(self))
+        return step(self)
+
+    DecodeBatch.step = counted
+    try:
+        _rehearse(tm, torch.device("cpu"), argparse.Namespace(cuda_graphs="on", max_batch=4), V)
+    finally:
+        DecodeBatch.step = step
+    return sizes, _run_schedule(DecodeBatch(tm, "cpu", set(), 0), ENTRIES)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_rehearsal_passes_every_bucket_twice_and_changes_nothing(world):
+    """`thunderep serve`'s rehearsal before listening (1, 2 and 4 ranks, real processes): every bucket
+    size of the serving batch decodes at least two steps (an eager one, then a capture on a GPU), every
+    rank in step, and a schedule decoded afterwards gives the plain model's tokens."""
+    from hf_tiny import tiny_model
+
+    want = _run_schedule(DecodeBatch(tiny_model("qwen3_moe", seed=1).eval(), "cpu", set(), 0), ENTRIES)
+    results = [_rehearsed(0, 1)] if world == 1 else run_ranks(_rehearsed, world, timeout=300)
+    for sizes, got in results:
+        assert sizes == results[0][0]
+        buckets = collections.Counter(next(b for b in _buckets(4) if b >= n) for n in sizes)
+        assert set(buckets) == set(_buckets(4)) and min(buckets.values()) >= 2, buckets
+        assert got == want
+
+
 @pytest.mark.gpu
 def test_gpu_serving_after_tuning_tunes_nothing():
     """On a GPU (bfloat16 Mixtral-like layers, the Triton kernels, autotuning on): after `tune_kernels`,

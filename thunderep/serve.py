@@ -71,6 +71,13 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
     tuned = tune_kernels(tm, args.max_batch, log=say)  # before listening: no request waits on autotuning
     if tuned is not None and say is not None:
         say(f"tuned {tuned.summary()}")
+    from .engine import unsupported_reason
+
+    reason = unsupported_reason(tm.model) if args.batching == "continuous" else None
+    if args.batching == "continuous" and reason is None and device.type == "cuda":
+        seconds = _rehearse(tm, device, args, text_config.vocab_size)
+        if say is not None:
+            say(f"rehearsed decoding at every batch size in {seconds:.1f} s")
     server = None
     if rank == 0:
         context = getattr(text_config, "max_position_embeddings", None) or 1 << 30
@@ -79,9 +86,6 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
         host, port = server.http.server_address[:2]
         print(f"[thunderep serve] {type(tm.model).__name__} on {world} rank(s), {device}: "
               f"{tm.load_report.summary()}\n[thunderep serve] listening on http://{host}:{port}", flush=True)
-    from .engine import unsupported_reason
-
-    reason = unsupported_reason(tm.model) if args.batching == "continuous" else None
     if reason is not None and rank == 0:
         print(f"[thunderep serve] batching statically: {type(tm.model).__name__} cannot be batched "
               f"continuously here, {reason}", flush=True)
@@ -159,6 +163,28 @@ def _decode_batch(tm, device, eos, pad, args, server):
         if server is not None:
             print(f"[thunderep serve] decoding without CUDA graphs: {reason}", flush=True)
     return DecodeBatch(tm, device, eos, pad)
+
+
+def _rehearse(tm, device, args, vocab: int) -> float:
+    """Decode dummy sequences through the serving batch before the server listens (collective: every
+    rank decodes the same ones, greedily, with no end of sequence): one prompt per batch slot, of
+    different lengths, ending two steps apart, so the batch passes every bucket size at least twice (an
+    eager step, then a capture). What a first request would otherwise pay for, Triton's compiles and
+    cuBLAS's and NCCL's first calls, happens here. Returns the seconds it took."""
+    import time
+
+    from .engine import Entry
+
+    started = time.perf_counter()
+    batch = _decode_batch(tm, device, set(), 0, args, None)
+    prompts = [[1 + (7 * i + 3 * j) % (vocab - 1) for j in range(1 + 5 * i)] for i in range(args.max_batch)]
+    batch.admit([Entry(i, ids, 2 * i + 3, (0.0, 1.0), 0) for i, ids in enumerate(prompts)])
+    while len(batch):
+        batch.step()
+    getattr(batch, "close", lambda: None)()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args) -> None:
