@@ -106,7 +106,8 @@ def test_tuning_leaves_the_model_as_it_was(world):
         results = run_ranks(_tuned_then_decoded, world, "qwen3_moe", timeout=300)
     for shapes, calls, state, got, experts, top_k, seen in results:
         expected = tune.tuning_calls(experts, top_k, 4)
-        assert (shapes, calls) == (1, len(expected))
+        sorts = ops.ROUTE_MAX_PAIRS.bit_length() - 4  # the one-program sort at 16, 32, ... pairs
+        assert (shapes, calls) == (1, len(expected) + sorts)
         assert state == ("auto", False)
         assert got == want
         if world == 1:  # one process holds every expert: the calls reach the compute function as made
@@ -161,7 +162,8 @@ def test_the_rehearsal_passes_every_bucket_twice_and_changes_nothing(world):
 @pytest.mark.gpu
 def test_gpu_serving_after_tuning_tunes_nothing():
     """On a GPU (bfloat16 Mixtral-like layers, the Triton kernels, autotuning on): after `tune_kernels`,
-    prompts of many lengths, eager and graph-replayed decode steps meet no kernel key left to tune."""
+    prompts of lengths 1 to 513, alone and three together, and eager and graph-replayed decode steps
+    meet no kernel key left to tune and compile no kernel again."""
     from hf_tiny import tiny_model
 
     from thunderep.kernels import tuning
@@ -175,10 +177,15 @@ def test_gpu_serving_after_tuning_tunes_nothing():
     report = tune.tune_kernels(tm.eval(), max_batch=8)
     assert report is not None and report.shapes == 1
     tuned, compiled = dict(tuning._TUNED), _compiled_kernels()
-    prompts = [[3 + (i * 7 + j) % 50 for j in range(n)] for i, n in enumerate((1, 2, 5, 17, 40, 90, 200, 333))]
+    lengths = (1, 2, 3, 5, 9, 17, 33, 40, 65, 90, 129, 200, 257, 333, 513)
+    prompts = [[3 + (i * 7 + j) % 50 for j in range(n)] for i, n in enumerate(lengths)]
     entries = [Entry(i, p, 6, (0.0, 1.0), 0) for i, p in enumerate(prompts)]
-    _run_schedule(DecodeBatch(tm, device, set(), 0), entries)
-    _run_schedule(StaticDecodeBatch(tm, device, set(), 0, max_batch=8), entries)
+    for batch in (DecodeBatch(tm, device, set(), 0), StaticDecodeBatch(tm, device, set(), 0, max_batch=8)):
+        _run_schedule(batch, entries)
+        for group in [[e] for e in entries] + [entries[i:i + 3] for i in range(0, len(entries), 3)]:
+            batch.admit(group)  # prefills of every size: alone and three together
+            while len(batch):
+                batch.step()
     assert dict(tuning._TUNED) == tuned
     assert _compiled_kernels() == compiled  # nor a kernel compiled again for a new row count
 

@@ -14,7 +14,9 @@ request took 28.6 s, and later ones up to 43 s.
    computation (no collective), the same functions serving runs:
    - graph-captured decode (`capturable`): every bucket size of `thunderep.static_decode`;
    - prefill and eager decode: one token (the pair kernels), and for every class of rows per expert a
-     batch whose routing gives each expert exactly that many rows.
+     batch whose routing gives each expert exactly that many rows;
+   - the one-program sort of small batches at every power of two of pairs up to its limit (Triton
+     compiles it per block size).
 
 Triton keeps the chosen configs in its cache directory (TRITON_CACHE_DIR), so a restart on the same
 machine reads them back in about a second. Models whose experts do not run ThunderEP's kernels, and
@@ -80,6 +82,18 @@ def _synthetic(tokens: int, num_experts: int, top_k: int, hidden: int, x_dtype, 
     return x_TD, ids_TK, weights_TK
 
 
+def _route_sizes(slots: int, w_dtype, dtype, device) -> int:
+    """Sort pair counts 16, 32, ... ROUTE_MAX_PAIRS through the kernels' one-program sort (its block is
+    the count's power of two, a compile each); the calls made."""
+    from ..kernels import ops
+
+    sizes = [1 << j for j in range(4, ops.ROUTE_MAX_PAIRS.bit_length())]
+    for n in sizes:
+        ids = (torch.arange(n, device=device) % slots).view(n, 1)
+        ops._route(ids, torch.ones(n, 1, dtype=w_dtype, device=device), slots, dtype)
+    return len(sizes)
+
+
 def _local(module, binding, x_TD, ids_TK, weights_TK) -> torch.Tensor:
     """What serving runs on this rank's experts alone: the local computation, no collective."""
     if binding.all_local:
@@ -121,6 +135,9 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 with tm._mode("latency", capturable):
                     _local(module, binding, x_TD, ids_TK, weights_TK)
                 calls += 1
+            # The one-program sort of small batches compiles once per power of two of its pairs.
+            w_dtype = w_dtype if binding.all_local else x_dtype  # compute_rows weighs its rows by ones
+            calls += _route_sizes(binding.num_slots, w_dtype, module.gate_up_proj.dtype, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return TuneReport(shapes=len(seen), calls=calls, seconds=time.perf_counter() - started,
