@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .experts import IMPLEMENTATION, ExpertsBinding, register_experts_implementation
 from .load import CheckpointIndex, LoadReport
+from .tune import TuneReport, tune_kernels
 from .wrap import ThunderMoE, find_experts_modules
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "ExpertsBinding",
     "LoadReport",
     "ThunderMoE",
+    "TuneReport",
     "find_experts_modules",
     "register_experts_implementation",
+    "tune_kernels",
 ]
