@@ -162,7 +162,7 @@ def test_the_rehearsal_passes_every_bucket_twice_and_changes_nothing(world):
 @pytest.mark.gpu
 def test_gpu_serving_after_tuning_tunes_nothing():
     """On a GPU (bfloat16 Mixtral-like layers, the Triton kernels, autotuning on): after `tune_kernels`,
-    prompts of lengths 1 to 513, alone and three together, and eager and graph-replayed decode steps
+    prompts of lengths 1 to 2100, alone and three together, and eager and graph-replayed decode steps
     meet no kernel key left to tune and compile no kernel again."""
     from hf_tiny import tiny_model
 
@@ -177,7 +177,7 @@ def test_gpu_serving_after_tuning_tunes_nothing():
     report = tune.tune_kernels(tm.eval(), max_batch=8)
     assert report is not None and report.shapes == 1
     tuned, compiled = dict(tuning._TUNED), _compiled_kernels()
-    lengths = (1, 2, 3, 5, 9, 17, 33, 40, 65, 90, 129, 200, 257, 333, 513)
+    lengths = (1, 2, 3, 5, 9, 17, 33, 40, 65, 90, 129, 200, 257, 333, 513, 2100)  # 2100: the Hopper path
     prompts = [[3 + (i * 7 + j) % 50 for j in range(n)] for i, n in enumerate(lengths)]
     entries = [Entry(i, p, 6, (0.0, 1.0), 0) for i, p in enumerate(prompts)]
     for batch in (DecodeBatch(tm, device, set(), 0), StaticDecodeBatch(tm, device, set(), 0, max_batch=8)):
@@ -202,3 +202,17 @@ def _compiled_kernels() -> dict:
             if isinstance(fn, JITFunction) and name.endswith("_kernel"):
                 found[name] = sum(len(entry[0]) for entry in fn.device_caches.values())
     return found
+
+
+def test_the_pinned_path_is_undone_after_tuning(monkeypatch):
+    """The Hopper-path call pins THUNDEREP_EXPERT_GEMM for itself only: unset or set, it is as it was."""
+    import os
+
+    monkeypatch.delenv("THUNDEREP_EXPERT_GEMM", raising=False)
+    with tune._pinned("THUNDEREP_EXPERT_GEMM", "torch"):
+        assert os.environ["THUNDEREP_EXPERT_GEMM"] == "torch"
+    assert "THUNDEREP_EXPERT_GEMM" not in os.environ
+    monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "triton")
+    with pytest.raises(RuntimeError), tune._pinned("THUNDEREP_EXPERT_GEMM", "torch"):
+        raise RuntimeError("a failed call")
+    assert os.environ["THUNDEREP_EXPERT_GEMM"] == "triton"

@@ -16,7 +16,8 @@ request took 28.6 s, and later ones up to 43 s.
    - prefill and eager decode: one token (the pair kernels), and for every class of rows per expert a
      batch whose routing gives each expert exactly that many rows;
    - the one-program sort of small batches at every power of two of pairs up to its limit (Triton
-     compiles it per block size).
+     compiles it per block size);
+   - on sm_90, one small call through the Hopper path that long prompts take (compiles its passes).
 
 Triton keeps the chosen configs in its cache directory (TRITON_CACHE_DIR), so a restart on the same
 machine reads them back in about a second. Models whose experts do not run ThunderEP's kernels, and
@@ -25,7 +26,9 @@ CPU runs, have nothing to tune.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -82,6 +85,31 @@ def _synthetic(tokens: int, num_experts: int, top_k: int, hidden: int, x_dtype, 
     return x_TD, ids_TK, weights_TK
 
 
+def _torch_gemm_possible(module) -> bool:
+    """Whether long prompts take the kernels' Hopper path here (torch's grouped GEMM with Triton passes
+    around it; `thunderep.kernels.grouped_gemm.gemm_path`). Those passes are not autotuned and their
+    row counts are not specialized, so one small call, with the path pinned, compiles them all."""
+    from ..kernels.grouped_gemm import _forced, _grouped_mm_usable
+
+    D, I = module.down_proj.shape[1:]
+    return _forced("THUNDEREP_EXPERT_GEMM") != "triton" and _grouped_mm_usable(module.down_proj, D, I)
+
+
+@contextlib.contextmanager
+def _pinned(name: str, value: str):
+    """The environment variable `name` set to `value` within the block (tuning runs before the server's
+    threads start), then as it was."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def _route_sizes(slots: int, w_dtype, dtype, device) -> int:
     """Sort pair counts 16, 32, ... ROUTE_MAX_PAIRS through the kernels' one-program sort (its block is
     the count's power of two, a compile each); the calls made."""
@@ -133,6 +161,12 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 x_TD, ids_TK, weights_TK = _synthetic(tokens, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
                                                       device)
                 with tm._mode("latency", capturable):
+                    _local(module, binding, x_TD, ids_TK, weights_TK)
+                calls += 1
+            if _torch_gemm_possible(module):  # long prompts on sm_90: the passes around torch's grouped GEMM
+                x_TD, ids_TK, weights_TK = _synthetic(top_k, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
+                                                      device)
+                with tm._mode("latency", False), _pinned("THUNDEREP_EXPERT_GEMM", "torch"):
                     _local(module, binding, x_TD, ids_TK, weights_TK)
                 calls += 1
             # The one-program sort of small batches compiles once per power of two of its pairs.
