@@ -150,6 +150,8 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
     seen, calls = set(), 0
     with torch.no_grad():
         for module, binding in bindings:
+            if binding.signature is None:  # not reached by a token (no layer of this model skips its experts)
+                continue
             top_k, x_dtype, w_dtype = binding.signature
             weights = tuple((tuple(getattr(module, n).shape), getattr(module, n).dtype) for n in binding.tensors)
             key = (weights, binding.num_experts, binding.all_local, binding.signature)
