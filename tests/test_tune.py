@@ -82,10 +82,13 @@ def _tuned_then_decoded(rank, world, family):
         binding.compute = counted
     own = tune.kernel_bindings
     tune.kernel_bindings = lambda tm: [(tm.model.get_submodule(n), b) for n, b in tm.bindings.items()]
+    lines = []
     try:
-        report = tune.tune_kernels(tm, max_batch=4)
+        report = tune.tune_kernels(tm, max_batch=4, log=lines.append)
     finally:
         tune.kernel_bindings = own
+    assert lines[0].startswith("tuning ThunderEP's kernels for batches of up to 4")
+    assert all(" in " in line and "/" in line for line in lines[1:])  # progress lines: calls that took 1 s
     state = (tm._state.mode, tm._state.capturable)
     got = _run_schedule(StaticDecodeBatch(tm, "cpu", set(), 0, max_batch=4), ENTRIES)
     binding = next(iter(tm.bindings.values()))

@@ -159,12 +159,18 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 continue
             seen.add(key)
             hidden = module.down_proj.shape[1]  # [S, D, I]: the kernels take these layouts only
-            for tokens, capturable in tuning_calls(binding.num_experts, top_k, max_batch):
+            planned = tuning_calls(binding.num_experts, top_k, max_batch)
+            for i, (tokens, capturable) in enumerate(planned):
                 x_TD, ids_TK, weights_TK = _synthetic(tokens, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
                                                       device)
+                call_started = time.perf_counter()
                 with tm._mode("latency", capturable):
                     _local(module, binding, x_TD, ids_TK, weights_TK)
                 calls += 1
+                took = time.perf_counter() - call_started
+                if log is not None and took >= 1.0:  # a call that tuned: progress through the minute
+                    log(f"  {binding.class_name} {i + 1}/{len(planned)}: {tokens} token(s)"
+                        f"{' (decode step)' if capturable else ''} in {took:.1f} s")
             if _torch_gemm_possible(module):  # long prompts on sm_90: the passes around torch's grouped GEMM
                 x_TD, ids_TK, weights_TK = _synthetic(top_k, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
                                                       device)
