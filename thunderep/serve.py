@@ -17,7 +17,9 @@ A request is answered as soon as its sequence ends. With
 `--batching static` (and for models whose cache cannot be merged, e.g. sliding-window attention) a
 batch of requests with the same sampling settings runs to its longest request's end (transformers'
 `generate`) before the next starts. When idle, rank 0 sends an empty batch every half second, so a
-rank that dies is noticed within `--timeout`.
+rank that dies is noticed within `--timeout`. Before listening, ThunderEP's kernels (if they compute
+the experts) are autotuned for every shape the server can meet (`thunderep.hf.tune`), and on GPUs the
+ranks rehearse decoding at every batch size, so that no request pays for either.
 
 Endpoints, in the OpenAI API's shape (one prompt per request):
   POST /v1/completions       {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
@@ -343,7 +345,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     p.add_argument("--experts-implementation", default=None,
                    help="what computes each rank's experts: the model's own transformers function (default), "
-                        "another one (grouped_mm, eager, ...), or triton (ThunderEP's kernels, CUDA)")
+                        "another one (grouped_mm, eager, ...), or triton (ThunderEP's kernels, CUDA; autotuned "
+                        "before the server listens: about a minute the first time on a machine, seconds after)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request waits for its answer")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
