@@ -58,65 +58,6 @@ def test_nothing_is_tuned_without_the_kernels_on_a_gpu():
             assert all(b.signature is None for b in tm.bindings.values())
 
 
-def _tuned_then_decoded(rank, world, family):
-    """Tune (every kernel binding counted as tunable: the CPU interpreter stands in for the GPU), then decode."""
-    from hf_tiny import tiny_model
-
-    from thunderep import EPConfig
-    from thunderep.comm.groups import init_expert_parallel
-    from thunderep.comm.runtime import ExpertParallel
-
-    ep = None
-    if world > 1:
-        ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
-    tm = ThunderMoE.wrap(tiny_model(family, seed=1), ep, experts_implementation=KERNELS).eval()
-    seen = collections.Counter()
-    for binding in tm.bindings.values():
-        compute = binding.compute
-
-        def counted(module, x, ids, w, compute=compute):
-            seen[(x.shape[0], binding.state.capturable)] += 1
-            return compute(module, x, ids, w)
-
-        counted.pairs_partial = compute.pairs_partial
-        binding.compute = counted
-    own = tune.kernel_bindings
-    tune.kernel_bindings = lambda tm: [(tm.model.get_submodule(n), b) for n, b in tm.bindings.items()]
-    lines = []
-    try:
-        report = tune.tune_kernels(tm, max_batch=4, log=lines.append)
-    finally:
-        tune.kernel_bindings = own
-    assert lines[0].startswith("tuning ThunderEP's kernels for batches of up to 4")
-    assert all(" in " in line and "/" in line for line in lines[1:])  # progress lines: calls that took 1 s
-    state = (tm._state.mode, tm._state.capturable)
-    got = _run_schedule(StaticDecodeBatch(tm, "cpu", set(), 0, max_batch=4), ENTRIES)
-    binding = next(iter(tm.bindings.values()))
-    return report.shapes, report.calls, state, got, binding.num_experts, binding.signature[0], dict(seen)
-
-
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_tuning_leaves_the_model_as_it_was(world):
-    """1, 2 and 4 EP ranks (real processes, gloo), the kernels in Triton's CPU interpreter: one experts
-    shape (the model's layers share it) gets every call of `tuning_calls`; the run state is restored, and
-    decoding afterwards gives the plain model's tokens."""
-    from hf_tiny import tiny_model
-
-    want = _run_schedule(DecodeBatch(tiny_model("qwen3_moe", seed=1).eval(), "cpu", set(), 0), ENTRIES)
-    if world == 1:
-        results = [_tuned_then_decoded(0, 1, "qwen3_moe")]
-    else:
-        results = run_ranks(_tuned_then_decoded, world, "qwen3_moe", timeout=300)
-    for shapes, calls, state, got, experts, top_k, seen in results:
-        expected = tune.tuning_calls(experts, top_k, 4)
-        sorts = ops.ROUTE_MAX_PAIRS.bit_length() - 4  # the one-program sort at 16, 32, ... pairs
-        assert (shapes, calls) == (1, len(expected) + sorts)
-        assert state == ("auto", False)
-        assert got == want
-        if world == 1:  # one process holds every expert: the calls reach the compute function as made
-            assert set(seen) >= set(expected)
-
-
 def _rehearsed(rank, world):
     """The server's rehearsal on a tiny model: the batch sizes of its steps, then a schedule's tokens."""
     import argparse
@@ -160,6 +101,91 @@ def test_the_rehearsal_passes_every_bucket_twice_and_changes_nothing(world):
         buckets = collections.Counter(next(b for b in _buckets(4) if b >= n) for n in sizes)
         assert set(buckets) == set(_buckets(4)) and min(buckets.values()) >= 2, buckets
         assert got == want
+
+
+def _variant(fn, args, kwargs) -> tuple:
+    """What Triton compiles a launch of `fn` for: its constexpr values, how its specialized integers
+    specialize (1, a multiple of 16, other), its tensors' dtypes and 16-byte alignment, the launch
+    options. Two launches with the same variant share one binary on a GPU."""
+    import inspect
+
+    bound = dict(zip(fn.arg_names, args), **kwargs)
+    unspecialized = set(fn.kwargs.get("do_not_specialize") or ())
+    annotations = inspect.get_annotations(fn.fn)
+    parts = []
+    for name, value in sorted(bound.items()):
+        if "constexpr" in str(annotations.get(name, "")) or name in ("num_warps", "num_stages"):
+            parts.append((name, value))
+        elif isinstance(value, torch.Tensor):
+            parts.append((name, str(value.dtype), value.data_ptr() % 16 == 0))
+        elif isinstance(value, int) and not isinstance(value, bool) and name not in unspecialized:
+            parts.append((name, 1 if value == 1 else 16 if value % 16 == 0 else 0))
+    return (fn.fn.__name__, tuple(parts))
+
+
+def _tuned_then_served(rank, world):
+    """Tune (every kernel binding counted as tunable: the CPU interpreter stands in for the GPU), then
+    serve: the kernel variants each launched, the report, the run state after tuning, the tokens."""
+    from hf_tiny import tiny_model
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+
+    ep = None
+    if world > 1:
+        ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
+    tm = ThunderMoE.wrap(tiny_model("qwen3_moe", seed=1), ep, experts_implementation=KERNELS).eval()
+    met, run, own = set(), InterpretedFunction.run, tune.kernel_bindings
+
+    def recorded(self, *args, grid, warmup, **kwargs):
+        met.add(_variant(self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recorded
+    tune.kernel_bindings = lambda tm: [(tm.model.get_submodule(n), b) for n, b in tm.bindings.items()]
+    lines = []
+    try:
+        report = tune.tune_kernels(tm, max_batch=4, log=lines.append)
+    finally:
+        tune.kernel_bindings = own
+    assert lines[0].startswith("tuning ThunderEP's kernels for batches of up to 4")
+    assert all(" in " in line and "/" in line for line in lines[1:])  # progress lines: calls that took 1 s
+    state, tuned = (tm._state.mode, tm._state.capturable), set(met)
+    met.clear()
+    got = _run_schedule(StaticDecodeBatch(tm, "cpu", set(), 0, max_batch=4), ENTRIES)
+    lengths = (1, 2, 3, 9, 33, 70)
+    entries = [Entry(i, [3 + (i * 7 + j) % 50 for j in range(n)], 3, (0.0, 1.0), 0) for i, n in enumerate(lengths)]
+    for batch in (DecodeBatch(tm, "cpu", set(), 0), StaticDecodeBatch(tm, "cpu", set(), 0, max_batch=4)):
+        for group in [[e] for e in entries] + [entries[i:i + 3] for i in range(0, len(entries), 3)]:
+            batch.admit(group)  # prefills of every size: alone and three together
+            while len(batch):
+                batch.step()
+    binding = next(iter(tm.bindings.values()))
+    return (sorted(met - tuned), sorted(tuned), (report.shapes, report.calls), state, got, binding.num_experts,
+            binding.signature[0])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_serving_after_tuning_launches_no_new_kernel_variant(world):
+    """1, 2 and 4 EP ranks (real processes, gloo), the kernels in Triton's CPU interpreter. `tune_kernels`
+    makes every call of `tuning_calls` once for the model's one experts shape (its layers share it) and
+    leaves the run state as it was. Serving after it (prompts of 1 to 70 tokens, alone and three
+    together, through eager and graph-shaped batches) launches no kernel variant (constexprs, integer
+    specializations, dtypes, launch options) that tuning did not: on a GPU nothing compiles or tunes
+    while the server serves. And the tokens equal the plain model's in one process."""
+    from hf_tiny import tiny_model
+
+    want = _run_schedule(DecodeBatch(tiny_model("qwen3_moe", seed=1).eval(), "cpu", set(), 0), ENTRIES)
+    results = [_tuned_then_served(0, 1)] if world == 1 else run_ranks(_tuned_then_served, world, timeout=300)
+    for new, tuned, (shapes, calls), state, got, experts, top_k in results:
+        sorts = ops.ROUTE_MAX_PAIRS.bit_length() - 4  # the one-program sort at 16, 32, ... pairs
+        assert (shapes, calls) == (1, len(tune.tuning_calls(experts, top_k, 4)) + sorts + (world > 1))
+        assert state == ("auto", False)
+        assert got == want
+        names = {name for name, _ in new}
+        assert new == [], "\n".join(["new:", *map(repr, new), "tuned:", *map(repr, (v for v in tuned if v[0] in names))])
 
 
 @pytest.mark.gpu

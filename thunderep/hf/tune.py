@@ -14,7 +14,8 @@ request took 28.6 s, and later ones up to 43 s.
    computation (no collective), the same functions serving runs:
    - graph-captured decode (`capturable`): every bucket size of `thunderep.static_decode`;
    - prefill and eager decode: one token (the pair kernels), and for every class of rows per expert a
-     batch whose routing gives each expert exactly that many rows;
+     batch whose routing gives each expert exactly that many rows; with experts on other ranks, a
+     batch with a single local pair (the pair kernels again, with K = 1);
    - the one-program sort of small batches at every power of two of pairs up to its limit (Triton
      compiles it per block size);
    - on sm_90, one small call through the Hopper path that long prompts take (compiles its passes).
@@ -171,6 +172,10 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 if log is not None and took >= 1.0:  # a call that tuned: progress through the minute
                     log(f"  {binding.class_name} {i + 1}/{len(planned)}: {tokens} token(s)"
                         f"{' (decode step)' if capturable else ''} in {took:.1f} s")
+            if not binding.all_local:  # one local pair among a batch's: the pair kernels with K = 1
+                with tm._mode("latency", False):
+                    binding.compute_rows(module, x_TD[:1], torch.zeros(1, dtype=torch.long, device=device))
+                calls += 1
             if _torch_gemm_possible(module):  # long prompts on sm_90: the passes around torch's grouped GEMM
                 x_TD, ids_TK, weights_TK = _synthetic(top_k, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
                                                       device)
