@@ -42,7 +42,7 @@ WORDS = ("expert parallel routing token batch layer rank model serve cache decod
          "mixture sparse dense weight").split()
 
 
-def start_server(args, setting: tuple[str, int, str], log_path: str) -> tuple[subprocess.Popen, str]:
+def start_server(args, setting: tuple[str, int, str, str | None], log_path: str) -> tuple[subprocess.Popen, str]:
     batching, max_batch, graphs, experts = setting
     cmd = [sys.executable, "-m", "thunderep.cli", "serve", "--model", args.model, "--ep", str(args.ep),
            "--port", "0", "--quiet", "--max-batch", str(max_batch), "--batching", batching,

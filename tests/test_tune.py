@@ -58,7 +58,7 @@ def test_nothing_is_tuned_without_the_kernels_on_a_gpu():
             assert all(b.signature is None for b in tm.bindings.values())
 
 
-def _rehearsed(rank, world):
+def _rehearsed(rank, world, max_batch=4):
     """The server's rehearsal on a tiny model: the batch sizes of its steps, then a schedule's tokens."""
     import argparse
 
@@ -81,25 +81,25 @@ def _rehearsed(rank, world):
 
     DecodeBatch.step = counted
     try:
-        _rehearse(tm, torch.device("cpu"), argparse.Namespace(cuda_graphs="on", max_batch=4), V)
+        _rehearse(tm, torch.device("cpu"), argparse.Namespace(cuda_graphs="on", max_batch=max_batch), V)
     finally:
         DecodeBatch.step = step
     return sizes, _run_schedule(DecodeBatch(tm, "cpu", set(), 0), ENTRIES)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_the_rehearsal_passes_every_bucket_twice_and_changes_nothing(world):
+@pytest.mark.parametrize("world, max_batch", [(1, 4), (1, 6), (2, 4), (4, 4)])
+def test_the_rehearsal_passes_every_bucket_twice_and_changes_nothing(world, max_batch):
     """`thunderep serve`'s rehearsal before listening (1, 2 and 4 ranks, real processes): every bucket
     size of the serving batch decodes at least two steps (an eager one, then a capture on a GPU), every
     rank in step, and a schedule decoded afterwards gives the plain model's tokens."""
     from hf_tiny import tiny_model
 
     want = _run_schedule(DecodeBatch(tiny_model("qwen3_moe", seed=1).eval(), "cpu", set(), 0), ENTRIES)
-    results = [_rehearsed(0, 1)] if world == 1 else run_ranks(_rehearsed, world, timeout=300)
+    results = [_rehearsed(0, 1, max_batch)] if world == 1 else run_ranks(_rehearsed, world, max_batch, timeout=300)
     for sizes, got in results:
         assert sizes == results[0][0]
-        buckets = collections.Counter(next(b for b in _buckets(4) if b >= n) for n in sizes)
-        assert set(buckets) == set(_buckets(4)) and min(buckets.values()) >= 2, buckets
+        buckets = collections.Counter(next(b for b in _buckets(max_batch) if b >= n) for n in sizes)
+        assert set(buckets) == set(_buckets(max_batch)) and min(buckets.values()) >= 2, buckets
         assert got == want
 
 

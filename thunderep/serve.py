@@ -169,18 +169,20 @@ def _decode_batch(tm, device, eos, pad, args, server):
 
 def _rehearse(tm, device, args, vocab: int) -> float:
     """Decode dummy sequences through the serving batch before the server listens (collective: every
-    rank decodes the same ones, greedily, with no end of sequence): one prompt per batch slot, of
-    different lengths, ending two steps apart, so the batch passes every bucket size at least twice (an
-    eager step, then a capture). What a first request would otherwise pay for, Triton's compiles and
-    cuBLAS's and NCCL's first calls, happens here. Returns the seconds it took."""
+    rank decodes the same ones, greedily, with no end of sequence): one short prompt per batch slot.
+    Slot i ends two steps after the slots of the next larger bucket (slots max_batch / 2 .. max_batch - 1
+    first), so the batch shrinks through every bucket size and decodes two steps at each (an eager
+    step, then a capture): 2 log2(max_batch) + 3 steps in all. What a first request would otherwise pay
+    for, Triton's compiles and cuBLAS's and NCCL's first calls, happens here. Returns the seconds."""
     import time
 
     from .engine import Entry
 
     started = time.perf_counter()
     batch = _decode_batch(tm, device, set(), 0, args, None)
-    prompts = [[1 + (7 * i + 3 * j) % (vocab - 1) for j in range(1 + 5 * i)] for i in range(args.max_batch)]
-    batch.admit([Entry(i, ids, 2 * i + 3, (0.0, 1.0), 0) for i, ids in enumerate(prompts)])
+    last = (args.max_batch - 1).bit_length()
+    prompts = [[1 + (7 * i + 3 * j) % (vocab - 1) for j in range(1 + i % 8)] for i in range(args.max_batch)]
+    batch.admit([Entry(i, ids, 3 + 2 * (last - i.bit_length()), (0.0, 1.0), 0) for i, ids in enumerate(prompts)])
     while len(batch):
         batch.step()
     getattr(batch, "close", lambda: None)()

@@ -4,7 +4,7 @@ On CUDA the kernels pick their tile configs by autotuning (`thunderep.kernels.tu
 of a new key times every config, seconds per kernel. A key is the experts' shape, the dtypes and a
 class of rows per expert (16, 32, 64, 128), so a server meets new keys as prompts of new lengths
 arrive, and every request being generated waits while one rank tunes. Measured on 2 H200s
-(docs/BENCHMARKS.md, "Serving: ThunderEP's kernels, tuned before the first request"): the first
+(docs/BENCHMARKS.md, "Serving on 2 H200s: ThunderEP's kernels, tuned before the first request"): the first
 request took 28.6 s, and later ones up to 43 s.
 
 `tune_kernels(tm, max_batch)` makes every key a server can meet, once, up front:
@@ -133,7 +133,7 @@ def _local(module, binding, x_TD, ids_TK, weights_TK) -> torch.Tensor:
 def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
     """Autotune every kernel key a server of at most `max_batch` sequences can meet (collective: every
     rank calls it, at the same point). None where nothing runs ThunderEP's kernels on a GPU. `log`:
-    a function given one line before tuning starts."""
+    a function given one line before tuning starts and one for each call that took a second or more."""
     from ..kernels.tuning import _TUNED
 
     # Every rank decides alike (one experts implementation, one device type), so either all ranks run
