@@ -188,24 +188,22 @@ def test_serving_after_tuning_launches_no_new_kernel_variant(world):
         assert new == [], "\n".join(["new:", *map(repr, new), "tuned:", *map(repr, (v for v in tuned if v[0] in names))])
 
 
-@pytest.mark.gpu
-def test_gpu_serving_after_tuning_tunes_nothing():
-    """On a GPU (bfloat16 Mixtral-like layers, the Triton kernels, autotuning on): after `tune_kernels`,
-    prompts of lengths 1 to 2100, alone and three together, and eager and graph-replayed decode steps
-    meet no kernel key left to tune and compile no kernel again."""
+def _gpu_tuned_then_served(rank, world):
+    """On CUDA: tune, then serve prompts of 1 to 2100 tokens; (tuned keys, compiled binaries) before
+    and after serving, and the report's shapes."""
     from hf_tiny import tiny_model
 
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
     from thunderep.kernels import tuning
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not tuning.autotune_enabled(torch.device("cuda")):
-        pytest.skip("autotuning is off (THUNDEREP_TRITON_AUTOTUNE=0)")
-    device = torch.device("cuda")
-    tm = ThunderMoE.wrap(tiny_model("mixtral", seed=1).to(device, torch.bfloat16), experts_implementation=KERNELS)
-    report = tune.tune_kernels(tm.eval(), max_batch=8)
-    assert report is not None and report.shapes == 1
-    tuned, compiled = dict(tuning._TUNED), _compiled_kernels()
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig()) if world > 1 else None
+    device = ep.groups.device if ep is not None else torch.device("cuda")
+    model = tiny_model("mixtral", seed=1).to(device, torch.bfloat16)
+    tm = ThunderMoE.wrap(model, ep, experts_implementation=KERNELS).eval()
+    report = tune.tune_kernels(tm, max_batch=8)
+    before = (sorted(map(str, tuning._TUNED)), _compiled_kernels())
     lengths = (1, 2, 3, 5, 9, 17, 33, 40, 65, 90, 129, 200, 257, 333, 513, 2100)  # 2100: the Hopper path
     prompts = [[3 + (i * 7 + j) % 50 for j in range(n)] for i, n in enumerate(lengths)]
     entries = [Entry(i, p, 6, (0.0, 1.0), 0) for i, p in enumerate(prompts)]
@@ -215,8 +213,41 @@ def test_gpu_serving_after_tuning_tunes_nothing():
             batch.admit(group)  # prefills of every size: alone and three together
             while len(batch):
                 batch.step()
-    assert dict(tuning._TUNED) == tuned
-    assert _compiled_kernels() == compiled  # nor a kernel compiled again for a new row count
+    return report.shapes if report is not None else None, before, (sorted(map(str, tuning._TUNED)),
+                                                                    _compiled_kernels())
+
+
+def _gpu_autotuning():
+    from thunderep.kernels import tuning
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not tuning.autotune_enabled(torch.device("cuda")):
+        pytest.skip("autotuning is off (THUNDEREP_TRITON_AUTOTUNE=0)")
+
+
+@pytest.mark.gpu
+def test_gpu_serving_after_tuning_tunes_nothing():
+    """On a GPU (bfloat16 Mixtral-like layers, the Triton kernels, autotuning on): after `tune_kernels`,
+    prompts of lengths 1 to 2100, alone and three together, and eager and graph-replayed decode steps
+    meet no kernel key left to tune and compile no kernel again."""
+    _gpu_autotuning()
+    shapes, before, after = _gpu_tuned_then_served(0, 1)
+    assert shapes == 1
+    assert after == before
+
+
+@pytest.mark.gpu
+def test_gpu_two_ranks_serving_after_tuning_tune_nothing():
+    """The same on 2 GPUs with NCCL (latency mode: each rank's local pairs, the single-pair case, the
+    capturable decode path), where the kernel keys differ from one process's."""
+    _gpu_autotuning()
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    for shapes, before, after in run_ranks(_gpu_tuned_then_served, 2, timeout=600, dist_timeout=300,
+                                           backend="nccl"):
+        assert shapes == 1
+        assert after == before
 
 
 def _compiled_kernels() -> dict:
