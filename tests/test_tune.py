@@ -136,7 +136,7 @@ def _tuned_then_served(rank, world):
     ep = None
     if world > 1:
         ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
-    tm = ThunderMoE.wrap(tiny_model("qwen3_moe", seed=1), ep, experts_implementation=KERNELS).eval()
+    tm = ThunderMoE.wrap(tiny_model("qwen3_moe", seed=1, num_experts=4), ep, experts_implementation=KERNELS).eval()
     met, run, own = set(), InterpretedFunction.run, tune.kernel_bindings
 
     def recorded(self, *args, grid, warmup, **kwargs):
@@ -155,13 +155,15 @@ def _tuned_then_served(rank, world):
     state, tuned = (tm._state.mode, tm._state.capturable), set(met)
     met.clear()
     got = _run_schedule(StaticDecodeBatch(tm, "cpu", set(), 0, max_batch=4), ENTRIES)
+    # Prefills of every size, alone and three together, and eager steps (the graph-shaped batch above
+    # admits through the same code and has stepped at buckets 1, 2 and 4).
     lengths = (1, 2, 3, 9, 33, 70)
-    entries = [Entry(i, [3 + (i * 7 + j) % 50 for j in range(n)], 3, (0.0, 1.0), 0) for i, n in enumerate(lengths)]
-    for batch in (DecodeBatch(tm, "cpu", set(), 0), StaticDecodeBatch(tm, "cpu", set(), 0, max_batch=4)):
-        for group in [[e] for e in entries] + [entries[i:i + 3] for i in range(0, len(entries), 3)]:
-            batch.admit(group)  # prefills of every size: alone and three together
-            while len(batch):
-                batch.step()
+    entries = [Entry(i, [3 + (i * 7 + j) % 50 for j in range(n)], 2, (0.0, 1.0), 0) for i, n in enumerate(lengths)]
+    batch = DecodeBatch(tm, "cpu", set(), 0)
+    for group in [[e] for e in entries] + [entries[i:i + 3] for i in range(0, len(entries), 3)]:
+        batch.admit(group)
+        while len(batch):
+            batch.step()
     binding = next(iter(tm.bindings.values()))
     return (sorted(met - tuned), sorted(tuned), (report.shapes, report.calls), state, got, binding.num_experts,
             binding.signature[0])
@@ -169,15 +171,16 @@ def _tuned_then_served(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_serving_after_tuning_launches_no_new_kernel_variant(world):
-    """1, 2 and 4 EP ranks (real processes, gloo), the kernels in Triton's CPU interpreter. `tune_kernels`
-    makes every call of `tuning_calls` once for the model's one experts shape (its layers share it) and
-    leaves the run state as it was. Serving after it (prompts of 1 to 70 tokens, alone and three
-    together, through eager and graph-shaped batches) launches no kernel variant (constexprs, integer
-    specializations, dtypes, launch options) that tuning did not: on a GPU nothing compiles or tunes
-    while the server serves. And the tokens equal the plain model's in one process."""
+    """1, 2 and 4 EP ranks (real processes, gloo; 4 experts, so that the row-class calls stay small in
+    the interpreter), the kernels in Triton's CPU interpreter. `tune_kernels` makes every call of
+    `tuning_calls` once for the model's one experts shape (its layers share it) and leaves the run
+    state as it was. Serving after it (prompts of 1 to 70 tokens, alone and three together, eager
+    steps, and a schedule of graph-shaped steps at buckets 1, 2 and 4) launches no kernel variant
+    (constexprs, integer specializations, dtypes, launch options) that tuning did not: on a GPU nothing
+    compiles or tunes while the server serves. And the tokens equal the plain model's in one process."""
     from hf_tiny import tiny_model
 
-    want = _run_schedule(DecodeBatch(tiny_model("qwen3_moe", seed=1).eval(), "cpu", set(), 0), ENTRIES)
+    want = _run_schedule(DecodeBatch(tiny_model("qwen3_moe", seed=1, num_experts=4).eval(), "cpu", set(), 0), ENTRIES)
     results = [_tuned_then_served(0, 1)] if world == 1 else run_ranks(_tuned_then_served, world, timeout=300)
     for new, tuned, (shapes, calls), state, got, experts, top_k in results:
         sorts = ops.ROUTE_MAX_PAIRS.bit_length() - 4  # the one-program sort at 16, 32, ... pairs
