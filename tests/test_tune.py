@@ -271,11 +271,13 @@ def test_the_pinned_path_is_undone_after_tuning(monkeypatch):
     """The Hopper-path call pins THUNDEREP_EXPERT_GEMM for itself only: unset or set, it is as it was."""
     import os
 
+    from thunderep.kernels import grouped_gemm
+
     monkeypatch.delenv("THUNDEREP_EXPERT_GEMM", raising=False)
-    with tune._pinned("THUNDEREP_EXPERT_GEMM", "torch"):
+    with grouped_gemm.pinned("THUNDEREP_EXPERT_GEMM", "torch"):
         assert os.environ["THUNDEREP_EXPERT_GEMM"] == "torch"
     assert "THUNDEREP_EXPERT_GEMM" not in os.environ
     monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "triton")
-    with pytest.raises(RuntimeError), tune._pinned("THUNDEREP_EXPERT_GEMM", "torch"):
+    with pytest.raises(RuntimeError), grouped_gemm.pinned("THUNDEREP_EXPERT_GEMM", "torch"):
         raise RuntimeError("a failed call")
     assert os.environ["THUNDEREP_EXPERT_GEMM"] == "triton"

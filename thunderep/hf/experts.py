@@ -97,7 +97,7 @@ class ExpertsBinding:
     adapters: dict = field(default_factory=dict)  # tensor name -> ExpertAdapter (thunderep.lora)
     balancer: object = None  # LayerBalancer | None (ThunderMoE.wrap(balancer=...))
     stats: object = None  # CommStats of this layer's all-to-alls, for the balancer's bandwidth meter
-    signature: tuple | None = None  # (K, x dtype, weights dtype) of the last call (`thunderep.hf.tune`)
+    signature: tuple | None = None  # (K, x dtype, weights dtype) of a call, set by `thunderep.hf.tune`
 
     @cached_property
     def all_local(self) -> bool:
@@ -142,7 +142,6 @@ class ExpertsBinding:
         return None
 
     def _forward(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
-        self.signature = (ids_TK.shape[1], x_TD.dtype, weights_TK.dtype)
         if self.all_local:  # the Hugging Face computation as it is, no dispatch
             self.calls["local"] += 1
             return self.compute(module, x_TD, ids_TK, weights_TK)

@@ -27,9 +27,7 @@ CPU runs, have nothing to tune.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -96,21 +94,6 @@ def _torch_gemm_possible(module) -> bool:
     return _forced("THUNDEREP_EXPERT_GEMM") != "triton" and _grouped_mm_usable(module.down_proj, D, I)
 
 
-@contextlib.contextmanager
-def _pinned(name: str, value: str):
-    """The environment variable `name` set to `value` within the block (tuning runs before the server's
-    threads start), then as it was."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
 def _route_sizes(slots: int, w_dtype, dtype, device) -> int:
     """Sort pair counts 16, 32, ... ROUTE_MAX_PAIRS through the kernels' one-program sort (its block is
     the count's power of two, a compile each); the calls made."""
@@ -130,10 +113,30 @@ def _local(module, binding, x_TD, ids_TK, weights_TK) -> torch.Tensor:
     return binding._local_partial(module, x_TD, weights_TK, ids_TK)
 
 
+def _record_signatures(tm, bindings, device) -> None:
+    """One token through the model (latency mode: a collective); each binding's `signature` becomes how
+    the model calls its experts module: (K, the hidden states' dtype, the routing weights' dtype)."""
+    def recorder(binding):
+        def record(module, args, kwargs):
+            named = dict(zip(("hidden_states", "top_k_index", "top_k_weights"), args), **kwargs)
+            binding.signature = (named["top_k_index"].shape[1], named["hidden_states"].dtype,
+                                 named["top_k_weights"].dtype)
+        return record
+
+    hooks = [module.register_forward_pre_hook(recorder(binding), with_kwargs=True) for module, binding in bindings]
+    try:
+        with torch.no_grad(), tm.running("latency"):
+            tm.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
     """Autotune every kernel key a server of at most `max_batch` sequences can meet (collective: every
     rank calls it, at the same point). None where nothing runs ThunderEP's kernels on a GPU. `log`:
     a function given one line before tuning starts and one for each call that took a second or more."""
+    from ..kernels.grouped_gemm import pinned
     from ..kernels.tuning import _TUNED
 
     # Every rank decides alike (one experts implementation, one device type), so either all ranks run
@@ -146,8 +149,7 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
             "the choices in its cache)")
     started, before = time.perf_counter(), len(_TUNED)
     device = next(tm.model.parameters()).device
-    with torch.no_grad(), tm.running("latency"):
-        tm.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    _record_signatures(tm, bindings, device)
     seen, calls = set(), 0
     with torch.no_grad():
         for module, binding in bindings:
@@ -179,7 +181,7 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
             if _torch_gemm_possible(module):  # long prompts on sm_90: the passes around torch's grouped GEMM
                 x_TD, ids_TK, weights_TK = _synthetic(top_k, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
                                                       device)
-                with tm._mode("latency", False), _pinned("THUNDEREP_EXPERT_GEMM", "torch"):
+                with tm._mode("latency", False), pinned("THUNDEREP_EXPERT_GEMM", "torch"):
                     _local(module, binding, x_TD, ids_TK, weights_TK)
                 calls += 1
             # The one-program sort of small batches compiles once per power of two of its pairs.

@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import statistics
 import sys
 
@@ -87,22 +86,13 @@ PINS = {
 }
 
 
-@contextlib.contextmanager
 def _pinned(impl: str):
     """"thunderep:<pin>" sets the environment variable of PINS[pin] while that implementation is
     measured; anything else runs as configured."""
+    from .grouped_gemm import pinned
+
     pin = impl.partition(":")[2] if _ours(impl) else ""
-    name, value = PINS[pin] if pin else ("", "")
-    saved = os.environ.get(name) if name else None
-    if name:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if name:
-            os.environ.pop(name)
-            if saved is not None:
-                os.environ[name] = saved
+    return pinned(*PINS[pin]) if pin else contextlib.nullcontext()
 
 
 def _ours(impl: str) -> bool:

@@ -19,6 +19,7 @@ It saves the same g, u, h as the fused forward, so either backward can follow ei
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -62,6 +63,21 @@ def _forced(name: str) -> str:
         raise ConfigError(f"{name}=torch needs torch's grouped GEMM (torch.nn.functional.grouped_mm or "
                           f"torch._grouped_mm), which this torch {torch.__version__} lacks")
     return forced
+
+
+@contextlib.contextmanager
+def pinned(name: str, value: str):
+    """The environment variable `name` (one of the pins read here per call, e.g. THUNDEREP_EXPERT_GEMM)
+    set to `value` within the block, then as it was (unset, or its old value)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def wgrad_path(t: torch.Tensor, n_rows: int, E: int, *dims: int) -> str:
