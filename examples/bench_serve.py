@@ -16,7 +16,7 @@ For each setting the script starts a server (its own process group), waits until
 one warm-up request, then `--clients` threads send `--requests` completions in all (greedy, prompts of
 `--prompt-words` words drawn from a fixed list, `--max-tokens` new tokens each, or with
 `--vary-tokens` a fixed spread from a quarter of it to all of it), and stops the server. It prints, per
-setting: requests/s, generated tokens/s, the median and 90th-percentile request latency, the seconds
+setting: requests/s, generated tokens/s, the median, 90th-percentile and longest request latency, the seconds
 from launch until the server listens and the warm-up request's seconds (the first request pays for
 what the server does once: Triton's autotuning, CUDA graph captures); then the ratio of the second
 setting to the first. Settings alternate (A, B, A, B with `--rounds 2`).
@@ -119,7 +119,8 @@ def load(url: str, args) -> dict:
         raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
     lat = sorted(latencies)
     return {"requests_s": len(lat) / wall, "tokens_s": sum(tokens) / wall, "latency_p50_s": statistics.median(lat),
-            "latency_p90_s": lat[min(len(lat) - 1, int(0.9 * len(lat)))], "wall_s": wall, "tokens": sum(tokens)}
+            "latency_p90_s": lat[min(len(lat) - 1, int(0.9 * len(lat)))], "latency_max_s": lat[-1],
+            "wall_s": wall, "tokens": sum(tokens)}
 
 
 def main(argv=None) -> int:
@@ -179,13 +180,14 @@ def main(argv=None) -> int:
                 print(f"round {r + 1}, {label}: started in {m['start_s']:.1f} s, first request "
                       f"{m['first_request_s']:.2f} s; {m['requests_s']:.2f} requests/s, "
                       f"{m['tokens_s']:.1f} tokens/s, latency p50 {m['latency_p50_s'] * 1e3:.0f} ms, "
-                      f"p90 {m['latency_p90_s'] * 1e3:.0f} ms", flush=True)
+                      f"p90 {m['latency_p90_s'] * 1e3:.0f} ms, max {m['latency_max_s'] * 1e3:.0f} ms", flush=True)
     spread = ", 1/4 to all of it" if args.vary_tokens else ""
     print(f"\n{args.ep} rank(s), {args.clients} clients, {args.requests} requests of {args.max_tokens} new tokens"
           f"{spread} ({'CPU' if args.cpu else 'GPU'}); medians over rounds")
     print(f"| | {labels[0]} | {labels[1]} | ratio |\n|---|---|---|---|")
     for key, label, higher in (("requests_s", "requests/s", True), ("tokens_s", "tokens/s", True),
                                ("latency_p50_s", "latency p50 ms", False), ("latency_p90_s", "latency p90 ms", False),
+                               ("latency_max_s", "latency max ms", False),
                                ("start_s", "start s", False), ("first_request_s", "first request s", False)):
         a = statistics.median(m[key] for m in results[labels[0]])
         b = statistics.median(m[key] for m in results[labels[1]])

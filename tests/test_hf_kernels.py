@@ -20,7 +20,7 @@ from hf_tiny import V, tiny_model  # noqa: E402
 
 from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.hf import ThunderMoE, find_experts_modules  # noqa: E402
-from thunderep.hf.experts import KERNELS  # noqa: E402
+from thunderep.hf.experts import AUTO, KERNELS, resolve_implementation  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "olmoe")
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests; the gpu test covers CUDA")
@@ -70,6 +70,43 @@ def test_layouts_the_kernels_do_not_cover_are_refused():
         module.act_fn = torch.nn.Tanh()
     with pytest.raises(ConfigError, match="MixtralExperts cannot run.*activation is none of silu"):
         ThunderMoE.wrap(model, experts_implementation=KERNELS)
+
+
+def test_auto_picks_the_kernels_for_covered_16_bit_experts_on_a_gpu(monkeypatch):
+    """experts_implementation="auto": the kernels only where the device runs them, the weights are
+    bfloat16 / float16 and the kernels cover the experts class; the model's own computation elsewhere."""
+    import thunderep.kernels
+
+    monkeypatch.setattr(thunderep.kernels, "available", lambda device=None: torch.device(device).type == "cuda")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def first_experts(model):
+        return find_experts_modules(model)[0][1]
+
+    mixtral = first_experts(tiny_model("mixtral", seed=1).to(torch.bfloat16))
+    own = mixtral.config._experts_implementation or "grouped_mm"
+    assert resolve_implementation(mixtral, AUTO, cuda) == KERNELS
+    assert resolve_implementation(mixtral.to(torch.float16), AUTO, cuda) == KERNELS
+    assert resolve_implementation(mixtral, AUTO, cpu) == own
+    assert resolve_implementation(mixtral.float(), AUTO, cuda) == own  # float32: the model's own
+    assert resolve_implementation(mixtral, None, cuda) == own
+    assert resolve_implementation(mixtral, "eager", cuda) == "eager"
+    gpt_oss = first_experts(tiny_model("gpt_oss", seed=1).to(torch.bfloat16))  # biases: not covered
+    assert resolve_implementation(gpt_oss, AUTO, cuda) == (gpt_oss.config._experts_implementation or "grouped_mm")
+    # wrap resolves per experts module at the device it is given (from_pretrained passes its device)
+    tm = ThunderMoE.wrap(tiny_model("mixtral", seed=1).to(torch.bfloat16), experts_implementation=AUTO, device=cuda)
+    assert all(getattr(b.compute, "pairs_partial", None) is not None for b in tm.bindings.values())
+    tm = ThunderMoE.wrap(tiny_model("mixtral", seed=1).to(torch.bfloat16), experts_implementation=AUTO)
+    assert all(getattr(b.compute, "pairs_partial", None) is None for b in tm.bindings.values())  # on CPU
+
+
+def test_auto_on_cpu_equals_the_plain_model():
+    model = tiny_model("qwen3_moe", seed=2)
+    ref = copy.deepcopy(model).eval()
+    tm = ThunderMoE.wrap(model, experts_implementation=AUTO).eval()
+    x = _ids(seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(tm(input_ids=x).logits, ref(input_ids=x).logits, rtol=1e-5, atol=1e-5)
 
 
 @CPU_ONLY
@@ -152,3 +189,13 @@ def test_gpu_kernels_equal_grouped_mm_in_a_model():
     loss.backward()
     assert abs(loss.item() - loss_ref.item()) < 2e-2 * abs(loss_ref.item())
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in tm.model.parameters() if p.requires_grad)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_runs_the_kernels_in_16_bit_only():
+    model = tiny_model("mixtral", seed=1).to("cuda", torch.bfloat16)
+    assert all(getattr(b.compute, "pairs_partial", None) is not None
+               for b in ThunderMoE.wrap(model, experts_implementation=AUTO).bindings.values())
+    model = tiny_model("mixtral", seed=1).to("cuda")
+    assert all(getattr(b.compute, "pairs_partial", None) is None
+               for b in ThunderMoE.wrap(model, experts_implementation=AUTO).bindings.values())

@@ -5,6 +5,7 @@ against one process), nothing runs where nothing is tuned, and on a GPU serving 
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 import torch
@@ -201,6 +202,8 @@ def _gpu_tuned_then_served(rank, world):
     from thunderep.comm.runtime import ExpertParallel
     from thunderep.kernels import tuning
 
+    if world > 1:  # a spawned NCCL rank: tests/distributed.py defaults those to fixed configs
+        os.environ["THUNDEREP_TRITON_AUTOTUNE"] = "1"
     ep = ExpertParallel(init_expert_parallel(world), EPConfig()) if world > 1 else None
     device = ep.groups.device if ep is not None else torch.device("cuda")
     model = tiny_model("mixtral", seed=1).to(device, torch.bfloat16)

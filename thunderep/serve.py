@@ -345,10 +345,12 @@ def _parser() -> argparse.ArgumentParser:
                         "replays each decode step from a CUDA graph (one per batch size); off: eager steps")
     p.add_argument("--max-new-tokens", type=int, default=128, help="max_tokens when a request gives none")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
-    p.add_argument("--experts-implementation", default=None,
-                   help="what computes each rank's experts: the model's own transformers function (default), "
-                        "another one (grouped_mm, eager, ...), or triton (ThunderEP's kernels, CUDA; autotuned "
-                        "before the server listens: about a minute the first time on a machine, seconds after)")
+    p.add_argument("--experts-implementation", default="auto",
+                   help="what computes each rank's experts: auto (default): ThunderEP's Triton kernels for "
+                        "experts they cover in bfloat16 / float16 on a GPU, else the model's own transformers "
+                        "function; triton (the kernels, or an error); a transformers function (grouped_mm, "
+                        "eager, ...). The kernels are autotuned before the server listens: about a minute the "
+                        "first time on a machine, seconds after")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request waits for its answer")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")

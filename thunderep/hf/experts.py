@@ -22,7 +22,9 @@ weights are applied on the sending rank exactly as transformers applies them. So
 experts class supports (transposed, interleaved, biases, custom gates) runs unchanged.
 `experts_implementation="triton"` runs ThunderEP's Triton kernels instead (`kernel_compute_fn`), for
 experts in the plain gated layout (gate_up_proj [E, 2I, D], down_proj [E, D, I], no biases, no
-custom gate, a silu / gelu / gelu_tanh / relu activation) on CUDA.
+custom gate, a silu / gelu / gelu_tanh / relu activation) on CUDA. `experts_implementation="auto"`
+picks them per experts module where they cover it and it runs on a CUDA GPU in bfloat16 or float16
+(`resolve_implementation`), else the model's own.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ..errors import ConfigError, UnsupportedModelError
 from ..router import Routing, expert_counts
 
 __all__ = [
+    "AUTO",
     "ExpertAdapter",
     "IMPLEMENTATION",
     "KERNELS",
@@ -48,11 +51,13 @@ __all__ = [
     "experts_compute_fn",
     "kernel_compute_fn",
     "register_experts_implementation",
+    "resolve_implementation",
     "thunderep_experts_forward",
 ]
 
 IMPLEMENTATION = "thunderep"
 KERNELS = "triton"  # experts_implementation value: ThunderEP's Triton kernels compute the local experts
+AUTO = "auto"  # experts_implementation value: the kernels where they cover the experts on a 16-bit GPU
 MODES = ("ep", "latency", "allgather")
 
 
@@ -307,6 +312,27 @@ def experts_compute_fn(module, implementation: str | None) -> Callable:
             f"{', '.join(sorted(k for k in ALL_EXPERTS_FUNCTIONS if k != IMPLEMENTATION))}"
         )
     return ALL_EXPERTS_FUNCTIONS[implementation]
+
+
+def resolve_implementation(module, requested: str | None, device: torch.device) -> str:
+    """The experts implementation `module` runs under `requested`: None is the model's own (its
+    config's, else "grouped_mm"); "auto" is ThunderEP's kernels (KERNELS) where `device` is a CUDA GPU
+    they run on, the experts' weights are bfloat16 or float16 and the kernels cover the experts class
+    (`kernel_compute_fn` accepts it), else the model's own; any other value is itself."""
+    own = module.config._experts_implementation or "grouped_mm"
+    if requested != AUTO:
+        return requested or own
+    from ..kernels import available
+
+    weight = getattr(module, "gate_up_proj", None)
+    if not (isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16)
+            and available(device)):
+        return own
+    try:
+        kernel_compute_fn(module)
+    except ConfigError:  # a layout the kernels do not cover: the model's own computation runs it
+        return own
+    return KERNELS
 
 
 def _activation_name(act_fn) -> str | None:

@@ -371,7 +371,7 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     with torch.device("meta"):
         model = (model_class or AutoModelForCausalLM).from_config(config, **kwargs)
     wrapped = cls.wrap(model, ep, placement=placement, experts_implementation=experts_implementation, move=False,
-                       balancer=balancer, spare_slots=spare_slots)
+                       balancer=balancer, spare_slots=spare_slots, device=device)
     check_fits(model, device, ep)  # before allocating: a clear error instead of running out mid-load
     rss_before = rss_bytes()  # libraries imported, model on meta: what follows is the weights
     model.to_empty(device=device)

@@ -182,7 +182,10 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 x_TD, ids_TK, weights_TK = _synthetic(top_k, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
                                                       device)
                 with tm._mode("latency", False), pinned("THUNDEREP_EXPERT_GEMM", "torch"):
-                    _local(module, binding, x_TD, ids_TK, weights_TK)
+                    if binding.all_local:
+                        binding.compute(module, x_TD, ids_TK, weights_TK)
+                    else:  # a long prompt's local rows, sorted (few tokens would take the pair kernels)
+                        binding.compute_rows(module, x_TD, ids_TK[:, 0] % binding.num_slots)
                 calls += 1
             # The one-program sort of small batches compiles once per power of two of its pairs.
             w_dtype = w_dtype if binding.all_local else x_dtype  # compute_rows weighs its rows by ones

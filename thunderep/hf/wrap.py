@@ -41,6 +41,7 @@ from .experts import (
     RunState,
     experts_compute_fn,
     register_experts_implementation,
+    resolve_implementation,
 )
 
 __all__ = ["ThunderMoE", "find_experts_modules"]
@@ -193,14 +194,18 @@ class ThunderMoE(nn.Module):
     @classmethod
     def wrap(cls, model: nn.Module, ep=None, *, placement: Placement | None = None,
              experts_implementation: str | None = None, move: bool = True, balancer=None,
-             spare_slots: int = 0) -> "ThunderMoE":
+             spare_slots: int = 0, device: torch.device | str | None = None) -> "ThunderMoE":
         """Shard `model`'s experts over `ep` (in place) and route them through ThunderEP.
 
         ep: an `ExpertParallel` runtime, or None (all experts stay local; nothing moves).
         placement: which experts each EP rank holds (default: contiguous blocks), the same for every layer.
         experts_implementation: the Hugging Face computation of the local experts (default: the model's
-            current one, e.g. "grouped_mm"; "eager" = the experts class's own loop), or "triton":
-            ThunderEP's Triton kernels (CUDA; plain gated experts only, others raise ConfigError).
+            current one, e.g. "grouped_mm"; "eager" = the experts class's own loop), "triton":
+            ThunderEP's Triton kernels (CUDA; plain gated experts only, others raise ConfigError), or
+            "auto": the kernels for each experts module they cover in bfloat16 / float16 on a CUDA
+            `device`, the model's own computation elsewhere.
+        device: where the experts will run, for "auto" (default: the EP runtime's device when moving
+            there, else where the experts' weights are).
         move: move the model to the EP runtime's device (its GPU under NCCL) after slicing.
         spare_slots: without a placement, slots per rank beyond E / R (contiguous blocks, the extra slots
             replicating experts round-robin): room for the balancer's replicas.
@@ -231,8 +236,9 @@ class ThunderMoE(nn.Module):
                 local = layer_placement.experts_of(ep.groups.ep_rank)
             else:
                 layer_placement, local = None, tuple(range(E))
-            implementation = experts_implementation or module.config._experts_implementation or "grouped_mm"
-            compute = experts_compute_fn(module, implementation)
+            runs_on = torch.device(device) if device is not None else (
+                ep.groups.device if move and ep is not None else getattr(module, tensors[0]).device)
+            compute = experts_compute_fn(module, resolve_implementation(module, experts_implementation, runs_on))
             if local != tuple(range(E)):
                 _slice_experts(module, tensors, local)
             binding = ExpertsBinding(name=name, class_name=type(module).__name__, num_experts=E,
