@@ -275,6 +275,7 @@ def test_serve_on_two_gpus_equals_the_plain_model(tmp_path):
     chat_tokenizer(V).save_pretrained(model_dir)
     with _running_server(model_dir, tmp_path / "log.txt", start_timeout=300) as (url, _):
         assert "cuda" in (tmp_path / "log.txt").read_text()
+        assert "experts: 2 module(s) on " in (tmp_path / "log.txt").read_text()  # float32: the model's own
         tok = AutoTokenizer.from_pretrained(model_dir)
         prompt = "hello there w40 w41"
         text, _, _ = _reference(model_dir, tok.encode(prompt), 8)
@@ -297,6 +298,8 @@ def test_a_dead_or_silent_rank_ends_the_server_within_its_timeout(tmp_path, how)
     log_path = tmp_path / "log.txt"
     with _running_server(model_dir, log_path, "--cpu", "--timeout", "5") as (url, proc):
         assert _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})[0] == 200
+        # the default experts implementation, auto, on CPU: the model's own for both MoE layers
+        assert re.search(r"experts: 2 module\(s\) on (grouped_mm|eager)\n", log_path.read_text())
         ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
                  if "spawn_main" in " ".join(c.cmdline())]
         assert len(ranks) == 2, [c.cmdline() for c in ranks]

@@ -39,6 +39,7 @@ ranks go on serving in step; a rank that dies or stops answering ends the server
 from __future__ import annotations
 
 import argparse
+import collections
 import pickle
 import struct
 import sys
@@ -68,6 +69,10 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
     ranks = _Ranks(ep, args.timeout) if world > 1 else None
     tm.eval()
     say = (lambda line: print(f"[thunderep serve] {line}", flush=True)) if rank == 0 else None
+    if say is not None:
+        runs = collections.Counter(b.implementation for b in tm.bindings.values())
+        say("experts: " + ", ".join(f"{n} module(s) on {'ThunderEP kernels (triton)' if i == 'triton' else i}"
+                                    for i, n in sorted(runs.items())))
     from .hf.tune import tune_kernels
 
     tuned = tune_kernels(tm, args.max_batch, log=say)  # before listening: no request waits on autotuning

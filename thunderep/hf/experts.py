@@ -87,6 +87,7 @@ class ExpertsBinding:
     name: the module's path in the model. num_experts: E (global). local_experts: the logical expert of
     each local slot. tensors: names of the module's expert-sharded tensors (leading dim = slots).
     compute: the Hugging Face experts function run on local rows, `compute(module, x, ids, weights)`.
+    implementation: the experts implementation `compute` runs ("triton" for ThunderEP's kernels).
     """
 
     name: str
@@ -103,6 +104,7 @@ class ExpertsBinding:
     balancer: object = None  # LayerBalancer | None (ThunderMoE.wrap(balancer=...))
     stats: object = None  # CommStats of this layer's all-to-alls, for the balancer's bandwidth meter
     signature: tuple | None = None  # (K, x dtype, weights dtype) of a call, set by `thunderep.hf.tune`
+    implementation: str = ""
 
     @cached_property
     def all_local(self) -> bool:

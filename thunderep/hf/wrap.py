@@ -238,12 +238,13 @@ class ThunderMoE(nn.Module):
                 layer_placement, local = None, tuple(range(E))
             runs_on = torch.device(device) if device is not None else (
                 ep.groups.device if move and ep is not None else getattr(module, tensors[0]).device)
-            compute = experts_compute_fn(module, resolve_implementation(module, experts_implementation, runs_on))
+            implementation = resolve_implementation(module, experts_implementation, runs_on)
+            compute = experts_compute_fn(module, implementation)
             if local != tuple(range(E)):
                 _slice_experts(module, tensors, local)
             binding = ExpertsBinding(name=name, class_name=type(module).__name__, num_experts=E,
                                      local_experts=tuple(local), tensors=tensors, compute=compute, state=state,
-                                     ep=ep, placement=layer_placement)
+                                     ep=ep, placement=layer_placement, implementation=implementation)
             if balancer is not None and ep.groups.ep_size > 1:
                 from ..balance.layer_balancer import LayerBalancer
                 from ..comm.dispatcher import CommStats
