@@ -170,7 +170,7 @@ def test_bench_link_ranks_on_gloo_and_timeout():
         measure_world(2, "default", size_list, iters=2, warmup=1, timeout_s=60, backend="gloo", op="broadcast")
 
 
-@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce"])
 def test_bench_link_ring_collectives_on_gloo(op):
     """`--ops`: the ring collectives run at every size of the list, including sizes not a multiple of
     2 * world bytes (the bf16 reduce-scatter rounds its element count to the world)."""

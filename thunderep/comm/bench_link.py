@@ -19,7 +19,10 @@ created.
 (`all_gather_into_tensor`, S / R bytes in, S out) and `reduce_scatter` (S bytes of bf16 in, S / R
 out, summed). Each sends S (R - 1) / R bytes to its peers, as the all-to-all does, so the three
 columns compare NCCL's point-to-point path (which carries the all-to-all) with its ring path on the
-same link. Only the all-to-all fit feeds `thunderep project`.
+same link. `all_reduce` sums S bytes of bf16 in place on every rank: latency mode's cost per MoE layer
+(a decode step's hidden states are S = rows * hidden * 2 bytes). A ring all-reduce sends twice the
+bytes of the others, 2 S (R - 1) / R; its fit still counts S (R - 1) / R, so its beta reads as half
+the link's. Only the all-to-all fit feeds `thunderep project`.
 
 Timing: every iteration is a barrier, a device synchronize, then one collective and a device
 synchronize, timed on the host: the exposed time of one collective, launch included, as the projection
@@ -64,7 +67,7 @@ __all__ = ["OPS", "SETTINGS", "fit_alpha_beta", "main", "measure_world", "sizes"
 # setting -> NCCL environment on top of this process's; "default" also removes NCCL_P2P_DISABLE.
 SETTINGS = {"default": {}, "p2p_disabled": {"NCCL_P2P_DISABLE": "1"}}
 # The collectives a run can time, each at S bytes per rank with S (R - 1) / R of them sent to peers.
-OPS = ("all_to_all", "all_gather", "reduce_scatter")
+OPS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
 
 
 def sizes(min_bytes: int, max_bytes: int, world: int) -> list[int]:
@@ -116,6 +119,8 @@ def _collective(op: str, size: int, world: int, send: torch.Tensor, recv: torch.
         return lambda: dist.all_to_all_single(recv[:size], send[:size])
     if op == "all_gather":
         return lambda: dist.all_gather_into_tensor(recv[:size], send[:size // world])
+    if op == "all_reduce":  # zeros summed in place: they stay zeros
+        return lambda: dist.all_reduce(recv_bf16[:max(1, size // 2)])
     n = max(world, size // 2 // world * world)  # bf16 elements, a multiple of the world
     return lambda: dist.reduce_scatter_tensor(recv_bf16[:n // world], send_bf16[:n])
 
@@ -141,7 +146,7 @@ def _worker(spec: dict) -> int:
         send_N = torch.ones(max(spec["sizes"]), dtype=torch.uint8, device=device)
         recv_N = torch.empty_like(send_N)
         send_bf16 = torch.ones(max(spec["sizes"]) // 2 + world, dtype=torch.bfloat16, device=device)
-        recv_bf16 = torch.empty_like(send_bf16)
+        recv_bf16 = torch.zeros_like(send_bf16)
         medians = []
         for size in spec["sizes"]:
             run = _collective(spec.get("op", "all_to_all"), size, world, send_N, recv_N, send_bf16, recv_bf16)
