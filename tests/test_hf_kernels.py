@@ -75,9 +75,9 @@ def test_layouts_the_kernels_do_not_cover_are_refused():
 def test_auto_picks_the_kernels_for_covered_16_bit_experts_on_a_gpu(monkeypatch):
     """experts_implementation="auto": the kernels only where the device runs them, the weights are
     bfloat16 / float16 and the kernels cover the experts class; the model's own computation elsewhere."""
-    import thunderep.kernels
+    import thunderep.hf.experts
 
-    monkeypatch.setattr(thunderep.kernels, "available", lambda device=None: torch.device(device).type == "cuda")
+    monkeypatch.setattr(thunderep.hf.experts, "_kernels_run_on", lambda device: torch.device(device).type == "cuda")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
     def first_experts(model):

@@ -316,19 +316,25 @@ def experts_compute_fn(module, implementation: str | None) -> Callable:
     return ALL_EXPERTS_FUNCTIONS[implementation]
 
 
+def _kernels_run_on(device: torch.device) -> bool:
+    """A CUDA GPU of compute capability 8.0 or later (the kernels' 16-bit tensor-core tiles), Triton installed."""
+    from ..kernels import available
+
+    return available(device) and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def resolve_implementation(module, requested: str | None, device: torch.device) -> str:
     """The experts implementation `module` runs under `requested`: None is the model's own (its
     config's, else "grouped_mm"); "auto" is ThunderEP's kernels (KERNELS) where `device` is a CUDA GPU
-    they run on, the experts' weights are bfloat16 or float16 and the kernels cover the experts class
-    (`kernel_compute_fn` accepts it), else the model's own; any other value is itself."""
+    of compute capability 8.0 or later, the experts' weights are bfloat16 or float16 and the kernels
+    cover the experts class (`kernel_compute_fn` accepts it), else the model's own; any other value is
+    itself."""
     own = module.config._experts_implementation or "grouped_mm"
     if requested != AUTO:
         return requested or own
-    from ..kernels import available
-
     weight = getattr(module, "gate_up_proj", None)
     if not (isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16)
-            and available(device)):
+            and _kernels_run_on(device)):
         return own
     try:
         kernel_compute_fn(module)
