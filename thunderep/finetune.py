@@ -419,7 +419,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="dtype of the written checkpoint (auto: the input checkpoint's)")
     p.add_argument("--experts-implementation", default=None,
                    help="what computes each rank's experts: the model's own transformers function (default), "
-                        "another one (grouped_mm, eager, ...), or triton (ThunderEP's kernels, CUDA)")
+                        "another one (grouped_mm, eager, ...), triton (ThunderEP's kernels, CUDA), or auto (the "
+                        "kernels for experts they cover in bfloat16 / float16 on a GPU, else the model's own)")
     p.add_argument("--freeze", nargs="+", metavar="PATTERN",
                    help="train only the rest: parameters whose name matches a pattern (a regular expression, "
                         "searched in transformers' names such as model.layers.0.mlp.experts.gate_up_proj) get "

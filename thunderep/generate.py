@@ -187,7 +187,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
     p.add_argument("--experts-implementation", default=None,
                    help="what computes each rank's experts: the model's own transformers function (default), "
-                        "another one (grouped_mm, eager, ...), or triton (ThunderEP's kernels, CUDA)")
+                        "another one (grouped_mm, eager, ...), triton (ThunderEP's kernels, CUDA), or auto (the "
+                        "kernels for experts they cover in bfloat16 / float16 on a GPU, else the model's own)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
     return p
 
