@@ -88,8 +88,11 @@ def test_project_with_alpha_and_bandwidth_given(run_dir, capsys):
 
 
 def test_project_with_bench_link_file(run_dir, tmp_path, capsys):
-    link = _link_file(tmp_path, [  # the ring collectives' fits (`--ops`) must not feed the projection
+    link = _link_file(tmp_path, [  # the ring collectives' fits (`--ops`) and the fits in CUDA graphs
+        # (`--graph`) must not feed the projection
         {"world": 2, "setting": "p2p_disabled", "op": "all_gather", "alpha_us": 5.0, "beta_GBps": 30.0},
+        {"world": 2, "setting": "p2p_disabled", "op": "all_to_all", "graph": 32, "latency_us": 9.0,
+         "alpha_us": 9.0, "beta_GBps": 20.0},
         {"world": 2, "setting": "p2p_disabled", "latency_us": 50.0, "alpha_us": 50.0, "beta_GBps": 8.0},
         {"world": 2, "setting": "default", "op": "reduce_scatter", "alpha_us": 5.0, "beta_GBps": 30.0},
         {"world": 2, "setting": "default", "op": "all_to_all", "latency_us": 20.0, "alpha_us": 20.0,
@@ -168,6 +171,8 @@ def test_bench_link_ranks_on_gloo_and_timeout():
         measure_world(2, "default", size_list, iters=2, warmup=1, timeout_s=0.2, backend="gloo")
     with pytest.raises(ConfigError, match="unknown collective 'broadcast'; known: all_to_all, all_gather"):
         measure_world(2, "default", size_list, iters=2, warmup=1, timeout_s=60, backend="gloo", op="broadcast")
+    with pytest.raises(ConfigError, match="captured in CUDA graphs need graph >= 1 and the nccl backend"):
+        measure_world(2, "default", size_list, iters=2, warmup=1, timeout_s=60, backend="gloo", graph=8)
 
 
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce"])
@@ -178,3 +183,43 @@ def test_bench_link_ring_collectives_on_gloo(op):
     assert size_list[0] == 8
     seconds = measure_world(4, "p2p_disabled", size_list, iters=2, warmup=1, timeout_s=90, backend="gloo", op=op)
     assert len(seconds) == len(size_list) and all(0 < t < 5 for t in seconds)
+
+
+def test_bench_link_graph_rows_beside_the_eager_ones(monkeypatch, tmp_path, capsys):
+    """`--graph N`: every op is timed eager and in CUDA graphs (the GPUs and the timing faked here:
+    each row's fit recovers the latency its fake measurement was made with, the projection ignores the
+    graph rows)."""
+    import types
+
+    import thunderep.comm.bench_link as bench_link
+    import thunderep.doctor.gpu as doctor_gpu
+
+    calls = []
+
+    def fake_measure(world, setting, size_list, *, iters, warmup, timeout_s, op, graph=0):
+        calls.append((op, graph))
+        latency = 10e-6 if graph else 60e-6  # seconds; 10 GB/s for the bytes sent to peers
+        return [latency + s * (world - 1) / world / 10e9 for s in size_list]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(bench_link, "_hardware", lambda n: f"{n} x Test GPU")
+    monkeypatch.setattr(bench_link, "measure_world", fake_measure)
+    monkeypatch.setattr(doctor_gpu, "measure_pair", lambda torch_, i, j, nbytes: types.SimpleNamespace(
+        src=i, dst=j, nbytes=nbytes, peer_access=False, peer_gbps=20.0, via_host_gbps=20.0, error=None))
+    out = tmp_path / "link.json"
+    assert bench_link.main(["--worlds", "2", "--settings", "p2p_disabled", "--ops", "all_reduce", "all_to_all",
+                            "--graph", "16", "--min-bytes", "8192", "--max-bytes", str(1 << 24),
+                            "--json", str(out)]) == 0
+    assert calls == [("all_reduce", 0), ("all_reduce", 16), ("all_to_all", 0), ("all_to_all", 16)]
+    text = capsys.readouterr().out
+    assert "all_reduce in graph" in text and "(and in CUDA graphs of 16)" in text
+    fits = json.loads(out.read_text())["fits"]
+    assert [(f["op"], f["graph"]) for f in fits] == calls
+    for f in fits:
+        assert f["latency_us"] == pytest.approx(10.0 if f["graph"] else 60.0, rel=1e-6)
+        assert f["beta_GBps"] == pytest.approx(10.0, rel=1e-6)
+    link, _ = load_link(str(out), world=2, setting="p2p_disabled")  # the eager all-to-all fit
+    assert link.alpha_us == pytest.approx(60.0, rel=1e-6)
+    with pytest.raises(SystemExit):
+        bench_link.main(["--worlds", "2", "--graph", "-1"])

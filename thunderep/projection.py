@@ -105,9 +105,9 @@ def load_link(path: str | Path, *, world: int, setting: str) -> tuple[Link, str]
     if setting not in settings:
         raise ConfigError(f"link file {path} has no fits for setting {setting!r} (it has: "
                           f"{', '.join(settings) or 'none'}); pick one with --link-setting")
-    for fit in fits:  # only the all-to-all fits (files from before `--ops` name no op)
+    for fit in fits:  # only the eager all-to-all fits (files from before `--ops` name no op)
         if (isinstance(fit, dict) and fit.get("setting") == setting and fit.get("world") == world
-                and fit.get("op", "all_to_all") == "all_to_all"):
+                and fit.get("op", "all_to_all") == "all_to_all" and not fit.get("graph")):
             missing = [k for k in ("alpha_us", "beta_GBps") if k not in fit]
             if missing:
                 raise ConfigError(f"link file {path}: the fit for world {world}, setting {setting!r} lacks "

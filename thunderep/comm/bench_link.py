@@ -27,6 +27,9 @@ the link's. Only the all-to-all fit feeds `thunderep project`.
 Timing: every iteration is a barrier, a device synchronize, then one collective and a device
 synchronize, timed on the host: the exposed time of one collective, launch included, as the projection
 charges it (no overlap). Per size: the median over iterations on each rank, then the largest over ranks.
+`--graph N` times every op a second time inside CUDA graphs, as a server's captured decode steps run
+it: N collectives back to back captured in one graph, each iteration one replay, its time divided by
+N (rows "OP in graph"; the host's launch is gone, NCCL's own latency is not).
 
 Fit: t = latency + x / beta, with x = S (R - 1) / R the bytes this rank sends to its peers. Weighted
 least squares on the relative error (each point weighted by 1 / t), so an 8-byte point counts as much
@@ -125,6 +128,19 @@ def _collective(op: str, size: int, world: int, send: torch.Tensor, recv: torch.
     return lambda: dist.reduce_scatter_tensor(recv_bf16[:n // world], send_bf16[:n])
 
 
+def _captured(run, count: int, device: torch.device):
+    """`run` `count` times back to back, captured in one CUDA graph; the graph's replay. `run` runs once
+    first, outside the capture (the communicator's first use of the buffers)."""
+    run()
+    torch.cuda.synchronize(device)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(count):
+            run()
+    torch.cuda.synchronize(device)
+    return graph.replay
+
+
 def _worker(spec: dict) -> int:
     """One rank of a (setting, world) run, in its own process: times spec["op"] per size and writes
     {"rank", "seconds"} (median seconds per size) to spec["out"]."""
@@ -150,6 +166,9 @@ def _worker(spec: dict) -> int:
         medians = []
         for size in spec["sizes"]:
             run = _collective(spec.get("op", "all_to_all"), size, world, send_N, recv_N, send_bf16, recv_bf16)
+            per_run = spec.get("graph", 0) or 1  # collectives per timed call
+            if spec.get("graph", 0):
+                run = _captured(run, per_run, device)
             times = []
             for i in range(spec["warmup"] + spec["iters"]):
                 if cuda:
@@ -161,7 +180,7 @@ def _worker(spec: dict) -> int:
                 run()
                 sync()
                 if i >= spec["warmup"]:
-                    times.append(time.perf_counter() - start)
+                    times.append((time.perf_counter() - start) / per_run)
             medians.append(statistics.median(times))
         Path(spec["out"]).write_text(json.dumps({"rank": rank, "seconds": medians}))
     finally:
@@ -189,12 +208,16 @@ def _tail(path: Path, lines: int = 6) -> str:
 
 
 def measure_world(world: int, setting: str, size_list: list[int], *, iters: int, warmup: int,
-                  timeout_s: float, backend: str = "nccl", op: str = "all_to_all") -> list[float]:
+                  timeout_s: float, backend: str = "nccl", op: str = "all_to_all", graph: int = 0) -> list[float]:
     """Seconds per size (median over iterations, largest over ranks) of `op` (one of OPS; per-rank
     buffers of each size in bytes) on GPUs 0 .. world-1 under NCCL `setting`, in `world` freshly
-    started processes (backend "gloo": on CPU)."""
+    started processes (backend "gloo": on CPU). graph > 0: `graph` collectives captured in one CUDA
+    graph per timed replay (NCCL only)."""
     from ..launch import free_port
 
+    if graph < 0 or (graph and backend != "nccl"):
+        raise ConfigError(f"graph={graph}: collectives captured in CUDA graphs need graph >= 1 and the nccl "
+                          f"backend (here {backend!r})")
     if setting not in SETTINGS:
         raise ConfigError(f"unknown NCCL setting {setting!r}; known: {', '.join(SETTINGS)}")
     if op not in OPS:
@@ -204,7 +227,7 @@ def measure_world(world: int, setting: str, size_list: list[int], *, iters: int,
         try:
             for rank in range(world):
                 spec = {"rank": rank, "world": world, "port": port, "backend": backend, "sizes": size_list, "op": op,
-                        "iters": iters, "warmup": warmup, "timeout_s": timeout_s,
+                        "graph": graph, "iters": iters, "warmup": warmup, "timeout_s": timeout_s,
                         "out": str(Path(tmp) / f"rank{rank}.json")}
                 logs.append(Path(tmp) / f"rank{rank}.log")
                 with open(logs[-1], "w") as log:
@@ -216,17 +239,17 @@ def measure_world(world: int, setting: str, size_list: list[int], *, iters: int,
                 failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
                 if failed:
                     r = failed[0]
-                    raise CommError(f"bench link, {op}, world {world}, {setting}: rank {r} exited with code "
+                    raise CommError(f"bench link, {op}{' in graph' if graph else ''}, world {world}, {setting}: rank {r} exited with code "
                                     f"{procs[r].returncode}: {_tail(logs[r])}")
                 if time.monotonic() > deadline:
                     late = [r for r, p in enumerate(procs) if p.poll() is None]
-                    raise PeerTimeout(f"bench link, {op}, world {world}, {setting}: ranks {late} still running after "
+                    raise PeerTimeout(f"bench link, {op}{' in graph' if graph else ''}, world {world}, {setting}: ranks {late} still running after "
                                       f"--timeout {timeout_s:g} s, killed; rank {late[0]} said: {_tail(logs[late[0]])}",
                                       rank=late[0])
                 time.sleep(0.1)
             for r, p in enumerate(procs):
                 if p.returncode != 0:
-                    raise CommError(f"bench link, {op}, world {world}, {setting}: rank {r} exited with code "
+                    raise CommError(f"bench link, {op}{' in graph' if graph else ''}, world {world}, {setting}: rank {r} exited with code "
                                     f"{p.returncode}: {_tail(logs[r])}")
             per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text())["seconds"] for r in range(world)]
         finally:
@@ -237,16 +260,21 @@ def measure_world(world: int, setting: str, size_list: list[int], *, iters: int,
     return [max(column) for column in zip(*per_rank)]
 
 
-def _fit_row(world: int, setting: str, size_list: list[int], seconds: list[float], op: str = "all_to_all") -> dict:
+def _fit_row(world: int, setting: str, size_list: list[int], seconds: list[float], op: str = "all_to_all",
+             graph: int = 0) -> dict:
     sent = [s * (world - 1) / world for s in size_list]
     latency, beta = fit_alpha_beta(sent, seconds)
     errors = [abs(latency + x / beta - t) / t for x, t in zip(sent, seconds)]
-    return {"world": world, "setting": setting, "op": op, "env": SETTINGS[setting],
+    return {"world": world, "setting": setting, "op": op, "graph": graph, "env": SETTINGS[setting],
             "latency_us": latency * 1e6, "alpha_us": latency * 1e6 / (world - 1), "beta_GBps": beta / 1e9,
             "smallest_us": seconds[0] * 1e6, "largest_GBps": sent[-1] / seconds[-1] / 1e9,
             "max_rel_error": max(errors),
             "points": [{"bytes_per_rank": s, "bytes_sent": x, "seconds": t}
                        for s, x, t in zip(size_list, sent, seconds)]}
+
+
+def _op_label(fit: dict) -> str:
+    return fit["op"] + (" in graph" if fit.get("graph") else "")
 
 
 def _hardware(n: int) -> str:
@@ -275,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=list(SETTINGS))
     p.add_argument("--ops", nargs="+", choices=OPS, default=["all_to_all"],
                    help="collectives to time (default: all_to_all; the fit for the projection)")
+    p.add_argument("--graph", type=int, default=0, metavar="N",
+                   help="also time every op inside CUDA graphs, N collectives per graph (default 0: not)")
     p.add_argument("--min-bytes", type=int, default=8, help="smallest per-rank buffer (default 8)")
     p.add_argument("--max-bytes", type=int, default=256 << 20, help="largest per-rank buffer (default 256 MiB)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
@@ -286,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if min(a.worlds) < 2:
         p.error(f"--worlds ({a.worlds}): a link needs 2 or more GPUs per run")
-    if a.iters < 1 or a.warmup < 0 or a.timeout <= 0:
-        p.error("--iters must be >= 1, --warmup >= 0, --timeout > 0")
+    if a.iters < 1 or a.warmup < 0 or a.timeout <= 0 or a.graph < 0:
+        p.error("--iters must be >= 1, --warmup >= 0, --timeout > 0, --graph >= 0")
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < 2:
         raise ThunderError(f"bench link needs 2 or more CUDA GPUs and finds {n} (torch {torch.__version__}, "
@@ -316,18 +346,20 @@ def main(argv: list[str] | None = None) -> int:
         for world in worlds:
             size_list = sizes(a.min_bytes, a.max_bytes, world)
             for op in a.ops:  # the ops of one (setting, world) next to each other: drift hits them alike
-                started = time.perf_counter()
-                seconds = measure_world(world, setting, size_list, iters=a.iters, warmup=a.warmup,
-                                        timeout_s=a.timeout, op=op)
-                fits.append(_fit_row(world, setting, size_list, seconds, op))
-                print(f"measured {op}, {setting}, {world} GPUs: {len(size_list)} sizes in "
-                      f"{time.perf_counter() - started:.1f} s", flush=True)
+                for graph in (0, a.graph) if a.graph else (0,):
+                    started = time.perf_counter()
+                    seconds = measure_world(world, setting, size_list, iters=a.iters, warmup=a.warmup,
+                                            timeout_s=a.timeout, op=op, graph=graph)
+                    fits.append(_fit_row(world, setting, size_list, seconds, op, graph))
+                    print(f"measured {_op_label(fits[-1])}, {setting}, {world} GPUs: {len(size_list)} sizes in "
+                          f"{time.perf_counter() - started:.1f} s", flush=True)
 
     def label(f: dict) -> str:
-        return f"{f['setting']} R={f['world']}" + ("" if len(a.ops) == 1 else f" {f['op']}")
+        return f"{f['setting']} R={f['world']}" + ("" if len(a.ops) == 1 and not a.graph else f" {_op_label(f)}")
 
     width = max(16, *(len(label(f)) for f in fits)) if fits else 16
-    print(f"\nNCCL {', '.join(a.ops)}: exposed time of one collective (median over iterations, slowest rank), us:")
+    graphed = f" (and in CUDA graphs of {a.graph})" if a.graph else ""
+    print(f"\nNCCL {', '.join(a.ops)}{graphed}: exposed time of one collective (median over iterations, slowest rank), us:")
     print(f"{'bytes/rank':>10} | " + " | ".join(f"{label(f):>{width}}" for f in fits))
     for i in range(max((len(f["points"]) for f in fits), default=0)):
         cells = [f"{f['points'][i]['seconds'] * 1e6:{width}.1f}" if i < len(f["points"]) else " " * width
@@ -336,10 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{_bytes(size):>10} | " + " | ".join(cells))
     print("\nfit t = latency + sent / beta (least squares on relative error), sent = S (R - 1) / R bytes per rank;"
           "\nalpha = latency / (R - 1) per message; `thunderep project --link` uses the all_to_all rows:")
-    print(f"{'op':<14} | {'setting':<12} | {'GPUs':>4} | {'latency us':>10} | {'alpha us':>8} | {'beta GB/s':>9} | "
+    print(f"{'op':<23} | {'setting':<12} | {'GPUs':>4} | {'latency us':>10} | {'alpha us':>8} | {'beta GB/s':>9} | "
           f"{'smallest us':>11} | {'largest GB/s':>12} | {'max fit err':>11}")
     for f in fits:
-        print(f"{f['op']:<14} | {f['setting']:<12} | {f['world']:>4} | {f['latency_us']:10.1f} | "
+        print(f"{_op_label(f):<23} | {f['setting']:<12} | {f['world']:>4} | {f['latency_us']:10.1f} | "
               f"{f['alpha_us']:8.1f} | "
               f"{f['beta_GBps']:9.2f} | {f['smallest_us']:11.1f} | {f['largest_GBps']:12.2f} | "
               f"{100 * f['max_rel_error']:10.1f}%")
