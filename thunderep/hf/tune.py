@@ -21,8 +21,9 @@ request took 28.6 s, and later ones up to 43 s.
    - on sm_90, one small call through the Hopper path that long prompts take (compiles its passes).
 
 Triton keeps the chosen configs in its cache directory (TRITON_CACHE_DIR), so a restart on the same
-machine reads them back in about a second. Models whose experts do not run ThunderEP's kernels, and
-CPU runs, have nothing to tune.
+machine reads them back in about a second. With autotuning off (THUNDEREP_TRITON_AUTOTUNE=0) the same
+calls compile the fixed configs, which a server would otherwise compile while it serves. Models whose
+experts do not run ThunderEP's kernels, and CPU runs, have nothing to tune.
 """
 
 from __future__ import annotations
@@ -52,14 +53,12 @@ class TuneReport:
 
 
 def kernel_bindings(tm) -> list:
-    """(module, binding) of every experts module that runs ThunderEP's kernels on a GPU with autotuning on."""
-    from ..kernels.tuning import autotune_enabled
-
+    """(module, binding) of every experts module that runs ThunderEP's kernels on a GPU."""
     found = []
     for name, binding in tm.bindings.items():
         module = tm.model.get_submodule(name)
         weight = getattr(module, binding.tensors[0])
-        if getattr(binding.compute, "pairs_partial", None) is not None and autotune_enabled(weight.device):
+        if getattr(binding.compute, "pairs_partial", None) is not None and weight.device.type == "cuda":
             found.append((module, binding))
     return found
 
@@ -137,16 +136,18 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
     rank calls it, at the same point). None where nothing runs ThunderEP's kernels on a GPU. `log`:
     a function given one line before tuning starts and one for each call that took a second or more."""
     from ..kernels.grouped_gemm import pinned
-    from ..kernels.tuning import _TUNED
+    from ..kernels.tuning import _TUNED, autotune_enabled
 
     # Every rank decides alike (one experts implementation, one device type), so either all ranks run
     # the one-token forward below (its all-reduces pair up) or none does.
     bindings = kernel_bindings(tm)
     if not bindings:
         return None
-    if log is not None:
+    if log is not None and autotune_enabled(bindings[0][0].gate_up_proj.device):
         log(f"tuning ThunderEP's kernels for batches of up to {max_batch} (once per machine: Triton keeps "
             "the choices in its cache)")
+    elif log is not None:
+        log(f"compiling ThunderEP's kernels for batches of up to {max_batch} (fixed configs: autotuning is off)")
     started, before = time.perf_counter(), len(_TUNED)
     device = next(tm.model.parameters()).device
     _record_signatures(tm, bindings, device)
