@@ -287,6 +287,24 @@ def test_serve_on_two_gpus_equals_the_plain_model(tmp_path):
         assert _ask_together(url, prompts, 12) == alone
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels run on this machine's GPU")
+@pytest.mark.parametrize("ep", [1, 2])
+def test_kernels_where_they_cannot_run_end_the_server_before_it_listens(tmp_path, ep):
+    """`--experts-implementation triton` on CPU ranks: a clear error and exit code 1 at start, instead of a
+    server whose every request fails."""
+    from hf_tiny import save_tiny
+
+    model_dir = save_tiny("mixtral", tmp_path / "model", seed=1)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter would run them
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-m", "thunderep.cli", "serve", "--model", model_dir, "--ep", str(ep),
+                           "--cpu", "--port", "0", "--experts-implementation", "triton"],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "need a CUDA GPU and Triton; MixtralExperts runs on cpu" in done.stderr
+    assert "listening" not in done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("how", ["killed", "stopped"])
 def test_a_dead_or_silent_rank_ends_the_server_within_its_timeout(tmp_path, how):
     """Rank 1 killed (the launcher sees it exit) or stopped (SIGSTOP: rank 0's next heartbeat waits

@@ -69,6 +69,11 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
     ranks = _Ranks(ep, args.timeout) if world > 1 else None
     tm.eval()
     say = (lambda line: print(f"[thunderep serve] {line}", flush=True)) if rank == 0 else None
+    from .hf.experts import KERNELS, check_kernels_device
+
+    for binding in tm.bindings.values():  # before listening: not an error on every request
+        if binding.implementation == KERNELS:
+            check_kernels_device(binding.class_name, device)
     if say is not None:
         runs = collections.Counter(b.implementation for b in tm.bindings.values())
         say("experts: " + ", ".join(f"{n} module(s) on {'ThunderEP kernels (triton)' if i == 'triton' else i}"

@@ -48,6 +48,7 @@ __all__ = [
     "KERNELS",
     "ExpertsBinding",
     "RunState",
+    "check_kernels_device",
     "experts_compute_fn",
     "kernel_compute_fn",
     "register_experts_implementation",
@@ -316,6 +317,17 @@ def experts_compute_fn(module, implementation: str | None) -> Callable:
     return ALL_EXPERTS_FUNCTIONS[implementation]
 
 
+def check_kernels_device(name: str, device: torch.device | str) -> None:
+    """Raise ConfigError unless ThunderEP's kernels can run experts module `name` on `device`: a CUDA
+    GPU with Triton, or the CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
+    from ..kernels import available
+
+    device = torch.device(device)
+    if not available(device) and not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        raise ConfigError(f"experts_implementation={KERNELS!r} runs ThunderEP's Triton kernels, which need a "
+                          f"CUDA GPU and Triton; {name} runs on {device}. Use 'grouped_mm' (or 'eager') here")
+
+
 def _kernels_run_on(device: torch.device) -> bool:
     """A CUDA GPU of compute capability 8.0 or later (the kernels' 16-bit tensor-core tiles), Triton installed."""
     from ..kernels import available
@@ -392,11 +404,7 @@ def kernel_compute_fn(module) -> Callable:
     interleaved = not getattr(module, "is_concatenated", True)
 
     def check_device(x_TD: torch.Tensor) -> None:
-        from ..kernels import available
-
-        if not available(x_TD.device) and not (x_TD.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
-            raise ConfigError(f"experts_implementation={KERNELS!r} runs ThunderEP's Triton kernels, which need a "
-                              f"CUDA GPU and Triton; {name} runs on {x_TD.device}. Use 'grouped_mm' (or 'eager') here")
+        check_kernels_device(name, x_TD.device)
 
     def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         check_device(x_TD)
