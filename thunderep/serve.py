@@ -52,6 +52,20 @@ from .http_api import Job, Server
 
 __all__ = ["main", "parse_args", "serve_on_rank"]
 
+def _check_experts(tm, device: torch.device, say) -> None:
+    """Before listening: ConfigError where experts on ThunderEP's kernels cannot run on `device` (not an
+    error on every request), and a line saying what computes the experts."""
+    from .hf.experts import KERNELS, check_kernels_device
+
+    for binding in tm.bindings.values():
+        if binding.implementation == KERNELS:
+            check_kernels_device(binding.class_name, device)
+    if say is not None:
+        runs = collections.Counter(b.implementation for b in tm.bindings.values())
+        say("experts: " + ", ".join(f"{n} module(s) on {f'ThunderEP kernels ({i})' if i == KERNELS else i}"
+                                    for i, n in sorted(runs.items())))
+
+
 def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
     """Load the model and serve until stopped (collective over the EP group; rank 0 answers HTTP)."""
     from .generate import load_tokenizer
@@ -69,15 +83,7 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
     ranks = _Ranks(ep, args.timeout) if world > 1 else None
     tm.eval()
     say = (lambda line: print(f"[thunderep serve] {line}", flush=True)) if rank == 0 else None
-    from .hf.experts import KERNELS, check_kernels_device
-
-    for binding in tm.bindings.values():  # before listening: not an error on every request
-        if binding.implementation == KERNELS:
-            check_kernels_device(binding.class_name, device)
-    if say is not None:
-        runs = collections.Counter(b.implementation for b in tm.bindings.values())
-        say("experts: " + ", ".join(f"{n} module(s) on {'ThunderEP kernels (triton)' if i == 'triton' else i}"
-                                    for i, n in sorted(runs.items())))
+    _check_experts(tm, device, say)
     from .hf.tune import tune_kernels
 
     tuned = tune_kernels(tm, args.max_batch, log=say)  # before listening: no request waits on autotuning

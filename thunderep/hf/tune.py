@@ -143,13 +143,13 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
     bindings = kernel_bindings(tm)
     if not bindings:
         return None
-    if log is not None and autotune_enabled(bindings[0][0].gate_up_proj.device):
+    device = next(tm.model.parameters()).device
+    if log is not None and autotune_enabled(device):
         log(f"tuning ThunderEP's kernels for batches of up to {max_batch} (once per machine: Triton keeps "
             "the choices in its cache)")
     elif log is not None:
         log(f"compiling ThunderEP's kernels for batches of up to {max_batch} (fixed configs: autotuning is off)")
     started, before = time.perf_counter(), len(_TUNED)
-    device = next(tm.model.parameters()).device
     _record_signatures(tm, bindings, device)
     seen, calls = set(), 0
     with torch.no_grad():
