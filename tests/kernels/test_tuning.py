@@ -3,11 +3,15 @@ with stand-in kernels (no GPU needed)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
+from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.kernels import ops, tuning  # noqa: E402
 
 
@@ -128,3 +132,92 @@ def test_every_tuned_kernel_is_right_after_all_its_configs_ran_on_the_same_buffe
     from thunderep.kernels import pairs
 
     assert {pairs._UP_PAIRS, pairs._DOWN_PAIRS} <= swept
+
+
+class _StandInAutotuner:
+    """Triton's autotuner as `launch` meets it: `run` times every pruned config through `_bench` (unless
+    its cache of choices answers), and `fn.run` compiles as a JITFunction does, through Triton's
+    AsyncCompileMode when one is active (a compile: 50 ms off the GIL, on whatever thread runs it)."""
+
+    keys = ["n"]
+
+    def __init__(self, cached=False):
+        self.configs = [triton.Config({"BLOCK": b}, num_warps=4, num_stages=2) for b in (16, 32, 64, 128)]
+        self.cached, self.compiled, self.events, self.best_config = cached, {}, [], None
+        outer = self
+
+        class Fn:
+            def run(self, *args, grid, warmup, **kwargs):
+                from triton.runtime import _async_compile
+
+                key = (kwargs["n"], kwargs["BLOCK"])
+                if key in outer.compiled:
+                    return outer.compiled[key]
+                mode = _async_compile.active_mode.get()
+
+                def compile_it():
+                    time.sleep(0.05)
+                    return threading.current_thread().name
+
+                def finish(kernel):
+                    outer.compiled[key] = kernel
+                    outer.events.append(("compiled", key))
+
+                if mode is not None:
+                    return mode.submit(key, compile_it, finish, lambda future: None)
+                finish(compile_it())
+
+        self.fn = Fn()
+
+    def _bench(self, *args, config, **meta):
+        self.fn.run(*args, **{**meta, **config.all_kwargs()})
+        self.events.append(("timed", config.kwargs["BLOCK"]))
+        return float(config.kwargs["BLOCK"])
+
+    def prune_configs(self, kwargs):
+        return self.configs[:3]  # an early prune: the 128 block never compiles
+
+    def __getitem__(self, grid):
+        def run(**kwargs):
+            if not self.cached:
+                timings = {c: self._bench(config=c, grid=grid, warmup=False, **kwargs)
+                           for c in self.prune_configs(kwargs)}
+                self.best_config = min(timings, key=timings.get)
+            else:
+                self.best_config = self.configs[0]
+            self.fn.run(grid=grid, warmup=False, **kwargs, **self.best_config.all_kwargs())
+        return run
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_compile_threads_compile_a_new_keys_configs_before_they_are_timed(monkeypatch, threads):
+    """THUNDEREP_COMPILE_THREADS=3: a new key's pruned configs compile first, on 3 threads, and are timed
+    after; the next key does it again; a key answered from the cache of choices compiles only its config.
+    1 (the default): each config compiles as it is timed, on the caller's thread. A bad value is named."""
+    monkeypatch.delenv("THUNDEREP_TRITON_AUTOTUNE", raising=False)
+    monkeypatch.setenv("THUNDEREP_COMPILE_THREADS", threads)
+    monkeypatch.setattr(tuning, "_TUNED", {})
+    tuner = _StandInAutotuner()
+    tuning._compile_ahead(tuner)
+    plain = {(1,): lambda **kwargs: None}
+    for n in (5, 5, 6):
+        tuning.launch(tuner, plain, None, (1,), torch.device("cuda"), n=n)
+    steps = [e if e[0] == "timed" else ("compiled", e[1][1]) for e in tuner.events]
+    if threads == "1":
+        assert steps == [("compiled", 16), ("timed", 16), ("compiled", 32), ("timed", 32), ("compiled", 64),
+                         ("timed", 64)] * 2
+        assert set(tuner.compiled.values()) == {threading.current_thread().name}
+    else:
+        for half in (steps[:6], steps[6:]):  # key 5, then key 6
+            assert sorted(half[:3]) == [("compiled", 16), ("compiled", 32), ("compiled", 64)]
+            assert half[3:] == [("timed", 16), ("timed", 32), ("timed", 64)]
+        names = set(tuner.compiled.values())
+        assert len(names) > 1 and all(name.startswith("thunderep-compile") for name in names)
+    cached = _StandInAutotuner(cached=True)
+    tuning._compile_ahead(cached)
+    tuning.launch(cached, plain, None, (1,), torch.device("cuda"), n=9)
+    assert cached.events == [("compiled", (9, 16))]
+    assert tuning._ARMED == set()
+    monkeypatch.setenv("THUNDEREP_COMPILE_THREADS", "many")
+    with pytest.raises(ConfigError, match="THUNDEREP_COMPILE_THREADS must be a whole number of threads"):
+        tuning.compile_threads()

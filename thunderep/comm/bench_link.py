@@ -222,6 +222,7 @@ def measure_world(world: int, setting: str, size_list: list[int], *, iters: int,
         raise ConfigError(f"unknown NCCL setting {setting!r}; known: {', '.join(SETTINGS)}")
     if op not in OPS:
         raise ConfigError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
+    what = f"bench link, {op}{' in graph' if graph else ''}, world {world}, {setting}"
     with tempfile.TemporaryDirectory(prefix="thunderep-link-") as tmp:
         port, procs, logs = free_port(), [], []
         try:
@@ -239,17 +240,17 @@ def measure_world(world: int, setting: str, size_list: list[int], *, iters: int,
                 failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
                 if failed:
                     r = failed[0]
-                    raise CommError(f"bench link, {op}{' in graph' if graph else ''}, world {world}, {setting}: rank {r} exited with code "
+                    raise CommError(f"{what}: rank {r} exited with code "
                                     f"{procs[r].returncode}: {_tail(logs[r])}")
                 if time.monotonic() > deadline:
                     late = [r for r, p in enumerate(procs) if p.poll() is None]
-                    raise PeerTimeout(f"bench link, {op}{' in graph' if graph else ''}, world {world}, {setting}: ranks {late} still running after "
+                    raise PeerTimeout(f"{what}: ranks {late} still running after "
                                       f"--timeout {timeout_s:g} s, killed; rank {late[0]} said: {_tail(logs[late[0]])}",
                                       rank=late[0])
                 time.sleep(0.1)
             for r, p in enumerate(procs):
                 if p.returncode != 0:
-                    raise CommError(f"bench link, {op}{' in graph' if graph else ''}, world {world}, {setting}: rank {r} exited with code "
+                    raise CommError(f"{what}: rank {r} exited with code "
                                     f"{p.returncode}: {_tail(logs[r])}")
             per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text())["seconds"] for r in range(world)]
         finally:
@@ -359,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
 
     width = max(16, *(len(label(f)) for f in fits)) if fits else 16
     graphed = f" (and in CUDA graphs of {a.graph})" if a.graph else ""
-    print(f"\nNCCL {', '.join(a.ops)}{graphed}: exposed time of one collective (median over iterations, slowest rank), us:")
+    print(f"\nNCCL {', '.join(a.ops)}{graphed}: exposed time of one collective (median over iterations, "
+          "slowest rank), us:")
     print(f"{'bytes/rank':>10} | " + " | ".join(f"{label(f):>{width}}" for f in fits))
     for i in range(max((len(f["points"]) for f in fits), default=0)):
         cells = [f"{f['points'][i]['seconds'] * 1e6:{width}.1f}" if i < len(f["points"]) else " " * width

@@ -6,6 +6,12 @@ THUNDEREP_TRITON_AUTOTUNE=0) with a fixed config. Once the autotuner has chosen 
 `launch` runs the kernel with it directly: the autotuner's per-call work is host time that a decode
 step cannot spare. Each tuning is logged (logger "thunderep.kernels", INFO) with its key, its time
 and the config chosen: the first step of a new shape is slow, and the log says why.
+
+Most of a tuning's time is compiling: Triton's autotuner compiles each config when it first times it,
+one after another. With THUNDEREP_COMPILE_THREADS=N (N > 1; default 1, off) a tuning that times
+configs first compiles all of them on N threads (Triton's AsyncCompileMode; its compiler releases the
+GIL), then times them as before. A tuning answered from Triton's cache of choices compiles only the
+chosen config, either way.
 """
 
 from __future__ import annotations
@@ -13,16 +19,20 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-__all__ = ["autotune_enabled", "kernel_configs", "launch", "precision", "tuned"]
+from ..errors import ConfigError
+
+__all__ = ["autotune_enabled", "compile_threads", "kernel_configs", "launch", "precision", "tuned"]
 
 _LOG = logging.getLogger("thunderep.kernels")
 _REGISTRY: dict[str, object] = {}  # name -> autotuner, for kernel_configs()
 _TUNED: dict[tuple, triton.Config] = {}  # (autotuner, its key) -> the config it chose
+_ARMED: set[int] = set()  # autotuners whose next timing round compiles its configs first (id)
 
 
 def _even_k(name):
@@ -38,7 +48,49 @@ def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None
     autotuner = triton.autotune(configs=configs, key=key, cache_results=True, reset_to_zero=reset_to_zero,
                                 prune_configs_by={"early_config_prune": prune} if prune else None)(fn)
     _REGISTRY[name] = autotuner
+    _compile_ahead(autotuner)
     return autotuner, fn
+
+
+def compile_threads() -> int:
+    """Threads that compile a new key's configs before they are timed (THUNDEREP_COMPILE_THREADS, default 1:
+    none ahead, each config compiles when first timed)."""
+    value = os.environ.get("THUNDEREP_COMPILE_THREADS", "1")
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ConfigError(f"THUNDEREP_COMPILE_THREADS must be a whole number of threads, 1 or more; got {value!r}")
+    return threads
+
+
+def _compile_ahead(autotuner) -> None:
+    """Wrap `autotuner._bench` (Triton's timing of one config): the first timing of an armed round first
+    compiles every config the round will time, on `compile_threads()` threads."""
+    bench = autotuner._bench
+
+    def compile_then_bench(*args, config, **meta):
+        if id(autotuner) in _ARMED:
+            _ARMED.discard(id(autotuner))
+            _compile_configs(autotuner, args, meta)
+        return bench(*args, config=config, **meta)
+
+    autotuner._bench = compile_then_bench
+
+
+def _compile_configs(autotuner, args, meta) -> None:
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # a Triton without it: each config compiles when it is timed, as before
+        return
+    configs = autotuner.prune_configs(meta)
+    # The executor's exit waits for the pool; AsyncCompileMode's exit (first) finishes every compile,
+    # dropping failures: the timing of that config meets them again and reports them as Triton does.
+    with ThreadPoolExecutor(compile_threads(), thread_name_prefix="thunderep-compile") as pool, \
+            AsyncCompileMode(pool, ignore_errors=True):
+        for config in configs:
+            autotuner.fn.run(*args, **{**meta, **config.all_kwargs(), "warmup": True})
 
 
 def autotune_enabled(device: torch.device) -> bool:
@@ -57,7 +109,12 @@ def launch(autotuner, plain, default, grid, device, **args) -> None:
         config = _TUNED.get(key)
         if config is None:
             start = time.perf_counter()
-            autotuner[grid](**args)
+            if compile_threads() > 1:
+                _ARMED.add(id(autotuner))  # a timing round compiles its configs first (none from Triton's cache)
+            try:
+                autotuner[grid](**args)
+            finally:
+                _ARMED.discard(id(autotuner))
             _TUNED[key] = autotuner.best_config
             name = next((n for n, a in _REGISTRY.items() if a is autotuner), type(autotuner).__name__)
             _LOG.info("tuned %s for %s in %.1f s: %s", name, dict(zip(autotuner.keys, key[1:])),
