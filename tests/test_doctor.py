@@ -292,6 +292,7 @@ def test_software_checks():
     assert c["triton"].verdict == "warn" and c["triton"].fix.startswith("`pip install triton`")
     c = by_name(diagnose(BOXES / PLX, cuda=False, software=SoftwareReport(None, "3.6.0")))
     assert c["mailbox"].verdict == "ok" and c["triton"].verdict == "ok" and "Triton 3.6.0" in c["triton"].summary
+    assert "--experts-implementation auto" in c["triton"].summary
     c = by_name(diagnose(BOXES / NO_DRIVER, cuda=False, software=SoftwareReport(None, None)))
     assert c["triton"].verdict == "warn"  # a GPU on the bus, no Triton: the kernels could not run
     c = by_name(diagnose(BOXES / PLX, cuda=False))  # a fixture root: this interpreter is not that box's

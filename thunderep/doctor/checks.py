@@ -323,9 +323,12 @@ def _triton(f: Facts) -> Check:
                      + (f" (Triton {version} is installed)" if version else ""))
     if version is None:
         return Check("triton", "warn", "Triton cannot be imported: on CUDA, FusedExperts runs torch's grouped "
-                                       "GEMM or a per-expert loop instead of the Triton expert kernels",
+                                       "GEMM or a per-expert loop instead of the Triton expert kernels, and "
+                                       "`thunderep serve` transformers' experts function",
                      "`pip install triton` (CUDA builds of torch on Linux bring it along)")
-    return Check("triton", "ok", f"Triton {version}: FusedExperts runs the Triton expert kernels on CUDA")
+    return Check("triton", "ok", f"Triton {version}: FusedExperts runs the Triton expert kernels on CUDA, and "
+                                 "`thunderep serve` runs them for bfloat16 / float16 experts they cover "
+                                 "(--experts-implementation auto)")
 
 
 def run_checks(f: Facts) -> list[Check]:
