@@ -65,8 +65,9 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     """One rank's fine-tuning loop and the export (collective: every rank calls it)."""
     import torch.distributed as dist
 
-    from .checkpoint import export_hf, load_checkpoint, save_checkpoint
+    from .checkpoint import load_checkpoint, save_checkpoint
     from .config import SyncConfig
+    from .export import export_hf
     from .generate import load_tokenizer
     from .hf import ThunderMoE
     from .sync import GradSync
