@@ -67,8 +67,11 @@ def compile_threads() -> int:
 
 def _compile_ahead(autotuner) -> None:
     """Wrap `autotuner._bench` (Triton's timing of one config): the first timing of an armed round first
-    compiles every config the round will time, on `compile_threads()` threads."""
-    bench = autotuner._bench
+    compiles every config the round will time, on `compile_threads()` threads. A Triton whose autotuner
+    has no `_bench` keeps its own order (each config compiled when timed)."""
+    bench = getattr(autotuner, "_bench", None)
+    if bench is None:
+        return
 
     def compile_then_bench(*args, config, **meta):
         if id(autotuner) in _ARMED:
@@ -84,7 +87,8 @@ def _compile_configs(autotuner, args, meta) -> None:
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:  # a Triton without it: each config compiles when it is timed, as before
         return
-    configs = autotuner.prune_configs(meta)
+    prune = getattr(autotuner, "prune_configs", None)
+    configs = prune(meta) if prune is not None else autotuner.configs
     # The executor's exit waits for the pool; AsyncCompileMode's exit (first) finishes every compile,
     # dropping failures: the timing of that config meets them again and reports them as Triton does.
     with ThreadPoolExecutor(compile_threads(), thread_name_prefix="thunderep-compile") as pool, \
