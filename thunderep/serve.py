@@ -52,6 +52,7 @@ from .http_api import Job, Server
 
 __all__ = ["main", "parse_args", "serve_on_rank"]
 
+
 def _check_experts(tm, device: torch.device, say) -> None:
     """Before listening: ConfigError where experts on ThunderEP's kernels cannot run on `device` (not an
     error on every request), and a line saying what computes the experts."""

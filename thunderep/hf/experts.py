@@ -322,7 +322,7 @@ def check_kernels_device(name: str, device: torch.device | str) -> None:
     GPU with Triton, or the CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
     from ..kernels import available
 
-    device = torch.device(device)
+    device = torch.device(device) if isinstance(device, str) else device  # per call: no conversion
     if not available(device) and not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
         raise ConfigError(f"experts_implementation={KERNELS!r} runs ThunderEP's Triton kernels, which need a "
                           f"CUDA GPU and Triton; {name} runs on {device}. Use 'grouped_mm' (or 'eager') here")
@@ -403,11 +403,8 @@ def kernel_compute_fn(module) -> Callable:
                           f"{'; '.join(reasons)}; use experts_implementation='grouped_mm' (or 'eager')")
     interleaved = not getattr(module, "is_concatenated", True)
 
-    def check_device(x_TD: torch.Tensor) -> None:
-        check_kernels_device(name, x_TD.device)
-
     def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        check_device(x_TD)
+        check_kernels_device(name, x_TD.device)
         from ..kernels.ops import routed_moe_mlp
 
         w_gate_up = module.gate_up_proj
@@ -418,7 +415,7 @@ def kernel_compute_fn(module) -> Callable:
     def pairs_partial(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor):
         """The local share for latency and all-gather modes through the pair kernels (id -1: another
         rank's expert), or None where they do not apply (gradients, more than pairs_max_tokens() tokens)."""
-        check_device(x_TD)
+        check_kernels_device(name, x_TD.device)
         from ..kernels.pairs import pairs_if_decode
 
         partial_TD = pairs_if_decode(x_TD, module.gate_up_proj, module.down_proj, ids_TK, weights_TK, activation,

@@ -54,11 +54,12 @@ class TuneReport:
 
 def kernel_bindings(tm) -> list:
     """(module, binding) of every experts module that runs ThunderEP's kernels on a GPU."""
+    from .experts import KERNELS
+
     found = []
     for name, binding in tm.bindings.items():
         module = tm.model.get_submodule(name)
-        weight = getattr(module, binding.tensors[0])
-        if getattr(binding.compute, "pairs_partial", None) is not None and weight.device.type == "cuda":
+        if binding.implementation == KERNELS and getattr(module, binding.tensors[0]).device.type == "cuda":
             found.append((module, binding))
     return found
 
