@@ -223,3 +223,38 @@ def test_bench_link_graph_rows_beside_the_eager_ones(monkeypatch, tmp_path, caps
     assert link.alpha_us == pytest.approx(60.0, rel=1e-6)
     with pytest.raises(SystemExit):
         bench_link.main(["--worlds", "2", "--graph", "-1"])
+
+
+def test_bench_link_keeps_times_that_admit_no_fit(monkeypatch, tmp_path, capsys):
+    """Times flat over the sizes (a latency-bound range, as small collectives in graphs are) admit no
+    alpha-beta fit: the run still prints and writes every measured time, marks that row `no fit` with the
+    reason, and the projection refuses such an all-to-all row with a message that says why."""
+    import types
+
+    import thunderep.comm.bench_link as bench_link
+    import thunderep.doctor.gpu as doctor_gpu
+
+    def fake_measure(world, setting, size_list, *, iters, warmup, timeout_s, op, graph=0):
+        if graph or op == "all_to_all":
+            return [20e-6 - i * 1e-9 for i in range(len(size_list))]  # falling a little: no bandwidth to fit
+        return [60e-6 + s / 10e9 for s in size_list]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(bench_link, "_hardware", lambda n: f"{n} x Test GPU")
+    monkeypatch.setattr(bench_link, "measure_world", fake_measure)
+    monkeypatch.setattr(doctor_gpu, "measure_pair", lambda torch_, i, j, nbytes: types.SimpleNamespace(
+        src=i, dst=j, nbytes=nbytes, peer_access=False, peer_gbps=20.0, via_host_gbps=20.0, error=None))
+    out = tmp_path / "link.json"
+    assert bench_link.main(["--worlds", "2", "--settings", "p2p_disabled", "--ops", "all_reduce", "all_to_all",
+                            "--graph", "8", "--min-bytes", "8192", "--max-bytes", str(1 << 20),
+                            "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("no fit: fit_alpha_beta: time does not grow with size") == 3
+    assert text.count("20.0") >= 3 * 8  # every time of the three unfitted rows is in the table (8 sizes)
+    fits = json.loads(out.read_text())["fits"]
+    assert [("fit_error" in f) for f in fits] == [False, True, True, True]
+    assert all(len(f["points"]) == 8 for f in fits)
+    assert fits[0]["latency_us"] == pytest.approx(60.0, rel=1e-6)
+    with pytest.raises(ConfigError, match="all-to-all times for world 2, setting 'p2p_disabled' have no fit"):
+        load_link(str(out), world=2, setting="p2p_disabled")

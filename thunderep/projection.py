@@ -108,6 +108,9 @@ def load_link(path: str | Path, *, world: int, setting: str) -> tuple[Link, str]
     for fit in fits:  # only the eager all-to-all fits (files from before `--ops` name no op)
         if (isinstance(fit, dict) and fit.get("setting") == setting and fit.get("world") == world
                 and fit.get("op", "all_to_all") == "all_to_all" and not fit.get("graph")):
+            if "fit_error" in fit:
+                raise ConfigError(f"link file {path}: the all-to-all times for world {world}, setting {setting!r} "
+                                  f"have no fit ({fit['fit_error']}); measure again with a larger --max-bytes")
             missing = [k for k in ("alpha_us", "beta_GBps") if k not in fit]
             if missing:
                 raise ConfigError(f"link file {path}: the fit for world {world}, setting {setting!r} lacks "

@@ -263,15 +263,20 @@ def measure_world(world: int, setting: str, size_list: list[int], *, iters: int,
 
 def _fit_row(world: int, setting: str, size_list: list[int], seconds: list[float], op: str = "all_to_all",
              graph: int = 0) -> dict:
+    """The measured times of one (setting, world, op, graph) and their alpha-beta fit. Times that admit no
+    fit (flat over the sizes: a latency-bound range) keep their row, with `fit_error` instead of the fit."""
     sent = [s * (world - 1) / world for s in size_list]
-    latency, beta = fit_alpha_beta(sent, seconds)
+    row = {"world": world, "setting": setting, "op": op, "graph": graph, "env": SETTINGS[setting],
+           "smallest_us": seconds[0] * 1e6, "largest_GBps": sent[-1] / seconds[-1] / 1e9,
+           "points": [{"bytes_per_rank": s, "bytes_sent": x, "seconds": t}
+                      for s, x, t in zip(size_list, sent, seconds)]}
+    try:
+        latency, beta = fit_alpha_beta(sent, seconds)
+    except ThunderError as exc:
+        return {**row, "fit_error": str(exc)}
     errors = [abs(latency + x / beta - t) / t for x, t in zip(sent, seconds)]
-    return {"world": world, "setting": setting, "op": op, "graph": graph, "env": SETTINGS[setting],
-            "latency_us": latency * 1e6, "alpha_us": latency * 1e6 / (world - 1), "beta_GBps": beta / 1e9,
-            "smallest_us": seconds[0] * 1e6, "largest_GBps": sent[-1] / seconds[-1] / 1e9,
-            "max_rel_error": max(errors),
-            "points": [{"bytes_per_rank": s, "bytes_sent": x, "seconds": t}
-                       for s, x, t in zip(size_list, sent, seconds)]}
+    return {**row, "latency_us": latency * 1e6, "alpha_us": latency * 1e6 / (world - 1), "beta_GBps": beta / 1e9,
+            "max_rel_error": max(errors)}
 
 
 def _op_label(fit: dict) -> str:
@@ -373,10 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'op':<23} | {'setting':<12} | {'GPUs':>4} | {'latency us':>10} | {'alpha us':>8} | {'beta GB/s':>9} | "
           f"{'smallest us':>11} | {'largest GB/s':>12} | {'max fit err':>11}")
     for f in fits:
-        print(f"{_op_label(f):<23} | {f['setting']:<12} | {f['world']:>4} | {f['latency_us']:10.1f} | "
-              f"{f['alpha_us']:8.1f} | "
-              f"{f['beta_GBps']:9.2f} | {f['smallest_us']:11.1f} | {f['largest_GBps']:12.2f} | "
-              f"{100 * f['max_rel_error']:10.1f}%")
+        head = f"{_op_label(f):<23} | {f['setting']:<12} | {f['world']:>4} | "
+        tail = f"{f['smallest_us']:11.1f} | {f['largest_GBps']:12.2f} | "
+        if "fit_error" in f:
+            print(head + f"{'-':>10} | {'-':>8} | {'-':>9} | " + tail + f"{'-':>11}   no fit: {f['fit_error']}")
+        else:
+            print(head + f"{f['latency_us']:10.1f} | {f['alpha_us']:8.1f} | {f['beta_GBps']:9.2f} | " + tail
+                  + f"{100 * f['max_rel_error']:10.1f}%")
     if a.json:
         out = {"tool": "thunderep bench link", "hardware": hardware,
                "timing": "barrier, synchronize, one collective, synchronize; median over "
