@@ -14,30 +14,22 @@ from test_moe_triton import CUDA, INTERP_CASES, MODEL_SHAPES, make_case, referen
 
 from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.kernels import ops  # noqa: E402
-from thunderep.kernels import pair_chunks as chunks_mod  # noqa: E402
 from thunderep.kernels import pairs as pairs_mod  # noqa: E402
-from thunderep.kernels import pdl as pdl_mod  # noqa: E402
 from thunderep.kernels.ops import routed_moe_mlp  # noqa: E402
 
 
-@pytest.fixture(params=[(False, False, False), (True, True, False), (False, False, True)],
-                ids=["fma-loop", "dot-split", "chunks"])
+@pytest.fixture(params=[(False, False), (True, True)], ids=["fma-loop", "dot-split"])
 def pairs(request, monkeypatch):
     """Pin the pair kernels for inference at every T (the default takes them up to PAIRS_MAX_TOKENS), each
     pass in both of its variants: the gate/up pass as elementwise multiply-adds or 16-row tensor-core
     tiles, the down pass as one program looping over a token's slots or one program per slot (partials
-    summed by the last); and the one-pass kernels (pair_chunks.py), in chunks narrow enough that the
-    small cases span several chunks of I and tiles of D. On the GPU the variants are pinned by turning
-    autotuning off, so the fixed configs run."""
-    dot, split, chunks = request.param
+    summed by the last). On the GPU the variants are pinned by turning autotuning off, so the fixed
+    configs run."""
+    dot, split = request.param
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    monkeypatch.setenv("THUNDEREP_PAIR_CHUNKS", "1" if chunks else "0")
     monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(32, 128, 4, 3, dot=dot))
     monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(16, 128, 4, 3, split=split))
-    if chunks and not CUDA:
-        monkeypatch.setattr(chunks_mod, "_DEFAULT_CHUNK", chunks_mod._chunk_cfg(16, 32, 16, 4, 3))
-        monkeypatch.setattr(chunks_mod, "_DEFAULT_SUM", triton.Config({"BLOCK_P": 4, "BLOCK_D": 16}, num_warps=4))
     return request.param
 
 
@@ -124,10 +116,6 @@ def test_routed_bad_input_is_rejected(monkeypatch):
         monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", raw)
         with pytest.raises(ConfigError, match=f"THUNDEREP_PAIRS_MAX_TOKENS='{raw}': use a token count >= 0"):
             routed_moe_mlp(x, w_gu, w_d, ids, weights)
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "2")
-    monkeypatch.setenv("THUNDEREP_PAIR_CHUNKS", "yes")
-    with torch.no_grad(), pytest.raises(ConfigError, match="THUNDEREP_PAIR_CHUNKS='yes': use 0 \\(off\\) or 1"):
-        routed_moe_mlp(x, w_gu, w_d, ids, weights)
 
 
 @pytest.mark.skipif(CUDA, reason="test_gpu_torch_compile covers the ops on the compiled kernels")
@@ -290,18 +278,18 @@ def test_dependent_launch_where_it_exists(monkeypatch):
     monkeypatch.delenv("THUNDEREP_PDL", raising=False)
     for capability, expected in [((8, 9), False), ((9, 0), True), ((12, 0), True)]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        pdl_mod._has_pdl.cache_clear()
-        assert pdl_mod.pdl_applies(torch.device("cuda", 0)) is expected
+        pairs_mod._has_pdl.cache_clear()
+        assert pairs_mod.pdl_applies(torch.device("cuda", 0)) is expected
         monkeypatch.setenv("THUNDEREP_PDL", "0")
-        assert pdl_mod.pdl_applies(torch.device("cuda")) is False
+        assert pairs_mod.pdl_applies(torch.device("cuda")) is False
         monkeypatch.delenv("THUNDEREP_PDL")
-    assert pdl_mod.pdl_applies(torch.device("cpu")) is False
+    assert pairs_mod.pdl_applies(torch.device("cpu")) is False
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert pdl_mod.pdl_applies(torch.device("cuda")) is False
+    assert pairs_mod.pdl_applies(torch.device("cuda")) is False
     monkeypatch.setenv("THUNDEREP_PDL", "yes")
     with pytest.raises(ConfigError, match="THUNDEREP_PDL='yes'"):
-        pdl_mod.pdl_applies(torch.device("cuda"))
-    pdl_mod._has_pdl.cache_clear()
+        pairs_mod.pdl_applies(torch.device("cuda"))
+    pairs_mod._has_pdl.cache_clear()
 
 
 @triton.jit
@@ -310,19 +298,15 @@ def _no_op():
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU test below runs the real dependent launch")
-@pytest.mark.parametrize("split,chunks", [(False, False), (True, False), (False, True)], ids=["loop", "split", "chunks"])
-def test_interpreter_dependent_launch_path(split, chunks, monkeypatch):
+@pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
+def test_interpreter_dependent_launch_path(split, monkeypatch):
     """The down pass as it runs under PDL (first weight chunk loaded before the wait, each later one a
-    step ahead), and the one-pass kernels' sum as it runs under PDL (waiting first), in the interpreter
-    with the grid-dependency instructions as no-ops: equal to the reference over 1 to 3 chunks of I,
-    and an I shorter than one chunk."""
-    for module in (pairs_mod, chunks_mod):
-        monkeypatch.setattr(module, "gdc_wait", _no_op)
-        monkeypatch.setattr(module, "gdc_launch_dependents", _no_op)
-        monkeypatch.setattr(module, "pdl_applies", lambda device: True)
+    step ahead), in the interpreter with the grid-dependency instructions as no-ops: equal to the
+    reference over 1 to 3 chunks of I, and an I shorter than one chunk."""
+    monkeypatch.setattr(pairs_mod, "gdc_wait", _no_op)
+    monkeypatch.setattr(pairs_mod, "gdc_launch_dependents", _no_op)
+    monkeypatch.setattr(pairs_mod, "pdl_applies", lambda device: True)
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    monkeypatch.setenv("THUNDEREP_PAIR_CHUNKS", "1" if chunks else "0")
-    monkeypatch.setattr(chunks_mod, "_DEFAULT_CHUNK", chunks_mod._chunk_cfg(16, 32, 16, 4, 3))
     monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(16, 32, 4, 3, split=split))
     for T, D, I, E, K in [(3, 32, 48, 4, 2), (2, 64, 96, 5, 3), (1, 16, 16, 8, 3)]:
         x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.float32, 7)

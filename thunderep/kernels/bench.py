@@ -82,9 +82,7 @@ PINS = {
     "sorted": ("THUNDEREP_PAIRS_MAX_TOKENS", "0"),  # never the pair kernels
     "wgrad_triton": ("THUNDEREP_WGRAD", "triton"),  # weight gradients: the portable kernel
     "wgrad_torch": ("THUNDEREP_WGRAD", "torch"),  # weight gradients: torch's grouped GEMM
-    "nopdl": ("THUNDEREP_PDL", "0"),
-    "chunks": ("THUNDEREP_PAIR_CHUNKS", "1"),  # decode: the one-pass kernels (pair_chunks.py)
-    "twopass": ("THUNDEREP_PAIR_CHUNKS", "0"),  # decode: the two-pass pair kernels  # decode: the down pass launched plainly, after the gate/up pass ends
+    "nopdl": ("THUNDEREP_PDL", "0"),  # decode: the down pass launched plainly, after the gate/up pass ends
 }
 
 

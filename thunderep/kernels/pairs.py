@@ -23,6 +23,7 @@ Same arithmetic, same result bit for bit. RTX 4090 (sm_89) runs the plain launch
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -30,9 +31,22 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (sm_90 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = True
+except ImportError:  # pragma: no cover - a Triton without it: the kernels run with PDL off
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
 from ..errors import ConfigError
-from . import pair_chunks, tuning
-from .pdl import gdc_launch_dependents, gdc_wait, pdl_applies
+from . import tuning
 from .moe_triton import ACTIVATIONS, _act, _gate_up_cols
 
 __all__ = ["PAIRS_MAX_TOKENS", "decode_applies", "moe_mlp_pairs", "needs_grad", "pairs_if_decode", "pairs_max_tokens"]
@@ -264,12 +278,30 @@ def pairs_max_tokens() -> int:
     return value
 
 
+def pdl_applies(device: torch.device) -> bool:
+    """Whether the down pass launches as a programmatic dependent of the gate/up pass (PDL): on sm_90
+    and later (H100 / H200, RTX 5090), outside Triton's interpreter; THUNDEREP_PDL=0 turns it off.
+    Its programs then start while the gate/up pass still runs, load their first weight chunk and wait
+    for h there (docs/ARCHITECTURE.md, "Decode")."""
+    raw = os.environ.get("THUNDEREP_PDL", "")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"THUNDEREP_PDL={raw!r}: use 0 (off) or 1, or leave it unset")
+    if raw == "0" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _has_pdl(index: int) -> bool:
+    """Whether CUDA device `index` (and this Triton) can launch programmatic dependents: asked once per
+    device, as decode asks pdl_applies on every step."""
+    return _HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def _moe_mlp_pairs_impl(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
     weights: Optional[torch.Tensor], activation: str, interleaved: bool,
 ) -> torch.Tensor:
-    if pair_chunks.chunks_apply():
-        return pair_chunks.moe_mlp_chunks(x, w_gate_up, w_down, ids, weights, activation, interleaved)
     T, D = x.shape
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()

@@ -22,7 +22,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import moe_triton as K
-from . import pair_chunks as PC
 from . import pairs as P
 
 __all__ = ["HOPPER_ONLY", "KernelBuild", "compile_kernels"]
@@ -45,14 +44,12 @@ _KERNELS = {
     "up_pairs_dot": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=True, PRECISION="tf32",
                                               PDL=False)),
     "route": (K._route_kernel, dict(WEIGHTED=True)),
-    "chunk_pairs": (PC._chunk_pairs_kernel, dict(ACT=0, INTERLEAVED=False, WEIGHTED=True, EVEN_K=True, PDL=False)),
-    "sum_parts": (PC._sum_parts_kernel, dict(PDL=False)),
 }
 # The decode kernels as they run where programmatic dependent launch exists (pairs.pdl_applies: sm_90
 # and later), built only for those targets.
 _PDL_MIN_ARCH = 90
 _PDL_KERNELS = {f"{name}_pdl": (_KERNELS[name][0], {**_KERNELS[name][1], "PDL": True})
-                for name in ("up_pairs", "down_pairs", "down_pairs_split", "chunk_pairs", "sum_parts")}
+                for name in ("up_pairs", "down_pairs", "down_pairs_split")}
 # The row kernels as the configs with a tail run them (an expert's last tile also takes up to BLOCK_M / 2
 # rows), at a tile that fits sm_89's 99 KiB of shared memory per block.
 _TAIL_KERNELS = {f"{name}_tail": (_KERNELS[name][0], {**_KERNELS[name][1], "TAIL": True})
@@ -60,8 +57,6 @@ _TAIL_KERNELS = {f"{name}_tail": (_KERNELS[name][0], {**_KERNELS[name][1], "TAIL
 _TAIL_META = {**_ROW_META, "BLOCK_N": 64}
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (ROUTE_MAX_PAIRS), 256 experts
-_META = {"route": _ROUTE_META, "chunk_pairs": dict(BLOCK_I=32, BLOCK_K=256, BLOCK_D=256),  # decode in one pass
-         "sum_parts": dict(BLOCK_P=32, BLOCK_D=64)}
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
 
 
@@ -104,8 +99,7 @@ def compile_kernels(arch: int, names=None) -> list[KernelBuild]:
         if names is not None and name not in names:
             continue
         sig, attrs, consts = _signature(fn, name.removesuffix("_pdl").removesuffix("_tail"))
-        base = name.removesuffix("_pdl")
-        meta = (_META[base] if base in _META else _PAIR_META if "_pairs" in name
+        meta = (_PAIR_META if "_pairs" in name else _ROUTE_META if name == "route"
                 else _TAIL_META if name.endswith("_tail") else _ROW_META)
         src = ASTSource(fn=fn, signature=sig, constexprs={**flags, **meta, **consts}, attrs=attrs)
         build = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=3))

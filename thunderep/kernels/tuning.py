@@ -101,9 +101,8 @@ def autotune_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("THUNDEREP_TRITON_AUTOTUNE", "1") != "0"
 
 
-def launch(autotuner, plain, default, grid, device, **args) -> triton.Config:
-    """Run the autotuned kernel on CUDA, else (CPU interpreter, or tuning off) the `default` config;
-    returns the config that ran (its meta-parameters; a retried default keeps its own num_stages).
+def launch(autotuner, plain, default, grid, device, **args) -> None:
+    """Run the autotuned kernel on CUDA, else (CPU interpreter, or tuning off) the `default` config.
 
     The fixed configs are sized for 16-bit tiles; float32 tiles take twice the shared memory, so a
     config the GPU cannot hold is retried with one pipeline stage fewer (the autotuner skips such
@@ -124,14 +123,14 @@ def launch(autotuner, plain, default, grid, device, **args) -> triton.Config:
             name = next((n for n, a in _REGISTRY.items() if a is autotuner), type(autotuner).__name__)
             _LOG.info("tuned %s for %s in %.1f s: %s", name, dict(zip(autotuner.keys, key[1:])),
                       time.perf_counter() - start, autotuner.best_config)
-            return autotuner.best_config
-        plain[grid](**args, **config.all_kwargs())
-        return config
+        else:
+            plain[grid](**args, **config.all_kwargs())
+        return
     stages = default.num_stages
     while True:
         try:
             plain[grid](**args, **default.kwargs, num_warps=default.num_warps, num_stages=stages)
-            return default
+            return
         except OutOfResources:
             if stages <= 1:
                 raise
