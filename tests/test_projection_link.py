@@ -258,3 +258,35 @@ def test_bench_link_keeps_times_that_admit_no_fit(monkeypatch, tmp_path, capsys)
     assert fits[0]["latency_us"] == pytest.approx(60.0, rel=1e-6)
     with pytest.raises(ConfigError, match="all-to-all times for world 2, setting 'p2p_disabled' have no fit"):
         load_link(str(out), world=2, setting="p2p_disabled")
+
+
+def test_bench_link_run_that_fails_keeps_the_others(monkeypatch, tmp_path, capsys):
+    """A run that fails (here the graph run's ranks time out) is reported and the command ends with an
+    error naming it, after printing and writing the runs that did measure."""
+    import types
+
+    import thunderep.comm.bench_link as bench_link
+    import thunderep.doctor.gpu as doctor_gpu
+
+    def fake_measure(world, setting, size_list, *, iters, warmup, timeout_s, op, graph=0):
+        if graph:
+            raise PeerTimeout("bench link, all_reduce in graph, world 2, p2p_disabled: ranks [0, 1] still running "
+                              "after --timeout 45 s, killed; rank 0 said: 8192 B: timing", rank=0)
+        return [60e-6 + s / 10e9 for s in size_list]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(bench_link, "_hardware", lambda n: f"{n} x Test GPU")
+    monkeypatch.setattr(bench_link, "measure_world", fake_measure)
+    monkeypatch.setattr(doctor_gpu, "measure_pair", lambda torch_, i, j, nbytes: types.SimpleNamespace(
+        src=i, dst=j, nbytes=nbytes, peer_access=False, peer_gbps=20.0, via_host_gbps=20.0, error=None))
+    out = tmp_path / "link.json"
+    with pytest.raises(ThunderError, match=r"1 of 2 runs failed \(the others are above\): bench link, all_reduce in "
+                                           r"graph, .* rank 0 said: 8192 B: timing"):
+        bench_link.main(["--worlds", "2", "--settings", "p2p_disabled", "--ops", "all_reduce", "--graph", "8",
+                         "--min-bytes", "8192", "--max-bytes", str(1 << 20), "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "failed: bench link, all_reduce in graph" in text and "p2p_disabled R=2 all_reduce" in text
+    data = json.loads(out.read_text())
+    assert [(f["op"], f["graph"]) for f in data["fits"]] == [("all_reduce", 0)]
+    assert len(data["failures"]) == 1 and "still running after --timeout 45 s" in data["failures"][0]

@@ -193,7 +193,7 @@ class _StandInAutotuner:
 def test_compile_threads_compile_a_new_keys_configs_before_they_are_timed(monkeypatch, threads):
     """THUNDEREP_COMPILE_THREADS=3: a new key's pruned configs compile first, on 3 threads, and are timed
     after; the next key does it again; a key answered from the cache of choices compiles only its config.
-    1 (the default): each config compiles as it is timed, on the caller's thread. A bad value is named."""
+    1: each config compiles as it is timed, on the caller's thread. A bad value is named."""
     monkeypatch.delenv("THUNDEREP_TRITON_AUTOTUNE", raising=False)
     monkeypatch.setenv("THUNDEREP_COMPILE_THREADS", threads)
     monkeypatch.setattr(tuning, "_TUNED", {})
@@ -221,3 +221,16 @@ def test_compile_threads_compile_a_new_keys_configs_before_they_are_timed(monkey
     monkeypatch.setenv("THUNDEREP_COMPILE_THREADS", "many")
     with pytest.raises(ConfigError, match="THUNDEREP_COMPILE_THREADS must be a whole number of threads"):
         tuning.compile_threads()
+
+
+def test_compile_threads_default_is_eight_or_the_usable_cpus(monkeypatch):
+    """Unset, THUNDEREP_COMPILE_THREADS is DEFAULT_COMPILE_THREADS (8), or the CPUs this process may run on
+    if fewer; set, it is taken as given (1 turns compiling ahead off)."""
+    monkeypatch.delenv("THUNDEREP_COMPILE_THREADS", raising=False)
+    for cpus, expected in [(range(32), 8), (range(2), 2), (range(1), 1)]:
+        monkeypatch.setattr(tuning.os, "sched_getaffinity", lambda pid, c=cpus: set(c), raising=False)
+        assert tuning.compile_threads() == expected
+    monkeypatch.setenv("THUNDEREP_COMPILE_THREADS", "1")
+    assert tuning.compile_threads() == 1
+    monkeypatch.setenv("THUNDEREP_COMPILE_THREADS", "12")
+    assert tuning.compile_threads() == 12

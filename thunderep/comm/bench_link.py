@@ -134,7 +134,9 @@ def _captured(run, count: int, device: torch.device):
     run()
     torch.cuda.synchronize(device)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
-    with torch.cuda.graph(graph, stream=stream):
+    # thread_local: the capture forbids unsafe CUDA calls on this thread only; NCCL's watchdog thread
+    # keeps querying its events meanwhile.
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         for _ in range(count):
             run()
     torch.cuda.synchronize(device)
@@ -168,7 +170,9 @@ def _worker(spec: dict) -> int:
             run = _collective(spec.get("op", "all_to_all"), size, world, send_N, recv_N, send_bf16, recv_bf16)
             per_run = spec.get("graph", 0) or 1  # collectives per timed call
             if spec.get("graph", 0):
+                print(f"{size} B: capturing {per_run}", flush=True)  # where a rank stops shows in its log
                 run = _captured(run, per_run, device)
+            print(f"{size} B: timing", flush=True)
             times = []
             for i in range(spec["warmup"] + spec["iters"]):
                 if cuda:
@@ -182,6 +186,8 @@ def _worker(spec: dict) -> int:
                 if i >= spec["warmup"]:
                     times.append((time.perf_counter() - start) / per_run)
             medians.append(statistics.median(times))
+            run = None  # a captured graph holds NCCL work: freed before the next capture and before teardown
+            sync()
         Path(spec["out"]).write_text(json.dumps({"rank": rank, "seconds": medians}))
     finally:
         dist.destroy_process_group()
@@ -347,15 +353,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c.src:>3} -> {c.dst:<3} | {'yes' if c.peer_access else 'no':>11} | {c.peer_gbps:14.2f} | "
                   f"{c.via_host_gbps:13.2f} | {c.peer_gbps / c.via_host_gbps:5.2f}x")
 
-    fits = []
+    fits, failures = [], []
     for setting in a.settings:
         for world in worlds:
             size_list = sizes(a.min_bytes, a.max_bytes, world)
             for op in a.ops:  # the ops of one (setting, world) next to each other: drift hits them alike
                 for graph in (0, a.graph) if a.graph else (0,):
                     started = time.perf_counter()
-                    seconds = measure_world(world, setting, size_list, iters=a.iters, warmup=a.warmup,
-                                            timeout_s=a.timeout, op=op, graph=graph)
+                    try:
+                        seconds = measure_world(world, setting, size_list, iters=a.iters, warmup=a.warmup,
+                                                timeout_s=a.timeout, op=op, graph=graph)
+                    except ThunderError as exc:  # the other runs' times still print; the exit code says it
+                        failures.append(str(exc))
+                        print(f"failed: {exc}", flush=True)
+                        continue
                     fits.append(_fit_row(world, setting, size_list, seconds, op, graph))
                     print(f"measured {_op_label(fits[-1])}, {setting}, {world} GPUs: {len(size_list)} sizes in "
                           f"{time.perf_counter() - started:.1f} s", flush=True)
@@ -391,12 +402,15 @@ def main(argv: list[str] | None = None) -> int:
                          f"{a.iters} iterations after {a.warmup}, slowest rank",
                "fit": "t = latency + bytes_sent / beta, least squares on relative error; "
                       "alpha_us = latency_us / (world - 1)",
-               "fits": fits, "skipped": skipped,
+               "fits": fits, "skipped": skipped, "failures": failures,
                "pairs": [{"src": c.src, "dst": c.dst, "nbytes": c.nbytes, "peer_access": c.peer_access,
                           "peer_gbps": c.peer_gbps, "via_host_gbps": c.via_host_gbps, "error": c.error}
                          for c in pairs]}
         Path(a.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.json}")
+    if failures:
+        raise ThunderError(f"{len(failures)} of {len(failures) + len(fits)} runs failed (the others are above): "
+                           + "; ".join(failures))
     return 0
 
 

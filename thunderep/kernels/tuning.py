@@ -8,9 +8,9 @@ step cannot spare. Each tuning is logged (logger "thunderep.kernels", INFO) with
 and the config chosen: the first step of a new shape is slow, and the log says why.
 
 Most of a tuning's time is compiling: Triton's autotuner compiles each config when it first times it,
-one after another. With THUNDEREP_COMPILE_THREADS=N (N > 1; default 1, off) a tuning that times
-configs first compiles all of them on N threads (Triton's AsyncCompileMode; its compiler releases the
-GIL), then times them as before. A tuning answered from Triton's cache of choices compiles only the
+one after another. With THUNDEREP_COMPILE_THREADS=N (N > 1; default 8, or the usable CPUs if fewer;
+1 turns it off) a tuning that times configs first compiles all of them on N threads (Triton's
+AsyncCompileMode; its compiler releases the GIL), then times them as before. A tuning answered from Triton's cache of choices compiles only the
 chosen config, either way.
 """
 
@@ -52,10 +52,20 @@ def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None
     return autotuner, fn
 
 
+# Compile threads when THUNDEREP_COMPILE_THREADS is unset: this many, or the CPUs this process may run on
+# if fewer. On 2 H200s (16 cores per GPU) 8 threads cut a cold tuning from 54-62 s to 29-32 s
+# (docs/BENCHMARKS.md, "Kernel compiles on threads").
+DEFAULT_COMPILE_THREADS = 8
+
+
 def compile_threads() -> int:
-    """Threads that compile a new key's configs before they are timed (THUNDEREP_COMPILE_THREADS, default 1:
-    none ahead, each config compiles when first timed)."""
-    value = os.environ.get("THUNDEREP_COMPILE_THREADS", "1")
+    """Threads that compile a new key's configs before they are timed: THUNDEREP_COMPILE_THREADS, else
+    DEFAULT_COMPILE_THREADS or the usable CPUs if fewer. 1: none ahead, each config compiles when first
+    timed."""
+    value = os.environ.get("THUNDEREP_COMPILE_THREADS", "")
+    if not value:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(DEFAULT_COMPILE_THREADS, cpus))
     try:
         threads = int(value)
     except ValueError:
