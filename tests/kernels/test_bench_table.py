@@ -24,6 +24,15 @@ def test_table_ratio_ignores_the_copy_reference():
     assert line == "| qwen3 | 1 | fwd-graph | 0.100 | 0.040 | 0.020 | 2.50x | 1 | 50% / 20% |"
 
 
+def test_table_ratio_of_a_pinned_path_when_the_default_was_not_measured():
+    """Only pinned paths measured (`thunderep:a,thunderep:b`): the ratio is the first one's, named in the
+    header, instead of NaN."""
+    rows = [_row("grouped_mm", 0.100, 0.2), _row("thunderep:nopdl", 0.050, 0.4), _row("thunderep:sorted", 0.080, 0.3)]
+    lines = bench.table(rows, ["grouped_mm", "thunderep:nopdl", "thunderep:sorted"]).splitlines()
+    assert "| ratio (thunderep:nopdl) | ThunderEP TFLOP/s |" in lines[0]
+    assert lines[-1] == "| qwen3 | 1 | fwd-graph | 0.100 | 0.050 | 0.080 | 2.00x | 1 | 40% / 20% |"
+
+
 
 def test_table_shows_each_rounds_ratio():
     """With rounds, the ratio column is the ratio of the medians and each round's own ratio follows; a row

@@ -259,18 +259,22 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
 
 def table(rows, impls) -> str:
     """Markdown table: one line per shape, T and mode; ratio = best transformers ms / ThunderEP ms (the
-    medians over rounds). With more than one round, the ratio of each round too (its own two timings)."""
+    medians over rounds). With more than one round, the ratio of each round too (its own two timings).
+    ThunderEP is `thunderep` where it was measured, else the first pinned `thunderep:<pin>` (named in
+    the header)."""
     rounds = max((len(r.get("ms_rounds", ())) for r in rows), default=1)
     by_round_col = " ratio by round |" if rounds > 1 else ""
+    mine = "thunderep" if "thunderep" in impls else next((i for i in impls if _ours(i)), "thunderep")
+    named = "" if mine == "thunderep" else f" ({mine})"
     lines = ["| shape | T | mode | " + " | ".join(f"{i} ms" for i in impls)
-             + " | ratio | ThunderEP TFLOP/s | HBM frac (ThunderEP / best HF) |" + by_round_col,
+             + f" | ratio{named} | ThunderEP TFLOP/s | HBM frac (ThunderEP / best HF) |" + by_round_col,
              "|" + "---|" * (len(impls) + 6 + (rounds > 1))]
     keyed = {(r["shape"], r["T"], r["mode"], r["impl"]): r for r in rows}
     for shape, T, mode in dict.fromkeys((r["shape"], r["T"], r["mode"]) for r in rows):
         ms = {i: keyed[(shape, T, mode, i)]["ms"] for i in impls if (shape, T, mode, i) in keyed}
         hf = [ms[i] for i in ms if _hf(i) and ms[i] == ms[i]]
         best = min(hf) if hf else float("nan")
-        ours = keyed.get((shape, T, mode, "thunderep"))
+        ours = keyed.get((shape, T, mode, mine))
         ratio = best / ours["ms"] if ours else float("nan")
         best_impl = min((i for i in ms if _hf(i) and ms[i] == ms[i]), key=ms.get, default=None)
         frac = f"{ours['hbm_frac']:.0%} / {keyed[(shape, T, mode, best_impl)]['hbm_frac']:.0%}" \
@@ -280,8 +284,8 @@ def table(rows, impls) -> str:
                 f"{ours['tflops'] if ours else float('nan'):.0f} | {frac} |")
         if rounds > 1:
             theirs = keyed[(shape, T, mode, best_impl)].get("ms_rounds", ()) if best_impl else ()
-            mine = ours.get("ms_rounds", ()) if ours else ()
-            by_round = [f"{b / o:.2f}x" for b, o in zip(theirs, mine)] if len(mine) > 1 else []
+            own = ours.get("ms_rounds", ()) if ours else ()
+            by_round = [f"{b / o:.2f}x" for b, o in zip(theirs, own)] if len(own) > 1 else []
             line += f" {' / '.join(by_round) or '-'} |"
         lines.append(line)
     return "\n".join(lines)
