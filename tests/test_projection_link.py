@@ -185,14 +185,27 @@ def test_bench_link_ring_collectives_on_gloo(op):
     assert len(seconds) == len(size_list) and all(0 < t < 5 for t in seconds)
 
 
-def test_bench_link_graph_rows_beside_the_eager_ones(monkeypatch, tmp_path, capsys):
-    """`--graph N`: every op is timed eager and in CUDA graphs (the GPUs and the timing faked here:
-    each row's fit recovers the latency its fake measurement was made with, the projection ignores the
-    graph rows)."""
+def _fake_two_gpus(monkeypatch, fake_measure):
+    """bench link's main on 2 faked GPUs: `fake_measure` stands in for measure_world, the pair copies
+    report 20 GB/s."""
     import types
 
     import thunderep.comm.bench_link as bench_link
     import thunderep.doctor.gpu as doctor_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(bench_link, "_hardware", lambda n: f"{n} x Test GPU")
+    monkeypatch.setattr(bench_link, "measure_world", fake_measure)
+    monkeypatch.setattr(doctor_gpu, "measure_pair", lambda torch_, i, j, nbytes: types.SimpleNamespace(
+        src=i, dst=j, nbytes=nbytes, peer_access=False, peer_gbps=20.0, via_host_gbps=20.0, error=None))
+
+
+def test_bench_link_graph_rows_beside_the_eager_ones(monkeypatch, tmp_path, capsys):
+    """`--graph N`: every op is timed eager and in CUDA graphs (the GPUs and the timing faked here:
+    each row's fit recovers the latency its fake measurement was made with, the projection ignores the
+    graph rows)."""
+    import thunderep.comm.bench_link as bench_link
 
     calls = []
 
@@ -201,12 +214,7 @@ def test_bench_link_graph_rows_beside_the_eager_ones(monkeypatch, tmp_path, caps
         latency = 10e-6 if graph else 60e-6  # seconds; 10 GB/s for the bytes sent to peers
         return [latency + s * (world - 1) / world / 10e9 for s in size_list]
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(bench_link, "_hardware", lambda n: f"{n} x Test GPU")
-    monkeypatch.setattr(bench_link, "measure_world", fake_measure)
-    monkeypatch.setattr(doctor_gpu, "measure_pair", lambda torch_, i, j, nbytes: types.SimpleNamespace(
-        src=i, dst=j, nbytes=nbytes, peer_access=False, peer_gbps=20.0, via_host_gbps=20.0, error=None))
+    _fake_two_gpus(monkeypatch, fake_measure)
     out = tmp_path / "link.json"
     assert bench_link.main(["--worlds", "2", "--settings", "p2p_disabled", "--ops", "all_reduce", "all_to_all",
                             "--graph", "16", "--min-bytes", "8192", "--max-bytes", str(1 << 24),
@@ -229,22 +237,14 @@ def test_bench_link_keeps_times_that_admit_no_fit(monkeypatch, tmp_path, capsys)
     """Times flat over the sizes (a latency-bound range, as small collectives in graphs are) admit no
     alpha-beta fit: the run still prints and writes every measured time, marks that row `no fit` with the
     reason, and the projection refuses such an all-to-all row with a message that says why."""
-    import types
-
     import thunderep.comm.bench_link as bench_link
-    import thunderep.doctor.gpu as doctor_gpu
 
     def fake_measure(world, setting, size_list, *, iters, warmup, timeout_s, op, graph=0):
         if graph or op == "all_to_all":
             return [20e-6 - i * 1e-9 for i in range(len(size_list))]  # falling a little: no bandwidth to fit
         return [60e-6 + s / 10e9 for s in size_list]
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(bench_link, "_hardware", lambda n: f"{n} x Test GPU")
-    monkeypatch.setattr(bench_link, "measure_world", fake_measure)
-    monkeypatch.setattr(doctor_gpu, "measure_pair", lambda torch_, i, j, nbytes: types.SimpleNamespace(
-        src=i, dst=j, nbytes=nbytes, peer_access=False, peer_gbps=20.0, via_host_gbps=20.0, error=None))
+    _fake_two_gpus(monkeypatch, fake_measure)
     out = tmp_path / "link.json"
     assert bench_link.main(["--worlds", "2", "--settings", "p2p_disabled", "--ops", "all_reduce", "all_to_all",
                             "--graph", "8", "--min-bytes", "8192", "--max-bytes", str(1 << 20),
@@ -263,10 +263,7 @@ def test_bench_link_keeps_times_that_admit_no_fit(monkeypatch, tmp_path, capsys)
 def test_bench_link_run_that_fails_keeps_the_others(monkeypatch, tmp_path, capsys):
     """A run that fails (here the graph run's ranks time out) is reported and the command ends with an
     error naming it, after printing and writing the runs that did measure."""
-    import types
-
     import thunderep.comm.bench_link as bench_link
-    import thunderep.doctor.gpu as doctor_gpu
 
     def fake_measure(world, setting, size_list, *, iters, warmup, timeout_s, op, graph=0):
         if graph:
@@ -274,12 +271,7 @@ def test_bench_link_run_that_fails_keeps_the_others(monkeypatch, tmp_path, capsy
                               "after --timeout 45 s, killed; rank 0 said: 8192 B: timing", rank=0)
         return [60e-6 + s / 10e9 for s in size_list]
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(bench_link, "_hardware", lambda n: f"{n} x Test GPU")
-    monkeypatch.setattr(bench_link, "measure_world", fake_measure)
-    monkeypatch.setattr(doctor_gpu, "measure_pair", lambda torch_, i, j, nbytes: types.SimpleNamespace(
-        src=i, dst=j, nbytes=nbytes, peer_access=False, peer_gbps=20.0, via_host_gbps=20.0, error=None))
+    _fake_two_gpus(monkeypatch, fake_measure)
     out = tmp_path / "link.json"
     with pytest.raises(ThunderError, match=r"1 of 2 runs failed \(the others are above\): bench link, all_reduce in "
                                            r"graph, .* rank 0 said: 8192 B: timing"):
