@@ -137,7 +137,7 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
     rank calls it, at the same point). None where nothing runs ThunderEP's kernels on a GPU. `log`:
     a function given one line before tuning starts and one for each call that took a second or more."""
     from ..kernels.grouped_gemm import pinned
-    from ..kernels.tuning import _TUNED, autotune_enabled
+    from ..kernels.tuning import _TUNED, autotune_enabled, compile_threads
 
     # Every rank decides alike (one experts implementation, one device type), so either all ranks run
     # the one-token forward below (its all-reduces pair up) or none does.
@@ -146,8 +146,10 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
         return None
     device = next(tm.model.parameters()).device
     if log is not None and autotune_enabled(device):
+        threads = compile_threads()
         log(f"tuning ThunderEP's kernels for batches of up to {max_batch} (once per machine: Triton keeps "
-            "the choices in its cache)")
+            f"the choices in its cache; configs compile on {threads} thread{'s' if threads > 1 else ''}, "
+            "THUNDEREP_COMPILE_THREADS)")
     elif log is not None:
         log(f"compiling ThunderEP's kernels for batches of up to {max_batch} (fixed configs: autotuning is off)")
     started, before = time.perf_counter(), len(_TUNED)
