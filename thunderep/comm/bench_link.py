@@ -43,7 +43,11 @@ Pairs: peer copy vs explicit host-staged copy for every ordered GPU pair, measur
 
 Every wait is bounded: NCCL collectives and the rendezvous by --timeout (init_process_group's
 timeout), each (setting, world) run by --timeout as a whole; ranks still running then are killed and
-the run fails with the ranks' last output lines. A rank that fails ends its run at once.
+the run fails with the ranks' last output lines (each rank logs one line per size as it captures and
+times it). A rank that fails ends its run at once. A failed run does not end the command: the other
+runs still print (and go to --json, which lists the failures), then the command ends with an error
+naming each failed run. Times that admit no fit (flat over the sizes) keep their row, marked
+`no fit` with the reason.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ and the config chosen: the first step of a new shape is slow, and the log says w
 Most of a tuning's time is compiling: Triton's autotuner compiles each config when it first times it,
 one after another. With THUNDEREP_COMPILE_THREADS=N (N > 1; default 8, or the usable CPUs if fewer;
 1 turns it off) a tuning that times configs first compiles all of them on N threads (Triton's
-AsyncCompileMode; its compiler releases the GIL), then times them as before. A tuning answered from Triton's cache of choices compiles only the
-chosen config, either way.
+AsyncCompileMode; its compiler releases the GIL), then times them as before. A tuning answered from
+Triton's cache of choices compiles only the chosen config, either way.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None
 
 
 # Compile threads when THUNDEREP_COMPILE_THREADS is unset: this many, or the CPUs this process may run on
-# if fewer. On 2 H200s (16 cores per GPU) 8 threads cut a cold tuning from 54-62 s to 29-32 s
+# if fewer. On an H200 of a 32-core machine, 8 threads cut a cold tuning from 54-62 s to 29-32 s
 # (docs/BENCHMARKS.md, "Kernel compiles on threads").
 DEFAULT_COMPILE_THREADS = 8
 
