@@ -367,7 +367,7 @@ def _parser() -> argparse.ArgumentParser:
                         "experts they cover in bfloat16 / float16 on a GPU of compute capability 8.0 or later, "
                         "else the model's own transformers function; triton (the kernels, or an error); a "
                         "transformers function (grouped_mm, eager, ...). The kernels are autotuned before the "
-                        "server listens: about a minute the first time on a machine, seconds after")
+                        "server listens: tens of seconds the first time on a machine, seconds after")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request waits for its answer")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
