@@ -255,10 +255,10 @@ def _compiled_kernels() -> dict:
     """{kernel: binaries Triton has compiled for it} over the kernels of thunderep.kernels."""
     from triton.runtime.jit import JITFunction
 
-    from thunderep.kernels import moe_triton, pairs
+    from thunderep.kernels import moe_triton, pairs, passes
 
     found = {}
-    for module in (moe_triton, pairs):
+    for module in (moe_triton, pairs, passes):
         for name, fn in vars(module).items():
             if isinstance(fn, JITFunction) and name.endswith("_kernel"):
                 found[name] = sum(len(entry[0]) for entry in fn.device_caches.values())

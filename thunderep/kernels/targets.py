@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 
 from . import moe_triton as K
 from . import pairs as P
+from . import passes
 
 __all__ = ["HOPPER_ONLY", "KernelBuild", "compile_kernels"]
 
@@ -43,7 +44,7 @@ _KERNELS = {
     "down_pairs_split": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True, PDL=False)),
     "up_pairs_dot": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=True, PRECISION="tf32",
                                               PDL=False)),
-    "route": (K._route_kernel, dict(WEIGHTED=True)),
+    "route": (passes._route_kernel, dict(WEIGHTED=True)),
 }
 # The decode kernels as they run where programmatic dependent launch exists (pairs.pdl_applies: sm_90
 # and later), built only for those targets.
