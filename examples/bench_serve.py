@@ -165,14 +165,14 @@ def main(argv=None) -> int:
                 started = time.perf_counter()
                 proc, url = start_server(args, setting, log)
                 try:
-                    listening = time.perf_counter()
+                    listening, listening_at = time.perf_counter(), time.time()
                     complete(url, "warm up", 2)
                     first = time.perf_counter()
                     results[label].append(load(url, args))
                 finally:
                     stop_server(proc)
                 m = results[label][-1]
-                m.update(start_s=listening - started, first_request_s=first - listening)
+                m.update(start_s=listening - started, first_request_s=first - listening, listening_at=listening_at)
                 tuned = re.search(r"\] tuned (.*)", Path(log).read_text())
                 if tuned:
                     m["tuned"] = tuned.group(1)
