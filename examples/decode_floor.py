@@ -29,40 +29,42 @@ import triton.language as tl
 from thunderep.kernels.bench import ROTATE, SHAPES, _bench, copy_bandwidth
 from thunderep.kernels.pairs import gdc_launch_dependents, gdc_wait
 
-PROGRAMS = (132, 264, 528, 1056, 2112)
-BLOCKS = (2048, 4096, 8192)
+PROGRAMS = (264, 528, 1056, 2112, 4224, 8448)
+BLOCKS = (512, 1024, 2048, 4096)
 WARPS = (4, 8)
 
 
 @triton.jit
-def _read_kernel(src_ptr, out_ptr, per_program, BLOCK: tl.constexpr, WAIT: tl.constexpr,
+def _read_kernel(src_ptr, out_ptr, n, per_program, BLOCK: tl.constexpr, WAIT: tl.constexpr,
                  LAUNCH_DEPENDENTS: tl.constexpr):
-    """Sum program_id's `per_program` elements (a multiple of BLOCK) into out[program_id]."""
+    """Sum program_id's `per_program` elements (a multiple of BLOCK; the last program's masked at n)
+    into out[program_id]."""
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     pid = tl.program_id(0)
-    ptrs = src_ptr + pid.to(tl.int64) * per_program + tl.arange(0, BLOCK)
+    offs = pid.to(tl.int64) * per_program + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     if WAIT:  # as the decode down pass: first chunk loaded, then wait for the kernel before
-        acc += tl.load(ptrs).to(tl.float32)
+        acc += tl.load(src_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
         gdc_wait()
     for i in range(BLOCK * WAIT, per_program, BLOCK):
-        acc += tl.load(ptrs + i).to(tl.float32)
+        acc += tl.load(src_ptr + offs + i, mask=offs + i < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + pid, tl.sum(acc))
 
 
 def _reader(buffers, cfg, wait=False, launch_dependents=False):
     """A function reading buffers[i % ROTATE] on call i; the bytes each call reads."""
     programs, block, warps = cfg
-    per_program = buffers[0].numel() // programs // block * block
+    n = buffers[0].numel()
+    per_program = triton.cdiv(triton.cdiv(n, programs), block) * block  # all n elements are read
     out = torch.empty(programs, dtype=torch.float32, device=buffers[0].device)
     it = itertools.count()
 
     def fn():
-        _read_kernel[(programs,)](buffers[next(it) % ROTATE], out, per_program, BLOCK=block, WAIT=int(wait),
+        _read_kernel[(programs,)](buffers[next(it) % ROTATE], out, n, per_program, BLOCK=block, WAIT=int(wait),
                                   LAUNCH_DEPENDENTS=launch_dependents, num_warps=warps,
                                   **({"launch_pdl": True} if wait else {}))
-    return fn, programs * per_program * buffers[0].element_size()
+    return fn, n * buffers[0].element_size()
 
 
 def graph_us(fns) -> float:
