@@ -33,6 +33,13 @@ def test_table_ratio_of_a_pinned_path_when_the_default_was_not_measured():
     assert lines[-1] == "| qwen3 | 1 | fwd-graph | 0.100 | 0.050 | 0.080 | 2.00x | 1 | 40% / 20% |"
 
 
+def test_table_without_a_transformers_time_shows_no_ratio():
+    """Only ThunderEP's paths (and the copy) measured: no ratio ("-", not NaN); ThunderEP's own HBM
+    fraction stays."""
+    rows = [_row("thunderep:nopdl", 0.030, 0.6), _row("thunderep", 0.029, 0.63), _row("copy", 0.021, 0.84)]
+    lines = bench.table(rows, ["thunderep:nopdl", "thunderep", "copy"]).splitlines()
+    assert lines[-1] == "| qwen3 | 1 | fwd-graph | 0.030 | 0.029 | 0.021 | - | 1 | 63% / - |"
+
 
 def test_table_shows_each_rounds_ratio():
     """With rounds, the ratio column is the ratio of the medians and each round's own ratio follows; a row

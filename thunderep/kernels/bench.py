@@ -275,12 +275,12 @@ def table(rows, impls) -> str:
         hf = [ms[i] for i in ms if _hf(i) and ms[i] == ms[i]]
         best = min(hf) if hf else float("nan")
         ours = keyed.get((shape, T, mode, mine))
-        ratio = best / ours["ms"] if ours else float("nan")
+        ratio = f"{best / ours['ms']:.2f}x" if ours and hf else "-"  # "-": no transformers time to compare
         best_impl = min((i for i in ms if _hf(i) and ms[i] == ms[i]), key=ms.get, default=None)
-        frac = f"{ours['hbm_frac']:.0%} / {keyed[(shape, T, mode, best_impl)]['hbm_frac']:.0%}" \
-            if ours and best_impl else "-"
+        theirs_frac = f"{keyed[(shape, T, mode, best_impl)]['hbm_frac']:.0%}" if best_impl else "-"
+        frac = f"{ours['hbm_frac']:.0%} / {theirs_frac}" if ours else "-"
         cells = " | ".join(f"{ms.get(i, float('nan')):.3f}" for i in impls)
-        line = (f"| {shape} | {T} | {mode} | {cells} | {ratio:.2f}x | "
+        line = (f"| {shape} | {T} | {mode} | {cells} | {ratio} | "
                 f"{ours['tflops'] if ours else float('nan'):.0f} | {frac} |")
         if rounds > 1:
             theirs = keyed[(shape, T, mode, best_impl)].get("ms_rounds", ()) if best_impl else ()
