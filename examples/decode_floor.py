@@ -12,7 +12,8 @@ down pass, which needs the gate/up pass's whole output first. Rows, per shape:
 - two reads, PDL: the second launched as a programmatic dependent (sm_90 and later), as the decode
   down pass is: its programs load their first chunk, wait for the first kernel (griddepcontrol.wait),
   then read the rest.
-Each read kernel's (programs, block, warps) is swept alone, and the best kept. Four buffer sets
+Each read kernel's (programs, block, warps) is swept alone, and the best kept; the best time per
+program count is printed too (the grain of the work, at fixed bytes). Four buffer sets
 rotate, so L2 holds none of the bytes. "HBM frac" is bytes read per second over the copy bandwidth
 of a 2 GiB copy measured in the same run (the benchmark's definition).
 """
@@ -86,12 +87,19 @@ def graph_us(fns) -> float:
     return us
 
 
-def best_reader(buffers):
-    """(us, config, bytes) of the fastest config reading one buffer per step."""
+_NOTES: list[str] = []  # lines printed under a shape's row
+
+
+def best_reader(buffers, label):
+    """(us, config, bytes) of the fastest config reading one buffer per step. Prints the best time per
+    program count: how the time depends on the grain of the work, at a fixed number of bytes."""
     found = []
     for cfg in itertools.product(PROGRAMS, BLOCKS, WARPS):
         fn, n = _reader(buffers, cfg)
         found.append((graph_us([fn]), cfg, n))
+    by_programs = {p: min(us for us, cfg, _ in found if cfg[0] == p) for p in PROGRAMS}
+    _NOTES.append(f"  ({label}, best us by programs: " + ", ".join(f"{p}: {us:.1f}" for p, us in by_programs.items())
+                  + ")")
     return min(found)
 
 
@@ -119,9 +127,9 @@ def main(argv=None) -> int:
             src, dst = halves[next(copies) % ROTATE]
             dst.copy_(src)
         copy_us = graph_us([copy])
-        one_us, one_cfg, one_bytes = best_reader(whole)
-        up_us, up_cfg, up_bytes = best_reader(up)
-        down_us, down_cfg, down_bytes = best_reader(down)
+        one_us, one_cfg, one_bytes = best_reader(whole, f"{name} one read")
+        up_us, up_cfg, up_bytes = best_reader(up, f"{name} gate/up share")
+        down_us, down_cfg, down_bytes = best_reader(down, f"{name} down share")
         two_bytes = up_bytes + down_bytes
         two_us = graph_us([_reader(up, up_cfg)[0], _reader(down, down_cfg)[0]])
         pdl_us = graph_us([_reader(up, up_cfg, launch_dependents=True)[0], _reader(down, down_cfg, wait=True)[0]]) \
@@ -132,6 +140,8 @@ def main(argv=None) -> int:
               f"{total / (0.8 * bw) * 1e6:.1f} | " + " / ".join(f"{f:.0%}" for f in frac) + " |")
         print(f"  (best configs, (programs, block, warps): one {one_cfg}; gate/up share {up_cfg} {up_us:.1f} us "
               f"alone; down share {down_cfg} {down_us:.1f} us alone)")
+        print("\n".join(_NOTES))
+        _NOTES.clear()
     return 0
 
 
