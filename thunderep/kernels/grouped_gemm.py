@@ -122,7 +122,7 @@ def _act_rows(gu, act, interleaved):
     h = gu.new_empty(n_rows, I)
     grid = (triton.cdiv(n_rows, 8), triton.cdiv(I, 256))
     passes._act_kernel[grid](gu, h, n_rows, I, gu.stride(0), h.stride(0), ACT=act, INTERLEAVED=interleaved,
-                        BLOCK_R=8, BLOCK_C=256, **_elementwise_meta(gu.device))
+                             BLOCK_R=8, BLOCK_C=256, **_elementwise_meta(gu.device))
     return h
 
 
@@ -148,7 +148,7 @@ def gather_rows(src, order, top_k):
     out = src.new_empty(n_rows, D)
     grid = (triton.cdiv(n_rows, 8), triton.cdiv(D, 1024))
     passes._gather_kernel[grid](src, order, out, n_rows, D, top_k, src.stride(0), out.stride(0), BLOCK_R=8,
-                           BLOCK_D=1024, **_elementwise_meta(src.device))
+                                BLOCK_D=1024, **_elementwise_meta(src.device))
     return out
 
 
@@ -164,8 +164,8 @@ def _combine(rows, inv, weights, T, top_k):
     out = rows.new_empty(T, D)
     grid = (triton.cdiv(T, 4), triton.cdiv(D, 512))
     passes._combine_kernel[grid](rows, inv, weights if weights is not None else rows, out, T, D, top_k,
-                            rows.stride(0), out.stride(0), WEIGHTED=weights is not None, BLOCK_T=4,
-                            BLOCK_D=512, **_elementwise_meta(rows.device))
+                                 rows.stride(0), out.stride(0), WEIGHTED=weights is not None, BLOCK_T=4,
+                                 BLOCK_D=512, **_elementwise_meta(rows.device))
     return out
 
 

@@ -430,8 +430,8 @@ def _route_impl(ids_TK: torch.Tensor, weights_TK: Optional[torch.Tensor], E: int
     counts_E = torch.empty(E, dtype=torch.int32, device=device)
     weights_N = torch.empty(N, dtype=weights_TK.dtype if weights_TK is not None else dtype, device=device)
     passes._route_kernel[(1,)](ids_TK.reshape(-1), weights_TK.reshape(-1) if weights_TK is not None else weights_N,
-                          order_N, counts_E, weights_N, N, E, WEIGHTED=weights_TK is not None,
-                          BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_E=_block_e(E))
+                               order_N, counts_E, weights_N, N, E, WEIGHTED=weights_TK is not None,
+                               BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_E=_block_e(E))
     return order_N, counts_E, weights_N
 
 
