@@ -95,3 +95,22 @@ def test_rounds_interleave_implementations(monkeypatch):
                    ("thunderep:triton", "fwdbwd"): ([2.0, 7.0, 10.0], 7.0),
                    ("thunderep:torch", "fwd"): ([3.0, 6.0, 11.0], 6.0),
                    ("thunderep:torch", "fwdbwd"): ([4.0, 5.0, 12.0], 5.0)}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shapes", "qwen3,mixtrl"], "unknown shape(s) ['mixtrl']: use mixtral, qwen3, deepseek"),
+    (["--tokens", "1,x"], "--tokens '1,x': use comma-separated token counts of at least 1"),
+    (["--tokens", "0,64"], "--tokens '0,64': use comma-separated token counts of at least 1"),
+])
+def test_bad_shapes_and_tokens_are_refused_before_any_gpu_work(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_shape_whose_weights_do_not_fit_is_named_with_its_size():
+    """DeepSeek-V3's expert weights (256 x 3 x 7168 x 2048 bf16) on a card with 16 GB free: the reason
+    quotes both sizes; Qwen3's 1.2 GB fit."""
+    assert bench.weights_do_not_fit("deepseek", 16 * 10**9) == (
+        "its expert weights take 22.5 GB (256 experts x 3 x 7168 x 2048 x 2 bytes) and this GPU has 16.0 GB free")
+    assert bench.weights_do_not_fit("qwen3", 16 * 10**9) is None

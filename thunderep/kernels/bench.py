@@ -181,6 +181,17 @@ def _step(fn, sets, mode, w_gu, w_d):
     return fwd if mode == "fwd" else fwdbwd
 
 
+def weights_do_not_fit(name: str, free_bytes: int) -> str | None:
+    """Why the shape's bf16 expert weights (all E experts, gate/up and down) cannot be allocated in
+    `free_bytes` of GPU memory, or None: DeepSeek-V3's take 22.5 GB, more than many cards have free."""
+    D, I, E, _ = SHAPES[name]
+    need = 3 * E * D * I * 2
+    if need <= free_bytes:
+        return None
+    return (f"its expert weights take {need / 1e9:.1f} GB ({E} experts x 3 x {D} x {I} x 2 bytes) and this GPU has "
+            f"{free_bytes / 1e9:.1f} GB free")
+
+
 def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profile_t=(), modes=("fwd", "fwdbwd"),
                 rounds=1):
     D, I, E, K = SHAPES[name]
@@ -323,6 +334,16 @@ def main(argv=None) -> int:
         ap.error(f"unknown ThunderEP variant(s) {bad}: use thunderep or thunderep:<{'|'.join(PINS)}>")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: must be at least 1")
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shape(s) {unknown}: use {', '.join(SHAPES)}")
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        tokens = []
+    if not tokens or min(tokens) < 1:
+        ap.error(f"--tokens {args.tokens!r}: use comma-separated token counts of at least 1, e.g. 1,64,4096")
     if not torch.cuda.is_available():
         print("thunderep.kernels.bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -333,11 +354,18 @@ def main(argv=None) -> int:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows: list[dict] = []
-    for name in args.shapes.split(","):
-        bench_shape(name, [int(t) for t in args.tokens.split(",")], impls, bw, device, rows,
-                    graph_max_t=args.graph_max_tokens,
-                    profile_t={int(t) for t in args.profile_tokens.split(",") if t},
-                    modes=tuple(args.modes.split(",")), rounds=args.rounds)
+    for name in shapes:
+        too_big = weights_do_not_fit(name, torch.cuda.mem_get_info(device)[0])
+        if too_big:
+            print(f"{name}: {too_big}; shape left out", file=sys.stderr, flush=True)
+            continue
+        try:
+            bench_shape(name, tokens, impls, bw, device, rows, graph_max_t=args.graph_max_tokens,
+                        profile_t={int(t) for t in args.profile_tokens.split(",") if t},
+                        modes=tuple(args.modes.split(",")), rounds=args.rounds)
+        except torch.OutOfMemoryError as exc:  # what is measured so far stays; the other shapes still run
+            print(f"{name}: out of GPU memory ({str(exc).splitlines()[0][:160]}); the shape's remaining rows "
+                  "are left out", file=sys.stderr, flush=True)
         torch.cuda.empty_cache()  # this shape's weights are gone with bench_shape's frame
         print(table([r for r in rows if r["shape"] == name], impls), flush=True)
     from .ops import kernel_configs
