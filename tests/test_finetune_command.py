@@ -251,7 +251,7 @@ def test_freeze_patterns_and_memory_shortfall_are_named():
     from hf_tiny import tiny_model
 
     from thunderep.errors import ConfigError
-    from thunderep.finetune import memory_plan, select_trainable
+    from thunderep.trainable import memory_plan, select_trainable
     from thunderep.hf import ThunderMoE
 
     tm = ThunderMoE.wrap(tiny_model("mixtral"))
@@ -273,7 +273,8 @@ def test_freeze_patterns_and_memory_shortfall_are_named():
     with pytest.raises(ConfigError, match=rf"a rank needs {plan.short / 1e9:.2f} GB more than it has free .*--freeze "
                                           r"experts.*--dtype bfloat16.*--ep"):
         plan.check()
-    from thunderep.finetune import _memory_hint, parse_args
+    from thunderep.finetune import parse_args
+    from thunderep.trainable import _memory_hint
 
     args = parse_args(["--model", "m", "--out", "o", "--batch", "3", "--seq-len", "40"])
     with pytest.raises(ConfigError, match=r"out of memory in training step 5 on rank 0 \(cpu\), 3 x 40 tokens per "
