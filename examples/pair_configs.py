@@ -29,9 +29,12 @@ ROUTINGS = 8
 def graph_us(x, wgu, wd, routings, w) -> float:
     """Median microseconds per call of the pair kernels, ROUTINGS calls captured in one CUDA graph."""
     with torch.no_grad():
-        for ids in routings:  # warm-up outside the capture (tuning, compiles)
-            routed_moe_mlp(x, wgu, wd, ids, w)
-        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture (tuning, compiles), as the benchmark
+            for ids in routings:
+                routed_moe_mlp(x, wgu, wd, ids, w)
+        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for ids in routings:
@@ -68,8 +71,9 @@ def main(argv=None) -> int:
     wgu = torch.randn(E, 2 * I, D, device=device, dtype=torch.bfloat16, generator=gen) / D ** 0.5
     wd = torch.randn(E, D, I, device=device, dtype=torch.bfloat16, generator=gen) / I ** 0.5
     x = torch.randn(1, D, device=device, dtype=torch.bfloat16, generator=gen)
-    routings = [torch.randperm(E, device=device, generator=gen)[:K].view(1, K) for _ in range(ROUTINGS)]
-    w = torch.softmax(torch.randn(1, K, device=device, generator=gen), -1)
+    cpu_gen = torch.Generator().manual_seed(0)
+    routings = [torch.randperm(E, generator=cpu_gen)[:K].view(1, K).to(device) for _ in range(ROUTINGS)]
+    w = torch.softmax(torch.randn(1, K, device=device, generator=gen), -1).to(torch.bfloat16)
     print(f"{torch.cuda.get_device_name()}, {args.shape} (D={D}, I={I}, E={E}, K={K}), T = 1, "
           f"PDL {'on' if P.pdl_applies(device) else 'off'}", flush=True)
 

@@ -141,6 +141,15 @@ def test_gpu_pairs_model_shapes(shape, T, pairs):
                     activation="gelu_tanh")
 
 
+@pytest.mark.gpu
+def test_gpu_pairs_hidden_size_not_a_multiple_of_the_k_tile(pairs):
+    """A hidden size that no BLOCK_K divides (GPT-OSS's 2880): the masked last K chunk, in bfloat16 and
+    float32, for both variants of each pass (Triton's CPU interpreter cannot check bfloat16 tensor-core
+    products: its tl.dot is wrong for bfloat16 inputs)."""
+    check_pairs(1, 2880, 1440, 32, 4, torch.bfloat16, tol=2e-2, seed=11)
+    check_pairs(2, 2880, 1440, 32, 4, torch.float32, tol=1e-4, seed=12)
+
+
 @pytest.mark.skipif(CUDA, reason="the GPU tests cover the kernels")
 def test_pairs_skip_id_minus_one(pairs):
     """Id -1 marks a pair computed elsewhere (another rank's expert): it adds nothing, the rest is exact."""
