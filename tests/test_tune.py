@@ -237,6 +237,9 @@ def test_gpu_serving_after_tuning_tunes_nothing(monkeypatch, autotune):
     shapes, before, after = _gpu_tuned_then_served(0, 1)
     assert shapes == 1
     assert after == before
+    from thunderep.kernels import tuning
+
+    assert tuning.compiled_kernels() == sum(after[1].values()) > 0  # what a server's slow-step report counts
 
 
 @pytest.mark.gpu

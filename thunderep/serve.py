@@ -33,7 +33,9 @@ what the model cannot take (a prompt longer than its context) is refused before 
 prefill that fails on any rank (continuous batching) is answered with 500 on its new requests only; a
 decode step (or static batch) that fails is answered with 500 on every request being generated. The
 ranks go on serving in step; a rank that dies or stops answering ends the server within
-`--timeout`.
+`--timeout`. A step that stalls (a decode step of a second or more, ten times the usual one) is
+reported on stderr, with what ran in it that a steady server does not: kernel tunings or compiles,
+CUDA-graph captures, storage reallocations (`_StepWatch`).
 """
 
 from __future__ import annotations
@@ -165,6 +167,61 @@ def _agree_on_failure(error: str | None, ranks: _Ranks | None) -> str | None:
     return error if ranks is None else ranks.agree(error)
 
 
+class _StepWatch:
+    """Reports a serving step that stalled, with what ran in it that a server in its steady state does not:
+    kernel tunings and compiles (ThunderEP's Triton kernels), CUDA-graph captures and decode-storage
+    reallocations (`StaticDecodeBatch.events`). A decode step is reported when it took MIN_SECONDS or more
+    and FACTOR times the median of the decode steps before it, or MIN_SECONDS with any of those events; a
+    prefill (slow anyway for a long prompt) only with an event. Rank 0 reports every stall, naming the
+    events of its own process or saying none ran there (it then waited for another rank, or the host
+    stalled); another rank reports only stalls with events of its own. Events are counted since the
+    previous report (or the start), and looked at only after a step of MIN_SECONDS or more: a steady step
+    pays two clock reads."""
+
+    MIN_SECONDS = 1.0
+    FACTOR = 10.0
+
+    def __init__(self, batch, rank: int, clock=None):
+        import time
+
+        self.batch, self.rank, self.clock = batch, rank, clock or time.perf_counter
+        self.decode_s: collections.deque = collections.deque(maxlen=64)  # the last decode steps' seconds
+        self.marks = self._marks()
+
+    def _marks(self) -> collections.Counter:
+        marks = collections.Counter(getattr(self.batch, "events", {}))
+        tuning = sys.modules.get("thunderep.kernels.tuning")
+        if tuning is not None:
+            marks["kernel tuning"] = len(tuning._TUNED)
+            marks["kernel compile"] = tuning.compiled_kernels()
+        return marks
+
+    def start(self) -> float:
+        return self.clock()
+
+    def done(self, started: float, what: str, decode: bool) -> str | None:
+        """The report line of a step that began at `started` (from `start()`), or None; printed here."""
+        seconds = self.clock() - started
+        if seconds < self.MIN_SECONDS:
+            if decode:
+                self.decode_s.append(seconds)
+            return None
+        typical = sorted(self.decode_s)[len(self.decode_s) // 2] if len(self.decode_s) >= 8 else None
+        if decode:
+            self.decode_s.append(seconds)
+        marks = self._marks()
+        events, self.marks = marks - self.marks, marks
+        stalled = decode and typical is not None and seconds >= self.FACTOR * typical
+        if not events and (self.rank != 0 or not stalled):
+            return None
+        ran = ", ".join(f"{n} {name}{'s' if n > 1 else ''}" for name, n in sorted(events.items())) if events else \
+            "no kernel tuning or compile, graph capture or storage reallocation on this rank"
+        usual = f" (median decode step {typical * 1e3:.1f} ms)" if typical is not None else ""
+        line = f"slow step on rank {self.rank}: {what} took {seconds:.2f} s{usual}; since the last report: {ran}"
+        print(f"[thunderep serve] {line}", file=sys.stderr, flush=True)
+        return line
+
+
 def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
@@ -220,6 +277,7 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args) -> None:
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch, active, count, ended = _decode_batch(tm, device, eos, pad, args, server), {}, 0, []
+    watch = _StepWatch(batch, 0 if ranks is None else ranks.rank)
     while True:
         entries, cancels = [], ended  # cancels: sequences answered early (a stop string) or abandoned
         if server is not None:
@@ -243,8 +301,10 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args) -> None:
             continue
         events = []
         if entries:  # a failed prefill fails its new requests; the sequences being decoded go on
+            started = watch.start()
             try:
                 events, error = batch.admit(entries), None
+                watch.done(started, f"prefill of {len(entries)} request(s)", decode=False)
             except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
                 error = _describe(exc)
             error = _agree_on_failure(error, ranks)
@@ -254,8 +314,10 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args) -> None:
                 for e in entries if server is not None else ():
                     server.fail(active.pop(e.key), f"prefill failed: {error}")
         if len(batch):  # a failed step fails every request being generated
+            started, decoding = watch.start(), len(batch)
             try:
                 events, error = events + batch.step(), None
+                watch.done(started, f"decode step of {decoding} sequence(s)", decode=True)
             except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
                 error = _describe(exc)
             error = _agree_on_failure(error, ranks)

@@ -37,6 +37,7 @@ Shapes: B storage rows, C storage columns (capacity), H key / value heads, hd he
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 
@@ -108,6 +109,9 @@ class StaticDecodeBatch(DecodeBatch):
         self._graphs: dict[int, tuple] = {}
         self._warm: set[int] = set()
         self._pool = None
+        # what a steady server does not do, counted for its slow-step reports: "graph capture",
+        # "storage reallocation" (which drops the graphs)
+        self.events: collections.Counter = collections.Counter()
         attention = getattr(self.model.config.get_text_config(), "_attn_implementation", "sdpa")
         self._additive = attention == "eager"
 
@@ -209,6 +213,7 @@ class StaticDecodeBatch(DecodeBatch):
         self.keys, self.values, self.store_mask, self.store_ids = keys, values, store_mask, store_ids
         self.counters = [torch.full((), self.length, dtype=torch.int64, device=self.device) for _ in self.keys]
         self.capacity, self.row_capacity = capacity, B
+        self.events["storage reallocation"] += 1
         # The graphs were captured on the old storage. Their memory pool goes with them: torch's allocator
         # drops a pool once no graph holds it, and a capture into a dropped pool's handle fails an
         # internal assert, so the next capture takes a fresh handle.
@@ -286,6 +291,7 @@ class StaticDecodeBatch(DecodeBatch):
                   f"{str(exc).splitlines()[0][:200]}); steps run eagerly", file=sys.stderr, flush=True)
             return self._forward_static(b)
         self._graphs[b] = (graph, logits)
+        self.events["graph capture"] += 1
         graph.replay()
         return logits
 

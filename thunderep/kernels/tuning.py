@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +28,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..errors import ConfigError
 
-__all__ = ["autotune_enabled", "compile_threads", "kernel_configs", "launch", "precision", "tuned"]
+__all__ = ["autotune_enabled", "compile_threads", "compiled_kernels", "kernel_configs", "launch", "precision", "tuned"]
 
 _LOG = logging.getLogger("thunderep.kernels")
 _REGISTRY: dict[str, object] = {}  # name -> autotuner, for kernel_configs()
@@ -145,6 +146,24 @@ def launch(autotuner, plain, default, grid, device, **args) -> None:
             if stages <= 1:
                 raise
             stages -= 1
+
+
+_KERNEL_MODULES = ("thunderep.kernels.moe_triton", "thunderep.kernels.pairs", "thunderep.kernels.passes")
+
+
+def compiled_kernels() -> int:
+    """Kernel binaries Triton has compiled in this process for ThunderEP's kernels, over the kernel
+    modules imported so far (0 under Triton's interpreter, which compiles nothing). A server compares two
+    counts to tell whether a slow step compiled a kernel."""
+    from triton.runtime.jit import JITFunction
+
+    total = 0
+    for name in _KERNEL_MODULES:
+        module = sys.modules.get(name)
+        for fn in vars(module).values() if module is not None else ():
+            if isinstance(fn, JITFunction):
+                total += sum(len(entry[0]) for entry in fn.device_caches.values())
+    return total
 
 
 def kernel_configs() -> dict:

@@ -1,0 +1,90 @@
+"""The serving loop's slow-step reports (`serve._StepWatch`): steady steps say nothing; a stall says how long
+it took against the usual decode step, and what ran in it that a steady server does not (kernel
+tunings and compiles, graph captures, storage reallocations), or that nothing did on that rank."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from thunderep import serve
+
+NOTHING = "no kernel tuning or compile, graph capture or storage reallocation on this rank"
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Batch:
+    def __init__(self):
+        self.events: collections.Counter = collections.Counter()
+
+
+def _watch(rank: int = 0):
+    clock, batch = _Clock(), _Batch()
+    return serve._StepWatch(batch, rank, clock), clock, batch
+
+
+def _run(watch, clock, seconds, decode=True, what="decode step of 4 sequence(s)"):
+    lines = []
+    for s in seconds:
+        started = watch.start()
+        clock.t += s
+        lines.append(watch.done(started, what, decode))
+    return lines
+
+
+def test_steady_steps_and_expected_slow_ones_are_not_reported(capsys):
+    watch, clock, _ = _watch()
+    assert _run(watch, clock, [1.5, 0.01]) == [None, None]  # too few steps yet to know what is usual
+    assert _run(watch, clock, [0.01] * 20 + [0.09]) == [None] * 21
+    assert _run(watch, clock, [3.0], decode=False, what="prefill of 1 request(s)") == [None]  # a long prompt
+    watch, clock, _ = _watch()
+    assert _run(watch, clock, [0.2] * 10 + [1.1]) == [None] * 11  # under 10x the usual step
+    assert capsys.readouterr().err == ""
+
+
+def test_a_stall_on_rank_zero_says_what_ran_in_it_or_that_nothing_did(capsys):
+    watch, clock, batch = _watch()
+    _run(watch, clock, [0.01] * 10)
+    assert _run(watch, clock, [1.5]) == [
+        f"slow step on rank 0: decode step of 4 sequence(s) took 1.50 s (median decode step 10.0 ms); "
+        f"since the last report: {NOTHING}"]
+    batch.events["graph capture"] += 2
+    batch.events["storage reallocation"] += 1
+    line, = _run(watch, clock, [1.2])
+    assert line.endswith("since the last report: 2 graph captures, 1 storage reallocation")
+    line, = _run(watch, clock, [1.3])  # counted once: the next stall had none
+    assert line.endswith(NOTHING)
+    assert capsys.readouterr().err.count("[thunderep serve] slow step on rank 0: decode step") == 3
+
+
+def test_kernel_tunings_and_compiles_are_named(monkeypatch):
+    pytest.importorskip("triton")
+    from thunderep.kernels import tuning
+
+    compiled = [5]
+    monkeypatch.setattr(tuning, "compiled_kernels", lambda: compiled[0])
+    monkeypatch.setattr(tuning, "_TUNED", {})
+    watch, clock, _ = _watch()
+    compiled[0] = 7
+    tuning._TUNED[("up", 64)] = None
+    line, = _run(watch, clock, [2.0], decode=False, what="prefill of 2 request(s)")
+    assert line == ("slow step on rank 0: prefill of 2 request(s) took 2.00 s; since the last report: "
+                    "2 kernel compiles, 1 kernel tuning")
+
+
+def test_other_ranks_report_only_stalls_of_their_own(capsys):
+    watch, clock, batch = _watch(rank=1)
+    _run(watch, clock, [0.01] * 10)
+    assert _run(watch, clock, [1.5]) == [None]  # it waited for someone else: rank 0 reports that
+    batch.events["graph capture"] += 1
+    line, = _run(watch, clock, [1.5])
+    assert line.startswith("slow step on rank 1: ") and line.endswith("1 graph capture")
+    assert "rank 1" in capsys.readouterr().err
