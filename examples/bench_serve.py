@@ -173,7 +173,10 @@ def main(argv=None) -> int:
                     stop_server(proc)
                 m = results[label][-1]
                 m.update(start_s=listening - started, first_request_s=first - listening, listening_at=listening_at)
-                tuned = re.search(r"\] tuned (.*)", Path(log).read_text())
+                text = Path(log).read_text()
+                for stall in re.findall(r"\] (slow step on rank .*)", text)[:3]:  # the server's own report
+                    print(f"round {r + 1}, {label}: {stall}")
+                tuned = re.search(r"\] tuned (.*)", text)
                 if tuned:
                     m["tuned"] = tuned.group(1)
                     print(f"round {r + 1}, {label}: the server tuned {m['tuned']}")
