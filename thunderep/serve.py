@@ -193,7 +193,10 @@ class _StepWatch:
         tuning = sys.modules.get("thunderep.kernels.tuning")
         if tuning is not None:
             marks["kernel tuning"] = len(tuning._TUNED)
-            marks["kernel compile"] = tuning.compiled_kernels()
+            try:
+                marks["kernel compile"] = tuning.compiled_kernels()
+            except Exception:  # noqa: BLE001 - a Triton whose caches look otherwise: no count, serving goes on
+                pass
         return marks
 
     def start(self) -> float:
@@ -304,9 +307,10 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args) -> None:
             started = watch.start()
             try:
                 events, error = batch.admit(entries), None
-                watch.done(started, f"prefill of {len(entries)} request(s)", decode=False)
             except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
                 error = _describe(exc)
+            if error is None:
+                watch.done(started, f"prefill of {len(entries)} request(s)", decode=False)
             error = _agree_on_failure(error, ranks)
             if error is not None:
                 events = []
@@ -317,9 +321,10 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args) -> None:
             started, decoding = watch.start(), len(batch)
             try:
                 events, error = events + batch.step(), None
-                watch.done(started, f"decode step of {decoding} sequence(s)", decode=True)
             except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
                 error = _describe(exc)
+            if error is None:
+                watch.done(started, f"decode step of {decoding} sequence(s)", decode=True)
             error = _agree_on_failure(error, ranks)
             if error is not None:
                 batch.reset()
