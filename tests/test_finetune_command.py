@@ -274,13 +274,13 @@ def test_freeze_patterns_and_memory_shortfall_are_named():
                                           r"experts.*--dtype bfloat16.*--ep"):
         plan.check()
     from thunderep.finetune import parse_args
-    from thunderep.trainable import _memory_hint
+    from thunderep.trainable import memory_hint
 
     args = parse_args(["--model", "m", "--out", "o", "--batch", "3", "--seq-len", "40"])
     with pytest.raises(ConfigError, match=r"out of memory in training step 5 on rank 0 \(cpu\), 3 x 40 tokens per "
                                           r"rank; before training: memory per rank.*--gradient-checkpointing.*"
                                           r"CUDA out of memory. Tried"):
-        with _memory_hint(args, 4, plan):
+        with memory_hint(args, 4, plan):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from .data import ids_labels, batch_at, load_training_data, split_tokens
-from .trainable import MemoryPlan, _memory_hint, _peak_bytes, memory_plan, select_trainable
+from .trainable import MemoryPlan, memory_hint, memory_plan, peak_bytes, select_trainable
 
 __all__ = ["MemoryPlan", "finetune_on_rank", "lr_factor", "main", "memory_plan", "parse_args", "select_trainable"]
 
@@ -147,7 +147,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         for group in optimizer.param_groups:  # a function of the step: a resumed run continues it exactly
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        with _memory_hint(args, step, plan):
+        with memory_hint(args, step, plan):
             loss = 0.0
             for micro in range(args.grad_accum):  # the objective: the mean of the micro-batches' losses
                 draw = step if args.grad_accum == 1 else step * args.grad_accum + micro
@@ -190,7 +190,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         if args.checkpoint and not args.dry_run and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args.checkpoint, tm, optimizer, step=step + 1)
     seconds = time.perf_counter() - started
-    peak = _peak_bytes(device)  # the largest over the ranks, weights and activations included
+    peak = peak_bytes(device)  # the largest over the ranks, weights and activations included
     sync.close()
     if args.dry_run:
         if rank == 0 and not args.quiet:

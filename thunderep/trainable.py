@@ -13,7 +13,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["MemoryPlan", "memory_plan", "select_trainable"]
+__all__ = ["MemoryPlan", "memory_hint", "memory_plan", "peak_bytes", "select_trainable"]
 
 
 def select_trainable(tm, patterns: list[str] | None) -> list[torch.nn.Parameter]:
@@ -102,7 +102,7 @@ def memory_plan(tm, device: torch.device, free: int | None = None) -> MemoryPlan
     return plan
 
 
-def _peak_bytes(device: torch.device) -> int:
+def peak_bytes(device: torch.device) -> int:
     """The largest peak memory over the ranks (collective): CUDA's peak allocation, or on CPU the
     process's peak resident size."""
     import torch.distributed as dist
@@ -120,7 +120,7 @@ def _peak_bytes(device: torch.device) -> int:
 
 
 @contextlib.contextmanager
-def _memory_hint(args: argparse.Namespace, step: int, plan: "MemoryPlan"):
+def memory_hint(args: argparse.Namespace, step: int, plan: "MemoryPlan"):
     """Turn running out of device memory in a training step into a ConfigError that says where and what
     to change (the other ranks then fail at their next collective, within --timeout)."""
     try:
