@@ -88,3 +88,41 @@ def test_other_ranks_report_only_stalls_of_their_own(capsys):
     line, = _run(watch, clock, [1.5])
     assert line.startswith("slow step on rank 1: ") and line.endswith("1 graph capture")
     assert "rank 1" in capsys.readouterr().err
+
+
+def test_the_serving_loop_reports_a_stalled_decode_step(monkeypatch, capsys):
+    """In `_serve_continuous` (one rank, CPU): one decode step made slow is reported, the others are not,
+    and the answers are unchanged."""
+    import argparse
+    import time
+    import types
+
+    import torch
+    from hf_tiny import tiny_model
+    from test_serve import _ScriptedServer, _StopLoop
+
+    from thunderep import engine
+    from thunderep.http_api import Job
+
+    monkeypatch.setattr(serve._StepWatch, "MIN_SECONDS", 0.3)
+    step, calls = engine.DecodeBatch.step, []
+
+    def slow_twelfth_step(self):
+        calls.append(1)
+        if len(calls) == 12:
+            time.sleep(0.6)
+        return step(self)
+
+    monkeypatch.setattr(engine.DecodeBatch, "step", slow_twelfth_step)
+    model = tiny_model("mixtral", seed=1).eval()
+    job = Job("completion", [5, 9, 12, 7], 16, (0.0, 1.0), None)
+    server = _ScriptedServer([[job]] + [[]] * 16)
+    with pytest.raises(_StopLoop):
+        serve._serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, set(),
+                                torch.device("cpu"), argparse.Namespace(max_batch=2, cuda_graphs="on"))
+    err = capsys.readouterr().err
+    assert err.count("slow step") == 1, err
+    assert "slow step on rank 0: decode step of 1 sequence(s) took 0.6" in err and NOTHING in err
+    with torch.no_grad():
+        out = model.generate(torch.tensor([job.ids]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert server.answers[id(job)] == (out[0, 4:].tolist(), "length")
