@@ -126,3 +126,85 @@ def test_the_serving_loop_reports_a_stalled_decode_step(monkeypatch, capsys):
     with torch.no_grad():
         out = model.generate(torch.tensor([job.ids]), max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert server.answers[id(job)] == (out[0, 4:].tolist(), "length")
+
+
+def _stalls_on_ranks(rank, world):
+    """`_serve_continuous` on every rank (EP on CPU; rank 0 serves one scripted job of 16 tokens). The last
+    rank's decode step 10 sleeps 1.5 s; its step 14 sleeps too and counts a graph capture. Returns this
+    rank's reports, and rank 0's answer."""
+    import argparse
+    import time
+    import types
+
+    import torch
+    from hf_tiny import tiny_model
+    from test_serve import _ScriptedServer, _StopLoop
+
+    from thunderep import EPConfig, engine
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.hf import ThunderMoE
+    from thunderep.http_api import Job
+
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig())
+    tm = ThunderMoE.wrap(tiny_model("mixtral", seed=1), ep).eval()
+    serve._StepWatch.MIN_SECONDS, serve._StepWatch.FACTOR = 0.5, 3.0  # margins for a loaded 2-core machine
+    step, done, calls, reports = engine.DecodeBatch.step, serve._StepWatch.done, [], []
+
+    def stalling_step(self):
+        calls.append(1)
+        if rank == world - 1 and len(calls) in (10, 14):
+            time.sleep(1.5)
+            if len(calls) == 14:
+                self.events = collections.Counter({"graph capture": 1})
+        return step(self)
+
+    def recorded_done(self, *args, **kwargs):
+        line = done(self, *args, **kwargs)
+        reports.append(line) if line else None
+        return line
+
+    class Server(_ScriptedServer):
+        def next_batch(self, limit, wait=True, same_sampling=True):
+            return self.script.pop(0)[:limit] if self.script else []
+
+    share = serve._Ranks.share
+
+    def share_or_stop(self, message):  # rank 0 ends every rank's loop once its script is done
+        got = share(self, "stop" if rank == 0 and not server.script else message)
+        if got == "stop":
+            raise _StopLoop
+        return got
+
+    engine.DecodeBatch.step, serve._StepWatch.done, serve._Ranks.share = stalling_step, recorded_done, share_or_stop
+    job = Job("completion", [5, 9, 12, 7], 16, (0.0, 1.0), None)
+    server = Server([[job]] + [[]] * 17) if rank == 0 else None
+    try:
+        serve._serve_continuous(tm, types.SimpleNamespace(pad_token_id=0), server, serve._Ranks(ep, 30.0), set(),
+                                torch.device("cpu"), argparse.Namespace(max_batch=2, cuda_graphs="on"))
+    except _StopLoop:
+        pass
+    return reports, server.answers[id(job)] if server is not None else None
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_report_stalls_where_they_happen(world):
+    """On 2 and 4 ranks: both stalls of the last rank are reported by rank 0, which names nothing of its
+    own; the last rank reports only the stall with its graph capture; the other ranks report nothing;
+    the answer is the one-process model's."""
+    import torch
+    from hf_tiny import tiny_model
+
+    from distributed import run_ranks
+
+    results = run_ranks(_stalls_on_ranks, world, timeout=240)
+    zero, last = results[0][0], results[-1][0]
+    assert len(zero) == 2 and all(line.startswith("slow step on rank 0: decode step of 1 sequence(s)")
+                                  and line.endswith(NOTHING) for line in zero), zero
+    assert len(last) == 1 and last[0].startswith(f"slow step on rank {world - 1}: ") \
+        and last[0].endswith("since the last report: 1 graph capture"), last
+    assert all(reports == [] for reports, _ in results[1:-1])
+    model = tiny_model("mixtral", seed=1).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([[5, 9, 12, 7]]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert results[0][1] == (out[0, 4:].tolist(), "length")
