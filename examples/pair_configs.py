@@ -8,7 +8,7 @@ leave. This measures whether the fastest kernels alone make the fastest pair.
 One process, one GPU. Weights are random bf16 of the shape's size; eight routings of one token rotate
 inside each captured graph (so L2 holds no expert's weights from the call before). Prints the
 autotuned pair's time and configs, then the `--top` fastest fixed pairs, then the fastest fixed pair
-for each gate/up config. Times: median of 30 timed replays, microseconds per call.
+for each gate/up config. Times: microseconds per call, median replay time as the benchmark takes it.
 """
 
 from __future__ import annotations
@@ -20,37 +20,16 @@ import torch
 
 from thunderep.kernels import pairs as P
 from thunderep.kernels import tuning
-from thunderep.kernels.bench import SHAPES
+from thunderep.kernels.bench import SHAPES, graph_ms
 from thunderep.kernels.ops import routed_moe_mlp
 
 ROUTINGS = 8
 
 
 def graph_us(x, wgu, wd, routings, w) -> float:
-    """Median microseconds per call of the pair kernels, ROUTINGS calls captured in one CUDA graph."""
-    with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the capture (tuning, compiles), as the benchmark
-            for ids in routings:
-                routed_moe_mlp(x, wgu, wd, ids, w)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for ids in routings:
-                routed_moe_mlp(x, wgu, wd, ids, w)
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(routings))
-    del graph
-    return sorted(times)[len(times) // 2]
+    """Microseconds per call of the pair kernels, the ROUTINGS calls captured in one CUDA graph and
+    replayed, timed as the kernel benchmark's fwd-graph rows (`bench.graph_ms`)."""
+    return graph_ms(lambda x_, ids, w_: routed_moe_mlp(x_, wgu, wd, ids, w_), [(x, ids, w) for ids in routings]) * 1e3
 
 
 def _name(cfg) -> str:

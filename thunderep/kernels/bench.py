@@ -354,15 +354,15 @@ def main(argv=None) -> int:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows: list[dict] = []
+    profile_t, modes = {int(t) for t in args.profile_tokens.split(",") if t}, tuple(args.modes.split(","))
     for name in shapes:
         too_big = weights_do_not_fit(name, torch.cuda.mem_get_info(device)[0])
         if too_big:
             print(f"{name}: {too_big}; shape left out", file=sys.stderr, flush=True)
             continue
         try:
-            bench_shape(name, tokens, impls, bw, device, rows, graph_max_t=args.graph_max_tokens,
-                        profile_t={int(t) for t in args.profile_tokens.split(",") if t},
-                        modes=tuple(args.modes.split(",")), rounds=args.rounds)
+            bench_shape(name, tokens, impls, bw, device, rows, graph_max_t=args.graph_max_tokens, profile_t=profile_t,
+                        modes=modes, rounds=args.rounds)
         except torch.OutOfMemoryError as exc:  # what is measured so far stays; the other shapes still run
             print(f"{name}: out of GPU memory ({str(exc).splitlines()[0][:160]}); the shape's remaining rows "
                   "are left out", file=sys.stderr, flush=True)
