@@ -114,3 +114,44 @@ def test_a_shape_whose_weights_do_not_fit_is_named_with_its_size():
     assert bench.weights_do_not_fit("deepseek", 16 * 10**9) == (
         "its expert weights take 22.5 GB (256 experts x 3 x 7168 x 2048 x 2 bytes) and this GPU has 16.0 GB free")
     assert bench.weights_do_not_fit("qwen3", 16 * 10**9) is None
+
+
+def test_timer_flushes_l2_clean_before_every_timed_call(monkeypatch):
+    """`_bench` flushes L2 before each timed call (and before each call of its estimate), never between a
+    start event and the call, and not in the warm-up; the flush only reads its buffer. CUDA events are
+    stood in for by a clock that advances 1 ms per call of `fn`."""
+    log, clock = [], {"ms": 0.0}
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = clock["ms"]
+            log.append("record")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    def fn():
+        clock["ms"] += 1.0
+        log.append("fn")
+
+    buffer = torch.arange(1000, dtype=torch.int32)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(bench, "_FLUSH", {"cuda:0": buffer})
+    flush = bench._flush_l2
+    monkeypatch.setattr(bench, "_flush_l2", lambda device: (log.append("flush"), flush(device)))
+
+    assert bench._bench(fn, ms_budget=8.0, warmup_ms=3.0) == 1.0
+    assert torch.equal(buffer, torch.arange(1000, dtype=torch.int32))  # read, not written
+    estimate = ["record"] + ["flush", "fn"] * 5 + ["record"]
+    assert log[:1 + len(estimate)] == ["fn"] + estimate  # a first call (compiles), then the estimate
+    rest = log[1 + len(estimate):]
+    assert rest[:3] == ["fn"] * 3  # warm-up: 3 ms at 1 ms a call, no flush
+    assert rest[3:] == ["flush", "record", "fn", "record"] * 8  # timed: 8 ms of budget, 8 calls

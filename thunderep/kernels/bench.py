@@ -4,7 +4,7 @@
 
 For every shape and token count, in one run and on the same weights and routing: forward (no grad)
 and forward+backward (gradients of x, both weight tensors and the routing weights) milliseconds
-(median of CUDA-event timings, triton.testing.do_bench; with --rounds R, every implementation is
+(median of CUDA-event timings, L2 flushed clean before each call; with --rounds R, every implementation is
 timed R times, interleaved, and the median of the rounds is reported beside each round's ratio), the
 ratio to the best transformers implementation, TFLOP/s, and the HBM bandwidth achieved over the
 expert weights the step actually reads, as a fraction of a device-to-device copy measured in the
@@ -40,10 +40,47 @@ COPY = "copy"
 ROTATE = 4
 
 
-def _bench(fn, ms_budget: float = 150.0) -> float:
-    from triton.testing import do_bench
+FLUSH_BYTES = 256 << 20  # more than any GPU's L2
+_FLUSH: dict = {}
 
-    return do_bench(fn, warmup=25, rep=ms_budget, return_mode="median")
+
+def _flush_l2(device) -> None:
+    """Evict L2 by reading FLUSH_BYTES: the timed call then starts with none of its bytes in L2 and
+    nothing dirty there. (Triton's do_bench writes its flush buffer instead; the timed call then also
+    pays for writing back a whole L2 of dirty lines: about 2 us per call at Qwen3's decode size on an
+    H200, docs/BENCHMARKS.md, "The L2 left by the timer".)"""
+    key = str(device)
+    if key not in _FLUSH:
+        _FLUSH[key] = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    _FLUSH[key].sum()
+
+
+def _bench(fn, ms_budget: float = 150.0, warmup_ms: float = 25.0) -> float:
+    """Median milliseconds of one `fn()` (CUDA events), L2 flushed clean before each: a warm-up of
+    about warmup_ms, then as many timed calls as fit in about ms_budget (at least 5)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        _flush_l2(device)
+        fn()
+    end.record()
+    end.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    events = []
+    for _ in range(max(5, int(ms_budget / estimate))):
+        _flush_l2(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def copy_bandwidth(device) -> float:
