@@ -68,8 +68,8 @@ def _reader(buffers, cfg, wait=False, launch_dependents=False):
     return fn, n * buffers[0].element_size()
 
 
-def graph_us(fns) -> float:
-    """Microseconds per step: ROTATE steps (each the `fns` in order) captured in one CUDA graph, replayed."""
+def capture(fns) -> torch.cuda.CUDAGraph:
+    """ROTATE steps (each the `fns` in order) captured in one CUDA graph, after one run outside it."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -82,6 +82,12 @@ def graph_us(fns) -> float:
         for _ in range(ROTATE):
             for fn in fns:
                 fn()
+    return graph
+
+
+def graph_us(fns) -> float:
+    """Microseconds per step: `capture(fns)` replayed."""
+    graph = capture(fns)
     us = _bench(graph.replay, 100.0) * 1e3 / ROTATE
     del graph
     return us

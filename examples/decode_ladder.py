@@ -20,6 +20,7 @@ clean); us per step.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_floor as F  # noqa: E402
 
 from thunderep.kernels import pairs as P  # noqa: E402
-from thunderep.kernels.bench import ROTATE, SHAPES, _bench  # noqa: E402
+from thunderep.kernels.bench import ROTATE, SHAPES  # noqa: E402
 from thunderep.kernels.moe_triton import ACTIVATIONS  # noqa: E402
 
 
@@ -70,23 +71,15 @@ def _tiles_kernel(w_ptr, v_ptr, out_ptr, ids_ptr, rows, length, top_k, stride_we
 
 
 def graph_us(steps) -> float:
-    """us per step: the ROTATE `steps` (callables) captured in one CUDA graph, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for step in steps:
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for step in steps:
-            step()
-    return _bench(graph.replay, 100.0) * 1e3 / len(steps)
+    """us per step: the ROTATE `steps` (callables, one per expert set) in one CUDA graph, replayed."""
+    assert len(steps) == ROTATE
+    turn = itertools.count()
+    return F.graph_us([lambda: steps[next(turn) % ROTATE]()])
 
 
 def contiguous_us(n_elements, programs, warps, device) -> float:
     buffers = [torch.randn(n_elements, device=device, dtype=torch.bfloat16) for _ in range(ROTATE)]
-    return min(graph_us([fn] * ROTATE) for fn in
+    return min(F.graph_us([fn]) for fn in
                (F._reader(buffers, (programs, block, warps))[0] for block in (512, 1024, 2048)))
 
 

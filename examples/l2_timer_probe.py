@@ -52,23 +52,6 @@ def timed_us(replay, mode, flush_w, flush_r, reps=200) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / ROTATE
 
 
-def graph_of(fns) -> torch.cuda.CUDAGraph:
-    """ROTATE steps (each the `fns` in order) captured in one CUDA graph, after one run outside it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(ROTATE):
-            for fn in fns:
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ROTATE):
-            for fn in fns:
-                fn()
-    return graph
-
-
 def graphs_for(name, device) -> tuple[int, dict]:
     """(bytes a step reads, {row: graph}) for shape `name` at T = 1."""
     D, I, E, K = SHAPES[name]
@@ -103,11 +86,11 @@ def graphs_for(name, device) -> tuple[int, dict]:
     one_cfg, up_cfg, down_cfg = (F.best_reader(b, label)[1] for b, label in ((whole, "one"), (up, "up"), (down, "down")))
     F._NOTES.clear()
     return total, {
-        "copy": graph_of([copy]),
-        "one read": graph_of([F._reader(whole, one_cfg)[0]]),
-        "two reads, PDL": graph_of([F._reader(up, up_cfg, launch_dependents=True)[0],
+        "copy": F.capture([copy]),
+        "one read": F.capture([F._reader(whole, one_cfg)[0]]),
+        "two reads, PDL": F.capture([F._reader(up, up_cfg, launch_dependents=True)[0],
                                     F._reader(down, down_cfg, wait=True)[0]]),
-        "thunderep": graph_of([thunderep]),
+        "thunderep": F.capture([thunderep]),
     }
 
 
