@@ -11,8 +11,8 @@ For each pass (gate/up, then down), with the pass's config (BLOCK_N, BLOCK_K, wa
 - tiles x vector: the same, each tile multiplied by the input vector (x, or a row of h) first, as
   the pass's elementwise path does;
 - real: the pass's kernel (`pairs._up_pairs_kernel` elementwise, `pairs._down_pairs_kernel` split
-  over the slots), launched plainly.
-Then both real kernels together, with PDL where the GPU has it. Each row: four steps with disjoint
+  over the slots), launched plainly; for gate/up also with its loads a chunk ahead (AHEAD).
+Then both real kernels together, with PDL where the GPU has it, the gate/up pass plain and ahead. Each row: four steps with disjoint
 expert sets in one CUDA graph, timed as the kernel benchmark's graph rows (`bench._bench`, L2 flushed
 clean); us per step.
 """
@@ -128,12 +128,12 @@ def main(argv=None) -> int:
                                            DOWN=is_down, MUL=mul, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                                            num_stages=stages)
 
-    def up(ids, pdl_on=False):
+    def up(ids, pdl_on=False, ahead=False):
         return lambda: P._UP_PAIRS_PLAIN[(K, up_tiles)](
             x_ptr=x, w_ptr=wgu, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=K, stride_xm=x.stride(0),
             stride_we=wgu.stride(0), stride_wn=wgu.stride(1), stride_hm=h.stride(0), n_counts=n_counts,
             ACT=ACTIVATIONS["silu"], INTERLEAVED=False, PRECISION="ieee", PDL=pdl_on, BLOCK_N=up_bn, BLOCK_K=up_bk,
-            DOT=False, num_warps=up_w, num_stages=up_s)
+            DOT=False, AHEAD=ahead, num_warps=up_w, num_stages=1 if ahead else up_s)
 
     def down(ids, pdl_on=False):
         return lambda: P._DOWN_PAIRS_PLAIN[(1, dn_tiles, K)](
@@ -148,7 +148,8 @@ def main(argv=None) -> int:
             "tiles": [tiles(i, wgu, x, 0, I, D, False, False, up_bn, up_bk, up_w, up_s, (K, up_tiles)) for i in id_sets],
             "tiles x vector": [tiles(i, wgu, x, 0, I, D, False, True, up_bn, up_bk, up_w, up_s, (K, up_tiles))
                                for i in id_sets],
-            "real": [up(i) for i in id_sets]}),
+            "real": [up(i) for i in id_sets],
+            "real, loads a chunk ahead": [up(i, ahead=True) for i in id_sets]}),
         ("down", K * D * I, K * dn_tiles, dn_w, {
             "tiles": [tiles(i, wd, h, h.stride(0), D, I, True, False, dn_bn, dn_bk, dn_w, dn_s, (1, dn_tiles, K))
                       for i in id_sets],
@@ -159,8 +160,10 @@ def main(argv=None) -> int:
         rows.append((label, "contiguous", contiguous_us(n_elements, programs, warps, device), n_elements * 2))
         for rung, steps in rungs.items():
             rows.append((label, rung, graph_us(steps), n_elements * 2))
-    both = [(lambda u=up(i, pdl), d=down(i, pdl): (u(), d())) for i in id_sets]
-    rows.append(("both", "real, PDL" if pdl else "real", graph_us(both), K * 3 * I * D * 2))
+    for ahead in (False, True):
+        both = [(lambda u=up(i, pdl, ahead), d=down(i, pdl): (u(), d())) for i in id_sets]
+        rung = ("real, PDL" if pdl else "real") + (", gate/up a chunk ahead" if ahead else "")
+        rows.append(("both", rung, graph_us(both), K * 3 * I * D * 2))
     print("| pass | rung | us per step | GB/s |\n|---|---|---|---|")
     for label, rung, us, n_bytes in rows:
         print(f"| {label} | {rung} | {us:.1f} | {n_bytes / (us * 1e-6) / 1e9:.0f} |")

@@ -70,7 +70,7 @@ def _row0(acc_RN):
 def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn,
                      stride_hm, n_counts, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr,
                      DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1).
 
@@ -79,6 +79,10 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
     per shape (DOT): elementwise multiply-adds into a [BLOCK_N, BLOCK_K] float32 tile summed over k at
     the end; or the vector as row 0 of a 16-row tensor-core tile, whose weight loads Triton pipelines
     through shared memory over `num_stages` (the 15 zero rows cost only arithmetic).
+    AHEAD (elementwise only): each chunk's weight and x loads are issued one step ahead, before the
+    multiply-adds of the chunk before. Triton does not pipeline the elementwise loads itself: without
+    AHEAD a program has one chunk in flight, and x's conversion to the tile's layout (through shared
+    memory, with barriers) sits between the gate and the up loads. Same arithmetic in the same order.
     x: [T, D]; Wgu: [E, 2I, D] (unit stride along D); h: [T*K, I] in flat (token, slot) order.
     Expert id -1 marks a pair that is not computed here (another rank's expert): h = 0 and no weight
     is read. Any other id outside [0, E) writes NaN (no sync to check ids on the host; the token's
@@ -111,21 +115,38 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
         u_ptrs = w_base + up_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k_ok_K = (k_K < D - k0) | EVEN_K
-        xv = tl.load(x_ptrs, mask=k_ok_K, other=0.0)
-        if DOT:
-            ok = k_ok_K[:, None] & col_ok_N[None, :]
-            a = _one_row(xv, 16)
-            acc_g = tl.dot(a, tl.load(g_ptrs, mask=ok, other=0.0), acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, tl.load(u_ptrs, mask=ok, other=0.0), acc_u, input_precision=PRECISION)
-        else:
-            ok = col_ok_N[:, None] & k_ok_K[None, :]
-            acc_g += tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32) * xv.to(tl.float32)[None, :]
-            acc_u += tl.load(u_ptrs, mask=ok, other=0.0).to(tl.float32) * xv.to(tl.float32)[None, :]
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if AHEAD and not DOT:
+        first_K = (k_K < D) | EVEN_K
+        g_next = tl.load(g_ptrs, mask=col_ok_N[:, None] & first_K[None, :], other=0.0)
+        u_next = tl.load(u_ptrs, mask=col_ok_N[:, None] & first_K[None, :], other=0.0)
+        x_next = tl.load(x_ptrs, mask=first_K, other=0.0)
+        for k0 in range(0, D, BLOCK_K):
+            g, u, xv = g_next, u_next, x_next
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+            next_K = k_K < D - k0 - BLOCK_K  # the last step loads nothing
+            g_next = tl.load(g_ptrs, mask=col_ok_N[:, None] & next_K[None, :], other=0.0)
+            u_next = tl.load(u_ptrs, mask=col_ok_N[:, None] & next_K[None, :], other=0.0)
+            x_next = tl.load(x_ptrs, mask=next_K, other=0.0)
+            acc_g += g.to(tl.float32) * xv.to(tl.float32)[None, :]
+            acc_u += u.to(tl.float32) * xv.to(tl.float32)[None, :]
+    else:
+        for k0 in range(0, D, BLOCK_K):
+            k_ok_K = (k_K < D - k0) | EVEN_K
+            xv = tl.load(x_ptrs, mask=k_ok_K, other=0.0)
+            if DOT:
+                ok = k_ok_K[:, None] & col_ok_N[None, :]
+                a = _one_row(xv, 16)
+                acc_g = tl.dot(a, tl.load(g_ptrs, mask=ok, other=0.0), acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(a, tl.load(u_ptrs, mask=ok, other=0.0), acc_u, input_precision=PRECISION)
+            else:
+                ok = col_ok_N[:, None] & k_ok_K[None, :]
+                acc_g += tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32) * xv.to(tl.float32)[None, :]
+                acc_u += tl.load(u_ptrs, mask=ok, other=0.0).to(tl.float32) * xv.to(tl.float32)[None, :]
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     if DOT:
         g_N, u_N = _row0(acc_g), _row0(acc_u)
     else:
@@ -226,10 +247,11 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
 # ---- host side ----------------------------------------------------------------------------------------
 
 
-def _pair_cfg(bn, bk, warps, stages, dot=None, split=None):
+def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False):
     """A pair-kernel config. `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise;
-    `split` (down pass only): one program per (token, column tile, slot) instead of a loop over slots."""
-    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot}),
+    `ahead` (gate/up, elementwise): loads issued a chunk ahead; `split` (down pass only): one program
+    per (token, column tile, slot) instead of a loop over slots."""
+    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot, "AHEAD": ahead}),
               **({} if split is None else {"SPLIT": split})}
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
@@ -241,7 +263,12 @@ def _pair_cfg(bn, bk, warps, stages, dot=None, split=None):
 _PAIR_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3),
                (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 2)]
 _DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for split in (False, True)]
+# The look-ahead elementwise loop (ahead=True) on tiles that made the fastest pairs on the H200
+# (docs/BENCHMARKS.md, "Where ThunderEP's 5.5 us go"); stages do not apply to it (no Triton pipelining).
+# Not 64 rows: compiled for sm_90 its two chunks in registers spill.
+_AHEAD_TILES = [(8, 256, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1)]
 _UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
+    _pair_cfg(*tile, dot=False, ahead=True) for tile in _AHEAD_TILES] + [
     _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),
     _pair_cfg(64, 128, 4, 4, True), _pair_cfg(64, 256, 8, 3, True)]
 _DEFAULT_UP_PAIR = _pair_cfg(16, 256, 4, 3, dot=False)

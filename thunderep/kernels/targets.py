@@ -39,11 +39,13 @@ _KERNELS = {
                                         PRECISION="tf32", EVEN_K=True, TAIL=False)),
     "wgrad": (K._wgrad_kernel, dict(PRECISION="tf32")),
     "up_pairs": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32",
-                                          PDL=False)),
+                                          PDL=False, AHEAD=False)),
+    "up_pairs_ahead": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32",
+                                                PDL=False, AHEAD=True)),
     "down_pairs": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=False, PDL=False)),
     "down_pairs_split": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True, PDL=False)),
     "up_pairs_dot": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=True, PRECISION="tf32",
-                                              PDL=False)),
+                                              PDL=False, AHEAD=False)),
     "route": (passes._route_kernel, dict(WEIGHTED=True)),
 }
 # The decode kernels as they run where programmatic dependent launch exists (pairs.pdl_applies: sm_90
