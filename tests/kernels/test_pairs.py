@@ -376,6 +376,50 @@ def test_gpu_gate_up_look_ahead_changes_no_bit_on_model_shapes(shape):
         assert torch.equal(_gate_up_fma(x, w_gu, ids, True, 256), _gate_up_fma(x, w_gu, ids, False, 256))
 
 
+@pytest.mark.skipif(CUDA, reason="the GPU test below covers the compiled kernels")
+@pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
+def test_interpreter_down_look_ahead_changes_no_bit(split, monkeypatch):
+    """The down pass with its weight and h chunks loaded a step ahead (AHEAD), launched plainly and as
+    it runs under PDL (grid-dependency instructions as no-ops here), equals the plain loop bit for bit
+    over 1 to 3 chunks of I, a ragged last chunk and an I shorter than one chunk; and the reference."""
+    monkeypatch.setattr(pairs_mod, "gdc_wait", _no_op)
+    monkeypatch.setattr(pairs_mod, "gdc_launch_dependents", _no_op)
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    for T, D, I, E, K in [(3, 32, 48, 4, 2), (2, 64, 96, 5, 3), (1, 16, 16, 8, 3), (2, 32, 40, 4, 2)]:
+        x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.float32, 9)
+        ys = {}
+        for wait in (False, True):
+            for ahead in (False, True):
+                monkeypatch.setattr(pairs_mod, "pdl_applies", lambda device, wait=wait: wait)
+                monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR",
+                                    pairs_mod._pair_cfg(16, 32, 4, 1, split=split, ahead=ahead))
+                with torch.no_grad():
+                    ys[wait, ahead] = pairs_mod.moe_mlp_pairs(x, w_gu, w_d, ids, weights, "silu", False)
+        for key, y in ys.items():
+            assert torch.equal(y, ys[False, False]), (T, D, I, key)
+        assert rel_err(ys[False, True], reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+def test_gpu_down_look_ahead_changes_no_bit_on_model_shapes(shape, monkeypatch):
+    """bfloat16 at the model shapes, 1 and 3 tokens: the down pass with its loads a step ahead equals
+    the plain one bit for bit, split and looping over the slots, with PDL where the GPU has it."""
+    D, I, E, K = MODEL_SHAPES[shape]
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "4")
+    for T in (1, 3):
+        x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.bfloat16, 40 + T)
+        for split in (False, True):
+            ys = []
+            for ahead in (False, True):
+                monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR",
+                                    pairs_mod._pair_cfg(32, 128, 4, 1, split=split, ahead=ahead))
+                with torch.no_grad():
+                    ys.append(routed_moe_mlp(x, w_gu, w_d, ids, weights))
+            assert torch.equal(ys[0], ys[1]), (T, split)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", MODEL_SHAPES)
 def test_gpu_dependent_launch_changes_no_bit(shape, pairs, monkeypatch):

@@ -158,12 +158,14 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
 @triton.jit
 def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
                   WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  WAIT: tl.constexpr):
+                  WAIT: tl.constexpr, AHEAD: tl.constexpr):
     """w[j] * (h[j] . Wd[ids[j], n]) for columns n, as a [BLOCK_N, BLOCK_K] float32 tile to be summed
     over its second axis. An id outside [0, E) reads no weights (its h row is 0 or NaN).
     WAIT (launched as a programmatic dependent of the gate/up pass): load the first weight chunk while
     that pass still runs, then wait for it (gdc_wait) before reading h; each later chunk is loaded one
-    step ahead."""
+    step ahead. AHEAD: weight and h chunks both loaded one step ahead, with or without WAIT (the h
+    chunk's conversion to the tile's layout then waits on a load issued a step earlier). Same
+    arithmetic in the same order every way."""
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
     expert = tl.where(known, expert, 0)
@@ -176,17 +178,27 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
     else:
         scale = 1.0
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if WAIT:
-        w_next = tl.load(w_ptrs, mask=w_ok_N[:, None] & ((k_K < I) | EVEN_K)[None, :], other=0.0)
-        gdc_wait()
+    if WAIT or AHEAD:
+        first_K = (k_K < I) | EVEN_K
+        w_next = tl.load(w_ptrs, mask=w_ok_N[:, None] & first_K[None, :], other=0.0)
+        if WAIT:
+            gdc_wait()
+        if AHEAD:
+            h_next = tl.load(h_ptrs, mask=first_K, other=0.0)
         for k0 in range(0, I, BLOCK_K):
             k_ok_K = (k_K < I - k0) | EVEN_K
+            next_K = k_K < I - k0 - BLOCK_K  # the last step loads nothing
             w = w_next
             w_ptrs += BLOCK_K
-            w_next = tl.load(w_ptrs, mask=w_ok_N[:, None] & (k_K < I - k0 - BLOCK_K)[None, :], other=0.0)
-            hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
+            w_next = tl.load(w_ptrs, mask=w_ok_N[:, None] & next_K[None, :], other=0.0)
+            if AHEAD:
+                hv = h_next.to(tl.float32)
+                h_ptrs += BLOCK_K
+                h_next = tl.load(h_ptrs, mask=next_K, other=0.0)
+            else:
+                hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
+                h_ptrs += BLOCK_K
             acc += w.to(tl.float32) * (hv * scale)[None, :]
-            h_ptrs += BLOCK_K
     else:
         for k0 in range(0, I, BLOCK_K):
             k_ok_K = (k_K < I - k0) | EVEN_K
@@ -201,7 +213,8 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
 @triton.jit
 def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_ptr, D, I, E, top_k, stride_hm,
                        stride_we, stride_wd, stride_ym, stride_cm, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
-                       SPLIT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SPLIT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       AHEAD: tl.constexpr):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass.
     h: [T*K, I]; Wd: [E, D, I] (unit stride along I). Elementwise multiply-adds as in _up_pairs_kernel
@@ -224,7 +237,7 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
     if SPLIT:
         j = t * top_k + tl.program_id(2)
         part_N = tl.sum(_slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
-                                      stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL), 1)
+                                      stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL, AHEAD), 1)
         tl.store(part_ptr + j.to(tl.int64) * D + cols_N, part_N, mask=col_ok_N)
         count = count_ptr + t.to(tl.int64) * stride_cm + tile
         if tl.atomic_add(count, 1, sem="acq_rel") == top_k - 1:  # the token's other slots are stored
@@ -237,10 +250,10 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
             tl.store(count, 0)
     else:
         acc = _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm, stride_we,
-                            stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL)
+                            stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL, AHEAD)
         for slot in range(1, top_k):
             acc += _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E, stride_hm,
-                                 stride_we, stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, False)
+                                 stride_we, stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, False, AHEAD)
         tl.store(y_ptrs, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=col_ok_N)
 
 
@@ -249,10 +262,10 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
 
 def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False):
     """A pair-kernel config. `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise;
-    `ahead` (gate/up, elementwise): loads issued a chunk ahead; `split` (down pass only): one program
-    per (token, column tile, slot) instead of a loop over slots."""
-    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot, "AHEAD": ahead}),
-              **({} if split is None else {"SPLIT": split})}
+    `split` (down pass only): one program per (token, column tile, slot) instead of a loop over slots;
+    `ahead` (elementwise loops): the next chunk's loads issued before this chunk's multiply-adds."""
+    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot}),
+              **({} if split is None else {"SPLIT": split}), "AHEAD": ahead}
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
@@ -262,13 +275,15 @@ def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False):
 # a loop over the K slots per program or (split=True) one program per slot.
 _PAIR_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3),
                (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 2)]
-_DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for split in (False, True)]
-# The look-ahead elementwise loop (ahead=True) on tiles that made the fastest pairs on the H200
-# (docs/BENCHMARKS.md, "Where ThunderEP's 5.5 us go"); stages do not apply to it (no Triton pipelining).
-# Not 64 rows: compiled for sm_90 its two chunks in registers spill.
-_AHEAD_TILES = [(8, 256, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1)]
+# The look-ahead loops (ahead=True) on tiles that made the fastest pairs on the H200 (docs/BENCHMARKS.md,
+# "Where ThunderEP's 5.5 us go"); stages do not apply to them (Triton does not pipeline elementwise
+# loads). Gate/up not at 64 rows: compiled for sm_90, its two chunks in registers spill.
+_UP_AHEAD_TILES = [(8, 256, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1)]
+_DOWN_AHEAD_TILES = [(16, 128, 4, 1), (32, 128, 4, 1), (64, 128, 8, 1)]
+_DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for split in (False, True)] + [
+    _pair_cfg(*tile, split=True, ahead=True) for tile in _DOWN_AHEAD_TILES]
 _UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
-    _pair_cfg(*tile, dot=False, ahead=True) for tile in _AHEAD_TILES] + [
+    _pair_cfg(*tile, dot=False, ahead=True) for tile in _UP_AHEAD_TILES] + [
     _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),
     _pair_cfg(64, 128, 4, 4, True), _pair_cfg(64, 256, 8, 3, True)]
 _DEFAULT_UP_PAIR = _pair_cfg(16, 256, 4, 3, dot=False)
