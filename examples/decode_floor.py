@@ -109,6 +109,25 @@ def best_reader(buffers, label):
     return min(found)
 
 
+def step_buffers(name, device):
+    """(whole, up, down, bytes, copy) for one decode step of shape `name` at T = 1: ROTATE buffers of the
+    step's expert-weight elements (bf16), their gate/up and down shares, the step's bytes, and a
+    function copying those bytes (half read, half written), a different buffer pair each call."""
+    D, I, _, K = SHAPES[name]
+    n_up, n_down = K * 2 * I * D, K * I * D  # elements
+    whole = [torch.randn(n_up + n_down, device=device, dtype=torch.bfloat16) for _ in range(ROTATE)]
+    up, down = [b[:n_up] for b in whole], [b[n_up:] for b in whole]
+    total = (n_up + n_down) * 2
+    halves = [(torch.empty(total // 2, dtype=torch.uint8, device=device),
+               torch.empty(total // 2, dtype=torch.uint8, device=device)) for _ in range(ROTATE)]
+    copies = itertools.count()
+
+    def copy():
+        src, dst = halves[next(copies) % ROTATE]
+        dst.copy_(src)
+    return whole, up, down, total, copy
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen3")
@@ -120,18 +139,7 @@ def main(argv=None) -> int:
     print("| shape | bytes MB | copy us | one read us | two reads us | two reads, PDL us | 80% of copy bw us | "
           "HBM frac: copy / one / two / two PDL |\n|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
-        D, I, _, K = SHAPES[name]
-        n_up, n_down = K * 2 * I * D, K * I * D  # elements
-        whole = [torch.randn(n_up + n_down, device=device, dtype=torch.bfloat16) for _ in range(ROTATE)]
-        up, down = [b[:n_up] for b in whole], [b[n_up:] for b in whole]
-        total = (n_up + n_down) * 2
-        halves = [(torch.empty(total // 2, dtype=torch.uint8, device=device),
-                   torch.empty(total // 2, dtype=torch.uint8, device=device)) for _ in range(ROTATE)]
-        copies = itertools.count()
-
-        def copy():
-            src, dst = halves[next(copies) % ROTATE]
-            dst.copy_(src)
+        whole, up, down, total, copy = step_buffers(name, device)
         copy_us = graph_us([copy])
         one_us, one_cfg, one_bytes = best_reader(whole, f"{name} one read")
         up_us, up_cfg, up_bytes = best_reader(up, f"{name} gate/up share")

@@ -71,17 +71,7 @@ def graphs_for(name, device) -> tuple[int, dict]:
         with torch.no_grad():
             experts(*sets[next(steps) % ROTATE])
 
-    n_up, n_down = K * 2 * I * D, K * I * D
-    total = (n_up + n_down) * 2
-    whole = [torch.randn(n_up + n_down, device=device, dtype=torch.bfloat16) for _ in range(ROTATE)]
-    up, down = [b[:n_up] for b in whole], [b[n_up:] for b in whole]
-    halves = [(torch.empty(total // 2, dtype=torch.uint8, device=device),
-               torch.empty(total // 2, dtype=torch.uint8, device=device)) for _ in range(ROTATE)]
-    copies = itertools.count()
-
-    def copy():
-        src, dst = halves[next(copies) % ROTATE]
-        dst.copy_(src)
+    whole, up, down, total, copy = F.step_buffers(name, device)
 
     one_cfg, up_cfg, down_cfg = (F.best_reader(b, label)[1] for b, label in ((whole, "one"), (up, "up"), (down, "down")))
     F._NOTES.clear()
