@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 
 import torch
 import triton
@@ -132,6 +133,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen3")
     args = ap.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shape(s) {unknown}: use {', '.join(SHAPES)}")
+    if not torch.cuda.is_available():
+        print("decode_floor needs a CUDA GPU", file=sys.stderr)
+        return 2
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     pdl = torch.cuda.get_device_capability()[0] >= 9
