@@ -11,10 +11,11 @@ For each pass (gate/up, then down), with the pass's config (BLOCK_N, BLOCK_K, wa
 - tiles x vector: the same, each tile multiplied by the input vector (x, or a row of h) first, as
   the pass's elementwise path does;
 - real: the pass's kernel (`pairs._up_pairs_kernel` elementwise, `pairs._down_pairs_kernel` split
-  over the slots), launched plainly; for gate/up also with its loads a chunk ahead (AHEAD).
-Then both real kernels together, with PDL where the GPU has it, the gate/up pass plain and ahead. Each row: four steps with disjoint
-expert sets in one CUDA graph, timed as the kernel benchmark's graph rows (`bench._bench`, L2 flushed
-clean); us per step.
+  over the slots), launched plainly.
+The three rungs after contiguous run twice: as written, and with each chunk's loads issued a step
+ahead (the pair kernels' AHEAD configs). Then both real kernels together, with PDL where the GPU has
+it, plain and ahead. Each row: four steps with disjoint expert sets in one CUDA graph, timed as the
+kernel benchmark's graph rows (`bench._bench`, L2 flushed clean); us per step.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ from thunderep.kernels.moe_triton import ACTIVATIONS  # noqa: E402
 
 @triton.jit
 def _tiles_kernel(w_ptr, v_ptr, out_ptr, ids_ptr, rows, length, top_k, stride_we, stride_wn, stride_v,
-                  DOWN: tl.constexpr, MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  DOWN: tl.constexpr, MUL: tl.constexpr, AHEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
     """The loads of one pass, summed. Gate/up (DOWN false): program (pair, tile) reads Wgu rows
     tile*BLOCK_N.. and the same rows + `rows` (gate and up) of expert ids[pair], times x[pair // K] if
     MUL. Down: program (token, tile, slot) reads Wd rows tile*BLOCK_N.. of the slot's expert, times
-    v[pair] (h's row) if MUL. Rows are `length` long, read BLOCK_K at a time; each program stores its sum."""
+    v[pair] (h's row) if MUL. Rows are `length` long, read BLOCK_K at a time (AHEAD: each chunk's loads
+    issued a step ahead, as the pair kernels' AHEAD configs do); each program stores its sum."""
     if DOWN:
         pair = tl.program_id(0) * top_k + tl.program_id(2)
         v_row = pair
@@ -55,18 +58,35 @@ def _tiles_kernel(w_ptr, v_ptr, out_ptr, ids_ptr, rows, length, top_k, stride_we
     k_K = tl.arange(0, BLOCK_K)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     a_ptrs = w_ptr + expert * stride_we + rows_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
+    b_ptrs = a_ptrs + rows * stride_wn  # gate/up: the up rows
     v_ptrs = v_ptr + v_row.to(tl.int64) * stride_v + k_K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    ok = row_ok_N[:, None] & (k_K < length)[None, :]
+    a_next = tl.load(a_ptrs, mask=ok & AHEAD, other=0.0)
+    b_next = tl.load(b_ptrs, mask=ok & AHEAD & (not DOWN), other=0.0)
+    v_next = tl.load(v_ptrs, mask=(k_K < length) & AHEAD & MUL, other=0.0)
     for k0 in range(0, length, BLOCK_K):
-        ok = row_ok_N[:, None] & (k_K < length - k0)[None, :]
-        a = tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32)
-        if not DOWN:
-            a += tl.load(a_ptrs + rows * stride_wn, mask=ok, other=0.0).to(tl.float32)
+        if AHEAD:
+            a, b, v = a_next, b_next, v_next
+            nxt = k_K < length - k0 - BLOCK_K
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+            v_ptrs += BLOCK_K
+            a_next = tl.load(a_ptrs, mask=row_ok_N[:, None] & nxt[None, :], other=0.0)
+            b_next = tl.load(b_ptrs, mask=row_ok_N[:, None] & nxt[None, :] & (not DOWN), other=0.0)
+            v_next = tl.load(v_ptrs, mask=nxt & MUL, other=0.0)
+        else:
+            ok = row_ok_N[:, None] & (k_K < length - k0)[None, :]
+            a = tl.load(a_ptrs, mask=ok, other=0.0)
+            b = tl.load(b_ptrs, mask=ok & (not DOWN), other=0.0)
+            v = tl.load(v_ptrs, mask=(k_K < length - k0) & MUL, other=0.0)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+            v_ptrs += BLOCK_K
+        t = a.to(tl.float32) + b.to(tl.float32)
         if MUL:
-            a *= tl.load(v_ptrs, mask=k_K < length - k0, other=0.0).to(tl.float32)[None, :]
-        acc += a
-        a_ptrs += BLOCK_K
-        v_ptrs += BLOCK_K
+            t *= v.to(tl.float32)[None, :]
+        acc += t
     tl.store(out_ptr + (pair * tl.num_programs(1) + tl.program_id(1)), tl.sum(acc))
 
 
@@ -123,10 +143,10 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, {args.shape} (D={D}, I={I}, E={E}, K={K}), T = 1; gate/up "
           f"{args.up}, down {args.down} (BLOCK_N, BLOCK_K, warps, stages); PDL {'on' if pdl else 'off'}")
 
-    def tiles(ids, w, v, stride_v, rows, length, is_down, mul, bn, bk, warps, stages, grid):
+    def tiles(ids, w, v, stride_v, rows, length, is_down, mul, ahead, bn, bk, warps, stages, grid):
         return lambda: _tiles_kernel[grid](w, v, out, ids, rows, length, K, w.stride(0), w.stride(1), stride_v,
-                                           DOWN=is_down, MUL=mul, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                           num_stages=stages)
+                                           DOWN=is_down, MUL=mul, AHEAD=ahead, BLOCK_N=bn, BLOCK_K=bk,
+                                           num_warps=warps, num_stages=1 if ahead else stages)
 
     def up(ids, pdl_on=False, ahead=False):
         return lambda: P._UP_PAIRS_PLAIN[(K, up_tiles)](
@@ -135,34 +155,29 @@ def main(argv=None) -> int:
             ACT=ACTIVATIONS["silu"], INTERLEAVED=False, PRECISION="ieee", PDL=pdl_on, BLOCK_N=up_bn, BLOCK_K=up_bk,
             DOT=False, AHEAD=ahead, num_warps=up_w, num_stages=1 if ahead else up_s)
 
-    def down(ids, pdl_on=False):
+    def down(ids, pdl_on=False, ahead=False):
         return lambda: P._DOWN_PAIRS_PLAIN[(1, dn_tiles, K)](
             h_ptr=h, w_ptr=wd, y_ptr=y, ids_ptr=ids, weight_ptr=weights, part_ptr=part, count_ptr=count, D=D, I=I,
             E=E, top_k=K, stride_hm=h.stride(0), stride_we=wd.stride(0), stride_wd=wd.stride(1), stride_ym=y.stride(0),
-            stride_cm=n_counts, WEIGHTED=True, PDL=pdl_on, SPLIT=True, BLOCK_N=dn_bn, BLOCK_K=dn_bk, num_warps=dn_w,
-            num_stages=dn_s, **({"launch_pdl": True} if pdl_on else {}))
+            stride_cm=n_counts, WEIGHTED=True, PDL=pdl_on, SPLIT=True, AHEAD=ahead, BLOCK_N=dn_bn, BLOCK_K=dn_bk,
+            num_warps=dn_w, num_stages=1 if ahead else dn_s, **({"launch_pdl": True} if pdl_on else {}))
 
     rows = []
-    for label, n_elements, programs, warps, rungs in (
-        ("gate/up", K * 2 * I * D, K * up_tiles, up_w, {
-            "tiles": [tiles(i, wgu, x, 0, I, D, False, False, up_bn, up_bk, up_w, up_s, (K, up_tiles)) for i in id_sets],
-            "tiles x vector": [tiles(i, wgu, x, 0, I, D, False, True, up_bn, up_bk, up_w, up_s, (K, up_tiles))
-                               for i in id_sets],
-            "real": [up(i) for i in id_sets],
-            "real, loads a chunk ahead": [up(i, ahead=True) for i in id_sets]}),
-        ("down", K * D * I, K * dn_tiles, dn_w, {
-            "tiles": [tiles(i, wd, h, h.stride(0), D, I, True, False, dn_bn, dn_bk, dn_w, dn_s, (1, dn_tiles, K))
-                      for i in id_sets],
-            "tiles x vector": [tiles(i, wd, h, h.stride(0), D, I, True, True, dn_bn, dn_bk, dn_w, dn_s,
-                                     (1, dn_tiles, K)) for i in id_sets],
-            "real": [down(i) for i in id_sets]}),
-    ):
-        rows.append((label, "contiguous", contiguous_us(n_elements, programs, warps, device), n_elements * 2))
-        for rung, steps in rungs.items():
-            rows.append((label, rung, graph_us(steps), n_elements * 2))
+    passes = (("gate/up", K * 2 * I * D, K * up_tiles, up, (wgu, x, 0, I, D, False), (up_bn, up_bk, up_w, up_s),
+               (K, up_tiles)),
+              ("down", K * D * I, K * dn_tiles, down, (wd, h, h.stride(0), D, I, True), (dn_bn, dn_bk, dn_w, dn_s),
+               (1, dn_tiles, K)))
+    for label, n_elements, programs, real, operands, cfg, grid in passes:
+        rows.append((label, "contiguous", contiguous_us(n_elements, programs, cfg[2], device), n_elements * 2))
+        for ahead in (False, True):
+            then = ", a chunk ahead" if ahead else ""
+            for rung, mul in (("tiles", False), ("tiles x vector", True)):
+                steps = [tiles(i, *operands, mul, ahead, *cfg, grid) for i in id_sets]
+                rows.append((label, rung + then, graph_us(steps), n_elements * 2))
+            rows.append((label, "real" + then, graph_us([real(i, ahead=ahead) for i in id_sets]), n_elements * 2))
     for ahead in (False, True):
-        both = [(lambda u=up(i, pdl, ahead), d=down(i, pdl): (u(), d())) for i in id_sets]
-        rung = ("real, PDL" if pdl else "real") + (", gate/up a chunk ahead" if ahead else "")
+        both = [(lambda u=up(i, pdl, ahead), d=down(i, pdl, ahead): (u(), d())) for i in id_sets]
+        rung = ("real, PDL" if pdl else "real") + (", both a chunk ahead" if ahead else "")
         rows.append(("both", rung, graph_us(both), K * 3 * I * D * 2))
     print("| pass | rung | us per step | GB/s |\n|---|---|---|---|")
     for label, rung, us, n_bytes in rows:
