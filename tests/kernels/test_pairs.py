@@ -404,7 +404,8 @@ def test_interpreter_down_look_ahead_changes_no_bit(split, monkeypatch):
 @pytest.mark.parametrize("shape", MODEL_SHAPES)
 def test_gpu_down_look_ahead_changes_no_bit_on_model_shapes(shape, monkeypatch):
     """bfloat16 at the model shapes, 1 and 3 tokens: the down pass with its loads a step ahead equals
-    the plain one bit for bit, split and looping over the slots, with PDL where the GPU has it."""
+    the plain one bit for bit, split and looping over the slots, launched plainly (as on sm_89) and
+    with PDL where the GPU has it."""
     D, I, E, K = MODEL_SHAPES[shape]
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "4")
@@ -412,12 +413,14 @@ def test_gpu_down_look_ahead_changes_no_bit_on_model_shapes(shape, monkeypatch):
         x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.bfloat16, 40 + T)
         for split in (False, True):
             ys = []
-            for ahead in (False, True):
-                monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR",
-                                    pairs_mod._pair_cfg(32, 128, 4, 1, split=split, ahead=ahead))
-                with torch.no_grad():
-                    ys.append(routed_moe_mlp(x, w_gu, w_d, ids, weights))
-            assert torch.equal(ys[0], ys[1]), (T, split)
+            for pdl in ("0", "1"):
+                monkeypatch.setenv("THUNDEREP_PDL", pdl)
+                for ahead in (False, True):
+                    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR",
+                                        pairs_mod._pair_cfg(32, 128, 4, 1, split=split, ahead=ahead))
+                    with torch.no_grad():
+                        ys.append(routed_moe_mlp(x, w_gu, w_d, ids, weights))
+            assert all(torch.equal(y, ys[0]) for y in ys), (T, split)
 
 
 @pytest.mark.gpu
