@@ -5,8 +5,9 @@ leave. This measures whether the fastest kernels alone make the fastest pair.
 
     python examples/pair_configs.py qwen3 [--pdl 1] [--top 12]
 
-One process, one GPU. Weights are random bf16 of the shape's size; eight routings of one token rotate
-inside each captured graph (so L2 holds no expert's weights from the call before). Prints the
+One process, one GPU. Weights are random bf16 of the shape's size; up to eight routings of one token
+rotate inside each captured graph, on disjoint sets of experts (so L2 holds no expert's weights from
+the call before; as many routings as the shape has disjoint sets, four for Mixtral). Prints the
 autotuned pair's time and configs, then the `--top` fastest fixed pairs, then the fastest fixed pair
 for each gate/up config. Times: microseconds per call, median replay time as the benchmark takes it.
 """
@@ -27,7 +28,7 @@ ROUTINGS = 8
 
 
 def graph_us(x, wgu, wd, routings, w) -> float:
-    """Microseconds per call of the pair kernels, the ROUTINGS calls captured in one CUDA graph and
+    """Microseconds per call of the pair kernels, one call per routing captured in one CUDA graph and
     replayed, timed as the kernel benchmark's fwd-graph rows (`bench.graph_ms`)."""
     return graph_ms(lambda x_, ids, w_: routed_moe_mlp(x_, wgu, wd, ids, w_), [(x, ids, w) for ids in routings]) * 1e3
 
@@ -51,7 +52,8 @@ def main(argv=None) -> int:
     wd = torch.randn(E, D, I, device=device, dtype=torch.bfloat16, generator=gen) / I ** 0.5
     x = torch.randn(1, D, device=device, dtype=torch.bfloat16, generator=gen)
     cpu_gen = torch.Generator().manual_seed(0)
-    routings = [torch.randperm(E, generator=cpu_gen)[:K].view(1, K).to(device) for _ in range(ROUTINGS)]
+    order = torch.randperm(E, generator=cpu_gen)  # disjoint expert sets: no routing re-reads another's weights
+    routings = [order[r * K:(r + 1) * K].view(1, K).to(device) for r in range(min(ROUTINGS, E // K))]
     w = torch.softmax(torch.randn(1, K, device=device, generator=gen), -1).to(torch.bfloat16)
     print(f"{torch.cuda.get_device_name()}, {args.shape} (D={D}, I={I}, E={E}, K={K}), T = 1, "
           f"PDL {'on' if P.pdl_applies(device) else 'off'}", flush=True)
