@@ -9,10 +9,15 @@ For each pass (gate/up, then down), with the pass's config (BLOCK_N, BLOCK_K, wa
 - tiles: the pass's own grid and loads (BLOCK_N weight rows of one expert per program, BLOCK_K at a
   time), summed, nothing else;
 - tiles x vector: the same, each tile multiplied by the input vector (x, or a row of h) first, as
-  the pass's elementwise path does;
+  the pass's elementwise path does (one vector chunk broadcast over the rows); and "loaded per row",
+  the vector loaded as a tile, each row's threads loading the elements they use;
 - real: the pass's kernel (`pairs._up_pairs_kernel` elementwise, `pairs._down_pairs_kernel` split
   over the slots), launched plainly.
-The three rungs after contiguous run twice: as written, and with each chunk's loads issued a step
+(Compiled for sm_90 by Triton 3.6, the tile rungs load the vector straight in the broadcast layout,
+with no conversion, and ptxas unrolls their loop; the pair kernel converts x through shared memory
+each chunk and its loop is not unrolled. So "tiles x vector" against "real" measures that difference
+too, not only the activation and stores.)
+The rungs after contiguous run twice: as written, and with each chunk's loads issued a step
 ahead (the pair kernels' AHEAD configs). Then both real kernels together, with PDL where the GPU has
 it, plain and ahead. Each row: four steps with disjoint expert sets in one CUDA graph, timed as the
 kernel benchmark's graph rows (`bench._bench`, L2 flushed clean); us per step.
@@ -46,7 +51,10 @@ def _tiles_kernel(w_ptr, v_ptr, out_ptr, ids_ptr, rows, length, top_k, stride_we
     tile*BLOCK_N.. and the same rows + `rows` (gate and up) of expert ids[pair], times x[pair // K] if
     MUL. Down: program (token, tile, slot) reads Wd rows tile*BLOCK_N.. of the slot's expert, times
     v[pair] (h's row) if MUL. Rows are `length` long, read BLOCK_K at a time (AHEAD: each chunk's loads
-    issued a step ahead, as the pair kernels' AHEAD configs do); each program stores its sum."""
+    issued a step ahead, as the pair kernels' AHEAD configs do); each program stores its sum.
+    MUL 1: the vector loaded once per chunk and broadcast over the rows, as the pair kernels do;
+    MUL 2: loaded as a [BLOCK_N, BLOCK_K] tile, each row's threads loading the elements they multiply
+    (the repeats come from L1)."""
     if DOWN:
         pair = tl.program_id(0) * top_k + tl.program_id(2)
         v_row = pair
@@ -59,12 +67,17 @@ def _tiles_kernel(w_ptr, v_ptr, out_ptr, ids_ptr, rows, length, top_k, stride_we
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     a_ptrs = w_ptr + expert * stride_we + rows_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
     b_ptrs = a_ptrs + rows * stride_wn  # gate/up: the up rows
-    v_ptrs = v_ptr + v_row.to(tl.int64) * stride_v + k_K
+    if MUL == 2:
+        v_ptrs = v_ptr + v_row.to(tl.int64) * stride_v + (k_K[None, :] + 0 * rows_N[:, None])
+        v_ok = row_ok_N[:, None] & (k_K < length)[None, :]
+    else:
+        v_ptrs = v_ptr + v_row.to(tl.int64) * stride_v + k_K
+        v_ok = k_K < length
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     ok = row_ok_N[:, None] & (k_K < length)[None, :]
     a_next = tl.load(a_ptrs, mask=ok & AHEAD, other=0.0)
     b_next = tl.load(b_ptrs, mask=ok & AHEAD & (not DOWN), other=0.0)
-    v_next = tl.load(v_ptrs, mask=(k_K < length) & AHEAD & MUL, other=0.0)
+    v_next = tl.load(v_ptrs, mask=v_ok & AHEAD & (MUL > 0), other=0.0)
     for k0 in range(0, length, BLOCK_K):
         if AHEAD:
             a, b, v = a_next, b_next, v_next
@@ -74,18 +87,26 @@ def _tiles_kernel(w_ptr, v_ptr, out_ptr, ids_ptr, rows, length, top_k, stride_we
             v_ptrs += BLOCK_K
             a_next = tl.load(a_ptrs, mask=row_ok_N[:, None] & nxt[None, :], other=0.0)
             b_next = tl.load(b_ptrs, mask=row_ok_N[:, None] & nxt[None, :] & (not DOWN), other=0.0)
-            v_next = tl.load(v_ptrs, mask=nxt & MUL, other=0.0)
+            if MUL == 2:
+                v_next = tl.load(v_ptrs, mask=row_ok_N[:, None] & nxt[None, :], other=0.0)
+            else:
+                v_next = tl.load(v_ptrs, mask=nxt & (MUL > 0), other=0.0)
         else:
             ok = row_ok_N[:, None] & (k_K < length - k0)[None, :]
             a = tl.load(a_ptrs, mask=ok, other=0.0)
             b = tl.load(b_ptrs, mask=ok & (not DOWN), other=0.0)
-            v = tl.load(v_ptrs, mask=(k_K < length - k0) & MUL, other=0.0)
+            if MUL == 2:
+                v = tl.load(v_ptrs, mask=ok, other=0.0)
+            else:
+                v = tl.load(v_ptrs, mask=(k_K < length - k0) & (MUL > 0), other=0.0)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
             v_ptrs += BLOCK_K
         t = a.to(tl.float32) + b.to(tl.float32)
-        if MUL:
+        if MUL == 1:
             t *= v.to(tl.float32)[None, :]
+        elif MUL == 2:
+            t *= v.to(tl.float32)
         acc += t
     tl.store(out_ptr + (pair * tl.num_programs(1) + tl.program_id(1)), tl.sum(acc))
 
@@ -171,7 +192,7 @@ def main(argv=None) -> int:
         rows.append((label, "contiguous", contiguous_us(n_elements, programs, cfg[2], device), n_elements * 2))
         for ahead in (False, True):
             then = ", a chunk ahead" if ahead else ""
-            for rung, mul in (("tiles", False), ("tiles x vector", True)):
+            for rung, mul in (("tiles", 0), ("tiles x vector", 1), ("tiles x vector loaded per row", 2)):
                 steps = [tiles(i, *operands, mul, ahead, *cfg, grid) for i in id_sets]
                 rows.append((label, rung + then, graph_us(steps), n_elements * 2))
             rows.append((label, "real" + then, graph_us([real(i, ahead=ahead) for i in id_sets]), n_elements * 2))
