@@ -13,10 +13,8 @@ For each pass (gate/up, then down), with the pass's config (BLOCK_N, BLOCK_K, wa
   the vector loaded as a tile, each row's threads loading the elements they use;
 - real: the pass's kernel (`pairs._up_pairs_kernel` elementwise, `pairs._down_pairs_kernel` split
   over the slots), launched plainly.
-(Compiled for sm_90 by Triton 3.6, the tile rungs load the vector straight in the broadcast layout,
-with no conversion, and ptxas unrolls their loop; the pair kernel converts x through shared memory
-each chunk and its loop is not unrolled. So "tiles x vector" against "real" measures that difference
-too, not only the activation and stores.)
+(Compiled for sm_90 by Triton 3.6, "tiles x vector" converts the vector's layout through shared
+memory each chunk, with barriers, as the pair kernel does; "loaded per row" needs no conversion.)
 The rungs after contiguous run twice: as written, and with each chunk's loads issued a step
 ahead (the pair kernels' AHEAD configs). Then both real kernels together, with PDL where the GPU has
 it, plain and ahead. Each row: four steps with disjoint expert sets in one CUDA graph, timed as the
