@@ -172,7 +172,7 @@ def main(argv=None) -> int:
             x_ptr=x, w_ptr=wgu, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=K, stride_xm=x.stride(0),
             stride_we=wgu.stride(0), stride_wn=wgu.stride(1), stride_hm=h.stride(0), n_counts=n_counts,
             ACT=ACTIVATIONS["silu"], INTERLEAVED=False, PRECISION="ieee", PDL=pdl_on, BLOCK_N=up_bn, BLOCK_K=up_bk,
-            DOT=False, AHEAD=ahead, num_warps=up_w, num_stages=1 if ahead else up_s)
+            DOT=False, AHEAD=ahead, X_ROWS=False, num_warps=up_w, num_stages=1 if ahead else up_s)
 
     def down(ids, pdl_on=False, ahead=False):
         return lambda: P._DOWN_PAIRS_PLAIN[(1, dn_tiles, K)](

@@ -324,13 +324,13 @@ def test_interpreter_dependent_launch_path(split, monkeypatch):
         assert rel_err(y, reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())) < 1e-5
 
 
-def _gate_up_fma(x, w_gu, ids, ahead, block_k):
+def _gate_up_fma(x, w_gu, ids, ahead, block_k, x_rows=False):
     """h of the gate/up pass alone, elementwise, with or without the look-ahead loop (fixed config)."""
     T, D = x.shape
     I, K = w_gu.shape[1] // 2, ids.shape[1]
     h = x.new_empty(T * K, I)
     count = torch.zeros(T * triton.cdiv(D, pairs_mod._MIN_DOWN_BLOCK_N), dtype=torch.int32, device=x.device)
-    cfg = pairs_mod._pair_cfg(16, block_k, 4, 1 if ahead else 3, dot=False, ahead=ahead)
+    cfg = pairs_mod._pair_cfg(16, block_k, 4, 1 if ahead else 3, dot=False, ahead=ahead, x_rows=x_rows)
     pairs_mod._UP_PAIRS_PLAIN[(T * K, triton.cdiv(I, 16))](
         x_ptr=x, w_ptr=w_gu, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=w_gu.shape[0], top_k=K,
         stride_xm=x.stride(0), stride_we=w_gu.stride(0), stride_wn=w_gu.stride(1), stride_hm=h.stride(0),
@@ -342,10 +342,10 @@ def _gate_up_fma(x, w_gu, ids, ahead, block_k):
 @pytest.mark.parametrize("D,block_k", [(64, 32), (80, 32), (16, 32), (32, 32)],
                          ids=["4-chunks", "ragged-last-chunk", "shorter-than-a-chunk", "one-chunk"])
 def test_gate_up_look_ahead_changes_no_bit(D, block_k):
-    """The gate/up pass with its loads a chunk ahead (AHEAD) does the same multiply-adds in the same
-    order as the plain loop: h equal bit for bit, and to the reference, over several chunks, a ragged
-    last chunk, D shorter than one chunk and exactly one; ids -1 (skipped) and out of range (NaN) too.
-    In Triton's interpreter without CUDA, compiled on a GPU."""
+    """The gate/up pass with its loads a chunk ahead (AHEAD), x as a vector or loaded per row (X_ROWS),
+    does the same multiply-adds in the same order as the plain loop: h equal bit for bit, and to the
+    reference, over several chunks, a ragged last chunk, D shorter than one chunk and exactly one; ids
+    -1 (skipped) and out of range (NaN) too. In Triton's interpreter without CUDA, compiled on a GPU."""
     device = "cuda" if CUDA else "cpu"
     T, I, E, K = 3, 40, 5, 2
     x, w_gu, _, ids, _ = make_case(T, D, I, E, K, torch.float32, 11)
@@ -353,6 +353,8 @@ def test_gate_up_look_ahead_changes_no_bit(D, block_k):
     ids[1, 0], ids[2, 1] = -1, E + 3
     plain, ahead = _gate_up_fma(x, w_gu, ids, False, block_k), _gate_up_fma(x, w_gu, ids, True, block_k)
     assert torch.equal(torch.nan_to_num(ahead, nan=7.0), torch.nan_to_num(plain, nan=7.0))
+    x_rows = _gate_up_fma(x, w_gu, ids, True, block_k, x_rows=True)  # x loaded per row of the tile
+    assert torch.equal(torch.nan_to_num(x_rows, nan=7.0), torch.nan_to_num(plain, nan=7.0))
     xr, wr = x.double(), w_gu.double()
     for j, e in enumerate(ids.reshape(-1).tolist()):
         row = ahead[j]
@@ -373,7 +375,9 @@ def test_gpu_gate_up_look_ahead_changes_no_bit_on_model_shapes(shape):
     D, I, E, K = MODEL_SHAPES[shape]
     for hidden in (D, 2880):
         x, w_gu, _, ids, _ = make_case(1, hidden, I, E, K, torch.bfloat16, 31)
-        assert torch.equal(_gate_up_fma(x, w_gu, ids, True, 256), _gate_up_fma(x, w_gu, ids, False, 256))
+        plain = _gate_up_fma(x, w_gu, ids, False, 256)
+        assert torch.equal(_gate_up_fma(x, w_gu, ids, True, 256), plain)
+        assert torch.equal(_gate_up_fma(x, w_gu, ids, True, 256, x_rows=True), plain)
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU test below covers the compiled kernels")

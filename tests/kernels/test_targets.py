@@ -35,7 +35,7 @@ def builds():
 
 
 GEMM_KERNELS = {"up", "rows", "act_bwd", "wgrad", "up_tail", "rows_tail", "act_bwd_tail"}
-PAIR_KERNELS = {"up_pairs", "up_pairs_ahead", "down_pairs", "down_pairs_split",  # decode: matrix-vector products,
+PAIR_KERNELS = {"up_pairs", "up_pairs_ahead", "up_pairs_x_rows", "down_pairs", "down_pairs_split",  # decode: matrix-vector products,
                 "down_pairs_split_ahead"}  # no tensor cores
 PAIR_DOT_KERNELS = {"up_pairs_dot"}  # decode with 16-row tensor-core tiles
 SORT_KERNELS = {"route"}  # the one-program sort of small inference batches

@@ -70,7 +70,7 @@ def _row0(acc_RN):
 def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn,
                      stride_hm, n_counts, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr,
                      DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
+                     BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, X_ROWS: tl.constexpr):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1).
 
@@ -83,6 +83,8 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
     multiply-adds of the chunk before. Triton does not pipeline the elementwise loads itself: without
     AHEAD a program has one chunk in flight, and x's conversion to the tile's layout (through shared
     memory, with barriers) sits between the gate and the up loads. Same arithmetic in the same order.
+    X_ROWS (with AHEAD): x's chunk loaded as a [BLOCK_N, BLOCK_K] tile, each row's threads loading the
+    elements they multiply (repeats served by L1), so no layout conversion and no barrier per chunk.
     x: [T, D]; Wgu: [E, 2I, D] (unit stride along D); h: [T*K, I] in flat (token, slot) order.
     Expert id -1 marks a pair that is not computed here (another rank's expert): h = 0 and no weight
     is read. Any other id outside [0, E) writes NaN (no sync to check ids on the host; the token's
@@ -119,7 +121,11 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
         first_K = (k_K < D) | EVEN_K
         g_next = tl.load(g_ptrs, mask=col_ok_N[:, None] & first_K[None, :], other=0.0)
         u_next = tl.load(u_ptrs, mask=col_ok_N[:, None] & first_K[None, :], other=0.0)
-        x_next = tl.load(x_ptrs, mask=first_K, other=0.0)
+        if X_ROWS:  # x's chunk as a tile in the weight tiles' layout: each row's threads load their part
+            x_ptrs = x_ptrs[None, :] + 0 * cols_N[:, None]
+            x_next = tl.load(x_ptrs, mask=(cols_N >= 0)[:, None] & first_K[None, :], other=0.0)
+        else:
+            x_next = tl.load(x_ptrs, mask=first_K, other=0.0)
         for k0 in range(0, D, BLOCK_K):
             g, u, xv = g_next, u_next, x_next
             x_ptrs += BLOCK_K
@@ -128,9 +134,14 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
             next_K = k_K < D - k0 - BLOCK_K  # the last step loads nothing
             g_next = tl.load(g_ptrs, mask=col_ok_N[:, None] & next_K[None, :], other=0.0)
             u_next = tl.load(u_ptrs, mask=col_ok_N[:, None] & next_K[None, :], other=0.0)
-            x_next = tl.load(x_ptrs, mask=next_K, other=0.0)
-            acc_g += g.to(tl.float32) * xv.to(tl.float32)[None, :]
-            acc_u += u.to(tl.float32) * xv.to(tl.float32)[None, :]
+            if X_ROWS:
+                x_next = tl.load(x_ptrs, mask=(cols_N >= 0)[:, None] & next_K[None, :], other=0.0)
+                acc_g += g.to(tl.float32) * xv.to(tl.float32)
+                acc_u += u.to(tl.float32) * xv.to(tl.float32)
+            else:
+                x_next = tl.load(x_ptrs, mask=next_K, other=0.0)
+                acc_g += g.to(tl.float32) * xv.to(tl.float32)[None, :]
+                acc_u += u.to(tl.float32) * xv.to(tl.float32)[None, :]
     else:
         for k0 in range(0, D, BLOCK_K):
             k_ok_K = (k_K < D - k0) | EVEN_K
@@ -260,11 +271,12 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
 # ---- host side ----------------------------------------------------------------------------------------
 
 
-def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False):
+def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False, x_rows=False):
     """A pair-kernel config. `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise;
     `split` (down pass only): one program per (token, column tile, slot) instead of a loop over slots;
-    `ahead` (elementwise loops): the next chunk's loads issued before this chunk's multiply-adds."""
-    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot}),
+    `ahead` (elementwise loops): the next chunk's loads issued before this chunk's multiply-adds;
+    `x_rows` (gate/up, with ahead): x loaded per row of the tile, no layout conversion."""
+    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot, "X_ROWS": x_rows}),
               **({} if split is None else {"SPLIT": split}), "AHEAD": ahead}
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
@@ -284,6 +296,7 @@ _DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for 
     _pair_cfg(*tile, split=True, ahead=True) for tile in _DOWN_AHEAD_TILES]
 _UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
     _pair_cfg(*tile, dot=False, ahead=True) for tile in _UP_AHEAD_TILES] + [
+    _pair_cfg(*tile, dot=False, ahead=True, x_rows=True) for tile in _UP_AHEAD_TILES[:2]] + [
     _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),
     _pair_cfg(64, 128, 4, 4, True), _pair_cfg(64, 256, 8, 3, True)]
 _DEFAULT_UP_PAIR = _pair_cfg(16, 256, 4, 3, dot=False)
