@@ -16,9 +16,10 @@ For each pass (gate/up, then down), with the pass's config (BLOCK_N, BLOCK_K, wa
 (Compiled for sm_90 by Triton 3.6, "tiles x vector" converts the vector's layout through shared
 memory each chunk, with barriers, as the pair kernel does; "loaded per row" needs no conversion.)
 The rungs after contiguous run twice: as written, and with each chunk's loads issued a step
-ahead (the pair kernels' AHEAD configs). Then both real kernels together, with PDL where the GPU has
-it, plain and ahead. Each row: four steps with disjoint expert sets in one CUDA graph, timed as the
-kernel benchmark's graph rows (`bench._bench`, L2 flushed clean); us per step.
+ahead (the pair kernels' AHEAD configs); the real gate/up pass also with x loaded per row (X_ROWS).
+Then both real kernels together, with PDL where the GPU has it: plain, ahead, ahead with x per row.
+Each row: four steps with disjoint expert sets in one CUDA graph, timed as the kernel benchmark's
+graph rows (`bench._bench`, L2 flushed clean); us per step.
 """
 
 from __future__ import annotations
@@ -167,12 +168,12 @@ def main(argv=None) -> int:
                                            DOWN=is_down, MUL=mul, AHEAD=ahead, BLOCK_N=bn, BLOCK_K=bk,
                                            num_warps=warps, num_stages=1 if ahead else stages)
 
-    def up(ids, pdl_on=False, ahead=False):
+    def up(ids, pdl_on=False, ahead=False, x_rows=False):
         return lambda: P._UP_PAIRS_PLAIN[(K, up_tiles)](
             x_ptr=x, w_ptr=wgu, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=K, stride_xm=x.stride(0),
             stride_we=wgu.stride(0), stride_wn=wgu.stride(1), stride_hm=h.stride(0), n_counts=n_counts,
             ACT=ACTIVATIONS["silu"], INTERLEAVED=False, PRECISION="ieee", PDL=pdl_on, BLOCK_N=up_bn, BLOCK_K=up_bk,
-            DOT=False, AHEAD=ahead, X_ROWS=False, num_warps=up_w, num_stages=1 if ahead else up_s)
+            DOT=False, AHEAD=ahead, X_ROWS=x_rows, num_warps=up_w, num_stages=1 if ahead else up_s)
 
     def down(ids, pdl_on=False, ahead=False):
         return lambda: P._DOWN_PAIRS_PLAIN[(1, dn_tiles, K)](
@@ -194,9 +195,13 @@ def main(argv=None) -> int:
                 steps = [tiles(i, *operands, mul, ahead, *cfg, grid) for i in id_sets]
                 rows.append((label, rung + then, graph_us(steps), n_elements * 2))
             rows.append((label, "real" + then, graph_us([real(i, ahead=ahead) for i in id_sets]), n_elements * 2))
-    for ahead in (False, True):
-        both = [(lambda u=up(i, pdl, ahead), d=down(i, pdl, ahead): (u(), d())) for i in id_sets]
-        rung = ("real, PDL" if pdl else "real") + (", both a chunk ahead" if ahead else "")
+        if real is up:
+            rows.append((label, "real, a chunk ahead, x per row",
+                         graph_us([up(i, ahead=True, x_rows=True) for i in id_sets]), n_elements * 2))
+    for ahead, x_rows in ((False, False), (True, False), (True, True)):
+        both = [(lambda u=up(i, pdl, ahead, x_rows), d=down(i, pdl, ahead): (u(), d())) for i in id_sets]
+        rung = (("real, PDL" if pdl else "real") + (", both a chunk ahead" if ahead else "")
+                + (", x per row" if x_rows else ""))
         rows.append(("both", rung, graph_us(both), K * 3 * I * D * 2))
     print("| pass | rung | us per step | GB/s |\n|---|---|---|---|")
     for label, rung, us, n_bytes in rows:
