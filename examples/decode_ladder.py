@@ -16,8 +16,9 @@ For each pass (gate/up, then down), with the pass's config (BLOCK_N, BLOCK_K, wa
 (Compiled for sm_90 by Triton 3.6, "tiles x vector" converts the vector's layout through shared
 memory each chunk, with barriers, as the pair kernel does; "loaded per row" needs no conversion.)
 The rungs after contiguous run twice: as written, and with each chunk's loads issued a step
-ahead (the pair kernels' AHEAD configs); the real gate/up pass also with x loaded per row (X_ROWS).
-Then both real kernels together, with PDL where the GPU has it: plain, ahead, ahead with x per row.
+ahead (the pair kernels' AHEAD configs); the real passes also with their vector (x, h) loaded per row
+(X_ROWS). Then both real kernels together, with PDL where the GPU has it: plain, ahead, ahead with
+the vectors per row.
 Each row: four steps with disjoint expert sets in one CUDA graph, timed as the kernel benchmark's
 graph rows (`bench._bench`, L2 flushed clean); us per step.
 """
@@ -175,11 +176,12 @@ def main(argv=None) -> int:
             ACT=ACTIVATIONS["silu"], INTERLEAVED=False, PRECISION="ieee", PDL=pdl_on, BLOCK_N=up_bn, BLOCK_K=up_bk,
             DOT=False, AHEAD=ahead, X_ROWS=x_rows, num_warps=up_w, num_stages=1 if ahead else up_s)
 
-    def down(ids, pdl_on=False, ahead=False):
+    def down(ids, pdl_on=False, ahead=False, x_rows=False):
         return lambda: P._DOWN_PAIRS_PLAIN[(1, dn_tiles, K)](
             h_ptr=h, w_ptr=wd, y_ptr=y, ids_ptr=ids, weight_ptr=weights, part_ptr=part, count_ptr=count, D=D, I=I,
             E=E, top_k=K, stride_hm=h.stride(0), stride_we=wd.stride(0), stride_wd=wd.stride(1), stride_ym=y.stride(0),
-            stride_cm=n_counts, WEIGHTED=True, PDL=pdl_on, SPLIT=True, AHEAD=ahead, BLOCK_N=dn_bn, BLOCK_K=dn_bk,
+            stride_cm=n_counts, WEIGHTED=True, PDL=pdl_on, SPLIT=True, AHEAD=ahead, X_ROWS=x_rows, BLOCK_N=dn_bn,
+            BLOCK_K=dn_bk,
             num_warps=dn_w, num_stages=1 if ahead else dn_s, **({"launch_pdl": True} if pdl_on else {}))
 
     rows = []
@@ -195,13 +197,12 @@ def main(argv=None) -> int:
                 steps = [tiles(i, *operands, mul, ahead, *cfg, grid) for i in id_sets]
                 rows.append((label, rung + then, graph_us(steps), n_elements * 2))
             rows.append((label, "real" + then, graph_us([real(i, ahead=ahead) for i in id_sets]), n_elements * 2))
-        if real is up:
-            rows.append((label, "real, a chunk ahead, x per row",
-                         graph_us([up(i, ahead=True, x_rows=True) for i in id_sets]), n_elements * 2))
+        rows.append((label, "real, a chunk ahead, vector per row",
+                     graph_us([real(i, ahead=True, x_rows=True) for i in id_sets]), n_elements * 2))
     for ahead, x_rows in ((False, False), (True, False), (True, True)):
-        both = [(lambda u=up(i, pdl, ahead, x_rows), d=down(i, pdl, ahead): (u(), d())) for i in id_sets]
+        both = [(lambda u=up(i, pdl, ahead, x_rows), d=down(i, pdl, ahead, x_rows): (u(), d())) for i in id_sets]
         rung = (("real, PDL" if pdl else "real") + (", both a chunk ahead" if ahead else "")
-                + (", x per row" if x_rows else ""))
+                + (", vectors per row" if x_rows else ""))
         rows.append(("both", rung, graph_us(both), K * 3 * I * D * 2))
     print("| pass | rung | us per step | GB/s |\n|---|---|---|---|")
     for label, rung, us, n_bytes in rows:

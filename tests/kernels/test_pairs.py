@@ -383,8 +383,9 @@ def test_gpu_gate_up_look_ahead_changes_no_bit_on_model_shapes(shape):
 @pytest.mark.skipif(CUDA, reason="the GPU test below covers the compiled kernels")
 @pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
 def test_interpreter_down_look_ahead_changes_no_bit(split, monkeypatch):
-    """The down pass with its weight and h chunks loaded a step ahead (AHEAD), launched plainly and as
-    it runs under PDL (grid-dependency instructions as no-ops here), equals the plain loop bit for bit
+    """The down pass with its weight and h chunks loaded a step ahead (AHEAD; h as a vector or per row of
+    the tile, X_ROWS), launched plainly and as it runs under PDL (grid-dependency instructions as no-ops
+    here), equals the plain loop bit for bit
     over 1 to 3 chunks of I, a ragged last chunk and an I shorter than one chunk; and the reference."""
     monkeypatch.setattr(pairs_mod, "gdc_wait", _no_op)
     monkeypatch.setattr(pairs_mod, "gdc_launch_dependents", _no_op)
@@ -393,15 +394,16 @@ def test_interpreter_down_look_ahead_changes_no_bit(split, monkeypatch):
         x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.float32, 9)
         ys = {}
         for wait in (False, True):
-            for ahead in (False, True):
+            for ahead, x_rows in ((False, False), (True, False), (True, True)):
                 monkeypatch.setattr(pairs_mod, "pdl_applies", lambda device, wait=wait: wait)
                 monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR",
-                                    pairs_mod._pair_cfg(16, 32, 4, 1, split=split, ahead=ahead))
+                                    pairs_mod._pair_cfg(16, 32, 4, 1, split=split, ahead=ahead, x_rows=x_rows))
                 with torch.no_grad():
-                    ys[wait, ahead] = pairs_mod.moe_mlp_pairs(x, w_gu, w_d, ids, weights, "silu", False)
+                    ys[wait, ahead, x_rows] = pairs_mod.moe_mlp_pairs(x, w_gu, w_d, ids, weights, "silu", False)
         for key, y in ys.items():
-            assert torch.equal(y, ys[False, False]), (T, D, I, key)
-        assert rel_err(ys[False, True], reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())) < 1e-5
+            assert torch.equal(y, ys[False, False, False]), (T, D, I, key)
+        assert rel_err(ys[False, True, True], reference(x.double(), w_gu.double(), w_d.double(), ids,
+                                                        weights.double())) < 1e-5
 
 
 @pytest.mark.gpu
@@ -419,9 +421,9 @@ def test_gpu_down_look_ahead_changes_no_bit_on_model_shapes(shape, monkeypatch):
             ys = []
             for pdl in ("0", "1"):
                 monkeypatch.setenv("THUNDEREP_PDL", pdl)
-                for ahead in (False, True):
+                for ahead, x_rows in ((False, False), (True, False), (True, True)):
                     monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR",
-                                        pairs_mod._pair_cfg(32, 128, 4, 1, split=split, ahead=ahead))
+                                        pairs_mod._pair_cfg(32, 128, 4, 1, split=split, ahead=ahead, x_rows=x_rows))
                     with torch.no_grad():
                         ys.append(routed_moe_mlp(x, w_gu, w_d, ids, weights))
             assert all(torch.equal(y, ys[0]) for y in ys), (T, split)

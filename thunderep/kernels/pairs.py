@@ -169,14 +169,15 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
 @triton.jit
 def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
                   WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  WAIT: tl.constexpr, AHEAD: tl.constexpr):
+                  WAIT: tl.constexpr, AHEAD: tl.constexpr, X_ROWS: tl.constexpr):
     """w[j] * (h[j] . Wd[ids[j], n]) for columns n, as a [BLOCK_N, BLOCK_K] float32 tile to be summed
     over its second axis. An id outside [0, E) reads no weights (its h row is 0 or NaN).
     WAIT (launched as a programmatic dependent of the gate/up pass): load the first weight chunk while
     that pass still runs, then wait for it (gdc_wait) before reading h; each later chunk is loaded one
     step ahead. AHEAD: weight and h chunks both loaded one step ahead, with or without WAIT (the h
-    chunk's conversion to the tile's layout then waits on a load issued a step earlier). Same
-    arithmetic in the same order every way."""
+    chunk's conversion to the tile's layout then waits on a load issued a step earlier); with X_ROWS
+    h's chunk is loaded per row of the tile instead (no conversion). Same arithmetic in the same order
+    every way."""
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
     expert = tl.where(known, expert, 0)
@@ -194,7 +195,10 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
         w_next = tl.load(w_ptrs, mask=w_ok_N[:, None] & first_K[None, :], other=0.0)
         if WAIT:
             gdc_wait()
-        if AHEAD:
+        if AHEAD and X_ROWS:  # h's chunk as a tile in the weight tile's layout: each row loads its part
+            h_ptrs = h_ptrs[None, :] + 0 * cols_N[:, None]
+            h_next = tl.load(h_ptrs, mask=(cols_N >= 0)[:, None] & first_K[None, :], other=0.0)
+        elif AHEAD:
             h_next = tl.load(h_ptrs, mask=first_K, other=0.0)
         for k0 in range(0, I, BLOCK_K):
             k_ok_K = (k_K < I - k0) | EVEN_K
@@ -202,14 +206,20 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
             w = w_next
             w_ptrs += BLOCK_K
             w_next = tl.load(w_ptrs, mask=w_ok_N[:, None] & next_K[None, :], other=0.0)
-            if AHEAD:
+            if AHEAD and X_ROWS:
                 hv = h_next.to(tl.float32)
                 h_ptrs += BLOCK_K
-                h_next = tl.load(h_ptrs, mask=next_K, other=0.0)
+                h_next = tl.load(h_ptrs, mask=(cols_N >= 0)[:, None] & next_K[None, :], other=0.0)
+                acc += w.to(tl.float32) * (hv * scale)
             else:
-                hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
-                h_ptrs += BLOCK_K
-            acc += w.to(tl.float32) * (hv * scale)[None, :]
+                if AHEAD:
+                    hv = h_next.to(tl.float32)
+                    h_ptrs += BLOCK_K
+                    h_next = tl.load(h_ptrs, mask=next_K, other=0.0)
+                else:
+                    hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
+                    h_ptrs += BLOCK_K
+                acc += w.to(tl.float32) * (hv * scale)[None, :]
     else:
         for k0 in range(0, I, BLOCK_K):
             k_ok_K = (k_K < I - k0) | EVEN_K
@@ -225,7 +235,7 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
 def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_ptr, D, I, E, top_k, stride_hm,
                        stride_we, stride_wd, stride_ym, stride_cm, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
                        SPLIT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       AHEAD: tl.constexpr):
+                       AHEAD: tl.constexpr, X_ROWS: tl.constexpr):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass.
     h: [T*K, I]; Wd: [E, D, I] (unit stride along I). Elementwise multiply-adds as in _up_pairs_kernel
@@ -248,7 +258,7 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
     if SPLIT:
         j = t * top_k + tl.program_id(2)
         part_N = tl.sum(_slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
-                                      stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL, AHEAD), 1)
+                                      stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL, AHEAD, X_ROWS), 1)
         tl.store(part_ptr + j.to(tl.int64) * D + cols_N, part_N, mask=col_ok_N)
         count = count_ptr + t.to(tl.int64) * stride_cm + tile
         if tl.atomic_add(count, 1, sem="acq_rel") == top_k - 1:  # the token's other slots are stored
@@ -261,10 +271,11 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
             tl.store(count, 0)
     else:
         acc = _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm, stride_we,
-                            stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL, AHEAD)
+                            stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL, AHEAD, X_ROWS)
         for slot in range(1, top_k):
             acc += _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E, stride_hm,
-                                 stride_we, stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, False, AHEAD)
+                                 stride_we, stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, False, AHEAD,
+                                 X_ROWS)
         tl.store(y_ptrs, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=col_ok_N)
 
 
@@ -275,9 +286,9 @@ def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False, x_rows=F
     """A pair-kernel config. `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise;
     `split` (down pass only): one program per (token, column tile, slot) instead of a loop over slots;
     `ahead` (elementwise loops): the next chunk's loads issued before this chunk's multiply-adds;
-    `x_rows` (gate/up, with ahead): x loaded per row of the tile, no layout conversion."""
-    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot, "X_ROWS": x_rows}),
-              **({} if split is None else {"SPLIT": split}), "AHEAD": ahead}
+    `x_rows` (with ahead): the vector (x, or h) loaded per row of the tile, no layout conversion."""
+    kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot}),
+              **({} if split is None else {"SPLIT": split}), "AHEAD": ahead, "X_ROWS": x_rows}
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
@@ -293,7 +304,8 @@ _PAIR_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2)
 _UP_AHEAD_TILES = [(8, 256, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1)]
 _DOWN_AHEAD_TILES = [(16, 128, 4, 1), (32, 128, 4, 1), (64, 128, 8, 1)]
 _DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for split in (False, True)] + [
-    _pair_cfg(*tile, split=True, ahead=True) for tile in _DOWN_AHEAD_TILES]
+    _pair_cfg(*tile, split=True, ahead=True) for tile in _DOWN_AHEAD_TILES] + [
+    _pair_cfg(*tile, split=True, ahead=True, x_rows=True) for tile in _DOWN_AHEAD_TILES[::2]]
 _UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
     _pair_cfg(*tile, dot=False, ahead=True) for tile in _UP_AHEAD_TILES] + [
     _pair_cfg(*tile, dot=False, ahead=True, x_rows=True) for tile in _UP_AHEAD_TILES[:2]] + [
