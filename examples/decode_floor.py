@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from thunderep.kernels.bench import ROTATE, SHAPES, _bench, copy_bandwidth
+from thunderep.kernels.bench import ROTATE, SHAPES, _bench, copy_bandwidth, parse_shapes
 from thunderep.kernels.pairs import gdc_launch_dependents, gdc_wait
 
 PROGRAMS = (264, 528, 1056, 2112, 4224, 8448)
@@ -133,9 +133,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen3")
     args = ap.parse_args(argv)
-    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
-    if unknown:
-        ap.error(f"unknown shape(s) {unknown}: use {', '.join(SHAPES)}")
+    shapes = parse_shapes(ap, args.shapes)
     if not torch.cuda.is_available():
         print("decode_floor needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -145,7 +143,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
     print("| shape | bytes MB | copy us | one read us | two reads us | two reads, PDL us | 80% of copy bw us | "
           "HBM frac: copy / one / two / two PDL |\n|---|---|---|---|---|---|---|---|")
-    for name in args.shapes.split(","):
+    for name in shapes:
         whole, up, down, total, copy = step_buffers(name, device)
         copy_us = graph_us([copy])
         one_us, one_cfg, one_bytes = best_reader(whole, f"{name} one read")

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import decode_floor as F  # noqa: E402
 
-from thunderep.kernels.bench import ROTATE, SHAPES, _thunder_experts, copy_bandwidth  # noqa: E402
+from thunderep.kernels.bench import ROTATE, SHAPES, _thunder_experts, copy_bandwidth, parse_shapes  # noqa: E402
 
 MODES = ("dirty", "clean", "none")
 
@@ -89,9 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="qwen3,deepseek")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
-    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
-    if unknown or args.rounds < 1:
-        ap.error(f"--shapes takes {', '.join(SHAPES)}; --rounds at least 1 (got {args.shapes!r}, {args.rounds})")
+    shapes = parse_shapes(ap, args.shapes)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: must be at least 1")
     if not torch.cuda.is_available():
         print("l2_timer_probe needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     flush_r = torch.ones(256 << 20, dtype=torch.uint8, device=device)
     bw = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    for name in args.shapes.split(","):
+    for name in shapes:
         total, graphs = graphs_for(name, device)
         print(f"## {name} T=1, {total / 1e6:.1f} MB, us per step (HBM frac); 80% target {total / (0.8 * bw) * 1e6:.1f} us")
         for r in range(args.rounds):

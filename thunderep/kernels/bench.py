@@ -55,6 +55,15 @@ def _flush_l2(device) -> None:
     _FLUSH[key].sum()
 
 
+def parse_shapes(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """The comma-separated SHAPES names in `text`; `ap.error` (exit 2) names any unknown one."""
+    shapes = text.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shape(s) {unknown}: use {', '.join(SHAPES)}")
+    return shapes
+
+
 def _bench(fn, ms_budget: float = 150.0, warmup_ms: float = 25.0) -> float:
     """Median milliseconds of one `fn()` (CUDA events), L2 flushed clean before each: a warm-up of
     about warmup_ms, then as many timed calls as fit in about ms_budget (at least 5)."""
@@ -371,10 +380,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown ThunderEP variant(s) {bad}: use thunderep or thunderep:<{'|'.join(PINS)}>")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: must be at least 1")
-    shapes = args.shapes.split(",")
-    unknown = [s for s in shapes if s not in SHAPES]
-    if unknown:
-        ap.error(f"unknown shape(s) {unknown}: use {', '.join(SHAPES)}")
+    shapes = parse_shapes(ap, args.shapes)
     try:
         tokens = [int(t) for t in args.tokens.split(",")]
     except ValueError:

@@ -206,19 +206,19 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
             w = w_next
             w_ptrs += BLOCK_K
             w_next = tl.load(w_ptrs, mask=w_ok_N[:, None] & next_K[None, :], other=0.0)
-            if AHEAD and X_ROWS:
+            if AHEAD:
                 hv = h_next.to(tl.float32)
                 h_ptrs += BLOCK_K
-                h_next = tl.load(h_ptrs, mask=(cols_N >= 0)[:, None] & next_K[None, :], other=0.0)
+                if X_ROWS:
+                    h_next = tl.load(h_ptrs, mask=(cols_N >= 0)[:, None] & next_K[None, :], other=0.0)
+                else:
+                    h_next = tl.load(h_ptrs, mask=next_K, other=0.0)
+            else:
+                hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
+                h_ptrs += BLOCK_K
+            if AHEAD and X_ROWS:  # hv is already a [BLOCK_N, BLOCK_K] tile
                 acc += w.to(tl.float32) * (hv * scale)
             else:
-                if AHEAD:
-                    hv = h_next.to(tl.float32)
-                    h_ptrs += BLOCK_K
-                    h_next = tl.load(h_ptrs, mask=next_K, other=0.0)
-                else:
-                    hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
-                    h_ptrs += BLOCK_K
                 acc += w.to(tl.float32) * (hv * scale)[None, :]
     else:
         for k0 in range(0, I, BLOCK_K):
