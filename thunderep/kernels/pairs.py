@@ -70,7 +70,7 @@ def _row0(acc_RN):
 def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn,
                      stride_hm, n_counts, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr,
                      DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, X_ROWS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, X_ROWS: tl.constexpr, UP_WAITS: tl.constexpr = False):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1).
 
@@ -91,6 +91,8 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
     output then shows it). Also zeroes the down pass's per-token counts (count: [T, n_counts])."""
     if PDL:  # the down pass may launch now: its programs take the SM room this grid leaves
         gdc_launch_dependents()
+        if UP_WAITS:  # launched as a dependent of the kernel before: read nothing before it ends
+            gdc_wait()
     j = tl.program_id(0)
     if (tl.program_id(1) == 0) & (j % top_k == 0):
         c_C = tl.arange(0, 128)
@@ -232,10 +234,65 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
 
 
 @triton.jit
+def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k, stride_hm, stride_we, stride_wd,
+                   WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, WAIT: tl.constexpr, X_ROWS: tl.constexpr):
+    """sum over slots k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for columns n: all of token t's
+    slots in one [SLOTS, BLOCK_N, BLOCK_K] tile (SLOTS: top_k rounded up to a power of two; the rows of
+    slots past top_k are masked), loaded a chunk ahead, so the K experts' rows stream together and the
+    sum over slots needs no second program. Ids as in _slot_partial; WAIT as there (the first weight
+    chunk loaded before gdc_wait); X_ROWS: h loaded per row of the tile (no layout conversion).
+    The sum: float32 over k then over slots, each a fixed tree (same order every run)."""
+    s_S = tl.arange(0, SLOTS)
+    slot_ok_S = s_S < top_k
+    j_S = t * top_k + s_S
+    expert_S = tl.load(ids_ptr + j_S, mask=slot_ok_S, other=-1).to(tl.int64)
+    known_S = (expert_S >= 0) & (expert_S < E)
+    expert_S = tl.where(known_S, expert_S, 0)
+    w_ok_SN = known_S[:, None] & (cols_N < D)[None, :]
+    k_K = tl.arange(0, BLOCK_K)
+    w_ptrs = (w_ptr + expert_S[:, None, None] * stride_we + cols_N.to(tl.int64)[None, :, None] * stride_wd
+              + k_K[None, None, :])
+    h_ptrs = h_ptr + j_S.to(tl.int64)[:, None] * stride_hm + k_K[None, :]
+    if X_ROWS:  # h's chunk as a tile in the weight tile's layout: each row loads its part
+        h_ptrs = h_ptrs[:, None, :] + 0 * cols_N[None, :, None]
+        h_ok = slot_ok_S[:, None, None] & (cols_N >= 0)[None, :, None]
+    else:
+        h_ok = slot_ok_S[:, None]
+    if WEIGHTED:
+        scale_S = tl.load(weight_ptr + j_S, mask=slot_ok_S, other=0.0).to(tl.float32)
+    else:
+        scale_S = tl.where(slot_ok_S, 1.0, 0.0)
+    acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    first_K = (k_K < I) | EVEN_K
+    w_next = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & first_K[None, None, :], other=0.0)
+    if WAIT:
+        gdc_wait()
+    if X_ROWS:
+        h_next = tl.load(h_ptrs, mask=h_ok & first_K[None, None, :], other=0.0)
+    else:
+        h_next = tl.load(h_ptrs, mask=h_ok & first_K[None, :], other=0.0)
+    for k0 in range(0, I, BLOCK_K):
+        next_K = k_K < I - k0 - BLOCK_K  # the last step loads nothing
+        w, hv = w_next, h_next.to(tl.float32)
+        w_ptrs += BLOCK_K
+        h_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & next_K[None, None, :], other=0.0)
+        if X_ROWS:
+            h_next = tl.load(h_ptrs, mask=h_ok & next_K[None, None, :], other=0.0)
+            acc += w.to(tl.float32) * (hv * scale_S[:, None, None])
+        else:
+            h_next = tl.load(h_ptrs, mask=h_ok & next_K[None, :], other=0.0)
+            acc += w.to(tl.float32) * (hv * scale_S[:, None])[:, None, :]
+    return tl.sum(tl.sum(acc, 2), 0)
+
+
+@triton.jit
 def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_ptr, D, I, E, top_k, stride_hm,
                        stride_we, stride_wd, stride_ym, stride_cm, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
                        SPLIT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       AHEAD: tl.constexpr, X_ROWS: tl.constexpr):
+                       AHEAD: tl.constexpr, X_ROWS: tl.constexpr, ALL_SLOTS: tl.constexpr = False,
+                       SLOTS: tl.constexpr = 1):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass.
     h: [T*K, I]; Wd: [E, D, I] (unit stride along I). Elementwise multiply-adds as in _up_pairs_kernel
@@ -255,7 +312,11 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok_N = cols_N < D
     y_ptrs = y_ptr + t.to(tl.int64) * stride_ym + cols_N
-    if SPLIT:
+    if ALL_SLOTS:
+        y_N = _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k, stride_hm, stride_we,
+                             stride_wd, WEIGHTED, EVEN_K, SLOTS, BLOCK_N, BLOCK_K, PDL, X_ROWS)
+        tl.store(y_ptrs, y_N.to(y_ptr.dtype.element_ty), mask=col_ok_N)
+    elif SPLIT:
         j = t * top_k + tl.program_id(2)
         part_N = tl.sum(_slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
                                       stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL, AHEAD, X_ROWS), 1)
@@ -282,13 +343,16 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
 # ---- host side ----------------------------------------------------------------------------------------
 
 
-def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False, x_rows=False):
+def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False, x_rows=False, all_slots=False):
     """A pair-kernel config. `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise;
     `split` (down pass only): one program per (token, column tile, slot) instead of a loop over slots;
-    `ahead` (elementwise loops): the next chunk's loads issued before this chunk's multiply-adds;
-    `x_rows` (with ahead): the vector (x, or h) loaded per row of the tile, no layout conversion."""
+    `all_slots` (down pass only, with split False): all of a token's slots in one program's tile, loaded
+    a chunk ahead; `ahead` (elementwise loops): the next chunk's loads issued before this chunk's
+    multiply-adds; `x_rows` (with ahead or all_slots): the vector (x, or h) loaded per row of the tile,
+    no layout conversion."""
     kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot}),
-              **({} if split is None else {"SPLIT": split}), "AHEAD": ahead, "X_ROWS": x_rows}
+              **({} if split is None else {"SPLIT": split}), "AHEAD": ahead, "X_ROWS": x_rows,
+              **({"ALL_SLOTS": True} if all_slots else {})}
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
@@ -303,9 +367,13 @@ _PAIR_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2)
 # loads). Gate/up not at 64 rows: compiled for sm_90, its two chunks in registers spill.
 _UP_AHEAD_TILES = [(8, 256, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1)]
 _DOWN_AHEAD_TILES = [(16, 128, 4, 1), (32, 128, 4, 1), (64, 128, 8, 1)]
+# All slots in one tile: [SLOTS, BLOCK_N, BLOCK_K], so BLOCK_N is small (SLOTS is 8 on Qwen3 and DeepSeek-V3).
+_DOWN_ALL_SLOTS_TILES = [(4, 128, 4, 1), (8, 64, 4, 1), (8, 128, 8, 1), (16, 128, 8, 1)]
 _DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for split in (False, True)] + [
     _pair_cfg(*tile, split=True, ahead=True) for tile in _DOWN_AHEAD_TILES] + [
-    _pair_cfg(*tile, split=True, ahead=True, x_rows=True) for tile in _DOWN_AHEAD_TILES[::2]]
+    _pair_cfg(*tile, split=True, ahead=True, x_rows=True) for tile in _DOWN_AHEAD_TILES[::2]] + [
+    _pair_cfg(*tile, split=False, x_rows=x_rows, all_slots=True) for tile in _DOWN_ALL_SLOTS_TILES
+    for x_rows in (False, True)]
 _UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
     _pair_cfg(*tile, dot=False, ahead=True) for tile in _UP_AHEAD_TILES] + [
     _pair_cfg(*tile, dot=False, ahead=True, x_rows=True) for tile in _UP_AHEAD_TILES[:2]] + [
@@ -314,7 +382,7 @@ _UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
 _DEFAULT_UP_PAIR = _pair_cfg(16, 256, 4, 3, dot=False)
 _DEFAULT_DOWN_PAIR = _pair_cfg(16, 256, 4, 3, split=False)
 # The split down pass counts its slots per (token, column tile); room for the narrowest tile.
-_MIN_DOWN_BLOCK_N = min(cfg.kwargs["BLOCK_N"] for cfg in _DOWN_PAIR_CONFIGS)
+_MIN_DOWN_BLOCK_N = min(cfg.kwargs["BLOCK_N"] for cfg in _DOWN_PAIR_CONFIGS if cfg.kwargs["SPLIT"])
 
 
 # PDL is left out of the keys: with it on or off (THUNDEREP_PDL) a shape runs the config tuned first.
@@ -323,6 +391,10 @@ _UP_PAIRS, _UP_PAIRS_PLAIN = tuning.tuned("up_pairs", _up_pairs_kernel, _UP_PAIR
 _DOWN_PAIRS, _DOWN_PAIRS_PLAIN = tuning.tuned("down_pairs", _down_pairs_kernel, _DOWN_PAIR_CONFIGS,
                                               ["I", "D", "top_k", "WEIGHTED"], even_k="I")
 
+
+# Under PDL, the gate/up pass is also launched as a programmatic dependent of the kernel before it
+# (its programs wait for that kernel's end before reading anything): on trial.
+UP_WAITS = True
 
 # Up to this many tokens, inference runs the pair kernels (no sort, no counts, two launches); above it
 # the sorted grouped GEMMs, which read each hit expert once however many tokens share it. Measured on
@@ -382,14 +454,16 @@ def _moe_mlp_pairs_impl(
             x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=top_k,
             stride_xm=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
             stride_hm=h.stride(0), n_counts=n_counts, ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved,
-            PRECISION=tuning.precision(x.dtype), PDL=pdl)
+            PRECISION=tuning.precision(x.dtype), PDL=pdl, UP_WAITS=pdl and UP_WAITS,
+            **({"launch_pdl": True} if pdl and UP_WAITS else {}))
     y = x.new_empty(T, D)
     tuning.launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_DOWN_PAIR,
             lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"]), top_k if meta["SPLIT"] else 1),
             x.device, h_ptr=h, w_ptr=w_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
             part_ptr=part, count_ptr=count, D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0),
             stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_ym=y.stride(0), stride_cm=n_counts,
-            WEIGHTED=weights is not None, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+            WEIGHTED=weights is not None, PDL=pdl, SLOTS=triton.next_power_of_2(top_k),
+            **({"launch_pdl": True} if pdl else {}))
     return y
 
 
