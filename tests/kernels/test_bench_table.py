@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from thunderep.kernels import bench  # noqa: E402
+from thunderep.kernels import bench, pairs, tuning  # noqa: E402
 
 
 def _row(impl, ms, frac):
@@ -144,9 +144,9 @@ def test_timer_flushes_l2_clean_before_every_timed_call(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(bench, "_FLUSH", {"cuda:0": buffer})
-    flush = bench._flush_l2
-    monkeypatch.setattr(bench, "_flush_l2", lambda device: (log.append("flush"), flush(device)))
+    monkeypatch.setattr(tuning, "_FLUSH", {"cuda:0": buffer})
+    flush = tuning._flush_l2
+    monkeypatch.setattr(tuning, "_flush_l2", lambda device: (log.append("flush"), flush(device)))
 
     assert bench._bench(fn, ms_budget=8.0, warmup_ms=3.0) == 1.0
     assert torch.equal(buffer, torch.arange(1000, dtype=torch.int32))  # read, not written
@@ -155,3 +155,13 @@ def test_timer_flushes_l2_clean_before_every_timed_call(monkeypatch):
     rest = log[1 + len(estimate):]
     assert rest[:3] == ["fn"] * 3  # warm-up: 3 ms at 1 ms a call, no flush
     assert rest[3:] == ["flush", "record", "fn", "record"] * 8  # timed: 8 ms of budget, 8 calls
+
+    # The autotuner's timing: the same timer, asked for quantiles (as Triton's autotuner asks do_bench).
+    steps = iter([3.0] * 6 + [1.0] * 3 + [float(ms) for ms in range(10, 0, -1)])
+
+    def uneven():
+        clock["ms"] += next(steps)
+
+    assert tuning.timed_ms(uneven, ms_budget=30.0, warmup_ms=3.0, quantiles=(0.5, 0.2, 0.8)) == [6.0, 3.0, 9.0]
+    autotuners = list(tuning._REGISTRY.values())
+    assert pairs._DOWN_PAIRS in autotuners and all(a.do_bench is tuning.timed_ms for a in autotuners)

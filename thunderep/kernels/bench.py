@@ -40,21 +40,6 @@ COPY = "copy"
 ROTATE = 4
 
 
-FLUSH_BYTES = 256 << 20  # more than any GPU's L2
-_FLUSH: dict = {}
-
-
-def _flush_l2(device) -> None:
-    """Evict L2 by reading FLUSH_BYTES: the timed call then starts with none of its bytes in L2 and
-    nothing dirty there. (Triton's do_bench writes its flush buffer instead; the timed call then also
-    pays for writing back a whole L2 of dirty lines: about 2 us per call at Qwen3's decode size on an
-    H200, docs/BENCHMARKS.md, "The L2 left by the timer".)"""
-    key = str(device)
-    if key not in _FLUSH:
-        _FLUSH[key] = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
-    _FLUSH[key].sum()
-
-
 def parse_shapes(ap: argparse.ArgumentParser, text: str) -> list[str]:
     """The comma-separated SHAPES names in `text`; `ap.error` (exit 2) names any unknown one."""
     shapes = text.split(",")
@@ -65,31 +50,11 @@ def parse_shapes(ap: argparse.ArgumentParser, text: str) -> list[str]:
 
 
 def _bench(fn, ms_budget: float = 150.0, warmup_ms: float = 25.0) -> float:
-    """Median milliseconds of one `fn()` (CUDA events), L2 flushed clean before each: a warm-up of
-    about warmup_ms, then as many timed calls as fit in about ms_budget (at least 5)."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        _flush_l2(device)
-        fn()
-    end.record()
-    end.synchronize()
-    estimate = max(start.elapsed_time(end) / 5, 1e-3)
-    for _ in range(max(1, int(warmup_ms / estimate))):
-        fn()
-    events = []
-    for _ in range(max(5, int(ms_budget / estimate))):
-        _flush_l2(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    """Median milliseconds of one `fn()`, L2 flushed clean before each (`tuning.timed_ms`, which the
+    autotuner also times with)."""
+    from . import tuning
+
+    return tuning.timed_ms(fn, ms_budget, warmup_ms)
 
 
 def copy_bandwidth(device) -> float:

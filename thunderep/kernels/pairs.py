@@ -70,7 +70,7 @@ def _row0(acc_RN):
 def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn,
                      stride_hm, n_counts, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr,
                      DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, X_ROWS: tl.constexpr, UP_WAITS: tl.constexpr = False):
+                     BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, X_ROWS: tl.constexpr):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1).
 
@@ -91,8 +91,6 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
     output then shows it). Also zeroes the down pass's per-token counts (count: [T, n_counts])."""
     if PDL:  # the down pass may launch now: its programs take the SM room this grid leaves
         gdc_launch_dependents()
-        if UP_WAITS:  # launched as a dependent of the kernel before: read nothing before it ends
-            gdc_wait()
     j = tl.program_id(0)
     if (tl.program_id(1) == 0) & (j % top_k == 0):
         c_C = tl.arange(0, 128)
@@ -365,10 +363,11 @@ _PAIR_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2)
 # The look-ahead loops (ahead=True) on tiles that made the fastest pairs on the H200 (docs/BENCHMARKS.md,
 # "Where ThunderEP's 5.5 us go"); stages do not apply to them (Triton does not pipeline elementwise
 # loads). Gate/up not at 64 rows: compiled for sm_90, its two chunks in registers spill.
-_UP_AHEAD_TILES = [(8, 256, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1)]
+_UP_AHEAD_TILES = [(8, 256, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1), (4, 512, 4, 1), (8, 256, 2, 1)]
 _DOWN_AHEAD_TILES = [(16, 128, 4, 1), (32, 128, 4, 1), (64, 128, 8, 1)]
 # All slots in one tile: [SLOTS, BLOCK_N, BLOCK_K], so BLOCK_N is small (SLOTS is 8 on Qwen3 and DeepSeek-V3).
-_DOWN_ALL_SLOTS_TILES = [(4, 128, 4, 1), (8, 64, 4, 1), (8, 128, 8, 1), (16, 128, 8, 1)]
+_DOWN_ALL_SLOTS_TILES = [(4, 128, 4, 1), (8, 64, 4, 1), (8, 128, 8, 1), (16, 128, 8, 1), (2, 256, 4, 1),
+                         (4, 256, 8, 1)]
 _DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for split in (False, True)] + [
     _pair_cfg(*tile, split=True, ahead=True) for tile in _DOWN_AHEAD_TILES] + [
     _pair_cfg(*tile, split=True, ahead=True, x_rows=True) for tile in _DOWN_AHEAD_TILES[::2]] + [
@@ -376,7 +375,7 @@ _DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for 
     for x_rows in (False, True)]
 _UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
     _pair_cfg(*tile, dot=False, ahead=True) for tile in _UP_AHEAD_TILES] + [
-    _pair_cfg(*tile, dot=False, ahead=True, x_rows=True) for tile in _UP_AHEAD_TILES[:2]] + [
+    _pair_cfg(*tile, dot=False, ahead=True, x_rows=True) for tile in _UP_AHEAD_TILES[:2] + _UP_AHEAD_TILES[3:]] + [
     _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),
     _pair_cfg(64, 128, 4, 4, True), _pair_cfg(64, 256, 8, 3, True)]
 _DEFAULT_UP_PAIR = _pair_cfg(16, 256, 4, 3, dot=False)
@@ -391,10 +390,6 @@ _UP_PAIRS, _UP_PAIRS_PLAIN = tuning.tuned("up_pairs", _up_pairs_kernel, _UP_PAIR
 _DOWN_PAIRS, _DOWN_PAIRS_PLAIN = tuning.tuned("down_pairs", _down_pairs_kernel, _DOWN_PAIR_CONFIGS,
                                               ["I", "D", "top_k", "WEIGHTED"], even_k="I")
 
-
-# Under PDL, the gate/up pass is also launched as a programmatic dependent of the kernel before it
-# (its programs wait for that kernel's end before reading anything): on trial.
-UP_WAITS = True
 
 # Up to this many tokens, inference runs the pair kernels (no sort, no counts, two launches); above it
 # the sorted grouped GEMMs, which read each hit expert once however many tokens share it. Measured on
@@ -454,8 +449,7 @@ def _moe_mlp_pairs_impl(
             x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=top_k,
             stride_xm=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
             stride_hm=h.stride(0), n_counts=n_counts, ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved,
-            PRECISION=tuning.precision(x.dtype), PDL=pdl, UP_WAITS=pdl and UP_WAITS,
-            **({"launch_pdl": True} if pdl and UP_WAITS else {}))
+            PRECISION=tuning.precision(x.dtype), PDL=pdl)
     y = x.new_empty(T, D)
     tuning.launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_DOWN_PAIR,
             lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"]), top_k if meta["SPLIT"] else 1),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,53 @@ def _even_k(name):
     return triton.heuristics({"EVEN_K": lambda args: args[name] % args["BLOCK_K"] == 0})
 
 
+FLUSH_BYTES = 256 << 20  # more than any GPU's L2
+_FLUSH: dict = {}
+
+
+def _flush_l2(device) -> None:
+    """Evict L2 by reading FLUSH_BYTES: the timed call then starts with none of its bytes in L2 and
+    nothing dirty there. (Triton's do_bench writes its flush buffer instead; the timed call then also
+    pays for writing back a whole L2 of dirty lines: about 2 us per call at Qwen3's decode size on an
+    H200, docs/BENCHMARKS.md, "The L2 left by the timer".)"""
+    key = str(device)
+    if key not in _FLUSH:
+        _FLUSH[key] = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    _FLUSH[key].sum()
+
+
+def timed_ms(fn, ms_budget: float = 100.0, warmup_ms: float = 25.0, quantiles=None):
+    """Milliseconds of one `fn()` (CUDA events), L2 flushed clean before each: a warm-up of about
+    warmup_ms, then as many timed calls as fit in about ms_budget (at least 5). The median; or, given
+    `quantiles` (as Triton's autotuner asks), the list of those quantiles of the timed calls."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        _flush_l2(device)
+        fn()
+    end.record()
+    end.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    events = []
+    for _ in range(max(5, int(ms_budget / estimate))):
+        _flush_l2(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    if quantiles is None:
+        return statistics.median(times)
+    return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
+
+
 def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None, reset_to_zero=None):
     """(autotuned kernel, plain kernel). `prune`: Triton's early config prune; `even_k`: the argument
     whose divisibility by BLOCK_K sets the kernel's EVEN_K; `reset_to_zero`: tensor arguments that
@@ -47,7 +95,8 @@ def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None
     must zero before each trial and before the real run."""
     fn = _even_k(even_k)(kernel) if even_k else kernel
     autotuner = triton.autotune(configs=configs, key=key, cache_results=True, reset_to_zero=reset_to_zero,
-                                prune_configs_by={"early_config_prune": prune} if prune else None)(fn)
+                                prune_configs_by={"early_config_prune": prune} if prune else None,
+                                do_bench=timed_ms)(fn)
     _REGISTRY[name] = autotuner
     _compile_ahead(autotuner)
     return autotuner, fn
