@@ -409,7 +409,7 @@ def test_interpreter_down_look_ahead_changes_no_bit(split, monkeypatch):
 @pytest.mark.skipif(CUDA, reason="the GPU test below covers the compiled kernels")
 def test_interpreter_down_all_slots_in_one_tile(monkeypatch):
     """The down pass with all of a token's slots in one program's tile (ALL_SLOTS; h as a vector or per
-    row; weights one or two chunks ahead): equal to the reference plain and as it runs under PDL (grid-dependency instructions as no-ops),
+    row; weights two chunks ahead): equal to the reference plain and as it runs under PDL (grid-dependency instructions as no-ops),
     with top_k not a power of two (padded slots), ragged and short chunks of I, D not a multiple of the
     tile, unweighted; id -1 adds nothing and an unknown id makes that token's row NaN, others untouched."""
     monkeypatch.setattr(pairs_mod, "gdc_wait", _no_op)
@@ -422,11 +422,11 @@ def test_interpreter_down_all_slots_in_one_tile(monkeypatch):
         if T > 1:
             ids[1, K - 1] = E + 2
         for wait in (False, True):
-            for x_rows, deep in ((False, False), (True, False), (False, True)):
+            for x_rows in (False, True):
                 for weighted in (True, False):
                     monkeypatch.setattr(pairs_mod, "pdl_applies", lambda device, wait=wait: wait)
                     monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(
-                        8, 32, 4, 1, split=False, ahead=deep, x_rows=x_rows, all_slots=True))
+                        8, 32, 4, 1, split=False, x_rows=x_rows, all_slots=True))
                     w = weights if weighted else None
                     with torch.no_grad():
                         y = pairs_mod.moe_mlp_pairs(x, w_gu, w_d, ids, w, "silu", False)
@@ -435,7 +435,7 @@ def test_interpreter_down_all_slots_in_one_tile(monkeypatch):
                     y_ref = reference(x.double(), w_gu.double(), w_d.double(), kept, ref_w.double())
                     bad = ((ids < -1) | (ids >= E)).any(1)
                     assert torch.isnan(y[bad]).all() and not torch.isnan(y[~bad]).any(), (T, K, wait, x_rows)
-                    assert rel_err(y[~bad], y_ref[~bad]) < 1e-5, (T, D, I, K, wait, x_rows, deep, weighted)
+                    assert rel_err(y[~bad], y_ref[~bad]) < 1e-5, (T, D, I, K, wait, x_rows, weighted)
 
 
 @pytest.mark.gpu
@@ -465,7 +465,7 @@ def test_gpu_down_look_ahead_changes_no_bit_on_model_shapes(shape, monkeypatch):
 @pytest.mark.parametrize("shape", MODEL_SHAPES)
 def test_gpu_down_all_slots_on_model_shapes(shape, monkeypatch):
     """bfloat16 at the model shapes, 1 and 3 tokens: the down pass with all slots in one tile (h as a
-    vector and per row, weights one and two chunks ahead) gives the same output launched plainly and with PDL where the GPU has it, bit for
+    vector and per row) gives the same output launched plainly and with PDL where the GPU has it, bit for
     bit, and agrees with the split pass and the float64 reference."""
     D, I, E, K = MODEL_SHAPES[shape]
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
@@ -476,16 +476,16 @@ def test_gpu_down_all_slots_on_model_shapes(shape, monkeypatch):
         with torch.no_grad():
             y_split = routed_moe_mlp(x, w_gu, w_d, ids, weights)
         y_ref = reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())
-        for x_rows, deep in ((False, False), (True, False), (False, True)):
+        for x_rows in (False, True):
             ys = []
             for pdl in ("0", "1"):
                 monkeypatch.setenv("THUNDEREP_PDL", pdl)
                 monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(
-                    8, 128, 8, 1, split=False, ahead=deep, x_rows=x_rows, all_slots=True))
+                    8, 128, 8, 1, split=False, x_rows=x_rows, all_slots=True))
                 with torch.no_grad():
                     ys.append(routed_moe_mlp(x, w_gu, w_d, ids, weights))
-            assert torch.equal(ys[0], ys[1]), (T, x_rows, deep)
-            assert rel_err(ys[0], y_split) < 1e-2 and rel_err(ys[0], y_ref) < 2e-2, (T, x_rows, deep)
+            assert torch.equal(ys[0], ys[1]), (T, x_rows)
+            assert rel_err(ys[0], y_split) < 1e-2 and rel_err(ys[0], y_ref) < 2e-2, (T, x_rows)
 
 
 @pytest.mark.gpu

@@ -234,13 +234,12 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
 @triton.jit
 def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k, stride_hm, stride_we, stride_wd,
                    WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, WAIT: tl.constexpr, X_ROWS: tl.constexpr, DEEP: tl.constexpr):
+                   BLOCK_K: tl.constexpr, WAIT: tl.constexpr, X_ROWS: tl.constexpr):
     """sum over slots k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for columns n: all of token t's
     slots in one [SLOTS, BLOCK_N, BLOCK_K] tile (SLOTS: top_k rounded up to a power of two; the rows of
-    slots past top_k are masked), loaded a chunk ahead, so the K experts' rows stream together and the
-    sum over slots needs no second program. Ids as in _slot_partial; WAIT as there (the first weight
-    chunk loaded before gdc_wait); X_ROWS: h loaded per row of the tile (no layout conversion); DEEP:
-    the weights loaded two chunks ahead (two before gdc_wait).
+    slots past top_k are masked), weights loaded two chunks ahead and h one, so the K experts' rows stream
+    together and the sum over slots needs no second program. Ids as in _slot_partial; WAIT as there (the
+    first two weight chunks loaded before gdc_wait); X_ROWS: h loaded per row of the tile (no layout conversion).
     The sum: float32 over k then over slots, each a fixed tree (same order every run)."""
     s_S = tl.arange(0, SLOTS)
     slot_ok_S = s_S < top_k
@@ -265,9 +264,8 @@ def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k,
     acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     first_K = (k_K < I) | EVEN_K
     w_next = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & first_K[None, None, :], other=0.0)
-    if DEEP:
-        w_ptrs += BLOCK_K
-        w_after = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & (k_K < I - BLOCK_K)[None, None, :], other=0.0)
+    w_ptrs += BLOCK_K
+    w_after = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & (k_K < I - BLOCK_K)[None, None, :], other=0.0)
     if WAIT:
         gdc_wait()
     if X_ROWS:
@@ -279,12 +277,8 @@ def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k,
         w, hv = w_next, h_next.to(tl.float32)
         w_ptrs += BLOCK_K
         h_ptrs += BLOCK_K
-        if DEEP:  # w_ptrs is two chunks ahead
-            w_next = w_after
-            w_after = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & (k_K < I - k0 - 2 * BLOCK_K)[None, None, :],
-                              other=0.0)
-        else:
-            w_next = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & next_K[None, None, :], other=0.0)
+        w_next = w_after  # w_ptrs is two chunks ahead
+        w_after = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & (k_K < I - k0 - 2 * BLOCK_K)[None, None, :], other=0.0)
         if X_ROWS:
             h_next = tl.load(h_ptrs, mask=h_ok & next_K[None, None, :], other=0.0)
             acc += w.to(tl.float32) * (hv * scale_S[:, None, None])
@@ -321,7 +315,7 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
     y_ptrs = y_ptr + t.to(tl.int64) * stride_ym + cols_N
     if ALL_SLOTS:
         y_N = _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k, stride_hm, stride_we,
-                             stride_wd, WEIGHTED, EVEN_K, SLOTS, BLOCK_N, BLOCK_K, PDL, X_ROWS, AHEAD)
+                             stride_wd, WEIGHTED, EVEN_K, SLOTS, BLOCK_N, BLOCK_K, PDL, X_ROWS)
         tl.store(y_ptrs, y_N.to(y_ptr.dtype.element_ty), mask=col_ok_N)
     elif SPLIT:
         j = t * top_k + tl.program_id(2)
@@ -354,8 +348,8 @@ def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False, x_rows=F
     """A pair-kernel config. `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise;
     `split` (down pass only): one program per (token, column tile, slot) instead of a loop over slots;
     `all_slots` (down pass only, with split False): all of a token's slots in one program's tile, loaded
-    a chunk ahead (with ahead, its weights two chunks ahead); `ahead` (elementwise loops): the next
-    chunk's loads issued before this chunk's multiply-adds; `x_rows` (with ahead or all_slots): the vector (x, or h) loaded per row of the tile,
+    its weights two chunks ahead and h one; `ahead` (elementwise loops): the next chunk's loads issued
+    before this chunk's multiply-adds; `x_rows` (with ahead or all_slots): the vector (x, or h) loaded per row of the tile,
     no layout conversion."""
     kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot}),
               **({} if split is None else {"SPLIT": split}), "AHEAD": ahead, "X_ROWS": x_rows,
@@ -381,8 +375,7 @@ _DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for 
     _pair_cfg(*tile, split=True, ahead=True) for tile in _DOWN_AHEAD_TILES] + [
     _pair_cfg(*tile, split=True, ahead=True, x_rows=True) for tile in _DOWN_AHEAD_TILES[::2]] + [
     _pair_cfg(*tile, split=False, x_rows=x_rows, all_slots=True) for tile in _DOWN_ALL_SLOTS_TILES
-    for x_rows in (False, True)] + [
-    _pair_cfg(*tile, split=False, ahead=True, all_slots=True) for tile in _DOWN_ALL_SLOTS_TILES[:2]]
+    for x_rows in (False, True)]
 _UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
     _pair_cfg(*tile, dot=False, ahead=True) for tile in _UP_AHEAD_TILES] + [
     _pair_cfg(*tile, dot=False, ahead=True, x_rows=True) for tile in _UP_AHEAD_TILES[:2] + _UP_AHEAD_TILES[3:]] + [
