@@ -52,6 +52,8 @@ _KERNELS = {
                                                           AHEAD=True, X_ROWS=False)),
     "down_pairs_split_x_rows": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True, PDL=False,
                                                            AHEAD=True, X_ROWS=True)),
+    "down_pairs_all_slots": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=False, PDL=False,
+                                                        AHEAD=False, X_ROWS=False, ALL_SLOTS=True, SLOTS=8)),
     "up_pairs_dot": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=True, PRECISION="tf32",
                                               PDL=False, AHEAD=False, X_ROWS=False)),
     "route": (passes._route_kernel, dict(WEIGHTED=True)),
@@ -60,7 +62,7 @@ _KERNELS = {
 # and later), built only for those targets.
 _PDL_MIN_ARCH = 90
 _PDL_KERNELS = {f"{name}_pdl": (_KERNELS[name][0], {**_KERNELS[name][1], "PDL": True})
-                for name in ("up_pairs", "down_pairs", "down_pairs_split")}
+                for name in ("up_pairs", "down_pairs", "down_pairs_split", "down_pairs_all_slots")}
 # The row kernels as the configs with a tail run them (an expert's last tile also takes up to BLOCK_M / 2
 # rows), at a tile that fits sm_89's 99 KiB of shared memory per block.
 _TAIL_KERNELS = {f"{name}_tail": (_KERNELS[name][0], {**_KERNELS[name][1], "TAIL": True})
