@@ -409,9 +409,10 @@ def test_interpreter_down_look_ahead_changes_no_bit(split, monkeypatch):
 @pytest.mark.skipif(CUDA, reason="the GPU test below covers the compiled kernels")
 def test_interpreter_down_all_slots_in_one_tile(monkeypatch):
     """The down pass with all of a token's slots in one program's tile (ALL_SLOTS; h as a vector or per
-    row; weights two chunks ahead): equal to the reference plain and as it runs under PDL (grid-dependency instructions as no-ops),
-    with top_k not a power of two (padded slots), ragged and short chunks of I, D not a multiple of the
-    tile, unweighted; id -1 adds nothing and an unknown id makes that token's row NaN, others untouched."""
+    row; weights two chunks ahead): equal to the reference, launched plainly and as it runs under PDL
+    (grid-dependency instructions as no-ops), with top_k not a power of two (padded slots), ragged and
+    short chunks of I, D not a multiple of the tile, unweighted; id -1 adds nothing and an unknown id
+    makes that token's row NaN, others untouched."""
     monkeypatch.setattr(pairs_mod, "gdc_wait", _no_op)
     monkeypatch.setattr(pairs_mod, "gdc_launch_dependents", _no_op)
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")

@@ -5,6 +5,7 @@ N = T * K (token, slot) pairs in flat (token-major) order.
 
     _up_pairs_kernel     h_NI[j] = act(x[j // K] @ Wg[ids[j]].T) * (x[j // K] @ Wu[ids[j]].T)
     _down_pairs_kernel   y_TD[t] = sum over k of w[t, k] * (h_NI[t*K + k] @ Wd[ids[t*K + k]].T)
+                         (_slot_partial: one slot's product; _all_slots_sum: all K slots in one tile)
 
     thunderep::moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, ...) -> y_TD
 
@@ -239,8 +240,8 @@ def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k,
     slots in one [SLOTS, BLOCK_N, BLOCK_K] tile (SLOTS: top_k rounded up to a power of two; the rows of
     slots past top_k are masked), weights loaded two chunks ahead and h one, so the K experts' rows stream
     together and the sum over slots needs no second program. Ids as in _slot_partial; WAIT as there (the
-    first two weight chunks loaded before gdc_wait); X_ROWS: h loaded per row of the tile (no layout conversion).
-    The sum: float32 over k then over slots, each a fixed tree (same order every run)."""
+    first two weight chunks loaded before gdc_wait); X_ROWS: h loaded per row of the tile (no layout
+    conversion). The sum: float32 over k then over slots, each a fixed tree (same order every run)."""
     s_S = tl.arange(0, SLOTS)
     slot_ok_S = s_S < top_k
     j_S = t * top_k + s_S
@@ -278,7 +279,8 @@ def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k,
         w_ptrs += BLOCK_K
         h_ptrs += BLOCK_K
         w_next = w_after  # w_ptrs is two chunks ahead
-        w_after = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & (k_K < I - k0 - 2 * BLOCK_K)[None, None, :], other=0.0)
+        after_K = k_K < I - k0 - 2 * BLOCK_K
+        w_after = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & after_K[None, None, :], other=0.0)
         if X_ROWS:
             h_next = tl.load(h_ptrs, mask=h_ok & next_K[None, None, :], other=0.0)
             acc += w.to(tl.float32) * (hv * scale_S[:, None, None])
@@ -299,8 +301,12 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
     h: [T*K, I]; Wd: [E, D, I] (unit stride along I). Elementwise multiply-adds as in _up_pairs_kernel
     (measured on the H200: 16-row tensor-core tiles were slower here).
 
-    The sum over K is float32 in a fixed order (no float atomics), two ways, tuned per shape:
+    The sum over K is float32 in a fixed order (no float atomics), three ways, tuned per shape:
     - one program loops over the token's K slots;
+    - ALL_SLOTS: one program holds the token's K slots in one [SLOTS, BLOCK_N, BLOCK_K] tile
+      (_all_slots_sum; SLOTS = K rounded up to a power of two) and sums over them in registers, a
+      fixed tree. Narrow column tiles give it the programs that SPLIT gets from the slots, without
+      the partials and the last slot's sum;
     - SPLIT: one program per slot (program_id(2)) writes its float32 partial to part[t*K + k] and
       counts itself in count[t, tile] (acquire/release); the slot that arrives last sums the K
       partials in slot order, writes y and sets the count back to 0. K times the programs, for
@@ -347,10 +353,10 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
 def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False, x_rows=False, all_slots=False):
     """A pair-kernel config. `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise;
     `split` (down pass only): one program per (token, column tile, slot) instead of a loop over slots;
-    `all_slots` (down pass only, with split False): all of a token's slots in one program's tile, loaded
-    its weights two chunks ahead and h one; `ahead` (elementwise loops): the next chunk's loads issued
-    before this chunk's multiply-adds; `x_rows` (with ahead or all_slots): the vector (x, or h) loaded per row of the tile,
-    no layout conversion."""
+    `all_slots` (down pass only, with split False): all of a token's slots in one program's tile, its
+    weights loaded two chunks ahead and h one; `ahead` (elementwise loops): the next chunk's loads
+    issued before this chunk's multiply-adds; `x_rows` (with ahead or all_slots): the vector (x, or h)
+    loaded per row of the tile, no layout conversion."""
     kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot}),
               **({} if split is None else {"SPLIT": split}), "AHEAD": ahead, "X_ROWS": x_rows,
               **({"ALL_SLOTS": True} if all_slots else {})}
@@ -364,11 +370,13 @@ def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False, x_rows=F
 _PAIR_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3),
                (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 2)]
 # The look-ahead loops (ahead=True) on tiles that made the fastest pairs on the H200 (docs/BENCHMARKS.md,
-# "Where ThunderEP's 5.5 us go"); stages do not apply to them (Triton does not pipeline elementwise
-# loads). Gate/up not at 64 rows: compiled for sm_90, its two chunks in registers spill.
+# "Where ThunderEP's 5.5 us go" and "Decode: all slots in one tile"); stages do not apply to them
+# (Triton does not pipeline elementwise loads). Gate/up not at 64 rows: compiled for sm_90, its two
+# chunks in registers spill.
 _UP_AHEAD_TILES = [(8, 256, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1), (4, 512, 4, 1), (8, 256, 2, 1)]
 _DOWN_AHEAD_TILES = [(16, 128, 4, 1), (32, 128, 4, 1), (64, 128, 8, 1)]
 # All slots in one tile: [SLOTS, BLOCK_N, BLOCK_K], so BLOCK_N is small (SLOTS is 8 on Qwen3 and DeepSeek-V3).
+# On the H200 the autotuner chose 4 x 128 for Qwen3 (docs/BENCHMARKS.md, "Decode: all slots in one tile").
 _DOWN_ALL_SLOTS_TILES = [(4, 128, 4, 1), (8, 64, 4, 1), (8, 128, 8, 1), (16, 128, 8, 1), (2, 256, 4, 1),
                          (4, 256, 8, 1)]
 _DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for split in (False, True)] + [
