@@ -44,15 +44,11 @@ def make_case(T, D, I, E, K, dtype, seed, empty_experts=0):
     `seed`. On a GPU x and the weights are drawn there, in `dtype`: a CPU generator takes seconds for
     the model shapes' 1.4 G weights, in every test that builds them."""
     gen = torch.Generator().manual_seed(seed)
-    if CUDA:
-        on_gpu = dict(generator=torch.Generator(device=DEVICE).manual_seed(seed), device=DEVICE, dtype=dtype)
-        x = torch.randn(T, D, **on_gpu)
-        w_gu = torch.randn(E, 2 * I, D, **on_gpu) / D**0.5
-        w_d = torch.randn(E, D, I, **on_gpu) / I**0.5
-    else:
-        x = torch.randn(T, D, generator=gen)
-        w_gu = torch.randn(E, 2 * I, D, generator=gen) / D**0.5
-        w_d = torch.randn(E, D, I, generator=gen) / I**0.5
+    draw = (dict(generator=torch.Generator(device=DEVICE).manual_seed(seed), device=DEVICE, dtype=dtype) if CUDA
+            else dict(generator=gen))
+    x = torch.randn(T, D, **draw)
+    w_gu = torch.randn(E, 2 * I, D, **draw) / D**0.5
+    w_d = torch.randn(E, D, I, **draw) / I**0.5
     usable = E - empty_experts  # the last `empty_experts` experts get no tokens
     ids = torch.stack([torch.randperm(usable, generator=gen)[:K] for _ in range(T)])
     weights = torch.softmax(torch.randn(T, K, generator=gen), dim=-1)

@@ -44,7 +44,7 @@ def test_fixed_config_too_big_for_shared_memory_is_retried_with_fewer_stages(mon
 
 def test_tuned_config_is_reused_without_the_autotuner(monkeypatch):
     """After the autotuner chose a config for a key, launches with that key run the kernel with it directly;
-    a new key (another size or dtype) goes back to the autotuner."""
+    a new key (another size or dtype) goes back to the autotuner. A tuning frees the timer's flush buffer."""
 
     class Tuned:
         keys = ["n"]
@@ -55,6 +55,7 @@ def test_tuned_config_is_reused_without_the_autotuner(monkeypatch):
         def __getitem__(self, grid):
             def run(**kwargs):
                 self.calls.append(kwargs["n"])
+                tuning._FLUSH["cuda:0"] = torch.ones(4)  # as the timer leaves its flush buffer
                 self.best_config = triton.Config({"BLOCK": 32 * kwargs["n"]}, num_warps=2, num_stages=3)
             return run
 
@@ -67,12 +68,14 @@ def test_tuned_config_is_reused_without_the_autotuner(monkeypatch):
 
     monkeypatch.delenv("THUNDEREP_TRITON_AUTOTUNE", raising=False)
     monkeypatch.setattr(tuning, "_TUNED", {})
+    monkeypatch.setattr(tuning, "_FLUSH", {})
     tuned, plain, cuda = Tuned(), Plain(), torch.device("cuda")
     x16, x32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
     for n, x in ((1, x16), (1, x16), (2, x16), (1, x16), (1, x32)):
         tuning.launch(tuned, plain, None, (1,), cuda, n=n, x=x)
     assert tuned.calls == [1, 2, 1]  # first (1, bf16), (2, bf16), (1, fp32)
     assert plain.calls == [(1, 32, 2), (1, 32, 2)]
+    assert tuning._FLUSH == {}  # each tuning freed the timer's flush buffer
 
 
 def test_each_tuning_is_logged_once(monkeypatch, caplog):
