@@ -3,7 +3,7 @@ combination, beside the autotuned choice. The autotuner times each kernel alone,
 dependent launch the two overlap: the down pass's programs start in the room the gate/up programs
 leave. This measures whether the fastest kernels alone make the fastest pair.
 
-    python examples/pair_configs.py qwen3 [--pdl 1] [--top 12]
+    python examples/pair_configs.py qwen3 [--pdl 1] [--top 12] [--down-kind any|all_slots|split|loop]
 
 One process, one GPU. Weights are random bf16 of the shape's size; up to eight routings of one token
 rotate inside each captured graph, on disjoint sets of experts (so L2 holds no expert's weights from
@@ -37,11 +37,18 @@ def _name(cfg) -> str:
     return f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}"
 
 
+def _kind(cfg) -> str:
+    """A down config's way of summing over the slots: all_slots, split or loop."""
+    return "all_slots" if cfg.kwargs.get("ALL_SLOTS") else "split" if cfg.kwargs["SPLIT"] else "loop"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("--pdl", choices=("0", "1"), default="1", help="THUNDEREP_PDL (1: on where the GPU has it)")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--down-kind", choices=("any", "all_slots", "split", "loop"), default="any",
+                    help="time only the down configs of this kind (fewer pairs)")
     args = ap.parse_args(argv)
     os.environ["THUNDEREP_PDL"] = args.pdl
     os.environ["THUNDEREP_PAIRS_MAX_TOKENS"] = "1"
@@ -66,8 +73,9 @@ def main(argv=None) -> int:
 
     os.environ["THUNDEREP_TRITON_AUTOTUNE"] = "0"  # fixed configs: pairs' defaults, overridden below
     results = []
+    downs = [cfg for cfg in P._DOWN_PAIR_CONFIGS if args.down_kind in ("any", _kind(cfg))]
     for up in P._UP_PAIR_CONFIGS:
-        for down in P._DOWN_PAIR_CONFIGS:
+        for down in downs:
             P._DEFAULT_UP_PAIR, P._DEFAULT_DOWN_PAIR = up, down
             try:
                 us = graph_us(x, wgu, wd, routings, w)
