@@ -165,3 +165,27 @@ def test_timer_flushes_l2_clean_before_every_timed_call(monkeypatch):
     assert tuning.timed_ms(uneven, ms_budget=30.0, warmup_ms=3.0, quantiles=(0.5, 0.2, 0.8)) == [6.0, 3.0, 9.0]
     autotuners = list(tuning._REGISTRY.values())
     assert pairs._DOWN_PAIRS in autotuners and all(a.do_bench is tuning.timed_ms for a in autotuners)
+
+
+def test_graph_step_leaves_the_replays_fixed_cost_out(monkeypatch):
+    """The fwd-step row: with a replay costing 1.7 us once plus 22 us per captured call, the fwd-graph row
+    of ROTATE calls shows 22 us plus a quarter of 1.7, and the fwd-step row 22 us (the fixed cost cancels
+    between one round and STEP_PASSES rounds of the calls). Rows come for T up to graph_max_t only."""
+    captured = []
+
+    def fake_graph_ms(fn, sets, passes=1):
+        calls = passes * len(sets)
+        captured.append(calls)
+        return (1.7e-3 + calls * 22e-3) / calls
+
+    monkeypatch.setattr(bench, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(bench, "SHAPES", {"tiny": (8, 4, 2, 1)})
+    monkeypatch.setattr(bench, "_bench", lambda f: 1.0)
+    rows = []
+    bench.bench_shape("tiny", [1, 16], ["thunderep"], 1e12, torch.device("cpu"), rows, graph_max_t=8,
+                      modes=("fwd",))
+    got = {(r["T"], r["mode"]): r["ms"] for r in rows}
+    assert set(got) == {(1, "fwd"), (1, "fwd-graph"), (1, "fwd-step"), (16, "fwd")}
+    assert got[1, "fwd-graph"] == pytest.approx(22e-3 + 1.7e-3 / bench.ROTATE)
+    assert got[1, "fwd-step"] == pytest.approx(22e-3)
+    assert captured == [bench.ROTATE, bench.STEP_PASSES * bench.ROTATE]

@@ -130,8 +130,9 @@ def _copy_of(n_bytes: int, device):
     return fn
 
 
-def graph_ms(fn, sets) -> float:
-    """Forward time with launch overhead removed: the ROTATE calls captured once in a CUDA graph, replayed."""
+def graph_ms(fn, sets, passes: int = 1) -> float:
+    """Forward time with launch overhead removed: `passes` rounds of the ROTATE calls captured once in a
+    CUDA graph, replayed; milliseconds per call."""
     with torch.no_grad():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -141,9 +142,26 @@ def graph_ms(fn, sets) -> float:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for s in sets:
-                fn(s[0], s[1], s[2])
-    return _bench(graph.replay) / len(sets)
+            for _ in range(passes):
+                for s in sets:
+                    fn(s[0], s[1], s[2])
+    ms = _bench(graph.replay) / (passes * len(sets))
+    del graph
+    return ms
+
+
+STEP_PASSES = 4
+
+
+def graph_step_ms(fn, sets, one_pass_ms: float, passes: int = STEP_PASSES) -> float:
+    """What one more call adds to a captured graph: (replay time of `passes` rounds of the ROTATE calls
+    - replay time of one round, `one_pass_ms` per call as `graph_ms` gave it) / the calls between them.
+    A replay's fixed cost (the graph's launch, the wait for its first kernel; about 1.7 us on the H200)
+    falls out: a decode engine pays it once per step for all layers, where the fwd-graph row charges
+    it to ROTATE calls. Rounds past the first re-run the same routings, ROTATE calls apart."""
+    calls = len(sets)
+    many = graph_ms(fn, sets, passes) * passes * calls
+    return (many - one_pass_ms * calls) / ((passes - 1) * calls)
 
 
 def profile_kernels(fn, sets, backward: bool) -> list[tuple[str, float]]:
@@ -272,6 +290,8 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
                         print(f"graph capture failed for {impl}: {exc!r}"[:300], file=sys.stderr)
                         ms = float("nan")
                     record(impl, "fwd-graph", [ms], flops)
+                    if ms == ms:
+                        record(impl, "fwd-step", [graph_step_ms(fn, sets, ms)], flops)
                 if T in profile_t and impl not in ("eager", COPY):
                     for backward in (False, True):
                         print(f"## profile {name} T={T} {impl} {'fwd+bwd' if backward else 'fwd'} (ms per call)")

@@ -374,13 +374,11 @@ _PAIR_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2)
 # (Triton does not pipeline elementwise loads). Gate/up not at 64 rows: compiled for sm_90, its two
 # chunks in registers spill.
 _UP_AHEAD_TILES = [(8, 256, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1), (4, 512, 4, 1), (8, 256, 2, 1)]
-# Long runs along a row: few rows per program, 2-4 KB of each row per chunk (a whole Qwen3 row in one).
-_UP_LONG_TILES = [(2, 1024, 4, 1), (4, 1024, 4, 1), (4, 1024, 8, 1), (2, 2048, 4, 1), (4, 2048, 8, 1)]
 _DOWN_AHEAD_TILES = [(16, 128, 4, 1), (32, 128, 4, 1), (64, 128, 8, 1)]
 # All slots in one tile: [SLOTS, BLOCK_N, BLOCK_K], so BLOCK_N is small (SLOTS is 8 on Qwen3 and DeepSeek-V3).
 # On the H200 the autotuner chose 4 x 128 for Qwen3 (docs/BENCHMARKS.md, "Decode: all slots in one tile").
 _DOWN_ALL_SLOTS_TILES = [(4, 128, 4, 1), (8, 64, 4, 1), (8, 128, 8, 1), (16, 128, 8, 1), (2, 256, 4, 1),
-                         (4, 256, 8, 1), (2, 512, 8, 1), (1, 512, 4, 1)]
+                         (4, 256, 8, 1)]
 _DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for split in (False, True)] + [
     _pair_cfg(*tile, split=True, ahead=True) for tile in _DOWN_AHEAD_TILES] + [
     _pair_cfg(*tile, split=True, ahead=True, x_rows=True) for tile in _DOWN_AHEAD_TILES[::2]] + [
@@ -389,7 +387,6 @@ _DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for 
 _UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
     _pair_cfg(*tile, dot=False, ahead=True) for tile in _UP_AHEAD_TILES] + [
     _pair_cfg(*tile, dot=False, ahead=True, x_rows=True) for tile in _UP_AHEAD_TILES[:2] + _UP_AHEAD_TILES[3:]] + [
-    _pair_cfg(*tile, dot=False, ahead=True, x_rows=x_rows) for tile in _UP_LONG_TILES for x_rows in (False, True)] + [
     _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),
     _pair_cfg(64, 128, 4, 4, True), _pair_cfg(64, 256, 8, 3, True)]
 _DEFAULT_UP_PAIR = _pair_cfg(16, 256, 4, 3, dot=False)
