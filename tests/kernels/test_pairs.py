@@ -89,6 +89,80 @@ def test_routed_path_choice(monkeypatch):
     assert calls[-1] == "sorted"
 
 
+def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog):
+    """From 2 to PAIRS_TUNE_MAX_TOKENS tokens (path tuning on, as on CUDA; the timer faked): the first call
+    at a T runs both paths, times them and keeps the faster, logged; later calls at that T run it
+    untimed; another T is timed anew. Nothing is timed, and the sorted path runs, past the bound, with
+    gradients, during a CUDA-graph capture, or where THUNDEREP_PAIRS_MAX_TOKENS decides. Every output
+    matches the reference."""
+    monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
+    monkeypatch.setattr(pairs_mod, "_PATHS", {})
+    monkeypatch.setattr(pairs_mod, "_path_tuning_applies", lambda device: True)
+    calls, timed, times = [], [], {}
+    real_pairs, real_sorted = pairs_mod._moe_mlp_pairs_impl, ops.moe_mlp
+    monkeypatch.setattr(pairs_mod, "_moe_mlp_pairs_impl", lambda *a: calls.append("pairs") or real_pairs(*a))
+    monkeypatch.setattr(ops, "moe_mlp", lambda *a, **k: calls.append("sorted") or real_sorted(*a, **k))
+
+    def fake_timer(fn):
+        del calls[:]
+        fn()
+        timed.append(calls[-1])
+        return times[calls[-1]]
+
+    monkeypatch.setattr(pairs_mod, "_path_timer", fake_timer)
+
+    def run(T, grad=False):
+        del calls[:], timed[:]
+        x, w_gu, w_d, ids, weights = make_case(T, 16, 16, 4, 2, torch.float32, T)
+        with torch.set_grad_enabled(grad):
+            y = routed_moe_mlp(x.clone().requires_grad_(grad), w_gu, w_d, ids, weights)
+        assert rel_err(y, reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())) < 1e-5
+        return calls[-1], list(timed)
+
+    caplog.set_level("INFO", logger="thunderep.kernels")
+    times.update(pairs=0.040, sorted=0.050)
+    assert run(3) == ("pairs", ["pairs", "sorted"])
+    assert "chose the pair path for D=16, I=16, E=4, K=2 at T=3" in caplog.text
+    assert "pairs 40.0 us, sorted 50.0 us" in caplog.text
+    times.update(pairs=0.060)  # measured once: the choice at T = 3 stands
+    assert run(3) == ("pairs", [])
+    assert run(5) == ("sorted", ["pairs", "sorted"])
+    assert run(5) == ("sorted", [])
+    assert run(1) == ("pairs", [])  # PAIRS_MAX_TOKENS: always the pair kernels
+    assert run(pairs_mod.PAIRS_TUNE_MAX_TOKENS + 1) == ("sorted", [])
+    assert run(4, grad=True) == ("sorted", [])
+    monkeypatch.setattr(pairs_mod, "_capturing", lambda device: True)
+    assert run(4) == ("sorted", [])  # not measured yet, and a capture cannot time
+    assert run(3) == ("pairs", [])  # measured before the capture
+    monkeypatch.setattr(pairs_mod, "_capturing", lambda device: False)
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "4")
+    assert run(4) == ("pairs", []) and run(5) == ("sorted", [])
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    assert run(3) == ("sorted", [])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_path_measured_then_captured(monkeypatch, caplog):
+    """Qwen3's shape at T = 3 on the GPU: the first call times both paths (the log gives both times) and
+    agrees with the reference; a CUDA graph captured afterwards replays the chosen path, to the eager
+    output bit for bit."""
+    monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
+    monkeypatch.setattr(pairs_mod, "_PATHS", {})
+    caplog.set_level("INFO", logger="thunderep.kernels")
+    D, I, E, K = MODEL_SHAPES["qwen3"]
+    x, w_gu, w_d, ids, weights = make_case(3, D, I, E, K, torch.bfloat16, 5)
+    with torch.no_grad():
+        y = routed_moe_mlp(x, w_gu, w_d, ids, weights)
+        assert f"D={D}, I={I}, E={E}, K={K} at T=3" in caplog.text and len(pairs_mod._PATHS) == 1
+        assert rel_err(y, reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())) < 2e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_graph = routed_moe_mlp(x, w_gu, w_d, ids, weights)
+        graph.replay()
+    assert torch.equal(y_graph, routed_moe_mlp(x, w_gu, w_d, ids, weights))
+    assert torch.equal(y_graph, y)
+
+
 def test_pairs_unknown_expert_gives_nan_for_that_token_only(pairs):
     """No host sync checks ids on the GPU: an id outside [0, E) makes its token's output NaN, not a wrong
     number or a read out of bounds; the other tokens are unaffected."""

@@ -21,8 +21,9 @@ Two GEMM paths (`gemm`; forward and backward choose separately, `grouped_gemm.ge
     for the GEMMs, and Triton passes for what the fused epilogues did (activation, its backward,
     un-permute + sum over K). Chosen on sm_90 in bf16 when experts get many rows (`grouped_gemm.gemm_path`).
 
-Decode: `routed_moe_mlp` (FusedExperts' entry, from the router's ids and weights) runs inference on at
-most PAIRS_MAX_TOKENS tokens through a third op (pairs.py), with no sort:
+Decode: `routed_moe_mlp` (FusedExperts' entry, from the router's ids and weights) runs inference on
+one token, and on a few more where it measured faster (`pairs.pairs_win`), through a third op
+(pairs.py), with no sort:
 
     thunderep::moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, ...) -> y_TD
 
@@ -475,9 +476,9 @@ def routed_moe_mlp(
     """y_TD = sum over k of weights_TK[t, k] * expert_{ids_TK[t, k]}(x_TD[t]): the expert MLP from the
     router's output.
 
-    Inference on at most `pairs.pairs_max_tokens()` tokens (decode) runs the pair kernels: one
-    matrix-vector pass per (token, slot) pair, no sort, two launches. Otherwise the pairs are sorted by
-    expert and `moe_mlp` runs (counts_E [E], if the router computed it, saves recounting); for
+    Inference on one token (decode) runs the pair kernels: one matrix-vector pass per (token, slot)
+    pair, no sort, two launches; on a few more tokens, whichever of the two paths measured faster at
+    that shape and T (`pairs.pairs_win`). Otherwise the pairs are sorted by expert and `moe_mlp` runs (counts_E [E], if the router computed it, saves recounting); for
     inference on at most ROUTE_MAX_PAIRS pairs one Triton program sorts and counts them.
     x_TD: [T, D]; ids_TK: [T, K] integer; weights_TK: [T, K] or None (unweighted sum over K).
     Inference treats id -1 as a pair computed elsewhere (it adds nothing; the pair kernels skip it, the
@@ -489,14 +490,19 @@ def routed_moe_mlp(
     if weights_TK is not None and weights_TK.shape != ids_TK.shape:
         raise ValueError(f"weights_TK {tuple(weights_TK.shape)} must match ids_TK {tuple(ids_TK.shape)}")
     T, K = ids_TK.shape
-    if P.decode_applies(T, x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK):
-        _check(x_TD, w_gate_up_E2ID, w_down_EDI, None, None, None, K, activation, "triton")
-        return P.moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved)
-    if T * K <= ROUTE_MAX_PAIRS and not _needs_grad(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK):
-        order_N, counts, weights_N = _route(ids_TK, weights_TK, w_gate_up_E2ID.shape[0], x_TD.dtype)
-        return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_N, top_k=K,
+
+    def sorted_path():
+        if T * K <= ROUTE_MAX_PAIRS and not _needs_grad(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK):
+            order_N, counts, weights_N = _route(ids_TK, weights_TK, w_gate_up_E2ID.shape[0], x_TD.dtype)
+            return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_N,
+                           top_k=K, activation=activation, interleaved=interleaved)
+        order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
+        counts = counts_E if counts_E is not None else _int32_counts(ids_TK, w_gate_up_E2ID.shape[0])
+        return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_TK, top_k=K,
                        activation=activation, interleaved=interleaved)
-    order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
-    counts = counts_E if counts_E is not None else _int32_counts(ids_TK, w_gate_up_E2ID.shape[0])
-    return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_TK, top_k=K,
-                   activation=activation, interleaved=interleaved)
+
+    if T <= max(P.PAIRS_TUNE_MAX_TOKENS, P.pairs_max_tokens()):
+        _check(x_TD, w_gate_up_E2ID, w_down_EDI, None, None, None, K, activation, "triton")
+        if P.pairs_win(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved, sorted_path):
+            return P.moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved)
+    return sorted_path()

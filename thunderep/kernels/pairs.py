@@ -25,7 +25,9 @@ Same arithmetic, same result bit for bit. RTX 4090 (sm_89) runs the plain launch
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 from typing import Optional
 
 import torch
@@ -50,7 +52,10 @@ from ..errors import ConfigError
 from . import tuning
 from .moe_triton import ACTIVATIONS, _act, _gate_up_cols
 
-__all__ = ["PAIRS_MAX_TOKENS", "decode_applies", "moe_mlp_pairs", "needs_grad", "pairs_if_decode", "pairs_max_tokens"]
+__all__ = ["PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "decode_applies", "moe_mlp_pairs", "needs_grad",
+           "pairs_if_decode", "pairs_max_tokens", "pairs_win"]
+
+_LOG = logging.getLogger("thunderep.kernels")
 
 
 @triton.jit
@@ -402,11 +407,73 @@ _DOWN_PAIRS, _DOWN_PAIRS_PLAIN = tuning.tuned("down_pairs", _down_pairs_kernel, 
                                               ["I", "D", "top_k", "WEIGHTED"], even_k="I")
 
 
-# Up to this many tokens, inference runs the pair kernels (no sort, no counts, two launches); above it
-# the sorted grouped GEMMs, which read each hit expert once however many tokens share it. Measured on
-# the H200 (docs/BENCHMARKS.md, "Decode"): the pair kernels win at T = 1 on all three model shapes; at
-# T = 2 and 4 only on Qwen3's small experts (graph replay), as tokens start to share experts.
+# Up to this many tokens, inference always runs the pair kernels (no sort, no counts, two launches);
+# above it up to PAIRS_TUNE_MAX_TOKENS the faster path is measured (`pairs_win`), and above that the
+# sorted grouped GEMMs run, which read each hit expert once however many tokens share it. Measured on
+# the H200 (docs/BENCHMARKS.md, "Decode"): the pair kernels win at T = 1 on all three model shapes.
 PAIRS_MAX_TOKENS = 1
+
+
+# From 2 tokens up to this many, inference on CUDA times both paths on the first call at each (shape, T)
+# and keeps the faster (`pairs_win`): whether tokens share experts enough for the sorted path's single
+# read of each expert to beat the pair kernels' lighter launch depends on E, K, the experts' size and
+# the GPU. Measured on the H200 (docs/BENCHMARKS.md, "Decode at 2 to 8 tokens"): on Qwen3-30B-A3B's
+# shape the pairs win up to T = 6, on Mixtral's the sorted path from T = 2, DeepSeek-V3's tie.
+PAIRS_TUNE_MAX_TOKENS = 16
+_PATHS: dict[tuple, bool] = {}  # (D, I, E, K, T, dtype, weighted, activation, interleaved, device) -> pairs won
+
+
+def _path_timer(fn) -> float:
+    """Milliseconds of one `fn()`, L2 flushed clean before each (the autotuner's timer, a short budget)."""
+    return tuning.timed_ms(fn, ms_budget=20.0, warmup_ms=5.0)
+
+
+def _path_tuning_applies(device: torch.device) -> bool:
+    return tuning.autotune_enabled(device)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream is capturing a CUDA graph (nothing can be timed then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
+              weights_TK: torch.Tensor | None, activation: str, interleaved: bool, sorted_path) -> bool:
+    """Whether inference on these T tokens runs the pair kernels (else `sorted_path()`, the caller's
+    sorted route over the same arguments). THUNDEREP_PAIRS_MAX_TOKENS, when set, decides alone (T up to
+    it); so does T <= PAIRS_MAX_TOKENS. Up to PAIRS_TUNE_MAX_TOKENS, on CUDA with autotuning on, the
+    first call at a shape and T runs both paths (each tunes its kernels), times both on this call's
+    inputs, logs the times and keeps the faster for later calls. Inside a CUDA-graph capture or
+    torch.compile nothing is timed: a choice made earlier holds, else the sorted path."""
+    T = x_TD.shape[0]
+    if T < 1 or needs_grad(x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
+        return False
+    if os.environ.get("THUNDEREP_PAIRS_MAX_TOKENS", "") or T <= PAIRS_MAX_TOKENS:
+        return T <= pairs_max_tokens()
+    if T > PAIRS_TUNE_MAX_TOKENS or not _path_tuning_applies(x_TD.device):
+        return False
+    E, D, I = w_down_EDI.shape
+    key = (D, I, E, ids_TK.shape[1], T, x_TD.dtype, weights_TK is not None, activation, interleaved, str(x_TD.device))
+    won = _PATHS.get(key)
+    if won is not None or torch.compiler.is_compiling() or _capturing(x_TD.device):
+        return bool(won)
+
+    def pairs_path():
+        moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved)
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        pairs_path()  # each path tunes its kernels on its first call
+        sorted_path()
+        try:
+            pairs_ms, sorted_ms = _path_timer(pairs_path), _path_timer(sorted_path)
+        finally:
+            tuning._FLUSH.clear()
+    _PATHS[key] = won = pairs_ms < sorted_ms
+    _LOG.info("chose the %s path for D=%d, I=%d, E=%d, K=%d at T=%d in %.1f s: pairs %.1f us, sorted %.1f us",
+              "pair" if won else "sorted", D, I, E, ids_TK.shape[1], T, time.perf_counter() - start,
+              pairs_ms * 1e3, sorted_ms * 1e3)
+    return won
 
 
 def pairs_max_tokens() -> int:
