@@ -109,6 +109,8 @@ def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog
         timed.append(calls[-1])
         return times[calls[-1]]
 
+    routings = pairs_mod.PATH_ROUTINGS
+
     monkeypatch.setattr(pairs_mod, "_path_timer", fake_timer)
 
     def run(T, grad=False):
@@ -121,12 +123,12 @@ def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog
 
     caplog.set_level("INFO", logger="thunderep.kernels")
     times.update(pairs=0.040, sorted=0.050)
-    assert run(3) == ("pairs", ["pairs", "sorted"])
+    assert run(3) == ("pairs", ["pairs", "sorted"] * routings)
     assert "chose the pair path for D=16, I=16, E=4, K=2 at T=3" in caplog.text
-    assert "pairs 40.0 us, sorted 50.0 us" in caplog.text
+    assert f"pairs 40.0 us, sorted 50.0 us (mean of {routings} routings)" in caplog.text
     times.update(pairs=0.060)  # measured once: the choice at T = 3 stands
     assert run(3) == ("pairs", [])
-    assert run(5) == ("sorted", ["pairs", "sorted"])
+    assert run(5) == ("sorted", ["pairs", "sorted"] * routings)
     assert run(5) == ("sorted", [])
     assert run(1) == ("pairs", [])  # PAIRS_MAX_TOKENS: always the pair kernels
     assert run(pairs_mod.PAIRS_TUNE_MAX_TOKENS + 1) == ("sorted", [])

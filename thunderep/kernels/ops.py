@@ -491,13 +491,13 @@ def routed_moe_mlp(
         raise ValueError(f"weights_TK {tuple(weights_TK.shape)} must match ids_TK {tuple(ids_TK.shape)}")
     T, K = ids_TK.shape
 
-    def sorted_path():
+    def sorted_path(ids: torch.Tensor) -> torch.Tensor:  # ids: ids_TK, or another routing when timing paths
         if T * K <= ROUTE_MAX_PAIRS and not _needs_grad(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK):
-            order_N, counts, weights_N = _route(ids_TK, weights_TK, w_gate_up_E2ID.shape[0], x_TD.dtype)
+            order_N, counts, weights_N = _route(ids, weights_TK, w_gate_up_E2ID.shape[0], x_TD.dtype)
             return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_N,
                            top_k=K, activation=activation, interleaved=interleaved)
-        order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
-        counts = counts_E if counts_E is not None else _int32_counts(ids_TK, w_gate_up_E2ID.shape[0])
+        order_N = torch.argsort(ids.reshape(-1), stable=True)
+        counts = counts_E if counts_E is not None and ids is ids_TK else _int32_counts(ids, w_gate_up_E2ID.shape[0])
         return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_TK, top_k=K,
                        activation=activation, interleaved=interleaved)
 
@@ -505,4 +505,4 @@ def routed_moe_mlp(
         _check(x_TD, w_gate_up_E2ID, w_down_EDI, None, None, None, K, activation, "triton")
         if P.pairs_win(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved, sorted_path):
             return P.moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved)
-    return sorted_path()
+    return sorted_path(ids_TK)

@@ -417,9 +417,10 @@ PAIRS_MAX_TOKENS = 1
 # From 2 tokens up to this many, inference on CUDA times both paths on the first call at each (shape, T)
 # and keeps the faster (`pairs_win`): whether tokens share experts enough for the sorted path's single
 # read of each expert to beat the pair kernels' lighter launch depends on E, K, the experts' size and
-# the GPU. Measured on the H200 (docs/BENCHMARKS.md, "Decode at 2 to 8 tokens"): on Qwen3-30B-A3B's
-# shape the pairs win up to T = 6, on Mixtral's the sorted path from T = 2, DeepSeek-V3's tie.
+# the GPU. Measured on the H200 (docs/BENCHMARKS.md, "Decode at 2 to 16 tokens"): on Qwen3-30B-A3B's
+# shape the pairs win up to T = 6, on Mixtral's the sorted path from T = 2; on DeepSeek-V3's a tie.
 PAIRS_TUNE_MAX_TOKENS = 16
+PATH_ROUTINGS = 4
 _PATHS: dict[tuple, bool] = {}  # (D, I, E, K, T, dtype, weighted, activation, interleaved, device) -> pairs won
 
 
@@ -439,12 +440,13 @@ def _capturing(device: torch.device) -> bool:
 
 def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
               weights_TK: torch.Tensor | None, activation: str, interleaved: bool, sorted_path) -> bool:
-    """Whether inference on these T tokens runs the pair kernels (else `sorted_path()`, the caller's
-    sorted route over the same arguments). THUNDEREP_PAIRS_MAX_TOKENS, when set, decides alone (T up to
-    it); so does T <= PAIRS_MAX_TOKENS. Up to PAIRS_TUNE_MAX_TOKENS, on CUDA with autotuning on, the
-    first call at a shape and T runs both paths (each tunes its kernels), times both on this call's
-    inputs, logs the times and keeps the faster for later calls. Inside a CUDA-graph capture or
-    torch.compile nothing is timed: a choice made earlier holds, else the sorted path."""
+    """Whether inference on these T tokens runs the pair kernels (else `sorted_path(ids_TK)`, the
+    caller's sorted route over the same arguments and the ids given). THUNDEREP_PAIRS_MAX_TOKENS, when
+    set, decides alone (T up to it); so does T <= PAIRS_MAX_TOKENS. Up to PAIRS_TUNE_MAX_TOKENS, on
+    CUDA with autotuning on, the first call at a shape and T runs both paths (each tunes its kernels),
+    times both on this call's routing and on PATH_ROUTINGS - 1 uniform random ones, logs the mean
+    times and keeps the faster for later calls. Inside a CUDA-graph capture or torch.compile nothing
+    is timed: a choice made earlier holds, else the sorted path."""
     T = x_TD.shape[0]
     if T < 1 or needs_grad(x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
         return False
@@ -458,21 +460,32 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     if won is not None or torch.compiler.is_compiling() or _capturing(x_TD.device):
         return bool(won)
 
-    def pairs_path():
-        moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved)
-
+    # How many tokens share an expert, which decides, varies from routing to routing (most with few
+    # experts: Mixtral's 8): this call's routing and PATH_ROUTINGS - 1 uniform random ones are timed.
+    gen = torch.Generator(device=x_TD.device).manual_seed(T)
+    samples = [ids_TK] + [torch.rand(T, E, device=x_TD.device, generator=gen).topk(ids_TK.shape[1], dim=-1)
+                          .indices.to(ids_TK.dtype) for _ in range(PATH_ROUTINGS - 1)]
     start = time.perf_counter()
+    pairs_ms = sorted_ms = 0.0
     with torch.no_grad():
-        pairs_path()  # each path tunes its kernels on its first call
-        sorted_path()
         try:
-            pairs_ms, sorted_ms = _path_timer(pairs_path), _path_timer(sorted_path)
+            for ids in samples:
+                def pairs_path(ids=ids):
+                    moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids, weights_TK, activation, interleaved)
+
+                def sorted_on(ids=ids):
+                    sorted_path(ids)
+
+                pairs_path()  # each path tunes its kernels on its first call
+                sorted_on()
+                pairs_ms += _path_timer(pairs_path) / len(samples)
+                sorted_ms += _path_timer(sorted_on) / len(samples)
         finally:
             tuning._FLUSH.clear()
     _PATHS[key] = won = pairs_ms < sorted_ms
-    _LOG.info("chose the %s path for D=%d, I=%d, E=%d, K=%d at T=%d in %.1f s: pairs %.1f us, sorted %.1f us",
-              "pair" if won else "sorted", D, I, E, ids_TK.shape[1], T, time.perf_counter() - start,
-              pairs_ms * 1e3, sorted_ms * 1e3)
+    _LOG.info("chose the %s path for D=%d, I=%d, E=%d, K=%d at T=%d in %.1f s: pairs %.1f us, sorted %.1f us "
+              "(mean of %d routings)", "pair" if won else "sorted", D, I, E, ids_TK.shape[1], T,
+              time.perf_counter() - start, pairs_ms * 1e3, sorted_ms * 1e3, len(samples))
     return won
 
 
