@@ -186,7 +186,8 @@ def test_serving_after_tuning_launches_no_new_kernel_variant(world):
     results = [_tuned_then_served(0, 1)] if world == 1 else run_ranks(_tuned_then_served, world, timeout=300)
     for new, tuned, (shapes, calls), state, got, experts, top_k in results:
         sorts = ops.ROUTE_MAX_PAIRS.bit_length() - 4  # the one-program sort at 16, 32, ... pairs
-        assert (shapes, calls) == (1, len(tune.tuning_calls(experts, top_k, 4)) + sorts + (world > 1))
+        paths = len(tune.path_calls(experts, top_k, 4)) if world == 1 else 0  # all experts local: path choices
+        assert (shapes, calls) == (1, len(tune.tuning_calls(experts, top_k, 4)) + sorts + (world > 1) + paths)
         assert state == ("auto", False)
         assert got == want
         names = {name for name, _ in new}
@@ -201,7 +202,7 @@ def _gpu_tuned_then_served(rank, world):
     from thunderep import EPConfig
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
-    from thunderep.kernels import tuning
+    from thunderep.kernels import pairs, tuning
 
     if world > 1:  # a spawned NCCL rank: tests/distributed.py defaults those to fixed configs
         os.environ["THUNDEREP_TRITON_AUTOTUNE"] = "1"
@@ -210,7 +211,7 @@ def _gpu_tuned_then_served(rank, world):
     model = tiny_model("mixtral", seed=1).to(device, torch.bfloat16)
     tm = ThunderMoE.wrap(model, ep, experts_implementation=KERNELS).eval()
     report = tune.tune_kernels(tm, max_batch=8)
-    before = (sorted(map(str, tuning._TUNED)), _compiled_kernels())
+    before = (sorted(map(str, tuning._TUNED)), _compiled_kernels(), dict(pairs._PATHS))
     lengths = (1, 2, 3, 5, 9, 17, 33, 40, 65, 90, 129, 200, 257, 333, 513, 2100)  # 2100: the Hopper path
     prompts = [[3 + (i * 7 + j) % 50 for j in range(n)] for i, n in enumerate(lengths)]
     entries = [Entry(i, p, 6, (0.0, 1.0), 0) for i, p in enumerate(prompts)]
@@ -221,7 +222,7 @@ def _gpu_tuned_then_served(rank, world):
             while len(batch):
                 batch.step()
     return report.shapes if report is not None else None, before, (sorted(map(str, tuning._TUNED)),
-                                                                    _compiled_kernels())
+                                                                    _compiled_kernels(), dict(pairs._PATHS))
 
 
 @pytest.mark.gpu
@@ -229,8 +230,9 @@ def _gpu_tuned_then_served(rank, world):
 def test_gpu_serving_after_tuning_tunes_nothing(monkeypatch, autotune):
     """On a GPU (bfloat16 Mixtral-like layers, the Triton kernels): after `tune_kernels`, prompts of
     lengths 1 to 2100, alone and three together, and eager and graph-replayed decode steps meet no
-    kernel key left to tune and compile no kernel again; with autotuning on, and off (fixed configs,
-    which tuning then compiles)."""
+    kernel key left to tune, compile no kernel again and time no choice between the pair kernels and
+    the sorted path (prompts of 2 to 16 tokens); with autotuning on, and off (fixed configs, which
+    tuning then compiles)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", autotune)

@@ -15,7 +15,9 @@ request took 28.6 s, and later ones up to 43 s.
    - graph-captured decode (`capturable`): every bucket size of `thunderep.static_decode`;
    - prefill and eager decode: one token (the pair kernels), and for every class of rows per expert a
      batch whose routing gives each expert exactly that many rows; with experts on other ranks, a
-     batch with a single local pair (the pair kernels again, with K = 1);
+     batch with a single local pair (the pair kernels again, with K = 1); with all experts local,
+     every other count of 2 to 16 tokens, whose first call chooses between the pair kernels and the
+     sorted path by timing both (`thunderep.kernels.pairs.pairs_win`);
    - the one-program sort of small batches at every power of two of pairs up to its limit (Triton
      compiles it per block size);
    - on sm_90, one small call through the Hopper path that long prompts take (compiles its passes).
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TuneReport", "kernel_bindings", "tune_kernels", "tuning_calls"]
+__all__ = ["TuneReport", "kernel_bindings", "path_calls", "tune_kernels", "tuning_calls"]
 
 
 @dataclass
@@ -74,6 +76,16 @@ def tuning_calls(num_experts: int, top_k: int, max_batch: int) -> list[tuple[int
     calls = [(b, True) for b in _buckets(max_batch)] + [(1, False)]
     calls += [(math.ceil(c * num_experts / top_k), False) for c in _M_CLASSES]
     return calls
+
+
+def path_calls(num_experts: int, top_k: int, max_batch: int) -> list[int]:
+    """Token counts of the calls that only choose a path: inference on 2 to PAIRS_TUNE_MAX_TOKENS tokens
+    times the pair kernels against the sorted path on its first call at each count
+    (`thunderep.kernels.pairs.pairs_win`); the counts `tuning_calls` does not make already."""
+    from ..kernels.pairs import PAIRS_TUNE_MAX_TOKENS
+
+    made = {tokens for tokens, _ in tuning_calls(num_experts, top_k, max_batch)}
+    return [t for t in range(2, PAIRS_TUNE_MAX_TOKENS + 1) if t not in made]
 
 
 def _synthetic(tokens: int, num_experts: int, top_k: int, hidden: int, x_dtype, w_dtype, device):
@@ -178,6 +190,13 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 if log is not None and took >= 1.0:  # a call that tuned: progress through the minute
                     log(f"  {binding.class_name} {i + 1}/{len(planned)}: {tokens} token(s)"
                         f"{' (decode step)' if capturable else ''} in {took:.1f} s")
+            if binding.all_local:  # prompts of 2 to 16 tokens: the pair kernels or the sorted path, measured
+                for tokens in path_calls(binding.num_experts, top_k, max_batch):
+                    x_TD, ids_TK, weights_TK = _synthetic(tokens, binding.num_experts, top_k, hidden, x_dtype,
+                                                          w_dtype, device)
+                    with tm._mode("latency", False):
+                        _local(module, binding, x_TD, ids_TK, weights_TK)
+                    calls += 1
             if not binding.all_local:  # one local pair among a batch's: the pair kernels with K = 1
                 with tm._mode("latency", False):
                     binding.compute_rows(module, x_TD[:1], torch.zeros(1, dtype=torch.long, device=device))
@@ -185,7 +204,8 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
             if _torch_gemm_possible(module):  # long prompts on sm_90: the passes around torch's grouped GEMM
                 x_TD, ids_TK, weights_TK = _synthetic(top_k, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
                                                       device)
-                with tm._mode("latency", False), pinned("THUNDEREP_EXPERT_GEMM", "torch"):
+                with tm._mode("latency", False), pinned("THUNDEREP_EXPERT_GEMM", "torch"), \
+                        pinned("THUNDEREP_PAIRS_MAX_TOKENS", "0"):  # K tokens may choose the pair kernels
                     if binding.all_local:
                         binding.compute(module, x_TD, ids_TK, weights_TK)
                     else:  # a long prompt's local rows, sorted (few tokens would take the pair kernels)

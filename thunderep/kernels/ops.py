@@ -478,8 +478,9 @@ def routed_moe_mlp(
 
     Inference on one token (decode) runs the pair kernels: one matrix-vector pass per (token, slot)
     pair, no sort, two launches; on a few more tokens, whichever of the two paths measured faster at
-    that shape and T (`pairs.pairs_win`). Otherwise the pairs are sorted by expert and `moe_mlp` runs (counts_E [E], if the router computed it, saves recounting); for
-    inference on at most ROUTE_MAX_PAIRS pairs one Triton program sorts and counts them.
+    that shape and T (`pairs.pairs_win`). Otherwise the pairs are sorted by expert and `moe_mlp` runs
+    (counts_E [E], if the router computed it, saves recounting); for inference on at most
+    ROUTE_MAX_PAIRS pairs one Triton program sorts and counts them.
     x_TD: [T, D]; ids_TK: [T, K] integer; weights_TK: [T, K] or None (unweighted sum over K).
     Inference treats id -1 as a pair computed elsewhere (it adds nothing; the pair kernels skip it, the
     sorted path computes it as expert 0 with weight 0) and gives NaN for a token with any other id

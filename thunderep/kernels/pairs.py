@@ -417,8 +417,9 @@ PAIRS_MAX_TOKENS = 1
 # From 2 tokens up to this many, inference on CUDA times both paths on the first call at each (shape, T)
 # and keeps the faster (`pairs_win`): whether tokens share experts enough for the sorted path's single
 # read of each expert to beat the pair kernels' lighter launch depends on E, K, the experts' size and
-# the GPU. Measured on the H200 (docs/BENCHMARKS.md, "Decode at 2 to 16 tokens"): on Qwen3-30B-A3B's
-# shape the pairs win up to T = 6, on Mixtral's the sorted path from T = 2; on DeepSeek-V3's a tie.
+# the GPU. Measured on the H200 (docs/BENCHMARKS.md, "Decode: the graph's own cost, and 2 to 16
+# tokens"): on Qwen3-30B-A3B's shape the pairs win up to T = 6, on Mixtral's the sorted path from
+# T = 2; on DeepSeek-V3's they tie.
 PAIRS_TUNE_MAX_TOKENS = 16
 PATH_ROUTINGS = 4
 _PATHS: dict[tuple, bool] = {}  # (D, I, E, K, T, dtype, weighted, activation, interleaved, device) -> pairs won
