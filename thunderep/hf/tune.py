@@ -15,9 +15,9 @@ request took 28.6 s, and later ones up to 43 s.
    - graph-captured decode (`capturable`): every bucket size of `thunderep.static_decode`;
    - prefill and eager decode: one token (the pair kernels), and for every class of rows per expert a
      batch whose routing gives each expert exactly that many rows; with experts on other ranks, a
-     batch with a single local pair (the pair kernels again, with K = 1); with all experts local,
-     every other count of 2 to 16 tokens, whose first call chooses between the pair kernels and the
-     sorted path by timing both (`thunderep.kernels.pairs.pairs_win`);
+     batch with a single local pair (the pair kernels again, with K = 1); with all experts local and
+     autotuning on, every other count of 2 to 16 tokens, whose first call chooses between the pair
+     kernels and the sorted path by timing both (`thunderep.kernels.pairs.pairs_win`);
    - the one-program sort of small batches at every power of two of pairs up to its limit (Triton
      compiles it per block size);
    - on sm_90, one small call through the Hopper path that long prompts take (compiles its passes).
@@ -149,6 +149,7 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
     rank calls it, at the same point). None where nothing runs ThunderEP's kernels on a GPU. `log`:
     a function given one line before tuning starts and one for each call that took a second or more."""
     from ..kernels.grouped_gemm import pinned
+    from ..kernels.pairs import _path_tuning_applies
     from ..kernels.tuning import _TUNED, autotune_enabled, compile_threads
 
     # Every rank decides alike (one experts implementation, one device type), so either all ranks run
@@ -190,7 +191,7 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 if log is not None and took >= 1.0:  # a call that tuned: progress through the minute
                     log(f"  {binding.class_name} {i + 1}/{len(planned)}: {tokens} token(s)"
                         f"{' (decode step)' if capturable else ''} in {took:.1f} s")
-            if binding.all_local:  # prompts of 2 to 16 tokens: the pair kernels or the sorted path, measured
+            if binding.all_local and _path_tuning_applies(device):  # 2 to 16 tokens: which path, measured
                 for tokens in path_calls(binding.num_experts, top_k, max_batch):
                     x_TD, ids_TK, weights_TK = _synthetic(tokens, binding.num_experts, top_k, hidden, x_dtype,
                                                           w_dtype, device)
