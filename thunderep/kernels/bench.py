@@ -8,8 +8,10 @@ and forward+backward (gradients of x, both weight tensors and the routing weight
 timed R times, interleaved, and the median of the rounds is reported beside each round's ratio), the
 ratio to the best transformers implementation, TFLOP/s, and the HBM bandwidth achieved over the
 expert weights the step actually reads, as a fraction of a device-to-device copy measured in the
-same run. Routing is uniform random
-top-K; four routing sets rotate so that small-T runs do not re-read weights from L2.
+same run. Up to --graph-max-tokens also the forward under CUDA-graph replay: per call in a graph of
+the four routings' calls (fwd-graph), and what one more call adds to a graph (fwd-step,
+`graph_step_ms`). Routing is uniform random top-K; four routing sets rotate so that small-T runs do
+not re-read weights from L2.
 
 --impls takes eager, grouped_mm, thunderep, thunderep:<pin> (one of ThunderEP's paths pinned: PINS)
 and copy (a reference row, not a baseline: one device-to-device copy moving the bytes the step reads).
@@ -351,7 +353,8 @@ def main(argv=None) -> int:
                     help=f"comma-separated: eager, grouped_mm, thunderep, thunderep:<{'|'.join(PINS)}>, {COPY}")
     ap.add_argument("--json", help="write every measurement here")
     ap.add_argument("--graph-max-tokens", type=int, default=512,
-                    help="also time forward as CUDA-graph replays (no launch overhead) up to this T")
+                    help="also time forward as CUDA-graph replays (no launch overhead) up to this T: fwd-graph rows "
+                         "(four calls per graph) and fwd-step rows (what one more call adds to a graph)")
     ap.add_argument("--profile-tokens", default="", help="print per-kernel device times at these T")
     ap.add_argument("--modes", default="fwd,fwdbwd", help="eager-launch modes to time: fwd, fwdbwd or both")
     ap.add_argument("--rounds", type=int, default=1,
