@@ -97,7 +97,7 @@ def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog
     matches the reference."""
     monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
     monkeypatch.setattr(pairs_mod, "_PATHS", {})
-    monkeypatch.setattr(pairs_mod, "_path_tuning_applies", lambda device: True)
+    monkeypatch.setattr(pairs_mod, "path_tuning_applies", lambda device: True)
     calls, timed, times = [], [], {}
     real_pairs, real_sorted = pairs_mod._moe_mlp_pairs_impl, ops.moe_mlp
     monkeypatch.setattr(pairs_mod, "_moe_mlp_pairs_impl", lambda *a: calls.append("pairs") or real_pairs(*a))

@@ -149,7 +149,7 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
     rank calls it, at the same point). None where nothing runs ThunderEP's kernels on a GPU. `log`:
     a function given one line before tuning starts and one for each call that took a second or more."""
     from ..kernels.grouped_gemm import pinned
-    from ..kernels.pairs import _path_tuning_applies
+    from ..kernels.pairs import path_tuning_applies
     from ..kernels.tuning import _TUNED, autotune_enabled, compile_threads
 
     # Every rank decides alike (one experts implementation, one device type), so either all ranks run
@@ -191,7 +191,7 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 if log is not None and took >= 1.0:  # a call that tuned: progress through the minute
                     log(f"  {binding.class_name} {i + 1}/{len(planned)}: {tokens} token(s)"
                         f"{' (decode step)' if capturable else ''} in {took:.1f} s")
-            if binding.all_local and _path_tuning_applies(device):  # 2 to 16 tokens: which path, measured
+            if binding.all_local and path_tuning_applies(device):  # 2 to 16 tokens: which path, measured
                 for tokens in path_calls(binding.num_experts, top_k, max_batch):
                     x_TD, ids_TK, weights_TK = _synthetic(tokens, binding.num_experts, top_k, hidden, x_dtype,
                                                           w_dtype, device)

@@ -53,7 +53,7 @@ from . import tuning
 from .moe_triton import ACTIVATIONS, _act, _gate_up_cols
 
 __all__ = ["PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "decode_applies", "moe_mlp_pairs", "needs_grad",
-           "pairs_if_decode", "pairs_max_tokens", "pairs_win"]
+           "pairs_if_decode", "pairs_max_tokens", "pairs_win", "path_tuning_applies"]
 
 _LOG = logging.getLogger("thunderep.kernels")
 
@@ -430,7 +430,8 @@ def _path_timer(fn) -> float:
     return tuning.timed_ms(fn, ms_budget=20.0, warmup_ms=5.0)
 
 
-def _path_tuning_applies(device: torch.device) -> bool:
+def path_tuning_applies(device: torch.device) -> bool:
+    """Whether `pairs_win` times the two paths on this device (CUDA with autotuning on)."""
     return tuning.autotune_enabled(device)
 
 
@@ -453,7 +454,7 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
         return False
     if os.environ.get("THUNDEREP_PAIRS_MAX_TOKENS", "") or T <= PAIRS_MAX_TOKENS:
         return T <= pairs_max_tokens()
-    if T > PAIRS_TUNE_MAX_TOKENS or not _path_tuning_applies(x_TD.device):
+    if T > PAIRS_TUNE_MAX_TOKENS or not path_tuning_applies(x_TD.device):
         return False
     E, D, I = w_down_EDI.shape
     key = (D, I, E, ids_TK.shape[1], T, x_TD.dtype, weights_TK is not None, activation, interleaved, str(x_TD.device))
@@ -471,18 +472,15 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     with torch.no_grad():
         try:
             for ids in samples:
-                def pairs_path(ids=ids):
-                    moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids, weights_TK, activation, interleaved)
-
-                def sorted_on(ids=ids):
-                    sorted_path(ids)
-
-                pairs_path()  # each path tunes its kernels on its first call
+                pairs_on = functools.partial(moe_mlp_pairs, x_TD, w_gate_up_E2ID, w_down_EDI, ids, weights_TK,
+                                             activation, interleaved)
+                sorted_on = functools.partial(sorted_path, ids)
+                pairs_on()  # each path tunes its kernels on its first call
                 sorted_on()
-                pairs_ms += _path_timer(pairs_path) / len(samples)
+                pairs_ms += _path_timer(pairs_on) / len(samples)
                 sorted_ms += _path_timer(sorted_on) / len(samples)
         finally:
-            tuning._FLUSH.clear()
+            tuning.free_timer_buffers()
     _PATHS[key] = won = pairs_ms < sorted_ms
     _LOG.info("chose the %s path for D=%d, I=%d, E=%d, K=%d at T=%d in %.1f s: pairs %.1f us, sorted %.1f us "
               "(mean of %d routings)", "pair" if won else "sorted", D, I, E, ids_TK.shape[1], T,

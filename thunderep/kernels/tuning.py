@@ -33,7 +33,8 @@ from triton.runtime.errors import OutOfResources
 
 from ..errors import ConfigError
 
-__all__ = ["autotune_enabled", "compile_threads", "compiled_kernels", "kernel_configs", "launch", "precision", "tuned"]
+__all__ = ["autotune_enabled", "compile_threads", "compiled_kernels", "free_timer_buffers", "kernel_configs", "launch",
+           "precision", "timed_ms", "tuned"]
 
 _LOG = logging.getLogger("thunderep.kernels")
 _REGISTRY: dict[str, object] = {}  # name -> autotuner, for kernel_configs()
@@ -58,6 +59,12 @@ def _flush_l2(device) -> None:
     if key not in _FLUSH:
         _FLUSH[key] = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     _FLUSH[key].sum()
+
+
+def free_timer_buffers() -> None:
+    """Give the timer's flush buffers (FLUSH_BYTES per device) back to the allocator: once a tuning
+    ends, a model needs the room more."""
+    _FLUSH.clear()
 
 
 def timed_ms(fn, ms_budget: float = 100.0, warmup_ms: float = 25.0, quantiles=None):
@@ -183,7 +190,7 @@ def launch(autotuner, plain, default, grid, device, **args) -> None:
                 autotuner[grid](**args)
             finally:
                 _ARMED.discard(id(autotuner))
-                _FLUSH.clear()  # the timer's 256 MB go back to the allocator: a model needs them more
+                free_timer_buffers()
             _TUNED[key] = autotuner.best_config
             name = next((n for n, a in _REGISTRY.items() if a is autotuner), type(autotuner).__name__)
             _LOG.info("tuned %s for %s in %.1f s: %s", name, dict(zip(autotuner.keys, key[1:])),
