@@ -1,5 +1,9 @@
-"""Run a function on R real processes (spawn; gloo on CPU, or NCCL with one GPU per rank), with a
-hard time bound.
+"""Run a function on R real processes (gloo on CPU, or NCCL with one GPU per rank), with a hard time
+bound.
+
+Ranks start as `thunderep.launch` starts them (`rank_context`: forked from a fork server that has
+imported torch, transformers and thunderep once; else spawned), each with the test's environment,
+stdout and stderr as they are at `run_ranks`.
 
 `run_ranks(fn, world_size, *args)` returns [fn(rank, world_size, *args) for each rank], or raises
 with the failing rank's traceback. A run past `timeout` is killed and fails: a test can never hang.
@@ -14,11 +18,13 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from thunderep.launch import free_port
+from thunderep.launch import RankStart, free_port, rank_context
 
 
-def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout, backend, timeout):
+def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout, backend, timeout, start):
     import faulthandler
+
+    start.apply()  # the test's environment, stdout and stderr at run_ranks
 
     # Where a stuck rank is: its stack on stderr every minute (or shortly before the run's timeout).
     faulthandler.dump_traceback_later(max(1.0, min(60.0, timeout - 10.0)), repeat=True, exit=False)
@@ -54,11 +60,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, init_dist: boo
               dist_timeout: float = 30.0, allow_missing: tuple[int, ...] = (), backend: str = "gloo"):
     """Results of fn(rank, world_size, *args) on every rank (None for ranks in `allow_missing` that
     exited without a result, e.g. a peer the test kills)."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue, init_dist, dist_timeout, backend,
-                                                    timeout))
+                                                    timeout, RankStart()))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -305,6 +305,19 @@ def test_kernels_where_they_cannot_run_end_the_server_before_it_listens(tmp_path
     assert "listening" not in done.stdout + done.stderr
 
 
+def _rank_processes(launcher):
+    """The ranks a `thunderep` process started, in the order it started them: forked by its fork server
+    (thunderep.launch), or spawned (their command line runs spawn_main)."""
+    ranks = []
+    for child in launcher.children():
+        command = " ".join(child.cmdline())
+        if "forkserver" in command:
+            ranks += child.children()
+        elif "spawn_main" in command:
+            ranks.append(child)
+    return sorted(ranks, key=lambda p: p.create_time())
+
+
 @pytest.mark.parametrize("how", ["killed", "stopped"])
 def test_a_dead_or_silent_rank_ends_the_server_within_its_timeout(tmp_path, how):
     """Rank 1 killed (the launcher sees it exit) or stopped (SIGSTOP: rank 0's next heartbeat waits
@@ -318,9 +331,8 @@ def test_a_dead_or_silent_rank_ends_the_server_within_its_timeout(tmp_path, how)
         assert _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})[0] == 200
         # the default experts implementation, auto, on CPU: the model's own for both MoE layers
         assert re.search(r"experts: 2 module\(s\) on (grouped_mm|eager)\n", log_path.read_text())
-        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                 if "spawn_main" in " ".join(c.cmdline())]
-        assert len(ranks) == 2, [c.cmdline() for c in ranks]
+        ranks = _rank_processes(psutil.Process(proc.pid))
+        assert len(ranks) == 2, [c.cmdline() for c in psutil.Process(proc.pid).children(recursive=True)]
         started = time.monotonic()
         ranks[-1].kill() if how == "killed" else ranks[-1].suspend()
         code = proc.wait(timeout=60)
