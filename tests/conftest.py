@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -20,6 +21,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """A test that changes torch's thread count changes it for itself only: float sums in another order
+    (more or fewer threads) would make a later test's reference depend on which tests ran before it."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread within the block, as each rank of `run_ranks` runs: a single-process reference
+    then sums in the ranks' order whatever the machine's core count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def init_module(module: torch.nn.Module, seed: int) -> torch.nn.Module:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import one_thread
 from distributed import run_ranks
 
 from thunderep import EPConfig, Placement, SyncConfig
@@ -88,6 +89,11 @@ def _train(rank, world, steps, sync_config, placements=None, lr=1e-2, optimizer=
 
 
 def _single_process(world, steps, lr=1e-2, optimizer="adamw", clip=None, norms=None):
+    with one_thread():  # as the ranks run
+        return _single_process_run(world, steps, lr, optimizer, clip, norms)
+
+
+def _single_process_run(world, steps, lr, optimizer, clip, norms):
     model = MoETransformer(MODEL)
     opt = (torch.optim.AdamW(model.parameters(), lr=lr) if optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=lr))

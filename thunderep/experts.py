@@ -214,10 +214,13 @@ class FusedExperts(nn.Module):
             x_ND, counts_E, self.gate_up_proj, self.down_proj, self.config, self.gate_up_bias, self.down_bias
         )
 
-    def pairs_partial(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor | None:
+    def pairs_partial(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, fallback=None,
+                      experts: int | None = None) -> torch.Tensor | None:
         """sum over k of weights_TK * expert_{ids_TK}(x_TD) [T, D] through the decode pair kernels, where
         id -1 marks a pair these experts do not compute (it adds nothing); None where the pair kernels do
-        not apply (no CUDA kernels here, gradients needed, or more than `pairs_max_tokens()` tokens).
+        not apply (no CUDA kernels here, gradients needed, or more tokens than `pairs_max_tokens()`, or,
+        given the caller's `fallback(ids_TK)` and the model's `experts`, than the tokens at which the
+        pair kernels measured faster: `thunderep.kernels.pairs.pairs_win`).
 
         For expert parallelism's latency and all-gather modes: each rank's share of the output, with no
         sort, no compaction of its pairs and no device-to-host sync."""
@@ -226,7 +229,7 @@ class FusedExperts(nn.Module):
         from .kernels.pairs import pairs_if_decode
 
         return pairs_if_decode(x_TD, self.gate_up_proj, self.down_proj, ids_TK, weights_TK, self.config.activation,
-                               self.config.interleaved)
+                               self.config.interleaved, fallback, experts)
 
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         T, K = routing.ids_TK.shape

@@ -221,22 +221,28 @@ class ExpertsBinding:
         """sum_k weights_TK * expert(x) over the (token, k) pairs whose expert this rank owns, zero
         elsewhere (float32 [T, D]): this rank's share of the output when it holds every token."""
         T, K = ids_TK.shape
+        capturable = self.state.capturable
+
+        def sorted_partial(local_TK: torch.Tensor) -> torch.Tensor:
+            if capturable:  # every pair, other ranks' as local slot 0 and masked out: no nonzero
+                here_N1 = local_TK.reshape(-1, 1) >= 0
+                y_ND = self.compute_rows(module, x_TD.repeat_interleave(K, dim=0), local_TK.reshape(-1).clamp(min=0))
+                weighted_ND = torch.where(here_N1, y_ND * weights_TK.reshape(-1, 1).to(y_ND.dtype), 0)
+                return weighted_ND.view(T, K, x_TD.shape[-1]).float().sum(dim=1)
+            pairs, local_slot = self.placement.sorted_local_pairs(local_TK)  # a host sync
+            y_MD = self.compute_rows(module, x_TD[pairs // K], local_slot)
+            weighted_MD = y_MD * weights_TK.reshape(-1)[pairs].unsqueeze(-1)  # the dtype transformers weights in
+            full_ND = weighted_MD.new_zeros(T * K, x_TD.shape[-1]).index_copy(0, pairs, weighted_MD)
+            return full_ND.view(T, K, x_TD.shape[-1]).float().sum(dim=1)
+
         local_TK = self.placement.local_slots(ids_TK, self.ep.groups.ep_rank)
         pairs_partial = getattr(self.compute, "pairs_partial", None)  # ThunderEP's kernels: decode, no sync
         if pairs_partial is not None:
-            partial_TD = pairs_partial(module, x_TD, local_TK, weights_TK)
+            partial_TD = pairs_partial(module, x_TD, local_TK, weights_TK, sorted_partial, self.placement.num_experts,
+                                       "every pair" if capturable else "sorted")
             if partial_TD is not None:
                 return partial_TD.float()
-        if self.state.capturable:  # every pair, other ranks' as local slot 0 and masked out: no nonzero
-            here_N1 = local_TK.reshape(-1, 1) >= 0
-            y_ND = self.compute_rows(module, x_TD.repeat_interleave(K, dim=0), local_TK.reshape(-1).clamp(min=0))
-            weighted_ND = torch.where(here_N1, y_ND * weights_TK.reshape(-1, 1).to(y_ND.dtype), 0)
-            return weighted_ND.view(T, K, x_TD.shape[-1]).float().sum(dim=1)
-        pairs, local_slot = self.placement.sorted_local_pairs(local_TK)
-        y_MD = self.compute_rows(module, x_TD[pairs // K], local_slot)
-        weighted_MD = y_MD * weights_TK.reshape(-1)[pairs].unsqueeze(-1)  # the dtype transformers weights in
-        full_ND = weighted_MD.new_zeros(T * K, x_TD.shape[-1]).index_copy(0, pairs, weighted_MD)
-        return full_ND.view(T, K, x_TD.shape[-1]).float().sum(dim=1)
+        return sorted_partial(local_TK)
 
 
 @contextmanager
@@ -412,14 +418,16 @@ def kernel_compute_fn(module) -> Callable:
                               activation=activation, interleaved=interleaved)
         return y_TD.to(x_TD.dtype)
 
-    def pairs_partial(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor):
+    def pairs_partial(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, fallback=None,
+                      experts: int | None = None, kind: str = "sorted"):
         """The local share for latency and all-gather modes through the pair kernels (id -1: another
-        rank's expert), or None where they do not apply (gradients, more than pairs_max_tokens() tokens)."""
+        rank's expert), or None where they do not apply (gradients, more than pairs_max_tokens() tokens,
+        or, given the caller's `fallback`, more than measured faster: `pairs_if_decode`)."""
         check_kernels_device(name, x_TD.device)
         from ..kernels.pairs import pairs_if_decode
 
         partial_TD = pairs_if_decode(x_TD, module.gate_up_proj, module.down_proj, ids_TK, weights_TK, activation,
-                                     interleaved)
+                                     interleaved, fallback, experts, kind)
         return partial_TD.to(x_TD.dtype) if partial_TD is not None else None
 
     compute.pairs_partial = pairs_partial

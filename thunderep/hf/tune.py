@@ -78,14 +78,20 @@ def tuning_calls(num_experts: int, top_k: int, max_batch: int) -> list[tuple[int
     return calls
 
 
-def path_calls(num_experts: int, top_k: int, max_batch: int) -> list[int]:
-    """Token counts of the calls that only choose a path: inference on 2 to PAIRS_TUNE_MAX_TOKENS tokens
-    times the pair kernels against the sorted path on its first call at each count
-    (`thunderep.kernels.pairs.pairs_win`); the counts `tuning_calls` does not make already."""
+def path_calls(num_experts: int, top_k: int, max_batch: int, all_local: bool = True) -> list[tuple[int, bool]]:
+    """(tokens, capturable) of the calls that only choose a path: inference on 2 to PAIRS_TUNE_MAX_TOKENS
+    tokens times the pair kernels against the sorted path on its first call at each count
+    (`thunderep.kernels.pairs.pairs_win`); the calls `tuning_calls` does not make already. With all
+    experts local the choice is one per count. A rank's share under expert parallelism has two sorted
+    routes, each with its own choice: capturable decode steps (every pair, the other ranks' masked;
+    `tuning_calls` makes those at the bucket sizes) and every other call (the local pairs, sorted)."""
     from ..kernels.pairs import PAIRS_TUNE_MAX_TOKENS
 
-    made = {tokens for tokens, _ in tuning_calls(num_experts, top_k, max_batch)}
-    return [t for t in range(2, PAIRS_TUNE_MAX_TOKENS + 1) if t not in made]
+    made = tuning_calls(num_experts, top_k, max_batch)
+    if all_local:
+        counts = {tokens for tokens, _ in made}
+        return [(t, False) for t in range(2, PAIRS_TUNE_MAX_TOKENS + 1) if t not in counts]
+    return [(t, False) for t in range(2, PAIRS_TUNE_MAX_TOKENS + 1) if (t, False) not in made]
 
 
 def _synthetic(tokens: int, num_experts: int, top_k: int, hidden: int, x_dtype, w_dtype, device):
@@ -191,11 +197,11 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 if log is not None and took >= 1.0:  # a call that tuned: progress through the minute
                     log(f"  {binding.class_name} {i + 1}/{len(planned)}: {tokens} token(s)"
                         f"{' (decode step)' if capturable else ''} in {took:.1f} s")
-            if binding.all_local and path_tuning_applies(device):  # 2 to 16 tokens: which path, measured
-                for tokens in path_calls(binding.num_experts, top_k, max_batch):
+            if path_tuning_applies(device):  # 2 to 16 tokens: which path, measured
+                for tokens, capturable in path_calls(binding.num_experts, top_k, max_batch, binding.all_local):
                     x_TD, ids_TK, weights_TK = _synthetic(tokens, binding.num_experts, top_k, hidden, x_dtype,
                                                           w_dtype, device)
-                    with tm._mode("latency", False):
+                    with tm._mode("latency", capturable):
                         _local(module, binding, x_TD, ids_TK, weights_TK)
                     calls += 1
             if not binding.all_local:  # one local pair among a batch's: the pair kernels with K = 1

@@ -422,7 +422,8 @@ PAIRS_MAX_TOKENS = 1
 # T = 2; on DeepSeek-V3's they tie.
 PAIRS_TUNE_MAX_TOKENS = 16
 PATH_ROUTINGS = 4
-_PATHS: dict[tuple, bool] = {}  # (D, I, E, K, T, dtype, weighted, activation, interleaved, device) -> pairs won
+_PATHS: dict[tuple, bool] = {}  # (D, I, E, K, T, dtype, weighted, activation, interleaved, device, experts, kind)
+#                                   -> pairs won
 
 
 def _path_timer(fn) -> float:
@@ -441,14 +442,20 @@ def _capturing(device: torch.device) -> bool:
 
 
 def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
-              weights_TK: torch.Tensor | None, activation: str, interleaved: bool, sorted_path) -> bool:
+              weights_TK: torch.Tensor | None, activation: str, interleaved: bool, sorted_path,
+              experts: int | None = None, kind: str = "sorted") -> bool:
     """Whether inference on these T tokens runs the pair kernels (else `sorted_path(ids_TK)`, the
     caller's sorted route over the same arguments and the ids given). THUNDEREP_PAIRS_MAX_TOKENS, when
     set, decides alone (T up to it); so does T <= PAIRS_MAX_TOKENS. Up to PAIRS_TUNE_MAX_TOKENS, on
     CUDA with autotuning on, the first call at a shape and T runs both paths (each tunes its kernels),
     times both on this call's routing and on PATH_ROUTINGS - 1 uniform random ones, logs the mean
     times and keeps the faster for later calls. Inside a CUDA-graph capture or torch.compile nothing
-    is timed: a choice made earlier holds, else the sorted path."""
+    is timed: a choice made earlier holds, else the sorted path.
+
+    `experts`: the model's expert count, where these weights are one rank's share of them (expert
+    parallelism: ids_TK marks the other ranks' pairs -1, which the pair kernels skip); the random
+    routings then pick among that many experts, those past this rank's marked -1. `kind` names the
+    caller's sorted route where a caller has more than one (a choice is kept per kind)."""
     T = x_TD.shape[0]
     if T < 1 or needs_grad(x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
         return False
@@ -457,7 +464,8 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     if T > PAIRS_TUNE_MAX_TOKENS or not path_tuning_applies(x_TD.device):
         return False
     E, D, I = w_down_EDI.shape
-    key = (D, I, E, ids_TK.shape[1], T, x_TD.dtype, weights_TK is not None, activation, interleaved, str(x_TD.device))
+    key = (D, I, E, ids_TK.shape[1], T, x_TD.dtype, weights_TK is not None, activation, interleaved, str(x_TD.device),
+           experts or E, kind)
     won = _PATHS.get(key)
     if won is not None or torch.compiler.is_compiling() or _capturing(x_TD.device):
         return bool(won)
@@ -465,8 +473,9 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     # How many tokens share an expert, which decides, varies from routing to routing (most with few
     # experts: Mixtral's 8): this call's routing and PATH_ROUTINGS - 1 uniform random ones are timed.
     gen = torch.Generator(device=x_TD.device).manual_seed(T)
-    samples = [ids_TK] + [torch.rand(T, E, device=x_TD.device, generator=gen).topk(ids_TK.shape[1], dim=-1)
-                          .indices.to(ids_TK.dtype) for _ in range(PATH_ROUTINGS - 1)]
+    picks = [torch.rand(T, experts or E, device=x_TD.device, generator=gen).topk(ids_TK.shape[1], dim=-1).indices
+             for _ in range(PATH_ROUTINGS - 1)]
+    samples = [ids_TK] + [torch.where(ids < E, ids, -1).to(ids_TK.dtype) for ids in picks]
     start = time.perf_counter()
     pairs_ms = sorted_ms = 0.0
     with torch.no_grad():
@@ -482,9 +491,10 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
         finally:
             tuning.free_timer_buffers()
     _PATHS[key] = won = pairs_ms < sorted_ms
-    _LOG.info("chose the %s path for D=%d, I=%d, E=%d, K=%d at T=%d in %.1f s: pairs %.1f us, sorted %.1f us "
-              "(mean of %d routings)", "pair" if won else "sorted", D, I, E, ids_TK.shape[1], T,
-              time.perf_counter() - start, pairs_ms * 1e3, sorted_ms * 1e3, len(samples))
+    share = f" of {experts}" if experts and experts != E else ""
+    _LOG.info("chose the %s path for D=%d, I=%d, E=%d%s, K=%d at T=%d in %.1f s: pairs %.1f us, %s %.1f us "
+              "(mean of %d routings)", "pair" if won else kind, D, I, E, share, ids_TK.shape[1], T,
+              time.perf_counter() - start, pairs_ms * 1e3, kind, sorted_ms * 1e3, len(samples))
     return won
 
 
@@ -581,10 +591,17 @@ def decode_applies(T: int, *tensors) -> bool:
 
 
 def pairs_if_decode(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
-                    weights_TK: torch.Tensor | None, activation: str, interleaved: bool) -> torch.Tensor | None:
-    """`moe_mlp_pairs` (x cast to the weights' dtype) where `decode_applies`, else None (the caller's
-    sorted path runs). The caller has checked that the Triton kernels can run these experts."""
-    if not decode_applies(x_TD.shape[0], x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
+                    weights_TK: torch.Tensor | None, activation: str, interleaved: bool, fallback=None,
+                    experts: int | None = None, kind: str = "sorted") -> torch.Tensor | None:
+    """`moe_mlp_pairs` (x cast to the weights' dtype) where `decode_applies`, or, given the caller's
+    `fallback(ids_TK)` (what the caller runs on None), where `pairs_win` chooses the pair kernels
+    (`experts`, `kind` as there); else None. The caller has checked that the Triton kernels can run
+    these experts."""
+    if fallback is not None:
+        if not pairs_win(x_TD.to(w_gate_up_E2ID.dtype), w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation,
+                         interleaved, fallback, experts, kind):
+            return None
+    elif not decode_applies(x_TD.shape[0], x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
         return None
     return moe_mlp_pairs(x_TD.to(w_gate_up_E2ID.dtype), w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation,
                          interleaved)
