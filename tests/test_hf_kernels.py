@@ -155,7 +155,8 @@ def test_kernels_on_ep_ranks_equal_hf(world):
 def _path_choice_case(rank, world):
     """A rank's share on 3 tokens in latency mode with the path choice on (as on CUDA; the timer faked:
     the pair kernels 40 us, the sorted route 50 us; for capturable steps, every pair 30 us): what
-    was timed, the choices kept, the ids the timed pair calls saw, and the logits."""
+    was timed (and whether as graph replays), the choices kept, the ids the timed pair calls saw, and the
+    logits."""
     from thunderep import EPConfig
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
@@ -168,7 +169,7 @@ def _path_choice_case(rank, world):
     ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
     tm = ThunderMoE.wrap(copy.deepcopy(model), ep, experts_implementation=KERNELS).eval()
     pairs.path_tuning_applies = lambda device: True
-    calls, seen_ids, timed = [], [], []
+    calls, seen_ids, timed, graphs = [], [], [], []
     real = pairs._moe_mlp_pairs_impl
 
     # The sorted route's own rows (K = 1) take the path choice of all-local calls too: only the share's
@@ -179,7 +180,8 @@ def _path_choice_case(rank, world):
             seen_ids.append(args[3].clone())
         return real(*args)
 
-    def fake_timer(fn):
+    def fake_timer(fn, graphed=False):
+        graphs.append(graphed)
         fn()
         kind = "pairs" if fn.func is pairs.moe_mlp_pairs else "other"
         if fn.args[3 if kind == "pairs" else 0].shape[1] == 2:
@@ -190,14 +192,14 @@ def _path_choice_case(rank, world):
     got = {}
     with torch.no_grad():
         got["latency"] = tm(input_ids=x, replicated=True).logits  # 3 tokens: timed, the pair kernels win
-        first = (list(timed), len(calls))
-        del timed[:], calls[:], seen_ids[:]
+        first = (list(timed), len(calls), set(graphs))
+        del timed[:], calls[:], seen_ids[:], graphs[:]
         got["again"] = tm(input_ids=x, replicated=True).logits  # the choice stands: nothing timed
         again = (list(timed), len(calls))
         del timed[:], calls[:]
         with tm.running("latency", capturable=True):  # a decode step's route: timed anew, and it wins
             got["capturable"] = tm.model(input_ids=x).logits  # as a static decode step calls it
-        capturable = (list(timed), len(calls))
+        capturable = (list(timed), len(calls), set(graphs[-2:]))
     ep.close()
     choices = {(key[4], key[-2], key[-1]): won for key, won in pairs._PATHS.items() if key[3] == 2}
     slots = tm.bindings[next(iter(tm.bindings))].num_slots
@@ -209,9 +211,10 @@ def _path_choice_case(rank, world):
 def test_ep_share_takes_the_path_measured_faster(world):
     """On EP ranks (latency mode, 3 tokens): the first call at the model's one experts shape times the
     pair kernels (which skip the other ranks' pairs, id -1) against the sorted route of this rank's
-    pairs on this routing and on random ones over all the model's experts, keeps the faster per route,
-    and every output equals the plain model's. Mutations that fail it: the random routings drawn over
-    the local experts only (no -1); one choice for both routes."""
+    pairs on this routing and on random ones over all the model's experts, keeps the faster per route
+    (a capturable decode step's masked route timed anew, as graph replays), and every output equals the
+    plain model's. Mutations that fail it: the random routings drawn over the local experts only (no
+    -1); one choice for both routes."""
     routings = 4  # pairs.PATH_ROUTINGS
     for got, want, first, again, capturable, choices, seen_ids, slots in run_ranks(_path_choice_case, world,
                                                                                    timeout=240, dist_timeout=120):
@@ -219,9 +222,11 @@ def test_ep_share_takes_the_path_measured_faster(world):
             torch.testing.assert_close(got[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
         layers, tuning = 2, 2 * routings  # tiny mixtral's 2 MoE layers share one shape: one choice for both;
         # timing runs the pair kernels twice per routing (a first call, which tunes, then the timed one)
-        assert first == (["pairs", "other"] * routings, tuning + layers)  # then each layer's pair call
+        # then each layer's pair call; eager timings (the sorted route syncs)
+        assert first == (["pairs", "other"] * routings, tuning + layers, {False})
         assert again == ([], layers)
-        assert capturable == (["pairs", "other"] * routings, tuning), (capturable, choices)  # the masked route won
+        # the masked route won; timed as graph replays, as captured decode steps run it
+        assert capturable == (["pairs", "other"] * routings, tuning, {True}), (capturable, choices)
         assert choices == {(3, E, "sorted"): True, (3, E, "every pair"): False}
         flat = [i for ids in seen_ids[2:tuning] for row in ids for i in row]  # the random routings
         assert -1 in flat and all(-1 <= i < slots for i in flat)

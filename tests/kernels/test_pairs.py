@@ -103,7 +103,8 @@ def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog
     monkeypatch.setattr(pairs_mod, "_moe_mlp_pairs_impl", lambda *a: calls.append("pairs") or real_pairs(*a))
     monkeypatch.setattr(ops, "moe_mlp", lambda *a, **k: calls.append("sorted") or real_sorted(*a, **k))
 
-    def fake_timer(fn):
+    def fake_timer(fn, graphed=False):
+        assert not graphed  # all experts local: one route, timed eagerly
         del calls[:]
         fn()
         timed.append(calls[-1])
@@ -162,6 +163,41 @@ def test_gpu_decode_path_measured_then_captured(monkeypatch, caplog):
             y_graph = routed_moe_mlp(x, w_gu, w_d, ids, weights)
         graph.replay()
     assert torch.equal(y_graph, routed_moe_mlp(x, w_gu, w_d, ids, weights))
+    assert torch.equal(y_graph, y)
+
+
+@pytest.mark.gpu
+def test_gpu_share_path_timed_as_graph_replays(monkeypatch, caplog):
+    """A rank's share (Qwen3's shape, 64 of its 128 experts local, the other pairs -1) at T = 4 on the
+    GPU, against a masked route of every pair as a captured decode step runs it: `pairs_if_decode`
+    times both as graph replays (the log says so) in the middle of an eager call, and the result,
+    either path, agrees with the reference on the local pairs; a later capture replays the choice."""
+    monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
+    monkeypatch.setattr(pairs_mod, "_PATHS", {})
+    caplog.set_level("INFO", logger="thunderep.kernels")
+    D, I, E, K = MODEL_SHAPES["qwen3"]
+    S, T = E // 2, 4
+    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.bfloat16, 6)
+    w_gu, w_d = w_gu[:S].contiguous(), w_d[:S].contiguous()
+    local = torch.where(ids < S, ids, -1)
+
+    def masked(local_TK):  # every pair through the sorted kernels, the other ranks' masked out
+        y = routed_moe_mlp(x.repeat_interleave(K, dim=0), w_gu, w_d, local_TK.reshape(-1, 1).clamp(min=0))
+        return torch.where(local_TK.reshape(-1, 1) >= 0, y * weights.reshape(-1, 1), 0).view(T, K, D).sum(1)
+
+    with torch.no_grad():
+        y = pairs_mod.pairs_if_decode(x, w_gu, w_d, local, weights, "silu", False, masked, E, "every pair", True)
+        assert "graph replays" in caplog.text and len([k for k in pairs_mod._PATHS if k[3] == K]) == 1
+        y = masked(local) if y is None else y
+        want = reference(x.double(), w_gu.double(), w_d.double(), local.clamp(min=0),
+                         torch.where(local >= 0, weights, 0).double())
+        assert rel_err(y, want) < 2e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_graph = pairs_mod.pairs_if_decode(x, w_gu, w_d, local, weights, "silu", False, masked, E, "every pair",
+                                                True)
+            y_graph = masked(local) if y_graph is None else y_graph
+        graph.replay()
     assert torch.equal(y_graph, y)
 
 

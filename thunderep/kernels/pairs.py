@@ -426,9 +426,25 @@ _PATHS: dict[tuple, bool] = {}  # (D, I, E, K, T, dtype, weighted, activation, i
 #                                   -> pairs won
 
 
-def _path_timer(fn) -> float:
-    """Milliseconds of one `fn()`, L2 flushed clean before each (the autotuner's timer, a short budget)."""
-    return tuning.timed_ms(fn, ms_budget=20.0, warmup_ms=5.0)
+def _path_timer(fn, graphed: bool = False) -> float:
+    """Milliseconds of one `fn()`, L2 flushed clean before each (the autotuner's timer, a short budget);
+    `graphed`: of one replay of `fn` captured in a CUDA graph, as a captured decode step runs it (no
+    host launch time: eager timings of a route of many small kernels count the host's, which misled
+    the choice 1.3 to 1.8x for routes that then ran in graphs, docs/BENCHMARKS.md)."""
+    if not graphed:
+        return tuning.timed_ms(fn, ms_budget=20.0, warmup_ms=5.0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # what a capture needs first (lazy initialisation), off the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return tuning.timed_ms(graph.replay, ms_budget=20.0, warmup_ms=5.0)
+    finally:
+        del graph
 
 
 def path_tuning_applies(device: torch.device) -> bool:
@@ -443,7 +459,7 @@ def _capturing(device: torch.device) -> bool:
 
 def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
               weights_TK: torch.Tensor | None, activation: str, interleaved: bool, sorted_path,
-              experts: int | None = None, kind: str = "sorted") -> bool:
+              experts: int | None = None, kind: str = "sorted", graphed: bool = False) -> bool:
     """Whether inference on these T tokens runs the pair kernels (else `sorted_path(ids_TK)`, the
     caller's sorted route over the same arguments and the ids given). THUNDEREP_PAIRS_MAX_TOKENS, when
     set, decides alone (T up to it); so does T <= PAIRS_MAX_TOKENS. Up to PAIRS_TUNE_MAX_TOKENS, on
@@ -455,7 +471,8 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     `experts`: the model's expert count, where these weights are one rank's share of them (expert
     parallelism: ids_TK marks the other ranks' pairs -1, which the pair kernels skip); the random
     routings then pick among that many experts, those past this rank's marked -1. `kind` names the
-    caller's sorted route where a caller has more than one (a choice is kept per kind)."""
+    caller's sorted route where a caller has more than one (a choice is kept per kind); `graphed`: that
+    route runs in captured CUDA graphs, so both paths are timed as graph replays (`_path_timer`)."""
     T = x_TD.shape[0]
     if T < 1 or needs_grad(x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
         return False
@@ -486,15 +503,16 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
                 sorted_on = functools.partial(sorted_path, ids)
                 pairs_on()  # each path tunes its kernels on its first call
                 sorted_on()
-                pairs_ms += _path_timer(pairs_on) / len(samples)
-                sorted_ms += _path_timer(sorted_on) / len(samples)
+                pairs_ms += _path_timer(pairs_on, graphed) / len(samples)
+                sorted_ms += _path_timer(sorted_on, graphed) / len(samples)
         finally:
             tuning.free_timer_buffers()
     _PATHS[key] = won = pairs_ms < sorted_ms
     share = f" of {experts}" if experts and experts != E else ""
     _LOG.info("chose the %s path for D=%d, I=%d, E=%d%s, K=%d at T=%d in %.1f s: pairs %.1f us, %s %.1f us "
-              "(mean of %d routings)", "pair" if won else kind, D, I, E, share, ids_TK.shape[1], T,
-              time.perf_counter() - start, pairs_ms * 1e3, kind, sorted_ms * 1e3, len(samples))
+              "(mean of %d routings%s)", "pair" if won else kind, D, I, E, share, ids_TK.shape[1], T,
+              time.perf_counter() - start, pairs_ms * 1e3, kind, sorted_ms * 1e3, len(samples),
+              ", graph replays" if graphed else "")
     return won
 
 
@@ -592,14 +610,14 @@ def decode_applies(T: int, *tensors) -> bool:
 
 def pairs_if_decode(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
                     weights_TK: torch.Tensor | None, activation: str, interleaved: bool, fallback=None,
-                    experts: int | None = None, kind: str = "sorted") -> torch.Tensor | None:
+                    experts: int | None = None, kind: str = "sorted", graphed: bool = False) -> torch.Tensor | None:
     """`moe_mlp_pairs` (x cast to the weights' dtype) where `decode_applies`, or, given the caller's
     `fallback(ids_TK)` (what the caller runs on None), where `pairs_win` chooses the pair kernels
-    (`experts`, `kind` as there); else None. The caller has checked that the Triton kernels can run
-    these experts."""
+    (`experts`, `kind`, `graphed` as there); else None. The caller has checked that the Triton kernels
+    can run these experts."""
     if fallback is not None:
         if not pairs_win(x_TD.to(w_gate_up_E2ID.dtype), w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation,
-                         interleaved, fallback, experts, kind):
+                         interleaved, fallback, experts, kind, graphed):
             return None
     elif not decode_applies(x_TD.shape[0], x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
         return None
