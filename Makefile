@@ -3,6 +3,8 @@
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+# Test workers (pytest-xdist): two keep a 2-core machine busy while multi-rank tests wait on their peers.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test setup clean
 
@@ -18,7 +20,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/thunderep demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 clean:
 	rm -rf $(VENV) build *.egg-info
