@@ -63,7 +63,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, init_dist: boo
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue, init_dist, dist_timeout, backend,
-                                                    timeout, RankStart()))
+                                                    timeout, RankStart(ctx)))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -9,8 +9,7 @@ are, that imports what this process has of torch, transformers, safetensors, tri
 then forks each rank. A rank so starts in a fraction of a second instead of importing those again
 (seconds each, and all ranks at once on the same cores); it holds no CUDA state (the server never
 touches the GPU) and takes this process's environment, stdout and stderr as they are at the start
-(`RankStart`).
-Where there is no fork server (not Linux / macOS) the ranks are spawned.
+(`RankStart`). Where there is no fork server (not Linux / macOS) the ranks are spawned.
 """
 
 from __future__ import annotations
@@ -51,13 +50,15 @@ def rank_context():
 
 class RankStart:
     """What a rank takes over from the process that starts it, as that process has it at the start: the
-    environment, stdout and stderr. A forked rank would otherwise have the fork server's, which are the
-    starting process's when it first started ranks. Made in the starting process and passed among the
-    rank's arguments (stdout and stderr travel as file descriptors); the rank calls `apply()` first."""
+    environment, and under the fork server stdout and stderr. A forked rank would otherwise have the
+    fork server's, which are the starting process's when it first started ranks (a spawned rank
+    inherits its own stdout and stderr). Made in the starting process for `ctx` (`rank_context()`)
+    and passed among the rank's arguments (stdout and stderr travel as file descriptors); the rank
+    calls `apply()` first."""
 
-    def __init__(self):
+    def __init__(self, ctx):
         self.env = dict(os.environ)
-        self._fds = (1, 2)
+        self._fds = (1, 2) if ctx.get_start_method() == "forkserver" else ()
 
     def __reduce__(self):
         from multiprocessing import reduction
@@ -67,18 +68,17 @@ class RankStart:
     def apply(self) -> None:
         os.environ.clear()
         os.environ.update(self.env)
-        for fd, passed in zip((1, 2), self._fds):
-            if passed != fd:  # a descriptor received from the starting process
-                sys.stdout.flush() if fd == 1 else sys.stderr.flush()
-                os.dup2(passed, fd)
-                os.close(passed)
-        self._fds = (1, 2)
+        for fd, passed in zip((1, 2), self._fds):  # descriptors received from the starting process
+            (sys.stdout if fd == 1 else sys.stderr).flush()
+            os.dup2(passed, fd)
+            os.close(passed)
+        self._fds = ()
 
 
-def _rank_start(env: dict[str, str], out, err) -> RankStart:
+def _rank_start(env: dict[str, str], *passed) -> RankStart:
     """A RankStart in the rank: the received descriptors taken over (`apply` installs them)."""
     start = RankStart.__new__(RankStart)
-    start.env, start._fds = env, (out.detach(), err.detach())
+    start.env, start._fds = env, tuple(p.detach() for p in passed)
     return start
 
 
@@ -113,10 +113,11 @@ def _run_rank(rank: int, world: int, port: int, fn, args, errors) -> None:
 
 def _child(rank: int, world: int, port: int, fn, args, errors, start: RankStart) -> None:
     """A rank: what it takes over from the starting process (`RankStart`), `_run_rank`, then, when it
-    succeeded, an exit without the interpreter's finalization. A gloo process group's worker thread can still be releasing its last collective's
-    work then, whose tensors need the GIL to be freed; during finalization that thread is torn down
-    and the process aborts ("terminate called without an active exception", exit code -6) after all
-    its work has succeeded (seen in about 1 of 6 runs of a 2-rank finetune on CPU)."""
+    succeeded, an exit without the interpreter's finalization. A gloo process group's worker thread
+    can still be releasing its last collective's work then, whose tensors need the GIL to be freed;
+    during finalization that thread is torn down and the process aborts ("terminate called without
+    an active exception", exit code -6) after all its work has succeeded (seen in about 1 of 6 runs
+    of a 2-rank finetune on CPU)."""
     start.apply()
     _run_rank(rank, world, port, fn, args, errors)
     import multiprocessing.util
@@ -138,7 +139,7 @@ def launch(fn, nprocs: int, *args) -> None:
     ctx = rank_context()
     errors = ctx.SimpleQueue()
     try:
-        context = mp.start_processes(_child, args=(nprocs, free_port(), fn, args, errors, RankStart()),
+        context = mp.start_processes(_child, args=(nprocs, free_port(), fn, args, errors, RankStart(ctx)),
                                      nprocs=nprocs, start_method=ctx.get_start_method(), join=False)
         # Once a rank has failed, the others get GRACE_S to end by themselves, then SIGTERM, then after
         # GRACE_S more SIGKILL (torch's default waits 30 s for a rank that does not take SIGTERM,

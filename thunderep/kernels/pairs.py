@@ -430,7 +430,7 @@ def _path_timer(fn, graphed: bool = False) -> float:
     """Milliseconds of one `fn()`, L2 flushed clean before each (the autotuner's timer, a short budget);
     `graphed`: of one replay of `fn` captured in a CUDA graph, as a captured decode step runs it (no
     host launch time: eager timings of a route of many small kernels count the host's, which misled
-    the choice 1.3 to 1.8x for routes that then ran in graphs, docs/BENCHMARKS.md)."""
+    the choice by 1.1 to 1.8x for a route that then ran in graphs, docs/BENCHMARKS.md)."""
     if not graphed:
         return tuning.timed_ms(fn, ms_budget=20.0, warmup_ms=5.0)
     stream = torch.cuda.Stream()
