@@ -430,7 +430,10 @@ def _path_timer(fn, graphed: bool = False) -> float:
     """Milliseconds of one `fn()`, L2 flushed clean before each (the autotuner's timer, a short budget);
     `graphed`: of one replay of `fn` captured in a CUDA graph, as a captured decode step runs it (no
     host launch time: eager timings of a route of many small kernels count the host's, which misled
-    the choice by 1.1 to 1.8x for a route that then ran in graphs, docs/BENCHMARKS.md)."""
+    the choice by 1.1 to 1.8x for a route that then ran in graphs, docs/BENCHMARKS.md). Only for routes
+    made to be captured; a failed capture is raised, not worked around: on the H200 (torch 2.11), after
+    a capture that failed on a syncing route and was caught, the next random draw on the device failed
+    ("Offset increment outside graph capture encountered unexpectedly")."""
     if not graphed:
         return tuning.timed_ms(fn, ms_budget=20.0, warmup_ms=5.0)
     stream = torch.cuda.Stream()
@@ -444,7 +447,7 @@ def _path_timer(fn, graphed: bool = False) -> float:
     try:
         return tuning.timed_ms(graph.replay, ms_budget=20.0, warmup_ms=5.0)
     finally:
-        del graph
+        del graph  # the capture's memory goes back to the allocator
 
 
 def path_tuning_applies(device: torch.device) -> bool:
