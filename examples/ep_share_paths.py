@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from thunderep.balance.placement import Placement
 from thunderep.kernels import bench as B
 from thunderep.kernels import pairs as P
 from thunderep.kernels.ops import routed_moe_mlp
@@ -44,11 +45,7 @@ def _routes(wgu, wd, K):
 
     def local_sorted(x, local, w):
         T, D = x.shape
-        flat = local.reshape(-1)
-        pairs_M = (flat >= 0).nonzero().squeeze(1)
-        slots_M = flat[pairs_M]
-        order = torch.argsort(slots_M, stable=True)
-        pairs_M, slots_M = pairs_M[order], slots_M[order]
+        pairs_M, slots_M = Placement.sorted_local_pairs(local)
         y = routed_moe_mlp(x[pairs_M // K], wgu, wd, slots_M.view(-1, 1)) * w.reshape(-1, 1)[pairs_M]
         return y.new_zeros(T * K, D).index_copy(0, pairs_M, y).view(T, K, D).float().sum(dim=1)
 

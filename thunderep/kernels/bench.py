@@ -135,18 +135,15 @@ def _copy_of(n_bytes: int, device):
 def graph_ms(fn, sets, passes: int = 1) -> float:
     """Forward time with launch overhead removed: `passes` rounds of the ROTATE calls captured once in a
     CUDA graph, replayed; milliseconds per call."""
-    with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for s in sets:  # warm-up outside the capture (autotuning, allocator)
+    from . import tuning
+
+    def rounds():
+        for _ in range(passes):
+            for s in sets:
                 fn(s[0], s[1], s[2])
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(passes):
-                for s in sets:
-                    fn(s[0], s[1], s[2])
+
+    with torch.no_grad():
+        graph = tuning.captured(rounds)  # warmed up outside the capture (autotuning, allocator)
     ms = _bench(graph.replay) / (passes * len(sets))
     del graph
     return ms

@@ -436,14 +436,7 @@ def _path_timer(fn, graphed: bool = False) -> float:
     ("Offset increment outside graph capture encountered unexpectedly")."""
     if not graphed:
         return tuning.timed_ms(fn, ms_budget=20.0, warmup_ms=5.0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # what a capture needs first (lazy initialisation), off the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = tuning.captured(fn)
     try:
         return tuning.timed_ms(graph.replay, ms_budget=20.0, warmup_ms=5.0)
     finally:

@@ -33,7 +33,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..errors import ConfigError
 
-__all__ = ["autotune_enabled", "compile_threads", "compiled_kernels", "free_timer_buffers", "kernel_configs", "launch",
+__all__ = ["autotune_enabled", "captured", "compile_threads", "compiled_kernels", "free_timer_buffers", "kernel_configs", "launch",
            "precision", "timed_ms", "tuned"]
 
 _LOG = logging.getLogger("thunderep.kernels")
@@ -97,6 +97,20 @@ def timed_ms(fn, ms_budget: float = 100.0, warmup_ms: float = 25.0, quantiles=No
     if quantiles is None:
         return statistics.median(times)
     return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
+
+
+def captured(fn) -> torch.cuda.CUDAGraph:
+    """`fn()` captured in a CUDA graph, after one call on a side stream (lazy initialisation and
+    autotuning stay out of the capture). A capture that fails raises."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None, reset_to_zero=None):
