@@ -200,7 +200,7 @@ def _path_choice_case(rank, world):
             got["capturable"] = tm.model(input_ids=x).logits  # as a static decode step calls it
         capturable = (list(timed), len(calls), set(graphs[-2:]))
     ep.close()
-    choices = {(key[4], key[-2], key[-1]): won for key, won in pairs._PATHS.items() if key[3] == 2}
+    choices = {(key[4], key[-3], key[-2], key[-1]): won for key, won in pairs._PATHS.items() if key[3] == 2}
     slots = tm.bindings[next(iter(tm.bindings))].num_slots
     return got, want, first, again, capturable, choices, [ids.tolist() for ids in seen_ids], slots
 
@@ -226,9 +226,53 @@ def test_ep_share_takes_the_path_measured_faster(world):
         assert again == ([], layers)
         # the masked route won; timed as graph replays, as captured decode steps run it
         assert capturable == (["pairs", "other"] * routings, tuning, {True}), (capturable, choices)
-        assert choices == {(3, E, "sorted"): True, (3, E, "every pair"): False}
+        assert choices == {(3, E, "sorted", False): True, (3, E, "every pair", True): False}
         flat = [i for ids in seen_ids[1:tuning] for row in ids for i in row]  # the random routings
         assert -1 in flat and all(-1 <= i < slots for i in flat)
+
+
+@CPU_ONLY
+def test_all_local_decode_steps_choose_their_path_by_graph_replays(monkeypatch):
+    """All experts local, 3 tokens, the path choice on (as on CUDA; the timer faked: eagerly the pair
+    kernels 40 us and the sorted path 50 us, in graph replays 60 against 50): an eager call times both
+    paths eagerly and takes the pair kernels; a capturable call (a static decode step's, eager warm-up or
+    capture) times them anew as graph replays and takes the sorted path; each choice then stands, and
+    every output equals the plain model's."""
+    from thunderep.kernels import pairs
+
+    model = tiny_model("mixtral", seed=2)
+    x = _ids(rows=1, seq=3, seed=7)
+    with torch.no_grad():
+        want = model(input_ids=x).logits
+    tm = ThunderMoE.wrap(copy.deepcopy(model), experts_implementation=KERNELS).eval()
+    monkeypatch.setattr(pairs, "_PATHS", {})
+    monkeypatch.setattr(pairs, "path_tuning_applies", lambda device: True)
+    monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
+    timed, runs = [], []
+    real = pairs._moe_mlp_pairs_impl
+
+    def fake_timer(fn, graphed=False):
+        timed.append(graphed)
+        if fn.func is pairs.moe_mlp_pairs:
+            return 0.060 if graphed else 0.040
+        return 0.050
+
+    monkeypatch.setattr(pairs, "_path_timer", fake_timer)
+    monkeypatch.setattr(pairs, "_moe_mlp_pairs_impl", lambda *a: runs.append(1) or real(*a))
+    routings = pairs.PATH_ROUTINGS
+
+    def call(capturable):
+        del timed[:], runs[:]
+        with torch.no_grad(), tm.running("latency", capturable=capturable):
+            got = tm.model(input_ids=x).logits  # as a static decode step calls it
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return list(timed), len(runs)
+
+    layers = len(tm.bindings)  # one shape: one choice for both layers; each path runs once per routing first
+    assert call(False) == ([False] * 2 * routings, routings + layers)
+    assert call(True) == ([True] * 2 * routings, routings)
+    assert call(True) == ([], 0) and call(False) == ([], layers)
+    assert sorted((key[4], key[-1], won) for key, won in pairs._PATHS.items()) == [(3, False, True), (3, True, False)]
 
 
 @CPU_ONLY

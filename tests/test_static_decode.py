@@ -235,6 +235,25 @@ def test_gpu_graph_steps_equal_eager_steps():
         assert graphs and len(sizes) >= 2, sizes
 
 
+@pytest.mark.gpu
+def test_gpu_a_failed_capture_leaves_the_devices_random_draws_working():
+    """transformers' `eager` experts sync with the host, so the step's capture fails: decoding goes on
+    eagerly with the same tokens, and the device's default generator still draws afterwards (a failed
+    capture left it in capture mode, and every draw failed, before `thunderep.cuda_graphs`)."""
+    from hf_tiny import tiny_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda")
+    model = tiny_model("mixtral", seed=1).to(device, torch.bfloat16).eval()
+    model.set_experts_implementation("eager")
+    got, want, graphs, sizes = _graphs_against_eager(model, device)
+    assert not graphs and not sizes
+    assert got == want
+    assert torch.rand(4, device=device).shape == (4,)
+    assert torch.nn.functional.dropout(torch.ones(8, device=device), 0.5, training=True).isfinite().all()
+
+
 def _gpu_ranks(rank, world):
     from hf_tiny import tiny_model
 

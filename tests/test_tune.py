@@ -48,20 +48,16 @@ def test_each_row_class_is_reached_once_on_every_rank(experts, top_k, ranks):
 
 def test_path_calls_cover_the_token_counts_tuning_calls_leave():
     """The path-choice calls and the tuning calls together make every count of 2 to
-    PAIRS_TUNE_MAX_TOKENS tokens once (`pairs_win` times the two paths at each count's first call);
-    under expert parallelism, every count once outside decode steps and every decode bucket once as a
-    capturable step (a rank's share keeps a choice per sorted route)."""
+    PAIRS_TUNE_MAX_TOKENS tokens once outside decode steps and every decode bucket among them once as a
+    capturable step (`pairs_win` keeps a choice for each, made at its first call)."""
     from thunderep.kernels.pairs import PAIRS_TUNE_MAX_TOKENS
 
     counts = list(range(2, PAIRS_TUNE_MAX_TOKENS + 1))
     for experts, top_k, max_batch in [(8, 2, 8), (128, 8, 4), (60, 4, 32), (8, 8, 2)]:
         calls = tune.tuning_calls(experts, top_k, max_batch)
-        made = {t for t, _ in calls} & set(counts)
-        alone = tune.path_calls(experts, top_k, max_batch)
-        assert all(not capturable for _, capturable in alone)
-        assert sorted([t for t, _ in alone] + sorted(made)) == counts, (experts, top_k)
-        shared = tune.path_calls(experts, top_k, max_batch, all_local=False)
-        both = collections.Counter(shared + [c for c in calls if c[0] in counts])
+        paths = tune.path_calls(experts, top_k, max_batch)
+        assert all(not capturable for _, capturable in paths)
+        both = collections.Counter(paths + [c for c in calls if c[0] in counts])
         want = [(t, False) for t in counts] + [(b, True) for b in _buckets(max_batch) if b in counts]
         assert sorted(both) == sorted(want) and max(both.values()) == 1, (experts, top_k, max_batch)
 

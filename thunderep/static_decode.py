@@ -27,7 +27,8 @@ sampling, but holds the cache in fixed storage so that a step's shapes depend on
 The experts run in latency mode with `capturable=True` (`ThunderMoE.running`): every (token, k) pair
 goes through the local experts at a fixed shape, with no host sync. A capture that fails (an experts
 implementation that syncs, e.g. transformers' `eager` loop) turns graphs off for this batch with one
-message, and the same steps run eagerly on the same storage.
+message, and the same steps run eagerly on the same storage (the device's random generator left
+usable: `thunderep.cuda_graphs`).
 
 `static_reason(model)` names what this path cannot run (None: it can): attention other than `sdpa`
 or `eager`, and any cache `DecodeBatch` cannot merge. `close()` releases the storage and the graphs.
@@ -43,6 +44,7 @@ import sys
 
 import torch
 
+from .cuda_graphs import capture
 from .engine import DecodeBatch, _new_cache, unsupported_reason
 from .errors import ConfigError
 
@@ -283,7 +285,7 @@ class StaticDecodeBatch(DecodeBatch):
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with capture(graph, self._pool):
                 logits = self._forward_static(b)
         except Exception as exc:  # noqa: BLE001 - a sync or an uncapturable op: run eagerly from now on
             self.graphs = False

@@ -12,6 +12,7 @@ tl = pytest.importorskip("triton.language")  # visible to the jit functions defi
 
 from test_moe_triton import CUDA, INTERP_CASES, MODEL_SHAPES, make_case, reference, rel_err  # noqa: E402
 
+from thunderep.cuda_graphs import graph_steps  # noqa: E402
 from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.kernels import ops  # noqa: E402
 from thunderep.kernels import pairs as pairs_mod  # noqa: E402
@@ -92,19 +93,20 @@ def test_routed_path_choice(monkeypatch):
 def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog):
     """From 2 to PAIRS_TUNE_MAX_TOKENS tokens (path tuning on, as on CUDA; the timer faked): the first call
     at a T runs both paths, times them and keeps the faster, logged; later calls at that T run it
-    untimed; another T is timed anew. Nothing is timed, and the sorted path runs, past the bound, with
+    untimed; another T is timed anew; the calls of captured decode steps (`graph_steps`) are timed anew,
+    as graph replays, and keep their own choice. Nothing is timed, and the sorted path runs, past the bound, with
     gradients, during a CUDA-graph capture, or where THUNDEREP_PAIRS_MAX_TOKENS decides. Every output
     matches the reference."""
     monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
     monkeypatch.setattr(pairs_mod, "_PATHS", {})
     monkeypatch.setattr(pairs_mod, "path_tuning_applies", lambda device: True)
-    calls, timed, times = [], [], {}
+    calls, timed, times, graphs = [], [], {}, []
     real_pairs, real_sorted = pairs_mod._moe_mlp_pairs_impl, ops.moe_mlp
     monkeypatch.setattr(pairs_mod, "_moe_mlp_pairs_impl", lambda *a: calls.append("pairs") or real_pairs(*a))
     monkeypatch.setattr(ops, "moe_mlp", lambda *a, **k: calls.append("sorted") or real_sorted(*a, **k))
 
     def fake_timer(fn, graphed=False):
-        assert not graphed  # all experts local: one route, timed eagerly
+        graphs.append(graphed)
         del calls[:]
         fn()
         timed.append(calls[-1])
@@ -115,7 +117,7 @@ def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog
     monkeypatch.setattr(pairs_mod, "_path_timer", fake_timer)
 
     def run(T, grad=False):
-        del calls[:], timed[:]
+        del calls[:], timed[:], graphs[:]
         x, w_gu, w_d, ids, weights = make_case(T, 16, 16, 4, 2, torch.float32, T)
         with torch.set_grad_enabled(grad):
             y = routed_moe_mlp(x.clone().requires_grad_(grad), w_gu, w_d, ids, weights)
@@ -124,13 +126,21 @@ def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog
 
     caplog.set_level("INFO", logger="thunderep.kernels")
     times.update(pairs=0.040, sorted=0.050)
-    assert run(3) == ("pairs", ["pairs", "sorted"] * routings)
+    assert run(3) == ("pairs", ["pairs", "sorted"] * routings) and not any(graphs)
     assert "chose the pair path for D=16, I=16, E=4, K=2 at T=3" in caplog.text
     assert f"pairs 40.0 us, sorted 50.0 us (mean of {routings} routings)" in caplog.text
     times.update(pairs=0.060)  # measured once: the choice at T = 3 stands
     assert run(3) == ("pairs", [])
     assert run(5) == ("sorted", ["pairs", "sorted"] * routings)
     assert run(5) == ("sorted", [])
+    times.update(pairs=0.070)
+    with graph_steps():  # a captured decode step's calls: timed anew as graph replays, the choice kept apart
+        assert run(3) == ("sorted", ["pairs", "sorted"] * routings) and graphs == [True] * 2 * routings
+        assert f"(mean of {routings} routings, graph replays)" in caplog.text
+        assert run(3) == ("sorted", [])
+        with graph_steps(False):
+            assert run(3) == ("pairs", [])
+    assert run(3) == ("pairs", [])  # the eager choice stands
     assert run(1) == ("pairs", [])  # PAIRS_MAX_TOKENS: always the pair kernels
     assert run(pairs_mod.PAIRS_TUNE_MAX_TOKENS + 1) == ("sorted", [])
     assert run(4, grad=True) == ("sorted", [])

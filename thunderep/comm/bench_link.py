@@ -67,6 +67,7 @@ from pathlib import Path
 
 import torch
 
+from ..cuda_graphs import capture
 from ..errors import CommError, ConfigError, PeerTimeout, ThunderError
 
 __all__ = ["OPS", "SETTINGS", "fit_alpha_beta", "main", "measure_world", "sizes"]
@@ -140,7 +141,7 @@ def _captured(run, count: int, device: torch.device):
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
     # thread_local: the capture forbids unsafe CUDA calls on this thread only; NCCL's watchdog thread
     # keeps querying its events meanwhile.
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+    with capture(graph, stream=stream, capture_error_mode="thread_local"):
         for _ in range(count):
             run()
     torch.cuda.synchronize(device)

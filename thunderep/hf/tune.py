@@ -78,19 +78,16 @@ def tuning_calls(num_experts: int, top_k: int, max_batch: int) -> list[tuple[int
     return calls
 
 
-def path_calls(num_experts: int, top_k: int, max_batch: int, all_local: bool = True) -> list[tuple[int, bool]]:
+def path_calls(num_experts: int, top_k: int, max_batch: int) -> list[tuple[int, bool]]:
     """(tokens, capturable) of the calls that only choose a path: inference on 2 to PAIRS_TUNE_MAX_TOKENS
     tokens times the pair kernels against the sorted path on its first call at each count
-    (`thunderep.kernels.pairs.pairs_win`); the calls `tuning_calls` does not make already. With all
-    experts local the choice is one per count. A rank's share under expert parallelism has two sorted
-    routes, each with its own choice: capturable decode steps (every pair, the other ranks' masked;
-    `tuning_calls` makes those at the bucket sizes) and every other call (the local pairs, sorted)."""
+    (`thunderep.kernels.pairs.pairs_win`); the calls `tuning_calls` does not make already. Captured
+    decode steps keep a choice of their own, timed as graph replays (`tuning_calls` makes those at the
+    bucket sizes), apart from every other call's; a rank's share under expert parallelism, whose
+    capturable route differs too (every pair, the other ranks' masked), likewise."""
     from ..kernels.pairs import PAIRS_TUNE_MAX_TOKENS
 
     made = tuning_calls(num_experts, top_k, max_batch)
-    if all_local:
-        counts = {tokens for tokens, _ in made}
-        return [(t, False) for t in range(2, PAIRS_TUNE_MAX_TOKENS + 1) if t not in counts]
     return [(t, False) for t in range(2, PAIRS_TUNE_MAX_TOKENS + 1) if (t, False) not in made]
 
 
@@ -198,7 +195,7 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                     log(f"  {binding.class_name} {i + 1}/{len(planned)}: {tokens} token(s)"
                         f"{' (decode step)' if capturable else ''} in {took:.1f} s")
             if path_tuning_applies(device):  # 2 to 16 tokens: which path, measured
-                for tokens, capturable in path_calls(binding.num_experts, top_k, max_batch, binding.all_local):
+                for tokens, capturable in path_calls(binding.num_experts, top_k, max_batch):
                     x_TD, ids_TK, weights_TK = _synthetic(tokens, binding.num_experts, top_k, hidden, x_dtype,
                                                           w_dtype, device)
                     with tm._mode("latency", capturable):

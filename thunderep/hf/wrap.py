@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..balance.placement import Placement
+from ..cuda_graphs import graph_steps
 from ..errors import ConfigError, UnsupportedModelError
 from .experts import (
     IMPLEMENTATION,
@@ -324,7 +325,8 @@ class ThunderMoE(nn.Module):
         previous = self._state.mode, self._state.capturable
         self._state.mode, self._state.capturable = resolved, capturable
         try:
-            yield
+            with graph_steps(capturable):  # all-local experts choose their decode path by graph replays too
+                yield
         finally:
             self._state.mode, self._state.capturable = previous
 

@@ -134,7 +134,9 @@ def _copy_of(n_bytes: int, device):
 
 def graph_ms(fn, sets, passes: int = 1) -> float:
     """Forward time with launch overhead removed: `passes` rounds of the ROTATE calls captured once in a
-    CUDA graph, replayed; milliseconds per call."""
+    CUDA graph, replayed; milliseconds per call. The calls run as a captured decode step's do
+    (`graph_steps`: a path chosen by timing is timed as graph replays, kept apart from the eager rows')."""
+    from ..cuda_graphs import graph_steps
     from . import tuning
 
     def rounds():
@@ -142,7 +144,7 @@ def graph_ms(fn, sets, passes: int = 1) -> float:
             for s in sets:
                 fn(s[0], s[1], s[2])
 
-    with torch.no_grad():
+    with torch.no_grad(), graph_steps():  # a decode step's calls: path choices timed as graph replays
         graph = tuning.captured(rounds)  # warmed up outside the capture (autotuning, allocator)
     ms = _bench(graph.replay) / (passes * len(sets))
     del graph

@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover - a Triton without it: the kernels run w
     def gdc_wait():
         pass
 
+from ..cuda_graphs import in_graph_steps
 from ..errors import ConfigError
 from . import tuning
 from .moe_triton import ACTIVATIONS, _act, _gate_up_cols
@@ -422,8 +423,8 @@ PAIRS_MAX_TOKENS = 1
 # T = 2; on DeepSeek-V3's they tie.
 PAIRS_TUNE_MAX_TOKENS = 16
 PATH_ROUTINGS = 4
-_PATHS: dict[tuple, bool] = {}  # (D, I, E, K, T, dtype, weighted, activation, interleaved, device, experts, kind)
-#                                   -> pairs won
+# (D, I, E, K, T, dtype, weighted, activation, interleaved, device, experts, kind, graphed) -> pairs won
+_PATHS: dict[tuple, bool] = {}
 
 
 def _path_timer(fn, graphed: bool = False) -> float:
@@ -431,9 +432,8 @@ def _path_timer(fn, graphed: bool = False) -> float:
     `graphed`: of one replay of `fn` captured in a CUDA graph, as a captured decode step runs it (no
     host launch time: eager timings of a route of many small kernels count the host's, which misled
     the choice by 1.1 to 1.8x for a route that then ran in graphs, docs/BENCHMARKS.md). Only for routes
-    made to be captured; a failed capture is raised, not worked around: on the H200 (torch 2.11), after
-    a capture that failed on a syncing route and was caught, the next random draw on the device failed
-    ("Offset increment outside graph capture encountered unexpectedly")."""
+    made to be captured; a failed capture is raised, not worked around (a route that cannot be captured
+    is a caller's bug: it would fail in the captured step as well)."""
     if not graphed:
         return tuning.timed_ms(fn, ms_budget=20.0, warmup_ms=5.0)
     graph = tuning.captured(fn)
@@ -455,7 +455,7 @@ def _capturing(device: torch.device) -> bool:
 
 def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
               weights_TK: torch.Tensor | None, activation: str, interleaved: bool, sorted_path,
-              experts: int | None = None, kind: str = "sorted", graphed: bool = False) -> bool:
+              experts: int | None = None, kind: str = "sorted", graphed: bool | None = None) -> bool:
     """Whether inference on these T tokens runs the pair kernels (else `sorted_path(ids_TK)`, the
     caller's sorted route over the same arguments and the ids given). THUNDEREP_PAIRS_MAX_TOKENS, when
     set, decides alone (T up to it); so does T <= PAIRS_MAX_TOKENS. Up to PAIRS_TUNE_MAX_TOKENS, on
@@ -468,7 +468,8 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     parallelism: ids_TK marks the other ranks' pairs -1, which the pair kernels skip); the random
     routings then pick among that many experts, those past this rank's marked -1. `kind` names the
     caller's sorted route where a caller has more than one (a choice is kept per kind); `graphed`: that
-    route runs in captured CUDA graphs, so both paths are timed as graph replays (`_path_timer`)."""
+    route runs in captured CUDA graphs, so both paths are timed as graph replays (`_path_timer`) and the
+    choice is kept apart from the eager one; None: `thunderep.cuda_graphs.in_graph_steps()`."""
     T = x_TD.shape[0]
     if T < 1 or needs_grad(x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
         return False
@@ -477,8 +478,9 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     if T > PAIRS_TUNE_MAX_TOKENS or not path_tuning_applies(x_TD.device):
         return False
     E, D, I = w_down_EDI.shape
+    graphed = in_graph_steps() if graphed is None else graphed
     key = (D, I, E, ids_TK.shape[1], T, x_TD.dtype, weights_TK is not None, activation, interleaved, str(x_TD.device),
-           experts or E, kind)
+           experts or E, kind, graphed)
     won = _PATHS.get(key)
     if won is not None or torch.compiler.is_compiling() or _capturing(x_TD.device):
         return bool(won)
@@ -606,7 +608,8 @@ def decode_applies(T: int, *tensors) -> bool:
 
 def pairs_if_decode(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
                     weights_TK: torch.Tensor | None, activation: str, interleaved: bool, fallback=None,
-                    experts: int | None = None, kind: str = "sorted", graphed: bool = False) -> torch.Tensor | None:
+                    experts: int | None = None, kind: str = "sorted",
+                    graphed: bool | None = None) -> torch.Tensor | None:
     """`moe_mlp_pairs` (x cast to the weights' dtype) where `decode_applies`, or, given the caller's
     `fallback(ids_TK)` (what the caller runs on None), where `pairs_win` chooses the pair kernels
     (`experts`, `kind`, `graphed` as there); else None. The caller has checked that the Triton kernels

@@ -31,6 +31,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ..cuda_graphs import capture
 from ..errors import ConfigError
 
 __all__ = ["autotune_enabled", "captured", "compile_threads", "compiled_kernels", "free_timer_buffers", "kernel_configs", "launch",
@@ -101,14 +102,14 @@ def timed_ms(fn, ms_budget: float = 100.0, warmup_ms: float = 25.0, quantiles=No
 
 def captured(fn) -> torch.cuda.CUDAGraph:
     """`fn()` captured in a CUDA graph, after one call on a side stream (lazy initialisation and
-    autotuning stay out of the capture). A capture that fails raises."""
+    autotuning stay out of the capture). A capture that fails raises (`thunderep.cuda_graphs.capture`)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture(graph):
         fn()
     return graph
 
