@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 
 import torch
 
@@ -50,8 +51,10 @@ def _release_generator() -> None:
     if torch.cuda.is_current_stream_capturing():  # still inside an outer capture: that one owns the mode
         return
     try:
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            pass
+        with warnings.catch_warnings():  # torch warns that the graph is empty, which is the point
+            warnings.simplefilter("ignore", UserWarning)
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pass
     except Exception:  # noqa: BLE001 - the capture's own failure is the one to report
         pass
 
