@@ -329,10 +329,13 @@ def test_split_down_pass_leaves_counts_zero_for_reruns(monkeypatch):
 DEVICE = "cuda" if CUDA else "cpu"  # the route tests: compiled on a GPU, else Triton's interpreter
 
 
+@pytest.mark.parametrize("ranked", [False] if CUDA else [False, True])
 @pytest.mark.parametrize("N,E", [(1, 4), (7, 5), (64, 16), (300, 128), (1024, 256)])
-def test_route_kernel_equals_stable_argsort_and_counts(N, E):
+def test_route_kernel_equals_stable_argsort_and_counts(N, E, ranked, monkeypatch):
     """The one-program sort of small inference batches: the same order as a stable argsort, the same
-    counts as a bincount, the weights passed through."""
+    counts as a bincount, the weights passed through; with tl.sort (what a GPU runs) and, in the
+    interpreter, with the ranks the interpreter runs elsewhere."""
+    monkeypatch.setattr(ops, "route_ranks", lambda device: ranked)
     gen = torch.Generator().manual_seed(N)
     ids = torch.randint(0, E, (N, 1), generator=gen).to(DEVICE)
     weights = torch.rand(N, 1, generator=gen).to(DEVICE)
@@ -345,7 +348,9 @@ def test_route_kernel_equals_stable_argsort_and_counts(N, E):
     assert ones.dtype == torch.bfloat16 and (ones == 1).all()
 
 
-def test_route_kernel_unknown_ids_become_expert_zero_with_weight_zero_or_nan():
+@pytest.mark.parametrize("ranked", [False] if CUDA else [False, True])
+def test_route_kernel_unknown_ids_become_expert_zero_with_weight_zero_or_nan(ranked, monkeypatch):
+    monkeypatch.setattr(ops, "route_ranks", lambda device: ranked)
     ids = torch.tensor([[2, -1], [5, 0], [1, 7]], device=DEVICE)
     order, counts, w = ops._route(ids, torch.full((3, 2), 0.5, device=DEVICE), 4, torch.float32)
     assert order.tolist() == [1, 2, 3, 5, 4, 0]  # -1, 5, 0 and 7 count as expert 0, in flat order

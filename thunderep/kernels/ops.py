@@ -432,8 +432,15 @@ def _route_impl(ids_TK: torch.Tensor, weights_TK: Optional[torch.Tensor], E: int
     weights_N = torch.empty(N, dtype=weights_TK.dtype if weights_TK is not None else dtype, device=device)
     passes._route_kernel[(1,)](ids_TK.reshape(-1), weights_TK.reshape(-1) if weights_TK is not None else weights_N,
                                order_N, counts_E, weights_N, N, E, WEIGHTED=weights_TK is not None,
-                               BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_E=_block_e(E))
+                               BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_E=_block_e(E),
+                               RANKED=route_ranks(device))
     return order_N, counts_E, weights_N
+
+
+def route_ranks(device: torch.device) -> bool:
+    """Whether _route_kernel orders the pairs by counting ranks rather than with tl.sort: off a GPU,
+    in Triton's CPU interpreter (`passes._route_kernel`)."""
+    return device.type != "cuda"
 
 
 _route_op = torch.library.custom_op("thunderep::route", mutates_args=())(_route_impl)

@@ -116,20 +116,27 @@ def _combine_kernel(rows_ptr, inv_ptr, weight_ptr, out_ptr, T, D, top_k, stride_
 
 @triton.jit(do_not_specialize=["N"])
 def _route_kernel(ids_ptr, weight_ptr, order_ptr, counts_ptr, w_out_ptr, N, E, WEIGHTED: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, RANKED: tl.constexpr = False):
     """One program sorts a small batch's N pairs by expert: order[r] = the flat pair of sorted row r
     (stable: pairs of one expert in flat order), counts[e] = pairs of expert e, and w_out[j] = the
     pair's routing weight (1 unless WEIGHTED). A pair whose id is outside [0, E) is computed as expert
     0 with weight 0 for id -1 (computed elsewhere: adds nothing, as in the pair kernels) and NaN for
     any other id (its token's output shows it). Replaces a radix sort, a scatter for the counts and
-    their fills and copies (one launch against about six) where N fits one block."""
+    their fills and copies (one launch against about six) where N fits one block.
+    RANKED: each pair's sorted row is the number of smaller keys (a [BLOCK_N, BLOCK_N] comparison),
+    for Triton's CPU interpreter, which runs tl.sort's bitonic network (a reduction per stage) in about
+    a second a call; compiled, tl.sort takes microseconds, where the comparison would not fit."""
     i_N = tl.arange(0, BLOCK_N)
     ok_N = i_N < N
     raw_N = tl.load(ids_ptr + i_N, mask=ok_N, other=0)
     known_N = (raw_N >= 0) & (raw_N < E)
     e_N = tl.where(known_N, raw_N, 0).to(tl.int32)
     key_N = tl.where(ok_N, e_N, BLOCK_E) * BLOCK_N + i_N  # unique keys: a stable order; padding last
-    tl.store(order_ptr + i_N, tl.sort(key_N) % BLOCK_N, mask=ok_N)
+    if RANKED:
+        rank_N = tl.sum((key_N[None, :] < key_N[:, None]).to(tl.int32), axis=1)
+        tl.store(order_ptr + rank_N, i_N, mask=ok_N)
+    else:
+        tl.store(order_ptr + i_N, tl.sort(key_N) % BLOCK_N, mask=ok_N)
     e_E = tl.arange(0, BLOCK_E)
     tl.store(counts_ptr + e_E, tl.histogram(e_N, BLOCK_E, mask=ok_N), mask=e_E < E)
     if WEIGHTED:
