@@ -488,6 +488,11 @@ def test_compiled_backward_keeps_the_kernels_behind_the_backward_op(monkeypatch)
         return ops._moe_mlp_op(x, w_gu, w_d, order, counts, weights.reshape(-1), 2, "silu", False, True,
                                "triton")[0]
 
+    # Dynamo notes which function is torch.compiler.is_compiling once, when it first traces a torch
+    # function in a process: traced now, it notes the real one, not the stand-in below, and later
+    # compiles in the process still fold is_compiling() to True.
+    torch.compile(lambda t: torch.neg(t), backend="eager", fullgraph=True)(torch.ones(1))
+
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     torch._dynamo.reset()
     leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]

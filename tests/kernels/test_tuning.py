@@ -3,6 +3,7 @@ with stand-in kernels (no GPU needed)."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
@@ -166,8 +167,9 @@ class _StandInAutotuner:
                     outer.compiled[key] = kernel
                     outer.events.append(("compiled", key))
 
-                if mode is not None:
-                    return mode.submit(key, compile_it, finish, lambda future: None)
+                if mode is not None:  # Triton 3.9 passes a cleanup function too, 3.6 does not
+                    cleanup = [lambda future: None] if "cleanup_fn" in inspect.signature(mode.submit).parameters else []
+                    return mode.submit(key, compile_it, finish, *cleanup)
                 finish(compile_it())
 
         self.fn = Fn()
