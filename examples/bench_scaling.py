@@ -95,6 +95,8 @@ def _timed(fns: dict, repeats: int, sync, warmup: int = 1) -> dict[str, list[flo
 def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.cpu:  # CPU ranks see no GPU: transformers' EP would put its device mesh on one the machine has
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch.distributed as dist
     import transformers
 

@@ -4,6 +4,7 @@ DecodeBatch gives, with no host sync in a step, on one process and on EP ranks."
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import pytest
 import torch
@@ -133,13 +134,27 @@ def test_a_step_has_no_host_sync():
     assert counter.seen  # the detector sees what it should
 
 
-def test_a_failed_capture_turns_graphs_off_and_decoding_goes_on(capsys):
-    """On CPU a capture cannot start: the batch says so once and runs the same steps eagerly."""
+def test_a_failed_capture_turns_graphs_off_and_decoding_goes_on(capsys, monkeypatch):
+    """A step's capture fails (as a step that syncs with the host fails it): the batch says so once and
+    runs the same steps eagerly. (On CPU, with graphs set on as on CUDA; the GPU test below fails a real
+    capture.) Asking for graphs on a CPU device is refused."""
     from hf_tiny import tiny_model
+
+    @contextlib.contextmanager
+    def failing(graph, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+        yield
 
     model = tiny_model("mixtral", seed=1).eval()
     want = _run_schedule(DecodeBatch(model, "cpu", set(), 0), _entries())
-    batch = StaticDecodeBatch(model, "cpu", set(), 0, max_batch=4, graphs=True)
+    with pytest.raises(ConfigError, match="graphs=True needs a CUDA device"):
+        StaticDecodeBatch(model, "cpu", set(), 0, max_batch=4, graphs=True)
+    batch = StaticDecodeBatch(model, "cpu", set(), 0, max_batch=4)
+    assert not batch.graphs
+    batch.graphs = True
+    monkeypatch.setattr(static_decode, "capture", failing)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # CPU-only builds have no pools
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
     assert _run_schedule(batch, _entries()) == want
     assert not batch.graphs
     assert capsys.readouterr().err.count("CUDA graphs off for decoding") == 1

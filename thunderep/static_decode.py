@@ -97,11 +97,16 @@ def _slot_layer_class():
 
 class StaticDecodeBatch(DecodeBatch):
     """`DecodeBatch` over fixed storage for up to `max_batch` sequences, its steps in CUDA graphs where
-    `graphs` (default: on CUDA devices). Same interface and the same tokens as `DecodeBatch`."""
+    `graphs` (default: on CUDA devices; True on another device is a ConfigError: a CUDA graph captures
+    nothing of its work, and replays would return stale logits). Same interface and the same tokens as
+    `DecodeBatch`."""
 
     def __init__(self, tm, device: torch.device, eos: set[int], pad: int, max_batch: int,
                  graphs: bool | None = None):
         super().__init__(tm, device, eos, pad)
+        if graphs and self.device.type != "cuda":
+            raise ConfigError(f"graphs=True needs a CUDA device (CUDA graphs capture CUDA work only); this batch "
+                              f"decodes on {self.device}: pass graphs=None or False")
         self.max_batch, self.buckets = max_batch, _buckets(max_batch)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.capacity, self.row_capacity, self.length = 0, 0, 0  # storage columns and rows; the write column
