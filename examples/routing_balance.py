@@ -5,7 +5,7 @@ row tile), the same weights. Prints the rows per expert, the median ms, and the 
 
     python examples/routing_balance.py [deepseek|qwen3|mixtral] [T] [random,balanced]    (a CUDA GPU)
 """
-import os, sys, json, torch
+import sys, json, torch
 from triton.testing import do_bench
 from thunderep.kernels.ops import routed_moe_mlp, kernel_configs
 

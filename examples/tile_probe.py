@@ -8,7 +8,6 @@ A config is (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, TAIL]). Each rou
 alternating, and each line prints the medians in ms (`triton.testing.do_bench`)."""
 import sys, torch, triton
 from triton.testing import do_bench
-from thunderep.kernels import moe_triton as K
 from thunderep.kernels import ops
 D, I, E, k = 7168, 2048, 256, 8
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 4096

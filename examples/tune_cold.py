@@ -9,7 +9,7 @@ Run from the repository root.
 N: the threads to compare with 1 (default 8); ORDER: the thread counts of one round, comma-separated,
 in the order they run (default "1,N"); ROUNDS: default 2. Prints each tuning's report line.
 """
-import os, subprocess, sys, tempfile, time
+import os, subprocess, sys, tempfile
 CHILD = r'''
 import sys, time, torch
 sys.path.insert(0, "tests")
