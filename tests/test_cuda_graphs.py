@@ -2,10 +2,47 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from thunderep.cuda_graphs import capture
+from thunderep.cuda_graphs import capture, graph_steps, in_graph_steps
+
+
+def test_a_failed_capture_is_followed_by_an_empty_one_then_raised(monkeypatch):
+    """The mechanism with torch's capture stood in for (no GPU needed): the body's failure propagates,
+    after one more capture with an empty body has begun and ended; a capture that works is not
+    followed by one."""
+    events = []
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, **options):
+        events.append(("begin", g, pool, options))
+        yield
+        events.append(("end", g))
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "empty")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(RuntimeError, match="syncs"):
+        with capture("g", "pool", stream="s"):
+            raise RuntimeError("the body syncs")
+    assert events == [("begin", "g", "pool", {"stream": "s"}), ("begin", "empty", None, {}), ("end", "empty")]
+    del events[:]
+    with capture("g"):
+        pass
+    assert events == [("begin", "g", None, {}), ("end", "g")]
+
+
+def test_graph_steps_nest_and_restore():
+    assert not in_graph_steps()
+    with graph_steps():
+        assert in_graph_steps()
+        with graph_steps(False):
+            assert not in_graph_steps()
+        assert in_graph_steps()
+    assert not in_graph_steps()
 
 
 def _needs_gpu():
