@@ -16,7 +16,6 @@ import os
 import time
 import traceback
 
-
 from thunderep.launch import RankStart, free_port, rank_context
 
 

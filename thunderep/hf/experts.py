@@ -238,8 +238,9 @@ class ExpertsBinding:
         local_TK = self.placement.local_slots(ids_TK, self.ep.groups.ep_rank)
         pairs_partial = getattr(self.compute, "pairs_partial", None)  # ThunderEP's kernels: decode, no sync
         if pairs_partial is not None:
+            # capturable steps run within cuda_graphs.graph_steps (ThunderMoE._mode): timed as graph replays
             partial_TD = pairs_partial(module, x_TD, local_TK, weights_TK, sorted_partial, self.placement.num_experts,
-                                       "every pair" if capturable else "sorted", capturable)
+                                       "every pair" if capturable else "sorted")
             if partial_TD is not None:
                 return partial_TD.float()
         return sorted_partial(local_TK)
@@ -419,7 +420,7 @@ def kernel_compute_fn(module) -> Callable:
         return y_TD.to(x_TD.dtype)
 
     def pairs_partial(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, fallback=None,
-                      experts: int | None = None, kind: str = "sorted", graphed: bool = False):
+                      experts: int | None = None, kind: str = "sorted"):
         """The local share for latency and all-gather modes through the pair kernels (id -1: another
         rank's expert), or None where they do not apply (gradients, more than pairs_max_tokens() tokens,
         or, given the caller's `fallback`, more than measured faster: `pairs_if_decode`)."""
@@ -427,7 +428,7 @@ def kernel_compute_fn(module) -> Callable:
         from ..kernels.pairs import pairs_if_decode
 
         partial_TD = pairs_if_decode(x_TD, module.gate_up_proj, module.down_proj, ids_TK, weights_TK, activation,
-                                     interleaved, fallback, experts, kind, graphed)
+                                     interleaved, fallback, experts, kind)
         return partial_TD.to(x_TD.dtype) if partial_TD is not None else None
 
     compute.pairs_partial = pairs_partial

@@ -614,11 +614,11 @@ def pairs_if_decode(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI
     `fallback(ids_TK)` (what the caller runs on None), where `pairs_win` chooses the pair kernels
     (`experts`, `kind`, `graphed` as there); else None. The caller has checked that the Triton kernels
     can run these experts."""
+    x_TD = x_TD.to(w_gate_up_E2ID.dtype)
     if fallback is not None:
-        if not pairs_win(x_TD.to(w_gate_up_E2ID.dtype), w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation,
-                         interleaved, fallback, experts, kind, graphed):
+        if not pairs_win(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved, fallback,
+                         experts, kind, graphed):
             return None
     elif not decode_applies(x_TD.shape[0], x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
         return None
-    return moe_mlp_pairs(x_TD.to(w_gate_up_E2ID.dtype), w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation,
-                         interleaved)
+    return moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved)
