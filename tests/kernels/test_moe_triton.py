@@ -154,25 +154,28 @@ def check_fixed_tiles(counts, config, D, I, dtype, tol, monkeypatch):
 
 
 @pytest.mark.skipif(CUDA, reason="test_gpu_last_tile_takes_a_tail covers this on the compiled kernels")
-@pytest.mark.parametrize("tail", [False, True])
-def test_interpreter_last_tile_takes_a_tail(tail, monkeypatch):
+@pytest.mark.parametrize("tail,group", [(False, 8), (True, 8), (True, 1)])
+def test_interpreter_last_tile_takes_a_tail(tail, group, monkeypatch):
     """444 rows over 8 experts (size class 64: 64-row tiles, tails of up to 32 rows). With a tail,
     expert 0's 70 rows are one tile (64 + 6), expert 1's 96 one (64 + 32), expert 2's 97 two (64, then
     33: no tail), expert 5's 150 two (64, then 64 + 22); experts with 20, 10, 1 and 0 rows one tile or
     none. Forward and every gradient equal the reference with and without tails, gathered and sorted
-    (a dropped tail row would leave its output unwritten)."""
-    check_fixed_tiles([70, 96, 97, 20, 0, 150, 10, 1], ops._row_cfg(64, 32, 64, 4, 2, tail=tail), 32, 48,
+    (a dropped tail row would leave its output unwritten). Row tiles launched 8 at a time or one by one
+    (GROUP_M)."""
+    check_fixed_tiles([70, 96, 97, 20, 0, 150, 10, 1], ops._row_cfg(64, 32, 64, 4, 2, tail=tail, group=group), 32, 48,
                       torch.float32, 1e-5, monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("tail,group", [(False, 8), (True, 8), (True, 1)])
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
-def test_gpu_last_tile_takes_a_tail(tail, dtype, tol, monkeypatch):
+def test_gpu_last_tile_takes_a_tail(tail, group, dtype, tol, monkeypatch):
     """The compiled kernels at the 128-row size class, the tile autotuning picks for DeepSeek-V3 at 4096
     tokens: last tiles of 128 + 6 and 128 + 64 rows, 65 rows past a full tile in a tile of their own, and
-    a 300-row expert (one full tile, then 128 + 44)."""
-    check_fixed_tiles([134, 192, 193, 40, 0, 300, 100, 150], ops._row_cfg(128, 128, 64, 8, 3, tail=tail), 1024,
+    a 300-row expert (one full tile, then 128 + 44). Row tiles launched 8 at a time or one by one, as
+    autotuning picks for DeepSeek-V3 at 4096 tokens."""
+    check_fixed_tiles([134, 192, 193, 40, 0, 300, 100, 150],
+                      ops._row_cfg(128, 128, 64, 8, 3, tail=tail, group=group), 1024,
                       512, dtype, tol, monkeypatch)
 
 

@@ -112,7 +112,9 @@ def _row_tile(pid_m, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
 
 @triton.jit
 def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
-    """Program id -> (row tile, column tile), GROUP_M row tiles at a time (L2 reuse of B tiles)."""
+    """Program id -> (row tile, column tile), GROUP_M row tiles at a time: row tiles of one expert then
+    share each loaded weight tile through L2. Where an expert has about one row tile, GROUP_M = 1 runs
+    all column tiles of one tile together instead, which then share its rows (ops._ROW_CONFIGS)."""
     in_group = GROUP_M * num_n
     group = pid // in_group
     first_m = group * GROUP_M

@@ -79,15 +79,19 @@ def _cfg(bm, bn, bk, warps, stages, group=8, **flags):
                          num_warps=warps, num_stages=stages)
 
 
-def _row_cfg(bm, bn, bk, warps, stages, tail=False):
+def _row_cfg(bm, bn, bk, warps, stages, tail=False, group=8):
     """A row kernel's config; `tail`: an expert's last tile also takes up to bm / 2 rows past bm
-    (moe_triton._row_tile)."""
-    return _cfg(bm, bn, bk, warps, stages, TAIL=tail)
+    (moe_triton._row_tile); `group`: row tiles launched together (moe_triton._swizzle)."""
+    return _cfg(bm, bn, bk, warps, stages, group, TAIL=tail)
 
 
 # Row kernels: BLOCK_M is fixed by the size class (the mean rows per expert), the rest is tuned. Where
 # experts get 64 or more rows on average, their counts scatter around a multiple of the tile: the
-# configs with a tail let the last tile take the few rows over it instead of a nearly empty tile.
+# configs with a tail let the last tile take the few rows over it instead of a nearly empty tile. Each
+# tile comes with row tiles launched 8 at a time (GROUP_M, sharing weight tiles when an expert has
+# several) and one at a time (an expert with about one tile: its column tiles then run together and
+# share its rows). On the H200, DeepSeek-V3 at 4096 tokens (128 rows per expert): one at a time, forward
+# 8.87 -> 8.08 ms and 9.09 -> 8.46 ms (docs/BENCHMARKS.md, "Row tiles one at a time").
 _ROW_TILES = [
     (16, 32, 128, 4, 5), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4),
     (16, 32, 256, 4, 4), (16, 64, 128, 4, 6),
@@ -95,8 +99,8 @@ _ROW_TILES = [
     (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 8, 3), (64, 256, 64, 8, 3),
     (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4),
 ]
-_ROW_CONFIGS = ([_row_cfg(*t) for t in _ROW_TILES]
-                + [_row_cfg(*t, tail=True) for t in _ROW_TILES if t[0] >= 64])
+_ROW_CONFIGS = [_row_cfg(*t, tail=tail, group=group) for group in (8, 1) for tail in (False, True)
+                for t in _ROW_TILES if t[0] >= 64 or not tail]
 _WGRAD_CONFIGS = [
     _cfg(128, 128, 32, 8, 4), _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 32, 8, 3),
     _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 32, 4, 4), _cfg(128, 64, 64, 4, 4),
