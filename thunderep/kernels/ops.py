@@ -136,8 +136,9 @@ _ROWS, _ROWS_PLAIN = tuned("rows", K._rows_kernel, _ROW_CONFIGS, ["m_class", "N"
 # The routing-weight partials dwp have one column per column tile of the config that ran: a trial with
 # narrower tiles would leave partials the chosen config does not overwrite (wrong d weights on the
 # first backward of each shape), so the autotuner zeroes dwp before every run.
-_ACT_BWD, _ACT_BWD_PLAIN = tuned("act_bwd", K._act_bwd_kernel, _ROW_CONFIGS, ["m_class", "I", "D", "GATHER", "WEIGHTED"],
-                                  _prune_up, "D", reset_to_zero=["dwp_ptr"])
+_ACT_BWD, _ACT_BWD_PLAIN = tuned("act_bwd", K._act_bwd_kernel, _ROW_CONFIGS,
+                                  ["m_class", "I", "D", "GATHER", "WEIGHTED"], _prune_up, "D",
+                                  reset_to_zero=["dwp_ptr"])
 _WGRAD, _WGRAD_PLAIN = tuned("wgrad", K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class", "M", "N"], _prune_wgrad)
 
 
