@@ -18,6 +18,7 @@ from thunderep.config import ExpertsConfig  # noqa: E402
 from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.experts import ACTIVATION_FNS, FusedExperts  # noqa: E402
 from thunderep.kernels import grouped_gemm, ops  # noqa: E402
+from thunderep.kernels.moe_triton import _swizzle  # noqa: E402
 from thunderep.kernels import pairs as pairs_mod  # noqa: E402
 from thunderep.kernels.ops import moe_mlp  # noqa: E402
 from thunderep.router import Routing  # noqa: E402
@@ -153,15 +154,37 @@ def check_fixed_tiles(counts, config, D, I, dtype, tol, monkeypatch):
         assert rel_err(g, g_ref) < tol, f"sorted grad {name}: relative error {rel_err(g, g_ref):.2e}"
 
 
+@triton.jit
+def _swizzle_probe(out_ptr, num_m, num_n, GROUP_M: triton.language.constexpr):
+    pid = triton.language.program_id(0)
+    pid_m, pid_n = _swizzle(pid, num_m, num_n, GROUP_M)
+    triton.language.store(out_ptr + 2 * pid, pid_m)
+    triton.language.store(out_ptr + 2 * pid + 1, pid_n)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_launch_order_covers_every_tile_once(group):
+    """Row tiles launched `group` at a time (GROUP_M): the programs map one to one onto the (row tile,
+    column tile) grid, also where the row tiles do not divide into whole groups; with group 1 the
+    column tiles of one row tile come one after another."""
+    for num_m, num_n in [(1, 1), (5, 3), (8, 4), (13, 7), (2, 16)]:
+        out = torch.full((num_m * num_n, 2), -1, dtype=torch.int32, device=DEVICE)
+        _swizzle_probe[(num_m * num_n,)](out, num_m, num_n, GROUP_M=group)
+        tiles = sorted(map(tuple, out.tolist()))
+        assert tiles == [(m, n) for m in range(num_m) for n in range(num_n)], (group, num_m, num_n)
+        if group == 1:
+            assert out.tolist() == [[m, n] for m in range(num_m) for n in range(num_n)]
+
+
 @pytest.mark.skipif(CUDA, reason="test_gpu_last_tile_takes_a_tail covers this on the compiled kernels")
-@pytest.mark.parametrize("tail,group", [(False, 8), (True, 8), (True, 1)])
+@pytest.mark.parametrize("tail,group", [(False, 8), (True, 1)])
 def test_interpreter_last_tile_takes_a_tail(tail, group, monkeypatch):
     """444 rows over 8 experts (size class 64: 64-row tiles, tails of up to 32 rows). With a tail,
     expert 0's 70 rows are one tile (64 + 6), expert 1's 96 one (64 + 32), expert 2's 97 two (64, then
     33: no tail), expert 5's 150 two (64, then 64 + 22); experts with 20, 10, 1 and 0 rows one tile or
     none. Forward and every gradient equal the reference with and without tails, gathered and sorted
-    (a dropped tail row would leave its output unwritten). Row tiles launched 8 at a time or one by one
-    (GROUP_M)."""
+    (a dropped tail row would leave its output unwritten). Row tiles launched 8 at a time, and one at a
+    time with the tail (GROUP_M; test_launch_order_covers_every_tile_once checks the order itself)."""
     check_fixed_tiles([70, 96, 97, 20, 0, 150, 10, 1], ops._row_cfg(64, 32, 64, 4, 2, tail=tail, group=group), 32, 48,
                       torch.float32, 1e-5, monkeypatch)
 
