@@ -100,3 +100,22 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, init_dist: boo
                 p.kill()
                 p.join(5)
     return [results[r] for r in range(world_size)]
+
+
+def once_per_run(tmp_path_factory, name: str, compute):
+    """compute() once per pytest run, whichever pytest-xdist worker asks first; the other workers wait
+    for it and load the result (torch.save'd beside the workers' temporary folders). A module-scoped
+    fixture is otherwise built again in every worker that runs one of the module's tests."""
+    import torch
+    from filelock import FileLock  # a dependency of torch
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the run's workers
+    path = root / f"{name}.pt"
+    with FileLock(f"{path}.lock"):
+        if path.exists():
+            return torch.load(path, weights_only=False)
+        value = compute()
+        torch.save(value, path)
+        return value

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import once_per_run, run_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -200,12 +200,14 @@ _CACHE: dict = {}
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     if "results" not in _CACHE:
-        from hf_tiny import save_tiny
+        def compute():
+            from hf_tiny import save_tiny
 
-        root = tmp_path_factory.mktemp("hf_ep")
-        checkpoints = {f: save_tiny(f, root / f, seed=1, fused=fused) for f, fused in CHECKPOINTS.items()}
-        per_rank = run_ranks(_run_cases, WORLD, checkpoints, timeout=300, dist_timeout=120)
-        _CACHE["results"], _CACHE["checkpoints"] = per_rank, checkpoints
+            root = tmp_path_factory.mktemp("hf_ep")
+            checkpoints = {f: save_tiny(f, root / f, seed=1, fused=fused) for f, fused in CHECKPOINTS.items()}
+            return run_ranks(_run_cases, WORLD, checkpoints, timeout=300, dist_timeout=120), checkpoints
+
+        _CACHE["results"], _CACHE["checkpoints"] = once_per_run(tmp_path_factory, "hf_ep_results", compute)
     return _CACHE["results"]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import once_per_run, run_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -68,8 +68,11 @@ def _on_rank(rank, world, d):
 def on_ranks(tmp_path_factory):
     """(directory, {world: per-rank results}): one spawn of 2 ranks, then one of 4 (process start-up
     dominates these cases)."""
-    d = tmp_path_factory.mktemp("ranks")
-    return d, {world: run_ranks(_on_rank, world, str(d), timeout=600) for world in (2, 4)}
+    def compute():
+        d = tmp_path_factory.mktemp("ranks")
+        return d, {world: run_ranks(_on_rank, world, str(d), timeout=600) for world in (2, 4)}
+
+    return once_per_run(tmp_path_factory, "hf_finetune_on_ranks", compute)
 
 
 def _reference(family: str, world: int):
