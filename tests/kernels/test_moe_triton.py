@@ -18,8 +18,8 @@ from thunderep.config import ExpertsConfig  # noqa: E402
 from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.experts import ACTIVATION_FNS, FusedExperts  # noqa: E402
 from thunderep.kernels import grouped_gemm, ops  # noqa: E402
-from thunderep.kernels.moe_triton import _swizzle  # noqa: E402
 from thunderep.kernels import pairs as pairs_mod  # noqa: E402
+from thunderep.kernels.moe_triton import _swizzle  # noqa: E402
 from thunderep.kernels.ops import moe_mlp  # noqa: E402
 from thunderep.router import Routing  # noqa: E402
 
@@ -185,8 +185,8 @@ def test_interpreter_last_tile_takes_a_tail(tail, group, monkeypatch):
     none. Forward and every gradient equal the reference with and without tails, gathered and sorted
     (a dropped tail row would leave its output unwritten). Row tiles launched 8 at a time, and one at a
     time with the tail (GROUP_M; test_launch_order_covers_every_tile_once checks the order itself)."""
-    check_fixed_tiles([70, 96, 97, 20, 0, 150, 10, 1], ops._row_cfg(64, 32, 64, 4, 2, tail=tail, group=group), 32, 48,
-                      torch.float32, 1e-5, monkeypatch)
+    check_fixed_tiles([70, 96, 97, 20, 0, 150, 10, 1], ops._row_cfg(64, 32, 64, 4, 2, tail=tail, group=group),
+                      32, 48, torch.float32, 1e-5, monkeypatch)
 
 
 @pytest.mark.gpu
@@ -195,8 +195,8 @@ def test_interpreter_last_tile_takes_a_tail(tail, group, monkeypatch):
 def test_gpu_last_tile_takes_a_tail(tail, group, dtype, tol, monkeypatch):
     """The compiled kernels at the 128-row size class, the tile autotuning picks for DeepSeek-V3 at 4096
     tokens: last tiles of 128 + 6 and 128 + 64 rows, 65 rows past a full tile in a tile of their own, and
-    a 300-row expert (one full tile, then 128 + 44). Row tiles launched 8 at a time or one by one, as
-    autotuning picks for DeepSeek-V3 at 4096 tokens."""
+    a 300-row expert (one full tile, then 128 + 44). Row tiles launched 8 at a time or one by one (the
+    latter is autotuning's pick there since the configs offer both)."""
     check_fixed_tiles([134, 192, 193, 40, 0, 300, 100, 150],
                       ops._row_cfg(128, 128, 64, 8, 3, tail=tail, group=group), 1024,
                       512, dtype, tol, monkeypatch)
