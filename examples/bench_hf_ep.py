@@ -235,7 +235,8 @@ def load_scaling(root: str) -> None:
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     mib = 1 / 2**20
     print("\nThunderMoE.from_pretrained, Mixtral 8 experts x 4 layers, float32 (per rank, MiB):")
-    print(f"  {'ranks':>5} {'read':>7} {'of':>7} {'experts':>8} {'replicated':>10} {'RSS +load':>10} {'peak +load':>10}")
+    print(f"  {'ranks':>5} {'read':>7} {'of':>7} {'experts':>8} {'replicated':>10} {'RSS +load':>10} "
+          f"{'peak +load':>10}")
     for world in (1, 2, 4):
         with tempfile.TemporaryDirectory() as out_dir:
             mp.start_processes(_load_worker, args=(world, path, _free_port(), out_dir), nprocs=world, join=True,

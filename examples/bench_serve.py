@@ -152,7 +152,8 @@ def main(argv=None) -> int:
         p.error(f"--experts takes two implementations, A,B; got {args.experts!r}")
     settings = {"max-batch": [(args.batching, 1, "on", None), (args.batching, args.max_batch, "on", None)],
                 "batching": [("static", args.max_batch, "on", None), ("continuous", args.max_batch, "on", None)],
-                "cuda-graphs": [("continuous", args.max_batch, "off", None), ("continuous", args.max_batch, "on", None)],
+                "cuda-graphs": [("continuous", args.max_batch, "off", None),
+                                ("continuous", args.max_batch, "on", None)],
                 "experts": [("continuous", args.max_batch, "on", e) for e in experts],
                 }[args.compare]
     labels = [f"{b}, --max-batch {n}" + (f", --cuda-graphs {g}" if args.compare == "cuda-graphs" else "")

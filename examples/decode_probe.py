@@ -194,7 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--impl", default=None, help="experts_implementation (batches)")
-    p.add_argument("--plain", action="store_true", help="first-calls through transformers' generate, steps through the plain model, one GPU")
+    p.add_argument("--plain", action="store_true",
+                   help="first-calls through transformers' generate, steps through the plain model, one GPU")
     p.add_argument("--profile", metavar="OUT_DIR", help="write rank 0's operator tables here")
     args = p.parse_args(argv)
     args.cpu, args.timeout = False, 120.0

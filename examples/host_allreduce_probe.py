@@ -130,8 +130,8 @@ def _rank(rank: int, world: int, port: int, shm_name: str, shm_bytes: int, sizes
             expected = sum((torch.arange(n, device="cuda", dtype=torch.float32) % 97) + 1000 * (r + 1)
                            for r in range(world))
             out = torch.empty_like(x)
-            args = (cp.uint64(x.data_ptr()), cp.uint64(out.data_ptr()), cp.int32(n // 4), cp.uint64(dev), cp.uint64(slot_bytes),
-                    cp.uint64(seq.data_ptr()), cp.int32(rank), cp.int32(world),
+            args = (cp.uint64(x.data_ptr()), cp.uint64(out.data_ptr()), cp.int32(n // 4), cp.uint64(dev),
+                    cp.uint64(slot_bytes), cp.uint64(seq.data_ptr()), cp.int32(rank), cp.int32(world),
                     cp.uint64(int(timeout_ms * 1e6)), cp.uint64(err.data_ptr()))
 
             def host_call():

@@ -73,7 +73,8 @@ def graphs_for(name, device) -> tuple[int, dict]:
 
     whole, up, down, total, copy = F.step_buffers(name, device)
 
-    one_cfg, up_cfg, down_cfg = (F.best_reader(b, label)[1] for b, label in ((whole, "one"), (up, "up"), (down, "down")))
+    one_cfg, up_cfg, down_cfg = (F.best_reader(b, label)[1]
+                                 for b, label in ((whole, "one"), (up, "up"), (down, "down")))
     F._NOTES.clear()
     return total, {
         "copy": F.capture([copy]),
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     for name in shapes:
         total, graphs = graphs_for(name, device)
-        print(f"## {name} T=1, {total / 1e6:.1f} MB, us per step (HBM frac); 80% target {total / (0.8 * bw) * 1e6:.1f} us")
+        print(f"## {name} T=1, {total / 1e6:.1f} MB, us per step (HBM frac); "
+              f"80% target {total / (0.8 * bw) * 1e6:.1f} us")
         for r in range(args.rounds):
             for label, graph in graphs.items():
                 cells = []

@@ -43,8 +43,10 @@ def rows(ids, bm, bn, bk, warps, stages, tail=False):
         stride_bk=1, stride_cm=D, m_class=128, SCATTER=True, WEIGHTED=True, PRECISION="tf32",
         BLOCK_E=256, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, TAIL=tail, num_warps=warps, num_stages=stages)
     return f, out
-cfgs = {"up": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 4, True), (128, 128, 64, 8, 3, True), (128, 64, 64, 4, 4, True), (128, 64, 64, 8, 4, True)],
-        "rows": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 3, True), (128, 128, 64, 8, 4, True), (128, 128, 64, 8, 3, True)]}
+cfgs = {"up": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 4, True), (128, 128, 64, 8, 3, True), (128, 64, 64, 4, 4, True),
+               (128, 64, 64, 8, 4, True)],
+        "rows": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 3, True), (128, 128, 64, 8, 4, True),
+                 (128, 128, 64, 8, 3, True)]}
 res = {}
 for name, mk in (("up", up), ("rows", rows)):
     for c in cfgs[name]:

@@ -22,7 +22,8 @@ def _roundtrip(rank, world, tokens):
         placement = Placement.contiguous(E, world, slots_per_rank=E // world + 1)  # with replicas
         gen = torch.Generator().manual_seed(rank)
         T = tokens[rank]
-        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+        ids = (torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T
+               else torch.zeros(0, K, dtype=torch.int64))
         w = torch.rand(T, K, generator=gen)
         x = torch.randn(T, D, generator=gen)
         x[:, 0] = rank * 1000 + torch.arange(T)  # tag rows with (rank, token)

@@ -177,7 +177,8 @@ def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
         if ".experts." in key:
             assert torch.equal(got[key], start[key]), key
-    assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"], start["model.layers.0.self_attn.q_proj.weight"])
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(got[q_proj], start[q_proj])
 
 
 def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, capfd):
@@ -203,7 +204,8 @@ def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, cap
         for i in range(40)))
     common = ["finetune", "--model", model_dir, "--data", str(data), "--ep", "2", "--batch", "2",
               "--seq-len", "12", "--lr", "1e-3", "--cpu", "--eval-batches", "0", "--lora-rank", "4",
-              "--lora-targets", "self_attn", "experts", "--grad-accum", "2", "--balance", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--quiet"]
+              "--lora-targets", "self_attn", "experts", "--grad-accum", "2", "--balance",
+              "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--quiet"]
     assert cli(common + ["--steps", "2", "--out", str(tmp_path / "first")]) == 0
     assert cli(common + ["--steps", "3", "--out", str(tmp_path / "resumed")]) == 0
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
@@ -329,8 +331,8 @@ def test_training_data_masks_prompts_and_names_bad_examples(tmp_path):
     from thunderep.generate import ByteTokenizer
 
     bt = ByteTokenizer(256)
-    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "ab"}) + "\n\n" + json.dumps({"prompt": "Q", "completion": "A"})
-                                      + "\n")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "ab"}) + "\n\n"
+                                      + json.dumps({"prompt": "Q", "completion": "A"}) + "\n")
     (tmp_path / "b.txt").write_text("xy")
     got = load_training_data(bt, [str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")])
     nl = ord("\n")

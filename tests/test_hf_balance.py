@@ -84,4 +84,5 @@ def test_balanced_wrapped_model_trains_like_the_plain_one(world):
     for runs in results:
         for key, (local, value) in runs["balanced"]["experts"].items():
             for s, e in enumerate(local):
-                torch.testing.assert_close(value[s], owners[key, e], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} {e}: {m}")
+                torch.testing.assert_close(value[s], owners[key, e], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{key} {e}: {m}")

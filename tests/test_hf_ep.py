@@ -116,7 +116,8 @@ def _allgather_mode(tm, rank, world):
 def _autocast_step(model, x, world=1):
     """One forward and backward under CPU autocast (bfloat16) on rows x, (loss / world) backward, the
     gradients summed over the ranks (`all_reduce_grads`) when `model` is a ThunderMoE. Returns the
-    logits, the loss (the mean of the ranks') and {experts module: (logical expert of each slot, gate_up grad, down grad)}."""
+    logits, the loss (the mean of the ranks') and {experts module: (logical expert of each slot,
+    gate_up grad, down grad)}."""
     from thunderep.hf import ThunderMoE, find_experts_modules
 
     model.train()

@@ -148,9 +148,12 @@ EXTRA = {  # name: (layer, tokens per rank for 2 / 4 ranks, skew, EPConfig, mode
     "auto_unequal": ("mixtral", {2: [9, 10], 4: [9, 9, 9, 10]}, False, COLLECTIVE, "auto"),
     "auto_over_limit": ("mixtral", {2: [9, 9], 4: [9, 9, 9, 9]}, False,
                         EPConfig(control="mailbox", allgather_max_tokens=8), "auto"),
-    "four_waves_mailbox": ("mixtral", {2: [1, 40], 4: [1, 17, 0, 40]}, False, EPConfig(waves=4, control="mailbox"), "ep"),
-    "bf16_payload": ("mixtral", {2: [64, 64], 4: [32, 32, 32, 32]}, False, EPConfig(compression="bf16", control="collective"), "ep"),
-    "fp8_payload": ("mixtral", {2: [64, 64], 4: [32, 32, 32, 32]}, False, EPConfig(compression="fp8", control="collective"), "ep"),
+    "four_waves_mailbox": ("mixtral", {2: [1, 40], 4: [1, 17, 0, 40]}, False,
+                           EPConfig(waves=4, control="mailbox"), "ep"),
+    "bf16_payload": ("mixtral", {2: [64, 64], 4: [32, 32, 32, 32]}, False,
+                     EPConfig(compression="bf16", control="collective"), "ep"),
+    "fp8_payload": ("mixtral", {2: [64, 64], 4: [32, 32, 32, 32]}, False,
+                    EPConfig(compression="fp8", control="collective"), "ep"),
 }
 _CACHE: dict[int, dict] = {}
 

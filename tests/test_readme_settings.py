@@ -15,4 +15,5 @@ def test_every_environment_variable_is_documented():
     table = readme[readme.index("### Settings"):readme.index("## Status")]
     documented = set(re.findall(r"^\| `(THUNDEREP_[A-Z_]+)", table, re.M))
     assert read, "no THUNDEREP_* variables found: the search is broken"
-    assert read == documented, f"read but not documented: {read - documented}; documented but not read: {documented - read}"
+    assert read == documented, (f"read but not documented: {read - documented}; "
+                                f"documented but not read: {documented - read}")

@@ -87,7 +87,8 @@ def _reference(model_dir: str, ids: list[int], n: int) -> tuple[str, int, str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if model_dir not in _REF:
-        _REF[model_dir] = (AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir))
+        _REF[model_dir] = (AutoModelForCausalLM.from_pretrained(model_dir).eval(),
+                           AutoTokenizer.from_pretrained(model_dir))
     model, tok = _REF[model_dir]
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
@@ -381,7 +382,8 @@ def test_a_failed_prefill_fails_only_its_own_requests(monkeypatch):
 
     model = tiny_model("mixtral", seed=1).eval()
     ok, bad, later = (Job("completion", [5, 9, 12, 7], 8, (0.0, 1.0), None),
-                      Job("completion", [3, 13, 13], 4, (0.0, 1.0), None), Job("completion", [3, 4], 5, (0.0, 1.0), None))
+                      Job("completion", [3, 13, 13], 4, (0.0, 1.0), None),
+                      Job("completion", [3, 4], 5, (0.0, 1.0), None))
     admit = engine.DecodeBatch.admit
 
     def failing_admit(self, entries):
@@ -397,7 +399,8 @@ def test_a_failed_prefill_fails_only_its_own_requests(monkeypatch):
     assert server.failures == {id(bad): "prefill failed: OutOfMemoryError: out of memory (simulated)"}
     for job in (ok, later):
         with torch.no_grad():
-            out = model.generate(torch.tensor([job.ids]), max_new_tokens=job.max_tokens, do_sample=False, pad_token_id=0)
+            out = model.generate(torch.tensor([job.ids]), max_new_tokens=job.max_tokens, do_sample=False,
+                                 pad_token_id=0)
         assert server.answers[id(job)] == (out[0, len(job.ids):].tolist(), "length")
 
 

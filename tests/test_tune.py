@@ -187,8 +187,8 @@ def _tuned_then_served(rank, world):
             binding.signature[0])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; test_gpu_serving_after_tuning_tunes_nothing "
-                    "covers CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the interpreter test; test_gpu_serving_after_tuning_tunes_nothing covers CUDA")
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_serving_after_tuning_launches_no_new_kernel_variant(world):
     """1, 2 and 4 EP ranks (real processes, gloo; 4 experts, so that the row-class calls stay small in
@@ -209,7 +209,8 @@ def test_serving_after_tuning_launches_no_new_kernel_variant(world):
         assert state == ("auto", False)
         assert got == want
         names = {name for name, _ in new}
-        assert new == [], "\n".join(["new:", *map(repr, new), "tuned:", *map(repr, (v for v in tuned if v[0] in names))])
+        assert new == [], "\n".join(["new:", *map(repr, new), "tuned:",
+                                     *map(repr, (v for v in tuned if v[0] in names))])
 
 
 def _gpu_tuned_then_served(rank, world):

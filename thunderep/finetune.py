@@ -7,8 +7,8 @@ Each rank loads only its share of the experts (`ThunderMoE.from_pretrained`) and
 weights, trains on its own batches of the data (the checkpoint's tokenizer, or bytes when it has
 none; text files, or JSON Lines of text, prompt / completion or chat examples, where only the
 answers train: `thunderep.data`), with ep mode for every MoE layer, AdamW, and `GradSync` for the
-replicated weights (every step, or `--sync delta`). The objective is the mean of the ranks' losses, as with torch DDP. On GPUs
-the weights and AdamW stay in float32 and autocast runs the products in bfloat16, the experts'
+replicated weights (every step, or `--sync delta`). The objective is the mean of the ranks' losses, as with torch DDP.
+On GPUs the weights and AdamW stay in float32 and autocast runs the products in bfloat16, the experts'
 included (`--dtype mixed`; ThunderEP casts the local expert weights for the experts call and sends
 the rows in bfloat16): AdamW on bfloat16 weights would lose the small steps fine-tuning takes
 (`--dtype bfloat16` trades them for speed and half the weight memory). To fit small cards:
@@ -19,8 +19,8 @@ any weight (`thunderep.lora`; merged into the written checkpoint), and
 its memory plan and all stop with a named shortfall if it does not fit. At the
 end the experts are gathered to rank 0, which writes OUT_DIR with transformers' `save_pretrained`
 (in DIR's dtype, plus its tokenizer files, and `thunderep_finetune.json`: the losses, the held-out
-loss before and after, each step's time, tokens/s overall and at the median step, the arguments): `thunderep generate --model OUT_DIR` and
-`AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it. The text's last 5% is held out (with
+loss before and after, each step's time, tokens/s overall and at the median step, the arguments): `thunderep generate
+--model OUT_DIR` and `AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it. The text's last 5% is held out (with
 `--eval-batches` > 0) and scored before and after training. `--checkpoint DIR` saves a resumable
 checkpoint (`thunderep.checkpoint`: experts by logical id, AdamW state) every `--checkpoint-every`
 steps; run the same command again and it resumes from there, on the same batches it would have

@@ -10,8 +10,8 @@ continuous batching (the default; `thunderep.engine`) the serving loop, at every
 queued requests while fewer than `--max-batch` sequences are being decoded and sends them to every rank
 (host objects, through the EP runtime's control plane: `_Ranks`); all ranks prefill them into the
 running batch and decode one token for every sequence, in latency mode: every rank holds the same
-tokens, computes the pairs of its own experts, and an all-reduce sums them. On GPUs (`--cuda-graphs on`, the default) the batch keeps its
-KV cache in fixed storage and each decode step replays a CUDA graph captured for its batch size
+tokens, computes the pairs of its own experts, and an all-reduce sums them. On GPUs (`--cuda-graphs on`, the default)
+the batch keeps its KV cache in fixed storage and each decode step replays a CUDA graph captured for its batch size
 (`thunderep.static_decode`): the host launches a handful of kernels per step instead of hundreds.
 A request is answered as soon as its sequence ends. With
 `--batching static` (and for models whose cache cannot be merged, e.g. sliding-window attention) a
@@ -28,8 +28,8 @@ Endpoints, in the OpenAI API's shape (one prompt per request):
 temperature defaults to 0 (greedy: the same answer every time). "stop" (a string or up to 4) ends the
 answer before the first of them (finish_reason "stop"; with continuous batching the sequence also stops
 being generated). "stream": true sends the answer as server-sent events (`data: {chunk}` as text is
-decoded, then `data: [DONE]`); a streaming client that goes away stops its sequence. A bad request gets 400 and a message;
-what the model cannot take (a prompt longer than its context) is refused before any rank starts. A
+decoded, then `data: [DONE]`); a streaming client that goes away stops its sequence. A bad request gets 400 and a
+message; what the model cannot take (a prompt longer than its context) is refused before any rank starts. A
 prefill that fails on any rank (continuous batching) is answered with 500 on its new requests only; a
 decode step (or static batch) that fails is answered with 500 on every request being generated. The
 ranks go on serving in step; a rank that dies or stops answering ends the server within

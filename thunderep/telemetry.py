@@ -211,13 +211,14 @@ def _recommend(bottleneck: str, imbalance: float, share: float, control_kind: st
 
 def format_report(r: dict) -> str:
     mb = {k: v / 1e6 for k, v in r["bytes"].items()}
+    exchange_s = sum(v for k, v in r["seconds_by_op"].items() if k not in ("control", "gradient", "migration"))
     lines = [
         f"sync-tax report: {r['steps']} steps, {r['seconds']:.2f} s",
         f"  bytes sent to peers (MB): dispatch {mb['dispatch']:.2f} + backward {mb['dispatch_backward']:.2f}, "
         f"combine {mb['combine']:.2f} + backward {mb['combine_backward']:.2f}, control {mb['control']:.4f}, "
         f"gradient {mb['gradient']:.2f}, expert migration {mb.get('migration', 0.0):.2f}",
-        f"  communication in flight (launch to completion, overlap included): {100 * r['sync_tax_share']:.1f}% of step time "
-        f"(dispatch+combine {sum(v for k, v in r['seconds_by_op'].items() if k not in ('control', 'gradient', 'migration')):.2f} s, "
+        f"  communication in flight (launch to completion, overlap included): {100 * r['sync_tax_share']:.1f}% of "
+        f"step time (dispatch+combine {exchange_s:.2f} s, "
         f"control {r['seconds_by_op']['control']:.3f} s, gradient {r['seconds_by_op']['gradient']:.2f} s)",
         f"  idle (blocked waiting for peers): {100 * r.get('idle_fraction', 0.0):.1f}% of step time; compute "
         f"{r.get('compute_seconds', 0.0):.2f} s",

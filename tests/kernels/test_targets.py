@@ -35,8 +35,9 @@ def builds():
 
 
 GEMM_KERNELS = {"up", "rows", "act_bwd", "wgrad", "up_tail", "rows_tail", "act_bwd_tail"}
-PAIR_KERNELS = {"up_pairs", "up_pairs_ahead", "up_pairs_x_rows", "down_pairs", "down_pairs_split",  # decode: matrix-vector products,
-                "down_pairs_split_ahead", "down_pairs_split_x_rows", "down_pairs_all_slots"}  # no tensor cores
+# decode: matrix-vector products, no tensor cores
+PAIR_KERNELS = {"up_pairs", "up_pairs_ahead", "up_pairs_x_rows", "down_pairs", "down_pairs_split",
+                "down_pairs_split_ahead", "down_pairs_split_x_rows", "down_pairs_all_slots"}
 PAIR_DOT_KERNELS = {"up_pairs_dot"}  # decode with 16-row tensor-core tiles
 SORT_KERNELS = {"route"}  # the one-program sort of small inference batches
 PDL_KERNELS = {"up_pairs_pdl", "down_pairs_pdl", "down_pairs_split_pdl",  # decode with dependent launch (sm_90+)

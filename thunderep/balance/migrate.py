@@ -58,7 +58,8 @@ def migrate_layer(layer, new: Placement, optimizer=None, timeout_s: float | None
     return sent
 
 
-def migrate_slots(params, old: Placement, new: Placement, groups, optimizer=None, timeout_s: float | None = None) -> int:
+def migrate_slots(params, old: Placement, new: Placement, groups, optimizer=None,
+                  timeout_s: float | None = None) -> int:
     """Move the slots of `params` (expert-sharded tensors, leading dim = local slots) and their optimizer
     state from placement `old` to `new`, in place (collective over the EP group of `groups`). Returns
     the number of bytes this rank sent. The caller records the new placement."""

@@ -3,8 +3,8 @@
 Two parts fall back without an error when they cannot run, so a box can be slower than it should:
 the mailbox extension (the shared-memory control plane of one host; without it runs use the
 collective control plane, with a RuntimeWarning) and Triton (the CUDA expert kernels; without it
-FusedExperts runs torch's grouped GEMM or a per-expert loop, silently). Unlike the rest of the doctor this is about the running
-interpreter, so it is read only for the real root, like `gpu.cuda_report`.
+FusedExperts runs torch's grouped GEMM or a per-expert loop, silently). Unlike the rest of the doctor this is about the
+running interpreter, so it is read only for the real root, like `gpu.cuda_report`.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ from triton.runtime.errors import OutOfResources
 from ..cuda_graphs import capture
 from ..errors import ConfigError
 
-__all__ = ["autotune_enabled", "captured", "compile_threads", "compiled_kernels", "free_timer_buffers", "kernel_configs",
-           "launch", "precision", "timed_ms", "tuned"]
+__all__ = ["autotune_enabled", "captured", "compile_threads", "compiled_kernels", "free_timer_buffers",
+           "kernel_configs", "launch", "precision", "timed_ms", "tuned"]
 
 _LOG = logging.getLogger("thunderep.kernels")
 _REGISTRY: dict[str, object] = {}  # name -> autotuner, for kernel_configs()
