@@ -455,7 +455,7 @@ def _capturing(device: torch.device) -> bool:
 
 def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
               weights_TK: torch.Tensor | None, activation: str, interleaved: bool, sorted_path,
-              experts: int | None = None, kind: str = "sorted", graphed: bool | None = None) -> bool:
+              experts: int | None = None, kind: str = "sorted") -> bool:
     """Whether inference on these T tokens runs the pair kernels (else `sorted_path(ids_TK)`, the
     caller's sorted route over the same arguments and the ids given). THUNDEREP_PAIRS_MAX_TOKENS, when
     set, decides alone (T up to it); so does T <= PAIRS_MAX_TOKENS. Up to PAIRS_TUNE_MAX_TOKENS, on
@@ -467,9 +467,9 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     `experts`: the model's expert count, where these weights are one rank's share of them (expert
     parallelism: ids_TK marks the other ranks' pairs -1, which the pair kernels skip); the random
     routings then pick among that many experts, those past this rank's marked -1. `kind` names the
-    caller's sorted route where a caller has more than one (a choice is kept per kind); `graphed`: that
-    route runs in captured CUDA graphs, so both paths are timed as graph replays (`_path_timer`) and the
-    choice is kept apart from the eager one; None: `thunderep.cuda_graphs.in_graph_steps()`."""
+    caller's sorted route where a caller has more than one (a choice is kept per kind). Calls within
+    `thunderep.cuda_graphs.graph_steps` run in captured CUDA graphs: both paths are timed as graph
+    replays (`_path_timer`) and the choice is kept apart from the eager one."""
     T = x_TD.shape[0]
     if T < 1 or needs_grad(x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
         return False
@@ -478,7 +478,7 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     if T > PAIRS_TUNE_MAX_TOKENS or not path_tuning_applies(x_TD.device):
         return False
     E, D, I = w_down_EDI.shape
-    graphed = in_graph_steps() if graphed is None else graphed
+    graphed = in_graph_steps()
     key = (D, I, E, ids_TK.shape[1], T, x_TD.dtype, weights_TK is not None, activation, interleaved, str(x_TD.device),
            experts or E, kind, graphed)
     won = _PATHS.get(key)
@@ -608,16 +608,17 @@ def decode_applies(T: int, *tensors) -> bool:
 
 def pairs_if_decode(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
                     weights_TK: torch.Tensor | None, activation: str, interleaved: bool, fallback=None,
-                    experts: int | None = None, kind: str = "sorted",
-                    graphed: bool | None = None) -> torch.Tensor | None:
+                    experts: int | None = None, kind: str = "sorted") -> torch.Tensor | None:
     """`moe_mlp_pairs` (x cast to the weights' dtype) where `decode_applies`, or, given the caller's
     `fallback(ids_TK)` (what the caller runs on None), where `pairs_win` chooses the pair kernels
-    (`experts`, `kind`, `graphed` as there); else None. The caller has checked that the Triton kernels
-    can run these experts."""
+    (`experts`, `kind` as there); else None. The caller has checked that the Triton kernels can run
+    these experts."""
+    if x_TD.shape[0] > max(PAIRS_TUNE_MAX_TOKENS, pairs_max_tokens()):  # neither applies: x is not cast
+        return None
     x_TD = x_TD.to(w_gate_up_E2ID.dtype)
     if fallback is not None:
         if not pairs_win(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved, fallback,
-                         experts, kind, graphed):
+                         experts, kind):
             return None
     elif not decode_applies(x_TD.shape[0], x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
         return None
