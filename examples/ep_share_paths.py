@@ -27,6 +27,7 @@ import sys
 import torch
 
 from thunderep.balance.placement import Placement
+from thunderep.cuda_graphs import graph_steps
 from thunderep.kernels import bench as B
 from thunderep.kernels import pairs as P
 from thunderep.kernels.ops import routed_moe_mlp
@@ -92,8 +93,9 @@ def main(argv=None) -> int:
                     # What `pairs_win` chooses for a capturable step (timed as graph replays), from scratch
                     x0, local0, w0 = sets[0]
                     P._PATHS.clear()
-                    won = P.pairs_win(x0, wgu, wd, local0, w0, "silu", False,
-                                      lambda ids: routes["every pair, masked"](x0, ids, w0), E, "every pair", True)
+                    with graph_steps():
+                        won = P.pairs_win(x0, wgu, wd, local0, w0, "silu", False,
+                                          lambda ids: routes["every pair, masked"](x0, ids, w0), E, "every pair")
                 pairs_eager, pairs_graph, _ = times["pairs"]
                 faster = "pairs" if pairs_graph < times["every pair, masked"][1] else "masked"
                 chose = f"; step choice {'pairs' if won else 'masked'} (graph times: {faster} faster)"

@@ -161,6 +161,7 @@ def test_gpu_decode_path_measured_then_captured(monkeypatch, caplog):
     agrees with the reference; a CUDA graph captured afterwards replays the chosen path, to the eager
     output bit for bit."""
     monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
+    monkeypatch.delenv("THUNDEREP_TRITON_AUTOTUNE", raising=False)  # the choice is measured only with tuning on
     monkeypatch.setattr(pairs_mod, "_PATHS", {})
     caplog.set_level("INFO", logger="thunderep.kernels")
     D, I, E, K = MODEL_SHAPES["qwen3"]
@@ -184,6 +185,7 @@ def test_gpu_share_path_timed_as_graph_replays(monkeypatch, caplog):
     times both as graph replays (the log says so) in the middle of an eager call, and the result,
     either path, agrees with the reference on the local pairs; a later capture replays the choice."""
     monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
+    monkeypatch.delenv("THUNDEREP_TRITON_AUTOTUNE", raising=False)
     monkeypatch.setattr(pairs_mod, "_PATHS", {})
     caplog.set_level("INFO", logger="thunderep.kernels")
     D, I, E, K = MODEL_SHAPES["qwen3"]
@@ -196,8 +198,8 @@ def test_gpu_share_path_timed_as_graph_replays(monkeypatch, caplog):
         y = routed_moe_mlp(x.repeat_interleave(K, dim=0), w_gu, w_d, local_TK.reshape(-1, 1).clamp(min=0))
         return torch.where(local_TK.reshape(-1, 1) >= 0, y * weights.reshape(-1, 1), 0).view(T, K, D).sum(1)
 
-    with torch.no_grad():
-        y = pairs_mod.pairs_if_decode(x, w_gu, w_d, local, weights, "silu", False, masked, E, "every pair", True)
+    with torch.no_grad(), graph_steps():
+        y = pairs_mod.pairs_if_decode(x, w_gu, w_d, local, weights, "silu", False, masked, E, "every pair")
         assert "graph replays" in caplog.text and len([k for k in pairs_mod._PATHS if k[3] == K]) == 1
         y = masked(local) if y is None else y
         want = reference(x.double(), w_gu.double(), w_d.double(), local.clamp(min=0),
@@ -205,8 +207,7 @@ def test_gpu_share_path_timed_as_graph_replays(monkeypatch, caplog):
         assert rel_err(y, want) < 2e-2
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            y_graph = pairs_mod.pairs_if_decode(x, w_gu, w_d, local, weights, "silu", False, masked, E, "every pair",
-                                                True)
+            y_graph = pairs_mod.pairs_if_decode(x, w_gu, w_d, local, weights, "silu", False, masked, E, "every pair")
             y_graph = masked(local) if y_graph is None else y_graph
         graph.replay()
     assert torch.equal(y_graph, y)
