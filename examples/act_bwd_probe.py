@@ -36,7 +36,7 @@ def act_bwd(bm, bn, bk, warps, stages, tail, group, gather=True):
     return lambda: ops._ACT_BWD_PLAIN[grid](
         dy_ptr=src, w_ptr=w_d, gu_ptr=gu, dgu_ptr=dgu, dwp_ptr=dwp, hw_ptr=hw, order_ptr=order, weight_ptr=wts,
         counts_ptr=counts, n_rows=N, I=I, D=D, E=E, top_k=k, stride_dym=D, stride_we=w_d.stride(0),
-        stride_wd=I, stride_gm=2 * I, stride_dwp=tiles, m_class=128, ACT=0, INTERLEAVED=False, GATHER=gather,
+        stride_wd=I, stride_gm=2 * I, stride_dwp=tiles, m_class=128, m_fill=1, ACT=0, INTERLEAVED=False, GATHER=gather,
         WEIGHTED=True, PRECISION="tf32", BLOCK_E=256, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
         TAIL=tail, num_warps=warps, num_stages=stages)
 
@@ -47,7 +47,7 @@ def rows(bm, bn, bk, warps, stages, tail, group):
     grid = (min(triton.cdiv(N, bm) + E, N) * triton.cdiv(D, bn),)
     return lambda: ops._ROWS_PLAIN[grid](
         a_ptr=h, b_ptr=w_d, c_ptr=out, order_ptr=order, weight_ptr=wts, counts_ptr=counts, n_rows=N, N=D, K=I,
-        E=E, stride_am=I, stride_be=w_d.stride(0), stride_bn=I, stride_bk=1, stride_cm=D, m_class=128,
+        E=E, stride_am=I, stride_be=w_d.stride(0), stride_bn=I, stride_bk=1, stride_cm=D, m_class=128, m_fill=1,
         SCATTER=True, WEIGHTED=True, PRECISION="tf32", BLOCK_E=256, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=group, TAIL=tail, num_warps=warps, num_stages=stages)
 

@@ -27,7 +27,7 @@ def up(ids, bm, bn, bk, warps, stages, tail=False):
     grid = (min(triton.cdiv(N, bm) + E, N) * triton.cdiv(I, bn),)
     f = lambda: ops._UP_PLAIN[grid](x_ptr=x, w_ptr=w_gu, h_ptr=h, gu_ptr=h, order_ptr=order, counts_ptr=counts,
         n_rows=N, I=I, D=D, E=E, top_k=k, stride_xm=D, stride_we=w_gu.stride(0), stride_wn=D, stride_hm=I,
-        stride_gm=2 * I, m_class=128, ACT=0, INTERLEAVED=False, GATHER=True, SAVE_GU=False, PRECISION="tf32",
+        stride_gm=2 * I, m_class=128, m_fill=1, ACT=0, INTERLEAVED=False, GATHER=True, SAVE_GU=False, PRECISION="tf32",
         BLOCK_E=256, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, TAIL=tail, num_warps=warps, num_stages=stages)
     return f, h
 def rows(ids, bm, bn, bk, warps, stages, tail=False):
@@ -40,7 +40,7 @@ def rows(ids, bm, bn, bk, warps, stages, tail=False):
     grid = (min(triton.cdiv(N, bm) + E, N) * triton.cdiv(D, bn),)
     f = lambda: ops._ROWS_PLAIN[grid](a_ptr=a, b_ptr=w_d, c_ptr=out, order_ptr=order, weight_ptr=wts,
         counts_ptr=counts, n_rows=N, N=D, K=I, E=E, stride_am=I, stride_be=w_d.stride(0), stride_bn=I,
-        stride_bk=1, stride_cm=D, m_class=128, SCATTER=True, WEIGHTED=True, PRECISION="tf32",
+        stride_bk=1, stride_cm=D, m_class=128, m_fill=1, SCATTER=True, WEIGHTED=True, PRECISION="tf32",
         BLOCK_E=256, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, TAIL=tail, num_warps=warps, num_stages=stages)
     return f, out
 cfgs = {"up": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 4, True), (128, 128, 64, 8, 3, True), (128, 64, 64, 4, 4, True),

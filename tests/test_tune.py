@@ -28,8 +28,9 @@ ENTRIES = [Entry(i, p, n, (0.0, 1.0), 0) for i, (p, n) in enumerate([([5, 6, 7],
 
 @pytest.mark.parametrize("experts, top_k, ranks", [(8, 2, 1), (8, 2, 2), (128, 8, 4), (256, 8, 2), (60, 4, 4)])
 def test_each_row_class_is_reached_once_on_every_rank(experts, top_k, ranks):
-    """Every rank's experts (contiguous blocks) get exactly c rows each from the call made for class c,
-    so the kernels pick each of their row classes once; the graph calls are the decode buckets."""
+    """Every rank's experts (contiguous blocks) get exactly c rows each from the call made for c in
+    TUNING_ROWS, so the kernels meet each of their tuning keys (row class, fill) once, and every key
+    any batch can reach is among them; the graph calls are the decode buckets."""
     calls = tune.tuning_calls(experts, top_k, max_batch=8)
     assert [t for t, captured in calls if captured] == _buckets(8)
     prefill = [t for t, captured in calls if not captured]
@@ -42,8 +43,10 @@ def test_each_row_class_is_reached_once_on_every_rank(experts, top_k, ranks):
             assert all(len(set(row)) == top_k for row in ids_TK.tolist())  # a token's K experts differ
             rows = torch.bincount(ids_TK.flatten(), minlength=experts)[rank * per_rank:(rank + 1) * per_rank]
             assert rows.min() >= rows.max() - 1  # every local expert alike (round-robin)
-            classes.append(ops._m_class(int(rows.sum()), per_rank))
-        assert classes == list(ops._M_CLASSES)
+            classes.append((ops._m_class(int(rows.sum()), per_rank), ops._m_fill(int(rows.sum()), per_rank)))
+        reachable = {(ops._m_class(c * per_rank, per_rank), ops._m_fill(c * per_rank, per_rank))
+                     for c in range(1, 4097)}
+        assert len(set(classes)) == len(classes) and set(classes) == reachable, (classes, reachable)
 
 
 def test_path_calls_cover_the_token_counts_tuning_calls_leave():

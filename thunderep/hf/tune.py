@@ -2,7 +2,8 @@
 
 On CUDA the kernels pick their tile configs by autotuning (`thunderep.kernels.tuning`): the first call
 of a new key times every config, seconds per kernel. A key is the experts' shape, the dtypes and a
-class of rows per expert (16, 32, 64, 128), so a server meets new keys as prompts of new lengths
+class of rows per expert (16, 32, 64, 128, each split by how full its row tiles run: six in all,
+`thunderep.kernels.ops.TUNING_ROWS`), so a server meets new keys as prompts of new lengths
 arrive, and every request being generated waits while one rank tunes. Measured on 2 H200s
 (docs/BENCHMARKS.md, "Serving on 2 H200s: ThunderEP's kernels, tuned before the first request"): the first
 request took 28.6 s, and later ones up to 43 s.
@@ -14,7 +15,7 @@ request took 28.6 s, and later ones up to 43 s.
    computation (no collective), the same functions serving runs:
    - graph-captured decode (`capturable`): every bucket size of `thunderep.static_decode`;
    - prefill and eager decode: one token (the pair kernels), and for every class of rows per expert a
-     batch whose routing gives each expert exactly that many rows; with experts on other ranks, a
+     batch whose routing gives each expert exactly that class's rows (`TUNING_ROWS`); with experts on other ranks, a
      batch with a single local pair (the pair kernels again, with K = 1); with all experts local and
      autotuning on, every other count of 2 to 16 tokens, whose first call chooses between the pair
      kernels and the sorted path by timing both (`thunderep.kernels.pairs.pairs_win`);
@@ -68,13 +69,13 @@ def kernel_bindings(tm) -> list:
 
 def tuning_calls(num_experts: int, top_k: int, max_batch: int) -> list[tuple[int, bool]]:
     """(tokens, capturable) of the synthetic calls: the decode buckets captured in graphs, one token,
-    and for each class c of rows per expert the tokens that give every expert c rows (round-robin
-    routing over all `num_experts`, so each rank's experts get c rows each)."""
-    from ..kernels.ops import _M_CLASSES
+    and for each tuning key's rows per expert c (`TUNING_ROWS`) the tokens that give every expert c rows
+    (round-robin routing over all `num_experts`, so each rank's experts get c rows each)."""
+    from ..kernels.ops import TUNING_ROWS
     from ..static_decode import _buckets
 
     calls = [(b, True) for b in _buckets(max_batch)] + [(1, False)]
-    calls += [(math.ceil(c * num_experts / top_k), False) for c in _M_CLASSES]
+    calls += [(math.ceil(c * num_experts / top_k), False) for c in TUNING_ROWS]
     return calls
 
 

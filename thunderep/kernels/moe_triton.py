@@ -33,7 +33,9 @@ Blackwell consumer parts (sm_89, sm_120) to mma.sync.
 
 The row counts (n_rows, M, T, N) are not specialized (`do_not_specialize`): Triton would otherwise
 compile a kernel again for a count that is 1 or a multiple of 16, seconds of compilation that a
-server meets as requests of new lengths arrive. They only bound masks and tile loops.
+server meets as requests of new lengths arrive. They only bound masks and tile loops. `m_class` and
+`m_fill` are not read at all: they are the autotuner's key of rows per expert (ops.py), and `m_fill`
+(0 to 2) is not specialized either, so that each key's value compiles the same kernel.
 """
 
 from __future__ import annotations
@@ -248,12 +250,12 @@ def _up_store(acc_g, acc_u, rows, row_ok, cols_N, col_ok_N, gate_N, up_N, h_ptr,
     tl.store(h_ptr + rows64[:, None] * stride_hm + cols_N[None, :], h.to(h_ptr.dtype.element_ty), mask=out_ok)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "m_fill"])
 def _up_kernel(
     x_ptr, w_ptr, h_ptr, gu_ptr, order_ptr, counts_ptr,
     n_rows, I, D, E, top_k,
     stride_xm, stride_we, stride_wn, stride_hm, stride_gm,
-    m_class,
+    m_class, m_fill,
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, GATHER: tl.constexpr, SAVE_GU: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -309,12 +311,12 @@ def _rows_store(acc, rows, row_ok, cols_N, col_ok_N, c_ptr, order_ptr, weight_pt
              mask=row_ok[:, None] & col_ok_N[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "m_fill"])
 def _rows_kernel(
     a_ptr, b_ptr, c_ptr, order_ptr, weight_ptr, counts_ptr,
     n_rows, N, K, E,
     stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-    m_class,
+    m_class, m_fill,
     SCATTER: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr, TAIL: tl.constexpr,
@@ -375,12 +377,12 @@ def _act_bwd_store(acc, rows, row_ok, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_pt
     tl.store(dgu_ptr + rows64[:, None] * stride_gm + up_N[None, :], (acc * act_g).to(dgu_dtype), mask=ok)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "m_fill"])
 def _act_bwd_kernel(
     dy_ptr, w_ptr, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr, order_ptr, weight_ptr, counts_ptr,
     n_rows, I, D, E, top_k,
     stride_dym, stride_we, stride_wd, stride_gm, stride_dwp,
-    m_class,
+    m_class, m_fill,
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -421,12 +423,12 @@ def _act_bwd_kernel(
                    weight_ptr, stride_gm, stride_dwp, ACT, INTERLEAVED, WEIGHTED)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "m_fill"])
 def _wgrad_kernel(
     a_ptr, b_ptr, c_ptr, counts_ptr,
     M, N, E,
     stride_am, stride_bm, stride_ce, stride_cm,
-    m_class,
+    m_class, m_fill,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,

@@ -74,6 +74,24 @@ def _m_class(n_rows: int, E: int) -> int:
     return next((m for m in _M_CLASSES if mean <= m), _M_CLASSES[-1])
 
 
+def _m_fill(n_rows: int, E: int) -> int:
+    """How full the class's row tiles run, the second half of the tuning key: 0 where the experts average
+    at most a quarter of BLOCK_M rows (decode-sized batches in the 16-row class), 2 where they average
+    more than two tiles (long prompts in the 128-row class), else 1.
+
+    The best launch order and tile width differ across a class: DeepSeek-V3's 64 tokens (2.3 rows per
+    hit expert) and 512 (16) share the 16-row class, and configs timed at 64 tokens, row tiles one at a
+    time, then ran its 512-token forward 10% slower than configs timed there (docs/BENCHMARKS.md,
+    "Tuning order: DeepSeek-V3 at T = 512")."""
+    mean, bm = G._mean_rows(n_rows, E), _m_class(n_rows, E)
+    return 0 if mean <= bm / 4 else 2 if mean > 2 * bm else 1
+
+
+# Rows per expert that reach every (class, fill) tuning key once, from 4 (16-row class, fill 0) to 512
+# (128-row class, fill 2): the batches `thunderep.hf.tune` tunes ahead of serving.
+TUNING_ROWS = (4, 16, 32, 64, 128, 512)
+
+
 def _cfg(bm, bn, bk, warps, stages, group=8, **flags):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, **flags},
                          num_warps=warps, num_stages=stages)
@@ -130,16 +148,17 @@ def _prune_wgrad(configs, named_args, **kwargs):
     return configs
 
 
-_UP, _UP_PLAIN = tuned("up", K._up_kernel, _ROW_CONFIGS, ["m_class", "I", "D", "GATHER", "SAVE_GU"], _prune_up, "D")
-_ROWS, _ROWS_PLAIN = tuned("rows", K._rows_kernel, _ROW_CONFIGS, ["m_class", "N", "K", "SCATTER", "WEIGHTED"],
-                            _prune_rows, "K")
+_UP, _UP_PLAIN = tuned("up", K._up_kernel, _ROW_CONFIGS, ["m_class", "m_fill", "I", "D", "GATHER", "SAVE_GU"],
+                      _prune_up, "D")
+_ROWS, _ROWS_PLAIN = tuned("rows", K._rows_kernel, _ROW_CONFIGS,
+                            ["m_class", "m_fill", "N", "K", "SCATTER", "WEIGHTED"], _prune_rows, "K")
 # The routing-weight partials dwp have one column per column tile of the config that ran: a trial with
 # narrower tiles would leave partials the chosen config does not overwrite (wrong d weights on the
 # first backward of each shape), so the autotuner zeroes dwp before every run.
 _ACT_BWD, _ACT_BWD_PLAIN = tuned("act_bwd", K._act_bwd_kernel, _ROW_CONFIGS,
-                                  ["m_class", "I", "D", "GATHER", "WEIGHTED"], _prune_up, "D",
+                                  ["m_class", "m_fill", "I", "D", "GATHER", "WEIGHTED"], _prune_up, "D",
                                   reset_to_zero=["dwp_ptr"])
-_WGRAD, _WGRAD_PLAIN = tuned("wgrad", K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class", "M", "N"], _prune_wgrad)
+_WGRAD, _WGRAD_PLAIN = tuned("wgrad", K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class", "m_fill", "M", "N"], _prune_wgrad)
 
 
 def _block_e(E: int) -> int:
@@ -160,8 +179,8 @@ def _up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows):
             x_ptr=x, w_ptr=w_gu, h_ptr=h, gu_ptr=gu, order_ptr=order if order is not None else counts,
             counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k,
             stride_xm=x.stride(0), stride_we=w_gu.stride(0), stride_wn=w_gu.stride(1), stride_hm=h.stride(0),
-            stride_gm=I2, m_class=bm, ACT=act, INTERLEAVED=interleaved, GATHER=order is not None,
-            SAVE_GU=save, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E))
+            stride_gm=I2, m_class=bm, m_fill=_m_fill(n_rows, E), ACT=act, INTERLEAVED=interleaved,
+            GATHER=order is not None, SAVE_GU=save, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E))
     return h, gu
 
 
@@ -175,7 +194,8 @@ def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter):
             weight_ptr=weights if weights is not None else a, counts_ptr=counts,
             n_rows=n_rows, N=n_out, K=Kdim, E=E, stride_am=a.stride(0), stride_be=b_strides[0],
             stride_bn=b_strides[1], stride_bk=b_strides[2], stride_cm=out.stride(0), m_class=bm,
-            SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
+            m_fill=_m_fill(n_rows, E), SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=_precision(a.dtype),
+            BLOCK_E=_block_e(E))
 
 
 def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
@@ -194,9 +214,8 @@ def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
             weight_ptr=weights if weights is not None else dy,
             counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k, stride_dym=dy.stride(0),
             stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_gm=I2, stride_dwp=tiles,
-            m_class=bm, ACT=act, INTERLEAVED=interleaved, GATHER=order is not None,
-            WEIGHTED=weights is not None, PRECISION=_precision(dy.dtype),
-            BLOCK_E=_block_e(E))
+            m_class=bm, m_fill=_m_fill(n_rows, E), ACT=act, INTERLEAVED=interleaved, GATHER=order is not None,
+            WEIGHTED=weights is not None, PRECISION=_precision(dy.dtype), BLOCK_E=_block_e(E))
     return dgu, dwp, hw
 
 
@@ -208,7 +227,7 @@ def _wgrad(a, b, counts, out):
     _launch(_WGRAD, _WGRAD_PLAIN, _DEFAULT_WGRAD, grid, a.device,
             a_ptr=a, b_ptr=b, c_ptr=out, counts_ptr=counts, M=M, N=N, E=E,
             stride_am=a.stride(0), stride_bm=b.stride(0), stride_ce=out.stride(0), stride_cm=out.stride(1),
-            m_class=bm, PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
+            m_class=bm, m_fill=_m_fill(a.shape[0], E), PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
 
 
 def _weight_grad(a, b, counts, weight, torch_gemm):
