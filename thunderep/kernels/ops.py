@@ -80,9 +80,9 @@ def _m_fill(n_rows: int, E: int) -> int:
     more than two tiles (long prompts in the 128-row class), else 1.
 
     The best launch order and tile width differ across a class: DeepSeek-V3's 64 tokens (2.3 rows per
-    hit expert) and 512 (16) share the 16-row class, and configs timed at 64 tokens, row tiles one at a
-    time, then ran its 512-token forward 10% slower than configs timed there (docs/BENCHMARKS.md,
-    "Tuning order: DeepSeek-V3 at T = 512")."""
+    hit expert) and 512 (16) share the 16-row class; configs timed at 64 tokens (row tiles one at a
+    time) ran its 512-token forward in 6.37 ms on the H200, configs timed there (8 at a time) in 6.15
+    (docs/BENCHMARKS.md, "Tuning order: DeepSeek-V3 at T = 512")."""
     mean, bm = G._mean_rows(n_rows, E), _m_class(n_rows, E)
     return 0 if mean <= bm / 4 else 2 if mean > 2 * bm else 1
 
