@@ -14,11 +14,11 @@ request took 28.6 s, and later ones up to 43 s.
 2. on each rank, for each distinct experts shape, synthetic calls of the binding's own local
    computation (no collective), the same functions serving runs:
    - graph-captured decode (`capturable`): every bucket size of `thunderep.static_decode`;
-   - prefill and eager decode: one token (the pair kernels), and for every class of rows per expert a
-     batch whose routing gives each expert exactly that class's rows (`TUNING_ROWS`); with experts on other ranks, a
-     batch with a single local pair (the pair kernels again, with K = 1); with all experts local and
-     autotuning on, every other count of 2 to 16 tokens, whose first call chooses between the pair
-     kernels and the sorted path by timing both (`thunderep.kernels.pairs.pairs_win`);
+   - prefill and eager decode: one token (the pair kernels), and for every tuning key of rows per
+     expert (`TUNING_ROWS`) a batch whose routing gives each expert exactly that many rows; with experts
+     on other ranks, a batch with a single local pair (the pair kernels again, with K = 1); with all
+     experts local and autotuning on, every other count of 2 to 16 tokens, whose first call chooses
+     between the pair kernels and the sorted path by timing both (`thunderep.kernels.pairs.pairs_win`);
    - the one-program sort of small batches at every power of two of pairs up to its limit (Triton
      compiles it per block size);
    - on sm_90, one small call through the Hopper path that long prompts take (compiles its passes).
