@@ -76,15 +76,16 @@ def _m_class(n_rows: int, E: int) -> int:
 
 def _m_fill(n_rows: int, E: int) -> int:
     """How full the class's row tiles run, the second half of the tuning key: 0 where the experts average
-    at most a quarter of BLOCK_M rows (decode-sized batches in the 16-row class), 2 where they average
-    more than two tiles (long prompts in the 128-row class), else 1.
+    at most half of BLOCK_M rows, so that an expert rarely needs a second tile (counts spread about as
+    a Poisson's: at a mean of 8 rows, 0.4% of experts get more than 16; decode-sized batches in the
+    16-row class), 2 where they average more than two tiles (long prompts in the 128-row class), else 1.
 
     The best launch order and tile width differ across a class: DeepSeek-V3's 64 tokens (2.3 rows per
     hit expert) and 512 (16) share the 16-row class; configs timed at 64 tokens (row tiles one at a
     time) ran its 512-token forward in 6.37 ms on the H200, configs timed there (8 at a time) in 6.15
     (docs/BENCHMARKS.md, "Tuning order: DeepSeek-V3 at T = 512")."""
     mean, bm = G._mean_rows(n_rows, E), _m_class(n_rows, E)
-    return 0 if mean <= bm / 4 else 2 if mean > 2 * bm else 1
+    return 0 if mean <= bm / 2 else 2 if mean > 2 * bm else 1
 
 
 # Rows per expert that reach every (class, fill) tuning key once, from 4 (16-row class, fill 0) to 512
