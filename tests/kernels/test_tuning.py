@@ -239,3 +239,13 @@ def test_compile_threads_default_is_eight_or_the_usable_cpus(monkeypatch):
     assert tuning.compile_threads() == 1
     monkeypatch.setenv("THUNDEREP_COMPILE_THREADS", "12")
     assert tuning.compile_threads() == 12
+
+
+def test_grid_arithmetic_equals_tritons():
+    """`tuning.cdiv` and `tuning.next_power_of_2`, the host's grid and block arithmetic, give what
+    `triton.cdiv` and `triton.next_power_of_2` give over the sizes the kernels meet."""
+    for n in range(1, 70000, 7):
+        assert tuning.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for block in (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 48, 80):
+            assert tuning.cdiv(n, block) == triton.cdiv(n, block), (n, block)
+    assert tuning.cdiv(0, 16) == 0 and tuning.next_power_of_2(1) == 1 and tuning.next_power_of_2(65) == 128

@@ -23,10 +23,10 @@ import contextlib
 import os
 
 import torch
-import triton
 
 from ..errors import ConfigError
 from . import passes
+from .tuning import cdiv
 
 __all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "WGRAD_TORCH_MIN_ROWS", "gemm_path", "wgrad_path", "gather_rows",
            "forward", "backward_dx", "weight_grad"]
@@ -120,7 +120,7 @@ def _act_rows(gu, act, interleaved):
     n_rows, I2 = gu.shape
     I = I2 // 2
     h = gu.new_empty(n_rows, I)
-    grid = (triton.cdiv(n_rows, 8), triton.cdiv(I, 256))
+    grid = (cdiv(n_rows, 8), cdiv(I, 256))
     passes._act_kernel[grid](gu, h, n_rows, I, gu.stride(0), h.stride(0), ACT=act, INTERLEAVED=interleaved,
                              BLOCK_R=8, BLOCK_C=256, **_elementwise_meta(gu.device))
     return h
@@ -133,7 +133,7 @@ def _act_bwd_rows(dhu, gu, order, weights, act, interleaved):
     dgu = torch.empty_like(gu)
     dw = torch.empty(n_rows if weights is not None else 0, dtype=torch.float32, device=gu.device)
     hw = gu.new_empty(n_rows, I2 // 2) if weights is not None else None
-    passes._act_bwd_rows_kernel[(triton.cdiv(n_rows, 4),)](
+    passes._act_bwd_rows_kernel[(cdiv(n_rows, 4),)](
         dhu, gu, dgu, dw if weights is not None else dgu, hw if hw is not None else dgu,
         order if order is not None else dhu,
         weights if weights is not None else dhu, n_rows, I2 // 2, dhu.stride(0), gu.stride(0),
@@ -146,7 +146,7 @@ def gather_rows(src, order, top_k):
     """src[order[r] // top_k] for every sorted row r: [N, D] (the tokens' rows in expert order)."""
     n_rows, D = order.shape[0], src.shape[1]
     out = src.new_empty(n_rows, D)
-    grid = (triton.cdiv(n_rows, 8), triton.cdiv(D, 1024))
+    grid = (cdiv(n_rows, 8), cdiv(D, 1024))
     passes._gather_kernel[grid](src, order, out, n_rows, D, top_k, src.stride(0), out.stride(0), BLOCK_R=8,
                                 BLOCK_D=1024, **_elementwise_meta(src.device))
     return out
@@ -162,7 +162,7 @@ def _combine(rows, inv, weights, T, top_k):
     """out[t] = sum over k of w[t, k] * rows[inv[t, k]] (un-permute and sum over K, one pass)."""
     D = rows.shape[1]
     out = rows.new_empty(T, D)
-    grid = (triton.cdiv(T, 4), triton.cdiv(D, 512))
+    grid = (cdiv(T, 4), cdiv(D, 512))
     passes._combine_kernel[grid](rows, inv, weights if weights is not None else rows, out, T, D, top_k,
                                  rows.stride(0), out.stride(0), WEIGHTED=weights is not None, BLOCK_T=4,
                                  BLOCK_D=512, **_elementwise_meta(rows.device))

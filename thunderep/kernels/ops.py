@@ -46,7 +46,7 @@ from . import moe_triton as K
 from . import pairs as P
 from . import passes
 from .pairs import needs_grad as _needs_grad
-from .tuning import kernel_configs
+from .tuning import cdiv, kernel_configs, next_power_of_2
 from .tuning import launch as _launch
 from .tuning import precision as _precision
 from .tuning import tuned
@@ -163,11 +163,11 @@ _WGRAD, _WGRAD_PLAIN = tuned("wgrad", K._wgrad_kernel, _WGRAD_CONFIGS, ["m_class
 
 
 def _block_e(E: int) -> int:
-    return max(16, triton.next_power_of_2(E))
+    return max(16, next_power_of_2(E))
 
 
 def _row_grid(n_rows: int, E: int, cols: int):
-    return lambda meta: (min(triton.cdiv(n_rows, meta["BLOCK_M"]) + E, n_rows) * triton.cdiv(cols, meta["BLOCK_N"]),)
+    return lambda meta: (min(cdiv(n_rows, meta["BLOCK_M"]) + E, n_rows) * cdiv(cols, meta["BLOCK_N"]),)
 
 
 def _up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows):
@@ -206,7 +206,7 @@ def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
     E, D, I = w_down.shape
     bm = _m_class(n_rows, E)
     dgu = dy.new_empty(n_rows, I2)
-    tiles = triton.cdiv(I, 16)  # at least the column tiles of any config; unused ones stay zero
+    tiles = cdiv(I, 16)  # at least the column tiles of any config; unused ones stay zero
     dwp = torch.zeros(n_rows if weights is not None else 0, tiles, dtype=torch.float32, device=dy.device)
     hw = dy.new_empty(n_rows, I) if weights is not None else None
     _launch(_ACT_BWD, _ACT_BWD_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, I), dy.device,
@@ -224,7 +224,7 @@ def _wgrad(a, b, counts, out):
     """out[e] = a_e.T @ b_e over expert e's rows (a, b in expert order), the portable kernel."""
     E, M, N = out.shape
     bm = _m_class(a.shape[0], E)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), E)  # noqa: E731
+    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]), E)  # noqa: E731
     _launch(_WGRAD, _WGRAD_PLAIN, _DEFAULT_WGRAD, grid, a.device,
             a_ptr=a, b_ptr=b, c_ptr=out, counts_ptr=counts, M=M, N=N, E=E,
             stride_am=a.stride(0), stride_bm=b.stride(0), stride_ce=out.stride(0), stride_cm=out.stride(1),
@@ -457,7 +457,7 @@ def _route_impl(ids_TK: torch.Tensor, weights_TK: Optional[torch.Tensor], E: int
     weights_N = torch.empty(N, dtype=weights_TK.dtype if weights_TK is not None else dtype, device=device)
     passes._route_kernel[(1,)](ids_TK.reshape(-1), weights_TK.reshape(-1) if weights_TK is not None else weights_N,
                                order_N, counts_E, weights_N, N, E, WEIGHTED=weights_TK is not None,
-                               BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_E=_block_e(E),
+                               BLOCK_N=max(16, next_power_of_2(N)), BLOCK_E=_block_e(E),
                                RANKED=route_ranks(device))
     return order_N, counts_E, weights_N
 

@@ -556,23 +556,23 @@ def _moe_mlp_pairs_impl(
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()
     top_k = N // T
-    n_counts = triton.cdiv(D, _MIN_DOWN_BLOCK_N)
+    n_counts = tuning.cdiv(D, _MIN_DOWN_BLOCK_N)
     pdl = pdl_applies(x.device)
     h = x.new_empty(N, I)
     part = torch.empty(N * D + T * n_counts, dtype=torch.float32, device=x.device)  # split down pass: partials, counts
     count = part[N * D:].view(torch.int32)
-    tuning.launch(_UP_PAIRS, _UP_PAIRS_PLAIN, _DEFAULT_UP_PAIR, lambda meta: (N, triton.cdiv(I, meta["BLOCK_N"])),
+    tuning.launch(_UP_PAIRS, _UP_PAIRS_PLAIN, _DEFAULT_UP_PAIR, lambda meta: (N, tuning.cdiv(I, meta["BLOCK_N"])),
             x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=top_k,
             stride_xm=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
             stride_hm=h.stride(0), n_counts=n_counts, ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved,
             PRECISION=tuning.precision(x.dtype), PDL=pdl)
     y = x.new_empty(T, D)
     tuning.launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_DOWN_PAIR,
-            lambda meta: (T, triton.cdiv(D, meta["BLOCK_N"]), top_k if meta["SPLIT"] else 1),
+            lambda meta: (T, tuning.cdiv(D, meta["BLOCK_N"]), top_k if meta["SPLIT"] else 1),
             x.device, h_ptr=h, w_ptr=w_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
             part_ptr=part, count_ptr=count, D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0),
             stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_ym=y.stride(0), stride_cm=n_counts,
-            WEIGHTED=weights is not None, PDL=pdl, SLOTS=triton.next_power_of_2(top_k),
+            WEIGHTED=weights is not None, PDL=pdl, SLOTS=tuning.next_power_of_2(top_k),
             **({"launch_pdl": True} if pdl else {}))
     return y
 

@@ -34,10 +34,24 @@ from triton.runtime.errors import OutOfResources
 from ..cuda_graphs import capture
 from ..errors import ConfigError
 
-__all__ = ["autotune_enabled", "captured", "compile_threads", "compiled_kernels", "free_timer_buffers",
-           "kernel_configs", "launch", "precision", "timed_ms", "tuned"]
+__all__ = ["autotune_enabled", "captured", "cdiv", "compile_threads", "compiled_kernels", "free_timer_buffers",
+           "kernel_configs", "launch", "next_power_of_2", "precision", "timed_ms", "tuned"]
 
 _LOG = logging.getLogger("thunderep.kernels")
+
+
+# Grid and block arithmetic on the host, where every launch pays for it. `triton.cdiv` and
+# `triton.next_power_of_2` are constexpr functions in recent Triton: called from Python, about 3 us a
+# call with Triton 3.9 against 0.03 us for the arithmetic, and a forward+backward makes some thirty
+# (docs/BENCHMARKS.md, "Host time of the grid arithmetic").
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive b."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
 _REGISTRY: dict[str, object] = {}  # name -> autotuner, for kernel_configs()
 _TUNED: dict[tuple, triton.Config] = {}  # (autotuner, its key) -> the config it chose
 _ARMED: set[int] = set()  # autotuners whose next timing round compiles its configs first (id)
