@@ -12,17 +12,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "kernels"))
-
-from test_moe_triton import make_case  # noqa: E402
-
-from thunderep.kernels import grouped_gemm as G  # noqa: E402
-from thunderep.kernels import ops, passes, tuning  # noqa: E402
+from thunderep.kernels import grouped_gemm as G
+from thunderep.kernels import ops, passes, tuning
 
 PLAIN = (tuning.cdiv, tuning.next_power_of_2)
 TRITONS = (triton.cdiv, triton.next_power_of_2)
@@ -43,6 +38,15 @@ def stub_launches() -> None:
             setattr(passes, name, Kernel())
 
 
+def make_case(T: int, D: int, I: int, E: int, K: int, seed: int):
+    """x [T, D], w_gate_up [E, 2I, D], w_down [E, D, I], ids [T, K] (K distinct experts per token) and
+    routing weights [T, K], float32, drawn from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    return (torch.randn(T, D, generator=gen), torch.randn(E, 2 * I, D, generator=gen) / D**0.5,
+            torch.randn(E, D, I, generator=gen) / I**0.5, ids, torch.softmax(torch.randn(T, K, generator=gen), -1))
+
+
 def use(helpers) -> None:
     cdiv, next_power_of_2 = helpers
     ops.cdiv = G.cdiv = tuning.cdiv = cdiv
@@ -56,9 +60,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     stub_launches()
-    x, w_gu, w_d, ids, weights = make_case(64, 64, 64, 16, 4, torch.float32, 1)
+    x, w_gu, w_d, ids, weights = make_case(64, 64, 64, 16, 4, 1)
     xg, wg, wdg, wtg = (t.clone().requires_grad_() for t in (x, w_gu, w_d, weights))
-    x1, w1, wd1, ids1, wt1 = make_case(1, 64, 64, 16, 4, torch.float32, 1)
+    x1, w1, wd1, ids1, wt1 = make_case(1, 64, 64, 16, 4, 1)
 
     def train():
         ops.routed_moe_mlp(xg, wg, wdg, ids, wtg).sum().backward()
