@@ -43,9 +43,8 @@ def test_each_row_class_is_reached_once_on_every_rank(experts, top_k, ranks):
             assert all(len(set(row)) == top_k for row in ids_TK.tolist())  # a token's K experts differ
             rows = torch.bincount(ids_TK.flatten(), minlength=experts)[rank * per_rank:(rank + 1) * per_rank]
             assert rows.min() >= rows.max() - 1  # every local expert alike (round-robin)
-            classes.append((ops._m_class(int(rows.sum()), per_rank), ops._m_fill(int(rows.sum()), per_rank)))
-        reachable = {(ops._m_class(c * per_rank, per_rank), ops._m_fill(c * per_rank, per_rank))
-                     for c in range(1, 4097)}
+            classes.append(ops._m_key(int(rows.sum()), per_rank))
+        reachable = {ops._m_key(c * per_rank, per_rank) for c in range(1, 4097)}
         assert len(set(classes)) == len(classes) and set(classes) == reachable, (classes, reachable)
 
 

@@ -249,3 +249,13 @@ def test_grid_arithmetic_equals_tritons():
         for block in (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 48, 80):
             assert tuning.cdiv(n, block) == triton.cdiv(n, block), (n, block)
     assert tuning.cdiv(0, 16) == 0 and tuning.next_power_of_2(1) == 1 and tuning.next_power_of_2(65) == 128
+
+
+def test_row_key_class_and_fill_at_their_bounds():
+    """`ops._m_key`: BLOCK_M is the smallest of 16/32/64/128 holding the mean rows per active expert
+    (128 above), fill 0 up to half of it, 2 above two tiles, else 1; at each bound and just past it."""
+    want = {1: (16, 0), 8: (16, 0), 8.5: (16, 1), 16: (16, 1), 16.5: (32, 1), 32: (32, 1), 33: (64, 1),
+            64: (64, 1), 64.5: (128, 1), 256: (128, 1), 256.5: (128, 2), 5000: (128, 2)}
+    for mean, key in want.items():
+        assert ops._m_key(int(mean * 2), 2) == key, (mean, key)
+    assert ops._m_key(3, 64) == (16, 0)  # 3 rows over 64 experts: 3 active experts, 1 row each

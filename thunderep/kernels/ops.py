@@ -54,7 +54,6 @@ from .tuning import tuned
 __all__ = ["moe_mlp", "routed_moe_mlp", "kernel_configs", "supported"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_M_CLASSES = (16, 32, 64, 128)
 
 
 def supported(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, bias: bool) -> bool:
@@ -68,24 +67,23 @@ def supported(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, bias: b
     )
 
 
-def _m_class(n_rows: int, E: int) -> int:
-    """BLOCK_M for the row kernels: the smallest of 16/32/64/128 that holds the mean rows per active expert."""
-    mean = G._mean_rows(n_rows, E)
-    return next((m for m in _M_CLASSES if mean <= m), _M_CLASSES[-1])
+def _m_key(n_rows: int, E: int) -> tuple[int, int]:
+    """The row kernels' key of rows per expert, (class, fill), from the mean rows per active expert.
 
-
-def _m_fill(n_rows: int, E: int) -> int:
-    """How full the class's row tiles run, the second half of the tuning key: 0 where the experts average
-    at most half of BLOCK_M rows, so that an expert rarely needs a second tile (counts spread about as
-    a Poisson's: at a mean of 8 rows, 0.4% of experts get more than 16; decode-sized batches in the
-    16-row class), 2 where they average more than two tiles (long prompts in the 128-row class), else 1.
+    class: BLOCK_M, the smallest of 16/32/64/128 that holds the mean (128 above it). fill: how full
+    the class's row tiles run, 0 where the experts average at most half of BLOCK_M rows, so that an
+    expert rarely needs a second tile (counts spread about as a Poisson's: at a mean of 8 rows, 0.4%
+    of experts get more than 16; decode-sized batches in the 16-row class), 2 where they average more
+    than two tiles (long prompts in the 128-row class), else 1.
 
     The best launch order and tile width differ across a class: DeepSeek-V3's 64 tokens (2.3 rows per
     hit expert) and 512 (16) share the 16-row class; configs timed at 64 tokens (row tiles one at a
     time) ran its 512-token forward in 6.37 ms on the H200, configs timed there (8 at a time) in 6.15
-    (docs/BENCHMARKS.md, "Tuning order: DeepSeek-V3 at T = 512")."""
-    mean, bm = G._mean_rows(n_rows, E), _m_class(n_rows, E)
-    return 0 if mean <= bm / 2 else 2 if mean > 2 * bm else 1
+    (docs/BENCHMARKS.md, "Tuning order: DeepSeek-V3 at T = 512"). Plain comparisons: this runs at
+    every launch (a generator over the classes took 2.6 us a call on a CPU)."""
+    mean = G._mean_rows(n_rows, E)
+    bm = 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 64 else 128
+    return bm, 0 if mean <= bm / 2 else 2 if mean > 2 * bm else 1
 
 
 # Rows per expert that reach every (class, fill) tuning key once, from 4 (16-row class, fill 0) to 512
@@ -175,12 +173,12 @@ def _up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows):
     I = I2 // 2
     h = x.new_empty(n_rows, I)
     gu = x.new_empty(n_rows if save else 0, I2)
-    bm = _m_class(n_rows, E)
+    bm, fill = _m_key(n_rows, E)
     _launch(_UP, _UP_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, I), x.device,
             x_ptr=x, w_ptr=w_gu, h_ptr=h, gu_ptr=gu, order_ptr=order if order is not None else counts,
             counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k,
             stride_xm=x.stride(0), stride_we=w_gu.stride(0), stride_wn=w_gu.stride(1), stride_hm=h.stride(0),
-            stride_gm=I2, m_class=bm, m_fill=_m_fill(n_rows, E), ACT=act, INTERLEAVED=interleaved,
+            stride_gm=I2, m_class=bm, m_fill=fill, ACT=act, INTERLEAVED=interleaved,
             GATHER=order is not None, SAVE_GU=save, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E))
     return h, gu
 
@@ -189,13 +187,13 @@ def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter):
     """out[dst(r)] = w * a[r] @ B[e].T with B[e, n, k] at b + e*s0 + n*s1 + k*s2."""
     n_rows, Kdim = a.shape
     E = counts.shape[0]
-    bm = _m_class(n_rows, E)
+    bm, fill = _m_key(n_rows, E)
     _launch(_ROWS, _ROWS_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, n_out), a.device,
             a_ptr=a, b_ptr=b, c_ptr=out, order_ptr=order if order is not None else counts,
             weight_ptr=weights if weights is not None else a, counts_ptr=counts,
             n_rows=n_rows, N=n_out, K=Kdim, E=E, stride_am=a.stride(0), stride_be=b_strides[0],
             stride_bn=b_strides[1], stride_bk=b_strides[2], stride_cm=out.stride(0), m_class=bm,
-            m_fill=_m_fill(n_rows, E), SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=_precision(a.dtype),
+            m_fill=fill, SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=_precision(a.dtype),
             BLOCK_E=_block_e(E))
 
 
@@ -204,7 +202,7 @@ def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
     weights, hw = w * h [N, I] for the down projection's weight gradient (else None)."""
     n_rows, I2 = gu.shape
     E, D, I = w_down.shape
-    bm = _m_class(n_rows, E)
+    bm, fill = _m_key(n_rows, E)
     dgu = dy.new_empty(n_rows, I2)
     tiles = cdiv(I, 16)  # at least the column tiles of any config; unused ones stay zero
     dwp = torch.zeros(n_rows if weights is not None else 0, tiles, dtype=torch.float32, device=dy.device)
@@ -215,7 +213,7 @@ def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
             weight_ptr=weights if weights is not None else dy,
             counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k, stride_dym=dy.stride(0),
             stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_gm=I2, stride_dwp=tiles,
-            m_class=bm, m_fill=_m_fill(n_rows, E), ACT=act, INTERLEAVED=interleaved, GATHER=order is not None,
+            m_class=bm, m_fill=fill, ACT=act, INTERLEAVED=interleaved, GATHER=order is not None,
             WEIGHTED=weights is not None, PRECISION=_precision(dy.dtype), BLOCK_E=_block_e(E))
     return dgu, dwp, hw
 
@@ -223,12 +221,12 @@ def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
 def _wgrad(a, b, counts, out):
     """out[e] = a_e.T @ b_e over expert e's rows (a, b in expert order), the portable kernel."""
     E, M, N = out.shape
-    bm = _m_class(a.shape[0], E)
+    bm, fill = _m_key(a.shape[0], E)
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]), E)  # noqa: E731
     _launch(_WGRAD, _WGRAD_PLAIN, _DEFAULT_WGRAD, grid, a.device,
             a_ptr=a, b_ptr=b, c_ptr=out, counts_ptr=counts, M=M, N=N, E=E,
             stride_am=a.stride(0), stride_bm=b.stride(0), stride_ce=out.stride(0), stride_cm=out.stride(1),
-            m_class=bm, m_fill=_m_fill(a.shape[0], E), PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
+            m_class=bm, m_fill=fill, PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
 
 
 def _weight_grad(a, b, counts, weight, torch_gemm):
