@@ -1,9 +1,12 @@
-"""Host time per call of `routed_moe_mlp` with every Triton launch stubbed out (grids still evaluated):
-ThunderEP's own grid arithmetic (`tuning.cdiv`, `tuning.next_power_of_2`) against Triton's
-`triton.cdiv` / `triton.next_power_of_2`, alternating in one process. Runs on a CPU; the launches being
-stubs, it measures only the host's Python and torch work around them.
+"""Host time per call of `routed_moe_mlp` with every Triton launch stubbed out (grids still evaluated),
+the current host code against an older form of one piece of it, alternating in one process:
+  --swap grid: ThunderEP's grid arithmetic (`tuning.cdiv`, `tuning.next_power_of_2`) against Triton's
+               `triton.cdiv` / `triton.next_power_of_2`;
+  --swap key:  the row kernels' tuning key in one call (`ops._m_key`) against the earlier form, class
+               and fill computed in two calls through a generator over the classes.
+Runs on a CPU; the launches being stubs, it measures only the host's Python and torch work around them.
 
-    python examples/host_grid_probe.py [--rounds 10]
+    python examples/host_grid_probe.py [--swap grid|key] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -21,6 +24,18 @@ from thunderep.kernels import ops, passes, tuning
 
 PLAIN = (tuning.cdiv, tuning.next_power_of_2)
 TRITONS = (triton.cdiv, triton.next_power_of_2)
+M_KEY = ops._m_key
+CLASSES = (16, 32, 64, 128)
+
+
+def _m_key_two_calls(n_rows: int, E: int) -> tuple[int, int]:
+    """The earlier form of `ops._m_key`: the class through a generator, computed again for the fill."""
+    def m_class(n, e):
+        mean = G._mean_rows(n, e)
+        return next((m for m in CLASSES if mean <= m), CLASSES[-1])
+
+    mean, bm = G._mean_rows(n_rows, E), m_class(n_rows, E)
+    return m_class(n_rows, E), 0 if mean <= bm / 2 else 2 if mean > 2 * bm else 1
 
 
 def stub_launches() -> None:
@@ -47,16 +62,19 @@ def make_case(T: int, D: int, I: int, E: int, K: int, seed: int):
             torch.randn(E, D, I, generator=gen) / I**0.5, ids, torch.softmax(torch.randn(T, K, generator=gen), -1))
 
 
-def use(helpers) -> None:
-    cdiv, next_power_of_2 = helpers
+def use(swap: str, old: bool) -> None:
+    """The current host code, or with the older form of the `swap` piece."""
+    cdiv, next_power_of_2 = TRITONS if old and swap == "grid" else PLAIN
     ops.cdiv = G.cdiv = tuning.cdiv = cdiv
     ops.next_power_of_2 = tuning.next_power_of_2 = next_power_of_2
+    ops._m_key = _m_key_two_calls if old and swap == "key" else M_KEY
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--swap", choices=("grid", "key"), default="grid")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     stub_launches()
@@ -81,21 +99,23 @@ def main(argv=None) -> int:
             fn()
     us = {}
     for r in range(args.rounds):
-        for name, helpers in (("triton", TRITONS), ("plain", PLAIN))[:: 1 if r % 2 == 0 else -1]:
-            use(helpers)
+        for name in ("old", "new")[:: 1 if r % 2 == 0 else -1]:
+            use(args.swap, old=name == "old")
             for case, fn in cases.items():
                 start = time.perf_counter()
                 for _ in range(args.calls):
                     fn()
                 us.setdefault((case, name), []).append((time.perf_counter() - start) / args.calls * 1e6)
-    use(PLAIN)
-    print(f"# torch {torch.__version__}, triton {triton.__version__}; us per call, median (min) of {args.rounds}")
-    print("| case | triton.cdiv etc. | ThunderEP's arithmetic | saved |")
+    use(args.swap, old=False)
+    print(f"# --swap {args.swap}; torch {torch.__version__}, triton {triton.__version__}; us per call, "
+          f"median (min) of {args.rounds} rounds")
+    print("| case | older form | current | saved, medians (minima) |")
     print("|---|---|---|---|")
     for case in cases:
-        old, new = us[(case, "triton")], us[(case, "plain")]
+        old, new = us[(case, "old")], us[(case, "new")]
         print(f"| {case} | {statistics.median(old):.1f} ({min(old):.1f}) | {statistics.median(new):.1f} "
-              f"({min(new):.1f}) | {statistics.median(old) - statistics.median(new):.1f} |")
+              f"({min(new):.1f}) | {statistics.median(old) - statistics.median(new):.1f} "
+              f"({min(old) - min(new):.1f}) |")
     return 0
 
 
