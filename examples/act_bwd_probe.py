@@ -31,7 +31,7 @@ dwp = torch.zeros(N, tiles, dtype=torch.float32, device=dev)
 
 
 def act_bwd(bm, bn, bk, warps, stages, tail, group, gather=True):
-    grid = (min(triton.cdiv(N, bm) + E, N) * triton.cdiv(I, bn),)
+    grid = ops._row_grid(N, E, I)  # the launch grid ops uses
     src = dy if gather else dy_rows
     return lambda: ops._ACT_BWD_PLAIN[grid](
         dy_ptr=src, w_ptr=w_d, gu_ptr=gu, dgu_ptr=dgu, dwp_ptr=dwp, hw_ptr=hw, order_ptr=order, weight_ptr=wts,
@@ -44,7 +44,7 @@ def act_bwd(bm, bn, bk, warps, stages, tail, group, gather=True):
 def rows(bm, bn, bk, warps, stages, tail, group):
     h = torch.randn(N, I, device=dev, dtype=dt, generator=g)
     out = dy.new_empty(N, D)
-    grid = (min(triton.cdiv(N, bm) + E, N) * triton.cdiv(D, bn),)
+    grid = ops._row_grid(N, E, D)  # the launch grid ops uses
     return lambda: ops._ROWS_PLAIN[grid](
         a_ptr=h, b_ptr=w_d, c_ptr=out, order_ptr=order, weight_ptr=wts, counts_ptr=counts, n_rows=N, N=D, K=I,
         E=E, stride_am=I, stride_be=w_d.stride(0), stride_bn=I, stride_bk=1, stride_cm=D, m_class=128, m_fill=1,

@@ -6,7 +6,7 @@ DeepSeek-V3 shape, each launched with fixed configs (no autotuning), under unifo
 
 A config is (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, TAIL]). Each routing is timed twice,
 alternating, and each line prints the medians in ms (`triton.testing.do_bench`)."""
-import sys, torch, triton
+import sys, torch
 from triton.testing import do_bench
 from thunderep.kernels import ops
 D, I, E, k = 7168, 2048, 256, 8
@@ -24,7 +24,7 @@ def up(ids, bm, bn, bk, warps, stages, tail=False):
     order = torch.sort(flat, stable=True).indices.to(torch.int32)
     counts = torch.bincount(flat, minlength=E).to(torch.int32)
     h = x.new_empty(N, I)
-    grid = (min(triton.cdiv(N, bm) + E, N) * triton.cdiv(I, bn),)
+    grid = ops._row_grid(N, E, I)  # the launch grid ops uses
     f = lambda: ops._UP_PLAIN[grid](x_ptr=x, w_ptr=w_gu, h_ptr=h, gu_ptr=h, order_ptr=order, counts_ptr=counts,
         n_rows=N, I=I, D=D, E=E, top_k=k, stride_xm=D, stride_we=w_gu.stride(0), stride_wn=D, stride_hm=I,
         stride_gm=2 * I, m_class=128, m_fill=1, ACT=0, INTERLEAVED=False, GATHER=True, SAVE_GU=False, PRECISION="tf32",
@@ -37,7 +37,7 @@ def rows(ids, bm, bn, bk, warps, stages, tail=False):
     a = torch.randn(N, I, device=dev, dtype=dt, generator=g)
     out = x.new_empty(N, D)
     wts = torch.rand(N, device=dev, dtype=dt, generator=g)
-    grid = (min(triton.cdiv(N, bm) + E, N) * triton.cdiv(D, bn),)
+    grid = ops._row_grid(N, E, D)  # the launch grid ops uses
     f = lambda: ops._ROWS_PLAIN[grid](a_ptr=a, b_ptr=w_d, c_ptr=out, order_ptr=order, weight_ptr=wts,
         counts_ptr=counts, n_rows=N, N=D, K=I, E=E, stride_am=I, stride_be=w_d.stride(0), stride_bn=I,
         stride_bk=1, stride_cm=D, m_class=128, m_fill=1, SCATTER=True, WEIGHTED=True, PRECISION="tf32",
