@@ -6,7 +6,7 @@ the current host code against an older form of one piece of it, alternating in o
                and fill computed in two calls through a generator over the classes.
 Runs on a CPU; the launches being stubs, it measures only the host's Python and torch work around them.
 
-    python examples/host_grid_probe.py [--swap grid|key] [--rounds 10]
+    python examples/host_grid_probe.py [--swap grid|key] [--rounds 10] [--count]
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--swap", choices=("grid", "key"), default="grid")
+    ap.add_argument("--count", action="store_true", help="count the grid-arithmetic calls per case, and stop")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     stub_launches()
@@ -97,6 +98,24 @@ def main(argv=None) -> int:
     for fn in cases.values():
         for _ in range(50):
             fn()
+    if args.count:
+        calls = [0]
+
+        def counted(f):
+            def g(*a):
+                calls[0] += 1
+                return f(*a)
+            return g
+
+        use(args.swap, old=False)
+        ops.cdiv = G.cdiv = tuning.cdiv = counted(PLAIN[0])
+        ops.next_power_of_2 = tuning.next_power_of_2 = counted(PLAIN[1])
+        for case, fn in cases.items():
+            calls[0] = 0
+            fn()
+            print(f"{case}: {calls[0]} calls of cdiv / next_power_of_2")
+        use(args.swap, old=False)
+        return 0
     us = {}
     for r in range(args.rounds):
         for name in ("old", "new")[:: 1 if r % 2 == 0 else -1]:
