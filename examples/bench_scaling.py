@@ -26,7 +26,9 @@ between the systems call by call:
 Throughput counts the job's tokens: training tokens/s = R x batch x seq-len / step time (forward, backward,
 gradient sync of the replicated weights, `--grad-sync`, AdamW); batch decode tokens/s = R x gen-batch x new
 tokens / decode time, prefill excluded (the time of n + 1 generated tokens minus that of 1); batch-1 decode in
-ms per token. Times are medians over the repeats of the slowest rank.
+ms per token. Times are medians over the repeats of the slowest rank. Where timing noise exceeds the decode
+steps (the n + 1 tokens took no longer than 1), the decode rate is reported as not measured, with the
+difference.
 """
 
 from __future__ import annotations
@@ -337,7 +339,11 @@ def summarize(per_rank: list[dict], args) -> dict:
             # per rank: (n + 1 tokens) - (1 token) = n decode steps; the slowest rank's median
             per_token = max(statistics.median(f - o for f, o in zip(r[key][f"{name}/full"], r[key][f"{name}/one"]))
                             for r in per_rank) / args.new_tokens
-            if metric == "decode_tokens_s":
+            if per_token <= 0:  # timing noise larger than the decode steps: no rate, and say why
+                out.setdefault("errors", {})[f"{metric} of {name}"] = (
+                    f"{args.new_tokens + 1} generated tokens took no longer than 1 (median difference "
+                    f"{per_token * args.new_tokens * 1e3:.2f} ms); raise --new-tokens or --gen-repeats")
+            elif metric == "decode_tokens_s":
                 out.setdefault(name, {})[metric] = world * args.gen_batch / per_token
             else:
                 out.setdefault(name, {})[metric] = per_token * 1e3
