@@ -343,10 +343,10 @@ def _stress_worker(rank, world, rounds, size, budget_s=None):
 
 @pytest.mark.world_size(2)
 def test_stress_1e5_rounds_no_torn_or_stale_records():
-    """1e5 rounds (under a second on an idle host), or as many as 40 s allow on a loaded one: at least
+    """1e5 rounds (under a second on an idle host), or as many as 20 s allow on a loaded one: at least
     1e4, the same count on both ranks, no record torn or stale in any."""
     rounds = 100_000
-    res = run_ranks(_stress_worker, 2, rounds, 256, 40.0, timeout=90.0)
+    res = run_ranks(_stress_worker, 2, rounds, 256, 20.0, timeout=90.0)
     assert res[0]["rounds"] == res[1]["rounds"] >= 10_000, res
     for r in res:
         assert r["torn"] == 0 and r["stale"] == 0, res
