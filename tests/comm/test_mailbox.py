@@ -326,16 +326,19 @@ def _stress_worker(rank, world, rounds, size, budget_s=None):
     with make_control_plane("mailbox", record_bytes=size, timeout_s=10.0) as cp:
         t0 = time.perf_counter()
         while done < rounds:
-            for rnd in range(done + 1, min(done + 1000, rounds) + 1):
+            end = min(done + 1000, rounds)
+            for rnd in range(done + 1, end + 1):
                 recs = cp.exchange(_record(rank, rnd, size))
                 for r, rec in enumerate(recs):
                     if xxhash.xxh64_digest(rec[:-8]) != rec[-8:]:
                         torn += 1
                     elif _REC.unpack_from(rec) != (r, size, rnd):
                         stale += 1
-            done = min(done + 1000, rounds)
-            if budget_s is not None and b"1" in cp.exchange(b"1" if time.perf_counter() - t0 > budget_s else b"0"):
-                break
+            done = end
+            if budget_s is not None:  # every rank goes on only if none has run out of time
+                over = time.perf_counter() - t0 > budget_s
+                if b"1" in cp.exchange(b"1" if over else b"0"):
+                    break
         elapsed = time.perf_counter() - t0
         cp.barrier()
     return {"torn": torn, "stale": stale, "seconds": elapsed, "rounds": done}
