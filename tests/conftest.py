@@ -13,10 +13,10 @@ import torch
 # this when the kernels are decorated, so it is set before any test module imports them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from interpreter_calls import install
 
-    install()  # helper calls in kernels skip repatching what their launch patched (same results, faster)
+from interpreter_calls import install  # noqa: E402
+
+install()  # in the interpreter: helper calls in kernels skip repatching what their launch patched
 
 
 def pytest_collection_modifyitems(config, items):

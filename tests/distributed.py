@@ -23,10 +23,9 @@ def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout, backend,
     import faulthandler
 
     start.apply()  # the test's environment, stdout and stderr at run_ranks
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        from interpreter_calls import install
+    from interpreter_calls import install
 
-        install()  # as in the test process (tests/conftest.py)
+    install()  # in the interpreter, as in the test process (tests/conftest.py)
 
     # Where a stuck rank is: its stack on stderr every minute (or shortly before the run's timeout).
     faulthandler.dump_traceback_later(max(1.0, min(60.0, timeout - 10.0)), repeat=True, exit=False)

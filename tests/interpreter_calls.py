@@ -15,10 +15,13 @@ the interpreter runs unchanged.
 from __future__ import annotations
 
 import inspect
+import os
 
 
 def install() -> bool:
-    """Whether the skip is installed (now or before) in this process."""
+    """Whether the skip is installed (now or before) in this process: only where TRITON_INTERPRET=1."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
     try:
         import triton.language as tl
         from triton.runtime import interpreter
