@@ -5,8 +5,10 @@ the current host code against an older form of one piece of it, alternating in o
   --swap key:  the row kernels' tuning key in one call (`ops._m_key`) against the earlier form, class
                and fill computed in two calls through a generator over the classes.
 Runs on a CPU; the launches being stubs, it measures only the host's Python and torch work around them.
+With --device cuda the kernels run for real, in bfloat16, on shapes small enough that the GPU waits for
+the host: each round's calls end in a synchronize, so a call's time is what the host takes to launch it.
 
-    python examples/host_grid_probe.py [--swap grid|key] [--rounds 10] [--count]
+    python examples/host_grid_probe.py [--swap grid|key] [--rounds 10] [--count] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -76,12 +78,23 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--swap", choices=("grid", "key"), default="grid")
     ap.add_argument("--count", action="store_true", help="count the grid-arithmetic calls per case, and stop")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: launches stubbed; cuda: the kernels run, in bfloat16")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    stub_launches()
-    x, w_gu, w_d, ids, weights = make_case(64, 64, 64, 16, 4, 1)
+    if args.device == "cpu":
+        stub_launches()
+        sync = lambda: None  # noqa: E731
+    else:
+        sync = torch.cuda.synchronize
+
+    def on_device(case):
+        return tuple(t.to(args.device, torch.bfloat16 if t.is_floating_point() and args.device == "cuda" else None)
+                     for t in case)
+
+    x, w_gu, w_d, ids, weights = on_device(make_case(64, 64, 64, 16, 4, 1))
     xg, wg, wdg, wtg = (t.clone().requires_grad_() for t in (x, w_gu, w_d, weights))
-    x1, w1, wd1, ids1, wt1 = make_case(1, 64, 64, 16, 4, 1)
+    x1, w1, wd1, ids1, wt1 = on_device(make_case(1, 64, 64, 16, 4, 1))
 
     def train():
         ops.routed_moe_mlp(xg, wg, wdg, ids, wtg).sum().backward()
@@ -98,6 +111,7 @@ def main(argv=None) -> int:
     for fn in cases.values():
         for _ in range(50):
             fn()
+    sync()
     if args.count:
         calls = [0]
 
@@ -124,9 +138,11 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 for _ in range(args.calls):
                     fn()
+                sync()
                 us.setdefault((case, name), []).append((time.perf_counter() - start) / args.calls * 1e6)
     use(args.swap, old=False)
-    print(f"# --swap {args.swap}; torch {torch.__version__}, triton {triton.__version__}; us per call, "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "launches stubbed"
+    print(f"# --swap {args.swap}; {where}; torch {torch.__version__}, triton {triton.__version__}; us per call, "
           f"median (min) of {args.rounds} rounds")
     print("| case | older form | current | saved, medians (minima) |")
     print("|---|---|---|---|")
