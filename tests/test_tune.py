@@ -48,6 +48,17 @@ def test_each_row_class_is_reached_once_on_every_rank(experts, top_k, ranks):
         assert len(set(classes)) == len(classes) and set(classes) == reachable, (classes, reachable)
 
 
+def test_tuning_calls_run_the_row_kernels_where_hopper_could_run_torchs_gemm():
+    """Every call made for a row class keeps under the rows per expert at which an sm_90 GPU's forward
+    takes torch's grouped GEMM (no row kernel runs there, so that key would be left to a prompt)."""
+    from thunderep.kernels import grouped_gemm as G
+
+    assert max(ops.TUNING_ROWS) < G.TORCH_GEMM_MIN_ROWS[0]
+    for experts, top_k in [(8, 2), (128, 8), (256, 8), (60, 4)]:
+        for tokens, _ in tune.tuning_calls(experts, top_k, max_batch=8):
+            assert G._mean_rows(tokens * top_k, experts) < G.TORCH_GEMM_MIN_ROWS[0], (experts, top_k, tokens)
+
+
 def test_path_calls_cover_the_token_counts_tuning_calls_leave():
     """The path-choice calls and the tuning calls together make every count of 2 to
     PAIRS_TUNE_MAX_TOKENS tokens once outside decode steps and every decode bucket among them once as a

@@ -86,9 +86,11 @@ def _m_key(n_rows: int, E: int) -> tuple[int, int]:
     return bm, 0 if mean <= bm / 2 else 2 if mean > 2 * bm else 1
 
 
-# Rows per expert that reach every (class, fill) tuning key once, from 4 (16-row class, fill 0) to 512
-# (128-row class, fill 2): the batches `thunderep.hf.tune` tunes ahead of serving.
-TUNING_ROWS = (4, 16, 32, 64, 128, 512)
+# Rows per expert that reach every (class, fill) tuning key once, from 4 (16-row class, fill 0) to 384
+# (128-row class, fill 2): the batches `thunderep.hf.tune` tunes ahead of serving. All below the forward's
+# G.TORCH_GEMM_MIN_ROWS: from there a Hopper GPU runs torch's grouped GEMM and no row kernel, so a tuning
+# call there would leave the fill-2 key to the first prompt that gives 257 to 511 rows per expert.
+TUNING_ROWS = (4, 16, 32, 64, 128, 384)
 
 
 def _cfg(bm, bn, bk, warps, stages, group=8, **flags):
