@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: launches stubbed; cuda: the kernels run, in bfloat16")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda needs a CUDA GPU, and this torch sees none")
     torch.set_num_threads(1)
     if args.device == "cpu":
         stub_launches()
