@@ -59,6 +59,34 @@ def test_tuning_calls_run_the_row_kernels_where_hopper_could_run_torchs_gemm():
             assert G._mean_rows(tokens * top_k, experts) < G.TORCH_GEMM_MIN_ROWS[0], (experts, top_k, tokens)
 
 
+def test_tuning_meets_every_row_key_where_long_prompts_take_torchs_gemm(monkeypatch):
+    """Where the forward can take torch's grouped GEMM from TORCH_GEMM_MIN_ROWS rows per expert (sm_90;
+    here torch's CPU grouped GEMM stands in), `tune_kernels` still launches the row kernels at every
+    (class, fill) key a batch can reach, as a GPU's autotuner keys them: none is left to a prompt."""
+    from hf_tiny import tiny_model
+
+    from thunderep.kernels import grouped_gemm as G
+    from thunderep.kernels import tuning
+
+    monkeypatch.setattr(G, "_grouped_mm_usable", lambda t, *dims: True)
+    met, launch = collections.defaultdict(set), tuning.launch
+
+    def recorded(autotuner, plain, default, grid, device, **args):
+        name = next(n for n, a in tuning._REGISTRY.items() if a is autotuner)
+        if "m_fill" in autotuner.keys:
+            met[name].add((args["m_class"], args["m_fill"]))
+        return launch(autotuner, plain, default, grid, device, **args)
+
+    monkeypatch.setattr(tuning, "launch", recorded)
+    monkeypatch.setattr(ops, "_launch", recorded)
+    tm = ThunderMoE.wrap(tiny_model("qwen3_moe", seed=1, num_experts=4), experts_implementation=KERNELS).eval()
+    monkeypatch.setattr(tune, "kernel_bindings", lambda tm: [(tm.model.get_submodule(n), b)
+                                                             for n, b in tm.bindings.items()])
+    tune.tune_kernels(tm, max_batch=4)
+    reachable = {ops._m_key(c * 4, 4) for c in range(1, 4097)}
+    assert met == {"up": reachable, "rows": reachable}, dict(met)
+
+
 def test_path_calls_cover_the_token_counts_tuning_calls_leave():
     """The path-choice calls and the tuning calls together make every count of 2 to
     PAIRS_TUNE_MAX_TOKENS tokens once outside decode steps and every decode bucket among them once as a
