@@ -82,9 +82,15 @@ def test_tuning_meets_every_row_key_where_long_prompts_take_torchs_gemm(monkeypa
     tm = ThunderMoE.wrap(tiny_model("qwen3_moe", seed=1, num_experts=4), experts_implementation=KERNELS).eval()
     monkeypatch.setattr(tune, "kernel_bindings", lambda tm: [(tm.model.get_submodule(n), b)
                                                              for n, b in tm.bindings.items()])
-    tune.tune_kernels(tm, max_batch=4)
+    report = tune.tune_kernels(tm, max_batch=4)
     reachable = {ops._m_key(c * 4, 4) for c in range(1, 4097)}
     assert met == {"up": reachable, "rows": reachable}, dict(met)
+    # the report's time per kind of call: every kind this rank made, none it did not (no EP, no path choice
+    # on a CPU), in PHASES order, within the whole
+    assert list(report.phases) == ["model call", "decode steps", "one token", "row keys", "Hopper passes", "sorts"]
+    assert 0 < sum(report.phases.values()) <= report.seconds
+    spent = "".join(f"; {name} {seconds:.1f} s" for name, seconds in report.phases.items())
+    assert report.summary().endswith(f"({report.calls} calls{spent})"), report.summary()
 
 
 def test_path_calls_cover_the_token_counts_tuning_calls_leave():
@@ -224,8 +230,8 @@ def _tuned_then_served(rank, world):
         while len(batch):
             batch.step()
     binding = next(iter(tm.bindings.values()))
-    return (sorted(met - tuned), sorted(tuned), (report.shapes, report.calls), state, got, binding.num_experts,
-            binding.signature[0])
+    return (sorted(met - tuned), sorted(tuned), (report.shapes, report.calls, list(report.phases)), state, got,
+            binding.num_experts, binding.signature[0])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),
@@ -243,10 +249,12 @@ def test_serving_after_tuning_launches_no_new_kernel_variant(world):
 
     want = _run_schedule(DecodeBatch(tiny_model("qwen3_moe", seed=1, num_experts=4).eval(), "cpu", set(), 0), ENTRIES)
     results = [_tuned_then_served(0, 1)] if world == 1 else run_ranks(_tuned_then_served, world, timeout=300)
-    for new, tuned, (shapes, calls), state, got, experts, top_k in results:
+    for new, tuned, (shapes, calls, phases), state, got, experts, top_k in results:
         sorts = ops.ROUTE_MAX_PAIRS.bit_length() - 4  # the one-program sort at 16, 32, ... pairs
         # (no path-choice calls: the interpreter times nothing, as a GPU with autotuning off)
         assert (shapes, calls) == (1, len(tune.tuning_calls(experts, top_k, 4)) + sorts + (world > 1))
+        assert phases == ["model call", "decode steps", "one token", "row keys", *["single pair"] * (world > 1),
+                          "sorts"]
         assert state == ("auto", False)
         assert got == want
         names = {name for name, _ in new}

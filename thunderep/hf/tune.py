@@ -31,9 +31,10 @@ experts do not run ThunderEP's kernels, and CPU runs, have nothing to tune.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,16 +44,37 @@ __all__ = ["TuneReport", "kernel_bindings", "path_calls", "tune_kernels", "tunin
 @dataclass
 class TuneReport:
     """shapes: distinct experts shapes tuned; calls: synthetic calls made; seconds: wall time;
-    configs: kernel configs chosen (new ones and ones read back from Triton's cache)."""
+    configs: kernel configs chosen (new ones and ones read back from Triton's cache); phases: seconds
+    per kind of call (PHASES), each ended by a device synchronize, so a call's GPU work counts where it
+    was launched."""
 
     shapes: int
     calls: int
     seconds: float
     configs: int
+    phases: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
+        spent = "".join(f"; {name} {self.phases[name]:.1f} s" for name in PHASES if name in self.phases)
         return (f"{self.configs} kernel configs for {self.shapes} experts shape(s) in {self.seconds:.1f} s "
-                f"({self.calls} calls)")
+                f"({self.calls} calls{spent})")
+
+
+# The kinds of call a tuning makes, in the order `tune_kernels` makes them.
+PHASES = ("model call", "decode steps", "one token", "row keys", "path choices", "single pair", "Hopper passes",
+          "sorts")
+
+
+@contextlib.contextmanager
+def _phase(phases: dict, name: str, device: torch.device):
+    """Add the block's wall time, its GPU work included, to phases[name]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
 
 
 def kernel_bindings(tm) -> list:
@@ -169,8 +191,9 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
             "THUNDEREP_COMPILE_THREADS)")
     elif log is not None:
         log(f"compiling ThunderEP's kernels for batches of up to {max_batch} (fixed configs: autotuning is off)")
-    started, before = time.perf_counter(), len(_TUNED)
-    _record_signatures(tm, bindings, device)
+    started, before, phases = time.perf_counter(), len(_TUNED), {}
+    with _phase(phases, "model call", device):
+        _record_signatures(tm, bindings, device)
     seen, calls = set(), 0
     with torch.no_grad():
         for module, binding in bindings:
@@ -187,11 +210,12 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
             for i, (tokens, capturable) in enumerate(planned):
                 x_TD, ids_TK, weights_TK = _synthetic(tokens, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
                                                       device)
-                call_started = time.perf_counter()
-                with tm._mode("latency", capturable):
+                phase = "decode steps" if capturable else "one token" if tokens == 1 else "row keys"
+                spent = phases.get(phase, 0.0)
+                with _phase(phases, phase, device), tm._mode("latency", capturable):
                     _local(module, binding, x_TD, ids_TK, weights_TK)
                 calls += 1
-                took = time.perf_counter() - call_started
+                took = phases[phase] - spent
                 if log is not None and took >= 1.0:  # a call that tuned: progress through the minute
                     log(f"  {binding.class_name} {i + 1}/{len(planned)}: {tokens} token(s)"
                         f"{' (decode step)' if capturable else ''} in {took:.1f} s")
@@ -199,17 +223,18 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 for tokens, capturable in path_calls(binding.num_experts, top_k, max_batch):
                     x_TD, ids_TK, weights_TK = _synthetic(tokens, binding.num_experts, top_k, hidden, x_dtype,
                                                           w_dtype, device)
-                    with tm._mode("latency", capturable):
+                    with _phase(phases, "path choices", device), tm._mode("latency", capturable):
                         _local(module, binding, x_TD, ids_TK, weights_TK)
                     calls += 1
             if not binding.all_local:  # one local pair among a batch's: the pair kernels with K = 1
-                with tm._mode("latency", False):
+                with _phase(phases, "single pair", device), tm._mode("latency", False):
                     binding.compute_rows(module, x_TD[:1], torch.zeros(1, dtype=torch.long, device=device))
                 calls += 1
             if _torch_gemm_possible(module):  # long prompts on sm_90: the passes around torch's grouped GEMM
                 x_TD, ids_TK, weights_TK = _synthetic(top_k, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
                                                       device)
-                with tm._mode("latency", False), pinned("THUNDEREP_EXPERT_GEMM", "torch"), \
+                with _phase(phases, "Hopper passes", device), tm._mode("latency", False), \
+                        pinned("THUNDEREP_EXPERT_GEMM", "torch"), \
                         pinned("THUNDEREP_PAIRS_MAX_TOKENS", "0"):  # K tokens may choose the pair kernels
                     if binding.all_local:
                         binding.compute(module, x_TD, ids_TK, weights_TK)
@@ -218,8 +243,9 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 calls += 1
             # The one-program sort of small batches compiles once per power of two of its pairs.
             w_dtype = w_dtype if binding.all_local else x_dtype  # compute_rows weighs its rows by ones
-            calls += _route_sizes(binding.num_slots, w_dtype, module.gate_up_proj.dtype, device)
+            with _phase(phases, "sorts", device):
+                calls += _route_sizes(binding.num_slots, w_dtype, module.gate_up_proj.dtype, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return TuneReport(shapes=len(seen), calls=calls, seconds=time.perf_counter() - started,
-                      configs=len(_TUNED) - before)
+                      configs=len(_TUNED) - before, phases=phases)
