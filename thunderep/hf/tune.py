@@ -67,14 +67,13 @@ PHASES = ("model call", "decode steps", "one token", "row keys", "path choices",
 
 @contextlib.contextmanager
 def _phase(phases: dict, name: str, device: torch.device):
-    """Add the block's wall time, its GPU work included, to phases[name]."""
+    """Add the block's wall time, its GPU work included, to phases[name] (not where it raised: no
+    synchronize then, which could raise a CUDA error over the block's own)."""
     start = time.perf_counter()
-    try:
-        yield
-    finally:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
 
 
 def kernel_bindings(tm) -> list:
