@@ -7,7 +7,8 @@ Run from the repository root.
     python examples/tune_cold.py N [ORDER] [ROUNDS]
 
 N: the threads to compare with 1 (default 8); ORDER: the thread counts of one round, comma-separated,
-in the order they run (default "1,N"); ROUNDS: default 2. Prints each tuning's report line.
+in the order they run (default "1,N"); ROUNDS: default 2. Prints each tuning's report line (its seconds
+per kind of call among them: `thunderep.hf.tune.TuneReport`).
 """
 import os, subprocess, sys, tempfile
 CHILD = r'''
