@@ -48,6 +48,11 @@ def test_each_row_class_is_reached_once_on_every_rank(experts, top_k, ranks):
         assert len(set(classes)) == len(classes) and set(classes) == reachable, (classes, reachable)
 
 
+def _every_binding(tm) -> list:
+    """`tune.kernel_bindings` with every binding counted as tunable: the CPU interpreter stands in for the GPU."""
+    return [(tm.model.get_submodule(name), binding) for name, binding in tm.bindings.items()]
+
+
 def test_tuning_calls_run_the_row_kernels_where_hopper_could_run_torchs_gemm():
     """Every call made for a row class keeps under the rows per expert at which an sm_90 GPU's forward
     takes torch's grouped GEMM (no row kernel runs there, so that key would be left to a prompt)."""
@@ -80,8 +85,7 @@ def test_tuning_meets_every_row_key_where_long_prompts_take_torchs_gemm(monkeypa
     monkeypatch.setattr(tuning, "launch", recorded)
     monkeypatch.setattr(ops, "_launch", recorded)
     tm = ThunderMoE.wrap(tiny_model("qwen3_moe", seed=1, num_experts=4), experts_implementation=KERNELS).eval()
-    monkeypatch.setattr(tune, "kernel_bindings", lambda tm: [(tm.model.get_submodule(n), b)
-                                                             for n, b in tm.bindings.items()])
+    monkeypatch.setattr(tune, "kernel_bindings", _every_binding)
     report = tune.tune_kernels(tm, max_batch=4)
     reachable = {ops._m_key(c * 4, 4) for c in range(1, 4097)}
     assert met == {"up": reachable, "rows": reachable}, dict(met)
@@ -208,7 +212,7 @@ def _tuned_then_served(rank, world):
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recorded
-    tune.kernel_bindings = lambda tm: [(tm.model.get_submodule(n), b) for n, b in tm.bindings.items()]
+    tune.kernel_bindings = _every_binding
     lines = []
     try:
         report = tune.tune_kernels(tm, max_batch=4, log=lines.append)

@@ -42,8 +42,9 @@ _LOG = logging.getLogger("thunderep.kernels")
 
 # Grid and block arithmetic on the host, where every launch pays for it. `triton.cdiv` and
 # `triton.next_power_of_2` are constexpr functions in recent Triton: called from Python, 2.6-5.6 us a
-# call with Triton 3.6 and 3.9 against 0.03-0.06 us for the arithmetic, and a forward+backward makes about twenty
-# (docs/BENCHMARKS.md, "Host time of the grid arithmetic").
+# call with Triton 3.6 and 3.9 on a 2-core CPU against 0.03-0.06 us for the arithmetic (on the H200
+# machine's host `triton.cdiv` 1.05 us, `cdiv` below 0.08 us), and a forward+backward makes about twenty
+# (docs/BENCHMARKS.md, "Host time of the grid arithmetic", "GPU checks at 511e57f and e4a4875").
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for positive b."""
     return -(-a // b)
