@@ -164,7 +164,7 @@ def test_timer_flushes_l2_clean_before_every_timed_call(monkeypatch):
 
     assert tuning.timed_ms(uneven, ms_budget=30.0, warmup_ms=3.0, quantiles=(0.5, 0.2, 0.8)) == [6.0, 3.0, 9.0]
     autotuners = list(tuning._REGISTRY.values())
-    assert pairs._DOWN_PAIRS in autotuners and all(a.do_bench is tuning.timed_ms for a in autotuners)
+    assert pairs._DOWN_PAIRS in autotuners and all(a.do_bench is tuning.tuning_ms for a in autotuners)
 
 
 def test_graph_step_leaves_the_replays_fixed_cost_out(monkeypatch):

@@ -381,6 +381,48 @@ def test_inference_skips_id_minus_one_and_gives_nan_for_unknown_ids_on_both_path
     assert rel_err(y[:3], y_ref[:3]) < 1e-5
 
 
+def _routed_training(T, D, I, E, K, dtype, seed, weighted, monkeypatch):
+    """Forward and gradients of routed_moe_mlp and of the float64 reference, and which sorts ran: "route"
+    (the one-program sort) or "argsort"."""
+    calls = []
+    real_route, real_argsort = ops._route, torch.argsort
+    monkeypatch.setattr(ops, "_route", lambda *a: calls.append("route") or real_route(*a))
+    monkeypatch.setattr(torch, "argsort", lambda *a, **k: calls.append("argsort") or real_argsort(*a, **k))
+    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, dtype, seed)
+    leaves = [t.clone().requires_grad_() for t in ((x, w_gu, w_d, weights) if weighted else (x, w_gu, w_d))]
+    y = routed_moe_mlp(*leaves[:3], ids, leaves[3] if weighted else None)
+    ref_leaves = [t.double().requires_grad_() for t in leaves]
+    y_ref = reference(*ref_leaves[:3], ids, ref_leaves[3] if weighted else torch.ones_like(weights).double())
+    dy = torch.randn(T, D, device=y.device, dtype=dtype)
+    grads = torch.autograd.grad(y, leaves, dy)
+    grads_ref = torch.autograd.grad(y_ref, ref_leaves, dy.double())
+    monkeypatch.undo()
+    return calls, [rel_err(y, y_ref)] + [rel_err(g, g_ref) for g, g_ref in zip(grads, grads_ref)]
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU test covers the compiled kernels")
+@pytest.mark.parametrize("weighted", [True, False])
+def test_training_small_batch_sorts_through_route_kernel(weighted, monkeypatch):
+    """With gradients too, a batch of at most ROUTE_MAX_PAIRS pairs is sorted and counted by the one
+    Triton program, and the output and every gradient (x, both weights, the routing weights) equal the
+    float64 reference; above the bound torch's argsort sorts, with the same results."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    calls, errors = _routed_training(6, 32, 48, 4, 2, torch.float32, 23, weighted, monkeypatch)
+    assert calls == ["route"] and max(errors) < 1e-5, errors
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    monkeypatch.setattr(ops, "ROUTE_MAX_PAIRS", 11)  # 6 tokens x 2 slots: over the bound
+    calls, errors = _routed_training(6, 32, 48, 4, 2, torch.float32, 23, weighted, monkeypatch)
+    assert calls == ["argsort"] and max(errors) < 1e-5, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [True, False])
+def test_gpu_training_small_batch_sorts_through_route_kernel(weighted, monkeypatch):
+    """Training on 64 tokens in bf16 sorts through the one-program sort; output and gradients against float64."""
+    calls, errors = _routed_training(64, 256, 128, 16, 4, torch.bfloat16, 41, weighted, monkeypatch)
+    assert calls == ["route"] and max(errors) < 2e-2, errors
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", MODEL_SHAPES)
 def test_gpu_routed_small_batch_through_route_kernel(shape, monkeypatch):
@@ -406,6 +448,21 @@ def test_route_torch_compile(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="inductor" if CUDA else "aot_eager")(
             x, ids, weights), f(x, ids, weights))
+
+
+def test_route_torch_compile_with_gradients(monkeypatch):
+    """Training on the sorted path (the one-program sort, the routing weights' gradient through moe_mlp)
+    traces under torch.compile fullgraph; output and gradients equal eager."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    x, w_gu, w_d, ids, weights = make_case(5, 32, 32, 4, 2, torch.float32, 13)
+    leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
+    f = lambda x, w_gu, w_d, w: routed_moe_mlp(x, w_gu, w_d, ids, w)  # noqa: E731
+    y_c = torch.compile(f, fullgraph=True, backend="inductor" if CUDA else "aot_eager")(*leaves)
+    y_e = f(*leaves)
+    torch.testing.assert_close(y_c, y_e)
+    grads_e = torch.autograd.grad(y_e.square().sum(), leaves)
+    for g_c, g_e in zip(torch.autograd.grad(y_c.square().sum(), leaves), grads_e):
+        torch.testing.assert_close(g_c, g_e)
 
 
 def test_dependent_launch_where_it_exists(monkeypatch):

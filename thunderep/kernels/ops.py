@@ -441,10 +441,11 @@ def moe_mlp(
     return y
 
 
-# Up to this many (token, slot) pairs, inference sorts the pairs by expert and counts them in one Triton
-# program (_route_kernel): one launch where torch takes five (a radix sort, the copy before it, a fill
-# and a scatter for the counts, the index conversion: 17 us of Mixtral's 64-token step on the H200,
-# against 2 us; docs/BENCHMARKS.md, "Decode"). One program holds the whole batch: the bound keeps it small.
+# Up to this many (token, slot) pairs, a step (inference or training) sorts the pairs by expert and
+# counts them in one Triton program (_route_kernel): one launch where torch takes five (a radix sort,
+# the copy before it, a fill and a scatter for the counts, the index conversion: 17 us of Mixtral's
+# 64-token step on the H200, against 2 us; docs/BENCHMARKS.md, "Decode"). One program holds the whole
+# batch: the bound keeps it small.
 ROUTE_MAX_PAIRS = 1024
 
 
@@ -482,7 +483,8 @@ def _(ids_TK, weights_TK, E, dtype):
 def _route(ids_TK: torch.Tensor, weights_TK: torch.Tensor | None, E: int, dtype: torch.dtype):
     """(order_N [N] int32, counts_E [E] int32, weights_N [N]) for at most ROUTE_MAX_PAIRS pairs, through
     _route_kernel. ids_TK: [T, K] integer; weights_TK: [T, K] or None (weights_N is then 1 in `dtype`).
-    Ids outside [0, E) count as expert 0 with weight 0 for -1, NaN otherwise. Inference only."""
+    Ids outside [0, E) count as expert 0 with weight 0 for -1, NaN otherwise. weights_N carries no
+    gradient: with gradients, callers pass weights_TK itself (flat order is the same)."""
     op = _route_op if torch.compiler.is_compiling() else _route_impl
     return op(ids_TK.contiguous(), weights_TK.contiguous() if weights_TK is not None else None, E, dtype)
 
@@ -511,8 +513,8 @@ def routed_moe_mlp(
     Inference on one token (decode) runs the pair kernels: one matrix-vector pass per (token, slot)
     pair, no sort, two launches; on a few more tokens, whichever of the two paths measured faster at
     that shape and T (`pairs.pairs_win`). Otherwise the pairs are sorted by expert and `moe_mlp` runs
-    (counts_E [E], if the router computed it, saves recounting); for inference on at most
-    ROUTE_MAX_PAIRS pairs one Triton program sorts and counts them.
+    (counts_E [E], if the router computed it, saves recounting); on at most ROUTE_MAX_PAIRS pairs one
+    Triton program sorts and counts them, with gradients too.
     x_TD: [T, D]; ids_TK: [T, K] integer; weights_TK: [T, K] or None (unweighted sum over K).
     Inference treats id -1 as a pair computed elsewhere (it adds nothing; the pair kernels skip it, the
     sorted path computes it as expert 0 with weight 0) and gives NaN for a token with any other id
@@ -525,8 +527,14 @@ def routed_moe_mlp(
     T, K = ids_TK.shape
 
     def sorted_path(ids: torch.Tensor) -> torch.Tensor:  # ids: ids_TK, or another routing when timing paths
-        if T * K <= ROUTE_MAX_PAIRS and not _needs_grad(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK):
-            order_N, counts, weights_N = _route(ids, weights_TK, w_gate_up_E2ID.shape[0], x_TD.dtype)
+        if T * K <= ROUTE_MAX_PAIRS:
+            grad = _needs_grad(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK)
+            # With gradients, the kernel's copy of the weights (detached: the same compiled sort as
+            # inference) gives way to the weights themselves, in the same flat order.
+            detached = weights_TK.detach() if grad and weights_TK is not None else weights_TK
+            order_N, counts, weights_N = _route(ids, detached, w_gate_up_E2ID.shape[0], x_TD.dtype)
+            if grad:
+                weights_N = weights_TK
             return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_N,
                            top_k=K, activation=activation, interleaved=interleaved)
         order_N = torch.argsort(ids.reshape(-1), stable=True)

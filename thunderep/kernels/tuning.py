@@ -35,7 +35,7 @@ from ..cuda_graphs import capture
 from ..errors import ConfigError
 
 __all__ = ["autotune_enabled", "captured", "cdiv", "compile_threads", "compiled_kernels", "free_timer_buffers",
-           "kernel_configs", "launch", "next_power_of_2", "precision", "timed_ms", "tuned"]
+           "kernel_configs", "launch", "next_power_of_2", "precision", "timed_ms", "tuned", "tuning_ms"]
 
 _LOG = logging.getLogger("thunderep.kernels")
 
@@ -83,10 +83,11 @@ def free_timer_buffers() -> None:
     _FLUSH.clear()
 
 
-def timed_ms(fn, ms_budget: float = 100.0, warmup_ms: float = 25.0, quantiles=None):
+def timed_ms(fn, ms_budget: float = 100.0, warmup_ms: float = 25.0, quantiles=None, max_calls: int | None = None):
     """Milliseconds of one `fn()` (CUDA events), L2 flushed clean before each: a warm-up of about
-    warmup_ms, then as many timed calls as fit in about ms_budget (at least 5). The median; or, given
-    `quantiles` (as Triton's autotuner asks), the list of those quantiles of the timed calls."""
+    warmup_ms, then as many timed calls as fit in about ms_budget (at least 5); `max_calls` caps both
+    counts. The median; or, given `quantiles` (as Triton's autotuner asks), the list of those quantiles
+    of the timed calls."""
     device = torch.device("cuda", torch.cuda.current_device())
     fn()
     torch.cuda.synchronize()
@@ -98,10 +99,11 @@ def timed_ms(fn, ms_budget: float = 100.0, warmup_ms: float = 25.0, quantiles=No
     end.record()
     end.synchronize()
     estimate = max(start.elapsed_time(end) / 5, 1e-3)
-    for _ in range(max(1, int(warmup_ms / estimate))):
+    cap = max_calls if max_calls is not None else sys.maxsize
+    for _ in range(min(cap, max(1, int(warmup_ms / estimate)))):
         fn()
     events = []
-    for _ in range(max(5, int(ms_budget / estimate))):
+    for _ in range(min(cap, max(5, int(ms_budget / estimate)))):
         _flush_l2(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -113,6 +115,16 @@ def timed_ms(fn, ms_budget: float = 100.0, warmup_ms: float = 25.0, quantiles=No
     if quantiles is None:
         return statistics.median(times)
     return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
+
+
+# Timed calls per config when autotuning (None: as many as fit in timed_ms's budget). A kernel of a few
+# microseconds fits about 1300 calls in 100 ms, each behind a 256 MB L2 flush: most of a tuning's time.
+TUNING_MAX_CALLS: int | None = None
+
+
+def tuning_ms(fn, quantiles=None):
+    """The autotuner's timer: `timed_ms` with at most TUNING_MAX_CALLS warm-up and timed calls."""
+    return timed_ms(fn, quantiles=quantiles, max_calls=TUNING_MAX_CALLS)
 
 
 def captured(fn) -> torch.cuda.CUDAGraph:
@@ -137,7 +149,7 @@ def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None
     fn = _even_k(even_k)(kernel) if even_k else kernel
     autotuner = triton.autotune(configs=configs, key=key, cache_results=True, reset_to_zero=reset_to_zero,
                                 prune_configs_by={"early_config_prune": prune} if prune else None,
-                                do_bench=timed_ms)(fn)
+                                do_bench=tuning_ms)(fn)
     _REGISTRY[name] = autotuner
     _compile_ahead(autotuner)
     return autotuner, fn
