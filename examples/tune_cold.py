@@ -4,11 +4,12 @@ two-layer Mixtral (8 experts, top 2) at hidden size 1024 and intermediate size 3
 the kernels; `tune_kernels(model, 8)` tunes every kernel a server of at most 8 sequences launches.
 Run from the repository root.
 
-    python examples/tune_cold.py N [ORDER] [ROUNDS]
+    python examples/tune_cold.py N [ORDER] [ROUNDS] [MAX_CALLS]
 
 N: the threads to compare with 1 (default 8); ORDER: the thread counts of one round, comma-separated,
-in the order they run (default "1,N"); ROUNDS: default 2. Prints each tuning's report line (its seconds
-per kind of call among them: `thunderep.hf.tune.TuneReport`).
+in the order they run (default "1,N"); ROUNDS: default 2; MAX_CALLS: the autotuner's timed calls per
+config (`thunderep.kernels.tuning.TUNING_MAX_CALLS`; "none": as many as fit in its time budget).
+Prints each tuning's report line (its seconds per kind of call among them: `thunderep.hf.tune.TuneReport`).
 """
 import os, subprocess, sys, tempfile
 CHILD = r'''
@@ -17,6 +18,9 @@ sys.path.insert(0, "tests")
 from hf_tiny import tiny_model
 from thunderep.hf import ThunderMoE
 from thunderep.hf.tune import tune_kernels
+from thunderep.kernels import tuning
+if len(sys.argv) > 1:
+    tuning.TUNING_MAX_CALLS = None if sys.argv[1] == "none" else int(sys.argv[1])
 m = tiny_model("mixtral", seed=1, hidden_size=1024, intermediate_size=3584).to("cuda", torch.bfloat16)
 tm = ThunderMoE.wrap(m, experts_implementation="triton").eval()
 r = tune_kernels(tm, 8)
@@ -28,6 +32,7 @@ for rnd in range(int(sys.argv[3]) if len(sys.argv) > 3 else 2):
     for threads in order:
         with tempfile.TemporaryDirectory() as c:
             env = dict(os.environ, TRITON_CACHE_DIR=c, THUNDEREP_COMPILE_THREADS=threads)
-            out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True)
+            out = subprocess.run([sys.executable, "-c", CHILD, *sys.argv[4:5]], env=env, capture_output=True,
+                                 text=True)
             line = [l for l in out.stdout.splitlines() if l.startswith("REPORT")]
             print(f"round {rnd+1}, threads {threads}: {line[0] if line else out.stderr[-1500:]}", flush=True)

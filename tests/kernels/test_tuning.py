@@ -79,6 +79,44 @@ def test_tuned_config_is_reused_without_the_autotuner(monkeypatch):
     assert tuning._FLUSH == {}  # each tuning freed the timer's flush buffer
 
 
+def test_tuned_launch_computes_the_heuristics_once_and_runs_the_kernel_under_them(monkeypatch):
+    """A kernel behind a heuristics wrapper (EVEN_K): once its key is tuned, launches run the kernel under
+    the wrapper directly, with EVEN_K computed at tuning from the key's argument and the chosen BLOCK_K,
+    not once per launch; each key gets its own value. A heuristic on an argument outside the key is
+    refused when the kernel is wrapped."""
+
+    class Kernel:  # stands in for a JITFunction: what the wrapper needs of one
+        arg_names = ["K", "x"]
+
+        def __init__(self):
+            self.calls = []
+
+        def __getitem__(self, grid):
+            return lambda **kwargs: self.calls.append((kwargs["K"], kwargs["BLOCK_K"], kwargs["EVEN_K"]))
+
+    class Tuned:
+        keys = ["K"]
+        best_config = triton.Config({"BLOCK_K": 32}, num_warps=4, num_stages=2)
+
+        def __getitem__(self, grid):
+            return lambda **kwargs: None
+
+    rules = []
+    kernel = Kernel()
+    even_k = tuning._even_k("K")(kernel)
+    rule = even_k.values["EVEN_K"]
+    even_k.values["EVEN_K"] = lambda args: rules.append(args["K"]) or rule(args)
+    monkeypatch.delenv("THUNDEREP_TRITON_AUTOTUNE", raising=False)
+    monkeypatch.setattr(tuning, "_TUNED", {})
+    tuner = Tuned()
+    for K in (64, 64, 48, 64, 48):
+        tuning.launch(tuner, even_k, None, (1,), torch.device("cuda"), K=K, x=torch.empty(1))
+    assert kernel.calls == [(64, 32, True), (64, 32, True), (48, 32, False)]
+    assert rules == [64, 48]
+    with pytest.raises(ValueError, match="even_k argument 'D' must be one of the tuning key's"):
+        tuning.tuned("stand_in", kernel, [Tuned.best_config], ["K"], even_k="D")
+
+
 def test_each_tuning_is_logged_once(monkeypatch, caplog):
     """The first launch of a key, which autotunes, logs the key and the config it chose; launches that
     reuse it log nothing."""

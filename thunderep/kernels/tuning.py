@@ -54,7 +54,7 @@ def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, n - 1).bit_length()
 _REGISTRY: dict[str, object] = {}  # name -> autotuner, for kernel_configs()
-_TUNED: dict[tuple, triton.Config] = {}  # (autotuner, its key) -> the config it chose
+_TUNED: dict[tuple, tuple] = {}  # (autotuner, its key) -> (kernel, launch arguments) of the config it chose
 _ARMED: set[int] = set()  # autotuners whose next timing round compiles its configs first (id)
 
 
@@ -117,9 +117,11 @@ def timed_ms(fn, ms_budget: float = 100.0, warmup_ms: float = 25.0, quantiles=No
     return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
 
 
-# Timed calls per config when autotuning (None: as many as fit in timed_ms's budget). A kernel of a few
-# microseconds fits about 1300 calls in 100 ms, each behind a 256 MB L2 flush: most of a tuning's time.
-TUNING_MAX_CALLS: int | None = None
+# Timed calls (and warm-up calls) per config when autotuning; None: as many as fit in timed_ms's budget.
+# A kernel of a few microseconds fits about 1300 calls in 100 ms, each behind a 256 MB L2 flush; one of
+# 1 ms or more fits fewer than 100, and the cap changes nothing for it. On the H200 the cap cut a cold
+# tuning of examples/tune_cold.py from 58-62 s to 47 s (docs/BENCHMARKS.md, "Cold tuning by phase").
+TUNING_MAX_CALLS: int | None = 100
 
 
 def tuning_ms(fn, quantiles=None):
@@ -146,6 +148,8 @@ def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None
     whose divisibility by BLOCK_K sets the kernel's EVEN_K; `reset_to_zero`: tensor arguments that
     configs write only in part (a config leaves what it does not write at zero), which the autotuner
     must zero before each trial and before the real run."""
+    if even_k is not None and even_k not in key:  # launch() computes EVEN_K once per key
+        raise ValueError(f"even_k argument {even_k!r} must be one of the tuning key's {key}")
     fn = _even_k(even_k)(kernel) if even_k else kernel
     autotuner = triton.autotune(configs=configs, key=key, cache_results=True, reset_to_zero=reset_to_zero,
                                 prune_configs_by={"early_config_prune": prune} if prune else None,
@@ -214,6 +218,18 @@ def autotune_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("THUNDEREP_TRITON_AUTOTUNE", "1") != "0"
 
 
+def _chosen_launch(plain, config: triton.Config, args: dict) -> tuple:
+    """(kernel, launch arguments) that run `plain` with `config` for every later launch of the key: a
+    heuristics wrapper's values are computed here once (they depend on the key's arguments only,
+    `tuned`), and the kernel under it is launched directly; its per-launch merge of every argument
+    cost 4.7 us of a 78 us launch on the H200's host (docs/BENCHMARKS.md)."""
+    meta = config.all_kwargs()
+    if isinstance(plain, triton.runtime.autotuner.Heuristics):
+        meta.update({name: rule({**args, **meta}) for name, rule in plain.values.items()})
+        return plain.fn, meta
+    return plain, meta
+
+
 def launch(autotuner, plain, default, grid, device, **args) -> None:
     """Run the autotuned kernel on CUDA, else (CPU interpreter, or tuning off) the `default` config.
 
@@ -222,9 +238,9 @@ def launch(autotuner, plain, default, grid, device, **args) -> None:
     configs itself). The error is raised before the kernel runs: nothing is half written."""
     if autotune_enabled(device):
         key = (id(autotuner), *(args[k] for k in autotuner.keys),
-               *(str(v.dtype) for v in args.values() if isinstance(v, torch.Tensor)))
-        config = _TUNED.get(key)
-        if config is None:
+               *(v.dtype for v in args.values() if isinstance(v, torch.Tensor)))
+        chosen = _TUNED.get(key)
+        if chosen is None:
             start = time.perf_counter()
             if compile_threads() > 1:
                 _ARMED.add(id(autotuner))  # a timing round compiles its configs first (none from Triton's cache)
@@ -233,12 +249,13 @@ def launch(autotuner, plain, default, grid, device, **args) -> None:
             finally:
                 _ARMED.discard(id(autotuner))
                 free_timer_buffers()
-            _TUNED[key] = autotuner.best_config
+            _TUNED[key] = _chosen_launch(plain, autotuner.best_config, args)
             name = next((n for n, a in _REGISTRY.items() if a is autotuner), type(autotuner).__name__)
             _LOG.info("tuned %s for %s in %.1f s: %s", name, dict(zip(autotuner.keys, key[1:])),
                       time.perf_counter() - start, autotuner.best_config)
         else:
-            plain[grid](**args, **config.all_kwargs())
+            kernel, meta = chosen
+            kernel[grid](**args, **meta)
         return
     stages = default.num_stages
     while True:
