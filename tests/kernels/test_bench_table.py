@@ -166,6 +166,16 @@ def test_timer_flushes_l2_clean_before_every_timed_call(monkeypatch):
     autotuners = list(tuning._REGISTRY.values())
     assert pairs._DOWN_PAIRS in autotuners and all(a.do_bench is tuning.tuning_ms for a in autotuners)
 
+    # The autotuner's timer: at most TUNING_MAX_CALLS warm-up and timed calls, whatever fits the budget.
+    monkeypatch.setattr(tuning, "TUNING_MAX_CALLS", 7)
+    log.clear()
+    assert tuning.tuning_ms(fn) == 1.0  # 1 ms a call: the default budgets would fit 25 and 100 calls
+    assert log[1 + len(estimate):] == ["fn"] * 7 + ["flush", "record", "fn", "record"] * 7
+    monkeypatch.setattr(tuning, "TUNING_MAX_CALLS", None)
+    log.clear()
+    tuning.tuning_ms(fn)
+    assert log[1 + len(estimate):].count("fn") == 25 + 100
+
 
 def test_graph_step_leaves_the_replays_fixed_cost_out(monkeypatch):
     """The fwd-step row: with a replay costing 1.7 us once plus 22 us per captured call, the fwd-graph row

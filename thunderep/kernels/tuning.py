@@ -120,7 +120,8 @@ def timed_ms(fn, ms_budget: float = 100.0, warmup_ms: float = 25.0, quantiles=No
 # Timed calls (and warm-up calls) per config when autotuning; None: as many as fit in timed_ms's budget.
 # A kernel of a few microseconds fits about 1300 calls in 100 ms, each behind a 256 MB L2 flush; one of
 # 1 ms or more fits fewer than 100, and the cap changes nothing for it. On the H200 the cap cut a cold
-# tuning of examples/tune_cold.py from 58-62 s to 47 s (docs/BENCHMARKS.md, "Cold tuning by phase").
+# tuning of examples/tune_cold.py from 58-62 s to 47-48 s (docs/BENCHMARKS.md, "Host time of small
+# steps, and cold tuning").
 TUNING_MAX_CALLS: int | None = 100
 
 
@@ -222,7 +223,7 @@ def _chosen_launch(plain, config: triton.Config, args: dict) -> tuple:
     """(kernel, launch arguments) that run `plain` with `config` for every later launch of the key: a
     heuristics wrapper's values are computed here once (they depend on the key's arguments only,
     `tuned`), and the kernel under it is launched directly; its per-launch merge of every argument
-    cost 4.7 us of a 78 us launch on the H200's host (docs/BENCHMARKS.md)."""
+    cost 4.7 us of a 78 us launch on the H200's host (docs/BENCHMARKS.md, "Host time of small steps")."""
     meta = config.all_kwargs()
     if isinstance(plain, triton.runtime.autotuner.Heuristics):
         meta.update({name: rule({**args, **meta}) for name, rule in plain.values.items()})
