@@ -14,8 +14,8 @@ AsyncCompileMode; its compiler releases the GIL), then times them as before. A t
 Triton's cache of choices compiles only the chosen config, either way.
 
 Each config is timed by `timed_ms`, the kernel benchmark's timer: L2 flushed by reading a 256 MB
-buffer before each call (Triton's own timer writes it, and the timed call then pays for a dirty L2).
-The buffer is freed when a tuning ends.
+buffer before each call (Triton's own timer writes it, and the timed call then pays for a dirty L2),
+at most TUNING_MAX_CALLS calls (`tuning_ms`). The buffer is freed when a tuning ends.
 """
 
 from __future__ import annotations
