@@ -365,9 +365,9 @@ def _act_bwd_store(acc, rows, row_ok, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_pt
     act_g = _act(g, ACT)
     if WEIGHTED:
         h = (act_g * u).to(gu_ptr.dtype.element_ty).to(tl.float32)  # h as the forward rounded it
-        tl.store(dwp_ptr + rows64 * stride_dwp + pid_n, tl.sum(acc * h, 1), mask=row_ok)
-        w = tl.load(weight_ptr + tl.load(order_ptr + rows, mask=row_ok, other=0), mask=row_ok, other=0.0)
-        w = w.to(tl.float32)
+        flat = tl.load(order_ptr + rows, mask=row_ok, other=0)  # the row's (token, slot) pair
+        tl.store(dwp_ptr + flat.to(tl.int64) * stride_dwp + pid_n, tl.sum(acc * h, 1), mask=row_ok)
+        w = tl.load(weight_ptr + flat, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
         tl.store(hw_ptr + rows64[:, None] * I + cols_N[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty),
                  mask=ok)
@@ -390,7 +390,8 @@ def _act_bwd_kernel(
 ):
     """dhu[r, c] = dy[src(r)] . Wd[e, :, c]; then with g, u = gu[r] and w = weight[order[r]]:
     dgu[r, gate(c)] = w * dhu * u * act'(g), dgu[r, up(c)] = w * dhu * act(g),
-    dwp[r, pid_n] = sum over this tile's c of dhu * act(g) * u  (partial d routing weight),
+    dwp[order[r], pid_n] = sum over this tile's c of dhu * act(g) * u  (partial d routing weight, in the
+    pairs' flat order),
     hw[r, c] = w * h (WEIGHTED: the down projection's weight gradient is then dy[tok].T @ hw, with no
     weighted copy of dy).
 

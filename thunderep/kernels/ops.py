@@ -200,8 +200,9 @@ def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter):
 
 
 def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
-    """dgu [N, 2I], the routing-weight partials dwp [N, column tiles] (empty without weights) and, with
-    weights, hw = w * h [N, I] for the down projection's weight gradient (else None)."""
+    """dgu [N, 2I], the routing-weight partials dwp [N, column tiles] in the pairs' flat order (empty
+    without weights) and, with weights, hw = w * h [N, I] for the down projection's weight gradient
+    (else None)."""
     n_rows, I2 = gu.shape
     E, D, I = w_down.shape
     bm, fill = _m_key(n_rows, E)
@@ -327,8 +328,8 @@ def _moe_mlp_backward_impl(
         _rows(dgu, wg, (wg.stride(0), wg.stride(2), wg.stride(1)), D, order, None, counts, dx_rows, scatter=gather)
         dx = dx_rows.view(-1, top_k, D).sum(dim=1) if gather else dx_rows
         dweights = dy.new_empty(0, dtype=torch.float32)
-        if weights is not None:  # partials per column tile -> per row -> flat (token, slot) order
-            dweights = dwp.new_empty(n_rows).index_copy_(0, order.long(), dwp.sum(dim=1))
+        if weights is not None:  # partials per column tile, in flat (token, slot) order -> per pair
+            dweights = dwp.sum(dim=1)
     # Weight gradients over rows in expert order: dWd[e] = dy_rows.T @ (w * h), dWgu[e] = dgu.T @ x_rows.
     # The token rows are gathered here for both paths: gathered again rather than kept from the forward
     # ([N, D] is K times the size of x; one memory pass), and not inside the weight-gradient GEMM, where
