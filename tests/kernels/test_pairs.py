@@ -415,6 +415,32 @@ def test_training_small_batch_sorts_through_route_kernel(weighted, monkeypatch):
     assert calls == ["argsort"] and max(errors) < 1e-5, errors
 
 
+@pytest.mark.skipif(CUDA, reason="the interpreter covers the contract; the GPU tests cover the kernels")
+def test_training_small_batch_keeps_inferences_contract_for_ids_outside_the_experts(monkeypatch):
+    """With gradients, on the one-program sort: id -1 adds nothing and gets zero gradients (output and
+    every gradient equal the float64 reference with that pair's weight zeroed); any other id outside
+    [0, E) makes its token's output NaN and leaves the other tokens' outputs exact."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    x, w_gu, w_d, ids, weights = make_case(4, 32, 48, 4, 2, torch.float32, 24)
+    skip = torch.tensor([[True, False], [False, False], [True, True], [False, False]])
+    minus_one = ids.masked_fill(skip, -1)
+    leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
+    y = routed_moe_mlp(*leaves[:3], minus_one, leaves[3])
+    ref_leaves = [t.double().requires_grad_() for t in (x, w_gu, w_d, weights)]
+    y_ref = reference(*ref_leaves[:3], ids, ref_leaves[3].masked_fill(skip, 0.0))
+    assert rel_err(y, y_ref) < 1e-5 and y[2].abs().max() == 0
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)
+    for g, g_ref in zip(grads, torch.autograd.grad(y_ref, ref_leaves, dy.double())):
+        assert rel_err(g, g_ref) < 1e-5
+    assert grads[3][skip].abs().max() == 0
+    bad = ids.clone()
+    bad[3, 1] = 9
+    y_bad = routed_moe_mlp(*leaves[:3], bad, leaves[3])
+    y_all = reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())
+    assert y_bad[3].isnan().all() and rel_err(y_bad[:3], y_all[:3]) < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("weighted", [True, False])
 def test_gpu_training_small_batch_sorts_through_route_kernel(weighted, monkeypatch):

@@ -485,7 +485,8 @@ def _route(ids_TK: torch.Tensor, weights_TK: torch.Tensor | None, E: int, dtype:
     """(order_N [N] int32, counts_E [E] int32, weights_N [N]) for at most ROUTE_MAX_PAIRS pairs, through
     _route_kernel. ids_TK: [T, K] integer; weights_TK: [T, K] or None (weights_N is then 1 in `dtype`).
     Ids outside [0, E) count as expert 0 with weight 0 for -1, NaN otherwise. weights_N carries no
-    gradient: with gradients, callers pass weights_TK itself (flat order is the same)."""
+    gradient: with gradients, callers take it as a mask (weights_TK None) and multiply the routing
+    weights by it (flat order is the same)."""
     op = _route_op if torch.compiler.is_compiling() else _route_impl
     return op(ids_TK.contiguous(), weights_TK.contiguous() if weights_TK is not None else None, E, dtype)
 
@@ -519,7 +520,8 @@ def routed_moe_mlp(
     x_TD: [T, D]; ids_TK: [T, K] integer; weights_TK: [T, K] or None (unweighted sum over K).
     Inference treats id -1 as a pair computed elsewhere (it adds nothing; the pair kernels skip it, the
     sorted path computes it as expert 0 with weight 0) and gives NaN for a token with any other id
-    outside [0, E); with gradients, ids must be in [0, E).
+    outside [0, E); so does training on at most ROUTE_MAX_PAIRS pairs (the -1 pair's gradients are zero).
+    Larger batches with gradients need ids in [0, E).
     """
     if ids_TK.dim() != 2 or x_TD.dim() != 2 or ids_TK.shape[0] != x_TD.shape[0]:
         raise ValueError(f"ids_TK {tuple(ids_TK.shape)} must be [T, K] for x_TD {tuple(x_TD.shape)}")
@@ -530,12 +532,13 @@ def routed_moe_mlp(
     def sorted_path(ids: torch.Tensor) -> torch.Tensor:  # ids: ids_TK, or another routing when timing paths
         if T * K <= ROUTE_MAX_PAIRS:
             grad = _needs_grad(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK)
-            # With gradients, the kernel's copy of the weights (detached: the same compiled sort as
-            # inference) gives way to the weights themselves, in the same flat order.
-            detached = weights_TK.detach() if grad and weights_TK is not None else weights_TK
-            order_N, counts, weights_N = _route(ids, detached, w_gate_up_E2ID.shape[0], x_TD.dtype)
-            if grad:
-                weights_N = weights_TK
+            # With gradients the program's weights are a mask, 1 for a known id, 0 for -1, NaN for any
+            # other, and the routing weights themselves times it go on: their gradient flows, and ids
+            # outside [0, E) give what inference gives.
+            order_N, counts, weights_N = _route(ids, None if grad else weights_TK, w_gate_up_E2ID.shape[0],
+                                                x_TD.dtype)
+            if grad and weights_TK is not None:
+                weights_N = weights_TK.reshape(-1) * weights_N
             return moe_mlp(x_TD, w_gate_up_E2ID, w_down_EDI, counts, order_N=order_N, weights_N=weights_N,
                            top_k=K, activation=activation, interleaved=interleaved)
         order_N = torch.argsort(ids.reshape(-1), stable=True)
