@@ -386,17 +386,17 @@ def _routed_training(T, D, I, E, K, dtype, seed, weighted, monkeypatch):
     (the one-program sort) or "argsort"."""
     calls = []
     real_route, real_argsort = ops._route, torch.argsort
-    monkeypatch.setattr(ops, "_route", lambda *a: calls.append("route") or real_route(*a))
-    monkeypatch.setattr(torch, "argsort", lambda *a, **k: calls.append("argsort") or real_argsort(*a, **k))
     x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, dtype, seed)
     leaves = [t.clone().requires_grad_() for t in ((x, w_gu, w_d, weights) if weighted else (x, w_gu, w_d))]
-    y = routed_moe_mlp(*leaves[:3], ids, leaves[3] if weighted else None)
+    with monkeypatch.context() as m:
+        m.setattr(ops, "_route", lambda *a: calls.append("route") or real_route(*a))
+        m.setattr(torch, "argsort", lambda *a, **k: calls.append("argsort") or real_argsort(*a, **k))
+        y = routed_moe_mlp(*leaves[:3], ids, leaves[3] if weighted else None)
     ref_leaves = [t.double().requires_grad_() for t in leaves]
     y_ref = reference(*ref_leaves[:3], ids, ref_leaves[3] if weighted else torch.ones_like(weights).double())
     dy = torch.randn(T, D, device=y.device, dtype=dtype)
     grads = torch.autograd.grad(y, leaves, dy)
     grads_ref = torch.autograd.grad(y_ref, ref_leaves, dy.double())
-    monkeypatch.undo()
     return calls, [rel_err(y, y_ref)] + [rel_err(g, g_ref) for g, g_ref in zip(grads, grads_ref)]
 
 
@@ -409,7 +409,6 @@ def test_training_small_batch_sorts_through_route_kernel(weighted, monkeypatch):
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
     calls, errors = _routed_training(6, 32, 48, 4, 2, torch.float32, 23, weighted, monkeypatch)
     assert calls == ["route"] and max(errors) < 1e-5, errors
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
     monkeypatch.setattr(ops, "ROUTE_MAX_PAIRS", 11)  # 6 tokens x 2 slots: over the bound
     calls, errors = _routed_training(6, 32, 48, 4, 2, torch.float32, 23, weighted, monkeypatch)
     assert calls == ["argsort"] and max(errors) < 1e-5, errors
