@@ -297,3 +297,18 @@ def test_row_key_class_and_fill_at_their_bounds():
     for mean, key in want.items():
         assert ops._m_key(int(mean * 2), 2) == key, (mean, key)
     assert ops._m_key(3, 64) == (16, 0)  # 3 rows over 64 experts: 3 active experts, 1 row each
+
+
+def test_weight_gradient_tiles_for_few_rows_are_timed_only_where_experts_get_few_rows():
+    """The weight-gradient kernel's few-row tiles (16 and 32 rows a step on 4 warps) join the 32-row
+    ones where experts average at most 32 rows; with more rows per expert the autotuner times only the
+    others, and every row class keeps at least one config."""
+    few = {ops._signature(c) for c in ops._WGRAD_FEW_ROWS}
+    assert few and any(c.kwargs["BLOCK_K"] == 16 for c in ops._WGRAD_FEW_ROWS)
+    for m_class in (16, 32):
+        kept = ops._prune_wgrad(ops._WGRAD_CONFIGS, {"m_class": m_class})
+        assert few <= {ops._signature(c) for c in kept}
+        assert all(c.kwargs["BLOCK_K"] <= 32 for c in kept)
+    for m_class in (64, 128):
+        kept = ops._prune_wgrad(ops._WGRAD_CONFIGS, {"m_class": m_class})
+        assert kept and not few & {ops._signature(c) for c in kept}

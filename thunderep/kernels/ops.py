@@ -120,9 +120,18 @@ _ROW_TILES = [
 ]
 _ROW_CONFIGS = [_row_cfg(*t, tail=tail, group=group) for group in (8, 1) for tail in (False, True)
                 for t in _ROW_TILES if t[0] >= 64 or not tail]
+# Weight gradients. Where experts get at most 32 rows on average (`_prune_wgrad`) a dW value is a short
+# sum and the kernel is bound by writing dW; the few-row tiles, 16 and 32 rows a step on 4 warps, join
+# the 32-row ones there. On the H200 at 64 tokens they wrote dW 4-19% faster than the best of the
+# others: 16 rows a step where experts get 2 to 4 rows (DeepSeek-V3, Qwen3), 4 warps on wide tiles at
+# 16 rows (Mixtral) (docs/BENCHMARKS.md, "Weight gradients at a few rows per expert").
+_WGRAD_FEW_ROWS = [
+    _cfg(64, 256, 16, 4, 4), _cfg(64, 128, 16, 4, 3), _cfg(64, 128, 16, 4, 2), _cfg(128, 128, 16, 4, 3),
+    _cfg(128, 128, 32, 4, 2), _cfg(64, 256, 32, 4, 3),
+]
 _WGRAD_CONFIGS = [
     _cfg(128, 128, 32, 8, 4), _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 32, 8, 3),
-    _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 32, 4, 4), _cfg(128, 64, 64, 4, 4),
+    _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 32, 4, 4), _cfg(128, 64, 64, 4, 4), *_WGRAD_FEW_ROWS,
 ]
 # Fixed choices where autotuning is off (THUNDEREP_TRITON_AUTOTUNE=0, or the CPU interpreter).
 _DEFAULT = {16: _row_cfg(16, 64, 128, 4, 4), 32: _row_cfg(32, 64, 128, 4, 4), 64: _row_cfg(64, 128, 64, 4, 4),
@@ -145,8 +154,13 @@ def _prune_up(configs, named_args, **kwargs):
 
 def _prune_wgrad(configs, named_args, **kwargs):
     if {**named_args, **kwargs}["m_class"] <= 32:  # few rows per expert: short row loops
-        return [c for c in configs if c.kwargs["BLOCK_K"] == 32] or configs
-    return configs
+        return [c for c in configs if c.kwargs["BLOCK_K"] <= 32] or configs
+    few = {_signature(c) for c in _WGRAD_FEW_ROWS}
+    return [c for c in configs if _signature(c) not in few]
+
+
+def _signature(config: triton.Config) -> tuple:
+    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
 
 
 _UP, _UP_PLAIN = tuned("up", K._up_kernel, _ROW_CONFIGS, ["m_class", "m_fill", "I", "D", "GATHER", "SAVE_GU"],
