@@ -70,17 +70,30 @@ def supported(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, bias: b
 def _m_key(n_rows: int, E: int) -> tuple[int, int]:
     """The row kernels' key of rows per expert, (class, fill), from the mean rows per active expert.
 
-    class: BLOCK_M, the smallest of 16/32/64/128 that holds the mean (128 above it). fill: how full
-    the class's row tiles run, 0 where the experts average at most half of BLOCK_M rows, so that an
-    expert rarely needs a second tile (counts spread about as a Poisson's: at a mean of 8 rows, 0.4%
-    of experts get more than 16; decode-sized batches in the 16-row class), 2 where they average more
-    than two tiles (long prompts in the 128-row class), else 1.
+    class: BLOCK_M. Up to 32 rows per expert on average, the smallest of 16/32/64 that holds twice the
+    mean, fill 0. Counts spread about as a Poisson's, so with tiles that just hold the mean about half
+    of the experts need a second, nearly empty tile, and it reads the expert's weights again; at twice
+    the mean an expert rarely needs a second (at a mean of 8 rows, 0.4% get more than 16). On the H200,
+    16 rows per expert in 32-row tiles instead of 16-row ones: Mixtral's forward at 64 tokens 0.703 ->
+    0.651 ms (graph), DeepSeek-V3's at 512 tokens 5.83 -> 5.13 ms; 32 rows in 64-row tiles instead of
+    32-row ones: Mixtral at 128 tokens 0.726 -> 0.672 ms, DeepSeek-V3 at 1024 tokens 6.38 -> 5.39 ms
+    (docs/BENCHMARKS.md, "Row tiles that hold twice the mean"). Above 32 rows the smallest of 64/128
+    that holds the mean, fill 1, or 2 where experts average more than two 128-row tiles (long prompts).
 
-    The best launch order and tile width differ across a class: DeepSeek-V3's 64 tokens (2.3 rows per
-    hit expert) and 512 (16) share the 16-row class; configs timed at 64 tokens (row tiles one at a
-    time) ran its 512-token forward in 6.37 ms on the H200, configs timed there (8 at a time) in 6.15
-    (docs/BENCHMARKS.md, "Tuning order: DeepSeek-V3 at T = 512"). Plain comparisons: this runs at
-    every launch (a generator over the classes took 2.6 us a call on a CPU)."""
+    Plain comparisons: this runs at every launch (a generator over the classes took 2.6 us a call on a
+    CPU)."""
+    mean = G._mean_rows(n_rows, E)
+    if mean <= 32:
+        return (16 if mean <= 8 else 32 if mean <= 16 else 64), 0
+    bm = 64 if mean <= 64 else 128
+    return bm, 2 if mean > 2 * bm else 1
+
+
+def _wgrad_key(n_rows: int, E: int) -> tuple[int, int]:
+    """The weight-gradient kernel's key, (class, fill): the smallest of 16/32/64/128 that holds the mean
+    rows per active expert, fill 0 up to half of it, 2 above two 128-row tiles, else 1. The kernel walks
+    each expert's rows whatever their number, so the class only sorts tunings by how short the sums
+    are (`_prune_wgrad`)."""
     mean = G._mean_rows(n_rows, E)
     bm = 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 64 else 128
     return bm, 0 if mean <= bm / 2 else 2 if mean > 2 * bm else 1
@@ -238,7 +251,7 @@ def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
 def _wgrad(a, b, counts, out):
     """out[e] = a_e.T @ b_e over expert e's rows (a, b in expert order), the portable kernel."""
     E, M, N = out.shape
-    bm, fill = _m_key(a.shape[0], E)
+    bm, fill = _wgrad_key(a.shape[0], E)
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]), E)  # noqa: E731
     _launch(_WGRAD, _WGRAD_PLAIN, _DEFAULT_WGRAD, grid, a.device,
             a_ptr=a, b_ptr=b, c_ptr=out, counts_ptr=counts, M=M, N=N, E=E,
