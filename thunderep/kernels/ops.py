@@ -77,8 +77,9 @@ def _m_key(n_rows: int, E: int) -> tuple[int, int]:
     16 rows per expert in 32-row tiles instead of 16-row ones: Mixtral's forward at 64 tokens 0.703 ->
     0.651 ms (graph), DeepSeek-V3's at 512 tokens 5.83 -> 5.13 ms; 32 rows in 64-row tiles instead of
     32-row ones: Mixtral at 128 tokens 0.726 -> 0.672 ms, DeepSeek-V3 at 1024 tokens 6.38 -> 5.39 ms
-    (docs/BENCHMARKS.md, "Row tiles that hold twice the mean"). Above 32 rows the smallest of 64/128
-    that holds the mean, fill 1, or 2 where experts average more than two 128-row tiles (long prompts).
+    (docs/BENCHMARKS.md, "GPU checks at 0576706", "Row tiles that hold twice the mean"). Above 32 rows
+    the smallest of 64/128 that holds the mean, fill 1, or 2 where experts average more than two 128-row
+    tiles (long prompts).
 
     Plain comparisons: this runs at every launch (a generator over the classes took 2.6 us a call on a
     CPU)."""
@@ -137,7 +138,7 @@ _ROW_CONFIGS = [_row_cfg(*t, tail=tail, group=group) for group in (8, 1) for tai
 # sum and the kernel is bound by writing dW; the few-row tiles, 16 and 32 rows a step on 4 warps, join
 # the 32-row ones there. On the H200 at 64 tokens they wrote dW 4-19% faster than the best of the
 # others: 16 rows a step where experts get 2 to 4 rows (DeepSeek-V3, Qwen3), 4 warps on wide tiles at
-# 16 rows (Mixtral) (docs/BENCHMARKS.md, "Weight gradients at a few rows per expert").
+# 16 rows (Mixtral) (docs/BENCHMARKS.md, "GPU checks at 0576706; weight-gradient tiles for few rows").
 _WGRAD_FEW_ROWS = [
     _cfg(64, 256, 16, 4, 4), _cfg(64, 128, 16, 4, 3), _cfg(64, 128, 16, 4, 2), _cfg(128, 128, 16, 4, 3),
     _cfg(128, 128, 32, 4, 2), _cfg(64, 256, 32, 4, 3),
