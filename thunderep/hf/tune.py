@@ -2,8 +2,8 @@
 
 On CUDA the kernels pick their tile configs by autotuning (`thunderep.kernels.tuning`): the first call
 of a new key times every config, seconds per kernel. A key is the experts' shape, the dtypes and a
-class of rows per expert (16, 32, 64, 128, each split by how full its row tiles run: six in all,
-`thunderep.kernels.ops.TUNING_ROWS`), so a server meets new keys as prompts of new lengths
+class of rows per expert (the row tile, 16, 32, 64 or 128 rows, and how full it runs: six keys in all,
+`thunderep.kernels.ops._m_key`, `TUNING_ROWS`), so a server meets new keys as prompts of new lengths
 arrive, and every request being generated waits while one rank tunes. Measured on 2 H200s
 (docs/BENCHMARKS.md, "Serving on 2 H200s: ThunderEP's kernels, tuned before the first request"): the first
 request took 28.6 s, and later ones up to 43 s.
