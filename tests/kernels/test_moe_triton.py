@@ -347,6 +347,19 @@ def test_bad_input_is_rejected():
         moe_mlp(x, w_gu, w_d, counts, order_N=order, top_k=3)
     with pytest.raises(ValueError, match="weights_N needs order_N"):
         moe_mlp(x, w_gu, w_d, counts, weights_N=weights)
+    with pytest.raises(ValueError, match=r"x \(torch.bfloat16\), w_gate_up \(torch.float32\) and w_down "
+                                         r"\(torch.float32\) must share one dtype"):
+        moe_mlp(x.bfloat16(), w_gu, w_d, counts)
+    with pytest.raises(ValueError, match=r"w_down \(torch.float16\) must share one dtype"):
+        moe_mlp(x, w_gu, w_d.half(), counts)
+    with pytest.raises(ValueError, match="x has dtype torch.int64; the kernels take torch.bfloat16"):
+        moe_mlp(x.long(), w_gu.long(), w_d.long(), counts)
+    with pytest.raises(ValueError, match=r"w_gate_up \(meta\) and w_down \(cpu\) must be on one device"):
+        moe_mlp(x, w_gu.to("meta"), w_d, counts)
+    with pytest.raises(ValueError, match="counts_E must be an integer tensor, got torch.float32"):
+        moe_mlp(x, w_gu, w_d, counts.float())
+    with pytest.raises(ValueError, match="order_N must be an integer tensor, got torch.float32"):
+        moe_mlp(x, w_gu, w_d, counts, order_N=order.float(), top_k=2)
 
 
 def test_triton_backend_needs_cuda():

@@ -236,6 +236,12 @@ def test_routed_bad_input_is_rejected(monkeypatch):
         routed_moe_mlp(x[:, :8], w_gu, w_d, ids, weights)
     with torch.no_grad(), pytest.raises(ValueError, match="activation 'swish' has no Triton kernel"):
         routed_moe_mlp(x, w_gu, w_d, ids, weights, activation="swish")
+    with pytest.raises(ValueError, match="ids_TK must be an integer tensor, got torch.float32"):
+        routed_moe_mlp(x, w_gu, w_d, ids.float(), weights)
+    for tokens in (2, 40):  # the pair kernels' check, and the sorted path's
+        x_, _, _, ids_, weights_ = make_case(tokens, 16, 16, 4, 2, torch.float32, 0)
+        with torch.no_grad(), pytest.raises(ValueError, match=r"w_down \(torch.bfloat16\) must share one dtype"):
+            routed_moe_mlp(x_, w_gu, w_d.bfloat16(), ids_, weights_)
     for raw in ("-1", "many"):
         monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", raw)
         with pytest.raises(ConfigError, match=f"THUNDEREP_PAIRS_MAX_TOKENS='{raw}': use a token count >= 0"):

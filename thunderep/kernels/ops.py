@@ -277,6 +277,14 @@ def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
         raise ValueError(f"gemm must be 'triton' or 'torch', got {gemm!r}")
     if activation not in K.ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no Triton kernel; use one of {sorted(K.ACTIVATIONS)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; the kernels take {', '.join(str(d) for d in _DTYPES)}")
+    if w_gu.dtype != x.dtype or w_d.dtype != x.dtype:
+        raise ValueError(f"x ({x.dtype}), w_gate_up ({w_gu.dtype}) and w_down ({w_d.dtype}) must share one dtype: "
+                         f"cast the weights or x first")
+    if w_gu.device != x.device or w_d.device != x.device:
+        raise ValueError(f"x ({x.device}), w_gate_up ({w_gu.device}) and w_down ({w_d.device}) must be on one "
+                         f"device")
     if w_d.shape != (E, D, I2 // 2) or x.shape[-1] != D:
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w_gate_up {tuple(w_gu.shape)}, "
                          f"w_down {tuple(w_d.shape)} (expected [E, 2I, D] and [E, D, I])")
@@ -287,6 +295,12 @@ def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
                          f"{x.shape[0] * top_k}")
     if order is not None and weights is not None and weights.shape != order.shape:
         raise ValueError(f"weights {tuple(weights.shape)} must match order {tuple(order.shape)}")
+
+
+def _integer(name: str, t: torch.Tensor) -> None:
+    """ValueError unless `t` holds integers: a float index would be truncated without a word."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
 def _moe_mlp_impl(
@@ -449,6 +463,9 @@ def moe_mlp(
     weights_N: [T * K] routing weights in flat order (gathered mode only).
     Returns y_TD (gathered: weighted and summed over each token's K rows) or y_ND (sorted, unweighted).
     """
+    _integer("counts_E", counts_E)
+    if order_N is not None:
+        _integer("order_N", order_N)
     counts = counts_E.to(device=x.device, dtype=torch.int32, non_blocking=True)
     order = order_N.to(torch.int32) if order_N is not None else None
     weights = weights_N.reshape(-1) if weights_N is not None else None
@@ -553,6 +570,7 @@ def routed_moe_mlp(
     """
     if ids_TK.dim() != 2 or x_TD.dim() != 2 or ids_TK.shape[0] != x_TD.shape[0]:
         raise ValueError(f"ids_TK {tuple(ids_TK.shape)} must be [T, K] for x_TD {tuple(x_TD.shape)}")
+    _integer("ids_TK", ids_TK)
     if weights_TK is not None and weights_TK.shape != ids_TK.shape:
         raise ValueError(f"weights_TK {tuple(weights_TK.shape)} must match ids_TK {tuple(ids_TK.shape)}")
     T, K = ids_TK.shape
