@@ -226,6 +226,30 @@ def test_pairs_unknown_expert_gives_nan_for_that_token_only(pairs):
     torch.testing.assert_close(y[[0, 2]], good[[0, 2]])
 
 
+def test_weights_that_are_not_contiguous_give_the_same_result():
+    """Transposed views of the expert weights (same values, other strides) give what contiguous weights give,
+    through the pair kernels (2 tokens) and the sorted path (40), gradients included on the sorted path; the
+    kernels read the weights with unit stride along their last dimension, so such views are copied first."""
+    _, w_gu, w_d, _, _ = make_case(2, 16, 24, 4, 2, torch.float32, 0)
+    views = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_gu, w_d)]
+    assert not any(v.is_contiguous() for v in views)
+    for tokens in (2, 40):
+        x, _, _, ids, weights = make_case(tokens, 16, 24, 4, 2, torch.float32, tokens)
+        with torch.no_grad():
+            y_views = routed_moe_mlp(x, *views, ids, weights)
+            torch.testing.assert_close(y_views, routed_moe_mlp(x, w_gu, w_d, ids, weights))
+    leaves = [t.clone().requires_grad_() for t in (w_gu, w_d)]
+    leaf_views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in leaves]
+    y = routed_moe_mlp(x, *leaf_views, ids, weights)
+    y_ref = routed_moe_mlp(x, w_gu, w_d, ids, weights)
+    torch.testing.assert_close(y, y_ref)
+    ref = [t.clone().requires_grad_() for t in (w_gu, w_d)]
+    dy = torch.randn_like(y)
+    for g, g_ref in zip(torch.autograd.grad(y, leaves, dy),
+                        torch.autograd.grad(routed_moe_mlp(x, *ref, ids, weights), ref, dy)):
+        torch.testing.assert_close(g, g_ref)
+
+
 def test_routed_bad_input_is_rejected(monkeypatch):
     x, w_gu, w_d, ids, weights = make_case(2, 16, 16, 4, 2, torch.float32, 0)
     with pytest.raises(ValueError, match=r"ids_TK \(3, 2\) must be \[T, K\] for x_TD \(2, 16\)"):

@@ -457,7 +457,8 @@ def moe_mlp(
     """The expert MLP through the Triton kernels.
 
     x: [T, D] with `order_N` (gathered mode) or [N, D] sorted by expert (sorted mode).
-    w_gate_up_E2ID: [E, 2I, D]; w_down_EDI: [E, D, I] (Hugging Face 5.x layout), x's dtype.
+    w_gate_up_E2ID: [E, 2I, D]; w_down_EDI: [E, D, I] (Hugging Face 5.x layout), x's dtype; weights that
+    are not contiguous (a transposed view) are copied on every call.
     counts_E: [E] rows per expert (any integer dtype, any device; moved to x's device).
     order_N: [N] integer, the flat (token * top_k + slot) pair of each sorted row.
     weights_N: [T * K] routing weights in flat order (gathered mode only).
@@ -482,7 +483,7 @@ def moe_mlp(
         op = _moe_mlp_op
     else:
         op = _MoeMlpFunction.apply if needs_grad else _moe_mlp_impl
-    y, _, _ = op(x.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), order, counts, weights,
+    y, _, _ = op(x.contiguous(), w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous(), order, counts, weights,
                  top_k, activation, interleaved, needs_grad, gemm)
     return y
 
@@ -562,7 +563,8 @@ def routed_moe_mlp(
     that shape and T (`pairs.pairs_win`). Otherwise the pairs are sorted by expert and `moe_mlp` runs
     (counts_E [E], if the router computed it, saves recounting); on at most ROUTE_MAX_PAIRS pairs one
     Triton program sorts and counts them, with gradients too.
-    x_TD: [T, D]; ids_TK: [T, K] integer; weights_TK: [T, K] or None (unweighted sum over K).
+    x_TD: [T, D]; ids_TK: [T, K] integer; weights_TK: [T, K] or None (unweighted sum over K); the expert
+    weights as for `moe_mlp`.
     Inference treats id -1 as a pair computed elsewhere (it adds nothing; the pair kernels skip it, the
     sorted path computes it as expert 0 with weight 0) and gives NaN for a token with any other id
     outside [0, E); so does training on at most ROUTE_MAX_PAIRS pairs (the -1 pair's gradients are zero).

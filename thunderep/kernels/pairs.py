@@ -591,7 +591,7 @@ def moe_mlp_pairs(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: 
     w_down_EDI: [E, D, I] in x's dtype; ids_TK: [T, K] integer; weights_TK: [T, K] or None
     (unweighted). Inputs are checked by the caller (ops.routed_moe_mlp)."""
     op = _moe_mlp_pairs_op if torch.compiler.is_compiling() else _moe_mlp_pairs_impl
-    return op(x_TD.contiguous(), w_gate_up_E2ID, w_down_EDI.contiguous(), ids_TK.contiguous(),
+    return op(x_TD.contiguous(), w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous(), ids_TK.contiguous(),
               weights_TK.contiguous() if weights_TK is not None else None, activation, interleaved)
 
 
