@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         for cfg in candidates():
             def call(cfg=cfg):
                 grid = (triton.cdiv(M, cfg.kwargs["BLOCK_M"]), E)
-                K._wgrad_kernel[grid](a, b, out, counts, M, N, E, a.stride(0), b.stride(0), out.stride(0),
+                K._wgrad_kernel[grid](a, b, out, counts, M, N, E, n_rows, a.stride(0), b.stride(0), out.stride(0),
                                       out.stride(1), bm_class, fill, PRECISION=precision(a.dtype),
                                       BLOCK_E=ops._block_e(E), **cfg.kwargs, num_warps=cfg.num_warps,
                                       num_stages=cfg.num_stages)

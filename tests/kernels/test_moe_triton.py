@@ -362,6 +362,34 @@ def test_bad_input_is_rejected():
         moe_mlp(x, w_gu, w_d, counts, order_N=order.float(), top_k=2)
 
 
+def test_counts_that_do_not_match_the_rows(monkeypatch):
+    """counts_E on the CPU is checked: negative counts, or counts that do not sum to the rows, are refused
+    with a message that quotes them. Counts on a GPU are not checked (a sync): the kernels take negative
+    counts as 0 and touch no row past N (here the check is patched out, as on a GPU, and the counts sum
+    past N). The rows the counts reach get what the counts that reach them exactly
+    give; the weight-gradient kernel and the Hopper path's offsets likewise."""
+    x, w_gu, w_d, _, _ = make_case(10, 16, 16, 4, 1, torch.float32, 0)
+    with pytest.raises(ValueError, match=r"counts_E \[5, 5, 5, 5\] must be >= 0 and sum to the 10 rows \(x\); "
+                                         r"they sum to 20"):
+        moe_mlp(x, w_gu, w_d, torch.tensor([5, 5, 5, 5]))
+    with pytest.raises(ValueError, match=r"counts_E \[6, -3, 7, 0\] must be >= 0"):
+        moe_mlp(x, w_gu, w_d, torch.tensor([6, -3, 7, 0]))
+    with pytest.raises(ValueError, match=r"sum to the 8 rows \(order_N\); they sum to 10"):
+        moe_mlp(x[:4], w_gu, w_d, torch.tensor([4, 3, 2, 1]), order_N=torch.arange(8), top_k=2)
+    monkeypatch.setattr(ops, "_check_counts", lambda *args: None)  # as on a GPU, where it would sync
+    for bad, reached in [([5, 5, 5, 5], [5, 5, 0, 0]), ([6, -3, 7, 0], [6, 0, 4, 0])]:
+        y, _, _ = ops._moe_mlp_impl(x, w_gu, w_d, None, torch.tensor(bad, dtype=torch.int32, device=DEVICE),
+                                    None, 1, "silu", False, False, "triton")
+        torch.testing.assert_close(y, moe_mlp(x, w_gu, w_d, torch.tensor(reached)))
+        a, b = torch.randn(10, 12, device=DEVICE), torch.randn(10, 20, device=DEVICE)
+        out, out_ref = torch.full((4, 12, 20), float("nan"), device=DEVICE), torch.empty(4, 12, 20, device=DEVICE)
+        ops._wgrad(a, b, torch.tensor(bad, dtype=torch.int32, device=DEVICE), out)
+        ops._wgrad(a, b, torch.tensor(reached, dtype=torch.int32, device=DEVICE), out_ref)
+        torch.testing.assert_close(out, out_ref)
+        ends = grouped_gemm._offsets(torch.tensor(bad, dtype=torch.int32), 10)
+        assert ends.tolist() == torch.tensor(reached).cumsum(0).tolist()
+
+
 def test_triton_backend_needs_cuda():
     config = ExpertsConfig(num_experts=4, hidden_size=16, intermediate_size=16, backend="triton")
     experts = FusedExperts(config)

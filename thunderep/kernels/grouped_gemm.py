@@ -169,8 +169,10 @@ def _combine(rows, inv, weights, T, top_k):
     return out
 
 
-def _offsets(counts):
-    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+def _offsets(counts, n_rows: int):
+    """Each expert's end row, counts taken as >= 0 and ends as <= n_rows: counts that do not sum to the
+    rows (on the GPU they are not checked, ops.moe_mlp) read and write no row out of bounds."""
+    return torch.cumsum(counts.clamp(min=0), dim=0, dtype=torch.int32).clamp_(max=n_rows)
 
 
 def forward(x, w_gu, w_d, order, counts, weights, top_k, act, interleaved):
@@ -180,8 +182,8 @@ def forward(x, w_gu, w_d, order, counts, weights, top_k, act, interleaved):
     over K) or x_ND sorted by expert (`order` None; y = y_ND, unweighted). w_gu: [E, 2I, D];
     w_d: [E, D, I]; counts: [E] int32; all float tensors in x's dtype. `act` is a moe_triton code.
     """
-    offs = _offsets(counts)
     x_rows = gather_rows(x, order, top_k) if order is not None else x
+    offs = _offsets(counts, x_rows.shape[0])
     gu = GROUPED_MM(x_rows, w_gu.transpose(1, 2), offs=offs)
     h = _act_rows(gu, act, interleaved)
     y_rows = GROUPED_MM(h, w_d.transpose(1, 2), offs=offs)
@@ -198,8 +200,8 @@ def backward_dx(dy, w_gu, w_d, order, counts, weights, gu, top_k, act, interleav
     for the weight gradients (None without weights); dy_rows: dy gathered into expert order (dy itself in
     sorted mode), kept for the weight gradients.
     """
-    offs = _offsets(counts)
     dy_rows = gather_rows(dy, order, top_k) if order is not None else dy
+    offs = _offsets(counts, dy_rows.shape[0])
     dhu = GROUPED_MM(dy_rows, w_d, offs=offs)  # dy_rows @ Wd[e]: [N, I]
     dgu, dw, hw = _act_bwd_rows(dhu, gu, order, weights, act, interleaved)
     dx_rows = GROUPED_MM(dgu, w_gu, offs=offs)  # dgu @ Wgu[e]: [N, D]
@@ -213,4 +215,4 @@ def weight_grad(a_rows, b_rows, counts):
     counts: [E] int32. The backward's two weight gradients: dW_down = dy_rows.T @ (w * h), dW_gate_up =
     dgu.T @ x_rows.
     """
-    return GROUPED_MM(a_rows.t(), b_rows, offs=_offsets(counts))
+    return GROUPED_MM(a_rows.t(), b_rows, offs=_offsets(counts, a_rows.shape[0]))

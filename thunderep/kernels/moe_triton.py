@@ -100,7 +100,7 @@ def _row_tile(pid_m, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
     else:
         tail = 0
     e_E = tl.arange(0, BLOCK_E)
-    counts_E = tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32)
+    counts_E = tl.maximum(tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32), 0)
     tiles_E = tl.where(counts_E > tail, (counts_E - tail + BLOCK_M - 1) // BLOCK_M, (counts_E > 0).to(tl.int32))
     tiles_end_E = tl.cumsum(tiles_E, 0)
     expert = tl.sum((tiles_end_E <= pid_m).to(tl.int32), 0)
@@ -140,6 +140,7 @@ def _row_tile_of_program(n_rows, n_cols, counts_ptr, E, BLOCK_M: tl.constexpr, B
     num_m = _num_row_tiles(n_rows, E, BLOCK_M)
     pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
     expert, row0, tile_end = _row_tile(pid_m, counts_ptr, E, BLOCK_M, BLOCK_E, TAIL)
+    tile_end = tl.minimum(tile_end, n_rows)  # counts that sum past n_rows read and write no row past it
     cols_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return expert, row0, tile_end, cols_N, cols_N < n_cols, pid_n
 
@@ -424,10 +425,10 @@ def _act_bwd_kernel(
                    weight_ptr, stride_gm, stride_dwp, ACT, INTERLEAVED, WEIGHTED)
 
 
-@triton.jit(do_not_specialize=["M", "m_fill"])
+@triton.jit(do_not_specialize=["M", "R", "m_fill"])
 def _wgrad_kernel(
     a_ptr, b_ptr, c_ptr, counts_ptr,
-    M, N, E,
+    M, N, E, R,
     stride_am, stride_bm, stride_ce, stride_cm,
     m_class, m_fill,
     PRECISION: tl.constexpr,
@@ -436,9 +437,10 @@ def _wgrad_kernel(
 ):
     """c[e, m, n] = sum over expert e's rows r of A[r, m] * B[r, n].
 
-    A: [N_rows, M], B: [N_rows, N] (unit column strides), rows in expert order. c: [E, M, N] (unit
-    stride along N). Experts with no rows get zeros. The backward gathers token rows into expert order
-    once before it (ops.py): an index load in front of every row load held the kernel 1.1-1.45x back.
+    A: [R, M], B: [R, N] (unit column strides), rows in expert order. c: [E, M, N] (unit stride along
+    N). Experts with no rows get zeros; counts are taken as at least 0, and rows past R are not read. The
+    backward gathers token rows into expert order once before it (ops.py): an index load in front of
+    every row load held the kernel 1.1-1.45x back.
 
     One program owns (expert, BLOCK_M rows of c) and walks every column tile in one flattened loop
     over (column tile, chunk of BLOCK_K rows): experts often have few rows, and a loop per tile
@@ -447,9 +449,9 @@ def _wgrad_kernel(
     expert = tl.program_id(1)
     pid_m = tl.program_id(0)
     e_E = tl.arange(0, BLOCK_E)
-    counts_E = tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32)
+    counts_E = tl.maximum(tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32), 0)
     row0 = tl.sum(tl.where(e_E < expert, counts_E, 0), 0)
-    row_end = row0 + tl.sum(tl.where(e_E == expert, counts_E, 0), 0)
+    row_end = tl.minimum(row0 + tl.sum(tl.where(e_E == expert, counts_E, 0), 0), R)
     chunks = tl.maximum(tl.cdiv(row_end - row0, BLOCK_K), 1)  # >= 1: an expert without rows stores zeros
     n_tiles = tl.cdiv(N, BLOCK_N)
     ms_M = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

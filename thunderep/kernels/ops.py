@@ -255,7 +255,7 @@ def _wgrad(a, b, counts, out):
     bm, fill = _wgrad_key(a.shape[0], E)
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]), E)  # noqa: E731
     _launch(_WGRAD, _WGRAD_PLAIN, _DEFAULT_WGRAD, grid, a.device,
-            a_ptr=a, b_ptr=b, c_ptr=out, counts_ptr=counts, M=M, N=N, E=E,
+            a_ptr=a, b_ptr=b, c_ptr=out, counts_ptr=counts, M=M, N=N, E=E, R=a.shape[0],
             stride_am=a.stride(0), stride_bm=b.stride(0), stride_ce=out.stride(0), stride_cm=out.stride(1),
             m_class=bm, m_fill=fill, PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
 
@@ -295,6 +295,15 @@ def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
                          f"{x.shape[0] * top_k}")
     if order is not None and weights is not None and weights.shape != order.shape:
         raise ValueError(f"weights {tuple(weights.shape)} must match order {tuple(order.shape)}")
+    if counts is not None and counts.device.type == "cpu":  # no sync here; on a GPU, see moe_mlp
+        _check_counts(counts, order.shape[0] if order is not None else x.shape[0], order is not None)
+
+
+def _check_counts(counts: torch.Tensor, n_rows: int, gathered: bool) -> None:
+    total = int(counts.sum())
+    if total != n_rows or bool((counts < 0).any()):
+        raise ValueError(f"counts_E {counts.tolist()} must be >= 0 and sum to the {n_rows} rows "
+                         f"({'order_N' if gathered else 'x'}); they sum to {total}")
 
 
 def _integer(name: str, t: torch.Tensor) -> None:
@@ -459,7 +468,10 @@ def moe_mlp(
     x: [T, D] with `order_N` (gathered mode) or [N, D] sorted by expert (sorted mode).
     w_gate_up_E2ID: [E, 2I, D]; w_down_EDI: [E, D, I] (Hugging Face 5.x layout), x's dtype; weights that
     are not contiguous (a transposed view) are copied on every call.
-    counts_E: [E] rows per expert (any integer dtype, any device; moved to x's device).
+    counts_E: [E] rows per expert (any integer dtype, any device; moved to x's device), >= 0, summing to
+    N. Checked where x is on the CPU; on a GPU that would cost a sync, so the kernels instead
+    take negative counts as 0 and read and write no row past N: rows the counts leave out come out
+    undefined, never out of bounds.
     order_N: [N] integer, the flat (token * top_k + slot) pair of each sorted row.
     weights_N: [T * K] routing weights in flat order (gathered mode only).
     Returns y_TD (gathered: weighted and summed over each token's K rows) or y_ND (sorted, unweighted).
