@@ -354,7 +354,7 @@ def test_bad_input_is_rejected():
         moe_mlp(x, w_gu, w_d.half(), counts)
     with pytest.raises(ValueError, match="x has dtype torch.int64; the kernels take torch.bfloat16"):
         moe_mlp(x.long(), w_gu.long(), w_d.long(), counts)
-    with pytest.raises(ValueError, match=r"w_gate_up \(meta\) and w_down \(cpu\) must be on one device"):
+    with pytest.raises(ValueError, match=r"w_gate_up \(meta\) and w_down \(\S+\) must be on one device"):
         moe_mlp(x, w_gu.to("meta"), w_d, counts)
     with pytest.raises(ValueError, match="counts_E must be an integer tensor, got torch.float32"):
         moe_mlp(x, w_gu, w_d, counts.float())
@@ -369,13 +369,14 @@ def test_counts_that_do_not_match_the_rows(monkeypatch):
     past N). The rows the counts reach get what the counts that reach them exactly
     give; the weight-gradient kernel and the Hopper path's offsets likewise."""
     x, w_gu, w_d, _, _ = make_case(10, 16, 16, 4, 1, torch.float32, 0)
+    on_cpu = [t.cpu() for t in (x, w_gu, w_d)]  # the check runs before any kernel, also on a CUDA machine
     with pytest.raises(ValueError, match=r"counts_E \[5, 5, 5, 5\] must be >= 0 and sum to the 10 rows \(x\); "
                                          r"they sum to 20"):
-        moe_mlp(x, w_gu, w_d, torch.tensor([5, 5, 5, 5]))
+        moe_mlp(*on_cpu, torch.tensor([5, 5, 5, 5]))
     with pytest.raises(ValueError, match=r"counts_E \[6, -3, 7, 0\] must be >= 0"):
-        moe_mlp(x, w_gu, w_d, torch.tensor([6, -3, 7, 0]))
+        moe_mlp(*on_cpu, torch.tensor([6, -3, 7, 0]))
     with pytest.raises(ValueError, match=r"sum to the 8 rows \(order_N\); they sum to 10"):
-        moe_mlp(x[:4], w_gu, w_d, torch.tensor([4, 3, 2, 1]), order_N=torch.arange(8), top_k=2)
+        moe_mlp(on_cpu[0][:4], *on_cpu[1:], torch.tensor([4, 3, 2, 1]), order_N=torch.arange(8), top_k=2)
     monkeypatch.setattr(ops, "_check_counts", lambda *args: None)  # as on a GPU, where it would sync
     for bad, reached in [([5, 5, 5, 5], [5, 5, 0, 0]), ([6, -3, 7, 0], [6, 0, 4, 0])]:
         y, _, _ = ops._moe_mlp_impl(x, w_gu, w_d, None, torch.tensor(bad, dtype=torch.int32, device=DEVICE),
