@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import assert_grads_close, grads_of, init_module
 
-from thunderep import ExpertsConfig, FusedExperts, Routing, RoutingError
+from thunderep import ExpertsConfig, FusedExperts, InputError, Routing, RoutingError
 from thunderep.experts import expert_mlp, grouped_mm_supported, sort_by_expert
 from thunderep.reference import reference_experts
 
@@ -170,6 +170,19 @@ def test_mismatched_counts_raise():
                    experts.config)
     with pytest.raises(RoutingError, match="x_TD has 2 tokens but the routing has 3"):
         experts(torch.randn(2, 8), make_routing(3, 4, 2, seed=0))
+
+
+def test_bad_input_is_refused_by_name():
+    """A hidden size other than the experts' and ids that are not integers are refused with the values,
+    on every backend, before any GEMM (a float id would be truncated without a word)."""
+    experts = FusedExperts(ExpertsConfig(4, 8, 4))
+    routing = make_routing(3, 4, 2, seed=0)
+    with pytest.raises(InputError, match=r"x_TD \(3, 6\) must be \[T, hidden_size\] with hidden_size 8"):
+        experts(torch.randn(3, 6), routing)
+    float_ids = Routing(routing.weights_TK, routing.ids_TK.float(), routing.counts_E, routing.logits_TE)
+    with pytest.raises(InputError, match="routing.ids_TK must be an integer tensor, got torch.float32"):
+        experts(torch.randn(3, 8), float_ids)
+    assert issubclass(InputError, ValueError)  # the kernels' input errors were ValueErrors before
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "ThunderError",
     "ConfigError",
+    "InputError",
     "RoutingError",
     "CommError",
     "PeerTimeout",
@@ -23,6 +24,11 @@ class ThunderError(RuntimeError):
 
 class ConfigError(ThunderError, ValueError):
     """A configuration value is invalid; the message names the field and the value."""
+
+
+class InputError(ThunderError, ValueError):
+    """A tensor argument has a shape, dtype, device or value the operation cannot take; the message
+    quotes it."""
 
 
 class RoutingError(ThunderError):

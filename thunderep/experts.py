@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ExpertsConfig
-from .errors import ConfigError, RoutingError
+from .errors import ConfigError, InputError, RoutingError
 from .router import Routing
 
 __all__ = ["ACTIVATION_FNS", "FusedExperts", "expert_mlp", "gated_activation", "grouped_mm_supported", "sort_by_expert"]
@@ -235,6 +235,11 @@ class FusedExperts(nn.Module):
         T, K = routing.ids_TK.shape
         if x_TD.shape[0] != T:
             raise RoutingError(f"x_TD has {x_TD.shape[0]} tokens but the routing has {T}")
+        if x_TD.dim() != 2 or x_TD.shape[1] != self.config.hidden_size:
+            raise InputError(f"x_TD {tuple(x_TD.shape)} must be [T, hidden_size] with hidden_size "
+                             f"{self.config.hidden_size}")
+        if routing.ids_TK.is_floating_point() or routing.ids_TK.dtype == torch.bool:
+            raise InputError(f"routing.ids_TK must be an integer tensor, got {routing.ids_TK.dtype}")
         if _use_triton(x_TD, self.gate_up_proj, self.config) and T:
             from .kernels.ops import routed_moe_mlp
 

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 import triton
 
+from ..errors import InputError
 from . import grouped_gemm as G
 from . import moe_triton as K
 from . import pairs as P
@@ -271,30 +272,30 @@ def _weight_grad(a, b, counts, weight, torch_gemm):
 
 
 def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
-    """ValueError on inputs the kernels cannot take; `counts` None (the pair kernels take none) is not checked."""
+    """InputError on inputs the kernels cannot take; `counts` None (the pair kernels take none) is not checked."""
     E, I2, D = w_gu.shape
     if gemm not in ("triton", "torch"):
-        raise ValueError(f"gemm must be 'triton' or 'torch', got {gemm!r}")
+        raise InputError(f"gemm must be 'triton' or 'torch', got {gemm!r}")
     if activation not in K.ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} has no Triton kernel; use one of {sorted(K.ACTIVATIONS)}")
+        raise InputError(f"activation {activation!r} has no Triton kernel; use one of {sorted(K.ACTIVATIONS)}")
     if x.dtype not in _DTYPES:
-        raise ValueError(f"x has dtype {x.dtype}; the kernels take {', '.join(str(d) for d in _DTYPES)}")
+        raise InputError(f"x has dtype {x.dtype}; the kernels take {', '.join(str(d) for d in _DTYPES)}")
     if w_gu.dtype != x.dtype or w_d.dtype != x.dtype:
-        raise ValueError(f"x ({x.dtype}), w_gate_up ({w_gu.dtype}) and w_down ({w_d.dtype}) must share one dtype: "
+        raise InputError(f"x ({x.dtype}), w_gate_up ({w_gu.dtype}) and w_down ({w_d.dtype}) must share one dtype: "
                          f"cast the weights or x first")
     if w_gu.device != x.device or w_d.device != x.device:
-        raise ValueError(f"x ({x.device}), w_gate_up ({w_gu.device}) and w_down ({w_d.device}) must be on one "
+        raise InputError(f"x ({x.device}), w_gate_up ({w_gu.device}) and w_down ({w_d.device}) must be on one "
                          f"device")
     if w_d.shape != (E, D, I2 // 2) or x.shape[-1] != D:
-        raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w_gate_up {tuple(w_gu.shape)}, "
+        raise InputError(f"shapes do not match: x {tuple(x.shape)}, w_gate_up {tuple(w_gu.shape)}, "
                          f"w_down {tuple(w_d.shape)} (expected [E, 2I, D] and [E, D, I])")
     if counts is not None and counts.shape != (E,):
-        raise ValueError(f"counts_E has shape {tuple(counts.shape)}, expected ({E},)")
+        raise InputError(f"counts_E has shape {tuple(counts.shape)}, expected ({E},)")
     if order is not None and order.shape[0] != x.shape[0] * top_k:
-        raise ValueError(f"order_N has {order.shape[0]} rows; x has {x.shape[0]} tokens x top_k {top_k} = "
+        raise InputError(f"order_N has {order.shape[0]} rows; x has {x.shape[0]} tokens x top_k {top_k} = "
                          f"{x.shape[0] * top_k}")
     if order is not None and weights is not None and weights.shape != order.shape:
-        raise ValueError(f"weights {tuple(weights.shape)} must match order {tuple(order.shape)}")
+        raise InputError(f"weights {tuple(weights.shape)} must match order {tuple(order.shape)}")
     if counts is not None and counts.device.type == "cpu":  # no sync here; on a GPU, see moe_mlp
         _check_counts(counts, order.shape[0] if order is not None else x.shape[0], order is not None)
 
@@ -302,14 +303,14 @@ def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
 def _check_counts(counts: torch.Tensor, n_rows: int, gathered: bool) -> None:
     total = int(counts.sum())
     if total != n_rows or bool((counts < 0).any()):
-        raise ValueError(f"counts_E {counts.tolist()} must be >= 0 and sum to the {n_rows} rows "
+        raise InputError(f"counts_E {counts.tolist()} must be >= 0 and sum to the {n_rows} rows "
                          f"({'order_N' if gathered else 'x'}); they sum to {total}")
 
 
 def _integer(name: str, t: torch.Tensor) -> None:
-    """ValueError unless `t` holds integers: a float index would be truncated without a word."""
+    """InputError unless `t` holds integers: a float index would be truncated without a word."""
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+        raise InputError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
 def _moe_mlp_impl(
@@ -483,7 +484,7 @@ def moe_mlp(
     order = order_N.to(torch.int32) if order_N is not None else None
     weights = weights_N.reshape(-1) if weights_N is not None else None
     if weights is not None and order is None:
-        raise ValueError("weights_N needs order_N (the sorted mode returns unweighted rows)")
+        raise InputError("weights_N needs order_N (the sorted mode returns unweighted rows)")
     needs_grad = _needs_grad(x, w_gate_up_E2ID, w_down_EDI, weights)
     E, I2, D = w_gate_up_E2ID.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]
@@ -583,10 +584,10 @@ def routed_moe_mlp(
     Larger batches with gradients need ids in [0, E).
     """
     if ids_TK.dim() != 2 or x_TD.dim() != 2 or ids_TK.shape[0] != x_TD.shape[0]:
-        raise ValueError(f"ids_TK {tuple(ids_TK.shape)} must be [T, K] for x_TD {tuple(x_TD.shape)}")
+        raise InputError(f"ids_TK {tuple(ids_TK.shape)} must be [T, K] for x_TD {tuple(x_TD.shape)}")
     _integer("ids_TK", ids_TK)
     if weights_TK is not None and weights_TK.shape != ids_TK.shape:
-        raise ValueError(f"weights_TK {tuple(weights_TK.shape)} must match ids_TK {tuple(ids_TK.shape)}")
+        raise InputError(f"weights_TK {tuple(weights_TK.shape)} must match ids_TK {tuple(ids_TK.shape)}")
     T, K = ids_TK.shape
 
     def sorted_path(ids: torch.Tensor) -> torch.Tensor:  # ids: ids_TK, or another routing when timing paths
