@@ -364,7 +364,7 @@ def test_bad_input_is_rejected():
 
 def test_counts_that_do_not_match_the_rows(monkeypatch):
     """counts_E on the CPU is checked: negative counts, or counts that do not sum to the rows, are refused
-    with a message that quotes them. Counts on a GPU are not checked (a sync): the kernels take negative
+    with a message that quotes them, and so is an order_N with a pair out of range. Counts on a GPU are not checked (a sync): the kernels take negative
     counts as 0 and touch no row past N (here the check is patched out, as on a GPU, and the counts sum
     past N). The rows the counts reach get what the counts that reach them exactly
     give; the weight-gradient kernel and the Hopper path's offsets likewise."""
@@ -377,6 +377,9 @@ def test_counts_that_do_not_match_the_rows(monkeypatch):
         moe_mlp(*on_cpu, torch.tensor([6, -3, 7, 0]))
     with pytest.raises(ValueError, match=r"sum to the 8 rows \(order_N\); they sum to 10"):
         moe_mlp(on_cpu[0][:4], *on_cpu[1:], torch.tensor([4, 3, 2, 1]), order_N=torch.arange(8), top_k=2)
+    with pytest.raises(ValueError, match=r"order_N holds pairs 1 to 8; x has 4 tokens x top_k 2: use pairs in "
+                                         r"\[0, 8\)"):
+        moe_mlp(on_cpu[0][:4], *on_cpu[1:], torch.tensor([3, 2, 2, 1]), order_N=torch.arange(1, 9), top_k=2)
     monkeypatch.setattr(ops, "_check_counts", lambda *args: None)  # as on a GPU, where it would sync
     for bad, reached in [([5, 5, 5, 5], [5, 5, 0, 0]), ([6, -3, 7, 0], [6, 0, 4, 0])]:
         y, _, _ = ops._moe_mlp_impl(x, w_gu, w_d, None, torch.tensor(bad, dtype=torch.int32, device=DEVICE),

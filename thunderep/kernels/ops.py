@@ -298,6 +298,9 @@ def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
         raise InputError(f"weights {tuple(weights.shape)} must match order {tuple(order.shape)}")
     if counts is not None and counts.device.type == "cpu":  # no sync here; on a GPU, see moe_mlp
         _check_counts(counts, order.shape[0] if order is not None else x.shape[0], order is not None)
+        if order is not None and order.numel() and not 0 <= int(order.min()) <= int(order.max()) < order.shape[0]:
+            raise InputError(f"order_N holds pairs {int(order.min())} to {int(order.max())}; x has "
+                             f"{x.shape[0]} tokens x top_k {top_k}: use pairs in [0, {order.shape[0]})")
 
 
 def _check_counts(counts: torch.Tensor, n_rows: int, gathered: bool) -> None:
@@ -473,7 +476,8 @@ def moe_mlp(
     N. Checked where x is on the CPU; on a GPU that would cost a sync, so the kernels instead
     take negative counts as 0 and read and write no row past N: rows the counts leave out come out
     undefined, never out of bounds.
-    order_N: [N] integer, the flat (token * top_k + slot) pair of each sorted row.
+    order_N: [N] integer, the flat (token * top_k + slot) pair of each sorted row, in [0, N): checked
+    where x is on the CPU; on a GPU a pair outside it reads out of bounds.
     weights_N: [T * K] routing weights in flat order (gathered mode only).
     Returns y_TD (gathered: weighted and summed over each token's K rows) or y_ND (sorted, unweighted).
     """
