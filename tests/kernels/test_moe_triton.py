@@ -390,7 +390,7 @@ def test_counts_that_do_not_match_the_rows(monkeypatch):
         ops._wgrad(a, b, torch.tensor(bad, dtype=torch.int32, device=DEVICE), out)
         ops._wgrad(a, b, torch.tensor(reached, dtype=torch.int32, device=DEVICE), out_ref)
         torch.testing.assert_close(out, out_ref)
-        ends = grouped_gemm._offsets(torch.tensor(bad, dtype=torch.int32), 10)
+        ends = grouped_gemm.offsets(torch.tensor(bad, dtype=torch.int32), 10)
         assert ends.tolist() == torch.tensor(reached).cumsum(0).tolist()
 
 

@@ -29,7 +29,7 @@ from . import passes
 from .tuning import cdiv
 
 __all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "WGRAD_TORCH_MIN_ROWS", "gemm_path", "wgrad_path", "gather_rows",
-           "forward", "backward_dx", "weight_grad"]
+           "offsets", "forward", "backward_dx", "weight_grad"]
 
 GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # The Hopper path takes over when experts get at least this many rows on average (forward, backward):
@@ -169,7 +169,7 @@ def _combine(rows, inv, weights, T, top_k):
     return out
 
 
-def _offsets(counts, n_rows: int):
+def offsets(counts, n_rows: int):
     """Each expert's end row, counts taken as >= 0 and ends as <= n_rows: counts that do not sum to the
     rows (on the GPU they are not checked, ops.moe_mlp) read and write no row out of bounds."""
     return torch.cumsum(counts.clamp(min=0), dim=0, dtype=torch.int32).clamp_(max=n_rows)
@@ -183,7 +183,7 @@ def forward(x, w_gu, w_d, order, counts, weights, top_k, act, interleaved):
     w_d: [E, D, I]; counts: [E] int32; all float tensors in x's dtype. `act` is a moe_triton code.
     """
     x_rows = gather_rows(x, order, top_k) if order is not None else x
-    offs = _offsets(counts, x_rows.shape[0])
+    offs = offsets(counts, x_rows.shape[0])
     gu = GROUPED_MM(x_rows, w_gu.transpose(1, 2), offs=offs)
     h = _act_rows(gu, act, interleaved)
     y_rows = GROUPED_MM(h, w_d.transpose(1, 2), offs=offs)
@@ -201,7 +201,7 @@ def backward_dx(dy, w_gu, w_d, order, counts, weights, gu, top_k, act, interleav
     sorted mode), kept for the weight gradients.
     """
     dy_rows = gather_rows(dy, order, top_k) if order is not None else dy
-    offs = _offsets(counts, dy_rows.shape[0])
+    offs = offsets(counts, dy_rows.shape[0])
     dhu = GROUPED_MM(dy_rows, w_d, offs=offs)  # dy_rows @ Wd[e]: [N, I]
     dgu, dw, hw = _act_bwd_rows(dhu, gu, order, weights, act, interleaved)
     dx_rows = GROUPED_MM(dgu, w_gu, offs=offs)  # dgu @ Wgu[e]: [N, D]
@@ -209,10 +209,10 @@ def backward_dx(dy, w_gu, w_d, order, counts, weights, gu, top_k, act, interleav
     return dx, dgu, dw, dy_rows, hw
 
 
-def weight_grad(a_rows, b_rows, counts):
+def weight_grad(a_rows, b_rows, ends):
     """out[e] = a_rows_e.T @ b_rows_e over expert e's rows, through torch's grouped GEMM over the row
     dimension: [E, M, N] from a_rows [N_rows, M] and contiguous b_rows [N_rows, N] in expert order;
-    counts: [E] int32. The backward's two weight gradients: dW_down = dy_rows.T @ (w * h), dW_gate_up =
-    dgu.T @ x_rows.
+    ends: [E] int32 (`offsets`), computed once for the backward's two weight gradients: dW_down =
+    dy_rows.T @ (w * h), dW_gate_up = dgu.T @ x_rows.
     """
-    return GROUPED_MM(a_rows.t(), b_rows, offs=_offsets(counts, a_rows.shape[0]))
+    return GROUPED_MM(a_rows.t(), b_rows, offs=ends)

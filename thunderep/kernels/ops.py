@@ -261,11 +261,12 @@ def _wgrad(a, b, counts, out):
             m_class=bm, m_fill=fill, PRECISION=_precision(a.dtype), BLOCK_E=_block_e(E))
 
 
-def _weight_grad(a, b, counts, weight, torch_gemm):
+def _weight_grad(a, b, counts, weight, ends):
     """The gradient of `weight` ([E, M, N]): a_e.T @ b_e over expert e's rows, through torch's grouped
-    GEMM (`torch_gemm`, see grouped_gemm.wgrad_path) or the portable kernel."""
-    if torch_gemm:
-        return G.weight_grad(a, b, counts)
+    GEMM where `ends` (its offsets, grouped_gemm.offsets; see grouped_gemm.wgrad_path) is given, else
+    the portable kernel."""
+    if ends is not None:
+        return G.weight_grad(a, b, ends)
     out = torch.empty_like(weight)
     _wgrad(a, b, counts, out)
     return out
@@ -390,13 +391,13 @@ def _moe_mlp_backward_impl(
     # ([N, D] is K times the size of x; one memory pass), and not inside the weight-gradient GEMM, where
     # an index load before every row load costs more than the pass (docs/BENCHMARKS.md). One gathered
     # [N, D] copy is alive at a time.
-    wgrad_torch = G.wgrad_path(dy, n_rows, E, D, I) == "torch"
+    ends = G.offsets(counts, n_rows) if G.wgrad_path(dy, n_rows, E, D, I) == "torch" else None  # once for both
     if dy_rows is None:
         dy_rows = G.gather_rows(dy, order, top_k) if gather else dy
-    dw_down = _weight_grad(dy_rows, hw if hw is not None else h, counts, w_down, wgrad_torch)
+    dw_down = _weight_grad(dy_rows, hw if hw is not None else h, counts, w_down, ends)
     del dy_rows
     x_rows = G.gather_rows(x, order, top_k) if gather else x.contiguous()
-    dw_gate_up = _weight_grad(dgu, x_rows, counts, w_gate_up, wgrad_torch)
+    dw_gate_up = _weight_grad(dgu, x_rows, counts, w_gate_up, ends)
     return dx.to(x.dtype), dw_gate_up, dw_down, dweights.to(dw_dtype)
 
 
