@@ -78,16 +78,19 @@ def _m_key(n_rows: int, E: int) -> tuple[int, int]:
     16 rows per expert in 32-row tiles instead of 16-row ones: Mixtral's forward at 64 tokens 0.703 ->
     0.651 ms (graph), DeepSeek-V3's at 512 tokens 5.83 -> 5.13 ms; 32 rows in 64-row tiles instead of
     32-row ones: Mixtral at 128 tokens 0.726 -> 0.672 ms, DeepSeek-V3 at 1024 tokens 6.38 -> 5.39 ms
-    (docs/BENCHMARKS.md, "GPU checks at 0576706", "Row tiles that hold twice the mean"). Above 32 rows
-    the smallest of 64/128 that holds the mean, fill 1, or 2 where experts average more than two 128-row
-    tiles (long prompts).
+    (docs/BENCHMARKS.md, "GPU checks at 0576706", "Row tiles that hold twice the mean"). From 33 to 60
+    rows, 64-row tiles, fill 1: there a tile of twice the mean computes more than a second tile costs (48
+    and 56 rows per expert ran 9-11% faster in 64-row tiles than in 128-row ones); above 60, 128-row
+    tiles, fill 1, or 2 where experts average more than two of them (long prompts): at 64 rows 128-row
+    tiles ran Mixtral's forward at 256 tokens 0.982 -> 0.793 ms and DeepSeek-V3's at 2048 7.48 -> 6.63
+    ("Rows 33 to 64 per expert").
 
     Plain comparisons: this runs at every launch (a generator over the classes took 2.6 us a call on a
     CPU)."""
     mean = G._mean_rows(n_rows, E)
     if mean <= 32:
         return (16 if mean <= 8 else 32 if mean <= 16 else 64), 0
-    bm = 64 if mean <= 64 else 128
+    bm = 64 if mean <= 60 else 128
     return bm, 2 if mean > 2 * bm else 1
 
 
@@ -105,7 +108,7 @@ def _wgrad_key(n_rows: int, E: int) -> tuple[int, int]:
 # (128-row class, fill 2): the batches `thunderep.hf.tune` tunes ahead of serving. All below the forward's
 # G.TORCH_GEMM_MIN_ROWS: from there a Hopper GPU runs torch's grouped GEMM and no row kernel, so a tuning
 # call there would leave the fill-2 key to the first prompt that gives 257 to 511 rows per expert.
-TUNING_ROWS = (4, 16, 32, 64, 128, 384)
+TUNING_ROWS = (4, 16, 32, 48, 128, 384)
 
 
 def _cfg(bm, bn, bk, warps, stages, group=8, **flags):
