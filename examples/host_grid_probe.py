@@ -50,6 +50,8 @@ def stub_launches() -> None:
             return lambda *args, **kwargs: None
 
     ops._launch = tuning.launch = launch
+    ops._check_rows = lambda *args: None  # it reads counts and order, which stubbed kernels leave unwritten;
+    # on a GPU it does not run (a sync)
     for name in dir(passes):
         if name.endswith("_kernel"):
             setattr(passes, name, Kernel())

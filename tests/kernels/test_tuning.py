@@ -4,6 +4,7 @@ with stand-in kernels (no GPU needed)."""
 from __future__ import annotations
 
 import inspect
+import re
 import threading
 import time
 
@@ -317,3 +318,19 @@ def test_weight_gradient_tiles_for_few_rows_are_timed_only_where_experts_get_few
     for m_class in (64, 128):
         kept = ops._prune_wgrad(ops._WGRAD_CONFIGS, {"m_class": m_class})
         assert kept and not few & {ops._signature(c) for c in kept}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe stubs the launches on a CPU")
+def test_host_probe_runs_with_the_launches_stubbed():
+    """examples/host_grid_probe.py, which times the host's work around stubbed launches, runs every case
+    (stubbed kernels write no counts, so the probe leaves out the CPU-only row checks, as a GPU would)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = Path(__file__).resolve().parents[2] / "examples" / "host_grid_probe.py"
+    for args, expect in [(["--count"], r"T = 64 forward\+backward: [1-9]\d* calls"),
+                         (["--rounds", "1", "--calls", "2", "--swap", "key"], r"\| T = 1 inference \(pairs\) \| \d")]:
+        run = subprocess.run([sys.executable, str(probe), *args], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert re.search(expect, run.stdout), run.stdout

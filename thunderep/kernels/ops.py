@@ -301,17 +301,20 @@ def _check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
     if order is not None and weights is not None and weights.shape != order.shape:
         raise InputError(f"weights {tuple(weights.shape)} must match order {tuple(order.shape)}")
     if counts is not None and counts.device.type == "cpu":  # no sync here; on a GPU, see moe_mlp
-        _check_counts(counts, order.shape[0] if order is not None else x.shape[0], order is not None)
-        if order is not None and order.numel() and not 0 <= int(order.min()) <= int(order.max()) < order.shape[0]:
-            raise InputError(f"order_N holds pairs {int(order.min())} to {int(order.max())}; x has "
-                             f"{x.shape[0]} tokens x top_k {top_k}: use pairs in [0, {order.shape[0]})")
+        _check_rows(counts, order, x.shape[0], top_k)
 
 
-def _check_counts(counts: torch.Tensor, n_rows: int, gathered: bool) -> None:
+def _check_rows(counts: torch.Tensor, order: Optional[torch.Tensor], n_tokens: int, top_k: int) -> None:
+    """The checks of counts and order against the rows that read their values: on the CPU only (on a GPU
+    each would be a host sync; there the kernels stay in bounds instead, see moe_mlp)."""
+    n_rows = order.shape[0] if order is not None else n_tokens
     total = int(counts.sum())
     if total != n_rows or bool((counts < 0).any()):
         raise InputError(f"counts_E {counts.tolist()} must be >= 0 and sum to the {n_rows} rows "
-                         f"({'order_N' if gathered else 'x'}); they sum to {total}")
+                         f"({'order_N' if order is not None else 'x'}); they sum to {total}")
+    if order is not None and order.numel() and not 0 <= int(order.min()) <= int(order.max()) < n_rows:
+        raise InputError(f"order_N holds pairs {int(order.min())} to {int(order.max())}; x has "
+                         f"{n_tokens} tokens x top_k {top_k}: use pairs in [0, {n_rows})")
 
 
 def _integer(name: str, t: torch.Tensor) -> None:
