@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import pytest
 import torch
 
 import thunderep.launch as launch_module
@@ -45,3 +51,60 @@ def test_spawned_ranks_leave_without_finalization_and_flush_their_output(tmp_pat
     out = capfd.readouterr().out
     assert "rank 0 of 2 done" in out and "rank 1 of 2 done" in out
     assert not list(tmp_path.iterdir())
+
+
+SLEEPER = '''
+import os, sys, time
+
+def sleep(rank, world, folder):
+    open(os.path.join(folder, f"pid.{rank}"), "w").write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    from thunderep.launch import launch
+    try:
+        launch(sleep, 2, sys.argv[1])
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+'''
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks follow their parent on Linux")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL", "SIGINT"])
+def test_ranks_end_when_the_launcher_is_stopped(tmp_path, sig):
+    """A launcher stopped by SIGTERM or SIGKILL, or interrupted by SIGINT sent to it alone, leaves no rank
+    running (before, its ranks went on training and wrote their output); on SIGINT it raises
+    KeyboardInterrupt after stopping them."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[1])])}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "sleeper.py"), str(tmp_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid.*"))) < 2 or any(not p.read_text() for p in tmp_path.glob("pid.*")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+        assert all(_running(pid) for pid in pids)
+        proc.send_signal(getattr(signal, sig))
+        out, _ = proc.communicate(timeout=30)
+        if sig == "SIGINT":
+            assert proc.returncode == 130 and "interrupted" in out, out
+        deadline = time.monotonic() + 15
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(pid) for pid in pids), f"ranks still running after {sig} to the launcher"
+    finally:
+        proc.kill()
+        for p in tmp_path.glob("pid.*"):
+            if p.read_text() and _running(int(p.read_text())):
+                os.kill(int(p.read_text()), signal.SIGKILL)

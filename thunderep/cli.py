@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     try:
         return int(module.main(rest) or 0)
+    except KeyboardInterrupt:
+        if os.environ.get("THUNDEREP_DEBUG"):
+            raise
+        print(f"thunderep {name}: interrupted", file=sys.stderr)
+        return 130
     except ThunderError as exc:  # a clear message; THUNDEREP_DEBUG=1 shows the traceback
         if os.environ.get("THUNDEREP_DEBUG"):
             raise

@@ -50,20 +50,20 @@ def rank_context():
 
 class RankStart:
     """What a rank takes over from the process that starts it, as that process has it at the start: the
-    environment, and under the fork server stdout and stderr. A forked rank would otherwise have the
+    environment, its pid (the rank ends when it does), and under the fork server stdout and stderr. A forked rank would otherwise have the
     fork server's, which are the starting process's when it first started ranks (a spawned rank
     inherits its own stdout and stderr). Made in the starting process for `ctx` (`rank_context()`)
     and passed among the rank's arguments (stdout and stderr travel as file descriptors); the rank
     calls `apply()` first."""
 
     def __init__(self, ctx):
-        self.env = dict(os.environ)
+        self.env, self.launcher = dict(os.environ), os.getpid()
         self._fds = (1, 2) if ctx.get_start_method() == "forkserver" else ()
 
     def __reduce__(self):
         from multiprocessing import reduction
 
-        return (_rank_start, (self.env, *(reduction.DupFd(fd) for fd in self._fds)))
+        return (_rank_start, (self.env, self.launcher, *(reduction.DupFd(fd) for fd in self._fds)))
 
     def apply(self) -> None:
         os.environ.clear()
@@ -75,10 +75,10 @@ class RankStart:
         self._fds = ()
 
 
-def _rank_start(env: dict[str, str], *passed) -> RankStart:
+def _rank_start(env: dict[str, str], launcher: int, *passed) -> RankStart:
     """A RankStart in the rank: the received descriptors taken over (`apply` installs them)."""
     start = RankStart.__new__(RankStart)
-    start.env, start._fds = env, tuple(p.detach() for p in passed)
+    start.env, start.launcher, start._fds = env, launcher, tuple(p.detach() for p in passed)
     return start
 
 
@@ -119,6 +119,7 @@ def _child(rank: int, world: int, port: int, fn, args, errors, start: RankStart)
     an active exception", exit code -6) after all its work has succeeded (seen in about 1 of 6 runs
     of a 2-rank finetune on CPU)."""
     start.apply()
+    _follow_launcher(start.launcher)
     _run_rank(rank, world, port, fn, args, errors)
     import multiprocessing.util
 
@@ -128,6 +129,51 @@ def _child(rank: int, world: int, port: int, fn, args, errors, start: RankStart)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _follow_launcher(launcher: int) -> None:
+    """This rank ends when the launching process does, however that ends: a thread waits for its exit
+    (a pidfd on Linux, else a check every second), then sends this rank SIGTERM and, GRACE_S later,
+    SIGKILL. Without it a launcher stopped by SIGTERM or SIGKILL left its ranks training, and they
+    wrote their output afterwards (a forked rank's parent is the fork server, which outlives it)."""
+    import signal
+    import threading
+    import time
+
+    def wait() -> None:
+        try:
+            import select
+
+            fd = os.pidfd_open(launcher)
+            select.select([fd], [], [])
+        except (AttributeError, OSError):  # no pidfd: poll
+            try:
+                while True:
+                    time.sleep(1.0)
+                    os.kill(launcher, 0)
+            except ProcessLookupError:
+                pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(GRACE_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="thunderep-follow-launcher", daemon=True).start()
+
+
+def _stop(processes) -> None:
+    """SIGTERM to the ranks still running, GRACE_S for them to end, then SIGKILL."""
+    import time
+
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
 
 
 def launch(fn, nprocs: int, *args) -> None:
@@ -144,8 +190,12 @@ def launch(fn, nprocs: int, *args) -> None:
         # Once a rank has failed, the others get GRACE_S to end by themselves, then SIGTERM, then after
         # GRACE_S more SIGKILL (torch's default waits 30 s for a rank that does not take SIGTERM,
         # e.g. one stuck in a collective or stopped).
-        while not context.join(grace_period=GRACE_S):
-            pass
+        try:
+            while not context.join(grace_period=GRACE_S):
+                pass
+        except KeyboardInterrupt:  # Ctrl-C, or SIGINT to this process alone: the ranks stop too, unsaved
+            _stop(context.processes)
+            raise
     except mp.ProcessRaisedException as exc:
         raise ThunderError(f"a rank failed: {exc}") from None
     except mp.ProcessExitedException as exc:
