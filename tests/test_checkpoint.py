@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,8 +95,29 @@ def _train_and_save(rank, world, path, hf_path, placements):
             out["probe"], out["moments"] = _probe(model), _moments(model, opt)
             if hf_path is not None:
                 export_hf(hf_path, model)
+                out["refused"] = _refused_on_a_foreign_folder(rank, Path(hf_path).parent / "foreign", model, opt)
     ep.close()
     return out
+
+
+def _refused_on_a_foreign_folder(rank, folder, model, opt) -> list:
+    """Save and export into a folder of someone else's files: the error each rank gets (None: written)."""
+    import torch.distributed as dist
+
+    from thunderep.checkpoint import export_hf
+
+    if rank == 0:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine")
+    dist.barrier()
+    refused = []
+    for write in (lambda: save_checkpoint(folder, model, opt, step=K), lambda: export_hf(folder, model)):
+        try:
+            write()
+            refused.append(None)
+        except CheckpointError as exc:
+            refused.append(str(exc))
+    return refused + [(folder / "notes.txt").read_text()]
 
 
 def _resume(rank, world, path):
@@ -151,6 +173,16 @@ def runs(tmp_path_factory):
         out["one"] = _one_rank(0, 1, path2, path1)
     out["hf"] = hf
     return out
+
+
+def test_save_and_export_refuse_to_replace_a_folder_of_other_files(runs):
+    """On every rank: a checkpoint or an export whose path holds other files is refused (writing it would
+    replace them), and the files stay."""
+    for rank in (0, 1):
+        ckpt, export, notes = runs["saved"][rank]["refused"]
+        assert "holds files that are not a ThunderEP checkpoint (notes.txt)" in ckpt, ckpt
+        assert "holds files that are not a ThunderEP export (notes.txt)" in export, export
+        assert notes == "mine"
 
 
 def test_resume_on_two_ranks_reproduces_the_losses(runs):

@@ -75,11 +75,59 @@ def test_finetune_command_rejects_bad_arguments(tmp_path, capsys):
                 "--eval-batches", "-1", "--data", str(tmp_path / "missing.txt"), "--checkpoint", str(tmp_path),
                 "--checkpoint-every", "0", "--freeze", "experts", "layers.(0"]) == 2
     err = capsys.readouterr().err
-    for line in ("--steps must be at least 1, got 0", "--lr must be positive", "is not a checkpoint directory",
-                 "--out must differ from --model", "no such file", "--eval-batches must be 0 or more",
-                 "--checkpoint must differ from --out and --model", "--checkpoint-every must be at least 1",
+    for line in ("--steps must be at least 1, got 0", "--lr must be positive and finite", "is not a checkpoint directory",
+                 f"--out {tmp_path} holds --model {tmp_path}", "no such file", "--eval-batches must be 0 or more",
+                 f"--checkpoint {tmp_path} holds --out {tmp_path}", "--checkpoint-every must be at least 1",
                  "'layers.(0' is not a regular expression"):
         assert line in err
+    assert cli(["finetune", "--model", str(tmp_path), "--out", str(tmp_path / "o"), "--lr", "inf"]) == 2
+    assert "--lr must be positive and finite, got inf" in capsys.readouterr().err
+
+
+def test_finetune_refuses_outputs_that_would_replace_other_files(tmp_path, capsys):
+    """--out and --checkpoint replace their whole directory when written, so before anything loads the
+    command refuses: a directory of other files (unless --overwrite), a file, an output that holds the
+    model or the data, an unwritable place, and outputs that hold each other. An empty directory, a
+    checkpoint or an export of ThunderEP's may be replaced. Nothing is touched on refusal."""
+    from thunderep.checkpoint import EXPORT_MARK, MANIFEST, destination_problem
+    from thunderep.cli import main as cli
+
+    model = tmp_path / "work" / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "work" / "notes.txt"
+    data.write_text("notes")
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "thesis.txt").write_text("x")
+    (tmp_path / "a_file").write_text("x")
+    base = ["finetune", "--model", str(model), "--data", str(data), "--steps", "1"]
+    cases = [
+        (["--out", str(tmp_path / "precious")], "--out: {t}/precious holds files that are not a ThunderEP export "
+                                                  "(thesis.txt), and writing the export would replace them"),
+        (["--out", str(tmp_path / "a_file")], "--out: {t}/a_file exists and is not a directory"),
+        (["--out", str(tmp_path / "work")], "--out {t}/work holds --model {t}/work/model"),
+        (["--out", str(tmp_path / "work")], "--out {t}/work holds --data {t}/work/notes.txt"),
+        (["--out", str(tmp_path / "a_file" / "sub")], "cannot create {t}/a_file/sub: {t}/a_file is not a directory"),
+        (["--out", str(tmp_path / "o"), "--checkpoint", str(tmp_path / "precious")],
+         "--checkpoint: {t}/precious holds files that are not a ThunderEP checkpoint"),
+        (["--out", str(tmp_path / "o"), "--checkpoint", str(tmp_path / "o" / "ck")], "--out {t}/o holds --checkpoint"),
+    ]
+    for args, message in cases:
+        assert cli(base + args) == 2, args
+        assert message.format(t=tmp_path) in capsys.readouterr().err, args
+    assert (tmp_path / "precious" / "thesis.txt").read_text() == "x" and (tmp_path / "a_file").read_text() == "x"
+    # what may be replaced
+    assert destination_problem(tmp_path / "precious", "export", overwrite=True) is None
+    assert destination_problem(tmp_path / "new" / "deeper", "export") is None
+    for kind, mark in (("export", EXPORT_MARK), ("export", "thunderep_finetune.json"), ("checkpoint", MANIFEST)):
+        ours = tmp_path / f"ours-{kind}-{mark}"
+        ours.mkdir()
+        (ours / mark).write_text("{}")
+        (ours / "model.safetensors").write_text("")
+        assert destination_problem(ours, kind) is None
+    assert "not a ThunderEP checkpoint" in destination_problem(tmp_path / f"ours-export-{EXPORT_MARK}", "checkpoint")
+    (tmp_path / "empty").mkdir()
+    assert destination_problem(tmp_path / "empty", "checkpoint") is None
 
 
 def test_a_text_too_short_is_named():
@@ -396,3 +444,26 @@ def test_finetune_command_on_gpus_equals_one_process(tmp_path, world):
     AutoModelForCausalLM.from_pretrained(model_dir).to(torch.bfloat16).save_pretrained(str(bf16))
     assert cli(common[:2] + [str(bf16)] + common[3:] + ["--out", str(tmp_path / "mixed")]) == 0
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "mixed")).dtype == torch.bfloat16
+
+
+def test_finetune_stops_on_a_loss_that_is_not_finite(tmp_path, capfd):
+    """A learning rate that blows the weights up ends the run at the first non-finite loss on every rank,
+    with an error that says so, and writes no output (before, a NaN model was written and the command
+    succeeded); the checkpoint holds the last finite step."""
+    from hf_tiny import save_tiny
+
+    from thunderep.checkpoint import MANIFEST
+    from thunderep.cli import main as cli
+
+    model_dir = save_tiny("mixtral", tmp_path / "model")
+    (tmp_path / "notes.txt").write_text(TEXT)
+    assert cli(["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
+                "--seq-len", "12", "--cpu", "--steps", "6", "--lr", "1e4", "--eval-batches", "0", "--quiet",
+                "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--out", str(tmp_path / "out")]) == 1
+    err = capfd.readouterr().err
+    found = re.search(r"the training loss is (?:nan|inf) at step (\d): .*nothing was written; the checkpoint in \S+ is the "
+                      r"last good one\. Lower --lr \(now 10000\)", err)
+    assert found, err
+    assert not (tmp_path / "out").exists()
+    if int(found.group(1)) > 1:
+        assert json.loads((tmp_path / "ckpt" / MANIFEST).read_text())["step"] == int(found.group(1)) - 1

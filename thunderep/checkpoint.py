@@ -18,7 +18,9 @@ The last three carry their nested state as JSON in the metadata (key "thunderep"
 
 Saving is atomic: all ranks write into `.{name}.tmp-{token}` next to `path`; rank 0 adds the manifest,
 moves an existing checkpoint aside (`.{name}.old-{token}`), renames the new one into place and deletes
-the old. A crash leaves `path` as it was (the next save removes the stray directory) or, between the
+the old. What is at `path` is replaced only if it is empty or ThunderEP's own (a checkpoint; for an
+export, its `thunderep_export.json`); a directory of other files needs overwrite=True, and a file is
+never replaced (`destination_problem`). A crash leaves `path` as it was (the next save removes the stray directory) or, between the
 renames, both complete: loading and the next save then use the old one. The directory must be visible
 to every rank. Save, load and export are collective over all ranks of torch.distributed; a failure on
 any rank raises `CheckpointError` on all.
@@ -206,10 +208,43 @@ def _aside(path: Path, kind: str) -> list[Path]:
     return sorted((p for p in found if kind == "tmp" or (p / MANIFEST).is_file()), key=lambda p: p.stat().st_mtime)
 
 
-def _begin(path: Path, ranks: _Ranks) -> Path:
-    """Collective: rank 0 cleans up after interrupted saves and makes a fresh temporary directory."""
+EXPORT_MARK = "thunderep_export.json"  # written into every export: a directory ThunderEP may replace
+# Older exports by `thunderep finetune` carry only its report.
+_OURS = {"checkpoint": (MANIFEST,), "export": (EXPORT_MARK, "thunderep_finetune.json")}
+
+
+def destination_problem(path, kind: str, overwrite: bool = False) -> str | None:
+    """Why `path` cannot take a new checkpoint or export (kind "checkpoint" / "export"), or None. Saving
+    replaces what is at `path`: allowed where nothing is, where an empty directory is, or where one of
+    ThunderEP's own of that kind is (a checkpoint's manifest, an export's mark); any other directory
+    only with `overwrite`. A file never, and the nearest existing parent must be a writable directory."""
+    path = Path(path).absolute()
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            return f"{path} exists and is not a directory"
+        held = sorted(p.name for p in path.iterdir())
+        if held and not overwrite and not any((path / mark).is_file() for mark in _OURS[kind]):
+            shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+            return (f"{path} holds files that are not a ThunderEP {kind} ({shown}), and writing the {kind} "
+                    f"would replace them: choose another directory, or pass overwrite")
+        return None if os.access(path.parent, os.W_OK) else f"{path.parent} is not writable"
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot create {path}: {parent} is not a directory"
+    if not os.access(parent, os.W_OK):
+        return f"cannot create {path}: {parent} is not writable"
+    return None
+
+
+def _begin(path: Path, ranks: _Ranks, kind: str = "checkpoint", overwrite: bool = False) -> Path:
+    """Collective: rank 0 checks that `path` may be replaced (`destination_problem`), cleans up after
+    interrupted saves and makes a fresh temporary directory."""
     tmp = error = None
     if ranks.rank == 0:
+        error = destination_problem(path, kind, overwrite)
+    if ranks.rank == 0 and not error:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             olds = _aside(path, "old")
@@ -285,17 +320,19 @@ def _write_rank(tmp: Path, ranks: _Ranks, model, optimizer, extra_state, rng: bo
 
 
 def save_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    step: int, extra_state: dict | None = None, rng: bool = True) -> Path:
+                    step: int, extra_state: dict | None = None, rng: bool = True, overwrite: bool = False) -> Path:
     """Write a checkpoint directory at `path`, atomically; collective (see the module docstring).
 
     Replicated tensors and their optimizer state come from rank 0: they must be equal on all ranks
     (true after a gradient all-reduce, or at a delta-sync window boundary). extra_state: this rank's
     balancer state, data position... (tensors, numbers, strings, None, lists, tuples, dicts), given
-    back by `load_checkpoint` on the same rank. rng: store this rank's RNG states. Returns `path`."""
+    back by `load_checkpoint` on the same rank. rng: store this rank's RNG states. An existing `path` is
+    replaced only if it is empty or a checkpoint; any other directory needs overwrite=True
+    (`destination_problem`). Returns `path`."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"step must be a non-negative int, got {step!r}")
     ranks, path = _Ranks(model), Path(path).absolute()
-    tmp = _begin(path, ranks)
+    tmp = _begin(path, ranks, "checkpoint", overwrite)
     files, error, cause = {}, None, None
     try:
         files = _write_rank(tmp, ranks, model, optimizer, extra_state, rng)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .balance.placement import Placement
-from .checkpoint import _begin, _cpu, _expert_units, _is_wrapped, _publish, _put, _Ranks
+from .checkpoint import EXPORT_MARK, _begin, _cpu, _expert_units, _is_wrapped, _publish, _put, _Ranks
 from .errors import UnsupportedModelError
 
 __all__ = ["export_hf"]
@@ -31,17 +31,18 @@ def _gather_experts(ep, placement: Placement | None, t_S: torch.Tensor, ranks: _
     return torch.cat(bufs).cpu()[placement.owner_table()].contiguous() if g.ep_rank == 0 else None
 
 
-def export_hf(path, model: torch.nn.Module, dtype: torch.dtype | None = None) -> Path:
+def export_hf(path, model: torch.nn.Module, dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """Write a `MoETransformer` as a plain Hugging Face Mixtral directory (config.json, model.safetensors)
     that `transformers.MixtralForCausalLM.from_pretrained(path)` loads, or a wrapped Hugging Face model
     (`ThunderMoE`) as its own family's checkpoint, every expert included. Collective under EP: experts
     are gathered to rank 0 layer by layer, and rank 0 writes, atomically like `save_checkpoint`.
     dtype: the floating-point tensors are written in this dtype, and config.json says so (default:
-    as the model holds them)."""
+    as the model holds them). An existing `path` is replaced only if it is empty or an export of
+    ThunderEP's (its `thunderep_export.json`); any other directory needs overwrite=True."""
     from .model import MoETransformer
 
     if _is_wrapped(model):
-        return _export_wrapped(Path(path).absolute(), model, dtype)
+        return _export_wrapped(Path(path).absolute(), model, dtype, overwrite)
     if not isinstance(model, MoETransformer):
         raise UnsupportedModelError(f"export_hf writes MoETransformer models and wrapped Hugging Face models "
                                     f"(ThunderMoE), not {type(model).__name__}")
@@ -64,17 +65,19 @@ def export_hf(path, model: torch.nn.Module, dtype: torch.dtype | None = None) ->
         hf.save_pretrained(str(tmp))
         _put(tmp, {}, "model.safetensors", tensors, doc=False)
 
-    return _rank0_writes(path, ranks, write)
+    return _rank0_writes(path, ranks, write, overwrite)
 
 
-def _rank0_writes(path: Path, ranks: _Ranks, write) -> Path:
-    """Collective: rank 0 runs write(tmp) in a fresh temporary directory next to `path` and renames it
-    into place (as `save_checkpoint` does); a failure raises CheckpointError on every rank."""
-    tmp = _begin(path, ranks)
+def _rank0_writes(path: Path, ranks: _Ranks, write, overwrite: bool) -> Path:
+    """Collective: rank 0 runs write(tmp) in a fresh temporary directory next to `path`, marks it as an
+    export and renames it into place (as `save_checkpoint` does); a failure raises CheckpointError on
+    every rank."""
+    tmp = _begin(path, ranks, "export", overwrite)
     error = cause = None
     if ranks.rank == 0:
         try:
             write(tmp)
+            (tmp / EXPORT_MARK).write_text(json.dumps({"format": "thunderep.export", "version": 1}) + "\n")
             _publish(tmp, path)
         except Exception as exc:
             error, cause = f"rank 0: {type(exc).__name__}: {exc}", exc
@@ -94,7 +97,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
-def _export_wrapped(path: Path, tm, dtype: torch.dtype | None = None) -> Path:
+def _export_wrapped(path: Path, tm, dtype: torch.dtype | None, overwrite: bool) -> Path:
     """export_hf for a `ThunderMoE`: its experts gathered to full [E, ...] tensors, the rest as rank 0
     holds it, written by transformers' `save_pretrained` (its config, its tensor names and format)."""
     ranks, state = _Ranks(tm), tm.state_dict()  # keys "model." + the Hugging Face model's own
@@ -110,4 +113,4 @@ def _export_wrapped(path: Path, tm, dtype: torch.dtype | None = None) -> Path:
                     config[key] = str(dtype).removeprefix("torch.")
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    return _rank0_writes(path, ranks, write)
+    return _rank0_writes(path, ranks, write, overwrite)

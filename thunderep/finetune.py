@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import ThunderError
 from .data import ids_labels, batch_at, load_training_data, split_tokens
 from .trainable import MemoryPlan, memory_hint, memory_plan, peak_bytes, select_trainable
 
@@ -176,6 +177,11 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)  # .item() waits for the step: the step times below are real
+        if not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here, nothing written
+            saved = f"; the checkpoint in {args.checkpoint} is the last good one" if args.checkpoint else ""
+            raise ThunderError(f"the training loss is {losses[-1]} at step {step + 1}: the weights are no longer "
+                               f"finite, so nothing was written{saved}. Lower --lr (now {args.lr:g}) or clip the "
+                               f"gradients (--max-grad-norm 1.0)")
         step_seconds.append(time.perf_counter() - step_started)
         if rank == 0 and not args.quiet and (step % max(1, args.steps // 20) == 0 or step == args.steps - 1):
             rate = tokens_per_step * len(losses) / (time.perf_counter() - started)
@@ -188,7 +194,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
             if rank == 0 and not args.quiet:
                 print(f"step {step + 1}/{args.steps} held-out loss {evals[-1][1]:.4f}", flush=True)
         if args.checkpoint and not args.dry_run and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            save_checkpoint(args.checkpoint, tm, optimizer, step=step + 1)
+            save_checkpoint(args.checkpoint, tm, optimizer, step=step + 1, overwrite=args.overwrite)
     seconds = time.perf_counter() - started
     peak = peak_bytes(device)  # the largest over the ranks, weights and activations included
     sync.close()
@@ -204,7 +210,7 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
         from .lora import merge_lora
 
         merge_lora(tm.model)  # the adapters folded into their layers: a plain checkpoint of the family
-    out = export_hf(args.out, tm, dtype=_save_dtype(args))
+    out = export_hf(args.out, tm, dtype=_save_dtype(args), overwrite=args.overwrite)
     done = args.steps - first  # this run's steps (after a resume: those since the checkpoint)
     result = {"model": str(Path(args.model).absolute()), "ranks": world, "steps": args.steps, "first_step": first,
               "tokens": tokens_per_step * done, "seconds": seconds,
@@ -330,6 +336,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="save a resumable checkpoint here (model, AdamW state, step) every --checkpoint-every "
                         "steps and at the end; a run that finds one there resumes from it")
     p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--overwrite", action="store_true",
+                   help="let --out and --checkpoint replace a directory that holds other files (without it, "
+                        "only an empty directory or ThunderEP's own export / checkpoint is replaced)")
     p.add_argument("--eval-every", type=int, default=0, help="also score the held-out text every N steps (0: "
                    "only before and after)")
     p.add_argument("--eval-batches", type=int, default=4,
@@ -342,6 +351,27 @@ def _parser() -> argparse.ArgumentParser:
                         "its time and the peak memory of a rank, and stop: nothing is written")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
+
+
+def _destination_problems(args: argparse.Namespace) -> list[str]:
+    """--out and --checkpoint, before anything loads: each may be written (`destination_problem`), neither
+    is or holds --model or a --data file, and neither holds the other (writing one replaces the whole
+    directory)."""
+    from .checkpoint import destination_problem
+
+    problems = []
+    inputs = [("--model", Path(args.model).resolve())] + [("--data", Path(f).resolve()) for f in args.data or []]
+    outputs = [("--out", args.out, "export")] + ([("--checkpoint", args.checkpoint, "checkpoint")]
+                                                 if args.checkpoint else [])
+    for flag, where, kind in outputs:
+        problem = destination_problem(where, kind, args.overwrite)
+        if problem:
+            problems.append(f"{flag}: {problem}")
+        target = Path(where).resolve()
+        for other, path in inputs + [(f, Path(w).resolve()) for f, w, _ in outputs if f != flag]:
+            if path.is_relative_to(target):
+                problems.append(f"{flag} {where} holds {other} {path}: writing {flag} replaces the whole directory")
+    return problems
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -358,14 +388,11 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     if not args.max_grad_norm >= 0:
         problems.append(f"--max-grad-norm must be 0 (off) or positive, got {args.max_grad_norm}")
-    if not args.lr > 0:
-        problems.append(f"--lr must be positive, got {args.lr}")
+    if not 0 < args.lr < math.inf:
+        problems.append(f"--lr must be positive and finite, got {args.lr}")
     if not (Path(args.model) / "config.json").is_file():
         problems.append(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
-    if Path(args.out).resolve() == Path(args.model).resolve():
-        problems.append("--out must differ from --model (the checkpoint is read while training)")
-    if args.checkpoint and Path(args.checkpoint).resolve() in (Path(args.out).resolve(), Path(args.model).resolve()):
-        problems.append("--checkpoint must differ from --out and --model")
+    problems += _destination_problems(args)
     if args.dtype not in ("auto", "mixed", "float32", "bfloat16", "float16"):
         problems.append(f"--dtype must be auto, mixed, float32, bfloat16 or float16, got {args.dtype!r}")
     if args.save_dtype not in ("auto", "float32", "bfloat16", "float16"):
