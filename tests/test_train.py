@@ -82,3 +82,24 @@ def test_cli_reports_a_bad_config_in_one_line(capsys):
     assert main(["train", "--nproc", "2", "--experts", "7", "--steps", "1", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "num_experts (7) must be divisible by ep_size (2)" in err and "Traceback" not in err
+
+
+def test_train_and_demo_refuse_bad_arguments_before_starting_ranks(tmp_path, capsys):
+    """Counts below their minimum, a non-finite lr, top-k above the experts, a missing data file and an
+    --out that is a file are refused at once with exit code 2 (before, --nproc 0 succeeded having done
+    nothing, --steps 0 divided by zero, and --out as a file failed after the training)."""
+    from thunderep.cli import main as cli
+
+    (tmp_path / "a_file").write_text("x")
+    assert cli(["train", "--nproc", "0", "--steps", "0", "--batch", "0", "--lr", "nan", "--top-k", "9",
+                "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "a_file")]) == 2
+    err = capsys.readouterr().err
+    for line in ("--nproc must be at least 1, got 0", "--steps must be at least 1, got 0",
+                 "--batch must be at least 1, got 0", "--lr must be positive and finite, got nan",
+                 "--top-k 9 is more than --experts 8", "--data: no such file", "a_file exists and is not a directory"):
+        assert line in err, line
+    assert cli(["train", "--out", str(tmp_path / "a_file" / "run")]) == 2
+    assert "cannot create it" in capsys.readouterr().err
+    assert cli(["demo", "--nproc", "0", "--generate", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "thunderep demo: --nproc must be at least 1, got 0" in err and "--generate must be 0 or more" in err

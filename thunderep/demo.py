@@ -8,6 +8,7 @@ with a progress bar, generates a few bytes, and prints the sync-tax report.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -51,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generate", type=int, default=48, help="bytes to generate after training")
     parser.add_argument("--out", default=None, help="run directory for the sync-tax report and trace")
     args = parser.parse_args(argv)
+    from .train import argument_problems
+
+    problems = argument_problems(args)
+    for line in problems:
+        print(f"thunderep demo: {line}", file=sys.stderr)
+    if problems:
+        return 2
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     where = f"{args.nproc} GPUs (NCCL)" if gpus >= args.nproc else f"{args.nproc} CPU processes (gloo)"
@@ -68,5 +76,6 @@ def main(argv: list[str] | None = None) -> int:
                   "--balance", "--temperature", "0.8"]
     if args.out:
         train_argv += ["--out", args.out]
-    train_main(train_argv)
+    if train_main(train_argv):
+        return 1
     return 0 if ok else 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -209,10 +210,45 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     return metrics
 
 
+def argument_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with these arguments, checked before any rank starts (before, --nproc 0 did nothing
+    and succeeded, --steps 0 divided by zero, and an --out that is a file failed after the training)."""
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    problems = [f"{flag(n)} must be at least 1, got {getattr(args, n)}"
+                for n in ("nproc", "steps", "batch", "seq_len", "hidden", "layers", "experts", "top_k",
+                          "delta_steps", "waves") if n in args and getattr(args, n) < 1]
+    problems += [f"{flag(n)} must be 0 or more, got {getattr(args, n)}"
+                 for n in ("warmup", "redundant", "eval_batches", "generate") if n in args and getattr(args, n) < 0]
+    if "lr" in args and not 0 < args.lr < math.inf:
+        problems.append(f"--lr must be positive and finite, got {args.lr}")
+    if "top_k" in args and args.top_k > args.experts >= 1:
+        problems.append(f"--top-k {args.top_k} is more than --experts {args.experts}")
+    missing = [f for f in getattr(args, "data", None) or [] if not Path(f).is_file()]
+    if missing:
+        problems.append(f"--data: no such file: {', '.join(missing)}")
+    if args.out:
+        out = Path(args.out).absolute()
+        parent = out
+        while not parent.exists():
+            parent = parent.parent
+        if parent == out and not out.is_dir():
+            problems.append(f"--out {args.out} exists and is not a directory")
+        elif parent != out and not parent.is_dir():
+            problems.append(f"--out {args.out}: cannot create it, {parent} is not a directory")
+        elif not os.access(parent, os.W_OK):
+            problems.append(f"--out {args.out}: {parent} is not writable")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     from .launch import launch
 
     args = _parser().parse_args(argv)
+    problems = argument_problems(args)
+    for line in problems:
+        print(f"thunderep train: {line}", file=sys.stderr)
+    if problems:
+        return 2
     launch(train, args.nproc, args)
     return 0
 
