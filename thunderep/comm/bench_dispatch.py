@@ -19,11 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import queue as queue_module
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+
+from ..errors import ThunderError
 
 __all__ = ["main"]
 
@@ -131,9 +134,23 @@ def run(world: int, args) -> dict:
     procs = [ctx.Process(target=_bench_rank, args=(r, world, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(30)
+    results, deadline = [], time.monotonic() + 600
+    try:
+        while len(results) < world:  # a rank that dies is reported at once, not after the timeout
+            try:
+                results.append(queue.get(timeout=0.5))
+                continue
+            except queue_module.Empty:
+                pass
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise ThunderError(f"rank {dead[0][0]} exited with code {dead[0][1]} (its error is printed above)"
+                                   if dead else "the ranks gave no result within 600 s")
+    finally:
+        for p in procs:
+            p.join(30 if len(results) == world else 0.1)
+            if p.is_alive():
+                p.kill()
     results.sort()
     iters = len(results[0][1]["thunderep_a2a"])
     step = {name: statistics.median(max(r[1][name][i] for r in results) for i in range(iters))
@@ -168,6 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo, fp32, 1 thread per rank; cuda: NCCL, bf16, one GPU per rank")
     args = parser.parse_args(argv)
+    problems = [f"--ranks {r}: each count must be at least 2, and divide --experts {args.experts}"
+                for r in args.ranks if r < 2 or args.experts % r]
+    problems += [f"--{n.replace('_', '-')} must be at least 1, got {getattr(args, n)}"
+                 for n in ("tokens", "hidden", "intermediate", "experts", "top_k", "waves", "iters")
+                 if getattr(args, n) < 1]
+    if args.warmup < 0:
+        problems.append(f"--warmup must be 0 or more, got {args.warmup}")
+    if args.top_k > args.experts:
+        problems.append(f"--top-k {args.top_k} is more than --experts {args.experts}")
+    if problems:
+        parser.error("; ".join(problems))
     if args.device == "cuda":
         names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
         p2p = os.environ.get("NCCL_P2P_DISABLE", "0")
