@@ -252,12 +252,27 @@ def test_bad_requests_are_refused_with_a_message(server):
                           ({"prompt": "hi", "max_tokens": 0}, "\"max_tokens\" is a positive integer"),
                           ({"prompt": "hi", "temperature": -1}, "\"temperature\" is a number in"),
                           ({"prompt": "hi", "stop": ["a", ""]}, "\"stop\" is a non-empty string or a list"),
-                          ({"prompt": " ".join(["hello"] * 70)}, "exceed the model's context of 64 tokens")):
+                          ({"prompt": " ".join(["hello"] * 70)}, "exceed the model's context of 64 tokens"),
+                          (b'{"prompt": "\xff\xfe", "max_tokens": 2}', "the body is not UTF-8"),
+                          (b'{"prompt": "h\\ud800", "max_tokens": 2}', "the body holds text that is not valid Unicode"),
+                          ({"prompt": "hi", "seed": 10**23}, "\"seed\" is an integer from 0 to 2**63 - 1")):
         status, reply = _post(url, "/v1/completions", body)
         assert status == 400 and message in reply["error"]["message"], (body, reply)
     status, reply = _post(url, "/v1/chat/completions", {"messages": "hi"})
     assert status == 400 and "\"messages\" is a non-empty list" in reply["error"]["message"]
     assert _post(url, "/v2/anything", {})[0] == 404
+    import http.client
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url)
+    for length, status in (("abc", 400), ("-5", 400), ("50000000000", 413)):  # answered, the body never read
+        conn = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Length", length)
+        conn.endheaders()
+        reply = conn.getresponse()
+        assert reply.status == status and "Content-Length" in json.loads(reply.read())["error"]["message"], length
+        conn.close()
     status, body = _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})  # still serving
     assert status == 200 and body["usage"]["completion_tokens"] <= 2
 

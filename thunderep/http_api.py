@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 __all__ = ["IDLE_S", "BadRequest", "Job", "Server", "TextSoFar", "cut_at_stop"]
 
 IDLE_S = 0.5  # rank 0 sends an (empty) batch at least this often
+MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413), never read
 
 
 class BadRequest(ValueError):
@@ -100,9 +101,15 @@ class Server:
                 if self.path not in kinds:
                     self._reply(404, {"error": {"message": f"no such path: {self.path}"}})
                     return
+                raw_length = self.headers.get("Content-Length") or "0"
+                if not raw_length.isdigit() or int(raw_length) > MAX_BODY_BYTES:
+                    self.close_connection = True  # the body, if any, is not read
+                    self._reply(400 if not raw_length.isdigit() else 413, {"error": {
+                        "message": f"Content-Length {raw_length!r} must be a byte count up to {MAX_BODY_BYTES}",
+                        "type": "invalid_request_error"}})
+                    return
                 try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                    job = server.parse(kinds[self.path], self.rfile.read(length))
+                    job = server.parse(kinds[self.path], self.rfile.read(int(raw_length)))
                 except BadRequest as exc:
                     self._reply(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
                     return
@@ -159,8 +166,14 @@ class Server:
             body = json.loads(raw or b"{}")
         except json.JSONDecodeError as exc:
             raise BadRequest(f"the body is not JSON ({exc.msg})") from None
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
         if not isinstance(body, dict):
             raise BadRequest("the body is a JSON object")
+        try:  # JSON's \ud800 escapes give strings no tokenizer can take
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise BadRequest(f"the body holds text that is not valid Unicode ({exc.reason})") from None
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest(f"\"stream\" is true or false, got {stream!r}")
@@ -187,8 +200,8 @@ class Server:
             raise BadRequest(f"\"temperature\" is a number in [0, 10], got {temperature!r}")
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise BadRequest(f"\"top_p\" is a number in (0, 1], got {top_p!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest(f"\"seed\" is an integer, got {seed!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise BadRequest(f"\"seed\" is an integer from 0 to 2**63 - 1, got {seed!r}")
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
