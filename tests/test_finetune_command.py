@@ -173,6 +173,9 @@ def test_finetune_command_equals_one_process_training_and_resumes(tmp_path, capf
     printed = capfd.readouterr().out
     assert f"resuming from {tmp_path / 'ckpt'} at step 2" in printed and "step 3/3 loss" in printed
     assert "step 1/3" not in printed and "step 2/3" not in printed
+    assert cli(common + ["--steps", "2", "--out", str(tmp_path / "fewer")]) == 1  # the checkpoint is at step 3
+    assert (f"the checkpoint in {tmp_path / 'ckpt'} is at step 3, and --steps 2 asks for no more"
+            in capfd.readouterr().err) and not (tmp_path / "fewer").exists()
 
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     for out, steps in (("first", 2), ("resumed", 3)):

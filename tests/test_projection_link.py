@@ -282,3 +282,16 @@ def test_bench_link_run_that_fails_keeps_the_others(monkeypatch, tmp_path, capsy
     data = json.loads(out.read_text())
     assert [(f["op"], f["graph"]) for f in data["fits"]] == [("all_reduce", 0)]
     assert len(data["failures"]) == 1 and "still running after --timeout 45 s" in data["failures"][0]
+
+
+def test_project_on_a_folder_without_metrics_is_one_line(tmp_path, capsys):
+    """A run directory without metrics.json, or with a malformed one: one line naming the file, exit code
+    1, no traceback."""
+    from thunderep.cli import main as cli
+
+    assert cli(["project", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "thunderep project: error: FileNotFoundError" in err and "metrics.json" in err
+    (tmp_path / "metrics.json").write_text("{truncated")
+    assert cli(["project", str(tmp_path)]) == 1
+    assert "thunderep project: error: JSONDecodeError" in capsys.readouterr().err

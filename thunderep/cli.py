@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"thunderep {name}: error: {exc}", file=sys.stderr)
         return 1
+    except (OSError, ValueError) as exc:  # files that are missing, unreadable or malformed; bad values
+        if os.environ.get("THUNDEREP_DEBUG"):
+            raise
+        print(f"thunderep {name}: error: {type(exc).__name__}: {exc} (THUNDEREP_DEBUG=1 shows where)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

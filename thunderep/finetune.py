@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ThunderError
+from .errors import ConfigError, ThunderError
 from .data import ids_labels, batch_at, load_training_data, split_tokens
 from .trainable import MemoryPlan, memory_hint, memory_plan, peak_bytes, select_trainable
 
@@ -131,6 +131,9 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     first = 0
     if args.checkpoint and (Path(args.checkpoint) / "manifest.json").is_file():  # resume where it stopped
         first = load_checkpoint(args.checkpoint, tm, optimizer)["step"]
+        if first >= args.steps:
+            raise ConfigError(f"the checkpoint in {args.checkpoint} is at step {first}, and --steps {args.steps} "
+                              f"asks for no more: give --steps above {first} to train on, or another --checkpoint")
         if rank == 0 and not args.quiet:
             print(f"resuming from {args.checkpoint} at step {first}", flush=True)
     if rank == 0 and not args.quiet and not args.checkpoint and not args.dry_run \
