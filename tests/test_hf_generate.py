@@ -21,6 +21,20 @@ def test_byte_tokenizer_round_trip_and_left_padding():
     assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
 
 
+def test_a_checkpoint_without_tokenizer_files_is_warned_of(tmp_path):
+    """Without tokenizer files text falls back to bytes, which a model of another vocabulary was not trained
+    on: a warning says so; a byte-level model (256 ids) gets none."""
+    import warnings
+
+    from thunderep.generate import load_tokenizer
+
+    with pytest.warns(UserWarning, match=r"has no tokenizer files .* each id the byte modulo the vocabulary of 1000"):
+        assert isinstance(load_tokenizer(tmp_path, 1000), ByteTokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert isinstance(load_tokenizer(tmp_path, 256), ByteTokenizer)
+
+
 def test_bad_arguments_exit_with_2(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert main(["--model", str(tmp_path), "--prompt", "x", "--ep", "0"]) == 2

@@ -46,7 +46,8 @@ class ByteTokenizer:
 
 
 def load_tokenizer(model_dir: str | os.PathLike, vocab_size: int):
-    """The checkpoint's tokenizer if `model_dir` has one, else a `ByteTokenizer`."""
+    """The checkpoint's tokenizer if `model_dir` has one, else a `ByteTokenizer` (with a warning unless the
+    vocabulary is 256 ids, a byte-level model's)."""
     if any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
@@ -55,6 +56,12 @@ def load_tokenizer(model_dir: str | os.PathLike, vocab_size: int):
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
         return tok
+    if vocab_size != 256:  # a byte-level model (ThunderEP's own demo models) needs no tokenizer files
+        import warnings
+
+        warnings.warn(f"{model_dir} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}): text is read as UTF-8 "
+                      f"bytes, each id the byte modulo the vocabulary of {vocab_size}, which is not what the model "
+                      f"was trained on; copy the model's tokenizer files there to use its tokenizer", stacklevel=2)
     return ByteTokenizer(vocab_size)
 
 
