@@ -109,3 +109,24 @@ def test_generate_leaves_cudnn_out_of_attention_unless_asked():
     assert seen == [(False, True, True, True), (before, True, True, True)]
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     assert torch.equal(default, with_cudnn)
+
+
+def test_a_rank_count_that_cannot_split_the_experts_is_refused_before_loading(tmp_path, capsys):
+    """generate, serve and finetune read the expert count from config.json and refuse --ep 3 for 8 experts
+    at once (before, ranks started and loaded the model first: about a minute for 16 ranks)."""
+    import json
+
+    from thunderep.cli import main as cli
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8}))
+    message = "--ep 3 does not divide the model's 8 routed experts"
+    assert cli(["generate", "--model", str(tmp_path), "--ep", "3", "--prompt", "hi"]) == 2
+    assert message in capsys.readouterr().err
+    assert cli(["serve", "--model", str(tmp_path), "--ep", "3"]) == 2
+    assert message in capsys.readouterr().err
+    assert cli(["finetune", "--model", str(tmp_path), "--ep", "3", "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"n_routed_experts": 6}}))
+    from thunderep.hf.load import ep_size_problem
+
+    assert ep_size_problem(tmp_path, 4) and ep_size_problem(tmp_path, 3) is None

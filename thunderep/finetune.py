@@ -396,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(args.model) / "config.json").is_file():
         problems.append(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
     problems += _destination_problems(args)
+    from .hf.load import ep_size_problem
+
+    if not args.balance:  # the balancer's spare slots take a rank count that does not divide the experts
+        problems += [p for p in [ep_size_problem(args.model, args.ep)] if p and args.ep >= 1]
     if args.dtype not in ("auto", "mixed", "float32", "bfloat16", "float16"):
         problems.append(f"--dtype must be auto, mixed, float32, bfloat16 or float16, got {args.dtype!r}")
     if args.save_dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -212,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.model).is_dir():
         print(f"thunderep generate: --model {args.model!r} is not a directory", file=sys.stderr)
         return 2
+    from .hf.load import ep_size_problem
+
+    problem = ep_size_problem(args.model, args.ep)
+    if problem:
+        print(f"thunderep generate: {problem}", file=sys.stderr)
+        return 2
     if args.mode == "ep" and len(args.prompt) < args.ep:
         print(f"thunderep generate: --mode ep needs at least one prompt per rank ({len(args.prompt)} prompts, "
               f"{args.ep} ranks)", file=sys.stderr)

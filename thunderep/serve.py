@@ -454,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--port must be in 0..65535, got {args.port}")
     if not (Path(args.model) / "config.json").is_file():
         problems.append(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
+    from .hf.load import ep_size_problem
+
+    problems += [p for p in [ep_size_problem(args.model, args.ep)] if p and args.ep >= 1]
     if problems:
         for line in problems:
             print(f"thunderep serve: {line}", file=sys.stderr)

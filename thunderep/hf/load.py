@@ -394,3 +394,20 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         seconds=time.perf_counter() - started, unused_keys=loader.unused,
     )
     return wrapped
+
+
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral / Qwen, OLMoE / DeepSeek
+
+
+def ep_size_problem(model_dir, ep: int) -> str | None:
+    """Why `ep` ranks cannot split the routed experts that `model_dir`'s config.json names, read before any
+    rank starts (a rank finds it only after loading), or None (also where config.json names no count)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the loader names a missing or malformed config itself
+    for part in (config, config.get("text_config") or {}):
+        count = next((part[k] for k in EXPERT_COUNT_KEYS if isinstance(part.get(k), int) and part[k] > 0), None)
+        if count is not None and count % ep:
+            return f"--ep {ep} does not divide the model's {count} routed experts: use a rank count that divides them"
+    return None
