@@ -41,6 +41,18 @@ def test_bad_arguments_exit_with_2(tmp_path, capsys):
     assert main(["--model", str(tmp_path), "--prompt", "x", "--ep", "2", "--mode", "ep"]) == 2
     err = capsys.readouterr().err
     assert "not a directory" in err and "at least 1" in err and "one prompt per rank" in err
+    assert main(["--model", str(tmp_path), "--prompt", "", "--max-new-tokens", "0", "--temperature", "-1",
+                 "--dtype", "f16", "--timeout", "0"]) == 2
+    err = capsys.readouterr().err
+    for line in ("--max-new-tokens must be at least 1, got 0", "--temperature must be 0 (greedy) or positive",
+                 "--dtype must be auto, float32, bfloat16 or float16, got 'f16'", "--prompt must not be empty",
+                 "--timeout must be a positive number of seconds, got 0.0"):
+        assert line in err, line
+    from thunderep.cli import main as cli
+
+    assert cli(["serve", "--model", str(tmp_path), "--request-timeout", "0", "--dtype", "f16"]) == 2
+    err = capsys.readouterr().err
+    assert "--request-timeout must be a positive number of seconds, got 0.0" in err and "got 'f16'" in err
 
 
 @pytest.mark.world_size(2)

@@ -206,8 +206,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.ep < 1:
-        print(f"thunderep generate: --ep must be at least 1, got {args.ep}", file=sys.stderr)
+    problems = [f"--{n.replace('_', '-')} must be at least 1, got {getattr(args, n)}"
+                for n in ("ep", "max_new_tokens") if getattr(args, n) < 1]
+    if not 0 <= args.temperature < float("inf"):
+        problems.append(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
+    if not 0 < args.timeout < float("inf"):
+        problems.append(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        problems.append(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
+    if not all(args.prompt):
+        problems.append("--prompt must not be empty")
+    for line in problems:
+        print(f"thunderep generate: {line}", file=sys.stderr)
+    if problems:
         return 2
     if not Path(args.model).is_dir():
         print(f"thunderep generate: --model {args.model!r} is not a directory", file=sys.stderr)

@@ -452,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
                 for name in ("ep", "max_batch", "max_new_tokens") if getattr(args, name) < 1]
     if not 0 <= args.port < 65536:
         problems.append(f"--port must be in 0..65535, got {args.port}")
+    problems += [f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}"
+                 for name in ("request_timeout", "timeout") if not 0 < getattr(args, name) < float("inf")]
+    if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        problems.append(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
     if not (Path(args.model) / "config.json").is_file():
         problems.append(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
     from .hf.load import ep_size_problem
