@@ -295,3 +295,13 @@ def test_project_on_a_folder_without_metrics_is_one_line(tmp_path, capsys):
     (tmp_path / "metrics.json").write_text("{truncated")
     assert cli(["project", str(tmp_path)]) == 1
     assert "thunderep project: error: JSONDecodeError" in capsys.readouterr().err
+
+
+def test_project_refuses_numbers_that_are_not_positive(tmp_path, capsys):
+    from thunderep.projection import main
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--compute-ms", "-5", "--tokens", "0", "--hidden", "-1", "--bytes-per-element", "0"])
+    err = capsys.readouterr().err
+    assert "these must be positive and finite: --compute-ms -5.0, --bytes-per-element 0, --tokens 0, --hidden -1" \
+        in err

@@ -153,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give either --link FILE or --alpha-us and --link-gbps, not both")
     if (a.alpha_us is None) != (a.link_gbps is None):
         p.error("--alpha-us and --link-gbps go together: give both")
+    bad = [f"--{name.replace('_', '-')} {getattr(a, name)}" for name in
+           ("compute_ms", "bytes_per_element", "tokens", "hidden", "layers", "top_k")
+           if getattr(a, name) is not None and not 0 < getattr(a, name) < float("inf")]
+    if bad:  # (the link's numbers are checked by Link)
+        p.error(f"these must be positive and finite: {', '.join(bad)}")
     # links_R: the links to project R GPUs over, and one line each saying where they come from.
     if a.link:
         links_R, notes = {}, []
