@@ -75,7 +75,8 @@ def test_finetune_command_rejects_bad_arguments(tmp_path, capsys):
                 "--eval-batches", "-1", "--data", str(tmp_path / "missing.txt"), "--checkpoint", str(tmp_path),
                 "--checkpoint-every", "0", "--freeze", "experts", "layers.(0"]) == 2
     err = capsys.readouterr().err
-    for line in ("--steps must be at least 1, got 0", "--lr must be positive and finite", "is not a checkpoint directory",
+    for line in ("--steps must be at least 1, got 0", "--lr must be positive and finite",
+                 "is not a checkpoint directory",
                  f"--out {tmp_path} holds --model {tmp_path}", "no such file", "--eval-batches must be 0 or more",
                  f"--checkpoint {tmp_path} holds --out {tmp_path}", "--checkpoint-every must be at least 1",
                  "'layers.(0' is not a regular expression"):
@@ -464,8 +465,8 @@ def test_finetune_stops_on_a_loss_that_is_not_finite(tmp_path, capfd):
                 "--seq-len", "12", "--cpu", "--steps", "6", "--lr", "1e4", "--eval-batches", "0", "--quiet",
                 "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--out", str(tmp_path / "out")]) == 1
     err = capfd.readouterr().err
-    found = re.search(r"the training loss is (?:nan|inf) at step (\d): .*nothing was written; the checkpoint in \S+ is the "
-                      r"last good one\. Lower --lr \(now 10000\)", err)
+    found = re.search(r"the training loss is (?:nan|inf) at step (\d): .*nothing was written; the checkpoint "
+                      r"in \S+ is the last good one\. Lower --lr \(now 10000\)", err)
     assert found, err
     assert not (tmp_path / "out").exists()
     if int(found.group(1)) > 1:

@@ -16,14 +16,14 @@ A checkpoint is a directory of plain data, safetensors and JSON (nothing is unpi
 The last three carry their nested state as JSON in the metadata (key "thunderep"): tensors as
 {"__tensor__": key} into the file, tuples {"__tuple__": [...]}, other dicts {"__items__": [[k, v], ...]}.
 
-Saving is atomic: all ranks write into `.{name}.tmp-{token}` next to `path`; rank 0 adds the manifest,
-moves an existing checkpoint aside (`.{name}.old-{token}`), renames the new one into place and deletes
-the old. What is at `path` is replaced only if it is empty or ThunderEP's own (a checkpoint; for an
-export, its `thunderep_export.json`); a directory of other files needs overwrite=True, and a file is
-never replaced (`destination_problem`). A crash leaves `path` as it was (the next save removes the stray directory) or, between the
-renames, both complete: loading and the next save then use the old one. The directory must be visible
-to every rank. Save, load and export are collective over all ranks of torch.distributed; a failure on
-any rank raises `CheckpointError` on all.
+Saving is atomic: all ranks write into `.{name}.tmp-{token}` next to `path`; rank 0 adds the manifest, moves
+an existing checkpoint aside (`.{name}.old-{token}`), renames the new one into place and deletes the old.
+What is at `path` is replaced only if it is empty or ThunderEP's own (a checkpoint; for an export, its
+`thunderep_export.json`); a directory of other files needs overwrite=True, and a file is never replaced
+(`destination_problem`). A crash leaves `path` as it was (the next save removes the stray directory) or,
+between the renames, both complete: loading and the next save then use the old one. The directory must be
+visible to every rank. Save, load and export are collective over all ranks of torch.distributed; a failure
+on any rank raises `CheckpointError` on all.
 """
 
 from __future__ import annotations

@@ -50,11 +50,11 @@ def rank_context():
 
 class RankStart:
     """What a rank takes over from the process that starts it, as that process has it at the start: the
-    environment, its pid (the rank ends when it does), and under the fork server stdout and stderr. A forked rank would otherwise have the
-    fork server's, which are the starting process's when it first started ranks (a spawned rank
-    inherits its own stdout and stderr). Made in the starting process for `ctx` (`rank_context()`)
-    and passed among the rank's arguments (stdout and stderr travel as file descriptors); the rank
-    calls `apply()` first."""
+    environment, its pid (the rank ends when it does), and under the fork server stdout and stderr. A forked
+    rank would otherwise have the fork server's, which are the starting process's when it first started
+    ranks (a spawned rank inherits its own stdout and stderr). Made in the starting process for `ctx`
+    (`rank_context()`) and passed among the rank's arguments (stdout and stderr travel as file descriptors);
+    the rank calls `apply()` first."""
 
     def __init__(self, ctx):
         self.env, self.launcher = dict(os.environ), os.getpid()

@@ -291,9 +291,10 @@ def test_grid_arithmetic_equals_tritons():
 
 
 def test_row_key_class_and_fill_at_their_bounds():
-    """`ops._m_key`: up to 32 rows per active expert on average, BLOCK_M is the smallest of 16/32/64 holding
-    twice the mean, fill 0; 64 up to 60 rows, then 128, fill 2 above two 128-row tiles, else 1. `ops._wgrad_key`: the smallest of 16/32/64/128 holding the mean, fill 0 up to half of it, 2
-    above two tiles, else 1. At each bound and just past it."""
+    """`ops._m_key`: up to 32 rows per active expert on average, BLOCK_M is the smallest of 16/32/64 holding twice
+    the mean, fill 0; 64 up to 60 rows, then 128, fill 2 above two 128-row tiles, else 1. `ops._wgrad_key`:
+    the smallest of 16/32/64/128 holding the mean, fill 0 up to half of it, 2 above two tiles, else 1. At
+    each bound and just past it."""
     rows = {1: (16, 0), 8: (16, 0), 8.5: (32, 0), 16: (32, 0), 16.5: (64, 0), 32: (64, 0), 33: (64, 1),
             60: (64, 1), 60.5: (128, 1), 64: (128, 1), 256: (128, 1), 256.5: (128, 2), 5000: (128, 2)}
     wgrad = {1: (16, 0), 8: (16, 0), 8.5: (16, 1), 16: (16, 1), 16.5: (32, 1), 32: (32, 1), 33: (64, 1),
