@@ -74,6 +74,14 @@ def test_generate_launches_its_own_ranks_and_streams(tmp_path, capfd):
                    for out in (one, two)]
     assert completions[0] == completions[1] and len(completions[0]) == 2
     assert torch.cuda.is_available() or "device=cpu" in two
+    # past the model's context (64 positions): an error before any token, on one rank and on two
+    from thunderep.cli import main as cli
+
+    for ep in ("1", "2"):
+        assert cli(["generate", *args, "--ep", ep, "--max-new-tokens", "70"]) == 1
+        assert "and --max-new-tokens 70 exceed the model's context of 64 tokens" in capfd.readouterr().err
+    assert cli(["finetune", "--model", path, "--out", str(tmp_path / "out"), "--seq-len", "65"]) == 2
+    assert "--seq-len 65 is longer than the model's context of 64 tokens" in capfd.readouterr().err
 
 
 def test_generate_with_thunderep_kernels_equals_default(tmp_path, capfd):

@@ -398,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     problems += _destination_problems(args)
     from .hf.load import ep_size_problem
 
+    from .hf.load import context_length
+
+    context = context_length(args.model)
+    if context is not None and args.seq_len > context:
+        problems.append(f"--seq-len {args.seq_len} is longer than the model's context of {context} tokens")
     if not args.balance:  # the balancer's spare slots take a rank count that does not divide the experts
         problems += [p for p in [ep_size_problem(args.model, args.ep)] if p and args.ep >= 1]
     if args.dtype not in ("auto", "mixed", "float32", "bfloat16", "float16"):

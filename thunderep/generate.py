@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from .errors import ConfigError
+
 __all__ = ["ByteTokenizer", "StreamPrinter", "encode_batch", "generate_on_rank", "load_tokenizer", "main", "parse_args"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -121,6 +123,11 @@ def generate_on_rank(args: argparse.Namespace, ep=None, out=None) -> dict | None
     tokenizer = load_tokenizer(args.model, tm.config.get_text_config().vocab_size)
     latency = args.mode == "latency" or (args.mode == "auto" and len(args.prompt) < world)
     mine = list(range(len(args.prompt))) if latency else list(range(rank, len(args.prompt), world))
+    context = getattr(tm.config.get_text_config(), "max_position_embeddings", None)
+    longest = max(len(tokenizer.encode(p)) for p in args.prompt)  # all prompts: every rank decides alike
+    if context and longest + args.max_new_tokens > context:
+        raise ConfigError(f"the longest prompt ({longest} tokens) and --max-new-tokens {args.max_new_tokens} exceed "
+                          f"the model's context of {context} tokens")
     ids, mask = encode_batch(tokenizer, [args.prompt[i] for i in mine])
     streamer = StreamPrinter(tokenizer, out) if rank == 0 else None
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, streamer=streamer,

@@ -399,14 +399,26 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral / Qwen, OLMoE / DeepSeek
 
 
-def ep_size_problem(model_dir, ep: int) -> str | None:
-    """Why `ep` ranks cannot split the routed experts that `model_dir`'s config.json names, read before any
-    rank starts (a rank finds it only after loading), or None (also where config.json names no count)."""
+def _config_parts(model_dir) -> list[dict]:
+    """config.json of `model_dir` and its text_config, or nothing where it is missing or malformed (the
+    loader names that itself)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return None  # the loader names a missing or malformed config itself
-    for part in (config, config.get("text_config") or {}):
+        return []
+    return [config, config.get("text_config") or {}] if isinstance(config, dict) else []
+
+
+def context_length(model_dir) -> int | None:
+    """The model's context (max_position_embeddings) as config.json gives it, else None."""
+    return next((p["max_position_embeddings"] for p in _config_parts(model_dir)
+                 if isinstance(p.get("max_position_embeddings"), int) and p["max_position_embeddings"] > 0), None)
+
+
+def ep_size_problem(model_dir, ep: int) -> str | None:
+    """Why `ep` ranks cannot split the routed experts that `model_dir`'s config.json names, read before any
+    rank starts (a rank finds it only after loading), or None (also where config.json names no count)."""
+    for part in _config_parts(model_dir):
         count = next((part[k] for k in EXPERT_COUNT_KEYS if isinstance(part.get(k), int) and part[k] > 0), None)
         if count is not None and count % ep:
             return f"--ep {ep} does not divide the model's {count} routed experts: use a rank count that divides them"
