@@ -103,3 +103,15 @@ def test_train_and_demo_refuse_bad_arguments_before_starting_ranks(tmp_path, cap
     assert cli(["demo", "--nproc", "0", "--generate", "-1"]) == 2
     err = capsys.readouterr().err
     assert "thunderep demo: --nproc must be at least 1, got 0" in err and "--generate must be 0 or more" in err
+
+
+def test_report_of_a_malformed_file_is_one_line(tmp_path, capsys):
+    """`thunderep report` on a truncated sync-tax file, or one of another shape: exit code 2 and one line
+    naming the file (before: a JSONDecodeError or KeyError traceback)."""
+    from thunderep.cli import main as cli
+
+    for text in ("{trunc", "{}", "[1, 2]"):
+        (tmp_path / "synctax-rank0.json").write_text(text)
+        assert cli(["report", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "synctax-rank0.json is not a readable sync-tax report" in err, err

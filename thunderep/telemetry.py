@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from .comm.dispatcher import CommStats
@@ -241,5 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     if not path.exists():
         print(f"thunderep report: {path} not found (runs write it with --out DIR)")
         return 2
-    print(format_report(json.loads(path.read_text())))
+    try:
+        report = json.loads(path.read_text())
+        text = format_report(report)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # truncated, or not a sync-tax report
+        print(f"thunderep report: {path} is not a readable sync-tax report ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 2
+    print(text)
     return 0
