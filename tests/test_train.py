@@ -115,3 +115,22 @@ def test_report_of_a_malformed_file_is_one_line(tmp_path, capsys):
         assert cli(["report", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "synctax-rank0.json is not a readable sync-tax report" in err, err
+
+
+def test_benchmarks_refuse_counts_that_cannot_run(capsys, tmp_path):
+    """`bench balancer` and `bench control` refuse zero or negative sizes and missing trace runs with a usage
+    error (before: ZeroDivisionError, KeyError and FileNotFoundError tracebacks)."""
+    import pytest
+
+    from thunderep.balance.evaluate import main as balancer
+    from thunderep.comm.bench_control import main as control
+
+    for run, args, message in [
+        (balancer, ["--experts", "0"], "must be positive"),
+        (balancer, ["--ranks", "2,x"], "comma-separated numbers"),
+        (balancer, ["--traces", f"recorded={tmp_path / 'nope'}"], "no such run directory"),
+        (control, ["--worlds", "0"], "--worlds must be at least 2 ranks each"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            run(args)
+        assert info.value.code == 2 and message in capsys.readouterr().err, args

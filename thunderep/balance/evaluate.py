@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -308,7 +309,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="simulated measured bandwidth per rank in B/s, comma-separated, cycled over "
                              "the ranks (default: none measured, the configured constant)")
     args = parser.parse_args(argv)
-    bandwidth_R = [float(v) for v in args.bandwidth.split(",")] if args.bandwidth else None
+    try:
+        experts, ranks = ([int(v) for v in text.split(",")] for text in (args.experts, args.ranks))
+        bandwidth_R = [float(v) for v in args.bandwidth.split(",")] if args.bandwidth else None
+    except ValueError as exc:
+        parser.error(f"--experts, --ranks and --bandwidth are comma-separated numbers ({exc})")
+    if min(experts) < 1 or min(ranks) < 1 or min(bandwidth_R or [1]) <= 0 or min(args.steps, args.pairs) < 1:
+        parser.error("--experts, --ranks, --steps, --pairs and --bandwidth must be positive")
+    missing = [t for t in args.traces.split(",") if t.startswith("recorded=") and not Path(t[9:]).is_dir()]
+    if missing:
+        parser.error(f"--traces: no such run directory: {', '.join(t[9:] for t in missing)}")
     torch.set_num_threads(1)
     config = BalancerConfig()
     print(f"host: {_cpu()}, {platform.system()}, python {platform.python_version()}, "
@@ -317,8 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"steps {args.steps}, pairs/rank/step {args.pairs}, seed {args.seed}, warm-up {args.warmup}, "
           f"measured bandwidth per rank: {bandwidth_R or 'none (configured constant)'}\n")
     started = time.perf_counter()
-    results = evaluate(args.traces.split(","), [int(v) for v in args.experts.split(",")],
-                       [int(v) for v in args.ranks.split(",")], steps=args.steps, pairs=args.pairs,
+    results = evaluate(args.traces.split(","), experts, ranks, steps=args.steps, pairs=args.pairs,
                        seed=args.seed, warmup=args.warmup, config=config, bandwidth_R=bandwidth_R)
     print(_table(results))
     if all(t in TRACES for t in args.traces.split(",")):  # the targets are stated for the synthetic traces

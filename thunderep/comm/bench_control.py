@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     ap.add_argument("--json", help="also write the raw statistics to this file")
     args = ap.parse_args(argv)
+    if min(args.worlds) < 2 or min(args.sizes) < 1 or min(args.mailbox_iters, args.gloo_iters, args.blocks) < 1:
+        ap.error("--worlds must be at least 2 ranks each; --sizes, the iteration counts and --blocks at least 1")
     iters = {"mailbox": args.mailbox_iters, "all_gather": args.gloo_iters, "all_to_all": args.gloo_iters}
     all_stats = {}
     for world in args.worlds:
