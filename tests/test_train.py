@@ -134,3 +134,11 @@ def test_benchmarks_refuse_counts_that_cannot_run(capsys, tmp_path):
         with pytest.raises(SystemExit) as info:
             run(args)
         assert info.value.code == 2 and message in capsys.readouterr().err, args
+
+
+def test_version(capsys):
+    import thunderep
+    from thunderep.cli import main as cli
+
+    assert cli(["--version"]) == 0 and capsys.readouterr().out == f"thunderep {thunderep.__version__}\n"
+    assert cli(["--help"]) == 0 and "`thunderep --version` the version" in capsys.readouterr().out

@@ -27,7 +27,7 @@ COMMANDS = {
 def _usage() -> str:
     lines = ["usage: thunderep COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "`thunderep COMMAND --help` shows a command's options."]
+    lines += ["", "`thunderep COMMAND --help` shows a command's options; `thunderep --version` the version."]
     return "\n".join(lines)
 
 
@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"thunderep {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
