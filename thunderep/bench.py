@@ -97,7 +97,7 @@ def bench_experts(argv: list[str]) -> int:
 
 
 def bench_sync(argv: list[str]) -> int:
-    sys.argv = ["convergence_study"] + argv
+    sys.argv = ["thunderep bench sync"] + argv
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "examples" / "convergence_study.py"
@@ -123,4 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if target not in TARGETS:
         print(f"thunderep bench: unknown target {target!r}\n{__doc__}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(TARGETS[target]).main(rest) or 0)
+    program, sys.argv[0] = sys.argv[0], f"thunderep bench {target}"  # the name argparse shows in usage lines
+    try:
+        return int(importlib.import_module(TARGETS[target]).main(rest) or 0)
+    finally:
+        sys.argv[0] = program

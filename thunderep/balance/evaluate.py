@@ -295,8 +295,7 @@ def _cpu() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m thunderep.balance.evaluate",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--pairs", type=int, default=8192, help="(token, k) pairs per rank per step")
     parser.add_argument("--seed", type=int, default=0)
