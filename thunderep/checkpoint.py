@@ -213,6 +213,13 @@ EXPORT_MARK = "thunderep_export.json"  # written into every export: a directory 
 _OURS = {"checkpoint": (MANIFEST,), "export": (EXPORT_MARK, "thunderep_finetune.json")}
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest ancestor that does (where creating it would start)."""
+    while not path.exists():
+        path = path.parent
+    return path
+
+
 def destination_problem(path, kind: str, overwrite: bool = False) -> str | None:
     """Why `path` cannot take a new checkpoint or export (kind "checkpoint" / "export"), or None. Saving
     replaces what is at `path`: allowed where nothing is, where an empty directory is, or where one of
@@ -228,9 +235,7 @@ def destination_problem(path, kind: str, overwrite: bool = False) -> str | None:
             return (f"{path} holds files that are not a ThunderEP {kind} ({shown}), and writing the {kind} "
                     f"would replace them: choose another directory, or pass overwrite")
         return None if os.access(path.parent, os.W_OK) else f"{path.parent} is not writable"
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
+    parent = nearest_existing(path.parent)
     if not parent.is_dir():
         return f"cannot create {path}: {parent} is not a directory"
     if not os.access(parent, os.W_OK):

@@ -8,7 +8,7 @@ import sys
 
 from .errors import ThunderError
 
-__all__ = ["main"]
+__all__ = ["count_problems", "main"]
 
 # subcommand -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS = {
@@ -22,6 +22,16 @@ COMMANDS = {
     "project": ("thunderep.projection", "project a run's step time to 2 / 4 GPUs over PCIe (a model)"),
     "doctor": ("thunderep.doctor", "check this machine's GPUs, PCIe links, ACS, IOMMU and P2P"),
 }
+
+
+def count_problems(args, at_least_1=(), at_least_0=()) -> list[str]:
+    """The command-line counts among `args` (attribute names; those absent from `args` are skipped) below
+    their minimum, one line each naming the option and its value."""
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    return ([f"{flag(n)} must be at least 1, got {getattr(args, n)}" for n in at_least_1
+             if n in args and getattr(args, n) < 1]
+            + [f"{flag(n)} must be 0 or more, got {getattr(args, n)}" for n in at_least_0
+               if n in args and getattr(args, n) < 0])
 
 
 def _usage() -> str:

@@ -45,8 +45,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, ThunderError
+from .cli import count_problems
 from .data import ids_labels, batch_at, load_training_data, split_tokens
+from .errors import ConfigError, ThunderError
 from .trainable import MemoryPlan, memory_hint, memory_plan, peak_bytes, select_trainable
 
 __all__ = ["MemoryPlan", "finetune_on_rank", "lr_factor", "main", "memory_plan", "parse_args", "select_trainable"]
@@ -383,12 +384,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problems = [f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
-                for name in ("ep", "steps", "batch", "grad_accum", "seq_len", "delta_steps", "checkpoint_every")
-                if getattr(args, name) < 1]
-    for name in ("eval_batches", "eval_every", "warmup_steps"):
-        if getattr(args, name) < 0:
-            problems.append(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    problems = count_problems(args, ("ep", "steps", "batch", "grad_accum", "seq_len", "delta_steps", "checkpoint_every"),
+                              ("eval_batches", "eval_every", "warmup_steps"))
     if not args.max_grad_norm >= 0:
         problems.append(f"--max-grad-norm must be 0 (off) or positive, got {args.max_grad_norm}")
     if not 0 < args.lr < math.inf:
@@ -396,15 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(args.model) / "config.json").is_file():
         problems.append(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
     problems += _destination_problems(args)
-    from .hf.load import ep_size_problem
-
-    from .hf.load import context_length
+    from .hf.load import context_length, ep_size_problem  # the `hf` extra: loaded by the command only
 
     context = context_length(args.model)
     if context is not None and args.seq_len > context:
         problems.append(f"--seq-len {args.seq_len} is longer than the model's context of {context} tokens")
     if not args.balance:  # the balancer's spare slots take a rank count that does not divide the experts
-        problems += [p for p in [ep_size_problem(args.model, args.ep)] if p and args.ep >= 1]
+        problems += filter(None, [ep_size_problem(args.model, args.ep)])
     if args.dtype not in ("auto", "mixed", "float32", "bfloat16", "float16"):
         problems.append(f"--dtype must be auto, mixed, float32, bfloat16 or float16, got {args.dtype!r}")
     if args.save_dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -213,8 +213,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problems = [f"--{n.replace('_', '-')} must be at least 1, got {getattr(args, n)}"
-                for n in ("ep", "max_new_tokens") if getattr(args, n) < 1]
+    from .cli import count_problems
+
+    problems = count_problems(args, ("ep", "max_new_tokens"))
     if not 0 <= args.temperature < float("inf"):
         problems.append(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
     if not 0 < args.timeout < float("inf"):

@@ -448,8 +448,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problems = [f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
-                for name in ("ep", "max_batch", "max_new_tokens") if getattr(args, name) < 1]
+    from .cli import count_problems
+    from .hf.load import ep_size_problem
+
+    problems = count_problems(args, ("ep", "max_batch", "max_new_tokens"))
     if not 0 <= args.port < 65536:
         problems.append(f"--port must be in 0..65535, got {args.port}")
     problems += [f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}"
@@ -458,9 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
     if not (Path(args.model) / "config.json").is_file():
         problems.append(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
-    from .hf.load import ep_size_problem
-
-    problems += [p for p in [ep_size_problem(args.model, args.ep)] if p and args.ep >= 1]
+    problems += filter(None, [ep_size_problem(args.model, args.ep)])
     if problems:
         for line in problems:
             print(f"thunderep serve: {line}", file=sys.stderr)

@@ -213,12 +213,10 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
 def argument_problems(args: argparse.Namespace) -> list[str]:
     """What is wrong with these arguments, checked before any rank starts (before, --nproc 0 did nothing
     and succeeded, --steps 0 divided by zero, and an --out that is a file failed after the training)."""
-    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
-    problems = [f"{flag(n)} must be at least 1, got {getattr(args, n)}"
-                for n in ("nproc", "steps", "batch", "seq_len", "hidden", "layers", "experts", "top_k",
-                          "delta_steps", "waves") if n in args and getattr(args, n) < 1]
-    problems += [f"{flag(n)} must be 0 or more, got {getattr(args, n)}"
-                 for n in ("warmup", "redundant", "eval_batches", "generate") if n in args and getattr(args, n) < 0]
+    from .cli import count_problems
+
+    problems = count_problems(args, ("nproc", "steps", "batch", "seq_len", "hidden", "layers", "experts", "top_k",
+                                     "delta_steps", "waves"), ("warmup", "redundant", "eval_batches", "generate"))
     if "lr" in args and not 0 < args.lr < math.inf:
         problems.append(f"--lr must be positive and finite, got {args.lr}")
     if "top_k" in args and args.top_k > args.experts >= 1:
@@ -227,10 +225,10 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     if missing:
         problems.append(f"--data: no such file: {', '.join(missing)}")
     if args.out:
+        from .checkpoint import nearest_existing
+
         out = Path(args.out).absolute()
-        parent = out
-        while not parent.exists():
-            parent = parent.parent
+        parent = nearest_existing(out)
         if parent == out and not out.is_dir():
             problems.append(f"--out {args.out} exists and is not a directory")
         elif parent != out and not parent.is_dir():

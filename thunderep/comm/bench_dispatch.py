@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..cli import count_problems
 from ..errors import ThunderError
 
 __all__ = ["main"]
@@ -187,11 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problems = [f"--ranks {r}: each count must be at least 2, and divide --experts {args.experts}"
                 for r in args.ranks if r < 2 or args.experts % r]
-    problems += [f"--{n.replace('_', '-')} must be at least 1, got {getattr(args, n)}"
-                 for n in ("tokens", "hidden", "intermediate", "experts", "top_k", "waves", "iters")
-                 if getattr(args, n) < 1]
-    if args.warmup < 0:
-        problems.append(f"--warmup must be 0 or more, got {args.warmup}")
+    problems += count_problems(args, ("tokens", "hidden", "intermediate", "experts", "top_k", "waves", "iters"),
+                               ("warmup",))
     if args.top_k > args.experts:
         problems.append(f"--top-k {args.top_k} is more than --experts {args.experts}")
     if problems:

@@ -417,8 +417,9 @@ def context_length(model_dir) -> int | None:
 
 def ep_size_problem(model_dir, ep: int) -> str | None:
     """Why `ep` ranks cannot split the routed experts that `model_dir`'s config.json names, read before any
-    rank starts (a rank finds it only after loading), or None (also where config.json names no count)."""
-    for part in _config_parts(model_dir):
+    rank starts (a rank finds it only after loading), or None (also where config.json names no count, and
+    for ep < 1, which the commands' own checks refuse)."""
+    for part in _config_parts(model_dir) if ep >= 1 else []:
         count = next((part[k] for k in EXPERT_COUNT_KEYS if isinstance(part.get(k), int) and part[k] > 0), None)
         if count is not None and count % ep:
             return f"--ep {ep} does not divide the model's {count} routed experts: use a rank count that divides them"
