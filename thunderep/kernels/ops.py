@@ -80,7 +80,7 @@ def _m_key(n_rows: int, E: int) -> tuple[int, int]:
     32-row ones: Mixtral at 128 tokens 0.726 -> 0.672 ms, DeepSeek-V3 at 1024 tokens 6.38 -> 5.39 ms
     (docs/BENCHMARKS.md, "GPU checks at 0576706", "Row tiles that hold twice the mean"). From 33 to 60
     rows, 64-row tiles, fill 1: there a tile of twice the mean computes more than a second tile costs (48
-    and 56 rows per expert ran 9-11% faster in 64-row tiles than in 128-row ones); above 60, 128-row
+    and 56 rows per expert took 8-11% less time in 64-row tiles than in 128-row ones); above 60, 128-row
     tiles, fill 1, or 2 where experts average more than two of them (long prompts): at 64 rows 128-row
     tiles ran Mixtral's forward at 256 tokens 0.982 -> 0.793 ms and DeepSeek-V3's at 2048 7.48 -> 6.63
     ("Rows 33 to 64 per expert").
