@@ -54,14 +54,23 @@ def _every_binding(tm) -> list:
 
 
 def test_tuning_calls_run_the_row_kernels_where_hopper_could_run_torchs_gemm():
-    """Every call made for a row class keeps under the rows per expert at which an sm_90 GPU's forward
-    takes torch's grouped GEMM (no row kernel runs there, so that key would be left to a prompt)."""
+    """Every row key a forward can reach with the row kernels on an sm_90 GPU (below `min_rows` rows per
+    expert, from where it takes torch's grouped GEMM and runs no row kernel) is met by a tuning call that
+    runs them, for experts small and large: none is left to a prompt."""
     from thunderep.kernels import grouped_gemm as G
 
     assert max(ops.TUNING_ROWS) < G.TORCH_GEMM_MIN_ROWS[0]
-    for experts, top_k in [(8, 2), (128, 8), (256, 8), (60, 4)]:
-        for tokens, _ in tune.tuning_calls(experts, top_k, max_batch=8):
-            assert G._mean_rows(tokens * top_k, experts) < G.TORCH_GEMM_MIN_ROWS[0], (experts, top_k, tokens)
+    # (D, I): Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3, and a tiny model's experts
+    sizes = [(2048, 768), (4096, 14336), (7168, 2048), (64, 32)]
+    assert [G.min_rows(D, I) for D, I in sizes] == [512, 192, 192, 512]
+    assert [G.min_rows(D, I, backward=True) for D, I in sizes] == [256, 160, 160, 256]
+    for D, I in sizes:
+        bound = G.min_rows(D, I)
+        for experts, top_k in [(8, 2), (128, 8), (256, 8), (60, 4)]:
+            reachable = {ops._m_key(c * experts, experts) for c in range(1, bound)}
+            tuned = {ops._m_key(tokens * top_k, experts) for tokens, _ in tune.tuning_calls(experts, top_k, 8)
+                     if G._mean_rows(tokens * top_k, experts) < bound}
+            assert reachable <= tuned, (D, I, experts, top_k, reachable - tuned)
 
 
 def test_tuning_meets_every_row_key_where_long_prompts_take_torchs_gemm(monkeypatch):

@@ -221,6 +221,14 @@ def test_gemm_path_choice(monkeypatch):
     assert G.gemm_path(x, 8 * bwd_rows, 8, 64, 64, backward=True) == "torch"
     assert G.gemm_path(x, 8 * bwd_rows - 8, 8, 64, 64, backward=True) == "triton"
     assert G.gemm_path(x, 100, 256, 64, 64) == "triton"  # decode: few rows over many experts
+    # large experts (Mixtral-8x7B's D, I) from LARGE_EXPERT_MIN_ROWS; Qwen3-30B-A3B's small ones as before
+    big_fwd, big_bwd = G.LARGE_EXPERT_MIN_ROWS
+    assert G.gemm_path(x, 8 * big_fwd, 8, 4096, 14336) == "torch"
+    assert G.gemm_path(x, 8 * big_fwd - 8, 8, 4096, 14336) == "triton"
+    assert G.gemm_path(x, 8 * big_bwd, 8, 4096, 14336, backward=True) == "torch"
+    assert G.gemm_path(x, 8 * big_bwd - 8, 8, 4096, 14336, backward=True) == "triton"
+    assert G.gemm_path(x, 8 * big_fwd, 8, 2048, 768) == "triton"
+    assert G.gemm_path(x, 8 * big_bwd, 8, 2048, 768, backward=True) == "triton"
     monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "triton")
     assert G.gemm_path(x, 8 * fwd_rows, 8, 64, 64, backward=True) == "triton"
     monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "torch")

@@ -28,8 +28,8 @@ from ..errors import ConfigError
 from . import passes
 from .tuning import cdiv
 
-__all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "WGRAD_TORCH_MIN_ROWS", "gemm_path", "wgrad_path", "gather_rows",
-           "offsets", "forward", "backward_dx", "weight_grad"]
+__all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "LARGE_EXPERT_MIN_ROWS", "WGRAD_TORCH_MIN_ROWS", "min_rows",
+           "gemm_path", "wgrad_path", "gather_rows", "offsets", "forward", "backward_dx", "weight_grad"]
 
 GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # The Hopper path takes over when experts get at least this many rows on average (forward, backward):
@@ -37,6 +37,18 @@ GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, 
 # faster tiles. Measured on the H200 (docs/BENCHMARKS.md): forward, the paths tie at 256 rows per
 # expert and CUTLASS wins from 512; backward, Triton wins at 128 and CUTLASS from 256.
 TORCH_GEMM_MIN_ROWS = (512, 256)
+# Large experts take the Hopper path earlier, from LARGE_EXPERT_MIN_ROWS rows per expert on average
+# (forward, backward): their GEMMs outweigh the path's extra traffic (the gathered rows, gate/up written
+# and read back). A row's GEMM work over those elements is D*I / (D + 3*I) up to a constant: 1247 for
+# Mixtral-8x7B, 1103 for DeepSeek-V3, 361 for Qwen3-30B-A3B. Measured on the H200 (docs/BENCHMARKS.md,
+# "... the Hopper path from fewer rows for large experts"), both paths pinned: forward, the fused kernels win
+# at 144 and 160 rows per expert, the two tie at 176, and the Hopper path wins from 192 (Mixtral 1.350
+# -> 1.126 ms and 1.415 -> 1.180, DeepSeek-V3 10.71 -> 10.24); forward+backward, the Hopper path wins
+# from 160 (Mixtral 4.033 -> 3.826 ms, where the fused forward is still the faster) and by 11-19% at 192
+# and 224. Qwen3's fused forward stays faster from 160 to 384 rows (by 2-9%). The bound on the ratio lies
+# between Qwen3's and DeepSeek-V3's (their geometric mean, 631, rounded up).
+LARGE_EXPERT_MIN_ROWS = (192, 160)
+LARGE_EXPERT_RATIO = 640
 # The weight gradients take torch's grouped GEMM from this many rows per expert on average. Measured on
 # the H200 (docs/BENCHMARKS.md, DeepSeek-V3's shape): the portable kernel is 1.36-1.40x faster at 16 rows
 # and 1.11-1.13x at 32, the two tie at 64, the grouped GEMM is 1.12-1.16x faster at 128.
@@ -94,6 +106,14 @@ def wgrad_path(t: torch.Tensor, n_rows: int, E: int, *dims: int) -> str:
     return "torch" if _mean_rows(n_rows, E) >= WGRAD_TORCH_MIN_ROWS and _grouped_mm_usable(t, *dims) else "triton"
 
 
+def min_rows(D: int, I: int, backward: bool = False) -> int:
+    """Rows per expert on average from which an sm_90 GPU runs the Hopper path for experts of hidden size
+    D and intermediate size I (`backward`: for dhu and dX): TORCH_GEMM_MIN_ROWS, or for large experts
+    LARGE_EXPERT_MIN_ROWS."""
+    large = D * I >= LARGE_EXPERT_RATIO * (D + 3 * I)
+    return (LARGE_EXPERT_MIN_ROWS if large else TORCH_GEMM_MIN_ROWS)[1 if backward else 0]
+
+
 def gemm_path(t: torch.Tensor, n_rows: int, E: int, D: int, I: int, backward: bool = False) -> str:
     """"torch" or "triton" for the forward GEMMs, or (`backward`) for the backward's dhu and dX
     (the weight gradients choose separately, `wgrad_path`).
@@ -101,14 +121,14 @@ def gemm_path(t: torch.Tensor, n_rows: int, E: int, D: int, I: int, backward: bo
     "triton": the fused kernels (gather in the A load, activation and weight/un-permute epilogues).
     "torch" (the Hopper path): torch's grouped GEMM for the GEMMs, with three memory-bound Triton
     passes around it (activation, activation backward, un-permute + sum over K); chosen on sm_90 when
-    the experts get at least TORCH_GEMM_MIN_ROWS rows on average, where GEMM speed decides. Both
+    the experts get at least `min_rows` rows on average, where GEMM speed decides. Both
     forward paths save the same tensors, so the backward chooses on its own.
     THUNDEREP_EXPERT_GEMM=triton|torch forces one for both.
     """
     forced = _forced("THUNDEREP_EXPERT_GEMM")
     if forced:
         return forced
-    usable = _mean_rows(n_rows, E) >= TORCH_GEMM_MIN_ROWS[1 if backward else 0] and _grouped_mm_usable(t, D, I)
+    usable = _mean_rows(n_rows, E) >= min_rows(D, I, backward) and _grouped_mm_usable(t, D, I)
     return "torch" if usable else "triton"
 
 

@@ -107,7 +107,9 @@ def _wgrad_key(n_rows: int, E: int) -> tuple[int, int]:
 # Rows per expert that reach every (class, fill) tuning key once, from 4 (16-row class, fill 0) to 384
 # (128-row class, fill 2): the batches `thunderep.hf.tune` tunes ahead of serving. All below the forward's
 # G.TORCH_GEMM_MIN_ROWS: from there a Hopper GPU runs torch's grouped GEMM and no row kernel, so a tuning
-# call there would leave the fill-2 key to the first prompt that gives 257 to 511 rows per expert.
+# call there would leave the fill-2 key to the first prompt that gives 257 to 511 rows per expert. Large
+# experts' forward takes that path from G.LARGE_EXPERT_MIN_ROWS (192) rows; there the 384-row call runs
+# no row kernel, and no forward needs its key: every mean that maps to it (above 256) takes that path too.
 TUNING_ROWS = (4, 16, 32, 48, 128, 384)
 
 
