@@ -193,8 +193,15 @@ def test_no_driver_box():
     assert "ACS unreadable (needs root)" in out.getvalue()
 
 
+def bare_tree(tmp_path):
+    """A captured tree of a machine without anything: empty sys/ and proc/."""
+    for d in ("sys", "proc"):
+        (tmp_path / d).mkdir()
+    return tmp_path
+
+
 def test_machine_without_anything(tmp_path):
-    d = diagnose(tmp_path, cuda=False)
+    d = diagnose(bare_tree(tmp_path), cuda=False)
     assert {c.verdict for c in d.checks} <= {"n/a", "ok"} and d.exit_code == 0
     assert by_name(d)["gpus"].summary.startswith("no NVIDIA GPU")
 
@@ -271,6 +278,13 @@ def test_table_output_and_usage_errors(tmp_path, capsys):
     assert main(["--root", str(tmp_path / "missing")], out=io.StringIO()) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert main(["--copy-mib", "0", "--root", str(tmp_path)], out=io.StringIO()) == 2
+    capsys.readouterr()
+    # an empty directory is no machine to diagnose (it read as one without GPUs, every check n/a or ok)
+    assert main(["--root", str(tmp_path)], out=io.StringIO()) == 2
+    assert "has no sys/ or proc/: it is not a captured filesystem tree" in capsys.readouterr().err
+    (tmp_path / "sys").mkdir()
+    assert main(["--root", str(tmp_path)], out=io.StringIO()) == 2
+    assert "has no proc/:" in capsys.readouterr().err
     assert main(["--bogus"], out=io.StringIO()) == 2
 
 
@@ -303,7 +317,7 @@ def test_software_checks():
 
 
 def test_software_checks_without_a_gpu(tmp_path):
-    c = by_name(diagnose(tmp_path, cuda=False, software=SoftwareReport(None, None)))
+    c = by_name(diagnose(bare_tree(tmp_path), cuda=False, software=SoftwareReport(None, None)))
     assert c["triton"].verdict == "n/a" and "needs no Triton" in c["triton"].summary
     assert c["mailbox"].verdict == "ok"
 
