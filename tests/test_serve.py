@@ -255,11 +255,19 @@ def test_bad_requests_are_refused_with_a_message(server):
                           ({"prompt": " ".join(["hello"] * 70)}, "exceed the model's context of 64 tokens"),
                           (b'{"prompt": "\xff\xfe", "max_tokens": 2}', "the body is not UTF-8"),
                           (b'{"prompt": "h\\ud800", "max_tokens": 2}', "the body holds text that is not valid Unicode"),
-                          ({"prompt": "hi", "seed": 10**23}, "\"seed\" is an integer from 0 to 2**63 - 1")):
+                          ({"prompt": "hi", "seed": 10**23}, "\"seed\" is an integer from 0 to 2**63 - 1"),
+                          ({"prompt": "hi", "n": 3}, "\"n\" 3 is not supported here (only 1 or null)"),
+                          ({"prompt": "hi", "logprobs": 5}, "\"logprobs\" 5 is not supported here"),
+                          ({"prompt": "hi", "presence_penalty": 0.5}, "\"presence_penalty\" 0.5 is not supported")):
         status, reply = _post(url, "/v1/completions", body)
         assert status == 400 and message in reply["error"]["message"], (body, reply)
     status, reply = _post(url, "/v1/chat/completions", {"messages": "hi"})
     assert status == 400 and "\"messages\" is a non-empty list" in reply["error"]["message"]
+    # the values that ask for nothing, as clients send them by default, are taken
+    plain = {"n": 1, "best_of": None, "echo": False, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0,
+             "logit_bias": {}, "tools": []}
+    status, reply = _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **plain})
+    assert status == 200 and len(reply["choices"]) == 1, reply
     assert _post(url, "/v2/anything", {})[0] == 404
     import http.client
     from urllib.parse import urlsplit

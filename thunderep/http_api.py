@@ -17,6 +17,15 @@ IDLE_S = 0.5  # rank 0 sends an (empty) batch at least this often
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413), never read
 
 
+
+# OpenAI request fields that change the answer and that this server does not implement, with the values
+# that ask for nothing (clients send those by default): any other value is refused, not ignored.
+_UNSUPPORTED = {
+    "n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (False, None, 0),
+    "top_logprobs": (0, None), "presence_penalty": (0, None), "frequency_penalty": (0, None),
+    "logit_bias": ({}, None), "suffix": ("", None), "tools": ([], None), "functions": ([], None),
+}
+
 class BadRequest(ValueError):
     """A request the server refuses, with the message the client gets (HTTP 400)."""
 
@@ -174,6 +183,11 @@ class Server:
             json.dumps(body, ensure_ascii=False).encode()
         except UnicodeEncodeError as exc:
             raise BadRequest(f"the body holds text that is not valid Unicode ({exc.reason})") from None
+        for field, plain in _UNSUPPORTED.items():
+            if field in body and body[field] not in plain:
+                raise BadRequest(f"\"{field}\" {body[field]!r} is not supported here (only "
+                                 f"{' or '.join(json.dumps(v) for v in plain)}): the answer would not be what "
+                                 "it asks for")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest(f"\"stream\" is true or false, got {stream!r}")
