@@ -17,32 +17,36 @@ import torch
 import torch.multiprocessing as mp
 
 from thunderep.launch import launch
-from thunderep.train import _parser, train
+from thunderep.train import _parser, argument_problems, train
 
 
-def run(extra: list[str], nproc: int) -> dict:
-    args = _parser().parse_args(extra + ["--quiet"])
+def run(args: argparse.Namespace, nproc: int) -> dict:
     queue = mp.get_context("spawn").SimpleQueue()
     launch(train, nproc, args, queue)
     return queue.get()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--h", type=int, nargs="+", default=[4, 16, 64])
-    p.add_argument("--outer-lr", default="1.0")
-    p.add_argument("--outer-momentum", default="0.0")
+    p.add_argument("--outer-lr", type=float, default=1.0)
+    p.add_argument("--outer-momentum", type=float, default=0.0)
     a = p.parse_args()
-    common = ["--steps", str(a.steps), "--seq-len", "64", "--batch", "8"]
+    common = ["--steps", str(a.steps), "--seq-len", "64", "--batch", "8", "--nproc", str(a.nproc), "--quiet"]
+    outer = ["--outer-lr", str(a.outer_lr), "--outer-momentum", str(a.outer_momentum)]
+    runs = [("every_step", common + ["--sync", "every_step"])]
+    runs += [(f"delta H={h}", common + ["--sync", "delta", "--delta-steps", str(h)] + outer) for h in a.h]
+    runs = [(name, _parser().parse_args(extra)) for name, extra in runs]
+    # every run's arguments checked before the first starts (--nproc 0 waited forever for a result)
+    problems = list(dict.fromkeys(problem for _, args in runs for problem in argument_problems(args)))
+    if problems:
+        p.error("; ".join(problems).replace("--delta-steps", "--h"))
     print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
           f"{a.nproc} gloo ranks; {a.steps} steps x 8 sequences x 64 bytes per rank; "
           f"delta: outer lr {a.outer_lr}, momentum {a.outer_momentum}")
-    rows = [("every_step", run(common + ["--sync", "every_step"], a.nproc))]
-    for h in a.h:
-        outer = ["--outer-lr", a.outer_lr, "--outer-momentum", a.outer_momentum]
-        rows.append((f"delta H={h}", run(common + ["--sync", "delta", "--delta-steps", str(h)] + outer, a.nproc)))
+    rows = [(name, run(args, a.nproc)) for name, args in runs]
     base = rows[0][1]
     print(f"{'mode':<12} | {'eval loss':>9} | {'vs every_step':>13} | {'sync MB/rank':>12} | {'bytes ratio':>11} | "
           f"{'tok/s':>7}")

@@ -136,6 +136,25 @@ def test_benchmarks_refuse_counts_that_cannot_run(capsys, tmp_path):
         assert info.value.code == 2 and message in capsys.readouterr().err, args
 
 
+def test_sync_study_checks_its_runs_before_the_first(capsys):
+    """`bench sync` names itself in its usage (it named the example script it runs) and refuses counts its
+    runs cannot take before any starts (--nproc 0 waited forever for a result)."""
+    import pytest
+
+    from thunderep.bench import main as bench
+
+    with pytest.raises(SystemExit) as info:
+        bench(["sync", "--help"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("usage: thunderep bench sync [-h]")
+    for args, message in [(["--nproc", "0"], "--nproc must be at least 1, got 0"),
+                          (["--steps", "0"], "--steps must be at least 1, got 0"),
+                          (["--h", "4", "0"], "--h must be at least 1, got 0")]:
+        with pytest.raises(SystemExit) as info:
+            bench(["sync", *args])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.startswith("usage: thunderep bench sync") and message in err, err
+
+
 def test_version(capsys):
     import thunderep
     from thunderep.cli import main as cli

@@ -106,7 +106,8 @@ def bench_sync(argv: list[str]) -> int:
         return 2
     import runpy
 
-    runpy.run_path(str(script), run_name="__main__")
+    study = runpy.run_path(str(script), run_name="convergence_study")  # its main() reads sys.argv: usage names
+    study["main"]()                                                    # this command, not the script
     return 0
 
 
