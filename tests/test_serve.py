@@ -179,6 +179,31 @@ def test_static_batching_gives_the_same_answers(server, tmp_path):
         stop = {"prompt": prompts[2], "max_tokens": 7, "stop": want[2]["text"].split()[1]}
         assert _post(static_url, "/v1/completions", stop)[1]["choices"] == \
             _post(url, "/v1/completions", stop)[1]["choices"]
+        # unseeded sampled requests each get a seed of their own (not all the same fixed one)
+        unseeded = {"prompt": "hello", "max_tokens": 10, "temperature": 1.0}
+        texts = [_post(static_url, "/v1/completions", unseeded)[1]["choices"][0]["text"] for _ in range(2)]
+        assert texts[0] != texts[1], texts
+
+
+def test_static_batching_samples_each_request_with_its_own_seed():
+    """generate_static (--batching static): a seeded sampled request gets the tokens it gets alone when
+    batched with others (sampled with other seeds and settings, or greedy), and those continuous
+    batching gives it."""
+    from hf_tiny import tiny_model
+
+    from thunderep.engine import DecodeBatch, Entry, generate_static
+    from thunderep.hf import ThunderMoE
+
+    tm = ThunderMoE.wrap(tiny_model("mixtral", seed=1), None).eval()
+    request = ([5, 9, 12, 7], 8, (1.0, 1.0), 5)
+    others = [([3, 4], 6, (1.0, 1.0), 11), ([8, 8, 8, 8, 8, 8, 8, 9], 5, (0.0, 1.0), 0), ([11], 8, (0.8, 0.9), 3)]
+    alone = generate_static(tm, 0, [request], set(), "cpu")
+    assert generate_static(tm, 0, [others[0], request, *others[1:]], set(), "cpu")[0][1] == alone[0][0]
+    batch = DecodeBatch(tm, "cpu", set(), 0)
+    tokens = [token for _, token, _ in batch.admit([Entry(0, *request)])]
+    while len(batch):
+        tokens += [token for _, token, _ in batch.step()]
+    assert alone == ([tokens], ["length"])
 
 
 def _stream(url: str, path: str, body: dict) -> list:
@@ -283,6 +308,118 @@ def test_bad_requests_are_refused_with_a_message(server):
         conn.close()
     status, body = _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})  # still serving
     assert status == 200 and body["usage"]["completion_tokens"] <= 2
+
+
+def test_a_tiny_temperature_answers_like_greedy(server):
+    """A temperature > 0 however small (logits / temperature overflows float32 below about 1e-38) samples
+    from finite probabilities: the answer is the greedy one, not a 500."""
+    url, _ = server
+    body = {"prompt": "hello there", "max_tokens": 4}
+    greedy = _post(url, "/v1/completions", body)[1]["choices"]
+    for temperature in (1e-38, 1e-40, 1e-300):
+        status, reply = _post(url, "/v1/completions", dict(body, temperature=temperature, seed=1))
+        assert status == 200 and reply["choices"] == greedy, (temperature, reply)
+
+
+def test_requests_that_encode_to_nothing_or_nest_too_deeply_are_refused(server):
+    """A prompt of whitespace only (no tokens) and a body nested too deeply for the JSON reader get 400 and
+    a message (not a 500, or no answer at all); the server goes on serving."""
+    url, _ = server
+    for body, message in (({"prompt": " ", "max_tokens": 2}, "the prompt encodes to no tokens"),
+                          ({"prompt": "\n\t ", "max_tokens": 2, "stream": True}, "the prompt encodes to no tokens"),
+                          (b'{"prompt": "hi", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", "too deeply")):
+        status, reply = _post(url, "/v1/completions", body)
+        assert status == 400 and message in reply["error"]["message"], (body[:40], reply)
+    assert _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})[0] == 200
+
+
+def test_a_chat_template_that_raises_is_a_bad_request():
+    """A chat template that refuses the messages (jinja2's TemplateError: a strict template and an unknown
+    role) gets 400 with the template's message (rank 0's HTTP side alone: no model)."""
+    import argparse
+
+    from hf_tiny import V, chat_tokenizer
+
+    from thunderep.http_api import Server
+
+    tok = chat_tokenizer(V)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                         "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['content'] }} "
+                         "{% endfor %}")
+    args = argparse.Namespace(host="127.0.0.1", port=0, quiet=True, request_timeout=5.0, max_new_tokens=2)
+    server = Server(args, tok, 64, "model", 1)
+    server.thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.http.server_address[1]}"
+        status, reply = _post(url, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]})
+        assert status == 400 and reply["error"]["message"] == \
+            "the checkpoint's chat template refused these messages: unknown role robot"
+    finally:
+        server.http.shutdown()
+        server.http.server_close()
+
+
+def test_methods_and_query_strings(server):
+    """A path is routed without its query string; a method a path does not take gets 405 (with Allow) and
+    a JSON error, PUT, DELETE, OPTIONS and HEAD included (not http.server's HTML 501 page)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url, _ = server
+    host = urlsplit(url)
+
+    def ask(method, path, body=None):
+        conn = http.client.HTTPConnection(host.hostname, host.port, timeout=60)
+        try:
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            reply = conn.getresponse()
+            data = reply.read()
+            return reply.status, reply.getheader("Content-Type"), reply.getheader("Allow"), \
+                json.loads(data) if data else None
+        finally:
+            conn.close()
+
+    status, kind, _, body = ask("GET", "/health?x=1")
+    assert status == 200 and body["status"] == "ok"
+    status, _, _, body = ask("POST", "/v1/completions?api-version=1", json.dumps({"prompt": "hi", "max_tokens": 2}))
+    assert status == 200 and body["usage"]["completion_tokens"] <= 2
+    for method, path, allow in (("GET", "/v1/completions", "POST"), ("GET", "/v1/chat/completions?a=b", "POST"),
+                                ("POST", "/health", "GET"), ("PUT", "/v1/completions", "POST"),
+                                ("DELETE", "/v1/completions", "POST"), ("OPTIONS", "/v1/models", "GET")):
+        status, kind, allowed, body = ask(method, path, b"{}" if method in ("POST", "PUT") else None)
+        assert (status, kind, allowed) == (405, "application/json", allow), (method, path)
+        assert f"takes {allow} requests, not {method}" in body["error"]["message"]
+    assert ask("HEAD", "/health") == (405, "application/json", "GET", None)  # a HEAD answer has no body
+    assert ask("DELETE", "/nowhere")[0] == 404
+
+
+def test_a_client_gone_before_its_answer_leaves_no_traceback(server):
+    """A client that resets its connection before its (plain) answer is written: the server writes into
+    a broken connection, says nothing of it, and goes on serving."""
+    import socket
+    import struct
+    from urllib.parse import urlsplit
+
+    url, model_dir = server
+    log_path = Path(model_dir).parent / "log.txt"
+    before = len(log_path.read_text())
+    host = urlsplit(url)
+    data = json.dumps({"prompt": "hello there", "max_tokens": 6}).encode()
+    sock = socket.create_connection((host.hostname, host.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    sock.close()
+    deadline = time.monotonic() + 60
+    while True:
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            health = json.loads(r.read())
+        if health["generating"] == health["queued"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)  # the handler writes its answer after the job is done
+    assert _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})[0] == 200
+    assert "Traceback" not in log_path.read_text()[before:], log_path.read_text()[before:][-2000:]
 
 
 @pytest.mark.gpu
@@ -425,6 +562,61 @@ def test_a_failed_prefill_fails_only_its_own_requests(monkeypatch):
             out = model.generate(torch.tensor([job.ids]), max_new_tokens=job.max_tokens, do_sample=False,
                                  pad_token_id=0)
         assert server.answers[id(job)] == (out[0, len(job.ids):].tolist(), "length")
+
+
+def test_a_server_failing_mid_answer_sends_every_open_request_the_error(tmp_path, monkeypatch):
+    """The serving loop ended by a failure while answering (here a peer's death, as the control plane
+    reports it, simulated on one in-process rank): a streamed answer ends with an event carrying the error,
+    then [DONE], and a plain request being generated gets 500 with it, before the server stops."""
+    from hf_tiny import V, chat_tokenizer, save_tiny
+
+    from thunderep import serve
+    from thunderep.errors import PeerTimeout
+
+    model_dir = save_tiny("mixtral", tmp_path / "model", seed=1)
+    chat_tokenizer(V).save_pretrained(model_dir)
+    made, ended = [], []
+
+    class Recorded(serve.Server):
+        def __init__(self, *a):
+            super().__init__(*a)
+            made.append(self)
+
+    def peer_dies(error, ranks):  # after every prefill and decode step
+        server = made[0]
+        if server.generating < 2:  # until both requests are being generated: wait for the second to queue
+            deadline = time.monotonic() + 30
+            while server.jobs.empty() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return error
+        raise PeerTimeout("rank 1 (pid 0) exited before publishing its record (simulated)")
+
+    def run():
+        try:
+            serve.serve_on_rank(args)
+        except PeerTimeout as exc:
+            ended.append(exc)
+
+    monkeypatch.setattr(serve, "Server", Recorded)
+    monkeypatch.setattr(serve, "_agree_on_failure", peer_dies)
+    args = serve.parse_args(["--model", model_dir, "--cpu", "--port", "0", "--quiet", "--request-timeout", "20"])
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not made and time.monotonic() < deadline:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{made[0].http.server_address[1]}"
+    plain = []
+    asker = threading.Thread(target=lambda: plain.append(_post(url, "/v1/completions",
+                                                               {"prompt": "hello", "max_tokens": 8})))
+    asker.start()
+    events = _stream(url, "/v1/completions", {"prompt": "hello there", "max_tokens": 8})
+    asker.join(timeout=60)
+    thread.join(timeout=60)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error", events
+    assert "PeerTimeout: rank 1 (pid 0) exited" in events[-2]["error"]["message"]
+    assert plain[0][0] == 500 and plain[0][1]["error"] == events[-2]["error"]
+    assert ended and not thread.is_alive()
 
 
 def _share_on_ranks(rank, world):

@@ -14,7 +14,8 @@ not depend on which others share its steps: a seeded request gets the same answe
 
 Only caches whose every layer is a plain `DynamicLayer` (full attention) can be merged this way;
 `unsupported_reason` names what else a model uses, and `thunderep serve` then batches statically:
-`generate_static` runs a batch to its longest request's end with transformers' `generate`.
+`generate_static` runs a batch to its longest request's end with transformers' `generate`, each sampled
+request drawing from its own generator there too.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class DecodeBatch:
         mask = torch.tensor([[0] * (width - len(e.ids)) + [1] * len(e.ids) for e in entries], device=self.device)
         cache = _new_cache(self.model)
         logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
-        rows = [_Row(e, generator=self._generator(e)) for e in entries]
+        rows = [_Row(e, generator=_sampling_generator(e.sampling, e.seed, self.device)) for e in entries]
         self._merge(rows, cache, mask)
         return self._emit(logits, first=len(self.rows) - len(rows))
 
@@ -130,13 +131,6 @@ class DecodeBatch:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                              logits_to_keep=1, **{self.cache_arg: cache})
         return out.logits[:, -1].float()
-
-    def _generator(self, entry: Entry) -> torch.Generator | None:
-        if entry.sampling[0] <= 0:
-            return None
-        g = torch.Generator(device=self.device)
-        g.manual_seed(entry.seed)
-        return g
 
     def _merge(self, rows: list[_Row], cache, mask: torch.Tensor) -> None:
         """Append the prefilled `rows` (their cache and mask) to the running batch, both left-padded to
@@ -177,9 +171,7 @@ class DecodeBatch:
         return events
 
     def _pick(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        greedy = logits.argmax(-1).tolist()
-        return [greedy[i] if row.generator is None else sample_token(logits[i], *row.entry.sampling, row.generator)
-                for i, row in enumerate(rows)]
+        return _pick_tokens(logits, [row.entry.sampling for row in rows], [row.generator for row in rows])
 
     def _drop(self, keep: list[int]) -> None:
         """Keep only rows `keep`; cut the leading cache columns that hold padding in every kept row."""
@@ -195,10 +187,34 @@ class DecodeBatch:
             layer.keys, layer.values = layer.keys[index, :, lead:], layer.values[index, :, lead:]
 
 
+def _sampling_generator(sampling: tuple[float, float], seed: int, device) -> torch.Generator | None:
+    """The generator a sampled request (temperature > 0) draws its tokens from, seeded by `seed`; None
+    for a greedy one."""
+    if sampling[0] <= 0:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def _pick_tokens(logits: torch.Tensor, samplings: list[tuple[float, float]],
+                generators: list[torch.Generator | None]) -> list[int]:
+    """The next token of each row of `logits` ([B, V] float): the argmax for a greedy row (generator None),
+    else one drawn by `sample_token` with the row's (temperature, top_p) and generator."""
+    greedy = logits.argmax(-1).tolist()
+    return [greedy[i] if g is None else sample_token(logits[i], *sampling, g)
+            for i, (sampling, g) in enumerate(zip(samplings, generators))]
+
+
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """One token drawn from softmax(logits / temperature), restricted to the smallest set of the most
-    likely tokens whose probability reaches top_p (all of them at top_p = 1)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    likely tokens whose probability reaches top_p (all of them at top_p = 1). `logits` [V], any float
+    dtype; computed in float32 with the largest logit subtracted first, so that any temperature > 0 gives
+    finite values: one below float32's smallest normal number (1.2e-38) is taken as that, which already
+    puts all the probability on the most likely token(s)."""
+    logits = logits.float()
+    scaled = (logits - logits.max()) / max(temperature, torch.finfo(torch.float32).tiny)
+    probs = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
         ordered, order = probs.sort(descending=True)
         outside = ordered.cumsum(0) - ordered >= top_p  # the mass before a token already reaches top_p
@@ -206,21 +222,37 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class _PerRequestSampling:
+    """A transformers logits processor for `generate_static`: each row's scores become 0 at the token
+    `_pick_tokens` picks for it (from the row's own generator) and -inf elsewhere, so that greedy search
+    takes that token. A row's tokens so depend only on its own logits and seed, as with `DecodeBatch`."""
+
+    def __init__(self, samplings: list[tuple[float, float]], generators: list[torch.Generator | None]):
+        self.samplings, self.generators = samplings, generators
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        picked = torch.tensor(_pick_tokens(scores, self.samplings, self.generators), device=scores.device)
+        return torch.full_like(scores, float("-inf")).scatter_(1, picked[:, None], 0.0)
+
+
 def generate_static(tm, pad: int, message: list, eos: set, device, streamer=None) -> tuple[list[list[int]], list[str]]:
     """Static batching, every rank: generate the batch (a list of (ids, max_tokens, (temperature, top_p),
     seed)) with transformers' `generate` in latency mode; the new tokens of each request (cut at its end of
-    sequence and its max_tokens) and why it stopped ("stop" or "length")."""
+    sequence and its max_tokens) and why it stopped ("stop" or "length"). A sampled request draws from its
+    own generator seeded by its seed (rank 0 draws one for an unseeded request, the same on every rank),
+    as with continuous batching: its answer does not depend on the others in the batch."""
     prompts = [ids for ids, _, _, _ in message]
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
     longest = max(n for _, n, _, _ in message)
-    temperature, top_p = message[0][2]
-    seed = message[0][3]
-    torch.manual_seed(seed if seed is not None else 0)  # the same sampling stream on every rank
-    gen = dict(max_new_tokens=longest, do_sample=temperature > 0, pad_token_id=pad, streamer=streamer)
-    if temperature > 0:
-        gen.update(temperature=temperature, top_p=top_p)
+    gen = dict(max_new_tokens=longest, do_sample=False, pad_token_id=pad, streamer=streamer)
+    generators = [_sampling_generator(sampling, seed, device) for _, _, sampling, seed in message]
+    if any(g is not None for g in generators):
+        from transformers import LogitsProcessorList
+
+        sampling = _PerRequestSampling([s for _, _, s, _ in message], generators)
+        gen.update(logits_processor=LogitsProcessorList([sampling]))
     with torch.no_grad():
         out = tm.generate(ids, attention_mask=mask, mode="latency", replicated=True, **gen)
     rows, finishes = [], []

@@ -9,14 +9,17 @@ import json
 import queue
 import threading
 import time
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 __all__ = ["IDLE_S", "BadRequest", "Job", "Server", "TextSoFar", "cut_at_stop"]
 
 IDLE_S = 0.5  # rank 0 sends an (empty) batch at least this often
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413), never read
-
-
+FAIL_WAIT_S = 2.0  # after the serving loop failed, how long the open requests' handlers get to send the error
+_GET_PATHS = ("/health", "/v1/models")
+_POST_PATHS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}  # and the kind of job
 
 # OpenAI request fields that change the answer and that this server does not implement, with the values
 # that ask for nothing (clients send those by default): any other value is refused, not ignored.
@@ -25,6 +28,7 @@ _UNSUPPORTED = {
     "top_logprobs": (0, None), "presence_penalty": (0, None), "frequency_penalty": (0, None),
     "logit_bias": ({}, None), "suffix": ("", None), "tools": ([], None), "functions": ([], None),
 }
+
 
 class BadRequest(ValueError):
     """A request the server refuses, with the message the client gets (HTTP 400)."""
@@ -83,6 +87,9 @@ class Server:
     def __init__(self, args: argparse.Namespace, tokenizer, context: int, name: str, world: int):
         self.args, self.tokenizer, self.context, self.name, self.world = args, tokenizer, context, name, world
         self.jobs: queue.Queue[Job] = queue.Queue()
+        self.open: set[Job] = set()  # jobs whose handler has not replied yet (fail_open answers them)
+        self.failed: str | None = None  # why the serving loop ended (fail_open): new requests get it at once
+        self.lock = threading.Lock()
         self.count = 0
         self.generating = 0  # requests being generated, set by the serving loop
         self.batching = getattr(args, "batching", "static")  # what the serving loop runs
@@ -94,21 +101,25 @@ class Server:
                 if not args.quiet:
                     print(f"[thunderep serve] {self.address_string()} {format % a}", flush=True)
 
+            def handle(self):
+                try:
+                    super().handle()
+                except ConnectionError:  # the client went away while being answered: no one to tell
+                    self.close_connection = True
+
             def do_GET(self):  # noqa: N802 - the http.server convention
-                if self.path == "/health":
+                path = self._route("GET")
+                if path == "/health":
                     self._reply(200, {"status": "ok", "model": server.name, "ranks": server.world,
                                       "batching": server.batching, "decode": server.decode_steps,
                                       "generating": server.generating,
                                       "queued": server.jobs.qsize()})
-                elif self.path == "/v1/models":
+                elif path == "/v1/models":
                     self._reply(200, {"object": "list", "data": [{"id": server.name, "object": "model"}]})
-                else:
-                    self._reply(404, {"error": {"message": f"no such path: {self.path}"}})
 
             def do_POST(self):  # noqa: N802
-                kinds = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
-                if self.path not in kinds:
-                    self._reply(404, {"error": {"message": f"no such path: {self.path}"}})
+                path = self._route("POST")
+                if path is None:
                     return
                 raw_length = self.headers.get("Content-Length") or "0"
                 if not raw_length.isdigit() or int(raw_length) > MAX_BODY_BYTES:
@@ -118,20 +129,57 @@ class Server:
                         "type": "invalid_request_error"}})
                     return
                 try:
-                    job = server.parse(kinds[self.path], self.rfile.read(int(raw_length)))
+                    job = server.parse(_POST_PATHS[path], self.rfile.read(int(raw_length)))
                 except BadRequest as exc:
                     self._reply(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
                     return
-                server.jobs.put(job)
+                except Exception as exc:  # noqa: BLE001 - a bug in reading the request: an answer, and the trace
+                    traceback.print_exc()
+                    self._reply(500, {"error": {"message": f"the request could not be read: {type(exc).__name__}: "
+                                                           f"{exc}", "type": "server_error"}})
+                    return
+                with server.lock:  # fail_open answers every job put before it, and refuses the ones after
+                    failed = server.failed
+                    if failed is None:
+                        server.open.add(job)
+                        server.jobs.put(job)
+                if failed is not None:
+                    self._reply(503, {"error": {"message": failed, "type": "server_error"}})
+                    return
+                try:
+                    self._answer(job)
+                finally:
+                    with server.lock:
+                        server.open.discard(job)
+
+            def _answer(self, job: Job) -> None:
                 if job.chunks is not None:
                     self._stream(job)
-                    return
-                if not job.done.wait(args.request_timeout):
+                elif not job.done.wait(args.request_timeout):
                     self._reply(504, {"error": {"message": f"no answer within {args.request_timeout:g} s"}})
                 elif job.error is not None:
-                    self._reply(500, {"error": {"message": job.error}})
+                    self._reply(500, {"error": {"message": job.error, "type": "server_error"}})
                 else:
                     self._reply(200, job.result)
+
+            def _refuse(self):
+                self._route(self.command)
+
+            do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _refuse  # noqa: N815 - 404 or 405 as JSON
+
+            def _route(self, method: str) -> str | None:
+                """The request's path without its query string where `method` is allowed on it; else None,
+                answered: 404 for a path this server does not have, 405 for a method the path does not take."""
+                path = urlsplit(self.path).path
+                allowed = "GET" if path in _GET_PATHS else "POST" if path in _POST_PATHS else None
+                if allowed is None:
+                    self._reply(404, {"error": {"message": f"no such path: {path}"}})
+                    return None
+                if method != allowed:
+                    self._reply(405, {"error": {"message": f"{path} takes {allowed} requests, not {method}",
+                                                "type": "invalid_request_error"}}, allow=allowed)
+                    return None
+                return path
 
             def _stream(self, job: Job) -> None:
                 """Server-sent events: one `data: {chunk}` per piece of text, then `data: [DONE]`."""
@@ -157,13 +205,23 @@ class Server:
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
 
-            def _reply(self, status: int, body: dict) -> None:
+            def _reply(self, status: int, body: dict, allow: str | None = None) -> None:
+                """`body` as JSON (only the headers for HEAD)."""
                 data = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if allow is not None:
+                    self.send_header("Allow", allow)
                 self.end_headers()
-                self.wfile.write(data)
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            def send_error(self, code, message=None, explain=None):
+                """http.server's own refusals (a malformed request line, an unknown method) in JSON too."""
+                self.close_connection = True
+                self._reply(code, {"error": {"message": message or self.responses.get(code, ("error",))[0],
+                                             "type": "invalid_request_error"}})
 
         self.http = ThreadingHTTPServer((args.host, args.port), Handler)
         self.http.daemon_threads = True
@@ -173,16 +231,17 @@ class Server:
         """A job from a request body, or BadRequest saying what is wrong."""
         try:
             body = json.loads(raw or b"{}")
+            if not isinstance(body, dict):
+                raise BadRequest("the body is a JSON object")
+            json.dumps(body, ensure_ascii=False).encode()  # JSON's \ud800 escapes give strings no tokenizer takes
         except json.JSONDecodeError as exc:
             raise BadRequest(f"the body is not JSON ({exc.msg})") from None
         except UnicodeDecodeError as exc:
             raise BadRequest(f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the body is a JSON object")
-        try:  # JSON's \ud800 escapes give strings no tokenizer can take
-            json.dumps(body, ensure_ascii=False).encode()
         except UnicodeEncodeError as exc:
             raise BadRequest(f"the body holds text that is not valid Unicode ({exc.reason})") from None
+        except RecursionError:
+            raise BadRequest("the body nests JSON arrays or objects too deeply to be read") from None
         for field, plain in _UNSUPPORTED.items():
             if field in body and body[field] not in plain:
                 raise BadRequest(f"\"{field}\" {body[field]!r} is not supported here (only "
@@ -204,8 +263,13 @@ class Server:
                 raise BadRequest("\"messages\" is a non-empty list of {\"role\", \"content\"} strings")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise BadRequest("this checkpoint's tokenizer has no chat template; use /v1/completions")
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # noqa: BLE001 - a template's own refusal (jinja2's TemplateError, ...)
+                raise BadRequest(f"the checkpoint's chat template refused these messages: {exc}") from None
             ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise BadRequest("the prompt encodes to no tokens (whitespace only?); give it some text")
         max_tokens = body.get("max_tokens", self.args.max_new_tokens)
         temperature, top_p, seed = body.get("temperature", 0.0), body.get("top_p", 1.0), body.get("seed")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -287,8 +351,21 @@ class Server:
     def fail(self, job: Job, error: str) -> None:
         job.error = error
         if job.chunks is not None:
-            job.chunks.put({"error": {"message": error}})
+            job.chunks.put({"error": {"message": error, "type": "server_error"}})
         job.done.set()
+
+    def fail_open(self, error: str, wait_s: float = FAIL_WAIT_S) -> None:
+        """The serving loop has ended (a peer died): every request still open gets `error` (500, or a last
+        event of its stream), new ones get it at once (503); waits up to `wait_s` for their handlers to
+        have sent it, so that the process does not end before."""
+        with self.lock:
+            self.failed, jobs = error, list(self.open)
+        for job in jobs:
+            if not job.done.is_set():
+                self.fail(job, error)
+        deadline = time.monotonic() + wait_s
+        while self.open and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def answer(self, job: Job, new: list[int], finish: str) -> None:
         self.count += 1

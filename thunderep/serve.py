@@ -33,9 +33,10 @@ message; what the model cannot take (a prompt longer than its context) is refuse
 prefill that fails on any rank (continuous batching) is answered with 500 on its new requests only; a
 decode step (or static batch) that fails is answered with 500 on every request being generated. The
 ranks go on serving in step; a rank that dies or stops answering ends the server within
-`--timeout`. A step that stalls (a decode step of a second or more, ten times the usual one) is
-reported on stderr, with what ran in it that a steady server does not: kernel tunings or compiles,
-CUDA-graph captures, storage reallocations (`_StepWatch`).
+`--timeout`, after rank 0 has answered every request still open with the error (500; a streamed one
+with a last event carrying it, then `data: [DONE]`). A step that stalls (a decode step of a second or
+more, ten times the usual one) is reported on stderr, with what ran in it that a steady server does not:
+kernel tunings or compiles, CUDA-graph captures, storage reallocations (`_StepWatch`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
         server.batching = "continuous" if loop is _serve_continuous else "static"
     try:
         loop(tm, tokenizer, server, ranks, eos, device, args)
+    except BaseException as exc:  # a peer died or stopped answering, or this rank is stopped: say so to clients
+        if server is not None:
+            server.fail_open(f"the server failed while answering ({_describe(exc)}); it is stopping")
+        raise
     finally:
         if server is not None:
             server.http.shutdown()
@@ -225,7 +230,7 @@ class _StepWatch:
         return line
 
 
-def _describe(exc: Exception) -> str:
+def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
@@ -349,12 +354,15 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args) -> None:
 def _serve_static(tm, tokenizer, server, ranks, eos, device, args) -> None:
     """Static batching: a batch of queued requests with the same sampling settings is generated to its
     longest request's end (transformers' generate) before the next batch starts."""
+    import random
+
     from .engine import generate_static
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     while True:
         jobs = server.next_batch(args.max_batch) if server else []
-        message = [(j.ids, j.max_tokens, j.sampling, j.seed) for j in jobs]
+        message = [(j.ids, j.max_tokens, j.sampling, j.seed if j.seed is not None else random.getrandbits(62))
+                   for j in jobs]
         if ranks is not None:
             message = ranks.share(message)
         if not message:
