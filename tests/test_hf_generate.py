@@ -40,7 +40,7 @@ def test_bad_arguments_exit_with_2(tmp_path, capsys):
     assert main(["--model", str(tmp_path), "--prompt", "x", "--ep", "0"]) == 2
     assert main(["--model", str(tmp_path), "--prompt", "x", "--ep", "2", "--mode", "ep"]) == 2
     err = capsys.readouterr().err
-    assert "not a directory" in err and "at least 1" in err and "one prompt per rank" in err
+    assert "does not exist" in err and "at least 1" in err and "one prompt per rank" in err
     assert main(["--model", str(tmp_path), "--prompt", "", "--max-new-tokens", "0", "--temperature", "-1",
                  "--dtype", "f16", "--timeout", "0"]) == 2
     err = capsys.readouterr().err
@@ -146,7 +146,7 @@ def test_a_rank_count_that_cannot_split_the_experts_is_refused_before_loading(tm
     assert message in capsys.readouterr().err
     assert cli(["finetune", "--model", str(tmp_path), "--ep", "3", "--out", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
-    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"n_routed_experts": 6}}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", "text_config": {"n_routed_experts": 6}}))
     from thunderep.hf.load import ep_size_problem
 
     assert ep_size_problem(tmp_path, 4) and ep_size_problem(tmp_path, 3) is None

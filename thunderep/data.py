@@ -13,15 +13,43 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["IGNORE", "batch_at", "ids_labels", "load_training_data", "split_tokens", "tokenize_corpus"]
+__all__ = ["IGNORE", "batch_at", "ids_labels", "load_training_data", "read_text", "split_tokens", "tokenize_corpus"]
 
 
 def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
-    """int64 [N] token ids of the text files (default: Python's bundled reference text)."""
-    from .train import load_corpus
+    """int64 [N] token ids of the text files (default: Python's bundled reference text), read as
+    `read_text` reads them; ValueError naming the files when they hold fewer than `MIN_TEXT_BYTES`."""
+    if not paths:
+        from .train import load_corpus
 
-    text = bytes(load_corpus(paths).tolist()).decode("utf-8", errors="replace")
-    return torch.tensor(tokenizer.encode(text), dtype=torch.long)
+        return torch.tensor(tokenizer.encode(bytes(load_corpus().tolist()).decode("utf-8")), dtype=torch.long)
+    size = sum(Path(p).stat().st_size for p in paths) + len(paths) - 1  # joined by newlines
+    if size < MIN_TEXT_BYTES:
+        raise ValueError(f"the training text ({', '.join(map(str, paths))}) has {size} bytes; give at least "
+                         f"{MIN_TEXT_BYTES}")
+    return torch.tensor(tokenizer.encode("\n".join(read_text(p) for p in paths)), dtype=torch.long)
+
+
+MIN_TEXT_BYTES = 4096  # the least training text, here and in `thunderep train` (train.load_corpus)
+TOO_MUCH_BINARY = 0.1  # the share of undecodable characters beyond which a text file is refused
+
+
+def read_text(path) -> str:
+    """The text of a training file, bytes that are not UTF-8 read as U+FFFD: a warning naming the file
+    when it has some, ValueError when they are more than `TOO_MUCH_BINARY` of its characters (a binary
+    file)."""
+    text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    if bad > TOO_MUCH_BINARY * len(text):
+        raise ValueError(f"{path}: {bad} of its {len(text)} characters ({bad / len(text):.0%}) are bytes that are "
+                         "not UTF-8 text; is it a binary file? Give text files (UTF-8) or JSON Lines (*.jsonl)")
+    if bad:
+        import warnings
+
+        warnings.warn(f"{path}: {bad} of its {len(text)} characters are bytes that are not UTF-8 text; they train "
+                      "as U+FFFD (the replacement character). Convert the file to UTF-8 to train on them",
+                      stacklevel=2)
+    return text
 
 
 IGNORE = -100  # a label transformers' loss skips
@@ -52,10 +80,16 @@ def load_training_data(tokenizer, paths: list[str] | None) -> torch.Tensor:
 
     for path in paths:
         if not str(path).endswith(".jsonl"):
-            text = Path(path).read_text(encoding="utf-8", errors="replace")
-            add([], tokenizer.encode(text))
+            add([], tokenizer.encode(read_text(path)))
             continue
-        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        raw = Path(path).read_bytes()
+        try:
+            lines = raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            line = raw.count(b"\n", 0, exc.start) + 1
+            raise ValueError(f"{path}, line {line}: byte 0x{raw[exc.start]:02x} is not UTF-8 text (JSON Lines "
+                             "files are UTF-8)") from None
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             where = f"{path}, line {n}"

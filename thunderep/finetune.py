@@ -390,15 +390,15 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--max-grad-norm must be 0 (off) or positive, got {args.max_grad_norm}")
     if not 0 < args.lr < math.inf:
         problems.append(f"--lr must be positive and finite, got {args.lr}")
-    if not (Path(args.model) / "config.json").is_file():
-        problems.append(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
     problems += _destination_problems(args)
-    from .hf.load import context_length, ep_size_problem  # the `hf` extra: loaded by the command only
+    from .hf.load import config_problem, context_length, ep_size_problem  # the `hf` extra: loaded by the command only
 
+    model_problem = config_problem(args.model)
+    problems += filter(None, [model_problem])
     context = context_length(args.model)
     if context is not None and args.seq_len > context:
         problems.append(f"--seq-len {args.seq_len} is longer than the model's context of {context} tokens")
-    if not args.balance:  # the balancer's spare slots take a rank count that does not divide the experts
+    if not args.balance and not model_problem:  # the balancer's spare slots take any rank count
         problems += filter(None, [ep_size_problem(args.model, args.ep)])
     if args.dtype not in ("auto", "mixed", "float32", "bfloat16", "float16"):
         problems.append(f"--dtype must be auto, mixed, float32, bfloat16 or float16, got {args.dtype!r}")

@@ -224,22 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
     if not all(args.prompt):
         problems.append("--prompt must not be empty")
+    if args.mode == "ep" and len(args.prompt) < args.ep:
+        problems.append(f"--mode ep needs at least one prompt per rank ({len(args.prompt)} prompts, {args.ep} ranks)")
+    from .hf.load import config_problem, ep_size_problem
+
+    problems += filter(None, [config_problem(args.model) or ep_size_problem(args.model, args.ep)])
     for line in problems:
         print(f"thunderep generate: {line}", file=sys.stderr)
     if problems:
-        return 2
-    if not Path(args.model).is_dir():
-        print(f"thunderep generate: --model {args.model!r} is not a directory", file=sys.stderr)
-        return 2
-    from .hf.load import ep_size_problem
-
-    problem = ep_size_problem(args.model, args.ep)
-    if problem:
-        print(f"thunderep generate: {problem}", file=sys.stderr)
-        return 2
-    if args.mode == "ep" and len(args.prompt) < args.ep:
-        print(f"thunderep generate: --mode ep needs at least one prompt per rank ({len(args.prompt)} prompts, "
-              f"{args.ep} ranks)", file=sys.stderr)
         return 2
     if args.ep == 1:
         generate_on_rank(args)

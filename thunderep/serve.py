@@ -457,7 +457,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from .cli import count_problems
-    from .hf.load import ep_size_problem
+    from .hf.load import config_problem, ep_size_problem
 
     problems = count_problems(args, ("ep", "max_batch", "max_new_tokens"))
     if not 0 <= args.port < 65536:
@@ -466,9 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                  for name in ("request_timeout", "timeout") if not 0 < getattr(args, name) < float("inf")]
     if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
         problems.append(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
-    if not (Path(args.model) / "config.json").is_file():
-        problems.append(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
-    problems += filter(None, [ep_size_problem(args.model, args.ep)])
+    problems += filter(None, [config_problem(args.model) or ep_size_problem(args.model, args.ep)])
     if problems:
         for line in problems:
             print(f"thunderep serve: {line}", file=sys.stderr)

@@ -35,8 +35,11 @@ def load_corpus(paths: list[str] | None = None) -> torch.Tensor:
         from pydoc_data import topics  # English reference text shipped with CPython
 
         data = "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode()
-    if len(data) < 4096:
-        raise ValueError(f"the training text has {len(data)} bytes; give at least 4096")
+    from .data import MIN_TEXT_BYTES
+
+    if len(data) < MIN_TEXT_BYTES:
+        raise ValueError(f"the training text ({', '.join(map(str, paths or []))}) has {len(data)} bytes; give at "
+                         f"least {MIN_TEXT_BYTES}")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import ConfigError, UnsupportedModelError
+from ..errors import CheckpointError, ConfigError, UnsupportedModelError
 
-__all__ = ["CheckpointIndex", "LoadReport", "load_pretrained", "rss_bytes"]
+__all__ = ["CheckpointIndex", "LoadReport", "config_problem", "load_pretrained", "rss_bytes"]
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
@@ -95,15 +95,17 @@ class CheckpointIndex:
     """The tensors of a local safetensors checkpoint (single file, sharded with an index, or several files)."""
 
     def __init__(self, path: str | os.PathLike):
-        from safetensors import safe_open
-
         self.path = Path(path)
         if not self.path.is_dir():
             raise ConfigError(f"checkpoint directory {str(self.path)!r} does not exist (ThunderEP loads local "
                               "directories only; download the model first)")
         index = self.path / "model.safetensors.index.json"
         if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads(index.read_bytes())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, no weight_map, ...
+                raise CheckpointError(f"{index} is not a safetensors index (a JSON object whose \"weight_map\" "
+                                      f"maps tensor names to shard files): {type(exc).__name__}: {exc}") from None
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not files:
@@ -112,8 +114,30 @@ class CheckpointIndex:
                 "re-save the checkpoint with save_pretrained(..., safe_serialization=True)"
             )
         self.file_names = tuple(files)
-        self._handles = {f: safe_open(str(self.path / f), framework="pt", device="cpu") for f in files}
+        self._handles = {f: self._open(f, indexed=index.exists()) for f in files}
         self.key_file = {k: f for f, h in self._handles.items() for k in h.keys()}
+
+    def _open(self, name: str, indexed: bool):
+        """safe_open of weights file `name`; CheckpointError naming it when it is missing, unreadable or not
+        whole (safetensors reports every failure to open as "No such file", and a truncated file as a
+        header error that names no file)."""
+        from safetensors import SafetensorError, safe_open
+
+        file = self.path / name
+        try:
+            with open(file, "rb"):
+                pass
+        except FileNotFoundError:
+            named = " (model.safetensors.index.json names it)" if indexed else ""
+            raise CheckpointError(f"weights file {str(file)!r} does not exist{named}: copy the checkpoint "
+                                  "again") from None
+        except OSError as exc:  # permission denied, a directory, ...
+            raise CheckpointError(f"cannot read weights file {str(file)!r}: {exc.strerror or exc}") from None
+        try:
+            return safe_open(str(file), framework="pt", device="cpu")
+        except SafetensorError as exc:  # a truncated or damaged file
+            raise CheckpointError(f"weights file {str(file)!r} is truncated or not a safetensors file "
+                                  f"({os.path.getsize(file)} bytes; {exc}): copy or download it again") from exc
 
     @property
     def files(self) -> int:
@@ -355,7 +379,14 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     started = time.perf_counter()
     path = Path(path)
     index = CheckpointIndex(path)
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    problem = config_problem(path, flag=None)
+    if problem:
+        raise CheckpointError(problem)
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:  # transformers' checks: an unknown model_type, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path / 'config.json'}: transformers cannot read it: {first}") from exc
     if getattr(config, "quantization_config", None):
         raise UnsupportedModelError(
             f"{str(path)!r} is a quantized checkpoint ({config.quantization_config.get('quant_method', '?')}); "
@@ -380,6 +411,8 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         model.tie_weights()
     loader = _Loader(model, wrapped.bindings, index)
     loader.run()
+    if ep is None or ep.groups.ep_rank == 0:  # every rank reads the same names: one warning
+        _warn_unused(model, loader.unused, path)
     if (path / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
     model.eval()
@@ -396,17 +429,69 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     return wrapped
 
 
+def _warn_unused(model: nn.Module, unused: list[str], path: Path) -> None:
+    """A warning when checkpoint tensors match nothing in the model (a config.json of fewer layers or
+    experts than the weights), leaving out rotary buffers of old checkpoints and the tensors the model's
+    class ignores on purpose (`_keys_to_ignore_on_load_unexpected`: DeepSeek-V3's multi-token-prediction
+    layer)."""
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    extra = [k for k in unused if not k.endswith("rotary_emb.inv_freq") and not any(p.search(k) for p in ignore)]
+    if extra:
+        import warnings
+
+        warnings.warn(f"{len(extra)} tensors of checkpoint {str(path)!r} match nothing in the model and were not "
+                      f"loaded, e.g. {extra[:3]}: its config.json may not match the weights (num_hidden_layers, "
+                      "the expert count, ...)", stacklevel=4)
+
+
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral / Qwen, OLMoE / DeepSeek
 
 
 def _config_parts(model_dir) -> list[dict]:
-    """config.json of `model_dir` and its text_config, or nothing where it is missing or malformed (the
-    loader names that itself)."""
+    """config.json of `model_dir` and its text_config, or nothing where it is missing or malformed
+    (`config_problem` says why)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return []
     return [config, config.get("text_config") or {}] if isinstance(config, dict) else []
+
+
+def config_problem(model_dir, flag: str | None = "--model") -> str | None:
+    """What makes `model_dir` unloadable as far as its config.json shows, read before any rank starts:
+    no such directory, no config.json, one that is unreadable, not a JSON object, without "model_type",
+    or with a "dtype" torch does not have; else None. `flag`: the command-line option the message names
+    (None: the directory's path only)."""
+    model_dir = Path(model_dir)
+    where = f"{flag} {str(model_dir)!r}" if flag else repr(str(model_dir))
+    file = model_dir / "config.json"
+    if not model_dir.exists():
+        return f"{where} does not exist (ThunderEP loads local checkpoint directories; download the model first)"
+    if not model_dir.is_dir():
+        return f"{where} is not a directory: give the checkpoint directory (config.json + *.safetensors)"
+    if not file.is_file():
+        return f"{where} is not a checkpoint directory (no config.json)"
+    try:
+        config = json.loads(file.read_bytes())
+    except OSError as exc:
+        return f"cannot read {file}: {exc.strerror or exc}"
+    except UnicodeDecodeError as exc:
+        return f"{file} is not JSON text ({exc.reason} at byte {exc.start}): copy it again from the model's source"
+    except json.JSONDecodeError as exc:
+        return (f"{file} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): copy it again "
+                "from the model's source")
+    if not isinstance(config, dict):
+        return f"{file} holds a JSON {type(config).__name__}, not an object of model settings"
+    if not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        return (f"{file} has no \"model_type\" (the model family, e.g. \"mixtral\", which transformers needs to "
+                "pick the model class): copy it again from the model's source")
+    for part in _config_parts(model_dir):
+        for key in ("dtype", "torch_dtype"):
+            value = part.get(key)
+            if isinstance(value, str) and not isinstance(getattr(torch, value, None), torch.dtype):
+                return (f"{file} gives \"{key}\": {value!r}, which is not a torch dtype (float32, bfloat16, "
+                        "float16, ...): correct it, or delete the entry to load float32")
+    return None
 
 
 def context_length(model_dir) -> int | None:

@@ -1,0 +1,139 @@
+"""Loading a broken checkpoint (`thunderep.hf.load`): config.json checked before any rank starts, weights
+files that cannot be opened named in one line, and tensors the model does not use warned of. Each case
+runs the command in one process (`--ep 1`) on a tiny checkpoint built here."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from hf_tiny import save_tiny  # noqa: E402
+
+from thunderep.errors import CheckpointError  # noqa: E402
+
+
+def _generate(model, capsys, *extra) -> tuple[int, str]:
+    from thunderep.cli import main as cli
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer files
+        code = cli(["generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "1", *extra])
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Mixtral saved in shards (several weights files), read-only for the tests: each copies it."""
+    return save_tiny("mixtral", tmp_path_factory.mktemp("ck") / "mixtral", max_shard_size="20KB")
+
+
+def _copy(checkpoint, tmp_path):
+    return shutil.copytree(checkpoint, tmp_path / "model")
+
+
+def test_a_truncated_weights_file_is_named_in_one_line(checkpoint, tmp_path, capsys):
+    """safetensors says "incomplete metadata, file not fully covered" and names no file: the loader names
+    the shard (before: a SafetensorError traceback with --ep 1, a nameless line from the ranks)."""
+    model = _copy(checkpoint, tmp_path)
+    shard = sorted(model.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    code, err = _generate(model, capsys)
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"weights file '{shard}' is truncated" in err
+    with pytest.raises(CheckpointError, match=f"{shard.name}' is truncated"):
+        from thunderep.hf import ThunderMoE
+
+        ThunderMoE.from_pretrained(model)
+
+
+def test_an_unreadable_weights_file_is_not_reported_missing(checkpoint, tmp_path, capsys):
+    """safetensors reports any file it cannot open as "No such file or directory"."""
+    model = _copy(checkpoint, tmp_path)
+    shard = sorted(model.glob("*.safetensors"))[0]
+    shard.unlink()
+    shard.mkdir()
+    code, err = _generate(model, capsys)
+    assert code == 1 and f"cannot read weights file '{shard}': Is a directory" in err, err
+    shard.rmdir()
+    code, err = _generate(model, capsys)
+    assert code == 1 and f"weights file '{shard}' does not exist (model.safetensors.index.json names it)" in err
+    if os.geteuid() != 0:  # root reads any file
+        other = sorted(model.glob("*.safetensors"))[0]
+        other.chmod(0)
+        code, err = _generate(model, capsys)
+        assert code == 1 and f"cannot read weights file '{other}': Permission denied" in err, err
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "is not a checkpoint directory (no config.json)"),
+    ('{"model_type": "mixtral",', "config.json is not valid JSON (Expecting "),
+    ("[1, 2]", "config.json holds a JSON list, not an object of model settings"),
+    ('{"num_local_experts": 8}', "config.json has no \"model_type\""),
+    ('{"model_type": "mixtral", "dtype": "float13"}',
+     "config.json gives \"dtype\": 'float13', which is not a torch dtype"),
+])
+def test_a_bad_config_json_is_refused_before_any_rank_starts(tmp_path, capsys, content, message):
+    """generate, finetune and serve read config.json before launching (`config_problem`): exit 2 and one
+    line. Before, generate started its ranks on a missing or malformed one, which failed in transformers
+    (a "model_type" message that named no file, an AttributeError for torch.float13)."""
+    from thunderep.cli import main as cli
+
+    if content is not None:
+        (tmp_path / "config.json").write_text(content)
+    for command in (["generate", "--prompt", "hi", "--ep", "2"], ["serve", "--ep", "2"],
+                    ["finetune", "--out", str(tmp_path / "out"), "--ep", "2"]):
+        assert cli([command[0], "--model", str(tmp_path)] + command[1:]) == 2, command
+        err = capsys.readouterr().err
+        assert err.count(message) == 1 and err.count("\n") == 1, (command, err)
+    assert _generate(tmp_path / "nowhere", capsys)[1].endswith("does not exist (ThunderEP loads local checkpoint "
+                                                               "directories; download the model first)\n")
+
+
+def test_the_loader_names_config_json_it_cannot_read(checkpoint, tmp_path):
+    """ThunderMoE.from_pretrained (no command's check before it) names config.json too."""
+    from thunderep.hf import ThunderMoE
+
+    model = _copy(checkpoint, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "dtype": "float13"}))
+    with pytest.raises(CheckpointError, match=r"config.json gives \"dtype\": 'float13'"):
+        ThunderMoE.from_pretrained(model)
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "zorblax_moe"}))
+    with pytest.raises(CheckpointError, match="config.json: transformers cannot read it: .*zorblax_moe") as info:
+        ThunderMoE.from_pretrained(model)
+    assert "\n" not in str(info.value)
+
+
+def test_tensors_the_model_does_not_use_are_warned_of(checkpoint, tmp_path):
+    """config.json of 1 layer over 2-layer weights loaded silently: a warning counts the unused tensors
+    and names some. Not an error: real checkpoints carry tensors on purpose (DeepSeek-V3's
+    multi-token-prediction layer, which the class lists as ignored and no warning names)."""
+    from thunderep.hf import ThunderMoE
+
+    model = _copy(checkpoint, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    with pytest.warns(UserWarning, match=r"31 tensors of checkpoint .* match nothing in the model .*"
+                                         r"'model\.layers\.1\..*config\.json may not match the weights"):
+        tm = ThunderMoE.from_pretrained(model)
+    assert len(tm.load_report.unused_keys) == 31
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ThunderMoE.from_pretrained(checkpoint)
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    deepseek = save_tiny("deepseek_v3", tmp_path / "deepseek")
+    tensors = load_file(f"{deepseek}/model.safetensors")
+    tensors["model.layers.61.eh_proj.weight"] = torch.zeros(2, 2)  # where DeepSeek-V3 keeps its MTP layer
+    save_file(tensors, f"{deepseek}/model.safetensors", metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ThunderMoE.from_pretrained(deepseek).load_report.unused_keys == ["model.layers.61.eh_proj.weight"]
