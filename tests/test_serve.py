@@ -359,6 +359,46 @@ def test_a_chat_template_that_raises_is_a_bad_request():
         server.http.server_close()
 
 
+def test_a_plain_request_whose_client_hangs_up_is_cancelled():
+    """A client that hangs up while waiting for a plain (not streamed) answer cancels its job, which the
+    serving loop then drops (before: it was generated to its end); one that stays is not cancelled (rank
+    0's HTTP side alone: nothing answers the jobs)."""
+    import argparse
+    import socket
+    import time
+
+    from hf_tiny import V, chat_tokenizer
+
+    from thunderep.http_api import HANGUP_POLL_S, Server
+
+    args = argparse.Namespace(host="127.0.0.1", port=0, quiet=True, request_timeout=30.0, max_new_tokens=2)
+    server = Server(args, chat_tokenizer(V), 64, "model", 1)
+    server.thread.start()
+    body = json.dumps({"prompt": "hello", "max_tokens": 4}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        clients, jobs = [], []
+        for _ in range(2):
+            clients.append(socket.create_connection(server.http.server_address, timeout=10))
+            clients[-1].sendall(request)
+            jobs.append(server.jobs.get(timeout=10))
+        clients[0].close()
+        deadline = time.monotonic() + 10
+        while not jobs[0].cancelled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert jobs[0].cancelled
+        time.sleep(4 * HANGUP_POLL_S)
+        assert not jobs[1].cancelled  # still waiting, still there
+        server.answer(jobs[1], [5, 6], "length")
+        assert clients[1].recv(4096).startswith(b"HTTP/1.0 200")
+    finally:
+        for c in clients:
+            c.close()
+        server.http.shutdown()
+        server.http.server_close()
+
+
 def test_methods_and_query_strings(server):
     """A path is routed without its query string; a method a path does not take gets 405 (with Allow) and
     a JSON error, PUT, DELETE, OPTIONS and HEAD included (not http.server's HTML 501 page)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import select
+import socket
 import threading
 import time
 import traceback
@@ -17,6 +19,7 @@ __all__ = ["IDLE_S", "BadRequest", "Job", "Server", "TextSoFar", "cut_at_stop"]
 
 IDLE_S = 0.5  # rank 0 sends an (empty) batch at least this often
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413), never read
+HANGUP_POLL_S = 0.25  # how often a request waiting for its answer checks that its client is still there
 FAIL_WAIT_S = 2.0  # after the serving loop failed, how long the open requests' handlers get to send the error
 _GET_PATHS = ("/health", "/v1/models")
 _POST_PATHS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}  # and the kind of job
@@ -29,6 +32,17 @@ _UNSUPPORTED = {
     "logit_bias": ({}, None), "suffix": ("", None), "tools": ([], None), "functions": ([], None),
 }
 
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the client of `sock` has closed its end: readable with nothing to read (a client that sends
+    its next request early is still there)."""
+    try:
+        if not select.select([sock], [], [], 0)[0]:
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):  # reset, or already closed
+        return True
 
 class BadRequest(ValueError):
     """A request the server refuses, with the message the client gets (HTTP 400)."""
@@ -155,12 +169,25 @@ class Server:
             def _answer(self, job: Job) -> None:
                 if job.chunks is not None:
                     self._stream(job)
-                elif not job.done.wait(args.request_timeout):
+                elif not self._wait(job):
                     self._reply(504, {"error": {"message": f"no answer within {args.request_timeout:g} s"}})
                 elif job.error is not None:
                     self._reply(500, {"error": {"message": job.error, "type": "server_error"}})
                 else:
                     self._reply(200, job.result)
+
+            def _wait(self, job: Job) -> bool:
+                """Whether `job` was answered within --request-timeout. A client that hangs up meanwhile
+                cancels it (the serving loop drops its sequence, as for a stream whose client went away),
+                instead of leaving it generating to its end: its socket is looked at every HANGUP_POLL_S."""
+                deadline = time.monotonic() + args.request_timeout
+                while not job.done.wait(max(0.0, min(HANGUP_POLL_S, deadline - time.monotonic()))):
+                    if time.monotonic() >= deadline:
+                        return False
+                    if _hung_up(self.connection):
+                        job.cancelled = True
+                        raise ConnectionResetError("the client hung up before its answer")  # handle() ends it
+                return True
 
             def _refuse(self):
                 self._route(self.command)
