@@ -135,6 +135,12 @@ class Server:
                 path = self._route("POST")
                 if path is None:
                     return
+                if self.headers.get("Transfer-Encoding") and self.headers.get("Content-Length") is None:
+                    self.close_connection = True  # a chunked body: not read (it read as empty, "no prompt")
+                    self._reply(411, {"error": {"message": "send the body with a Content-Length (chunked "
+                                                           "transfer encoding is not read)",
+                                                "type": "invalid_request_error"}})
+                    return
                 raw_length = self.headers.get("Content-Length") or "0"
                 if not raw_length.isdigit() or int(raw_length) > MAX_BODY_BYTES:
                     self.close_connection = True  # the body, if any, is not read
