@@ -299,8 +299,10 @@ def test_bad_requests_are_refused_with_a_message(server):
 
     host = urlsplit(url)
     conn = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=iter([b'{"prompt": "hi"}']), encode_chunked=True)
-    reply = conn.getresponse()  # a chunked body (before: read as empty, a 400 that asked for a prompt)
+    conn.putrequest("POST", "/v1/completions")  # a chunked body (before: read as empty, a 400 asking for a prompt)
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()  # answered before any chunk is sent: the body is never read
+    reply = conn.getresponse()
     assert reply.status == 411 and "Content-Length" in json.loads(reply.read())["error"]["message"]
     conn.close()
     for length, status in (("abc", 400), ("-5", 400), ("50000000000", 413)):  # answered, the body never read
