@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["IGNORE", "batch_at", "ids_labels", "load_training_data", "read_text", "split_tokens", "tokenize_corpus"]
+__all__ = ["IGNORE", "batch_at", "check_text_size", "ids_labels", "load_training_data", "read_text", "split_tokens",
+           "tokenize_corpus"]
 
 
 def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
@@ -23,15 +24,19 @@ def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
         from .train import load_corpus
 
         return torch.tensor(tokenizer.encode(bytes(load_corpus().tolist()).decode("utf-8")), dtype=torch.long)
-    size = sum(Path(p).stat().st_size for p in paths) + len(paths) - 1  # joined by newlines
-    if size < MIN_TEXT_BYTES:
-        raise ValueError(f"the training text ({', '.join(map(str, paths))}) has {size} bytes; give at least "
-                         f"{MIN_TEXT_BYTES}")
+    check_text_size(sum(Path(p).stat().st_size for p in paths) + len(paths) - 1, paths)  # joined by newlines
     return torch.tensor(tokenizer.encode("\n".join(read_text(p) for p in paths)), dtype=torch.long)
 
 
 MIN_TEXT_BYTES = 4096  # the least training text, here and in `thunderep train` (train.load_corpus)
 TOO_MUCH_BINARY = 0.1  # the share of undecodable characters beyond which a text file is refused
+
+
+def check_text_size(size: int, paths: list[str] | None) -> None:
+    """ValueError naming the files when the training text they make has fewer than MIN_TEXT_BYTES bytes."""
+    if size < MIN_TEXT_BYTES:
+        raise ValueError(f"the training text ({', '.join(map(str, paths or []))}) has {size} bytes; give at "
+                         f"least {MIN_TEXT_BYTES}")
 
 
 def read_text(path) -> str:

@@ -154,7 +154,7 @@ class DecodeBatch:
         """Pick the next token of rows `first:` from their logits, record it, and let finished rows go."""
         events, keep = [], []
         rows = self.rows[first:]
-        picked = self._pick(logits, rows)
+        picked = _pick_tokens(logits, [row.entry.sampling for row in rows], [row.generator for row in rows])
         self.next_ids[first:, 0] = torch.tensor(picked, device=self.device)
         for i, (row, token) in enumerate(zip(rows, picked)):
             if token in self.eos:
@@ -169,9 +169,6 @@ class DecodeBatch:
         if len(keep) < len(self.rows):
             self._drop(keep)
         return events
-
-    def _pick(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        return _pick_tokens(logits, [row.entry.sampling for row in rows], [row.generator for row in rows])
 
     def _drop(self, keep: list[int]) -> None:
         """Keep only rows `keep`; cut the leading cache columns that hold padding in every kept row."""

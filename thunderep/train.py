@@ -35,11 +35,9 @@ def load_corpus(paths: list[str] | None = None) -> torch.Tensor:
         from pydoc_data import topics  # English reference text shipped with CPython
 
         data = "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode()
-    from .data import MIN_TEXT_BYTES
+    from .data import check_text_size
 
-    if len(data) < MIN_TEXT_BYTES:
-        raise ValueError(f"the training text ({', '.join(map(str, paths or []))}) has {len(data)} bytes; give at "
-                         f"least {MIN_TEXT_BYTES}")
+    check_text_size(len(data), paths)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 

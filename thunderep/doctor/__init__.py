@@ -75,7 +75,7 @@ def diagnose(
     if not fs.path("/").is_dir():
         raise ConfigError(f"root ({str(root)!r}) is not a directory: pass '/' or the root of a captured "
                           "filesystem tree")
-    missing = [d for d in ("sys", "proc") if not fs.is_real_root and not fs.path(f"/{d}").is_dir()]
+    missing = [] if fs.is_real_root else [d for d in ("sys", "proc") if not fs.path(f"/{d}").is_dir()]
     if missing:  # an empty or wrong directory would pass as a machine without GPUs
         raise ConfigError(f"root ({str(root)!r}) has no {' or '.join(d + '/' for d in missing)}: it is not a "
                           "captured filesystem tree (one holds at least sys/ and proc/, and _commands/ for "

@@ -100,7 +100,8 @@ class CheckpointIndex:
             raise ConfigError(f"checkpoint directory {str(self.path)!r} does not exist (ThunderEP loads local "
                               "directories only; download the model first)")
         index = self.path / "model.safetensors.index.json"
-        if index.exists():
+        indexed = index.exists()
+        if indexed:
             try:
                 files = sorted(set(json.loads(index.read_bytes())["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, no weight_map, ...
@@ -114,7 +115,7 @@ class CheckpointIndex:
                 "re-save the checkpoint with save_pretrained(..., safe_serialization=True)"
             )
         self.file_names = tuple(files)
-        self._handles = {f: self._open(f, indexed=index.exists()) for f in files}
+        self._handles = {f: self._open(f, indexed) for f in files}
         self.key_file = {k: f for f, h in self._handles.items() for k in h.keys()}
 
     def _open(self, name: str, indexed: bool):
@@ -454,6 +455,11 @@ def _config_parts(model_dir) -> list[dict]:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return []
+    return _parts(config)
+
+
+def _parts(config) -> list[dict]:
+    """A parsed config.json and its text_config (multimodal checkpoints), or nothing if it is not an object."""
     return [config, config.get("text_config") or {}] if isinstance(config, dict) else []
 
 
@@ -485,7 +491,7 @@ def config_problem(model_dir, flag: str | None = "--model") -> str | None:
     if not isinstance(config.get("model_type"), str) or not config["model_type"]:
         return (f"{file} has no \"model_type\" (the model family, e.g. \"mixtral\", which transformers needs to "
                 "pick the model class): copy it again from the model's source")
-    for part in _config_parts(model_dir):
+    for part in _parts(config):
         for key in ("dtype", "torch_dtype"):
             value = part.get(key)
             if isinstance(value, str) and not isinstance(getattr(torch, value, None), torch.dtype):

@@ -44,9 +44,9 @@ TORCH_GEMM_MIN_ROWS = (512, 256)
 # "... the Hopper path from fewer rows for large experts"), both paths pinned: forward, the fused kernels win
 # at 144 and 160 rows per expert, the two tie at 176, and the Hopper path wins from 192 (Mixtral 1.350
 # -> 1.126 ms and 1.415 -> 1.180, DeepSeek-V3 10.71 -> 10.24); forward+backward, the Hopper path wins
-# from 160 (Mixtral 4.033 -> 3.826 ms, where the fused forward is still the faster) and by 11-19% at 192
-# and 224. Qwen3's fused forward stays faster from 160 to 384 rows (by 2-9%). The bound on the ratio lies
-# between Qwen3's and DeepSeek-V3's (their geometric mean, 631, rounded up).
+# from 160 (Mixtral 4.033 -> 3.826 ms, where the fused forward is still the faster) and takes 11-20% less
+# time at 192 and 224. Qwen3's fused forward stays faster from 160 to 384 rows (2-12% less time). The bound
+# on the ratio lies between Qwen3's and DeepSeek-V3's (their geometric mean, 631, rounded up).
 LARGE_EXPERT_MIN_ROWS = (192, 160)
 LARGE_EXPERT_RATIO = 640
 # The weight gradients take torch's grouped GEMM from this many rows per expert on average. Measured on
