@@ -73,6 +73,8 @@ def test_tuning_calls_run_the_row_kernels_where_hopper_could_run_torchs_gemm():
             assert reachable <= tuned, (D, I, experts, top_k, reachable - tuned)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the interpreter test; test_gpu_serving_after_tuning_tunes_nothing covers CUDA")
 def test_tuning_meets_every_row_key_where_long_prompts_take_torchs_gemm(monkeypatch):
     """Where the forward can take torch's grouped GEMM from TORCH_GEMM_MIN_ROWS rows per expert (sm_90;
     here torch's CPU grouped GEMM stands in), `tune_kernels` still launches the row kernels at every
