@@ -108,3 +108,92 @@ def test_ranks_end_when_the_launcher_is_stopped(tmp_path, sig):
         for p in tmp_path.glob("pid.*"):
             if p.read_text() and _running(int(p.read_text())):
                 os.kill(int(p.read_text()), signal.SIGKILL)
+
+
+STOPPABLE = '''
+import os, signal, sys, time
+from thunderep.cli import stop_on_sigterm
+from thunderep.errors import Stopped
+
+def work(rank, world, folder, finish):
+    if finish:  # SIGTERM asks this rank to finish: it ends its work and returns
+        asked = []
+        signal.signal(signal.SIGTERM, lambda *a: asked.append(1))
+    open(os.path.join(folder, f"pid.{rank}"), "w").write(str(os.getpid()))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (finish and asked):
+        time.sleep(0.05)
+
+if __name__ == "__main__":
+    from thunderep.launch import launch
+    try:
+        with stop_on_sigterm():
+            launch(work, 2, sys.argv[1], sys.argv[2] == "finish", stop_s=10.0)
+    except Stopped as exc:
+        print(exc, flush=True)
+        sys.exit(143)
+    print("finished", flush=True)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks follow their parent on Linux")
+@pytest.mark.parametrize("ranks_do", ["finish", "die"])
+def test_sigterm_to_the_launcher_passes_on_to_the_ranks(tmp_path, ranks_do):
+    """SIGTERM to a launcher inside `stop_on_sigterm`: the ranks get SIGTERM too. Ranks that take it as
+    a request to finish and end with 0 end the launch normally; ranks that SIGTERM ends make it raise
+    `Stopped` ("stopped by SIGTERM"), within seconds, and none is left running."""
+    (tmp_path / "stoppable.py").write_text(STOPPABLE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[1])])}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "stoppable.py"), str(tmp_path), ranks_do], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid.*"))) < 2 or any(not p.read_text() for p in tmp_path.glob("pid.*")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        took = time.monotonic() - started
+        if ranks_do == "finish":
+            assert proc.returncode == 0 and "finished" in out, out
+        else:
+            assert proc.returncode == 143 and "stopped by SIGTERM" in out, out
+        assert took < 8, took  # the ranks end at once either way: no wait for stop_s (10 s)
+        assert not any(_running(pid) for pid in pids)
+    finally:
+        proc.kill()
+        for p in tmp_path.glob("pid.*"):
+            if p.read_text() and _running(int(p.read_text())):
+                os.kill(int(p.read_text()), signal.SIGKILL)
+
+
+def test_the_command_line_reports_sigterm_and_exits_with_143(monkeypatch, capsys):
+    """SIGTERM to a `thunderep` command (in its main thread) ends it with one line naming the signal
+    and exit code 143, cleanup on the way out running as for Ctrl-C; the handler before is restored."""
+    import threading
+    import types
+
+    from thunderep import cli
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("only the main thread takes signals")  # SIGTERM would end this test process
+    cleaned = []
+
+    def main(argv):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the handler raises before this ends
+        finally:
+            cleaned.append(True)
+
+    monkeypatch.setitem(sys.modules, "sigterm_command", types.SimpleNamespace(main=main))
+    monkeypatch.setitem(cli.COMMANDS, "sigterm-test", ("sigterm_command", ""))
+    monkeypatch.delenv("THUNDEREP_DEBUG", raising=False)
+    before = signal.getsignal(signal.SIGTERM)
+    started = time.monotonic()
+    assert cli.main(["sigterm-test"]) == 143
+    assert time.monotonic() - started < 5 and cleaned
+    assert capsys.readouterr().err == "thunderep sigterm-test: stopped by SIGTERM\n"
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -206,11 +206,12 @@ def test_static_batching_samples_each_request_with_its_own_seed():
     assert alone == ([tokens], ["length"])
 
 
-def _stream(url: str, path: str, body: dict) -> list:
-    """The server-sent events of a streamed request: the decoded chunks, then "[DONE]"."""
+def _stream(url: str, path: str, body: dict, events: list | None = None) -> list:
+    """The server-sent events of a streamed request: the decoded chunks, then "[DONE]" (appended to
+    `events` as they come, if given)."""
     request = urllib.request.Request(url + path, data=json.dumps(dict(body, stream=True)).encode(),
                                      headers={"Content-Type": "application/json"})
-    events = []
+    events = [] if events is None else events
     with urllib.request.urlopen(request, timeout=120) as r:
         assert r.headers["Content-Type"] == "text/event-stream"
         for line in r:
@@ -555,15 +556,25 @@ class _StopLoop(Exception):
 
 class _ScriptedServer:
     """Rank 0's server side for the serving loop in this process: queued jobs from a script, one list
-    per loop turn; answers and failures recorded."""
+    per loop turn (a callable instead is called, and the turn queues nothing); answers and failures
+    recorded."""
 
     def __init__(self, script):
         self.script, self.answers, self.failures, self.generating = list(script), {}, {}, 0
+        self.stopping, self.refused = False, None
 
     def next_batch(self, limit, wait=True, same_sampling=True):
         if not self.script:
             raise _StopLoop
-        return self.script.pop(0)[:limit]
+        turn = self.script.pop(0)
+        if callable(turn):
+            turn()
+            return []
+        return turn[:limit]
+
+    def refuse_new(self, error):
+        self.stopping, self.refused = True, error
+        return 0
 
     def progress(self, job, tokens):
         return False
@@ -571,7 +582,7 @@ class _ScriptedServer:
     def answer(self, job, new, finish):
         self.answers[id(job)] = (list(new), finish)
 
-    def fail(self, job, error):
+    def fail(self, job, error, status=500):
         self.failures[id(job)] = error
 
 
@@ -609,6 +620,118 @@ def test_a_failed_prefill_fails_only_its_own_requests(monkeypatch):
             out = model.generate(torch.tensor([job.ids]), max_new_tokens=job.max_tokens, do_sample=False,
                                  pad_token_id=0)
         assert server.answers[id(job)] == (out[0, len(job.ids):].tolist(), "length")
+
+
+@pytest.mark.parametrize("drain", [60.0, 0.0])
+def test_after_sigterm_the_loop_admits_nothing_and_ends_when_its_sequences_are_done(drain):
+    """Continuous batching after SIGTERM (`_StopRequest` marked on a later turn): nothing more is
+    admitted (the script's later jobs are never taken), the requests being generated finish with the
+    tokens each gets alone within --drain-timeout, or get the error at once with a drain of 0, and the
+    loop ends by itself (it does not run out of script)."""
+    import argparse
+    import types
+
+    from hf_tiny import tiny_model
+
+    from thunderep.http_api import Job
+    from thunderep.serve import _serve_continuous, _StopRequest
+
+    model = tiny_model("mixtral", seed=1).eval()
+    first, second, never = (Job("completion", [5, 9, 12, 7], 10, (0.0, 1.0), None),
+                            Job("completion", [3, 4], 12, (0.0, 1.0), None),
+                            Job("completion", [6], 3, (0.0, 1.0), None))
+    stop = _StopRequest()
+    stop.serving = True
+    server = _ScriptedServer([[first], [second], lambda: stop(signal.SIGTERM, None), [never]])
+    _serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, set(), torch.device("cpu"),
+                      argparse.Namespace(max_batch=4, cuda_graphs="on", drain_timeout=drain), stop)
+    assert server.stopping and "stopping (SIGTERM)" in server.refused and server.script == [[never]]
+    assert (stop.generating, stop.cut) == (2, 0 if drain else 2)
+    for job in (first, second):
+        if drain:
+            with torch.no_grad():
+                out = model.generate(torch.tensor([job.ids]), max_new_tokens=job.max_tokens, do_sample=False,
+                                     pad_token_id=0)
+            assert server.answers[id(job)] == (out[0, len(job.ids):].tolist(), "length")
+        else:
+            assert id(job) not in server.answers and "--drain-timeout 0 s passed" in server.failures[id(job)]
+
+
+def test_sigterm_before_serving_stops_at_once():
+    """`_StopRequest` before the serving loop runs (loading, tuning): SIGTERM raises `Stopped`, nothing
+    being open; while serving it only marks the time."""
+    import argparse
+
+    from thunderep.errors import Stopped
+    from thunderep.serve import _StopRequest
+
+    stop = _StopRequest()
+    with pytest.raises(Stopped, match="stopped by SIGTERM"):
+        stop(signal.SIGTERM, None)
+    assert stop.at is None
+    stop.serving = True
+    stop(signal.SIGTERM, None)
+    assert stop.at is not None and not stop.overdue(argparse.Namespace(drain_timeout=60.0))
+    assert stop.overdue(argparse.Namespace(drain_timeout=-10.0))
+
+
+def _long_answers_model(directory) -> str:
+    """A tiny Mixtral with a long context and no end-of-sequence token: its answers run to max_tokens."""
+    from hf_tiny import V, chat_tokenizer, tiny_model
+
+    model = tiny_model("mixtral", seed=3, max_position_embeddings=4096, eos_token_id=None)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(str(directory))
+    chat_tokenizer(V).save_pretrained(str(directory))
+    return str(directory)
+
+
+@pytest.mark.parametrize("drain", ["60", "0.3"])
+def test_sigterm_to_the_server_finishes_or_ends_its_answers_and_exits_cleanly(tmp_path, drain):
+    """SIGTERM to the command alone (as `docker stop` sends it) while a long answer streams on 2 CPU
+    ranks: new requests get 503 and /health says "stopping"; with --drain-timeout 60 the answer runs to
+    its end, equal to the plain model's, and with 0.3 it ends with an error event and [DONE]; either way
+    the command exits with 0 and says how many answers finished."""
+    model_dir = _long_answers_model(tmp_path / "model")
+    log_path = tmp_path / "log.txt"
+    body, events = {"prompt": "hello there", "max_tokens": 400}, []
+    with _running_server(model_dir, log_path, "--cpu", "--drain-timeout", drain) as (url, proc):
+        reader = threading.Thread(target=_stream, args=(url, "/v1/completions", body, events))
+        reader.start()
+        deadline = time.monotonic() + 60
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        signalled = len(events)
+        if drain == "60":  # while the answer is still being generated
+            while "stopping (SIGTERM)" not in log_path.read_text() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            status, refused = _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            assert status == 503 and "stopping" in refused["error"]["message"], refused
+            with pytest.raises(urllib.error.HTTPError) as health:
+                urllib.request.urlopen(url + "/health", timeout=30)
+            assert health.value.code == 503 and json.loads(health.value.read())["status"] == "stopping"
+            assert reader.is_alive(), (signalled, len(events))  # the answer was still being generated meanwhile
+        code = proc.wait(timeout=90)
+        reader.join(timeout=60)
+    log = log_path.read_text()
+    assert code == 0, log[-3000:]
+    assert events[-1] == "[DONE]", events[-3:]
+    if drain == "60":
+        text, n, finish = _reference(model_dir, _prompt_ids(model_dir, body["prompt"]), body["max_tokens"])
+        assert (n, finish) == (body["max_tokens"], "length")
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert "1 of 1 request(s) being generated finished, 0 cut off" in log, log[-3000:]
+    else:
+        assert "--drain-timeout 0.3 s passed" in events[-2]["error"]["message"], events[-2]
+        assert "0 of 1 request(s) being generated finished, 1 cut off" in log, log[-3000:]
+
+
+def _prompt_ids(model_dir: str, prompt: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)(prompt)["input_ids"]
 
 
 def test_a_server_failing_mid_answer_sends_every_open_request_the_error(tmp_path, monkeypatch):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
 
-from .errors import ThunderError
+from .errors import Stopped, ThunderError
 
-__all__ = ["count_problems", "main"]
+__all__ = ["count_problems", "main", "stop_on_sigterm"]
 
 # subcommand -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS = {
@@ -34,6 +37,26 @@ def count_problems(args, at_least_1=(), at_least_0=()) -> list[str]:
                if n in args and getattr(args, n) < 0])
 
 
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(handler=_raise_stopped):
+    """While inside: SIGTERM calls `handler` (by default it raises `Stopped` where the main thread is, as
+    Ctrl-C raises KeyboardInterrupt, so that cleanup runs and the command says why it ended); before,
+    the process died at once and silently. Only the main thread can take signals: elsewhere nothing
+    changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _usage() -> str:
     lines = ["usage: thunderep COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
@@ -57,7 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     try:
-        return int(module.main(rest) or 0)
+        with stop_on_sigterm():
+            return int(module.main(rest) or 0)
+    except Stopped as exc:
+        if os.environ.get("THUNDEREP_DEBUG"):
+            raise
+        print(f"thunderep {name}: {exc}", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
     except KeyboardInterrupt:
         if os.environ.get("THUNDEREP_DEBUG"):
             raise

@@ -15,6 +15,7 @@ __all__ = [
     "PeerTimeout",
     "UnsupportedModelError",
     "CheckpointError",
+    "Stopped",
 ]
 
 
@@ -55,3 +56,8 @@ class UnsupportedModelError(ThunderError):
 class CheckpointError(ThunderError):
     """A checkpoint cannot be saved or loaded: a missing, truncated or tampered file, or a checkpoint
     of another model; the message names the file."""
+
+
+class Stopped(BaseException):
+    """The process was asked to stop (SIGTERM). Like KeyboardInterrupt it is no Exception, so that code
+    handling errors does not take it for one; the `thunderep` command reports it and exits with 143."""

@@ -59,6 +59,7 @@ class Job:
         self.done = threading.Event()
         self.result: dict | None = None
         self.error: str | None = None
+        self.status = 500  # the HTTP status its error is answered with (503: refused before it started)
         # stream=True: server-sent events; the serving loop puts chunks (dicts) here, then None
         self.chunks: queue.Queue | None = queue.Queue() if stream else None
         self.sent: str | None = None  # the streamed text so far (None: nothing sent yet)
@@ -102,7 +103,9 @@ class Server:
         self.args, self.tokenizer, self.context, self.name, self.world = args, tokenizer, context, name, world
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.open: set[Job] = set()  # jobs whose handler has not replied yet (fail_open answers them)
-        self.failed: str | None = None  # why the serving loop ended (fail_open): new requests get it at once
+        # why the serving loop ended (fail_open) or is ending (refuse_new): new requests get it at once
+        self.failed: str | None = None
+        self.stopping = False  # refuse_new: the loop finishes what it generates, then ends
         self.lock = threading.Lock()
         self.count = 0
         self.generating = 0  # requests being generated, set by the serving loop
@@ -123,7 +126,10 @@ class Server:
 
             def do_GET(self):  # noqa: N802 - the http.server convention
                 path = self._route("GET")
-                if path == "/health":
+                if path == "/health" and server.failed is not None:  # a load balancer sends no more here
+                    self._reply(503, {"status": "stopping" if server.stopping else "failed",
+                                      "error": server.failed, "generating": server.generating})
+                elif path == "/health":
                     self._reply(200, {"status": "ok", "model": server.name, "ranks": server.world,
                                       "batching": server.batching, "decode": server.decode_steps,
                                       "generating": server.generating,
@@ -178,7 +184,7 @@ class Server:
                 elif not self._wait(job):
                     self._reply(504, {"error": {"message": f"no answer within {args.request_timeout:g} s"}})
                 elif job.error is not None:
-                    self._reply(500, {"error": {"message": job.error, "type": "server_error"}})
+                    self._reply(job.status, {"error": {"message": job.error, "type": "server_error"}})
                 else:
                     self._reply(200, job.result)
 
@@ -381,11 +387,26 @@ class Server:
             job.sent = text
         return hit
 
-    def fail(self, job: Job, error: str) -> None:
-        job.error = error
+    def fail(self, job: Job, error: str, status: int = 500) -> None:
+        job.error, job.status = error, status
         if job.chunks is not None:
             job.chunks.put({"error": {"message": error, "type": "server_error"}})
         job.done.set()
+
+    def refuse_new(self, error: str) -> int:
+        """The server is stopping: new requests get `error` (503) from now on, and so do the queued ones
+        no rank has started (how many, returned); the requests being generated are the serving loop's
+        to finish."""
+        with self.lock:
+            self.failed, self.stopping = error, True
+        refused = 0
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return refused
+            self.fail(job, error, status=503)
+            refused += 1
 
     def fail_open(self, error: str, wait_s: float = FAIL_WAIT_S) -> None:
         """The serving loop has ended (a peer died): every request still open gets `error` (500, or a last

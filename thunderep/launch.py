@@ -21,7 +21,7 @@ import traceback
 
 import torch
 
-from .errors import ThunderError
+from .errors import Stopped, ThunderError
 
 __all__ = ["RankStart", "free_port", "launch", "rank_context", "run_on_ep"]
 
@@ -160,23 +160,33 @@ def _follow_launcher(launcher: int) -> None:
     threading.Thread(target=wait, name="thunderep-follow-launcher", daemon=True).start()
 
 
-def _stop(processes) -> None:
-    """SIGTERM to the ranks still running, GRACE_S for them to end, then SIGKILL."""
+def _stop(processes, wait_s: float = GRACE_S) -> bool:
+    """SIGTERM to the ranks still running, `wait_s` for them to end, then SIGKILL. Whether every rank
+    ended with exit code 0 (a rank that takes SIGTERM as a request to finish, as a server's do, can)."""
+    import signal
     import time
+
+    from .cli import stop_on_sigterm
 
     alive = [p for p in processes if p.is_alive()]
     for p in alive:
         p.terminate()
-    deadline = time.monotonic() + GRACE_S
-    for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in alive:
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
+    deadline = time.monotonic() + wait_s
+    with stop_on_sigterm(signal.SIG_IGN):  # a second SIGTERM to this process changes nothing meanwhile
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in alive:
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+    return all(p.exitcode == 0 for p in processes)
 
 
-def launch(fn, nprocs: int, *args) -> None:
+def launch(fn, nprocs: int, *args, stop_s: float = GRACE_S) -> None:
+    """`fn(rank, nprocs, *args)` on `nprocs` new processes (see the module's text). Stopped by SIGTERM
+    (`Stopped`, raised where `thunderep.cli.stop_on_sigterm` is in force), it passes SIGTERM on to the
+    ranks and gives them `stop_s` seconds before SIGKILL; it returns if they all then end with exit
+    code 0, else raises `Stopped` again."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args)
         return
@@ -196,6 +206,9 @@ def launch(fn, nprocs: int, *args) -> None:
         except KeyboardInterrupt:  # Ctrl-C, or SIGINT to this process alone: the ranks stop too, unsaved
             _stop(context.processes)
             raise
+        except Stopped:  # SIGTERM to this process: the ranks get it too, and stop_s to act on it
+            if not _stop(context.processes, stop_s):
+                raise
     except mp.ProcessRaisedException as exc:
         raise ThunderError(f"a rank failed: {exc}") from None
     except mp.ProcessExitedException as exc:

@@ -24,7 +24,8 @@ ranks rehearse decoding at every batch size, so that no request pays for either.
 Endpoints, in the OpenAI API's shape (one prompt per request):
   POST /v1/completions       {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
   POST /v1/chat/completions  {"messages", ...}: the checkpoint's chat template, generation prompt added
-  GET  /health ({"status", "model", "ranks", "batching", "decode", "generating", "queued"}), GET /v1/models
+  GET  /health ({"status", "model", "ranks", "batching", "decode", "generating", "queued"}; once the server
+       stops or fails, 503 {"status": "stopping" | "failed", "error", "generating"}), GET /v1/models
 temperature defaults to 0 (greedy: the same answer every time). "stop" (a string or up to 4) ends the
 answer before the first of them (finish_reason "stop"; with continuous batching the sequence also stops
 being generated). "stream": true sends the answer as server-sent events (`data: {chunk}` as text is
@@ -37,6 +38,13 @@ ranks go on serving in step; a rank that dies or stops answering ends the server
 with a last event carrying it, then `data: [DONE]`). A step that stalls (a decode step of a second or
 more, ten times the usual one) is reported on stderr, with what ran in it that a steady server does not:
 kernel tunings or compiles, CUDA-graph captures, storage reallocations (`_StepWatch`).
+
+SIGTERM (to the command, as `docker stop` and systemd send it, or to every process of it) stops the
+server cleanly: new requests and those still queued get 503, `/health` answers 503 {"status":
+"stopping"}, the requests being generated get up to `--drain-timeout` seconds to finish (then each gets
+the error, a streamed one as a last event), and the command exits with 0 (`_StopRequest`). A static
+batch being generated runs to its end first. Before the server listens, SIGTERM ends the command at
+once (exit code 143). Ctrl-C stops it at once, answering every open request with the error.
 """
 
 from __future__ import annotations
@@ -44,13 +52,16 @@ from __future__ import annotations
 import argparse
 import collections
 import pickle
+import signal
 import struct
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from .errors import Stopped
 from .http_api import Job, Server
 
 __all__ = ["main", "parse_args", "serve_on_rank"]
@@ -72,6 +83,14 @@ def _check_experts(tm, device: torch.device, say) -> None:
 
 def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
     """Load the model and serve until stopped (collective over the EP group; rank 0 answers HTTP)."""
+    from .cli import stop_on_sigterm
+
+    stop = _StopRequest()
+    with stop_on_sigterm(stop):
+        _serve(args, ep, stop)
+
+
+def _serve(args: argparse.Namespace, ep, stop: "_StopRequest") -> None:
     from .generate import load_tokenizer
     from .hf import ThunderMoE
 
@@ -100,6 +119,7 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
         seconds = _rehearse(tm, device, args, text_config.vocab_size)
         if say is not None:
             say(f"rehearsed decoding at every batch size in {seconds:.1f} s")
+    stop.serving = True  # SIGTERM from here on: finish what is being generated
     server = None
     if rank == 0:
         context = getattr(text_config, "max_position_embeddings", None) or 1 << 30
@@ -115,7 +135,10 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
     if server is not None:
         server.batching = "continuous" if loop is _serve_continuous else "static"
     try:
-        loop(tm, tokenizer, server, ranks, eos, device, args)
+        loop(tm, tokenizer, server, ranks, eos, device, args, stop)
+        if server is not None:  # stopped by SIGTERM: the last answers leave before the process ends
+            server.fail_open("the server has stopped")
+            print(f"[thunderep serve] {stop.summary(args.drain_timeout)}", flush=True)
     except BaseException as exc:  # a peer died or stopped answering, or this rank is stopped: say so to clients
         if server is not None:
             server.fail_open(f"the server failed while answering ({_describe(exc)}); it is stopping")
@@ -124,6 +147,52 @@ def serve_on_rank(args: argparse.Namespace, ep=None) -> None:
         if server is not None:
             server.http.shutdown()
             server.http.server_close()
+
+
+class _StopRequest:
+    """SIGTERM on a serving rank (its handler, `cli.stop_on_sigterm`). Before the serving loop starts it
+    raises `Stopped`: nothing is open yet. After, it marks the time, and rank 0's loop stops: new and
+    queued requests are refused (503), those being generated get --drain-timeout seconds to finish
+    (`drain`), then rank 0's next message tells every rank to end. A rank other than 0 that took SIGTERM
+    alone (rank 0 goes on serving) ends by itself once rank 0 has not ended the loop within
+    --drain-timeout + GRACE_S (`overdue`); rank 0 then fails its requests as for any rank that died."""
+
+    def __init__(self):
+        self.serving = False
+        self.at: float | None = None  # when SIGTERM came (time.monotonic)
+        self.generating = self.cut = self.refused = 0  # at SIGTERM; cut at --drain-timeout; refused queued
+
+    def __call__(self, signum, frame) -> None:
+        if not self.serving:
+            raise Stopped(f"stopped by {signal.Signals(signum).name}")
+        if self.at is None:
+            self.at = time.monotonic()
+
+    def drain(self, server: Server, jobs: dict, drain_s: float) -> bool:
+        """Rank 0 once SIGTERM came: refuse new and queued requests, fail the ones in `jobs` (key -> Job,
+        being generated) once `drain_s` has passed. Whether the serving loop can end (none left)."""
+        if not server.stopping:
+            self.generating = len(jobs)
+            self.refused = server.refuse_new("the server is stopping (SIGTERM); send the request again")
+            print(f"[thunderep serve] stopping (SIGTERM): {self.generating} request(s) being generated get "
+                  f"up to {drain_s:g} s to finish (--drain-timeout); new and queued ones get 503", flush=True)
+        if jobs and time.monotonic() - self.at >= drain_s:
+            self.cut = len(jobs)
+            for job in jobs.values():
+                server.fail(job, f"the server stopped before this answer was complete: SIGTERM, and "
+                                 f"--drain-timeout {drain_s:g} s passed")
+            jobs.clear()
+        return not jobs
+
+    def overdue(self, args: argparse.Namespace) -> bool:
+        from .launch import GRACE_S
+
+        return self.at is not None and time.monotonic() - self.at > args.drain_timeout + GRACE_S
+
+    def summary(self, drain_s: float) -> str:
+        return (f"stopped (SIGTERM): {self.generating - self.cut} of {self.generating} request(s) being "
+                f"generated finished, {self.cut} cut off at --drain-timeout {drain_s:g} s; {self.refused} "
+                f"queued one(s) refused")
 
 
 class _Ranks:
@@ -273,33 +342,42 @@ def _rehearse(tm, device, args, vocab: int) -> float:
     return time.perf_counter() - started
 
 
-def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args) -> None:
+def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args, stop=None) -> None:
     """Continuous batching (thunderep/engine.py): at every step rank 0 admits queued requests while the
     batch has room and sends them to every rank; all ranks prefill them, then decode one token for
     every sequence; a sequence leaves at its end of sequence or max_tokens and is answered at once.
     A sequence whose text reaches a stop string, or whose streaming client went away, is answered (or
-    dropped) on rank 0 and leaves every rank's batch at the next step (the cancels of the message)."""
+    dropped) on rank 0 and leaves every rank's batch at the next step (the cancels of the message).
+    After SIGTERM (`stop`) rank 0 admits nothing more and ends every rank's loop once its sequences are
+    done or --drain-timeout has passed (the last flag of the message)."""
     import random
 
     from .engine import Entry
 
+    stop = stop or _StopRequest()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch, active, count, ended = _decode_batch(tm, device, eos, pad, args, server), {}, 0, []
     watch = _StepWatch(batch, 0 if ranks is None else ranks.rank)
     while True:
-        entries, cancels = [], ended  # cancels: sequences answered early (a stop string) or abandoned
+        entries, cancels, done = [], ended, False  # cancels: sequences answered early (a stop string) or abandoned
         if server is not None:
             cancels += [key for key, job in active.items() if job.cancelled]
             for key in cancels:
                 active.pop(key, None)
-            room = args.max_batch - len(batch) + len(cancels)
-            for job in server.next_batch(room, wait=not len(batch), same_sampling=False):
+            if stop.at is not None:
+                done = stop.drain(server, active, args.drain_timeout)
+            for job in server.next_batch(args.max_batch - len(batch) + len(cancels), wait=not len(batch),
+                                         same_sampling=False) if stop.at is None else ():
                 count += 1
                 active[count] = job
                 seed = job.seed if job.seed is not None else random.getrandbits(62)
                 entries.append(Entry(count, job.ids, job.max_tokens, job.sampling, seed))
         if ranks is not None:
-            entries, cancels = ranks.share((entries, cancels))
+            entries, cancels, done = ranks.share((entries, cancels, done))
+        if done:
+            return
+        if server is None and stop.overdue(args):
+            raise Stopped("stopped by SIGTERM: rank 0 did not end the serving loop in time")
         ended = []
         batch.cancel(cancels)
         if server is not None:
@@ -351,20 +429,27 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args) -> None:
                 del active[key]
 
 
-def _serve_static(tm, tokenizer, server, ranks, eos, device, args) -> None:
+def _serve_static(tm, tokenizer, server, ranks, eos, device, args, stop=None) -> None:
     """Static batching: a batch of queued requests with the same sampling settings is generated to its
-    longest request's end (transformers' generate) before the next batch starts."""
+    longest request's end (transformers' generate) before the next batch starts. After SIGTERM (`stop`)
+    the batch being generated is finished, and rank 0 then ends every rank's loop."""
     import random
 
     from .engine import generate_static
 
+    stop = stop or _StopRequest()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     while True:
-        jobs = server.next_batch(args.max_batch) if server else []
+        done = server is not None and stop.at is not None and stop.drain(server, {}, args.drain_timeout)
+        jobs = server.next_batch(args.max_batch) if server and not done else []
         message = [(j.ids, j.max_tokens, j.sampling, j.seed if j.seed is not None else random.getrandbits(62))
                    for j in jobs]
         if ranks is not None:
-            message = ranks.share(message)
+            message, done = ranks.share((message, done))
+        if done:
+            return
+        if server is None and stop.overdue(args):
+            raise Stopped("stopped by SIGTERM: rank 0 did not end the serving loop in time")
         if not message:
             continue
         if server is not None:
@@ -444,6 +529,9 @@ def _parser() -> argparse.ArgumentParser:
                         "transformers function (grouped_mm, eager, ...). The kernels are autotuned before the "
                         "server listens: tens of seconds the first time on a machine, seconds after")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request waits for its answer")
+    p.add_argument("--drain-timeout", type=float, default=5.0,
+                   help="after SIGTERM, seconds the requests being generated get to finish (new ones get 503), "
+                        "before the server answers them with an error and exits (default 5)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
     p.add_argument("--quiet", action="store_true", help="no line per request")
@@ -464,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--port must be in 0..65535, got {args.port}")
     problems += [f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}"
                  for name in ("request_timeout", "timeout") if not 0 < getattr(args, name) < float("inf")]
+    if not 0 <= args.drain_timeout < float("inf"):
+        problems.append(f"--drain-timeout must be 0 or more seconds, got {args.drain_timeout}")
     if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
         problems.append(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
     problems += filter(None, [config_problem(args.model) or ep_size_problem(args.model, args.ep)])
@@ -474,9 +564,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep == 1:
         serve_on_rank(args)
         return 0
-    from .launch import launch
+    from .http_api import FAIL_WAIT_S
+    from .launch import GRACE_S, launch
 
-    launch(_rank_main, args.ep, args)
+    # after SIGTERM the ranks get the drain, the answers' way out, and the usual grace to end
+    launch(_rank_main, args.ep, args, stop_s=args.drain_timeout + FAIL_WAIT_S + GRACE_S)
     return 0
 
 
