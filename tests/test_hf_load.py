@@ -137,3 +137,24 @@ def test_tensors_the_model_does_not_use_are_warned_of(checkpoint, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ThunderMoE.from_pretrained(deepseek).load_report.unused_keys == ["model.layers.61.eh_proj.weight"]
+
+
+def test_a_config_naming_torch_dtype_loads_that_dtype_without_a_warning(checkpoint, tmp_path, monkeypatch):
+    """config.json of an older transformers, "torch_dtype" instead of "dtype", and one naming neither
+    (float32): the model loads in that dtype, and the loader never reads the config's deprecated
+    `torch_dtype` (transformers 5 logs a warning when it is read)."""
+    import torch
+    from transformers import PretrainedConfig
+
+    from thunderep.hf import ThunderMoE
+
+    reads = []
+    monkeypatch.setattr(PretrainedConfig, "torch_dtype", property(lambda self: reads.append(1) or self.dtype))
+    model = _copy(checkpoint, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("dtype", None)
+    (model / "config.json").write_text(json.dumps(config))
+    assert {p.dtype for p in ThunderMoE.from_pretrained(model).parameters()} == {torch.float32}
+    (model / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    assert {p.dtype for p in ThunderMoE.from_pretrained(model).parameters()} == {torch.bfloat16}
+    assert not reads

@@ -336,7 +336,8 @@ def _init_non_persistent_buffers(model: nn.Module) -> None:
 
 def _resolve_dtype(dtype, config) -> torch.dtype:
     if dtype is None or dtype == "auto":
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        # transformers 5 reads a config.json's "torch_dtype" into `dtype` (and warns when asked for torch_dtype)
+        dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     return dtype
