@@ -128,7 +128,7 @@ if __name__ == "__main__":
     from thunderep.launch import launch
     try:
         with stop_on_sigterm():
-            launch(work, 2, sys.argv[1], sys.argv[2] == "finish", stop_s=10.0)
+            launch(work, 2, sys.argv[1], sys.argv[2] == "finish", stop_s=120.0)
     except Stopped as exc:
         print(exc, flush=True)
         sys.exit(143)
@@ -154,13 +154,13 @@ def test_sigterm_to_the_launcher_passes_on_to_the_ranks(tmp_path, ranks_do):
         pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=150)
         took = time.monotonic() - started
         if ranks_do == "finish":
             assert proc.returncode == 0 and "finished" in out, out
         else:
             assert proc.returncode == 143 and "stopped by SIGTERM" in out, out
-        assert took < 8, took  # the ranks end at once either way: no wait for stop_s (10 s)
+        assert took < 60, took  # the ranks end at once either way: no wait for stop_s (120 s)
         assert not any(_running(pid) for pid in pids)
     finally:
         proc.kill()

@@ -657,6 +657,100 @@ def test_after_sigterm_the_loop_admits_nothing_and_ends_when_its_sequences_are_d
             assert id(job) not in server.answers and "--drain-timeout 0 s passed" in server.failures[id(job)]
 
 
+class _LeavingServer(_ScriptedServer):
+    """A scripted server whose jobs with a `leave_after` attribute lose their client after that many
+    tokens, and which records how many model calls had run when each job was answered."""
+
+    def __init__(self, script, calls):
+        super().__init__(script)
+        self.calls, self.answered_at = calls, {}
+
+    def progress(self, job, tokens):
+        if len(tokens) >= getattr(job, "leave_after", 1 << 30):
+            job.cancelled = True
+        return False
+
+    def answer(self, job, new, finish):
+        super().answer(job, new, finish)
+        self.answered_at[id(job)] = len(self.calls)
+
+
+def test_static_batches_answer_each_request_when_its_row_ends():
+    """--batching static in one process: a short request batched with a long one is answered when its
+    own row ends, while the long one is still generated; each answer is the tokens the request gets
+    alone; a row whose client went away ends unanswered; a batch ends when its last row does (a batch
+    whose every client went away after 2 tokens runs 2 model calls, not its max_tokens)."""
+    import argparse
+    import types
+
+    from hf_tiny import tiny_model
+
+    from thunderep.hf import ThunderMoE
+    from thunderep.http_api import Job
+    from thunderep.serve import _serve_static
+
+    model = tiny_model("mixtral", seed=1).eval()
+    tm = ThunderMoE.wrap(model, None).eval()
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    short, long, leaver = (Job("completion", [5, 9, 12, 7], 3, (0.0, 1.0), None),
+                           Job("completion", [3, 4], 12, (0.0, 1.0), None),
+                           Job("completion", [6, 2, 8], 20, (0.0, 1.0), None))
+    leaver.leave_after = 4
+    gone = [Job("completion", [6 + i], 30, (0.0, 1.0), None) for i in range(2)]
+    for job in gone:
+        job.leave_after = 2
+    server = _LeavingServer([[short, long, leaver], gone], calls)
+    with pytest.raises(_StopLoop):
+        _serve_static(tm, types.SimpleNamespace(pad_token_id=0), server, None, set(), torch.device("cpu"),
+                      argparse.Namespace(max_batch=4, drain_timeout=5.0))
+    served = len(calls)
+    for job in (short, long):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([job.ids]), max_new_tokens=job.max_tokens, do_sample=False,
+                                 pad_token_id=0)
+        assert server.answers[id(job)] == (out[0, len(job.ids):].tolist(), "length")
+    assert server.answered_at[id(short)] <= 3 < 12 <= server.answered_at[id(long)], server.answered_at
+    assert id(leaver) not in server.answers and not server.failures
+    # the first batch ran to the long request's 12 tokens (not the leaver's 20), the second 2 tokens
+    assert served - server.answered_at[id(long)] == 2, (served, server.answered_at)
+    assert not any(id(job) in server.answers for job in gone)
+
+
+def test_a_static_batch_after_sigterm_ends_its_rows_at_the_drain():
+    """--batching static: SIGTERM while a batch is generated (after its 3rd token here), --drain-timeout 0:
+    its rows end there with the error, the queued request is never taken, the serving loop ends."""
+    import argparse
+    import types
+
+    from hf_tiny import tiny_model
+
+    from thunderep.hf import ThunderMoE
+    from thunderep.http_api import Job
+    from thunderep.serve import _serve_static, _StopRequest
+
+    model = tiny_model("mixtral", seed=1).eval()
+    tm = ThunderMoE.wrap(model, None).eval()
+    calls, stop = [], _StopRequest()
+    stop.serving = True
+    model.register_forward_hook(lambda *a: calls.append(1))
+
+    class Stopped(_LeavingServer):
+        def progress(self, job, tokens):
+            if len(tokens) == 3:
+                stop(signal.SIGTERM, None)
+            return False
+
+    batch, queued = [Job("completion", [5 + i], 20, (0.0, 1.0), None) for i in range(2)], Job("completion", [3], 4,
+                                                                                            (0.0, 1.0), None)
+    server = Stopped([batch, [queued]], calls)
+    _serve_static(tm, types.SimpleNamespace(pad_token_id=0), server, None, set(), torch.device("cpu"),
+                  argparse.Namespace(max_batch=4, drain_timeout=0.0), stop)
+    assert len(calls) == 3 and server.script == [[queued]] and not server.answers
+    assert all("--drain-timeout 0 s passed" in server.failures[id(job)] for job in batch), server.failures
+    assert (stop.generating, stop.cut) == (2, 2) and server.stopping
+
+
 def test_sigterm_before_serving_stops_at_once():
     """`_StopRequest` before the serving loop runs (loading, tuning): SIGTERM raises `Stopped`, nothing
     being open; while serving it only marks the time."""

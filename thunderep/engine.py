@@ -232,18 +232,42 @@ class _PerRequestSampling:
         return torch.full_like(scores, float("-inf")).scatter_(1, picked[:, None], 0.0)
 
 
-def generate_static(tm, pad: int, message: list, eos: set, device, streamer=None) -> tuple[list[list[int]], list[str]]:
+def _rows_end(width: int, limits: list[int], ended):
+    """The stopping criterion of `generate_static` (a transformers `StoppingCriteriaList`): row i ends once
+    it has limits[i] new tokens, or where `ended(step, tokens)` names it (`tokens`: each row's newest)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _RowsEnd(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            step = input_ids.shape[1] - width
+            done = [step >= n for n in limits]
+            for i in ended(step, input_ids[:, -1]) if ended is not None else ():
+                done[i] = True
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([_RowsEnd()])
+
+
+def generate_static(tm, pad: int, message: list, eos: set, device, streamer=None,
+                    ended=None) -> tuple[list[list[int]], list[str]]:
     """Static batching, every rank: generate the batch (a list of (ids, max_tokens, (temperature, top_p),
     seed)) with transformers' `generate` in latency mode; the new tokens of each request (cut at its end of
     sequence and its max_tokens) and why it stopped ("stop" or "length"). A sampled request draws from its
     own generator seeded by its seed (rank 0 draws one for an unseeded request, the same on every rank),
-    as with continuous batching: its answer does not depend on the others in the batch."""
+    as with continuous batching: its answer does not depend on the others in the batch.
+
+    A row stops being generated at its end of sequence or its own max_tokens, and where `ended(step,
+    tokens)` says so: called after each new token on every rank (`step` new tokens so far, `tokens` the
+    newest of each row), it returns the rows that end there, the same on every rank (the server's stop
+    strings, clients gone, its drain after SIGTERM). The batch ends when every row has (`_rows_end`);
+    before, it ran to its longest request's max_tokens."""
     prompts = [ids for ids, _, _, _ in message]
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
     longest = max(n for _, n, _, _ in message)
-    gen = dict(max_new_tokens=longest, do_sample=False, pad_token_id=pad, streamer=streamer)
+    gen = dict(max_new_tokens=longest, do_sample=False, pad_token_id=pad, streamer=streamer,
+               stopping_criteria=_rows_end(width, [n for _, n, _, _ in message], ended))
     generators = [_sampling_generator(sampling, seed, device) for _, _, sampling, seed in message]
     if any(g is not None for g in generators):
         from transformers import LogitsProcessorList

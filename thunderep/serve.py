@@ -15,8 +15,9 @@ the batch keeps its KV cache in fixed storage and each decode step replays a CUD
 (`thunderep.static_decode`): the host launches a handful of kernels per step instead of hundreds.
 A request is answered as soon as its sequence ends. With
 `--batching static` (and for models whose cache cannot be merged, e.g. sliding-window attention) a
-batch of requests with the same sampling settings runs to its longest request's end (transformers'
-`generate`) before the next starts. When idle, rank 0 sends an empty batch every half second, so a
+batch of requests with the same sampling settings is generated together (transformers' `generate`)
+until its last request has ended, before the next starts; each request is answered when its own row
+ends. When idle, rank 0 sends an empty batch every half second, so a
 rank that dies is noticed within `--timeout`. Before listening, ThunderEP's kernels (if they compute
 the experts) are autotuned for every shape the server can meet (`thunderep.hf.tune`), and on GPUs the
 ranks rehearse decoding at every batch size, so that no request pays for either.
@@ -42,8 +43,7 @@ kernel tunings or compiles, CUDA-graph captures, storage reallocations (`_StepWa
 SIGTERM (to the command, as `docker stop` and systemd send it, or to every process of it) stops the
 server cleanly: new requests and those still queued get 503, `/health` answers 503 {"status":
 "stopping"}, the requests being generated get up to `--drain-timeout` seconds to finish (then each gets
-the error, a streamed one as a last event), and the command exits with 0 (`_StopRequest`). A static
-batch being generated runs to its end first. Before the server listens, SIGTERM ends the command at
+the error, a streamed one as a last event), and the command exits with 0 (`_StopRequest`). Before the server listens, SIGTERM ends the command at
 once (exit code 143). Ctrl-C stops it at once, answering every open request with the error.
 """
 
@@ -430,9 +430,12 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args, stop=None
 
 
 def _serve_static(tm, tokenizer, server, ranks, eos, device, args, stop=None) -> None:
-    """Static batching: a batch of queued requests with the same sampling settings is generated to its
-    longest request's end (transformers' generate) before the next batch starts. After SIGTERM (`stop`)
-    the batch being generated is finished, and rank 0 then ends every rank's loop."""
+    """Static batching: a batch of queued requests with the same sampling settings is generated together
+    (transformers' generate) until each has ended, before the next batch starts. A request is answered
+    as soon as its row ends (`_StaticRows`): its end of sequence, max_tokens or a stop string; a row whose
+    client went away ends unanswered. After SIGTERM (`stop`) the rows still being generated get
+    --drain-timeout to end, and rank 0 then ends every rank's loop. Rank 0's rows that end go to every
+    rank at every step (one message), so that all generate the same rows."""
     import random
 
     from .engine import generate_static
@@ -454,14 +457,21 @@ def _serve_static(tm, tokenizer, server, ranks, eos, device, args, stop=None) ->
             continue
         if server is not None:
             server.generating = len(jobs)
+        state = _StaticRows(server, jobs, eos, stop, args.drain_timeout) if server is not None else None
+
+        def ended(step: int, tokens: torch.Tensor) -> list[int]:
+            mine = state.ended(tokens.tolist()) if state is not None else None
+            return ranks.share(mine) if ranks is not None else mine
+
         try:
-            streamer = _Streamer(server, jobs, eos) if server and any(j.chunks is not None for j in jobs) else None
-            rows, finishes = generate_static(tm, pad, message, eos, device, streamer)
+            rows, finishes = generate_static(tm, pad, message, eos, device, ended=ended)
             error = None
         except Exception as exc:  # noqa: BLE001 - answered as a 500; the ranks agree below
             rows, finishes, error = None, None, _describe(exc)
         error = _agree_on_failure(error, ranks)
         for i, job in enumerate(jobs):
+            if not state.open[i]:  # answered, failed or abandoned while the batch ran
+                continue
             if error is not None:
                 server.fail(job, error)
             else:
@@ -470,32 +480,50 @@ def _serve_static(tm, tokenizer, server, ranks, eos, device, args, stop=None) ->
             server.generating = 0
 
 
-class _Streamer:
-    """A `generate()` streamer on rank 0: sends each streamed job's new text as it is decoded, until the
-    job's end of sequence or max_tokens (the batch may go on for the others)."""
+class _StaticRows:
+    """Rank 0's side of a static batch being generated. `ended(tokens)`, given each row's newest token
+    after every step (the stopping criterion's call), takes them (streamed text and stop strings through
+    `Server.progress`) and ends the rows whose request is complete, answering it there: its end of
+    sequence, its max_tokens or a stop string; a row whose client went away ends unanswered; after
+    SIGTERM, the rows left once --drain-timeout has passed get the error (`_StopRequest.drain`)."""
 
-    def __init__(self, server: Server, jobs: list[Job], eos: set):
-        self.server, self.jobs, self.eos = server, jobs, eos
+    def __init__(self, server: Server, jobs: list[Job], eos: set, stop: _StopRequest, drain_s: float):
+        self.server, self.jobs, self.eos, self.stop, self.drain_s = server, jobs, eos, stop, drain_s
         self.tokens: list[list[int]] = [[] for _ in jobs]
-        self.open = [j.chunks is not None for j in jobs]
-        self.prompt_seen = False
+        self.finish: list[str | None] = [None] * len(jobs)
+        self.open = [True] * len(jobs)  # not yet answered, failed or abandoned
 
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # the first call carries the prompts
-            self.prompt_seen = True
-            return
-        for i, token in enumerate(value.reshape(-1).tolist()):
-            if not self.open[i]:
-                continue
+    def _take(self, tokens: list[int]) -> None:
+        for i, token in enumerate(tokens):
             job = self.jobs[i]
-            if token in self.eos or len(self.tokens[i]) >= job.max_tokens:
-                self.open[i] = False
+            if not self.open[i] or self.finish[i] is not None:
+                continue
+            if token in self.eos:
+                self.finish[i] = "stop"
                 continue
             self.tokens[i].append(token)
-            self.server.progress(job, self.tokens[i])
+            if self.server.progress(job, self.tokens[i]):  # a stop string
+                self.finish[i] = "stop"
+            elif len(self.tokens[i]) >= job.max_tokens:
+                self.finish[i] = "length"
 
-    def end(self) -> None:
-        pass
+    def ended(self, tokens: list[int]) -> list[int]:
+        self._take(tokens)
+        out = []
+        for i, job in enumerate(self.jobs):
+            if self.open[i] and (self.finish[i] is not None or job.cancelled):
+                if self.finish[i] is not None:
+                    self.server.answer(job, self.tokens[i], self.finish[i])
+                self.open[i] = False
+                out.append(i)
+        if self.stop.at is not None:
+            left = {i: job for i, job in enumerate(self.jobs) if self.open[i]}
+            self.stop.drain(self.server, left, self.drain_s)  # fails and clears them once the drain has passed
+            for i in range(len(self.jobs)):
+                if self.open[i] and i not in left:
+                    self.open[i] = False
+                    out.append(i)
+        return out
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -515,8 +543,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="requests generated together at most")
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="continuous: requests join and leave the batch at every decode step (default; models "
-                        "whose cache cannot be merged fall back to static); static: a batch runs to its "
-                        "longest request before the next starts")
+                        "whose cache cannot be merged fall back to static); static: a batch is generated "
+                        "until its last request has ended before the next starts")
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
                    help="on (default): on GPUs, continuous batching keeps the KV cache in fixed storage and "
                         "replays each decode step from a CUDA graph (one per batch size); off: eager steps")
