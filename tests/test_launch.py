@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -78,22 +79,34 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks follow their parent on Linux")
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL", "SIGINT"])
-def test_ranks_end_when_the_launcher_is_stopped(tmp_path, sig):
-    """A launcher stopped by SIGTERM or SIGKILL, or interrupted by SIGINT sent to it alone, leaves no rank
-    running (before, its ranks went on training and wrote their output); on SIGINT it raises
-    KeyboardInterrupt after stopping them."""
-    (tmp_path / "sleeper.py").write_text(SLEEPER)
+@contextlib.contextmanager
+def _launched(tmp_path, script: str, *argv: str):
+    """(launcher process, its ranks' pids) of `script` (a launcher of 2 ranks that each write their pid
+    to tmp_path/pid.RANK), once both ranks have started; at the end, whatever is left is killed."""
+    (tmp_path / "launcher.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[1])])}
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "sleeper.py"), str(tmp_path)], env=env,
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path), *argv], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("pid.*"))) < 2 or any(not p.read_text() for p in tmp_path.glob("pid.*")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
             time.sleep(0.1)
-        pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+        yield proc, [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+    finally:
+        proc.kill()
+        for p in tmp_path.glob("pid.*"):
+            if p.read_text() and _running(int(p.read_text())):
+                os.kill(int(p.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks follow their parent on Linux")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL", "SIGINT"])
+def test_ranks_end_when_the_launcher_is_stopped(tmp_path, sig):
+    """A launcher stopped by SIGTERM or SIGKILL, or interrupted by SIGINT sent to it alone, leaves no rank
+    running (before, its ranks went on training and wrote their output); on SIGINT it raises
+    KeyboardInterrupt after stopping them."""
+    with _launched(tmp_path, SLEEPER) as (proc, pids):
         assert all(_running(pid) for pid in pids)
         proc.send_signal(getattr(signal, sig))
         out, _ = proc.communicate(timeout=30)
@@ -103,11 +116,6 @@ def test_ranks_end_when_the_launcher_is_stopped(tmp_path, sig):
         while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_running(pid) for pid in pids), f"ranks still running after {sig} to the launcher"
-    finally:
-        proc.kill()
-        for p in tmp_path.glob("pid.*"):
-            if p.read_text() and _running(int(p.read_text())):
-                os.kill(int(p.read_text()), signal.SIGKILL)
 
 
 STOPPABLE = '''
@@ -142,16 +150,7 @@ def test_sigterm_to_the_launcher_passes_on_to_the_ranks(tmp_path, ranks_do):
     """SIGTERM to a launcher inside `stop_on_sigterm`: the ranks get SIGTERM too. Ranks that take it as
     a request to finish and end with 0 end the launch normally; ranks that SIGTERM ends make it raise
     `Stopped` ("stopped by SIGTERM"), within seconds, and none is left running."""
-    (tmp_path / "stoppable.py").write_text(STOPPABLE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[1])])}
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "stoppable.py"), str(tmp_path), ranks_do], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("pid.*"))) < 2 or any(not p.read_text() for p in tmp_path.glob("pid.*")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
-            time.sleep(0.1)
-        pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+    with _launched(tmp_path, STOPPABLE, ranks_do) as (proc, pids):
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=150)
@@ -162,11 +161,6 @@ def test_sigterm_to_the_launcher_passes_on_to_the_ranks(tmp_path, ranks_do):
             assert proc.returncode == 143 and "stopped by SIGTERM" in out, out
         assert took < 60, took  # the ranks end at once either way: no wait for stop_s (120 s)
         assert not any(_running(pid) for pid in pids)
-    finally:
-        proc.kill()
-        for p in tmp_path.glob("pid.*"):
-            if p.read_text() and _running(int(p.read_text())):
-                os.kill(int(p.read_text()), signal.SIGKILL)
 
 
 def test_the_command_line_reports_sigterm_and_exits_with_143(monkeypatch, capsys):
