@@ -228,9 +228,13 @@ def test_streamed_answers_are_the_answers_in_pieces(server):
     and a plain request in the same batch both get theirs."""
     url, _ = server
     body = {"prompt": "w40 w41 hello", "max_tokens": 8}
-    plain = _post(url, "/v1/completions", body)[1]["choices"][0]
+    reply = _post(url, "/v1/completions", body)[1]
+    plain = reply["choices"][0]
     events = _stream(url, "/v1/completions", body)
     assert events[-1] == "[DONE]" and len(events) >= 3
+    # every piece carries its request's id, the request count as in a plain answer's, another request's
+    numbers = {int(e["id"].removeprefix("cmpl-")) for e in events[:-1]}
+    assert len(numbers) == 1 and numbers.pop() > int(reply["id"].removeprefix("cmpl-")), (reply["id"], events)
     chunks = [e["choices"][0] for e in events[:-1]]
     assert "".join(c["text"] for c in chunks) == plain["text"]
     assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [plain["finish_reason"]]
@@ -278,7 +282,8 @@ def test_bad_requests_are_refused_with_a_message(server):
                           ({"prompt": "hi", "max_tokens": 0}, "\"max_tokens\" is a positive integer"),
                           ({"prompt": "hi", "temperature": -1}, "\"temperature\" is a number in"),
                           ({"prompt": "hi", "stop": ["a", ""]}, "\"stop\" is a non-empty string or a list"),
-                          ({"prompt": " ".join(["hello"] * 70)}, "exceed the model's context of 64 tokens"),
+                          ({"prompt": " ".join(["hello"] * 70)}, "leave no room in the model's context of 64"),
+                          ({"prompt": " ".join(["hello"] * 60), "max_tokens": 5}, "exceed the model's context of 64"),
                           (b'{"prompt": "\xff\xfe", "max_tokens": 2}', "the body is not UTF-8"),
                           (b'{"prompt": "h\\ud800", "max_tokens": 2}', "the body holds text that is not valid Unicode"),
                           ({"prompt": "hi", "seed": 10**23}, "\"seed\" is an integer from 0 to 2**63 - 1"),
@@ -316,6 +321,20 @@ def test_bad_requests_are_refused_with_a_message(server):
         conn.close()
     status, body = _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})  # still serving
     assert status == 200 and body["usage"]["completion_tokens"] <= 2
+
+
+def test_without_max_tokens_an_answer_takes_the_room_the_context_leaves(server):
+    """No "max_tokens" and --max-new-tokens (128 by default) above the room the prompt leaves in the
+    tiny model's context of 64: the answer gets that room (as the OpenAI API does), not a refusal naming
+    a max_tokens the client never sent."""
+    url, model_dir = server
+    prompt = " ".join(["hello"] * 50)
+    status, reply = _post(url, "/v1/completions", {"prompt": prompt})
+    assert status == 200, reply
+    usage, finish = reply["usage"], reply["choices"][0]["finish_reason"]
+    text, n, want_finish = _reference(model_dir, _prompt_ids(model_dir, prompt), 64 - usage["prompt_tokens"])
+    assert (reply["choices"][0]["text"], usage["completion_tokens"], finish) == (text, n, want_finish)
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 64
 
 
 def test_a_tiny_temperature_answers_like_greedy(server):
@@ -405,6 +424,62 @@ def test_a_plain_request_whose_client_hangs_up_is_cancelled():
             c.close()
         server.http.shutdown()
         server.http.server_close()
+
+
+def test_a_request_past_its_timeout_is_answered_and_cancelled():
+    """--request-timeout: a plain request unanswered by then gets 504 and a streamed one whose next piece
+    does not come in time gets a last error event; both jobs are cancelled, so that the serving loop stops
+    generating them (before, they ran to max_tokens for no one). Rank 0's HTTP side alone."""
+    import argparse
+
+    from hf_tiny import V, chat_tokenizer
+
+    from thunderep.http_api import Server
+
+    args = argparse.Namespace(host="127.0.0.1", port=0, quiet=True, request_timeout=0.5, max_new_tokens=2)
+    server = Server(args, chat_tokenizer(V), 64, "model", 1)
+    server.thread.start()
+    url = "http://%s:%d" % server.http.server_address[:2]
+    try:
+        replies = []
+        asker = threading.Thread(target=lambda: replies.append(_post(url, "/v1/completions", {"prompt": "hello"})))
+        asker.start()
+        plain = server.jobs.get(timeout=10)
+        asker.join(timeout=10)
+        assert replies[0][0] == 504 and "no answer within 0.5 s" in replies[0][1]["error"]["message"]
+        assert plain.cancelled
+        events = []
+        streamer = threading.Thread(target=_stream, args=(url, "/v1/completions", {"prompt": "hi"}, events))
+        streamer.start()
+        streamed = server.jobs.get(timeout=10)
+        streamer.join(timeout=10)
+        assert events[-1] == "[DONE]" and "no answer within 0.5 s" in events[-2]["error"]["message"], events
+        assert streamed.cancelled
+    finally:
+        server.http.shutdown()
+        server.http.server_close()
+
+
+def test_an_address_it_cannot_listen_on_is_refused_before_loading(tmp_path, capsys):
+    """A port another program holds, or a host that is no address of this machine: `thunderep serve`
+    says so in one line naming host:port, exit code 2, before any rank loads the model (before: the
+    model loaded, then an OSError without the address, or a peer's timeout in its place)."""
+    import socket
+
+    from hf_tiny import save_tiny
+
+    from thunderep import serve
+
+    model_dir = save_tiny("mixtral", tmp_path / "model", seed=1)
+    capsys.readouterr()
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for host, port, cause in (("127.0.0.1", port, "Address already in use"),
+                                  ("999.1.1.1", 0, "Name or service not known")):
+            assert serve.main(["--model", model_dir, "--cpu", "--ep", "2", "--host", host, "--port", str(port)]) == 2
+            assert capsys.readouterr().err == (f"thunderep serve: cannot listen on {host}:{port}: {cause} (--host "
+                                               "takes an address of this machine or a name that resolves to one; "
+                                               "--port a free port, or 0 for any)\n")
 
 
 def test_methods_and_query_strings(server):

@@ -15,7 +15,9 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-__all__ = ["IDLE_S", "BadRequest", "Job", "Server", "TextSoFar", "cut_at_stop"]
+from .errors import ConfigError
+
+__all__ = ["IDLE_S", "BadRequest", "Job", "Server", "TextSoFar", "cut_at_stop", "listen_problem"]
 
 IDLE_S = 0.5  # rank 0 sends an (empty) batch at least this often
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413), never read
@@ -44,6 +46,21 @@ def _hung_up(sock: socket.socket) -> bool:
     except (OSError, ValueError):  # reset, or already closed
         return True
 
+def listen_problem(host: str, port: int, exc: OSError | None = None) -> str | None:
+    """Why the server cannot listen on host:port (binding it, and letting it go, when `exc` is not given),
+    in one line; None when it can."""
+    if exc is None:
+        try:
+            with socket.socket(ThreadingHTTPServer.address_family) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+                sock.bind((host, port))
+                return None
+        except OSError as error:
+            exc = error
+    return (f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host takes an address of this machine "
+            "or a name that resolves to one; --port a free port, or 0 for any)")
+
+
 class BadRequest(ValueError):
     """A request the server refuses, with the message the client gets (HTTP 400)."""
 
@@ -60,6 +77,7 @@ class Job:
         self.result: dict | None = None
         self.error: str | None = None
         self.status = 500  # the HTTP status its error is answered with (503: refused before it started)
+        self.number = 0  # the server's count of requests when it took this one: its answer's id
         # stream=True: server-sent events; the serving loop puts chunks (dicts) here, then None
         self.chunks: queue.Queue | None = queue.Queue() if stream else None
         self.sent: str | None = None  # the streamed text so far (None: nothing sent yet)
@@ -107,7 +125,7 @@ class Server:
         self.failed: str | None = None
         self.stopping = False  # refuse_new: the loop finishes what it generates, then ends
         self.lock = threading.Lock()
-        self.count = 0
+        self.count = 0  # requests taken; each job's number, in its answer's id
         self.generating = 0  # requests being generated, set by the serving loop
         self.batching = getattr(args, "batching", "static")  # what the serving loop runs
         self.decode_steps = "eager"  # or "cuda-graphs": how decode steps run now, set by the serving loop
@@ -166,6 +184,8 @@ class Server:
                     return
                 with server.lock:  # fail_open answers every job put before it, and refuses the ones after
                     failed = server.failed
+                    server.count += 1
+                    job.number = server.count
                     if failed is None:
                         server.open.add(job)
                         server.jobs.put(job)
@@ -194,7 +214,8 @@ class Server:
                 instead of leaving it generating to its end: its socket is looked at every HANGUP_POLL_S."""
                 deadline = time.monotonic() + args.request_timeout
                 while not job.done.wait(max(0.0, min(HANGUP_POLL_S, deadline - time.monotonic()))):
-                    if time.monotonic() >= deadline:
+                    if time.monotonic() >= deadline:  # answered 504; its sequence stops being generated
+                        job.cancelled = True
                         return False
                     if _hung_up(self.connection):
                         job.cancelled = True
@@ -229,7 +250,8 @@ class Server:
                 while True:
                     try:
                         chunk = job.chunks.get(timeout=args.request_timeout)
-                    except queue.Empty:
+                    except queue.Empty:  # answered with the error below; its sequence stops being generated
+                        job.cancelled = True
                         chunk = {"error": {"message": f"no answer within {args.request_timeout:g} s"}}
                     if chunk is None:
                         break
@@ -262,7 +284,10 @@ class Server:
                 self._reply(code, {"error": {"message": message or self.responses.get(code, ("error",))[0],
                                              "type": "invalid_request_error"}})
 
-        self.http = ThreadingHTTPServer((args.host, args.port), Handler)
+        try:
+            self.http = ThreadingHTTPServer((args.host, args.port), Handler)
+        except OSError as exc:  # the address taken, not this machine's, or a name that does not resolve
+            raise ConfigError(listen_problem(args.host, args.port, exc)) from None
         self.http.daemon_threads = True
         self.thread = threading.Thread(target=self.http.serve_forever, name="thunderep-http", daemon=True)
 
@@ -309,7 +334,11 @@ class Server:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise BadRequest("the prompt encodes to no tokens (whitespace only?); give it some text")
-        max_tokens = body.get("max_tokens", self.args.max_new_tokens)
+        if len(ids) >= self.context:
+            raise BadRequest(f"the prompt's {len(ids)} tokens leave no room in the model's context of "
+                             f"{self.context} tokens")
+        # without "max_tokens": --max-new-tokens, or the room the prompt leaves in the context if less
+        max_tokens = body.get("max_tokens", min(self.args.max_new_tokens, self.context - len(ids)))
         temperature, top_p, seed = body.get("temperature", 0.0), body.get("top_p", 1.0), body.get("seed")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise BadRequest(f"\"max_tokens\" is a positive integer, got {max_tokens!r}")
@@ -357,10 +386,10 @@ class Server:
     def chunk(self, job: Job, text: str, finish: str | None, first: bool = False) -> dict:
         """One server-sent event of a streamed answer, in the OpenAI API's chunk shape."""
         if job.kind == "completion":
-            return {"id": f"cmpl-{id(job)}", "object": "text_completion", "created": int(time.time()),
+            return {"id": f"cmpl-{job.number}", "object": "text_completion", "created": int(time.time()),
                     "model": self.name, "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-        return {"id": f"chatcmpl-{id(job)}", "object": "chat.completion.chunk", "created": int(time.time()),
+        return {"id": f"chatcmpl-{job.number}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
     def progress(self, job: Job, tokens: list[int]) -> bool:
@@ -422,7 +451,6 @@ class Server:
             time.sleep(0.01)
 
     def answer(self, job: Job, new: list[int], finish: str) -> None:
-        self.count += 1
         text, hit = cut_at_stop(self.decode(new), job.stop)
         finish = "stop" if hit else finish
         if job.chunks is not None:  # the text went out as it came (progress); what is left, and the reason
@@ -436,10 +464,10 @@ class Server:
                  "total_tokens": len(job.ids) + len(new)}
         common = {"created": int(time.time()), "model": self.name, "usage": usage}
         if job.kind == "completion":
-            job.result = {"id": f"cmpl-{self.count}", "object": "text_completion", **common,
+            job.result = {"id": f"cmpl-{job.number}", "object": "text_completion", **common,
                           "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
         else:
-            job.result = {"id": f"chatcmpl-{self.count}", "object": "chat.completion", **common,
+            job.result = {"id": f"chatcmpl-{job.number}", "object": "chat.completion", **common,
                           "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                        "finish_reason": finish}]}
         job.done.set()

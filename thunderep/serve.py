@@ -556,7 +556,9 @@ def _parser() -> argparse.ArgumentParser:
                         "else the model's own transformers function; triton (the kernels, or an error); a "
                         "transformers function (grouped_mm, eager, ...). The kernels are autotuned before the "
                         "server listens: tens of seconds the first time on a machine, seconds after")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request waits for its answer")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request waits for its answer (a streamed one, for each next piece); then it "
+                        "gets an error (504, or a last event) and its sequence stops being generated")
     p.add_argument("--drain-timeout", type=float, default=5.0,
                    help="after SIGTERM, seconds the requests being generated get to finish (new ones get 503), "
                         "before the server answers them with an error and exits (default 5)")
@@ -585,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
         problems.append(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
     problems += filter(None, [config_problem(args.model) or ep_size_problem(args.model, args.ep)])
+    if not problems:  # before anything loads: the address is free and this machine's
+        from .http_api import listen_problem
+
+        problems += filter(None, [listen_problem(args.host, args.port)])
     if problems:
         for line in problems:
             print(f"thunderep serve: {line}", file=sys.stderr)
