@@ -85,6 +85,28 @@ def test_finetune_command_rejects_bad_arguments(tmp_path, capsys):
     assert "--lr must be positive and finite, got inf" in capsys.readouterr().err
 
 
+def test_finetune_checks_float_options_and_data_directories_up_front(tmp_path, capsys):
+    """Negative, NaN or infinite float options are named before anything loads (before: --weight-decay -1
+    failed in AdamW after the model had loaded), and a --data directory is called one, with what to give
+    instead (before: "no such file")."""
+    from thunderep.cli import main as cli
+
+    (tmp_path / "texts").mkdir()
+    assert cli(["finetune", "--model", str(tmp_path), "--out", str(tmp_path / "o"), "--weight-decay", "-1",
+                "--max-grad-norm", "inf", "--lora-rank", "2", "--lora-alpha", "nan", "--timeout", "0",
+                "--data", str(tmp_path / "texts"), str(tmp_path / "gone.txt")]) == 2
+    err = capsys.readouterr().err
+    for line in ("--weight-decay must be 0 or more and finite, got -1.0",
+                 "--max-grad-norm must be 0 (off) or positive and finite, got inf",
+                 "--lora-alpha must be positive and finite, got nan",
+                 "--timeout must be positive and finite seconds, got 0.0",
+                 f"--data {tmp_path / 'texts'} is a directory: give the files in it (e.g. --data "
+                 f"{tmp_path / 'texts' / '*.txt'}", f"--data: no such file: {tmp_path / 'gone.txt'}\n"):
+        assert f"thunderep finetune: {line}" in err, line
+    assert cli(["finetune", "--model", str(tmp_path), "--out", str(tmp_path / "o"), "--weight-decay", "nan"]) == 2
+    assert "--weight-decay must be 0 or more and finite, got nan" in capsys.readouterr().err
+
+
 def test_finetune_refuses_outputs_that_would_replace_other_files(tmp_path, capsys):
     """--out and --checkpoint replace their whole directory when written, so before anything loads the
     command refuses: a directory of other files (unless --overwrite), a file, an output that holds the
@@ -104,7 +126,8 @@ def test_finetune_refuses_outputs_that_would_replace_other_files(tmp_path, capsy
     base = ["finetune", "--model", str(model), "--data", str(data), "--steps", "1"]
     cases = [
         (["--out", str(tmp_path / "precious")], "--out: {t}/precious holds files that are not a ThunderEP export "
-                                                  "(thesis.txt), and writing the export would replace them"),
+                                                  "(thesis.txt), and writing the export would replace them: "
+                                                  "choose another directory, or pass --overwrite"),
         (["--out", str(tmp_path / "a_file")], "--out: {t}/a_file exists and is not a directory"),
         (["--out", str(tmp_path / "work")], "--out {t}/work holds --model {t}/work/model"),
         (["--out", str(tmp_path / "work")], "--out {t}/work holds --data {t}/work/notes.txt"),
@@ -117,7 +140,8 @@ def test_finetune_refuses_outputs_that_would_replace_other_files(tmp_path, capsy
         assert cli(base + args) == 2, args
         assert message.format(t=tmp_path) in capsys.readouterr().err, args
     assert (tmp_path / "precious" / "thesis.txt").read_text() == "x" and (tmp_path / "a_file").read_text() == "x"
-    # what may be replaced
+    # what may be replaced; the library's callers are named its argument
+    assert destination_problem(tmp_path / "precious", "export").endswith("or pass overwrite=True")
     assert destination_problem(tmp_path / "precious", "export", overwrite=True) is None
     assert destination_problem(tmp_path / "new" / "deeper", "export") is None
     for kind, mark in (("export", EXPORT_MARK), ("export", "thunderep_finetune.json"), ("checkpoint", MANIFEST)):

@@ -286,15 +286,38 @@ def test_bench_link_run_that_fails_keeps_the_others(monkeypatch, tmp_path, capsy
 
 def test_project_on_a_folder_without_metrics_is_one_line(tmp_path, capsys):
     """A run directory without metrics.json, or with a malformed one: one line naming the file, exit code
-    1, no traceback."""
+    2, no traceback, as `thunderep report` (before: exit code 1 with a FileNotFoundError, and a
+    JSONDecodeError that did not name the file)."""
     from thunderep.cli import main as cli
 
-    assert cli(["project", str(tmp_path / "missing")]) == 1
+    assert cli(["project", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "thunderep project: error: FileNotFoundError" in err and "metrics.json" in err
-    (tmp_path / "metrics.json").write_text("{truncated")
-    assert cli(["project", str(tmp_path)]) == 1
-    assert "thunderep project: error: JSONDecodeError" in capsys.readouterr().err
+    assert err == f"thunderep project: {tmp_path / 'missing' / 'metrics.json'} not found (runs write it with " \
+                  "`thunderep train --out DIR`)\n"
+    for text in ("{", "{truncated", "[1, 2]", "{}"):
+        (tmp_path / "metrics.json").write_text(text)
+        assert cli(["project", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{tmp_path / 'metrics.json'} is not a readable run's metrics (" in err, err
+
+
+def test_project_checks_json_and_link_setting_before_the_work(run_dir, tmp_path, capsys):
+    """--json that is a directory or lies in a missing directory is refused before the table is printed
+    (before: the table, then IsADirectoryError); --link-setting takes the settings `bench link` measures,
+    and only with --link (before: any value was silently ignored)."""
+    (tmp_path / "emptydir").mkdir()
+    for args, message in [
+        (["--json", str(tmp_path / "emptydir")], f"--json {tmp_path / 'emptydir'} is a directory"),
+        (["--json", str(tmp_path / "nodir" / "x.json")], f"its directory {tmp_path / 'nodir'} does not exist"),
+        (["--link-setting", "bogus"], "argument --link-setting: invalid choice: 'bogus'"),
+        (["--link-setting", "default"], "--link-setting default picks a setting of a --link FILE: give --link too"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            project([str(run_dir), *args])
+        captured = capsys.readouterr()
+        assert info.value.code == 2 and message in captured.err and "PROJECTION" not in captured.out, args
+    assert project([str(run_dir), "--json", str(tmp_path / "rows.json")]) == 0
+    assert json.loads((tmp_path / "rows.json").read_text())["projection"] is True
 
 
 def test_project_refuses_numbers_that_are_not_positive(tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from distributed import run_ranks
 
 from thunderep.train import _parser, load_corpus
@@ -46,6 +48,15 @@ def test_train_learns_and_counts_sync_bytes(tmp_path):
 
     assert report_main([str(tmp_path)]) == 0
     assert project([str(tmp_path)]) == 0
+
+
+def test_eval_batches_0_means_no_evaluation_and_the_outputs_are_written(tmp_path):
+    """--eval-batches 0 skips the evaluation, as finetune's does (before: the ranks failed after the last
+    step with "stack expects a non-empty TensorList" and nothing was written)."""
+    runs = run_ranks(_run, 2, ["--steps", "2", "--batch", "2", "--seq-len", "16", "--hidden", "16",
+                               "--eval-batches", "0", "--out", str(tmp_path)], timeout=120)
+    assert runs[0]["eval_loss"] is None and runs[1]["eval_loss"] is None
+    assert json.loads((tmp_path / "metrics.json").read_text())["eval_loss"] is None
 
 
 def test_default_corpus_is_real_offline_text():
@@ -100,6 +111,16 @@ def test_train_and_demo_refuse_bad_arguments_before_starting_ranks(tmp_path, cap
         assert line in err, line
     assert cli(["train", "--out", str(tmp_path / "a_file" / "run")]) == 2
     assert "cannot create it" in capsys.readouterr().err
+    # a --data directory is called one (before: "no such file"); the float options' ranges (before: found
+    # by the ranks, or not at all)
+    assert cli(["train", "--data", str(tmp_path), "--outer-lr", "0", "--outer-momentum", "1",
+                "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    for line in (f"--data {tmp_path} is a directory: give the text files in it (e.g. --data {tmp_path / '*.txt'})",
+                 "--outer-lr must be positive and finite, got 0.0", "--outer-momentum must be in [0, 1), got 1.0",
+                 "--temperature must be 0 (greedy) or positive and finite, got -1.0"):
+        assert f"thunderep train: {line}" in err, line
+    assert "no such file" not in err
     assert cli(["demo", "--nproc", "0", "--generate", "-1"]) == 2
     err = capsys.readouterr().err
     assert "thunderep demo: --nproc must be at least 1, got 0" in err and "--generate must be 0 or more" in err
@@ -115,6 +136,29 @@ def test_report_of_a_malformed_file_is_one_line(tmp_path, capsys):
         assert cli(["report", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "synctax-rank0.json is not a readable sync-tax report" in err, err
+
+
+def test_recommendation_does_not_ask_to_enable_a_balancer_that_is_on():
+    """A run with the balancer on and its load still uneven is told to add redundant slots (before: "enable
+    the balancer", as `thunderep demo` printed with the balancer on); without the balancer it still is."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from thunderep.telemetry import _COMM_OPS, SyncTaxMeter
+
+    step = {"step": 0, "seconds": 1.0, "layers": [{
+        "bytes": dict.fromkeys(_COMM_OPS, 0), "seconds": {op: 0.5 if op == "dispatch" else 0.0 for op in _COMM_OPS},
+        "imbalance": 2.0, "state": "negotiate"}]}
+    recommend = {}
+    for balanced in (True, False):
+        meter = SyncTaxMeter(torch.nn.Linear(1, 1))
+        meter.layers = [SimpleNamespace(balancer=object() if balanced else None)]
+        meter.steps = [step]
+        recommend[balanced] = meter.report()["recommendation"]
+    assert "enable the balancer" not in recommend[True] and "with the balancer on" in recommend[True]
+    assert "redundant expert slots" in recommend[True]
+    assert "enable the balancer" in recommend[False]
 
 
 def test_benchmarks_refuse_counts_that_cannot_run(capsys, tmp_path):
@@ -134,6 +178,32 @@ def test_benchmarks_refuse_counts_that_cannot_run(capsys, tmp_path):
         with pytest.raises(SystemExit) as info:
             run(args)
         assert info.value.code == 2 and message in capsys.readouterr().err, args
+
+
+def test_bench_counts_are_checked_before_anything_runs(capsys):
+    """`bench experts` names the option of a count below 1 (before: a negative --tokens was a traceback,
+    --tokens 0 timed nothing, --experts 0 named RouterConfig.num_experts); the other benchmarks' sizes,
+    timeouts and warm-ups too (before: found after the GPUs were counted, or not at all)."""
+    import pytest
+
+    from thunderep.bench import main as bench
+
+    for args, message in [
+        (["experts", "--tokens", "-5"], "thunderep bench experts: error: --tokens must be at least 1, got -5"),
+        (["experts", "--tokens", "0"], "--tokens must be at least 1, got 0"),
+        (["experts", "--experts", "0"], "--experts must be at least 1, got 0"),
+        (["experts", "--top-k", "9"], "--top-k 9 is more than --experts 8"),
+        (["experts", "--hidden", "0", "--intermediate", "-1"], "--hidden must be at least 1, got 0; --intermediate"),
+        (["link", "--min-bytes", "0"], "--min-bytes (0) must be at least 1"),
+        (["link", "--min-bytes", "64", "--max-bytes", "8"], "at most --max-bytes (8)"),
+        (["control-gpu", "--run-timeout", "0"], "--run-timeout (0.0) must be positive"),
+        (["balancer", "--warmup", "-1"], "--warmup must be 0 or more, got -1"),
+        (["control", "--backoff", "1", "-1", "5"], "--backoff 1 -1 5: each must be microseconds"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            bench(args)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and message in err and "Traceback" not in err, (args, err)
 
 
 def test_sync_study_checks_its_runs_before_the_first(capsys):

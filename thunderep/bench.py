@@ -63,6 +63,7 @@ def time_layer(layer, x: torch.Tensor, repeats: int = 20, backward: bool = True)
 
 
 def bench_experts(argv: list[str]) -> int:
+    from .cli import count_problems
     from .config import LayerConfig
     from .layer import ThunderMoELayer
 
@@ -73,6 +74,11 @@ def bench_experts(argv: list[str]) -> int:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     a = p.parse_args(argv)
+    problems = count_problems(a, ("tokens", "hidden", "intermediate", "experts", "top_k"))
+    if a.top_k > a.experts >= 1:
+        problems.append(f"--top-k {a.top_k} is more than --experts {a.experts}")
+    if problems:  # before any layer is built (a negative --tokens was a traceback, 0 timed nothing)
+        p.error("; ".join(problems))
     config = LayerConfig.build(family="mixtral", hidden_size=a.hidden, intermediate_size=a.intermediate,
                                num_experts=a.experts, top_k=a.top_k)
     print(f"MoE layer: D={a.hidden}, I={a.intermediate}, E={a.experts}, top-{a.top_k}, {a.tokens} tokens, "

@@ -220,11 +220,12 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
-def destination_problem(path, kind: str, overwrite: bool = False) -> str | None:
+def destination_problem(path, kind: str, overwrite: bool = False, overwrite_flag: str = "overwrite=True") -> str | None:
     """Why `path` cannot take a new checkpoint or export (kind "checkpoint" / "export"), or None. Saving
     replaces what is at `path`: allowed where nothing is, where an empty directory is, or where one of
     ThunderEP's own of that kind is (a checkpoint's manifest, an export's mark); any other directory
-    only with `overwrite`. A file never, and the nearest existing parent must be a writable directory."""
+    only with `overwrite` (the message names it as `overwrite_flag`: a command passes its option, e.g.
+    "--overwrite"). A file never, and the nearest existing parent must be a writable directory."""
     path = Path(path).absolute()
     if path.exists() or path.is_symlink():
         if not path.is_dir():
@@ -233,7 +234,7 @@ def destination_problem(path, kind: str, overwrite: bool = False) -> str | None:
         if held and not overwrite and not any((path / mark).is_file() for mark in _OURS[kind]):
             shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
             return (f"{path} holds files that are not a ThunderEP {kind} ({shown}), and writing the {kind} "
-                    f"would replace them: choose another directory, or pass overwrite")
+                    f"would replace them: choose another directory, or pass {overwrite_flag}")
         return None if os.access(path.parent, os.W_OK) else f"{path.parent} is not writable"
     parent = nearest_existing(path.parent)
     if not parent.is_dir():

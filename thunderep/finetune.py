@@ -368,7 +368,7 @@ def _destination_problems(args: argparse.Namespace) -> list[str]:
     outputs = [("--out", args.out, "export")] + ([("--checkpoint", args.checkpoint, "checkpoint")]
                                                  if args.checkpoint else [])
     for flag, where, kind in outputs:
-        problem = destination_problem(where, kind, args.overwrite)
+        problem = destination_problem(where, kind, args.overwrite, overwrite_flag="--overwrite")
         if problem:
             problems.append(f"{flag}: {problem}")
         target = Path(where).resolve()
@@ -384,12 +384,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problems = count_problems(args, ("ep", "steps", "batch", "grad_accum", "seq_len", "delta_steps", "checkpoint_every"),
-                              ("eval_batches", "eval_every", "warmup_steps"))
-    if not args.max_grad_norm >= 0:
-        problems.append(f"--max-grad-norm must be 0 (off) or positive, got {args.max_grad_norm}")
+    problems = count_problems(args, ("ep", "steps", "batch", "grad_accum", "seq_len", "delta_steps",
+                                     "checkpoint_every"), ("eval_batches", "eval_every", "warmup_steps"))
+    if not 0 <= args.max_grad_norm < math.inf:
+        problems.append(f"--max-grad-norm must be 0 (off) or positive and finite, got {args.max_grad_norm}")
     if not 0 < args.lr < math.inf:
         problems.append(f"--lr must be positive and finite, got {args.lr}")
+    if not 0 <= args.weight_decay < math.inf:  # before, AdamW refused it once the model had loaded
+        problems.append(f"--weight-decay must be 0 or more and finite, got {args.weight_decay}")
+    if args.lora_alpha is not None and not 0 < args.lora_alpha < math.inf:
+        problems.append(f"--lora-alpha must be positive and finite, got {args.lora_alpha}")
+    if not 0 < args.timeout < math.inf:
+        problems.append(f"--timeout must be positive and finite seconds, got {args.timeout}")
     problems += _destination_problems(args)
     from .hf.load import config_problem, context_length, ep_size_problem  # the `hf` extra: loaded by the command only
 
@@ -416,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
             re.compile(pattern)
         except re.error as exc:
             problems.append(f"{pattern!r} is not a regular expression ({exc})")
-    missing = [f for f in args.data or [] if not Path(f).is_file()]
+    problems += [f"--data {f} is a directory: give the files in it (e.g. --data {Path(f) / '*.txt'} "
+                 f"{Path(f) / '*.jsonl'})" for f in args.data or [] if Path(f).is_dir()]
+    missing = [f for f in args.data or [] if not Path(f).is_file() and not Path(f).is_dir()]
     if missing:
         problems.append(f"--data: no such file: {', '.join(missing)}")
     if problems:

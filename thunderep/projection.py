@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, help="MoE layers (default: the run's)")
     p.add_argument("--top-k", type=int, help="experts per token (default: the run's)")
     p.add_argument("--link", metavar="FILE", help="measured link parameters: a `thunderep bench link --json` file")
-    p.add_argument("--link-setting", default="p2p_disabled",
+    p.add_argument("--link-setting", choices=("p2p_disabled", "default"),
                    help="the NCCL setting of --link to use: p2p_disabled (host-staged, default) or default")
     p.add_argument("--alpha-us", type=float, help="measured latency per message in microseconds (with --link-gbps)")
     p.add_argument("--link-gbps", type=float, help="measured bytes per second one GPU sends to its peers, in GB/s")
@@ -158,6 +159,35 @@ def main(argv: list[str] | None = None) -> int:
            if getattr(a, name) is not None and not 0 < getattr(a, name) < float("inf")]
     if bad:  # (the link's numbers are checked by Link)
         p.error(f"these must be positive and finite: {', '.join(bad)}")
+    if (a.tokens or a.hidden or a.layers or a.top_k) and a.compute_ms is None:
+        p.error("with another model shape, give --compute-ms (the run's compute time is for its own shape)")
+    if a.link_setting is not None and not a.link:
+        p.error(f"--link-setting {a.link_setting} picks a setting of a --link FILE: give --link too")
+    a.link_setting = a.link_setting or "p2p_disabled"
+    if a.json:  # before the work, not after the table
+        where = Path(a.json)
+        if where.is_dir():
+            p.error(f"--json {a.json} is a directory: give a file path, e.g. {where / 'projection.json'}")
+        if not where.absolute().parent.is_dir():
+            p.error(f"--json {a.json}: its directory {where.absolute().parent} does not exist")
+    run = Path(a.run_dir)
+    path = run / "metrics.json"
+    if not path.is_file():
+        print(f"thunderep project: {path} not found (runs write it with `thunderep train --out DIR`)",
+              file=sys.stderr)
+        return 2
+    try:
+        metrics = json.loads(path.read_text())
+        tax, steps = metrics["synctax"], metrics["steps"]
+        model = {key: metrics["model"][key] for key in ("hidden_size", "num_layers", "top_k")}
+        T = a.tokens or metrics["tokens"] // steps // metrics["world"]
+        compute_s = (a.compute_ms / 1e3 if a.compute_ms is not None
+                     else tax["seconds"] * (1 - min(tax["sync_tax_share"], 0.95)) / steps)
+        imbalance = tax["mean_imbalance"]
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:  # truncated, or not a run's metrics
+        print(f"thunderep project: {path} is not a readable run's metrics ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 2
     # links_R: the links to project R GPUs over, and one line each saying where they come from.
     if a.link:
         links_R, notes = {}, []
@@ -178,20 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         links_R, notes = {R: list(LINKS) for R in (2, 4)}, []
         label = "parameters and sources in `thunderep project --help`"
-    run = Path(a.run_dir)
-    metrics = json.loads((run / "metrics.json").read_text())
-    tax = metrics["synctax"]
-    model = dict(metrics["model"])
-    steps = metrics["steps"]
-    T = a.tokens or metrics["tokens"] // steps // metrics["world"]
     for key, value in (("hidden_size", a.hidden), ("num_layers", a.layers), ("top_k", a.top_k)):
         if value is not None:
             model[key] = value
-    if (a.tokens or a.hidden or a.layers or a.top_k) and a.compute_ms is None:
-        p.error("with another model shape, give --compute-ms (the run's compute time is for its own shape)")
-    compute_s = (a.compute_ms / 1e3 if a.compute_ms is not None
-                 else tax["seconds"] * (1 - min(tax["sync_tax_share"], 0.95)) / steps)
-    imbalance = tax["mean_imbalance"]
     print(f"PROJECTION (alpha-beta model, {label}), not a measurement")
     print(f"from run {run}: {T} tokens per rank per step, D={model['hidden_size']}, K={model['top_k']}, "
           f"{model['num_layers']} MoE layers, compute {compute_s * 1e3:.2f} ms per step "

@@ -106,7 +106,8 @@ class SyncTaxMeter:
             "migrations": sum(l.get("migrated", False) for s in steps for l in s["layers"]),
             "bytes_moved": per_op_b["migration"],
             "recommendation": _recommend(bottleneck, mean_imb, comm_s / total_s,
-                                         self.ep.control.kind if self.ep is not None else "collective"),
+                                         self.ep.control.kind if self.ep is not None else "collective",
+                                         balanced=any(layer.balancer is not None for layer in self.layers)),
             "per_step": steps,
         }
 
@@ -194,9 +195,14 @@ def _state(decision) -> str:
     return "migrate" if decision.migrated else decision.state
 
 
-def _recommend(bottleneck: str, imbalance: float, share: float, control_kind: str) -> str:
+def _recommend(bottleneck: str, imbalance: float, share: float, control_kind: str, balanced: bool = False) -> str:
+    """What to try first; `balanced`: the run's MoE layers had the balancer on (it is not suggested again)."""
     if share < 0.1:
         return "communication is under 10% of step time: add tokens per step or ranks before tuning it"
+    if imbalance > 1.3 and balanced:
+        return (f"mean load imbalance {imbalance:.2f} with the balancer on: the busiest rank sets the pace and the "
+                "balancer did not remove it; add redundant expert slots per rank (room for replicas of hot "
+                "experts), or run longer (a migration waits for the imbalance to last)")
     if imbalance > 1.3:
         return (f"mean load imbalance {imbalance:.2f}: the busiest rank sets the pace; enable the balancer "
                 "or add redundant expert slots")

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--redundant", type=int, default=1, help="redundant expert slots per rank with --balance")
     p.add_argument("--compression", choices=("none", "bf16", "fp8"), default="none")
     p.add_argument("--data", nargs="*", help="text files (default: Python's bundled reference text)")
-    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches scored after training; 0: none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="run directory: metrics.json, sync-tax report, Chrome trace")
     p.add_argument("--generate", type=int, default=0, help="bytes to generate after training")
@@ -154,19 +154,22 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
                   end="", flush=True)
     elapsed = time.perf_counter() - started
     if rank == 0 and not args.quiet:
-        print()
+        print(flush=True)  # end the progress bar's line now: a failure after it starts a line of its own
     stats = ep.stats.snapshot()  # training traffic only
     report = meter.report()
-    # Evaluation on the held-out tail: the same batches on every rank, mean over ranks.
-    eval_gen = torch.Generator().manual_seed(12345 + rank)
-    with torch.no_grad():
-        eval_loss = torch.stack([model.loss(_batch(corpus, eval_gen, args.batch, args.seq_len, split,
+    # Evaluation on the held-out tail: the same batches on every rank, mean over ranks (--eval-batches 0: none).
+    eval_loss = None
+    if args.eval_batches:
+        eval_gen = torch.Generator().manual_seed(12345 + rank)
+        with torch.no_grad():
+            total = torch.stack([model.loss(_batch(corpus, eval_gen, args.batch, args.seq_len, split,
                                                    len(corpus)).to(device))
                                  for _ in range(args.eval_batches)]).mean()
-    dist.all_reduce(eval_loss)
+        dist.all_reduce(total)
+        eval_loss = total.item() / world
     metrics = {
         "rank": rank, "world": world, "steps": args.steps, "tokens": tokens_per_step * args.steps,
-        "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]), "eval_loss": eval_loss.item() / world,
+        "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]), "eval_loss": eval_loss,
         "seconds": elapsed, "tokens_per_s": tokens_per_step * args.steps / elapsed,
         "sync": {"mode": args.sync, "delta_steps": args.delta_steps, "bytes": sync.stats.total_bytes,
                  "seconds": sync.stats.total_seconds, "expert_bytes": sync.stats.expert_bytes},
@@ -193,7 +196,8 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
             print()
         metrics["generated"] = bytes(streamed).decode("latin-1")
     if rank == 0:
-        print(f"eval loss {metrics['eval_loss']:.4f} | train loss (last 10) {metrics['train_loss_last10']:.4f} | "
+        evaluated = f"eval loss {eval_loss:.4f}" if eval_loss is not None else "no evaluation (--eval-batches 0)"
+        print(f"{evaluated} | train loss (last 10) {metrics['train_loss_last10']:.4f} | "
               f"{metrics['tokens_per_s']:,.0f} tok/s | gradient sync {metrics['sync']['bytes'] / 1e6:.2f} MB in "
               f"{metrics['sync']['seconds']:.2f} s ({100 * metrics['sync']['seconds'] / elapsed:.1f}% of time) | "
               f"dispatch+combine {stats['remote_bytes'] / 1e6:.2f} MB")
@@ -220,9 +224,18 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
                                      "delta_steps", "waves"), ("warmup", "redundant", "eval_batches", "generate"))
     if "lr" in args and not 0 < args.lr < math.inf:
         problems.append(f"--lr must be positive and finite, got {args.lr}")
+    if "outer_lr" in args and not 0 < args.outer_lr < math.inf:
+        problems.append(f"--outer-lr must be positive and finite, got {args.outer_lr}")
+    if "outer_momentum" in args and not 0 <= args.outer_momentum < 1:
+        problems.append(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
+    if "temperature" in args and not 0 <= args.temperature < math.inf:
+        problems.append(f"--temperature must be 0 (greedy) or positive and finite, got {args.temperature}")
     if "top_k" in args and args.top_k > args.experts >= 1:
         problems.append(f"--top-k {args.top_k} is more than --experts {args.experts}")
-    missing = [f for f in getattr(args, "data", None) or [] if not Path(f).is_file()]
+    data = getattr(args, "data", None) or []
+    problems += [f"--data {f} is a directory: give the text files in it (e.g. --data {Path(f) / '*.txt'})"
+                 for f in data if Path(f).is_dir()]
+    missing = [f for f in data if not Path(f).is_file() and not Path(f).is_dir()]
     if missing:
         problems.append(f"--data: no such file: {', '.join(missing)}")
     if args.out:

@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--experts, --ranks and --bandwidth are comma-separated numbers ({exc})")
     if min(experts) < 1 or min(ranks) < 1 or min(bandwidth_R or [1]) <= 0 or min(args.steps, args.pairs) < 1:
         parser.error("--experts, --ranks, --steps, --pairs and --bandwidth must be positive")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be 0 or more, got {args.warmup}")
     missing = [t for t in args.traces.split(",") if t.startswith("recorded=") and not Path(t[9:]).is_dir()]
     if missing:
         parser.error(f"--traces: no such run directory: {', '.join(t[9:] for t in missing)}")

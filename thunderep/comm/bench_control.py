@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if min(args.worlds) < 2 or min(args.sizes) < 1 or min(args.mailbox_iters, args.gloo_iters, args.blocks) < 1:
         ap.error("--worlds must be at least 2 ranks each; --sizes, the iteration counts and --blocks at least 1")
+    if args.backoff is not None and not all(0 <= us <= 1e7 for us in args.backoff):
+        ap.error(f"--backoff {' '.join(f'{us:g}' for us in args.backoff)}: each must be microseconds in [0, 1e7]")
     iters = {"mailbox": args.mailbox_iters, "all_gather": args.gloo_iters, "all_to_all": args.gloo_iters}
     all_stats = {}
     for world in args.worlds:

@@ -486,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"world sizes ({args.worlds}) must be at least 2")
     if min(args.iters, args.blocks, args.warmup) < 1:
         ap.error("--iters, --blocks and --warmup must be at least 1")
+    if not (0 < args.peer_timeout < float("inf") and 0 < args.run_timeout < float("inf")):
+        ap.error(f"--peer-timeout ({args.peer_timeout}) and --run-timeout ({args.run_timeout}) must be positive "
+                 "seconds")
     reason = preflight()
     if reason is not None:
         print(f"thunderep bench control-gpu: {reason}", file=sys.stderr)

@@ -335,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--worlds ({a.worlds}): a link needs 2 or more GPUs per run")
     if a.iters < 1 or a.warmup < 0 or a.timeout <= 0 or a.graph < 0:
         p.error("--iters must be >= 1, --warmup >= 0, --timeout > 0, --graph >= 0")
+    if not 1 <= a.min_bytes <= a.max_bytes or a.pair_mib < 1:  # before, found only once GPUs were counted
+        p.error(f"--min-bytes ({a.min_bytes}) must be at least 1 and at most --max-bytes ({a.max_bytes}), "
+                f"--pair-mib ({a.pair_mib}) at least 1")
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < 2:
         raise ThunderError(f"bench link needs 2 or more CUDA GPUs and finds {n} (torch {torch.__version__}, "
