@@ -43,8 +43,8 @@ kernel tunings or compiles, CUDA-graph captures, storage reallocations (`_StepWa
 SIGTERM (to the command, as `docker stop` and systemd send it, or to every process of it) stops the
 server cleanly: new requests and those still queued get 503, `/health` answers 503 {"status":
 "stopping"}, the requests being generated get up to `--drain-timeout` seconds to finish (then each gets
-the error, a streamed one as a last event), and the command exits with 0 (`_StopRequest`). Before the server listens, SIGTERM ends the command at
-once (exit code 143). Ctrl-C stops it at once, answering every open request with the error.
+the error, a streamed one as a last event), and the command exits with 0 (`_StopRequest`). Before the
+server listens, SIGTERM ends the command at once (exit code 143). Ctrl-C stops it at once, answering every open request with the error.
 """
 
 from __future__ import annotations
