@@ -39,8 +39,10 @@ def test_bad_arguments_exit_with_2(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert main(["--model", str(tmp_path), "--prompt", "x", "--ep", "0"]) == 2
     assert main(["--model", str(tmp_path), "--prompt", "x", "--ep", "2", "--mode", "ep"]) == 2
+    assert main(["--model", str(tmp_path), "--prompt", "x", "--ep", "2", "--mode", "allgather"]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and "at least 1" in err and "one prompt per rank" in err
+    assert "--mode allgather needs as many prompts on every rank: a multiple of --ep 2, got 1" in err
     assert main(["--model", str(tmp_path), "--prompt", "", "--max-new-tokens", "0", "--temperature", "-1",
                  "--dtype", "f16", "--timeout", "0"]) == 2
     err = capsys.readouterr().err
@@ -74,6 +76,12 @@ def test_generate_launches_its_own_ranks_and_streams(tmp_path, capfd):
                    for out in (one, two)]
     assert completions[0] == completions[1] and len(completions[0]) == 2
     assert torch.cuda.is_available() or "device=cpu" in two
+    # --mode allgather: prompts of 5 and 3 bytes, each rank's batch padded to the longest (before, the
+    # ranks held different token counts and all-gather mode refused them)
+    assert main(args + ["--ep", "2", "--mode", "allgather"]) == 0
+    gathered = capfd.readouterr().out
+    assert "MoE layer calls: allgather 10\n" in gathered, gathered
+    assert [line for line in gathered.splitlines() if line[:4] in ("[0] ", "[1] ")] == completions[0]
     # past the model's context (64 positions): an error before any token, on one rank and on two
     from thunderep.cli import main as cli
 

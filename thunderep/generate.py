@@ -67,10 +67,10 @@ def load_tokenizer(model_dir: str | os.PathLike, vocab_size: int):
     return ByteTokenizer(vocab_size)
 
 
-def encode_batch(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded [B, L] input_ids and attention_mask."""
+def encode_batch(tokenizer, prompts: list[str], width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded [B, L] input_ids and attention_mask, L the longest prompt's length or `width` if more."""
     seqs = [tokenizer.encode(p) for p in prompts]
-    width = max(len(s) for s in seqs)
+    width = max(width, *(len(s) for s in seqs))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
@@ -128,7 +128,8 @@ def generate_on_rank(args: argparse.Namespace, ep=None, out=None) -> dict | None
     if context and longest + args.max_new_tokens > context:
         raise ConfigError(f"the longest prompt ({longest} tokens) and --max-new-tokens {args.max_new_tokens} exceed "
                           f"the model's context of {context} tokens")
-    ids, mask = encode_batch(tokenizer, [args.prompt[i] for i in mine])
+    # all-gather mode: every rank's batch as wide as the longest prompt, so that all hold as many tokens
+    ids, mask = encode_batch(tokenizer, [args.prompt[i] for i in mine], longest if args.mode == "allgather" else 0)
     streamer = StreamPrinter(tokenizer, out) if rank == 0 else None
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, streamer=streamer,
                pad_token_id=tokenizer.pad_token_id)
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--prompt must not be empty")
     if args.mode == "ep" and len(args.prompt) < args.ep:
         problems.append(f"--mode ep needs at least one prompt per rank ({len(args.prompt)} prompts, {args.ep} ranks)")
+    if args.mode == "allgather" and len(args.prompt) % args.ep:
+        problems.append(f"--mode allgather needs as many prompts on every rank: a multiple of --ep {args.ep}, "
+                        f"got {len(args.prompt)}")
     from .hf.load import config_problem, ep_size_problem
 
     problems += filter(None, [config_problem(args.model) or ep_size_problem(args.model, args.ep)])
