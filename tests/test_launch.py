@@ -55,7 +55,7 @@ def test_spawned_ranks_leave_without_finalization_and_flush_their_output(tmp_pat
 
 
 SLEEPER = '''
-import os, sys, time
+import os, signal, sys, time
 
 def sleep(rank, world, folder):
     open(os.path.join(folder, f"pid.{rank}"), "w").write(str(os.getpid()))
@@ -63,6 +63,9 @@ def sleep(rank, world, folder):
 
 if __name__ == "__main__":
     from thunderep.launch import launch
+    # as a shell starts a command: Ctrl-C's signal taken and not blocked, whatever the test process had
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
     try:
         launch(sleep, 2, sys.argv[1])
     except KeyboardInterrupt:
@@ -109,7 +112,12 @@ def test_ranks_end_when_the_launcher_is_stopped(tmp_path, sig):
     with _launched(tmp_path, SLEEPER) as (proc, pids):
         assert all(_running(pid) for pid in pids)
         proc.send_signal(getattr(signal, sig))
-        out, _ = proc.communicate(timeout=90)  # seconds alone; a loaded 2-core machine once took over 30
+        try:
+            out, _ = proc.communicate(timeout=90)  # seconds alone
+        except subprocess.TimeoutExpired:  # what the launcher and its ranks were doing then
+            states = {pid: [line for line in open(f"/proc/{pid}/status") if line.startswith(("State", "Sig"))]
+                      for pid in [proc.pid, *pids] if _running(pid)}
+            raise AssertionError(f"the launcher did not end within 90 s of {sig}: {states}") from None
         if sig == "SIGINT":
             assert proc.returncode == 130 and "interrupted" in out, out
         deadline = time.monotonic() + 15
