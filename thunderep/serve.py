@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import collections
 import pickle
-import signal
 import struct
 import sys
 import time
@@ -61,6 +60,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .cli import _raise_stopped
 from .errors import Stopped
 from .http_api import Job, Server
 
@@ -164,7 +164,7 @@ class _StopRequest:
 
     def __call__(self, signum, frame) -> None:
         if not self.serving:
-            raise Stopped(f"stopped by {signal.Signals(signum).name}")
+            _raise_stopped(signum, frame)
         if self.at is None:
             self.at = time.monotonic()
 
@@ -188,6 +188,11 @@ class _StopRequest:
         from .launch import GRACE_S
 
         return self.at is not None and time.monotonic() - self.at > args.drain_timeout + GRACE_S
+
+    def end_if_overdue(self, args: argparse.Namespace) -> None:
+        """A rank other than 0 whose rank 0 has not ended the loop in time after SIGTERM ends by itself."""
+        if self.overdue(args):
+            raise Stopped("stopped by SIGTERM: rank 0 did not end the serving loop in time")
 
     def summary(self, drain_s: float) -> str:
         return (f"stopped (SIGTERM): {self.generating - self.cut} of {self.generating} request(s) being "
@@ -376,8 +381,8 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args, stop=None
             entries, cancels, done = ranks.share((entries, cancels, done))
         if done:
             return
-        if server is None and stop.overdue(args):
-            raise Stopped("stopped by SIGTERM: rank 0 did not end the serving loop in time")
+        if server is None:
+            stop.end_if_overdue(args)
         ended = []
         batch.cancel(cancels)
         if server is not None:
@@ -451,8 +456,8 @@ def _serve_static(tm, tokenizer, server, ranks, eos, device, args, stop=None) ->
             message, done = ranks.share((message, done))
         if done:
             return
-        if server is None and stop.overdue(args):
-            raise Stopped("stopped by SIGTERM: rank 0 did not end the serving loop in time")
+        if server is None:
+            stop.end_if_overdue(args)
         if not message:
             continue
         if server is not None:
