@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 from distributed import run_ranks  # noqa: E402
 
-from thunderep.engine import DecodeBatch, Entry, sample_token, unsupported_reason  # noqa: E402
+from thunderep.engine import DecodeBatch, Entry, sample_token, sampling_problem, unsupported_reason  # noqa: E402
 
 PROMPTS = [[5, 9, 12, 7], [3, 4], [8, 8, 8, 8, 8, 8, 8, 9], [11], [6, 2, 9]]
 MAX_TOKENS = [6, 9, 3, 12, 5]
@@ -156,6 +156,18 @@ def test_cancelled_sequences_leave_and_the_others_go_on_alone():
     assert got[1] == _alone(model, PROMPTS[1], MAX_TOKENS[1], set())[0]
     assert got[4] == _alone(model, PROMPTS[4], MAX_TOKENS[4], set())[0]
     assert got[3] == _alone(model, PROMPTS[3], MAX_TOKENS[3], set())[0][:3]
+
+
+def test_sampling_settings_have_one_rule_each():
+    """What temperature, top_p and seed may be (a request to serve, generate's options): None where allowed,
+    else the rule, quoted by both; a bool, a string, NaN or infinity is never a number."""
+    for name, ok, bad in (("temperature", (0, 0.0, 0.7, 10), (-0.1, 10.01, float("nan"), float("inf"), True, "1")),
+                          ("top_p", (1e-9, 0.5, 1, 1.0), (0, -1, 1.01, float("nan"), False, None)),
+                          ("seed", (0, 7, 2**63 - 1), (-1, 2**63, 1.0, True, "3"))):
+        assert [sampling_problem(name, v) for v in ok] == [None] * len(ok), name
+        rule = {"temperature": "a number in [0, 10]", "top_p": "a number in (0, 1]",
+                "seed": "an integer from 0 to 2**63 - 1"}[name]
+        assert [sampling_problem(name, v) for v in bad] == [rule] * len(bad), name
 
 
 def test_sampling_follows_temperature_and_top_p():

@@ -46,15 +46,49 @@ def test_bad_arguments_exit_with_2(tmp_path, capsys):
     assert main(["--model", str(tmp_path), "--prompt", "", "--max-new-tokens", "0", "--temperature", "-1",
                  "--dtype", "f16", "--timeout", "0"]) == 2
     err = capsys.readouterr().err
-    for line in ("--max-new-tokens must be at least 1, got 0", "--temperature must be 0 (greedy) or positive",
+    for line in ("--max-new-tokens must be at least 1, got 0", "--temperature must be a number in [0, 10], got -1.0",
                  "--dtype must be auto, float32, bfloat16 or float16, got 'f16'", "--prompt must not be empty",
                  "--timeout must be a positive number of seconds, got 0.0"):
+        assert line in err, line
+    # the limits a request to `thunderep serve` has (before: any temperature, seeds torch could not take)
+    assert main(["--model", str(tmp_path), "--prompt", "x", "--temperature", "10.5", "--top-p", "0",
+                 "--seed", "-1"]) == 2
+    err = capsys.readouterr().err
+    for line in ("--temperature must be a number in [0, 10], got 10.5", "--top-p must be a number in (0, 1], got 0.0",
+                 "--seed must be an integer from 0 to 2**63 - 1, got -1"):
+        assert f"thunderep generate: {line}\n" in err, line
+    assert main(["--model", str(tmp_path), "--prompt", "x", "--temperature", "nan", "--top-p", "1.5",
+                 "--seed", str(2**63)]) == 2
+    err = capsys.readouterr().err
+    for line in ("--temperature must be a number in [0, 10], got nan", "--top-p must be a number in (0, 1], got 1.5",
+                 f"--seed must be an integer from 0 to 2**63 - 1, got {2**63}"):
         assert line in err, line
     from thunderep.cli import main as cli
 
     assert cli(["serve", "--model", str(tmp_path), "--request-timeout", "0", "--dtype", "f16"]) == 2
     err = capsys.readouterr().err
     assert "--request-timeout must be a positive number of seconds, got 0.0" in err and "got 'f16'" in err
+
+
+def test_generate_samples_as_serve_does_with_top_p_and_no_top_k(tmp_path, capfd):
+    """--temperature samples from the tokens --top-p keeps, and no top-k cuts them (before: transformers'
+    default top-k of 50, or the checkpoint's: with top_k 1 there, every sample was the greedy answer)."""
+    import json
+
+    from hf_tiny import save_tiny
+
+    path = save_tiny("mixtral", tmp_path / "ckpt", seed=1)
+    config = tmp_path / "ckpt" / "generation_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "top_k": 1}))
+    args = ["--model", path, "--prompt", "Hello", "--max-new-tokens", "8", "--cpu"]
+
+    def answer(*extra) -> str:
+        assert main(args + list(extra)) == 0
+        return next(line for line in capfd.readouterr().out.splitlines() if line.startswith("[0] "))
+
+    greedy = answer()
+    assert answer("--temperature", "10", "--top-p", "1e-6") == greedy  # only the most likely token is kept
+    assert answer("--temperature", "10") != greedy
 
 
 @pytest.mark.world_size(2)

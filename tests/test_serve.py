@@ -631,11 +631,11 @@ class _StopLoop(Exception):
 
 class _ScriptedServer:
     """Rank 0's server side for the serving loop in this process: queued jobs from a script, one list
-    per loop turn (a callable instead is called, and the turn queues nothing); answers and failures
-    recorded."""
+    per loop turn (a callable instead is called, and the turn queues nothing); answers, failures and
+    jobs dropped unanswered recorded."""
 
     def __init__(self, script):
-        self.script, self.answers, self.failures, self.generating = list(script), {}, {}, 0
+        self.script, self.answers, self.failures, self.dropped = list(script), {}, {}, []
         self.stopping, self.refused = False, None
 
     def next_batch(self, limit, wait=True, same_sampling=True):
@@ -659,6 +659,9 @@ class _ScriptedServer:
 
     def fail(self, job, error, status=500):
         self.failures[id(job)] = error
+
+    def drop(self, job):
+        self.dropped.append(job)
 
 
 def test_a_failed_prefill_fails_only_its_own_requests(monkeypatch):
@@ -786,7 +789,7 @@ def test_static_batches_answer_each_request_when_its_row_ends():
                                  pad_token_id=0)
         assert server.answers[id(job)] == (out[0, len(job.ids):].tolist(), "length")
     assert server.answered_at[id(short)] <= 3 < 12 <= server.answered_at[id(long)], server.answered_at
-    assert id(leaver) not in server.answers and not server.failures
+    assert id(leaver) not in server.answers and not server.failures and server.dropped == [leaver, *gone]
     # the first batch ran to the long request's 12 tokens (not the leaver's 20), the second 2 tokens
     assert served - server.answered_at[id(long)] == 2, (served, server.answered_at)
     assert not any(id(job) in server.answers for job in gone)
@@ -1049,3 +1052,198 @@ def test_text_so_far_equals_decoding_everything(kind):
             if not whole.endswith("\ufffd"):
                 assert got == whole, (kind, n, got, whole)
         assert got == final
+
+
+def _with(kind: str):
+    """A tokenizer of `_subword(kind)` changed as `kind` says after a "+": NFC (a composing normalizer),
+    special (an added special token), lstrip (an added token that takes the whitespace before it)."""
+    from tokenizers import AddedToken, normalizers
+
+    base, _, change = kind.partition("+")
+    tok = _subword(base)
+    if change == "nfc":
+        tok.backend_tokenizer.normalizer = normalizers.NFC()
+    elif change == "special":
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    elif change == "lstrip":
+        tok.add_special_tokens({"additional_special_tokens": [AddedToken("<mask>", lstrip=True)]})
+    return tok
+
+
+@pytest.mark.parametrize("kind, chars", [("bytelevel", (5, 5)), ("bytelevel+nfc", (20, 5)),
+                                         ("bytelevel+special", (12, 12)), ("metaspace", (4, 4)), ("bytes", (1, 1))])
+def test_a_token_stands_for_at_most_so_many_characters(kind, chars):
+    """`TokenBound.of` real tokenizers (byte-level BPE, the same composing Unicode first (NFC: up to 4 code
+    points into one, except in ASCII text) or with an added special token, metaspace BPE whose byte
+    tokens stand for one byte each, serve's byte fallback): every text, however adversarial (spaces, the
+    longest piece again and again, combining accents, special tokens), encodes to at least `min_tokens`."""
+    from thunderep.generate import ByteTokenizer
+    from thunderep.token_bound import TokenBound
+
+    tok = ByteTokenizer(512) if kind == "bytes" else _with(kind)
+    bound = TokenBound.of(tok)
+    assert (bound.chars, bound.ascii_chars) == chars
+    vocab = tok.get_vocab() if kind != "bytes" else {}
+    longest = max((p for p in vocab if not p.startswith("<0x")), key=len, default="x")
+    for text in TEXTS + [" " * 1000, longest * 50, "Exper" * 50, "e\u0301" * 200, "<|im_start|>" * 30,
+                         "\ufb03" * 40]:
+        ids = tok.encode(text) if kind == "bytes" else tok.encode(text, add_special_tokens=False)
+        assert len(ids) >= bound.min_tokens(text), (kind, text[:40], len(ids))
+
+
+@pytest.mark.parametrize("kind", ["words", "bytelevel+lstrip", "fused-unknowns"])
+def test_no_bound_where_one_token_can_stand_for_any_length(kind):
+    """Where one token can stand for a text of any length, `TokenBound.of` is None and the server
+    tokenizes the prompt to measure it: a word-level tokenizer after whitespace splitting (the spaces
+    are dropped, an unknown word is one token), an added token that takes the whitespace before it, BPE
+    that fuses a run of unknown characters into one token."""
+    from hf_tiny import chat_tokenizer
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from thunderep.token_bound import TokenBound
+
+    if kind == "words":
+        tok, text = chat_tokenizer(40), " " * 1000 + "hello" + "x" * 1000
+    elif kind == "fused-unknowns":
+        bpe = models.BPE({"a": 0, "b": 1, "<unk>": 2}, [], unk_token="<unk>", fuse_unk=True)
+        tok, text = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(bpe)), "a" + "z" * 2000
+    else:
+        tok, text = _with(kind), " " * 2000 + "<mask>"
+    assert len(tok.encode(text, add_special_tokens=False)) <= 2
+    assert TokenBound.of(tok) is None
+
+
+def test_unicode_composition_shortens_text_by_at_most_nfc_shrink_and_ascii_not_at_all():
+    """NFC_SHRINK: Unicode composition turns at most that many code points into one character (the
+    longest canonical decomposition of any code point); and it leaves ASCII text as it is, in every
+    normalization form (no two ASCII characters compose, and none decomposes)."""
+    import unicodedata
+
+    from thunderep.token_bound import NFC_SHRINK
+
+    assert NFC_SHRINK == max(len(unicodedata.normalize("NFD", chr(c))) for c in range(0x110000)
+                             if not 0xD800 <= c < 0xE000)
+    assert all(unicodedata.is_normalized(form, chr(a) + chr(b)) for form in ("NFC", "NFKC", "NFD", "NFKD")
+               for a in range(128) for b in range(128))
+
+
+def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing():
+    """A 15 MB prompt to a server whose context is 64 tokens and whose tokens stand for at most 5
+    characters (byte-level BPE): 400, the same refusal as a tokenized prompt too long, and the tokenizer
+    never runs (over it, it ran for seconds before the refusal), for a completion or a chat. The bound
+    is exact: 64 times the longest piece is refused untokenized, 63 times is tokenized (63 tokens) and
+    taken with max_tokens 1."""
+    import argparse
+
+    from hf_tiny import CHAT_TEMPLATE
+
+    from thunderep.http_api import BadRequest, Server
+
+    tok = _subword("bytelevel")
+    tok.chat_template = CHAT_TEMPLATE
+    encoded, encode = [], tok.encode
+
+    def recorded(text, *args, **kwargs):
+        encoded.append(len(text))
+        return encode(text, *args, **kwargs)
+
+    tok.encode = recorded
+    args = argparse.Namespace(host="127.0.0.1", port=0, quiet=True, request_timeout=5.0, max_new_tokens=2)
+    server = Server(args, tok, 64, "model", 1)
+    server.thread.start()
+    url = "http://%s:%d" % server.http.server_address[:2]
+    huge = "Expert parallelism is " * 700_000
+    try:
+        for path, body in (("/v1/completions", {"prompt": huge}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]})):
+            status, reply = _post(url, path, body)
+            assert status == 400, reply
+            assert re.fullmatch(r"the prompt's \d+ characters are at least \d+ tokens \(a token of this tokenizer "
+                                r"stands for at most 5 characters\), which leave no room in the model's context "
+                                r"of 64 tokens",
+                                reply["error"]["message"]), reply
+        assert not encoded
+        with pytest.raises(BadRequest, match="at least 64 tokens"):
+            server.parse("completion", json.dumps({"prompt": "Exper" * 64}).encode())
+        assert not encoded
+        job = server.parse("completion", json.dumps({"prompt": "Exper" * 63, "max_tokens": 1}).encode())
+        assert encoded == [5 * 63] and len(job.ids) == 63 and job.max_tokens == 1
+    finally:
+        server.http.shutdown()
+        server.http.server_close()
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_health_counts_the_requests_being_generated_as_of_the_latest_event(batching):
+    """/health's "generating" at once, not at the serving loop's next turn: two requests taken together
+    count as being generated from their first token, the short one no longer from the moment it is
+    answered while the long one goes on, and neither once both are (before, the loop set the count at its
+    turns: a static batch counted every row until its last ended, and an answered request stayed counted
+    while an idle loop waited half a second for the next one). One process: the serving loop in a thread
+    behind a real Server, each model call slowed to 20 ms."""
+    import argparse
+
+    from hf_tiny import V, chat_tokenizer, tiny_model
+
+    from thunderep.hf import ThunderMoE
+    from thunderep.http_api import Server
+    from thunderep.serve import _serve_continuous, _serve_static
+
+    model = tiny_model("mixtral", seed=1, max_position_embeddings=512)
+    model.register_forward_pre_hook(lambda *a: time.sleep(0.02))
+    tm = ThunderMoE.wrap(model, None).eval()
+
+    class Closing(Server):
+        closing = False
+
+        def next_batch(self, *a, **kw):
+            if self.closing:
+                raise _StopLoop
+            return super().next_batch(*a, **kw)
+
+    args = argparse.Namespace(host="127.0.0.1", port=0, quiet=True, request_timeout=60.0, max_new_tokens=2,
+                              max_batch=4, cuda_graphs="on", drain_timeout=5.0, batching=batching)
+    server = Closing(args, chat_tokenizer(V), 512, "model", 1)
+    server.thread.start()
+    url = "http://%s:%d" % server.http.server_address[:2]
+    loop = _serve_continuous if batching == "continuous" else _serve_static
+
+    def serve():
+        with contextlib.suppress(_StopLoop):
+            loop(tm, server.tokenizer, server, None, set(), torch.device("cpu"), args)
+
+    def health():
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            body = json.loads(r.read())
+        return body["generating"], body["queued"]
+
+    events, plain = [], []
+    streamer = threading.Thread(target=_stream, args=(url, "/v1/completions", {"prompt": "hello", "max_tokens": 60},
+                                                      events))
+    asker = threading.Thread(target=lambda: plain.append(_post(url, "/v1/completions",
+                                                               {"prompt": "how are you", "max_tokens": 10})))
+    serving = threading.Thread(target=serve, daemon=True)
+    try:
+        streamer.start()
+        asker.start()
+        deadline = time.monotonic() + 30
+        while server.jobs.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert health() == (0, 2)
+        serving.start()  # takes both at once
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert health() == (2, 0)
+        asker.join(timeout=60)
+        assert plain[0][0] == 200 and plain[0][1]["usage"]["completion_tokens"] == 10
+        assert health() == (1, 0)
+        assert streamer.is_alive() and "[DONE]" not in events  # the long one was still being generated
+        streamer.join(timeout=60)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert health() == (0, 0)
+    finally:
+        server.closing = True
+        serving.join(timeout=30)
+        server.http.shutdown()
+        server.http.server_close()

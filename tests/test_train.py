@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from distributed import run_ranks
 
 from thunderep.train import _parser, load_corpus
@@ -231,3 +232,33 @@ def test_version(capsys):
 
     assert cli(["--version"]) == 0 and capsys.readouterr().out == f"thunderep {thunderep.__version__}\n"
     assert cli(["--help"]) == 0 and "`thunderep --version` the version" in capsys.readouterr().out
+
+
+def test_train_says_what_it_built_and_that_the_first_step_started(capfd):
+    """Before the first step ends (a long --seq-len, or kernels compiling, made it look hung): a line
+    naming the model and the ranks, then one saying that step 1 started, then the first step's progress."""
+    from thunderep.cli import main as cli
+
+    assert cli(["train", "--nproc", "2", "--steps", "2", "--batch", "2", "--seq-len", "16", "--hidden", "16",
+                "--eval-batches", "0"]) == 0
+    out = capfd.readouterr().out
+    built = out.index("model: 34,640 parameters (2 layers, hidden 16, 8 experts, top-2) on 2 ranks (")
+    started = out.index("\nstep 1/2 started: 2 x 16 tokens per rank")
+    assert 0 <= built < started < out.index("step 1/2 loss") < out.index("step 2/2 loss")
+    assert "rank 0 holds 22,352" in out  # the replicated weights and half of the experts
+
+
+def test_the_first_step_note_says_what_makes_it_slow(monkeypatch):
+    """On a GPU where ThunderEP's Triton kernels run, the first step compiles them (and tunes them, unless
+    THUNDEREP_TRITON_AUTOTUNE=0); elsewhere nothing makes it slower and the note is empty."""
+    import torch
+
+    from thunderep import kernels
+    from thunderep.train import _first_step_note
+
+    assert _first_step_note(torch.device("cpu")) == ""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(kernels, "available", lambda device=None: True)
+    assert "it first compiles and tunes ThunderEP's Triton kernels" in _first_step_note(torch.device("cuda"))
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    assert "it first compiles ThunderEP's Triton kernels" in _first_step_note(torch.device("cuda"))

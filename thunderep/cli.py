@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import signal
 import sys
 import threading
+import warnings
 
 from .errors import Stopped, ThunderError
 
@@ -57,6 +59,26 @@ def stop_on_sigterm(handler=_raise_stopped):
         signal.signal(signal.SIGTERM, previous)
 
 
+def _format_warning(prefix: str, message, category, filename, lineno, line=None) -> str:
+    """A warning as one line, as the command prints its errors: `thunderep train: warning: MESSAGE`, with the
+    category before the message when it is not a plain UserWarning (`warning: FutureWarning: ...`)."""
+    kind = "" if category is UserWarning else f"{category.__name__}: "
+    return f"{prefix}: warning: {kind}{message}\n"
+
+
+@contextlib.contextmanager
+def _one_line_warnings(prefix: str):
+    """While inside: warnings print as one line (`_format_warning`) instead of Python's form, which adds
+    the file and line that warned and that line's source. Only the form changes: the filters still decide
+    which warnings show. Ranks `launch` starts inside take the form over (`launch.RankStart`)."""
+    previous = warnings.formatwarning
+    warnings.formatwarning = functools.partial(_format_warning, prefix)
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
+
+
 def _usage() -> str:
     lines = ["usage: thunderep COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
@@ -78,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"thunderep: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    # THUNDEREP_DEBUG=1: Python's own form, which says where a warning came from
+    with contextlib.nullcontext() if os.environ.get("THUNDEREP_DEBUG") else _one_line_warnings(f"thunderep {name}"):
+        return _run(name, rest)
+
+
+def _run(name: str, rest: list[str]) -> int:
+    """The subcommand `name` with its arguments; an error it raises, as one line and an exit code."""
     module = importlib.import_module(COMMANDS[name][0])
     try:
         with stop_on_sigterm():

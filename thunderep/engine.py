@@ -11,6 +11,8 @@ same inputs in latency mode, so the ranks stay in step without exchanging anythi
 Greedy requests take the argmax. Sampled ones (temperature > 0, top_p) draw from their own generator,
 seeded by the request (or by the server on rank 0, then sent to all ranks), so a sequence's tokens do
 not depend on which others share its steps: a seeded request gets the same answer alone or in a batch.
+`sampling_problem` holds what temperature, top_p and seed may be, for a request and for `thunderep
+generate`'s options alike.
 
 Only caches whose every layer is a plain `DynamicLayer` (full attention) can be merged this way;
 `unsupported_reason` names what else a model uses, and `thunderep serve` then batches statically:
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DecodeBatch", "Entry", "generate_static", "sample_token", "unsupported_reason"]
+__all__ = ["DecodeBatch", "Entry", "generate_static", "sample_token", "sampling_problem", "unsupported_reason"]
 
 
 @dataclass
@@ -201,6 +203,27 @@ def _pick_tokens(logits: torch.Tensor, samplings: list[tuple[float, float]],
     greedy = logits.argmax(-1).tolist()
     return [greedy[i] if g is None else sample_token(logits[i], *sampling, g)
             for i, (sampling, g) in enumerate(zip(samplings, generators))]
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# setting -> (what it must be, whether a value is that): one rule for a request to `thunderep serve` and for
+# `thunderep generate`'s options. temperature 0 is greedy; top_p 1 keeps every token.
+_SAMPLING_RULES = {
+    "temperature": ("a number in [0, 10]", lambda v: _number(v) and 0 <= v <= 10),
+    "top_p": ("a number in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
+    "seed": ("an integer from 0 to 2**63 - 1", lambda v: isinstance(v, int) and not isinstance(v, bool)
+             and 0 <= v < 2**63),
+}
+
+
+def sampling_problem(name: str, value) -> str | None:
+    """None if `value` is allowed for the sampling setting `name` ("temperature", "top_p" or "seed"), else
+    what it must be, to follow a name in a message: "a number in [0, 10]" for the temperature."""
+    rule, ok = _SAMPLING_RULES[name]
+    return None if ok(value) else rule
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:

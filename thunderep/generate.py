@@ -10,6 +10,9 @@ decodes in latency mode (one all-reduce per MoE layer); otherwise the prompts ar
 ranks stepping in lockstep until all have finished: the prefill in ep mode (tokens travel to their
 experts), decode steps in all-gather mode when every rank holds as many sequences (`--mode` forces one).
 Rank 0 streams the first sequence's tokens as they come and reports tokens per second.
+--temperature above 0 samples as `thunderep serve` does: softmax(logits / temperature) over the tokens
+--top-p keeps, with no top-k (neither transformers' default of 50 nor the checkpoint's generation_config
+adds one); --temperature, --top-p and --seed take the values a request to serve may give.
 
 Tokenizer: the checkpoint's own when DIR has one, else a byte-level fallback (prompt bytes are token ids,
 modulo the vocabulary size; generated ids print as characters when printable, else as <id>) - enough for
@@ -49,7 +52,8 @@ class ByteTokenizer:
 
 def load_tokenizer(model_dir: str | os.PathLike, vocab_size: int):
     """The checkpoint's tokenizer if `model_dir` has one, else a `ByteTokenizer` (with a warning unless the
-    vocabulary is 256 ids, a byte-level model's)."""
+    vocabulary is 256 ids, a byte-level model's; under torch.distributed rank 0 alone warns, as every rank
+    reads the same directory)."""
     if any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
@@ -58,7 +62,10 @@ def load_tokenizer(model_dir: str | os.PathLike, vocab_size: int):
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
         return tok
-    if vocab_size != 256:  # a byte-level model (ThunderEP's own demo models) needs no tokenizer files
+    import torch.distributed as dist
+
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if vocab_size != 256 and first:  # a byte-level model (ThunderEP's own demo models) needs no tokenizer files
         import warnings
 
         warnings.warn(f"{model_dir} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}): text is read as UTF-8 "
@@ -133,8 +140,9 @@ def generate_on_rank(args: argparse.Namespace, ep=None, out=None) -> dict | None
     streamer = StreamPrinter(tokenizer, out) if rank == 0 else None
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, streamer=streamer,
                pad_token_id=tokenizer.pad_token_id)
-    if args.temperature > 0:
-        gen["temperature"] = args.temperature
+    if args.temperature > 0:  # as `thunderep serve` samples: temperature and top-p, no top-k (transformers'
+        # default of 50, or the checkpoint's generation_config, would otherwise cut the distribution)
+        gen.update(temperature=args.temperature, top_p=args.top_p, top_k=0)
     torch.manual_seed(args.seed)  # the same sampling stream on every rank (latency mode needs it)
     if rank == 0:
         out.write(f"[thunderep] {type(tm.model).__name__}: {len(tm.bindings)} MoE layers, ep={world}, "
@@ -197,8 +205,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto: latency mode when there are fewer prompts than ranks, else per MoE layer "
                         "call all-gather mode for equal small batches (decode steps) and ep mode for the rest")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) to 10, as `thunderep serve` takes")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="in (0, 1]: sampling keeps the smallest set of the most likely tokens whose probability "
+                        "reaches it (1: every token), as `thunderep serve`'s top_p")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed, 0 to 2**63 - 1")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
     p.add_argument("--experts-implementation", default=None,
                    help="what computes each rank's experts: the model's own transformers function (default), "
@@ -217,8 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     from .cli import count_problems
 
     problems = count_problems(args, ("ep", "max_new_tokens"))
-    if not 0 <= args.temperature < float("inf"):
-        problems.append(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
+    from .engine import sampling_problem
+
+    for name in ("temperature", "top_p", "seed"):  # the values a request to `thunderep serve` may give
+        rule = sampling_problem(name, getattr(args, name))
+        if rule:
+            problems.append(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
     if not 0 < args.timeout < float("inf"):
         problems.append(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.dtype not in ("auto", "float32", "bfloat16", "float16"):

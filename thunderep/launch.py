@@ -15,9 +15,11 @@ touches the GPU) and takes this process's environment, stdout and stderr as they
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import sys
 import traceback
+import warnings
 
 import torch
 
@@ -50,24 +52,33 @@ def rank_context():
 
 class RankStart:
     """What a rank takes over from the process that starts it, as that process has it at the start: the
-    environment, its pid (the rank ends when it does), and under the fork server stdout and stderr. A forked
-    rank would otherwise have the fork server's, which are the starting process's when it first started
-    ranks (a spawned rank inherits its own stdout and stderr). Made in the starting process for `ctx`
-    (`rank_context()`) and passed among the rank's arguments (stdout and stderr travel as file descriptors);
-    the rank calls `apply()` first."""
+    environment, its pid (the rank ends when it does), the form warnings print in (`warnings.formatwarning`,
+    e.g. the command line's one-line form; kept only where it can be pickled), and under the fork server
+    stdout and stderr. A forked rank would otherwise have the fork server's, which are the starting
+    process's when it first started ranks (a spawned rank inherits its own stdout and stderr). Made in the
+    starting process for `ctx` (`rank_context()`) and passed among the rank's arguments (stdout and stderr
+    travel as file descriptors); the rank calls `apply()` first."""
 
     def __init__(self, ctx):
         self.env, self.launcher = dict(os.environ), os.getpid()
+        self.formatwarning = warnings.formatwarning
+        try:
+            pickle.dumps(self.formatwarning)
+        except Exception:  # noqa: BLE001 - a local function, a lambda...: the rank keeps its own form
+            self.formatwarning = None
         self._fds = (1, 2) if ctx.get_start_method() == "forkserver" else ()
 
     def __reduce__(self):
         from multiprocessing import reduction
 
-        return (_rank_start, (self.env, self.launcher, *(reduction.DupFd(fd) for fd in self._fds)))
+        return (_rank_start, (self.env, self.launcher, self.formatwarning,
+                              *(reduction.DupFd(fd) for fd in self._fds)))
 
     def apply(self) -> None:
         os.environ.clear()
         os.environ.update(self.env)
+        if self.formatwarning is not None:
+            warnings.formatwarning = self.formatwarning
         for fd, passed in zip((1, 2), self._fds):  # descriptors received from the starting process
             (sys.stdout if fd == 1 else sys.stderr).flush()
             os.dup2(passed, fd)
@@ -75,10 +86,11 @@ class RankStart:
         self._fds = ()
 
 
-def _rank_start(env: dict[str, str], launcher: int, *passed) -> RankStart:
+def _rank_start(env: dict[str, str], launcher: int, formatwarning, *passed) -> RankStart:
     """A RankStart in the rank: the received descriptors taken over (`apply` installs them)."""
     start = RankStart.__new__(RankStart)
-    start.env, start.launcher, start._fds = env, launcher, tuple(p.detach() for p in passed)
+    start.env, start.launcher, start.formatwarning = env, launcher, formatwarning
+    start._fds = tuple(p.detach() for p in passed)
     return start
 
 

@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--generate", type=int, default=0, help="bytes to generate after training")
     p.add_argument("--prompt", default="The ")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress lines or bar")
     return p
 
 
@@ -81,6 +81,33 @@ TrainArgs = argparse.Namespace
 def _batch(corpus: torch.Tensor, gen: torch.Generator, batch: int, length: int, lo: int, hi: int):
     starts = torch.randint(lo, hi - length - 1, (batch,), generator=gen)
     return torch.stack([corpus[s:s + length + 1] for s in starts.tolist()]).long()
+
+
+def _parameter_counts(model) -> tuple[int, int]:
+    """(the model's parameters, each expert counted once; the parameters this rank holds: the replicated
+    ones and its expert slots)."""
+    from .sync import expert_layers
+
+    held = sum(p.numel() for p in model.parameters())
+    total = held
+    for _, placement, params in expert_layers(model):  # params: one leading entry per local slot
+        per_expert = sum(p.numel() // p.shape[0] for p in params)
+        total += per_expert * placement.num_experts - sum(p.numel() for p in params)
+    return total, held
+
+
+def _first_step_note(device: torch.device) -> str:
+    """What makes the first step slower than the others, where something does: on a GPU, compiling (and
+    tuning) ThunderEP's Triton kernels for the step's shapes."""
+    from . import kernels
+
+    if not kernels.available(device):
+        return ""
+    from .kernels.tuning import autotune_enabled
+
+    what = "compiles and tunes" if autotune_enabled(device) else "compiles"
+    return (f"; it first {what} ThunderEP's Triton kernels for these shapes, which can take a minute or more "
+            "(later steps reuse them)")
 
 
 def _bar(step: int, total: int, width: int = 24) -> str:
@@ -115,6 +142,12 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         placements = [plan_placement(torch.ones(args.experts), R, slots)] * args.layers
         balancer = BalancerConfig()
     model = MoETransformer(config, ep=ep, placements=placements, balancer=balancer, seed=args.seed)
+    if rank == 0 and not args.quiet:
+        total, held = _parameter_counts(model)
+        print(f"model: {total:,} parameters ({args.layers} layers, hidden {args.hidden}, {args.experts} experts, "
+              f"top-{args.top_k}) on {world} rank{'s' * (world > 1)} ({ep.groups.backend}, {device.type}); rank 0 "
+              f"holds {held:,}",
+              flush=True)
     sync_config = SyncConfig(mode=args.sync, delta_steps=args.delta_steps, delta_dtype=args.delta_dtype,
                              outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                              warmup_steps=args.warmup, overlap=args.overlap)
@@ -125,6 +158,9 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     meter = SyncTaxMeter(model, ep, sync)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     losses, tokens_per_step = [], args.batch * args.seq_len * world
+    if rank == 0 and not args.quiet:  # a long first step (a long --seq-len, compiling) would look hung
+        print(f"step 1/{args.steps} started: {args.batch} x {args.seq_len} tokens per rank"
+              f"{_first_step_note(device)}", flush=True)
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         step_started = time.perf_counter()
@@ -146,7 +182,7 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
                             "traded" if d.traded else "load changed, negotiating")
                     print(f"\n  balancer, layer {i}, step {step}: {d.state} -> {d.next_mode.value}: {what} "
                           f"(imbalance {d.imbalance:.2f} -> predicted {d.predicted:.2f})", flush=True)
-        if rank == 0 and not args.quiet and (step % max(1, args.steps // 50) == 0 or step == args.steps):
+        if rank == 0 and not args.quiet and (step % max(1, args.steps // 50) == 0 or step in (1, args.steps)):
             rate = tokens_per_step * step / (time.perf_counter() - started)
             imbalance = max(layer["imbalance"] for layer in meter.steps[-1]["layers"])
             print(f"\r{_bar(step, args.steps)} step {step}/{args.steps} loss {losses[-1]:.3f} "
