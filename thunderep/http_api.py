@@ -15,7 +15,9 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from .engine import sampling_problem
 from .errors import ConfigError
+from .token_bound import TokenBound
 
 __all__ = ["IDLE_S", "BadRequest", "Job", "Server", "TextSoFar", "cut_at_stop", "listen_problem"]
 
@@ -126,7 +128,10 @@ class Server:
         self.stopping = False  # refuse_new: the loop finishes what it generates, then ends
         self.lock = threading.Lock()
         self.count = 0  # requests taken; each job's number, in its answer's id
-        self.generating = 0  # requests being generated, set by the serving loop
+        # jobs the serving loop took (next_batch) and has not answered, failed or dropped: /health's count
+        self.taken: set[Job] = set()
+        # the most characters one token stands for (None: no bound): longer prompts are refused untokenized
+        self.token_bound = TokenBound.of(tokenizer)
         self.batching = getattr(args, "batching", "static")  # what the serving loop runs
         self.decode_steps = "eager"  # or "cuda-graphs": how decode steps run now, set by the serving loop
         server = self
@@ -291,6 +296,21 @@ class Server:
         self.http.daemon_threads = True
         self.thread = threading.Thread(target=self.http.serve_forever, name="thunderep-http", daemon=True)
 
+    @property
+    def generating(self) -> int:
+        """Requests being generated: taken by the serving loop and not yet answered, failed or dropped. Each
+        of those events updates it where it happens, so /health is never behind the loop."""
+        return len(self.taken)
+
+    def _refuse_untokenized(self, text: str) -> None:
+        """BadRequest for a prompt whose characters alone are too many tokens for the context (a token stands
+        for at most so many of them: `token_bound`), before tokenizing it."""
+        bound = self.token_bound
+        if bound is not None and bound.min_tokens(text) >= self.context:
+            raise BadRequest(f"the prompt's {len(text)} characters are at least {bound.min_tokens(text)} tokens (a "
+                             f"token of this tokenizer stands for at most {bound.chars_per_token(text)} characters), "
+                             f"which leave no room in the model's context of {self.context} tokens")
+
     def parse(self, kind: str, raw: bytes) -> Job:
         """A job from a request body, or BadRequest saying what is wrong."""
         try:
@@ -318,6 +338,7 @@ class Server:
             prompt = body.get("prompt")
             if not isinstance(prompt, str) or not prompt:
                 raise BadRequest("\"prompt\" is a non-empty string (one prompt per request)")
+            self._refuse_untokenized(prompt)
             ids = self.tokenizer.encode(prompt)
         else:
             messages = body.get("messages")
@@ -331,6 +352,7 @@ class Server:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             except Exception as exc:  # noqa: BLE001 - a template's own refusal (jinja2's TemplateError, ...)
                 raise BadRequest(f"the checkpoint's chat template refused these messages: {exc}") from None
+            self._refuse_untokenized(text)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise BadRequest("the prompt encodes to no tokens (whitespace only?); give it some text")
@@ -342,12 +364,10 @@ class Server:
         temperature, top_p, seed = body.get("temperature", 0.0), body.get("top_p", 1.0), body.get("seed")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise BadRequest(f"\"max_tokens\" is a positive integer, got {max_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 10:
-            raise BadRequest(f"\"temperature\" is a number in [0, 10], got {temperature!r}")
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-            raise BadRequest(f"\"top_p\" is a number in (0, 1], got {top_p!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            raise BadRequest(f"\"seed\" is an integer from 0 to 2**63 - 1, got {seed!r}")
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("seed", seed)):
+            rule = None if name == "seed" and value is None else sampling_problem(name, value)
+            if rule:  # the rules `thunderep generate` checks its options by
+                raise BadRequest(f"\"{name}\" is {rule}, got {value!r}")
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
@@ -358,14 +378,15 @@ class Server:
         return Job(kind, ids, max_tokens, (float(temperature), float(top_p)), seed, stream, stop)
 
     def next_batch(self, limit: int, wait: bool = True, same_sampling: bool = True) -> list[Job]:
-        """Up to `limit` queued jobs (with the first one's sampling settings if `same_sampling`); waits up
-        to IDLE_S for the first if `wait`."""
+        """Up to `limit` queued jobs (with the first one's sampling settings if `same_sampling`), taken: being
+        generated from now on; waits up to IDLE_S for the first if `wait`."""
         if limit < 1:
             return []
         try:
             first = self.jobs.get(timeout=IDLE_S) if wait else self.jobs.get_nowait()
         except queue.Empty:
             return []
+        self.taken.add(first)
         batch, rest = [first], []
         while len(batch) < limit:
             try:
@@ -373,9 +394,14 @@ class Server:
             except queue.Empty:
                 break
             (batch if job.sampling == first.sampling or not same_sampling else rest).append(job)
+        self.taken.update(batch)
         for job in rest:
             self.jobs.put(job)
         return batch
+
+    def drop(self, job: Job) -> None:
+        """The serving loop stopped generating `job` without answering it (its client went away)."""
+        self.taken.discard(job)
 
     def decode(self, ids: list[int]) -> str:
         try:
@@ -417,6 +443,7 @@ class Server:
         return hit
 
     def fail(self, job: Job, error: str, status: int = 500) -> None:
+        self.taken.discard(job)  # before its client can hear of it
         job.error, job.status = error, status
         if job.chunks is not None:
             job.chunks.put({"error": {"message": error, "type": "server_error"}})
@@ -443,6 +470,7 @@ class Server:
         have sent it, so that the process does not end before."""
         with self.lock:
             self.failed, jobs = error, list(self.open)
+        self.taken.clear()  # the loop has ended: nothing is being generated
         for job in jobs:
             if not job.done.is_set():
                 self.fail(job, error)
@@ -451,6 +479,7 @@ class Server:
             time.sleep(0.01)
 
     def answer(self, job: Job, new: list[int], finish: str) -> None:
+        self.taken.discard(job)  # before its client can hear of it
         text, hit = cut_at_stop(self.decode(new), job.stop)
         finish = "stop" if hit else finish
         if job.chunks is not None:  # the text went out as it came (progress); what is left, and the reason

@@ -26,14 +26,18 @@ Endpoints, in the OpenAI API's shape (one prompt per request):
   POST /v1/completions       {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
   POST /v1/chat/completions  {"messages", ...}: the checkpoint's chat template, generation prompt added
   GET  /health ({"status", "model", "ranks", "batching", "decode", "generating", "queued"}; once the server
-       stops or fails, 503 {"status": "stopping" | "failed", "error", "generating"}), GET /v1/models
+       stops or fails, 503 {"status": "stopping" | "failed", "error", "generating"}), GET /v1/models;
+       "generating" counts the requests taken from the queue and not yet answered, as of the last one
+       taken, answered or dropped (not of the serving loop's last turn)
 temperature defaults to 0 (greedy: the same answer every time). "stop" (a string or up to 4) ends the
 answer before the first of them (finish_reason "stop"; with continuous batching the sequence also stops
 being generated). "stream": true sends the answer as server-sent events (`data: {chunk}` as text is
 decoded, then `data: [DONE]`); a streaming client that goes away stops its sequence. A bad request gets 400 and a
-message; what the model cannot take (a prompt longer than its context) is refused before any rank starts. A
-prefill that fails on any rank (continuous batching) is answered with 500 on its new requests only; a
-decode step (or static batch) that fails is answered with 500 on every request being generated. The
+message; what the model cannot take (a prompt longer than its context) is refused before any rank starts, and
+a prompt whose characters alone are too many tokens for the context before it is tokenized (one token of the
+checkpoint's tokenizer stands for at most so many characters: `thunderep.token_bound`); a body over 16 MiB
+gets 413, unread. A prefill that fails on any rank (continuous batching) is answered with 500 on its new
+requests only; a decode step (or static batch) that fails is answered with 500 on every request being generated. The
 ranks go on serving in step; a rank that dies or stops answering ends the server within
 `--timeout`, after rank 0 has answered every request still open with the error (500; a streamed one
 with a last event carrying it, then `data: [DONE]`). A step that stalls (a decode step of a second or
@@ -44,7 +48,8 @@ SIGTERM (to the command, as `docker stop` and systemd send it, or to every proce
 server cleanly: new requests and those still queued get 503, `/health` answers 503 {"status":
 "stopping"}, the requests being generated get up to `--drain-timeout` seconds to finish (then each gets
 the error, a streamed one as a last event), and the command exits with 0 (`_StopRequest`). Before the
-server listens, SIGTERM ends the command at once (exit code 143). Ctrl-C stops it at once, answering every open request with the error.
+server listens, SIGTERM ends the command at once (exit code 143). Ctrl-C stops it at once, answering every
+open request with the error.
 """
 
 from __future__ import annotations
@@ -368,7 +373,9 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args, stop=None
         if server is not None:
             cancels += [key for key, job in active.items() if job.cancelled]
             for key in cancels:
-                active.pop(key, None)
+                dropped = active.pop(key, None)  # None: answered at a stop string
+                if dropped is not None:
+                    server.drop(dropped)
             if stop.at is not None:
                 done = stop.drain(server, active, args.drain_timeout)
             for job in server.next_batch(args.max_batch - len(batch) + len(cancels), wait=not len(batch),
@@ -386,7 +393,6 @@ def _serve_continuous(tm, tokenizer, server, ranks, eos, device, args, stop=None
         ended = []
         batch.cancel(cancels)
         if server is not None:
-            server.generating = len(active)
             server.decode_steps = "cuda-graphs" if getattr(batch, "graphs", False) else "eager"
         if not entries and not len(batch):
             continue
@@ -460,8 +466,6 @@ def _serve_static(tm, tokenizer, server, ranks, eos, device, args, stop=None) ->
             stop.end_if_overdue(args)
         if not message:
             continue
-        if server is not None:
-            server.generating = len(jobs)
         state = _StaticRows(server, jobs, eos, stop, args.drain_timeout) if server is not None else None
 
         def ended(step: int, tokens: torch.Tensor) -> list[int]:
@@ -481,8 +485,6 @@ def _serve_static(tm, tokenizer, server, ranks, eos, device, args, stop=None) ->
                 server.fail(job, error)
             else:
                 server.answer(job, rows[i], finishes[i])
-        if server is not None:
-            server.generating = 0
 
 
 class _StaticRows:
@@ -519,6 +521,8 @@ class _StaticRows:
             if self.open[i] and (self.finish[i] is not None or job.cancelled):
                 if self.finish[i] is not None:
                     self.server.answer(job, self.tokens[i], self.finish[i])
+                else:
+                    self.server.drop(job)
                 self.open[i] = False
                 out.append(i)
         if self.stop.at is not None:
