@@ -278,7 +278,7 @@ def test_table_output_and_usage_errors(tmp_path, capsys):
     assert main(["--root", str(tmp_path / "missing")], out=io.StringIO()) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert main(["--copy-mib", "0", "--root", str(tmp_path)], out=io.StringIO()) == 2
-    capsys.readouterr()
+    assert "--copy-mib must be at least 1, got 0" in capsys.readouterr().err  # the option, not diagnose's copy_mib
     # an empty directory is no machine to diagnose (it read as one without GPUs, every check n/a or ok)
     assert main(["--root", str(tmp_path)], out=io.StringIO()) == 2
     assert "has no sys/ or proc/: it is not a captured filesystem tree" in capsys.readouterr().err

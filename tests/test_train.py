@@ -139,6 +139,25 @@ def test_report_of_a_malformed_file_is_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and "synctax-rank0.json is not a readable sync-tax report" in err, err
 
 
+def test_report_of_a_missing_run_is_an_error_on_stderr(tmp_path, capsys):
+    """`thunderep report` on a directory without the rank's sync-tax file: exit code 2 and the message on
+    stderr, as every other error of the command line (before: on stdout, among a report's lines)."""
+    from thunderep.cli import main as cli
+
+    assert cli(["report", str(tmp_path), "--rank", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"{tmp_path / 'synctax-rank1.json'} not found" in captured.err
+
+
+def test_train_refuses_an_empty_prompt_to_generate_from(capsys):
+    """--generate with --prompt "" is refused before any rank starts (before: the whole training ran, then
+    the generation failed on a float tensor of no token ids)."""
+    from thunderep.cli import main as cli
+
+    assert cli(["train", "--generate", "8", "--prompt", ""]) == 2
+    assert "thunderep train: --prompt must not be empty with --generate" in capsys.readouterr().err
+
+
 def test_recommendation_does_not_ask_to_enable_a_balancer_that_is_on():
     """A run with the balancer on and its load still uneven is told to add redundant slots (before: "enable
     the balancer", as `thunderep demo` printed with the balancer on); without the balancer it still is."""
@@ -226,6 +245,27 @@ def test_sync_study_checks_its_runs_before_the_first(capsys):
         assert info.value.code == 2 and err.startswith("usage: thunderep bench sync") and message in err, err
 
 
+def test_sync_study_outside_a_source_checkout_and_argv(monkeypatch, capsys):
+    """`bench sync` leaves sys.argv as it found it (before: its usage name stayed in sys.argv for the rest of
+    the process), and without the example script says so on stderr with exit code 2 (before: on stdout)."""
+    import sys
+
+    import pytest
+
+    from thunderep import bench as bench_module
+
+    argv = list(sys.argv)
+    with pytest.raises(SystemExit):
+        bench_module.main(["sync", "--help"])
+    assert sys.argv == argv
+    capsys.readouterr()
+    monkeypatch.setattr(bench_module, "__file__", "/nonexistent/thunderep/bench.py")
+    assert bench_module.main(["sync"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "examples/convergence_study.py, which only a source checkout has" in captured.err
+    assert sys.argv == argv
+
+
 def test_version(capsys):
     import thunderep
     from thunderep.cli import main as cli
@@ -262,3 +302,21 @@ def test_the_first_step_note_says_what_makes_it_slow(monkeypatch):
     assert "it first compiles and tunes ThunderEP's Triton kernels" in _first_step_note(torch.device("cuda"))
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     assert "it first compiles ThunderEP's Triton kernels" in _first_step_note(torch.device("cuda"))
+
+
+def test_train_takes_nccl_where_this_host_has_a_gpu_for_each_of_its_ranks(monkeypatch):
+    """Under torchrun on several hosts, each host needs GPUs for its own ranks (LOCAL_WORLD_SIZE), not for
+    the whole job's; without LOCAL_WORLD_SIZE all ranks run on this host."""
+    import torch
+
+    from thunderep import train as train_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert train_mod._backend(4) == "nccl"
+    assert train_mod._backend(8) == "gloo"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert train_mod._backend(8) == "nccl"  # 2 hosts of 4 GPUs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert train_mod._backend(8) == "gloo"

@@ -103,17 +103,21 @@ def bench_experts(argv: list[str]) -> int:
 
 
 def bench_sync(argv: list[str]) -> int:
-    sys.argv = ["thunderep bench sync"] + argv
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "examples" / "convergence_study.py"
     if not script.exists():
-        print("thunderep bench sync runs examples/convergence_study.py from a source checkout")
+        print("thunderep bench sync: it runs examples/convergence_study.py, which only a source checkout has",
+              file=sys.stderr)
         return 2
     import runpy
 
-    study = runpy.run_path(str(script), run_name="convergence_study")  # its main() reads sys.argv: usage names
-    study["main"]()                                                    # this command, not the script
+    program, sys.argv = sys.argv, ["thunderep bench sync"] + argv  # its main() reads sys.argv: usage names
+    try:                                                              # this command, not the script
+        study = runpy.run_path(str(script), run_name="convergence_study")
+        study["main"]()
+    finally:
+        sys.argv = program
     return 0
 
 

@@ -15,10 +15,10 @@ the rows in bfloat16): AdamW on bfloat16 weights would lose the small steps fine
 `--freeze PATTERN...` trains only the rest, `--lora-rank R` trains low-rank adapters on the attention
 projections (and with `--lora-targets ... experts` on each expert, on the rank holding it) instead of
 any weight (`thunderep.lora`; merged into the written checkpoint), and
-`--gradient-checkpointing` recomputes activations in backward. Before the first step each rank prints
-its memory plan and all stop with a named shortfall if it does not fit. At the
+`--gradient-checkpointing` recomputes activations in backward. Before the first step rank 0 prints
+its memory plan, and if a rank's does not fit, all stop with a named shortfall. At the
 end the experts are gathered to rank 0, which writes OUT_DIR with transformers' `save_pretrained`
-(in DIR's dtype, plus its tokenizer files, and `thunderep_finetune.json`: the losses, the held-out
+(in DIR's dtype or --save-dtype, plus its tokenizer files, and `thunderep_finetune.json`: the losses, the held-out
 loss before and after, each step's time, tokens/s overall and at the median step, the arguments): `thunderep generate
 --model OUT_DIR` and `AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it. The text's last 5% is held out (with
 `--eval-batches` > 0) and scored before and after training. `--checkpoint DIR` saves a resumable
@@ -285,7 +285,7 @@ def _parser() -> argparse.ArgumentParser:
                         "{\"text\"}, {\"prompt\", \"completion\"} (the completion trains) or {\"messages\"} "
                         "(the tokenizer's chat template; the last, assistant message trains) (default: Python's "
                         "bundled reference text)")
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks to launch on this host")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks to launch on this host (default 2)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1,
@@ -314,7 +314,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--experts-implementation", default=None,
                    help="what computes each rank's experts: the model's own transformers function (default), "
                         "another one (grouped_mm, eager, ...), triton (ThunderEP's kernels, CUDA), or auto (the "
-                        "kernels for experts they cover in bfloat16 / float16 on a GPU, else the model's own)")
+                        "kernels for experts they cover in bfloat16 / float16 on a GPU of compute capability 8.0 "
+                        "or later, else the model's own)")
     p.add_argument("--freeze", nargs="+", metavar="PATTERN",
                    help="train only the rest: parameters whose name matches a pattern (a regular expression, "
                         "searched in transformers' names such as model.layers.0.mlp.experts.gate_up_proj) get "
@@ -339,7 +340,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", metavar="DIR",
                    help="save a resumable checkpoint here (model, AdamW state, step) every --checkpoint-every "
                         "steps and at the end; a run that finds one there resumes from it")
-    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50)")
     p.add_argument("--overwrite", action="store_true",
                    help="let --out and --checkpoint replace a directory that holds other files (without it, "
                         "only an empty directory or ThunderEP's own export / checkpoint is replaced)")
@@ -349,7 +350,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="held-out batches per rank (the text's last 5%%) scored before and after; 0: none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer (default 120)")
     p.add_argument("--dry-run", action="store_true",
                    help="load, check the memory plan and take one training step (activations included), print "
                         "its time and the peak memory of a rank, and stop: nothing is written")

@@ -3,8 +3,9 @@
     thunderep generate --model DIR --ep 2 --prompt "Hello" --max-new-tokens 32
     thunderep generate --model DIR --ep 4 --prompt "a" --prompt "b" --prompt "c" --prompt "d"
 
-Launches its own N processes on this host (torch.multiprocessing spawn; NCCL with one GPU per rank when
-N GPUs are visible, else gloo on CPU; no torchrun). Each rank loads the replicated weights and only its
+Launches its own N processes on this host (`thunderep.launch`: forked from a fork server, or spawned where
+there is none; NCCL with one GPU per rank when N GPUs are visible and not --cpu, else gloo on CPU; no
+torchrun); --ep 1 runs in this process. Each rank loads the replicated weights and only its
 own experts (`ThunderMoE.from_pretrained`). Fewer prompts than ranks: every rank holds all prompts and
 decodes in latency mode (one all-reduce per MoE layer); otherwise the prompts are split across ranks,
 ranks stepping in lockstep until all have finished: the prefill in ep mode (tokens travel to their
@@ -196,11 +197,13 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="thunderep generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="thunderep generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks to launch on this host")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks to launch on this host (default 1: this process)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt at most (default 32)")
     p.add_argument("--mode", choices=("auto", "latency", "ep", "allgather"), default="auto",
                    help="auto: latency mode when there are fewer prompts than ranks, else per MoE layer "
                         "call all-gather mode for equal small batches (decode steps) and ep mode for the rest")
@@ -214,8 +217,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--experts-implementation", default=None,
                    help="what computes each rank's experts: the model's own transformers function (default), "
                         "another one (grouped_mm, eager, ...), triton (ThunderEP's kernels, CUDA), or auto (the "
-                        "kernels for experts they cover in bfloat16 / float16 on a GPU, else the model's own)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
+                        "kernels for experts they cover in bfloat16 / float16 on a GPU of compute capability 8.0 "
+                        "or later, else the model's own)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer (default 120)")
     return p
 
 

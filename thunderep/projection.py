@@ -5,8 +5,8 @@ for ThunderEP's all-to-all vs the all-gather + reduce-scatter baseline. A PROJEC
 
 Model (alpha-beta): a collective costs (messages x alpha) + (bytes this rank sends / beta); with P2P
 a byte crosses PCIe once, without P2P it is staged through host memory and crosses twice (beta
-halves, alpha doubles). Per MoE layer and step, with T tokens per rank, K experts per token, D hidden,
-b bytes per element and R GPUs, uniform routing:
+halves; alpha, assumed below, grows from 30 to 45 us). Per MoE layer and step, with T tokens per
+rank, K experts per token, D hidden, b bytes per element and R GPUs, uniform routing:
 
     ThunderEP: 4 all-to-alls (dispatch, combine, and their backward), each R - 1 messages and
                T K D b (R - 1) / R bytes; plus one control exchange (mailbox: about 3 us, no PCIe bytes)

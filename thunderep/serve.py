@@ -41,8 +41,9 @@ requests only; a decode step (or static batch) that fails is answered with 500 o
 ranks go on serving in step; a rank that dies or stops answering ends the server within
 `--timeout`, after rank 0 has answered every request still open with the error (500; a streamed one
 with a last event carrying it, then `data: [DONE]`). A step that stalls (a decode step of a second or
-more, ten times the usual one) is reported on stderr, with what ran in it that a steady server does not:
-kernel tunings or compiles, CUDA-graph captures, storage reallocations (`_StepWatch`).
+more and ten times the usual one, or any step of a second or more in which one of these ran) is reported
+on stderr, with what ran in it that a steady server does not: kernel tunings or compiles, CUDA-graph
+captures, storage reallocations (`_StepWatch`).
 
 SIGTERM (to the command, as `docker stop` and systemd send it, or to every process of it) stops the
 server cleanly: new requests and those still queued get 503, `/health` answers 503 {"status":
@@ -546,10 +547,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="thunderep serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks to launch on this host")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    p.add_argument("--max-batch", type=int, default=8, help="requests generated together at most")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks to launch on this host (default 1: this process)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests generated together at most (default 8)")
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="continuous: requests join and leave the batch at every decode step (default; models "
                         "whose cache cannot be merged fall back to static); static: a batch is generated "
@@ -557,7 +560,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
                    help="on (default): on GPUs, continuous batching keeps the KV cache in fixed storage and "
                         "replays each decode step from a CUDA graph (one per batch size); off: eager steps")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="max_tokens when a request gives none")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="max_tokens when a request gives none (default 128)")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     p.add_argument("--experts-implementation", default="auto",
                    help="what computes each rank's experts: auto (default): ThunderEP's Triton kernels for "
@@ -567,11 +570,11 @@ def _parser() -> argparse.ArgumentParser:
                         "server listens: tens of seconds the first time on a machine, seconds after")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request waits for its answer (a streamed one, for each next piece); then it "
-                        "gets an error (504, or a last event) and its sequence stops being generated")
+                        "gets an error (504, or a last event) and its sequence stops being generated (default 600)")
     p.add_argument("--drain-timeout", type=float, default=5.0,
                    help="after SIGTERM, seconds the requests being generated get to finish (new ones get 503), "
                         "before the server answers them with an error and exits (default 5)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer (default 120)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
     p.add_argument("--quiet", action="store_true", help="no line per request")
     return p

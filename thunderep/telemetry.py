@@ -240,13 +240,14 @@ def format_report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="thunderep report", description="Print a saved sync-tax report.")
-    parser.add_argument("run_dir")
-    parser.add_argument("--rank", type=int, default=0)
+    parser = argparse.ArgumentParser(prog="thunderep report",
+                                     description="Print the sync-tax report a `thunderep train --out DIR` run saved.")
+    parser.add_argument("run_dir", help="the run directory (`thunderep train --out DIR`)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank whose report to print (default 0)")
     args = parser.parse_args(argv)
     path = Path(args.run_dir) / f"synctax-rank{args.rank}.json"
     if not path.exists():
-        print(f"thunderep report: {path} not found (runs write it with --out DIR)")
+        print(f"thunderep report: {path} not found (runs write it with --out DIR)", file=sys.stderr)
         return 2
     try:
         report = json.loads(path.read_text())

@@ -5,7 +5,7 @@
 Data: any text files (`--data FILE ...`), read as bytes (vocabulary 256, no tokenizer); by default the
 English reference text that ships with Python (`pydoc_data.topics`), so it works offline. Each rank
 draws its own batches; a fixed held-out slice gives the evaluation loss. NCCL with one GPU per rank
-when GPUs are present, gloo on CPU.
+when the host has a GPU for each of its ranks (under torchrun, LOCAL_WORLD_SIZE of them), else gloo on CPU.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="run directory: metrics.json, sync-tax report, Chrome trace")
     p.add_argument("--generate", type=int, default=0, help="bytes to generate after training")
-    p.add_argument("--prompt", default="The ")
+    p.add_argument("--prompt", default="The ", help="the text --generate continues (default 'The ')")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--quiet", action="store_true", help="no progress lines or bar")
     return p
@@ -110,6 +110,13 @@ def _first_step_note(device: torch.device) -> str:
             "(later steps reuse them)")
 
 
+def _backend(world: int) -> str:
+    """NCCL where this host has a GPU for each of its ranks (torchrun's LOCAL_WORLD_SIZE, else all `world`
+    ranks run here), else gloo on CPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", world)) else "gloo"
+
+
 def _bar(step: int, total: int, width: int = 24) -> str:
     filled = int(width * step / total)
     return "[" + "#" * filled + "." * (width - filled) + "]"
@@ -124,9 +131,8 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     from .sync import GradSync
     from .telemetry import SyncTaxMeter, format_report
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     ep = ExpertParallel.init(config=EPConfig(waves=args.waves, compression=args.compression),
-                             backend="nccl" if gpus >= world else "gloo")  # one GPU per rank, else CPU
+                             backend=_backend(world))
     device = ep.groups.device
     corpus = load_corpus(args.data)
     split = int(len(corpus) * 0.95)
@@ -268,6 +274,8 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--temperature must be 0 (greedy) or positive and finite, got {args.temperature}")
     if "top_k" in args and args.top_k > args.experts >= 1:
         problems.append(f"--top-k {args.top_k} is more than --experts {args.experts}")
+    if getattr(args, "generate", 0) > 0 and "prompt" in args and not args.prompt:  # failed after the training
+        problems.append("--prompt must not be empty with --generate: give the text to continue")
     data = getattr(args, "data", None) or []
     problems += [f"--data {f} is a directory: give the text files in it (e.g. --data {Path(f) / '*.txt'})"
                  for f in data if Path(f).is_dir()]
