@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-# What the `thunderep` script runs (`python -m thunderep.cli` would add a runpy notice in every forked rank).
+# What the `thunderep` script runs.
 _THUNDEREP = [sys.executable, "-c", "import sys; from thunderep.cli import main; sys.exit(main())"]
 
 
@@ -47,3 +47,14 @@ def test_a_checkpoint_without_a_tokenizer_is_one_warning_line(tmp_path):
             f"tokenizer.model, vocab.json): text is read as UTF-8 bytes, each id the byte modulo the vocabulary of "
             f"{V}, which is not what the model was trained on; copy the model's tokenizer files there to use its "
             "tokenizer"], done.stderr
+
+
+@pytest.mark.world_size(2)
+def test_python_m_starts_ranks_without_a_runpy_notice(tmp_path):
+    """`python -m thunderep.cli` (what torchrun and the README run) starting its own ranks: each rank runs the
+    program's module again, which the fork server must not have imported before (runpy would print a
+    RuntimeWarning in every rank)."""
+    done = subprocess.run([sys.executable, "-m", "thunderep.cli", "train", "--nproc", "2", "--steps", "1",
+                           "--seq-len", "16", "--quiet"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "RuntimeWarning" not in done.stderr and "runpy" not in done.stderr, done.stderr

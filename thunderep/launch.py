@@ -43,9 +43,12 @@ def rank_context():
     ctx = mp.get_context("forkserver")
     if not _PRELOADED:
         # Public modules only: the server skips a module that fails with ImportError, but any other
-        # error on import would end it.
+        # error on import would end it. Not the module run as the program (`python -m thunderep.cli`): each
+        # rank runs it again as __mp_main__, and runpy warns of it when it is already imported.
+        main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         _PRELOADED.extend(sorted(name for name in list(sys.modules) if name.split(".")[0] in PRELOAD_PACKAGES
-                                 and not any(part.startswith("_") for part in name.split("."))))
+                                 and not any(part.startswith("_") for part in name.split("."))
+                                 and name != getattr(main_spec, "name", None)))
         ctx.set_forkserver_preload(_PRELOADED)
     return ctx
 
