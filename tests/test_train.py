@@ -44,6 +44,12 @@ def test_train_learns_and_counts_sync_bytes(tmp_path):
     except ImportError:
         pass
     assert 0 < report["idle_fraction"] < 1 and report["compute_seconds"] > 0
+    # the steady rate: tokens of a step (all ranks) over the median step time, the steps' times those summed
+    import statistics
+
+    steps = every[0]["step_seconds"]
+    assert len(steps) == 40 and sum(steps) <= every[0]["seconds"]
+    assert every[0]["steady_tokens_per_s"] == pytest.approx(4 * 32 * 2 / statistics.median(steps))
     from thunderep.projection import main as project
     from thunderep.telemetry import main as report_main
 

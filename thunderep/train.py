@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -168,6 +169,7 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         print(f"step 1/{args.steps} started: {args.batch} x {args.seq_len} tokens per rank"
               f"{_first_step_note(device)}", flush=True)
     started = time.perf_counter()
+    step_seconds = []
     for step in range(1, args.steps + 1):
         step_started = time.perf_counter()
         ids = _batch(corpus, gen, args.batch, args.seq_len, 0, split).to(device)
@@ -180,7 +182,8 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         if any(d is not None and d.migrated for d in decisions):
             sync.placement_changed()
         losses.append(loss.item())
-        meter.step(time.perf_counter() - step_started, decisions)
+        step_seconds.append(time.perf_counter() - step_started)
+        meter.step(step_seconds[-1], decisions)
         if rank == 0 and not args.quiet:
             for i, d in enumerate(decisions):  # the balancer's actions, and alarms over threshold
                 if d is not None and (d.traded or d.migrated or (d.alarm and d.imbalance > balancer.threshold)):
@@ -213,6 +216,9 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         "rank": rank, "world": world, "steps": args.steps, "tokens": tokens_per_step * args.steps,
         "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]), "eval_loss": eval_loss,
         "seconds": elapsed, "tokens_per_s": tokens_per_step * args.steps / elapsed,
+        # at the median step: the rate a long run sees, without the first step's kernel compiles (on a GPU)
+        "steady_tokens_per_s": tokens_per_step / max(statistics.median(step_seconds), 1e-9),
+        "step_seconds": step_seconds,
         "sync": {"mode": args.sync, "delta_steps": args.delta_steps, "bytes": sync.stats.total_bytes,
                  "seconds": sync.stats.total_seconds, "expert_bytes": sync.stats.expert_bytes},
         "ep": {"remote_bytes": stats["remote_bytes"], "seconds": stats["seconds"]},
@@ -240,7 +246,8 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     if rank == 0:
         evaluated = f"eval loss {eval_loss:.4f}" if eval_loss is not None else "no evaluation (--eval-batches 0)"
         print(f"{evaluated} | train loss (last 10) {metrics['train_loss_last10']:.4f} | "
-              f"{metrics['tokens_per_s']:,.0f} tok/s | gradient sync {metrics['sync']['bytes'] / 1e6:.2f} MB in "
+              f"{metrics['tokens_per_s']:,.0f} tok/s ({metrics['steady_tokens_per_s']:,.0f} at the median step) | "
+              f"gradient sync {metrics['sync']['bytes'] / 1e6:.2f} MB in "
               f"{metrics['sync']['seconds']:.2f} s ({100 * metrics['sync']['seconds'] / elapsed:.1f}% of time) | "
               f"dispatch+combine {stats['remote_bytes'] / 1e6:.2f} MB")
         print(format_report(report))
