@@ -1,13 +1,21 @@
 """`thunderep finetune` on a Hugging Face checkpoint: bad arguments named, and the command on 2 CPU ranks
 (real processes) against the plain transformers model trained in one process on the batches the ranks
 draw (AdamW on the mean of their losses), with its options (frozen parameters, gradient checkpointing,
-LoRA, clipping, schedules, accumulation, mixed precision), resumed runs, dry runs; the training data
+LoRA, clipping, schedules, accumulation, mixed precision), resumed runs, dry runs, runs stopped by
+SIGTERM (the same step on every rank, saved, resumed); the training data
 (chat examples masked to their answers); on GPUs the same against one process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -495,3 +503,190 @@ def test_finetune_stops_on_a_loss_that_is_not_finite(tmp_path, capfd):
     assert not (tmp_path / "out").exists()
     if int(found.group(1)) > 1:
         assert json.loads((tmp_path / "ckpt" / MANIFEST).read_text())["step"] == int(found.group(1)) - 1
+
+
+# SIGTERM: the ranks finish their step, agree through the step's loss all-reduce, save it with --checkpoint
+# and stop; the command exits with 143. Real processes: `thunderep finetune` in a session of its own.
+
+ROOT = Path(__file__).resolve().parent.parent
+_SIGTERM_RUN = ["--ep", "2", "--batch", "2", "--seq-len", "12", "--lr", "1e-3", "--cpu", "--eval-batches", "0"]
+
+
+def _rank_processes(launcher):
+    """The ranks a `thunderep` process started (forked by its fork server, or spawned), in start order."""
+    ranks = []
+    for child in launcher.children():
+        command = " ".join(child.cmdline())
+        ranks += child.children() if "forkserver" in command else [child] if "spawn_main" in command else []
+    return sorted(ranks, key=lambda p: p.create_time())
+
+
+def _finetune_signalled(tmp_path, extra: list[str], act) -> tuple[int, str, str, float]:
+    """(exit code, stdout, stderr, seconds from `act` to the end) of `thunderep finetune` on the tiny Mixtral
+    for 100000 steps (it never gets there) with `extra`, once it has printed its first step:
+    `act(launcher, ranks)` (psutil processes) signals it. Killed after 120 s: the test cannot hang."""
+    import threading
+
+    import psutil
+    from hf_tiny import save_tiny
+
+    model_dir = tmp_path / "model"
+    if not model_dir.exists():
+        save_tiny("mixtral", model_dir)
+        (tmp_path / "notes.txt").write_text(TEXT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "thunderep.cli", "finetune", "--model", str(model_dir),
+                                 "--data", str(tmp_path / "notes.txt"), "--steps", "100000", *_SIGTERM_RUN,
+                                 "--out", str(tmp_path / "out"), *extra],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(120.0, kill)
+    watchdog.start()
+    try:
+        printed = ""
+        for line in proc.stdout:
+            printed += line
+            if line.startswith("step 1/"):
+                break
+        assert proc.poll() is None, printed + (tmp_path / "stderr.txt").read_text()
+        ranks = _rank_processes(psutil.Process(proc.pid))
+        assert len(ranks) == 2, ranks
+        acted = time.monotonic()
+        act(proc, ranks)
+        printed += proc.stdout.read()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - acted
+        deadline = time.monotonic() + 15
+        while any(map(_running, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_running, ranks)), "a rank still runs"
+    finally:
+        watchdog.cancel()
+        kill()
+        proc.wait()
+        proc.stdout.close()
+    return code, printed, (tmp_path / "stderr.txt").read_text(), took
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+_STOPPED = re.compile(r"\[thunderep\] stopped by SIGTERM after step (\d+)/100000: ")
+
+
+def test_sigterm_saves_the_step_and_the_same_command_resumes_from_it(tmp_path, capfd):
+    """SIGTERM to the command alone (as `docker stop` sends it) with --checkpoint: the ranks finish their
+    step, save it, say so with the flag to resume with, and the command exits with 143 without writing
+    --out. The same command resumes from that step and writes the model an uninterrupted run of as many
+    steps writes (one process training on the ranks' batches; --steps lowered from 100000 to 2 more than
+    the saved step: with the constant learning rate those steps are the same)."""
+    from transformers import AutoModelForCausalLM
+
+    from thunderep.checkpoint import MANIFEST
+    from thunderep.cli import main as cli
+
+    ckpt = tmp_path / "ckpt"
+    code, out, err, took = _finetune_signalled(tmp_path, ["--checkpoint", str(ckpt)],
+                                               lambda launcher, ranks: launcher.send_signal(signal.SIGTERM))
+    found = _STOPPED.search(out)
+    assert code == 143 and found, out + err
+    step = int(found.group(1))
+    assert f"saved the checkpoint of step {step} in {ckpt}; the same command (--checkpoint {ckpt}) resumes from " \
+           f"step {step}" in out, out
+    assert f"step {step}/100000 loss" in out and err.endswith("thunderep finetune: stopped by SIGTERM\n"), out + err
+    assert json.loads((ckpt / MANIFEST).read_text())["step"] == step
+    assert not (tmp_path / "out").exists() and took < 30, took
+
+    model_dir = str(tmp_path / "model")
+    assert cli(["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--steps", str(step + 2),
+                *_SIGTERM_RUN, "--out", str(tmp_path / "out"), "--checkpoint", str(ckpt)]) == 0
+    assert f"resuming from {ckpt} at step {step}" in capfd.readouterr().out
+    want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=step + 2).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).state_dict()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+def test_sigterm_to_every_process_without_a_checkpoint_writes_nothing(tmp_path):
+    """SIGTERM to every process of the command at once (as systemd and job schedulers send it; the fork
+    server the ranks come from survives it) without --checkpoint: the ranks stop after a step, nothing is
+    written, and the line says that --checkpoint would have kept the progress."""
+    code, out, err, _ = _finetune_signalled(tmp_path, [], lambda launcher, ranks: os.killpg(launcher.pid,
+                                                                                            signal.SIGTERM))
+    found = _STOPPED.search(out)
+    assert code == 143 and found, out + err
+    assert (f"nothing was saved and --out was not written (no --checkpoint; with --checkpoint DIR this run would "
+            f"have saved step {found.group(1)} and the same command would resume from it)") in out, out
+    assert "stopped by SIGTERM" in err and not (tmp_path / "out").exists()
+
+
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """SIGTERM to rank 1 alone: rank 0, never signalled, learns it from the step's loss all-reduce, and
+    both save the same step (the save is collective) and stop; the command says so and exits with 143."""
+    from thunderep.checkpoint import MANIFEST
+
+    code, out, err, _ = _finetune_signalled(tmp_path, ["--checkpoint", str(tmp_path / "ckpt")],
+                                            lambda launcher, ranks: ranks[1].send_signal(signal.SIGTERM))
+    found = _STOPPED.search(out)
+    assert code == 143 and found, out + err
+    assert json.loads((tmp_path / "ckpt" / MANIFEST).read_text())["step"] == int(found.group(1))
+    line = out[found.start() + len("[thunderep] "):].splitlines()[0]
+    assert f"thunderep finetune: {line}\n" in err, err  # a rank's Stopped: the command's own SIGTERM exit
+
+
+@pytest.mark.parametrize("how", ["second SIGTERM", "stop timeout"])
+def test_a_step_that_cannot_finish_ends_at_a_second_sigterm_or_the_stop_timeout(tmp_path, how):
+    """Rank 1 suspended (SIGSTOP), so the step in progress never ends: after SIGTERM the command ends at
+    once at a second SIGTERM, or --stop-timeout seconds after the first, with 143 and nothing saved."""
+    def act(launcher, ranks):
+        ranks[1].suspend()
+        launcher.send_signal(signal.SIGTERM)
+        if how == "second SIGTERM":
+            time.sleep(1.0)
+            launcher.send_signal(signal.SIGTERM)
+
+    code, out, err, took = _finetune_signalled(
+        tmp_path, ["--checkpoint", str(tmp_path / "ckpt"), "--stop-timeout", "600" if how == "second SIGTERM" else "2"],
+        act)
+    assert code == 143 and "thunderep finetune: stopped by SIGTERM" in err and not _STOPPED.search(out), out + err
+    assert took < 20, took
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "out").exists()
+
+
+def _agree(rank, world, asked_on):
+    from thunderep.finetune import _mean_loss_and_stop
+
+    return [_mean_loss_and_stop(torch.tensor(float(rank + 1), dtype=torch.bfloat16), rank in asked_on, world)
+            for _ in range(2)]
+
+
+def test_ranks_asked_at_different_steps_agree_on_the_step(monkeypatch):
+    """`_mean_loss_and_stop`: the mean loss, and a stop when any rank was asked, the same on every rank.
+    `_StopAtStep`: before training SIGTERM raises `Stopped` at once; from the first step it only marks
+    the request, and SIGTERM again changes nothing."""
+    from distributed import run_ranks
+
+    from thunderep.errors import Stopped
+    from thunderep.finetune import _StopAtStep
+
+    assert run_ranks(_agree, 2, ()) == [[(1.5, False)] * 2] * 2
+    assert run_ranks(_agree, 2, (1,)) == [[(1.5, True)] * 2] * 2
+    stop = _StopAtStep()
+    with pytest.raises(Stopped, match="stopped by SIGTERM"):
+        stop(signal.SIGTERM, None)
+    assert not stop.asked
+    stop.training = True
+    stop(signal.SIGTERM, None)
+    stop(signal.SIGTERM, None)
+    assert stop.asked

@@ -27,6 +27,14 @@ steps; run the same command again and it resumes from there, on the same batches
 drawn (a batch is a function of seed, rank and step). With `--sync delta`, a resumed run starts a new
 delta window. NCCL with one GPU per rank when there are
 enough GPUs, else gloo on CPU.
+
+SIGTERM (what `docker stop`, systemd and job schedulers send) lets the ranks finish the step they are in;
+all stop after the same step, which --checkpoint saves first (a line names the step and the flag to resume
+with), and the command exits with 143: the run did not finish and OUT_DIR was not written, so a script's
+next command does not run and a scheduler that reruns failed jobs reruns this one, which resumes
+(`thunderep serve` exits with 0, as a stop ends a server's work). SIGTERM during the last step or after it
+lets the run finish and write OUT_DIR. Before the first step, at a second SIGTERM, or --stop-timeout
+seconds after the first, the command ends at once.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import dataclasses
 import json
 import math
 import re
+import shlex
 import shutil
 import statistics
 import sys
@@ -45,9 +54,9 @@ from pathlib import Path
 
 import torch
 
-from .cli import count_problems
+from .cli import _raise_stopped, count_problems
 from .data import ids_labels, batch_at, load_training_data, split_tokens
-from .errors import ConfigError, ThunderError
+from .errors import ConfigError, Stopped, ThunderError
 from .trainable import MemoryPlan, memory_hint, memory_plan, peak_bytes, select_trainable
 
 __all__ = ["MemoryPlan", "finetune_on_rank", "lr_factor", "main", "memory_plan", "parse_args", "select_trainable"]
@@ -64,7 +73,59 @@ def _tokenizer_files(model_dir: Path) -> list[Path]:
 
 
 def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dict:
-    """One rank's fine-tuning loop and the export (collective: every rank calls it)."""
+    """One rank's fine-tuning loop and the export (collective: every rank calls it). SIGTERM stops it after
+    a step, the same on every rank (`_StopAtStep`)."""
+    from .cli import stop_on_sigterm
+
+    stop = _StopAtStep()
+    with stop_on_sigterm(stop):
+        return _finetune(rank, world, args, ep, stop)
+
+
+class _StopAtStep:
+    """SIGTERM on a fine-tuning rank (its handler, `cli.stop_on_sigterm`, as `serve._StopRequest` is a
+    server's). Before the first step (loading, the first held-out score) it raises `Stopped`: nothing is
+    worth keeping yet. From the first step on it only marks the request: the all-reduce of the loss that
+    ends every step carries it to all ranks (`_mean_loss_and_stop`), which then stop after that same step,
+    with --checkpoint saving it first. SIGTERM again changes nothing here (systemd sends it to every process
+    and the launcher passes its own on as well); the launcher ends the ranks at a second SIGTERM to it, or
+    --stop-timeout after the first."""
+
+    def __init__(self):
+        self.training = False
+        self.asked = False
+
+    def __call__(self, signum, frame) -> None:
+        if not self.training:
+            _raise_stopped(signum, frame)
+        self.asked = True
+
+
+def _mean_loss_and_stop(loss: torch.Tensor, asked: bool, world: int) -> tuple[float, bool]:
+    """The mean of the ranks' step losses and whether any rank was asked to stop, from one all-reduce of
+    two float32 values: the one a step takes for its loss anyway, so that ranks which took SIGTERM at
+    different steps, or one rank alone, all stop after the same step (collective: every rank calls it once
+    per step). loss: [] (any float dtype, any device)."""
+    import torch.distributed as dist
+
+    both = torch.stack([loss.detach().float().reshape(()), loss.new_full((), float(asked), dtype=torch.float32)])
+    dist.all_reduce(both)
+    total, asked_ranks = both.tolist()  # waits for the step: the step times are real
+    return total / world, asked_ranks > 0
+
+
+def _stopped_line(args: argparse.Namespace, step: int) -> str:
+    """What a run stopped by SIGTERM after step `step` (counted from 1) says it kept."""
+    if args.checkpoint:
+        return (f"stopped by SIGTERM after step {step}/{args.steps}: saved the checkpoint of step {step} in "
+                f"{args.checkpoint}; the same command (--checkpoint {shlex.quote(args.checkpoint)}) resumes from "
+                f"step {step}")
+    return (f"stopped by SIGTERM after step {step}/{args.steps}: nothing was saved and --out was not written (no "
+            f"--checkpoint; with --checkpoint DIR this run would have saved step {step} and the same command "
+            f"would resume from it)")
+
+
+def _finetune(rank: int, world: int, args: argparse.Namespace, ep, stop: _StopAtStep) -> dict:
     import torch.distributed as dist
 
     from .checkpoint import load_checkpoint, save_checkpoint
@@ -146,7 +207,9 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
     losses, step_seconds, norms, evals, started = [], [], [], [], time.perf_counter()
     balance = {"trades": 0, "migrations": 0}  # layer-steps with a new trade plan / a migration
     tokens_per_step = args.batch * args.seq_len * world * args.grad_accum
-    for step in range(first, first + 1 if args.dry_run else args.steps):
+    last = first + 1 if args.dry_run else args.steps
+    stop.training = True  # SIGTERM from here on: finish the step, save it, stop (`_StopAtStep`)
+    for step in range(first, last):
         step_started = time.perf_counter()
         lr = args.lr * lr_factor(step, args.steps, args.warmup_steps, args.lr_schedule)
         for group in optimizer.param_groups:  # a function of the step: a resumed run continues it exactly
@@ -178,27 +241,33 @@ def finetune_on_rank(rank: int, world: int, args: argparse.Namespace, ep) -> dic
                 sync.placement_changed()
                 if rank == 0 and not args.quiet:
                     print(f"step {step + 1}/{args.steps}: the balancer moved experts", flush=True)
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)  # .item() waits for the step: the step times below are real
+        mean, stopping = _mean_loss_and_stop(loss, stop.asked, world)
+        losses.append(mean)
+        stopping = stopping and step + 1 < last  # asked during the last step: it ends anyway, and writes --out
         if not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here, nothing written
             saved = f"; the checkpoint in {args.checkpoint} is the last good one" if args.checkpoint else ""
             raise ThunderError(f"the training loss is {losses[-1]} at step {step + 1}: the weights are no longer "
                                f"finite, so nothing was written{saved}. Lower --lr (now {args.lr:g}) or clip the "
                                f"gradients (--max-grad-norm 1.0)")
         step_seconds.append(time.perf_counter() - step_started)
-        if rank == 0 and not args.quiet and (step % max(1, args.steps // 20) == 0 or step == args.steps - 1):
+        if rank == 0 and not args.quiet and (step % max(1, args.steps // 20) == 0 or step == args.steps - 1
+                                             or stopping):
             rate = tokens_per_step * len(losses) / (time.perf_counter() - started)
             clipped = f", gradient norm {norms[-1]:.3g}" if norms else ""
             print(f"step {step + 1}/{args.steps} loss {losses[-1]:.4f} lr {lr:.3g}{clipped} ({rate:,.0f} tokens/s)",
                   flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps and held \
-                and not args.dry_run:
+                and not args.dry_run and not stopping:
             evals.append((step + 1, evaluate()))
             if rank == 0 and not args.quiet:
                 print(f"step {step + 1}/{args.steps} held-out loss {evals[-1][1]:.4f}", flush=True)
-        if args.checkpoint and not args.dry_run and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+        if args.checkpoint and not args.dry_run and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps
+                                                     or stopping):
             save_checkpoint(args.checkpoint, tm, optimizer, step=step + 1, overwrite=args.overwrite)
+        if stopping:  # every rank here after the same step; the launcher ends the command with 143
+            if rank == 0:
+                print(f"[thunderep] {_stopped_line(args, step + 1)}", flush=True)
+            raise Stopped(_stopped_line(args, step + 1))
     seconds = time.perf_counter() - started
     peak = peak_bytes(device)  # the largest over the ranks, weights and activations included
     sync.close()
@@ -351,6 +420,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer (default 120)")
+    p.add_argument("--stop-timeout", type=float, default=300.0,
+                   help="after SIGTERM, seconds the step in progress gets to finish and be saved (with "
+                        "--checkpoint) before the ranks are killed (default 300); a second SIGTERM kills them "
+                        "at once")
     p.add_argument("--dry-run", action="store_true",
                    help="load, check the memory plan and take one training step (activations included), print "
                         "its time and the peak memory of a rank, and stop: nothing is written")
@@ -395,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--weight-decay must be 0 or more and finite, got {args.weight_decay}")
     if args.lora_alpha is not None and not 0 < args.lora_alpha < math.inf:
         problems.append(f"--lora-alpha must be positive and finite, got {args.lora_alpha}")
-    if not 0 < args.timeout < math.inf:
-        problems.append(f"--timeout must be positive and finite seconds, got {args.timeout}")
+    problems += [f"--{name.replace('_', '-')} must be positive and finite seconds, got {getattr(args, name)}"
+                 for name in ("timeout", "stop_timeout") if not 0 < getattr(args, name) < math.inf]
     problems += _destination_problems(args)
     from .hf.load import config_problem, context_length, ep_size_problem  # the `hf` extra: loaded by the command only
 
@@ -434,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .launch import launch
 
-    launch(_rank_main, args.ep, args)
+    # SIGTERM: the ranks finish their step (saved with --checkpoint) and stop, then the command exits with 143
+    launch(_rank_main, args.ep, args, stop_s=args.stop_timeout, second_sigterm_kills=True)
     return 0
 
 

@@ -43,14 +43,40 @@ def rank_context():
     ctx = mp.get_context("forkserver")
     if not _PRELOADED:
         # Public modules only: the server skips a module that fails with ImportError, but any other
-        # error on import would end it. Not the module run as the program (`python -m thunderep.cli`): each
-        # rank runs it again as __mp_main__, and runpy warns of it when it is already imported.
-        main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        # error on import would end it.
         _PRELOADED.extend(sorted(name for name in list(sys.modules) if name.split(".")[0] in PRELOAD_PACKAGES
-                                 and not any(part.startswith("_") for part in name.split("."))
-                                 and name != getattr(main_spec, "name", None)))
+                                 and not any(part.startswith("_") for part in name.split("."))))
         ctx.set_forkserver_preload(_PRELOADED)
+    _start_fork_server()
     return ctx
+
+
+def _start_fork_server() -> None:
+    """The fork server started, if it is not running, with SIGTERM blocked, as it then stays (the mask
+    passes through fork and exec). systemd and job schedulers send SIGTERM to every process of a job, and a
+    fork server that it ended took the ranks with it before they could finish their step or drain (their
+    parent gone, torch's PR_SET_PDEATHSIG sent them SIGINT), and the launcher read every rank as exited
+    with code 255. The server ends when this process does. A SIGTERM to this process meanwhile waits for
+    the start; each rank unblocks it first thing (`RankStart.apply`)."""
+    import signal
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()  # first: starting its process unblocks SIGTERM afterwards
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    # Each rank runs the program's module again as __mp_main__ (multiprocessing does, for
+    # `python -m thunderep.cli ...`), which the server has imported already, and runpy warns of that in
+    # every rank: the server and so every rank ignores runpy's RuntimeWarnings (the environment is the
+    # server's alone; a rank takes this process's, `RankStart`).
+    warnings_before = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [warnings_before, "ignore::RuntimeWarning:runpy"]))
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if warnings_before is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = warnings_before
 
 
 class RankStart:
@@ -78,6 +104,10 @@ class RankStart:
                               *(reduction.DupFd(fd) for fd in self._fds)))
 
     def apply(self) -> None:
+        import signal
+
+        if hasattr(signal, "pthread_sigmask"):  # POSIX
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked in the fork server
         os.environ.clear()
         os.environ.update(self.env)
         if self.formatwarning is not None:
@@ -175,9 +205,11 @@ def _follow_launcher(launcher: int) -> None:
     threading.Thread(target=wait, name="thunderep-follow-launcher", daemon=True).start()
 
 
-def _stop(processes, wait_s: float = GRACE_S) -> bool:
+def _stop(processes, wait_s: float = GRACE_S, second_sigterm_kills: bool = False) -> bool:
     """SIGTERM to the ranks still running, `wait_s` for them to end, then SIGKILL. Whether every rank
-    ended with exit code 0 (a rank that takes SIGTERM as a request to finish, as a server's do, can)."""
+    ended with exit code 0 (a rank that takes SIGTERM as a request to finish, as a server's do, can).
+    A second SIGTERM to this process meanwhile changes nothing, or with `second_sigterm_kills` sends
+    SIGKILL at once."""
     import signal
     import time
 
@@ -187,7 +219,12 @@ def _stop(processes, wait_s: float = GRACE_S) -> bool:
     for p in alive:
         p.terminate()
     deadline = time.monotonic() + wait_s
-    with stop_on_sigterm(signal.SIG_IGN):  # a second SIGTERM to this process changes nothing meanwhile
+
+    def kill_now(signum, frame) -> None:
+        for p in alive:
+            p.kill()  # of a rank that has ended: nothing
+
+    with stop_on_sigterm(kill_now if second_sigterm_kills else signal.SIG_IGN):
         for p in alive:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in alive:
@@ -197,11 +234,13 @@ def _stop(processes, wait_s: float = GRACE_S) -> bool:
     return all(p.exitcode == 0 for p in processes)
 
 
-def launch(fn, nprocs: int, *args, stop_s: float = GRACE_S) -> None:
+def launch(fn, nprocs: int, *args, stop_s: float = GRACE_S, second_sigterm_kills: bool = False) -> None:
     """`fn(rank, nprocs, *args)` on `nprocs` new processes (see the module's text). Stopped by SIGTERM
     (`Stopped`, raised where `thunderep.cli.stop_on_sigterm` is in force), it passes SIGTERM on to the
-    ranks and gives them `stop_s` seconds before SIGKILL; it returns if they all then end with exit
-    code 0, else raises `Stopped` again."""
+    ranks and gives them `stop_s` seconds before SIGKILL (with `second_sigterm_kills`, only until a
+    second SIGTERM); it returns if they all then end with exit code 0, else raises `Stopped` again. A
+    rank that raised `Stopped` itself (SIGTERM to the ranks alone) makes it raise `Stopped` with the
+    rank's message, where another failure of a rank raises `ThunderError`."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args)
         return
@@ -222,7 +261,7 @@ def launch(fn, nprocs: int, *args, stop_s: float = GRACE_S) -> None:
             _stop(context.processes)
             raise
         except Stopped:  # SIGTERM to this process: the ranks get it too, and stop_s to act on it
-            if not _stop(context.processes, stop_s):
+            if not _stop(context.processes, stop_s, second_sigterm_kills):
                 raise
     except mp.ProcessRaisedException as exc:
         raise ThunderError(f"a rank failed: {exc}") from None
@@ -232,6 +271,8 @@ def launch(fn, nprocs: int, *args, stop_s: float = GRACE_S) -> None:
         rank, name, message, trace = errors.get()
         if os.environ.get("THUNDEREP_DEBUG"):
             message += "\n" + trace
+        if name == Stopped.__name__:  # e.g. a finetune's ranks, stopped together after a step: exit code 143
+            raise Stopped(message) from None
         raise ThunderError(f"rank {rank} failed: {name}: {message}") from None
 
 
