@@ -858,22 +858,24 @@ def _long_answers_model(directory) -> str:
     return str(directory)
 
 
-@pytest.mark.parametrize("drain", ["60", "0.3"])
-def test_sigterm_to_the_server_finishes_or_ends_its_answers_and_exits_cleanly(tmp_path, drain):
-    """SIGTERM to the command alone (as `docker stop` sends it) while a long answer streams on 2 CPU
-    ranks: new requests get 503 and /health says "stopping"; with --drain-timeout 60 the answer runs to
-    its end, equal to the plain model's, and with 0.3 it ends with an error event and [DONE]; either way
-    the command exits with 0 and says how many answers finished."""
+@pytest.mark.parametrize("drain, to", [("60", "command"), ("0.3", "command"), ("60", "group")])
+def test_sigterm_to_the_server_finishes_or_ends_its_answers_and_exits_cleanly(tmp_path, drain, to):
+    """SIGTERM while a long answer streams on 2 CPU ranks, to the command alone (as `docker stop` sends it)
+    or to every process of it at once (its process group: the command, the fork server and each rank, as
+    systemd and job schedulers send it): new requests get 503 and /health says "stopping"; with
+    --drain-timeout 60 the answer runs to its end, equal to the plain model's, and with 0.3 it ends with an
+    error event and [DONE]; either way the command exits with 0 (so did every rank) and says how many
+    answers finished."""
     model_dir = _long_answers_model(tmp_path / "model")
     log_path = tmp_path / "log.txt"
-    body, events = {"prompt": "hello there", "max_tokens": 400}, []
+    body, events = {"prompt": "hello there", "max_tokens": 400 if to == "command" else 200}, []
     with _running_server(model_dir, log_path, "--cpu", "--drain-timeout", drain) as (url, proc):
         reader = threading.Thread(target=_stream, args=(url, "/v1/completions", body, events))
         reader.start()
         deadline = time.monotonic() + 60
         while not events and time.monotonic() < deadline:
             time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM) if to == "command" else os.killpg(proc.pid, signal.SIGTERM)
         signalled = len(events)
         if drain == "60":  # while the answer is still being generated
             while "stopping (SIGTERM)" not in log_path.read_text() and time.monotonic() < deadline:
