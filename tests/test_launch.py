@@ -199,3 +199,33 @@ def test_the_command_line_reports_sigterm_and_exits_with_143(monkeypatch, capsys
     assert time.monotonic() - started < 5 and cleaned
     assert capsys.readouterr().err == "thunderep sigterm-test: stopped by SIGTERM\n"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_backend_nccl_where_this_host_has_a_gpu_for_each_of_its_ranks(monkeypatch):
+    """NCCL where the host has a GPU for each of its own ranks (LOCAL_WORLD_SIZE under torchrun on several
+    hosts; else all ranks run here); else gloo, with a warning naming the GPUs when there are some (ranks on
+    the CPU of a machine with GPUs are rarely meant), and none when --cpu asks for the CPU or none exist."""
+    import warnings
+
+    from thunderep.launch import backend_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these warns
+        assert backend_for(4) == "nccl"
+        assert backend_for(8, cpu=True) == "gloo"
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        assert backend_for(8) == "nccl"  # 2 hosts of 4 GPUs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.warns(UserWarning, match=r"8 ranks on this host but 4 GPU\(s\): every rank runs on the CPU"):
+        assert backend_for(8) == "gloo"
+    monkeypatch.setenv("LOCAL_RANK", "3")  # the host's other ranks stay quiet
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backend_for(8) == "gloo"
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        assert backend_for(8) == "gloo"  # no GPU: nothing to say

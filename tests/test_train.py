@@ -308,21 +308,3 @@ def test_the_first_step_note_says_what_makes_it_slow(monkeypatch):
     assert "it first compiles and tunes ThunderEP's Triton kernels" in _first_step_note(torch.device("cuda"))
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     assert "it first compiles ThunderEP's Triton kernels" in _first_step_note(torch.device("cuda"))
-
-
-def test_train_takes_nccl_where_this_host_has_a_gpu_for_each_of_its_ranks(monkeypatch):
-    """Under torchrun on several hosts, each host needs GPUs for its own ranks (LOCAL_WORLD_SIZE), not for
-    the whole job's; without LOCAL_WORLD_SIZE all ranks run on this host."""
-    import torch
-
-    from thunderep import train as train_mod
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert train_mod._backend(4) == "nccl"
-    assert train_mod._backend(8) == "gloo"
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert train_mod._backend(8) == "nccl"  # 2 hosts of 4 GPUs
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert train_mod._backend(8) == "gloo"

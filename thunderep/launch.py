@@ -276,6 +276,22 @@ def launch(fn, nprocs: int, *args, stop_s: float = GRACE_S, second_sigterm_kills
         raise ThunderError(f"rank {rank} failed: {name}: {message}") from None
 
 
+def backend_for(world: int, cpu: bool = False) -> str:
+    """The process group's backend for a rank: NCCL where this host has a GPU for each of its ranks
+    (torchrun's LOCAL_WORLD_SIZE, else all `world` ranks run here) and `cpu` is not asked, else gloo on the
+    CPU. GPUs too few for the ranks are named in a warning (on the host's first rank): the ranks then run
+    on the CPU, many times slower, which a machine with GPUs rarely means."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not cpu and gpus >= local:
+        return "nccl"
+    if not cpu and gpus and os.environ.get("LOCAL_RANK", "0") == "0":
+        warnings.warn(f"{local} ranks on this host but {gpus} GPU(s): every rank runs on the CPU (gloo), many "
+                      f"times slower; start at most {gpus} rank(s) per host to run on the GPUs (--cpu, where the "
+                      "command has it, chooses the CPU without this warning)")
+    return "gloo"
+
+
 def run_on_ep(world: int, args, body) -> None:
     """One rank of a command started by `launch` (environment set): its ExpertParallel runtime over all
     `world` ranks (NCCL with one GPU per rank when there are enough GPUs and not `args.cpu`, else gloo;
@@ -285,8 +301,7 @@ def run_on_ep(world: int, args, body) -> None:
     from .comm.runtime import ExpertParallel
     from .config import EPConfig
 
-    backend = "nccl" if not args.cpu and torch.cuda.device_count() >= world else "gloo"
-    ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), backend=backend)
+    ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), backend=backend_for(world, args.cpu))
     store = dist.distributed_c10d._get_default_store() if world > 1 else None
     rank = dist.get_rank()
     try:

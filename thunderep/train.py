@@ -111,13 +111,6 @@ def _first_step_note(device: torch.device) -> str:
             "(later steps reuse them)")
 
 
-def _backend(world: int) -> str:
-    """NCCL where this host has a GPU for each of its ranks (torchrun's LOCAL_WORLD_SIZE, else all `world`
-    ranks run here), else gloo on CPU."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return "nccl" if gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", world)) else "gloo"
-
-
 def _bar(step: int, total: int, width: int = 24) -> str:
     filled = int(width * step / total)
     return "[" + "#" * filled + "." * (width - filled) + "]"
@@ -128,12 +121,13 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     import torch.distributed as dist
 
     from .comm.runtime import ExpertParallel
+    from .launch import backend_for
     from .model import MoETransformer
     from .sync import GradSync
     from .telemetry import SyncTaxMeter, format_report
 
     ep = ExpertParallel.init(config=EPConfig(waves=args.waves, compression=args.compression),
-                             backend=_backend(world))
+                             backend=backend_for(world))
     device = ep.groups.device
     corpus = load_corpus(args.data)
     split = int(len(corpus) * 0.95)
