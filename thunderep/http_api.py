@@ -48,6 +48,7 @@ def _hung_up(sock: socket.socket) -> bool:
     except (OSError, ValueError):  # reset, or already closed
         return True
 
+
 def listen_problem(host: str, port: int, exc: OSError | None = None) -> str | None:
     """Why the server cannot listen on host:port (binding it, and letting it go, when `exc` is not given),
     in one line; None when it can."""
@@ -306,8 +307,9 @@ class Server:
         """BadRequest for a prompt whose characters alone are too many tokens for the context (a token stands
         for at most so many of them: `token_bound`), before tokenizing it."""
         bound = self.token_bound
-        if bound is not None and bound.min_tokens(text) >= self.context:
-            raise BadRequest(f"the prompt's {len(text)} characters are at least {bound.min_tokens(text)} tokens (a "
+        fewest = bound.min_tokens(text) if bound is not None else 0
+        if fewest >= self.context:
+            raise BadRequest(f"the prompt's {len(text)} characters are at least {fewest} tokens (a "
                              f"token of this tokenizer stands for at most {bound.chars_per_token(text)} characters), "
                              f"which leave no room in the model's context of {self.context} tokens")
 
@@ -386,7 +388,6 @@ class Server:
             first = self.jobs.get(timeout=IDLE_S) if wait else self.jobs.get_nowait()
         except queue.Empty:
             return []
-        self.taken.add(first)
         batch, rest = [first], []
         while len(batch) < limit:
             try:

@@ -163,7 +163,6 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         print(f"step 1/{args.steps} started: {args.batch} x {args.seq_len} tokens per rank"
               f"{_first_step_note(device)}", flush=True)
     started = time.perf_counter()
-    step_seconds = []
     for step in range(1, args.steps + 1):
         step_started = time.perf_counter()
         ids = _batch(corpus, gen, args.batch, args.seq_len, 0, split).to(device)
@@ -176,8 +175,7 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         if any(d is not None and d.migrated for d in decisions):
             sync.placement_changed()
         losses.append(loss.item())
-        step_seconds.append(time.perf_counter() - step_started)
-        meter.step(step_seconds[-1], decisions)
+        meter.step(time.perf_counter() - step_started, decisions)
         if rank == 0 and not args.quiet:
             for i, d in enumerate(decisions):  # the balancer's actions, and alarms over threshold
                 if d is not None and (d.traded or d.migrated or (d.alarm and d.imbalance > balancer.threshold)):
@@ -196,6 +194,7 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
         print(flush=True)  # end the progress bar's line now: a failure after it starts a line of its own
     stats = ep.stats.snapshot()  # training traffic only
     report = meter.report()
+    step_seconds = [record["seconds"] for record in meter.steps]  # the meter's record of each step
     # Evaluation on the held-out tail: the same batches on every rank, mean over ranks (--eval-batches 0: none).
     eval_loss = None
     if args.eval_batches:
