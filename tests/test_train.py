@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -308,3 +309,54 @@ def test_the_first_step_note_says_what_makes_it_slow(monkeypatch):
     assert "it first compiles and tunes ThunderEP's Triton kernels" in _first_step_note(torch.device("cuda"))
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     assert "it first compiles ThunderEP's Triton kernels" in _first_step_note(torch.device("cuda"))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_redraws_on_a_terminal_and_writes_lines_elsewhere():
+    """On a terminal the progress line is redrawn in place (50 times over the run) and a note ends it
+    first; in a log or a pipe each update is a line of its own (10 times over the run), with no carriage
+    returns and no blank lines around the notes."""
+    from thunderep.train import _Progress
+
+    log = io.StringIO()
+    progress = _Progress(100, log)
+    shown = [step for step in range(1, 101) if progress.due(step)]
+    assert shown == [1, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
+    progress.show(1, "loss 5.0")
+    progress.note("  balancer, layer 0, step 1: traded")
+    progress.show(10, "loss 4.0")
+    progress.close()
+    assert log.getvalue() == "step 1/100 loss 5.0\n  balancer, layer 0, step 1: traded\nstep 10/100 loss 4.0\n"
+
+    terminal = _Terminal()
+    progress = _Progress(100, terminal)
+    assert [step for step in range(1, 101) if progress.due(step)] == [1] + list(range(2, 101, 2))
+    progress.show(1, "loss 5.0")
+    progress.show(2, "loss 4.5")
+    progress.note("  balancer")
+    progress.note("  balancer again")
+    progress.show(4, "loss 4.0")
+    progress.close()
+    progress.close()  # once ended, the line is not ended twice
+    bar = "[" + "." * 24 + "]"
+    assert terminal.getvalue() == (f"\r{bar} step 1/100 loss 5.0\r{bar} step 2/100 loss 4.5\n  balancer\n"
+                                   f"  balancer again\n\r[" + "." * 24 + "] step 4/100 loss 4.0\n")
+
+
+def test_train_output_piped_has_no_carriage_returns_or_blank_lines(capfd):
+    """Where stdout is a log or a pipe (here, pytest's capture), the progress and the balancer's lines
+    are plain lines: the progress bar's carriage returns made one long line of a log, and each balancer
+    line came after a blank one."""
+    from thunderep.cli import main as cli
+
+    assert cli(["train", "--nproc", "2", "--steps", "30", "--batch", "2", "--seq-len", "16", "--hidden", "16",
+                "--eval-batches", "0", "--balance"]) == 0
+    out = capfd.readouterr().out
+    assert "\r" not in out and "\n\n" not in out, out
+    progress = [line for line in out.splitlines() if line.startswith("step ") and " loss " in line]
+    assert [line.split()[1] for line in progress] == ["1/30", "3/30", "6/30", "9/30", "12/30", "15/30", "18/30",
+                                                      "21/30", "24/30", "27/30", "30/30"]

@@ -116,6 +116,41 @@ def _bar(step: int, total: int, width: int = 24) -> str:
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
+class _Progress:
+    """The progress line of a run of `total` steps: on a terminal one line redrawn in place, 50 times over
+    the run; elsewhere (a log file, a pipe, `tee`) a line of its own 10 times over the run, with no
+    carriage returns. Other lines (`note`) start on a line of their own either way."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.stream = total, stream if stream is not None else sys.stdout
+        isatty = getattr(self.stream, "isatty", None)
+        self.live = bool(isatty and isatty())
+        self.every = max(1, total // (50 if self.live else 10))
+        self.open = False  # a redrawn line is on the terminal without its newline
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step in (1, self.total)
+
+    def show(self, step: int, text: str) -> None:
+        line = f"{_bar(step, self.total)} step {step}/{self.total} {text}" if self.live else \
+            f"step {step}/{self.total} {text}"
+        if self.live:
+            print("\r" + line, end="", file=self.stream, flush=True)
+            self.open = True
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def note(self, line: str) -> None:
+        self.close()
+        print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """End the redrawn line, so that what follows (a failure, the summary) starts a line of its own."""
+        if self.open:
+            print(file=self.stream, flush=True)
+            self.open = False
+
+
 def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     """One rank's training loop; returns the metrics (identical keys on every rank)."""
     import torch.distributed as dist
@@ -162,36 +197,38 @@ def train(rank: int, world: int, args: TrainArgs, result_queue=None) -> dict:
     if rank == 0 and not args.quiet:  # a long first step (a long --seq-len, compiling) would look hung
         print(f"step 1/{args.steps} started: {args.batch} x {args.seq_len} tokens per rank"
               f"{_first_step_note(device)}", flush=True)
+    progress = _Progress(args.steps) if rank == 0 and not args.quiet else None
     started = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        step_started = time.perf_counter()
-        ids = _batch(corpus, gen, args.batch, args.seq_len, 0, split).to(device)
-        optimizer.zero_grad(set_to_none=True)
-        loss = model.loss(ids)
-        loss.backward()
-        sync.step_optimizer(optimizer)  # finish, step, after_step: the last bucket hidden behind the step
-        schedule.step()
-        decisions = model.balance_step(optimizer) if args.balance else []
-        if any(d is not None and d.migrated for d in decisions):
-            sync.placement_changed()
-        losses.append(loss.item())
-        meter.step(time.perf_counter() - step_started, decisions)
-        if rank == 0 and not args.quiet:
-            for i, d in enumerate(decisions):  # the balancer's actions, and alarms over threshold
-                if d is not None and (d.traded or d.migrated or (d.alarm and d.imbalance > balancer.threshold)):
-                    what = ("migrated " + str(len(d.moved_slots)) + " slots" if d.migrated else
-                            "traded" if d.traded else "load changed, negotiating")
-                    print(f"\n  balancer, layer {i}, step {step}: {d.state} -> {d.next_mode.value}: {what} "
-                          f"(imbalance {d.imbalance:.2f} -> predicted {d.predicted:.2f})", flush=True)
-        if rank == 0 and not args.quiet and (step % max(1, args.steps // 50) == 0 or step in (1, args.steps)):
-            rate = tokens_per_step * step / (time.perf_counter() - started)
-            imbalance = max(layer["imbalance"] for layer in meter.steps[-1]["layers"])
-            print(f"\r{_bar(step, args.steps)} step {step}/{args.steps} loss {losses[-1]:.3f} "
-                  f"{rate:,.0f} tok/s imbalance {imbalance:.2f} grad sync {sync.stats.total_bytes / 1e6:.2f} MB",
-                  end="", flush=True)
+    try:
+        for step in range(1, args.steps + 1):
+            step_started = time.perf_counter()
+            ids = _batch(corpus, gen, args.batch, args.seq_len, 0, split).to(device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = model.loss(ids)
+            loss.backward()
+            sync.step_optimizer(optimizer)  # finish, step, after_step: the last bucket hidden behind the step
+            schedule.step()
+            decisions = model.balance_step(optimizer) if args.balance else []
+            if any(d is not None and d.migrated for d in decisions):
+                sync.placement_changed()
+            losses.append(loss.item())
+            meter.step(time.perf_counter() - step_started, decisions)
+            if progress is not None:
+                for i, d in enumerate(decisions):  # the balancer's actions, and alarms over threshold
+                    if d is not None and (d.traded or d.migrated or (d.alarm and d.imbalance > balancer.threshold)):
+                        what = ("migrated " + str(len(d.moved_slots)) + " slots" if d.migrated else
+                                "traded" if d.traded else "load changed, negotiating")
+                        progress.note(f"  balancer, layer {i}, step {step}: {d.state} -> {d.next_mode.value}: {what} "
+                                      f"(imbalance {d.imbalance:.2f} -> predicted {d.predicted:.2f})")
+                if progress.due(step):
+                    rate = tokens_per_step * step / (time.perf_counter() - started)
+                    imbalance = max(layer["imbalance"] for layer in meter.steps[-1]["layers"])
+                    progress.show(step, f"loss {losses[-1]:.3f} {rate:,.0f} tok/s imbalance {imbalance:.2f} "
+                                        f"grad sync {sync.stats.total_bytes / 1e6:.2f} MB")
+    finally:  # end the redrawn line first: a failure, like the summary, starts a line of its own
+        if progress is not None:
+            progress.close()
     elapsed = time.perf_counter() - started
-    if rank == 0 and not args.quiet:
-        print(flush=True)  # end the progress bar's line now: a failure after it starts a line of its own
     stats = ep.stats.snapshot()  # training traffic only
     report = meter.report()
     step_seconds = [record["seconds"] for record in meter.steps]  # the meter's record of each step
