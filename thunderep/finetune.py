@@ -161,6 +161,7 @@ def _finetune(rank: int, world: int, args: argparse.Namespace, ep, stop: _StopAt
         tm.gradient_checkpointing_enable()
     plan = memory_plan(tm, device)
     if rank == 0 and not args.quiet:
+        print(f"loaded {args.model}: {tm.load_report.summary()}", flush=True)
         print(plan.describe(), flush=True)
     plan.check()  # collective: every rank raises the same error, before any training collective
 

@@ -15,6 +15,8 @@ and `P.experts.down_proj [E, D, I]`):
                  transformers 5.x save_pretrained writes them)
                  P.experts.{e}.w1|w3|w2.weight under `block_sparse_moe` (Mixtral, MiniMax, PhiMoE)
     GraniteMoE:  block_sparse_moe.input_linear.weight / output_linear.weight
+Quantized checkpoints (fp8 with block scales, mxfp4 experts) are read dequantized into the model's dtype
+(`quantized.DequantizedIndex`), each rank reading the quantized bytes of its own experts only.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
+from .quantized import DequantizedIndex, quant_method, quantization_problem
 
 __all__ = ["CheckpointIndex", "LoadReport", "config_problem", "load_pretrained", "rss_bytes"]
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8}
 _PER_EXPERT = re.compile(
     r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
 )
@@ -67,6 +70,7 @@ class LoadReport:
         touched, about bytes_read, which are shared page cache the kernel can drop).
     cuda_peak: torch.cuda.max_memory_allocated on this rank's GPU (0 on CPU).
     unused_keys: checkpoint tensors that match nothing in the model (e.g. old rotary buffers).
+    dequantized: the checkpoint's quant_method ("fp8", "mxfp4") where its weights were read dequantized, else None.
     """
 
     path: str
@@ -82,11 +86,13 @@ class LoadReport:
     cuda_peak: int
     seconds: float
     unused_keys: list = field(default_factory=list)
+    dequantized: str | None = None
 
     def summary(self) -> str:
         mb = 1 / 2**20
-        return (f"read {self.bytes_read * mb:.1f} of {self.bytes_total * mb:.1f} MiB ({self.tensors_read} tensors, "
-                f"{self.files} files) in {self.seconds:.2f} s; holds experts {self.expert_bytes * mb:.1f} MiB + "
+        how = f" ({self.dequantized}, dequantized)" if self.dequantized else ""
+        return (f"read {self.bytes_read * mb:.1f} of {self.bytes_total * mb:.1f} MiB{how} ({self.tensors_read} "
+                f"tensors, {self.files} files) in {self.seconds:.2f} s; holds experts {self.expert_bytes * mb:.1f} MiB + "
                 f"replicated {self.replicated_bytes * mb:.1f} MiB; RSS {self.rss_before * mb:.0f} -> "
                 f"{self.rss_after * mb:.0f} MiB, peak {self.peak_rss * mb:.0f} MiB")
 
@@ -160,6 +166,18 @@ class CheckpointIndex:
             n *= d
         return n * _DTYPE_BYTES.get(sl.get_dtype(), 4)
 
+    def shape(self, key: str) -> tuple:
+        return tuple(self.slice(key).get_shape())
+
+    def read(self, key: str, experts: slice | None = None) -> tuple[torch.Tensor, int]:
+        """Tensor `key`, or only the rows `experts` of its first dimension, and the bytes read for it."""
+        tensor = self.tensor(key) if experts is None else self.slice(key)[experts]
+        return tensor, tensor.numel() * tensor.element_size()
+
+    def total_bytes(self) -> int:
+        """The bytes of all tensors of the checkpoint."""
+        return sum(self.nbytes(k) for k in self.keys())
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -221,24 +239,24 @@ class _Loader:
                 return True
         return False
 
-    def _read(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.bytes_read += tensor.numel() * tensor.element_size()
+    def _read(self, key: str, experts: slice | None = None) -> torch.Tensor:
+        tensor, nbytes = self.index.read(key, experts)
+        self.bytes_read += nbytes
         self.tensors_read += 1
         return tensor
 
     def _load_whole(self, key: str, name: str) -> None:
         target = self.targets[name]
-        shape = tuple(self.index.slice(key).get_shape())
+        shape = self.index.shape(key)
         if shape != tuple(target.shape):
             raise ConfigError(f"checkpoint tensor {key!r} has shape {shape} but the model's {name!r} is "
                               f"{tuple(target.shape)}: config.json does not match the weights")
-        target.copy_(self._read(self.index.tensor(key)))
+        target.copy_(self._read(key))
         self.loaded.add(name)
 
     def _load_fused(self, key: str, binding, module, tname: str) -> None:
         target = getattr(module, tname)
-        sl = self.index.slice(key)
-        shape = tuple(sl.get_shape())
+        shape = self.index.shape(key)
         if shape[0] != binding.num_experts or shape[1:] != tuple(target.shape[1:]):
             raise ConfigError(f"checkpoint tensor {key!r} has shape {shape}; expected ({binding.num_experts}, "
                               f"{', '.join(map(str, target.shape[1:]))}) for {binding.name}.{tname}")
@@ -248,7 +266,7 @@ class _Loader:
             n = 1
             while s + n < len(local) and local[s + n] == local[s] + n:
                 n += 1
-            target[s:s + n].copy_(self._read(sl[local[s]:local[s] + n]))
+            target[s:s + n].copy_(self._read(key, slice(local[s], local[s] + n)))
             s += n
         name = f"{binding.name}.{tname}"
         self.parts[name] = {slot: {None} for slot in range(len(local))}
@@ -276,7 +294,7 @@ class _Loader:
         if not slots:
             return  # another rank's expert: never read
         target = getattr(module, tname)
-        value = self._read(self.index.tensor(key))
+        value = self._read(key)
         for s in slots:
             if rows is None:
                 dst = target[s]
@@ -389,12 +407,15 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     except (OSError, ValueError, TypeError, AttributeError) as exc:  # transformers' checks: an unknown model_type, ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path / 'config.json'}: transformers cannot read it: {first}") from exc
-    if getattr(config, "quantization_config", None):
-        raise UnsupportedModelError(
-            f"{str(path)!r} is a quantized checkpoint ({config.quantization_config.get('quant_method', '?')}); "
-            "load it with transformers' from_pretrained and pass the model to ThunderMoE.wrap"
-        )
+    problem = quantization_problem(config, path)
+    if problem:
+        raise UnsupportedModelError(problem)
     dtype = _resolve_dtype(dtype, config)
+    dequantized = quant_method(config)
+    if dequantized:  # read dequantized into `dtype`; the model built from the config is a plain one
+        index = DequantizedIndex(index, config, dtype)
+        config.quantization_config = None
+        del config.quantization_config
     if device is None:
         device = ep.groups.device if ep is not None else "cpu"
     device = torch.device(device)
@@ -419,14 +440,14 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
     model.eval()
     memory = wrapped.memory()
-    bytes_total = sum(index.nbytes(k) for k in index.keys())
+    bytes_total = index.total_bytes()
     index.close()  # unmaps the checkpoint files
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     wrapped.load_report = LoadReport(
         path=str(path), files=index.files, tensors_read=loader.tensors_read, bytes_read=loader.bytes_read,
         bytes_total=bytes_total, expert_bytes=memory["expert_bytes"], replicated_bytes=memory["replicated_bytes"],
         rss_before=rss_before, rss_after=rss_bytes(), peak_rss=loader.peak_rss, cuda_peak=cuda_peak,
-        seconds=time.perf_counter() - started, unused_keys=loader.unused,
+        seconds=time.perf_counter() - started, unused_keys=loader.unused, dequantized=dequantized,
     )
     return wrapped
 

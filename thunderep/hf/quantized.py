@@ -1,0 +1,164 @@
+"""Quantized checkpoints, read as the full-precision tensors they stand for.
+
+Many MoE checkpoints are published only quantized: DeepSeek-V3/R1 and the Qwen3 "-FP8" models store
+their linear weights in FP8 with block scales (quant_method "fp8"), GPT-OSS its experts in MXFP4
+(quant_method "mxfp4"). `from_pretrained` reads them dequantized into the model's dtype (bfloat16 by
+their config.json): each rank reads the quantized bytes of its own experts only and holds them at full
+precision, so a model too large for one card at bfloat16 fits once its experts are spread over the ranks.
+
+Formats (shape legend: E experts, R rows, C columns of a stored matrix):
+    fp8:   `NAME` float8_e4m3fn [..., R, C] and `NAME_scale_inv` float32 (or UE8M0) [..., ceil(R/bm), ceil(C/bn)]
+           for `weight_block_size` [bm, bn] (config, else read off the two shapes; a single scale: per tensor):
+           value = weight * scale_inv of its block. NAME is `X.weight`, or a fused `experts.gate_up_proj`.
+           `activation_scale` / `input_scale` tensors (static activation quantization) are not needed once
+           the weights are dequantized, and are skipped.
+    mxfp4: `P_blocks` uint8 [E, R, G, 16] and `P_scales` uint8 [E, R, G]: 32 FP4 (e2m1) values per block, two
+           per byte, low nibble first, times 2 ** (scale - 127); the matrix [E, R, 32 G] is stored transposed,
+           so P reads as [E, 32 G, R] (GPT-OSS's `gate_up_proj [E, D, 2I]`, `down_proj [E, I, D]`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CheckpointError
+
+__all__ = ["METHODS", "DequantizedIndex", "quant_method", "quantization_problem"]
+
+METHODS = ("fp8", "mxfp4")
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_SKIPPED_FP8 = ("activation_scale", "input_scale")  # static activation scales: of no use to dequantized weights
+
+
+def _settings(config) -> dict:
+    """The config's quantization_config as a dict ({} when the checkpoint is not quantized)."""
+    settings = getattr(config, "quantization_config", None)
+    if settings is None:
+        return {}
+    return settings if isinstance(settings, dict) else settings.to_dict()
+
+
+def quant_method(config) -> str | None:
+    """The checkpoint's quant_method ("fp8", "mxfp4", ...), or None where it is not quantized."""
+    settings = _settings(config)
+    return str(settings.get("quant_method")) if settings else None
+
+
+def quantization_problem(config, path) -> str | None:
+    """Why ThunderEP cannot read quantized checkpoint `path`, or None (also where it is not quantized)."""
+    settings = _settings(config)
+    method = settings.get("quant_method") if settings else None
+    if method is None:
+        return None
+    if method not in METHODS:
+        return (f"{str(path)!r} is quantized with {method!r}; ThunderEP reads fp8 (block-scaled, as DeepSeek-V3 "
+                "and the Qwen3 FP8 models) and mxfp4 (GPT-OSS) checkpoints, dequantized at load. Load this one "
+                "with transformers' from_pretrained (dequantized) and pass the model to ThunderMoE.wrap")
+    block = settings.get("weight_block_size")
+    if method == "fp8" and block is not None and not (
+            isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        return f"{str(path)!r}: quantization_config's weight_block_size {block!r} is not two positive integers"
+    if method == "fp8" and settings.get("fmt", "e4m3") != "e4m3":
+        return f"{str(path)!r}: fp8 format {settings['fmt']!r}; ThunderEP reads e4m3 weights"
+    return None
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block, dtype: torch.dtype,
+                   name: str = "") -> torch.Tensor:
+    """`weight` [..., R, C] (FP8) times the scale of its block (`scale_inv` [..., ceil(R/bm), ceil(C/bn)], or
+    one scale), in float32, returned in `dtype`."""
+    w = weight.to(torch.float32)
+    s = scale_inv.to(torch.float32)
+    if s.dim() < 2 and s.numel() == 1:  # one scale for the tensor
+        return (w * s.reshape(())).to(dtype)
+    rows, cols = w.shape[-2:]
+    bm, bn = block if block is not None else (-(-rows // s.shape[-2]), -(-cols // s.shape[-1]))
+    grid = (-(-rows // bm), -(-cols // bn))
+    if s.dim() != w.dim() or tuple(s.shape[-2:]) != grid or s.shape[:-2] != w.shape[:-2]:
+        raise CheckpointError(f"{name}: scales of shape {tuple(s.shape)} do not fit a weight of shape "
+                              f"{tuple(w.shape)} in blocks of {bm} x {bn} (expected {w.shape[:-2] + grid})")
+    s = s.repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)[..., :cols]
+    return (w * s).to(dtype)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[E, R, G, 16] packed FP4 and [E, R, G] exponents -> [E, 32 G, R] in `dtype` (the stored matrix transposed)."""
+    lut = torch.tensor(_FP4, dtype=torch.float32)
+    b = blocks.to(torch.uint8)
+    values = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)  # [E, R, G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2).transpose(1, 2).to(dtype).contiguous()
+
+
+class DequantizedIndex:
+    """A `CheckpointIndex` of a quantized checkpoint, whose tensors read dequantized into `dtype`.
+
+    The same interface as the index it wraps (`keys`, `shape`, `read`, `total_bytes`, `files`, `path`,
+    `close`): a quantized tensor shows under its own name (its scales, blocks and activation scales do
+    not show), with the shape of the full-precision tensor; `read` returns the dequantized values and the
+    checkpoint bytes read for them (quantized data and scales).
+    """
+
+    def __init__(self, index, config, dtype: torch.dtype):
+        self.index, self.dtype = index, dtype
+        settings = _settings(config)
+        self.method = settings["quant_method"]
+        block = settings.get("weight_block_size")
+        self.block = tuple(block) if block is not None else None
+        raw = set(index.keys())
+        self.parts: dict[str, tuple[str, str]] = {}  # name -> (data key, scale key)
+        if self.method == "fp8":
+            for key in raw:
+                if key + "_scale_inv" in raw:
+                    self.parts[key] = (key, key + "_scale_inv")
+            skipped = {k for k in raw if k.endswith(_SKIPPED_FP8)}
+        else:
+            for key in raw:
+                if key.endswith("_blocks") and key[:-7] + "_scales" in raw:
+                    self.parts[key[:-7]] = (key, key[:-7] + "_scales")
+            skipped = set()
+        hidden = {k for pair in self.parts.values() for k in pair} | skipped
+        self._keys = [k for k in index.keys() if k not in hidden] + sorted(self.parts)
+        self.path, self.file_names = index.path, index.file_names
+
+    @property
+    def files(self) -> int:
+        return self.index.files
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def shape(self, key: str) -> tuple:
+        if key not in self.parts:
+            return self.index.shape(key)
+        data, scales = (self.index.shape(k) for k in self.parts[key])
+        if self.method == "fp8":
+            return data
+        if len(data) != 4 or data[-1] != 16 or tuple(scales) != tuple(data[:-1]):
+            raise CheckpointError(f"{key}: MXFP4 blocks {data} and scales {scales} are not [E, R, G, 16] and "
+                                  "[E, R, G]")
+        return (data[0], data[2] * 32, data[1])
+
+    def read(self, key: str, experts: slice | None = None) -> tuple[torch.Tensor, int]:
+        if key not in self.parts:
+            return self.index.read(key, experts)
+        (data, data_bytes), (scales, scale_bytes) = (self.index.read(k, experts) for k in self.parts[key])
+        if self.method == "fp8":
+            out = torch.empty(data.shape, dtype=self.dtype)
+            if data.dim() == 3 and scales.dim() == 3 and len(data) > 1:  # one expert at a time: float32 of one only
+                for e in range(len(data)):
+                    out[e] = dequantize_fp8(data[e], scales[e], self.block, self.dtype, key)
+            else:
+                out = dequantize_fp8(data, scales, self.block, self.dtype, key)
+        else:
+            self.shape(key)  # checks the layout
+            out = torch.empty((len(data), data.shape[2] * 32, data.shape[1]), dtype=self.dtype)
+            for e in range(len(data)):
+                out[e] = dequantize_mxfp4(data[e:e + 1], scales[e:e + 1], self.dtype)[0]
+        return out, data_bytes + scale_bytes
+
+    def total_bytes(self) -> int:
+        return self.index.total_bytes()
+
+    def close(self) -> None:
+        self.index.close()
