@@ -307,3 +307,18 @@ def test_finetune_of_a_quantized_checkpoint_writes_a_plain_one(checkpoints, tmp_
     assert got.keys() == want.keys()
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe_fused", "deepseek_v3_partial", "gpt_oss"])
+def test_quantized_checkpoints_dequantize_on_the_gpu_as_on_the_cpu(checkpoints, name):
+    """On a GPU the quantized bytes are dequantized there: the same values as on the CPU, bit for bit."""
+    from thunderep.hf import ThunderMoE
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    quantized, _ = checkpoints[name]
+    cpu = _parameters(ThunderMoE.from_pretrained(quantized).model)
+    gpu = _parameters(ThunderMoE.from_pretrained(quantized, device="cuda").model)
+    for key, value in gpu.items():
+        assert value.device.type == "cuda" and torch.equal(value.cpu(), cpu[key]), key

@@ -411,14 +411,14 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     if problem:
         raise UnsupportedModelError(problem)
     dtype = _resolve_dtype(dtype, config)
-    dequantized = quant_method(config)
-    if dequantized:  # read dequantized into `dtype`; the model built from the config is a plain one
-        index = DequantizedIndex(index, config, dtype)
-        config.quantization_config = None
-        del config.quantization_config
     if device is None:
         device = ep.groups.device if ep is not None else "cpu"
     device = torch.device(device)
+    dequantized = quant_method(config)
+    if dequantized:  # read dequantized into `dtype` on `device`; the model built from the config is a plain one
+        index = DequantizedIndex(index, config, dtype, device)
+        config.quantization_config = None
+        del config.quantization_config
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

@@ -66,9 +66,9 @@ def quantization_problem(config, path) -> str | None:
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block, dtype: torch.dtype,
                    name: str = "") -> torch.Tensor:
     """`weight` [..., R, C] (FP8) times the scale of its block (`scale_inv` [..., ceil(R/bm), ceil(C/bn)], or
-    one scale), in float32, returned in `dtype`."""
+    one scale), in float32, returned in `dtype`, on the device of `weight`."""
     w = weight.to(torch.float32)
-    s = scale_inv.to(torch.float32)
+    s = scale_inv.to(device=w.device, dtype=torch.float32)
     if s.dim() < 2 and s.numel() == 1:  # one scale for the tensor
         return (w * s.reshape(())).to(dtype)
     rows, cols = w.shape[-2:]
@@ -77,17 +77,27 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block, dtype: 
     if s.dim() != w.dim() or tuple(s.shape[-2:]) != grid or s.shape[:-2] != w.shape[:-2]:
         raise CheckpointError(f"{name}: scales of shape {tuple(s.shape)} do not fit a weight of shape "
                               f"{tuple(w.shape)} in blocks of {bm} x {bn} (expected {w.shape[:-2] + grid})")
+    if rows % bm == 0 and cols % bn == 0:  # whole blocks: each scaled in place, no weight-sized scale tensor
+        blocks = w.unflatten(-1, (grid[1], bn)).unflatten(-3, (grid[0], bm))  # [..., gr, bm, gc, bn]
+        return blocks.mul_(s.unsqueeze(-1).unsqueeze(-3)).flatten(-4, -3).flatten(-2).to(dtype)
     s = s.repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)[..., :cols]
     return (w * s).to(dtype)
 
 
+def _fp4_pairs(device) -> torch.Tensor:
+    """[256, 2]: the two FP4 values of each byte, low nibble first."""
+    lut = torch.tensor(_FP4, dtype=torch.float32, device=device)
+    codes = torch.arange(256, device=device)
+    return torch.stack((lut[codes & 0x0F], lut[codes >> 4]), dim=-1)
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[E, R, G, 16] packed FP4 and [E, R, G] exponents -> [E, 32 G, R] in `dtype` (the stored matrix transposed)."""
-    lut = torch.tensor(_FP4, dtype=torch.float32)
-    b = blocks.to(torch.uint8)
-    values = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)  # [E, R, G, 32]
-    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
-    return values.flatten(-2).transpose(1, 2).to(dtype).contiguous()
+    """[E, R, G, 16] packed FP4 and [E, R, G] exponents -> [E, 32 G, R] in `dtype` (the stored matrix
+    transposed), on the device of `blocks`."""
+    pairs = _fp4_pairs(blocks.device).index_select(0, blocks.flatten().to(torch.int32))  # [E R G 16, 2]
+    values = pairs.reshape(blocks.shape[:-1] + (32,))  # [E, R, G, 32]
+    values.mul_(torch.exp2(scales.to(blocks.device, torch.float32) - 127).unsqueeze(-1))  # exact: powers of 2
+    return values.flatten(-2).to(dtype).transpose(1, 2).contiguous()
 
 
 class DequantizedIndex:
@@ -96,11 +106,13 @@ class DequantizedIndex:
     The same interface as the index it wraps (`keys`, `shape`, `read`, `total_bytes`, `files`, `path`,
     `close`): a quantized tensor shows under its own name (its scales, blocks and activation scales do
     not show), with the shape of the full-precision tensor; `read` returns the dequantized values and the
-    checkpoint bytes read for them (quantized data and scales).
+    checkpoint bytes read for them (quantized data and scales). `device`: where the values are computed
+    and returned (a rank's GPU: only the quantized bytes cross to it), default the CPU.
     """
 
-    def __init__(self, index, config, dtype: torch.dtype):
+    def __init__(self, index, config, dtype: torch.dtype, device=None):
         self.index, self.dtype = index, dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")  # where to dequantize
         settings = _settings(config)
         self.method = settings["quant_method"]
         block = settings.get("weight_block_size")
@@ -143,8 +155,9 @@ class DequantizedIndex:
         if key not in self.parts:
             return self.index.read(key, experts)
         (data, data_bytes), (scales, scale_bytes) = (self.index.read(k, experts) for k in self.parts[key])
+        data, scales = data.to(self.device), scales.to(self.device)
         if self.method == "fp8":
-            out = torch.empty(data.shape, dtype=self.dtype)
+            out = torch.empty(data.shape, dtype=self.dtype, device=self.device)
             if data.dim() == 3 and scales.dim() == 3 and len(data) > 1:  # one expert at a time: float32 of one only
                 for e in range(len(data)):
                     out[e] = dequantize_fp8(data[e], scales[e], self.block, self.dtype, key)
@@ -152,7 +165,7 @@ class DequantizedIndex:
                 out = dequantize_fp8(data, scales, self.block, self.dtype, key)
         else:
             self.shape(key)  # checks the layout
-            out = torch.empty((len(data), data.shape[2] * 32, data.shape[1]), dtype=self.dtype)
+            out = torch.empty((len(data), data.shape[2] * 32, data.shape[1]), dtype=self.dtype, device=self.device)
             for e in range(len(data)):
                 out[e] = dequantize_mxfp4(data[e:e + 1], scales[e:e + 1], self.dtype)[0]
         return out, data_bytes + scale_bytes
