@@ -54,7 +54,8 @@ def _dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, bm: int, bn: int) -> 
 def _quantized(name: str, tensor: torch.Tensor) -> bool:
     """The tensors an FP8 checkpoint stores in FP8: every linear weight but the embeddings, the output
     layer and the router (as DeepSeek-V3's checkpoint)."""
-    linear = name.endswith(".weight") and tensor.dim() == 2 and not re.search(r"embed|lm_head|norm|\.gate\.weight$", name)
+    linear = (name.endswith(".weight") and tensor.dim() == 2
+              and not re.search(r"embed|lm_head|norm|\.gate\.weight$", name))
     return linear or name.endswith(("experts.gate_up_proj", "experts.down_proj"))
 
 
@@ -114,7 +115,8 @@ def mxfp4_checkpoint(directory: Path) -> tuple[str, str]:
                     code = byte & 0x0F if c % 2 == 0 else byte >> 4
                     values[e, r, c] = _FP4[code] * 2.0 ** (int(scales[e, r, c // 32]) - 127)
         reference[name] = values.transpose(1, 2).contiguous()
-    settings = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+    settings = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                    "model.layers.*.mlp.router",
                                                                     "model.embed_tokens", "lm_head"]}
     config.pop("quantization_config", None)
     return (_write(directory / "mxfp4", quantized, {**config, "dtype": "bfloat16", "quantization_config": settings}),

@@ -374,8 +374,8 @@ def test_counts_that_do_not_match_the_rows(monkeypatch):
     """counts_E on the CPU is checked: negative counts, or counts that do not sum to the rows, are refused
     with a message that quotes them, and so is an order_N with a pair out of range. Counts on a GPU are not
     checked (a sync): the kernels take negative counts as 0 and touch no row past N (here the check is
-    patched out, as on a GPU, and the counts sum past N). The rows the counts reach get what the counts that reach them exactly
-    give; the weight-gradient kernel and the Hopper path's offsets likewise."""
+    patched out, as on a GPU, and the counts sum past N). The rows the counts reach get what the counts that
+    reach them exactly give; the weight-gradient kernel and the Hopper path's offsets likewise."""
     x, w_gu, w_d, _, _ = make_case(10, 16, 16, 4, 1, torch.float32, 0)
     on_cpu = [t.cpu() for t in (x, w_gu, w_d)]  # the check runs before any kernel, also on a CUDA machine
     with pytest.raises(ValueError, match=r"counts_E \[5, 5, 5, 5\] must be >= 0 and sum to the 10 rows \(x\); "

@@ -92,9 +92,9 @@ class LoadReport:
         mb = 1 / 2**20
         how = f" ({self.dequantized}, dequantized)" if self.dequantized else ""
         return (f"read {self.bytes_read * mb:.1f} of {self.bytes_total * mb:.1f} MiB{how} ({self.tensors_read} "
-                f"tensors, {self.files} files) in {self.seconds:.2f} s; holds experts {self.expert_bytes * mb:.1f} MiB + "
-                f"replicated {self.replicated_bytes * mb:.1f} MiB; RSS {self.rss_before * mb:.0f} -> "
-                f"{self.rss_after * mb:.0f} MiB, peak {self.peak_rss * mb:.0f} MiB")
+                f"tensors, {self.files} files) in {self.seconds:.2f} s; holds experts "
+                f"{self.expert_bytes * mb:.1f} MiB + replicated {self.replicated_bytes * mb:.1f} MiB; RSS "
+                f"{self.rss_before * mb:.0f} -> {self.rss_after * mb:.0f} MiB, peak {self.peak_rss * mb:.0f} MiB")
 
 
 class CheckpointIndex:
@@ -169,10 +169,12 @@ class CheckpointIndex:
     def shape(self, key: str) -> tuple:
         return tuple(self.slice(key).get_shape())
 
-    def read(self, key: str, experts: slice | None = None) -> tuple[torch.Tensor, int]:
-        """Tensor `key`, or only the rows `experts` of its first dimension, and the bytes read for it."""
+    def read(self, key: str, experts: slice | None = None, out: torch.Tensor | None = None):
+        """(tensor `key`, or only the rows `experts` of its first dimension; the bytes read for it), copied
+        into `out` where given."""
         tensor = self.tensor(key) if experts is None else self.slice(key)[experts]
-        return tensor, tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        return (tensor, nbytes) if out is None else (out.copy_(tensor), nbytes)
 
     def total_bytes(self) -> int:
         """The bytes of all tensors of the checkpoint."""
@@ -239,8 +241,8 @@ class _Loader:
                 return True
         return False
 
-    def _read(self, key: str, experts: slice | None = None) -> torch.Tensor:
-        tensor, nbytes = self.index.read(key, experts)
+    def _read(self, key: str, experts: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        tensor, nbytes = self.index.read(key, experts, out)
         self.bytes_read += nbytes
         self.tensors_read += 1
         return tensor
@@ -251,7 +253,7 @@ class _Loader:
         if shape != tuple(target.shape):
             raise ConfigError(f"checkpoint tensor {key!r} has shape {shape} but the model's {name!r} is "
                               f"{tuple(target.shape)}: config.json does not match the weights")
-        target.copy_(self._read(key))
+        self._read(key, out=target)
         self.loaded.add(name)
 
     def _load_fused(self, key: str, binding, module, tname: str) -> None:
@@ -266,7 +268,7 @@ class _Loader:
             n = 1
             while s + n < len(local) and local[s + n] == local[s] + n:
                 n += 1
-            target[s:s + n].copy_(self._read(key, slice(local[s], local[s] + n)))
+            self._read(key, slice(local[s], local[s] + n), out=target[s:s + n])
             s += n
         name = f"{binding.name}.{tname}"
         self.parts[name] = {slot: {None} for slot in range(len(local))}

@@ -151,23 +151,23 @@ class DequantizedIndex:
                                   "[E, R, G]")
         return (data[0], data[2] * 32, data[1])
 
-    def read(self, key: str, experts: slice | None = None) -> tuple[torch.Tensor, int]:
+    def read(self, key: str, experts: slice | None = None, out: torch.Tensor | None = None):
+        """(values, checkpoint bytes read) of tensor `key` (its experts `experts` only, where given), written
+        into `out` where given (no second copy of them on the device), one expert at a time."""
         if key not in self.parts:
-            return self.index.read(key, experts)
+            return self.index.read(key, experts, out)
         (data, data_bytes), (scales, scale_bytes) = (self.index.read(k, experts) for k in self.parts[key])
-        data, scales = data.to(self.device), scales.to(self.device)
-        if self.method == "fp8":
-            out = torch.empty(data.shape, dtype=self.dtype, device=self.device)
-            if data.dim() == 3 and scales.dim() == 3 and len(data) > 1:  # one expert at a time: float32 of one only
-                for e in range(len(data)):
-                    out[e] = dequantize_fp8(data[e], scales[e], self.block, self.dtype, key)
-            else:
-                out = dequantize_fp8(data, scales, self.block, self.dtype, key)
-        else:
-            self.shape(key)  # checks the layout
-            out = torch.empty((len(data), data.shape[2] * 32, data.shape[1]), dtype=self.dtype, device=self.device)
+        if out is None:
+            out = torch.empty(self.shape(key) if experts is None else (len(data),) + self.shape(key)[1:],
+                              dtype=self.dtype, device=self.device)
+        if self.method == "fp8" and not (data.dim() == 3 and scales.dim() == 3):  # one matrix, or one scale
+            out.copy_(dequantize_fp8(data.to(self.device), scales.to(self.device), self.block, self.dtype, key))
+        else:  # experts one at a time: float32 temporaries of one expert only
+            self.shape(key)  # checks MXFP4's layout
             for e in range(len(data)):
-                out[e] = dequantize_mxfp4(data[e:e + 1], scales[e:e + 1], self.dtype)[0]
+                d, s = data[e].to(self.device), scales[e].to(self.device)
+                out[e] = (dequantize_fp8(d, s, self.block, self.dtype, key) if self.method == "fp8" else
+                          dequantize_mxfp4(d[None], s[None], self.dtype)[0])
         return out, data_bytes + scale_bytes
 
     def total_bytes(self) -> int:
