@@ -161,6 +161,13 @@ def test_bench_link_without_gpus_is_one_line(capsys):
     assert err.count("\n") == 1 and "needs 2 or more CUDA GPUs and finds" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs no GPU")
+def test_bench_kernels_without_a_gpu_is_one_line_and_exit_1_as_bench_link(capsys):
+    assert cli(["bench", "kernels", "--shapes", "qwen3", "--tokens", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bench kernels needs a CUDA GPU and finds none" in err
+
+
 def test_bench_link_ranks_on_gloo_and_timeout():
     """The NCCL runs' process machinery (start, results, kill), here with gloo on CPU."""
     size_list = sizes(8, 4096, 2)

@@ -426,5 +426,5 @@ if __name__ == "__main__":
     try:
         raise SystemExit(main())
     except ThunderError as exc:
-        print(f"bench link: error: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -375,8 +375,10 @@ def main(argv=None) -> int:
     if not tokens or min(tokens) < 1:
         ap.error(f"--tokens {args.tokens!r}: use comma-separated token counts of at least 1, e.g. 1,64,4096")
     if not torch.cuda.is_available():
-        print("thunderep.kernels.bench needs a CUDA GPU", file=sys.stderr)
-        return 2
+        from ..errors import ThunderError
+
+        raise ThunderError(f"bench kernels needs a CUDA GPU and finds none (torch {torch.__version__}, CUDA "
+                           f"{torch.version.cuda or 'not built in'}); run it on a machine with one")
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     import transformers
@@ -413,4 +415,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..errors import ThunderError
+
+    try:
+        sys.exit(main())
+    except ThunderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
