@@ -158,3 +158,44 @@ def test_a_config_naming_torch_dtype_loads_that_dtype_without_a_warning(checkpoi
     (model / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
     assert {p.dtype for p in ThunderMoE.from_pretrained(model).parameters()} == {torch.bfloat16}
     assert not reads
+
+
+def test_threads_read_what_one_thread_reads_and_an_error_in_a_thread_reaches_the_caller(checkpoint, tmp_path,
+                                                                                          monkeypatch):
+    """`from_pretrained` reads the tensors on several threads: the values and the report's counts equal a
+    load on one thread; a tensor whose shape does not fit, read on a thread, ends the load with the
+    ConfigError naming it, and no reading thread outlives the call."""
+    import threading
+
+    import torch
+
+    from thunderep.errors import ConfigError
+    from thunderep.hf import ThunderMoE
+    from thunderep.hf import load as load_module
+
+    def loaded(threads):
+        run = load_module._Loader.run
+        monkeypatch.setattr(load_module._Loader, "run", lambda self, t=None: run(self, threads))
+        model = ThunderMoE.from_pretrained(checkpoint)
+        monkeypatch.undo()
+        report = model.load_report
+        return model.model.state_dict(), (report.bytes_read, report.bytes_total, report.tensors_read)
+
+    one, counts_one = loaded(1)
+    four, counts_four = loaded(4)
+    assert counts_one == counts_four and counts_one[0] == counts_one[1]
+    assert one.keys() == four.keys() and all(torch.equal(one[k], four[k]) for k in one)
+
+    from safetensors.torch import load_file, save_file
+
+    model = _copy(checkpoint, tmp_path)
+    files = sorted(f for f in os.listdir(model) if f.endswith(".safetensors"))
+    last = os.path.join(model, files[-1])  # read last: the threads are busy with the others by then
+    tensors = load_file(last)
+    name = sorted(tensors)[-1]
+    tensors[name] = torch.zeros(tuple(d + 1 for d in tensors[name].shape))
+    save_file(tensors, last, metadata={"format": "pt"})
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ConfigError, match=rf"checkpoint tensor '{name}' has shape"):
+        ThunderMoE.from_pretrained(model)
+    assert not {t.name for t in threading.enumerate() if t.name.startswith("thunderep-load")} - before
