@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,50 @@ def fp8_checkpoint(source: str, directory: Path, block: int) -> tuple[str, str]:
             _write(directory / "reference", reference, {**config, "dtype": "float32"}))
 
 
+def _quantize_int8(w: torch.Tensor, bm: int, bn: int):
+    """[R, C] -> int8 [R, C] and float32 scales per bm x bn block, each block's largest magnitude at 127."""
+    rows, cols = w.shape
+    scales = torch.empty(-(-rows // bm), -(-cols // bn))
+    q = torch.empty(rows, cols, dtype=torch.int8)
+    for i, j, block in _blocks_of(rows, cols, bm, bn):
+        scales[i, j] = w[block].float().abs().max().clamp(min=1e-8) / 127
+        q[block] = (w[block].float() / scales[i, j]).round().clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def compressed_tensors_checkpoint(source: str, directory: Path, kind: str, strategy: str,
+                                  size: int | None = None) -> tuple[str, str]:
+    """Checkpoint `source` in compressed-tensors' format (as llm-compressor saves FP8 / INT8 models: per
+    linear weight `weight` and `weight_scale`, the routers and the output layer left out), `kind` "float" or
+    "int" 8-bit, `strategy` tensor / channel / group (groups of `size`) / block (`size` x `size`); and the
+    slow reference, dequantized block by block in float32."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(source) / "model.safetensors"))
+    config = json.loads((Path(source) / "config.json").read_text())
+    quantize = _quantize_fp8 if kind == "float" else _quantize_int8
+    quantized, reference = {}, {}
+    for name, tensor in tensors.items():
+        if not _quantized(name, tensor):
+            quantized[name], reference[name] = tensor, tensor.float()
+            continue
+        rows, cols = tensor.shape
+        bm, bn = {"tensor": (rows, cols), "channel": (1, cols), "group": (1, size), "block": (size, size)}[strategy]
+        q, scale = quantize(tensor, bm, bn)
+        quantized[name], quantized[name + "_scale"] = q, scale.reshape(1) if strategy == "tensor" else scale
+        quantized[name.replace(".weight", ".input_scale")] = torch.ones(1)  # static activation scale: unused
+        reference[name] = _dequantize_fp8(q, scale, bm, bn)
+    weights = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": strategy, "dynamic": False,
+               "group_size": size if strategy == "group" else None,
+               "block_structure": [size, size] if strategy == "block" else None}
+    settings = {"quant_method": "compressed-tensors", "format": f"{kind}-quantized", "quantization_status":
+                "compressed", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
+                    "num_bits": 8, "type": kind, "symmetric": True, "strategy": "tensor", "dynamic": False}}}}
+    return (_write(directory / "ct", quantized, {**config, "quantization_config": settings}),
+            _write(directory / "reference", reference, {**config, "dtype": "float32"}))
+
+
 def mxfp4_checkpoint(directory: Path) -> tuple[str, str]:
     """A tiny GPT-OSS with random MXFP4 experts (blocks and exponents drawn here), and the slow reference:
     each value decoded one at a time, low nibble first, times 2 ** (exponent - 127), stored transposed."""
@@ -135,7 +180,18 @@ def checkpoints(tmp_path_factory):
         out[name] = fp8_checkpoint(str(root / name / "bf16"), root / name, block=8)
     out["deepseek_v3_partial"] = fp8_checkpoint(str(root / "deepseek_v3" / "bf16"), root / "partial", block=16)
     out["gpt_oss"] = mxfp4_checkpoint(root / "gpt_oss")
+    for name, family, kind, strategy, size in _COMPRESSED:
+        out[name] = compressed_tensors_checkpoint(str(root / family / "bf16"), root / name, kind, strategy, size)
     return out
+
+
+_COMPRESSED = (  # compressed-tensors checkpoints: name, family, 8-bit kind, strategy, group / block size
+    ("mixtral_ct_channel", "mixtral", "float", "channel", None),
+    ("qwen3_moe_ct_block", "qwen3_moe", "float", "block", 24),  # partial last blocks
+    ("qwen3_moe_ct_tensor", "qwen3_moe", "float", "tensor", None),
+    ("deepseek_v3_ct_int8_group", "deepseek_v3", "int", "group", 16),
+    ("mixtral_ct_int8_channel", "mixtral", "int", "channel", None),
+)
 
 
 def _parameters(model) -> dict:
@@ -143,12 +199,13 @@ def _parameters(model) -> dict:
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen3_moe_fused", "deepseek_v3", "deepseek_v3_partial",
-                                  "gpt_oss"])
+                                  "gpt_oss"] + [c[0] for c in _COMPRESSED])
 def test_quantized_checkpoints_read_as_the_slow_reference(checkpoints, name):
     """Every tensor equals the block-by-block reference: in float32 exactly (its blocks, partial last blocks
     included (16 x 16 blocks over DeepSeek-V3's 24-row kv_a_proj), per-expert and fused expert tensors,
-    MXFP4's nibbles and exponents), and in the checkpoint's dtype (bfloat16) as that value rounded; the
-    logits agree; the loaded config is a plain one."""
+    MXFP4's nibbles and exponents; compressed-tensors' FP8 and INT8 by tensor, channel, group and block),
+    and in the checkpoint's dtype (bfloat16) as that value rounded; the logits agree; the loaded config is
+    a plain one."""
     from transformers import AutoModelForCausalLM
 
     from thunderep.hf import ThunderMoE
@@ -163,7 +220,8 @@ def test_quantized_checkpoints_read_as_the_slow_reference(checkpoints, name):
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(got(input_ids=ids).logits, want(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
-    assert got.load_report.dequantized == ("mxfp4" if name == "gpt_oss" else "fp8")
+    assert got.load_report.dequantized == ("mxfp4" if name == "gpt_oss" else
+                                           "compressed-tensors" if "_ct_" in name else "fp8")
     assert "quantization_config" not in json.loads(got.model.config.to_json_string())
     default = ThunderMoE.from_pretrained(quantized)  # the checkpoint's dtype, bfloat16
     dtypes = {k: v.dtype for k, v in AutoModelForCausalLM.from_pretrained(reference, dtype=torch.bfloat16)
@@ -196,6 +254,35 @@ def test_quantized_checkpoints_read_as_transformers_reads_them(checkpoints, name
         assert torch.equal(value, theirs[key]), key
 
 
+@pytest.mark.parametrize("name", ["mixtral_ct_channel", "qwen3_moe_ct_tensor"])
+def test_compressed_tensors_checkpoints_read_as_transformers_reads_them(checkpoints, name):
+    """transformers with the compressed-tensors package, dequantizing at load, gives the same tensors (FP8 by
+    channel and by tensor). Not compared: groups, blocks and INT8, whose expert tensors transformers 5.24
+    with compressed-tensors 0.20 fails to convert (a shape error in its dequantization; for INT8, no expert
+    tensor reaches its concatenation)."""
+    pytest.importorskip("compressed_tensors")
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from thunderep.hf import ThunderMoE
+
+    quantized, _ = checkpoints[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused static activation scales
+        want = AutoModelForCausalLM.from_pretrained(
+            quantized, dtype=torch.bfloat16,
+            quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    theirs = _parameters(want)
+    ours = _parameters(ThunderMoE.from_pretrained(quantized).model)
+    assert ours.keys() == theirs.keys()
+    for key, value in ours.items():
+        assert torch.equal(value, theirs[key]), key
+
+
+_ON_RANKS = ("qwen3_moe", "qwen3_moe_fused", "deepseek_v3", "gpt_oss", "qwen3_moe_ct_block",
+             "deepseek_v3_ct_int8_group")
+
+
 def _on_rank(rank, world, checkpoints):
     from thunderep import EPConfig
     from thunderep.comm.groups import init_expert_parallel
@@ -205,7 +292,7 @@ def _on_rank(rank, world, checkpoints):
     ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     out = {}
-    for name in ("qwen3_moe", "qwen3_moe_fused", "deepseek_v3", "gpt_oss"):
+    for name in _ON_RANKS:
         model = ThunderMoE.from_pretrained(checkpoints[name][0], ep, dtype=torch.float32)
         with torch.no_grad():
             logits = model(input_ids=ids, replicated=True).logits
@@ -217,24 +304,25 @@ def _on_rank(rank, world, checkpoints):
 @pytest.mark.parametrize("world", [2, 4])
 def test_quantized_checkpoints_on_ranks_equal_one_process(checkpoints, world):
     """On 2 and 4 ranks each rank reads the replicated tensors and the quantized bytes of its own experts
-    only (every expert's blocks and scales read once over the ranks), and the logits equal the slow
-    reference's in one process."""
+    only (every expert's blocks and scales read once over the ranks; static activation scales not at all),
+    and the logits equal the slow reference's in one process."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     results = run_ranks(_on_rank, world, checkpoints, timeout=240)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
-    for name in ("qwen3_moe", "qwen3_moe_fused", "deepseek_v3", "gpt_oss"):
+    for name in _ON_RANKS:
         quantized, reference = checkpoints[name]
         with torch.no_grad():
             want = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()(input_ids=ids).logits
         with safe_open(str(Path(quantized) / "model.safetensors"), "pt") as f:
             sizes = {k: f.get_slice(k) for k in f.keys()}
-            sizes = {k: torch.Size(s.get_shape()).numel() * (1 if s.get_dtype() in ("U8", "F8_E4M3") else
+            sizes = {k: torch.Size(s.get_shape()).numel() * (1 if s.get_dtype() in ("U8", "I8", "F8_E4M3") else
                                                                4 if s.get_dtype() == "F32" else 2)
                      for k, s in sizes.items()}
-        experts = sum(n for k, n in sizes.items() if _EXPERT.search(k))
-        replicated = sum(sizes.values()) - experts
+        read = {k: n for k, n in sizes.items() if not k.endswith("input_scale")}  # activation scales: unread
+        experts = sum(n for k, n in read.items() if _EXPERT.search(k))
+        replicated = sum(read.values()) - experts
         for rank in range(world):
             logits, _, total = results[rank][name]
             torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
@@ -250,7 +338,8 @@ def test_a_quantization_thunderep_does_not_read_is_refused_naming_those_it_does(
     config = json.loads((model / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="is quantized with 'gptq'; ThunderEP reads fp8 .* and mxfp4"):
+    with pytest.raises(UnsupportedModelError,
+                       match="is quantized with 'gptq'; ThunderEP reads fp8 .*, mxfp4 .* and 8-bit compressed-tensors"):
         ThunderMoE.from_pretrained(model)
     assert cli(["generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "1"]) == 1
     err = capsys.readouterr().err
@@ -258,6 +347,52 @@ def test_a_quantization_thunderep_does_not_read_is_refused_naming_those_it_does(
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128]}
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match=r"weight_block_size \[128\] is not two positive integers"):
+        ThunderMoE.from_pretrained(model)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"format": "pack-quantized"}, "format 'pack-quantized' \\(ThunderEP reads float-quantized, int-quantized, "
+                                   "naive-quantized\\)"),
+    ({"num_bits": 4}, "4-bit float weights \\(ThunderEP reads 8-bit\\)"),
+    ({"symmetric": False}, "asymmetric weights \\(zero points\\)"),
+    ({"strategy": "tensor_group"}, "strategy 'tensor_group'"),
+    ({"strategy": "block", "block_structure": [128]}, "block_structure \\[128\\] \\(not two positive"),
+    ({"sparsity": "sparse-24-bitmask"}, "is stored sparse \\('sparse-24-bitmask'\\)"),
+])
+def test_compressed_tensors_thunderep_does_not_read_are_refused_by_what_they_are(checkpoints, tmp_path, change,
+                                                                                     message):
+    """Packed 4-bit, asymmetric, other strategies and sparse storage are refused before anything is read,
+    naming the config group and what it has."""
+    from thunderep.hf import ThunderMoE
+
+    model = Path(shutil.copytree(checkpoints["mixtral_ct_channel"][0], tmp_path / "model"))
+    config = json.loads((model / "config.json").read_text())
+    settings = config["quantization_config"]
+    weights = settings["config_groups"]["group_0"]["weights"]
+    for key, value in change.items():
+        if key == "format":
+            settings["format"] = value
+        elif key == "sparsity":
+            settings["sparsity_config"] = {"format": value}
+        else:
+            weights[key] = value
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="compressed-tensors.*" + message):
+        ThunderMoE.from_pretrained(model)
+
+
+def test_a_zero_point_in_compressed_tensors_weights_is_refused_naming_it(checkpoints, tmp_path):
+    """A zero-point tensor in the weights (asymmetric weights, where the config does not say so)."""
+    from safetensors.torch import load_file, save_file
+
+    from thunderep.hf import ThunderMoE
+
+    model = Path(shutil.copytree(checkpoints["mixtral_ct_channel"][0], tmp_path / "zero_point"))
+    tensors = load_file(str(model / "model.safetensors"))
+    key = "model.layers.0.self_attn.q_proj.weight_zero_point"
+    tensors[key] = torch.zeros(32, 1, dtype=torch.int8)
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{key} is a zero point \\(asymmetric weights\\)"):
         ThunderMoE.from_pretrained(model)
 
 

@@ -15,8 +15,9 @@ and `P.experts.down_proj [E, D, I]`):
                  transformers 5.x save_pretrained writes them)
                  P.experts.{e}.w1|w3|w2.weight under `block_sparse_moe` (Mixtral, MiniMax, PhiMoE)
     GraniteMoE:  block_sparse_moe.input_linear.weight / output_linear.weight
-Quantized checkpoints (fp8 with block scales, mxfp4 experts) are read dequantized into the model's dtype
-(`quantized.DequantizedIndex`), each rank reading the quantized bytes of its own experts only.
+Quantized checkpoints (fp8 with block scales, mxfp4 experts, 8-bit compressed-tensors) are read dequantized
+into the model's dtype (`quantized.DequantizedIndex`), each rank reading the quantized bytes of its own
+experts only.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class LoadReport:
         touched, about bytes_read, which are shared page cache the kernel can drop).
     cuda_peak: torch.cuda.max_memory_allocated on this rank's GPU (0 on CPU).
     unused_keys: checkpoint tensors that match nothing in the model (e.g. old rotary buffers).
-    dequantized: the checkpoint's quant_method ("fp8", "mxfp4") where its weights were read dequantized, else None.
+    dequantized: the checkpoint's quant_method ("fp8", "mxfp4", "compressed-tensors") where its weights were read
+        dequantized, else None.
     """
 
     path: str
