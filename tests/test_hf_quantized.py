@@ -450,8 +450,8 @@ def test_finetune_of_a_quantized_checkpoint_writes_a_plain_one(checkpoints, tmp_
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_fused", "deepseek_v3_partial", "gpt_oss",
                                   "qwen3_moe_ct_block", "deepseek_v3_ct_int8_group"])
 def test_quantized_checkpoints_dequantize_on_the_gpu_as_on_the_cpu(checkpoints, name):
-    """On a GPU the quantized bytes are dequantized there (staged through pinned buffers, on several
-    threads): the same values as on the CPU, bit for bit."""
+    """On a GPU the quantized bytes are dequantized there (read on several threads): the same values as on
+    the CPU, bit for bit."""
     from thunderep.hf import ThunderMoE
 
     if not torch.cuda.is_available():

@@ -25,8 +25,6 @@ Formats (shape legend: E experts, R rows, C columns of a stored matrix):
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ..errors import CheckpointError
@@ -195,7 +193,6 @@ class DequantizedIndex:
                 if key.endswith("_blocks") and key[:-7] + "_scales" in raw:
                     self.parts[key[:-7]] = (key, key[:-7] + "_scales")
             skipped = set()
-        self._staging = threading.local()  # each reading thread's pinned buffers (CUDA only)
         hidden = {k for pair in self.parts.values() for k in pair} | skipped
         self._keys = [k for k in index.keys() if k not in hidden] + sorted(self.parts)
         self.path, self.file_names = index.path, index.file_names
@@ -229,12 +226,12 @@ class DequantizedIndex:
                               dtype=self.dtype, device=self.device)
         scaled = self.method != "mxfp4"  # a weight times the scale of its block
         if scaled and not (data.dim() == 3 and scales.dim() == 3):  # one matrix, or one scale
-            d, s = self._to_device(data, "data"), self._to_device(scales, "scales")
+            d, s = data.to(self.device), scales.to(self.device)
             out.copy_(dequantize_fp8(d, s, self._block(data, scales), self.dtype, key))
         else:  # experts one at a time: float32 temporaries of one expert only
             self.shape(key)  # checks MXFP4's layout
             for e in range(len(data)):
-                d, s = self._to_device(data[e], "data"), self._to_device(scales[e], "scales")
+                d, s = data[e].to(self.device), scales[e].to(self.device)
                 out[e] = (dequantize_fp8(d, s, self._block(d, s), self.dtype, key) if scaled else
                           dequantize_mxfp4(d[None], s[None], self.dtype)[0])
         return out, data_bytes + scale_bytes
@@ -250,28 +247,6 @@ class DequantizedIndex:
             if scales.dim() >= 2 and tuple(scales.shape[-2:]) == (-(-rows // bm), -(-cols // bn)):
                 return bm, bn
         return None
-
-    def _to_device(self, tensor: torch.Tensor, slot: str) -> torch.Tensor:
-        """`tensor` (CPU, memory-mapped) on `self.device`. To a GPU through this thread's pinned buffer
-        `slot`: a copy from pageable memory ran at about 5 GB/s on an H200 host, and such copies do not
-        overlap across threads; the copy into the pinned buffer does, and the copy to the GPU from it
-        runs asynchronously (the buffer is reused once it has finished)."""
-        if self.device.type != "cuda" or tensor.device.type != "cpu":
-            return tensor.to(self.device)
-        buffers = self._staging.__dict__
-        nbytes = tensor.numel() * tensor.element_size()
-        buffer, done = buffers.get(slot, (None, None))
-        if done is not None:
-            done.synchronize()  # the previous copy out of this buffer has finished
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
-        staged = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
-        staged.copy_(tensor)
-        moved = staged.to(self.device, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        buffers[slot] = (buffer, done)
-        return moved
 
     def total_bytes(self) -> int:
         return self.index.total_bytes()
