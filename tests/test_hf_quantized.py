@@ -191,6 +191,7 @@ _COMPRESSED = (  # compressed-tensors checkpoints: name, family, 8-bit kind, str
     ("qwen3_moe_ct_tensor", "qwen3_moe", "float", "tensor", None),
     ("deepseek_v3_ct_int8_group", "deepseek_v3", "int", "group", 16),
     ("mixtral_ct_int8_channel", "mixtral", "int", "channel", None),
+    ("mixtral_ct_group_partial", "mixtral", "float", "group", 24),  # a partial last group in each row
 )
 
 

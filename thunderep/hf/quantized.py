@@ -111,10 +111,16 @@ def _two_positive(block) -> bool:
 
 
 def _block_sizes(settings: dict) -> set:
-    """The weight block sizes [bm, bn] a compressed-tensors config names (strategy "block")."""
-    groups = settings.get("config_groups") or {}
-    return {tuple(g["weights"]["block_structure"]) for g in groups.values()
-            if isinstance(g, dict) and g.get("weights") and g["weights"].get("strategy") == "block"}
+    """The weight block sizes [bm, bn] a compressed-tensors config names: strategy "block"'s block_structure,
+    and [1, group_size] for strategy "group" (a last group that is partial needs the size from the config)."""
+    out = set()
+    for group in (settings.get("config_groups") or {}).values():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if weights and weights.get("strategy") == "block":
+            out.add(tuple(weights["block_structure"]))
+        elif weights and weights.get("strategy") == "group" and isinstance(weights.get("group_size"), int):
+            out.add((1, weights["group_size"]))
+    return out
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block, dtype: torch.dtype,
@@ -238,8 +244,8 @@ class DequantizedIndex:
 
     def _block(self, data: torch.Tensor, scales: torch.Tensor):
         """The block size [bm, bn] of weight `data` with `scales`: fp8's weight_block_size; for
-        compressed-tensors the configured block size whose grid the scales have, else None (read off the two
-        shapes: tensor, channel and group scales)."""
+        compressed-tensors the configured block or group size whose grid the scales have, else None (read off
+        the two shapes: tensor and channel scales)."""
         if self.method != "compressed-tensors":
             return self.block
         rows, cols = data.shape[-2:]
