@@ -25,6 +25,7 @@ COMMANDS = {
     "bench": ("thunderep.bench", "benchmarks, baseline and candidate side by side"),
     "report": ("thunderep.telemetry", "print the sync-tax report of a run directory"),
     "project": ("thunderep.projection", "project a run's step time to 2 / 4 GPUs over PCIe (a model)"),
+    "plan": ("thunderep.plan", "memory per rank of a HF MoE checkpoint for each EP size, against this host"),
     "doctor": ("thunderep.doctor", "check this machine's GPUs, PCIe links, ACS, IOMMU and P2P"),
 }
 

@@ -1,0 +1,116 @@
+"""`thunderep plan` (thunderep/plan.py): the memory per rank it reads off config.json equals what ranks
+that load the checkpoint hold, and what `finetune`'s memory plan counts, on 1, 2 and 4 processes; bad
+input is one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from distributed import run_ranks  # noqa: E402
+from hf_tiny import tiny_model  # noqa: E402
+
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")  # DeepSeek-V3: shared experts, a float32 router bias
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> a tiny bfloat16 checkpoint (config.json and weights)."""
+    root = tmp_path_factory.mktemp("plan")
+    out = {}
+    for family in FAMILIES:
+        model = tiny_model(family, seed=0).to(torch.bfloat16)
+        model.save_pretrained(str(root / family))
+        out[family] = str(root / family)
+    return out
+
+
+def _held(rank, world, checkpoints):
+    """Per family: (bytes this rank holds after from_pretrained, finetune's plan with every parameter
+    trainable, with --freeze experts), each made as `finetune --dtype mixed` makes it."""
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.hf import ThunderMoE
+    from thunderep.trainable import memory_plan, select_trainable
+
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective")) if world > 1 else None
+    out = {}
+    for family, path in checkpoints.items():
+        memory = ThunderMoE.from_pretrained(path, ep).memory()
+        plans = []
+        for freeze in (None, ["experts"]):
+            tm = ThunderMoE.from_pretrained(path, ep)  # as stored; what trains becomes float32 (mixed)
+            for p in select_trainable(tm, freeze):
+                p.data = p.data.float()
+            plan = memory_plan(tm, torch.device("cpu"), free=1 << 50)
+            plans.append(plan.weights + plan.need + sum(b.numel() * b.element_size() for b in tm.model.buffers()))
+        out[family] = (memory["expert_bytes"] + memory["replicated_bytes"], *plans)
+    if ep is not None:
+        ep.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_plan_equals_what_ranks_hold_and_what_finetune_plans(checkpoints, world):
+    from thunderep.plan import plan_memory
+
+    results = [_held(0, 1, checkpoints)] if world == 1 else run_ranks(_held, world, checkpoints, timeout=240)
+    for family, path in checkpoints.items():
+        (plan,) = plan_memory(path, [world])
+        assert plan.problem is None
+        got = (plan.weights, plan.finetune_all, plan.finetune_frozen_experts)
+        for rank, result in enumerate(results):
+            assert got == result[family], (family, rank)
+        assert plan.finetune_frozen_experts < plan.finetune_all
+
+
+def test_plan_reads_config_json_only_and_counts_quantized_checkpoints_dequantized(checkpoints, tmp_path):
+    """Without the weights files the plan is the same; a quantized config counts the weights dequantized
+    into the config's dtype; an EP size that does not divide the experts is named in its row."""
+    from thunderep.plan import plan_memory
+
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(Path(checkpoints["mixtral"]) / "config.json", config_only)
+    want = plan_memory(checkpoints["mixtral"], [1, 2, 3])
+    got = plan_memory(config_only, [1, 2, 3])
+    assert [vars(m) for m in got] == [vars(m) for m in want]
+    assert want[2].problem == "3 ranks do not divide the 8 experts of a layer" and want[2].weights == 0
+    config = json.loads((config_only / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (config_only / "config.json").write_text(json.dumps(config))
+    assert [vars(m) for m in plan_memory(config_only, [1, 2])] == [vars(m) for m in want[:2]]
+
+
+def test_plan_command_prints_a_row_per_ep_size_and_bad_input_is_one_line(checkpoints, tmp_path, capsys):
+    from thunderep.cli import main as cli
+
+    assert cli(["plan", "--model", checkpoints["qwen3_moe"], "--ep", "1,2,3"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank" in out and "this host:" in out
+    lines = out.splitlines()
+    rows = [line.split()[0] for line in lines[3:]]
+    assert rows == ["1", "2", "3"] and "do not divide" in lines[5]
+    assert all("(fits)" in line or "short" in line or "needs" in line for line in lines[3:5])
+    assert cli(["plan", "--model", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing" in err
+    model = Path(shutil.copytree(checkpoints["qwen3_moe"], tmp_path / "gptq"))
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (model / "config.json").write_text(json.dumps(config))
+    assert cli(["plan", "--model", str(model)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is quantized with 'gptq'" in err
+    for bad in (["--ep", "0"], ["--ep", "two"], ["--dtype", "int4"]):
+        with pytest.raises(SystemExit):
+            cli(["plan", "--model", checkpoints["qwen3_moe"], *bad])
+        assert "thunderep plan: error:" in capsys.readouterr().err

@@ -1,0 +1,179 @@
+"""`thunderep plan --model DIR`: the memory one rank needs for a Hugging Face MoE checkpoint, for each
+expert-parallel size, against this host's free memory, before anything is loaded.
+
+Reads config.json only (the weights files need not be there yet: config.json is enough to decide which
+box a model needs before downloading it): the model is built on the meta device, wrapped, and its
+tensors counted. Per rank and EP size R:
+    weights:                 the replicated tensors plus E / R experts of every MoE layer, in the dtype
+                             `generate` and `serve` load (the checkpoint's, or --dtype); what
+                             `from_pretrained` holds on that rank (quantized checkpoints count dequantized).
+    fine-tune, all:          `finetune --dtype mixed` (its default on GPUs): the parameters in float32, their
+                             gradients, AdamW's two moments and the gradient-sync buffers of the replicated
+                             ones, the buffers in the checkpoint's dtype: what `finetune`'s memory plan counts.
+    fine-tune, --freeze experts: the same where the routed and shared experts do not train: those stay in
+                             the checkpoint's dtype, without gradients or AdamW state.
+Activations, the KV cache and the CUDA context come on top and are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+import sys
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["RankMemory", "main", "plan_memory"]
+
+_FROZEN = "experts"  # what `finetune --freeze experts` matches: the routed and the shared experts
+
+
+class RankMemory:
+    """One rank's bytes for EP size `ep` (see the module docstring), or `problem` where `ep` does not
+    split the experts."""
+
+    def __init__(self, ep: int, weights: int = 0, finetune_all: int = 0, finetune_frozen_experts: int = 0,
+                 problem: str | None = None):
+        self.ep, self.weights, self.problem = ep, weights, problem
+        self.finetune_all, self.finetune_frozen_experts = finetune_all, finetune_frozen_experts
+
+    def __repr__(self) -> str:
+        return (f"RankMemory(ep={self.ep}, weights={self.weights}, finetune_all={self.finetune_all}, "
+                f"finetune_frozen_experts={self.finetune_frozen_experts}, problem={self.problem!r})")
+
+
+def _counts(config, dtype: torch.dtype) -> tuple[list[tuple[str, int, int]], int]:
+    """([(name, bytes, E) per parameter, E the expert count where it is a routed expert tensor sharded over
+    the ranks, else 0], buffer bytes) of the model of `config` in `dtype`, built on the meta device and
+    wrapped as `from_pretrained` wraps it (all experts local)."""
+    from transformers import AutoModelForCausalLM
+
+    from .hf import ThunderMoE
+
+    with torch.device("meta"):  # a copy: wrapping sets the config's experts implementation
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+    tm = ThunderMoE.wrap(model, None, move=False, device="meta")
+    routed = {}
+    for name, binding in tm.bindings.items():
+        module = model.get_submodule(name)
+        for t in binding.tensors:
+            routed[id(getattr(module, t))] = binding.num_experts
+    params = [(n, p.numel() * p.element_size(), routed.get(id(p), 0)) for n, p in model.named_parameters()]
+    return params, sum(t.numel() * t.element_size() for t in model.buffers())
+
+
+def _rank_bytes(params, ep: int, keep=lambda name: True) -> int:
+    """The bytes of `params` (`_counts`) that `keep` selects, as one of `ep` ranks holds them."""
+    return sum(n // ep if experts else n for name, n, experts in params if keep(name))
+
+
+def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = None) -> list[RankMemory]:
+    """One `RankMemory` per EP size in `eps` for the checkpoint `model_dir` (config.json only). dtype: as
+    `from_pretrained` (default: the checkpoint's). ConfigError / CheckpointError / UnsupportedModelError
+    where the checkpoint cannot be loaded, naming why."""
+    from transformers import AutoConfig
+
+    from .errors import CheckpointError, UnsupportedModelError
+    from .hf.load import _resolve_dtype, config_problem
+    from .hf.quantized import quantization_problem
+
+    problem = config_problem(model_dir, flag="--model")
+    if problem:
+        raise ConfigError(problem)
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{model_dir}/config.json: transformers cannot read it: {first}") from exc
+    problem = quantization_problem(config, model_dir)
+    if problem:
+        raise UnsupportedModelError(problem)
+    if getattr(config, "quantization_config", None) is not None:  # counted dequantized, as loaded
+        config.quantization_config = None
+        del config.quantization_config
+    stored = _resolve_dtype(None, config)
+    params, buffers = _counts(config, _resolve_dtype(dtype, config))
+    # finetune's --dtype mixed: loaded as stored; what trains becomes float32, the rest and the buffers stay
+    as_stored, stored_buffers = _counts(config, stored)
+    as_float32, _ = _counts(config, torch.float32)
+    frozen = re.compile(_FROZEN).search
+    out = []
+    for ep in eps:
+        bad = next((E for _, _, E in params if E and E % ep), None)
+        if bad is not None:
+            out.append(RankMemory(ep, problem=f"{ep} ranks do not divide the {bad} experts of a layer"))
+            continue
+
+        def finetune(trains) -> int:
+            # trainable parameters in float32, their gradients and AdamW's two moments; the sync buffers of
+            # the trainable replicated ones; the frozen parameters and the buffers as stored
+            trainable = _rank_bytes(as_float32, ep, trains)
+            synced = _rank_bytes([p for p in as_float32 if not p[2]], ep, trains)
+            return 4 * trainable + synced + _rank_bytes(as_stored, ep, lambda n: not trains(n)) + stored_buffers
+
+        out.append(RankMemory(ep, weights=_rank_bytes(params, ep) + buffers,
+                              finetune_all=finetune(lambda name: True),
+                              finetune_frozen_experts=finetune(lambda name: not frozen(name))))
+    return out
+
+
+def _host() -> tuple[str, list[int]]:
+    """This host's memory for ranks: (a description, the free bytes each rank's device has): one entry per
+    GPU, or on a host without a CUDA GPU the available memory once (the CPU ranks share it)."""
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+        names = sorted({torch.cuda.get_device_name(i) for i in range(len(free))})
+        return (f"{len(free)} x {' / '.join(names)}, free {', '.join(f'{f / 1e9:.1f}' for f in free)} GB", free)
+    import psutil
+
+    available = psutil.virtual_memory().available
+    return f"no CUDA GPU; {available / 1e9:.1f} GB of host memory available, shared by the ranks", [available]
+
+
+def _fits(need: int, ep: int, free: list[int], gpus: bool) -> str:
+    if gpus and ep > len(free):
+        return f"needs {ep} GPUs"
+    room = min(free[:ep]) if gpus else free[0] // ep
+    return "fits" if need <= room else f"short {(need - room) / 1e9:.1f} GB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="thunderep plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json is enough)")
+    p.add_argument("--ep", default="1,2,4,8", help="EP sizes to plan for, comma-separated (default 1,2,4,8)")
+    p.add_argument("--dtype", default="auto", help="the dtype generate / serve load in (default auto: the "
+                                                   "checkpoint's)")
+    args = p.parse_args(argv)
+    try:
+        eps = [int(e) for e in args.ep.split(",")]
+    except ValueError:
+        eps = []
+    if not eps or min(eps) < 1:
+        p.error(f"--ep {args.ep!r}: give EP sizes of at least 1, comma-separated, e.g. 1,2,4")
+    named = getattr(torch, args.dtype, None)
+    if args.dtype != "auto" and not (isinstance(named, torch.dtype) and named.is_floating_point):
+        p.error(f"--dtype {args.dtype!r} is not a torch dtype (float32, bfloat16, float16) or auto")
+    plans = plan_memory(args.model, eps, args.dtype)
+    host, free = _host()
+    gpus = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    print(f"{args.model}: memory per rank (GB; activations, KV cache and the CUDA context not counted)")
+    print(f"this host: {host}")
+    rows = [("ep", "weights (generate, serve)", "fine-tune (--dtype mixed)", "fine-tune, --freeze experts")]
+    for m in plans:
+        if m.problem:
+            rows.append((str(m.ep), m.problem, "", ""))
+            continue
+        rows.append((str(m.ep),) + tuple(f"{n / 1e9:.2f} ({_fits(n, m.ep, free, gpus)})"
+                                         for n in (m.weights, m.finetune_all, m.finetune_frozen_experts)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
