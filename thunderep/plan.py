@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import re
 import sys
 
@@ -31,18 +32,16 @@ __all__ = ["RankMemory", "main", "plan_memory"]
 _FROZEN = "experts"  # what `finetune --freeze experts` matches: the routed and the shared experts
 
 
+@dataclasses.dataclass
 class RankMemory:
     """One rank's bytes for EP size `ep` (see the module docstring), or `problem` where `ep` does not
     split the experts."""
 
-    def __init__(self, ep: int, weights: int = 0, finetune_all: int = 0, finetune_frozen_experts: int = 0,
-                 problem: str | None = None):
-        self.ep, self.weights, self.problem = ep, weights, problem
-        self.finetune_all, self.finetune_frozen_experts = finetune_all, finetune_frozen_experts
-
-    def __repr__(self) -> str:
-        return (f"RankMemory(ep={self.ep}, weights={self.weights}, finetune_all={self.finetune_all}, "
-                f"finetune_frozen_experts={self.finetune_frozen_experts}, problem={self.problem!r})")
+    ep: int
+    weights: int = 0
+    finetune_all: int = 0
+    finetune_frozen_experts: int = 0
+    problem: str | None = None
 
 
 def _counts(config, dtype: torch.dtype) -> tuple[list[tuple[str, int, int]], int]:
