@@ -193,7 +193,8 @@ def test_from_pretrained_refuses_a_share_that_does_not_fit_before_allocating(tmp
     need = sum(t.numel() * t.element_size() for t in list(tiny_model("mixtral").parameters()))
     monkeypatch.setattr(load, "free_bytes", lambda device: need // 2)
     with pytest.raises(ConfigError, match=r"this rank's share of the model needs \d+\.\d+ GB on cpu and \d+\.\d+ GB "
-                                          r"is free: spread the experts over more ranks \(now 1\)"):
+                                          r"is free: spread the experts over more ranks \(now 1; `thunderep plan "
+                                          r"--model DIR` gives the share for each count\)"):
         ThunderMoE.from_pretrained(path)
     monkeypatch.setattr(load, "free_bytes", lambda device: 2 * need)
     assert ThunderMoE.from_pretrained(path).load_report.bytes_read > 0

@@ -408,8 +408,8 @@ def check_fits(model: nn.Module, device: torch.device, ep=None) -> None:
         ranks = ep.groups.ep_size if ep is not None else 1
         raise ConfigError(
             f"this rank's share of the model needs {need / 1e9:.2f} GB on {device} and {free / 1e9:.2f} GB is "
-            f"free: spread the experts over more ranks (now {ranks}), load a narrower dtype (bfloat16 instead "
-            "of float32), or free the device")
+            f"free: spread the experts over more ranks (now {ranks}; `thunderep plan --model DIR` gives the share "
+            "for each count), load a narrower dtype (bfloat16 instead of float32), or free the device")
 
 
 def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
