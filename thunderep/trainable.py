@@ -76,7 +76,8 @@ class MemoryPlan:
                 f"not enough memory to train: a rank needs {self.short / 1e9:.2f} GB more than it has free "
                 f"({self.describe()}). Freeze what need not train (--freeze experts, or other name "
                 "patterns), keep the weights in bfloat16 (--dtype bfloat16: half the weights, gradients and "
-                "AdamW state, but small steps are lost), or spread the experts over more ranks (--ep)")
+                "AdamW state, but small steps are lost), or spread the experts over more ranks (--ep; "
+                "`thunderep plan --model DIR` shows the need for each)")
 
 
 def memory_plan(tm, device: torch.device, free: int | None = None) -> MemoryPlan:
