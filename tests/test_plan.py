@@ -1,6 +1,6 @@
 """`thunderep plan` (thunderep/plan.py): the memory per rank it reads off config.json equals what ranks
-that load the checkpoint hold, and what `finetune`'s memory plan counts, on 1, 2 and 4 processes; bad
-input is one line."""
+that load the checkpoint hold, and what `finetune`'s memory plan counts (all parameters, --freeze
+experts, LoRA on the attention and on every expert), on 1, 2 and 4 processes; bad input is one line."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from distributed import run_ranks  # noqa: E402
 from hf_tiny import tiny_model  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")  # DeepSeek-V3: shared experts, a float32 router bias
+LORA = ((8, None), (4, ["experts", "o_proj"]))  # (rank, targets): the attention; adapters on each expert too
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,7 @@ def _held(rank, world, checkpoints):
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
     from thunderep.hf import ThunderMoE
+    from thunderep.lora import apply_lora
     from thunderep.trainable import memory_plan, select_trainable
 
     ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective")) if world > 1 else None
@@ -46,10 +48,13 @@ def _held(rank, world, checkpoints):
     for family, path in checkpoints.items():
         memory = ThunderMoE.from_pretrained(path, ep).memory()
         plans = []
-        for freeze in (None, ["experts"]):
+        for freeze, lora in ((None, None), (["experts"], None), (None, LORA[0]), (None, LORA[1])):
             tm = ThunderMoE.from_pretrained(path, ep)  # as stored; what trains becomes float32 (mixed)
-            for p in select_trainable(tm, freeze):
-                p.data = p.data.float()
+            if lora is not None:
+                apply_lora(tm.model, lora[1], lora[0], dtype=torch.float32)
+            else:
+                for p in select_trainable(tm, freeze):
+                    p.data = p.data.float()
             plan = memory_plan(tm, torch.device("cpu"), free=1 << 50)
             plans.append(plan.weights + plan.need + sum(b.numel() * b.element_size() for b in tm.model.buffers()))
         out[family] = (memory["expert_bytes"] + memory["replicated_bytes"], *plans)
@@ -65,11 +70,14 @@ def test_plan_equals_what_ranks_hold_and_what_finetune_plans(checkpoints, world)
     results = [_held(0, 1, checkpoints)] if world == 1 else run_ranks(_held, world, checkpoints, timeout=240)
     for family, path in checkpoints.items():
         (plan,) = plan_memory(path, [world])
-        assert plan.problem is None
-        got = (plan.weights, plan.finetune_all, plan.finetune_frozen_experts)
+        assert plan.problem is None and plan.finetune_lora == 0  # LoRA only where asked for
+        got = [plan.weights, plan.finetune_all, plan.finetune_frozen_experts]
+        for rank_, targets in LORA:
+            (with_lora,) = plan_memory(path, [world], lora_rank=rank_, lora_targets=targets)
+            got.append(with_lora.finetune_lora)
         for rank, result in enumerate(results):
-            assert got == result[family], (family, rank)
-        assert plan.finetune_frozen_experts < plan.finetune_all
+            assert tuple(got) == result[family], (family, rank)
+        assert plan.weights < got[3] < plan.finetune_frozen_experts < plan.finetune_all and plan.weights < got[4]
 
 
 def test_plan_reads_config_json_only_and_counts_quantized_checkpoints_dequantized(checkpoints, tmp_path):
@@ -100,6 +108,7 @@ def test_plan_command_prints_a_row_per_ep_size_and_bad_input_is_one_line(checkpo
     rows = [line.split()[0] for line in lines[3:]]
     assert rows == ["1", "2", "3"] and "do not divide" in lines[5]
     assert all("(fits)" in line or "short" in line or "needs" in line for line in lines[3:5])
+    assert "--lora-rank 8" in lines[2]
     assert cli(["plan", "--model", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "missing" in err
@@ -110,7 +119,7 @@ def test_plan_command_prints_a_row_per_ep_size_and_bad_input_is_one_line(checkpo
     assert cli(["plan", "--model", str(model)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is quantized with 'gptq'" in err
-    for bad in (["--ep", "0"], ["--ep", "two"], ["--dtype", "int4"]):
+    for bad in (["--ep", "0"], ["--ep", "two"], ["--dtype", "int4"], ["--lora-rank", "-1"]):
         with pytest.raises(SystemExit):
             cli(["plan", "--model", checkpoints["qwen3_moe"], *bad])
         assert "thunderep plan: error:" in capsys.readouterr().err

@@ -12,6 +12,8 @@ tensors counted. Per rank and EP size R:
                              ones, the buffers in the checkpoint's dtype: what `finetune`'s memory plan counts.
     fine-tune, --freeze experts: the same where the routed and shared experts do not train: those stay in
                              the checkpoint's dtype, without gradients or AdamW state.
+    fine-tune, --lora-rank R: every weight frozen in the checkpoint's dtype, float32 adapters of rank R on
+                             --lora-targets (default: the attention projections) that train.
 Activations, the KV cache and the CUDA context come on top and are not counted.
 """
 
@@ -41,13 +43,15 @@ class RankMemory:
     weights: int = 0
     finetune_all: int = 0
     finetune_frozen_experts: int = 0
+    finetune_lora: int = 0  # 0 where not asked for
     problem: str | None = None
 
 
-def _counts(config, dtype: torch.dtype) -> tuple[list[tuple[str, int, int]], int]:
-    """([(name, bytes, E) per parameter, E the expert count where it is a routed expert tensor sharded over
-    the ranks, else 0], buffer bytes) of the model of `config` in `dtype`, built on the meta device and
-    wrapped as `from_pretrained` wraps it (all experts local)."""
+def _counts(config, dtype: torch.dtype, lora: tuple | None = None) -> tuple[list[tuple[str, int, int, bool]], int]:
+    """([(name, bytes, E, trains) per parameter, E the expert count where it is a routed expert tensor
+    sharded over the ranks, else 0], buffer bytes) of the model of `config` in `dtype`, built on the meta
+    device and wrapped as `from_pretrained` wraps it (all experts local). lora: (rank, targets): with
+    `finetune --lora-rank`'s float32 adapters, which alone train."""
     from transformers import AutoModelForCausalLM
 
     from .hf import ThunderMoE
@@ -55,24 +59,39 @@ def _counts(config, dtype: torch.dtype) -> tuple[list[tuple[str, int, int]], int
     with torch.device("meta"):  # a copy: wrapping sets the config's experts implementation
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
     tm = ThunderMoE.wrap(model, None, move=False, device="meta")
+    if lora is not None:
+        from .lora import apply_lora
+
+        apply_lora(model, lora[1], lora[0], dtype=torch.float32)
     routed = {}
     for name, binding in tm.bindings.items():
         module = model.get_submodule(name)
-        for t in binding.tensors:
+        for t in binding.tensors:  # an expert adapter's tensors too
             routed[id(getattr(module, t))] = binding.num_experts
-    params = [(n, p.numel() * p.element_size(), routed.get(id(p), 0)) for n, p in model.named_parameters()]
+    params = [(n, p.numel() * p.element_size(), routed.get(id(p), 0), p.requires_grad)
+              for n, p in model.named_parameters()]
     return params, sum(t.numel() * t.element_size() for t in model.buffers())
 
 
 def _rank_bytes(params, ep: int, keep=lambda name: True) -> int:
     """The bytes of `params` (`_counts`) that `keep` selects, as one of `ep` ranks holds them."""
-    return sum(n // ep if experts else n for name, n, experts in params if keep(name))
+    return sum(n // ep if experts else n for name, n, experts, _ in params if keep(name))
 
 
-def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = None) -> list[RankMemory]:
+def _training_bytes(trainable, frozen, buffers: int, ep: int) -> int:
+    """`finetune`'s memory plan on one of `ep` ranks: the `trainable` parameters (`_counts` entries, in
+    float32), their gradients and AdamW's two moments, the sync buffers of the replicated ones; the
+    `frozen` parameters and the buffers as stored."""
+    return (4 * _rank_bytes(trainable, ep) + _rank_bytes([p for p in trainable if not p[2]], ep)
+            + _rank_bytes(frozen, ep) + buffers)
+
+
+def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = None, lora_rank: int = 0,
+                lora_targets: list[str] | None = None) -> list[RankMemory]:
     """One `RankMemory` per EP size in `eps` for the checkpoint `model_dir` (config.json only). dtype: as
-    `from_pretrained` (default: the checkpoint's). ConfigError / CheckpointError / UnsupportedModelError
-    where the checkpoint cannot be loaded, naming why."""
+    `from_pretrained` (default: the checkpoint's). lora_rank > 0: also `finetune --lora-rank` with
+    `lora_targets` (default: the attention projections). ConfigError / CheckpointError /
+    UnsupportedModelError where the checkpoint cannot be loaded, naming why."""
     from transformers import AutoConfig
 
     from .errors import CheckpointError, UnsupportedModelError
@@ -99,23 +118,20 @@ def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = Non
     as_stored, stored_buffers = _counts(config, stored)
     as_float32, _ = _counts(config, torch.float32)
     frozen = re.compile(_FROZEN).search
+    with_lora = _counts(config, stored, (lora_rank, lora_targets))[0] if lora_rank else []
     out = []
     for ep in eps:
-        bad = next((E for _, _, E in params if E and E % ep), None)
+        bad = next((E for _, _, E, _ in params if E and E % ep), None)
         if bad is not None:
             out.append(RankMemory(ep, problem=f"{ep} ranks do not divide the {bad} experts of a layer"))
             continue
-
-        def finetune(trains) -> int:
-            # trainable parameters in float32, their gradients and AdamW's two moments; the sync buffers of
-            # the trainable replicated ones; the frozen parameters and the buffers as stored
-            trainable = _rank_bytes(as_float32, ep, trains)
-            synced = _rank_bytes([p for p in as_float32 if not p[2]], ep, trains)
-            return 4 * trainable + synced + _rank_bytes(as_stored, ep, lambda n: not trains(n)) + stored_buffers
-
-        out.append(RankMemory(ep, weights=_rank_bytes(params, ep) + buffers,
-                              finetune_all=finetune(lambda name: True),
-                              finetune_frozen_experts=finetune(lambda name: not frozen(name))))
+        out.append(RankMemory(
+            ep, weights=_rank_bytes(params, ep) + buffers,
+            finetune_all=_training_bytes(as_float32, [], stored_buffers, ep),
+            finetune_frozen_experts=_training_bytes([p for p in as_float32 if not frozen(p[0])],
+                                                    [p for p in as_stored if frozen(p[0])], stored_buffers, ep),
+            finetune_lora=_training_bytes([p for p in with_lora if p[3]], [p for p in with_lora if not p[3]],
+                                          stored_buffers, ep) if lora_rank else 0))
     return out
 
 
@@ -146,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", default="1,2,4,8", help="EP sizes to plan for, comma-separated (default 1,2,4,8)")
     p.add_argument("--dtype", default="auto", help="the dtype generate / serve load in (default auto: the "
                                                    "checkpoint's)")
+    p.add_argument("--lora-rank", type=int, default=8, help="the LoRA rank of the fine-tuning column (default 8, "
+                                                            "as finetune --lora-rank 8; 0: no LoRA column)")
+    p.add_argument("--lora-targets", nargs="+", metavar="PATTERN",
+                   help="as finetune --lora-targets (default: the attention projections)")
     args = p.parse_args(argv)
+    if args.lora_rank < 0:
+        p.error(f"--lora-rank {args.lora_rank}: give 0 (no LoRA column) or a positive rank")
     try:
         eps = [int(e) for e in args.ep.split(",")]
     except ValueError:
@@ -156,19 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     named = getattr(torch, args.dtype, None)
     if args.dtype != "auto" and not (isinstance(named, torch.dtype) and named.is_floating_point):
         p.error(f"--dtype {args.dtype!r} is not a torch dtype (float32, bfloat16, float16) or auto")
-    plans = plan_memory(args.model, eps, args.dtype)
+    plans = plan_memory(args.model, eps, args.dtype, args.lora_rank, args.lora_targets)
     host, free = _host()
     gpus = torch.cuda.is_available() and torch.cuda.device_count() > 0
     print(f"{args.model}: memory per rank (GB; activations, KV cache and the CUDA context not counted)")
     print(f"this host: {host}")
-    rows = [("ep", "weights (generate, serve)", "fine-tune (--dtype mixed)", "fine-tune, --freeze experts")]
+    rows = [("ep", "weights (generate, serve)", "fine-tune (--dtype mixed)", "fine-tune, --freeze experts")
+            + ((f"fine-tune, --lora-rank {args.lora_rank}",) if args.lora_rank else ())]
     for m in plans:
         if m.problem:
-            rows.append((str(m.ep), m.problem, "", ""))
+            rows.append((str(m.ep), m.problem) + ("",) * (len(rows[0]) - 2))
             continue
-        rows.append((str(m.ep),) + tuple(f"{n / 1e9:.2f} ({_fits(n, m.ep, free, gpus)})"
-                                         for n in (m.weights, m.finetune_all, m.finetune_frozen_experts)))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        sizes = (m.weights, m.finetune_all, m.finetune_frozen_experts) + ((m.finetune_lora,) if args.lora_rank else ())
+        rows.append((str(m.ep),) + tuple(f"{n / 1e9:.2f} ({_fits(n, m.ep, free, gpus)})" for n in sizes))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return 0
