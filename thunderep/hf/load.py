@@ -440,6 +440,8 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     if device is None:
         device = ep.groups.device if ep is not None else "cpu"
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the reading threads' current device is GPU 0
+        device = torch.device("cuda", torch.cuda.current_device())
     dequantized = quant_method(config)
     if dequantized:  # read dequantized into `dtype` on `device`; the model built from the config is a plain one
         index = DequantizedIndex(index, config, dtype, device)
