@@ -123,3 +123,20 @@ def test_plan_command_prints_a_row_per_ep_size_and_bad_input_is_one_line(checkpo
         with pytest.raises(SystemExit):
             cli(["plan", "--model", checkpoints["qwen3_moe"], *bad])
         assert "thunderep plan: error:" in capsys.readouterr().err
+
+
+def test_fits_on_gpus_takes_the_least_free_of_the_ranks_gpus_and_cpu_ranks_share_the_host(monkeypatch, capsys):
+    """The verdicts, on a host with GPUs (stood in for: two of 24 and 20 GB free) and on the CPU."""
+    from thunderep import plan
+
+    assert plan._fits(19 * 10**9, 2, [24 * 10**9, 20 * 10**9], gpus=True) == "fits"
+    assert plan._fits(21 * 10**9, 2, [24 * 10**9, 20 * 10**9], gpus=True) == "short 1.0 GB"
+    assert plan._fits(21 * 10**9, 1, [24 * 10**9, 20 * 10**9], gpus=True) == "fits"
+    assert plan._fits(1, 4, [24 * 10**9, 20 * 10**9], gpus=True) == "needs 4 GPUs"
+    assert plan._fits(6 * 10**9, 4, [24 * 10**9], gpus=False) == "fits"
+    assert plan._fits(7 * 10**9, 4, [24 * 10**9], gpus=False) == "short 1.0 GB"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: ((24, 20)[i] * 10**9, 25 * 10**9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA GeForce RTX 4090")
+    assert plan._host() == ("2 x NVIDIA GeForce RTX 4090, free 24.0, 20.0 GB", [24 * 10**9, 20 * 10**9])
