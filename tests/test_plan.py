@@ -125,7 +125,7 @@ def test_plan_command_prints_a_row_per_ep_size_and_bad_input_is_one_line(checkpo
         assert "thunderep plan: error:" in capsys.readouterr().err
 
 
-def test_fits_on_gpus_takes_the_least_free_of_the_ranks_gpus_and_cpu_ranks_share_the_host(monkeypatch, capsys):
+def test_fits_on_gpus_takes_the_least_free_of_the_ranks_gpus_and_cpu_ranks_share_the_host(monkeypatch):
     """The verdicts, on a host with GPUs (stood in for: two of 24 and 20 GB free) and on the CPU."""
     from thunderep import plan
 
