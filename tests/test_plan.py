@@ -140,3 +140,19 @@ def test_fits_on_gpus_takes_the_least_free_of_the_ranks_gpus_and_cpu_ranks_share
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: ((24, 20)[i] * 10**9, 25 * 10**9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA GeForce RTX 4090")
     assert plan._host() == ("2 x NVIDIA GeForce RTX 4090, free 24.0, 20.0 GB", [24 * 10**9, 20 * 10**9])
+
+
+@pytest.mark.parametrize("family", sorted(__import__("hf_tiny").FAMILIES))
+def test_plan_of_every_family_equals_one_loading_process(family, tmp_path):
+    """For each model family ThunderEP wraps, the plan at one rank equals what `from_pretrained` holds
+    (and at 2 ranks, where 2 divides the experts, the replicated part plus half the experts)."""
+    from hf_tiny import save_tiny
+
+    from thunderep.hf import ThunderMoE
+    from thunderep.plan import plan_memory
+
+    path = save_tiny(family, tmp_path / family)
+    memory = ThunderMoE.from_pretrained(path).memory()
+    one, two = plan_memory(path, [1, 2], lora_rank=0)
+    assert one.weights == memory["expert_bytes"] + memory["replicated_bytes"], family
+    assert two.problem is not None or two.weights == memory["replicated_bytes"] + memory["expert_bytes"] // 2

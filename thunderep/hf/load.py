@@ -50,6 +50,7 @@ _RENAMES = (  # (pattern, replacement) tried one at a time and all together; fir
     (re.compile(r"\.block_sparse_moe\.input_linear\.weight$"), ".block_sparse_moe.experts.gate_up_proj"),
     (re.compile(r"\.block_sparse_moe\.output_linear\.weight$"), ".block_sparse_moe.experts.down_proj"),
     (re.compile(r"\.block_sparse_moe\.router\.layer\.weight$"), ".block_sparse_moe.router.weight"),
+    (re.compile(r"\.mlp\.moe_statics\."), ".mlp.gate.moe_statics."),  # ERNIE 4.5 (as published and saved)
 )
 _GATE, _UP, _DOWN = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
 
