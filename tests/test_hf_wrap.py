@@ -128,14 +128,15 @@ def test_from_pretrained_equals_transformers_from_pretrained(tmp_path, family, f
                        ref.generate(x[:1], max_new_tokens=4, do_sample=False))
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_family_saved_by_transformers_loads_as_transformers_loads_it(tmp_path, family):
+def test_every_family_saved_by_transformers_loads_as_transformers_loads_it(tmp_path, family, fused):
     """Each family's checkpoint as transformers' save_pretrained writes it (the published names, which
-    transformers renames at load: ERNIE 4.5's moe_statics under the router) holds the same tensors loaded
-    by ThunderEP as by transformers, with nothing unused."""
+    transformers renames at load: ERNIE 4.5's moe_statics under the router; or with fused experts) holds
+    the same tensors loaded by ThunderEP as by transformers, with nothing unused."""
     from transformers import AutoModelForCausalLM
 
-    path = save_tiny(family, tmp_path / family, seed=2)
+    path = save_tiny(family, tmp_path / family, seed=2, fused=fused)
     tm = ThunderMoE.from_pretrained(path)
     assert not tm.load_report.unused_keys and tm.load_report.bytes_read == tm.load_report.bytes_total
     ours, theirs = tm.model.state_dict(), AutoModelForCausalLM.from_pretrained(path).state_dict()
