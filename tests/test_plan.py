@@ -119,6 +119,13 @@ def test_plan_command_prints_a_row_per_ep_size_and_bad_input_is_one_line(checkpo
     assert cli(["plan", "--model", str(model)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is quantized with 'gptq'" in err
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=96).save_pretrained(str(tmp_path / "dense"))
+    assert cli(["plan", "--model", str(tmp_path / "dense")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "LlamaForCausalLM has no MoE layer" in err
     for bad in (["--ep", "0"], ["--ep", "two"], ["--dtype", "int4"], ["--lora-rank", "-1"]):
         with pytest.raises(SystemExit):
             cli(["plan", "--model", checkpoints["qwen3_moe"], *bad])
