@@ -186,14 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("ep", "weights (generate, serve)", "fine-tune (--dtype mixed)", "fine-tune, --freeze experts")
             + ((f"fine-tune, --lora-rank {args.lora_rank}",) if args.lora_rank else ())]
     for m in plans:
-        if m.problem:
-            rows.append((str(m.ep), m.problem) + ("",) * (len(rows[0]) - 2))
-            continue
         sizes = (m.weights, m.finetune_all, m.finetune_frozen_experts) + ((m.finetune_lora,) if args.lora_rank else ())
-        rows.append((str(m.ep),) + tuple(f"{n / 1e9:.2f} ({_fits(n, m.ep, free, gpus)})" for n in sizes))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        rows.append((str(m.ep), m.problem) if m.problem else
+                    (str(m.ep),) + tuple(f"{n / 1e9:.2f} ({_fits(n, m.ep, free, gpus)})" for n in sizes))
+    widths = [max(len(r[i]) for r in rows if len(r) == len(rows[0])) for i in range(len(rows[0]))]
+    for row in rows:  # a row with a problem: the EP size and the problem, across the columns
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths if len(row) > 2 else (widths[0], 0)))
+              .rstrip())
     return 0
 
 
