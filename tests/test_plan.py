@@ -105,8 +105,9 @@ def test_plan_command_prints_a_row_per_ep_size_and_bad_input_is_one_line(checkpo
     out = capsys.readouterr().out
     assert "memory per rank" in out and "this host:" in out
     lines = out.splitlines()
-    rows = [line.split()[0] for line in lines[3:]]
+    rows = [line.split()[0] for line in lines[3:-1]]
     assert rows == ["1", "2", "3"] and "do not divide" in lines[5]
+    assert lines[-1].startswith("KV cache, on every rank") and "GB per 1000 tokens" in lines[-1]
     assert all("(fits)" in line or "short" in line or "needs" in line for line in lines[3:5])
     assert "--lora-rank 8" in lines[2]
     assert cli(["plan", "--model", str(tmp_path / "missing")]) == 1
@@ -163,3 +164,25 @@ def test_plan_of_every_family_equals_one_loading_process(family, tmp_path):
     one, two = plan_memory(path, [1, 2], lora_rank=0)
     assert one.weights == memory["expert_bytes"] + memory["replicated_bytes"], family
     assert two.problem is not None or two.weights == memory["replicated_bytes"] + memory["expert_bytes"] // 2
+
+
+@pytest.mark.parametrize("family", sorted(__import__("hf_tiny").FAMILIES))
+def test_kv_cache_per_token_equals_a_real_forward(family, tmp_path):
+    """The cache bytes per token and per sequence that plan reads off the meta device equal the growth of
+    the cache of the real model run on 4 and 8 tokens (fixed states of linear attention and SSM layers
+    included: Jamba, Qwen3-Next, MiniMax, LFM2)."""
+    from thunderep.plan import _cache_bytes, kv_cache_bytes
+
+    model = tiny_model(family, seed=0).to(torch.bfloat16)
+    model.save_pretrained(str(tmp_path / family))
+    sizes = []
+    with torch.no_grad():
+        for tokens in (4, 8):
+            out = model(input_ids=torch.randint(0, 90, (1, tokens)), use_cache=True)
+            sizes.append(_cache_bytes(out["cache"] if "cache" in out else out.past_key_values))
+    per_token, fixed = kv_cache_bytes(tmp_path / family)
+    assert per_token > 0 and (per_token, fixed) == ((sizes[1] - sizes[0]) // 4, sizes[0] - (sizes[1] - sizes[0]))
+    c = model.config
+    if family in ("mixtral", "qwen3_moe"):  # keys and values of every layer: layers x 2 x kv heads x head dim
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        assert per_token == c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 2 and fixed == 0

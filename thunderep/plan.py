@@ -14,7 +14,9 @@ tensors counted. Per rank and EP size R:
                              the checkpoint's dtype, without gradients or AdamW state.
     fine-tune, --lora-rank R: every weight frozen in the checkpoint's dtype, float32 adapters of rank R on
                              --lora-targets (default: the attention projections) that train.
-Activations, the KV cache and the CUDA context come on top and are not counted.
+Activations and the CUDA context come on top and are not counted. The KV cache is printed apart: the
+bytes per token of context, on every rank (the attention is replicated), from the model run on the meta
+device.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["RankMemory", "main", "plan_memory"]
+__all__ = ["RankMemory", "kv_cache_bytes", "main", "plan_memory"]
 
 _FROZEN = "experts"  # what `finetune --freeze experts` matches: the routed and the shared experts
 
@@ -86,16 +88,13 @@ def _training_bytes(trainable, frozen, buffers: int, ep: int) -> int:
             + _rank_bytes(frozen, ep) + buffers)
 
 
-def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = None, lora_rank: int = 0,
-                lora_targets: list[str] | None = None) -> list[RankMemory]:
-    """One `RankMemory` per EP size in `eps` for the checkpoint `model_dir` (config.json only). dtype: as
-    `from_pretrained` (default: the checkpoint's). lora_rank > 0: also `finetune --lora-rank` with
-    `lora_targets` (default: the attention projections). ConfigError / CheckpointError /
-    UnsupportedModelError where the checkpoint cannot be loaded, naming why."""
+def _config(model_dir):
+    """The transformers config of checkpoint `model_dir`, checked as `from_pretrained` checks it, without its
+    quantization_config (a quantized checkpoint is counted dequantized, as it loads)."""
     from transformers import AutoConfig
 
     from .errors import CheckpointError, UnsupportedModelError
-    from .hf.load import _resolve_dtype, config_problem
+    from .hf.load import config_problem
     from .hf.quantized import quantization_problem
 
     problem = config_problem(model_dir, flag="--model")
@@ -109,9 +108,21 @@ def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = Non
     problem = quantization_problem(config, model_dir)
     if problem:
         raise UnsupportedModelError(problem)
-    if getattr(config, "quantization_config", None) is not None:  # counted dequantized, as loaded
+    if getattr(config, "quantization_config", None) is not None:
         config.quantization_config = None
         del config.quantization_config
+    return config
+
+
+def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = None, lora_rank: int = 0,
+                lora_targets: list[str] | None = None) -> list[RankMemory]:
+    """One `RankMemory` per EP size in `eps` for the checkpoint `model_dir` (config.json only). dtype: as
+    `from_pretrained` (default: the checkpoint's). lora_rank > 0: also `finetune --lora-rank` with
+    `lora_targets` (default: the attention projections). ConfigError / CheckpointError /
+    UnsupportedModelError where the checkpoint cannot be loaded, naming why."""
+    from .hf.load import _resolve_dtype
+
+    config = _config(model_dir)
     stored = _resolve_dtype(None, config)
     params, buffers = _counts(config, _resolve_dtype(dtype, config))
     # finetune's --dtype mixed: loaded as stored; what trains becomes float32, the rest and the buffers stay
@@ -133,6 +144,43 @@ def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = Non
             finetune_lora=_training_bytes([p for p in with_lora if p[3]], [p for p in with_lora if not p[3]],
                                           stored_buffers, ep) if lora_rank else 0))
     return out
+
+
+def _cache_bytes(cache) -> int:
+    """The bytes of the tensors a transformers cache holds (its layers' keys, values and states)."""
+    seen, total = set(), 0
+    for obj in [cache] + list(getattr(cache, "layers", None) or []):
+        for value in vars(obj).values():
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def kv_cache_bytes(model_dir, dtype: str | torch.dtype | None = None) -> tuple[int, int]:
+    """(bytes per token, fixed bytes per sequence) of the cache the model of checkpoint `model_dir` keeps
+    in generation, in `dtype` (default the checkpoint's): the model runs 4 and then 8 tokens on the meta
+    device (its experts stood in for by zeros: their output does not size the cache), and the cache
+    tensors are counted. The fixed part is what does not grow with the context (linear-attention and
+    SSM states). Layers with a sliding window stop growing at the window; this counts them growing."""
+    from transformers import AutoModelForCausalLM
+
+    from .hf import find_experts_modules
+    from .hf.load import _resolve_dtype
+
+    config = _config(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=_resolve_dtype(dtype, config))
+    for _, experts in find_experts_modules(model):
+        experts.forward = lambda hidden_states, *args, **kwargs: torch.zeros_like(hidden_states)
+    sizes = []
+    with torch.no_grad():
+        for tokens in (4, 8):
+            out = model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device="meta"), use_cache=True)
+            sizes.append(_cache_bytes(out["cache"] if "cache" in out else out.past_key_values))  # 5.24 / older
+    per_token = (sizes[1] - sizes[0]) // 4
+    return per_token, sizes[0] - 4 * per_token
 
 
 def _host() -> tuple[str, list[int]]:
@@ -193,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:  # a row with a problem: the EP size and the problem, across the columns
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths if len(row) > 2 else (widths[0], 0)))
               .rstrip())
+    per_token, fixed = kv_cache_bytes(args.model, args.dtype)
+    print(f"KV cache, on every rank (attention is not split): {per_token * 1000 / 1e9:.3f} GB per 1000 tokens "
+          "(context x batch)" + (f", plus {fixed / 1e6:.1f} MB per sequence of fixed state" if fixed else ""))
     return 0
 
 
