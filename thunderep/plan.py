@@ -29,8 +29,6 @@ import sys
 
 import torch
 
-from .errors import ConfigError
-
 __all__ = ["RankMemory", "kv_cache_bytes", "main", "plan_memory"]
 
 _FROZEN = "experts"  # what `finetune --freeze experts` matches: the routed and the shared experts
@@ -75,9 +73,9 @@ def _counts(config, dtype: torch.dtype, lora: tuple | None = None) -> tuple[list
     return params, sum(t.numel() * t.element_size() for t in model.buffers())
 
 
-def _rank_bytes(params, ep: int, keep=lambda name: True) -> int:
-    """The bytes of `params` (`_counts`) that `keep` selects, as one of `ep` ranks holds them."""
-    return sum(n // ep if experts else n for name, n, experts, _ in params if keep(name))
+def _rank_bytes(params, ep: int) -> int:
+    """The bytes of `params` (`_counts` entries) as one of `ep` ranks holds them."""
+    return sum(n // ep if experts else n for _, n, experts, _ in params)
 
 
 def _training_bytes(trainable, frozen, buffers: int, ep: int) -> int:
@@ -89,28 +87,13 @@ def _training_bytes(trainable, frozen, buffers: int, ep: int) -> int:
 
 
 def _config(model_dir):
-    """The transformers config of checkpoint `model_dir`, checked as `from_pretrained` checks it, without its
-    quantization_config (a quantized checkpoint is counted dequantized, as it loads)."""
-    from transformers import AutoConfig
+    """The checked config of checkpoint `model_dir` (`hf.load.read_config`), without its quantization_config:
+    a quantized checkpoint is counted dequantized, as it loads."""
+    from .hf.load import read_config
+    from .hf.quantized import drop_quantization
 
-    from .errors import CheckpointError, UnsupportedModelError
-    from .hf.load import config_problem
-    from .hf.quantized import quantization_problem
-
-    problem = config_problem(model_dir, flag="--model")
-    if problem:
-        raise ConfigError(problem)
-    try:
-        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError, TypeError, AttributeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{model_dir}/config.json: transformers cannot read it: {first}") from exc
-    problem = quantization_problem(config, model_dir)
-    if problem:
-        raise UnsupportedModelError(problem)
-    if getattr(config, "quantization_config", None) is not None:
-        config.quantization_config = None
-        del config.quantization_config
+    config = read_config(model_dir, flag="--model")
+    drop_quantization(config)
     return config
 
 
@@ -119,7 +102,7 @@ def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = Non
     """One `RankMemory` per EP size in `eps` for the checkpoint `model_dir` (config.json only). dtype: as
     `from_pretrained` (default: the checkpoint's). lora_rank > 0: also `finetune --lora-rank` with
     `lora_targets` (default: the attention projections). ConfigError / CheckpointError /
-    UnsupportedModelError where the checkpoint cannot be loaded, naming why."""
+    UnsupportedModelError where the checkpoint cannot be loaded, naming why (`hf.load.read_config`)."""
     from .hf.load import _resolve_dtype
 
     config = _config(model_dir)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
-from .quantized import DequantizedIndex, quant_method, quantization_problem
+from .quantized import DequantizedIndex, drop_quantization, quant_method, quantization_problem
 
 __all__ = ["CheckpointIndex", "LoadReport", "config_problem", "load_pretrained", "rss_bytes"]
 
@@ -413,20 +413,15 @@ def check_fits(model: nn.Module, device: torch.device, ep=None) -> None:
             "for each count), load a narrower dtype (bfloat16 instead of float32), or free the device")
 
 
-def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
-                    attn_implementation: str | None = None, experts_implementation: str | None = None,
-                    balancer=None, spare_slots: int = 0):
-    """`ThunderMoE.from_pretrained`: build, wrap and fill the model of checkpoint directory `path`.
+def read_config(path, flag: str | None = None):
+    """The transformers config of checkpoint directory `path`, checked before anything is built: a
+    CheckpointError naming what is wrong with config.json (`config_problem`, with `flag` naming the option
+    that gave the directory) or what transformers could not read in it; UnsupportedModelError for a
+    quantization ThunderEP does not read."""
+    from transformers import AutoConfig
 
-    dtype: torch dtype or name (default: the checkpoint's `dtype`, else float32). device: default the EP
-    runtime's device, else CPU. model_class: default `AutoModelForCausalLM`. Other keywords as `wrap`.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    started = time.perf_counter()
     path = Path(path)
-    index = CheckpointIndex(path)
-    problem = config_problem(path, flag=None)
+    problem = config_problem(path, flag=flag)
     if problem:
         raise CheckpointError(problem)
     try:
@@ -437,6 +432,23 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     problem = quantization_problem(config, path)
     if problem:
         raise UnsupportedModelError(problem)
+    return config
+
+
+def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
+                    attn_implementation: str | None = None, experts_implementation: str | None = None,
+                    balancer=None, spare_slots: int = 0):
+    """`ThunderMoE.from_pretrained`: build, wrap and fill the model of checkpoint directory `path`.
+
+    dtype: torch dtype or name (default: the checkpoint's `dtype`, else float32). device: default the EP
+    runtime's device, else CPU. model_class: default `AutoModelForCausalLM`. Other keywords as `wrap`.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    started = time.perf_counter()
+    path = Path(path)
+    index = CheckpointIndex(path)
+    config = read_config(path)
     dtype = _resolve_dtype(dtype, config)
     if device is None:
         device = ep.groups.device if ep is not None else "cpu"
@@ -446,8 +458,7 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     dequantized = quant_method(config)
     if dequantized:  # read dequantized into `dtype` on `device`; the model built from the config is a plain one
         index = DequantizedIndex(index, config, dtype, device)
-        config.quantization_config = None
-        del config.quantization_config
+        drop_quantization(config)
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["METHODS", "DequantizedIndex", "quant_method", "quantization_problem"]
+__all__ = ["METHODS", "DequantizedIndex", "drop_quantization", "quant_method", "quantization_problem"]
 
 METHODS = ("fp8", "mxfp4", "compressed-tensors")
 _CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")  # 8-bit values stored as they are
@@ -51,6 +51,14 @@ def quant_method(config) -> str | None:
     """The checkpoint's quant_method ("fp8", "mxfp4", ...), or None where it is not quantized."""
     settings = _settings(config)
     return str(settings.get("quant_method")) if settings else None
+
+
+def drop_quantization(config) -> None:
+    """Remove `config`'s quantization_config (in place): the model built from it is a plain one, whose
+    weights are read dequantized."""
+    if getattr(config, "quantization_config", None) is not None:
+        config.quantization_config = None
+        del config.quantization_config
 
 
 def quantization_problem(config, path) -> str | None:
@@ -235,7 +243,8 @@ class DequantizedIndex:
             d, s = data.to(self.device), scales.to(self.device)
             out.copy_(dequantize_fp8(d, s, self._block(data, scales), self.dtype, key))
         else:  # experts one at a time: float32 temporaries of one expert only
-            self.shape(key)  # checks MXFP4's layout
+            if not scaled:
+                self.shape(key)  # checks MXFP4's layout
             for e in range(len(data)):
                 d, s = data[e].to(self.device), scales[e].to(self.device)
                 out[e] = (dequantize_fp8(d, s, self._block(d, s), self.dtype, key) if scaled else
