@@ -16,6 +16,7 @@ from thunderep.cuda_graphs import graph_steps  # noqa: E402
 from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.kernels import ops  # noqa: E402
 from thunderep.kernels import pairs as pairs_mod  # noqa: E402
+from thunderep.kernels.fp8 import Fp8Weight, scale_args, weight_data  # noqa: E402
 from thunderep.kernels.ops import routed_moe_mlp  # noqa: E402
 
 
@@ -578,11 +579,12 @@ def _gate_up_fma(x, w_gu, ids, ahead, block_k, x_rows=False):
     h = x.new_empty(T * K, I)
     count = torch.zeros(T * triton.cdiv(D, pairs_mod._MIN_DOWN_BLOCK_N), dtype=torch.int32, device=x.device)
     cfg = pairs_mod._pair_cfg(16, block_k, 4, 1 if ahead else 3, dot=False, ahead=ahead, x_rows=x_rows)
+    w = weight_data(w_gu)  # an Fp8Weight's FP8 values, with its scales below
     pairs_mod._UP_PAIRS_PLAIN[(T * K, triton.cdiv(I, 16))](
-        x_ptr=x, w_ptr=w_gu, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=w_gu.shape[0], top_k=K,
-        stride_xm=x.stride(0), stride_we=w_gu.stride(0), stride_wn=w_gu.stride(1), stride_hm=h.stride(0),
+        x_ptr=x, w_ptr=w, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=w_gu.shape[0], top_k=K,
+        stride_xm=x.stride(0), stride_we=w.stride(0), stride_wn=w.stride(1), stride_hm=h.stride(0),
         n_counts=triton.cdiv(D, pairs_mod._MIN_DOWN_BLOCK_N), ACT=0, INTERLEAVED=False, PRECISION="ieee", PDL=False,
-        **cfg.all_kwargs())
+        **scale_args(w_gu, "ws_ptr", ("stride_wse", "stride_wsn", "stride_wsk")), **cfg.all_kwargs())
     return h
 
 
@@ -612,6 +614,24 @@ def test_gate_up_look_ahead_changes_no_bit(D, block_k):
         else:
             g, u = wr[e, :I] @ xr[j // K], wr[e, I:] @ xr[j // K]
             assert rel_err(row, torch.nn.functional.silu(g) * u) < 1e-5
+
+
+@pytest.mark.parametrize("D,block_k", [(64, 32), (80, 32), (16, 32)], ids=["4-chunks", "ragged-last-chunk",
+                                                                         "shorter-than-a-chunk"])
+def test_gate_up_look_ahead_changes_no_bit_on_fp8_weights(D, block_k):
+    """As above with FP8 weights (kernels/fp8.py) in scale blocks of one chunk, float16 products: each chunk
+    takes its own scales, loaded one chunk ahead or not, with the same bits (the kernel called directly:
+    its chunk is the scale block, as the launch would fit it)."""
+    device = "cuda" if CUDA else "cpu"
+    T, I, E, K = 3, 40, 5, 2
+    x, w_gu, _, ids, _ = make_case(T, D, I, E, K, torch.float32, 12)
+    x, ids = x.to(device).half(), ids.to(device)
+    w8 = Fp8Weight.quantize(w_gu.to(device).half(), (8, block_k))
+    plain = _gate_up_fma(x, w8, ids, False, block_k)
+    assert torch.equal(_gate_up_fma(x, w8, ids, True, block_k), plain)
+    assert torch.equal(_gate_up_fma(x, w8, ids, True, block_k, x_rows=True), plain)
+    ref = _gate_up_fma(x, w8.dequantize(), ids, False, block_k)  # the dequantized weights, as float16 tensors
+    assert rel_err(plain, ref) < 2e-3
 
 
 @pytest.mark.gpu

@@ -40,6 +40,8 @@ PAIR_KERNELS = {"up_pairs", "up_pairs_ahead", "up_pairs_x_rows", "down_pairs", "
                 "down_pairs_split_ahead", "down_pairs_split_x_rows", "down_pairs_all_slots"}
 PAIR_DOT_KERNELS = {"up_pairs_dot"}  # decode with 16-row tensor-core tiles
 SORT_KERNELS = {"route"}  # the one-program sort of small inference batches
+FP8_GEMM_KERNELS = {"up_fp8", "rows_fp8", "up_pairs_dot_fp8"}  # FP8 weights (fp8.py), tensor-core products
+FP8_PAIR_KERNELS = {"up_pairs_fp8", "up_pairs_ahead_fp8", "down_pairs_split_ahead_fp8", "down_pairs_all_slots_fp8"}
 PDL_KERNELS = {"up_pairs_pdl", "down_pairs_pdl", "down_pairs_split_pdl",  # decode with dependent launch (sm_90+)
                "down_pairs_all_slots_pdl"}
 
@@ -47,10 +49,11 @@ PDL_KERNELS = {"up_pairs_pdl", "down_pairs_pdl", "down_pairs_split_pdl",  # deco
 @pytest.mark.parametrize("arch", [89, 120])
 def test_consumer_targets_have_no_hopper_only_instructions(builds, arch):
     pdl = PDL_KERNELS if arch >= 90 else set()
-    assert {b["name"] for b in builds[arch]} == GEMM_KERNELS | PAIR_KERNELS | PAIR_DOT_KERNELS | SORT_KERNELS | pdl
+    assert {b["name"] for b in builds[arch]} == (GEMM_KERNELS | PAIR_KERNELS | PAIR_DOT_KERNELS | SORT_KERNELS | pdl
+                                                 | FP8_GEMM_KERNELS | FP8_PAIR_KERNELS)
     for b in builds[arch]:
         assert b["hopper_only"] == [], f"{b['name']} on sm_{arch} uses {b['hopper_only']}"
-        if b["name"] in GEMM_KERNELS | PAIR_DOT_KERNELS:
+        if b["name"] in GEMM_KERNELS | PAIR_DOT_KERNELS | FP8_GEMM_KERNELS:
             assert b["uses_mma_sync"], f"{b['name']} on sm_{arch} has no tensor-core instructions"
         assert b["shared_bytes"] <= 99 * 1024, f"{b['name']} needs {b['shared_bytes']} B of shared memory"
 
@@ -60,7 +63,7 @@ def test_detector_sees_hopper_instructions(builds):
     for b in builds[90]:
         if b["name"] in GEMM_KERNELS:
             assert b["uses_wgmma"] and "wgmma." in b["hopper_only"], b["name"]
-        elif b["name"] in PAIR_KERNELS | SORT_KERNELS:
+        elif b["name"] in PAIR_KERNELS | SORT_KERNELS | FP8_PAIR_KERNELS:
             assert not b["uses_wgmma"] and b["hopper_only"] == [], b["name"]
 
 

@@ -153,12 +153,28 @@ def _rows_in(first, end, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, PRECISION: tl.constexpr,
-           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           WITH_TAIL: tl.constexpr):
+def _dequant(w, scale, DT: tl.constexpr):
+    """An FP8 weight tile times its scales (broadcast to it), rounded to DT: the value
+    `fp8.Fp8Weight.dequantize` gives, so FP8 weights compute what their dequantized copy computes."""
+    return (w.to(tl.float32) * scale).to(DT)
+
+
+@triton.jit
+def _weight_scales(ws_ptr, expert, rows_N, stride_wse, stride_wsn, SCALE_N: tl.constexpr):
+    """Pointers [BLOCK_N] to the k = 0 scale of weight rows rows_N of `expert` (scale rows of SCALE_N
+    weight rows each)."""
+    return ws_ptr + expert.to(tl.int64) * stride_wse + (rows_N // SCALE_N).to(tl.int64) * stride_wsn
+
+
+@triton.jit
+def _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, bs_ptrs, stride_bsk,
+           PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, WITH_TAIL: tl.constexpr, SCALED: tl.constexpr, SCALE_K: tl.constexpr):
     """sum over k < K of A[m, k] * B[k, n]: a_ptrs [BLOCK_M, BLOCK_K] (unit stride along k), b_ptrs
     [BLOCK_K, BLOCK_N] (stride_bk along k), both at k = 0. Masked rows and columns read zeros.
     WITH_TAIL: also the tail's [S = BLOCK_M / 2] rows at s_ptrs, against the same loaded B tiles.
+    SCALED: B is FP8, each column's scale for k in [k0, k0 + BLOCK_K) at bs_ptrs [BLOCK_N] + (k0 //
+    SCALE_K) * stride_bsk (BLOCK_K divides SCALE_K, or SCALE_K >= K); tiles are dequantized to A's dtype.
     Returns (acc_MN, acc_SN); acc_SN is zeros without the tail."""
     k_K = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -175,6 +191,8 @@ def _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, P
             b = tl.load(b_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
             if WITH_TAIL:
                 s = tl.load(s_ptrs, mask=row_ok_S[:, None] & k_ok_K[None, :], other=0.0)
+        if SCALED:
+            b = _dequant(b, tl.load(bs_ptrs + (k0 // SCALE_K) * stride_bsk, mask=col_ok_N, other=0.0)[None, :], a.dtype)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if WITH_TAIL:
             acc_s = tl.dot(s, b, acc_s, input_precision=PRECISION)
@@ -185,11 +203,12 @@ def _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, P
 
 
 @triton.jit
-def _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D, PRECISION: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 WITH_TAIL: tl.constexpr):
+def _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D, gs_ptrs, us_ptrs, stride_bsk,
+                 PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, WITH_TAIL: tl.constexpr, SCALED: tl.constexpr, SCALE_K: tl.constexpr):
     """_dot_k for the gate and the up halves at once (g_ptrs, u_ptrs: [BLOCK_K, BLOCK_N], unit stride
-    along k): (acc_g_MN, acc_u_MN, acc_g_SN, acc_u_SN)."""
+    along k; SCALED: their columns' scales at gs_ptrs, us_ptrs, as in _dot_k): (acc_g_MN, acc_u_MN,
+    acc_g_SN, acc_u_SN)."""
     k_K = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -209,6 +228,10 @@ def _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D
             bu = tl.load(u_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
             if WITH_TAIL:
                 s = tl.load(s_ptrs, mask=row_ok_S[:, None] & k_ok_K[None, :], other=0.0)
+        if SCALED:
+            scale_at = (k0 // SCALE_K) * stride_bsk
+            bg = _dequant(bg, tl.load(gs_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
+            bu = _dequant(bu, tl.load(us_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
         acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
         if WITH_TAIL:
@@ -253,19 +276,21 @@ def _up_store(acc_g, acc_u, rows, row_ok, cols_N, col_ok_N, gate_N, up_N, h_ptr,
 
 @triton.jit(do_not_specialize=["n_rows", "m_fill"])
 def _up_kernel(
-    x_ptr, w_ptr, h_ptr, gu_ptr, order_ptr, counts_ptr,
+    x_ptr, w_ptr, h_ptr, gu_ptr, order_ptr, counts_ptr, ws_ptr,
     n_rows, I, D, E, top_k,
-    stride_xm, stride_we, stride_wn, stride_hm, stride_gm,
+    stride_xm, stride_we, stride_wn, stride_hm, stride_gm, stride_wse, stride_wsn, stride_wsk,
     m_class, m_fill,
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, GATHER: tl.constexpr, SAVE_GU: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr, TAIL: tl.constexpr,
+    SCALED: tl.constexpr = False, SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1,
 ):
     """h[r, c] = act(x[src(r)] . Wgu[e, gate(c)]) * (x[src(r)] . Wgu[e, up(c)]) for c < I.
 
     x: [*, D] (row stride stride_xm, unit column stride). Wgu: [E, 2I, D] (unit stride along D).
     h: [N, I]; gu (SAVE_GU): [N, 2I] in the weight's gate/up layout.
+    SCALED: Wgu is FP8 with float32 scales ws [E, 2I / SCALE_N, D / SCALE_K] (by strides; fp8.py).
     """
     expert, row0, tile_end, cols_N, col_ok_N, pid_n = _row_tile_of_program(
         n_rows, I, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M, TAIL)
@@ -278,6 +303,8 @@ def _up_kernel(
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     g_ptrs = w_base + gate_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
     u_ptrs = w_base + up_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
+    gs_ptrs = _weight_scales(ws_ptr, expert, gate_N, stride_wse, stride_wsn, SCALE_N)
+    us_ptrs = _weight_scales(ws_ptr, expert, up_N, stride_wse, stride_wsn, SCALE_N)
     if TAIL:
         has_tail = tile_end > row0 + BLOCK_M
     else:
@@ -286,12 +313,14 @@ def _up_kernel(
         rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
         s_ptrs = _token_row_ptrs(x_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_xm, k_K, GATHER)
         acc_g, acc_u, tail_g, tail_u = _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D,
-                                                    PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True)
+                                                    gs_ptrs, us_ptrs, stride_wsk, PRECISION, EVEN_K, BLOCK_M,
+                                                    BLOCK_N, BLOCK_K, True, SCALED, SCALE_K)
         _up_store(tail_g, tail_u, rows_S, row_ok_S, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm,
                   stride_gm, ACT, SAVE_GU)
     else:
         acc_g, acc_u, _, _ = _dot_gate_up(a_ptrs, a_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_M, col_ok_N, D,
-                                          PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, False)
+                                          gs_ptrs, us_ptrs, stride_wsk, PRECISION, EVEN_K, BLOCK_M, BLOCK_N,
+                                          BLOCK_K, False, SCALED, SCALE_K)
     _up_store(acc_g, acc_u, rows_M, row_ok_M, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm, stride_gm,
               ACT, SAVE_GU)
 
@@ -314,18 +343,20 @@ def _rows_store(acc, rows, row_ok, cols_N, col_ok_N, c_ptr, order_ptr, weight_pt
 
 @triton.jit(do_not_specialize=["n_rows", "m_fill"])
 def _rows_kernel(
-    a_ptr, b_ptr, c_ptr, order_ptr, weight_ptr, counts_ptr,
+    a_ptr, b_ptr, c_ptr, order_ptr, weight_ptr, counts_ptr, bs_ptr,
     n_rows, N, K, E,
-    stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_bse, stride_bsn, stride_bsk,
     m_class, m_fill,
     SCATTER: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr, TAIL: tl.constexpr,
+    SCALED: tl.constexpr = False, SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1,
 ):
     """c[dst(r), n] = w(r) * sum_k a[r, k] * B[e(r), n, k].
 
     a: [N_rows, K] sorted by expert (unit column stride). B: [E, N, K] by strides.
     dst(r) = order[r] (SCATTER, un-permute to the flat pair) else r. w(r) = weight[order[r]] (WEIGHTED).
+    SCALED: B is FP8 with float32 scales bs [E, N / SCALE_N, K / SCALE_K] (by strides; fp8.py).
     """
     expert, row0, tile_end, cols_N, col_ok_N, pid_n = _row_tile_of_program(
         n_rows, N, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M, TAIL)
@@ -336,6 +367,7 @@ def _rows_kernel(
     a_ptrs = _token_row_ptrs(a_ptr, rows_M, row_ok_M, order_ptr, 1, stride_am, k_K, False)
     b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + cols_N.to(tl.int64)[None, :] * stride_bn
               + k_K[:, None] * stride_bk)
+    bs_ptrs = _weight_scales(bs_ptr, expert, cols_N, stride_bse, stride_bsn, SCALE_N)
     if TAIL:
         has_tail = tile_end > row0 + BLOCK_M
     else:
@@ -343,13 +375,13 @@ def _rows_kernel(
     if has_tail:
         rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
         s_ptrs = _token_row_ptrs(a_ptr, rows_S, row_ok_S, order_ptr, 1, stride_am, k_K, False)
-        acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, PRECISION, EVEN_K,
-                            BLOCK_M, BLOCK_N, BLOCK_K, True)
+        acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, bs_ptrs, stride_bsk,
+                            PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True, SCALED, SCALE_K)
         _rows_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER,
                     WEIGHTED)
     else:
-        acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, K, stride_bk, PRECISION, EVEN_K,
-                        BLOCK_M, BLOCK_N, BLOCK_K, False)
+        acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, K, stride_bk, bs_ptrs, stride_bsk,
+                        PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, False, SCALED, SCALE_K)
     _rows_store(acc, rows_M, row_ok_M, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER, WEIGHTED)
 
 
@@ -414,13 +446,13 @@ def _act_bwd_kernel(
     if has_tail:
         rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
         s_ptrs = _token_row_ptrs(dy_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_dym, k_K, GATHER)
-        acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, D, stride_wd, PRECISION, EVEN_K,
-                            BLOCK_M, BLOCK_N, BLOCK_K, True)
+        acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, D, stride_wd, b_ptrs, 0, PRECISION,
+                            EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True, False, 1)
         _act_bwd_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr,
                        order_ptr, weight_ptr, stride_gm, stride_dwp, ACT, INTERLEAVED, WEIGHTED)
     else:
-        acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, D, stride_wd, PRECISION, EVEN_K,
-                        BLOCK_M, BLOCK_N, BLOCK_K, False)
+        acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, D, stride_wd, b_ptrs, 0, PRECISION,
+                        EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, False, False, 1)
     _act_bwd_store(acc, rows_M, row_ok_M, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr, order_ptr,
                    weight_ptr, stride_gm, stride_dwp, ACT, INTERLEAVED, WEIGHTED)
 

@@ -46,6 +46,8 @@ from . import grouped_gemm as G
 from . import moe_triton as K
 from . import pairs as P
 from . import passes
+from .fp8 import Fp8Weight, scale_args
+from .fp8 import weight_data as _data
 from .pairs import needs_grad as _needs_grad
 from .tuning import cdiv, kernel_configs, next_power_of_2
 from .tuning import launch as _launch
@@ -183,10 +185,11 @@ def _signature(config: triton.Config) -> tuple:
     return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
 
 
-_UP, _UP_PLAIN = tuned("up", K._up_kernel, _ROW_CONFIGS, ["m_class", "m_fill", "I", "D", "GATHER", "SAVE_GU"],
-                      _prune_up, "D")
+# SCALE_K (FP8 weights' scale block along k; 1 for others) is in the keys: it bounds BLOCK_K (fp8.py).
+_UP, _UP_PLAIN = tuned("up", K._up_kernel, _ROW_CONFIGS,
+                      ["m_class", "m_fill", "I", "D", "GATHER", "SAVE_GU", "SCALE_K"], _prune_up, "D")
 _ROWS, _ROWS_PLAIN = tuned("rows", K._rows_kernel, _ROW_CONFIGS,
-                            ["m_class", "m_fill", "N", "K", "SCATTER", "WEIGHTED"], _prune_rows, "K")
+                            ["m_class", "m_fill", "N", "K", "SCATTER", "WEIGHTED", "SCALE_K"], _prune_rows, "K")
 # The routing-weight partials dwp have one column per column tile of the config that ran: a trial with
 # narrower tiles would leave partials the chosen config does not overwrite (wrong d weights on the
 # first backward of each shape), so the autotuner zeroes dwp before every run.
@@ -210,27 +213,30 @@ def _up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows):
     h = x.new_empty(n_rows, I)
     gu = x.new_empty(n_rows if save else 0, I2)
     bm, fill = _m_key(n_rows, E)
+    w = _data(w_gu)
     _launch(_UP, _UP_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, I), x.device,
-            x_ptr=x, w_ptr=w_gu, h_ptr=h, gu_ptr=gu, order_ptr=order if order is not None else counts,
+            x_ptr=x, w_ptr=w, h_ptr=h, gu_ptr=gu, order_ptr=order if order is not None else counts,
             counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k,
-            stride_xm=x.stride(0), stride_we=w_gu.stride(0), stride_wn=w_gu.stride(1), stride_hm=h.stride(0),
+            stride_xm=x.stride(0), stride_we=w.stride(0), stride_wn=w.stride(1), stride_hm=h.stride(0),
             stride_gm=I2, m_class=bm, m_fill=fill, ACT=act, INTERLEAVED=interleaved,
-            GATHER=order is not None, SAVE_GU=save, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E))
+            GATHER=order is not None, SAVE_GU=save, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E),
+            **scale_args(w_gu, "ws_ptr", ("stride_wse", "stride_wsn", "stride_wsk")))
     return h, gu
 
 
 def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter):
-    """out[dst(r)] = w * a[r] @ B[e].T with B[e, n, k] at b + e*s0 + n*s1 + k*s2."""
+    """out[dst(r)] = w * a[r] @ B[e].T with B[e, n, k] at b + e*s0 + n*s1 + k*s2 (b: a tensor, or an
+    Fp8Weight [E, n, k] whose strides are b_strides)."""
     n_rows, Kdim = a.shape
     E = counts.shape[0]
     bm, fill = _m_key(n_rows, E)
     _launch(_ROWS, _ROWS_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, n_out), a.device,
-            a_ptr=a, b_ptr=b, c_ptr=out, order_ptr=order if order is not None else counts,
+            a_ptr=a, b_ptr=_data(b), c_ptr=out, order_ptr=order if order is not None else counts,
             weight_ptr=weights if weights is not None else a, counts_ptr=counts,
             n_rows=n_rows, N=n_out, K=Kdim, E=E, stride_am=a.stride(0), stride_be=b_strides[0],
             stride_bn=b_strides[1], stride_bk=b_strides[2], stride_cm=out.stride(0), m_class=bm,
             m_fill=fill, SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=_precision(a.dtype),
-            BLOCK_E=_block_e(E))
+            BLOCK_E=_block_e(E), **scale_args(b, "bs_ptr", ("stride_bse", "stride_bsn", "stride_bsk")))
 
 
 def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
@@ -446,6 +452,43 @@ def _backward(ctx, dy, dh, dgu, backward_op=_moe_mlp_backward_op):
 _moe_mlp_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _moe_mlp_fp8_impl(
+    x: torch.Tensor, q_gate_up: torch.Tensor, s_gate_up: torch.Tensor, block_gate_up: list[int],
+    q_down: torch.Tensor, s_down: torch.Tensor, block_down: list[int], order: Optional[torch.Tensor],
+    counts: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, activation: str, interleaved: bool,
+) -> torch.Tensor:
+    """The forward of `_moe_mlp_impl` on FP8 weights (fp8.Fp8Weight, as tensors for the custom op)."""
+    w_gu = Fp8Weight(q_gate_up, s_gate_up, tuple(block_gate_up), x.dtype)
+    w_d = Fp8Weight(q_down, s_down, tuple(block_down), x.dtype)
+    y, _, _ = _moe_mlp_impl(x, w_gu, w_d, order, counts, weights, top_k, activation, interleaved, False, "triton")
+    return y
+
+
+_moe_mlp_fp8_op = torch.library.custom_op("thunderep::moe_mlp_fp8", mutates_args=())(_moe_mlp_fp8_impl)
+
+
+@_moe_mlp_fp8_op.register_fake
+def _(x, q_gate_up, s_gate_up, block_gate_up, q_down, s_down, block_down, order, counts, weights, top_k,
+      activation, interleaved):
+    return x.new_empty(x.shape[0], q_gate_up.shape[2])
+
+
+def check_fp8(x: torch.Tensor, w_gate_up, w_down, *tensors) -> None:
+    """InputError unless both weights are Fp8Weight in x's dtype whose scale blocks the kernels can
+    walk, and nothing asks for gradients (FP8 weights are for inference)."""
+    if not (isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)):
+        raise InputError(f"w_gate_up ({type(w_gate_up).__name__}) and w_down ({type(w_down).__name__}) must both "
+                         f"be Fp8Weight, or both tensors")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        cols, scale_k = w.shape[2], w.block[1]
+        if scale_k < cols and scale_k % 16:
+            raise InputError(f"{name}'s scale blocks are {scale_k} columns wide: the kernels take blocks of a "
+                             f"multiple of 16 columns, or one block across all {cols}")
+    if _needs_grad(x, *tensors):
+        raise InputError("FP8 expert weights are for inference: nothing here differentiates through them (run "
+                         "under torch.no_grad(), or train on their dequantized copy, Fp8Weight.dequantize())")
+
+
 class _MoeMlpFunction(torch.autograd.Function):
     """The op's autograd in eager mode without the dispatcher's custom-op layer, whose host time a small
     training step's kernels do not cover (on the H200, 0.26-0.67 ms per forward + backward of Qwen3's
@@ -498,6 +541,12 @@ def moe_mlp(
     weights = weights_N.reshape(-1) if weights_N is not None else None
     if weights is not None and order is None:
         raise InputError("weights_N needs order_N (the sorted mode returns unweighted rows)")
+    if isinstance(w_gate_up_E2ID, Fp8Weight) or isinstance(w_down_EDI, Fp8Weight):
+        check_fp8(x, w_gate_up_E2ID, w_down_EDI, weights)
+        op = _moe_mlp_fp8_op if torch.compiler.is_compiling() else _moe_mlp_fp8_impl
+        w_gu, w_d = w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous()
+        return op(x.contiguous(), w_gu.q, w_gu.scale, list(w_gu.block), w_d.q, w_d.scale, list(w_d.block), order,
+                  counts, weights, top_k, activation, interleaved)
     needs_grad = _needs_grad(x, w_gate_up_E2ID, w_down_EDI, weights)
     E, I2, D = w_gate_up_E2ID.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]

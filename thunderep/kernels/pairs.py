@@ -51,7 +51,9 @@ except ImportError:  # pragma: no cover - a Triton without it: the kernels run w
 from ..cuda_graphs import in_graph_steps
 from ..errors import ConfigError
 from . import tuning
-from .moe_triton import ACTIVATIONS, _act, _gate_up_cols
+from .fp8 import Fp8Weight, scale_args
+from .fp8 import weight_data as _data
+from .moe_triton import ACTIVATIONS, _act, _dequant, _gate_up_cols, _weight_scales
 
 __all__ = ["PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "decode_applies", "moe_mlp_pairs", "needs_grad",
            "pairs_if_decode", "pairs_max_tokens", "pairs_win", "path_tuning_applies"]
@@ -74,10 +76,33 @@ def _row0(acc_RN):
 
 
 @triton.jit
-def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn,
-                     stride_hm, n_counts, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr,
-                     DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, X_ROWS: tl.constexpr):
+def _w32(w, scale, DT: tl.constexpr, SCALED: tl.constexpr):
+    """A weight tile in float32: FP8 tiles (SCALED) times their scales (broadcast to the tile) and
+    rounded to DT first, the value their dequantized copy holds (moe_triton._dequant)."""
+    if SCALED:
+        w32 = _dequant(w, scale, DT).to(tl.float32)
+    else:
+        w32 = w.to(tl.float32)
+    return w32
+
+
+@triton.jit
+def _chunk_scales(s_ptrs, k0, stride_sk, ok, SCALED: tl.constexpr, SCALE_K: tl.constexpr):
+    """The scales at s_ptrs (any shape) of the weight chunk at column k0, 1.0 without SCALED."""
+    if SCALED:
+        scales = tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=ok, other=0.0)
+    else:
+        scales = 1.0
+    return scales
+
+
+@triton.jit
+def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, top_k, stride_xm, stride_we,
+                     stride_wn, stride_hm, n_counts, stride_wse, stride_wsn, stride_wsk, ACT: tl.constexpr,
+                     INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
+                     X_ROWS: tl.constexpr, SCALED: tl.constexpr = False, SCALE_N: tl.constexpr = 1,
+                     SCALE_K: tl.constexpr = 1):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1).
 
@@ -95,7 +120,9 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
     x: [T, D]; Wgu: [E, 2I, D] (unit stride along D); h: [T*K, I] in flat (token, slot) order.
     Expert id -1 marks a pair that is not computed here (another rank's expert): h = 0 and no weight
     is read. Any other id outside [0, E) writes NaN (no sync to check ids on the host; the token's
-    output then shows it). Also zeroes the down pass's per-token counts (count: [T, n_counts])."""
+    output then shows it). Also zeroes the down pass's per-token counts (count: [T, n_counts]).
+    SCALED: Wgu is FP8 with float32 scales ws [E, 2I / SCALE_N, D / SCALE_K] (by strides; BLOCK_K divides
+    SCALE_K, or SCALE_K >= D), each chunk dequantized to x's dtype (fp8.py)."""
     if PDL:  # the down pass may launch now: its programs take the SM room this grid leaves
         gdc_launch_dependents()
     j = tl.program_id(0)
@@ -114,6 +141,9 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
     k_K = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (j // top_k).to(tl.int64) * stride_xm + k_K
     w_base = w_ptr + expert * stride_we
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    gs_ptrs = _weight_scales(ws_ptr, expert, gate_N, stride_wse, stride_wsn, SCALE_N)
+    us_ptrs = _weight_scales(ws_ptr, expert, up_N, stride_wse, stride_wsn, SCALE_N)
     if DOT:  # weight tiles [BLOCK_K, BLOCK_N], the B operand of a 16-row product
         g_ptrs = w_base + gate_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
         u_ptrs = w_base + up_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
@@ -141,27 +171,40 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
             next_K = k_K < D - k0 - BLOCK_K  # the last step loads nothing
             g_next = tl.load(g_ptrs, mask=col_ok_N[:, None] & next_K[None, :], other=0.0)
             u_next = tl.load(u_ptrs, mask=col_ok_N[:, None] & next_K[None, :], other=0.0)
+            sg = _chunk_scales(gs_ptrs, k0, stride_wsk, col_ok_N, SCALED, SCALE_K)
+            su = _chunk_scales(us_ptrs, k0, stride_wsk, col_ok_N, SCALED, SCALE_K)
+            if SCALED:
+                sg, su = sg[:, None], su[:, None]
             if X_ROWS:
                 x_next = tl.load(x_ptrs, mask=(cols_N >= 0)[:, None] & next_K[None, :], other=0.0)
-                acc_g += g.to(tl.float32) * xv.to(tl.float32)
-                acc_u += u.to(tl.float32) * xv.to(tl.float32)
+                acc_g += _w32(g, sg, DT, SCALED) * xv.to(tl.float32)
+                acc_u += _w32(u, su, DT, SCALED) * xv.to(tl.float32)
             else:
                 x_next = tl.load(x_ptrs, mask=next_K, other=0.0)
-                acc_g += g.to(tl.float32) * xv.to(tl.float32)[None, :]
-                acc_u += u.to(tl.float32) * xv.to(tl.float32)[None, :]
+                acc_g += _w32(g, sg, DT, SCALED) * xv.to(tl.float32)[None, :]
+                acc_u += _w32(u, su, DT, SCALED) * xv.to(tl.float32)[None, :]
     else:
         for k0 in range(0, D, BLOCK_K):
             k_ok_K = (k_K < D - k0) | EVEN_K
             xv = tl.load(x_ptrs, mask=k_ok_K, other=0.0)
+            sg = _chunk_scales(gs_ptrs, k0, stride_wsk, col_ok_N, SCALED, SCALE_K)
+            su = _chunk_scales(us_ptrs, k0, stride_wsk, col_ok_N, SCALED, SCALE_K)
             if DOT:
                 ok = k_ok_K[:, None] & col_ok_N[None, :]
                 a = _one_row(xv, 16)
-                acc_g = tl.dot(a, tl.load(g_ptrs, mask=ok, other=0.0), acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(a, tl.load(u_ptrs, mask=ok, other=0.0), acc_u, input_precision=PRECISION)
+                bg = tl.load(g_ptrs, mask=ok, other=0.0)
+                bu = tl.load(u_ptrs, mask=ok, other=0.0)
+                if SCALED:
+                    bg = _dequant(bg, sg[None, :], DT)
+                    bu = _dequant(bu, su[None, :], DT)
+                acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
             else:
                 ok = col_ok_N[:, None] & k_ok_K[None, :]
-                acc_g += tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32) * xv.to(tl.float32)[None, :]
-                acc_u += tl.load(u_ptrs, mask=ok, other=0.0).to(tl.float32) * xv.to(tl.float32)[None, :]
+                if SCALED:
+                    sg, su = sg[:, None], su[:, None]
+                acc_g += _w32(tl.load(g_ptrs, mask=ok, other=0.0), sg, DT, SCALED) * xv.to(tl.float32)[None, :]
+                acc_u += _w32(tl.load(u_ptrs, mask=ok, other=0.0), su, DT, SCALED) * xv.to(tl.float32)[None, :]
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -174,9 +217,10 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, st
 
 
 @triton.jit
-def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
-                  WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  WAIT: tl.constexpr, AHEAD: tl.constexpr, X_ROWS: tl.constexpr):
+def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd, ws_ptr,
+                  stride_wse, stride_wsn, stride_wsk, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr, AHEAD: tl.constexpr,
+                  X_ROWS: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
     """w[j] * (h[j] . Wd[ids[j], n]) for columns n, as a [BLOCK_N, BLOCK_K] float32 tile to be summed
     over its second axis. An id outside [0, E) reads no weights (its h row is 0 or NaN).
     WAIT (launched as a programmatic dependent of the gate/up pass): load the first weight chunk while
@@ -184,7 +228,7 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
     step ahead. AHEAD: weight and h chunks both loaded one step ahead, with or without WAIT (the h
     chunk's conversion to the tile's layout then waits on a load issued a step earlier); with X_ROWS
     h's chunk is loaded per row of the tile instead (no conversion). Same arithmetic in the same order
-    every way."""
+    every way. SCALED: Wd is FP8 with scales at ws (as in _up_pairs_kernel)."""
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
     expert = tl.where(known, expert, 0)
@@ -192,6 +236,8 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
     k_K = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
     w_ptrs = w_ptr + expert * stride_we + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :]
+    DT: tl.constexpr = h_ptr.dtype.element_ty
+    ws_ptrs = _weight_scales(ws_ptr, expert, cols_N, stride_wse, stride_wsn, SCALE_N)
     if WEIGHTED:
         scale = tl.load(weight_ptr + j).to(tl.float32)
     else:
@@ -223,16 +269,22 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
             else:
                 hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
                 h_ptrs += BLOCK_K
+            sw = _chunk_scales(ws_ptrs, k0, stride_wsk, w_ok_N, SCALED, SCALE_K)
+            if SCALED:
+                sw = sw[:, None]
             if AHEAD and X_ROWS:  # hv is already a [BLOCK_N, BLOCK_K] tile
-                acc += w.to(tl.float32) * (hv * scale)
+                acc += _w32(w, sw, DT, SCALED) * (hv * scale)
             else:
-                acc += w.to(tl.float32) * (hv * scale)[None, :]
+                acc += _w32(w, sw, DT, SCALED) * (hv * scale)[None, :]
     else:
         for k0 in range(0, I, BLOCK_K):
             k_ok_K = (k_K < I - k0) | EVEN_K
             hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=w_ok_N[:, None] & k_ok_K[None, :], other=0.0)
-            acc += w.to(tl.float32) * (hv * scale)[None, :]
+            sw = _chunk_scales(ws_ptrs, k0, stride_wsk, w_ok_N, SCALED, SCALE_K)
+            if SCALED:
+                sw = sw[:, None]
+            acc += _w32(w, sw, DT, SCALED) * (hv * scale)[None, :]
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
     return acc
@@ -240,14 +292,16 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
 
 @triton.jit
 def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k, stride_hm, stride_we, stride_wd,
-                   WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, WAIT: tl.constexpr, X_ROWS: tl.constexpr):
+                   ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
+                   SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr,
+                   X_ROWS: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
     """sum over slots k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for columns n: all of token t's
     slots in one [SLOTS, BLOCK_N, BLOCK_K] tile (SLOTS: top_k rounded up to a power of two; the rows of
     slots past top_k are masked), weights loaded two chunks ahead and h one, so the K experts' rows stream
     together and the sum over slots needs no second program. Ids as in _slot_partial; WAIT as there (the
     first two weight chunks loaded before gdc_wait); X_ROWS: h loaded per row of the tile (no layout
-    conversion). The sum: float32 over k then over slots, each a fixed tree (same order every run)."""
+    conversion). The sum: float32 over k then over slots, each a fixed tree (same order every run).
+    SCALED: Wd is FP8 with scales at ws (as in _up_pairs_kernel)."""
     s_S = tl.arange(0, SLOTS)
     slot_ok_S = s_S < top_k
     j_S = t * top_k + s_S
@@ -258,6 +312,9 @@ def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k,
     k_K = tl.arange(0, BLOCK_K)
     w_ptrs = (w_ptr + expert_S[:, None, None] * stride_we + cols_N.to(tl.int64)[None, :, None] * stride_wd
               + k_K[None, None, :])
+    DT: tl.constexpr = h_ptr.dtype.element_ty
+    ws_ptrs = (ws_ptr + expert_S[:, None] * stride_wse
+               + (cols_N // SCALE_N).to(tl.int64)[None, :] * stride_wsn)  # [SLOTS, BLOCK_N]
     h_ptrs = h_ptr + j_S.to(tl.int64)[:, None] * stride_hm + k_K[None, :]
     if X_ROWS:  # h's chunk as a tile in the weight tile's layout: each row loads its part
         h_ptrs = h_ptrs[:, None, :] + 0 * cols_N[None, :, None]
@@ -287,21 +344,25 @@ def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k,
         w_next = w_after  # w_ptrs is two chunks ahead
         after_K = k_K < I - k0 - 2 * BLOCK_K
         w_after = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & after_K[None, None, :], other=0.0)
+        sw = _chunk_scales(ws_ptrs, k0, stride_wsk, w_ok_SN, SCALED, SCALE_K)
+        if SCALED:
+            sw = sw[:, :, None]
         if X_ROWS:
             h_next = tl.load(h_ptrs, mask=h_ok & next_K[None, None, :], other=0.0)
-            acc += w.to(tl.float32) * (hv * scale_S[:, None, None])
+            acc += _w32(w, sw, DT, SCALED) * (hv * scale_S[:, None, None])
         else:
             h_next = tl.load(h_ptrs, mask=h_ok & next_K[None, :], other=0.0)
-            acc += w.to(tl.float32) * (hv * scale_S[:, None])[:, None, :]
+            acc += _w32(w, sw, DT, SCALED) * (hv * scale_S[:, None])[:, None, :]
     return tl.sum(tl.sum(acc, 2), 0)
 
 
 @triton.jit
-def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_ptr, D, I, E, top_k, stride_hm,
-                       stride_we, stride_wd, stride_ym, stride_cm, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
-                       SPLIT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       AHEAD: tl.constexpr, X_ROWS: tl.constexpr, ALL_SLOTS: tl.constexpr = False,
-                       SLOTS: tl.constexpr = 1):
+def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_ptr, ws_ptr, D, I, E, top_k,
+                       stride_hm, stride_we, stride_wd, stride_ym, stride_cm, stride_wse, stride_wsn, stride_wsk,
+                       WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, X_ROWS: tl.constexpr,
+                       ALL_SLOTS: tl.constexpr = False, SLOTS: tl.constexpr = 1, SCALED: tl.constexpr = False,
+                       SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass.
     h: [T*K, I]; Wd: [E, D, I] (unit stride along I). Elementwise multiply-adds as in _up_pairs_kernel
@@ -319,7 +380,8 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
       shapes with few columns (Qwen3's D = 2048) where the loop leaves SMs idle. The counts start
       at 0: _up_pairs_kernel zeroes them, and each launch leaves them at 0 (the autotuner reruns).
     Expert id -1 (not computed here) adds nothing and reads no weights; for any other id outside
-    [0, E) the h row is NaN (_up_pairs_kernel), so y[t] is NaN."""
+    [0, E) the h row is NaN (_up_pairs_kernel), so y[t] is NaN. SCALED: Wd is FP8 with float32 scales ws
+    [E, D / SCALE_N, I / SCALE_K] (by strides), as the gate/up pass's."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -327,12 +389,14 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
     y_ptrs = y_ptr + t.to(tl.int64) * stride_ym + cols_N
     if ALL_SLOTS:
         y_N = _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k, stride_hm, stride_we,
-                             stride_wd, WEIGHTED, EVEN_K, SLOTS, BLOCK_N, BLOCK_K, PDL, X_ROWS)
+                             stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K, SLOTS, BLOCK_N,
+                             BLOCK_K, PDL, X_ROWS, SCALED, SCALE_N, SCALE_K)
         tl.store(y_ptrs, y_N.to(y_ptr.dtype.element_ty), mask=col_ok_N)
     elif SPLIT:
         j = t * top_k + tl.program_id(2)
         part_N = tl.sum(_slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
-                                      stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL, AHEAD, X_ROWS), 1)
+                                      stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K,
+                                      BLOCK_N, BLOCK_K, PDL, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K), 1)
         tl.store(part_ptr + j.to(tl.int64) * D + cols_N, part_N, mask=col_ok_N)
         count = count_ptr + t.to(tl.int64) * stride_cm + tile
         if tl.atomic_add(count, 1, sem="acq_rel") == top_k - 1:  # the token's other slots are stored
@@ -345,11 +409,12 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
             tl.store(count, 0)
     else:
         acc = _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm, stride_we,
-                            stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, PDL, AHEAD, X_ROWS)
+                            stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K,
+                            PDL, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K)
         for slot in range(1, top_k):
             acc += _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E, stride_hm,
-                                 stride_we, stride_wd, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K, False, AHEAD,
-                                 X_ROWS)
+                                 stride_we, stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K,
+                                 BLOCK_N, BLOCK_K, False, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K)
         tl.store(y_ptrs, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=col_ok_N)
 
 
@@ -402,10 +467,11 @@ _MIN_DOWN_BLOCK_N = min(cfg.kwargs["BLOCK_N"] for cfg in _DOWN_PAIR_CONFIGS if c
 
 
 # PDL is left out of the keys: with it on or off (THUNDEREP_PDL) a shape runs the config tuned first.
+# SCALE_K (FP8 weights' scale block along k; 1 for others) bounds BLOCK_K (tuning.fit_scale_blocks).
 _UP_PAIRS, _UP_PAIRS_PLAIN = tuning.tuned("up_pairs", _up_pairs_kernel, _UP_PAIR_CONFIGS,
-                                          ["I", "D", "top_k", "INTERLEAVED"], even_k="D")
+                                          ["I", "D", "top_k", "INTERLEAVED", "SCALE_K"], even_k="D")
 _DOWN_PAIRS, _DOWN_PAIRS_PLAIN = tuning.tuned("down_pairs", _down_pairs_kernel, _DOWN_PAIR_CONFIGS,
-                                              ["I", "D", "top_k", "WEIGHTED"], even_k="I")
+                                              ["I", "D", "top_k", "WEIGHTED", "SCALE_K"], even_k="I")
 
 
 # Up to this many tokens, inference always runs the pair kernels (no sort, no counts, two launches);
@@ -548,10 +614,9 @@ def _has_pdl(index: int) -> bool:
     return _HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _moe_mlp_pairs_impl(
-    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
-    weights: Optional[torch.Tensor], activation: str, interleaved: bool,
-) -> torch.Tensor:
+def _pairs(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights: Optional[torch.Tensor], activation: str,
+           interleaved: bool) -> torch.Tensor:
+    """The two pair launches; the weights are tensors or (both) fp8.Fp8Weight."""
     T, D = x.shape
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()
@@ -561,20 +626,30 @@ def _moe_mlp_pairs_impl(
     h = x.new_empty(N, I)
     part = torch.empty(N * D + T * n_counts, dtype=torch.float32, device=x.device)  # split down pass: partials, counts
     count = part[N * D:].view(torch.int32)
+    w_gu, w_d = _data(w_gate_up), _data(w_down)
     tuning.launch(_UP_PAIRS, _UP_PAIRS_PLAIN, _DEFAULT_UP_PAIR, lambda meta: (N, tuning.cdiv(I, meta["BLOCK_N"])),
-            x.device, x_ptr=x, w_ptr=w_gate_up, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=top_k,
-            stride_xm=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
+            x.device, x_ptr=x, w_ptr=w_gu, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=top_k,
+            stride_xm=x.stride(0), stride_we=w_gu.stride(0), stride_wn=w_gu.stride(1),
             stride_hm=h.stride(0), n_counts=n_counts, ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved,
-            PRECISION=tuning.precision(x.dtype), PDL=pdl)
+            PRECISION=tuning.precision(x.dtype), PDL=pdl,
+            **scale_args(w_gate_up, "ws_ptr", ("stride_wse", "stride_wsn", "stride_wsk")))
     y = x.new_empty(T, D)
     tuning.launch(_DOWN_PAIRS, _DOWN_PAIRS_PLAIN, _DEFAULT_DOWN_PAIR,
             lambda meta: (T, tuning.cdiv(D, meta["BLOCK_N"]), top_k if meta["SPLIT"] else 1),
-            x.device, h_ptr=h, w_ptr=w_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
+            x.device, h_ptr=h, w_ptr=w_d, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
             part_ptr=part, count_ptr=count, D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0),
-            stride_we=w_down.stride(0), stride_wd=w_down.stride(1), stride_ym=y.stride(0), stride_cm=n_counts,
+            stride_we=w_d.stride(0), stride_wd=w_d.stride(1), stride_ym=y.stride(0), stride_cm=n_counts,
             WEIGHTED=weights is not None, PDL=pdl, SLOTS=tuning.next_power_of_2(top_k),
+            **scale_args(w_down, "ws_ptr", ("stride_wse", "stride_wsn", "stride_wsk")),
             **({"launch_pdl": True} if pdl else {}))
     return y
+
+
+def _moe_mlp_pairs_impl(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
+    weights: Optional[torch.Tensor], activation: str, interleaved: bool,
+) -> torch.Tensor:
+    return _pairs(x, w_gate_up, w_down, ids, weights, activation, interleaved)
 
 
 _moe_mlp_pairs_op = torch.library.custom_op("thunderep::moe_mlp_pairs", mutates_args=())(_moe_mlp_pairs_impl)
@@ -585,11 +660,35 @@ def _(x, w_gate_up, w_down, ids, weights, activation, interleaved):
     return x.new_empty(x.shape[0], w_down.shape[1])
 
 
+def _moe_mlp_pairs_fp8_impl(
+    x: torch.Tensor, q_gate_up: torch.Tensor, s_gate_up: torch.Tensor, block_gate_up: list[int],
+    q_down: torch.Tensor, s_down: torch.Tensor, block_down: list[int], ids: torch.Tensor,
+    weights: Optional[torch.Tensor], activation: str, interleaved: bool,
+) -> torch.Tensor:
+    return _pairs(x, Fp8Weight(q_gate_up, s_gate_up, tuple(block_gate_up), x.dtype),
+                  Fp8Weight(q_down, s_down, tuple(block_down), x.dtype), ids, weights, activation, interleaved)
+
+
+_moe_mlp_pairs_fp8_op = torch.library.custom_op("thunderep::moe_mlp_pairs_fp8", mutates_args=())(
+    _moe_mlp_pairs_fp8_impl)
+
+
+@_moe_mlp_pairs_fp8_op.register_fake
+def _(x, q_gate_up, s_gate_up, block_gate_up, q_down, s_down, block_down, ids, weights, activation, interleaved):
+    return x.new_empty(x.shape[0], q_down.shape[1])
+
+
 def moe_mlp_pairs(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
                   weights_TK: torch.Tensor | None, activation: str, interleaved: bool) -> torch.Tensor:
     """y_TD through the pair kernels (inference). x_TD: [T, D]; w_gate_up_E2ID: [E, 2I, D] and
-    w_down_EDI: [E, D, I] in x's dtype; ids_TK: [T, K] integer; weights_TK: [T, K] or None
-    (unweighted). Inputs are checked by the caller (ops.routed_moe_mlp)."""
+    w_down_EDI: [E, D, I] in x's dtype, or both fp8.Fp8Weight computing in it; ids_TK: [T, K] integer;
+    weights_TK: [T, K] or None (unweighted). Inputs are checked by the caller (ops.routed_moe_mlp)."""
+    if isinstance(w_gate_up_E2ID, Fp8Weight):
+        op = _moe_mlp_pairs_fp8_op if torch.compiler.is_compiling() else _moe_mlp_pairs_fp8_impl
+        w_gu, w_d = w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous()
+        return op(x_TD.contiguous(), w_gu.q, w_gu.scale, list(w_gu.block), w_d.q, w_d.scale, list(w_d.block),
+                  ids_TK.contiguous(), weights_TK.contiguous() if weights_TK is not None else None, activation,
+                  interleaved)
     op = _moe_mlp_pairs_op if torch.compiler.is_compiling() else _moe_mlp_pairs_impl
     return op(x_TD.contiguous(), w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous(), ids_TK.contiguous(),
               weights_TK.contiguous() if weights_TK is not None else None, activation, interleaved)

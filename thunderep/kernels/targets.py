@@ -68,6 +68,12 @@ _PDL_KERNELS = {f"{name}_pdl": (_KERNELS[name][0], {**_KERNELS[name][1], "PDL": 
 _TAIL_KERNELS = {f"{name}_tail": (_KERNELS[name][0], {**_KERNELS[name][1], "TAIL": True})
                  for name in ("up", "rows", "act_bwd")}
 _TAIL_META = {**_ROW_META, "BLOCK_N": 64}
+# The forward kernels on FP8 weights (fp8.py: loaded as e4m3, scaled and rounded to bf16 in registers), with
+# DeepSeek-V3's 128 x 128 scale blocks: sm_89 has the e4m3 conversion, sm_80 would not.
+_FP8_FLAGS = dict(SCALED=True, SCALE_N=128, SCALE_K=128)
+_FP8_KERNELS = {f"{name}_fp8": (_KERNELS[name][0], {**_KERNELS[name][1], **_FP8_FLAGS})
+                for name in ("up", "rows", "up_pairs", "up_pairs_ahead", "up_pairs_dot", "down_pairs_split_ahead",
+                             "down_pairs_all_slots")}
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (ROUTE_MAX_PAIRS), 256 experts
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
@@ -84,8 +90,9 @@ class KernelBuild:
     dependent_launch: bool  # griddepcontrol (programmatic dependent launch, sm_90 and later)
 
 
-def _signature(fn, name: str):
+def _signature(fn, name: str, fp8: bool = False):
     sig, attrs, consts = {}, {}, {}
+    weights = {"w_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bs_ptr": "*fp32"} if fp8 else {}
     unit = _UNIT_STRIDES.get(name, ())
     for i, arg in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
@@ -95,7 +102,7 @@ def _signature(fn, name: str):
             consts[arg] = 1
         elif arg.endswith("_ptr"):
             sig[arg] = {"order_ptr": "*i32", "counts_ptr": "*i32", "dwp_ptr": "*fp32", "ids_ptr": "*i64",
-                        "count_ptr": "*i32", "part_ptr": "*fp32"}.get(arg, "*bf16")
+                        "count_ptr": "*i32", "part_ptr": "*fp32", **weights}.get(arg, "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[arg] = "i32"
@@ -105,16 +112,19 @@ def _signature(fn, name: str):
 
 
 def compile_kernels(arch: int, names=None) -> list[KernelBuild]:
-    """Compile each expert kernel (bf16, a prefill-sized tile) for sm_<arch>; no GPU needed."""
+    """Compile each expert kernel (bf16, a prefill-sized tile; FP8 weights for the *_fp8 ones) for sm_<arch>; no
+    GPU needed."""
     out = []
-    kernels = {**_KERNELS, **_TAIL_KERNELS, **(_PDL_KERNELS if arch >= _PDL_MIN_ARCH else {})}
+    kernels = {**_KERNELS, **_TAIL_KERNELS, **_FP8_KERNELS, **(_PDL_KERNELS if arch >= _PDL_MIN_ARCH else {})}
     for name, (fn, flags) in kernels.items():
         if names is not None and name not in names:
             continue
-        sig, attrs, consts = _signature(fn, name.removesuffix("_pdl").removesuffix("_tail"))
+        base = name.removesuffix("_pdl").removesuffix("_tail").removesuffix("_fp8")
+        sig, attrs, consts = _signature(fn, base, fp8=name.endswith("_fp8"))
         meta = (_PAIR_META if "_pairs" in name else _ROUTE_META if name == "route"
                 else _TAIL_META if name.endswith("_tail") else _ROW_META)
-        src = ASTSource(fn=fn, signature=sig, constexprs={**flags, **meta, **consts}, attrs=attrs)
+        defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+        src = ASTSource(fn=fn, signature=sig, constexprs={**defaults, **flags, **meta, **consts}, attrs=attrs)
         build = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=3))
         ptx = build.asm["ptx"]
         out.append(KernelBuild(name, arch, build.metadata.shared, tuple(p for p in HOPPER_ONLY if p in ptx),

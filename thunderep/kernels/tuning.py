@@ -56,6 +56,7 @@ def next_power_of_2(n: int) -> int:
 _REGISTRY: dict[str, object] = {}  # name -> autotuner, for kernel_configs()
 _TUNED: dict[tuple, tuple] = {}  # (autotuner, its key) -> (kernel, launch arguments) of the config it chose
 _ARMED: set[int] = set()  # autotuners whose next timing round compiles its configs first (id)
+_K_ARG: dict[int, str] = {}  # autotuner (id) -> the argument its BLOCK_K runs along (tuned's even_k)
 
 
 def _even_k(name):
@@ -144,17 +145,47 @@ def captured(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def fit_scale_blocks(configs: list, args: dict, k_arg: str | None) -> list:
+    """`configs` for a kernel whose FP8 weights (args["SCALED"]) carry one scale per SCALE_K columns
+    along `k_arg`: each chunk of BLOCK_K columns must lie in one scale block, so BLOCK_K shrinks to its
+    largest power of two dividing SCALE_K where SCALE_K is shorter than the whole k_arg (duplicates
+    dropped). Unchanged for other kernels. SCALE_K is a multiple of 16 there (ops checks it)."""
+    if not args.get("SCALED") or k_arg is None or args["SCALE_K"] >= args[k_arg]:
+        return configs
+    step = args["SCALE_K"] & -args["SCALE_K"]  # its largest power-of-two factor
+    out, seen = [], set()
+    for config in configs:
+        block_k = min(config.kwargs["BLOCK_K"], step)
+        if block_k != config.kwargs["BLOCK_K"]:
+            config = triton.Config({**config.kwargs, "BLOCK_K": block_k}, num_warps=config.num_warps,
+                                   num_stages=config.num_stages)
+        if _signature(config) not in seen:
+            seen.add(_signature(config))
+            out.append(config)
+    return out
+
+
+def _signature(config: triton.Config) -> tuple:
+    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
+
+
 def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None, reset_to_zero=None):
     """(autotuned kernel, plain kernel). `prune`: Triton's early config prune; `even_k`: the argument
-    whose divisibility by BLOCK_K sets the kernel's EVEN_K; `reset_to_zero`: tensor arguments that
-    configs write only in part (a config leaves what it does not write at zero), which the autotuner
-    must zero before each trial and before the real run."""
+    whose divisibility by BLOCK_K sets the kernel's EVEN_K (the dimension BLOCK_K runs along: with FP8
+    weights, configs are fitted to their scale blocks, `fit_scale_blocks`); `reset_to_zero`: tensor
+    arguments that configs write only in part (a config leaves what it does not write at zero), which the
+    autotuner must zero before each trial and before the real run."""
     if even_k is not None and even_k not in key:  # launch() computes EVEN_K once per key
         raise ValueError(f"even_k argument {even_k!r} must be one of the tuning key's {key}")
     fn = _even_k(even_k)(kernel) if even_k else kernel
+
+    def fitted(configs, named_args, **kwargs):
+        configs = prune(configs, named_args, **kwargs) if prune else configs
+        return fit_scale_blocks(configs, {**named_args, **kwargs}, even_k)
+
     autotuner = triton.autotune(configs=configs, key=key, cache_results=True, reset_to_zero=reset_to_zero,
-                                prune_configs_by={"early_config_prune": prune} if prune else None,
-                                do_bench=tuning_ms)(fn)
+                                prune_configs_by={"early_config_prune": fitted}, do_bench=tuning_ms)(fn)
+    _K_ARG[id(autotuner)] = even_k
     _REGISTRY[name] = autotuner
     _compile_ahead(autotuner)
     return autotuner, fn
@@ -258,6 +289,7 @@ def launch(autotuner, plain, default, grid, device, **args) -> None:
             kernel, meta = chosen
             kernel[grid](**args, **meta)
         return
+    default = fit_scale_blocks([default], args, _K_ARG.get(id(autotuner)))[0]
     stages = default.num_stages
     while True:
         try:

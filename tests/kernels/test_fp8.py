@@ -1,0 +1,195 @@
+"""FP8 expert weights (thunderep/kernels/fp8.py): the block-scale format against a plain loop, and the
+kernels on FP8 weights against the same kernels and the float64 reference on the dequantized weights,
+in Triton's CPU interpreter without CUDA and on the model shapes on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thunderep.errors import InputError
+from thunderep.kernels.fp8 import FP8, FP8_MAX, Fp8Weight
+
+pytestmark = pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
+
+
+def _loop_dequantize(w: Fp8Weight) -> torch.Tensor:
+    """W[e, r, c] = dtype(q[e, r, c] * scale[e, r // bR, c // bC]), one row block at a time."""
+    E, R, C = w.shape
+    bR, bC = w.block
+    out = torch.empty(E, R, C, dtype=w.dtype)
+    q = w.q.float().cpu()
+    scale = w.scale.cpu()
+    for r in range(R):
+        cols = torch.arange(C) // bC
+        out[:, r] = (q[:, r] * scale[:, r // bR][:, cols]).to(w.dtype)
+    return out
+
+
+@pytest.mark.parametrize("block", [None, (16, 16), (5, 32), (128, 128), (7, 100)])
+def test_quantize_round_trip_and_dequantize_equals_a_loop(block):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 40, 96, generator=gen) * torch.logspace(-3, 1, 40)[:, None]  # rows of very different size
+    w[1, :8] = 0.0  # an all-zero block gets scale 1 and stays zero
+    q = Fp8Weight.quantize(w.to(torch.bfloat16), block=block)
+    bR, bC = block or (1, 96)
+    assert q.block == (bR, bC) and q.scale.shape == (3, -(-40 // bR), -(-96 // bC)) and q.dtype == torch.bfloat16
+    deq = q.dequantize()
+    assert torch.equal(deq, _loop_dequantize(q))
+    assert torch.equal(deq[1, :8], torch.zeros(8, 96, dtype=torch.bfloat16))
+    # e4m3 keeps 3 mantissa bits: within 2^-4 of each value, plus half the subnormal step of its block's
+    # scale, plus bfloat16's rounding of the product.
+    full_scale = q.scale.repeat_interleave(bR, 1)[:, :40].repeat_interleave(bC, 2)[:, :, :96]
+    wb = w.to(torch.bfloat16).float()
+    bound = wb.abs() * (2**-4 + 2**-8) + full_scale * 2**-9 * 1.01
+    assert bool(((deq.float() - wb).abs() <= bound).all())
+    # The largest magnitude of each block maps to FP8_MAX exactly.
+    assert q.q.float().abs().max().item() == FP8_MAX
+    assert torch.equal(q.dequantize(slice(1, 3)), deq[1:3])
+
+
+def test_fp8_weight_rejects_what_the_kernels_cannot_read():
+    q = torch.zeros(2, 8, 16, dtype=FP8)
+    with pytest.raises(InputError, match=r"scale must be float32 \(2, 1, 1\)"):
+        Fp8Weight(q, torch.ones(2, 8, 1), (8, 16), torch.bfloat16)
+    with pytest.raises(InputError, match="float8_e4m3fn"):
+        Fp8Weight(q.float(), torch.ones(2, 1, 1), (8, 16), torch.bfloat16)
+    with pytest.raises(InputError, match="bfloat16 or float16"):
+        Fp8Weight(q, torch.ones(2, 1, 1), (8, 16), torch.float32)
+    with pytest.raises(InputError, match="two sizes >= 1"):
+        Fp8Weight(q, torch.ones(2, 1, 1), (0, 16), torch.bfloat16)
+    with pytest.raises(InputError, match=r"\[E, R, C\] float"):
+        Fp8Weight.quantize(torch.ones(8, 16))
+
+
+# ---- the kernels on FP8 weights ----------------------------------------------------------------------
+
+triton = pytest.importorskip("triton")
+
+from test_moe_triton import CUDA, MODEL_SHAPES, make_case, reference, rel_err  # noqa: E402
+
+from thunderep.kernels import pairs as pairs_mod  # noqa: E402
+from thunderep.kernels.ops import moe_mlp, routed_moe_mlp  # noqa: E402
+
+
+def _fp8_case(T, D, I, E, K, dtype, seed, blocks):
+    """x, both weights as Fp8Weight (blocks: (gate_up's, down's); None: one scale per row), ids, weights."""
+    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, dtype, seed)
+    return (x, Fp8Weight.quantize(w_gu, blocks[0]), Fp8Weight.quantize(w_d, blocks[1]), ids.to(x.device),
+            weights.to(device=x.device, dtype=dtype))
+
+
+def _check_fp8(T, D, I, E, K, dtype, blocks, tol, seed=0, path="auto"):
+    """routed_moe_mlp on FP8 weights against the float64 reference on their dequantized values, and
+    against the same call on the dequantized weights (bf16 / fp16 tensors). Returns both outputs."""
+    x, w_gu, w_d, ids, weights = _fp8_case(T, D, I, E, K, dtype, seed, blocks)
+    deq_gu, deq_d = w_gu.dequantize(), w_d.dequantize()
+    with torch.no_grad():
+        y = routed_moe_mlp(x, w_gu, w_d, ids, weights)
+        y_deq = routed_moe_mlp(x, deq_gu, deq_d, ids, weights)
+    y_ref = reference(x.double(), deq_gu.double(), deq_d.double(), ids, weights.double())
+    assert y.shape == (T, D) and y.dtype == dtype
+    assert rel_err(y, y_ref) < tol, f"relative error {rel_err(y, y_ref):.2e} against the reference"
+    assert rel_err(y, y_deq) < tol, f"relative error {rel_err(y, y_deq):.2e} against the dequantized weights"
+    return y, y_deq
+
+
+@pytest.fixture(params=["pairs", "sorted"])
+def path(request, monkeypatch):
+    """Pin inference on the pair kernels (at every T) or on the sorted kernels (at every T)."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30) if request.param == "pairs" else "0")
+    return request.param
+
+
+INTERP_FP8_CASES = [  # T, D, I, E, K, (gate_up block, down block)
+    (5, 32, 48, 4, 2, (None, None)),
+    (3, 32, 48, 4, 2, ((16, 16), (16, 16))),
+    (4, 64, 80, 6, 2, ((5, 32), (7, 16))),  # row blocks that divide neither 2I nor D
+    (1, 16, 16, 8, 3, ((128, 128), (128, 128))),  # one block holds a whole matrix
+]
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")
+@pytest.mark.parametrize("case", INTERP_FP8_CASES, ids=lambda c: "T{}-D{}-I{}-E{}-K{}-{}".format(*c[:5], c[5][0]))
+def test_interpreter_fp8_matches_dequantized(case, path, monkeypatch):
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    if path == "pairs":  # a BLOCK_K wider than 16-column scale blocks: the launch narrows it
+        monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(16, 32, 4, 3, dot=False))
+    # float16: the interpreter's bfloat16 tl.dot is wrong for plain bfloat16 weights as well (the
+    # bfloat16 products run on the GPU tests); bfloat16 on the pair kernels, which have no tl.dot here.
+    _check_fp8(*case[:5], torch.float16, case[5], tol=2e-3)
+    if path == "pairs":
+        # The interpreter rounds float32 to bfloat16 by truncation (torch to nearest): bfloat16's tolerance.
+        _check_fp8(*case[:5], torch.bfloat16, case[5], tol=2e-2, seed=1)
+
+
+_PAIR_VARIANTS = {  # (gate/up config, down config): every loop of the pair kernels
+    "dot-split": (dict(dot=True), dict(split=True)),
+    "ahead-split-ahead": (dict(dot=False, ahead=True), dict(split=True, ahead=True)),
+    "x_rows-split-x_rows": (dict(dot=False, ahead=True, x_rows=True), dict(split=True, ahead=True, x_rows=True)),
+    "fma-all_slots": (dict(dot=False), dict(split=False, all_slots=True)),
+    "fma-all_slots-x_rows": (dict(dot=False), dict(split=False, all_slots=True, x_rows=True)),
+}
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")
+@pytest.mark.parametrize("variant", _PAIR_VARIANTS)
+def test_interpreter_fp8_pair_kernel_variants(variant, monkeypatch):
+    """Each way the pair kernels loop (tuned per shape on a GPU), pinned, on FP8 weights whose 16-column
+    scale blocks are narrower than the configs' 32-column chunks."""
+    up, down = _PAIR_VARIANTS[variant]
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(16, 32, 4, 1, **up))
+    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR",  # the split pass's counts have room for 8-column tiles
+                        pairs_mod._pair_cfg(16 if down.get("split") else 4, 32, 4, 1, **down))
+    _check_fp8(3, 32, 48, 4, 3, torch.float16, ((16, 16), (5, 16)), tol=2e-3)
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")
+def test_interpreter_fp8_sorted_mode_and_float16(monkeypatch):
+    """moe_mlp's sorted mode (rows already grouped by expert, unweighted) and float16 products."""
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    x, w_gu, w_d, ids, _ = _fp8_case(6, 32, 48, 4, 1, torch.float16, 3, ((16, 16), None))
+    counts = torch.bincount(ids.reshape(-1), minlength=4)
+    x_sorted = x[torch.argsort(ids.reshape(-1), stable=True)]
+    with torch.no_grad():
+        y = moe_mlp(x_sorted, w_gu, w_d, counts)
+    ids_sorted = torch.sort(ids.reshape(-1), stable=True).values[:, None]
+    y_ref = reference(x_sorted.double(), w_gu.dequantize().double(), w_d.dequantize().double(), ids_sorted,
+                      torch.ones(6, 1, dtype=torch.float64))
+    assert y.dtype == torch.float16 and rel_err(y, y_ref) < 2e-3
+
+
+def test_fp8_weights_refuse_gradients_and_mixed_weights():
+    x, w_gu, w_d, ids, weights = _fp8_case(2, 16, 16, 4, 2, torch.bfloat16, 0, (None, None))
+    with pytest.raises(InputError, match="FP8 expert weights are for inference"):
+        routed_moe_mlp(x.clone().requires_grad_(), w_gu, w_d, ids, weights)
+    with pytest.raises(InputError, match="must both be Fp8Weight"):
+        with torch.no_grad():
+            routed_moe_mlp(x, w_gu, w_d.dequantize(), ids, weights)
+    odd = Fp8Weight.quantize(w_d.dequantize(), (1, 8))
+    with pytest.raises(InputError, match="8 columns wide"):
+        with torch.no_grad():
+            routed_moe_mlp(x, w_gu, odd, ids, weights)
+    with pytest.raises(InputError, match=r"x \(torch.float16\), w_gate_up \(torch.bfloat16\)"):
+        with torch.no_grad():
+            routed_moe_mlp(x.half(), w_gu, w_d, ids, weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+@pytest.mark.parametrize("T", [1, 4, 64, 512])
+@pytest.mark.parametrize("blocks", ["row", "128x128"])
+def test_gpu_fp8_model_shapes(shape, T, blocks, monkeypatch):
+    """On the compiled kernels, tuned. One scale per row: the same bits as the dequantized weights
+    through the same configs (autotuning off); 128 x 128 blocks (DeepSeek-V3's checkpoints): within
+    bfloat16's rounding of them."""
+    D, I, E, K = MODEL_SHAPES[shape]
+    if blocks == "row":
+        monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+        y, y_deq = _check_fp8(T, D, I, E, K, torch.bfloat16, (None, None), tol=2e-2, seed=T)
+        assert torch.equal(y, y_deq)
+    else:
+        _check_fp8(T, D, I, E, K, torch.bfloat16, ((128, 128), (128, 128)), tol=2e-2, seed=T)
