@@ -13,8 +13,10 @@ the four routings' calls (fwd-graph), and what one more call adds to a graph (fw
 `graph_step_ms`). Routing is uniform random top-K; four routing sets rotate so that small-T runs do
 not re-read weights from L2.
 
---impls takes eager, grouped_mm, thunderep, thunderep:<pin> (one of ThunderEP's paths pinned: PINS)
-and copy (a reference row, not a baseline: one device-to-device copy moving the bytes the step reads).
+--impls takes eager, grouped_mm, thunderep, thunderep:<pin> (one of ThunderEP's paths pinned: PINS),
+thunderep:<format> (ThunderEP on FP8 copies of the weights, forward only: FORMATS; their HBM fraction
+counts the FP8 bytes and scales read) and copy (a reference row, not a baseline: one device-to-device
+copy moving the bytes the step reads).
 """
 
 from __future__ import annotations
@@ -99,13 +101,25 @@ PINS = {
 }
 
 
+# Weight formats: "thunderep:<format>" runs ThunderEP's kernels (as configured) on FP8 copies of the same
+# weights (kernels/fp8.py), forward only: scale blocks of 128 x 128 (DeepSeek-V3's and Qwen3-FP8's
+# checkpoints), or one scale per row (what a bfloat16 checkpoint quantized at load gets).
+FORMATS = {"fp8": (128, 128), "fp8row": None}
+
+
 def _pinned(impl: str):
     """"thunderep:<pin>" sets the environment variable of PINS[pin] while that implementation is
     measured; anything else runs as configured."""
     from .grouped_gemm import pinned
 
     pin = impl.partition(":")[2] if _ours(impl) else ""
-    return pinned(*PINS[pin]) if pin else contextlib.nullcontext()
+    return pinned(*PINS[pin]) if pin in PINS else contextlib.nullcontext()
+
+
+def _format(impl: str) -> str | None:
+    """The weight format a "thunderep:<format>" implementation runs on (FORMATS), else None."""
+    fmt = impl.partition(":")[2] if _ours(impl) else ""
+    return fmt if fmt in FORMATS else None
 
 
 def _ours(impl: str) -> bool:
@@ -230,11 +244,19 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
     w_gu = torch.nn.Parameter(torch.randn(E, 2 * I, D, device=device, dtype=dt, generator=gen) * D**-0.5)
     w_d = torch.nn.Parameter(torch.randn(E, D, I, device=device, dtype=dt, generator=gen) * I**-0.5)
     fns = {}
+    expert_bytes = 3 * D * I * 2
+    impl_bytes = {}  # bytes one expert's weights take in an implementation's format
     for impl in impls:
-        if impl != COPY:
+        if _format(impl):
+            from .fp8 import Fp8Weight
+
+            block = FORMATS[_format(impl)]
+            w8_gu, w8_d = Fp8Weight.quantize(w_gu.detach(), block), Fp8Weight.quantize(w_d.detach(), block)
+            fns[impl] = _thunder_experts(D, I, E, K, w8_gu, w8_d)
+            impl_bytes[impl] = (w8_gu.nbytes() + w8_d.nbytes()) / E
+        elif impl != COPY:
             fns[impl] = _thunder_experts(D, I, E, K, w_gu, w_d) if _ours(impl) else \
                 _hf_experts(D, I, E, K, w_gu, w_d, impl)
-    expert_bytes = 3 * D * I * 2
     for T in tokens:
         sets = []
         for _ in range(ROTATE):
@@ -263,12 +285,13 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
             ms = statistics.median(ms_rounds)
             row = {"shape": name, "T": T, "impl": impl, "mode": mode, "ms": ms, "ms_rounds": ms_rounds,
                    "tflops": mode_flops / (ms * 1e-3) / 1e12, "experts_hit": hit,
-                   "hbm_frac": hit * expert_bytes / (ms * 1e-3) / bw, "rel_err_vs_grouped_mm": errs.get(impl)}
+                   "hbm_frac": hit * impl_bytes.get(impl, expert_bytes) / (ms * 1e-3) / bw,
+                   "rel_err_vs_grouped_mm": errs.get(impl)}
             out_rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
 
         timed = [(impl, mode) for impl in fns for mode in modes if mode in ("fwd", "fwdbwd")
-                 and not (impl == COPY and mode != "fwd")]
+                 and not ((impl == COPY or _format(impl)) and mode != "fwd")]  # FP8 weights: inference only
         times = {key: [] for key in timed}
         for r in range(rounds):
             # Every implementation once per round, the order reversed on odd rounds: a slow drift of the
@@ -349,7 +372,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="mixtral,qwen3,deepseek")
     ap.add_argument("--tokens", default="1,64,512,4096,16384")
     ap.add_argument("--impls", default=",".join(IMPLS),
-                    help=f"comma-separated: eager, grouped_mm, thunderep, thunderep:<{'|'.join(PINS)}>, {COPY}")
+                    help=f"comma-separated: eager, grouped_mm, thunderep, thunderep:<{'|'.join(PINS)}> (a path "
+                         f"pinned), thunderep:<{'|'.join(FORMATS)}> (FP8 weights, forward only), {COPY}")
     ap.add_argument("--json", help="write every measurement here")
     ap.add_argument("--graph-max-tokens", type=int, default=512,
                     help="also time forward as CUDA-graph replays (no launch overhead) up to this T: fwd-graph rows "
@@ -362,9 +386,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     _show_tuning()
     impls = args.impls.split(",")
-    bad = [i for i in impls if _ours(i) and i.partition(":")[2] not in ("", *PINS)]
+    bad = [i for i in impls if _ours(i) and i.partition(":")[2] not in ("", *PINS, *FORMATS)]
     if bad:
-        ap.error(f"unknown ThunderEP variant(s) {bad}: use thunderep or thunderep:<{'|'.join(PINS)}>")
+        ap.error(f"unknown ThunderEP variant(s) {bad}: use thunderep or thunderep:<{'|'.join([*PINS, *FORMATS])}>")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: must be at least 1")
     shapes = parse_shapes(ap, args.shapes)
