@@ -410,12 +410,14 @@ def kernel_compute_fn(module) -> Callable:
                           f"{'; '.join(reasons)}; use experts_implementation='grouped_mm' (or 'eager')")
     interleaved = not getattr(module, "is_concatenated", True)
 
+    from .fp8 import expert_weights
+
     def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         check_kernels_device(name, x_TD.device)
         from ..kernels.ops import routed_moe_mlp
 
-        w_gate_up = module.gate_up_proj
-        y_TD = routed_moe_mlp(x_TD.to(w_gate_up.dtype), w_gate_up, module.down_proj, ids_TK, weights_TK,
+        w_gate_up, w_down = expert_weights(module)  # tensors, or Fp8Weight for FP8 experts (hf/fp8.py)
+        y_TD = routed_moe_mlp(x_TD.to(w_gate_up.dtype), w_gate_up, w_down, ids_TK, weights_TK,
                               activation=activation, interleaved=interleaved)
         return y_TD.to(x_TD.dtype)
 
@@ -427,8 +429,9 @@ def kernel_compute_fn(module) -> Callable:
         check_kernels_device(name, x_TD.device)
         from ..kernels.pairs import pairs_if_decode
 
-        partial_TD = pairs_if_decode(x_TD, module.gate_up_proj, module.down_proj, ids_TK, weights_TK, activation,
-                                     interleaved, fallback, experts, kind)
+        w_gate_up, w_down = expert_weights(module)
+        partial_TD = pairs_if_decode(x_TD, w_gate_up, w_down, ids_TK, weights_TK, activation, interleaved, fallback,
+                                     experts, kind)
         return partial_TD.to(x_TD.dtype) if partial_TD is not None else None
 
     compute.pairs_partial = pairs_partial

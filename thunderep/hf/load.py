@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
+from .fp8 import EXPERTS_DTYPES, fp8_device_problem, is_fp8, store_rows, to_fp8_experts
 from .quantized import DequantizedIndex, drop_quantization, quant_method, quantization_problem
 
 __all__ = ["CheckpointIndex", "LoadReport", "config_problem", "load_pretrained", "rss_bytes"]
@@ -286,16 +287,22 @@ class _Loader:
         if shape[0] != binding.num_experts or shape[1:] != tuple(target.shape[1:]):
             raise ConfigError(f"checkpoint tensor {key!r} has shape {shape}; expected ({binding.num_experts}, "
                               f"{', '.join(map(str, target.shape[1:]))}) for {binding.name}.{tname}")
+        fp8 = _fp8_target(module, tname)
         local = binding.local_experts
         s = 0
         while s < len(local):  # contiguous runs of experts are read with one slice each
             n = 1
             while s + n < len(local) and local[s + n] == local[s] + n:
                 n += 1
-            self._read(key, slice(local[s], local[s] + n), out=target[s:s + n])
+            if fp8:  # quantized as read: the layer's experts are never all in the model's dtype at once
+                store_rows(module, tname, slice(s, s + n), None, self._read(key, slice(local[s], local[s] + n)))
+            else:
+                self._read(key, slice(local[s], local[s] + n), out=target[s:s + n])
             s += n
         name = f"{binding.name}.{tname}"
         self.parts[name] = {slot: {None} for slot in range(len(local))}
+        if fp8:
+            self.parts[f"{name}_scale"] = {slot: {None} for slot in range(len(local))}
 
     def _load_per_expert(self, key: str, path: str, e: int, part: str) -> None:
         binding, module = self.experts_at[path]
@@ -320,19 +327,23 @@ class _Loader:
         if not slots:
             return  # another rank's expert: never read
         target = getattr(module, tname)
+        fp8 = _fp8_target(module, tname)
         value = self._read(key)
         for s in slots:
-            if rows is None:
-                dst = target[s]
-            else:
-                half = target.shape[1] // 2
-                dst = target[s, :half] if rows == "gate" else target[s, half:]
+            half = target.shape[1] // 2
+            span = slice(None) if rows is None else slice(0, half) if rows == "gate" else slice(half, None)
+            dst = target[s, span]
             if tuple(dst.shape) != tuple(value.shape):
                 raise ConfigError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}; "
                                   f"{binding.name}.{tname}[{s}] needs {tuple(dst.shape)}")
-            dst.copy_(value)
+            if fp8:
+                store_rows(module, tname, s, span, value)
+            else:
+                dst.copy_(value)
             with self.lock:
                 self.parts.setdefault(f"{binding.name}.{tname}", {}).setdefault(s, set()).add(rows)
+                if fp8:
+                    self.parts.setdefault(f"{binding.name}.{tname}_scale", {}).setdefault(s, set()).add(rows)
 
     def _check_complete(self) -> None:
         loaded_ptrs = {self.targets[n].data_ptr() for n in self.loaded}
@@ -340,7 +351,7 @@ class _Loader:
         for name, t in self.targets.items():
             if name in self.expert_of:
                 binding = self.expert_of[name][0]
-                need = {"gate", "up"} if name.endswith("gate_up_proj") else {None}
+                need = {"gate", "up"} if name.endswith(("gate_up_proj", "gate_up_proj_scale")) else {None}
                 have = self.parts.get(name, {})
                 if any(not (need <= have.get(s, set()) or None in have.get(s, set()))
                        for s in range(binding.num_slots)):
@@ -352,6 +363,11 @@ class _Loader:
                 f"checkpoint {str(self.index.path)!r} lacks {len(missing)} tensors the model needs, e.g. "
                 f"{missing[:5]}; unused checkpoint tensors: {self.unused[:5]}"
             )
+
+
+def _fp8_target(module: nn.Module, tname: str) -> bool:
+    """Whether `tname` of experts `module` is held in FP8 (hf/fp8.py): quantized as it is read."""
+    return is_fp8(module) and tname in ("gate_up_proj", "down_proj")
 
 
 def _init_non_persistent_buffers(model: nn.Module) -> None:
@@ -437,15 +453,23 @@ def read_config(path, flag: str | None = None):
 
 def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
                     attn_implementation: str | None = None, experts_implementation: str | None = None,
-                    balancer=None, spare_slots: int = 0):
+                    balancer=None, spare_slots: int = 0, experts_dtype: str | None = None):
     """`ThunderMoE.from_pretrained`: build, wrap and fill the model of checkpoint directory `path`.
 
     dtype: torch dtype or name (default: the checkpoint's `dtype`, else float32). device: default the EP
-    runtime's device, else CPU. model_class: default `AutoModelForCausalLM`. Other keywords as `wrap`.
+    runtime's device, else CPU. model_class: default `AutoModelForCausalLM`. experts_dtype: "fp8" holds the
+    routed experts in FP8 with a scale per row, for inference on ThunderEP's kernels (hf/fp8.py; the
+    experts implementation defaults to "triton" then); None: the model's dtype. Other keywords as `wrap`.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     started = time.perf_counter()
+    if experts_dtype is not None and experts_dtype not in EXPERTS_DTYPES:
+        raise ConfigError(f"experts_dtype={experts_dtype!r}: use one of {', '.join(EXPERTS_DTYPES)}, or None for the "
+                          "model's dtype")
+    if experts_dtype is not None and balancer is not None:
+        raise ConfigError("FP8 experts are for inference; the balancer's migrations move trainable experts: load "
+                          "without experts_dtype to balance")
     path = Path(path)
     index = CheckpointIndex(path)
     config = read_config(path)
@@ -455,6 +479,11 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # the reading threads' current device is GPU 0
         device = torch.device("cuda", torch.cuda.current_device())
+    if experts_dtype is not None:
+        problem = fp8_device_problem(device)
+        if problem:
+            raise ConfigError(problem)
+        experts_implementation = experts_implementation or "triton"
     dequantized = quant_method(config)
     if dequantized:  # read dequantized into `dtype` on `device`; the model built from the config is a plain one
         index = DequantizedIndex(index, config, dtype, device)
@@ -466,6 +495,8 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         model = (model_class or AutoModelForCausalLM).from_config(config, **kwargs)
     wrapped = cls.wrap(model, ep, placement=placement, experts_implementation=experts_implementation, move=False,
                        balancer=balancer, spare_slots=spare_slots, device=device)
+    if experts_dtype is not None:
+        to_fp8_experts(model, wrapped.bindings, dtype)
     check_fits(model, device, ep)  # before allocating: a clear error instead of running out mid-load
     rss_before = rss_bytes()  # libraries imported, model on meta: what follows is the weights
     model.to_empty(device=device)

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .fp8 import expert_weights, is_fp8
+
 __all__ = ["TuneReport", "kernel_bindings", "path_calls", "tune_kernels", "tuning_calls"]
 
 
@@ -128,7 +130,8 @@ def _torch_gemm_possible(module) -> bool:
     from ..kernels.grouped_gemm import _forced, _grouped_mm_usable
 
     D, I = module.down_proj.shape[1:]
-    return _forced("THUNDEREP_EXPERT_GEMM") != "triton" and _grouped_mm_usable(module.down_proj, D, I)
+    return (not is_fp8(module) and _forced("THUNDEREP_EXPERT_GEMM") != "triton"  # FP8: the fused kernels only
+            and _grouped_mm_usable(module.down_proj, D, I))
 
 
 def _route_sizes(slots: int, w_dtype, dtype, device) -> int:
@@ -243,7 +246,7 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
             # The one-program sort of small batches compiles once per power of two of its pairs.
             w_dtype = w_dtype if binding.all_local else x_dtype  # compute_rows weighs its rows by ones
             with _phase(phases, "sorts", device):
-                calls += _route_sizes(binding.num_slots, w_dtype, module.gate_up_proj.dtype, device)
+                calls += _route_sizes(binding.num_slots, w_dtype, expert_weights(module)[0].dtype, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return TuneReport(shapes=len(seen), calls=calls, seconds=time.perf_counter() - started,

@@ -466,7 +466,11 @@ class ThunderMoE(nn.Module):
         expert_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if id(p) in experts)
         total = sum(t.numel() * t.element_size() for t in self.model.parameters())
         buffers = sum(t.numel() * t.element_size() for t in self.model.buffers())
-        return {"expert_bytes": expert_bytes, "replicated_bytes": total - expert_bytes + buffers,
+        shard_buffers = sum(  # expert-sharded buffers (FP8 experts' scales) count as the experts'
+            t.numel() * t.element_size() for name, binding in self.bindings.items()
+            for n, t in self.model.get_submodule(name).named_buffers(recurse=False) if n in binding.tensors)
+        return {"expert_bytes": expert_bytes + shard_buffers,
+                "replicated_bytes": total - expert_bytes + buffers - shard_buffers,
                 "local_experts": {n: b.local_experts for n, b in self.bindings.items()}}
 
     def extra_repr(self) -> str:

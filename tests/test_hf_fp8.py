@@ -1,0 +1,153 @@
+"""`ThunderMoE.from_pretrained(..., experts_dtype="fp8")`: routed experts held in FP8 with a scale per row
+(thunderep/hf/fp8.py). The loaded experts equal `Fp8Weight.quantize` of the checkpoint's weights bit for
+bit (per-expert and fused checkpoints, 1, 2 and 4 ranks), and the model's logits equal the plain
+transformers model's whose experts hold those dequantized values. Without a GPU the kernels run in
+Triton's CPU interpreter, in float16 (its bfloat16 products are wrong for plain weights too); the GPU
+test runs bfloat16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_ranks
+
+pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+from hf_tiny import V, save_tiny  # noqa: E402
+
+from thunderep.errors import ConfigError, InputError  # noqa: E402
+from thunderep.hf import ThunderMoE, find_experts_modules  # noqa: E402
+from thunderep.kernels.fp8 import FP8, Fp8Weight  # noqa: E402
+
+pytestmark = pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests; the gpu test covers CUDA")
+CASES = {"mixtral": ("mixtral", False), "qwen3_moe_fused": ("qwen3_moe", True), "deepseek_v3": ("deepseek_v3", False)}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    return {name: save_tiny(family, root / name, seed=4, fused=fused) for name, (family, fused) in CASES.items()}
+
+
+def _dequantized_reference(path, dtype, device="cpu"):
+    """The plain transformers model of `path` in `dtype` whose routed experts hold the values FP8 keeps:
+    Fp8Weight.quantize (one scale per row) of its own weights, dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    for _, module in find_experts_modules(model):
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(module, name).data = Fp8Weight.quantize(getattr(module, name).data).dequantize()
+    return model
+
+
+def _ids(seed=0):
+    return torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(seed))
+
+
+def _check_experts(tm, reference_path, dtype):
+    """Every local slot's FP8 values and scales equal Fp8Weight.quantize of that expert's checkpoint weights."""
+    from transformers import AutoModelForCausalLM
+
+    plain = dict(find_experts_modules(AutoModelForCausalLM.from_pretrained(reference_path, dtype=dtype)))
+    for path, binding in tm.bindings.items():
+        module = tm.model.get_submodule(path)
+        for name in ("gate_up_proj", "down_proj"):
+            want = Fp8Weight.quantize(getattr(plain[path], name).data[list(binding.local_experts)])
+            got = getattr(module, name)
+            assert got.dtype == FP8 and not got.requires_grad
+            assert torch.equal(got.cpu().view(torch.uint8), want.q.view(torch.uint8)), (path, name)
+            assert torch.equal(getattr(module, f"{name}_scale").cpu(), want.scale), (path, name)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("name", CASES)
+def test_fp8_experts_load_quantized_and_match_the_dequantized_model(checkpoints, name, monkeypatch):
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    tm = ThunderMoE.from_pretrained(checkpoints[name], dtype=torch.float16, experts_dtype="fp8")
+    _check_experts(tm, checkpoints[name], torch.float16)
+    ref = _dequantized_reference(checkpoints[name], torch.float16)
+    x = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(tm(input_ids=x).logits.float(), ref(input_ids=x).logits.float(), rtol=2e-2,
+                                   atol=2e-2)
+        one = x[:1, :1]  # one token: the pair kernels
+        torch.testing.assert_close(tm(input_ids=one).logits.float(), ref(input_ids=one).logits.float(), rtol=2e-2,
+                                   atol=2e-2)
+    memory = tm.memory()
+    fp8_bytes = sum(getattr(tm.model.get_submodule(p), n).numel() * (1 if n.endswith("proj") else 4)
+                    for p, b in tm.bindings.items() for n in b.tensors)
+    assert memory["expert_bytes"] == tm.load_report.expert_bytes == fp8_bytes
+    with pytest.raises(InputError, match="FP8 expert weights are for inference"):
+        tm.train()
+        tm(input_ids=x, labels=x).loss.backward()
+
+
+def _on_rank(rank, world, checkpoints):
+    import os
+
+    os.environ["THUNDEREP_TRITON_AUTOTUNE"] = "0"
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
+    out = {}
+    for name in CASES:
+        tm = ThunderMoE.from_pretrained(checkpoints[name], ep, dtype=torch.float16, experts_dtype="fp8")
+        _check_experts(tm, checkpoints[name], torch.float16)
+        with torch.no_grad():
+            out[name] = (tm(input_ids=_ids()).logits, tm(input_ids=_ids(), replicated=True).logits)
+    ep.close()
+    return out
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("world", [2, 4])
+def test_fp8_experts_on_ranks_equal_one_process(checkpoints, world):
+    """On 2 and 4 ranks each rank quantizes its own experts (equal to quantize of those experts), and the
+    logits, in ep and latency mode, equal the dequantized reference's."""
+    results = run_ranks(_on_rank, world, checkpoints, timeout=300)
+    for name in CASES:
+        with torch.no_grad():
+            want = _dequantized_reference(checkpoints[name], torch.float16)(input_ids=_ids()).logits.float()
+        for rank in range(world):
+            for logits in results[rank][name]:
+                torch.testing.assert_close(logits.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_fp8_experts_refuse_what_they_cannot_do(checkpoints, monkeypatch):
+    with pytest.raises(ConfigError, match="experts_dtype='int4': use one of fp8"):
+        ThunderMoE.from_pretrained(checkpoints["mixtral"], experts_dtype="int4")
+    from thunderep.balance import BalancerConfig
+
+    with pytest.raises(ConfigError, match="FP8 experts are for inference"):
+        ThunderMoE.from_pretrained(checkpoints["mixtral"], experts_dtype="fp8", balancer=BalancerConfig())
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        with pytest.raises(ConfigError, match="need a CUDA GPU and Triton"):
+            ThunderMoE.from_pretrained(checkpoints["mixtral"], experts_dtype="fp8")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ConfigError, match="compute in bfloat16 or float16"):
+        ThunderMoE.from_pretrained(checkpoints["mixtral"], dtype=torch.float32, experts_dtype="fp8",
+                                   device="cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match="runs 'eager'"):
+        ThunderMoE.from_pretrained(checkpoints["mixtral"], dtype=torch.float16, experts_dtype="fp8",
+                                   experts_implementation="eager",
+                                   device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CASES)
+def test_gpu_fp8_experts_match_the_dequantized_model(checkpoints, name):
+    tm = ThunderMoE.from_pretrained(checkpoints[name], dtype=torch.bfloat16, experts_dtype="fp8", device="cuda")
+    _check_experts(tm, checkpoints[name], torch.bfloat16)
+    ref = _dequantized_reference(checkpoints[name], torch.bfloat16, "cuda")
+    x = _ids().cuda()
+    with torch.no_grad():
+        for ids in (x, x[:1, :1]):
+            torch.testing.assert_close(tm(input_ids=ids).logits.float(), ref(input_ids=ids).logits.float(),
+                                       rtol=3e-2, atol=3e-2)

@@ -1,0 +1,118 @@
+"""Wrapped Hugging Face models whose routed experts are held in FP8 (inference).
+
+Shape legend: S local expert slots, R rows and C columns of one expert's matrix.
+
+`ThunderMoE.from_pretrained(..., experts_dtype="fp8")` (and `thunderep generate / serve --experts-dtype
+fp8`) keeps each local expert's gate_up_proj and down_proj as float8 e4m3 with one float32 scale per row,
+half the bytes of bfloat16: a model whose experts do not fit the cards in bfloat16 may fit in FP8, and a
+decode step, which reads every hit expert's weights, reads half as much. ThunderEP's Triton kernels
+compute with them (`kernels/fp8.py`: each tile is scaled and rounded to the model's dtype in registers,
+so the products are those of the dequantized weights); activations stay in the model's dtype.
+
+The conversion happens on the meta device, before anything is allocated: `to_fp8_experts` replaces the
+two parameters of every bound experts module by FP8 ones (no gradient) and adds the scale buffers
+`gate_up_proj_scale` / `down_proj_scale` [S, R, 1]; the loader then quantizes each expert as it reads it
+(`store_rows`: the checkpoint's values in the model's dtype, each row scaled by its largest magnitude /
+448), so no rank ever holds a layer's experts in bfloat16. Quantized checkpoints (FP8 blocks, MXFP4,
+compressed-tensors) are read dequantized first, then quantized by rows like any other.
+
+FP8 experts are for inference: nothing trains them (finetune, LoRA on experts and the balancer's
+migrations refuse them), and they need ThunderEP's kernels: a CUDA GPU of compute capability 8.9 or
+later (RTX 4090 / 5090, H100 / H200), which has the e4m3 conversion, or Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..kernels.fp8 import FP8, FP8_MAX, Fp8Weight
+
+__all__ = ["EXPERTS_DTYPES", "expert_weights", "fp8_device_problem", "is_fp8", "store_rows", "to_fp8_experts"]
+
+EXPERTS_DTYPES = ("fp8",)  # experts_dtype values besides None (the model's dtype)
+_WEIGHTS = ("gate_up_proj", "down_proj")
+_ATTR = "_thunderep_fp8"  # on an experts module: the dtype its FP8 weights compute in
+
+
+def fp8_device_problem(device: torch.device) -> str | None:
+    """Why FP8 experts cannot run on `device`, or None."""
+    if FP8 is None:
+        return f"FP8 experts need torch.float8_e4m3fn, which torch {torch.__version__} lacks"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    from ..kernels import available
+
+    if not available(device):
+        return (f"FP8 experts run on ThunderEP's Triton kernels, which need a CUDA GPU and Triton; the model "
+                f"loads to {device}")
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return (f"FP8 experts need a GPU of compute capability 8.9 or later (RTX 4090 / 5090, H100 / H200); "
+                f"{name} is {'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+    return None
+
+
+def to_fp8_experts(model: nn.Module, bindings: dict, dtype: torch.dtype) -> None:
+    """Make every bound experts module hold gate_up_proj and down_proj in FP8 with per-row scales (in
+    place, on the meta device, before `to_empty`). dtype: the model's dtype, what the products run in
+    (bfloat16 or float16). ConfigError for a module whose experts the kernels do not run (each binding
+    must run the "triton" implementation)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigError(f"FP8 experts compute in bfloat16 or float16; the model's dtype is {dtype}: load it "
+                          "with dtype=torch.bfloat16")
+    for path, binding in bindings.items():
+        if binding.implementation != "triton":
+            raise ConfigError(f"FP8 experts run on ThunderEP's Triton kernels, and {binding.class_name} ({path}) "
+                              f"runs {binding.implementation!r}: use experts_implementation='triton' or 'auto'")
+        module = model.get_submodule(path)
+        for name in _WEIGHTS:
+            weight = getattr(module, name)
+            slots, rows = weight.shape[0], weight.shape[1]
+            module._parameters[name] = nn.Parameter(torch.empty(weight.shape, dtype=FP8, device=weight.device),
+                                                    requires_grad=False)
+            module.register_buffer(f"{name}_scale", torch.empty(slots, rows, 1, dtype=torch.float32,
+                                                                device=weight.device))
+        binding.tensors = tuple(binding.tensors) + tuple(f"{name}_scale" for name in _WEIGHTS)
+        setattr(module, _ATTR, dtype)
+
+
+def is_fp8(module: nn.Module) -> bool:
+    """Whether `module` (an experts module) holds its weights in FP8 (`to_fp8_experts`)."""
+    return getattr(module, _ATTR, None) is not None
+
+
+def store_rows(module: nn.Module, name: str, slots, rows, value: torch.Tensor) -> None:
+    """Quantize `value` into module.`name`[slots, rows] (FP8) and its scales, one scale per row: the
+    value in the model's dtype (as a bfloat16 model would hold it), each row divided by its largest
+    magnitude / FP8_MAX (an all-zero row keeps scale 1). slots: an index or slice; rows: a slice or None
+    (all). value: [..., R', C] matching the destination."""
+    weight, scale = getattr(module, name), getattr(module, f"{name}_scale")
+    rows = slice(None) if rows is None else rows
+    dst = weight.data[slots, rows]
+    if tuple(dst.shape) != tuple(value.shape):
+        raise ConfigError(f"checkpoint tensor of shape {tuple(value.shape)} does not fit {name}[{slots}, {rows}] "
+                          f"{tuple(dst.shape)}")
+    v = value.to(device=weight.device, dtype=getattr(module, _ATTR)).float()
+    amax = v.abs().amax(dim=-1, keepdim=True)
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    dst.copy_((v / s).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+    scale.data[slots, rows] = s
+
+
+def expert_weights(module: nn.Module):
+    """(gate_up_proj, down_proj) as the kernels take them: `Fp8Weight`s for a module of FP8 experts, else
+    its tensors."""
+    dtype = getattr(module, _ATTR, None)
+    if dtype is None:
+        return module.gate_up_proj, module.down_proj
+    cached = module.__dict__.get("_thunderep_fp8_weights")  # built once: each call of a decode step counts
+    if cached is None or any(w.q is not getattr(module, name) or w.scale is not getattr(module, f"{name}_scale")
+                             for w, name in zip(cached, _WEIGHTS)):
+        cached = tuple(Fp8Weight(getattr(module, name), getattr(module, f"{name}_scale"),
+                                 (1, getattr(module, name).shape[2]), dtype) for name in _WEIGHTS)
+        module.__dict__["_thunderep_fp8_weights"] = cached
+    return cached
