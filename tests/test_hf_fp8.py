@@ -151,3 +151,31 @@ def test_gpu_fp8_experts_match_the_dequantized_model(checkpoints, name):
         for ids in (x, x[:1, :1]):
             torch.testing.assert_close(tm(input_ids=ids).logits.float(), ref(input_ids=ids).logits.float(),
                                        rtol=3e-2, atol=3e-2)
+
+
+@CPU_ONLY
+def test_generate_command_takes_experts_dtype(checkpoints, capfd, monkeypatch):
+    """`thunderep generate --experts-dtype fp8` on 2 ranks generates the tokens one process generates
+    (greedy); on float32 it stops with one line naming the dtypes it takes."""
+    import warnings
+
+    from thunderep.cli import main as cli
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    path = checkpoints["mixtral"]
+    answers = []
+    for ranks in ("1", "2"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no tokenizer files
+            code = cli(["generate", "--model", path, "--prompt", "hi", "--max-new-tokens", "4", "--ep", ranks,
+                        "--cpu", "--dtype", "float16", "--experts-dtype", "fp8"])
+        out = capfd.readouterr()
+        assert code == 0, out.err[-2000:]
+        answers.append([line for line in out.out.splitlines() if line.startswith("[0] 'hi' -> ")])
+    assert answers[0] == answers[1] and len(answers[0]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = cli(["generate", "--model", path, "--prompt", "hi", "--max-new-tokens", "1", "--cpu",
+                    "--dtype", "float32", "--experts-dtype", "fp8"])
+    err = capfd.readouterr().err
+    assert code != 0 and "FP8 experts compute in bfloat16 or float16" in err

@@ -127,7 +127,8 @@ def generate_on_rank(args: argparse.Namespace, ep=None, out=None) -> dict | None
     device = ep.groups.device if ep is not None else torch.device(
         "cuda" if not args.cpu and torch.cuda.is_available() else "cpu")
     tm = ThunderMoE.from_pretrained(args.model, ep, dtype=args.dtype, device=device,
-                                    experts_implementation=args.experts_implementation)
+                                    experts_implementation=args.experts_implementation,
+                                    experts_dtype=args.experts_dtype)
     tokenizer = load_tokenizer(args.model, tm.config.get_text_config().vocab_size)
     latency = args.mode == "latency" or (args.mode == "auto" and len(args.prompt) < world)
     mine = list(range(len(args.prompt))) if latency else list(range(rank, len(args.prompt), world))
@@ -219,6 +220,11 @@ def _parser() -> argparse.ArgumentParser:
                         "another one (grouped_mm, eager, ...), triton (ThunderEP's kernels, CUDA), or auto (the "
                         "kernels for experts they cover in bfloat16 / float16 on a GPU of compute capability 8.0 "
                         "or later, else the model's own)")
+    p.add_argument("--experts-dtype", choices=("fp8",), default=None,
+                   help="fp8: hold the routed experts in FP8 (e4m3, a scale per row; half the bytes of bfloat16), "
+                        "quantized as each rank reads them, computed by ThunderEP's kernels in the model's dtype; "
+                        "needs a GPU of compute capability 8.9 or later (RTX 4090 / 5090, H100 / H200). Default: "
+                        "the model's dtype")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer (default 120)")
     return p
 

@@ -104,7 +104,8 @@ def _serve(args: argparse.Namespace, ep, stop: "_StopRequest") -> None:
     device = ep.groups.device if ep is not None else torch.device(
         "cuda" if not args.cpu and torch.cuda.is_available() else "cpu")
     tm = ThunderMoE.from_pretrained(args.model, ep, dtype=args.dtype, device=device,
-                                    experts_implementation=args.experts_implementation)
+                                    experts_implementation=args.experts_implementation,
+                                    experts_dtype=args.experts_dtype)
     text_config = tm.config.get_text_config()
     tokenizer = load_tokenizer(args.model, text_config.vocab_size)
     eos = tm.model.generation_config.eos_token_id
@@ -568,6 +569,11 @@ def _parser() -> argparse.ArgumentParser:
                         "else the model's own transformers function; triton (the kernels, or an error); a "
                         "transformers function (grouped_mm, eager, ...). The kernels are autotuned before the "
                         "server listens: tens of seconds the first time on a machine, seconds after")
+    p.add_argument("--experts-dtype", choices=("fp8",), default=None,
+                   help="fp8: hold the routed experts in FP8 (e4m3, a scale per row; half the bytes of bfloat16), "
+                        "quantized as each rank reads them, computed by ThunderEP's kernels in the model's dtype; "
+                        "needs a GPU of compute capability 8.9 or later (RTX 4090 / 5090, H100 / H200). Default: "
+                        "the model's dtype")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request waits for its answer (a streamed one, for each next piece); then it "
                         "gets an error (504, or a last event) and its sequence stops being generated (default 600)")
