@@ -179,3 +179,20 @@ def test_generate_command_takes_experts_dtype(checkpoints, capfd, monkeypatch):
                     "--dtype", "float32", "--experts-dtype", "fp8"])
     err = capfd.readouterr().err
     assert code != 0 and "FP8 experts compute in bfloat16 or float16" in err
+
+
+@CPU_ONLY
+def test_plan_counts_what_fp8_experts_hold(checkpoints, monkeypatch):
+    """`thunderep plan`'s --experts-dtype fp8 column: what from_pretrained(experts_dtype="fp8") holds in one
+    process, and on R ranks the replicated part plus 1 / R of the experts."""
+    from thunderep.plan import plan_memory
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    for name in ("mixtral", "deepseek_v3"):
+        tm = ThunderMoE.from_pretrained(checkpoints[name], dtype=torch.float16, experts_dtype="fp8")
+        held = tm.memory()
+        plans = plan_memory(checkpoints[name], [1, 2, 4], "float16", lora_rank=0)
+        assert plans[0].weights_fp8 == held["expert_bytes"] + held["replicated_bytes"]
+        for plan, ranks in zip(plans[1:], (2, 4)):
+            assert plan.weights_fp8 == held["replicated_bytes"] + held["expert_bytes"] // ranks
+        assert plans[0].weights_fp8 < plans[0].weights

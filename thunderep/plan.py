@@ -7,6 +7,9 @@ tensors counted. Per rank and EP size R:
     weights:                 the replicated tensors plus E / R experts of every MoE layer, in the dtype
                              `generate` and `serve` load (the checkpoint's, or --dtype); what
                              `from_pretrained` holds on that rank (quantized checkpoints count dequantized).
+    --experts-dtype fp8:     the same with the routed experts in FP8 and their scales (`generate` / `serve
+                             --experts-dtype fp8`; bfloat16 for the rest where --dtype is float32); shown
+                             where ThunderEP's kernels cover the experts.
     fine-tune, all:          `finetune --dtype mixed` (its default on GPUs): the parameters in float32, their
                              gradients, AdamW's two moments and the gradient-sync buffers of the replicated
                              ones, the buffers in the checkpoint's dtype: what `finetune`'s memory plan counts.
@@ -44,6 +47,7 @@ class RankMemory:
     finetune_all: int = 0
     finetune_frozen_experts: int = 0
     finetune_lora: int = 0  # 0 where not asked for
+    weights_fp8: int = 0  # generate / serve with --experts-dtype fp8; 0 where the kernels do not cover the experts
     problem: str | None = None
 
 
@@ -71,6 +75,30 @@ def _counts(config, dtype: torch.dtype, lora: tuple | None = None) -> tuple[list
     params = [(n, p.numel() * p.element_size(), routed.get(id(p), 0), p.requires_grad)
               for n, p in model.named_parameters()]
     return params, sum(t.numel() * t.element_size() for t in model.buffers())
+
+
+def _fp8_counts(config, dtype: torch.dtype) -> list[tuple[str, int, int, bool]] | None:
+    """`_counts` entries, parameters and buffers, of the model as `from_pretrained(experts_dtype="fp8")`
+    holds it (routed experts in FP8 with their scales, hf/fp8.py), or None where ThunderEP's kernels do
+    not cover its experts (FP8 experts run on them only)."""
+    from transformers import AutoModelForCausalLM
+
+    from .errors import ConfigError
+    from .hf import ThunderMoE
+    from .hf.fp8 import to_fp8_experts
+
+    dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+    try:
+        tm = ThunderMoE.wrap(model, None, move=False, device="meta", experts_implementation="triton")
+        to_fp8_experts(model, tm.bindings, dtype)
+    except ConfigError:
+        return None
+    routed = {id(getattr(model.get_submodule(name), t)): b.num_experts for name, b in tm.bindings.items()
+              for t in b.tensors}
+    return [(n, t.numel() * t.element_size(), routed.get(id(t), 0), False)
+            for n, t in list(model.named_parameters()) + list(model.named_buffers())]
 
 
 def _rank_bytes(params, ep: int) -> int:
@@ -113,6 +141,7 @@ def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = Non
     as_float32, _ = _counts(config, torch.float32)
     frozen = re.compile(_FROZEN).search
     with_lora = _counts(config, stored, (lora_rank, lora_targets))[0] if lora_rank else []
+    fp8 = _fp8_counts(config, _resolve_dtype(dtype, config))
     out = []
     for ep in eps:
         bad = next((E for _, _, E, _ in params if E and E % ep), None)
@@ -125,7 +154,8 @@ def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = Non
             finetune_frozen_experts=_training_bytes([p for p in as_float32 if not frozen(p[0])],
                                                     [p for p in as_stored if frozen(p[0])], stored_buffers, ep),
             finetune_lora=_training_bytes([p for p in with_lora if p[3]], [p for p in with_lora if not p[3]],
-                                          stored_buffers, ep) if lora_rank else 0))
+                                          stored_buffers, ep) if lora_rank else 0,
+            weights_fp8=_rank_bytes(fp8, ep) if fp8 is not None else 0))
     return out
 
 
@@ -214,10 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     gpus = torch.cuda.is_available() and torch.cuda.device_count() > 0
     print(f"{args.model}: memory per rank (GB; activations, KV cache and the CUDA context not counted)")
     print(f"this host: {host}")
-    rows = [("ep", "weights (generate, serve)", "fine-tune (--dtype mixed)", "fine-tune, --freeze experts")
+    fp8 = any(m.weights_fp8 for m in plans)
+    rows = [("ep", "weights (generate, serve)") + (("--experts-dtype fp8",) if fp8 else ())
+            + ("fine-tune (--dtype mixed)", "fine-tune, --freeze experts")
             + ((f"fine-tune, --lora-rank {args.lora_rank}",) if args.lora_rank else ())]
     for m in plans:
-        sizes = (m.weights, m.finetune_all, m.finetune_frozen_experts) + ((m.finetune_lora,) if args.lora_rank else ())
+        sizes = ((m.weights,) + ((m.weights_fp8,) if fp8 else ()) + (m.finetune_all, m.finetune_frozen_experts)
+                 + ((m.finetune_lora,) if args.lora_rank else ()))
         rows.append((str(m.ep), m.problem) if m.problem else
                     (str(m.ep),) + tuple(f"{n / 1e9:.2f} ({_fits(n, m.ep, free, gpus)})" for n in sizes))
     widths = [max(len(r[i]) for r in rows if len(r) == len(rows[0])) for i in range(len(rows[0]))]
