@@ -196,3 +196,67 @@ def test_plan_counts_what_fp8_experts_hold(checkpoints, monkeypatch):
         for plan, ranks in zip(plans[1:], (2, 4)):
             assert plan.weights_fp8 == held["replicated_bytes"] + held["expert_bytes"] // ranks
         assert plans[0].weights_fp8 < plans[0].weights
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(tmp_path_factory):
+    """FP8 checkpoints in 16 x 16 blocks (partial last blocks; per-expert and fused expert tensors) and 8 x 8
+    ones (narrower than the kernels walk), with their float32 dequantized references."""
+    from test_hf_quantized import fp8_checkpoint
+
+    root = tmp_path_factory.mktemp("fp8_blocks")
+    out = {}
+    for family, fused, block in (("mixtral", False, 16), ("qwen3_moe", True, 16), ("mixtral", False, 8)):
+        name = f"{family}_{block}"
+        source = save_tiny(family, root / name / "bf16", seed=6, fused=fused)
+        out[name] = fp8_checkpoint(source, root / name, block=block)
+    return out
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("name", ["mixtral_16", "qwen3_moe_16", "mixtral_8"])
+def test_fp8_checkpoint_blocks_are_kept_as_stored(fp8_checkpoints, name, monkeypatch):
+    """An FP8 checkpoint whose blocks the kernels can walk (16 columns) loads its experts' values and
+    scales as stored, bit for bit (scales repeated per row); 8-column blocks are read dequantized and
+    quantized by rows. The logits equal the reference model's on the dequantized values either way."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    quantized, reference = fp8_checkpoints[name]
+    tm = ThunderMoE.from_pretrained(quantized, dtype=torch.float16, experts_dtype="fp8")
+    kept = name.endswith("_16")
+    with safe_open(f"{quantized}/model.safetensors", "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    for path, binding in tm.bindings.items():
+        module = tm.model.get_submodule(path)
+        scale = module.gate_up_proj_scale
+        assert scale.shape[-1] == (-(-module.gate_up_proj.shape[2] // 16) if kept else 1)
+        if not kept:
+            continue
+        prefix = path.rsplit(".experts", 1)[0]
+        fused = f"{prefix}.experts.gate_up_proj" in stored
+        layer = path.rsplit(".mlp.experts", 1)[0]
+        for slot, e in enumerate(binding.local_experts):
+            if fused:
+                q, s = stored[f"{prefix}.experts.gate_up_proj"][e], stored[f"{prefix}.experts.gate_up_proj_scale_inv"][e]
+            else:  # Mixtral's names (w1 gate, w3 up) or the others' (gate_proj, up_proj)
+                gate, up = (next(k for k in (f"{layer}.block_sparse_moe.experts.{e}.{a}.weight",
+                                             f"{layer}.mlp.experts.{e}.{b}.weight") if k in stored)
+                            for a, b in (("w1", "gate_proj"), ("w3", "up_proj")))
+                q = torch.cat([stored[gate], stored[up]])
+                s = torch.cat([stored[gate + "_scale_inv"].repeat_interleave(16, 0)[:stored[gate].shape[0]],
+                               stored[up + "_scale_inv"].repeat_interleave(16, 0)[:stored[up].shape[0]]])
+            if fused:
+                s = s.repeat_interleave(16, 0)[:q.shape[0]]
+            assert torch.equal(module.gate_up_proj[slot].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(module.gate_up_proj_scale[slot], s.float())
+    ref = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float16).eval()
+    if not kept:  # quantized again by rows: the reference holds those values
+        for _, module in find_experts_modules(ref):
+            for w in ("gate_up_proj", "down_proj"):
+                getattr(module, w).data = Fp8Weight.quantize(getattr(module, w).data).dequantize()
+    x = _ids(seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(tm(input_ids=x).logits.float(), ref(input_ids=x).logits.float(), rtol=2e-2,
+                                   atol=2e-2)

@@ -11,10 +11,12 @@ so the products are those of the dequantized weights); activations stay in the m
 
 The conversion happens on the meta device, before anything is allocated: `to_fp8_experts` replaces the
 two parameters of every bound experts module by FP8 ones (no gradient) and adds the scale buffers
-`gate_up_proj_scale` / `down_proj_scale` [S, R, 1]; the loader then quantizes each expert as it reads it
-(`store_rows`: the checkpoint's values in the model's dtype, each row scaled by its largest magnitude /
-448), so no rank ever holds a layer's experts in bfloat16. Quantized checkpoints (FP8 blocks, MXFP4,
-compressed-tensors) are read dequantized first, then quantized by rows like any other.
+`gate_up_proj_scale` / `down_proj_scale` [S, R, ceil(C / cols)]; the loader then quantizes each expert as
+it reads it (`store_rows`: the checkpoint's values in the model's dtype, each row scaled by its largest magnitude /
+448), so no rank ever holds a layer's experts in bfloat16. An FP8 checkpoint whose block scales cover a
+multiple of 16 columns (DeepSeek-V3's and Qwen3-FP8's 128 x 128, compressed-tensors' FP8 blocks, groups
+and channels) keeps its values and scales as stored, each block's scale repeated for its rows
+(`store_fp8`); other quantized checkpoints (MXFP4, int8) are read dequantized, then quantized by rows.
 
 FP8 experts are for inference: nothing trains them (finetune, LoRA on experts and the balancer's
 migrations refuse them), and they need ThunderEP's kernels: a CUDA GPU of compute capability 8.9 or
@@ -29,13 +31,15 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..kernels.fp8 import FP8, FP8_MAX, Fp8Weight
+from ..kernels.fp8 import FP8, Fp8Weight
 
-__all__ = ["EXPERTS_DTYPES", "expert_weights", "fp8_device_problem", "is_fp8", "store_rows", "to_fp8_experts"]
+__all__ = ["EXPERTS_DTYPES", "expert_weights", "fp8_device_problem", "is_fp8", "scale_columns", "store_fp8",
+           "store_rows", "to_fp8_experts"]
 
 EXPERTS_DTYPES = ("fp8",)  # experts_dtype values besides None (the model's dtype)
 _WEIGHTS = ("gate_up_proj", "down_proj")
 _ATTR = "_thunderep_fp8"  # on an experts module: the dtype its FP8 weights compute in
+_COLS = "_thunderep_fp8_cols"  # on an experts module: {weight name: columns one scale covers}
 
 
 def fp8_device_problem(device: torch.device) -> str | None:
@@ -56,9 +60,18 @@ def fp8_device_problem(device: torch.device) -> str | None:
     return None
 
 
-def to_fp8_experts(model: nn.Module, bindings: dict, dtype: torch.dtype) -> None:
-    """Make every bound experts module hold gate_up_proj and down_proj in FP8 with per-row scales (in
-    place, on the meta device, before `to_empty`). dtype: the model's dtype, what the products run in
+def scale_columns(cols: int | None, width: int) -> int:
+    """The columns one scale covers in a weight of `width` columns: `cols` (an FP8 checkpoint's block
+    width, kept as stored) where the kernels can walk it (a multiple of 16 narrower than the row), else
+    the whole row."""
+    return cols if cols is not None and cols < width and cols % 16 == 0 else width
+
+
+def to_fp8_experts(model: nn.Module, bindings: dict, dtype: torch.dtype, block_cols: int | None = None) -> None:
+    """Make every bound experts module hold gate_up_proj and down_proj in FP8 (in place, on the meta
+    device, before `to_empty`), with scales per row and per `block_cols` columns (an FP8 checkpoint's
+    block width, so its values and scales are kept as stored; `scale_columns`), default one per row:
+    buffers `<name>_scale` [S, R, ceil(C / cols)]. dtype: the model's dtype, what the products run in
     (bfloat16 or float16). ConfigError for a module whose experts the kernels do not run (each binding
     must run the "triton" implementation)."""
     if dtype not in (torch.bfloat16, torch.float16):
@@ -69,15 +82,18 @@ def to_fp8_experts(model: nn.Module, bindings: dict, dtype: torch.dtype) -> None
             raise ConfigError(f"FP8 experts run on ThunderEP's Triton kernels, and {binding.class_name} ({path}) "
                               f"runs {binding.implementation!r}: use experts_implementation='triton' or 'auto'")
         module = model.get_submodule(path)
+        cols = {}
         for name in _WEIGHTS:
             weight = getattr(module, name)
-            slots, rows = weight.shape[0], weight.shape[1]
+            slots, rows, width = weight.shape
+            cols[name] = scale_columns(block_cols, width)
             module._parameters[name] = nn.Parameter(torch.empty(weight.shape, dtype=FP8, device=weight.device),
                                                     requires_grad=False)
-            module.register_buffer(f"{name}_scale", torch.empty(slots, rows, 1, dtype=torch.float32,
-                                                                device=weight.device))
+            module.register_buffer(f"{name}_scale", torch.empty(slots, rows, -(-width // cols[name]),
+                                                                dtype=torch.float32, device=weight.device))
         binding.tensors = tuple(binding.tensors) + tuple(f"{name}_scale" for name in _WEIGHTS)
         setattr(module, _ATTR, dtype)
+        setattr(module, _COLS, cols)
 
 
 def is_fp8(module: nn.Module) -> bool:
@@ -85,22 +101,38 @@ def is_fp8(module: nn.Module) -> bool:
     return getattr(module, _ATTR, None) is not None
 
 
-def store_rows(module: nn.Module, name: str, slots, rows, value: torch.Tensor) -> None:
-    """Quantize `value` into module.`name`[slots, rows] (FP8) and its scales, one scale per row: the
-    value in the model's dtype (as a bfloat16 model would hold it), each row divided by its largest
-    magnitude / FP8_MAX (an all-zero row keeps scale 1). slots: an index or slice; rows: a slice or None
-    (all). value: [..., R', C] matching the destination."""
-    weight, scale = getattr(module, name), getattr(module, f"{name}_scale")
+def _destination(module: nn.Module, name: str, slots, rows, shape) -> torch.Tensor:
     rows = slice(None) if rows is None else rows
-    dst = weight.data[slots, rows]
-    if tuple(dst.shape) != tuple(value.shape):
-        raise ConfigError(f"checkpoint tensor of shape {tuple(value.shape)} does not fit {name}[{slots}, {rows}] "
+    dst = getattr(module, name).data[slots, rows]
+    if tuple(dst.shape) != tuple(shape):
+        raise ConfigError(f"checkpoint tensor of shape {tuple(shape)} does not fit {name}[{slots}, {rows}] "
                           f"{tuple(dst.shape)}")
-    v = value.to(device=weight.device, dtype=getattr(module, _ATTR)).float()
-    amax = v.abs().amax(dim=-1, keepdim=True)
-    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    dst.copy_((v / s).clamp(-FP8_MAX, FP8_MAX).to(FP8))
-    scale.data[slots, rows] = s
+    return dst
+
+
+def store_rows(module: nn.Module, name: str, slots, rows, value: torch.Tensor) -> None:
+    """Quantize `value` into module.`name`[slots, rows] (FP8) and its scales: the value in the model's
+    dtype (as a bfloat16 model would hold it), each row's block of the module's scale columns divided by
+    its largest magnitude / FP8_MAX (an all-zero block keeps scale 1) — `Fp8Weight.quantize` of it.
+    slots: an index or slice; rows: a slice or None (all). value: [..., R', C] matching the destination."""
+    dst = _destination(module, name, slots, rows, value.shape)
+    q = Fp8Weight.quantize(value.to(getattr(module, _ATTR)).reshape(-1, *value.shape[-2:]).to(dst.device),
+                           (1, getattr(module, _COLS)[name]))
+    dst.copy_(q.q.view(dst.shape))
+    getattr(module, f"{name}_scale").data[slots, slice(None) if rows is None else rows] = q.scale.view(
+        *dst.shape[:-1], -1)
+
+
+def store_fp8(module: nn.Module, name: str, slots, rows, q: torch.Tensor, scale_rows: torch.Tensor, cols: int) -> bool:
+    """Copy FP8 values `q` [..., R', C] and their scales per row `scale_rows` [..., R', ceil(C / cols)] as
+    stored (an FP8 checkpoint's) into module.`name`[slots, rows]; False (nothing written) where the
+    module's scales cover other than `cols` columns."""
+    if getattr(module, _COLS)[name] != cols:
+        return False
+    dst = _destination(module, name, slots, rows, q.shape)
+    dst.copy_(q)
+    getattr(module, f"{name}_scale").data[slots, slice(None) if rows is None else rows] = scale_rows
+    return True
 
 
 def expert_weights(module: nn.Module):
@@ -113,6 +145,6 @@ def expert_weights(module: nn.Module):
     if cached is None or any(w.q is not getattr(module, name) or w.scale is not getattr(module, f"{name}_scale")
                              for w, name in zip(cached, _WEIGHTS)):
         cached = tuple(Fp8Weight(getattr(module, name), getattr(module, f"{name}_scale"),
-                                 (1, getattr(module, name).shape[2]), dtype) for name in _WEIGHTS)
+                                 (1, getattr(module, _COLS)[name]), dtype) for name in _WEIGHTS)
         module.__dict__["_thunderep_fp8_weights"] = cached
     return cached

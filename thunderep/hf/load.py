@@ -22,6 +22,7 @@ experts only.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -35,8 +36,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
-from .fp8 import EXPERTS_DTYPES, fp8_device_problem, is_fp8, store_rows, to_fp8_experts
-from .quantized import DequantizedIndex, drop_quantization, quant_method, quantization_problem
+from .fp8 import EXPERTS_DTYPES, fp8_device_problem, is_fp8, store_fp8, store_rows, to_fp8_experts
+from .quantized import DequantizedIndex, drop_quantization, fp8_block_columns, quant_method, quantization_problem
 
 __all__ = ["CheckpointIndex", "LoadReport", "config_problem", "load_pretrained", "rss_bytes"]
 
@@ -295,7 +296,7 @@ class _Loader:
             while s + n < len(local) and local[s + n] == local[s] + n:
                 n += 1
             if fp8:  # quantized as read: the layer's experts are never all in the model's dtype at once
-                store_rows(module, tname, slice(s, s + n), None, self._read(key, slice(local[s], local[s] + n)))
+                self._store_fp8(key, slice(local[s], local[s] + n), module, tname, slice(s, s + n), None)
             else:
                 self._read(key, slice(local[s], local[s] + n), out=target[s:s + n])
             s += n
@@ -328,6 +329,15 @@ class _Loader:
             return  # another rank's expert: never read
         target = getattr(module, tname)
         fp8 = _fp8_target(module, tname)
+        if fp8 and slots:
+            half = target.shape[1] // 2
+            span = slice(None) if rows is None else slice(0, half) if rows == "gate" else slice(half, None)
+            for s in slots:
+                self._store_fp8(key, None, module, tname, s, span)
+                with self.lock:
+                    for name in (f"{binding.name}.{tname}", f"{binding.name}.{tname}_scale"):
+                        self.parts.setdefault(name, {}).setdefault(s, set()).add(rows)
+            return
         value = self._read(key)
         for s in slots:
             half = target.shape[1] // 2
@@ -344,6 +354,24 @@ class _Loader:
                 self.parts.setdefault(f"{binding.name}.{tname}", {}).setdefault(s, set()).add(rows)
                 if fp8:
                     self.parts.setdefault(f"{binding.name}.{tname}_scale", {}).setdefault(s, set()).add(rows)
+
+    def _store_fp8(self, key: str, experts: slice | None, module, tname: str, slots, rows) -> None:
+        """Checkpoint tensor `key` (its `experts`, where given) into FP8 experts module.`tname`[slots, rows]:
+        an FP8 checkpoint's values and scales as stored where its blocks are the module's scale blocks,
+        else read in the model's dtype and quantized (`hf.fp8.store_rows`)."""
+        raw = self.index.read_fp8(key, experts) if hasattr(self.index, "read_fp8") else None
+        if raw is not None:
+            q, scale_rows, cols, nbytes = raw
+            dst_shape = getattr(module, tname)[slots, slice(None) if rows is None else rows].shape
+            if tuple(q.shape) != tuple(dst_shape):
+                raise ConfigError(f"checkpoint tensor {key!r} has shape {tuple(q.shape)}; {tname}[{slots}] needs "
+                                  f"{tuple(dst_shape)}")
+            if store_fp8(module, tname, slots, rows, q, scale_rows, cols):
+                with self.lock:
+                    self.bytes_read += nbytes
+                    self.tensors_read += 1
+                return
+        store_rows(module, tname, slots, rows, self._read(key, experts))
 
     def _check_complete(self) -> None:
         loaded_ptrs = {self.targets[n].data_ptr() for n in self.loaded}
@@ -484,6 +512,7 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         if problem:
             raise ConfigError(problem)
         experts_implementation = experts_implementation or "triton"
+    config_as_stored = copy.deepcopy(config)  # its quantization_config, which drop_quantization removes
     dequantized = quant_method(config)
     if dequantized:  # read dequantized into `dtype` on `device`; the model built from the config is a plain one
         index = DequantizedIndex(index, config, dtype, device)
@@ -495,8 +524,8 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         model = (model_class or AutoModelForCausalLM).from_config(config, **kwargs)
     wrapped = cls.wrap(model, ep, placement=placement, experts_implementation=experts_implementation, move=False,
                        balancer=balancer, spare_slots=spare_slots, device=device)
-    if experts_dtype is not None:
-        to_fp8_experts(model, wrapped.bindings, dtype)
+    if experts_dtype is not None:  # an FP8 checkpoint's blocks are kept where the kernels can walk them
+        to_fp8_experts(model, wrapped.bindings, dtype, fp8_block_columns(config_as_stored))
     check_fits(model, device, ep)  # before allocating: a clear error instead of running out mid-load
     rss_before = rss_bytes()  # libraries imported, model on meta: what follows is the weights
     model.to_empty(device=device)

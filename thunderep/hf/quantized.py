@@ -29,7 +29,8 @@ import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["METHODS", "DequantizedIndex", "drop_quantization", "quant_method", "quantization_problem"]
+__all__ = ["METHODS", "DequantizedIndex", "drop_quantization", "fp8_block_columns", "quant_method",
+           "quantization_problem"]
 
 METHODS = ("fp8", "mxfp4", "compressed-tensors")
 _CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")  # 8-bit values stored as they are
@@ -51,6 +52,20 @@ def quant_method(config) -> str | None:
     """The checkpoint's quant_method ("fp8", "mxfp4", ...), or None where it is not quantized."""
     settings = _settings(config)
     return str(settings.get("quant_method")) if settings else None
+
+
+def fp8_block_columns(config) -> int | None:
+    """The columns one scale covers in the FP8 weights of a quantized checkpoint (fp8's weight_block_size,
+    or compressed-tensors' one block or group size), or None (not FP8 with blocks: per tensor or channel
+    scales, MXFP4, int8, not quantized). FP8 experts (hf/fp8.py) keep such blocks as stored."""
+    settings = _settings(config)
+    method = settings.get("quant_method") if settings else None
+    if method == "fp8" and _two_positive(settings.get("weight_block_size")):
+        return settings["weight_block_size"][1]
+    if method == "compressed-tensors" and settings.get("format") == "float-quantized":
+        sizes = _block_sizes(settings)
+        return next(iter(sizes))[1] if len(sizes) == 1 else None
+    return None
 
 
 def drop_quantization(config) -> None:
@@ -250,6 +265,30 @@ class DequantizedIndex:
                 out[e] = (dequantize_fp8(d, s, self._block(d, s), self.dtype, key) if scaled else
                           dequantize_mxfp4(d[None], s[None], self.dtype)[0])
         return out, data_bytes + scale_bytes
+
+    def read_fp8(self, key: str, experts: slice | None = None):
+        """Tensor `key` as stored, where it is FP8 (e4m3) with scales: (values [..., R, C] on the device,
+        scales per row [..., R, ceil(C / bn)] float32, bn the columns one scale covers, checkpoint bytes
+        read); None where it is not (read it with `read`)."""
+        from ..kernels.fp8 import FP8
+
+        if key not in self.parts or self.method == "mxfp4" or FP8 is None:
+            return None
+        data_key, scale_key = self.parts[key]
+        if self.index.slice(data_key).get_dtype() != "F8_E4M3":
+            return None
+        (data, data_bytes), (scales, scale_bytes) = (self.index.read(k, experts) for k in (data_key, scale_key))
+        rows, cols = data.shape[-2:]
+        s = scales.to(device=self.device, dtype=torch.float32)
+        if s.numel() == 1:  # one scale for the tensor
+            s, bm, bn = s.reshape((1,) * data.dim()).expand(*data.shape[:-1], 1), 1, cols
+        else:
+            bm, bn = self._block(data, scales) or (-(-rows // s.shape[-2]), -(-cols // s.shape[-1]))
+            if s.dim() != data.dim() or tuple(s.shape[-2:]) != (-(-rows // bm), -(-cols // bn)):
+                raise CheckpointError(f"{key}: scales of shape {tuple(s.shape)} do not fit a weight of shape "
+                                      f"{tuple(data.shape)} in blocks of {bm} x {bn}")
+            s = s.repeat_interleave(bm, dim=-2)[..., :rows, :]
+        return data.to(self.device), s.contiguous(), bn, data_bytes + scale_bytes
 
     def _block(self, data: torch.Tensor, scales: torch.Tensor):
         """The block size [bm, bn] of weight `data` with `scales`: fp8's weight_block_size; for
