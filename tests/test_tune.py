@@ -286,9 +286,10 @@ def _assert_nothing_new(before, after) -> None:
     assert paths_after == paths, f"paths chosen while serving: {set(paths_after.items()) - set(paths.items())}"
 
 
-def _gpu_tuned_then_served(rank, world):
+def _gpu_tuned_then_served(rank, world, fp8_checkpoint=None):
     """On CUDA: tune, then serve prompts of 1 to 2100 tokens; (tuned keys, compiled binaries) before
-    and after serving, and the report's shapes."""
+    and after serving, and the report's shapes. fp8_checkpoint: serve that checkpoint with FP8 experts
+    (from_pretrained(experts_dtype="fp8")) instead of the tiny Mixtral."""
     from hf_tiny import tiny_model
 
     from thunderep import EPConfig
@@ -300,8 +301,11 @@ def _gpu_tuned_then_served(rank, world):
         os.environ["THUNDEREP_TRITON_AUTOTUNE"] = "1"
     ep = ExpertParallel(init_expert_parallel(world), EPConfig()) if world > 1 else None
     device = ep.groups.device if ep is not None else torch.device("cuda")
-    model = tiny_model("mixtral", seed=1).to(device, torch.bfloat16)
-    tm = ThunderMoE.wrap(model, ep, experts_implementation=KERNELS).eval()
+    if fp8_checkpoint is not None:
+        tm = ThunderMoE.from_pretrained(fp8_checkpoint, ep, dtype=torch.bfloat16, device=device, experts_dtype="fp8")
+    else:
+        model = tiny_model("mixtral", seed=1).to(device, torch.bfloat16)
+        tm = ThunderMoE.wrap(model, ep, experts_implementation=KERNELS).eval()
     report = tune.tune_kernels(tm, max_batch=8)
 
     def tuned_keys():  # each key with its kernel's name in place of the autotuner's id
@@ -339,6 +343,19 @@ def test_gpu_serving_after_tuning_tunes_nothing(monkeypatch, autotune):
     from thunderep.kernels import tuning
 
     assert tuning.compiled_kernels() == sum(after[1].values()) > 0  # what a server's slow-step report counts
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_serving_after_tuning_tunes_nothing(monkeypatch, tmp_path):
+    """The same with the experts in FP8 (hf/fp8.py): tuning covers every key their kernels meet."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from hf_tiny import save_tiny
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "1")
+    shapes, before, after = _gpu_tuned_then_served(0, 1, save_tiny("mixtral", tmp_path / "mixtral", seed=1))
+    assert shapes == 1
+    _assert_nothing_new(before, after)
 
 
 @pytest.mark.gpu
