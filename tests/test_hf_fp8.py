@@ -119,7 +119,7 @@ def test_fp8_experts_on_ranks_equal_one_process(checkpoints, world):
                 torch.testing.assert_close(logits.float(), want, rtol=2e-2, atol=2e-2)
 
 
-def test_fp8_experts_refuse_what_they_cannot_do(checkpoints, monkeypatch):
+def test_fp8_experts_refuse_what_they_cannot_do(checkpoints, monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="experts_dtype='int4': use one of fp8"):
         ThunderMoE.from_pretrained(checkpoints["mixtral"], experts_dtype="int4")
     from thunderep.balance import BalancerConfig
@@ -133,6 +133,10 @@ def test_fp8_experts_refuse_what_they_cannot_do(checkpoints, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ConfigError, match="compute in bfloat16 or float16"):
         ThunderMoE.from_pretrained(checkpoints["mixtral"], dtype=torch.float32, experts_dtype="fp8",
+                                   device="cuda" if torch.cuda.is_available() else "cpu")
+    gpt_oss = save_tiny("gpt_oss", tmp_path / "gpt_oss", seed=1)  # biases, clamped SwiGLU: not the kernels'
+    with pytest.raises(ConfigError, match="experts_dtype='fp8' needs ThunderEP's Triton kernels.*biases"):
+        ThunderMoE.from_pretrained(gpt_oss, dtype=torch.float16, experts_dtype="fp8",
                                    device="cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ConfigError, match="runs 'eager'"):
         ThunderMoE.from_pretrained(checkpoints["mixtral"], dtype=torch.float16, experts_dtype="fp8",

@@ -511,7 +511,8 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         problem = fp8_device_problem(device)
         if problem:
             raise ConfigError(problem)
-        experts_implementation = experts_implementation or "triton"
+        if experts_implementation in (None, "auto"):  # FP8 experts run on the kernels only
+            experts_implementation = "triton"
     config_as_stored = copy.deepcopy(config)  # its quantization_config, which drop_quantization removes
     dequantized = quant_method(config)
     if dequantized:  # read dequantized into `dtype` on `device`; the model built from the config is a plain one
@@ -522,8 +523,14 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         kwargs["attn_implementation"] = attn_implementation
     with torch.device("meta"):
         model = (model_class or AutoModelForCausalLM).from_config(config, **kwargs)
-    wrapped = cls.wrap(model, ep, placement=placement, experts_implementation=experts_implementation, move=False,
-                       balancer=balancer, spare_slots=spare_slots, device=device)
+    try:
+        wrapped = cls.wrap(model, ep, placement=placement, experts_implementation=experts_implementation,
+                           move=False, balancer=balancer, spare_slots=spare_slots, device=device)
+    except ConfigError as exc:
+        if experts_dtype is None:
+            raise
+        raise ConfigError(f"experts_dtype={experts_dtype!r} needs ThunderEP's Triton kernels, which do not run this "
+                          f"model's experts ({exc}); load it without experts_dtype") from None
     if experts_dtype is not None:  # an FP8 checkpoint's blocks are kept where the kernels can walk them
         to_fp8_experts(model, wrapped.bindings, dtype, fp8_block_columns(config_as_stored))
     check_fits(model, device, ep)  # before allocating: a clear error instead of running out mid-load
