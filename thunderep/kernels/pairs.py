@@ -88,12 +88,21 @@ def _w32(w, scale, DT: tl.constexpr, SCALED: tl.constexpr):
 
 @triton.jit
 def _chunk_scales(s_ptrs, k0, stride_sk, ok, SCALED: tl.constexpr, SCALE_K: tl.constexpr):
-    """The scales at s_ptrs (any shape) of the weight chunk at column k0, 1.0 without SCALED."""
+    """The scales at s_ptrs (any shape) of the weight chunk at column k0, 1.0 without SCALED. The
+    look-ahead loops load them a chunk ahead with their weights (a scale loaded where it is used would
+    stall every chunk on its latency)."""
     if SCALED:
         scales = tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=ok, other=0.0)
     else:
         scales = 1.0
     return scales
+
+
+@triton.jit
+def _next_k(k0, BLOCK_K: tl.constexpr, K):
+    """The column of the chunk after k0, or k0 itself for the last chunk (whose scales are then loaded
+    again, unused, never past the row's)."""
+    return tl.where(k0 + BLOCK_K >= K, k0, k0 + BLOCK_K)
 
 
 @triton.jit
@@ -163,16 +172,19 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
             x_next = tl.load(x_ptrs, mask=(cols_N >= 0)[:, None] & first_K[None, :], other=0.0)
         else:
             x_next = tl.load(x_ptrs, mask=first_K, other=0.0)
+        sg_next = _chunk_scales(gs_ptrs, 0, stride_wsk, col_ok_N, SCALED, SCALE_K)
+        su_next = _chunk_scales(us_ptrs, 0, stride_wsk, col_ok_N, SCALED, SCALE_K)
         for k0 in range(0, D, BLOCK_K):
-            g, u, xv = g_next, u_next, x_next
+            g, u, xv, sg, su = g_next, u_next, x_next, sg_next, su_next
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
             next_K = k_K < D - k0 - BLOCK_K  # the last step loads nothing
             g_next = tl.load(g_ptrs, mask=col_ok_N[:, None] & next_K[None, :], other=0.0)
             u_next = tl.load(u_ptrs, mask=col_ok_N[:, None] & next_K[None, :], other=0.0)
-            sg = _chunk_scales(gs_ptrs, k0, stride_wsk, col_ok_N, SCALED, SCALE_K)
-            su = _chunk_scales(us_ptrs, k0, stride_wsk, col_ok_N, SCALED, SCALE_K)
+            k_next = _next_k(k0, BLOCK_K, D)
+            sg_next = _chunk_scales(gs_ptrs, k_next, stride_wsk, col_ok_N, SCALED, SCALE_K)
+            su_next = _chunk_scales(us_ptrs, k_next, stride_wsk, col_ok_N, SCALED, SCALE_K)
             if SCALED:
                 sg, su = sg[:, None], su[:, None]
             if X_ROWS:
@@ -253,12 +265,14 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
             h_next = tl.load(h_ptrs, mask=(cols_N >= 0)[:, None] & first_K[None, :], other=0.0)
         elif AHEAD:
             h_next = tl.load(h_ptrs, mask=first_K, other=0.0)
+        sw_next = _chunk_scales(ws_ptrs, 0, stride_wsk, w_ok_N, SCALED, SCALE_K)
         for k0 in range(0, I, BLOCK_K):
             k_ok_K = (k_K < I - k0) | EVEN_K
             next_K = k_K < I - k0 - BLOCK_K  # the last step loads nothing
-            w = w_next
+            w, sw = w_next, sw_next
             w_ptrs += BLOCK_K
             w_next = tl.load(w_ptrs, mask=w_ok_N[:, None] & next_K[None, :], other=0.0)
+            sw_next = _chunk_scales(ws_ptrs, _next_k(k0, BLOCK_K, I), stride_wsk, w_ok_N, SCALED, SCALE_K)
             if AHEAD:
                 hv = h_next.to(tl.float32)
                 h_ptrs += BLOCK_K
@@ -269,7 +283,6 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
             else:
                 hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
                 h_ptrs += BLOCK_K
-            sw = _chunk_scales(ws_ptrs, k0, stride_wsk, w_ok_N, SCALED, SCALE_K)
             if SCALED:
                 sw = sw[:, None]
             if AHEAD and X_ROWS:  # hv is already a [BLOCK_N, BLOCK_K] tile
@@ -336,15 +349,16 @@ def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k,
         h_next = tl.load(h_ptrs, mask=h_ok & first_K[None, None, :], other=0.0)
     else:
         h_next = tl.load(h_ptrs, mask=h_ok & first_K[None, :], other=0.0)
+    sw_next = _chunk_scales(ws_ptrs, 0, stride_wsk, w_ok_SN, SCALED, SCALE_K)
     for k0 in range(0, I, BLOCK_K):
         next_K = k_K < I - k0 - BLOCK_K  # the last step loads nothing
-        w, hv = w_next, h_next.to(tl.float32)
+        w, hv, sw = w_next, h_next.to(tl.float32), sw_next
         w_ptrs += BLOCK_K
         h_ptrs += BLOCK_K
         w_next = w_after  # w_ptrs is two chunks ahead
         after_K = k_K < I - k0 - 2 * BLOCK_K
         w_after = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & after_K[None, None, :], other=0.0)
-        sw = _chunk_scales(ws_ptrs, k0, stride_wsk, w_ok_SN, SCALED, SCALE_K)
+        sw_next = _chunk_scales(ws_ptrs, _next_k(k0, BLOCK_K, I), stride_wsk, w_ok_SN, SCALED, SCALE_K)
         if SCALED:
             sw = sw[:, :, None]
         if X_ROWS:
