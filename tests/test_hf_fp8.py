@@ -160,7 +160,9 @@ def test_gpu_fp8_experts_match_the_dequantized_model(checkpoints, name):
 @CPU_ONLY
 def test_generate_command_takes_experts_dtype(checkpoints, capfd, monkeypatch):
     """`thunderep generate --experts-dtype fp8` on 2 ranks generates the tokens one process generates
-    (greedy); on float32 it stops with one line naming the dtypes it takes."""
+    (greedy; two tokens: later ones of this random tiny model can flip on the order the ranks' partial
+    sums add in, which the logits tests bound); on float32 it stops with one line naming the dtypes it
+    takes."""
     import warnings
 
     from thunderep.cli import main as cli
@@ -171,7 +173,7 @@ def test_generate_command_takes_experts_dtype(checkpoints, capfd, monkeypatch):
     for ranks in ("1", "2"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # no tokenizer files
-            code = cli(["generate", "--model", path, "--prompt", "hi", "--max-new-tokens", "4", "--ep", ranks,
+            code = cli(["generate", "--model", path, "--prompt", "hi", "--max-new-tokens", "2", "--ep", ranks,
                         "--cpu", "--dtype", "float16", "--experts-dtype", "fp8"])
         out = capfd.readouterr()
         assert code == 0, out.err[-2000:]

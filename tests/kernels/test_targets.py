@@ -40,8 +40,9 @@ PAIR_KERNELS = {"up_pairs", "up_pairs_ahead", "up_pairs_x_rows", "down_pairs", "
                 "down_pairs_split_ahead", "down_pairs_split_x_rows", "down_pairs_all_slots"}
 PAIR_DOT_KERNELS = {"up_pairs_dot"}  # decode with 16-row tensor-core tiles
 SORT_KERNELS = {"route"}  # the one-program sort of small inference batches
-FP8_GEMM_KERNELS = {"up_fp8", "rows_fp8", "up_pairs_dot_fp8"}  # FP8 weights (fp8.py), tensor-core products
-FP8_PAIR_KERNELS = {"up_pairs_fp8", "up_pairs_ahead_fp8", "down_pairs_split_ahead_fp8", "down_pairs_all_slots_fp8"}
+FP8_GEMM_KERNELS = {"up_fp8", "rows_fp8", "up_pairs_dot_fp8", "up_fp8rows"}  # FP8 weights (fp8.py), tensor cores
+FP8_PAIR_KERNELS = {"up_pairs_fp8", "up_pairs_ahead_fp8", "down_pairs_split_ahead_fp8", "down_pairs_all_slots_fp8",
+                    "up_pairs_ahead_fp8rows", "down_pairs_all_slots_fp8rows"}
 PDL_KERNELS = {"up_pairs_pdl", "down_pairs_pdl", "down_pairs_split_pdl",  # decode with dependent launch (sm_90+)
                "down_pairs_all_slots_pdl"}
 

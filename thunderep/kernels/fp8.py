@@ -4,14 +4,16 @@ Shape legend: E experts, R rows, C columns of one expert's matrix (gate_up_proj:
 down_proj: R = D, C = I), bR x bC the rows and columns one scale covers.
 
     Fp8Weight(q_ERC float8_e4m3fn, scale float32 [E, ceil(R / bR), ceil(C / bC)], block (bR, bC), dtype)
-    W[e, r, c] = dtype(float32(q[e, r, c]) * scale[e, r // bR, c // bC])
+    W[e, r, c] = float32(q[e, r, c]) * scale[e, r // bR, c // bC]
 
 Half the bytes of bfloat16 weights: a model whose bfloat16 experts do not fit its cards may fit in
 FP8, and decoding, which reads every hit expert's weights once per token, reads half as much. The
-products stay in `dtype` (bfloat16 or float16): the kernels (`ops.routed_moe_mlp`, `pairs.py`) load
-FP8 tiles, scale them and round them to `dtype` in registers, the value `dequantize()` gives, so the
-result is that of the same kernels on the dequantized weights. Weight-only: activations are not
-quantized, and nothing trains FP8 weights (no gradients).
+products stay in `dtype` (bfloat16 or float16) or float32: the kernels (`ops.routed_moe_mlp`,
+`pairs.py`) load FP8 tiles and convert them in registers. With one scale across each row (bC >= C) the
+FP8 values enter the products exactly (e4m3 fits in bfloat16 and float16) and each row's float32 sum is
+multiplied by its scale; with scale blocks along the row, each tile is multiplied by its scales (and,
+for tensor-core tiles, rounded to `dtype`). Weight-only: activations are not quantized, and nothing
+trains FP8 weights (no gradients).
 
 Scales come from the checkpoint (DeepSeek-V3's and Qwen3-FP8's 128 x 128 blocks; compressed-tensors'
 channel, group, block or tensor scales) or from `quantize` (one scale per row by default: bR = 1,
@@ -103,13 +105,16 @@ class Fp8Weight:
         """The scales expanded to [E, R, ceil(C / bC)]: one row of scales per weight row."""
         return self.scale.repeat_interleave(self.block[0], dim=1)[:, :self.q.shape[1]]
 
-    def dequantize(self, experts: slice | None = None) -> torch.Tensor:
-        """W [E, R, C] in `dtype` (the slow reference; also what the kernels compute with); `experts`:
-        only those."""
+    def dequantize(self, experts: slice | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W [E, R, C] (the slow reference) in `dtype` (default: the products' dtype; float32 or float64
+        hold it exactly); `experts`: only those. The kernels compute with the exact values where one scale
+        spans each row (the row's float32 sum is scaled), and with them rounded to the products' dtype
+        where scale blocks run along it (tensor-core tiles take that dtype)."""
         q, scale = (self.q, self.scale) if experts is None else (self.q[experts], self.scale[experts])
         full = scale.repeat_interleave(self.block[0], dim=1)[:, :q.shape[1]]
         full = full.repeat_interleave(self.block[1], dim=2)[:, :, :q.shape[2]]
-        return (q.float() * full).to(self.dtype)
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        return (q.to(wide) * full.to(wide)).to(dtype or self.dtype)
 
     @classmethod
     def quantize(cls, w_ERC: torch.Tensor, block: tuple[int, int] | None = None,
@@ -141,9 +146,9 @@ class Fp8Weight:
 def scale_args(w, ptr: str, strides: tuple[str, str, str]) -> dict:
     """A kernel's arguments for the scales of weight `w`: an `Fp8Weight`'s scale tensor, strides and
     block (SCALED), or for a plain weight a placeholder pointer (w itself, never read) and SCALED False."""
-    if isinstance(w, Fp8Weight):
+    if isinstance(w, Fp8Weight):  # SCALE_K 0: one scale across each row (the kernels scale the sums)
         return {ptr: w.scale, **dict(zip(strides, w.scale.stride())), "SCALED": True, "SCALE_N": w.block[0],
-                "SCALE_K": w.block[1]}
+                "SCALE_K": 0 if w.block[1] >= w.shape[2] else w.block[1]}
     return {ptr: w, **dict.fromkeys(strides, 0), "SCALED": False, "SCALE_N": 1, "SCALE_K": 1}
 
 

@@ -174,7 +174,8 @@ def _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, b
     [BLOCK_K, BLOCK_N] (stride_bk along k), both at k = 0. Masked rows and columns read zeros.
     WITH_TAIL: also the tail's [S = BLOCK_M / 2] rows at s_ptrs, against the same loaded B tiles.
     SCALED: B is FP8, each column's scale for k in [k0, k0 + BLOCK_K) at bs_ptrs [BLOCK_N] + (k0 //
-    SCALE_K) * stride_bsk (BLOCK_K divides SCALE_K, or SCALE_K >= K); tiles are dequantized to A's dtype.
+    SCALE_K) * stride_bsk (BLOCK_K divides SCALE_K), tiles dequantized to A's dtype; SCALE_K 0: one scale
+    per column across all of k, the FP8 values (exact in A's dtype) multiplied and the sums scaled.
     Returns (acc_MN, acc_SN); acc_SN is zeros without the tail."""
     k_K = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -191,14 +192,19 @@ def _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, b
             b = tl.load(b_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
             if WITH_TAIL:
                 s = tl.load(s_ptrs, mask=row_ok_S[:, None] & k_ok_K[None, :], other=0.0)
-        if SCALED:
+        if SCALED and SCALE_K > 0:  # scale blocks along k: each tile scaled and rounded to A's dtype
             b = _dequant(b, tl.load(bs_ptrs + (k0 // SCALE_K) * stride_bsk, mask=col_ok_N, other=0.0)[None, :], a.dtype)
+        elif SCALED:  # one scale across each row: exact FP8 values in the product, the scale at the end
+            b = b.to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if WITH_TAIL:
             acc_s = tl.dot(s, b, acc_s, input_precision=PRECISION)
             s_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
+    if SCALED and SCALE_K == 0:
+        scale_N = tl.load(bs_ptrs, mask=col_ok_N, other=0.0)[None, :]
+        acc, acc_s = acc * scale_N, acc_s * scale_N
     return acc, acc_s
 
 
@@ -228,10 +234,12 @@ def _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D
             bu = tl.load(u_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
             if WITH_TAIL:
                 s = tl.load(s_ptrs, mask=row_ok_S[:, None] & k_ok_K[None, :], other=0.0)
-        if SCALED:
+        if SCALED and SCALE_K > 0:
             scale_at = (k0 // SCALE_K) * stride_bsk
             bg = _dequant(bg, tl.load(gs_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
             bu = _dequant(bu, tl.load(us_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
+        elif SCALED:
+            bg, bu = bg.to(a.dtype), bu.to(a.dtype)
         acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
         if WITH_TAIL:
@@ -241,6 +249,10 @@ def _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if SCALED and SCALE_K == 0:
+        scale_g = tl.load(gs_ptrs, mask=col_ok_N, other=0.0)[None, :]
+        scale_u = tl.load(us_ptrs, mask=col_ok_N, other=0.0)[None, :]
+        acc_g, acc_u, tail_g, tail_u = acc_g * scale_g, acc_u * scale_u, tail_g * scale_g, tail_u * scale_u
     return acc_g, acc_u, tail_g, tail_u
 
 

@@ -76,14 +76,25 @@ def _row0(acc_RN):
 
 
 @triton.jit
-def _w32(w, scale, DT: tl.constexpr, SCALED: tl.constexpr):
-    """A weight tile in float32: FP8 tiles (SCALED) times their scales (broadcast to the tile) and
-    rounded to DT first, the value their dequantized copy holds (moe_triton._dequant)."""
-    if SCALED:
-        w32 = _dequant(w, scale, DT).to(tl.float32)
+def _w32(w, scale, BLOCKS: tl.constexpr):
+    """A weight tile in float32; FP8 tiles with scale blocks along k (BLOCKS) times their scales
+    (broadcast to the tile). With one scale per row the sum is scaled instead (`_row_scales`)."""
+    if BLOCKS:
+        w32 = w.to(tl.float32) * scale
     else:
         w32 = w.to(tl.float32)
     return w32
+
+
+@triton.jit
+def _row_scales(s_ptrs, ok, ROWS: tl.constexpr):
+    """The one scale of each row at s_ptrs for FP8 weights with one scale across each row (ROWS), which
+    the row's float32 sum is multiplied by; 1.0 otherwise."""
+    if ROWS:
+        scales = tl.load(s_ptrs, mask=ok, other=0.0)
+    else:
+        scales = 1.0
+    return scales
 
 
 @triton.jit
@@ -91,7 +102,7 @@ def _chunk_scales(s_ptrs, k0, stride_sk, ok, SCALED: tl.constexpr, SCALE_K: tl.c
     """The scales at s_ptrs (any shape) of the weight chunk at column k0, 1.0 without SCALED. The
     look-ahead loops load them a chunk ahead with their weights (a scale loaded where it is used would
     stall every chunk on its latency)."""
-    if SCALED:
+    if SCALED and SCALE_K > 0:
         scales = tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=ok, other=0.0)
     else:
         scales = 1.0
@@ -151,6 +162,7 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
     x_ptrs = x_ptr + (j // top_k).to(tl.int64) * stride_xm + k_K
     w_base = w_ptr + expert * stride_we
     DT: tl.constexpr = x_ptr.dtype.element_ty
+    BLOCKS: tl.constexpr = SCALED and SCALE_K > 0  # FP8 scales per chunk, else (SCALED) one per row
     gs_ptrs = _weight_scales(ws_ptr, expert, gate_N, stride_wse, stride_wsn, SCALE_N)
     us_ptrs = _weight_scales(ws_ptr, expert, up_N, stride_wse, stride_wsn, SCALE_N)
     if DOT:  # weight tiles [BLOCK_K, BLOCK_N], the B operand of a 16-row product
@@ -185,16 +197,16 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
             k_next = _next_k(k0, BLOCK_K, D)
             sg_next = _chunk_scales(gs_ptrs, k_next, stride_wsk, col_ok_N, SCALED, SCALE_K)
             su_next = _chunk_scales(us_ptrs, k_next, stride_wsk, col_ok_N, SCALED, SCALE_K)
-            if SCALED:
+            if BLOCKS:
                 sg, su = sg[:, None], su[:, None]
             if X_ROWS:
                 x_next = tl.load(x_ptrs, mask=(cols_N >= 0)[:, None] & next_K[None, :], other=0.0)
-                acc_g += _w32(g, sg, DT, SCALED) * xv.to(tl.float32)
-                acc_u += _w32(u, su, DT, SCALED) * xv.to(tl.float32)
+                acc_g += _w32(g, sg, BLOCKS) * xv.to(tl.float32)
+                acc_u += _w32(u, su, BLOCKS) * xv.to(tl.float32)
             else:
                 x_next = tl.load(x_ptrs, mask=next_K, other=0.0)
-                acc_g += _w32(g, sg, DT, SCALED) * xv.to(tl.float32)[None, :]
-                acc_u += _w32(u, su, DT, SCALED) * xv.to(tl.float32)[None, :]
+                acc_g += _w32(g, sg, BLOCKS) * xv.to(tl.float32)[None, :]
+                acc_u += _w32(u, su, BLOCKS) * xv.to(tl.float32)[None, :]
     else:
         for k0 in range(0, D, BLOCK_K):
             k_ok_K = (k_K < D - k0) | EVEN_K
@@ -206,17 +218,19 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
                 a = _one_row(xv, 16)
                 bg = tl.load(g_ptrs, mask=ok, other=0.0)
                 bu = tl.load(u_ptrs, mask=ok, other=0.0)
-                if SCALED:
+                if BLOCKS:
                     bg = _dequant(bg, sg[None, :], DT)
                     bu = _dequant(bu, su[None, :], DT)
+                elif SCALED:
+                    bg, bu = bg.to(DT), bu.to(DT)
                 acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
                 acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
             else:
                 ok = col_ok_N[:, None] & k_ok_K[None, :]
-                if SCALED:
+                if BLOCKS:
                     sg, su = sg[:, None], su[:, None]
-                acc_g += _w32(tl.load(g_ptrs, mask=ok, other=0.0), sg, DT, SCALED) * xv.to(tl.float32)[None, :]
-                acc_u += _w32(tl.load(u_ptrs, mask=ok, other=0.0), su, DT, SCALED) * xv.to(tl.float32)[None, :]
+                acc_g += _w32(tl.load(g_ptrs, mask=ok, other=0.0), sg, BLOCKS) * xv.to(tl.float32)[None, :]
+                acc_u += _w32(tl.load(u_ptrs, mask=ok, other=0.0), su, BLOCKS) * xv.to(tl.float32)[None, :]
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -224,6 +238,9 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
         g_N, u_N = _row0(acc_g), _row0(acc_u)
     else:
         g_N, u_N = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+    ROWS: tl.constexpr = SCALED and SCALE_K == 0
+    g_N = g_N * _row_scales(gs_ptrs, col_ok_N, ROWS)
+    u_N = u_N * _row_scales(us_ptrs, col_ok_N, ROWS)
     h = tl.where(known, _act(g_N, ACT) * u_N, tl.where(skipped, 0.0, float("nan")))
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
 
@@ -248,7 +265,7 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
     k_K = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
     w_ptrs = w_ptr + expert * stride_we + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :]
-    DT: tl.constexpr = h_ptr.dtype.element_ty
+    BLOCKS: tl.constexpr = SCALED and SCALE_K > 0  # FP8 scales per chunk, else (SCALED) one per row
     ws_ptrs = _weight_scales(ws_ptr, expert, cols_N, stride_wse, stride_wsn, SCALE_N)
     if WEIGHTED:
         scale = tl.load(weight_ptr + j).to(tl.float32)
@@ -283,23 +300,25 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
             else:
                 hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
                 h_ptrs += BLOCK_K
-            if SCALED:
+            if BLOCKS:
                 sw = sw[:, None]
             if AHEAD and X_ROWS:  # hv is already a [BLOCK_N, BLOCK_K] tile
-                acc += _w32(w, sw, DT, SCALED) * (hv * scale)
+                acc += _w32(w, sw, BLOCKS) * (hv * scale)
             else:
-                acc += _w32(w, sw, DT, SCALED) * (hv * scale)[None, :]
+                acc += _w32(w, sw, BLOCKS) * (hv * scale)[None, :]
     else:
         for k0 in range(0, I, BLOCK_K):
             k_ok_K = (k_K < I - k0) | EVEN_K
             hv = tl.load(h_ptrs, mask=k_ok_K, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=w_ok_N[:, None] & k_ok_K[None, :], other=0.0)
             sw = _chunk_scales(ws_ptrs, k0, stride_wsk, w_ok_N, SCALED, SCALE_K)
-            if SCALED:
+            if BLOCKS:
                 sw = sw[:, None]
-            acc += _w32(w, sw, DT, SCALED) * (hv * scale)[None, :]
+            acc += _w32(w, sw, BLOCKS) * (hv * scale)[None, :]
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+    if SCALED and SCALE_K == 0:
+        acc = acc * _row_scales(ws_ptrs, w_ok_N, True)[:, None]
     return acc
 
 
@@ -325,7 +344,7 @@ def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k,
     k_K = tl.arange(0, BLOCK_K)
     w_ptrs = (w_ptr + expert_S[:, None, None] * stride_we + cols_N.to(tl.int64)[None, :, None] * stride_wd
               + k_K[None, None, :])
-    DT: tl.constexpr = h_ptr.dtype.element_ty
+    BLOCKS: tl.constexpr = SCALED and SCALE_K > 0  # FP8 scales per chunk, else (SCALED) one per row
     ws_ptrs = (ws_ptr + expert_S[:, None] * stride_wse
                + (cols_N // SCALE_N).to(tl.int64)[None, :] * stride_wsn)  # [SLOTS, BLOCK_N]
     h_ptrs = h_ptr + j_S.to(tl.int64)[:, None] * stride_hm + k_K[None, :]
@@ -359,14 +378,16 @@ def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k,
         after_K = k_K < I - k0 - 2 * BLOCK_K
         w_after = tl.load(w_ptrs, mask=w_ok_SN[:, :, None] & after_K[None, None, :], other=0.0)
         sw_next = _chunk_scales(ws_ptrs, _next_k(k0, BLOCK_K, I), stride_wsk, w_ok_SN, SCALED, SCALE_K)
-        if SCALED:
+        if BLOCKS:
             sw = sw[:, :, None]
         if X_ROWS:
             h_next = tl.load(h_ptrs, mask=h_ok & next_K[None, None, :], other=0.0)
-            acc += _w32(w, sw, DT, SCALED) * (hv * scale_S[:, None, None])
+            acc += _w32(w, sw, BLOCKS) * (hv * scale_S[:, None, None])
         else:
             h_next = tl.load(h_ptrs, mask=h_ok & next_K[None, :], other=0.0)
-            acc += _w32(w, sw, DT, SCALED) * (hv * scale_S[:, None])[:, None, :]
+            acc += _w32(w, sw, BLOCKS) * (hv * scale_S[:, None])[:, None, :]
+    if SCALED and SCALE_K == 0:
+        return tl.sum(tl.sum(acc, 2) * _row_scales(ws_ptrs, w_ok_SN, True), 0)
     return tl.sum(tl.sum(acc, 2), 0)
 
 

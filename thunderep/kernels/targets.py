@@ -74,6 +74,10 @@ _FP8_FLAGS = dict(SCALED=True, SCALE_N=128, SCALE_K=128)
 _FP8_KERNELS = {f"{name}_fp8": (_KERNELS[name][0], {**_KERNELS[name][1], **_FP8_FLAGS})
                 for name in ("up", "rows", "up_pairs", "up_pairs_ahead", "up_pairs_dot", "down_pairs_split_ahead",
                              "down_pairs_all_slots")}
+# ... and with one scale across each row (SCALE_K 0: the FP8 values in the products, the sums scaled)
+_FP8_KERNELS.update({f"{name}_fp8rows": (_KERNELS[name][0], {**_KERNELS[name][1], **_FP8_FLAGS, "SCALE_N": 1,
+                                                             "SCALE_K": 0})
+                     for name in ("up", "up_pairs_ahead", "down_pairs_all_slots")})
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (ROUTE_MAX_PAIRS), 256 experts
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
@@ -119,8 +123,8 @@ def compile_kernels(arch: int, names=None) -> list[KernelBuild]:
     for name, (fn, flags) in kernels.items():
         if names is not None and name not in names:
             continue
-        base = name.removesuffix("_pdl").removesuffix("_tail").removesuffix("_fp8")
-        sig, attrs, consts = _signature(fn, base, fp8=name.endswith("_fp8"))
+        base = name.removesuffix("_pdl").removesuffix("_tail").removesuffix("rows").removesuffix("_fp8")
+        sig, attrs, consts = _signature(fn, base, fp8="_fp8" in name)
         meta = (_PAIR_META if "_pairs" in name else _ROUTE_META if name == "route"
                 else _TAIL_META if name.endswith("_tail") else _ROW_META)
         defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
