@@ -130,14 +130,17 @@ class Fp8Weight:
         bR, bC = block if block is not None else (1, C)
         dtype = dtype or w_ERC.dtype
         nR, nC = _cdiv(R, bR), _cdiv(C, bC)
-        padded = torch.zeros(E, nR * bR, nC * bC, dtype=torch.float32, device=w_ERC.device)
-        padded[:, :R, :C] = w_ERC.float()
-        blocks = padded.view(E, nR, bR, nC, bC)
-        amax = blocks.abs().amax(dim=(2, 4))
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        q = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        q = q.view(E, nR * bR, nC * bC)[:, :R, :C].contiguous()
-        return cls(q, scale.contiguous(), (bR, bC), dtype)
+        q = torch.empty(E, R, C, dtype=FP8, device=w_ERC.device)
+        scale = torch.empty(E, nR, nC, dtype=torch.float32, device=w_ERC.device)
+        for e in range(E):  # one expert's float32 copy at a time: a layer's would not fit beside it
+            padded = torch.zeros(nR * bR, nC * bC, dtype=torch.float32, device=w_ERC.device)
+            padded[:R, :C] = w_ERC[e].float()
+            blocks = padded.view(nR, bR, nC, bC)
+            amax = blocks.abs().amax(dim=(1, 3))
+            scale[e] = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+            q[e] = (blocks / scale[e][:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(
+                nR * bR, nC * bC)[:R, :C]
+        return cls(q, scale, (bR, bC), dtype)
 
     def to(self, device) -> Fp8Weight:
         return Fp8Weight(self.q.to(device), self.scale.to(device), self.block, self.dtype)
