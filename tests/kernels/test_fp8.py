@@ -49,6 +49,17 @@ def test_quantize_round_trip_and_dequantize_equals_a_loop(block):
     assert torch.equal(q.dequantize(slice(1, 3)), deq[1:3])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_gpu_quantize_equals_the_cpu_bit_for_bit(block):
+    """A rank quantizes its experts on its own device: the FP8 bytes and scales must not depend on which
+    (CUDA divides by a Python number through its reciprocal, one bit off the CPU's division)."""
+    w = torch.randn(4, 256, 384, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    cpu, gpu = Fp8Weight.quantize(w, block), Fp8Weight.quantize(w.cuda(), block)
+    assert torch.equal(gpu.scale.cpu(), cpu.scale)
+    assert torch.equal(gpu.q.cpu().view(torch.uint8), cpu.q.view(torch.uint8))
+
+
 def test_fp8_weight_rejects_what_the_kernels_cannot_read():
     q = torch.zeros(2, 8, 16, dtype=FP8)
     with pytest.raises(InputError, match=r"scale must be float32 \(2, 1, 1\)"):
@@ -67,23 +78,26 @@ def test_fp8_weight_rejects_what_the_kernels_cannot_read():
 
 triton = pytest.importorskip("triton")
 
-from test_moe_triton import CUDA, MODEL_SHAPES, make_case, reference, rel_err  # noqa: E402
+from test_moe_triton import CUDA, DEVICE, MODEL_SHAPES, make_case, reference, rel_err  # noqa: E402
 
+from thunderep.kernels import ops as ops_mod  # noqa: E402
 from thunderep.kernels import pairs as pairs_mod  # noqa: E402
 from thunderep.kernels.ops import moe_mlp, routed_moe_mlp  # noqa: E402
 
 
-def _fp8_case(T, D, I, E, K, dtype, seed, blocks):
-    """x, both weights as Fp8Weight (blocks: (gate_up's, down's); None: one scale per row), ids, weights."""
-    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, dtype, seed)
+def _fp8_case(T, D, I, E, K, dtype, seed, blocks, ids=None):
+    """x, both weights as Fp8Weight (blocks: (gate_up's, down's); None: one scale per row), ids (drawn
+    unless given), weights."""
+    x, w_gu, w_d, drawn, weights = make_case(T, D, I, E, K, dtype, seed)
+    ids = drawn if ids is None else ids
     return (x, Fp8Weight.quantize(w_gu, blocks[0]), Fp8Weight.quantize(w_d, blocks[1]), ids.to(x.device),
             weights.to(device=x.device, dtype=dtype))
 
 
-def _check_fp8(T, D, I, E, K, dtype, blocks, tol, seed=0, path="auto"):
+def _check_fp8(T, D, I, E, K, dtype, blocks, tol, seed=0, ids=None):
     """routed_moe_mlp on FP8 weights against the float64 reference on their dequantized values, and
     against the same call on the dequantized weights (bf16 / fp16 tensors). Returns both outputs."""
-    x, w_gu, w_d, ids, weights = _fp8_case(T, D, I, E, K, dtype, seed, blocks)
+    x, w_gu, w_d, ids, weights = _fp8_case(T, D, I, E, K, dtype, seed, blocks, ids)
     deq_gu, deq_d = w_gu.dequantize(), w_d.dequantize()
     with torch.no_grad():
         y = routed_moe_mlp(x, w_gu, w_d, ids, weights)
@@ -161,6 +175,39 @@ def test_interpreter_fp8_sorted_mode_and_float16(monkeypatch):
     y_ref = reference(x_sorted.double(), w_gu.dequantize().double(), w_d.dequantize().double(), ids_sorted,
                       torch.ones(6, 1, dtype=torch.float64))
     assert y.dtype == torch.float16 and rel_err(y, y_ref) < 2e-3
+
+
+def _check_fp8_tails(counts, config, D, I, dtype, blocks, tol, monkeypatch):
+    """The sorted kernels pinned to one row-kernel config (autotuning off) on routing with exactly
+    counts[e] rows for expert e (K = 1, rows shuffled): last tiles that take a tail of rows, on FP8
+    weights (the kernels' transposed product, moe_triton._dot_k), against the float64 reference."""
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    monkeypatch.setitem(ops_mod._DEFAULT, config.kwargs["BLOCK_M"], config)
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))][:, None]
+    assert ops_mod._m_key(len(ids), len(counts))[0] == config.kwargs["BLOCK_M"]
+    _check_fp8(len(ids), D, I, len(counts), 1, dtype, blocks, tol, ids=ids.to(DEVICE))
+
+
+@pytest.mark.skipif(CUDA, reason="test_gpu_fp8_last_tile_takes_a_tail covers this on the compiled kernels")
+@pytest.mark.parametrize("blocks", ["row", "16x16"])
+def test_interpreter_fp8_last_tile_takes_a_tail(blocks, monkeypatch):
+    """444 rows over 8 experts in 64-row tiles with tails of up to 32 rows (as test_moe_triton's
+    test_interpreter_last_tile_takes_a_tail): experts of 70, 96 and 150 rows end in a tile with a tail."""
+    _check_fp8_tails([70, 96, 97, 20, 0, 150, 10, 1], ops_mod._row_cfg(64, 32, 16, 4, 1, tail=True, group=1), 32,
+                     48, torch.float16, (None, None) if blocks == "row" else ((16, 16), (16, 16)), 2e-3,
+                     monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", ["row", "128x128"])
+def test_gpu_fp8_last_tile_takes_a_tail(blocks, monkeypatch):
+    """The compiled kernels at the 128-row size class with tails (as test_moe_triton's
+    test_gpu_last_tile_takes_a_tail), on FP8 weights."""
+    _check_fp8_tails([134, 192, 193, 40, 0, 300, 100, 150], ops_mod._row_cfg(128, 128, 64, 8, 3, tail=True, group=1),
+                     1024, 512, torch.bfloat16, (None, None) if blocks == "row" else ((128, 128), (128, 128)), 2e-2,
+                     monkeypatch)
 
 
 def test_fp8_weights_refuse_gradients_and_mixed_weights():

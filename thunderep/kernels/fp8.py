@@ -137,7 +137,9 @@ class Fp8Weight:
             padded[:R, :C] = w_ERC[e].float()
             blocks = padded.view(nR, bR, nC, bC)
             amax = blocks.abs().amax(dim=(1, 3))
-            scale[e] = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+            # A true division on every device: CUDA divides by a Python number as a multiply by its
+            # reciprocal, whose scales differ from the CPU's in the last bit (and the FP8 values with them).
+            scale[e] = torch.where(amax > 0, amax / amax.new_tensor(FP8_MAX), torch.ones_like(amax))
             q[e] = (blocks / scale[e][:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(
                 nR * bR, nC * bC)[:R, :C]
         return cls(q, scale, (bR, bC), dtype)
