@@ -145,6 +145,8 @@ _PAIR_VARIANTS = {  # (gate/up config, down config): every loop of the pair kern
     "x_rows-split-x_rows": (dict(dot=False, ahead=True, x_rows=True), dict(split=True, ahead=True, x_rows=True)),
     "fma-all_slots": (dict(dot=False), dict(split=False, all_slots=True)),
     "fma-all_slots-x_rows": (dict(dot=False), dict(split=False, all_slots=True, x_rows=True)),
+    "reduce-split_reduce": (dict(dot=False, reduce=True), dict(split=True, reduce=True)),
+    "ahead_reduce-ahead_reduce": (dict(dot=False, ahead=True, reduce=True), dict(split=False, ahead=True, reduce=True)),
 }
 
 

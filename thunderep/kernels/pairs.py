@@ -87,6 +87,29 @@ def _w32(w, scale, BLOCKS: tl.constexpr):
 
 
 @triton.jit
+def _tile_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE: tl.constexpr):
+    """An elementwise loop's float32 accumulator: [BLOCK_N, BLOCK_K], summed over k at the end, or
+    (REDUCE) [BLOCK_N, 1], each chunk summed over k as it comes: its registers then do not grow with
+    the chunk, so chunks of 1024 to 2048 columns fit, more weight bytes in flight per program. Measured
+    on the H200 (docs/BENCHMARKS.md, "FP8 expert weights"): a plain FP8 matrix-vector product read 87%
+    of the copy bandwidth with [16, 256] tile sums and 94% with [4, 2048] chunks summed each step (bf16
+    read 100% either way)."""
+    if REDUCE:
+        return tl.zeros((BLOCK_N, 1), dtype=tl.float32)
+    else:
+        return tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+
+
+@triton.jit
+def _tile_add(acc, prod, REDUCE: tl.constexpr):
+    """acc + one chunk's products [BLOCK_N, BLOCK_K], in `_tile_acc`'s layout."""
+    if REDUCE:
+        return acc + tl.sum(prod, 1, keep_dims=True)
+    else:
+        return acc + prod
+
+
+@triton.jit
 def _row_scales(s_ptrs, ok, ROWS: tl.constexpr):
     """The one scale of each row at s_ptrs for FP8 weights with one scale across each row (ROWS), which
     the row's float32 sum is multiplied by; 1.0 otherwise."""
@@ -122,7 +145,7 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
                      INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                      PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
                      X_ROWS: tl.constexpr, SCALED: tl.constexpr = False, SCALE_N: tl.constexpr = 1,
-                     SCALE_K: tl.constexpr = 1):
+                     SCALE_K: tl.constexpr = 1, REDUCE: tl.constexpr = False):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1).
 
@@ -173,8 +196,8 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
     else:  # weight tiles [BLOCK_N, BLOCK_K]
         g_ptrs = w_base + gate_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
         u_ptrs = w_base + up_N.to(tl.int64)[:, None] * stride_wn + k_K[None, :]
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_g = _tile_acc(BLOCK_N, BLOCK_K, REDUCE)
+        acc_u = _tile_acc(BLOCK_N, BLOCK_K, REDUCE)
     if AHEAD and not DOT:
         first_K = (k_K < D) | EVEN_K
         g_next = tl.load(g_ptrs, mask=col_ok_N[:, None] & first_K[None, :], other=0.0)
@@ -201,12 +224,12 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
                 sg, su = sg[:, None], su[:, None]
             if X_ROWS:
                 x_next = tl.load(x_ptrs, mask=(cols_N >= 0)[:, None] & next_K[None, :], other=0.0)
-                acc_g += _w32(g, sg, BLOCKS) * xv.to(tl.float32)
-                acc_u += _w32(u, su, BLOCKS) * xv.to(tl.float32)
+                acc_g = _tile_add(acc_g, _w32(g, sg, BLOCKS) * xv.to(tl.float32), REDUCE)
+                acc_u = _tile_add(acc_u, _w32(u, su, BLOCKS) * xv.to(tl.float32), REDUCE)
             else:
                 x_next = tl.load(x_ptrs, mask=next_K, other=0.0)
-                acc_g += _w32(g, sg, BLOCKS) * xv.to(tl.float32)[None, :]
-                acc_u += _w32(u, su, BLOCKS) * xv.to(tl.float32)[None, :]
+                acc_g = _tile_add(acc_g, _w32(g, sg, BLOCKS) * xv.to(tl.float32)[None, :], REDUCE)
+                acc_u = _tile_add(acc_u, _w32(u, su, BLOCKS) * xv.to(tl.float32)[None, :], REDUCE)
     else:
         for k0 in range(0, D, BLOCK_K):
             k_ok_K = (k_K < D - k0) | EVEN_K
@@ -229,8 +252,10 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
                 ok = col_ok_N[:, None] & k_ok_K[None, :]
                 if BLOCKS:
                     sg, su = sg[:, None], su[:, None]
-                acc_g += _w32(tl.load(g_ptrs, mask=ok, other=0.0), sg, BLOCKS) * xv.to(tl.float32)[None, :]
-                acc_u += _w32(tl.load(u_ptrs, mask=ok, other=0.0), su, BLOCKS) * xv.to(tl.float32)[None, :]
+                acc_g = _tile_add(acc_g, _w32(tl.load(g_ptrs, mask=ok, other=0.0), sg, BLOCKS)
+                                  * xv.to(tl.float32)[None, :], REDUCE)
+                acc_u = _tile_add(acc_u, _w32(tl.load(u_ptrs, mask=ok, other=0.0), su, BLOCKS)
+                                  * xv.to(tl.float32)[None, :], REDUCE)
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -249,9 +274,11 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
 def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd, ws_ptr,
                   stride_wse, stride_wsn, stride_wsk, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr, AHEAD: tl.constexpr,
-                  X_ROWS: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
+                  X_ROWS: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                  REDUCE: tl.constexpr):
     """w[j] * (h[j] . Wd[ids[j], n]) for columns n, as a [BLOCK_N, BLOCK_K] float32 tile to be summed
-    over its second axis. An id outside [0, E) reads no weights (its h row is 0 or NaN).
+    over its second axis ([BLOCK_N, 1] with REDUCE, `_tile_acc`). An id outside [0, E) reads no
+    weights (its h row is 0 or NaN).
     WAIT (launched as a programmatic dependent of the gate/up pass): load the first weight chunk while
     that pass still runs, then wait for it (gdc_wait) before reading h; each later chunk is loaded one
     step ahead. AHEAD: weight and h chunks both loaded one step ahead, with or without WAIT (the h
@@ -271,7 +298,7 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
         scale = tl.load(weight_ptr + j).to(tl.float32)
     else:
         scale = 1.0
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = _tile_acc(BLOCK_N, BLOCK_K, REDUCE)
     if WAIT or AHEAD:
         first_K = (k_K < I) | EVEN_K
         w_next = tl.load(w_ptrs, mask=w_ok_N[:, None] & first_K[None, :], other=0.0)
@@ -303,9 +330,9 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
             if BLOCKS:
                 sw = sw[:, None]
             if AHEAD and X_ROWS:  # hv is already a [BLOCK_N, BLOCK_K] tile
-                acc += _w32(w, sw, BLOCKS) * (hv * scale)
+                acc = _tile_add(acc, _w32(w, sw, BLOCKS) * (hv * scale), REDUCE)
             else:
-                acc += _w32(w, sw, BLOCKS) * (hv * scale)[None, :]
+                acc = _tile_add(acc, _w32(w, sw, BLOCKS) * (hv * scale)[None, :], REDUCE)
     else:
         for k0 in range(0, I, BLOCK_K):
             k_ok_K = (k_K < I - k0) | EVEN_K
@@ -314,7 +341,7 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
             sw = _chunk_scales(ws_ptrs, k0, stride_wsk, w_ok_N, SCALED, SCALE_K)
             if BLOCKS:
                 sw = sw[:, None]
-            acc += _w32(w, sw, BLOCKS) * (hv * scale)[None, :]
+            acc = _tile_add(acc, _w32(w, sw, BLOCKS) * (hv * scale)[None, :], REDUCE)
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
     if SCALED and SCALE_K == 0:
@@ -397,7 +424,7 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
                        WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, X_ROWS: tl.constexpr,
                        ALL_SLOTS: tl.constexpr = False, SLOTS: tl.constexpr = 1, SCALED: tl.constexpr = False,
-                       SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1):
+                       SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1, REDUCE: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass.
     h: [T*K, I]; Wd: [E, D, I] (unit stride along I). Elementwise multiply-adds as in _up_pairs_kernel
@@ -431,7 +458,7 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
         j = t * top_k + tl.program_id(2)
         part_N = tl.sum(_slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
                                       stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K,
-                                      BLOCK_N, BLOCK_K, PDL, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K), 1)
+                                      BLOCK_N, BLOCK_K, PDL, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K, REDUCE), 1)
         tl.store(part_ptr + j.to(tl.int64) * D + cols_N, part_N, mask=col_ok_N)
         count = count_ptr + t.to(tl.int64) * stride_cm + tile
         if tl.atomic_add(count, 1, sem="acq_rel") == top_k - 1:  # the token's other slots are stored
@@ -445,27 +472,29 @@ def _down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count
     else:
         acc = _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm, stride_we,
                             stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K,
-                            PDL, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K)
+                            PDL, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K, REDUCE)
         for slot in range(1, top_k):
             acc += _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E, stride_hm,
                                  stride_we, stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K,
-                                 BLOCK_N, BLOCK_K, False, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K)
+                                 BLOCK_N, BLOCK_K, False, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K, REDUCE)
         tl.store(y_ptrs, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=col_ok_N)
 
 
 # ---- host side ----------------------------------------------------------------------------------------
 
 
-def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False, x_rows=False, all_slots=False):
+def _pair_cfg(bn, bk, warps, stages, dot=None, split=None, ahead=False, x_rows=False, all_slots=False,
+              reduce=False):
     """A pair-kernel config. `dot` (gate/up pass only): 16-row tensor-core tiles instead of elementwise;
     `split` (down pass only): one program per (token, column tile, slot) instead of a loop over slots;
     `all_slots` (down pass only, with split False): all of a token's slots in one program's tile, its
     weights loaded two chunks ahead and h one; `ahead` (elementwise loops): the next chunk's loads
     issued before this chunk's multiply-adds; `x_rows` (with ahead or all_slots): the vector (x, or h)
-    loaded per row of the tile, no layout conversion."""
+    loaded per row of the tile, no layout conversion; `reduce` (elementwise loops, not all_slots):
+    each chunk summed over k as it comes (`_tile_acc`), tuned for FP8 weights only."""
     kwargs = {"BLOCK_N": bn, "BLOCK_K": bk, **({} if dot is None else {"DOT": dot}),
               **({} if split is None else {"SPLIT": split}), "AHEAD": ahead, "X_ROWS": x_rows,
-              **({"ALL_SLOTS": True} if all_slots else {})}
+              **({"ALL_SLOTS": True} if all_slots else {}), **({"REDUCE": True} if reduce else {})}
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
@@ -485,12 +514,19 @@ _DOWN_AHEAD_TILES = [(16, 128, 4, 1), (32, 128, 4, 1), (64, 128, 8, 1)]
 # On the H200 the autotuner chose 4 x 128 for Qwen3 (docs/BENCHMARKS.md, "Decode: all slots in one tile").
 _DOWN_ALL_SLOTS_TILES = [(4, 128, 4, 1), (8, 64, 4, 1), (8, 128, 8, 1), (16, 128, 8, 1), (2, 256, 4, 1),
                          (4, 256, 8, 1)]
+# Chunks summed as they come (reduce=True), wide: the tiles of the H200's fastest FP8 matrix-vector
+# products in examples/fp8_convert_rate.py (docs/BENCHMARKS.md, "FP8 expert weights"). Tuned only for
+# FP8 weights (tuning.fit_scale_blocks drops them for others: bf16 read the memory as fast without).
+_REDUCE_TILES = [(4, 2048, 4, 1), (8, 1024, 4, 1), (16, 1024, 4, 1), (16, 512, 4, 1), (64, 256, 8, 1)]
 _DOWN_PAIR_CONFIGS = [_pair_cfg(*tile, split=split) for tile in _PAIR_TILES for split in (False, True)] + [
+    _pair_cfg(*tile, split=split, reduce=True) for tile in _REDUCE_TILES for split in (False, True)
+    if tile[0] >= 8 or not split] + [
     _pair_cfg(*tile, split=True, ahead=True) for tile in _DOWN_AHEAD_TILES] + [
     _pair_cfg(*tile, split=True, ahead=True, x_rows=True) for tile in _DOWN_AHEAD_TILES[::2]] + [
     _pair_cfg(*tile, split=False, x_rows=x_rows, all_slots=True) for tile in _DOWN_ALL_SLOTS_TILES
     for x_rows in (False, True)]
 _UP_PAIR_CONFIGS = [_pair_cfg(*tile, dot=False) for tile in _PAIR_TILES] + [
+    _pair_cfg(*tile, dot=False, ahead=ahead, reduce=True) for tile in _REDUCE_TILES for ahead in (False, True)] + [
     _pair_cfg(*tile, dot=False, ahead=True) for tile in _UP_AHEAD_TILES] + [
     _pair_cfg(*tile, dot=False, ahead=True, x_rows=True) for tile in _UP_AHEAD_TILES[:2] + _UP_AHEAD_TILES[3:]] + [
     _pair_cfg(16, 256, 4, 4, True), _pair_cfg(32, 128, 4, 4, True), _pair_cfg(32, 256, 4, 3, True),

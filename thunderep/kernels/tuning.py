@@ -149,8 +149,11 @@ def fit_scale_blocks(configs: list, args: dict, k_arg: str | None) -> list:
     """`configs` for a kernel whose FP8 weights (args["SCALED"]) carry one scale per SCALE_K columns
     along `k_arg`: each chunk of BLOCK_K columns must lie in one scale block, so BLOCK_K shrinks to its
     largest power of two dividing SCALE_K where SCALE_K is shorter than the whole k_arg (duplicates
-    dropped). Unchanged for other kernels. SCALE_K is a multiple of 16 there (ops checks it)."""
-    if not args.get("SCALED") or k_arg is None or args["SCALE_K"] in (0, args[k_arg]):  # 0: one per row
+    dropped). Unchanged for other kernels, except that configs made for FP8 weights alone (REDUCE,
+    pairs.py) are dropped for plain weights. SCALE_K is a multiple of 16 there (ops checks it)."""
+    if not args.get("SCALED"):
+        return [c for c in configs if not c.kwargs.get("REDUCE")] or configs
+    if k_arg is None or args["SCALE_K"] in (0, args[k_arg]):  # 0: one per row
         return configs
     step = args["SCALE_K"] & -args["SCALE_K"]  # its largest power-of-two factor
     out, seen = [], set()
