@@ -588,9 +588,12 @@ _STOPPED = re.compile(r"\[thunderep\] stopped by SIGTERM after step (\d+)/100000
 def test_sigterm_saves_the_step_and_the_same_command_resumes_from_it(tmp_path, capfd):
     """SIGTERM to the command alone (as `docker stop` sends it) with --checkpoint: the ranks finish their
     step, save it, say so with the flag to resume with, and the command exits with 143 without writing
-    --out. The same command resumes from that step and writes the model an uninterrupted run of as many
-    steps writes (one process training on the ranks' batches; --steps lowered from 100000 to 2 more than
-    the saved step: with the constant learning rate those steps are the same)."""
+    --out. The same command resumes from that step and writes, bit for bit, the model that the command
+    run uninterrupted for as many steps writes (--steps lowered from 100000 to 2 more than the saved
+    step: with the constant learning rate those steps are the same). That run's equality with one
+    process's training is test_finetune_command_equals_one_process_training_and_resumes's: compared
+    here after a step count that depends on the signal's timing, the one-process reference's other
+    summation order, which Adam magnifies for near-zero gradients, can exceed any fixed tolerance."""
     from transformers import AutoModelForCausalLM
 
     from thunderep.checkpoint import MANIFEST
@@ -612,10 +615,16 @@ def test_sigterm_saves_the_step_and_the_same_command_resumes_from_it(tmp_path, c
     assert cli(["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--steps", str(step + 2),
                 *_SIGTERM_RUN, "--out", str(tmp_path / "out"), "--checkpoint", str(ckpt)]) == 0
     assert f"resuming from {ckpt} at step {step}" in capfd.readouterr().out
-    want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=step + 2).state_dict()
+    assert cli(["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--steps", str(step + 2),
+                *_SIGTERM_RUN, "--out", str(tmp_path / "whole")]) == 0
+    want = AutoModelForCausalLM.from_pretrained(str(tmp_path / "whole"), dtype=torch.float32).state_dict()
     got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).state_dict()
+    start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    assert want.keys() == got.keys()
     for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        assert torch.equal(got[key], value), key
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(got[experts], start[experts])
 
 
 def test_sigterm_to_every_process_without_a_checkpoint_writes_nothing(tmp_path):

@@ -164,6 +164,23 @@ def test_interpreter_fp8_pair_kernel_variants(variant, monkeypatch):
     _check_fp8(3, 32, 48, 4, 3, torch.float16, ((16, 16), (5, 16)), tol=2e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", ["row", "128x128"])
+@pytest.mark.parametrize("variant", _PAIR_VARIANTS)
+def test_gpu_fp8_pair_kernel_variants(variant, blocks, monkeypatch):
+    """Each way the pair kernels loop, pinned and compiled, with 512-column chunks (narrowed to 128 for
+    128 x 128 blocks): the autotuner picks among them per shape, so the GPU tests with fixed configs
+    would otherwise compile only the defaults."""
+    up, down = _PAIR_VARIANTS[variant]
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(4 if up.get("reduce") else 16, 512, 4, 1,
+                                                                           **up))
+    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(16, 512, 4, 1, **down))
+    _check_fp8(3, 2048, 768, 8, 3, torch.bfloat16, (None, None) if blocks == "row" else ((128, 128), (128, 128)),
+               tol=2e-2)
+
+
 @pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")
 def test_interpreter_fp8_sorted_mode_and_float16(monkeypatch):
     """moe_mlp's sorted mode (rows already grouped by expert, unweighted) and float16 products."""
