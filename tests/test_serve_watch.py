@@ -5,6 +5,7 @@ tunings and compiles, graph captures, storage reallocations), or that nothing di
 from __future__ import annotations
 
 import collections
+import re
 
 import pytest
 
@@ -105,13 +106,17 @@ def test_the_serving_loop_reports_a_stalled_decode_step(monkeypatch, capsys):
     from thunderep.http_api import Job
 
     monkeypatch.setattr(serve._StepWatch, "MIN_SECONDS", 0.3)
-    step, calls = engine.DecodeBatch.step, []
+    step, took = engine.DecodeBatch.step, []
 
     def slow_twelfth_step(self):
-        calls.append(1)
-        if len(calls) == 12:
-            time.sleep(0.6)
-        return step(self)
+        if len(took) == 11:  # the stall: well past FACTOR times the steps so far, however loaded the host
+            took.append(max(0.6, 2 * serve._StepWatch.FACTOR * sorted(took)[len(took) // 2]))
+            time.sleep(took[-1])
+            return step(self)
+        started = time.perf_counter()
+        out = step(self)
+        took.append(time.perf_counter() - started)
+        return out
 
     monkeypatch.setattr(engine.DecodeBatch, "step", slow_twelfth_step)
     model = tiny_model("mixtral", seed=1).eval()
@@ -122,7 +127,8 @@ def test_the_serving_loop_reports_a_stalled_decode_step(monkeypatch, capsys):
                                 torch.device("cpu"), argparse.Namespace(max_batch=2, cuda_graphs="on"))
     err = capsys.readouterr().err
     assert err.count("slow step") == 1, err
-    assert "slow step on rank 0: decode step of 1 sequence(s) took 0.6" in err and NOTHING in err
+    reported = re.search(r"slow step on rank 0: decode step of 1 sequence\(s\) took (\d+\.\d\d) s", err)
+    assert reported and float(reported.group(1)) >= round(took[11], 2) - 0.01 and NOTHING in err, err
     with torch.no_grad():
         out = model.generate(torch.tensor([job.ids]), max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert server.answers[id(job)] == (out[0, 4:].tolist(), "length")
