@@ -101,12 +101,19 @@ def _tile_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE: tl.constexpr
 
 
 @triton.jit
-def _tile_add(acc, prod, REDUCE: tl.constexpr):
-    """acc + one chunk's products [BLOCK_N, BLOCK_K], in `_tile_acc`'s layout."""
+def _chunk_mac(acc, w, scale, v, BLOCKS: tl.constexpr, REDUCE: tl.constexpr):
+    """acc + one chunk's products w * v in `_tile_acc`'s layout: w a [BLOCK_N, BLOCK_K] weight tile, v
+    the vector's chunk in float32 broadcast to it, scale its rows' scales [BLOCK_N, 1] for FP8 tiles
+    with scale blocks along k (BLOCKS; a chunk lies in one block). Summed as it comes (REDUCE), the
+    chunk's sum is multiplied by the scales, not each value (one multiply less per weight)."""
     if REDUCE:
-        return acc + tl.sum(prod, 1, keep_dims=True)
+        if BLOCKS:
+            acc += tl.sum(w.to(tl.float32) * v, 1, keep_dims=True) * scale
+        else:
+            acc += tl.sum(w.to(tl.float32) * v, 1, keep_dims=True)
     else:
-        return acc + prod
+        acc += _w32(w, scale, BLOCKS) * v
+    return acc
 
 
 @triton.jit
@@ -224,12 +231,12 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
                 sg, su = sg[:, None], su[:, None]
             if X_ROWS:
                 x_next = tl.load(x_ptrs, mask=(cols_N >= 0)[:, None] & next_K[None, :], other=0.0)
-                acc_g = _tile_add(acc_g, _w32(g, sg, BLOCKS) * xv.to(tl.float32), REDUCE)
-                acc_u = _tile_add(acc_u, _w32(u, su, BLOCKS) * xv.to(tl.float32), REDUCE)
+                acc_g = _chunk_mac(acc_g, g, sg, xv.to(tl.float32), BLOCKS, REDUCE)
+                acc_u = _chunk_mac(acc_u, u, su, xv.to(tl.float32), BLOCKS, REDUCE)
             else:
                 x_next = tl.load(x_ptrs, mask=next_K, other=0.0)
-                acc_g = _tile_add(acc_g, _w32(g, sg, BLOCKS) * xv.to(tl.float32)[None, :], REDUCE)
-                acc_u = _tile_add(acc_u, _w32(u, su, BLOCKS) * xv.to(tl.float32)[None, :], REDUCE)
+                acc_g = _chunk_mac(acc_g, g, sg, xv.to(tl.float32)[None, :], BLOCKS, REDUCE)
+                acc_u = _chunk_mac(acc_u, u, su, xv.to(tl.float32)[None, :], BLOCKS, REDUCE)
     else:
         for k0 in range(0, D, BLOCK_K):
             k_ok_K = (k_K < D - k0) | EVEN_K
@@ -252,10 +259,10 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
                 ok = col_ok_N[:, None] & k_ok_K[None, :]
                 if BLOCKS:
                     sg, su = sg[:, None], su[:, None]
-                acc_g = _tile_add(acc_g, _w32(tl.load(g_ptrs, mask=ok, other=0.0), sg, BLOCKS)
-                                  * xv.to(tl.float32)[None, :], REDUCE)
-                acc_u = _tile_add(acc_u, _w32(tl.load(u_ptrs, mask=ok, other=0.0), su, BLOCKS)
-                                  * xv.to(tl.float32)[None, :], REDUCE)
+                acc_g = _chunk_mac(acc_g, tl.load(g_ptrs, mask=ok, other=0.0), sg, xv.to(tl.float32)[None, :], BLOCKS,
+                                   REDUCE)
+                acc_u = _chunk_mac(acc_u, tl.load(u_ptrs, mask=ok, other=0.0), su, xv.to(tl.float32)[None, :], BLOCKS,
+                                   REDUCE)
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -330,9 +337,9 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
             if BLOCKS:
                 sw = sw[:, None]
             if AHEAD and X_ROWS:  # hv is already a [BLOCK_N, BLOCK_K] tile
-                acc = _tile_add(acc, _w32(w, sw, BLOCKS) * (hv * scale), REDUCE)
+                acc = _chunk_mac(acc, w, sw, hv * scale, BLOCKS, REDUCE)
             else:
-                acc = _tile_add(acc, _w32(w, sw, BLOCKS) * (hv * scale)[None, :], REDUCE)
+                acc = _chunk_mac(acc, w, sw, (hv * scale)[None, :], BLOCKS, REDUCE)
     else:
         for k0 in range(0, I, BLOCK_K):
             k_ok_K = (k_K < I - k0) | EVEN_K
@@ -341,7 +348,7 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
             sw = _chunk_scales(ws_ptrs, k0, stride_wsk, w_ok_N, SCALED, SCALE_K)
             if BLOCKS:
                 sw = sw[:, None]
-            acc = _tile_add(acc, _w32(w, sw, BLOCKS) * (hv * scale)[None, :], REDUCE)
+            acc = _chunk_mac(acc, w, sw, (hv * scale)[None, :], BLOCKS, REDUCE)
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
     if SCALED and SCALE_K == 0:
