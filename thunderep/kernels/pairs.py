@@ -167,6 +167,7 @@ def _up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, t
     memory, with barriers) sits between the gate and the up loads. Same arithmetic in the same order.
     X_ROWS (with AHEAD): x's chunk loaded as a [BLOCK_N, BLOCK_K] tile, each row's threads loading the
     elements they multiply (repeats served by L1), so no layout conversion and no barrier per chunk.
+    REDUCE (elementwise, tuned for FP8 weights): each chunk summed over k as it comes (`_tile_acc`).
     x: [T, D]; Wgu: [E, 2I, D] (unit stride along D); h: [T*K, I] in flat (token, slot) order.
     Expert id -1 marks a pair that is not computed here (another rank's expert): h = 0 and no weight
     is read. Any other id outside [0, E) writes NaN (no sync to check ids on the host; the token's
