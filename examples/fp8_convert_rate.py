@@ -97,11 +97,11 @@ MODES = {"bf16": 0, "fp8": 1, "fp8-bits": 2, "fp8-words": 3, "bf16-reduce": 4, "
 def _operand(mode: str, w_fp8: torch.Tensor) -> torch.Tensor:
     if mode.startswith("bf16"):
         return w_fp8.to(torch.bfloat16)
-    if mode.startswith("fp8") and mode != "fp8-bits" and mode != "fp8-words":
-        return w_fp8
     if mode == "fp8-bits":
         return w_fp8.view(torch.uint8)
-    return w_fp8.view(torch.int32)
+    if mode == "fp8-words":
+        return w_fp8.view(torch.int32)
+    return w_fp8
 
 
 def main() -> None:
