@@ -256,3 +256,128 @@ def test_gpu_fp8_model_shapes(shape, T, blocks):
     D, I, E, K = MODEL_SHAPES[shape]
     _check_fp8(T, D, I, E, K, torch.bfloat16, (None, None) if blocks == "row" else ((128, 128), (128, 128)),
                tol=2e-2, seed=T)
+
+
+# ---- W8A8: FP8 inputs too, on the sorted kernels --------------------------------------------------------
+
+from thunderep.kernels.fp8 import dequantize_rows, quantize_rows  # noqa: E402
+
+
+def _w8a8_reference(x, w_gu, w_d, ids, weights, quantized=True):
+    """float64 y of the W8A8 kernels (fp8.py): x quantized per row, h rounded to x's dtype then quantized
+    per row, the products exact over the exactly dequantized weights; `quantized` False: the same
+    without quantizing x and h (weight-only FP8, exact)."""
+    def rows(t):
+        return dequantize_rows(*quantize_rows(t), dtype=torch.float64) if quantized else t.double()
+
+    wg, wd = w_gu.dequantize(dtype=torch.float64), w_d.dequantize(dtype=torch.float64)
+    xd = rows(x)
+    y = torch.zeros(x.shape[0], wd.shape[1], dtype=torch.float64, device=x.device)
+    for e in ids.unique().tolist():
+        tok, slot = torch.where(ids == e)
+        gate, up = (xd[tok] @ wg[e].T).chunk(2, dim=-1)
+        h = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+        y = y.index_add(0, tok, (rows(h) @ wd[e].T) * weights[tok, slot, None].double())
+    return y
+
+
+def _check_w8a8(T, D, I, E, K, dtype, blocks, tol, seed=0, ids=None):
+    """routed_moe_mlp on W8A8 weights, the sorted kernels pinned, against _w8a8_reference; and at least
+    5x nearer to it than to the weight-only reference: the inputs were quantized."""
+    x, w_gu, w_d, ids, weights = _fp8_case(T, D, I, E, K, dtype, seed, blocks, ids)
+    w_gu, w_d = w_gu.with_w8a8(), w_d.with_w8a8()
+    with torch.no_grad():
+        y = routed_moe_mlp(x, w_gu, w_d, ids, weights)
+    ref = _w8a8_reference(x, w_gu, w_d, ids, weights)
+    weight_only = _w8a8_reference(x, w_gu, w_d, ids, weights, quantized=False)
+    assert y.shape == (T, D) and y.dtype == dtype
+    err, off = rel_err(y, ref), rel_err(y, weight_only)
+    assert err < tol and err * 5 < off, f"relative error {err:.2e} (weight-only reference: {off:.2e})"
+
+
+@pytest.mark.parametrize("shape", [(5, 48), (3, 1), (0, 8)])
+def test_quantize_rows_round_trip(shape):
+    """One scale per row, amax / FP8_MAX: each value within e4m3's 2^-4 plus half its row's subnormal step."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * torch.logspace(-3, 2, shape[0])[:, None]
+    if shape[0] > 1:
+        x[1] = 0.0  # an all-zero row: scale 1, zeros
+    q, scale = quantize_rows(x.to(torch.bfloat16))
+    assert q.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == (shape[0],)
+    back = dequantize_rows(q, scale)
+    xb = x.to(torch.bfloat16).float()
+    assert bool(((back - xb).abs() <= xb.abs() * 2**-4 + scale[:, None] * 2**-10).all())
+    if shape[0] > 1:
+        assert scale[1] == 1 and not back[1].any()
+    if shape[1] > 1:
+        assert torch.equal(q.float().abs().amax(1)[scale != 1], torch.full_like(scale[scale != 1], FP8_MAX))
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests cover these on the compiled kernels")
+@pytest.mark.parametrize("case", [(6, 32, 48, 4, 2, (None, None)), (5, 64, 96, 4, 2, ((32, 32), (7, 32))),
+                                  (2, 32, 32, 8, 3, ((128, 128), (128, 128)))],
+                         ids=lambda c: "T{}-D{}-I{}-E{}-K{}-{}".format(*c[:5], c[5][0]))
+def test_interpreter_w8a8_matches_its_reference(case, monkeypatch):
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    _check_w8a8(*case[:5], torch.float16, case[5], tol=3e-3)
+
+
+@pytest.mark.skipif(CUDA, reason="test_gpu_w8a8_last_tile_takes_a_tail covers this on the compiled kernels")
+def test_interpreter_w8a8_last_tile_takes_a_tail(monkeypatch):
+    """Tails of rows (as test_interpreter_fp8_last_tile_takes_a_tail): their row scales too."""
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    config = ops_mod._row_cfg(64, 32, 32, 4, 1, tail=True, group=1)
+    monkeypatch.setitem(ops_mod._DEFAULT, 64, config)
+    counts = [70, 96, 97, 20, 0, 150, 10, 1]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))][:, None]
+    assert ops_mod._m_key(len(ids), len(counts))[0] == 64
+    _check_w8a8(len(ids), 32, 64, len(counts), 1, torch.float16, ((32, 32), None), 3e-3, ids=ids)
+
+
+def test_w8a8_refuses_mixed_weights_and_narrow_blocks():
+    x, w_gu, w_d, ids, weights = _fp8_case(2, 64, 64, 4, 2, torch.bfloat16, 0, (None, (1, 16)))
+    with torch.no_grad(), pytest.raises(InputError, match=r"must agree on whether the products run in FP8"):
+        routed_moe_mlp(x, w_gu.with_w8a8(), w_d, ids, weights)
+    with torch.no_grad(), pytest.raises(InputError, match="FP8 products \\(w8a8\\) take blocks of a multiple of 32"):
+        routed_moe_mlp(x, w_gu.with_w8a8(), w_d.with_w8a8(), ids, weights)
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_rows_pass_equals_the_reference_bit_for_bit():
+    """passes.quantize_rows on a GPU against fp8.quantize_rows on the CPU: rows wider than one chunk,
+    an all-zero row, and values at rounding ties' scale."""
+    x = torch.randn(67, 5000, generator=torch.Generator().manual_seed(4)) * torch.logspace(-4, 3, 67)[:, None]
+    x[3] = 0.0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        xd = x.to(dtype)
+        q, scale = ops_mod.quantize_rows(xd.cuda())
+        q_ref, scale_ref = quantize_rows(xd)
+        assert torch.equal(scale.cpu(), scale_ref)
+        assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)), dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+@pytest.mark.parametrize("T", [64, 512])
+@pytest.mark.parametrize("blocks", ["row", "128x128"])
+def test_gpu_w8a8_model_shapes(shape, T, blocks, monkeypatch):
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    D, I, E, K = MODEL_SHAPES[shape]
+    _check_w8a8(T, D, I, E, K, torch.bfloat16, (None, None) if blocks == "row" else ((128, 128), (128, 128)),
+                tol=2e-2, seed=T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", ["row", "128x128"])
+def test_gpu_w8a8_last_tile_takes_a_tail(blocks, monkeypatch):
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    config = ops_mod._row_cfg(128, 128, 64, 8, 3, tail=True, group=1)
+    monkeypatch.setitem(ops_mod._DEFAULT, 128, config)
+    counts = [134, 192, 193, 40, 0, 300, 100, 150]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))][:, None]
+    _check_w8a8(len(ids), 1024, 512, len(counts), 1, torch.bfloat16,
+                (None, None) if blocks == "row" else ((128, 128), (128, 128)), 2e-2, ids=ids.to(DEVICE))

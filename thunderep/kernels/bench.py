@@ -104,7 +104,9 @@ PINS = {
 # Weight formats: "thunderep:<format>" runs ThunderEP's kernels (as configured) on FP8 copies of the same
 # weights (kernels/fp8.py), forward only: scale blocks of 128 x 128 (DeepSeek-V3's and Qwen3-FP8's
 # checkpoints), or one scale per row (what a bfloat16 checkpoint quantized at load gets).
-FORMATS = {"fp8": (128, 128), "fp8row": None}
+# name: (scale block, None for one scale per row; W8A8: the sorted kernels' inputs in FP8 too, fp8.py)
+FORMATS = {"fp8": ((128, 128), False), "fp8row": (None, False), "fp8-w8a8": ((128, 128), True),
+           "fp8row-w8a8": (None, True)}
 
 
 def _pinned(impl: str):
@@ -250,8 +252,9 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
         if _format(impl):
             from .fp8 import Fp8Weight
 
-            block = FORMATS[_format(impl)]
-            w8_gu, w8_d = Fp8Weight.quantize(w_gu.detach(), block), Fp8Weight.quantize(w_d.detach(), block)
+            block, w8a8 = FORMATS[_format(impl)]
+            w8_gu = Fp8Weight.quantize(w_gu.detach(), block, w8a8=w8a8)
+            w8_d = Fp8Weight.quantize(w_d.detach(), block, w8a8=w8a8)
             fns[impl] = _thunder_experts(D, I, E, K, w8_gu, w8_d)
             impl_bytes[impl] = (w8_gu.nbytes() + w8_d.nbytes()) / E
         elif impl != COPY:

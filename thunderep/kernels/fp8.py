@@ -12,8 +12,16 @@ products stay in `dtype` (bfloat16 or float16) or float32: the kernels (`ops.rou
 `pairs.py`) load FP8 tiles and convert them in registers. With one scale across each row (bC >= C) the
 FP8 values enter the products exactly (e4m3 fits in bfloat16 and float16) and each row's float32 sum is
 multiplied by its scale; with scale blocks along the row, each tile is multiplied by its scales (and,
-for tensor-core tiles, rounded to `dtype`). Weight-only: activations are not quantized, and nothing
-trains FP8 weights (no gradients).
+for tensor-core tiles, rounded to `dtype`). Nothing trains FP8 weights (no gradients).
+
+Weight-only by default: activations are not quantized. With `w8a8` the sorted kernels (prompts; the
+pair kernels of decode stay weight-only) also quantize their inputs, x and h, to e4m3 with one float32
+scale per row (`quantize_rows`), and the products run on FP8 tensor cores (twice the bfloat16 rate on
+sm_89, sm_90 and sm_120), float32 sums scaled by the row's and the weight's scales:
+
+    y = sum_k w_k * (dequant(q(h)) @ Wd.T),  h = act(dequant(q(x)) @ Wg.T) * (dequant(q(x)) @ Wu.T)
+
+where q rounds each row of its input (h: as `dtype` holds it) to e4m3 with scale amax / FP8_MAX.
 
 Scales come from the checkpoint (DeepSeek-V3's and Qwen3-FP8's 128 x 128 blocks; compressed-tensors'
 channel, group, block or tensor scales) or from `quantize` (one scale per row by default: bR = 1,
@@ -28,7 +36,8 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["FP8", "FP8_MAX", "Fp8Weight", "fp8_available", "scale_args", "weight_data"]
+__all__ = ["FP8", "FP8_MAX", "Fp8Weight", "dequantize_rows", "fp8_available", "quantize_rows", "scale_args",
+           "weight_data"]
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # the largest finite e4m3 value
@@ -49,12 +58,14 @@ class Fp8Weight:
     """One expert-stacked weight in FP8 with block scales (module docstring).
 
     q: [E, R, C] float8_e4m3fn, contiguous. scale: [E, ceil(R / bR), ceil(C / bC)] float32 on q's
-    device. block: (bR, bC), each >= 1. dtype: bfloat16 or float16, what the products run in."""
+    device. block: (bR, bC), each >= 1. dtype: bfloat16 or float16, what the products run in (and the
+    output's dtype). w8a8: the sorted kernels quantize their inputs per row too (module docstring)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     block: tuple[int, int]
     dtype: torch.dtype
+    w8a8: bool = False
 
     def __post_init__(self):
         if FP8 is None:
@@ -96,7 +107,7 @@ class Fp8Weight:
     def contiguous(self) -> Fp8Weight:
         if self.q.is_contiguous() and self.scale.is_contiguous():
             return self
-        return Fp8Weight(self.q.contiguous(), self.scale.contiguous(), self.block, self.dtype)
+        return Fp8Weight(self.q.contiguous(), self.scale.contiguous(), self.block, self.dtype, self.w8a8)
 
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4
@@ -118,10 +129,10 @@ class Fp8Weight:
 
     @classmethod
     def quantize(cls, w_ERC: torch.Tensor, block: tuple[int, int] | None = None,
-                 dtype: torch.dtype | None = None) -> Fp8Weight:
+                 dtype: torch.dtype | None = None, w8a8: bool = False) -> Fp8Weight:
         """`w_ERC` (any float dtype) in FP8: each block's scale is its largest magnitude / FP8_MAX (an
         all-zero block gets scale 1). block: (bR, bC), default (1, C): one scale per row. dtype: what the
-        products run in, default w's own (bfloat16 or float16)."""
+        products run in, default w's own (bfloat16 or float16). w8a8: see the class."""
         if FP8 is None:
             raise InputError(f"FP8 weights need torch.float8_e4m3fn; torch {torch.__version__} lacks it")
         if w_ERC.dim() != 3 or not w_ERC.is_floating_point():
@@ -142,10 +153,31 @@ class Fp8Weight:
             scale[e] = torch.where(amax > 0, amax / amax.new_tensor(FP8_MAX), torch.ones_like(amax))
             q[e] = (blocks / scale[e][:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(
                 nR * bR, nC * bC)[:R, :C]
-        return cls(q, scale, (bR, bC), dtype)
+        return cls(q, scale, (bR, bC), dtype, w8a8)
 
     def to(self, device) -> Fp8Weight:
-        return Fp8Weight(self.q.to(device), self.scale.to(device), self.block, self.dtype)
+        return Fp8Weight(self.q.to(device), self.scale.to(device), self.block, self.dtype, self.w8a8)
+
+    def with_w8a8(self, w8a8: bool = True) -> Fp8Weight:
+        """The same weight whose sorted kernels do (or do not) quantize their inputs too."""
+        return Fp8Weight(self.q, self.scale, self.block, self.dtype, w8a8)
+
+
+def quantize_rows(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_RC float8_e4m3fn, scale_R float32): each row of `x_RC` over its scale, amax / FP8_MAX (1 for an
+    all-zero row), in float32 with a true division, rounded to nearest e4m3: what the W8A8 kernels'
+    inputs hold (the reference; on a GPU `passes.quantize_rows` computes the same bits in one pass)."""
+    if FP8 is None:
+        raise InputError(f"FP8 activations need torch.float8_e4m3fn; torch {torch.__version__} lacks it")
+    wide = x_RC.float()
+    amax = wide.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / amax.new_tensor(FP8_MAX), torch.ones_like(amax))
+    return (wide / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_rows(q_RC: torch.Tensor, scale_R: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values `quantize_rows` stands for, in `dtype` (float32 and float64 hold them exactly)."""
+    return q_RC.to(dtype) * scale_R.to(dtype)[:, None]
 
 
 def scale_args(w, ptr: str, strides: tuple[str, str, str]) -> dict:

@@ -167,15 +167,27 @@ def _weight_scales(ws_ptr, expert, rows_N, stride_wse, stride_wsn, SCALE_N: tl.c
 
 
 @triton.jit
+def _fp8_dot(a, b, acc, BLOCK_K: tl.constexpr):
+    """acc + a @ b for FP8 a and b, the chunk's products summed apart and added to acc in float32: on
+    Hopper, FP8 tensor cores keep fewer accumulator bits, and Triton's default there adds every chunk
+    into acc at that precision (3.4x the error of this over Mixtral's k = 4096; docs/BENCHMARKS.md,
+    "W8A8 FP8 experts"). Elsewhere the same precise sum."""
+    return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+
+
+@triton.jit
 def _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, bs_ptrs, stride_bsk,
            PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr, WITH_TAIL: tl.constexpr, SCALED: tl.constexpr, SCALE_K: tl.constexpr):
+           BLOCK_K: tl.constexpr, WITH_TAIL: tl.constexpr, SCALED: tl.constexpr, SCALE_K: tl.constexpr,
+           A_FP8: tl.constexpr = False):
     """sum over k < K of A[m, k] * B[k, n]: a_ptrs [BLOCK_M, BLOCK_K] (unit stride along k), b_ptrs
     [BLOCK_K, BLOCK_N] (stride_bk along k), both at k = 0. Masked rows and columns read zeros.
     WITH_TAIL: also the tail's [S = BLOCK_M / 2] rows at s_ptrs, against the same loaded B tiles.
     SCALED: B is FP8, each column's scale for k in [k0, k0 + BLOCK_K) at bs_ptrs [BLOCK_N] + (k0 //
     SCALE_K) * stride_bsk (BLOCK_K divides SCALE_K), tiles dequantized to A's dtype; SCALE_K 0: one scale
     per column across all of k, the FP8 values (exact in A's dtype) multiplied and the sums scaled.
+    A_FP8 (with SCALED): A is FP8 too, and FP8 tiles enter the products as they are (FP8 tensor cores);
+    with scale blocks along k each chunk's sum is scaled. A's row scales are the caller's.
     Returns (acc_MN, acc_SN); acc_SN is zeros without the tail."""
     k_K = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -192,13 +204,25 @@ def _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, b
             b = tl.load(b_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
             if WITH_TAIL:
                 s = tl.load(s_ptrs, mask=row_ok_S[:, None] & k_ok_K[None, :], other=0.0)
-        if SCALED and SCALE_K > 0:  # scale blocks along k: each tile scaled and rounded to A's dtype
-            b = _dequant(b, tl.load(bs_ptrs + (k0 // SCALE_K) * stride_bsk, mask=col_ok_N, other=0.0)[None, :], a.dtype)
-        elif SCALED:  # one scale across each row: exact FP8 values in the product, the scale at the end
-            b = b.to(a.dtype)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if A_FP8 and SCALE_K > 0:  # FP8 products, each chunk's sum times its columns' scales
+            chunk_N = tl.load(bs_ptrs + (k0 // SCALE_K) * stride_bsk, mask=col_ok_N, other=0.0)[None, :]
+            acc += tl.dot(a, b) * chunk_N
+            if WITH_TAIL:
+                acc_s += tl.dot(s, b) * chunk_N
+        elif A_FP8:  # FP8 products, the scales at the end
+            acc = _fp8_dot(a, b, acc, BLOCK_K)
+            if WITH_TAIL:
+                acc_s = _fp8_dot(s, b, acc_s, BLOCK_K)
+        else:
+            if SCALED and SCALE_K > 0:  # scale blocks along k: each tile scaled and rounded to A's dtype
+                b = _dequant(b, tl.load(bs_ptrs + (k0 // SCALE_K) * stride_bsk, mask=col_ok_N, other=0.0)[None, :],
+                             a.dtype)
+            elif SCALED:  # one scale across each row: exact FP8 values in the product, the scale at the end
+                b = b.to(a.dtype)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if WITH_TAIL:
+                acc_s = tl.dot(s, b, acc_s, input_precision=PRECISION)
         if WITH_TAIL:
-            acc_s = tl.dot(s, b, acc_s, input_precision=PRECISION)
             s_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
@@ -211,10 +235,11 @@ def _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, b
 @triton.jit
 def _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D, gs_ptrs, us_ptrs, stride_bsk,
                  PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, WITH_TAIL: tl.constexpr, SCALED: tl.constexpr, SCALE_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, WITH_TAIL: tl.constexpr, SCALED: tl.constexpr, SCALE_K: tl.constexpr,
+                 A_FP8: tl.constexpr = False):
     """_dot_k for the gate and the up halves at once (g_ptrs, u_ptrs: [BLOCK_K, BLOCK_N], unit stride
-    along k; SCALED: their columns' scales at gs_ptrs, us_ptrs, as in _dot_k): (acc_g_MN, acc_u_MN,
-    acc_g_SN, acc_u_SN)."""
+    along k; SCALED, A_FP8: their columns' scales at gs_ptrs, us_ptrs, as in _dot_k): (acc_g_MN,
+    acc_u_MN, acc_g_SN, acc_u_SN)."""
     k_K = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -234,17 +259,34 @@ def _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D
             bu = tl.load(u_ptrs, mask=k_ok_K[:, None] & col_ok_N[None, :], other=0.0)
             if WITH_TAIL:
                 s = tl.load(s_ptrs, mask=row_ok_S[:, None] & k_ok_K[None, :], other=0.0)
-        if SCALED and SCALE_K > 0:
+        if A_FP8 and SCALE_K > 0:  # FP8 products, each chunk's sums times their columns' scales
             scale_at = (k0 // SCALE_K) * stride_bsk
-            bg = _dequant(bg, tl.load(gs_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
-            bu = _dequant(bu, tl.load(us_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
-        elif SCALED:
-            bg, bu = bg.to(a.dtype), bu.to(a.dtype)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+            chunk_g = tl.load(gs_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :]
+            chunk_u = tl.load(us_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :]
+            acc_g += tl.dot(a, bg) * chunk_g
+            acc_u += tl.dot(a, bu) * chunk_u
+            if WITH_TAIL:
+                tail_g += tl.dot(s, bg) * chunk_g
+                tail_u += tl.dot(s, bu) * chunk_u
+        elif A_FP8:  # FP8 products, the scales at the end
+            acc_g = _fp8_dot(a, bg, acc_g, BLOCK_K)
+            acc_u = _fp8_dot(a, bu, acc_u, BLOCK_K)
+            if WITH_TAIL:
+                tail_g = _fp8_dot(s, bg, tail_g, BLOCK_K)
+                tail_u = _fp8_dot(s, bu, tail_u, BLOCK_K)
+        else:
+            if SCALED and SCALE_K > 0:
+                scale_at = (k0 // SCALE_K) * stride_bsk
+                bg = _dequant(bg, tl.load(gs_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
+                bu = _dequant(bu, tl.load(us_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
+            elif SCALED:
+                bg, bu = bg.to(a.dtype), bu.to(a.dtype)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+            if WITH_TAIL:
+                tail_g = tl.dot(s, bg, tail_g, input_precision=PRECISION)
+                tail_u = tl.dot(s, bu, tail_u, input_precision=PRECISION)
         if WITH_TAIL:
-            tail_g = tl.dot(s, bg, tail_g, input_precision=PRECISION)
-            tail_u = tl.dot(s, bu, tail_u, input_precision=PRECISION)
             s_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
@@ -257,14 +299,30 @@ def _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D
 
 
 @triton.jit
-def _token_row_ptrs(base_ptr, rows, row_ok, order_ptr, top_k, stride, k_K, GATHER: tl.constexpr):
-    """[rows, BLOCK_K] pointers at k = 0 into the source row of each sorted row: its token
-    order[r] // top_k (GATHER), else the row itself (masked rows point at row 0)."""
+def _source_rows(rows, row_ok, order_ptr, top_k, GATHER: tl.constexpr):
+    """The source row of each sorted row: its token order[r] // top_k (GATHER), else the row itself
+    (masked rows: row 0)."""
     if GATHER:
-        src = tl.load(order_ptr + rows, mask=row_ok, other=0) // top_k
+        return tl.load(order_ptr + rows, mask=row_ok, other=0) // top_k
     else:
-        src = tl.where(row_ok, rows, 0)
+        return tl.where(row_ok, rows, 0)
+
+
+@triton.jit
+def _token_row_ptrs(base_ptr, rows, row_ok, order_ptr, top_k, stride, k_K, GATHER: tl.constexpr):
+    """[rows, BLOCK_K] pointers at k = 0 into the source row of each sorted row (_source_rows)."""
+    src = _source_rows(rows, row_ok, order_ptr, top_k, GATHER)
     return base_ptr + src.to(tl.int64)[:, None] * stride + k_K[None, :]
+
+
+@triton.jit
+def _row_scales(as_ptr, rows, row_ok, order_ptr, top_k, GATHER: tl.constexpr, A_FP8: tl.constexpr):
+    """[rows, 1] float32: the FP8 input's scale of each sorted row's source row (A_FP8), else 1."""
+    if A_FP8:
+        src = _source_rows(rows, row_ok, order_ptr, top_k, GATHER)
+        return tl.load(as_ptr + src, mask=row_ok, other=0.0)[:, None]
+    else:
+        return 1.0
 
 
 @triton.jit
@@ -288,7 +346,7 @@ def _up_store(acc_g, acc_u, rows, row_ok, cols_N, col_ok_N, gate_N, up_N, h_ptr,
 
 @triton.jit(do_not_specialize=["n_rows", "m_fill"])
 def _up_kernel(
-    x_ptr, w_ptr, h_ptr, gu_ptr, order_ptr, counts_ptr, ws_ptr,
+    x_ptr, w_ptr, h_ptr, gu_ptr, order_ptr, counts_ptr, ws_ptr, xs_ptr,
     n_rows, I, D, E, top_k,
     stride_xm, stride_we, stride_wn, stride_hm, stride_gm, stride_wse, stride_wsn, stride_wsk,
     m_class, m_fill,
@@ -297,12 +355,14 @@ def _up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     SCALED: tl.constexpr = False, SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1,
+    A_FP8: tl.constexpr = False,
 ):
     """h[r, c] = act(x[src(r)] . Wgu[e, gate(c)]) * (x[src(r)] . Wgu[e, up(c)]) for c < I.
 
     x: [*, D] (row stride stride_xm, unit column stride). Wgu: [E, 2I, D] (unit stride along D).
     h: [N, I]; gu (SAVE_GU): [N, 2I] in the weight's gate/up layout.
     SCALED: Wgu is FP8 with float32 scales ws [E, 2I / SCALE_N, D / SCALE_K] (by strides; fp8.py).
+    A_FP8 (with SCALED): x is FP8 too, row i standing for x[i] * xs[i] (fp8.quantize_rows).
     """
     expert, row0, tile_end, cols_N, col_ok_N, pid_n = _row_tile_of_program(
         n_rows, I, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M, TAIL)
@@ -326,13 +386,17 @@ def _up_kernel(
         s_ptrs = _token_row_ptrs(x_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_xm, k_K, GATHER)
         acc_g, acc_u, tail_g, tail_u = _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D,
                                                     gs_ptrs, us_ptrs, stride_wsk, PRECISION, EVEN_K, BLOCK_M,
-                                                    BLOCK_N, BLOCK_K, True, SCALED, SCALE_K)
+                                                    BLOCK_N, BLOCK_K, True, SCALED, SCALE_K, A_FP8)
+        tail_s = _row_scales(xs_ptr, rows_S, row_ok_S, order_ptr, top_k, GATHER, A_FP8)
+        tail_g, tail_u = tail_g * tail_s, tail_u * tail_s
         _up_store(tail_g, tail_u, rows_S, row_ok_S, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm,
                   stride_gm, ACT, SAVE_GU)
     else:
         acc_g, acc_u, _, _ = _dot_gate_up(a_ptrs, a_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_M, col_ok_N, D,
                                           gs_ptrs, us_ptrs, stride_wsk, PRECISION, EVEN_K, BLOCK_M, BLOCK_N,
-                                          BLOCK_K, False, SCALED, SCALE_K)
+                                          BLOCK_K, False, SCALED, SCALE_K, A_FP8)
+    row_s = _row_scales(xs_ptr, rows_M, row_ok_M, order_ptr, top_k, GATHER, A_FP8)
+    acc_g, acc_u = acc_g * row_s, acc_u * row_s
     _up_store(acc_g, acc_u, rows_M, row_ok_M, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm, stride_gm,
               ACT, SAVE_GU)
 
@@ -355,7 +419,7 @@ def _rows_store(acc, rows, row_ok, cols_N, col_ok_N, c_ptr, order_ptr, weight_pt
 
 @triton.jit(do_not_specialize=["n_rows", "m_fill"])
 def _rows_kernel(
-    a_ptr, b_ptr, c_ptr, order_ptr, weight_ptr, counts_ptr, bs_ptr,
+    a_ptr, b_ptr, c_ptr, order_ptr, weight_ptr, counts_ptr, bs_ptr, as_ptr,
     n_rows, N, K, E,
     stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_bse, stride_bsn, stride_bsk,
     m_class, m_fill,
@@ -363,12 +427,14 @@ def _rows_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     SCALED: tl.constexpr = False, SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1,
+    A_FP8: tl.constexpr = False,
 ):
     """c[dst(r), n] = w(r) * sum_k a[r, k] * B[e(r), n, k].
 
     a: [N_rows, K] sorted by expert (unit column stride). B: [E, N, K] by strides.
     dst(r) = order[r] (SCATTER, un-permute to the flat pair) else r. w(r) = weight[order[r]] (WEIGHTED).
     SCALED: B is FP8 with float32 scales bs [E, N / SCALE_N, K / SCALE_K] (by strides; fp8.py).
+    A_FP8 (with SCALED): a is FP8 too, row r standing for a[r] * as[r] (fp8.quantize_rows).
     """
     expert, row0, tile_end, cols_N, col_ok_N, pid_n = _row_tile_of_program(
         n_rows, N, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M, TAIL)
@@ -388,12 +454,14 @@ def _rows_kernel(
         rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
         s_ptrs = _token_row_ptrs(a_ptr, rows_S, row_ok_S, order_ptr, 1, stride_am, k_K, False)
         acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, bs_ptrs, stride_bsk,
-                            PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True, SCALED, SCALE_K)
+                            PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True, SCALED, SCALE_K, A_FP8)
+        acc_s = acc_s * _row_scales(as_ptr, rows_S, row_ok_S, order_ptr, 1, False, A_FP8)
         _rows_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER,
                     WEIGHTED)
     else:
         acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, K, stride_bk, bs_ptrs, stride_bsk,
-                        PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, False, SCALED, SCALE_K)
+                        PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, False, SCALED, SCALE_K, A_FP8)
+    acc = acc * _row_scales(as_ptr, rows_M, row_ok_M, order_ptr, 1, False, A_FP8)
     _rows_store(acc, rows_M, row_ok_M, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER, WEIGHTED)
 
 

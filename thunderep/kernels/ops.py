@@ -46,7 +46,8 @@ from . import grouped_gemm as G
 from . import moe_triton as K
 from . import pairs as P
 from . import passes
-from .fp8 import Fp8Weight, scale_args
+from .fp8 import FP8, FP8_MAX, Fp8Weight, scale_args
+from .fp8 import quantize_rows as fp8_rows
 from .fp8 import weight_data as _data
 from .pairs import needs_grad as _needs_grad
 from .tuning import cdiv, kernel_configs, next_power_of_2
@@ -185,11 +186,13 @@ def _signature(config: triton.Config) -> tuple:
     return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
 
 
-# SCALE_K (FP8 weights' scale block along k; 1 for others) is in the keys: it bounds BLOCK_K (fp8.py).
+# SCALE_K (FP8 weights' scale block along k; 1 for others) is in the keys: it bounds BLOCK_K (fp8.py); so
+# is A_FP8 (FP8 inputs too, W8A8: other products, other best tiles).
 _UP, _UP_PLAIN = tuned("up", K._up_kernel, _ROW_CONFIGS,
-                      ["m_class", "m_fill", "I", "D", "GATHER", "SAVE_GU", "SCALE_K"], _prune_up, "D")
+                      ["m_class", "m_fill", "I", "D", "GATHER", "SAVE_GU", "SCALE_K", "A_FP8"], _prune_up, "D")
 _ROWS, _ROWS_PLAIN = tuned("rows", K._rows_kernel, _ROW_CONFIGS,
-                            ["m_class", "m_fill", "N", "K", "SCATTER", "WEIGHTED", "SCALE_K"], _prune_rows, "K")
+                            ["m_class", "m_fill", "N", "K", "SCATTER", "WEIGHTED", "SCALE_K", "A_FP8"], _prune_rows,
+                            "K")
 # The routing-weight partials dwp have one column per column tile of the config that ran: a trial with
 # narrower tiles would leave partials the chosen config does not overwrite (wrong d weights on the
 # first backward of each shape), so the autotuner zeroes dwp before every run.
@@ -207,11 +210,14 @@ def _row_grid(n_rows: int, E: int, cols: int):
     return lambda meta: (min(cdiv(n_rows, meta["BLOCK_M"]) + E, n_rows) * cdiv(cols, meta["BLOCK_N"]),)
 
 
-def _up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows):
+def _up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows, x_scale=None):
+    """h [N, I] (and gu [N, 2I] with `save`) in the products' dtype; `x_scale`: x is FP8, row i standing
+    for x[i] * x_scale[i] (W8A8)."""
     E, I2, D = w_gu.shape
     I = I2 // 2
-    h = x.new_empty(n_rows, I)
-    gu = x.new_empty(n_rows if save else 0, I2)
+    dtype = w_gu.dtype  # x's, or for FP8 inputs the weight's products
+    h = torch.empty(n_rows, I, dtype=dtype, device=x.device)
+    gu = torch.empty(n_rows if save else 0, I2, dtype=dtype, device=x.device)
     bm, fill = _m_key(n_rows, E)
     w = _data(w_gu)
     _launch(_UP, _UP_PLAIN, _DEFAULT[bm], _row_grid(n_rows, E, I), x.device,
@@ -219,14 +225,16 @@ def _up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows):
             counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k,
             stride_xm=x.stride(0), stride_we=w.stride(0), stride_wn=w.stride(1), stride_hm=h.stride(0),
             stride_gm=I2, m_class=bm, m_fill=fill, ACT=act, INTERLEAVED=interleaved,
-            GATHER=order is not None, SAVE_GU=save, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E),
+            GATHER=order is not None, SAVE_GU=save, PRECISION=_precision(dtype), BLOCK_E=_block_e(E),
+            xs_ptr=x_scale if x_scale is not None else x, A_FP8=x_scale is not None,
             **scale_args(w_gu, "ws_ptr", ("stride_wse", "stride_wsn", "stride_wsk")))
     return h, gu
 
 
-def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter):
+def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter, a_scale=None):
     """out[dst(r)] = w * a[r] @ B[e].T with B[e, n, k] at b + e*s0 + n*s1 + k*s2 (b: a tensor, or an
-    Fp8Weight [E, n, k] whose strides are b_strides)."""
+    Fp8Weight [E, n, k] whose strides are b_strides); `a_scale`: a is FP8, row r standing for
+    a[r] * a_scale[r] (W8A8)."""
     n_rows, Kdim = a.shape
     E = counts.shape[0]
     bm, fill = _m_key(n_rows, E)
@@ -235,8 +243,23 @@ def _rows(a, b, b_strides, n_out, order, weights, counts, out, scatter):
             weight_ptr=weights if weights is not None else a, counts_ptr=counts,
             n_rows=n_rows, N=n_out, K=Kdim, E=E, stride_am=a.stride(0), stride_be=b_strides[0],
             stride_bn=b_strides[1], stride_bk=b_strides[2], stride_cm=out.stride(0), m_class=bm,
-            m_fill=fill, SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=_precision(a.dtype),
-            BLOCK_E=_block_e(E), **scale_args(b, "bs_ptr", ("stride_bse", "stride_bsn", "stride_bsk")))
+            m_fill=fill, SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=_precision(out.dtype),
+            BLOCK_E=_block_e(E), as_ptr=a_scale if a_scale is not None else a, A_FP8=a_scale is not None,
+            **scale_args(b, "bs_ptr", ("stride_bse", "stride_bsn", "stride_bsk")))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8.quantize_rows of a [R, C] tensor: on a GPU in one Triton pass (the same bits), elsewhere the
+    torch reference (Triton's CPU interpreter does not round float32 to e4m3 as the GPU does)."""
+    if x.device.type != "cuda":
+        return fp8_rows(x)
+    R, C = x.shape
+    q = torch.empty(R, C, dtype=FP8, device=x.device)
+    scale = torch.empty(R, dtype=torch.float32, device=x.device)
+    if R:
+        passes._quantize_rows_kernel[(R,)](x, q, scale, R, C, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX,
+                                          BLOCK_C=min(2048, max(16, next_power_of_2(C))))
+    return q, scale
 
 
 def _act_bwd(dy, w_down, gu, order, weights, counts, top_k, act, interleaved):
@@ -347,13 +370,19 @@ def _moe_mlp_impl(
         if not save:
             h, gu = x.new_empty(0, I2 // 2), x.new_empty(0, I2)
         return y, h, gu
-    h, gu = _up(x, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows)
+    if getattr(w_gate_up, "w8a8", False):  # FP8 inputs too: x, then h, quantized per row (fp8.py)
+        xq, x_scale = quantize_rows(x)
+        h, gu = _up(xq, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows, x_scale)
+        a, a_scale = quantize_rows(h)
+    else:
+        h, gu = _up(x, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows)
+        a, a_scale = h, None
     if order is None:
         y = x.new_empty(n_rows, D)
-        _rows(h, w_down, w_down.stride(), D, None, None, counts, y, scatter=False)
+        _rows(a, w_down, w_down.stride(), D, None, None, counts, y, scatter=False, a_scale=a_scale)
     else:
         y_flat = x.new_empty(n_rows, D)
-        _rows(h, w_down, w_down.stride(), D, order, weights, counts, y_flat, scatter=True)
+        _rows(a, w_down, w_down.stride(), D, order, weights, counts, y_flat, scatter=True, a_scale=a_scale)
         y = y_flat.view(-1, top_k, D).sum(dim=1)
     if not save:
         h = x.new_empty(0, I2 // 2)
@@ -456,10 +485,11 @@ def _moe_mlp_fp8_impl(
     x: torch.Tensor, q_gate_up: torch.Tensor, s_gate_up: torch.Tensor, block_gate_up: list[int],
     q_down: torch.Tensor, s_down: torch.Tensor, block_down: list[int], order: Optional[torch.Tensor],
     counts: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, activation: str, interleaved: bool,
+    w8a8: bool = False,
 ) -> torch.Tensor:
     """The forward of `_moe_mlp_impl` on FP8 weights (fp8.Fp8Weight, as tensors for the custom op)."""
-    w_gu = Fp8Weight(q_gate_up, s_gate_up, tuple(block_gate_up), x.dtype)
-    w_d = Fp8Weight(q_down, s_down, tuple(block_down), x.dtype)
+    w_gu = Fp8Weight(q_gate_up, s_gate_up, tuple(block_gate_up), x.dtype, w8a8)
+    w_d = Fp8Weight(q_down, s_down, tuple(block_down), x.dtype, w8a8)
     y, _, _ = _moe_mlp_impl(x, w_gu, w_d, order, counts, weights, top_k, activation, interleaved, False, "triton")
     return y
 
@@ -469,7 +499,7 @@ _moe_mlp_fp8_op = torch.library.custom_op("thunderep::moe_mlp_fp8", mutates_args
 
 @_moe_mlp_fp8_op.register_fake
 def _(x, q_gate_up, s_gate_up, block_gate_up, q_down, s_down, block_down, order, counts, weights, top_k,
-      activation, interleaved):
+      activation, interleaved, w8a8=False):
     return x.new_empty(x.shape[0], q_gate_up.shape[2])
 
 
@@ -479,11 +509,17 @@ def check_fp8(x: torch.Tensor, w_gate_up, w_down, *tensors) -> None:
     if not (isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)):
         raise InputError(f"w_gate_up ({type(w_gate_up).__name__}) and w_down ({type(w_down).__name__}) must both "
                          f"be Fp8Weight, or both tensors")
+    if w_gate_up.w8a8 != w_down.w8a8:
+        raise InputError(f"w_gate_up (w8a8={w_gate_up.w8a8}) and w_down (w8a8={w_down.w8a8}) must agree on "
+                         f"whether the products run in FP8")
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         cols, scale_k = w.shape[2], w.block[1]
         if scale_k < cols and scale_k % 16:
             raise InputError(f"{name}'s scale blocks are {scale_k} columns wide: the kernels take blocks of a "
                              f"multiple of 16 columns, or one block across all {cols}")
+        if w.w8a8 and scale_k < cols and scale_k % 32:  # FP8 tensor-core products take 32 columns at once
+            raise InputError(f"{name}'s scale blocks are {scale_k} columns wide: FP8 products (w8a8) take blocks "
+                             f"of a multiple of 32 columns, or one block across all {cols}")
     if _needs_grad(x, *tensors):
         raise InputError("FP8 expert weights are for inference: nothing here differentiates through them (run "
                          "under torch.no_grad(), or train on their dequantized copy, Fp8Weight.dequantize())")
@@ -546,7 +582,7 @@ def moe_mlp(
         op = _moe_mlp_fp8_op if torch.compiler.is_compiling() else _moe_mlp_fp8_impl
         w_gu, w_d = w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous()
         return op(x.contiguous(), w_gu.q, w_gu.scale, list(w_gu.block), w_d.q, w_d.scale, list(w_d.block), order,
-                  counts, weights, top_k, activation, interleaved)
+                  counts, weights, top_k, activation, interleaved, w_gu.w8a8)
     needs_grad = _needs_grad(x, w_gate_up_E2ID, w_down_EDI, weights)
     E, I2, D = w_gate_up_E2ID.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]

@@ -13,7 +13,7 @@ GEMMs and cannot fuse gathers or epilogues; the gather also feeds both weight-gr
     _combine_kernel        y[t] = sum over k of w[t, k] * rows[inv[t, k]]   (un-permute + sum over K)
 
 And `_route_kernel`, which sorts a small inference batch's pairs by expert and counts them in one
-launch (ops.py). Portable Triton only; row counts are not specialized, as in moe_triton.py.
+launch (ops.py), and `_quantize_rows_kernel`, the FP8 inputs of the W8A8 kernels (fp8.py). Portable Triton only; row counts are not specialized, as in moe_triton.py.
 """
 
 from __future__ import annotations
@@ -145,3 +145,25 @@ def _route_kernel(ids_ptr, weight_ptr, order_ptr, counts_ptr, w_out_ptr, N, E, W
         w_N = tl.full((BLOCK_N,), 1.0, tl.float32)
     w_N = tl.where(known_N, w_N, tl.where(raw_N == -1, 0.0, float("nan")))
     tl.store(w_out_ptr + i_N, w_N.to(w_out_ptr.dtype.element_ty), mask=ok_N)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_rows, C, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+    """One row per program: scale = amax / FP8_MAX (1 for a zero row), q = x / scale rounded to the
+    nearest e4m3, both divisions rounded as IEEE's: the bits of fp8.quantize_rows. A first pass over
+    the row finds amax, a second writes q (the row is read twice; the second read mostly hits L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    c_C = tl.arange(0, BLOCK_C)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        v = tl.load(x_ptr + row * stride_xm + c0 + c_C, mask=c0 + c_C < C, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    top = tl.max(amax, 0)
+    scale = tl.where(top > 0, tl.math.div_rn(top, FP8_MAX), 1.0)
+    tl.store(s_ptr + row, scale)
+    for c0 in range(0, C, BLOCK_C):
+        ok = c0 + c_C < C
+        v = tl.load(x_ptr + row * stride_xm + c0 + c_C, mask=ok, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * stride_qm + c0 + c_C, q.to(q_ptr.dtype.element_ty), mask=ok)

@@ -145,20 +145,33 @@ def captured(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+# The widest chunk along k of FP8 inputs (W8A8): the 16-bit configs' BLOCK_K doubled, within this.
+FP8_MAX_BLOCK_K = 256
+
+
 def fit_scale_blocks(configs: list, args: dict, k_arg: str | None) -> list:
     """`configs` for a kernel whose FP8 weights (args["SCALED"]) carry one scale per SCALE_K columns
-    along `k_arg`: each chunk of BLOCK_K columns must lie in one scale block, so BLOCK_K shrinks to its
+    along `k_arg`. With FP8 inputs too (args["A_FP8"], W8A8) each BLOCK_K doubles, up to
+    FP8_MAX_BLOCK_K: 8-bit tiles of the same shared memory as the 16-bit tiles the configs were made
+    for, and half the chunks, each of which adds its products to the float32 sum apart (moe_triton.
+    _fp8_dot). Each chunk of BLOCK_K columns must lie in one scale block, so BLOCK_K then shrinks to its
     largest power of two dividing SCALE_K where SCALE_K is shorter than the whole k_arg (duplicates
     dropped). Unchanged for other kernels, except that configs made for FP8 weights alone (REDUCE,
     pairs.py) are dropped for plain weights. SCALE_K is a multiple of 16 there (ops checks it)."""
     if not args.get("SCALED"):
         return [c for c in configs if not c.kwargs.get("REDUCE")] or configs
-    if k_arg is None or args["SCALE_K"] in (0, args[k_arg]):  # 0: one per row
+    wide = bool(args.get("A_FP8"))
+    blocked = k_arg is not None and args["SCALE_K"] not in (0, args[k_arg])  # 0: one per row
+    if not (wide or blocked):
         return configs
-    step = args["SCALE_K"] & -args["SCALE_K"]  # its largest power-of-two factor
+    step = args["SCALE_K"] & -args["SCALE_K"] if blocked else None  # its largest power-of-two factor
     out, seen = [], set()
     for config in configs:
-        block_k = min(config.kwargs["BLOCK_K"], step)
+        block_k = config.kwargs["BLOCK_K"]
+        if wide:
+            block_k = max(block_k, min(2 * block_k, FP8_MAX_BLOCK_K))
+        if step is not None:
+            block_k = min(block_k, step)
         if block_k != config.kwargs["BLOCK_K"]:
             config = triton.Config({**config.kwargs, "BLOCK_K": block_k}, num_warps=config.num_warps,
                                    num_stages=config.num_stages)
