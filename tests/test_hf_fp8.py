@@ -101,6 +101,9 @@ def _on_rank(rank, world, checkpoints):
         _check_experts(tm, checkpoints[name], torch.float16)
         with torch.no_grad():
             out[name] = (tm(input_ids=_ids()).logits, tm(input_ids=_ids(), replicated=True).logits)
+    tm = ThunderMoE.from_pretrained(checkpoints["mixtral"], ep, dtype=torch.float16, experts_dtype="fp8-w8a8")
+    with torch.no_grad():
+        out["w8a8"] = (tm(input_ids=_ids()).logits, tm(input_ids=_ids(), replicated=True).logits)
     ep.close()
     return out
 
@@ -109,8 +112,15 @@ def _on_rank(rank, world, checkpoints):
 @pytest.mark.parametrize("world", [2, 4])
 def test_fp8_experts_on_ranks_equal_one_process(checkpoints, world):
     """On 2 and 4 ranks each rank quantizes its own experts (equal to quantize of those experts), and the
-    logits, in ep and latency mode, equal the dequantized reference's."""
+    logits, in ep and latency mode, equal the dequantized reference's; with fp8-w8a8 they equal one
+    process's (activations are quantized per row, whichever rank computes the row)."""
     results = run_ranks(_on_rank, world, checkpoints, timeout=300)
+    with torch.no_grad():
+        one = ThunderMoE.from_pretrained(checkpoints["mixtral"], dtype=torch.float16, experts_dtype="fp8-w8a8")
+        want = one(input_ids=_ids()).logits.float()
+    for rank in range(world):
+        for logits in results[rank]["w8a8"]:
+            torch.testing.assert_close(logits.float(), want, rtol=2e-2, atol=2e-2)
     for name in CASES:
         with torch.no_grad():
             want = _dequantized_reference(checkpoints[name], torch.float16)(input_ids=_ids()).logits.float()
@@ -144,6 +154,44 @@ def test_fp8_experts_refuse_what_they_cannot_do(checkpoints, monkeypatch, tmp_pa
                                    device="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _relative(got, want) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_fused"])
+def test_fp8_w8a8_experts_quantize_prompt_activations_only(checkpoints, name, monkeypatch):
+    """experts_dtype="fp8-w8a8" holds the weights "fp8" holds, bit for bit; a prompt's logits differ from
+    weight-only FP8's (the activations are quantized too) but stay near the dequantized reference, and
+    one token's (decode: the pair kernels, weight-only) equal weight-only FP8's exactly."""
+    from thunderep.hf.fp8 import expert_weights
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    tm = ThunderMoE.from_pretrained(checkpoints[name], dtype=torch.float16, experts_dtype="fp8-w8a8")
+    _check_experts(tm, checkpoints[name], torch.float16)
+    assert all(w.w8a8 for p in tm.bindings for w in expert_weights(tm.model.get_submodule(p)))
+    weight_only = ThunderMoE.from_pretrained(checkpoints[name], dtype=torch.float16, experts_dtype="fp8")
+    ref = _dequantized_reference(checkpoints[name], torch.float16)
+    x = _ids()
+    with torch.no_grad():
+        got, plain, want = (m(input_ids=x).logits for m in (tm, weight_only, ref))
+        assert not torch.equal(got, plain)
+        assert _relative(plain, want) < 1e-2
+        assert _relative(got, want) < 5e-2, _relative(got, want)
+        one = x[:1, :1]
+        assert torch.equal(tm(input_ids=one).logits, weight_only(input_ids=one).logits)
+
+
+def test_fp8_w8a8_keeps_only_blocks_its_products_walk():
+    """W8A8's FP8 products take 32 columns at once: a checkpoint's 16-column blocks are quantized by rows
+    again, 32- and 128-column ones kept; weight-only FP8 keeps 16-column ones."""
+    from thunderep.hf.fp8 import scale_columns
+
+    assert scale_columns(16, 256) == 16 and scale_columns(16, 256, w8a8=True) == 256
+    assert scale_columns(32, 256, w8a8=True) == 32 and scale_columns(128, 7168, w8a8=True) == 128
+    assert scale_columns(8, 256) == 256 and scale_columns(None, 256, w8a8=True) == 256
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", CASES)
 def test_gpu_fp8_experts_match_the_dequantized_model(checkpoints, name):
@@ -161,12 +209,30 @@ def test_gpu_fp8_experts_match_the_dequantized_model(checkpoints, name):
             assert err < 2e-2, f"{name}, {ids.numel()} tokens: relative error {err:.2e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CASES)
+def test_gpu_fp8_w8a8_experts_stay_near_the_dequantized_model(checkpoints, name):
+    """On CUDA (bfloat16, FP8 tensor cores) as on the interpreter: a prompt's logits near the dequantized
+    reference's, one token's equal to weight-only FP8's."""
+    tm = ThunderMoE.from_pretrained(checkpoints[name], dtype=torch.bfloat16, experts_dtype="fp8-w8a8", device="cuda")
+    weight_only = ThunderMoE.from_pretrained(checkpoints[name], dtype=torch.bfloat16, experts_dtype="fp8",
+                                             device="cuda")
+    ref = _dequantized_reference(checkpoints[name], torch.bfloat16, "cuda")
+    x = _ids().cuda()
+    with torch.no_grad():
+        err = _relative(tm(input_ids=x).logits, ref(input_ids=x).logits)
+        print(f"{name} W8A8 T={x.numel()}: relative error {err:.2e}")
+        assert err < 5e-2, err
+        one = x[:1, :1]
+        assert torch.equal(tm(input_ids=one).logits, weight_only(input_ids=one).logits)
+
+
 @CPU_ONLY
 def test_generate_command_takes_experts_dtype(checkpoints, capfd, monkeypatch):
     """`thunderep generate --experts-dtype fp8` on 2 ranks generates the tokens one process generates
     (greedy; two tokens: later ones of this random tiny model can flip on the order the ranks' partial
-    sums add in, which the logits tests bound); on float32 it stops with one line naming the dtypes it
-    takes."""
+    sums add in, which the logits tests bound); --experts-dtype fp8-w8a8 generates; on float32 it stops
+    with one line naming the dtypes it takes."""
     import warnings
 
     from thunderep.cli import main as cli
@@ -183,6 +249,12 @@ def test_generate_command_takes_experts_dtype(checkpoints, capfd, monkeypatch):
         assert code == 0, out.err[-2000:]
         answers.append([line for line in out.out.splitlines() if line.startswith("[0] 'hi' -> ")])
     assert answers[0] == answers[1] and len(answers[0]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = cli(["generate", "--model", path, "--prompt", "hi", "--max-new-tokens", "2", "--cpu", "--dtype",
+                    "float16", "--experts-dtype", "fp8-w8a8"])
+    out = capfd.readouterr()
+    assert code == 0 and any(line.startswith("[0] 'hi' -> ") for line in out.out.splitlines()), out.err[-2000:]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         code = cli(["generate", "--model", path, "--prompt", "hi", "--max-new-tokens", "1", "--cpu",

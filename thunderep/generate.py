@@ -198,6 +198,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .hf.fp8 import EXPERTS_DTYPE_HELP, EXPERTS_DTYPES
+
     p = argparse.ArgumentParser(prog="thunderep generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors)")
@@ -220,11 +222,7 @@ def _parser() -> argparse.ArgumentParser:
                         "another one (grouped_mm, eager, ...), triton (ThunderEP's kernels, CUDA), or auto (the "
                         "kernels for experts they cover in bfloat16 / float16 on a GPU of compute capability 8.0 "
                         "or later, else the model's own)")
-    p.add_argument("--experts-dtype", choices=("fp8",), default=None,
-                   help="fp8: hold the routed experts in FP8 (e4m3, a scale per row; half the bytes of bfloat16), "
-                        "quantized as each rank reads them, computed by ThunderEP's kernels in the model's dtype; "
-                        "needs a GPU of compute capability 8.9 or later (RTX 4090 / 5090, H100 / H200). Default: "
-                        "the model's dtype")
+    p.add_argument("--experts-dtype", choices=EXPERTS_DTYPES, default=None, help=EXPERTS_DTYPE_HELP)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer (default 120)")
     return p
 

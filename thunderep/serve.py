@@ -545,6 +545,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .hf.fp8 import EXPERTS_DTYPE_HELP, EXPERTS_DTYPES
+
     p = argparse.ArgumentParser(prog="thunderep serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors)")
@@ -569,11 +571,7 @@ def _parser() -> argparse.ArgumentParser:
                         "else the model's own transformers function; triton (the kernels, or an error); a "
                         "transformers function (grouped_mm, eager, ...). The kernels are autotuned before the "
                         "server listens: tens of seconds the first time on a machine, seconds after")
-    p.add_argument("--experts-dtype", choices=("fp8",), default=None,
-                   help="fp8: hold the routed experts in FP8 (e4m3, a scale per row; half the bytes of bfloat16), "
-                        "quantized as each rank reads them, computed by ThunderEP's kernels in the model's dtype; "
-                        "needs a GPU of compute capability 8.9 or later (RTX 4090 / 5090, H100 / H200). Default: "
-                        "the model's dtype")
+    p.add_argument("--experts-dtype", choices=EXPERTS_DTYPES, default=None, help=EXPERTS_DTYPE_HELP)
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request waits for its answer (a streamed one, for each next piece); then it "
                         "gets an error (504, or a last event) and its sequence stops being generated (default 600)")

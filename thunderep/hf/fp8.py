@@ -8,6 +8,10 @@ half the bytes of bfloat16: a model whose experts do not fit the cards in bfloat
 decode step, which reads every hit expert's weights, reads half as much. ThunderEP's Triton kernels
 compute with them (`kernels/fp8.py`: each tile is scaled and rounded to the model's dtype in registers,
 so the products are those of the dequantized weights); activations stay in the model's dtype.
+`experts_dtype="fp8-w8a8"` holds the same weights and also quantizes the activations of prompt batches
+per row (`kernels/fp8.py`'s W8A8: x and h to e4m3 with a float32 scale per row, products on FP8 tensor
+cores; about twice as fast at prefill, with about 1.4x the error of weight-only FP8, docs/BENCHMARKS.md
+"W8A8 FP8 experts"); decode steps, which the weight bytes bound, stay weight-only.
 
 The conversion happens on the meta device, before anything is allocated: `to_fp8_experts` replaces the
 two parameters of every bound experts module by FP8 ones (no gradient) and adds the scale buffers
@@ -33,13 +37,20 @@ from torch import nn
 from ..errors import ConfigError
 from ..kernels.fp8 import FP8, Fp8Weight
 
-__all__ = ["EXPERTS_DTYPES", "expert_weights", "fp8_device_problem", "is_fp8", "scale_columns", "store_fp8",
+__all__ = ["EXPERTS_DTYPE_HELP", "EXPERTS_DTYPES", "expert_weights", "fp8_device_problem", "is_fp8", "scale_columns", "store_fp8",
            "store_rows", "to_fp8_experts"]
 
-EXPERTS_DTYPES = ("fp8",)  # experts_dtype values besides None (the model's dtype)
+EXPERTS_DTYPES = ("fp8", "fp8-w8a8")  # experts_dtype values besides None (the model's dtype)
+EXPERTS_DTYPE_HELP = (  # `generate` and `serve --experts-dtype`
+    "fp8: hold the routed experts in FP8 (e4m3, a scale per row; half the bytes of bfloat16), quantized as each "
+    "rank reads them, computed by ThunderEP's kernels in the model's dtype; fp8-w8a8: the same, and prompts' "
+    "activations quantized per row too, for FP8 tensor-core products (about twice the prefill speed, about 1.4x "
+    "the error); both need a GPU of compute capability 8.9 or later (RTX 4090 / 5090, H100 / H200). Default: the "
+    "model's dtype")
 _WEIGHTS = ("gate_up_proj", "down_proj")
 _ATTR = "_thunderep_fp8"  # on an experts module: the dtype its FP8 weights compute in
 _COLS = "_thunderep_fp8_cols"  # on an experts module: {weight name: columns one scale covers}
+_W8A8 = "_thunderep_fp8_w8a8"  # on an experts module: whether its kernels quantize activations too
 
 
 def fp8_device_problem(device: torch.device) -> str | None:
@@ -60,20 +71,23 @@ def fp8_device_problem(device: torch.device) -> str | None:
     return None
 
 
-def scale_columns(cols: int | None, width: int) -> int:
+def scale_columns(cols: int | None, width: int, w8a8: bool = False) -> int:
     """The columns one scale covers in a weight of `width` columns: `cols` (an FP8 checkpoint's block
-    width, kept as stored) where the kernels can walk it (a multiple of 16 narrower than the row), else
-    the whole row."""
-    return cols if cols is not None and cols < width and cols % 16 == 0 else width
+    width, kept as stored) where the kernels can walk it (a multiple of 16 narrower than the row; of 32
+    for W8A8, whose FP8 products take 32 columns at once), else the whole row."""
+    multiple = 32 if w8a8 else 16
+    return cols if cols is not None and cols < width and cols % multiple == 0 else width
 
 
-def to_fp8_experts(model: nn.Module, bindings: dict, dtype: torch.dtype, block_cols: int | None = None) -> None:
+def to_fp8_experts(model: nn.Module, bindings: dict, dtype: torch.dtype, block_cols: int | None = None,
+                   w8a8: bool = False) -> None:
     """Make every bound experts module hold gate_up_proj and down_proj in FP8 (in place, on the meta
     device, before `to_empty`), with scales per row and per `block_cols` columns (an FP8 checkpoint's
     block width, so its values and scales are kept as stored; `scale_columns`), default one per row:
     buffers `<name>_scale` [S, R, ceil(C / cols)]. dtype: the model's dtype, what the products run in
-    (bfloat16 or float16). ConfigError for a module whose experts the kernels do not run (each binding
-    must run the "triton" implementation)."""
+    (bfloat16 or float16). w8a8: the kernels quantize the activations of prompt batches too (module
+    docstring). ConfigError for a module whose experts the kernels do not run (each binding must run the
+    "triton" implementation)."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"FP8 experts compute in bfloat16 or float16; the model's dtype is {dtype}: load it "
                           "with dtype=torch.bfloat16")
@@ -86,7 +100,7 @@ def to_fp8_experts(model: nn.Module, bindings: dict, dtype: torch.dtype, block_c
         for name in _WEIGHTS:
             weight = getattr(module, name)
             slots, rows, width = weight.shape
-            cols[name] = scale_columns(block_cols, width)
+            cols[name] = scale_columns(block_cols, width, w8a8)
             module._parameters[name] = nn.Parameter(torch.empty(weight.shape, dtype=FP8, device=weight.device),
                                                     requires_grad=False)
             module.register_buffer(f"{name}_scale", torch.empty(slots, rows, -(-width // cols[name]),
@@ -94,6 +108,7 @@ def to_fp8_experts(model: nn.Module, bindings: dict, dtype: torch.dtype, block_c
         binding.tensors = tuple(binding.tensors) + tuple(f"{name}_scale" for name in _WEIGHTS)
         setattr(module, _ATTR, dtype)
         setattr(module, _COLS, cols)
+        setattr(module, _W8A8, w8a8)
 
 
 def is_fp8(module: nn.Module) -> bool:
@@ -145,6 +160,7 @@ def expert_weights(module: nn.Module):
     if cached is None or any(w.q is not getattr(module, name) or w.scale is not getattr(module, f"{name}_scale")
                              for w, name in zip(cached, _WEIGHTS)):
         cached = tuple(Fp8Weight(getattr(module, name), getattr(module, f"{name}_scale"),
-                                 (1, getattr(module, _COLS)[name]), dtype) for name in _WEIGHTS)
+                                 (1, getattr(module, _COLS)[name]), dtype, getattr(module, _W8A8))
+                       for name in _WEIGHTS)
         module.__dict__["_thunderep_fp8_weights"] = cached
     return cached

@@ -487,7 +487,8 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     dtype: torch dtype or name (default: the checkpoint's `dtype`, else float32). device: default the EP
     runtime's device, else CPU. model_class: default `AutoModelForCausalLM`. experts_dtype: "fp8" holds the
     routed experts in FP8 with a scale per row, for inference on ThunderEP's kernels (hf/fp8.py; the
-    experts implementation defaults to "triton" then); None: the model's dtype. Other keywords as `wrap`.
+    experts implementation defaults to "triton" then); "fp8-w8a8" the same, and prompt batches' activations
+    are quantized per row too; None: the model's dtype. Other keywords as `wrap`.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -532,7 +533,8 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         raise ConfigError(f"experts_dtype={experts_dtype!r} needs ThunderEP's Triton kernels, which do not run this "
                           f"model's experts ({exc}); load it without experts_dtype") from None
     if experts_dtype is not None:  # an FP8 checkpoint's blocks are kept where the kernels can walk them
-        to_fp8_experts(model, wrapped.bindings, dtype, fp8_block_columns(config_as_stored))
+        to_fp8_experts(model, wrapped.bindings, dtype, fp8_block_columns(config_as_stored),
+                       w8a8=experts_dtype == "fp8-w8a8")
     check_fits(model, device, ep)  # before allocating: a clear error instead of running out mid-load
     rss_before = rss_bytes()  # libraries imported, model on meta: what follows is the weights
     model.to_empty(device=device)
