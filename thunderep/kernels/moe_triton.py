@@ -170,7 +170,7 @@ def _weight_scales(ws_ptr, expert, rows_N, stride_wse, stride_wsn, SCALE_N: tl.c
 def _fp8_dot(a, b, acc, BLOCK_K: tl.constexpr):
     """acc + a @ b for FP8 a and b, the chunk's products summed apart and added to acc in float32: on
     Hopper, FP8 tensor cores keep fewer accumulator bits, and Triton's default there adds every chunk
-    into acc at that precision (3.4x the error of this over Mixtral's k = 4096; docs/BENCHMARKS.md,
+    into acc at that precision (3x the error of this over Mixtral's k = 4096; docs/BENCHMARKS.md,
     "W8A8 FP8 experts"). Elsewhere the same precise sum."""
     return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
 
