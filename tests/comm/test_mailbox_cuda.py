@@ -12,6 +12,7 @@ import queue
 import socket
 import time
 import traceback
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -35,6 +36,33 @@ def test_clear_error_without_cupy():
         mb.unlink()
         with pytest.raises(CommError, match=r"needs cupy.*thunderep\[cuda\]"):
             CudaMailboxWriter(mb)
+
+
+class _FakeStream:
+    def __init__(self, handle, index):
+        self.cuda_stream, self.device = handle, torch.device("cuda", index)
+
+
+def test_cupy_gets_torchs_stream_through_the_stream_protocol():
+    """CuPy 14 deprecates ExternalStream: the writer hands cupy torch's stream handle through
+    `Stream.from_external` and the CUDA stream protocol, and uses ExternalStream only where cupy lacks it."""
+    from types import SimpleNamespace
+
+    from thunderep.comm.mailbox_cuda import _cupy_stream
+
+    seen = []
+
+    class NewStream:
+        @staticmethod
+        def from_external(obj):
+            seen.append(obj.__cuda_stream__())
+            return "from_external"
+
+    new_cp = SimpleNamespace(cuda=SimpleNamespace(Stream=NewStream))
+    assert _cupy_stream(new_cp, _FakeStream(0x7F00, 1)) == "from_external"
+    assert seen == [(0, 0x7F00)]
+    old_cp = SimpleNamespace(cuda=SimpleNamespace(Stream=object, ExternalStream=lambda ptr, dev: ("ext", ptr, dev)))
+    assert _cupy_stream(old_cp, _FakeStream(0x7F00, 1)) == ("ext", 0x7F00, 1)
 
 
 def _pair(slot_size=256):
@@ -65,7 +93,9 @@ def test_gpu_writes_are_collected(method):
                 assert recs[0] == (torch.arange(n // 8, dtype=torch.int64) * rnd).numpy().tobytes()
                 assert a.collect(rnd, timeout_s=5.0)[1] == bytes([rnd % 256]) * 3
             odd = torch.arange(13, device="cuda", dtype=torch.uint8)[1:]  # unaligned source
-            writer.write(201, odd, method=method)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", DeprecationWarning)  # cupy's current stream API only
+                writer.write(201, odd, method=method)
             b.publish(201, b"")
             assert b.collect(201, timeout_s=5.0)[0] == bytes(range(1, 13))
             with pytest.raises(CommError, match="slot size"):

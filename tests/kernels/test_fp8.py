@@ -322,16 +322,21 @@ def test_interpreter_w8a8_matches_its_reference(case, monkeypatch):
     _check_w8a8(*case[:5], torch.float16, case[5], tol=3e-3)
 
 
+def _w8a8_tail_ids(monkeypatch, m_class, config, counts):
+    """Shuffled routing ids [sum(counts), 1] with counts[e] rows for expert e; the row tiles of m_class
+    pinned to `config`, autotuning and the pair kernels off."""
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    monkeypatch.setitem(ops_mod._DEFAULT, m_class, config)
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    return ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))][:, None]
+
+
 @pytest.mark.skipif(CUDA, reason="test_gpu_w8a8_last_tile_takes_a_tail covers this on the compiled kernels")
 def test_interpreter_w8a8_last_tile_takes_a_tail(monkeypatch):
     """Tails of rows (as test_interpreter_fp8_last_tile_takes_a_tail): their row scales too."""
-    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
-    config = ops_mod._row_cfg(64, 32, 32, 4, 1, tail=True, group=1)
-    monkeypatch.setitem(ops_mod._DEFAULT, 64, config)
     counts = [70, 96, 97, 20, 0, 150, 10, 1]
-    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))][:, None]
+    ids = _w8a8_tail_ids(monkeypatch, 64, ops_mod._row_cfg(64, 32, 32, 4, 1, tail=True, group=1), counts)
     assert ops_mod._m_key(len(ids), len(counts))[0] == 64
     _check_w8a8(len(ids), 32, 64, len(counts), 1, torch.float16, ((32, 32), None), 3e-3, ids=ids)
 
@@ -372,12 +377,7 @@ def test_gpu_w8a8_model_shapes(shape, T, blocks, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("blocks", ["row", "128x128"])
 def test_gpu_w8a8_last_tile_takes_a_tail(blocks, monkeypatch):
-    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
-    config = ops_mod._row_cfg(128, 128, 64, 8, 3, tail=True, group=1)
-    monkeypatch.setitem(ops_mod._DEFAULT, 128, config)
     counts = [134, 192, 193, 40, 0, 300, 100, 150]
-    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))][:, None]
+    ids = _w8a8_tail_ids(monkeypatch, 128, ops_mod._row_cfg(128, 128, 64, 8, 3, tail=True, group=1), counts)
     _check_w8a8(len(ids), 1024, 512, len(counts), 1, torch.bfloat16,
                 (None, None) if blocks == "row" else ((128, 128), (128, 128)), 2e-2, ids=ids.to(DEVICE))

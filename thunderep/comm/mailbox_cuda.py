@@ -90,6 +90,24 @@ def _import_cupy() -> Any:
     return cupy
 
 
+class _StreamHandle:
+    """A CUDA stream by its handle, in the CUDA stream protocol (`__cuda_stream__`: version 0, handle)."""
+
+    def __init__(self, handle: int):
+        self._handle = int(handle)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._handle)
+
+
+def _cupy_stream(cp: Any, stream: torch.cuda.Stream) -> Any:
+    """A cupy stream object for torch's `stream`, which stays torch's: `Stream.from_external` where this
+    cupy has it (CuPy 14 deprecates `ExternalStream`), else `ExternalStream`."""
+    if hasattr(cp.cuda.Stream, "from_external"):
+        return cp.cuda.Stream.from_external(_StreamHandle(stream.cuda_stream))
+    return cp.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+
+
 class CudaMailboxWriter:
     """Lets CUDA streams write this rank's records of `mailbox` (experimental).
 
@@ -162,7 +180,7 @@ class CudaMailboxWriter:
         common = (ptr["seq"], np_u64(seq_even), ptr["round"], np_u64(round), ptr["generation"],
                   np_u64(generation), ptr["length"])
         src = np_u64(tensor.data_ptr())
-        with cp.cuda.Device(tensor.device.index), cp.cuda.ExternalStream(stream.cuda_stream):
+        with cp.cuda.Device(tensor.device.index), _cupy_stream(cp, stream):
             if method == "kernel":
                 self._kernel((1,), (128,), (src, ptr["payload"], cp.uint32(nbytes), *common,
                                             cp.int32(_PHASE_ALL)))
