@@ -97,6 +97,28 @@ def test_rounds_interleave_implementations(monkeypatch):
                    ("thunderep:torch", "fwdbwd"): ([4.0, 5.0, 12.0], 5.0)}
 
 
+@pytest.mark.parametrize("modes,want", [
+    (("fwd", "fwdbwd"), [("thunderep", False), ("thunderep", True), ("thunderep:fp8row", False)]),
+    (("fwd",), [("thunderep", False), ("thunderep:fp8row", False)]),
+])
+def test_profiles_follow_the_modes_and_fp8_weights_profile_forward_only(modes, want, monkeypatch, capsys):
+    """--profile-tokens profiles the modes asked for, and FP8 weights (inference only) forward only,
+    as they are timed: a backward through them would stop the whole run."""
+    profiled = []
+    monkeypatch.setattr(bench, "SHAPES", {"tiny": (16, 16, 2, 1)})
+    monkeypatch.setattr(bench, "_thunder_experts", lambda D, I, E, K, w_gu, w_d: lambda x, ids, w: x)
+    monkeypatch.setattr(bench, "_bench", lambda f: 1.0)
+    monkeypatch.setattr(bench, "profile_kernels", lambda fn, sets, backward: profiled.append(backward) or [])
+    rows = []
+    for impl in ("thunderep", "thunderep:fp8row"):
+        before = len(profiled)
+        bench.bench_shape("tiny", [3], [impl], 1e12, torch.device("cpu"), rows, profile_t={3}, modes=modes)
+        want_impl = [backward for name, backward in want if name == impl]
+        assert profiled[before:] == want_impl, impl
+    assert {(r["impl"], r["mode"]) for r in rows} == {(impl, mode) for impl, mode in
+                                                      [("thunderep", m) for m in modes] + [("thunderep:fp8row", "fwd")]}
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--shapes", "qwen3,mixtrl"], "unknown shape(s) ['mixtrl']: use mixtral, qwen3, deepseek"),
     (["--tokens", "1,x"], "--tokens '1,x': use comma-separated token counts of at least 1"),

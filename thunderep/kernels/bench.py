@@ -238,6 +238,13 @@ def weights_do_not_fit(name: str, free_bytes: int) -> str | None:
             f"{free_bytes / 1e9:.1f} GB free")
 
 
+def _modes_of(impl, modes) -> list[str]:
+    """The eager-launch modes of `modes` that `impl` runs: forward only for the copy reference and for
+    FP8 weights (inference only)."""
+    return [mode for mode in modes if mode in ("fwd", "fwdbwd") and not ((impl == COPY or _format(impl))
+                                                                       and mode != "fwd")]
+
+
 def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profile_t=(), modes=("fwd", "fwdbwd"),
                 rounds=1):
     D, I, E, K = SHAPES[name]
@@ -293,8 +300,7 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
             out_rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
 
-        timed = [(impl, mode) for impl in fns for mode in modes if mode in ("fwd", "fwdbwd")
-                 and not ((impl == COPY or _format(impl)) and mode != "fwd")]  # FP8 weights: inference only
+        timed = [(impl, mode) for impl in fns for mode in _modes_of(impl, modes)]
         times = {key: [] for key in timed}
         for r in range(rounds):
             # Every implementation once per round, the order reversed on odd rounds: a slow drift of the
@@ -320,7 +326,7 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
                     if ms == ms:
                         record(impl, "fwd-step", [graph_step_ms(fn, sets, ms)], flops)
                 if T in profile_t and impl not in ("eager", COPY):
-                    for backward in (False, True):
+                    for backward in (mode == "fwdbwd" for mode in _modes_of(impl, modes)):
                         print(f"## profile {name} T={T} {impl} {'fwd+bwd' if backward else 'fwd'} (ms per call)")
                         for key, ms in profile_kernels(fn, sets, backward):
                             print(f"   {ms:8.3f}  {key}")
