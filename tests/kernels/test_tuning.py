@@ -335,3 +335,27 @@ def test_host_probe_runs_with_the_launches_stubbed():
         run = subprocess.run([sys.executable, str(probe), *args], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         assert re.search(expect, run.stdout), run.stdout
+
+
+def test_fp8_only_row_tiles_are_timed_for_fp8_weights_alone():
+    """The 128 x 64 8-warp row tiles (ops._FP8_ROW_TILES) reach the autotuner for FP8 weights (weight-only
+    and W8A8, scale blocks or rows), never for plain weights, whose configs stay what they were."""
+    def tile(c):
+        return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps
+
+    plain_configs = [c for c in ops._ROW_CONFIGS if not getattr(c, "fp8_only", False)]
+    assert len(plain_configs) < len(ops._ROW_CONFIGS)
+    base = {"m_class": 128, "D": 7168}
+    plain = tuning.fit_scale_blocks(ops._prune_up(ops._ROW_CONFIGS, base), base, "D")
+    assert [ops._signature(c) for c in plain] == [ops._signature(c) for c in ops._prune_up(plain_configs, base)]
+    assert (128, 64, 8) not in {tile(c) for c in plain}
+    for fp8 in ({"SCALED": True, "SCALE_K": 128}, {"SCALED": True, "SCALE_K": 128, "A_FP8": True},
+                {"SCALED": True, "SCALE_K": 0, "A_FP8": True}):
+        args = {**base, **fp8}
+        fitted = tuning.fit_scale_blocks(ops._prune_up(ops._ROW_CONFIGS, args), args, "D")
+        assert (128, 64, 8) in {tile(c) for c in fitted}, fp8
+        assert len(fitted) > len(plain)
+    # the pair kernels' REDUCE configs follow the same rule
+    reduce = triton.Config({"BLOCK_N": 4, "BLOCK_K": 2048, "REDUCE": True}, num_warps=4)
+    other = triton.Config({"BLOCK_N": 16, "BLOCK_K": 256}, num_warps=4)
+    assert tuning.fit_scale_blocks([reduce, other], {}, None) == [other]

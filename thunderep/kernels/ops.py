@@ -50,7 +50,7 @@ from .fp8 import FP8, FP8_MAX, Fp8Weight, scale_args
 from .fp8 import quantize_rows as fp8_rows
 from .fp8 import weight_data as _data
 from .pairs import needs_grad as _needs_grad
-from .tuning import cdiv, kernel_configs, next_power_of_2
+from .tuning import cdiv, fp8_only, kernel_configs, next_power_of_2
 from .tuning import launch as _launch
 from .tuning import precision as _precision
 from .tuning import tuned
@@ -141,8 +141,17 @@ _ROW_TILES = [
     (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 8, 3), (64, 256, 64, 8, 3),
     (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4),
 ]
+# FP8 weights alone: 128 x 64 tiles on 8 warps. With scale blocks along k each chunk's products are
+# summed apart before its scales multiply them (moe_triton._dot_gate_up), and the up kernel's two
+# 128 x 128 accumulators with those sums spill registers; on the H200 (DeepSeek-V3's D and I, 64 experts,
+# 4096 tokens, W8A8, fixed configs) the layer took 9.08 -> 5.32 ms with 128 x 128 weight blocks and
+# 16.13 -> 7.36 ms with the block scales by rows (from_pretrained's layout); per-row scales keep
+# 128 x 128 (4.23 against 4.63 ms) (docs/BENCHMARKS.md, "W8A8 FP8 experts").
+_FP8_ROW_TILES = [(128, 64, 64, 8, 3)]
 _ROW_CONFIGS = [_row_cfg(*t, tail=tail, group=group) for group in (8, 1) for tail in (False, True)
                 for t in _ROW_TILES if t[0] >= 64 or not tail]
+_ROW_CONFIGS += [fp8_only(_row_cfg(*t, tail=tail, group=group)) for group in (8, 1) for tail in (False, True)
+                 for t in _FP8_ROW_TILES]
 # Weight gradients. Where experts get at most 32 rows on average (`_prune_wgrad`) a dW value is a short
 # sum and the kernel is bound by writing dW; the few-row tiles, 16 and 32 rows a step on 4 warps, join
 # the 32-row ones there. On the H200 at 64 tokens they wrote dW 4-19% faster than the best of the

@@ -14,7 +14,12 @@ the compiler's choice for that target, not something the kernel source asks for.
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import triton
@@ -78,6 +83,14 @@ _FP8_KERNELS = {f"{name}_fp8": (_KERNELS[name][0], {**_KERNELS[name][1], **_FP8_
 _FP8_KERNELS.update({f"{name}_fp8rows": (_KERNELS[name][0], {**_KERNELS[name][1], **_FP8_FLAGS, "SCALE_N": 1,
                                                              "SCALE_K": 0})
                      for name in ("up", "up_pairs_ahead", "down_pairs_all_slots")})
+# ... and W8A8 (FP8 inputs too: e4m3 x e4m3 products), with row scales and with 128 x 128 blocks, at the
+# 128 x 64 tile on 8 warps that the row kernels offer FP8 weights alone (ops._FP8_ROW_TILES), BLOCK_K
+# doubled to 128 as tuning.fit_scale_blocks does for W8A8: the tile that fits sm_89's shared memory.
+_W8A8_KERNELS = {f"{name}_w8a8{suffix}": (_KERNELS[name][0], {**_KERNELS[name][1], **_FP8_FLAGS, **scales,
+                                                                "A_FP8": True})
+                 for name in ("up", "rows")
+                 for suffix, scales in (("", dict(SCALE_N=1, SCALE_K=0)), ("_blocks", {}))}
+_W8A8_META = {**_ROW_META, "BLOCK_N": 64, "BLOCK_K": 128}
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (ROUTE_MAX_PAIRS), 256 experts
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
@@ -92,11 +105,37 @@ class KernelBuild:
     uses_wgmma: bool
     uses_mma_sync: bool
     dependent_launch: bool  # griddepcontrol (programmatic dependent launch, sm_90 and later)
+    fp8_products: bool = False  # matrix instructions on e4m3 x e4m3 (FP8 tensor cores, W8A8)
+    registers: int | None = None  # per thread, from cuobjdump -res-usage (None where it is not found)
+    stack_bytes: int | None = None  # per thread: registers spilled to local memory need it
 
 
-def _signature(fn, name: str, fp8: bool = False):
+def _cuobjdump() -> str | None:
+    """Triton's bundled cuobjdump, else one on PATH."""
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return bundled if os.access(bundled, os.X_OK) else shutil.which("cuobjdump")
+
+
+def _resources(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, stack bytes) of the one kernel in `cubin`, or Nones where cuobjdump is missing or
+    does not read it."""
+    tool = _cuobjdump()
+    if tool is None:
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=False).stdout
+    regs, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    return (int(regs.group(1)) if regs else None), (int(stack.group(1)) if stack else None)
+
+
+def _signature(fn, name: str, fp8: bool = False, w8a8: bool = False):
     sig, attrs, consts = {}, {}, {}
     weights = {"w_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bs_ptr": "*fp32"} if fp8 else {}
+    if w8a8:  # the inputs in FP8 too, with their row scales
+        weights.update({"x_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "as_ptr": "*fp32"})
     unit = _UNIT_STRIDES.get(name, ())
     for i, arg in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
@@ -119,33 +158,41 @@ def compile_kernels(arch: int, names=None) -> list[KernelBuild]:
     """Compile each expert kernel (bf16, a prefill-sized tile; FP8 weights for the *_fp8 ones) for sm_<arch>; no
     GPU needed."""
     out = []
-    kernels = {**_KERNELS, **_TAIL_KERNELS, **_FP8_KERNELS, **(_PDL_KERNELS if arch >= _PDL_MIN_ARCH else {})}
+    kernels = {**_KERNELS, **_TAIL_KERNELS, **_FP8_KERNELS, **_W8A8_KERNELS,
+               **(_PDL_KERNELS if arch >= _PDL_MIN_ARCH else {})}
     for name, (fn, flags) in kernels.items():
         if names is not None and name not in names:
             continue
-        base = name.removesuffix("_pdl").removesuffix("_tail").removesuffix("rows").removesuffix("_fp8")
-        sig, attrs, consts = _signature(fn, base, fp8="_fp8" in name)
-        meta = (_PAIR_META if "_pairs" in name else _ROUTE_META if name == "route"
+        w8a8 = "_w8a8" in name
+        base = re.sub(r"(_pdl|_tail|_fp8rows|_fp8|_w8a8_blocks|_w8a8)+$", "", name)  # the kernel's own name
+        sig, attrs, consts = _signature(fn, base, fp8="_fp8" in name or w8a8, w8a8=w8a8)
+        meta = (_PAIR_META if "_pairs" in name else _ROUTE_META if name == "route" else _W8A8_META if w8a8
                 else _TAIL_META if name.endswith("_tail") else _ROW_META)
         defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
         src = ASTSource(fn=fn, signature=sig, constexprs={**defaults, **flags, **meta, **consts}, attrs=attrs)
         build = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=3))
         ptx = build.asm["ptx"]
         out.append(KernelBuild(name, arch, build.metadata.shared, tuple(p for p in HOPPER_ONLY if p in ptx),
-                               "wgmma." in ptx, "mma.sync" in ptx, "griddepcontrol." in ptx))
+                               "wgmma." in ptx, "mma.sync" in ptx, "griddepcontrol." in ptx,
+                               re.search(r"mma[\w.]*\.e4m3\.e4m3", ptx) is not None, *_resources(build.asm["cubin"])))
     return out
+
+
+def _or_dash(value, unit: str = "") -> str:
+    return "-" if value is None else f"{value}{unit}"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="89,90,120", help="compute capabilities, e.g. 89,90,120")
     args = ap.parse_args(argv)
-    print("| kernel | arch | shared memory | matrix instructions | Hopper-only PTX | dependent launch |")
-    print("|---|---|---|---|---|---|")
+    print("| kernel | arch | shared memory | registers | stack | matrix instructions | Hopper-only PTX | dependent launch |")
+    print("|---|---|---|---|---|---|---|---|")
     for arch in (int(a) for a in args.arch.split(",")):
         for b in compile_kernels(arch):
             mma = "wgmma" if b.uses_wgmma else ("mma.sync" if b.uses_mma_sync else "none")
-            print(f"| {b.name} | sm_{b.arch} | {b.shared_bytes // 1024} KiB | {mma} | "
+            print(f"| {b.name} | sm_{b.arch} | {b.shared_bytes // 1024} KiB | {_or_dash(b.registers)} | "
+                  f"{_or_dash(b.stack_bytes, ' B')} | {mma} | "
                   f"{', '.join(b.hopper_only) or 'none'} | {'yes' if b.dependent_launch else 'no'} |")
     return 0
 

@@ -149,6 +149,17 @@ def captured(fn) -> torch.cuda.CUDAGraph:
 FP8_MAX_BLOCK_K = 256
 
 
+def fp8_only(config: triton.Config) -> triton.Config:
+    """`config`, marked as made for FP8 weights alone: `fit_scale_blocks` drops it for plain weights,
+    whose tuning then neither spends time on it nor changes."""
+    config.fp8_only = True
+    return config
+
+
+def _is_fp8_only(config: triton.Config) -> bool:
+    return bool(getattr(config, "fp8_only", False) or config.kwargs.get("REDUCE"))  # REDUCE: pairs.py
+
+
 def fit_scale_blocks(configs: list, args: dict, k_arg: str | None) -> list:
     """`configs` for a kernel whose FP8 weights (args["SCALED"]) carry one scale per SCALE_K columns
     along `k_arg`. With FP8 inputs too (args["A_FP8"], W8A8) each BLOCK_K doubles, up to
@@ -156,10 +167,10 @@ def fit_scale_blocks(configs: list, args: dict, k_arg: str | None) -> list:
     for, and half the chunks, each of which adds its products to the float32 sum apart (moe_triton.
     _fp8_dot). Each chunk of BLOCK_K columns must lie in one scale block, so BLOCK_K then shrinks to its
     largest power of two dividing SCALE_K where SCALE_K is shorter than the whole k_arg (duplicates
-    dropped). Unchanged for other kernels, except that configs made for FP8 weights alone (REDUCE,
-    pairs.py) are dropped for plain weights. SCALE_K is a multiple of 16 there (ops checks it)."""
+    dropped). Unchanged for other kernels, except that configs made for FP8 weights alone (`fp8_only`;
+    REDUCE, pairs.py) are dropped for plain weights. SCALE_K is a multiple of 16 there (ops checks it)."""
     if not args.get("SCALED"):
-        return [c for c in configs if not c.kwargs.get("REDUCE")] or configs
+        return [c for c in configs if not _is_fp8_only(c)] or configs
     wide = bool(args.get("A_FP8"))
     blocked = k_arg is not None and args["SCALE_K"] not in (0, args[k_arg])  # 0: one per row
     if not (wide or blocked):
