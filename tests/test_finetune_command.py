@@ -699,3 +699,29 @@ def test_ranks_asked_at_different_steps_agree_on_the_step(monkeypatch):
     stop(signal.SIGTERM, None)
     stop(signal.SIGTERM, None)
     assert stop.asked
+
+
+def test_finetune_without_ep_takes_one_rank_per_gpu_that_the_experts_divide(tmp_path, monkeypatch, capsys):
+    """--ep left out: one rank per GPU where the experts split over them, fewer (and one line that says why)
+    where they do not, 2 CPU ranks without GPUs or with --cpu; an explicit --ep stays."""
+    import json
+
+    from hf_tiny import save_tiny
+
+    from thunderep import finetune
+
+    model = save_tiny("mixtral", tmp_path / "m")
+    experts = json.loads((tmp_path / "m" / "config.json").read_text())["num_local_experts"]
+    argv = ["--model", model, "--out", str(tmp_path / "o")]
+    capsys.readouterr()  # what saving the model printed
+    for gpus, extra, ranks in ((0, [], 2), (experts, [], experts), (experts, ["--cpu"], 2), (1, [], 1),
+                               (experts, ["--ep", "1"], 1)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        args = finetune.parse_args(argv + extra)
+        assert (args.ep if args.ep is not None else finetune._default_ranks(args)) == ranks
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: experts + 1)
+    assert finetune._default_ranks(finetune.parse_args(argv)) == experts
+    assert capsys.readouterr().err == (f"thunderep finetune: {experts} ranks on this host's {experts + 1} GPUs: "
+                                       f"the model's {experts} experts split over at most {experts} (--ep sets the "
+                                       "count)\n")

@@ -229,3 +229,23 @@ def test_backend_nccl_where_this_host_has_a_gpu_for_each_of_its_ranks(monkeypatc
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
         monkeypatch.setenv("LOCAL_RANK", "0")
         assert backend_for(8) == "gloo"  # no GPU: nothing to say
+
+
+def test_training_ranks_default_to_one_per_gpu_that_the_experts_divide(monkeypatch):
+    """Without a rank count a training command starts one rank per GPU of the host, at most as many as
+    divide every expert count given; on a host without GPUs, or with --cpu, the CPU default."""
+    from thunderep.launch import ranks_for_host
+
+    assert ranks_for_host(2, (8,), gpus=4) == 4
+    assert ranks_for_host(2, (8,), gpus=3) == 2  # 3 does not divide 8
+    assert ranks_for_host(2, (60,), gpus=8) == 6  # Qwen1.5-MoE's 60 experts: 6 of 8 GPUs
+    assert ranks_for_host(2, (8, 6), gpus=4) == 2  # every count must split
+    assert ranks_for_host(2, (7,), gpus=4) == 1
+    assert ranks_for_host(2, (), gpus=3) == 3  # no count: every GPU
+    assert ranks_for_host(2, (8,), gpus=1) == 1  # one GPU: one rank on it, not 2 on the CPU
+    assert ranks_for_host(2, (8,), gpus=0) == 2
+    assert ranks_for_host(3, (8,), cpu=True, gpus=4) == 3
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert ranks_for_host(2, (8,)) == 4  # what torch sees, where gpus is not given
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert ranks_for_host(2, (8,)) == 2

@@ -355,7 +355,9 @@ def _parser() -> argparse.ArgumentParser:
                         "{\"text\"}, {\"prompt\", \"completion\"} (the completion trains) or {\"messages\"} "
                         "(the tokenizer's chat template; the last, assistant message trains) (default: Python's "
                         "bundled reference text)")
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks to launch on this host (default 2)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel ranks to launch on this host (default: one per GPU of this host, as many "
+                        "as divide the model's experts; 2 CPU ranks on a host without GPUs or with --cpu)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1,
@@ -457,8 +459,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return _parser().parse_args(argv)
 
 
+def _default_ranks(args: argparse.Namespace) -> int:
+    """--ep where it is not given (`launch.ranks_for_host`): one rank per GPU, as many as divide the experts;
+    a host whose GPUs are more than that says so in one line."""
+    import torch
+
+    from .hf.load import expert_counts
+    from .launch import ranks_for_host
+
+    counts = expert_counts(args.model)
+    ranks = ranks_for_host(2, counts, cpu=args.cpu)
+    gpus = torch.cuda.device_count()
+    if not args.cpu and ranks < gpus:
+        print(f"thunderep finetune: {ranks} ranks on this host's {gpus} GPUs: the model's "
+              f"{' / '.join(map(str, counts))} experts split over at most {ranks} (--ep sets the count)",
+              file=sys.stderr)
+    return ranks
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.ep is None:
+        args.ep = _default_ranks(args)
     problems = count_problems(args, ("ep", "steps", "batch", "grad_accum", "seq_len", "delta_steps",
                                      "checkpoint_every"), ("eval_batches", "eval_every", "warmup_steps"))
     if not 0 <= args.max_grad_norm < math.inf:

@@ -276,6 +276,17 @@ def launch(fn, nprocs: int, *args, stop_s: float = GRACE_S, second_sigterm_kills
         raise ThunderError(f"rank {rank} failed: {name}: {message}") from None
 
 
+def ranks_for_host(cpu_ranks: int, expert_counts=(), cpu: bool = False, gpus: int | None = None) -> int:
+    """The ranks a training command starts where its rank count is not given: one per GPU of this host
+    (`gpus`, default what torch sees, read without initializing CUDA), at most as many as divide every
+    count in `expert_counts` (the routed experts of a layer); on a host without GPUs, or with `cpu`,
+    `cpu_ranks` CPU processes."""
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if cpu or gpus < 1:
+        return cpu_ranks
+    return max(n for n in range(1, gpus + 1) if all(count % n == 0 for count in expert_counts))
+
+
 def backend_for(world: int, cpu: bool = False) -> str:
     """The process group's backend for a rank: NCCL where this host has a GPU for each of its ranks
     (torchrun's LOCAL_WORLD_SIZE, else all `world` ranks run here) and `cpu` is not asked, else gloo on the

@@ -45,7 +45,9 @@ def load_corpus(paths: list[str] | None = None) -> torch.Tensor:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="thunderep train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="ranks to start on this host (ignored under torchrun)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to start on this host (default: one per GPU of this host, 2 CPU ranks on a host "
+                        "without GPUs; ignored under torchrun)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=64)
@@ -334,9 +336,11 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .launch import launch
+    from .launch import launch, ranks_for_host
 
     args = _parser().parse_args(argv)
+    if args.nproc is None:
+        args.nproc = ranks_for_host(2)  # experts that the ranks do not divide get a slot more on some ranks
     problems = argument_problems(args)
     for line in problems:
         print(f"thunderep train: {line}", file=sys.stderr)

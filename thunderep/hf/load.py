@@ -637,12 +637,20 @@ def context_length(model_dir) -> int | None:
                  if isinstance(p.get("max_position_embeddings"), int) and p["max_position_embeddings"] > 0), None)
 
 
+def expert_counts(model_dir) -> list[int]:
+    """The routed experts per layer that `model_dir`'s config.json (and its text_config) names: [] where it
+    names none or is missing (`config_problem` says why)."""
+    parts = _config_parts(model_dir)
+    counts = [next((part[k] for k in EXPERT_COUNT_KEYS if isinstance(part.get(k), int) and part[k] > 0), None)
+              for part in parts]
+    return [c for c in counts if c is not None]
+
+
 def ep_size_problem(model_dir, ep: int) -> str | None:
     """Why `ep` ranks cannot split the routed experts that `model_dir`'s config.json names, read before any
     rank starts (a rank finds it only after loading), or None (also where config.json names no count, and
     for ep < 1, which the commands' own checks refuse)."""
-    for part in _config_parts(model_dir) if ep >= 1 else []:
-        count = next((part[k] for k in EXPERT_COUNT_KEYS if isinstance(part.get(k), int) and part[k] > 0), None)
-        if count is not None and count % ep:
+    for count in expert_counts(model_dir) if ep >= 1 else []:
+        if count % ep:
             return f"--ep {ep} does not divide the model's {count} routed experts: use a rank count that divides them"
     return None
