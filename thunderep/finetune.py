@@ -467,9 +467,8 @@ def _default_ranks(args: argparse.Namespace) -> int:
     from .hf.load import expert_counts
     from .launch import ranks_for_host
 
-    counts = expert_counts(args.model)
-    ranks = ranks_for_host(2, counts, cpu=args.cpu)
-    gpus = torch.cuda.device_count()
+    counts, gpus = expert_counts(args.model), torch.cuda.device_count()
+    ranks = ranks_for_host(2, counts, cpu=args.cpu, gpus=gpus)
     if not args.cpu and ranks < gpus:
         print(f"thunderep finetune: {ranks} ranks on this host's {gpus} GPUs: the model's "
               f"{' / '.join(map(str, counts))} experts split over at most {ranks} (--ep sets the count)",
