@@ -139,7 +139,7 @@ def _worker(rank: int, world: int, args, path: str, port: int, out_dir: str) -> 
     grad_sync = None
     if world > 1 and args.grad_sync != "plain":  # buckets all-reduced while backward still runs
         from thunderep import SyncConfig
-        from thunderep.sync import GradSync
+        from thunderep.train.sync import GradSync
 
         grad_sync = GradSync(tm, ep, SyncConfig(grad_dtype=args.grad_dtype))
     systems["thunderep"] = dict(model=tm, opt=tm_opt, mode="ep", shared=False)
@@ -299,7 +299,7 @@ def run_world(world: int, args, path: str) -> list[dict]:
     """`world` ranks on this host; their results, or a clear error within `args.timeout` * 4 seconds."""
     import torch.multiprocessing as mp
 
-    from thunderep.launch import free_port
+    from thunderep.comm.launch import free_port
 
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_worker, args=(world, args, path, free_port(), out_dir), nprocs=world, join=False,
@@ -405,7 +405,7 @@ def main(argv=None) -> int:
                    help="what computes ThunderEP's local experts: the model's transformers function (default) "
                         "or triton (ThunderEP's kernels; decode shares then use the pair kernels)")
     p.add_argument("--grad-sync", choices=("plain", "bucketed", "overlapped"), default="overlapped",
-                   help="ThunderEP's gradient sync: overlapped (thunderep.sync.GradSync, buckets all-reduced while "
+                   help="ThunderEP's gradient sync: overlapped (thunderep.train.sync.GradSync, buckets all-reduced while "
                         "backward runs, the last bucket's behind the optimizer step: GradSync.step_optimizer; "
                         "default; no exposed-time row), bucketed (the same without the last overlap) or plain "
                         "(ThunderMoE.all_reduce_grads after backward)")

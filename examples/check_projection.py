@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SETTINGS = ("p2p_disabled", "default")  # as thunderep.comm.bench_link names them
+SETTINGS = ("p2p_disabled", "default")  # as thunderep.bench.link names them
 MODEL = ["--hidden", "1024", "--layers", "4", "--experts", "8", "--top-k", "2", "--batch", "16",
          "--seq-len", "256"]
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from thunderep.errors import ThunderError
-    from thunderep.projection import main as project
+    from thunderep.bench.projection import main as project
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < 2:

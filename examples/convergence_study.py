@@ -16,8 +16,8 @@ import platform
 import torch
 import torch.multiprocessing as mp
 
-from thunderep.launch import launch
-from thunderep.train import _parser, argument_problems, train
+from thunderep.comm.launch import launch
+from thunderep.train.loop import _parser, argument_problems, train
 
 
 def run(args: argparse.Namespace, nproc: int) -> dict:

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_floor as F  # noqa: E402
 
 from thunderep.kernels import pairs as P  # noqa: E402
-from thunderep.kernels.bench import ROTATE, SHAPES  # noqa: E402
+from thunderep.bench.kernels import ROTATE, SHAPES  # noqa: E402
 from thunderep.kernels.moe_triton import ACTIVATIONS  # noqa: E402
 
 

@@ -92,8 +92,8 @@ def decode_steps(args, tm, tok, rank, dev) -> None:
     (CUDA graphs), and host syncs and launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    from thunderep.engine import DecodeBatch, Entry
-    from thunderep.static_decode import StaticDecodeBatch
+    from thunderep.serve.engine import DecodeBatch, Entry
+    from thunderep.serve.static_decode import StaticDecodeBatch
 
     prompt = tok.encode(" ".join(WORDS[j % len(WORDS)] for j in range(24)))
     name = "plain" if args.plain else (args.impl or "default")
@@ -150,8 +150,8 @@ def _profile(args, rank, fn, name: str, both: bool) -> None:
 
 
 def body(args, ep) -> None:
-    from thunderep.engine import generate_static
-    from thunderep.generate import load_tokenizer
+    from thunderep.serve.engine import generate_static
+    from thunderep.serve.generate import load_tokenizer
     from thunderep.hf import ThunderMoE
 
     tm = ThunderMoE.from_pretrained(args.model, ep, dtype="auto", device=ep.groups.device,
@@ -183,7 +183,7 @@ def plain(args) -> None:
 
 
 def rank_main(rank, world, args) -> None:
-    from thunderep.launch import run_on_ep
+    from thunderep.comm.launch import run_on_ep
 
     run_on_ep(world, args, lambda ep: body(args, ep))
 
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     if args.plain and args.probe == "steps":
         from transformers import AutoModelForCausalLM
 
-        from thunderep.generate import load_tokenizer
+        from thunderep.serve.generate import load_tokenizer
 
         m = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
         decode_steps(args, m, load_tokenizer(args.model, m.config.get_text_config().vocab_size), 0,
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     if args.plain:
         plain(args)
         return 0
-    from thunderep.launch import launch
+    from thunderep.comm.launch import launch
 
     launch(rank_main, args.ep, args)
     return 0

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[500, 1000, 2000])
     args = p.parse_args(argv)
-    from thunderep.http_api import TextSoFar
+    from thunderep.serve.http_api import TextSoFar
 
     tok, files = tokenizer()
     ids = tok.encode(open(files[0]).read())

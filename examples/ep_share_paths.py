@@ -27,8 +27,8 @@ import sys
 import torch
 
 from thunderep.balance.placement import Placement
-from thunderep.cuda_graphs import graph_steps
-from thunderep.kernels import bench as B
+from thunderep.kernels.graphs import graph_steps
+from thunderep.bench import kernels as B
 from thunderep.kernels import pairs as P
 from thunderep.kernels.ops import routed_moe_mlp
 from thunderep.kernels.pairs import moe_mlp_pairs

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from thunderep.kernels.bench import copy_bandwidth
+from thunderep.bench.kernels import copy_bandwidth
 from thunderep.kernels.tuning import timed_ms
 
 TILES = [(16, 256, 4), (16, 512, 4), (32, 256, 8), (8, 512, 4), (32, 512, 8), (64, 256, 8)]

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from thunderep.kernels import bench as B
+from thunderep.bench import kernels as B
 from thunderep.kernels.ops import routed_moe_mlp
 
 ROUNDS = (1, 2, 4, 8)

@@ -21,7 +21,7 @@ import torch
 
 from thunderep.kernels import pairs as P
 from thunderep.kernels import tuning
-from thunderep.kernels.bench import SHAPES, graph_ms
+from thunderep.bench.kernels import SHAPES, graph_ms
 from thunderep.kernels.ops import routed_moe_mlp
 
 ROUTINGS = 8

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def rank_main(rank, world, args):
     from thunderep.comm.runtime import ExpertParallel
     from thunderep.config import EPConfig
-    from thunderep.serve import _Ranks
+    from thunderep.serve.server import _Ranks
 
     ep = ExpertParallel.init(world, EPConfig(timeout_s=60), backend="gloo")
     ranks = _Ranks(ep, 60.0)
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--entries", type=int, default=0)
     p.add_argument("--prompt", type=int, default=24)
     args = p.parse_args(argv)
-    from thunderep.launch import launch
+    from thunderep.comm.launch import launch
 
     launch(rank_main, args.ranks, args)
     return 0

@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from thunderep.finetune import _mean_loss_and_stop
-from thunderep.launch import launch
+from thunderep.train.finetune import _mean_loss_and_stop
+from thunderep.comm.launch import launch
 
 
 def _loss_alone(loss: torch.Tensor, world: int) -> float:

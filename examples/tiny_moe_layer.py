@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from thunderep import LayerConfig, ThunderMoELayer
-from thunderep.reference import reference_layer
+from thunderep.moe.reference import reference_layer
 
 
 def main() -> None:

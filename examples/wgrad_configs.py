@@ -24,7 +24,7 @@ from triton.runtime.errors import OutOfResources
 
 from thunderep.kernels import moe_triton as K
 from thunderep.kernels import ops
-from thunderep.kernels.bench import SHAPES
+from thunderep.bench.kernels import SHAPES
 from thunderep.kernels.tuning import precision, timed_ms
 
 

@@ -1,7 +1,7 @@
 """Run a function on R real processes (gloo on CPU, or NCCL with one GPU per rank), with a hard time
 bound.
 
-Ranks start as `thunderep.launch` starts them (`rank_context`: forked from a fork server that has
+Ranks start as `thunderep.comm.launch` starts them (`rank_context`: forked from a fork server that has
 imported torch, transformers and thunderep once; else spawned), each with the test's environment,
 stdout and stderr as they are at `run_ranks`.
 
@@ -16,7 +16,7 @@ import os
 import time
 import traceback
 
-from thunderep.launch import RankStart, free_port, rank_context
+from thunderep.comm.launch import RankStart, free_port, rank_context
 
 
 def _child(fn, rank, world, port, args, queue, init_dist, dist_timeout, backend, timeout, start):

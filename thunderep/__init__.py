@@ -16,9 +16,9 @@ from .errors import (
     ThunderError,
     UnsupportedModelError,
 )
-from .experts import FusedExperts
-from .layer import ThunderMoELayer
-from .router import Routing, TopKRouter
+from .moe.experts import FusedExperts
+from .moe.layer import ThunderMoELayer
+from .moe.router import Routing, TopKRouter
 
 __version__ = "0.1.0"
 

@@ -31,7 +31,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "gpt_oss_swiglu")
 EXPERT_BACKENDS = ("auto", "triton", "grouped_mm", "loop")
 
 
-def _positive(name: str, value: Any) -> None:
+def positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
@@ -112,11 +112,11 @@ class RouterConfig:
     check_finite: bool = True
 
     def __post_init__(self) -> None:
-        _positive("RouterConfig.num_experts", self.num_experts)
-        _positive("RouterConfig.top_k", self.top_k)
-        _positive("RouterConfig.hidden_size", self.hidden_size)
-        _positive("RouterConfig.n_group", self.n_group)
-        _positive("RouterConfig.topk_group", self.topk_group)
+        positive("RouterConfig.num_experts", self.num_experts)
+        positive("RouterConfig.top_k", self.top_k)
+        positive("RouterConfig.hidden_size", self.hidden_size)
+        positive("RouterConfig.n_group", self.n_group)
+        positive("RouterConfig.topk_group", self.topk_group)
         _choice("RouterConfig.scoring", self.scoring, SCORINGS)
         _choice("RouterConfig.group_score", self.group_score, GROUP_SCORES)
         _choice("RouterConfig.score_dtype", self.score_dtype, DTYPES)
@@ -197,9 +197,9 @@ class ExpertsConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        _positive("ExpertsConfig.num_experts", self.num_experts)
-        _positive("ExpertsConfig.hidden_size", self.hidden_size)
-        _positive("ExpertsConfig.intermediate_size", self.intermediate_size)
+        positive("ExpertsConfig.num_experts", self.num_experts)
+        positive("ExpertsConfig.hidden_size", self.hidden_size)
+        positive("ExpertsConfig.intermediate_size", self.intermediate_size)
         _choice("ExpertsConfig.activation", self.activation, ACTIVATIONS)
         _choice("ExpertsConfig.backend", self.backend, EXPERT_BACKENDS)
         _finite("ExpertsConfig.swiglu_alpha", self.swiglu_alpha)
@@ -221,8 +221,8 @@ class SharedExpertsConfig:
     gated: bool = False
 
     def __post_init__(self) -> None:
-        _positive("SharedExpertsConfig.hidden_size", self.hidden_size)
-        _positive("SharedExpertsConfig.intermediate_size", self.intermediate_size)
+        positive("SharedExpertsConfig.hidden_size", self.hidden_size)
+        positive("SharedExpertsConfig.intermediate_size", self.intermediate_size)
         _choice("SharedExpertsConfig.activation", self.activation, ACTIVATIONS[:4])
 
 
@@ -320,13 +320,13 @@ class EPConfig:
     allgather_max_tokens: int = 64
 
     def __post_init__(self) -> None:
-        _positive("EPConfig.waves", self.waves)
+        positive("EPConfig.waves", self.waves)
         _choice("EPConfig.compression", self.compression, ("none", "bf16", "fp8"))
         _choice("EPConfig.control", self.control, ("auto", "mailbox", "collective"))
         _finite("EPConfig.timeout_s", self.timeout_s)
         if self.timeout_s <= 0:
             raise ConfigError(f"EPConfig.timeout_s must be positive, got {self.timeout_s!r}")
-        _positive("EPConfig.record_bytes", self.record_bytes)
+        positive("EPConfig.record_bytes", self.record_bytes)
         if type(self.allgather_max_tokens) is not int or self.allgather_max_tokens < 0:
             raise ConfigError(
                 f"EPConfig.allgather_max_tokens must be an int >= 0, got {self.allgather_max_tokens!r}")
@@ -366,7 +366,7 @@ class SyncConfig:
         _choice("SyncConfig.delta_dtype", self.delta_dtype, ("float32", "bfloat16", "float16"))
         if self.grad_dtype is not None:
             _choice("SyncConfig.grad_dtype", self.grad_dtype, ("float32", "bfloat16", "float16"))
-        _positive("SyncConfig.delta_steps", self.delta_steps)
+        positive("SyncConfig.delta_steps", self.delta_steps)
         for name in ("bucket_mb", "outer_lr", "outer_momentum"):
             _finite(f"SyncConfig.{name}", getattr(self, name))
         if self.bucket_mb <= 0:

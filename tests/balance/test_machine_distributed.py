@@ -36,7 +36,7 @@ def _run(rank, world):
     from thunderep.balance.layer_balancer import LayerBalancer
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
-    from thunderep.router import Routing
+    from thunderep.moe.router import Routing
 
     ep = ExpertParallel(init_expert_parallel(), EPConfig(control="collective"))
     placement = Placement.contiguous(E, world)

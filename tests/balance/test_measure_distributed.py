@@ -20,7 +20,7 @@ def _run(rank, world, forced):
     from thunderep.balance.layer_balancer import LayerBalancer
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
-    from thunderep.router import Routing
+    from thunderep.moe.router import Routing
 
     ep = ExpertParallel(init_expert_parallel(), EPConfig(control="collective"))
     placement = Placement.contiguous(E, world)

@@ -16,12 +16,12 @@ triton = pytest.importorskip("triton")
 
 from thunderep.config import ExpertsConfig  # noqa: E402
 from thunderep.errors import ConfigError  # noqa: E402
-from thunderep.experts import ACTIVATION_FNS, FusedExperts  # noqa: E402
+from thunderep.moe.experts import ACTIVATION_FNS, FusedExperts  # noqa: E402
 from thunderep.kernels import grouped_gemm, ops  # noqa: E402
 from thunderep.kernels import pairs as pairs_mod  # noqa: E402
 from thunderep.kernels.moe_triton import _swizzle  # noqa: E402
 from thunderep.kernels.ops import moe_mlp  # noqa: E402
-from thunderep.router import Routing  # noqa: E402
+from thunderep.moe.router import Routing  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

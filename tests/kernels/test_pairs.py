@@ -12,7 +12,7 @@ tl = pytest.importorskip("triton.language")  # visible to the jit functions defi
 
 from test_moe_triton import CUDA, INTERP_CASES, MODEL_SHAPES, make_case, reference, rel_err  # noqa: E402
 
-from thunderep.cuda_graphs import graph_steps  # noqa: E402
+from thunderep.kernels.graphs import graph_steps  # noqa: E402
 from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.kernels import ops  # noqa: E402
 from thunderep.kernels import pairs as pairs_mod  # noqa: E402
@@ -322,7 +322,7 @@ def test_gpu_fused_experts_pairs_partial_skips_other_ranks_pairs():
     """FusedExperts.pairs_partial (the local share in latency / all-gather mode) on CUDA in bf16: pairs
     with id -1 add nothing, the rest equals the float64 reference; with gradients it declines (None)."""
     from thunderep.config import ExpertsConfig
-    from thunderep.experts import FusedExperts
+    from thunderep.moe.experts import FusedExperts
 
     experts = FusedExperts(ExpertsConfig(num_experts=8, hidden_size=256, intermediate_size=512), device="cuda",
                            dtype=torch.bfloat16)

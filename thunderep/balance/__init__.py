@@ -1,7 +1,7 @@
 """Load balancing: where experts live (`Placement`), which replica each pair uses (`TradePlan`), the
 pure planners that make both, load fingerprints, the per-layer Stable / Negotiate / Migrate state
 machine and the measured bandwidth its migration cost check uses. The evaluation harness is
-`python -m thunderep.balance.evaluate`."""
+`python -m thunderep.bench.balancer`."""
 
 from .fingerprint import Baseline, LoadProbe, ProbeRecord, fingerprint, load_profile
 from .machine import BalanceMachine, BalancerConfig, Decision, Mode, decode_records, encode_record

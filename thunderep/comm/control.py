@@ -166,7 +166,7 @@ def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
 
 
 # Newer torch deprecates all_gather_into_tensor in favour of all_gather_single; older has only the former.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _encode(text: str, device: torch.device) -> torch.Tensor:
@@ -185,7 +185,7 @@ def _decode(t: torch.Tensor) -> str:
 def _all_gather_text(text: str, group: dist.ProcessGroup | None, world: int,
                      device: torch.device) -> list[str]:
     out = torch.empty(world * _MSG_BYTES, dtype=torch.uint8, device=device)
-    _all_gather_single(out, _encode(text, device), group=group)
+    all_gather_single(out, _encode(text, device), group=group)
     return [_decode(row) for row in out.view(world, _MSG_BYTES)]
 
 
@@ -215,14 +215,14 @@ class CollectiveControlPlane(ControlPlane):
             return [b""] * self._world
         src = torch.frombuffer(bytearray(record), dtype=torch.uint8).to(self._device)
         out = torch.empty(self._world * n, dtype=torch.uint8, device=self._device)
-        _all_gather_single(out, src, group=self._group)
+        all_gather_single(out, src, group=self._group)
         out = out.cpu()
         raw = ctypes.string_at(out.data_ptr(), out.numel())
         return [raw[i:i + n] for i in range(0, len(raw), n)]
 
     def _gather_bytes(self, cpu: torch.Tensor, nbytes: int) -> torch.Tensor:
         out = torch.empty(self._world * cpu.numel(), dtype=cpu.dtype, device=self._device)
-        _all_gather_single(out, cpu.reshape(-1).to(self._device), group=self._group)
+        all_gather_single(out, cpu.reshape(-1).to(self._device), group=self._group)
         return out.cpu()
 
     def allreduce_max(self, values: torch.Tensor | Sequence[int]) -> torch.Tensor | list[int]:

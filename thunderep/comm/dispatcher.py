@@ -25,7 +25,7 @@ from torch.profiler import record_function
 
 from ..balance.placement import Placement
 from ..errors import CommError
-from ..router import Routing, expert_counts
+from ..moe.router import Routing, expert_counts
 from .codec import Codec, get_codec
 from .control import ControlPlane
 from .groups import EPGroups, peer_errors, wait_work

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..config import EPConfig
 from ..errors import ConfigError
-from .control import ControlPlane, _all_gather_single, make_control_plane
+from .control import ControlPlane, all_gather_single, make_control_plane
 from .dispatcher import Dispatcher
 from .groups import EPGroups, init_expert_parallel, peer_errors, wait_work
 
@@ -58,7 +58,7 @@ class ExpertParallel:
         `stats`: a further `CommStats` (e.g. the layer's) that records the bytes."""
         x_TC = x_TC.contiguous()
         out = x_TC.new_empty(self.groups.ep_size * x_TC.shape[0], *x_TC.shape[1:])
-        return self._collective(op, x_TC, lambda: _all_gather_single(
+        return self._collective(op, x_TC, lambda: all_gather_single(
             out, x_TC, group=self.groups.ep_group, async_op=True), out, stats)
 
     def reduce_scatter_rows(self, x_RTC: torch.Tensor, op: str = "reduce_scatter", stats=None) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch
 
 from ..balance.placement import Placement
 from ..errors import ConfigError, UnsupportedModelError
-from ..router import Routing, expert_counts
+from ..moe.router import Routing, expert_counts
 
 __all__ = [
     "AUTO",
@@ -73,7 +73,7 @@ class RunState:
 
 @dataclass(frozen=True)
 class ExpertAdapter:
-    """A low-rank update of one expert-sharded tensor W [S, a, b] (`thunderep.lora`): the module's
+    """A low-rank update of one expert-sharded tensor W [S, a, b] (`thunderep.train.lora`): the module's
     parameters named `a` ([S, r, b]) and `b` ([S, a, r]); W + scale * b @ a is what the experts compute with."""
 
     a: str
@@ -101,7 +101,7 @@ class ExpertsBinding:
     ep: object = None  # ExpertParallel | None
     placement: Placement | None = None
     calls: dict = field(default_factory=lambda: {"ep": 0, "latency": 0, "allgather": 0, "local": 0})
-    adapters: dict = field(default_factory=dict)  # tensor name -> ExpertAdapter (thunderep.lora)
+    adapters: dict = field(default_factory=dict)  # tensor name -> ExpertAdapter (thunderep.train.lora)
     balancer: object = None  # LayerBalancer | None (ThunderMoE.wrap(balancer=...))
     stats: object = None  # CommStats of this layer's all-to-alls, for the balancer's bandwidth meter
     signature: tuple | None = None  # (K, x dtype, weights dtype) of a call, set by `thunderep.hf.tune`
@@ -365,7 +365,7 @@ def resolve_implementation(module, requested: str | None, device: torch.device) 
 def _activation_name(act_fn) -> str | None:
     """Which of the kernels' activations `act_fn` computes (probed on values, so any class that
     implements it matches), or None."""
-    from ..experts import ACTIVATION_FNS
+    from ..moe.experts import ACTIVATION_FNS
 
     probe = torch.linspace(-8.0, 8.0, 161, dtype=torch.float64)
     for name in ("silu", "gelu", "gelu_tanh", "relu"):

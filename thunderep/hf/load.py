@@ -423,7 +423,7 @@ def _init_non_persistent_buffers(model: nn.Module) -> None:
                 )
 
 
-def _resolve_dtype(dtype, config) -> torch.dtype:
+def resolve_dtype(dtype, config) -> torch.dtype:
     if dtype is None or dtype == "auto":
         # transformers 5 reads a config.json's "torch_dtype" into `dtype` (and warns when asked for torch_dtype)
         dtype = getattr(config, "dtype", None) or torch.float32
@@ -502,7 +502,7 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     path = Path(path)
     index = CheckpointIndex(path)
     config = read_config(path)
-    dtype = _resolve_dtype(dtype, config)
+    dtype = resolve_dtype(dtype, config)
     if device is None:
         device = ep.groups.device if ep is not None else "cpu"
     device = torch.device(device)

@@ -13,7 +13,7 @@ request took 28.6 s, and later ones up to 43 s.
    records how the model calls its experts (K, the activations' and the routing weights' dtypes);
 2. on each rank, for each distinct experts shape, synthetic calls of the binding's own local
    computation (no collective), the same functions serving runs:
-   - graph-captured decode (`capturable`): every bucket size of `thunderep.static_decode`;
+   - graph-captured decode (`capturable`): every bucket size of `thunderep.serve.static_decode`;
    - prefill and eager decode: one token (the pair kernels), and for every tuning key of rows per
      expert (`TUNING_ROWS`) a batch whose routing gives each expert exactly that many rows; with experts
      on other ranks, a batch with a single local pair (the pair kernels again, with K = 1); with all
@@ -95,9 +95,9 @@ def tuning_calls(num_experts: int, top_k: int, max_batch: int) -> list[tuple[int
     and for each tuning key's rows per expert c (`TUNING_ROWS`) the tokens that give every expert c rows
     (round-robin routing over all `num_experts`, so each rank's experts get c rows each)."""
     from ..kernels.ops import TUNING_ROWS
-    from ..static_decode import _buckets
+    from ..serve.static_decode import buckets
 
-    calls = [(b, True) for b in _buckets(max_batch)] + [(1, False)]
+    calls = [(b, True) for b in buckets(max_batch)] + [(1, False)]
     calls += [(math.ceil(c * num_experts / top_k), False) for c in TUNING_ROWS]
     return calls
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..balance.placement import Placement
-from ..cuda_graphs import graph_steps
+from ..kernels.graphs import graph_steps
 from ..errors import ConfigError, UnsupportedModelError
 from .experts import (
     IMPLEMENTATION,
@@ -311,7 +311,7 @@ class ThunderMoE(nn.Module):
         """Run the enclosed calls in `mode` ("ep", "latency", "allgather", or "auto": latency iff
         `replicated`, else chosen per layer call, see the module docstring). `capturable` (latency mode):
         the experts run with no host sync, every (token, k) pair through a fixed-shape computation, so
-        that a CUDA graph can capture the call (`thunderep.static_decode`)."""
+        that a CUDA graph can capture the call (`thunderep.serve.static_decode`)."""
         if mode != "auto" and mode not in MODES:
             raise ConfigError(f"mode must be one of auto, {', '.join(MODES)}; got {mode!r}")
         resolved = ("latency" if replicated else "auto") if mode == "auto" else mode
@@ -415,7 +415,7 @@ class ThunderMoE(nn.Module):
 
     def expert_layers(self) -> list[tuple[object, Placement, list[nn.Parameter]]]:
         """(ExpertParallel runtime, Placement, expert parameters) of every wrapped experts module under
-        expert parallelism: what `thunderep.sync.GradSync` needs to sync this model's gradients."""
+        expert parallelism: what `thunderep.train.sync.GradSync` needs to sync this model's gradients."""
         return [(binding.ep, binding.placement, self._shards(name, binding)) for name, binding in self.bindings.items()
                 if binding.ep is not None and binding.placement is not None]
 
@@ -430,12 +430,12 @@ class ThunderMoE(nn.Module):
         Replicated parameters: sum over all ranks. Expert shards: sum over the ranks holding the same
         expert (its replicas under a placement with redundant slots, and its copies in other EP groups,
         the DP group). average=True divides both by the world size, which makes the update that of the
-        mean of the ranks' losses. (`thunderep.sync.GradSync(model, ep)` is the bucketed alternative,
+        mean of the ranks' losses. (`thunderep.train.sync.GradSync(model, ep)` is the bucketed alternative,
         overlapped with backward, and has delta mode; both give the same gradients.)
         """
         if self.ep is None or not dist.is_initialized():
             return
-        from ..sync import replica_groups, sum_replica_grads
+        from ..train.sync import replica_groups, sum_replica_grads
 
         world = dist.get_world_size()
         params = [p for p in self.replicated_parameters() if p.requires_grad]

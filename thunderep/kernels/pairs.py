@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - a Triton without it: the kernels run w
     def gdc_wait():
         pass
 
-from ..cuda_graphs import in_graph_steps
+from .graphs import in_graph_steps
 from ..errors import ConfigError
 from . import tuning
 from .fp8 import Fp8Weight, scale_args
@@ -613,7 +613,7 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     parallelism: ids_TK marks the other ranks' pairs -1, which the pair kernels skip); the random
     routings then pick among that many experts, those past this rank's marked -1. `kind` names the
     caller's sorted route where a caller has more than one (a choice is kept per kind). Calls within
-    `thunderep.cuda_graphs.graph_steps` run in captured CUDA graphs: both paths are timed as graph
+    `thunderep.kernels.graphs.graph_steps` run in captured CUDA graphs: both paths are timed as graph
     replays (`_path_timer`) and the choice is kept apart from the eager one."""
     T = x_TD.shape[0]
     if T < 1 or needs_grad(x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):

@@ -31,7 +31,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from ..cuda_graphs import capture
+from .graphs import capture
 from ..errors import ConfigError
 
 __all__ = ["autotune_enabled", "captured", "cdiv", "compile_threads", "compiled_kernels", "free_timer_buffers",
@@ -133,7 +133,7 @@ def tuning_ms(fn, quantiles=None):
 
 def captured(fn) -> torch.cuda.CUDAGraph:
     """`fn()` captured in a CUDA graph, after one call on a side stream (lazy initialisation and
-    autotuning stay out of the capture). A capture that fails raises (`thunderep.cuda_graphs.capture`)."""
+    autotuning stay out of the capture). A capture that fails raises (`thunderep.kernels.graphs.capture`)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

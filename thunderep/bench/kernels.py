@@ -1,0 +1,457 @@
+"""Expert-MLP benchmark on one GPU: ThunderEP's Triton kernels vs transformers' `eager` and `grouped_mm`.
+
+    python -m thunderep.bench.kernels [--shapes mixtral,qwen3,deepseek] [--tokens 1,64,512,4096,16384]
+
+For every shape and token count, in one run and on the same weights and routing: forward (no grad)
+and forward+backward (gradients of x, both weight tensors and the routing weights) milliseconds
+(median of CUDA-event timings, L2 flushed clean before each call; with --rounds R, every implementation is
+timed R times, interleaved, and the median of the rounds is reported beside each round's ratio), the
+ratio to the best transformers implementation, TFLOP/s, and the HBM bandwidth achieved over the
+expert weights the step actually reads, as a fraction of a device-to-device copy measured in the
+same run. Up to --graph-max-tokens also the forward under CUDA-graph replay: per call in a graph of
+the four routings' calls (fwd-graph), and what one more call adds to a graph (fwd-step,
+`graph_step_ms`). Routing is uniform random top-K; four routing sets rotate so that small-T runs do
+not re-read weights from L2.
+
+--impls takes eager, grouped_mm, thunderep, thunderep:<pin> (one of ThunderEP's paths pinned: PINS),
+thunderep:<format> (ThunderEP on FP8 copies of the weights, forward only: FORMATS; their HBM fraction
+counts the FP8 bytes and scales read) and copy (a reference row, not a baseline: one device-to-device
+copy moving the bytes the step reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import statistics
+import sys
+
+import torch
+
+SHAPES = {  # D, I, E, K
+    "mixtral": (4096, 14336, 8, 2),
+    "qwen3": (2048, 768, 128, 8),
+    "deepseek": (7168, 2048, 256, 8),
+}
+IMPLS = ("eager", "grouped_mm", "thunderep")
+# Also accepted: "thunderep:<pin>", ThunderEP with one path pinned (PINS); and COPY, a reference that is
+# no MLP: one device-to-device copy moving as many bytes (read + write) as the step reads in expert
+# weights, forward only. It is what one tuned memory-bound kernel takes for those bytes, launch and
+# ramp included: the floor for a small-T step, which must also read them.
+COPY = "copy"
+ROTATE = 4
+
+
+def parse_shapes(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """The comma-separated SHAPES names in `text`; `ap.error` (exit 2) names any unknown one."""
+    shapes = text.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shape(s) {unknown}: use {', '.join(SHAPES)}")
+    return shapes
+
+
+def _bench(fn, ms_budget: float = 150.0, warmup_ms: float = 25.0) -> float:
+    """Median milliseconds of one `fn()`, L2 flushed clean before each (`tuning.timed_ms`, which the
+    autotuner also times with)."""
+    from ..kernels import tuning
+
+    return tuning.timed_ms(fn, ms_budget, warmup_ms)
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def _hf_experts(D, I, E, K, w_gu, w_d, implementation):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=D, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
+    config._experts_implementation = implementation
+    with torch.device("meta"):
+        module = MixtralExperts(config)
+    module.gate_up_proj = w_gu
+    module.down_proj = w_d
+    return lambda x, ids, w: module(x, ids, w)
+
+
+def _thunder_experts(D, I, E, K, w_gu, w_d):
+    from ..kernels.ops import routed_moe_mlp
+
+    return lambda x, ids, w: routed_moe_mlp(x, w_gu, w_d, ids, w)
+
+
+# Implementation suffixes that pin one of ThunderEP's paths while that implementation is measured.
+PINS = {
+    "triton": ("THUNDEREP_EXPERT_GEMM", "triton"),  # the fused, portable kernels
+    "torch": ("THUNDEREP_EXPERT_GEMM", "torch"),  # the Hopper path (torch's grouped GEMM)
+    "pairs": ("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30)),  # the decode pair kernels at every T (no grad)
+    "sorted": ("THUNDEREP_PAIRS_MAX_TOKENS", "0"),  # never the pair kernels
+    "wgrad_triton": ("THUNDEREP_WGRAD", "triton"),  # weight gradients: the portable kernel
+    "wgrad_torch": ("THUNDEREP_WGRAD", "torch"),  # weight gradients: torch's grouped GEMM
+    "nopdl": ("THUNDEREP_PDL", "0"),  # decode: the down pass launched plainly, after the gate/up pass ends
+}
+
+
+# Weight formats: "thunderep:<format>" runs ThunderEP's kernels (as configured) on FP8 copies of the same
+# weights (kernels/fp8.py), forward only: scale blocks of 128 x 128 (DeepSeek-V3's and Qwen3-FP8's
+# checkpoints), or one scale per row (what a bfloat16 checkpoint quantized at load gets).
+# name: (scale block, None for one scale per row; W8A8: the sorted kernels' inputs in FP8 too, fp8.py)
+FORMATS = {"fp8": ((128, 128), False), "fp8row": (None, False), "fp8-w8a8": ((128, 128), True),
+           "fp8row-w8a8": (None, True)}
+
+
+def _pinned(impl: str):
+    """"thunderep:<pin>" sets the environment variable of PINS[pin] while that implementation is
+    measured; anything else runs as configured."""
+    from ..kernels.grouped_gemm import pinned
+
+    pin = impl.partition(":")[2] if _ours(impl) else ""
+    return pinned(*PINS[pin]) if pin in PINS else contextlib.nullcontext()
+
+
+def _format(impl: str) -> str | None:
+    """The weight format a "thunderep:<format>" implementation runs on (FORMATS), else None."""
+    fmt = impl.partition(":")[2] if _ours(impl) else ""
+    return fmt if fmt in FORMATS else None
+
+
+def _ours(impl: str) -> bool:
+    return impl.startswith("thunderep")
+
+
+def _hf(impl: str) -> bool:
+    """A transformers implementation (what the ratio compares against)."""
+    return not _ours(impl) and impl != COPY
+
+
+def _copy_of(n_bytes: int, device):
+    """A function that copies n_bytes / 2 bytes (n_bytes moved), a different buffer pair each of ROTATE
+    calls (so L2 does not hold them), ignoring the MLP's arguments."""
+    half = max(n_bytes // 2 // 16 * 16, 16)
+    pairs = [(torch.empty(half, dtype=torch.uint8, device=device), torch.empty(half, dtype=torch.uint8, device=device))
+             for _ in range(ROTATE)]
+    it = {"i": 0}
+
+    def fn(*_):
+        src, dst = pairs[it["i"] % ROTATE]
+        it["i"] += 1
+        dst.copy_(src)
+    return fn
+
+
+def graph_ms(fn, sets, passes: int = 1) -> float:
+    """Forward time with launch overhead removed: `passes` rounds of the ROTATE calls captured once in a
+    CUDA graph, replayed; milliseconds per call. The calls run as a captured decode step's do
+    (`graph_steps`: a path chosen by timing is timed as graph replays, kept apart from the eager rows')."""
+    from ..kernels.graphs import graph_steps
+    from ..kernels import tuning
+
+    def rounds():
+        for _ in range(passes):
+            for s in sets:
+                fn(s[0], s[1], s[2])
+
+    with torch.no_grad(), graph_steps():  # a decode step's calls: path choices timed as graph replays
+        graph = tuning.captured(rounds)  # warmed up outside the capture (autotuning, allocator)
+    ms = _bench(graph.replay) / (passes * len(sets))
+    del graph
+    return ms
+
+
+STEP_PASSES = 4
+
+
+def graph_step_ms(fn, sets, one_pass_ms: float, passes: int = STEP_PASSES) -> float:
+    """What one more call adds to a captured graph: (replay time of `passes` rounds of the ROTATE calls
+    - replay time of one round, `one_pass_ms` per call as `graph_ms` gave it) / the calls between them.
+    A replay's fixed cost (the graph's launch, the wait for its first kernel; about 1.7 us on the H200)
+    falls out: a decode engine pays it once per step for all layers, where the fwd-graph row charges
+    it to ROTATE calls. Rounds past the first re-run the same routings, ROTATE calls apart."""
+    calls = len(sets)
+    many = graph_ms(fn, sets, passes) * passes * calls
+    return (many - one_pass_ms * calls) / ((passes - 1) * calls)
+
+
+def profile_kernels(fn, sets, backward: bool) -> list[tuple[str, float]]:
+    """Per-kernel device time (ms per call) of one implementation, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step(s):
+        x = s[0].detach().requires_grad_(backward)
+        w = s[2].detach().requires_grad_(backward)
+        with torch.set_grad_enabled(backward):
+            y = fn(x, s[1], w)
+            if backward:
+                torch.autograd.grad(y, [x, w], s[3])
+
+    for s in sets:
+        step(s)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for s in sets:
+            step(s)
+        torch.cuda.synchronize()
+    rows = [(e.key[:70], e.device_time_total / 1e3 / len(sets)) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])[:12]
+
+
+def _step(fn, sets, mode, w_gu, w_d):
+    """One call of `fn` per invocation, rotating over the routing sets: forward without grad ("fwd"), or
+    forward and the gradients of x, both weight tensors and the routing weights ("fwdbwd")."""
+    it = {"i": 0}
+
+    def fwd():
+        s = sets[it["i"] % ROTATE]
+        it["i"] += 1
+        with torch.no_grad():
+            fn(s[0], s[1], s[2])
+
+    def fwdbwd():
+        s = sets[it["i"] % ROTATE]
+        it["i"] += 1
+        x = s[0].detach().requires_grad_()
+        w = s[2].detach().requires_grad_()
+        y = fn(x, s[1], w)
+        torch.autograd.grad(y, (x, w_gu, w_d, w), s[3])
+
+    return fwd if mode == "fwd" else fwdbwd
+
+
+def weights_do_not_fit(name: str, free_bytes: int) -> str | None:
+    """Why the shape's bf16 expert weights (all E experts, gate/up and down) cannot be allocated in
+    `free_bytes` of GPU memory, or None: DeepSeek-V3's take 22.5 GB, more than many cards have free."""
+    D, I, E, _ = SHAPES[name]
+    need = 3 * E * D * I * 2
+    if need <= free_bytes:
+        return None
+    return (f"its expert weights take {need / 1e9:.1f} GB ({E} experts x 3 x {D} x {I} x 2 bytes) and this GPU has "
+            f"{free_bytes / 1e9:.1f} GB free")
+
+
+def _modes_of(impl, modes) -> list[str]:
+    """The eager-launch modes of `modes` that `impl` runs: forward only for the copy reference and for
+    FP8 weights (inference only)."""
+    return [mode for mode in modes if mode in ("fwd", "fwdbwd") and not ((impl == COPY or _format(impl))
+                                                                       and mode != "fwd")]
+
+
+def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profile_t=(), modes=("fwd", "fwdbwd"),
+                rounds=1):
+    D, I, E, K = SHAPES[name]
+    gen = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16
+    w_gu = torch.nn.Parameter(torch.randn(E, 2 * I, D, device=device, dtype=dt, generator=gen) * D**-0.5)
+    w_d = torch.nn.Parameter(torch.randn(E, D, I, device=device, dtype=dt, generator=gen) * I**-0.5)
+    fns = {}
+    expert_bytes = 3 * D * I * 2
+    impl_bytes = {}  # bytes one expert's weights take in an implementation's format
+    for impl in impls:
+        if _format(impl):
+            from ..kernels.fp8 import Fp8Weight
+
+            block, w8a8 = FORMATS[_format(impl)]
+            w8_gu = Fp8Weight.quantize(w_gu.detach(), block, w8a8=w8a8)
+            w8_d = Fp8Weight.quantize(w_d.detach(), block, w8a8=w8a8)
+            fns[impl] = _thunder_experts(D, I, E, K, w8_gu, w8_d)
+            impl_bytes[impl] = (w8_gu.nbytes() + w8_d.nbytes()) / E
+        elif impl != COPY:
+            fns[impl] = _thunder_experts(D, I, E, K, w_gu, w_d) if _ours(impl) else \
+                _hf_experts(D, I, E, K, w_gu, w_d, impl)
+    for T in tokens:
+        sets = []
+        for _ in range(ROTATE):
+            x = torch.randn(T, D, device=device, dtype=dt, generator=gen)
+            ids = torch.rand(T, E, device=device, generator=gen).topk(K, dim=-1).indices
+            w = torch.softmax(torch.randn(T, K, device=device, generator=gen), -1).to(dt)
+            sets.append((x, ids, w, torch.randn(T, D, device=device, dtype=dt, generator=gen)))
+        hit = sum(torch.unique(s[1]).numel() for s in sets) / ROTATE
+        flops = 2 * T * K * 3 * D * I
+        if COPY in impls:
+            fns.pop(COPY, None)  # the previous T's buffers go before this T's are allocated
+            try:
+                fns[COPY] = _copy_of(int(hit * expert_bytes), device)
+            except torch.OutOfMemoryError:  # 8 buffers of half the bytes read: large T may not fit
+                torch.cuda.empty_cache()
+                print(f"{name} T={T}: no memory for the copy reference's buffers; row left out", file=sys.stderr)
+        errs = {}  # agreement of each ThunderEP variant with grouped_mm on one set (same weights and routing)
+        if "grouped_mm" in fns:
+            with torch.no_grad():
+                ref = fns["grouped_mm"](*sets[0][:3]).float()
+                for impl in filter(_ours, fns):
+                    with _pinned(impl):
+                        errs[impl] = ((fns[impl](*sets[0][:3]).float() - ref).norm() / ref.norm()).item()
+
+        def record(impl, mode, ms_rounds, mode_flops):
+            ms = statistics.median(ms_rounds)
+            row = {"shape": name, "T": T, "impl": impl, "mode": mode, "ms": ms, "ms_rounds": ms_rounds,
+                   "tflops": mode_flops / (ms * 1e-3) / 1e12, "experts_hit": hit,
+                   "hbm_frac": hit * impl_bytes.get(impl, expert_bytes) / (ms * 1e-3) / bw,
+                   "rel_err_vs_grouped_mm": errs.get(impl)}
+            out_rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+
+        timed = [(impl, mode) for impl in fns for mode in _modes_of(impl, modes)]
+        times = {key: [] for key in timed}
+        for r in range(rounds):
+            # Every implementation once per round, the order reversed on odd rounds: a slow drift of the
+            # GPU's clocks (it runs at its power limit) then falls on both sides of each comparison.
+            for impl, mode in (timed if r % 2 == 0 else timed[::-1]):
+                with _pinned(impl):
+                    try:
+                        times[(impl, mode)].append(_bench(_step(fns[impl], sets, mode, w_gu, w_d)))
+                    except torch.OutOfMemoryError:
+                        times[(impl, mode)].append(float("nan"))
+                    torch.cuda.empty_cache()
+        for impl, mode in timed:
+            record(impl, mode, times[(impl, mode)], flops * (3 if mode == "fwdbwd" else 1))
+        for impl, fn in fns.items():
+            with _pinned(impl):
+                if T <= graph_max_t and impl != "eager":  # eager syncs with the host: no graph
+                    try:
+                        ms = graph_ms(fn, sets)
+                    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                        print(f"graph capture failed for {impl}: {exc!r}"[:300], file=sys.stderr)
+                        ms = float("nan")
+                    record(impl, "fwd-graph", [ms], flops)
+                    if ms == ms:
+                        record(impl, "fwd-step", [graph_step_ms(fn, sets, ms)], flops)
+                if T in profile_t and impl not in ("eager", COPY):
+                    for backward in (mode == "fwdbwd" for mode in _modes_of(impl, modes)):
+                        print(f"## profile {name} T={T} {impl} {'fwd+bwd' if backward else 'fwd'} (ms per call)")
+                        for key, ms in profile_kernels(fn, sets, backward):
+                            print(f"   {ms:8.3f}  {key}")
+
+
+def table(rows, impls) -> str:
+    """Markdown table: one line per shape, T and mode; ratio = best transformers ms / ThunderEP ms (the
+    medians over rounds). With more than one round, the ratio of each round too (its own two timings).
+    ThunderEP is `thunderep` where it was measured, else the first pinned `thunderep:<pin>` (named in
+    the header)."""
+    rounds = max((len(r.get("ms_rounds", ())) for r in rows), default=1)
+    by_round_col = " ratio by round |" if rounds > 1 else ""
+    mine = "thunderep" if "thunderep" in impls else next((i for i in impls if _ours(i)), "thunderep")
+    named = "" if mine == "thunderep" else f" ({mine})"
+    lines = ["| shape | T | mode | " + " | ".join(f"{i} ms" for i in impls)
+             + f" | ratio{named} | ThunderEP TFLOP/s | HBM frac (ThunderEP / best HF) |" + by_round_col,
+             "|" + "---|" * (len(impls) + 6 + (rounds > 1))]
+    keyed = {(r["shape"], r["T"], r["mode"], r["impl"]): r for r in rows}
+    for shape, T, mode in dict.fromkeys((r["shape"], r["T"], r["mode"]) for r in rows):
+        ms = {i: keyed[(shape, T, mode, i)]["ms"] for i in impls if (shape, T, mode, i) in keyed}
+        hf = [ms[i] for i in ms if _hf(i) and ms[i] == ms[i]]
+        best = min(hf) if hf else float("nan")
+        ours = keyed.get((shape, T, mode, mine))
+        ratio = f"{best / ours['ms']:.2f}x" if ours and hf else "-"  # "-": no transformers time to compare
+        best_impl = min((i for i in ms if _hf(i) and ms[i] == ms[i]), key=ms.get, default=None)
+        theirs_frac = f"{keyed[(shape, T, mode, best_impl)]['hbm_frac']:.0%}" if best_impl else "-"
+        frac = f"{ours['hbm_frac']:.0%} / {theirs_frac}" if ours else "-"
+        cells = " | ".join(f"{ms.get(i, float('nan')):.3f}" for i in impls)
+        line = (f"| {shape} | {T} | {mode} | {cells} | {ratio} | "
+                f"{ours['tflops'] if ours else float('nan'):.0f} | {frac} |")
+        if rounds > 1:
+            theirs = keyed[(shape, T, mode, best_impl)].get("ms_rounds", ()) if best_impl else ()
+            own = ours.get("ms_rounds", ()) if ours else ()
+            by_round = [f"{b / o:.2f}x" for b, o in zip(theirs, own)] if len(own) > 1 else []
+            line += f" {' / '.join(by_round) or '-'} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _show_tuning() -> None:
+    """Print the kernels' autotuning log lines to stderr (each new shape tunes once, for seconds)."""
+    log = logging.getLogger("thunderep.kernels")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[thunderep] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="mixtral,qwen3,deepseek")
+    ap.add_argument("--tokens", default="1,64,512,4096,16384")
+    ap.add_argument("--impls", default=",".join(IMPLS),
+                    help=f"comma-separated: eager, grouped_mm, thunderep, thunderep:<{'|'.join(PINS)}> (a path "
+                         f"pinned), thunderep:<{'|'.join(FORMATS)}> (FP8 weights, forward only), {COPY}")
+    ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--graph-max-tokens", type=int, default=512,
+                    help="also time forward as CUDA-graph replays (no launch overhead) up to this T: fwd-graph rows "
+                         "(four calls per graph) and fwd-step rows (what one more call adds to a graph)")
+    ap.add_argument("--profile-tokens", default="", help="print per-kernel device times at these T")
+    ap.add_argument("--modes", default="fwd,fwdbwd", help="eager-launch modes to time: fwd, fwdbwd or both")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every implementation this many times, interleaved (order reversed on odd rounds); "
+                         "report the medians and each round's ratio")
+    args = ap.parse_args(argv)
+    _show_tuning()
+    impls = args.impls.split(",")
+    bad = [i for i in impls if _ours(i) and i.partition(":")[2] not in ("", *PINS, *FORMATS)]
+    if bad:
+        ap.error(f"unknown ThunderEP variant(s) {bad}: use thunderep or thunderep:<{'|'.join([*PINS, *FORMATS])}>")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: must be at least 1")
+    shapes = parse_shapes(ap, args.shapes)
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        tokens = []
+    if not tokens or min(tokens) < 1:
+        ap.error(f"--tokens {args.tokens!r}: use comma-separated token counts of at least 1, e.g. 1,64,4096")
+    if not torch.cuda.is_available():
+        from ..errors import ThunderError
+
+        raise ThunderError(f"bench kernels needs a CUDA GPU and finds none (torch {torch.__version__}, CUDA "
+                           f"{torch.version.cuda or 'not built in'}); run it on a machine with one")
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    import transformers
+
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    rows: list[dict] = []
+    profile_t, modes = {int(t) for t in args.profile_tokens.split(",") if t}, tuple(args.modes.split(","))
+    for name in shapes:
+        too_big = weights_do_not_fit(name, torch.cuda.mem_get_info(device)[0])
+        if too_big:
+            print(f"{name}: {too_big}; shape left out", file=sys.stderr, flush=True)
+            continue
+        try:
+            bench_shape(name, tokens, impls, bw, device, rows, graph_max_t=args.graph_max_tokens, profile_t=profile_t,
+                        modes=modes, rounds=args.rounds)
+        except torch.OutOfMemoryError as exc:  # what is measured so far stays; the other shapes still run
+            print(f"{name}: out of GPU memory ({str(exc).splitlines()[0][:160]}); the shape's remaining rows "
+                  "are left out", file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()  # this shape's weights are gone with bench_shape's frame
+        print(table([r for r in rows if r["shape"] == name], impls), flush=True)
+    from ..kernels.ops import kernel_configs
+
+    configs = kernel_configs()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows,
+                       "configs": configs}, f, indent=1)
+    print(table(rows, impls))
+    errs = [r["rel_err_vs_grouped_mm"] for r in rows if r["rel_err_vs_grouped_mm"] is not None]
+    if errs:
+        print(f"max relative difference ThunderEP vs grouped_mm outputs: {max(errs):.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    from ..errors import ThunderError
+
+    try:
+        sys.exit(main())
+    except ThunderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,92 @@
+"""The THUNDEREP_* environment switches, read here and nowhere else.
+
+Each is read when asked (a test or a rank's launcher may set it at any time) and checked: a value the
+switch does not know raises ConfigError naming the variable, the value and what it takes.
+
+    THUNDEREP_DEBUG=1               commands raise with the traceback instead of printing one line
+    THUNDEREP_TRITON_AUTOTUNE=0     the Triton kernels run fixed configs instead of autotuning
+    THUNDEREP_COMPILE_THREADS=N     threads compiling a new key's configs ahead of timing (1: none)
+    THUNDEREP_PAIRS_MAX_TOKENS=N    most tokens the decode pair kernels take (0 turns them off)
+    THUNDEREP_PDL=0|1               programmatic dependent launch of the pair kernels' down pass
+    THUNDEREP_EXPERT_GEMM=triton|torch   pins the expert GEMMs' implementation
+    THUNDEREP_WGRAD=triton|torch    pins the weight-gradient GEMMs' implementation
+    THUNDEREP_NO_NATIVE_BUILD=1     never build the mailbox extension at import (packaging, CI)
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import ConfigError
+
+__all__ = ["compile_threads", "debug", "forced_gemm", "no_native_build", "pairs_max_tokens", "pdl",
+           "triton_autotune", "triton_interpreter"]
+
+
+def _raw(name: str) -> str:
+    return os.environ.get(name, "")
+
+
+def debug() -> bool:
+    """THUNDEREP_DEBUG: any non-empty value."""
+    return bool(_raw("THUNDEREP_DEBUG"))
+
+
+def no_native_build() -> bool:
+    """THUNDEREP_NO_NATIVE_BUILD: any non-empty value."""
+    return bool(_raw("THUNDEREP_NO_NATIVE_BUILD"))
+
+
+def triton_autotune() -> bool:
+    """THUNDEREP_TRITON_AUTOTUNE: on unless "0"."""
+    return _raw("THUNDEREP_TRITON_AUTOTUNE") != "0"
+
+
+def triton_interpreter() -> bool:
+    """Triton's own TRITON_INTERPRET=1 (kernels run on the CPU): read here too, for one place to look."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _count(name: str, minimum: int, problem: str) -> int | None:
+    """A whole number >= minimum, or None when unset; else ConfigError(problem with {raw!r} filled in)."""
+    raw = _raw(name)
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ConfigError(problem.format(raw=repr(raw)))
+    return value
+
+
+def compile_threads() -> int | None:
+    """THUNDEREP_COMPILE_THREADS (>= 1), or None when unset."""
+    return _count("THUNDEREP_COMPILE_THREADS", 1,
+                  "THUNDEREP_COMPILE_THREADS must be a whole number of threads, 1 or more; got {raw}")
+
+
+def pairs_max_tokens() -> int | None:
+    """THUNDEREP_PAIRS_MAX_TOKENS (>= 0; 0 turns the pair kernels off), or None when unset."""
+    return _count("THUNDEREP_PAIRS_MAX_TOKENS", 0,
+                  "THUNDEREP_PAIRS_MAX_TOKENS={raw}: use a token count >= 0, or leave it unset")
+
+
+def pdl() -> bool | None:
+    """THUNDEREP_PDL: False for "0", True for "1", None when unset."""
+    raw = _raw("THUNDEREP_PDL")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"THUNDEREP_PDL={raw!r}: use 0 (off) or 1, or leave it unset")
+    return None if raw == "" else raw == "1"
+
+
+def forced_gemm(name: str) -> str:
+    """The implementation THUNDEREP_EXPERT_GEMM or THUNDEREP_WGRAD (`name`) pins: "triton", "torch", or ""
+    when unset."""
+    if name not in ("THUNDEREP_EXPERT_GEMM", "THUNDEREP_WGRAD"):
+        raise ValueError(f"no switch {name!r}")
+    raw = _raw(name)
+    if raw not in ("", "triton", "torch"):
+        raise ConfigError(f"{name}={raw!r}: use 'triton', 'torch', or leave it unset")
+    return raw
