@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from thunderep.errors import ThunderError
-    from thunderep.bench.projection import main as project
+    from thunderep.cli.project import main as project
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < 2:

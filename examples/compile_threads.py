@@ -25,9 +25,9 @@ def compile_all(threads: int, arch: int) -> float:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from thunderep.kernels import pairs
+    from thunderep.kernels import pairs, tiles
 
-    fn = pairs._up_pairs_kernel
+    fn = pairs.up_pairs_kernel
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i64", "count_ptr": "*i32"}
     integers = {n: "i64" if n == "stride_we" else "i32"
                 for n in ("I", "D", "E", "top_k", "stride_xm", "stride_we", "stride_wn", "stride_hm", "n_counts")}
@@ -42,7 +42,7 @@ def compile_all(threads: int, arch: int) -> float:
 
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, pairs._UP_PAIR_CONFIGS))
+        list(pool.map(one, tiles.UP_PAIR_CONFIGS))
     return time.perf_counter() - started
 
 
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     if args.child:
         print(compile_all(args.child, args.arch))
         return 0
-    from thunderep.kernels import pairs
+    from thunderep.kernels import tiles
 
     times: dict[int, list[float]] = {1: [], args.threads: []}
     for _ in range(args.rounds):
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
                                      capture_output=True, text=True, env=env, check=True).stdout
                 times[threads].append(float(out.split()[-1]))
     one, many = (statistics.median(times[t]) for t in times)
-    print(f"{len(pairs._UP_PAIR_CONFIGS)} configs of the gate/up pair kernel for sm_{args.arch}, "
+    print(f"{len(tiles.UP_PAIR_CONFIGS)} configs of the gate/up pair kernel for sm_{args.arch}, "
           f"{os.cpu_count()} CPUs, medians of {args.rounds}: 1 thread {one:.2f} s, {args.threads} threads "
           f"{many:.2f} s, {one / many:.2f}x  (each: {times})")
     return 0

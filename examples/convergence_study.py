@@ -17,12 +17,13 @@ import torch
 import torch.multiprocessing as mp
 
 from thunderep.comm.launch import launch
-from thunderep.train.loop import _parser, argument_problems, train
+from thunderep.cli.train import argument_problems, parser, to_config
+from thunderep.train.loop import train
 
 
 def run(args: argparse.Namespace, nproc: int) -> dict:
     queue = mp.get_context("spawn").SimpleQueue()
-    launch(train, nproc, args, queue)
+    launch(train, nproc, to_config(args), queue)
     return queue.get()
 
 
@@ -38,7 +39,7 @@ def main() -> None:
     outer = ["--outer-lr", str(a.outer_lr), "--outer-momentum", str(a.outer_momentum)]
     runs = [("every_step", common + ["--sync", "every_step"])]
     runs += [(f"delta H={h}", common + ["--sync", "delta", "--delta-steps", str(h)] + outer) for h in a.h]
-    runs = [(name, _parser().parse_args(extra)) for name, extra in runs]
+    runs = [(name, parser().parse_args(extra)) for name, extra in runs]
     # every run's arguments checked before the first starts (--nproc 0 waited forever for a result)
     problems = list(dict.fromkeys(problem for _, args in runs for problem in argument_problems(args)))
     if problems:

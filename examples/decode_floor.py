@@ -1,6 +1,6 @@
 """What a decode step's expert MLP can reach at T = 1 on this GPU, whatever its arithmetic: kernels that
 only read the step's expert-weight bytes, timed under CUDA-graph replay as the kernel benchmark's
-fwd-graph rows are (`python -m thunderep.bench.kernels`).
+fwd-graph rows are (`thunderep bench kernels`).
 
     python examples/decode_floor.py [--shapes qwen3,mixtral,deepseek]
 
@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from thunderep.bench.kernels import ROTATE, SHAPES, _bench, copy_bandwidth, parse_shapes
+from thunderep.bench.kernels import ROTATE, SHAPES, _bench, copy_bandwidth
+from thunderep.cli.bench import parse_shapes
 from thunderep.kernels.pairs import gdc_launch_dependents, gdc_wait
 
 PROGRAMS = (264, 528, 1056, 2112, 4224, 8448)

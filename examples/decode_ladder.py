@@ -11,7 +11,7 @@ For each pass (gate/up, then down), with the pass's config (BLOCK_N, BLOCK_K, wa
 - tiles x vector: the same, each tile multiplied by the input vector (x, or a row of h) first, as
   the pass's elementwise path does (one vector chunk broadcast over the rows); and "loaded per row",
   the vector loaded as a tile, each row's threads loading the elements they use;
-- real: the pass's kernel (`pairs._up_pairs_kernel` elementwise, `pairs._down_pairs_kernel` split
+- real: the pass's kernel (`pairs.up_pairs_kernel` elementwise, `pairs.down_pairs_kernel` split
   over the slots), launched plainly.
 (Compiled for sm_90 by Triton 3.6, "tiles x vector" converts the vector's layout through shared
 memory each chunk, with barriers, as the pair kernel does; "loaded per row" needs no conversion.)
@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import decode_floor as F  # noqa: E402
 
-from thunderep.kernels import pairs as P  # noqa: E402
+from thunderep.kernels import paths, tiles  # noqa: E402
 from thunderep.bench.kernels import ROTATE, SHAPES  # noqa: E402
-from thunderep.kernels.moe_triton import ACTIVATIONS  # noqa: E402
+from thunderep.kernels.act import ACTIVATIONS  # noqa: E402
 
 
 @triton.jit
@@ -156,11 +156,11 @@ def main(argv=None) -> int:
     dn_bn, dn_bk, dn_w, dn_s = args.down
     up_tiles, dn_tiles = triton.cdiv(I, up_bn), triton.cdiv(D, dn_bn)
     out = torch.empty(K * max(up_tiles, dn_tiles), device=device, dtype=torch.float32)
-    n_counts = triton.cdiv(D, P._MIN_DOWN_BLOCK_N)
+    n_counts = triton.cdiv(D, tiles.MIN_DOWN_BLOCK_N)
     part = torch.zeros(K * D + n_counts, dtype=torch.float32, device=device)
     count = part[K * D:].view(torch.int32)  # zero, and each split down launch leaves it at zero
     y = torch.empty(1, D, device=device, dtype=torch.bfloat16)
-    pdl = P.pdl_applies(device)
+    pdl = paths.pdl_applies(device)
     print(f"{torch.cuda.get_device_name()}, {args.shape} (D={D}, I={I}, E={E}, K={K}), T = 1; gate/up "
           f"{args.up}, down {args.down} (BLOCK_N, BLOCK_K, warps, stages); PDL {'on' if pdl else 'off'}")
 
@@ -170,14 +170,14 @@ def main(argv=None) -> int:
                                            num_warps=warps, num_stages=1 if ahead else stages)
 
     def up(ids, pdl_on=False, ahead=False, x_rows=False):
-        return lambda: P._UP_PAIRS_PLAIN[(K, up_tiles)](
+        return lambda: tiles.UP_PAIRS_PLAIN[(K, up_tiles)](
             x_ptr=x, w_ptr=wgu, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=K, stride_xm=x.stride(0),
             stride_we=wgu.stride(0), stride_wn=wgu.stride(1), stride_hm=h.stride(0), n_counts=n_counts,
             ACT=ACTIVATIONS["silu"], INTERLEAVED=False, PRECISION="ieee", PDL=pdl_on, BLOCK_N=up_bn, BLOCK_K=up_bk,
             DOT=False, AHEAD=ahead, X_ROWS=x_rows, num_warps=up_w, num_stages=1 if ahead else up_s)
 
     def down(ids, pdl_on=False, ahead=False, x_rows=False):
-        return lambda: P._DOWN_PAIRS_PLAIN[(1, dn_tiles, K)](
+        return lambda: tiles.DOWN_PAIRS_PLAIN[(1, dn_tiles, K)](
             h_ptr=h, w_ptr=wd, y_ptr=y, ids_ptr=ids, weight_ptr=weights, part_ptr=part, count_ptr=count, D=D, I=I,
             E=E, top_k=K, stride_hm=h.stride(0), stride_we=wd.stride(0), stride_wd=wd.stride(1), stride_ym=y.stride(0),
             stride_cm=n_counts, WEIGHTED=True, PDL=pdl_on, SPLIT=True, AHEAD=ahead, X_ROWS=x_rows, BLOCK_N=dn_bn,

@@ -151,7 +151,7 @@ def _profile(args, rank, fn, name: str, both: bool) -> None:
 
 def body(args, ep) -> None:
     from thunderep.serve.engine import generate_static
-    from thunderep.serve.generate import load_tokenizer
+    from thunderep.hf.tokenizer import load_tokenizer
     from thunderep.hf import ThunderMoE
 
     tm = ThunderMoE.from_pretrained(args.model, ep, dtype="auto", device=ep.groups.device,
@@ -185,7 +185,7 @@ def plain(args) -> None:
 def rank_main(rank, world, args) -> None:
     from thunderep.comm.launch import run_on_ep
 
-    run_on_ep(world, args, lambda ep: body(args, ep))
+    run_on_ep(world, lambda ep: body(args, ep), timeout=args.timeout, cpu=args.cpu)
 
 
 def main(argv=None) -> int:
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     if args.plain and args.probe == "steps":
         from transformers import AutoModelForCausalLM
 
-        from thunderep.serve.generate import load_tokenizer
+        from thunderep.hf.tokenizer import load_tokenizer
 
         m = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
         decode_steps(args, m, load_tokenizer(args.model, m.config.get_text_config().vocab_size), 0,

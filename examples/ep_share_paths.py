@@ -29,9 +29,9 @@ import torch
 from thunderep.balance.placement import Placement
 from thunderep.kernels.graphs import graph_steps
 from thunderep.bench import kernels as B
-from thunderep.kernels import pairs as P
-from thunderep.kernels.ops import routed_moe_mlp
-from thunderep.kernels.pairs import moe_mlp_pairs
+from thunderep.cli.bench import parse_shapes
+from thunderep.kernels import paths
+from thunderep.kernels.ops import moe_mlp_pairs, routed_moe_mlp
 
 
 def _routes(wgu, wd, K):
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--tokens", default="2,4,8,16")
     args = ap.parse_args(argv)
-    shapes = B.parse_shapes(ap, args.shapes)
+    shapes = parse_shapes(ap, args.shapes)
     if not torch.cuda.is_available():
         print("ep_share_paths needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -92,10 +92,11 @@ def main(argv=None) -> int:
                         times[route] = (eager, graph, err)
                     # What `pairs_win` chooses for a capturable step (timed as graph replays), from scratch
                     x0, local0, w0 = sets[0]
-                    P._PATHS.clear()
+                    paths._PATHS.clear()
                     with graph_steps():
-                        won = P.pairs_win(x0, wgu, wd, local0, w0, "silu", False,
-                                          lambda ids: routes["every pair, masked"](x0, ids, w0), E, "every pair")
+                        won = paths.pairs_win(x0, wgu, wd, local0, w0, "silu", False,
+                                          lambda ids: routes["every pair, masked"](x0, ids, w0), moe_mlp_pairs, E,
+                                              "every pair")
                 pairs_eager, pairs_graph, _ = times["pairs"]
                 faster = "pairs" if pairs_graph < times["every pair, masked"][1] else "masked"
                 chose = f"; step choice {'pairs' if won else 'masked'} (graph times: {faster} faster)"

@@ -20,6 +20,7 @@ import sys
 import torch
 
 from thunderep.bench import kernels as B
+from thunderep.cli.bench import parse_shapes
 from thunderep.kernels.ops import routed_moe_mlp
 
 ROUNDS = (1, 2, 4, 8)
@@ -29,7 +30,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen3,deepseek,mixtral")
     args = ap.parse_args(argv)
-    shapes = B.parse_shapes(ap, args.shapes)
+    shapes = parse_shapes(ap, args.shapes)
     if not torch.cuda.is_available():
         print("graph_cost needs a CUDA GPU", file=sys.stderr)
         return 2

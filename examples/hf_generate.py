@@ -38,7 +38,7 @@ def under_torchrun(model_dir: str, prompt: str, max_new_tokens: int) -> None:
     import torch
 
     from thunderep import ExpertParallel
-    from thunderep.serve.generate import encode_batch, load_tokenizer
+    from thunderep.hf.tokenizer import encode_batch, load_tokenizer
     from thunderep.hf import ThunderMoE
 
     ep = ExpertParallel.init()
@@ -67,7 +67,7 @@ def main() -> int:
         if "RANK" in os.environ:
             under_torchrun(model_dir, prompts[0], args.max_new_tokens)
             return 0
-        from thunderep.serve.generate import main as generate
+        from thunderep.cli.generate import main as generate
 
         argv = ["--model", model_dir, "--ep", str(args.ep), "--max-new-tokens", str(args.max_new_tokens)]
         return generate(argv + [a for prompt in prompts for a in ("--prompt", prompt)])

@@ -2,7 +2,7 @@
 the current host code against an older form of one piece of it, alternating in one process:
   --swap grid: ThunderEP's grid arithmetic (`tuning.cdiv`, `tuning.next_power_of_2`) against Triton's
                `triton.cdiv` / `triton.next_power_of_2`;
-  --swap key:  the row kernels' tuning key in one call (`ops._m_key`) against the earlier form, class
+  --swap key:  the row kernels' tuning key in one call (`tiles.m_key`) against the earlier form, class
                and fill computed in two calls through a generator over the classes.
 Runs on a CPU; the launches being stubs, it measures only the host's Python and torch work around them.
 With --device cuda the kernels run for real, in bfloat16, on shapes small enough that the GPU waits for
@@ -22,21 +22,21 @@ import torch
 import triton
 
 from thunderep.kernels import grouped_gemm as G
-from thunderep.kernels import ops, passes, tuning
+from thunderep.kernels import checks, decode, ops, passes, sorted_mlp, tiles, tuning
 
 PLAIN = (tuning.cdiv, tuning.next_power_of_2)
 TRITONS = (triton.cdiv, triton.next_power_of_2)
-M_KEY = ops._m_key
+M_KEY = tiles.m_key
 CLASSES = (16, 32, 64, 128)
 
 
 def _m_key_two_calls(n_rows: int, E: int) -> tuple[int, int]:
-    """The earlier form of `ops._m_key`: the class through a generator, computed again for the fill."""
+    """The earlier form of `tiles.m_key`: the class through a generator, computed again for the fill."""
     def m_class(n, e):
-        mean = G._mean_rows(n, e)
+        mean = G.mean_rows(n, e)
         return next((m for m in CLASSES if mean <= m), CLASSES[-1])
 
-    mean, bm = G._mean_rows(n_rows, E), m_class(n_rows, E)
+    mean, bm = G.mean_rows(n_rows, E), m_class(n_rows, E)
     return m_class(n_rows, E), 0 if mean <= bm / 2 else 2 if mean > 2 * bm else 1
 
 
@@ -49,8 +49,8 @@ def stub_launches() -> None:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    ops._launch = tuning.launch = launch
-    ops._check_rows = lambda *args: None  # it reads counts and order, which stubbed kernels leave unwritten;
+    tuning.launch = launch  # sorted_mlp and decode launch through it
+    checks.check_rows = lambda *args: None  # it reads counts and order, which stubbed kernels leave unwritten;
     # on a GPU it does not run (a sync)
     for name in dir(passes):
         if name.endswith("_kernel"):
@@ -69,9 +69,9 @@ def make_case(T: int, D: int, I: int, E: int, K: int, seed: int):
 def use(swap: str, old: bool) -> None:
     """The current host code, or with the older form of the `swap` piece."""
     cdiv, next_power_of_2 = TRITONS if old and swap == "grid" else PLAIN
-    ops.cdiv = G.cdiv = tuning.cdiv = cdiv
-    ops.next_power_of_2 = tuning.next_power_of_2 = next_power_of_2
-    ops._m_key = _m_key_two_calls if old and swap == "key" else M_KEY
+    sorted_mlp.cdiv = decode.cdiv = G.cdiv = tuning.cdiv = cdiv
+    sorted_mlp.next_power_of_2 = decode.next_power_of_2 = tuning.next_power_of_2 = next_power_of_2
+    tiles.m_key = _m_key_two_calls if old and swap == "key" else M_KEY
 
 
 def main(argv=None) -> int:
@@ -126,8 +126,8 @@ def main(argv=None) -> int:
             return g
 
         use(args.swap, old=False)
-        ops.cdiv = G.cdiv = tuning.cdiv = counted(PLAIN[0])
-        ops.next_power_of_2 = tuning.next_power_of_2 = counted(PLAIN[1])
+        sorted_mlp.cdiv = decode.cdiv = G.cdiv = tuning.cdiv = counted(PLAIN[0])
+        sorted_mlp.next_power_of_2 = decode.next_power_of_2 = tuning.next_power_of_2 = counted(PLAIN[1])
         for case, fn in cases.items():
             calls[0] = 0
             fn()

@@ -24,7 +24,7 @@ import triton
 sys.path.insert(0, "examples")
 import host_grid_probe as H  # noqa: E402
 
-from thunderep.kernels import ops, tuning  # noqa: E402
+from thunderep.kernels import ops, paths, tuning  # noqa: E402
 
 NEW_LAUNCH = tuning.launch
 _EARLIER: dict = {}
@@ -49,7 +49,7 @@ def earlier_launch(autotuner, plain, default, grid, device, **args):
 
 
 def set_launch(fn):
-    ops._launch = fn
+    tuning.launch = fn
     tuning.launch = fn
 
 
@@ -70,21 +70,21 @@ def main():
         with torch.no_grad():
             ops.routed_moe_mlp(x, w_gu, w_d, ids, wt)
 
-    bound = ops.ROUTE_MAX_PAIRS
+    bound = paths.ROUTE_MAX_PAIRS
     variants = {"this commit": (NEW_LAUNCH, bound), "earlier launch": (earlier_launch, bound),
                 "earlier sort (argsort)": (NEW_LAUNCH, 0), "earlier both": (earlier_launch, 0)}
     for fn_name, fn in (("train", train), ("infer", infer)):
         res = {v: [] for v in variants}
         for launch, route in variants.values():
             set_launch(launch)
-            ops.ROUTE_MAX_PAIRS = route
+            paths.ROUTE_MAX_PAIRS = route
             for _ in range(30):
                 fn()
         torch.cuda.synchronize()
         for _ in range(9):
             for v, (launch, route) in variants.items():
                 set_launch(launch)
-                ops.ROUTE_MAX_PAIRS = route
+                paths.ROUTE_MAX_PAIRS = route
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(200):

@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import decode_floor as F  # noqa: E402
 
-from thunderep.bench.kernels import ROTATE, SHAPES, _thunder_experts, copy_bandwidth, parse_shapes  # noqa: E402
+from thunderep.bench.kernels import ROTATE, SHAPES, _thunder_experts, copy_bandwidth  # noqa: E402
+from thunderep.cli.bench import parse_shapes  # noqa: E402
 
 MODES = ("dirty", "clean", "none")
 

@@ -19,8 +19,7 @@ import os
 
 import torch
 
-from thunderep.kernels import pairs as P
-from thunderep.kernels import tuning
+from thunderep.kernels import paths, tiles, tuning
 from thunderep.bench.kernels import SHAPES, graph_ms
 from thunderep.kernels.ops import routed_moe_mlp
 
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
     routings = [order[r * K:(r + 1) * K].view(1, K).to(device) for r in range(min(ROUTINGS, E // K))]
     w = torch.softmax(torch.randn(1, K, device=device, generator=gen), -1).to(torch.bfloat16)
     print(f"{torch.cuda.get_device_name()}, {args.shape} (D={D}, I={I}, E={E}, K={K}), T = 1, "
-          f"PDL {'on' if P.pdl_applies(device) else 'off'}", flush=True)
+          f"PDL {'on' if paths.pdl_applies(device) else 'off'}", flush=True)
 
     os.environ.pop("THUNDEREP_TRITON_AUTOTUNE", None)
     tuned_us = graph_us(x, wgu, wd, routings, w)
@@ -73,10 +72,10 @@ def main(argv=None) -> int:
 
     os.environ["THUNDEREP_TRITON_AUTOTUNE"] = "0"  # fixed configs: pairs' defaults, overridden below
     results = []
-    downs = [cfg for cfg in P._DOWN_PAIR_CONFIGS if args.down_kind in ("any", _kind(cfg))]
-    for up in P._UP_PAIR_CONFIGS:
+    downs = [cfg for cfg in tiles.DOWN_PAIR_CONFIGS if args.down_kind in ("any", _kind(cfg))]
+    for up in tiles.UP_PAIR_CONFIGS:
         for down in downs:
-            P._DEFAULT_UP_PAIR, P._DEFAULT_DOWN_PAIR = up, down
+            tiles.DEFAULT_UP_PAIR, tiles.DEFAULT_DOWN_PAIR = up, down
             try:
                 us = graph_us(x, wgu, wd, routings, w)
             except Exception as exc:  # noqa: BLE001 - a config this GPU cannot run: reported, skipped

@@ -2,7 +2,7 @@
 rank, then a failure flag all-reduced, two ways in the same processes, alternating in blocks:
 
 * gloo: `broadcast_object_list` of the message and an `all_reduce` of the flag over a gloo group;
-* control plane: `serve._Ranks.share` and `.agree` (the EP runtime's control plane: the shared-memory
+* control plane: `serve.ranks.Ranks.share` and `.agree` (the EP runtime's control plane: the shared-memory
   mailbox on one host).
 
     python examples/serve_link_probe.py --ranks 2 --steps 2000
@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def rank_main(rank, world, args):
     from thunderep.comm.runtime import ExpertParallel
     from thunderep.config import EPConfig
-    from thunderep.serve.server import _Ranks
+    from thunderep.serve.ranks import Ranks
 
     ep = ExpertParallel.init(world, EPConfig(timeout_s=60), backend="gloo")
-    ranks = _Ranks(ep, 60.0)
+    ranks = Ranks(ep, 60.0)
     message = ([(i, list(range(args.prompt)), 32, (0.0, 1.0), 7) for i in range(args.entries)], [])
 
     def gloo():

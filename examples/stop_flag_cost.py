@@ -1,5 +1,5 @@
 """What `thunderep finetune`'s stop flag costs a step: the all-reduce a step takes for its loss, alone, with
-the flag beside the loss (two float32 values, `finetune._mean_loss_and_stop`), and with the flag in an
+the flag beside the loss (two float32 values, `train.stopping.mean_loss_and_stop`), and with the flag in an
 all-reduce of its own. Ranks on this host, gloo on CPU, the three ways interleaved round by round.
 
     python examples/stop_flag_cost.py --world 2 --calls 1000 --rounds 15
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from thunderep.train.finetune import _mean_loss_and_stop
+from thunderep.train.stopping import mean_loss_and_stop
 from thunderep.comm.launch import launch
 
 
@@ -35,7 +35,7 @@ def _flag_apart(loss: torch.Tensor, world: int) -> tuple[float, bool]:
 
 def _rank(rank: int, world: int, calls: int, rounds: int) -> None:
     ways = {"loss alone": lambda loss: _loss_alone(loss, world),
-            "loss and flag, one all-reduce": lambda loss: _mean_loss_and_stop(loss, False, world),
+            "loss and flag, one all-reduce": lambda loss: mean_loss_and_stop(loss, False, world),
             "loss, then the flag apart": lambda loss: _flag_apart(loss, world)}
     loss = torch.tensor(2.5)
     times: dict[str, list[float]] = {name: [] for name in ways}

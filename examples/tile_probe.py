@@ -1,4 +1,4 @@
-"""What a row tile costs: the gate/up kernel (`_up_kernel`) and the down kernel (`_rows_kernel`) of the
+"""What a row tile costs: the gate/up kernel (`up_kernel`) and the down kernel (`rows_kernel`) of the
 DeepSeek-V3 shape, each launched with fixed configs (no autotuning), under uniform random top-8 routing
 (at 4096 tokens, 99 to 162 rows per expert) and balanced routing (every expert exactly T * 8 / 256 rows).
 
@@ -8,7 +8,7 @@ A config is (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, TAIL]). Each rou
 alternating, and each line prints the medians in ms (`triton.testing.do_bench`)."""
 import sys, torch
 from triton.testing import do_bench
-from thunderep.kernels import ops
+from thunderep.kernels import sorted_mlp, tiles
 D, I, E, k = 7168, 2048, 256, 8
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 dev, dt = "cuda", torch.bfloat16
@@ -24,8 +24,8 @@ def up(ids, bm, bn, bk, warps, stages, tail=False):
     order = torch.sort(flat, stable=True).indices.to(torch.int32)
     counts = torch.bincount(flat, minlength=E).to(torch.int32)
     h = x.new_empty(N, I)
-    grid = ops._row_grid(N, E, I)  # the launch grid ops uses
-    f = lambda: ops._UP_PLAIN[grid](x_ptr=x, w_ptr=w_gu, h_ptr=h, gu_ptr=h, order_ptr=order, counts_ptr=counts,
+    grid = sorted_mlp.row_grid(N, E, I)  # the launch grid ops uses
+    f = lambda: tiles.UP_PLAIN[grid](x_ptr=x, w_ptr=w_gu, h_ptr=h, gu_ptr=h, order_ptr=order, counts_ptr=counts,
         n_rows=N, I=I, D=D, E=E, top_k=k, stride_xm=D, stride_we=w_gu.stride(0), stride_wn=D, stride_hm=I,
         stride_gm=2 * I, m_class=128, m_fill=1, ACT=0, INTERLEAVED=False, GATHER=True, SAVE_GU=False, PRECISION="tf32",
         BLOCK_E=256, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, TAIL=tail, num_warps=warps, num_stages=stages)
@@ -37,8 +37,8 @@ def rows(ids, bm, bn, bk, warps, stages, tail=False):
     a = torch.randn(N, I, device=dev, dtype=dt, generator=g)
     out = x.new_empty(N, D)
     wts = torch.rand(N, device=dev, dtype=dt, generator=g)
-    grid = ops._row_grid(N, E, D)  # the launch grid ops uses
-    f = lambda: ops._ROWS_PLAIN[grid](a_ptr=a, b_ptr=w_d, c_ptr=out, order_ptr=order, weight_ptr=wts,
+    grid = sorted_mlp.row_grid(N, E, D)  # the launch grid ops uses
+    f = lambda: tiles.ROWS_PLAIN[grid](a_ptr=a, b_ptr=w_d, c_ptr=out, order_ptr=order, weight_ptr=wts,
         counts_ptr=counts, n_rows=N, N=D, K=I, E=E, stride_am=I, stride_be=w_d.stride(0), stride_bn=I,
         stride_bk=1, stride_cm=D, m_class=128, m_fill=1, SCATTER=True, WEIGHTED=True, PRECISION="tf32",
         BLOCK_E=256, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, TAIL=tail, num_warps=warps, num_stages=stages)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from thunderep.train.loop import main
+from thunderep.cli.train import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:] + ([] if "--hidden" in sys.argv else ["--hidden", "256", "--batch", "16",

@@ -9,7 +9,7 @@ Run from the repository root.
 N: the threads to compare with 1 (default 8); ORDER: the thread counts of one round, comma-separated,
 in the order they run (default "1,N"); ROUNDS: default 2; MAX_CALLS: the autotuner's timed calls per
 config (`thunderep.kernels.tuning.TUNING_MAX_CALLS`; "none": as many as fit in its time budget).
-Prints each tuning's report line (its seconds per kind of call among them: `thunderep.hf.tune.TuneReport`)
+Prints each tuning's report line (its seconds per kind of call among them: `thunderep.serve.tune.TuneReport`)
 and, from the second tuning on, how many of its tuning keys chose the same config as the first tuning's.
 """
 import json, os, subprocess, sys, tempfile
@@ -18,7 +18,7 @@ import json, sys, time, torch
 sys.path.insert(0, "tests")
 from hf_tiny import tiny_model
 from thunderep.hf import ThunderMoE
-from thunderep.hf.tune import tune_kernels
+from thunderep.serve.tune import tune_kernels
 from thunderep.kernels import tuning
 if len(sys.argv) > 1:
     tuning.TUNING_MAX_CALLS = None if sys.argv[1] == "none" else int(sys.argv[1])

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from thunderep.kernels import moe_triton as K  # noqa: E402
-from thunderep.kernels import ops  # noqa: E402
+from thunderep.kernels import ops, tiles  # noqa: E402
 from thunderep.kernels.fp8 import Fp8Weight  # noqa: E402
 
 
@@ -61,18 +61,18 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"D={D} I={I} E={E} top-{k} T={T}")
     for tile in args.tiles.split(":"):
-        config = ops._row_cfg(*map(int, tile.split(",")))
-        for m_class in ops._DEFAULT:
-            ops._DEFAULT[m_class] = config
+        config = tiles.row_cfg(*map(int, tile.split(",")))
+        for m_class in tiles.DEFAULT_ROW:
+            tiles.DEFAULT_ROW[m_class] = config
         for name, (wg, wd) in weights.items():
-            K._up_kernel.device_caches.clear()
+            K.up_kernel.device_caches.clear()
             with torch.no_grad():
                 def layer():
                     return ops.routed_moe_mlp(x, wg, wd, ids, w)
                 layer()
                 torch.cuda.synchronize()
                 ms = triton.testing.do_bench(layer, warmup=10, rep=100)
-            ups = [f"regs {kern.n_regs} spills {kern.n_spills}" for kern in _compiled(K._up_kernel)]
+            ups = [f"regs {kern.n_regs} spills {kern.n_spills}" for kern in _compiled(K.up_kernel)]
             print(f"tile {tile} {name:10s}: {ms:.3f} ms; up kernel {', '.join(ups)}", flush=True)
 
 

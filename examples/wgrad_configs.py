@@ -23,7 +23,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from thunderep.kernels import moe_triton as K
-from thunderep.kernels import ops
+from thunderep.kernels import sorted_mlp, tiles
 from thunderep.bench.kernels import SHAPES
 from thunderep.kernels.tuning import precision, timed_ms
 
@@ -34,7 +34,7 @@ def candidates() -> list[triton.Config]:
     for bm, bn, bk, warps, stages in itertools.product((64, 128, 256), (64, 128, 256), (16, 32), (4, 8), (2, 3, 4)):
         if bm * bn > 128 * 256 or (bm * bn == 128 * 256 and warps == 4):
             continue  # accumulators that spill
-        out.append(ops._cfg(bm, bn, bk, warps, stages))
+        out.append(tiles.cfg(bm, bn, bk, warps, stages))
     return out
 
 
@@ -60,8 +60,8 @@ def main(argv=None) -> int:
     n_rows = args.tokens * top_k
     ids = torch.rand(args.tokens, E, device=device, generator=gen).topk(top_k, dim=1).indices
     counts = torch.bincount(ids.reshape(-1), minlength=E).to(torch.int32)
-    bm_class, fill = ops._m_key(n_rows, E)
-    own = {_key(c) for c in ops._WGRAD_CONFIGS}
+    bm_class, fill = tiles.m_key(n_rows, E)
+    own = {_key(c) for c in tiles.WGRAD_CONFIGS}
     print(f"# {torch.cuda.get_device_name()}, {args.shape} T={args.tokens}: {n_rows} rows, "
           f"{n_rows / E:.1f} per expert, key m_class={bm_class} m_fill={fill}; * = in the autotuner's set")
     for what, M, N in (("dW_gate_up", 2 * I, D), ("dW_down", D, I)):
@@ -71,14 +71,14 @@ def main(argv=None) -> int:
         gbytes = out.numel() * out.element_size() / 1e9
         fill_ms = timed_ms(lambda: out.fill_(1.0))
         reference = torch.empty_like(out)
-        ops._wgrad(a, b, counts, reference)
+        sorted_mlp.wgrad(a, b, counts, reference)
         rows = []
         for cfg in candidates():
             def call(cfg=cfg):
                 grid = (triton.cdiv(M, cfg.kwargs["BLOCK_M"]), E)
-                K._wgrad_kernel[grid](a, b, out, counts, M, N, E, n_rows, a.stride(0), b.stride(0), out.stride(0),
+                K.wgrad_kernel[grid](a, b, out, counts, M, N, E, n_rows, a.stride(0), b.stride(0), out.stride(0),
                                       out.stride(1), bm_class, fill, PRECISION=precision(a.dtype),
-                                      BLOCK_E=ops._block_e(E), **cfg.kwargs, num_warps=cfg.num_warps,
+                                      BLOCK_E=sorted_mlp.block_e(E), **cfg.kwargs, num_warps=cfg.num_warps,
                                       num_stages=cfg.num_stages)
             try:
                 call()

@@ -6,7 +6,7 @@ a @triton.jit helper inside the kernel (`tl.sum`, the kernels' own helpers), eac
 modules' members. The helper calls' patches are never undone, so within one launch a second patch of
 the same modules changes nothing. `install()` skips those repeats: a helper call whose modules this
 launch has already patched runs without patching them again. The results are the same; the kernel tests
-run faster (tests/kernels/test_pairs.py's path-choice test: 13.2 s -> 6.8 s; docs/BENCHMARKS.md).
+run faster (docs/BENCHMARKS.md, "Helper calls in the interpreter").
 
 It installs only where the interpreter has the structure above (checked: Triton 3.6.0 and 3.9.0); elsewhere
 the interpreter runs unchanged.

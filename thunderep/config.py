@@ -308,8 +308,8 @@ class EPConfig:
     allgather_max_tokens: in mode "auto" without replicated inputs, a layer call whose EP ranks all hold
         the same number of tokens, at most this many (decode steps), runs in all-gather mode: fixed
         sizes, no split sizes to exchange, no host synchronization. Otherwise, and with 0, EP mode.
-        64 covers decode batches (all-gather mode decoded 1.0-1.3x faster than EP mode with 8
-        sequences per GPU on 2 H200s without P2P); training and prefill batches stay in EP mode.
+        64 covers decode batches (docs/BENCHMARKS.md, "2 H200s without P2P: where ep mode's time
+        went, and the fix"); training and prefill batches stay in EP mode.
     """
 
     waves: int = 1
@@ -346,7 +346,8 @@ class SyncConfig:
     delta_dtype: wire dtype of the delta all-reduce: "float32", "bfloat16" or "float16".
     outer_lr, outer_momentum: the outer step, SGD with Nesterov momentum on the averaged change.
         Default 1.0 and 0.0: plain parameter averaging. DiLoCo's 0.7 and 0.9 suit windows of hundreds
-        of steps; with H = 4-64 they overshoot (measured in docs/BENCHMARKS.md, "Gradient sync").
+        of steps; with H = 4-64 they overshoot (docs/BENCHMARKS.md, "Gradient sync: every_step vs
+        delta (convergence at equal tokens, CPU)").
     overlap: run the delta all-reduce behind the next window and apply it one window late.
     warmup_steps: steps of "every_step" synchronization before delta mode starts.
     """

@@ -90,9 +90,9 @@ def test_slot_bytes_count_weights_and_optimizer_state():
     config = LayerConfig.build(family="mixtral", hidden_size=D, intermediate_size=I, num_experts=E, top_k=2)
     layer = ThunderMoELayer(config)
     weights = sum(p[0].numel() * p.element_size() for p in layer.experts.parameters())
-    assert layer._slot_bytes() == weights == (2 * I * D + D * I) * 4
+    assert layer.slot_bytes() == weights == (2 * I * D + D * I) * 4
     opt = torch.optim.Adam(layer.parameters())
-    assert layer._slot_bytes(opt) == weights  # no state before the first step
+    assert layer.slot_bytes(opt) == weights  # no state before the first step
     layer(torch.randn(5, D)).sum().backward()
     opt.step()
-    assert layer._slot_bytes(opt) == 3 * weights  # exp_avg and exp_avg_sq move along
+    assert layer.slot_bytes(opt) == 3 * weights  # exp_avg and exp_avg_sq move along

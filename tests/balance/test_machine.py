@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from thunderep import ConfigError, Placement
+from thunderep.balance.balancer_config import BalancerConfig
 from thunderep.balance.fingerprint import ProbeRecord
-from thunderep.balance.machine import (BalanceMachine, BalancerConfig, Mode, decode_records, encode_record,
-                                       realized_imbalance)
+from thunderep.balance.machine import BalanceMachine, Mode, realized_imbalance
 from thunderep.balance.measure import decode_bandwidth, encode_bandwidth
 from thunderep.balance.placement import TradePlan
+from thunderep.balance.records import decode_records, encode_record
 from thunderep.balance.planner import plan_placement
 
 PAIRS = 4096

@@ -36,18 +36,18 @@ def _run(rank, world):
     from thunderep.balance.layer_balancer import LayerBalancer
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
-    from thunderep.moe.router import Routing
+    from thunderep.moe.ep import ExpertParallelMoE
 
     ep = ExpertParallel(init_expert_parallel(), EPConfig(control="collective"))
     placement = Placement.contiguous(E, world)
     balancer = LayerBalancer(placement, BalancerConfig())
+    core = ExpertParallelMoE(ep, placement, balancer)
     gen = torch.Generator().manual_seed(100 + rank)  # every rank routes different tokens
     decisions = []
     for step in range(STEPS):
         ids_TK = torch.multinomial(_p_E(placement, step), T * K, replacement=True, generator=gen).view(T, K)
-        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
-        routing = Routing(torch.full((T, K), 1.0 / K), ids_TK, counts_E, torch.zeros(T, E))
-        ep.dispatcher.plan([routing], balancer.machine.placement, balancer=balancer)
+        core.placement = balancer.machine.placement
+        core.plan([ids_TK], [torch.full((T, K), 1.0 / K)])
         d = balancer.step()
         decisions.append((d.step, d.state, d.alarm, d.rebaselined, d.traded, d.migrated, d.realized,
                           d.imbalance, d.predicted, d.next_mode.value, d.placement.slot_expert_RS))

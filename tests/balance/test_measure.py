@@ -10,10 +10,11 @@ import torch
 
 from thunderep import ConfigError, Placement
 from thunderep.balance.layer_balancer import LayerBalancer
-from thunderep.balance.machine import BalanceMachine, BalancerConfig
+from thunderep.balance.balancer_config import BalancerConfig
+from thunderep.balance.machine import BalanceMachine
 from thunderep.balance.measure import (BANDWIDTH_CODES, RELATIVE_ERROR, LinkMeter, agreed_code,
                                        decode_bandwidth, encode_bandwidth)
-from thunderep.comm.dispatcher import CommStats
+from thunderep.comm.stats import CommStats
 
 
 def test_code_round_trips_within_its_documented_error():

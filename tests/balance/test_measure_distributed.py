@@ -20,19 +20,19 @@ def _run(rank, world, forced):
     from thunderep.balance.layer_balancer import LayerBalancer
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
-    from thunderep.moe.router import Routing
+    from thunderep.moe.ep import ExpertParallelMoE
 
     ep = ExpertParallel(init_expert_parallel(), EPConfig(control="collective"))
     placement = Placement.contiguous(E, world)
     balancer = LayerBalancer(placement, BalancerConfig(refresh_every=3, settle=0))
+    core = ExpertParallelMoE(ep, placement, balancer)
     gen = torch.Generator().manual_seed(7 + rank)
     out = []
     for step in range(STEPS):
         ids_TK = torch.randint(0, E, (T, K), generator=gen)
-        routing = Routing(torch.full((T, K), 1.0 / K), ids_TK, torch.bincount(ids_TK.reshape(-1), minlength=E),
-                          torch.zeros(T, E))
         sent = balancer.meter.code if balancer.machine.negotiating else None
-        meta = ep.dispatcher.plan([routing], balancer.machine.placement, balancer=balancer)[0]
+        core.placement = balancer.machine.placement
+        meta = core.plan([ids_TK], [torch.full((T, K), 1.0 / K)])[0]
         x_TD = torch.randn(T, D, generator=gen)
         rows_MD = ep.dispatcher.dispatch_async(x_TD, meta).wait()
         ep.dispatcher.combine_async(rows_MD, meta).wait()  # identity experts: the rows go back

@@ -10,12 +10,13 @@ import torch
 
 from thunderep.cli import bench
 from thunderep.bench import control_gpu as bcg
+from thunderep.bench import control_gpu_rank as bcg_rank
 from thunderep.errors import CommError
 
 
 def test_clear_one_line_error_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bcg.main(["--worlds", "2"]) == 2
+    assert bench.main(["control-gpu", "--worlds", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("thunderep bench control-gpu: needs CUDA GPUs")
 
@@ -43,7 +44,7 @@ def test_registered_and_arguments_checked(capsys):
     assert exc.value.code == 0 and "--nccl-p2p" in capsys.readouterr().out
     for bad in (["--sizes", "12"], ["--worlds", "1"], ["--iters", "0"]):
         with pytest.raises(SystemExit) as exc:
-            bcg.main(bad)
+            bench.main(["control-gpu", *bad])
         assert exc.value.code == 2
 
 
@@ -59,29 +60,29 @@ def test_child_env_keeps_multicast_off():
 
 def test_records_round_trip_and_wrong_ones_raise():
     words, tag = 32, 70000
-    records = [bcg.record_values(tag, r, words).numpy().tobytes() for r in range(4)]
-    rows = bcg.rows_from_records(records, words)
+    records = [bcg_rank.record_values(tag, r, words).numpy().tobytes() for r in range(4)]
+    rows = bcg_rank.rows_from_records(records, words)
     assert rows.shape == (4, words) and int(rows[2, 5]) == (tag << 32) + (2 << 20) + 5
-    bcg.check_rows(rows, tag, "mailbox")
+    bcg_rank.check_rows(rows, tag, "mailbox")
 
     stale = list(records)
-    stale[3] = bcg.record_values(tag - 1, 3, words).numpy().tobytes()
+    stale[3] = bcg_rank.record_values(tag - 1, 3, words).numpy().tobytes()
     stale_msg = r"mailbox: stale record from rank 3 for tag 70000: word 0 .*tag 69999,"
     with pytest.raises(CommError, match=stale_msg):
-        bcg.check_rows(bcg.rows_from_records(stale, words), tag, "mailbox")
+        bcg_rank.check_rows(bcg_rank.rows_from_records(stale, words), tag, "mailbox")
 
     swapped = rows.clone()
     swapped[[0, 1]] = rows[[1, 0]]
     with pytest.raises(CommError, match="wrong record from rank 0 .*rank 1, word 0"):
-        bcg.check_rows(swapped, tag, "all_gather")
+        bcg_rank.check_rows(swapped, tag, "all_gather")
 
     torn = rows.clone()
     torn[1, 31] = 0
     with pytest.raises(CommError, match="wrong record from rank 1 for tag 70000: word 31 is 0x0"):
-        bcg.check_rows(torn, tag, "all_to_all")
+        bcg_rank.check_rows(torn, tag, "all_to_all")
 
     with pytest.raises(CommError, match="rank 1's record has 8 bytes, expected 256"):
-        bcg.rows_from_records([records[0], records[1][:8]], words)
+        bcg_rank.rows_from_records([records[0], records[1][:8]], words)
 
 
 def test_summarize():

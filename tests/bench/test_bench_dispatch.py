@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thunderep.bench.dispatch import main
+from thunderep.cli.bench import bench_dispatch as main
 from thunderep.comm.launch import free_port
 
 

@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("triton")
 
 from thunderep.bench import kernels as bench
-from thunderep.kernels import pairs, tuning  # noqa: E402
+from thunderep.cli.bench import bench_kernels
+from thunderep.kernels import tiles, tuning  # noqa: E402
 
 
 def _row(impl, ms, frac):
@@ -57,7 +58,7 @@ def test_table_shows_each_rounds_ratio():
 
 def test_rounds_must_be_positive(capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--rounds", "0"])
+        bench_kernels(["--rounds", "0"])
     assert "--rounds 0: must be at least 1" in capsys.readouterr().err
 
 
@@ -127,7 +128,7 @@ def test_profiles_follow_the_modes_and_fp8_weights_profile_forward_only(modes, w
 ])
 def test_bad_shapes_and_tokens_are_refused_before_any_gpu_work(argv, message, capsys):
     with pytest.raises(SystemExit):
-        bench.main(argv)
+        bench_kernels(argv)
     assert message in capsys.readouterr().err
 
 
@@ -187,7 +188,7 @@ def test_timer_flushes_l2_clean_before_every_timed_call(monkeypatch):
 
     assert tuning.timed_ms(uneven, ms_budget=30.0, warmup_ms=3.0, quantiles=(0.5, 0.2, 0.8)) == [6.0, 3.0, 9.0]
     autotuners = list(tuning._REGISTRY.values())
-    assert pairs._DOWN_PAIRS in autotuners and all(a.do_bench is tuning.tuning_ms for a in autotuners)
+    assert tiles.DOWN_PAIRS in autotuners and all(a.do_bench is tuning.tuning_ms for a in autotuners)
 
     # The autotuner's timer: at most TUNING_MAX_CALLS warm-up and timed calls, whatever fits the budget.
     monkeypatch.setattr(tuning, "TUNING_MAX_CALLS", 7)

@@ -16,7 +16,7 @@ from thunderep.cli import main as cli
 from thunderep.bench.link import fit_alpha_beta, measure_world, sizes
 from thunderep.errors import ConfigError, PeerTimeout, ThunderError
 from thunderep.bench.projection import Link, load_link
-from thunderep.bench.projection import main as project
+from thunderep.cli.project import main as project
 
 # A 1-GPU run as `thunderep train --out` writes it, only the keys the projection reads.
 RUN = {"world": 1, "steps": 10, "tokens": 10 * 4096, "model": {"hidden_size": 1024, "num_layers": 4, "top_k": 2},
@@ -212,7 +212,7 @@ def test_bench_link_graph_rows_beside_the_eager_ones(monkeypatch, tmp_path, caps
     """`--graph N`: every op is timed eager and in CUDA graphs (the GPUs and the timing faked here:
     each row's fit recovers the latency its fake measurement was made with, the projection ignores the
     graph rows)."""
-    import thunderep.bench.link as bench_link
+    from thunderep.cli.bench import bench_link as bench_link_main
 
     calls = []
 
@@ -223,7 +223,7 @@ def test_bench_link_graph_rows_beside_the_eager_ones(monkeypatch, tmp_path, caps
 
     _fake_two_gpus(monkeypatch, fake_measure)
     out = tmp_path / "link.json"
-    assert bench_link.main(["--worlds", "2", "--settings", "p2p_disabled", "--ops", "all_reduce", "all_to_all",
+    assert bench_link_main(["--worlds", "2", "--settings", "p2p_disabled", "--ops", "all_reduce", "all_to_all",
                             "--graph", "16", "--min-bytes", "8192", "--max-bytes", str(1 << 24),
                             "--json", str(out)]) == 0
     assert calls == [("all_reduce", 0), ("all_reduce", 16), ("all_to_all", 0), ("all_to_all", 16)]
@@ -237,14 +237,14 @@ def test_bench_link_graph_rows_beside_the_eager_ones(monkeypatch, tmp_path, caps
     link, _ = load_link(str(out), world=2, setting="p2p_disabled")  # the eager all-to-all fit
     assert link.alpha_us == pytest.approx(60.0, rel=1e-6)
     with pytest.raises(SystemExit):
-        bench_link.main(["--worlds", "2", "--graph", "-1"])
+        bench_link_main(["--worlds", "2", "--graph", "-1"])
 
 
 def test_bench_link_keeps_times_that_admit_no_fit(monkeypatch, tmp_path, capsys):
     """Times flat over the sizes (a latency-bound range, as small collectives in graphs are) admit no
     alpha-beta fit: the run still prints and writes every measured time, marks that row `no fit` with the
     reason, and the projection refuses such an all-to-all row with a message that says why."""
-    import thunderep.bench.link as bench_link
+    from thunderep.cli.bench import bench_link as bench_link_main
 
     def fake_measure(world, setting, size_list, *, iters, warmup, timeout_s, op, graph=0):
         if graph or op == "all_to_all":
@@ -253,7 +253,7 @@ def test_bench_link_keeps_times_that_admit_no_fit(monkeypatch, tmp_path, capsys)
 
     _fake_two_gpus(monkeypatch, fake_measure)
     out = tmp_path / "link.json"
-    assert bench_link.main(["--worlds", "2", "--settings", "p2p_disabled", "--ops", "all_reduce", "all_to_all",
+    assert bench_link_main(["--worlds", "2", "--settings", "p2p_disabled", "--ops", "all_reduce", "all_to_all",
                             "--graph", "8", "--min-bytes", "8192", "--max-bytes", str(1 << 20),
                             "--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -270,7 +270,7 @@ def test_bench_link_keeps_times_that_admit_no_fit(monkeypatch, tmp_path, capsys)
 def test_bench_link_run_that_fails_keeps_the_others(monkeypatch, tmp_path, capsys):
     """A run that fails (here the graph run's ranks time out) is reported and the command ends with an
     error naming it, after printing and writing the runs that did measure."""
-    import thunderep.bench.link as bench_link
+    from thunderep.cli.bench import bench_link as bench_link_main
 
     def fake_measure(world, setting, size_list, *, iters, warmup, timeout_s, op, graph=0):
         if graph:
@@ -282,7 +282,7 @@ def test_bench_link_run_that_fails_keeps_the_others(monkeypatch, tmp_path, capsy
     out = tmp_path / "link.json"
     with pytest.raises(ThunderError, match=r"1 of 2 runs failed \(the others are above\): bench link, all_reduce in "
                                            r"graph, .* rank 0 said: 8192 B: timing"):
-        bench_link.main(["--worlds", "2", "--settings", "p2p_disabled", "--ops", "all_reduce", "--graph", "8",
+        bench_link_main(["--worlds", "2", "--settings", "p2p_disabled", "--ops", "all_reduce", "--graph", "8",
                          "--min-bytes", "8192", "--max-bytes", str(1 << 20), "--json", str(out)])
     text = capsys.readouterr().out
     assert "failed: bench link, all_reduce in graph" in text and "p2p_disabled R=2 all_reduce" in text
@@ -328,7 +328,7 @@ def test_project_checks_json_and_link_setting_before_the_work(run_dir, tmp_path,
 
 
 def test_project_refuses_numbers_that_are_not_positive(tmp_path, capsys):
-    from thunderep.bench.projection import main
+    from thunderep.cli.project import main
 
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--compute-ms", "-5", "--tokens", "0", "--hidden", "-1", "--bytes-per-element", "0"])

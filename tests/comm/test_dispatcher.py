@@ -9,7 +9,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
-from thunderep import EPConfig, Placement, Routing
+from thunderep import EPConfig, Placement
 
 
 def _roundtrip(rank, world, tokens):
@@ -27,8 +27,8 @@ def _roundtrip(rank, world, tokens):
         w = torch.rand(T, K, generator=gen)
         x = torch.randn(T, D, generator=gen)
         x[:, 0] = rank * 1000 + torch.arange(T)  # tag rows with (rank, token)
-        routing = Routing(w, ids, torch.bincount(ids.flatten(), minlength=E), torch.zeros(T, E))
-        x_recv, meta = ep.dispatcher.dispatch(x, routing, placement)
+        slots = placement.slot_table(ep.groups.ep_rank)[ids]  # the layout: each pair's global slot
+        x_recv, meta = ep.dispatcher.dispatch(x, slots, w, placement.slots_per_rank)
         # Rows arrive grouped by local slot, and each slot only gets tokens routed to its expert.
         mine = placement.experts_of(ep.groups.ep_rank)
         assert int(meta.counts_S.sum()) == x_recv.shape[0] == sum(meta.recv_splits)

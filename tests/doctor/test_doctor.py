@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from thunderep.doctor import diagnose, main
+from thunderep.cli.doctor import main
+from thunderep.doctor import diagnose
 from thunderep.doctor.checks import setpci_clear_argv
 from thunderep.doctor.gpu import CopyBandwidth, CudaDevice, CudaReport, cuda_report
 from thunderep.doctor.host import normalize_bdf, parse_bar1, parse_p2p_matrix

@@ -149,7 +149,8 @@ def _run_cases(rank, world, checkpoints):
     from thunderep import EPConfig, Placement
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
-    from thunderep.serve.generate import generate_on_rank, parse_args
+    from thunderep.cli.generate import parse_args
+    from thunderep.serve.generate import generate_on_rank
     from thunderep.hf import ThunderMoE
 
     torch.manual_seed(0)
@@ -305,7 +306,8 @@ def test_generate_command_on_ranks_equals_one_process(results, tmp_path, ep_size
     the same completions as one process."""
     import io
 
-    from thunderep.serve.generate import generate_on_rank, parse_args
+    from thunderep.cli.generate import parse_args
+    from thunderep.serve.generate import generate_on_rank
 
     prompts = ["Hello"] if ep_size == 2 else PROMPTS
     path = _CACHE["checkpoints"]["mixtral"]

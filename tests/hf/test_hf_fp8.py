@@ -267,7 +267,7 @@ def test_generate_command_takes_experts_dtype(checkpoints, capfd, monkeypatch):
 def test_plan_counts_what_fp8_experts_hold(checkpoints, monkeypatch):
     """`thunderep plan`'s --experts-dtype fp8 column: what from_pretrained(experts_dtype="fp8") holds in one
     process, and on R ranks the replicated part plus 1 / R of the experts."""
-    from thunderep.hf.memory import plan_memory
+    from thunderep.train.plan import plan_memory
 
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     for name in ("mixtral", "deepseek_v3"):

@@ -8,7 +8,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from thunderep.serve.generate import ByteTokenizer, encode_batch, main  # noqa: E402
+from thunderep.cli.generate import main  # noqa: E402
+from thunderep.hf.tokenizer import ByteTokenizer, encode_batch  # noqa: E402
 
 
 def test_byte_tokenizer_round_trip_and_left_padding():
@@ -26,7 +27,7 @@ def test_a_checkpoint_without_tokenizer_files_is_warned_of(tmp_path):
     on: a warning says so; a byte-level model (256 ids) gets none."""
     import warnings
 
-    from thunderep.serve.generate import load_tokenizer
+    from thunderep.hf.tokenizer import load_tokenizer
 
     with pytest.warns(UserWarning, match=r"has no tokenizer files .* each id the byte modulo the vocabulary of 1000"):
         assert isinstance(load_tokenizer(tmp_path, 1000), ByteTokenizer)

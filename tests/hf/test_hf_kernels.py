@@ -37,19 +37,19 @@ def test_kernels_equal_hf_logits_decode_and_gradients(family):
     ref = copy.deepcopy(model)
     tm = ThunderMoE.wrap(model, experts_implementation=KERNELS)
     calls = []
-    from thunderep.kernels import pairs
+    from thunderep.kernels import ops
 
-    real = pairs._moe_mlp_pairs_impl
+    real = ops._moe_mlp_pairs_impl
     ops_pairs = lambda *a: calls.append(1) or real(*a)  # noqa: E731
     x = _ids()
     with torch.no_grad():
         torch.testing.assert_close(tm(input_ids=x).logits, ref(input_ids=x).logits, rtol=1e-5, atol=1e-5)
         one = x[:1, :1]  # one token: every MoE layer runs the pair kernels
         try:
-            pairs._moe_mlp_pairs_impl = ops_pairs
+            ops._moe_mlp_pairs_impl = ops_pairs
             got = tm(input_ids=one).logits
         finally:
-            pairs._moe_mlp_pairs_impl = real
+            ops._moe_mlp_pairs_impl = real
         assert len(calls) == len(tm.bindings)
         torch.testing.assert_close(got, ref(input_ids=one).logits, rtol=1e-5, atol=1e-5)
     tm.train()
@@ -131,10 +131,10 @@ def _ranks_case(rank, world):
                 "decode": model(input_ids=one).logits}
     ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
     tm = ThunderMoE.wrap(copy.deepcopy(model), ep, experts_implementation=KERNELS)
-    from thunderep.kernels import pairs
+    from thunderep.kernels import ops
 
-    calls, real = [], pairs._moe_mlp_pairs_impl
-    pairs._moe_mlp_pairs_impl = lambda *a: calls.append(1) or real(*a)
+    calls, real = [], ops._moe_mlp_pairs_impl
+    ops._moe_mlp_pairs_impl = lambda *a: calls.append(1) or real(*a)
     with torch.no_grad():
         got = {"ep": tm(input_ids=mine, mode="ep").logits, "latency": tm(input_ids=x, replicated=True).logits}
         before = len(calls)  # (ep mode may have handed a rank a single row: the pair kernels, rightly)
@@ -160,7 +160,7 @@ def _path_choice_case(rank, world):
     from thunderep import EPConfig
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
-    from thunderep.kernels import pairs
+    from thunderep.kernels import ops, paths
 
     model = tiny_model("mixtral", seed=2)
     x = _ids(rows=1, seq=3, seed=7)
@@ -168,9 +168,9 @@ def _path_choice_case(rank, world):
         want = model(input_ids=x).logits
     ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
     tm = ThunderMoE.wrap(copy.deepcopy(model), ep, experts_implementation=KERNELS).eval()
-    pairs.path_tuning_applies = lambda device: True
+    paths.path_tuning_applies = lambda device: True
     calls, seen_ids, timed, graphs = [], [], [], []
-    real = pairs._moe_mlp_pairs_impl
+    real = ops._moe_mlp_pairs_impl
 
     # The sorted route's own rows (K = 1) take the path choice of all-local calls too: only the share's
     # calls (K = 2) are counted.
@@ -182,12 +182,12 @@ def _path_choice_case(rank, world):
 
     def fake_timer(fn, graphed=False):  # the path has run once before it is timed: not run again here
         graphs.append(graphed)
-        kind = "pairs" if fn.func is pairs.moe_mlp_pairs else "other"
+        kind = "pairs" if fn.func is ops.moe_mlp_pairs else "other"
         if fn.args[3 if kind == "pairs" else 0].shape[1] == 2:
             timed.append(kind)
         return 0.040 if kind == "pairs" else 0.030 if tm._state.capturable else 0.050
 
-    pairs._moe_mlp_pairs_impl, pairs._path_timer = pair_kernels, fake_timer
+    ops._moe_mlp_pairs_impl, paths._path_timer = pair_kernels, fake_timer
     got = {}
     with torch.no_grad():
         got["latency"] = tm(input_ids=x, replicated=True).logits  # 3 tokens: timed, the pair kernels win
@@ -200,7 +200,7 @@ def _path_choice_case(rank, world):
             got["capturable"] = tm.model(input_ids=x).logits  # as a static decode step calls it
         capturable = (list(timed), len(calls), set(graphs[-2:]))
     ep.close()
-    choices = {(key[4], key[-3], key[-2], key[-1]): won for key, won in pairs._PATHS.items() if key[3] == 2}
+    choices = {(key[4], key[-3], key[-2], key[-1]): won for key, won in paths._PATHS.items() if key[3] == 2}
     slots = tm.bindings[next(iter(tm.bindings))].num_slots
     return got, want, first, again, capturable, choices, [ids.tolist() for ids in seen_ids], slots
 
@@ -214,7 +214,7 @@ def test_ep_share_takes_the_path_measured_faster(world):
     (a capturable decode step's masked route timed anew, as graph replays), and every output equals the
     plain model's. Mutations that fail it: the random routings drawn over the local experts only (no
     -1); one choice for both routes."""
-    routings = 4  # pairs.PATH_ROUTINGS
+    routings = 4  # paths.PATH_ROUTINGS
     for got, want, first, again, capturable, choices, seen_ids, slots in run_ranks(_path_choice_case, world,
                                                                                    timeout=240, dist_timeout=120):
         for key in got:
@@ -238,28 +238,28 @@ def test_all_local_decode_steps_choose_their_path_by_graph_replays(monkeypatch):
     paths eagerly and takes the pair kernels; a capturable call (a static decode step's, eager warm-up or
     capture) times them anew as graph replays and takes the sorted path; each choice then stands, and
     every output equals the plain model's."""
-    from thunderep.kernels import pairs
+    from thunderep.kernels import ops, paths
 
     model = tiny_model("mixtral", seed=2)
     x = _ids(rows=1, seq=3, seed=7)
     with torch.no_grad():
         want = model(input_ids=x).logits
     tm = ThunderMoE.wrap(copy.deepcopy(model), experts_implementation=KERNELS).eval()
-    monkeypatch.setattr(pairs, "_PATHS", {})
-    monkeypatch.setattr(pairs, "path_tuning_applies", lambda device: True)
+    monkeypatch.setattr(paths, "_PATHS", {})
+    monkeypatch.setattr(paths, "path_tuning_applies", lambda device: True)
     monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
     timed, runs = [], []
-    real = pairs._moe_mlp_pairs_impl
+    real = ops._moe_mlp_pairs_impl
 
     def fake_timer(fn, graphed=False):
         timed.append(graphed)
-        if fn.func is pairs.moe_mlp_pairs:
+        if fn.func is ops.moe_mlp_pairs:
             return 0.060 if graphed else 0.040
         return 0.050
 
-    monkeypatch.setattr(pairs, "_path_timer", fake_timer)
-    monkeypatch.setattr(pairs, "_moe_mlp_pairs_impl", lambda *a: runs.append(1) or real(*a))
-    routings = pairs.PATH_ROUTINGS
+    monkeypatch.setattr(paths, "_path_timer", fake_timer)
+    monkeypatch.setattr(ops, "_moe_mlp_pairs_impl", lambda *a: runs.append(1) or real(*a))
+    routings = paths.PATH_ROUTINGS
 
     def call(capturable):
         del timed[:], runs[:]
@@ -272,7 +272,7 @@ def test_all_local_decode_steps_choose_their_path_by_graph_replays(monkeypatch):
     assert call(False) == ([False] * 2 * routings, routings + layers)
     assert call(True) == ([True] * 2 * routings, routings)
     assert call(True) == ([], 0) and call(False) == ([], layers)
-    assert sorted((key[4], key[-1], won) for key, won in pairs._PATHS.items()) == [(3, False, True), (3, True, False)]
+    assert sorted((key[4], key[-1], won) for key, won in paths._PATHS.items()) == [(3, False, True), (3, True, False)]
 
 
 @CPU_ONLY

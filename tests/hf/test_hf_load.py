@@ -171,11 +171,11 @@ def test_threads_read_what_one_thread_reads_and_an_error_in_a_thread_reaches_the
 
     from thunderep.errors import ConfigError
     from thunderep.hf import ThunderMoE
-    from thunderep.hf import load as load_module
+    from thunderep.hf import fill as fill_module
 
     def loaded(threads):
-        run = load_module._Loader.run
-        monkeypatch.setattr(load_module._Loader, "run", lambda self, t=None: run(self, threads))
+        run = fill_module.Filler.run
+        monkeypatch.setattr(fill_module.Filler, "run", lambda self, t=None: run(self, threads))
         model = ThunderMoE.from_pretrained(checkpoint)
         monkeypatch.undo()
         report = model.load_report

@@ -427,7 +427,7 @@ def test_finetune_of_a_quantized_checkpoint_writes_a_plain_one(checkpoints, tmp_
     """`thunderep finetune` on 2 ranks reads the FP8 checkpoint dequantized and trains it as one process
     trains the slow reference; what it writes is a plain checkpoint (no quantization_config) that
     transformers loads as it is."""
-    from test_finetune_command import TEXT, _adamw_reference
+    from train.test_finetune_command import TEXT, _adamw_reference  # tests/train/, a namespace package
     from transformers import AutoModelForCausalLM
 
     from thunderep.cli import main as cli

@@ -80,8 +80,7 @@ triton = pytest.importorskip("triton")
 
 from test_moe_triton import CUDA, DEVICE, MODEL_SHAPES, make_case, reference, rel_err  # noqa: E402
 
-from thunderep.kernels import ops as ops_mod  # noqa: E402
-from thunderep.kernels import pairs as pairs_mod  # noqa: E402
+from thunderep.kernels import sorted_mlp, tiles  # noqa: E402
 from thunderep.kernels.ops import moe_mlp, routed_moe_mlp  # noqa: E402
 
 
@@ -130,7 +129,7 @@ INTERP_FP8_CASES = [  # T, D, I, E, K, (gate_up block, down block)
 def test_interpreter_fp8_matches_dequantized(case, path, monkeypatch):
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     if path == "pairs":  # a BLOCK_K wider than 16-column scale blocks: the launch narrows it
-        monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(16, 32, 4, 3, dot=False))
+        monkeypatch.setattr(tiles, "DEFAULT_UP_PAIR", tiles.pair_cfg(16, 32, 4, 3, dot=False))
     # float16: the interpreter's bfloat16 tl.dot is wrong for plain bfloat16 weights as well (the
     # bfloat16 products run on the GPU tests); bfloat16 on the pair kernels, which have no tl.dot here.
     _check_fp8(*case[:5], torch.float16, case[5], tol=2e-3)
@@ -158,9 +157,9 @@ def test_interpreter_fp8_pair_kernel_variants(variant, monkeypatch):
     up, down = _PAIR_VARIANTS[variant]
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(16, 32, 4, 1, **up))
-    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR",  # the split pass's counts have room for 8-column tiles
-                        pairs_mod._pair_cfg(16 if down.get("split") else 4, 32, 4, 1, **down))
+    monkeypatch.setattr(tiles, "DEFAULT_UP_PAIR", tiles.pair_cfg(16, 32, 4, 1, **up))
+    monkeypatch.setattr(tiles, "DEFAULT_DOWN_PAIR",  # the split pass's counts have room for 8-column tiles
+                        tiles.pair_cfg(16 if down.get("split") else 4, 32, 4, 1, **down))
     _check_fp8(3, 32, 48, 4, 3, torch.float16, ((16, 16), (5, 16)), tol=2e-3)
 
 
@@ -174,9 +173,9 @@ def test_gpu_fp8_pair_kernel_variants(variant, blocks, monkeypatch):
     up, down = _PAIR_VARIANTS[variant]
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(4 if up.get("reduce") else 16, 512, 4, 1,
+    monkeypatch.setattr(tiles, "DEFAULT_UP_PAIR", tiles.pair_cfg(4 if up.get("reduce") else 16, 512, 4, 1,
                                                                            **up))
-    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(16, 512, 4, 1, **down))
+    monkeypatch.setattr(tiles, "DEFAULT_DOWN_PAIR", tiles.pair_cfg(16, 512, 4, 1, **down))
     _check_fp8(3, 2048, 768, 8, 3, torch.bfloat16, (None, None) if blocks == "row" else ((128, 128), (128, 128)),
                tol=2e-2)
 
@@ -202,10 +201,10 @@ def _check_fp8_tails(counts, config, D, I, dtype, blocks, tol, monkeypatch):
     weights (the kernels' transposed product, moe_triton._dot_k), against the float64 reference."""
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
-    monkeypatch.setitem(ops_mod._DEFAULT, config.kwargs["BLOCK_M"], config)
+    monkeypatch.setitem(tiles.DEFAULT_ROW, config.kwargs["BLOCK_M"], config)
     ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
     ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))][:, None]
-    assert ops_mod._m_key(len(ids), len(counts))[0] == config.kwargs["BLOCK_M"]
+    assert tiles.m_key(len(ids), len(counts))[0] == config.kwargs["BLOCK_M"]
     _check_fp8(len(ids), D, I, len(counts), 1, dtype, blocks, tol, ids=ids.to(DEVICE))
 
 
@@ -214,7 +213,7 @@ def _check_fp8_tails(counts, config, D, I, dtype, blocks, tol, monkeypatch):
 def test_interpreter_fp8_last_tile_takes_a_tail(blocks, monkeypatch):
     """444 rows over 8 experts in 64-row tiles with tails of up to 32 rows (as test_moe_triton's
     test_interpreter_last_tile_takes_a_tail): experts of 70, 96 and 150 rows end in a tile with a tail."""
-    _check_fp8_tails([70, 96, 97, 20, 0, 150, 10, 1], ops_mod._row_cfg(64, 32, 16, 4, 1, tail=True, group=1), 32,
+    _check_fp8_tails([70, 96, 97, 20, 0, 150, 10, 1], tiles.row_cfg(64, 32, 16, 4, 1, tail=True, group=1), 32,
                      48, torch.float16, (None, None) if blocks == "row" else ((16, 16), (16, 16)), 2e-3,
                      monkeypatch)
 
@@ -224,7 +223,7 @@ def test_interpreter_fp8_last_tile_takes_a_tail(blocks, monkeypatch):
 def test_gpu_fp8_last_tile_takes_a_tail(blocks, monkeypatch):
     """The compiled kernels at the 128-row size class with tails (as test_moe_triton's
     test_gpu_last_tile_takes_a_tail), on FP8 weights."""
-    _check_fp8_tails([134, 192, 193, 40, 0, 300, 100, 150], ops_mod._row_cfg(128, 128, 64, 8, 3, tail=True, group=1),
+    _check_fp8_tails([134, 192, 193, 40, 0, 300, 100, 150], tiles.row_cfg(128, 128, 64, 8, 3, tail=True, group=1),
                      1024, 512, torch.bfloat16, (None, None) if blocks == "row" else ((128, 128), (128, 128)), 2e-2,
                      monkeypatch)
 
@@ -327,7 +326,7 @@ def _w8a8_tail_ids(monkeypatch, m_class, config, counts):
     pinned to `config`, autotuning and the pair kernels off."""
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
-    monkeypatch.setitem(ops_mod._DEFAULT, m_class, config)
+    monkeypatch.setitem(tiles.DEFAULT_ROW, m_class, config)
     ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
     return ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))][:, None]
 
@@ -336,8 +335,8 @@ def _w8a8_tail_ids(monkeypatch, m_class, config, counts):
 def test_interpreter_w8a8_last_tile_takes_a_tail(monkeypatch):
     """Tails of rows (as test_interpreter_fp8_last_tile_takes_a_tail): their row scales too."""
     counts = [70, 96, 97, 20, 0, 150, 10, 1]
-    ids = _w8a8_tail_ids(monkeypatch, 64, ops_mod._row_cfg(64, 32, 32, 4, 1, tail=True, group=1), counts)
-    assert ops_mod._m_key(len(ids), len(counts))[0] == 64
+    ids = _w8a8_tail_ids(monkeypatch, 64, tiles.row_cfg(64, 32, 32, 4, 1, tail=True, group=1), counts)
+    assert tiles.m_key(len(ids), len(counts))[0] == 64
     _check_w8a8(len(ids), 32, 64, len(counts), 1, torch.float16, ((32, 32), None), 3e-3, ids=ids)
 
 
@@ -357,7 +356,7 @@ def test_gpu_quantize_rows_pass_equals_the_reference_bit_for_bit():
     x[3] = 0.0
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         xd = x.to(dtype)
-        q, scale = ops_mod.quantize_rows(xd.cuda())
+        q, scale = sorted_mlp.quantize_rows(xd.cuda())
         q_ref, scale_ref = quantize_rows(xd)
         assert torch.equal(scale.cpu(), scale_ref)
         assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)), dtype
@@ -378,6 +377,6 @@ def test_gpu_w8a8_model_shapes(shape, T, blocks, monkeypatch):
 @pytest.mark.parametrize("blocks", ["row", "128x128"])
 def test_gpu_w8a8_last_tile_takes_a_tail(blocks, monkeypatch):
     counts = [134, 192, 193, 40, 0, 300, 100, 150]
-    ids = _w8a8_tail_ids(monkeypatch, 128, ops_mod._row_cfg(128, 128, 64, 8, 3, tail=True, group=1), counts)
+    ids = _w8a8_tail_ids(monkeypatch, 128, tiles.row_cfg(128, 128, 64, 8, 3, tail=True, group=1), counts)
     _check_w8a8(len(ids), 1024, 512, len(counts), 1, torch.bfloat16,
                 (None, None) if blocks == "row" else ((128, 128), (128, 128)), 2e-2, ids=ids.to(DEVICE))

@@ -17,9 +17,8 @@ triton = pytest.importorskip("triton")
 from thunderep.config import ExpertsConfig  # noqa: E402
 from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.moe.experts import ACTIVATION_FNS, FusedExperts  # noqa: E402
-from thunderep.kernels import grouped_gemm, ops  # noqa: E402
-from thunderep.kernels import pairs as pairs_mod  # noqa: E402
-from thunderep.kernels.moe_triton import _swizzle  # noqa: E402
+from thunderep.kernels import checks, grouped_gemm, ops, sorted_mlp, tiles  # noqa: E402
+from thunderep.kernels.row_tiles import swizzle  # noqa: E402
 from thunderep.kernels.ops import moe_mlp  # noqa: E402
 from thunderep.moe.router import Routing  # noqa: E402
 
@@ -132,11 +131,11 @@ def check_fixed_tiles(counts, config, D, I, dtype, tol, monkeypatch):
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "triton")
     bm = config.kwargs["BLOCK_M"]
-    monkeypatch.setitem(ops._DEFAULT, bm, config)
+    monkeypatch.setitem(tiles.DEFAULT_ROW, bm, config)
     E = len(counts)
     ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
     ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))].to(DEVICE)
-    assert ops._m_key(len(ids), E)[0] == bm
+    assert tiles.m_key(len(ids), E)[0] == bm
     check(len(ids), D, I, E, 1, dtype, tol=tol, ids=ids[:, None])
 
     x, w_gu, w_d, _, _ = make_case(len(ids), D, I, E, 1, dtype, seed=5)
@@ -157,7 +156,7 @@ def check_fixed_tiles(counts, config, D, I, dtype, tol, monkeypatch):
 @triton.jit
 def _swizzle_probe(out_ptr, num_m, num_n, GROUP_M: triton.language.constexpr):
     pid = triton.language.program_id(0)
-    pid_m, pid_n = _swizzle(pid, num_m, num_n, GROUP_M)
+    pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     triton.language.store(out_ptr + 2 * pid, pid_m)
     triton.language.store(out_ptr + 2 * pid + 1, pid_n)
 
@@ -185,7 +184,7 @@ def test_interpreter_last_tile_takes_a_tail(tail, group, monkeypatch):
     none. Forward and every gradient equal the reference with and without tails, gathered and sorted
     (a dropped tail row would leave its output unwritten). Row tiles launched 8 at a time, and one at a
     time with the tail (GROUP_M; test_launch_order_covers_every_tile_once checks the order itself)."""
-    check_fixed_tiles([70, 96, 97, 20, 0, 150, 10, 1], ops._row_cfg(64, 32, 64, 4, 2, tail=tail, group=group),
+    check_fixed_tiles([70, 96, 97, 20, 0, 150, 10, 1], tiles.row_cfg(64, 32, 64, 4, 2, tail=tail, group=group),
                       32, 48, torch.float32, 1e-5, monkeypatch)
 
 
@@ -198,7 +197,7 @@ def test_gpu_last_tile_takes_a_tail(tail, group, dtype, tol, monkeypatch):
     a 300-row expert (one full tile, then 128 + 44). Row tiles launched 8 at a time or one by one (the
     latter is autotuning's pick there since the configs offer both)."""
     check_fixed_tiles([134, 192, 193, 40, 0, 300, 100, 150],
-                      ops._row_cfg(128, 128, 64, 8, 3, tail=tail, group=group), 1024,
+                      tiles.row_cfg(128, 128, 64, 8, 3, tail=tail, group=group), 1024,
                       512, dtype, tol, monkeypatch)
 
 
@@ -215,7 +214,7 @@ def test_gemm_path_choice(monkeypatch):
     monkeypatch.delenv("THUNDEREP_EXPERT_GEMM", raising=False)
     fwd_rows, bwd_rows = G.TORCH_GEMM_MIN_ROWS
     assert G.gemm_path(x, 8 * fwd_rows, 8, 64, 64) == "triton"  # CPU: no CUTLASS kernel
-    monkeypatch.setattr(G, "_grouped_mm_usable", lambda t, *dims: True)
+    monkeypatch.setattr(G, "grouped_mm_usable", lambda t, *dims: True)
     assert G.gemm_path(x, 8 * fwd_rows, 8, 64, 64) == "torch"
     assert G.gemm_path(x, 8 * fwd_rows - 8, 8, 64, 64) == "triton"  # below the mean rows per expert
     assert G.gemm_path(x, 8 * bwd_rows, 8, 64, 64, backward=True) == "torch"
@@ -232,7 +231,7 @@ def test_gemm_path_choice(monkeypatch):
     monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "triton")
     assert G.gemm_path(x, 8 * fwd_rows, 8, 64, 64, backward=True) == "triton"
     monkeypatch.setenv("THUNDEREP_EXPERT_GEMM", "torch")
-    monkeypatch.setattr(G, "_grouped_mm_usable", lambda t, *dims: False)
+    monkeypatch.setattr(G, "grouped_mm_usable", lambda t, *dims: False)
     assert G.gemm_path(x, 1, 8, 64, 64) == "torch"
 
 
@@ -244,13 +243,13 @@ def test_weight_gradient_path_choice(monkeypatch):
     monkeypatch.delenv("THUNDEREP_WGRAD", raising=False)
     rows = G.WGRAD_TORCH_MIN_ROWS
     assert G.wgrad_path(x, 256 * rows, 256, 64, 64) == "triton"  # CPU: no CUTLASS kernel
-    monkeypatch.setattr(G, "_grouped_mm_usable", lambda t, *dims: True)
+    monkeypatch.setattr(G, "grouped_mm_usable", lambda t, *dims: True)
     assert G.wgrad_path(x, 256 * rows, 256, 64, 64) == "torch"
     assert G.wgrad_path(x, 256 * rows - 256, 256, 64, 64) == "triton"  # below the mean rows per expert
     monkeypatch.setenv("THUNDEREP_WGRAD", "triton")
     assert G.wgrad_path(x, 256 * rows, 256, 64, 64) == "triton"
     monkeypatch.setenv("THUNDEREP_WGRAD", "torch")
-    monkeypatch.setattr(G, "_grouped_mm_usable", lambda t, *dims: False)
+    monkeypatch.setattr(G, "grouped_mm_usable", lambda t, *dims: False)
     assert G.wgrad_path(x, 1, 256, 64, 64) == "torch"
 
 
@@ -388,15 +387,15 @@ def test_counts_that_do_not_match_the_rows(monkeypatch):
     with pytest.raises(ValueError, match=r"order_N holds pairs 1 to 8; x has 4 tokens x top_k 2: use pairs in "
                                          r"\[0, 8\)"):
         moe_mlp(on_cpu[0][:4], *on_cpu[1:], torch.tensor([3, 2, 2, 1]), order_N=torch.arange(1, 9), top_k=2)
-    monkeypatch.setattr(ops, "_check_rows", lambda *args: None)  # as on a GPU, where it would sync
+    monkeypatch.setattr(checks, "check_rows", lambda *args: None)  # as on a GPU, where it would sync
     for bad, reached in [([5, 5, 5, 5], [5, 5, 0, 0]), ([6, -3, 7, 0], [6, 0, 4, 0])]:
-        y, _, _ = ops._moe_mlp_impl(x, w_gu, w_d, None, torch.tensor(bad, dtype=torch.int32, device=DEVICE),
+        y, _, _ = sorted_mlp.forward(x, w_gu, w_d, None, torch.tensor(bad, dtype=torch.int32, device=DEVICE),
                                     None, 1, "silu", False, False, "triton")
         torch.testing.assert_close(y, moe_mlp(x, w_gu, w_d, torch.tensor(reached)))
         a, b = torch.randn(10, 12, device=DEVICE), torch.randn(10, 20, device=DEVICE)
         out, out_ref = torch.full((4, 12, 20), float("nan"), device=DEVICE), torch.empty(4, 12, 20, device=DEVICE)
-        ops._wgrad(a, b, torch.tensor(bad, dtype=torch.int32, device=DEVICE), out)
-        ops._wgrad(a, b, torch.tensor(reached, dtype=torch.int32, device=DEVICE), out_ref)
+        sorted_mlp.wgrad(a, b, torch.tensor(bad, dtype=torch.int32, device=DEVICE), out)
+        sorted_mlp.wgrad(a, b, torch.tensor(reached, dtype=torch.int32, device=DEVICE), out_ref)
         torch.testing.assert_close(out, out_ref)
         ends = grouped_gemm.offsets(torch.tensor(bad, dtype=torch.int32), 10)
         assert ends.tolist() == torch.tensor(reached).cumsum(0).tolist()
@@ -495,14 +494,14 @@ def test_gpu_fused_experts_uses_kernels_and_matches_loop():
     assert rel_err(y, loop(x, routing)) < 2e-2
     # Decode: one token, no gradients -> the pair kernels, same result as the loop.
     calls = []
-    real = pairs_mod._moe_mlp_pairs_impl
-    pairs_mod._moe_mlp_pairs_impl = lambda *a: calls.append(1) or real(*a)
+    real = ops._moe_mlp_pairs_impl
+    ops._moe_mlp_pairs_impl = lambda *a: calls.append(1) or real(*a)
     try:
         one = Routing(routing.weights_TK[:1], ids[:1], torch.bincount(ids[0], minlength=8), None)
         with torch.no_grad():
             y1 = experts(x[:1], one)
     finally:
-        pairs_mod._moe_mlp_pairs_impl = real
+        ops._moe_mlp_pairs_impl = real
     assert calls and rel_err(y1, loop(x[:1], one)) < 2e-2
 
 
@@ -612,7 +611,7 @@ def test_gpu_gradients_right_on_the_first_autotuned_call(monkeypatch):
     from thunderep.kernels import tuning
 
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "1")
-    for autotuner in (ops._UP, ops._ROWS, ops._ACT_BWD, ops._WGRAD):
+    for autotuner in (tiles.UP, tiles.ROWS, tiles.ACT_BWD, tiles.WGRAD):
         monkeypatch.setattr(autotuner, "cache_results", False)
         monkeypatch.setattr(autotuner, "cache", {})
     monkeypatch.setattr(tuning, "_TUNED", {})

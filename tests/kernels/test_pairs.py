@@ -14,7 +14,7 @@ from test_moe_triton import CUDA, INTERP_CASES, MODEL_SHAPES, make_case, referen
 
 from thunderep.kernels.graphs import graph_steps  # noqa: E402
 from thunderep.errors import ConfigError  # noqa: E402
-from thunderep.kernels import ops  # noqa: E402
+from thunderep.kernels import ops, paths, sorted_mlp, tiles, tuning  # noqa: E402
 from thunderep.kernels import pairs as pairs_mod  # noqa: E402
 from thunderep.kernels.fp8 import Fp8Weight, scale_args, weight_data  # noqa: E402
 from thunderep.kernels.ops import routed_moe_mlp  # noqa: E402
@@ -30,8 +30,8 @@ def pairs(request, monkeypatch):
     dot, split = request.param
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(32, 128, 4, 3, dot=dot))
-    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(16, 128, 4, 3, split=split))
+    monkeypatch.setattr(tiles, "DEFAULT_UP_PAIR", tiles.pair_cfg(32, 128, 4, 3, dot=dot))
+    monkeypatch.setattr(tiles, "DEFAULT_DOWN_PAIR", tiles.pair_cfg(16, 128, 4, 3, split=split))
     return request.param
 
 
@@ -68,10 +68,10 @@ def test_routed_path_choice(monkeypatch):
     in between), and then the result and gradients still match the reference."""
     monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
     calls = []
-    real_pairs, real_sorted = pairs_mod._moe_mlp_pairs_impl, ops.moe_mlp
-    monkeypatch.setattr(pairs_mod, "_moe_mlp_pairs_impl", lambda *a: calls.append("pairs") or real_pairs(*a))
+    real_pairs, real_sorted = ops._moe_mlp_pairs_impl, ops.moe_mlp
+    monkeypatch.setattr(ops, "_moe_mlp_pairs_impl", lambda *a: calls.append("pairs") or real_pairs(*a))
     monkeypatch.setattr(ops, "moe_mlp", lambda *a, **k: calls.append("sorted") or real_sorted(*a, **k))
-    small, large = pairs_mod.PAIRS_MAX_TOKENS, pairs_mod.PAIRS_TUNE_MAX_TOKENS + 1  # past the measured choice
+    small, large = paths.PAIRS_MAX_TOKENS, paths.PAIRS_TUNE_MAX_TOKENS + 1  # past the measured choice
     for T, grad, expected in ((small, False, "pairs"), (1, True, "sorted"), (large, False, "sorted")):
         x, w_gu, w_d, ids, weights = make_case(T, 16, 16, 4, 2, torch.float32, T)
         leaf = x.clone().requires_grad_(grad)
@@ -100,11 +100,11 @@ def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog
     gradients, during a CUDA-graph capture, or where THUNDEREP_PAIRS_MAX_TOKENS decides. Every output
     matches the reference."""
     monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
-    monkeypatch.setattr(pairs_mod, "_PATHS", {})
-    monkeypatch.setattr(pairs_mod, "path_tuning_applies", lambda device: True)
+    monkeypatch.setattr(paths, "_PATHS", {})
+    monkeypatch.setattr(paths, "path_tuning_applies", lambda device: True)
     calls, timed, times, graphs = [], [], {}, []
-    real_pairs, real_sorted = pairs_mod._moe_mlp_pairs_impl, ops.moe_mlp
-    monkeypatch.setattr(pairs_mod, "_moe_mlp_pairs_impl", lambda *a: calls.append("pairs") or real_pairs(*a))
+    real_pairs, real_sorted = ops._moe_mlp_pairs_impl, ops.moe_mlp
+    monkeypatch.setattr(ops, "_moe_mlp_pairs_impl", lambda *a: calls.append("pairs") or real_pairs(*a))
     monkeypatch.setattr(ops, "moe_mlp", lambda *a, **k: calls.append("sorted") or real_sorted(*a, **k))
 
     def fake_timer(fn, graphed=False):
@@ -114,9 +114,9 @@ def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog
         timed.append(calls[-1])
         return times[calls[-1]]
 
-    routings = pairs_mod.PATH_ROUTINGS
+    routings = paths.PATH_ROUTINGS
 
-    monkeypatch.setattr(pairs_mod, "_path_timer", fake_timer)
+    monkeypatch.setattr(paths, "_path_timer", fake_timer)
 
     def run(T, grad=False):
         del calls[:], timed[:], graphs[:]
@@ -144,12 +144,12 @@ def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog
             assert run(3) == ("pairs", [])
     assert run(3) == ("pairs", [])  # the eager choice stands
     assert run(1) == ("pairs", [])  # PAIRS_MAX_TOKENS: always the pair kernels
-    assert run(pairs_mod.PAIRS_TUNE_MAX_TOKENS + 1) == ("sorted", [])
+    assert run(paths.PAIRS_TUNE_MAX_TOKENS + 1) == ("sorted", [])
     assert run(4, grad=True) == ("sorted", [])
-    monkeypatch.setattr(pairs_mod, "_capturing", lambda device: True)
+    monkeypatch.setattr(paths, "_capturing", lambda device: True)
     assert run(4) == ("sorted", [])  # not measured yet, and a capture cannot time
     assert run(3) == ("pairs", [])  # measured before the capture
-    monkeypatch.setattr(pairs_mod, "_capturing", lambda device: False)
+    monkeypatch.setattr(paths, "_capturing", lambda device: False)
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "4")
     assert run(4) == ("pairs", []) and run(5) == ("sorted", [])
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
@@ -163,13 +163,13 @@ def test_gpu_decode_path_measured_then_captured(monkeypatch, caplog):
     output bit for bit."""
     monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
     monkeypatch.delenv("THUNDEREP_TRITON_AUTOTUNE", raising=False)  # the choice is measured only with tuning on
-    monkeypatch.setattr(pairs_mod, "_PATHS", {})
+    monkeypatch.setattr(paths, "_PATHS", {})
     caplog.set_level("INFO", logger="thunderep.kernels")
     D, I, E, K = MODEL_SHAPES["qwen3"]
     x, w_gu, w_d, ids, weights = make_case(3, D, I, E, K, torch.bfloat16, 5)
     with torch.no_grad():
         y = routed_moe_mlp(x, w_gu, w_d, ids, weights)
-        assert f"D={D}, I={I}, E={E}, K={K} at T=3" in caplog.text and len(pairs_mod._PATHS) == 1
+        assert f"D={D}, I={I}, E={E}, K={K} at T=3" in caplog.text and len(paths._PATHS) == 1
         assert rel_err(y, reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())) < 2e-2
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -187,7 +187,7 @@ def test_gpu_share_path_timed_as_graph_replays(monkeypatch, caplog):
     either path, agrees with the reference on the local pairs; a later capture replays the choice."""
     monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
     monkeypatch.delenv("THUNDEREP_TRITON_AUTOTUNE", raising=False)
-    monkeypatch.setattr(pairs_mod, "_PATHS", {})
+    monkeypatch.setattr(paths, "_PATHS", {})
     caplog.set_level("INFO", logger="thunderep.kernels")
     D, I, E, K = MODEL_SHAPES["qwen3"]
     S, T = E // 2, 4
@@ -200,15 +200,15 @@ def test_gpu_share_path_timed_as_graph_replays(monkeypatch, caplog):
         return torch.where(local_TK.reshape(-1, 1) >= 0, y * weights.reshape(-1, 1), 0).view(T, K, D).sum(1)
 
     with torch.no_grad(), graph_steps():
-        y = pairs_mod.pairs_if_decode(x, w_gu, w_d, local, weights, "silu", False, masked, E, "every pair")
-        assert "graph replays" in caplog.text and len([k for k in pairs_mod._PATHS if k[3] == K]) == 1
+        y = ops.pairs_if_decode(x, w_gu, w_d, local, weights, "silu", False, masked, E, "every pair")
+        assert "graph replays" in caplog.text and len([k for k in paths._PATHS if k[3] == K]) == 1
         y = masked(local) if y is None else y
         want = reference(x.double(), w_gu.double(), w_d.double(), local.clamp(min=0),
                          torch.where(local >= 0, weights, 0).double())
         assert rel_err(y, want) < 2e-2
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            y_graph = pairs_mod.pairs_if_decode(x, w_gu, w_d, local, weights, "silu", False, masked, E, "every pair")
+            y_graph = ops.pairs_if_decode(x, w_gu, w_d, local, weights, "silu", False, masked, E, "every pair")
             y_graph = masked(local) if y_graph is None else y_graph
         graph.replay()
     assert torch.equal(y_graph, y)
@@ -311,7 +311,7 @@ def test_pairs_skip_id_minus_one(pairs):
     x, w_gu, w_d, ids, weights = make_case(3, 32, 48, 4, 2, torch.float32, 21)
     skip = torch.tensor([[True, False], [False, False], [True, True]])
     with torch.no_grad():
-        y = pairs_mod.moe_mlp_pairs(x, w_gu, w_d, ids.masked_fill(skip, -1), weights, "silu", False)
+        y = ops.moe_mlp_pairs(x, w_gu, w_d, ids.masked_fill(skip, -1), weights, "silu", False)
     y_ref = reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double().masked_fill(skip, 0.0))
     assert torch.isfinite(y).all() and y[2].abs().max() == 0
     assert rel_err(y, y_ref) < 1e-5
@@ -343,18 +343,18 @@ def test_split_down_pass_leaves_counts_zero_for_reruns(monkeypatch):
     """The split down pass counts each token's slots and the last one writes y: a second launch on the
     same buffers (as Triton's autotuner reruns a kernel) must find the counts back at 0 and write y again."""
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "8")
-    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(16, 128, 4, 3, split=True))
-    real_launch = pairs_mod.tuning.launch
+    monkeypatch.setattr(tiles, "DEFAULT_DOWN_PAIR", tiles.pair_cfg(16, 128, 4, 3, split=True))
+    real_launch = tuning.launch
     counts_after = []
 
     def launch_down_twice(autotuner, plain, default, grid, device, **args):
         real_launch(autotuner, plain, default, grid, device, **args)
-        if autotuner is pairs_mod._DOWN_PAIRS:
+        if autotuner is tiles.DOWN_PAIRS:
             counts_after.append(args["count_ptr"].clone())
             args["y_ptr"].fill_(float("nan"))
             real_launch(autotuner, plain, default, grid, device, **args)
 
-    monkeypatch.setattr(pairs_mod.tuning, "launch", launch_down_twice)
+    monkeypatch.setattr(tuning, "launch", launch_down_twice)
     check_pairs(3, 40, 48, 4, 3, torch.float32, tol=1e-5, seed=30)
     assert len(counts_after) == 1 and counts_after[0].numel() == 3 * 5 and (counts_after[0] == 0).all()
 
@@ -368,24 +368,24 @@ def test_route_kernel_equals_stable_argsort_and_counts(N, E, ranked, monkeypatch
     """The one-program sort of small inference batches: the same order as a stable argsort, the same
     counts as a bincount, the weights passed through; with tl.sort (what a GPU runs) and, in the
     interpreter, with the ranks the interpreter runs elsewhere."""
-    monkeypatch.setattr(ops, "route_ranks", lambda device: ranked)
+    monkeypatch.setattr(sorted_mlp, "route_ranks", lambda device: ranked)
     gen = torch.Generator().manual_seed(N)
     ids = torch.randint(0, E, (N, 1), generator=gen).to(DEVICE)
     weights = torch.rand(N, 1, generator=gen).to(DEVICE)
-    order, counts, w = ops._route(ids, weights, E, torch.float32)
+    order, counts, w = ops.route(ids, weights, E, torch.float32)
     assert order.dtype == counts.dtype == torch.int32
     assert torch.equal(order.long(), torch.argsort(ids.reshape(-1), stable=True))
     assert torch.equal(counts.long(), torch.bincount(ids.reshape(-1), minlength=E))
     assert torch.equal(w, weights.reshape(-1))
-    _, _, ones = ops._route(ids, None, E, torch.bfloat16)
+    _, _, ones = ops.route(ids, None, E, torch.bfloat16)
     assert ones.dtype == torch.bfloat16 and (ones == 1).all()
 
 
 @pytest.mark.parametrize("ranked", [False] if CUDA else [False, True])
 def test_route_kernel_unknown_ids_become_expert_zero_with_weight_zero_or_nan(ranked, monkeypatch):
-    monkeypatch.setattr(ops, "route_ranks", lambda device: ranked)
+    monkeypatch.setattr(sorted_mlp, "route_ranks", lambda device: ranked)
     ids = torch.tensor([[2, -1], [5, 0], [1, 7]], device=DEVICE)
-    order, counts, w = ops._route(ids, torch.full((3, 2), 0.5, device=DEVICE), 4, torch.float32)
+    order, counts, w = ops.route(ids, torch.full((3, 2), 0.5, device=DEVICE), 4, torch.float32)
     assert order.tolist() == [1, 2, 3, 5, 4, 0]  # -1, 5, 0 and 7 count as expert 0, in flat order
     assert counts.tolist() == [4, 1, 1, 0]
     assert w[[0, 3, 4]].tolist() == [0.5] * 3 and w[1] == 0 and w[[2, 5]].isnan().all()
@@ -398,8 +398,8 @@ def test_inference_skips_id_minus_one_and_gives_nan_for_unknown_ids_on_both_path
     makes that token's output NaN, the other tokens are exact."""
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "64" if path == "pairs" else "0")
     calls = []
-    real_route = ops._route
-    monkeypatch.setattr(ops, "_route", lambda *a: calls.append("route") or real_route(*a))
+    real_route = ops.route
+    monkeypatch.setattr(ops, "route", lambda *a: calls.append("route") or real_route(*a))
     x, w_gu, w_d, ids, weights = make_case(4, 32, 48, 4, 2, torch.float32, 22)
     skip = torch.tensor([[True, False], [False, False], [True, True], [False, False]])
     bad = ids.masked_fill(skip, -1)
@@ -416,11 +416,11 @@ def _routed_training(T, D, I, E, K, dtype, seed, weighted, monkeypatch):
     """Forward and gradients of routed_moe_mlp and of the float64 reference, and which sorts ran: "route"
     (the one-program sort) or "argsort"."""
     calls = []
-    real_route, real_argsort = ops._route, torch.argsort
+    real_route, real_argsort = ops.route, torch.argsort
     x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, dtype, seed)
     leaves = [t.clone().requires_grad_() for t in ((x, w_gu, w_d, weights) if weighted else (x, w_gu, w_d))]
     with monkeypatch.context() as m:
-        m.setattr(ops, "_route", lambda *a: calls.append("route") or real_route(*a))
+        m.setattr(ops, "route", lambda *a: calls.append("route") or real_route(*a))
         m.setattr(torch, "argsort", lambda *a, **k: calls.append("argsort") or real_argsort(*a, **k))
         y = routed_moe_mlp(*leaves[:3], ids, leaves[3] if weighted else None)
     ref_leaves = [t.double().requires_grad_() for t in leaves]
@@ -440,7 +440,7 @@ def test_training_small_batch_sorts_through_route_kernel(weighted, monkeypatch):
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
     calls, errors = _routed_training(6, 32, 48, 4, 2, torch.float32, 23, weighted, monkeypatch)
     assert calls == ["route"] and max(errors) < 1e-5, errors
-    monkeypatch.setattr(ops, "ROUTE_MAX_PAIRS", 11)  # 6 tokens x 2 slots: over the bound
+    monkeypatch.setattr(paths, "ROUTE_MAX_PAIRS", 11)  # 6 tokens x 2 slots: over the bound
     calls, errors = _routed_training(6, 32, 48, 4, 2, torch.float32, 23, weighted, monkeypatch)
     assert calls == ["argsort"] and max(errors) < 1e-5, errors
 
@@ -485,8 +485,8 @@ def test_gpu_routed_small_batch_through_route_kernel(shape, monkeypatch):
     """Inference on 64 tokens: the one-program sort feeds the sorted kernels; bf16 against float64."""
     monkeypatch.delenv("THUNDEREP_PAIRS_MAX_TOKENS", raising=False)
     calls = []
-    real_route = ops._route
-    monkeypatch.setattr(ops, "_route", lambda *a: calls.append("route") or real_route(*a))
+    real_route = ops.route
+    monkeypatch.setattr(ops, "route", lambda *a: calls.append("route") or real_route(*a))
     D, I, E, K = MODEL_SHAPES[shape]
     x, w_gu, w_d, ids, weights = make_case(64, D, I, E, K, torch.bfloat16, 40)
     with torch.no_grad():
@@ -529,18 +529,18 @@ def test_dependent_launch_where_it_exists(monkeypatch):
     monkeypatch.delenv("THUNDEREP_PDL", raising=False)
     for capability, expected in [((8, 9), False), ((9, 0), True), ((12, 0), True)]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        pairs_mod._has_pdl.cache_clear()
-        assert pairs_mod.pdl_applies(torch.device("cuda", 0)) is expected
+        paths._has_pdl.cache_clear()
+        assert paths.pdl_applies(torch.device("cuda", 0)) is expected
         monkeypatch.setenv("THUNDEREP_PDL", "0")
-        assert pairs_mod.pdl_applies(torch.device("cuda")) is False
+        assert paths.pdl_applies(torch.device("cuda")) is False
         monkeypatch.delenv("THUNDEREP_PDL")
-    assert pairs_mod.pdl_applies(torch.device("cpu")) is False
+    assert paths.pdl_applies(torch.device("cpu")) is False
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert pairs_mod.pdl_applies(torch.device("cuda")) is False
+    assert paths.pdl_applies(torch.device("cuda")) is False
     monkeypatch.setenv("THUNDEREP_PDL", "yes")
     with pytest.raises(ConfigError, match="THUNDEREP_PDL='yes'"):
-        pairs_mod.pdl_applies(torch.device("cuda"))
-    pairs_mod._has_pdl.cache_clear()
+        paths.pdl_applies(torch.device("cuda"))
+    paths._has_pdl.cache_clear()
 
 
 @triton.jit
@@ -551,7 +551,7 @@ def _no_op():
 def _wide_gate_up(monkeypatch):
     """For the tests of the down pass: the gate/up pass at a 64-column tile, the fewest programs for the
     interpreter to run (about 3x faster there than the default 16-column tile, which the other tests run)."""
-    monkeypatch.setattr(pairs_mod, "_DEFAULT_UP_PAIR", pairs_mod._pair_cfg(64, 128, 8, 3, dot=False))
+    monkeypatch.setattr(tiles, "DEFAULT_UP_PAIR", tiles.pair_cfg(64, 128, 8, 3, dot=False))
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU test below runs the real dependent launch")
@@ -562,13 +562,13 @@ def test_interpreter_dependent_launch_path(split, monkeypatch):
     reference over 1 to 3 chunks of I, and an I shorter than one chunk."""
     monkeypatch.setattr(pairs_mod, "gdc_wait", _no_op)
     monkeypatch.setattr(pairs_mod, "gdc_launch_dependents", _no_op)
-    monkeypatch.setattr(pairs_mod, "pdl_applies", lambda device: True)
+    monkeypatch.setattr(paths, "pdl_applies", lambda device: True)
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(16, 32, 4, 3, split=split))
+    monkeypatch.setattr(tiles, "DEFAULT_DOWN_PAIR", tiles.pair_cfg(16, 32, 4, 3, split=split))
     for T, D, I, E, K in [(3, 32, 48, 4, 2), (2, 64, 96, 5, 3), (1, 16, 16, 8, 3)]:
         x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.float32, 7)
         with torch.no_grad():
-            y = pairs_mod.moe_mlp_pairs(x, w_gu, w_d, ids, weights, "silu", False)
+            y = ops.moe_mlp_pairs(x, w_gu, w_d, ids, weights, "silu", False)
         assert rel_err(y, reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())) < 1e-5
 
 
@@ -577,13 +577,13 @@ def _gate_up_fma(x, w_gu, ids, ahead, block_k, x_rows=False):
     T, D = x.shape
     I, K = w_gu.shape[1] // 2, ids.shape[1]
     h = x.new_empty(T * K, I)
-    count = torch.zeros(T * triton.cdiv(D, pairs_mod._MIN_DOWN_BLOCK_N), dtype=torch.int32, device=x.device)
-    cfg = pairs_mod._pair_cfg(16, block_k, 4, 1 if ahead else 3, dot=False, ahead=ahead, x_rows=x_rows)
+    count = torch.zeros(T * triton.cdiv(D, tiles.MIN_DOWN_BLOCK_N), dtype=torch.int32, device=x.device)
+    cfg = tiles.pair_cfg(16, block_k, 4, 1 if ahead else 3, dot=False, ahead=ahead, x_rows=x_rows)
     w = weight_data(w_gu)  # an Fp8Weight's FP8 values, with its scales below
-    pairs_mod._UP_PAIRS_PLAIN[(T * K, triton.cdiv(I, 16))](
+    tiles.UP_PAIRS_PLAIN[(T * K, triton.cdiv(I, 16))](
         x_ptr=x, w_ptr=w, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=w_gu.shape[0], top_k=K,
         stride_xm=x.stride(0), stride_we=w.stride(0), stride_wn=w.stride(1), stride_hm=h.stride(0),
-        n_counts=triton.cdiv(D, pairs_mod._MIN_DOWN_BLOCK_N), ACT=0, INTERLEAVED=False, PRECISION="ieee", PDL=False,
+        n_counts=triton.cdiv(D, tiles.MIN_DOWN_BLOCK_N), ACT=0, INTERLEAVED=False, PRECISION="ieee", PDL=False,
         **scale_args(w_gu, "ws_ptr", ("stride_wse", "stride_wsn", "stride_wsk")), **cfg.all_kwargs())
     return h
 
@@ -663,11 +663,11 @@ def test_interpreter_down_look_ahead_changes_no_bit(split, monkeypatch):
         ys = {}
         for wait in (False, True):
             for ahead, x_rows in ((False, False), (True, False), (True, True)):
-                monkeypatch.setattr(pairs_mod, "pdl_applies", lambda device, wait=wait: wait)
-                monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR",
-                                    pairs_mod._pair_cfg(16, 32, 4, 1, split=split, ahead=ahead, x_rows=x_rows))
+                monkeypatch.setattr(paths, "pdl_applies", lambda device, wait=wait: wait)
+                monkeypatch.setattr(tiles, "DEFAULT_DOWN_PAIR",
+                                    tiles.pair_cfg(16, 32, 4, 1, split=split, ahead=ahead, x_rows=x_rows))
                 with torch.no_grad():
-                    ys[wait, ahead, x_rows] = pairs_mod.moe_mlp_pairs(x, w_gu, w_d, ids, weights, "silu", False)
+                    ys[wait, ahead, x_rows] = ops.moe_mlp_pairs(x, w_gu, w_d, ids, weights, "silu", False)
         for key, y in ys.items():
             assert torch.equal(y, ys[False, False, False]), (T, D, I, key)
         assert rel_err(ys[False, True, True], reference(x.double(), w_gu.double(), w_d.double(), ids,
@@ -694,12 +694,12 @@ def test_interpreter_down_all_slots_in_one_tile(monkeypatch):
         for wait in (False, True):
             for x_rows in (False, True):
                 for weighted in (True, False):
-                    monkeypatch.setattr(pairs_mod, "pdl_applies", lambda device, wait=wait: wait)
-                    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(
+                    monkeypatch.setattr(paths, "pdl_applies", lambda device, wait=wait: wait)
+                    monkeypatch.setattr(tiles, "DEFAULT_DOWN_PAIR", tiles.pair_cfg(
                         8, 32, 4, 1, split=False, x_rows=x_rows, all_slots=True))
                     w = weights if weighted else None
                     with torch.no_grad():
-                        y = pairs_mod.moe_mlp_pairs(x, w_gu, w_d, ids, w, "silu", False)
+                        y = ops.moe_mlp_pairs(x, w_gu, w_d, ids, w, "silu", False)
                     kept = ids.clamp(0, E - 1)
                     ref_w = (weights if weighted else torch.ones_like(weights)) * (ids == kept)
                     y_ref = reference(x.double(), w_gu.double(), w_d.double(), kept, ref_w.double())
@@ -724,8 +724,8 @@ def test_gpu_down_look_ahead_changes_no_bit_on_model_shapes(shape, monkeypatch):
             for pdl in ("0", "1"):
                 monkeypatch.setenv("THUNDEREP_PDL", pdl)
                 for ahead, x_rows in ((False, False), (True, False), (True, True)):
-                    monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR",
-                                        pairs_mod._pair_cfg(32, 128, 4, 1, split=split, ahead=ahead, x_rows=x_rows))
+                    monkeypatch.setattr(tiles, "DEFAULT_DOWN_PAIR",
+                                        tiles.pair_cfg(32, 128, 4, 1, split=split, ahead=ahead, x_rows=x_rows))
                     with torch.no_grad():
                         ys.append(routed_moe_mlp(x, w_gu, w_d, ids, weights))
             assert all(torch.equal(y, ys[0]) for y in ys), (T, split)
@@ -742,7 +742,7 @@ def test_gpu_down_all_slots_on_model_shapes(shape, monkeypatch):
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "4")
     for T in (1, 3):
         x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.bfloat16, 70 + T)
-        monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(32, 128, 4, 3, split=True))
+        monkeypatch.setattr(tiles, "DEFAULT_DOWN_PAIR", tiles.pair_cfg(32, 128, 4, 3, split=True))
         with torch.no_grad():
             y_split = routed_moe_mlp(x, w_gu, w_d, ids, weights)
         y_ref = reference(x.double(), w_gu.double(), w_d.double(), ids, weights.double())
@@ -750,7 +750,7 @@ def test_gpu_down_all_slots_on_model_shapes(shape, monkeypatch):
             ys = []
             for pdl in ("0", "1"):
                 monkeypatch.setenv("THUNDEREP_PDL", pdl)
-                monkeypatch.setattr(pairs_mod, "_DEFAULT_DOWN_PAIR", pairs_mod._pair_cfg(
+                monkeypatch.setattr(tiles, "DEFAULT_DOWN_PAIR", tiles.pair_cfg(
                     8, 128, 8, 1, split=False, x_rows=x_rows, all_slots=True))
                 with torch.no_grad():
                     ys.append(routed_moe_mlp(x, w_gu, w_d, ids, weights))
@@ -774,7 +774,7 @@ def test_gpu_dependent_launch_changes_no_bit(shape, pairs, monkeypatch):
             monkeypatch.setenv("THUNDEREP_PDL", "0")
             y_plain = f()
             monkeypatch.setenv("THUNDEREP_PDL", "1")
-            assert pairs_mod.pdl_applies(x.device)
+            assert paths.pdl_applies(x.device)
             assert torch.equal(f(), y_plain)  # also the warm-up before the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

@@ -63,9 +63,9 @@ def test_consumer_targets_have_no_hopper_only_instructions(builds, arch):
 
 @pytest.mark.parametrize("arch", [89, 90, 120])
 def test_w8a8_up_kernel_keeps_its_sums_in_registers_at_the_fp8_tile(builds, arch):
-    """At the 128 x 64 tile on 8 warps that the row kernels offer FP8 weights alone (ops._FP8_ROW_TILES)
+    """At the 128 x 64 tile on 8 warps that the row kernels offer FP8 weights alone (tiles.FP8_ROW_TILES)
     the W8A8 kernels spill nothing, with 128 x 128 scale blocks too, whose chunk sums sit beside the
-    accumulators (at 128 x 128 the up kernel spilled and ran 3.2x slower on the H200)."""
+    accumulators (at 128 x 128 the up kernel spilled: docs/BENCHMARKS.md, "W8A8 FP8 experts")."""
     w8a8 = {b["name"]: b for b in builds[arch] if b["name"] in W8A8_KERNELS}
     if any(b["stack_bytes"] is None for b in w8a8.values()):
         pytest.skip("cuobjdump is not available to read the builds' resource usage")
@@ -84,7 +84,7 @@ def test_detector_sees_hopper_instructions(builds):
 
 def test_dependent_launch_only_where_it_runs(builds):
     """Programmatic dependent launch (griddepcontrol) is in the decode kernels built for it, on sm_90 and
-    sm_120 (pairs.pdl_applies), and in no other build: sm_89 has no such instruction."""
+    sm_120 (paths.pdl_applies), and in no other build: sm_89 has no such instruction."""
     for arch, arch_builds in builds.items():
         for b in arch_builds:
             assert b["dependent_launch"] == (b["name"] in PDL_KERNELS), (arch, b["name"])

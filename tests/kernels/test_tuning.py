@@ -14,7 +14,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from thunderep.errors import ConfigError  # noqa: E402
-from thunderep.kernels import ops, tuning  # noqa: E402
+from thunderep.kernels import tiles, tuning  # noqa: E402
 
 
 def test_fixed_config_too_big_for_shared_memory_is_retried_with_fewer_stages(monkeypatch):
@@ -34,7 +34,7 @@ def test_fixed_config_too_big_for_shared_memory_is_retried_with_fewer_stages(mon
             return run
 
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    default = ops._DEFAULT[64]
+    default = tiles.DEFAULT_ROW[64]
     fits_two = Kernel(most_stages=2)
     tuning.launch(None, fits_two, default, (1,), torch.device("cuda"), x=1)
     assert fits_two.calls == list(range(default.num_stages, 1, -1))  # 4, 3, 2: ran with 2
@@ -164,17 +164,14 @@ def test_every_tuned_kernel_is_right_after_all_its_configs_ran_on_the_same_buffe
             plain[grid](**args, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         swept.add(autotuner)
 
-    monkeypatch.setattr(tuning, "launch", sweep)
-    monkeypatch.setattr(ops, "_launch", sweep)
+    monkeypatch.setattr(tuning, "launch", sweep)  # every kernel's launch (sorted_mlp, decode) goes through it
     monkeypatch.setenv("THUNDEREP_WGRAD", "triton")
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
     check(5, 32, 48, 4, 2, torch.float32, tol=1e-5, seed=4)
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "8")
     check_pairs(3, 40, 48, 4, 3, torch.float32, tol=1e-5, seed=5)
-    assert {ops._UP, ops._ROWS, ops._ACT_BWD, ops._WGRAD} <= swept
-    from thunderep.kernels import pairs
-
-    assert {pairs._UP_PAIRS, pairs._DOWN_PAIRS} <= swept
+    assert {tiles.UP, tiles.ROWS, tiles.ACT_BWD, tiles.WGRAD} <= swept
+    assert {tiles.UP_PAIRS, tiles.DOWN_PAIRS} <= swept
 
 
 class _StandInAutotuner:
@@ -291,8 +288,8 @@ def test_grid_arithmetic_equals_tritons():
 
 
 def test_row_key_class_and_fill_at_their_bounds():
-    """`ops._m_key`: up to 32 rows per active expert on average, BLOCK_M is the smallest of 16/32/64 holding twice
-    the mean, fill 0; 64 up to 60 rows, then 128, fill 2 above two 128-row tiles, else 1. `ops._wgrad_key`:
+    """`tiles.m_key`: up to 32 rows per active expert on average, BLOCK_M is the smallest of 16/32/64 holding twice
+    the mean, fill 0; 64 up to 60 rows, then 128, fill 2 above two 128-row tiles, else 1. `tiles.wgrad_key`:
     the smallest of 16/32/64/128 holding the mean, fill 0 up to half of it, 2 above two tiles, else 1. At
     each bound and just past it."""
     rows = {1: (16, 0), 8: (16, 0), 8.5: (32, 0), 16: (32, 0), 16.5: (64, 0), 32: (64, 0), 33: (64, 1),
@@ -300,25 +297,25 @@ def test_row_key_class_and_fill_at_their_bounds():
     wgrad = {1: (16, 0), 8: (16, 0), 8.5: (16, 1), 16: (16, 1), 16.5: (32, 1), 32: (32, 1), 33: (64, 1),
              64: (64, 1), 64.5: (128, 1), 256: (128, 1), 256.5: (128, 2), 5000: (128, 2)}
     for mean in rows:
-        assert ops._m_key(int(mean * 2), 2) == rows[mean], (mean, rows[mean])
+        assert tiles.m_key(int(mean * 2), 2) == rows[mean], (mean, rows[mean])
     for mean in wgrad:
-        assert ops._wgrad_key(int(mean * 2), 2) == wgrad[mean], (mean, wgrad[mean])
-    assert ops._m_key(3, 64) == ops._wgrad_key(3, 64) == (16, 0)  # 3 rows over 64 experts: 1 row each
+        assert tiles.wgrad_key(int(mean * 2), 2) == wgrad[mean], (mean, wgrad[mean])
+    assert tiles.m_key(3, 64) == tiles.wgrad_key(3, 64) == (16, 0)  # 3 rows over 64 experts: 1 row each
 
 
 def test_weight_gradient_tiles_for_few_rows_are_timed_only_where_experts_get_few_rows():
     """The weight-gradient kernel's few-row tiles (16 and 32 rows a step on 4 warps) join the 32-row
     ones where experts average at most 32 rows; with more rows per expert the autotuner times only the
     others, and every row class keeps at least one config."""
-    few = {ops._signature(c) for c in ops._WGRAD_FEW_ROWS}
-    assert few and any(c.kwargs["BLOCK_K"] == 16 for c in ops._WGRAD_FEW_ROWS)
+    few = {tuning.signature(c) for c in tiles.WGRAD_FEW_ROWS}
+    assert few and any(c.kwargs["BLOCK_K"] == 16 for c in tiles.WGRAD_FEW_ROWS)
     for m_class in (16, 32):
-        kept = ops._prune_wgrad(ops._WGRAD_CONFIGS, {"m_class": m_class})
-        assert few <= {ops._signature(c) for c in kept}
+        kept = tiles.prune_wgrad(tiles.WGRAD_CONFIGS, {"m_class": m_class})
+        assert few <= {tuning.signature(c) for c in kept}
         assert all(c.kwargs["BLOCK_K"] <= 32 for c in kept)
     for m_class in (64, 128):
-        kept = ops._prune_wgrad(ops._WGRAD_CONFIGS, {"m_class": m_class})
-        assert kept and not few & {ops._signature(c) for c in kept}
+        kept = tiles.prune_wgrad(tiles.WGRAD_CONFIGS, {"m_class": m_class})
+        assert kept and not few & {tuning.signature(c) for c in kept}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the probe stubs the launches on a CPU")
@@ -338,21 +335,21 @@ def test_host_probe_runs_with_the_launches_stubbed():
 
 
 def test_fp8_only_row_tiles_are_timed_for_fp8_weights_alone():
-    """The 128 x 64 8-warp row tiles (ops._FP8_ROW_TILES) reach the autotuner for FP8 weights (weight-only
+    """The 128 x 64 8-warp row tiles (tiles.FP8_ROW_TILES) reach the autotuner for FP8 weights (weight-only
     and W8A8, scale blocks or rows), never for plain weights, whose configs stay what they were."""
     def tile(c):
         return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps
 
-    plain_configs = [c for c in ops._ROW_CONFIGS if not getattr(c, "fp8_only", False)]
-    assert len(plain_configs) < len(ops._ROW_CONFIGS)
+    plain_configs = [c for c in tiles.ROW_CONFIGS if not getattr(c, "fp8_only", False)]
+    assert len(plain_configs) < len(tiles.ROW_CONFIGS)
     base = {"m_class": 128, "D": 7168}
-    plain = tuning.fit_scale_blocks(ops._prune_up(ops._ROW_CONFIGS, base), base, "D")
-    assert [ops._signature(c) for c in plain] == [ops._signature(c) for c in ops._prune_up(plain_configs, base)]
+    plain = tuning.fit_scale_blocks(tiles.prune_up(tiles.ROW_CONFIGS, base), base, "D")
+    assert [tuning.signature(c) for c in plain] == [tuning.signature(c) for c in tiles.prune_up(plain_configs, base)]
     assert (128, 64, 8) not in {tile(c) for c in plain}
     for fp8 in ({"SCALED": True, "SCALE_K": 128}, {"SCALED": True, "SCALE_K": 128, "A_FP8": True},
                 {"SCALED": True, "SCALE_K": 0, "A_FP8": True}):
         args = {**base, **fp8}
-        fitted = tuning.fit_scale_blocks(ops._prune_up(ops._ROW_CONFIGS, args), args, "D")
+        fitted = tuning.fit_scale_blocks(tiles.prune_up(tiles.ROW_CONFIGS, args), args, "D")
         assert (128, 64, 8) in {tile(c) for c in fitted}, fp8
         assert len(fitted) > len(plain)
     # the pair kernels' REDUCE configs follow the same rule

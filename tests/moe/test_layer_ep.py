@@ -272,7 +272,7 @@ def _decode_with_pair_kernels(rank, world):
     import thunderep.moe.experts as experts_module
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
-    from thunderep.kernels import pairs
+    from thunderep.kernels import ops
 
     ep = ExpertParallel(init_expert_parallel(), EPConfig(control="collective"))
     full = _full_layer("deepseek")
@@ -282,9 +282,9 @@ def _decode_with_pair_kernels(rank, world):
     layer = ThunderMoELayer(full.config, ep=ep)
     layer.load_state_dict(layer.shard_state_dict(full.state_dict()))
     calls = []
-    real = pairs._moe_mlp_pairs_impl
+    real = ops._moe_mlp_pairs_impl
     experts_module._use_triton = lambda x, w, config: True
-    pairs._moe_mlp_pairs_impl = lambda *a: calls.append(1) or real(*a)
+    ops._moe_mlp_pairs_impl = lambda *a: calls.append(1) or real(*a)
     with torch.no_grad():
         latency = layer(x_all[:1], replicated=True)  # one token held by every rank: the pair kernels
         calls_latency = len(calls)

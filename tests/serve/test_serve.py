@@ -363,7 +363,7 @@ def test_requests_that_encode_to_nothing_or_nest_too_deeply_are_refused(server):
 def test_a_chat_template_that_raises_is_a_bad_request():
     """A chat template that refuses the messages (jinja2's TemplateError: a strict template and an unknown
     role) gets 400 with the template's message (rank 0's HTTP side alone: no model)."""
-    import argparse
+    from thunderep.serve.config import ServeConfig
 
     from hf_tiny import V, chat_tokenizer
 
@@ -373,7 +373,7 @@ def test_a_chat_template_that_raises_is_a_bad_request():
     tok.chat_template = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
                          "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['content'] }} "
                          "{% endfor %}")
-    args = argparse.Namespace(host="127.0.0.1", port=0, quiet=True, request_timeout=5.0, max_new_tokens=2)
+    args = ServeConfig(host="127.0.0.1", port=0, quiet=True, request_timeout=5.0, max_new_tokens=2)
     server = Server(args, tok, 64, "model", 1)
     server.thread.start()
     try:
@@ -390,15 +390,16 @@ def test_a_plain_request_whose_client_hangs_up_is_cancelled():
     """A client that hangs up while waiting for a plain (not streamed) answer cancels its job, which the
     serving loop then drops (before: it was generated to its end); one that stays is not cancelled (rank
     0's HTTP side alone: nothing answers the jobs)."""
-    import argparse
+    from thunderep.serve.config import ServeConfig
     import socket
     import time
 
     from hf_tiny import V, chat_tokenizer
 
-    from thunderep.serve.http_api import HANGUP_POLL_S, Server
+    from thunderep.serve.http_api import Server
+    from thunderep.serve.http_handler import HANGUP_POLL_S
 
-    args = argparse.Namespace(host="127.0.0.1", port=0, quiet=True, request_timeout=30.0, max_new_tokens=2)
+    args = ServeConfig(host="127.0.0.1", port=0, quiet=True, request_timeout=30.0, max_new_tokens=2)
     server = Server(args, chat_tokenizer(V), 64, "model", 1)
     server.thread.start()
     body = json.dumps({"prompt": "hello", "max_tokens": 4}).encode()
@@ -430,13 +431,13 @@ def test_a_request_past_its_timeout_is_answered_and_cancelled():
     """--request-timeout: a plain request unanswered by then gets 504 and a streamed one whose next piece
     does not come in time gets a last error event; both jobs are cancelled, so that the serving loop stops
     generating them (before, they ran to max_tokens for no one). Rank 0's HTTP side alone."""
-    import argparse
+    from thunderep.serve.config import ServeConfig
 
     from hf_tiny import V, chat_tokenizer
 
     from thunderep.serve.http_api import Server
 
-    args = argparse.Namespace(host="127.0.0.1", port=0, quiet=True, request_timeout=0.5, max_new_tokens=2)
+    args = ServeConfig(host="127.0.0.1", port=0, quiet=True, request_timeout=0.5, max_new_tokens=2)
     server = Server(args, chat_tokenizer(V), 64, "model", 1)
     server.thread.start()
     url = "http://%s:%d" % server.http.server_address[:2]
@@ -468,7 +469,7 @@ def test_an_address_it_cannot_listen_on_is_refused_before_loading(tmp_path, caps
 
     from hf_tiny import save_tiny
 
-    from thunderep.serve import server as serve
+    from thunderep.cli import serve
 
     model_dir = save_tiny("mixtral", tmp_path / "model", seed=1)
     capsys.readouterr()
@@ -667,14 +668,14 @@ class _ScriptedServer:
 def test_a_failed_prefill_fails_only_its_own_requests(monkeypatch):
     """Continuous batching: a request whose prefill fails (simulated out of memory) gets its error; the
     request being decoded meanwhile and one admitted later get the tokens each gets alone."""
-    import argparse
+    from thunderep.serve.config import ServeConfig
     import types
 
     from hf_tiny import tiny_model
 
     from thunderep.serve import engine
     from thunderep.serve.http_api import Job
-    from thunderep.serve.server import _serve_continuous
+    from thunderep.serve.loop import serve_continuous
 
     model = tiny_model("mixtral", seed=1).eval()
     ok, bad, later = (Job("completion", [5, 9, 12, 7], 8, (0.0, 1.0), None),
@@ -690,8 +691,8 @@ def test_a_failed_prefill_fails_only_its_own_requests(monkeypatch):
     monkeypatch.setattr(engine.DecodeBatch, "admit", failing_admit)
     server = _ScriptedServer([[ok], [], [bad], [], [later]] + [[]] * 12)
     with pytest.raises(_StopLoop):
-        _serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, set(),
-                          torch.device("cpu"), argparse.Namespace(max_batch=4, cuda_graphs="on"))
+        serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, set(),
+                         torch.device("cpu"), ServeConfig(max_batch=4, cuda_graphs="on"))
     assert server.failures == {id(bad): "prefill failed: OutOfMemoryError: out of memory (simulated)"}
     for job in (ok, later):
         with torch.no_grad():
@@ -702,27 +703,28 @@ def test_a_failed_prefill_fails_only_its_own_requests(monkeypatch):
 
 @pytest.mark.parametrize("drain", [60.0, 0.0])
 def test_after_sigterm_the_loop_admits_nothing_and_ends_when_its_sequences_are_done(drain):
-    """Continuous batching after SIGTERM (`_StopRequest` marked on a later turn): nothing more is
+    """Continuous batching after SIGTERM (`StopRequest` marked on a later turn): nothing more is
     admitted (the script's later jobs are never taken), the requests being generated finish with the
     tokens each gets alone within --drain-timeout, or get the error at once with a drain of 0, and the
     loop ends by itself (it does not run out of script)."""
-    import argparse
+    from thunderep.serve.config import ServeConfig
     import types
 
     from hf_tiny import tiny_model
 
     from thunderep.serve.http_api import Job
-    from thunderep.serve.server import _serve_continuous, _StopRequest
+    from thunderep.serve.loop import serve_continuous
+    from thunderep.serve.stopping import StopRequest
 
     model = tiny_model("mixtral", seed=1).eval()
     first, second, never = (Job("completion", [5, 9, 12, 7], 10, (0.0, 1.0), None),
                             Job("completion", [3, 4], 12, (0.0, 1.0), None),
                             Job("completion", [6], 3, (0.0, 1.0), None))
-    stop = _StopRequest()
+    stop = StopRequest()
     stop.serving = True
     server = _ScriptedServer([[first], [second], lambda: stop(signal.SIGTERM, None), [never]])
-    _serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, set(), torch.device("cpu"),
-                      argparse.Namespace(max_batch=4, cuda_graphs="on", drain_timeout=drain), stop)
+    serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, set(), torch.device("cpu"),
+                     ServeConfig(max_batch=4, cuda_graphs="on", drain_timeout=drain), stop)
     assert server.stopping and "stopping (SIGTERM)" in server.refused and server.script == [[never]]
     assert (stop.generating, stop.cut) == (2, 0 if drain else 2)
     for job in (first, second):
@@ -758,14 +760,14 @@ def test_static_batches_answer_each_request_when_its_row_ends():
     own row ends, while the long one is still generated; each answer is the tokens the request gets
     alone; a row whose client went away ends unanswered; a batch ends when its last row does (a batch
     whose every client went away after 2 tokens runs 2 model calls, not its max_tokens)."""
-    import argparse
+    from thunderep.serve.config import ServeConfig
     import types
 
     from hf_tiny import tiny_model
 
     from thunderep.hf import ThunderMoE
     from thunderep.serve.http_api import Job
-    from thunderep.serve.server import _serve_static
+    from thunderep.serve.loop import serve_static
 
     model = tiny_model("mixtral", seed=1).eval()
     tm = ThunderMoE.wrap(model, None).eval()
@@ -780,8 +782,8 @@ def test_static_batches_answer_each_request_when_its_row_ends():
         job.leave_after = 2
     server = _LeavingServer([[short, long, leaver], gone], calls)
     with pytest.raises(_StopLoop):
-        _serve_static(tm, types.SimpleNamespace(pad_token_id=0), server, None, set(), torch.device("cpu"),
-                      argparse.Namespace(max_batch=4, drain_timeout=5.0))
+        serve_static(tm, types.SimpleNamespace(pad_token_id=0), server, None, set(), torch.device("cpu"),
+                     ServeConfig(max_batch=4, drain_timeout=5.0))
     served = len(calls)
     for job in (short, long):
         with torch.no_grad():
@@ -798,18 +800,19 @@ def test_static_batches_answer_each_request_when_its_row_ends():
 def test_a_static_batch_after_sigterm_ends_its_rows_at_the_drain():
     """--batching static: SIGTERM while a batch is generated (after its 3rd token here), --drain-timeout 0:
     its rows end there with the error, the queued request is never taken, the serving loop ends."""
-    import argparse
+    from thunderep.serve.config import ServeConfig
     import types
 
     from hf_tiny import tiny_model
 
     from thunderep.hf import ThunderMoE
     from thunderep.serve.http_api import Job
-    from thunderep.serve.server import _serve_static, _StopRequest
+    from thunderep.serve.loop import serve_static
+    from thunderep.serve.stopping import StopRequest
 
     model = tiny_model("mixtral", seed=1).eval()
     tm = ThunderMoE.wrap(model, None).eval()
-    calls, stop = [], _StopRequest()
+    calls, stop = [], StopRequest()
     stop.serving = True
     model.register_forward_hook(lambda *a: calls.append(1))
 
@@ -822,29 +825,29 @@ def test_a_static_batch_after_sigterm_ends_its_rows_at_the_drain():
     batch, queued = [Job("completion", [5 + i], 20, (0.0, 1.0), None) for i in range(2)], Job("completion", [3], 4,
                                                                                             (0.0, 1.0), None)
     server = Stopped([batch, [queued]], calls)
-    _serve_static(tm, types.SimpleNamespace(pad_token_id=0), server, None, set(), torch.device("cpu"),
-                  argparse.Namespace(max_batch=4, drain_timeout=0.0), stop)
+    serve_static(tm, types.SimpleNamespace(pad_token_id=0), server, None, set(), torch.device("cpu"),
+                 ServeConfig(max_batch=4, drain_timeout=0.0), stop)
     assert len(calls) == 3 and server.script == [[queued]] and not server.answers
     assert all("--drain-timeout 0 s passed" in server.failures[id(job)] for job in batch), server.failures
     assert (stop.generating, stop.cut) == (2, 2) and server.stopping
 
 
 def test_sigterm_before_serving_stops_at_once():
-    """`_StopRequest` before the serving loop runs (loading, tuning): SIGTERM raises `Stopped`, nothing
+    """`StopRequest` before the serving loop runs (loading, tuning): SIGTERM raises `Stopped`, nothing
     being open; while serving it only marks the time."""
-    import argparse
+    from thunderep.serve.config import ServeConfig
 
     from thunderep.errors import Stopped
-    from thunderep.serve.server import _StopRequest
+    from thunderep.serve.stopping import StopRequest
 
-    stop = _StopRequest()
+    stop = StopRequest()
     with pytest.raises(Stopped, match="stopped by SIGTERM"):
         stop(signal.SIGTERM, None)
     assert stop.at is None
     stop.serving = True
     stop(signal.SIGTERM, None)
-    assert stop.at is not None and not stop.overdue(argparse.Namespace(drain_timeout=60.0))
-    assert stop.overdue(argparse.Namespace(drain_timeout=-10.0))
+    assert stop.at is not None and not stop.overdue(ServeConfig(drain_timeout=60.0))
+    assert stop.overdue(ServeConfig(drain_timeout=-10.0))
 
 
 def _long_answers_model(directory) -> str:
@@ -914,8 +917,10 @@ def test_a_server_failing_mid_answer_sends_every_open_request_the_error(tmp_path
     then [DONE], and a plain request being generated gets 500 with it, before the server stops."""
     from hf_tiny import V, chat_tokenizer, save_tiny
 
-    from thunderep.serve import server as serve
+    from thunderep.cli.serve import parse_args
     from thunderep.errors import PeerTimeout
+    from thunderep.serve import loop
+    from thunderep.serve import server as serve
 
     model_dir = save_tiny("mixtral", tmp_path / "model", seed=1)
     chat_tokenizer(V).save_pretrained(model_dir)
@@ -942,8 +947,8 @@ def test_a_server_failing_mid_answer_sends_every_open_request_the_error(tmp_path
             ended.append(exc)
 
     monkeypatch.setattr(serve, "Server", Recorded)
-    monkeypatch.setattr(serve, "_agree_on_failure", peer_dies)
-    args = serve.parse_args(["--model", model_dir, "--cpu", "--port", "0", "--quiet", "--request-timeout", "20"])
+    monkeypatch.setattr(loop, "agree_on_failure", peer_dies)
+    args = parse_args(["--model", model_dir, "--cpu", "--port", "0", "--quiet", "--request-timeout", "20"])
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -967,10 +972,10 @@ def _share_on_ranks(rank, world):
     from thunderep import EPConfig
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
-    from thunderep.serve.server import _Ranks
+    from thunderep.serve.ranks import Ranks
 
     ep = ExpertParallel(init_expert_parallel(world), EPConfig())
-    ranks = _Ranks(ep, 30.0)
+    ranks = Ranks(ep, 30.0)
     small = ([("entry", [1, 2, 3])], [7]) if rank == 0 else None
     big = ([("entry", list(range(5000)))], []) if rank == 0 else "ignored"  # over one record: gloo
     got = [ranks.share(small), ranks.share(big), ranks.share(small)]
@@ -1136,7 +1141,7 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing():
     never runs (over it, it ran for seconds before the refusal), for a completion or a chat. The bound
     is exact: 64 times the longest piece is refused untokenized, 63 times is tokenized (63 tokens) and
     taken with max_tokens 1."""
-    import argparse
+    from thunderep.serve.config import ServeConfig
 
     from hf_tiny import CHAT_TEMPLATE
 
@@ -1151,7 +1156,7 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing():
         return encode(text, *args, **kwargs)
 
     tok.encode = recorded
-    args = argparse.Namespace(host="127.0.0.1", port=0, quiet=True, request_timeout=5.0, max_new_tokens=2)
+    args = ServeConfig(host="127.0.0.1", port=0, quiet=True, request_timeout=5.0, max_new_tokens=2)
     server = Server(args, tok, 64, "model", 1)
     server.thread.start()
     url = "http://%s:%d" % server.http.server_address[:2]
@@ -1184,13 +1189,13 @@ def test_health_counts_the_requests_being_generated_as_of_the_latest_event(batch
     turns: a static batch counted every row until its last ended, and an answered request stayed counted
     while an idle loop waited half a second for the next one). One process: the serving loop in a thread
     behind a real Server, each model call slowed to 20 ms."""
-    import argparse
+    from thunderep.serve.config import ServeConfig
 
     from hf_tiny import V, chat_tokenizer, tiny_model
 
     from thunderep.hf import ThunderMoE
     from thunderep.serve.http_api import Server
-    from thunderep.serve.server import _serve_continuous, _serve_static
+    from thunderep.serve.loop import serve_continuous, serve_static
 
     model = tiny_model("mixtral", seed=1, max_position_embeddings=512)
     model.register_forward_pre_hook(lambda *a: time.sleep(0.02))
@@ -1204,12 +1209,12 @@ def test_health_counts_the_requests_being_generated_as_of_the_latest_event(batch
                 raise _StopLoop
             return super().next_batch(*a, **kw)
 
-    args = argparse.Namespace(host="127.0.0.1", port=0, quiet=True, request_timeout=60.0, max_new_tokens=2,
+    args = ServeConfig(host="127.0.0.1", port=0, quiet=True, request_timeout=60.0, max_new_tokens=2,
                               max_batch=4, cuda_graphs="on", drain_timeout=5.0, batching=batching)
     server = Closing(args, chat_tokenizer(V), 512, "model", 1)
     server.thread.start()
     url = "http://%s:%d" % server.http.server_address[:2]
-    loop = _serve_continuous if batching == "continuous" else _serve_static
+    loop = serve_continuous if batching == "continuous" else serve_static
 
     def serve():
         with contextlib.suppress(_StopLoop):

@@ -1,4 +1,4 @@
-"""The serving loop's slow-step reports (`serve._StepWatch`): steady steps say nothing; a stall says how long
+"""The serving loop's slow-step reports (`StepWatch`): steady steps say nothing; a stall says how long
 it took against the usual decode step, and what ran in it that a steady server does not (kernel
 tunings and compiles, graph captures, storage reallocations), or that nothing did on that rank."""
 
@@ -9,7 +9,10 @@ import re
 
 import pytest
 
-from thunderep.serve import server as serve
+from thunderep.serve import loop as serve
+from thunderep.serve.config import ServeConfig
+from thunderep.serve.ranks import Ranks
+from thunderep.serve.step_watch import StepWatch
 
 NOTHING = "no kernel tuning or compile, graph capture or storage reallocation on this rank"
 
@@ -29,7 +32,7 @@ class _Batch:
 
 def _watch(rank: int = 0):
     clock, batch = _Clock(), _Batch()
-    return serve._StepWatch(batch, rank, clock), clock, batch
+    return StepWatch(batch, rank, clock), clock, batch
 
 
 def _run(watch, clock, seconds, decode=True, what="decode step of 4 sequence(s)"):
@@ -92,9 +95,8 @@ def test_other_ranks_report_only_stalls_of_their_own(capsys):
 
 
 def test_the_serving_loop_reports_a_stalled_decode_step(monkeypatch, capsys):
-    """In `_serve_continuous` (one rank, CPU): one decode step made slow is reported, the others are not,
+    """In `serve_continuous` (one rank, CPU): one decode step made slow is reported, the others are not,
     and the answers are unchanged."""
-    import argparse
     import time
     import types
 
@@ -105,12 +107,12 @@ def test_the_serving_loop_reports_a_stalled_decode_step(monkeypatch, capsys):
     from thunderep.serve import engine
     from thunderep.serve.http_api import Job
 
-    monkeypatch.setattr(serve._StepWatch, "MIN_SECONDS", 0.3)
+    monkeypatch.setattr(StepWatch, "MIN_SECONDS", 0.3)
     step, took = engine.DecodeBatch.step, []
 
     def slow_twelfth_step(self):
         if len(took) == 11:  # the stall: well past FACTOR times the steps so far, however loaded the host
-            took.append(max(0.6, 2 * serve._StepWatch.FACTOR * sorted(took)[len(took) // 2]))
+            took.append(max(0.6, 2 * StepWatch.FACTOR * sorted(took)[len(took) // 2]))
             time.sleep(took[-1])
             return step(self)
         started = time.perf_counter()
@@ -123,8 +125,8 @@ def test_the_serving_loop_reports_a_stalled_decode_step(monkeypatch, capsys):
     job = Job("completion", [5, 9, 12, 7], 16, (0.0, 1.0), None)
     server = _ScriptedServer([[job]] + [[]] * 16)
     with pytest.raises(_StopLoop):
-        serve._serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, set(),
-                                torch.device("cpu"), argparse.Namespace(max_batch=2, cuda_graphs="on"))
+        serve.serve_continuous(model, types.SimpleNamespace(pad_token_id=0), server, None, set(),
+                               torch.device("cpu"), ServeConfig(max_batch=2, cuda_graphs="on"))
     err = capsys.readouterr().err
     assert err.count("slow step") == 1, err
     reported = re.search(r"slow step on rank 0: decode step of 1 sequence\(s\) took (\d+\.\d\d) s", err)
@@ -135,10 +137,9 @@ def test_the_serving_loop_reports_a_stalled_decode_step(monkeypatch, capsys):
 
 
 def _stalls_on_ranks(rank, world):
-    """`_serve_continuous` on every rank (EP on CPU; rank 0 serves one scripted job of 16 tokens). The last
+    """`serve_continuous` on every rank (EP on CPU; rank 0 serves one scripted job of 16 tokens). The last
     rank's decode step 10 sleeps 1.5 s; its step 14 sleeps too and counts a graph capture. Returns this
     rank's reports, and rank 0's answer."""
-    import argparse
     import time
     import types
 
@@ -155,8 +156,8 @@ def _stalls_on_ranks(rank, world):
 
     ep = ExpertParallel(init_expert_parallel(world), EPConfig())
     tm = ThunderMoE.wrap(tiny_model("mixtral", seed=1), ep).eval()
-    serve._StepWatch.MIN_SECONDS, serve._StepWatch.FACTOR = 0.5, 3.0  # margins for a loaded 2-core machine
-    step, done, calls, reports = engine.DecodeBatch.step, serve._StepWatch.done, [], []
+    StepWatch.MIN_SECONDS, StepWatch.FACTOR = 0.5, 3.0  # margins for a loaded 2-core machine
+    step, done, calls, reports = engine.DecodeBatch.step, StepWatch.done, [], []
 
     def stalling_step(self):
         calls.append(1)
@@ -175,7 +176,7 @@ def _stalls_on_ranks(rank, world):
         def next_batch(self, limit, wait=True, same_sampling=True):
             return self.script.pop(0)[:limit] if self.script else []
 
-    share = serve._Ranks.share
+    share = Ranks.share
 
     def share_or_stop(self, message):  # rank 0 ends every rank's loop once its script is done
         got = share(self, "stop" if rank == 0 and not server.script else message)
@@ -183,12 +184,12 @@ def _stalls_on_ranks(rank, world):
             raise _StopLoop
         return got
 
-    engine.DecodeBatch.step, serve._StepWatch.done, serve._Ranks.share = stalling_step, recorded_done, share_or_stop
+    engine.DecodeBatch.step, StepWatch.done, Ranks.share = stalling_step, recorded_done, share_or_stop
     job = Job("completion", [5, 9, 12, 7], 16, (0.0, 1.0), None)
     server = Server([[job]] + [[]] * 17) if rank == 0 else None
     try:
-        serve._serve_continuous(tm, types.SimpleNamespace(pad_token_id=0), server, serve._Ranks(ep, 30.0), set(),
-                                torch.device("cpu"), argparse.Namespace(max_batch=2, cuda_graphs="on"))
+        serve.serve_continuous(tm, types.SimpleNamespace(pad_token_id=0), server, Ranks(ep, 30.0), set(),
+                               torch.device("cpu"), ServeConfig(max_batch=2, cuda_graphs="on"))
     except _StopLoop:
         pass
     return reports, server.answers[id(job)] if server is not None else None

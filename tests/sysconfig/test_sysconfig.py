@@ -20,7 +20,8 @@ import pytest
 
 from thunderep.doctor.sources import CommandResult, HostFS, RecordedRunner
 from thunderep.errors import ThunderError
-from thunderep.sysconfig import Options, RunCommand, WriteFile, load_state, main, make_plan
+from thunderep.cli.sysconfig import main
+from thunderep.sysconfig import Options, RunCommand, WriteFile, load_state, make_plan
 from thunderep.sysconfig.bootloader import DROPIN, SOURCE_BLOCK
 from thunderep.sysconfig.state import BACKUP_DIR, STATE_FILE
 from thunderep.sysconfig.steps import MODPROBE_OPTIONS, MODULES_LOAD, UNIT, UNIT_WANTS

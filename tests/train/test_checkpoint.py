@@ -81,7 +81,7 @@ def _moments(model, opt) -> dict[str, torch.Tensor]:
 
 
 def _train_and_save(rank, world, path, hf_path, placements):
-    from thunderep.train.checkpoint import export_hf
+    from thunderep.train.export import export_hf
 
     torch.manual_seed(100 + rank)
     random.seed(rank)
@@ -104,7 +104,7 @@ def _refused_on_a_foreign_folder(rank, folder, model, opt) -> list:
     """Save and export into a folder of someone else's files: the error each rank gets (None: written)."""
     import torch.distributed as dist
 
-    from thunderep.train.checkpoint import export_hf
+    from thunderep.train.export import export_hf
 
     if rank == 0:
         folder.mkdir()
@@ -304,7 +304,7 @@ def test_checkpoint_without_optimizer_state(saved, tmp_path):
 
 def test_crash_mid_save_keeps_the_previous_checkpoint(saved, monkeypatch):
     path, model = saved
-    real, calls = ckpt_mod._put, []
+    real, calls = ckpt_mod.put_safetensors, []
 
     def crash_after_first_file(*args, **kwargs):
         calls.append(args[2])
@@ -312,7 +312,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(saved, monkeypatch):
             raise OSError("disk full (simulated)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt_mod, "_put", crash_after_first_file)
+    monkeypatch.setattr(ckpt_mod, "put_safetensors", crash_after_first_file)
     good = model.lm_head.weight.detach().clone()
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from thunderep.train.data import load_training_data
-from thunderep.serve.generate import ByteTokenizer
+from thunderep.hf.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer(256)
 

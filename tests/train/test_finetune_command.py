@@ -40,7 +40,7 @@ def _adamw_reference(model_dir: str, text, held_out: bool, steps: int = 3, freez
     from transformers import AutoModelForCausalLM
 
     from thunderep.train.data import batch_at, load_training_data, split_tokens
-    from thunderep.serve.generate import load_tokenizer
+    from thunderep.hf.tokenizer import load_tokenizer
 
     tokens, _ = split_tokens(load_training_data(load_tokenizer(model_dir, V), [str(text)]), 12, 4 if held_out else 0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -359,14 +359,14 @@ def test_freeze_patterns_and_memory_shortfall_are_named():
     with pytest.raises(ConfigError, match=rf"a rank needs {plan.short / 1e9:.2f} GB more than it has free .*--freeze "
                                           r"experts.*--dtype bfloat16.*--ep"):
         plan.check()
-    from thunderep.train.finetune import parse_args
+    from thunderep.cli.finetune import parse_args
     from thunderep.train.trainable import memory_hint
 
     args = parse_args(["--model", "m", "--out", "o", "--batch", "3", "--seq-len", "40"])
     with pytest.raises(ConfigError, match=r"out of memory in training step 5 on rank 0 \(cpu\), 3 x 40 tokens per "
                                           r"rank; before training: memory per rank.*--gradient-checkpointing.*"
                                           r"CUDA out of memory. Tried"):
-        with memory_hint(args, 4, plan):
+        with memory_hint(args.batch, args.seq_len, 4, plan):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
@@ -412,7 +412,7 @@ def test_training_data_masks_prompts_and_names_bad_examples(tmp_path):
     answer (labels -100 elsewhere), each example ended by EOS (which trains; a newline for bytes); text
     files train every token; bad lines are named with file and line."""
     from thunderep.train.data import IGNORE, batch_at, load_training_data
-    from thunderep.serve.generate import ByteTokenizer
+    from thunderep.hf.tokenizer import ByteTokenizer
 
     bt = ByteTokenizer(256)
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "ab"}) + "\n\n"
@@ -674,24 +674,24 @@ def test_a_step_that_cannot_finish_ends_at_a_second_sigterm_or_the_stop_timeout(
 
 
 def _agree(rank, world, asked_on):
-    from thunderep.train.finetune import _mean_loss_and_stop
+    from thunderep.train.stopping import mean_loss_and_stop
 
-    return [_mean_loss_and_stop(torch.tensor(float(rank + 1), dtype=torch.bfloat16), rank in asked_on, world)
+    return [mean_loss_and_stop(torch.tensor(float(rank + 1), dtype=torch.bfloat16), rank in asked_on, world)
             for _ in range(2)]
 
 
 def test_ranks_asked_at_different_steps_agree_on_the_step(monkeypatch):
-    """`_mean_loss_and_stop`: the mean loss, and a stop when any rank was asked, the same on every rank.
-    `_StopAtStep`: before training SIGTERM raises `Stopped` at once; from the first step it only marks
+    """`mean_loss_and_stop`: the mean loss, and a stop when any rank was asked, the same on every rank.
+    `StopAtStep`: before training SIGTERM raises `Stopped` at once; from the first step it only marks
     the request, and SIGTERM again changes nothing."""
     from distributed import run_ranks
 
     from thunderep.errors import Stopped
-    from thunderep.train.finetune import _StopAtStep
+    from thunderep.train.stopping import StopAtStep
 
     assert run_ranks(_agree, 2, ()) == [[(1.5, False)] * 2] * 2
     assert run_ranks(_agree, 2, (1,)) == [[(1.5, True)] * 2] * 2
-    stop = _StopAtStep()
+    stop = StopAtStep()
     with pytest.raises(Stopped, match="stopped by SIGTERM"):
         stop(signal.SIGTERM, None)
     assert not stop.asked
@@ -708,7 +708,7 @@ def test_finetune_without_ep_takes_one_rank_per_gpu_that_the_experts_divide(tmp_
 
     from hf_tiny import save_tiny
 
-    from thunderep.train import finetune
+    from thunderep.cli import finetune
 
     model = save_tiny("mixtral", tmp_path / "m")
     experts = json.loads((tmp_path / "m" / "config.json").read_text())["num_local_experts"]
@@ -718,10 +718,10 @@ def test_finetune_without_ep_takes_one_rank_per_gpu_that_the_experts_divide(tmp_
                                (experts, ["--ep", "1"], 1)):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
         args = finetune.parse_args(argv + extra)
-        assert (args.ep if args.ep is not None else finetune._default_ranks(args)) == ranks
+        assert (args.ep if args.ep is not None else finetune.default_ranks(args)) == ranks
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: experts + 1)
-    assert finetune._default_ranks(finetune.parse_args(argv)) == experts
+    assert finetune.default_ranks(finetune.parse_args(argv)) == experts
     assert capsys.readouterr().err == (f"thunderep finetune: {experts} ranks on this host's {experts + 1} GPUs: "
                                        f"the model's {experts} experts split over at most {experts} (--ep sets the "
                                        "count)\n")

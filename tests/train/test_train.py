@@ -8,13 +8,14 @@ import json
 import pytest
 from distributed import run_ranks
 
-from thunderep.train.loop import _parser, load_corpus
+from thunderep.cli.train import parse_config
+from thunderep.train.data import load_corpus
 
 
 def _run(rank, world, argv):
     from thunderep.train.loop import train
 
-    return train(rank, world, _parser().parse_args(argv + ["--quiet"]))
+    return train(rank, world, parse_config(argv + ["--quiet"]))
 
 
 def test_train_learns_and_counts_sync_bytes(tmp_path):
@@ -51,8 +52,8 @@ def test_train_learns_and_counts_sync_bytes(tmp_path):
     steps = every[0]["step_seconds"]
     assert len(steps) == 40 and sum(steps) <= every[0]["seconds"]
     assert every[0]["steady_tokens_per_s"] == pytest.approx(4 * 32 * 2 / statistics.median(steps))
-    from thunderep.bench.projection import main as project
-    from thunderep.train.telemetry import main as report_main
+    from thunderep.cli.project import main as project
+    from thunderep.cli.report import main as report_main
 
     assert report_main([str(tmp_path)]) == 0
     assert project([str(tmp_path)]) == 0
@@ -193,8 +194,8 @@ def test_benchmarks_refuse_counts_that_cannot_run(capsys, tmp_path):
     error (before: ZeroDivisionError, KeyError and FileNotFoundError tracebacks)."""
     import pytest
 
-    from thunderep.bench.balancer import main as balancer
-    from thunderep.bench.control import main as control
+    from thunderep.cli.bench import bench_balancer as balancer
+    from thunderep.cli.bench import bench_control as control
 
     for run, args, message in [
         (balancer, ["--experts", "0"], "must be positive"),
@@ -301,14 +302,14 @@ def test_the_first_step_note_says_what_makes_it_slow(monkeypatch):
     import torch
 
     from thunderep import kernels
-    from thunderep.train.loop import _first_step_note
+    from thunderep.train.progress import first_step_note
 
-    assert _first_step_note(torch.device("cpu")) == ""
+    assert first_step_note(torch.device("cpu")) == ""
     pytest.importorskip("triton")
     monkeypatch.setattr(kernels, "available", lambda device=None: True)
-    assert "it first compiles and tunes ThunderEP's Triton kernels" in _first_step_note(torch.device("cuda"))
+    assert "it first compiles and tunes ThunderEP's Triton kernels" in first_step_note(torch.device("cuda"))
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    assert "it first compiles ThunderEP's Triton kernels" in _first_step_note(torch.device("cuda"))
+    assert "it first compiles ThunderEP's Triton kernels" in first_step_note(torch.device("cuda"))
 
 
 class _Terminal(io.StringIO):
@@ -320,10 +321,10 @@ def test_progress_redraws_on_a_terminal_and_writes_lines_elsewhere():
     """On a terminal the progress line is redrawn in place (50 times over the run) and a note ends it
     first; in a log or a pipe each update is a line of its own (10 times over the run), with no carriage
     returns and no blank lines around the notes."""
-    from thunderep.train.loop import _Progress
+    from thunderep.train.progress import Progress
 
     log = io.StringIO()
-    progress = _Progress(100, log)
+    progress = Progress(100, log)
     shown = [step for step in range(1, 101) if progress.due(step)]
     assert shown == [1, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
     progress.show(1, "loss 5.0")
@@ -333,7 +334,7 @@ def test_progress_redraws_on_a_terminal_and_writes_lines_elsewhere():
     assert log.getvalue() == "step 1/100 loss 5.0\n  balancer, layer 0, step 1: traded\nstep 10/100 loss 4.0\n"
 
     terminal = _Terminal()
-    progress = _Progress(100, terminal)
+    progress = Progress(100, terminal)
     assert [step for step in range(1, 101) if progress.due(step)] == [1] + list(range(2, 101, 2))
     progress.show(1, "loss 5.0")
     progress.show(2, "loss 4.5")

@@ -3,11 +3,13 @@ pure planners that make both, load fingerprints, the per-layer Stable / Negotiat
 machine and the measured bandwidth its migration cost check uses. The evaluation harness is
 `python -m thunderep.bench.balancer`."""
 
+from .balancer_config import BalancerConfig
 from .fingerprint import Baseline, LoadProbe, ProbeRecord, fingerprint, load_profile
-from .machine import BalanceMachine, BalancerConfig, Decision, Mode, decode_records, encode_record
+from .machine import BalanceMachine, Decision, Mode
 from .measure import LinkMeter, agreed_code, decode_bandwidth, encode_bandwidth
 from .placement import QUOTA_ONE, Placement, TradePlan
 from .planner import moved_slots, plan_placement, plan_trade, water_fill
+from .records import decode_records, encode_record
 
 __all__ = [
     "QUOTA_ONE",

@@ -89,17 +89,17 @@ rank, not their origin.
 from __future__ import annotations
 
 import enum
-import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from ..errors import ConfigError
-from .fingerprint import NOISE_Z, WIDTH_OCTAVES, LoadProbe, ProbeRecord
-from .measure import BANDWIDTH_CODES, agreed_code, decode_bandwidth
+from .balancer_config import BalancerConfig
+from .measure import agreed_code, decode_bandwidth
 from .placement import Placement, TradePlan
 from .planner import moved_slots, plan_placement, plan_trade
+from .records import decode_records, encode_record  # the records' home; importable from here as before
 
 __all__ = [
     "BalanceMachine",
@@ -117,99 +117,6 @@ class Mode(enum.Enum):
 
     STABLE = "stable"        # fingerprint only: 8 bytes
     NEGOTIATE = "negotiate"  # fingerprint + int32 load vector + bandwidth word: 12 + 4 E bytes
-
-
-DEFAULT_BYTES_PER_EXPERT = 12.6e6  # one bf16 OLMoE-1B-7B-sized expert: 3 x 2048 x 1024 x 2 B
-
-
-@dataclass(frozen=True)
-class BalancerConfig:
-    """Balancer knobs; the defaults and why.
-
-    threshold 1.10: the imbalance to stay under; below 10% excess on the slowest rank, the PCIe bytes
-        a trade adds (pairs sent to a remote replica) cost about what they save.
-    margin 0.02: the machine acts (plans a trade, counts toward a migration) from threshold - margin:
-        its imbalance estimates carry about 1% of sampling noise, and a plan estimated at 1.099 but
-        truly at 1.104 would otherwise never be revisited. On a Stable step it is also the noise
-        allowance of the realized imbalance: with unchanged fingerprints, a realized imbalance over
-        threshold is an alarm only if it exceeds the believed one by more than the margin.
-    settle 8: at step 0 and after an alarm the probes' EMAs are young (after an alarm they restart),
-        so the loads negotiated then are noisy (variance factor 1 or 0.58 instead of 0.18); the
-        machine negotiates once more `settle` steps later, when the EMAs have settled (0: never).
-        One extra load record per alarm.
-    trade_gain 0.02: a new TradePlan replaces the current one only if it lowers the predicted
-        imbalance by 2 points, so sampling noise never churns plans.
-    ema_alpha 0.3: the fast EMA of each rank's counts (effective memory ~6 steps): 2.4x less noise than
-        one step, while a shift is 66% visible after 3 steps.
-    slow_window 32: a migration needs the reachable imbalance over threshold in each of 32 consecutive
-        steps: bursts shorter than that are traded, never migrated; and a shift is followed within
-        about 35 steps (seconds in inference, a minute or so in training).
-    min_dwell 100: steps between migrations: at most one weight move per 100 steps whatever the
-        trace does (hysteresis against oscillation, with migrate_gain and the cost check).
-    migrate_gain 0.05: a new Placement must lower the predicted imbalance by 5 points.
-    bytes_per_expert None: the bytes one slot's migration moves. None: a `ThunderMoELayer` fills in its
-        real slot size (the expert weights, plus the optimizer state shaped like them once
-        `balance_step(optimizer)` has seen it: `migrate.py` moves that state along); without a layer
-        (the evaluation harness) DEFAULT_BYTES_PER_EXPERT, one bf16 expert of an OLMoE-1B-7B-sized
-        layer (3 x 2048 x 1024 x 2 B = 12.6e6). A number overrides both.
-    bandwidth 12e9 B/s: PCIe 4.0 x16 staged through host memory (no P2P), as measured on such boxes.
-        The fallback: the cost check uses the agreed *measured* bandwidth (`measure.py`) once any
-        rank has measured one, and this value until then (or always, with measure=False).
-    measure True: ranks measure their all-to-all bandwidth and send it on Negotiate steps (with
-        False they send code 0, the record keeps its size).
-    seconds_per_pair 0.6e-6: what one extra pair costs the slowest rank (its 8 KB round trip over
-        PCIe plus the expert GEMMs) for the same layer. A configured assumption: the marginal cost
-        of a pair is not measured (per-step wall time / rows would fold fixed costs into it, and host
-        clocks do not see asynchronous GPU work).
-    refresh_every 0: force a negotiation every N steps (0: never; fingerprints suffice).
-    fingerprint_width / fingerprint_z: the bucketing of `fingerprint.load_profile`.
-    """
-
-    threshold: float = 1.10
-    margin: float = 0.02
-    settle: int = 8
-    trade_gain: float = 0.02
-    ema_alpha: float = 0.3
-    slow_window: int = 32
-    min_dwell: int = 100
-    migrate_gain: float = 0.05
-    bytes_per_expert: float | None = None
-    bandwidth: float = 12e9
-    measure: bool = True
-    seconds_per_pair: float = 0.6e-6
-    refresh_every: int = 0
-    fingerprint_width: float = WIDTH_OCTAVES
-    fingerprint_z: float = NOISE_Z
-
-    @property
-    def slot_bytes(self) -> float:
-        """Bytes one slot's migration moves (bytes_per_expert, or the default without a layer)."""
-        return DEFAULT_BYTES_PER_EXPERT if self.bytes_per_expert is None else self.bytes_per_expert
-
-    def probe(self, num_experts: int, seed: int = 0) -> LoadProbe:
-        """The rank-local `LoadProbe` matching this config (EMA weight, bucketing)."""
-        return LoadProbe(num_experts, alpha=self.ema_alpha, width=self.fingerprint_width,
-                         z=self.fingerprint_z, seed=seed)
-
-    def __post_init__(self) -> None:
-        if not self.threshold >= 1.0:
-            raise ConfigError(f"threshold ({self.threshold!r}) is a max/mean imbalance and must be >= 1.0")
-        if not 0 < self.ema_alpha <= 1:
-            raise ConfigError(f"ema_alpha ({self.ema_alpha!r}) must be in (0, 1]")
-        if not isinstance(self.measure, bool):
-            raise ConfigError(f"measure must be True or False, got {self.measure!r}")
-        for name in ("slow_window", "min_dwell", "refresh_every", "settle"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
-        for name in ("margin", "trade_gain", "migrate_gain", "bytes_per_expert", "seconds_per_pair"):
-            if name == "bytes_per_expert" and self.bytes_per_expert is None:
-                continue
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not self.bandwidth > 0 or not self.fingerprint_width > 0 or not self.fingerprint_z >= 0:
-            raise ConfigError(f"bandwidth ({self.bandwidth!r}) and fingerprint_width "
-                              f"({self.fingerprint_width!r}) must be > 0, fingerprint_z >= 0")
 
 
 @dataclass(frozen=True)
@@ -263,35 +170,6 @@ def realized_imbalance(rank_load_R: "Sequence[int] | torch.Tensor", ep_size: int
         raise ConfigError(f"rank_load_R must be {ep_size} non-negative rank totals, got {loads[:8]}")
     total = sum(loads)
     return max(loads) * ep_size / total if total > 0 else 1.0
-
-
-def encode_record(record: ProbeRecord, bandwidth_code: int = 0) -> torch.Tensor:
-    """A probe's record -> int32 [2] (fingerprint, little-endian halves) or, when it carries a load
-    vector, [3 + E]: + load vector + one word holding this rank's 16-bit bandwidth code
-    (`measure.encode_bandwidth`; 0: no measurement)."""
-    lo, hi = struct.unpack("<ii", struct.pack("<Q", record.fingerprint))
-    head = torch.tensor([lo, hi], dtype=torch.int32)
-    if record.load_E is None:
-        return head
-    if not 0 <= int(bandwidth_code) < BANDWIDTH_CODES:
-        raise ConfigError(f"bandwidth_code ({bandwidth_code!r}) must be in [0, {BANDWIDTH_CODES - 1}]")
-    tail = torch.tensor([int(bandwidth_code)], dtype=torch.int32)
-    return torch.cat([head, record.load_E.to(torch.int32), tail])
-
-
-def decode_records(rows_RW: torch.Tensor, num_experts: int
-                   ) -> tuple[tuple[int, ...], torch.Tensor | None, tuple[int, ...] | None]:
-    """Exchanged records int32 [R, W] -> (fingerprints_R, load_RE int64 [R, E], bandwidth codes_R),
-    the last two None when W == 2 (Stable records)."""
-    if (not isinstance(rows_RW, torch.Tensor) or rows_RW.dim() != 2
-            or rows_RW.shape[1] not in (2, 3 + num_experts)):
-        got = tuple(rows_RW.shape) if isinstance(rows_RW, torch.Tensor) else type(rows_RW).__name__
-        raise ConfigError(f"balancer records must be int32 [R, 2] or [R, {3 + num_experts}], got {got}")
-    rows = rows_RW.detach().to("cpu", torch.int32)
-    fps = tuple(struct.unpack("<Q", struct.pack("<ii", lo, hi))[0] for lo, hi in rows[:, :2].tolist())
-    if rows.shape[1] == 2:
-        return fps, None, None
-    return fps, rows[:, 2:-1].to(torch.int64), tuple(rows[:, -1].tolist())
 
 
 @dataclass
@@ -375,61 +253,19 @@ class BalanceMachine:
             alarm needs a realized imbalance over threshold; without them every fingerprint change
             is an alarm (see the module docstring).
         """
-        s, cfg, pl = self._s, self.config, self.placement
-        R, E = pl.ep_size, pl.num_experts
+        s, cfg, R = self._s, self.config, self.placement.ep_size
         fps = tuple(int(f) for f in fingerprints_R)
         if len(fps) != R:
             raise ConfigError(f"step() got {len(fps)} fingerprints for an EP group of {R} ranks")
         realized = None if rank_load_R is None else realized_imbalance(rank_load_R, R)
-        negotiating = s.mode is Mode.NEGOTIATE
-        if negotiating:
-            if not isinstance(load_RE, torch.Tensor) or tuple(load_RE.shape) != (R, E):
-                got = tuple(load_RE.shape) if isinstance(load_RE, torch.Tensor) else load_RE
-                raise ConfigError(f"a negotiate step needs the exchanged load_RE [{R}, {E}], got {got}")
-            if load_RE.is_floating_point():
-                load_RE = load_RE.round()
-            load_RE = load_RE.detach().to("cpu", torch.int64)
-            if bandwidth_R is not None and len(bandwidth_R) != R:
-                raise ConfigError(f"a negotiate step needs {R} bandwidth codes, got {len(bandwidth_R)}")
-            agreed = agreed_code(bandwidth_R or ())
-        before = s.believed
         alarm = traded = rebaselined = False
         act = cfg.threshold - cfg.margin
-        if negotiating:
-            if s.young and cfg.settle:  # loads of young EMAs (first step, after an alarm): confirm later
-                s.settle_at = s.step + cfg.settle
-            s.young = False
-            s.baseline_R, s.load_RE, s.last_negotiation = fps, load_RE, s.step
-            s.stale = s.adopt = False
-            if agreed:  # a negotiation without any measurement keeps the last agreed one
-                s.bandwidth_code = agreed
-            current = self.trade.imbalance(load_RE)
-            before = s.believed = current
-            if current > act:
-                candidate = plan_trade(load_RE, pl)
-                predicted = candidate.imbalance(load_RE)
-                if predicted <= current - cfg.trade_gain and candidate != self.trade:
-                    self.trade, s.believed, traded = candidate, predicted, True
+        if s.mode is Mode.NEGOTIATE:
+            before, traded = self._negotiate(fps, *self._negotiated(load_RE, bandwidth_R))
             next_mode = Mode.STABLE
         else:
-            changed = fps != s.baseline_R and not s.adopt
-            if s.adopt:  # the probes re-based their loads last step: these fingerprints are the baseline
-                s.baseline_R, s.adopt = fps, False
-            if realized is None:  # no rank totals: a changed profile is all the machine can see
-                alarm = changed
-            else:  # alarm on a realized imbalance over threshold that is news: loads moved, or it is
-                # worse than the machine believes by more than its noise allowance (the margin)
-                alarm = realized > cfg.threshold and (changed or realized > s.believed + cfg.margin)
-                rebaselined = changed and not alarm
-                if rebaselined:  # the profile moved but the plan still holds: adopt, send nothing
-                    s.baseline_R, s.adopt, s.stale = fps, True, True
-            if alarm:
-                s.regime_start, s.settle_at, s.young = s.step, None, True
-            refresh = cfg.refresh_every and s.step - s.last_negotiation >= cfg.refresh_every
-            settle = s.settle_at is not None and s.step + 1 >= s.settle_at
-            if settle:
-                s.settle_at = None
-            next_mode = Mode.NEGOTIATE if alarm or refresh or settle else Mode.STABLE
+            before = s.believed
+            alarm, rebaselined, next_mode = self._watch(fps, realized)
         s.above = s.above + 1 if s.believed > act else 0
         moved: tuple[int, ...] = ()
         if not alarm and s.load_RE is not None and self._may_migrate():
@@ -452,6 +288,64 @@ class BalanceMachine:
         s.mode = next_mode
         s.step += 1
         return decision
+
+    def _negotiated(self, load_RE, bandwidth_R) -> tuple[torch.Tensor, int]:
+        """A negotiate step's exchanged loads, checked (int64 [R, E] on the CPU), and the agreed
+        bandwidth code of its exchanged codes."""
+        R, E = self.placement.ep_size, self.placement.num_experts
+        if not isinstance(load_RE, torch.Tensor) or tuple(load_RE.shape) != (R, E):
+            got = tuple(load_RE.shape) if isinstance(load_RE, torch.Tensor) else load_RE
+            raise ConfigError(f"a negotiate step needs the exchanged load_RE [{R}, {E}], got {got}")
+        if load_RE.is_floating_point():
+            load_RE = load_RE.round()
+        load_RE = load_RE.detach().to("cpu", torch.int64)
+        if bandwidth_R is not None and len(bandwidth_R) != R:
+            raise ConfigError(f"a negotiate step needs {R} bandwidth codes, got {len(bandwidth_R)}")
+        return load_RE, agreed_code(bandwidth_R or ())
+
+    def _negotiate(self, fps: tuple[int, ...], load_RE: torch.Tensor, agreed: int) -> tuple[float, bool]:
+        """A Negotiate step: the exchanged loads become the believed ones, and a better TradePlan is
+        taken. Returns (the imbalance of the plan in effect this step, whether a new plan was taken)."""
+        s, cfg = self._s, self.config
+        if s.young and cfg.settle:  # loads of young EMAs (first step, after an alarm): confirm later
+            s.settle_at = s.step + cfg.settle
+        s.young = False
+        s.baseline_R, s.load_RE, s.last_negotiation = fps, load_RE, s.step
+        s.stale = s.adopt = False
+        if agreed:  # a negotiation without any measurement keeps the last agreed one
+            s.bandwidth_code = agreed
+        current = self.trade.imbalance(load_RE)
+        s.believed, traded = current, False
+        if current > cfg.threshold - cfg.margin:
+            candidate = plan_trade(load_RE, self.placement)
+            predicted = candidate.imbalance(load_RE)
+            if predicted <= current - cfg.trade_gain and candidate != self.trade:
+                self.trade, s.believed, traded = candidate, predicted, True
+        return current, traded
+
+    def _watch(self, fps: tuple[int, ...], realized: float | None) -> tuple[bool, bool, Mode]:
+        """A Stable step: compare the fingerprints with the baseline and the realized imbalance with
+        the believed one. Returns (alarm, rebaselined, the next step's mode)."""
+        s, cfg = self._s, self.config
+        changed = fps != s.baseline_R and not s.adopt
+        if s.adopt:  # the probes re-based their loads last step: these fingerprints are the baseline
+            s.baseline_R, s.adopt = fps, False
+        rebaselined = False
+        if realized is None:  # no rank totals: a changed profile is all the machine can see
+            alarm = changed
+        else:  # alarm on a realized imbalance over threshold that is news: loads moved, or it is
+            # worse than the machine believes by more than its noise allowance (the margin)
+            alarm = realized > cfg.threshold and (changed or realized > s.believed + cfg.margin)
+            rebaselined = changed and not alarm
+            if rebaselined:  # the profile moved but the plan still holds: adopt, send nothing
+                s.baseline_R, s.adopt, s.stale = fps, True, True
+        if alarm:
+            s.regime_start, s.settle_at, s.young = s.step, None, True
+        refresh = cfg.refresh_every and s.step - s.last_negotiation >= cfg.refresh_every
+        settle = s.settle_at is not None and s.step + 1 >= s.settle_at
+        if settle:
+            s.settle_at = None
+        return alarm, rebaselined, Mode.NEGOTIATE if alarm or refresh or settle else Mode.STABLE
 
     def _may_migrate(self) -> bool:
         s, cfg = self._s, self.config

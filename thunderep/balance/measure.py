@@ -27,7 +27,7 @@ a 10-bit mantissa, value = (1 + m / 1024) * 2^e B/s for code = e * 1024 + m, cov
 to the nearest code: the decoded value is within 2^-11 (0.05%) of the measured one. Code 0 means "no
 measurement yet". Decoding uses only exact operations (an integer times a power of two), so every
 host decodes a code to the same float. The code rides in one int32 word of the Negotiate record
-(`machine.encode_record`): 4 bytes per rank on a Negotiate step, nothing on a Stable step.
+(`records.encode_record`): 4 bytes per rank on a Negotiate step, nothing on a Stable step.
 
 How ranks agree
 ---------------

@@ -27,7 +27,7 @@ from ..comm.groups import peer_errors
 from ..errors import ConfigError
 from .placement import Placement
 
-__all__ = ["migrate_layer", "migrate_slots", "slot_bytes"]
+__all__ = ["migrate_slots", "slot_bytes"]
 
 
 def _slot_tensors(params, optimizer) -> list[torch.Tensor]:
@@ -48,14 +48,6 @@ def slot_bytes(params, optimizer=None) -> int:
     state tensors shaped like them, i.e. of everything `migrate_slots` sends."""
     params = list(params)
     return sum(t.numel() * t.element_size() for t in _slot_tensors(params, optimizer)) // params[0].shape[0]
-
-
-def migrate_layer(layer, new: Placement, optimizer=None, timeout_s: float | None = None) -> int:
-    """Re-home `layer`'s experts to `new` (collective over the layer's EP group). Returns the number
-    of bytes this rank sent."""
-    sent = migrate_slots(list(layer.experts.parameters()), layer.placement, new, layer.ep.groups, optimizer, timeout_s)
-    layer.placement = new
-    return sent
 
 
 def migrate_slots(params, old: Placement, new: Placement, groups, optimizer=None,

@@ -1,4 +1,4 @@
-"""Evaluate the balancer on synthetic routing traces: `python -m thunderep.bench.balancer`.
+"""Evaluate the balancer on synthetic routing traces: `thunderep bench balancer`.
 
 Shape legend: E experts, R ranks, P = R * S slots.
 
@@ -38,7 +38,7 @@ Reported per (trace, E, R):
 
 from __future__ import annotations
 
-import argparse
+import json
 import platform
 import time
 from pathlib import Path
@@ -52,7 +52,7 @@ from ..balance.measure import encode_bandwidth
 from ..balance.placement import Placement, TradePlan
 from ..balance.planner import plan_placement, plan_trade
 
-__all__ = ["RunResult", "STATIONARY", "TRACES", "evaluate", "main", "make_trace", "run", "timings"]
+__all__ = ["RunResult", "STATIONARY", "TRACES", "evaluate", "make_trace", "report", "run", "timings"]
 
 TRACES = ("uniform", "zipf0.8", "zipf1.2", "zipf1.6", "drift", "burst")
 STATIONARY = ("uniform", "zipf0.8", "zipf1.2", "zipf1.6")
@@ -100,12 +100,9 @@ def recorded_trace(run_dir: str, E: int, steps: int):
     """Per-step expert distributions recorded by `thunderep train --out RUN_DIR` (every MoE layer's
     (token, k) pairs per expert, summed over ranks, one step after another, layers in turn), cycled
     to `steps`. A real model's routing on real text, as it changed while the model trained."""
-    import json
-    from pathlib import Path
-
-    report = json.loads((Path(run_dir) / "synctax-rank0.json").read_text())
-    rows = [layer["load_E"] for layer_i in range(len(report["per_step"][0]["layers"]))
-            for step in report["per_step"] for layer in [step["layers"][layer_i]] if layer["load_E"]]
+    data = json.loads((Path(run_dir) / "synctax-rank0.json").read_text())
+    rows = [layer["load_E"] for layer_i in range(len(data["per_step"][0]["layers"]))
+            for step in data["per_step"] for layer in [step["layers"][layer_i]] if layer["load_E"]]
     if not rows or len(rows[0]) != E:
         raise ValueError(f"{run_dir}: recorded loads have {len(rows[0]) if rows else 0} experts, not {E}")
     loads = torch.tensor(rows, dtype=torch.float64)
@@ -294,51 +291,25 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--pairs", type=int, default=8192, help="(token, k) pairs per rank per step")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=100, help="steps left out of 'balanced (warm)'")
-    parser.add_argument("--traces", default=",".join(TRACES),
-                        help="comma-separated; also recorded=RUN_DIR (a `thunderep train --out` run)")
-    parser.add_argument("--experts", default="8,16,64")
-    parser.add_argument("--ranks", default="2,4")
-    parser.add_argument("--bandwidth", default="",
-                        help="simulated measured bandwidth per rank in B/s, comma-separated, cycled over "
-                             "the ranks (default: none measured, the configured constant)")
-    args = parser.parse_args(argv)
-    try:
-        experts, ranks = ([int(v) for v in text.split(",")] for text in (args.experts, args.ranks))
-        bandwidth_R = [float(v) for v in args.bandwidth.split(",")] if args.bandwidth else None
-    except ValueError as exc:
-        parser.error(f"--experts, --ranks and --bandwidth are comma-separated numbers ({exc})")
-    if min(experts) < 1 or min(ranks) < 1 or min(bandwidth_R or [1]) <= 0 or min(args.steps, args.pairs) < 1:
-        parser.error("--experts, --ranks, --steps, --pairs and --bandwidth must be positive")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be 0 or more, got {args.warmup}")
-    missing = [t for t in args.traces.split(",") if t.startswith("recorded=") and not Path(t[9:]).is_dir()]
-    if missing:
-        parser.error(f"--traces: no such run directory: {', '.join(t[9:] for t in missing)}")
+def report(traces: list[str], experts: list[int], ranks: list[int], *, steps: int = 1500, pairs: int = 8192,
+           seed: int = 0, warmup: int = 100, bandwidth_R: list[float] | None = None) -> None:
+    """Run every (trace, E, R) and print the table, the targets (synthetic traces only) and the per-call
+    costs. `bandwidth_R`: the simulated measured bandwidth per rank in B/s (None: none measured)."""
     torch.set_num_threads(1)
     config = BalancerConfig()
     print(f"host: {_cpu()}, {platform.system()}, python {platform.python_version()}, "
           f"torch {torch.__version__}, 1 thread")
     print(f"config: {config}")
-    print(f"steps {args.steps}, pairs/rank/step {args.pairs}, seed {args.seed}, warm-up {args.warmup}, "
+    print(f"steps {steps}, pairs/rank/step {pairs}, seed {seed}, warm-up {warmup}, "
           f"measured bandwidth per rank: {bandwidth_R or 'none (configured constant)'}\n")
     started = time.perf_counter()
-    results = evaluate(args.traces.split(","), experts, ranks, steps=args.steps, pairs=args.pairs,
-                       seed=args.seed, warmup=args.warmup, config=config, bandwidth_R=bandwidth_R)
+    results = evaluate(traces, experts, ranks, steps=steps, pairs=pairs, seed=seed, warmup=warmup, config=config,
+                       bandwidth_R=bandwidth_R)
     print(_table(results))
-    if all(t in TRACES for t in args.traces.split(",")):  # the targets are stated for the synthetic traces
+    if all(t in TRACES for t in traces):  # the targets are stated for the synthetic traces
         print(f"\nTargets (threshold {config.threshold}):")
         print("\n".join(_targets(results, config)))
     print("\nPer-call cost (us):")
-    for name, us in timings(args.seed):
+    for name, us in timings(seed):
         print(f"- {name}: {us:.1f}")
     print(f"\nwall time {time.perf_counter() - started:.1f} s")
-
-
-if __name__ == "__main__":
-    main()

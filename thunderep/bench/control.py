@@ -1,6 +1,6 @@
 """Control-plane latency, side by side in one run: mailbox vs gloo all_gather vs gloo all_to_all_single.
 
-    python -m thunderep.bench.control [--worlds 2 4] [--sizes 8 256] [--pin] [--markdown]
+    thunderep bench control [--worlds 2 4] [--sizes 8 256] [--pin] [--markdown]
 
 For each world size, that many processes are spawned on this host with a gloo process group. Each
 rank times every call of:
@@ -16,7 +16,6 @@ ranks on one core.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -26,11 +25,15 @@ import socket
 import statistics
 import sys
 import time
+import traceback
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["hardware_line", "main", "run"]
+from ..comm.control import make_control_plane
+
+__all__ = ["hardware_line", "report", "run"]
 
 METHODS = ("mailbox", "all_gather", "all_to_all")
 
@@ -61,10 +64,6 @@ def _time_calls(fn, iters: int) -> list[float]:
 
 def _rank_main(rank: int, world: int, port: int, sizes: list[int], iters: dict[str, int], blocks: int,
                backoff: tuple[float, float, float] | None, pin: bool, results: mp.Queue) -> None:
-    import torch.distributed as dist
-
-    from ..comm.control import make_control_plane
-
     torch.set_num_threads(1)
     if pin and hasattr(os, "sched_setaffinity"):  # rank r on core r mod cores, for every method alike
         cores = sorted(os.sched_getaffinity(0))
@@ -100,8 +99,6 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], iters: dict[s
         results.put((rank, samples))
         dist.destroy_process_group()
     except BaseException as exc:  # reported by the parent
-        import traceback
-
         results.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
@@ -172,37 +169,19 @@ def _table(all_stats: dict[int, dict], sizes: list[int], markdown: bool) -> str:
     return "\n".join([fmt.format(*head)] + [fmt.format(*r) for r in rows])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[8, 256])
-    ap.add_argument("--mailbox-iters", type=int, default=20000, help="calls per block and rank")
-    ap.add_argument("--gloo-iters", type=int, default=1000, help="calls per block and rank")
-    ap.add_argument("--blocks", type=int, default=3, help="alternating blocks per method")
-    ap.add_argument("--backoff", type=float, nargs=3, metavar=("SPIN_US", "YIELD_US", "SLEEP_MAX_US"),
-                    help="mailbox polling schedule (default: chosen from ranks vs cores)")
-    ap.add_argument("--pin", action="store_true", help="pin rank r to core r mod cores")
-    ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
-    ap.add_argument("--json", help="also write the raw statistics to this file")
-    args = ap.parse_args(argv)
-    if min(args.worlds) < 2 or min(args.sizes) < 1 or min(args.mailbox_iters, args.gloo_iters, args.blocks) < 1:
-        ap.error("--worlds must be at least 2 ranks each; --sizes, the iteration counts and --blocks at least 1")
-    if args.backoff is not None and not all(0 <= us <= 1e7 for us in args.backoff):
-        ap.error(f"--backoff {' '.join(f'{us:g}' for us in args.backoff)}: each must be microseconds in [0, 1e7]")
-    iters = {"mailbox": args.mailbox_iters, "all_gather": args.gloo_iters, "all_to_all": args.gloo_iters}
+def report(worlds: list[int], sizes: list[int], iters: dict[str, int], *, blocks: int = 3,
+           backoff: tuple[float, float, float] | None = None, pin: bool = False, markdown: bool = False,
+           json_path: str | None = None) -> int:
+    """Run every world size and print the table (`iters`: calls per block and rank for "mailbox",
+    "all_gather" and "all_to_all"); also write the raw statistics to `json_path` if given."""
     all_stats = {}
-    for world in args.worlds:
+    for world in worlds:
         t0 = time.perf_counter()
-        all_stats[world] = run(world, args.sizes, iters, blocks=args.blocks, backoff=args.backoff,
-                               pin=args.pin)
+        all_stats[world] = run(world, sizes, iters, blocks=blocks, backoff=backoff, pin=pin)
         print(f"[{world} ranks done in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     print(hardware_line())
-    print(_table(all_stats, args.sizes, args.markdown))
-    if args.json:
-        with open(args.json, "w") as f:
+    print(_table(all_stats, sizes, markdown))
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump({"hardware": hardware_line(), "stats": all_stats}, f, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ gathers every rank's tokens and routing, computes its own experts on all of them
 reduce-scatter returns each rank its tokens' sums. Both run the same layer (same weights, same local
 experts), forward + backward, side by side in one run.
 
-    python -m thunderep.bench.dispatch --ranks 2 4
+    thunderep bench dispatch --ranks 2 4
 
 Bytes: ThunderEP's are counted by the runtime (`CommStats`, rows actually sent to other ranks);
 the baseline's are the payload each rank must send to its peers, (R - 1) * T * D * bytes per
@@ -16,32 +16,53 @@ Shape legend: T tokens per rank, D hidden, K top-k, R ranks.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import queue as queue_module
 import statistics
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.profiler import ProfilerActivity, profile
 
-from ..cli import count_problems
+from ..comm.runtime import ExpertParallel
+from ..config import EPConfig, LayerConfig
 from ..errors import ThunderError
+from ..moe.layer import ThunderMoELayer
 
-__all__ = ["main"]
+__all__ = ["DispatchBench", "report", "run"]
 
 
-def _bench_rank(rank, world, args, queue):
+@dataclass(frozen=True)
+class DispatchBench:
+    """One run's settings (`thunderep bench dispatch`'s options): the Mixtral-shaped layer, the runtime's
+    waves and control plane, timed and warm-up steps, the rendezvous port, where rank 0 writes operator
+    tables (None: no profile) and the device (cpu: gloo, fp32; cuda: NCCL, bf16)."""
+
+    tokens: int = 512  # per rank
+    hidden: int = 512
+    intermediate: int = 256
+    experts: int = 8
+    top_k: int = 2
+    waves: int = 1
+    control: str = "auto"
+    iters: int = 20
+    warmup: int = 3
+    port: int = 29611
+    profile: str | None = None
+    device: str = "cpu"
+
+
+def _bench_rank(rank: int, world: int, args: DispatchBench, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     cuda = args.device == "cuda"
     if not cuda:
         torch.set_num_threads(1)
-    from ..config import EPConfig, LayerConfig
-    from ..moe.layer import ThunderMoELayer
-    from ..comm.runtime import ExpertParallel
-
     ep = ExpertParallel.init(config=EPConfig(control=args.control, waves=args.waves),
                              backend="nccl" if cuda else "gloo")
     device, dtype = ep.groups.device, (torch.bfloat16 if cuda else torch.float32)
@@ -86,7 +107,7 @@ def _bench_rank(rank, world, args, queue):
     errors = {}
     for codec in ("bf16", "fp8"):  # payload compression: error and bytes against the exact run
         lossy = ExpertParallel(ep.groups, EPConfig(control="collective", compression=codec))
-        layer.ep = lossy
+        layer.core.ep = lossy  # the same layer and weights over the compressing runtime
         x_lossy = x.detach().clone().requires_grad_(True)
         y_lossy = layer(x_lossy, mode="ep")
         y_lossy.backward(g)
@@ -94,7 +115,7 @@ def _bench_rank(rank, world, args, queue):
                          for a, b in ((y_lossy, y_exact), (x_lossy.grad, x_exact.grad))]
         a2a_bytes[codec] = lossy.stats.remote_bytes()
         lossy.close()
-    layer.ep = ep
+    layer.core.ep = ep
     ep.close()
     kind = ep.control.kind
     ep_collective.close()
@@ -106,10 +127,6 @@ def _profile(methods: dict, g: torch.Tensor, sync, rank: int, world: int, direct
     """Every rank runs each method once more; rank 0 under torch.profiler, writing its operator table
     (sorted by device time where there is a device, else by CPU time) to
     DIR/dispatch-<world>ranks-<method>.txt."""
-    from pathlib import Path
-
-    from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if g.is_cuda else [])
     for name, fn in methods.items():
         sync()
@@ -127,9 +144,9 @@ def _profile(methods: dict, g: torch.Tensor, sync, rank: int, world: int, direct
         path.write_text(prof.key_averages().table(sort_by=key, row_limit=-1, max_name_column_width=60))
 
 
-def run(world: int, args) -> dict:
-    import torch.multiprocessing as mp
-
+def run(world: int, args: DispatchBench) -> dict:
+    """Every method on `world` spawned ranks; the step times (the slowest rank's, median), bytes and the
+    compressed payloads' errors."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_bench_rank, args=(r, world, args, queue)) for r in range(world)]
@@ -167,33 +184,9 @@ def run(world: int, args) -> dict:
             "codec_error": codec_error}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--waves", type=int, default=1)
-    parser.add_argument("--control", default="auto")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--port", type=int, default=29611)
-    parser.add_argument("--profile", metavar="DIR",
-                        help="also profile one forward+backward per method (rank 0's operator tables in DIR)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: gloo, fp32, 1 thread per rank; cuda: NCCL, bf16, one GPU per rank")
-    args = parser.parse_args(argv)
-    problems = [f"--ranks {r}: each count must be at least 2, and divide --experts {args.experts}"
-                for r in args.ranks if r < 2 or args.experts % r]
-    problems += count_problems(args, ("tokens", "hidden", "intermediate", "experts", "top_k", "waves", "iters"),
-                               ("warmup",))
-    if args.top_k > args.experts:
-        problems.append(f"--top-k {args.top_k} is more than --experts {args.experts}")
-    if problems:
-        parser.error("; ".join(problems))
+def report(ranks: list[int], args: DispatchBench) -> int:
+    """Run every rank count in `ranks` and print the tables: time and bytes against the baseline, split sizes
+    through the control plane against collectives, and the compressed payloads."""
     if args.device == "cuda":
         names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
         p2p = os.environ.get("NCCL_P2P_DISABLE", "0")
@@ -208,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'ranks':>5} | {'a2a ms':>8} | {'allgather ms':>12} | {'time ratio':>10} | "
           f"{'a2a MB/rank':>11} | {'allgather MB/rank':>17} | {'bytes ratio':>11}")
     rows = []
-    for world in args.ranks:
+    for world in ranks:
         r = run(world, args)
         rows.append(r)
         print(f"{world:>5} | {r['a2a_ms']:8.2f} | {r['ag_ms']:12.2f} | {r['ag_ms'] / r['a2a_ms']:9.2f}x | "
@@ -229,7 +222,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['ranks']:>5} | {codec:>5} | {b / 1e6:8.3f} | {r['a2a_bytes'] / b:10.2f}x | "
                   f"{err_y:13.2e} | {err_dx:14.2e}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

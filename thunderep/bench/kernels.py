@@ -1,6 +1,6 @@
 """Expert-MLP benchmark on one GPU: ThunderEP's Triton kernels vs transformers' `eager` and `grouped_mm`.
 
-    python -m thunderep.bench.kernels [--shapes mixtral,qwen3,deepseek] [--tokens 1,64,512,4096,16384]
+    thunderep bench kernels [--shapes mixtral,qwen3,deepseek] [--tokens 1,64,512,4096,16384]
 
 For every shape and token count, in one run and on the same weights and routing: forward (no grad)
 and forward+backward (gradients of x, both weight tensors and the routing weights) milliseconds
@@ -21,7 +21,6 @@ copy moving the bytes the step reads).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -29,6 +28,9 @@ import statistics
 import sys
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ..errors import ThunderError
 
 SHAPES = {  # D, I, E, K
     "mixtral": (4096, 14336, 8, 2),
@@ -44,19 +46,10 @@ COPY = "copy"
 ROTATE = 4
 
 
-def parse_shapes(ap: argparse.ArgumentParser, text: str) -> list[str]:
-    """The comma-separated SHAPES names in `text`; `ap.error` (exit 2) names any unknown one."""
-    shapes = text.split(",")
-    unknown = [s for s in shapes if s not in SHAPES]
-    if unknown:
-        ap.error(f"unknown shape(s) {unknown}: use {', '.join(SHAPES)}")
-    return shapes
-
-
 def _bench(fn, ms_budget: float = 150.0, warmup_ms: float = 25.0) -> float:
     """Median milliseconds of one `fn()`, L2 flushed clean before each (`tuning.timed_ms`, which the
     autotuner also times with)."""
-    from ..kernels import tuning
+    from ..kernels import tuning  # triton: optional (the gpu extra), imported by thunderep.kernels.tuning
 
     return tuning.timed_ms(fn, ms_budget, warmup_ms)
 
@@ -84,7 +77,7 @@ def _hf_experts(D, I, E, K, w_gu, w_d, implementation):
 
 
 def _thunder_experts(D, I, E, K, w_gu, w_d):
-    from ..kernels.ops import routed_moe_mlp
+    from ..kernels.ops import routed_moe_mlp  # triton: optional (the gpu extra), imported by the kernels
 
     return lambda x, ids, w: routed_moe_mlp(x, w_gu, w_d, ids, w)
 
@@ -112,7 +105,7 @@ FORMATS = {"fp8": ((128, 128), False), "fp8row": (None, False), "fp8-w8a8": ((12
 def _pinned(impl: str):
     """"thunderep:<pin>" sets the environment variable of PINS[pin] while that implementation is
     measured; anything else runs as configured."""
-    from ..kernels.grouped_gemm import pinned
+    from ..kernels.grouped_gemm import pinned  # triton: optional (the gpu extra), with thunderep.kernels
 
     pin = impl.partition(":")[2] if _ours(impl) else ""
     return pinned(*PINS[pin]) if pin in PINS else contextlib.nullcontext()
@@ -152,8 +145,8 @@ def graph_ms(fn, sets, passes: int = 1) -> float:
     """Forward time with launch overhead removed: `passes` rounds of the ROTATE calls captured once in a
     CUDA graph, replayed; milliseconds per call. The calls run as a captured decode step's do
     (`graph_steps`: a path chosen by timing is timed as graph replays, kept apart from the eager rows')."""
-    from ..kernels.graphs import graph_steps
-    from ..kernels import tuning
+    from ..kernels import tuning  # triton: optional (the gpu extra), imported by thunderep.kernels.tuning
+    from ..kernels.graphs import graph_steps  # with thunderep.kernels (triton)
 
     def rounds():
         for _ in range(passes):
@@ -173,9 +166,9 @@ STEP_PASSES = 4
 def graph_step_ms(fn, sets, one_pass_ms: float, passes: int = STEP_PASSES) -> float:
     """What one more call adds to a captured graph: (replay time of `passes` rounds of the ROTATE calls
     - replay time of one round, `one_pass_ms` per call as `graph_ms` gave it) / the calls between them.
-    A replay's fixed cost (the graph's launch, the wait for its first kernel; about 1.7 us on the H200)
-    falls out: a decode engine pays it once per step for all layers, where the fwd-graph row charges
-    it to ROTATE calls. Rounds past the first re-run the same routings, ROTATE calls apart."""
+    A replay's fixed cost (the graph's launch, the wait for its first kernel) falls out: a decode engine
+    pays it once per step for all layers, where the fwd-graph row charges it to ROTATE calls. Rounds past
+    the first re-run the same routings, ROTATE calls apart."""
     calls = len(sets)
     many = graph_ms(fn, sets, passes) * passes * calls
     return (many - one_pass_ms * calls) / ((passes - 1) * calls)
@@ -183,8 +176,6 @@ def graph_step_ms(fn, sets, one_pass_ms: float, passes: int = STEP_PASSES) -> fl
 
 def profile_kernels(fn, sets, backward: bool) -> list[tuple[str, float]]:
     """Per-kernel device time (ms per call) of one implementation, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
     def step(s):
         x = s[0].detach().requires_grad_(backward)
         w = s[2].detach().requires_grad_(backward)
@@ -245,19 +236,13 @@ def _modes_of(impl, modes) -> list[str]:
                                                                        and mode != "fwd")]
 
 
-def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profile_t=(), modes=("fwd", "fwdbwd"),
-                rounds=1):
-    D, I, E, K = SHAPES[name]
-    gen = torch.Generator(device=device).manual_seed(0)
-    dt = torch.bfloat16
-    w_gu = torch.nn.Parameter(torch.randn(E, 2 * I, D, device=device, dtype=dt, generator=gen) * D**-0.5)
-    w_d = torch.nn.Parameter(torch.randn(E, D, I, device=device, dtype=dt, generator=gen) * I**-0.5)
-    fns = {}
-    expert_bytes = 3 * D * I * 2
-    impl_bytes = {}  # bytes one expert's weights take in an implementation's format
+def _implementations(impls, D, I, E, K, w_gu, w_d):
+    """The function each implementation of `impls` runs (the copy reference apart: made per T), and the
+    bytes one expert's weights take in each FP8 format."""
+    fns, impl_bytes = {}, {}
     for impl in impls:
         if _format(impl):
-            from ..kernels.fp8 import Fp8Weight
+            from ..kernels.fp8 import Fp8Weight  # triton: optional (the gpu extra), with thunderep.kernels
 
             block, w8a8 = FORMATS[_format(impl)]
             w8_gu = Fp8Weight.quantize(w_gu.detach(), block, w8a8=w8a8)
@@ -267,13 +252,82 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
         elif impl != COPY:
             fns[impl] = _thunder_experts(D, I, E, K, w_gu, w_d) if _ours(impl) else \
                 _hf_experts(D, I, E, K, w_gu, w_d, impl)
+    return fns, impl_bytes
+
+
+def _routing_sets(T, D, E, K, device, gen, dt):
+    """ROTATE sets of (x_TD, ids_TK, weights_TK, grad_TD) for T tokens: uniform random top-K routing."""
+    sets = []
+    for _ in range(ROTATE):
+        x = torch.randn(T, D, device=device, dtype=dt, generator=gen)
+        ids = torch.rand(T, E, device=device, generator=gen).topk(K, dim=-1).indices
+        w = torch.softmax(torch.randn(T, K, device=device, generator=gen), -1).to(dt)
+        sets.append((x, ids, w, torch.randn(T, D, device=device, dtype=dt, generator=gen)))
+    return sets
+
+
+def _agreement(fns, sets) -> dict:
+    """Each ThunderEP variant's relative difference from grouped_mm on one set (same weights and routing)."""
+    errs = {}
+    if "grouped_mm" in fns:
+        with torch.no_grad():
+            ref = fns["grouped_mm"](*sets[0][:3]).float()
+            for impl in filter(_ours, fns):
+                with _pinned(impl):
+                    errs[impl] = ((fns[impl](*sets[0][:3]).float() - ref).norm() / ref.norm()).item()
+    return errs
+
+
+def _timed_rounds(fns, sets, modes, rounds, w_gu, w_d) -> dict:
+    """(impl, mode) -> its milliseconds in each round."""
+    timed = [(impl, mode) for impl in fns for mode in _modes_of(impl, modes)]
+    times = {key: [] for key in timed}
+    for r in range(rounds):
+        # Every implementation once per round, the order reversed on odd rounds: a slow drift of the
+        # GPU's clocks (it runs at its power limit) then falls on both sides of each comparison.
+        for impl, mode in (timed if r % 2 == 0 else timed[::-1]):
+            with _pinned(impl):
+                try:
+                    times[(impl, mode)].append(_bench(_step(fns[impl], sets, mode, w_gu, w_d)))
+                except torch.OutOfMemoryError:
+                    times[(impl, mode)].append(float("nan"))
+                torch.cuda.empty_cache()
+    return times
+
+
+def _graphs_and_profiles(name, T, fns, sets, flops, record, graph_max_t, profile_t, modes) -> None:
+    """Up to `graph_max_t` tokens the fwd-graph and fwd-step rows; at the T of `profile_t` the kernels' table."""
+    for impl, fn in fns.items():
+        with _pinned(impl):
+            if T <= graph_max_t and impl != "eager":  # eager syncs with the host: no graph
+                try:
+                    ms = graph_ms(fn, sets)
+                except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                    print(f"graph capture failed for {impl}: {exc!r}"[:300], file=sys.stderr)
+                    ms = float("nan")
+                record(impl, "fwd-graph", [ms], flops)
+                if ms == ms:
+                    record(impl, "fwd-step", [graph_step_ms(fn, sets, ms)], flops)
+            if T in profile_t and impl not in ("eager", COPY):
+                for backward in (mode == "fwdbwd" for mode in _modes_of(impl, modes)):
+                    print(f"## profile {name} T={T} {impl} {'fwd+bwd' if backward else 'fwd'} (ms per call)")
+                    for key, ms in profile_kernels(fn, sets, backward):
+                        print(f"   {ms:8.3f}  {key}")
+
+
+def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profile_t=(), modes=("fwd", "fwdbwd"),
+                rounds=1):
+    """Every implementation at every T of `tokens` for shape `name`; its rows appended to `out_rows` (and
+    printed to stderr as JSON lines as they come)."""
+    D, I, E, K = SHAPES[name]
+    gen = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16
+    w_gu = torch.nn.Parameter(torch.randn(E, 2 * I, D, device=device, dtype=dt, generator=gen) * D**-0.5)
+    w_d = torch.nn.Parameter(torch.randn(E, D, I, device=device, dtype=dt, generator=gen) * I**-0.5)
+    expert_bytes = 3 * D * I * 2
+    fns, impl_bytes = _implementations(impls, D, I, E, K, w_gu, w_d)
     for T in tokens:
-        sets = []
-        for _ in range(ROTATE):
-            x = torch.randn(T, D, device=device, dtype=dt, generator=gen)
-            ids = torch.rand(T, E, device=device, generator=gen).topk(K, dim=-1).indices
-            w = torch.softmax(torch.randn(T, K, device=device, generator=gen), -1).to(dt)
-            sets.append((x, ids, w, torch.randn(T, D, device=device, dtype=dt, generator=gen)))
+        sets = _routing_sets(T, D, E, K, device, gen, dt)
         hit = sum(torch.unique(s[1]).numel() for s in sets) / ROTATE
         flops = 2 * T * K * 3 * D * I
         if COPY in impls:
@@ -283,13 +337,7 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
             except torch.OutOfMemoryError:  # 8 buffers of half the bytes read: large T may not fit
                 torch.cuda.empty_cache()
                 print(f"{name} T={T}: no memory for the copy reference's buffers; row left out", file=sys.stderr)
-        errs = {}  # agreement of each ThunderEP variant with grouped_mm on one set (same weights and routing)
-        if "grouped_mm" in fns:
-            with torch.no_grad():
-                ref = fns["grouped_mm"](*sets[0][:3]).float()
-                for impl in filter(_ours, fns):
-                    with _pinned(impl):
-                        errs[impl] = ((fns[impl](*sets[0][:3]).float() - ref).norm() / ref.norm()).item()
+        errs = _agreement(fns, sets)
 
         def record(impl, mode, ms_rounds, mode_flops):
             ms = statistics.median(ms_rounds)
@@ -300,36 +348,10 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
             out_rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
 
-        timed = [(impl, mode) for impl in fns for mode in _modes_of(impl, modes)]
-        times = {key: [] for key in timed}
-        for r in range(rounds):
-            # Every implementation once per round, the order reversed on odd rounds: a slow drift of the
-            # GPU's clocks (it runs at its power limit) then falls on both sides of each comparison.
-            for impl, mode in (timed if r % 2 == 0 else timed[::-1]):
-                with _pinned(impl):
-                    try:
-                        times[(impl, mode)].append(_bench(_step(fns[impl], sets, mode, w_gu, w_d)))
-                    except torch.OutOfMemoryError:
-                        times[(impl, mode)].append(float("nan"))
-                    torch.cuda.empty_cache()
-        for impl, mode in timed:
-            record(impl, mode, times[(impl, mode)], flops * (3 if mode == "fwdbwd" else 1))
-        for impl, fn in fns.items():
-            with _pinned(impl):
-                if T <= graph_max_t and impl != "eager":  # eager syncs with the host: no graph
-                    try:
-                        ms = graph_ms(fn, sets)
-                    except Exception as exc:  # noqa: BLE001 - reported, not fatal
-                        print(f"graph capture failed for {impl}: {exc!r}"[:300], file=sys.stderr)
-                        ms = float("nan")
-                    record(impl, "fwd-graph", [ms], flops)
-                    if ms == ms:
-                        record(impl, "fwd-step", [graph_step_ms(fn, sets, ms)], flops)
-                if T in profile_t and impl not in ("eager", COPY):
-                    for backward in (mode == "fwdbwd" for mode in _modes_of(impl, modes)):
-                        print(f"## profile {name} T={T} {impl} {'fwd+bwd' if backward else 'fwd'} (ms per call)")
-                        for key, ms in profile_kernels(fn, sets, backward):
-                            print(f"   {ms:8.3f}  {key}")
+        times = _timed_rounds(fns, sets, modes, rounds, w_gu, w_d)
+        for (impl, mode), ms_rounds in times.items():
+            record(impl, mode, ms_rounds, flops * (3 if mode == "fwdbwd" else 1))
+        _graphs_and_profiles(name, T, fns, sets, flops, record, graph_max_t, profile_t, modes)
 
 
 def table(rows, impls) -> str:
@@ -376,68 +398,40 @@ def _show_tuning() -> None:
         log.setLevel(logging.INFO)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="mixtral,qwen3,deepseek")
-    ap.add_argument("--tokens", default="1,64,512,4096,16384")
-    ap.add_argument("--impls", default=",".join(IMPLS),
-                    help=f"comma-separated: eager, grouped_mm, thunderep, thunderep:<{'|'.join(PINS)}> (a path "
-                         f"pinned), thunderep:<{'|'.join(FORMATS)}> (FP8 weights, forward only), {COPY}")
-    ap.add_argument("--json", help="write every measurement here")
-    ap.add_argument("--graph-max-tokens", type=int, default=512,
-                    help="also time forward as CUDA-graph replays (no launch overhead) up to this T: fwd-graph rows "
-                         "(four calls per graph) and fwd-step rows (what one more call adds to a graph)")
-    ap.add_argument("--profile-tokens", default="", help="print per-kernel device times at these T")
-    ap.add_argument("--modes", default="fwd,fwdbwd", help="eager-launch modes to time: fwd, fwdbwd or both")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="time every implementation this many times, interleaved (order reversed on odd rounds); "
-                         "report the medians and each round's ratio")
-    args = ap.parse_args(argv)
+def report(shapes: list[str], tokens: list[int], impls: list[str], *, json_path: str | None = None,
+           graph_max_tokens: int = 512, profile_t: frozenset[int] | set[int] = frozenset(),
+           modes: tuple[str, ...] = ("fwd", "fwdbwd"), rounds: int = 1) -> int:
+    """Every shape at every T (`bench_shape`), a table per shape as it ends, then the whole table;
+    ThunderError without a CUDA GPU."""
     _show_tuning()
-    impls = args.impls.split(",")
-    bad = [i for i in impls if _ours(i) and i.partition(":")[2] not in ("", *PINS, *FORMATS)]
-    if bad:
-        ap.error(f"unknown ThunderEP variant(s) {bad}: use thunderep or thunderep:<{'|'.join([*PINS, *FORMATS])}>")
-    if args.rounds < 1:
-        ap.error(f"--rounds {args.rounds}: must be at least 1")
-    shapes = parse_shapes(ap, args.shapes)
-    try:
-        tokens = [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        tokens = []
-    if not tokens or min(tokens) < 1:
-        ap.error(f"--tokens {args.tokens!r}: use comma-separated token counts of at least 1, e.g. 1,64,4096")
     if not torch.cuda.is_available():
-        from ..errors import ThunderError
-
         raise ThunderError(f"bench kernels needs a CUDA GPU and finds none (torch {torch.__version__}, CUDA "
                            f"{torch.version.cuda or 'not built in'}); run it on a machine with one")
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
-    import transformers
+    import transformers  # transformers: optional (the hf extra)
 
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows: list[dict] = []
-    profile_t, modes = {int(t) for t in args.profile_tokens.split(",") if t}, tuple(args.modes.split(","))
     for name in shapes:
         too_big = weights_do_not_fit(name, torch.cuda.mem_get_info(device)[0])
         if too_big:
             print(f"{name}: {too_big}; shape left out", file=sys.stderr, flush=True)
             continue
         try:
-            bench_shape(name, tokens, impls, bw, device, rows, graph_max_t=args.graph_max_tokens, profile_t=profile_t,
-                        modes=modes, rounds=args.rounds)
+            bench_shape(name, tokens, impls, bw, device, rows, graph_max_t=graph_max_tokens, profile_t=profile_t,
+                        modes=modes, rounds=rounds)
         except torch.OutOfMemoryError as exc:  # what is measured so far stays; the other shapes still run
             print(f"{name}: out of GPU memory ({str(exc).splitlines()[0][:160]}); the shape's remaining rows "
                   "are left out", file=sys.stderr, flush=True)
         torch.cuda.empty_cache()  # this shape's weights are gone with bench_shape's frame
         print(table([r for r in rows if r["shape"] == name], impls), flush=True)
-    from ..kernels.ops import kernel_configs
+    from ..kernels.ops import kernel_configs  # triton: optional (the gpu extra), imported by the kernels
 
     configs = kernel_configs()
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows,
                        "configs": configs}, f, indent=1)
     print(table(rows, impls))
@@ -445,13 +439,3 @@ def main(argv=None) -> int:
     if errs:
         print(f"max relative difference ThunderEP vs grouped_mm outputs: {max(errs):.2e}")
     return 0
-
-
-if __name__ == "__main__":
-    from ..errors import ThunderError
-
-    try:
-        sys.exit(main())
-    except ThunderError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)

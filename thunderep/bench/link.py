@@ -1,7 +1,7 @@
 """Benchmark: the GPU link as NCCL sees it, fitted to the alpha-beta model of `thunderep project`, and
 per GPU pair the direct peer copy vs the host-staged copy.
 
-    thunderep bench link --worlds 2 4 --json link.json       # also: python -m thunderep.bench.link
+    thunderep bench link --worlds 2 4 --json link.json
     thunderep project RUN_DIR --link link.json --link-setting p2p_disabled
 
 For every world R (one process per GPU, GPUs 0 .. R-1) and every NCCL setting
@@ -52,7 +52,6 @@ naming each failed run. Times that admit no fit (flat over the sizes) keep their
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -62,20 +61,43 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from itertools import permutations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from ..kernels.graphs import capture
+from ..comm.launch import free_port
+from ..doctor import gpu as doctor_gpu
 from ..errors import CommError, ConfigError, PeerTimeout, ThunderError
+from ..kernels.graphs import capture
 
-__all__ = ["OPS", "SETTINGS", "fit_alpha_beta", "main", "measure_world", "sizes"]
+__all__ = ["OPS", "SETTINGS", "LinkBench", "fit_alpha_beta", "measure_world", "report", "sizes"]
 
 # setting -> NCCL environment on top of this process's; "default" also removes NCCL_P2P_DISABLE.
 SETTINGS = {"default": {}, "p2p_disabled": {"NCCL_P2P_DISABLE": "1"}}
 # The collectives a run can time, each at S bytes per rank with S (R - 1) / R of them sent to peers.
 OPS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class LinkBench:
+    """What `report` runs (`thunderep bench link`'s options): GPUs per run, NCCL settings, collectives,
+    collectives per CUDA graph (0: no graph rows), the per-rank buffer sizes' range, timed and untimed
+    iterations per size, the pair copies' buffer in MiB, the bound on one run and where the JSON goes."""
+
+    worlds: tuple[int, ...] = (2, 4)
+    settings: tuple[str, ...] = tuple(SETTINGS)
+    ops: tuple[str, ...] = ("all_to_all",)
+    graph: int = 0
+    min_bytes: int = 8
+    max_bytes: int = 256 << 20
+    iters: int = 20
+    warmup: int = 3
+    pair_mib: int = 64
+    timeout: float = 180.0
+    json: str | None = None
 
 
 def sizes(min_bytes: int, max_bytes: int, world: int) -> list[int]:
@@ -121,8 +143,6 @@ def fit_alpha_beta(bytes_sent: list[float], seconds: list[float]) -> tuple[float
 def _collective(op: str, size: int, world: int, send: torch.Tensor, recv: torch.Tensor, send_bf16: torch.Tensor,
                 recv_bf16: torch.Tensor):
     """A function that runs `op` (one of OPS) once for a per-rank buffer of `size` bytes."""
-    import torch.distributed as dist
-
     if op == "all_to_all":
         return lambda: dist.all_to_all_single(recv[:size], send[:size])
     if op == "all_gather":
@@ -151,8 +171,6 @@ def _captured(run, count: int, device: torch.device):
 def _worker(spec: dict) -> int:
     """One rank of a (setting, world) run, in its own process: times spec["op"] per size and writes
     {"rank", "seconds"} (median seconds per size) to spec["out"]."""
-    import torch.distributed as dist
-
     rank, world, cuda = spec["rank"], spec["world"], spec["backend"] == "nccl"  # gloo: the CPU tests
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -224,8 +242,6 @@ def measure_world(world: int, setting: str, size_list: list[int], *, iters: int,
     buffers of each size in bytes) on GPUs 0 .. world-1 under NCCL `setting`, in `world` freshly
     started processes (backend "gloo": on CPU). graph > 0: `graph` collectives captured in one CUDA
     graph per timed replay (NCCL only)."""
-    from ..comm.launch import free_port
-
     if graph < 0 or (graph and backend != "nccl"):
         raise ConfigError(f"graph={graph}: collectives captured in CUDA graphs need graph >= 1 and the nccl "
                           f"backend (here {backend!r})")
@@ -310,100 +326,23 @@ def _bytes(n: float) -> str:
     return f"{n:g} B"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:  # one rank, started by measure_world
-        return _worker(json.loads(argv[1]))
-    p = argparse.ArgumentParser(prog="thunderep bench link", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="GPUs per run (default: 2 4)")
-    p.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=list(SETTINGS))
-    p.add_argument("--ops", nargs="+", choices=OPS, default=["all_to_all"],
-                   help="collectives to time (default: all_to_all; the fit for the projection)")
-    p.add_argument("--graph", type=int, default=0, metavar="N",
-                   help="also time every op inside CUDA graphs, N collectives per graph (default 0: not)")
-    p.add_argument("--min-bytes", type=int, default=8, help="smallest per-rank buffer (default 8)")
-    p.add_argument("--max-bytes", type=int, default=256 << 20, help="largest per-rank buffer (default 256 MiB)")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size (default 3)")
-    p.add_argument("--pair-mib", type=int, default=64, help="buffer of the pair copies in MiB (default 64)")
-    p.add_argument("--timeout", type=float, default=180.0,
-                   help="seconds for one (setting, world) run and for any NCCL wait in it (default 180)")
-    p.add_argument("--json", metavar="PATH", help="write the fits, the times and the pairs as JSON")
-    a = p.parse_args(argv)
-    if min(a.worlds) < 2:
-        p.error(f"--worlds ({a.worlds}): a link needs 2 or more GPUs per run")
-    if a.iters < 1 or a.warmup < 0 or a.timeout <= 0 or a.graph < 0:
-        p.error("--iters must be >= 1, --warmup >= 0, --timeout > 0, --graph >= 0")
-    if not 1 <= a.min_bytes <= a.max_bytes or a.pair_mib < 1:  # before, found only once GPUs were counted
-        p.error(f"--min-bytes ({a.min_bytes}) must be at least 1 and at most --max-bytes ({a.max_bytes}), "
-                f"--pair-mib ({a.pair_mib}) at least 1")
+def report(a: LinkBench) -> int:
+    """The pair copies, then every (setting, world, op) run, its times and fits printed (and written to
+    `a.json`); ThunderError without 2 GPUs, or naming the runs that failed once the others have printed."""
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < 2:
         raise ThunderError(f"bench link needs 2 or more CUDA GPUs and finds {n} (torch {torch.__version__}, "
                            f"CUDA {torch.version.cuda or 'not built in'}); run it on the multi-GPU machine")
-    from ..doctor.gpu import measure_pair
-
     hardware = _hardware(n)
     print(f"hardware: {hardware}")
     skipped = [f"world {w}: this machine has {n} GPUs" for w in a.worlds if w > n]
     worlds = [w for w in a.worlds if w <= n]
     for note in skipped:
         print(f"skipped {note}")
-
-    pairs = [measure_pair(torch, i, j, a.pair_mib << 20) for i, j in permutations(range(n), 2)]
-    print(f"\nGPU copies, {a.pair_mib} MiB, best of 5 (thunderep doctor's measurement):")
-    print(f"{'src -> dst':>10} | {'peer access':>11} | {'peer copy GB/s':>14} | {'via host GB/s':>13} | {'ratio':>6}")
-    for c in pairs:
-        if c.error:
-            print(f"{c.src:>3} -> {c.dst:<3} | {'yes' if c.peer_access else 'no':>11} | failed: {c.error}")
-        else:
-            print(f"{c.src:>3} -> {c.dst:<3} | {'yes' if c.peer_access else 'no':>11} | {c.peer_gbps:14.2f} | "
-                  f"{c.via_host_gbps:13.2f} | {c.peer_gbps / c.via_host_gbps:5.2f}x")
-
-    fits, failures = [], []
-    for setting in a.settings:
-        for world in worlds:
-            size_list = sizes(a.min_bytes, a.max_bytes, world)
-            for op in a.ops:  # the ops of one (setting, world) next to each other: drift hits them alike
-                for graph in (0, a.graph) if a.graph else (0,):
-                    started = time.perf_counter()
-                    try:
-                        seconds = measure_world(world, setting, size_list, iters=a.iters, warmup=a.warmup,
-                                                timeout_s=a.timeout, op=op, graph=graph)
-                    except ThunderError as exc:  # the other runs' times still print; the exit code says it
-                        failures.append(str(exc))
-                        print(f"failed: {exc}", flush=True)
-                        continue
-                    fits.append(_fit_row(world, setting, size_list, seconds, op, graph))
-                    print(f"measured {_op_label(fits[-1])}, {setting}, {world} GPUs: {len(size_list)} sizes in "
-                          f"{time.perf_counter() - started:.1f} s", flush=True)
-
-    def label(f: dict) -> str:
-        return f"{f['setting']} R={f['world']}" + ("" if len(a.ops) == 1 and not a.graph else f" {_op_label(f)}")
-
-    width = max(16, *(len(label(f)) for f in fits)) if fits else 16
-    graphed = f" (and in CUDA graphs of {a.graph})" if a.graph else ""
-    print(f"\nNCCL {', '.join(a.ops)}{graphed}: exposed time of one collective (median over iterations, "
-          "slowest rank), us:")
-    print(f"{'bytes/rank':>10} | " + " | ".join(f"{label(f):>{width}}" for f in fits))
-    for i in range(max((len(f["points"]) for f in fits), default=0)):
-        cells = [f"{f['points'][i]['seconds'] * 1e6:{width}.1f}" if i < len(f["points"]) else " " * width
-                 for f in fits]
-        size = next(f["points"][i]["bytes_per_rank"] for f in fits if i < len(f["points"]))
-        print(f"{_bytes(size):>10} | " + " | ".join(cells))
-    print("\nfit t = latency + sent / beta (least squares on relative error), sent = S (R - 1) / R bytes per rank;"
-          "\nalpha = latency / (R - 1) per message; `thunderep project --link` uses the all_to_all rows:")
-    print(f"{'op':<23} | {'setting':<12} | {'GPUs':>4} | {'latency us':>10} | {'alpha us':>8} | {'beta GB/s':>9} | "
-          f"{'smallest us':>11} | {'largest GB/s':>12} | {'max fit err':>11}")
-    for f in fits:
-        head = f"{_op_label(f):<23} | {f['setting']:<12} | {f['world']:>4} | "
-        tail = f"{f['smallest_us']:11.1f} | {f['largest_GBps']:12.2f} | "
-        if "fit_error" in f:
-            print(head + f"{'-':>10} | {'-':>8} | {'-':>9} | " + tail + f"{'-':>11}   no fit: {f['fit_error']}")
-        else:
-            print(head + f"{f['latency_us']:10.1f} | {f['alpha_us']:8.1f} | {f['beta_GBps']:9.2f} | " + tail
-                  + f"{100 * f['max_rel_error']:10.1f}%")
+    pairs = _pairs(n, a.pair_mib)
+    fits, failures = _measure_runs(a, worlds)
+    _print_times(a, fits)
+    _print_fits(fits)
     if a.json:
         out = {"tool": "thunderep bench link", "hardware": hardware,
                "timing": "barrier, synchronize, one collective, synchronize; median over "
@@ -422,9 +361,73 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except ThunderError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+def _pairs(n: int, pair_mib: int) -> list:
+    """Peer copy vs host-staged copy for every ordered pair of the n GPUs (the doctor's measurement), printed."""
+    pairs = [doctor_gpu.measure_pair(torch, i, j, pair_mib << 20) for i, j in permutations(range(n), 2)]
+    print(f"\nGPU copies, {pair_mib} MiB, best of 5 (thunderep doctor's measurement):")
+    print(f"{'src -> dst':>10} | {'peer access':>11} | {'peer copy GB/s':>14} | {'via host GB/s':>13} | {'ratio':>6}")
+    for c in pairs:
+        if c.error:
+            print(f"{c.src:>3} -> {c.dst:<3} | {'yes' if c.peer_access else 'no':>11} | failed: {c.error}")
+        else:
+            print(f"{c.src:>3} -> {c.dst:<3} | {'yes' if c.peer_access else 'no':>11} | {c.peer_gbps:14.2f} | "
+                  f"{c.via_host_gbps:13.2f} | {c.peer_gbps / c.via_host_gbps:5.2f}x")
+    return pairs
+
+
+def _measure_runs(a: LinkBench, worlds: list[int]) -> tuple[list[dict], list[str]]:
+    """Every (setting, world, op, graph) run: the fitted rows of those that measured, and the errors of
+    those that failed (the others still run)."""
+    fits, failures = [], []
+    for setting in a.settings:
+        for world in worlds:
+            size_list = sizes(a.min_bytes, a.max_bytes, world)
+            for op in a.ops:  # the ops of one (setting, world) next to each other: drift hits them alike
+                for graph in (0, a.graph) if a.graph else (0,):
+                    started = time.perf_counter()
+                    try:
+                        seconds = measure_world(world, setting, size_list, iters=a.iters, warmup=a.warmup,
+                                                timeout_s=a.timeout, op=op, graph=graph)
+                    except ThunderError as exc:  # the other runs' times still print; the exit code says it
+                        failures.append(str(exc))
+                        print(f"failed: {exc}", flush=True)
+                        continue
+                    fits.append(_fit_row(world, setting, size_list, seconds, op, graph))
+                    print(f"measured {_op_label(fits[-1])}, {setting}, {world} GPUs: {len(size_list)} sizes in "
+                          f"{time.perf_counter() - started:.1f} s", flush=True)
+    return fits, failures
+
+
+def _print_times(a: LinkBench, fits: list[dict]) -> None:
+    def label(f: dict) -> str:
+        return f"{f['setting']} R={f['world']}" + ("" if len(a.ops) == 1 and not a.graph else f" {_op_label(f)}")
+
+    width = max(16, *(len(label(f)) for f in fits)) if fits else 16
+    graphed = f" (and in CUDA graphs of {a.graph})" if a.graph else ""
+    print(f"\nNCCL {', '.join(a.ops)}{graphed}: exposed time of one collective (median over iterations, "
+          "slowest rank), us:")
+    print(f"{'bytes/rank':>10} | " + " | ".join(f"{label(f):>{width}}" for f in fits))
+    for i in range(max((len(f["points"]) for f in fits), default=0)):
+        cells = [f"{f['points'][i]['seconds'] * 1e6:{width}.1f}" if i < len(f["points"]) else " " * width
+                 for f in fits]
+        size = next(f["points"][i]["bytes_per_rank"] for f in fits if i < len(f["points"]))
+        print(f"{_bytes(size):>10} | " + " | ".join(cells))
+
+
+def _print_fits(fits: list[dict]) -> None:
+    print("\nfit t = latency + sent / beta (least squares on relative error), sent = S (R - 1) / R bytes per rank;"
+          "\nalpha = latency / (R - 1) per message; `thunderep project --link` uses the all_to_all rows:")
+    print(f"{'op':<23} | {'setting':<12} | {'GPUs':>4} | {'latency us':>10} | {'alpha us':>8} | {'beta GB/s':>9} | "
+          f"{'smallest us':>11} | {'largest GB/s':>12} | {'max fit err':>11}")
+    for f in fits:
+        head = f"{_op_label(f):<23} | {f['setting']:<12} | {f['world']:>4} | "
+        tail = f"{f['smallest_us']:11.1f} | {f['largest_GBps']:12.2f} | "
+        if "fit_error" in f:
+            print(head + f"{'-':>10} | {'-':>8} | {'-':>9} | " + tail + f"{'-':>11}   no fit: {f['fit_error']}")
+        else:
+            print(head + f"{f['latency_us']:10.1f} | {f['alpha_us']:8.1f} | {f['beta_GBps']:9.2f} | " + tail
+                  + f"{100 * f['max_rel_error']:10.1f}%")
+
+
+if __name__ == "__main__":  # one rank, started by measure_world: python -m thunderep.bench.link --worker SPEC
+    raise SystemExit(_worker(json.loads(sys.argv[2])))

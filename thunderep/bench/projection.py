@@ -1,45 +1,10 @@
-"""A PCIe projection: step time of a measured run, projected to 2 and 4 GPUs over PCIe 4.0 / 5.0 x16,
-for ThunderEP's all-to-all vs the all-gather + reduce-scatter baseline. A PROJECTION, not a measurement.
-
-    thunderep project RUN_DIR [--compute-ms MS] [--bytes-per-element 2] [--link FILE | --alpha-us US --link-gbps GBPS]
-
-Model (alpha-beta): a collective costs (messages x alpha) + (bytes this rank sends / beta); with P2P
-a byte crosses PCIe once, without P2P it is staged through host memory and crosses twice (beta
-halves; alpha, assumed below, grows from 30 to 45 us). Per MoE layer and step, with T tokens per
-rank, K experts per token, D hidden, b bytes per element and R GPUs, uniform routing:
-
-    ThunderEP: 4 all-to-alls (dispatch, combine, and their backward), each R - 1 messages and
-               T K D b (R - 1) / R bytes; plus one control exchange (mailbox: about 3 us, no PCIe bytes)
-    baseline:  4 collectives (all-gather x, reduce-scatter y, and their backward), each R - 1 ring
-               steps and (R - 1) T D b bytes
-
-Compute per step is taken from the run (its step time minus communication in flight) or given with
---compute-ms; it stays the same per GPU as R grows (each GPU keeps T tokens), times the run's mean
-load imbalance for ThunderEP (the busiest rank sets the pace; the baseline computes every expert on
-its owner too, so it pays the same imbalance). No overlap of communication with compute is assumed.
-
-Link parameters (assumptions, with sources):
-* PCIe 4.0 x16: 16 GT/s per lane, 128b/130b encoding -> 31.5 GB/s per direction; 80% of that for large
-  DMA transfers (25 GB/s). PCIe 5.0 x16: twice that (50 GB/s).
-* alpha: 30 us per collective step with P2P, 45 us host-staged: an assumption of the order of
-  NCCL's small-message all-to-all latency between two GPUs (tens of microseconds; staging through
-  host memory adds a second copy). An assumption; measured values replace it (below).
-
-Measured link parameters replace the four assumed links with one measured link per GPU count:
-
-    thunderep bench link --worlds 2 4 --json link.json       # on the multi-GPU machine
-    thunderep project RUN_DIR --link link.json --link-setting p2p_disabled
-    thunderep project RUN_DIR --alpha-us 20 --link-gbps 12    # measured elsewhere, given by hand
-
-alpha is per message (a collective over R GPUs costs (R - 1) alpha), beta the bytes one GPU sends to
-its peers per second. `--link` takes, for R GPUs, the fit that `thunderep bench link` made at world R
-(NCCL all-to-all; the baseline's ring collectives are costed with the same link). `--json PATH`
-writes the table's rows.
-"""
+"""The PCIe projection of `thunderep project` (its options, and the model and its assumed links in full:
+`thunderep.cli.project`): a measured run's step time projected to 2 and 4 GPUs over PCIe, ThunderEP's
+all-to-all against the all-gather + reduce-scatter baseline, with the alpha-beta model. A PROJECTION, not a
+measurement."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -48,7 +13,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["LINKS", "Link", "load_link", "main", "project_step"]
+__all__ = ["LINKS", "Link", "Projection", "load_link", "project", "project_step"]
 
 
 @dataclass(frozen=True)
@@ -133,84 +98,35 @@ def load_link(path: str | Path, *, world: int, setting: str) -> tuple[Link, str]
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="thunderep project", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", help="a `thunderep train --out DIR` run")
-    p.add_argument("--compute-ms", type=float, help="compute per step on one GPU (default: from the run)")
-    p.add_argument("--bytes-per-element", type=int, default=2, help="2 for bf16 payloads (default)")
-    p.add_argument("--tokens", type=int, help="tokens per GPU per step (default: the run's)")
-    p.add_argument("--hidden", type=int, help="hidden size (default: the run's)")
-    p.add_argument("--layers", type=int, help="MoE layers (default: the run's)")
-    p.add_argument("--top-k", type=int, help="experts per token (default: the run's)")
-    p.add_argument("--link", metavar="FILE", help="measured link parameters: a `thunderep bench link --json` file")
-    p.add_argument("--link-setting", choices=("p2p_disabled", "default"),
-                   help="the NCCL setting of --link to use: p2p_disabled (host-staged, default) or default")
-    p.add_argument("--alpha-us", type=float, help="measured latency per message in microseconds (with --link-gbps)")
-    p.add_argument("--link-gbps", type=float, help="measured bytes per second one GPU sends to its peers, in GB/s")
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    a = p.parse_args(argv)
-    if a.link and (a.alpha_us is not None or a.link_gbps is not None):
-        p.error("give either --link FILE or --alpha-us and --link-gbps, not both")
-    if (a.alpha_us is None) != (a.link_gbps is None):
-        p.error("--alpha-us and --link-gbps go together: give both")
-    bad = [f"--{name.replace('_', '-')} {getattr(a, name)}" for name in
-           ("compute_ms", "bytes_per_element", "tokens", "hidden", "layers", "top_k")
-           if getattr(a, name) is not None and not 0 < getattr(a, name) < float("inf")]
-    if bad:  # (the link's numbers are checked by Link)
-        p.error(f"these must be positive and finite: {', '.join(bad)}")
-    if (a.tokens or a.hidden or a.layers or a.top_k) and a.compute_ms is None:
-        p.error("with another model shape, give --compute-ms (the run's compute time is for its own shape)")
-    if a.link_setting is not None and not a.link:
-        p.error(f"--link-setting {a.link_setting} picks a setting of a --link FILE: give --link too")
-    a.link_setting = a.link_setting or "p2p_disabled"
-    if a.json:  # before the work, not after the table
-        where = Path(a.json)
-        if where.is_dir():
-            p.error(f"--json {a.json} is a directory: give a file path, e.g. {where / 'projection.json'}")
-        if not where.absolute().parent.is_dir():
-            p.error(f"--json {a.json}: its directory {where.absolute().parent} does not exist")
+@dataclass(frozen=True)
+class Projection:
+    """What `project` projects (`thunderep project`'s options): the run, and what replaces the run's own
+    numbers (None: the run's), the link file and its NCCL setting, or a link given by hand, and where the
+    rows go as JSON."""
+
+    run_dir: str
+    compute_ms: float | None = None
+    bytes_per_element: int = 2
+    tokens: int | None = None
+    hidden: int | None = None
+    layers: int | None = None
+    top_k: int | None = None
+    link: str | None = None
+    link_setting: str = "p2p_disabled"
+    alpha_us: float | None = None
+    link_gbps: float | None = None
+    json: str | None = None
+
+
+def project(a: Projection) -> int:
+    """Print (and write to `a.json`) the projected step times; 2, with one line on stderr, for a run
+    directory without readable metrics."""
     run = Path(a.run_dir)
-    path = run / "metrics.json"
-    if not path.is_file():
-        print(f"thunderep project: {path} not found (runs write it with `thunderep train --out DIR`)",
-              file=sys.stderr)
+    measured = _read_run(run / "metrics.json", a)
+    if measured is None:
         return 2
-    try:
-        metrics = json.loads(path.read_text())
-        tax, steps = metrics["synctax"], metrics["steps"]
-        model = {key: metrics["model"][key] for key in ("hidden_size", "num_layers", "top_k")}
-        T = a.tokens or metrics["tokens"] // steps // metrics["world"]
-        compute_s = (a.compute_ms / 1e3 if a.compute_ms is not None
-                     else tax["seconds"] * (1 - min(tax["sync_tax_share"], 0.95)) / steps)
-        imbalance = tax["mean_imbalance"]
-    except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:  # truncated, or not a run's metrics
-        print(f"thunderep project: {path} is not a readable run's metrics ({type(exc).__name__}: {exc})",
-              file=sys.stderr)
-        return 2
-    # links_R: the links to project R GPUs over, and one line each saying where they come from.
-    if a.link:
-        links_R, notes = {}, []
-        for R in (2, 4):
-            found = load_link(a.link, world=R, setting=a.link_setting)
-            if found is None:
-                notes.append(f"{R} GPUs: not projected, {a.link} has no fit at world {R} (setting {a.link_setting})")
-            else:
-                links_R[R] = [found[0]]
-                notes.append(f"{R} GPUs: link parameters {found[1]}")
-        label = f"MEASURED link parameters from {a.link}"
-    elif a.alpha_us is not None:
-        link = Link("measured (command line)", a.link_gbps, a.alpha_us)
-        links_R = {R: [link] for R in (2, 4)}
-        notes = [f"link parameters measured, given on the command line: alpha {a.alpha_us:g} us per message, "
-                 f"beta {a.link_gbps:g} GB/s (--alpha-us, --link-gbps), for 2 and 4 GPUs alike"]
-        label = "MEASURED link parameters given on the command line"
-    else:
-        links_R, notes = {R: list(LINKS) for R in (2, 4)}, []
-        label = "parameters and sources in `thunderep project --help`"
-    for key, value in (("hidden_size", a.hidden), ("num_layers", a.layers), ("top_k", a.top_k)):
-        if value is not None:
-            model[key] = value
+    T, model, compute_s, imbalance = measured
+    links_R, notes, label = _links(a)
     print(f"PROJECTION (alpha-beta model, {label}), not a measurement")
     print(f"from run {run}: {T} tokens per rank per step, D={model['hidden_size']}, K={model['top_k']}, "
           f"{model['num_layers']} MoE layers, compute {compute_s * 1e3:.2f} ms per step "
@@ -236,3 +152,49 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.json}")
     return 0
+
+
+def _read_run(path: Path, a: Projection):
+    """(tokens per rank per step, the model's hidden_size / num_layers / top_k, compute seconds per step,
+    mean imbalance) of the run's metrics, with `a`'s replacements; None, said on stderr, where unreadable."""
+    if not path.is_file():
+        print(f"thunderep project: {path} not found (runs write it with `thunderep train --out DIR`)",
+              file=sys.stderr)
+        return None
+    try:
+        metrics = json.loads(path.read_text())
+        tax, steps = metrics["synctax"], metrics["steps"]
+        model = {key: metrics["model"][key] for key in ("hidden_size", "num_layers", "top_k")}
+        T = a.tokens or metrics["tokens"] // steps // metrics["world"]
+        compute_s = (a.compute_ms / 1e3 if a.compute_ms is not None
+                     else tax["seconds"] * (1 - min(tax["sync_tax_share"], 0.95)) / steps)
+        imbalance = tax["mean_imbalance"]
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:  # truncated, or not a run's metrics
+        print(f"thunderep project: {path} is not a readable run's metrics ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return None
+    for key, value in (("hidden_size", a.hidden), ("num_layers", a.layers), ("top_k", a.top_k)):
+        if value is not None:
+            model[key] = value
+    return T, model, compute_s, imbalance
+
+
+def _links(a: Projection) -> tuple[dict[int, list[Link]], list[str], str]:
+    """The links to project R GPUs over (R -> links), one line each saying where they come from, and the
+    table's label."""
+    if a.link:
+        links_R, notes = {}, []
+        for R in (2, 4):
+            found = load_link(a.link, world=R, setting=a.link_setting)
+            if found is None:
+                notes.append(f"{R} GPUs: not projected, {a.link} has no fit at world {R} (setting {a.link_setting})")
+            else:
+                links_R[R] = [found[0]]
+                notes.append(f"{R} GPUs: link parameters {found[1]}")
+        return links_R, notes, f"MEASURED link parameters from {a.link}"
+    if a.alpha_us is not None:
+        link = Link("measured (command line)", a.link_gbps, a.alpha_us)
+        notes = [f"link parameters measured, given on the command line: alpha {a.alpha_us:g} us per message, "
+                 f"beta {a.link_gbps:g} GB/s (--alpha-us, --link-gbps), for 2 and 4 GPUs alike"]
+        return {R: [link] for R in (2, 4)}, notes, "MEASURED link parameters given on the command line"
+    return {R: list(LINKS) for R in (2, 4)}, [], "parameters and sources in `thunderep project --help`"

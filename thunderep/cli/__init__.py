@@ -9,7 +9,6 @@ import sys
 import warnings
 
 from .. import env
-from ..comm.stop import stop_on_sigterm
 from ..errors import Stopped, ThunderError
 
 __all__ = ["count_problems", "main"]
@@ -17,15 +16,15 @@ __all__ = ["count_problems", "main"]
 # subcommand -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS = {
     "demo": ("thunderep.cli.demo", "run the main demo on this machine (CPU or GPU)"),
-    "generate": ("thunderep.serve.generate", "generate text from a local HF MoE checkpoint on N expert-parallel ranks"),
-    "train": ("thunderep.train.loop", "expert-parallel training of a byte-level MoE model on local text"),
-    "finetune": ("thunderep.train.finetune", "fine-tune a local HF MoE checkpoint on N expert-parallel ranks"),
-    "serve": ("thunderep.serve.server", "serve a local HF MoE checkpoint over HTTP (OpenAI-style) on N ranks"),
+    "generate": ("thunderep.cli.generate", "generate text from a local HF MoE checkpoint on N expert-parallel ranks"),
+    "train": ("thunderep.cli.train", "expert-parallel training of a byte-level MoE model on local text"),
+    "finetune": ("thunderep.cli.finetune", "fine-tune a local HF MoE checkpoint on N expert-parallel ranks"),
+    "serve": ("thunderep.cli.serve", "serve a local HF MoE checkpoint over HTTP (OpenAI-style) on N ranks"),
     "bench": ("thunderep.cli.bench", "benchmarks, baseline and candidate side by side"),
-    "report": ("thunderep.train.telemetry", "print the sync-tax report of a run directory"),
-    "project": ("thunderep.bench.projection", "project a run's step time to 2 / 4 GPUs over PCIe (a model)"),
-    "plan": ("thunderep.hf.memory", "memory per rank of a HF MoE checkpoint for each EP size, against this host"),
-    "doctor": ("thunderep.doctor", "check this machine's GPUs, PCIe links, ACS, IOMMU and P2P"),
+    "report": ("thunderep.cli.report", "print the sync-tax report of a run directory"),
+    "project": ("thunderep.cli.project", "project a run's step time to 2 / 4 GPUs over PCIe (a model)"),
+    "plan": ("thunderep.cli.plan", "memory per rank of a HF MoE checkpoint for each EP size, against this host"),
+    "doctor": ("thunderep.cli.doctor", "check this machine's GPUs, PCIe links, ACS, IOMMU and P2P"),
 }
 
 
@@ -72,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
+        # deferred: the sysconfig launcher loads thunderep.cli without thunderep's __init__ (which imports torch)
         from .. import __version__
 
         print(f"thunderep {__version__}")
@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(name: str, rest: list[str]) -> int:
     """The subcommand `name` with its arguments; an error it raises, as one line and an exit code."""
+    # deferred: thunderep.comm's package imports torch; `thunderep-sysconfig` loads thunderep.cli without it
+    from ..comm.stop import stop_on_sigterm
+
     module = importlib.import_module(COMMANDS[name][0])
     try:
         with stop_on_sigterm():

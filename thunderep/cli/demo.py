@@ -1,4 +1,4 @@
-"""`thunderep demo`: expert parallelism end to end on this machine, in about 10 s on 2 CPU cores.
+"""`thunderep demo`: expert parallelism end to end on this machine, in seconds on a CPU.
 
 Checks one MoE layer against the slow reference, then trains a small byte-level Mixtral-shaped model
 split over 2 expert-parallel ranks (`--nproc`; CPU processes with gloo, or GPUs with NCCL when there
@@ -16,6 +16,8 @@ import torch
 from ..config import LayerConfig
 from ..moe.layer import ThunderMoELayer
 from ..moe.reference import reference_layer
+from .train import argument_problems
+from .train import main as train_main
 
 __all__ = ["main", "run_check"]
 
@@ -54,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None,
                         help="run directory: metrics.json, sync-tax report, Chrome trace (default: none written)")
     args = parser.parse_args(argv)
-    from ..train.loop import argument_problems
-
     problems = argument_problems(args)
     for line in problems:
         print(f"thunderep demo: {line}", file=sys.stderr)
@@ -71,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"1. one MoE layer vs the slow reference (fp32): max relative error output {errors['output']:.1e}, "
           f"gradients {errors['gradients']:.1e} -> {'OK' if ok else 'MISMATCH'}")
     print(f"2. expert-parallel training, {args.steps} steps on Python's bundled reference text:")
-    from ..train.loop import main as train_main
-
     train_argv = ["--nproc", str(args.nproc), "--steps", str(args.steps), "--generate", str(args.generate),
                   "--prompt", "The ", "--lr", "1e-2", "--hidden", "64", "--batch", "8", "--seq-len", "64",
                   "--balance", "--temperature", "0.8"]

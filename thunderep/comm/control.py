@@ -4,7 +4,8 @@ Per MoE layer the expert-parallel runtime exchanges split sizes and load fingerp
 rank, latency-critical. `ControlPlane` is the interface; two implementations share it:
 
 * `MailboxControlPlane` - one host: seqlocked slots in POSIX shared memory (`mailbox.Mailbox`),
-  a few microseconds per exchange; a silent peer raises `PeerTimeout` naming its rank and round.
+  no collective on the path (docs/BENCHMARKS.md, "Control plane (mailbox vs gloo)"); a silent peer
+  raises `PeerTimeout` naming its rank and round.
 * `CollectiveControlPlane` - any topology: torch.distributed collectives on the given group.
 
 `make_control_plane("auto")` picks the mailbox when every rank of the group is on one host and the

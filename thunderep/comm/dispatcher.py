@@ -3,9 +3,14 @@
 Shape legend: T local tokens, K experts per token, N = T * K (token, expert) pairs, D hidden size,
 R ranks of the EP group, S slots per rank, P = R * S global slots, M rows this rank receives.
 
-    plan(routings, placement)  -> [DispatchMeta]     one control-plane exchange for all waves
-    dispatch_async(x_TD, meta) -> handle; wait() -> x_MD rows grouped by local slot (meta.counts_S)
-    combine_async(y_MD, meta)  -> handle; wait() -> y_TD = sum_k weights_TK * y(t, k)
+    plan(slots_W, weights_W, S) -> Plan        one control-plane exchange for all W waves
+    dispatch_async(x_TD, meta)  -> handle; wait() -> x_MD rows grouped by local slot (meta.counts_S)
+    combine_async(y_MD, meta)   -> handle; wait() -> y_TD = sum_k weights_TK * y(t, k)
+
+The dispatcher moves rows and knows no policy: the caller maps each (token, k) pair to a global slot
+(`slots_TK`, slot p on rank p // S) before it (the placement, or the balancer's trade plan) and reads the
+slot loads after it. Words of the caller's own (the balancer's fingerprint) may ride in the split-size
+record (`Rider`), so that they cost no extra exchange.
 
 Rows travel with variable-size `all_to_all_single`; nothing is dropped; the permutation is stable
 (pairs sorted by global slot, ties in token order). Autograd runs through both directions: the
@@ -23,66 +28,15 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..balance.placement import Placement
+from collections.abc import Callable
+
 from ..errors import CommError
-from ..moe.router import Routing, expert_counts
 from .codec import Codec, get_codec
 from .control import ControlPlane
 from .groups import EPGroups, peer_errors, wait_work
+from .stats import CommStats
 
-__all__ = ["CommStats", "DispatchMeta", "Dispatcher", "Pending"]
-
-
-class CommStats:
-    """Bytes and wall time of the runtime's communication, accumulated until `reset()`.
-
-    bytes_R[op][r]: bytes this rank sent to EP rank r for op in OPS (ep mode's dispatch and combine,
-    latency mode's all-reduce, all-gather mode's all-gathers and reduce-scatters, each with its
-    backward; the control plane; migrations); the entry of this rank itself stays on the device (no
-    PCIe). seconds[op]: wall time from launch to completed wait. "split_sizes_to_host" moves no bytes
-    between ranks: its seconds are the wait for this rank's own GPU before the split sizes exist on the
-    host (not counted as blocked on peers); "control" is the exchange itself.
-    """
-
-    OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "latency_allreduce",
-           "latency_allreduce_backward", "allgather", "allgather_ids", "allgather_backward", "reduce_scatter",
-           "reduce_scatter_backward", "split_sizes_to_host", "control", "migration")
-
-    def __init__(self, world: int, rank: int):
-        self.world, self.rank = world, rank
-        self.reset()
-
-    def reset(self) -> None:
-        self.bytes_R = {op: [0] * self.world for op in self.OPS}
-        self.seconds = {op: 0.0 for op in self.OPS}
-        self.calls = {op: 0 for op in self.OPS}
-        self.blocked = {op: 0.0 for op in self.OPS}  # seconds this rank sat blocked in wait()
-        self.loads_R: list[list[int]] = []  # rows each EP rank's experts computed, per plan() call
-        self.loads_E: list[list[int]] = []  # (token, k) pairs per logical expert, all ranks, per plan()
-
-    def imbalance(self) -> float:
-        """Mean over recorded steps of max rank load / mean rank load (1.0 = perfectly even)."""
-        values = [max(l) * len(l) / sum(l) for l in self.loads_R if sum(l)]
-        return sum(values) / len(values) if values else 1.0
-
-    def record(self, op: str, sent_R: list[int], seconds: float, blocked: float | None = None) -> None:
-        row = self.bytes_R[op]
-        for r, b in enumerate(sent_R):
-            row[r] += b
-        self.seconds[op] += seconds
-        self.blocked[op] += seconds if blocked is None else blocked
-        self.calls[op] += 1
-
-    def remote_bytes(self, op: str | None = None) -> int:
-        """Bytes sent to other ranks (what crosses PCIe or the network)."""
-        ops = self.OPS if op is None else (op,)
-        return sum(b for o in ops for r, b in enumerate(self.bytes_R[o]) if r != self.rank)
-
-    def snapshot(self) -> dict:
-        return {"rank": self.rank, "bytes_R": {k: list(v) for k, v in self.bytes_R.items()},
-                "seconds": dict(self.seconds), "blocked": dict(self.blocked), "calls": dict(self.calls),
-                "remote_bytes": self.remote_bytes(), "loads_R": [list(l) for l in self.loads_R],
-                "imbalance": self.imbalance()}
+__all__ = ["DispatchMeta", "Dispatcher", "Pending", "Plan", "Rider"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,6 +64,37 @@ class DispatchMeta:
     sinks: tuple = ()  # CommStats that record this wave's traffic (the runtime's and the layer's)
 
 
+@dataclass(frozen=True)
+class Rider:
+    """Words that ride in the split-size record of `Dispatcher.plan`.
+
+    on_device: int32 [n], copied to the host together with the split sizes (one device-to-host copy).
+    encode: host int32 [n] -> int32 [w], the words this rank sends (w the same on every rank).
+    """
+
+    on_device: torch.Tensor
+    encode: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """What `Dispatcher.plan` agreed for one step.
+
+    metas: one `DispatchMeta` per wave. load_P: int64 [R * S] rows each global slot computes this step
+    (all waves, all ranks; the same on every rank). rider_RW: int32 [R, w] every rank's rider words
+    (w = 0 without a rider).
+    """
+
+    metas: list
+    load_P: torch.Tensor
+    rider_RW: torch.Tensor
+
+
+def _slot_counts(slots_N: torch.Tensor, P: int) -> torch.Tensor:
+    """[P] int64 pairs per global slot; unlike torch.bincount on CUDA, no wait for the GPU."""
+    return torch.zeros(P, dtype=torch.int64, device=slots_N.device).scatter_add_(0, slots_N, torch.ones_like(slots_N))
+
+
 def _inverse(order: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -120,9 +105,8 @@ def _slot_major_order(recv_RS: list[list[int]], device: torch.device) -> torch.T
     """The order that takes received rows (grouped by source rank, each rank's rows by local slot) to
     local-slot order (source ranks in order within a slot), built on `device` from the host counts
     recv_RS[r][s]. Only R * S numbers are worked on the host; the M indices are made on the device
-    without waiting for it: `repeat_interleave` with a known output size, after one small copy.
-    (Building them on the host with torch, as before, took milliseconds per layer on multi-core GPU
-    hosts: the CPU `repeat_interleave` forks torch's thread pool even for a handful of groups.)"""
+    without waiting for it: `repeat_interleave` with a known output size, after one small copy (the
+    CPU `repeat_interleave` would fork torch's thread pool for a handful of groups)."""
     R = len(recv_RS)
     S = len(recv_RS[0]) if R else 0
     start_RS, src = [], 0
@@ -197,69 +181,51 @@ class Dispatcher:
 
     # -- planning
 
-    def plan(self, routings: list[Routing], placement: Placement, stats: CommStats | None = None,
-             balancer=None) -> list[DispatchMeta]:
-        """Split sizes for each wave's routing, exchanged in one control-plane round. `stats`: a
-        further `CommStats` (e.g. the layer's) that records this step's traffic and rank loads.
-        `balancer`: a `LayerBalancer` whose words ride in the same record and whose trade plan picks
-        each pair's replica."""
-        R, S = self.groups.ep_size, placement.slots_per_rank
-        if placement.ep_size != R:
-            raise CommError(f"placement is for {placement.ep_size} ranks but the EP group has {R}")
-        me = self.groups.ep_rank
-        device = routings[0].ids_TK.device
-        table_E = placement.slot_table(me, device)
-        orders, sends = [], []
-        for routing in routings:
-            if balancer is not None:
-                slots_N = balancer.assign(me, routing.ids_TK).to(device)
-            else:
-                slots_N = table_E[routing.ids_TK.reshape(-1)]
-            orders.append(torch.argsort(slots_N, stable=True))
-            sends.append(expert_counts(slots_N, R * S))  # torch.bincount would wait for the GPU here
-        send_WP = torch.stack(sends).to(torch.int32)
-        W = len(routings)
-        if balancer is not None:  # the step's expert counts ride in the same copy
-            counts_E = sum(r.counts_E for r in routings).to(device, torch.int32)
-            send_WP = torch.cat([send_WP.reshape(-1), counts_E])
+    def plan(self, slots_W: list[torch.Tensor], weights_W: list[torch.Tensor], slots_per_rank: int,
+             rider: Rider | None = None, stats: CommStats | None = None) -> Plan:
+        """Split sizes of every wave, exchanged in one control-plane round.
+
+        slots_W[w]: int64 [T_w, K] (or [T_w * K]) global slot of each (token, k) pair of wave w, in
+        [0, R * slots_per_rank). weights_W[w]: [T_w, K] routing weights, applied in combine. rider: words
+        sent in the same record. stats: a further `CommStats` (e.g. the layer's) that records this step."""
+        R, S = self.groups.ep_size, slots_per_rank
+        P, W, me = R * S, len(slots_W), self.groups.ep_rank
+        device = slots_W[0].device
+        flat_W = [slots.reshape(-1) for slots in slots_W]
+        orders = [torch.argsort(slots_N, stable=True) for slots_N in flat_W]
+        send_WP = torch.stack([_slot_counts(slots_N, P) for slots_N in flat_W]).to(torch.int32)
+        if rider is not None:  # the rider's device words come to the host in the same copy
+            send_WP = torch.cat([send_WP.reshape(-1), rider.on_device.to(device, torch.int32)])
         started = time.perf_counter()
         with record_function("thunderep.split_sizes_to_host"):  # waits for this rank's GPU
             host = send_WP.cpu()  # the one device-to-host copy of the plan; the rest is host data
-            send_WP = host[:W * R * S].view(W, R * S)
-            words = balancer.record(host[W * R * S:]) if balancer is not None else torch.zeros(0, dtype=torch.int32)
+            send_WP = host[:W * P].view(W, P)
+            words = rider.encode(host[W * P:]) if rider is not None else torch.zeros(0, dtype=torch.int32)
             record = torch.cat([send_WP.reshape(-1), words])
         on_host = time.perf_counter()
         # A collective control plane reports dead peers through torch errors.
         with record_function("thunderep.control_exchange"), peer_errors(
                 f"split-size exchange on EP rank {me}", "the process group's timeout"):
             rows = self.control.exchange_tensor(record)
-        all_RWP = rows[:, :send_WP.numel()].reshape(R, len(routings), R * S)
+        all_RWP = rows[:, :W * P].reshape(R, W, P)
         sinks = (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)
         to_host_s, control_s = on_host - started, time.perf_counter() - on_host
-        slot_load_P = all_RWP.sum(dim=(0, 1))  # rows each global slot's expert gets this step
-        load_R = slot_load_P.view(R, S).sum(dim=1).tolist()
-        if balancer is not None:  # every rank holds every rank's splits: the same totals everywhere
-            balancer.received(rows[:, send_WP.numel():], load_R)
-        load_E = torch.zeros(placement.num_experts, dtype=torch.int64).index_add_(
-            0, placement.slot_experts_P, slot_load_P.to(torch.int64)).tolist()
         for sink in sinks:
             sink.record("split_sizes_to_host", [0] * R, to_host_s, blocked=0.0)
             sink.record("control", [record.numel() * 4 if r != me else 0 for r in range(R)], control_s)
-            sink.loads_R.append(load_R)
-            sink.loads_E.append(load_E)
         metas = []
-        for w, routing in enumerate(routings):
+        for w in range(W):
             recv_RS = all_RWP[:, w, me * S:(me + 1) * S].to(torch.int64)
             local_order_M = _slot_major_order(recv_RS.tolist(), device)
             metas.append(DispatchMeta(
-                num_tokens=routing.ids_TK.shape[0], top_k=routing.ids_TK.shape[1],
+                num_tokens=weights_W[w].shape[0], top_k=weights_W[w].shape[1],
                 send_order_N=orders[w], send_inverse_N=_inverse(orders[w]),
                 send_splits=tuple(send_WP[w].view(R, S).sum(1).tolist()),
                 recv_splits=tuple(recv_RS.sum(1).tolist()),
                 local_order_M=local_order_M, local_inverse_M=_inverse(local_order_M),
-                counts_S=recv_RS.sum(0), weights_TK=routing.weights_TK, sinks=sinks,
+                counts_S=recv_RS.sum(0), weights_TK=weights_W[w], sinks=sinks,
             ))
-        return metas
+        return Plan(metas, all_RWP.sum(dim=(0, 1)).to(torch.int64), rows[:, W * P:])
 
     # -- data movement
 
@@ -307,9 +273,9 @@ class Dispatcher:
         pending._finish = finish
         return pending
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing, placement: Placement):
+    def dispatch(self, x_TD: torch.Tensor, slots_TK: torch.Tensor, weights_TK: torch.Tensor, slots_per_rank: int):
         """Synchronous single-wave dispatch: returns (x_MD grouped by local slot, DispatchMeta)."""
-        meta = self.plan([routing], placement)[0]
+        meta = self.plan([slots_TK], [weights_TK], slots_per_rank).metas[0]
         return self.dispatch_async(x_TD, meta).wait(), meta
 
     def combine(self, y_MD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:

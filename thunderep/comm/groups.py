@@ -123,10 +123,10 @@ def wait_work(work, timeout_s: float, on_cuda: bool) -> None:
 
     CUDA (NCCL): the wait is stream-ordered: the current stream waits for the collective and the host
     goes on queueing work. (A host wait with a timeout would block the CPU until the GPU finished,
-    polling in 1 ms sleeps; batch-1 decode on 2 and 4 H200s went from 8.9 / 10.2 to 6.4 / 5.5 ms per
-    token with this change, docs/BENCHMARKS.md.) The bound is the
-    process group's own timeout, set from the same `timeout_s` at init: NCCL's watchdog aborts a
-    collective that a peer never joins. CPU (gloo): the host waits at most `timeout_s`.
+    polling in sleeps; docs/BENCHMARKS.md, "Scaling: a Mixtral-shaped model, training and
+    generation".) The bound is the process group's own timeout, set from the same `timeout_s` at
+    init: NCCL's watchdog aborts a collective that a peer never joins. CPU (gloo): the host waits at
+    most `timeout_s`.
     """
     if on_cuda:
         work.wait()

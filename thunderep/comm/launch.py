@@ -14,16 +14,28 @@ touches the GPU) and takes this process's environment, stdout and stderr as they
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import pickle
+import select
+import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 import warnings
+from multiprocessing import forkserver, reduction, resource_tracker
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from .. import env
+from ..config import EPConfig
 from ..errors import Stopped, ThunderError
+from .runtime import ExpertParallel
+from .stop import stop_on_sigterm
 
 __all__ = ["RankStart", "free_port", "launch", "rank_context", "run_on_ep"]
 
@@ -36,8 +48,6 @@ _PRELOADED: list[str] = []
 def rank_context():
     """The multiprocessing context ranks start from: the fork server where the platform has one, its
     imports (`PRELOAD_PACKAGES`) set once, before it starts; else spawn."""
-    import torch.multiprocessing as mp
-
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -58,9 +68,6 @@ def _start_fork_server() -> None:
     parent gone, torch's PR_SET_PDEATHSIG sent them SIGINT), and the launcher read every rank as exited
     with code 255. The server ends when this process does. A SIGTERM to this process meanwhile waits for
     the start; each rank unblocks it first thing (`RankStart.apply`)."""
-    import signal
-    from multiprocessing import forkserver, resource_tracker
-
     resource_tracker.ensure_running()  # first: starting its process unblocks SIGTERM afterwards
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     # Each rank runs the program's module again as __mp_main__ (multiprocessing does, for
@@ -98,14 +105,10 @@ class RankStart:
         self._fds = (1, 2) if ctx.get_start_method() == "forkserver" else ()
 
     def __reduce__(self):
-        from multiprocessing import reduction
-
         return (_rank_start, (self.env, self.launcher, self.formatwarning,
                               *(reduction.DupFd(fd) for fd in self._fds)))
 
     def apply(self) -> None:
-        import signal
-
         if hasattr(signal, "pthread_sigmask"):  # POSIX
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked in the fork server
         os.environ.clear()
@@ -166,8 +169,6 @@ def _child(rank: int, world: int, port: int, fn, args, errors, start: RankStart)
     start.apply()
     _follow_launcher(start.launcher)
     _run_rank(rank, world, port, fn, args, errors)
-    import multiprocessing.util
-
     # What multiprocessing itself runs at a child's exit (its finalizers: without them the resource
     # tracker warns of a leaked semaphore); not part of the interpreter's finalization.
     getattr(multiprocessing.util, "_exit_function", lambda: None)()
@@ -181,14 +182,9 @@ def _follow_launcher(launcher: int) -> None:
     (a pidfd on Linux, else a check every second), then sends this rank SIGTERM and, GRACE_S later,
     SIGKILL. Without it a launcher stopped by SIGTERM or SIGKILL left its ranks training, and they
     wrote their output afterwards (a forked rank's parent is the fork server, which outlives it)."""
-    import signal
-    import threading
-    import time
 
     def wait() -> None:
         try:
-            import select
-
             fd = os.pidfd_open(launcher)
             select.select([fd], [], [])
         except (AttributeError, OSError):  # no pidfd: poll
@@ -210,11 +206,6 @@ def _stop(processes, wait_s: float = GRACE_S, second_sigterm_kills: bool = False
     ended with exit code 0 (a rank that takes SIGTERM as a request to finish, as a server's do, can).
     A second SIGTERM to this process meanwhile changes nothing, or with `second_sigterm_kills` sends
     SIGKILL at once."""
-    import signal
-    import time
-
-    from ..comm.stop import stop_on_sigterm
-
     alive = [p for p in processes if p.is_alive()]
     for p in alive:
         p.terminate()
@@ -244,8 +235,6 @@ def launch(fn, nprocs: int, *args, stop_s: float = GRACE_S, second_sigterm_kills
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args)
         return
-    import torch.multiprocessing as mp
-
     ctx = rank_context()
     errors = ctx.SimpleQueue()
     try:
@@ -269,7 +258,7 @@ def launch(fn, nprocs: int, *args, stop_s: float = GRACE_S, second_sigterm_kills
         if errors.empty():
             raise ThunderError(f"rank {exc.error_index} exited with code {exc.exit_code}") from None
         rank, name, message, trace = errors.get()
-        if os.environ.get("THUNDEREP_DEBUG"):
+        if env.debug():
             message += "\n" + trace
         if name == Stopped.__name__:  # e.g. a finetune's ranks, stopped together after a step: exit code 143
             raise Stopped(message) from None
@@ -303,16 +292,11 @@ def backend_for(world: int, cpu: bool = False) -> str:
     return "gloo"
 
 
-def run_on_ep(world: int, args, body) -> None:
+def run_on_ep(world: int, body, *, timeout: float, cpu: bool = False) -> None:
     """One rank of a command started by `launch` (environment set): its ExpertParallel runtime over all
-    `world` ranks (NCCL with one GPU per rank when there are enough GPUs and not `args.cpu`, else gloo;
-    `args.timeout` seconds for any peer), then `body(ep)`, then the runtime and process group closed."""
-    import torch.distributed as dist
-
-    from .runtime import ExpertParallel
-    from ..config import EPConfig
-
-    ep = ExpertParallel.init(world, EPConfig(timeout_s=args.timeout), backend=backend_for(world, args.cpu))
+    `world` ranks (NCCL with one GPU per rank when there are enough GPUs and not `cpu`, else gloo;
+    `timeout` seconds for any peer), then `body(ep)`, then the runtime and process group closed."""
+    ep = ExpertParallel.init(world, EPConfig(timeout_s=timeout), backend=backend_for(world, cpu))
     store = dist.distributed_c10d._get_default_store() if world > 1 else None
     rank = dist.get_rank()
     try:
@@ -334,8 +318,6 @@ def _leave_in_order(store, rank: int, world: int, timeout_s: float = 10.0) -> No
         except Exception:  # noqa: BLE001 - rank 0 already gone (it waited long enough): nothing to order
             pass
         return
-    import time
-
     deadline = time.monotonic() + timeout_s
     while store.add("thunderep/left", 0) < world - 1 and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -15,6 +15,8 @@ a mailbox raises `CommError` saying how to fix it; importing this module never f
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import importlib.util
 import os
 import re
@@ -24,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..env import no_native_build
 from ..errors import CommError, ConfigError, PeerTimeout
 
 __all__ = [
@@ -64,7 +67,7 @@ def _load() -> Any:
         return _native
     if _native_error is not None:
         raise CommError(_native_error)
-    try:
+    try:  # deferred: the extension may be missing; then it is built on first use
         from . import _mailbox_native as mod  # type: ignore[attr-defined]
     except ImportError as exc:
         try:
@@ -83,7 +86,7 @@ def _build_on_first_use(import_error: ImportError) -> Any:
         "with `python native/build_mailbox.py`; until then use the collective control plane"
     )
     builder = Path(__file__).resolve().parents[2] / "native" / "build_mailbox.py"
-    if os.environ.get("THUNDEREP_NO_NATIVE_BUILD"):
+    if no_native_build():
         raise CommError(f"the mailbox extension is missing ({import_error}) and THUNDEREP_NO_NATIVE_BUILD "
                         f"is set; {fix}")
     if not builder.is_file():
@@ -92,9 +95,6 @@ def _build_on_first_use(import_error: ImportError) -> Any:
     if not any(shutil.which(c) for c in (os.environ.get("CC", "cc"), "cc", "gcc", "clang")):
         raise CommError(f"the mailbox extension is missing ({import_error}) and no C compiler was "
                         f"found to build it; {fix}")
-    import fcntl
-    import hashlib
-
     key = hashlib.sha256()
     for name in ("mailbox.c", "mailbox.h", "build_mailbox.py"):
         key.update((builder.parent / name).read_bytes())

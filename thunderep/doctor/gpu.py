@@ -54,7 +54,7 @@ class CudaReport:
 
 def _load_cuda():
     try:
-        import torch
+        import torch  # optional: the doctor (and sysconfig, which imports it) runs without torch
     except Exception:  # noqa: BLE001 - torch missing or broken: the doctor must still run
         return None
     try:

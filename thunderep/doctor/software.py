@@ -25,6 +25,7 @@ class SoftwareReport:
 def software_report() -> SoftwareReport:
     """Read this interpreter. The mailbox extension is imported, or built into its cache directory if a
     source checkout has not built it yet, exactly as the first run on this box would."""
+    # deferred: thunderep.comm's package imports torch, which sysconfig (it imports the doctor) runs without
     from ..comm.mailbox import native_unavailable_reason
 
     triton = None

@@ -6,9 +6,9 @@ transformers; `ThunderMoE.wrap` / `ThunderMoE.from_pretrained` are the explicit 
 
 from __future__ import annotations
 
+from .checkpoint_index import CheckpointIndex
 from .experts import IMPLEMENTATION, ExpertsBinding, register_experts_implementation
-from .load import CheckpointIndex, LoadReport
-from .tune import TuneReport, tune_kernels
+from .report import LoadReport
 from .wrap import ThunderMoE, find_experts_modules
 
 __all__ = [
@@ -17,8 +17,6 @@ __all__ = [
     "ExpertsBinding",
     "LoadReport",
     "ThunderMoE",
-    "TuneReport",
     "find_experts_modules",
     "register_experts_implementation",
-    "tune_kernels",
 ]

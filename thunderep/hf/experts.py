@@ -8,13 +8,9 @@ transformers 5.x MoE blocks route with their own router and then call
 `@use_experts_implementation` dispatch that call on `config._experts_implementation` to a function of
 `ExpertsInterface`. ThunderEP registers one more function there, `"thunderep"`
 (`register_experts_implementation()`, an explicit call). The function finds the `ExpertsBinding` that
-`ThunderMoE.wrap` attached to the experts module and:
-
-* ep mode: dispatches each (token, k) row to the rank holding its expert (`comm.Dispatcher`), runs
-  the rank's local experts on what it received, and combines the weighted results back;
-* latency mode: every rank holds the same tokens, computes only the pairs of its own experts, and an
-  all-reduce sums the partial outputs (no dispatch);
-* without an `ExpertParallel` runtime: all experts are local and nothing moves.
+`ThunderMoE.wrap` attached to the experts module, which runs the call through the layer's
+`ExpertParallelMoE` (thunderep.moe.ep: ep, latency and all-gather modes), or, without an
+`ExpertParallel` runtime, as the module's own computation (all experts local, nothing moves).
 
 The local experts run through the experts module's own Hugging Face computation (`grouped_mm`,
 `batched_mm`, eager, ...) on its sliced weights, with local expert ids and unit weights; the routing
@@ -29,17 +25,20 @@ picks them per experts module where they cover it and it runs on a CUDA GPU in b
 
 from __future__ import annotations
 
-import os
+import functools
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 
-from ..balance.placement import Placement
+from .. import env
 from ..errors import ConfigError, UnsupportedModelError
-from ..moe.router import Routing, expert_counts
+from ..kernels import available
+from ..moe.experts import ACTIVATION_FNS
+from ..moe.ep import MODES as _ALL_MODES
+from ..moe.ep import ExpertParallelMoE, LocalExperts
+from .fp8 import expert_weights
 
 __all__ = [
     "AUTO",
@@ -59,7 +58,7 @@ __all__ = [
 IMPLEMENTATION = "thunderep"
 KERNELS = "triton"  # experts_implementation value: ThunderEP's Triton kernels compute the local experts
 AUTO = "auto"  # experts_implementation value: the kernels where they cover the experts on a 16-bit GPU
-MODES = ("ep", "latency", "allgather")
+MODES = tuple(m for m in _ALL_MODES if m != "auto")
 
 
 @dataclass
@@ -85,33 +84,62 @@ class ExpertAdapter:
 class ExpertsBinding:
     """What one wrapped experts module needs at run time.
 
-    name: the module's path in the model. num_experts: E (global). local_experts: the logical expert of
-    each local slot. tensors: names of the module's expert-sharded tensors (leading dim = slots).
-    compute: the Hugging Face experts function run on local rows, `compute(module, x, ids, weights)`.
-    implementation: the experts implementation `compute` runs ("triton" for ThunderEP's kernels).
+    name: the module's path in the model. num_experts: E (global). tensors: names of the module's
+    expert-sharded tensors (leading dim = slots). compute: the Hugging Face experts function run on
+    local rows, `compute(module, x, ids, weights)`. implementation: the experts implementation `compute`
+    runs ("triton" for ThunderEP's kernels). core: the layer's `ExpertParallelMoE` (None: no EP runtime,
+    every expert local).
     """
 
     name: str
     class_name: str
     num_experts: int
-    local_experts: tuple[int, ...]
     tensors: tuple[str, ...]
     compute: Callable
     state: RunState
-    ep: object = None  # ExpertParallel | None
-    placement: Placement | None = None
-    calls: dict = field(default_factory=lambda: {"ep": 0, "latency": 0, "allgather": 0, "local": 0})
+    core: ExpertParallelMoE | None = None
+    local_calls: int = 0
     adapters: dict = field(default_factory=dict)  # tensor name -> ExpertAdapter (thunderep.train.lora)
-    balancer: object = None  # LayerBalancer | None (ThunderMoE.wrap(balancer=...))
-    stats: object = None  # CommStats of this layer's all-to-alls, for the balancer's bandwidth meter
-    signature: tuple | None = None  # (K, x dtype, weights dtype) of a call, set by `thunderep.hf.tune`
+    signature: tuple | None = None  # (K, x dtype, weights dtype) of a call, set by `thunderep.serve.tune`
     implementation: str = ""
 
-    @cached_property
+    restores_placement = False  # resumed onto the placement it was wrapped with (experts re-sharded)
+
+    @property
+    def checkpoint_key(self) -> str:
+        return self.name
+
+    @property
+    def local_experts(self) -> tuple[int, ...]:
+        """The logical expert of each local slot."""
+        return self.core.local_experts if self.core is not None else tuple(range(self.num_experts))
+
+    @property
+    def ep(self):
+        return self.core.ep if self.core is not None else None
+
+    @property
+    def placement(self):
+        return self.core.placement if self.core is not None else None
+
+    @property
+    def balancer(self):
+        return self.core.balancer if self.core is not None else None
+
+    @property
+    def stats(self):
+        return self.core.stats if self.core is not None else None
+
+    @property
+    def calls(self) -> dict:
+        """Calls per mode ("local": no expert parallelism to do)."""
+        return {**(self.core.calls if self.core is not None else dict.fromkeys(MODES, 0)), "local": self.local_calls}
+
+    @property
     def all_local(self) -> bool:
         """No expert parallelism to do: no runtime, or one rank holding every expert in order."""
-        return self.ep is None or (self.ep.groups.ep_size == 1
-                                   and self.local_experts == tuple(range(self.num_experts)))
+        return self.core is None or (self.core.ep.groups.ep_size == 1
+                                     and self.local_experts == tuple(range(self.num_experts)))
 
     @property
     def num_slots(self) -> int:
@@ -137,8 +165,8 @@ class ExpertsBinding:
 
         Autocast does not reach the experts' products by itself: transformers' grouped GEMMs cast their
         input to the weights' dtype, so with float32 weights (mixed-precision training) they would run in
-        float32, at a fraction of bfloat16's speed. ThunderEP casts the local expert weights instead (the
-        gradients flow back to the float32 weights through the cast) and sends the rows in that dtype."""
+        float32. ThunderEP casts the local expert weights instead (the gradients flow back to the float32
+        weights through the cast) and sends the rows in that dtype."""
         device_type = x_TD.device.type
         if not torch.is_autocast_enabled(device_type):
             return None
@@ -151,21 +179,27 @@ class ExpertsBinding:
 
     def _forward(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
         if self.all_local:  # the Hugging Face computation as it is, no dispatch
-            self.calls["local"] += 1
+            self.local_calls += 1
             return self.compute(module, x_TD, ids_TK, weights_TK)
-        mode = self.state.mode
-        checked = mode == "auto"
-        if checked:  # per call: all-gather mode for small equal batches, else ep (see EPConfig); a
-            # balanced layer always runs ep mode, where the balancer's words ride in the dispatch record
-            mode = "ep" if self.balancer is not None else self.ep.auto_mode(x_TD.shape[0])
-        self.calls[mode] += 1
-        if mode == "latency":
-            return self._forward_latency(module, x_TD, ids_TK, weights_TK)
-        if mode == "allgather":
-            return self._forward_allgather(module, x_TD, ids_TK, weights_TK, checked)
-        return self._forward_ep(module, x_TD, ids_TK, weights_TK)
+        state = self.state
+        return self.core.forward(x_TD, ids_TK, weights_TK, self.local_compute(module), mode=state.mode,
+                                 capturable=state.capturable)
 
     # -- local compute
+
+    def local_compute(self, module) -> LocalExperts:
+        """`module`'s local experts as the EP core calls them."""
+        def by_slot(x_MD, slot_M):
+            return self.compute_rows(module, x_MD, slot_M)
+
+        def sorted_rows(x_MD, counts_S):
+            counts_S = counts_S.to(x_MD.device, non_blocking=True)  # host data; no wait for the GPU
+            slot_M = torch.repeat_interleave(torch.arange(counts_S.numel(), device=x_MD.device), counts_S,
+                                             output_size=x_MD.shape[0])
+            return self.compute_rows(module, x_MD, slot_M)
+
+        pairs = getattr(self.compute, "pairs_partial", None)  # ThunderEP's kernels: decode, no sync
+        return LocalExperts(sorted_rows, by_slot, None if pairs is None else functools.partial(pairs, module))
 
     def compute_rows(self, module, x_MD: torch.Tensor, slot_M: torch.Tensor) -> torch.Tensor:
         """Unweighted outputs of the local experts: row m uses local slot slot_M[m]. Returns [M, D]."""
@@ -181,69 +215,9 @@ class ExpertsBinding:
         ones_M1 = x_MD.new_ones(x_MD.shape[0], 1)
         return self.compute(module, x_MD, slot_M.unsqueeze(1), ones_M1)
 
-    def _forward_ep(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
-        ep = self.ep
-        dispatcher, S = ep.dispatcher, self.num_slots
-        T = x_TD.shape[0]
-        waves = ep.config.waves  # the same number on every rank (collectives pair up), some maybe empty
-        bounds = [(T * w // waves, T * (w + 1) // waves) for w in range(waves)]
-        routings = []
-        for a, b in bounds:
-            ids = ids_TK[a:b]
-            counts_E = expert_counts(ids, self.num_experts)
-            routings.append(Routing(weights_TK[a:b], ids, counts_E, x_TD.new_empty(b - a, 0)))
-        metas = dispatcher.plan(routings, self.placement, self.stats, self.balancer)
-        pending = [dispatcher.dispatch_async(x_TD[a:b], m) for (a, b), m in zip(bounds, metas)]
-        combines = []
-        for p, meta in zip(pending, metas):
-            x_MD = p.wait()
-            counts_S = meta.counts_S.to(x_MD.device, non_blocking=True)  # host data; no wait for the GPU
-            slot_M = torch.repeat_interleave(torch.arange(S, device=x_MD.device), counts_S,
-                                             output_size=x_MD.shape[0])
-            combines.append(dispatcher.combine_async(self.compute_rows(module, x_MD, slot_M), meta))
-        return torch.cat([c.wait() for c in combines]).to(x_TD.dtype)
-
-    def _forward_latency(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
-        from ..comm.runtime import CopyToEP, ReduceFromEP
-
-        x_e = CopyToEP.apply(x_TD, self.ep)
-        w_e = CopyToEP.apply(weights_TK, self.ep)
-        partial_TD = self._local_partial(module, x_e, w_e, ids_TK)
-        return ReduceFromEP.apply(partial_TD, self.ep).to(x_TD.dtype)
-
-    def _forward_allgather(self, module, x_TD, ids_TK, weights_TK, checked: bool = False) -> torch.Tensor:
-        # Reduce-scattered in the model's dtype, as the frameworks this mode stands for do.
-        return self.ep.all_gather_mode(
-            x_TD, weights_TK, ids_TK, lambda x, w, ids: self._local_partial(module, x, w, ids).to(x_TD.dtype),
-            checked=checked)
-
-    def _local_partial(self, module, x_TD, weights_TK, ids_TK) -> torch.Tensor:
-        """sum_k weights_TK * expert(x) over the (token, k) pairs whose expert this rank owns, zero
-        elsewhere (float32 [T, D]): this rank's share of the output when it holds every token."""
-        T, K = ids_TK.shape
-        capturable = self.state.capturable
-
-        def sorted_partial(local_TK: torch.Tensor) -> torch.Tensor:
-            if capturable:  # every pair, other ranks' as local slot 0 and masked out: no nonzero
-                here_N1 = local_TK.reshape(-1, 1) >= 0
-                y_ND = self.compute_rows(module, x_TD.repeat_interleave(K, dim=0), local_TK.reshape(-1).clamp(min=0))
-                weighted_ND = torch.where(here_N1, y_ND * weights_TK.reshape(-1, 1).to(y_ND.dtype), 0)
-                return weighted_ND.view(T, K, x_TD.shape[-1]).float().sum(dim=1)
-            pairs, local_slot = self.placement.sorted_local_pairs(local_TK)  # a host sync
-            y_MD = self.compute_rows(module, x_TD[pairs // K], local_slot)
-            weighted_MD = y_MD * weights_TK.reshape(-1)[pairs].unsqueeze(-1)  # the dtype transformers weights in
-            full_ND = weighted_MD.new_zeros(T * K, x_TD.shape[-1]).index_copy(0, pairs, weighted_MD)
-            return full_ND.view(T, K, x_TD.shape[-1]).float().sum(dim=1)
-
-        local_TK = self.placement.local_slots(ids_TK, self.ep.groups.ep_rank)
-        pairs_partial = getattr(self.compute, "pairs_partial", None)  # ThunderEP's kernels: decode, no sync
-        if pairs_partial is not None:
-            # capturable steps run within cuda_graphs.graph_steps (ThunderMoE._mode): timed as graph replays
-            partial_TD = pairs_partial(module, x_TD, local_TK, weights_TK, sorted_partial, self.placement.num_experts,
-                                       "every pair" if capturable else "sorted")
-            if partial_TD is not None:
-                return partial_TD.float()
-        return sorted_partial(local_TK)
+    def local_partial(self, module, x_TD, weights_TK, ids_TK) -> torch.Tensor:
+        """This rank's float32 [T, D] share when it holds every token (`ExpertParallelMoE.local_partial`)."""
+        return self.core.local_partial(x_TD, weights_TK, ids_TK, self.local_compute(module), self.state.capturable)
 
 
 @contextmanager
@@ -327,18 +301,14 @@ def experts_compute_fn(module, implementation: str | None) -> Callable:
 def check_kernels_device(name: str, device: torch.device | str) -> None:
     """Raise ConfigError unless ThunderEP's kernels can run experts module `name` on `device`: a CUDA
     GPU with Triton, or the CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
-    from ..kernels import available
-
     device = torch.device(device) if isinstance(device, str) else device  # per call: no conversion
-    if not available(device) and not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+    if not available(device) and not (device.type == "cpu" and env.triton_interpreter()):
         raise ConfigError(f"experts_implementation={KERNELS!r} runs ThunderEP's Triton kernels, which need a "
                           f"CUDA GPU and Triton; {name} runs on {device}. Use 'grouped_mm' (or 'eager') here")
 
 
 def _kernels_run_on(device: torch.device) -> bool:
     """A CUDA GPU of compute capability 8.0 or later (the kernels' 16-bit tensor-core tiles), Triton installed."""
-    from ..kernels import available
-
     return available(device) and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
@@ -365,8 +335,6 @@ def resolve_implementation(module, requested: str | None, device: torch.device) 
 def _activation_name(act_fn) -> str | None:
     """Which of the kernels' activations `act_fn` computes (probed on values, so any class that
     implements it matches), or None."""
-    from ..moe.experts import ACTIVATION_FNS
-
     probe = torch.linspace(-8.0, 8.0, 161, dtype=torch.float64)
     for name in ("silu", "gelu", "gelu_tanh", "relu"):
         try:
@@ -410,11 +378,9 @@ def kernel_compute_fn(module) -> Callable:
                           f"{'; '.join(reasons)}; use experts_implementation='grouped_mm' (or 'eager')")
     interleaved = not getattr(module, "is_concatenated", True)
 
-    from .fp8 import expert_weights
-
     def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         check_kernels_device(name, x_TD.device)
-        from ..kernels.ops import routed_moe_mlp
+        from ..kernels.ops import routed_moe_mlp  # triton: optional; only where the kernels run
 
         w_gate_up, w_down = expert_weights(module)  # tensors, or Fp8Weight for FP8 experts (hf/fp8.py)
         y_TD = routed_moe_mlp(x_TD.to(w_gate_up.dtype), w_gate_up, w_down, ids_TK, weights_TK,
@@ -427,7 +393,7 @@ def kernel_compute_fn(module) -> Callable:
         rank's expert), or None where they do not apply (gradients, more than pairs_max_tokens() tokens,
         or, given the caller's `fallback`, more than measured faster: `pairs_if_decode`)."""
         check_kernels_device(name, x_TD.device)
-        from ..kernels.pairs import pairs_if_decode
+        from ..kernels.ops import pairs_if_decode  # triton: optional; only where the kernels run
 
         w_gate_up, w_down = expert_weights(module)
         partial_TD = pairs_if_decode(x_TD, w_gate_up, w_down, ids_TK, weights_TK, activation, interleaved, fallback,

@@ -10,8 +10,8 @@ compute with them (`kernels/fp8.py`: each tile is scaled and rounded to the mode
 so the products are those of the dequantized weights); activations stay in the model's dtype.
 `experts_dtype="fp8-w8a8"` holds the same weights and also quantizes the activations of prompt batches
 per row (`kernels/fp8.py`'s W8A8: x and h to e4m3 with a float32 scale per row, products on FP8 tensor
-cores; about twice as fast at prefill, with about 1.4x the error of weight-only FP8, docs/BENCHMARKS.md
-"W8A8 FP8 experts"); decode steps, which the weight bytes bound, stay weight-only.
+cores; faster at prefill, with more error than weight-only FP8: docs/BENCHMARKS.md, "W8A8 FP8
+experts"); decode steps, which the weight bytes bound, stay weight-only.
 
 The conversion happens on the meta device, before anything is allocated: `to_fp8_experts` replaces the
 two parameters of every bound experts module by FP8 ones (no gradient) and adds the scale buffers
@@ -29,16 +29,16 @@ later (RTX 4090 / 5090, H100 / H200), which has the e4m3 conversion, or Triton's
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from .. import env
 from ..errors import ConfigError
+from ..kernels import available
 from ..kernels.fp8 import FP8, Fp8Weight
 
-__all__ = ["EXPERTS_DTYPE_HELP", "EXPERTS_DTYPES", "expert_weights", "fp8_device_problem", "is_fp8", "scale_columns", "store_fp8",
-           "store_rows", "to_fp8_experts"]
+__all__ = ["EXPERTS_DTYPE_HELP", "EXPERTS_DTYPES", "expert_weights", "fp8_device_problem", "is_fp8", "scale_columns",
+           "store_fp8", "store_rows", "to_fp8_experts"]
 
 EXPERTS_DTYPES = ("fp8", "fp8-w8a8")  # experts_dtype values besides None (the model's dtype)
 EXPERTS_DTYPE_HELP = (  # `generate` and `serve --experts-dtype`
@@ -57,10 +57,8 @@ def fp8_device_problem(device: torch.device) -> str | None:
     """Why FP8 experts cannot run on `device`, or None."""
     if FP8 is None:
         return f"FP8 experts need torch.float8_e4m3fn, which torch {torch.__version__} lacks"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cpu" and env.triton_interpreter():
         return None
-    from ..kernels import available
-
     if not available(device):
         return (f"FP8 experts run on ThunderEP's Triton kernels, which need a CUDA GPU and Triton; the model "
                 f"loads to {device}")

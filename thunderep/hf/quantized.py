@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
+from ..kernels.fp8 import FP8
 
 __all__ = ["METHODS", "DequantizedIndex", "drop_quantization", "fp8_block_columns", "quant_method",
            "quantization_problem"]
@@ -270,8 +271,6 @@ class DequantizedIndex:
         """Tensor `key` as stored, where it is FP8 (e4m3) with scales: (values [..., R, C] on the device,
         scales per row [..., R, ceil(C / bn)] float32, bn the columns one scale covers, checkpoint bytes
         read); None where it is not (read it with `read`)."""
-        from ..kernels.fp8 import FP8
-
         if key not in self.parts or self.method == "mxfp4" or FP8 is None:
             return None
         data_key, scale_key = self.parts[key]

@@ -31,10 +31,15 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..balance.layer_balancer import LayerBalancer
 from ..balance.placement import Placement
+from ..moe.ep import ExpertParallelMoE, attach
+from ..moe.replicas import replica_groups, sum_replica_grads
 from ..kernels.graphs import graph_steps
 from ..errors import ConfigError, UnsupportedModelError
+from .load import load_pretrained
 from .experts import (
     IMPLEMENTATION,
     MODES,
@@ -60,15 +65,12 @@ _KNOWN_UNSUPPORTED = {
 
 def decode_attention(cudnn: bool = False):
     """A context for generation: `scaled_dot_product_attention` may pick any backend but cuDNN's, unless
-    `cudnn`. On the H200 (torch 2.11) cuDNN attention is the first choice for masked attention, and its
-    first call at a new (batch, length) shape builds an execution plan: about 31 ms, 16 such calls took
-    0.50 s of a 0.61 s first generate of 8 tokens (docs/BENCHMARKS.md, "Serving on 2 H200s"). A decode
-    meets a new length at every step, so a server would pay it for every (batch, length) it sees once.
+    `cudnn`. cuDNN attention, the first choice for masked attention on recent GPUs, builds an execution
+    plan at its first call for each new (batch, length) shape, and a decode meets a new length at every
+    step (docs/BENCHMARKS.md, "Serving on 2 H200s", has the cost).
     Training keeps cuDNN (its shapes repeat)."""
     if cudnn:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     allowed = [b for name, b in SDPBackend.__members__.items() if name not in ("CUDNN_ATTENTION", "ERROR")]
     return sdpa_kernel(allowed)
 
@@ -243,16 +245,14 @@ class ThunderMoE(nn.Module):
             compute = experts_compute_fn(module, implementation)
             if local != tuple(range(E)):
                 _slice_experts(module, tensors, local)
-            binding = ExpertsBinding(name=name, class_name=type(module).__name__, num_experts=E,
-                                     local_experts=tuple(local), tensors=tensors, compute=compute, state=state,
-                                     ep=ep, placement=layer_placement, implementation=implementation)
-            if balancer is not None and ep.groups.ep_size > 1:
-                from ..balance.layer_balancer import LayerBalancer
-                from ..comm.dispatcher import CommStats
-
-                binding.balancer = LayerBalancer(layer_placement, balancer)
-                binding.stats = CommStats(ep.groups.ep_size, ep.groups.ep_rank)
+            core = None
+            if ep is not None:
+                layer_balancer = LayerBalancer(layer_placement, balancer) if balancer is not None and R > 1 else None
+                core = ExpertParallelMoE(ep, layer_placement, layer_balancer)
+            binding = ExpertsBinding(name=name, class_name=type(module).__name__, num_experts=E, tensors=tensors,
+                                     compute=compute, state=state, core=core, implementation=implementation)
             module.__dict__["_thunderep"] = binding  # a plain attribute: not a submodule, not in state_dict
+            attach(module, binding)
             bindings[name] = binding
         _set_implementation(model, [m for _, m in modules])
         if move and ep is not None:
@@ -267,8 +267,6 @@ class ThunderMoE(nn.Module):
         """Build the model from a local checkpoint directory; this rank reads only its own experts'
         tensors plus the replicated ones. See `thunderep.hf.load.load_pretrained` for the keywords
         (dtype, device, placement, model_class, attn_implementation, experts_implementation)."""
-        from .load import load_pretrained
-
         return load_pretrained(cls, path, ep, **kwargs)
 
     def balance_step(self, optimizer=None) -> list:
@@ -278,20 +276,8 @@ class ThunderMoE(nn.Module):
         needs `placement_changed()`."""
         decisions = []
         for name, binding in self.bindings.items():
-            balancer = binding.balancer
-            if balancer is None:
-                decisions.append(None)
-                continue
-            from ..balance.migrate import migrate_slots, slot_bytes
-
-            params = self._shards(name, binding)
-            if balancer.sized_by_layer:  # one slot's weights and optimizer state, the same on every rank
-                balancer.set_slot_bytes(slot_bytes(params, optimizer))
-            decision = balancer.step(binding.stats)
+            decision = binding.core.balance_step(self._shards(name, binding), optimizer) if binding.core else None
             if decision is not None and decision.migrated:
-                migrate_slots(params, binding.placement, decision.placement, binding.ep.groups, optimizer)
-                binding.placement = decision.placement
-                binding.local_experts = tuple(decision.placement.experts_of(binding.ep.groups.ep_rank))
                 self._replicas = None  # all_reduce_grads rebuilds its replica groups
             decisions.append(decision)
         return decisions
@@ -435,8 +421,6 @@ class ThunderMoE(nn.Module):
         """
         if self.ep is None or not dist.is_initialized():
             return
-        from ..train.sync import replica_groups, sum_replica_grads
-
         world = dist.get_world_size()
         params = [p for p in self.replicated_parameters() if p.requires_grad]
         if params:

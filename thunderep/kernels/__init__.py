@@ -1,7 +1,15 @@
 """GPU kernels (Triton) for the routed-expert MLP, registered as torch.library custom ops.
 
 `available()` says whether they can run here; `thunderep.kernels.ops` (imported on demand, it needs
-Triton) holds the ops. FusedExperts uses them on CUDA by itself (ExpertsConfig.backend "auto" or
+Triton) holds the ops and their public entries. The modules, by concept:
+
+    act, row_tiles, moe_triton, pairs, passes   the Triton kernels (device code only)
+    ops                                         the torch.library custom ops and the public entries
+    sorted_mlp, decode, grouped_gemm            the host side: launches, forward and backward
+    tiles, paths, tuning                        tile tables and keys, the choice of path, autotuning
+    checks, fp8, graphs                         input checks, FP8 weights, CUDA-graph capture
+
+FusedExperts uses them on CUDA by itself (ExpertsConfig.backend "auto" or
 "triton"); the CPU path never imports Triton.
 """
 
@@ -9,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+
+import torch
 
 __all__ = ["available"]
 
@@ -20,8 +30,6 @@ def _triton_importable() -> bool:
 
 def available(device=None) -> bool:
     """Whether the Triton expert kernels can run on `device` (a CUDA device, with Triton installed)."""
-    import torch
-
     if device is not None and torch.device(device).type != "cuda":
         return False
     return torch.cuda.is_available() and _triton_importable()

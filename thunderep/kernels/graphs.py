@@ -4,7 +4,7 @@
 begins and takes it out only when the capture ends well. A capture that fails (an op that syncs with
 the host, or one that cannot be captured) leaves it in capture mode, and every later draw from it on
 that device fails with "Offset increment outside graph capture encountered unexpectedly": `torch.rand`
-on the device, dropout, and sampling with no generator of its own. Seen on an H200 with torch 2.11,
+on the device, dropout, and sampling with no generator of its own. Seen with torch 2.11,
 after a failed capture that was caught and worked around (docs/BENCHMARKS.md, "A failed capture and
 the device's random generator").
 

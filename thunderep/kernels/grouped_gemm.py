@@ -24,57 +24,52 @@ import os
 
 import torch
 
+from .. import env
 from ..errors import ConfigError
 from . import passes
 from .tuning import cdiv
 
-__all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "LARGE_EXPERT_MIN_ROWS", "WGRAD_TORCH_MIN_ROWS", "min_rows",
-           "gemm_path", "wgrad_path", "gather_rows", "offsets", "forward", "backward_dx", "weight_grad"]
+__all__ = ["GROUPED_MM", "TORCH_GEMM_MIN_ROWS", "LARGE_EXPERT_MIN_ROWS", "WGRAD_TORCH_MIN_ROWS", "forced",
+           "grouped_mm_usable", "mean_rows", "min_rows", "gemm_path", "pinned", "wgrad_path", "gather_rows",
+           "offsets", "forward", "backward_dx", "weight_grad"]
 
 GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # The Hopper path takes over when experts get at least this many rows on average (forward, backward):
 # below it the gathers, epilogues and row-tile schedule the fused kernels save outweigh CUTLASS's
-# faster tiles. Measured on the H200 (docs/BENCHMARKS.md): forward, the paths tie at 256 rows per
-# expert and CUTLASS wins from 512; backward, Triton wins at 128 and CUTLASS from 256.
+# faster tiles (docs/BENCHMARKS.md).
 TORCH_GEMM_MIN_ROWS = (512, 256)
 # Large experts take the Hopper path earlier, from LARGE_EXPERT_MIN_ROWS rows per expert on average
 # (forward, backward): their GEMMs outweigh the path's extra traffic (the gathered rows, gate/up written
 # and read back). A row's GEMM work over those elements is D*I / (D + 3*I) up to a constant: 1247 for
-# Mixtral-8x7B, 1103 for DeepSeek-V3, 361 for Qwen3-30B-A3B. Measured on the H200 (docs/BENCHMARKS.md,
-# "... the Hopper path from fewer rows for large experts"), both paths pinned: forward, the fused kernels win
-# at 144 and 160 rows per expert, the two tie at 176, and the Hopper path wins from 192 (Mixtral 1.350
-# -> 1.126 ms and 1.415 -> 1.180, DeepSeek-V3 10.71 -> 10.24); forward+backward, the Hopper path wins
-# from 160 (Mixtral 4.033 -> 3.826 ms, where the fused forward is still the faster) and takes 11-20% less
-# time at 192 and 224. Qwen3's fused forward stays faster from 160 to 384 rows (2-12% less time). The bound
-# on the ratio lies between Qwen3's and DeepSeek-V3's (their geometric mean, 631, rounded up).
+# Mixtral-8x7B, 1103 for DeepSeek-V3, 361 for Qwen3-30B-A3B; the bound on the ratio lies between Qwen3's
+# and DeepSeek-V3's (their geometric mean, 631, rounded up; docs/BENCHMARKS.md, "... the Hopper path from
+# fewer rows for large experts").
 LARGE_EXPERT_MIN_ROWS = (192, 160)
 LARGE_EXPERT_RATIO = 640
-# The weight gradients take torch's grouped GEMM from this many rows per expert on average. Measured on
-# the H200 (docs/BENCHMARKS.md, DeepSeek-V3's shape): the portable kernel is 1.36-1.40x faster at 16 rows
-# and 1.11-1.13x at 32, the two tie at 64, the grouped GEMM is 1.12-1.16x faster at 128.
+# The weight gradients take torch's grouped GEMM from this many rows per expert on average; with fewer
+# the portable kernel is the faster (docs/BENCHMARKS.md, "Weight gradients over pre-gathered rows").
 WGRAD_TORCH_MIN_ROWS = 64
 
 
-def _grouped_mm_usable(t: torch.Tensor, *dims: int) -> bool:
+def grouped_mm_usable(t: torch.Tensor, *dims: int) -> bool:
     """torch's grouped GEMM runs its TMA, warp-specialized CUTLASS kernel here: sm_90, bf16, 16-byte rows."""
     return (GROUPED_MM is not None and t.is_cuda and t.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(t.device) == (9, 0) and all(d % 8 == 0 for d in dims))
 
 
-def _mean_rows(n_rows: int, E: int) -> float:
+def mean_rows(n_rows: int, E: int) -> float:
     """Rows per expert on average, over the experts that can have rows (at most one per row)."""
     return n_rows / max(1, min(E, n_rows))
 
 
-def _forced(name: str) -> str:
-    """The path an environment variable pins ("triton" / "torch"), or "" when it is unset."""
-    forced = os.environ.get(name, "")
-    if forced not in ("", "triton", "torch"):
-        raise ConfigError(f"{name}={forced!r}: use 'triton', 'torch', or leave it unset")
-    if forced == "torch" and GROUPED_MM is None:
+def forced(name: str) -> str:
+    """The path THUNDEREP_EXPERT_GEMM or THUNDEREP_WGRAD (`name`) pins ("triton" / "torch"), or "" when
+    it is unset. ConfigError for "torch" where this torch has no grouped GEMM."""
+    pin = env.forced_gemm(name)
+    if pin == "torch" and GROUPED_MM is None:
         raise ConfigError(f"{name}=torch needs torch's grouped GEMM (torch.nn.functional.grouped_mm or "
                           f"torch._grouped_mm), which this torch {torch.__version__} lacks")
-    return forced
+    return pin
 
 
 @contextlib.contextmanager
@@ -100,10 +95,10 @@ def wgrad_path(t: torch.Tensor, n_rows: int, E: int, *dims: int) -> str:
     output value is a short sum, writing dW decides, and the portable kernel is faster. Elsewhere
     (RTX 4090 / 5090, or without it) the Triton kernel runs. Both take rows gathered into expert order.
     """
-    forced = _forced("THUNDEREP_WGRAD")
-    if forced:
-        return forced
-    return "torch" if _mean_rows(n_rows, E) >= WGRAD_TORCH_MIN_ROWS and _grouped_mm_usable(t, *dims) else "triton"
+    pin = forced("THUNDEREP_WGRAD")
+    if pin:
+        return pin
+    return "torch" if mean_rows(n_rows, E) >= WGRAD_TORCH_MIN_ROWS and grouped_mm_usable(t, *dims) else "triton"
 
 
 def min_rows(D: int, I: int, backward: bool = False) -> int:
@@ -125,10 +120,10 @@ def gemm_path(t: torch.Tensor, n_rows: int, E: int, D: int, I: int, backward: bo
     forward paths save the same tensors, so the backward chooses on its own.
     THUNDEREP_EXPERT_GEMM=triton|torch forces one for both.
     """
-    forced = _forced("THUNDEREP_EXPERT_GEMM")
-    if forced:
-        return forced
-    usable = _mean_rows(n_rows, E) >= min_rows(D, I, backward) and _grouped_mm_usable(t, D, I)
+    pin = forced("THUNDEREP_EXPERT_GEMM")
+    if pin:
+        return pin
+    usable = mean_rows(n_rows, E) >= min_rows(D, I, backward) and grouped_mm_usable(t, D, I)
     return "torch" if usable else "triton"
 
 
@@ -141,7 +136,7 @@ def _act_rows(gu, act, interleaved):
     I = I2 // 2
     h = gu.new_empty(n_rows, I)
     grid = (cdiv(n_rows, 8), cdiv(I, 256))
-    passes._act_kernel[grid](gu, h, n_rows, I, gu.stride(0), h.stride(0), ACT=act, INTERLEAVED=interleaved,
+    passes.act_kernel[grid](gu, h, n_rows, I, gu.stride(0), h.stride(0), ACT=act, INTERLEAVED=interleaved,
                              BLOCK_R=8, BLOCK_C=256, **_elementwise_meta(gu.device))
     return h
 
@@ -153,7 +148,7 @@ def _act_bwd_rows(dhu, gu, order, weights, act, interleaved):
     dgu = torch.empty_like(gu)
     dw = torch.empty(n_rows if weights is not None else 0, dtype=torch.float32, device=gu.device)
     hw = gu.new_empty(n_rows, I2 // 2) if weights is not None else None
-    passes._act_bwd_rows_kernel[(cdiv(n_rows, 4),)](
+    passes.act_bwd_rows_kernel[(cdiv(n_rows, 4),)](
         dhu, gu, dgu, dw if weights is not None else dgu, hw if hw is not None else dgu,
         order if order is not None else dhu,
         weights if weights is not None else dhu, n_rows, I2 // 2, dhu.stride(0), gu.stride(0),
@@ -167,7 +162,7 @@ def gather_rows(src, order, top_k):
     n_rows, D = order.shape[0], src.shape[1]
     out = src.new_empty(n_rows, D)
     grid = (cdiv(n_rows, 8), cdiv(D, 1024))
-    passes._gather_kernel[grid](src, order, out, n_rows, D, top_k, src.stride(0), out.stride(0), BLOCK_R=8,
+    passes.gather_kernel[grid](src, order, out, n_rows, D, top_k, src.stride(0), out.stride(0), BLOCK_R=8,
                                 BLOCK_D=1024, **_elementwise_meta(src.device))
     return out
 
@@ -183,7 +178,7 @@ def _combine(rows, inv, weights, T, top_k):
     D = rows.shape[1]
     out = rows.new_empty(T, D)
     grid = (cdiv(T, 4), cdiv(D, 512))
-    passes._combine_kernel[grid](rows, inv, weights if weights is not None else rows, out, T, D, top_k,
+    passes.combine_kernel[grid](rows, inv, weights if weights is not None else rows, out, T, D, top_k,
                                  rows.stride(0), out.stride(0), WEIGHTED=weights is not None, BLOCK_T=4,
                                  BLOCK_D=512, **_elementwise_meta(rows.device))
     return out

@@ -5,27 +5,25 @@ N = T * K routed rows (or the received rows under expert parallelism), in expert
 Row r of the sorted order is the flat (token-major) pair `order_N[r]`; its token is `order_N[r] // K`.
 In the row kernels M is a tile's BLOCK_M rows and S the up to BLOCK_M / 2 tail rows it may carry.
 
-Four kernels cover forward and backward (see `ops.py` for how they chain):
+Four kernels cover forward and backward (`rows.py` chains them):
 
-    _up_kernel        h_NI = act(x[tok] @ Wg[e].T) * (x[tok] @ Wu[e].T)   gather fused into the A load,
+    up_kernel        h_NI = act(x[tok] @ Wg[e].T) * (x[tok] @ Wu[e].T)   gather fused into the A load,
                       gate/up activation fused into the epilogue; optionally keeps gu_N2I for backward.
-    _rows_kernel      c[dst] = w * (a_NK @ B[e].T)                         a plain grouped GEMM whose
+    rows_kernel      c[dst] = w * (a_NK @ B[e].T)                         a plain grouped GEMM whose
                       epilogue multiplies by the routing weight and un-permutes (scatter to the flat row).
                       Forward down projection and the backward dX = dgu @ Wgu[e].
-    _act_bwd_kernel   dhu = dy[tok] @ Wd[e]; epilogue: d routing weight partials <dhu, h>, and
+    act_bwd_kernel   dhu = dy[tok] @ Wd[e]; epilogue: d routing weight partials <dhu, h>, and
                       dgu = d(act(g) * u) for dh = w * dhu, written in the weight's gate/up layout.
-    _wgrad_kernel     dW[e] = A_e.T @ B_e over expert e's rows                weight gradients, over rows
-                      the backward gathered into expert order once (dy, x) and w * h from _act_bwd_kernel.
+    wgrad_kernel     dW[e] = A_e.T @ B_e over expert e's rows                weight gradients, over rows
+                      the backward gathered into expert order once (dy, x) and w * h from act_bwd_kernel.
 
 The memory-bound passes around torch's grouped GEMM (the Hopper path) and the one-program sort of
 small batches are in passes.py, the decode kernels (one token, no sort) in pairs.py.
 
-Row tiles are scheduled without a host sync: every program reads counts_E (E <= a few hundred) and
-finds its expert from the running sum of tiles per expert; launch grids use an upper bound
-(min(ceil(N / BLOCK_M) + E, N) row tiles) and surplus programs return at once. With TAIL (a config
-flag) an expert's last tile also takes up to BLOCK_M / 2 rows past BLOCK_M (the S rows below),
-multiplied against the same loaded weight tiles, instead of leaving them a nearly empty tile of
-their own (`_row_tile`).
+Row tiles are scheduled without a host sync (row_tiles.py): every program reads counts_E (E <= a few
+hundred) and finds its expert from the running sum of tiles per expert. With TAIL (a config flag) an
+expert's last tile also takes up to BLOCK_M / 2 rows past BLOCK_M (the S rows below), multiplied against
+the same loaded weight tiles, instead of leaving them a nearly empty tile of their own.
 
 The kernels use only portable Triton (tl.dot, masked loads and stores): no tensor-memory
 descriptors, no warp specialization. On Hopper Triton lowers tl.dot to wgmma by itself; on Ada and
@@ -34,7 +32,7 @@ Blackwell consumer parts (sm_89, sm_120) to mma.sync.
 The row counts (n_rows, M, T, N) are not specialized (`do_not_specialize`): Triton would otherwise
 compile a kernel again for a count that is 1 or a multiple of 16, seconds of compilation that a
 server meets as requests of new lengths arrive. They only bound masks and tile loops. `m_class` and
-`m_fill` are not read at all: they are the autotuner's key of rows per expert (ops.py), and `m_fill`
+`m_fill` are not read at all: they are the autotuner's key of rows per expert (tiles.py), and `m_fill`
 (0 to 2) is not specialized either, so that each key's value compiles the same kernel.
 """
 
@@ -43,135 +41,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+from .act import act, act_grad, dequant, gate_up_cols, weight_scales
+from .row_tiles import row_tile_of_program, rows_in
 
-
-@triton.jit
-def _act(g, ACT: tl.constexpr):
-    if ACT == 0:
-        return g * tl.sigmoid(g)
-    elif ACT == 1:
-        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-    elif ACT == 2:
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        return 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
-    else:
-        return tl.maximum(g, 0.0)
-
-
-@triton.jit
-def _act_grad(g, ACT: tl.constexpr):
-    """d act(g) / d g."""
-    if ACT == 0:
-        s = tl.sigmoid(g)
-        return s * (1.0 + g * (1.0 - s))
-    elif ACT == 1:
-        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
-        pdf = 0.3989422804014327 * tl.exp(-0.5 * g * g)
-        return cdf + g * pdf
-    elif ACT == 2:
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        th = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
-        d_inner = 0.7978845608028654 * (1.0 + 0.134145 * g * g)
-        return 0.5 * (1.0 + th) + 0.5 * g * (1.0 - th * th) * d_inner
-    else:
-        return (g > 0).to(tl.float32)
-
-
-@triton.jit
-def _gate_up_cols(cols, I, INTERLEAVED: tl.constexpr):
-    """Columns of the gate and up halves for intermediate columns `cols` in a [*, 2I] gate/up layout:
-    gate rows first (c, c + I) or interleaved (2c, 2c + 1)."""
-    if INTERLEAVED:
-        return 2 * cols, 2 * cols + 1
-    else:
-        return cols, cols + I
-
-
-@triton.jit
-def _row_tile(pid_m, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, TAIL: tl.constexpr):
-    """Row tile `pid_m` -> (expert, first row, end of the tile's rows). expert >= E: no such tile.
-
-    An expert's rows are cut into BLOCK_M-row tiles; with TAIL its last tile also takes up to
-    BLOCK_M / 2 rows past BLOCK_M, so an expert a few rows over a multiple of BLOCK_M has no nearly empty
-    tile of its own: those rows ride along in the tile before, which loads the weights for both."""
-    if TAIL:
-        tail = BLOCK_M // 2
-    else:
-        tail = 0
-    e_E = tl.arange(0, BLOCK_E)
-    counts_E = tl.maximum(tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32), 0)
-    tiles_E = tl.where(counts_E > tail, (counts_E - tail + BLOCK_M - 1) // BLOCK_M, (counts_E > 0).to(tl.int32))
-    tiles_end_E = tl.cumsum(tiles_E, 0)
-    expert = tl.sum((tiles_end_E <= pid_m).to(tl.int32), 0)
-    tiles_before = tl.sum(tl.where(e_E == expert, tiles_end_E - tiles_E, 0), 0)
-    rows_before = tl.sum(tl.where(e_E < expert, counts_E, 0), 0)
-    rows_end = rows_before + tl.sum(tl.where(e_E == expert, counts_E, 0), 0)
-    row0 = rows_before + (pid_m - tiles_before) * BLOCK_M
-    # Only an expert's last tile has at most BLOCK_M + tail rows from row0 to the expert's end.
-    return expert, row0, tl.where(rows_end - row0 <= BLOCK_M + tail, rows_end, row0 + BLOCK_M)
-
-
-@triton.jit
-def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
-    """Program id -> (row tile, column tile), GROUP_M row tiles at a time: row tiles of one expert then
-    share each loaded weight tile through L2. Where an expert has about one row tile, GROUP_M = 1 runs
-    all column tiles of one tile together instead, which then share its rows (ops._ROW_CONFIGS)."""
-    in_group = GROUP_M * num_n
-    group = pid // in_group
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
-def _num_row_tiles(n_rows, E, BLOCK_M: tl.constexpr):
-    return tl.minimum(tl.cdiv(n_rows, BLOCK_M) + E, n_rows)
-
-
-@triton.jit
-def _row_tile_of_program(n_rows, n_cols, counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr):
-    """This program's tile of a row kernel: (expert, row0, tile_end, cols_N, col_ok_N, pid_n); its rows
-    are [row0, tile_end): BLOCK_M of them, plus up to BLOCK_M / 2 more (TAIL) in an expert's last tile.
-    expert >= E: the program has no tile (the grid is an upper bound) and must return."""
-    num_m = _num_row_tiles(n_rows, E, BLOCK_M)
-    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
-    expert, row0, tile_end = _row_tile(pid_m, counts_ptr, E, BLOCK_M, BLOCK_E, TAIL)
-    tile_end = tl.minimum(tile_end, n_rows)  # counts that sum past n_rows read and write no row past it
-    cols_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return expert, row0, tile_end, cols_N, cols_N < n_cols, pid_n
-
-
-@triton.jit
-def _rows_in(first, end, ROWS: tl.constexpr):
-    """ROWS row indices from `first` and which of them are below `end`."""
-    rows = first + tl.arange(0, ROWS)
-    return rows, rows < end
-
-
-@triton.jit
-def _dequant(w, scale, DT: tl.constexpr):
-    """An FP8 weight tile times its scales (broadcast to it), rounded to DT: the value
-    `fp8.Fp8Weight.dequantize` gives, so FP8 weights compute what their dequantized copy computes."""
-    return (w.to(tl.float32) * scale).to(DT)
-
-
-@triton.jit
-def _weight_scales(ws_ptr, expert, rows_N, stride_wse, stride_wsn, SCALE_N: tl.constexpr):
-    """Pointers [BLOCK_N] to the k = 0 scale of weight rows rows_N of `expert` (scale rows of SCALE_N
-    weight rows each)."""
-    return ws_ptr + expert.to(tl.int64) * stride_wse + (rows_N // SCALE_N).to(tl.int64) * stride_wsn
+__all__ = ["act_bwd_kernel", "rows_kernel", "up_kernel", "wgrad_kernel"]
 
 
 @triton.jit
 def _fp8_dot(a, b, acc, BLOCK_K: tl.constexpr):
     """acc + a @ b for FP8 a and b, the chunk's products summed apart and added to acc in float32: on
     Hopper, FP8 tensor cores keep fewer accumulator bits, and Triton's default there adds every chunk
-    into acc at that precision (3x the error of this over Mixtral's k = 4096; docs/BENCHMARKS.md,
-    "W8A8 FP8 experts"). Elsewhere the same precise sum."""
+    into acc at that precision (docs/BENCHMARKS.md, "W8A8 FP8 experts"). Elsewhere the same precise sum."""
     return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
 
 
@@ -215,7 +95,7 @@ def _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, b
                 acc_s = _fp8_dot(s, b, acc_s, BLOCK_K)
         else:
             if SCALED and SCALE_K > 0:  # scale blocks along k: each tile scaled and rounded to A's dtype
-                b = _dequant(b, tl.load(bs_ptrs + (k0 // SCALE_K) * stride_bsk, mask=col_ok_N, other=0.0)[None, :],
+                b = dequant(b, tl.load(bs_ptrs + (k0 // SCALE_K) * stride_bsk, mask=col_ok_N, other=0.0)[None, :],
                              a.dtype)
             elif SCALED:  # one scale across each row: exact FP8 values in the product, the scale at the end
                 b = b.to(a.dtype)
@@ -277,8 +157,8 @@ def _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D
         else:
             if SCALED and SCALE_K > 0:
                 scale_at = (k0 // SCALE_K) * stride_bsk
-                bg = _dequant(bg, tl.load(gs_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
-                bu = _dequant(bu, tl.load(us_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
+                bg = dequant(bg, tl.load(gs_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
+                bu = dequant(bu, tl.load(us_ptrs + scale_at, mask=col_ok_N, other=0.0)[None, :], a.dtype)
             elif SCALED:
                 bg, bu = bg.to(a.dtype), bu.to(a.dtype)
             acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
@@ -328,7 +208,7 @@ def _row_scales(as_ptr, rows, row_ok, order_ptr, top_k, GATHER: tl.constexpr, A_
 @triton.jit
 def _up_store(acc_g, acc_u, rows, row_ok, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm, stride_gm,
               ACT: tl.constexpr, SAVE_GU: tl.constexpr):
-    """_up_kernel's epilogue for one block of rows: gu (SAVE_GU) and h = act(g) * u."""
+    """up_kernel's epilogue for one block of rows: gu (SAVE_GU) and h = act(g) * u."""
     out_ok = row_ok[:, None] & col_ok_N[None, :]
     rows64 = rows.to(tl.int64)
     if SAVE_GU:
@@ -340,12 +220,12 @@ def _up_store(acc_g, acc_u, rows, row_ok, cols_N, col_ok_N, gate_N, up_N, h_ptr,
         # Backward recomputes h from the rounded g and u: use the same values here.
         acc_g = g_lo.to(tl.float32)
         acc_u = u_lo.to(tl.float32)
-    h = _act(acc_g, ACT) * acc_u
+    h = act(acc_g, ACT) * acc_u
     tl.store(h_ptr + rows64[:, None] * stride_hm + cols_N[None, :], h.to(h_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit(do_not_specialize=["n_rows", "m_fill"])
-def _up_kernel(
+def up_kernel(
     x_ptr, w_ptr, h_ptr, gu_ptr, order_ptr, counts_ptr, ws_ptr, xs_ptr,
     n_rows, I, D, E, top_k,
     stride_xm, stride_we, stride_wn, stride_hm, stride_gm, stride_wse, stride_wsn, stride_wsk,
@@ -364,25 +244,25 @@ def _up_kernel(
     SCALED: Wgu is FP8 with float32 scales ws [E, 2I / SCALE_N, D / SCALE_K] (by strides; fp8.py).
     A_FP8 (with SCALED): x is FP8 too, row i standing for x[i] * xs[i] (fp8.quantize_rows).
     """
-    expert, row0, tile_end, cols_N, col_ok_N, pid_n = _row_tile_of_program(
+    expert, row0, tile_end, cols_N, col_ok_N, pid_n = row_tile_of_program(
         n_rows, I, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M, TAIL)
     if expert >= E:
         return
-    rows_M, row_ok_M = _rows_in(row0, tile_end, BLOCK_M)
-    gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
+    rows_M, row_ok_M = rows_in(row0, tile_end, BLOCK_M)
+    gate_N, up_N = gate_up_cols(cols_N, I, INTERLEAVED)
     k_K = tl.arange(0, BLOCK_K)
     a_ptrs = _token_row_ptrs(x_ptr, rows_M, row_ok_M, order_ptr, top_k, stride_xm, k_K, GATHER)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     g_ptrs = w_base + gate_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
     u_ptrs = w_base + up_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
-    gs_ptrs = _weight_scales(ws_ptr, expert, gate_N, stride_wse, stride_wsn, SCALE_N)
-    us_ptrs = _weight_scales(ws_ptr, expert, up_N, stride_wse, stride_wsn, SCALE_N)
+    gs_ptrs = weight_scales(ws_ptr, expert, gate_N, stride_wse, stride_wsn, SCALE_N)
+    us_ptrs = weight_scales(ws_ptr, expert, up_N, stride_wse, stride_wsn, SCALE_N)
     if TAIL:
         has_tail = tile_end > row0 + BLOCK_M
     else:
         has_tail: tl.constexpr = False  # a constant: the tail path below is not compiled
     if has_tail:
-        rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
+        rows_S, row_ok_S = rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
         s_ptrs = _token_row_ptrs(x_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_xm, k_K, GATHER)
         acc_g, acc_u, tail_g, tail_u = _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D,
                                                     gs_ptrs, us_ptrs, stride_wsk, PRECISION, EVEN_K, BLOCK_M,
@@ -404,7 +284,7 @@ def _up_kernel(
 @triton.jit
 def _rows_store(acc, rows, row_ok, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm,
                 SCATTER: tl.constexpr, WEIGHTED: tl.constexpr):
-    """_rows_kernel's epilogue for one block of rows: weight, un-permute, store."""
+    """rows_kernel's epilogue for one block of rows: weight, un-permute, store."""
     if SCATTER or WEIGHTED:
         flat = tl.load(order_ptr + rows, mask=row_ok, other=0)
     if WEIGHTED:
@@ -418,7 +298,7 @@ def _rows_store(acc, rows, row_ok, cols_N, col_ok_N, c_ptr, order_ptr, weight_pt
 
 
 @triton.jit(do_not_specialize=["n_rows", "m_fill"])
-def _rows_kernel(
+def rows_kernel(
     a_ptr, b_ptr, c_ptr, order_ptr, weight_ptr, counts_ptr, bs_ptr, as_ptr,
     n_rows, N, K, E,
     stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_bse, stride_bsn, stride_bsk,
@@ -436,22 +316,22 @@ def _rows_kernel(
     SCALED: B is FP8 with float32 scales bs [E, N / SCALE_N, K / SCALE_K] (by strides; fp8.py).
     A_FP8 (with SCALED): a is FP8 too, row r standing for a[r] * as[r] (fp8.quantize_rows).
     """
-    expert, row0, tile_end, cols_N, col_ok_N, pid_n = _row_tile_of_program(
+    expert, row0, tile_end, cols_N, col_ok_N, pid_n = row_tile_of_program(
         n_rows, N, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M, TAIL)
     if expert >= E:
         return
-    rows_M, row_ok_M = _rows_in(row0, tile_end, BLOCK_M)
+    rows_M, row_ok_M = rows_in(row0, tile_end, BLOCK_M)
     k_K = tl.arange(0, BLOCK_K)
     a_ptrs = _token_row_ptrs(a_ptr, rows_M, row_ok_M, order_ptr, 1, stride_am, k_K, False)
     b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + cols_N.to(tl.int64)[None, :] * stride_bn
               + k_K[:, None] * stride_bk)
-    bs_ptrs = _weight_scales(bs_ptr, expert, cols_N, stride_bse, stride_bsn, SCALE_N)
+    bs_ptrs = weight_scales(bs_ptr, expert, cols_N, stride_bse, stride_bsn, SCALE_N)
     if TAIL:
         has_tail = tile_end > row0 + BLOCK_M
     else:
         has_tail: tl.constexpr = False  # a constant: the tail path below is not compiled
     if has_tail:
-        rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
+        rows_S, row_ok_S = rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
         s_ptrs = _token_row_ptrs(a_ptr, rows_S, row_ok_S, order_ptr, 1, stride_am, k_K, False)
         acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, bs_ptrs, stride_bsk,
                             PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True, SCALED, SCALE_K, A_FP8)
@@ -469,13 +349,13 @@ def _rows_kernel(
 def _act_bwd_store(acc, rows, row_ok, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr, order_ptr,
                    weight_ptr, stride_gm, stride_dwp, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
                    WEIGHTED: tl.constexpr):
-    """_act_bwd_kernel's epilogue for one block of rows, from its dhu."""
-    gate_N, up_N = _gate_up_cols(cols_N, I, INTERLEAVED)
+    """act_bwd_kernel's epilogue for one block of rows, from its dhu."""
+    gate_N, up_N = gate_up_cols(cols_N, I, INTERLEAVED)
     ok = row_ok[:, None] & col_ok_N[None, :]
     rows64 = rows.to(tl.int64)
     g = tl.load(gu_ptr + rows64[:, None] * stride_gm + gate_N[None, :], mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + rows64[:, None] * stride_gm + up_N[None, :], mask=ok, other=0.0).to(tl.float32)
-    act_g = _act(g, ACT)
+    act_g = act(g, ACT)
     if WEIGHTED:
         h = (act_g * u).to(gu_ptr.dtype.element_ty).to(tl.float32)  # h as the forward rounded it
         flat = tl.load(order_ptr + rows, mask=row_ok, other=0)  # the row's (token, slot) pair
@@ -486,12 +366,12 @@ def _act_bwd_store(acc, rows, row_ok, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_pt
                  mask=ok)
     dgu_dtype = dgu_ptr.dtype.element_ty
     tl.store(dgu_ptr + rows64[:, None] * stride_gm + gate_N[None, :],
-             (acc * u * _act_grad(g, ACT)).to(dgu_dtype), mask=ok)
+             (acc * u * act_grad(g, ACT)).to(dgu_dtype), mask=ok)
     tl.store(dgu_ptr + rows64[:, None] * stride_gm + up_N[None, :], (acc * act_g).to(dgu_dtype), mask=ok)
 
 
 @triton.jit(do_not_specialize=["n_rows", "m_fill"])
-def _act_bwd_kernel(
+def act_bwd_kernel(
     dy_ptr, w_ptr, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr, order_ptr, weight_ptr, counts_ptr,
     n_rows, I, D, E, top_k,
     stride_dym, stride_we, stride_wd, stride_gm, stride_dwp,
@@ -511,11 +391,11 @@ def _act_bwd_kernel(
     dy: [*, D] (gathered by token when GATHER). Wd: [E, D, I] (unit stride along I). gu, dgu: [N, 2I].
     hw: [N, I].
     """
-    expert, row0, tile_end, cols_N, col_ok_N, pid_n = _row_tile_of_program(
+    expert, row0, tile_end, cols_N, col_ok_N, pid_n = row_tile_of_program(
         n_rows, I, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M, TAIL)
     if expert >= E:
         return
-    rows_M, row_ok_M = _rows_in(row0, tile_end, BLOCK_M)
+    rows_M, row_ok_M = rows_in(row0, tile_end, BLOCK_M)
     k_K = tl.arange(0, BLOCK_K)
     a_ptrs = _token_row_ptrs(dy_ptr, rows_M, row_ok_M, order_ptr, top_k, stride_dym, k_K, GATHER)
     b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols_N[None, :] + k_K.to(tl.int64)[:, None] * stride_wd
@@ -524,7 +404,7 @@ def _act_bwd_kernel(
     else:
         has_tail: tl.constexpr = False  # a constant: the tail path below is not compiled
     if has_tail:
-        rows_S, row_ok_S = _rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
+        rows_S, row_ok_S = rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
         s_ptrs = _token_row_ptrs(dy_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_dym, k_K, GATHER)
         acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, D, stride_wd, b_ptrs, 0, PRECISION,
                             EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True, False, 1)
@@ -538,7 +418,7 @@ def _act_bwd_kernel(
 
 
 @triton.jit(do_not_specialize=["M", "R", "m_fill"])
-def _wgrad_kernel(
+def wgrad_kernel(
     a_ptr, b_ptr, c_ptr, counts_ptr,
     M, N, E, R,
     stride_am, stride_bm, stride_ce, stride_cm,
@@ -551,8 +431,9 @@ def _wgrad_kernel(
 
     A: [R, M], B: [R, N] (unit column strides), rows in expert order. c: [E, M, N] (unit stride along
     N). Experts with no rows get zeros; counts are taken as at least 0, and rows past R are not read. The
-    backward gathers token rows into expert order once before it (ops.py): an index load in front of
-    every row load held the kernel 1.1-1.45x back.
+    backward gathers token rows into expert order once before it (rows.py): an index load in front of
+    every row load would slow the kernel (docs/BENCHMARKS.md, "Weight gradients over pre-gathered
+    rows").
 
     One program owns (expert, BLOCK_M rows of c) and walks every column tile in one flattened loop
     over (column tile, chunk of BLOCK_K rows): experts often have few rows, and a loop per tile

@@ -4,16 +4,17 @@ Shape legend as in moe_triton.py: T tokens, D hidden size, K experts per token, 
 intermediate size, N = T * K routed rows in expert order; row r is the flat pair `order[r]`.
 
 Four passes serve the Hopper path (grouped_gemm.py), where torch's grouped GEMM (CUTLASS) runs the
-GEMMs and cannot fuse gathers or epilogues; the gather also feeds both weight-gradient paths (ops.py):
+GEMMs and cannot fuse gathers or epilogues; the gather also feeds both weight-gradient paths (rows.py):
 
-    _gather_kernel         x_rows[r] = x[order[r] // K]
-    _act_kernel            h = act(g) * u from the [N, 2I] gate/up GEMM output
-    _act_bwd_rows_kernel   dgu, d routing weight and w * h from dhu (the elementwise half of
-                           moe_triton._act_bwd_kernel)
-    _combine_kernel        y[t] = sum over k of w[t, k] * rows[inv[t, k]]   (un-permute + sum over K)
+    gather_kernel        x_rows[r] = x[order[r] // K]
+    act_kernel           h = act(g) * u from the [N, 2I] gate/up GEMM output
+    act_bwd_rows_kernel  dgu, d routing weight and w * h from dhu (the elementwise half of
+                         moe_triton.act_bwd_kernel)
+    combine_kernel       y[t] = sum over k of w[t, k] * rows[inv[t, k]]   (un-permute + sum over K)
 
-And `_route_kernel`, which sorts a small inference batch's pairs by expert and counts them in one
-launch (ops.py), and `_quantize_rows_kernel`, the FP8 inputs of the W8A8 kernels (fp8.py). Portable Triton only; row counts are not specialized, as in moe_triton.py.
+And `route_kernel`, which sorts a small batch's pairs by expert and counts them in one launch
+(rows.route), and `quantize_rows_kernel`, the FP8 inputs of the W8A8 kernels (fp8.py). Portable Triton
+only; row counts are not specialized, as in moe_triton.py.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_triton import _act, _act_grad, _gate_up_cols
+from .act import act, act_grad, gate_up_cols
+
+__all__ = ["act_bwd_rows_kernel", "act_kernel", "combine_kernel", "gather_kernel", "quantize_rows_kernel",
+           "route_kernel"]
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _gather_kernel(src_ptr, order_ptr, out_ptr, n_rows, D, top_k, stride_sm, stride_om,
+def gather_kernel(src_ptr, order_ptr, out_ptr, n_rows, D, top_k, stride_sm, stride_om,
                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[r] = src[order[r] // top_k]: token rows in expert order, for GEMMs that cannot gather."""
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -38,27 +42,27 @@ def _gather_kernel(src_ptr, order_ptr, out_ptr, n_rows, D, top_k, stride_sm, str
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _act_kernel(gu_ptr, h_ptr, n_rows, I, stride_gm, stride_hm,
+def act_kernel(gu_ptr, h_ptr, n_rows, I, stride_gm, stride_hm,
                 ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """h[r, c] = act(gu[r, gate(c)]) * gu[r, up(c)]: the gated activation of a [N, 2I] GEMM output."""
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols_C = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (rows_R < n_rows)[:, None] & (cols_C < I)[None, :]
-    gate_C, up_C = _gate_up_cols(cols_C, I, INTERLEAVED)
+    gate_C, up_C = gate_up_cols(cols_C, I, INTERLEAVED)
     base = gu_ptr + rows_R.to(tl.int64)[:, None] * stride_gm
     g = tl.load(base + gate_C[None, :], mask=ok, other=0.0).to(tl.float32)
     u = tl.load(base + up_C[None, :], mask=ok, other=0.0).to(tl.float32)
-    h = _act(g, ACT) * u
+    h = act(g, ACT) * u
     tl.store(h_ptr + rows_R.to(tl.int64)[:, None] * stride_hm + cols_C[None, :], h.to(h_ptr.dtype.element_ty),
              mask=ok)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _act_bwd_rows_kernel(dhu_ptr, gu_ptr, dgu_ptr, dw_ptr, hw_ptr, order_ptr, weight_ptr, n_rows, I,
+def act_bwd_rows_kernel(dhu_ptr, gu_ptr, dgu_ptr, dw_ptr, hw_ptr, order_ptr, weight_ptr, n_rows, I,
                          stride_dm, stride_gm,
                          ACT: tl.constexpr, INTERLEAVED: tl.constexpr, WEIGHTED: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The elementwise half of _act_bwd_kernel, for an unweighted dhu = dy[tok] @ Wd[e] computed elsewhere:
+    """The elementwise half of act_bwd_kernel, for an unweighted dhu = dy[tok] @ Wd[e] computed elsewhere:
     dgu[r, gate(c)] = w * dhu * u * act'(g), dgu[r, up(c)] = w * dhu * act(g), and (WEIGHTED) the routing
     weight's gradient dw[order[r]] = sum over c of dhu * h, h = act(g) * u as the forward rounded it, and
     hw[r, c] = w * h [N, I] for the down projection's weight gradient.
@@ -73,12 +77,12 @@ def _act_bwd_rows_kernel(dhu_ptr, gu_ptr, dgu_ptr, dw_ptr, hw_ptr, order_ptr, we
     for c0 in range(0, I, BLOCK_C):
         cols_C = c0 + tl.arange(0, BLOCK_C)
         ok = row_ok_R[:, None] & (cols_C < I)[None, :]
-        gate_C, up_C = _gate_up_cols(cols_C, I, INTERLEAVED)
+        gate_C, up_C = gate_up_cols(cols_C, I, INTERLEAVED)
         gu_base = gu_ptr + rows64_R[:, None] * stride_gm
         g = tl.load(gu_base + gate_C[None, :], mask=ok, other=0.0).to(tl.float32)
         u = tl.load(gu_base + up_C[None, :], mask=ok, other=0.0).to(tl.float32)
         dhu = tl.load(dhu_ptr + rows64_R[:, None] * stride_dm + cols_C[None, :], mask=ok, other=0.0).to(tl.float32)
-        act_g = _act(g, ACT)
+        act_g = act(g, ACT)
         if WEIGHTED:
             h = (act_g * u).to(gu_ptr.dtype.element_ty).to(tl.float32)
             dw_R += tl.sum(dhu * h, 1)
@@ -87,14 +91,14 @@ def _act_bwd_rows_kernel(dhu_ptr, gu_ptr, dgu_ptr, dw_ptr, hw_ptr, order_ptr, we
                      mask=ok)
         dgu_base = dgu_ptr + rows64_R[:, None] * stride_gm
         dgu_dtype = dgu_ptr.dtype.element_ty
-        tl.store(dgu_base + gate_C[None, :], (dhu * u * _act_grad(g, ACT)).to(dgu_dtype), mask=ok)
+        tl.store(dgu_base + gate_C[None, :], (dhu * u * act_grad(g, ACT)).to(dgu_dtype), mask=ok)
         tl.store(dgu_base + up_C[None, :], (dhu * act_g).to(dgu_dtype), mask=ok)
     if WEIGHTED:
         tl.store(dw_ptr + flat_R, dw_R, mask=row_ok_R)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _combine_kernel(rows_ptr, inv_ptr, weight_ptr, out_ptr, T, D, top_k, stride_rm, stride_om,
+def combine_kernel(rows_ptr, inv_ptr, weight_ptr, out_ptr, T, D, top_k, stride_rm, stride_om,
                     WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[t] = sum over k of w[t, k] * rows[inv[t * top_k + k]] (w = 1 unless WEIGHTED), summed in fp32:
     the un-permute and the sum over each token's K expert rows in one pass."""
@@ -115,7 +119,7 @@ def _combine_kernel(rows_ptr, inv_ptr, weight_ptr, out_ptr, T, D, top_k, stride_
 
 
 @triton.jit(do_not_specialize=["N"])
-def _route_kernel(ids_ptr, weight_ptr, order_ptr, counts_ptr, w_out_ptr, N, E, WEIGHTED: tl.constexpr,
+def route_kernel(ids_ptr, weight_ptr, order_ptr, counts_ptr, w_out_ptr, N, E, WEIGHTED: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, RANKED: tl.constexpr = False):
     """One program sorts a small batch's N pairs by expert: order[r] = the flat pair of sorted row r
     (stable: pairs of one expert in flat order), counts[e] = pairs of expert e, and w_out[j] = the
@@ -148,7 +152,7 @@ def _route_kernel(ids_ptr, weight_ptr, order_ptr, counts_ptr, w_out_ptr, N, E, W
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_rows, C, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
+def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_rows, C, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
                           BLOCK_C: tl.constexpr):
     """One row per program: scale = amax / FP8_MAX (1 for a zero row), q = x / scale rounded to the
     nearest e4m3, both divisions rounded as IEEE's: the bits of fp8.quantize_rows. A first pass over

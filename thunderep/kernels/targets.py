@@ -1,6 +1,6 @@
 """Compile the expert kernels for a GPU architecture without that GPU, and inspect what comes out.
 
-    python -m thunderep.kernels.targets [--arch 89,90,120]
+    thunderep bench targets [--arch 89,90,120]     # formerly: python -m thunderep.kernels.targets
 
 The product's users run RTX 4090 (sm_89) and RTX 5090 (sm_120); the kernels' default path must not
 depend on Hopper-only instructions. Triton compiles for any target on any machine (no driver
@@ -13,12 +13,10 @@ the compiler's choice for that target, not something the kernel source asks for.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -30,40 +28,40 @@ from . import moe_triton as K
 from . import pairs as P
 from . import passes
 
-__all__ = ["HOPPER_ONLY", "KernelBuild", "compile_kernels"]
+__all__ = ["HOPPER_ONLY", "KernelBuild", "compile_kernels", "print_table"]
 
 # PTX that only Hopper-class (sm_90 / sm_90a) parts execute.
 HOPPER_ONLY = ("wgmma.", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait.parity")
 
 _ROW_META = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, BLOCK_E=16, GROUP_M=8)
 _KERNELS = {
-    "up": (K._up_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, SAVE_GU=True, PRECISION="tf32", EVEN_K=True,
+    "up": (K.up_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, SAVE_GU=True, PRECISION="tf32", EVEN_K=True,
                                TAIL=False)),
-    "rows": (K._rows_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True, TAIL=False)),
-    "act_bwd": (K._act_bwd_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, WEIGHTED=True,
+    "rows": (K.rows_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True, TAIL=False)),
+    "act_bwd": (K.act_bwd_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, WEIGHTED=True,
                                         PRECISION="tf32", EVEN_K=True, TAIL=False)),
-    "wgrad": (K._wgrad_kernel, dict(PRECISION="tf32")),
-    "up_pairs": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32",
+    "wgrad": (K.wgrad_kernel, dict(PRECISION="tf32")),
+    "up_pairs": (P.up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32",
                                           PDL=False, AHEAD=False, X_ROWS=False)),
-    "up_pairs_ahead": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32",
+    "up_pairs_ahead": (P.up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32",
                                                 PDL=False, AHEAD=True, X_ROWS=False)),
-    "up_pairs_x_rows": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32",
+    "up_pairs_x_rows": (P.up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=False, PRECISION="tf32",
                                                  PDL=False, AHEAD=True, X_ROWS=True)),
-    "down_pairs": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=False, PDL=False, AHEAD=False,
+    "down_pairs": (P.down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=False, PDL=False, AHEAD=False,
                                                     X_ROWS=False)),
-    "down_pairs_split": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True, PDL=False, AHEAD=False,
+    "down_pairs_split": (P.down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True, PDL=False, AHEAD=False,
                                                           X_ROWS=False)),
-    "down_pairs_split_ahead": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True, PDL=False,
+    "down_pairs_split_ahead": (P.down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True, PDL=False,
                                                           AHEAD=True, X_ROWS=False)),
-    "down_pairs_split_x_rows": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True, PDL=False,
+    "down_pairs_split_x_rows": (P.down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=True, PDL=False,
                                                            AHEAD=True, X_ROWS=True)),
-    "down_pairs_all_slots": (P._down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=False, PDL=False,
+    "down_pairs_all_slots": (P.down_pairs_kernel, dict(WEIGHTED=True, EVEN_K=True, SPLIT=False, PDL=False,
                                                         AHEAD=False, X_ROWS=False, ALL_SLOTS=True, SLOTS=8)),
-    "up_pairs_dot": (P._up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=True, PRECISION="tf32",
+    "up_pairs_dot": (P.up_pairs_kernel, dict(ACT=0, INTERLEAVED=False, EVEN_K=True, DOT=True, PRECISION="tf32",
                                               PDL=False, AHEAD=False, X_ROWS=False)),
-    "route": (passes._route_kernel, dict(WEIGHTED=True)),
+    "route": (passes.route_kernel, dict(WEIGHTED=True)),
 }
-# The decode kernels as they run where programmatic dependent launch exists (pairs.pdl_applies: sm_90
+# The decode kernels as they run where programmatic dependent launch exists (paths.pdl_applies: sm_90
 # and later), built only for those targets.
 _PDL_MIN_ARCH = 90
 _PDL_KERNELS = {f"{name}_pdl": (_KERNELS[name][0], {**_KERNELS[name][1], "PDL": True})
@@ -84,7 +82,7 @@ _FP8_KERNELS.update({f"{name}_fp8rows": (_KERNELS[name][0], {**_KERNELS[name][1]
                                                              "SCALE_K": 0})
                      for name in ("up", "up_pairs_ahead", "down_pairs_all_slots")})
 # ... and W8A8 (FP8 inputs too: e4m3 x e4m3 products), with row scales and with 128 x 128 blocks, at the
-# 128 x 64 tile on 8 warps that the row kernels offer FP8 weights alone (ops._FP8_ROW_TILES), BLOCK_K
+# 128 x 64 tile on 8 warps that the row kernels offer FP8 weights alone (tiles.FP8_ROW_TILES), BLOCK_K
 # doubled to 128 as tuning.fit_scale_blocks does for W8A8: the tile that fits sm_89's shared memory.
 _W8A8_KERNELS = {f"{name}_w8a8{suffix}": (_KERNELS[name][0], {**_KERNELS[name][1], **_FP8_FLAGS, **scales,
                                                                 "A_FP8": True})
@@ -92,7 +90,7 @@ _W8A8_KERNELS = {f"{name}_w8a8{suffix}": (_KERNELS[name][0], {**_KERNELS[name][1
                  for suffix, scales in (("", dict(SCALE_N=1, SCALE_K=0)), ("_blocks", {}))}
 _W8A8_META = {**_ROW_META, "BLOCK_N": 64, "BLOCK_K": 128}
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
-_ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (ROUTE_MAX_PAIRS), 256 experts
+_ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (paths.ROUTE_MAX_PAIRS), 256 experts
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
 
 
@@ -182,20 +180,14 @@ def _or_dash(value, unit: str = "") -> str:
     return "-" if value is None else f"{value}{unit}"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="89,90,120", help="compute capabilities, e.g. 89,90,120")
-    args = ap.parse_args(argv)
+def print_table(archs: list[int]) -> int:
+    """Compile every kernel for each compute capability of `archs` and print one markdown row per build."""
     print("| kernel | arch | shared memory | registers | stack | matrix instructions | Hopper-only PTX | dependent launch |")
     print("|---|---|---|---|---|---|---|---|")
-    for arch in (int(a) for a in args.arch.split(",")):
+    for arch in archs:
         for b in compile_kernels(arch):
             mma = "wgmma" if b.uses_wgmma else ("mma.sync" if b.uses_mma_sync else "none")
             print(f"| {b.name} | sm_{b.arch} | {b.shared_bytes // 1024} KiB | {_or_dash(b.registers)} | "
                   f"{_or_dash(b.stack_bytes, ' B')} | {mma} | "
                   f"{', '.join(b.hopper_only) or 'none'} | {'yes' if b.dependent_launch else 'no'} |")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

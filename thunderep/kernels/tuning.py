@@ -31,20 +31,19 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from .. import env
 from .graphs import capture
-from ..errors import ConfigError
 
-__all__ = ["autotune_enabled", "captured", "cdiv", "compile_threads", "compiled_kernels", "free_timer_buffers",
-           "kernel_configs", "launch", "next_power_of_2", "precision", "timed_ms", "tuned", "tuning_ms"]
+__all__ = ["autotune_enabled", "captured", "cdiv", "chosen_configs", "compile_threads", "compiled_kernels",
+           "fit_scale_blocks", "fp8_only", "free_timer_buffers", "kernel_configs", "launch", "next_power_of_2",
+           "precision", "signature", "timed_ms", "tuned", "tuning_ms"]
 
 _LOG = logging.getLogger("thunderep.kernels")
 
 
-# Grid and block arithmetic on the host, where every launch pays for it. `triton.cdiv` and
-# `triton.next_power_of_2` are constexpr functions in recent Triton: called from Python, 2.6-5.6 us a
-# call with Triton 3.6 and 3.9 on a 2-core CPU against 0.03-0.06 us for the arithmetic (on the H200
-# machine's host `triton.cdiv` 1.05 us, `cdiv` below 0.08 us), and a forward+backward makes about twenty
-# (docs/BENCHMARKS.md, "Host time of the grid arithmetic", "GPU checks at 511e57f and e4a4875").
+# Grid and block arithmetic on the host, where every launch pays for it: `triton.cdiv` and
+# `triton.next_power_of_2` are constexpr functions in recent Triton, slow to call from Python, and a
+# forward+backward makes about twenty calls (docs/BENCHMARKS.md, "Host time of the grid arithmetic").
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for positive b."""
     return -(-a // b)
@@ -53,6 +52,8 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, n - 1).bit_length()
+
+
 _REGISTRY: dict[str, object] = {}  # name -> autotuner, for kernel_configs()
 _TUNED: dict[tuple, tuple] = {}  # (autotuner, its key) -> (kernel, launch arguments) of the config it chose
 _ARMED: set[int] = set()  # autotuners whose next timing round compiles its configs first (id)
@@ -70,8 +71,7 @@ _FLUSH: dict = {}
 def _flush_l2(device) -> None:
     """Evict L2 by reading FLUSH_BYTES: the timed call then starts with none of its bytes in L2 and
     nothing dirty there. (Triton's do_bench writes its flush buffer instead; the timed call then also
-    pays for writing back a whole L2 of dirty lines: about 2 us per call at Qwen3's decode size on an
-    H200, docs/BENCHMARKS.md, "The L2 left by the timer".)"""
+    pays for writing back a whole L2 of dirty lines: docs/BENCHMARKS.md, "The L2 left by the timer".)"""
     key = str(device)
     if key not in _FLUSH:
         _FLUSH[key] = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
@@ -119,10 +119,9 @@ def timed_ms(fn, ms_budget: float = 100.0, warmup_ms: float = 25.0, quantiles=No
 
 
 # Timed calls (and warm-up calls) per config when autotuning; None: as many as fit in timed_ms's budget.
-# A kernel of a few microseconds fits about 1300 calls in 100 ms, each behind a 256 MB L2 flush; one of
-# 1 ms or more fits fewer than 100, and the cap changes nothing for it. On the H200 the cap cut a cold
-# tuning of examples/tune_cold.py from 58-62 s to 47-48 s (docs/BENCHMARKS.md, "Host time of small
-# steps, and cold tuning").
+# A kernel of a few microseconds fits over a thousand calls in the budget, each behind a 256 MB L2 flush;
+# a long one fits fewer than the cap, which changes nothing for it (docs/BENCHMARKS.md, "Host time of
+# small steps, and cold tuning").
 TUNING_MAX_CALLS: int | None = 100
 
 
@@ -186,13 +185,14 @@ def fit_scale_blocks(configs: list, args: dict, k_arg: str | None) -> list:
         if block_k != config.kwargs["BLOCK_K"]:
             config = triton.Config({**config.kwargs, "BLOCK_K": block_k}, num_warps=config.num_warps,
                                    num_stages=config.num_stages)
-        if _signature(config) not in seen:
-            seen.add(_signature(config))
+        if signature(config) not in seen:
+            seen.add(signature(config))
             out.append(config)
     return out
 
 
-def _signature(config: triton.Config) -> tuple:
+def signature(config: triton.Config) -> tuple:
+    """What makes two configs the same: their kwargs, warps and stages."""
     return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
 
 
@@ -219,8 +219,7 @@ def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None
 
 
 # Compile threads when THUNDEREP_COMPILE_THREADS is unset: this many, or the CPUs this process may run on
-# if fewer. On an H200 of a 32-core machine, 8 threads cut a cold tuning from 54-62 s to 29-32 s
-# (docs/BENCHMARKS.md, "Kernel compiles on threads").
+# if fewer (docs/BENCHMARKS.md, "Kernel compiles on threads").
 DEFAULT_COMPILE_THREADS = 8
 
 
@@ -228,16 +227,10 @@ def compile_threads() -> int:
     """Threads that compile a new key's configs before they are timed: THUNDEREP_COMPILE_THREADS, else
     DEFAULT_COMPILE_THREADS or the usable CPUs if fewer. 1: none ahead, each config compiles when first
     timed."""
-    value = os.environ.get("THUNDEREP_COMPILE_THREADS", "")
-    if not value:
+    threads = env.compile_threads()
+    if threads is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, min(DEFAULT_COMPILE_THREADS, cpus))
-    try:
-        threads = int(value)
-    except ValueError:
-        threads = 0
-    if threads < 1:
-        raise ConfigError(f"THUNDEREP_COMPILE_THREADS must be a whole number of threads, 1 or more; got {value!r}")
     return threads
 
 
@@ -274,14 +267,15 @@ def _compile_configs(autotuner, args, meta) -> None:
 
 
 def autotune_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("THUNDEREP_TRITON_AUTOTUNE", "1") != "0"
+    """Whether `launch` autotunes on `device`: on CUDA, unless THUNDEREP_TRITON_AUTOTUNE=0."""
+    return device.type == "cuda" and env.triton_autotune()
 
 
 def _chosen_launch(plain, config: triton.Config, args: dict) -> tuple:
     """(kernel, launch arguments) that run `plain` with `config` for every later launch of the key: a
     heuristics wrapper's values are computed here once (they depend on the key's arguments only,
-    `tuned`), and the kernel under it is launched directly; its per-launch merge of every argument
-    cost 4.7 us of a 78 us launch on the H200's host (docs/BENCHMARKS.md, "Host time of small steps")."""
+    `tuned`), and the kernel under it is launched directly, without its per-launch merge of every
+    argument (docs/BENCHMARKS.md, "Host time of small steps")."""
     meta = config.all_kwargs()
     if isinstance(plain, triton.runtime.autotuner.Heuristics):
         meta.update({name: rule({**args, **meta}) for name, rule in plain.values.items()})
@@ -344,6 +338,11 @@ def compiled_kernels() -> int:
             if isinstance(fn, JITFunction):
                 total += sum(len(entry[0]) for entry in fn.device_caches.values())
     return total
+
+
+def chosen_configs() -> int:
+    """How many (kernel, key) configs `launch` has chosen by autotuning in this process so far."""
+    return len(_TUNED)
 
 
 def kernel_configs() -> dict:

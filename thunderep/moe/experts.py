@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..config import ExpertsConfig
 from ..errors import ConfigError, InputError, RoutingError
 from .router import Routing
@@ -86,10 +87,8 @@ def _use_triton(x: torch.Tensor, gate_up_proj: torch.Tensor, config: ExpertsConf
     or "triton" (which raises where they cannot)."""
     ok = False
     if config.backend in ("auto", "triton") and x.device.type == "cuda":
-        from .. import kernels
-
         if kernels.available(x.device):
-            from ..kernels import ops
+            from ..kernels import ops  # triton: optional (the Triton kernels import it)
 
             ok = ops.supported(x, gate_up_proj, config.activation, config.bias)
     if config.backend == "triton" and not ok:
@@ -145,7 +144,7 @@ def expert_mlp(
         return x_ND.new_zeros(0, down_proj.shape[1]) + zero.to(x_ND.dtype)
     x_ND = x_ND.to(gate_up_proj.dtype)
     if _use_triton(x_ND, gate_up_proj, config):
-        from ..kernels.ops import moe_mlp
+        from ..kernels.ops import moe_mlp  # triton: optional (the Triton kernels import it)
 
         return moe_mlp(x_ND, gate_up_proj, down_proj, counts_E, activation=config.activation,
                        interleaved=config.interleaved)
@@ -215,21 +214,21 @@ class FusedExperts(nn.Module):
         )
 
     def pairs_partial(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, fallback=None,
-                      experts: int | None = None) -> torch.Tensor | None:
+                      experts: int | None = None, kind: str = "sorted") -> torch.Tensor | None:
         """sum over k of weights_TK * expert_{ids_TK}(x_TD) [T, D] through the decode pair kernels, where
         id -1 marks a pair these experts do not compute (it adds nothing); None where the pair kernels do
         not apply (no CUDA kernels here, gradients needed, or more tokens than `pairs_max_tokens()`, or,
         given the caller's `fallback(ids_TK)` and the model's `experts`, than the tokens at which the
-        pair kernels measured faster: `thunderep.kernels.pairs.pairs_win`).
+        pair kernels measured faster: `thunderep.kernels.paths.pairs_win`).
 
         For expert parallelism's latency and all-gather modes: each rank's share of the output, with no
         sort, no compaction of its pairs and no device-to-host sync."""
         if not x_TD.shape[0] or not _use_triton(x_TD, self.gate_up_proj, self.config):
             return None
-        from ..kernels.pairs import pairs_if_decode
+        from ..kernels.ops import pairs_if_decode  # triton: optional (the Triton kernels import it)
 
         return pairs_if_decode(x_TD, self.gate_up_proj, self.down_proj, ids_TK, weights_TK, self.config.activation,
-                               self.config.interleaved, fallback, experts)
+                               self.config.interleaved, fallback, experts, kind)
 
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         T, K = routing.ids_TK.shape
@@ -241,7 +240,7 @@ class FusedExperts(nn.Module):
         if routing.ids_TK.is_floating_point() or routing.ids_TK.dtype == torch.bool:
             raise InputError(f"routing.ids_TK must be an integer tensor, got {routing.ids_TK.dtype}")
         if _use_triton(x_TD, self.gate_up_proj, self.config) and T:
-            from ..kernels.ops import routed_moe_mlp
+            from ..kernels.ops import routed_moe_mlp  # triton: optional (the Triton kernels import it)
 
             y_TD = routed_moe_mlp(x_TD.to(self.gate_up_proj.dtype), self.gate_up_proj, self.down_proj,
                                   routing.ids_TK, routing.weights_TK, counts_E=routing.counts_E,

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..hf.wrap import decode_attention
+
 __all__ = ["DecodeBatch", "Entry", "generate_static", "sample_token", "sampling_problem", "unsupported_reason"]
 
 
@@ -126,8 +128,6 @@ class DecodeBatch:
     # -- internals
 
     def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
-        from ..hf.wrap import decode_attention
-
         running = self.tm.running("latency") if hasattr(self.tm, "running") else contextlib.nullcontext()
         with torch.no_grad(), running, decode_attention():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,

@@ -1,32 +1,28 @@
 """The HTTP side of `thunderep serve` on rank 0, in the OpenAI API's shape: requests parsed and checked
 (a bad one gets 400 with a message), queued as jobs for the serving loop, and answered whole or as
-server-sent events. Only the standard library's threaded HTTP server; no other dependency."""
+server-sent events (the routes: `thunderep.serve.http_handler`). Only the standard library's threaded
+HTTP server; no other dependency."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import queue
-import select
 import socket
 import threading
 import time
-import traceback
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from http.server import ThreadingHTTPServer
 
-from .engine import sampling_problem
 from ..errors import ConfigError
+from .config import ServeConfig
+from .engine import sampling_problem
+from .http_handler import RequestHandler
+from .jobs import BadRequest, Job, TextSoFar, cut_at_stop
 from .token_bound import TokenBound
 
-__all__ = ["IDLE_S", "BadRequest", "Job", "Server", "TextSoFar", "cut_at_stop", "listen_problem"]
+__all__ = ["FAIL_WAIT_S", "IDLE_S", "BadRequest", "Job", "Server", "TextSoFar", "cut_at_stop", "listen_problem"]
 
 IDLE_S = 0.5  # rank 0 sends an (empty) batch at least this often
-MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413), never read
-HANGUP_POLL_S = 0.25  # how often a request waiting for its answer checks that its client is still there
 FAIL_WAIT_S = 2.0  # after the serving loop failed, how long the open requests' handlers get to send the error
-_GET_PATHS = ("/health", "/v1/models")
-_POST_PATHS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}  # and the kind of job
 
 # OpenAI request fields that change the answer and that this server does not implement, with the values
 # that ask for nothing (clients send those by default): any other value is refused, not ignored.
@@ -35,18 +31,6 @@ _UNSUPPORTED = {
     "top_logprobs": (0, None), "presence_penalty": (0, None), "frequency_penalty": (0, None),
     "logit_bias": ({}, None), "suffix": ("", None), "tools": ([], None), "functions": ([], None),
 }
-
-
-
-def _hung_up(sock: socket.socket) -> bool:
-    """Whether the client of `sock` has closed its end: readable with nothing to read (a client that sends
-    its next request early is still there)."""
-    try:
-        if not select.select([sock], [], [], 0)[0]:
-            return False
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except (OSError, ValueError):  # reset, or already closed
-        return True
 
 
 def listen_problem(host: str, port: int, exc: OSError | None = None) -> str | None:
@@ -64,64 +48,11 @@ def listen_problem(host: str, port: int, exc: OSError | None = None) -> str | No
             "or a name that resolves to one; --port a free port, or 0 for any)")
 
 
-class BadRequest(ValueError):
-    """A request the server refuses, with the message the client gets (HTTP 400)."""
-
-
-class Job:
-    """One request waiting for the serving loop: its prompt ids and settings, and the answer."""
-
-    def __init__(self, kind: str, ids: list[int], max_tokens: int, sampling: tuple[float, float], seed: int | None,
-                 stream: bool = False, stop: list[str] | None = None):
-        self.kind, self.ids, self.max_tokens, self.sampling, self.seed = kind, ids, max_tokens, sampling, seed
-        self.stop = stop or []  # the answer ends before the first of these strings
-        self.cancelled = False  # its client went away: the serving loop drops it
-        self.done = threading.Event()
-        self.result: dict | None = None
-        self.error: str | None = None
-        self.status = 500  # the HTTP status its error is answered with (503: refused before it started)
-        self.number = 0  # the server's count of requests when it took this one: its answer's id
-        # stream=True: server-sent events; the serving loop puts chunks (dicts) here, then None
-        self.chunks: queue.Queue | None = queue.Queue() if stream else None
-        self.sent: str | None = None  # the streamed text so far (None: nothing sent yet)
-        self.tokens: list[int] = []  # continuous batching: the new tokens so far
-        self.text: TextSoFar | None = None  # their text, decoded as they come (streamed or with stop strings)
-
-
-class TextSoFar:
-    """The text of a growing list of token ids, decoded a few ids at a time instead of whole at every new
-    id (a stream of n tokens then costs O(n), not O(n^2), in the tokenizer).
-
-    Each update decodes the ids since the text last grew, after the ids that made that growth as
-    context, twice: with and without the new ids; the difference is the new text. Both decodes start at
-    the same id, so what a tokenizer does at the start of a string (dropping a leading space) cancels.
-    The text grows only by whole characters (no trailing U+FFFD of a cut multi-byte character). Where
-    the context would change text already given (a tokenizer that cleans up spaces around punctuation,
-    say), the whole list is decoded once and the window starts again."""
-
-    CONTEXT = 6  # ids kept before the window after a whole decode
-
-    def __init__(self, decode):
-        self.decode, self.text, self.start, self.done = decode, "", 0, 0
-
-    def update(self, ids: list[int]) -> str:
-        before = self.decode(ids[self.start:self.done])
-        now = self.decode(ids[self.start:])
-        if not now.startswith(before):
-            now = self.decode(ids)
-            if not now.endswith("\ufffd"):
-                self.text, self.start, self.done = now, max(0, len(ids) - self.CONTEXT), len(ids)
-        elif len(now) > len(before) and not now.endswith("\ufffd"):
-            self.text += now[len(before):]
-            self.start, self.done = self.done, len(ids)
-        return self.text
-
-
 class Server:
     """Rank 0's side: the HTTP server thread and the queue of jobs it feeds the serving loop."""
 
-    def __init__(self, args: argparse.Namespace, tokenizer, context: int, name: str, world: int):
-        self.args, self.tokenizer, self.context, self.name, self.world = args, tokenizer, context, name, world
+    def __init__(self, config: ServeConfig, tokenizer, context: int, name: str, world: int):
+        self.config, self.tokenizer, self.context, self.name, self.world = config, tokenizer, context, name, world
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.open: set[Job] = set()  # jobs whose handler has not replied yet (fail_open answers them)
         # why the serving loop ended (fail_open) or is ending (refuse_new): new requests get it at once
@@ -133,167 +64,14 @@ class Server:
         self.taken: set[Job] = set()
         # the most characters one token stands for (None: no bound): longer prompts are refused untokenized
         self.token_bound = TokenBound.of(tokenizer)
-        self.batching = getattr(args, "batching", "static")  # what the serving loop runs
+        self.batching = config.batching  # what the serving loop runs
         self.decode_steps = "eager"  # or "cuda-graphs": how decode steps run now, set by the serving loop
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format, *a):  # noqa: A002 - one line per request, to stdout
-                if not args.quiet:
-                    print(f"[thunderep serve] {self.address_string()} {format % a}", flush=True)
-
-            def handle(self):
-                try:
-                    super().handle()
-                except ConnectionError:  # the client went away while being answered: no one to tell
-                    self.close_connection = True
-
-            def do_GET(self):  # noqa: N802 - the http.server convention
-                path = self._route("GET")
-                if path == "/health" and server.failed is not None:  # a load balancer sends no more here
-                    self._reply(503, {"status": "stopping" if server.stopping else "failed",
-                                      "error": server.failed, "generating": server.generating})
-                elif path == "/health":
-                    self._reply(200, {"status": "ok", "model": server.name, "ranks": server.world,
-                                      "batching": server.batching, "decode": server.decode_steps,
-                                      "generating": server.generating,
-                                      "queued": server.jobs.qsize()})
-                elif path == "/v1/models":
-                    self._reply(200, {"object": "list", "data": [{"id": server.name, "object": "model"}]})
-
-            def do_POST(self):  # noqa: N802
-                path = self._route("POST")
-                if path is None:
-                    return
-                if self.headers.get("Transfer-Encoding") and self.headers.get("Content-Length") is None:
-                    self.close_connection = True  # a chunked body: not read (it read as empty, "no prompt")
-                    self._reply(411, {"error": {"message": "send the body with a Content-Length (chunked "
-                                                           "transfer encoding is not read)",
-                                                "type": "invalid_request_error"}})
-                    return
-                raw_length = self.headers.get("Content-Length") or "0"
-                if not raw_length.isdigit() or int(raw_length) > MAX_BODY_BYTES:
-                    self.close_connection = True  # the body, if any, is not read
-                    self._reply(400 if not raw_length.isdigit() else 413, {"error": {
-                        "message": f"Content-Length {raw_length!r} must be a byte count up to {MAX_BODY_BYTES}",
-                        "type": "invalid_request_error"}})
-                    return
-                try:
-                    job = server.parse(_POST_PATHS[path], self.rfile.read(int(raw_length)))
-                except BadRequest as exc:
-                    self._reply(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
-                    return
-                except Exception as exc:  # noqa: BLE001 - a bug in reading the request: an answer, and the trace
-                    traceback.print_exc()
-                    self._reply(500, {"error": {"message": f"the request could not be read: {type(exc).__name__}: "
-                                                           f"{exc}", "type": "server_error"}})
-                    return
-                with server.lock:  # fail_open answers every job put before it, and refuses the ones after
-                    failed = server.failed
-                    server.count += 1
-                    job.number = server.count
-                    if failed is None:
-                        server.open.add(job)
-                        server.jobs.put(job)
-                if failed is not None:
-                    self._reply(503, {"error": {"message": failed, "type": "server_error"}})
-                    return
-                try:
-                    self._answer(job)
-                finally:
-                    with server.lock:
-                        server.open.discard(job)
-
-            def _answer(self, job: Job) -> None:
-                if job.chunks is not None:
-                    self._stream(job)
-                elif not self._wait(job):
-                    self._reply(504, {"error": {"message": f"no answer within {args.request_timeout:g} s"}})
-                elif job.error is not None:
-                    self._reply(job.status, {"error": {"message": job.error, "type": "server_error"}})
-                else:
-                    self._reply(200, job.result)
-
-            def _wait(self, job: Job) -> bool:
-                """Whether `job` was answered within --request-timeout. A client that hangs up meanwhile
-                cancels it (the serving loop drops its sequence, as for a stream whose client went away),
-                instead of leaving it generating to its end: its socket is looked at every HANGUP_POLL_S."""
-                deadline = time.monotonic() + args.request_timeout
-                while not job.done.wait(max(0.0, min(HANGUP_POLL_S, deadline - time.monotonic()))):
-                    if time.monotonic() >= deadline:  # answered 504; its sequence stops being generated
-                        job.cancelled = True
-                        return False
-                    if _hung_up(self.connection):
-                        job.cancelled = True
-                        raise ConnectionResetError("the client hung up before its answer")  # handle() ends it
-                return True
-
-            def _refuse(self):
-                self._route(self.command)
-
-            do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _refuse  # noqa: N815 - 404 or 405 as JSON
-
-            def _route(self, method: str) -> str | None:
-                """The request's path without its query string where `method` is allowed on it; else None,
-                answered: 404 for a path this server does not have, 405 for a method the path does not take."""
-                path = urlsplit(self.path).path
-                allowed = "GET" if path in _GET_PATHS else "POST" if path in _POST_PATHS else None
-                if allowed is None:
-                    self._reply(404, {"error": {"message": f"no such path: {path}"}})
-                    return None
-                if method != allowed:
-                    self._reply(405, {"error": {"message": f"{path} takes {allowed} requests, not {method}",
-                                                "type": "invalid_request_error"}}, allow=allowed)
-                    return None
-                return path
-
-            def _stream(self, job: Job) -> None:
-                """Server-sent events: one `data: {chunk}` per piece of text, then `data: [DONE]`."""
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.end_headers()
-                while True:
-                    try:
-                        chunk = job.chunks.get(timeout=args.request_timeout)
-                    except queue.Empty:  # answered with the error below; its sequence stops being generated
-                        job.cancelled = True
-                        chunk = {"error": {"message": f"no answer within {args.request_timeout:g} s"}}
-                    if chunk is None:
-                        break
-                    try:
-                        self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                        self.wfile.flush()
-                    except OSError:  # the client went away: stop generating for it
-                        job.cancelled = True
-                        return
-                    if "error" in chunk:
-                        break
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-
-            def _reply(self, status: int, body: dict, allow: str | None = None) -> None:
-                """`body` as JSON (only the headers for HEAD)."""
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                if allow is not None:
-                    self.send_header("Allow", allow)
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-
-            def send_error(self, code, message=None, explain=None):
-                """http.server's own refusals (a malformed request line, an unknown method) in JSON too."""
-                self.close_connection = True
-                self._reply(code, {"error": {"message": message or self.responses.get(code, ("error",))[0],
-                                             "type": "invalid_request_error"}})
+        handler = type("Handler", (RequestHandler,), {"api": self})
 
         try:
-            self.http = ThreadingHTTPServer((args.host, args.port), Handler)
+            self.http = ThreadingHTTPServer((config.host, config.port), handler)
         except OSError as exc:  # the address taken, not this machine's, or a name that does not resolve
-            raise ConfigError(listen_problem(args.host, args.port, exc)) from None
+            raise ConfigError(listen_problem(config.host, config.port, exc)) from None
         self.http.daemon_threads = True
         self.thread = threading.Thread(target=self.http.serve_forever, name="thunderep-http", daemon=True)
 
@@ -362,7 +140,7 @@ class Server:
             raise BadRequest(f"the prompt's {len(ids)} tokens leave no room in the model's context of "
                              f"{self.context} tokens")
         # without "max_tokens": --max-new-tokens, or the room the prompt leaves in the context if less
-        max_tokens = body.get("max_tokens", min(self.args.max_new_tokens, self.context - len(ids)))
+        max_tokens = body.get("max_tokens", min(self.config.max_new_tokens, self.context - len(ids)))
         temperature, top_p, seed = body.get("temperature", 0.0), body.get("top_p", 1.0), body.get("seed")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise BadRequest(f"\"max_tokens\" is a positive integer, got {max_tokens!r}")
@@ -501,9 +279,3 @@ class Server:
                           "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                        "finish_reason": finish}]}
         job.done.set()
-
-
-def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """`text` up to the earliest of the stop strings, and whether one was found."""
-    found = [i for i in (text.find(x) for x in stops) if i >= 0]
-    return (text[:min(found)], True) if found else (text, False)

@@ -1,7 +1,7 @@
 """Continuous batching over a preallocated KV cache, each decode step replayed from a CUDA graph.
 
 `DecodeBatch` (engine.py) runs every decode step as eager PyTorch: hundreds of kernel launches per
-step, each a few microseconds of host time, so a small batch waits on the host, not the GPU
+step, each paying host time, so a small batch waits on the host, not the GPU
 (docs/BENCHMARKS.md, "Serving on 2 H200s"). `StaticDecodeBatch` keeps the same sequences, prefill and
 sampling, but holds the cache in fixed storage so that a step's shapes depend only on the batch size:
 
@@ -44,6 +44,7 @@ import sys
 
 import torch
 
+from ..hf.wrap import decode_attention
 from ..kernels.graphs import capture
 from .engine import DecodeBatch, new_cache, unsupported_reason
 from ..errors import ConfigError
@@ -261,8 +262,6 @@ class StaticDecodeBatch(DecodeBatch):
         return self._caches[b]
 
     def _forward_static(self, b: int) -> torch.Tensor:
-        from ..hf.wrap import decode_attention
-
         mask = self.store_mask[:b]
         positions = mask.sum(-1, keepdim=True) - 1
         seen = mask[:, None, None, :].bool()

@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ..hf.tokenizer import ByteTokenizer
+
 __all__ = ["TokenBound"]
 
 NFC_SHRINK = 4  # the most code points one composed character takes up (its canonical decomposition)
@@ -48,8 +50,6 @@ class TokenBound:
     def of(cls, tokenizer) -> TokenBound | None:
         """`tokenizer`'s bound, read from its pipeline; None where no bound holds for every text, or the
         pipeline cannot be read (see the module)."""
-        from ..hf.tokenizer import ByteTokenizer
-
         if isinstance(tokenizer, ByteTokenizer):  # one id per UTF-8 byte
             return cls(1, 1)
         backend = getattr(tokenizer, "backend_tokenizer", None)

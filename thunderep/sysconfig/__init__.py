@@ -13,12 +13,12 @@ Dry-run by default: `plan` prints every file (full content) and command; `apply`
 Everything happens under a root path ("/" by default) so tests run against fixture trees.
 
 This package imports nothing heavy (no torch), so the launcher `sysconfig/thunderep-sysconfig` runs
-from a checkout with the system Python alone.
+from a checkout with the system Python alone. The command line is thunderep/cli/sysconfig.py.
 """
 
 from __future__ import annotations
 
-from .command import main
+from .command import run_command
 from .planner import make_plan
 from .state import apply_plan, load_state, revert, revert_plan
 from .steps import Options, Plan, RunCommand, WriteFile
@@ -30,8 +30,8 @@ __all__ = [
     "WriteFile",
     "apply_plan",
     "load_state",
-    "main",
     "make_plan",
     "revert",
     "revert_plan",
+    "run_command",
 ]

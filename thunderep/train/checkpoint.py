@@ -16,115 +16,41 @@ A checkpoint is a directory of plain data, safetensors and JSON (nothing is unpi
 The last three carry their nested state as JSON in the metadata (key "thunderep"): tensors as
 {"__tensor__": key} into the file, tuples {"__tuple__": [...]}, other dicts {"__items__": [[k, v], ...]}.
 
-Saving is atomic: all ranks write into `.{name}.tmp-{token}` next to `path`; rank 0 adds the manifest, moves
-an existing checkpoint aside (`.{name}.old-{token}`), renames the new one into place and deletes the old.
-What is at `path` is replaced only if it is empty or ThunderEP's own (a checkpoint; for an export, its
-`thunderep_export.json`); a directory of other files needs overwrite=True, and a file is never replaced
-(`destination_problem`). A crash leaves `path` as it was (the next save removes the stray directory) or,
-between the renames, both complete: loading and the next save then use the old one. The directory must be
-visible to every rank. Save, load and export are collective over all ranks of torch.distributed; a failure
-on any rank raises `CheckpointError` on all.
+Saving is atomic (`thunderep.train.files`): all ranks write into `.{name}.tmp-{token}` next to `path`;
+rank 0 adds the manifest, moves an existing checkpoint aside (`.{name}.old-{token}`), renames the new
+one into place and deletes the old. What is at `path` is replaced only if it is empty or ThunderEP's
+own (a checkpoint; for an export, its `thunderep_export.json`); a directory of other files needs
+overwrite=True, and a file is never replaced (`destination_problem`). A crash leaves `path` as it was
+(the next save removes the stray directory) or, between the renames, both complete: loading and the next
+save then use the old one. The directory must be visible to every rank. Save, load and export are
+collective over all ranks of torch.distributed; a failure on any rank raises `CheckpointError` on all.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 import random
-import secrets
 import shutil
 import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..balance.placement import Placement
 from ..errors import CheckpointError, ConfigError, ThunderError
-from ..moe.layer import ThunderMoELayer
+from .expert_units import expert_units
+from .export import export_hf
+from .files import (EXPORT_MARK, MANIFEST, Ranks, aside, begin_write, cpu_copy, decode_state, destination_problem,
+                    nearest_existing, publish, put_safetensors, sha256_of)
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+# export_hf and the destination checks (homes: .export, .files) are importable from here too
+__all__ = ["EXPORT_MARK", "MANIFEST", "destination_problem", "export_hf", "load_checkpoint", "nearest_existing",
+           "save_checkpoint"]
 
-FORMAT, VERSION, MANIFEST = "thunderep.train.checkpoint", 1, "manifest.json"
+FORMAT, VERSION = "thunderep.train.checkpoint", 1
 _MANIFEST_KEYS = {"step", "model_config", "world_size", "ep_size", "moe_layers", "optimizer", "files"}
-
-
-class _Ranks:
-    """This process's global rank and world size, its EP / DP coordinates, and the collectives used."""
-
-    def __init__(self, model: torch.nn.Module):
-        ep = getattr(model, "ep", None) or next((u.ep for u in _expert_units(model) if u.ep), None)
-        if ep is not None:
-            g = ep.groups
-            self.rank, self.world, self.ep_rank, self.ep_size, self.dp_rank = (
-                g.rank, g.world_size, g.ep_rank, g.ep_size, g.dp_rank)
-        else:  # every rank holds every expert (one process, or data parallel only)
-            on = dist.is_available() and dist.is_initialized()
-            self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
-            self.ep_rank, self.ep_size, self.dp_rank = 0, 1, self.rank
-
-    def all_gather(self, obj) -> list:
-        out = [obj] * self.world
-        if self.world > 1:
-            dist.all_gather_object(out, obj)
-        return out
-
-    def agree(self, error: str | None, what: str, cause: BaseException | None = None) -> None:  # collective
-        """Raise CheckpointError on every rank if any rank reports an error."""
-        errors = [e for e in self.all_gather(error) if e]
-        if errors:
-            raise CheckpointError(f"{what} failed: " + "; ".join(errors)) from cause
-
-
-def _moe_layers(model: torch.nn.Module) -> list[tuple[str, ThunderMoELayer]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, ThunderMoELayer)]
-
-
-def _placement(layer: ThunderMoELayer) -> Placement:
-    E = layer.config.experts.num_experts
-    return layer.placement if layer.ep is not None else Placement(E, (tuple(range(E)),))
-
-
-@dataclasses.dataclass
-class _Experts:
-    """One layer's expert-sharded tensors as a checkpoint sees them.
-
-    key: the layer's name in the manifest. tensors: short name -> key in `model.state_dict()` (leading
-    dim: local slots). stem: expert e's tensor n is stored as f"{stem}.{e}.{n}". restore: sets a saved
-    placement back on the layer (None: the layer keeps its own; experts are re-sharded onto it)."""
-
-    key: str
-    tensors: dict
-    stem: str
-    num_experts: int
-    ep: object
-    placement: Placement
-    restore: object = None
-
-
-def _is_wrapped(model: torch.nn.Module) -> bool:
-    """A wrapped Hugging Face model (`ThunderMoE`, not imported here: it needs transformers)."""
-    return isinstance(getattr(model, "bindings", None), dict) and callable(getattr(model, "expert_layers", None))
-
-
-def _expert_units(model: torch.nn.Module) -> list[_Experts]:
-    """The expert-parallel layers of a ThunderEP model, or the experts modules of a wrapped Hugging Face
-    model (`ThunderMoE`, whose state dict keys start with "model.")."""
-    if _is_wrapped(model):
-        units = []
-        for name, b in model.bindings.items():
-            E = b.num_experts
-            placement = b.placement if b.placement is not None else Placement(E, (tuple(range(E)),))
-            units.append(_Experts(name, {t: f"model.{name}.{t}" for t in b.tensors}, f"model.{name}", E, b.ep,
-                                  placement))
-        return units
-    return [_Experts(prefix, {n: f"{prefix}.experts.{n}" for n in layer.experts.state_dict()}, f"{prefix}.experts",
-                     layer.config.experts.num_experts, layer.ep, _placement(layer),
-                     (lambda pl, layer=layer: setattr(layer, "placement", pl)) if layer.ep is not None else None)
-            for prefix, layer in _moe_layers(model)]
 
 
 def _owner_file(stem: str, placement: Placement, expert: int) -> str:  # the rank that wrote `expert`
@@ -137,146 +63,6 @@ def _config_dict(model: torch.nn.Module) -> dict | None:
     return None if cfg is None else json.loads(json.dumps(cfg, default=str))
 
 
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True).contiguous()
-
-
-def _sha256(file: Path) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _encode(obj, tensors: dict[str, torch.Tensor], path: tuple[str, ...]):
-    """Nested state -> JSON document; its tensors go into `tensors` (CPU copies) under path keys."""
-    if isinstance(obj, torch.Tensor):
-        key = "/".join(path) or "."
-        key = key if key not in tensors else f"{key}#{len(tensors)}"
-        tensors[key] = _cpu(obj)
-        return {"__tensor__": key}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        items = [_encode(v, tensors, path + (str(i),)) for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else {"__tuple__": items}
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: _encode(v, tensors, path + (k,)) for k, v in obj.items()}
-        return {"__items__": [[_encode(k, tensors, path + (f"key{i}",)), _encode(v, tensors, path + (str(i),))]
-                              for i, (k, v) in enumerate(obj.items())]}
-    raise ConfigError(f"cannot store a {type(obj).__name__} at {'/'.join(path) or 'the top'}: checkpoint "
-                      "state may hold only tensors, numbers, strings, None, lists, tuples and dicts")
-
-
-def _decode(doc, get):
-    if isinstance(doc, list):
-        return [_decode(v, get) for v in doc]
-    if not isinstance(doc, dict):
-        return doc
-    if "__tensor__" in doc:
-        return get(doc["__tensor__"])
-    if "__tuple__" in doc or "__items__" in doc:
-        items = [_decode(v, get) for v in doc.get("__tuple__", doc.get("__items__"))]
-        return tuple(items) if "__tuple__" in doc else dict(items)
-    return {k: _decode(v, get) for k, v in doc.items()}
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _put(folder: Path, files: dict, name: str, obj, doc: bool = True) -> None:
-    """Write `obj` (with doc=False: a flat dict of tensors) as safetensors, fsync, record size and sha256."""
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {} if doc else obj
-    meta = {"format": "pt", "thunderep": json.dumps(_encode(obj, tensors, ()))} if doc else {"format": "pt"}
-    save_file(tensors, str(folder / name), metadata=meta)
-    _fsync(folder / name)
-    files[name] = {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
-
-
-def _aside(path: Path, kind: str) -> list[Path]:
-    """Directories `.{name}.{kind}-*` next to `path`, oldest first (kind "tmp", or complete "old" ones)."""
-    found = [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}.{kind}-")]
-    return sorted((p for p in found if kind == "tmp" or (p / MANIFEST).is_file()), key=lambda p: p.stat().st_mtime)
-
-
-EXPORT_MARK = "thunderep_export.json"  # written into every export: a directory ThunderEP may replace
-# Older exports by `thunderep finetune` carry only its report.
-_OURS = {"checkpoint": (MANIFEST,), "export": (EXPORT_MARK, "thunderep_finetune.json")}
-
-
-def nearest_existing(path: Path) -> Path:
-    """`path` itself if it exists, else its nearest ancestor that does (where creating it would start)."""
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def destination_problem(path, kind: str, overwrite: bool = False, overwrite_flag: str = "overwrite=True") -> str | None:
-    """Why `path` cannot take a new checkpoint or export (kind "checkpoint" / "export"), or None. Saving
-    replaces what is at `path`: allowed where nothing is, where an empty directory is, or where one of
-    ThunderEP's own of that kind is (a checkpoint's manifest, an export's mark); any other directory
-    only with `overwrite` (the message names it as `overwrite_flag`: a command passes its option, e.g.
-    "--overwrite"). A file never, and the nearest existing parent must be a writable directory."""
-    path = Path(path).absolute()
-    if path.exists() or path.is_symlink():
-        if not path.is_dir():
-            return f"{path} exists and is not a directory"
-        held = sorted(p.name for p in path.iterdir())
-        if held and not overwrite and not any((path / mark).is_file() for mark in _OURS[kind]):
-            shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
-            return (f"{path} holds files that are not a ThunderEP {kind} ({shown}), and writing the {kind} "
-                    f"would replace them: choose another directory, or pass {overwrite_flag}")
-        return None if os.access(path.parent, os.W_OK) else f"{path.parent} is not writable"
-    parent = nearest_existing(path.parent)
-    if not parent.is_dir():
-        return f"cannot create {path}: {parent} is not a directory"
-    if not os.access(parent, os.W_OK):
-        return f"cannot create {path}: {parent} is not writable"
-    return None
-
-
-def _begin(path: Path, ranks: _Ranks, kind: str = "checkpoint", overwrite: bool = False) -> Path:
-    """Collective: rank 0 checks that `path` may be replaced (`destination_problem`), cleans up after
-    interrupted saves and makes a fresh temporary directory."""
-    tmp = error = None
-    if ranks.rank == 0:
-        error = destination_problem(path, kind, overwrite)
-    if ranks.rank == 0 and not error:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            olds = _aside(path, "old")
-            if olds and not path.exists():  # a save died between its two renames: put the old one back
-                os.replace(olds.pop(), path)
-            for stale in olds + _aside(path, "tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-            (tmp := path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")).mkdir()
-        except OSError as exc:
-            error = f"rank 0 cannot prepare {path.parent}: {exc}"
-    tmp, error = ranks.all_gather((tmp, error))[0]
-    if error:
-        raise CheckpointError(error)
-    return Path(tmp)
-
-
-def _publish(tmp: Path, path: Path) -> None:
-    old = path.with_name(f".{path.name}.old-{tmp.name.rsplit('-', 1)[1]}") if path.exists() else None
-    if old is not None:
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _fsync(path.parent)
-    if old is not None:
-        shutil.rmtree(old)
-
-
 def _param_names(model: torch.nn.Module, optimizer) -> list[list[str]]:
     names = {id(p): n for n, p in model.named_parameters()}
     if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
@@ -284,21 +70,21 @@ def _param_names(model: torch.nn.Module, optimizer) -> list[list[str]]:
     return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
 
-def _write_rank(tmp: Path, ranks: _Ranks, model, optimizer, extra_state, rng: bool) -> dict:
+def _write_rank(tmp: Path, ranks: Ranks, model, optimizer, extra_state, rng: bool) -> dict:
     """This rank's files; returns {file: {bytes, sha256}}."""
     files: dict[str, dict] = {}
-    units, state = _expert_units(model), model.state_dict()
+    units, state = expert_units(model), model.state_dict()
     owned = {u.key: [(e, p % pl.slots_per_rank) for e, p in enumerate(pl.owner_table().tolist())
                      if p // pl.slots_per_rank == ranks.ep_rank]  # (logical id, local slot) this rank writes
              for u in units for pl in [u.placement]}
     expert_params = {key: (u, n) for u in units for n, key in u.tensors.items()}
     if ranks.rank == 0:
-        dense = {k: _cpu(v) for k, v in state.items() if k not in expert_params}
-        _put(tmp, files, "model.safetensors", dense, doc=False)
+        dense = {k: cpu_copy(v) for k, v in state.items() if k not in expert_params}
+        put_safetensors(tmp, files, "model.safetensors", dense, doc=False)
     if ranks.dp_rank == 0:
-        experts = {f"{u.stem}.{e}.{n}": _cpu(state[key][s]) for u in units
+        experts = {f"{u.stem}.{e}.{n}": cpu_copy(state[key][s]) for u in units
                    for n, key in u.tensors.items() for e, s in owned[u.key]}
-        _put(tmp, files, f"experts-rank{ranks.ep_rank}.safetensors", experts, doc=False)
+        put_safetensors(tmp, files, f"experts-rank{ranks.ep_rank}.safetensors", experts, doc=False)
     if optimizer is not None:
         groups, dense_state, expert_state = [], {}, {}
         for group, names in zip(optimizer.param_groups, _param_names(model, optimizer)):
@@ -315,13 +101,13 @@ def _write_rank(tmp: Path, ranks: _Ranks, model, optimizer, extra_state, rng: bo
                         expert_state[f"{unit.stem}.{e}.{n}"] = {"sliced": {k: state[k][s] for k in rows},
                                                                "other": other}
         if ranks.rank == 0:
-            _put(tmp, files, "optimizer.safetensors", {"param_groups": groups, "state": dense_state})
+            put_safetensors(tmp, files, "optimizer.safetensors", {"param_groups": groups, "state": dense_state})
         if ranks.dp_rank == 0:
-            _put(tmp, files, f"optimizer-experts-rank{ranks.ep_rank}.safetensors", expert_state)
+            put_safetensors(tmp, files, f"optimizer-experts-rank{ranks.ep_rank}.safetensors", expert_state)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     rng_state = {"python": random.getstate(), "torch": torch.get_rng_state(),
                  **({"cuda": torch.cuda.get_rng_state()} if cuda else {})} if rng else None
-    _put(tmp, files, f"rank{ranks.rank}.safetensors", {"rng": rng_state, "extra_state": extra_state})
+    put_safetensors(tmp, files, f"rank{ranks.rank}.safetensors", {"rng": rng_state, "extra_state": extra_state})
     return files
 
 
@@ -337,8 +123,8 @@ def save_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     (`destination_problem`). Returns `path`."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"step must be a non-negative int, got {step!r}")
-    ranks, path = _Ranks(model), Path(path).absolute()
-    tmp = _begin(path, ranks, "checkpoint", overwrite)
+    ranks, path = Ranks(model), Path(path).absolute()
+    tmp = begin_write(path, ranks, "checkpoint", overwrite)
     files, error, cause = {}, None, None
     try:
         files = _write_rank(tmp, ranks, model, optimizer, extra_state, rng)
@@ -347,7 +133,7 @@ def save_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     gathered = ranks.all_gather((error, files))
     if ranks.rank == 0 and not any(e for e, _ in gathered):
         try:
-            placements = {u.key: u.placement for u in _expert_units(model)}
+            placements = {u.key: u.placement for u in expert_units(model)}
             manifest = {
                 "format": FORMAT, "version": VERSION, "step": step, "model_class": type(model).__name__,
                 "model_config": _config_dict(model), "world_size": ranks.world, "ep_size": ranks.ep_size,
@@ -357,7 +143,7 @@ def save_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                 "files": {name: info for _, f in gathered for name, info in sorted(f.items())},
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            _publish(tmp, path)
+            publish(tmp, path)
         except Exception as exc:
             error, cause = f"rank 0: {type(exc).__name__}: {exc}", exc
     if ranks.rank == 0 and tmp.exists():  # the save failed somewhere: drop what was written
@@ -389,14 +175,14 @@ class _Reader:
             raise CheckpointError(f"{file} is missing ({'' if info else 'not '}listed in {self.path / MANIFEST})")
         if file.stat().st_size != info["bytes"]:
             raise CheckpointError(f"{file} has {file.stat().st_size} bytes, not {info['bytes']}: truncated or replaced")
-        if hash_it and self.verify and _sha256(file) != info["sha256"]:
+        if hash_it and self.verify and sha256_of(file) != info["sha256"]:
             raise CheckpointError(f"{file}: its sha256 differs from the one in {MANIFEST}: it was modified or damaged")
         return file
 
     def tensor(self, name: str, key: str | None):
         """Tensor `key` of file `name` (key None: the file's JSON document)."""
         if name not in self._open:
-            from safetensors import safe_open
+            from safetensors import safe_open  # safetensors: optional (the hf extra)
 
             file = self._check(name)
             try:
@@ -417,13 +203,13 @@ class _Reader:
         doc = self.tensor(name, None)
         for key in path:
             doc = doc.get(key) if isinstance(doc, dict) else None
-        return _decode(doc, lambda key: self.tensor(name, key))
+        return decode_state(doc, lambda key: self.tensor(name, key))
 
     def close(self) -> None:
         self._stack.close()
 
 
-def _stage(reader: _Reader, model, optimizer, ranks: _Ranks) -> dict:
+def _stage(reader: _Reader, model, optimizer, ranks: Ranks) -> dict:
     """Everything this rank loads, read and checked; nothing is changed yet."""
     m, where = reader.manifest, reader.path / MANIFEST
     cfg, saved_cfg = _config_dict(model), m["model_config"]
@@ -433,7 +219,7 @@ def _stage(reader: _Reader, model, optimizer, ranks: _Ranks) -> dict:
         raise CheckpointError(f"{where}: the checkpoint is of another model configuration ({'; '.join(diffs)})")
     staged, experts = {"placements": {}, "state": {}, "optim": None}, {}  # experts: key -> (unit, n, saved, local)
     model_state = model.state_dict()
-    for unit in _expert_units(model):
+    for unit in expert_units(model):
         saved, E = m["moe_layers"].get(unit.key, {}), unit.num_experts
         if saved.get("num_experts") != E:
             raise CheckpointError(f"{where}: {unit.key} has {saved.get('num_experts')} experts saved, {E} in the model")
@@ -509,13 +295,13 @@ def load_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     EP sizes match; otherwise they are left alone and every rank gets rank 0's `extra_state`. verify:
     hash each file read (sizes are always checked). Returns {"step", "extra_state", "rng_restored",
     "path"}. Nothing changes unless every rank read everything; else all raise `CheckpointError`."""
-    ranks, path = _Ranks(model), Path(path).absolute()
+    ranks, path = Ranks(model), Path(path).absolute()
     reader = staged = error = cause = None
     try:
-        if not path.exists() and path.parent.is_dir() and _aside(path, "old"):
-            warnings.warn(f"{path} is missing but {_aside(path, 'old')[-1].name} is complete (a save died "
+        if not path.exists() and path.parent.is_dir() and aside(path, "old"):
+            warnings.warn(f"{path} is missing but {aside(path, 'old')[-1].name} is complete (a save died "
                           "between its renames): loading that", stacklevel=2)
-            path = _aside(path, "old")[-1]
+            path = aside(path, "old")[-1]
         reader = _Reader(path, verify)
         staged = _stage(reader, model, optimizer, ranks)
     except Exception as exc:  # reported to every rank: none is left waiting in a collective
@@ -538,11 +324,3 @@ def load_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
             reader.close()
     return {"step": reader.manifest["step"], "extra_state": staged["extra_state"],
             "rng_restored": staged["rng"] is not None, "path": path}
-
-
-def __getattr__(name: str):
-    if name == "export_hf":  # its home is thunderep.train.export (which builds on this module)
-        from .export import export_hf
-
-        return export_hf
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

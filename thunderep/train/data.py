@@ -9,26 +9,37 @@ would have drawn, and checked against one process.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["IGNORE", "batch_at", "check_text_size", "ids_labels", "load_training_data", "read_text", "split_tokens",
-           "tokenize_corpus"]
+__all__ = ["IGNORE", "batch_at", "check_text_size", "ids_labels", "load_corpus", "load_training_data", "read_text",
+           "split_tokens", "tokenize_corpus"]
+
+
+def load_corpus(paths: list[str] | None = None) -> torch.Tensor:
+    """uint8 tensor of the concatenated text bytes (`thunderep train`'s byte-level data)."""
+    if paths:
+        data = b"\n".join(Path(p).read_bytes() for p in paths)
+    else:
+        from pydoc_data import topics  # English reference text shipped with CPython (some distributions drop it)
+
+        data = "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode()
+    check_text_size(len(data), paths)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def tokenize_corpus(tokenizer, paths: list[str] | None) -> torch.Tensor:
     """int64 [N] token ids of the text files (default: Python's bundled reference text), read as
     `read_text` reads them; ValueError naming the files when they hold fewer than `MIN_TEXT_BYTES`."""
     if not paths:
-        from .loop import load_corpus
-
         return torch.tensor(tokenizer.encode(bytes(load_corpus().tolist()).decode("utf-8")), dtype=torch.long)
     check_text_size(sum(Path(p).stat().st_size for p in paths) + len(paths) - 1, paths)  # joined by newlines
     return torch.tensor(tokenizer.encode("\n".join(read_text(p) for p in paths)), dtype=torch.long)
 
 
-MIN_TEXT_BYTES = 4096  # the least training text, here and in `thunderep train` (train.load_corpus)
+MIN_TEXT_BYTES = 4096  # the least training text, here and in `thunderep train` (load_corpus)
 TOO_MUCH_BINARY = 0.1  # the share of undecodable characters beyond which a text file is refused
 
 
@@ -49,8 +60,6 @@ def read_text(path) -> str:
         raise ValueError(f"{path}: {bad} of its {len(text)} characters ({bad / len(text):.0%}) are bytes that are "
                          "not UTF-8 text; is it a binary file? Give text files (UTF-8) or JSON Lines (*.jsonl)")
     if bad:
-        import warnings
-
         warnings.warn(f"{path}: {bad} of its {len(text)} characters are bytes that are not UTF-8 text; they train "
                       "as U+FFFD (the replacement character). Convert the file to UTF-8 to train on them",
                       stacklevel=2)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import ConfigError
+from ..hf.experts import ExpertAdapter
 
 __all__ = ["DEFAULT_TARGETS", "LoRALinear", "apply_lora", "merge_lora"]
 
@@ -100,8 +101,6 @@ def apply_lora(model: nn.Module, targets: list[str] | tuple[str, ...] | None = N
     `DEFAULT_TARGETS`: the attention projections). alpha: default 2 x rank. Returns the adapters'
     parameters (A, B per layer or expert tensor). ConfigError when a pattern matches nothing or the
     rank is not positive."""
-    from ..hf.experts import ExpertAdapter
-
     if rank < 1:
         raise ConfigError(f"LoRA rank must be at least 1, got {rank}")
     alpha = float(2 * rank if alpha is None else alpha)

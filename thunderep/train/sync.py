@@ -28,9 +28,10 @@ from torch import nn
 
 from ..config import SyncConfig
 from ..comm.groups import peer_errors, wait_work
-from ..moe.layer import ThunderMoELayer
+from ..moe.ep import moe_layers
+from ..moe.replicas import replica_groups, sum_replica_grads
 
-__all__ = ["GradSync", "SyncStats", "expert_layers", "replica_groups", "sum_replica_grads"]
+__all__ = ["GradSync", "SyncStats", "expert_layers"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,62 +64,9 @@ class SyncStats:
 
 def expert_layers(model: nn.Module) -> list[tuple[object, object, list[nn.Parameter]]]:
     """(ExpertParallel runtime, Placement, expert parameters with one leading entry per local slot) of
-    every expert-parallel layer of `model`: its `ThunderMoELayer`s, or the experts modules of a wrapped
-    Hugging Face model (`ThunderMoE.expert_layers()`)."""
-    if callable(getattr(model, "expert_layers", None)):
-        return model.expert_layers()
-    return [(layer.ep, layer.placement, list(layer.experts.parameters())) for layer in model.modules()
-            if isinstance(layer, ThunderMoELayer) and layer.ep is not None]
-
-
-def replica_groups(ep, placement, params: list[nn.Parameter], timeout: datetime.timedelta):
-    """(param, local slot, process group) for the local slots of one expert-parallel layer whose expert
-    has other holders: its replicas in this EP group and its copies in the other EP groups (data
-    parallel). Collective over the whole world: every rank calls it with the same placement."""
-    groups = ep.groups
-    S = placement.slots_per_rank
-    out, made = [], {}
-    for e in range(placement.num_experts):
-        holders_ep = sorted({p // S for p in placement.replicas(e)})
-        ranks = tuple(d * groups.ep_size + r for d in range(groups.dp_size) for r in holders_ep)
-        if len(ranks) < 2:
-            continue
-        if ranks not in made:
-            made[ranks] = dist.new_group(list(ranks), timeout=timeout)  # every rank calls it
-        if groups.rank in ranks:
-            for slot, expert in enumerate(placement.experts_of(groups.ep_rank)):
-                if expert == e:
-                    for p in params:
-                        if p.requires_grad:  # a frozen tensor has no gradient to sum
-                            out.append((p, slot, made[ranks]))
-    return out
-
-
-def sum_replica_grads(replicas: list, wait=None) -> int:
-    """Sum the gradient of each (param, slot, group) entry of `replica_groups` over its group: one flat
-    all-reduce per group (a layer's holders of the same experts), not one per slot and tensor. Groups
-    go in the order of their first entry, the same on every member (entries follow expert order).
-    wait(work, flat): how to wait (default: work.wait()). Returns the bytes handed to all-reduce."""
-    by_group: dict = {}
-    for p, slot, group in replicas:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        by_group.setdefault(group, []).append((p, slot))
-    total = 0
-    for group, entries in by_group.items():
-        flat = torch.cat([p.grad[slot].reshape(-1) for p, slot in entries])
-        work = dist.all_reduce(flat, group=group, async_op=True)
-        if wait is None:
-            work.wait()
-        else:
-            wait(work, flat)
-        offset = 0
-        for p, slot in entries:
-            g = p.grad[slot]
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-        total += flat.numel() * flat.element_size()
-    return total
+    every expert-parallel layer of `model` (`thunderep.moe.ep.moe_layers`)."""
+    return [(layer.core.ep, layer.core.placement, layer.parameters()) for layer in moe_layers(model)
+            if layer.core is not None]
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """The sync-tax meter: what expert parallelism costs per step, from the runtime's own counters.
 
-Fed by each `ThunderMoELayer.stats` (dispatch / combine / control bytes and wait times, rank loads),
+Fed by each MoE layer's `ExpertParallelMoE.stats` (dispatch / combine / control bytes and wait times, rank loads),
 `ExpertParallel.stats` (latency-mode all-reduces) and `GradSync.stats` (gradient synchronization):
 no second bookkeeping. `SyncTaxMeter.step()` takes the per-step differences; `report()` sums them up
 and names the bottleneck; `save()` writes JSON (and a Chrome / Perfetto trace of the steps);
@@ -14,14 +14,13 @@ exchange). GPU-side collective time needs a profiler.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-from ..comm.dispatcher import CommStats
+from ..comm.stats import CommStats
+from ..moe.ep import moe_layers
 
-__all__ = ["SyncTaxMeter", "format_report", "main", "plot"]
+__all__ = ["SyncTaxMeter", "format_report", "plot"]
 
 # Every operation the runtime counts (EP mode's dispatch and combine, all-gather mode's collectives,
 # latency mode's all-reduce, the control plane, migrations), each with its backward.
@@ -37,9 +36,7 @@ class SyncTaxMeter:
     """Call `step(step_seconds)` after every optimizer step (or decode step) on each rank."""
 
     def __init__(self, model, ep=None, sync=None):
-        from ..moe.layer import ThunderMoELayer
-
-        self.layers = [m for m in model.modules() if isinstance(m, ThunderMoELayer) and m.stats is not None]
+        self.layers = [layer.core for layer in moe_layers(model) if layer.core is not None]
         self.ep, self.sync = ep, sync
         self.steps: list[dict] = []
         self._last = [_totals(layer.stats) for layer in self.layers]
@@ -237,24 +234,3 @@ def format_report(r: dict) -> str:
         f"  recommendation: {r['recommendation']}",
     ]
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="thunderep report",
-                                     description="Print the sync-tax report a `thunderep train --out DIR` run saved.")
-    parser.add_argument("run_dir", help="the run directory (`thunderep train --out DIR`)")
-    parser.add_argument("--rank", type=int, default=0, help="the rank whose report to print (default 0)")
-    args = parser.parse_args(argv)
-    path = Path(args.run_dir) / f"synctax-rank{args.rank}.json"
-    if not path.exists():
-        print(f"thunderep report: {path} not found (runs write it with --out DIR)", file=sys.stderr)
-        return 2
-    try:
-        report = json.loads(path.read_text())
-        text = format_report(report)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # truncated, or not a sync-tax report
-        print(f"thunderep report: {path} is not a readable sync-tax report ({type(exc).__name__}: {exc})",
-              file=sys.stderr)
-        return 2
-    print(text)
-    return 0

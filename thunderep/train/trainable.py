@@ -1,19 +1,49 @@
-"""What trains on a rank, and the memory it takes: the parameters `--freeze` leaves trainable, the
-memory plan each rank prints (and checks) before the first step, and the error that turns running out
-of device memory in a step into advice. Used by `thunderep finetune` (finetune.py)."""
+"""What trains on a rank, in which precision, and the memory it takes: the parameters `--freeze` leaves
+trainable, the precision weights train in (`--dtype`), the memory plan each rank prints (and checks)
+before the first step, and the error that turns running out of device memory in a step into advice.
+Used by `thunderep finetune` (finetune.py)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import re
 
 import torch
+import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..hf.load import free_bytes, resolve_dtype
 
-__all__ = ["MemoryPlan", "memory_hint", "memory_plan", "peak_bytes", "select_trainable"]
+__all__ = ["MemoryPlan", "autocast", "load_dtype", "memory_hint", "memory_plan", "peak_bytes", "precision_for",
+           "select_trainable", "stored_dtype"]
+
+
+def precision_for(dtype: str, device: torch.device) -> str:
+    """What `--dtype` trains in on `device`: mixed, float32, bfloat16 or float16 ("auto": mixed on GPUs,
+    float32 on CPU)."""
+    return dtype if dtype != "auto" else ("mixed" if device.type == "cuda" else "float32")
+
+
+def stored_dtype(model_dir: str) -> torch.dtype:
+    """The dtype the checkpoint's config names (float32 if none)."""
+    from transformers import AutoConfig
+
+    return resolve_dtype(None, AutoConfig.from_pretrained(model_dir, local_files_only=True))
+
+
+def load_dtype(precision: str, model_dir: str) -> torch.dtype:
+    """The dtype to load the checkpoint in: mixed loads as stored (what trains becomes float32 afterwards,
+    frozen weights keep the stored dtype); the others load in their own."""
+    return stored_dtype(model_dir) if precision == "mixed" else getattr(torch, precision)
+
+
+def autocast(precision: str, device: torch.device):
+    """The context a forward runs in: mixed keeps float32 weights (and AdamW's updates on them) and runs
+    the products in bfloat16."""
+    if precision == "mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def select_trainable(tm, patterns: list[str] | None) -> list[torch.nn.Parameter]:
@@ -83,8 +113,6 @@ class MemoryPlan:
 def memory_plan(tm, device: torch.device, free: int | None = None) -> MemoryPlan:
     """This rank's `MemoryPlan` (collective: the shortfall is all-reduced). free: override the free
     bytes (default: `hf.load.free_bytes`, the GPU's free memory or the host's over its ranks)."""
-    import torch.distributed as dist
-
     size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
     trainable = [p for p in tm.parameters() if p.requires_grad]
     experts = {id(p) for p in tm.expert_parameters()}
@@ -92,8 +120,6 @@ def memory_plan(tm, device: torch.device, free: int | None = None) -> MemoryPlan
                       weights=size(tm.parameters()), trainable=size(trainable), grads=size(trainable),
                       adamw=2 * size(trainable), sync=size(p for p in trainable if id(p) not in experts), free=0)
     if free is None:
-        from ..hf.load import free_bytes
-
         free = free_bytes(device)
     plan.free = free
     short = torch.tensor([max(0, plan.need - free)], dtype=torch.int64, device=device)
@@ -106,12 +132,10 @@ def memory_plan(tm, device: torch.device, free: int | None = None) -> MemoryPlan
 def peak_bytes(device: torch.device) -> int:
     """The largest peak memory over the ranks (collective): CUDA's peak allocation, or on CPU the
     process's peak resident size."""
-    import torch.distributed as dist
-
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        import resource
+        import resource  # POSIX only: needed on CPU ranks alone
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     t = torch.tensor([peak], dtype=torch.int64, device=device)
@@ -121,14 +145,15 @@ def peak_bytes(device: torch.device) -> int:
 
 
 @contextlib.contextmanager
-def memory_hint(args: argparse.Namespace, step: int, plan: "MemoryPlan"):
-    """Turn running out of device memory in a training step into a ConfigError that says where and what
-    to change (the other ranks then fail at their next collective, within --timeout)."""
+def memory_hint(batch: int, seq_len: int, step: int, plan: MemoryPlan):
+    """Turn running out of device memory in a training step (of `batch` x `seq_len` tokens per rank) into a
+    ConfigError that says where and what to change (the other ranks then fail at their next collective,
+    within --timeout)."""
     try:
         yield
     except torch.OutOfMemoryError as exc:
         raise ConfigError(
             f"out of memory in training step {step + 1} on rank {plan.rank} ({plan.device}), "
-            f"{args.batch} x {args.seq_len} tokens per rank; before training: {plan.describe()}. The activations "
+            f"{batch} x {seq_len} tokens per rank; before training: {plan.describe()}. The activations "
             "grow with --batch x --seq-len: lower them, or add --gradient-checkpointing; or train less "
             f"(--freeze) ({str(exc).splitlines()[0][:200]})") from exc

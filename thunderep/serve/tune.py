@@ -3,10 +3,9 @@
 On CUDA the kernels pick their tile configs by autotuning (`thunderep.kernels.tuning`): the first call
 of a new key times every config, seconds per kernel. A key is the experts' shape, the dtypes and a
 class of rows per expert (the row tile, 16, 32, 64 or 128 rows, and how full it runs: six keys in all,
-`thunderep.kernels.ops._m_key`, `TUNING_ROWS`), so a server meets new keys as prompts of new lengths
-arrive, and every request being generated waits while one rank tunes. Measured on 2 H200s
-(docs/BENCHMARKS.md, "Serving on 2 H200s: ThunderEP's kernels, tuned before the first request"): the first
-request took 28.6 s, and later ones up to 43 s.
+`thunderep.kernels.tiles.m_key`, `TUNING_ROWS`), so a server meets new keys as prompts of new lengths
+arrive, and every request being generated waits while one rank tunes (docs/BENCHMARKS.md, "Serving on 2
+H200s: ThunderEP's kernels, tuned before the first request").
 
 `tune_kernels(tm, max_batch)` makes every key a server can meet, once, up front:
 1. one token through the model, in latency mode (a collective: every rank calls it), so each binding
@@ -18,15 +17,16 @@ request took 28.6 s, and later ones up to 43 s.
      expert (`TUNING_ROWS`) a batch whose routing gives each expert exactly that many rows; with experts
      on other ranks, a batch with a single local pair (the pair kernels again, with K = 1); with all
      experts local and autotuning on, every other count of 2 to 16 tokens, whose first call chooses
-     between the pair kernels and the sorted path by timing both (`thunderep.kernels.pairs.pairs_win`);
+     between the pair kernels and the sorted path by timing both (`thunderep.kernels.paths.pairs_win`);
    - the one-program sort of small batches at every power of two of pairs up to its limit (Triton
      compiles it per block size);
    - on sm_90, one small call through the Hopper path that long prompts take (compiles its passes).
 
 Triton keeps the chosen configs in its cache directory (TRITON_CACHE_DIR), so a restart on the same
-machine reads them back in about a second. With autotuning off (THUNDEREP_TRITON_AUTOTUNE=0) the same
+machine reads them back instead of timing them again. With autotuning off (THUNDEREP_TRITON_AUTOTUNE=0) the same
 calls compile the fixed configs, which a server would otherwise compile while it serves. Models whose
-experts do not run ThunderEP's kernels, and CPU runs, have nothing to tune.
+experts do not run ThunderEP's kernels, and CPU runs, have nothing to tune. The kernel modules need
+Triton, an optional dependency: they are imported where a call needs them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .fp8 import expert_weights, is_fp8
+from ..hf.experts import KERNELS
+from ..hf.fp8 import expert_weights, is_fp8
+from .static_decode import buckets
 
 __all__ = ["TuneReport", "kernel_bindings", "path_calls", "tune_kernels", "tuning_calls"]
 
@@ -80,8 +82,6 @@ def _phase(phases: dict, name: str, device: torch.device):
 
 def kernel_bindings(tm) -> list:
     """(module, binding) of every experts module that runs ThunderEP's kernels on a GPU."""
-    from .experts import KERNELS
-
     found = []
     for name, binding in tm.bindings.items():
         module = tm.model.get_submodule(name)
@@ -94,8 +94,7 @@ def tuning_calls(num_experts: int, top_k: int, max_batch: int) -> list[tuple[int
     """(tokens, capturable) of the synthetic calls: the decode buckets captured in graphs, one token,
     and for each tuning key's rows per expert c (`TUNING_ROWS`) the tokens that give every expert c rows
     (round-robin routing over all `num_experts`, so each rank's experts get c rows each)."""
-    from ..kernels.ops import TUNING_ROWS
-    from ..serve.static_decode import buckets
+    from ..kernels.tiles import TUNING_ROWS  # triton: optional (the kernel modules import it)
 
     calls = [(b, True) for b in buckets(max_batch)] + [(1, False)]
     calls += [(math.ceil(c * num_experts / top_k), False) for c in TUNING_ROWS]
@@ -105,11 +104,11 @@ def tuning_calls(num_experts: int, top_k: int, max_batch: int) -> list[tuple[int
 def path_calls(num_experts: int, top_k: int, max_batch: int) -> list[tuple[int, bool]]:
     """(tokens, capturable) of the calls that only choose a path: inference on 2 to PAIRS_TUNE_MAX_TOKENS
     tokens times the pair kernels against the sorted path on its first call at each count
-    (`thunderep.kernels.pairs.pairs_win`); the calls `tuning_calls` does not make already. Captured
+    (`thunderep.kernels.paths.pairs_win`); the calls `tuning_calls` does not make already. Captured
     decode steps keep a choice of their own, timed as graph replays (`tuning_calls` makes those at the
     bucket sizes), apart from every other call's; a rank's share under expert parallelism, whose
     capturable route differs too (every pair, the other ranks' masked), likewise."""
-    from ..kernels.pairs import PAIRS_TUNE_MAX_TOKENS
+    from ..kernels.paths import PAIRS_TUNE_MAX_TOKENS  # triton: optional (the kernel modules import it)
 
     made = tuning_calls(num_experts, top_k, max_batch)
     return [(t, False) for t in range(2, PAIRS_TUNE_MAX_TOKENS + 1) if (t, False) not in made]
@@ -127,22 +126,22 @@ def _torch_gemm_possible(module) -> bool:
     """Whether long prompts take the kernels' Hopper path here (torch's grouped GEMM with Triton passes
     around it; `thunderep.kernels.grouped_gemm.gemm_path`). Those passes are not autotuned and their
     row counts are not specialized, so one small call, with the path pinned, compiles them all."""
-    from ..kernels.grouped_gemm import _forced, _grouped_mm_usable
+    from ..kernels.grouped_gemm import forced, grouped_mm_usable  # triton: optional (the kernel modules import it)
 
     D, I = module.down_proj.shape[1:]
-    return (not is_fp8(module) and _forced("THUNDEREP_EXPERT_GEMM") != "triton"  # FP8: the fused kernels only
-            and _grouped_mm_usable(module.down_proj, D, I))
+    return (not is_fp8(module) and forced("THUNDEREP_EXPERT_GEMM") != "triton"  # FP8: the fused kernels only
+            and grouped_mm_usable(module.down_proj, D, I))
 
 
 def _route_sizes(slots: int, w_dtype, dtype, device) -> int:
     """Sort pair counts 16, 32, ... ROUTE_MAX_PAIRS through the kernels' one-program sort (its block is
     the count's power of two, a compile each); the calls made."""
-    from ..kernels import ops
+    from ..kernels import ops, paths  # triton: optional (the kernel modules import it)
 
-    sizes = [1 << j for j in range(4, ops.ROUTE_MAX_PAIRS.bit_length())]
+    sizes = [1 << j for j in range(4, paths.ROUTE_MAX_PAIRS.bit_length())]
     for n in sizes:
         ids = (torch.arange(n, device=device) % slots).view(n, 1)
-        ops._route(ids, torch.ones(n, 1, dtype=w_dtype, device=device), slots, dtype)
+        ops.route(ids, torch.ones(n, 1, dtype=w_dtype, device=device), slots, dtype)
     return len(sizes)
 
 
@@ -150,7 +149,7 @@ def _local(module, binding, x_TD, ids_TK, weights_TK) -> torch.Tensor:
     """What serving runs on this rank's experts alone: the local computation, no collective."""
     if binding.all_local:
         return binding.compute(module, x_TD, ids_TK, weights_TK)
-    return binding._local_partial(module, x_TD, weights_TK, ids_TK)
+    return binding.local_partial(module, x_TD, weights_TK, ids_TK)
 
 
 def _record_signatures(tm, bindings, device) -> None:
@@ -176,9 +175,9 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
     """Autotune every kernel key a server of at most `max_batch` sequences can meet (collective: every
     rank calls it, at the same point). None where nothing runs ThunderEP's kernels on a GPU. `log`:
     a function given one line before tuning starts and one for each call that took a second or more."""
-    from ..kernels.grouped_gemm import pinned
-    from ..kernels.pairs import path_tuning_applies
-    from ..kernels.tuning import _TUNED, autotune_enabled, compile_threads
+    from ..kernels.grouped_gemm import pinned  # triton: optional
+    from ..kernels.paths import path_tuning_applies  # triton: optional
+    from ..kernels.tuning import autotune_enabled, chosen_configs, compile_threads  # triton: optional
 
     # Every rank decides alike (one experts implementation, one device type), so either all ranks run
     # the one-token forward below (its all-reduces pair up) or none does.
@@ -193,7 +192,7 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
             "THUNDEREP_COMPILE_THREADS)")
     elif log is not None:
         log(f"compiling ThunderEP's kernels for batches of up to {max_batch} (fixed configs: autotuning is off)")
-    started, before, phases = time.perf_counter(), len(_TUNED), {}
+    started, before, phases = time.perf_counter(), chosen_configs(), {}
     with _phase(phases, "model call", device):
         _record_signatures(tm, bindings, device)
     seen, calls = set(), 0
@@ -214,7 +213,7 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                                                       device)
                 phase = "decode steps" if capturable else "one token" if tokens == 1 else "row keys"
                 spent = phases.get(phase, 0.0)
-                with _phase(phases, phase, device), tm._mode("latency", capturable):
+                with _phase(phases, phase, device), tm.running("latency", capturable=capturable):
                     _local(module, binding, x_TD, ids_TK, weights_TK)
                 calls += 1
                 took = phases[phase] - spent
@@ -225,17 +224,17 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
                 for tokens, capturable in path_calls(binding.num_experts, top_k, max_batch):
                     x_TD, ids_TK, weights_TK = _synthetic(tokens, binding.num_experts, top_k, hidden, x_dtype,
                                                           w_dtype, device)
-                    with _phase(phases, "path choices", device), tm._mode("latency", capturable):
+                    with _phase(phases, "path choices", device), tm.running("latency", capturable=capturable):
                         _local(module, binding, x_TD, ids_TK, weights_TK)
                     calls += 1
             if not binding.all_local:  # one local pair among a batch's: the pair kernels with K = 1
-                with _phase(phases, "single pair", device), tm._mode("latency", False):
+                with _phase(phases, "single pair", device), tm.running("latency"):
                     binding.compute_rows(module, x_TD[:1], torch.zeros(1, dtype=torch.long, device=device))
                 calls += 1
             if _torch_gemm_possible(module):  # long prompts on sm_90: the passes around torch's grouped GEMM
                 x_TD, ids_TK, weights_TK = _synthetic(top_k, binding.num_experts, top_k, hidden, x_dtype, w_dtype,
                                                       device)
-                with _phase(phases, "Hopper passes", device), tm._mode("latency", False), \
+                with _phase(phases, "Hopper passes", device), tm.running("latency"), \
                         pinned("THUNDEREP_EXPERT_GEMM", "torch"), \
                         pinned("THUNDEREP_PAIRS_MAX_TOKENS", "0"):  # K tokens may choose the pair kernels
                     if binding.all_local:
@@ -250,4 +249,4 @@ def tune_kernels(tm, max_batch: int, log=None) -> TuneReport | None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return TuneReport(shapes=len(seen), calls=calls, seconds=time.perf_counter() - started,
-                      configs=len(_TUNED) - before, phases=phases)
+                      configs=chosen_configs() - before, phases=phases)

@@ -1,4 +1,4 @@
-"""`thunderep.hf.tune`: the synthetic calls reach every kernel key a server can meet (each class of rows
+"""`thunderep.serve.tune`: the synthetic calls reach every kernel key a server can meet (each class of rows
 per expert, on 1, 2 and 4 ranks), tuning leaves the model as it was (1, 2 and 4 EP ranks, real processes,
 against one process), nothing runs where nothing is tuned, and on a GPU serving after it tunes nothing."""
 
@@ -18,9 +18,9 @@ from test_engine import _run_schedule  # noqa: E402
 
 from thunderep.serve.engine import DecodeBatch, Entry  # noqa: E402
 from thunderep.hf import ThunderMoE  # noqa: E402
-from thunderep.hf import tune  # noqa: E402
 from thunderep.hf.experts import KERNELS  # noqa: E402
-from thunderep.kernels import ops  # noqa: E402
+from thunderep.kernels import paths, tiles  # noqa: E402
+from thunderep.serve import tune  # noqa: E402
 from thunderep.serve.static_decode import StaticDecodeBatch, buckets  # noqa: E402
 
 ENTRIES = [Entry(i, p, n, (0.0, 1.0), 0) for i, (p, n) in enumerate([([5, 6, 7], 6), ([9, 4], 4), ([3] * 9, 5)])]
@@ -43,8 +43,8 @@ def test_each_row_class_is_reached_once_on_every_rank(experts, top_k, ranks):
             assert all(len(set(row)) == top_k for row in ids_TK.tolist())  # a token's K experts differ
             rows = torch.bincount(ids_TK.flatten(), minlength=experts)[rank * per_rank:(rank + 1) * per_rank]
             assert rows.min() >= rows.max() - 1  # every local expert alike (round-robin)
-            classes.append(ops._m_key(int(rows.sum()), per_rank))
-        reachable = {ops._m_key(c * per_rank, per_rank) for c in range(1, 4097)}
+            classes.append(tiles.m_key(int(rows.sum()), per_rank))
+        reachable = {tiles.m_key(c * per_rank, per_rank) for c in range(1, 4097)}
         assert len(set(classes)) == len(classes) and set(classes) == reachable, (classes, reachable)
 
 
@@ -59,7 +59,7 @@ def test_tuning_calls_run_the_row_kernels_where_hopper_could_run_torchs_gemm():
     runs them, for experts small and large: none is left to a prompt."""
     from thunderep.kernels import grouped_gemm as G
 
-    assert max(ops.TUNING_ROWS) < G.TORCH_GEMM_MIN_ROWS[0]
+    assert max(tiles.TUNING_ROWS) < G.TORCH_GEMM_MIN_ROWS[0]
     # (D, I): Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3, and a tiny model's experts
     sizes = [(2048, 768), (4096, 14336), (7168, 2048), (64, 32)]
     assert [G.min_rows(D, I) for D, I in sizes] == [512, 192, 192, 512]
@@ -67,9 +67,9 @@ def test_tuning_calls_run_the_row_kernels_where_hopper_could_run_torchs_gemm():
     for D, I in sizes:
         bound = G.min_rows(D, I)
         for experts, top_k in [(8, 2), (128, 8), (256, 8), (60, 4)]:
-            reachable = {ops._m_key(c * experts, experts) for c in range(1, bound)}
-            tuned = {ops._m_key(tokens * top_k, experts) for tokens, _ in tune.tuning_calls(experts, top_k, 8)
-                     if G._mean_rows(tokens * top_k, experts) < bound}
+            reachable = {tiles.m_key(c * experts, experts) for c in range(1, bound)}
+            tuned = {tiles.m_key(tokens * top_k, experts) for tokens, _ in tune.tuning_calls(experts, top_k, 8)
+                     if G.mean_rows(tokens * top_k, experts) < bound}
             assert reachable <= tuned, (D, I, experts, top_k, reachable - tuned)
 
 
@@ -84,7 +84,7 @@ def test_tuning_meets_every_row_key_where_long_prompts_take_torchs_gemm(monkeypa
     from thunderep.kernels import grouped_gemm as G
     from thunderep.kernels import tuning
 
-    monkeypatch.setattr(G, "_grouped_mm_usable", lambda t, *dims: True)
+    monkeypatch.setattr(G, "grouped_mm_usable", lambda t, *dims: True)
     met, launch = collections.defaultdict(set), tuning.launch
 
     def recorded(autotuner, plain, default, grid, device, **args):
@@ -93,12 +93,11 @@ def test_tuning_meets_every_row_key_where_long_prompts_take_torchs_gemm(monkeypa
             met[name].add((args["m_class"], args["m_fill"]))
         return launch(autotuner, plain, default, grid, device, **args)
 
-    monkeypatch.setattr(tuning, "launch", recorded)
-    monkeypatch.setattr(ops, "_launch", recorded)
+    monkeypatch.setattr(tuning, "launch", recorded)  # every kernel's launch (sorted_mlp, decode) goes through it
     tm = ThunderMoE.wrap(tiny_model("qwen3_moe", seed=1, num_experts=4), experts_implementation=KERNELS).eval()
     monkeypatch.setattr(tune, "kernel_bindings", _every_binding)
     report = tune.tune_kernels(tm, max_batch=4)
-    reachable = {ops._m_key(c * 4, 4) for c in range(1, 4097)}
+    reachable = {tiles.m_key(c * 4, 4) for c in range(1, 4097)}
     assert met == {"up": reachable, "rows": reachable}, dict(met)
     # the report's time per kind of call: every kind this rank made, none it did not (no EP, no path choice
     # on a CPU), in PHASES order, within the whole
@@ -112,7 +111,7 @@ def test_path_calls_cover_the_token_counts_tuning_calls_leave():
     """The path-choice calls and the tuning calls together make every count of 2 to
     PAIRS_TUNE_MAX_TOKENS tokens once outside decode steps and every decode bucket among them once as a
     capturable step (`pairs_win` keeps a choice for each, made at its first call)."""
-    from thunderep.kernels.pairs import PAIRS_TUNE_MAX_TOKENS
+    from thunderep.kernels.paths import PAIRS_TUNE_MAX_TOKENS
 
     counts = list(range(2, PAIRS_TUNE_MAX_TOKENS + 1))
     for experts, top_k, max_batch in [(8, 2, 8), (128, 8, 4), (60, 4, 32), (8, 8, 2)]:
@@ -139,14 +138,13 @@ def test_nothing_is_tuned_without_the_kernels_on_a_gpu():
 
 def _rehearsed(rank, world, max_batch=4):
     """The server's rehearsal on a tiny model: the batch sizes of its steps, then a schedule's tokens."""
-    import argparse
-
     from hf_tiny import V, tiny_model
 
     from thunderep import EPConfig
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
-    from thunderep.serve.server import _rehearse
+    from thunderep.serve.config import ServeConfig
+    from thunderep.serve.loop import rehearse
 
     ep = None
     if world > 1:
@@ -160,7 +158,7 @@ def _rehearsed(rank, world, max_batch=4):
 
     DecodeBatch.step = counted
     try:
-        _rehearse(tm, torch.device("cpu"), argparse.Namespace(cuda_graphs="on", max_batch=max_batch), V)
+        rehearse(tm, torch.device("cpu"), ServeConfig(cuda_graphs="on", max_batch=max_batch), V)
     finally:
         DecodeBatch.step = step
     return sizes, _run_schedule(DecodeBatch(tm, "cpu", set(), 0), ENTRIES)
@@ -177,8 +175,8 @@ def test_the_rehearsal_passes_every_bucket_twice_and_changes_nothing(world, max_
     results = [_rehearsed(0, 1, max_batch)] if world == 1 else run_ranks(_rehearsed, world, max_batch, timeout=300)
     for sizes, got in results:
         assert sizes == results[0][0]
-        buckets = collections.Counter(next(b for b in buckets(max_batch) if b >= n) for n in sizes)
-        assert set(buckets) == set(buckets(max_batch)) and min(buckets.values()) >= 2, buckets
+        per_bucket = collections.Counter(next(b for b in buckets(max_batch) if b >= n) for n in sizes)
+        assert set(per_bucket) == set(buckets(max_batch)) and min(per_bucket.values()) >= 2, per_bucket
         assert got == want
 
 
@@ -265,7 +263,7 @@ def test_serving_after_tuning_launches_no_new_kernel_variant(world):
     want = _run_schedule(DecodeBatch(tiny_model("qwen3_moe", seed=1, num_experts=4).eval(), "cpu", set(), 0), ENTRIES)
     results = [_tuned_then_served(0, 1)] if world == 1 else run_ranks(_tuned_then_served, world, timeout=300)
     for new, tuned, (shapes, calls, phases), state, got, experts, top_k in results:
-        sorts = ops.ROUTE_MAX_PAIRS.bit_length() - 4  # the one-program sort at 16, 32, ... pairs
+        sorts = paths.ROUTE_MAX_PAIRS.bit_length() - 4  # the one-program sort at 16, 32, ... pairs
         # (no path-choice calls: the interpreter times nothing, as a GPU with autotuning off)
         assert (shapes, calls) == (1, len(tune.tuning_calls(experts, top_k, 4)) + sorts + (world > 1))
         assert phases == ["model call", "decode steps", "one token", "row keys", *["single pair"] * (world > 1),
@@ -295,7 +293,7 @@ def _gpu_tuned_then_served(rank, world, fp8_checkpoint=None):
     from thunderep import EPConfig
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
-    from thunderep.kernels import pairs, tuning
+    from thunderep.kernels import tuning
 
     if world > 1:  # a spawned NCCL rank: tests/distributed.py defaults those to fixed configs
         os.environ["THUNDEREP_TRITON_AUTOTUNE"] = "1"
@@ -312,7 +310,7 @@ def _gpu_tuned_then_served(rank, world, fp8_checkpoint=None):
         names = {id(a): name for name, a in tuning._REGISTRY.items()}
         return sorted(str((names.get(k[0], k[0]), *k[1:])) for k in tuning._TUNED)
 
-    before = (tuned_keys(), _compiled_kernels(), dict(pairs._PATHS))
+    before = (tuned_keys(), _compiled_kernels(), dict(paths._PATHS))
     lengths = (1, 2, 3, 5, 9, 17, 33, 40, 65, 90, 129, 200, 257, 333, 513, 2100)  # 2100: the Hopper path
     prompts = [[3 + (i * 7 + j) % 50 for j in range(n)] for i, n in enumerate(lengths)]
     entries = [Entry(i, p, 6, (0.0, 1.0), 0) for i, p in enumerate(prompts)]
@@ -323,7 +321,7 @@ def _gpu_tuned_then_served(rank, world, fp8_checkpoint=None):
             while len(batch):
                 batch.step()
     return report.shapes if report is not None else None, before, (tuned_keys(), _compiled_kernels(),
-                                                                    dict(pairs._PATHS))
+                                                                    dict(paths._PATHS))
 
 
 @pytest.mark.gpu

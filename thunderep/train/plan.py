@@ -1,38 +1,28 @@
-"""`thunderep plan --model DIR`: the memory one rank needs for a Hugging Face MoE checkpoint, for each
-expert-parallel size, against this host's free memory, before anything is loaded.
+"""The memory one rank needs for a Hugging Face MoE checkpoint, for each expert-parallel size, read off
+config.json before anything is loaded (`thunderep plan`'s library; the command's text,
+thunderep/cli/plan.py, says what each column counts).
 
-Reads config.json only (the weights files need not be there yet: config.json is enough to decide which
-box a model needs before downloading it): the model is built on the meta device, wrapped, and its
-tensors counted. Per rank and EP size R:
-    weights:                 the replicated tensors plus E / R experts of every MoE layer, in the dtype
-                             `generate` and `serve` load (the checkpoint's, or --dtype); what
-                             `from_pretrained` holds on that rank (quantized checkpoints count dequantized).
-    --experts-dtype fp8:     the same with the routed experts in FP8 and their scales (`generate` / `serve
-                             --experts-dtype fp8`; bfloat16 for the rest where --dtype is float32); shown
-                             where ThunderEP's kernels cover the experts.
-    fine-tune, all:          `finetune --dtype mixed` (its default on GPUs): the parameters in float32, their
-                             gradients, AdamW's two moments and the gradient-sync buffers of the replicated
-                             ones, the buffers in the checkpoint's dtype: what `finetune`'s memory plan counts.
-    fine-tune, --freeze experts: the same where the routed and shared experts do not train: those stay in
-                             the checkpoint's dtype, without gradients or AdamW state.
-    fine-tune, --lora-rank R: every weight frozen in the checkpoint's dtype, float32 adapters of rank R on
-                             --lora-targets (default: the attention projections) that train.
-Activations and the CUDA context come on top and are not counted. The KV cache is printed apart: the
-bytes per token of context, on every rank (the attention is replicated), from the model run on the meta
-device.
+The model is built on the meta device, wrapped, and its tensors counted, as `from_pretrained` and
+`finetune`'s memory plan hold them. The KV cache comes apart: bytes per token of context, from the model
+run on the meta device.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import re
-import sys
 
 import torch
 
-__all__ = ["RankMemory", "kv_cache_bytes", "main", "plan_memory"]
+from ..errors import ConfigError
+from ..hf import ThunderMoE, find_experts_modules
+from ..hf.fp8 import to_fp8_experts
+from ..hf.load import read_config, resolve_dtype
+from ..hf.quantized import drop_quantization
+from .lora import apply_lora
+
+__all__ = ["RankMemory", "cache_bytes", "fits", "host_memory", "kv_cache_bytes", "plan_memory"]
 
 _FROZEN = "experts"  # what `finetune --freeze experts` matches: the routed and the shared experts
 
@@ -58,14 +48,10 @@ def _counts(config, dtype: torch.dtype, lora: tuple | None = None) -> tuple[list
     `finetune --lora-rank`'s float32 adapters, which alone train."""
     from transformers import AutoModelForCausalLM
 
-    from . import ThunderMoE
-
     with torch.device("meta"):  # a copy: wrapping sets the config's experts implementation
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
     tm = ThunderMoE.wrap(model, None, move=False, device="meta")
     if lora is not None:
-        from ..train.lora import apply_lora
-
         apply_lora(model, lora[1], lora[0], dtype=torch.float32)
     routed = {}
     for name, binding in tm.bindings.items():
@@ -82,10 +68,6 @@ def _fp8_counts(config, dtype: torch.dtype) -> list[tuple[str, int, int, bool]] 
     holds it (routed experts in FP8 with their scales, hf/fp8.py), or None where ThunderEP's kernels do
     not cover its experts (FP8 experts run on them only)."""
     from transformers import AutoModelForCausalLM
-
-    from ..errors import ConfigError
-    from . import ThunderMoE
-    from .fp8 import to_fp8_experts
 
     dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     with torch.device("meta"):
@@ -117,9 +99,6 @@ def _training_bytes(trainable, frozen, buffers: int, ep: int) -> int:
 def _config(model_dir):
     """The checked config of checkpoint `model_dir` (`hf.load.read_config`), without its quantization_config:
     a quantized checkpoint is counted dequantized, as it loads."""
-    from .load import read_config
-    from .quantized import drop_quantization
-
     config = read_config(model_dir, flag="--model")
     drop_quantization(config)
     return config
@@ -131,8 +110,6 @@ def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = Non
     `from_pretrained` (default: the checkpoint's). lora_rank > 0: also `finetune --lora-rank` with
     `lora_targets` (default: the attention projections). ConfigError / CheckpointError /
     UnsupportedModelError where the checkpoint cannot be loaded, naming why (`hf.load.read_config`)."""
-    from .load import resolve_dtype
-
     config = _config(model_dir)
     stored = resolve_dtype(None, config)
     params, buffers = _counts(config, resolve_dtype(dtype, config))
@@ -159,7 +136,7 @@ def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = Non
     return out
 
 
-def _cache_bytes(cache) -> int:
+def cache_bytes(cache) -> int:
     """The bytes of the tensors a transformers cache holds (its layers' keys, values and states)."""
     seen, total = set(), 0
     for obj in [cache] + list(getattr(cache, "layers", None) or []):
@@ -179,9 +156,6 @@ def kv_cache_bytes(model_dir, dtype: str | torch.dtype | None = None) -> tuple[i
     SSM states). Layers with a sliding window stop growing at the window; this counts them growing."""
     from transformers import AutoModelForCausalLM
 
-    from . import find_experts_modules
-    from .load import resolve_dtype
-
     config = _config(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, config))
@@ -191,77 +165,28 @@ def kv_cache_bytes(model_dir, dtype: str | torch.dtype | None = None) -> tuple[i
     with torch.no_grad():
         for tokens in (4, 8):
             out = model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device="meta"), use_cache=True)
-            sizes.append(_cache_bytes(out["cache"] if "cache" in out else out.past_key_values))  # 5.24 / older
+            sizes.append(cache_bytes(out["cache"] if "cache" in out else out.past_key_values))  # 5.24 / older
     per_token = (sizes[1] - sizes[0]) // 4
     return per_token, sizes[0] - 4 * per_token
 
 
-def _host() -> tuple[str, list[int]]:
+def host_memory() -> tuple[str, list[int]]:
     """This host's memory for ranks: (a description, the free bytes each rank's device has): one entry per
     GPU, or on a host without a CUDA GPU the available memory once (the CPU ranks share it)."""
     if torch.cuda.is_available() and torch.cuda.device_count():
         free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
         names = sorted({torch.cuda.get_device_name(i) for i in range(len(free))})
         return (f"{len(free)} x {' / '.join(names)}, free {', '.join(f'{f / 1e9:.1f}' for f in free)} GB", free)
-    import psutil
+    import psutil  # optional: read only on a host without a CUDA GPU
 
     available = psutil.virtual_memory().available
     return f"no CUDA GPU; {available / 1e9:.1f} GB of host memory available, shared by the ranks", [available]
 
 
-def _fits(need: int, ep: int, free: list[int], gpus: bool) -> str:
+def fits(need: int, ep: int, free: list[int], gpus: bool) -> str:
+    """The verdict on `need` bytes per rank over `ep` ranks, against `free` (`host_memory`): fits, short by
+    how much, or needs more GPUs than the host has. CPU ranks share the host's memory."""
     if gpus and ep > len(free):
         return f"needs {ep} GPUs"
     room = min(free[:ep]) if gpus else free[0] // ep
     return "fits" if need <= room else f"short {(need - room) / 1e9:.1f} GB"
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="thunderep plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json is enough)")
-    p.add_argument("--ep", default="1,2,4,8", help="EP sizes to plan for, comma-separated (default 1,2,4,8)")
-    p.add_argument("--dtype", default="auto", help="the dtype generate / serve load in (default auto: the "
-                                                   "checkpoint's)")
-    p.add_argument("--lora-rank", type=int, default=8, help="the LoRA rank of the fine-tuning column (default 8, "
-                                                            "as finetune --lora-rank 8; 0: no LoRA column)")
-    p.add_argument("--lora-targets", nargs="+", metavar="PATTERN",
-                   help="as finetune --lora-targets (default: the attention projections)")
-    args = p.parse_args(argv)
-    if args.lora_rank < 0:
-        p.error(f"--lora-rank {args.lora_rank}: give 0 (no LoRA column) or a positive rank")
-    try:
-        eps = [int(e) for e in args.ep.split(",")]
-    except ValueError:
-        eps = []
-    if not eps or min(eps) < 1:
-        p.error(f"--ep {args.ep!r}: give EP sizes of at least 1, comma-separated, e.g. 1,2,4")
-    named = getattr(torch, args.dtype, None)
-    if args.dtype != "auto" and not (isinstance(named, torch.dtype) and named.is_floating_point):
-        p.error(f"--dtype {args.dtype!r} is not a torch dtype (float32, bfloat16, float16) or auto")
-    plans = plan_memory(args.model, eps, args.dtype, args.lora_rank, args.lora_targets)
-    host, free = _host()
-    gpus = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    print(f"{args.model}: memory per rank (GB; activations, KV cache and the CUDA context not counted)")
-    print(f"this host: {host}")
-    fp8 = any(m.weights_fp8 for m in plans)
-    rows = [("ep", "weights (generate, serve)") + (("--experts-dtype fp8",) if fp8 else ())
-            + ("fine-tune (--dtype mixed)", "fine-tune, --freeze experts")
-            + ((f"fine-tune, --lora-rank {args.lora_rank}",) if args.lora_rank else ())]
-    for m in plans:
-        sizes = ((m.weights,) + ((m.weights_fp8,) if fp8 else ()) + (m.finetune_all, m.finetune_frozen_experts)
-                 + ((m.finetune_lora,) if args.lora_rank else ()))
-        rows.append((str(m.ep), m.problem) if m.problem else
-                    (str(m.ep),) + tuple(f"{n / 1e9:.2f} ({_fits(n, m.ep, free, gpus)})" for n in sizes))
-    widths = [max(len(r[i]) for r in rows if len(r) == len(rows[0])) for i in range(len(rows[0]))]
-    for row in rows:  # a row with a problem: the EP size and the problem, across the columns
-        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths if len(row) > 2 else (widths[0], 0)))
-              .rstrip())
-    per_token, fixed = kv_cache_bytes(args.model, args.dtype)
-    print(f"KV cache, on every rank (attention is not split): {per_token * 1000 / 1e9:.3f} GB per 1000 tokens "
-          "(context x batch)" + (f", plus {fixed / 1e6:.1f} MB per sequence of fixed state" if fixed else ""))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`thunderep plan` (thunderep/hf/memory.py): the memory per rank it reads off config.json equals what ranks
+"""`thunderep plan` (thunderep/train/plan.py): the memory per rank it reads off config.json equals what ranks
 that load the checkpoint hold, and what `finetune`'s memory plan counts (all parameters, --freeze
 experts, LoRA on the attention and on every expert), on 1, 2 and 4 processes; bad input is one line."""
 
@@ -65,7 +65,7 @@ def _held(rank, world, checkpoints):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_plan_equals_what_ranks_hold_and_what_finetune_plans(checkpoints, world):
-    from thunderep.hf.memory import plan_memory
+    from thunderep.train.plan import plan_memory
 
     results = [_held(0, 1, checkpoints)] if world == 1 else run_ranks(_held, world, checkpoints, timeout=240)
     for family, path in checkpoints.items():
@@ -83,7 +83,7 @@ def test_plan_equals_what_ranks_hold_and_what_finetune_plans(checkpoints, world)
 def test_plan_reads_config_json_only_and_counts_quantized_checkpoints_dequantized(checkpoints, tmp_path):
     """Without the weights files the plan is the same; a quantized config counts the weights dequantized
     into the config's dtype; an EP size that does not divide the experts is named in its row."""
-    from thunderep.hf.memory import plan_memory
+    from thunderep.train.plan import plan_memory
 
     config_only = tmp_path / "config_only"
     config_only.mkdir()
@@ -135,19 +135,19 @@ def test_plan_command_prints_a_row_per_ep_size_and_bad_input_is_one_line(checkpo
 
 def test_fits_on_gpus_takes_the_least_free_of_the_ranks_gpus_and_cpu_ranks_share_the_host(monkeypatch):
     """The verdicts, on a host with GPUs (stood in for: two of 24 and 20 GB free) and on the CPU."""
-    from thunderep.hf import memory as plan
+    from thunderep.train import plan
 
-    assert plan._fits(19 * 10**9, 2, [24 * 10**9, 20 * 10**9], gpus=True) == "fits"
-    assert plan._fits(21 * 10**9, 2, [24 * 10**9, 20 * 10**9], gpus=True) == "short 1.0 GB"
-    assert plan._fits(21 * 10**9, 1, [24 * 10**9, 20 * 10**9], gpus=True) == "fits"
-    assert plan._fits(1, 4, [24 * 10**9, 20 * 10**9], gpus=True) == "needs 4 GPUs"
-    assert plan._fits(6 * 10**9, 4, [24 * 10**9], gpus=False) == "fits"
-    assert plan._fits(7 * 10**9, 4, [24 * 10**9], gpus=False) == "short 1.0 GB"
+    assert plan.fits(19 * 10**9, 2, [24 * 10**9, 20 * 10**9], gpus=True) == "fits"
+    assert plan.fits(21 * 10**9, 2, [24 * 10**9, 20 * 10**9], gpus=True) == "short 1.0 GB"
+    assert plan.fits(21 * 10**9, 1, [24 * 10**9, 20 * 10**9], gpus=True) == "fits"
+    assert plan.fits(1, 4, [24 * 10**9, 20 * 10**9], gpus=True) == "needs 4 GPUs"
+    assert plan.fits(6 * 10**9, 4, [24 * 10**9], gpus=False) == "fits"
+    assert plan.fits(7 * 10**9, 4, [24 * 10**9], gpus=False) == "short 1.0 GB"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: ((24, 20)[i] * 10**9, 25 * 10**9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA GeForce RTX 4090")
-    assert plan._host() == ("2 x NVIDIA GeForce RTX 4090, free 24.0, 20.0 GB", [24 * 10**9, 20 * 10**9])
+    assert plan.host_memory() == ("2 x NVIDIA GeForce RTX 4090, free 24.0, 20.0 GB", [24 * 10**9, 20 * 10**9])
 
 
 @pytest.mark.parametrize("family", sorted(__import__("hf_tiny").FAMILIES))
@@ -157,7 +157,7 @@ def test_plan_of_every_family_equals_one_loading_process(family, tmp_path):
     from hf_tiny import save_tiny
 
     from thunderep.hf import ThunderMoE
-    from thunderep.hf.memory import plan_memory
+    from thunderep.train.plan import plan_memory
 
     path = save_tiny(family, tmp_path / family)
     memory = ThunderMoE.from_pretrained(path).memory()
@@ -171,7 +171,7 @@ def test_kv_cache_per_token_equals_a_real_forward(family, tmp_path):
     """The cache bytes per token and per sequence that plan reads off the meta device equal the growth of
     the cache of the real model run on 4 and 8 tokens (fixed states of linear attention and SSM layers
     included: Jamba, Qwen3-Next, MiniMax, LFM2)."""
-    from thunderep.hf.memory import _cache_bytes, kv_cache_bytes
+    from thunderep.train.plan import cache_bytes, kv_cache_bytes
 
     model = tiny_model(family, seed=0).to(torch.bfloat16)
     model.save_pretrained(str(tmp_path / family))
@@ -179,7 +179,7 @@ def test_kv_cache_per_token_equals_a_real_forward(family, tmp_path):
     with torch.no_grad():
         for tokens in (4, 8):
             out = model(input_ids=torch.randint(0, 90, (1, tokens)), use_cache=True)
-            sizes.append(_cache_bytes(out["cache"] if "cache" in out else out.past_key_values))
+            sizes.append(cache_bytes(out["cache"] if "cache" in out else out.past_key_values))
     per_token, fixed = kv_cache_bytes(tmp_path / family)
     assert per_token > 0 and (per_token, fixed) == ((sizes[1] - sizes[0]) // 4, sizes[0] - (sizes[1] - sizes[0]))
     c = model.config

@@ -1,0 +1,128 @@
+"""A checkpoint directory's config.json checked before anything is built or any rank starts: what makes
+it unloadable, the expert count and context it names, whether an EP size divides its experts, and the
+transformers config read from it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, UnsupportedModelError
+from .quantized import quantization_problem
+
+__all__ = ["EXPERT_COUNT_KEYS", "config_problem", "context_length", "ep_size_problem", "expert_counts",
+           "read_config", "resolve_dtype"]
+
+
+def read_config(path, flag: str | None = None):
+    """The transformers config of checkpoint directory `path`, checked before anything is built: a
+    CheckpointError naming what is wrong with config.json (`config_problem`, with `flag` naming the option
+    that gave the directory) or what transformers could not read in it; UnsupportedModelError for a
+    quantization ThunderEP does not read."""
+    from transformers import AutoConfig  # transformers: optional (the hf extra)
+
+    path = Path(path)
+    problem = config_problem(path, flag=flag)
+    if problem:
+        raise CheckpointError(problem)
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:  # transformers' checks: an unknown model_type, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path / 'config.json'}: transformers cannot read it: {first}") from exc
+    problem = quantization_problem(config, path)
+    if problem:
+        raise UnsupportedModelError(problem)
+    return config
+
+
+def resolve_dtype(dtype, config) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        # transformers 5 reads a config.json's "torch_dtype" into `dtype` (and warns when asked for torch_dtype)
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral / Qwen, OLMoE / DeepSeek
+
+
+def _config_parts(model_dir) -> list[dict]:
+    """config.json of `model_dir` and its text_config, or nothing where it is missing or malformed
+    (`config_problem` says why)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return _parts(config)
+
+
+def _parts(config) -> list[dict]:
+    """A parsed config.json and its text_config (multimodal checkpoints), or nothing if it is not an object."""
+    return [config, config.get("text_config") or {}] if isinstance(config, dict) else []
+
+
+def config_problem(model_dir, flag: str | None = "--model") -> str | None:
+    """What makes `model_dir` unloadable as far as its config.json shows, read before any rank starts:
+    no such directory, no config.json, one that is unreadable, not a JSON object, without "model_type",
+    or with a "dtype" torch does not have; else None. `flag`: the command-line option the message names
+    (None: the directory's path only)."""
+    model_dir = Path(model_dir)
+    where = f"{flag} {str(model_dir)!r}" if flag else repr(str(model_dir))
+    file = model_dir / "config.json"
+    if not model_dir.exists():
+        return f"{where} does not exist (ThunderEP loads local checkpoint directories; download the model first)"
+    if not model_dir.is_dir():
+        return f"{where} is not a directory: give the checkpoint directory (config.json + *.safetensors)"
+    if not file.is_file():
+        return f"{where} is not a checkpoint directory (no config.json)"
+    try:
+        config = json.loads(file.read_bytes())
+    except OSError as exc:
+        return f"cannot read {file}: {exc.strerror or exc}"
+    except UnicodeDecodeError as exc:
+        return f"{file} is not JSON text ({exc.reason} at byte {exc.start}): copy it again from the model's source"
+    except json.JSONDecodeError as exc:
+        return (f"{file} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): copy it again "
+                "from the model's source")
+    if not isinstance(config, dict):
+        return f"{file} holds a JSON {type(config).__name__}, not an object of model settings"
+    if not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        return (f"{file} has no \"model_type\" (the model family, e.g. \"mixtral\", which transformers needs to "
+                "pick the model class): copy it again from the model's source")
+    for part in _parts(config):
+        for key in ("dtype", "torch_dtype"):
+            value = part.get(key)
+            if isinstance(value, str) and not isinstance(getattr(torch, value, None), torch.dtype):
+                return (f"{file} gives \"{key}\": {value!r}, which is not a torch dtype (float32, bfloat16, "
+                        "float16, ...): correct it, or delete the entry to load float32")
+    return None
+
+
+def context_length(model_dir) -> int | None:
+    """The model's context (max_position_embeddings) as config.json gives it, else None."""
+    return next((p["max_position_embeddings"] for p in _config_parts(model_dir)
+                 if isinstance(p.get("max_position_embeddings"), int) and p["max_position_embeddings"] > 0), None)
+
+
+def expert_counts(model_dir) -> list[int]:
+    """The routed experts per layer that `model_dir`'s config.json (and its text_config) names: [] where it
+    names none or is missing (`config_problem` says why)."""
+    parts = _config_parts(model_dir)
+    counts = [next((part[k] for k in EXPERT_COUNT_KEYS if isinstance(part.get(k), int) and part[k] > 0), None)
+              for part in parts]
+    return [c for c in counts if c is not None]
+
+
+def ep_size_problem(model_dir, ep: int) -> str | None:
+    """Why `ep` ranks cannot split the routed experts that `model_dir`'s config.json names, read before any
+    rank starts (a rank finds it only after loading), or None (also where config.json names no count, and
+    for ep < 1, which the commands' own checks refuse)."""
+    for count in expert_counts(model_dir) if ep >= 1 else []:
+        if count % ep:
+            return f"--ep {ep} does not divide the model's {count} routed experts: use a rank count that divides them"
+    return None

@@ -1,0 +1,186 @@
+"""Which path a call takes: the pair kernels (decode) or the sorted kernels, and how the pair kernels
+launch.
+
+    T <= PAIRS_MAX_TOKENS               inference runs the pair kernels (pairs.py), no sort
+    T <= PAIRS_TUNE_MAX_TOKENS          on CUDA with autotuning on, the first call at a shape and T times
+                                        both paths and keeps the faster (`pairs_win`)
+    otherwise                           the sorted kernels; up to ROUTE_MAX_PAIRS pairs sorted by one
+                                        Triton program (passes.route_kernel), else by torch
+
+THUNDEREP_PAIRS_MAX_TOKENS (env.pairs_max_tokens) overrides the first two; THUNDEREP_PDL turns the
+down pass's programmatic dependent launch off (`pdl_applies`). The choice between the fused kernels and
+the Hopper path (torch's grouped GEMM) for the sorted GEMMs is grouped_gemm.gemm_path's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+
+from .. import env
+from . import tuning
+from .graphs import in_graph_steps
+from .pairs import HAS_GDC
+
+__all__ = ["PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "PATH_ROUTINGS", "ROUTE_MAX_PAIRS", "decode_applies",
+           "needs_grad", "pairs_max_tokens", "pairs_win", "path_tuning_applies", "pdl_applies"]
+
+_LOG = logging.getLogger("thunderep.kernels")
+
+# Up to this many tokens, inference always runs the pair kernels (no sort, no counts, two launches);
+# above it up to PAIRS_TUNE_MAX_TOKENS the faster path is measured (`pairs_win`), and above that the
+# sorted grouped GEMMs run, which read each hit expert once however many tokens share it
+# (docs/BENCHMARKS.md, "Decode, second version: a split down pass and a one-program sort").
+PAIRS_MAX_TOKENS = 1
+
+# From 2 tokens up to this many, inference on CUDA times both paths on the first call at each (shape, T)
+# and keeps the faster (`pairs_win`): whether tokens share experts enough for the sorted path's single
+# read of each expert to beat the pair kernels' lighter launch depends on E, K, the experts' size and
+# the GPU (docs/BENCHMARKS.md, "Decode: the graph's own cost, and 2 to 16 tokens").
+PAIRS_TUNE_MAX_TOKENS = 16
+PATH_ROUTINGS = 4
+# (D, I, E, K, T, dtype, weighted, activation, interleaved, device, experts, kind, graphed) -> pairs won
+_PATHS: dict[tuple, bool] = {}
+
+# Up to this many (token, slot) pairs, a step (inference or training) sorts the pairs by expert and
+# counts them in one Triton program (passes.route_kernel): one launch where torch takes five (a radix
+# sort, the copy before it, a fill and a scatter for the counts, the index conversion; docs/BENCHMARKS.md,
+# "Decode, second version: a split down pass and a one-program sort"). One program holds the whole
+# batch: the bound keeps it small.
+ROUTE_MAX_PAIRS = 1024
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd will differentiate through these tensors (None entries are ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def pairs_max_tokens() -> int:
+    """PAIRS_MAX_TOKENS, or THUNDEREP_PAIRS_MAX_TOKENS when set (0 turns the pair kernels off)."""
+    value = env.pairs_max_tokens()
+    return PAIRS_MAX_TOKENS if value is None else value
+
+
+def decode_applies(T: int, *tensors) -> bool:
+    """The pair kernels' domain: inference (no gradient through `tensors`) on 1 to `pairs_max_tokens()`
+    tokens."""
+    return 0 < T <= pairs_max_tokens() and not needs_grad(*tensors)
+
+
+def _path_timer(fn, graphed: bool = False) -> float:
+    """Milliseconds of one `fn()`, L2 flushed clean before each (the autotuner's timer, a short budget);
+    `graphed`: of one replay of `fn` captured in a CUDA graph, as a captured decode step runs it (no
+    host launch time: eager timings of a route of many small kernels count the host's, which can
+    mislead the choice for a route that then runs in graphs; docs/BENCHMARKS.md, "Decode: captured
+    steps choose their path by graph replays"). Only for routes made to be captured; a failed capture
+    is raised, not worked around (a route that cannot be captured is a caller's bug: it would fail in
+    the captured step as well)."""
+    if not graphed:
+        return tuning.timed_ms(fn, ms_budget=20.0, warmup_ms=5.0)
+    graph = tuning.captured(fn)
+    try:
+        return tuning.timed_ms(graph.replay, ms_budget=20.0, warmup_ms=5.0)
+    finally:
+        del graph  # the capture's memory goes back to the allocator
+
+
+def path_tuning_applies(device: torch.device) -> bool:
+    """Whether `pairs_win` times the two paths on this device (CUDA with autotuning on)."""
+    return tuning.autotune_enabled(device)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream is capturing a CUDA graph (nothing can be timed then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
+              weights_TK: torch.Tensor | None, activation: str, interleaved: bool, sorted_path, pairs_path,
+              experts: int | None = None, kind: str = "sorted") -> bool:
+    """Whether inference on these T tokens runs the pair kernels, `pairs_path(x_TD, w_gate_up_E2ID,
+    w_down_EDI, ids, weights_TK, activation, interleaved)` (`ops.moe_mlp_pairs`), else
+    `sorted_path(ids_TK)`, the caller's sorted route over the same arguments and the ids given.
+    THUNDEREP_PAIRS_MAX_TOKENS, when set, decides alone (T up to it); so does T <= PAIRS_MAX_TOKENS.
+    Up to PAIRS_TUNE_MAX_TOKENS, on CUDA with autotuning on, the first call at a shape and T runs both
+    paths (each tunes its kernels), times both on this call's routing and on PATH_ROUTINGS - 1 uniform
+    random ones, logs the mean times and keeps the faster for later calls. Inside a CUDA-graph capture
+    or torch.compile nothing is timed: a choice made earlier holds, else the sorted path.
+
+    `experts`: the model's expert count, where these weights are one rank's share of them (expert
+    parallelism: ids_TK marks the other ranks' pairs -1, which the pair kernels skip); the random
+    routings then pick among that many experts, those past this rank's marked -1. `kind` names the
+    caller's sorted route where a caller has more than one (a choice is kept per kind). Calls within
+    `thunderep.kernels.graphs.graph_steps` run in captured CUDA graphs: both paths are timed as graph
+    replays (`_path_timer`) and the choice is kept apart from the eager one."""
+    T = x_TD.shape[0]
+    if T < 1 or needs_grad(x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
+        return False
+    if env.pairs_max_tokens() is not None or T <= PAIRS_MAX_TOKENS:
+        return T <= pairs_max_tokens()
+    if T > PAIRS_TUNE_MAX_TOKENS or not path_tuning_applies(x_TD.device):
+        return False
+    E, D, I = w_down_EDI.shape
+    graphed = in_graph_steps()
+    key = (D, I, E, ids_TK.shape[1], T, x_TD.dtype, weights_TK is not None, activation, interleaved, str(x_TD.device),
+           experts or E, kind, graphed)
+    won = _PATHS.get(key)
+    if won is not None or torch.compiler.is_compiling() or _capturing(x_TD.device):
+        return bool(won)
+    won = _time_paths(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved, sorted_path,
+                      pairs_path, experts, kind, graphed)
+    _PATHS[key] = won
+    return won
+
+
+def _time_paths(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved, sorted_path,
+                pairs_path, experts, kind, graphed) -> bool:
+    """`pairs_win`'s measurement: whether the pair path took less time, logged."""
+    T = x_TD.shape[0]
+    E, D, I = w_down_EDI.shape
+    # How many tokens share an expert, which decides, varies from routing to routing (most with few
+    # experts: Mixtral's 8): this call's routing and PATH_ROUTINGS - 1 uniform random ones are timed.
+    gen = torch.Generator(device=x_TD.device).manual_seed(T)
+    picks = [torch.rand(T, experts or E, device=x_TD.device, generator=gen).topk(ids_TK.shape[1], dim=-1).indices
+             for _ in range(PATH_ROUTINGS - 1)]
+    samples = [ids_TK] + [torch.where(ids < E, ids, -1).to(ids_TK.dtype) for ids in picks]
+    start = time.perf_counter()
+    pairs_ms = sorted_ms = 0.0
+    with torch.no_grad():
+        try:
+            for ids in samples:
+                pairs_on = functools.partial(pairs_path, x_TD, w_gate_up_E2ID, w_down_EDI, ids, weights_TK,
+                                             activation, interleaved)
+                sorted_on = functools.partial(sorted_path, ids)
+                pairs_on()  # each path tunes its kernels on its first call
+                sorted_on()
+                pairs_ms += _path_timer(pairs_on, graphed) / len(samples)
+                sorted_ms += _path_timer(sorted_on, graphed) / len(samples)
+        finally:
+            tuning.free_timer_buffers()
+    won = pairs_ms < sorted_ms
+    share = f" of {experts}" if experts and experts != E else ""
+    _LOG.info("chose the %s path for D=%d, I=%d, E=%d%s, K=%d at T=%d in %.1f s: pairs %.1f us, %s %.1f us "
+              "(mean of %d routings%s)", "pair" if won else kind, D, I, E, share, ids_TK.shape[1], T,
+              time.perf_counter() - start, pairs_ms * 1e3, kind, sorted_ms * 1e3, len(samples),
+              ", graph replays" if graphed else "")
+    return won
+
+
+def pdl_applies(device: torch.device) -> bool:
+    """Whether the down pass launches as a programmatic dependent of the gate/up pass (PDL): on sm_90
+    and later (H100 / H200, RTX 5090), outside Triton's interpreter; THUNDEREP_PDL=0 turns it off.
+    Its programs then start while the gate/up pass still runs, load their first weight chunk and wait
+    for h there (docs/ARCHITECTURE.md, "Decode")."""
+    if env.pdl() is False or device.type != "cuda" or env.triton_interpreter():
+        return False
+    return _has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _has_pdl(index: int) -> bool:
+    """Whether CUDA device `index` (and this Triton) can launch programmatic dependents: asked once per
+    device, as decode asks pdl_applies on every step."""
+    return HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9

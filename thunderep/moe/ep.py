@@ -1,0 +1,278 @@
+"""The expert-parallel forward of one MoE layer: the modes, the waves, the local partial, the mode choice.
+
+Shape legend: T tokens of this rank, D hidden size, K experts per token, E experts, S local slots,
+R ranks of the EP group, P = R * S global slots, M rows this rank's experts compute.
+
+`ThunderMoELayer` and the transformers experts binding (`thunderep.hf.experts`) both route with their
+own router and call `ExpertParallelMoE.forward` with their experts' compute passed in (`LocalExperts`),
+as torchtitan's `ExpertParallel` wraps an unmodified `GroupedExperts`:
+
+    ep mode        each rank its own tokens; rows travel to the ranks holding their experts and back
+    latency mode   every rank the same tokens (batch-1 decode): local partial, one all-reduce
+    allgather      each rank its own T tokens, the same T everywhere: gather all, local partial on all,
+                   reduce-scatter (the baseline of frameworks without an EP kernel library; the faster
+                   mode for small batches)
+
+`mode="auto"` picks latency mode when the caller says every rank holds the same tokens
+(`replicated=True`), ep mode under a balancer (its words ride in ep mode's dispatch record), else
+all-gather mode for small equal batches (`EPConfig.allgather_max_tokens`) and ep mode for the rest.
+Each layer carries one `ExpertParallelMoE`; `moe_layers(model)` lists them for training sync,
+checkpoints and telemetry whatever the model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..balance.layer_balancer import LayerBalancer
+from ..balance.migrate import migrate_slots, slot_bytes
+from ..balance.placement import Placement
+from ..comm.dispatcher import Rider
+from ..comm.runtime import CopyToEP, ExpertParallel, ReduceFromEP
+from ..comm.stats import CommStats
+from ..errors import ConfigError
+from .router import expert_counts
+
+__all__ = ["MODES", "ExpertParallelMoE", "LocalExperts", "MoELayer", "attach", "moe_layers", "wave_bounds"]
+
+MODES = ("auto", "ep", "latency", "allgather")
+ATTRIBUTE = "_thunderep_moe"  # the attribute of the module holding a layer's expert tensors
+
+
+@dataclass(frozen=True)
+class LocalExperts:
+    """This rank's experts as the core calls them; every output is unweighted, [M, D].
+
+    sorted(x_MD, counts_S): rows grouped by local slot, counts_S int64 [S] on the host.
+    by_slot(x_MD, slot_M): rows in any order, slot_M int64 [M] on the device (no host sync; the
+        capturable latency path). None: the caller never runs capturable.
+    pairs(x_TD, local_TK, weights_TK, fallback, num_experts, kind): the decode pair kernels' weighted
+        [T, D] share (local_TK -1: another rank's expert), or None where they do not apply. None: no
+        such kernels.
+    """
+
+    sorted: Callable
+    by_slot: Callable | None = None
+    pairs: Callable | None = None
+
+
+def wave_bounds(T: int, waves: int) -> list[tuple[int, int]]:
+    """[start, stop) of each of `waves` waves over T tokens; the first T % waves waves one token longer.
+    Every rank has the same number of waves (their collectives pair up), some maybe empty."""
+    bounds, start = [], 0
+    for w in range(waves):
+        stop = start + T // waves + (1 if w < T % waves else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class ExpertParallelMoE:
+    """One MoE layer's experts spread over an EP group: where they are (`placement`), the runtime that
+    moves rows (`ep`), the optional balancer, this layer's traffic (`stats`) and calls per mode."""
+
+    def __init__(self, ep: ExpertParallel, placement: Placement, balancer: LayerBalancer | None = None):
+        R = ep.groups.ep_size
+        if placement.ep_size != R:
+            raise ConfigError(f"placement is for {placement.ep_size} ranks but the EP group has {R}")
+        self.ep, self.placement, self.balancer = ep, placement, balancer
+        self.stats = CommStats(R, ep.groups.ep_rank)
+        self.calls = {"ep": 0, "latency": 0, "allgather": 0}
+
+    @property
+    def num_experts(self) -> int:
+        return self.placement.num_experts
+
+    @property
+    def local_experts(self) -> tuple[int, ...]:
+        """Logical expert id of each local slot."""
+        return tuple(self.placement.experts_of(self.ep.groups.ep_rank))
+
+    # -- the forward
+
+    def choose_mode(self, T: int, mode: str = "auto", replicated: bool = False) -> str:
+        """The mode a call with T tokens on this rank runs in (see the module docstring); "auto" with
+        neither `replicated` nor a balancer costs one control-plane exchange."""
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if mode != "auto":
+            return mode
+        if replicated:
+            return "latency"
+        return "ep" if self.balancer is not None else self.ep.auto_mode(T, self.stats)
+
+    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, experts: LocalExperts, *,
+                mode: str = "auto", replicated: bool = False, capturable: bool = False,
+                shared: Callable | None = None) -> torch.Tensor:
+        """sum_k weights_TK * expert_{ids_TK}(x_TD) (+ shared(x_TD)): [T, D] in x_TD's dtype.
+
+        x_TD: [T, D]. ids_TK: int64 [T, K] global expert ids. weights_TK: [T, K]. capturable (latency
+        mode): no host sync, shapes fixed by T alone, so that a CUDA graph can capture the call.
+        shared: the layer's shared experts, run while ep mode's rows are in flight."""
+        chosen = self.choose_mode(x_TD.shape[0], mode, replicated)
+        if capturable and chosen != "latency":
+            raise ConfigError(f"capturable runs need latency mode, not {chosen!r}")
+        self.calls[chosen] += 1
+        if chosen == "ep":
+            return self._forward_ep(x_TD, ids_TK, weights_TK, experts, shared)
+        if chosen == "latency":
+            x_e, w_e = CopyToEP.apply(x_TD, self.ep), CopyToEP.apply(weights_TK, self.ep)
+            partial_TD = self.local_partial(x_e, w_e, ids_TK, experts, capturable)
+            y_TD = ReduceFromEP.apply(partial_TD, self.ep).to(x_TD.dtype)
+        else:  # reduce-scattered in the model's dtype, as the frameworks this mode stands for do
+            y_TD = self.ep.all_gather_mode(
+                x_TD, weights_TK, ids_TK, lambda x, w, ids: self.local_partial(x, w, ids, experts).to(x_TD.dtype),
+                self.stats, checked=mode == "auto")
+        return y_TD if shared is None else y_TD + shared(x_TD)
+
+    def _forward_ep(self, x_TD, ids_TK, weights_TK, experts: LocalExperts, shared) -> torch.Tensor:
+        dispatcher = self.ep.dispatcher
+        bounds = wave_bounds(x_TD.shape[0], self.ep.config.waves)
+        # 1. slots, 2. one control exchange for every wave (the balancer's words riding along)
+        metas = self.plan([ids_TK[a:b] for a, b in bounds], [weights_TK[a:b] for a, b in bounds])
+        # 3. dispatch every wave
+        pending = [dispatcher.dispatch_async(x_TD[a:b], meta) for (a, b), meta in zip(bounds, metas)]
+        # 4. shared experts on the local tokens while the rows are in flight
+        shared_TD = shared(x_TD) if shared is not None else None
+        # 5. compute each wave's rows as they arrive, 6. combine them back
+        combines = []
+        for rows, meta in zip(pending, metas):
+            combines.append(dispatcher.combine_async(experts.sorted(rows.wait(), meta.counts_S), meta))
+        y_TD = torch.cat([c.wait() for c in combines]).to(x_TD.dtype)
+        return y_TD if shared_TD is None else y_TD + shared_TD
+
+    def plan(self, ids_W: list[torch.Tensor], weights_W: list[torch.Tensor]) -> list:
+        """ep mode's layout and split sizes for waves of ids ([T_w, K] each): the balancer's trade plan
+        (else the placement) maps pairs to slots, one exchange agrees the split sizes, and the step's
+        loads go to the stats and the balancer. Returns one `DispatchMeta` per wave."""
+        me, R, S = self.ep.groups.ep_rank, self.ep.groups.ep_size, self.placement.slots_per_rank
+        rider = None
+        if self.balancer is not None:
+            slots_W = [self.balancer.assign(me, ids).to(ids.device) for ids in ids_W]
+            counts_E = sum(expert_counts(ids, self.num_experts) for ids in ids_W)
+            rider = Rider(counts_E.to(torch.int32), self.balancer.record)
+        else:
+            table_E = self.placement.slot_table(me, ids_W[0].device)
+            slots_W = [table_E[ids] for ids in ids_W]
+        plan = self.ep.dispatcher.plan(slots_W, weights_W, S, rider, self.stats)
+        load_R = plan.load_P.view(R, S).sum(dim=1).tolist()
+        if self.balancer is not None:  # every rank holds every rank's splits: the same totals everywhere
+            self.balancer.received(plan.rider_RW, load_R)
+        load_E = torch.zeros(self.num_experts, dtype=torch.int64).index_add_(
+            0, self.placement.slot_experts_P, plan.load_P).tolist()
+        for sink in {id(s): s for s in (self.ep.stats, self.stats)}.values():
+            sink.loads_R.append(load_R)
+            sink.loads_E.append(load_E)
+        return plan.metas
+
+    def local_partial(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                      experts: LocalExperts, capturable: bool = False) -> torch.Tensor:
+        """sum_k weights_TK * expert(x) over the (token, k) pairs whose expert this rank owns (its first
+        replica), zero elsewhere: float32 [T, D], this rank's share when every rank holds every token."""
+        T, K = ids_TK.shape
+        D = x_TD.shape[-1]
+
+        def sorted_partial(local_TK: torch.Tensor) -> torch.Tensor:
+            if capturable:  # every pair, other ranks' as local slot 0 and masked out: no host sync
+                here_N1 = local_TK.reshape(-1, 1) >= 0
+                y_ND = experts.by_slot(x_TD.repeat_interleave(K, dim=0), local_TK.reshape(-1).clamp(min=0))
+                weighted_ND = torch.where(here_N1, y_ND * weights_TK.reshape(-1, 1).to(y_ND.dtype), 0)
+                return weighted_ND.view(T, K, D).float().sum(dim=1)
+            pairs, local_slot = self.placement.sorted_local_pairs(local_TK)  # a host sync
+            counts_S = torch.bincount(local_slot, minlength=self.placement.slots_per_rank).cpu()
+            y_MD = experts.sorted(x_TD[pairs // K], counts_S)
+            weighted_MD = y_MD * weights_TK.reshape(-1)[pairs].unsqueeze(-1).to(y_MD.dtype)
+            full_ND = weighted_MD.new_zeros(T * K, D).index_copy(0, pairs, weighted_MD)
+            return full_ND.view(T, K, D).float().sum(dim=1)
+
+        if capturable and experts.by_slot is None:
+            raise ConfigError("capturable latency mode needs experts that compute rows in any order (by_slot)")
+        local_TK = self.placement.local_slots(ids_TK, self.ep.groups.ep_rank)
+        if experts.pairs is not None:  # the decode pair kernels: no sort, no host sync
+            partial_TD = experts.pairs(x_TD, local_TK, weights_TK, sorted_partial, self.num_experts,
+                                       "every pair" if capturable else "sorted")
+            if partial_TD is not None:
+                return partial_TD.float()
+        return sorted_partial(local_TK)
+
+    # -- at step boundaries
+
+    def balance_step(self, params: list[nn.Parameter], optimizer=None):
+        """After the optimizer step: run the balancer on this step's exchanged records; on a migration,
+        move `params` (this layer's expert-sharded parameters) and `optimizer`'s state for them to the
+        new placement, in place. Collective over the EP group. Returns the `Decision` or None."""
+        if self.balancer is None:
+            return None
+        if self.balancer.sized_by_layer:  # one slot's weights and optimizer state, the same on every rank
+            self.balancer.set_slot_bytes(slot_bytes(params, optimizer))
+        decision = self.balancer.step(self.stats)
+        if decision is not None and decision.migrated:
+            started = time.perf_counter()
+            sent = migrate_slots(params, self.placement, decision.placement, self.ep.groups, optimizer)
+            self.placement = decision.placement
+            R = self.ep.groups.ep_size
+            self.stats.record("migration", [sent // max(1, R - 1)] * R, time.perf_counter() - started)
+        return decision
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE layer of a model as training sync, checkpoints and telemetry see it.
+
+    name: path (from the model's root) of the module holding the expert tensors; their state-dict keys
+    are f"{name}.{tensor}". module: that module. owner: the layer object that attached it (a
+    `ThunderMoELayer`, or an `ExpertsBinding` of a wrapped transformers model), read live: `core` (its
+    `ExpertParallelMoE`, None where every expert is local), `num_experts`, `tensors` (names of the
+    expert-sharded tensors on `module`, leading dim = local slots), `checkpoint_key` (its name in
+    checkpoints, or None for the path above `module`), `restores_placement` (a checkpoint's placement
+    is set back on resume).
+    """
+
+    name: str
+    module: nn.Module
+    owner: object
+
+    @property
+    def core(self) -> ExpertParallelMoE | None:
+        return self.owner.core
+
+    @property
+    def num_experts(self) -> int:
+        return self.owner.num_experts
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        return tuple(self.owner.tensors)
+
+    @property
+    def key(self) -> str:
+        """The layer's name in checkpoints: the owner's own, else the path of the module above `module`."""
+        return self.owner.checkpoint_key or self.name.rpartition(".")[0]
+
+    @property
+    def placement(self) -> Placement:
+        if self.core is not None:
+            return self.core.placement
+        return Placement(self.num_experts, (tuple(range(self.num_experts)),))
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The expert-sharded parameters (one leading entry per local slot)."""
+        return [t for t in (getattr(self.module, n) for n in self.tensors) if isinstance(t, nn.Parameter)]
+
+
+def attach(module: nn.Module, owner) -> None:
+    """Mark `module` as holding the expert tensors of the MoE layer `owner` (a plain attribute: not a
+    submodule, not in the state dict), so that `moe_layers` finds it (see `MoELayer` for `owner`)."""
+    module.__dict__[ATTRIBUTE] = owner
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """Every MoE layer of `model` (ThunderEP layers and wrapped transformers experts alike), in module
+    order: the modules `attach` marked."""
+    return [MoELayer(name, module, module.__dict__[ATTRIBUTE]) for name, module in model.named_modules()
+            if ATTRIBUTE in module.__dict__]

@@ -1,0 +1,59 @@
+"""The settings of `thunderep generate` and `thunderep serve`, as the library takes them: small frozen
+dataclasses the command line (`thunderep.cli.generate`, `thunderep.cli.serve`) builds from its options.
+Defaults are the options' defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GenerateConfig", "ServeConfig", "pick_device"]
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """`thunderep generate`: what to load, the prompts and how to sample them (see that command's help)."""
+
+    model: str = ""  # local checkpoint directory
+    prompts: tuple[str, ...] = ()
+    ep: int = 1  # ranks to launch on this host
+    max_new_tokens: int = 32
+    mode: str = "auto"  # auto, latency, ep, allgather
+    dtype: str = "auto"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    cpu: bool = False  # gloo on CPU even when GPUs are visible
+    experts_implementation: str | None = None
+    experts_dtype: str | None = None
+    timeout: float = 120.0  # seconds any rank waits for a peer
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`thunderep serve`: what to load, where to listen, how to batch and the timeouts (see its help)."""
+
+    model: str = ""  # local checkpoint directory
+    ep: int = 1  # ranks to launch on this host
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    batching: str = "continuous"  # or static
+    cuda_graphs: str = "on"  # or off
+    max_new_tokens: int = 128  # max_tokens when a request gives none
+    dtype: str = "auto"
+    experts_implementation: str | None = "auto"
+    experts_dtype: str | None = None
+    request_timeout: float = 600.0
+    drain_timeout: float = 5.0
+    timeout: float = 120.0  # seconds any rank waits for a peer
+    cpu: bool = False
+    quiet: bool = False  # no line per request
+
+
+def pick_device(ep, cpu: bool) -> torch.device:
+    """The device this rank computes on: its EP group's, or (one process) CUDA unless `cpu` or none is visible."""
+    if ep is not None:
+        return ep.groups.device
+    return torch.device("cuda" if not cpu and torch.cuda.is_available() else "cpu")
