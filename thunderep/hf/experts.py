@@ -25,6 +25,7 @@ picks them per experts module where they cover it and it runs on a CUDA GPU in b
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -47,10 +48,12 @@ __all__ = [
     "KERNELS",
     "ExpertsBinding",
     "RunState",
+    "check_implementations",
     "check_kernels_device",
     "experts_compute_fn",
     "kernel_compute_fn",
     "register_experts_implementation",
+    "requested_implementation",
     "resolve_implementation",
     "thunderep_experts_forward",
 ]
@@ -305,6 +308,26 @@ def check_kernels_device(name: str, device: torch.device | str) -> None:
     if not available(device) and not (device.type == "cpu" and env.triton_interpreter()):
         raise ConfigError(f"experts_implementation={KERNELS!r} runs ThunderEP's Triton kernels, which need a "
                           f"CUDA GPU and Triton; {name} runs on {device}. Use 'grouped_mm' (or 'eager') here")
+
+
+def requested_implementation(requested: str | None, experts_dtype: str | None) -> str | None:
+    """What `from_pretrained` asks `resolve_implementation` for: FP8 experts (`experts_dtype` set) run on
+    ThunderEP's kernels only, so the model's own (None) and "auto" become KERNELS for them."""
+    if experts_dtype is not None and requested in (None, AUTO):
+        return KERNELS
+    return requested
+
+
+def check_implementations(bindings, device: torch.device) -> str:
+    """Before serving: ConfigError where experts on ThunderEP's kernels cannot run on `device` (rather
+    than an error on every request); else a line saying what computes the experts."""
+    bindings = list(bindings)
+    for binding in bindings:
+        if binding.implementation == KERNELS:
+            check_kernels_device(binding.class_name, device)
+    runs = collections.Counter(b.implementation for b in bindings)
+    return "experts: " + ", ".join(f"{n} module(s) on {f'ThunderEP kernels ({i})' if i == KERNELS else i}"
+                                   for i, n in sorted(runs.items()))
 
 
 def _kernels_run_on(device: torch.device) -> bool:

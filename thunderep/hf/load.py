@@ -29,6 +29,7 @@ from ..errors import ConfigError, UnsupportedModelError
 from .checkpoint_index import CheckpointIndex
 from .config_check import (config_problem, context_length, ep_size_problem, expert_counts, read_config,
                            resolve_dtype)
+from .experts import requested_implementation
 from .fill import Filler
 from .fp8 import EXPERTS_DTYPES, fp8_device_problem, to_fp8_experts
 from .quantized import DequantizedIndex, drop_quantization, fp8_block_columns, quant_method
@@ -120,8 +121,7 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         problem = fp8_device_problem(device)
         if problem:
             raise ConfigError(problem)
-        if experts_implementation in (None, "auto"):  # FP8 experts run on the kernels only
-            experts_implementation = "triton"
+        experts_implementation = requested_implementation(experts_implementation, experts_dtype)
     config_as_stored = copy.deepcopy(config)  # its quantization_config, which drop_quantization removes
     dequantized = quant_method(config)
     if dequantized:  # read dequantized into `dtype` on `device`; the model built from the config is a plain one

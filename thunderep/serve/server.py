@@ -4,7 +4,6 @@ behaviour they select: `thunderep.cli.serve`)."""
 
 from __future__ import annotations
 
-import collections
 from pathlib import Path
 
 import torch
@@ -12,7 +11,7 @@ import torch
 from ..comm.launch import GRACE_S, launch, run_on_ep
 from ..comm.stop import stop_on_sigterm
 from ..hf import ThunderMoE
-from ..hf.experts import KERNELS, check_kernels_device
+from ..hf.experts import check_implementations
 from ..hf.tokenizer import load_tokenizer
 from .config import ServeConfig, pick_device
 from .engine import unsupported_reason
@@ -23,18 +22,6 @@ from .stopping import StopRequest
 from .tune import tune_kernels
 
 __all__ = ["serve", "serve_on_rank"]
-
-
-def _check_experts(tm, device: torch.device, say) -> None:
-    """Before listening: ConfigError where experts on ThunderEP's kernels cannot run on `device` (not an
-    error on every request), and a line saying what computes the experts."""
-    for binding in tm.bindings.values():
-        if binding.implementation == KERNELS:
-            check_kernels_device(binding.class_name, device)
-    if say is not None:
-        runs = collections.Counter(b.implementation for b in tm.bindings.values())
-        say("experts: " + ", ".join(f"{n} module(s) on {f'ThunderEP kernels ({i})' if i == KERNELS else i}"
-                                    for i, n in sorted(runs.items())))
 
 
 def serve(config: ServeConfig) -> None:
@@ -105,7 +92,9 @@ def _prepare(config: ServeConfig, tm, device: torch.device, say) -> str | None:
     (on GPUs, continuous batching) decoding rehearsed at every batch size. Returns why the model cannot be
     batched continuously (None: it can)."""
     tm.eval()
-    _check_experts(tm, device, say)
+    line = check_implementations(tm.bindings.values(), device)  # not an error on every request
+    if say is not None:
+        say(line)
     tuned = tune_kernels(tm, config.max_batch, log=say)  # before listening: no request waits on autotuning
     if tuned is not None and say is not None:
         say(f"tuned {tuned.summary()}")

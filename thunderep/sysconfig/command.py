@@ -1,15 +1,6 @@
-"""What `thunderep-sysconfig` does: check | plan | apply | revert (the command line: thunderep/cli/sysconfig.py).
-
-    thunderep-sysconfig [--root PATH] check     what is set up and what is not (exit 1 if changes are pending)
-    thunderep-sysconfig [--root PATH] plan      every file (full content) and command apply would run
-    thunderep-sysconfig [--root PATH] apply --yes   do it (needs root); idempotent
-    thunderep-sysconfig [--root PATH] revert --yes  restore the backups and undo the commands (needs root)
-
-Options of check/plan/apply: --no-cmdline, --no-acs, --no-uvm, --uvm-disable-hmm, --acs-override.
-Without --yes, apply and revert print what they would do and change nothing (exit status 2).
-With a --root other than "/", commands are read from PATH/_commands and state-changing commands are
-printed but never run.
-"""
+"""What `thunderep-sysconfig` does: check | plan | apply | revert (its usage and options: the command line,
+thunderep/cli/sysconfig.py). Dry-run unless asked with --yes; with a --root other than "/", commands are
+read from PATH/_commands and state-changing commands are printed but never run."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import torch
 from ..balance.placement import Placement
 from ..moe.ep import moe_layers
 
-__all__ = ["ExpertUnit", "expert_units", "is_wrapped"]
+__all__ = ["ExpertUnit", "expert_units"]
 
 
 @dataclasses.dataclass
@@ -31,11 +31,6 @@ class ExpertUnit:
     ep: object
     placement: Placement
     restore: object = None
-
-
-def is_wrapped(model: torch.nn.Module) -> bool:
-    """A wrapped Hugging Face model (`ThunderMoE`, not imported here: it needs transformers)."""
-    return isinstance(getattr(model, "bindings", None), dict) and callable(getattr(model, "expert_layers", None))
 
 
 def expert_units(model: torch.nn.Module) -> list[ExpertUnit]:

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from ..balance.placement import Placement
+from ..hf.wrap import ThunderMoE
 from ..errors import UnsupportedModelError
 from ..moe.model import MoETransformer
-from .expert_units import expert_units, is_wrapped
+from .expert_units import expert_units
 from .files import EXPORT_MARK, Ranks, begin_write, cpu_copy, publish, put_safetensors
 
 __all__ = ["export_hf"]
@@ -41,7 +42,7 @@ def export_hf(path, model: torch.nn.Module, dtype: torch.dtype | None = None, ov
     dtype: the floating-point tensors are written in this dtype, and config.json says so (default:
     as the model holds them). An existing `path` is replaced only if it is empty or an export of
     ThunderEP's (its `thunderep_export.json`); any other directory needs overwrite=True."""
-    if is_wrapped(model):
+    if isinstance(model, ThunderMoE):
         return _export_wrapped(Path(path).absolute(), model, dtype, overwrite)
     if not isinstance(model, MoETransformer):
         raise UnsupportedModelError(f"export_hf writes MoETransformer models and wrapped Hugging Face models "
