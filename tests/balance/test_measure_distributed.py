@@ -34,8 +34,9 @@ def _run(rank, world, forced):
         core.placement = balancer.machine.placement
         meta = core.plan([ids_TK], [torch.full((T, K), 1.0 / K)])[0]
         x_TD = torch.randn(T, D, generator=gen)
-        rows_MD = ep.dispatcher.dispatch_async(x_TD, meta).wait()
-        ep.dispatcher.combine_async(rows_MD, meta).wait()  # identity experts: the rows go back
+        pending = ep.dispatcher.dispatch_async(x_TD, meta)
+        rows_QD = pending.wait()
+        ep.dispatcher.combine_async(rows_QD, pending.received).wait()  # identity experts: the rows go back
         if forced:  # this rank's link moves (rank + 1) GB/s: every rank measured a different value
             balancer.meter.observe((rank + 1) * 1e6, 1e-3)
             d = balancer.step()

@@ -28,13 +28,20 @@ def _roundtrip(rank, world, tokens):
         x = torch.randn(T, D, generator=gen)
         x[:, 0] = rank * 1000 + torch.arange(T)  # tag rows with (rank, token)
         slots = placement.slot_table(ep.groups.ep_rank)[ids]  # the layout: each pair's global slot
-        x_recv, meta = ep.dispatcher.dispatch(x, slots, w, placement.slots_per_rank)
+        x_recv, received = ep.dispatcher.dispatch(x, slots, w, placement.slots_per_rank)
+        meta = received.meta
         # Rows arrive grouped by local slot, and each slot only gets tokens routed to its expert.
         mine = placement.experts_of(ep.groups.ep_rank)
-        assert int(meta.counts_S.sum()) == x_recv.shape[0] == sum(meta.recv_splits)
-        y = ep.dispatcher.combine(x_recv, meta)
+        assert int(meta.counts_S.sum()) == x_recv.shape[0] >= sum(meta.recv_splits) == received.rows
+        y = ep.dispatcher.combine(x_recv, received)
         want = (w.unsqueeze(-1) * x.unsqueeze(1)).sum(1)
         torch.testing.assert_close(y, want)
+        # Bytes: one row (D float32) and one side row (2K float32) per distinct (token, destination rank).
+        dests = {(int(p) // placement.slots_per_rank, t) for t in range(T) for p in slots[t]}
+        for op, width in (("dispatch", D), ("dispatch_side", 2 * K), ("combine", D)):
+            sent_R = ep.dispatcher.stats.bytes_R[op]
+            if op != "combine":
+                assert sent_R == [4 * width * sum(1 for r, _ in dests if r == dst) for dst in range(world)], op
         return {"mine": mine, "recv_tags": x_recv[:, 0].tolist(), "counts": meta.counts_S.tolist(),
                 "sent": [ids.tolist(), placement.slot_table(rank).tolist()]}
 
@@ -94,18 +101,23 @@ def test_dead_or_silent_peer_raises_within_timeout(how, control):
     assert seconds < 6.0, f"took {seconds:.1f} s"
 
 
-def test_slot_major_order_equals_a_stable_sort_of_slot_ids():
-    """The local order plan() builds on the device from host counts equals a stable sort of the
-    received rows' slot ids (what plan() computed on the host before), zero-row groups included."""
-    from thunderep.comm.dispatcher import _slot_major_order
+def test_layout_sends_one_row_per_token_and_destination_rank():
+    """`_layout`: rows per rank are the distinct (token, destination rank) pairs, sent rank-major in token
+    order; each row's side row holds the weights of the pairs on that rank and their local slots."""
+    from thunderep.comm.dispatcher import _layout
 
     gen = torch.Generator().manual_seed(0)
-    shapes = [(1, 1), (2, 1), (1, 5), (2, 4), (4, 3), (3, 8)]
-    for R, S in shapes:
-        for _ in range(20):
-            recv_RS = torch.randint(0, 6, (R, S), generator=gen) * (torch.rand(R, S, generator=gen) > 0.3)
-            slot_ids_M = torch.repeat_interleave(torch.arange(S).repeat(R), recv_RS.reshape(-1))
-            want = torch.argsort(slot_ids_M, stable=True)
-            got = _slot_major_order(recv_RS.tolist(), torch.device("cpu"))
-            assert got.dtype == torch.int64 and torch.equal(got, want), (recv_RS, got, want)
-    assert _slot_major_order([[0, 0], [0, 0]], torch.device("cpu")).numel() == 0
+    for R, S, T, K in [(2, 3, 5, 2), (4, 2, 7, 3), (4, 64, 9, 8), (2, 4, 0, 2), (3, 1, 4, 1)]:
+        slots = torch.stack([torch.randperm(R * S, generator=gen)[:K] for _ in range(T)]) if T \
+            else torch.zeros(0, K, dtype=torch.int64)
+        weights = torch.rand(T, K, generator=gen)
+        rows_R, order_RT, side_RTK2 = _layout(slots, weights, R, S)
+        want = sorted({(int(p) // S, t) for t in range(T) for p in slots[t]})
+        assert rows_R.tolist() == [sum(1 for r, _ in want if r == rank) for rank in range(R)]
+        assert [(int(i) // T, int(i) % T) for i in order_RT[:len(want)]] == want
+        for r, t in want:
+            side = side_RTK2[r, t]
+            for k in range(K):
+                here = int(slots[t, k]) // S == r
+                assert side[K + k] == (int(slots[t, k]) % S if here else -1)
+                assert side[k] == (weights[t, k] if here else 0.0)

@@ -27,6 +27,7 @@ def _full_layer(name: str, seed: int = 0) -> ThunderMoELayer:
         "deepseek": dict(family="deepseek_v3", num_experts=8, top_k=3, n_group=4, topk_group=2,
                          scaling_factor=2.0, shared_intermediate_size=8),
         "top1": dict(family="mixtral", num_experts=8, top_k=1),
+        "top8": dict(family="qwen3_moe", num_experts=16, top_k=8),
     }
     layer = ThunderMoELayer(LayerConfig.build(hidden_size=D, intermediate_size=I, **kinds[name]))
     return init_module(layer, seed)
@@ -87,6 +88,11 @@ def _scenario(rank, world, name, tokens_per_rank, skew, ep_config, mode, groups)
                 dist.all_reduce(grad)
             out[n] = (grad, ref)
     stats = ep.stats.snapshot()
+    if mode == "ep":  # rows each rank should send: its distinct (token, destination rank) pairs
+        ids_TK = layer.router(x.detach()).ids_TK
+        dest_TK = layer.placement.slot_table(rank, ids_TK.device)[ids_TK] // layer.placement.slots_per_rank
+        stats["rows_to"] = [int((dest_TK == r).any(dim=1).sum()) for r in range(world)]
+        stats["pairs"] = ids_TK.numel()
     ep.close()
     return {k: (a.cpu(), b.cpu()) for k, (a, b) in out.items()}, stats
 
@@ -135,6 +141,7 @@ SCENARIOS = {  # name: (layer, tokens per rank for 2 / 4 ranks, skewed routing)
     "top1_only_rank0_receives": ("top1", {2: [17, 256], 4: [1, 17, 0, 33]}, True),
     "deepseek_shared_grouped": ("deepseek", {2: [0, 19], 4: [7, 0, 1, 19]}, False),
     "empty_everywhere": ("mixtral", {2: [0, 0], 4: [0, 0, 0, 0]}, False),
+    "top8": ("top8", {2: [13, 6], 4: [3, 9, 0, 21]}, False),
 }
 COLLECTIVE = EPConfig(control="collective")
 EXTRA = {  # name: (layer, tokens per rank for 2 / 4 ranks, skew, EPConfig, mode)
@@ -178,11 +185,17 @@ def test_ep_equals_single_process(world, scenario):
     if scenario == "top1_only_rank0_receives":  # every row went to expert 0, on rank 0
         for out, stats in results:
             assert all(b == 0 for r, b in enumerate(stats["bytes_R"]["dispatch"]) if r != 0)
-    if scenario == "uniform":  # bytes accounting: rows sent x D x 4 bytes, both directions agree
-        sent = sum(stats["bytes_R"]["dispatch"][r] for _, stats in results for r in range(world))
-        assert sent == sum(SCENARIOS["uniform"][1][world]) * 2 * D * 4
-        back = sum(stats["bytes_R"]["combine"][r] for _, stats in results for r in range(world))
-        assert back == sent
+    # Bytes: one row of D float32 per distinct (token, destination rank), never more than one per pair;
+    # one row back per row sent, and a side row of 2K float32 (weights, local slots) beside each.
+    K = {"mixtral": 2, "top1": 1, "deepseek": 3, "top8": 8}[SCENARIOS[scenario][0]]
+    for _, stats in results:
+        assert stats["bytes_R"]["dispatch"] == [n * D * 4 for n in stats["rows_to"]]
+        assert stats["bytes_R"]["dispatch_side"] == [n * 2 * K * 4 for n in stats["rows_to"]]
+        assert sum(stats["rows_to"]) <= stats["pairs"]
+    for r, (_, stats) in enumerate(results):  # rank r returns to s the rows s sent it
+        assert stats["bytes_R"]["combine"] == [st["bytes_R"]["dispatch"][r] for _, st in results]
+    if scenario == "top8":  # 8 experts of 16 on 2 or 4 ranks: at most one row per rank, not 8 / R
+        assert all(sum(stats["rows_to"]) <= world * stats["pairs"] // 8 for _, stats in results)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,34 +1,40 @@
 """Dispatch tokens to the ranks that hold their experts, and combine the results back.
 
 Shape legend: T local tokens, K experts per token, N = T * K (token, expert) pairs, D hidden size,
-R ranks of the EP group, S slots per rank, P = R * S global slots, M rows this rank receives.
+R ranks of the EP group, S slots per rank, P = R * S global slots, M rows this rank receives,
+Q (token, k) pairs this rank's experts compute.
 
     plan(slots_W, weights_W, S) -> Plan        one control-plane exchange for all W waves
-    dispatch_async(x_TD, meta)  -> handle; wait() -> x_MD rows grouped by local slot (meta.counts_S)
-    combine_async(y_MD, meta)   -> handle; wait() -> y_TD = sum_k weights_TK * y(t, k)
+    dispatch_async(x_TD, meta)  -> handle; wait() -> x_QD pair rows grouped by local slot (meta.counts_S)
+    combine_async(y_QD, handle.received) -> handle; wait() -> y_TD = sum_k weights_TK * y(t, k)
 
 The dispatcher moves rows and knows no policy: the caller maps each (token, k) pair to a global slot
 (`slots_TK`, slot p on rank p // S) before it (the placement, or the balancer's trade plan) and reads the
 slot loads after it. Words of the caller's own (the balancer's fingerprint) may ride in the split-size
 record (`Rider`), so that they cost no extra exchange.
 
-Rows travel with variable-size `all_to_all_single`; nothing is dropped; the permutation is stable
-(pairs sorted by global slot, ties in token order). Autograd runs through both directions: the
-backward of an all-to-all is the reverse all-to-all. Every rank takes part in every collective, even
-with no tokens, and every wait is bounded by the groups' timeout, so a dead or silent peer raises
-`CommError` naming the operation instead of hanging.
+Bytes are the cost on PCIe, so a token's hidden row travels once to each rank that holds at least one
+of its experts (never more than R - 1 remote copies, however large K), with its K routing weights and
+local slots (-1 where the pair is another rank's) in a small float32 side row. The receiver expands
+rows to its (token, slot) pairs on the device; after the experts it sums each row's weighted outputs
+(float32) and sends one row back per (token, rank); the token's own rank adds at most R rows. Counts
+per global slot and rows per rank travel in the one split-size exchange: the plan's single wait for
+the GPU, none in backward. Rows travel with variable-size `all_to_all_single`; nothing is dropped;
+within a slot, pairs keep source-rank then token order. Autograd runs through both directions (the
+backward of an all-to-all is the reverse all-to-all; the routing weights' gradients return through
+the side rows). Every rank takes part in every collective, even with no tokens, and every wait is
+bounded by the groups' timeout, so a dead or silent peer raises `CommError` naming the operation.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
-
-from collections.abc import Callable
 
 from ..errors import CommError
 from .codec import Codec, get_codec
@@ -36,32 +42,45 @@ from .control import ControlPlane
 from .groups import EPGroups, peer_errors, wait_work
 from .stats import CommStats
 
-__all__ = ["DispatchMeta", "Dispatcher", "Pending", "Plan", "Rider"]
+__all__ = ["DispatchMeta", "Dispatcher", "Pending", "Plan", "Received", "Rider"]
 
 
 @dataclass(frozen=True, eq=False)
 class DispatchMeta:
-    """Everything combine() needs to undo dispatch() for one wave of tokens.
+    """One wave's plan: which rows this rank sends, how many it receives, and its experts' load.
 
-    send_order_N / send_inverse_N: pairs sorted by global slot and back (int64 [N]).
+    num_tokens, top_k: T and K of the wave. send_tokens_N: int64 [n] the token of each row sent, rows
+    grouped by destination rank (token order within a rank); send_rows_N: int64 [n] the same rows as
+    flat (rank, token) indices r * T + t. side_NK2: float32 [n, 2K] each sent row's routing weights
+    (differentiable; 0 for other ranks' pairs) and local slots on its destination (-1: not there).
     send_splits / recv_splits: rows sent to / received from each EP rank (tuples of R ints).
-    local_order_M / local_inverse_M: received rows (grouped by source rank) to local-slot order and back.
-    counts_S: [S] int64 rows per local slot, in local-slot order (on the host: sizes are host data).
-    weights_TK: the routing weights, applied in combine (differentiable).
+    counts_S: [S] int64 pairs per local slot this rank computes (on the host: sizes are host data).
     sinks: the `CommStats` that record this wave's bytes and times.
     """
 
     num_tokens: int
     top_k: int
-    send_order_N: torch.Tensor
-    send_inverse_N: torch.Tensor
+    send_tokens_N: torch.Tensor
+    send_rows_N: torch.Tensor
+    side_NK2: torch.Tensor
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
-    local_order_M: torch.Tensor
-    local_inverse_M: torch.Tensor
     counts_S: torch.Tensor
-    weights_TK: torch.Tensor
     sinks: tuple = ()  # CommStats that record this wave's traffic (the runtime's and the layer's)
+
+
+@dataclass(frozen=True, eq=False)
+class Received:
+    """What one wave's dispatch brought this rank, for its combine.
+
+    meta: the wave's `DispatchMeta`. rows: M rows received. pairs_Q: int64 [Q] flat (row, k) index of
+    each pair this rank computes, in local-slot order. weights_Q: [Q] their routing weights
+    (differentiable)."""
+
+    meta: DispatchMeta
+    rows: int
+    pairs_Q: torch.Tensor
+    weights_Q: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -95,46 +114,14 @@ def _slot_counts(slots_N: torch.Tensor, P: int) -> torch.Tensor:
     return torch.zeros(P, dtype=torch.int64, device=slots_N.device).scatter_add_(0, slots_N, torch.ones_like(slots_N))
 
 
-def _inverse(order: torch.Tensor) -> torch.Tensor:
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return inverse
-
-
-def _slot_major_order(recv_RS: list[list[int]], device: torch.device) -> torch.Tensor:
-    """The order that takes received rows (grouped by source rank, each rank's rows by local slot) to
-    local-slot order (source ranks in order within a slot), built on `device` from the host counts
-    recv_RS[r][s]. Only R * S numbers are worked on the host; the M indices are made on the device
-    without waiting for it: `repeat_interleave` with a known output size, after one small copy (the
-    CPU `repeat_interleave` would fork torch's thread pool for a handful of groups)."""
-    R = len(recv_RS)
-    S = len(recv_RS[0]) if R else 0
-    start_RS, src = [], 0
-    for counts in recv_RS:  # where each (rank, slot) group begins in the received rows
-        start_RS.append([])
-        for n in counts:
-            start_RS[-1].append(src)
-            src += n
-    shift_G, length_G, dst = [], [], 0  # groups G = (slot, rank) in local order
-    for s in range(S):
-        for r in range(R):
-            n = recv_RS[r][s]
-            shift_G.append(start_RS[r][s] - dst)
-            length_G.append(n)
-            dst += n
-    # non_blocking: a host-to-device copy that would otherwise wait for this rank's GPU
-    shift_length = torch.tensor([shift_G, length_G], dtype=torch.int64).to(device, non_blocking=True)
-    return torch.arange(dst, device=device) + torch.repeat_interleave(shift_length[0], shift_length[1],
-                                                                      output_size=dst)
-
-
 class Pending:
     """An all-to-all in flight. `wait()` returns its (decoded) result; call it exactly once."""
 
     def __init__(self, dispatcher: "Dispatcher", op: str, work, wire: torch.Tensor, out: torch.Tensor,
-                 sent_R: list[int], started: float, sinks: tuple, finish=None):
+                 sent_R: list[int], started: float, sinks: tuple, codec: Codec, finish=None):
         self._d, self._op, self._work, self._wire, self._out = dispatcher, op, work, wire, out
-        self._sent_R, self._started, self._sinks, self._finish = sent_R, started, sinks, finish
+        self._sent_R, self._started, self._sinks, self._codec, self._finish = sent_R, started, sinks, codec, finish
+        self.received: Received | None = None  # a dispatch's, once waited for
 
     def wait(self) -> torch.Tensor:
         d = self._d
@@ -145,7 +132,7 @@ class Pending:
             self._work = None
             if self._out is not self._wire:
                 with torch.no_grad():
-                    self._out.copy_(d.codec.decode(self._wire, self._out.dtype))
+                    self._out.copy_(self._codec.decode(self._wire, self._out.dtype))
             now = time.perf_counter()
             for sink in self._sinks:
                 sink.record(self._op, self._sent_R, now - self._started, now - blocked_from)
@@ -156,18 +143,18 @@ class _AllToAll(torch.autograd.Function):
     """Differentiable variable-size all-to-all; forward is asynchronous (see `Pending`)."""
 
     @staticmethod
-    def forward(ctx, x_ND, dispatcher, send_splits, recv_splits, op, sinks, box):
-        ctx.args = (dispatcher, send_splits, recv_splits, op, sinks)
-        pending = dispatcher._launch(x_ND.detach(), send_splits, recv_splits, op, sinks)
+    def forward(ctx, x_ND, dispatcher, send_splits, recv_splits, op, sinks, codec, box):
+        ctx.args = (dispatcher, send_splits, recv_splits, op, sinks, codec)
+        pending = dispatcher._launch(x_ND.detach(), send_splits, recv_splits, op, sinks, codec)
         box.append(pending)
         return pending._out
 
     @staticmethod
     def backward(ctx, grad_MD):
-        dispatcher, send_splits, recv_splits, op, sinks = ctx.args
+        dispatcher, send_splits, recv_splits, op, sinks, codec = ctx.args
         grad_ND = dispatcher._launch(grad_MD.contiguous(), recv_splits, send_splits, op + "_backward",
-                                     sinks).wait()
-        return grad_ND, None, None, None, None, None, None
+                                     sinks, codec).wait()
+        return grad_ND, None, None, None, None, None, None, None
 
 
 class Dispatcher:
@@ -177,6 +164,7 @@ class Dispatcher:
         self.groups = groups
         self.control = control
         self.codec: Codec = get_codec(compression)
+        self.exact: Codec = get_codec("none")  # the side rows: weights and slot numbers, never rounded
         self.stats = CommStats(groups.ep_size, groups.ep_rank)
 
     # -- planning
@@ -185,52 +173,55 @@ class Dispatcher:
              rider: Rider | None = None, stats: CommStats | None = None) -> Plan:
         """Split sizes of every wave, exchanged in one control-plane round.
 
-        slots_W[w]: int64 [T_w, K] (or [T_w * K]) global slot of each (token, k) pair of wave w, in
-        [0, R * slots_per_rank). weights_W[w]: [T_w, K] routing weights, applied in combine. rider: words
-        sent in the same record. stats: a further `CommStats` (e.g. the layer's) that records this step."""
+        slots_W[w]: int64 [T_w, K] global slot of each (token, k) pair of wave w, in [0, R * slots_per_rank).
+        weights_W[w]: [T_w, K] routing weights, applied where the experts run. rider: words sent in the
+        same record. stats: a further `CommStats` (e.g. the layer's) that records this step."""
         R, S = self.groups.ep_size, slots_per_rank
         P, W, me = R * S, len(slots_W), self.groups.ep_rank
         device = slots_W[0].device
-        flat_W = [slots.reshape(-1) for slots in slots_W]
-        orders = [torch.argsort(slots_N, stable=True) for slots_N in flat_W]
-        send_WP = torch.stack([_slot_counts(slots_N, P) for slots_N in flat_W]).to(torch.int32)
+        # 1. per wave: pairs per global slot, rows per destination rank, the rows in send order (device)
+        layouts = [_layout(slots.reshape(weights.shape), weights, R, S) for slots, weights in zip(slots_W, weights_W)]
+        send_W = torch.stack([torch.cat([_slot_counts(slots.reshape(-1), P), rows_R])
+                              for slots, (rows_R, _, _) in zip(slots_W, layouts)]).to(torch.int32)
         if rider is not None:  # the rider's device words come to the host in the same copy
-            send_WP = torch.cat([send_WP.reshape(-1), rider.on_device.to(device, torch.int32)])
+            send_W = torch.cat([send_W.reshape(-1), rider.on_device.to(device, torch.int32)])
+        # 2. the one device-to-host copy of the plan; the rest is host data
         started = time.perf_counter()
         with record_function("thunderep.split_sizes_to_host"):  # waits for this rank's GPU
-            host = send_WP.cpu()  # the one device-to-host copy of the plan; the rest is host data
-            send_WP = host[:W * P].view(W, P)
-            words = rider.encode(host[W * P:]) if rider is not None else torch.zeros(0, dtype=torch.int32)
-            record = torch.cat([send_WP.reshape(-1), words])
+            host = send_W.cpu()
+            send_W = host[:W * (P + R)].view(W, P + R)
+            words = rider.encode(host[W * (P + R):]) if rider is not None else torch.zeros(0, dtype=torch.int32)
+            record = torch.cat([send_W.reshape(-1), words])
         on_host = time.perf_counter()
-        # A collective control plane reports dead peers through torch errors.
+        # 3. one exchange; a collective control plane reports dead peers through torch errors
         with record_function("thunderep.control_exchange"), peer_errors(
                 f"split-size exchange on EP rank {me}", "the process group's timeout"):
             rows = self.control.exchange_tensor(record)
-        all_RWP = rows[:, :W * P].reshape(R, W, P)
+        all_RW = rows[:, :W * (P + R)].reshape(R, W, P + R)
         sinks = (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)
         to_host_s, control_s = on_host - started, time.perf_counter() - on_host
         for sink in sinks:
             sink.record("split_sizes_to_host", [0] * R, to_host_s, blocked=0.0)
             sink.record("control", [record.numel() * 4 if r != me else 0 for r in range(R)], control_s)
         metas = []
-        for w in range(W):
-            recv_RS = all_RWP[:, w, me * S:(me + 1) * S].to(torch.int64)
-            local_order_M = _slot_major_order(recv_RS.tolist(), device)
+        for w, (_, order_RT, side_RTK2) in enumerate(layouts):
+            T, K = weights_W[w].shape
+            send_splits = tuple(send_W[w, P:].tolist())
+            send_rows = order_RT[:sum(send_splits)]
             metas.append(DispatchMeta(
-                num_tokens=weights_W[w].shape[0], top_k=weights_W[w].shape[1],
-                send_order_N=orders[w], send_inverse_N=_inverse(orders[w]),
-                send_splits=tuple(send_WP[w].view(R, S).sum(1).tolist()),
-                recv_splits=tuple(recv_RS.sum(1).tolist()),
-                local_order_M=local_order_M, local_inverse_M=_inverse(local_order_M),
-                counts_S=recv_RS.sum(0), weights_TK=weights_W[w], sinks=sinks,
+                num_tokens=T, top_k=K, send_tokens_N=send_rows % max(T, 1), send_rows_N=send_rows,
+                side_NK2=side_RTK2.reshape(R * T, 2 * K)[send_rows], send_splits=send_splits,
+                recv_splits=tuple(all_RW[:, w, P + me].tolist()),
+                counts_S=all_RW[:, w, me * S:(me + 1) * S].to(torch.int64).sum(0), sinks=sinks,
             ))
-        return Plan(metas, all_RWP.sum(dim=(0, 1)).to(torch.int64), rows[:, W * P:])
+        return Plan(metas, all_RW[:, :, :P].sum(dim=(0, 1)).to(torch.int64), rows[:, W * (P + R):])
 
     # -- data movement
 
-    def _launch(self, x_ND: torch.Tensor, send_splits, recv_splits, op: str, sinks: tuple) -> Pending:
-        codec, width, dtype = self.codec, x_ND.shape[-1], x_ND.dtype
+    def _launch(self, x_ND: torch.Tensor, send_splits, recv_splits, op: str, sinks: tuple,
+                codec: Codec | None = None) -> Pending:
+        codec = codec or self.codec
+        width, dtype = x_ND.shape[-1], x_ND.dtype
         wire_in = codec.encode(x_ND)
         rows = sum(recv_splits)
         wire_out = torch.empty(rows, codec.wire_width(width, dtype), dtype=codec.wire_dtype(dtype),
@@ -244,40 +235,79 @@ class Dispatcher:
         except RuntimeError as exc:
             raise CommError(f"{op} all_to_all on EP rank {self.groups.ep_rank} failed to start: "
                             f"{str(exc).splitlines()[0][:200]}") from exc
-        return Pending(self, op, work, wire_out, out, [n * row_bytes for n in send_splits], started, sinks)
+        return Pending(self, op, work, wire_out, out, [n * row_bytes for n in send_splits], started, sinks, codec)
+
+    def _all_to_all(self, x_ND: torch.Tensor, send_splits, recv_splits, op: str, sinks: tuple,
+                    codec: Codec) -> Pending:
+        """A differentiable all-to-all in flight: wait() -> the received rows."""
+        box: list[Pending] = []
+        out = _AllToAll.apply(x_ND, self, send_splits, recv_splits, op, sinks, codec, box)
+        box[0]._out = out  # the autograd output: what wait() fills and returns
+        return box[0]
 
     def dispatch_async(self, x_TD: torch.Tensor, meta: DispatchMeta) -> Pending:
-        """Send each (token, k) row to its slot's rank. wait() -> [M, D] grouped by local slot."""
-        x_ND = x_TD[meta.send_order_N // meta.top_k]
-        box: list[Pending] = []
-        recv_MD = _AllToAll.apply(x_ND, self, meta.send_splits, meta.recv_splits, "dispatch", meta.sinks, box)
-        pending = box[0]
-        pending._out = recv_MD
-        pending._finish = lambda recv: recv[meta.local_order_M]
-        return pending
+        """Send each token's row once to each rank holding one of its experts. wait() -> x_QD, one row per
+        pair this rank computes, grouped by local slot (meta.counts_S); then `.received` is set."""
+        rows = self._all_to_all(x_TD[meta.send_tokens_N], meta.send_splits, meta.recv_splits, "dispatch",
+                                meta.sinks, self.codec)
+        side = self._all_to_all(meta.side_NK2, meta.send_splits, meta.recv_splits, "dispatch_side", meta.sinks,
+                                self.exact)
+        K = meta.top_k
 
-    def combine_async(self, y_MD: torch.Tensor, meta: DispatchMeta) -> Pending:
-        """Return expert outputs to their tokens' ranks. wait() -> [T, D] weighted sum over k."""
-        y_recv = y_MD[meta.local_inverse_M]
-        box: list[Pending] = []
-        back_ND = _AllToAll.apply(y_recv, self, meta.recv_splits, meta.send_splits, "combine", meta.sinks, box)
-        pending = box[0]
-        pending._out = back_ND
-        T, K = meta.num_tokens, meta.top_k
+        def expand(x_MD: torch.Tensor) -> torch.Tensor:
+            side_MK2 = side.wait()
+            weights_MK, slot_MK = side_MK2[:, :K], side_MK2[:, K:].detach().round().to(torch.int64)
+            S = meta.counts_S.numel()
+            # pairs of this rank sorted by local slot (row order within a slot); the rest (-1) last
+            order_N = torch.argsort(torch.where(slot_MK >= 0, slot_MK, S).reshape(-1), stable=True)
+            pairs_Q = order_N[:int(meta.counts_S.sum())]
+            rows.received = Received(meta, x_MD.shape[0], pairs_Q, weights_MK.reshape(-1)[pairs_Q])
+            return x_MD[pairs_Q // K]
 
-        def finish(back: torch.Tensor) -> torch.Tensor:
-            pairs_ND = back[meta.send_inverse_N]
-            weighted = pairs_ND.view(T, K, pairs_ND.shape[-1]) * meta.weights_TK.unsqueeze(-1)
-            return weighted.sum(dim=1).to(y_MD.dtype)
+        rows._finish = expand
+        return rows
 
-        pending._finish = finish
-        return pending
+    def combine_async(self, y_QD: torch.Tensor, received: Received) -> Pending:
+        """Sum each received row's weighted expert outputs (float32), return one row per (token, rank) to
+        the token's rank. wait() -> [T, D] = sum_k weights_TK * y(t, k), in y_QD's dtype."""
+        meta, K, D = received.meta, received.meta.top_k, y_QD.shape[-1]
+        weighted_QD = y_QD.float() * received.weights_Q.float().unsqueeze(-1)
+        full_ND = weighted_QD.new_zeros(received.rows * K, D).index_copy(0, received.pairs_Q, weighted_QD)
+        y_MD = full_ND.view(received.rows, K, D).sum(dim=1).to(y_QD.dtype)  # k in order: deterministic
+        back = self._all_to_all(y_MD, meta.recv_splits, meta.send_splits, "combine", meta.sinks, self.codec)
+        T, R = meta.num_tokens, self.groups.ep_size
+
+        def finish(back_ND: torch.Tensor) -> torch.Tensor:
+            full_RTD = back_ND.new_zeros(R * T, D, dtype=torch.float32).index_copy(
+                0, meta.send_rows_N, back_ND.float())
+            return full_RTD.view(R, T, D).sum(dim=0).to(y_QD.dtype)  # at most R rows per token, in rank order
+
+        back._finish = finish
+        return back
 
     def dispatch(self, x_TD: torch.Tensor, slots_TK: torch.Tensor, weights_TK: torch.Tensor, slots_per_rank: int):
-        """Synchronous single-wave dispatch: returns (x_MD grouped by local slot, DispatchMeta)."""
+        """Synchronous single-wave dispatch: returns (x_QD grouped by local slot, `Received`)."""
         meta = self.plan([slots_TK], [weights_TK], slots_per_rank).metas[0]
-        return self.dispatch_async(x_TD, meta).wait(), meta
+        pending = self.dispatch_async(x_TD, meta)
+        x_QD = pending.wait()
+        return x_QD, pending.received
 
-    def combine(self, y_MD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
-        """Synchronous combine: [M, D] expert outputs in local-slot order -> [T, D]."""
-        return self.combine_async(y_MD, meta).wait()
+    def combine(self, y_QD: torch.Tensor, received: Received) -> torch.Tensor:
+        """Synchronous combine: [Q, D] expert outputs in local-slot order -> [T, D]."""
+        return self.combine_async(y_QD, received).wait()
+
+
+def _layout(slots_TK: torch.Tensor, weights_TK: torch.Tensor, R: int, S: int):
+    """One wave's rows on the device, no wait for the GPU: (rows per destination rank int64 [R], flat
+    (rank, token) indices in send order int64 [R * T] (the rows that travel first, rank-major, token
+    order within a rank), side rows float32 [R, T, 2K]: each pair's routing weight where rank r holds
+    it (else 0), then its local slot there (else -1))."""
+    T, K = slots_TK.shape
+    dest_TK = torch.div(slots_TK, S, rounding_mode="floor")
+    on_RTK = dest_TK.unsqueeze(0) == torch.arange(R, device=slots_TK.device).view(R, 1, 1)
+    goes_RT = on_RTK.any(dim=2)
+    order_RT = torch.argsort((~goes_RT).reshape(-1).to(torch.int8), stable=True)
+    local_RTK = torch.where(on_RTK, slots_TK.unsqueeze(0) % S, -1)
+    weights_RTK = torch.where(on_RTK, weights_TK.unsqueeze(0).float(), 0.0)
+    side_RTK2 = torch.cat([weights_RTK, local_RTK.float()], dim=2)
+    return goes_RT.sum(dim=1), order_RT, side_RTK2

@@ -12,7 +12,8 @@ __all__ = ["CommStats"]
 class CommStats:
     """Bytes and wall time of the runtime's communication, accumulated until `reset()`.
 
-    bytes_R[op][r]: bytes this rank sent to EP rank r for op in OPS (ep mode's dispatch and combine,
+    bytes_R[op][r]: bytes this rank sent to EP rank r for op in OPS (ep mode's dispatch and combine, and
+    the dispatch's side rows of routing weights and local slots,
     latency mode's all-reduce, all-gather mode's all-gathers and reduce-scatters, each with its
     backward; the control plane; migrations); the entry of this rank itself stays on the device (no
     PCIe). seconds[op]: wall time from launch to completed wait. "split_sizes_to_host" moves no bytes
@@ -20,7 +21,7 @@ class CommStats:
     host (not counted as blocked on peers); "control" is the exchange itself.
     """
 
-    OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "latency_allreduce",
+    OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "dispatch_side", "dispatch_side_backward", "latency_allreduce",
            "latency_allreduce_backward", "allgather", "allgather_ids", "allgather_backward", "reduce_scatter",
            "reduce_scatter_backward", "split_sizes_to_host", "control", "migration")
 

@@ -142,7 +142,8 @@ class ExpertParallelMoE:
         # 5. compute each wave's rows as they arrive, 6. combine them back
         combines = []
         for rows, meta in zip(pending, metas):
-            combines.append(dispatcher.combine_async(experts.sorted(rows.wait(), meta.counts_S), meta))
+            x_QD = rows.wait()  # one row per pair of this rank, grouped by local slot
+            combines.append(dispatcher.combine_async(experts.sorted(x_QD, meta.counts_S), rows.received))
         y_TD = torch.cat([c.wait() for c in combines]).to(x_TD.dtype)
         return y_TD if shared_TD is None else y_TD + shared_TD
 
