@@ -102,16 +102,16 @@ def test_dead_or_silent_peer_raises_within_timeout(how, control):
 
 
 def test_layout_sends_one_row_per_token_and_destination_rank():
-    """`_layout`: rows per rank are the distinct (token, destination rank) pairs, sent rank-major in token
+    """`row_layout`: rows per rank are the distinct (token, destination rank) pairs, sent rank-major in token
     order; each row's side row holds the weights of the pairs on that rank and their local slots."""
-    from thunderep.comm.dispatcher import _layout
+    from thunderep.comm.dispatcher import row_layout
 
     gen = torch.Generator().manual_seed(0)
     for R, S, T, K in [(2, 3, 5, 2), (4, 2, 7, 3), (4, 64, 9, 8), (2, 4, 0, 2), (3, 1, 4, 1)]:
         slots = torch.stack([torch.randperm(R * S, generator=gen)[:K] for _ in range(T)]) if T \
             else torch.zeros(0, K, dtype=torch.int64)
         weights = torch.rand(T, K, generator=gen)
-        rows_R, order_RT, side_RTK2 = _layout(slots, weights, R, S)
+        rows_R, order_RT, side_RTK2 = row_layout(slots, weights, R, S)
         want = sorted({(int(p) // S, t) for t in range(T) for p in slots[t]})
         assert rows_R.tolist() == [sum(1 for r, _ in want if r == rank) for rank in range(R)]
         assert [(int(i) // T, int(i) % T) for i in order_RT[:len(want)]] == want

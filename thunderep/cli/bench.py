@@ -4,6 +4,8 @@ run, the ratio, and a line naming the hardware.
     thunderep bench experts     grouped GEMM vs per-expert loop (this device; CUDA too when present)
     thunderep bench kernels     Triton expert kernels vs transformers' eager / grouped_mm (needs a GPU)
     thunderep bench dispatch    all-to-all dispatch vs all-gather + reduce-scatter, 2 and 4 ranks
+    thunderep bench bytes       bytes per token of ep mode (one row per pair, one per token and rank)
+                                vs all-gather mode, for Mixtral, Qwen3, OLMoE and DeepSeek-V3 routing
     thunderep bench control     shared-memory mailbox vs gloo all_gather / all_to_all latency
     thunderep bench control-gpu GPU-written mailbox vs NCCL all_gather / all_to_all latency (needs GPUs)
     thunderep bench link        NCCL all-to-all latency / bandwidth (P2P vs host-staged), fitted for
@@ -24,10 +26,10 @@ import sys
 from pathlib import Path
 
 from . import count_problems
-from ..bench import balancer, control, control_gpu, dispatch, experts, kernels, link
+from ..bench import balancer, bytes as bytes_bench, control, control_gpu, dispatch, experts, kernels, link
 from ..bench.control_gpu_rank import Plan
 
-__all__ = ["TARGETS", "bench_balancer", "bench_control", "bench_control_gpu", "bench_dispatch", "bench_experts",
+__all__ = ["TARGETS", "bench_balancer", "bench_bytes", "bench_control", "bench_control_gpu", "bench_dispatch", "bench_experts",
            "bench_kernels", "bench_link", "bench_sync", "bench_targets", "main", "parse_shapes"]
 
 # target -> the library module that runs it (its options: the bench_<target> function here, which checks
@@ -285,7 +287,31 @@ def bench_kernels(argv: list[str]) -> int:
                           modes=tuple(args.modes.split(",")), rounds=args.rounds)
 
 
-RUNS = {"experts": bench_experts, "sync": bench_sync, "targets": bench_targets, "dispatch": bench_dispatch,
+def bench_bytes(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="thunderep bench bytes", description=bytes_bench.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(bytes_bench.MODELS),
+                   help=f"comma-separated, of {', '.join(bytes_bench.MODELS)} (default: all)")
+    p.add_argument("--ranks", default="2,4,8", help="comma-separated EP sizes (default 2,4,8)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per rank (default 512)")
+    p.add_argument("--zipf", type=float, default=1.0, help="exponent of the skewed routing (default 1.0)")
+    a = p.parse_args(argv)
+    models = [m for m in a.models.split(",") if m]
+    problems = count_problems(a, ("tokens",))
+    problems += [f"unknown model {m!r}" for m in models if m not in bytes_bench.MODELS]
+    try:
+        ranks = [int(r) for r in a.ranks.split(",") if r]
+    except ValueError:
+        ranks = [0]
+    problems += [f"--ranks must be whole numbers of 2 or more, got {a.ranks!r}"] if min(ranks, default=0) < 2 else []
+    if a.zipf <= 0:
+        problems.append(f"--zipf must be above 0, got {a.zipf}")
+    if problems:
+        p.error("; ".join(problems))
+    return bytes_bench.report(models, ranks, a.tokens, (0.0, a.zipf))
+
+
+RUNS = {"experts": bench_experts, "bytes": bench_bytes, "sync": bench_sync, "targets": bench_targets, "dispatch": bench_dispatch,
         "control": bench_control, "control-gpu": bench_control_gpu, "link": bench_link,
         "balancer": bench_balancer, "kernels": bench_kernels}
 

@@ -42,7 +42,7 @@ from .control import ControlPlane
 from .groups import EPGroups, peer_errors, wait_work
 from .stats import CommStats
 
-__all__ = ["DispatchMeta", "Dispatcher", "Pending", "Plan", "Received", "Rider"]
+__all__ = ["DispatchMeta", "Dispatcher", "Pending", "Plan", "Received", "Rider", "row_layout"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,7 +180,7 @@ class Dispatcher:
         P, W, me = R * S, len(slots_W), self.groups.ep_rank
         device = slots_W[0].device
         # 1. per wave: pairs per global slot, rows per destination rank, the rows in send order (device)
-        layouts = [_layout(slots.reshape(weights.shape), weights, R, S) for slots, weights in zip(slots_W, weights_W)]
+        layouts = [row_layout(slots.reshape(weights.shape), weights, R, S) for slots, weights in zip(slots_W, weights_W)]
         send_W = torch.stack([torch.cat([_slot_counts(slots.reshape(-1), P), rows_R])
                               for slots, (rows_R, _, _) in zip(slots_W, layouts)]).to(torch.int32)
         if rider is not None:  # the rider's device words come to the host in the same copy
@@ -297,7 +297,7 @@ class Dispatcher:
         return self.combine_async(y_QD, received).wait()
 
 
-def _layout(slots_TK: torch.Tensor, weights_TK: torch.Tensor, R: int, S: int):
+def row_layout(slots_TK: torch.Tensor, weights_TK: torch.Tensor, R: int, S: int):
     """One wave's rows on the device, no wait for the GPU: (rows per destination rank int64 [R], flat
     (rank, token) indices in send order int64 [R * T] (the rows that travel first, rank-major, token
     order within a rank), side rows float32 [R, T, 2K]: each pair's routing weight where rank r holds
