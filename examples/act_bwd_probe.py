@@ -9,7 +9,8 @@ reads dy already gathered into expert order. Each config is timed twice; ms, med
 (`triton.testing.do_bench`)."""
 import sys, torch, triton
 from triton.testing import do_bench
-from thunderep.kernels import sorted_mlp, tiles
+from thunderep.kernels import sorted_mlp
+from thunderep.kernels import tiles as tile_tables
 D, I, E, k = 7168, 2048, 256, 8
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 dev, dt = "cuda", torch.bfloat16
@@ -33,7 +34,7 @@ dwp = torch.zeros(N, tiles, dtype=torch.float32, device=dev)
 def act_bwd(bm, bn, bk, warps, stages, tail, group, gather=True):
     grid = sorted_mlp.row_grid(N, E, I)  # the launch grid ops uses
     src = dy if gather else dy_rows
-    return lambda: tiles.ACT_BWD_PLAIN[grid](
+    return lambda: tile_tables.ACT_BWD_PLAIN[grid](
         dy_ptr=src, w_ptr=w_d, gu_ptr=gu, dgu_ptr=dgu, dwp_ptr=dwp, hw_ptr=hw, order_ptr=order, weight_ptr=wts,
         counts_ptr=counts, n_rows=N, I=I, D=D, E=E, top_k=k, stride_dym=D, stride_we=w_d.stride(0),
         stride_wd=I, stride_gm=2 * I, stride_dwp=tiles, m_class=128, m_fill=1, ACT=0, INTERLEAVED=False, GATHER=gather,
@@ -45,7 +46,7 @@ def rows(bm, bn, bk, warps, stages, tail, group):
     h = torch.randn(N, I, device=dev, dtype=dt, generator=g)
     out = dy.new_empty(N, D)
     grid = sorted_mlp.row_grid(N, E, D)  # the launch grid ops uses
-    return lambda: tiles.ROWS_PLAIN[grid](
+    return lambda: tile_tables.ROWS_PLAIN[grid](
         a_ptr=h, b_ptr=w_d, c_ptr=out, order_ptr=order, weight_ptr=wts, counts_ptr=counts, n_rows=N, N=D, K=I,
         E=E, stride_am=I, stride_be=w_d.stride(0), stride_bn=I, stride_bk=1, stride_cm=D, m_class=128, m_fill=1,
         SCATTER=True, WEIGHTED=True, PRECISION="tf32", BLOCK_E=256, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,

@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import decode_floor as F  # noqa: E402
 
-from thunderep.kernels import paths, tiles  # noqa: E402
+from thunderep.kernels import paths  # noqa: E402
+from thunderep.kernels import tiles as tile_tables  # noqa: E402
 from thunderep.bench.kernels import ROTATE, SHAPES  # noqa: E402
 from thunderep.kernels.act import ACTIVATIONS  # noqa: E402
 
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
     dn_bn, dn_bk, dn_w, dn_s = args.down
     up_tiles, dn_tiles = triton.cdiv(I, up_bn), triton.cdiv(D, dn_bn)
     out = torch.empty(K * max(up_tiles, dn_tiles), device=device, dtype=torch.float32)
-    n_counts = triton.cdiv(D, tiles.MIN_DOWN_BLOCK_N)
+    n_counts = triton.cdiv(D, tile_tables.MIN_DOWN_BLOCK_N)
     part = torch.zeros(K * D + n_counts, dtype=torch.float32, device=device)
     count = part[K * D:].view(torch.int32)  # zero, and each split down launch leaves it at zero
     y = torch.empty(1, D, device=device, dtype=torch.bfloat16)
@@ -170,14 +171,14 @@ def main(argv=None) -> int:
                                            num_warps=warps, num_stages=1 if ahead else stages)
 
     def up(ids, pdl_on=False, ahead=False, x_rows=False):
-        return lambda: tiles.UP_PAIRS_PLAIN[(K, up_tiles)](
+        return lambda: tile_tables.UP_PAIRS_PLAIN[(K, up_tiles)](
             x_ptr=x, w_ptr=wgu, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=K, stride_xm=x.stride(0),
             stride_we=wgu.stride(0), stride_wn=wgu.stride(1), stride_hm=h.stride(0), n_counts=n_counts,
             ACT=ACTIVATIONS["silu"], INTERLEAVED=False, PRECISION="ieee", PDL=pdl_on, BLOCK_N=up_bn, BLOCK_K=up_bk,
             DOT=False, AHEAD=ahead, X_ROWS=x_rows, num_warps=up_w, num_stages=1 if ahead else up_s)
 
     def down(ids, pdl_on=False, ahead=False, x_rows=False):
-        return lambda: tiles.DOWN_PAIRS_PLAIN[(1, dn_tiles, K)](
+        return lambda: tile_tables.DOWN_PAIRS_PLAIN[(1, dn_tiles, K)](
             h_ptr=h, w_ptr=wd, y_ptr=y, ids_ptr=ids, weight_ptr=weights, part_ptr=part, count_ptr=count, D=D, I=I,
             E=E, top_k=K, stride_hm=h.stride(0), stride_we=wd.stride(0), stride_wd=wd.stride(1), stride_ym=y.stride(0),
             stride_cm=n_counts, WEIGHTED=True, PDL=pdl_on, SPLIT=True, AHEAD=ahead, X_ROWS=x_rows, BLOCK_N=dn_bn,
