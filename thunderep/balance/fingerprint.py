@@ -48,10 +48,10 @@ values), so floating-point differences between hosts cannot make ranks disagree.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 
@@ -75,20 +75,24 @@ NOISE_Z = 4.5         # Z: tolerance in standard deviations of sampling noise
 COLD_OCTAVES = -4.0   # experts under 2^-4 of a uniform share are all "cold"
 
 
-def _check_counts(name: str, counts_E: torch.Tensor, num_experts: int | None = None) -> torch.Tensor:
+def _check_counts(name: str, counts_E: torch.Tensor, num_experts: int | None = None) -> np.ndarray:
+    """counts_E as float64 numpy [E] on the host (a ConfigError naming `name` when it is no [E] tensor)."""
     if not isinstance(counts_E, torch.Tensor) or counts_E.dim() != 1 or counts_E.numel() == 0:
         shape = tuple(counts_E.shape) if isinstance(counts_E, torch.Tensor) else type(counts_E).__name__
         raise ConfigError(f"{name} must be a non-empty 1-D tensor of per-expert counts [E], got {shape}")
     if num_experts is not None and counts_E.numel() != num_experts:
         raise ConfigError(f"{name} has {counts_E.numel()} experts, expected {num_experts}")
-    return counts_E.detach().to("cpu", torch.float64)
+    return counts_E.detach().to("cpu", torch.float64).numpy()
 
 
-def _octaves(c_E: torch.Tensor) -> tuple[torch.Tensor, float]:
-    E = c_E.numel()
-    total = float(c_E.sum())
-    x_E = torch.log2(c_E.add(0.5).mul_(E / (total + 0.5 * E))).clamp_min_(COLD_OCTAVES)
-    return x_E, total
+def _octaves(c_E: np.ndarray) -> tuple[np.ndarray, float]:
+    """The octaves x_E (float64 [E]) and total N of counts c_E. Host math in numpy, whose exact IEEE
+    operations (+, *, sqrt, floor) cost a fraction of torch's per call; the sum and the log2 stay
+    torch's, whose summation order and rounding the decisions were made with."""
+    E = c_E.size
+    total = float(torch.from_numpy(c_E).sum())
+    scaled_E = (c_E + 0.5) * (E / (total + 0.5 * E))
+    return np.maximum(torch.log2(torch.from_numpy(scaled_E)).numpy(), COLD_OCTAVES), total
 
 
 def _check_params(variance: float, width: float, z: float) -> None:
@@ -120,7 +124,20 @@ class Baseline:
         _check_params(variance, width, z)
         cb_E = _check_counts("baseline_E", baseline_E)
         xb_E, total = _octaves(cb_E)
-        return cls(cb_E, xb_E, torch.floor(xb_E / width), float(variance), total, float(width), float(z))
+        return cls(torch.from_numpy(cb_E), torch.from_numpy(xb_E), torch.from_numpy(np.floor(xb_E / width)),
+                   float(variance), total, float(width), float(z))
+
+
+def _codes(c_E: np.ndarray, baseline: Baseline, variance: float) -> np.ndarray:
+    """int16 [E] bucket codes of counts c_E against `baseline` (the module docstring's formulas)."""
+    x_E, total = _octaves(c_E)
+    ratio = total / baseline.total if baseline.total > 0 else 0.0
+    noise = 0.5 * baseline.z * math.sqrt(variance + baseline.variance * ratio)
+    expected_E = np.sqrt(baseline.counts_E.numpy() * ratio + 0.375)
+    significant_E = np.abs(np.sqrt(c_E + 0.375) - expected_E) > noise
+    d_E = x_E - baseline.xb_E.numpy()
+    moved_E = significant_E & (np.abs(d_E) > 0.5 * baseline.width)
+    return (np.sign(d_E) * moved_E + baseline.code_E.numpy()).astype(np.int16)
 
 
 def load_profile(counts_E: torch.Tensor, baseline: "torch.Tensor | Baseline | None" = None, *,
@@ -137,23 +154,14 @@ def load_profile(counts_E: torch.Tensor, baseline: "torch.Tensor | Baseline | No
     c_E = _check_counts("counts_E", counts_E)
     if baseline is None:
         _check_params(variance, width, z)
-        x_E, _ = _octaves(c_E)
-        return torch.floor(x_E.div_(width)).to(torch.int16)
+        return torch.from_numpy(np.floor(_octaves(c_E)[0] / width).astype(np.int16))
     if not isinstance(baseline, Baseline):
         baseline = Baseline.of(baseline, variance=variance, width=width, z=z)
-    if baseline.counts_E.numel() != c_E.numel():
-        raise ConfigError(f"counts_E has {c_E.numel()} experts but the baseline has "
-                          f"{baseline.counts_E.numel()}")
+    if baseline.counts_E.numel() != c_E.size:
+        raise ConfigError(f"counts_E has {c_E.size} experts but the baseline has {baseline.counts_E.numel()}")
     if not variance >= 0:
         raise ConfigError(f"variance ({variance!r}) must be >= 0")
-    x_E, total = _octaves(c_E)
-    ratio = total / baseline.total if baseline.total > 0 else 0.0
-    noise = 0.5 * baseline.z * math.sqrt(variance + baseline.variance * ratio)
-    expected_E = baseline.counts_E.mul(ratio).add_(0.375).sqrt_()
-    significant_E = c_E.add(0.375).sqrt_().sub_(expected_E).abs_() > noise
-    d_E = x_E.sub_(baseline.xb_E)
-    moved_E = significant_E.logical_and_(d_E.abs() > 0.5 * baseline.width)
-    return d_E.sign_().mul_(moved_E).add_(baseline.code_E).to(torch.int16)
+    return torch.from_numpy(_codes(c_E, baseline, variance))
 
 
 def fingerprint(counts_E: torch.Tensor, baseline: "torch.Tensor | Baseline | None" = None, *,
@@ -163,7 +171,7 @@ def fingerprint(counts_E: torch.Tensor, baseline: "torch.Tensor | Baseline | Non
 
     Same arguments as `load_profile`; `seed` is XXH3's seed (e.g. to separate layers)."""
     codes_E = load_profile(counts_E, baseline, variance=variance, width=width, z=z)
-    return xxhash.xxh3_64_intdigest(ctypes.string_at(codes_E.data_ptr(), codes_E.numel() * 2), seed)
+    return xxhash.xxh3_64_intdigest(codes_E.numpy().tobytes(), seed)
 
 
 def ema_variance(alpha: float) -> float:
@@ -174,12 +182,14 @@ def ema_variance(alpha: float) -> float:
     return alpha / (2.0 - alpha)
 
 
+def _ema(ema_E: np.ndarray | None, c_E: np.ndarray, alpha: float) -> np.ndarray:
+    return c_E.copy() if ema_E is None else ema_E * (1.0 - alpha) + c_E * alpha
+
+
 def ema_update(ema_E: torch.Tensor | None, counts_E: torch.Tensor, alpha: float) -> torch.Tensor:
     """alpha * counts + (1 - alpha) * ema, float64 [E] on the CPU (the counts themselves if ema is None)."""
     c_E = _check_counts("counts_E", counts_E, None if ema_E is None else ema_E.numel())
-    if ema_E is None:
-        return c_E.clone()
-    return ema_E * (1.0 - alpha) + c_E * alpha
+    return torch.from_numpy(_ema(None if ema_E is None else ema_E.numpy(), c_E, alpha))
 
 
 @dataclass(frozen=True, eq=False)
@@ -224,14 +234,16 @@ class LoadProbe:
     def record(self, counts_E: torch.Tensor, negotiate: bool) -> ProbeRecord:
         """counts_E: [E] pairs this rank routed to each expert this step. Does not change the probe."""
         c_E = _check_counts("counts_E", counts_E, self.num_experts)
-        ema_E = ema_update(self.ema_E, c_E, self.alpha)
+        ema_E = _ema(None if self.ema_E is None else self.ema_E.numpy(), c_E, self.alpha)
         a = self.alpha
         v = 1.0 if self.ema_E is None else (1.0 - a) ** 2 * self.variance + a * a
+        counts_t, ema_t = torch.from_numpy(c_E), torch.from_numpy(ema_E)
         if negotiate or self.baseline is None:
-            load_E = ema_E.round().clamp_(0, 2**31 - 1).to(torch.int32)
+            load_E = ema_t.round().clamp_(0, 2**31 - 1).to(torch.int32)
             fp = fingerprint(load_E, width=self.width, seed=self.seed)
-            return ProbeRecord(fp, load_E if negotiate else None, c_E, ema_E, v)
-        return ProbeRecord(fingerprint(ema_E, self.baseline, variance=v, seed=self.seed), None, c_E, ema_E, v)
+            return ProbeRecord(fp, load_E if negotiate else None, counts_t, ema_t, v)
+        fp = xxhash.xxh3_64_intdigest(_codes(ema_E, self.baseline, v).tobytes(), self.seed)
+        return ProbeRecord(fp, None, counts_t, ema_t, v)
 
     def state_dict(self) -> dict:
         """The EMA, its variance factor and the baseline, as plain floats and lists."""
@@ -243,7 +255,7 @@ class LoadProbe:
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output."""
         ema, base = state["ema_E"], state["baseline_E"]
-        self.ema_E = None if ema is None else _check_counts("ema_E", torch.tensor(ema), self.num_experts)
+        self.ema_E = None if ema is None else torch.from_numpy(_check_counts("ema_E", torch.tensor(ema), self.num_experts))
         self.variance = float(state["variance"])
         self.baseline = None if base is None else Baseline.of(
             torch.tensor(base, dtype=torch.float64), variance=state["baseline_variance"],
