@@ -8,6 +8,7 @@ against a hand computation of the model; bad link input; bench link's process ma
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -19,16 +20,17 @@ from thunderep.bench.projection import Link, load_link
 from thunderep.cli.project import main as project
 
 # A 1-GPU run as `thunderep train --out` writes it, only the keys the projection reads.
-RUN = {"world": 1, "steps": 10, "tokens": 10 * 4096, "model": {"hidden_size": 1024, "num_layers": 4, "top_k": 2},
+RUN = {"world": 1, "steps": 10, "tokens": 10 * 4096, "model": {"hidden_size": 1024, "num_layers": 4, "top_k": 2, "num_experts": 8},
        "synctax": {"seconds": 1.0, "sync_tax_share": 0.0, "mean_imbalance": 1.0}}
 
 
 def _hand(R: int, alpha_us: float, gbps: float, compute_ms: float, b: int = 4) -> float:
-    """ThunderEP step time in ms by the module docstring: 4 all-to-alls per layer, each (R - 1) alpha
-    plus T K D b (R - 1) / R bytes over beta, plus 3 us of control exchange."""
-    T, K, D, layers = 4096, 2, 1024, 4
-    per_a2a = (R - 1) * alpha_us * 1e-6 + T * K * D * b * (R - 1) / R / (gbps * 1e9)
-    return compute_ms + 1e3 * layers * (4 * per_a2a + 3e-6)
+    """ThunderEP step time in ms by `thunderep project --help`'s model: n = T (R - 1) (1 - C(E - E/R, K) /
+    C(E, K)) rows, n (4 D b + 16 K) bytes over beta, 6 all-to-alls of (R - 1) alpha, 3 us of control."""
+    T, K, E, D, layers = 4096, 2, 8, 1024, 4
+    rows = T * (R - 1) * (1 - math.comb(E - E // R, K) / math.comb(E, K))
+    per_layer = 6 * (R - 1) * alpha_us * 1e-6 + rows * (4 * D * b + 16 * K) / (gbps * 1e9) + 3e-6
+    return compute_ms + 1e3 * layers * per_layer
 
 
 @pytest.fixture

@@ -75,12 +75,30 @@ def test_default_corpus_is_real_offline_text():
 def test_projection_formulas():
     from thunderep.bench.projection import LINKS, project_step
 
-    r = project_step(R=2, T=100, K=2, D=10, layers=1, b=2, compute_s=0.0, imbalance=1.0, link=LINKS[0])
-    assert r["ours_bytes"] == 4 * 100 * 2 * 10 * 2 / 2  # 4 all-to-alls, half of the rows leave the GPU
+    r = project_step(R=2, T=100, K=2, E=8, D=10, layers=1, b=2, compute_s=0.0, imbalance=1.0, link=LINKS[0])
+    # the other rank is missed only when both experts are local: C(4, 2) / C(8, 2) = 6 / 28
+    rows = 100 * (1 - 6 / 28)
+    assert r["ours_bytes"] == pytest.approx(rows * (4 * 10 * 2 + 16 * 2))  # rows and side rows, both ways
     assert r["baseline_bytes"] == 4 * 100 * 10 * 2      # 4 ring collectives of (R - 1) T D b
-    slow = project_step(R=4, T=100, K=2, D=10, layers=1, b=2, compute_s=0.0, imbalance=1.0, link=LINKS[1])
-    fast = project_step(R=4, T=100, K=2, D=10, layers=1, b=2, compute_s=0.0, imbalance=1.0, link=LINKS[0])
+    slow = project_step(R=4, T=100, K=2, E=8, D=10, layers=1, b=2, compute_s=0.0, imbalance=1.0, link=LINKS[1])
+    fast = project_step(R=4, T=100, K=2, E=8, D=10, layers=1, b=2, compute_s=0.0, imbalance=1.0, link=LINKS[0])
     assert slow["thunderep_s"] > fast["thunderep_s"]   # host-staged costs more than P2P
+
+
+def test_remote_rows_per_token_equal_the_dispatchers_count_on_uniform_routing():
+    """The projection's expected rows per token against `row_layout` on many uniformly routed tokens."""
+    import torch
+
+    from thunderep.bench.projection import remote_rows_per_token
+    from thunderep.comm.dispatcher import row_layout
+
+    gen = torch.Generator().manual_seed(0)
+    for R, K, E in [(2, 2, 8), (4, 8, 128), (8, 8, 64), (4, 1, 16)]:
+        T = 20000
+        ids = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K]  # K distinct experts per token
+        rows_R, _, _ = row_layout(ids, torch.ones(T, K), R, E // R)
+        measured = float(rows_R[1:].sum()) / T  # home rank 0
+        assert measured == pytest.approx(remote_rows_per_token(R, K, E), rel=0.02), (R, K, E)
 
 
 def test_balancer_does_not_change_the_loss_curve():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["LINKS", "Link", "Projection", "load_link", "project", "project_step"]
+__all__ = ["LINKS", "Link", "Projection", "load_link", "project", "project_step", "remote_rows_per_token"]
 
 
 @dataclass(frozen=True)
@@ -40,17 +40,28 @@ LINKS = (
 )
 
 
-def project_step(*, R: int, T: int, K: int, D: int, layers: int, b: int, compute_s: float,
+def remote_rows_per_token(R: int, K: int, E: int) -> float:
+    """Expected ranks other than its own that one token's row travels to: each of the R - 1 other ranks,
+    holding E / R of the experts in a block, is reached unless all K distinct experts (uniform routing)
+    miss it, with probability C(E - E/R, K) / C(E, K)."""
+    S = E // R
+    return (R - 1) * (1.0 - math.comb(E - S, K) / math.comb(E, K))
+
+
+def project_step(*, R: int, T: int, K: int, E: int, D: int, layers: int, b: int, compute_s: float,
                  imbalance: float, link: Link) -> dict:
     """Projected seconds per training step (forward + backward) for both methods."""
     beta, alpha = link.beta_GBps * 1e9, link.alpha_us * 1e-6
-    a2a_bytes = T * K * D * b * (R - 1) / R
-    ours_comm = layers * (4 * ((R - 1) * alpha + a2a_bytes / beta) + 3e-6)
+    rows = T * remote_rows_per_token(R, K, E)
+    # dispatch (row + a float32 side row of 2K), combine, and both backward; the side rows' own
+    # all-to-alls add two collectives' messages
+    a2a_bytes = rows * (4 * D * b + 2 * 8 * K)
+    ours_comm = layers * (6 * (R - 1) * alpha + a2a_bytes / beta + 3e-6)
     ring_bytes = (R - 1) * T * D * b
     base_comm = layers * 4 * ((R - 1) * alpha + ring_bytes / beta)
     compute = compute_s * imbalance
     return {"thunderep_s": compute + ours_comm, "baseline_s": compute + base_comm,
-            "ours_bytes": layers * 4 * a2a_bytes, "baseline_bytes": layers * 4 * ring_bytes}
+            "ours_bytes": layers * a2a_bytes, "baseline_bytes": layers * 4 * ring_bytes}
 
 
 def load_link(path: str | Path, *, world: int, setting: str) -> tuple[Link, str] | None:
@@ -139,7 +150,7 @@ def project(a: Projection) -> int:
     rows = []
     for R, links in links_R.items():
         for link in links:
-            r = project_step(R=R, T=T, K=model["top_k"], D=model["hidden_size"], layers=model["num_layers"],
+            r = project_step(R=R, T=T, K=model["top_k"], E=model["num_experts"], D=model["hidden_size"], layers=model["num_layers"],
                              b=a.bytes_per_element, compute_s=compute_s, imbalance=imbalance, link=link)
             ours, base = r["thunderep_s"], r["baseline_s"]
             print(f"{R:>4} | {link.name:<26} | {ours * 1e3:12.2f} | {base * 1e3:13.2f} | {base / ours:7.2f}x | "
@@ -164,7 +175,7 @@ def _read_run(path: Path, a: Projection):
     try:
         metrics = json.loads(path.read_text())
         tax, steps = metrics["synctax"], metrics["steps"]
-        model = {key: metrics["model"][key] for key in ("hidden_size", "num_layers", "top_k")}
+        model = {key: metrics["model"][key] for key in ("hidden_size", "num_layers", "top_k", "num_experts")}
         T = a.tokens or metrics["tokens"] // steps // metrics["world"]
         compute_s = (a.compute_ms / 1e3 if a.compute_ms is not None
                      else tax["seconds"] * (1 - min(tax["sync_tax_share"], 0.95)) / steps)

@@ -8,8 +8,11 @@ a byte crosses PCIe once, without P2P it is staged through host memory and cross
 halves; alpha, assumed below, grows from 30 to 45 us). Per MoE layer and step, with T tokens per
 rank, K experts per token, D hidden, b bytes per element and R GPUs, uniform routing:
 
-    ThunderEP: 4 all-to-alls (dispatch, combine, and their backward), each R - 1 messages and
-               T K D b (R - 1) / R bytes; plus one control exchange (mailbox: about 3 us, no PCIe bytes)
+    ThunderEP: one row of D b bytes per token and other rank holding one of its experts,
+               n = T (R - 1) (1 - C(E - E/R, K) / C(E, K)) rows (K distinct experts of E, in blocks of
+               E / R per rank); dispatch and combine and their backward move n (4 D b + 16 K) bytes
+               (dispatch rows carry a float32 side row of 2K routing weights and slots, and so do their
+               gradients) in 6 all-to-alls of R - 1 messages; plus one control exchange (no PCIe bytes)
     baseline:  4 collectives (all-gather x, reduce-scatter y, and their backward), each R - 1 ring
                steps and (R - 1) T D b bytes
 
