@@ -7,14 +7,19 @@ Loads `thunderep/balance/fingerprint.py` from the given checkout as the baseline
 the candidate, times `LoadProbe.record` on a Stable step (best of 7 rounds of 500 calls, one thread) for
 8, 64 and 256 experts, and checks that both give the same fingerprint.
 """
+
 import importlib
-import importlib.util, time, sys, torch
+import importlib.util
+import sys
+import time
+
+import torch
+
 torch.set_num_threads(1)
 def load(path, name):
     spec = importlib.util.spec_from_file_location(name, path)
     m = importlib.util.module_from_spec(spec); sys.modules[name] = m; spec.loader.exec_module(m); return m
 new = importlib.import_module("thunderep.balance.fingerprint")
-import importlib
 old = load(sys.argv[1] + "/thunderep/balance/fingerprint.py", "thunderep.balance.fingerprint_old")
 for E in (8, 64, 256):
     c = torch.randint(0, 100, (E,))
