@@ -1,7 +1,7 @@
 """Load balancing: where experts live (`Placement`), which replica each pair uses (`TradePlan`), the
 pure planners that make both, load fingerprints, the per-layer Stable / Negotiate / Migrate state
 machine and the measured bandwidth its migration cost check uses. The evaluation harness is
-`python -m thunderep.bench.balancer`."""
+`thunderep bench balancer` (thunderep/bench/balancer.py)."""
 
 from .balancer_config import BalancerConfig
 from .fingerprint import Baseline, LoadProbe, ProbeRecord, fingerprint, load_profile
