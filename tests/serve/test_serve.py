@@ -969,30 +969,57 @@ def test_a_server_failing_mid_answer_sends_every_open_request_the_error(tmp_path
 
 
 def _share_on_ranks(rank, world):
+    import pickle
+    import struct
+
     from thunderep import EPConfig
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
+    from thunderep.errors import CommError
+    from thunderep.serve.engine import Entry
+    from thunderep.serve.messages import decode_step, encode_step
     from thunderep.serve.ranks import Ranks
 
     ep = ExpertParallel(init_expert_parallel(world), EPConfig())
     ranks = Ranks(ep, 30.0)
-    small = ([("entry", [1, 2, 3])], [7]) if rank == 0 else None
-    big = ([("entry", list(range(5000)))], []) if rank == 0 else "ignored"  # over one record: gloo
-    got = [ranks.share(small), ranks.share(big), ranks.share(small)]
+    small = encode_step([Entry(1, [1, 2, 3], 8, (0.5, 0.9), 42)], [7], False) if rank == 0 else b""
+    big = encode_step([Entry(2, list(range(5000)), 4, (0.0, 1.0), 3)], [], True) if rank == 0 else b"x"  # gloo
+    got = [decode_step(ranks.share(m)) for m in (small, big, small)]
     agreed = [ranks.agree(None), ranks.agree("boom" if rank == world - 1 else None)]
-    return got, agreed, ep.control.kind
+    errors = []
+    # Forged records: code in a pickle, JSON of the wrong shape, a head that is no serving record.
+    forged = [pickle.dumps(Entry(1, [1], 1, (0.0, 1.0), 0)), b'{"entries": [[1, "x", 1, [0, 1], 0]], '
+              b'"cancels": [], "done": false}']
+    for data in forged:
+        try:
+            decode_step(ranks.share(data if rank == 0 else b""))
+        except CommError as exc:
+            errors.append(str(exc))
+    try:
+        if rank == 0:  # a record whose head says "more over gloo" with an absurd length
+            ranks.plane.exchange(struct.pack("<BI", 2, 0xFFFFFFFF).ljust(ranks.plane.record_bytes, b"\0"))
+            raise CommError("malformed step record from serving rank 0 (sent)")
+        ranks.share(b"")
+    except CommError as exc:
+        errors.append(str(exc))
+    return got, agreed, ep.control.kind, errors
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_share_rank_zeros_messages_and_agree_on_failures(world):
-    """The serving loop's step messages: rank 0's object reaches every rank, inline in a control-plane
-    record or, when longer than one, over gloo; one rank's failure becomes every rank's."""
+    """The serving loop's step messages: rank 0's bytes reach every rank, inline in a control-plane record
+    or, when longer than one, over gloo; one rank's failure becomes every rank's. Nothing is unpickled:
+    a forged record (a pickle, JSON of another shape, a head that is no serving record) is a CommError."""
+    from thunderep.serve.engine import Entry
+
     results = run_ranks(_share_on_ranks, world, timeout=120)
-    for rank, (got, agreed, kind) in enumerate(results):
-        assert got == [([("entry", [1, 2, 3])], [7]), ([("entry", list(range(5000)))], []),
-                       ([("entry", [1, 2, 3])], [7])]
+    small = ([Entry(1, [1, 2, 3], 8, (0.5, 0.9), 42)], [7], False)
+    for rank, (got, agreed, kind, errors) in enumerate(results):
+        assert got == [small, ([Entry(2, list(range(5000)), 4, (0.0, 1.0), 3)], [], True), small]
         assert agreed[0] is None
         assert agreed[1] == ("boom" if rank == world - 1 else "generation failed on another rank")
+        assert len(errors) == 3 and all("malformed step" in e for e in errors), errors
+        assert "not JSON" in errors[0] and "an entry's ids must be a list" in errors[1]
     assert results[0][2] in ("mailbox", "collective")
 
 

@@ -179,8 +179,8 @@ def _stalls_on_ranks(rank, world):
     share = Ranks.share
 
     def share_or_stop(self, message):  # rank 0 ends every rank's loop once its script is done
-        got = share(self, "stop" if rank == 0 and not server.script else message)
-        if got == "stop":
+        got = share(self, b"stop" if rank == 0 and not server.script else message)
+        if got == b"stop":
             raise _StopLoop
         return got
 

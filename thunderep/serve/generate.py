@@ -12,6 +12,7 @@ import torch.distributed as dist
 from transformers.generation.streamers import BaseStreamer
 
 from ..comm.launch import launch, run_on_ep
+from ..comm.objects import all_gather_json
 from ..errors import ConfigError
 from ..hf import ThunderMoE
 from ..hf.tokenizer import encode_batch, load_tokenizer
@@ -98,8 +99,7 @@ def generate_on_rank(config: GenerateConfig, ep=None, out=None) -> dict | None:
     mine_summary = (texts, count if (not latency or rank == 0) else 0, seconds)
     gathered = [mine_summary]
     if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine_summary, group=ep.groups.ep_group)
+        gathered = all_gather_json(mine_summary, group=ep.groups.ep_group)
     if rank != 0:
         return None
     total, wall = sum(g[1] for g in gathered), max(g[2] for g in gathered)

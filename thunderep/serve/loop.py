@@ -12,6 +12,7 @@ import torch
 from .config import ServeConfig
 from .engine import DecodeBatch, Entry, generate_static
 from .http_api import Job, Server
+from .messages import decode_ended, decode_rows, decode_step, encode_ended, encode_rows, encode_step
 from .ranks import agree_on_failure
 from .static_decode import StaticDecodeBatch, static_reason
 from .step_watch import StepWatch
@@ -70,7 +71,7 @@ def serve_continuous(tm, tokenizer, server, ranks, eos, device, config: ServeCon
         # 1. rank 0 takes new requests and the sequences to drop; every rank gets them
         entries, cancels, done = loop.message()
         if ranks is not None:
-            entries, cancels, done = ranks.share((entries, cancels, done))
+            entries, cancels, done = decode_step(ranks.share(encode_step(entries, cancels, done)))
         if done:
             return
         if server is None:
@@ -194,7 +195,7 @@ def serve_static(tm, tokenizer, server, ranks, eos, device, config: ServeConfig,
         message = [(j.ids, j.max_tokens, j.sampling, j.seed if j.seed is not None else random.getrandbits(62))
                    for j in jobs]
         if ranks is not None:
-            message, done = ranks.share((message, done))
+            message, done = decode_rows(ranks.share(encode_rows(message, done)))
         if done:
             return
         if server is None:
@@ -205,7 +206,7 @@ def serve_static(tm, tokenizer, server, ranks, eos, device, config: ServeConfig,
 
         def ended(step: int, tokens: torch.Tensor) -> list[int]:
             mine = state.ended(tokens.tolist()) if state is not None else None
-            return ranks.share(mine) if ranks is not None else mine
+            return decode_ended(ranks.share(encode_ended(mine))) if ranks is not None else mine
 
         try:
             rows, finishes = generate_static(tm, pad, message, eos, device, ended=ended)

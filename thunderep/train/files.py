@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..comm.objects import all_gather_json
 from ..errors import CheckpointError, ConfigError
 from .expert_units import expert_units
 
@@ -47,11 +48,9 @@ class Ranks:
             self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
             self.ep_rank, self.ep_size, self.dp_rank = 0, 1, self.rank
 
-    def all_gather(self, obj) -> list:
-        out = [obj] * self.world
-        if self.world > 1:
-            dist.all_gather_object(out, obj)
-        return out
+    def all_gather(self, value) -> list:
+        """Every rank's plain `value` (JSON: tuples come back as lists; nothing is unpickled)."""
+        return all_gather_json(value) if self.world > 1 else [value]
 
     def agree(self, error: str | None, what: str, cause: BaseException | None = None) -> None:  # collective
         """Raise CheckpointError on every rank if any rank reports an error."""
@@ -181,7 +180,7 @@ def begin_write(path: Path, ranks: Ranks, kind: str = "checkpoint", overwrite: b
             (tmp := path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")).mkdir()
         except OSError as exc:
             error = f"rank 0 cannot prepare {path.parent}: {exc}"
-    tmp, error = ranks.all_gather((tmp, error))[0]
+    tmp, error = ranks.all_gather((None if tmp is None else str(tmp), error))[0]
     if error:
         raise CheckpointError(error)
     return Path(tmp)
