@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,34 @@ class EPGroups:
         return self.dp_rank * self.ep_size + ep_rank
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _loopback_rendezvous() -> bool:
+    """Ranks of one host meeting at a loopback MASTER_ADDR with no torchrun agent's store to join."""
+    return os.environ.get("MASTER_ADDR") in LOOPBACK and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+
+
+def _loopback_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous store of a one-host run, listening on the loopback interface alone (torch's own
+    listens on every interface, unauthenticated, for as long as the run lasts): rank 0 binds the socket
+    itself and hands it to the store."""
+    host, port = "127.0.0.1", int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise CommError(f"rank 0 cannot listen for its peers on {host}:{port} (MASTER_PORT): {exc}; "
+                        "another process holds the port, pick a free one") from exc
+    listener.listen(max(128, world))
+    # detach: the store owns the socket from here (a closed Python socket would close its descriptor)
+    return dist.TCPStore(host, port, world, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
+
+
 def init_expert_parallel(
     ep_size: int | None = None,
     *,
@@ -98,6 +127,11 @@ def init_expert_parallel(
         if backend == "nccl":
             local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else os.environ.get("RANK", 0)))
             torch.cuda.set_device(local % torch.cuda.device_count())
+        if init_method is None and _loopback_rendezvous():
+            me, world = int(os.environ["RANK"]) if rank is None else rank, \
+                int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+            kwargs.pop("init_method", None)
+            kwargs.update(store=_loopback_store(me, world, kwargs["timeout"]), rank=me, world_size=world)
         dist.init_process_group(**kwargs)
     world, me = dist.get_world_size(), dist.get_rank()
     ep_size = world if ep_size is None else ep_size

@@ -130,6 +130,9 @@ def _rank_start(env: dict[str, str], launcher: int, formatwarning, *passed) -> R
     return start
 
 
+LOOPBACK_INTERFACE = "lo0" if sys.platform == "darwin" else "lo"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,6 +142,9 @@ def free_port() -> int:
 def _run_rank(rank: int, world: int, port: int, fn, args, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    # ranks of one host talk over loopback only: gloo's and NCCL's own sockets too, unless the user chose
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(name, LOOPBACK_INTERFACE)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     share = len(cores) // world
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:

@@ -99,7 +99,8 @@ def generate_on_rank(config: GenerateConfig, ep=None, out=None) -> dict | None:
     mine_summary = (texts, count if (not latency or rank == 0) else 0, seconds)
     gathered = [mine_summary]
     if world > 1:
-        gathered = all_gather_json(mine_summary, group=ep.groups.ep_group)
+        gathered = [({int(i): text for i, text in texts.items()}, count, seconds)  # JSON keys are strings
+                    for texts, count, seconds in all_gather_json(mine_summary, group=ep.groups.ep_group)]
     if rank != 0:
         return None
     total, wall = sum(g[1] for g in gathered), max(g[2] for g in gathered)
