@@ -25,7 +25,8 @@ from ..errors import CheckpointError, ConfigError
 from .expert_units import expert_units
 
 __all__ = ["EXPORT_MARK", "MANIFEST", "Ranks", "aside", "begin_write", "cpu_copy", "decode_state",
-           "destination_problem", "encode_state", "fsync", "nearest_existing", "publish", "put_safetensors",
+           "destination_problem", "encode_state", "fsync", "nearest_existing", "newest_checkpoint", "publish",
+           "put_safetensors",
            "sha256_of"]
 
 MANIFEST = "manifest.json"  # a checkpoint's, written last
@@ -128,8 +129,28 @@ def put_safetensors(folder: Path, files: dict, name: str, obj, doc: bool = True)
 
 def aside(path: Path, kind: str) -> list[Path]:
     """Directories `.{name}.{kind}-*` next to `path`, oldest first (kind "tmp", or complete "old" ones)."""
+    if not path.parent.is_dir():
+        return []
     found = [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}.{kind}-")]
     return sorted((p for p in found if kind == "tmp" or (p / MANIFEST).is_file()), key=lambda p: p.stat().st_mtime)
+
+
+def _step_of(folder: Path) -> int:
+    try:
+        step = json.loads((folder / MANIFEST).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return -1
+    return step if isinstance(step, int) else -1
+
+
+def newest_checkpoint(path: Path) -> Path | None:
+    """The newest complete checkpoint a save at `path` may have left, or None: `path` itself, or, where a
+    save stopped between its steps, a finished `.{name}.tmp-*` (its manifest written, not yet renamed)
+    or the `.{name}.old-*` it moved aside. Complete = its manifest exists (written last); newest = the
+    highest step, then the latest written."""
+    path = Path(path)
+    found = [p for p in [path] + aside(path, "old") + aside(path, "tmp") if (p / MANIFEST).is_file()]
+    return max(found, key=lambda p: (_step_of(p), p.stat().st_mtime), default=None)
 
 
 def nearest_existing(path: Path) -> Path:
@@ -172,10 +193,14 @@ def begin_write(path: Path, ranks: Ranks, kind: str = "checkpoint", overwrite: b
     if ranks.rank == 0 and not error:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            olds = aside(path, "old")
-            if olds and not path.exists():  # a save died between its two renames: put the old one back
-                os.replace(olds.pop(), path)
-            for stale in olds + aside(path, "tmp"):
+            newest = newest_checkpoint(path) if kind == "checkpoint" else None
+            if newest is not None and newest != path:  # a save stopped between its steps: keep its newest
+                if path.exists():
+                    shutil.rmtree(path)
+                os.replace(newest, path)
+            elif kind != "checkpoint" and not path.exists() and aside(path, "old"):
+                os.replace(aside(path, "old")[-1], path)  # an export stopped between its two renames
+            for stale in aside(path, "old") + aside(path, "tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
             (tmp := path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")).mkdir()
         except OSError as exc:

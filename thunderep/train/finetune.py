@@ -35,6 +35,7 @@ from ..hf.tokenizer import load_tokenizer
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import batch_at, ids_labels, load_training_data, split_tokens
 from .export import export_hf
+from .files import newest_checkpoint
 from .lora import apply_lora, merge_lora
 from .stopping import StopAtStep, mean_loss_and_stop, stopped_line
 from .sync import GradSync
@@ -187,8 +188,9 @@ class _RankRun:
     def _resume(self) -> int:
         """The first step of this run: where --checkpoint stopped, else 0."""
         cfg, first = self.cfg, 0
-        if cfg.checkpoint and (Path(cfg.checkpoint) / "manifest.json").is_file():  # resume where it stopped
-            first = load_checkpoint(cfg.checkpoint, self.tm, self.optimizer)["step"]
+        found = newest_checkpoint(Path(cfg.checkpoint)) if cfg.checkpoint else None
+        if found is not None:  # resume where it stopped, whatever a stopped save left
+            first = load_checkpoint(found, self.tm, self.optimizer)["step"]
             if first >= cfg.steps:
                 raise ConfigError(f"the checkpoint in {cfg.checkpoint} is at step {first}, and --steps {cfg.steps} "
                                   f"asks for no more: give --steps above {first} to train on, or another --checkpoint")
