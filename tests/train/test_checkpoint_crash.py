@@ -69,3 +69,26 @@ def test_resume_finds_the_newest_complete_checkpoint_and_the_next_save_keeps_it(
     assert (tmp_path / "ckpt" / MANIFEST).is_file()
     assert load_checkpoint(tmp_path / "ckpt", MoETransformer(CONFIG))["step"] == max(steps)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", tmp.name])
+
+
+def test_every_file_and_the_directory_reach_the_disk_before_the_checkpoint_is_published(tmp_path, monkeypatch):
+    """The manifest (and every other file) is fsynced, and so is the directory, before the rename that makes
+    it the checkpoint; the parent after it."""
+    import os
+
+    from thunderep.train import files
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd)))
+    monkeypatch.setattr(files.os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))),
+                                                           real_replace(a, b)))
+    save_checkpoint(tmp_path / "ckpt", MoETransformer(CONFIG), step=3)
+    renames = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(tmp_path / "ckpt")]
+    assert len(renames) == 1
+    synced_before = {e[1] for e in events[:renames[0]] if e[0] == "fsync"}
+    tmp = events[renames[0]][1]
+    assert {f"{tmp}/{MANIFEST}", tmp} <= synced_before
+    assert {f"{tmp}/{p.name}" for p in (tmp_path / "ckpt").iterdir()} <= synced_before
+    assert ("fsync", str(tmp_path)) in events[renames[0]:]

@@ -214,6 +214,10 @@ def begin_write(path: Path, ranks: Ranks, kind: str = "checkpoint", overwrite: b
 def publish(tmp: Path, path: Path) -> None:
     """Rename the finished temporary directory `tmp` to `path`, the directory there moved aside first and
     deleted after."""
+    for written in tmp.iterdir():  # on disk before the rename makes them the checkpoint (power loss)
+        if written.is_file():
+            fsync(written)
+    fsync(tmp)
     old = path.with_name(f".{path.name}.old-{tmp.name.rsplit('-', 1)[1]}") if path.exists() else None
     if old is not None:
         os.replace(path, old)
