@@ -100,6 +100,36 @@ def config_problem(model_dir, flag: str | None = "--model") -> str | None:
             if isinstance(value, str) and not isinstance(getattr(torch, value, None), torch.dtype):
                 return (f"{file} gives \"{key}\": {value!r}, which is not a torch dtype (float32, bfloat16, "
                         "float16, ...): correct it, or delete the entry to load float32")
+        problem = _size_problem(part)
+        if problem:
+            return f"{file} gives {problem}: copy it again from the model's source, or correct the entry"
+    return None
+
+
+# Sizes a model config names under these keys: whole numbers >= 1 (an expert count may be 0: a dense
+# model, which wrapping refuses by name). Not "top_k": older configs keep generation settings beside.
+SIZE_KEYS = ("num_experts_per_tok", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+             "num_hidden_layers", "num_attention_heads")
+
+
+def _whole(value, least: int) -> bool:
+    """A whole number >= least, or a non-empty list (per layer) or dict (per part) of them."""
+    if isinstance(value, (list, dict)):
+        values = list(value.values()) if isinstance(value, dict) else value
+        return bool(values) and all(_whole(v, least) for v in values)
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _size_problem(part: dict) -> str | None:
+    """The first size entry of a config (or its text_config) that cannot describe a model, or None."""
+    for key in SIZE_KEYS + EXPERT_COUNT_KEYS:
+        value, least = part.get(key), 0 if key in EXPERT_COUNT_KEYS else 1
+        if value is not None and not _whole(value, least):
+            return f"\"{key}\": {value!r}, where a whole number of {least} or more belongs"
+    experts = next((part[k] for k in EXPERT_COUNT_KEYS if isinstance(part.get(k), int) and part[k] > 0), None)
+    top_k = part.get("num_experts_per_tok")
+    if experts is not None and top_k is not None and top_k > experts:
+        return f"{top_k} experts per token of only {experts} experts"
     return None
 
 
