@@ -207,14 +207,17 @@ static void default_backoff(tep_mailbox *mb) {
     mb->sleep_max_ns = 10000000ull;
 }
 
-/* Claim `rank` in a mapped segment. Takes ownership of the mapping (unmapped on failure). */
-static int claim(void *base, uint64_t size, uint32_t rank, tep_mailbox **out, tep_diag *d) {
+/* Claim `rank` in a mapped segment. Takes ownership of the mapping (unmapped on failure). The geometry
+ * comes from the caller's validated values, never again from the shared header (which another process
+ * may change at any time): every index and length below is bounded by them. */
+static int claim(void *base, uint64_t size, uint32_t rank, uint32_t world_size, uint32_t slot_size,
+                 uint64_t generation, tep_mailbox **out, tep_diag *d) {
     tep_mailbox *mb = calloc(1, sizeof *mb);
     if (!mb) return munmap(base, size), fail_sys(d, ENOMEM);
-    tep_header *h = mb->hdr = (tep_header *)base;
+    mb->hdr = (tep_header *)base;
     mb->base = base, mb->size = size, mb->rank = rank, mb->my_pidns = self_pidns();
-    mb->world = h->world_size, mb->slot_size = h->slot_size, mb->generation = h->generation;
-    mb->cell_stride = h->cell_stride, mb->slot_stride = h->slot_stride;
+    mb->world = world_size, mb->slot_size = slot_size, mb->generation = generation;
+    mb->cell_stride = cell_stride_for(slot_size), mb->slot_stride = TEP_ALIGN + 2u * mb->cell_stride;
     default_backoff(mb);
 
     tep_rank_info *ri = rank_info(mb, rank);
@@ -271,7 +274,7 @@ int tep_create(const char *name, uint32_t world_size, uint32_t rank, uint32_t sl
     h->creator_pid = (uint32_t)getpid();
     atomic_store_explicit(&h->magic, TEP_MAGIC, memory_order_release);
     close(fd);
-    st = claim(base, size, rank, out, d);
+    st = claim(base, size, rank, world_size, slot_size, generation, out, d);
     if (st != TEP_OK) shm_unlink(name);
     return st;
 }
@@ -295,24 +298,28 @@ int tep_attach(const char *name, uint32_t world_size, uint32_t rank, uint32_t sl
     else if ((h = mmap(NULL, TEP_ALIGN, PROT_READ, MAP_SHARED, fd, 0)) == MAP_FAILED)
         st = fail_sys(d, errno);
     if (st != TEP_OK) return close(fd), st;
+    /* One private copy of the header, each field read once: what is validated is what is used. */
     uint64_t magic = atomic_load_explicit(&h->magic, memory_order_acquire);
+    const volatile tep_header *vh = (const volatile tep_header *)h;
+    uint32_t version = vh->version, world = vh->world_size, slot = vh->slot_size;
+    uint32_t cell = vh->cell_stride, stride = vh->slot_stride;
+    uint64_t generation = vh->generation, total = vh->total_size;
     if (magic != TEP_MAGIC) st = fail(d, TEP_ERR_MAGIC, -1, magic);
-    else if (h->version != TEP_VERSION) st = fail(d, TEP_ERR_VERSION, -1, h->version);
-    else if (h->world_size != world_size) st = fail(d, TEP_ERR_WORLD, -1, h->world_size);
-    else if (h->slot_size != slot_size) st = fail(d, TEP_ERR_SLOT, -1, h->slot_size);
-    else if (h->total_size != size || size != tep_segment_size(world_size, slot_size) ||
-             h->cell_stride != cell_stride_for(slot_size) ||
-             h->slot_stride != TEP_ALIGN + 2u * h->cell_stride)
+    else if (version != TEP_VERSION) st = fail(d, TEP_ERR_VERSION, -1, version);
+    else if (world != world_size) st = fail(d, TEP_ERR_WORLD, -1, world);
+    else if (slot != slot_size) st = fail(d, TEP_ERR_SLOT, -1, slot);
+    else if (total != size || size != tep_segment_size(world_size, slot_size) ||
+             cell != cell_stride_for(slot_size) || stride != TEP_ALIGN + 2u * cell)
         st = fail(d, TEP_ERR_SIZE, -1, size);
-    else if (expected_generation != 0 && h->generation != expected_generation)
-        st = fail(d, TEP_ERR_GENERATION, -1, h->generation);
+    else if (expected_generation != 0 && generation != expected_generation)
+        st = fail(d, TEP_ERR_GENERATION, -1, generation);
     munmap(h, TEP_ALIGN);
     void *base = st == TEP_OK ? mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
     int err = errno;
     close(fd);
     if (st != TEP_OK) return st;
     if (base == MAP_FAILED) return fail_sys(d, err);
-    return claim(base, size, rank, out, d);
+    return claim(base, size, rank, world_size, slot_size, generation, out, d);
 }
 
 int tep_unlink(const char *name, tep_diag *d) {

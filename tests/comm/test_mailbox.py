@@ -424,3 +424,53 @@ def test_stalled_peer_raises_peer_timeout_within_timeout():
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+_TOGGLER = """
+import mmap, os, struct, sys, time
+path, seconds = sys.argv[1], float(sys.argv[2])
+fd = os.open(path, os.O_RDWR)
+m = mmap.mmap(fd, 4096)
+(world,), (stride,) = struct.unpack_from("<I", m, 12), struct.unpack_from("<I", m, 24)
+end, flips = time.monotonic() + seconds, 0
+while time.monotonic() < end:  # the header's geometry wrong half of the time, in every combination
+    flips += 1
+    struct.pack_into("<I", m, 12, world if flips % 2 else 200)
+    struct.pack_into("<I", m, 24, stride if flips % 3 else 0xFFFF0)
+    m[200 + flips % 64] ^= 0xFF  # and a payload byte of rank 0's cells
+struct.pack_into("<I", m, 12, world)
+struct.pack_into("<I", m, 24, stride)
+print(flips)
+"""
+
+_ATTACHER = """
+import sys, time
+from thunderep.comm.mailbox import Mailbox
+from thunderep.errors import CommError
+name, seconds = sys.argv[1], float(sys.argv[2])
+end, ok, refused = time.monotonic() + seconds, 0, 0
+while time.monotonic() < end:
+    try:
+        Mailbox.attach(name, world_size=2, slot_size=64, rank=1, timeout_s=1.0).close()
+        ok += 1
+    except CommError:
+        refused += 1
+print(ok, refused)
+"""
+
+
+def test_a_header_changed_under_attaching_ranks_never_crashes_them():
+    """Another process rewrites the header's world size and slot stride (and payload bytes) while a
+    rank attaches over and over: the rank validates one private copy and uses only that, so every
+    attach either succeeds or is a CommError; before, it re-read the header and could segfault."""
+    with Mailbox.create(world_size=2, slot_size=64) as mb:
+        path = os.path.join(SHM, mb.name.lstrip("/"))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        toggler = subprocess.Popen([sys.executable, "-c", _TOGGLER, path, "4"], stdout=subprocess.PIPE, text=True)
+        attacher = subprocess.run([sys.executable, "-c", _ATTACHER, mb.name, "3"], capture_output=True,
+                                  text=True, env=env, timeout=60)
+        flips = int(toggler.communicate(timeout=30)[0])
+        mb.unlink()
+    assert attacher.returncode == 0, (attacher.returncode, attacher.stderr[-2000:])
+    ok, refused = (int(v) for v in attacher.stdout.split())
+    assert flips > 1000 and ok + refused > 100, (flips, ok, refused)
