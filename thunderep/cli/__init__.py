@@ -11,7 +11,7 @@ import warnings
 from .. import env
 from ..errors import Stopped, ThunderError
 
-__all__ = ["count_problems", "main"]
+__all__ = ["add_model_options", "count_problems", "main"]
 
 # subcommand -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS = {
@@ -36,6 +36,13 @@ def count_problems(args, at_least_1=(), at_least_0=()) -> list[str]:
              if n in args and getattr(args, n) < 1]
             + [f"{flag(n)} must be 0 or more, got {getattr(args, n)}" for n in at_least_0
                if n in args and getattr(args, n) < 0])
+
+
+def add_model_options(p, ep_help: str = "expert-parallel ranks to launch on this host (default 1: this process)",
+                      ep_default: int | None = 1) -> None:
+    """The --model and --ep options the commands that load a checkpoint share."""
+    p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--ep", type=int, default=ep_default, help=ep_help)
 
 
 def _format_warning(prefix: str, message, category, filename, lineno, line=None) -> str:

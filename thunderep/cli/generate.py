@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import count_problems
+from . import add_model_options, count_problems
 from ..hf.fp8 import EXPERTS_DTYPE_HELP, EXPERTS_DTYPES
 from ..hf.config_check import config_problem, ep_size_problem
 from ..serve.config import GenerateConfig
@@ -38,9 +38,7 @@ __all__ = ["main", "parse_args", "problems"]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="thunderep generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors)")
-    p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel ranks to launch on this host (default 1: this process)")
+    add_model_options(p)
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt at most (default 32)")
     p.add_argument("--mode", choices=("auto", "latency", "ep", "allgather"), default="auto",

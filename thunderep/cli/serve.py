@@ -58,7 +58,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import count_problems
+from . import add_model_options, count_problems
 from ..hf.fp8 import EXPERTS_DTYPE_HELP, EXPERTS_DTYPES
 from ..hf.config_check import config_problem, ep_size_problem
 from ..serve.config import ServeConfig
@@ -71,9 +71,7 @@ __all__ = ["main", "parse_args", "problems"]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="thunderep serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors)")
-    p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel ranks to launch on this host (default 1: this process)")
+    add_model_options(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")

@@ -102,6 +102,7 @@ class ExpertsBinding:
     state: RunState
     core: ExpertParallelMoE | None = None
     local_calls: int = 0
+    _local: tuple = field(default=(None, None), repr=False)  # (module, its LocalExperts): built once
     adapters: dict = field(default_factory=dict)  # tensor name -> ExpertAdapter (thunderep.train.lora)
     signature: tuple | None = None  # (K, x dtype, weights dtype) of a call, set by `thunderep.serve.tune`
     implementation: str = ""
@@ -191,7 +192,13 @@ class ExpertsBinding:
     # -- local compute
 
     def local_compute(self, module) -> LocalExperts:
-        """`module`'s local experts as the EP core calls them."""
+        """`module`'s local experts as the EP core calls them (built on the first call, then reused: the
+        functions read the module's tensors when called, so swapped or adapted weights are seen)."""
+        if self._local[0] is not module:
+            self._local = (module, self._local_compute(module))
+        return self._local[1]
+
+    def _local_compute(self, module) -> LocalExperts:
         def by_slot(x_MD, slot_M):
             return self.compute_rows(module, x_MD, slot_M)
 
