@@ -35,7 +35,7 @@ typedef enum {
     TEP_OK, TEP_ERR_ARG, TEP_ERR_SYS, TEP_ERR_TIMEOUT, TEP_ERR_PEER_CLOSED, TEP_ERR_PEER_DEAD,
     TEP_ERR_DESYNC, TEP_ERR_LENGTH, TEP_ERR_MAGIC, TEP_ERR_VERSION, TEP_ERR_WORLD, TEP_ERR_SLOT,
     TEP_ERR_SIZE, TEP_ERR_GENERATION, TEP_ERR_OWNER, TEP_ERR_TOO_LARGE, TEP_ERR_ROUND,
-    TEP_ERR_RANK_TAKEN, ...
+    TEP_ERR_RANK_TAKEN, TEP_ERR_CHECKSUM, ...
 } tep_status;
 
 typedef enum { TEP_RANK_EMPTY, TEP_RANK_ATTACHED, TEP_RANK_CLOSED, ... } tep_rank_state;
@@ -82,6 +82,8 @@ uint32_t tep_rank(const tep_mailbox *mb);
 uint32_t tep_slot_size(const tep_mailbox *mb);
 int tep_peer_info(const tep_mailbox *mb, uint32_t rank, tep_diag *diag);
 void tep_set_backoff(tep_mailbox *mb, uint64_t spin_ns, uint64_t yield_ns, uint64_t sleep_max_ns);
+void tep_set_checksum(tep_mailbox *mb, int on);
+uint64_t tep_xxh3(const void *data, uint64_t length, uint64_t seed);
 uint64_t tep_segment_size(uint32_t world_size, uint32_t slot_size);
 """
 
@@ -101,7 +103,8 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
         sources=[_path(NATIVE_DIR / "mailbox.c", relative_paths)],
         include_dirs=[_path(NATIVE_DIR, relative_paths)],
         # Rebuild when the header or this builder changes (also puts both into source distributions).
-        depends=[_path(NATIVE_DIR / name, relative_paths) for name in ("mailbox.h", "build_mailbox.py")],
+        depends=[_path(NATIVE_DIR / name, relative_paths) for name in ("mailbox.h", "build_mailbox.py",
+                                                                          "third_party/xxhash/xxhash.h")],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         libraries=["rt"] if sys.platform.startswith("linux") else [],
         py_limited_api=True,  # the same file name (.abi3.so) however it is built

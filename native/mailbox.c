@@ -2,6 +2,10 @@
 #define _GNU_SOURCE
 #include "mailbox.h"
 
+#define XXH_INLINE_ALL
+#define XXH_NO_STREAM
+#include "third_party/xxhash/xxhash.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
@@ -63,7 +67,9 @@ typedef struct {
     _Atomic uint64_t round;      /*  8 */
     _Atomic uint64_t generation; /* 16 */
     _Atomic uint32_t length;     /* 24 */
-    uint8_t reserved[36];
+    _Atomic uint32_t flags;      /* 28: TEP_CELL_CHECKED when `checksum` holds the payload's XXH3 */
+    _Atomic uint64_t checksum;   /* 32 */
+    uint8_t reserved[24];
 } tep_cell;
 
 _Static_assert(sizeof(tep_header) == TEP_ALIGN, "header is one cache line");
@@ -71,6 +77,9 @@ _Static_assert(sizeof(tep_rank_info) == TEP_ALIGN, "rank info is one cache line"
 _Static_assert(sizeof(tep_cell) == TEP_ALIGN, "cell header is one cache line");
 
 #define TEP_RANK_CLAIMING 3u
+/* A cell's flags: CHECKED (a multi-bit pattern, so no single flipped bit turns a checked record into an
+ * unchecked one) or 0 for a record written outside this library; any other value is corruption. */
+#define TEP_CELL_CHECKED 0x314B4843u /* "CHK1" */
 #define TEP_LIVENESS_PERIOD_NS 20000000ull /* check /proc for dead peers every 20 ms */
 
 struct tep_mailbox {
@@ -80,7 +89,18 @@ struct tep_mailbox {
     uint32_t world, rank, slot_size, cell_stride, slot_stride;
     uint64_t generation, last_round, own_seq[2], external_round;
     uint64_t spin_ns, yield_ns, sleep_max_ns, my_pidns;
+    int checksum; /* whether this rank's records carry a checksum */
 };
+
+/* A record's checksum: the payload's XXH3 seeded by generation and round, so a record copied into
+ * another round or segment does not verify. */
+static uint64_t record_checksum(const void *data, uint32_t length, uint64_t generation, uint64_t round) {
+    return XXH3_64bits_withSeed(data, length, generation ^ (round * 0x9E3779B97F4A7C15ull));
+}
+
+uint64_t tep_xxh3(const void *data, uint64_t length, uint64_t seed) {
+    return XXH3_64bits_withSeed(data, (size_t)length, seed);
+}
 
 static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
@@ -216,6 +236,7 @@ static int claim(void *base, uint64_t size, uint32_t rank, uint32_t world_size, 
     if (!mb) return munmap(base, size), fail_sys(d, ENOMEM);
     mb->hdr = (tep_header *)base;
     mb->base = base, mb->size = size, mb->rank = rank, mb->my_pidns = self_pidns();
+    mb->checksum = 1;
     mb->world = world_size, mb->slot_size = slot_size, mb->generation = generation;
     mb->cell_stride = cell_stride_for(slot_size), mb->slot_stride = TEP_ALIGN + 2u * mb->cell_stride;
     default_backoff(mb);
@@ -343,11 +364,15 @@ int tep_publish(tep_mailbox *mb, uint64_t round, const void *data, uint32_t leng
     if (round != mb->last_round + 1) return TEP_ERR_ROUND;
     tep_cell *c = cell_of(mb, mb->rank, round);
     uint64_t s = mb->own_seq[round & 1u];
+    /* From the caller's buffer, so bytes changed in the segment after the copy are caught. */
+    uint64_t sum = mb->checksum ? record_checksum(data, length, mb->generation, round) : 0;
     atomic_store_explicit(&c->seq, s + 1, memory_order_relaxed);
     atomic_thread_fence(memory_order_release); /* odd seq is visible before any field changes */
     atomic_store_explicit(&c->round, round, memory_order_relaxed);
     atomic_store_explicit(&c->generation, mb->generation, memory_order_relaxed);
     atomic_store_explicit(&c->length, length, memory_order_relaxed);
+    atomic_store_explicit(&c->flags, mb->checksum ? TEP_CELL_CHECKED : 0u, memory_order_relaxed);
+    atomic_store_explicit(&c->checksum, sum, memory_order_relaxed);
     if (length) memcpy((uint8_t *)c + sizeof(tep_cell), data, length);
     atomic_store_explicit(&c->seq, s + 2, memory_order_release); /* fields before even seq */
     mb->own_seq[round & 1u] = s + 2;
@@ -357,7 +382,7 @@ int tep_publish(tep_mailbox *mb, uint64_t round, const void *data, uint32_t leng
     return TEP_OK;
 }
 
-enum { READ_OK, READ_NOT_YET, READ_AHEAD, READ_BAD_LENGTH };
+enum { READ_OK, READ_NOT_YET, READ_AHEAD, READ_BAD_LENGTH, READ_BAD_CHECKSUM };
 
 /* One seqlock read of rank r's record for `round` into out + r * stride (at most cap bytes). */
 static int try_read(const tep_mailbox *mb, uint32_t r, uint64_t round, void *out, uint32_t stride,
@@ -370,12 +395,16 @@ static int try_read(const tep_mailbox *mb, uint32_t r, uint64_t round, void *out
         uint64_t rd = atomic_load_explicit(&c->round, memory_order_relaxed);
         uint64_t gen = atomic_load_explicit(&c->generation, memory_order_relaxed);
         uint32_t len = atomic_load_explicit(&c->length, memory_order_relaxed);
+        uint32_t flags = atomic_load_explicit(&c->flags, memory_order_relaxed);
+        uint64_t sum = atomic_load_explicit(&c->checksum, memory_order_relaxed);
         int ready = rd == round && gen == mb->generation;
         if (ready && len <= cap && len) memcpy(dst, (const uint8_t *)c + sizeof(tep_cell), len);
         atomic_thread_fence(memory_order_acquire); /* the copy happens before the re-check */
         if (atomic_load_explicit(&c->seq, memory_order_relaxed) != s1) continue; /* torn: retry */
         if (!ready) return gen == mb->generation && rd > round ? (*found = rd, READ_AHEAD) : READ_NOT_YET;
         if (len > cap) return *found = len, READ_BAD_LENGTH;
+        if (flags != 0 && (flags != TEP_CELL_CHECKED || record_checksum(dst, len, gen, round) != sum))
+            return *found = sum, READ_BAD_CHECKSUM; /* the copy is consistent but not what was written */
         *len_out = len;
         return READ_OK;
     }
@@ -405,7 +434,8 @@ int tep_collect(tep_mailbox *mb, uint64_t round, void *out, uint32_t out_stride,
             } else if (rs != READ_NOT_YET) {
                 fill_peer(mb, r, d);
                 if (d) d->found = found, d->waited_ns = now_ns() - t0;
-                st = rs == READ_AHEAD ? TEP_ERR_DESYNC : TEP_ERR_LENGTH;
+                st = rs == READ_AHEAD ? TEP_ERR_DESYNC
+                     : rs == READ_BAD_CHECKSUM ? TEP_ERR_CHECKSUM : TEP_ERR_LENGTH;
             }
         }
         if (st != TEP_OK || remaining == 0) break;
@@ -480,6 +510,7 @@ int tep_reserve_external(tep_mailbox *mb, uint64_t round, tep_cell_layout *layou
     layout->length = off + offsetof(tep_cell, length), layout->payload = off + sizeof(tep_cell);
     *seq_even = mb->own_seq[round & 1u];
     *generation = mb->generation;
+    atomic_store_explicit(&c->flags, 0u, memory_order_relaxed); /* an outside writer stores no checksum */
     mb->own_seq[round & 1u] += 2;
     mb->last_round = mb->external_round = round;
     atomic_store_explicit(&rank_info(mb, mb->rank)->last_round, round, memory_order_relaxed);
@@ -499,6 +530,10 @@ int tep_peer_info(const tep_mailbox *mb, uint32_t rank, tep_diag *d) {
     if (!mb || !d || rank >= mb->world) return TEP_ERR_ARG;
     fill_peer(mb, rank, d);
     return TEP_OK;
+}
+
+void tep_set_checksum(tep_mailbox *mb, int on) {
+    if (mb) mb->checksum = on != 0;
 }
 
 void tep_set_backoff(tep_mailbox *mb, uint64_t spin_ns, uint64_t yield_ns, uint64_t sleep_max_ns) {

@@ -9,9 +9,13 @@
  *       tep_cell[0], tep_cell[1]      two seqlocked records, indexed by round parity
  *
  * A cell is a seqlock: `seq` is odd while its writer is inside, even otherwise; the writer stores
- * round, generation, length and payload between the two increments. A reader copies the record and
- * accepts it only if `seq` was even and unchanged around the copy, the cell's round is the round it
- * asked for and its generation is the segment's. Rank r writes only its own slot.
+ * round, generation, length, flags, checksum and payload between the two increments. A reader copies
+ * the record and accepts it only if `seq` was even and unchanged around the copy, the cell's round is
+ * the round it asked for, its generation is the segment's and, when the record carries one, the XXH3
+ * checksum of the copied payload (seeded by generation and round) is the one its writer computed from
+ * its own buffer. The seqlock catches torn writes; the checksum catches bytes changed in the segment by
+ * anything else. Records written by a CUDA stream (tep_reserve_external) carry no checksum. Rank r
+ * writes only its own slot.
  *
  * Why two cells per rank: after rank r has collected round n it may publish round n+1 at once, while
  * a slower peer is still copying r's round-n record. Round n+1 goes to the other cell, so nothing a
@@ -36,7 +40,7 @@ extern "C" {
 #endif
 
 #define TEP_MAGIC 0x31584F424D504554ULL /* "TEPMBOX1", little endian */
-#define TEP_VERSION 1u
+#define TEP_VERSION 2u
 #define TEP_ALIGN 64u
 #define TEP_MAX_WORLD 256u
 #define TEP_MAX_SLOT_SIZE (1u << 20)
@@ -59,7 +63,8 @@ typedef enum {
     TEP_ERR_OWNER = 14,      /* segment owned by another user or mode is not 0600 (diag.found) */
     TEP_ERR_TOO_LARGE = 15,  /* record longer than the slot size (diag.found = length) */
     TEP_ERR_ROUND = 16,      /* publish round is not last round + 1 (diag.found = last round) */
-    TEP_ERR_RANK_TAKEN = 17  /* another live process already attached as this rank (diag.pid) */
+    TEP_ERR_RANK_TAKEN = 17, /* another live process already attached as this rank (diag.pid) */
+    TEP_ERR_CHECKSUM = 18    /* diag.rank's record does not match its checksum (diag.found = stored) */
 } tep_status;
 
 typedef enum {
@@ -140,6 +145,13 @@ int tep_peer_info(const tep_mailbox *mb, uint32_t rank, tep_diag *diag);
  * by a CUDA stream wakes nobody itself; its rank's own collect wakes the others when it sees it.
  * Defaults depend on world size vs online CPUs. */
 void tep_set_backoff(tep_mailbox *mb, uint64_t spin_ns, uint64_t yield_ns, uint64_t sleep_max_ns);
+
+/* Whether this rank's records carry an XXH3-64 checksum of their payload (on after create / attach).
+ * Readers check every record that carries one, whatever their own setting. */
+void tep_set_checksum(tep_mailbox *mb, int on);
+
+/* XXH3-64 of `length` bytes with `seed` (what a record's checksum is, seeded by tep_record_seed). */
+uint64_t tep_xxh3(const void *data, uint64_t length, uint64_t seed);
 
 /* Bytes of a segment for world_size ranks of slot_size-byte records (a multiple of 4096). */
 uint64_t tep_segment_size(uint32_t world_size, uint32_t slot_size);

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from ..env import no_native_build
 from ..errors import CommError, ConfigError, PeerTimeout
+from .segments import cleanup_stale_segments, new_segment_name
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -41,8 +42,6 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 10.0
 _MODULE = "thunderep.comm._mailbox_native"
-_SHM_DIR = Path("/dev/shm")
-_NAME_RE = re.compile(r"^tep-(\d+)-(\d+)-(\d+)-([0-9a-f]{16})$")
 _STATE_NAMES = {0: "never attached", 1: "attached", 2: "closed"}
 
 _native: Any = None
@@ -135,56 +134,6 @@ def native_unavailable_reason() -> str | None:
 def native_available() -> bool:
     """True when the mailbox extension can be used (imports or builds it on the first call)."""
     return native_unavailable_reason() is None
-
-
-# ---------------------------------------------------------------- segment names
-
-def _pidns() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def new_segment_name() -> str:
-    """A fresh segment name: user, pid namespace and creator pid (for stale cleanup) + a random token."""
-    return f"/tep-{os.geteuid()}-{_pidns()}-{os.getpid()}-{secrets.token_hex(8)}"
-
-
-def _process_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2] in "ZXx"
-    except (OSError, ValueError, IndexError):
-        return False
-
-
-def cleanup_stale_segments() -> list[str]:
-    """Unlink mailbox segments of this user whose creator process has exited; return their names.
-
-    A live group unlinks its segment's name as soon as every rank attached, so a name left behind
-    belongs to a run that crashed while starting. Segments of other pid namespaces are left alone.
-    """
-    removed: list[str] = []
-    if not _SHM_DIR.is_dir():
-        return removed
-    uid, ns = os.geteuid(), _pidns()
-    for entry in os.scandir(_SHM_DIR):
-        m = _NAME_RE.match(entry.name)
-        if not m or int(m.group(1)) != uid or int(m.group(2)) != ns or not _process_gone(int(m.group(3))):
-            continue
-        try:
-            os.unlink(entry.path)
-            removed.append("/" + entry.name)
-        except OSError:
-            pass
-    return removed
 
 
 # ---------------------------------------------------------------- the mailbox
@@ -337,6 +286,14 @@ class Mailbox:
         self._lib.tep_set_backoff(self._handle(), int(spin_us * 1e3), int(yield_us * 1e3),
                                   int(sleep_max_us * 1e3))
 
+    def set_checksum(self, on: bool) -> None:
+        """Whether this rank's records carry an XXH3-64 checksum of their payload (on by default: about
+        20 ns for a 256-byte record, docs/benchmarks/2026-12-05-hardening.md). Readers check every record
+        that carries one and raise `CommError` when the bytes changed after their writer published."""
+        if not isinstance(on, bool):
+            raise ConfigError(f"checksum must be True or False, not {on!r}")
+        self._lib.tep_set_checksum(self._handle(), int(on))
+
     # -- records
 
     def publish(self, round: int, data: bytes | bytearray | memoryview) -> None:
@@ -460,6 +417,10 @@ class Mailbox:
             raise CommError(f"{who} sent a {int(d.found)}-byte record in round {round} where rank "
                             f"{self._rank} sent {length} bytes: every rank must pass records of the "
                             f"same length in a round")
+        if st == lib.TEP_ERR_CHECKSUM:
+            raise CommError(f"{who}'s record for round {round} does not match its checksum: bytes of the "
+                            f"shared segment changed after the rank published them (another process "
+                            f"writing into it, or memory corruption)")
         if st == lib.TEP_ERR_ROUND:
             raise CommError(f"round {round} cannot be published by rank {self._rank}: its last round "
                             f"is {int(d.found)} and rounds must advance by exactly one")
