@@ -1,4 +1,4 @@
-"""The package layout as docs/ARCHITECTURE.md draws it: which package may import which, no cycles, no
+"""The package layout as docs/design/architecture.md draws it: which package may import which, no cycles, no
 library module reaching into the CLI, no private names across modules, short files and functions.
 
 Read from the sources with `ast` (nothing is imported), so a violation names its file and line.

@@ -192,7 +192,7 @@ def _acs(f: Facts) -> Check:
         return Check("acs", "warn",
                      f"ACS sends peer traffic up to the root complex at {', '.join(d.bdf for d in redirect)}",
                      f"now, until reboot: `{now}`; at every boot: {_APPLY} (this removes the isolation "
-                     "between these devices: see docs/SYSTEM_SETUP.md)", details)
+                     "between these devices: see docs/guide/doctor-and-sysconfig.md)", details)
     if unreadable:
         return Check("acs", "n/a", f"ACS bits of {', '.join(unreadable)} are unreadable without root",
                      "run `sudo thunderep doctor` (reading is harmless; only root can read PCIe extended "

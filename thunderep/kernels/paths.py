@@ -173,7 +173,7 @@ def pdl_applies(device: torch.device) -> bool:
     """Whether the down pass launches as a programmatic dependent of the gate/up pass (PDL): on sm_90
     and later (H100 / H200, RTX 5090), outside Triton's interpreter; THUNDEREP_PDL=0 turns it off.
     Its programs then start while the gate/up pass still runs, load their first weight chunk and wait
-    for h there (docs/ARCHITECTURE.md, "Decode")."""
+    for h there (docs/design/architecture.md, "GPU kernels", the Decode item)."""
     if env.pdl() is False or device.type != "cuda" or env.triton_interpreter():
         return False
     return _has_pdl(device.index if device.index is not None else torch.cuda.current_device())

@@ -1,6 +1,6 @@
 """`thunderep-sysconfig`: set up a consumer PCIe multi-GPU box for peer-to-peer, safely.
 
-What it manages (each with its reason, security cost and undo in docs/SYSTEM_SETUP.md):
+What it manages (each with its reason, security cost and undo in docs/guide/doctor-and-sysconfig.md):
 - the kernel command line, through a GRUB drop-in (or grubby on BLS systems): `iommu=pt` plus the
   vendor flag where one exists, and `pci=config_acs=` / `pci=disable_acs_redir=` where the running
   kernel supports them; `pcie_acs_override` only on request and only if the kernel carries that patch;

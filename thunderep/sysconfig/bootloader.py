@@ -193,7 +193,7 @@ def render_dropin(params: list[Param]) -> str:
     lines = [
         "# Kernel parameters added by thunderep-sysconfig (ThunderEP) for GPU peer-to-peer.",
         "# Undo: `thunderep-sysconfig revert --yes`, or delete this file and regenerate the GRUB configuration.",
-        "# Details and security costs: docs/SYSTEM_SETUP.md in the ThunderEP sources.",
+        "# Details and security costs: docs/guide/doctor-and-sysconfig.md in the ThunderEP sources.",
         "#",
     ]
     for p in params:
