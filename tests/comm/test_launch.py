@@ -249,3 +249,38 @@ def test_training_ranks_default_to_one_per_gpu_that_the_experts_divide(monkeypat
     assert ranks_for_host(2, (8,)) == 4  # what torch sees, where gpus is not given
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert ranks_for_host(2, (8,)) == 2
+
+
+def _fail_while_a_peer_is_stopped(rank, world, marker):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # suspended as by `kill -STOP`: never ends by itself
+        return
+    time.sleep(0.5)
+    Path(marker).write_text(str(time.monotonic()))
+    raise ValueError("rank 0 gives up")
+
+
+def _fail_while_a_peer_runs(rank, world, marker):
+    if rank == 1:
+        time.sleep(60)  # alive and not stopped: gets the grace, then SIGTERM
+        return
+    time.sleep(0.5)
+    Path(marker).write_text(str(time.monotonic()))
+    raise ValueError("rank 0 gives up")
+
+
+def test_a_failure_ends_a_stopped_peer_at_once(tmp_path, monkeypatch):
+    """A rank fails while another is stopped (SIGSTOP): the stopped rank is killed at once instead of
+    getting the grace and SIGTERM it cannot act on, so the launch raises within a second of the failure;
+    a running peer still gets the grace."""
+    from thunderep.errors import ThunderError
+
+    monkeypatch.setattr(launch_module, "GRACE_S", 3.0)
+    marker = tmp_path / "failed_at"
+    with pytest.raises(ThunderError, match="rank 0 failed: ValueError: rank 0 gives up"):
+        launch_module.launch(_fail_while_a_peer_is_stopped, 2, str(marker))
+    stopped_s = time.monotonic() - float(marker.read_text())
+    with pytest.raises(ThunderError, match="rank 0 failed: ValueError: rank 0 gives up"):
+        launch_module.launch(_fail_while_a_peer_runs, 2, str(marker))
+    running_s = time.monotonic() - float(marker.read_text())
+    assert stopped_s < 1.5 and running_s >= 3.0, (stopped_s, running_s)

@@ -14,6 +14,7 @@ touches the GPU) and takes this process's environment, stdout and stderr as they
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import multiprocessing.util
 import os
 import pickle
@@ -27,6 +28,7 @@ import traceback
 import warnings
 from multiprocessing import forkserver, reduction, resource_tracker
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -156,7 +158,7 @@ def _run_rank(rank: int, world: int, port: int, fn, args, errors) -> None:
     elif "OMP_NUM_THREADS" not in os.environ:
         # GPU ranks: torch would give every rank a thread pool as large as the machine, and a CPU
         # operator that goes parallel then waits for threads the other ranks' pools hold
-        # (docs/SYSTEM_SETUP.md, "CPU threads per rank"). Each rank gets its share of the cores.
+        # (docs/guide/doctor-and-sysconfig.md, "CPU threads per rank"). Each rank gets its share of the cores.
         torch.set_num_threads(max(1, share))
     try:
         fn(rank, world, *args)
@@ -207,6 +209,37 @@ def _follow_launcher(launcher: int) -> None:
     threading.Thread(target=wait, name="thunderep-follow-launcher", daemon=True).start()
 
 
+def _kill_stopped(processes) -> list[int]:
+    """SIGKILL to the ranks that are stopped (SIGSTOP, a debugger): after another rank failed they would never
+    end by themselves, nor take SIGTERM, so the grace the others get would only delay the command's end.
+    Returns their pids."""
+    killed = []
+    for p in processes:
+        try:
+            if p.exitcode is None and psutil.Process(p.pid).status() in (psutil.STATUS_STOPPED,
+                                                                         psutil.STATUS_TRACING_STOP):
+                p.kill()
+                killed.append(p.pid)
+        except psutil.NoSuchProcess:  # ended meanwhile
+            pass
+    return killed
+
+
+def _join(context) -> None:
+    """Wait for the ranks (torch's join: raises with the first failure). Once a rank has failed, the others
+    get GRACE_S to end by themselves, then SIGTERM, then after GRACE_S more SIGKILL (torch's default waits
+    30 s for a rank that does not take SIGTERM, e.g. one stuck in a collective); a stopped rank is killed
+    at once (`_kill_stopped`), so a failure ends the command within about a second of the failing rank."""
+    while True:
+        running = [p.sentinel for p in context.processes if p.exitcode is None]
+        if running:
+            multiprocessing.connection.wait(running)
+        if any(p.exitcode not in (None, 0) for p in context.processes):
+            _kill_stopped(context.processes)
+        if context.join(timeout=0, grace_period=GRACE_S):
+            return
+
+
 def _stop(processes, wait_s: float = GRACE_S, second_sigterm_kills: bool = False) -> bool:
     """SIGTERM to the ranks still running, `wait_s` for them to end, then SIGKILL. Whether every rank
     ended with exit code 0 (a rank that takes SIGTERM as a request to finish, as a server's do, can).
@@ -246,12 +279,8 @@ def launch(fn, nprocs: int, *args, stop_s: float = GRACE_S, second_sigterm_kills
     try:
         context = mp.start_processes(_child, args=(nprocs, free_port(), fn, args, errors, RankStart(ctx)),
                                      nprocs=nprocs, start_method=ctx.get_start_method(), join=False)
-        # Once a rank has failed, the others get GRACE_S to end by themselves, then SIGTERM, then after
-        # GRACE_S more SIGKILL (torch's default waits 30 s for a rank that does not take SIGTERM,
-        # e.g. one stuck in a collective or stopped).
         try:
-            while not context.join(grace_period=GRACE_S):
-                pass
+            _join(context)
         except KeyboardInterrupt:  # Ctrl-C, or SIGINT to this process alone: the ranks stop too, unsaved
             _stop(context.processes)
             raise
