@@ -26,6 +26,7 @@ import struct
 import warnings
 from typing import Sequence
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -97,6 +98,11 @@ class ControlPlane(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release this rank's resources (idempotent)."""
+
+    def dead_peers(self) -> list[str]:
+        """The peers known to have exited or closed, one phrase each ("rank 1 (pid 4242) exited"): what a
+        failed collective names. Empty where this plane cannot tell (collectives only)."""
+        return []
 
     def __enter__(self) -> ControlPlane:
         return self
@@ -305,6 +311,18 @@ class MailboxControlPlane(ControlPlane):
         assert mb is not None
         return mb
 
+    def dead_peers(self) -> list[str]:
+        found = []
+        for r in range(self._world):
+            if r == self._rank or self._mb is None:
+                continue
+            info = self._mb.peer_info(r)
+            if info.state == "closed":
+                found.append(f"rank {r} (pid {info.pid}) closed its control plane")
+            elif info.pid and not _alive(info.pid):
+                found.append(f"rank {r} (pid {info.pid}) exited")
+        return found
+
     @property
     def mailbox(self) -> Mailbox:
         """The underlying mailbox (e.g. for `mailbox_cuda.CudaMailboxWriter`)."""
@@ -430,3 +448,11 @@ def make_control_plane(kind: str = "auto", group: dist.ProcessGroup | None = Non
             raise
         warnings.warn(f"thunderep: using the collective control plane: {exc}", RuntimeWarning, stacklevel=2)
         return CollectiveControlPlane(group, record_bytes=record_bytes)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

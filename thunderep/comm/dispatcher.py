@@ -127,7 +127,8 @@ class Pending:
         d = self._d
         if self._work is not None:
             blocked_from = time.perf_counter()
-            with peer_errors(f"{self._op} all_to_all on EP rank {d.groups.ep_rank}", f"{d.groups.timeout_s:g} s"):
+            with peer_errors(f"{self._op} all_to_all on EP rank {d.groups.ep_rank}", f"{d.groups.timeout_s:g} s",
+                             d.control):
                 wait_work(self._work, d.groups.timeout_s, self._wire.is_cuda)
             self._work = None
             if self._out is not self._wire:
@@ -195,7 +196,7 @@ class Dispatcher:
         on_host = time.perf_counter()
         # 3. one exchange; a collective control plane reports dead peers through torch errors
         with record_function("thunderep.control_exchange"), peer_errors(
-                f"split-size exchange on EP rank {me}", "the process group's timeout"):
+                f"split-size exchange on EP rank {me}", "the process group's timeout", self.control):
             rows = self.control.exchange_tensor(record)
         all_RW = rows[:, :W * (P + R)].reshape(R, W, P + R)
         sinks = (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)

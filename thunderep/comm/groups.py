@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -168,15 +169,28 @@ def wait_work(work, timeout_s: float, on_cuda: bool) -> None:
         work.wait(timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def _torch_reason(exc: BaseException) -> str:
+    """The gist of a torch.distributed error: its first line without gloo's source location
+    ("[/path/pair.cc:537] ") and the advice that follows the reason."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", line)
+    return line.split(". This is typically caused by")[0][:200]
+
+
 @contextlib.contextmanager
-def peer_errors(what: str, within: str):
-    """Turn the RuntimeError torch.distributed raises when a peer dies or a wait runs out into a
-    `CommError`: "<what> failed: a peer died or did not answer within <within> (<torch's first line>)".
-    ThunderEP's own errors pass through."""
+def peer_errors(what: str, within: str, plane=None):
+    """Turn the RuntimeError torch.distributed raises when a peer dies or a wait runs out into one line of
+    `CommError`: "<what> failed: rank 1 (pid 4242) exited" where `plane` (the runtime's control plane)
+    knows which peer ended, else "<what> failed: a peer died or did not answer within <within> (<torch's
+    reason>)". ThunderEP's own errors pass through."""
     try:
         yield
     except ThunderError:
         raise
     except RuntimeError as exc:
+        dead = plane.dead_peers() if plane is not None else []
+        if dead:
+            raise CommError(f"{what} failed: {'; '.join(dead)} ({_torch_reason(exc)}): the command cannot go "
+                            "on without it") from exc
         raise CommError(f"{what} failed: a peer died or did not answer within {within} "
-                        f"({str(exc).splitlines()[0][:200]})") from exc
+                        f"({_torch_reason(exc)})") from exc

@@ -108,7 +108,7 @@ class ExpertParallel:
         in `stats`)."""
         me, R = self.groups.ep_rank, self.groups.ep_size
         started = time.perf_counter()
-        with peer_errors(f"token-count exchange on EP rank {me}", "the process group's timeout"):
+        with peer_errors(f"token-count exchange on EP rank {me}", "the process group's timeout", self.control):
             out = self.control.allreduce_max([T, -T])
         seconds = time.perf_counter() - started
         for sink in self._sinks(stats):
@@ -120,7 +120,7 @@ class ExpertParallel:
         """Run `launch()` (an async collective over the EP group), wait bounded by the timeout, and record
         `sent_TC`'s bytes as sent to every peer."""
         started = time.perf_counter()
-        with peer_errors(f"{op} on EP rank {self.groups.ep_rank}", f"{self.groups.timeout_s:g} s"):
+        with peer_errors(f"{op} on EP rank {self.groups.ep_rank}", f"{self.groups.timeout_s:g} s", self.control):
             wait_work(launch(), self.groups.timeout_s, sent_TC.is_cuda)
         nbytes = sent_TC.numel() * sent_TC.element_size()
         sent = [0 if r == self.groups.ep_rank else nbytes for r in range(self.groups.ep_size)]

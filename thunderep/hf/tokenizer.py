@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from ..errors import CheckpointError
 
 __all__ = ["ByteTokenizer", "encode_batch", "load_tokenizer"]
 
@@ -28,6 +31,22 @@ class ByteTokenizer:
         return "".join(chr(i) if 32 <= i < 127 else f"<{i}>" for i in (int(t) for t in ids))
 
 
+def _tokenizer_problem(model_dir: Path, exc: Exception) -> str:
+    """Which of `model_dir`'s tokenizer files could not be read, and why, in one line."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "special_tokens_map.json"):
+        file = model_dir / name
+        try:
+            json.loads(file.read_bytes()) if file.exists() else None
+        except (OSError, ValueError) as bad:
+            where = f" at line {bad.lineno} column {bad.colno}" if isinstance(bad, json.JSONDecodeError) else ""
+            return (f"{file} is not a readable tokenizer file ({type(bad).__name__}{where}): copy it again from "
+                    "the model's source, or remove the tokenizer files to read text as bytes")
+    present = ", ".join(sorted(p.name for p in model_dir.iterdir() if p.name in _TOKENIZER_FILES))
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return (f"transformers cannot load the tokenizer of {model_dir} ({present}): {type(exc).__name__}: {first}; "
+            "copy the tokenizer files again from the model's source")
+
+
 def load_tokenizer(model_dir: str | os.PathLike, vocab_size: int):
     """The checkpoint's tokenizer if `model_dir` has one, else a `ByteTokenizer` (with a warning unless the
     vocabulary is 256 ids, a byte-level model's; under torch.distributed rank 0 alone warns, as every rank
@@ -35,7 +54,10 @@ def load_tokenizer(model_dir: str | os.PathLike, vocab_size: int):
     if any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer  # the hf extra: only where the checkpoint has a tokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - JSON, tokenizers and sentencepiece errors alike: name the file
+            raise CheckpointError(_tokenizer_problem(Path(model_dir), exc)) from exc
         tok.padding_side = "left"
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token

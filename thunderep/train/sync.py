@@ -192,7 +192,7 @@ class GradSync:
 
     def _wait(self, work, what: str, on_cuda: bool) -> None:
         seconds = self.timeout.total_seconds()
-        with peer_errors(f"gradient sync ({what})", f"{seconds:g} s"):
+        with peer_errors(f"gradient sync ({what})", f"{seconds:g} s", self.ep.control if self.ep is not None else None):
             wait_work(work, seconds, on_cuda)
 
     def finish(self) -> None:
