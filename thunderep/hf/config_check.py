@@ -6,6 +6,8 @@ transformers config read from it.
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import torch
@@ -14,7 +16,7 @@ from ..errors import CheckpointError, UnsupportedModelError
 from .quantized import quantization_problem
 
 __all__ = ["EXPERT_COUNT_KEYS", "config_problem", "context_length", "ep_size_problem", "expert_counts",
-           "read_config", "resolve_dtype"]
+           "layer_count_problem", "read_config", "resolve_dtype"]
 
 
 def read_config(path, flag: str | None = None):
@@ -108,6 +110,7 @@ def config_problem(model_dir, flag: str | None = "--model") -> str | None:
 
 # Sizes a model config names under these keys: whole numbers >= 1 (an expert count may be 0: a dense
 # model, which wrapping refuses by name). Not "top_k": older configs keep generation settings beside.
+_GROUP_KEYS = ("n_group", "topk_group")  # DeepSeek-style group-limited routing
 SIZE_KEYS = ("num_experts_per_tok", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
              "num_hidden_layers", "num_attention_heads")
 
@@ -121,8 +124,13 @@ def _whole(value, least: int) -> bool:
 
 
 def _size_problem(part: dict) -> str | None:
-    """The first size entry of a config (or its text_config) that cannot describe a model, or None."""
-    for key in SIZE_KEYS + EXPERT_COUNT_KEYS:
+    """The first entry of a config (or its text_config) that cannot describe a model, or None: a size that is
+    not a whole number, a number that is not finite, more experts per token than experts, or routing groups
+    (DeepSeek's n_group / topk_group) that do not split the experts."""
+    for key, value in part.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"\"{key}\": {value!r}, where a finite number belongs"
+    for key in SIZE_KEYS + EXPERT_COUNT_KEYS + _GROUP_KEYS:
         value, least = part.get(key), 0 if key in EXPERT_COUNT_KEYS else 1
         if value is not None and not _whole(value, least):
             return f"\"{key}\": {value!r}, where a whole number of {least} or more belongs"
@@ -130,6 +138,11 @@ def _size_problem(part: dict) -> str | None:
     top_k = part.get("num_experts_per_tok")
     if experts is not None and top_k is not None and top_k > experts:
         return f"{top_k} experts per token of only {experts} experts"
+    groups, top_groups = part.get("n_group"), part.get("topk_group")
+    if groups is not None and top_groups is not None and top_groups > groups:
+        return f"\"topk_group\": {top_groups} of only {groups} routing groups (\"n_group\")"
+    if experts is not None and groups is not None and experts % groups:
+        return f"\"n_group\": {groups}, which does not divide the {experts} experts into equal routing groups"
     return None
 
 
@@ -155,4 +168,25 @@ def ep_size_problem(model_dir, ep: int) -> str | None:
     for count in expert_counts(model_dir) if ep >= 1 else []:
         if count % ep:
             return f"--ep {ep} does not divide the model's {count} routed experts: use a rank count that divides them"
+    return None
+
+
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_count_problem(model_dir, config, tensor_names) -> str | None:
+    """Whether config.json names more decoder layers than the checkpoint's tensors hold (`tensor_names`: every
+    tensor name in its safetensors files), found before the model is built: a config that names 10^9 layers
+    would otherwise be built until memory ran out. Names without a `layers.N.` part are not judged; more
+    layers in the tensors than the config names (e.g. multi-token-prediction layers) are fine."""
+    present = [int(m.group(1)) for name in tensor_names for m in [_LAYER_NAME.search(name)] if m]
+    if not present:
+        return None
+    held = max(present) + 1
+    for part in (config.get_text_config() if hasattr(config, "get_text_config") else config, config):
+        wanted = getattr(part, "num_hidden_layers", None)
+        if isinstance(wanted, int) and wanted > held:
+            return (f"{Path(model_dir) / 'config.json'} gives \"num_hidden_layers\": {wanted}, but the checkpoint's "
+                    f"tensors hold layers 0 to {held - 1} only ({held} layers): correct the entry, or copy the "
+                    "missing weight files")
     return None
