@@ -11,6 +11,7 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_EXPERT_GEMM=triton|torch   pins the expert GEMMs' implementation
     THUNDEREP_WGRAD=triton|torch    pins the weight-gradient GEMMs' implementation
     THUNDEREP_NO_NATIVE_BUILD=1     never build the mailbox extension at import (packaging, CI)
+    THUNDEREP_API_KEY=KEY           the key `thunderep serve` requires (where --api-key is not given)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 
 from .errors import ConfigError
 
-__all__ = ["compile_threads", "debug", "forced_gemm", "no_native_build", "pairs_max_tokens", "pdl",
+__all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "no_native_build", "pairs_max_tokens", "pdl",
            "triton_autotune", "triton_interpreter"]
 
 
@@ -35,6 +36,11 @@ def debug() -> bool:
 def no_native_build() -> bool:
     """THUNDEREP_NO_NATIVE_BUILD: any non-empty value."""
     return bool(_raw("THUNDEREP_NO_NATIVE_BUILD"))
+
+
+def api_key() -> str | None:
+    """THUNDEREP_API_KEY: the key, or None when unset or empty."""
+    return _raw("THUNDEREP_API_KEY") or None
 
 
 def triton_autotune() -> bool:

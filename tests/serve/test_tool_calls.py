@@ -328,3 +328,17 @@ def test_check_tool_choice_takes_auto_and_none_and_names_what_it_refuses():
                                      "or \"none\"): the server does not force the model's answer into a call")
     with pytest.raises(BadRequest, match="\"tool_choice\" \"auto\" needs \"tools\""):
         check_tool_choice("auto", has_tools=False)
+
+
+def test_the_server_keeps_a_special_marker_only_in_answers_whose_calls_are_parsed():
+    """Mistral's [TOOL_CALLS] is a special token: the server decodes answers parsed for tool calls with it
+    kept (and every other special token, e.g. the EOS, dropped); other answers drop it as before."""
+    from thunderep.serve.config import ServeConfig
+    from thunderep.serve.http_api import Server
+
+    tokenizer = _tokenizer(MISTRAL_LIKE, special=["[TOOL_CALLS]"])
+    server = Server(ServeConfig(port=0, quiet=True), tokenizer, 64, "tiny", 1)
+    marker = frozenset(tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False))
+    ids = tokenizer.encode("hello [TOOL_CALLS] hello </s>", add_special_tokens=False)
+    assert server.decode(ids, keep=marker) == "hello [TOOL_CALLS] hello"
+    assert server.decode(ids) == "hello hello"

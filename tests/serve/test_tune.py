@@ -396,3 +396,40 @@ def test_the_pinned_path_is_undone_after_tuning(monkeypatch):
     with pytest.raises(RuntimeError), grouped_gemm.pinned("THUNDEREP_EXPERT_GEMM", "torch"):
         raise RuntimeError("a failed call")
     assert os.environ["THUNDEREP_EXPERT_GEMM"] == "triton"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu tests cover CUDA")
+def test_fp8_serving_after_tuning_meets_no_key_tuning_did_not(monkeypatch, tmp_path):
+    """FP8 experts (from_pretrained(experts_dtype="fp8")) in Triton's CPU interpreter: every autotuner key
+    (the key arguments and every tensor argument's dtype, as `tuning.launch` keys a GPU's choices) that
+    serving launches, prompts of 1 to 513 tokens alone and three together, eager and graph-shaped steps,
+    was launched by `tune_kernels` first."""
+    from hf_tiny import save_tiny
+
+    from thunderep.kernels import tuning
+
+    met, launch = [], tuning.launch
+
+    def recorded(autotuner, plain, default, grid, device, **args):
+        name = next(n for n, a in tuning._REGISTRY.items() if a is autotuner)
+        met.append((name, *(args[k] for k in autotuner.keys),
+                    *(str(v.dtype) for v in args.values() if isinstance(v, torch.Tensor))))
+        return launch(autotuner, plain, default, grid, device, **args)
+
+    monkeypatch.setattr(tuning, "launch", recorded)
+    monkeypatch.setattr(tune, "kernel_bindings", _every_binding)
+    tm = ThunderMoE.from_pretrained(save_tiny("mixtral", tmp_path / "m", seed=1), None, dtype=torch.bfloat16,
+                                    device=torch.device("cpu"), experts_dtype="fp8", experts_implementation=KERNELS)
+    tune.tune_kernels(tm.eval(), max_batch=8)
+    tuned = set(met)
+    assert {key[0] for key in tuned} >= {"up", "rows", "up_pairs", "down_pairs"}
+    met.clear()
+    lengths = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513)
+    entries = [Entry(i, [3 + (i * 7 + j) % 50 for j in range(n)], 3, (0.0, 1.0), 0) for i, n in enumerate(lengths)]
+    for batch in (DecodeBatch(tm, "cpu", set(), 0), StaticDecodeBatch(tm, "cpu", set(), 0, max_batch=8)):
+        for group in [[e] for e in entries] + [entries[i:i + 3] for i in range(0, len(entries), 3)]:
+            batch.admit(group)
+            while len(batch):
+                batch.step()
+    assert set(met) <= tuned, sorted(set(met) - tuned)

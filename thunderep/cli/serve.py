@@ -5,7 +5,7 @@
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 Every rank loads its share of the experts (`ThunderMoE.from_pretrained`); rank 0 also answers HTTP
-(the standard library's threaded server, no other dependency). Requests queue on rank 0. With
+(FastAPI on uvicorn: pip install "thunderep[serve]"). Requests queue on rank 0. With
 continuous batching (the default; `thunderep.serve.engine`) the serving loop, at every decode step, takes
 queued requests while fewer than `--max-batch` sequences are being decoded and sends them to every rank
 (host objects, through the EP runtime's control plane: `Ranks`); all ranks prefill them into the
@@ -22,13 +22,24 @@ rank that dies is noticed within `--timeout`. Before listening, ThunderEP's kern
 the experts) are autotuned for every shape the server can meet (`thunderep.serve.tune`), and on GPUs the
 ranks rehearse decoding at every batch size, so that no request pays for either.
 
-Endpoints, in the OpenAI API's shape (one prompt per request):
-  POST /v1/completions       {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
-  POST /v1/chat/completions  {"messages", ...}: the checkpoint's chat template, generation prompt added
+Endpoints, in the OpenAI API's shape (one prompt per request; the official clients work):
+  POST /v1/completions       {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+                              "stream_options": {"include_usage"}}
+  POST /v1/chat/completions  {"messages", "max_completion_tokens", ...}: the checkpoint's chat template,
+                              generation prompt added; content a string or a list of {"type": "text"} parts;
+                              roles system, user, assistant, tool, developer (as system)
+  GET  /v1/models, /v1/models/{id}: the --served-model-name names (a request naming another model: 404
+       model_not_found)
   GET  /health ({"status", "model", "ranks", "batching", "decode", "generating", "queued"}; once the server
-       stops or fails, 503 {"status": "stopping" | "failed", "error", "generating"}), GET /v1/models;
+       stops or fails, 503 {"status": "stopping" | "failed", "error", "generating"}); needs no API key;
        "generating" counts the requests taken from the queue and not yet answered, as of the last one
        taken, answered or dropped (not of the serving loop's last turn)
+Errors come as {"error": {"message", "type", "param", "code"}}. OpenAI fields this server does not implement
+("n" > 1, "logprobs", penalties, "response_format" other than text, ...) get 400 naming them; fields it
+does not know are ignored (the log names each once). With --api-key (or THUNDEREP_API_KEY) every route but
+/health needs "Authorization: Bearer KEY" (401 otherwise); a --host other machines can reach is refused
+without a key unless --allow-no-api-key. Slow clients are dropped: a request's line and headers must
+arrive within --header-timeout, its body within --body-timeout (408).
 temperature defaults to 0 (greedy: the same answer every time). "stop" (a string or up to 4) ends the
 answer before the first of them (finish_reason "stop"; with continuous batching the sequence also stops
 being generated). "stream": true sends the answer as server-sent events (`data: {chunk}` as text is
@@ -58,12 +69,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import add_model_options, count_problems
-from ..hf.fp8 import EXPERTS_DTYPE_HELP, EXPERTS_DTYPES
+from .. import env
 from ..hf.config_check import config_problem, ep_size_problem
-from ..serve.config import ServeConfig
-from ..serve.http_api import listen_problem
+from ..hf.fp8 import EXPERTS_DTYPE_HELP, EXPERTS_DTYPES
+from ..serve.config import HttpConfig, ServeConfig
+from ..serve.http_api import exposure_problem, listen_problem, missing_http_stack
 from ..serve.server import serve
+from ..serve.tool_calls import PARSER_NAMES
+from . import add_model_options, count_problems
 
 __all__ = ["main", "parse_args", "problems"]
 
@@ -101,7 +114,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer (default 120)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
     p.add_argument("--quiet", action="store_true", help="no line per request")
+    _http_options(p)
     return p
+
+
+def _http_options(p: argparse.ArgumentParser) -> None:
+    """The HTTP layer's options: the API it offers and the limits it holds clients to."""
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="a model name requests may give (repeat for several; the first names the answers of "
+                        "requests that give none); default: the checkpoint directory's name")
+    p.add_argument("--api-key", default=None,
+                   help="require \"Authorization: Bearer KEY\" on every route but /health (default: the "
+                        "THUNDEREP_API_KEY environment variable; unset: no key)")
+    p.add_argument("--allow-no-api-key", action="store_true",
+                   help="listen on an address other machines can reach without an API key (refused otherwise)")
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="connections open at once; one more gets 503 (default 4096)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle connection stays open between requests (default 5)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's line and headers may take to arrive, from the connection or the "
+                        "request's first byte; then the connection is dropped with 408 (default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive once its headers have; then the "
+                        "connection is dropped with 408 (default 30)")
+    p.add_argument("--tool-call-parser", choices=PARSER_NAMES, default=None,
+                   help="how tool calls are read from the model's output (default auto: the format the "
+                        "checkpoint's chat template writes)")
 
 
 def parse_args(argv: list[str] | None = None) -> ServeConfig:
@@ -114,22 +153,31 @@ def _config(a: argparse.Namespace) -> ServeConfig:
                        cuda_graphs=a.cuda_graphs, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
                        experts_implementation=a.experts_implementation, experts_dtype=a.experts_dtype,
                        request_timeout=a.request_timeout, drain_timeout=a.drain_timeout, timeout=a.timeout,
-                       cpu=a.cpu, quiet=a.quiet)
+                       cpu=a.cpu, quiet=a.quiet, http=HttpConfig(
+                           served_model_names=tuple(a.served_model_name or ()), api_key=a.api_key or env.api_key(),
+                           allow_no_api_key=a.allow_no_api_key, max_connections=a.max_connections,
+                           keep_alive_timeout=a.keep_alive_timeout, header_timeout=a.header_timeout,
+                           body_timeout=a.body_timeout, tool_call_parser=a.tool_call_parser))
 
 
 def problems(a: argparse.Namespace) -> list[str]:
     """What is wrong with the options, one line each (empty: nothing). The address is tried last, once
     everything else holds: before anything loads, it is free and this machine's."""
-    out = count_problems(a, ("ep", "max_batch", "max_new_tokens"))
+    out = count_problems(a, ("ep", "max_batch", "max_new_tokens", "max_connections"))
     if not 0 <= a.port < 65536:
         out.append(f"--port must be in 0..65535, got {a.port}")
     out += [f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(a, name)}"
-            for name in ("request_timeout", "timeout") if not 0 < getattr(a, name) < float("inf")]
+            for name in ("request_timeout", "timeout", "keep_alive_timeout", "header_timeout", "body_timeout")
+            if not 0 < getattr(a, name) < float("inf")]
+    out += [f"--served-model-name must be a non-empty name, got {n!r}" for n in a.served_model_name or () if not n]
     if not 0 <= a.drain_timeout < float("inf"):
         out.append(f"--drain-timeout must be 0 or more seconds, got {a.drain_timeout}")
     if a.dtype not in ("auto", "float32", "bfloat16", "float16"):
         out.append(f"--dtype must be auto, float32, bfloat16 or float16, got {a.dtype!r}")
     out += filter(None, [config_problem(a.model) or ep_size_problem(a.model, a.ep)])
+    out += filter(None, [missing_http_stack()])
+    if not out:
+        out += filter(None, [exposure_problem(a.host, a.api_key or env.api_key(), a.allow_no_api_key)])
     if not out:
         out += filter(None, [listen_problem(a.host, a.port)])
     return out

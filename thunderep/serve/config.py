@@ -4,11 +4,11 @@ Defaults are the options' defaults."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["GenerateConfig", "ServeConfig", "pick_device"]
+__all__ = ["GenerateConfig", "HttpConfig", "ServeConfig", "pick_device"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,21 @@ class GenerateConfig:
     experts_implementation: str | None = None
     experts_dtype: str | None = None
     timeout: float = 120.0  # seconds any rank waits for a peer
+    quiet: bool = False  # only the answers: no streaming, loading or speed lines
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """`thunderep serve`'s HTTP layer: the API it offers and the limits it holds clients to (see its help)."""
+
+    served_model_names: tuple[str, ...] = ()  # () : the checkpoint directory's name
+    api_key: str | None = None  # every route but /health needs "Authorization: Bearer KEY"
+    allow_no_api_key: bool = False  # listen beyond loopback without a key
+    max_connections: int = 4096  # open connections at once; more get 503
+    keep_alive_timeout: float = 5.0  # seconds an idle connection stays open between requests
+    header_timeout: float = 10.0  # seconds a request's line and headers may take to arrive
+    body_timeout: float = 30.0  # seconds a request's body may take to arrive, once its headers have
+    tool_call_parser: str | None = None  # None / "auto": chosen from the chat template
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class ServeConfig:
     timeout: float = 120.0  # seconds any rank waits for a peer
     cpu: bool = False
     quiet: bool = False  # no line per request
+    http: HttpConfig = field(default_factory=HttpConfig)
 
 
 def pick_device(ep, cpu: bool) -> torch.device:

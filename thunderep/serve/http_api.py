@@ -1,36 +1,38 @@
-"""The HTTP side of `thunderep serve` on rank 0, in the OpenAI API's shape: requests parsed and checked
-(a bad one gets 400 with a message), queued as jobs for the serving loop, and answered whole or as
-server-sent events (the routes: `thunderep.serve.http_handler`). Only the standard library's threaded
-HTTP server; no other dependency."""
+"""Rank 0's side of `thunderep serve`: the queue of jobs the serving loop takes, requests turned into jobs
+(`Server.job`: the model name checked, the prompt rendered and tokenized, what the model cannot take
+refused), and the answers the serving loop gives them (`progress`, `answer`, `fail`). The HTTP layer on
+top (FastAPI on uvicorn, the `serve` extra) is `thunderep.serve.http_app` and `thunderep.serve.http_server`."""
 
 from __future__ import annotations
 
-import json
+import functools
+import importlib.util
+import ipaddress
 import queue
 import socket
 import threading
 import time
-from http.server import ThreadingHTTPServer
 
 from ..errors import ConfigError
 from .config import ServeConfig
-from .engine import sampling_problem
-from .http_handler import RequestHandler
-from .jobs import BadRequest, Job, TextSoFar, cut_at_stop
+from .jobs import ApiError, BadRequest, Job, TextSoFar, cut_at_stop
 from .token_bound import TokenBound
 
-__all__ = ["FAIL_WAIT_S", "IDLE_S", "BadRequest", "Job", "Server", "TextSoFar", "cut_at_stop", "listen_problem"]
+__all__ = ["FAIL_WAIT_S", "IDLE_S", "ApiError", "BadRequest", "Job", "Server", "TextSoFar", "cut_at_stop",
+           "exposure_problem", "listen_problem", "missing_http_stack"]
 
 IDLE_S = 0.5  # rank 0 sends an (empty) batch at least this often
 FAIL_WAIT_S = 2.0  # after the serving loop failed, how long the open requests' handlers get to send the error
+_HTTP_STACK = ("fastapi", "uvicorn", "pydantic")
 
-# OpenAI request fields that change the answer and that this server does not implement, with the values
-# that ask for nothing (clients send those by default): any other value is refused, not ignored.
-_UNSUPPORTED = {
-    "n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (False, None, 0),
-    "top_logprobs": (0, None), "presence_penalty": (0, None), "frequency_penalty": (0, None),
-    "logit_bias": ({}, None), "suffix": ("", None), "tools": ([], None), "functions": ([], None),
-}
+
+def missing_http_stack() -> str | None:
+    """Why `thunderep serve` cannot answer HTTP here (its packages, the `serve` extra, are not installed), in
+    one line; None when it can."""
+    missing = [name for name in _HTTP_STACK if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"thunderep serve needs {', '.join(missing)} (not installed here): pip install \"thunderep[serve]\"")
 
 
 def listen_problem(host: str, port: int, exc: OSError | None = None) -> str | None:
@@ -38,7 +40,7 @@ def listen_problem(host: str, port: int, exc: OSError | None = None) -> str | No
     in one line; None when it can."""
     if exc is None:
         try:
-            with socket.socket(ThreadingHTTPServer.address_family) as sock:
+            with socket.socket(_family(host)) as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
                 sock.bind((host, port))
                 return None
@@ -48,11 +50,38 @@ def listen_problem(host: str, port: int, exc: OSError | None = None) -> str | No
             "or a name that resolves to one; --port a free port, or 0 for any)")
 
 
-class Server:
-    """Rank 0's side: the HTTP server thread and the queue of jobs it feeds the serving loop."""
+def _family(host: str) -> int:
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:  # a name: IPv4, as the standard library's servers bind names
+        return socket.AF_INET
 
-    def __init__(self, config: ServeConfig, tokenizer, context: int, name: str, world: int):
-        self.config, self.tokenizer, self.context, self.name, self.world = config, tokenizer, context, name, world
+
+def exposure_problem(host: str, api_key: str | None, allow_no_api_key: bool) -> str | None:
+    """Why the server must not listen on `host` as configured: an address other machines can reach, and no
+    API key; None when it may (a loopback address, a key, or --allow-no-api-key)."""
+    if api_key or allow_no_api_key:
+        return None
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return None  # cannot resolve: listen_problem says so
+    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        return None
+    return (f"--host {host} can be reached from other machines and no API key is set: give one (--api-key, or "
+            "the THUNDEREP_API_KEY environment variable) so that every request must carry it, or pass "
+            "--allow-no-api-key to serve anyone who can reach the port")
+
+
+class Server:
+    """Rank 0's side: the queue of jobs for the serving loop, and the HTTP server (bound at construction,
+    answering once `start`ed, stopped by `close`). `names`: the model names requests may ask for (the
+    first is the one answers name when a request names none)."""
+
+    def __init__(self, config: ServeConfig, tokenizer, context: int, names, world: int):
+        self.names = (names,) if isinstance(names, str) else tuple(names)
+        self.config, self.tokenizer, self.context, self.name, self.world = config, tokenizer, context, \
+            self.names[0], world
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.open: set[Job] = set()  # jobs whose handler has not replied yet (fail_open answers them)
         # why the serving loop ended (fail_open) or is ending (refuse_new): new requests get it at once
@@ -66,14 +95,31 @@ class Server:
         self.token_bound = TokenBound.of(tokenizer)
         self.batching = config.batching  # what the serving loop runs
         self.decode_steps = "eager"  # or "cuda-graphs": how decode steps run now, set by the serving loop
-        handler = type("Handler", (RequestHandler,), {"api": self})
+        self.created = int(time.time())
+        problem = missing_http_stack() or exposure_problem(config.host, config.http.api_key,
+                                                           config.http.allow_no_api_key)
+        if problem is not None:
+            raise ConfigError(problem)
+        # fastapi and uvicorn: the serve extra, checked just above
+        from .http_server import HttpServer
 
         try:
-            self.http = ThreadingHTTPServer((config.host, config.port), handler)
+            self.http = HttpServer(self)  # binds the address
         except OSError as exc:  # the address taken, not this machine's, or a name that does not resolve
             raise ConfigError(listen_problem(config.host, config.port, exc)) from None
-        self.http.daemon_threads = True
-        self.thread = threading.Thread(target=self.http.serve_forever, name="thunderep-http", daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) the server listens on (the port chosen when --port 0)."""
+        return self.http.address
+
+    def start(self) -> None:
+        """Answer HTTP from now on (returns once the server accepts connections)."""
+        self.http.start()
+
+    def close(self) -> None:
+        """Stop answering HTTP and let the address go."""
+        self.http.close()
 
     @property
     def generating(self) -> int:
@@ -91,71 +137,49 @@ class Server:
                              f"token of this tokenizer stands for at most {bound.chars_per_token(text)} characters), "
                              f"which leave no room in the model's context of {self.context} tokens")
 
-    def parse(self, kind: str, raw: bytes) -> Job:
-        """A job from a request body, or BadRequest saying what is wrong."""
-        try:
-            body = json.loads(raw or b"{}")
-            if not isinstance(body, dict):
-                raise BadRequest("the body is a JSON object")
-            json.dumps(body, ensure_ascii=False).encode()  # JSON's \ud800 escapes give strings no tokenizer takes
-        except json.JSONDecodeError as exc:
-            raise BadRequest(f"the body is not JSON ({exc.msg})") from None
-        except UnicodeDecodeError as exc:
-            raise BadRequest(f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-        except UnicodeEncodeError as exc:
-            raise BadRequest(f"the body holds text that is not valid Unicode ({exc.reason})") from None
-        except RecursionError:
-            raise BadRequest("the body nests JSON arrays or objects too deeply to be read") from None
-        for field, plain in _UNSUPPORTED.items():
-            if field in body and body[field] not in plain:
-                raise BadRequest(f"\"{field}\" {body[field]!r} is not supported here (only "
-                                 f"{' or '.join(json.dumps(v) for v in plain)}): the answer would not be what "
-                                 "it asks for")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest(f"\"stream\" is true or false, got {stream!r}")
-        if kind == "completion":
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise BadRequest("\"prompt\" is a non-empty string (one prompt per request)")
-            self._refuse_untokenized(prompt)
-            ids = self.tokenizer.encode(prompt)
-        else:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages):
-                raise BadRequest("\"messages\" is a non-empty list of {\"role\", \"content\"} strings")
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise BadRequest("this checkpoint's tokenizer has no chat template; use /v1/completions")
-            try:
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except Exception as exc:  # noqa: BLE001 - a template's own refusal (jinja2's TemplateError, ...)
-                raise BadRequest(f"the checkpoint's chat template refused these messages: {exc}") from None
-            self._refuse_untokenized(text)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+    def check_model(self, model: str | None) -> str:
+        """The model name an answer carries: the one asked for, if served here (else 404 model_not_found),
+        or the first served name."""
+        if model is None:
+            return self.name
+        if model not in self.names:
+            raise ApiError(f"the model {model!r} is not served here (this server serves "
+                           f"{', '.join(map(repr, self.names))}: --served-model-name)", 404,
+                           param="model", code="model_not_found")
+        return model
+
+    def job(self, kind: str, request, prompt: str) -> Job:
+        """A job from a validated request (`openai_schema`) and its prompt text (a completion's prompt, or
+        the rendered chat), or BadRequest saying why the model cannot take it. Tokenizes: call it off the
+        event loop."""
+        self._refuse_untokenized(prompt)
+        ids = self.tokenizer.encode(prompt, **({} if kind == "completion" else {"add_special_tokens": False}))
         if not ids:
             raise BadRequest("the prompt encodes to no tokens (whitespace only?); give it some text")
         if len(ids) >= self.context:
             raise BadRequest(f"the prompt's {len(ids)} tokens leave no room in the model's context of "
                              f"{self.context} tokens")
-        # without "max_tokens": --max-new-tokens, or the room the prompt leaves in the context if less
-        max_tokens = body.get("max_tokens", min(self.config.max_new_tokens, self.context - len(ids)))
-        temperature, top_p, seed = body.get("temperature", 0.0), body.get("top_p", 1.0), body.get("seed")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise BadRequest(f"\"max_tokens\" is a positive integer, got {max_tokens!r}")
-        for name, value in (("temperature", temperature), ("top_p", top_p), ("seed", seed)):
-            rule = None if name == "seed" and value is None else sampling_problem(name, value)
-            if rule:  # the rules `thunderep generate` checks its options by
-                raise BadRequest(f"\"{name}\" is {rule}, got {value!r}")
-        stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
-        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
-            raise BadRequest(f"\"stop\" is a non-empty string or a list of up to 4, got {body.get('stop')!r}")
+        # without a limit: --max-new-tokens, or the room the prompt leaves in the context if less
+        max_tokens = request.limit() or min(self.config.max_new_tokens, self.context - len(ids))
         if len(ids) + max_tokens > self.context:
             raise BadRequest(f"the prompt's {len(ids)} tokens and max_tokens {max_tokens} exceed the model's "
-                             f"context of {self.context} tokens")
-        return Job(kind, ids, max_tokens, (float(temperature), float(top_p)), seed, stream, stop)
+                             f"context of {self.context} tokens", param="max_tokens")
+        return Job(kind, ids, max_tokens, (float(request.temperature), float(request.top_p)), request.seed,
+                   request.stream, request.stop)
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, render_tools=None) -> str:
+        """The chat's prompt text through the checkpoint's chat template, generation prompt added (where
+        tools are involved, through `render_tools(tokenizer, messages, tools)`), or BadRequest."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest("this checkpoint's tokenizer has no chat template; use /v1/completions")
+        try:
+            if render_tools is not None:
+                return render_tools(self.tokenizer, messages, tools)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except BadRequest:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template's own refusal (jinja2's TemplateError, ...)
+            raise BadRequest(f"the checkpoint's chat template refused these messages: {exc}") from None
 
     def next_batch(self, limit: int, wait: bool = True, same_sampling: bool = True) -> list[Job]:
         """Up to `limit` queued jobs (with the first one's sampling settings if `same_sampling`), taken: being
@@ -182,42 +206,34 @@ class Server:
         """The serving loop stopped generating `job` without answering it (its client went away)."""
         self.taken.discard(job)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], keep: frozenset = frozenset()) -> str:
+        """The text of `ids` without special tokens, except those in `keep` (a tool-call marker that is a
+        special token, as Mistral's `[TOOL_CALLS]`, which the parser needs to see)."""
         try:
+            if keep:
+                special = set(self.tokenizer.all_special_ids) - keep
+                return self.tokenizer.decode([i for i in ids if i not in special], skip_special_tokens=False)
             return self.tokenizer.decode(ids, skip_special_tokens=True)
         except TypeError:  # ByteTokenizer
             return self.tokenizer.decode(ids)
 
-    def chunk(self, job: Job, text: str, finish: str | None, first: bool = False) -> dict:
-        """One server-sent event of a streamed answer, in the OpenAI API's chunk shape."""
-        if job.kind == "completion":
-            return {"id": f"cmpl-{job.number}", "object": "text_completion", "created": int(time.time()),
-                    "model": self.name, "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
-        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-        return {"id": f"chatcmpl-{job.number}", "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-
     def progress(self, job: Job, tokens: list[int]) -> bool:
         """After a new token: whether the job's text now holds one of its stop strings; and for a streamed
-        job, its new text sent as a chunk once it decodes to whole characters, less any end that may
+        job, its new text sent as an event once it decodes to whole characters, less any end that may
         begin a stop string."""
         if not job.stop and job.chunks is None:
             return False
         if job.text is None:
-            job.text = TextSoFar(self.decode)
+            job.text = TextSoFar(functools.partial(self.decode, keep=job.keep_ids))
         text, hit = cut_at_stop(job.text.update(tokens), job.stop)
         if job.chunks is None:
             return hit
         if not hit:  # hold back an end that a stop string may begin with
             text = text[:len(text) - max((n for x in job.stop for n in range(len(x) - 1, 0, -1)
                                           if text.endswith(x[:n])), default=0)]
-        sent = job.sent
-        if sent is None:
-            job.sent = sent = ""
-            if job.kind == "chat":  # the first event of a chat answer names the role
-                job.chunks.put(self.chunk(job, "", None, first=True))
+        sent = job.sent or ""
         if len(text) > len(sent) and text.startswith(sent) and not text.endswith("\ufffd"):
-            job.chunks.put(self.chunk(job, text[len(sent):], None))
+            job.put(("text", text[len(sent):]))
             job.sent = text
         return hit
 
@@ -225,8 +241,8 @@ class Server:
         self.taken.discard(job)  # before its client can hear of it
         job.error, job.status = error, status
         if job.chunks is not None:
-            job.chunks.put({"error": {"message": error, "type": "server_error"}})
-        job.done.set()
+            job.put(("error", error, status))
+        job.finish()
 
     def refuse_new(self, error: str) -> int:
         """The server is stopping: new requests get `error` (503) from now on, and so do the queued ones
@@ -259,23 +275,14 @@ class Server:
 
     def answer(self, job: Job, new: list[int], finish: str) -> None:
         self.taken.discard(job)  # before its client can hear of it
-        text, hit = cut_at_stop(self.decode(new), job.stop)
+        text, hit = cut_at_stop(self.decode(new, job.keep_ids), job.stop)
         finish = "stop" if hit else finish
         if job.chunks is not None:  # the text went out as it came (progress); what is left, and the reason
-            sent = job.sent
-            rest = text[len(sent or ""):] if text.startswith(sent or "") else ""
-            job.chunks.put(self.chunk(job, rest, finish, first=sent is None))
-            job.chunks.put(None)
-            job.done.set()
-            return
-        usage = {"prompt_tokens": len(job.ids), "completion_tokens": len(new),
-                 "total_tokens": len(job.ids) + len(new)}
-        common = {"created": int(time.time()), "model": self.name, "usage": usage}
-        if job.kind == "completion":
-            job.result = {"id": f"cmpl-{job.number}", "object": "text_completion", **common,
-                          "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+            sent = job.sent or ""
+            rest = text[len(sent):] if text.startswith(sent) else ""
+            if rest:
+                job.put(("text", rest))
+            job.put(("end", finish, len(new)))
         else:
-            job.result = {"id": f"chatcmpl-{job.number}", "object": "chat.completion", **common,
-                          "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                       "finish_reason": finish}]}
-        job.done.set()
+            job.result = (text, finish, len(new))
+        job.finish()

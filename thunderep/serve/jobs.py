@@ -1,20 +1,42 @@
 """A request of `thunderep serve` as the serving loop sees it (`Job`), its text decoded as it grows
-(`TextSoFar`), and the refusal of a bad one (`BadRequest`)."""
+(`TextSoFar`), and the refusal of a request (`ApiError`, `BadRequest`), answered in the OpenAI API's error
+shape."""
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 
-__all__ = ["BadRequest", "Job", "TextSoFar", "cut_at_stop"]
+__all__ = ["ApiError", "BadRequest", "Job", "TextSoFar", "cut_at_stop"]
 
 
-class BadRequest(ValueError):
-    """A request the server refuses, with the message the client gets (HTTP 400)."""
+class ApiError(Exception):
+    """A request the server refuses: the HTTP status and the OpenAI error body's fields (`body`)."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+    def body_json(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+class BadRequest(ApiError, ValueError):
+    """A request the server refuses with 400 and the message the client gets (`param`: the field)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message, 400, "invalid_request_error", param, code)
 
 
 class Job:
-    """One request waiting for the serving loop: its prompt ids and settings, and the answer."""
+    """One request waiting for the serving loop: its prompt ids and settings, and the answer. The serving
+    loop's side puts the answer (`put`, `finish`); each wakes the HTTP side (`waker`, called from the
+    serving loop's thread), which reads it."""
 
     def __init__(self, kind: str, ids: list[int], max_tokens: int, sampling: tuple[float, float], seed: int | None,
                  stream: bool = False, stop: list[str] | None = None):
@@ -22,15 +44,36 @@ class Job:
         self.stop = stop or []  # the answer ends before the first of these strings
         self.cancelled = False  # its client went away: the serving loop drops it
         self.done = threading.Event()
-        self.result: dict | None = None
+        self.result: tuple[str, str, int] | None = None  # (text, finish reason, new tokens) once answered
         self.error: str | None = None
         self.status = 500  # the HTTP status its error is answered with (503: refused before it started)
         self.number = 0  # the server's count of requests when it took this one: its answer's id
-        # stream=True: server-sent events; the serving loop puts chunks (dicts) here, then None
+        # stream=True: the serving loop puts the text as it comes here, ("text", piece), then ("end", finish,
+        # new tokens) or ("error", message, status)
         self.chunks: queue.Queue | None = queue.Queue() if stream else None
+        self.waker = None  # called after each put and at the end: tells the HTTP side to look
+        self.model = ""  # the model name its answer carries
+        self.include_usage = False  # streamed: a last chunk with the usage (stream_options.include_usage)
+        self.parse_tools = False  # a chat answer whose tool calls are parsed out of its text
+        self.keep_ids: frozenset = frozenset()  # special tokens its text keeps (a tool-call marker)
+        self.called_tools = False  # streamed: a tool call has gone out
         self.sent: str | None = None  # the streamed text so far (None: nothing sent yet)
         self.tokens: list[int] = []  # continuous batching: the new tokens so far
         self.text: TextSoFar | None = None  # their text, decoded as they come (streamed or with stop strings)
+
+    def _wake(self) -> None:
+        if self.waker is not None:
+            self.waker()
+
+    def put(self, event: tuple) -> None:
+        """One event of a streamed answer."""
+        self.chunks.put(event)
+        self._wake()
+
+    def finish(self) -> None:
+        """The answer (`result`), or its error, is complete."""
+        self.done.set()
+        self._wake()
 
 
 class TextSoFar:

@@ -10,12 +10,13 @@ import torch
 
 from ..comm.launch import GRACE_S, launch, run_on_ep
 from ..comm.stop import stop_on_sigterm
+from ..errors import ConfigError
 from ..hf import ThunderMoE
 from ..hf.experts import check_implementations
 from ..hf.tokenizer import load_tokenizer
 from .config import ServeConfig, pick_device
 from .engine import unsupported_reason
-from .http_api import FAIL_WAIT_S, Server
+from .http_api import FAIL_WAIT_S, Server, missing_http_stack
 from .loop import describe, rehearse, serve_continuous, serve_static
 from .ranks import Ranks
 from .stopping import StopRequest
@@ -25,7 +26,11 @@ __all__ = ["serve", "serve_on_rank"]
 
 
 def serve(config: ServeConfig) -> None:
-    """Serve on `config.ep` ranks: in this process for 1, else in as many launched on this host."""
+    """Serve on `config.ep` ranks: in this process for 1, else in as many launched on this host. ConfigError
+    at once where the HTTP stack (the `serve` extra) is not installed."""
+    problem = missing_http_stack()
+    if problem is not None:
+        raise ConfigError(problem)
     if config.ep == 1:
         serve_on_rank(config)
         return
@@ -71,8 +76,7 @@ def _serve(config: ServeConfig, ep, stop: StopRequest) -> None:
         raise
     finally:
         if server is not None:
-            server.http.shutdown()
-            server.http.server_close()
+            server.close()
 
 
 def _load(config: ServeConfig, ep, device: torch.device):
@@ -110,9 +114,10 @@ def _listen(config: ServeConfig, tm, tokenizer, world: int, device: torch.device
     """Rank 0: the HTTP side, started, and the line saying where it listens."""
     text_config = tm.config.get_text_config()
     context = getattr(text_config, "max_position_embeddings", None) or 1 << 30
-    server = Server(config, tokenizer, context, Path(config.model).name, world)
-    server.thread.start()
-    host, port = server.http.server_address[:2]
+    names = config.http.served_model_names or (Path(config.model).resolve().name,)
+    server = Server(config, tokenizer, context, names, world)
+    server.start()
+    host, port = server.address
     print(f"[thunderep serve] {type(tm.model).__name__} on {world} rank(s), {device}: "
           f"{tm.load_report.summary()}\n[thunderep serve] listening on http://{host}:{port}", flush=True)
     return server
