@@ -107,26 +107,27 @@ def test_plan_command_prints_a_row_per_ep_size_and_bad_input_is_one_line(checkpo
     lines = out.splitlines()
     rows = [line.split()[0] for line in lines[3:-1]]
     assert rows == ["1", "2", "3"] and "do not divide" in lines[5]
-    assert lines[-1].startswith("KV cache, on every rank") and "GB per 1000 tokens" in lines[-1]
+    assert lines[-1].startswith("KV cache, on every rank") and " per 1000 tokens" in lines[-1]
     assert all("(fits)" in line or "short" in line or "needs" in line for line in lines[3:5])
     assert "--lora-rank 8" in lines[2]
     assert cli(["plan", "--model", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "missing" in err
+    assert err.count("\n") == 2 and err.startswith("thunderep plan: reading") and "missing" in err
     model = Path(shutil.copytree(checkpoints["qwen3_moe"], tmp_path / "gptq"))
     config = json.loads((model / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (model / "config.json").write_text(json.dumps(config))
     assert cli(["plan", "--model", str(model)]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is quantized with 'gptq'" in err
+    assert err.count("\n") == 2 and err.startswith("thunderep plan: reading") and "is quantized with 'gptq'" in err
     from transformers import LlamaConfig
 
     LlamaConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
                 vocab_size=96).save_pretrained(str(tmp_path / "dense"))
     assert cli(["plan", "--model", str(tmp_path / "dense")]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "LlamaForCausalLM has no MoE layer" in err
+    assert err.count("\n") == 2 and err.startswith("thunderep plan: reading")
+    assert "LlamaForCausalLM has no MoE layer" in err
     for bad in (["--ep", "0"], ["--ep", "two"], ["--dtype", "int4"], ["--lora-rank", "-1"]):
         with pytest.raises(SystemExit):
             cli(["plan", "--model", checkpoints["qwen3_moe"], *bad])

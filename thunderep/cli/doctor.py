@@ -1,5 +1,5 @@
-"""`thunderep doctor`: check this machine's GPUs, PCIe links, ACS, IOMMU and P2P, and this Python
-environment, with a verdict and the exact fix per check (the checks: `thunderep.doctor`).
+"""`thunderep doctor`: check a multi-GPU PCIe box (driver, UVM, links, ACS, IOMMU, BAR1, P2P) and this Python
+environment (the mailbox extension, Triton), with a verdict and the exact fix per check.
 
 Exit status: 0 when no check fails, 1 when one does, 2 on a usage error.
 """
@@ -12,34 +12,32 @@ from typing import TextIO
 
 from ..doctor import Runner, diagnose, render_json, render_table
 from ..errors import ThunderError
+from . import command_parser
 
-__all__ = ["main"]
+__all__ = ["configure", "main", "run"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="thunderep doctor",
-        description="Check a multi-GPU PCIe box (driver, UVM, links, ACS, IOMMU, BAR1, P2P) and this Python "
-                    "environment (the mailbox extension, Triton) and say how to fix it.",
-        epilog="Exit status: 0 when no check fails, 1 when one does, 2 on a usage error.",
-    )
+def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON for scripts instead of the table")
     p.add_argument("--root", default="/", metavar="PATH",
                    help="read the system under PATH instead of / (a fixture or captured tree; "
                         "commands answer from PATH/_commands)")
     p.add_argument("--no-cuda", action="store_true", help="do not initialise CUDA (no P2P matrix, no bandwidth)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the GPU-to-GPU copy measurement")
-    p.add_argument("--copy-mib", type=int, default=64, metavar="N", help="size of each test copy in MiB (default 64)")
-    return p
+    p.add_argument("--copy-mib", type=int, default=64, metavar="N", help="size of each test copy in MiB")
 
 
 def main(argv: list[str] | None = None, *, runner: Runner | None = None, out: TextIO | None = None) -> int:
     """Entry point of `thunderep doctor`; returns the exit status (see the module docstring)."""
-    out = out or sys.stdout
     try:
-        args = _parser().parse_args(argv)
+        args = command_parser("doctor").parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed by argparse
         return int(exc.code or 0)
+    return run(args, runner=runner, out=out)
+
+
+def run(args: argparse.Namespace, *, runner: Runner | None = None, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
     if args.copy_mib < 1:  # (diagnose's own message names its argument, copy_mib, not the option)
         print(f"thunderep doctor: error: --copy-mib must be at least 1, got {args.copy_mib}", file=sys.stderr)
         return 2

@@ -46,14 +46,24 @@ import re
 import sys
 from pathlib import Path
 
-from . import count_problems
+from . import (
+    EXPERTS_IMPLEMENTATION_HELP,
+    command_parser,
+    count_problems,
+    quiet_libraries,
+    say,
+)
 
-__all__ = ["argument_problems", "default_ranks", "destination_problems", "main", "parse_args", "parser"]
+__all__ = ["argument_problems", "configure", "default_ranks", "destination_problems", "main", "parse_args", "parser",
+           "run"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="thunderep finetune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The parser of `thunderep finetune`."""
+    return command_parser("finetune")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors)")
     p.add_argument("--out", required=True, help="directory to write the fine-tuned checkpoint to")
     p.add_argument("--data", nargs="*",
@@ -63,8 +73,9 @@ def parser() -> argparse.ArgumentParser:
                         "bundled reference text)")
     p.add_argument("--ep", type=int, default=None,
                    help="expert-parallel ranks to launch on this host (default: one per GPU of this host, as many "
-                        "as divide the model's experts; 2 CPU ranks on a host without GPUs or with --cpu)")
-    p.add_argument("--steps", type=int, default=100)
+                        "as divide the model's experts, so that training uses every GPU; 2 CPU ranks on a host "
+                        "without GPUs or with --cpu)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches per optimizer step (gradients accumulated, synced once): a step sees "
@@ -73,12 +84,11 @@ def parser() -> argparse.ArgumentParser:
     _add_optimizer_options(p)
     _add_model_options(p)
     _add_run_options(p)
-    return p
 
 
 def _add_optimizer_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW's learning rate (after --warmup-steps)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's weight decay")
     p.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant",
                    help="after the warm-up: constant, or down to 0 at the last step along a cosine or a line")
     p.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warm-up from lr / warmup to lr")
@@ -86,7 +96,8 @@ def _add_optimizer_options(p: argparse.ArgumentParser) -> None:
                    help="clip the gradients to this norm over all ranks, as clip_grad_norm_ on one process "
                         "(0: no clipping; 1.0 is a common choice)")
     p.add_argument("--sync", choices=("every_step", "delta"), default="every_step",
-                   help="gradient sync of the replicated weights (GradSync)")
+                   help="gradient sync of the replicated weights: every_step (an all-reduce per step, as DDP) or "
+                        "delta (local steps, then an all-reduce of the change: DiLoCo)")
     p.add_argument("--delta-steps", type=int, default=16, help="local steps per window with --sync delta")
 
 
@@ -98,17 +109,15 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "lost: at lr 1e-5 most weights do not move) or float16; auto: mixed on GPUs, float32 "
                         "on CPU")
     p.add_argument("--save-dtype", default="auto",
-                   help="dtype of the written checkpoint (auto: the input checkpoint's)")
-    p.add_argument("--experts-implementation", default=None,
-                   help="what computes each rank's experts: the model's own transformers function (default), "
-                        "another one (grouped_mm, eager, ...), triton (ThunderEP's kernels, CUDA), or auto (the "
-                        "kernels for experts they cover in bfloat16 / float16 on a GPU of compute capability 8.0 "
-                        "or later, else the model's own)")
+                   help="dtype of the written checkpoint: auto (the input checkpoint's), float32, bfloat16 or "
+                        "float16")
+    p.add_argument("--experts-implementation", default=None, help=EXPERTS_IMPLEMENTATION_HELP)
     p.add_argument("--freeze", nargs="+", metavar="PATTERN",
                    help="train only the rest: parameters whose name matches a pattern (a regular expression, "
                         "searched in transformers' names such as model.layers.0.mlp.experts.gate_up_proj) get "
                         "no gradient and no AdamW state, and under --dtype mixed stay in the checkpoint's dtype. "
-                        "E.g. --freeze experts (the routed and shared experts), --freeze embed_tokens lm_head")
+                        "E.g. --freeze experts (the routed and shared experts), --freeze embed_tokens lm_head "
+                        "(default: everything trains)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="train low-rank adapters (LoRA) of this rank instead of the weights, which all stay "
                         "frozen (0: full fine-tuning); the adapters are merged into the written checkpoint")
@@ -130,8 +139,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", metavar="DIR",
                    help="save a resumable checkpoint here (model, AdamW state, step) every --checkpoint-every "
-                        "steps and at the end; a run that finds one there resumes from it")
-    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50)")
+                        "steps and at the end; a run that finds one there resumes from it (default: none saved)")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--overwrite", action="store_true",
                    help="let --out and --checkpoint replace a directory that holds other files (without it, "
                         "only an empty directory or ThunderEP's own export / checkpoint is replaced)")
@@ -139,9 +148,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    "only before and after)")
     p.add_argument("--eval-batches", type=int, default=4,
                    help="held-out batches per rank (the text's last 5%%) scored before and after; 0: none")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order (a batch is a function of seed, "
+                                                       "rank and step) and of the LoRA adapters")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer (default 120)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
     p.add_argument("--stop-timeout", type=float, default=300.0,
                    help="after SIGTERM, seconds the step in progress gets to finish and be saved (with "
                         "--checkpoint) before the ranks are killed (default 300); a second SIGTERM kills them "
@@ -149,7 +159,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="load, check the memory plan and take one training step (activations included), print "
                         "its time and the peak memory of a rank, and stop: nothing is written")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true",
+                   help="print only the result line and errors: no loading or progress lines, no progress bars")
 
 
 def destination_problems(args: argparse.Namespace) -> list[str]:
@@ -184,8 +195,11 @@ def default_ranks(args: argparse.Namespace) -> int:
     # deferred: torch and transformers take seconds to import; --help must not pay them
     import torch
 
-    from ..comm.launch import ranks_for_host  # deferred, as torch
-    from ..hf.load import expert_counts  # deferred, as torch
+    # deferred, as torch
+    from ..comm.launch import ranks_for_host
+
+    # deferred, as torch
+    from ..hf.load import expert_counts
 
     counts, gpus = expert_counts(args.model), torch.cuda.device_count()
     ranks = ranks_for_host(2, counts, cpu=args.cpu, gpus=gpus)
@@ -199,7 +213,11 @@ def default_ranks(args: argparse.Namespace) -> int:
 def argument_problems(args: argparse.Namespace) -> list[str]:
     """What is wrong with these arguments (--ep given or settled), checked before any rank starts."""
     # deferred: torch and transformers take seconds to import; --help must not pay them
-    from ..hf.load import config_problem, context_length, ep_size_problem  # the `hf` extra
+    from ..hf.load import (  # the `hf` extra
+        config_problem,
+        context_length,
+        ep_size_problem,
+    )
 
     problems = count_problems(args, ("ep", "steps", "batch", "grad_accum", "seq_len", "delta_steps",
                                      "checkpoint_every"), ("eval_batches", "eval_every", "warmup_steps"))
@@ -245,8 +263,8 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    say("finetune", f"reading {args.model}'s config (importing torch and transformers)", args.quiet)
     if args.ep is None:
         args.ep = default_ranks(args)
     problems = argument_problems(args)
@@ -256,9 +274,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # deferred: the training stack imports torch and transformers, which take seconds; --help must not pay them
     from ..comm.launch import launch
-    from ..train.finetune import FinetuneConfig, rank_main  # deferred, as comm.launch
 
+    # deferred, as comm.launch
+    from ..train.finetune import FinetuneConfig, rank_main
+
+    say("finetune", f"starting {args.ep} rank{'s' if args.ep > 1 else ''}: each loads the replicated weights "
+                    "and its share of the experts", args.quiet)
     # SIGTERM: the ranks finish their step (saved with --checkpoint) and stop, then the command exits with 143
     config = FinetuneConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneConfig)})
-    launch(rank_main, args.ep, config, stop_s=args.stop_timeout, second_sigterm_kills=True)
+    with quiet_libraries(args.quiet):
+        launch(rank_main, args.ep, config, stop_s=args.stop_timeout, second_sigterm_kills=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))

@@ -9,7 +9,8 @@ tensors counted. Per rank and EP size R:
                              `from_pretrained` holds on that rank (quantized checkpoints count dequantized).
     --experts-dtype fp8:     the same with the routed experts in FP8 and their scales (`generate` / `serve
                              --experts-dtype fp8`; bfloat16 for the rest where --dtype is float32); shown
-                             where ThunderEP's kernels cover the experts.
+                             where ThunderEP's kernels cover the experts and this host's GPUs run FP8 (compute
+                             capability 8.9 or later), or with --fp8-what-if, as sizes without a verdict.
     fine-tune, all:          `finetune --dtype mixed` (its default on GPUs): the parameters in float32, their
                              gradients, AdamW's two moments and the gradient-sync buffers of the replicated
                              ones, the buffers in the checkpoint's dtype: what `finetune`'s memory plan counts.
@@ -17,35 +18,46 @@ tensors counted. Per rank and EP size R:
                              the checkpoint's dtype, without gradients or AdamW state.
     fine-tune, --lora-rank R: every weight frozen in the checkpoint's dtype, float32 adapters of rank R on
                              --lora-targets (default: the attention projections) that train.
-Activations and the CUDA context come on top and are not counted. The KV cache is printed apart: the
-bytes per token of context, on every rank (the attention is replicated), from the model run on the meta
-device.
+Sizes are in KB, MB or GB (10^3, 10^6, 10^9 bytes), whichever keeps each readable. Activations and the CUDA
+context come on top and are not counted. The KV cache is printed apart: the bytes per token of context, on
+every rank (the attention is replicated), from the model run on the meta device.
 """
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["main"]
+from . import command_parser, say
+
+__all__ = ["configure", "main", "run", "size"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="thunderep plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (config.json is enough)")
-    p.add_argument("--ep", default="1,2,4,8", help="EP sizes to plan for, comma-separated (default 1,2,4,8)")
-    p.add_argument("--dtype", default="auto", help="the dtype generate / serve load in (default auto: the "
-                                                   "checkpoint's)")
-    p.add_argument("--lora-rank", type=int, default=8, help="the LoRA rank of the fine-tuning column (default 8, "
-                                                            "as finetune --lora-rank 8; 0: no LoRA column)")
+    p.add_argument("--ep", default="1,2,4,8", help="EP sizes to plan for, comma-separated")
+    p.add_argument("--dtype", default="auto", help="the dtype generate / serve load in: auto (the checkpoint's), "
+                                                   "float32, bfloat16 or float16")
+    p.add_argument("--lora-rank", type=int, default=8, help="the LoRA rank of the fine-tuning column (as finetune "
+                                                            "--lora-rank; 0: no LoRA column)")
     p.add_argument("--lora-targets", nargs="+", metavar="PATTERN",
                    help="as finetune --lora-targets (default: the attention projections)")
-    args = p.parse_args(argv)
-    # deferred: torch and transformers take seconds to import; --help must not pay them
-    import torch
+    p.add_argument("--fp8-what-if", action="store_true",
+                   help="show the --experts-dtype fp8 column on a host whose GPUs cannot run FP8 experts (none, or "
+                        "of compute capability below 8.9): its sizes, for planning another machine, without a "
+                        "verdict against this host")
 
-    from ..train.plan import fits, host_memory, kv_cache_bytes, plan_memory  # deferred, as torch
 
+def size(n: float) -> str:
+    """Bytes as a readable size with about three significant digits: 512 B, 95.3 KB, 1.20 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _problems(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """The EP sizes; a usage error (exit 2) for a malformed option."""
     if args.lora_rank < 0:
         p.error(f"--lora-rank {args.lora_rank}: give 0 (no LoRA column) or a positive rank")
     try:
@@ -54,28 +66,63 @@ def main(argv: list[str] | None = None) -> int:
         eps = []
     if not eps or min(eps) < 1:
         p.error(f"--ep {args.ep!r}: give EP sizes of at least 1, comma-separated, e.g. 1,2,4")
-    named = getattr(torch, args.dtype, None)
-    if args.dtype != "auto" and not (isinstance(named, torch.dtype) and named.is_floating_point):
-        p.error(f"--dtype {args.dtype!r} is not a torch dtype (float32, bfloat16, float16) or auto")
+    if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        p.error(f"--dtype {args.dtype!r} is not auto, float32, bfloat16 or float16")
+    return eps
+
+
+def _fp8_column(args: argparse.Namespace, plans) -> str | None:
+    """The FP8 column's mode: "verdict" (this host's GPUs run FP8 experts), "what-if" (--fp8-what-if), or
+    None (not shown: the kernels do not cover the experts, or this host cannot run them)."""
+    # deferred: torch and the FP8 checks take a second or more to import
+    import torch
+
+    # deferred, as torch
+    from ..hf.fp8 import fp8_device_problem
+
+    if not any(m.weights_fp8 for m in plans):
+        return None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and all(fp8_device_problem(torch.device("cuda", i)) is None for i in range(gpus)):
+        return "verdict"
+    return "what-if" if args.fp8_what_if else None
+
+
+def run(args: argparse.Namespace) -> int:
+    eps = _problems(command_parser("plan"), args)
+    say("plan", f"reading {args.model}/config.json and counting the model's tensors on the meta device")
+    # deferred: torch and transformers take seconds to import; --help must not pay them
+    import torch
+
+    # deferred, as torch
+    from ..train.plan import fits, host_memory, kv_cache_bytes, plan_memory
+
     plans = plan_memory(args.model, eps, args.dtype, args.lora_rank, args.lora_targets)
     host, free = host_memory()
     gpus = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    print(f"{args.model}: memory per rank (GB; activations, KV cache and the CUDA context not counted)")
+    fp8 = _fp8_column(args, plans)
+    print(f"{args.model}: memory per rank (activations, KV cache and the CUDA context not counted)")
     print(f"this host: {host}")
-    fp8 = any(m.weights_fp8 for m in plans)
-    rows = [("ep", "weights (generate, serve)") + (("--experts-dtype fp8",) if fp8 else ())
+    rows = [("ep", "weights (generate, serve)")
+            + ((f"--experts-dtype fp8{' (what-if)' if fp8 == 'what-if' else ''}",) if fp8 else ())
             + ("fine-tune (--dtype mixed)", "fine-tune, --freeze experts")
             + ((f"fine-tune, --lora-rank {args.lora_rank}",) if args.lora_rank else ())]
     for m in plans:
-        sizes = ((m.weights,) + ((m.weights_fp8,) if fp8 else ()) + (m.finetune_all, m.finetune_frozen_experts)
-                 + ((m.finetune_lora,) if args.lora_rank else ()))
+        cells = [(m.weights, True)] + ([(m.weights_fp8, fp8 == "verdict")] if fp8 else [])
+        cells += [(m.finetune_all, True), (m.finetune_frozen_experts, True)]
+        cells += [(m.finetune_lora, True)] if args.lora_rank else []
         rows.append((str(m.ep), m.problem) if m.problem else
-                    (str(m.ep),) + tuple(f"{n / 1e9:.2f} ({fits(n, m.ep, free, gpus)})" for n in sizes))
+                    (str(m.ep),) + tuple(size(n) + (f" ({fits(n, m.ep, free, gpus)})" if verdict else "")
+                                         for n, verdict in cells))
     widths = [max(len(r[i]) for r in rows if len(r) == len(rows[0])) for i in range(len(rows[0]))]
     for row in rows:  # a row with a problem: the EP size and the problem, across the columns
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths if len(row) > 2 else (widths[0], 0)))
               .rstrip())
     per_token, fixed = kv_cache_bytes(args.model, args.dtype)
-    print(f"KV cache, on every rank (attention is not split): {per_token * 1000 / 1e9:.3f} GB per 1000 tokens "
-          "(context x batch)" + (f", plus {fixed / 1e6:.1f} MB per sequence of fixed state" if fixed else ""))
+    print(f"KV cache, on every rank (attention is not split): {size(per_token * 1000)} per 1000 tokens "
+          "(context x batch)" + (f", plus {size(fixed)} per sequence of fixed state" if fixed else ""))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(command_parser("plan").parse_args(argv))

@@ -43,31 +43,31 @@ writes the table's rows.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from ..bench.projection import Projection, project
+from . import command_parser
 
-__all__ = ["main"]
+__all__ = ["configure", "main", "run"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="thunderep project", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="a `thunderep train --out DIR` run")
     p.add_argument("--compute-ms", type=float, help="compute per step on one GPU (default: from the run)")
-    p.add_argument("--bytes-per-element", type=int, default=2, help="2 for bf16 payloads (default)")
+    p.add_argument("--bytes-per-element", type=int, default=2, help="bytes per element of the payload (2: bfloat16)")
     p.add_argument("--tokens", type=int, help="tokens per GPU per step (default: the run's)")
     p.add_argument("--hidden", type=int, help="hidden size (default: the run's)")
     p.add_argument("--layers", type=int, help="MoE layers (default: the run's)")
     p.add_argument("--top-k", type=int, help="experts per token (default: the run's)")
-    p.add_argument("--link", metavar="FILE", help="measured link parameters: a `thunderep bench link --json` file")
+    p.add_argument("--link", metavar="FILE", help="measured link parameters: a `thunderep bench link --json` file (default: the four assumed "
+                        "links)")
     p.add_argument("--link-setting", choices=("p2p_disabled", "default"),
-                   help="the NCCL setting of --link to use: p2p_disabled (host-staged, default) or default")
-    p.add_argument("--alpha-us", type=float, help="measured latency per message in microseconds (with --link-gbps)")
-    p.add_argument("--link-gbps", type=float, help="measured bytes per second one GPU sends to its peers, in GB/s")
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    return p
+                   help="the NCCL setting of --link to use: p2p_disabled (host-staged; the default) or default")
+    p.add_argument("--alpha-us", type=float, help="measured latency per message in microseconds, with --link-gbps "
+                        "(default: the assumed 30 / 45 us)")
+    p.add_argument("--link-gbps", type=float, help="measured bytes per second one GPU sends to its peers, in GB/s "
+                        "(default: the assumed PCIe rates)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH (default: not written)")
 
 
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -93,15 +93,13 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error(f"--json {a.json}: its directory {where.absolute().parent} does not exist")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = _parser()
-    a = p.parse_args(argv)
-    _check(p, a)
+def run(a: argparse.Namespace) -> int:
+    _check(command_parser("project"), a)
     return project(Projection(run_dir=a.run_dir, compute_ms=a.compute_ms, bytes_per_element=a.bytes_per_element,
                               tokens=a.tokens, hidden=a.hidden, layers=a.layers, top_k=a.top_k, link=a.link,
                               link_setting=a.link_setting or "p2p_disabled", alpha_us=a.alpha_us,
                               link_gbps=a.link_gbps, json=a.json))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: list[str] | None = None) -> int:
+    return run(command_parser("project").parse_args(argv))

@@ -1,67 +1,30 @@
-"""`thunderep serve`: an HTTP server for a local Hugging Face MoE checkpoint on N expert-parallel ranks.
+"""`thunderep serve`: an HTTP server in the OpenAI API's shape for a local Hugging Face MoE checkpoint, on N
+expert-parallel ranks (FastAPI on uvicorn: pip install "thunderep[serve]").
 
     thunderep serve --model DIR --ep 2 --port 8000
     curl localhost:8000/v1/completions -d '{"prompt": "Expert parallelism is", "max_tokens": 32}'
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
-Every rank loads its share of the experts (`ThunderMoE.from_pretrained`); rank 0 also answers HTTP
-(FastAPI on uvicorn: pip install "thunderep[serve]"). Requests queue on rank 0. With
-continuous batching (the default; `thunderep.serve.engine`) the serving loop, at every decode step, takes
-queued requests while fewer than `--max-batch` sequences are being decoded and sends them to every rank
-(host objects, through the EP runtime's control plane: `Ranks`); all ranks prefill them into the
-running batch and decode one token for every sequence, in latency mode: every rank holds the same
-tokens, computes the pairs of its own experts, and an all-reduce sums them. On GPUs (`--cuda-graphs on`, the default)
-the batch keeps its KV cache in fixed storage and each decode step replays a CUDA graph captured for its batch size
-(`thunderep.serve.static_decode`): the host launches a handful of kernels per step instead of hundreds.
-A request is answered as soon as its sequence ends. With
-`--batching static` (and for models whose cache cannot be merged, e.g. sliding-window attention) a
-batch of requests with the same sampling settings is generated together (transformers' `generate`)
-until its last request has ended, before the next starts; each request is answered when its own row
-ends. When idle, rank 0 sends an empty batch every half second, so a
-rank that dies is noticed within `--timeout`. Before listening, ThunderEP's kernels (if they compute
-the experts) are autotuned for every shape the server can meet (`thunderep.serve.tune`), and on GPUs the
-ranks rehearse decoding at every batch size, so that no request pays for either.
+Every rank loads its share of the experts; rank 0 also answers HTTP. With continuous batching (the default)
+queued requests join the sequences being decoded at every decode step, up to --max-batch, and all ranks
+decode the batch together; a request is answered as soon as its own sequence ends. On GPUs each decode step
+replays a CUDA graph (--cuda-graphs). --batching static generates a batch until its last request has ended
+(models whose cache cannot be merged, e.g. sliding-window attention, are always served that way). Before
+listening, ThunderEP's kernels (where they compute the experts) are autotuned for every shape the server can
+meet, so that no request waits for a compile.
 
-Endpoints, in the OpenAI API's shape (one prompt per request; the official clients work):
-  POST /v1/completions       {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-                              "stream_options": {"include_usage"}}
-  POST /v1/chat/completions  {"messages", "max_completion_tokens", ...}: the checkpoint's chat template,
-                              generation prompt added; content a string or a list of {"type": "text"} parts;
-                              roles system, user, assistant, tool, developer (as system)
-  GET  /v1/models, /v1/models/{id}: the --served-model-name names (a request naming another model: 404
-       model_not_found)
-  GET  /health ({"status", "model", "ranks", "batching", "decode", "generating", "queued"}; once the server
-       stops or fails, 503 {"status": "stopping" | "failed", "error", "generating"}); needs no API key;
-       "generating" counts the requests taken from the queue and not yet answered, as of the last one
-       taken, answered or dropped (not of the serving loop's last turn)
-Errors come as {"error": {"message", "type", "param", "code"}}. OpenAI fields this server does not implement
-("n" > 1, "logprobs", penalties, "response_format" other than text, ...) get 400 naming them; fields it
-does not know are ignored (the log names each once). With --api-key (or THUNDEREP_API_KEY) every route but
-/health needs "Authorization: Bearer KEY" (401 otherwise); a --host other machines can reach is refused
-without a key unless --allow-no-api-key. Slow clients are dropped: a request's line and headers must
-arrive within --header-timeout, its body within --body-timeout (408).
-temperature defaults to 0 (greedy: the same answer every time). "stop" (a string or up to 4) ends the
-answer before the first of them (finish_reason "stop"; with continuous batching the sequence also stops
-being generated). "stream": true sends the answer as server-sent events (`data: {chunk}` as text is
-decoded, then `data: [DONE]`); a streaming client that goes away stops its sequence. A bad request gets 400 and a
-message; what the model cannot take (a prompt longer than its context) is refused before any rank starts, and
-a prompt whose characters alone are too many tokens for the context before it is tokenized (one token of the
-checkpoint's tokenizer stands for at most so many characters: `thunderep.serve.token_bound`); a body over 16 MiB
-gets 413, unread. A prefill that fails on any rank (continuous batching) is answered with 500 on its new
-requests only; a decode step (or static batch) that fails is answered with 500 on every request being generated. The
-ranks go on serving in step; a rank that dies or stops answering ends the server within
-`--timeout`, after rank 0 has answered every request still open with the error (500; a streamed one
-with a last event carrying it, then `data: [DONE]`). A step that stalls (a decode step of a second or
-more and ten times the usual one, or any step of a second or more in which one of these ran) is reported
-on stderr, with what ran in it that a steady server does not: kernel tunings or compiles, CUDA-graph
-captures, storage reallocations (`StepWatch`).
+Endpoints (the official clients work): POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat
+template; tools and tool calls, --tool-call-parser), GET /v1/models, GET /v1/models/{id}, GET /health (no key
+needed; 503 once the server stops or fails). The model a request names must be a --served-model-name (404
+model_not_found otherwise). Errors come as {"error": {"message", "type", "param", "code"}}; fields the server
+does not implement get 400 naming them, unknown fields are ignored (the log names each once). temperature
+defaults to 0 (greedy). With --api-key (or THUNDEREP_API_KEY) every route but /health needs "Authorization:
+Bearer KEY"; a --host other machines can reach is refused without a key unless --allow-no-api-key. Slow
+clients are dropped with 408 (--header-timeout, --body-timeout).
 
-SIGTERM (to the command, as `docker stop` and systemd send it, or to every process of it) stops the
-server cleanly: new requests and those still queued get 503, `/health` answers 503 {"status":
-"stopping"}, the requests being generated get up to `--drain-timeout` seconds to finish (then each gets
-the error, a streamed one as a last event), and the command exits with 0 (`StopRequest`). Before the
-server listens, SIGTERM ends the command at once (exit code 143). Ctrl-C stops it at once, answering every
-open request with the error.
+A rank that dies or stops answering ends the server within --timeout, after every open request got the error.
+SIGTERM (docker stop, systemd) stops it cleanly: new requests get 503, the ones being generated get
+--drain-timeout seconds to finish, and the command exits with 0. Ctrl-C stops it at once.
 """
 
 from __future__ import annotations
@@ -70,21 +33,24 @@ import argparse
 import sys
 
 from .. import env
-from ..hf.config_check import config_problem, ep_size_problem
-from ..hf.fp8 import EXPERTS_DTYPE_HELP, EXPERTS_DTYPES
-from ..serve.config import HttpConfig, ServeConfig
-from ..serve.http_api import exposure_problem, listen_problem, missing_http_stack
-from ..serve.server import serve
-from ..serve.tool_calls import PARSER_NAMES
-from . import add_model_options, count_problems
+from . import (
+    EP_ONE_HELP,
+    EXPERTS_DTYPE_HELP,
+    EXPERTS_DTYPES,
+    add_model_options,
+    command_parser,
+    count_problems,
+    say,
+)
 
-__all__ = ["main", "parse_args", "problems"]
+__all__ = ["TOOL_CALL_PARSERS", "configure", "main", "parse_args", "problems", "run"]
+
+# thunderep.serve.tool_calls.PARSER_NAMES (that module imports torch through its package)
+TOOL_CALL_PARSERS = ("auto", "hermes", "mistral")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="thunderep serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_options(p)
+def configure(p: argparse.ArgumentParser) -> None:
+    add_model_options(p, ep_help=EP_ONE_HELP)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
@@ -115,7 +81,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
     p.add_argument("--quiet", action="store_true", help="no line per request")
     _http_options(p)
-    return p
 
 
 def _http_options(p: argparse.ArgumentParser) -> None:
@@ -138,17 +103,20 @@ def _http_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request's body may take to arrive once its headers have; then the "
                         "connection is dropped with 408 (default 30)")
-    p.add_argument("--tool-call-parser", choices=PARSER_NAMES, default=None,
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="how tool calls are read from the model's output (default auto: the format the "
                         "checkpoint's chat template writes)")
 
 
-def parse_args(argv: list[str] | None = None) -> ServeConfig:
-    """The options as the library takes them (argparse exits on a malformed command line)."""
-    return _config(_parser().parse_args(argv))
+def parse_args(argv: list[str] | None = None):
+    """The options as the library takes them, a `ServeConfig` (argparse exits on a malformed command line)."""
+    return _config(command_parser("serve").parse_args(argv))
 
 
-def _config(a: argparse.Namespace) -> ServeConfig:
+def _config(a: argparse.Namespace):
+    # deferred: serve.config imports torch, which --help must not wait for
+    from ..serve.config import HttpConfig, ServeConfig
+
     return ServeConfig(model=a.model, ep=a.ep, host=a.host, port=a.port, max_batch=a.max_batch, batching=a.batching,
                        cuda_graphs=a.cuda_graphs, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
                        experts_implementation=a.experts_implementation, experts_dtype=a.experts_dtype,
@@ -163,6 +131,10 @@ def _config(a: argparse.Namespace) -> ServeConfig:
 def problems(a: argparse.Namespace) -> list[str]:
     """What is wrong with the options, one line each (empty: nothing). The address is tried last, once
     everything else holds: before anything loads, it is free and this machine's."""
+    # deferred: hf.config_check and serve.http_api import torch, which --help must not wait for
+    from ..hf.config_check import config_problem, ep_size_problem
+    from ..serve.http_api import exposure_problem, listen_problem, missing_http_stack  # deferred, as above
+
     out = count_problems(a, ("ep", "max_batch", "max_new_tokens", "max_connections"))
     if not 0 <= a.port < 65536:
         out.append(f"--port must be in 0..65535, got {a.port}")
@@ -183,15 +155,23 @@ def problems(a: argparse.Namespace) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+def run(a: argparse.Namespace) -> int:
+    where = "in this process" if a.ep == 1 else f"on {a.ep} expert-parallel ranks (starting them)"
+    say("serve", f"checking the options, then loading {a.model} {where}", a.quiet)
     found = problems(a)
     if found:
         for line in found:
             print(f"thunderep serve: {line}", file=sys.stderr)
         return 2
+    # deferred: serve.server imports torch and transformers, which take seconds
+    from ..serve.server import serve
+
     serve(_config(a))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(command_parser("serve").parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -15,20 +15,22 @@ printed but never run. This module imports nothing heavy (no torch): the launche
 from __future__ import annotations
 
 import argparse
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 from ..doctor.sources import Runner
 from ..sysconfig import Options
 from ..sysconfig.command import PROG, run_command
+from . import HelpFormatter, new_parser
 
 __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description="Set up a multi-GPU PCIe box for peer-to-peer (kernel command line, ACS, nvidia_uvm). "
-                    "Dry-run by default; see docs/SYSTEM_SETUP.md for what each setting does and costs.")
+    p = new_parser(
+        PROG,
+        description="Set up a multi-GPU PCIe box for peer-to-peer (kernel command line, ACS, nvidia_uvm).\n"
+                    "Dry-run by default; see docs/guide/doctor-and-sysconfig.md for what each setting does and costs.")
     p.add_argument("--root", default="/", metavar="PATH", help="operate on the tree under PATH instead of /")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--root", default=argparse.SUPPRESS, metavar="PATH", help=argparse.SUPPRESS)
@@ -43,10 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     yes = argparse.ArgumentParser(add_help=False)
     yes.add_argument("--yes", action="store_true", help="really change the system (needs root)")
     sub = p.add_subparsers(dest="command", required=True, metavar="{check,plan,apply,revert}")
-    sub.add_parser("check", parents=[common, opts], help="show the current state; exit 1 if changes are pending")
-    sub.add_parser("plan", parents=[common, opts], help="print every file and command apply would run")
-    sub.add_parser("apply", parents=[common, opts, yes], help="apply the plan (needs root and --yes)")
-    sub.add_parser("revert", parents=[common, yes], help="restore backups, undo commands (needs root and --yes)")
+    sub.add_parser("check", parents=[common, opts], formatter_class=HelpFormatter,
+                   help="show the current state; exit 1 if changes are pending")
+    sub.add_parser("plan", parents=[common, opts], formatter_class=HelpFormatter,
+                   help="print every file and command apply would run")
+    sub.add_parser("apply", parents=[common, opts, yes], formatter_class=HelpFormatter,
+                   help="apply the plan (needs root and --yes)")
+    sub.add_parser("revert", parents=[common, yes], formatter_class=HelpFormatter,
+                   help="restore backups, undo commands (needs root and --yes)")
     return p
 
 

@@ -37,16 +37,10 @@ from ..errors import ConfigError
 from ..kernels import available
 from ..kernels.fp8 import FP8, Fp8Weight
 
-__all__ = ["EXPERTS_DTYPE_HELP", "EXPERTS_DTYPES", "expert_weights", "fp8_device_problem", "is_fp8", "scale_columns",
+__all__ = ["EXPERTS_DTYPES", "expert_weights", "fp8_device_problem", "is_fp8", "scale_columns",
            "store_fp8", "store_rows", "to_fp8_experts"]
 
 EXPERTS_DTYPES = ("fp8", "fp8-w8a8")  # experts_dtype values besides None (the model's dtype)
-EXPERTS_DTYPE_HELP = (  # `generate` and `serve --experts-dtype`
-    "fp8: hold the routed experts in FP8 (e4m3, a scale per row; half the bytes of bfloat16), quantized as each "
-    "rank reads them, computed by ThunderEP's kernels in the model's dtype; fp8-w8a8: the same, and prompts' "
-    "activations quantized per row too, for FP8 tensor-core products (about twice the prefill speed, about 1.4x "
-    "the error); both need a GPU of compute capability 8.9 or later (RTX 4090 / 5090, H100 / H200). Default: the "
-    "model's dtype")
 _WEIGHTS = ("gate_up_proj", "down_proj")
 _ATTR = "_thunderep_fp8"  # on an experts module: the dtype its FP8 weights compute in
 _COLS = "_thunderep_fp8_cols"  # on an experts module: {weight name: columns one scale covers}

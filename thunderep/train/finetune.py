@@ -148,7 +148,7 @@ class _RankRun:
         self.tm = ThunderMoE.from_pretrained(cfg.model, self.ep, dtype=load_dtype(self.precision, cfg.model),
                                              device=self.device, experts_implementation=cfg.experts_implementation,
                                              balancer=BalancerConfig() if cfg.balance else None,
-                                             spare_slots=1 if cfg.balance else 0)
+                                             spare_slots=1 if cfg.balance else 0, progress=not cfg.quiet)
         if cfg.lora_rank:  # adapters on the attention projections (or --lora-targets); everything else frozen
             adapter_dtype = torch.float32 if self.precision in ("mixed", "float32") else getattr(torch, self.precision)
             trainable = apply_lora(self.tm.model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed,
@@ -331,12 +331,12 @@ class _RankRun:
             for source in _tokenizer_files(Path(cfg.model)):
                 shutil.copy2(source, out / source.name)
             (out / "thunderep_finetune.json").write_text(json.dumps(result, indent=1))
-            if not cfg.quiet:
-                held = (f"; held-out loss {eval_before:.4f} -> {eval_after:.4f}" if eval_before is not None else "")
-                trained = f"; training loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""
-                steady = (f", {result['steady_tokens_per_s']:,.0f} at the median step"
-                          if result["steady_tokens_per_s"] else "")
-                print(f"[thunderep] {done} steps, {result['tokens']} tokens in {seconds:.1f} s "
-                      f"({result['tokens_per_s']:,.0f} tokens/s{steady}){trained}{held}; peak memory of a rank "
-                      f"{peak / 1e9:.2f} GB; wrote {out}", flush=True)
+            # the result: printed with --quiet too
+            held = (f"; held-out loss {eval_before:.4f} -> {eval_after:.4f}" if eval_before is not None else "")
+            trained = f"; training loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""
+            steady = (f", {result['steady_tokens_per_s']:,.0f} at the median step"
+                      if result["steady_tokens_per_s"] else "")
+            print(f"[thunderep] {done} steps, {result['tokens']} tokens in {seconds:.1f} s "
+                  f"({result['tokens_per_s']:,.0f} tokens/s{steady}){trained}{held}; peak memory of a rank "
+                  f"{peak / 1e9:.2f} GB; wrote {out}", flush=True)
         return result

@@ -198,7 +198,7 @@ def _print_summary(metrics: dict, stats: dict, report: dict) -> None:
           f"{metrics['sync']['seconds']:.2f} s ({100 * metrics['sync']['seconds'] / metrics['seconds']:.1f}% of "
           "time) | "
           f"dispatch+combine {stats['remote_bytes'] / 1e6:.2f} MB")
-    print(format_report(report))
+    print(format_report(report, flags=True))  # a run of `thunderep train` / `demo`: name their options
 
 
 def train(rank: int, world: int, cfg: TrainConfig, result_queue=None) -> dict:

@@ -102,9 +102,10 @@ class SyncTaxMeter:
             "trades": sum(l.get("traded", False) for s in steps for l in s["layers"]),
             "migrations": sum(l.get("migrated", False) for s in steps for l in s["layers"]),
             "bytes_moved": per_op_b["migration"],
-            "recommendation": _recommend(bottleneck, mean_imb, comm_s / total_s,
-                                         self.ep.control.kind if self.ep is not None else "collective",
-                                         balanced=any(layer.balancer is not None for layer in self.layers)),
+            **{key: _recommend(bottleneck, mean_imb, comm_s / total_s,
+                               self.ep.control.kind if self.ep is not None else "collective",
+                               balanced=any(layer.balancer is not None for layer in self.layers), flags=flags)
+               for key, flags in (("recommendation", False), ("recommendation_flags", True))},
             "per_step": steps,
         }
 
@@ -192,28 +193,42 @@ def _state(decision) -> str:
     return "migrate" if decision.migrated else decision.state
 
 
-def _recommend(bottleneck: str, imbalance: float, share: float, control_kind: str, balanced: bool = False) -> str:
-    """What to try first; `balanced`: the run's MoE layers had the balancer on (it is not suggested again)."""
+def _recommend(bottleneck: str, imbalance: float, share: float, control_kind: str, balanced: bool = False,
+               flags: bool = False) -> str:
+    """What to try first; `balanced`: the run's MoE layers had the balancer on (it is not suggested again).
+    `flags`: named as `thunderep train`'s (and `thunderep demo`'s) options, else as the Python API's settings."""
+    def pick(api: str, cli: str) -> str:
+        return cli if flags else api
+
     if share < 0.1:
-        return "communication is under 10% of step time: add tokens per step or ranks before tuning it"
+        return ("communication is under 10% of step time: add tokens per step "
+                + pick("or ranks", "(--batch, --seq-len) or ranks (--nproc)") + " before tuning it")
     if imbalance > 1.3 and balanced:
         return (f"mean load imbalance {imbalance:.2f} with the balancer on: the busiest rank sets the pace and the "
-                "balancer did not remove it; add redundant expert slots per rank (room for replicas of hot "
-                "experts), or run longer (a migration waits for the imbalance to last)")
+                "balancer did not remove it; add " + pick("redundant expert slots per rank", "spare expert slots "
+                                                          "per rank (--redundant 2)")
+                + " (room for replicas of hot experts), or run longer (a migration waits for the imbalance to last)")
     if imbalance > 1.3:
-        return (f"mean load imbalance {imbalance:.2f}: the busiest rank sets the pace; enable the balancer "
-                "or add redundant expert slots")
+        return (f"mean load imbalance {imbalance:.2f}: the busiest rank sets the pace; "
+                + pick("enable the balancer or add redundant expert slots",
+                       "turn the balancer on (--balance; --redundant 2 adds spare slots for hot experts' replicas)"))
     if bottleneck == "gradient sync":
-        return "gradient sync dominates: use SyncConfig(mode='delta') to all-reduce every H steps"
+        return "gradient sync dominates: " + pick("use SyncConfig(mode='delta') to all-reduce every H steps",
+                                                  "try --sync delta (an all-reduce every --delta-steps steps)")
     if bottleneck == "dispatch/combine wait":
-        return "dispatch/combine dominate: try EPConfig(compression='bf16') and waves=2-4 to overlap"
+        return "dispatch/combine dominate: " + pick("try EPConfig(compression='bf16') and waves=2-4 to overlap",
+                                                    "try --compression bf16, and --waves 2 to 4 to overlap")
     if control_kind == "mailbox":
         return ("the control exchange is where ranks wait for each other (the mailbox itself takes "
                 "microseconds): even out per-rank work (tokens per rank, load balance, pin ranks to cores)")
-    return "control exchanges dominate: use the shared-memory mailbox control plane (one host)"
+    return pick("control exchanges dominate: use the shared-memory mailbox control plane (one host)",
+                "control exchanges dominate and the shared-memory mailbox is not in use: `thunderep doctor` says "
+                "why (its mailbox check)")
 
 
-def format_report(r: dict) -> str:
+def format_report(r: dict, flags: bool = False) -> str:
+    """The report as text; `flags`: its recommendation names command-line options (a report saved before
+    it had that form: the Python API's settings)."""
     mb = {k: v / 1e6 for k, v in r["bytes"].items()}
     exchange_s = sum(v for k, v in r["seconds_by_op"].items() if k not in ("control", "gradient", "migration"))
     lines = [
@@ -231,6 +246,6 @@ def format_report(r: dict) -> str:
         + f"; trades {r.get('trades', 0)}, migrations {r.get('migrations', 0)} "
         f"({r.get('bytes_moved', 0) / 1e6:.2f} MB sent)",
         f"  bottleneck: {r['bottleneck']}",
-        f"  recommendation: {r['recommendation']}",
+        f"  recommendation: {r.get('recommendation_flags', r['recommendation']) if flags else r['recommendation']}",
     ]
     return "\n".join(lines)
