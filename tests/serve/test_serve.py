@@ -621,7 +621,8 @@ def test_a_dead_or_silent_rank_ends_the_server_within_its_timeout(tmp_path, how)
         ranks[-1].kill() if how == "killed" else ranks[-1].suspend()
         code = proc.wait(timeout=60)
         took = time.monotonic() - started
-    assert took < 30 and code != 0, (took, code)
+    # --timeout bounds the wait on a stopped peer to within 2 s of the setting (the heartbeat's 0.5 s included)
+    assert took < 5 + 2 and code != 0, (took, code)
     assert re.search(r"rank \d", log_path.read_text()), log_path.read_text()[-2000:]
 
 

@@ -725,3 +725,16 @@ def test_finetune_without_ep_takes_one_rank_per_gpu_that_the_experts_divide(tmp_
     assert capsys.readouterr().err == (f"thunderep finetune: {experts} ranks on this host's {experts + 1} GPUs: "
                                        f"the model's {experts} experts split over at most {experts} (--ep sets the "
                                        "count)\n")
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_stopped_or_killed_rank_ends_finetune_within_its_timeout_naming_it(tmp_path, how):
+    """Rank 1 suspended (SIGSTOP) or killed: the command exits non-zero within 2 s of --timeout (a stopped
+    rank) or at once (a killed one), with one line naming the rank."""
+    def act(launcher, ranks):
+        ranks[1].suspend() if how == "stopped" else ranks[1].kill()
+
+    code, out, err, took = _finetune_signalled(tmp_path, ["--timeout", "5"], act)
+    lines = [line for line in err.splitlines() if line.startswith("thunderep finetune: error:")]
+    assert code == 1 and len(lines) == 1 and re.search(r"rank 1 \(pid \d+\)", lines[0]), err
+    assert took < (5 + 2 if how == "stopped" else 3), took

@@ -9,6 +9,7 @@ fraction of a second and a long command says what it is doing before it pays for
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import functools
 import importlib
@@ -30,6 +31,7 @@ __all__ = [
     "build_parser",
     "command_parser",
     "count_problems",
+    "entry",
     "main",
     "new_parser",
     "quiet_libraries",
@@ -226,6 +228,25 @@ def main(argv: list[str] | None = None) -> int:
     # THUNDEREP_DEBUG=1: Python's own form, which says where a warning came from
     with contextlib.nullcontext() if env.debug() else _one_line_warnings(f"thunderep {name}"):
         return _run(name, rest)
+
+
+def entry() -> None:
+    """The `thunderep` executable: `main`, then the process ends as soon as its exit handlers have run and its
+    output is flushed, without the interpreter's teardown of every module (1-2 s after a run that imported
+    torch and transformers and started ranks, which a failed or finished command would otherwise add)."""
+    code = 1
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse's usage errors and --help
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    finally:
+        atexit._run_exitfuncs()  # what a normal exit runs: multiprocessing's, logging's, the library's own
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def _run(name: str, rest: list[str]) -> int:

@@ -1,7 +1,5 @@
 """`python -m thunderep.cli`: the `thunderep` command."""
 
-import sys
+from . import entry
 
-from . import main
-
-sys.exit(main())
+entry()

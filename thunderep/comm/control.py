@@ -100,8 +100,8 @@ class ControlPlane(abc.ABC):
         """Release this rank's resources (idempotent)."""
 
     def dead_peers(self) -> list[str]:
-        """The peers known to have exited or closed, one phrase each ("rank 1 (pid 4242) exited"): what a
-        failed collective names. Empty where this plane cannot tell (collectives only)."""
+        """The peers known to have exited, closed or been stopped, one phrase each ("rank 1 (pid 4242)
+        exited"): what a failed collective names. Empty where this plane cannot tell (collectives only)."""
         return []
 
     def __enter__(self) -> ControlPlane:
@@ -319,8 +319,10 @@ class MailboxControlPlane(ControlPlane):
             info = self._mb.peer_info(r)
             if info.state == "closed":
                 found.append(f"rank {r} (pid {info.pid}) closed its control plane")
-            elif info.pid and not _alive(info.pid):
-                found.append(f"rank {r} (pid {info.pid}) exited")
+            elif info.pid:
+                state = _state(info.pid)
+                if state != "running":
+                    found.append(f"rank {r} (pid {info.pid}) {state}")
         return found
 
     @property
@@ -450,9 +452,14 @@ def make_control_plane(kind: str = "auto", group: dist.ProcessGroup | None = Non
         return CollectiveControlPlane(group, record_bytes=record_bytes)
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, exited but not yet reaped, does not)."""
+def _state(pid: int) -> str:
+    """"exited" (a zombie too: exited, not yet reaped), "is stopped (SIGSTOP or a debugger)" or "running"."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        status = psutil.Process(pid).status()
     except psutil.NoSuchProcess:
-        return False
+        return "exited"
+    if status == psutil.STATUS_ZOMBIE:
+        return "exited"
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "is stopped (SIGSTOP or a debugger)"
+    return "running"
