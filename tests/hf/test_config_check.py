@@ -63,4 +63,6 @@ def test_more_layers_than_the_tensors_hold_is_named():
         "only (2 layers): correct the entry, or copy the missing weight files")
     assert layer_count_problem("ckpt", MixtralConfig(num_hidden_layers=2), names) is None
     assert layer_count_problem("ckpt", MixtralConfig(num_hidden_layers=1), names) is None  # e.g. MTP layers beyond
+    assert layer_count_problem("ckpt", MixtralConfig(num_hidden_layers=4), names) is None  # two sublayers a layer
+    assert "gives \"num_hidden_layers\": 5," in layer_count_problem("ckpt", MixtralConfig(num_hidden_layers=5), names)
     assert layer_count_problem("ckpt", config, ["lm_head.weight"]) is None  # names without layers: not judged

@@ -19,6 +19,11 @@ from hf_tiny import save_tiny  # noqa: E402
 from thunderep.errors import CheckpointError  # noqa: E402
 
 
+def _error_line(err: str) -> str:
+    """The one line a refused command ends its stderr with (after any line saying what it started)."""
+    return err.splitlines()[-1] if err else ""
+
+
 def _generate(model, capsys, *extra) -> tuple[int, str]:
     from thunderep.cli import main as cli
 
@@ -45,8 +50,8 @@ def test_a_truncated_weights_file_is_named_in_one_line(checkpoint, tmp_path, cap
     shard = sorted(model.glob("*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:-100])
     code, err = _generate(model, capsys)
-    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
-    assert f"weights file '{shard}' is truncated" in err
+    assert code == 1 and "Traceback" not in err and err.count("is truncated") == 1
+    assert f"weights file '{shard}' is truncated" in _error_line(err)
     with pytest.raises(CheckpointError, match=f"{shard.name}' is truncated"):
         from thunderep.hf import ThunderMoE
 
@@ -91,7 +96,7 @@ def test_a_bad_config_json_is_refused_before_any_rank_starts(tmp_path, capsys, c
                     ["finetune", "--out", str(tmp_path / "out"), "--ep", "2"]):
         assert cli([command[0], "--model", str(tmp_path)] + command[1:]) == 2, command
         err = capsys.readouterr().err
-        assert err.count(message) == 1 and err.count("\n") == 1, (command, err)
+        assert err.count(message) == 1 and message in _error_line(err) and "Traceback" not in err, (command, err)
     assert _generate(tmp_path / "nowhere", capsys)[1].endswith("does not exist (ThunderEP loads local checkpoint "
                                                                "directories; download the model first)\n")
 
@@ -199,3 +204,60 @@ def test_threads_read_what_one_thread_reads_and_an_error_in_a_thread_reaches_the
     with pytest.raises(ConfigError, match=rf"checkpoint tensor '{name}' has shape"):
         ThunderMoE.from_pretrained(model)
     assert not {t.name for t in threading.enumerate() if t.name.startswith("thunderep-load")} - before
+
+
+def test_a_progress_bar_counts_the_tensors_read_when_asked(checkpoint, capsys):
+    """from_pretrained(progress=True) shows a bar on stderr over the checkpoint's tensors (the command line
+    turns it on; --quiet off); the library's default is no bar."""
+    from safetensors import safe_open
+
+    from thunderep.hf import ThunderMoE
+
+    files = sorted(f for f in os.listdir(checkpoint) if f.endswith(".safetensors"))
+    tensors = sum(len(safe_open(os.path.join(checkpoint, f), "pt").keys()) for f in files)
+    capsys.readouterr()
+    ThunderMoE.from_pretrained(checkpoint)
+    assert "Loading checkpoint" not in capsys.readouterr().err
+    ThunderMoE.from_pretrained(checkpoint, progress=True)
+    err = capsys.readouterr().err
+    assert "Loading checkpoint" in err and f"{tensors}/{tensors}" in err, err
+
+
+def test_a_config_naming_more_layers_than_the_weights_fails_before_building(tmp_path):
+    """num_hidden_layers 10^9 in config.json: a CheckpointError at once, not a model built until memory ran out."""
+    import json
+    import time
+
+    from hf_tiny import save_tiny
+
+    from thunderep.errors import CheckpointError
+    from thunderep.hf import ThunderMoE
+
+    model_dir = save_tiny("mixtral", tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["num_hidden_layers"] = 10**9
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match=r'gives "num_hidden_layers": 1000000000, but the checkpoint\'s tensors '
+                                              r"hold layers 0 to 1 only \(2 layers\)"):
+        ThunderMoE.from_pretrained(model_dir)
+    assert time.monotonic() - started < 30
+
+
+def test_non_finite_weights_are_named_at_load(tmp_path):
+    """A router weight of NaN (the run printed `<s><s><s>` and exited 0): a CheckpointError naming the weight."""
+    from hf_tiny import save_tiny
+    from safetensors.torch import load_file, save_file
+
+    from thunderep.errors import CheckpointError
+    from thunderep.hf import ThunderMoE
+
+    model_dir = save_tiny("mixtral", tmp_path / "m")
+    (file,) = (tmp_path / "m").glob("*.safetensors")
+    tensors = load_file(file)
+    (name,) = [k for k in tensors if k.startswith("model.layers.1.") and k.endswith("gate.weight")]
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"the weight model\.layers\.1\.mlp\.gate\.weight holds 1 non-finite "
+                                              r"value\(s\) \(NaN or infinity\)"):
+        ThunderMoE.from_pretrained(model_dir)

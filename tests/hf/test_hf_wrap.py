@@ -215,3 +215,16 @@ def test_from_pretrained_refuses_a_share_that_does_not_fit_before_allocating(tmp
         ThunderMoE.from_pretrained(path)
     monkeypatch.setattr(load, "free_bytes", lambda device: 2 * need)
     assert ThunderMoE.from_pretrained(path).load_report.bytes_read > 0
+
+
+def test_experts_that_do_not_divide_the_ranks_get_redundant_slots_by_default():
+    """Without a placement, E experts on R ranks that R does not divide run on ceil(E / R) slots a rank,
+    the last slots replicating the first experts (before: "num_experts (7) must be divisible by ep_size
+    (2); or give slots_per_rank >= 4", an argument wrap does not take); spare_slots adds to that. The
+    2-rank run of 7 experts is in test_every_family.py."""
+    from thunderep.hf.wrap import _default_placement
+
+    assert _default_placement(7, 2, 0).slot_expert_RS == ((0, 1, 2, 3), (4, 5, 6, 0))
+    assert _default_placement(6, 4, 0).slot_expert_RS == ((0, 1), (2, 3), (4, 5), (0, 1))
+    assert _default_placement(8, 2, 0).slot_expert_RS == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert _default_placement(7, 2, 1).slot_expert_RS == ((0, 1, 2, 3, 4), (5, 6, 0, 1, 2))

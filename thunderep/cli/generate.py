@@ -99,7 +99,7 @@ def _option_problems(a: argparse.Namespace) -> list[str]:
 def problems(a: argparse.Namespace) -> list[str]:
     """What is wrong with the options, one line each (empty: nothing)."""
     # deferred: serve.engine and hf.config_check import torch, which --help must not wait for
-    from ..hf.config_check import config_problem, ep_size_problem
+    from ..hf.config_check import config_problem
     from ..serve.engine import sampling_problem  # deferred, as hf.config_check
 
     out = _option_problems(a)
@@ -107,7 +107,7 @@ def problems(a: argparse.Namespace) -> list[str]:
         rule = sampling_problem(name, getattr(a, name))
         if rule:
             out.append(f"--{name.replace('_', '-')} must be {rule}, got {getattr(a, name)}")
-    return out + list(filter(None, [config_problem(a.model) or ep_size_problem(a.model, a.ep)]))
+    return out + list(filter(None, [config_problem(a.model)]))  # an --ep that does not divide the experts: copies
 
 
 def run(a: argparse.Namespace) -> int:

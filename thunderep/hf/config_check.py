@@ -162,12 +162,14 @@ def expert_counts(model_dir) -> list[int]:
 
 
 def ep_size_problem(model_dir, ep: int) -> str | None:
-    """Why `ep` ranks cannot split the routed experts that `model_dir`'s config.json names, read before any
-    rank starts (a rank finds it only after loading), or None (also where config.json names no count, and
-    for ep < 1, which the commands' own checks refuse)."""
+    """Why `ep` training ranks cannot split the routed experts that `model_dir`'s config.json names, read
+    before any rank starts, or None (also where config.json names no count, and for ep < 1, which the
+    commands' own checks refuse). Inference takes any rank count (`wrap` fills the last slots with copies of
+    the first experts); training places every expert once, so its ranks must divide them."""
     for count in expert_counts(model_dir) if ep >= 1 else []:
         if count % ep:
-            return f"--ep {ep} does not divide the model's {count} routed experts: use a rank count that divides them"
+            return (f"--ep {ep} does not divide the model's {count} routed experts: fine-tuning places each expert on "
+                    "one rank; use a rank count that divides them (generate and serve take any)")
     return None
 
 
@@ -175,17 +177,19 @@ _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def layer_count_problem(model_dir, config, tensor_names) -> str | None:
-    """Whether config.json names more decoder layers than the checkpoint's tensors hold (`tensor_names`: every
-    tensor name in its safetensors files), found before the model is built: a config that names 10^9 layers
-    would otherwise be built until memory ran out. Names without a `layers.N.` part are not judged; more
-    layers in the tensors than the config names (e.g. multi-token-prediction layers) are fine."""
+    """Whether config.json names far more decoder layers than the checkpoint's tensors hold (`tensor_names`:
+    every tensor name in its safetensors files), found before the model is built: a config that names 10^9
+    layers would otherwise be built until memory ran out. "Far": more than twice, as some families count two
+    sublayers per stored layer (longcat_flash); a few missing layers are named by the loader, which lists the
+    tensors it lacks. Names without a `layers.N.` part are not judged; more layers in the tensors than the
+    config names (e.g. multi-token-prediction layers) are fine."""
     present = [int(m.group(1)) for name in tensor_names for m in [_LAYER_NAME.search(name)] if m]
     if not present:
         return None
     held = max(present) + 1
     for part in (config.get_text_config() if hasattr(config, "get_text_config") else config, config):
         wanted = getattr(part, "num_hidden_layers", None)
-        if isinstance(wanted, int) and wanted > held:
+        if isinstance(wanted, int) and wanted > 2 * held:
             return (f"{Path(model_dir) / 'config.json'} gives \"num_hidden_layers\": {wanted}, but the checkpoint's "
                     f"tensors hold layers 0 to {held - 1} only ({held} layers): correct the entry, or copy the "
                     "missing weight files")

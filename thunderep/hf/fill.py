@@ -2,6 +2,9 @@
 tensors only for this rank's experts (a slice of a fused tensor, or the per-expert tensors of the local
 experts; other ranks' experts are never read), FP8 experts quantized as they are read.
 
+Checkpoint names map onto the model's by transformers' own conversion mapping (`conversion`), then by
+the fixed list of `names` for what it leaves unplaced.
+
 Shape legend: E experts, S local slots.
 """
 
@@ -16,6 +19,7 @@ from torch import nn
 
 from ..errors import ConfigError, UnsupportedModelError
 from .checkpoint_index import CheckpointIndex
+from .conversion import ConversionGroup, ConversionPlan, expert_rows_op, read_local_sources
 from .fp8 import is_fp8, store_fp8, store_rows
 from .names import DOWN, GATE, PER_EXPERT, UP, candidates
 from .report import rss_bytes
@@ -26,8 +30,8 @@ __all__ = ["Filler"]
 class Filler:
     """Fills a materialised, wrapped model from a `CheckpointIndex` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, bindings: dict, index: CheckpointIndex):
-        self.model, self.index = model, index
+    def __init__(self, model: nn.Module, bindings: dict, index: CheckpointIndex, progress: bool = False):
+        self.model, self.index, self.progress = model, index, progress
         self.targets = model.state_dict(keep_vars=True)
         self.expert_of = {}  # full tensor name -> (binding, module, tensor name)
         self.experts_at = {}  # module path -> (binding, module)
@@ -38,7 +42,7 @@ class Filler:
                 self.expert_of[f"{path}.{t}"] = (binding, module, t)
         self.prefix = getattr(model, "base_model_prefix", "") or ""
         self.loaded: set[str] = set()
-        self.parts: dict[str, dict[int, set]] = {}  # expert tensor -> slot -> parts loaded
+        self.parts: dict[str, dict[int, set]] = {}  # expert tensor -> slot -> parts: None (all) or (j, n)
         self.bytes_read = self.tensors_read = 0
         self.unused: list[str] = []
         self.peak_rss = rss_bytes()
@@ -47,28 +51,46 @@ class Filler:
     def run(self, threads: int | None = None) -> None:
         """Every checkpoint tensor read into its place, `threads` at a time (default: 4, or the usable CPUs
         if fewer): each thread's time is mostly the copy out of the memory-mapped file (page faults) and
-        to the device, which overlap across threads (docs/BENCHMARKS.md, "Loading quantized checkpoints")."""
+        to the device, which overlap across threads (docs/BENCHMARKS.md, "Loading quantized checkpoints").
+        The tensors of one transformers converter (`conversion.ConversionGroup`) are one job."""
+        from tqdm.auto import tqdm  # a core dependency; imported where a load runs
+
         threads = threads or min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4)
-        keys = self.index.keys()
+        plan = ConversionPlan(self.model, self.index.keys(), self.targets)
+        jobs = ([(self._load_direct, (key, name), [key]) for key, name in plan.direct.items()]
+                + [(self._load_group, (group,), group.keys) for group in plan.groups]
+                + [(self._load, (key,), [key]) for key in plan.rest])
 
-        def load(key: str) -> bool:
+        def load(fn, args) -> bool:
             with torch.no_grad():
-                return self._load(key)
+                return fn(*args)
 
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="thunderep-load") as pool:
-            futures = [pool.submit(load, key) for key in keys]
+        bar = tqdm(total=sum(len(keys) for _, _, keys in jobs), desc="Loading checkpoint", unit="tensor",
+                   disable=not self.progress)
+        with bar, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="thunderep-load") as pool:
+            futures = [pool.submit(load, fn, args) for fn, args, _ in jobs]
             try:
-                for key, future in zip(keys, futures):
+                for (_, _, keys), future in zip(jobs, futures):
                     if not future.result():
-                        self.unused.append(key)
+                        self.unused.extend(keys)
                     self.peak_rss = max(self.peak_rss, rss_bytes())
+                    bar.update(len(keys))
             except BaseException:
                 for future in futures:  # the first error ends the load: nothing more is read
                     future.cancel()
                 raise
         self._check_complete()
 
+    def _load_direct(self, key: str, name: str) -> bool:
+        """Checkpoint tensor `key` into model tensor `name` (transformers' renames applied)."""
+        if name in self.expert_of:
+            self._load_fused(key, *self.expert_of[name])
+        else:
+            self._load_whole(key, name)
+        return True
+
     def _load(self, key: str) -> bool:
+        """Checkpoint tensor `key` by the fixed list of names (`names.candidates`); False where it has no place."""
         for cand in candidates(key, self.prefix):
             if cand in self.expert_of:
                 self._load_fused(key, *self.expert_of[cand])
@@ -78,9 +100,65 @@ class Filler:
                 return True
             m = PER_EXPERT.match(cand)
             if m and f"{m['prefix']}.experts" in self.experts_at:
-                self._load_per_expert(key, m["prefix"] + ".experts", int(m["e"]), m["part"])
+                self._load_named_part(key, m["prefix"] + ".experts", int(m["e"]), m["part"])
                 return True
         return False
+
+    def _load_group(self, group: ConversionGroup) -> bool:
+        """The tensors one transformers converter turns into `group.target`: replicated ones read whole and
+        converted; expert tensors for this rank's experts only (per-expert stacking written expert by
+        expert, any other conversion run on the local experts' tensors)."""
+        if group.target not in self.expert_of:
+            tensors = {p: [self._read(k) for k in keys] for p, keys in group.sources.items()}
+            for name, value in group.convert(tensors, self.model).items():
+                self._place_whole(group.keys[0], name, value)
+            return True
+        binding, _, tname = self.expert_of[group.target]
+        patterns = group.converter.source_patterns
+        if group.per_expert and expert_rows_op(group.converter) and len(group.converter.target_patterns) == 1:
+            for j, pattern in enumerate(patterns):
+                for key in group.sources.get(pattern, []):
+                    self._load_expert_part(key, binding.name, group.experts[key], tname,
+                                           None if len(patterns) == 1 else (j, len(patterns)))
+            return True
+        tensors = read_local_sources(group, binding.local_experts, lambda key, rows: self._read(key, rows))
+        for name, value in group.convert(tensors, self.model).items():
+            self._place_experts(group, name, value)
+        return True
+
+    def _place_experts(self, group: ConversionGroup, name: str, value: torch.Tensor) -> None:
+        """Converted tensor `value` [S, ...] of this rank's experts into expert tensor `name`."""
+        if name not in self.expert_of:
+            raise UnsupportedModelError(f"transformers converts {group.keys[0]!r} into {name!r} along with the "
+                                        f"expert tensor {group.target!r}; ThunderEP cannot shard that")
+        binding, module, tname = self.expert_of[name]
+        target = getattr(module, tname)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ConfigError(f"checkpoint tensors {group.keys[:2]} convert to shape {tuple(value.shape)} for this "
+                              f"rank's experts of {name!r}, which are {tuple(target.shape)}: config.json does not "
+                              "match the weights")
+        names = [name]
+        if _fp8_target(module, tname):
+            store_rows(module, tname, slice(None), None, value)
+            names.append(f"{name}_scale")
+        else:
+            target.copy_(value)
+        with self.lock:
+            for done in names:
+                self.parts[done] = {slot: {None} for slot in range(binding.num_slots)}
+
+    def _place_whole(self, key: str, name: str, value: torch.Tensor) -> None:
+        """A converted replicated tensor into model tensor `name`."""
+        target = self.targets.get(name)
+        if target is None:
+            raise UnsupportedModelError(f"transformers converts checkpoint tensor {key!r} into {name!r}, which the "
+                                        "model does not have")
+        if tuple(value.shape) != tuple(target.shape):
+            raise ConfigError(f"checkpoint tensor {key!r} converts to shape {tuple(value.shape)} but the model's "
+                              f"{name!r} is {tuple(target.shape)}: config.json does not match the weights")
+        target.copy_(value)
+        with self.lock:
+            self.loaded.add(name)
 
     def _read(self, key: str, experts: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         tensor, nbytes = self.index.read(key, experts, out)
@@ -121,55 +199,58 @@ class Filler:
         if fp8:
             self.parts[f"{name}_scale"] = {slot: {None} for slot in range(len(local))}
 
-    def _load_per_expert(self, key: str, path: str, e: int, part: str) -> None:
-        binding, module = self.experts_at[path]
-        if not 0 <= e < binding.num_experts:
-            raise ConfigError(f"checkpoint tensor {key!r} names expert {e}, but {path} has {binding.num_experts}")
-        slots = [s for s, x in enumerate(binding.local_experts) if x == e]
+    def _load_named_part(self, key: str, path: str, e: int, part: str) -> None:
+        """Per-expert checkpoint tensor `key` (expert `e`, part w1/w3/w2 or gate/up/down_proj, the fixed
+        list's names) into experts module `path`."""
+        binding, _ = self.experts_at[path]
         if part in DOWN:
             tname, rows = "down_proj", None
         elif "gate_up_proj" in binding.tensors:
-            if module.is_transposed or not module.is_concatenated:
-                raise UnsupportedModelError(
-                    f"{binding.class_name} stores gate/up {'transposed' if module.is_transposed else 'interleaved'}; "
-                    f"per-expert checkpoint tensors ({key!r}) cannot be placed into it. Save the checkpoint with "
-                    "fused experts: save_pretrained(..., save_original_format=False)"
-                )
-            tname, rows = "gate_up_proj", ("gate" if part in GATE else "up")
+            tname, rows = "gate_up_proj", (0 if part in GATE else 1, 2)
         elif part in UP and "up_proj" in binding.tensors:
             tname, rows = "up_proj", None
         else:
             raise UnsupportedModelError(f"checkpoint tensor {key!r} has no place in {binding.class_name} "
                                         f"(expert tensors: {', '.join(binding.tensors)})")
+        self._load_expert_part(key, path, e, tname, rows)
+
+    def _load_expert_part(self, key: str, path: str, e: int, tname: str, rows: tuple[int, int] | None) -> None:
+        """Per-expert checkpoint tensor `key` of expert `e` into the slots holding it of experts module
+        `path`'s `tname`: all of a slot's [a, b] (rows None) or part j of n along a ((j, n): gate then up
+        of a concatenated gate_up_proj). Another rank's expert is never read."""
+        binding, module = self.experts_at[path]
+        if not 0 <= e < binding.num_experts:
+            raise ConfigError(f"checkpoint tensor {key!r} names expert {e}, but {path} has {binding.num_experts}")
+        if rows is not None and (getattr(module, "is_transposed", False)
+                                 or not getattr(module, "is_concatenated", True)):
+            raise UnsupportedModelError(
+                f"{binding.class_name} stores gate/up {'transposed' if module.is_transposed else 'interleaved'}; "
+                f"per-expert checkpoint tensors ({key!r}) cannot be placed into it. Save the checkpoint with "
+                "fused experts: save_pretrained(..., save_original_format=False)"
+            )
+        slots = [s for s, x in enumerate(binding.local_experts) if x == e]
         if not slots:
             return  # another rank's expert: never read
         target = getattr(module, tname)
-        fp8 = _fp8_target(module, tname)
-        if fp8 and slots:
-            half = target.shape[1] // 2
-            span = slice(None) if rows is None else slice(0, half) if rows == "gate" else slice(half, None)
+        size = target.shape[1]
+        span = slice(None) if rows is None else slice(rows[0] * size // rows[1], (rows[0] + 1) * size // rows[1])
+        names = [f"{binding.name}.{tname}"]
+        if _fp8_target(module, tname):
+            names.append(f"{binding.name}.{tname}_scale")
             for s in slots:
                 self._store_fp8(key, None, module, tname, s, span)
-                with self.lock:
-                    for name in (f"{binding.name}.{tname}", f"{binding.name}.{tname}_scale"):
-                        self.parts.setdefault(name, {}).setdefault(s, set()).add(rows)
-            return
-        value = self._read(key)
-        for s in slots:
-            half = target.shape[1] // 2
-            span = slice(None) if rows is None else slice(0, half) if rows == "gate" else slice(half, None)
-            dst = target[s, span]
-            if tuple(dst.shape) != tuple(value.shape):
-                raise ConfigError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}; "
-                                  f"{binding.name}.{tname}[{s}] needs {tuple(dst.shape)}")
-            if fp8:
-                store_rows(module, tname, s, span, value)
-            else:
+        else:
+            value = self._read(key)
+            for s in slots:
+                dst = target[s, span]
+                if tuple(dst.shape) != tuple(value.shape):
+                    raise ConfigError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}; "
+                                      f"{binding.name}.{tname}[{s}] needs {tuple(dst.shape)}")
                 dst.copy_(value)
-            with self.lock:
-                self.parts.setdefault(f"{binding.name}.{tname}", {}).setdefault(s, set()).add(rows)
-                if fp8:
-                    self.parts.setdefault(f"{binding.name}.{tname}_scale", {}).setdefault(s, set()).add(rows)
+        with self.lock:
+            for name in names:
+                for s in slots:
+                    self.parts.setdefault(name, {}).setdefault(s, set()).add(rows)
 
     def _store_fp8(self, key: str, experts: slice | None, module, tname: str, slots, rows) -> None:
         """Checkpoint tensor `key` (its `experts`, where given) into FP8 experts module.`tname`[slots, rows]:
@@ -195,10 +276,8 @@ class Filler:
         for name, t in self.targets.items():
             if name in self.expert_of:
                 binding = self.expert_of[name][0]
-                need = {"gate", "up"} if name.endswith(("gate_up_proj", "gate_up_proj_scale")) else {None}
                 have = self.parts.get(name, {})
-                if any(not (need <= have.get(s, set()) or None in have.get(s, set()))
-                       for s in range(binding.num_slots)):
+                if not all(_whole(have.get(s, set())) for s in range(binding.num_slots)):
                     missing.append(name)
             elif name not in self.loaded and t.data_ptr() not in loaded_ptrs:  # tied weights share storage
                 missing.append(name)
@@ -207,6 +286,11 @@ class Filler:
                 f"checkpoint {str(self.index.path)!r} lacks {len(missing)} tensors the model needs, e.g. "
                 f"{missing[:5]}; unused checkpoint tensors: {self.unused[:5]}"
             )
+
+
+def _whole(parts: set) -> bool:
+    """Whether the parts loaded into one slot (None: all of it; (j, n): part j of n) cover it."""
+    return None in parts or any(all((j, n) in parts for j in range(n)) for _, n in parts)
 
 
 def _fp8_target(module: nn.Module, tname: str) -> bool:

@@ -4,8 +4,8 @@ Shape legend: E experts, S local slots, I intermediate size, D hidden size.
 
 The model is built on the meta device (no memory), wrapped (its experts modules shrink to S slots),
 checked to fit the device (`check_fits`), materialised empty on the target device, and filled from the
-checkpoint (`fill.Filler` over a `checkpoint_index.CheckpointIndex`; the checkpoint names it accepts are
-in `names`). Non-persistent buffers (rotary frequencies) are recomputed with the model's own
+checkpoint (`fill.Filler` over a `checkpoint_index.CheckpointIndex`; checkpoint names become the model's
+by transformers' own conversion mapping, `conversion`, then by the fixed list of `names`). Non-persistent buffers (rotary frequencies) are recomputed with the model's own
 `_init_weights`, as transformers does. Quantized checkpoints (fp8 with block scales, mxfp4 experts,
 8-bit compressed-tensors) are read dequantized into the model's dtype (`quantized.DequantizedIndex`),
 each rank reading the quantized bytes of its own experts only. config.json is checked first
@@ -15,6 +15,7 @@ each rank reading the quantized bytes of its own experts only. config.json is ch
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import re
 import time
@@ -25,10 +26,10 @@ import psutil
 import torch
 from torch import nn
 
-from ..errors import ConfigError, UnsupportedModelError
+from ..errors import CheckpointError, ConfigError, UnsupportedModelError
 from .checkpoint_index import CheckpointIndex
-from .config_check import (config_problem, context_length, ep_size_problem, expert_counts, read_config,
-                           resolve_dtype)
+from .config_check import (config_problem, context_length, ep_size_problem, expert_counts, layer_count_problem,
+                           read_config, resolve_dtype)
 from .experts import requested_implementation
 from .fill import Filler
 from .fp8 import EXPERTS_DTYPES, fp8_device_problem, to_fp8_experts
@@ -88,29 +89,51 @@ def check_fits(model: nn.Module, device: torch.device, ep=None) -> None:
             "for each count), load a narrower dtype (bfloat16 instead of float32), or free the device")
 
 
-def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
-                    attn_implementation: str | None = None, experts_implementation: str | None = None,
-                    balancer=None, spare_slots: int = 0, experts_dtype: str | None = None):
-    """`ThunderMoE.from_pretrained`: build, wrap and fill the model of checkpoint directory `path`.
-
-    dtype: torch dtype or name (default: the checkpoint's `dtype`, else float32). device: default the EP
-    runtime's device, else CPU. model_class: default `AutoModelForCausalLM`. experts_dtype: "fp8" holds the
-    routed experts in FP8 with a scale per row, for inference on ThunderEP's kernels (hf/fp8.py; the
-    experts implementation defaults to "triton" then); "fp8-w8a8" the same, and prompt batches' activations
-    are quantized per row too; None: the model's dtype. Other keywords as `wrap`.
-    """
-    from transformers import AutoModelForCausalLM, GenerationConfig  # transformers: optional (the hf extra)
-
-    started = time.perf_counter()
+def _check_experts_dtype(experts_dtype: str | None, balancer) -> None:
     if experts_dtype is not None and experts_dtype not in EXPERTS_DTYPES:
         raise ConfigError(f"experts_dtype={experts_dtype!r}: use one of {', '.join(EXPERTS_DTYPES)}, or None for the "
                           "model's dtype")
     if experts_dtype is not None and balancer is not None:
         raise ConfigError("FP8 experts are for inference; the balancer's migrations move trainable experts: load "
                           "without experts_dtype to balance")
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_finite(model: nn.Module, path: Path) -> None:
+    """CheckpointError naming the first weight this rank loaded with a NaN or an infinity: a router with NaN
+    weights would otherwise route every token to expert 0 and print garbage without a word."""
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if tensor.dtype in _FLOATS and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(f"{path}: the weight {name} holds {bad} non-finite value(s) (NaN or infinity) "
+                                  f"of {tensor.numel()}: the checkpoint is corrupt; copy it again from the "
+                                  "model's source")
+
+
+def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
+                    attn_implementation: str | None = None, experts_implementation: str | None = None,
+                    balancer=None, spare_slots: int = 0, experts_dtype: str | None = None, progress: bool = False):
+    """`ThunderMoE.from_pretrained`: build, wrap and fill the model of checkpoint directory `path`.
+
+    dtype: torch dtype or name (default: the checkpoint's `dtype`, else float32). device: default the EP
+    runtime's device, else CPU. model_class: default `AutoModelForCausalLM`. experts_dtype: "fp8" holds the
+    routed experts in FP8 with a scale per row, for inference on ThunderEP's kernels (hf/fp8.py; the
+    experts implementation defaults to "triton" then); "fp8-w8a8" the same, and prompt batches' activations
+    are quantized per row too; None: the model's dtype. progress: a progress bar on stderr over the
+    checkpoint's tensors while they are read (on the first rank only). Other keywords as `wrap`.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig  # transformers: optional (the hf extra)
+
+    started = time.perf_counter()
+    _check_experts_dtype(experts_dtype, balancer)
     path = Path(path)
     index = CheckpointIndex(path)
     config = read_config(path)
+    problem = layer_count_problem(path, config, index.key_file)  # before a model of 10^9 layers is built
+    if problem:
+        raise CheckpointError(problem)
     dtype = resolve_dtype(dtype, config)
     if device is None:
         device = ep.groups.device if ep is not None else "cpu"
@@ -149,8 +172,9 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     _init_non_persistent_buffers(model)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    loader = Filler(model, wrapped.bindings, index)
+    loader = Filler(model, wrapped.bindings, index, progress=progress and (ep is None or ep.groups.rank == 0))
     loader.run()
+    _check_finite(model, path)
     if ep is None or ep.groups.ep_rank == 0:  # every rank reads the same names: one warning
         _warn_unused(model, loader.unused, path)
     if (path / "generation_config.json").exists():

@@ -1,4 +1,5 @@
-"""Checkpoint tensor names -> the names of the model built from its config.json.
+"""Checkpoint tensor names -> the names of the model built from its config.json, for the tensors that
+transformers' own conversion mapping leaves unplaced (`conversion`; older layouts it has no rule for).
 
 Checkpoint names accepted for the experts of layer prefix P (model name `P.experts.gate_up_proj [E, 2I, D]`
 and `P.experts.down_proj [E, D, I]`; E experts, I intermediate size, D hidden size):

@@ -156,6 +156,14 @@ def _slice_experts(module: nn.Module, tensors: tuple[str, ...], local: tuple[int
     module.num_experts = len(local)
 
 
+def _default_placement(num_experts: int, ep_size: int, spare_slots: int) -> Placement:
+    """Contiguous blocks of ceil(E / R) + spare_slots slots per rank; the slots beyond E replicate experts
+    round-robin (redundant slots), so any expert count runs on any number of ranks."""
+    uneven = num_experts % ep_size != 0
+    slots = -(-num_experts // ep_size) + spare_slots if spare_slots or uneven else None
+    return Placement.contiguous(num_experts, ep_size, slots)
+
+
 def _set_implementation(model: nn.Module, modules: list[nn.Module]) -> None:
     register_experts_implementation()
     setter = getattr(model, "set_experts_implementation", None)
@@ -210,8 +218,10 @@ class ThunderMoE(nn.Module):
         device: where the experts will run, for "auto" (default: the EP runtime's device when moving
             there, else where the experts' weights are).
         move: move the model to the EP runtime's device (its GPU under NCCL) after slicing.
-        spare_slots: without a placement, slots per rank beyond E / R (contiguous blocks, the extra slots
-            replicating experts round-robin): room for the balancer's replicas.
+        spare_slots: without a placement, slots per rank beyond ceil(E / R) (contiguous blocks, the extra
+            slots replicating experts round-robin): room for the balancer's replicas. Where R does not
+            divide E, the ranks' last slots hold replicas of the first experts (E=7 on 2 ranks: experts
+            0-3 and 4-6 + 0), so that every rank holds as many slots.
         balancer: a `BalancerConfig` to balance every MoE layer (needs `ep`; works in ep mode, which
             mode "auto" then always picks): its words ride in the dispatch's record, its trade plan
             picks among an expert's replicas (give the placement spare slots), and `balance_step`
@@ -229,8 +239,7 @@ class ThunderMoE(nn.Module):
             E, tensors = _expert_tensors(name, module)
             if ep is not None:
                 R = ep.groups.ep_size
-                layer_placement = placement or Placement.contiguous(
-                    E, R, -(-E // R) + spare_slots if spare_slots else None)
+                layer_placement = placement or _default_placement(E, R, spare_slots)
                 if layer_placement.num_experts != E or layer_placement.ep_size != R:
                     raise ConfigError(
                         f"placement ({layer_placement.num_experts} experts on {layer_placement.ep_size} ranks) does "
@@ -266,7 +275,8 @@ class ThunderMoE(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike, ep=None, **kwargs) -> "ThunderMoE":
         """Build the model from a local checkpoint directory; this rank reads only its own experts'
         tensors plus the replicated ones. See `thunderep.hf.load.load_pretrained` for the keywords
-        (dtype, device, placement, model_class, attn_implementation, experts_implementation)."""
+        (dtype, device, placement, model_class, attn_implementation, experts_implementation,
+        experts_dtype, progress: a bar on stderr while the checkpoint is read, off by default)."""
         return load_pretrained(cls, path, ep, **kwargs)
 
     def balance_step(self, optimizer=None) -> list:
