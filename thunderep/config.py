@@ -305,11 +305,10 @@ class EPConfig:
         host, else collectives), "mailbox" or "collective".
     timeout_s: bound on every wait; a dead or silent peer raises instead of hanging.
     record_bytes: largest control record (split sizes of all waves: 4 * waves * ranks * slots bytes).
-    allgather_max_tokens: in mode "auto" without replicated inputs, a layer call whose EP ranks all hold
-        the same number of tokens, at most this many (decode steps), runs in all-gather mode: fixed
-        sizes, no split sizes to exchange, no host synchronization. Otherwise, and with 0, EP mode.
-        64 covers decode batches (docs/BENCHMARKS.md, "2 H200s without P2P: where ep mode's time
-        went, and the fix"); training and prefill batches stay in EP mode.
+    allgather_max_tokens: in mode "auto" without replicated inputs or a balancer, a layer call whose EP
+        ranks all hold the same number of tokens T runs in all-gather mode when the rule of
+        `thunderep.moe.ep.mode_seconds` estimates it faster than ep mode (docs/design/architecture.md,
+        "Expert parallelism"), and T is at most this bound. None: the rule alone; 0: always ep mode.
     """
 
     waves: int = 1
@@ -317,7 +316,7 @@ class EPConfig:
     control: str = "auto"
     timeout_s: float = 60.0
     record_bytes: int = 16384
-    allgather_max_tokens: int = 64
+    allgather_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         positive("EPConfig.waves", self.waves)
@@ -327,7 +326,8 @@ class EPConfig:
         if self.timeout_s <= 0:
             raise ConfigError(f"EPConfig.timeout_s must be positive, got {self.timeout_s!r}")
         positive("EPConfig.record_bytes", self.record_bytes)
-        if type(self.allgather_max_tokens) is not int or self.allgather_max_tokens < 0:
+        if self.allgather_max_tokens is not None and (type(self.allgather_max_tokens) is not int
+                                                      or self.allgather_max_tokens < 0):
             raise ConfigError(
                 f"EPConfig.allgather_max_tokens must be an int >= 0, got {self.allgather_max_tokens!r}")
 

@@ -10,6 +10,7 @@ Shape legend: T tokens, D hidden size, C columns, R ranks.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -68,14 +69,19 @@ class ExpertParallel:
         return self._collective(op, out, lambda: _reduce_scatter_single(
             out, x_RTC, group=self.groups.ep_group, async_op=True), out, stats)
 
-    def auto_mode(self, T: int, stats=None) -> str:
+    def auto_mode(self, T: int, stats=None, allgather_wins: Callable[[int], bool] | None = None) -> str:
         """Mode "auto" for a layer call with T tokens on this rank: "allgather" when every EP rank holds
-        the same T <= `config.allgather_max_tokens`, else "ep". One control-plane exchange (host data
-        only: no wait for the GPU); every rank gets the same answer."""
-        if self.groups.ep_size == 1 or self.config.allgather_max_tokens == 0:
+        the same T, T <= `config.allgather_max_tokens` (None: no bound) and `allgather_wins(T)` (None:
+        always), else "ep". One control-plane exchange of [T, -T] (host data only: no wait for the
+        GPU); `allgather_wins` must depend only on T and what every rank shares, so every rank gets
+        the same answer."""
+        bound = self.config.allgather_max_tokens
+        if self.groups.ep_size == 1 or bound == 0:
             return "ep"
         most, neg_least = self._token_range(T, stats)
-        return "allgather" if most == -neg_least and most <= self.config.allgather_max_tokens else "ep"
+        if most != -neg_least or (bound is not None and most > bound):
+            return "ep"
+        return "allgather" if allgather_wins is None or allgather_wins(most) else "ep"
 
     def check_same_tokens(self, T: int, what: str = "all-gather mode", stats=None) -> None:
         """Raise ConfigError unless every EP rank passes the same T (one control-plane exchange)."""

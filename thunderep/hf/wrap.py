@@ -18,8 +18,8 @@ holds the same tokens, e.g. batch-1 decode; one all-reduce per layer) and "allga
 own tokens, the same number on every rank; all tokens are gathered everywhere and a reduce-scatter
 returns the sums: the baseline of frameworks without an EP kernel library, and the faster mode for small
 batches). `mode="auto"` picks latency when the caller passes `replicated=True`; otherwise each MoE
-layer call runs in all-gather mode when every rank holds the same number of tokens, at most
-`EPConfig.allgather_max_tokens` (decode steps), and in ep mode else.
+layer call with the same number of tokens on every rank runs in the mode the cost rule of
+`thunderep.moe.ep` estimates faster (bytes, collectives and ep mode's host wait), and in ep mode else.
 """
 
 from __future__ import annotations

@@ -14,16 +14,19 @@ as torchtitan's `ExpertParallel` wraps an unmodified `GroupedExperts`:
                    mode for small batches)
 
 `mode="auto"` picks latency mode when the caller says every rank holds the same tokens
-(`replicated=True`), ep mode under a balancer (its words ride in ep mode's dispatch record), else
-all-gather mode for small equal batches (`EPConfig.allgather_max_tokens`) and ep mode for the rest.
+(`replicated=True`), ep mode under a balancer (its words ride in ep mode's dispatch record), ep mode
+when the ranks' token counts differ, else the mode `mode_seconds` estimates faster from T, the
+placement and per-backend constants (`COSTS`): data every rank has after one exchange of (T, -T), so
+every rank picks the same (docs/benchmarks/2026-12-05-auto-mode.md).
 Each layer carries one `ExpertParallelMoE`; `moe_layers(model)` lists them for training sync,
 checkpoints and telemetry whatever the model.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +41,8 @@ from ..comm.stats import CommStats
 from ..errors import ConfigError
 from .router import expert_counts
 
-__all__ = ["MODES", "ExpertParallelMoE", "LocalExperts", "MoELayer", "attach", "moe_layers", "wave_bounds"]
+__all__ = ["COSTS", "MODES", "ExpertParallelMoE", "LocalExperts", "MoELayer", "ModeCosts", "attach", "mode_seconds",
+           "moe_layers", "reach_per_rank", "wave_bounds"]
 
 MODES = ("auto", "ep", "latency", "allgather")
 ATTRIBUTE = "_thunderep_moe"  # the attribute of the module holding a layer's expert tensors
@@ -72,6 +76,66 @@ def wave_bounds(T: int, waves: int) -> list[tuple[int, int]]:
     return bounds
 
 
+@dataclass(frozen=True)
+class ModeCosts:
+    """The constants of mode "auto"'s rule for one backend (`mode_seconds`; measurements and sources in
+    docs/benchmarks/2026-12-05-auto-mode.md).
+
+    a2a_us / ring_us: latency per message of an all-to-all / an all-gather or reduce-scatter (one over
+    R ranks costs R - 1 of them). link_GBps: bytes a rank sends to its peers per second (1e9).
+    local_GBps: bytes of float32 pair rows ([rows * K, D]) a rank's local work fills and sums per second
+    (inf: counted as free). ep_extra_us / ep_extra_backward_us: what ep mode costs beyond all-gather
+    mode per forward / backward whatever T (the plan's host work, its wait for the GPU, the split-size
+    exchange)."""
+
+    a2a_us: float
+    ring_us: float
+    link_GBps: float
+    local_GBps: float
+    ep_extra_us: float
+    ep_extra_backward_us: float = 0.0
+
+
+COSTS = {  # by the EP group's device: "gloo" for CPU ranks, "nccl" for GPUs (fitted to PCIe without P2P)
+    "gloo": ModeCosts(a2a_us=322.0, ring_us=704.0, link_GBps=0.29, local_GBps=0.27, ep_extra_us=0.0),
+    "nccl": ModeCosts(a2a_us=76.7, ring_us=89.1, link_GBps=22.81, local_GBps=math.inf, ep_extra_us=299.0),
+}
+
+
+def reach_per_rank(placement: Placement, top_k: int) -> list[float]:
+    """[R] the chance that a token's K distinct experts, drawn uniformly from E, include one that rank r
+    holds: 1 - C(E - n_r, K) / C(E, K), n_r the distinct experts on rank r."""
+    E = placement.num_experts
+    return [1.0 - math.comb(E - len(set(placement.experts_of(r))), top_k) / math.comb(E, top_k)
+            for r in range(placement.ep_size)]
+
+
+def mode_seconds(T: int, reach_R: Sequence[float], K: int, D: int, row_bytes: int, element_bytes: int,
+                 costs: ModeCosts, backward: bool = False) -> dict[str, float]:
+    """Estimated seconds of one layer call with T tokens on each of R = len(reach_R) ranks, in "ep" and
+    "allgather" mode: collectives x (R - 1) x latency + bytes sent / link_GBps + local pair-row bytes /
+    local_GBps (+ ep mode's fixed extra). Every input is the same on every rank: so is the answer. backward: a training call (every collective and byte again, mirrored).
+
+    reach_R: `reach_per_rank`. row_bytes: one dispatched row on the wire (the codec's). element_bytes:
+    one element of the model's dtype (all-gather mode sends rows uncompressed).
+      ep: rows per token to other ranks sum(reach) - min(reach) (the busiest sender), each with a
+          float32 side row of 2K (weights, slots), and the same rows back; 3 all-to-alls per pass; the
+          busiest receiver fills R T max(reach) K float32 pair rows.
+      allgather: (R - 1) T rows of x, K float32 weights and K int64 ids out, (R - 1) T rows back
+          (reduce-scatter); 4 collectives forward, 3 backward; every rank fills R T K pair rows."""
+    R, passes = len(reach_R), 2 if backward else 1
+    c = costs
+    ep_link = T * (sum(reach_R) - min(reach_R)) * (2 * row_bytes + 8 * K)
+    ep_local = R * T * max(reach_R) * K * D * 4
+    ep = (c.ep_extra_us + (c.ep_extra_backward_us if backward else 0.0) + passes * 3 * (R - 1) * c.a2a_us) * 1e-6
+    ep += passes * (ep_link / (c.link_GBps * 1e9) + ep_local / (c.local_GBps * 1e9))
+    ag_link = (R - 1) * T * (2 * D * element_bytes + 12 * K)
+    ag_local = R * T * K * D * 4
+    allgather = (4 + (3 if backward else 0)) * (R - 1) * c.ring_us * 1e-6
+    allgather += passes * (ag_link / (c.link_GBps * 1e9) + ag_local / (c.local_GBps * 1e9))
+    return {"ep": ep, "allgather": allgather}
+
+
 class ExpertParallelMoE:
     """One MoE layer's experts spread over an EP group: where they are (`placement`), the runtime that
     moves rows (`ep`), the optional balancer, this layer's traffic (`stats`) and calls per mode."""
@@ -83,6 +147,10 @@ class ExpertParallelMoE:
         self.ep, self.placement, self.balancer = ep, placement, balancer
         self.stats = CommStats(R, ep.groups.ep_rank)
         self.calls = {"ep": 0, "latency": 0, "allgather": 0}
+        # mode "auto"'s constants for this backend (replaceable), and its last estimate (seconds per mode)
+        self.costs: ModeCosts = COSTS["gloo" if ep.groups.device.type == "cpu" else "nccl"]
+        self.last_estimate: dict[str, float] | None = None
+        self._reach: tuple = (None, 0, [])
 
     @property
     def num_experts(self) -> int:
@@ -95,16 +163,36 @@ class ExpertParallelMoE:
 
     # -- the forward
 
-    def choose_mode(self, T: int, mode: str = "auto", replicated: bool = False) -> str:
-        """The mode a call with T tokens on this rank runs in (see the module docstring); "auto" with
-        neither `replicated` nor a balancer costs one control-plane exchange."""
+    def choose_mode(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, mode: str = "auto",
+                    replicated: bool = False) -> str:
+        """The mode a call with x_TD ([T, D]) and ids_TK ([T, K]) on this rank runs in (see the module
+        docstring); "auto" with neither `replicated` nor a balancer costs one control-plane exchange."""
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if mode != "auto":
             return mode
         if replicated:
             return "latency"
-        return "ep" if self.balancer is not None else self.ep.auto_mode(T, self.stats)
+        if self.balancer is not None:
+            return "ep"
+        K, D = ids_TK.shape[1], x_TD.shape[1]
+        row_bytes = self.ep.dispatcher.codec.row_bytes(D, x_TD.dtype)
+        backward = torch.is_grad_enabled()  # a training call: the backward moves as much again
+
+        def allgather_wins(T: int) -> bool:  # T: every rank's, so every rank decides alike
+            self.last_estimate = mode_seconds(T, self.reach(K), K, D, row_bytes, x_TD.element_size(), self.costs,
+                                              backward)
+            return self.last_estimate["allgather"] < self.last_estimate["ep"]
+
+        return self.ep.auto_mode(x_TD.shape[0], self.stats, allgather_wins)
+
+    def reach(self, top_k: int) -> list[float]:
+        """`reach_per_rank` of the current placement (cached per placement and K)."""
+        placement, k, reach_R = self._reach
+        if placement is not self.placement or k != top_k:
+            reach_R = reach_per_rank(self.placement, top_k)
+            self._reach = (self.placement, top_k, reach_R)
+        return reach_R
 
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, experts: LocalExperts, *,
                 mode: str = "auto", replicated: bool = False, capturable: bool = False,
@@ -114,7 +202,7 @@ class ExpertParallelMoE:
         x_TD: [T, D]. ids_TK: int64 [T, K] global expert ids. weights_TK: [T, K]. capturable (latency
         mode): no host sync, shapes fixed by T alone, so that a CUDA graph can capture the call.
         shared: the layer's shared experts, run while ep mode's rows are in flight."""
-        chosen = self.choose_mode(x_TD.shape[0], mode, replicated)
+        chosen = self.choose_mode(x_TD, ids_TK, mode, replicated)
         if capturable and chosen != "latency":
             raise ConfigError(f"capturable runs need latency mode, not {chosen!r}")
         self.calls[chosen] += 1
