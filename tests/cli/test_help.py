@@ -120,6 +120,10 @@ def test_the_options_mirrored_for_help_equal_the_library_s():
     from thunderep.serve import tool_calls
 
     assert serve.TOOL_CALL_PARSERS == tool_calls.PARSER_NAMES
+    from thunderep.bench import auto_mode
+    from thunderep.cli import bench_ep
+
+    assert bench_ep.SHAPES == tuple(auto_mode.SHAPES)
 
 
 def test_ep_defaults_say_why():

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import HelpFormatter, command_parser, count_problems, new_parser, say
+from .bench_ep import BENCHES as _EP_BENCHES
 
 __all__ = ["TARGETS", "bench_balancer", "bench_bytes", "bench_control", "bench_control_gpu", "bench_dispatch",
            "bench_experts", "bench_kernels", "bench_link", "bench_sync", "bench_targets", "configure", "main",
@@ -28,6 +29,8 @@ TARGETS = {
     "sync": "examples/convergence_study.py",
     "targets": "thunderep.kernels.targets",
     "cli-start": "thunderep.bench.cli_start",
+    "auto-mode": "thunderep.bench.auto_mode",
+    "integrity": "thunderep.bench.integrity",
 }
 
 # The names the options offer, as the benchmark modules define them (tests/cli checks that they are equal):
@@ -427,6 +430,7 @@ _BENCHES = {
                    "fresh processes), beside the bare interpreter and `import torch`; exit status 1 when one "
                    "takes 1 s or more."),
                   _cli_start_options, _run_cli_start),
+    **_EP_BENCHES,
 }
 
 

@@ -288,7 +288,7 @@ class Mailbox:
 
     def set_checksum(self, on: bool) -> None:
         """Whether this rank's records carry an XXH3-64 checksum of their payload (on by default: about
-        20 ns for a 256-byte record, docs/benchmarks/2026-12-05-hardening.md). Readers check every record
+        28 ns to hash a 256-byte record here, docs/benchmarks/2026-12-05-hardening.md). Readers check every record
         that carries one and raise `CommError` when the bytes changed after their writer published."""
         if not isinstance(on, bool):
             raise ConfigError(f"checksum must be True or False, not {on!r}")
