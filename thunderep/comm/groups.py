@@ -20,6 +20,7 @@ import datetime
 import os
 import re
 import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from ..errors import CommError, ConfigError, ThunderError
 
-__all__ = ["EPGroups", "init_expert_parallel", "ep_layout"]
+__all__ = ["EPGroups", "ep_layout", "exposure_note", "init_expert_parallel"]
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -69,6 +70,16 @@ class EPGroups:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def exposure_note(master_addr: str | None, master_port: str | None) -> str | None:
+    """What a rendezvous beyond this host exposes, in one line for the first rank to print; None for a
+    loopback one (which reaches nothing outside the host)."""
+    if not master_addr or master_addr in LOOPBACK:
+        return None
+    return (f"the rendezvous store listens at {master_addr}:{master_port or '?'} for as long as the run lasts and "
+            "accepts unauthenticated connections from any host that can reach that port: keep it firewalled to "
+            "the run's hosts (one-host runs listen on 127.0.0.1 only)")
 
 
 def _loopback_rendezvous() -> bool:
@@ -128,6 +139,10 @@ def init_expert_parallel(
         if backend == "nccl":
             local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else os.environ.get("RANK", 0)))
             torch.cuda.set_device(local % torch.cuda.device_count())
+        note = exposure_note(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")) \
+            if init_method is None else None
+        if note and (rank if rank is not None else int(os.environ.get("RANK", "0"))) == 0:
+            warnings.warn(note, stacklevel=2)
         if init_method is None and _loopback_rendezvous():
             me, world = int(os.environ["RANK"]) if rank is None else rank, \
                 int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
