@@ -36,9 +36,12 @@ from . import (
     say,
 )
 
-__all__ = ["configure", "main", "parse_args", "problems", "run"]
+__all__ = ["GPU_MEMORY_HELP", "configure", "gpu_memory_bytes", "gpu_memory_problem", "main", "parse_args", "problems", "run"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GPU_MEMORY_HELP = ("device memory for this rank's weights, as bytes or a size like 20GiB, 512MiB, 1.5GB: the "
+                   "experts beyond it stay in host memory and run there or are streamed to the device, the most "
+                   "used ones held on the device (inference only; default: everything on the device)")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -59,6 +62,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
     p.add_argument("--experts-implementation", default=None, help=EXPERTS_IMPLEMENTATION_HELP)
     p.add_argument("--experts-dtype", choices=EXPERTS_DTYPES, default=None, help=EXPERTS_DTYPE_HELP)
+    p.add_argument("--gpu-memory", default=None, help=GPU_MEMORY_HELP)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
     p.add_argument("--quiet", action="store_true",
                    help="print only the answers and errors: no streaming, loading lines or progress bars")
@@ -76,7 +80,28 @@ def _config(a: argparse.Namespace):
     return GenerateConfig(model=a.model, prompts=tuple(a.prompt), ep=a.ep, max_new_tokens=a.max_new_tokens,
                           mode=a.mode, dtype=a.dtype, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
                           cpu=a.cpu, experts_implementation=a.experts_implementation,
-                          experts_dtype=a.experts_dtype, timeout=a.timeout, quiet=a.quiet)
+                          experts_dtype=a.experts_dtype, timeout=a.timeout, quiet=a.quiet,
+                          gpu_memory=gpu_memory_bytes(a.gpu_memory))
+
+
+def gpu_memory_bytes(value: str | None) -> int | None:
+    """--gpu-memory in bytes (None: not given); `problems` has refused a malformed one."""
+    # deferred: moe.tiers imports torch, which --help must not wait for
+    from ..moe.tiers import parse_memory
+
+    return None if value is None else parse_memory(value)
+
+
+def gpu_memory_problem(value: str | None) -> str | None:
+    """Why --gpu-memory is malformed, or None."""
+    # deferred, as in gpu_memory_bytes
+    from ..errors import ConfigError
+
+    try:
+        gpu_memory_bytes(value)
+    except ConfigError as exc:
+        return f"--gpu-memory: {exc}"
+    return None
 
 
 def _option_problems(a: argparse.Namespace) -> list[str]:
@@ -107,7 +132,7 @@ def problems(a: argparse.Namespace) -> list[str]:
         rule = sampling_problem(name, getattr(a, name))
         if rule:
             out.append(f"--{name.replace('_', '-')} must be {rule}, got {getattr(a, name)}")
-    return out + list(filter(None, [config_problem(a.model)]))  # an --ep that does not divide the experts: copies
+    return out + list(filter(None, [gpu_memory_problem(a.gpu_memory), config_problem(a.model)]))  # an --ep that does not divide the experts: copies
 
 
 def run(a: argparse.Namespace) -> int:

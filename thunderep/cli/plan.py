@@ -21,6 +21,12 @@ tensors counted. Per rank and EP size R:
 Sizes are in KB, MB or GB (10^3, 10^6, 10^9 bytes), whichever keeps each readable. Activations and the CUDA
 context come on top and are not counted. The KV cache is printed apart: the bytes per token of context, on
 every rank (the attention is replicated), from the model run on the meta device.
+
+--gpu-memory X (as generate / serve take it) adds, per EP size, what one rank holds with expert offload: the
+experts per layer that fit X on the device (hot), the host memory for all its experts, and the decode and
+prefill rates the offload cost model predicts for its routed experts alone (predictions, from constants
+measured here; attention and communication not counted). A host whose memory cannot hold its ranks' experts
+is named with the bytes.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="show the --experts-dtype fp8 column on a host whose GPUs cannot run FP8 experts (none, or "
                         "of compute capability below 8.9): its sizes, for planning another machine, without a "
                         "verdict against this host")
+    p.add_argument("--gpu-memory", default=None,
+                   help="also plan expert offload with this much device memory per rank (bytes, or 20GiB, "
+                        "512MiB, 1.5GB): hot experts, host memory and predicted rates per EP size (default: no offload section)")
 
 
 def size(n: float) -> str:
@@ -121,7 +130,54 @@ def run(args: argparse.Namespace) -> int:
     per_token, fixed = kv_cache_bytes(args.model, args.dtype)
     print(f"KV cache, on every rank (attention is not split): {size(per_token * 1000)} per 1000 tokens "
           "(context x batch)" + (f", plus {size(fixed)} per sequence of fixed state" if fixed else ""))
+    if args.gpu_memory is not None:
+        _offload_rows(args, eps)
     return 0
+
+
+def _offload_rows(args: argparse.Namespace, eps: list[int]) -> None:
+    """The --gpu-memory section: per EP size, one rank's hot experts, host memory and predicted rates."""
+    import psutil  # deferred: torch and transformers take seconds to import; --help must not pay them
+    import torch  # deferred, as psutil
+
+    from ..moe.offload_cost import measure_costs, predicted_rates  # deferred, as torch
+    from ..train.plan import plan_offload_memory  # deferred, as torch
+
+    plans = plan_offload_memory(args.model, eps, args.gpu_memory, args.dtype)
+    available = psutil.virtual_memory().available
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"expert offload with --gpu-memory {args.gpu_memory} per rank (rates: cost-model predictions for the "
+          f"routed experts alone, constants measured on this host's {device.type})")
+    for ep, plan in plans:
+        first = next(iter(plan.hot))
+        dtype = torch.float32 if plan.slot_bytes[first] == 4 * plan.slot_params[first] else torch.bfloat16
+        rates = predicted_rates(measure_costs(device, dtype), plan.layers(), _top_k(args.model),
+                                _hidden(args.model) * plan.slot_bytes[first] // plan.slot_params[first])
+        hot = sorted(set(plan.hot.values()))
+        host_all = plan.host_bytes * ep
+        verdict = "fits" if host_all <= available else (
+            f"host memory short: {ep} rank(s) need {host_all} bytes, {available} available")
+        print(f"  ep {ep}: {'-'.join(map(str, hot))} of {next(iter(plan.slots.values()))} experts per layer hot "
+              f"({plan.hot_fraction:.0%}); device {size(plan.replicated_bytes + plan.staging_bytes + plan.hot_bytes)}"
+              f", host {size(plan.host_bytes)} per rank ({verdict}); predicted decode "
+              f"{rates['decode']:.1f} tokens/s, prefill {rates['prefill']:.0f} tokens/s")
+
+
+def _text_config(model_dir):
+    # deferred, as in run
+    from ..hf.config_check import read_config
+
+    config = read_config(model_dir)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _top_k(model_dir) -> int:
+    c = _text_config(model_dir)
+    return next(int(getattr(c, n)) for n in ("num_experts_per_tok", "moe_k", "moe_topk", "top_k") if hasattr(c, n))
+
+
+def _hidden(model_dir) -> int:
+    return int(_text_config(model_dir).hidden_size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,6 +106,7 @@ class ExpertsBinding:
     adapters: dict = field(default_factory=dict)  # tensor name -> ExpertAdapter (thunderep.train.lora)
     signature: tuple | None = None  # (K, x dtype, weights dtype) of a call, set by `thunderep.serve.tune`
     implementation: str = ""
+    tiers: object = None  # an ExpertTiers (thunderep.moe.tiers) where experts are offloaded (gpu_memory=...)
 
     restores_placement = False  # resumed onto the placement it was wrapped with (experts re-sharded)
 
@@ -182,12 +183,46 @@ class ExpertsBinding:
         return None
 
     def _forward(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
+        if self.tiers is not None:
+            return self._forward_tiered(module, x_TD, ids_TK, weights_TK)
         if self.all_local:  # the Hugging Face computation as it is, no dispatch
             self.local_calls += 1
             return self.compute(module, x_TD, ids_TK, weights_TK)
         state = self.state
         return self.core.forward(x_TD, ids_TK, weights_TK, self.local_compute(module), mode=state.mode,
                                  capturable=state.capturable)
+
+    def _forward_tiered(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
+        """Offloaded experts: the local rows grouped by slot go through the tiers (`thunderep.moe.tiers`)."""
+        if module.training:
+            raise ConfigError(f"{self.name}: training with offloaded experts (gpu_memory=...) is not supported yet; "
+                              "load the model without gpu_memory to fine-tune it")
+        if not self.all_local:
+            return self.core.forward(x_TD, ids_TK, weights_TK, self.local_compute(module), mode=self.state.mode,
+                                     capturable=self.state.capturable)
+        self.local_calls += 1  # one process: sort the pairs by expert here; the counts' copy waits for the device
+        T, K = ids_TK.shape
+        order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
+        counts_S = torch.bincount(ids_TK.reshape(-1), minlength=self.num_slots).cpu()
+        y_ND = self.tiers.sorted(x_TD[order_N // K], counts_S)
+        weighted_ND = y_ND * weights_TK.reshape(-1)[order_N].unsqueeze(-1).to(y_ND.dtype)
+        full_ND = weighted_ND.new_zeros(T * K, x_TD.shape[-1]).index_copy(0, order_N, weighted_ND)
+        return full_ND.view(T, K, -1).sum(dim=1).to(x_TD.dtype)
+
+    def weights_compute(self, module) -> Callable:
+        """`compute(weights, x_MD, slot_M)`: the experts function of `module` on other tensors than its own
+        ({tensor name: [n, ...]}: hot, host or staged slots; row m uses entry slot_M[m]), for the tiers."""
+        def compute(weights: dict, x_MD: torch.Tensor, slot_M: torch.Tensor) -> torch.Tensor:
+            saved = {n: module._parameters[n] for n in weights}, module.num_experts
+            try:
+                module._parameters.update(weights)
+                module.num_experts = next(iter(weights.values())).shape[0]
+                return self.compute(module, x_MD, slot_M.unsqueeze(1), x_MD.new_ones(x_MD.shape[0], 1))
+            finally:
+                module._parameters.update(saved[0])
+                module.num_experts = saved[1]
+
+        return compute
 
     # -- local compute
 
@@ -199,6 +234,9 @@ class ExpertsBinding:
         return self._local[1]
 
     def _local_compute(self, module) -> LocalExperts:
+        if self.tiers is not None:  # rows grouped by slot with the counts on the host: no by_slot, no pair kernels
+            return LocalExperts(lambda x_MD, counts_S: self.tiers.sorted(x_MD, counts_S))
+
         def by_slot(x_MD, slot_M):
             return self.compute_rows(module, x_MD, slot_M)
 

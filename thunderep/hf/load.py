@@ -14,6 +14,7 @@ each rank reading the quantized bytes of its own experts only. config.json is ch
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import os
@@ -27,13 +28,27 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
+from ..moe.tiers import TierConfig
 from .checkpoint_index import CheckpointIndex
-from .config_check import (config_problem, context_length, ep_size_problem, expert_counts, layer_count_problem,
-                           read_config, resolve_dtype)
+from .config_check import (
+    config_problem,
+    context_length,
+    ep_size_problem,
+    expert_counts,
+    layer_count_problem,
+    read_config,
+    resolve_dtype,
+)
 from .experts import requested_implementation
 from .fill import Filler
 from .fp8 import EXPERTS_DTYPES, fp8_device_problem, to_fp8_experts
-from .quantized import DequantizedIndex, drop_quantization, fp8_block_columns, quant_method
+from .offload import attach_tiers, check_host, host_experts, plan_offload
+from .quantized import (
+    DequantizedIndex,
+    drop_quantization,
+    fp8_block_columns,
+    quant_method,
+)
 from .report import LoadReport, rss_bytes
 
 # The checkpoint index, config checks and report live in their own modules; they stay importable from here.
@@ -114,7 +129,8 @@ def _check_finite(model: nn.Module, path: Path) -> None:
 
 def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
                     attn_implementation: str | None = None, experts_implementation: str | None = None,
-                    balancer=None, spare_slots: int = 0, experts_dtype: str | None = None, progress: bool = False):
+                    balancer=None, spare_slots: int = 0, experts_dtype: str | None = None, progress: bool = False,
+                    gpu_memory: int | str | None = None, offload=None, offload_costs=None):
     """`ThunderMoE.from_pretrained`: build, wrap and fill the model of checkpoint directory `path`.
 
     dtype: torch dtype or name (default: the checkpoint's `dtype`, else float32). device: default the EP
@@ -122,9 +138,15 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     routed experts in FP8 with a scale per row, for inference on ThunderEP's kernels (hf/fp8.py; the
     experts implementation defaults to "triton" then); "fp8-w8a8" the same, and prompt batches' activations
     are quantized per row too; None: the model's dtype. progress: a progress bar on stderr over the
-    checkpoint's tensors while they are read (on the first rank only). Other keywords as `wrap`.
+    checkpoint's tensors while they are read (on the first rank only). gpu_memory: bytes (or "20GiB") of
+    `device` memory for this rank's weights: the experts that do not fit stay in host memory (`hf/offload.py`;
+    inference only); offload: its `TierConfig`, offload_costs: its `OffloadCosts` (default: measured).
+    Other keywords as `wrap`.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig  # transformers: optional (the hf extra)
+    from transformers import (  # transformers: optional (the hf extra)
+        AutoModelForCausalLM,
+        GenerationConfig,
+    )
 
     started = time.perf_counter()
     _check_experts_dtype(experts_dtype, balancer)
@@ -166,9 +188,10 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     if experts_dtype is not None:  # an FP8 checkpoint's blocks are kept where the kernels can walk them
         to_fp8_experts(model, wrapped.bindings, dtype, fp8_block_columns(config_as_stored),
                        w8a8=experts_dtype == "fp8-w8a8")
-    check_fits(model, device, ep)  # before allocating: a clear error instead of running out mid-load
+    tiers = _plan_tiers(wrapped, gpu_memory, device, ep, balancer, experts_dtype)
     rss_before = rss_bytes()  # libraries imported, model on meta: what follows is the weights
-    model.to_empty(device=device)
+    with host_experts(model, wrapped.bindings, device.type == "cuda") if tiers else contextlib.nullcontext():
+        model.to_empty(device=device)
     _init_non_persistent_buffers(model)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -180,17 +203,39 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     if (path / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
     model.eval()
+    if tiers:
+        attach_tiers(wrapped, tiers, device, offload or TierConfig(), offload_costs)
+    wrapped.load_report = _report(wrapped, path, index, loader, device, rss_before, started, dequantized)
+    return wrapped
+
+
+def _report(wrapped, path: Path, index, loader: Filler, device: torch.device, rss_before: int, started: float,
+            dequantized) -> LoadReport:
+    """What this rank read and holds; unmaps the checkpoint files."""
     memory = wrapped.memory()
     bytes_total = index.total_bytes()
     index.close()  # unmaps the checkpoint files
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    wrapped.load_report = LoadReport(
+    return LoadReport(
         path=str(path), files=index.files, tensors_read=loader.tensors_read, bytes_read=loader.bytes_read,
         bytes_total=bytes_total, expert_bytes=memory["expert_bytes"], replicated_bytes=memory["replicated_bytes"],
         rss_before=rss_before, rss_after=rss_bytes(), peak_rss=loader.peak_rss, cuda_peak=cuda_peak,
         seconds=time.perf_counter() - started, unused_keys=loader.unused, dequantized=dequantized,
     )
-    return wrapped
+
+
+def _plan_tiers(wrapped, gpu_memory, device: torch.device, ep, balancer, experts_dtype):
+    """None without gpu_memory (after `check_fits`, as always); else the rank's `OffloadPlan`, its host
+    memory checked: both before anything is allocated."""
+    if gpu_memory is None:
+        check_fits(wrapped.model, device, ep)  # before allocating: a clear error instead of running out mid-load
+        return None
+    if balancer is not None or experts_dtype is not None:
+        raise ConfigError("gpu_memory (offloaded experts) does not work with a balancer or experts_dtype yet: "
+                          "load without one of them")
+    plan = plan_offload(wrapped, gpu_memory)
+    check_host(plan, device, free_bytes(torch.device("cpu")))
+    return plan
 
 
 def _warn_unused(model: nn.Module, unused: list[str], path: Path) -> None:

@@ -40,6 +40,7 @@ from ..moe.replicas import replica_groups, sum_replica_grads
 from ..kernels.graphs import graph_steps
 from ..errors import ConfigError, UnsupportedModelError
 from .load import load_pretrained
+from .offload import offload_stats
 from .experts import (
     IMPLEMENTATION,
     MODES,
@@ -276,7 +277,8 @@ class ThunderMoE(nn.Module):
         """Build the model from a local checkpoint directory; this rank reads only its own experts'
         tensors plus the replicated ones. See `thunderep.hf.load.load_pretrained` for the keywords
         (dtype, device, placement, model_class, attn_implementation, experts_implementation,
-        experts_dtype, progress: a bar on stderr while the checkpoint is read, off by default)."""
+        experts_dtype, progress: a bar on stderr while the checkpoint is read, off by default; gpu_memory:
+        the device bytes for this rank's weights, the experts beyond them in host memory)."""
         return load_pretrained(cls, path, ep, **kwargs)
 
     def balance_step(self, optimizer=None) -> list:
@@ -466,6 +468,10 @@ class ThunderMoE(nn.Module):
         return {"expert_bytes": expert_bytes + shard_buffers,
                 "replicated_bytes": total - expert_bytes + buffers - shard_buffers,
                 "local_experts": {n: b.local_experts for n, b in self.bindings.items()}}
+
+    def offload_stats(self) -> dict | None:
+        """Expert offload telemetry of this rank (`hf.offload.offload_stats`); None without gpu_memory."""
+        return offload_stats(self.bindings.values())
 
     def extra_repr(self) -> str:
         ranks = self.ep.groups.ep_size if self.ep is not None else 1

@@ -29,6 +29,7 @@ class GenerateConfig:
     experts_dtype: str | None = None
     timeout: float = 120.0  # seconds any rank waits for a peer
     quiet: bool = False  # only the answers: no streaming, loading or speed lines
+    gpu_memory: int | None = None  # bytes of device memory for weights; the other experts offloaded to the host
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class ServeConfig:
     timeout: float = 120.0  # seconds any rank waits for a peer
     cpu: bool = False
     quiet: bool = False  # no line per request
+    gpu_memory: int | None = None  # bytes of device memory for weights; the other experts offloaded to the host
     http: HttpConfig = field(default_factory=HttpConfig)
 
 

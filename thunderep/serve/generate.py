@@ -15,6 +15,7 @@ from ..comm.launch import launch, run_on_ep
 from ..comm.objects import all_gather_json
 from ..errors import ConfigError
 from ..hf import ThunderMoE
+from ..hf.offload import summary_line
 from ..hf.tokenizer import encode_batch, load_tokenizer
 from .config import GenerateConfig, pick_device
 
@@ -78,7 +79,8 @@ def generate_on_rank(config: GenerateConfig, ep=None, out=None) -> dict | None:
     device = pick_device(ep, config.cpu)
     tm = ThunderMoE.from_pretrained(config.model, ep, dtype=config.dtype, device=device,
                                     experts_implementation=config.experts_implementation,
-                                    experts_dtype=config.experts_dtype, progress=not config.quiet)
+                                    experts_dtype=config.experts_dtype, progress=not config.quiet,
+                                    gpu_memory=config.gpu_memory)
     tokenizer = load_tokenizer(config.model, tm.config.get_text_config().vocab_size)
     latency = config.mode == "latency" or (config.mode == "auto" and len(config.prompts) < world)
     mine = list(range(len(config.prompts))) if latency else list(range(rank, len(config.prompts), world))
@@ -137,6 +139,11 @@ def generate_on_rank(config: GenerateConfig, ep=None, out=None) -> dict | None:
         out.write(f"[thunderep] {total} new tokens in {wall:.2f} s: {total / wall:.1f} tokens/s (first token after "
                   f"{first:.0f} ms; {wall / max(1, config.max_new_tokens) * 1e3:.1f} ms per step); MoE layer calls: "
                   + ", ".join(f"{m} {n}" for m, n in sorted(calls.items())) + "\n")
+    offload = tm.offload_stats()
+    if offload is not None:
+        summary["offload"] = offload
+        if not config.quiet:
+            out.write(f"[thunderep] {summary_line(offload)} (rank 0)\n")
     out.flush()
     return summary
 

@@ -294,9 +294,12 @@ class _Routes:
             body = {"status": "stopping" if api.stopping else "failed", "error": api.failed,
                     "generating": api.generating}
             return Response(_json(body), 503, media_type=_JSON)
-        return Response(_json({"status": "ok", "model": api.name, "ranks": api.world, "batching": api.batching,
-                               "decode": api.decode_steps, "generating": api.generating,
-                               "queued": api.jobs.qsize()}), 200, media_type=_JSON)
+        body = {"status": "ok", "model": api.name, "ranks": api.world, "batching": api.batching,
+                "decode": api.decode_steps, "generating": api.generating, "queued": api.jobs.qsize()}
+        offload = getattr(api, "offload_stats", None)  # rank 0's expert tiers, with --gpu-memory
+        if offload is not None:
+            body["offload"] = offload()
+        return Response(_json(body), 200, media_type=_JSON)
 
     def models(self, model_id: str | None = None) -> Response:
         cards = [ModelCard(id=name, created=self.api.created) for name in self.api.names]

@@ -83,7 +83,7 @@ def _load(config: ServeConfig, ep, device: torch.device):
     """This rank's share of the model, the tokenizer and the end-of-sequence ids."""
     tm = ThunderMoE.from_pretrained(config.model, ep, dtype=config.dtype, device=device,
                                     experts_implementation=config.experts_implementation,
-                                    experts_dtype=config.experts_dtype)
+                                    experts_dtype=config.experts_dtype, gpu_memory=config.gpu_memory)
     text_config = tm.config.get_text_config()
     tokenizer = load_tokenizer(config.model, text_config.vocab_size)
     eos = tm.model.generation_config.eos_token_id
@@ -116,6 +116,7 @@ def _listen(config: ServeConfig, tm, tokenizer, world: int, device: torch.device
     context = getattr(text_config, "max_position_embeddings", None) or 1 << 30
     names = config.http.served_model_names or (Path(config.model).resolve().name,)
     server = Server(config, tokenizer, context, names, world)
+    server.offload_stats = tm.offload_stats if tm.offload_stats() is not None else None  # /health shows them
     server.start()
     host, port = server.address
     print(f"[thunderep serve] {type(tm.model).__name__} on {world} rank(s), {device}: "

@@ -19,10 +19,11 @@ from ..errors import ConfigError
 from ..hf import ThunderMoE, find_experts_modules
 from ..hf.fp8 import to_fp8_experts
 from ..hf.load import read_config, resolve_dtype
+from ..hf.offload import plan_offload
 from ..hf.quantized import drop_quantization
 from .lora import apply_lora
 
-__all__ = ["RankMemory", "cache_bytes", "fits", "host_memory", "kv_cache_bytes", "plan_memory"]
+__all__ = ["RankMemory", "cache_bytes", "fits", "host_memory", "kv_cache_bytes", "plan_memory", "plan_offload_memory"]
 
 _FROZEN = "experts"  # what `finetune --freeze experts` matches: the routed and the shared experts
 
@@ -134,6 +135,19 @@ def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = Non
                                           stored_buffers, ep) if lora_rank else 0,
             weights_fp8=_rank_bytes(fp8, ep) if fp8 is not None else 0))
     return out
+
+
+def plan_offload_memory(model_dir, eps: list[int], gpu_memory, dtype: str | torch.dtype | None = None) -> list:
+    """(ep, `hf.offload.OffloadPlan` of one rank) per EP size for `--gpu-memory`: the meta model wrapped with
+    every expert local, each rank of `ep` taken to hold ceil(E / ep) slots per layer. ConfigError where
+    gpu_memory does not even hold the replicated weights."""
+    from transformers import AutoModelForCausalLM  # transformers: optional (the hf extra)
+
+    config = _config(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, config))
+    wrapped = ThunderMoE.wrap(model, None, move=False)
+    return [(ep, plan_offload(wrapped, gpu_memory, ranks=ep)) for ep in eps]
 
 
 def cache_bytes(cache) -> int:

@@ -1,0 +1,196 @@
+"""Expert offload (`from_pretrained(..., gpu_memory=...)`, `thunderep.moe.tiers`): logits and greedy tokens equal
+to the plain transformers model for hot fractions 0, 0.25, 0.5 and 1, cold experts forced onto either path (the
+host, or streamed through the staging buffers), on 1 rank and 2 gloo ranks; hot-set changes mid-generation;
+the cost model's choice; gpu_memory parsing; `thunderep plan --gpu-memory`. On CPU the device is the host."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from distributed import run_ranks
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from hf_tiny import V, save_tiny
+
+from thunderep.errors import ConfigError
+from thunderep.moe.offload_cost import OffloadCosts
+from thunderep.moe.tiers import TierConfig, parse_memory
+
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+FRACTIONS = (0.0, 0.25, 0.5, 1.0)
+HOST_WINS = OffloadCosts(host_flops=1e12, device_flops=1e12, h2d_Bps=1.0)  # streaming costs seconds per byte
+STREAM_WINS = OffloadCosts(host_flops=1.0, device_flops=1e12, h2d_Bps=1e15)  # the host is hopeless
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {f: save_tiny(f, tmp_path_factory.mktemp(f) / f, seed=2) for f in FAMILIES}
+
+
+def _prompts() -> torch.Tensor:
+    return torch.randint(3, V, (2, 6), generator=torch.Generator().manual_seed(7))
+
+
+def _budget(path, fraction: float, ranks: int = 1) -> int:
+    """gpu_memory giving each layer round(fraction * S) hot slots of its S."""
+    from thunderep.train.plan import plan_offload_memory
+
+    (_, plan), = plan_offload_memory(path, [ranks], 10**15)
+    return plan.replicated_bytes + plan.staging_bytes + sum(
+        round(fraction * plan.slots[n]) * plan.slot_bytes[n] for n in plan.slots)
+
+
+def _reference(path, x):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = ref(input_ids=x).logits
+    return logits, ref.generate(x[:1], max_new_tokens=5, do_sample=False)
+
+
+def _check(tm, x, want, what, **run):
+    with torch.no_grad():
+        logits = tm(input_ids=x, **run).logits
+    torch.testing.assert_close(logits, want[0], rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
+    tokens = tm.generate(x[:1], max_new_tokens=5, do_sample=False, **run)
+    assert torch.equal(tokens, want[1]), what
+
+
+def test_gpu_memory_is_parsed_strictly():
+    assert parse_memory(4096) == 4096 and parse_memory("4096") == 4096
+    assert parse_memory("20GiB") == 20 * 2**30 and parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory("1.5GB") == 1_500_000_000 and parse_memory(" 2 kb ") == 2000
+    for bad, message in (("20 GiBs", "is not a size"), ("GiB", "is not a size"), ("-1GB", "is not a size"),
+                         ("1.5", "is not a whole number of bytes"), ("0.3B", "is not a whole number"),
+                         (-5, "must not be negative"), (1.5, "must be a number of bytes"), (True, "number of bytes")):
+        with pytest.raises(ConfigError, match=message):
+            parse_memory(bad)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_rank_equals_transformers_at_every_hot_fraction(family, checkpoints):
+    from thunderep.hf import ThunderMoE
+
+    path, x = checkpoints[family], _prompts()
+    want = _reference(path, x)
+    for fraction in FRACTIONS:
+        for costs in (HOST_WINS, STREAM_WINS):  # "auto" with extreme constants: each cold path forced
+            tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, fraction), offload_costs=costs)
+            _check(tm, x, want, f"{family} hot {fraction} {'host' if costs is HOST_WINS else 'stream'}")
+            stats = tm.offload_stats()
+            assert stats["hot_slots"] == round(fraction * stats["slots"] / len(tm.bindings)) * len(tm.bindings)
+            cold = stats["rows_host"] + stats["rows_streamed"]
+            assert (stats["rows_hot"] == 0) == (fraction == 0) and (cold == 0) == (fraction == 1)
+            assert stats["rows_streamed" if costs is HOST_WINS else "rows_host"] == 0
+            assert (stats["bytes_streamed"] > 0) == (costs is STREAM_WINS and fraction < 1)
+
+
+def test_hot_set_changes_mid_generation_change_no_output(checkpoints):
+    """A logits processor moves every layer's hot set at each step; the re-choosing rule, with a slow host
+    and an interval of one call, moves it by itself: tokens and scores as transformers'."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from thunderep.hf import ThunderMoE
+
+    path, x = checkpoints["mixtral"], _prompts()
+    want = _reference(path, x)
+
+    class Rotate(LogitsProcessor):
+        def __init__(self, tm):
+            self.tm, self.step = tm, 0
+
+        def __call__(self, input_ids, scores):
+            self.step += 1
+            for b in self.tm.bindings.values():
+                t = b.tiers
+                t.set_hot([(s + self.step) % t.num_slots for s in range(t.capacity)])
+            return scores
+
+    tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, 0.25), offload=TierConfig(cold_path="host"))
+    tokens = tm.generate(x[:1], max_new_tokens=5, do_sample=False, logits_processor=LogitsProcessorList([Rotate(tm)]))
+    assert torch.equal(tokens, want[1]) and tm.offload_stats()["bytes_promoted"] > 0
+    slow_host = OffloadCosts(host_flops=1e3, device_flops=1e12, h2d_Bps=1e12)
+    tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, 0.25), offload_costs=slow_host,
+                                    offload=TierConfig(calibration_calls=1, interval=1, ema=0.0))
+    _check(tm, x, want, "re-chosen every call")
+    assert sum(b.tiers.stats.hot_changes for b in tm.bindings.values()) > 2
+
+
+def test_cost_model_chooses_by_rows():
+    """Few rows on the host, many streamed; the row count where they cross follows the formula."""
+    costs = OffloadCosts(host_flops=1e11, device_flops=1e13, h2d_Bps=2.5e10)
+    P, B, row = 3 * 4096 * 14336, 3 * 4096 * 14336 * 2, 4096 * 2  # a Mixtral-8x7B expert in bfloat16
+    assert costs.cold_path(1, P, row, B) == "host" and costs.cold_path(512, P, row, B) == "stream"
+    cross = next(n for n in range(1, 512) if costs.cold_path(n, P, row, B) == "stream")
+    assert costs.host_seconds(cross, P, row) > costs.stream_seconds(cross, P, B)
+    assert costs.host_seconds(cross - 1, P, row) <= costs.stream_seconds(cross - 1, P, B)
+
+
+def test_refusals(checkpoints):
+    from thunderep.hf import ThunderMoE
+    from thunderep.hf.offload import check_host, plan_offload
+
+    path = checkpoints["mixtral"]
+    with pytest.raises(ConfigError, match=r"gpu_memory 1000 bytes .* give at least \d+ bytes"):
+        ThunderMoE.from_pretrained(path, gpu_memory=1000)
+    with pytest.raises(ConfigError, match="is not a size"):
+        ThunderMoE.from_pretrained(path, gpu_memory="lots")
+    tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, 0.5))
+    plan = plan_offload(tm, _budget(path, 0.5))
+    with pytest.raises(ConfigError, match=f"offloaded experts need {plan.host_bytes} bytes .* of host memory on "
+                                          "this rank and 10 bytes"):
+        check_host(plan, torch.device("cuda"), 10)
+    tm.train()
+    with pytest.raises(ConfigError, match="training with offloaded experts .* is not supported yet"):
+        tm(input_ids=_prompts())
+
+
+def test_plan_prints_hot_experts_host_memory_and_predictions(checkpoints, capsys):
+    from thunderep.cli import main as cli
+
+    path = checkpoints["mixtral"]
+    assert cli(["plan", "--model", path, "--ep", "1,2", "--gpu-memory", str(_budget(path, 0.5))]) == 0
+    out = capsys.readouterr().out
+    assert "predictions for the routed experts alone" in out
+    assert "ep 1: 4 of 8 experts per layer hot (50%)" in out and "ep 2: 4 of 4 experts per layer hot (100%)" in out
+    assert "predicted decode" in out and "host 98.3 KB per rank" in out
+    assert cli(["plan", "--model", path, "--gpu-memory", "1KB"]) == 1
+    assert "give at least" in capsys.readouterr().err
+
+
+def _two_ranks(rank, world, paths):
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.hf import ThunderMoE
+
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
+    x = _prompts()
+    mine = x[rank:rank + 1]
+    out = []
+    for family, path in paths.items():
+        want = _reference(path, x)
+        for fraction, costs in zip(FRACTIONS, (HOST_WINS, STREAM_WINS, HOST_WINS, STREAM_WINS)):
+            tm = ThunderMoE.from_pretrained(path, ep, gpu_memory=_budget(path, fraction, world), offload_costs=costs)
+            _check(tm, x, want, f"{family} hot {fraction} latency", replicated=True)
+            with torch.no_grad():
+                logits = tm(input_ids=mine, mode="ep").logits
+            torch.testing.assert_close(logits, want[0][rank:rank + 1], rtol=1e-4, atol=1e-5)
+            out.append((family, fraction, tm.offload_stats()))
+    ep.close()
+    return out
+
+
+def test_two_ranks_equal_transformers_at_every_hot_fraction(checkpoints):
+    for rank_out in run_ranks(_two_ranks, 2, checkpoints, timeout=240):
+        for family, fraction, stats in rank_out:
+            assert stats["hot_slots"] == round(fraction * 4) * (stats["slots"] // 4), (family, fraction)
+            assert (stats["rows_hot"] > 0) == (fraction > 0)
+

@@ -1,0 +1,298 @@
+"""Expert tiers of one MoE layer on one rank: hot experts in device memory, cold ones in host memory.
+
+Shape legend: S local slots, H hot slots, M rows this rank's experts compute, D hidden size.
+
+Every local slot's weights live in host memory (pinned where CUDA exists; read once from the checkpoint);
+H of them are also copied to the device (`hot`, [H, ...] per tensor). A layer call gets its rows grouped
+by local slot with the counts on the host (ep mode's split sizes; the latency and all-gather modes' local
+sort; a single process's bincount) and `ExpertTiers.sorted` computes:
+
+  1. hot slots: their rows in one call of the experts function on the hot weights;
+  2. each cold slot with rows, where `OffloadCosts.cold_path` says it is cheaper:
+       host    the rows copied to the host, computed there on the host weights, copied back;
+       stream  the slot's weights copied into one of two device staging buffers (`Staging`: on CUDA the
+               next slot's copy runs on a side stream while this one computes), computed on the device.
+
+The hot set (`set_hot`) is first the first H slots; after `TierConfig.calibration_calls` calls it becomes
+the H slots with the most rows counted so far; from then on, every `TierConfig.interval` calls, the H
+slots with the highest load EMA replace it when the estimated gain over the next interval (rows moving
+from cold to hot x (cold - hot) seconds per row) exceeds the seconds of copying the new hot weights. The
+weights are the same bytes in both tiers, so the hot set never changes an output. On a CPU-only machine
+the device is the host: every path runs, with the host's memory standing in for the device's.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..errors import ConfigError
+from .offload_cost import OffloadCosts
+
+__all__ = ["COLD_PATHS", "ExpertTiers", "Staging", "TierConfig", "TierStats", "parse_memory"]
+
+COLD_PATHS = ("auto", "host", "stream")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_MEMORY = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?", re.IGNORECASE)
+
+
+def parse_memory(value) -> int:
+    """Bytes from an int, or a string of a number and an optional unit: "20GiB", "512MiB", "1.5GB",
+    "4096" (B, kB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB powers of 1024). ConfigError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"gpu_memory must be a number of bytes or a string like '20GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"gpu_memory must not be negative, got {value}")
+        return value
+    match = _MEMORY.fullmatch(value.strip())
+    if match is None:
+        raise ConfigError(f"gpu_memory {value!r} is not a size: write a number and a unit, like '20GiB', '512MiB', "
+                          "'1.5GB' or '4096' (bytes)")
+    number, unit = match.groups()
+    size = float(number) * _UNITS[(unit or "").lower()]
+    if size != int(size):
+        raise ConfigError(f"gpu_memory {value!r} is not a whole number of bytes: give whole bytes or a larger unit")
+    return int(size)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """cold_path: "auto" (the cost model decides per cold slot and call), "host" or "stream" (forced).
+    calibration_calls: layer calls counted before the first chosen hot set. interval: layer calls between
+    re-choices after that. ema: weight of the past in the per-slot load average."""
+
+    cold_path: str = "auto"
+    calibration_calls: int = 4
+    interval: int = 32
+    ema: float = 0.9
+
+    def __post_init__(self):
+        if self.cold_path not in COLD_PATHS:
+            raise ConfigError(f"cold_path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
+
+
+@dataclass
+class TierStats:
+    """Rows served hot / on the host / streamed, bytes streamed to staging buffers, bytes copied into the
+    hot set by re-choices, host seconds of cold experts, hot-set changes."""
+
+    rows_hot: int = 0
+    rows_host: int = 0
+    rows_streamed: int = 0
+    bytes_streamed: int = 0
+    bytes_promoted: int = 0
+    host_seconds: float = 0.0
+    hot_changes: int = 0
+
+    def add(self, other: TierStats) -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
+    @property
+    def hot_share(self) -> float:
+        rows = self.rows_hot + self.rows_host + self.rows_streamed
+        return self.rows_hot / rows if rows else 0.0
+
+
+class Staging:
+    """Two device buffers holding one slot of expert tensors each, shared by the layers whose slots have the
+    same shapes. On CUDA the copies run on a side stream: `load` of the next slot overlaps the compute on
+    the other buffer; `ready` makes the compute stream wait for a load, `release` marks a buffer's compute
+    issued. Elsewhere the copy is a plain copy and the waits are nothing."""
+
+    def __init__(self, like: dict[str, torch.Tensor], device: torch.device):
+        self.buffers = [{n: torch.empty((1, *t.shape[1:]), dtype=t.dtype, device=device) for n, t in like.items()}
+                        for _ in range(2)]
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._loaded: list = [None, None]
+        self._used: list = [None, None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for b in self.buffers for t in b.values())
+
+    def load(self, i: int, host: dict[str, torch.Tensor], slot: int) -> None:
+        if self.stream is None:
+            for n, t in self.buffers[i].items():
+                t.copy_(host[n][slot:slot + 1])
+            return
+        with torch.cuda.stream(self.stream):
+            if self._used[i] is not None:
+                self.stream.wait_event(self._used[i])
+            for n, t in self.buffers[i].items():
+                t.copy_(host[n][slot:slot + 1], non_blocking=True)
+            self._loaded[i] = torch.cuda.Event()
+            self._loaded[i].record(self.stream)
+
+    def ready(self, i: int) -> None:
+        if self._loaded[i] is not None:
+            torch.cuda.current_stream().wait_event(self._loaded[i])
+
+    def release(self, i: int) -> None:
+        if self.stream is not None:
+            self._used[i] = torch.cuda.Event()
+            self._used[i].record()
+
+
+class ExpertTiers:
+    """The tiers of one layer's local slots (see the module docstring).
+
+    host: {tensor name: [S, ...]} in host memory. hot_slots: H >= 0 slots to hold on `device`.
+    compute(weights, x_MD, slot_M): the experts function on `weights` ({name: [n, ...]}), row m using
+    entry slot_M[m]; returns [M, D] unweighted. staging: the shared `Staging` of this layer's shapes.
+    """
+
+    def __init__(self, host: dict[str, torch.Tensor], hot_slots: int, device: torch.device, compute: Callable,
+                 costs: OffloadCosts, staging: Staging, config: TierConfig | None = None):
+        self.host, self.device, self.compute, self.costs = host, torch.device(device), compute, costs
+        self.staging, self.config = staging, config or TierConfig()
+        first = next(iter(host.values()))
+        self.num_slots = first.shape[0]
+        if not 0 <= hot_slots <= self.num_slots:
+            raise ConfigError(f"hot slots must be between 0 and {self.num_slots}, got {hot_slots}")
+        self.slot_bytes = sum(t[0].numel() * t.element_size() for t in host.values())
+        self.slot_params = sum(t[0].numel() for t in host.values())
+        self.hot = {n: torch.empty((hot_slots, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                    for n, t in host.items()}
+        self.hot_slots: list[int] = []
+        self.rows_S = [0] * self.num_slots  # rows counted per slot (calibration)
+        self.ema_S = [0.0] * self.num_slots
+        self.calls = 0
+        self.stats = TierStats()
+        self.set_hot(list(range(hot_slots)), count=False)
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.hot.values())).shape[0]
+
+    def set_hot(self, slots: list[int], count: bool = True) -> None:
+        """Make `slots` (H distinct local slots) the hot set, copying in only the weights of slots not hot
+        yet (into the rows the leaving slots free). Between calls only."""
+        slots = list(slots)
+        if len(slots) != self.capacity or len(set(slots)) != len(slots) or \
+                not all(0 <= s < self.num_slots for s in slots):
+            raise ConfigError(f"a hot set needs {self.capacity} distinct slots of 0..{self.num_slots - 1}, got {slots}")
+        old = dict(zip(self.hot_slots, range(len(self.hot_slots))))
+        rows = {s: old[s] for s in slots if s in old}
+        entering = [s for s in slots if s not in old]
+        free = sorted(set(range(self.capacity)) - set(rows.values()))
+        for s, row in zip(entering, free):
+            for n, t in self.hot.items():
+                t[row].copy_(self.host[n][s], non_blocking=True)
+            rows[s] = row
+        order = [None] * self.capacity
+        for s, row in rows.items():
+            order[row] = s
+        self.hot_slots = order
+        self._row_of = {s: row for row, s in enumerate(order)}
+        if count and entering:
+            self.stats.bytes_promoted += len(entering) * self.slot_bytes
+            self.stats.hot_changes += 1
+
+    # -- choosing the hot set
+
+    def _observe(self, counts: list[int]) -> None:
+        self.calls += 1
+        a = self.config.ema
+        for s, n in enumerate(counts):
+            self.rows_S[s] += n
+            self.ema_S[s] = a * self.ema_S[s] + (1 - a) * n
+
+    def _top(self, load: list[float]) -> list[int]:
+        return sorted(sorted(range(self.num_slots), key=lambda s: -load[s])[:self.capacity])
+
+    def rechoose(self) -> bool:
+        """The rule of the module docstring, at a call boundary; True where the hot set changed."""
+        c = self.config
+        if not self.capacity or self.capacity == self.num_slots:
+            return False
+        if self.calls == c.calibration_calls:
+            best = self._top(self.rows_S)
+            changed = set(best) != set(self.hot_slots)
+            self.set_hot(best)
+            return changed
+        if self.calls < c.calibration_calls or (self.calls - c.calibration_calls) % c.interval:
+            return False
+        best = self._top(self.ema_S)
+        entering = [s for s in best if s not in self._row_of]
+        if not entering:
+            return False
+        gained_rows = sum(self.ema_S[s] for s in entering) - sum(
+            self.ema_S[s] for s in self.hot_slots if s not in best)
+        per_row = (self.costs.host_seconds(1, self.slot_params, 0) - self.costs.hot_seconds(1, self.slot_params))
+        benefit = gained_rows * per_row * c.interval
+        if benefit <= len(entering) * self.slot_bytes / self.costs.h2d_Bps:
+            return False
+        self.set_hot(best)
+        return True
+
+    # -- the compute
+
+    def path(self, rows: int, row_bytes: int) -> str:
+        if self.config.cold_path != "auto":
+            return self.config.cold_path
+        return self.costs.cold_path(rows, self.slot_params, row_bytes, self.slot_bytes)
+
+    def sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
+        """Unweighted [M, D] outputs of rows grouped by local slot; counts_S int64 [S] on the host."""
+        counts = counts_S.tolist()  # host data in every caller: no wait for the device
+        self.rechoose()
+        self._observe(counts)
+        M = x_MD.shape[0]
+        if M == 0:
+            return x_MD.new_zeros(0, x_MD.shape[-1])
+        starts = [0] * self.num_slots
+        for s in range(1, self.num_slots):
+            starts[s] = starts[s - 1] + counts[s - 1]
+        pieces: dict[int, torch.Tensor] = {}
+        hot = [s for s in self.hot_slots if counts[s]]
+        if hot:  # 1. every hot slot's rows in one call
+            x_hot = torch.cat([x_MD[starts[s]:starts[s] + counts[s]] for s in hot])
+            rows = torch.tensor([self._row_of[s] for s in hot], device=x_MD.device)
+            slot_M = torch.repeat_interleave(rows, torch.tensor([counts[s] for s in hot], device=x_MD.device),
+                                             output_size=x_hot.shape[0])
+            for s, y in zip(hot, self.compute(self.hot, x_hot, slot_M).split([counts[s] for s in hot])):
+                pieces[s] = y
+            self.stats.rows_hot += x_hot.shape[0]
+        row_bytes = x_MD.shape[-1] * x_MD.element_size()
+        cold = [s for s in range(self.num_slots) if counts[s] and s not in self._row_of]
+        streamed = []
+        for s in cold:  # 2. each cold slot where it is cheaper
+            if self.path(counts[s], row_bytes) == "stream":
+                streamed.append(s)
+            else:
+                pieces[s] = self._on_host(s, x_MD[starts[s]:starts[s] + counts[s]])
+        self._stream(streamed, [x_MD[starts[s]:starts[s] + counts[s]] for s in streamed], pieces)
+        return torch.cat([pieces[s] for s in range(self.num_slots) if counts[s]])
+
+    def _on_host(self, slot: int, x_nD: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        weights = {n: t[slot:slot + 1] for n, t in self.host.items()}
+        x_host = x_nD.to("cpu")
+        y = self.compute(weights, x_host, torch.zeros(x_host.shape[0], dtype=torch.int64))
+        y = y.to(x_nD.device, non_blocking=True)
+        self.stats.host_seconds += time.perf_counter() - started
+        self.stats.rows_host += x_nD.shape[0]
+        return y
+
+    def _stream(self, slots: list[int], xs: list[torch.Tensor], pieces: dict) -> None:
+        """Double-buffered: slot j + 1's weights load while slot j computes."""
+        if not slots:
+            return
+        staging = self.staging
+        staging.load(0, self.host, slots[0])
+        for j, (s, x_nD) in enumerate(zip(slots, xs)):
+            if j + 1 < len(slots):
+                staging.load((j + 1) % 2, self.host, slots[j + 1])
+            staging.ready(j % 2)
+            zeros = torch.zeros(x_nD.shape[0], dtype=torch.int64, device=x_nD.device)
+            pieces[s] = self.compute(staging.buffers[j % 2], x_nD, zeros)
+            staging.release(j % 2)
+            self.stats.rows_streamed += x_nD.shape[0]
+        self.stats.bytes_streamed += len(slots) * self.slot_bytes
