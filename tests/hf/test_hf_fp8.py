@@ -130,8 +130,8 @@ def test_fp8_experts_on_ranks_equal_one_process(checkpoints, world):
 
 
 def test_fp8_experts_refuse_what_they_cannot_do(checkpoints, monkeypatch, tmp_path):
-    with pytest.raises(ConfigError, match="experts_dtype='int4': use one of fp8"):
-        ThunderMoE.from_pretrained(checkpoints["mixtral"], experts_dtype="int4")
+    with pytest.raises(ConfigError, match="experts_dtype='int8': use one of fp8"):
+        ThunderMoE.from_pretrained(checkpoints["mixtral"], experts_dtype="int8")
     from thunderep.balance import BalancerConfig
 
     with pytest.raises(ConfigError, match="FP8 experts are for inference"):

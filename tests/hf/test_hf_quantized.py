@@ -340,7 +340,7 @@ def test_a_quantization_thunderep_does_not_read_is_refused_naming_those_it_does(
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError,
-                       match="is quantized with 'gptq'; ThunderEP reads fp8 .*, mxfp4 .* and 8-bit compressed-tensors"):
+                       match="is quantized with 'gptq'; ThunderEP reads fp8 .*, mxfp4 .* and compressed-tensors"):
         ThunderMoE.from_pretrained(model)
     assert cli(["generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "1"]) == 1
     err = capsys.readouterr().err.splitlines()  # the command's "loading ..." line, then the refusal in one line
@@ -352,8 +352,8 @@ def test_a_quantization_thunderep_does_not_read_is_refused_naming_those_it_does(
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"format": "pack-quantized"}, "format 'pack-quantized' \\(ThunderEP reads float-quantized, int-quantized, "
-                                   "naive-quantized\\)"),
+    ({"format": "marlin-24"}, "format 'marlin-24' \\(ThunderEP reads float-quantized, int-quantized, "
+                              "naive-quantized, pack-quantized\\)"),
     ({"num_bits": 4}, "4-bit float weights \\(ThunderEP reads 8-bit\\)"),
     ({"symmetric": False}, "asymmetric weights \\(zero points\\)"),
     ({"strategy": "tensor_group"}, "strategy 'tensor_group'"),

@@ -44,6 +44,7 @@ FP8_GEMM_KERNELS = {"up_fp8", "rows_fp8", "up_pairs_dot_fp8", "up_fp8rows"}  # F
 FP8_PAIR_KERNELS = {"up_pairs_fp8", "up_pairs_ahead_fp8", "down_pairs_split_ahead_fp8", "down_pairs_all_slots_fp8",
                     "up_pairs_ahead_fp8rows", "down_pairs_all_slots_fp8rows"}
 W8A8_KERNELS = {"up_w8a8", "up_w8a8_blocks", "rows_w8a8", "rows_w8a8_blocks"}  # FP8 inputs too: FP8 tensor cores
+INT4_PAIR_KERNELS = {"up_pairs4", "down_pairs4"}  # 4-bit weights (pairs4.py): no tensor cores
 PDL_KERNELS = {"up_pairs_pdl", "down_pairs_pdl", "down_pairs_split_pdl",  # decode with dependent launch (sm_90+)
                "down_pairs_all_slots_pdl"}
 
@@ -52,7 +53,8 @@ PDL_KERNELS = {"up_pairs_pdl", "down_pairs_pdl", "down_pairs_split_pdl",  # deco
 def test_consumer_targets_have_no_hopper_only_instructions(builds, arch):
     pdl = PDL_KERNELS if arch >= 90 else set()
     assert {b["name"] for b in builds[arch]} == (GEMM_KERNELS | PAIR_KERNELS | PAIR_DOT_KERNELS | SORT_KERNELS | pdl
-                                                 | FP8_GEMM_KERNELS | FP8_PAIR_KERNELS | W8A8_KERNELS)
+                                                 | FP8_GEMM_KERNELS | FP8_PAIR_KERNELS | W8A8_KERNELS
+                                                 | INT4_PAIR_KERNELS)
     for b in builds[arch]:
         assert b["hopper_only"] == [], f"{b['name']} on sm_{arch} uses {b['hopper_only']}"
         if b["name"] in GEMM_KERNELS | PAIR_DOT_KERNELS | FP8_GEMM_KERNELS | W8A8_KERNELS:
@@ -78,7 +80,7 @@ def test_detector_sees_hopper_instructions(builds):
     for b in builds[90]:
         if b["name"] in GEMM_KERNELS | W8A8_KERNELS:
             assert b["uses_wgmma"] and "wgmma." in b["hopper_only"], b["name"]
-        elif b["name"] in PAIR_KERNELS | SORT_KERNELS | FP8_PAIR_KERNELS:
+        elif b["name"] in PAIR_KERNELS | SORT_KERNELS | FP8_PAIR_KERNELS | INT4_PAIR_KERNELS:
             assert not b["uses_wgmma"] and b["hopper_only"] == [], b["name"]
 
 

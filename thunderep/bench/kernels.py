@@ -99,7 +99,7 @@ PINS = {
 # checkpoints), or one scale per row (what a bfloat16 checkpoint quantized at load gets).
 # name: (scale block, None for one scale per row; W8A8: the sorted kernels' inputs in FP8 too, fp8.py)
 FORMATS = {"fp8": ((128, 128), False), "fp8row": (None, False), "fp8-w8a8": ((128, 128), True),
-           "fp8row-w8a8": (None, True)}
+           "fp8row-w8a8": (None, True), "int4": ("int4", False), "mxfp4": ("mxfp4", False)}  # 4-bit: int4.py
 
 
 def _pinned(impl: str):
@@ -243,10 +243,12 @@ def _implementations(impls, D, I, E, K, w_gu, w_d):
     for impl in impls:
         if _format(impl):
             from ..kernels.fp8 import Fp8Weight  # triton: optional (the gpu extra), with thunderep.kernels
+            from ..kernels.int4 import Int4Weight  # 4-bit: int4 by groups of 32, or MXFP4
 
             block, w8a8 = FORMATS[_format(impl)]
-            w8_gu = Fp8Weight.quantize(w_gu.detach(), block, w8a8=w8a8)
-            w8_d = Fp8Weight.quantize(w_d.detach(), block, w8a8=w8a8)
+            quantize = (lambda w: Int4Weight.quantize(w, block)) if isinstance(block, str) else \
+                (lambda w: Fp8Weight.quantize(w, block, w8a8=w8a8))
+            w8_gu, w8_d = quantize(w_gu.detach()), quantize(w_d.detach())
             fns[impl] = _thunder_experts(D, I, E, K, w8_gu, w8_d)
             impl_bytes[impl] = (w8_gu.nbytes() + w8_d.nbytes()) / E
         elif impl != COPY:

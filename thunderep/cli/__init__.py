@@ -60,13 +60,16 @@ EP_ONE_HELP = ("expert-parallel ranks to launch on this host (default 1: this pr
 
 # The options generate, finetune and serve share (the library checks the values: thunderep.hf.fp8, whose
 # EXPERTS_DTYPES these choices equal)
-EXPERTS_DTYPES = ("fp8", "fp8-w8a8")
+EXPERTS_DTYPES = ("fp8", "fp8-w8a8", "mxfp4", "int4", "int4-g128")
 EXPERTS_DTYPE_HELP = (
     "fp8: hold the routed experts in FP8 (e4m3, a scale per row; half the bytes of bfloat16), quantized as each "
     "rank reads them, computed by ThunderEP's kernels in the model's dtype; fp8-w8a8: the same, and prompts' "
     "activations quantized per row too, for FP8 tensor-core products (about twice the prefill speed, about 1.4x "
-    "the error); both need a GPU of compute capability 8.9 or later (RTX 4090 / 5090, H100 / H200) (default: the "
-    "model's dtype)")
+    "the error); both need a GPU of compute capability 8.9 or later (RTX 4090 / 5090, H100 / H200); int4, "
+    "int4-g128: 4-bit experts, two values a byte, one scale per 32 / 128 input columns (a compressed-tensors "
+    "pack-quantized checkpoint keeps its own groups and bytes); mxfp4: e2m1 values with a power-of-two scale per 32; "
+    "decode reads the packed bytes, prompts run on the experts dequantized per layer; inference only (default: "
+    "the model's dtype)")
 EXPERTS_IMPLEMENTATION_HELP = (
     "what computes each rank's experts: the model's own transformers function (default), another one "
     "(grouped_mm, eager, ...), triton (ThunderEP's kernels, CUDA), or auto (the kernels for experts they cover "

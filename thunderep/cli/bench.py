@@ -42,7 +42,7 @@ TRACES = ("uniform", "zipf0.8", "zipf1.2", "zipf1.6", "drift", "burst")  # bench
 SHAPES = ("mixtral", "qwen3", "deepseek")  # bench.kernels.SHAPES
 IMPLS = ("eager", "grouped_mm", "thunderep")  # bench.kernels.IMPLS
 PINS = ("triton", "torch", "pairs", "sorted", "wgrad_triton", "wgrad_torch", "nopdl")  # bench.kernels.PINS
-FORMATS = ("fp8", "fp8row", "fp8-w8a8", "fp8row-w8a8")  # bench.kernels.FORMATS
+FORMATS = ("fp8", "fp8row", "fp8-w8a8", "fp8row-w8a8", "int4", "mxfp4")  # bench.kernels.FORMATS
 COPY = "copy"  # bench.kernels.COPY
 MODELS = ("mixtral", "qwen3-30b-a3b", "olmoe", "deepseek-v3", "deepseek-v3-ungrouped")  # bench.bytes.MODELS
 
@@ -319,7 +319,7 @@ def _kernels_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default="1,64,512,4096,16384", help="token counts, comma-separated")
     p.add_argument("--impls", default=",".join(IMPLS),
                    help=f"comma-separated: eager, grouped_mm, thunderep, thunderep:<{'|'.join(PINS)}> (a "
-                        f"path pinned), thunderep:<{'|'.join(FORMATS)}> (FP8 weights, forward only), {COPY}")
+                        f"path pinned), thunderep:<{'|'.join(FORMATS)}> (FP8 or 4-bit weights, forward only), {COPY}")
     p.add_argument("--json", help="write every measurement here (default: not written)")
     p.add_argument("--graph-max-tokens", type=int, default=512,
                    help="also time forward as CUDA-graph replays (no launch overhead) up to this T: fwd-graph rows "

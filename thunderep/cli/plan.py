@@ -11,6 +11,10 @@ tensors counted. Per rank and EP size R:
                              --experts-dtype fp8`; bfloat16 for the rest where --dtype is float32); shown
                              where ThunderEP's kernels cover the experts and this host's GPUs run FP8 (compute
                              capability 8.9 or later), or with --fp8-what-if, as sizes without a verdict.
+    --experts-dtype int4 / mxfp4: the same with the routed experts in 4 bits, two values a byte, with a float32
+                             scale per 32 values (int4) or a one-byte exponent per 32 (mxfp4), quantized from
+                             the checkpoint's values; shown where the kernels cover the experts and this host
+                             has a CUDA GPU, or with --fp8-what-if, as sizes without a verdict.
     fine-tune, all:          `finetune --dtype mixed` (its default on GPUs): the parameters in float32, their
                              gradients, AdamW's two moments and the gradient-sync buffers of the replicated
                              ones, the buffers in the checkpoint's dtype: what `finetune`'s memory plan counts.
@@ -48,9 +52,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-targets", nargs="+", metavar="PATTERN",
                    help="as finetune --lora-targets (default: the attention projections)")
     p.add_argument("--fp8-what-if", action="store_true",
-                   help="show the --experts-dtype fp8 column on a host whose GPUs cannot run FP8 experts (none, or "
-                        "of compute capability below 8.9): its sizes, for planning another machine, without a "
-                        "verdict against this host")
+                   help="show the --experts-dtype fp8, int4 and mxfp4 columns on a host whose GPUs cannot run such "
+                        "experts (none; for FP8, of compute capability below 8.9): their sizes, for planning another "
+                        "machine, without a verdict against this host")
     p.add_argument("--gpu-memory", default=None,
                    help="also plan expert offload with this much device memory per rank (bytes, or 20GiB, "
                         "512MiB, 1.5GB): hot experts, host memory and predicted rates per EP size (default: no offload section)")
@@ -80,19 +84,20 @@ def _problems(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]
     return eps
 
 
-def _fp8_column(args: argparse.Namespace, plans) -> str | None:
-    """The FP8 column's mode: "verdict" (this host's GPUs run FP8 experts), "what-if" (--fp8-what-if), or
-    None (not shown: the kernels do not cover the experts, or this host cannot run them)."""
+def _fp8_column(args: argparse.Namespace, plans, experts_dtype: str = "fp8") -> str | None:
+    """The `experts_dtype` column's mode (fp8, int4, mxfp4): "verdict" (this host's GPUs run such experts),
+    "what-if" (--fp8-what-if), or None (not shown: the kernels do not cover the experts, or this host
+    cannot run them)."""
     # deferred: torch and the FP8 checks take a second or more to import
     import torch
 
     # deferred, as torch
     from ..hf.fp8 import fp8_device_problem
 
-    if not any(m.weights_fp8 for m in plans):
+    if not any(getattr(m, f"weights_{experts_dtype}") for m in plans):
         return None
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus and all(fp8_device_problem(torch.device("cuda", i)) is None for i in range(gpus)):
+    if gpus and all(fp8_device_problem(torch.device("cuda", i), experts_dtype) is None for i in range(gpus)):
         return "verdict"
     return "what-if" if args.fp8_what_if else None
 
@@ -109,15 +114,16 @@ def run(args: argparse.Namespace) -> int:
     plans = plan_memory(args.model, eps, args.dtype, args.lora_rank, args.lora_targets)
     host, free = host_memory()
     gpus = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    fp8 = _fp8_column(args, plans)
+    modes = {kind: _fp8_column(args, plans, kind) for kind in ("fp8", "int4", "mxfp4")}
+    shown = [(kind, mode) for kind, mode in modes.items() if mode]
     print(f"{args.model}: memory per rank (activations, KV cache and the CUDA context not counted)")
     print(f"this host: {host}")
     rows = [("ep", "weights (generate, serve)")
-            + ((f"--experts-dtype fp8{' (what-if)' if fp8 == 'what-if' else ''}",) if fp8 else ())
+            + tuple(f"--experts-dtype {kind}{' (what-if)' if mode == 'what-if' else ''}" for kind, mode in shown)
             + ("fine-tune (--dtype mixed)", "fine-tune, --freeze experts")
             + ((f"fine-tune, --lora-rank {args.lora_rank}",) if args.lora_rank else ())]
     for m in plans:
-        cells = [(m.weights, True)] + ([(m.weights_fp8, fp8 == "verdict")] if fp8 else [])
+        cells = [(m.weights, True)] + [(getattr(m, f"weights_{kind}"), mode == "verdict") for kind, mode in shown]
         cells += [(m.finetune_all, True), (m.finetune_frozen_experts, True)]
         cells += [(m.finetune_lora, True)] if args.lora_rank else []
         rows.append((str(m.ep), m.problem) if m.problem else

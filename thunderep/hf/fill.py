@@ -1,6 +1,7 @@
 """Filling a materialised, wrapped model from a `CheckpointIndex`: replicated tensors read whole, expert
 tensors only for this rank's experts (a slice of a fused tensor, or the per-expert tensors of the local
-experts; other ranks' experts are never read), FP8 experts quantized as they are read.
+experts; other ranks' experts are never read), FP8 and 4-bit experts quantized as they are read (a
+checkpoint already in their format kept as stored).
 
 Checkpoint names map onto the model's by transformers' own conversion mapping (`conversion`), then by
 the fixed list of `names` for what it leaves unplaced.
@@ -21,6 +22,7 @@ from ..errors import ConfigError, UnsupportedModelError
 from .checkpoint_index import CheckpointIndex
 from .conversion import ConversionGroup, ConversionPlan, expert_rows_op, read_local_sources
 from .fp8 import is_fp8, store_fp8, store_rows
+from .int4 import is_int4, quantized_parts, store_packed, store_rows4
 from .names import DOWN, GATE, PER_EXPERT, UP, candidates
 from .report import rss_bytes
 
@@ -139,8 +141,8 @@ class Filler:
                               "match the weights")
         names = [name]
         if _fp8_target(module, tname):
-            store_rows(module, tname, slice(None), None, value)
-            names.append(f"{name}_scale")
+            _store_rows(module, tname, slice(None), None, value)
+            names += _extra_parts(module, name, tname)
         else:
             target.copy_(value)
         with self.lock:
@@ -178,10 +180,12 @@ class Filler:
 
     def _load_fused(self, key: str, binding, module, tname: str) -> None:
         target = getattr(module, tname)
-        shape = self.index.shape(key)
-        if shape[0] != binding.num_experts or shape[1:] != tuple(target.shape[1:]):
+        shape, want = self.index.shape(key), tuple(target.shape[1:])
+        if _fp8_target(module, tname) and is_int4(module):  # two columns a byte
+            want = want[:-1] + (2 * want[-1],)
+        if shape[0] != binding.num_experts or shape[1:] != want:
             raise ConfigError(f"checkpoint tensor {key!r} has shape {shape}; expected ({binding.num_experts}, "
-                              f"{', '.join(map(str, target.shape[1:]))}) for {binding.name}.{tname}")
+                              f"{', '.join(map(str, want))}) for {binding.name}.{tname}")
         fp8 = _fp8_target(module, tname)
         local = binding.local_experts
         s = 0
@@ -196,8 +200,8 @@ class Filler:
             s += n
         name = f"{binding.name}.{tname}"
         self.parts[name] = {slot: {None} for slot in range(len(local))}
-        if fp8:
-            self.parts[f"{name}_scale"] = {slot: {None} for slot in range(len(local))}
+        for extra in _extra_parts(module, name, tname) if fp8 else ():
+            self.parts[extra] = {slot: {None} for slot in range(len(local))}
 
     def _load_named_part(self, key: str, path: str, e: int, part: str) -> None:
         """Per-expert checkpoint tensor `key` (expert `e`, part w1/w3/w2 or gate/up/down_proj, the fixed
@@ -236,7 +240,7 @@ class Filler:
         span = slice(None) if rows is None else slice(rows[0] * size // rows[1], (rows[0] + 1) * size // rows[1])
         names = [f"{binding.name}.{tname}"]
         if _fp8_target(module, tname):
-            names.append(f"{binding.name}.{tname}_scale")
+            names += _extra_parts(module, names[0], tname)
             for s in slots:
                 self._store_fp8(key, None, module, tname, s, span)
         else:
@@ -255,7 +259,19 @@ class Filler:
     def _store_fp8(self, key: str, experts: slice | None, module, tname: str, slots, rows) -> None:
         """Checkpoint tensor `key` (its `experts`, where given) into FP8 experts module.`tname`[slots, rows]:
         an FP8 checkpoint's values and scales as stored where its blocks are the module's scale blocks,
-        else read in the model's dtype and quantized (`hf.fp8.store_rows`)."""
+        else read in the model's dtype and quantized (`hf.fp8.store_rows`). 4-bit experts likewise
+        (`hf.int4.store_packed`, `store_rows4`)."""
+        if is_int4(module):
+            raw = self.index.read_int4(key, experts) if hasattr(self.index, "read_int4") else None
+            if raw is not None and not raw[5]:  # stored in the tensor's orientation
+                fmt, group, packed, scale, zero, _, nbytes = raw
+                if store_packed(module, tname, slots, rows, fmt, group, packed, scale, zero):
+                    with self.lock:
+                        self.bytes_read += nbytes
+                        self.tensors_read += 1
+                    return
+            store_rows4(module, tname, slots, rows, self._read(key, experts))
+            return
         raw = self.index.read_fp8(key, experts) if hasattr(self.index, "read_fp8") else None
         if raw is not None:
             q, scale_rows, cols, nbytes = raw
@@ -268,7 +284,7 @@ class Filler:
                     self.bytes_read += nbytes
                     self.tensors_read += 1
                 return
-        store_rows(module, tname, slots, rows, self._read(key, experts))
+        _store_rows(module, tname, slots, rows, self._read(key, experts))
 
     def _check_complete(self) -> None:
         loaded_ptrs = {self.targets[n].data_ptr() for n in self.loaded}
@@ -294,5 +310,17 @@ def _whole(parts: set) -> bool:
 
 
 def _fp8_target(module: nn.Module, tname: str) -> bool:
-    """Whether `tname` of experts `module` is held in FP8 (hf/fp8.py): quantized as it is read."""
-    return is_fp8(module) and tname in ("gate_up_proj", "down_proj")
+    """Whether `tname` of experts `module` is held in FP8 (hf/fp8.py) or in 4 bits (hf/int4.py): quantized
+    as it is read."""
+    return (is_fp8(module) or is_int4(module)) and tname in ("gate_up_proj", "down_proj")
+
+
+def _extra_parts(module: nn.Module, name: str, tname: str) -> list[str]:
+    """The full names of the buffers filled with quantized weight `name` (module tensor `tname`)."""
+    prefix = name[:-len(tname)]
+    return [prefix + part for part in quantized_parts(module, tname)] if is_int4(module) else [f"{name}_scale"]
+
+
+def _store_rows(module: nn.Module, tname: str, slots, rows, value: torch.Tensor) -> None:
+    """`value` in the model's dtype quantized into FP8 or 4-bit experts `module`.`tname`[slots, rows]."""
+    (store_rows4 if is_int4(module) else store_rows)(module, tname, slots, rows, value)

@@ -36,19 +36,27 @@ from .. import env
 from ..errors import ConfigError
 from ..kernels import available
 from ..kernels.fp8 import FP8, Fp8Weight
+from .int4 import expert_weights4, is_int4
 
 __all__ = ["EXPERTS_DTYPES", "expert_weights", "fp8_device_problem", "is_fp8", "scale_columns",
            "store_fp8", "store_rows", "to_fp8_experts"]
 
-EXPERTS_DTYPES = ("fp8", "fp8-w8a8")  # experts_dtype values besides None (the model's dtype)
+# experts_dtype values besides None (the model's dtype); the 4-bit ones are hf/int4.py's
+EXPERTS_DTYPES = ("fp8", "fp8-w8a8", "mxfp4", "int4", "int4-g128")
 _WEIGHTS = ("gate_up_proj", "down_proj")
 _ATTR = "_thunderep_fp8"  # on an experts module: the dtype its FP8 weights compute in
 _COLS = "_thunderep_fp8_cols"  # on an experts module: {weight name: columns one scale covers}
 _W8A8 = "_thunderep_fp8_w8a8"  # on an experts module: whether its kernels quantize activations too
 
 
-def fp8_device_problem(device: torch.device) -> str | None:
-    """Why FP8 experts cannot run on `device`, or None."""
+def fp8_device_problem(device: torch.device, experts_dtype: str = "fp8") -> str | None:
+    """Why experts held in `experts_dtype` (FP8 by default; 4-bit ones need no e4m3 conversion) cannot run
+    on `device`, or None."""
+    if experts_dtype not in ("fp8", "fp8-w8a8"):
+        if (device.type == "cpu" and env.triton_interpreter()) or available(device):
+            return None
+        return (f"{experts_dtype} experts run on ThunderEP's Triton kernels, which need a CUDA GPU and Triton; the "
+                f"model loads to {device}")
     if FP8 is None:
         return f"FP8 experts need torch.float8_e4m3fn, which torch {torch.__version__} lacks"
     if device.type == "cpu" and env.triton_interpreter():
@@ -143,8 +151,10 @@ def store_fp8(module: nn.Module, name: str, slots, rows, q: torch.Tensor, scale_
 
 
 def expert_weights(module: nn.Module):
-    """(gate_up_proj, down_proj) as the kernels take them: `Fp8Weight`s for a module of FP8 experts, else
-    its tensors."""
+    """(gate_up_proj, down_proj) as the kernels take them: `Fp8Weight`s for a module of FP8 experts,
+    `Int4Weight`s for 4-bit ones (hf/int4.py), else its tensors."""
+    if is_int4(module):
+        return expert_weights4(module)
     dtype = getattr(module, _ATTR, None)
     if dtype is None:
         return module.gate_up_proj, module.down_proj

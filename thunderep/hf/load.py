@@ -42,11 +42,13 @@ from .config_check import (
 from .experts import requested_implementation
 from .fill import Filler
 from .fp8 import EXPERTS_DTYPES, fp8_device_problem, to_fp8_experts
+from .int4 import INT4_DTYPES, to_int4_experts
 from .offload import attach_tiers, check_host, host_experts, plan_offload
 from .quantized import (
     DequantizedIndex,
     drop_quantization,
     fp8_block_columns,
+    int4_layout,
     quant_method,
 )
 from .report import LoadReport, rss_bytes
@@ -109,8 +111,9 @@ def _check_experts_dtype(experts_dtype: str | None, balancer) -> None:
         raise ConfigError(f"experts_dtype={experts_dtype!r}: use one of {', '.join(EXPERTS_DTYPES)}, or None for the "
                           "model's dtype")
     if experts_dtype is not None and balancer is not None:
-        raise ConfigError("FP8 experts are for inference; the balancer's migrations move trainable experts: load "
-                          "without experts_dtype to balance")
+        kind = "FP8" if experts_dtype.startswith("fp8") else "4-bit"
+        raise ConfigError(f"{kind} experts are for inference (experts_dtype={experts_dtype!r}); the balancer's "
+                          "migrations move trainable experts: load without experts_dtype to balance")
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -127,6 +130,17 @@ def _check_finite(model: nn.Module, path: Path) -> None:
                                   "model's source")
 
 
+def _hold_experts(model: nn.Module, bindings: dict, dtype: torch.dtype, experts_dtype: str | None, config_as_stored,
+                  index) -> None:
+    """The routed experts made FP8 or 4-bit on the meta device (`experts_dtype`; None: left as they are). A
+    quantized checkpoint's FP8 blocks are kept where the kernels can walk them, a 4-bit checkpoint's bytes
+    as stored (`index`: its DequantizedIndex, else None)."""
+    if experts_dtype in INT4_DTYPES:
+        to_int4_experts(model, bindings, dtype, *int4_layout(config_as_stored, experts_dtype, index))
+    elif experts_dtype is not None:
+        to_fp8_experts(model, bindings, dtype, fp8_block_columns(config_as_stored), w8a8=experts_dtype == "fp8-w8a8")
+
+
 def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
                     attn_implementation: str | None = None, experts_implementation: str | None = None,
                     balancer=None, spare_slots: int = 0, experts_dtype: str | None = None, progress: bool = False,
@@ -137,7 +151,9 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     runtime's device, else CPU. model_class: default `AutoModelForCausalLM`. experts_dtype: "fp8" holds the
     routed experts in FP8 with a scale per row, for inference on ThunderEP's kernels (hf/fp8.py; the
     experts implementation defaults to "triton" then); "fp8-w8a8" the same, and prompt batches' activations
-    are quantized per row too; None: the model's dtype. progress: a progress bar on stderr over the
+    are quantized per row too; "int4" / "int4-g128" / "mxfp4" hold them in 4 bits with group scales (hf/int4.py:
+    a 4-bit checkpoint kept as stored, else int4 symmetric by groups of 32 / 128, or MXFP4, quantized as
+    read); None: the model's dtype. progress: a progress bar on stderr over the
     checkpoint's tensors while they are read (on the first rank only). gpu_memory: bytes (or "20GiB") of
     `device` memory for this rank's weights: the experts that do not fit stay in host memory (`hf/offload.py`;
     inference only); offload: its `TierConfig`, offload_costs: its `OffloadCosts` (default: measured).
@@ -163,7 +179,7 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     if device.type == "cuda" and device.index is None:  # the reading threads' current device is GPU 0
         device = torch.device("cuda", torch.cuda.current_device())
     if experts_dtype is not None:
-        problem = fp8_device_problem(device)
+        problem = fp8_device_problem(device, experts_dtype)
         if problem:
             raise ConfigError(problem)
         experts_implementation = requested_implementation(experts_implementation, experts_dtype)
@@ -185,9 +201,7 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
             raise
         raise ConfigError(f"experts_dtype={experts_dtype!r} needs ThunderEP's Triton kernels, which do not run this "
                           f"model's experts ({exc}); load it without experts_dtype") from None
-    if experts_dtype is not None:  # an FP8 checkpoint's blocks are kept where the kernels can walk them
-        to_fp8_experts(model, wrapped.bindings, dtype, fp8_block_columns(config_as_stored),
-                       w8a8=experts_dtype == "fp8-w8a8")
+    _hold_experts(model, wrapped.bindings, dtype, experts_dtype, config_as_stored, index if dequantized else None)
     tiers = _plan_tiers(wrapped, gpu_memory, device, ep, balancer, experts_dtype)
     rss_before = rss_bytes()  # libraries imported, model on meta: what follows is the weights
     with host_experts(model, wrapped.bindings, device.type == "cuda") if tiers else contextlib.nullcontext():

@@ -16,8 +16,13 @@ Formats (shape legend: E experts, R rows, C columns of a stored matrix):
            "int-quantized", "naive-quantized"): `X.weight` float8_e4m3fn or int8 [R, C] and `X.weight_scale`
            [1] (strategy "tensor"), [R, 1] ("channel"), [R, C / g] ("group") or [ceil(R/bm), ceil(C/bn)]
            ("block", `block_structure` [bm, bn]): value = weight * the scale of its block, as fp8 above.
-           `input_scale` / `output_scale` / `k_scale` / `v_scale` are skipped; zero points (asymmetric
-           weights) and packed 4-bit formats are refused.
+           `input_scale` / `output_scale` / `k_scale` / `v_scale` are skipped; zero points of 8-bit weights are
+           refused.
+    compressed-tensors "pack-quantized" (4-bit int weights, strategy "group" or "channel", symmetric or
+           not; GPTQ / AWQ exports of llm-compressor): `X.weight_packed` int32 [R, ceil(C/8)] (8 values a word,
+           lowest bits first, each stored plus 8), `X.weight_scale` [R, ceil(C/g)], `X.weight_shape` [2], and
+           for asymmetric weights `X.weight_zero_point` int32 [ceil(R/8), ceil(C/g)] (packed along rows):
+           value = (q - zero point) * the scale of its group.
     mxfp4: `P_blocks` uint8 [E, R, G, 16] and `P_scales` uint8 [E, R, G]: 32 FP4 (e2m1) values per block, two
            per byte, low nibble first, times 2 ** (scale - 127); the matrix [E, R, 32 G] is stored transposed,
            so P reads as [E, 32 G, R] (GPT-OSS's `gate_up_proj [E, D, 2I]`, `down_proj [E, I, D]`).
@@ -25,16 +30,19 @@ Formats (shape legend: E experts, R rows, C columns of a stored matrix):
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..errors import CheckpointError
 from ..kernels.fp8 import FP8
 
-__all__ = ["METHODS", "DequantizedIndex", "drop_quantization", "fp8_block_columns", "quant_method",
+__all__ = ["METHODS", "DequantizedIndex", "drop_quantization", "fp8_block_columns", "int4_layout", "quant_method",
            "quantization_problem"]
 
 METHODS = ("fp8", "mxfp4", "compressed-tensors")
 _CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")  # 8-bit values stored as they are
+_CT_PACKED = "pack-quantized"  # 4-bit int values, 8 a word
 _CT_STRATEGIES = ("tensor", "channel", "group", "block")
 _SKIPPED_CT = ("input_scale", "output_scale", "k_scale", "v_scale")  # activation / KV-cache scales
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -85,8 +93,8 @@ def quantization_problem(config, path) -> str | None:
         return None
     if method not in METHODS:
         return (f"{str(path)!r} is quantized with {method!r}; ThunderEP reads fp8 (block-scaled, as DeepSeek-V3 "
-                "and the Qwen3 FP8 models), mxfp4 (GPT-OSS) and 8-bit compressed-tensors (llm-compressor's FP8 "
-                "and INT8) checkpoints, dequantized at load. Load this one with transformers' from_pretrained "
+                "and the Qwen3 FP8 models), mxfp4 (GPT-OSS) and compressed-tensors (llm-compressor's FP8 and INT8, "
+                "and 4-bit INT pack-quantized) checkpoints, dequantized at load. Load this one with transformers' from_pretrained "
                 "(dequantized) and pass the model to ThunderMoE.wrap")
     block = settings.get("weight_block_size")
     if method == "fp8" and block is not None and not _two_positive(block):
@@ -114,8 +122,10 @@ def _compressed_tensors_problem(settings: dict, path) -> str | None:
             continue  # activations only: the weights are stored at full precision
         fmt = group.get("format") or settings.get("format")
         problem = None
-        if fmt not in _CT_FORMATS:
-            problem = f"format {fmt!r} (ThunderEP reads {', '.join(_CT_FORMATS)})"
+        if fmt == _CT_PACKED:
+            problem = _packed_problem(weights)
+        elif fmt not in _CT_FORMATS:
+            problem = f"format {fmt!r} (ThunderEP reads {', '.join(_CT_FORMATS + (_CT_PACKED,))})"
         elif weights.get("num_bits") != 8 or weights.get("type", "int") not in ("int", "float"):
             problem = f"{weights.get('num_bits')}-bit {weights.get('type')} weights (ThunderEP reads 8-bit)"
         elif not weights.get("symmetric", True):
@@ -128,6 +138,39 @@ def _compressed_tensors_problem(settings: dict, path) -> str | None:
             return (f"{where}: config group {name!r} has {problem}. Load it with transformers' from_pretrained "
                     "(dequantized) and pass the model to ThunderMoE.wrap")
     return None
+
+
+def _packed_problem(weights: dict) -> str | None:
+    """What ThunderEP does not read in a pack-quantized config group's weights, or None (4-bit int, by
+    groups of an even size or by channel)."""
+    if weights.get("num_bits") != 4 or weights.get("type", "int") != "int":
+        return f"pack-quantized {weights.get('num_bits')}-bit {weights.get('type')} weights (ThunderEP reads 4-bit int)"
+    strategy = weights.get("strategy")
+    if strategy not in ("group", "channel"):
+        return f"pack-quantized weights with strategy {strategy!r} (ThunderEP reads group and channel)"
+    size = weights.get("group_size")
+    if strategy == "group" and (not isinstance(size, int) or size < 2 or size % 2):
+        return f"group_size {size!r} (4-bit groups must be an even number of columns: two values a byte)"
+    return None
+
+
+def int4_layout(config, experts_dtype: str, index=None) -> tuple:
+    """(format, group, scale dtype, zero points) that `hf.int4.to_int4_experts` holds 4-bit experts in for
+    `experts_dtype` ("mxfp4", "int4", "int4-g128"): a compressed-tensors pack-quantized checkpoint's own
+    group, scale dtype (read off `index`, a `DequantizedIndex`) and zero points for int4 (its bytes kept as
+    stored); else int4 symmetric by groups of 32 (128 for "int4-g128") with float32 scales, or MXFP4."""
+    if experts_dtype == "mxfp4":
+        return "mxfp4", 32, torch.uint8, False
+    settings = _settings(config)
+    group = 128 if experts_dtype == "int4-g128" else 32
+    packed = [g["weights"] for g in (settings.get("config_groups") or {}).values()
+              if isinstance(g, dict) and g.get("weights") and (g.get("format") or settings.get("format")) == _CT_PACKED]
+    if settings.get("quant_method") != "compressed-tensors" or len(packed) != 1 or index is None:
+        return "int4", group, torch.float32, False
+    weights = packed[0]
+    if weights.get("strategy") != "group":  # channel scales: read dequantized, quantized by groups of `group`
+        return "int4", group, torch.float32, False
+    return "int4", weights["group_size"], index.packed_scale_dtype() or torch.float32, not weights.get("symmetric", True)
 
 
 def _two_positive(block) -> bool:
@@ -204,13 +247,19 @@ class DequantizedIndex:
         self.blocks = _block_sizes(settings) if self.method == "compressed-tensors" else set()
         raw = set(index.keys())
         self.parts: dict[str, tuple[str, str]] = {}  # name -> (data key, scale key)
+        self.packed: dict[str, tuple] = {}  # name -> (packed, scale, zero point or None, shape key): pack-quantized
         if self.method == "fp8":
             for key in raw:
                 if key + "_scale_inv" in raw:
                     self.parts[key] = (key, key + "_scale_inv")
             skipped = {k for k in raw if k.endswith(_SKIPPED_FP8)}
         elif self.method == "compressed-tensors":
-            zero_points = sorted(k for k in raw if k.endswith("_zero_point"))
+            for key in raw:  # 4-bit pack-quantized weights: shown as `X.weight`, dequantized by `read`
+                if key.endswith(".weight_packed") and key[:-7] + "_scale" in raw:
+                    base = key[:-7]
+                    zero = base + "_zero_point" if base + "_zero_point" in raw else None
+                    self.packed[base] = (key, base + "_scale", zero, base + "_shape")
+            zero_points = sorted(k for k in raw if k.endswith("_zero_point") and k[:-11] not in self.packed)
             if zero_points:
                 raise CheckpointError(f"{index.path}: {zero_points[0]} is a zero point (asymmetric weights); "
                                       "ThunderEP reads symmetric ones")
@@ -224,7 +273,8 @@ class DequantizedIndex:
                     self.parts[key[:-7]] = (key, key[:-7] + "_scales")
             skipped = set()
         hidden = {k for pair in self.parts.values() for k in pair} | skipped
-        self._keys = [k for k in index.keys() if k not in hidden] + sorted(self.parts)
+        hidden |= {k for parts in self.packed.values() for k in parts if k is not None}
+        self._keys = [k for k in index.keys() if k not in hidden] + sorted(set(self.parts) | set(self.packed))
         self.path, self.file_names = index.path, index.file_names
 
     @property
@@ -235,6 +285,9 @@ class DequantizedIndex:
         return list(self._keys)
 
     def shape(self, key: str) -> tuple:
+        if key in self.packed:
+            shape, _ = self.index.read(self.packed[key][3])
+            return tuple(int(n) for n in shape.tolist())
         if key not in self.parts:
             return self.index.shape(key)
         data, scales = (self.index.shape(k) for k in self.parts[key])
@@ -248,6 +301,16 @@ class DequantizedIndex:
     def read(self, key: str, experts: slice | None = None, out: torch.Tensor | None = None):
         """(values, checkpoint bytes read) of tensor `key` (its experts `experts` only, where given), written
         into `out` where given (no second copy of them on the device), one expert at a time."""
+        if key in self.packed:
+            fmt, group, packed, scale, zero, _, nbytes = self.read_int4(key, experts)
+            from ..kernels.int4 import Int4Weight  # torch only
+
+            w = Int4Weight(packed[None], scale[None], group, torch.bfloat16, fmt, None if zero is None else zero[None])
+            value = w.dequantize(dtype=self.dtype)[0]
+            if out is None:
+                return value, nbytes
+            out.copy_(value)
+            return out, nbytes
         if key not in self.parts:
             return self.index.read(key, experts, out)
         (data, data_bytes), (scales, scale_bytes) = (self.index.read(k, experts) for k in self.parts[key])
@@ -288,6 +351,45 @@ class DequantizedIndex:
                                       f"{tuple(data.shape)} in blocks of {bm} x {bn}")
             s = s.repeat_interleave(bm, dim=-2)[..., :rows, :]
         return data.to(self.device), s.contiguous(), bn, data_bytes + scale_bytes
+
+    def read_int4(self, key: str, experts: slice | None = None):
+        """Tensor `key` as stored, where it is 4-bit: (format, group, packed [..., R, C / 2] uint8, scales
+        [..., R, ceil(C / group)] as stored, zero points int8 of the scales' shape or None, transposed,
+        checkpoint bytes read) on the device; None where it is not. transposed: the stored matrix is the
+        transpose of the tensor `key` shows (gpt-oss's MXFP4, whose rows are its tensors' columns).
+        compressed-tensors' int32 words read as little-endian bytes are the packed bytes themselves; its
+        zero points, packed along rows, are unpacked."""
+        if self.method == "mxfp4" and key in self.parts:
+            (blocks, b_bytes), (scales, s_bytes) = (self.index.read(k, experts) for k in self.parts[key])
+            self.shape(key)  # checks the layout
+            packed = blocks.to(self.device).flatten(-2)
+            return "mxfp4", 32, packed, scales.to(self.device), None, True, b_bytes + s_bytes
+        if key not in self.packed or experts is not None:
+            return None
+        packed_key, scale_key, zero_key, _ = self.packed[key]
+        rows, cols = self.shape(key)
+        (words, w_bytes), (scale, s_bytes) = (self.index.read(k) for k in (packed_key, scale_key))
+        if words.dtype != torch.int32 or words.dim() != 2 or sys.byteorder != "little":
+            raise CheckpointError(f"{packed_key}: {words.dtype} {tuple(words.shape)}, expected int32 [R, C / 8]")
+        packed = words.view(torch.uint8)[:, :cols // 2].to(self.device)
+        groups = scale.shape[-1]
+        group = next((g for _, g in self.blocks if -(-cols // g) == groups), -(-cols // groups))
+        zero, z_bytes = None, 0
+        if zero_key is not None:
+            words_z, z_bytes = self.index.read(zero_key)
+            codes = torch.stack([(words_z >> (4 * k)) & 15 for k in range(8)], dim=1)  # [R / 8, 8, groups]
+            zero = (codes.reshape(-1, words_z.shape[-1])[:rows] - 8).to(torch.int8).to(self.device)
+        if tuple(scale.shape) != (rows, groups) or cols % 2 or group % 2:
+            raise CheckpointError(f"{key}: pack-quantized scales {tuple(scale.shape)} do not fit a [{rows}, {cols}] "
+                                  f"weight in groups of {group} (an even count of columns)")
+        return "int4", group, packed, scale.to(self.device), zero, False, w_bytes + s_bytes + z_bytes
+
+    def packed_scale_dtype(self) -> torch.dtype | None:
+        """The dtype of a pack-quantized checkpoint's scales (its first weight's), or None."""
+        for _, scale_key, _, _ in self.packed.values():
+            scale, _ = self.index.read(scale_key)
+            return scale.dtype
+        return None
 
     def _block(self, data: torch.Tensor, scales: torch.Tensor):
         """The block size [bm, bn] of weight `data` with `scales`: fp8's weight_block_size; for

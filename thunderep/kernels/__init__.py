@@ -3,11 +3,12 @@
 `available()` says whether they can run here; `thunderep.kernels.ops` (imported on demand, it needs
 Triton) holds the ops and their public entries. The modules, by concept:
 
-    act, row_tiles, moe_triton, pairs, passes   the Triton kernels (device code only)
+    act, row_tiles, moe_triton, pairs, pairs4,  the Triton kernels (device code only; pairs4: decode on
+    passes                                      4-bit weights)
     ops                                         the torch.library custom ops and the public entries
     sorted_mlp, decode, grouped_gemm            the host side: launches, forward and backward
     tiles, paths, tuning                        tile tables and keys, the choice of path, autotuning
-    checks, fp8, graphs                         input checks, FP8 weights, CUDA-graph capture
+    checks, fp8, int4, graphs                   input checks, FP8 and 4-bit weights, CUDA-graph capture
 
 FusedExperts uses them on CUDA by itself (ExpertsConfig.backend "auto" or
 "triton"); the CPU path never imports Triton.

@@ -14,9 +14,10 @@ import torch
 from ..errors import InputError
 from .act import ACTIVATIONS
 from .fp8 import Fp8Weight
+from .int4 import Int4Weight
 from .paths import needs_grad
 
-__all__ = ["DTYPES", "check", "check_fp8", "check_integer", "check_rows", "supported"]
+__all__ = ["DTYPES", "check", "check_fp8", "check_int4", "check_integer", "check_rows", "supported"]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -100,3 +101,17 @@ def check_fp8(x: torch.Tensor, w_gate_up, w_down, *tensors) -> None:
     if needs_grad(x, *tensors):
         raise InputError("FP8 expert weights are for inference: nothing here differentiates through them (run "
                          "under torch.no_grad(), or train on their dequantized copy, Fp8Weight.dequantize())")
+
+
+def check_int4(x: torch.Tensor, w_gate_up, w_down, *tensors) -> None:
+    """InputError unless both weights are Int4Weight of one format computing in x's dtype, and nothing
+    asks for gradients (4-bit weights are for inference)."""
+    if not (isinstance(w_gate_up, Int4Weight) and isinstance(w_down, Int4Weight)):
+        raise InputError(f"w_gate_up ({type(w_gate_up).__name__}) and w_down ({type(w_down).__name__}) must both "
+                         f"be Int4Weight, or neither")
+    if w_gate_up.fmt != w_down.fmt or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+        raise InputError(f"w_gate_up ({w_gate_up.fmt}, {w_gate_up.dtype}) and w_down ({w_down.fmt}, {w_down.dtype}) "
+                         f"must share one format and compute in x's dtype ({x.dtype})")
+    if needs_grad(x, *tensors):
+        raise InputError("4-bit expert weights are for inference: nothing here differentiates through them (run "
+                         "under torch.no_grad(), or train on their dequantized copy, Int4Weight.dequantize())")

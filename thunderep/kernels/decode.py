@@ -14,9 +14,14 @@ import torch
 from . import paths, tiles, tuning
 from .act import ACTIVATIONS
 from .fp8 import scale_args, weight_data
+from .pairs4 import down_pairs4_kernel, up_pairs4_kernel
 from .tuning import cdiv, next_power_of_2
 
-__all__ = ["pairs_forward"]
+__all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "pairs4_forward", "pairs_forward"]
+
+# The 4-bit pair kernels' launch configs (pairs4.py): fixed for now, not yet tuned on a GPU.
+PAIRS4_UP = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
+PAIRS4_DOWN = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
 
 
 def pairs_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights: Optional[torch.Tensor],
@@ -50,4 +55,36 @@ def pairs_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights
                   WEIGHTED=weights is not None, PDL=pdl, SLOTS=next_power_of_2(top_k),
                   **scale_args(w_down, "ws_ptr", ("stride_wse", "stride_wsn", "stride_wsk")),
                   **({"launch_pdl": True} if pdl else {}))
+    return y
+
+
+def _packed_args(w) -> dict:
+    """A 4-bit weight's (int4.Int4Weight) pointers, strides and format constants for pairs4.py."""
+    zero = w.zero if w.zero is not None else w.scale  # never read without ZERO
+    return dict(w_ptr=w.packed, s_ptr=w.scale, z_ptr=zero, stride_we=w.packed.stride(0), stride_se=w.scale.stride(0),
+                stride_sn=w.scale.stride(1), stride_sk=w.scale.stride(2), GROUP=w.group, MXFP4=w.fmt == "mxfp4",
+                ZERO=w.zero is not None)
+
+
+def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights: Optional[torch.Tensor],
+                   activation: str, interleaved: bool) -> torch.Tensor:
+    """y_TD through the two 4-bit pair launches (pairs4.py). x: [T, D]; w_gate_up [E, 2I, D] and w_down
+    [E, D, I]: int4.Int4Weight computing in x's dtype; ids: [T * K] (-1: a pair computed elsewhere);
+    weights: [T * K] or None (unweighted)."""
+    T, D = x.shape
+    E, I2, _ = w_gate_up.shape
+    I, N = I2 // 2, ids.numel()
+    h = x.new_empty(N, I)
+    up, down = dict(PAIRS4_UP), dict(PAIRS4_DOWN)
+    gu = _packed_args(w_gate_up)
+    up_pairs4_kernel[(N, cdiv(I, up["BLOCK_N"]))](
+        x, gu.pop("w_ptr"), gu.pop("s_ptr"), gu.pop("z_ptr"), h, ids, I, D, E, N // T, x.stride(0),
+        stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
+        INTERLEAVED=interleaved, **gu, **up)
+    y = x.new_empty(T, D)
+    dn = _packed_args(w_down)
+    down_pairs4_kernel[(T, cdiv(D, down["BLOCK_N"]))](
+        h, dn.pop("w_ptr"), dn.pop("s_ptr"), dn.pop("z_ptr"), y, ids, weights if weights is not None else h, D, I, E,
+        N // T, h.stride(0), stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None,
+        **dn, **down)
     return y

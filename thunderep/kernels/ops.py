@@ -10,6 +10,7 @@ N routed rows in expert order.
     thunderep::route(ids_TK, weights_TK, E, dtype) -> (order_N, counts_E, weights_N)
     thunderep::moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, ...) -> y_TD
     thunderep::moe_mlp_pairs_fp8(x_TD, FP8 weights as tensors, ...) -> y_TD
+    thunderep::moe_mlp_pairs_int4(x_TD, 4-bit weights as tensors, ...) -> y_TD    (inference)
 
 Two entry modes of moe_mlp, one op:
   * gathered (`order_N` given; routed_moe_mlp, below): x is x_TD; row r reads token order_N[r] // K;
@@ -28,6 +29,11 @@ in paths.py and grouped_gemm.gemm_path. `h_NI` and `gu_N2I` are returned for bac
 `register_autograd` chains forward to backward (the FP8 and pair ops are inference-only). Eager calls
 run the implementations directly: the dispatcher's custom-op layer costs host time comparable to a
 decode step's GPU time.
+
+4-bit weights (int4.Int4Weight, MXFP4 or int4) run the pair kernels of pairs4.py, which read the
+packed tiles; on the sorted path (prompts, and 2 to 16 tokens where the sorted route measured faster)
+`moe_mlp` dequantizes them into x's dtype for the call, one layer's experts at a time, and runs the
+16-bit kernels.
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ import torch
 from ..errors import InputError
 from . import checks, decode, paths, sorted_mlp
 from . import grouped_gemm as G
-from .checks import check_fp8, supported
+from .checks import check_fp8, check_int4, supported
 from .fp8 import Fp8Weight
+from .int4 import Int4Weight
 from .tuning import kernel_configs
 
 __all__ = ["check_fp8", "kernel_configs", "moe_mlp", "moe_mlp_pairs", "pairs_if_decode", "route", "routed_moe_mlp",
@@ -174,6 +181,9 @@ def moe_mlp(
         w_gu, w_d = w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous()
         return op(x.contiguous(), w_gu.q, w_gu.scale, list(w_gu.block), w_d.q, w_d.scale, list(w_d.block), order,
                   counts, weights, top_k, activation, interleaved, w_gu.w8a8)
+    if isinstance(w_gate_up_E2ID, Int4Weight) or isinstance(w_down_EDI, Int4Weight):
+        check_int4(x, w_gate_up_E2ID, w_down_EDI, weights)  # the sorted kernels take them dequantized (above)
+        w_gate_up_E2ID, w_down_EDI = w_gate_up_E2ID.dequantize(), w_down_EDI.dequantize()
     needs_grad = paths.needs_grad(x, w_gate_up_E2ID, w_down_EDI, weights)
     E, I2, D = w_gate_up_E2ID.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]
@@ -309,11 +319,39 @@ def _(x, q_gate_up, s_gate_up, block_gate_up, q_down, s_down, block_down, ids, w
     return x.new_empty(x.shape[0], q_down.shape[1])
 
 
+def _moe_mlp_pairs_int4_impl(
+    x: torch.Tensor, packed_gate_up: torch.Tensor, scale_gate_up: torch.Tensor, zero_gate_up: Optional[torch.Tensor],
+    group_gate_up: int, packed_down: torch.Tensor, scale_down: torch.Tensor, zero_down: Optional[torch.Tensor],
+    group_down: int, fmt: str, ids: torch.Tensor, weights: Optional[torch.Tensor], activation: str, interleaved: bool,
+) -> torch.Tensor:
+    w_gu = Int4Weight(packed_gate_up, scale_gate_up, group_gate_up, x.dtype, fmt, zero_gate_up)
+    w_d = Int4Weight(packed_down, scale_down, group_down, x.dtype, fmt, zero_down)
+    return decode.pairs4_forward(x, w_gu, w_d, ids, weights, activation, interleaved)
+
+
+_moe_mlp_pairs_int4_op = torch.library.custom_op("thunderep::moe_mlp_pairs_int4", mutates_args=())(
+    _moe_mlp_pairs_int4_impl)
+
+
+@_moe_mlp_pairs_int4_op.register_fake
+def _(x, packed_gate_up, scale_gate_up, zero_gate_up, group_gate_up, packed_down, scale_down, zero_down, group_down,
+      fmt, ids, weights, activation, interleaved):
+    return x.new_empty(x.shape[0], packed_down.shape[1])
+
+
 def moe_mlp_pairs(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
                   weights_TK: torch.Tensor | None, activation: str, interleaved: bool) -> torch.Tensor:
     """y_TD through the pair kernels (inference). x_TD: [T, D]; w_gate_up_E2ID: [E, 2I, D] and
-    w_down_EDI: [E, D, I] in x's dtype, or both fp8.Fp8Weight computing in it; ids_TK: [T, K] integer;
-    weights_TK: [T, K] or None (unweighted). Inputs are checked by the caller (ops.routed_moe_mlp)."""
+    w_down_EDI: [E, D, I] in x's dtype, or both fp8.Fp8Weight or both int4.Int4Weight computing in it;
+    ids_TK: [T, K] integer; weights_TK: [T, K] or None (unweighted). Inputs are checked by the caller
+    (ops.routed_moe_mlp)."""
+    if isinstance(w_gate_up_E2ID, Int4Weight) or isinstance(w_down_EDI, Int4Weight):
+        check_int4(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK)
+        op = _moe_mlp_pairs_int4_op if torch.compiler.is_compiling() else _moe_mlp_pairs_int4_impl
+        w_gu, w_d = w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous()
+        return op(x_TD.contiguous(), w_gu.packed, w_gu.scale, w_gu.zero, w_gu.group, w_d.packed, w_d.scale, w_d.zero,
+                  w_d.group, w_gu.fmt, ids_TK.contiguous(), weights_TK.contiguous() if weights_TK is not None else None,
+                  activation, interleaved)
     if isinstance(w_gate_up_E2ID, Fp8Weight):
         op = _moe_mlp_pairs_fp8_op if torch.compiler.is_compiling() else _moe_mlp_pairs_fp8_impl
         w_gu, w_d = w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous()

@@ -42,7 +42,8 @@ PAIRS_MAX_TOKENS = 1
 # the GPU (docs/BENCHMARKS.md, "Decode: the graph's own cost, and 2 to 16 tokens").
 PAIRS_TUNE_MAX_TOKENS = 16
 PATH_ROUTINGS = 4
-# (D, I, E, K, T, dtype, weighted, activation, interleaved, device, experts, kind, graphed) -> pairs won
+# (D, I, E, K, T, dtype, weighted, activation, interleaved, device, experts, kind, graphed, weight format)
+# -> pairs won
 _PATHS: dict[tuple, bool] = {}
 
 # Up to this many (token, slot) pairs, a step (inference or training) sorts the pairs by expert and
@@ -125,7 +126,7 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     E, D, I = w_down_EDI.shape
     graphed = in_graph_steps()
     key = (D, I, E, ids_TK.shape[1], T, x_TD.dtype, weights_TK is not None, activation, interleaved, str(x_TD.device),
-           experts or E, kind, graphed)
+           experts or E, kind, graphed, type(w_down_EDI).__name__)  # the weights' format: 16-bit, FP8, 4-bit
     won = _PATHS.get(key)
     if won is not None or torch.compiler.is_compiling() or _capturing(x_TD.device):
         return bool(won)

@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 
 from . import moe_triton as K
 from . import pairs as P
+from . import pairs4 as P4
 from . import passes
 
 __all__ = ["HOPPER_ONLY", "KernelBuild", "compile_kernels", "print_table"]
@@ -89,6 +90,11 @@ _W8A8_KERNELS = {f"{name}_w8a8{suffix}": (_KERNELS[name][0], {**_KERNELS[name][1
                  for name in ("up", "rows")
                  for suffix, scales in (("", dict(SCALE_N=1, SCALE_K=0)), ("_blocks", {}))}
 _W8A8_META = {**_ROW_META, "BLOCK_N": 64, "BLOCK_K": 128}
+# The 4-bit decode kernels (pairs4.py: packed bytes converted in registers): MXFP4 (e8m0 scales) for the
+# gate/up pass, int4 with zero points (float32 scales) for the down pass.
+_INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=True,
+                                                         ZERO=False)),
+                 "down_pairs4": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True))}
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (paths.ROUTE_MAX_PAIRS), 256 experts
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
@@ -132,6 +138,8 @@ def _resources(cubin: bytes) -> tuple[int | None, int | None]:
 def _signature(fn, name: str, fp8: bool = False, w8a8: bool = False):
     sig, attrs, consts = {}, {}, {}
     weights = {"w_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bs_ptr": "*fp32"} if fp8 else {}
+    if name in _INT4_KERNELS:  # packed bytes, their scales (e8m0 bytes or float32) and int8 zero points
+        weights = {"w_ptr": "*u8", "s_ptr": "*u8" if _INT4_KERNELS[name][1]["MXFP4"] else "*fp32", "z_ptr": "*i8"}
     if w8a8:  # the inputs in FP8 too, with their row scales
         weights.update({"x_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "as_ptr": "*fp32"})
     unit = _UNIT_STRIDES.get(name, ())
@@ -156,7 +164,7 @@ def compile_kernels(arch: int, names=None) -> list[KernelBuild]:
     """Compile each expert kernel (bf16, a prefill-sized tile; FP8 weights for the *_fp8 ones) for sm_<arch>; no
     GPU needed."""
     out = []
-    kernels = {**_KERNELS, **_TAIL_KERNELS, **_FP8_KERNELS, **_W8A8_KERNELS,
+    kernels = {**_KERNELS, **_TAIL_KERNELS, **_FP8_KERNELS, **_W8A8_KERNELS, **_INT4_KERNELS,
                **(_PDL_KERNELS if arch >= _PDL_MIN_ARCH else {})}
     for name, (fn, flags) in kernels.items():
         if names is not None and name not in names:

@@ -18,6 +18,7 @@ import torch
 from ..errors import ConfigError
 from ..hf import ThunderMoE, find_experts_modules
 from ..hf.fp8 import to_fp8_experts
+from ..hf.int4 import to_int4_experts
 from ..hf.load import read_config, resolve_dtype
 from ..hf.offload import plan_offload
 from ..hf.quantized import drop_quantization
@@ -39,6 +40,8 @@ class RankMemory:
     finetune_frozen_experts: int = 0
     finetune_lora: int = 0  # 0 where not asked for
     weights_fp8: int = 0  # generate / serve with --experts-dtype fp8; 0 where the kernels do not cover the experts
+    weights_int4: int = 0  # --experts-dtype int4 (groups of 32, float32 scales), as weights_fp8
+    weights_mxfp4: int = 0  # --experts-dtype mxfp4 (uint8 exponents per 32 values), as weights_fp8
     problem: str | None = None
 
 
@@ -64,10 +67,11 @@ def _counts(config, dtype: torch.dtype, lora: tuple | None = None) -> tuple[list
     return params, sum(t.numel() * t.element_size() for t in model.buffers())
 
 
-def _fp8_counts(config, dtype: torch.dtype) -> list[tuple[str, int, int, bool]] | None:
-    """`_counts` entries, parameters and buffers, of the model as `from_pretrained(experts_dtype="fp8")`
-    holds it (routed experts in FP8 with their scales, hf/fp8.py), or None where ThunderEP's kernels do
-    not cover its experts (FP8 experts run on them only)."""
+def _fp8_counts(config, dtype: torch.dtype, experts_dtype: str = "fp8") -> list[tuple[str, int, int, bool]] | None:
+    """`_counts` entries, parameters and buffers, of the model as `from_pretrained(experts_dtype=...)`
+    holds it: "fp8" (routed experts in FP8 with their scales, hf/fp8.py), "int4" or "mxfp4" (4 bits with
+    group scales, hf/int4.py, from a 16-bit checkpoint); None where ThunderEP's kernels do not cover its
+    experts (such experts run on them only)."""
     from transformers import AutoModelForCausalLM
 
     dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
@@ -75,7 +79,10 @@ def _fp8_counts(config, dtype: torch.dtype) -> list[tuple[str, int, int, bool]] 
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
     try:
         tm = ThunderMoE.wrap(model, None, move=False, device="meta", experts_implementation="triton")
-        to_fp8_experts(model, tm.bindings, dtype)
+        if experts_dtype == "fp8":
+            to_fp8_experts(model, tm.bindings, dtype)
+        else:
+            to_int4_experts(model, tm.bindings, dtype, experts_dtype)
     except ConfigError:
         return None
     routed = {id(getattr(model.get_submodule(name), t)): b.num_experts for name, b in tm.bindings.items()
@@ -119,7 +126,7 @@ def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = Non
     as_float32, _ = _counts(config, torch.float32)
     frozen = re.compile(_FROZEN).search
     with_lora = _counts(config, stored, (lora_rank, lora_targets))[0] if lora_rank else []
-    fp8 = _fp8_counts(config, resolve_dtype(dtype, config))
+    quantized = {kind: _fp8_counts(config, resolve_dtype(dtype, config), kind) for kind in ("fp8", "int4", "mxfp4")}
     out = []
     for ep in eps:
         bad = next((E for _, _, E, _ in params if E and E % ep), None)
@@ -133,7 +140,8 @@ def plan_memory(model_dir, eps: list[int], dtype: str | torch.dtype | None = Non
                                                     [p for p in as_stored if frozen(p[0])], stored_buffers, ep),
             finetune_lora=_training_bytes([p for p in with_lora if p[3]], [p for p in with_lora if not p[3]],
                                           stored_buffers, ep) if lora_rank else 0,
-            weights_fp8=_rank_bytes(fp8, ep) if fp8 is not None else 0))
+            **{f"weights_{kind}": _rank_bytes(counts, ep) if counts is not None else 0
+               for kind, counts in quantized.items()}))
     return out
 
 

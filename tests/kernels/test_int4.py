@@ -1,0 +1,189 @@
+"""4-bit expert weights (thunderep/kernels/int4.py): the packed format against plain loops, and the
+4-bit pair kernels (pairs4.py) and the sorted path on them against the float64 reference on the exactly
+dequantized weights, in Triton's CPU interpreter without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thunderep.errors import InputError
+from thunderep.kernels.int4 import Int4Weight
+
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _loop_dequantize(w: Int4Weight) -> torch.Tensor:
+    """W[e, r, c] from the bytes one value at a time (float64): low nibble first, group c // G."""
+    E, R, C = w.shape
+    out = torch.empty(E, R, C, dtype=torch.float64)
+    for e in range(E):
+        for r in range(R):
+            for c in range(C):
+                n = (int(w.packed[e, r, c // 2]) >> (4 * (c % 2))) & 15
+                g = c // w.group
+                if w.fmt == "mxfp4":
+                    out[e, r, c] = _E2M1[n] * 2.0 ** (int(w.scale[e, r, g]) - 127)
+                else:
+                    zero = int(w.zero[e, r, g]) if w.zero is not None else 0
+                    out[e, r, c] = (n - 8 - zero) * float(w.scale[e, r, g])
+    return out
+
+
+@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 8), ("mxfp4", 32)])
+def test_quantize_round_trip_and_dequantize_equals_a_loop(fmt, group):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(2, 6, 40, generator=gen) * torch.logspace(-3, 1, 6)[:, None]  # rows of very different size
+    w[1, :2] = 0.0  # an all-zero group stays zero
+    q = Int4Weight.quantize(w.to(torch.bfloat16), fmt, group)
+    G = q.group
+    assert q.packed.shape == (2, 6, 20) and q.scale.shape == (2, 6, -(-40 // G)) and q.shape == (2, 6, 40)
+    deq = q.dequantize(dtype=torch.float64)
+    assert torch.equal(deq, _loop_dequantize(q))
+    assert torch.equal(deq[1, :2], torch.zeros(2, 40, dtype=torch.float64))
+    wb = w.to(torch.bfloat16).double()
+    amax = torch.nn.functional.pad(wb, (0, -(-40 // G) * G - 40)).view(2, 6, -1, G).abs().amax(-1)
+    amax = amax.repeat_interleave(G, -1)[..., :40]
+    # int4: within half a step (amax / 14); e2m1: within half a step of the top binade (amax / 8 at most)
+    bound = amax / (14 if fmt == "int4" else 4) * 1.001
+    assert bool(((deq - wb).abs() <= bound).all())
+    assert torch.equal(q.dequantize(slice(1, 2), torch.float64), deq[1:2])
+
+
+def test_int4_weight_rejects_what_the_kernels_cannot_read():
+    packed = torch.zeros(2, 8, 8, dtype=torch.uint8)
+    with pytest.raises(InputError, match=r"scale must be float32, bfloat16 or float16 \(2, 8, 1\)"):
+        Int4Weight(packed, torch.ones(2, 8, 2), 16, torch.bfloat16)
+    with pytest.raises(InputError, match="32 for mxfp4"):
+        Int4Weight(packed, torch.ones(2, 8, 1, dtype=torch.uint8), 16, torch.bfloat16, "mxfp4")
+    with pytest.raises(InputError, match="uint8"):
+        Int4Weight(packed.float(), torch.ones(2, 8, 1), 16, torch.bfloat16)
+    with pytest.raises(InputError, match="bfloat16 or float16"):
+        Int4Weight(packed, torch.ones(2, 8, 1), 16, torch.float32)
+    with pytest.raises(InputError, match="zero must be int8"):
+        Int4Weight(packed, torch.ones(2, 8, 1), 16, torch.bfloat16, zero=torch.zeros(2, 8, 1))
+    with pytest.raises(InputError, match="C even"):
+        Int4Weight.quantize(torch.ones(1, 4, 7))
+
+
+# ---- the kernels on 4-bit weights ----------------------------------------------------------------------
+
+triton = pytest.importorskip("triton")
+
+from test_moe_triton import CUDA, make_case, reference, rel_err  # noqa: E402
+
+from thunderep.kernels import decode  # noqa: E402
+from thunderep.kernels.ops import moe_mlp, routed_moe_mlp  # noqa: E402
+
+pytestmark = pytest.mark.skipif(CUDA, reason="these run in Triton's CPU interpreter; a GPU run is the benchmark's")
+
+
+def _asymmetric(w: Int4Weight, seed: int) -> Int4Weight:
+    """w with random zero points in [-3, 3] (compressed-tensors' asymmetric int4)."""
+    zero = torch.randint(-3, 4, w.scale.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int8)
+    return Int4Weight(w.packed, w.scale, w.group, w.dtype, "int4", zero)
+
+
+def _check(T, D, I, E, K, dtype, fmt, group, tol, seed=0, ids=None, zero=False, weighted=True, interleaved=False):
+    x, w_gu, w_d, drawn, weights = make_case(T, D, I, E, K, dtype, seed)
+    ids = drawn if ids is None else ids
+    q_gu, q_d = Int4Weight.quantize(w_gu, fmt, group), Int4Weight.quantize(w_d, fmt, group)
+    if zero:
+        q_gu, q_d = _asymmetric(q_gu, seed), _asymmetric(q_d, seed + 1)
+    weights = weights.to(dtype) if weighted else None
+    with torch.no_grad():
+        y = routed_moe_mlp(x, q_gu, q_d, ids, weights, interleaved=interleaved)
+    ref_w = weights.double() if weighted else torch.ones(T, K, dtype=torch.float64)
+    known = (ids >= 0) & (ids < E)
+    y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64),
+                      torch.where(known, ids, 0), torch.where(known, ref_w, 0.0), interleaved=interleaved)
+    assert y.shape == (T, D) and y.dtype == dtype
+    assert rel_err(y, y_ref) < tol, f"relative error {rel_err(y, y_ref):.2e} against the reference"
+    return y
+
+
+@pytest.fixture(params=["pairs", "sorted"])
+def path(request, monkeypatch):
+    """Pin inference on the 4-bit pair kernels or on the sorted path (dequantized weights)."""
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30) if request.param == "pairs" else "0")
+    return request.param
+
+
+CASES = [  # T, D, I, E, K, fmt, group, zero points
+    (3, 64, 48, 4, 2, "mxfp4", 32, False),
+    (2, 64, 40, 4, 2, "int4", 32, False),  # I = 40: a partial group of 8 at the end of each down row
+    (3, 48, 32, 3, 3, "int4", 16, True),  # asymmetric: zero points per group
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-D{}-I{}-E{}-K{}-{}-g{}{}".format(
+    *c[:7], "-zero" if c[7] else ""))
+def test_interpreter_int4_matches_dequantized(case, path):
+    # float16 on the sorted path (the interpreter's bfloat16 tl.dot is wrong for plain weights too);
+    # the pair kernels multiply elementwise in float32: bfloat16 there.
+    dtype = torch.bfloat16 if path == "pairs" else torch.float16
+    _check(*case[:5], dtype, case[5], case[6], tol=2e-2 if dtype == torch.bfloat16 else 2e-3, zero=case[7])
+
+
+@pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
+                         ids=["chunks-32", "narrow", "wide"])
+def test_interpreter_int4_pair_kernel_tails(up, down, monkeypatch):
+    """The pair kernels' loops with column tiles and chunks that divide neither D = 80 nor I = 56 (a last
+    partial chunk, a column tile past the matrix), chunks narrower and wider than a group, one chunk
+    covering a whole row; unweighted and interleaved gate/up."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4})
+    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": 4})
+    _check(2, 80, 56, 5, 2, torch.float16, "int4", 32, tol=2e-3, zero=True, weighted=False, interleaved=True)
+    _check(1, 96, 56, 5, 3, torch.float16, "mxfp4", 32, tol=2e-3, seed=1)
+
+
+def test_interpreter_int4_pairs_skip_minus_one_and_nan_for_unknown_ids(monkeypatch):
+    """Id -1 adds nothing (another rank's expert); any other id outside [0, E) makes its token NaN."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    ids = torch.tensor([[0, -1], [2, 1], [-1, -1]])
+    y = _check(3, 64, 32, 3, 2, torch.float16, "mxfp4", 32, tol=2e-3, ids=ids)
+    assert torch.equal(y[2], torch.zeros(64, dtype=torch.float16))
+    x, w_gu, w_d, _, weights = make_case(2, 64, 32, 3, 2, torch.float16, 0)
+    q_gu, q_d = Int4Weight.quantize(w_gu, "int4"), Int4Weight.quantize(w_d, "int4")
+    with torch.no_grad():
+        y = routed_moe_mlp(x, q_gu, q_d, torch.tensor([[0, 7], [1, 2]]), weights.half())
+    assert bool(y[0].isnan().all()) and not bool(y[1].isnan().any())
+
+
+def test_interpreter_int4_sorted_mode_and_no_gradients():
+    """moe_mlp's sorted mode (rows grouped by expert) on 4-bit weights, and the refusal of gradients."""
+    x, w_gu, w_d, ids, _ = make_case(6, 32, 48, 4, 1, torch.float16, 3)
+    q_gu, q_d = Int4Weight.quantize(w_gu, "int4", 16), Int4Weight.quantize(w_d, "int4", 16)
+    counts = torch.bincount(ids.reshape(-1), minlength=4)
+    x_sorted = x[torch.argsort(ids.reshape(-1), stable=True)]
+    with torch.no_grad():
+        y = moe_mlp(x_sorted, q_gu, q_d, counts)
+    ids_sorted = torch.sort(ids.reshape(-1), stable=True).values[:, None]
+    y_ref = reference(x_sorted.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64),
+                      ids_sorted, torch.ones(6, 1, dtype=torch.float64))
+    assert y.dtype == torch.float16 and rel_err(y, y_ref) < 2e-3
+    with pytest.raises(InputError, match="4-bit expert weights are for inference"):
+        moe_mlp(x_sorted.requires_grad_(), q_gu, q_d, counts)
+
+
+def test_interpreter_int4_custom_op_equals_the_direct_call():
+    """thunderep::moe_mlp_pairs_int4 (what torch.compile traces) gives what the eager call gives, bit for
+    bit, and its fake gives the output's shape and dtype."""
+    x, w_gu, w_d, ids, weights = make_case(2, 64, 32, 4, 2, torch.float16, 5)
+    q_gu, q_d = Int4Weight.quantize(w_gu, "mxfp4"), Int4Weight.quantize(w_d, "mxfp4")
+    args = (x, q_gu.packed, q_gu.scale, None, 32, q_d.packed, q_d.scale, None, 32, "mxfp4", ids, weights.half(),
+            "silu", False)
+    with torch.no_grad():
+        direct = decode.pairs4_forward(x, q_gu, q_d, ids.reshape(-1), weights.half().reshape(-1), "silu", False)
+        via_op = torch.ops.thunderep.moe_mlp_pairs_int4(*args[:10], ids.reshape(-1), weights.half().reshape(-1),
+                                                        *args[12:])
+    assert torch.equal(direct, via_op)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.ops.thunderep.moe_mlp_pairs_int4(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                        for a in args))
+    assert fake.shape == (2, 64) and fake.dtype == torch.float16

@@ -1,0 +1,140 @@
+"""Wrapped Hugging Face models whose routed experts are held in 4 bits (inference).
+
+Shape legend: S local expert slots, R rows and C columns of one expert's matrix, nG = ceil(C / group).
+
+`ThunderMoE.from_pretrained(..., experts_dtype="int4")` (or "mxfp4"; `thunderep generate / serve
+--experts-dtype int4`) keeps each local expert's gate_up_proj and down_proj packed two values a byte
+with a scale per group of columns along the input dimension (`kernels/int4.py`'s `Int4Weight`): a
+quarter of bfloat16's bytes plus the scales. Decode runs the 4-bit pair kernels (`kernels/pairs4.py`),
+which convert the packed tiles in registers; prompts run the 16-bit sorted kernels on the layer's
+experts dequantized for the call.
+
+As for FP8 (hf/fp8.py) the conversion happens on the meta device: `to_int4_experts` replaces the two
+parameters of every bound experts module by uint8 ones [S, R, C / 2] (no gradient) and adds the scale
+buffers `<name>_scale` [S, R, nG] (uint8 e8m0 exponents for mxfp4, float32 for int4 quantized here, the
+checkpoint's dtype for a compressed-tensors int4 checkpoint) and, for asymmetric int4 checkpoints,
+`<name>_zero` [S, R, nG] int8. The loader then fills them: a 4-bit checkpoint of the same format and
+group (compressed-tensors `pack-quantized`, gpt-oss's MXFP4) keeps its bytes and scales as stored
+(`store_packed`); anything else is read in the model's dtype and quantized by groups as each rank reads
+its own experts (`store_rows4`: int4 symmetric, or MXFP4).
+
+Inference only: a gradient through 4-bit weights is an InputError from the kernels, and
+`from_pretrained` refuses a balancer (whose migrations move trainable experts) with them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..kernels.int4 import MXFP4_GROUP, Int4Weight
+
+__all__ = ["GROUPS", "INT4_DTYPES", "expert_weights4", "is_int4", "quantized_parts", "store_packed", "store_rows4",
+           "to_int4_experts"]
+
+INT4_DTYPES = ("mxfp4", "int4", "int4-g128")  # the experts_dtype values held in 4 bits (int4: groups of 32)
+GROUPS = (32, 128)  # the group sizes int4 quantizes a 16-bit checkpoint by
+_WEIGHTS = ("gate_up_proj", "down_proj")
+_ATTR = "_thunderep_int4"  # on an experts module: (compute dtype, format, group, zero points)
+
+
+def to_int4_experts(model: nn.Module, bindings: dict, dtype: torch.dtype, fmt: str, group: int = 32,
+                    scale_dtype: torch.dtype = torch.float32, zero: bool = False) -> None:
+    """Make every bound experts module hold gate_up_proj and down_proj in 4 bits (in place, on the meta
+    device, before `to_empty`; module docstring). fmt: "int4" or "mxfp4" (group 32, uint8 scales);
+    group: columns per scale; scale_dtype: int4's scale dtype (a checkpoint's, kept as stored); zero:
+    int8 zero points per group too (asymmetric int4 checkpoints). ConfigError for a module whose experts
+    the kernels do not run, or whose columns are odd or not a whole number of groups for mxfp4."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigError(f"4-bit experts compute in bfloat16 or float16; the model's dtype is {dtype}: load it "
+                          "with dtype=torch.bfloat16")
+    if fmt == "mxfp4":
+        group, scale_dtype, zero = MXFP4_GROUP, torch.uint8, False
+    elif group < 2 or group % 2:
+        raise ConfigError(f"int4 experts need an even group size (two values a byte share a scale), got {group}")
+    for path, binding in bindings.items():
+        if binding.implementation != "triton":
+            raise ConfigError(f"4-bit experts run on ThunderEP's Triton kernels, and {binding.class_name} ({path}) "
+                              f"runs {binding.implementation!r}: use experts_implementation='triton' or 'auto'")
+        module = model.get_submodule(path)
+        for name in _WEIGHTS:
+            weight = getattr(module, name)
+            slots, rows, width = weight.shape
+            if width % 2:
+                raise ConfigError(f"{binding.class_name}.{name} has {width} columns: 4-bit experts pack two columns "
+                                  "a byte and need an even count; load without experts_dtype")
+            groups = -(-width // group)
+            module._parameters[name] = nn.Parameter(torch.empty(slots, rows, width // 2, dtype=torch.uint8,
+                                                                device=weight.device), requires_grad=False)
+            module.register_buffer(f"{name}_scale", torch.empty(slots, rows, groups, dtype=scale_dtype,
+                                                                device=weight.device))
+            if zero:
+                module.register_buffer(f"{name}_zero", torch.zeros(slots, rows, groups, dtype=torch.int8,
+                                                                   device=weight.device))
+        extra = tuple(f"{n}_{part}" for n in _WEIGHTS for part in (("scale", "zero") if zero else ("scale",)))
+        binding.tensors = tuple(binding.tensors) + extra
+        setattr(module, _ATTR, (dtype, fmt, group, zero))
+
+
+def is_int4(module: nn.Module) -> bool:
+    """Whether `module` (an experts module) holds its weights in 4 bits (`to_int4_experts`)."""
+    return getattr(module, _ATTR, None) is not None
+
+
+def quantized_parts(module: nn.Module, name: str) -> list[str]:
+    """The buffers filled along with 4-bit weight `name`: its scales, and zero points where held."""
+    return [f"{name}_scale"] + ([f"{name}_zero"] if getattr(module, _ATTR)[3] else [])
+
+
+def _rows(rows):
+    return slice(None) if rows is None else rows
+
+
+def store_rows4(module: nn.Module, name: str, slots, rows, value: torch.Tensor) -> None:
+    """Quantize `value` [..., R', C] into module.`name`[slots, rows] and its scales by groups along each
+    row: `Int4Weight.quantize` of the value in the model's dtype (as a bfloat16 model would hold it)."""
+    dtype, fmt, group, zero = getattr(module, _ATTR)
+    dst = getattr(module, name).data[slots, _rows(rows)]
+    if tuple(dst.shape[:-1]) != tuple(value.shape[:-1]) or 2 * dst.shape[-1] != value.shape[-1]:
+        raise ConfigError(f"checkpoint tensor of shape {tuple(value.shape)} does not fit {name}[{slots}, {rows}] "
+                          f"(4-bit, {tuple(dst.shape[:-1]) + (2 * dst.shape[-1],)})")
+    q = Int4Weight.quantize(value.to(dtype).reshape(-1, *value.shape[-2:]).to(dst.device), fmt, group)
+    dst.copy_(q.packed.view(dst.shape))
+    scale = getattr(module, f"{name}_scale").data
+    scale[slots, _rows(rows)] = q.scale.to(scale.dtype).view(*dst.shape[:-1], -1)
+    if zero:
+        getattr(module, f"{name}_zero").data[slots, _rows(rows)] = 0
+
+
+def store_packed(module: nn.Module, name: str, slots, rows, fmt: str, group: int, packed: torch.Tensor,
+                 scale: torch.Tensor, zero: torch.Tensor | None) -> bool:
+    """Copy a 4-bit checkpoint's bytes `packed` [..., R', C / 2], scales [..., R', nG] and zero points
+    (int8, or None) as stored into module.`name`[slots, rows]; False (nothing written) where the module
+    holds another format, group, scale dtype or zero-point layout (then quantize with `store_rows4`)."""
+    _, held_fmt, held_group, held_zero = getattr(module, _ATTR)
+    held_scale = getattr(module, f"{name}_scale")
+    if (fmt, group, held_zero) != (held_fmt, held_group, zero is not None) or scale.dtype != held_scale.dtype:
+        return False
+    dst = getattr(module, name).data[slots, _rows(rows)]
+    if tuple(dst.shape) != tuple(packed.shape):
+        raise ConfigError(f"checkpoint tensor of shape {tuple(packed.shape)} (packed) does not fit "
+                          f"{name}[{slots}, {rows}] {tuple(dst.shape)}")
+    dst.copy_(packed)
+    held_scale.data[slots, _rows(rows)] = scale
+    if zero is not None:
+        getattr(module, f"{name}_zero").data[slots, _rows(rows)] = zero
+    return True
+
+
+def expert_weights4(module: nn.Module) -> tuple[Int4Weight, Int4Weight]:
+    """(gate_up_proj, down_proj) of a module of 4-bit experts as the kernels take them (built once per
+    set of tensors: each call of a decode step counts)."""
+    dtype, fmt, group, zero = getattr(module, _ATTR)
+    parts = [(getattr(module, n), getattr(module, f"{n}_scale"), getattr(module, f"{n}_zero") if zero else None)
+             for n in _WEIGHTS]
+    cached = module.__dict__.get("_thunderep_int4_weights")
+    if cached is None or not all(w.packed is p and w.scale is s and w.zero is z for w, (p, s, z) in zip(cached, parts)):
+        cached = tuple(Int4Weight(p, s, group, dtype, fmt, z) for p, s, z in parts)
+        module.__dict__["_thunderep_int4_weights"] = cached
+    return cached
