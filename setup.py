@@ -80,5 +80,7 @@ else:
         _warn(f"cffi is not importable at build time: {exc}")
     else:
         _cffi_modules = ["native/build_mailbox.py:ffibuilder"]
+        if Path(__file__).with_name("native").joinpath("build_probe.py").is_file():
+            _cffi_modules.append("native/build_probe.py:ffibuilder")  # the balancer probe's loops
 
 setup(cmdclass={"build_ext": OptionalBuildExt}, cffi_modules=_cffi_modules)

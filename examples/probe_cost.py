@@ -4,8 +4,8 @@
     python examples/probe_cost.py /tmp/before
 
 Loads `thunderep/balance/fingerprint.py` from the given checkout as the baseline and this checkout's as
-the candidate, times `LoadProbe.record` on a Stable step (best of 7 rounds of 500 calls, one thread) for
-8, 64 and 256 experts, and checks that both give the same fingerprint.
+the candidate, times `LoadProbe.record` on a Stable step and on a Negotiate step (best of 7 rounds of 500
+calls, one thread) for 8, 64 and 256 experts, and checks that both give the same fingerprints.
 """
 
 import importlib
@@ -28,12 +28,13 @@ for E in (8, 64, 256):
         p = m.LoadProbe(E); p.commit(p.record(c, True))
         for _ in range(200): p.record(c + 1, False)
         probes[name] = p
-    best = {"before": 1e9, "after": 1e9}
-    for rnd in range(7):
-        for name, p in probes.items():
-            s = time.perf_counter(); n = 500
-            for _ in range(n): p.record(c + 1, False)
-            best[name] = min(best[name], (time.perf_counter() - s) / n * 1e6)
-    assert probes["before"].record(c + 1, False).fingerprint == probes["after"].record(c + 1, False).fingerprint
-    print(f"E={E}: LoadProbe.record (stable) before {best['before']:.1f} us, after {best['after']:.1f} us, "
-          f"{best['before'] / best['after']:.2f}x")
+    for step, negotiate in (("stable", False), ("negotiate", True)):
+        best = {"before": 1e9, "after": 1e9}
+        for rnd in range(7):
+            for name, p in probes.items():
+                s = time.perf_counter(); n = 500
+                for _ in range(n): p.record(c + 1, negotiate)
+                best[name] = min(best[name], (time.perf_counter() - s) / n * 1e6)
+        assert probes["before"].record(c + 1, negotiate).fingerprint == probes["after"].record(c + 1, negotiate).fingerprint
+        print(f"E={E}: LoadProbe.record ({step}) before {best['before']:.1f} us, after {best['after']:.1f} us, "
+              f"{best['before'] / best['after']:.2f}x")

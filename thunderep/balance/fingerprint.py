@@ -48,14 +48,13 @@ values), so floating-point differences between hosts cannot make ranks disagree.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
 from ..errors import ConfigError
+from .probe_math import COLD_OCTAVES, ProbeMath, host_counts, octaves
 
 __all__ = [
     "COLD_OCTAVES",
@@ -72,7 +71,6 @@ __all__ = [
 
 WIDTH_OCTAVES = 0.5   # W: bucket width; a factor 1.41 per bucket
 NOISE_Z = 4.5         # Z: tolerance in standard deviations of sampling noise
-COLD_OCTAVES = -4.0   # experts under 2^-4 of a uniform share are all "cold"
 
 
 def _check_counts(name: str, counts_E: torch.Tensor, num_experts: int | None = None) -> np.ndarray:
@@ -83,16 +81,6 @@ def _check_counts(name: str, counts_E: torch.Tensor, num_experts: int | None = N
     if num_experts is not None and counts_E.numel() != num_experts:
         raise ConfigError(f"{name} has {counts_E.numel()} experts, expected {num_experts}")
     return counts_E.detach().to("cpu", torch.float64).numpy()
-
-
-def _octaves(c_E: np.ndarray) -> tuple[np.ndarray, float]:
-    """The octaves x_E (float64 [E]) and total N of counts c_E. Host math in numpy, whose exact IEEE
-    operations (+, *, sqrt, floor) cost a fraction of torch's per call; the sum and the log2 stay
-    torch's, whose summation order and rounding the decisions were made with."""
-    E = c_E.size
-    total = float(torch.from_numpy(c_E).sum())
-    scaled_E = (c_E + 0.5) * (E / (total + 0.5 * E))
-    return np.maximum(torch.log2(torch.from_numpy(scaled_E)).numpy(), COLD_OCTAVES), total
 
 
 def _check_params(variance: float, width: float, z: float) -> None:
@@ -106,7 +94,8 @@ class Baseline:
     """One baseline profile, precomputed once per negotiation (`Baseline.of`).
 
     counts_E: float64 [E] the baseline counts; xb_E: their octaves; code_E: float64 floor(xb / W);
-    variance: vb, the variance factor of the baseline counts; total: Nb; width: W; z: Z.
+    variance: vb, the variance factor of the baseline counts; total: Nb; width: W; z: Z. The tensors
+    are contiguous on the CPU (the probe's native loops read them).
     """
 
     counts_E: torch.Tensor
@@ -122,22 +111,27 @@ class Baseline:
            z: float = NOISE_Z) -> "Baseline":
         """baseline_E: [E] counts; variance: their variance factor vb (1 for one step's counts)."""
         _check_params(variance, width, z)
-        cb_E = _check_counts("baseline_E", baseline_E)
-        xb_E, total = _octaves(cb_E)
-        return cls(torch.from_numpy(cb_E), torch.from_numpy(xb_E), torch.from_numpy(np.floor(xb_E / width)),
+        cb_E = host_counts("baseline_E", baseline_E).to(torch.float64, copy=True)
+        xb_E, total = octaves(cb_E.numpy())
+        return cls(cb_E, torch.from_numpy(xb_E), torch.from_numpy(np.floor(xb_E / width)),
                    float(variance), total, float(width), float(z))
 
 
-def _codes(c_E: np.ndarray, baseline: Baseline, variance: float) -> np.ndarray:
-    """int16 [E] bucket codes of counts c_E against `baseline` (the module docstring's formulas)."""
-    x_E, total = _octaves(c_E)
-    ratio = total / baseline.total if baseline.total > 0 else 0.0
-    noise = 0.5 * baseline.z * math.sqrt(variance + baseline.variance * ratio)
-    expected_E = np.sqrt(baseline.counts_E.numpy() * ratio + 0.375)
-    significant_E = np.abs(np.sqrt(c_E + 0.375) - expected_E) > noise
-    d_E = x_E - baseline.xb_E.numpy()
-    moved_E = significant_E & (np.abs(d_E) > 0.5 * baseline.width)
-    return (np.sign(d_E) * moved_E + baseline.code_E.numpy()).astype(np.int16)
+def _profile(counts_E: torch.Tensor, baseline: torch.Tensor | Baseline | None, variance: float,
+             width: float, z: float, seed: int) -> tuple[int, ProbeMath]:
+    """(fingerprint, the math holding its codes) after checking `load_profile`'s arguments."""
+    c_E = host_counts("counts_E", counts_E).to(torch.float64, copy=True)
+    math_ = ProbeMath(c_E.numel())
+    if baseline is None:
+        _check_params(variance, width, z)
+        return math_.fingerprint(c_E, width, seed), math_
+    if not isinstance(baseline, Baseline):
+        baseline = Baseline.of(baseline, variance=variance, width=width, z=z)
+    if baseline.counts_E.numel() != c_E.numel():
+        raise ConfigError(f"counts_E has {c_E.numel()} experts but the baseline has {baseline.counts_E.numel()}")
+    if not variance >= 0:
+        raise ConfigError(f"variance ({variance!r}) must be >= 0")
+    return math_.fingerprint(c_E, baseline.width, seed, baseline, variance), math_
 
 
 def load_profile(counts_E: torch.Tensor, baseline: "torch.Tensor | Baseline | None" = None, *,
@@ -151,17 +145,7 @@ def load_profile(counts_E: torch.Tensor, baseline: "torch.Tensor | Baseline | No
     variance: variance factor v of counts_E (1 for one step's counts; `LoadProbe` passes its EMA's).
     Returns int16 [E] bucket codes on the CPU.
     """
-    c_E = _check_counts("counts_E", counts_E)
-    if baseline is None:
-        _check_params(variance, width, z)
-        return torch.from_numpy(np.floor(_octaves(c_E)[0] / width).astype(np.int16))
-    if not isinstance(baseline, Baseline):
-        baseline = Baseline.of(baseline, variance=variance, width=width, z=z)
-    if baseline.counts_E.numel() != c_E.size:
-        raise ConfigError(f"counts_E has {c_E.size} experts but the baseline has {baseline.counts_E.numel()}")
-    if not variance >= 0:
-        raise ConfigError(f"variance ({variance!r}) must be >= 0")
-    return torch.from_numpy(_codes(c_E, baseline, variance))
+    return _profile(counts_E, baseline, variance, width, z, 0)[1].codes_E
 
 
 def fingerprint(counts_E: torch.Tensor, baseline: "torch.Tensor | Baseline | None" = None, *,
@@ -170,8 +154,7 @@ def fingerprint(counts_E: torch.Tensor, baseline: "torch.Tensor | Baseline | Non
     """XXH3-64 of `load_profile(...)`: an unsigned 64-bit int (8 bytes on the wire).
 
     Same arguments as `load_profile`; `seed` is XXH3's seed (e.g. to separate layers)."""
-    codes_E = load_profile(counts_E, baseline, variance=variance, width=width, z=z)
-    return xxhash.xxh3_64_intdigest(codes_E.numpy().tobytes(), seed)
+    return _profile(counts_E, baseline, variance, width, z, seed)[0]
 
 
 def ema_variance(alpha: float) -> float:
@@ -221,7 +204,10 @@ class LoadProbe:
     """
 
     def __init__(self, num_experts: int, *, alpha: float = 0.3, width: float = WIDTH_OCTAVES,
-                 z: float = NOISE_Z, seed: int = 0):
+                 z: float = NOISE_Z, seed: int = 0, native: bool | None = None):
+        """native: the per-call math in the native loops (True: required), in the numpy / torch
+        reference (False), or native when available (None); bit-identical results either way
+        (`probe_math.py`)."""
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
             raise ConfigError(f"num_experts must be a positive integer, got {num_experts!r}")
         _check_params(ema_variance(alpha), width, z)
@@ -230,19 +216,23 @@ class LoadProbe:
         self.ema_E: torch.Tensor | None = None
         self.variance = 1.0
         self.baseline: Baseline | None = None
+        self._math = ProbeMath(num_experts, native)
+
+    @property
+    def native(self) -> bool:
+        """True when this probe's per-call math runs in the native loops."""
+        return self._math.native
 
     def record(self, counts_E: torch.Tensor, negotiate: bool) -> ProbeRecord:
         """counts_E: [E] pairs this rank routed to each expert this step. Does not change the probe."""
-        c_E = _check_counts("counts_E", counts_E, self.num_experts)
-        ema_E = _ema(None if self.ema_E is None else self.ema_E.numpy(), c_E, self.alpha)
+        counts_t, ema_t = self._math.ema(counts_E, self.ema_E, self.alpha)
         a = self.alpha
         v = 1.0 if self.ema_E is None else (1.0 - a) ** 2 * self.variance + a * a
-        counts_t, ema_t = torch.from_numpy(c_E), torch.from_numpy(ema_E)
         if negotiate or self.baseline is None:
-            load_E = ema_t.round().clamp_(0, 2**31 - 1).to(torch.int32)
-            fp = fingerprint(load_E, width=self.width, seed=self.seed)
+            load_E, load_f_E = self._math.load(ema_t)
+            fp = self._math.fingerprint(load_f_E, self.width, self.seed)
             return ProbeRecord(fp, load_E if negotiate else None, counts_t, ema_t, v)
-        fp = xxhash.xxh3_64_intdigest(_codes(ema_E, self.baseline, v).tobytes(), self.seed)
+        fp = self._math.fingerprint(ema_t, self.width, self.seed, self.baseline, v)
         return ProbeRecord(fp, None, counts_t, ema_t, v)
 
     def state_dict(self) -> dict:

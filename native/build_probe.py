@@ -1,0 +1,97 @@
+"""cffi builder of the private extension `thunderep.balance._probe_native` (the balancer probe's loops).
+
+Three ways in:
+  * `pip install .` / `pip install -e .`: setup.py names `ffibuilder` in `cffi_modules`;
+  * `python native/build_probe.py`: builds in place, into `thunderep/balance/`, for development;
+  * `thunderep.balance.probe_math` calls `build(target_dir)` on first use when the extension is
+    missing from a source checkout and a C compiler is present.
+
+Only `thunderep/balance/probe_math.py` imports the extension; without it the probe computes the same
+values with its numpy / torch reference.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from cffi import FFI
+
+__all__ = ["CDEF", "MODULE_NAME", "NATIVE_DIR", "build", "ffibuilder", "make_ffibuilder"]
+
+MODULE_NAME = "thunderep.balance._probe_native"
+NATIVE_DIR = Path(__file__).resolve().parent
+
+# Declarations mirrored from probe.h (cffi parses no preprocessor directives).
+CDEF = """
+enum { TEP_PROBE_OK, TEP_PROBE_UNHANDLED, ... };
+
+int tep_probe_ema_i64(const int64_t *counts, const double *prev, double keep, double alpha,
+                      double *counts_out, double *ema_out, int64_t n);
+int tep_probe_ema_f64(const double *counts, const double *prev, double keep, double alpha,
+                      double *counts_out, double *ema_out, int64_t n);
+int tep_probe_load(const double *ema, int64_t n, int32_t *load, double *load_f);
+int tep_probe_plain(const double *c, int64_t n, double width, double cold, int16_t *codes,
+                    uint64_t seed, uint64_t *hash);
+int tep_probe_relative(const double *c, int64_t n, const double *counts_b, const double *x_b,
+                       const double *code_b, double total_b, double variance_b, double variance,
+                       double z, double width, double cold, int16_t *codes, uint64_t seed,
+                       uint64_t *hash);
+"""
+
+
+def _path(p: Path, relative: bool) -> str:
+    # setuptools wants paths relative to setup.py's directory; direct builds use absolute ones.
+    return os.path.relpath(p) if relative else str(p)
+
+
+def make_ffibuilder(relative_paths: bool = True) -> FFI:
+    """Return an FFI configured to compile `probe.c` into `MODULE_NAME`."""
+    ffi = FFI()
+    ffi.cdef(CDEF)
+    ffi.set_source(
+        MODULE_NAME,
+        '#include "probe.h"\n',
+        sources=[_path(NATIVE_DIR / "probe.c", relative_paths)],
+        include_dirs=[_path(NATIVE_DIR, relative_paths)],
+        depends=[_path(NATIVE_DIR / name, relative_paths) for name in ("probe.h", "build_probe.py",
+                                                                          "third_party/xxhash/xxhash.h")],
+        # probe.c's bounds assume IEEE double steps: no FMA contraction, no value-changing optimizations.
+        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-ffp-contract=off", "-fno-fast-math",
+                            "-fno-math-errno"],
+        py_limited_api=True,  # the same file name (.abi3.so) however it is built
+    )
+    return ffi
+
+
+def build(target_dir: Path | str, verbose: bool = False) -> Path:
+    """Compile the extension and move it into `target_dir`; return its path.
+
+    The build runs in a temporary directory and the result is renamed into place, so concurrent
+    builders never expose a half-written file.
+    """
+    target_dir = Path(target_dir)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    ffi = make_ffibuilder(relative_paths=False)
+    with tempfile.TemporaryDirectory(prefix="tep-build-") as tmp:
+        built = Path(ffi.compile(tmpdir=tmp, verbose=verbose))
+        dest = target_dir / built.name
+        staging = target_dir / f".{built.name}.{os.getpid()}.tmp"
+        shutil.copyfile(built, staging)
+        os.chmod(staging, 0o755)
+        os.replace(staging, dest)
+    for other in target_dir.glob("_probe_native*.so"):  # older builds would shadow this one
+        if other != dest:
+            other.unlink()
+    return dest
+
+
+ffibuilder = make_ffibuilder(relative_paths=True)
+
+
+if __name__ == "__main__":
+    out = build(NATIVE_DIR.parent / "thunderep" / "balance", verbose="-v" in sys.argv)
+    print(f"built {out.relative_to(NATIVE_DIR.parent)}")
