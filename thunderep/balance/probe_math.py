@@ -18,21 +18,14 @@ Shape legend: E logical experts.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import importlib.util
 import math
-import os
-import shutil
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import xxhash
 
-from ..env import no_native_build
+from ..comm.native_build import build_on_first_use
 from ..errors import ConfigError
 
 __all__ = ["COLD_OCTAVES", "ProbeMath", "host_counts", "native_available", "native_unavailable_reason",
@@ -66,42 +59,8 @@ def _load() -> Any:
 def _build_on_first_use(import_error: ImportError) -> Any:
     fix = ("install a C compiler (e.g. `apt install gcc`) and reinstall thunderep, or build in place from "
            "a checkout with `python native/build_probe.py`; until then the probe computes with numpy")
-    builder = Path(__file__).resolve().parents[2] / "native" / "build_probe.py"
-    if no_native_build():
-        raise ConfigError(f"the probe extension is missing ({import_error}) and THUNDEREP_NO_NATIVE_BUILD "
-                          f"is set; {fix}")
-    if not builder.is_file():
-        raise ConfigError(f"the probe extension was not built when thunderep was installed ({import_error}); "
-                          f"{fix}")
-    if not any(shutil.which(c) for c in (os.environ.get("CC", "cc"), "cc", "gcc", "clang")):
-        raise ConfigError(f"the probe extension is missing ({import_error}) and no C compiler was found "
-                          f"to build it; {fix}")
-    key = hashlib.sha256()
-    for name in ("probe.c", "probe.h", "build_probe.py"):
-        key.update((builder.parent / name).read_bytes())
-    key.update(sys.implementation.cache_tag.encode() + os.uname().machine.encode())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache / "thunderep" / "native" / key.hexdigest()[:16]
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        with open(target / ".lock", "w") as lock:  # ranks starting together build once
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            built = sorted(target.glob("_probe_native*.so"))
-            if not built:
-                spec = importlib.util.spec_from_file_location("_tep_build_probe", builder)
-                assert spec is not None and spec.loader is not None
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                built = [module.build(target)]
-        spec = importlib.util.spec_from_file_location(_MODULE, built[0])
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    except Exception as exc:  # compiler errors come in many types (cffi, setuptools, OSError)
-        raise ConfigError(f"the probe extension is missing and building it failed "
-                          f"({type(exc).__name__}: {exc}); {fix}") from exc
-    sys.modules[_MODULE] = mod
-    return mod
+    return build_on_first_use("probe", _MODULE, ("probe.c", "probe.h", "build_probe.py"), import_error, fix,
+                              ConfigError)
 
 
 def native_unavailable_reason() -> str | None:

@@ -15,19 +15,13 @@ a mailbox raises `CommError` saying how to fix it; importing this module never f
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import importlib.util
 import os
 import re
 import secrets
-import shutil
-import sys
-from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..env import no_native_build
 from ..errors import CommError, ConfigError, PeerTimeout
+from .native_build import build_on_first_use
 from .segments import cleanup_stale_segments, new_segment_name
 
 __all__ = [
@@ -84,42 +78,8 @@ def _build_on_first_use(import_error: ImportError) -> Any:
         "(`pip install --force-reinstall --no-deps thunderep`), or build in place from a checkout "
         "with `python native/build_mailbox.py`; until then use the collective control plane"
     )
-    builder = Path(__file__).resolve().parents[2] / "native" / "build_mailbox.py"
-    if no_native_build():
-        raise CommError(f"the mailbox extension is missing ({import_error}) and THUNDEREP_NO_NATIVE_BUILD "
-                        f"is set; {fix}")
-    if not builder.is_file():
-        raise CommError(f"the mailbox extension was not built when thunderep was installed "
-                        f"({import_error}); {fix}")
-    if not any(shutil.which(c) for c in (os.environ.get("CC", "cc"), "cc", "gcc", "clang")):
-        raise CommError(f"the mailbox extension is missing ({import_error}) and no C compiler was "
-                        f"found to build it; {fix}")
-    key = hashlib.sha256()
-    for name in ("mailbox.c", "mailbox.h", "build_mailbox.py"):
-        key.update((builder.parent / name).read_bytes())
-    key.update(sys.implementation.cache_tag.encode() + os.uname().machine.encode())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache / "thunderep" / "native" / key.hexdigest()[:16]
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        with open(target / ".lock", "w") as lock:  # ranks starting together build once
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            built = sorted(target.glob("_mailbox_native*.so"))
-            if not built:
-                spec = importlib.util.spec_from_file_location("_tep_build_mailbox", builder)
-                assert spec is not None and spec.loader is not None
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                built = [module.build(target)]
-        spec = importlib.util.spec_from_file_location(_MODULE, built[0])
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    except Exception as exc:  # compiler errors come in many types (cffi, setuptools, OSError)
-        raise CommError(f"the mailbox extension is missing and building it failed "
-                        f"({type(exc).__name__}: {exc}); {fix}") from exc
-    sys.modules[_MODULE] = mod
-    return mod
+    return build_on_first_use("mailbox", _MODULE, ("mailbox.c", "mailbox.h", "build_mailbox.py",
+                                                   "third_party/xxhash/xxhash.h"), import_error, fix, CommError)
 
 
 def native_unavailable_reason() -> str | None:
