@@ -10,7 +10,7 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_PDL=0|1               programmatic dependent launch of the pair kernels' down pass
     THUNDEREP_EXPERT_GEMM=triton|torch   pins the expert GEMMs' implementation
     THUNDEREP_WGRAD=triton|torch    pins the weight-gradient GEMMs' implementation
-    THUNDEREP_NO_NATIVE_BUILD=1     never build the mailbox extension at import (packaging, CI)
+    THUNDEREP_NO_NATIVE_BUILD=1     never build the native extensions on first use (packaging, CI)
     THUNDEREP_API_KEY=KEY           the key `thunderep serve` requires (where --api-key is not given)
 """
 
