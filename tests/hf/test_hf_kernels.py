@@ -200,7 +200,7 @@ def _path_choice_case(rank, world):
             got["capturable"] = tm.model(input_ids=x).logits  # as a static decode step calls it
         capturable = (list(timed), len(calls), set(graphs[-2:]))
     ep.close()
-    choices = {(key[4], key[-3], key[-2], key[-1]): won for key, won in paths._PATHS.items() if key[3] == 2}
+    choices = {(key[4], key[-4], key[-3], key[-2]): won for key, won in paths._PATHS.items() if key[3] == 2}
     slots = tm.bindings[next(iter(tm.bindings))].num_slots
     return got, want, first, again, capturable, choices, [ids.tolist() for ids in seen_ids], slots
 
@@ -272,7 +272,7 @@ def test_all_local_decode_steps_choose_their_path_by_graph_replays(monkeypatch):
     assert call(False) == ([False] * 2 * routings, routings + layers)
     assert call(True) == ([True] * 2 * routings, routings)
     assert call(True) == ([], 0) and call(False) == ([], layers)
-    assert sorted((key[4], key[-1], won) for key, won in paths._PATHS.items()) == [(3, False, True), (3, True, False)]
+    assert sorted((key[4], key[-2], won) for key, won in paths._PATHS.items()) == [(3, False, True), (3, True, False)]
 
 
 @CPU_ONLY
