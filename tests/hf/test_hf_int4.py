@@ -4,8 +4,10 @@ bits with group scales (thunderep/hf/int4.py). From a 16-bit checkpoint the load
 checkpoint (symmetric and asymmetric) they equal its packed bytes, scales and zero points as stored; the
 model's logits equal the plain transformers model's whose experts hold the dequantized values (a prompt,
 through the sorted path, and one token, through the 4-bit pair kernels), on 1 and 2 ranks, in Triton's
-CPU interpreter (float16: its bfloat16 products are wrong for plain weights too). gpt-oss's MXFP4 bytes
-read as stored, and its experts (biases, their own gating) are refused by the kernels.
+CPU interpreter (float16: its bfloat16 products are wrong for plain weights too). gpt-oss's experts
+(biases, clamped SwiGLU, transposed tensors) held in 4 bits: its MXFP4 checkpoint's bytes kept as stored,
+or a 16-bit checkpoint quantized at load, logits equal to the dequantized model's on 1 and 2 ranks;
+16-bit and FP8 gpt-oss experts stay refused by the kernels.
 """
 
 from __future__ import annotations
@@ -244,9 +246,9 @@ def test_int4_experts_refuse_what_they_cannot_do(checkpoints):
 
 
 @CPU_ONLY
-def test_gpt_oss_mxfp4_bytes_read_as_stored_and_its_experts_are_refused(tmp_path):
+def test_gpt_oss_mxfp4_bytes_read_as_stored(tmp_path):
     """gpt-oss's `*_blocks` / `*_scales` read as stored (the packed bytes and e8m0 exponents, in the stored
-    orientation); experts_dtype="mxfp4" on gpt-oss names why the kernels do not run its experts."""
+    orientation, the transpose of its tensors')."""
     from safetensors.torch import load_file
     from test_hf_quantized import mxfp4_checkpoint
 
@@ -265,5 +267,135 @@ def test_gpt_oss_mxfp4_bytes_read_as_stored_and_its_experts_are_refused(tmp_path
     want, _ = index.read(key, slice(1, 3))
     got = Int4Weight(packed, scales, 32, torch.bfloat16, "mxfp4").dequantize(dtype=torch.bfloat16)
     assert torch.equal(got.transpose(1, 2), want)
-    with pytest.raises(ConfigError, match="experts_dtype='mxfp4' needs ThunderEP's Triton kernels.*biases"):
-        ThunderMoE.from_pretrained(path, experts_dtype="mxfp4")
+
+
+# ---- gpt-oss's experts held in 4 bits ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """(MXFP4 checkpoint, its float32 dequantized reference, a 16-bit gpt-oss checkpoint)."""
+    from test_hf_quantized import mxfp4_checkpoint
+
+    root = tmp_path_factory.mktemp("gpt_oss4")
+    path, reference = mxfp4_checkpoint(root)
+    return path, reference, save_tiny("gpt_oss", root / "bf16", seed=2)
+
+
+def _check_gpt_oss_stored(tm, path):
+    """Every local slot's bytes and exponents equal the checkpoint's `*_blocks` / `*_scales` as stored, and
+    the biases its biases."""
+    from safetensors.torch import load_file
+
+    raw = load_file(str(Path(path) / "model.safetensors"))
+    for p, binding in tm.bindings.items():
+        module, local = tm.model.get_submodule(p), list(binding.local_experts)
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"{p}.{name}"
+            assert torch.equal(getattr(module, name), raw[key + "_blocks"][local].flatten(-2)), key
+            assert torch.equal(getattr(module, f"{name}_scale"), raw[key + "_scales"][local]), key
+            assert torch.equal(getattr(module, f"{name}_bias"), raw[key + "_bias"][local].to(torch.float16)), key
+
+
+def _gpt_oss_logits(tm, ref):
+    """(ThunderEP's, the reference's) logits of a prompt and of one token (the 4-bit pair kernels)."""
+    x = _ids()
+    with torch.no_grad():
+        return [(tm(input_ids=i).logits.float(), ref(input_ids=i).logits.float()) for i in (x, x[:1, :1])]
+
+
+@CPU_ONLY
+def test_gpt_oss_mxfp4_experts_keep_their_bytes_and_match_the_reference(gpt_oss, monkeypatch):
+    """experts_dtype="mxfp4" on gpt-oss's MXFP4 checkpoint: the experts hold its bytes and exponents as
+    stored; a prompt (transformers' forward on the dequantized experts) and one token (the gpt-oss 4-bit
+    pair kernels, which run) give the logits of the plain model holding the dequantized weights."""
+    from thunderep.kernels import pairs4_gptoss
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    calls = []
+    launch = pairs4_gptoss.pairs4_gptoss_forward
+    monkeypatch.setattr(pairs4_gptoss, "pairs4_gptoss_forward", lambda *a: calls.append(1) or launch(*a))
+    path, reference, _ = gpt_oss
+    tm = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_dtype="mxfp4")
+    _check_gpt_oss_stored(tm, path)
+    ref = _reference(reference, torch.float16)
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "1")  # the prompt dequantizes, one token: pair kernels
+    (prompt, prompt_ref), (one, one_ref) = _gpt_oss_logits(tm, ref)
+    assert len(calls) == len(tm.bindings)  # one token: every layer through the pair kernels
+    torch.testing.assert_close(prompt, prompt_ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(one, one_ref, rtol=2e-2, atol=2e-2)
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "64")  # the prompt through the pair kernels too
+    (prompt, prompt_ref), _ = _gpt_oss_logits(tm, ref)
+    assert len(calls) == 3 * len(tm.bindings)
+    torch.testing.assert_close(prompt, prompt_ref, rtol=2e-2, atol=2e-2)
+    memory = tm.memory()
+    assert memory["expert_bytes"] == tm.load_report.expert_bytes
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+def test_gpt_oss_16bit_experts_quantized_at_load_match_the_dequantized_model(gpt_oss, fmt, monkeypatch):
+    """experts_dtype="mxfp4" / "int4" on a 16-bit gpt-oss: each expert's matrices quantized along their
+    input dimension (the transpose of the module's tensors); logits equal the plain model's on those values."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    _, _, path = gpt_oss
+    tm = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_dtype=fmt)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16).eval()
+    plain = dict(find_experts_modules(ref))
+    for p, module in plain.items():
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(module, name).data.transpose(1, 2)  # [E, out, in]: groups along the input
+            q = Int4Weight.quantize(w, fmt, 32)
+            held = tm.model.get_submodule(p)
+            assert torch.equal(getattr(held, name), q.packed) and torch.equal(getattr(held, f"{name}_scale"), q.scale)
+            getattr(module, name).data = q.dequantize().transpose(1, 2).contiguous()
+    for got, want in _gpt_oss_logits(tm, ref):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def _gpt_oss_on_rank(rank, world, path):
+    import os
+
+    os.environ["THUNDEREP_TRITON_AUTOTUNE"] = "0"
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
+    tm = ThunderMoE.from_pretrained(path, ep, dtype=torch.float16, experts_dtype="mxfp4")
+    _check_gpt_oss_stored(tm, path)
+    x = _ids()
+    with torch.no_grad():
+        out = [tm(input_ids=x).logits, tm(input_ids=x, replicated=True).logits, tm(input_ids=x[:1, :1]).logits,
+               tm(input_ids=x[:1, :1], replicated=True).logits]
+    ep.close()
+    return out
+
+
+@CPU_ONLY
+def test_gpt_oss_mxfp4_experts_on_two_ranks_equal_the_reference(gpt_oss):
+    """On 2 ranks each rank holds its own experts' bytes as stored; prompt and one-token logits, in ep and
+    latency mode, equal the dequantized reference's."""
+    path, reference, _ = gpt_oss
+    results = run_ranks(_gpt_oss_on_rank, 2, path, timeout=300)
+    ref = _reference(reference, torch.float16)
+    x = _ids()
+    with torch.no_grad():
+        wants = [ref(input_ids=x).logits] * 2 + [ref(input_ids=x[:1, :1]).logits] * 2
+    for rank in range(2):
+        for got, want in zip(results[rank], wants):
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_gpt_oss_runs_the_kernels_only_in_4_bits(gpt_oss):
+    """gpt-oss's experts on the kernels without experts_dtype (16 bits) or in FP8 are still refused."""
+    from transformers import AutoModelForCausalLM
+
+    from thunderep.hf.experts import KERNELS
+
+    _, _, path = gpt_oss
+    with pytest.raises(ConfigError, match="GptOssExperts cannot run ThunderEP's Triton kernels.*biases"):
+        ThunderMoE.wrap(AutoModelForCausalLM.from_pretrained(path), experts_implementation=KERNELS)
+    with pytest.raises(ConfigError, match="experts_dtype='fp8' needs ThunderEP's Triton kernels.*biases"):
+        ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_dtype="fp8")

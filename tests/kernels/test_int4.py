@@ -187,3 +187,89 @@ def test_interpreter_int4_custom_op_equals_the_direct_call():
         fake = torch.ops.thunderep.moe_mlp_pairs_int4(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
                                                         for a in args))
     assert fake.shape == (2, 64) and fake.dtype == torch.float16
+
+
+# ---- gpt-oss's experts on 4-bit weights (pairs4_gptoss.py) ----------------------------------------------
+
+def _gptoss_reference(x, w_gu, b_gu, w_d, b_d, ids, weights, alpha, limit):
+    """float64 y_TD of transformers' GptOssExperts math: gate/up rows interleaved, biases, clamped SwiGLU;
+    ids outside [0, E) add nothing."""
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if not 0 <= e < w_gu.shape[0]:
+                continue
+            gu = w_gu[e] @ x[t] + b_gu[e]
+            gate, up = gu[::2].clamp(max=limit), gu[1::2].clamp(min=-limit, max=limit)
+            h = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            y[t] += float(weights[t, k]) * (w_d[e] @ h + b_d[e])
+    return y
+
+
+def _gptoss_check(T, D, I, E, K, fmt, alpha, limit, seed=0, ids=None, weighted=True, zero=False):
+    from thunderep.kernels.ops import moe_mlp_pairs_gptoss
+
+    dtype = torch.bfloat16
+    x, w_gu, w_d, drawn, weights = make_case(T, D, I, E, K, dtype, seed)
+    ids = drawn if ids is None else ids
+    gen = torch.Generator().manual_seed(seed + 7)
+    b_gu = (torch.randn(E, 2 * I, generator=gen) * 0.5).to(dtype)
+    b_d = (torch.randn(E, D, generator=gen) * 0.5).to(dtype)
+    q_gu, q_d = Int4Weight.quantize(w_gu, fmt), Int4Weight.quantize(w_d, fmt)
+    if zero:
+        q_gu, q_d = _asymmetric(q_gu, seed), _asymmetric(q_d, seed + 1)
+    weights = weights.to(dtype) if weighted else None
+    with torch.no_grad():
+        y = moe_mlp_pairs_gptoss(x, q_gu, b_gu, q_d, b_d, ids, weights, alpha, limit)
+    ref_w = weights.double() if weighted else torch.ones(T, K, dtype=torch.float64)
+    y_ref = _gptoss_reference(x.double(), q_gu.dequantize(dtype=torch.float64), b_gu.double(),
+                              q_d.dequantize(dtype=torch.float64), b_d.double(), ids, ref_w, alpha, limit)
+    assert y.shape == (T, D) and y.dtype == dtype
+    assert rel_err(y, y_ref) < 1e-2, f"relative error {rel_err(y, y_ref):.2e} against the reference"
+    return y
+
+
+@pytest.mark.parametrize("fmt,limit,zero", [("mxfp4", 7.0, False), ("mxfp4", 0.3, False), ("int4", 0.3, True)],
+                         ids=["mxfp4", "mxfp4-clamped", "int4-zero-clamped"])
+def test_interpreter_gptoss_pairs4_match_the_float64_reference(fmt, limit, zero):
+    """gpt-oss's experts (biases, interleaved gate/up, clamped SwiGLU with alpha 1.702) on 4-bit weights
+    against the float64 reference on the exactly dequantized weights; limit 0.3 clamps most gates."""
+    _gptoss_check(3, 64, 48, 4, 2, fmt, 1.702, limit, zero=zero)
+
+
+@pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
+                         ids=["chunks-32", "narrow", "wide"])
+def test_interpreter_gptoss_pairs4_tails(up, down, monkeypatch):
+    """Column tiles and chunks that divide neither D = 80 nor I = 56 (partial chunks and groups, a tile
+    past the matrix), unweighted; and MXFP4 at D = 96 with three experts a token."""
+    from thunderep.kernels import pairs4_gptoss
+
+    monkeypatch.setattr(pairs4_gptoss, "GPTOSS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4})
+    monkeypatch.setattr(pairs4_gptoss, "GPTOSS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": 4})
+    _gptoss_check(2, 80, 56, 5, 2, "int4", 1.702, 0.5, weighted=False)
+    _gptoss_check(1, 96, 56, 5, 3, "mxfp4", 1.702, 7.0, seed=1)
+
+
+def test_interpreter_gptoss_pairs4_skip_minus_one_nan_for_unknown_and_custom_op():
+    """Id -1 adds nothing, not even its bias (another rank's expert); any other id outside [0, E) makes its
+    token NaN; thunderep::moe_mlp_pairs_int4_gptoss gives the eager call's output bit for bit."""
+    from thunderep.kernels.ops import moe_mlp_pairs_gptoss
+
+    ids = torch.tensor([[0, -1], [2, 1], [-1, -1]])
+    y = _gptoss_check(3, 64, 32, 3, 2, "mxfp4", 1.702, 7.0, ids=ids)
+    assert torch.equal(y[2], torch.zeros(64, dtype=torch.bfloat16))
+    x, w_gu, w_d, _, weights = make_case(2, 64, 32, 3, 2, torch.bfloat16, 0)
+    q_gu, q_d = Int4Weight.quantize(w_gu, "mxfp4"), Int4Weight.quantize(w_d, "mxfp4")
+    b_gu, b_d = torch.ones(3, 64, dtype=torch.bfloat16), torch.ones(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = moe_mlp_pairs_gptoss(x, q_gu, b_gu, q_d, b_d, torch.tensor([[0, 7], [1, 2]]), weights, 1.702, 7.0)
+        assert bool(y[0].isnan().all()) and not bool(y[1].isnan().any())
+        ids = torch.tensor([[0, 2], [1, 2]])
+        direct = moe_mlp_pairs_gptoss(x, q_gu, b_gu, q_d, b_d, ids, weights, 1.702, 7.0)
+        via_op = torch.ops.thunderep.moe_mlp_pairs_int4_gptoss(x, q_gu.packed, q_gu.scale, None, 32, b_gu, q_d.packed,
+                                                               q_d.scale, None, 32, b_d, "mxfp4", ids.reshape(-1),
+                                                               weights.reshape(-1), 1.702, 7.0)
+    assert torch.equal(direct, via_op)
+    with pytest.raises(InputError, match=r"biases \(3, 64\) and \(3, 32\) must be \[E, 2I\]"):
+        moe_mlp_pairs_gptoss(x, q_gu, b_gu, q_d, b_d[:, :32], ids, weights, 1.702, 7.0)

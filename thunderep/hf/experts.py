@@ -40,6 +40,7 @@ from ..moe.experts import ACTIVATION_FNS
 from ..moe.ep import MODES as _ALL_MODES
 from ..moe.ep import ExpertParallelMoE, LocalExperts
 from .fp8 import expert_weights
+from .int4 import gptoss4_compute_fn, gptoss_gate, int4_expected
 
 __all__ = [
     "AUTO",
@@ -420,6 +421,9 @@ def kernel_compute_fn(module) -> Callable:
     Checks the experts module's layout once; raises ConfigError naming what the kernels do not cover.
     The kernels run on CUDA tensors (or in Triton's CPU interpreter, TRITON_INTERPRET=1)."""
     name = type(module).__name__
+    gate = gptoss_gate(module) if int4_expected(module) else None
+    if gate is not None:  # gpt-oss's experts, held in 4 bits: their own kernels (hf/int4.py)
+        return gptoss4_compute_fn(module, gate, check_kernels_device)
     reasons = []
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):

@@ -22,7 +22,7 @@ from ..errors import ConfigError, UnsupportedModelError
 from .checkpoint_index import CheckpointIndex
 from .conversion import ConversionGroup, ConversionPlan, expert_rows_op, read_local_sources
 from .fp8 import is_fp8, store_fp8, store_rows
-from .int4 import is_int4, quantized_parts, store_packed, store_rows4
+from .int4 import checkpoint_shape4, is_int4, is_transposed4, quantized_parts, store_packed, store_rows4
 from .names import DOWN, GATE, PER_EXPERT, UP, candidates
 from .report import rss_bytes
 
@@ -182,7 +182,7 @@ class Filler:
         target = getattr(module, tname)
         shape, want = self.index.shape(key), tuple(target.shape[1:])
         if _fp8_target(module, tname) and is_int4(module):  # two columns a byte
-            want = want[:-1] + (2 * want[-1],)
+            want = checkpoint_shape4(module, tname)
         if shape[0] != binding.num_experts or shape[1:] != want:
             raise ConfigError(f"checkpoint tensor {key!r} has shape {shape}; expected ({binding.num_experts}, "
                               f"{', '.join(map(str, want))}) for {binding.name}.{tname}")
@@ -263,7 +263,7 @@ class Filler:
         (`hf.int4.store_packed`, `store_rows4`)."""
         if is_int4(module):
             raw = self.index.read_int4(key, experts) if hasattr(self.index, "read_int4") else None
-            if raw is not None and not raw[5]:  # stored in the tensor's orientation
+            if raw is not None and raw[5] == is_transposed4(module):  # stored in the held orientation
                 fmt, group, packed, scale, zero, _, nbytes = raw
                 if store_packed(module, tname, slots, rows, fmt, group, packed, scale, zero):
                     with self.lock:

@@ -18,11 +18,19 @@ group (compressed-tensors `pack-quantized`, gpt-oss's MXFP4) keeps its bytes and
 (`store_packed`); anything else is read in the model's dtype and quantized by groups as each rank reads
 its own experts (`store_rows4`: int4 symmetric, or MXFP4).
 
+gpt-oss's experts (biases, gate/up rows interleaved, clamped SwiGLU; `gptoss_gate`) run 4-bit too:
+their matrices are held as gpt-oss's MXFP4 checkpoint stores them, [S, 2I, D / 2] and [S, D, I / 2]
+(the transpose of the module's tensors: `checkpoint_shape4`), decode runs the gpt-oss pair kernels
+(`kernels/pairs4_gptoss.py`), and prompts dequantize the local experts for the call and run
+transformers' own GptOssExperts forward on them (`gptoss4_compute_fn`: correct, not fast).
+
 Inference only: a gradient through 4-bit weights is an InputError from the kernels, and
 `from_pretrained` refuses a balancer (whose migrations move trainable experts) with them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,13 +38,15 @@ from torch import nn
 from ..errors import ConfigError
 from ..kernels.int4 import MXFP4_GROUP, Int4Weight
 
-__all__ = ["GROUPS", "INT4_DTYPES", "expert_weights4", "is_int4", "quantized_parts", "store_packed", "store_rows4",
-           "to_int4_experts"]
+__all__ = ["GROUPS", "INT4_DTYPES", "checkpoint_shape4", "expect_int4_experts", "expert_weights4", "gptoss4_compute_fn",
+           "gptoss_gate", "int4_expected", "is_int4", "is_transposed4", "quantized_parts", "store_packed",
+           "store_rows4", "to_int4_experts"]
 
 INT4_DTYPES = ("mxfp4", "int4", "int4-g128")  # the experts_dtype values held in 4 bits (int4: groups of 32)
 GROUPS = (32, 128)  # the group sizes int4 quantizes a 16-bit checkpoint by
 _WEIGHTS = ("gate_up_proj", "down_proj")
 _ATTR = "_thunderep_int4"  # on an experts module: (compute dtype, format, group, zero points)
+_EXPECTED = "_thunderep_int4_expected"  # on an experts module: to be held in 4 bits (`expect_int4_experts`)
 
 
 def to_int4_experts(model: nn.Module, bindings: dict, dtype: torch.dtype, fmt: str, group: int = 32,
@@ -61,6 +71,8 @@ def to_int4_experts(model: nn.Module, bindings: dict, dtype: torch.dtype, fmt: s
         for name in _WEIGHTS:
             weight = getattr(module, name)
             slots, rows, width = weight.shape
+            if is_transposed4(module):  # held [S, R, C / 2] as the kernels read it: the tensor's transpose
+                rows, width = width, rows
             if width % 2:
                 raise ConfigError(f"{binding.class_name}.{name} has {width} columns: 4-bit experts pack two columns "
                                   "a byte and need an even count; load without experts_dtype")
@@ -82,6 +94,57 @@ def is_int4(module: nn.Module) -> bool:
     return getattr(module, _ATTR, None) is not None
 
 
+def is_transposed4(module: nn.Module) -> bool:
+    """Whether `module`'s 4-bit matrices are held transposed relative to its tensors (gpt-oss's [E, D, 2I]
+    and [E, I, D] are held [E, 2I, D / 2] and [E, D, I / 2], as its MXFP4 checkpoint stores them)."""
+    return bool(getattr(module, "is_transposed", False))
+
+
+def checkpoint_shape4(module: nn.Module, name: str) -> tuple[int, int]:
+    """The per-expert shape a checkpoint shows for 4-bit tensor `name` of `module` (its packed [S, R, C / 2]
+    unpacked, and transposed back where `is_transposed4`)."""
+    rows, half = getattr(module, name).shape[1:]
+    return (2 * half, rows) if is_transposed4(module) else (rows, 2 * half)
+
+
+def expect_int4_experts(model: nn.Module, experts_dtype: str | None) -> nn.Module:
+    """`model`, its experts modules marked as to be held in 4 bits where `experts_dtype` is one of
+    INT4_DTYPES, before `ThunderMoE.wrap` chooses their computation: gpt-oss's experts run ThunderEP's
+    kernels only so (`int4_expected`)."""
+    for module in model.modules() if experts_dtype in INT4_DTYPES else ():
+        if hasattr(module, "is_transposed"):  # transformers' experts interface marks its classes so
+            setattr(module, _EXPECTED, True)
+    return model
+
+
+def int4_expected(module: nn.Module) -> bool:
+    """Whether `module` is held, or is to be held, in 4 bits."""
+    return is_int4(module) or getattr(module, _EXPECTED, False)
+
+
+def gptoss_gate(module: nn.Module) -> tuple[float, float] | None:
+    """(alpha, limit) where `module` computes gpt-oss's experts (biases, transposed tensors, gate/up
+    interleaved, and a gating that equals min(g, limit) * sigmoid(alpha * min(g, limit)) *
+    (clamp(u, -limit, limit) + 1) on probe values), else None."""
+    if not (getattr(module, "has_bias", False) and is_transposed4(module)
+            and not getattr(module, "is_concatenated", True)):
+        return None
+    alpha, limit, gate_fn = getattr(module, "alpha", None), getattr(module, "limit", None), getattr(module,
+                                                                                                 "_apply_gate", None)
+    if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float)) or gate_fn is None:
+        return None
+    probe = torch.randn(3, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * (2 * limit)
+    g, u = probe[..., ::2].clamp(max=limit), probe[..., 1::2].clamp(min=-limit, max=limit)
+    want = (u + 1) * g * torch.sigmoid(g * alpha)
+    try:
+        got = gate_fn(probe)
+    except Exception:  # noqa: BLE001 - a gating that cannot take the probe is not gpt-oss's
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return None
+    return (float(alpha), float(limit)) if torch.allclose(got, want, rtol=1e-6, atol=1e-9) else None
+
+
 def quantized_parts(module: nn.Module, name: str) -> list[str]:
     """The buffers filled along with 4-bit weight `name`: its scales, and zero points where held."""
     return [f"{name}_scale"] + ([f"{name}_zero"] if getattr(module, _ATTR)[3] else [])
@@ -95,6 +158,8 @@ def store_rows4(module: nn.Module, name: str, slots, rows, value: torch.Tensor) 
     """Quantize `value` [..., R', C] into module.`name`[slots, rows] and its scales by groups along each
     row: `Int4Weight.quantize` of the value in the model's dtype (as a bfloat16 model would hold it)."""
     dtype, fmt, group, zero = getattr(module, _ATTR)
+    if is_transposed4(module):
+        value = value.transpose(-1, -2)
     dst = getattr(module, name).data[slots, _rows(rows)]
     if tuple(dst.shape[:-1]) != tuple(value.shape[:-1]) or 2 * dst.shape[-1] != value.shape[-1]:
         raise ConfigError(f"checkpoint tensor of shape {tuple(value.shape)} does not fit {name}[{slots}, {rows}] "
@@ -138,3 +203,51 @@ def expert_weights4(module: nn.Module) -> tuple[Int4Weight, Int4Weight]:
         cached = tuple(Int4Weight(p, s, group, dtype, fmt, z) for p, s, z in parts)
         module.__dict__["_thunderep_int4_weights"] = cached
     return cached
+
+
+def gptoss4_compute_fn(module: nn.Module, gate: tuple[float, float], check_device: Callable) -> Callable:
+    """`compute(module, x_TD, ids_TK, weights_TK) -> y_TD` for gpt-oss's experts held in 4 bits (the
+    experts binding's `compute`, as `experts.kernel_compute_fn`'s): decode (inference on at most
+    `paths.pairs_max_tokens()` tokens) through the gpt-oss pair kernels, anything else through
+    transformers' own forward on the local experts dequantized into the model's dtype for the call
+    (correct, not fast). gate: (alpha, limit) from `gptoss_gate`; check_device(name, device) raises
+    where the kernels cannot run."""
+    name = type(module).__name__
+    alpha, limit = gate
+    eager = type(module).forward.__wrapped__  # the class's own forward (transformers' experts decorator)
+
+    def weights4(module) -> tuple[Int4Weight, Int4Weight]:
+        if not is_int4(module):
+            raise ConfigError(f"{name} runs ThunderEP's kernels only with its experts held in 4 bits "
+                              "(experts_dtype='mxfp4' or 'int4'); load it without experts_implementation='triton'")
+        return expert_weights4(module)
+
+    def pairs_partial(module, x_TD, ids_TK, weights_TK, fallback=None, experts=None, kind="sorted"):
+        """The local share through the pair kernels (id -1: another rank's expert), or None outside decode."""
+        check_device(name, x_TD.device)
+        from ..kernels import ops, paths  # triton: optional; only where the kernels run
+
+        w_gu, w_d = weights4(module)
+        if not paths.decode_applies(x_TD.shape[0], x_TD, weights_TK):
+            return None
+        x = x_TD.to(w_gu.dtype)
+        b_gu, b_d = module.gate_up_proj_bias.to(x.dtype), module.down_proj_bias.to(x.dtype)
+        return ops.moe_mlp_pairs_gptoss(x, w_gu, b_gu, w_d, b_d, ids_TK, weights_TK, alpha, limit).to(x_TD.dtype)
+
+    def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        y_TD = pairs_partial(module, x_TD, ids_TK, weights_TK)
+        if y_TD is not None:
+            return y_TD
+        w_gu, w_d = weights4(module)
+        saved = {n: module._parameters[n] for n in _WEIGHTS}, module.num_experts
+        try:  # the module's tensors' orientation: [S, D, 2I] and [S, I, D]
+            module._parameters.update(gate_up_proj=w_gu.dequantize().transpose(1, 2),
+                                      down_proj=w_d.dequantize().transpose(1, 2))
+            module.num_experts = w_gu.shape[0]
+            return eager(module, x_TD.to(w_gu.dtype), ids_TK, weights_TK).to(x_TD.dtype)
+        finally:
+            module._parameters.update(saved[0])
+            module.num_experts = saved[1]
+
+    compute.pairs_partial = pairs_partial
+    return compute

@@ -42,7 +42,7 @@ from .config_check import (
 from .experts import requested_implementation
 from .fill import Filler
 from .fp8 import EXPERTS_DTYPES, fp8_device_problem, to_fp8_experts
-from .int4 import INT4_DTYPES, to_int4_experts
+from .int4 import INT4_DTYPES, expect_int4_experts, to_int4_experts
 from .offload import attach_tiers, check_host, host_experts, plan_offload
 from .quantized import (
     DequantizedIndex,
@@ -192,7 +192,7 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     with torch.device("meta"):
-        model = (model_class or AutoModelForCausalLM).from_config(config, **kwargs)
+        model = expect_int4_experts((model_class or AutoModelForCausalLM).from_config(config, **kwargs), experts_dtype)
     try:
         wrapped = cls.wrap(model, ep, placement=placement, experts_implementation=experts_implementation,
                            move=False, balancer=balancer, spare_slots=spare_slots, device=device)

@@ -11,6 +11,7 @@ N routed rows in expert order.
     thunderep::moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, ...) -> y_TD
     thunderep::moe_mlp_pairs_fp8(x_TD, FP8 weights as tensors, ...) -> y_TD
     thunderep::moe_mlp_pairs_int4(x_TD, 4-bit weights as tensors, ...) -> y_TD    (inference)
+    thunderep::moe_mlp_pairs_int4_gptoss(x_TD, 4-bit weights and biases, ...) -> y_TD    (inference)
 
 Two entry modes of moe_mlp, one op:
   * gathered (`order_N` given; routed_moe_mlp, below): x is x_TD; row r reads token order_N[r] // K;
@@ -33,7 +34,8 @@ decode step's GPU time.
 4-bit weights (int4.Int4Weight, MXFP4 or int4) run the pair kernels of pairs4.py, which read the
 packed tiles; on the sorted path (prompts, and 2 to 16 tokens where the sorted route measured faster)
 `moe_mlp` dequantizes them into x's dtype for the call, one layer's experts at a time, and runs the
-16-bit kernels.
+16-bit kernels. gpt-oss's experts (biases, clamped SwiGLU) run pairs4_gptoss.py's pair kernels
+(`moe_mlp_pairs_gptoss`, decode only).
 """
 
 from __future__ import annotations
@@ -43,15 +45,15 @@ from typing import Optional
 import torch
 
 from ..errors import InputError
-from . import checks, decode, paths, sorted_mlp
+from . import checks, decode, pairs4_gptoss, paths, sorted_mlp
 from . import grouped_gemm as G
 from .checks import check_fp8, check_int4, supported
 from .fp8 import Fp8Weight
 from .int4 import Int4Weight
 from .tuning import kernel_configs
 
-__all__ = ["check_fp8", "kernel_configs", "moe_mlp", "moe_mlp_pairs", "pairs_if_decode", "route", "routed_moe_mlp",
-           "supported"]
+__all__ = ["check_fp8", "kernel_configs", "moe_mlp", "moe_mlp_pairs", "moe_mlp_pairs_gptoss", "pairs_if_decode",
+           "route", "routed_moe_mlp", "supported"]
 
 
 _moe_mlp_op = torch.library.custom_op("thunderep::moe_mlp", mutates_args=())(sorted_mlp.forward)
@@ -337,6 +339,47 @@ _moe_mlp_pairs_int4_op = torch.library.custom_op("thunderep::moe_mlp_pairs_int4"
 def _(x, packed_gate_up, scale_gate_up, zero_gate_up, group_gate_up, packed_down, scale_down, zero_down, group_down,
       fmt, ids, weights, activation, interleaved):
     return x.new_empty(x.shape[0], packed_down.shape[1])
+
+
+def _moe_mlp_pairs_int4_gptoss_impl(
+    x: torch.Tensor, packed_gate_up: torch.Tensor, scale_gate_up: torch.Tensor, zero_gate_up: Optional[torch.Tensor],
+    group_gate_up: int, bias_gate_up: torch.Tensor, packed_down: torch.Tensor, scale_down: torch.Tensor,
+    zero_down: Optional[torch.Tensor], group_down: int, bias_down: torch.Tensor, fmt: str, ids: torch.Tensor,
+    weights: Optional[torch.Tensor], alpha: float, limit: float,
+) -> torch.Tensor:
+    w_gu = Int4Weight(packed_gate_up, scale_gate_up, group_gate_up, x.dtype, fmt, zero_gate_up)
+    w_d = Int4Weight(packed_down, scale_down, group_down, x.dtype, fmt, zero_down)
+    return pairs4_gptoss.pairs4_gptoss_forward(x, w_gu, bias_gate_up, w_d, bias_down, ids, weights, alpha, limit)
+
+
+_moe_mlp_pairs_int4_gptoss_op = torch.library.custom_op("thunderep::moe_mlp_pairs_int4_gptoss", mutates_args=())(
+    _moe_mlp_pairs_int4_gptoss_impl)
+
+
+@_moe_mlp_pairs_int4_gptoss_op.register_fake
+def _(x, packed_gate_up, scale_gate_up, zero_gate_up, group_gate_up, bias_gate_up, packed_down, scale_down, zero_down,
+      group_down, bias_down, fmt, ids, weights, alpha, limit):
+    return x.new_empty(x.shape[0], packed_down.shape[1])
+
+
+def moe_mlp_pairs_gptoss(x_TD: torch.Tensor, w_gate_up_E2ID: Int4Weight, b_gate_up_E2I: torch.Tensor,
+                         w_down_EDI: Int4Weight, b_down_ED: torch.Tensor, ids_TK: torch.Tensor,
+                         weights_TK: torch.Tensor | None, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts (biases, gate/up rows interleaved, clamped SwiGLU: pairs4_gptoss.py) on 4-bit
+    weights through the pair kernels (inference). x_TD: [T, D]; w_gate_up_E2ID [E, 2I, D] and w_down_EDI
+    [E, D, I]: int4.Int4Weight computing in x's dtype; b_gate_up_E2I: [E, 2I], b_down_ED: [E, D];
+    ids_TK: [T, K] integer (-1: another rank's expert); weights_TK: [T, K] or None (unweighted)."""
+    check_int4(x_TD, w_gate_up_E2ID, w_down_EDI, weights_TK, b_gate_up_E2I, b_down_ED)
+    E, I2, D = w_gate_up_E2ID.shape
+    if tuple(b_gate_up_E2I.shape) != (E, I2) or tuple(b_down_ED.shape) != (E, D):
+        raise InputError(f"biases {tuple(b_gate_up_E2I.shape)} and {tuple(b_down_ED.shape)} must be [E, 2I] "
+                         f"{(E, I2)} and [E, D] {(E, D)}")
+    op = _moe_mlp_pairs_int4_gptoss_op if torch.compiler.is_compiling() else _moe_mlp_pairs_int4_gptoss_impl
+    w_gu, w_d = w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous()
+    return op(x_TD.contiguous(), w_gu.packed, w_gu.scale, w_gu.zero, w_gu.group, b_gate_up_E2I.contiguous(),
+              w_d.packed, w_d.scale, w_d.zero, w_d.group, b_down_ED.contiguous(), w_gu.fmt,
+              ids_TK.reshape(-1).contiguous(), weights_TK.reshape(-1).contiguous() if weights_TK is not None else None,
+              float(alpha), float(limit))
 
 
 def moe_mlp_pairs(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,

@@ -12,7 +12,9 @@ registers (`_codes`: e2m1, or int4 minus 8 and the zero point) and multiplied by
 by the vector's even and odd elements: no interleave, no shared memory, no tensor cores. Partial chunks
 (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids as in
 pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's output
-NaN. Portable Triton (no Hopper-only instructions); inference only. The launches are in decode.py.
+NaN. Portable Triton (no Hopper-only instructions); inference only. The launches are in decode.py;
+gpt-oss's experts (biases, clamped SwiGLU) run pairs4_gptoss.py's kernels, built on `packed_chunk`
+and `even_odd`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import triton.language as tl
 
 from .act import act, gate_up_cols
 
-__all__ = ["down_pairs4_kernel", "up_pairs4_kernel"]
+__all__ = ["down_pairs4_kernel", "even_odd", "packed_chunk", "up_pairs4_kernel"]
 
 
 @triton.jit
@@ -53,8 +55,8 @@ def _scales(s_ptrs, ok, MXFP4: tl.constexpr):
 
 
 @triton.jit
-def _chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_even, v_odd, stride_sk, GROUP: tl.constexpr,
-           MXFP4: tl.constexpr, ZERO: tl.constexpr, HK: tl.constexpr):
+def packed_chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_even, v_odd, stride_sk, GROUP: tl.constexpr,
+                 MXFP4: tl.constexpr, ZERO: tl.constexpr, HK: tl.constexpr):
     """[BLOCK_N, HK] float32 products of one chunk at column k0: each row's packed bytes from w_ptrs_N
     (its row's column 0), the two codes of each byte times their group's scale, times the vector's even
     and odd elements (v_even, v_odd [HK], float32, zero past C). Both columns of a byte share a group
@@ -72,7 +74,7 @@ def _chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_even, v_odd, stride_sk, 
 
 
 @triton.jit
-def _vector(v_ptr, k0, C, HK: tl.constexpr):
+def even_odd(v_ptr, k0, C, HK: tl.constexpr):
     """(even, odd) elements [HK] of the vector's chunk at column k0, float32, zero past C."""
     c_K = k0 + 2 * tl.arange(0, HK)
     even = tl.load(v_ptr + c_K, mask=c_K < C, other=0.0).to(tl.float32)
@@ -105,11 +107,11 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, I, D, E, top_k,
     acc_g = tl.zeros((BLOCK_N, HK), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, HK), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        x_even, x_odd = _vector(x_row, k0, D, HK)
-        acc_g += _chunk(gw_N, s_ptr + gs_N, z_ptr + gs_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP, MXFP4, ZERO,
-                        HK)
-        acc_u += _chunk(uw_N, s_ptr + us_N, z_ptr + us_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP, MXFP4, ZERO,
-                        HK)
+        x_even, x_odd = even_odd(x_row, k0, D, HK)
+        acc_g += packed_chunk(gw_N, s_ptr + gs_N, z_ptr + gs_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
+                              MXFP4, ZERO, HK)
+        acc_u += packed_chunk(uw_N, s_ptr + us_N, z_ptr + us_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
+                              MXFP4, ZERO, HK)
     g_N, u_N = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
     h = tl.where(known, act(g_N, ACT) * u_N, tl.where(skipped, 0.0, float("nan")))
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
@@ -141,8 +143,8 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, D
             rw = 1.0
         h_row = h_ptr + j.to(tl.int64) * stride_hm
         for k0 in range(0, I, BLOCK_K):
-            h_even, h_odd = _vector(h_row, k0, I, HK)
-            acc += _chunk(w_N, s_ptr + s_N, z_ptr + s_N, k0, I, ok_N, h_even * rw, h_odd * rw, stride_sk, GROUP,
-                          MXFP4, ZERO, HK)
+            h_even, h_odd = even_odd(h_row, k0, I, HK)
+            acc += packed_chunk(w_N, s_ptr + s_N, z_ptr + s_N, k0, I, ok_N, h_even * rw, h_odd * rw, stride_sk,
+                                GROUP, MXFP4, ZERO, HK)
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, tl.sum(acc, 1).to(y_ptr.dtype.element_ty),
              mask=cols_N < D)

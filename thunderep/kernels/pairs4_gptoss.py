@@ -1,0 +1,145 @@
+"""Decode kernels on 4-bit expert weights for gpt-oss's experts: pairs4.py's pair kernels with biases and
+gpt-oss's clamped SwiGLU, and their launches.
+
+Shape legend: T tokens, D hidden size, K experts per token, E experts, I intermediate size,
+N = T * K (token, slot) pairs in flat (token-major) order, HK = BLOCK_K / 2 packed columns of a chunk.
+
+gpt-oss's experts (transformers' GptOssExperts) compute, for one token x and expert e,
+
+    gu = x @ Wgu[e].T + bgu[e]                 Wgu [2I, D], rows interleaved: gate 2c, up 2c + 1
+    g = min(gu[2c], limit); u = clamp(gu[2c + 1], -limit, limit)
+    h[c] = (u + 1) * g * sigmoid(alpha * g)
+    out = h @ Wd[e].T + bd[e]                  Wd [D, I]
+
+and the token's output is the routing-weighted sum of `out` over its K experts (the bias weighted too).
+The 4-bit matrices are held as the kernels read them, [E, 2I, D / 2] and [E, D, I / 2] bytes with
+their scales (int4.Int4Weight): gpt-oss's MXFP4 checkpoint stores them so (its tensors show the
+transpose). The products run as in pairs4.py (bytes converted in registers, float32); the biases are
+read in their own dtype and added in float32. Expert ids as there: -1 reads nothing and adds nothing
+(nor its bias); any other id outside [0, E) makes its token NaN. Inference only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pairs4 import even_odd, packed_chunk
+from .tuning import cdiv
+
+__all__ = ["GPTOSS4_DOWN", "GPTOSS4_UP", "down_pairs4_gptoss_kernel", "pairs4_gptoss_forward",
+           "up_pairs4_gptoss_kernel"]
+
+# Launch configs: those of the plain 4-bit pair kernels (decode.py), not tuned on a GPU.
+GPTOSS4_UP = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
+GPTOSS4_DOWN = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
+
+
+@triton.jit
+def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, I, D, E, top_k, alpha, limit,
+                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be, stride_hm,
+                            GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """h[j, c] = gpt-oss's clamped SwiGLU of (x[j // K] . Wgu[ids[j], 2c] + b[ids[j], 2c],
+    x[j // K] . Wgu[ids[j], 2c + 1] + b[ids[j], 2c + 1]) for pair j = program_id(0), columns c of tile
+    program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales (and zero points, ZERO)
+    [E, 2I, ceil(D / GROUP)] by strides; b: [E, 2I]; h: [T*K, I]."""
+    j = tl.program_id(0)
+    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(ids_ptr + j).to(tl.int64)
+    known = (expert >= 0) & (expert < E)
+    skipped = expert == -1
+    expert = tl.where(known, expert, 0)
+    ok_N = cols_N < tl.where(known, I, 0)  # no weight reads for a pair without a (valid) expert
+    gate_N, up_N = (2 * cols_N).to(tl.int64), (2 * cols_N + 1).to(tl.int64)
+    gw_N = w_ptr + expert * stride_we + gate_N * stride_wn
+    uw_N = w_ptr + expert * stride_we + up_N * stride_wn
+    gs_N = expert * stride_se + gate_N * stride_sn
+    us_N = expert * stride_se + up_N * stride_sn
+    x_row = x_ptr + (j // top_k).to(tl.int64) * stride_xm
+    HK: tl.constexpr = BLOCK_K // 2
+    acc_g = tl.zeros((BLOCK_N, HK), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, HK), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        x_even, x_odd = even_odd(x_row, k0, D, HK)
+        acc_g += packed_chunk(gw_N, s_ptr + gs_N, z_ptr + gs_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
+                              MXFP4, ZERO, HK)
+        acc_u += packed_chunk(uw_N, s_ptr + us_N, z_ptr + us_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
+                              MXFP4, ZERO, HK)
+    b_row = b_ptr + expert * stride_be
+    g_N = tl.sum(acc_g, 1) + tl.load(b_row + gate_N, mask=ok_N, other=0.0).to(tl.float32)
+    u_N = tl.sum(acc_u, 1) + tl.load(b_row + up_N, mask=ok_N, other=0.0).to(tl.float32)
+    g_N = tl.minimum(g_N, limit)
+    u_N = tl.minimum(tl.maximum(u_N, -limit), limit)
+    h = (u_N + 1.0) * (g_N * tl.sigmoid(alpha * g_N))
+    h = tl.where(known, h, tl.where(skipped, 0.0, float("nan")))
+    tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
+
+
+@triton.jit
+def down_pairs4_gptoss_kernel(h_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k,
+                              stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, stride_be, stride_ym,
+                              WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n] + b[ids[t*K + k], n]) for token
+    t = program_id(0), columns n of tile program_id(1); products and biases summed in float32 in slot
+    order. h: [T*K, I]; Wd: packed [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)]
+    by strides; b: [E, D]; y: [T, D]."""
+    t = tl.program_id(0)
+    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    HK: tl.constexpr = BLOCK_K // 2
+    acc = tl.zeros((BLOCK_N, HK), dtype=tl.float32)
+    bias_N = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(top_k):
+        j = t * top_k + slot
+        expert = tl.load(ids_ptr + j).to(tl.int64)
+        known = (expert >= 0) & (expert < E)
+        expert = tl.where(known, expert, 0)
+        ok_N = cols_N < tl.where(known, D, 0)  # an unknown id's h row is 0 (-1) or NaN, and reads no weights
+        w_N = w_ptr + expert * stride_we + cols_N.to(tl.int64) * stride_wd
+        s_N = expert * stride_se + cols_N.to(tl.int64) * stride_sn
+        if WEIGHTED:
+            rw = tl.load(weight_ptr + j).to(tl.float32)
+        else:
+            rw = 1.0
+        bias_N += rw * tl.load(b_ptr + expert * stride_be + cols_N, mask=ok_N, other=0.0).to(tl.float32)
+        h_row = h_ptr + j.to(tl.int64) * stride_hm
+        for k0 in range(0, I, BLOCK_K):
+            h_even, h_odd = even_odd(h_row, k0, I, HK)
+            acc += packed_chunk(w_N, s_ptr + s_N, z_ptr + s_N, k0, I, ok_N, h_even * rw, h_odd * rw, stride_sk,
+                                GROUP, MXFP4, ZERO, HK)
+    y = tl.sum(acc, 1) + bias_N
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, y.to(y_ptr.dtype.element_ty), mask=cols_N < D)
+
+
+def _packed_args(w) -> dict:
+    """A 4-bit weight's (int4.Int4Weight) scale and zero-point pointers, strides and format constants."""
+    zero = w.zero if w.zero is not None else w.scale  # never read without ZERO
+    return {"s_ptr": w.scale, "z_ptr": zero, "stride_we": w.packed.stride(0), "stride_se": w.scale.stride(0),
+            "stride_sn": w.scale.stride(1), "stride_sk": w.scale.stride(2), "GROUP": w.group,
+            "MXFP4": w.fmt == "mxfp4", "ZERO": w.zero is not None}
+
+
+def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w_down, b_down: torch.Tensor,
+                          ids: torch.Tensor, weights: torch.Tensor | None, alpha: float,
+                          limit: float) -> torch.Tensor:
+    """y_TD of gpt-oss's experts through the two 4-bit pair launches (module docstring). x: [T, D];
+    w_gate_up [E, 2I, D] (gate/up rows interleaved) and w_down [E, D, I]: int4.Int4Weight computing in
+    x's dtype, contiguous; b_gate_up [E, 2I] and b_down [E, D] contiguous; ids: [T * K] (-1: a pair
+    computed elsewhere); weights: [T * K] or None (unweighted)."""
+    T, D = x.shape
+    E, I2, _ = w_gate_up.shape
+    I, N = I2 // 2, ids.numel()
+    h = x.new_empty(N, I)
+    up, down = dict(GPTOSS4_UP), dict(GPTOSS4_DOWN)
+    up_pairs4_gptoss_kernel[(N, cdiv(I, up["BLOCK_N"]))](
+        x, w_gate_up.packed, b_ptr=b_gate_up, h_ptr=h, ids_ptr=ids, I=I, D=D, E=E, top_k=N // T, alpha=float(alpha),
+        limit=float(limit), stride_xm=x.stride(0), stride_wn=w_gate_up.packed.stride(1),
+        stride_be=b_gate_up.stride(0), stride_hm=h.stride(0), **_packed_args(w_gate_up), **up)
+    y = x.new_empty(T, D)
+    down_pairs4_gptoss_kernel[(T, cdiv(D, down["BLOCK_N"]))](
+        h, w_down.packed, b_ptr=b_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h, D=D,
+        I=I, E=E, top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_be=b_down.stride(0),
+        stride_ym=y.stride(0), WEIGHTED=weights is not None, **_packed_args(w_down), **down)
+    return y
