@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 from . import moe_triton as K
 from . import pairs as P
 from . import pairs4 as P4
+from . import pairs4_gptoss as P4G
 from . import passes
 
 __all__ = ["HOPPER_ONLY", "KernelBuild", "compile_kernels", "print_table"]
@@ -94,7 +95,11 @@ _W8A8_META = {**_ROW_META, "BLOCK_N": 64, "BLOCK_K": 128}
 # gate/up pass, int4 with zero points (float32 scales) for the down pass.
 _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=True,
                                                          ZERO=False)),
-                 "down_pairs4": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True))}
+                 "down_pairs4": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True)),
+                 # gpt-oss's (pairs4_gptoss.py: biases, interleaved gate/up, clamped SwiGLU), as its MXFP4 stores them
+                 "up_pairs4_gptoss": (P4G.up_pairs4_gptoss_kernel, dict(GROUP=32, MXFP4=True, ZERO=False)),
+                 "down_pairs4_gptoss": (P4G.down_pairs4_gptoss_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=True,
+                                                                            ZERO=False))}
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (paths.ROUTE_MAX_PAIRS), 256 experts
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
@@ -149,6 +154,8 @@ def _signature(fn, name: str, fp8: bool = False, w8a8: bool = False):
         elif arg in unit:
             sig[arg] = "constexpr"
             consts[arg] = 1
+        elif arg in ("alpha", "limit"):  # gpt-oss's activation constants
+            sig[arg] = "fp32"
         elif arg.endswith("_ptr"):
             sig[arg] = {"order_ptr": "*i32", "counts_ptr": "*i32", "dwp_ptr": "*fp32", "ids_ptr": "*i64",
                         "count_ptr": "*i32", "part_ptr": "*fp32", **weights}.get(arg, "*bf16")
