@@ -269,13 +269,19 @@ def _fail_while_a_peer_runs(rank, world, marker):
     raise ValueError("rank 0 gives up")
 
 
+def _nothing(rank, world):
+    pass
+
+
 def test_a_failure_ends_a_stopped_peer_at_once(tmp_path, monkeypatch):
     """A rank fails while another is stopped (SIGSTOP): the stopped rank is killed at once instead of
     getting the grace and SIGTERM it cannot act on, so the launch raises within a second of the failure;
-    a running peer still gets the grace."""
+    a running peer gets the grace, then SIGTERM. After an earlier launch from the same fork server too
+    (there, waiting for the failed rank's sentinel to close waited for the running peer's whole minute)."""
     from thunderep.errors import ThunderError
 
     monkeypatch.setattr(launch_module, "GRACE_S", 3.0)
+    launch_module.launch(_nothing, 2)
     marker = tmp_path / "failed_at"
     with pytest.raises(ThunderError, match="rank 0 failed: ValueError: rank 0 gives up"):
         launch_module.launch(_fail_while_a_peer_is_stopped, 2, str(marker))
@@ -283,4 +289,4 @@ def test_a_failure_ends_a_stopped_peer_at_once(tmp_path, monkeypatch):
     with pytest.raises(ThunderError, match="rank 0 failed: ValueError: rank 0 gives up"):
         launch_module.launch(_fail_while_a_peer_runs, 2, str(marker))
     running_s = time.monotonic() - float(marker.read_text())
-    assert stopped_s < 1.5 and running_s >= 3.0, (stopped_s, running_s)
+    assert stopped_s < 1.5 and 3.0 <= running_s < 10.0, (stopped_s, running_s)

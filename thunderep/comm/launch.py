@@ -226,18 +226,38 @@ def _kill_stopped(processes) -> list[int]:
 
 
 def _join(context) -> None:
-    """Wait for the ranks (torch's join: raises with the first failure). Once a rank has failed, the others
-    get GRACE_S to end by themselves, then SIGTERM, then after GRACE_S more SIGKILL (torch's default waits
-    30 s for a rank that does not take SIGTERM, e.g. one stuck in a collective); a stopped rank is killed
-    at once (`_kill_stopped`), so a failure ends the command within about a second of the failing rank."""
+    """Wait for the ranks; raise `ProcessExitedException` for the first that fails. Once a rank has failed,
+    a stopped rank (SIGSTOP, a debugger) is killed at once (`_kill_stopped`: it would never end by itself
+    nor take SIGTERM), and the others get GRACE_S to end by themselves, then SIGTERM, then after GRACE_S
+    more SIGKILL. (torch's own join waits for a dead rank's sentinel to reach end of file, which a rank forked
+    later from the same fork server can hold off for as long as it runs, once the exit status has been read.)"""
+    processes = context.processes
     while True:
-        running = [p.sentinel for p in context.processes if p.exitcode is None]
-        if running:
-            multiprocessing.connection.wait(running)
-        if any(p.exitcode not in (None, 0) for p in context.processes):
-            _kill_stopped(context.processes)
-        if context.join(timeout=0, grace_period=GRACE_S):
+        failed = [i for i, p in enumerate(processes) if p.exitcode not in (None, 0)]
+        if failed:
+            _kill_stopped(processes)
+            _end_after_grace(processes)
+            i, code = failed[0], processes[failed[0]].exitcode
+            name = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else None
+            raise mp.ProcessExitedException(f"process {i} ended with {name or f'exit code {code}'}", error_index=i,
+                                            error_pid=processes[i].pid, exit_code=code, signal_name=name)
+        running = [p.sentinel for p in processes if p.exitcode is None]
+        if not running:
             return
+        multiprocessing.connection.wait(running)  # a rank's exit status arrives: exitcode reads it above
+
+
+def _end_after_grace(processes) -> None:
+    """The ranks still running get GRACE_S to end by themselves, then SIGTERM, then GRACE_S more, then SIGKILL."""
+    for wait_s, then in ((GRACE_S, "terminate"), (GRACE_S, "kill")):
+        deadline = time.monotonic() + wait_s
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in processes:
+            if p.exitcode is None:
+                getattr(p, then)()
+    for p in processes:
+        p.join(1.0)
 
 
 def _stop(processes, wait_s: float = GRACE_S, second_sigterm_kills: bool = False) -> bool:
