@@ -1,5 +1,5 @@
 """The `thunderep` commands' help: every option explained with its default, no internal names, one format,
-and parsing that imports nothing heavy (the time --help takes: `python -m thunderep.bench.cli_start`)."""
+and parsing that imports nothing heavy (the time --help takes: `thunderep bench cli-start`)."""
 
 from __future__ import annotations
 

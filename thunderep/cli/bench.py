@@ -9,7 +9,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from . import HelpFormatter, command_parser, count_problems, new_parser, say
+from . import COMMANDS, HelpFormatter, command_parser, count_problems, new_parser, say
 from .bench_ep import BENCHES as _EP_BENCHES
 
 __all__ = ["TARGETS", "bench_balancer", "bench_bytes", "bench_control", "bench_control_gpu", "bench_dispatch",
@@ -116,7 +116,7 @@ def _run_cli_start(a: argparse.Namespace) -> int:
         _target_parser("cli-start").error(f"--runs must be at least 1, got {a.runs}")
     from ..bench import cli_start  # imports nothing heavy: it times other processes
 
-    return cli_start.report(a.runs)
+    return cli_start.report([[c] for c in COMMANDS] + [["bench", t] for t in TARGETS], a.runs)
 
 
 def _dispatch_options(p: argparse.ArgumentParser) -> None:
