@@ -194,3 +194,30 @@ def test_two_ranks_equal_transformers_at_every_hot_fraction(checkpoints):
             assert stats["hot_slots"] == round(fraction * 4) * (stats["slots"] // 4), (family, fraction)
             assert (stats["rows_hot"] > 0) == (fraction > 0)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_tiers_equal_transformers_at_every_hot_fraction(family, checkpoints):
+    """On CUDA (float32): hot slots in GPU memory, cold ones in pinned host memory, each cold path forced;
+    logits and greedy tokens as the plain model's on the CPU."""
+    from thunderep.hf import ThunderMoE
+
+    path, x = checkpoints[family], _prompts()
+    want = _reference(path, x)
+    want = (want[0].cuda(), want[1].cuda())
+    for fraction in FRACTIONS:
+        for costs in (HOST_WINS, STREAM_WINS):
+            tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, fraction), offload_costs=costs,
+                                            device="cuda")
+            for b in tm.bindings.values():
+                t = b.tiers
+                assert all(w.is_pinned() and w.device.type == "cpu" for w in t.host.values())
+            with torch.no_grad():
+                logits = tm(input_ids=x.cuda()).logits
+            what = f"{family} hot {fraction} {'host' if costs is HOST_WINS else 'stream'}"
+            torch.testing.assert_close(logits, want[0], rtol=1e-3, atol=1e-4, msg=lambda m: f"{what}: {m}")
+            assert torch.equal(tm.generate(x[:1].cuda(), max_new_tokens=5, do_sample=False), want[1]), what
+            stats = tm.offload_stats()
+            assert stats["rows_streamed" if costs is HOST_WINS else "rows_host"] == 0
+            assert (stats["bytes_streamed"] > 0) == (costs is STREAM_WINS and fraction < 1)

@@ -399,3 +399,60 @@ def test_gpt_oss_runs_the_kernels_only_in_4_bits(gpt_oss):
         ThunderMoE.wrap(AutoModelForCausalLM.from_pretrained(path), experts_implementation=KERNELS)
     with pytest.raises(ConfigError, match="experts_dtype='fp8' needs ThunderEP's Triton kernels.*biases"):
         ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_dtype="fp8")
+
+
+def _relative(got, want) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,experts_dtype", [("mixtral", "int4"), ("qwen3_moe_fused", "mxfp4"),
+                                                ("ct_asym", "int4"), ("gpt_oss", "mxfp4")])
+def test_gpu_int4_experts_match_the_dequantized_model(checkpoints, gpt_oss, name, experts_dtype):
+    """On CUDA in bfloat16 (the compiled 4-bit pair kernels for one token, the sorted path for a prompt):
+    logits near the plain model's holding the dequantized experts, norm-wise (the reference rounds the
+    dequantized values to bfloat16, the kernels use them exactly)."""
+    if name == "gpt_oss":
+        path, reference, _ = gpt_oss
+        ref = _reference(reference, torch.bfloat16).cuda()
+    elif name.startswith("ct_"):
+        path, reference, _ = checkpoints[name]
+        ref = _reference(reference, torch.bfloat16).cuda()
+    else:
+        path = checkpoints[name]
+        ref = _reference(path, torch.bfloat16, "mxfp4" if experts_dtype == "mxfp4" else "int4", 32).cuda()
+    tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, experts_dtype=experts_dtype, device="cuda")
+    x = _ids().cuda()
+    with torch.no_grad():
+        for ids in (x, x[:1, :1]):
+            err = _relative(tm(input_ids=ids).logits, ref(input_ids=ids).logits)
+            print(f"{name} {experts_dtype} T={ids.numel()}: relative error {err:.2e}")
+            assert err < 2e-2, f"{name}, {ids.numel()} tokens: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts_dtype", ["int4", "mxfp4"])
+def test_gpu_int4_graph_steps_equal_eager_steps(checkpoints, experts_dtype):
+    """Continuous batching's decode steps replayed from CUDA graphs on 4-bit experts give the tokens of
+    the same steps run eagerly."""
+    from test_static_decode import _graphs_against_eager
+
+    device = torch.device("cuda")
+    tm = ThunderMoE.from_pretrained(checkpoints["mixtral"], dtype=torch.bfloat16, experts_dtype=experts_dtype,
+                                    device=device)
+    got, want, graphs, sizes = _graphs_against_eager(tm.eval(), device)
+    assert got == want
+    assert graphs and len(sizes) >= 2, sizes
+
+
+@pytest.mark.gpu
+def test_gpu_int4_pair_kernels_compile_with_torch_compile(checkpoints):
+    """The 4-bit decode path under torch.compile(fullgraph=True): the custom op traces and gives the
+    eager logits."""
+    tm = ThunderMoE.from_pretrained(checkpoints["qwen3_moe_fused"], dtype=torch.bfloat16, experts_dtype="int4",
+                                    device="cuda")
+    one = _ids()[:1, :1].cuda()
+    with torch.no_grad():
+        eager = tm.model(input_ids=one).logits
+        compiled = torch.compile(lambda i: tm.model(input_ids=i).logits, fullgraph=True)(one)
+    torch.testing.assert_close(compiled.float(), eager.float(), rtol=1e-2, atol=1e-2)

@@ -1,6 +1,6 @@
 """4-bit expert weights (thunderep/kernels/int4.py): the packed format against plain loops, and the
 4-bit pair kernels (pairs4.py) and the sorted path on them against the float64 reference on the exactly
-dequantized weights, in Triton's CPU interpreter without CUDA.
+dequantized weights: compiled on a CUDA GPU where one is present, else in Triton's CPU interpreter.
 """
 
 from __future__ import annotations
@@ -71,30 +71,29 @@ def test_int4_weight_rejects_what_the_kernels_cannot_read():
 
 triton = pytest.importorskip("triton")
 
-from test_moe_triton import CUDA, make_case, reference, rel_err  # noqa: E402
+from test_moe_triton import DEVICE, make_case, reference, rel_err  # noqa: E402
 
 from thunderep.kernels import decode  # noqa: E402
 from thunderep.kernels.ops import moe_mlp, routed_moe_mlp  # noqa: E402
-
-pytestmark = pytest.mark.skipif(CUDA, reason="these run in Triton's CPU interpreter; a GPU run is the benchmark's")
 
 
 def _asymmetric(w: Int4Weight, seed: int) -> Int4Weight:
     """w with random zero points in [-3, 3] (compressed-tensors' asymmetric int4)."""
     zero = torch.randint(-3, 4, w.scale.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int8)
+    zero = zero.to(w.scale.device)
     return Int4Weight(w.packed, w.scale, w.group, w.dtype, "int4", zero)
 
 
 def _check(T, D, I, E, K, dtype, fmt, group, tol, seed=0, ids=None, zero=False, weighted=True, interleaved=False):
     x, w_gu, w_d, drawn, weights = make_case(T, D, I, E, K, dtype, seed)
-    ids = drawn if ids is None else ids
+    ids = drawn if ids is None else ids.to(DEVICE)
     q_gu, q_d = Int4Weight.quantize(w_gu, fmt, group), Int4Weight.quantize(w_d, fmt, group)
     if zero:
         q_gu, q_d = _asymmetric(q_gu, seed), _asymmetric(q_d, seed + 1)
     weights = weights.to(dtype) if weighted else None
     with torch.no_grad():
         y = routed_moe_mlp(x, q_gu, q_d, ids, weights, interleaved=interleaved)
-    ref_w = weights.double() if weighted else torch.ones(T, K, dtype=torch.float64)
+    ref_w = weights.double() if weighted else torch.ones(T, K, dtype=torch.float64, device=DEVICE)
     known = (ids >= 0) & (ids < E)
     y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64),
                       torch.where(known, ids, 0), torch.where(known, ref_w, 0.0), interleaved=interleaved)
@@ -120,8 +119,8 @@ CASES = [  # T, D, I, E, K, fmt, group, zero points
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-D{}-I{}-E{}-K{}-{}-g{}{}".format(
     *c[:7], "-zero" if c[7] else ""))
-def test_interpreter_int4_matches_dequantized(case, path):
-    # float16 on the sorted path (the interpreter's bfloat16 tl.dot is wrong for plain weights too);
+def test_int4_matches_dequantized(case, path):
+    # float16 on the sorted path (the CPU interpreter's bfloat16 tl.dot is wrong for plain weights too);
     # the pair kernels multiply elementwise in float32: bfloat16 there.
     dtype = torch.bfloat16 if path == "pairs" else torch.float16
     _check(*case[:5], dtype, case[5], case[6], tol=2e-2 if dtype == torch.bfloat16 else 2e-3, zero=case[7])
@@ -129,7 +128,7 @@ def test_interpreter_int4_matches_dequantized(case, path):
 
 @pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
                          ids=["chunks-32", "narrow", "wide"])
-def test_interpreter_int4_pair_kernel_tails(up, down, monkeypatch):
+def test_int4_pair_kernel_tails(up, down, monkeypatch):
     """The pair kernels' loops with column tiles and chunks that divide neither D = 80 nor I = 56 (a last
     partial chunk, a column tile past the matrix), chunks narrower and wider than a group, one chunk
     covering a whole row; unweighted and interleaved gate/up."""
@@ -140,20 +139,20 @@ def test_interpreter_int4_pair_kernel_tails(up, down, monkeypatch):
     _check(1, 96, 56, 5, 3, torch.float16, "mxfp4", 32, tol=2e-3, seed=1)
 
 
-def test_interpreter_int4_pairs_skip_minus_one_and_nan_for_unknown_ids(monkeypatch):
+def test_int4_pairs_skip_minus_one_and_nan_for_unknown_ids(monkeypatch):
     """Id -1 adds nothing (another rank's expert); any other id outside [0, E) makes its token NaN."""
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
     ids = torch.tensor([[0, -1], [2, 1], [-1, -1]])
     y = _check(3, 64, 32, 3, 2, torch.float16, "mxfp4", 32, tol=2e-3, ids=ids)
-    assert torch.equal(y[2], torch.zeros(64, dtype=torch.float16))
+    assert torch.equal(y[2], torch.zeros(64, dtype=torch.float16, device=DEVICE))
     x, w_gu, w_d, _, weights = make_case(2, 64, 32, 3, 2, torch.float16, 0)
     q_gu, q_d = Int4Weight.quantize(w_gu, "int4"), Int4Weight.quantize(w_d, "int4")
     with torch.no_grad():
-        y = routed_moe_mlp(x, q_gu, q_d, torch.tensor([[0, 7], [1, 2]]), weights.half())
+        y = routed_moe_mlp(x, q_gu, q_d, torch.tensor([[0, 7], [1, 2]], device=DEVICE), weights.half())
     assert bool(y[0].isnan().all()) and not bool(y[1].isnan().any())
 
 
-def test_interpreter_int4_sorted_mode_and_no_gradients():
+def test_int4_sorted_mode_and_no_gradients():
     """moe_mlp's sorted mode (rows grouped by expert) on 4-bit weights, and the refusal of gradients."""
     x, w_gu, w_d, ids, _ = make_case(6, 32, 48, 4, 1, torch.float16, 3)
     q_gu, q_d = Int4Weight.quantize(w_gu, "int4", 16), Int4Weight.quantize(w_d, "int4", 16)
@@ -163,13 +162,13 @@ def test_interpreter_int4_sorted_mode_and_no_gradients():
         y = moe_mlp(x_sorted, q_gu, q_d, counts)
     ids_sorted = torch.sort(ids.reshape(-1), stable=True).values[:, None]
     y_ref = reference(x_sorted.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64),
-                      ids_sorted, torch.ones(6, 1, dtype=torch.float64))
+                      ids_sorted, torch.ones(6, 1, dtype=torch.float64, device=DEVICE))
     assert y.dtype == torch.float16 and rel_err(y, y_ref) < 2e-3
     with pytest.raises(InputError, match="4-bit expert weights are for inference"):
         moe_mlp(x_sorted.requires_grad_(), q_gu, q_d, counts)
 
 
-def test_interpreter_int4_custom_op_equals_the_direct_call():
+def test_int4_custom_op_equals_the_direct_call():
     """thunderep::moe_mlp_pairs_int4 (what torch.compile traces) gives what the eager call gives, bit for
     bit, and its fake gives the output's shape and dtype."""
     x, w_gu, w_d, ids, weights = make_case(2, 64, 32, 4, 2, torch.float16, 5)
@@ -194,7 +193,7 @@ def test_interpreter_int4_custom_op_equals_the_direct_call():
 def _gptoss_reference(x, w_gu, b_gu, w_d, b_d, ids, weights, alpha, limit):
     """float64 y_TD of transformers' GptOssExperts math: gate/up rows interleaved, biases, clamped SwiGLU;
     ids outside [0, E) add nothing."""
-    y = torch.zeros(x.shape, dtype=torch.float64)
+    y = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
@@ -212,17 +211,17 @@ def _gptoss_check(T, D, I, E, K, fmt, alpha, limit, seed=0, ids=None, weighted=T
 
     dtype = torch.bfloat16
     x, w_gu, w_d, drawn, weights = make_case(T, D, I, E, K, dtype, seed)
-    ids = drawn if ids is None else ids
+    ids = drawn if ids is None else ids.to(DEVICE)
     gen = torch.Generator().manual_seed(seed + 7)
-    b_gu = (torch.randn(E, 2 * I, generator=gen) * 0.5).to(dtype)
-    b_d = (torch.randn(E, D, generator=gen) * 0.5).to(dtype)
+    b_gu = (torch.randn(E, 2 * I, generator=gen) * 0.5).to(DEVICE, dtype)
+    b_d = (torch.randn(E, D, generator=gen) * 0.5).to(DEVICE, dtype)
     q_gu, q_d = Int4Weight.quantize(w_gu, fmt), Int4Weight.quantize(w_d, fmt)
     if zero:
         q_gu, q_d = _asymmetric(q_gu, seed), _asymmetric(q_d, seed + 1)
     weights = weights.to(dtype) if weighted else None
     with torch.no_grad():
         y = moe_mlp_pairs_gptoss(x, q_gu, b_gu, q_d, b_d, ids, weights, alpha, limit)
-    ref_w = weights.double() if weighted else torch.ones(T, K, dtype=torch.float64)
+    ref_w = weights.double() if weighted else torch.ones(T, K, dtype=torch.float64, device=DEVICE)
     y_ref = _gptoss_reference(x.double(), q_gu.dequantize(dtype=torch.float64), b_gu.double(),
                               q_d.dequantize(dtype=torch.float64), b_d.double(), ids, ref_w, alpha, limit)
     assert y.shape == (T, D) and y.dtype == dtype
@@ -232,7 +231,7 @@ def _gptoss_check(T, D, I, E, K, fmt, alpha, limit, seed=0, ids=None, weighted=T
 
 @pytest.mark.parametrize("fmt,limit,zero", [("mxfp4", 7.0, False), ("mxfp4", 0.3, False), ("int4", 0.3, True)],
                          ids=["mxfp4", "mxfp4-clamped", "int4-zero-clamped"])
-def test_interpreter_gptoss_pairs4_match_the_float64_reference(fmt, limit, zero):
+def test_gptoss_pairs4_match_the_float64_reference(fmt, limit, zero):
     """gpt-oss's experts (biases, interleaved gate/up, clamped SwiGLU with alpha 1.702) on 4-bit weights
     against the float64 reference on the exactly dequantized weights; limit 0.3 clamps most gates."""
     _gptoss_check(3, 64, 48, 4, 2, fmt, 1.702, limit, zero=zero)
@@ -240,7 +239,7 @@ def test_interpreter_gptoss_pairs4_match_the_float64_reference(fmt, limit, zero)
 
 @pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
                          ids=["chunks-32", "narrow", "wide"])
-def test_interpreter_gptoss_pairs4_tails(up, down, monkeypatch):
+def test_gptoss_pairs4_tails(up, down, monkeypatch):
     """Column tiles and chunks that divide neither D = 80 nor I = 56 (partial chunks and groups, a tile
     past the matrix), unweighted; and MXFP4 at D = 96 with three experts a token."""
     from thunderep.kernels import pairs4_gptoss
@@ -251,21 +250,22 @@ def test_interpreter_gptoss_pairs4_tails(up, down, monkeypatch):
     _gptoss_check(1, 96, 56, 5, 3, "mxfp4", 1.702, 7.0, seed=1)
 
 
-def test_interpreter_gptoss_pairs4_skip_minus_one_nan_for_unknown_and_custom_op():
+def test_gptoss_pairs4_skip_minus_one_nan_for_unknown_and_custom_op():
     """Id -1 adds nothing, not even its bias (another rank's expert); any other id outside [0, E) makes its
     token NaN; thunderep::moe_mlp_pairs_int4_gptoss gives the eager call's output bit for bit."""
     from thunderep.kernels.ops import moe_mlp_pairs_gptoss
 
     ids = torch.tensor([[0, -1], [2, 1], [-1, -1]])
     y = _gptoss_check(3, 64, 32, 3, 2, "mxfp4", 1.702, 7.0, ids=ids)
-    assert torch.equal(y[2], torch.zeros(64, dtype=torch.bfloat16))
+    assert torch.equal(y[2], torch.zeros(64, dtype=torch.bfloat16, device=DEVICE))
     x, w_gu, w_d, _, weights = make_case(2, 64, 32, 3, 2, torch.bfloat16, 0)
     q_gu, q_d = Int4Weight.quantize(w_gu, "mxfp4"), Int4Weight.quantize(w_d, "mxfp4")
-    b_gu, b_d = torch.ones(3, 64, dtype=torch.bfloat16), torch.ones(3, 64, dtype=torch.bfloat16)
+    b_gu = b_d = torch.ones(3, 64, dtype=torch.bfloat16, device=DEVICE)
     with torch.no_grad():
-        y = moe_mlp_pairs_gptoss(x, q_gu, b_gu, q_d, b_d, torch.tensor([[0, 7], [1, 2]]), weights, 1.702, 7.0)
+        y = moe_mlp_pairs_gptoss(x, q_gu, b_gu, q_d, b_d, torch.tensor([[0, 7], [1, 2]], device=DEVICE), weights,
+                                 1.702, 7.0)
         assert bool(y[0].isnan().all()) and not bool(y[1].isnan().any())
-        ids = torch.tensor([[0, 2], [1, 2]])
+        ids = torch.tensor([[0, 2], [1, 2]], device=DEVICE)
         direct = moe_mlp_pairs_gptoss(x, q_gu, b_gu, q_d, b_d, ids, weights, 1.702, 7.0)
         via_op = torch.ops.thunderep.moe_mlp_pairs_int4_gptoss(x, q_gu.packed, q_gu.scale, None, 32, b_gu, q_d.packed,
                                                                q_d.scale, None, 32, b_d, "mxfp4", ids.reshape(-1),

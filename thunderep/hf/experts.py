@@ -210,15 +210,18 @@ class ExpertsBinding:
         full_ND = weighted_ND.new_zeros(T * K, x_TD.shape[-1]).index_copy(0, order_N, weighted_ND)
         return full_ND.view(T, K, -1).sum(dim=1).to(x_TD.dtype)
 
-    def weights_compute(self, module) -> Callable:
-        """`compute(weights, x_MD, slot_M)`: the experts function of `module` on other tensors than its own
-        ({tensor name: [n, ...]}: hot, host or staged slots; row m uses entry slot_M[m]), for the tiers."""
+    def weights_compute(self, module, experts_fn: Callable | None = None) -> Callable:
+        """`compute(weights, x_MD, slot_M)`: the experts function of `module` (the binding's, or `experts_fn`)
+        on other tensors than its own ({tensor name: [n, ...]}: hot, host or staged slots; row m uses entry
+        slot_M[m]), for the tiers."""
+        experts_fn = experts_fn or self.compute
+
         def compute(weights: dict, x_MD: torch.Tensor, slot_M: torch.Tensor) -> torch.Tensor:
             saved = {n: module._parameters[n] for n in weights}, module.num_experts
             try:
                 module._parameters.update(weights)
                 module.num_experts = next(iter(weights.values())).shape[0]
-                return self.compute(module, x_MD, slot_M.unsqueeze(1), x_MD.new_ones(x_MD.shape[0], 1))
+                return experts_fn(module, x_MD, slot_M.unsqueeze(1), x_MD.new_ones(x_MD.shape[0], 1))
             finally:
                 module._parameters.update(saved[0])
                 module.num_experts = saved[1]

@@ -18,6 +18,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..moe.offload_cost import OffloadCosts, measure_costs
 from ..moe.tiers import ExpertTiers, Staging, TierConfig, TierStats, parse_memory
+from .experts import experts_compute_fn
 
 __all__ = ["OffloadPlan", "attach_tiers", "check_host", "host_experts", "offload_stats", "plan_offload", "summary_line"]
 
@@ -137,8 +138,10 @@ def attach_tiers(wrapped, plan: OffloadPlan, device: torch.device, config: TierC
         if key not in stagings:
             stagings[key] = Staging(host, device)
         model_costs = costs or measure_costs(device, next(iter(host.values())).dtype)
+        # Cold rows on the host run the class's own computation: ThunderEP's kernels need CUDA tensors.
+        on_host = binding.weights_compute(module, experts_compute_fn(module, "eager"))
         binding.tiers = ExpertTiers(host, plan.hot[name], device, binding.weights_compute(module), model_costs,
-                                    stagings[key], config or TierConfig())
+                                    stagings[key], config or TierConfig(), host_compute=on_host)
 
 
 def offload_stats(bindings) -> dict | None:

@@ -149,8 +149,10 @@ class ExpertTiers:
     """
 
     def __init__(self, host: dict[str, torch.Tensor], hot_slots: int, device: torch.device, compute: Callable,
-                 costs: OffloadCosts, staging: Staging, config: TierConfig | None = None):
+                 costs: OffloadCosts, staging: Staging, config: TierConfig | None = None,
+                 host_compute: Callable | None = None):
         self.host, self.device, self.compute, self.costs = host, torch.device(device), compute, costs
+        self.host_compute = host_compute or compute
         self.staging, self.config = staging, config or TierConfig()
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
@@ -251,8 +253,15 @@ class ExpertTiers:
         for s in range(1, self.num_slots):
             starts[s] = starts[s - 1] + counts[s - 1]
         pieces: dict[int, torch.Tensor] = {}
+        row_bytes = x_MD.shape[-1] * x_MD.element_size()
+        cold = [s for s in range(self.num_slots) if counts[s] and s not in self._row_of]
+        streamed = [s for s in cold if self.path(counts[s], row_bytes) == "stream"]
+        on_host = [s for s in cold if s not in streamed]
+        # 1. the host path's rows to the host in one copy, before the hot experts are queued, so that the
+        # host computes while the device runs them
+        x_host = torch.cat([x_MD[starts[s]:starts[s] + counts[s]] for s in on_host]).cpu() if on_host else None
         hot = [s for s in self.hot_slots if counts[s]]
-        if hot:  # 1. every hot slot's rows in one call
+        if hot:  # 2. every hot slot's rows in one call
             x_hot = torch.cat([x_MD[starts[s]:starts[s] + counts[s]] for s in hot])
             rows = torch.tensor([self._row_of[s] for s in hot], device=x_MD.device)
             slot_M = torch.repeat_interleave(rows, torch.tensor([counts[s] for s in hot], device=x_MD.device),
@@ -260,26 +269,24 @@ class ExpertTiers:
             for s, y in zip(hot, self.compute(self.hot, x_hot, slot_M).split([counts[s] for s in hot])):
                 pieces[s] = y
             self.stats.rows_hot += x_hot.shape[0]
-        row_bytes = x_MD.shape[-1] * x_MD.element_size()
-        cold = [s for s in range(self.num_slots) if counts[s] and s not in self._row_of]
-        streamed = []
-        for s in cold:  # 2. each cold slot where it is cheaper
-            if self.path(counts[s], row_bytes) == "stream":
-                streamed.append(s)
-            else:
-                pieces[s] = self._on_host(s, x_MD[starts[s]:starts[s] + counts[s]])
+        if on_host:  # 3. each host-path slot on the host, back in one copy
+            self._on_host(on_host, x_host.split([counts[s] for s in on_host]), pieces, x_MD.device)
         self._stream(streamed, [x_MD[starts[s]:starts[s] + counts[s]] for s in streamed], pieces)
         return torch.cat([pieces[s] for s in range(self.num_slots) if counts[s]])
 
-    def _on_host(self, slot: int, x_nD: torch.Tensor) -> torch.Tensor:
+    def _on_host(self, slots: list[int], xs: list[torch.Tensor], pieces: dict, device: torch.device) -> None:
         started = time.perf_counter()
-        weights = {n: t[slot:slot + 1] for n, t in self.host.items()}
-        x_host = x_nD.to("cpu")
-        y = self.compute(weights, x_host, torch.zeros(x_host.shape[0], dtype=torch.int64))
-        y = y.to(x_nD.device, non_blocking=True)
+        ys = []
+        for slot, x_nD in zip(slots, xs):
+            weights = {n: t[slot:slot + 1] for n, t in self.host.items()}
+            ys.append(self.host_compute(weights, x_nD, torch.zeros(x_nD.shape[0], dtype=torch.int64)))
+            self.stats.rows_host += x_nD.shape[0]
+        y = torch.cat(ys)
+        if device.type == "cuda":
+            y = y.pin_memory()
+        for slot, piece in zip(slots, y.to(device, non_blocking=True).split([x.shape[0] for x in xs])):
+            pieces[slot] = piece
         self.stats.host_seconds += time.perf_counter() - started
-        self.stats.rows_host += x_nD.shape[0]
-        return y
 
     def _stream(self, slots: list[int], xs: list[torch.Tensor], pieces: dict) -> None:
         """Double-buffered: slot j + 1's weights load while slot j computes."""
