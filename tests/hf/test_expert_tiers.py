@@ -221,3 +221,48 @@ def test_gpu_tiers_equal_transformers_at_every_hot_fraction(family, checkpoints)
             stats = tm.offload_stats()
             assert stats["rows_streamed" if costs is HOST_WINS else "rows_host"] == 0
             assert (stats["bytes_streamed"] > 0) == (costs is STREAM_WINS and fraction < 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")
+@pytest.mark.parametrize("experts_dtype", ["int4", "mxfp4", "fp8"])
+def test_quantized_experts_offload_as_they_are_held(experts_dtype, checkpoints, monkeypatch):
+    """Experts held in 4 bits or FP8 are tiered as held: each cold path moves the packed bytes and scales
+    (a 4-bit slot streams about a quarter of a 16-bit one), the host path computes on them dequantized;
+    logits equal the same model without gpu_memory at every hot fraction (float16, in the interpreter)."""
+    pytest.importorskip("triton")
+    from thunderep.hf import ThunderMoE
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    path, x = checkpoints["mixtral"], _prompts()
+    whole = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_dtype=experts_dtype)
+    with torch.no_grad():
+        want = whole(input_ids=x).logits.float()
+    plain = ThunderMoE.from_pretrained(path, dtype=torch.float16, gpu_memory=10**12)
+    plain_slot = next(iter(plain.bindings.values())).tiers.slot_bytes
+    for fraction in (0.0, 0.5, 1.0):
+        for costs in (HOST_WINS, STREAM_WINS):
+            budget = _budget_for(path, fraction, experts_dtype)
+            tm = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_dtype=experts_dtype,
+                                            gpu_memory=budget, offload_costs=costs)
+            tiers = next(iter(tm.bindings.values())).tiers
+            assert set(tiers.host) > {"gate_up_proj", "down_proj"}  # the scales travel with the values
+            with torch.no_grad():
+                got = tm(input_ids=x).logits.float()
+            what = f"{experts_dtype} hot {fraction} {'host' if costs is HOST_WINS else 'stream'}"
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{what}: {m}")
+            stats = tm.offload_stats()
+            if costs is STREAM_WINS and fraction < 1:
+                assert stats["bytes_streamed"] % tiers.slot_bytes == 0 and stats["bytes_streamed"] > 0
+    ratio = tiers.slot_bytes / plain_slot  # values and scales; the tiny model's narrow rows make scales weigh more
+    assert (0.25 <= ratio < 0.34) if experts_dtype != "fp8" else (0.5 <= ratio < 0.6), ratio
+
+
+def _budget_for(path, fraction: float, experts_dtype: str) -> int:
+    """gpu_memory giving each layer round(fraction * S) hot slots of its S, with experts held in `experts_dtype`."""
+    from thunderep.hf import ThunderMoE
+    from thunderep.hf.offload import plan_offload
+
+    probe = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_dtype=experts_dtype, gpu_memory=10**12)
+    plan = plan_offload(probe, 10**12)
+    return plan.replicated_bytes + plan.staging_bytes + sum(
+        round(fraction * plan.slots[n]) * plan.slot_bytes[n] for n in plan.slots)

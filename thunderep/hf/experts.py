@@ -217,13 +217,17 @@ class ExpertsBinding:
         experts_fn = experts_fn or self.compute
 
         def compute(weights: dict, x_MD: torch.Tensor, slot_M: torch.Tensor) -> torch.Tensor:
-            saved = {n: module._parameters[n] for n in weights}, module.num_experts
+            # parameters, and buffers for quantized experts' scales and zero points
+            holders = {n: module._parameters if n in module._parameters else module._buffers for n in weights}
+            saved = {n: holders[n][n] for n in weights}, module.num_experts
             try:
-                module._parameters.update(weights)
+                for n, t in weights.items():
+                    holders[n][n] = t
                 module.num_experts = next(iter(weights.values())).shape[0]
                 return experts_fn(module, x_MD, slot_M.unsqueeze(1), x_MD.new_ones(x_MD.shape[0], 1))
             finally:
-                module._parameters.update(saved[0])
+                for n, t in saved[0].items():
+                    holders[n][n] = t
                 module.num_experts = saved[1]
 
         return compute

@@ -202,7 +202,7 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         raise ConfigError(f"experts_dtype={experts_dtype!r} needs ThunderEP's Triton kernels, which do not run this "
                           f"model's experts ({exc}); load it without experts_dtype") from None
     _hold_experts(model, wrapped.bindings, dtype, experts_dtype, config_as_stored, index if dequantized else None)
-    tiers = _plan_tiers(wrapped, gpu_memory, device, ep, balancer, experts_dtype)
+    tiers = _plan_tiers(wrapped, gpu_memory, device, ep, balancer)
     rss_before = rss_bytes()  # libraries imported, model on meta: what follows is the weights
     with host_experts(model, wrapped.bindings, device.type == "cuda") if tiers else contextlib.nullcontext():
         model.to_empty(device=device)
@@ -238,15 +238,15 @@ def _report(wrapped, path: Path, index, loader: Filler, device: torch.device, rs
     )
 
 
-def _plan_tiers(wrapped, gpu_memory, device: torch.device, ep, balancer, experts_dtype):
+def _plan_tiers(wrapped, gpu_memory, device: torch.device, ep, balancer):
     """None without gpu_memory (after `check_fits`, as always); else the rank's `OffloadPlan`, its host
     memory checked: both before anything is allocated."""
     if gpu_memory is None:
         check_fits(wrapped.model, device, ep)  # before allocating: a clear error instead of running out mid-load
         return None
-    if balancer is not None or experts_dtype is not None:
-        raise ConfigError("gpu_memory (offloaded experts) does not work with a balancer or experts_dtype yet: "
-                          "load without one of them")
+    if balancer is not None:
+        raise ConfigError("gpu_memory (offloaded experts) does not work with a balancer yet: load without one of "
+                          "them")
     plan = plan_offload(wrapped, gpu_memory)
     check_host(plan, device, free_bytes(torch.device("cpu")))
     return plan

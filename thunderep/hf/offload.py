@@ -10,6 +10,7 @@ after the checkpoint is read.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +20,10 @@ from ..errors import ConfigError
 from ..moe.offload_cost import OffloadCosts, measure_costs
 from ..moe.tiers import ExpertTiers, Staging, TierConfig, TierStats, parse_memory
 from .experts import experts_compute_fn
+from .fp8 import expert_weights, is_fp8
+from .int4 import is_int4, is_transposed4
 
-__all__ = ["OffloadPlan", "attach_tiers", "check_host", "host_experts", "offload_stats", "plan_offload", "summary_line"]
+__all__ = ["OffloadPlan", "attach_tiers", "check_host", "host_compute_fn", "host_experts", "offload_stats", "plan_offload", "summary_line"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,12 @@ def check_host(plan: OffloadPlan, device: torch.device, free_host: int) -> None:
                           "over more ranks or hosts, load a narrower dtype, or free host memory")
 
 
+def _holder(module: nn.Module, name: str) -> dict:
+    """The dict of `module` holding tensor `name`: its parameters, or its buffers (quantized experts'
+    scales and zero points)."""
+    return module._parameters if name in module._parameters else module._buffers
+
+
 @contextlib.contextmanager
 def host_experts(model: nn.Module, bindings: dict, pin: bool):
     """Within the block the experts modules hold no expert tensors (so that `to_empty(device)` does not
@@ -117,13 +126,36 @@ def host_experts(model: nn.Module, bindings: dict, pin: bool):
     for name, binding in bindings.items():
         module = model.get_submodule(name)
         for t in binding.tensors:
-            held[name, t] = (module, module._parameters.pop(t))
+            holder = _holder(module, t)
+            held[name, t] = (holder, holder.pop(t))
     try:
         yield
     finally:
-        for (name, t), (module, meta) in held.items():
+        for (name, t), (holder, meta) in held.items():
             host = torch.empty(meta.shape, dtype=meta.dtype, device="cpu", pin_memory=pin)
-            module._parameters[t] = nn.Parameter(host, requires_grad=False)
+            holder[t] = nn.Parameter(host, requires_grad=False) if isinstance(meta, nn.Parameter) else host
+
+
+def host_compute_fn(module: nn.Module) -> Callable:
+    """How cold rows run on the host: the experts class's own forward (ThunderEP's kernels need CUDA
+    tensors), on the weights dequantized into the model's dtype where they are held in FP8 or 4 bits."""
+    eager = experts_compute_fn(module, "eager")
+    if not (is_fp8(module) or is_int4(module)):
+        return eager
+
+    def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        w_gu, w_d = expert_weights(module)
+        gate_up, down = w_gu.dequantize(), w_d.dequantize()
+        if is_transposed4(module):  # held as the kernels read them: the module's tensors are the transposes
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        saved = module._parameters["gate_up_proj"], module._parameters["down_proj"]
+        try:
+            module._parameters.update(gate_up_proj=gate_up, down_proj=down)
+            return eager(module, x_TD.to(gate_up.dtype), ids_TK, weights_TK).to(x_TD.dtype)
+        finally:
+            module._parameters.update(gate_up_proj=saved[0], down_proj=saved[1])
+
+    return compute
 
 
 def attach_tiers(wrapped, plan: OffloadPlan, device: torch.device, config: TierConfig | None = None,
@@ -138,8 +170,7 @@ def attach_tiers(wrapped, plan: OffloadPlan, device: torch.device, config: TierC
         if key not in stagings:
             stagings[key] = Staging(host, device)
         model_costs = costs or measure_costs(device, next(iter(host.values())).dtype)
-        # Cold rows on the host run the class's own computation: ThunderEP's kernels need CUDA tensors.
-        on_host = binding.weights_compute(module, experts_compute_fn(module, "eager"))
+        on_host = binding.weights_compute(module, host_compute_fn(module))
         binding.tiers = ExpertTiers(host, plan.hot[name], device, binding.weights_compute(module), model_costs,
                                     stagings[key], config or TierConfig(), host_compute=on_host)
 
