@@ -1,0 +1,56 @@
+"""The expert-offload benchmark end to end on the CPU with a tiny random model (the device is the host):
+its rows, its positive rates, the hot share and the cost model's predictions, the JSON; its options."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from thunderep.bench.offload import OffloadBench, main, parse
+from thunderep.errors import ConfigError
+
+ARGS = ["--tiny", "--device", "cpu", "--new-tokens", "3", "--prefill", "16", "--batches", "1", "--fractions", "0.5",
+        "--baselines", "host,gpu", "--dtype", "float32"]
+
+
+def _cells(out: str, name: str) -> list[str]:
+    line = next(x for x in out.splitlines()[::-1] if x.startswith(f"| {name} |"))  # the rates table is last
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_tiny_run_on_cpu_prints_every_row(tmp_path, capsys):
+    assert main(ARGS + ["--json", str(tmp_path / "out.json"), "--dir", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("| config | budget |"):]
+    assert "hardware: no GPU (device cpu)" in out
+    offload, host, whole = (_cells(table, n) for n in ("thunderep 50%", "(b) host, no hot set",
+                                                       "(c) whole model on the device"))
+    for cells in (offload, host, whole):  # decode b=1, prefill
+        assert float(cells[2]) > 0 and float(cells[3]) > 0, cells
+    assert re.fullmatch(r"\d+% / \d+%", offload[4]) and host[4] == "0% / 0%" and whole[4] == "-"
+    assert offload[5] == "-" and re.fullmatch(r"[\d.]+x / [\d.]+x", offload[6]) and offload[7].endswith("x")
+    rows = {r["name"]: r for r in json.loads((tmp_path / "out.json").read_text())["rows"]}
+    assert 0 < rows["thunderep 50%"]["hot_share"]["prefill"] < 1 and rows["thunderep 50%"]["stats"]["hot_slots"] == 8
+    assert rows["thunderep 50%"]["predicted"]["decode"] > 0 and rows["(b) host, no hot set"]["predicted"] is None
+    assert rows["(b) host, no hot set"]["budget"] < rows["thunderep 50%"]["budget"]
+    cost = out[out.index("| config | predicted decode"):out.index("hardware:")]
+    assert "| thunderep 50% |" in cost and "(b) host" not in cost
+    assert (tmp_path / "ckpt" / "config.json").exists()  # --dir keeps the checkpoint
+
+
+def test_options():
+    bench = parse(["--shape", "mixtral", "--fractions", "0.25,0.5", "--baselines", "gpu", "--accelerate-batch8"])
+    assert bench == OffloadBench(shape="mixtral", fractions=(0.25, 0.5), baselines=("gpu",), accelerate_batch8=True)
+    for argv, message in ((["--shape", "llama"], "--shape must be one of"), (["--fractions", "0"], r"not in \(0, 1\]"),
+                          (["--baselines", "vllm"], "'vllm' is not one of"), (["--batches", "x"], "expected int"),
+                          (["--frobnicate", "1"], "unknown option"), (["--layers"], "needs a value"),
+                          (["--new-tokens", "1"], "--new-tokens must be 2 or more"),
+                          (["--batches", ","], "--batches needs at least one value")):
+        with pytest.raises(ConfigError, match=message):
+            parse(argv)
+    assert main(["--shape", "llama"]) == 2

@@ -1,0 +1,495 @@
+"""Benchmark: expert offload (`from_pretrained(..., gpu_memory=...)`) side by side with three baselines, on a
+random checkpoint of a real MoE model's shape with fewer layers.
+
+    python -m thunderep.bench.offload --shape qwen3 --json offload-qwen3.json
+    python -m thunderep.bench.offload --shape mixtral --json offload-mixtral.json
+
+For each hot fraction f (--fractions) the device budget is set so that round(f S) of each layer's S experts
+fit after the replicated weights and the two staging buffers (`train.plan.plan_offload_memory`). Rows:
+
+    thunderep f    ThunderMoE with that gpu_memory, each cold expert's path chosen by the cost model
+    (a) accelerate transformers, device_map="auto", max_memory={GPU: the same bytes, "cpu": 200GiB}: whole modules
+                   (a layer's experts are one) copied to the GPU at every call; equal bytes, not equal expert sets
+    (b) host       ThunderMoE with no hot expert, every expert computed on the host (TierConfig(cold_path="host"))
+    (c) gpu        ThunderMoE with the whole model on the device (no gpu_memory)
+
+Timing, after a warm-up, a new random prompt of 16 tokens for every call (nothing replayed for the hot set to
+learn): decode tokens/s at batch B = B (N - 1) / seconds from the first generated token to the N-th of a greedy
+(--sample: sampled) generate() (`StepClock` notes each step), best of --repeats calls; prefill tokens/s = P /
+one forward of [1, P] tokens without a cache (the last position's logits). ThunderEP rows show the share of
+expert rows served hot (in those decode steps, and in the prefill) and the cost model's predicted rates
+(`moe.offload_cost.predicted_rates`: routed experts alone, uniform routing, constants measured at load) over
+the measured ones. Accelerate runs batch 1 only (unless --accelerate-batch8), one timed call of
+--accelerate-new-tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from importlib import metadata
+from importlib.util import find_spec
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from ..hf import ThunderMoE
+from ..moe.offload_cost import measure_costs, predicted_rates
+from ..moe.tiers import TierConfig
+from ..train.plan import plan_offload_memory
+
+__all__ = ["BASELINES", "SHAPES", "OffloadBench", "Row", "StepClock", "budgets", "build_checkpoint", "cost_table",
+           "hardware", "main", "measure", "parse", "report", "run_rows", "table"]
+
+PROMPT = 16  # prompt tokens of each decoded sequence
+BASELINES = ("accelerate", "host", "gpu")
+SHAPES = {  # name: (transformers config class, its arguments, default layers, tiny arguments)
+    "qwen3": ("Qwen3MoeConfig",  # Qwen3-30B-A3B
+              {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+               "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+               "norm_topk_prob": True},
+              8, {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}),
+    "mixtral": ("MixtralConfig",  # Mixtral-8x7B
+                {"hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000},
+                2, {"hidden_size": 64, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}),
+}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_STARTED = time.perf_counter()
+
+
+@dataclass(frozen=True)
+class OffloadBench:
+    """What `report` runs (the options of `python -m thunderep.bench.offload`, dashes for underscores).
+    layers 0: the shape's default (8 for qwen3, 2 for mixtral, 2 with tiny). accelerate_batch8: accelerate at
+    every batch, not batch 1 alone. sample: decode by sampling (a random model's greedy decode tends to repeat
+    a token, and with it the experts). dir: where the random checkpoint is written (kept; reused where it holds
+    this shape); None: a temporary folder, deleted at the end. tiny: hidden 64, 8 experts, vocab 256."""
+
+    shape: str = "qwen3"
+    layers: int = 0
+    fractions: tuple[float, ...] = (0.25, 0.5)
+    batches: tuple[int, ...] = (1, 8)
+    new_tokens: int = 16
+    prefill: int = 2048
+    baselines: tuple[str, ...] = BASELINES
+    accelerate_new_tokens: int = 4
+    accelerate_batch8: bool = False
+    sample: bool = False
+    repeats: int = 2
+    dtype: str = "bfloat16"
+    tiny: bool = False
+    dir: str | None = None
+    json: str | None = None
+    device: str = "cuda"
+
+    def __post_init__(self):
+        problems = [] if self.shape in SHAPES else [f"--shape must be one of {', '.join(SHAPES)}, got {self.shape!r}"]
+        problems += [f"--baselines: {b!r} is not one of {', '.join(BASELINES)}" for b in self.baselines
+                     if b not in BASELINES]
+        problems += [f"--fractions: {f} is not in (0, 1]" for f in self.fractions if not 0 < f <= 1]
+        problems += [f"--batches: {b} is not 1 or more" for b in self.batches if b < 1]
+        problems += [f"--{n} needs at least one value" for n in ("fractions", "batches") if not getattr(self, n)]
+        problems += [f"--{n.replace('_', '-')} must be {low} or more, got {getattr(self, n)}" for n, low in (
+            ("layers", 0), ("new_tokens", 2), ("accelerate_new_tokens", 2), ("prefill", 1), ("repeats", 1))
+            if getattr(self, n) < low]
+        if self.dtype not in _DTYPES:
+            problems.append(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        problems += [f"--device must be cpu or cuda, got {self.device!r}"] if self.device not in ("cpu", "cuda") else []
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+
+@dataclass
+class Row:
+    """One configuration's measurements: decode tokens/s per batch (all sequences), prefill tokens/s, hot
+    share of expert rows per phase, the cost model's predicted rates; error where the run failed."""
+
+    name: str
+    kind: str  # "thunderep" or one of BASELINES
+    fraction: float | None = None
+    budget: int | None = None
+    decode: dict = field(default_factory=dict)
+    prefill: float | None = None
+    hot_share: dict = field(default_factory=dict)
+    predicted: dict | None = None
+    stats: dict | None = None
+    note: str = ""
+    error: str | None = None
+
+
+def say(text: str) -> None:
+    print(f"[{time.perf_counter() - _STARTED:7.1f}s] {text}", file=sys.stderr, flush=True)
+
+
+def _config(bench: OffloadBench):
+    import transformers  # transformers: optional (the hf extra)
+
+    name, kwargs, _, tiny = SHAPES[bench.shape]
+    return getattr(transformers, name)(**(tiny if bench.tiny else kwargs), num_hidden_layers=_layers(bench))
+
+
+def _layers(bench: OffloadBench) -> int:
+    return bench.layers or (2 if bench.tiny else SHAPES[bench.shape][2])
+
+
+def _holds(directory: Path, config) -> bool:
+    """Whether `directory` already holds a checkpoint of `config`'s shape (the arguments this benchmark sets)."""
+    path, want = directory / "config.json", config.to_dict()
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_experts_per_tok", "num_local_experts",
+            "num_experts", "moe_intermediate_size", "intermediate_size", "head_dim", "dtype")
+    return any(directory.glob("*.safetensors")) and all(saved.get(k) == want.get(k) for k in keys)
+
+
+def build_checkpoint(bench: OffloadBench, directory: Path) -> Path:
+    """A random checkpoint of the bench's shape in `directory` (safetensors, `bench.dtype`), initialized on
+    `bench.device` (seconds, not minutes, for billions of parameters); kept where it is already there."""
+    # transformers: optional (the hf extra)
+    from transformers import AutoModelForCausalLM
+
+    config = _config(bench)
+    config.dtype = bench.dtype
+    if _holds(directory, config):
+        say(f"reusing the checkpoint in {directory}")
+        return directory
+    say(f"building a random {bench.shape} checkpoint, {_layers(bench)} layers, {bench.dtype}, in {directory}")
+    torch.manual_seed(0)
+    with torch.device(bench.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[bench.dtype])
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(directory)
+    del model
+    _free()
+    say(f"saved {params / 1e9:.2f} B parameters")
+    return directory
+
+
+def budgets(path: Path, fractions, dtype: torch.dtype) -> dict:
+    """{fraction: (gpu_memory bytes, its `OffloadPlan`)} giving each layer round(fraction * S) hot slots of its
+    S, one rank; fraction 1 the whole model (the budget of row (c))."""
+    (_, full), = plan_offload_memory(path, [1], 10**15, dtype)
+    out = {}
+    for f in fractions:
+        need = full.replicated_bytes + full.staging_bytes + sum(
+            round(f * full.slots[n]) * full.slot_bytes[n] for n in full.slots)
+        (_, plan), = plan_offload_memory(path, [1], need, dtype)
+        out[f] = (need, plan)
+    return out
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepClock:
+    """A transformers streamer noting, at every token generate() hands it (the prompt, then each step's), the
+    time (the device synchronized first) and the offload counters `stats()`."""
+
+    def __init__(self, device: torch.device, stats):
+        self.device, self.stats, self.times, self.counters = device, stats, [], []
+
+    def put(self, tokens) -> None:
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+        self.counters.append(self.stats())
+
+    def end(self) -> None:
+        pass
+
+
+def _decode(model, ids_BT: torch.Tensor, tokens: int, stats, sample: bool) -> tuple[float, float | None]:
+    """(seconds, hot share of the expert rows) from the first generated token to the last of one greedy
+    (or sampled: `sample`) generate() of `tokens` new tokens: the decode steps alone."""
+    clock = StepClock(ids_BT.device, stats)
+    model.generate(ids_BT, attention_mask=torch.ones_like(ids_BT), max_new_tokens=tokens, min_new_tokens=tokens,
+                   do_sample=sample, pad_token_id=0, streamer=clock)
+    assert len(clock.times) == tokens + 1, f"{len(clock.times)} streamer calls for {tokens} tokens"
+    return clock.times[-1] - clock.times[1], _share(clock.counters[1], clock.counters[-1])
+
+
+def _share(before, after) -> float | None:
+    """Hot share of the expert rows counted between two `offload_stats` dicts; None without offload."""
+    if before is None or after is None:
+        return None
+    delta = {k: after[k] - before[k] for k in ("rows_hot", "rows_host", "rows_streamed")}
+    rows = sum(delta.values())
+    return delta["rows_hot"] / rows if rows else None
+
+
+def measure(model, device: torch.device, vocab: int, batches, new_tokens: int, prefill: int, repeats: int,
+            stats=lambda: None, sample: bool = False) -> tuple[dict, float, dict]:
+    """({batch: decode tokens/s}, prefill tokens/s, {phase: hot share}) of `model` (a ThunderMoE or a
+    transformers model) as the module docstring times them; `stats` returns the offload counters."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)  # what sampling draws
+
+    def prompts(n: int, shape: tuple) -> list[torch.Tensor]:  # a new prompt for every call: no replay to learn
+        return [torch.randint(0, vocab, shape, generator=gen).to(device) for _ in range(n)]
+
+    decode, shares = {}, {}
+    for b in batches:
+        _decode(model, prompts(1, (b, PROMPT))[0], 2, stats, sample)  # warm-up
+        seconds, shares[f"decode b={b}"] = min((_decode(model, ids_BT, new_tokens, stats, sample)
+                                                for ids_BT in prompts(repeats, (b, PROMPT))), key=lambda r: r[0])
+        decode[b] = b * (new_tokens - 1) / seconds
+        say(f"  decode b={b}: {decode[b]:.2f} tokens/s ({new_tokens - 1} steps in {seconds:.3f} s)")
+    with torch.no_grad():
+        ids_1P, warm_1P = prompts(2, (1, prefill))
+        model(input_ids=warm_1P, use_cache=False, logits_to_keep=1)  # warm-up
+        before = stats()
+        _sync(device)
+        started = time.perf_counter()
+        model(input_ids=ids_1P, use_cache=False, logits_to_keep=1)
+        _sync(device)
+        seconds = time.perf_counter() - started
+    shares["prefill"] = _share(before, stats())
+    say(f"  prefill {prefill}: {prefill / seconds:.1f} tokens/s ({seconds:.3f} s)")
+    return decode, prefill / seconds, shares
+
+
+def _device(bench: OffloadBench) -> torch.device:  # "cuda" as from_pretrained resolves it
+    return torch.device("cuda", torch.cuda.current_device()) if bench.device == "cuda" else torch.device("cpu")
+
+
+def _predict(costs, plan, config, bench: OffloadBench) -> dict:
+    """The cost model's {"decode", "prefill"} tokens/s for `plan`'s layers with `costs`."""
+    row_bytes = config.hidden_size * _DTYPES[bench.dtype].itemsize
+    return predicted_rates(costs, plan.layers(), config.num_experts_per_tok, row_bytes, bench.prefill)
+
+
+def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offload: TierConfig | None) -> None:
+    """Load ThunderMoE (gpu_memory=row.budget, or the whole model without a budget), measure, free."""
+    device, dtype = _device(bench), _DTYPES[bench.dtype]
+    tm = ThunderMoE.from_pretrained(path, dtype=dtype, device=device, gpu_memory=row.budget, offload=offload)
+    try:
+        tm.eval()
+        if row.budget is not None:
+            say(f"  {sum(plan.hot.values())} of {sum(plan.slots.values())} expert slots hot by the plan, "
+                f"{tm.offload_stats()['hot_slots']} in the model")
+        row.decode, row.prefill, row.hot_share = measure(tm, device, config.vocab_size, bench.batches, bench.new_tokens,
+                                                         bench.prefill, bench.repeats, tm.offload_stats, bench.sample)
+        row.stats = tm.offload_stats()
+        tiers = [b.tiers for b in tm.bindings.values() if getattr(b, "tiers", None) is not None]
+        costs = tiers[0].costs if tiers else measure_costs(device, dtype)
+        if row.kind != "host":  # the model predicts the cheaper cold path; (b) forces the host
+            row.predicted = _predict(costs, plan, config, bench)
+            say(f"  predicted decode {row.predicted['decode']:.1f} tokens/s, prefill {row.predicted['prefill']:.0f} "
+                f"tokens/s (routed experts alone; host GEMM {costs.host_flops / 1e9:.0f} GFLOP/s, device "
+                f"{costs.device_flops / 1e9:.0f} GFLOP/s, host to device {costs.h2d_Bps / 1e9:.1f} GB/s)")
+    finally:
+        del tm
+        _free()
+
+
+def _accelerate_row(row: Row, path: Path, bench: OffloadBench, config) -> None:
+    """transformers with accelerate's device_map="auto" under max_memory = row.budget on the GPU; measure, free."""
+    # transformers: optional (the hf extra)
+    from transformers import AutoModelForCausalLM
+
+    device = _device(bench)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[bench.dtype], device_map="auto",
+                                                 max_memory={device.index: row.budget, "cpu": "200GiB"})
+    try:
+        placed = list(getattr(model, "hf_device_map", {}).values())
+        row.note = f"{sum(p in ('cpu', 'disk') for p in placed)} of {len(placed)} placed modules off the GPU"
+        say(f"  accelerate: {row.note}")
+        batches = bench.batches if bench.accelerate_batch8 else bench.batches[:1]
+        row.decode, row.prefill, _ = measure(model.eval(), device, config.vocab_size, batches,
+                                             bench.accelerate_new_tokens, bench.prefill, 1, sample=bench.sample)
+    finally:
+        del model
+        _free()
+
+
+def _plan_rows(bench: OffloadBench, path: Path) -> list[tuple[Row, object]]:
+    """(Row, its plan) in the order they run: ThunderEP's fractions, (b), (c), then (a), the slowest."""
+    plans = budgets(path, sorted(set(bench.fractions) | {0.0, 1.0}), _DTYPES[bench.dtype])
+    out = [(Row(f"thunderep {f:.0%}", "thunderep", f, plans[f][0]), plans[f][1]) for f in bench.fractions]
+    if "host" in bench.baselines:
+        out.append((Row("(b) host, no hot set", "host", 0.0, plans[0.0][0]), plans[0.0][1]))
+    if "gpu" in bench.baselines:
+        where = "GPU" if bench.device == "cuda" else "device"
+        out.append((Row(f"(c) whole model on the {where}", "gpu", 1.0), plans[1.0][1]))
+    if "accelerate" in bench.baselines and bench.device != "cuda":
+        say("leaving out (a) accelerate: its device_map offload needs a CUDA device")
+    elif "accelerate" in bench.baselines:
+        out += [(Row(f"(a) accelerate {f:.0%}", "accelerate", f, plans[f][0]), None) for f in bench.fractions]
+    return out
+
+
+def run_rows(bench: OffloadBench, path: Path) -> list[Row]:
+    """Every row of `bench` on the checkpoint `path`, one model at a time; a failed row keeps its error and the
+    others run."""
+    config = _config(bench)
+    rows = []
+    for row, plan in _plan_rows(bench, path):
+        say(row.name + (f", budget {_size(row.budget)}" if row.budget is not None else ""))
+        try:
+            if row.kind == "accelerate":
+                _accelerate_row(row, path, bench, config)
+            else:
+                _thunderep_row(row, path, bench, config, plan,
+                               TierConfig(cold_path="host") if row.kind == "host" else None)
+        except Exception as exc:  # noqa: BLE001 - one failed configuration must not lose the others' numbers
+            traceback.print_exc(file=sys.stderr)
+            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        rows.append(row)
+    return rows
+
+
+def _size(n: int) -> str:
+    shift, unit = next((s, u) for s, u in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B")) if n >= 2**s or not s)
+    return f"{n / 2**shift:.2f} {unit}"
+
+
+def _rate(value) -> str:
+    return "-" if value is None else f"{value:.2f}" if value < 100 else f"{value:.0f}"
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def _versus(row: Row, other: Row | None, batches) -> str:
+    """This row's rates over `other`'s, decode per batch then prefill ("-" where either is missing)."""
+    if other is None or other is row or other.error:
+        return "-"
+    return " / ".join([_ratio(row.decode.get(b), other.decode.get(b)) for b in batches]
+                      + [_ratio(row.prefill, other.prefill)])
+
+
+def _share_cell(shares: dict, batch: int) -> str:
+    cells = [shares.get(f"decode b={batch}"), shares.get("prefill")]
+    return "-" if all(c is None for c in cells) else " / ".join("-" if c is None else f"{c:.0%}" for c in cells)
+
+
+def table(rows: list[Row], batches, prefill: int) -> str:
+    """The markdown table: rates per configuration and each one's ratios against (a) at its fraction, (b), (c)."""
+    by_kind = {(r.kind, r.fraction): r for r in rows}
+    ratio = "rate / theirs, " + " / ".join([f"decode b={b}" for b in batches] + ["prefill"])
+    head = (["config", "budget"] + [f"decode b={b} tok/s" for b in batches]
+            + [f"prefill {prefill} tok/s", f"hot share (decode b={batches[0]} / prefill)",
+               f"vs (a) ({ratio})", "vs (b)", "vs (c)"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        budget = "-" if r.budget is None else _size(r.budget)
+        if r.error:
+            lines.append(f"| {r.name} | {budget} | failed: {r.error} |" + " |" * (len(head) - 3))
+            continue
+        versus = [_versus(r, by_kind.get(("accelerate", r.fraction)), batches),
+                  _versus(r, by_kind.get(("host", 0.0)), batches), _versus(r, by_kind.get(("gpu", 1.0)), batches)]
+        cells = ([r.name, budget] + [_rate(r.decode.get(b)) for b in batches]
+                 + [_rate(r.prefill), _share_cell(r.hot_share, batches[0])] + versus)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cost_table(rows: list[Row], batch: int) -> str:
+    """Predicted (cost model) against measured rates, per row with a prediction."""
+    head = (f"| config | predicted decode tok/s | measured decode b={batch} | predicted / measured "
+            "| predicted prefill tok/s | measured prefill | predicted / measured |")
+    lines = [head, "|" + "---|" * 7]
+    for r in rows:
+        if r.predicted and not r.error:
+            d, p = r.predicted["decode"], r.predicted["prefill"]
+            lines.append(f"| {r.name} | {_rate(d)} | {_rate(r.decode.get(batch))} | {_ratio(d, r.decode.get(batch))} "
+                         f"| {_rate(p)} | {_rate(r.prefill)} | {_ratio(p, r.prefill)} |")
+    return "\n".join(lines)
+
+
+def hardware(bench: OffloadBench) -> str:
+    """GPU (or CPU), CPU cores, torch / transformers / accelerate versions."""
+    gpu = torch.cuda.get_device_name(_device(bench)) if bench.device == "cuda" else "no GPU (device cpu)"
+    versions = [f"{p} {metadata.version(p) if find_spec(p) else 'absent'}"
+                for p in ("torch", "transformers", "accelerate")]
+    return f"{gpu}, {os.cpu_count()} CPU cores, " + ", ".join(versions)
+
+
+def report(bench: OffloadBench) -> list[Row]:
+    """Build (or reuse) the checkpoint, run every row, print the cost-model table, the hardware line and the
+    rates table (last); write the JSON where asked. Returns the rows."""
+    directory = Path(bench.dir) if bench.dir else Path(tempfile.mkdtemp(prefix="thunderep-offload-"))
+    try:
+        path = build_checkpoint(bench, directory)
+        rows = run_rows(bench, path)
+    finally:
+        if not bench.dir:
+            shutil.rmtree(directory, ignore_errors=True)
+    name = f"{bench.shape}{' (tiny)' if bench.tiny else ''}, {_layers(bench)} layers, {bench.dtype}"
+    print(f"expert offload, {name}; prompts of {PROMPT} tokens, {bench.new_tokens} new tokens "
+          f"({bench.accelerate_new_tokens} for accelerate), prefill {bench.prefill} tokens")
+    print("\ncost model (routed experts alone, uniform routing) against the measured rates:\n")
+    print(cost_table(rows, bench.batches[0]))
+    print(f"\nhardware: {hardware(bench)}\naccelerate's max_memory counts its own way (whole modules, room kept "
+          "for the largest layer): equal bytes, not equal expert sets.\n")
+    print(table(rows, bench.batches, bench.prefill))
+    if bench.json:
+        Path(bench.json).write_text(json.dumps({"bench": dataclasses.asdict(bench), "hardware": hardware(bench),
+                                                "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+    return rows
+
+
+_LISTS = {"fractions": float, "batches": int, "baselines": str}
+
+
+def parse(argv: list[str]) -> OffloadBench:
+    """`OffloadBench` from `--name value` options (dashes for underscores; lists comma-separated; flags bare)."""
+    fields = {f.name: f.default for f in dataclasses.fields(OffloadBench)}
+    values, args = {}, list(argv)
+    while args:
+        arg = args.pop(0)
+        name = arg[2:].replace("-", "_") if arg.startswith("--") else ""
+        if name not in fields:
+            raise ConfigError(f"unknown option {arg!r}; the options: "
+                              + ", ".join("--" + n.replace("_", "-") for n in fields))
+        if isinstance(fields[name], bool):
+            values[name] = True
+            continue
+        if not args:
+            raise ConfigError(f"{arg} needs a value")
+        text = args.pop(0)
+        kind = _LISTS.get(name) or (int if isinstance(fields[name], int) else str)
+        try:
+            values[name] = tuple(kind(v) for v in text.split(",") if v) if name in _LISTS else kind(text)
+        except ValueError:
+            many = " values, comma-separated" if name in _LISTS else ""
+            raise ConfigError(f"{arg} {text!r}: expected {kind.__name__}{many}") from None
+    return OffloadBench(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(__doc__ + "\noptions (defaults): " + ", ".join(
+            f"--{f.name.replace('_', '-')} {f.default}" for f in dataclasses.fields(OffloadBench)))
+        return 0
+    try:
+        bench = parse(argv)
+    except ConfigError as exc:
+        print(f"thunderep.bench.offload: {exc}", file=sys.stderr)
+        return 2
+    rows = report(bench)
+    return 1 if any(r.error for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
