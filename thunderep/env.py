@@ -12,6 +12,8 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_WGRAD=triton|torch    pins the weight-gradient GEMMs' implementation
     THUNDEREP_NO_NATIVE_BUILD=1     never build the native extensions on first use (packaging, CI)
     THUNDEREP_API_KEY=KEY           the key `thunderep serve` requires (where --api-key is not given)
+    THUNDEREP_HOST_COLLECTIVE=0|1   small collectives of one host's ranks: NCCL (0) or host memory (1)
+    THUNDEREP_HOST_COLLECTIVE_TIMEOUT_S=S   how long a host-collective kernel waits for a peer
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import os
 
 from .errors import ConfigError
 
-__all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "no_native_build", "pairs_max_tokens", "pdl",
-           "triton_autotune", "triton_interpreter"]
+__all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "host_collective", "host_collective_timeout_s",
+           "no_native_build", "pairs_max_tokens", "pdl", "triton_autotune", "triton_interpreter"]
 
 
 def _raw(name: str) -> str:
@@ -96,3 +98,27 @@ def forced_gemm(name: str) -> str:
     if raw not in ("", "triton", "torch"):
         raise ConfigError(f"{name}={raw!r}: use 'triton', 'torch', or leave it unset")
     return raw
+
+
+def host_collective() -> bool | None:
+    """THUNDEREP_HOST_COLLECTIVE: False for "0" (always NCCL), True for "1" (host memory whenever the ranks
+    share a host and the message fits), None when unset (by size)."""
+    raw = _raw("THUNDEREP_HOST_COLLECTIVE")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"THUNDEREP_HOST_COLLECTIVE={raw!r}: use 0 (NCCL) or 1 (host memory), or leave it unset")
+    return None if raw == "" else raw == "1"
+
+
+def host_collective_timeout_s() -> float | None:
+    """THUNDEREP_HOST_COLLECTIVE_TIMEOUT_S (seconds, > 0 and at most 3600), or None when unset."""
+    raw = _raw("THUNDEREP_HOST_COLLECTIVE_TIMEOUT_S")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 3600:
+        raise ConfigError(f"THUNDEREP_HOST_COLLECTIVE_TIMEOUT_S={raw!r}: use a number of seconds in (0, 3600], "
+                          f"or leave it unset")
+    return value
