@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..errors import CommError
+from ..kernels import available
 from .codec import Codec, get_codec
 from .control import ControlPlane
 from .groups import EPGroups, peer_errors, wait_work
@@ -272,9 +273,14 @@ class Dispatcher:
         """Sum each received row's weighted expert outputs (float32), return one row per (token, rank) to
         the token's rank. wait() -> [T, D] = sum_k weights_TK * y(t, k), in y_QD's dtype."""
         meta, K, D = received.meta, received.meta.top_k, y_QD.shape[-1]
-        weighted_QD = y_QD.float() * received.weights_Q.float().unsqueeze(-1)
-        full_ND = weighted_QD.new_zeros(received.rows * K, D).index_copy(0, received.pairs_Q, weighted_QD)
-        y_MD = full_ND.view(received.rows, K, D).sum(dim=1).to(y_QD.dtype)  # k in order: deterministic
+        if available(y_QD.device):  # one pass: each row's pairs read once, summed in registers
+            from ..kernels.presum import presum  # triton: optional, imported where the kernels run
+
+            y_MD = presum(y_QD, received.weights_Q, received.pairs_Q, received.rows, K)
+        else:
+            weighted_QD = y_QD.float() * received.weights_Q.float().unsqueeze(-1)
+            full_ND = weighted_QD.new_zeros(received.rows * K, D).index_copy(0, received.pairs_Q, weighted_QD)
+            y_MD = full_ND.view(received.rows, K, D).sum(dim=1).to(y_QD.dtype)  # k in order: deterministic
         back = self._all_to_all(y_MD, meta.recv_splits, meta.send_splits, "combine", meta.sinks, self.codec)
         T, R = meta.num_tokens, self.groups.ep_size
 
