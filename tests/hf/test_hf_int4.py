@@ -447,12 +447,22 @@ def test_gpu_int4_graph_steps_equal_eager_steps(checkpoints, experts_dtype):
 
 @pytest.mark.gpu
 def test_gpu_int4_pair_kernels_compile_with_torch_compile(checkpoints):
-    """The 4-bit decode path under torch.compile(fullgraph=True): the custom op traces and gives the
-    eager logits."""
+    """The 4-bit decode op under torch.compile(fullgraph=True), on a loaded model's experts: it traces and
+    gives the eager output bit for bit."""
+    from thunderep.hf.int4 import expert_weights4
+
     tm = ThunderMoE.from_pretrained(checkpoints["qwen3_moe_fused"], dtype=torch.bfloat16, experts_dtype="int4",
                                     device="cuda")
-    one = _ids()[:1, :1].cuda()
+    w_gu, w_d = expert_weights4(tm.model.get_submodule(next(iter(tm.bindings))))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, w_gu.shape[2], device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([0, 2], device="cuda")
+    weights = torch.tensor([0.75, 0.25], device="cuda", dtype=torch.bfloat16)
+
+    def op(x, ids, weights):
+        return torch.ops.thunderep.moe_mlp_pairs_int4(x, w_gu.packed, w_gu.scale, None, w_gu.group, w_d.packed,
+                                                      w_d.scale, None, w_d.group, w_gu.fmt, ids, weights, "silu",
+                                                      False)
+
     with torch.no_grad():
-        eager = tm.model(input_ids=one).logits
-        compiled = torch.compile(lambda i: tm.model(input_ids=i).logits, fullgraph=True)(one)
-    torch.testing.assert_close(compiled.float(), eager.float(), rtol=1e-2, atol=1e-2)
+        assert torch.equal(torch.compile(op, fullgraph=True)(x, ids, weights), op(x, ids, weights))

@@ -114,6 +114,7 @@ CASES = [  # T, D, I, E, K, fmt, group, zero points
     (3, 64, 48, 4, 2, "mxfp4", 32, False),
     (2, 64, 40, 4, 2, "int4", 32, False),  # I = 40: a partial group of 8 at the end of each down row
     (3, 48, 32, 3, 3, "int4", 16, True),  # asymmetric: zero points per group
+    (2, 48, 48, 3, 2, "int4", 24, True),  # a group that is no power of two: a scale per byte
 ]
 
 

@@ -14,15 +14,15 @@ import torch
 from . import paths, tiles, tuning
 from .act import ACTIVATIONS
 from .fp8 import scale_args, weight_data
-from .pairs4 import down_pairs4_kernel, up_pairs4_kernel
 from .tuning import cdiv, next_power_of_2
 
 __all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "pairs4_forward", "pairs_forward"]
 
-# The 4-bit pair kernels' launch configs (pairs4.py): fixed for now, not yet tuned on a GPU.
-PAIRS4_UP = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
-PAIRS4_DOWN = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
-
+# The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
+# tiles.DOWN_PAIRS4) and takes tiles.pairs4_default elsewhere; a dict {"BLOCK_N", "BLOCK_K", "num_warps"}
+# runs that config.
+PAIRS4_UP: dict | None = None
+PAIRS4_DOWN: dict | None = None
 
 def pairs_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights: Optional[torch.Tensor],
                   activation: str, interleaved: bool) -> torch.Tensor:
@@ -58,6 +58,16 @@ def pairs_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights
     return y
 
 
+def _launch4(autotuner, plain, pinned: dict | None, programs, C: int, grid, device, **args) -> None:
+    """One 4-bit pair launch: the pinned config where one is set, else autotuned (tiles.pairs4_default
+    without autotuning)."""
+    if pinned is not None:
+        meta = {k: v for k, v in pinned.items() if k != "num_warps"}
+        plain[grid(meta)](**args, **meta, num_warps=pinned.get("num_warps", 4))
+        return
+    tuning.launch(autotuner, plain, tiles.pairs4_default(programs, C), grid, device, **args)
+
+
 def _packed_args(w) -> dict:
     """A 4-bit weight's (int4.Int4Weight) pointers, strides and format constants for pairs4.py."""
     zero = w.zero if w.zero is not None else w.scale  # never read without ZERO
@@ -75,16 +85,17 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()
     h = x.new_empty(N, I)
-    up, down = dict(PAIRS4_UP), dict(PAIRS4_DOWN)
     gu = _packed_args(w_gate_up)
-    up_pairs4_kernel[(N, cdiv(I, up["BLOCK_N"]))](
-        x, gu.pop("w_ptr"), gu.pop("s_ptr"), gu.pop("z_ptr"), h, ids, I, D, E, N // T, x.stride(0),
-        stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
-        INTERLEAVED=interleaved, **gu, **up)
+    _launch4(tiles.UP_PAIRS4, tiles.UP_PAIRS4_PLAIN, PAIRS4_UP, lambda bn: N * cdiv(I, bn), D,
+             lambda meta: (N, cdiv(I, meta["BLOCK_N"])), x.device,
+             x_ptr=x, w_ptr=gu.pop("w_ptr"), s_ptr=gu.pop("s_ptr"), z_ptr=gu.pop("z_ptr"), h_ptr=h, ids_ptr=ids, I=I,
+             D=D, E=E, top_k=N // T, stride_xm=x.stride(0), stride_wn=w_gate_up.packed.stride(1),
+             stride_hm=h.stride(0), ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved, **gu)
     y = x.new_empty(T, D)
     dn = _packed_args(w_down)
-    down_pairs4_kernel[(T, cdiv(D, down["BLOCK_N"]))](
-        h, dn.pop("w_ptr"), dn.pop("s_ptr"), dn.pop("z_ptr"), y, ids, weights if weights is not None else h, D, I, E,
-        N // T, h.stride(0), stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None,
-        **dn, **down)
+    _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
+             lambda meta: (T, cdiv(D, meta["BLOCK_N"])), x.device,
+             h_ptr=h, w_ptr=dn.pop("w_ptr"), s_ptr=dn.pop("s_ptr"), z_ptr=dn.pop("z_ptr"), y_ptr=y, ids_ptr=ids,
+             weight_ptr=weights if weights is not None else h, D=D, I=I, E=E, top_k=N // T, stride_hm=h.stride(0),
+             stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None, **dn)
     return y

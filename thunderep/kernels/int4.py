@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
+from . import available
 
 __all__ = ["FORMATS", "Int4Weight", "packed_bytes"]
 
@@ -36,6 +37,7 @@ MXFP4_GROUP = 32  # values per e8m0 scale (the OCP MX block)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _COMPUTE = (torch.bfloat16, torch.float16)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL_OUT = (torch.bfloat16, torch.float16, torch.float32)  # what dequant4.py writes
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -58,6 +60,36 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
     """[..., C] codes 0..15 (C even) -> [..., C / 2] uint8, low nibble first."""
     pairs = codes.to(torch.uint8).unflatten(-1, (-1, 2))
     return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+
+def _e2m1(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e2m1 values of codes 0..15 (int64) in `dtype`, from the bits (sign bit 8, exponent bits 2..1,
+    mantissa bit 0; exponent 0 subnormal): twice the magnitude is m (e = 0) or (2 + m) << (e - 1). No
+    table built per call (a host-to-device copy, refused inside CUDA-graph capture)."""
+    e, m = (codes >> 1) & 3, codes & 1
+    twice = torch.where(e == 0, m, (2 + m) << (e - 1).clamp(min=0))
+    mag = twice.to(dtype) * 0.5
+    return torch.where(codes >= 8, -mag, mag)
+
+
+def _dequantize_torch(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int, fmt: str,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """`Int4Weight.dequantize` with torch ops, one expert at a time: packed [E, R, C / 2], scale and zero
+    [E, R, nG] -> W [E, R, C] in dtype, each value one product in float32 (float64 for dtype float64)."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    out = torch.empty(packed.shape[:2] + (2 * packed.shape[2],), dtype=dtype, device=packed.device)
+    for e in range(len(packed)):
+        codes = _nibbles(packed[e])
+        if fmt == "mxfp4":
+            values = _e2m1(codes, wide)
+            scales = torch.exp2(scale[e].to(wide) - 127)  # exact: powers of two
+        else:
+            values = (codes - 8).to(wide)
+            if zero is not None:
+                values -= zero[e].to(wide).repeat_interleave(group, dim=-1)[:, :codes.shape[-1]]
+            scales = scale[e].to(wide)
+        out[e] = values * scales.repeat_interleave(group, dim=-1)[:, :codes.shape[-1]]
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,24 +165,17 @@ class Int4Weight:
 
     def dequantize(self, experts: slice | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [E, R, C] in `dtype` (default: the products' dtype; float32 and float64 hold it exactly);
-        `experts`: only those. One expert at a time in float32."""
+        `experts`: only those. Each value is one float32 product (float64 for dtype float64), then cast:
+        on CUDA in one Triton pass (dequant4.py), elsewhere one expert at a time with torch ops. Neither
+        copies from the host, so both can run inside CUDA-graph capture."""
         pick = (lambda t: t) if experts is None else (lambda t: t[experts])
         packed, scale = pick(self.packed), pick(self.scale)
         zero = pick(self.zero) if self.zero is not None else None
-        wide = torch.float64 if dtype == torch.float64 else torch.float32
-        out = torch.empty(packed.shape[:2] + (2 * packed.shape[2],), dtype=dtype or self.dtype, device=packed.device)
-        for e in range(len(packed)):
-            codes = _nibbles(packed[e])
-            if self.fmt == "mxfp4":
-                values = torch.tensor(_E2M1, dtype=wide, device=packed.device)[codes]
-                scales = torch.exp2(scale[e].to(wide) - 127)  # exact: powers of two
-            else:
-                values = (codes - 8).to(wide)
-                if zero is not None:
-                    values -= zero[e].to(wide).repeat_interleave(self.group, dim=-1)[:, :codes.shape[-1]]
-                scales = scale[e].to(wide)
-            out[e] = values * scales.repeat_interleave(self.group, dim=-1)[:, :codes.shape[-1]]
-        return out
+        dtype = dtype or self.dtype
+        if dtype in _KERNEL_OUT and available(packed.device):
+            from .dequant4 import dequantize4  # triton: optional (the kernel module imports it)
+            return dequantize4(packed, scale, zero, self.group, self.fmt == "mxfp4", dtype)
+        return _dequantize_torch(packed, scale, zero, self.group, self.fmt, dtype)
 
     @classmethod
     def quantize(cls, w_ERC: torch.Tensor, fmt: str = "int4", group: int = 32,

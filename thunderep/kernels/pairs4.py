@@ -8,8 +8,10 @@ N = T * K (token, slot) pairs in flat (token-major) order, HK = BLOCK_K / 2 pack
 
 Each chunk of BLOCK_K columns is loaded as a [BLOCK_N, HK] tile of bytes (a quarter of bfloat16's
 bytes), split into its low and high nibbles (the even and odd columns), converted to float32 in
-registers (`_codes`: e2m1, or int4 minus 8 and the zero point) and multiplied by the group scales and
-by the vector's even and odd elements: no interleave, no shared memory, no tensor cores. Partial chunks
+registers (`_codes`: e2m1, or int4 minus 8), multiplied by the vector's even and odd elements and
+summed per group, then times the group scales (`packed_chunk`: one scale load per group and row): no
+interleave, no shared memory, no tensor cores. Each chunk is summed as it comes, so the accumulators are
+[BLOCK_N] and chunks can be wide. Partial chunks
 (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids as in
 pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's output
 NaN. Portable Triton (no Hopper-only instructions); inference only. The launches are in decode.py;
@@ -57,20 +59,42 @@ def _scales(s_ptrs, ok, MXFP4: tl.constexpr):
 @triton.jit
 def packed_chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_even, v_odd, stride_sk, GROUP: tl.constexpr,
                  MXFP4: tl.constexpr, ZERO: tl.constexpr, HK: tl.constexpr):
-    """[BLOCK_N, HK] float32 products of one chunk at column k0: each row's packed bytes from w_ptrs_N
-    (its row's column 0), the two codes of each byte times their group's scale, times the vector's even
-    and odd elements (v_even, v_odd [HK], float32, zero past C). Both columns of a byte share a group
-    (GROUP is even)."""
+    """[BLOCK_N] float32 sums of one chunk at column k0: each row's packed bytes from w_ptrs_N (its row's
+    column 0), the two codes of each byte times the vector's even and odd elements (v_even, v_odd [HK],
+    float32, zero past C), summed per group and times the group's scale (zero points: minus z times the
+    group's sum of the vector). Both columns of a byte share a group (GROUP is even). A chunk of whole
+    groups (BLOCK_K a multiple of GROUP, GROUP a power of two) loads one scale per group and row; a chunk
+    inside one group one per row; anything else one per byte."""
     p_K = k0 // 2 + tl.arange(0, HK)
     ok = ok_N[:, None] & (p_K < C // 2)[None, :]
     b = tl.load(w_ptrs_N[:, None] + p_K[None, :], mask=ok, other=0).to(tl.int32)
-    g_K = (2 * p_K // GROUP).to(tl.int64) * stride_sk
-    scale = _scales(s_ptrs_N[:, None] + g_K[None, :], ok, MXFP4)
-    lo, hi = _codes(b & 15, MXFP4), _codes(b >> 4, MXFP4)
-    if ZERO:
-        z = tl.load(z_ptrs_N[:, None] + g_K[None, :], mask=ok, other=0).to(tl.float32)
-        lo, hi = lo - z, hi - z
-    return (lo * v_even[None, :] + hi * v_odd[None, :]) * scale
+    prod = _codes(b & 15, MXFP4) * v_even[None, :] + _codes(b >> 4, MXFP4) * v_odd[None, :]
+    HG: tl.constexpr = GROUP // 2
+    if (HK % HG == 0) and ((HG & (HG - 1)) == 0):  # whole groups: [BLOCK_N, NG, HG]
+        NG: tl.constexpr = HK // HG
+        BLOCK_N: tl.constexpr = prod.shape[0]
+        g_G = k0 // GROUP + tl.arange(0, NG)
+        ok_G = ok_N[:, None] & (g_G * GROUP < C)[None, :]
+        g_off = g_G.to(tl.int64)[None, :] * stride_sk
+        sums = tl.sum(tl.reshape(prod, (BLOCK_N, NG, HG)), 2)
+        if ZERO:
+            vsum = tl.sum(tl.reshape(v_even + v_odd, (NG, HG)), 1)
+            sums -= tl.load(z_ptrs_N[:, None] + g_off, mask=ok_G, other=0).to(tl.float32) * vsum[None, :]
+        return tl.sum(sums * _scales(s_ptrs_N[:, None] + g_off, ok_G, MXFP4), 1)
+    elif HG % HK == 0:  # the chunk lies inside one group (k0 is a multiple of BLOCK_K, which divides GROUP)
+        g_off = (k0 // GROUP) * stride_sk  # a group index within one row: no overflow
+        ok_1 = ok_N  # k0 < C: the loops start chunks inside the row
+        sums = tl.sum(prod, 1)
+        if ZERO:
+            sums -= tl.load(z_ptrs_N + g_off, mask=ok_1, other=0).to(tl.float32) * tl.sum(v_even + v_odd, 0)
+        return sums * _scales(s_ptrs_N + g_off, ok_1, MXFP4)
+    else:  # a scale per byte
+        g_K = (2 * p_K // GROUP).to(tl.int64) * stride_sk
+        scale = _scales(s_ptrs_N[:, None] + g_K[None, :], ok, MXFP4)
+        if ZERO:
+            z = tl.load(z_ptrs_N[:, None] + g_K[None, :], mask=ok, other=0).to(tl.float32)
+            prod -= z * (v_even + v_odd)[None, :]
+        return tl.sum(prod * scale, 1)
 
 
 @triton.jit
@@ -104,15 +128,15 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, I, D, E, top_k,
     us_N = expert * stride_se + up_N.to(tl.int64) * stride_sn
     x_row = x_ptr + (j // top_k).to(tl.int64) * stride_xm
     HK: tl.constexpr = BLOCK_K // 2
-    acc_g = tl.zeros((BLOCK_N, HK), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, HK), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         x_even, x_odd = even_odd(x_row, k0, D, HK)
         acc_g += packed_chunk(gw_N, s_ptr + gs_N, z_ptr + gs_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
                               MXFP4, ZERO, HK)
         acc_u += packed_chunk(uw_N, s_ptr + us_N, z_ptr + us_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
                               MXFP4, ZERO, HK)
-    g_N, u_N = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+    g_N, u_N = acc_g, acc_u
     h = tl.where(known, act(g_N, ACT) * u_N, tl.where(skipped, 0.0, float("nan")))
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
 
@@ -128,7 +152,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, D
     t = tl.program_id(0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     HK: tl.constexpr = BLOCK_K // 2
-    acc = tl.zeros((BLOCK_N, HK), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in range(top_k):
         j = t * top_k + slot
         expert = tl.load(ids_ptr + j).to(tl.int64)
@@ -146,5 +170,4 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, D
             h_even, h_odd = even_odd(h_row, k0, I, HK)
             acc += packed_chunk(w_N, s_ptr + s_N, z_ptr + s_N, k0, I, ok_N, h_even * rw, h_odd * rw, stride_sk,
                                 GROUP, MXFP4, ZERO, HK)
-    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, tl.sum(acc, 1).to(y_ptr.dtype.element_ty),
-             mask=cols_N < D)
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, acc.to(y_ptr.dtype.element_ty), mask=cols_N < D)

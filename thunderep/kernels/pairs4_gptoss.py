@@ -26,14 +26,23 @@ import triton
 import triton.language as tl
 
 from .pairs4 import even_odd, packed_chunk
+from .tiles import pairs4_default
 from .tuning import cdiv
 
 __all__ = ["GPTOSS4_DOWN", "GPTOSS4_UP", "down_pairs4_gptoss_kernel", "pairs4_gptoss_forward",
            "up_pairs4_gptoss_kernel"]
 
-# Launch configs: those of the plain 4-bit pair kernels (decode.py), not tuned on a GPU.
-GPTOSS4_UP = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
-GPTOSS4_DOWN = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
+# Launch configs, pinned: None takes the plain 4-bit pair kernels' default for the shape
+# (tiles.pairs4_default; not autotuned); a dict {"BLOCK_N", "BLOCK_K", "num_warps"} runs that config.
+GPTOSS4_UP: dict | None = None
+GPTOSS4_DOWN: dict | None = None
+
+
+def _config(pinned: dict | None, programs, C: int) -> dict:
+    if pinned is not None:
+        return dict(pinned)
+    config = pairs4_default(programs, C)
+    return {**config.kwargs, "num_warps": config.num_warps}
 
 
 @triton.jit
@@ -59,8 +68,8 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, I
     us_N = expert * stride_se + up_N * stride_sn
     x_row = x_ptr + (j // top_k).to(tl.int64) * stride_xm
     HK: tl.constexpr = BLOCK_K // 2
-    acc_g = tl.zeros((BLOCK_N, HK), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, HK), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         x_even, x_odd = even_odd(x_row, k0, D, HK)
         acc_g += packed_chunk(gw_N, s_ptr + gs_N, z_ptr + gs_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
@@ -68,8 +77,8 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, I
         acc_u += packed_chunk(uw_N, s_ptr + us_N, z_ptr + us_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
                               MXFP4, ZERO, HK)
     b_row = b_ptr + expert * stride_be
-    g_N = tl.sum(acc_g, 1) + tl.load(b_row + gate_N, mask=ok_N, other=0.0).to(tl.float32)
-    u_N = tl.sum(acc_u, 1) + tl.load(b_row + up_N, mask=ok_N, other=0.0).to(tl.float32)
+    g_N = acc_g + tl.load(b_row + gate_N, mask=ok_N, other=0.0).to(tl.float32)
+    u_N = acc_u + tl.load(b_row + up_N, mask=ok_N, other=0.0).to(tl.float32)
     g_N = tl.minimum(g_N, limit)
     u_N = tl.minimum(tl.maximum(u_N, -limit), limit)
     h = (u_N + 1.0) * (g_N * tl.sigmoid(alpha * g_N))
@@ -89,7 +98,7 @@ def down_pairs4_gptoss_kernel(h_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ids_ptr,
     t = tl.program_id(0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     HK: tl.constexpr = BLOCK_K // 2
-    acc = tl.zeros((BLOCK_N, HK), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     bias_N = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in range(top_k):
         j = t * top_k + slot
@@ -109,7 +118,7 @@ def down_pairs4_gptoss_kernel(h_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ids_ptr,
             h_even, h_odd = even_odd(h_row, k0, I, HK)
             acc += packed_chunk(w_N, s_ptr + s_N, z_ptr + s_N, k0, I, ok_N, h_even * rw, h_odd * rw, stride_sk,
                                 GROUP, MXFP4, ZERO, HK)
-    y = tl.sum(acc, 1) + bias_N
+    y = acc + bias_N
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, y.to(y_ptr.dtype.element_ty), mask=cols_N < D)
 
 
@@ -132,7 +141,8 @@ def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()
     h = x.new_empty(N, I)
-    up, down = dict(GPTOSS4_UP), dict(GPTOSS4_DOWN)
+    up = _config(GPTOSS4_UP, lambda bn: N * cdiv(I, bn), D)
+    down = _config(GPTOSS4_DOWN, lambda bn: T * cdiv(D, bn), I)
     up_pairs4_gptoss_kernel[(N, cdiv(I, up["BLOCK_N"]))](
         x, w_gate_up.packed, b_ptr=b_gate_up, h_ptr=h, ids_ptr=ids, I=I, D=D, E=E, top_k=N // T, alpha=float(alpha),
         limit=float(limit), stride_xm=x.stride(0), stride_wn=w_gate_up.packed.stride(1),

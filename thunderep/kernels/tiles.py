@@ -13,10 +13,11 @@ import triton
 
 from . import moe_triton as K
 from . import pairs as P
+from . import pairs4 as P4
 from .grouped_gemm import mean_rows
 from .tuning import fp8_only, signature, tuned
 
-__all__ = ["ACT_BWD", "ACT_BWD_PLAIN", "DEFAULT_DOWN_PAIR", "DEFAULT_ROW", "DEFAULT_UP_PAIR", "DEFAULT_WGRAD",
+__all__ = ["DOWN_PAIRS4", "DOWN_PAIRS4_PLAIN", "UP_PAIRS4", "UP_PAIRS4_PLAIN", "pairs4_default", "ACT_BWD", "ACT_BWD_PLAIN", "DEFAULT_DOWN_PAIR", "DEFAULT_ROW", "DEFAULT_UP_PAIR", "DEFAULT_WGRAD",
            "DOWN_PAIRS", "DOWN_PAIRS_PLAIN", "DOWN_PAIR_CONFIGS", "FP8_ROW_TILES", "MIN_DOWN_BLOCK_N", "ROWS",
            "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP_PAIRS", "UP_PAIRS_PLAIN", "UP_PAIR_CONFIGS",
            "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS", "WGRAD_PLAIN", "cfg", "m_key", "pair_cfg", "prune_rows", "prune_up",
@@ -124,6 +125,26 @@ UP_PAIRS, UP_PAIRS_PLAIN = tuned("up_pairs", P.up_pairs_kernel, UP_PAIR_CONFIGS,
                                  ["I", "D", "top_k", "INTERLEAVED", "SCALE_K"], even_k="D")
 DOWN_PAIRS, DOWN_PAIRS_PLAIN = tuned("down_pairs", P.down_pairs_kernel, DOWN_PAIR_CONFIGS,
                                      ["I", "D", "top_k", "WEIGHTED", "SCALE_K"], even_k="I")
+
+
+# 4-bit pair kernels (pairs4.py): each chunk is summed as it comes, so chunks are wide; few rows per program
+# where decode's few pairs must still give every SM programs. Keys: shapes and the 4-bit format.
+PAIRS4_TILES = [(4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 4), (16, 128, 4), (16, 256, 4),
+                (16, 512, 4), (32, 256, 4), (32, 512, 8)]
+PAIRS4_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in PAIRS4_TILES]
+UP_PAIRS4, UP_PAIRS4_PLAIN = tuned("up_pairs4", P4.up_pairs4_kernel, PAIRS4_CONFIGS,
+                                   ["I", "D", "top_k", "INTERLEAVED", "GROUP", "MXFP4", "ZERO"])
+DOWN_PAIRS4, DOWN_PAIRS4_PLAIN = tuned("down_pairs4", P4.down_pairs4_kernel, PAIRS4_CONFIGS,
+                                       ["I", "D", "top_k", "WEIGHTED", "GROUP", "MXFP4", "ZERO"])
+
+
+def pairs4_default(programs, C: int) -> triton.Config:
+    """The 4-bit pair kernels' config without autotuning: chunks of 512, 256 or 128 columns, whichever
+    pads C least (the wider on ties); the most rows per program (32 down to 4) that still give at least
+    528 programs (4 per SM of a 132-SM GPU). programs(block_n): the launch's programs."""
+    block_k = min((512, 256, 128), key=lambda bk: (-(-C // bk) * bk, -bk))
+    block_n = next((bn for bn in (32, 16, 8) if programs(bn) >= 528), 4)
+    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4)
 
 
 # ---- the sorted-row kernels -----------------------------------------------------------------------
