@@ -2,13 +2,14 @@
 checks run everywhere (ranks as real processes without CUDA); the kernels need CUDA and cupy and carry the
 `gpu` marker.
 
-On one GPU the ranks are streams of one process sharing one segment: kernels of different processes on
-one GPU are time-sliced, so a rank's spinning kernel waits for the peer's context to get a timeslice; the
-one multi-process GPU test checks that path with few calls.
+On one GPU the ranks are streams of one process sharing one segment, their calls made in lockstep
+(`_lockstep`). Kernels of different processes on one GPU are time-sliced (a waiting kernel waits for the
+peer's context to get a timeslice): the one multi-process GPU test makes few calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.util
@@ -252,28 +253,81 @@ def test_bad_rank_timeout_or_missing_cupy_are_clear_errors():
 
 # ---------------------------------------------------------------- GPU: ranks as streams of one process
 
-def _ranks_on_streams(world, capacity=80 << 10, timeout_s=10.0):
-    seg = HostSegment.create(world, capacity)
-    seg.unlink()
-    hcs = [HostCollective(seg, r, device=0, timeout_s=timeout_s) for r in range(world)]
-    return seg, hcs, [torch.cuda.Stream() for _ in range(world)]
+@pytest.fixture
+def ranks_on_streams():
+    """make(world, capacity=, timeout_s=, ranks=) -> (hcs, streams): HostCollectives of `ranks` (default all)
+    on a new segment of the test's own, a stream each. All are closed when the test ends, passed or failed: a
+    kernel's wait ends within timeout_s (2 s; a call takes microseconds), so the closing synchronize does too,
+    and the next test starts with nothing in flight and its own call numbers."""
+    with contextlib.ExitStack() as stack:
+        def make(world, *, capacity=80 << 10, timeout_s=2.0, ranks=None):
+            seg = HostSegment.create(world, capacity)
+            stack.callback(seg.close)  # runs last: after every HostCollective's close
+            seg.unlink()
+            hcs = [stack.enter_context(HostCollective(seg, r, device=0, timeout_s=timeout_s))
+                   for r in (range(world) if ranks is None else ranks)]
+            return hcs, [torch.cuda.Stream() for _ in hcs]
+
+        yield make
 
 
-def _close(seg, hcs):
-    for hc in hcs:
-        hc.close()
-    seg.close()
+def _next_call(gen):
+    """Run a rank's body up to its next collective call: the call (no arguments), or None at its end."""
+    try:
+        return next(gen)
+    except StopIteration:
+        return None
 
 
-def _on_streams(streams, fn):
-    """fn(r) enqueued on rank r's stream, after the work so far; waits for all ranks."""
+def _lockstep(streams, body):
+    """Run body(r) on streams[r] for every rank r; per rank, the results of its calls.
+
+    body(r) is a generator that yields each collective call (a function of no arguments) instead of making it.
+    Every rank's work up to its next call is enqueued first, then the ranks' calls back to back, so no stream
+    holds work behind a waiting call before every peer's call is enqueued. CUDA does not promise that streams
+    run at once: they share a few hardware queues, where work queued behind a waiting kernel can keep a peer's
+    call from starting until the wait times out; the host can stall too (a first kernel's loading, an allocation)."""
     torch.cuda.synchronize()
-    outs = []
-    for r, s in enumerate(streams):
-        with torch.cuda.stream(s):
-            outs.append(fn(r))
+    gens = [body(r) for r in range(len(streams))]
+    results = [[] for _ in streams]
+    while True:
+        calls = []
+        for gen, s in zip(gens, streams):
+            with torch.cuda.stream(s):
+                calls.append(_next_call(gen))
+        if all(c is None for c in calls):
+            break
+        assert None not in calls, "every rank's body makes the same calls"
+        for mine, call, s in zip(results, calls, streams):
+            with torch.cuda.stream(s):
+                mine.append(call())
     torch.cuda.synchronize()
-    return outs
+    return results
+
+
+def _on_streams(streams, call):
+    """call(r) -> rank r's one collective call (no arguments), made for every rank in lockstep; its results."""
+    def body(r):
+        yield call(r)
+
+    return [mine[0] for mine in _lockstep(streams, body)]
+
+
+def _capture_lockstep(streams, body):
+    """body(r) of every rank r captured as CUDA graphs [r][k]: its work up to and including its k-th call, and
+    last its work after the last call. Replaying every rank's [k] before any rank's [k + 1] keeps `_lockstep`'s
+    order (in a replay the host does not stall, so a rank's work before a call may follow a peer's call)."""
+    gens = [body(r) for r in range(len(streams))]
+    graphs = [[] for _ in streams]
+    call = True
+    while call is not None:
+        for gen, s, mine in zip(gens, streams, graphs):
+            mine.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(mine[-1], stream=s):
+                call = _next_call(gen)
+                if call is not None:
+                    call()
+    return graphs
 
 
 def _bits(t):
@@ -283,42 +337,39 @@ def _bits(t):
 @pytest.mark.gpu
 @GPU_READY
 @pytest.mark.parametrize("world", [2, 4])
-def test_gpu_all_reduce_is_bit_equal_to_a_float32_sum_in_rank_order(world):
-    seg, hcs, streams = _ranks_on_streams(world)
+def test_gpu_all_reduce_is_bit_equal_to_a_float32_sum_in_rank_order(ranks_on_streams, world):
+    hcs, streams = ranks_on_streams(world)
     gen = torch.Generator(device="cuda").manual_seed(world)
-    try:
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            size = torch.tensor([], dtype=dtype).element_size()
-            for nbytes in (2, 4, 6, 30, 4094, 4096, 4098, 16002, 65536):
-                if nbytes % size:
-                    continue
-                for offset in (0, 1):  # 1: an unaligned view, one element in (element-wise kernel)
-                    n = nbytes // size
-                    xs = [torch.randn(n + offset, generator=gen, device="cuda", dtype=torch.float32)
-                          .mul_(4.0 ** (r % 3)).to(dtype)[offset:] for r in range(world)]
-                    if n > 1:
-                        for x in xs:
-                            x[0] = -0.0  # -0 on every rank sums to -0: the sum starts from rank 0's value
-                    want = functools.reduce(operator.add, [x.float() for x in xs]).to(dtype)
-                    got = _on_streams(streams, lambda r: hcs[r].all_reduce_(xs[r].clone()))
-                    for r in range(world):
-                        assert torch.equal(_bits(got[r]), _bits(want)), (dtype, nbytes, offset, r)
-        for nbytes in (1, 3, 4097, 40000):
-            xs = [torch.randint(0, 256, (nbytes,), generator=gen, device="cuda", dtype=torch.uint8)
-                  for _ in range(world)]
-            got = _on_streams(streams, lambda r: hcs[r].all_gather(xs[r]))
-            assert all(torch.equal(g, torch.stack(xs)) for g in got), nbytes
-        for hc in hcs:
-            hc.check()
-    finally:
-        _close(seg, hcs)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        size = torch.tensor([], dtype=dtype).element_size()
+        for nbytes in (2, 4, 6, 30, 4094, 4096, 4098, 16002, 65536):
+            if nbytes % size:
+                continue
+            for offset in (0, 1):  # 1: an unaligned view, one element in (element-wise kernel)
+                n = nbytes // size
+                xs = [torch.randn(n + offset, generator=gen, device="cuda", dtype=torch.float32)
+                      .mul_(4.0 ** (r % 3)).to(dtype)[offset:] for r in range(world)]
+                if n > 1:
+                    for x in xs:
+                        x[0] = -0.0  # -0 on every rank sums to -0: the sum starts from rank 0's value
+                want = functools.reduce(operator.add, [x.float() for x in xs]).to(dtype)
+                got = _on_streams(streams, lambda r: functools.partial(hcs[r].all_reduce_, xs[r].clone()))
+                for r in range(world):
+                    assert torch.equal(_bits(got[r]), _bits(want)), (dtype, nbytes, offset, r)
+    for nbytes in (1, 3, 4097, 40000):
+        xs = [torch.randint(0, 256, (nbytes,), generator=gen, device="cuda", dtype=torch.uint8)
+              for _ in range(world)]
+        got = _on_streams(streams, lambda r: functools.partial(hcs[r].all_gather, xs[r]))
+        assert all(torch.equal(g, torch.stack(xs)) for g in got), nbytes
+    for hc in hcs:
+        hc.check()
 
 
-def _graph_replays(replays):
-    """Per rank one CUDA graph of several calls whose inputs change with a device step counter; the
+def _graph_replays(make, replays):
+    """Per rank CUDA graphs of several calls whose inputs change with a device step counter, replayed; the
     float64 totals of every call's result over all replays say whether any call read a stale slot."""
     world = 2
-    seg, hcs, streams = _ranks_on_streams(world)
+    hcs, streams = make(world)
     sizes = (1000, 5000)  # float32 elements: one chunk, five chunks
     gen = torch.Generator(device="cuda").manual_seed(0)
     base = [[torch.randint(0, 4, (n,), generator=gen, device="cuda").float() for n in sizes] for _ in range(world)]
@@ -330,106 +381,94 @@ def _graph_replays(replays):
     halves = [torch.full((7,), 0.5 + r, device="cuda", dtype=torch.bfloat16) for r in range(world)]
     half_totals = [torch.zeros(7, device="cuda") for _ in range(world)]
 
-    def body(r):
+    def body(r):  # yields each call (see _lockstep); allocates nothing, so that graphs need no memory pool
         step[r].add_(1)
         for j in range(len(sizes)):
             torch.mul(base[r][j], step[r], out=bufs[r][j])
-            hcs[r].all_reduce_(bufs[r][j])
+            yield functools.partial(hcs[r].all_reduce_, bufs[r][j])
             totals[r][j].add_(bufs[r][j])
-            hcs[r].all_gather(ints[r], out=gathered[r])
-        hcs[r].all_reduce_(halves[r])  # bfloat16, 14 bytes (the element-wise kernel): 0.5 + 1.5
-        half_totals[r].add_(halves[r].float())
+            yield functools.partial(hcs[r].all_gather, ints[r], out=gathered[r])
+        yield functools.partial(hcs[r].all_reduce_, halves[r])  # bfloat16, 14 bytes (element-wise): 0.5 + 1.5
+        half_totals[r].add_(halves[r])
         halves[r].fill_(0.5 + r)
 
-    try:
-        _on_streams(streams, body)  # eager, step 1
-        graphs = [torch.cuda.CUDAGraph() for _ in range(world)]
-        for r in range(world):
-            with torch.cuda.graph(graphs[r], stream=streams[r]):
-                body(r)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(replays):
-            for r in range(world):
-                with torch.cuda.stream(streams[r]):
-                    graphs[r].replay()
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        for hc in hcs:
-            hc.check()
-        steps = replays + 1
-        for r in range(world):
-            assert step[r].item() == steps
-            for j in range(len(sizes)):
-                s = sum(base[q][j] for q in range(world)).double()
-                assert torch.equal(totals[r][j], s * (steps * (steps + 1) // 2)), (r, j)
-                assert torch.equal(bufs[r][j], (s * steps).float())
-            assert torch.equal(gathered[r], torch.stack(ints))
-            assert torch.equal(half_totals[r], torch.full((7,), 2.0 * steps, device="cuda"))
-        return seconds
-    finally:
-        _close(seg, hcs)
+    _lockstep(streams, body)  # eager, step 1; every kernel runs once before the capture
+    for hc in hcs:
+        hc.check()
+    graphs = _capture_lockstep(streams, body)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        for k in range(len(graphs[0])):  # every rank's graph k, then k + 1 (see _capture_lockstep)
+            for s, mine in zip(streams, graphs):
+                with torch.cuda.stream(s):
+                    mine[k].replay()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    for hc in hcs:
+        hc.check()
+    steps = replays + 1
+    for r in range(world):
+        assert step[r].item() == steps
+        for j in range(len(sizes)):
+            s = sum(base[q][j] for q in range(world)).double()
+            assert torch.equal(totals[r][j], s * (steps * (steps + 1) // 2)), (r, j)
+            assert torch.equal(bufs[r][j], (s * steps).float())
+        assert torch.equal(gathered[r], torch.stack(ints))
+        assert torch.equal(half_totals[r], torch.full((7,), 2.0 * steps, device="cuda"))
+    return seconds
 
 
 @pytest.mark.gpu
 @GPU_READY
-def test_gpu_graph_replays_advance_the_calls_on_the_device():
-    _graph_replays(100)
+def test_gpu_graph_replays_advance_the_calls_on_the_device(ranks_on_streams):
+    _graph_replays(ranks_on_streams, 100)
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
 @GPU_READY
-def test_gpu_graph_of_several_calls_replayed_ten_thousand_times():
-    seconds = _graph_replays(10_000)
+def test_gpu_graph_of_several_calls_replayed_ten_thousand_times(ranks_on_streams):
+    seconds = _graph_replays(ranks_on_streams, 10_000)
     print(f"\n10^4 replays of 2 ranks x 5 host collective calls: {seconds:.2f} s")
 
 
 @pytest.mark.gpu
 @GPU_READY
-def test_gpu_dead_peer_raises_peer_timeout_within_the_bound():
-    seg = HostSegment.create(2, 8192)
-    seg.unlink()
-    hc = HostCollective(seg, 0, device=0, timeout_s=0.5)  # rank 1 never attaches, never calls
-    try:
-        x = torch.ones(1024, device="cuda")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                hc.all_reduce_(x)
-        t0 = time.perf_counter()
-        graph.replay()  # the first call waits 0.5 s and latches the error; the other 19 do not wait
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        assert 0.5 <= elapsed < 2.0, elapsed
-        with pytest.raises(PeerTimeout, match="waited more than 0.5 s for rank 1, which never attached") as exc:
-            hc.check()
-        assert exc.value.rank == 1 and exc.value.round == 1
-        with pytest.raises(PeerTimeout):
-            hc.all_reduce_(x)  # the next call checks first
-    finally:
-        hc.close()
-        seg.close()
+def test_gpu_dead_peer_raises_peer_timeout_within_the_bound(ranks_on_streams):
+    (hc,), (stream,) = ranks_on_streams(2, capacity=8192, timeout_s=0.5, ranks=(0,))  # rank 1 never attaches
+    x = torch.ones(1024, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(20):
+            hc.all_reduce_(x)
+    t0 = time.perf_counter()
+    graph.replay()  # the first call waits 0.5 s and latches the error; the other 19 do not wait
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    assert 0.5 <= elapsed < 2.0, elapsed
+    with pytest.raises(PeerTimeout, match="waited more than 0.5 s for rank 1, which never attached") as exc:
+        hc.check()
+    assert exc.value.rank == 1 and exc.value.round == 1
+    with pytest.raises(PeerTimeout):
+        hc.all_reduce_(x)  # the next call checks first
 
 
 @pytest.mark.gpu
 @GPU_READY
-def test_gpu_mismatched_calls_and_bad_inputs_are_errors():
-    seg, hcs, streams = _ranks_on_streams(2, capacity=8192, timeout_s=5.0)
-    try:
-        with pytest.raises(InputError, match="capacity"):
-            hcs[0].all_gather(torch.zeros(8193, dtype=torch.uint8, device="cuda"))
-        with pytest.raises(InputError, match="is on cpu"):
-            hcs[0].all_gather(torch.zeros(8, dtype=torch.uint8))
-        with pytest.raises(InputError, match="got torch.int64"):
-            hcs[0].all_reduce_(torch.zeros(8, dtype=torch.int64, device="cuda"))
-        xs = [torch.ones(1000, device="cuda"), torch.ones(1001, device="cuda")]  # one chunk each, other sizes
-        _on_streams(streams, lambda r: hcs[r].all_reduce_(xs[r]))
-        for hc in hcs:
-            with pytest.raises(CommError, match="differs from rank"):
-                hc.check()
-    finally:
-        _close(seg, hcs)
+def test_gpu_mismatched_calls_and_bad_inputs_are_errors(ranks_on_streams):
+    hcs, streams = ranks_on_streams(2, capacity=8192, timeout_s=1.0)  # a mismatch shows at once: no wait
+    with pytest.raises(InputError, match="capacity"):
+        hcs[0].all_gather(torch.zeros(8193, dtype=torch.uint8, device="cuda"))
+    with pytest.raises(InputError, match="is on cpu"):
+        hcs[0].all_gather(torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(InputError, match="got torch.int64"):
+        hcs[0].all_reduce_(torch.zeros(8, dtype=torch.int64, device="cuda"))
+    xs = [torch.ones(1000, device="cuda"), torch.ones(1001, device="cuda")]  # one chunk each, other sizes
+    _on_streams(streams, lambda r: functools.partial(hcs[r].all_reduce_, xs[r]))
+    for hc in hcs:
+        with pytest.raises(CommError, match="differs from rank"):
+            hc.check()
 
 
 # ---------------------------------------------------------------- GPU: ranks as processes sharing the GPU
@@ -437,7 +476,8 @@ def test_gpu_mismatched_calls_and_bad_inputs_are_errors():
 def _process_rank(rank, world):
     torch.cuda.set_device(0)
     bad = []
-    with HostCollective.for_group(64 << 10, device=0, timeout_s=20.0) as hc:
+    with HostCollective.for_group(64 << 10, device=0, timeout_s=5.0) as hc:
+        torch.distributed.barrier()  # every rank attached, its kernels compiled: the first call's wait is short
         for dtype, n in ((torch.bfloat16, 3), (torch.float32, 4096), (torch.float16, 12001)):
             xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * r + n)).mul_(r + 1).to(dtype)
                   for r in range(world)]
@@ -456,4 +496,4 @@ def _process_rank(rank, world):
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpu_ranks_as_processes_sharing_one_gpu(world):
-    assert run_ranks(_process_rank, world, timeout=150) == [[]] * world
+    assert run_ranks(_process_rank, world, timeout=30) == [[]] * world

@@ -274,7 +274,9 @@ class HostCollective:
     timeout_s: how long a kernel waits for a peer (default THUNDEREP_HOST_COLLECTIVE_TIMEOUT_S, else 10 s).
     owns_segment: `close()` closes the segment too (as `for_group` makes it).
     Every rank makes the same calls in the same order, one stream at a time; `close()` when done. Ranks
-    sharing one GPU (streams of one process) need both calls' blocks resident at once: small messages.
+    sharing one GPU (streams of one process) need their calls' blocks resident at once (small messages) and
+    every rank's call enqueued before any work that waits for one: CUDA does not promise that streams run at
+    once, and work queued behind a waiting call can keep a peer's call from starting until the timeout.
     """
 
     def __init__(self, segment: HostSegment, rank: int, *, device: torch.device | int | None = None,
