@@ -4,6 +4,11 @@ It owns the EP process groups, the control plane and the `Dispatcher`, and provi
 latency mode (all-reduce) and all-gather mode (all-gather, reduce-scatter). Create it once, pass it to
 every `ThunderMoELayer`, `close()` it at the end.
 
+With THUNDEREP_HOST_COLLECTIVE=1 on CUDA ranks of one host, latency mode's all-reduce of a message of at
+most `HOST_COLLECTIVE_BYTES` runs through pinned host memory (`host_collective.HostCollective`: one kernel,
+no host work per call, capturable in CUDA graphs) instead of NCCL. It is opt-in until its threshold against
+NCCL is measured on several GPUs; a peer that never arrives raises PeerTimeout at the next call.
+
 Shape legend: T tokens, D hidden size, C columns, R ranks.
 """
 
@@ -15,16 +20,21 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .. import env
 from ..config import EPConfig
 from ..errors import ConfigError
 from .control import ControlPlane, all_gather_single, make_control_plane
 from .dispatcher import Dispatcher
+from .host_collective import HostCollective, use_host_path
 from .groups import EPGroups, init_expert_parallel, peer_errors, wait_work
 
 __all__ = ["ExpertParallel", "GatherFromEP", "ScatterToEP"]
 
 # Newer torch deprecates reduce_scatter_tensor in favour of reduce_scatter_single (see control.py).
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+HOST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the host-memory all-reduce sums
+HOST_COLLECTIVE_BYTES = 256 << 10  # the host-memory all-reduce's segment: latency mode's messages are 8-64 KiB
 
 
 class ExpertParallel:
@@ -38,6 +48,10 @@ class ExpertParallel:
             timeout_s=self.config.timeout_s,
         )
         self.dispatcher = Dispatcher(groups, self.control, self.config.compression)
+        self.host_collective: HostCollective | None = None
+        if env.host_collective() and groups.device.type == "cuda" and groups.ep_size > 1:
+            self.host_collective = HostCollective.for_group(HOST_COLLECTIVE_BYTES, groups.ep_group,
+                                                            device=groups.device)
 
     @classmethod
     def init(cls, ep_size: int | None = None, config: EPConfig | None = None, **dist_kwargs) -> "ExpertParallel":
@@ -51,7 +65,19 @@ class ExpertParallel:
         return self.dispatcher.stats
 
     def all_reduce_sum(self, x_TD: torch.Tensor, op: str = "latency_allreduce") -> torch.Tensor:
-        """In-place sum over the EP group, bounded by the timeout."""
+        """In-place sum over the EP group, bounded by the timeout: through host memory where that is on
+        (module docstring) and the message fits, else NCCL / gloo."""
+        hc = self.host_collective
+        nbytes = x_TD.numel() * x_TD.element_size()
+        if hc is not None and x_TD.is_cuda and x_TD.is_contiguous() and x_TD.dtype in HOST_DTYPES and \
+                use_host_path(nbytes, same_host=True, capacity=hc.capacity):
+            started = time.perf_counter()
+            hc.check()  # a peer that gave up on an earlier call: PeerTimeout naming it
+            hc.all_reduce_(x_TD)
+            sent = [0 if r == self.groups.ep_rank else nbytes for r in range(self.groups.ep_size)]
+            for sink in self._sinks(None):  # enqueued, not waited for: nothing blocked
+                sink.record(op + "_host", sent, time.perf_counter() - started, blocked=0.0)
+            return x_TD
         return self._collective(op, x_TD, lambda: dist.all_reduce(x_TD, group=self.groups.ep_group, async_op=True))
 
     def all_gather_rows(self, x_TC: torch.Tensor, op: str = "allgather", stats=None) -> torch.Tensor:
@@ -136,6 +162,9 @@ class ExpertParallel:
         return sent_TC if result is None else result
 
     def close(self) -> None:
+        if self.host_collective is not None:
+            self.host_collective.close()
+            self.host_collective = None
         self.control.close()
 
     def __enter__(self) -> "ExpertParallel":
