@@ -1,10 +1,12 @@
-"""Two `thunderep bench` targets of the expert-parallel core: `auto-mode` (mode="auto"'s choice against the
-faster measured mode) and `integrity` (what the mailbox's per-record checksum costs). Registered in
+"""`thunderep bench` targets of the expert-parallel core: `auto-mode` (mode="auto"'s choice against the
+faster measured mode), `integrity` (what the mailbox's per-record checksum costs), and three that take their
+benchmark module's own options (`offload`, `local-compute`, `host-collective`). Registered in
 `thunderep.cli.bench`; here to keep that module's size."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from . import count_problems, say
 
@@ -53,6 +55,20 @@ def _run_integrity(a: argparse.Namespace) -> int:
     return 0
 
 
+def _passthrough(module: str, name: str):
+    """(options, run) of a target whose benchmark module parses its own options (`main(argv)`)."""
+    def options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("args", nargs=argparse.REMAINDER,
+                       help=f"the benchmark's own options, after --; `thunderep bench {name} -- --help` lists them")
+
+    def run(a: argparse.Namespace) -> int:
+        argv = a.args[1:] if a.args[:1] == ["--"] else a.args
+        say(f"bench {name}", "importing torch, then running")
+        return int(importlib.import_module(module).main(argv) or 0)  # deferred: imports torch
+
+    return options, run
+
+
 # target -> (one-line help, description, options, run), as thunderep.cli.bench's
 BENCHES = {
     "auto-mode": ("mode=\"auto\"'s choice against the faster measured mode (ep vs all-gather), 2 and 4 ranks",
@@ -63,4 +79,17 @@ BENCHES = {
                   ("The XXH3-64 hash of a record in C, and a mailbox exchange with the checksum off and on, per "
                    "record size (needs a source checkout and a C compiler)."),
                   _integrity_options, _run_integrity),
+    "offload": ("expert offload: hot experts on the GPU, the rest in host memory, against accelerate's offload",
+                ("Decode at batch 1 and 8 and prefill of a random MoE model with --gpu-memory budgets, against "
+                 "transformers with accelerate's device_map=\"auto\", every expert on the host, and the whole "
+                 "model on the GPU; the cost model's predictions beside the measured rates."),
+                *_passthrough("thunderep.bench.offload", "offload")),
+    "local-compute": ("one rank's local compute in ep mode, before and after one row per (token, rank)",
+                      ("The receiving rank's expand, experts and pre-sum against the old path of one row per "
+                       "(token, expert) pair, on the same inputs, outputs checked equal."),
+                      *_passthrough("thunderep.bench.local_compute", "local-compute")),
+    "host-collective": ("the all-reduce through pinned host memory on one GPU: the floor and the kernel",
+                        ("A counter ping-ponged through mapped host memory (the floor), and the one-shot "
+                         "all-reduce with ranks as streams of one GPU, in CUDA graphs (needs cupy)."),
+                        *_passthrough("thunderep.bench.host_collective", "host-collective")),
 }
