@@ -25,8 +25,8 @@ from ..config import EPConfig
 from ..errors import ConfigError
 from .control import ControlPlane, all_gather_single, make_control_plane
 from .dispatcher import Dispatcher
-from .host_collective import HostCollective, use_host_path
 from .groups import EPGroups, init_expert_parallel, peer_errors, wait_work
+from .host_collective import HostCollective, use_host_path
 
 __all__ = ["ExpertParallel", "GatherFromEP", "ScatterToEP"]
 

@@ -17,11 +17,12 @@ from . import pairs4 as P4
 from .grouped_gemm import mean_rows
 from .tuning import fp8_only, signature, tuned
 
-__all__ = ["DOWN_PAIRS4", "DOWN_PAIRS4_PLAIN", "UP_PAIRS4", "UP_PAIRS4_PLAIN", "pairs4_default", "ACT_BWD", "ACT_BWD_PLAIN", "DEFAULT_DOWN_PAIR", "DEFAULT_ROW", "DEFAULT_UP_PAIR", "DEFAULT_WGRAD",
-           "DOWN_PAIRS", "DOWN_PAIRS_PLAIN", "DOWN_PAIR_CONFIGS", "FP8_ROW_TILES", "MIN_DOWN_BLOCK_N", "ROWS",
-           "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP_PAIRS", "UP_PAIRS_PLAIN", "UP_PAIR_CONFIGS",
-           "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS", "WGRAD_PLAIN", "cfg", "m_key", "pair_cfg", "prune_rows", "prune_up",
-           "prune_wgrad", "row_cfg", "wgrad_key"]
+__all__ = ["ACT_BWD", "ACT_BWD_PLAIN", "DEFAULT_DOWN_PAIR", "DEFAULT_ROW", "DEFAULT_UP_PAIR", "DEFAULT_WGRAD",
+           "DOWN_PAIRS", "DOWN_PAIRS4", "DOWN_PAIRS4_PLAIN", "DOWN_PAIRS_PLAIN", "DOWN_PAIR_CONFIGS",
+           "FP8_ROW_TILES", "MIN_DOWN_BLOCK_N", "ROWS", "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP_PAIRS",
+           "UP_PAIRS4", "UP_PAIRS4_PLAIN", "UP_PAIRS_PLAIN", "UP_PAIR_CONFIGS", "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS",
+           "WGRAD_PLAIN", "cfg", "m_key", "pair_cfg", "pairs4_default", "prune_rows", "prune_up", "prune_wgrad",
+           "row_cfg", "wgrad_key"]
 
 
 def m_key(n_rows: int, E: int) -> tuple[int, int]:
