@@ -43,6 +43,11 @@ from .control import ControlPlane
 from .groups import EPGroups, peer_errors, wait_work
 from .stats import CommStats
 
+# The pre-sum kernel (kernels/presum.py) from this many received rows: below, building its CSR index costs
+# more than the torch formula's small buffer (docs/benchmarks/2026-12-05-pcie-data-plane.md: on one H200
+# the kernel was 3.2-4.1x faster at 6,400-15,000 rows, and up to 4x slower at 100-1,850).
+PRESUM_MIN_ROWS = 4096
+
 __all__ = ["DispatchMeta", "Dispatcher", "Pending", "Plan", "Received", "Rider", "row_layout"]
 
 
@@ -273,7 +278,7 @@ class Dispatcher:
         """Sum each received row's weighted expert outputs (float32), return one row per (token, rank) to
         the token's rank. wait() -> [T, D] = sum_k weights_TK * y(t, k), in y_QD's dtype."""
         meta, K, D = received.meta, received.meta.top_k, y_QD.shape[-1]
-        if available(y_QD.device):  # one pass: each row's pairs read once, summed in registers
+        if received.rows >= PRESUM_MIN_ROWS and available(y_QD.device):  # one pass over the pairs, in registers
             from ..kernels.presum import presum  # triton: optional, imported where the kernels run
 
             y_MD = presum(y_QD, received.weights_Q, received.pairs_Q, received.rows, K)
