@@ -19,37 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .pairs4 import codes4, scales4
+
 __all__ = ["dequantize4"]
 
 TILE = 4096  # W values a program writes
 MAX_BLOCK_C = 1024
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@triton.jit
-def _values(n, MXFP4: tl.constexpr):
-    """4-bit codes n (int32, 0..15) as float32: e2m1 (sign bit 8; exponent bits 2..1; mantissa bit 0;
-    exponent 0 subnormal), or int4's n - 8."""
-    if MXFP4:
-        e = (n >> 1) & 3
-        m = (n & 1).to(tl.float32)
-        mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-        v = tl.where(n >= 8, -mag, mag)
-    else:
-        v = (n - 8).to(tl.float32)
-    return v
-
-
-@triton.jit
-def _group_scales(s_ptrs, ok, MXFP4: tl.constexpr):
-    """The group scales at s_ptrs as float32: e8m0 exponents s as 2 ** (s - 127) from the bits (s = 0 is
-    2 ** -127, a float32 subnormal; s = 255 is inf, as torch.exp2 gives), or int4's float scales."""
-    if MXFP4:
-        s = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
-        value = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
-    else:
-        value = tl.load(s_ptrs, mask=ok, other=0.0).to(tl.float32)
-    return value
 
 
 @triton.jit
@@ -68,9 +44,9 @@ def _dequant4_kernel(p_ptr, s_ptr, z_ptr, out_ptr, rows, R, H, stride_pe, stride
     b = tl.load(p_ptr + (e_R * stride_pe + r_R * stride_pr)[:, None] + (byte_B.to(tl.int64) * stride_ph)[None, :],
                 mask=ok, other=0).to(tl.int32)
     g_B = (2 * byte_B // GROUP).to(tl.int64)  # both columns of a byte share a group (GROUP is even)
-    scale = _group_scales(s_ptr + (e_R * stride_se + r_R * stride_sr)[:, None] + (g_B * stride_sg)[None, :], ok,
+    scale = scales4(s_ptr + (e_R * stride_se + r_R * stride_sr)[:, None] + (g_B * stride_sg)[None, :], ok,
                           MXFP4)
-    lo, hi = _values(b & 15, MXFP4), _values(b >> 4, MXFP4)
+    lo, hi = codes4(b & 15, MXFP4), codes4(b >> 4, MXFP4)
     if ZERO:
         z = tl.load(z_ptr + (e_R * stride_ze + r_R * stride_zr)[:, None] + (g_B * stride_zg)[None, :], mask=ok,
                     other=0).to(tl.float32)

@@ -8,7 +8,7 @@ N = T * K (token, slot) pairs in flat (token-major) order, HK = BLOCK_K / 2 pack
 
 Each chunk of BLOCK_K columns is loaded as a [BLOCK_N, HK] tile of bytes (a quarter of bfloat16's
 bytes), split into its low and high nibbles (the even and odd columns), converted to float32 in
-registers (`_codes`: e2m1, or int4 minus 8), multiplied by the vector's even and odd elements and
+registers (`codes4`: e2m1, or int4 minus 8), multiplied by the vector's even and odd elements and
 summed per group, then times the group scales (`packed_chunk`: one scale load per group and row): no
 interleave, no shared memory, no tensor cores. Each chunk is summed as it comes, so the accumulators are
 [BLOCK_N] and chunks can be wide. Partial chunks
@@ -26,11 +26,11 @@ import triton.language as tl
 
 from .act import act, gate_up_cols
 
-__all__ = ["down_pairs4_kernel", "even_odd", "packed_chunk", "up_pairs4_kernel"]
+__all__ = ["codes4", "down_pairs4_kernel", "even_odd", "packed_chunk", "scales4", "up_pairs4_kernel"]
 
 
 @triton.jit
-def _codes(n, MXFP4: tl.constexpr):
+def codes4(n, MXFP4: tl.constexpr):
     """4-bit codes n (int32, 0..15) as float32: e2m1 values (sign bit 8; exponent bits 2..1; mantissa
     bit 0; exponent 0 subnormal), or int4's n - 8."""
     if MXFP4:
@@ -44,7 +44,7 @@ def _codes(n, MXFP4: tl.constexpr):
 
 
 @triton.jit
-def _scales(s_ptrs, ok, MXFP4: tl.constexpr):
+def scales4(s_ptrs, ok, MXFP4: tl.constexpr):
     """The group scales at s_ptrs as float32 (0 where not ok): e8m0 exponents as 2 ** (s - 127) (built from
     the bits; s = 0 is 2 ** -127, a float32 subnormal), or int4's float scales."""
     if MXFP4:
@@ -68,7 +68,7 @@ def packed_chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_even, v_odd, strid
     p_K = k0 // 2 + tl.arange(0, HK)
     ok = ok_N[:, None] & (p_K < C // 2)[None, :]
     b = tl.load(w_ptrs_N[:, None] + p_K[None, :], mask=ok, other=0).to(tl.int32)
-    prod = _codes(b & 15, MXFP4) * v_even[None, :] + _codes(b >> 4, MXFP4) * v_odd[None, :]
+    prod = codes4(b & 15, MXFP4) * v_even[None, :] + codes4(b >> 4, MXFP4) * v_odd[None, :]
     HG: tl.constexpr = GROUP // 2
     if (HK % HG == 0) and ((HG & (HG - 1)) == 0):  # whole groups: [BLOCK_N, NG, HG]
         NG: tl.constexpr = HK // HG
@@ -80,17 +80,17 @@ def packed_chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_even, v_odd, strid
         if ZERO:
             vsum = tl.sum(tl.reshape(v_even + v_odd, (NG, HG)), 1)
             sums -= tl.load(z_ptrs_N[:, None] + g_off, mask=ok_G, other=0).to(tl.float32) * vsum[None, :]
-        return tl.sum(sums * _scales(s_ptrs_N[:, None] + g_off, ok_G, MXFP4), 1)
+        return tl.sum(sums * scales4(s_ptrs_N[:, None] + g_off, ok_G, MXFP4), 1)
     elif HG % HK == 0:  # the chunk lies inside one group (k0 is a multiple of BLOCK_K, which divides GROUP)
         g_off = (k0 // GROUP) * stride_sk  # a group index within one row: no overflow
         ok_1 = ok_N  # k0 < C: the loops start chunks inside the row
         sums = tl.sum(prod, 1)
         if ZERO:
             sums -= tl.load(z_ptrs_N + g_off, mask=ok_1, other=0).to(tl.float32) * tl.sum(v_even + v_odd, 0)
-        return sums * _scales(s_ptrs_N + g_off, ok_1, MXFP4)
+        return sums * scales4(s_ptrs_N + g_off, ok_1, MXFP4)
     else:  # a scale per byte
         g_K = (2 * p_K // GROUP).to(tl.int64) * stride_sk
-        scale = _scales(s_ptrs_N[:, None] + g_K[None, :], ok, MXFP4)
+        scale = scales4(s_ptrs_N[:, None] + g_K[None, :], ok, MXFP4)
         if ZERO:
             z = tl.load(z_ptrs_N[:, None] + g_K[None, :], mask=ok, other=0).to(tl.float32)
             prod -= z * (v_even + v_odd)[None, :]
