@@ -29,13 +29,14 @@ from ..errors import CommError, ConfigError, InputError
 from .host_segment import (ATTACHED, CHUNK_BYTES, CLOSED, ERR_BLOCK, ERR_CODE, ERR_PEER, ERR_ROUND, LINE, MISMATCH,
                            ROUND_BITS, TIMED_OUT, HostSegment, error_for, open_segment)
 
-__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_TIMEOUT_S", "HostCollective", "KERNEL_NAMES", "KERNEL_SOURCE", "call_tag",
-           "check_tensor", "use_host_path"]
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_TIMEOUT_S", "KERNEL_NAMES", "KERNEL_SOURCE", "SUM_DTYPES", "HostCollective",
+           "call_tag", "check_tensor", "use_host_path"]
 
 THREADS = 256
 DEFAULT_MAX_BYTES = 64 << 10  # the automatic choice's threshold (latency mode's 8-64 KiB; to be measured)
 DEFAULT_TIMEOUT_S = 10.0
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+SUM_DTYPES = tuple(_DTYPES)  # what all_reduce_ sums
 
 _KERNEL = r"""
 typedef unsigned long long u64; typedef unsigned int u32; typedef unsigned short u16; typedef unsigned char u8;

@@ -26,14 +26,13 @@ from ..errors import ConfigError
 from .control import ControlPlane, all_gather_single, make_control_plane
 from .dispatcher import Dispatcher
 from .groups import EPGroups, init_expert_parallel, peer_errors, wait_work
-from .host_collective import HostCollective, use_host_path
+from .host_collective import SUM_DTYPES, HostCollective, use_host_path
 
 __all__ = ["ExpertParallel", "GatherFromEP", "ScatterToEP"]
 
 # Newer torch deprecates reduce_scatter_tensor in favour of reduce_scatter_single (see control.py).
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-HOST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the host-memory all-reduce sums
 HOST_COLLECTIVE_BYTES = 256 << 10  # the host-memory all-reduce's segment: latency mode's messages are 8-64 KiB
 
 
@@ -69,7 +68,7 @@ class ExpertParallel:
         (module docstring) and the message fits, else NCCL / gloo."""
         hc = self.host_collective
         nbytes = x_TD.numel() * x_TD.element_size()
-        if hc is not None and x_TD.is_cuda and x_TD.is_contiguous() and x_TD.dtype in HOST_DTYPES and \
+        if hc is not None and x_TD.is_cuda and x_TD.is_contiguous() and x_TD.dtype in SUM_DTYPES and \
                 use_host_path(nbytes, same_host=True, capacity=hc.capacity):
             started = time.perf_counter()
             hc.check()  # a peer that gave up on an earlier call: PeerTimeout naming it

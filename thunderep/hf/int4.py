@@ -38,9 +38,9 @@ from torch import nn
 from ..errors import ConfigError
 from ..kernels.int4 import MXFP4_GROUP, Int4Weight
 
-__all__ = ["GROUPS", "INT4_DTYPES", "checkpoint_shape4", "expect_int4_experts", "expert_weights4", "gptoss4_compute_fn",
-           "gptoss_gate", "int4_expected", "is_int4", "is_transposed4", "quantized_parts", "store_packed",
-           "store_rows4", "to_int4_experts"]
+__all__ = ["GROUPS", "INT4_DTYPES", "checkpoint_shape4", "eager_on_dequantized", "expect_int4_experts",
+           "expert_weights4", "gptoss4_compute_fn", "gptoss_gate", "int4_expected", "is_int4", "is_transposed4",
+           "quantized_parts", "store_packed", "store_rows4", "to_int4_experts"]
 
 INT4_DTYPES = ("mxfp4", "int4", "int4-g128")  # the experts_dtype values held in 4 bits (int4: groups of 32)
 GROUPS = (32, 128)  # the group sizes int4 quantizes a 16-bit checkpoint by
@@ -205,6 +205,25 @@ def expert_weights4(module: nn.Module) -> tuple[Int4Weight, Int4Weight]:
     return cached
 
 
+def eager_on_dequantized(module: nn.Module, eager: Callable, w_gate_up, w_down, x_TD: torch.Tensor,
+                         ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """The experts class's own forward `eager` on `module`, its gate_up_proj / down_proj replaced for the call
+    by `w_gate_up` / `w_down` (Int4Weight or Fp8Weight) dequantized into their products' dtype, in the
+    module's orientation (transposed back where `is_transposed4`). Correct, not fast: prompts on gpt-oss's
+    4-bit experts, and cold experts run on the host."""
+    gate_up, down = w_gate_up.dequantize(), w_down.dequantize()
+    if is_transposed4(module):  # gpt-oss's tensors are [S, D, 2I] and [S, I, D]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    saved = {n: module._parameters[n] for n in _WEIGHTS}, module.num_experts
+    try:
+        module._parameters.update(gate_up_proj=gate_up, down_proj=down)
+        module.num_experts = gate_up.shape[0]
+        return eager(module, x_TD.to(gate_up.dtype), ids_TK, weights_TK).to(x_TD.dtype)
+    finally:
+        module._parameters.update(saved[0])
+        module.num_experts = saved[1]
+
+
 def gptoss4_compute_fn(module: nn.Module, gate: tuple[float, float], check_device: Callable) -> Callable:
     """`compute(module, x_TD, ids_TK, weights_TK) -> y_TD` for gpt-oss's experts held in 4 bits (the
     experts binding's `compute`, as `experts.kernel_compute_fn`'s): decode (inference on at most
@@ -238,16 +257,7 @@ def gptoss4_compute_fn(module: nn.Module, gate: tuple[float, float], check_devic
         y_TD = pairs_partial(module, x_TD, ids_TK, weights_TK)
         if y_TD is not None:
             return y_TD
-        w_gu, w_d = weights4(module)
-        saved = {n: module._parameters[n] for n in _WEIGHTS}, module.num_experts
-        try:  # the module's tensors' orientation: [S, D, 2I] and [S, I, D]
-            module._parameters.update(gate_up_proj=w_gu.dequantize().transpose(1, 2),
-                                      down_proj=w_d.dequantize().transpose(1, 2))
-            module.num_experts = w_gu.shape[0]
-            return eager(module, x_TD.to(w_gu.dtype), ids_TK, weights_TK).to(x_TD.dtype)
-        finally:
-            module._parameters.update(saved[0])
-            module.num_experts = saved[1]
+        return eager_on_dequantized(module, eager, *weights4(module), x_TD, ids_TK, weights_TK)
 
     compute.pairs_partial = pairs_partial
     return compute

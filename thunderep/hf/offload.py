@@ -21,9 +21,10 @@ from ..moe.offload_cost import OffloadCosts, measure_costs
 from ..moe.tiers import ExpertTiers, Staging, TierConfig, TierStats, parse_memory
 from .experts import experts_compute_fn
 from .fp8 import expert_weights, is_fp8
-from .int4 import is_int4, is_transposed4
+from .int4 import eager_on_dequantized, is_int4
 
-__all__ = ["OffloadPlan", "attach_tiers", "check_host", "host_compute_fn", "host_experts", "offload_stats", "plan_offload", "summary_line"]
+__all__ = ["OffloadPlan", "attach_tiers", "check_host", "host_compute_fn", "host_experts", "offload_stats",
+           "plan_offload", "summary_line"]
 
 
 @dataclass(frozen=True)
@@ -144,16 +145,7 @@ def host_compute_fn(module: nn.Module) -> Callable:
         return eager
 
     def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        w_gu, w_d = expert_weights(module)
-        gate_up, down = w_gu.dequantize(), w_d.dequantize()
-        if is_transposed4(module):  # held as the kernels read them: the module's tensors are the transposes
-            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        saved = module._parameters["gate_up_proj"], module._parameters["down_proj"]
-        try:
-            module._parameters.update(gate_up_proj=gate_up, down_proj=down)
-            return eager(module, x_TD.to(gate_up.dtype), ids_TK, weights_TK).to(x_TD.dtype)
-        finally:
-            module._parameters.update(gate_up_proj=saved[0], down_proj=saved[1])
+        return eager_on_dequantized(module, eager, *expert_weights(module), x_TD, ids_TK, weights_TK)
 
     return compute
 
