@@ -348,10 +348,10 @@ def test_fp8_checkpoint_blocks_are_kept_as_stored(fp8_checkpoints, name, monkeyp
 def test_gpu_fp8_graph_steps_equal_eager_steps(checkpoints):
     """Continuous batching's decode steps replayed from CUDA graphs on FP8 experts give the tokens of the
     same steps run eagerly."""
-    from test_static_decode import _graphs_against_eager
+    from decode_graphs import graphs_against_eager
 
     device = torch.device("cuda")
     tm = ThunderMoE.from_pretrained(checkpoints["mixtral"], dtype=torch.bfloat16, experts_dtype="fp8", device=device)
-    got, want, graphs, sizes = _graphs_against_eager(tm.eval(), device)
+    got, want, graphs, sizes = graphs_against_eager(tm.eval(), device)
     assert got == want
     assert graphs and len(sizes) >= 2, sizes

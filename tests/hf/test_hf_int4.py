@@ -435,12 +435,12 @@ def test_gpu_int4_experts_match_the_dequantized_model(checkpoints, gpt_oss, name
 def test_gpu_int4_graph_steps_equal_eager_steps(checkpoints, experts_dtype):
     """Continuous batching's decode steps replayed from CUDA graphs on 4-bit experts give the tokens of
     the same steps run eagerly."""
-    from test_static_decode import _graphs_against_eager
+    from decode_graphs import graphs_against_eager
 
     device = torch.device("cuda")
     tm = ThunderMoE.from_pretrained(checkpoints["mixtral"], dtype=torch.bfloat16, experts_dtype=experts_dtype,
                                     device=device)
-    got, want, graphs, sizes = _graphs_against_eager(tm.eval(), device)
+    got, want, graphs, sizes = graphs_against_eager(tm.eval(), device)
     assert got == want
     assert graphs and len(sizes) >= 2, sizes
 
