@@ -21,6 +21,9 @@ Triton kernels on CUDA, torch's grouped GEMM or a loop elsewhere):
              float32 pre-sum into one row per (token, rank); the library's own code, run through a
              dispatcher whose all-to-all hands each tensor over as is (`LocalTransport`), so nothing
              but this rank's work is timed
+    fused    where the kernels run: the M rows as received straight into the experts' kernels, the expand
+             being the up kernel's gather and the weighted pre-sum the down kernel's epilogue
+             (`LocalExperts.summed`, `FusedExperts.compute_summed`; what ep mode runs without gradients)
     expand, presum: those two steps alone; overhead = after - experts
 
 Check: the per-(token, rank) sums of both paths (before's pair outputs weighted and summed in float32)
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import getopt
 import json
+import math
 import statistics
 import sys
 import time
@@ -58,7 +62,8 @@ TINY_SHAPES = {"qwen3": (64, 32, 16, 4), "mixtral": (64, 96, 8, 2)}
 TOKENS, TINY_TOKENS = (1, 64, 512, 4096), (1, 16, 128)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 COLUMNS = ("shape", "R", "T", "rows before", "rows after", "before ms", "experts ms", "after ms", "after/before",
-           "after/experts", "expand ms", "presum ms", "overhead ms", "rel err")
+           "after/experts", "expand ms", "presum ms", "overhead ms", "rel err", "fused ms", "fused/before",
+           "fused err")
 
 
 @dataclass(frozen=True)
@@ -194,20 +199,36 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
         x = pending.wait()
         return transport.combine_async(local.sorted(x, counts_S), pending.received)
 
+    arrived = transport.dispatch_async(arr.x_MD, arr.meta, expand=False)
+
+    def fused() -> Pending | None:
+        x_MD = arrived.wait()  # the side rows' slots sorted, no rows expanded
+        rec = arrived.received
+        y_MD = local.summed(x_MD, counts_S, rec.pairs_Q, rec.weights_N, rec.meta.top_k) if local.summed else None
+        return None if y_MD is None else transport.combine_async(y_MD, rec, summed=True)
+
     times = {"before_ms": time_ms(before), "experts_ms": time_ms(lambda: local.sorted(x_QD, counts_S)),
              "after_ms": time_ms(after), "expand_ms": time_ms(pending.wait),
              "presum_ms": time_ms(lambda: transport.combine_async(y_QD, received))}
+    fused_once = fused()
+    times["fused_ms"] = time_ms(fused) if fused_once is not None else float("nan")
     D = x_QD.shape[1]
-    after_RT = torch.zeros(arr.tokens, D, device=x_QD.device).index_copy_(
-        0, arr.rows_M, transport.combine_async(y_QD, received).wait().float())
     weighted_QD = before().float() * arr.weights_Q.unsqueeze(1)
-    before_RT = torch.zeros_like(after_RT).index_add_(0, arr.pair_rows_Q, weighted_QD)
-    scale = before_RT.abs().max().item() if before_RT.numel() else 0.0
-    diff = (after_RT - before_RT).abs().max().item() if after_RT.numel() else 0.0
+    before_RT = torch.zeros(arr.tokens, D, device=x_QD.device).index_add_(0, arr.pair_rows_Q, weighted_QD)
+
+    def rel_err(pending: Pending | None) -> float:
+        if pending is None:
+            return float("nan")
+        got_RT = torch.zeros_like(before_RT).index_copy_(0, arr.rows_M, pending.wait().float())
+        scale = before_RT.abs().max().item() if before_RT.numel() else 0.0
+        diff = (got_RT - before_RT).abs().max().item() if got_RT.numel() else 0.0
+        return diff / scale if scale else diff
+
     return {**times, "overhead_ms": times["after_ms"] - times["experts_ms"],
             "after_over_before": times["after_ms"] / times["before_ms"],
             "after_over_experts": times["after_ms"] / times["experts_ms"],
-            "rel_err": diff / scale if scale else diff,
+            "fused_over_before": times["fused_ms"] / times["before_ms"],
+            "rel_err": rel_err(transport.combine_async(y_QD, received)), "fused_rel_err": rel_err(fused_once),
             "same_expert_rows": torch.equal(x_QD, arr.pairs_QD[arr.order_Q])}
 
 
@@ -233,7 +254,7 @@ def run(options: Options) -> list[dict]:
             for R in options.ranks:
                 torch.manual_seed(0)
                 experts = FusedExperts(ExpertsConfig(E // R, D, I), device=device, dtype=dtype)
-                local = LocalExperts(experts.compute_sorted)
+                local = LocalExperts(experts.compute_sorted, summed=experts.compute_summed)
                 for T in options.tokens:
                     arr = arrival(D, E, K, R, T, device, dtype, seed=1000 * R + T)
                     row = {"shape": name, "D": D, "I": I, "E": E, "K": K, "R": R, "T": T,
@@ -258,8 +279,10 @@ def _verdict(rows: list[dict], target: float = 1.03) -> str:
     if not rows:
         return "no rows measured"
     parts = []
-    for key in ("after_over_before", "after_over_experts"):
-        worst = max(rows, key=lambda r: r[key])
+    for key in ("after_over_before", "after_over_experts", "fused_over_before"):
+        if all(math.isnan(r[key]) for r in rows):
+            continue
+        worst = max(rows, key=lambda r: -1.0 if math.isnan(r[key]) else r[key])
         met = sum(r[key] <= target for r in rows)
         parts.append(f"{key.replace('_over_', '/')} <= {target:g}: {met} of {len(rows)} rows, worst {worst[key]:.3f} "
                      f"({worst['shape']}, R {worst['R']}, T {worst['T']})")
@@ -285,6 +308,8 @@ def format_table(rows: list[dict]) -> list[str]:
         cells += [f"{r[k]:.4f}" for k in ("before_ms", "experts_ms", "after_ms")]
         cells += [f"{r['after_over_before']:.3f}", f"{r['after_over_experts']:.3f}"]
         cells += [f"{r[k]:.4f}" for k in ("expand_ms", "presum_ms", "overhead_ms")] + [f"{r['rel_err']:.2e}"]
+        cells += ["-"] * 3 if math.isnan(r["fused_ms"]) else [
+            f"{r['fused_ms']:.4f}", f"{r['fused_over_before']:.3f}", f"{r['fused_rel_err']:.2e}"]
         lines.append(" ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))))
     return lines
 

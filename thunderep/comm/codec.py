@@ -65,7 +65,8 @@ class _Fp8(Codec):
         x = x_ND.float()
         scale_N1 = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / _FP8_MAX
         q_ND = (x / scale_N1).to(_FP8).view(torch.uint8)
-        return torch.cat([q_ND, scale_N1.view(torch.uint8).reshape(-1, 4)], dim=1)
+        # flat first: with no rows amax gives a stride-0 column, which a dtype view refuses
+        return torch.cat([q_ND, scale_N1.reshape(-1).view(torch.uint8).reshape(-1, 4)], dim=1)
 
     def decode(self, wire_NW: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         q_ND = wire_NW[:, :-4].contiguous().view(_FP8).float()

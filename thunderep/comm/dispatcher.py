@@ -17,7 +17,10 @@ Bytes are the cost on PCIe, so a token's hidden row travels once to each rank th
 of its experts (never more than R - 1 remote copies, however large K), with its K routing weights and
 local slots (-1 where the pair is another rank's) in a small float32 side row. The receiver expands
 rows to its (token, slot) pairs on the device; after the experts it sums each row's weighted outputs
-(float32) and sends one row back per (token, rank); the token's own rank adds at most R rows. Counts
+(float32) and sends one row back per (token, rank); the token's own rank adds at most R rows. Where the
+experts' kernels run (inference), both steps are theirs instead: the rows go to them as received
+(`dispatch_async(expand=False)`), the up kernel gathers each pair's row, the down kernel's epilogue adds
+the weighted outputs into their row (`combine_async(summed=True)`). Counts
 per global slot and rows per rank travel in the one split-size exchange: the plan's single wait for
 the GPU, none in backward. Rows travel with variable-size `all_to_all_single`; nothing is dropped;
 within a slot, pairs keep source-rank then token order. Autograd runs through both directions (the
@@ -81,12 +84,13 @@ class Received:
 
     meta: the wave's `DispatchMeta`. rows: M rows received. pairs_Q: int64 [Q] flat (row, k) index of
     each pair this rank computes, in local-slot order. weights_Q: [Q] their routing weights
-    (differentiable)."""
+    (differentiable). weights_N: [M * K] every received pair's weight in flat order (0: another rank's)."""
 
     meta: DispatchMeta
     rows: int
     pairs_Q: torch.Tensor
     weights_Q: torch.Tensor
+    weights_N: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -252,33 +256,43 @@ class Dispatcher:
         box[0]._out = out  # the autograd output: what wait() fills and returns
         return box[0]
 
-    def dispatch_async(self, x_TD: torch.Tensor, meta: DispatchMeta) -> Pending:
+    def dispatch_async(self, x_TD: torch.Tensor, meta: DispatchMeta, expand: bool = True) -> Pending:
         """Send each token's row once to each rank holding one of its experts. wait() -> x_QD, one row per
-        pair this rank computes, grouped by local slot (meta.counts_S); then `.received` is set."""
+        pair this rank computes, grouped by local slot (meta.counts_S); then `.received` is set. With
+        `expand` False, wait() -> the M rows as received (`expand` them, or hand them to kernels that
+        gather the pairs themselves)."""
         rows = self._all_to_all(x_TD[meta.send_tokens_N], meta.send_splits, meta.recv_splits, "dispatch",
                                 meta.sinks, self.codec)
         side = self._all_to_all(meta.side_NK2, meta.send_splits, meta.recv_splits, "dispatch_side", meta.sinks,
                                 self.exact)
         K = meta.top_k
 
-        def expand(x_MD: torch.Tensor) -> torch.Tensor:
+        def arrived(x_MD: torch.Tensor) -> torch.Tensor:
             side_MK2 = side.wait()
-            weights_MK, slot_MK = side_MK2[:, :K], side_MK2[:, K:].detach().round().to(torch.int64)
+            weights_N, slot_MK = side_MK2[:, :K].reshape(-1), side_MK2[:, K:].detach().round().to(torch.int64)
             S = meta.counts_S.numel()
             # pairs of this rank sorted by local slot (row order within a slot); the rest (-1) last
             order_N = torch.argsort(torch.where(slot_MK >= 0, slot_MK, S).reshape(-1), stable=True)
             pairs_Q = order_N[:int(meta.counts_S.sum())]
-            rows.received = Received(meta, x_MD.shape[0], pairs_Q, weights_MK.reshape(-1)[pairs_Q])
-            return x_MD[pairs_Q // K]
+            rows.received = Received(meta, x_MD.shape[0], pairs_Q, weights_N[pairs_Q], weights_N)
+            return self.expand(x_MD, rows.received) if expand else x_MD
 
-        rows._finish = expand
+        rows._finish = arrived
         return rows
 
-    def combine_async(self, y_QD: torch.Tensor, received: Received) -> Pending:
+    @staticmethod
+    def expand(x_MD: torch.Tensor, received: Received) -> torch.Tensor:
+        """The received rows -> x_QD, one per pair this rank computes, grouped by local slot."""
+        return x_MD[received.pairs_Q // received.meta.top_k]
+
+    def combine_async(self, y_QD: torch.Tensor, received: Received, summed: bool = False) -> Pending:
         """Sum each received row's weighted expert outputs (float32), return one row per (token, rank) to
-        the token's rank. wait() -> [T, D] = sum_k weights_TK * y(t, k), in y_QD's dtype."""
+        the token's rank. wait() -> [T, D] = sum_k weights_TK * y(t, k), in y_QD's dtype. summed: y is
+        already [M, D], each received row's weighted sum (the experts' kernels did it)."""
         meta, K, D = received.meta, received.meta.top_k, y_QD.shape[-1]
-        if received.rows >= PRESUM_MIN_ROWS and available(y_QD.device):  # one pass over the pairs, in registers
+        if summed:
+            y_MD = y_QD
+        elif received.rows >= PRESUM_MIN_ROWS and available(y_QD.device):  # one pass over the pairs, in registers
             from ..kernels.presum import presum  # triton: optional, imported where the kernels run
 
             y_MD = presum(y_QD, received.weights_Q, received.pairs_Q, received.rows, K)

@@ -255,7 +255,9 @@ class ExpertsBinding:
             return self.compute_rows(module, x_MD, slot_M)
 
         pairs = getattr(self.compute, "pairs_partial", None)  # ThunderEP's kernels: decode, no sync
-        return LocalExperts(sorted_rows, by_slot, None if pairs is None else functools.partial(pairs, module))
+        summed = getattr(self.compute, "summed", None)  # ThunderEP's kernels: ep mode's rows, no expand
+        return LocalExperts(sorted_rows, by_slot, None if pairs is None else functools.partial(pairs, module),
+                            None if summed is None else functools.partial(summed, module))
 
     def compute_rows(self, module, x_MD: torch.Tensor, slot_M: torch.Tensor) -> torch.Tensor:
         """Unweighted outputs of the local experts: row m uses local slot slot_M[m]. Returns [M, D]."""
@@ -479,5 +481,18 @@ def kernel_compute_fn(module) -> Callable:
                                      experts, kind)
         return partial_TD.to(x_TD.dtype) if partial_TD is not None else None
 
+    def summed(module, x_MD: torch.Tensor, counts_S: torch.Tensor, pairs_Q: torch.Tensor, weights_N: torch.Tensor,
+               top_k: int) -> torch.Tensor | None:
+        """ep mode's received rows, each row's local pairs weighted and summed in the kernels (`LocalExperts.
+        summed`); None where gradients are needed."""
+        check_kernels_device(name, x_MD.device)
+        from ..kernels.ops import moe_mlp_summed  # triton: optional; only where the kernels run
+
+        w_gate_up, w_down = expert_weights(module)
+        y_MD = moe_mlp_summed(x_MD.to(w_gate_up.dtype), w_gate_up, w_down, counts_S, order_Q=pairs_Q,
+                              weights_N=weights_N, top_k=top_k, activation=activation, interleaved=interleaved)
+        return y_MD.to(x_MD.dtype) if y_MD is not None else None
+
     compute.pairs_partial = pairs_partial
+    compute.summed = summed
     return compute

@@ -33,8 +33,9 @@ def supported(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, bias: b
     )
 
 
-def check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
-    """InputError on inputs the kernels cannot take; `counts` None (the pair kernels take none) is not checked."""
+def check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm, subset=False):
+    """InputError on inputs the kernels cannot take; `counts` None (the pair kernels take none) is not checked.
+    subset: `order` lists some of the T * K flat pairs, `weights` all of them (sorted_mlp.forward_summed)."""
     E, I2, D = w_gu.shape
     if gemm not in ("triton", "torch"):
         raise InputError(f"gemm must be 'triton' or 'torch', got {gemm!r}")
@@ -53,11 +54,13 @@ def check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm):
                          f"w_down {tuple(w_d.shape)} (expected [E, 2I, D] and [E, D, I])")
     if counts is not None and counts.shape != (E,):
         raise InputError(f"counts_E has shape {tuple(counts.shape)}, expected ({E},)")
-    if order is not None and order.shape[0] != x.shape[0] * top_k:
+    flat = x.shape[0] * top_k
+    if order is not None and (order.shape[0] > flat if subset else order.shape[0] != flat):
         raise InputError(f"order_N has {order.shape[0]} rows; x has {x.shape[0]} tokens x top_k {top_k} = "
-                         f"{x.shape[0] * top_k}")
-    if order is not None and weights is not None and weights.shape != order.shape:
-        raise InputError(f"weights {tuple(weights.shape)} must match order {tuple(order.shape)}")
+                         f"{flat}{' (at most)' if subset else ''}")
+    if order is not None and weights is not None and weights.shape != ((flat,) if subset else order.shape):
+        raise InputError(f"weights {tuple(weights.shape)} must match "
+                         f"{'the ' + str(flat) + ' flat pairs' if subset else 'order ' + str(tuple(order.shape))}")
     if counts is not None and counts.device.type == "cpu":  # no sync here; on a GPU, see moe_mlp
         check_rows(counts, order, x.shape[0], top_k)
 
@@ -70,9 +73,10 @@ def check_rows(counts: torch.Tensor, order: Optional[torch.Tensor], n_tokens: in
     if total != n_rows or bool((counts < 0).any()):
         raise InputError(f"counts_E {counts.tolist()} must be >= 0 and sum to the {n_rows} rows "
                          f"({'order_N' if order is not None else 'x'}); they sum to {total}")
-    if order is not None and order.numel() and not 0 <= int(order.min()) <= int(order.max()) < n_rows:
+    flat = n_tokens * top_k
+    if order is not None and order.numel() and not 0 <= int(order.min()) <= int(order.max()) < flat:
         raise InputError(f"order_N holds pairs {int(order.min())} to {int(order.max())}; x has "
-                         f"{n_tokens} tokens x top_k {top_k}: use pairs in [0, {n_rows})")
+                         f"{n_tokens} tokens x top_k {top_k}: use pairs in [0, {flat})")
 
 
 def check_integer(name: str, t: torch.Tensor) -> None:

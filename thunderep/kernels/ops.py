@@ -7,6 +7,7 @@ N routed rows in expert order.
         -> (y, h_NI, gu_N2I)
     thunderep::moe_mlp_backward(dy, x, ..., h_NI, gu_N2I) -> (dx, dw_gate_up, dw_down, dweights)
     thunderep::moe_mlp_fp8(x, FP8 weights as tensors, ...) -> y            (inference)
+    moe_mlp_summed(x_TD, ..., counts_E, order_Q, weights_N, top_k) -> y_TD (some pairs; inference, eager)
     thunderep::route(ids_TK, weights_TK, E, dtype) -> (order_N, counts_E, weights_N)
     thunderep::moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, ...) -> y_TD
     thunderep::moe_mlp_pairs_fp8(x_TD, FP8 weights as tensors, ...) -> y_TD
@@ -52,8 +53,8 @@ from .fp8 import Fp8Weight
 from .int4 import Int4Weight
 from .tuning import kernel_configs
 
-__all__ = ["check_fp8", "kernel_configs", "moe_mlp", "moe_mlp_pairs", "moe_mlp_pairs_gptoss", "pairs_if_decode",
-           "route", "routed_moe_mlp", "supported"]
+__all__ = ["check_fp8", "kernel_configs", "moe_mlp", "moe_mlp_pairs", "moe_mlp_pairs_gptoss", "moe_mlp_summed",
+           "pairs_if_decode", "route", "routed_moe_mlp", "supported"]
 
 
 _moe_mlp_op = torch.library.custom_op("thunderep::moe_mlp", mutates_args=())(sorted_mlp.forward)
@@ -174,7 +175,7 @@ def moe_mlp(
         checks.check_integer("order_N", order_N)
     counts = counts_E.to(device=x.device, dtype=torch.int32, non_blocking=True)
     order = order_N.to(torch.int32) if order_N is not None else None
-    weights = weights_N.reshape(-1) if weights_N is not None else None
+    weights = weights_N.reshape(-1).contiguous() if weights_N is not None else None
     if weights is not None and order is None:
         raise InputError("weights_N needs order_N (the sorted mode returns unweighted rows)")
     if isinstance(w_gate_up_E2ID, Fp8Weight) or isinstance(w_down_EDI, Fp8Weight):
@@ -200,6 +201,35 @@ def moe_mlp(
     y, _, _ = op(x.contiguous(), w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous(), order, counts, weights,
                  top_k, activation, interleaved, needs_grad, gemm)
     return y
+
+
+def moe_mlp_summed(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, counts_E: torch.Tensor,
+                   *, order_Q: torch.Tensor, weights_N: torch.Tensor, top_k: int, activation: str = "silu",
+                   interleaved: bool = False) -> torch.Tensor | None:
+    """Some of the (token, k) pairs, weighted and summed per token: y_TD [T, D] in x's dtype (float32 sums).
+
+    The receiving rank of expert parallelism: x_TD its received rows (one per (token, rank)), order_Q the
+    flat pairs t * top_k + k its experts compute, grouped by expert by counts_E, weights_N [T * top_k]
+    every pair's routing weight in flat order. The gather of the rows is the up kernel's A load, the
+    weighting and the per-row sum the down kernel's epilogue (sorted_mlp.forward_summed). Inference
+    only: None where gradients are needed (the caller then expands the rows and runs `moe_mlp`, whose
+    backward exists). FP8 weights as in `moe_mlp`, 4-bit ones dequantized for the call."""
+    checks.check_integer("counts_E", counts_E)
+    checks.check_integer("order_Q", order_Q)
+    if isinstance(w_gate_up_E2ID, Int4Weight) or isinstance(w_down_EDI, Int4Weight):
+        check_int4(x_TD, w_gate_up_E2ID, w_down_EDI, weights_N)
+        w_gate_up_E2ID, w_down_EDI = w_gate_up_E2ID.dequantize(), w_down_EDI.dequantize()
+    fp8 = isinstance(w_gate_up_E2ID, Fp8Weight) or isinstance(w_down_EDI, Fp8Weight)
+    if fp8:
+        check_fp8(x_TD, w_gate_up_E2ID, w_down_EDI, weights_N)
+    elif paths.needs_grad(x_TD, w_gate_up_E2ID, w_down_EDI, weights_N):
+        return None
+    counts = counts_E.to(device=x_TD.device, dtype=torch.int32, non_blocking=True)
+    E, I2, D = w_gate_up_E2ID.shape
+    gemm = "triton" if fp8 else G.gemm_path(x_TD, order_Q.shape[0], E, D, I2 // 2)
+    return sorted_mlp.forward_summed(x_TD.contiguous(), w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous(),
+                                     order_Q.to(torch.int32), counts, weights_N.reshape(-1).contiguous(), top_k, activation,
+                                     interleaved, gemm)
 
 
 _route_op = torch.library.custom_op("thunderep::route", mutates_args=())(sorted_mlp.route)

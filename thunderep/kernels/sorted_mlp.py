@@ -5,6 +5,7 @@ Shape legend: T tokens, D hidden size, K experts per token, E experts, I interme
 N routed rows in expert order, P = ceil(I / BLOCK_N) column tiles.
 
     forward(x, w_gate_up_E2ID, w_down_EDI, order_N, counts_E, weights, top_k, ...) -> (y, h_NI, gu_N2I)
+    forward_summed(x_TD, ..., order_Q, counts_E, weights_N, top_k, ...) -> y_TD   (some pairs; inference)
     backward(dy, x, ..., h_NI, gu_N2I) -> (dx, dw_gate_up, dw_down, dweights)
     route(ids_TK, weights_TK, E, dtype) -> (order_N, counts_E, weights_N)
 
@@ -18,6 +19,7 @@ Tile configs and the keys they are tuned by are tiles.py's.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -29,7 +31,7 @@ from .fp8 import FP8, FP8_MAX, scale_args, weight_data
 from .fp8 import quantize_rows as fp8_rows
 from .tuning import cdiv, next_power_of_2
 
-__all__ = ["act_bwd", "backward", "block_e", "rows", "forward", "quantize_rows", "route", "route_ranks",
+__all__ = ["act_bwd", "backward", "block_e", "rows", "forward", "forward_summed", "quantize_rows", "route", "route_ranks",
            "row_grid", "up", "weight_grad", "wgrad"]
 
 
@@ -64,20 +66,27 @@ def up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows, x_scale=No
     return h, gu
 
 
-def rows(a, b, b_strides, n_out, order, weights, counts, out, scatter, a_scale=None):
+def rows(a, b, b_strides, n_out, order, weights, counts, out, scatter, a_scale=None, sum_k=0):
     """out[dst(r)] = w * a[r] @ B[e].T with B[e, n, k] at b + e*s0 + n*s1 + k*s2 (b: a tensor, or an
     Fp8Weight [E, n, k] whose strides are b_strides); `a_scale`: a is FP8, row r standing for
-    a[r] * a_scale[r] (W8A8)."""
+    a[r] * a_scale[r] (W8A8). sum_k > 0: out is float32 and out[order[r] // sum_k] += ... (atomic adds,
+    launched with the fixed config: timing configs would add more than once)."""
     n_rows, Kdim = a.shape
     E = counts.shape[0]
     bm, fill = tiles.m_key(n_rows, E)
-    tuning.launch(tiles.ROWS, tiles.ROWS_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, n_out), a.device,
-                  a_ptr=a, b_ptr=weight_data(b), c_ptr=out, order_ptr=order if order is not None else counts,
-                  weight_ptr=weights if weights is not None else a, counts_ptr=counts,
-                  n_rows=n_rows, N=n_out, K=Kdim, E=E, stride_am=a.stride(0), stride_be=b_strides[0],
-                  stride_bn=b_strides[1], stride_bk=b_strides[2], stride_cm=out.stride(0), m_class=bm,
-                  m_fill=fill, SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=tuning.precision(out.dtype),
-                  BLOCK_E=block_e(E), as_ptr=a_scale if a_scale is not None else a, A_FP8=a_scale is not None,
+    if sum_k:
+        launch = functools.partial(tuning.launch_default, SUM_K=sum_k)
+        precision = tuning.precision(a.dtype)
+    else:
+        launch = functools.partial(tuning.launch, device=a.device)
+        precision = tuning.precision(out.dtype)
+    launch(tiles.ROWS, tiles.ROWS_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, n_out),
+           a_ptr=a, b_ptr=weight_data(b), c_ptr=out, order_ptr=order if order is not None else counts,
+           weight_ptr=weights if weights is not None else a, counts_ptr=counts,
+           n_rows=n_rows, N=n_out, K=Kdim, E=E, stride_am=a.stride(0), stride_be=b_strides[0],
+           stride_bn=b_strides[1], stride_bk=b_strides[2], stride_cm=out.stride(0), m_class=bm,
+           m_fill=fill, SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=precision,
+           BLOCK_E=block_e(E), as_ptr=a_scale if a_scale is not None else a, A_FP8=a_scale is not None,
                   **scale_args(b, "bs_ptr", ("stride_bse", "stride_bsn", "stride_bsk")))
 
 
@@ -174,6 +183,41 @@ def forward(
     if not save:
         h = x.new_empty(0, I2 // 2)
     return y, h, gu
+
+
+def forward_summed(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
+    weights: torch.Tensor, top_k: int, activation: str, interleaved: bool, gemm: str,
+) -> torch.Tensor:
+    """y_TD [T, D] in x's dtype: y[t] = sum over the listed pairs (t, k) of weights[t * K + k] * the pair's
+    expert(x[t]), float32 sums, rounded once.
+
+    x: x_TD. order: [Q] int32, the flat pairs t * K + k to compute, grouped by expert by `counts` (any
+    subset of the T * K pairs: a row whose pairs are all absent comes out 0). weights: [T * K] flat.
+    The triton path adds each pair into its row in the down kernel's epilogue (atomic float32 adds, in
+    no fixed order); the torch path runs the grouped GEMMs on the gathered rows, then one index_add.
+    Inference: nothing is saved for backward."""
+    checks.check(x, w_gate_up, w_down, order, counts, weights, top_k, activation, gemm, subset=True)
+    E, I2, D = w_gate_up.shape
+    n_rows = order.shape[0]
+    y = torch.zeros(x.shape[0], D, dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return y.to(x.dtype)
+    act = ACTIVATIONS[activation]
+    if gemm == "torch":
+        rows_QD, _, _ = G.forward(G.gather_rows(x, order, top_k), w_gate_up, w_down, None, counts, None, top_k, act,
+                                  interleaved)
+        flat = order.long()
+        y.index_add_(0, flat // top_k, rows_QD.float() * weights[flat].float().unsqueeze(1))
+        return y.to(x.dtype)
+    if getattr(w_gate_up, "w8a8", False):  # FP8 inputs too, as in forward
+        xq, x_scale = quantize_rows(x)
+        h, _ = up(xq, w_gate_up, order, counts, top_k, act, interleaved, False, n_rows, x_scale)
+        a, a_scale = quantize_rows(h)
+    else:
+        (a, _), a_scale = up(x, w_gate_up, order, counts, top_k, act, interleaved, False, n_rows), None
+    rows(a, w_down, w_down.stride(), D, order, weights, counts, y, scatter=True, a_scale=a_scale, sum_k=top_k)
+    return y.to(x.dtype)
 
 
 def backward(

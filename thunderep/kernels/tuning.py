@@ -35,7 +35,7 @@ from .. import env
 from .graphs import capture
 
 __all__ = ["autotune_enabled", "captured", "cdiv", "chosen_configs", "compile_threads", "compiled_kernels",
-           "fit_scale_blocks", "fp8_only", "free_timer_buffers", "kernel_configs", "launch", "next_power_of_2",
+           "fit_scale_blocks", "fp8_only", "free_timer_buffers", "kernel_configs", "launch", "launch_default", "next_power_of_2",
            "precision", "signature", "timed_ms", "tuned", "tuning_ms"]
 
 _LOG = logging.getLogger("thunderep.kernels")
@@ -310,6 +310,12 @@ def launch(autotuner, plain, default, grid, device, **args) -> None:
             kernel, meta = chosen
             kernel[grid](**args, **meta)
         return
+    launch_default(autotuner, plain, default, grid, **args)
+
+
+def launch_default(autotuner, plain, default, grid, **args) -> None:
+    """Run `plain` with the `default` config, never timing configs: for launches that accumulate into
+    their output (an autotuner's timing runs would add several times)."""
     default = fit_scale_blocks([default], args, _K_ARG.get(id(autotuner)))[0]
     stages = default.num_stages
     while True:

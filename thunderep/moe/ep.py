@@ -58,11 +58,16 @@ class LocalExperts:
     pairs(x_TD, local_TK, weights_TK, fallback, num_experts, kind): the decode pair kernels' weighted
         [T, D] share (local_TK -1: another rank's expert), or None where they do not apply. None: no
         such kernels.
+    summed(x_MD, counts_S, pairs_Q, weights_N, top_k): ep mode's received rows, weighted [M, D]: row m
+        sums its pairs m * top_k + k listed in pairs_Q (grouped by slot) with weights_N [M * top_k], the
+        expand fused into the experts' input gather and the pre-sum into their epilogue; None where
+        that does not apply (gradients). None: no such kernels.
     """
 
     sorted: Callable
     by_slot: Callable | None = None
     pairs: Callable | None = None
+    summed: Callable | None = None
 
 
 def wave_bounds(T: int, waves: int) -> list[tuple[int, int]]:
@@ -224,16 +229,30 @@ class ExpertParallelMoE:
         # 1. slots, 2. one control exchange for every wave (the balancer's words riding along)
         metas = self.plan([ids_TK[a:b] for a, b in bounds], [weights_TK[a:b] for a, b in bounds])
         # 3. dispatch every wave
-        pending = [dispatcher.dispatch_async(x_TD[a:b], meta) for (a, b), meta in zip(bounds, metas)]
+        pending = [dispatcher.dispatch_async(x_TD[a:b], meta, expand=False) for (a, b), meta in zip(bounds, metas)]
         # 4. shared experts on the local tokens while the rows are in flight
         shared_TD = shared(x_TD) if shared is not None else None
         # 5. compute each wave's rows as they arrive, 6. combine them back
         combines = []
         for rows, meta in zip(pending, metas):
-            x_QD = rows.wait()  # one row per pair of this rank, grouped by local slot
-            combines.append(dispatcher.combine_async(experts.sorted(x_QD, meta.counts_S), rows.received))
+            combines.append(self._compute_wave(rows, meta, experts))
         y_TD = torch.cat([c.wait() for c in combines]).to(x_TD.dtype)
         return y_TD if shared_TD is None else y_TD + shared_TD
+
+    def _compute_wave(self, rows, meta, experts: LocalExperts):
+        """One wave's rows as they arrive -> its combine in flight: the kernels' fused expand and pre-sum
+        where they apply (`LocalExperts.summed`), else the rows expanded to pairs, the experts, the
+        dispatcher's pre-sum."""
+        dispatcher = self.ep.dispatcher
+        x_MD = rows.wait()  # one row per (token, rank), as received
+        received = rows.received
+        if experts.summed is not None:
+            K = meta.top_k
+            y_MD = experts.summed(x_MD, meta.counts_S, received.pairs_Q, received.weights_N, K)
+            if y_MD is not None:
+                return dispatcher.combine_async(y_MD, received, summed=True)
+        x_QD = dispatcher.expand(x_MD, received)  # one row per pair of this rank, grouped by local slot
+        return dispatcher.combine_async(experts.sorted(x_QD, meta.counts_S), received)
 
     def plan(self, ids_W: list[torch.Tensor], weights_W: list[torch.Tensor]) -> list:
         """ep mode's layout and split sizes for waves of ids ([T_w, K] each): the balancer's trade plan

@@ -213,6 +213,20 @@ class FusedExperts(nn.Module):
             x_ND, counts_E, self.gate_up_proj, self.down_proj, self.config, self.gate_up_bias, self.down_bias
         )
 
+    def compute_summed(self, x_MD: torch.Tensor, counts_E: torch.Tensor, pairs_Q: torch.Tensor,
+                       weights_N: torch.Tensor, top_k: int) -> torch.Tensor | None:
+        """[M, D] rows, each row m's pairs m * top_k + k listed in `pairs_Q` (grouped by local expert per
+        counts_E) weighted by weights_N [M * top_k] and summed in float32, through the kernels (the
+        expert-parallel receiving rank: no expanded rows, no separate pre-sum); None where they do not
+        apply (no CUDA kernels here, or gradients needed)."""
+        if not _use_triton(x_MD, self.gate_up_proj, self.config):
+            return None
+        from ..kernels.ops import moe_mlp_summed  # triton: optional (the Triton kernels import it)
+
+        return moe_mlp_summed(x_MD.to(self.gate_up_proj.dtype), self.gate_up_proj, self.down_proj, counts_E,
+                              order_Q=pairs_Q, weights_N=weights_N, top_k=top_k, activation=self.config.activation,
+                              interleaved=self.config.interleaved)
+
     def pairs_partial(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, fallback=None,
                       experts: int | None = None, kind: str = "sorted") -> torch.Tensor | None:
         """sum over k of weights_TK * expert_{ids_TK}(x_TD) [T, D] through the decode pair kernels, where

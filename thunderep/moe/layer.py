@@ -91,7 +91,8 @@ class ThunderMoELayer(nn.Module):
             SharedExperts(config.shared, device=device, dtype=dtype) if config.shared is not None else None
         )
         attach(self.experts, self)
-        self._local = LocalExperts(self.experts.compute_sorted, pairs=self.experts.pairs_partial)
+        self._local = LocalExperts(self.experts.compute_sorted, pairs=self.experts.pairs_partial,
+                                   summed=self.experts.compute_summed)
 
     # The EP core's state, as the layer's own (None without expert parallelism).
 
