@@ -358,6 +358,10 @@ def _ep_host_syncs(rank, world):
             done = len(caught)
             loss.backward()
             syncs.append([f"{w.filename}:{w.lineno}" for w in caught[done:] if "synchronizing" in str(w.message)])
+            done = len(caught)
+            with torch.no_grad():  # inference: the kernels' fused expand and pre-sum (LocalExperts.summed)
+                layer(x, mode="ep")
+            syncs.append([f"{w.filename}:{w.lineno}" for w in caught[done:] if "synchronizing" in str(w.message)])
     finally:
         torch.cuda.set_sync_debug_mode(0)
     ep.close()
@@ -367,14 +371,16 @@ def _ep_host_syncs(rank, world):
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
 def test_ep_mode_waits_for_the_gpu_once_per_forward(world):
-    """EP mode's one host wait per layer forward is the split counts' copy in `plan`; the backward
-    (reverse all-to-alls, expert gradients) queues without waiting."""
+    """EP mode's one host wait per layer forward is the split counts' copy in `plan`, with gradients and
+    without (the kernels' fused path); the backward (reverse all-to-alls, expert gradients) queues without
+    waiting."""
     from thunderep.comm.mailbox import native_available
 
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
     if not native_available():
         pytest.skip("the mailbox extension is not built (a collective control plane may add waits)")
-    for forward, backward in run_ranks(_ep_host_syncs, world, backend="nccl", timeout=240):
+    for forward, backward, inference in run_ranks(_ep_host_syncs, world, backend="nccl", timeout=240):
         assert len(forward) == 1 and "dispatcher.py" in forward[0] and not backward, (
             f"host syncs: forward {forward}, backward {backward}")
+        assert len(inference) == 1 and "dispatcher.py" in inference[0], f"host syncs of inference: {inference}"
