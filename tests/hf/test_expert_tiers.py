@@ -1,7 +1,8 @@
 """Expert offload (`from_pretrained(..., gpu_memory=...)`, `thunderep.moe.tiers`): logits and greedy tokens equal
 to the plain transformers model for hot fractions 0, 0.25, 0.5 and 1, cold experts forced onto either path (the
 host, or streamed through the staging buffers), on 1 rank and 2 gloo ranks; hot-set changes mid-generation;
-the cost model's choice; gpu_memory parsing; `thunderep plan --gpu-memory`. On CPU the device is the host."""
+the cost model's choice; the lean host function equal to the experts class's own forward, family by family;
+gpu_memory parsing; `thunderep plan --gpu-memory`. On CPU the device is the host."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from distributed import run_ranks
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_tiny import V, save_tiny
+from hf_tiny import FAMILIES as ALL_FAMILIES
+from hf_tiny import V, save_tiny, tiny_model
 
 from thunderep.errors import ConfigError
 from thunderep.moe.offload_cost import OffloadCosts
@@ -94,7 +96,7 @@ def test_one_rank_equals_transformers_at_every_hot_fraction(family, checkpoints)
 
 def test_hot_set_changes_mid_generation_change_no_output(checkpoints):
     """A logits processor moves every layer's hot set at each step; the re-choosing rule, with a slow host
-    and an interval of one call, moves it by itself: tokens and scores as transformers'."""
+    path forced and an interval of one call, moves it by itself: tokens and scores as transformers'."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     from thunderep.hf import ThunderMoE
@@ -118,7 +120,7 @@ def test_hot_set_changes_mid_generation_change_no_output(checkpoints):
     assert torch.equal(tokens, want[1]) and tm.offload_stats()["bytes_promoted"] > 0
     slow_host = OffloadCosts(host_flops=1e3, device_flops=1e12, h2d_Bps=1e12)
     tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, 0.25), offload_costs=slow_host,
-                                    offload=TierConfig(calibration_calls=1, interval=1, ema=0.0))
+                                    offload=TierConfig(cold_path="host", calibration_calls=1, interval=1, ema=0.0))
     _check(tm, x, want, "re-chosen every call")
     assert sum(b.tiers.stats.hot_changes for b in tm.bindings.values()) > 2
 
@@ -131,6 +133,47 @@ def test_cost_model_chooses_by_rows():
     cross = next(n for n in range(1, 512) if costs.cold_path(n, P, row, B) == "stream")
     assert costs.host_seconds(cross, P, row) > costs.stream_seconds(cross, P, B)
     assert costs.host_seconds(cross - 1, P, row) <= costs.stream_seconds(cross - 1, P, B)
+
+
+@pytest.mark.parametrize("family", sorted(ALL_FAMILIES))
+def test_lean_host_function_equals_the_class_forward(family):
+    """The host path's lean function (two products per slot) gives the float32 outputs of the experts class's
+    own forward on one-slot views (the path it replaces) exactly; gpt-oss (transposed, biases, its own gate)
+    keeps the class's forward."""
+    from thunderep.hf import find_experts_modules
+    from thunderep.hf.experts import ExpertsBinding, RunState, experts_compute_fn
+    from thunderep.hf.offload import gated_layout, make_host_fn
+    from thunderep.moe.host_experts import HostExperts, per_slot
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, module = find_experts_modules(tiny_model(family, seed=3))[0]
+    tensors = tuple(n for n, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)])
+    binding = ExpertsBinding(name="experts", class_name=type(module).__name__, num_experts=module.num_experts,
+                             tensors=tensors, compute=experts_compute_fn(module, "eager"), state=RunState())
+    lean = make_host_fn(binding, module)
+    if family == "gpt_oss":
+        assert gated_layout(module, tensors) is None and not isinstance(lean, HostExperts)
+        return
+    assert isinstance(lean, HostExperts)
+    host = {t: getattr(module, t).detach() for t in tensors}
+    slots, counts = [5, 0, 2, 7], [3, 1, 4, 1]
+    x_MD = torch.randn(sum(counts), host["gate_up_proj"].shape[-1], generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = per_slot(binding.weights_compute(module))(host, slots, x_MD, counts)
+        assert torch.equal(lean(host, slots, x_MD, counts), want)
+
+
+def test_from_pretrained_runs_the_lean_host_function_calibrated(checkpoints):
+    """Without given costs, each layer's host side is calibrated on its own host function and shape."""
+    from thunderep.hf import ThunderMoE
+    from thunderep.moe.host_experts import HostExperts
+
+    tm = ThunderMoE.from_pretrained(checkpoints["qwen3_moe"], gpu_memory=_budget(checkpoints["qwen3_moe"], 0.25))
+    tiers = [b.tiers for b in tm.bindings.values()]
+    assert all(isinstance(t.host_fn, HostExperts) for t in tiers)
+    assert all(t.costs.calibrated and t.costs.host_call_s >= 0 and t.costs.host_row_s >= 0 for t in tiers)
+    assert len({id(t.costs) for t in tiers}) == 1  # one calibration per slot shape
 
 
 def test_refusals(checkpoints):

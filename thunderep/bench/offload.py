@@ -18,8 +18,9 @@ learn): decode tokens/s at batch B = B (N - 1) / seconds from the first generate
 (--sample: sampled) generate() (`StepClock` notes each step), best of --repeats calls; prefill tokens/s = P /
 one forward of [1, P] tokens without a cache (the last position's logits). ThunderEP rows show the share of
 expert rows served hot (in those decode steps, and in the prefill) and the cost model's predicted rates
-(`moe.offload_cost.predicted_rates`: routed experts alone, uniform routing, constants measured at load) over
-the measured ones. Accelerate runs batch 1 only (unless --accelerate-batch8), one timed call of
+(`moe.offload_cost.predicted_rates`: routed experts alone, uniform routing, constants measured at load, the
+host path's seconds per expert and per row calibrated on its own host function at the layer's shape) over
+the measured ones, with what the host path runs (`moe.host_experts.describe`). Accelerate runs batch 1 only (unless --accelerate-batch8), one timed call of
 --accelerate-new-tokens.
 """
 
@@ -43,6 +44,7 @@ import torch
 
 from ..errors import ConfigError
 from ..hf import ThunderMoE
+from ..moe.host_experts import describe
 from ..moe.offload_cost import measure_costs, predicted_rates
 from ..moe.tiers import TierConfig
 from ..train.plan import plan_offload_memory
@@ -124,6 +126,7 @@ class Row:
     prefill: float | None = None
     hot_share: dict = field(default_factory=dict)
     predicted: dict | None = None
+    costs: dict | None = None
     stats: dict | None = None
     note: str = ""
     error: str | None = None
@@ -290,11 +293,13 @@ def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offl
         row.stats = tm.offload_stats()
         tiers = [b.tiers for b in tm.bindings.values() if getattr(b, "tiers", None) is not None]
         costs = tiers[0].costs if tiers else measure_costs(device, dtype)
+        row.costs = {**dataclasses.asdict(costs), "host_fn": describe(tiers[0].host_fn) if tiers else "-"}
+        say(f"  host path {row.costs['host_fn']}: {costs.host_text}; device {costs.device_flops / 1e9:.0f} GFLOP/s, "
+            f"host to device {costs.h2d_Bps / 1e9:.1f} GB/s")
         if row.kind != "host":  # the model predicts the cheaper cold path; (b) forces the host
             row.predicted = _predict(costs, plan, config, bench)
             say(f"  predicted decode {row.predicted['decode']:.1f} tokens/s, prefill {row.predicted['prefill']:.0f} "
-                f"tokens/s (routed experts alone; host GEMM {costs.host_flops / 1e9:.0f} GFLOP/s, device "
-                f"{costs.device_flops / 1e9:.0f} GFLOP/s, host to device {costs.h2d_Bps / 1e9:.1f} GB/s)")
+                "tokens/s (routed experts alone)")
     finally:
         del tm
         _free()

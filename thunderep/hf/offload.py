@@ -4,7 +4,9 @@ Each rank's experts modules keep all their local slots' weights in host memory (
 exists), filled from the checkpoint as usual, and as many slots as fit `gpu_memory` (after the
 replicated weights and the staging buffers) are also held on the device: `thunderep.moe.tiers`.
 `plan_offload` sizes that on the meta model before anything is allocated; `attach_tiers` builds the tiers
-after the checkpoint is read.
+after the checkpoint is read, with each layer's host function (`make_host_fn`: the lean one of
+`thunderep.moe.host_experts` where the experts class is in the plain gated layout, else the class's own
+forward one slot at a time) and the cost model calibrated on it at the layer's expert shape.
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..moe.offload_cost import OffloadCosts, measure_costs
+from ..moe.host_experts import GatedLayout, HostExperts, calibrate_upcast, per_slot
+from ..moe.offload_cost import OffloadCosts, calibrate_host, measure_costs
 from ..moe.tiers import ExpertTiers, Staging, TierConfig, TierStats, parse_memory
 from .experts import experts_compute_fn
 from .fp8 import expert_weights, is_fp8
 from .int4 import eager_on_dequantized, is_int4
 
-__all__ = ["OffloadPlan", "attach_tiers", "check_host", "host_compute_fn", "host_experts", "offload_stats",
-           "plan_offload", "summary_line"]
+__all__ = ["OffloadPlan", "attach_tiers", "check_host", "gated_layout", "host_compute_fn", "host_experts",
+           "make_host_fn", "offload_stats", "plan_offload", "summary_line"]
 
 
 @dataclass(frozen=True)
@@ -150,21 +153,72 @@ def host_compute_fn(module: nn.Module) -> Callable:
     return compute
 
 
+def gated_layout(module: nn.Module, tensors) -> GatedLayout | None:
+    """The plain gated layout of a transformers experts module whose class's own forward computes
+    act(gate) * up @ down.T with [gate | up] = x @ gate_up.T, or None where the lean host function does not
+    cover it: weights in FP8 or 4 bits, transposed weights, no gate, a norm after each expert, a gating
+    function of its own (gpt-oss), alternating gate / up rows, or expert tensors besides the two products
+    and their biases. `tensors`: the binding's expert tensor names."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if is_fp8(module) or is_int4(module) or not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return None
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] != 2 * down.shape[2] \
+            or gate_up.shape[2] != down.shape[1] or not callable(getattr(module, "act_fn", None)):
+        return None
+    if getattr(module, "is_transposed", False) or not getattr(module, "has_gate", True) \
+            or getattr(module, "has_post_expert_norm", False) or not getattr(module, "is_concatenated", True):
+        return None
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    if gate_fn is not None:
+        import transformers.integrations.moe as hf_moe  # transformers: optional (the hf extra)
+
+        if gate_fn is not getattr(hf_moe, "_default_apply_gate", None):
+            return None
+    biased = getattr(module, "has_bias", False)
+    layout = GatedLayout(gate_up_bias="gate_up_proj_bias" if biased else None,
+                         down_bias="down_proj_bias" if biased else None)
+    return layout if set(tensors) == set(layout.names) else None
+
+
+def make_host_fn(binding, module: nn.Module) -> Callable:
+    """The host function of `module`'s cold slots (`thunderep.moe.host_experts`): `HostExperts` where
+    `gated_layout` covers the module, else the class's own forward one slot at a time (`per_slot`)."""
+    layout = gated_layout(module, binding.tensors)
+    if layout is None:
+        return per_slot(binding.weights_compute(module, host_compute_fn(module)))
+    return HostExperts(module.act_fn, layout)
+
+
+def _hidden(wrapped, module: nn.Module) -> int:
+    """D, the hidden size of the rows `module` computes (its config's, else the model's text config's)."""
+    config = getattr(module, "config", None) or wrapped.model.config.get_text_config()
+    return config.hidden_size
+
+
 def attach_tiers(wrapped, plan: OffloadPlan, device: torch.device, config: TierConfig | None = None,
                  costs: OffloadCosts | None = None) -> None:
     """Give every binding of `wrapped` its `ExpertTiers` (hot slots as `plan` says, copied to `device`);
-    one `Staging` per distinct slot shape, shared by the modules; the cost model measured once."""
-    stagings = {}
+    one `Staging` per distinct slot shape, shared by the modules; the cost model measured once, its host
+    side calibrated once per slot shape on that shape's host function (not where `costs` is given)."""
+    stagings, upcast, scratch, calibrated = {}, {}, {}, {}
     for name, binding in wrapped.bindings.items():
         module = wrapped.model.get_submodule(name)
         host = {t: getattr(module, t).detach() for t in binding.tensors}
         key = tuple((t, tuple(v.shape[1:]), v.dtype) for t, v in host.items())
         if key not in stagings:
             stagings[key] = Staging(host, device)
-        model_costs = costs or measure_costs(device, next(iter(host.values())).dtype)
-        on_host = binding.weights_compute(module, host_compute_fn(module))
-        binding.tiers = ExpertTiers(host, plan.hot[name], device, binding.weights_compute(module), model_costs,
-                                    stagings[key], config or TierConfig(), host_compute=on_host)
+        on_host = make_host_fn(binding, module)
+        if isinstance(on_host, HostExperts):  # 16-bit weights: where float32 products pay, once per shape
+            on_host.upcast_rows = upcast[key] if key in upcast else calibrate_upcast(on_host, host)
+            upcast[key] = on_host.upcast_rows
+            on_host.scratch = scratch.setdefault(key, on_host.scratch)  # one set of float32 buffers
+        if costs is None and key not in calibrated:
+            dtype = wrapped.model.dtype  # the rows' (the model's) dtype; the host tensors may be packed
+            many = on_host.line_rows() if isinstance(on_host, HostExperts) else 32
+            calibrated[key] = calibrate_host(measure_costs(device, dtype), on_host, host, _hidden(wrapped, module), dtype,
+                                             rows=(1, many))
+        binding.tiers = ExpertTiers(host, plan.hot[name], device, binding.weights_compute(module),
+                                    costs or calibrated[key], stagings[key], config or TierConfig(), host_fn=on_host)
 
 
 def offload_stats(bindings) -> dict | None:

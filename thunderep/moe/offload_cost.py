@@ -2,27 +2,32 @@
 
 Shape legend: n rows of one expert, P = the expert's parameter count (gate_up + down, all tensors).
 
-An expert's rows cost 2 P FLOPs each (every weight is used once per row in a multiply and an add).
 A cold expert (weights in host memory) with n rows runs where it is estimated cheaper:
 
-    host     n 2P / host_flops + n row_bytes 2 / h2d_Bps      (rows to the host and back)
-    stream   expert_bytes / h2d_Bps + n 2P / device_flops     (weights to a staging buffer on the device)
+    host     host_call_s + n host_row_s + n row_bytes 2 / h2d_Bps      (rows to the host and back)
+    stream   expert_bytes / h2d_Bps + n 2P / device_flops               (weights to a staging buffer)
 
-so few rows (decode) stay on the host and many (prefill) stream the weights. A hot expert costs
-n 2P / device_flops. The constants are measured once per (device, dtype) at start (`measure_costs`): on a
-CPU-only machine the device is the host, its rates are the host's and the "copy" is a memcpy, and the same
-formula runs. `OffloadCosts` can be replaced (tests force either path with extreme constants).
+so few rows (decode) stay on the host and many (prefill) stream the weights. host_call_s and host_row_s
+are measured on the layer's own host function at its own expert shape (`calibrate_host`: one timed call at
+1 row, one at many, an affine fit): the fixed cost per expert and the cost per row. Uncalibrated costs
+(tests, `thunderep plan`) use n 2P / host_flops instead (2P FLOPs a row). A hot expert costs
+n 2P / device_flops. The rates are measured once per (device, dtype) at start (`measure_costs`): on a
+CPU-only machine the device is the host, its rates are the host's and the "copy" is a memcpy, and the
+same formula runs. `OffloadCosts` can be replaced (tests force either path with extreme constants).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["OffloadCosts", "measure_costs", "predicted_rates"]
+from .host_experts import time_host_fn
+
+__all__ = ["OffloadCosts", "calibrate_host", "fit_affine", "measure_costs", "predicted_rates", "split_cold"]
 
 _MEASURED: dict = {}  # (device, dtype) -> OffloadCosts, filled by measure_costs on first use
 
@@ -30,18 +35,36 @@ _MEASURED: dict = {}  # (device, dtype) -> OffloadCosts, filled by measure_costs
 @dataclass(frozen=True)
 class OffloadCosts:
     """host_flops / device_flops: FLOP/s of expert GEMMs on the host / the device. h2d_Bps: bytes per
-    second from (pinned) host memory to the device. call_s: fixed seconds per expert computed apart."""
+    second from (pinned) host memory to the device. call_s: fixed seconds per expert computed apart.
+    host_call_s / host_row_s: the host path's measured seconds per expert and per row at one layer's
+    expert shape (`calibrate_host`); None: estimated from host_flops."""
 
     host_flops: float
     device_flops: float
     h2d_Bps: float
     call_s: float = 0.0
+    host_call_s: float | None = None
+    host_row_s: float | None = None
 
-    def hot_seconds(self, rows: int, params: int) -> float:
+    @property
+    def calibrated(self) -> bool:
+        return self.host_row_s is not None
+
+    @property
+    def host_text(self) -> str:
+        """The host side in words: the calibrated seconds, else the GEMM rate."""
+        if self.calibrated:
+            return f"host {self.host_call_s * 1e3:.3f} ms per expert + {self.host_row_s * 1e3:.3f} ms per row"
+        return f"host GEMM {self.host_flops / 1e9:.0f} GFLOP/s"
+
+    def hot_seconds(self, rows: float, params: int) -> float:
         return rows * 2 * params / self.device_flops
 
-    def host_seconds(self, rows: int, params: int, row_bytes: int) -> float:
-        return self.call_s + rows * 2 * params / self.host_flops + 2 * rows * row_bytes / self.h2d_Bps
+    def host_seconds(self, rows: float, params: int, row_bytes: int) -> float:
+        copies = 2 * rows * row_bytes / self.h2d_Bps
+        if self.calibrated:
+            return self.host_call_s + rows * self.host_row_s + copies
+        return self.call_s + rows * 2 * params / self.host_flops + copies
 
     def stream_seconds(self, rows: int, params: int, expert_bytes: int) -> float:
         return self.call_s + expert_bytes / self.h2d_Bps + rows * 2 * params / self.device_flops
@@ -50,6 +73,14 @@ class OffloadCosts:
         """"host" or "stream": where a cold expert's `rows` rows are estimated cheaper (ties: host)."""
         host = self.host_seconds(rows, params, row_bytes)
         return "host" if host <= self.stream_seconds(rows, params, expert_bytes) else "stream"
+
+    def cold_seconds(self, rows: float, params: int, row_bytes: int, expert_bytes: int, path: str = "auto") -> float:
+        """Expected seconds per layer call of a cold expert averaging `rows` rows a call (a fraction: the
+        expert has rows in min(1, rows) of the calls, max(1, rows) each), on `path` ("auto": the cheaper)."""
+        active, n = min(1.0, rows), max(1.0, rows)
+        host = self.host_seconds(n, params, row_bytes)
+        stream = self.stream_seconds(n, params, expert_bytes)
+        return active * {"host": host, "stream": stream}.get(path, min(host, stream))
 
 
 def _best_seconds(fn, repeats: int = 5) -> float:
@@ -87,6 +118,48 @@ def _copy_bandwidth(device: torch.device, nbytes: int = 8 << 20) -> float:
 
     run()
     return nbytes / _best_seconds(run)
+
+
+def split_cold(host_s: list[float], stream_s: list[float], overlap: bool) -> list[str]:
+    """The path of each of a call's cold slots ("host" or "stream"), given each one's estimated seconds on
+    either. Without `overlap` (the device is the host) each takes its cheaper path. With it (CUDA: the
+    host computes its slots while the device streams the others) the call lasts about the longer of the
+    two sums: the slots ordered by host / stream seconds, the first k go to the host, with k the split of
+    the shortest such call (ties: more on the host)."""
+    if not overlap:
+        return ["host" if h <= s else "stream" for h, s in zip(host_s, stream_s)]
+    order = sorted(range(len(host_s)), key=lambda i: host_s[i] / max(stream_s[i], 1e-30))
+    best_k, best = 0, math.inf
+    on_host, streamed = 0.0, sum(stream_s)
+    for k in range(len(order) + 1):
+        if max(on_host, streamed) <= best:
+            best_k, best = k, max(on_host, streamed)
+        if k < len(order):
+            on_host, streamed = on_host + host_s[order[k]], streamed - stream_s[order[k]]
+    paths = ["stream"] * len(host_s)
+    for i in order[:best_k]:
+        paths[i] = "host"
+    return paths
+
+
+def fit_affine(rows_a: int, seconds_a: float, rows_b: int, seconds_b: float) -> tuple[float, float]:
+    """(call_s, row_s) of the line through two timings (rows_a < rows_b), both clipped at zero: seconds
+    per row from the slope, the rest of the first timing fixed per call. Timing noise can make the slope
+    negative (row_s 0, call_s the first timing) or the intercept negative (call_s 0)."""
+    assert rows_b > rows_a >= 0, (rows_a, rows_b)
+    row_s = max(0.0, (seconds_b - seconds_a) / (rows_b - rows_a))
+    return max(0.0, seconds_a - rows_a * row_s), row_s
+
+
+def calibrate_host(costs: OffloadCosts, host_fn: Callable, host: dict, hidden: int, dtype: torch.dtype,
+                   rows: tuple[int, int] = (1, 32)) -> OffloadCosts:
+    """`costs` with host_call_s / host_row_s measured on `host_fn` (a host function of
+    `thunderep.moe.host_experts`) over the layer's own host tensors `host` and rows of `hidden` values in
+    `dtype`: one timing at rows[0] rows per expert, one at rows[1], a few distinct experts each
+    (`time_host_fn`), fitted by `fit_affine`. Tens of milliseconds at a 9 MB expert."""
+    a, b = (time_host_fn(host_fn, host, n, hidden, dtype) for n in rows)
+    call_s, row_s = fit_affine(rows[0], a, rows[1], b)
+    return replace(costs, host_call_s=call_s, host_row_s=row_s)
 
 
 def measure_costs(device: torch.device, dtype: torch.dtype) -> OffloadCosts:

@@ -8,17 +8,24 @@ by local slot with the counts on the host (ep mode's split sizes; the latency an
 sort; a single process's bincount) and `ExpertTiers.sorted` computes:
 
   1. hot slots: their rows in one call of the experts function on the hot weights;
-  2. each cold slot with rows, where `OffloadCosts.cold_path` says it is cheaper:
-       host    the rows copied to the host, computed there on the host weights, copied back;
+  2. each cold slot with rows, on the path the cost model makes cheaper (`split_cold`: per slot; on CUDA,
+     where the host computes while the device streams, the split of the call's cold slots that ends first):
+       host    computed on the host weights by the layer's host function (`thunderep.moe.host_experts`),
+               every host-path slot of the call in one call of it: their rows copied to the host in one
+               copy and the results back in one (pinned buffers, non-blocking, on CUDA);
        stream  the slot's weights copied into one of two device staging buffers (`Staging`: on CUDA the
                next slot's copy runs on a side stream while this one computes), computed on the device.
 
 The hot set (`set_hot`) is first the first H slots; after `TierConfig.calibration_calls` calls it becomes
-the H slots with the most rows counted so far; from then on, every `TierConfig.interval` calls, the H
-slots with the highest load EMA replace it when the estimated gain over the next interval (rows moving
-from cold to hot x (cold - hot) seconds per row) exceeds the seconds of copying the new hot weights. The
-weights are the same bytes in both tiers, so the hot set never changes an output. On a CPU-only machine
-the device is the host: every path runs, with the host's memory standing in for the device's.
+the H slots with the most rows counted so far. From then on, every `TierConfig.interval` calls, a slot's
+worth being hot is w(s) = cold(r_s) - hot(r_s), the expected seconds per call it saves there, from its
+load EMA r_s (rows per call) and the calibrated costs (`OffloadCosts.cold_seconds`, on the path it would
+take). The coldest-valued hot slot is swapped for the best cold one, pair after pair, while
+interval x (w(in) - w(out)) > TierConfig.margin x the seconds of copying one slot in: a swap must pay for
+its copy `margin` times over within one interval, so near-equal loads (a prefill's near-uniform routing,
+noise) move nothing. The weights are the same bytes in both tiers, so the hot set never changes an
+output. On a CPU-only machine the device is the host: every path runs, with the host's memory standing
+in for the device's.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import ConfigError
-from .offload_cost import OffloadCosts
+from .host_experts import per_slot
+from .offload_cost import OffloadCosts, split_cold
 
 __all__ = ["COLD_PATHS", "ExpertTiers", "Staging", "TierConfig", "TierStats", "parse_memory"]
 
@@ -65,16 +73,21 @@ def parse_memory(value) -> int:
 class TierConfig:
     """cold_path: "auto" (the cost model decides per cold slot and call), "host" or "stream" (forced).
     calibration_calls: layer calls counted before the first chosen hot set. interval: layer calls between
-    re-choices after that. ema: weight of the past in the per-slot load average."""
+    re-choices after that. ema: weight of the past in the per-slot load average. margin: how many times
+    over a swap's estimated saving in one interval must pay for its copy (the module docstring)."""
 
     cold_path: str = "auto"
     calibration_calls: int = 4
     interval: int = 32
     ema: float = 0.9
+    margin: float = 2.0
 
     def __post_init__(self):
         if self.cold_path not in COLD_PATHS:
             raise ConfigError(f"cold_path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
+        if self.margin < 0 or self.interval < 1 or not 0 <= self.ema < 1:
+            raise ConfigError(f"TierConfig needs margin >= 0, interval >= 1 and 0 <= ema < 1, got margin "
+                              f"{self.margin}, interval {self.interval}, ema {self.ema}")
 
 
 @dataclass
@@ -146,13 +159,15 @@ class ExpertTiers:
     host: {tensor name: [S, ...]} in host memory. hot_slots: H >= 0 slots to hold on `device`.
     compute(weights, x_MD, slot_M): the experts function on `weights` ({name: [n, ...]}), row m using
     entry slot_M[m]; returns [M, D] unweighted. staging: the shared `Staging` of this layer's shapes.
+    host_fn(host, slots, x_MD, counts, out=None): the host function (`thunderep.moe.host_experts`);
+    default: `compute` one slot at a time.
     """
 
     def __init__(self, host: dict[str, torch.Tensor], hot_slots: int, device: torch.device, compute: Callable,
                  costs: OffloadCosts, staging: Staging, config: TierConfig | None = None,
-                 host_compute: Callable | None = None):
+                 host_fn: Callable | None = None):
         self.host, self.device, self.compute, self.costs = host, torch.device(device), compute, costs
-        self.host_compute = host_compute or compute
+        self.host_fn = host_fn or per_slot(compute)
         self.staging, self.config = staging, config or TierConfig()
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
@@ -209,8 +224,29 @@ class ExpertTiers:
     def _top(self, load: list[float]) -> list[int]:
         return sorted(sorted(range(self.num_slots), key=lambda s: -load[s])[:self.capacity])
 
-    def rechoose(self) -> bool:
-        """The rule of the module docstring, at a call boundary; True where the hot set changed."""
+    def worth(self, rows: float, row_bytes: int) -> float:
+        """Expected seconds per call a slot averaging `rows` rows saves by being hot (module docstring)."""
+        c = self.costs
+        cold = c.cold_seconds(rows, self.slot_params, row_bytes, self.slot_bytes, self.config.cold_path)
+        return cold - min(1.0, rows) * c.hot_seconds(max(1.0, rows), self.slot_params)
+
+    def swaps(self, row_bytes: int) -> list[tuple[int, int]]:
+        """(cold slot in, hot slot out) pairs the rule of the module docstring makes now, best first."""
+        c = self.config
+        copy_s = self.slot_bytes / self.costs.h2d_Bps
+        worth = {s: self.worth(self.ema_S[s], row_bytes) for s in range(self.num_slots)}
+        ins = sorted((s for s in range(self.num_slots) if s not in self._row_of), key=lambda s: -worth[s])
+        outs = sorted(self.hot_slots, key=lambda s: worth[s])
+        pairs = []
+        for s_in, s_out in zip(ins, outs):
+            if c.interval * (worth[s_in] - worth[s_out]) <= c.margin * copy_s:
+                break
+            pairs.append((s_in, s_out))
+        return pairs
+
+    def rechoose(self, row_bytes: int = 0) -> bool:
+        """The rule of the module docstring, at a call boundary; True where the hot set changed.
+        row_bytes: the bytes of one row of this call (the host path's copies)."""
         c = self.config
         if not self.capacity or self.capacity == self.num_slots:
             return False
@@ -221,30 +257,29 @@ class ExpertTiers:
             return changed
         if self.calls < c.calibration_calls or (self.calls - c.calibration_calls) % c.interval:
             return False
-        best = self._top(self.ema_S)
-        entering = [s for s in best if s not in self._row_of]
-        if not entering:
+        pairs = self.swaps(row_bytes)
+        if not pairs:
             return False
-        gained_rows = sum(self.ema_S[s] for s in entering) - sum(
-            self.ema_S[s] for s in self.hot_slots if s not in best)
-        per_row = (self.costs.host_seconds(1, self.slot_params, 0) - self.costs.hot_seconds(1, self.slot_params))
-        benefit = gained_rows * per_row * c.interval
-        if benefit <= len(entering) * self.slot_bytes / self.costs.h2d_Bps:
-            return False
-        self.set_hot(best)
+        leaving = {s_out: s_in for s_in, s_out in pairs}
+        self.set_hot([leaving.get(s, s) for s in self.hot_slots])
         return True
 
     # -- the compute
 
-    def path(self, rows: int, row_bytes: int) -> str:
+    def paths(self, rows: list[int], row_bytes: int) -> list[str]:
+        """The path of each cold slot of a call with rows[j] rows: forced, or `split_cold`'s choice from the
+        cost model (on CUDA the host's slots and the streamed ones overlap)."""
         if self.config.cold_path != "auto":
-            return self.config.cold_path
-        return self.costs.cold_path(rows, self.slot_params, row_bytes, self.slot_bytes)
+            return [self.config.cold_path] * len(rows)
+        c, P = self.costs, self.slot_params
+        return split_cold([c.host_seconds(n, P, row_bytes) for n in rows],
+                          [c.stream_seconds(n, P, self.slot_bytes) for n in rows], self.device.type == "cuda")
 
     def sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
         """Unweighted [M, D] outputs of rows grouped by local slot; counts_S int64 [S] on the host."""
         counts = counts_S.tolist()  # host data in every caller: no wait for the device
-        self.rechoose()
+        row_bytes = x_MD.shape[-1] * x_MD.element_size()
+        self.rechoose(row_bytes)
         self._observe(counts)
         M = x_MD.shape[0]
         if M == 0:
@@ -253,13 +288,12 @@ class ExpertTiers:
         for s in range(1, self.num_slots):
             starts[s] = starts[s - 1] + counts[s - 1]
         pieces: dict[int, torch.Tensor] = {}
-        row_bytes = x_MD.shape[-1] * x_MD.element_size()
         cold = [s for s in range(self.num_slots) if counts[s] and s not in self._row_of]
-        streamed = [s for s in cold if self.path(counts[s], row_bytes) == "stream"]
-        on_host = [s for s in cold if s not in streamed]
-        # 1. the host path's rows to the host in one copy, before the hot experts are queued, so that the
-        # host computes while the device runs them
-        x_host = torch.cat([x_MD[starts[s]:starts[s] + counts[s]] for s in on_host]).cpu() if on_host else None
+        paths = dict(zip(cold, self.paths([counts[s] for s in cold], row_bytes)))
+        streamed, on_host = [s for s in cold if paths[s] == "stream"], [s for s in cold if paths[s] == "host"]
+        # 1. the host path's rows to the host in one copy, queued before the hot experts, so that the host
+        # computes while the device runs them
+        sent = self._to_host(torch.cat([x_MD[starts[s]:starts[s] + counts[s]] for s in on_host])) if on_host else None
         hot = [s for s in self.hot_slots if counts[s]]
         if hot:  # 2. every hot slot's rows in one call
             x_hot = torch.cat([x_MD[starts[s]:starts[s] + counts[s]] for s in hot])
@@ -269,24 +303,37 @@ class ExpertTiers:
             for s, y in zip(hot, self.compute(self.hot, x_hot, slot_M).split([counts[s] for s in hot])):
                 pieces[s] = y
             self.stats.rows_hot += x_hot.shape[0]
-        if on_host:  # 3. each host-path slot on the host, back in one copy
-            self._on_host(on_host, x_host.split([counts[s] for s in on_host]), pieces, x_MD.device)
+        # 3. the streamed slots, queued (on CUDA nothing here waits for them) before 4. every host-path slot
+        # in one call of the host function, back in one copy: the host computes while the device streams
         self._stream(streamed, [x_MD[starts[s]:starts[s] + counts[s]] for s in streamed], pieces)
+        if on_host:
+            pieces.update(zip(on_host, self._on_host(on_host, [counts[s] for s in on_host], *sent, x_MD.device)))
         return torch.cat([pieces[s] for s in range(self.num_slots) if counts[s]])
 
-    def _on_host(self, slots: list[int], xs: list[torch.Tensor], pieces: dict, device: torch.device) -> None:
+    @staticmethod
+    def _to_host(x_MD: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """(host rows, the event their copy completes, or None): one non-blocking copy into pinned memory
+        from a CUDA device, a plain copy from another; host rows stay where they are."""
+        if x_MD.device.type != "cuda":
+            return x_MD.cpu(), None
+        x_host = torch.empty(x_MD.shape, dtype=x_MD.dtype, pin_memory=True)
+        x_host.copy_(x_MD, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return x_host, copied
+
+    def _on_host(self, slots: list[int], counts: list[int], x_MD: torch.Tensor, copied, device: torch.device):
+        """The host function on the host rows x_MD (after `copied`), its [M, D] outputs in a pinned buffer
+        sent to `device` in one non-blocking copy; returns them split per slot."""
         started = time.perf_counter()
-        ys = []
-        for slot, x_nD in zip(slots, xs):
-            weights = {n: t[slot:slot + 1] for n, t in self.host.items()}
-            ys.append(self.host_compute(weights, x_nD, torch.zeros(x_nD.shape[0], dtype=torch.int64)))
-            self.stats.rows_host += x_nD.shape[0]
-        y = torch.cat(ys)
-        if device.type == "cuda":
-            y = y.pin_memory()
-        for slot, piece in zip(slots, y.to(device, non_blocking=True).split([x.shape[0] for x in xs])):
-            pieces[slot] = piece
+        if copied is not None:
+            copied.synchronize()
+        cuda = device.type == "cuda"
+        out = torch.empty(x_MD.shape, dtype=x_MD.dtype, pin_memory=True) if cuda else None
+        y_MD = self.host_fn(self.host, slots, x_MD, counts, out=out).to(device, non_blocking=cuda)
+        self.stats.rows_host += x_MD.shape[0]
         self.stats.host_seconds += time.perf_counter() - started
+        return y_MD.split(counts)
 
     def _stream(self, slots: list[int], xs: list[torch.Tensor], pieces: dict) -> None:
         """Double-buffered: slot j + 1's weights load while slot j computes."""

@@ -1,0 +1,192 @@
+"""The host path of offloaded experts (`thunderep.moe.host_experts`) and its cost model (`moe.offload_cost`):
+the lean host function against the plain-PyTorch experts reference (`expert_mlp`) in every gated layout it
+covers, its float32 products for 16-bit weights, the per-slot fallback; the affine calibration's invariants;
+the hot set's re-choosing rule (swaps that pay for their copy, none for near-equal loads)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from thunderep.config import ExpertsConfig
+from thunderep.errors import ConfigError
+from thunderep.moe.experts import expert_mlp
+from thunderep.moe.host_experts import NEVER, GatedLayout, HostExperts, calibrate_upcast, per_slot, time_host_fn
+from thunderep.moe.offload_cost import OffloadCosts, calibrate_host, fit_affine, split_cold
+from thunderep.moe.tiers import ExpertTiers, Staging, TierConfig
+
+S, D, I = 6, 16, 8
+
+
+def _experts(bias: bool, dtype=torch.float32, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    host = {"gate_up_proj": torch.randn(S, 2 * I, D, generator=gen) * D ** -0.5,
+            "down_proj": torch.randn(S, D, I, generator=gen) * I ** -0.5}
+    if bias:
+        host |= {"gate_up_proj_bias": torch.randn(S, 2 * I, generator=gen), "down_proj_bias": torch.randn(S, D, generator=gen)}
+    return {n: t.to(dtype) for n, t in host.items()}
+
+
+def _reference(host: dict, slots, x_MD, counts, config: ExpertsConfig) -> torch.Tensor:
+    """expert_mlp over every slot, the slots not asked for given no rows, in the order asked."""
+    order = sorted(range(len(slots)), key=lambda i: slots[i])
+    pieces = x_MD.split(counts)
+    counts_S = torch.zeros(S, dtype=torch.int64)
+    for i in order:
+        counts_S[slots[i]] = counts[i]
+    y = expert_mlp(torch.cat([pieces[i] for i in order]), counts_S, host["gate_up_proj"], host["down_proj"], config,
+                   host.get("gate_up_proj_bias"), host.get("down_proj_bias"))
+    ys = dict(zip(order, y.split([counts[i] for i in order])))
+    return torch.cat([ys[i] for i in range(len(slots))])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_lean_host_function_equals_the_experts_reference(interleaved, bias, activation):
+    host = _experts(bias)
+    config = ExpertsConfig(num_experts=S, hidden_size=D, intermediate_size=I, activation=activation, bias=bias,
+                           interleaved=interleaved, backend="loop")
+    layout = GatedLayout(gate_up_bias="gate_up_proj_bias" if bias else None,
+                         down_bias="down_proj_bias" if bias else None, interleaved=interleaved)
+    lean = HostExperts(F.silu if activation == "silu" else F.gelu, layout)
+    slots, counts = [4, 1, 3], [2, 1, 5]  # any order: the outputs follow the rows' groups
+    x_MD = torch.randn(sum(counts), D, generator=torch.Generator().manual_seed(1))
+    want = _reference(host, slots, x_MD, counts, config)
+    torch.testing.assert_close(lean(host, slots, x_MD, counts), want, rtol=1e-6, atol=1e-6)
+    out = torch.empty(sum(counts), D, dtype=torch.float64)  # the tiers' pinned buffer: filled, cast
+    assert lean(host, slots, x_MD, counts, out=out) is out
+    torch.testing.assert_close(out, want.double(), rtol=1e-6, atol=1e-6)
+
+
+def test_per_slot_fallback_equals_the_lean_function():
+    host = _experts(False)
+    config = ExpertsConfig(num_experts=S, hidden_size=D, intermediate_size=I, backend="loop")
+
+    def compute(weights, x_nD, slot_n):  # an experts function on a one-slot view, as the class path runs
+        assert next(iter(weights.values())).shape[0] == 1 and not slot_n.any()
+        return expert_mlp(x_nD, torch.tensor([x_nD.shape[0]]), weights["gate_up_proj"], weights["down_proj"], config)
+
+    slots, counts = [0, 5], [3, 2]
+    x_MD = torch.randn(5, D)
+    assert torch.equal(per_slot(compute)(host, slots, x_MD, counts), HostExperts(F.silu)(host, slots, x_MD, counts))
+
+
+def test_16_bit_weights_upcast_from_the_set_row_count():
+    host16, host32 = _experts(False, torch.bfloat16), None
+    host32 = {n: t.float() for n, t in host16.items()}
+    x_MD = torch.randn(7, D).to(torch.bfloat16)
+    slots, counts = [2, 3], [1, 6]
+    exact = HostExperts(F.silu)(host32, slots, x_MD.float(), counts)
+    lean = HostExperts(F.silu, upcast_rows=4)  # slot 2 (1 row) in bfloat16, slot 3 (6 rows) in float32
+    y = lean(host16, slots, x_MD, counts)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y[1:], exact[1:].to(torch.bfloat16))
+    assert torch.equal(y[:1], HostExperts(F.silu)(host16, [2], x_MD[:1], [1]))
+    assert calibrate_upcast(HostExperts(F.silu), host32, rows=(1, 2)) == NEVER  # float32 weights never convert
+    assert [HostExperts(F.silu, upcast_rows=n).line_rows() for n in (NEVER, 1, 2, 3, 8, 33)] == [32, 32, 32, 2, 7, 32]
+    assert calibrate_upcast(lean, host16, rows=(1, 64)) in (1, 64, NEVER) and lean.upcast_rows in (1, 64, NEVER)
+
+
+def test_affine_fit_invariants():
+    assert fit_affine(1, 3e-3, 33, 7e-3) == pytest.approx((2.875e-3, 1.25e-4))  # exact on a line
+    call_s, row_s = fit_affine(1, 5e-3, 32, 4e-3)  # noise: a falling line is no line
+    assert (call_s, row_s) == (5e-3, 0.0)
+    call_s, row_s = fit_affine(4, 1e-3, 8, 9e-3)  # a negative intercept clips to zero
+    assert call_s == 0.0 and row_s == pytest.approx(2e-3)
+    for a, b in ((1e-3, 1e-2), (2e-3, 2e-3), (1e-2, 1e-3)):
+        call_s, row_s = fit_affine(1, a, 32, b)
+        assert call_s >= 0 and row_s >= 0 and call_s + row_s <= max(a, b) + 1e-12
+
+
+def test_calibration_measures_a_host_function_as_an_affine_cost():
+    """A host function taking 2 ms per expert and 0.25 ms per row calibrates to about that; the costs then
+    rise with the rows, and the host path wins at 1 row and loses where streaming is cheaper."""
+    host = _experts(False)
+
+    def sleepy(host, slots, x_MD, counts, out=None):
+        for n in counts:
+            time.sleep(2e-3 + n * 0.25e-3)
+        return x_MD
+
+    base = OffloadCosts(host_flops=1e9, device_flops=1e12, h2d_Bps=1e9)
+    costs = calibrate_host(base, sleepy, host, D, torch.float32, rows=(1, 16))
+    assert costs.calibrated and not base.calibrated
+    assert 1.5e-3 <= costs.host_call_s <= 4e-3 and 0.15e-3 <= costs.host_row_s <= 0.5e-3, costs
+    assert 0 < time_host_fn(sleepy, host, 1, D, torch.float32, slots=2, repeats=1) < 0.05
+    P, B, row = 3 * D * I, 3 * D * I * 4, D * 4
+    seconds = [costs.host_seconds(n, P, row) for n in (1, 2, 8, 64)]
+    assert seconds == sorted(seconds) and seconds[0] == pytest.approx(costs.host_call_s + costs.host_row_s + 2 * row / 1e9)
+    cheap_copy = replace(costs, h2d_Bps=1e12)  # 1.5 KB of weights in nanoseconds: streaming wins at once
+    assert costs.cold_path(1, P, row, 10**7) == "host" and cheap_copy.cold_path(1, P, row, B) == "stream"
+    assert costs.cold_seconds(0.25, P, row, B, "host") == pytest.approx(0.25 * costs.host_seconds(1, P, row))
+
+
+def test_cold_split_overlaps_host_and_stream_on_cuda():
+    """Each slot on its cheaper path where nothing overlaps; with overlap the split that ends first, never
+    later than the per-slot choice (itself one of the splits tried)."""
+    assert split_cold([1, 3], [2, 2], overlap=False) == ["host", "stream"]
+    assert split_cold([1.0] * 4, [1.2] * 4, overlap=True).count("host") == 2  # max(2, 2.4) beats max(4, 0)
+    assert split_cold([1.0] * 3, [1e9] * 3, overlap=True) == ["host"] * 3
+    assert split_cold([1e9] * 3, [1.0] * 3, overlap=True) == ["stream"] * 3
+    assert split_cold([], [], overlap=True) == []
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        host_s, stream_s = (torch.rand(6, generator=gen).add(0.01).tolist() for _ in range(2))
+
+        def length(paths):
+            return max(sum(h for h, p in zip(host_s, paths) if p == "host"),
+                       sum(t for t, p in zip(stream_s, paths) if p == "stream"))
+
+        assert length(split_cold(host_s, stream_s, True)) <= length(split_cold(host_s, stream_s, False)) + 1e-12
+
+
+def _tiers(costs: OffloadCosts, hot: int, **config) -> ExpertTiers:
+    host = _experts(False)
+
+    def compute(weights, x_MD, slot_M):
+        return torch.cat([HostExperts(F.silu).slot(weights, int(s), x[None]) for s, x in zip(slot_M, x_MD)])
+
+    return ExpertTiers(host, hot, torch.device("cpu"), compute, costs, Staging(host, torch.device("cpu")),
+                       TierConfig(**config))
+
+
+def _call(tiers: ExpertTiers, counts: list[int]) -> torch.Tensor:
+    x_MD = torch.randn(sum(counts), D, generator=torch.Generator().manual_seed(sum(counts)))
+    return tiers.sorted(x_MD, torch.tensor(counts))
+
+
+def test_rechoosing_needs_the_gain_to_pay_for_the_copy():
+    """Host expert 1 ms + 0.1 ms a row, a slot's copy 0.1 ms: a slot with rows in every call replaces one
+    with none (gain 1.1 ms a call over 4 calls >> 2 x 0.1 ms); near-equal loads move nothing; the margin
+    scales the bar. Outputs as the host function's throughout."""
+    costs = OffloadCosts(host_flops=1e9, device_flops=1e15, h2d_Bps=3 * D * I * 4 / 1e-4, host_call_s=1e-3,
+                         host_row_s=1e-4)
+    tiers = _tiers(costs, 2, cold_path="host", calibration_calls=1, interval=4, ema=0.5)
+    lean = HostExperts(F.silu)
+    for call in range(12):  # the first choice (after 1 call) keeps slots 0 and 1; then 4 and 5 are the busy ones
+        counts = [1, 1, 0, 0, 0, 0] if call == 0 else [0, 0, 0, 0, 2, 1]
+        y = _call(tiers, counts)
+        x_MD = torch.randn(sum(counts), D, generator=torch.Generator().manual_seed(sum(counts)))
+        used = [s for s in range(S) if counts[s]]
+        assert torch.allclose(y, lean(tiers.host, used, x_MD, [counts[s] for s in used]), atol=1e-6)
+    assert set(tiers.hot_slots) == {4, 5} and tiers.stats.hot_changes == 1  # both swaps in one re-choice
+    assert tiers.stats.bytes_promoted == 2 * tiers.slot_bytes
+    even = _tiers(costs, 2, cold_path="host", calibration_calls=1, interval=4, ema=0.5)
+    for call in range(40):  # every slot busy in turn: the loads differ by noise alone
+        _call(even, [1 if (s + call) % 3 else 2 for s in range(S)])
+    assert even.stats.hot_changes <= 1  # the first choice only
+    strict = _tiers(costs, 2, cold_path="host", calibration_calls=1, interval=4, ema=0.5, margin=1e6)
+    for call in range(12):
+        _call(strict, [1, 1, 0, 0, 0, 0] if call == 0 else [0, 0, 0, 0, 2, 1])
+    assert set(strict.hot_slots) == {0, 1}  # no swap pays a million times over
+
+
+def test_tier_config_refusals():
+    for bad in ({"margin": -1.0}, {"interval": 0}, {"ema": 1.0}, {"cold_path": "disk"}):
+        with pytest.raises(ConfigError):
+            TierConfig(**bad)
