@@ -265,6 +265,35 @@ def test_finetune_command_with_frozen_experts_and_gradient_checkpointing_equals_
     assert not torch.equal(got[q_proj], start[q_proj])
 
 
+def test_finetune_command_with_offloaded_experts_equals_one_process(tmp_path, capfd):
+    """--gpu-memory holding half of each rank's experts on the device, on 2 ranks, full fine-tuning: the
+    offloaded experts train frozen (said on the console), everything else as one process trains it with
+    the routed experts frozen; the written checkpoint holds the experts as they went in."""
+    from hf_tiny import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    from thunderep.cli import main as cli
+    from thunderep.train.plan import plan_offload_memory
+
+    model_dir = save_tiny("mixtral", tmp_path / "model")
+    (tmp_path / "notes.txt").write_text(TEXT)
+    (_, plan), = plan_offload_memory(model_dir, [2], 10**15)
+    budget = plan.replicated_bytes + plan.staging_bytes + sum(plan.slots[n] // 2 * plan.slot_bytes[n] for n in plan.slots)
+    assert cli(["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
+                "--seq-len", "12", "--lr", "1e-3", "--cpu", "--steps", "2", "--eval-batches", "0",
+                "--gpu-memory", str(budget), "--out", str(tmp_path / "out")]) == 0
+    printed = capfd.readouterr().out
+    assert "expert offload (--gpu-memory" in printed and "the offloaded experts train frozen" in printed
+    start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=2,
+                            freeze=r"mlp\.experts\.").state_dict()
+    got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).state_dict()
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        assert torch.equal(got[key], start[key]) == (".mlp.experts." in key), key
+
+
 def test_finetune_command_with_lora_equals_one_process_and_resumes(tmp_path, capfd):
     """--lora-rank 4 --lora-targets self_attn experts --grad-accum 2 --balance (a spare slot per rank:
     replicated experts and their adapters) on 2 ranks, on chat examples through the

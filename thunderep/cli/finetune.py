@@ -53,6 +53,7 @@ from . import (
     quiet_libraries,
     say,
 )
+from .generate import GPU_MEMORY_HELP, gpu_memory_problem
 
 __all__ = ["argument_problems", "configure", "default_ranks", "destination_problems", "main", "parse_args", "parser",
            "run"]
@@ -112,6 +113,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="dtype of the written checkpoint: auto (the input checkpoint's), float32, bfloat16 or "
                         "float16")
     p.add_argument("--experts-implementation", default=None, help=EXPERTS_IMPLEMENTATION_HELP)
+    p.add_argument("--gpu-memory", default=None,
+                   help=GPU_MEMORY_HELP + "; the experts left in host memory train frozen (fine-tune the rest, or "
+                        "LoRA adapters on the attention projections)")
     p.add_argument("--freeze", nargs="+", metavar="PATTERN",
                    help="train only the rest: parameters whose name matches a pattern (a regular expression, "
                         "searched in transformers' names such as model.layers.0.mlp.experts.gate_up_proj) get "
@@ -245,6 +249,10 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--save-dtype must be auto, float32, bfloat16 or float16, got {args.save_dtype!r}")
     if args.lora_rank < 0:
         problems.append(f"--lora-rank must be 0 (off) or more, got {args.lora_rank}")
+    problems += filter(None, [gpu_memory_problem(args.gpu_memory)])
+    if args.gpu_memory and args.balance:
+        problems.append("--gpu-memory and --balance do not mix yet: the balancer's replicas and migrations move "
+                        "weights the expert tiers hold in host memory")
     if args.lora_rank and args.freeze:
         problems.append("--freeze and --lora-rank do not mix: with LoRA every weight is frozen and only the "
                         "adapters train (choose them with --lora-targets)")

@@ -195,9 +195,9 @@ class ExpertsBinding:
 
     def _forward_tiered(self, module, x_TD, ids_TK, weights_TK) -> torch.Tensor:
         """Offloaded experts: the local rows grouped by slot go through the tiers (`thunderep.moe.tiers`)."""
-        if module.training:
-            raise ConfigError(f"{self.name}: training with offloaded experts (gpu_memory=...) is not supported yet; "
-                              "load the model without gpu_memory to fine-tune it")
+        if self.adapters or any(getattr(module, n).requires_grad for n in self.tensors):
+            raise ConfigError(f"{self.name}: offloaded experts (gpu_memory=...) train frozen: freeze them (--freeze "
+                              "experts) and put LoRA adapters on other layers (the attention projections, the default)")
         if not self.all_local:
             return self.core.forward(x_TD, ids_TK, weights_TK, self.local_compute(module), mode=self.state.mode,
                                      capturable=self.state.capturable)

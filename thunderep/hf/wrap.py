@@ -469,6 +469,17 @@ class ThunderMoE(nn.Module):
                 "replicated_bytes": total - expert_bytes + buffers - shard_buffers,
                 "local_experts": {n: b.local_experts for n, b in self.bindings.items()}}
 
+    def offloaded_parameters(self) -> list[nn.Parameter]:
+        """The expert parameters held in host memory with expert tiers (gpu_memory): they train frozen."""
+        return [p for name, b in self.bindings.items() if getattr(b, "tiers", None) is not None
+                for p in self._shards(name, b)]
+
+    def tier_device_bytes(self) -> int:
+        """Device bytes of the expert tiers: the hot copies and the (shared) staging buffers; 0 without."""
+        tiers = [b.tiers for b in self.bindings.values() if getattr(b, "tiers", None) is not None]
+        staging = {id(t.staging): t.staging.nbytes for t in tiers}
+        return sum(h.numel() * h.element_size() for t in tiers for h in t.hot.values()) + sum(staging.values())
+
     def offload_stats(self) -> dict | None:
         """Expert offload telemetry of this rank (`hf.offload.offload_stats`); None without gpu_memory."""
         return offload_stats(self.bindings.values())

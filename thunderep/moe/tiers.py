@@ -276,7 +276,45 @@ class ExpertTiers:
                           [c.stream_seconds(n, P, self.slot_bytes) for n in rows], self.device.type == "cuda")
 
     def sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
-        """Unweighted [M, D] outputs of rows grouped by local slot; counts_S int64 [S] on the host."""
+        """Unweighted [M, D] outputs of rows grouped by local slot; counts_S int64 [S] on the host.
+        Differentiable in x_MD (the experts themselves are frozen: `_TieredRows`)."""
+        if torch.is_grad_enabled() and x_MD.requires_grad:
+            return _TieredRows.apply(x_MD, self, counts_S)
+        return self._sorted(x_MD, counts_S)
+
+    def input_grad(self, x_MD: torch.Tensor, dy_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
+        """dx [M, D] of `sorted`'s outputs given their gradient dy_MD, the weights frozen: each slot's rows
+        recomputed with autograd on the device, the hot slots in one call on their copies, the cold ones
+        streamed through the staging buffers (training runs many rows per slot: the stream's case)."""
+        counts = counts_S.tolist()
+        starts = [sum(counts[:s]) for s in range(self.num_slots)]
+
+        def rows(s: int, t: torch.Tensor) -> torch.Tensor:
+            return t[starts[s]:starts[s] + counts[s]]
+
+        def grad(weights: dict, x: torch.Tensor, slot_M: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                x = x.detach().requires_grad_()
+                return torch.autograd.grad(self.compute(weights, x, slot_M), x, dy)[0]
+
+        pieces: dict[int, torch.Tensor] = {}
+        hot = [s for s in self.hot_slots if counts[s]]
+        if hot:
+            x_hot = torch.cat([rows(s, x_MD) for s in hot])
+            slot_M = torch.repeat_interleave(torch.tensor([self._row_of[s] for s in hot], device=x_MD.device),
+                                             torch.tensor([counts[s] for s in hot], device=x_MD.device),
+                                             output_size=x_hot.shape[0])
+            dx_hot = grad(self.hot, x_hot, slot_M, torch.cat([rows(s, dy_MD) for s in hot]))
+            pieces.update(zip(hot, dx_hot.split([counts[s] for s in hot])))
+        cold = [s for s in range(self.num_slots) if counts[s] and s not in self._row_of]
+        dys = {s: rows(s, dy_MD) for s in cold}
+        self._stream(cold, [rows(s, x_MD) for s in cold], pieces,
+                     lambda s, weights, x, zeros: grad(weights, x, zeros, dys[s]))
+        if not pieces:
+            return torch.zeros_like(x_MD)
+        return torch.cat([pieces[s] for s in range(self.num_slots) if counts[s]])
+
+    def _sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
         counts = counts_S.tolist()  # host data in every caller: no wait for the device
         row_bytes = x_MD.shape[-1] * x_MD.element_size()
         self.rechoose(row_bytes)
@@ -335,8 +373,9 @@ class ExpertTiers:
         self.stats.host_seconds += time.perf_counter() - started
         return y_MD.split(counts)
 
-    def _stream(self, slots: list[int], xs: list[torch.Tensor], pieces: dict) -> None:
-        """Double-buffered: slot j + 1's weights load while slot j computes."""
+    def _stream(self, slots: list[int], xs: list[torch.Tensor], pieces: dict, run: Callable | None = None) -> None:
+        """Double-buffered: slot j + 1's weights load while slot j computes; pieces[s] = run(s, weights,
+        x_nD, zeros) (default: the experts function)."""
         if not slots:
             return
         staging = self.staging
@@ -346,7 +385,24 @@ class ExpertTiers:
                 staging.load((j + 1) % 2, self.host, slots[j + 1])
             staging.ready(j % 2)
             zeros = torch.zeros(x_nD.shape[0], dtype=torch.int64, device=x_nD.device)
-            pieces[s] = self.compute(staging.buffers[j % 2], x_nD, zeros)
+            weights = staging.buffers[j % 2]
+            pieces[s] = self.compute(weights, x_nD, zeros) if run is None else run(s, weights, x_nD, zeros)
             staging.release(j % 2)
             self.stats.rows_streamed += x_nD.shape[0]
         self.stats.bytes_streamed += len(slots) * self.slot_bytes
+
+
+class _TieredRows(torch.autograd.Function):
+    """`ExpertTiers.sorted` with the gradient of its input: forward as without gradients, backward
+    `ExpertTiers.input_grad` (offloaded experts train frozen: no weight gradients)."""
+
+    @staticmethod
+    def forward(ctx, x_MD, tiers: ExpertTiers, counts_S):
+        ctx.tiers, ctx.counts_S = tiers, counts_S
+        ctx.save_for_backward(x_MD)
+        return tiers._sorted(x_MD, counts_S)
+
+    @staticmethod
+    def backward(ctx, dy_MD):
+        (x_MD,) = ctx.saved_tensors
+        return ctx.tiers.input_grad(x_MD, dy_MD.contiguous(), ctx.counts_S), None, None

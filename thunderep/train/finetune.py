@@ -74,6 +74,7 @@ class FinetuneConfig:
     dtype: str = "auto"  # mixed, float32, bfloat16, float16; auto: mixed on GPUs, float32 on CPU
     save_dtype: str = "auto"  # auto: the input checkpoint's
     experts_implementation: str | None = None
+    gpu_memory: str | None = None  # expert offload: "20GiB" or bytes of GPU memory per rank; offloaded experts frozen
     freeze: list[str] | None = None  # name patterns of parameters that do not train
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float | None = None
@@ -148,7 +149,8 @@ class _RankRun:
         self.tm = ThunderMoE.from_pretrained(cfg.model, self.ep, dtype=load_dtype(self.precision, cfg.model),
                                              device=self.device, experts_implementation=cfg.experts_implementation,
                                              balancer=BalancerConfig() if cfg.balance else None,
-                                             spare_slots=1 if cfg.balance else 0, progress=not cfg.quiet)
+                                             spare_slots=1 if cfg.balance else 0, progress=not cfg.quiet,
+                                             gpu_memory=cfg.gpu_memory)
         if cfg.lora_rank:  # adapters on the attention projections (or --lora-targets); everything else frozen
             adapter_dtype = torch.float32 if self.precision in ("mixed", "float32") else getattr(torch, self.precision)
             trainable = apply_lora(self.tm.model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed,
@@ -158,6 +160,10 @@ class _RankRun:
             if self.precision == "mixed":
                 for p in trainable:
                     p.data = p.data.float()
+        if self.talk and self.tm.offloaded_parameters():
+            stats = self.tm.offload_stats()
+            print(f"expert offload (--gpu-memory {cfg.gpu_memory}): {stats['hot_slots']} of {stats['slots']} expert "
+                  f"slots on the device, the rest in host memory; the offloaded experts train frozen", flush=True)
         if cfg.gradient_checkpointing:
             self.tm.gradient_checkpointing_enable()
         self.plan = memory_plan(self.tm, self.device)

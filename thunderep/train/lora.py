@@ -126,6 +126,9 @@ def apply_lora(model: nn.Module, targets: list[str] | tuple[str, ...] | None = N
     for name, module, binding, t in experts:
         if not matches(name):
             continue
+        if getattr(binding, "tiers", None) is not None:
+            raise ConfigError(f"LoRA target {name} is an expert tensor held in host memory (gpu_memory): offloaded "
+                              f"experts train frozen; target the attention projections (the default) instead")
         w = module._parameters[t]
         S, a, b = w.shape
         A = torch.stack([_draw((rank, b), b, f"{name}.{e}", seed) for e in binding.local_experts])

@@ -49,17 +49,18 @@ def autocast(precision: str, device: torch.device):
 def select_trainable(tm, patterns: list[str] | None) -> list[torch.nn.Parameter]:
     """Freeze the parameters whose name (transformers' name in the model, e.g.
     `model.layers.0.mlp.experts.gate_up_proj`) matches any of the regular expressions `patterns`
-    (`re.search`); return the others, which train. ConfigError when a pattern matches nothing or
-    nothing is left to train: both name the patterns."""
+    (`re.search`), and the experts a `gpu_memory` budget left in host memory; return the others, which
+    train. ConfigError when a pattern matches nothing or nothing is left to train: both name the patterns."""
     named = list(tm.model.named_parameters())
     compiled = [(p, re.compile(p)) for p in patterns or []]
     unused = [p for p, rx in compiled if not any(rx.search(name) for name, _ in named)]
     if unused:
         raise ConfigError(f"--freeze {' '.join(unused)} matches no parameter; names look like "
                           f"{', '.join(name for name, _ in named[:3])}, ...")
+    offloaded = {id(p) for p in tm.offloaded_parameters()}  # gpu_memory: host-held experts train frozen
     trainable = []
     for name, param in named:
-        frozen = any(rx.search(name) for _, rx in compiled)
+        frozen = id(param) in offloaded or any(rx.search(name) for _, rx in compiled)
         param.requires_grad_(not frozen)
         if not frozen:
             trainable.append(param)
@@ -116,8 +117,10 @@ def memory_plan(tm, device: torch.device, free: int | None = None) -> MemoryPlan
     size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
     trainable = [p for p in tm.parameters() if p.requires_grad]
     experts = {id(p) for p in tm.expert_parameters()}
+    offloaded = {id(p) for p in tm.offloaded_parameters()}  # in host memory; their hot copies on the device
+    weights = size(p for p in tm.parameters() if id(p) not in offloaded) + tm.tier_device_bytes()
     plan = MemoryPlan(rank=dist.get_rank() if dist.is_initialized() else 0, device=str(device),
-                      weights=size(tm.parameters()), trainable=size(trainable), grads=size(trainable),
+                      weights=weights, trainable=size(trainable), grads=size(trainable),
                       adamw=2 * size(trainable), sync=size(p for p in trainable if id(p) not in experts), free=0)
     if free is None:
         free = free_bytes(device)
