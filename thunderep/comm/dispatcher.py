@@ -43,6 +43,7 @@ from ..errors import CommError
 from ..kernels import available
 from .codec import Codec, get_codec
 from .control import ControlPlane
+from .control_records import RecordExchange
 from .groups import EPGroups, peer_errors, wait_work
 from .stats import CommStats
 
@@ -177,6 +178,8 @@ class Dispatcher:
         self.codec: Codec = get_codec(compression)
         self.exact: Codec = get_codec("none")  # the side rows: weights and slot numbers, never rounded
         self.stats = CommStats(groups.ep_size, groups.ep_rank)
+        # GPU-written split-size records (control_records.RecordExchange), set by the runtime where on
+        self.records: RecordExchange | None = None
 
     # -- planning
 
@@ -186,28 +189,19 @@ class Dispatcher:
 
         slots_W[w]: int64 [T_w, K] global slot of each (token, k) pair of wave w, in [0, R * slots_per_rank).
         weights_W[w]: [T_w, K] routing weights, applied where the experts run. rider: words sent in the
-        same record. stats: a further `CommStats` (e.g. the layer's) that records this step."""
+        same record. stats: a further `CommStats` (e.g. the layer's) that records this step. With `records`
+        (ranks of one host, THUNDEREP_HOST_COLLECTIVE=1) and no rider, the counting kernel writes the
+        records into host memory every rank maps: no device-to-host copy, no control-plane exchange."""
         R, S = self.groups.ep_size, slots_per_rank
         P, W, me = R * S, len(slots_W), self.groups.ep_rank
-        device = slots_W[0].device
         # 1. per wave: pairs per global slot, rows per destination rank, the rows in send order (device)
         layouts = [row_layout(slots.reshape(weights.shape), weights, R, S) for slots, weights in zip(slots_W, weights_W)]
-        send_W = torch.stack([torch.cat([_slot_counts(slots.reshape(-1), P), rows_R])
-                              for slots, (rows_R, _, _) in zip(slots_W, layouts)]).to(torch.int32)
-        if rider is not None:  # the rider's device words come to the host in the same copy
-            send_W = torch.cat([send_W.reshape(-1), rider.on_device.to(device, torch.int32)])
-        # 2. the one device-to-host copy of the plan; the rest is host data
-        started = time.perf_counter()
-        with record_function("thunderep.split_sizes_to_host"):  # waits for this rank's GPU
-            host = send_W.cpu()
-            send_W = host[:W * (P + R)].view(W, P + R)
-            words = rider.encode(host[W * (P + R):]) if rider is not None else torch.zeros(0, dtype=torch.int32)
-            record = torch.cat([send_W.reshape(-1), words])
-        on_host = time.perf_counter()
-        # 3. one exchange; a collective control plane reports dead peers through torch errors
-        with record_function("thunderep.control_exchange"), peer_errors(
-                f"split-size exchange on EP rank {me}", "the process group's timeout", self.control):
-            rows = self.control.exchange_tensor(record)
+        records = self.records
+        if records is not None and rider is None and records.fits(W, S):
+            rows, record, started, on_host = self._records_on_device(records, slots_W, weights_W, S)
+            send_W = rows[me].view(W, P + R)
+        else:
+            send_W, rows, record, started, on_host = self._records_through_host(slots_W, layouts, rider, P)
         all_RW = rows[:, :W * (P + R)].reshape(R, W, P + R)
         sinks = (self.stats,) if stats is None or stats is self.stats else (self.stats, stats)
         to_host_s, control_s = on_host - started, time.perf_counter() - on_host
@@ -226,6 +220,41 @@ class Dispatcher:
                 counts_S=all_RW[:, w, me * S:(me + 1) * S].to(torch.int64).sum(0), sinks=sinks,
             ))
         return Plan(metas, all_RW[:, :, :P].sum(dim=(0, 1)).to(torch.int64), rows[:, W * (P + R):])
+
+    def _records_through_host(self, slots_W, layouts, rider: Rider | None, P: int):
+        """The split-size records counted on the device, copied to the host (the plan's one wait for the
+        GPU) and exchanged through the control plane -> (this rank's [W, P + R] counts, every rank's [R, L]
+        record, this rank's record, start time, time on the host)."""
+        R, W, me = self.groups.ep_size, len(slots_W), self.groups.ep_rank
+        device = slots_W[0].device
+        send_W = torch.stack([torch.cat([_slot_counts(slots.reshape(-1), P), rows_R])
+                              for slots, (rows_R, _, _) in zip(slots_W, layouts)]).to(torch.int32)
+        if rider is not None:  # the rider's device words come to the host in the same copy
+            send_W = torch.cat([send_W.reshape(-1), rider.on_device.to(device, torch.int32)])
+        started = time.perf_counter()
+        with record_function("thunderep.split_sizes_to_host"):  # waits for this rank's GPU
+            host = send_W.cpu()
+            send_W = host[:W * (P + R)].view(W, P + R)
+            words = rider.encode(host[W * (P + R):]) if rider is not None else torch.zeros(0, dtype=torch.int32)
+            record = torch.cat([send_W.reshape(-1), words])
+        on_host = time.perf_counter()
+        # one exchange; a collective control plane reports dead peers through torch errors
+        with record_function("thunderep.control_exchange"), peer_errors(
+                f"split-size exchange on EP rank {me}", "the process group's timeout", self.control):
+            rows = self.control.exchange_tensor(record)
+        return send_W, rows, record, started, on_host
+
+    def _records_on_device(self, records, slots_W, weights_W, S: int):
+        """The split-size records written by the counting kernel into the host segment every rank of this
+        host maps (`control_records.RecordExchange`), read back here -> (every rank's [R, L] record, this
+        rank's record, start time, time on the host)."""
+        me = self.groups.ep_rank
+        started = time.perf_counter()
+        with record_function("thunderep.device_records"), peer_errors(
+                f"split-size exchange on EP rank {me}", "the records' timeout", self.control):
+            rows = records.exchange([slots.reshape(weights.shape).to(torch.int64).contiguous()
+                                     for slots, weights in zip(slots_W, weights_W)], S)
+        return rows, rows[me], started, started
 
     # -- data movement
 

@@ -240,6 +240,29 @@ class HostSegment:
             cp.cuda.runtime.hostUnregister(self.address)
             self._cuda_ptrs.clear()
 
+    def as_tensor(self) -> torch.Tensor:
+        """The mapping as a uint8 CPU tensor [nbytes], no copy. It dangles after `close()`: drop it first.
+        Once registered with `register_mapped`, Triton kernels on the GPU take it for the segment."""
+        return torch.frombuffer((ctypes.c_ubyte * self.layout.nbytes).from_address(self.address), dtype=torch.uint8)
+
+    def register_mapped(self, device: int) -> None:
+        """`register_cuda` through torch's CUDA runtime (no cupy; no device address: Triton's launcher
+        maps the host address itself). Counted with register_cuda's registrations."""
+        with torch.cuda.device(device):
+            if self._cuda_refs == 0:
+                err = torch.cuda.cudart().cudaHostRegister(self.address, self.layout.nbytes, 3)  # portable | mapped
+                if int(err) != 0:
+                    raise CommError(f"cudaHostRegister of host segment {self.name} ({self.layout.nbytes} bytes) "
+                                    f"failed with CUDA error {int(err)}")
+            self._cuda_refs += 1
+
+    def unregister_mapped(self) -> None:
+        """Drop one `register_mapped` registration; the last one unregisters (its kernels must have finished)."""
+        self._cuda_refs -= 1
+        if self._cuda_refs == 0:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self._cuda_ptrs.clear()
+
     def unlink(self) -> None:
         """Remove the name (idempotent); mappings stay valid."""
         try:

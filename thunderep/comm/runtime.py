@@ -24,6 +24,7 @@ from .. import env
 from ..config import EPConfig
 from ..errors import ConfigError
 from .control import ControlPlane, all_gather_single, make_control_plane
+from .control_records import RecordExchange
 from .dispatcher import Dispatcher
 from .groups import EPGroups, init_expert_parallel, peer_errors, wait_work
 from .host_collective import SUM_DTYPES, HostCollective, use_host_path
@@ -51,6 +52,8 @@ class ExpertParallel:
         if env.host_collective() and groups.device.type == "cuda" and groups.ep_size > 1:
             self.host_collective = HostCollective.for_group(HOST_COLLECTIVE_BYTES, groups.ep_group,
                                                             device=groups.device)
+            self.dispatcher.records = RecordExchange.for_group(self.config.record_bytes, groups.ep_group,
+                                                               device=groups.device, timeout_s=self.config.timeout_s)
 
     @classmethod
     def init(cls, ep_size: int | None = None, config: EPConfig | None = None, **dist_kwargs) -> "ExpertParallel":
@@ -164,6 +167,9 @@ class ExpertParallel:
         if self.host_collective is not None:
             self.host_collective.close()
             self.host_collective = None
+        if self.dispatcher.records is not None:
+            self.dispatcher.records.close()
+            self.dispatcher.records = None
         self.control.close()
 
     def __enter__(self) -> "ExpertParallel":
