@@ -53,7 +53,7 @@ from . import (
     quiet_libraries,
     say,
 )
-from .generate import GPU_MEMORY_HELP, gpu_memory_problem
+from .generate import GPU_MEMORY_HELP, OFFLOAD_DIR_HELP, gpu_memory_problem, offload_dir_problem
 
 __all__ = ["argument_problems", "configure", "default_ranks", "destination_problems", "main", "parse_args", "parser",
            "run"]
@@ -116,6 +116,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory", default=None,
                    help=GPU_MEMORY_HELP + "; the experts left in host memory train frozen (fine-tune the rest, or "
                         "LoRA adapters on the attention projections)")
+    p.add_argument("--offload-dir", default=None, help=OFFLOAD_DIR_HELP)
     p.add_argument("--freeze", nargs="+", metavar="PATTERN",
                    help="train only the rest: parameters whose name matches a pattern (a regular expression, "
                         "searched in transformers' names such as model.layers.0.mlp.experts.gate_up_proj) get "
@@ -249,7 +250,8 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--save-dtype must be auto, float32, bfloat16 or float16, got {args.save_dtype!r}")
     if args.lora_rank < 0:
         problems.append(f"--lora-rank must be 0 (off) or more, got {args.lora_rank}")
-    problems += filter(None, [gpu_memory_problem(args.gpu_memory)])
+    problems += filter(None, [gpu_memory_problem(args.gpu_memory), offload_dir_problem(args.gpu_memory,
+                                                                                        args.offload_dir)])
     if args.gpu_memory and args.balance:
         problems.append("--gpu-memory and --balance do not mix yet: the balancer's replicas and migrations move "
                         "weights the expert tiers hold in host memory")

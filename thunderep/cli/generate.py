@@ -23,6 +23,7 @@ tiny random models of tests and demos.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import (
@@ -36,12 +37,16 @@ from . import (
     say,
 )
 
-__all__ = ["GPU_MEMORY_HELP", "configure", "gpu_memory_bytes", "gpu_memory_problem", "main", "parse_args", "problems", "run"]
+__all__ = ["GPU_MEMORY_HELP", "OFFLOAD_DIR_HELP", "configure", "gpu_memory_bytes", "gpu_memory_problem", "main",
+           "offload_dir_problem", "parse_args", "problems", "run"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GPU_MEMORY_HELP = ("device memory for this rank's weights, as bytes or a size like 20GiB, 512MiB, 1.5GB: the "
                    "experts beyond it stay in host memory and run there or are streamed to the device, the most "
-                   "used ones held on the device (inference only; default: everything on the device)")
+                   "used ones held on the device (default: everything on the device)")
+OFFLOAD_DIR_HELP = ("with --gpu-memory: keep the offloaded experts in files in this directory, mapped into memory, "
+                    "instead of in host memory, for hosts with less RAM than the experts; the files are removed "
+                    "as soon as they are mapped (default: the experts in host memory)")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -63,6 +68,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts-implementation", default=None, help=EXPERTS_IMPLEMENTATION_HELP)
     p.add_argument("--experts-dtype", choices=EXPERTS_DTYPES, default=None, help=EXPERTS_DTYPE_HELP)
     p.add_argument("--gpu-memory", default=None, help=GPU_MEMORY_HELP)
+    p.add_argument("--offload-dir", default=None, help=OFFLOAD_DIR_HELP)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer")
     p.add_argument("--quiet", action="store_true",
                    help="print only the answers and errors: no streaming, loading lines or progress bars")
@@ -81,7 +87,7 @@ def _config(a: argparse.Namespace):
                           mode=a.mode, dtype=a.dtype, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
                           cpu=a.cpu, experts_implementation=a.experts_implementation,
                           experts_dtype=a.experts_dtype, timeout=a.timeout, quiet=a.quiet,
-                          gpu_memory=gpu_memory_bytes(a.gpu_memory))
+                          gpu_memory=gpu_memory_bytes(a.gpu_memory), offload_dir=a.offload_dir)
 
 
 def gpu_memory_bytes(value: str | None) -> int | None:
@@ -90,6 +96,17 @@ def gpu_memory_bytes(value: str | None) -> int | None:
     from ..moe.tiers import parse_memory
 
     return None if value is None else parse_memory(value)
+
+
+def offload_dir_problem(gpu_memory: str | None, offload_dir: str | None) -> str | None:
+    """Why --offload-dir cannot be used, or None."""
+    if offload_dir is None:
+        return None
+    if gpu_memory is None:
+        return "--offload-dir holds the experts --gpu-memory leaves off the device: give --gpu-memory too"
+    if not os.path.isdir(offload_dir) or not os.access(offload_dir, os.W_OK):
+        return f"--offload-dir {offload_dir} is not a directory this user can write to"
+    return None
 
 
 def gpu_memory_problem(value: str | None) -> str | None:
@@ -132,7 +149,8 @@ def problems(a: argparse.Namespace) -> list[str]:
         rule = sampling_problem(name, getattr(a, name))
         if rule:
             out.append(f"--{name.replace('_', '-')} must be {rule}, got {getattr(a, name)}")
-    return out + list(filter(None, [gpu_memory_problem(a.gpu_memory), config_problem(a.model)]))  # an --ep that does not divide the experts: copies
+    return out + list(filter(None, [gpu_memory_problem(a.gpu_memory), offload_dir_problem(a.gpu_memory, a.offload_dir),
+                                    config_problem(a.model)]))  # an --ep that does not divide the experts: copies
 
 
 def run(a: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ from . import (
     count_problems,
     say,
 )
-from .generate import GPU_MEMORY_HELP, gpu_memory_bytes, gpu_memory_problem
+from .generate import GPU_MEMORY_HELP, OFFLOAD_DIR_HELP, gpu_memory_bytes, gpu_memory_problem, offload_dir_problem
 
 __all__ = ["TOOL_CALL_PARSERS", "configure", "main", "parse_args", "problems", "run"]
 
@@ -79,6 +79,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="after SIGTERM, seconds the requests being generated get to finish (new ones get 503), "
                         "before the server answers them with an error and exits (default 5)")
     p.add_argument("--gpu-memory", default=None, help=GPU_MEMORY_HELP + "; CUDA graphs are off then")
+    p.add_argument("--offload-dir", default=None, help=OFFLOAD_DIR_HELP)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer (default 120)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
     p.add_argument("--quiet", action="store_true", help="no line per request")
@@ -123,7 +124,8 @@ def _config(a: argparse.Namespace):
                        cuda_graphs="off" if a.gpu_memory else a.cuda_graphs, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
                        experts_implementation=a.experts_implementation, experts_dtype=a.experts_dtype,
                        request_timeout=a.request_timeout, drain_timeout=a.drain_timeout, timeout=a.timeout,
-                       cpu=a.cpu, quiet=a.quiet, gpu_memory=gpu_memory_bytes(a.gpu_memory), http=HttpConfig(
+                       cpu=a.cpu, quiet=a.quiet, gpu_memory=gpu_memory_bytes(a.gpu_memory), offload_dir=a.offload_dir,
+                       http=HttpConfig(
                            served_model_names=tuple(a.served_model_name or ()), api_key=a.api_key or env.api_key(),
                            allow_no_api_key=a.allow_no_api_key, max_connections=a.max_connections,
                            keep_alive_timeout=a.keep_alive_timeout, header_timeout=a.header_timeout,
@@ -152,7 +154,8 @@ def problems(a: argparse.Namespace) -> list[str]:
         out.append(f"--drain-timeout must be 0 or more seconds, got {a.drain_timeout}")
     if a.dtype not in ("auto", "float32", "bfloat16", "float16"):
         out.append(f"--dtype must be auto, float32, bfloat16 or float16, got {a.dtype!r}")
-    out += filter(None, [gpu_memory_problem(a.gpu_memory), config_problem(a.model)])  # an --ep that does not divide the experts: copies fill it
+    out += filter(None, [gpu_memory_problem(a.gpu_memory), offload_dir_problem(a.gpu_memory, a.offload_dir),
+                         config_problem(a.model)])  # an --ep that does not divide the experts: copies fill it
     out += filter(None, [missing_http_stack()])
     if not out:
         out += filter(None, [exposure_problem(a.host, a.api_key or env.api_key(), a.allow_no_api_key)])

@@ -19,6 +19,7 @@ import copy
 import itertools
 import os
 import re
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -144,7 +145,8 @@ def _hold_experts(model: nn.Module, bindings: dict, dtype: torch.dtype, experts_
 def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=None, model_class=None,
                     attn_implementation: str | None = None, experts_implementation: str | None = None,
                     balancer=None, spare_slots: int = 0, experts_dtype: str | None = None, progress: bool = False,
-                    gpu_memory: int | str | None = None, offload=None, offload_costs=None):
+                    gpu_memory: int | str | None = None, offload=None, offload_costs=None,
+                    offload_dir: str | os.PathLike | None = None):
     """`ThunderMoE.from_pretrained`: build, wrap and fill the model of checkpoint directory `path`.
 
     dtype: torch dtype or name (default: the checkpoint's `dtype`, else float32). device: default the EP
@@ -153,11 +155,11 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
     experts implementation defaults to "triton" then); "fp8-w8a8" the same, and prompt batches' activations
     are quantized per row too; "int4" / "int4-g128" / "mxfp4" hold them in 4 bits with group scales (hf/int4.py:
     a 4-bit checkpoint kept as stored, else int4 symmetric by groups of 32 / 128, or MXFP4, quantized as
-    read); None: the model's dtype. progress: a progress bar on stderr over the
-    checkpoint's tensors while they are read (on the first rank only). gpu_memory: bytes (or "20GiB") of
-    `device` memory for this rank's weights: the experts that do not fit stay in host memory (`hf/offload.py`;
-    inference only); offload: its `TierConfig`, offload_costs: its `OffloadCosts` (default: measured).
-    Other keywords as `wrap`.
+    read); None: the model's dtype. progress: a progress bar on stderr over the checkpoint's tensors while
+    they are read (first rank only). gpu_memory: bytes (or "20GiB") of `device` memory for this rank's
+    weights: the experts that do not fit stay in host memory (`hf/offload.py`; training keeps them frozen),
+    or with offload_dir in files there mapped into memory; offload: its `TierConfig`, offload_costs: its
+    `OffloadCosts` (default: measured). Other keywords as `wrap`.
     """
     from transformers import (  # transformers: optional (the hf extra)
         AutoModelForCausalLM,
@@ -202,10 +204,9 @@ def load_pretrained(cls, path, ep=None, *, dtype=None, device=None, placement=No
         raise ConfigError(f"experts_dtype={experts_dtype!r} needs ThunderEP's Triton kernels, which do not run this "
                           f"model's experts ({exc}); load it without experts_dtype") from None
     _hold_experts(model, wrapped.bindings, dtype, experts_dtype, config_as_stored, index if dequantized else None)
-    tiers = _plan_tiers(wrapped, gpu_memory, device, ep, balancer)
+    tiers = _plan_tiers(wrapped, gpu_memory, device, ep, balancer, offload_dir)
     rss_before = rss_bytes()  # libraries imported, model on meta: what follows is the weights
-    with host_experts(model, wrapped.bindings, device.type == "cuda") if tiers else contextlib.nullcontext():
-        model.to_empty(device=device)
+    _to_empty(model, wrapped, tiers, device, offload_dir)
     _init_non_persistent_buffers(model)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -238,17 +239,32 @@ def _report(wrapped, path: Path, index, loader: Filler, device: torch.device, rs
     )
 
 
-def _plan_tiers(wrapped, gpu_memory, device: torch.device, ep, balancer):
+def _to_empty(model: nn.Module, wrapped, tiers, device: torch.device, offload_dir) -> None:
+    """Allocate the model's tensors on `device`; with `tiers` the offloaded experts in host memory (pinned on
+    CUDA) or in files of `offload_dir` mapped into memory."""
+    pin = device.type == "cuda" and offload_dir is None  # pinned, a file mapping would stay all in memory
+    with host_experts(model, wrapped.bindings, pin, offload_dir) if tiers else contextlib.nullcontext():
+        model.to_empty(device=device)
+
+
+def _plan_tiers(wrapped, gpu_memory, device: torch.device, ep, balancer, offload_dir=None):
     """None without gpu_memory (after `check_fits`, as always); else the rank's `OffloadPlan`, its host
-    memory checked: both before anything is allocated."""
+    memory (or `offload_dir`'s disk) checked: both before anything is allocated."""
     if gpu_memory is None:
+        if offload_dir is not None:
+            raise ConfigError("offload_dir holds the experts that gpu_memory leaves off the device: give gpu_memory too")
         check_fits(wrapped.model, device, ep)  # before allocating: a clear error instead of running out mid-load
         return None
     if balancer is not None:
         raise ConfigError("gpu_memory (offloaded experts) does not work with a balancer yet: load without one of "
                           "them")
     plan = plan_offload(wrapped, gpu_memory)
-    check_host(plan, device, free_bytes(torch.device("cpu")))
+    free_disk = None
+    if offload_dir is not None:
+        if not os.path.isdir(offload_dir) or not os.access(offload_dir, os.W_OK):
+            raise ConfigError(f"offload_dir {str(offload_dir)!r} is not a directory this process can write to")
+        free_disk = shutil.disk_usage(offload_dir).free
+    check_host(plan, device, free_bytes(torch.device("cpu")), free_disk)
     return plan
 
 

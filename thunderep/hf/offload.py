@@ -1,7 +1,8 @@
 """Expert offload for a wrapped Hugging Face model: `from_pretrained(..., gpu_memory=...)`.
 
 Each rank's experts modules keep all their local slots' weights in host memory (pinned where CUDA
-exists), filled from the checkpoint as usual, and as many slots as fit `gpu_memory` (after the
+exists; with `offload_dir`, in files there mapped into memory, which the operating system pages in and
+out), filled from the checkpoint as usual, and as many slots as fit `gpu_memory` (after the
 replicated weights and the staging buffers) are also held on the device: `thunderep.moe.tiers`.
 `plan_offload` sizes that on the meta model before anything is allocated; `attach_tiers` builds the tiers
 after the checkpoint is read, with each layer's host function (`make_host_fn`: the lean one of
@@ -12,6 +13,10 @@ forward one slot at a time) and the cost model calibrated on it at the layer's e
 from __future__ import annotations
 
 import contextlib
+import math
+import os
+import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +31,7 @@ from .experts import experts_compute_fn
 from .fp8 import expert_weights, is_fp8
 from .int4 import eager_on_dequantized, is_int4
 
-__all__ = ["OffloadPlan", "attach_tiers", "check_host", "gated_layout", "host_compute_fn", "host_experts",
+__all__ = ["OffloadPlan", "attach_tiers", "check_host", "disk_tensor", "gated_layout", "host_compute_fn", "host_experts",
            "make_host_fn", "offload_stats", "plan_offload", "summary_line"]
 
 
@@ -103,16 +108,24 @@ def plan_offload(wrapped, gpu_memory, ranks: int | None = None) -> OffloadPlan:
                        replicated_bytes=memory["replicated_bytes"], staging_bytes=staging)
 
 
-def check_host(plan: OffloadPlan, device: torch.device, free_host: int) -> None:
+def check_host(plan: OffloadPlan, device: torch.device, free_host: int, free_disk: int | None = None) -> None:
     """ConfigError naming the bytes when the host cannot hold this rank's experts (and, with the model on
-    the CPU, everything else)."""
-    need = plan.host_bytes
-    if device.type == "cpu":
-        need += plan.replicated_bytes + plan.staging_bytes + plan.hot_bytes
+    the CPU, everything else); with `free_disk` (an offload directory's free bytes) the experts go to disk
+    instead, and the error names the disk's bytes."""
+    need = plan.replicated_bytes + plan.staging_bytes + plan.hot_bytes if device.type == "cpu" else 0
+    if free_disk is not None:
+        if plan.host_bytes > free_disk:
+            raise ConfigError(f"offloaded experts need {plan.host_bytes} bytes ({plan.host_bytes / 2**30:.2f} GiB) "
+                              f"of disk in the offload directory on this rank and {free_disk} bytes "
+                              f"({free_disk / 2**30:.2f} GiB) are free there: pick a directory on a larger disk, or "
+                              "spread the experts over more ranks or hosts")
+    else:
+        need += plan.host_bytes
     if need > free_host:
         raise ConfigError(f"offloaded experts need {need} bytes ({need / 2**30:.2f} GiB) of host memory on this rank "
                           f"and {free_host} bytes ({free_host / 2**30:.2f} GiB) are available: spread the experts "
-                          "over more ranks or hosts, load a narrower dtype, or free host memory")
+                          "over more ranks or hosts, load a narrower dtype, free host memory, or leave them on disk "
+                          "(offload_dir=... / --offload-dir)")
 
 
 def _holder(module: nn.Module, name: str) -> dict:
@@ -122,10 +135,12 @@ def _holder(module: nn.Module, name: str) -> dict:
 
 
 @contextlib.contextmanager
-def host_experts(model: nn.Module, bindings: dict, pin: bool):
+def host_experts(model: nn.Module, bindings: dict, pin: bool, directory: str | os.PathLike | None = None):
     """Within the block the experts modules hold no expert tensors (so that `to_empty(device)` does not
     allocate them there); after it they hold empty host tensors (pinned where `pin`), frozen, to be
-    filled from the checkpoint."""
+    filled from the checkpoint. With `directory` the host tensors are files there mapped into memory
+    (`disk_tensor`): the operating system keeps the pages it has room for and reads the others back on
+    use, so host memory need not hold every offloaded expert."""
     held = {}
     for name, binding in bindings.items():
         module = model.get_submodule(name)
@@ -136,8 +151,27 @@ def host_experts(model: nn.Module, bindings: dict, pin: bool):
         yield
     finally:
         for (name, t), (holder, meta) in held.items():
-            host = torch.empty(meta.shape, dtype=meta.dtype, device="cpu", pin_memory=pin)
+            if directory is not None:
+                host = disk_tensor(directory, f"{name}.{t}", meta.shape, meta.dtype)
+            else:
+                host = torch.empty(meta.shape, dtype=meta.dtype, device="cpu", pin_memory=pin)
             holder[t] = nn.Parameter(host, requires_grad=False) if isinstance(meta, nn.Parameter) else host
+
+
+def disk_tensor(directory: str | os.PathLike, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor backed by a new file in `directory` mapped shared into memory; the file's name
+    is unlinked at once, so its blocks go back to the disk when the tensor is freed (a crash leaves no
+    file behind)."""
+    numel = math.prod(shape)
+    fd, path = tempfile.mkstemp(prefix=f"thunderep-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:80]}-", suffix=".bin",
+                                dir=directory)
+    try:
+        os.ftruncate(fd, max(1, numel * dtype.itemsize))
+        flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return flat.view(shape)
 
 
 def host_compute_fn(module: nn.Module) -> Callable:

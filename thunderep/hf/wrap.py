@@ -278,7 +278,8 @@ class ThunderMoE(nn.Module):
         tensors plus the replicated ones. See `thunderep.hf.load.load_pretrained` for the keywords
         (dtype, device, placement, model_class, attn_implementation, experts_implementation,
         experts_dtype, progress: a bar on stderr while the checkpoint is read, off by default; gpu_memory:
-        the device bytes for this rank's weights, the experts beyond them in host memory)."""
+        the device bytes for this rank's weights, the experts beyond them in host memory, or with
+        offload_dir in files there mapped into memory)."""
         return load_pretrained(cls, path, ep, **kwargs)
 
     def balance_step(self, optimizer=None) -> list:

@@ -30,6 +30,7 @@ class GenerateConfig:
     timeout: float = 120.0  # seconds any rank waits for a peer
     quiet: bool = False  # only the answers: no streaming, loading or speed lines
     gpu_memory: int | None = None  # bytes of device memory for weights; the other experts offloaded to the host
+    offload_dir: str | None = None  # with gpu_memory: the offloaded experts in files there, not host memory
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class ServeConfig:
     cpu: bool = False
     quiet: bool = False  # no line per request
     gpu_memory: int | None = None  # bytes of device memory for weights; the other experts offloaded to the host
+    offload_dir: str | None = None  # with gpu_memory: the offloaded experts in files there, not host memory
     http: HttpConfig = field(default_factory=HttpConfig)
 
 

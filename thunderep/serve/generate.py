@@ -80,7 +80,7 @@ def generate_on_rank(config: GenerateConfig, ep=None, out=None) -> dict | None:
     tm = ThunderMoE.from_pretrained(config.model, ep, dtype=config.dtype, device=device,
                                     experts_implementation=config.experts_implementation,
                                     experts_dtype=config.experts_dtype, progress=not config.quiet,
-                                    gpu_memory=config.gpu_memory)
+                                    gpu_memory=config.gpu_memory, offload_dir=config.offload_dir)
     tokenizer = load_tokenizer(config.model, tm.config.get_text_config().vocab_size)
     latency = config.mode == "latency" or (config.mode == "auto" and len(config.prompts) < world)
     mine = list(range(len(config.prompts))) if latency else list(range(rank, len(config.prompts), world))

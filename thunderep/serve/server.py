@@ -83,7 +83,8 @@ def _load(config: ServeConfig, ep, device: torch.device):
     """This rank's share of the model, the tokenizer and the end-of-sequence ids."""
     tm = ThunderMoE.from_pretrained(config.model, ep, dtype=config.dtype, device=device,
                                     experts_implementation=config.experts_implementation,
-                                    experts_dtype=config.experts_dtype, gpu_memory=config.gpu_memory)
+                                    experts_dtype=config.experts_dtype, gpu_memory=config.gpu_memory,
+                                    offload_dir=config.offload_dir)
     text_config = tm.config.get_text_config()
     tokenizer = load_tokenizer(config.model, text_config.vocab_size)
     eos = tm.model.generation_config.eos_token_id

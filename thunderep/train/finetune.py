@@ -75,6 +75,7 @@ class FinetuneConfig:
     save_dtype: str = "auto"  # auto: the input checkpoint's
     experts_implementation: str | None = None
     gpu_memory: str | None = None  # expert offload: "20GiB" or bytes of GPU memory per rank; offloaded experts frozen
+    offload_dir: str | None = None  # with gpu_memory: the offloaded experts in files there, not host memory
     freeze: list[str] | None = None  # name patterns of parameters that do not train
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float | None = None
@@ -150,7 +151,7 @@ class _RankRun:
                                              device=self.device, experts_implementation=cfg.experts_implementation,
                                              balancer=BalancerConfig() if cfg.balance else None,
                                              spare_slots=1 if cfg.balance else 0, progress=not cfg.quiet,
-                                             gpu_memory=cfg.gpu_memory)
+                                             gpu_memory=cfg.gpu_memory, offload_dir=cfg.offload_dir)
         if cfg.lora_rank:  # adapters on the attention projections (or --lora-targets); everything else frozen
             adapter_dtype = torch.float32 if self.precision in ("mixed", "float32") else getattr(torch, self.precision)
             trainable = apply_lora(self.tm.model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed,
