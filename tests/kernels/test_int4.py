@@ -114,7 +114,12 @@ CASES = [  # T, D, I, E, K, fmt, group, zero points
     (3, 64, 48, 4, 2, "mxfp4", 32, False),
     (2, 64, 40, 4, 2, "int4", 32, False),  # I = 40: a partial group of 8 at the end of each down row
     (3, 48, 32, 3, 3, "int4", 16, True),  # asymmetric: zero points per group
-    (2, 48, 48, 3, 2, "int4", 24, True),  # a group that is no power of two: a scale per byte
+    (2, 48, 48, 3, 2, "int4", 24, True),  # a group that is no power of two: a scale per word
+    # rows of 22 and 18 bytes (not 4-byte aligned): the pair kernels read bytes, not words
+    (2, 44, 36, 3, 2, "int4", 32, True),
+    (2, 36, 44, 3, 2, "mxfp4", 32, False),
+    (2, 48, 40, 3, 2, "int4", 4, False),  # groups of 4 (not whole words): bytes, a scale per 2 bytes
+    (2, 48, 48, 3, 2, "int4", 12, True),  # groups of 12: bytes, a scale per byte
 ]
 
 
@@ -132,12 +137,15 @@ def test_int4_matches_dequantized(case, path):
 def test_int4_pair_kernel_tails(up, down, monkeypatch):
     """The pair kernels' loops with column tiles and chunks that divide neither D = 80 nor I = 56 (a last
     partial chunk, a column tile past the matrix), chunks narrower and wider than a group, one chunk
-    covering a whole row; unweighted and interleaved gate/up."""
+    covering a whole row; unweighted and interleaved gate/up; rows read as words, and (D = 84, I = 52:
+    rows of 42 and 26 bytes) as bytes."""
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
     monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4})
     monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": 4})
     _check(2, 80, 56, 5, 2, torch.float16, "int4", 32, tol=2e-3, zero=True, weighted=False, interleaved=True)
     _check(1, 96, 56, 5, 3, torch.float16, "mxfp4", 32, tol=2e-3, seed=1)
+    _check(2, 84, 52, 5, 2, torch.float16, "int4", 32, tol=2e-3, zero=True, seed=2)
+    _check(1, 84, 52, 5, 2, torch.float16, "mxfp4", 32, tol=2e-3, seed=3)
 
 
 def test_int4_pairs_skip_minus_one_and_nan_for_unknown_ids(monkeypatch):
@@ -187,6 +195,78 @@ def test_int4_custom_op_equals_the_direct_call():
         fake = torch.ops.thunderep.moe_mlp_pairs_int4(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
                                                         for a in args))
     assert fake.shape == (2, 64) and fake.dtype == torch.float16
+
+
+import triton.language as tl  # noqa: E402
+
+from thunderep.kernels import pairs4, tiles  # noqa: E402
+
+
+@triton.jit
+def _conversions_kernel(w_ptr, b_ptr, out_ptr, MXFP4: tl.constexpr):
+    """For the 2 ** 16 words at w_ptr: out rows 0..7 the values of each half's codes at bits 0, 4, 8, 12
+    (low half, high half, per shift) through int4_halves (bits 8 and 12: of the word shifted by 8, as the
+    kernels do) / e2m1_halves; for the 256 bytes at b_ptr: rows 8 and 9 (first 256 columns) their low and
+    high codes through nibbles4, row 10 (first 16) codes4."""
+    i = tl.arange(0, 65536)
+    w = tl.load(w_ptr + i)
+    for s in tl.static_range(4):
+        if MXFP4:
+            lo, hi = pairs4.e2m1_halves(w, 4 * s)
+            lo, hi = lo * pairs4.E2M1_UNIT, hi * pairs4.E2M1_UNIT
+        elif s < 2:
+            lo, hi = pairs4.int4_halves(w, 4 * s)
+        else:
+            lo, hi = pairs4.int4_halves(w >> 8, 4 * s - 8)
+        tl.store(out_ptr + (2 * s) * 65536 + i, lo)
+        tl.store(out_ptr + (2 * s + 1) * 65536 + i, hi)
+    j = tl.arange(0, 256)
+    lo, hi = pairs4.nibbles4(tl.load(b_ptr + j), MXFP4)
+    tl.store(out_ptr + 8 * 65536 + j, lo)
+    tl.store(out_ptr + 9 * 65536 + j, hi)
+    tl.store(out_ptr + 10 * 65536 + j, pairs4.codes4(j % 16, MXFP4), mask=j < 16)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_conversions_are_exact_for_every_code(fmt):
+    """Every 4-bit code at every position of a 32-bit word (both halves, every shift), of a byte, and alone
+    converts to exactly its value (int4: n - 8; e2m1: the table, signed zero and the subnormal 0.5 included)
+    with no integer-to-float conversion."""
+    u = torch.arange(65536, dtype=torch.int64)
+    u_high = (u * 7919 + 12345) % 65536  # a different pattern in each half
+    words = (u | (u_high << 16)).to(torch.int32)
+    out = torch.full((11, 65536), float("nan"), device=DEVICE)
+    b = torch.arange(256, dtype=torch.int32, device=DEVICE)
+    _conversions_kernel[(1,)](words.to(DEVICE), b, out, MXFP4=fmt == "mxfp4")
+    table = torch.tensor(_E2M1 if fmt == "mxfp4" else [n - 8.0 for n in range(16)])
+    want = torch.empty(11, 65536)
+    for s in range(4):
+        want[2 * s], want[2 * s + 1] = table[(u >> (4 * s)) & 15], table[(u_high >> (4 * s)) & 15]
+    want[8, :256], want[9, :256], want[10, :16] = table[torch.arange(256) & 15], table[torch.arange(256) >> 4], table
+    out, keep = out.cpu(), torch.ones(11, 65536, dtype=torch.bool)
+    keep[8:, 256:] = False
+    keep[10, 16:] = False
+    # bit for bit: -0.0 stays -0.0
+    assert torch.equal(out[keep].view(torch.int32), want[keep].view(torch.int32))
+
+
+def test_legacy_kernels_give_the_new_kernels_results(monkeypatch):
+    """tiles.legacy_pairs4 (the kernels before the conversion rework, kept for side-by-side timing) runs the
+    old kernels and the old dequantization conversion; their outputs agree with the new ones'."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    for fmt in ("int4", "mxfp4"):
+        x, w_gu, w_d, ids, weights = make_case(2, 64, 48, 4, 2, torch.float16, 7)
+        q_gu, q_d = Int4Weight.quantize(w_gu, fmt), Int4Weight.quantize(w_d, fmt)
+        with torch.no_grad():
+            new = routed_moe_mlp(x, q_gu, q_d, ids, weights.half())
+            with tiles.legacy_pairs4():
+                old = routed_moe_mlp(x, q_gu, q_d, ids, weights.half())
+                assert tiles.UP_PAIRS4_PLAIN is not pairs4.up_pairs4_kernel
+                w_old = q_d.dequantize(dtype=torch.float32)
+        assert tiles.UP_PAIRS4_PLAIN is pairs4.up_pairs4_kernel
+        assert rel_err(old, new.double()) < 2e-3
+        assert torch.equal(w_old, q_d.dequantize(dtype=torch.float32))
 
 
 # ---- gpt-oss's experts on 4-bit weights (pairs4_gptoss.py) ----------------------------------------------

@@ -1,6 +1,6 @@
 """Expert-MLP benchmark on one GPU: ThunderEP's Triton kernels vs transformers' `eager` and `grouped_mm`.
 
-    thunderep bench kernels [--shapes mixtral,qwen3,deepseek] [--tokens 1,64,512,4096,16384]
+    thunderep bench kernels [--shapes mixtral,qwen3,deepseek,gptoss] [--tokens 1,64,512,4096,16384]
 
 For every shape and token count, in one run and on the same weights and routing: forward (no grad)
 and forward+backward (gradients of x, both weight tensors and the routing weights) milliseconds
@@ -14,8 +14,9 @@ the four routings' calls (fwd-graph), and what one more call adds to a graph (fw
 not re-read weights from L2.
 
 --impls takes eager, grouped_mm, thunderep, thunderep:<pin> (one of ThunderEP's paths pinned: PINS),
-thunderep:<format> (ThunderEP on FP8 copies of the weights, forward only: FORMATS; their HBM fraction
-counts the FP8 bytes and scales read) and copy (a reference row, not a baseline: one device-to-device
+thunderep:<format> (ThunderEP on FP8 or 4-bit copies of the weights, forward only: FORMATS; their HBM
+fraction counts the bytes and scales read; with 4-bit formats a second table sets each beside its
+`-legacy` baseline, bfloat16 and FP8) and copy (a reference row, not a baseline: one device-to-device
 copy moving the bytes the step reads).
 """
 
@@ -36,6 +37,7 @@ SHAPES = {  # D, I, E, K
     "mixtral": (4096, 14336, 8, 2),
     "qwen3": (2048, 768, 128, 8),
     "deepseek": (7168, 2048, 256, 8),
+    "gptoss": (2880, 2880, 128, 4),  # gpt-oss-120b's experts (its MXFP4 checkpoint), plain SwiGLU here
 }
 IMPLS = ("eager", "grouped_mm", "thunderep")
 # Also accepted: "thunderep:<pin>", ThunderEP with one path pinned (PINS); and COPY, a reference that is
@@ -96,18 +98,26 @@ PINS = {
 
 # Weight formats: "thunderep:<format>" runs ThunderEP's kernels (as configured) on FP8 copies of the same
 # weights (kernels/fp8.py), forward only: scale blocks of 128 x 128 (DeepSeek-V3's and Qwen3-FP8's
-# checkpoints), or one scale per row (what a bfloat16 checkpoint quantized at load gets).
+# checkpoints), or one scale per row (what a bfloat16 checkpoint quantized at load gets); or on 4-bit copies
+# (kernels/int4.py), the "-legacy" ones through the kernels as they were before their conversion was
+# reworked (kernels/tiles.legacy_pairs4), on the same 4-bit weights.
 # name: (scale block, None for one scale per row; W8A8: the sorted kernels' inputs in FP8 too, fp8.py)
 FORMATS = {"fp8": ((128, 128), False), "fp8row": (None, False), "fp8-w8a8": ((128, 128), True),
-           "fp8row-w8a8": (None, True), "int4": ("int4", False), "mxfp4": ("mxfp4", False)}  # 4-bit: int4.py
+           "fp8row-w8a8": (None, True), "int4": ("int4", False), "mxfp4": ("mxfp4", False),
+           "int4-legacy": ("int4", False), "mxfp4-legacy": ("mxfp4", False)}
+LEGACY = "-legacy"
 
 
 def _pinned(impl: str):
     """"thunderep:<pin>" sets the environment variable of PINS[pin] while that implementation is
-    measured; anything else runs as configured."""
-    from ..kernels.grouped_gemm import pinned  # triton: optional (the gpu extra), with thunderep.kernels
+    measured, a "-legacy" format runs the kernels as they were (tiles.legacy_pairs4); anything else runs
+    as configured."""
+    from ..kernels import tiles  # triton: optional (the gpu extra), with thunderep.kernels
+    from ..kernels.grouped_gemm import pinned  # likewise
 
     pin = impl.partition(":")[2] if _ours(impl) else ""
+    if pin.endswith(LEGACY):
+        return tiles.legacy_pairs4()
     return pinned(*PINS[pin]) if pin in PINS else contextlib.nullcontext()
 
 
@@ -239,7 +249,7 @@ def _modes_of(impl, modes) -> list[str]:
 def _implementations(impls, D, I, E, K, w_gu, w_d):
     """The function each implementation of `impls` runs (the copy reference apart: made per T), and the
     bytes one expert's weights take in each FP8 format."""
-    fns, impl_bytes = {}, {}
+    fns, impl_bytes, quantized = {}, {}, {}
     for impl in impls:
         if _format(impl):
             from ..kernels.fp8 import Fp8Weight  # triton: optional (the gpu extra), with thunderep.kernels
@@ -248,7 +258,9 @@ def _implementations(impls, D, I, E, K, w_gu, w_d):
             block, w8a8 = FORMATS[_format(impl)]
             quantize = (lambda w: Int4Weight.quantize(w, block)) if isinstance(block, str) else \
                 (lambda w: Fp8Weight.quantize(w, block, w8a8=w8a8))
-            w8_gu, w8_d = quantize(w_gu.detach()), quantize(w_d.detach())
+            if (block, w8a8) not in quantized:  # a "-legacy" format shares its format's weights
+                quantized[(block, w8a8)] = quantize(w_gu.detach()), quantize(w_d.detach())
+            w8_gu, w8_d = quantized[(block, w8a8)]
             fns[impl] = _thunder_experts(D, I, E, K, w8_gu, w8_d)
             impl_bytes[impl] = (w8_gu.nbytes() + w8_d.nbytes()) / E
         elif impl != COPY:
@@ -390,6 +402,33 @@ def table(rows, impls) -> str:
     return "\n".join(lines)
 
 
+def formats_table(rows) -> str:
+    """Markdown table of each 4-bit format (thunderep:int4, thunderep:mxfp4) beside its "-legacy" baseline
+    (same weights, same run), bfloat16 (thunderep) and FP8 (thunderep:fp8row, else thunderep:fp8):
+    milliseconds, the others' time over the new one's (2.50x: 2.5 times faster), and the HBM fraction
+    over the 4-bit bytes read (legacy / new)."""
+    keyed = {(r["shape"], r["T"], r["mode"], r["impl"]): r for r in rows}
+
+    def over(shape, T, mode, impl, new):
+        other = keyed.get((shape, T, mode, impl))
+        return f"{other['ms'] / new['ms']:.2f}x" if other and new["ms"] == new["ms"] else "-"
+
+    lines = ["| shape | T | mode | format | legacy ms | new ms | legacy / new | bf16 / new | FP8 / new "
+             "| HBM frac (legacy / new) |", "|" + "---|" * 10]
+    for shape, T, mode in dict.fromkeys((r["shape"], r["T"], r["mode"]) for r in rows):
+        fp8 = next((i for i in ("thunderep:fp8row", "thunderep:fp8") if (shape, T, mode, i) in keyed), "")
+        for fmt in ("int4", "mxfp4"):
+            legacy = f"thunderep:{fmt}{LEGACY}"
+            new, old = keyed.get((shape, T, mode, f"thunderep:{fmt}")), keyed.get((shape, T, mode, legacy))
+            if new is None:
+                continue
+            old_ms, old_frac = (f"{old['ms']:.3f}", f"{old['hbm_frac']:.0%}") if old else ("-", "-")
+            lines.append(f"| {shape} | {T} | {mode} | {fmt} | {old_ms} | {new['ms']:.3f} | "
+                         f"{over(shape, T, mode, legacy, new)} | {over(shape, T, mode, 'thunderep', new)} | "
+                         f"{over(shape, T, mode, fp8, new)} | {old_frac} / {new['hbm_frac']:.0%} |")
+    return "\n".join(lines)
+
+
 def _show_tuning() -> None:
     """Print the kernels' autotuning log lines to stderr (each new shape tunes once, for seconds)."""
     log = logging.getLogger("thunderep.kernels")
@@ -437,6 +476,8 @@ def report(shapes: list[str], tokens: list[int], impls: list[str], *, json_path:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows,
                        "configs": configs}, f, indent=1)
     print(table(rows, impls))
+    if any(_format(i) in ("int4", "mxfp4") for i in impls):
+        print(formats_table(rows))
     errs = [r["rel_err_vs_grouped_mm"] for r in rows if r["rel_err_vs_grouped_mm"] is not None]
     if errs:
         print(f"max relative difference ThunderEP vs grouped_mm outputs: {max(errs):.2e}")

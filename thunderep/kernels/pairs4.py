@@ -1,22 +1,25 @@
 """Decode kernels on 4-bit expert weights (int4.py): the pair kernels of pairs.py reading packed tiles.
 
 Shape legend: T tokens, D hidden size, K experts per token, E experts, I intermediate size,
-N = T * K (token, slot) pairs in flat (token-major) order, HK = BLOCK_K / 2 packed columns of a chunk.
+N = T * K (token, slot) pairs in flat (token-major) order; a chunk is BLOCK_K columns: HW = BLOCK_K / 8
+packed 32-bit words (8 values each), HK = BLOCK_K / 2 bytes.
 
     up_pairs4_kernel     h_NI[j] = act(x[j // K] @ Wg[ids[j]].T) * (x[j // K] @ Wu[ids[j]].T)
     down_pairs4_kernel   y_TD[t] = sum over k of w[t, k] * (h_NI[t*K + k] @ Wd[ids[t*K + k]].T)
 
-Each chunk of BLOCK_K columns is loaded as a [BLOCK_N, HK] tile of bytes (a quarter of bfloat16's
-bytes), split into its low and high nibbles (the even and odd columns), converted to float32 in
-registers (`codes4`: e2m1, or int4 minus 8), multiplied by the vector's even and odd elements and
-summed per group, then times the group scales (`packed_chunk`: one scale load per group and row): no
-interleave, no shared memory, no tensor cores. Each chunk is summed as it comes, so the accumulators are
-[BLOCK_N] and chunks can be wide. Partial chunks
-(D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids as in
-pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's output
-NaN. Portable Triton (no Hopper-only instructions); inference only. The launches are in decode.py;
-gpt-oss's experts (biases, clamped SwiGLU) run pairs4_gptoss.py's kernels, built on `packed_chunk`
-and `even_odd`.
+Each chunk is loaded as a [BLOCK_N, HW] tile of 32-bit words (a quarter of bfloat16's bytes), the next
+chunk's words in flight while this one is converted (`packed_dot`). The conversion in registers uses no
+integer-to-float instruction and handles two values per operation: the codes of both 16-bit halves of a
+word are placed into float16 bits at once (int4: or'ed into 1024's mantissa, `int4_halves`; e2m1: sign,
+exponent and mantissa bits moved into place, `e2m1_halves`), then each half widened to float32. Each of a
+word's 8 planes (the values 8 columns apart) times the vector's matching elements is summed in one chain
+of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
+No tensor cores, no Hopper-only instructions, no inline assembly. Rows that are not 4-byte aligned, or
+groups of other than a multiple of 8 columns, run the same conversions one byte at a time (`byte_chunk`).
+Partial chunks (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids
+as in pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's
+output NaN. Inference only. The launches are in decode.py; gpt-oss's experts (biases, clamped SwiGLU) run
+pairs4_gptoss.py's kernels, built on `packed_dot`, `packed_dot2` and `words_ok`.
 """
 
 from __future__ import annotations
@@ -26,21 +29,82 @@ import triton.language as tl
 
 from .act import act, gate_up_cols
 
-__all__ = ["codes4", "down_pairs4_kernel", "even_odd", "packed_chunk", "scales4", "up_pairs4_kernel"]
+__all__ = ["E2M1_UNIT", "byte_chunk", "codes4", "down_pairs4_kernel", "e2m1_halves", "int4_halves", "int4_plane",
+           "load_words", "nibbles4", "packed_dot", "packed_dot2", "scales4", "up_pairs4_kernel", "word_chunk",
+           "words_ok"]
+
+# The e2m1 planes are float16 values 2 ** -14 times the e2m1 value (`e2m1_halves`): sums are scaled back.
+E2M1_UNIT: tl.constexpr = tl.constexpr(16384.0)
+
+
+@triton.jit
+def int4_plane(u, SHIFT: tl.constexpr):
+    """The int4 codes n at bits SHIFT..SHIFT+3 of u (32-bit, SHIFT <= 16) as float32 n - 8, exactly, one value
+    per operation (bytes, single codes): or'ed into the mantissa of 2 ** 23 they read as 2 ** 23 + n * 2 **
+    SHIFT, and one multiply-add (exact: integers below 2 ** 24 and powers of two) scales and offsets them."""
+    MASK: tl.constexpr = 15 << SHIFT
+    STEP: tl.constexpr = 1.0 / (1 << SHIFT)
+    OFFSET: tl.constexpr = (1 << (23 - SHIFT)) + 8.0
+    f = ((u & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
+    return f * STEP - OFFSET
+
+
+@triton.jit
+def int4_halves(w, SHIFT: tl.constexpr, opaque=0):
+    """The int4 codes n at bits SHIFT..SHIFT+3 (SHIFT 0 or 4) of each 16-bit half of w as float32 n - 8 (low
+    half's, high half's), exactly: one logic operation puts both into float16 1024's mantissa in place
+    (1024 + n * 2 ** SHIFT), one float16 multiply-add (exact; both halves in one packed instruction) scales
+    and offsets them, then each half is widened. opaque: a uint32 zero (`packed_dot`)."""
+    STEP: tl.constexpr = 1.0 / (1 << SHIFT)
+    OFFSET: tl.constexpr = (1024 >> SHIFT) + 8.0
+    t = (w.to(tl.uint32, bitcast=True) & (0x000F000F << SHIFT)) | (0x64006400 + opaque)
+    lo = t.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return (lo * STEP - OFFSET).to(tl.float32), (hi * STEP - OFFSET).to(tl.float32)
+
+
+@triton.jit
+def e2m1_halves(w, SHIFT: tl.constexpr, opaque=0):
+    """The e2m1 codes at bits SHIFT..SHIFT+3 of each 16-bit half of w (int32, SHIFT <= 12) as two float32
+    tensors (low half's, high half's), each 2 ** -14 times the e2m1 value (E2M1_UNIT scales back), exactly:
+    the sign bit goes to float16's sign (bit 15), the two exponent bits and the mantissa bit to bits 11..9,
+    so exponent 0 is a float16 subnormal (0 or 0.5 * 2 ** -14) as e2m1's own subnormal is; float16
+    subnormals convert to float32 exactly (float32 subnormals, which the GPU flushes, never arise). Both
+    halves in the same two shifts and two logic operations. opaque: a uint32 zero (`packed_dot`)."""
+    u = w.to(tl.uint32, bitcast=True)
+    if SHIFT <= 9:
+        bits = (u << (9 - SHIFT)) & 0x0E000E00
+    else:
+        bits = (u >> (SHIFT - 9)) & 0x0E000E00
+    t = bits | ((u << (12 - SHIFT)) & (0x80008000 + opaque))  # the two sign bits
+    lo = t.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
 def codes4(n, MXFP4: tl.constexpr):
-    """4-bit codes n (int32, 0..15) as float32: e2m1 values (sign bit 8; exponent bits 2..1; mantissa
-    bit 0; exponent 0 subnormal), or int4's n - 8."""
+    """4-bit codes n (int32, 0..15) as float32, exactly: e2m1 values (sign bit 8; exponent bits 2..1;
+    mantissa bit 0; exponent 0 subnormal), or int4's n - 8; the conversions of `int4_plane` and
+    `e2m1_halves`, one value at a time."""
     if MXFP4:
-        e = (n >> 1) & 3
-        m = (n & 1).to(tl.float32)
-        mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-        v = tl.where(n >= 8, -mag, mag)
+        v, _ = e2m1_halves(n << 12, 12)
+        v = v * E2M1_UNIT
     else:
-        v = (n - 8).to(tl.float32)
+        v = int4_plane(n, 0)
     return v
+
+
+@triton.jit
+def nibbles4(b, MXFP4: tl.constexpr):
+    """The two codes of bytes b (int32, 0..255) as float32 (low nibble, high nibble), exactly as `codes4`:
+    the high nibble converted in place (no shift) for int4, both nibbles in one pair of halves for e2m1."""
+    if MXFP4:
+        lo, hi = e2m1_halves((b << 12) | (b << 24), 12)
+        lo, hi = lo * E2M1_UNIT, hi * E2M1_UNIT
+    else:
+        lo, hi = int4_plane(b, 0), int4_plane(b, 4)
+    return lo, hi
 
 
 @triton.jit
@@ -57,53 +121,212 @@ def scales4(s_ptrs, ok, MXFP4: tl.constexpr):
 
 
 @triton.jit
-def packed_chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_even, v_odd, stride_sk, GROUP: tl.constexpr,
-                 MXFP4: tl.constexpr, ZERO: tl.constexpr, HK: tl.constexpr):
-    """[BLOCK_N] float32 sums of one chunk at column k0: each row's packed bytes from w_ptrs_N (its row's
-    column 0), the two codes of each byte times the vector's even and odd elements (v_even, v_odd [HK],
-    float32, zero past C), summed per group and times the group's scale (zero points: minus z times the
-    group's sum of the vector). Both columns of a byte share a group (GROUP is even). A chunk of whole
-    groups (BLOCK_K a multiple of GROUP, GROUP a power of two) loads one scale per group and row; a chunk
-    inside one group one per row; anything else one per byte."""
-    p_K = k0 // 2 + tl.arange(0, HK)
-    ok = ok_N[:, None] & (p_K < C // 2)[None, :]
-    b = tl.load(w_ptrs_N[:, None] + p_K[None, :], mask=ok, other=0).to(tl.int32)
-    prod = codes4(b & 15, MXFP4) * v_even[None, :] + codes4(b >> 4, MXFP4) * v_odd[None, :]
-    HG: tl.constexpr = GROUP // 2
-    if (HK % HG == 0) and ((HG & (HG - 1)) == 0):  # whole groups: [BLOCK_N, NG, HG]
-        NG: tl.constexpr = HK // HG
-        BLOCK_N: tl.constexpr = prod.shape[0]
-        g_G = k0 // GROUP + tl.arange(0, NG)
-        ok_G = ok_N[:, None] & (g_G * GROUP < C)[None, :]
-        g_off = g_G.to(tl.int64)[None, :] * stride_sk
-        sums = tl.sum(tl.reshape(prod, (BLOCK_N, NG, HG)), 2)
-        if ZERO:
-            vsum = tl.sum(tl.reshape(v_even + v_odd, (NG, HG)), 1)
-            sums -= tl.load(z_ptrs_N[:, None] + g_off, mask=ok_G, other=0).to(tl.float32) * vsum[None, :]
-        return tl.sum(sums * scales4(s_ptrs_N[:, None] + g_off, ok_G, MXFP4), 1)
-    elif HG % HK == 0:  # the chunk lies inside one group (k0 is a multiple of BLOCK_K, which divides GROUP)
-        g_off = (k0 // GROUP) * stride_sk  # a group index within one row: no overflow
-        ok_1 = ok_N  # k0 < C: the loops start chunks inside the row
-        sums = tl.sum(prod, 1)
-        if ZERO:
-            sums -= tl.load(z_ptrs_N + g_off, mask=ok_1, other=0).to(tl.float32) * tl.sum(v_even + v_odd, 0)
-        return sums * scales4(s_ptrs_N + g_off, ok_1, MXFP4)
-    else:  # a scale per byte
-        g_K = (2 * p_K // GROUP).to(tl.int64) * stride_sk
-        scale = scales4(s_ptrs_N[:, None] + g_K[None, :], ok, MXFP4)
-        if ZERO:
-            z = tl.load(z_ptrs_N[:, None] + g_K[None, :], mask=ok, other=0).to(tl.float32)
-            prod -= z * (v_even + v_odd)[None, :]
-        return tl.sum(prod * scale, 1)
+def words_ok(w_ptr, stride_we, stride_wr, C):
+    """Whether a matrix's rows can be read as 32-bit words: 4-byte aligned (base and strides) and C a
+    multiple of 8 (whole words). Else `packed_dot` reads bytes."""
+    return ((w_ptr.to(tl.int64) | stride_we | stride_wr | (C // 2)) % 4 == 0) & (C % 8 == 0)
 
 
 @triton.jit
-def even_odd(v_ptr, k0, C, HK: tl.constexpr):
-    """(even, odd) elements [HK] of the vector's chunk at column k0, float32, zero past C."""
-    c_K = k0 + 2 * tl.arange(0, HK)
-    even = tl.load(v_ptr + c_K, mask=c_K < C, other=0.0).to(tl.float32)
-    odd = tl.load(v_ptr + c_K + 1, mask=c_K + 1 < C, other=0.0).to(tl.float32)
-    return even, odd
+def _vector(v_ptr, c, C):
+    """The vector's elements at columns c (zero past C) as float32."""
+    return tl.load(v_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _planes(v_ptr, k0, C, HW: tl.constexpr):
+    """The vector's chunk at column k0 (zero past C, float32) as its 8 planes [HW] (plane j:
+    columns k0 + 8 q + j), in the order (0, 4, 1, 5, 2, 6, 3, 7): loaded whole (wide loads) and split in
+    registers."""
+    c_K = k0 + tl.arange(0, 8 * HW)
+    v = tl.load(v_ptr + c_K, mask=c_K < C, other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(v, (HW, 4, 2)))  # columns 8 q + (0, 2, 4, 6) and 8 q + (1, 3, 5, 7)
+    e04, e26 = tl.split(tl.reshape(even, (HW, 2, 2)))
+    o15, o37 = tl.split(tl.reshape(odd, (HW, 2, 2)))
+    x0, x4 = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3, x7 = tl.split(o37)
+    return x0, x4, x1, x5, x2, x6, x3, x7
+
+
+@triton.jit
+def _word_products(w, v_ptr, k0, C, opaque, MXFP4: tl.constexpr, HW: tl.constexpr):
+    """([BLOCK_N, HW] sums over each word's 8 values times the vector's elements, [HW] sums of the vector's
+    elements per word) for the chunk at column k0 from its words w (`load_words`). Value j of a word (nibble
+    j, column 8 q + j) sits in half j // 4 at bits 4 (j % 4): one plane per j, converted for all words at
+    once (two planes per logic operation), the products summed in one chain of multiply-adds per word."""
+    x0, x4, x1, x5, x2, x6, x3, x7 = _planes(v_ptr, k0, C, HW)
+    if MXFP4:
+        lo, hi = e2m1_halves(w, 0, opaque)
+        prod = lo * x0[None, :]
+        prod += hi * x4[None, :]
+        lo, hi = e2m1_halves(w, 4, opaque)
+        prod += lo * x1[None, :]
+        prod += hi * x5[None, :]
+        lo, hi = e2m1_halves(w, 8, opaque)
+        prod += lo * x2[None, :]
+        prod += hi * x6[None, :]
+        lo, hi = e2m1_halves(w, 12, opaque)
+        prod += lo * x3[None, :]
+        prod += hi * x7[None, :]
+    else:
+        w8 = w >> 8  # codes 2, 3 (and 6, 7) at bits 0..7 of each half
+        lo, hi = int4_halves(w, 0, opaque)
+        prod = lo * x0[None, :]
+        prod += hi * x4[None, :]
+        lo, hi = int4_halves(w, 4, opaque)
+        prod += lo * x1[None, :]
+        prod += hi * x5[None, :]
+        lo, hi = int4_halves(w8, 0, opaque)
+        prod += lo * x2[None, :]
+        prod += hi * x6[None, :]
+        lo, hi = int4_halves(w8, 4, opaque)
+        prod += lo * x3[None, :]
+        prod += hi * x7[None, :]
+    return prod, ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7))
+
+
+@triton.jit
+def _byte_products(w_ptrs_N, v_ptr, k0, C, ok_N, MXFP4: tl.constexpr, HK: tl.constexpr):
+    """`_word_products` one byte at a time: ([BLOCK_N, HK] sums of each byte's two values times the vector's
+    even and odd elements, [HK] sums of those elements), for rows that are not 4-byte aligned."""
+    p_K = k0 // 2 + tl.arange(0, HK)
+    ok = ok_N[:, None] & (p_K < C // 2)[None, :]
+    b = tl.load(w_ptrs_N[:, None] + p_K[None, :], mask=ok, other=0).to(tl.int32)
+    v_even, v_odd = _vector(v_ptr, 2 * p_K, C), _vector(v_ptr, 2 * p_K + 1, C)
+    lo, hi = nibbles4(b, MXFP4)
+    return lo * v_even[None, :] + hi * v_odd[None, :], v_even + v_odd
+
+
+@triton.jit
+def _grouped(prod, vsum_H, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP: tl.constexpr, PER: tl.constexpr,
+             MXFP4: tl.constexpr, ZERO: tl.constexpr, UNIT: tl.constexpr):
+    """[BLOCK_N] sums of a chunk's products prod [BLOCK_N, H] (each element PER columns: a word or a byte, inside
+    one group) per group, times UNIT and the group's scale (zero points: minus z times the group's sum of
+    the vector, vsum_H [H]). A chunk of whole groups (GROUP / PER elements, a power of two, dividing H)
+    loads one scale per group and row; a chunk inside one group one per row; anything else one per element."""
+    BLOCK_N: tl.constexpr = tl.constexpr(prod.shape[0])
+    H: tl.constexpr = tl.constexpr(prod.shape[1])
+    EG: tl.constexpr = tl.constexpr(GROUP // PER)
+    if (H % EG == 0) and ((EG & (EG - 1)) == 0):  # whole groups: [BLOCK_N, NG, EG]
+        NG: tl.constexpr = H // EG
+        g_G = k0 // GROUP + tl.arange(0, NG)
+        ok_G = ok_N[:, None] & (g_G * GROUP < C)[None, :]
+        g_off = g_G.to(tl.int64)[None, :] * stride_sk
+        sums = tl.sum(tl.reshape(prod, (BLOCK_N, NG, EG)), 2)
+        if ZERO:
+            vsum = tl.sum(tl.reshape(vsum_H, (NG, EG)), 1)
+            sums -= tl.load(z_ptrs_N[:, None] + g_off, mask=ok_G, other=0).to(tl.float32) * vsum[None, :]
+        if UNIT != 1.0:
+            sums = sums * UNIT
+        return tl.sum(sums * scales4(s_ptrs_N[:, None] + g_off, ok_G, MXFP4), 1)
+    elif EG % H == 0:  # the chunk lies inside one group (k0 is a multiple of BLOCK_K, which divides GROUP)
+        g_off = (k0 // GROUP) * stride_sk  # a group index within one row: no overflow
+        sums = tl.sum(prod, 1)
+        if ZERO:
+            sums -= tl.load(z_ptrs_N + g_off, mask=ok_N, other=0).to(tl.float32) * tl.sum(vsum_H, 0)
+        if UNIT != 1.0:
+            sums = sums * UNIT
+        return sums * scales4(s_ptrs_N + g_off, ok_N, MXFP4)  # k0 < C: the loops start chunks inside the row
+    else:  # a scale per element
+        p_H = k0 // PER + tl.arange(0, H)
+        ok = ok_N[:, None] & (p_H * PER < C)[None, :]
+        g_H = (PER * p_H // GROUP).to(tl.int64) * stride_sk
+        if ZERO:
+            prod -= tl.load(z_ptrs_N[:, None] + g_H[None, :], mask=ok, other=0).to(tl.float32) * vsum_H[None, :]
+        if UNIT != 1.0:
+            prod = prod * UNIT
+        return tl.sum(prod * scales4(s_ptrs_N[:, None] + g_H[None, :], ok, MXFP4), 1)
+
+
+@triton.jit
+def load_words(w_ptrs_N, k0, C, ok_N, HW: tl.constexpr):
+    """[BLOCK_N, HW] uint32: the chunk at column k0 of each row from w_ptrs_N (its row's column 0) as 32-bit
+    words, 0 past C and in rows not ok_N (no memory read there)."""
+    q_W = k0 // 8 + tl.arange(0, HW)
+    ok = ok_N[:, None] & (q_W < C // 8)[None, :]
+    return tl.load(w_ptrs_N.to(tl.pointer_type(tl.uint32))[:, None] + q_W[None, :], mask=ok, other=0)
+
+
+@triton.jit
+def word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
+               ZERO: tl.constexpr):
+    """[BLOCK_N] float32 sums of one chunk at column k0 from its words w (`load_words`; GROUP a multiple of
+    8): the values times the vector at v_ptr (C elements), summed per group and times the group's scale
+    (zero points: minus z times the group's sum of the vector). opaque: a uint32 zero the compiler cannot
+    see through (`packed_dot`)."""
+    prod, vsum = _word_products(w, v_ptr, k0, C, opaque, MXFP4, w.shape[1])
+    return _grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO,
+                    E2M1_UNIT if MXFP4 else 1.0)
+
+
+@triton.jit
+def byte_chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
+               ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`word_chunk` on rows read as bytes (not 4-byte aligned, or groups of other than a multiple of 8)."""
+    prod, vsum = _byte_products(w_ptrs_N, v_ptr, k0, C, ok_N, MXFP4, BLOCK_K // 2)
+    return _grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 2, MXFP4, ZERO, 1.0)
+
+
+@triton.jit
+def _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
+              ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`packed_dot` on rows read as bytes, chunk after chunk."""
+    acc = tl.zeros(ok_N.shape, dtype=tl.float32)
+    for k0 in range(0, C, BLOCK_K):
+        acc += byte_chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
+    return acc
+
+
+@triton.jit
+def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
+               MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
+    columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
+    loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
+    flight while it converts this chunk's; else as bytes. opaque: a uint32 that is 0 wherever rows are read
+    but that the compiler cannot prove so (the launch's expert id >> 32): added to the conversions' masks, it
+    keeps them in registers, where the compiler otherwise rebuilds each constant before each use."""
+    acc = tl.zeros(ok_N.shape, dtype=tl.float32)
+    if GROUP % 8 == 0:
+        if words:
+            w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
+            for k0 in range(0, C, BLOCK_K):
+                w = w_next
+                w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)  # past C: masked, nothing read
+                acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
+        else:
+            acc = _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
+    else:
+        acc = _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
+    return acc
+
+
+@triton.jit
+def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, words, opaque,
+                stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`packed_dot` of two matrices' rows (a and b: gate and up) with one vector, in one loop: both
+    matrices' next chunks in flight together."""
+    if GROUP % 8 == 0:
+        if words:
+            acc_a = tl.zeros(ok_N.shape, dtype=tl.float32)
+            acc_b = tl.zeros(ok_N.shape, dtype=tl.float32)
+            a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
+            b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
+            for k0 in range(0, C, BLOCK_K):
+                a, b = a_next, b_next
+                a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)
+                b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)
+                acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
+                acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
+        else:
+            acc_a = _byte_dot(a_ptrs_N, sa_ptrs_N, za_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
+            acc_b = _byte_dot(b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
+    else:
+        acc_a = _byte_dot(a_ptrs_N, sa_ptrs_N, za_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
+        acc_b = _byte_dot(b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -127,17 +350,11 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, I, D, E, top_k,
     gs_N = expert * stride_se + gate_N.to(tl.int64) * stride_sn
     us_N = expert * stride_se + up_N.to(tl.int64) * stride_sn
     x_row = x_ptr + (j // top_k).to(tl.int64) * stride_xm
-    HK: tl.constexpr = BLOCK_K // 2
-    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        x_even, x_odd = even_odd(x_row, k0, D, HK)
-        acc_g += packed_chunk(gw_N, s_ptr + gs_N, z_ptr + gs_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
-                              MXFP4, ZERO, HK)
-        acc_u += packed_chunk(uw_N, s_ptr + us_N, z_ptr + us_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
-                              MXFP4, ZERO, HK)
-    g_N, u_N = acc_g, acc_u
-    h = tl.where(known, act(g_N, ACT) * u_N, tl.where(skipped, 0.0, float("nan")))
+    words = words_ok(w_ptr, stride_we, stride_wn, D)
+    opaque = (expert >> 32).to(tl.uint32)  # 0 (expert is in [0, E)); to the compiler, any value (packed_dot)
+    acc_g, acc_u = packed_dot2(gw_N, s_ptr + gs_N, z_ptr + gs_N, uw_N, s_ptr + us_N, z_ptr + us_N, D, ok_N, x_row,
+                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
+    h = tl.where(known, act(acc_g, ACT) * acc_u, tl.where(skipped, 0.0, float("nan")))
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
 
 
@@ -151,7 +368,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, D
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D]."""
     t = tl.program_id(0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    HK: tl.constexpr = BLOCK_K // 2
+    words = words_ok(w_ptr, stride_we, stride_wd, I)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in range(top_k):
         j = t * top_k + slot
@@ -166,8 +383,8 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, D
         else:
             rw = 1.0
         h_row = h_ptr + j.to(tl.int64) * stride_hm
-        for k0 in range(0, I, BLOCK_K):
-            h_even, h_odd = even_odd(h_row, k0, I, HK)
-            acc += packed_chunk(w_N, s_ptr + s_N, z_ptr + s_N, k0, I, ok_N, h_even * rw, h_odd * rw, stride_sk,
-                                GROUP, MXFP4, ZERO, HK)
+        opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
+        part = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
+                          BLOCK_K)
+        acc += rw * part
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, acc.to(y_ptr.dtype.element_ty), mask=cols_N < D)

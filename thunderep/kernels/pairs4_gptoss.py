@@ -14,7 +14,7 @@ gpt-oss's experts (transformers' GptOssExperts) compute, for one token x and exp
 and the token's output is the routing-weighted sum of `out` over its K experts (the bias weighted too).
 The 4-bit matrices are held as the kernels read them, [E, 2I, D / 2] and [E, D, I / 2] bytes with
 their scales (int4.Int4Weight): gpt-oss's MXFP4 checkpoint stores them so (its tensors show the
-transpose). The products run as in pairs4.py (bytes converted in registers, float32); the biases are
+transpose). The products run as in pairs4.py (packed words converted in registers, float32); the biases are
 read in their own dtype and added in float32. Expert ids as there: -1 reads nothing and adds nothing
 (nor its bias); any other id outside [0, E) makes its token NaN. Inference only.
 """
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pairs4 import even_odd, packed_chunk
+from .pairs4 import packed_dot, packed_dot2, words_ok
 from .tiles import pairs4_default
 from .tuning import cdiv
 
@@ -67,15 +67,10 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, I
     gs_N = expert * stride_se + gate_N * stride_sn
     us_N = expert * stride_se + up_N * stride_sn
     x_row = x_ptr + (j // top_k).to(tl.int64) * stride_xm
-    HK: tl.constexpr = BLOCK_K // 2
-    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        x_even, x_odd = even_odd(x_row, k0, D, HK)
-        acc_g += packed_chunk(gw_N, s_ptr + gs_N, z_ptr + gs_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
-                              MXFP4, ZERO, HK)
-        acc_u += packed_chunk(uw_N, s_ptr + us_N, z_ptr + us_N, k0, D, ok_N, x_even, x_odd, stride_sk, GROUP,
-                              MXFP4, ZERO, HK)
+    words = words_ok(w_ptr, stride_we, stride_wn, D)
+    opaque = (expert >> 32).to(tl.uint32)  # 0 (expert is in [0, E)); to the compiler, any value (packed_dot)
+    acc_g, acc_u = packed_dot2(gw_N, s_ptr + gs_N, z_ptr + gs_N, uw_N, s_ptr + us_N, z_ptr + us_N, D, ok_N, x_row,
+                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
     b_row = b_ptr + expert * stride_be
     g_N = acc_g + tl.load(b_row + gate_N, mask=ok_N, other=0.0).to(tl.float32)
     u_N = acc_u + tl.load(b_row + up_N, mask=ok_N, other=0.0).to(tl.float32)
@@ -97,7 +92,7 @@ def down_pairs4_gptoss_kernel(h_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ids_ptr,
     by strides; b: [E, D]; y: [T, D]."""
     t = tl.program_id(0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    HK: tl.constexpr = BLOCK_K // 2
+    words = words_ok(w_ptr, stride_we, stride_wd, I)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     bias_N = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in range(top_k):
@@ -114,10 +109,10 @@ def down_pairs4_gptoss_kernel(h_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ids_ptr,
             rw = 1.0
         bias_N += rw * tl.load(b_ptr + expert * stride_be + cols_N, mask=ok_N, other=0.0).to(tl.float32)
         h_row = h_ptr + j.to(tl.int64) * stride_hm
-        for k0 in range(0, I, BLOCK_K):
-            h_even, h_odd = even_odd(h_row, k0, I, HK)
-            acc += packed_chunk(w_N, s_ptr + s_N, z_ptr + s_N, k0, I, ok_N, h_even * rw, h_odd * rw, stride_sk,
-                                GROUP, MXFP4, ZERO, HK)
+        opaque = (expert >> 32).to(tl.uint32)
+        part = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
+                          BLOCK_K)
+        acc += rw * part
     y = acc + bias_N
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, y.to(y_ptr.dtype.element_ty), mask=cols_N < D)
 

@@ -9,19 +9,23 @@ by `wgrad_key`. TUNING_ROWS reaches every key once (what a server tunes ahead, s
 
 from __future__ import annotations
 
+import contextlib
+
 import triton
 
+from . import dequant4
 from . import moe_triton as K
 from . import pairs as P
 from . import pairs4 as P4
+from . import pairs4_legacy as P4L
 from .grouped_gemm import mean_rows
 from .tuning import fp8_only, signature, tuned
 
 __all__ = ["ACT_BWD", "ACT_BWD_PLAIN", "DEFAULT_DOWN_PAIR", "DEFAULT_ROW", "DEFAULT_UP_PAIR", "DEFAULT_WGRAD",
-           "DOWN_PAIRS", "DOWN_PAIRS4", "DOWN_PAIRS4_PLAIN", "DOWN_PAIRS_PLAIN", "DOWN_PAIR_CONFIGS",
-           "FP8_ROW_TILES", "MIN_DOWN_BLOCK_N", "ROWS", "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP_PAIRS",
-           "UP_PAIRS4", "UP_PAIRS4_PLAIN", "UP_PAIRS_PLAIN", "UP_PAIR_CONFIGS", "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS",
-           "WGRAD_PLAIN", "cfg", "m_key", "pair_cfg", "pairs4_default", "prune_rows", "prune_up", "prune_wgrad",
+           "DOWN_PAIRS", "DOWN_PAIRS4", "DOWN_PAIRS4_PLAIN", "DOWN_PAIRS_PLAIN", "DOWN_PAIR_CONFIGS", "FP8_ROW_TILES",
+           "MIN_DOWN_BLOCK_N", "ROWS", "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP_PAIRS", "UP_PAIRS4",
+           "UP_PAIRS4_PLAIN", "UP_PAIRS_PLAIN", "UP_PAIR_CONFIGS", "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS", "WGRAD_PLAIN",
+           "cfg", "legacy_pairs4", "m_key", "pair_cfg", "pairs4_default", "prune_rows", "prune_up", "prune_wgrad",
            "row_cfg", "wgrad_key"]
 
 
@@ -129,22 +133,54 @@ DOWN_PAIRS, DOWN_PAIRS_PLAIN = tuned("down_pairs", P.down_pairs_kernel, DOWN_PAI
 
 
 # 4-bit pair kernels (pairs4.py): each chunk is summed as it comes, so chunks are wide; few rows per program
-# where decode's few pairs must still give every SM programs. Keys: shapes and the 4-bit format.
-PAIRS4_TILES = [(4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 4), (16, 128, 4), (16, 256, 4),
-                (16, 512, 4), (32, 256, 4), (32, 512, 8)]
+# where decode's few pairs must still give every SM programs. Each thread's words of the next chunk are in
+# flight while it converts this chunk's (pairs4.packed_dot): the wide chunks (1024, 2048) give it more of them.
+# Keys: shapes and the 4-bit format.
+PAIRS4_TILES = [(4, 512, 4), (8, 512, 4), (16, 256, 4), (16, 512, 4), (32, 256, 8), (2, 1024, 4), (4, 1024, 4),
+                (8, 1024, 4), (16, 1024, 8), (2, 2048, 4), (4, 2048, 4), (8, 2048, 8)]
 PAIRS4_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in PAIRS4_TILES]
 UP_PAIRS4, UP_PAIRS4_PLAIN = tuned("up_pairs4", P4.up_pairs4_kernel, PAIRS4_CONFIGS,
                                    ["I", "D", "top_k", "INTERLEAVED", "GROUP", "MXFP4", "ZERO"])
 DOWN_PAIRS4, DOWN_PAIRS4_PLAIN = tuned("down_pairs4", P4.down_pairs4_kernel, PAIRS4_CONFIGS,
                                        ["I", "D", "top_k", "WEIGHTED", "GROUP", "MXFP4", "ZERO"])
+# The kernels as they were before the conversion was reworked (pairs4_legacy.py), on the same tiles: only for
+# timing both side by side (`legacy_pairs4`); they go when that comparison is recorded.
+_LEGACY_TILES = [(4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 4), (16, 128, 4), (16, 256, 4),
+                 (16, 512, 4), (32, 256, 4), (32, 512, 8)]
+_LEGACY_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in _LEGACY_TILES]
+_LEGACY_UP_PAIRS4 = tuned("up_pairs4_legacy", P4L.legacy_up_pairs4_kernel, _LEGACY_CONFIGS,
+                          ["I", "D", "top_k", "INTERLEAVED", "GROUP", "MXFP4", "ZERO"])
+_LEGACY_DOWN_PAIRS4 = tuned("down_pairs4_legacy", P4L.legacy_down_pairs4_kernel, _LEGACY_CONFIGS,
+                            ["I", "D", "top_k", "WEIGHTED", "GROUP", "MXFP4", "ZERO"])
+
+
+@contextlib.contextmanager
+def legacy_pairs4():
+    """While open, the 4-bit pair launches (decode.pairs4_forward) run the kernels as they were before the
+    conversion was reworked (pairs4_legacy.py), autotuned on their own tiles, and the dequantization for
+    prompts (dequant4.py) converts as before: the baseline of `thunderep bench kernels`' thunderep:int4-legacy
+    and thunderep:mxfp4-legacy rows. Not thread-safe; benchmarks only."""
+    global UP_PAIRS4, UP_PAIRS4_PLAIN, DOWN_PAIRS4, DOWN_PAIRS4_PLAIN
+    kept = UP_PAIRS4, UP_PAIRS4_PLAIN, DOWN_PAIRS4, DOWN_PAIRS4_PLAIN
+    (UP_PAIRS4, UP_PAIRS4_PLAIN), (DOWN_PAIRS4, DOWN_PAIRS4_PLAIN) = _LEGACY_UP_PAIRS4, _LEGACY_DOWN_PAIRS4
+    dequant4.LEGACY_CODES = True
+    try:
+        yield
+    finally:
+        UP_PAIRS4, UP_PAIRS4_PLAIN, DOWN_PAIRS4, DOWN_PAIRS4_PLAIN = kept
+        dequant4.LEGACY_CODES = False
 
 
 def pairs4_default(programs, C: int) -> triton.Config:
-    """The 4-bit pair kernels' config without autotuning: chunks of 512, 256 or 128 columns, whichever
-    pads C least (the wider on ties); the most rows per program (32 down to 4) that still give at least
-    528 programs (4 per SM of a 132-SM GPU). programs(block_n): the launch's programs."""
-    block_k = min((512, 256, 128), key=lambda bk: (-(-C // bk) * bk, -bk))
-    block_n = next((bn for bn in (32, 16, 8) if programs(bn) >= 528), 4)
+    """The 4-bit pair kernels' config without autotuning: the widest chunk of 1024, 512 or 256 columns that pads
+    C by at most an eighth, else whichever of those and 128 pads it least (the wider on ties); the most rows
+    per program (32 down to 2) that still give at least 528 programs (4 per SM of a 132-SM GPU) and keep the
+    tile within 8192 values (8 words a thread and matrix on 4 warps: more spills registers in the gate/up
+    pass, which holds two matrices' chunks and their next ones). programs(block_n): the launch's programs."""
+    padded = {bk: -(-C // bk) * bk for bk in (1024, 512, 256, 128)}
+    block_k = next((bk for bk in (1024, 512, 256) if padded[bk] <= C + C // 8),
+                   min(padded, key=lambda bk: (padded[bk], -bk)))
+    block_n = next((bn for bn in (32, 16, 8, 4) if programs(bn) >= 528 and bn * block_k <= 8192), 2)
     return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4)
 
 
