@@ -48,7 +48,8 @@ def _last_rank_exits(rank, world, folder):
     ep = ExpertParallel.init(world, EPConfig(control="mailbox", timeout_s=20.0))
     ep.control.barrier()
     if rank == world - 1:
-        (folder / "pid").write_text(str(os.getpid()))
+        (folder / "pid.tmp").write_text(str(os.getpid()))
+        os.replace(folder / "pid.tmp", folder / "pid")  # whole: a reader never sees the file empty
         os._exit(0)  # as a killed rank: no close, no goodbye
     pid = int(_wait_for(folder / "pid").read_text())
     deadline = time.monotonic() + 20
