@@ -323,9 +323,11 @@ def test_gpt_oss_mxfp4_experts_keep_their_bytes_and_match_the_reference(gpt_oss,
     assert len(calls) == len(tm.bindings)  # one token: every layer through the pair kernels
     torch.testing.assert_close(prompt, prompt_ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(one, one_ref, rtol=2e-2, atol=2e-2)
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "64")  # the prompt through the pair kernels too
-    (prompt, prompt_ref), _ = _gpt_oss_logits(tm, ref)
-    assert len(calls) == 3 * len(tm.bindings)
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "64")  # a short prompt through the pair kernels too
+    x = _ids()[:1, :4]  # (a few tokens: the interpreter runs the pair kernels slowly)
+    with torch.no_grad():
+        prompt, prompt_ref = tm(input_ids=x).logits.float(), ref(input_ids=x).logits.float()
+    assert len(calls) == 2 * len(tm.bindings)
     torch.testing.assert_close(prompt, prompt_ref, rtol=2e-2, atol=2e-2)
     memory = tm.memory()
     assert memory["expert_bytes"] == tm.load_report.expert_bytes
