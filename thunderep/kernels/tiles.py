@@ -13,6 +13,7 @@ import contextlib
 
 import triton
 
+from .. import env
 from . import dequant4
 from . import moe_triton as K
 from . import pairs as P
@@ -176,11 +177,13 @@ def pairs4_default(programs, C: int) -> triton.Config:
     C by at most an eighth, else whichever of those and 128 pads it least (the wider on ties); the most rows
     per program (32 down to 2) that still give at least 528 programs (4 per SM of a 132-SM GPU) and keep the
     tile within 8192 values (8 words a thread and matrix on 4 warps: more spills registers in the gate/up
-    pass, which holds two matrices' chunks and their next ones). programs(block_n): the launch's programs."""
+    pass, which holds two matrices' chunks and their next ones). programs(block_n): the launch's programs.
+    Under Triton's CPU interpreter, which runs one program at a time, the fewest programs instead."""
     padded = {bk: -(-C // bk) * bk for bk in (1024, 512, 256, 128)}
     block_k = next((bk for bk in (1024, 512, 256) if padded[bk] <= C + C // 8),
                    min(padded, key=lambda bk: (padded[bk], -bk)))
-    block_n = next((bn for bn in (32, 16, 8, 4) if programs(bn) >= 528 and bn * block_k <= 8192), 2)
+    enough = 1 if env.triton_interpreter() else 528
+    block_n = next((bn for bn in (32, 16, 8, 4) if programs(bn) >= enough and bn * block_k <= 8192), 2)
     return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4)
 
 
