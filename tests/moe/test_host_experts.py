@@ -190,3 +190,20 @@ def test_tier_config_refusals():
     for bad in ({"margin": -1.0}, {"interval": 0}, {"ema": 1.0}, {"cold_path": "disk"}):
         with pytest.raises(ConfigError):
             TierConfig(**bad)
+
+
+def test_the_planner_calibrates_on_random_experts_of_the_shape_or_leaves_the_costs():
+    """`calibrate_gated`: the host path timed on random gated experts of D x I (params 3 D I) where two or
+    more fit the budget; the GEMM-rate costs as they were where the shape is not gated or nothing fits."""
+    import torch
+
+    from thunderep.moe.offload_cost import OffloadCosts, calibrate_gated
+
+    costs = OffloadCosts(host_flops=1e9, device_flops=1e12, h2d_Bps=1e10)
+    D, I = 64, 32
+    params = 3 * D * I
+    timed = calibrate_gated(costs, D, params, torch.float32, budget_bytes=10**8)
+    assert timed.calibrated and timed.host_call_s >= 0 and timed.host_row_s >= 0
+    assert timed.host_flops == costs.host_flops and timed.device_flops == costs.device_flops
+    assert calibrate_gated(costs, D, params + 1, torch.float32, 10**8) is costs  # not 3 D I
+    assert calibrate_gated(costs, D, params, torch.float32, budget_bytes=params * 4) is costs  # fewer than 2 fit

@@ -146,18 +146,21 @@ def _offload_rows(args: argparse.Namespace, eps: list[int]) -> None:
     import psutil  # deferred: torch and transformers take seconds to import; --help must not pay them
     import torch  # deferred, as psutil
 
-    from ..moe.offload_cost import measure_costs, predicted_rates  # deferred, as torch
+    from ..moe.offload_cost import calibrate_gated, measure_costs, predicted_rates  # deferred, as torch
     from ..train.plan import plan_offload_memory  # deferred, as torch
 
     plans = plan_offload_memory(args.model, eps, args.gpu_memory, args.dtype)
     available = psutil.virtual_memory().available
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"expert offload with --gpu-memory {args.gpu_memory} per rank (rates: cost-model predictions for the "
-          f"routed experts alone, constants measured on this host's {device.type})")
+          f"routed experts alone, constants measured on this host's {device.type}, the host path timed on random "
+          f"experts of the model's shape)")
     for ep, plan in plans:
         first = next(iter(plan.hot))
         dtype = torch.float32 if plan.slot_bytes[first] == 4 * plan.slot_params[first] else torch.bfloat16
-        rates = predicted_rates(measure_costs(device, dtype), plan.layers(), _top_k(args.model),
+        costs = calibrate_gated(measure_costs(device, dtype), _hidden(args.model), plan.slot_params[first], dtype,
+                                available // 16)
+        rates = predicted_rates(costs, plan.layers(), _top_k(args.model),
                                 _hidden(args.model) * plan.slot_bytes[first] // plan.slot_params[first])
         hot = sorted(set(plan.hot.values()))
         host_all = plan.host_bytes * ep

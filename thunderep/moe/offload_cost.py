@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .host_experts import time_host_fn
+from .host_experts import HostExperts, time_host_fn
 
-__all__ = ["OffloadCosts", "calibrate_host", "fit_affine", "measure_costs", "predicted_rates", "split_cold"]
+__all__ = ["OffloadCosts", "calibrate_gated", "calibrate_host", "fit_affine", "measure_costs", "predicted_rates", "split_cold"]
 
 _MEASURED: dict = {}  # (device, dtype) -> OffloadCosts, filled by measure_costs on first use
 
@@ -162,14 +162,32 @@ def calibrate_host(costs: OffloadCosts, host_fn: Callable, host: dict, hidden: i
     return replace(costs, host_call_s=call_s, host_row_s=row_s)
 
 
+def calibrate_gated(costs: OffloadCosts, hidden: int, params: int, dtype: torch.dtype,
+                    budget_bytes: int) -> OffloadCosts:
+    """`calibrate_host` on random experts of the plain gated layout (gate_up [2I, D], down [D, I], silu;
+    I = params / (3 D)) for a planner that has no weights yet: 4 experts, fewer where they would take more
+    than `budget_bytes` (at least 2); `costs` unchanged where params is not 3 D I or 2 do not fit."""
+    inter, rest = divmod(params, 3 * hidden)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    slots = min(4, budget_bytes // max(1, params * itemsize))
+    if rest or not inter or slots < 2:
+        return costs
+    gen = torch.Generator().manual_seed(0)
+    host = {"gate_up_proj": (torch.randn(slots, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype),
+            "down_proj": (torch.randn(slots, hidden, inter, generator=gen) / inter ** 0.5).to(dtype)}
+    return calibrate_host(costs, HostExperts(torch.nn.functional.silu), host, hidden, dtype)
+
+
 def measure_costs(device: torch.device, dtype: torch.dtype) -> OffloadCosts:
     """The constants for `device` and `dtype`, measured once per process (a few milliseconds): host GEMM
-    rate, device GEMM rate (the host's where the device is the CPU), host-to-device bandwidth."""
+    rate, device GEMM rate (the host's where the device is the CPU; a 2048-wide product on a GPU),
+    host-to-device bandwidth."""
     device = torch.device(device)
     key = (str(device), dtype)
     if key not in _MEASURED:
         host = _gemm_flops(torch.device("cpu"), dtype if dtype != torch.float16 else torch.float32)
-        on_device = host if device.type == "cpu" else _gemm_flops(device, dtype)
+        # a GPU at a prompt's size: a 256-wide product there measures its launch and sync, not its rate
+        on_device = host if device.type == "cpu" else _gemm_flops(device, dtype, n=2048)
         _MEASURED[key] = OffloadCosts(host_flops=host, device_flops=on_device, h2d_Bps=_copy_bandwidth(device))
     return _MEASURED[key]
 
