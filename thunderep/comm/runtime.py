@@ -4,8 +4,9 @@ It owns the EP process groups, the control plane and the `Dispatcher`, and provi
 latency mode (all-reduce) and all-gather mode (all-gather, reduce-scatter). Create it once, pass it to
 every `ThunderMoELayer`, `close()` it at the end.
 
-With THUNDEREP_HOST_COLLECTIVE=1 on CUDA ranks of one host, latency mode's all-reduce of a message of at
-most `HOST_COLLECTIVE_BYTES` runs through pinned host memory (`host_collective.HostCollective`: one kernel,
+With THUNDEREP_HOST_COLLECTIVE=1 on CUDA ranks of one host, latency mode's all-reduce and all-gather mode's
+gathers and reduce-scatters (an all-reduce of the whole, this rank's block kept) of at most
+`HOST_COLLECTIVE_BYTES` run through pinned host memory (`host_collective.HostCollective`: one kernel,
 no host work per call, capturable in CUDA graphs) instead of NCCL. It is opt-in until its threshold against
 NCCL is measured on several GPUs; a peer that never arrives raises PeerTimeout at the next call.
 
@@ -69,33 +70,56 @@ class ExpertParallel:
     def all_reduce_sum(self, x_TD: torch.Tensor, op: str = "latency_allreduce") -> torch.Tensor:
         """In-place sum over the EP group, bounded by the timeout: through host memory where that is on
         (module docstring) and the message fits, else NCCL / gloo."""
-        hc = self.host_collective
         nbytes = x_TD.numel() * x_TD.element_size()
-        if hc is not None and x_TD.is_cuda and x_TD.is_contiguous() and x_TD.dtype in SUM_DTYPES and \
-                use_host_path(nbytes, same_host=True, capacity=hc.capacity):
-            started = time.perf_counter()
-            hc.check()  # a peer that gave up on an earlier call: PeerTimeout naming it
-            hc.all_reduce_(x_TD)
-            sent = [0 if r == self.groups.ep_rank else nbytes for r in range(self.groups.ep_size)]
-            for sink in self._sinks(None):  # enqueued, not waited for: nothing blocked
-                sink.record(op + "_host", sent, time.perf_counter() - started, blocked=0.0)
-            return x_TD
+        if x_TD.is_contiguous() and self._host_path(x_TD, nbytes, sums=True):
+            return self._on_host(op, x_TD, lambda: self.host_collective.all_reduce_(x_TD), x_TD)
         return self._collective(op, x_TD, lambda: dist.all_reduce(x_TD, group=self.groups.ep_group, async_op=True))
 
     def all_gather_rows(self, x_TC: torch.Tensor, op: str = "allgather", stats=None) -> torch.Tensor:
-        """[T, C] on every rank (the same T everywhere) -> [R * T, C], rank r's rows at r * T.
+        """[T, C] on every rank (the same T everywhere) -> [R * T, C], rank r's rows at r * T: through host
+        memory where that is on and every rank's rows fit (module docstring), else NCCL / gloo.
         `stats`: a further `CommStats` (e.g. the layer's) that records the bytes."""
         x_TC = x_TC.contiguous()
-        out = x_TC.new_empty(self.groups.ep_size * x_TC.shape[0], *x_TC.shape[1:])
+        R = self.groups.ep_size
+        out = x_TC.new_empty(R * x_TC.shape[0], *x_TC.shape[1:])
+        if self._host_path(x_TC, R * x_TC.numel() * x_TC.element_size(), sums=False):
+            return self._on_host(op, x_TC, lambda: self.host_collective.all_gather(x_TC, out.view(R, *x_TC.shape)),
+                                 out, stats)
         return self._collective(op, x_TC, lambda: all_gather_single(
             out, x_TC, group=self.groups.ep_group, async_op=True), out, stats)
 
     def reduce_scatter_rows(self, x_RTC: torch.Tensor, op: str = "reduce_scatter", stats=None) -> torch.Tensor:
-        """[R * T, C] partial sums on every rank -> [T, C]: this rank's block of the sum over ranks."""
+        """[R * T, C] partial sums on every rank -> [T, C]: this rank's block of the sum over ranks. Through
+        host memory where that is on and the whole [R * T, C] fits: a one-shot all-reduce of it (R times the
+        bytes, all in host memory; float32 sums in rank order), this rank's block taken."""
         x_RTC = x_RTC.contiguous()
-        out = x_RTC.new_empty(x_RTC.shape[0] // self.groups.ep_size, *x_RTC.shape[1:])
+        R, me = self.groups.ep_size, self.groups.ep_rank
+        T = x_RTC.shape[0] // R
+        if self._host_path(x_RTC, x_RTC.numel() * x_RTC.element_size(), sums=True):
+            summed = x_RTC.clone()
+            return self._on_host(op, x_RTC, lambda: self.host_collective.all_reduce_(summed),
+                                 summed[me * T:(me + 1) * T], stats)
+        out = x_RTC.new_empty(T, *x_RTC.shape[1:])
         return self._collective(op, out, lambda: _reduce_scatter_single(
             out, x_RTC, group=self.groups.ep_group, async_op=True), out, stats)
+
+    def _host_path(self, x: torch.Tensor, nbytes: int, sums: bool) -> bool:
+        """Whether a collective of `x` moving `nbytes` per rank goes through the host collective."""
+        hc = self.host_collective
+        return hc is not None and x.is_cuda and x.numel() > 0 and (not sums or x.dtype in SUM_DTYPES) and \
+            use_host_path(nbytes, same_host=True, capacity=hc.capacity)
+
+    def _on_host(self, op: str, sent: torch.Tensor, launch, result: torch.Tensor, stats=None) -> torch.Tensor:
+        """Enqueue `launch()` on the host collective (a peer that gave up before: PeerTimeout naming it) and
+        record `sent`'s bytes under op + "_host"; nothing waits."""
+        started = time.perf_counter()
+        self.host_collective.check()
+        launch()
+        nbytes = sent.numel() * sent.element_size()
+        sent_R = [0 if r == self.groups.ep_rank else nbytes for r in range(self.groups.ep_size)]
+        for sink in self._sinks(stats):
+            sink.record(op + "_host", sent_R, time.perf_counter() - started, blocked=0.0)
+        return result
 
     def auto_mode(self, T: int, stats=None, allgather_wins: Callable[[int], bool] | None = None) -> str:
         """Mode "auto" for a layer call with T tokens on this rank: "allgather" when every EP rank holds
