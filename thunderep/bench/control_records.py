@@ -42,6 +42,7 @@ from ..comm.control import make_control_plane
 from ..comm.control_records import RecordExchange, record_words, reference_record
 from ..comm.launch import free_port
 from ..comm.mailbox import native_unavailable_reason
+from . import parsed
 from ..errors import CommError, ConfigError
 from .control import hardware_line
 from .control_gpu import summarize
@@ -248,15 +249,9 @@ def parse(argv: list[str]) -> Options:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m thunderep.bench.control_records [options]`: 0 when run (or --help), 2 otherwise."""
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        return 0
-    try:
-        opts = parse(argv)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    opts, code = parsed(argv, __doc__, parse, "control_records")
+    if code is not None:
+        return code
     reason = preflight()
     if reason:
         print(f"control records benchmark: {reason}", file=sys.stderr)

@@ -31,6 +31,7 @@ import torch
 
 from ..comm.host_collective import HostCollective
 from ..comm.host_segment import HostSegment
+from . import parsed
 from ..errors import ConfigError
 
 __all__ = ["Options", "format_table", "main", "measure_all_reduce", "measure_floor", "parse", "preflight"]
@@ -250,15 +251,9 @@ def parse(argv: list[str]) -> Options:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m thunderep.bench.host_collective [options]`: 0 when run (or --help), 2 otherwise."""
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        return 0
-    try:
-        opts = parse(argv)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    opts, code = parsed(argv, __doc__, parse, "host_collective")
+    if code is not None:
+        return code
     reason = preflight()
     if reason:
         print(f"host collective benchmark: {reason}", file=sys.stderr)

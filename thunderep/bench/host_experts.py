@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import getopt
 import importlib
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+from . import parsed
 from ..errors import ConfigError
 from ..hf.experts import ExpertsBinding, RunState, experts_compute_fn
 from ..moe.host_experts import NEVER, HostExperts, calibrate_upcast, per_slot, time_host_fn
@@ -159,15 +159,9 @@ def parse(argv: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m thunderep.bench.host_experts [options]`: 0 when run (or --help), 2 on a bad option."""
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        return 0
-    try:
-        options = parse(argv)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    options, code = parsed(argv, __doc__, parse, "host_experts")
+    if code is not None:
+        return code
     results, line = measure(**options)
     dtype = str(options["dtype"]).removeprefix("torch.")
     print(f"host experts, {options['shape']} shape, {dtype}, {options['slots']} experts a call of "

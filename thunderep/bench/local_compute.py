@@ -39,7 +39,6 @@ import getopt
 import json
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -49,6 +48,7 @@ import torch
 from .. import env, kernels
 from ..comm.dispatcher import Dispatcher, DispatchMeta, Pending, row_layout
 from ..config import ExpertsConfig
+from . import parsed
 from ..errors import ConfigError
 from ..moe.ep import LocalExperts
 from ..moe.experts import FusedExperts
@@ -356,15 +356,9 @@ def parse(argv: list[str]) -> Options:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m thunderep.bench.local_compute [options]`: 0 when run (or --help), 2 on a bad option."""
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        return 0
-    try:
-        options = parse(argv)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    options, code = parsed(argv, __doc__, parse, "local_compute")
+    if code is not None:
+        return code
     run(options)
     return 0
 

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from . import parsed
 from ..errors import ConfigError
 from ..hf import ThunderMoE
 from ..moe.host_experts import describe
@@ -482,16 +483,11 @@ def parse(argv: list[str]) -> OffloadBench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "-h" in argv or "--help" in argv:
-        print(__doc__ + "\noptions (defaults): " + ", ".join(
-            f"--{f.name.replace('_', '-')} {f.default}" for f in dataclasses.fields(OffloadBench)))
-        return 0
-    try:
-        bench = parse(argv)
-    except ConfigError as exc:
-        print(f"thunderep.bench.offload: {exc}", file=sys.stderr)
-        return 2
+    doc = __doc__ + "\noptions (defaults): " + ", ".join(
+        f"--{f.name.replace('_', '-')} {f.default}" for f in dataclasses.fields(OffloadBench))
+    bench, code = parsed(argv, doc, parse, "offload")
+    if code is not None:
+        return code
     rows = report(bench)
     return 1 if any(r.error for r in rows) else 0
 
