@@ -119,5 +119,5 @@ def test_layout_sends_one_row_per_token_and_destination_rank():
             side = side_RTK2[r, t]
             for k in range(K):
                 here = int(slots[t, k]) // S == r
-                assert side[K + k] == (int(slots[t, k]) % S if here else -1)
+                assert side[K + k] == (int(slots[t, k]) % S if here else S)
                 assert side[k] == (weights[t, k] if here else 0.0)

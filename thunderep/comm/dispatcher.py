@@ -15,7 +15,7 @@ record (`Rider`), so that they cost no extra exchange.
 
 Bytes are the cost on PCIe, so a token's hidden row travels once to each rank that holds at least one
 of its experts (never more than R - 1 remote copies, however large K), with its K routing weights and
-local slots (-1 where the pair is another rank's) in a small float32 side row. The receiver expands
+local slots (S where the pair is another rank's) in a small float32 side row. The receiver expands
 rows to its (token, slot) pairs on the device; after the experts it sums each row's weighted outputs
 (float32) and sends one row back per (token, rank); the token's own rank adds at most R rows. Where the
 experts' kernels run (inference), both steps are theirs instead: the rows go to them as received
@@ -31,6 +31,7 @@ bounded by the groups' timeout, so a dead or silent peer raises `CommError` nami
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ class DispatchMeta:
     num_tokens, top_k: T and K of the wave. send_tokens_N: int64 [n] the token of each row sent, rows
     grouped by destination rank (token order within a rank); send_rows_N: int64 [n] the same rows as
     flat (rank, token) indices r * T + t. side_NK2: float32 [n, 2K] each sent row's routing weights
-    (differentiable; 0 for other ranks' pairs) and local slots on its destination (-1: not there).
+    (differentiable; 0 for other ranks' pairs) and local slots on its destination (S: not there).
     send_splits / recv_splits: rows sent to / received from each EP rank (tuples of R ints).
     counts_S: [S] int64 pairs per local slot this rank computes (on the host: sizes are host data).
     sinks: the `CommStats` that record this wave's bytes and times.
@@ -84,14 +85,18 @@ class Received:
     """What one wave's dispatch brought this rank, for its combine.
 
     meta: the wave's `DispatchMeta`. rows: M rows received. pairs_Q: int64 [Q] flat (row, k) index of
-    each pair this rank computes, in local-slot order. weights_Q: [Q] their routing weights
-    (differentiable). weights_N: [M * K] every received pair's weight in flat order (0: another rank's)."""
+    each pair this rank computes, in local-slot order. weights_N: [M * K] every received pair's routing
+    weight in flat order (0: another rank's; differentiable). weights_Q: [Q] the pairs' own, gathered on
+    first use (the kernels' fused path reads weights_N alone)."""
 
     meta: DispatchMeta
     rows: int
     pairs_Q: torch.Tensor
-    weights_Q: torch.Tensor
     weights_N: torch.Tensor
+
+    @functools.cached_property
+    def weights_Q(self) -> torch.Tensor:
+        return self.weights_N[self.pairs_Q]
 
 
 @dataclass(frozen=True)
@@ -298,12 +303,12 @@ class Dispatcher:
 
         def arrived(x_MD: torch.Tensor) -> torch.Tensor:
             side_MK2 = side.wait()
-            weights_N, slot_MK = side_MK2[:, :K].reshape(-1), side_MK2[:, K:].detach().round().to(torch.int64)
-            S = meta.counts_S.numel()
-            # pairs of this rank sorted by local slot (row order within a slot); the rest (-1) last
-            order_N = torch.argsort(torch.where(slot_MK >= 0, slot_MK, S).reshape(-1), stable=True)
+            # the slots travel exactly (float32 of small integers, the exact codec): no rounding needed
+            weights_N, slot_MK = side_MK2[:, :K].reshape(-1), side_MK2[:, K:].detach().to(torch.int64)
+            # pairs of this rank sorted by local slot (row order within a slot); the rest (slot S) last
+            order_N = torch.argsort(slot_MK.reshape(-1), stable=True)
             pairs_Q = order_N[:int(meta.counts_S.sum())]
-            rows.received = Received(meta, x_MD.shape[0], pairs_Q, weights_N[pairs_Q], weights_N)
+            rows.received = Received(meta, x_MD.shape[0], pairs_Q, weights_N)
             return self.expand(x_MD, rows.received) if expand else x_MD
 
         rows._finish = arrived
@@ -356,13 +361,13 @@ def row_layout(slots_TK: torch.Tensor, weights_TK: torch.Tensor, R: int, S: int)
     """One wave's rows on the device, no wait for the GPU: (rows per destination rank int64 [R], flat
     (rank, token) indices in send order int64 [R * T] (the rows that travel first, rank-major, token
     order within a rank), side rows float32 [R, T, 2K]: each pair's routing weight where rank r holds
-    it (else 0), then its local slot there (else -1))."""
+    it (else 0), then its local slot there (else S, one past its slots: the receiver's sort puts them last))."""
     T, K = slots_TK.shape
     dest_TK = torch.div(slots_TK, S, rounding_mode="floor")
     on_RTK = dest_TK.unsqueeze(0) == torch.arange(R, device=slots_TK.device).view(R, 1, 1)
     goes_RT = on_RTK.any(dim=2)
     order_RT = torch.argsort((~goes_RT).reshape(-1).to(torch.int8), stable=True)
-    local_RTK = torch.where(on_RTK, slots_TK.unsqueeze(0) % S, -1)
+    local_RTK = torch.where(on_RTK, slots_TK.unsqueeze(0) % S, S)
     weights_RTK = torch.where(on_RTK, weights_TK.unsqueeze(0).float(), 0.0)
     side_RTK2 = torch.cat([weights_RTK, local_RTK.float()], dim=2)
     return goes_RT.sum(dim=1), order_RT, side_RTK2
