@@ -155,11 +155,15 @@ def _offload_rows(args: argparse.Namespace, eps: list[int]) -> None:
     print(f"expert offload with --gpu-memory {args.gpu_memory} per rank (rates: cost-model predictions for the "
           f"routed experts alone, constants measured on this host's {device.type}, the host path timed on random "
           f"experts of the model's shape)")
+    calibrated = {}  # (expert params, dtype) -> costs: one timing per shape, whatever the EP sizes
     for ep, plan in plans:
         first = next(iter(plan.hot))
         dtype = torch.float32 if plan.slot_bytes[first] == 4 * plan.slot_params[first] else torch.bfloat16
-        costs = calibrate_gated(measure_costs(device, dtype), _hidden(args.model), plan.slot_params[first], dtype,
-                                available // 16)
+        key = (plan.slot_params[first], dtype)
+        if key not in calibrated:
+            calibrated[key] = calibrate_gated(measure_costs(device, dtype), _hidden(args.model), key[0], dtype,
+                                              available // 16)
+        costs = calibrated[key]
         rates = predicted_rates(costs, plan.layers(), _top_k(args.model),
                                 _hidden(args.model) * plan.slot_bytes[first] // plan.slot_params[first])
         hot = sorted(set(plan.hot.values()))
