@@ -125,3 +125,13 @@ def chat_tokenizer(vocab_size: int = 12):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="[UNK]",
                                    chat_template=CHAT_TEMPLATE)
+
+
+def offload_budget(path, fraction: float, ranks: int = 1) -> int:
+    """gpu_memory for the checkpoint at `path` that gives each MoE layer round(fraction * S) hot slots of the
+    S a rank of `ranks` holds (expert offload's tests)."""
+    from thunderep.train.plan import plan_offload_memory
+
+    (_, plan), = plan_offload_memory(path, [ranks], 10**15)
+    return plan.replicated_bytes + plan.staging_bytes + sum(
+        round(fraction * plan.slots[n]) * plan.slot_bytes[n] for n in plan.slots)

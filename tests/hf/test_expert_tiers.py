@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from hf_tiny import FAMILIES as ALL_FAMILIES
-from hf_tiny import V, save_tiny, tiny_model
+from hf_tiny import V, offload_budget, save_tiny, tiny_model
 
 from thunderep.errors import ConfigError
 from thunderep.moe.offload_cost import OffloadCosts
@@ -37,15 +37,6 @@ def checkpoints(tmp_path_factory):
 
 def _prompts() -> torch.Tensor:
     return torch.randint(3, V, (2, 6), generator=torch.Generator().manual_seed(7))
-
-
-def _budget(path, fraction: float, ranks: int = 1) -> int:
-    """gpu_memory giving each layer round(fraction * S) hot slots of its S."""
-    from thunderep.train.plan import plan_offload_memory
-
-    (_, plan), = plan_offload_memory(path, [ranks], 10**15)
-    return plan.replicated_bytes + plan.staging_bytes + sum(
-        round(fraction * plan.slots[n]) * plan.slot_bytes[n] for n in plan.slots)
 
 
 def _reference(path, x):
@@ -84,7 +75,7 @@ def test_one_rank_equals_transformers_at_every_hot_fraction(family, checkpoints)
     want = _reference(path, x)
     for fraction in FRACTIONS:
         for costs in (HOST_WINS, STREAM_WINS):  # "auto" with extreme constants: each cold path forced
-            tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, fraction), offload_costs=costs)
+            tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, fraction), offload_costs=costs)
             _check(tm, x, want, f"{family} hot {fraction} {'host' if costs is HOST_WINS else 'stream'}")
             stats = tm.offload_stats()
             assert stats["hot_slots"] == round(fraction * stats["slots"] / len(tm.bindings)) * len(tm.bindings)
@@ -115,11 +106,11 @@ def test_hot_set_changes_mid_generation_change_no_output(checkpoints):
                 t.set_hot([(s + self.step) % t.num_slots for s in range(t.capacity)])
             return scores
 
-    tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, 0.25), offload=TierConfig(cold_path="host"))
+    tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, 0.25), offload=TierConfig(cold_path="host"))
     tokens = tm.generate(x[:1], max_new_tokens=5, do_sample=False, logits_processor=LogitsProcessorList([Rotate(tm)]))
     assert torch.equal(tokens, want[1]) and tm.offload_stats()["bytes_promoted"] > 0
     slow_host = OffloadCosts(host_flops=1e3, device_flops=1e12, h2d_Bps=1e12)
-    tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, 0.25), offload_costs=slow_host,
+    tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, 0.25), offload_costs=slow_host,
                                     offload=TierConfig(cold_path="host", calibration_calls=1, interval=1, ema=0.0))
     _check(tm, x, want, "re-chosen every call")
     assert sum(b.tiers.stats.hot_changes for b in tm.bindings.values()) > 2
@@ -169,7 +160,7 @@ def test_from_pretrained_runs_the_lean_host_function_calibrated(checkpoints):
     from thunderep.hf import ThunderMoE
     from thunderep.moe.host_experts import HostExperts
 
-    tm = ThunderMoE.from_pretrained(checkpoints["qwen3_moe"], gpu_memory=_budget(checkpoints["qwen3_moe"], 0.25))
+    tm = ThunderMoE.from_pretrained(checkpoints["qwen3_moe"], gpu_memory=offload_budget(checkpoints["qwen3_moe"], 0.25))
     tiers = [b.tiers for b in tm.bindings.values()]
     assert all(isinstance(t.host_fn, HostExperts) for t in tiers)
     assert all(t.costs.calibrated and t.costs.host_call_s >= 0 and t.costs.host_row_s >= 0 for t in tiers)
@@ -185,8 +176,8 @@ def test_refusals(checkpoints):
         ThunderMoE.from_pretrained(path, gpu_memory=1000)
     with pytest.raises(ConfigError, match="is not a size"):
         ThunderMoE.from_pretrained(path, gpu_memory="lots")
-    tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, 0.5))
-    plan = plan_offload(tm, _budget(path, 0.5))
+    tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, 0.5))
+    plan = plan_offload(tm, offload_budget(path, 0.5))
     with pytest.raises(ConfigError, match=f"offloaded experts need {plan.host_bytes} bytes .* of host memory on "
                                           "this rank and 10 bytes"):
         check_host(plan, torch.device("cuda"), 10)
@@ -196,7 +187,7 @@ def test_plan_prints_hot_experts_host_memory_and_predictions(checkpoints, capsys
     from thunderep.cli import main as cli
 
     path = checkpoints["mixtral"]
-    assert cli(["plan", "--model", path, "--ep", "1,2", "--gpu-memory", str(_budget(path, 0.5))]) == 0
+    assert cli(["plan", "--model", path, "--ep", "1,2", "--gpu-memory", str(offload_budget(path, 0.5))]) == 0
     out = capsys.readouterr().out
     assert "predictions for the routed experts alone" in out
     assert "ep 1: 4 of 8 experts per layer hot (50%)" in out and "ep 2: 4 of 4 experts per layer hot (100%)" in out
@@ -218,7 +209,7 @@ def _two_ranks(rank, world, paths):
     for family, path in paths.items():
         want = _reference(path, x)
         for fraction, costs in zip(FRACTIONS, (HOST_WINS, STREAM_WINS, HOST_WINS, STREAM_WINS)):
-            tm = ThunderMoE.from_pretrained(path, ep, gpu_memory=_budget(path, fraction, world), offload_costs=costs)
+            tm = ThunderMoE.from_pretrained(path, ep, gpu_memory=offload_budget(path, fraction, world), offload_costs=costs)
             _check(tm, x, want, f"{family} hot {fraction} latency", replicated=True)
             with torch.no_grad():
                 logits = tm(input_ids=mine, mode="ep").logits
@@ -235,7 +226,6 @@ def test_two_ranks_equal_transformers_at_every_hot_fraction(checkpoints):
             assert (stats["rows_hot"] > 0) == (fraction > 0)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_tiers_equal_transformers_at_every_hot_fraction(family, checkpoints):
@@ -248,7 +238,7 @@ def test_gpu_tiers_equal_transformers_at_every_hot_fraction(family, checkpoints)
     want = (want[0].cuda(), want[1].cuda())
     for fraction in FRACTIONS:
         for costs in (HOST_WINS, STREAM_WINS):
-            tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, fraction), offload_costs=costs,
+            tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, fraction), offload_costs=costs,
                                             device="cuda")
             for b in tm.bindings.values():
                 t = b.tiers

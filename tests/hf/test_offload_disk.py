@@ -15,7 +15,7 @@ from distributed import run_ranks
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_tiny import V, save_tiny  # noqa: E402
+from hf_tiny import V, offload_budget, save_tiny  # noqa: E402
 
 from thunderep.errors import ConfigError  # noqa: E402
 
@@ -25,14 +25,6 @@ def checkpoint(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return save_tiny("qwen3_moe", tmp_path_factory.mktemp("q") / "q", seed=4)
-
-
-def _budget(path, fraction: float, ranks: int = 1) -> int:
-    from thunderep.train.plan import plan_offload_memory
-
-    (_, plan), = plan_offload_memory(path, [ranks], 10**15)
-    return plan.replicated_bytes + plan.staging_bytes + sum(
-        round(fraction * plan.slots[n]) * plan.slot_bytes[n] for n in plan.slots)
 
 
 def _reference(path):
@@ -54,7 +46,7 @@ def test_experts_on_disk_give_the_same_tokens_and_leave_no_file(checkpoint, tmp_
 
     x, logits, tokens = _reference(checkpoint)
     before = _mapped_and_deleted()
-    tm = ThunderMoE.from_pretrained(checkpoint, gpu_memory=_budget(checkpoint, 0.25), offload_dir=tmp_path)
+    tm = ThunderMoE.from_pretrained(checkpoint, gpu_memory=offload_budget(checkpoint, 0.25), offload_dir=tmp_path)
     assert os.listdir(tmp_path) == []  # unlinked as soon as mapped
     assert _mapped_and_deleted() - before == len(tm.offloaded_parameters()) > 0
     assert not any(p.is_pinned() for p in tm.offloaded_parameters())
@@ -68,8 +60,8 @@ def test_the_disk_check_replaces_the_host_memory_check(checkpoint, tmp_path):
     from thunderep.hf import ThunderMoE
     from thunderep.hf.offload import check_host, plan_offload
 
-    tm = ThunderMoE.from_pretrained(checkpoint, gpu_memory=_budget(checkpoint, 0.25))
-    plan = plan_offload(tm, _budget(checkpoint, 0.25))
+    tm = ThunderMoE.from_pretrained(checkpoint, gpu_memory=offload_budget(checkpoint, 0.25))
+    plan = plan_offload(tm, offload_budget(checkpoint, 0.25))
     cuda = torch.device("cuda")
     with pytest.raises(ConfigError, match="of host memory .* or leave them on disk"):
         check_host(plan, cuda, free_host=10)
@@ -77,7 +69,7 @@ def test_the_disk_check_replaces_the_host_memory_check(checkpoint, tmp_path):
     with pytest.raises(ConfigError, match=f"need {plan.host_bytes} bytes .* of disk in the offload directory"):
         check_host(plan, cuda, free_host=10**12, free_disk=plan.host_bytes - 1)
     with pytest.raises(ConfigError, match="is not a directory"):
-        ThunderMoE.from_pretrained(checkpoint, gpu_memory=_budget(checkpoint, 0.25), offload_dir=tmp_path / "none")
+        ThunderMoE.from_pretrained(checkpoint, gpu_memory=offload_budget(checkpoint, 0.25), offload_dir=tmp_path / "none")
     with pytest.raises(ConfigError, match="give gpu_memory too"):
         ThunderMoE.from_pretrained(checkpoint, offload_dir=tmp_path)
 
@@ -100,7 +92,7 @@ def _ranks(rank, world, path, directory):
 
     ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
     x, want, _ = _reference(path)
-    tm = ThunderMoE.from_pretrained(path, ep, gpu_memory=_budget(path, 0.5, world), offload_dir=directory)
+    tm = ThunderMoE.from_pretrained(path, ep, gpu_memory=offload_budget(path, 0.5, world), offload_dir=directory)
     per = x.shape[0] // world
     with torch.no_grad():
         got = tm(input_ids=x[rank * per:(rank + 1) * per], mode="ep").logits

@@ -15,7 +15,7 @@ from distributed import run_ranks
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_tiny import V, save_tiny  # noqa: E402
+from hf_tiny import V, offload_budget, save_tiny  # noqa: E402
 
 from thunderep.errors import ConfigError  # noqa: E402
 from thunderep.moe.offload_cost import OffloadCosts  # noqa: E402
@@ -31,15 +31,6 @@ def checkpoints(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return {f: save_tiny(f, tmp_path_factory.mktemp(f) / f, seed=3) for f in FAMILIES}
-
-
-def _budget(path, fraction: float, ranks: int = 1) -> int:
-    """gpu_memory giving each layer round(fraction * S) hot slots of its S."""
-    from thunderep.train.plan import plan_offload_memory
-
-    (_, plan), = plan_offload_memory(path, [ranks], 10**15)
-    return plan.replicated_bytes + plan.staging_bytes + sum(
-        round(fraction * plan.slots[n]) * plan.slot_bytes[n] for n in plan.slots)
 
 
 def _batch():
@@ -76,7 +67,7 @@ def test_one_rank_trains_like_transformers_with_frozen_experts(family, checkpoin
     path = checkpoints[family]
     want = _reference_grads(path)
     for fraction, costs in ((0.0, HOST_WINS), (0.5, STREAM_WINS), (0.5, HOST_WINS), (1.0, HOST_WINS)):
-        tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, fraction), offload_costs=costs)
+        tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, fraction), offload_costs=costs)
         trainable = select_trainable(tm, None)  # full fine-tuning: the offloaded experts stay frozen
         assert {id(p) for p in trainable}.isdisjoint(id(p) for p in tm.offloaded_parameters())
         got = _grads(tm, slice(None))
@@ -100,7 +91,7 @@ def _ranks(rank, world, path):
     ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
     out = []
     for fraction, costs in ((0.0, HOST_WINS), (0.5, STREAM_WINS)):
-        tm = ThunderMoE.from_pretrained(path, ep, gpu_memory=_budget(path, fraction, world), offload_costs=costs)
+        tm = ThunderMoE.from_pretrained(path, ep, gpu_memory=offload_budget(path, fraction, world), offload_costs=costs)
         for p in tm.offloaded_parameters():
             assert not p.requires_grad
         per = 4 // world
@@ -129,10 +120,10 @@ def test_what_cannot_train_is_refused(checkpoints):
     from thunderep.train.lora import apply_lora
 
     path = checkpoints["mixtral"]
-    tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, 0.5))
+    tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, 0.5))
     with pytest.raises(ConfigError, match="expert tensor held in host memory .* train frozen"):
         apply_lora(tm.model, ["experts"], rank=2)
-    tm = ThunderMoE.from_pretrained(path, gpu_memory=_budget(path, 0.5))
+    tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, 0.5))
     tm.offloaded_parameters()[0].requires_grad_(True)
     with pytest.raises(ConfigError, match=r"offloaded experts \(gpu_memory=...\) train frozen"):
         tm.train()(input_ids=_batch()[0])

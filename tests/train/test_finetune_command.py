@@ -272,13 +272,13 @@ def test_finetune_command_with_offloaded_experts_equals_one_process(tmp_path, ca
     from hf_tiny import save_tiny
     from transformers import AutoModelForCausalLM
 
+    from hf_tiny import offload_budget
+
     from thunderep.cli import main as cli
-    from thunderep.train.plan import plan_offload_memory
 
     model_dir = save_tiny("mixtral", tmp_path / "model")
     (tmp_path / "notes.txt").write_text(TEXT)
-    (_, plan), = plan_offload_memory(model_dir, [2], 10**15)
-    budget = plan.replicated_bytes + plan.staging_bytes + sum(plan.slots[n] // 2 * plan.slot_bytes[n] for n in plan.slots)
+    budget = offload_budget(model_dir, 0.5, ranks=2)
     assert cli(["finetune", "--model", model_dir, "--data", str(tmp_path / "notes.txt"), "--ep", "2", "--batch", "2",
                 "--seq-len", "12", "--lr", "1e-3", "--cpu", "--steps", "2", "--eval-batches", "0",
                 "--gpu-memory", str(budget), "--out", str(tmp_path / "out")]) == 0

@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 
 from ..errors import ConfigError
 
-__all__ = ["parsed"]
+__all__ = ["dataclass_options", "parsed"]
+
+
+def dataclass_options(cls, argv: list[str]) -> dict:
+    """The `--name value` options of the dataclass `cls`'s fields as keywords for it, each read by its
+    default's type: a tuple takes comma-separated whole numbers, a bool is a bare flag, a str is kept as
+    written, an int is a whole number. ConfigError names an unknown option, a missing value, a bad number."""
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    values: dict = {}
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        name = arg[2:] if arg.startswith("--") else ""
+        if name not in fields:
+            raise ConfigError(f"unknown option {arg!r}; the options: " + ", ".join("--" + n for n in fields))
+        default = fields[name]
+        if isinstance(default, bool):
+            values[name] = True
+            continue
+        if not args:
+            raise ConfigError(f"{arg} needs a value")
+        text = args.pop(0)
+        try:
+            values[name] = text if isinstance(default, str) else tuple(int(v) for v in text.split(",")) \
+                if isinstance(default, tuple) else int(text)
+        except ValueError:
+            raise ConfigError(f"{arg} {text!r}: expected whole numbers") from None
+    return values
 
 
 def parsed(argv: list[str] | None, doc: str, parse: Callable, name: str):

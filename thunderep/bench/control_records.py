@@ -42,7 +42,7 @@ from ..comm.control import make_control_plane
 from ..comm.control_records import RecordExchange, record_words, reference_record
 from ..comm.launch import free_port
 from ..comm.mailbox import native_unavailable_reason
-from . import parsed
+from . import dataclass_options, parsed
 from ..errors import CommError, ConfigError
 from .control import hardware_line
 from .control_gpu import summarize
@@ -220,26 +220,7 @@ def format_table(runs: dict[int, dict[str, dict[str, float]]], tokens: tuple[int
 
 def parse(argv: list[str]) -> Options:
     """`Options` from `--name value` options (lists comma-separated; `--markdown` bare); ConfigError."""
-    fields = {f.name: f.default for f in dataclasses.fields(Options)}
-    values: dict[str, Any] = {}
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        name = arg[2:] if arg.startswith("--") else ""
-        if name not in fields:
-            raise ConfigError(f"unknown option {arg!r}; the options: " + ", ".join("--" + n for n in fields))
-        if name == "markdown":
-            values[name] = True
-            continue
-        if not args:
-            raise ConfigError(f"{arg} needs a value")
-        text = args.pop(0)
-        try:
-            values[name] = text if name == "json" else tuple(int(v) for v in text.split(",")) \
-                if isinstance(fields[name], tuple) else int(text)
-        except ValueError:
-            raise ConfigError(f"{arg} {text!r}: expected whole numbers") from None
-    opts = Options(**values)
+    opts = Options(**dataclass_options(Options, argv))
     if not opts.worlds or any(w < 1 or SLOTS % w for w in opts.worlds) or not opts.tokens \
             or any(t < 0 for t in opts.tokens) or min(opts.iters, opts.blocks, opts.warmup) < 1:
         raise ConfigError(f"--worlds {opts.worlds}: divisors of {SLOTS}; --tokens {opts.tokens}: 0 or more; "

@@ -17,7 +17,6 @@ Needs CUDA and cupy (`pip install 'thunderep[cuda]'`).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import importlib.util
 import json
 import statistics
@@ -31,7 +30,7 @@ import torch
 
 from ..comm.host_collective import HostCollective
 from ..comm.host_segment import HostSegment
-from . import parsed
+from . import dataclass_options, parsed
 from ..errors import ConfigError
 
 __all__ = ["Options", "format_table", "main", "measure_all_reduce", "measure_floor", "parse", "preflight"]
@@ -224,26 +223,7 @@ class Options:
 
 def parse(argv: list[str]) -> Options:
     """`Options` from `--name value` options (`--sizes` comma-separated; `--markdown` bare); ConfigError."""
-    names = {f.name: f.default for f in dataclasses.fields(Options)}
-    values: dict[str, Any] = {}
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        name = arg[2:] if arg.startswith("--") else ""
-        if name not in names:
-            raise ConfigError(f"unknown option {arg!r}; the options: " + ", ".join("--" + n for n in names))
-        if name == "markdown":
-            values[name] = True
-            continue
-        if not args:
-            raise ConfigError(f"{arg} needs a value")
-        text = args.pop(0)
-        try:
-            values[name] = text if name == "json" else tuple(int(v) for v in text.split(",")) if name == "sizes" \
-                else int(text)
-        except ValueError:
-            raise ConfigError(f"{arg} {text!r}: expected whole numbers") from None
-    opts = Options(**values)
+    opts = Options(**dataclass_options(Options, argv))
     if not opts.sizes or any(n <= 0 or n % 2 for n in opts.sizes) or opts.calls < 1 or opts.replays < 1:
         raise ConfigError(f"--sizes {opts.sizes}: positive even byte counts; --calls, --replays: 1 or more")
     return opts

@@ -166,13 +166,7 @@ def forward(
         if not save:
             h, gu = x.new_empty(0, I2 // 2), x.new_empty(0, I2)
         return y, h, gu
-    if getattr(w_gate_up, "w8a8", False):  # FP8 inputs too: x, then h, quantized per row (fp8.py)
-        xq, x_scale = quantize_rows(x)
-        h, gu = up(xq, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows, x_scale)
-        a, a_scale = quantize_rows(h)
-    else:
-        h, gu = up(x, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows)
-        a, a_scale = h, None
+    h, gu, a, a_scale = _up_and_down_input(x, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows)
     if order is None:
         y = x.new_empty(n_rows, D)
         rows(a, w_down, w_down.stride(), D, None, None, counts, y, scatter=False, a_scale=a_scale)
@@ -183,6 +177,17 @@ def forward(
     if not save:
         h = x.new_empty(0, I2 // 2)
     return y, h, gu
+
+
+def _up_and_down_input(x, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows):
+    """The up pass -> (h, gu, the down pass's input a, its row scales or None): a = h, or with W8A8
+    weights x and then h quantized per row (fp8.py)."""
+    if getattr(w_gate_up, "w8a8", False):
+        xq, x_scale = quantize_rows(x)
+        h, gu = up(xq, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows, x_scale)
+        return (h, gu, *quantize_rows(h))
+    h, gu = up(x, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows)
+    return h, gu, h, None
 
 
 def forward_summed(
@@ -210,12 +215,7 @@ def forward_summed(
         flat = order.long()
         y.index_add_(0, flat // top_k, rows_QD.float() * weights[flat].float().unsqueeze(1))
         return y.to(x.dtype)
-    if getattr(w_gate_up, "w8a8", False):  # FP8 inputs too, as in forward
-        xq, x_scale = quantize_rows(x)
-        h, _ = up(xq, w_gate_up, order, counts, top_k, act, interleaved, False, n_rows, x_scale)
-        a, a_scale = quantize_rows(h)
-    else:
-        (a, _), a_scale = up(x, w_gate_up, order, counts, top_k, act, interleaved, False, n_rows), None
+    _, _, a, a_scale = _up_and_down_input(x, w_gate_up, order, counts, top_k, act, interleaved, False, n_rows)
     rows(a, w_down, w_down.stride(), D, order, weights, counts, y, scatter=True, a_scale=a_scale, sum_k=top_k)
     return y.to(x.dtype)
 

@@ -287,10 +287,7 @@ class ExpertTiers:
         recomputed with autograd on the device, the hot slots in one call on their copies, the cold ones
         streamed through the staging buffers (training runs many rows per slot: the stream's case)."""
         counts = counts_S.tolist()
-        starts = [sum(counts[:s]) for s in range(self.num_slots)]
-
-        def rows(s: int, t: torch.Tensor) -> torch.Tensor:
-            return t[starts[s]:starts[s] + counts[s]]
+        xs, dys = x_MD.split(counts), dy_MD.split(counts)  # each slot's rows
 
         def grad(weights: dict, x: torch.Tensor, slot_M: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
             with torch.enable_grad():
@@ -300,16 +297,11 @@ class ExpertTiers:
         pieces: dict[int, torch.Tensor] = {}
         hot = [s for s in self.hot_slots if counts[s]]
         if hot:
-            x_hot = torch.cat([rows(s, x_MD) for s in hot])
-            slot_M = torch.repeat_interleave(torch.tensor([self._row_of[s] for s in hot], device=x_MD.device),
-                                             torch.tensor([counts[s] for s in hot], device=x_MD.device),
-                                             output_size=x_hot.shape[0])
-            dx_hot = grad(self.hot, x_hot, slot_M, torch.cat([rows(s, dy_MD) for s in hot]))
+            x_hot, slot_M = self._hot_rows(hot, xs)
+            dx_hot = grad(self.hot, x_hot, slot_M, torch.cat([dys[s] for s in hot]))
             pieces.update(zip(hot, dx_hot.split([counts[s] for s in hot])))
         cold = [s for s in range(self.num_slots) if counts[s] and s not in self._row_of]
-        dys = {s: rows(s, dy_MD) for s in cold}
-        self._stream(cold, [rows(s, x_MD) for s in cold], pieces,
-                     lambda s, weights, x, zeros: grad(weights, x, zeros, dys[s]))
+        self._stream(cold, [xs[s] for s in cold], pieces, lambda s, weights, x, zeros: grad(weights, x, zeros, dys[s]))
         if not pieces:
             return torch.zeros_like(x_MD)
         return torch.cat([pieces[s] for s in range(self.num_slots) if counts[s]])
@@ -322,31 +314,36 @@ class ExpertTiers:
         M = x_MD.shape[0]
         if M == 0:
             return x_MD.new_zeros(0, x_MD.shape[-1])
-        starts = [0] * self.num_slots
-        for s in range(1, self.num_slots):
-            starts[s] = starts[s - 1] + counts[s - 1]
+        xs = x_MD.split(counts)  # each slot's rows
         pieces: dict[int, torch.Tensor] = {}
         cold = [s for s in range(self.num_slots) if counts[s] and s not in self._row_of]
         paths = dict(zip(cold, self.paths([counts[s] for s in cold], row_bytes)))
         streamed, on_host = [s for s in cold if paths[s] == "stream"], [s for s in cold if paths[s] == "host"]
         # 1. the host path's rows to the host in one copy, queued before the hot experts, so that the host
         # computes while the device runs them
-        sent = self._to_host(torch.cat([x_MD[starts[s]:starts[s] + counts[s]] for s in on_host])) if on_host else None
+        sent = self._to_host(torch.cat([xs[s] for s in on_host])) if on_host else None
         hot = [s for s in self.hot_slots if counts[s]]
         if hot:  # 2. every hot slot's rows in one call
-            x_hot = torch.cat([x_MD[starts[s]:starts[s] + counts[s]] for s in hot])
-            rows = torch.tensor([self._row_of[s] for s in hot], device=x_MD.device)
-            slot_M = torch.repeat_interleave(rows, torch.tensor([counts[s] for s in hot], device=x_MD.device),
-                                             output_size=x_hot.shape[0])
+            x_hot, slot_M = self._hot_rows(hot, xs)
             for s, y in zip(hot, self.compute(self.hot, x_hot, slot_M).split([counts[s] for s in hot])):
                 pieces[s] = y
             self.stats.rows_hot += x_hot.shape[0]
         # 3. the streamed slots, queued (on CUDA nothing here waits for them) before 4. every host-path slot
         # in one call of the host function, back in one copy: the host computes while the device streams
-        self._stream(streamed, [x_MD[starts[s]:starts[s] + counts[s]] for s in streamed], pieces)
+        self._stream(streamed, [xs[s] for s in streamed], pieces)
         if on_host:
             pieces.update(zip(on_host, self._on_host(on_host, [counts[s] for s in on_host], *sent, x_MD.device)))
         return torch.cat([pieces[s] for s in range(self.num_slots) if counts[s]])
+
+    def _hot_rows(self, hot: list[int], xs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of the hot slots `hot` (xs: every slot's rows) in one tensor, and each row's entry in the
+        hot copies."""
+        x_hot = torch.cat([xs[s] for s in hot])
+        device = x_hot.device
+        slot_M = torch.repeat_interleave(torch.tensor([self._row_of[s] for s in hot], device=device),
+                                         torch.tensor([xs[s].shape[0] for s in hot], device=device),
+                                         output_size=x_hot.shape[0])
+        return x_hot, slot_M
 
     @staticmethod
     def _to_host(x_MD: torch.Tensor) -> tuple[torch.Tensor, object]:
