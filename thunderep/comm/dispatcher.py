@@ -48,11 +48,6 @@ from .control_records import RecordExchange
 from .groups import EPGroups, peer_errors, wait_work
 from .stats import CommStats
 
-# The pre-sum kernel (kernels/presum.py) from this many received rows: below, building its CSR index costs
-# more than the torch formula's small buffer (docs/benchmarks/2026-12-05-pcie-data-plane.md: on one H200
-# the kernel was 3.2-4.1x faster at 6,400-15,000 rows, and up to 4x slower at 100-1,850).
-PRESUM_MIN_ROWS = 4096
-
 __all__ = ["DispatchMeta", "Dispatcher", "Pending", "Plan", "Received", "Rider", "row_layout"]
 
 
@@ -326,10 +321,10 @@ class Dispatcher:
         meta, K, D = received.meta, received.meta.top_k, y_QD.shape[-1]
         if summed:
             y_MD = y_QD
-        elif received.rows >= PRESUM_MIN_ROWS and available(y_QD.device):  # one pass over the pairs, in registers
+        elif available(y_QD.device):  # one pass over the pairs, in registers
             from ..kernels.presum import presum  # triton: optional, imported where the kernels run
 
-            y_MD = presum(y_QD, received.weights_Q, received.pairs_Q, received.rows, K)
+            y_MD = presum(y_QD, received.weights_N, received.pairs_Q, received.rows, K)
         else:
             weighted_QD = y_QD.float() * received.weights_Q.float().unsqueeze(-1)
             full_ND = weighted_QD.new_zeros(received.rows * K, D).index_copy(0, received.pairs_Q, weighted_QD)

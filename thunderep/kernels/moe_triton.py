@@ -283,23 +283,18 @@ def up_kernel(
 
 @triton.jit
 def _rows_store(acc, rows, row_ok, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm,
-                SCATTER: tl.constexpr, WEIGHTED: tl.constexpr, SUM_K: tl.constexpr):
-    """rows_kernel's epilogue for one block of rows: weight, un-permute, store; or (SUM_K > 0) add in
-    float32 into the source row order[r] // SUM_K, which sums each row's pairs in place."""
-    if SCATTER or WEIGHTED or SUM_K > 0:
+                SCATTER: tl.constexpr, WEIGHTED: tl.constexpr):
+    """rows_kernel's epilogue for one block of rows: weight, un-permute, store."""
+    if SCATTER or WEIGHTED:
         flat = tl.load(order_ptr + rows, mask=row_ok, other=0)
     if WEIGHTED:
         acc = acc * tl.load(weight_ptr + flat, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out_ok = row_ok[:, None] & col_ok_N[None, :]
-    if SUM_K > 0:
-        dst = (flat // SUM_K).to(tl.int64)
-        tl.atomic_add(c_ptr + dst[:, None] * stride_cm + cols_N[None, :], acc, mask=out_ok, sem="relaxed")
+    if SCATTER:
+        dst = flat.to(tl.int64)
     else:
-        if SCATTER:
-            dst = flat.to(tl.int64)
-        else:
-            dst = rows.to(tl.int64)
-        tl.store(c_ptr + dst[:, None] * stride_cm + cols_N[None, :], acc.to(c_ptr.dtype.element_ty), mask=out_ok)
+        dst = rows.to(tl.int64)
+    tl.store(c_ptr + dst[:, None] * stride_cm + cols_N[None, :], acc.to(c_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit(do_not_specialize=["n_rows", "m_fill"])
@@ -312,7 +307,7 @@ def rows_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     SCALED: tl.constexpr = False, SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1,
-    A_FP8: tl.constexpr = False, SUM_K: tl.constexpr = 0,
+    A_FP8: tl.constexpr = False,
 ):
     """c[dst(r), n] = w(r) * sum_k a[r, k] * B[e(r), n, k].
 
@@ -320,8 +315,6 @@ def rows_kernel(
     dst(r) = order[r] (SCATTER, un-permute to the flat pair) else r. w(r) = weight[order[r]] (WEIGHTED).
     SCALED: B is FP8 with float32 scales bs [E, N / SCALE_N, K / SCALE_K] (by strides; fp8.py).
     A_FP8 (with SCALED): a is FP8 too, row r standing for a[r] * as[r] (fp8.quantize_rows).
-    SUM_K > 0: c is float32 and c[order[r] // SUM_K, n] += w(r) * ... (atomic adds: each source row's
-    pairs summed in the epilogue, in no fixed order).
     """
     expert, row0, tile_end, cols_N, col_ok_N, pid_n = row_tile_of_program(
         n_rows, N, counts_ptr, E, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M, TAIL)
@@ -344,13 +337,12 @@ def rows_kernel(
                             PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True, SCALED, SCALE_K, A_FP8)
         acc_s = acc_s * _row_scales(as_ptr, rows_S, row_ok_S, order_ptr, 1, False, A_FP8)
         _rows_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER,
-                    WEIGHTED, SUM_K)
+                    WEIGHTED)
     else:
         acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, K, stride_bk, bs_ptrs, stride_bsk,
                         PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, False, SCALED, SCALE_K, A_FP8)
     acc = acc * _row_scales(as_ptr, rows_M, row_ok_M, order_ptr, 1, False, A_FP8)
-    _rows_store(acc, rows_M, row_ok_M, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER, WEIGHTED,
-                SUM_K)
+    _rows_store(acc, rows_M, row_ok_M, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER, WEIGHTED)
 
 
 @triton.jit

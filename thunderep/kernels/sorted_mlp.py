@@ -19,7 +19,6 @@ Tile configs and the keys they are tuned by are tiles.py's.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -29,6 +28,7 @@ from . import grouped_gemm as G
 from .act import ACTIVATIONS
 from .fp8 import FP8, FP8_MAX, scale_args, weight_data
 from .fp8 import quantize_rows as fp8_rows
+from .presum import positions, presum_at
 from .tuning import cdiv, next_power_of_2
 
 __all__ = ["act_bwd", "backward", "block_e", "rows", "forward", "forward_summed", "quantize_rows", "route", "route_ranks",
@@ -66,27 +66,20 @@ def up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows, x_scale=No
     return h, gu
 
 
-def rows(a, b, b_strides, n_out, order, weights, counts, out, scatter, a_scale=None, sum_k=0):
+def rows(a, b, b_strides, n_out, order, weights, counts, out, scatter, a_scale=None):
     """out[dst(r)] = w * a[r] @ B[e].T with B[e, n, k] at b + e*s0 + n*s1 + k*s2 (b: a tensor, or an
     Fp8Weight [E, n, k] whose strides are b_strides); `a_scale`: a is FP8, row r standing for
-    a[r] * a_scale[r] (W8A8). sum_k > 0: out is float32 and out[order[r] // sum_k] += ... (atomic adds,
-    launched with the fixed config: timing configs would add more than once)."""
+    a[r] * a_scale[r] (W8A8)."""
     n_rows, Kdim = a.shape
     E = counts.shape[0]
     bm, fill = tiles.m_key(n_rows, E)
-    if sum_k:
-        launch = functools.partial(tuning.launch_default, SUM_K=sum_k)
-        precision = tuning.precision(a.dtype)
-    else:
-        launch = functools.partial(tuning.launch, device=a.device)
-        precision = tuning.precision(out.dtype)
-    launch(tiles.ROWS, tiles.ROWS_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, n_out),
-           a_ptr=a, b_ptr=weight_data(b), c_ptr=out, order_ptr=order if order is not None else counts,
-           weight_ptr=weights if weights is not None else a, counts_ptr=counts,
-           n_rows=n_rows, N=n_out, K=Kdim, E=E, stride_am=a.stride(0), stride_be=b_strides[0],
-           stride_bn=b_strides[1], stride_bk=b_strides[2], stride_cm=out.stride(0), m_class=bm,
-           m_fill=fill, SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=precision,
-           BLOCK_E=block_e(E), as_ptr=a_scale if a_scale is not None else a, A_FP8=a_scale is not None,
+    tuning.launch(tiles.ROWS, tiles.ROWS_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, n_out), a.device,
+                  a_ptr=a, b_ptr=weight_data(b), c_ptr=out, order_ptr=order if order is not None else counts,
+                  weight_ptr=weights if weights is not None else a, counts_ptr=counts,
+                  n_rows=n_rows, N=n_out, K=Kdim, E=E, stride_am=a.stride(0), stride_be=b_strides[0],
+                  stride_bn=b_strides[1], stride_bk=b_strides[2], stride_cm=out.stride(0), m_class=bm,
+                  m_fill=fill, SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=tuning.precision(out.dtype),
+                  BLOCK_E=block_e(E), as_ptr=a_scale if a_scale is not None else a, A_FP8=a_scale is not None,
                   **scale_args(b, "bs_ptr", ("stride_bse", "stride_bsn", "stride_bsk")))
 
 
@@ -195,29 +188,31 @@ def forward_summed(
     weights: torch.Tensor, top_k: int, activation: str, interleaved: bool, gemm: str,
 ) -> torch.Tensor:
     """y_TD [T, D] in x's dtype: y[t] = sum over the listed pairs (t, k) of weights[t * K + k] * the pair's
-    expert(x[t]), float32 sums, rounded once.
+    expert(x[t]), each pair's output in x's dtype, summed in float32.
 
     x: x_TD. order: [Q] int32, the flat pairs t * K + k to compute, grouped by expert by `counts` (any
     subset of the T * K pairs: a row whose pairs are all absent comes out 0). weights: [T * K] flat.
-    The triton path adds each pair into its row in the down kernel's epilogue (atomic float32 adds, in
-    no fixed order); the torch path runs the grouped GEMMs on the gathered rows, then one index_add.
-    Inference: nothing is saved for backward."""
+    The triton path gathers each pair's row in the up kernel (no expanded copy of x), writes the pairs'
+    outputs in `order` and sums each row's pairs in one pass (presum.py: in k order, no atomics); the
+    torch path runs the grouped GEMMs on the gathered rows, then one index_add. Inference: nothing is
+    saved for backward."""
     checks.check(x, w_gate_up, w_down, order, counts, weights, top_k, activation, gemm, subset=True)
     E, I2, D = w_gate_up.shape
     n_rows = order.shape[0]
-    y = torch.zeros(x.shape[0], D, dtype=torch.float32, device=x.device)
     if n_rows == 0:
-        return y.to(x.dtype)
+        return x.new_zeros(x.shape[0], D)
     act = ACTIVATIONS[activation]
     if gemm == "torch":
+        y = torch.zeros(x.shape[0], D, dtype=torch.float32, device=x.device)
         rows_QD, _, _ = G.forward(G.gather_rows(x, order, top_k), w_gate_up, w_down, None, counts, None, top_k, act,
                                   interleaved)
         flat = order.long()
         y.index_add_(0, flat // top_k, rows_QD.float() * weights[flat].float().unsqueeze(1))
         return y.to(x.dtype)
     _, _, a, a_scale = _up_and_down_input(x, w_gate_up, order, counts, top_k, act, interleaved, False, n_rows)
-    rows(a, w_down, w_down.stride(), D, order, weights, counts, y, scatter=True, a_scale=a_scale, sum_k=top_k)
-    return y.to(x.dtype)
+    y_QD = x.new_empty(n_rows, D)
+    rows(a, w_down, w_down.stride(), D, None, None, counts, y_QD, scatter=False, a_scale=a_scale)
+    return presum_at(y_QD, weights, positions(order, x.shape[0] * top_k), x.shape[0], top_k)
 
 
 def backward(
