@@ -192,10 +192,9 @@ def forward_summed(
 
     x: x_TD. order: [Q] int32, the flat pairs t * K + k to compute, grouped by expert by `counts` (any
     subset of the T * K pairs: a row whose pairs are all absent comes out 0). weights: [T * K] flat.
-    The triton path gathers each pair's row in the up kernel (no expanded copy of x), writes the pairs'
-    outputs in `order` and sums each row's pairs in one pass (presum.py: in k order, no atomics); the
-    torch path runs the grouped GEMMs on the gathered rows, then one index_add. Inference: nothing is
-    saved for backward."""
+    The triton path gathers each pair's row in the up kernel (no expanded copy of x), the torch path
+    gathers the rows once for its grouped GEMMs; both write the pairs' outputs in `order` and sum each
+    row's pairs in one pass (presum.py: in k order, no atomics). Inference: nothing is saved for backward."""
     checks.check(x, w_gate_up, w_down, order, counts, weights, top_k, activation, gemm, subset=True)
     E, I2, D = w_gate_up.shape
     n_rows = order.shape[0]
@@ -203,15 +202,12 @@ def forward_summed(
         return x.new_zeros(x.shape[0], D)
     act = ACTIVATIONS[activation]
     if gemm == "torch":
-        y = torch.zeros(x.shape[0], D, dtype=torch.float32, device=x.device)
-        rows_QD, _, _ = G.forward(G.gather_rows(x, order, top_k), w_gate_up, w_down, None, counts, None, top_k, act,
-                                  interleaved)
-        flat = order.long()
-        y.index_add_(0, flat // top_k, rows_QD.float() * weights[flat].float().unsqueeze(1))
-        return y.to(x.dtype)
-    _, _, a, a_scale = _up_and_down_input(x, w_gate_up, order, counts, top_k, act, interleaved, False, n_rows)
-    y_QD = x.new_empty(n_rows, D)
-    rows(a, w_down, w_down.stride(), D, None, None, counts, y_QD, scatter=False, a_scale=a_scale)
+        y_QD, _, _ = G.forward(G.gather_rows(x, order, top_k), w_gate_up, w_down, None, counts, None, top_k, act,
+                               interleaved)
+    else:
+        _, _, a, a_scale = _up_and_down_input(x, w_gate_up, order, counts, top_k, act, interleaved, False, n_rows)
+        y_QD = x.new_empty(n_rows, D)
+        rows(a, w_down, w_down.stride(), D, None, None, counts, y_QD, scatter=False, a_scale=a_scale)
     return presum_at(y_QD, weights, positions(order, x.shape[0] * top_k), x.shape[0], top_k)
 
 
