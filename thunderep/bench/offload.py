@@ -8,6 +8,7 @@ For each hot fraction f (--fractions) the device budget is set so that round(f S
 fit after the replicated weights and the two staging buffers (`train.plan.plan_offload_memory`). Rows:
 
     thunderep f    ThunderMoE with that gpu_memory, each cold expert's path chosen by the cost model
+                   (--cold-path host or stream: forced, to measure either)
     (a) accelerate transformers, device_map="auto", max_memory={GPU: the same bytes, "cpu": 200GiB}: whole modules
                    (a layer's experts are one) copied to the GPU at every call; equal bytes, not equal expert sets
     (b) host       ThunderMoE with no hot expert, every expert computed on the host (TierConfig(cold_path="host"))
@@ -47,7 +48,7 @@ from ..errors import ConfigError
 from ..hf import ThunderMoE
 from ..moe.host_experts import describe
 from ..moe.offload_cost import measure_costs, predicted_rates
-from ..moe.tiers import TierConfig
+from ..moe.tiers import COLD_PATHS, TierConfig
 from ..train.plan import plan_offload_memory
 
 __all__ = ["BASELINES", "SHAPES", "OffloadBench", "Row", "StepClock", "budgets", "build_checkpoint", "cost_table",
@@ -96,6 +97,7 @@ class OffloadBench:
     dir: str | None = None
     json: str | None = None
     device: str = "cuda"
+    cold_path: str = "auto"
 
     def __post_init__(self):
         problems = [] if self.shape in SHAPES else [f"--shape must be one of {', '.join(SHAPES)}, got {self.shape!r}"]
@@ -110,6 +112,8 @@ class OffloadBench:
         if self.dtype not in _DTYPES:
             problems.append(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         problems += [f"--device must be cpu or cuda, got {self.device!r}"] if self.device not in ("cpu", "cuda") else []
+        if self.cold_path not in COLD_PATHS:
+            problems.append(f"--cold-path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -329,7 +333,8 @@ def _accelerate_row(row: Row, path: Path, bench: OffloadBench, config) -> None:
 def _plan_rows(bench: OffloadBench, path: Path) -> list[tuple[Row, object]]:
     """(Row, its plan) in the order they run: ThunderEP's fractions, (b), (c), then (a), the slowest."""
     plans = budgets(path, sorted(set(bench.fractions) | {0.0, 1.0}), _DTYPES[bench.dtype])
-    out = [(Row(f"thunderep {f:.0%}", "thunderep", f, plans[f][0]), plans[f][1]) for f in bench.fractions]
+    forced = f", {bench.cold_path} path" if bench.cold_path != "auto" else ""
+    out = [(Row(f"thunderep {f:.0%}{forced}", "thunderep", f, plans[f][0]), plans[f][1]) for f in bench.fractions]
     if "host" in bench.baselines:
         out.append((Row("(b) host, no hot set", "host", 0.0, plans[0.0][0]), plans[0.0][1]))
     if "gpu" in bench.baselines:
@@ -353,8 +358,8 @@ def run_rows(bench: OffloadBench, path: Path) -> list[Row]:
             if row.kind == "accelerate":
                 _accelerate_row(row, path, bench, config)
             else:
-                _thunderep_row(row, path, bench, config, plan,
-                               TierConfig(cold_path="host") if row.kind == "host" else None)
+                cold = "host" if row.kind == "host" else bench.cold_path
+                _thunderep_row(row, path, bench, config, plan, TierConfig(cold_path=cold) if cold != "auto" else None)
         except Exception as exc:  # noqa: BLE001 - one failed configuration must not lose the others' numbers
             traceback.print_exc(file=sys.stderr)
             row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
