@@ -24,7 +24,9 @@ from thunderep.moe.tiers import TierConfig, parse_memory
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 FRACTIONS = (0.0, 0.25, 0.5, 1.0)
-HOST_WINS = OffloadCosts(host_flops=1e12, device_flops=1e12, h2d_Bps=1.0)  # streaming costs seconds per byte
+# the device computes a FLOP a second: streamed rows never pay off (copies stay cheap: the overlapped split
+# on CUDA weighs the host path's row copies against the streamed slots)
+HOST_WINS = OffloadCosts(host_flops=1e12, device_flops=1.0, h2d_Bps=1e15)
 STREAM_WINS = OffloadCosts(host_flops=1.0, device_flops=1e12, h2d_Bps=1e15)  # the host is hopeless
 
 
