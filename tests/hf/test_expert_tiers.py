@@ -113,7 +113,8 @@ def test_hot_set_changes_mid_generation_change_no_output(checkpoints):
     assert torch.equal(tokens, want[1]) and tm.offload_stats()["bytes_promoted"] > 0
     slow_host = OffloadCosts(host_flops=1e3, device_flops=1e12, h2d_Bps=1e12)
     tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, 0.25), offload_costs=slow_host,
-                                    offload=TierConfig(cold_path="host", calibration_calls=1, interval=1, ema=0.0))
+                                    offload=TierConfig(cold_path="host", calibration_calls=1, interval=1, ema=0.0,
+                                                   confidence=0.0))
     _check(tm, x, want, "re-chosen every call")
     assert sum(b.tiers.stats.hot_changes for b in tm.bindings.values()) > 2
 

@@ -162,11 +162,12 @@ def _call(tiers: ExpertTiers, counts: list[int]) -> torch.Tensor:
 
 def test_rechoosing_needs_the_gain_to_pay_for_the_copy():
     """Host expert 1 ms + 0.1 ms a row, a slot's copy 0.1 ms: a slot with rows in every call replaces one
-    with none (gain 1.1 ms a call over 4 calls >> 2 x 0.1 ms); near-equal loads move nothing; the margin
+    with none (gain 1.1 ms a call over 6 calls >> 2 x 0.1 ms, and 6 calls of rows are more than counting
+    noise); near-equal loads move nothing; the margin
     scales the bar. Outputs as the host function's throughout."""
     costs = OffloadCosts(host_flops=1e9, device_flops=1e15, h2d_Bps=3 * D * I * 4 / 1e-4, host_call_s=1e-3,
                          host_row_s=1e-4)
-    tiers = _tiers(costs, 2, cold_path="host", calibration_calls=1, interval=4, ema=0.5)
+    tiers = _tiers(costs, 2, cold_path="host", calibration_calls=1, interval=6, ema=0.8)
     lean = HostExperts(F.silu)
     for call in range(12):  # the first choice (after 1 call) keeps slots 0 and 1; then 4 and 5 are the busy ones
         counts = [1, 1, 0, 0, 0, 0] if call == 0 else [0, 0, 0, 0, 2, 1]
@@ -176,18 +177,56 @@ def test_rechoosing_needs_the_gain_to_pay_for_the_copy():
         assert torch.allclose(y, lean(tiers.host, used, x_MD, [counts[s] for s in used]), atol=1e-6)
     assert set(tiers.hot_slots) == {4, 5} and tiers.stats.hot_changes == 1  # both swaps in one re-choice
     assert tiers.stats.bytes_promoted == 2 * tiers.slot_bytes
-    even = _tiers(costs, 2, cold_path="host", calibration_calls=1, interval=4, ema=0.5)
+    even = _tiers(costs, 2, cold_path="host", calibration_calls=1, interval=6, ema=0.8)
     for call in range(40):  # every slot busy in turn: the loads differ by noise alone
         _call(even, [1 if (s + call) % 3 else 2 for s in range(S)])
     assert even.stats.hot_changes <= 1  # the first choice only
-    strict = _tiers(costs, 2, cold_path="host", calibration_calls=1, interval=4, ema=0.5, margin=1e6)
+    strict = _tiers(costs, 2, cold_path="host", calibration_calls=1, interval=6, ema=0.8, margin=1e6)
     for call in range(12):
         _call(strict, [1, 1, 0, 0, 0, 0] if call == 0 else [0, 0, 0, 0, 2, 1])
     assert set(strict.hot_slots) == {0, 1}  # no swap pays a million times over
 
 
+def _decode_moves(confidence: float, weights_E: torch.Tensor, calls: int = 600) -> tuple[int, float]:
+    """(slots moved into the hot set, hot share of the rows after 100 calls) over `calls` one-token layer
+    calls routed top-8 by `weights_E`, 32 of 128 slots hot, decode-like costs (host 0.26 ms an expert, a
+    slot's copy 0.2 ms): the re-choice rule alone (`_observe`, `rechoose`), no compute."""
+    E, K, H = 128, 8, 32
+    host = {"w": torch.zeros(E, 2, 2)}
+    slot_bytes = 2 * 2 * 4
+    costs = OffloadCosts(host_flops=1e12, device_flops=4e14, h2d_Bps=slot_bytes / 2e-4, host_call_s=0.26e-3,
+                         host_row_s=4e-6)
+    tiers = ExpertTiers(host, H, torch.device("cpu"), None, costs, Staging(host, torch.device("cpu")),
+                        TierConfig(cold_path="host", confidence=confidence))
+    gen = torch.Generator().manual_seed(0)
+    hot = rows = 0
+    for call in range(calls):
+        counts = torch.bincount(torch.multinomial(weights_E, K, generator=gen), minlength=E).tolist()
+        if call >= 100:
+            hot, rows = hot + sum(counts[s] for s in tiers.hot_slots), rows + K
+        tiers._observe(counts)
+        tiers.rechoose(4096)
+    return tiers.stats.bytes_promoted // tiers.slot_bytes, hot / rows
+
+
+def test_rechoosing_at_decode_moves_little_on_noise_and_still_finds_busy_slots():
+    """One row per layer call: under uniform routing a slot's recent row is noise, and without the counting
+    test (confidence 0) the rule moves hundreds of slots for nothing; with it, several times fewer. Under
+    skewed routing (Zipf 0.8) the hot set it keeps serves more rows than uniform's 25% and no fewer than
+    without the test."""
+    E = 128
+    uniform = torch.ones(E)
+    zipf = (1.0 / torch.arange(1, E + 1).float() ** 0.8)[torch.randperm(E, generator=torch.Generator().manual_seed(1))]
+    noisy, _ = _decode_moves(0.0, uniform)
+    calm, share = _decode_moves(2.0, uniform)
+    assert noisy >= 200 and calm * 4 <= noisy and 0.2 <= share <= 0.3, (noisy, calm, share)
+    moved_noisy, share_noisy = _decode_moves(0.0, zipf)
+    moved, share = _decode_moves(2.0, zipf)
+    assert share >= 0.5 and share >= share_noisy - 0.01 and moved * 4 <= moved_noisy, (share, share_noisy, moved)
+
+
 def test_tier_config_refusals():
-    for bad in ({"margin": -1.0}, {"interval": 0}, {"ema": 1.0}, {"cold_path": "disk"}):
+    for bad in ({"margin": -1.0}, {"interval": 0}, {"ema": 1.0}, {"cold_path": "disk"}, {"confidence": -1.0}):
         with pytest.raises(ConfigError):
             TierConfig(**bad)
 

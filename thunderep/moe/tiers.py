@@ -22,8 +22,12 @@ worth being hot is w(s) = cold(r_s) - hot(r_s), the expected seconds per call it
 load EMA r_s (rows per call) and the calibrated costs (`OffloadCosts.cold_seconds`, on the path it would
 take). The coldest-valued hot slot is swapped for the best cold one, pair after pair, while
 interval x (w(in) - w(out)) > TierConfig.margin x the seconds of copying one slot in: a swap must pay for
-its copy `margin` times over within one interval, so near-equal loads (a prefill's near-uniform routing,
-noise) move nothing. The weights are the same bytes in both tiers, so the hot set never changes an
+its copy `margin` times over within one interval, so near-equal loads (a prefill's near-uniform routing)
+move nothing. At decode a slot sees a row in a few calls of a hundred, and one recent row lifts its EMA
+past that bar, so a swap must also be more than counting noise: with n = r x (1 + ema) / (1 - ema), the
+rows of as many calls as have the EMA's variance, n(in) - n(out) > TierConfig.confidence x sqrt(n(in) +
+n(out)) (Poisson counts; confidence 2: about 2 standard deviations). Without it, near-uniform decode
+moved some 500 slots over a short run on one H200 (docs/benchmarks/2026-12-05-expert-offload-h200.md). The weights are the same bytes in both tiers, so the hot set never changes an
 output. On a CPU-only machine the device is the host: every path runs, with the host's memory standing
 in for the device's.
 """
@@ -74,20 +78,23 @@ class TierConfig:
     """cold_path: "auto" (the cost model decides per cold slot and call), "host" or "stream" (forced).
     calibration_calls: layer calls counted before the first chosen hot set. interval: layer calls between
     re-choices after that. ema: weight of the past in the per-slot load average. margin: how many times
-    over a swap's estimated saving in one interval must pay for its copy (the module docstring)."""
+    over a swap's estimated saving in one interval must pay for its copy; confidence: how many standard
+    deviations of counting noise the two slots' load difference must exceed (the module docstring)."""
 
     cold_path: str = "auto"
     calibration_calls: int = 4
     interval: int = 32
     ema: float = 0.9
     margin: float = 2.0
+    confidence: float = 2.0
 
     def __post_init__(self):
         if self.cold_path not in COLD_PATHS:
             raise ConfigError(f"cold_path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
-        if self.margin < 0 or self.interval < 1 or not 0 <= self.ema < 1:
-            raise ConfigError(f"TierConfig needs margin >= 0, interval >= 1 and 0 <= ema < 1, got margin "
-                              f"{self.margin}, interval {self.interval}, ema {self.ema}")
+        if self.margin < 0 or self.interval < 1 or not 0 <= self.ema < 1 or self.confidence < 0:
+            raise ConfigError(f"TierConfig needs margin >= 0, interval >= 1, 0 <= ema < 1 and confidence >= 0, got "
+                              f"margin {self.margin}, interval {self.interval}, ema {self.ema}, "
+                              f"confidence {self.confidence}")
 
 
 @dataclass
@@ -237,10 +244,14 @@ class ExpertTiers:
         worth = {s: self.worth(self.ema_S[s], row_bytes) for s in range(self.num_slots)}
         ins = sorted((s for s in range(self.num_slots) if s not in self._row_of), key=lambda s: -worth[s])
         outs = sorted(self.hot_slots, key=lambda s: worth[s])
+        window = (1 + c.ema) / (1 - c.ema)  # calls whose counts the EMA's variance equals
         pairs = []
         for s_in, s_out in zip(ins, outs):
             if c.interval * (worth[s_in] - worth[s_out]) <= c.margin * copy_s:
                 break
+            n_in, n_out = self.ema_S[s_in] * window, self.ema_S[s_out] * window
+            if n_in - n_out <= c.confidence * (n_in + n_out) ** 0.5:
+                continue  # a difference counting noise makes often: a later, busier pair may still pass
             pairs.append((s_in, s_out))
         return pairs
 
