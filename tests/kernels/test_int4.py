@@ -199,7 +199,7 @@ def test_int4_custom_op_equals_the_direct_call():
 
 import triton.language as tl  # noqa: E402
 
-from thunderep.kernels import pairs4, tiles  # noqa: E402
+from thunderep.kernels import pairs4  # noqa: E402
 
 
 @triton.jit
@@ -248,25 +248,6 @@ def test_conversions_are_exact_for_every_code(fmt):
     keep[10, 16:] = False
     # bit for bit: -0.0 stays -0.0
     assert torch.equal(out[keep].view(torch.int32), want[keep].view(torch.int32))
-
-
-def test_legacy_kernels_give_the_new_kernels_results(monkeypatch):
-    """tiles.legacy_pairs4 (the kernels before the conversion rework, kept for side-by-side timing) runs the
-    old kernels and the old dequantization conversion; their outputs agree with the new ones'."""
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    for fmt in ("int4", "mxfp4"):
-        x, w_gu, w_d, ids, weights = make_case(2, 64, 48, 4, 2, torch.float16, 7)
-        q_gu, q_d = Int4Weight.quantize(w_gu, fmt), Int4Weight.quantize(w_d, fmt)
-        with torch.no_grad():
-            new = routed_moe_mlp(x, q_gu, q_d, ids, weights.half())
-            with tiles.legacy_pairs4():
-                old = routed_moe_mlp(x, q_gu, q_d, ids, weights.half())
-                assert tiles.UP_PAIRS4_PLAIN is not pairs4.up_pairs4_kernel
-                w_old = q_d.dequantize(dtype=torch.float32)
-        assert tiles.UP_PAIRS4_PLAIN is pairs4.up_pairs4_kernel
-        assert rel_err(old, new.double()) < 2e-3
-        assert torch.equal(w_old, q_d.dequantize(dtype=torch.float32))
 
 
 # ---- gpt-oss's experts on 4-bit weights (pairs4_gptoss.py) ----------------------------------------------

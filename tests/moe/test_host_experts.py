@@ -16,8 +16,8 @@ from thunderep.config import ExpertsConfig
 from thunderep.errors import ConfigError
 from thunderep.moe.experts import expert_mlp
 from thunderep.moe.host_experts import NEVER, GatedLayout, HostExperts, calibrate_upcast, per_slot, time_host_fn
-from thunderep.moe.offload_cost import OffloadCosts, calibrate_host, fit_affine, split_cold
-from thunderep.moe.tiers import ExpertTiers, Staging, TierConfig
+from thunderep.moe.offload_cost import OffloadCosts, calibrate_host, calibrate_stream, fit_affine, split_cold
+from thunderep.moe.tiers import ExpertTiers, Staging, TierConfig, TierStats
 
 S, D, I = 6, 16, 8
 
@@ -153,6 +153,30 @@ def _tiers(costs: OffloadCosts, hot: int, **config) -> ExpertTiers:
 
     return ExpertTiers(host, hot, torch.device("cpu"), compute, costs, Staging(host, torch.device("cpu")),
                        TierConfig(**config))
+
+
+def test_stream_calibration_prices_the_experts_call_each_streamed_slot_makes():
+    """An experts function taking 3 ms a call: the stream path's measured seconds per slot include it (the
+    copy alone is microseconds here), `calibrate_stream` carries them into stream_seconds, and a one-row cold
+    slot then goes to a 1 ms host path, which the copy-only estimate would have streamed; timing leaves the
+    telemetry as it was."""
+    host = _experts(False)
+
+    def slow(weights, x_MD, slot_M):
+        time.sleep(3e-3)
+        return x_MD.clone()
+
+    costs = OffloadCosts(host_flops=1e9, device_flops=1e12, h2d_Bps=1e12, host_call_s=1e-3, host_row_s=1e-5)
+    tiers = ExpertTiers(host, 1, torch.device("cpu"), slow, costs, Staging(host, torch.device("cpu")),
+                        TierConfig())
+    P, B, row = tiers.slot_params, tiers.slot_bytes, D * 4
+    assert costs.cold_path(1, P, row, B) == "stream"  # 1.5 KB at 1 TB/s: the copy-only estimate streams
+    per_slot = tiers.time_stream(D, torch.float32, slots=2, repeats=2)
+    assert 3e-3 <= per_slot < 0.1 and tiers.stats == TierStats()
+    timed = calibrate_stream(costs, lambda: per_slot)
+    assert timed.stream_call_s == per_slot and timed.stream_seconds(1, P, B) == per_slot
+    assert timed.stream_seconds(9, P, B) == pytest.approx(per_slot + 8 * 2 * P / 1e12)
+    assert timed.cold_path(1, P, row, B) == "host" and "ms per expert at one row" in timed.stream_text
 
 
 def _call(tiers: ExpertTiers, counts: list[int]) -> torch.Tensor:

@@ -15,8 +15,8 @@ not re-read weights from L2.
 
 --impls takes eager, grouped_mm, thunderep, thunderep:<pin> (one of ThunderEP's paths pinned: PINS),
 thunderep:<format> (ThunderEP on FP8 or 4-bit copies of the weights, forward only: FORMATS; their HBM
-fraction counts the bytes and scales read; with 4-bit formats a second table sets each beside its
-`-legacy` baseline, bfloat16 and FP8) and copy (a reference row, not a baseline: one device-to-device
+fraction counts the bytes and scales read; with 4-bit formats a second table sets each beside
+bfloat16 and FP8) and copy (a reference row, not a baseline: one device-to-device
 copy moving the bytes the step reads).
 """
 
@@ -99,25 +99,18 @@ PINS = {
 # Weight formats: "thunderep:<format>" runs ThunderEP's kernels (as configured) on FP8 copies of the same
 # weights (kernels/fp8.py), forward only: scale blocks of 128 x 128 (DeepSeek-V3's and Qwen3-FP8's
 # checkpoints), or one scale per row (what a bfloat16 checkpoint quantized at load gets); or on 4-bit copies
-# (kernels/int4.py), the "-legacy" ones through the kernels as they were before their conversion was
-# reworked (kernels/tiles.legacy_pairs4), on the same 4-bit weights.
+# (kernels/int4.py).
 # name: (scale block, None for one scale per row; W8A8: the sorted kernels' inputs in FP8 too, fp8.py)
 FORMATS = {"fp8": ((128, 128), False), "fp8row": (None, False), "fp8-w8a8": ((128, 128), True),
-           "fp8row-w8a8": (None, True), "int4": ("int4", False), "mxfp4": ("mxfp4", False),
-           "int4-legacy": ("int4", False), "mxfp4-legacy": ("mxfp4", False)}
-LEGACY = "-legacy"
+           "fp8row-w8a8": (None, True), "int4": ("int4", False), "mxfp4": ("mxfp4", False)}
 
 
 def _pinned(impl: str):
     """"thunderep:<pin>" sets the environment variable of PINS[pin] while that implementation is
-    measured, a "-legacy" format runs the kernels as they were (tiles.legacy_pairs4); anything else runs
-    as configured."""
-    from ..kernels import tiles  # triton: optional (the gpu extra), with thunderep.kernels
-    from ..kernels.grouped_gemm import pinned  # likewise
+    measured; anything else runs as configured."""
+    from ..kernels.grouped_gemm import pinned  # triton: optional (the gpu extra), with thunderep.kernels
 
     pin = impl.partition(":")[2] if _ours(impl) else ""
-    if pin.endswith(LEGACY):
-        return tiles.legacy_pairs4()
     return pinned(*PINS[pin]) if pin in PINS else contextlib.nullcontext()
 
 
@@ -258,7 +251,7 @@ def _implementations(impls, D, I, E, K, w_gu, w_d):
             block, w8a8 = FORMATS[_format(impl)]
             quantize = (lambda w: Int4Weight.quantize(w, block)) if isinstance(block, str) else \
                 (lambda w: Fp8Weight.quantize(w, block, w8a8=w8a8))
-            if (block, w8a8) not in quantized:  # a "-legacy" format shares its format's weights
+            if (block, w8a8) not in quantized:
                 quantized[(block, w8a8)] = quantize(w_gu.detach()), quantize(w_d.detach())
             w8_gu, w8_d = quantized[(block, w8a8)]
             fns[impl] = _thunder_experts(D, I, E, K, w8_gu, w8_d)
@@ -403,29 +396,25 @@ def table(rows, impls) -> str:
 
 
 def formats_table(rows) -> str:
-    """Markdown table of each 4-bit format (thunderep:int4, thunderep:mxfp4) beside its "-legacy" baseline
-    (same weights, same run), bfloat16 (thunderep) and FP8 (thunderep:fp8row, else thunderep:fp8):
-    milliseconds, the others' time over the new one's (2.50x: 2.5 times faster), and the HBM fraction
-    over the 4-bit bytes read (legacy / new)."""
+    """Markdown table of each 4-bit format (thunderep:int4, thunderep:mxfp4) beside bfloat16 (thunderep) and
+    FP8 (thunderep:fp8row, else thunderep:fp8) of the same run: milliseconds, the others' time over the 4-bit
+    one's (2.50x: 2.5 times faster), and the HBM fraction over the 4-bit bytes read."""
     keyed = {(r["shape"], r["T"], r["mode"], r["impl"]): r for r in rows}
 
     def over(shape, T, mode, impl, new):
         other = keyed.get((shape, T, mode, impl))
         return f"{other['ms'] / new['ms']:.2f}x" if other and new["ms"] == new["ms"] else "-"
 
-    lines = ["| shape | T | mode | format | legacy ms | new ms | legacy / new | bf16 / new | FP8 / new "
-             "| HBM frac (legacy / new) |", "|" + "---|" * 10]
+    lines = ["| shape | T | mode | format | ms | bf16 / 4-bit | FP8 / 4-bit | HBM frac |", "|" + "---|" * 8]
     for shape, T, mode in dict.fromkeys((r["shape"], r["T"], r["mode"]) for r in rows):
         fp8 = next((i for i in ("thunderep:fp8row", "thunderep:fp8") if (shape, T, mode, i) in keyed), "")
         for fmt in ("int4", "mxfp4"):
-            legacy = f"thunderep:{fmt}{LEGACY}"
-            new, old = keyed.get((shape, T, mode, f"thunderep:{fmt}")), keyed.get((shape, T, mode, legacy))
+            new = keyed.get((shape, T, mode, f"thunderep:{fmt}"))
             if new is None:
                 continue
-            old_ms, old_frac = (f"{old['ms']:.3f}", f"{old['hbm_frac']:.0%}") if old else ("-", "-")
-            lines.append(f"| {shape} | {T} | {mode} | {fmt} | {old_ms} | {new['ms']:.3f} | "
-                         f"{over(shape, T, mode, legacy, new)} | {over(shape, T, mode, 'thunderep', new)} | "
-                         f"{over(shape, T, mode, fp8, new)} | {old_frac} / {new['hbm_frac']:.0%} |")
+            lines.append(f"| {shape} | {T} | {mode} | {fmt} | {new['ms']:.3f} | "
+                         f"{over(shape, T, mode, 'thunderep', new)} | {over(shape, T, mode, fp8, new)} | "
+                         f"{new['hbm_frac']:.0%} |")
     return "\n".join(lines)
 
 

@@ -7,8 +7,7 @@ random checkpoint of a real MoE model's shape with fewer layers.
 For each hot fraction f (--fractions) the device budget is set so that round(f S) of each layer's S experts
 fit after the replicated weights and the two staging buffers (`train.plan.plan_offload_memory`). Rows:
 
-    thunderep f    ThunderMoE with that gpu_memory, each cold expert's path chosen by the cost model
-                   (--cold-path host or stream: forced, to measure either)
+    thunderep f    ThunderMoE with that gpu_memory, each cold expert's path chosen by the cost model (or --cold-path)
     (a) accelerate transformers, device_map="auto", max_memory={GPU: the same bytes, "cpu": 200GiB}: whole modules
                    (a layer's experts are one) copied to the GPU at every call; equal bytes, not equal expert sets
     (b) host       ThunderMoE with no hot expert, every expert computed on the host (TierConfig(cold_path="host"))
@@ -299,8 +298,8 @@ def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offl
         tiers = [b.tiers for b in tm.bindings.values() if getattr(b, "tiers", None) is not None]
         costs = tiers[0].costs if tiers else measure_costs(device, dtype)
         row.costs = {**dataclasses.asdict(costs), "host_fn": describe(tiers[0].host_fn) if tiers else "-"}
-        say(f"  host path {row.costs['host_fn']}: {costs.host_text}; device {costs.device_flops / 1e9:.0f} GFLOP/s, "
-            f"host to device {costs.h2d_Bps / 1e9:.1f} GB/s")
+        say(f"  host path {row.costs['host_fn']}: {costs.host_text}; {costs.stream_text}; device "
+            f"{costs.device_flops / 1e9:.0f} GFLOP/s, host to device {costs.h2d_Bps / 1e9:.1f} GB/s")
         if row.kind != "host":  # the model predicts the cheaper cold path; (b) forces the host
             row.predicted = _predict(costs, plan, config, bench)
             say(f"  predicted decode {row.predicted['decode']:.1f} tokens/s, prefill {row.predicted['prefill']:.0f} "

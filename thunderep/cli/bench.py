@@ -42,8 +42,7 @@ TRACES = ("uniform", "zipf0.8", "zipf1.2", "zipf1.6", "drift", "burst")  # bench
 SHAPES = ("mixtral", "qwen3", "deepseek", "gptoss")  # bench.kernels.SHAPES
 IMPLS = ("eager", "grouped_mm", "thunderep")  # bench.kernels.IMPLS
 PINS = ("triton", "torch", "pairs", "sorted", "wgrad_triton", "wgrad_torch", "nopdl")  # bench.kernels.PINS
-FORMATS = ("fp8", "fp8row", "fp8-w8a8", "fp8row-w8a8", "int4", "mxfp4", "int4-legacy",
-           "mxfp4-legacy")  # bench.kernels.FORMATS
+FORMATS = ("fp8", "fp8row", "fp8-w8a8", "fp8row-w8a8", "int4", "mxfp4")  # bench.kernels.FORMATS
 COPY = "copy"  # bench.kernels.COPY
 MODELS = ("mixtral", "qwen3-30b-a3b", "olmoe", "deepseek-v3", "deepseek-v3-ungrouped")  # bench.bytes.MODELS
 

@@ -50,15 +50,17 @@ _EXPECTED = "_thunderep_int4_expected"  # on an experts module: to be held in 4 
 
 
 def to_int4_experts(model: nn.Module, bindings: dict, dtype: torch.dtype, fmt: str, group: int = 32,
-                    scale_dtype: torch.dtype = torch.float32, zero: bool = False) -> None:
+                    scale_dtype: torch.dtype | None = None, zero: bool = False) -> None:
     """Make every bound experts module hold gate_up_proj and down_proj in 4 bits (in place, on the meta
     device, before `to_empty`; module docstring). fmt: "int4" or "mxfp4" (group 32, uint8 scales);
-    group: columns per scale; scale_dtype: int4's scale dtype (a checkpoint's, kept as stored); zero:
+    group: columns per scale; scale_dtype: int4's scale dtype (a checkpoint's, kept as stored; None: the
+    model's dtype, as `Int4Weight.quantize` holds scales quantizing from 16 bits); zero:
     int8 zero points per group too (asymmetric int4 checkpoints). ConfigError for a module whose experts
     the kernels do not run, or whose columns are odd or not a whole number of groups for mxfp4."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"4-bit experts compute in bfloat16 or float16; the model's dtype is {dtype}: load it "
                           "with dtype=torch.bfloat16")
+    scale_dtype = scale_dtype or dtype
     if fmt == "mxfp4":
         group, scale_dtype, zero = MXFP4_GROUP, torch.uint8, False
     elif group < 2 or group % 2:

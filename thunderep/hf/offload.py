@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..moe.host_experts import GatedLayout, HostExperts, calibrate_upcast, per_slot
-from ..moe.offload_cost import OffloadCosts, calibrate_host, measure_costs
+from ..moe.offload_cost import OffloadCosts, calibrate_host, calibrate_stream, measure_costs
 from ..moe.tiers import ExpertTiers, Staging, TierConfig, TierStats, parse_memory
 from .experts import experts_compute_fn
 from .fp8 import expert_weights, is_fp8
@@ -233,7 +233,8 @@ def attach_tiers(wrapped, plan: OffloadPlan, device: torch.device, config: TierC
                  costs: OffloadCosts | None = None) -> None:
     """Give every binding of `wrapped` its `ExpertTiers` (hot slots as `plan` says, copied to `device`);
     one `Staging` per distinct slot shape, shared by the modules; the cost model measured once, its host
-    side calibrated once per slot shape on that shape's host function (not where `costs` is given)."""
+    and stream sides calibrated once per slot shape on that shape's host function and stream path (not
+    where `costs` is given)."""
     stagings, upcast, scratch, calibrated = {}, {}, {}, {}
     for name, binding in wrapped.bindings.items():
         module = wrapped.model.get_submodule(name)
@@ -253,6 +254,10 @@ def attach_tiers(wrapped, plan: OffloadPlan, device: torch.device, config: TierC
                                              rows=(1, many))
         binding.tiers = ExpertTiers(host, plan.hot[name], device, binding.weights_compute(module),
                                     costs or calibrated[key], stagings[key], config or TierConfig(), host_fn=on_host)
+        if costs is None and calibrated[key].stream_call_s is None:  # once per shape, on this layer's own path
+            tiers = binding.tiers
+            calibrated[key] = tiers.costs = calibrate_stream(
+                calibrated[key], lambda: tiers.time_stream(_hidden(wrapped, module), wrapped.model.dtype))
 
 
 def offload_stats(bindings) -> dict | None:

@@ -158,7 +158,8 @@ def int4_layout(config, experts_dtype: str, index=None) -> tuple:
     """(format, group, scale dtype, zero points) that `hf.int4.to_int4_experts` holds 4-bit experts in for
     `experts_dtype` ("mxfp4", "int4", "int4-g128"): a compressed-tensors pack-quantized checkpoint's own
     group, scale dtype (read off `index`, a `DequantizedIndex`) and zero points for int4 (its bytes kept as
-    stored); else int4 symmetric by groups of 32 (128 for "int4-g128") with float32 scales, or MXFP4."""
+    stored); else int4 symmetric by groups of 32 (128 for "int4-g128") with scales in the model's dtype
+    (scale dtype None), or MXFP4."""
     if experts_dtype == "mxfp4":
         return "mxfp4", 32, torch.uint8, False
     settings = _settings(config)
@@ -166,10 +167,10 @@ def int4_layout(config, experts_dtype: str, index=None) -> tuple:
     packed = [g["weights"] for g in (settings.get("config_groups") or {}).values()
               if isinstance(g, dict) and g.get("weights") and (g.get("format") or settings.get("format")) == _CT_PACKED]
     if settings.get("quant_method") != "compressed-tensors" or len(packed) != 1 or index is None:
-        return "int4", group, torch.float32, False
+        return "int4", group, None, False
     weights = packed[0]
     if weights.get("strategy") != "group":  # channel scales: read dequantized, quantized by groups of `group`
-        return "int4", group, torch.float32, False
+        return "int4", group, None, False
     return "int4", weights["group_size"], index.packed_scale_dtype() or torch.float32, not weights.get("symmetric", True)
 
 

@@ -21,14 +21,10 @@ import triton
 import triton.language as tl
 
 from .pairs4 import nibbles4, scales4
-from .pairs4_legacy import legacy_codes4
 
 __all__ = ["dequantize4"]
 
 TILE = 4096  # W values a program writes
-# True: the codes converted as before the conversion was reworked (pairs4_legacy.py; the same values), for
-# timing both side by side (tiles.legacy_pairs4 sets it); it goes with that comparison.
-LEGACY_CODES = False
 MAX_BLOCK_C = 1024
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -36,8 +32,7 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _dequant4_kernel(p_ptr, s_ptr, z_ptr, out_ptr, rows, R, H, stride_pe, stride_pr, stride_ph, stride_se,
                      stride_sr, stride_sg, stride_ze, stride_zr, stride_zg, GROUP: tl.constexpr,
-                     MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                     LEGACY: tl.constexpr = False):
+                     MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[row, c] for rows program_id(0) * BLOCK_R + [0, BLOCK_R) of the flattened [E * R] and columns
     program_id(1) * BLOCK_C + [0, BLOCK_C). packed [E, R, H] uint8, scales (and zero points, ZERO)
     [E, R, nG] by strides; out [E * R, 2 H] contiguous."""
@@ -52,10 +47,7 @@ def _dequant4_kernel(p_ptr, s_ptr, z_ptr, out_ptr, rows, R, H, stride_pe, stride
     g_B = (2 * byte_B // GROUP).to(tl.int64)  # both columns of a byte share a group (GROUP is even)
     scale = scales4(s_ptr + (e_R * stride_se + r_R * stride_sr)[:, None] + (g_B * stride_sg)[None, :], ok,
                           MXFP4)
-    if LEGACY:
-        lo, hi = legacy_codes4(b & 15, MXFP4), legacy_codes4(b >> 4, MXFP4)
-    else:
-        lo, hi = nibbles4(b, MXFP4)
+    lo, hi = nibbles4(b, MXFP4)
     if ZERO:
         z = tl.load(z_ptr + (e_R * stride_ze + r_R * stride_zr)[:, None] + (g_B * stride_zg)[None, :], mask=ok,
                     other=0).to(tl.float32)
@@ -85,5 +77,5 @@ def dequantize4(packed_ERH: torch.Tensor, scale_ERG: torch.Tensor, zero_ERG: tor
     grid = (triton.cdiv(E * R, block_r), triton.cdiv(2 * H, block_c))
     _dequant4_kernel[grid](packed_ERH, scale_ERG, zero, out, E * R, R, H, *packed_ERH.stride(), *scale_ERG.stride(),
                            *zero.stride(), GROUP=group, MXFP4=mxfp4, ZERO=zero_ERG is not None, BLOCK_R=block_r,
-                           BLOCK_C=block_c, LEGACY=LEGACY_CODES, num_warps=num_warps)
+                           BLOCK_C=block_c, num_warps=num_warps)
     return out

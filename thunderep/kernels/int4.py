@@ -181,8 +181,10 @@ class Int4Weight:
     def quantize(cls, w_ERC: torch.Tensor, fmt: str = "int4", group: int = 32,
                  dtype: torch.dtype | None = None) -> Int4Weight:
         """`w_ERC` (any float dtype, C even) in 4 bits, by groups of `group` columns along each row.
-        int4: symmetric, scale = the group's largest magnitude / 7 (float32; an all-zero group gets 1),
-        values rounded to nearest in [-7, 7]. mxfp4 (group 32): the exponent 2 ** (floor(log2(amax)) - 2)
+        int4: symmetric, scale = the group's largest magnitude / 7 (an all-zero group gets 1), held in the
+        products' dtype where that is 16-bit (as compressed-tensors exports hold it: decode reads a quarter
+        fewer bytes than with float32 scales), else float32; values rounded to nearest in [-7, 7] against
+        the scale as held. mxfp4 (group 32): the exponent 2 ** (floor(log2(amax)) - 2)
         that puts the largest magnitude in e2m1's top binade (the OCP MX rule), values rounded to the
         nearest e2m1 value (ties to the larger magnitude) and clamped to +-6. dtype: what the products
         run in, default w's own (bfloat16 or float16)."""
@@ -195,14 +197,17 @@ class Int4Weight:
         E, R, C = w_ERC.shape
         nG = _cdiv(C, group)
         packed = torch.empty(E, R, C // 2, dtype=torch.uint8, device=w_ERC.device)
-        scale = torch.empty(E, R, nG, dtype=torch.uint8 if fmt == "mxfp4" else torch.float32, device=w_ERC.device)
+        dtype = dtype or w_ERC.dtype
+        held = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+        scale = torch.empty(E, R, nG, dtype=torch.uint8 if fmt == "mxfp4" else held, device=w_ERC.device)
         for e in range(E):  # one expert's float32 copy at a time
             padded = torch.zeros(R, nG * group, dtype=torch.float32, device=w_ERC.device)
             padded[:, :C] = w_ERC[e].float()
             groups = padded.view(R, nG, group)
             amax = groups.abs().amax(dim=2)
             if fmt == "int4":
-                s = torch.where(amax > 0, amax / amax.new_tensor(7.0), torch.ones_like(amax))
+                s = (amax / amax.new_tensor(7.0)).to(held).float()
+                s = torch.where(s > 0, s, torch.ones_like(s))  # all zero, or below the held dtype's range
                 codes = (groups / s[:, :, None]).round().clamp(-7, 7).to(torch.int64) + 8
                 scale[e] = s
             else:
@@ -214,4 +219,4 @@ class Int4Weight:
                 codes = codes + 8 * ((groups < 0) & (codes > 0)).to(torch.int64)
                 scale[e] = (exp + 127).to(torch.uint8)
             packed[e] = _pack(codes.view(R, nG * group)[:, :C])
-        return cls(packed, scale, group, dtype or w_ERC.dtype, fmt)
+        return cls(packed, scale, group, dtype, fmt)

@@ -9,16 +9,12 @@ by `wgrad_key`. TUNING_ROWS reaches every key once (what a server tunes ahead, s
 
 from __future__ import annotations
 
-import contextlib
-
 import triton
 
 from .. import env
-from . import dequant4
 from . import moe_triton as K
 from . import pairs as P
 from . import pairs4 as P4
-from . import pairs4_legacy as P4L
 from .grouped_gemm import mean_rows
 from .tuning import fp8_only, signature, tuned
 
@@ -26,7 +22,7 @@ __all__ = ["ACT_BWD", "ACT_BWD_PLAIN", "DEFAULT_DOWN_PAIR", "DEFAULT_ROW", "DEFA
            "DOWN_PAIRS", "DOWN_PAIRS4", "DOWN_PAIRS4_PLAIN", "DOWN_PAIRS_PLAIN", "DOWN_PAIR_CONFIGS", "FP8_ROW_TILES",
            "MIN_DOWN_BLOCK_N", "ROWS", "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP_PAIRS", "UP_PAIRS4",
            "UP_PAIRS4_PLAIN", "UP_PAIRS_PLAIN", "UP_PAIR_CONFIGS", "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS", "WGRAD_PLAIN",
-           "cfg", "legacy_pairs4", "m_key", "pair_cfg", "pairs4_default", "prune_rows", "prune_up", "prune_wgrad",
+           "cfg", "m_key", "pair_cfg", "pairs4_default", "prune_rows", "prune_up", "prune_wgrad",
            "row_cfg", "wgrad_key"]
 
 
@@ -144,33 +140,6 @@ UP_PAIRS4, UP_PAIRS4_PLAIN = tuned("up_pairs4", P4.up_pairs4_kernel, PAIRS4_CONF
                                    ["I", "D", "top_k", "INTERLEAVED", "GROUP", "MXFP4", "ZERO"])
 DOWN_PAIRS4, DOWN_PAIRS4_PLAIN = tuned("down_pairs4", P4.down_pairs4_kernel, PAIRS4_CONFIGS,
                                        ["I", "D", "top_k", "WEIGHTED", "GROUP", "MXFP4", "ZERO"])
-# The kernels as they were before the conversion was reworked (pairs4_legacy.py), on the same tiles: only for
-# timing both side by side (`legacy_pairs4`); they go when that comparison is recorded.
-_LEGACY_TILES = [(4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 4), (16, 128, 4), (16, 256, 4),
-                 (16, 512, 4), (32, 256, 4), (32, 512, 8)]
-_LEGACY_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in _LEGACY_TILES]
-_LEGACY_UP_PAIRS4 = tuned("up_pairs4_legacy", P4L.legacy_up_pairs4_kernel, _LEGACY_CONFIGS,
-                          ["I", "D", "top_k", "INTERLEAVED", "GROUP", "MXFP4", "ZERO"])
-_LEGACY_DOWN_PAIRS4 = tuned("down_pairs4_legacy", P4L.legacy_down_pairs4_kernel, _LEGACY_CONFIGS,
-                            ["I", "D", "top_k", "WEIGHTED", "GROUP", "MXFP4", "ZERO"])
-
-
-@contextlib.contextmanager
-def legacy_pairs4():
-    """While open, the 4-bit pair launches (decode.pairs4_forward) run the kernels as they were before the
-    conversion was reworked (pairs4_legacy.py), autotuned on their own tiles, and the dequantization for
-    prompts (dequant4.py) converts as before: the baseline of `thunderep bench kernels`' thunderep:int4-legacy
-    and thunderep:mxfp4-legacy rows. Not thread-safe; benchmarks only."""
-    global UP_PAIRS4, UP_PAIRS4_PLAIN, DOWN_PAIRS4, DOWN_PAIRS4_PLAIN
-    kept = UP_PAIRS4, UP_PAIRS4_PLAIN, DOWN_PAIRS4, DOWN_PAIRS4_PLAIN
-    (UP_PAIRS4, UP_PAIRS4_PLAIN), (DOWN_PAIRS4, DOWN_PAIRS4_PLAIN) = _LEGACY_UP_PAIRS4, _LEGACY_DOWN_PAIRS4
-    dequant4.LEGACY_CODES = True
-    try:
-        yield
-    finally:
-        UP_PAIRS4, UP_PAIRS4_PLAIN, DOWN_PAIRS4, DOWN_PAIRS4_PLAIN = kept
-        dequant4.LEGACY_CODES = False
-
 
 def pairs4_default(programs, C: int) -> triton.Config:
     """The 4-bit pair kernels' config without autotuning: the widest chunk of 1024, 512 or 256 columns that pads

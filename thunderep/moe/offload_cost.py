@@ -6,6 +6,7 @@ A cold expert (weights in host memory) with n rows runs where it is estimated ch
 
     host     host_call_s + n host_row_s + n row_bytes 2 / h2d_Bps      (rows to the host and back)
     stream   expert_bytes / h2d_Bps + n 2P / device_flops               (weights to a staging buffer)
+             or, calibrated, stream_call_s + (n - 1) 2P / device_flops
 
 so few rows (decode) stay on the host and many (prefill) stream the weights. host_call_s and host_row_s
 are measured on the layer's own host function at its own expert shape (`calibrate_host`: one timed call at
@@ -13,7 +14,10 @@ are measured on the layer's own host function at its own expert shape (`calibrat
 (tests, `thunderep plan`) use n 2P / host_flops instead (2P FLOPs a row). A hot expert costs
 n 2P / device_flops. The rates are measured once per (device, dtype) at start (`measure_costs`): on a
 CPU-only machine the device is the host, its rates are the host's and the "copy" is a memcpy, and the
-same formula runs. `OffloadCosts` can be replaced (tests force either path with extreme constants).
+same formula runs. stream_call_s is measured like the host's, on the tiers' own stream path (`calibrate_stream`:
+a few slots of one row each, their staged copies and experts calls, waited for): the copy alone leaves out
+the experts call each streamed slot makes, which at one row is most of its cost. `OffloadCosts` can be
+replaced (tests force either path with extreme constants).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import torch
 
 from .host_experts import HostExperts, time_host_fn
 
-__all__ = ["OffloadCosts", "calibrate_gated", "calibrate_host", "fit_affine", "measure_costs", "predicted_rates", "split_cold"]
+__all__ = ["OffloadCosts", "calibrate_gated", "calibrate_host", "calibrate_stream", "fit_affine", "measure_costs",
+           "predicted_rates", "split_cold"]
 
 _MEASURED: dict = {}  # (device, dtype) -> OffloadCosts, filled by measure_costs on first use
 
@@ -37,7 +42,8 @@ class OffloadCosts:
     """host_flops / device_flops: FLOP/s of expert GEMMs on the host / the device. h2d_Bps: bytes per
     second from (pinned) host memory to the device. call_s: fixed seconds per expert computed apart.
     host_call_s / host_row_s: the host path's measured seconds per expert and per row at one layer's
-    expert shape (`calibrate_host`); None: estimated from host_flops."""
+    expert shape (`calibrate_host`); None: estimated from host_flops. stream_call_s: the stream path's
+    measured seconds per slot at one row (`calibrate_stream`); None: estimated from h2d_Bps."""
 
     host_flops: float
     device_flops: float
@@ -45,6 +51,7 @@ class OffloadCosts:
     call_s: float = 0.0
     host_call_s: float | None = None
     host_row_s: float | None = None
+    stream_call_s: float | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -57,6 +64,13 @@ class OffloadCosts:
             return f"host {self.host_call_s * 1e3:.3f} ms per expert + {self.host_row_s * 1e3:.3f} ms per row"
         return f"host GEMM {self.host_flops / 1e9:.0f} GFLOP/s"
 
+    @property
+    def stream_text(self) -> str:
+        """The stream side in words: the calibrated seconds per slot, else the copy bandwidth."""
+        if self.stream_call_s is not None:
+            return f"stream {self.stream_call_s * 1e3:.3f} ms per expert at one row"
+        return f"stream at {self.h2d_Bps / 1e9:.1f} GB/s"
+
     def hot_seconds(self, rows: float, params: int) -> float:
         return rows * 2 * params / self.device_flops
 
@@ -67,6 +81,8 @@ class OffloadCosts:
         return self.call_s + rows * 2 * params / self.host_flops + copies
 
     def stream_seconds(self, rows: int, params: int, expert_bytes: int) -> float:
+        if self.stream_call_s is not None:
+            return self.stream_call_s + max(0.0, rows - 1) * 2 * params / self.device_flops
         return self.call_s + expert_bytes / self.h2d_Bps + rows * 2 * params / self.device_flops
 
     def cold_path(self, rows: int, params: int, row_bytes: int, expert_bytes: int) -> str:
@@ -160,6 +176,12 @@ def calibrate_host(costs: OffloadCosts, host_fn: Callable, host: dict, hidden: i
     a, b = (time_host_fn(host_fn, host, n, hidden, dtype) for n in rows)
     call_s, row_s = fit_affine(rows[0], a, rows[1], b)
     return replace(costs, host_call_s=call_s, host_row_s=row_s)
+
+
+def calibrate_stream(costs: OffloadCosts, seconds_per_slot: Callable[[], float]) -> OffloadCosts:
+    """`costs` with stream_call_s = seconds_per_slot() (`ExpertTiers.time_stream`: the stream path at one
+    row a slot, waited for)."""
+    return replace(costs, stream_call_s=seconds_per_slot())
 
 
 def calibrate_gated(costs: OffloadCosts, hidden: int, params: int, dtype: torch.dtype,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -274,6 +274,27 @@ class ExpertTiers:
         leaving = {s_out: s_in for s_in, s_out in pairs}
         self.set_hot([leaving.get(s, s) for s in self.hot_slots])
         return True
+
+    def time_stream(self, hidden: int, dtype: torch.dtype, slots: int = 3, repeats: int = 3) -> float:
+        """Seconds per slot of the stream path at one row a slot: `slots` distinct slots (fewer where the
+        layer has fewer) through the staging buffers and the experts function, waited for; best of
+        `repeats` after one warm-up. The telemetry is left as it was."""
+        chosen = list(range(min(slots, self.num_slots)))
+        if not chosen:
+            return 0.0
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randn(1, hidden, generator=gen).to(self.device, dtype) for _ in chosen]
+        kept = replace(self.stats)
+        best = float("inf")
+        for i in range(repeats + 1):
+            started = time.perf_counter()
+            self._stream(chosen, xs, {})
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if i:
+                best = min(best, time.perf_counter() - started)
+        self.stats = kept
+        return best / len(chosen)
 
     # -- the compute
 

@@ -40,7 +40,7 @@ class RankMemory:
     finetune_frozen_experts: int = 0
     finetune_lora: int = 0  # 0 where not asked for
     weights_fp8: int = 0  # generate / serve with --experts-dtype fp8; 0 where the kernels do not cover the experts
-    weights_int4: int = 0  # --experts-dtype int4 (groups of 32, float32 scales), as weights_fp8
+    weights_int4: int = 0  # --experts-dtype int4 (groups of 32, scales in the model dtype), as weights_fp8
     weights_mxfp4: int = 0  # --experts-dtype mxfp4 (uint8 exponents per 32 values), as weights_fp8
     problem: str | None = None
 
