@@ -84,7 +84,7 @@ class OffloadBench:
     layers: int = 0
     fractions: tuple[float, ...] = (0.25, 0.5)
     batches: tuple[int, ...] = (1, 8)
-    new_tokens: int = 16
+    new_tokens: int = 32
     prefill: int = 2048
     baselines: tuple[str, ...] = BASELINES
     accelerate_new_tokens: int = 4
