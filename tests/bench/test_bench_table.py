@@ -20,6 +20,25 @@ def _row(impl, ms, frac):
     return {"shape": "qwen3", "T": 1, "impl": impl, "mode": "fwd-graph", "ms": ms, "tflops": 1.0, "hbm_frac": frac}
 
 
+def test_formats_table_sets_each_4bit_format_beside_bf16_and_fp8_with_its_error():
+    """bf16 0.240 ms, FP8 0.120, int4 0.100 (with its output's difference from bf16's), MXFP4 without one."""
+    rows = [_row("thunderep", 0.240, 0.98), _row("thunderep:fp8row", 0.120, 0.9),
+            {**_row("thunderep:int4", 0.100, 0.63), "rel_err_vs_bf16": 0.0123}, _row("thunderep:mxfp4", 0.080, 0.6)]
+    lines = bench.formats_table(rows).splitlines()
+    assert lines[0].endswith("| HBM frac | output vs bf16 |")
+    assert lines[2] == "| qwen3 | 1 | fwd-graph | int4 | 0.100 | 2.40x | 1.20x | 63% | 1.23e-02 |"
+    assert lines[3] == "| qwen3 | 1 | fwd-graph | mxfp4 | 0.080 | 3.00x | 1.50x | 60% | - |"
+
+
+def test_agreement_compares_each_selected_implementation_with_the_reference():
+    """Relative Frobenius difference from the reference's output; nothing without the reference."""
+    sets = [(torch.ones(2, 2), None, None)]
+    fns = {"thunderep": lambda x, *_: x, "thunderep:int4": lambda x, *_: x * 1.5, "grouped_mm": lambda x, *_: x}
+    errs = bench._agreement(fns, sets, "thunderep", bench._format)
+    assert errs == {"thunderep:int4": pytest.approx(0.5)}
+    assert bench._agreement({"thunderep:int4": fns["thunderep:int4"]}, sets, "thunderep", bench._format) == {}
+
+
 def test_table_ratio_ignores_the_copy_reference():
     rows = [_row("grouped_mm", 0.100, 0.2), _row("thunderep", 0.040, 0.5), _row("copy", 0.020, 1.0)]
     line = bench.table(rows, ["grouped_mm", "thunderep", "copy"]).splitlines()[-1]

@@ -273,13 +273,14 @@ def _routing_sets(T, D, E, K, device, gen, dt):
     return sets
 
 
-def _agreement(fns, sets) -> dict:
-    """Each ThunderEP variant's relative difference from grouped_mm on one set (same weights and routing)."""
+def _agreement(fns, sets, reference: str = "grouped_mm", among=_ours) -> dict:
+    """Relative difference (Frobenius) of each implementation `among` selects from `reference`'s output on
+    one set (same weights and routing); {} without the reference."""
     errs = {}
-    if "grouped_mm" in fns:
+    if reference in fns:
         with torch.no_grad():
-            ref = fns["grouped_mm"](*sets[0][:3]).float()
-            for impl in filter(_ours, fns):
+            ref = fns[reference](*sets[0][:3]).float()
+            for impl in filter(among, fns):
                 with _pinned(impl):
                     errs[impl] = ((fns[impl](*sets[0][:3]).float() - ref).norm() / ref.norm()).item()
     return errs
@@ -345,13 +346,14 @@ def bench_shape(name, tokens, impls, bw, device, out_rows, graph_max_t=0, profil
                 torch.cuda.empty_cache()
                 print(f"{name} T={T}: no memory for the copy reference's buffers; row left out", file=sys.stderr)
         errs = _agreement(fns, sets)
+        errs_bf16 = _agreement(fns, sets, "thunderep", _format)  # FP8 and 4-bit weights against bfloat16's
 
         def record(impl, mode, ms_rounds, mode_flops):
             ms = statistics.median(ms_rounds)
             row = {"shape": name, "T": T, "impl": impl, "mode": mode, "ms": ms, "ms_rounds": ms_rounds,
                    "tflops": mode_flops / (ms * 1e-3) / 1e12, "experts_hit": hit,
                    "hbm_frac": hit * impl_bytes.get(impl, expert_bytes) / (ms * 1e-3) / bw,
-                   "rel_err_vs_grouped_mm": errs.get(impl)}
+                   "rel_err_vs_grouped_mm": errs.get(impl), "rel_err_vs_bf16": errs_bf16.get(impl)}
             out_rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
 
@@ -398,14 +400,16 @@ def table(rows, impls) -> str:
 def formats_table(rows) -> str:
     """Markdown table of each 4-bit format (thunderep:int4, thunderep:mxfp4) beside bfloat16 (thunderep) and
     FP8 (thunderep:fp8row, else thunderep:fp8) of the same run: milliseconds, the others' time over the 4-bit
-    one's (2.50x: 2.5 times faster), and the HBM fraction over the 4-bit bytes read."""
+    one's (2.50x: 2.5 times faster), the HBM fraction over the 4-bit bytes read, and the output's relative
+    difference from bfloat16's (same weights before quantization, same routing)."""
     keyed = {(r["shape"], r["T"], r["mode"], r["impl"]): r for r in rows}
 
     def over(shape, T, mode, impl, new):
         other = keyed.get((shape, T, mode, impl))
         return f"{other['ms'] / new['ms']:.2f}x" if other and new["ms"] == new["ms"] else "-"
 
-    lines = ["| shape | T | mode | format | ms | bf16 / 4-bit | FP8 / 4-bit | HBM frac |", "|" + "---|" * 8]
+    lines = ["| shape | T | mode | format | ms | bf16 / 4-bit | FP8 / 4-bit | HBM frac | output vs bf16 |",
+             "|" + "---|" * 9]
     for shape, T, mode in dict.fromkeys((r["shape"], r["T"], r["mode"]) for r in rows):
         fp8 = next((i for i in ("thunderep:fp8row", "thunderep:fp8") if (shape, T, mode, i) in keyed), "")
         for fmt in ("int4", "mxfp4"):
@@ -414,8 +418,12 @@ def formats_table(rows) -> str:
                 continue
             lines.append(f"| {shape} | {T} | {mode} | {fmt} | {new['ms']:.3f} | "
                          f"{over(shape, T, mode, 'thunderep', new)} | {over(shape, T, mode, fp8, new)} | "
-                         f"{new['hbm_frac']:.0%} |")
+                         f"{new['hbm_frac']:.0%} | {_err(new.get('rel_err_vs_bf16'))} |")
     return "\n".join(lines)
+
+
+def _err(value) -> str:
+    return "-" if value is None else f"{value:.2e}"
 
 
 def _show_tuning() -> None:
