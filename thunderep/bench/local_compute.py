@@ -22,7 +22,7 @@ Triton kernels on CUDA, torch's grouped GEMM or a loop elsewhere):
              dispatcher whose all-to-all hands each tensor over as is (`LocalTransport`), so nothing
              but this rank's work is timed
     fused    where the kernels run: the M rows as received straight into the experts' kernels, the expand
-             being the up kernel's gather and the weighted pre-sum the down kernel's epilogue
+             being their row gather and the weighted pre-sum one pass after them (kernels/presum.py)
              (`LocalExperts.summed`, `FusedExperts.compute_summed`; what ep mode runs without gradients)
     expand, presum: those two steps alone; overhead = after - experts
 

@@ -210,8 +210,9 @@ def moe_mlp_summed(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI:
 
     The receiving rank of expert parallelism: x_TD its received rows (one per (token, rank)), order_Q the
     flat pairs t * top_k + k its experts compute, grouped by expert by counts_E, weights_N [T * top_k]
-    every pair's routing weight in flat order. The gather of the rows is the up kernel's A load, the
-    weighting and the per-row sum the down kernel's epilogue (sorted_mlp.forward_summed). Inference
+    every pair's routing weight in flat order. The gather of the rows is the up kernel's A load (or one
+    gather for the grouped GEMM route), the weighting and the per-row sum one pass over the outputs after
+    the down kernel (sorted_mlp.forward_summed, presum.py). Inference
     only: None where gradients are needed (the caller then expands the rows and runs `moe_mlp`, whose
     backward exists). FP8 weights as in `moe_mlp`, 4-bit ones dequantized for the call."""
     checks.check_integer("counts_E", counts_E)

@@ -60,7 +60,7 @@ class LocalExperts:
         such kernels.
     summed(x_MD, counts_S, pairs_Q, weights_N, top_k): ep mode's received rows, weighted [M, D]: row m
         sums its pairs m * top_k + k listed in pairs_Q (grouped by slot) with weights_N [M * top_k], the
-        expand fused into the experts' input gather and the pre-sum into their epilogue; None where
+        expand fused into the experts' input gather and the pre-sum one pass after them; None where
         that does not apply (gradients). None: no such kernels.
     """
 
