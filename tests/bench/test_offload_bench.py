@@ -54,3 +54,19 @@ def test_options():
         with pytest.raises(ConfigError, match=message):
             parse(argv)
     assert main(["--shape", "llama"]) == 2
+
+
+def test_cost_table_adds_the_rest_of_the_model_as_the_whole_gpu_row_measured_it():
+    """Experts predicted at 100 tokens/s, (c) measured at 50: with the rest, 1 / (1/100 + 1/50) = 33.3
+    tokens/s, set against the measured 25 (1.33x); (c) itself is not a prediction row."""
+    from thunderep.bench.offload import Row, cost_table
+
+    rows = [Row("thunderep 25%", "thunderep", 0.25, 1, decode={1: 25.0}, prefill=500.0,
+                predicted={"decode": 100.0, "prefill": 1000.0}),
+            Row("(c)", "gpu", 1.0, decode={1: 50.0}, prefill=1000.0, predicted={"decode": 1e6, "prefill": 1e6})]
+    lines = cost_table(rows, 1).splitlines()
+    assert len(lines) == 3 and "with the rest as (c)" in lines[0]
+    assert lines[2] == "| thunderep 25% | 100 | 33.33 | 25.00 | 1.33x | 1000 | 500 | 500 | 1.00x |"
+    alone = cost_table(rows[:1], 1).splitlines()[2]  # no (c): the experts' prediction alone
+    assert alone == "| thunderep 25% | 100 | - | 25.00 | 4.00x | 1000 | - | 500 | 2.00x |"
+

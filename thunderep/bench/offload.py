@@ -49,6 +49,7 @@ from ..moe.host_experts import describe
 from ..moe.offload_cost import measure_costs, predicted_rates
 from ..moe.tiers import COLD_PATHS, TierConfig
 from ..train.plan import plan_offload_memory
+from .offload_tables import cost_table, size_text, table
 
 __all__ = ["BASELINES", "SHAPES", "OffloadBench", "Row", "StepClock", "budgets", "build_checkpoint", "cost_table",
            "hardware", "main", "measure", "parse", "report", "run_rows", "table"]
@@ -352,7 +353,7 @@ def run_rows(bench: OffloadBench, path: Path) -> list[Row]:
     config = _config(bench)
     rows = []
     for row, plan in _plan_rows(bench, path):
-        say(row.name + (f", budget {_size(row.budget)}" if row.budget is not None else ""))
+        say(row.name + (f", budget {size_text(row.budget)}" if row.budget is not None else ""))
         try:
             if row.kind == "accelerate":
                 _accelerate_row(row, path, bench, config)
@@ -364,66 +365,6 @@ def run_rows(bench: OffloadBench, path: Path) -> list[Row]:
             row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
         rows.append(row)
     return rows
-
-
-def _size(n: int) -> str:
-    shift, unit = next((s, u) for s, u in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B")) if n >= 2**s or not s)
-    return f"{n / 2**shift:.2f} {unit}"
-
-
-def _rate(value) -> str:
-    return "-" if value is None else f"{value:.2f}" if value < 100 else f"{value:.0f}"
-
-
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}x" if a and b else "-"
-
-
-def _versus(row: Row, other: Row | None, batches) -> str:
-    """This row's rates over `other`'s, decode per batch then prefill ("-" where either is missing)."""
-    if other is None or other is row or other.error:
-        return "-"
-    return " / ".join([_ratio(row.decode.get(b), other.decode.get(b)) for b in batches]
-                      + [_ratio(row.prefill, other.prefill)])
-
-
-def _share_cell(shares: dict, batch: int) -> str:
-    cells = [shares.get(f"decode b={batch}"), shares.get("prefill")]
-    return "-" if all(c is None for c in cells) else " / ".join("-" if c is None else f"{c:.0%}" for c in cells)
-
-
-def table(rows: list[Row], batches, prefill: int) -> str:
-    """The markdown table: rates per configuration and each one's ratios against (a) at its fraction, (b), (c)."""
-    by_kind = {(r.kind, r.fraction): r for r in rows}
-    ratio = "rate / theirs, " + " / ".join([f"decode b={b}" for b in batches] + ["prefill"])
-    head = (["config", "budget"] + [f"decode b={b} tok/s" for b in batches]
-            + [f"prefill {prefill} tok/s", f"hot share (decode b={batches[0]} / prefill)",
-               f"vs (a) ({ratio})", "vs (b)", "vs (c)"])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        budget = "-" if r.budget is None else _size(r.budget)
-        if r.error:
-            lines.append(f"| {r.name} | {budget} | failed: {r.error} |" + " |" * (len(head) - 3))
-            continue
-        versus = [_versus(r, by_kind.get(("accelerate", r.fraction)), batches),
-                  _versus(r, by_kind.get(("host", 0.0)), batches), _versus(r, by_kind.get(("gpu", 1.0)), batches)]
-        cells = ([r.name, budget] + [_rate(r.decode.get(b)) for b in batches]
-                 + [_rate(r.prefill), _share_cell(r.hot_share, batches[0])] + versus)
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def cost_table(rows: list[Row], batch: int) -> str:
-    """Predicted (cost model) against measured rates, per row with a prediction."""
-    head = (f"| config | predicted decode tok/s | measured decode b={batch} | predicted / measured "
-            "| predicted prefill tok/s | measured prefill | predicted / measured |")
-    lines = [head, "|" + "---|" * 7]
-    for r in rows:
-        if r.predicted and not r.error:
-            d, p = r.predicted["decode"], r.predicted["prefill"]
-            lines.append(f"| {r.name} | {_rate(d)} | {_rate(r.decode.get(batch))} | {_ratio(d, r.decode.get(batch))} "
-                         f"| {_rate(p)} | {_rate(r.prefill)} | {_ratio(p, r.prefill)} |")
-    return "\n".join(lines)
 
 
 def hardware(bench: OffloadBench) -> str:
@@ -447,7 +388,8 @@ def report(bench: OffloadBench) -> list[Row]:
     name = f"{bench.shape}{' (tiny)' if bench.tiny else ''}, {_layers(bench)} layers, {bench.dtype}"
     print(f"expert offload, {name}; prompts of {PROMPT} tokens, {bench.new_tokens} new tokens "
           f"({bench.accelerate_new_tokens} for accelerate), prefill {bench.prefill} tokens")
-    print("\ncost model (routed experts alone, uniform routing) against the measured rates:\n")
+    print("\ncost model (routed experts alone, uniform routing; with the rest as (c): plus the time (c) measured "
+          "for everything else) against the measured rates:\n")
     print(cost_table(rows, bench.batches[0]))
     print(f"\nhardware: {hardware(bench)}\naccelerate's max_memory counts its own way (whole modules, room kept "
           "for the largest layer): equal bytes, not equal expert sets.\n")

@@ -1,0 +1,80 @@
+"""The expert offload benchmark's tables (`thunderep.bench.offload`): rates per configuration with their
+ratios against the baselines, and the cost model's predictions against the measured rates. Rows are the
+benchmark's `Row`s (name, kind, fraction, budget, decode {batch: tokens/s}, prefill, hot_share, predicted,
+error)."""
+
+from __future__ import annotations
+
+__all__ = ["cost_table", "size_text", "table"]
+
+
+def size_text(n: int) -> str:
+    shift, unit = next((s, u) for s, u in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B")) if n >= 2**s or not s)
+    return f"{n / 2**shift:.2f} {unit}"
+
+
+def _rate(value) -> str:
+    return "-" if value is None else f"{value:.2f}" if value < 100 else f"{value:.0f}"
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def _versus(row, other, batches) -> str:
+    """This row's rates over `other`'s, decode per batch then prefill ("-" where either is missing)."""
+    if other is None or other is row or other.error:
+        return "-"
+    return " / ".join([_ratio(row.decode.get(b), other.decode.get(b)) for b in batches]
+                      + [_ratio(row.prefill, other.prefill)])
+
+
+def _share_cell(shares: dict, batch: int) -> str:
+    cells = [shares.get(f"decode b={batch}"), shares.get("prefill")]
+    return "-" if all(c is None for c in cells) else " / ".join("-" if c is None else f"{c:.0%}" for c in cells)
+
+
+def table(rows, batches, prefill: int) -> str:
+    """The markdown table: rates per configuration and each one's ratios against (a) at its fraction, (b), (c)."""
+    by_kind = {(r.kind, r.fraction): r for r in rows}
+    ratio = "rate / theirs, " + " / ".join([f"decode b={b}" for b in batches] + ["prefill"])
+    head = (["config", "budget"] + [f"decode b={b} tok/s" for b in batches]
+            + [f"prefill {prefill} tok/s", f"hot share (decode b={batches[0]} / prefill)",
+               f"vs (a) ({ratio})", "vs (b)", "vs (c)"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        budget = "-" if r.budget is None else size_text(r.budget)
+        if r.error:
+            lines.append(f"| {r.name} | {budget} | failed: {r.error} |" + " |" * (len(head) - 3))
+            continue
+        versus = [_versus(r, by_kind.get(("accelerate", r.fraction)), batches),
+                  _versus(r, by_kind.get(("host", 0.0)), batches), _versus(r, by_kind.get(("gpu", 1.0)), batches)]
+        cells = ([r.name, budget] + [_rate(r.decode.get(b)) for b in batches]
+                 + [_rate(r.prefill), _share_cell(r.hot_share, batches[0])] + versus)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _with_rest(predicted, whole) -> float | None:
+    """Tokens/s of the routed experts as predicted plus the rest of the model as measured in (c), whose
+    routed experts cost about nothing on the GPU: 1 / (1 / predicted + 1 / whole)."""
+    return 1.0 / (1.0 / predicted + 1.0 / whole) if predicted and whole else None
+
+
+def cost_table(rows, batch: int) -> str:
+    """Predicted (cost model: the routed experts alone) against measured rates, per row with a prediction;
+    with (c) measured, also the prediction plus the rest of the model's time as (c) measured it."""
+    whole = next((r for r in rows if r.kind == "gpu" and not r.error), None)
+    head = (f"| config | predicted decode tok/s | with the rest as (c) | measured decode b={batch} | predicted / "
+            "measured | predicted prefill tok/s | with the rest as (c) | measured prefill | predicted / measured |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        if r.predicted and not r.error and r is not whole:
+            d, p = r.predicted["decode"], r.predicted["prefill"]
+            d_all = _with_rest(d, whole.decode.get(batch)) if whole else None
+            p_all = _with_rest(p, whole.prefill) if whole else None
+            measured_d = r.decode.get(batch)
+            lines.append(f"| {r.name} | {_rate(d)} | {_rate(d_all)} | {_rate(measured_d)} | "
+                         f"{_ratio(d_all or d, measured_d)} | {_rate(p)} | {_rate(p_all)} | {_rate(r.prefill)} | "
+                         f"{_ratio(p_all or p, r.prefill)} |")
+    return "\n".join(lines)
