@@ -69,6 +69,27 @@ def server(tmp_path_factory):
         yield url, model_dir
 
 
+def test_serve_with_offloaded_experts_answers_as_the_plain_model_and_reports_the_tiers(tmp_path):
+    """--gpu-memory holding a quarter of each rank's experts (2 CPU ranks; host memory stands in for the
+    device's): greedy answers equal the plain model's, and /health carries rank 0's tier telemetry."""
+    from transformers import AutoTokenizer
+
+    from hf_tiny import V, chat_tokenizer, offload_budget, save_tiny
+
+    model_dir = save_tiny("qwen3_moe", tmp_path / "model", seed=2)
+    chat_tokenizer(V).save_pretrained(model_dir)
+    budget = offload_budget(model_dir, 0.25, ranks=2)
+    with _running_server(model_dir, tmp_path / "log.txt", "--cpu", "--gpu-memory", str(budget)) as (url, _):
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        prompt = "hello there how"
+        status, body = _post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 6})
+        assert status == 200 and body["choices"][0]["text"] == _reference(model_dir, tok.encode(prompt), 6)[0]
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            offload = json.loads(r.read())["offload"]
+    assert 0 < offload["hot_slots"] < offload["slots"] and offload["rows_hot"] + offload["rows_host"] + \
+        offload["rows_streamed"] > 0, offload
+
+
 def _post(url: str, path: str, body) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
