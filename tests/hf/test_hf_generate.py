@@ -196,3 +196,21 @@ def test_a_rank_count_that_cannot_split_the_experts_is_refused_before_loading_fo
     from thunderep.hf.load import ep_size_problem
 
     assert ep_size_problem(tmp_path, 4) and ep_size_problem(tmp_path, 3) is None
+
+
+def test_generate_with_offloaded_experts_equals_default_and_prints_the_tiers(tmp_path, capfd):
+    """--gpu-memory holding a quarter of each rank's experts (host memory standing in for the device's), on
+    one rank and on two: the same completions as without it, and the tiers' summary line."""
+    from hf_tiny import offload_budget, save_tiny
+
+    path = save_tiny("qwen3_moe", tmp_path / "ckpt", seed=2)
+    args = ["--model", path, "--prompt", "Hello", "--prompt", "MoE", "--max-new-tokens", "5", "--cpu"]
+    assert main(args) == 0
+    pick = lambda out: [line for line in out.splitlines() if line[:4] in ("[0] ", "[1] ")]  # noqa: E731
+    want = pick(capfd.readouterr().out)
+    for ep in (1, 2):
+        budget = offload_budget(path, 0.25, ranks=ep)
+        assert main(args + ["--ep", str(ep), "--gpu-memory", str(budget)]) == 0
+        captured = capfd.readouterr()
+        assert pick(captured.out) == want and len(want) == 2
+        assert "expert offload:" in captured.out + captured.err
