@@ -25,6 +25,9 @@ Triton kernels on CUDA, torch's grouped GEMM or a loop elsewhere):
              being their row gather and the weighted pre-sum one pass after them (kernels/presum.py)
              (`LocalExperts.summed`, `FusedExperts.compute_summed`; what ep mode runs without gradients)
     expand, presum: those two steps alone; overhead = after - experts
+    graphed  on CUDA, before and fused each captured as one CUDA graph (the split counts already on the
+             device) and replayed: the device's time without the host's launches, which dominate below a
+             few hundred tokens ("-" where a path does not capture)
 
 Check: the per-(token, rank) sums of both paths (before's pair outputs weighted and summed in float32)
 agree within the dtype's rounding (rel err = max |after - before| / max |before|), and the expanded rows
@@ -63,7 +66,7 @@ TOKENS, TINY_TOKENS = (1, 64, 512, 4096), (1, 16, 128)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 COLUMNS = ("shape", "R", "T", "rows before", "rows after", "before ms", "experts ms", "after ms", "after/before",
            "after/experts", "expand ms", "presum ms", "overhead ms", "rel err", "fused ms", "fused/before",
-           "fused err")
+           "fused err", "graphed before ms", "graphed fused ms", "graphed fused/before")
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,24 @@ def _timer(device: torch.device) -> Callable[[Callable], float]:
     return cpu_ms
 
 
+def _graphed_ms(fn: Callable, time_ms: Callable[[Callable], float]) -> float:
+    """Milliseconds of replaying `fn` captured as one CUDA graph (no host launches: the device's time alone);
+    nan where it does not capture (an operation that waits for the host)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            fn(), fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:  # torch.cuda.CudaError is one
+        torch.cuda.synchronize()
+        return float("nan")
+    return time_ms(graph.replay)
+
+
 def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], float]) -> dict:
     """Times of before, experts, after, expand and pre-sum on `arr` (milliseconds), the relative error of
     after's per-(token, rank) sums against before's, and whether both paths gave the experts equal rows."""
@@ -212,6 +233,13 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
              "presum_ms": time_ms(lambda: transport.combine_async(y_QD, received))}
     fused_once = fused()
     times["fused_ms"] = time_ms(fused) if fused_once is not None else float("nan")
+    if x_QD.device.type == "cuda":  # the device's time alone: each path replayed as one CUDA graph
+        counts_dev = counts_S.to(x_QD.device)
+        times["graphed_before_ms"] = _graphed_ms(
+            lambda: local.sorted(arr.pairs_QD[arr.order_Q], counts_dev)[arr.inverse_Q], time_ms)
+        times["graphed_fused_ms"] = float("nan") if fused_once is None else _graphed_ms(lambda: transport.combine_async(
+            local.summed(arrived.wait(), counts_dev, arrived.received.pairs_Q, arrived.received.weights_N,
+                         arr.meta.top_k), arrived.received, summed=True), time_ms)
     D = x_QD.shape[1]
     weighted_QD = before().float() * arr.weights_Q.unsqueeze(1)
     before_RT = torch.zeros(arr.tokens, D, device=x_QD.device).index_add_(0, arr.pair_rows_Q, weighted_QD)
@@ -228,6 +256,8 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
             "after_over_before": times["after_ms"] / times["before_ms"],
             "after_over_experts": times["after_ms"] / times["experts_ms"],
             "fused_over_before": times["fused_ms"] / times["before_ms"],
+            "graphed_fused_over_before": times.get("graphed_fused_ms", math.nan) / times.get("graphed_before_ms",
+                                                                                                math.nan),
             "rel_err": rel_err(transport.combine_async(y_QD, received)), "fused_rel_err": rel_err(fused_once),
             "same_expert_rows": torch.equal(x_QD, arr.pairs_QD[arr.order_Q])}
 
@@ -279,12 +309,14 @@ def _verdict(rows: list[dict], target: float = 1.03) -> str:
     if not rows:
         return "no rows measured"
     parts = []
-    for key in ("after_over_before", "after_over_experts", "fused_over_before"):
-        if all(math.isnan(r[key]) for r in rows):
+    for key in ("after_over_before", "after_over_experts", "fused_over_before", "graphed_fused_over_before"):
+        values = [r.get(key, math.nan) for r in rows]
+        if all(math.isnan(v) for v in values):
             continue
-        worst = max(rows, key=lambda r: -1.0 if math.isnan(r[key]) else r[key])
-        met = sum(r[key] <= target for r in rows)
-        parts.append(f"{key.replace('_over_', '/')} <= {target:g}: {met} of {len(rows)} rows, worst {worst[key]:.3f} "
+        worst = max(range(len(rows)), key=lambda i: -1.0 if math.isnan(values[i]) else values[i])
+        met = sum(v <= target for v in values)
+        worst, value = rows[worst], values[worst]
+        parts.append(f"{key.replace('_over_', '/')} <= {target:g}: {met} of {len(rows)} rows, worst {value:.3f} "
                      f"({worst['shape']}, R {worst['R']}, T {worst['T']})")
     return "; ".join(parts) + f"; largest rel err {max(r['rel_err'] for r in rows):.2e}"
 
@@ -310,6 +342,9 @@ def format_table(rows: list[dict]) -> list[str]:
         cells += [f"{r[k]:.4f}" for k in ("expand_ms", "presum_ms", "overhead_ms")] + [f"{r['rel_err']:.2e}"]
         cells += ["-"] * 3 if math.isnan(r["fused_ms"]) else [
             f"{r['fused_ms']:.4f}", f"{r['fused_over_before']:.3f}", f"{r['fused_rel_err']:.2e}"]
+        graphed = [r.get(k, math.nan) for k in ("graphed_before_ms", "graphed_fused_ms", "graphed_fused_over_before")]
+        cells += ["-" if math.isnan(v) else f"{v:.4f}" for v in graphed[:2]]
+        cells += ["-" if math.isnan(graphed[2]) else f"{graphed[2]:.3f}"]
         lines.append(" ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))))
     return lines
 
