@@ -185,8 +185,8 @@ class ExpertTiers:
         self.hot = {n: torch.empty((hot_slots, *t.shape[1:]), dtype=t.dtype, device=self.device)
                     for n, t in host.items()}
         self.hot_slots: list[int] = []
-        self.rows_S = [0] * self.num_slots  # rows counted per slot (calibration)
-        self.ema_S = [0.0] * self.num_slots
+        self.rows_S = torch.zeros(self.num_slots, dtype=torch.int64)  # rows counted per slot (calibration)
+        self.ema_S = torch.zeros(self.num_slots, dtype=torch.float64)
         self.calls = 0
         self.stats = TierStats()
         self.set_hot(list(range(hot_slots)), count=False)
@@ -221,14 +221,15 @@ class ExpertTiers:
 
     # -- choosing the hot set
 
-    def _observe(self, counts: list[int]) -> None:
+    def _observe(self, counts_S) -> None:
+        """Count one call's rows per slot (host int64 [S], or a list) into the totals and the load EMA."""
         self.calls += 1
-        a = self.config.ema
-        for s, n in enumerate(counts):
-            self.rows_S[s] += n
-            self.ema_S[s] = a * self.ema_S[s] + (1 - a) * n
+        counts = torch.as_tensor(counts_S, dtype=torch.int64)
+        self.rows_S += counts
+        self.ema_S.mul_(self.config.ema).add_(counts.to(torch.float64), alpha=1 - self.config.ema)
 
-    def _top(self, load: list[float]) -> list[int]:
+    def _top(self, load: torch.Tensor) -> list[int]:
+        load = load.tolist()
         return sorted(sorted(range(self.num_slots), key=lambda s: -load[s])[:self.capacity])
 
     def worth(self, rows: float, row_bytes: int) -> float:
@@ -241,7 +242,8 @@ class ExpertTiers:
         """(cold slot in, hot slot out) pairs the rule of the module docstring makes now, best first."""
         c = self.config
         copy_s = self.slot_bytes / self.costs.h2d_Bps
-        worth = {s: self.worth(self.ema_S[s], row_bytes) for s in range(self.num_slots)}
+        ema = self.ema_S.tolist()
+        worth = {s: self.worth(ema[s], row_bytes) for s in range(self.num_slots)}
         ins = sorted((s for s in range(self.num_slots) if s not in self._row_of), key=lambda s: -worth[s])
         outs = sorted(self.hot_slots, key=lambda s: worth[s])
         window = (1 + c.ema) / (1 - c.ema)  # calls whose counts the EMA's variance equals
@@ -249,7 +251,7 @@ class ExpertTiers:
         for s_in, s_out in zip(ins, outs):
             if c.interval * (worth[s_in] - worth[s_out]) <= c.margin * copy_s:
                 break
-            n_in, n_out = self.ema_S[s_in] * window, self.ema_S[s_out] * window
+            n_in, n_out = ema[s_in] * window, ema[s_out] * window
             if n_in - n_out <= c.confidence * (n_in + n_out) ** 0.5:
                 continue  # a difference counting noise makes often: a later, busier pair may still pass
             pairs.append((s_in, s_out))
@@ -319,7 +321,7 @@ class ExpertTiers:
         recomputed with autograd on the device, the hot slots in one call on their copies, the cold ones
         streamed through the staging buffers (training runs many rows per slot: the stream's case)."""
         counts = counts_S.tolist()
-        xs, dys = x_MD.split(counts), dy_MD.split(counts)  # each slot's rows
+        xs, dys = _slot_rows(x_MD, counts), _slot_rows(dy_MD, counts)  # each slot's rows
 
         def grad(weights: dict, x: torch.Tensor, slot_M: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
             with torch.enable_grad():
@@ -332,23 +334,23 @@ class ExpertTiers:
             x_hot, slot_M = self._hot_rows(hot, xs)
             dx_hot = grad(self.hot, x_hot, slot_M, torch.cat([dys[s] for s in hot]))
             pieces.update(zip(hot, dx_hot.split([counts[s] for s in hot])))
-        cold = [s for s in range(self.num_slots) if counts[s] and s not in self._row_of]
+        cold = [s for s in xs if s not in self._row_of]
         self._stream(cold, [xs[s] for s in cold], pieces, lambda s, weights, x, zeros: grad(weights, x, zeros, dys[s]))
         if not pieces:
             return torch.zeros_like(x_MD)
-        return torch.cat([pieces[s] for s in range(self.num_slots) if counts[s]])
+        return torch.cat([pieces[s] for s in xs])
 
     def _sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
         counts = counts_S.tolist()  # host data in every caller: no wait for the device
         row_bytes = x_MD.shape[-1] * x_MD.element_size()
         self.rechoose(row_bytes)
-        self._observe(counts)
+        self._observe(counts_S)
         M = x_MD.shape[0]
         if M == 0:
             return x_MD.new_zeros(0, x_MD.shape[-1])
-        xs = x_MD.split(counts)  # each slot's rows
+        xs = _slot_rows(x_MD, counts)  # the rows of each slot that has some
         pieces: dict[int, torch.Tensor] = {}
-        cold = [s for s in range(self.num_slots) if counts[s] and s not in self._row_of]
+        cold = [s for s in xs if s not in self._row_of]
         paths = dict(zip(cold, self.paths([counts[s] for s in cold], row_bytes)))
         streamed, on_host = [s for s in cold if paths[s] == "stream"], [s for s in cold if paths[s] == "host"]
         # 1. the host path's rows to the host in one copy, queued before the hot experts, so that the host
@@ -365,11 +367,11 @@ class ExpertTiers:
         self._stream(streamed, [xs[s] for s in streamed], pieces)
         if on_host:
             pieces.update(zip(on_host, self._on_host(on_host, [counts[s] for s in on_host], *sent, x_MD.device)))
-        return torch.cat([pieces[s] for s in range(self.num_slots) if counts[s]])
+        return torch.cat([pieces[s] for s in xs])
 
-    def _hot_rows(self, hot: list[int], xs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of the hot slots `hot` (xs: every slot's rows) in one tensor, and each row's entry in the
-        hot copies."""
+    def _hot_rows(self, hot: list[int], xs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of the hot slots `hot` (xs: each slot's rows, `_slot_rows`) in one tensor, and each row's
+        entry in the hot copies."""
         x_hot = torch.cat([xs[s] for s in hot])
         device = x_hot.device
         slot_M = torch.repeat_interleave(torch.tensor([self._row_of[s] for s in hot], device=device),
@@ -435,3 +437,12 @@ class _TieredRows(torch.autograd.Function):
     def backward(ctx, dy_MD):
         (x_MD,) = ctx.saved_tensors
         return ctx.tiers.input_grad(x_MD, dy_MD.contiguous(), ctx.counts_S), None, None
+
+
+def _slot_rows(x_MD: torch.Tensor, counts: list[int]) -> dict[int, torch.Tensor]:
+    """{slot: its rows of x_MD (grouped by slot per counts), a view} for the slots with rows, in slot order:
+    a layer call at decode has rows in a few of its slots, and splitting into every slot cost more host
+    time than the rest of the call's bookkeeping."""
+    used = [s for s, n in enumerate(counts) if n]
+    return dict(zip(used, x_MD.split([counts[s] for s in used])))
+
