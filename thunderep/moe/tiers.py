@@ -27,9 +27,9 @@ move nothing. At decode a slot sees a row in a few calls of a hundred, and one r
 past that bar, so a swap must also be more than counting noise: with n = r x (1 + ema) / (1 - ema), the
 rows of as many calls as have the EMA's variance, n(in) - n(out) > TierConfig.confidence x sqrt(n(in) +
 n(out)) (Poisson counts; confidence 2: about 2 standard deviations). Without it, near-uniform decode
-moved some 500 slots over a short run on one H200 (docs/benchmarks/2026-12-05-expert-offload-h200.md). The weights are the same bytes in both tiers, so the hot set never changes an
-output. On a CPU-only machine the device is the host: every path runs, with the host's memory standing
-in for the device's.
+moved some 500 slots over a short run on one H200 (docs/benchmarks/2026-12-05-expert-offload-h200.md).
+The weights are the same bytes in both tiers, so the hot set never changes an output. On a CPU-only
+machine the device is the host: every path runs, with the host's memory standing in for the device's.
 """
 
 from __future__ import annotations
