@@ -301,7 +301,7 @@ def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offl
         row.costs = {**dataclasses.asdict(costs), "host_fn": describe(tiers[0].host_fn) if tiers else "-"}
         say(f"  host path {row.costs['host_fn']}: {costs.host_text}; {costs.stream_text}; device "
             f"{costs.device_flops / 1e9:.0f} GFLOP/s, host to device {costs.h2d_Bps / 1e9:.1f} GB/s")
-        if row.kind != "host":  # the model predicts the cheaper cold path; (b) forces the host
+        if row.kind == "thunderep":  # the cold paths the model chose ((b) forces the host; (c) has no cold expert)
             row.predicted = _predict(costs, plan, config, bench)
             say(f"  predicted decode {row.predicted['decode']:.1f} tokens/s, prefill {row.predicted['prefill']:.0f} "
                 "tokens/s (routed experts alone)")
