@@ -159,15 +159,22 @@ def test_lean_host_function_equals_the_class_forward(family):
 
 
 def test_from_pretrained_runs_the_lean_host_function_calibrated(checkpoints):
-    """Without given costs, each layer's host side is calibrated on its own host function and shape."""
+    """Without given costs, each layer's host side is calibrated on its own host function and shape, and its
+    stream side on its own staging copy and experts call (the telemetry left at zero); given costs are
+    kept as given."""
     from thunderep.hf import ThunderMoE
     from thunderep.moe.host_experts import HostExperts
 
-    tm = ThunderMoE.from_pretrained(checkpoints["qwen3_moe"], gpu_memory=offload_budget(checkpoints["qwen3_moe"], 0.25))
+    path = checkpoints["qwen3_moe"]
+    tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, 0.25))
     tiers = [b.tiers for b in tm.bindings.values()]
     assert all(isinstance(t.host_fn, HostExperts) for t in tiers)
     assert all(t.costs.calibrated and t.costs.host_call_s >= 0 and t.costs.host_row_s >= 0 for t in tiers)
+    assert all(0 < t.costs.stream_call_s < 1 for t in tiers)
     assert len({id(t.costs) for t in tiers}) == 1  # one calibration per slot shape
+    assert tm.offload_stats()["rows_streamed"] == tm.offload_stats()["bytes_streamed"] == 0
+    given = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, 0.25), offload_costs=HOST_WINS)
+    assert all(b.tiers.costs is HOST_WINS for b in given.bindings.values())
 
 
 def test_refusals(checkpoints):
