@@ -226,7 +226,7 @@ class ExpertTiers:
         self.calls += 1
         counts = torch.as_tensor(counts_S, dtype=torch.int64)
         self.rows_S += counts
-        self.ema_S.mul_(self.config.ema).add_(counts.to(torch.float64), alpha=1 - self.config.ema)
+        self.ema_S.mul_(self.config.ema).add_(counts, alpha=1 - self.config.ema)
 
     def _top(self, load: torch.Tensor) -> list[int]:
         load = load.tolist()
@@ -373,10 +373,12 @@ class ExpertTiers:
         """The rows of the hot slots `hot` (xs: each slot's rows, `_slot_rows`) in one tensor, and each row's
         entry in the hot copies."""
         x_hot = torch.cat([xs[s] for s in hot])
-        device = x_hot.device
+        device, rows = x_hot.device, [xs[s].shape[0] for s in hot]
+        if x_hot.shape[0] <= 256:  # a decode step's few rows: listed on the host, one copy
+            entries = [self._row_of[s] for s, n in zip(hot, rows) for _ in range(n)]
+            return x_hot, torch.tensor(entries, dtype=torch.int64, device=device)
         slot_M = torch.repeat_interleave(torch.tensor([self._row_of[s] for s in hot], device=device),
-                                         torch.tensor([xs[s].shape[0] for s in hot], device=device),
-                                         output_size=x_hot.shape[0])
+                                         torch.tensor(rows, device=device), output_size=x_hot.shape[0])
         return x_hot, slot_M
 
     @staticmethod
