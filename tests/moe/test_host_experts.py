@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,41 +212,21 @@ def test_rechoosing_needs_the_gain_to_pay_for_the_copy():
     assert set(strict.hot_slots) == {0, 1}  # no swap pays a million times over
 
 
-def _decode_moves(confidence: float, weights_E: torch.Tensor, calls: int = 600) -> tuple[int, float]:
-    """(slots moved into the hot set, hot share of the rows after 100 calls) over `calls` one-token layer
-    calls routed top-8 by `weights_E`, 32 of 128 slots hot, decode-like costs (host 0.26 ms an expert, a
-    slot's copy 0.2 ms): the re-choice rule alone (`_observe`, `rechoose`), no compute."""
-    E, K, H = 128, 8, 32
-    host = {"w": torch.zeros(E, 2, 2)}
-    slot_bytes = 2 * 2 * 4
-    costs = OffloadCosts(host_flops=1e12, device_flops=4e14, h2d_Bps=slot_bytes / 2e-4, host_call_s=0.26e-3,
-                         host_row_s=4e-6)
-    tiers = ExpertTiers(host, H, torch.device("cpu"), None, costs, Staging(host, torch.device("cpu")),
-                        TierConfig(cold_path="host", confidence=confidence))
-    gen = torch.Generator().manual_seed(0)
-    hot = rows = 0
-    for call in range(calls):
-        counts = torch.bincount(torch.multinomial(weights_E, K, generator=gen), minlength=E).tolist()
-        if call >= 100:
-            hot, rows = hot + sum(counts[s] for s in tiers.hot_slots), rows + K
-        tiers._observe(counts)
-        tiers.rechoose(4096)
-    return tiers.stats.bytes_promoted // tiers.slot_bytes, hot / rows
-
-
-def test_rechoosing_at_decode_moves_little_on_noise_and_still_finds_busy_slots():
+def test_rechoosing_at_decode_moves_little_on_noise_and_still_finds_busy_slots(monkeypatch):
     """One row per layer call: under uniform routing a slot's recent row is noise, and without the counting
     test (confidence 0) the rule moves hundreds of slots for nothing; with it, several times fewer. Under
     skewed routing (Zipf 0.8) the hot set it keeps serves more rows than uniform's 25% and no fewer than
     without the test."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
+    from rechoice_noise import moves  # the decode simulation the benchmark record prints
     E = 128
     uniform = torch.ones(E)
     zipf = (1.0 / torch.arange(1, E + 1).float() ** 0.8)[torch.randperm(E, generator=torch.Generator().manual_seed(1))]
-    noisy, _ = _decode_moves(0.0, uniform)
-    calm, share = _decode_moves(2.0, uniform)
+    noisy, _ = moves(0.0, uniform)
+    calm, share = moves(2.0, uniform)
     assert noisy >= 200 and calm * 4 <= noisy and 0.2 <= share <= 0.3, (noisy, calm, share)
-    moved_noisy, share_noisy = _decode_moves(0.0, zipf)
-    moved, share = _decode_moves(2.0, zipf)
+    moved_noisy, share_noisy = moves(0.0, zipf)
+    moved, share = moves(2.0, zipf)
     assert share >= 0.5 and share >= share_noisy - 0.01 and moved * 4 <= moved_noisy, (share, share_noisy, moved)
 
 

@@ -213,8 +213,8 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
     received, counts_S = pending.received, arr.counts_S
     y_QD = local.sorted(x_QD, counts_S)
 
-    def before() -> torch.Tensor:
-        return local.sorted(arr.pairs_QD[arr.order_Q], counts_S)[arr.inverse_Q]
+    def before(counts: torch.Tensor = counts_S) -> torch.Tensor:
+        return local.sorted(arr.pairs_QD[arr.order_Q], counts)[arr.inverse_Q]
 
     def after() -> Pending:
         x = pending.wait()
@@ -222,10 +222,10 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
 
     arrived = transport.dispatch_async(arr.x_MD, arr.meta, expand=False)
 
-    def fused() -> Pending | None:
+    def fused(counts: torch.Tensor = counts_S) -> Pending | None:
         x_MD = arrived.wait()  # the side rows' slots sorted, no rows expanded
         rec = arrived.received
-        y_MD = local.summed(x_MD, counts_S, rec.pairs_Q, rec.weights_N, rec.meta.top_k) if local.summed else None
+        y_MD = local.summed(x_MD, counts, rec.pairs_Q, rec.weights_N, rec.meta.top_k) if local.summed else None
         return None if y_MD is None else transport.combine_async(y_MD, rec, summed=True)
 
     times = {"before_ms": time_ms(before), "experts_ms": time_ms(lambda: local.sorted(x_QD, counts_S)),
@@ -235,11 +235,9 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
     times["fused_ms"] = time_ms(fused) if fused_once is not None else float("nan")
     if x_QD.device.type == "cuda":  # the device's time alone: each path replayed as one CUDA graph
         counts_dev = counts_S.to(x_QD.device)
-        times["graphed_before_ms"] = _graphed_ms(
-            lambda: local.sorted(arr.pairs_QD[arr.order_Q], counts_dev)[arr.inverse_Q], time_ms)
-        times["graphed_fused_ms"] = float("nan") if fused_once is None else _graphed_ms(lambda: transport.combine_async(
-            local.summed(arrived.wait(), counts_dev, arrived.received.pairs_Q, arrived.received.weights_N,
-                         arr.meta.top_k), arrived.received, summed=True), time_ms)
+        times["graphed_before_ms"] = _graphed_ms(lambda: before(counts_dev), time_ms)
+        times["graphed_fused_ms"] = float("nan") if fused_once is None else _graphed_ms(lambda: fused(counts_dev),
+                                                                                          time_ms)
     D = x_QD.shape[1]
     weighted_QD = before().float() * arr.weights_Q.unsqueeze(1)
     before_RT = torch.zeros(arr.tokens, D, device=x_QD.device).index_add_(0, arr.pair_rows_Q, weighted_QD)

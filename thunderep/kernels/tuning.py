@@ -314,8 +314,8 @@ def launch(autotuner, plain, default, grid, device, **args) -> None:
 
 
 def launch_default(autotuner, plain, default, grid, **args) -> None:
-    """Run `plain` with the `default` config, never timing configs: for launches that accumulate into
-    their output (an autotuner's timing runs would add several times)."""
+    """Run `plain` with the `default` config, never timing configs (`launch` without autotuning), one
+    pipeline stage fewer at a time where the GPU cannot hold it."""
     default = fit_scale_blocks([default], args, _K_ARG.get(id(autotuner)))[0]
     stages = default.num_stages
     while True:

@@ -16,7 +16,7 @@ n 2P / device_flops. The rates are measured once per (device, dtype) at start (`
 CPU-only machine the device is the host, its rates are the host's and the "copy" is a memcpy, and the
 same formula runs. stream_call_s is measured like the host's, on the tiers' own stream path (`calibrate_stream`:
 a few slots of one row each, their staged copies and experts calls, waited for): the copy alone leaves out
-the experts call each streamed slot makes, which at one row is most of its cost. `OffloadCosts` can be
+the experts call each streamed slot makes (its share at one row not yet measured on a GPU). `OffloadCosts` can be
 replaced (tests force either path with extreme constants).
 """
 
