@@ -19,8 +19,8 @@ local slots (S where the pair is another rank's) in a small float32 side row. Th
 rows to its (token, slot) pairs on the device; after the experts it sums each row's weighted outputs
 (float32) and sends one row back per (token, rank); the token's own rank adds at most R rows. Where the
 experts' kernels run (inference), both steps are theirs instead: the rows go to them as received
-(`dispatch_async(expand=False)`), the up kernel gathers each pair's row, the down kernel's epilogue adds
-the weighted outputs into their row (`combine_async(summed=True)`). Counts
+(`dispatch_async(expand=False)`), their row gather is the expand, and one pass after them sums each row's
+weighted outputs (kernels/presum.py; `combine_async(summed=True)`). Counts
 per global slot and rows per rank travel in the one split-size exchange: the plan's single wait for
 the GPU, none in backward. Rows travel with variable-size `all_to_all_single`; nothing is dropped;
 within a slot, pairs keep source-rank then token order. Autograd runs through both directions (the
