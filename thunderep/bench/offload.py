@@ -320,10 +320,15 @@ def _accelerate_row(row: Row, path: Path, bench: OffloadBench, config) -> None:
                                                  max_memory={device.index: row.budget, "cpu": "200GiB"})
     try:
         placed = list(getattr(model, "hf_device_map", {}).values())
-        row.note = f"{sum(p in ('cpu', 'disk') for p in placed)} of {len(placed)} placed modules off the GPU"
+        # the prompts go where the embedding runs: the host where accelerate left the whole model there (a
+        # budget below its largest layer), else the GPU (its hooks move offloaded weights in)
+        embedding = model.get_input_embeddings().weight.device
+        inputs = embedding if embedding.type == "cpu" else device
+        row.note = f"{sum(p in ('cpu', 'disk') for p in placed)} of {len(placed)} placed modules off the GPU" \
+            if inputs == device or device.type == "cpu" else "the whole model on the host (the budget is below accelerate's largest layer)"
         say(f"  accelerate: {row.note}")
         batches = bench.batches if bench.accelerate_batch8 else bench.batches[:1]
-        row.decode, row.prefill, _ = measure(model.eval(), device, config.vocab_size, batches,
+        row.decode, row.prefill, _ = measure(model.eval(), inputs, config.vocab_size, batches,
                                              bench.accelerate_new_tokens, bench.prefill, 1, sample=bench.sample)
     finally:
         del model

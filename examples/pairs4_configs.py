@@ -1,0 +1,74 @@
+"""The 4-bit pair kernels at one token, config by config: each gate/up and down launch config timed alone
+(L2 flushed before each call, as the autotuner times), beyond the autotuner's list, beside the autotuned
+pair and the packed bytes' time at copy bandwidth.
+
+    python examples/pairs4_configs.py [--shape mixtral] [--fmt int4] [--top 8]
+
+One process, one GPU. Random weights of the shape quantized by groups of 32; one token routed to experts
+0..K-1. Prints the `--top` fastest configs of each pass with microseconds per call and the share of copy
+bandwidth over the bytes that pass reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from thunderep.bench.kernels import SHAPES, copy_bandwidth
+from thunderep.kernels import decode, tuning
+from thunderep.kernels.int4 import Int4Weight
+
+BLOCK_N = (4, 8, 16, 32)
+BLOCK_K = (512, 1024, 2048)
+WARPS = (2, 4, 8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="mixtral")
+    parser.add_argument("--fmt", default="int4", choices=("int4", "mxfp4"))
+    parser.add_argument("--top", type=int, default=8)
+    args = parser.parse_args()
+    D, I, E, K = SHAPES[args.shape][:4]
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    w_gu = Int4Weight.quantize((torch.randn(E, 2 * I, D, device=device) / D ** 0.5).bfloat16(), args.fmt)
+    w_d = Int4Weight.quantize((torch.randn(E, D, I, device=device) / I ** 0.5).bfloat16(), args.fmt)
+    x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
+    ids = torch.arange(K, device=device, dtype=torch.int32)
+    weights = torch.full((K,), 1.0 / K, device=device)
+    bandwidth = copy_bandwidth(device) / 2  # bytes read per second (the copy reads and writes each byte)
+    per_expert = {"up": w_gu.nbytes() / E, "down": w_d.nbytes() / E}
+
+    def call():
+        decode.pairs4_forward(x, w_gu, w_d, ids, weights, "silu", False)
+
+    decode.PAIRS4_UP = decode.PAIRS4_DOWN = None
+    tuned = tuning.timed_ms(call, 150.0, 25.0) * 1e3
+    floor = K * sum(per_expert.values()) / bandwidth * 1e6
+    print(f"{args.shape} {args.fmt}, one token, K {K}: autotuned pair {tuned:.1f} us; packed bytes at copy read "
+          f"bandwidth {floor:.1f} us ({floor / tuned:.0%})")
+    for which in ("up", "down"):
+        results = []
+        for bn, bk, warps in itertools.product(BLOCK_N, BLOCK_K, WARPS):
+            if bn * bk > 32768 or bn * bk < 32 * warps * 8:
+                continue
+            config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
+            setattr(decode, "PAIRS4_UP" if which == "up" else "PAIRS4_DOWN", config)
+            try:
+                pair = tuning.timed_ms(call, 60.0, 10.0) * 1e3
+            except Exception as exc:  # a config the compiler refuses (registers, shared memory)
+                print(f"  {which} {config}: {type(exc).__name__}")
+                continue
+            results.append((pair, config))
+        setattr(decode, "PAIRS4_UP" if which == "up" else "PAIRS4_DOWN", None)
+        results.sort(key=lambda r: r[0])
+        print(f"{which} pass, the other autotuned: the fastest {args.top} of {len(results)} configs (pair us)")
+        for pair, config in results[:args.top]:
+            print(f"  {pair:7.1f} us  {config}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
