@@ -17,7 +17,8 @@ from thunderep.config import ExpertsConfig
 from thunderep.errors import ConfigError
 from thunderep.moe.experts import expert_mlp
 from thunderep.moe.host_experts import NEVER, GatedLayout, HostExperts, calibrate_upcast, per_slot, time_host_fn
-from thunderep.moe.offload_cost import OffloadCosts, calibrate_host, calibrate_stream, fit_affine, split_cold
+from thunderep.moe.offload_cost import (OffloadCosts, calibrate_host, calibrate_stream, fit_affine, predicted_rates,
+                                       split_cold)
 from thunderep.moe.tiers import ExpertTiers, Staging, TierConfig, TierStats
 
 S, D, I = 6, 16, 8
@@ -125,6 +126,48 @@ def test_calibration_measures_a_host_function_as_an_affine_cost():
     cheap_copy = replace(costs, h2d_Bps=1e12)  # 1.5 KB of weights in nanoseconds: streaming wins at once
     assert costs.cold_path(1, P, row, 10**7) == "host" and cheap_copy.cold_path(1, P, row, B) == "stream"
     assert costs.cold_seconds(0.25, P, row, B, "host") == pytest.approx(0.25 * costs.host_seconds(1, P, row))
+
+
+def test_calibration_floors_the_host_cost_at_many_rows():
+    """A host function whose rows cost 0.25 ms each up to 32 and 2 ms each past it (a CPU whose products,
+    not its weight reads, bound a prefill's rows): the affine fit at 1 and 16 rows alone would price 256 rows
+    at about 66 ms; the bulk timing puts them at about 512 ms, and that floor leaves one row's cost as it was."""
+    host = _experts(False)
+
+    def knee(host, slots, x_MD, counts, out=None):
+        for n in counts:
+            time.sleep(2e-3 + n * 0.25e-3 if n <= 32 else n * 2e-3)
+        return x_MD
+
+    base = OffloadCosts(host_flops=1e9, device_flops=1e12, h2d_Bps=1e12)
+    costs = calibrate_host(base, knee, host, D, torch.float32, rows=(1, 16), bulk=256)
+    assert 1.9e-3 <= costs.host_bulk_row_s <= 3e-3, costs
+    P, row = 3 * D * I, D * 4
+    assert costs.host_seconds(256, P, row) >= 0.45 and "at least" in costs.host_text
+    affine = replace(costs, host_bulk_row_s=None)
+    assert affine.host_seconds(256, P, row) < 0.15
+    assert costs.host_seconds(1, P, row) == affine.host_seconds(1, P, row)
+    assert calibrate_host(base, knee, host, D, torch.float32, rows=(1, 16), bulk=0).host_bulk_row_s is None
+
+
+def test_predicted_rates_split_cold_slots_as_a_call_does():
+    """Uniform routing, one layer of 8 slots, none hot: at decode (1 token, top 2 of 8: a quarter of the
+    slots, 1 row each) and prefill. Host and stream at the same seconds a slot: without overlap the cold
+    seconds add up; with it they split in half and the rate doubles. Where the stream is far slower nothing
+    streams, so overlap changes nothing."""
+    P, B, row = 1000, 4000, 64
+    even = OffloadCosts(host_flops=1e9, device_flops=1e30, h2d_Bps=1e30, host_call_s=1e-3, host_row_s=0.0,
+                        stream_call_s=1e-3)
+    layers = [(8, 8, 0, P, B)]
+    alone = predicted_rates(even, layers, 2, row, prefill_tokens=64)
+    both = predicted_rates(even, layers, 2, row, prefill_tokens=64, overlap=True)
+    assert alone["decode"] == pytest.approx(1 / (2 * 1e-3), rel=1e-6)  # 2 slots of 1 ms each, one after another
+    assert both["decode"] == pytest.approx(2 * alone["decode"], rel=1e-6)
+    assert alone["prefill"] == pytest.approx(64 / (8 * 1e-3), rel=1e-3) and both["prefill"] == pytest.approx(
+        2 * alone["prefill"], rel=1e-3)
+    slow_stream = replace(even, stream_call_s=1.0)
+    assert predicted_rates(slow_stream, layers, 2, row, 64, overlap=True) == predicted_rates(slow_stream, layers, 2,
+                                                                                            row, 64)
 
 
 def test_cold_split_overlaps_host_and_stream_on_cuda():

@@ -281,7 +281,8 @@ def _device(bench: OffloadBench) -> torch.device:  # "cuda" as from_pretrained r
 def _predict(costs, plan, config, bench: OffloadBench) -> dict:
     """The cost model's {"decode", "prefill"} tokens/s for `plan`'s layers with `costs`."""
     row_bytes = config.hidden_size * _DTYPES[bench.dtype].itemsize
-    return predicted_rates(costs, plan.layers(), config.num_experts_per_tok, row_bytes, bench.prefill)
+    return predicted_rates(costs, plan.layers(), config.num_experts_per_tok, row_bytes, bench.prefill,
+                           overlap=_device(bench).type == "cuda")
 
 
 def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offload: TierConfig | None) -> None:

@@ -165,7 +165,8 @@ def _offload_rows(args: argparse.Namespace, eps: list[int]) -> None:
                                               available // 16)
         costs = calibrated[key]
         rates = predicted_rates(costs, plan.layers(), _top_k(args.model),
-                                _hidden(args.model) * plan.slot_bytes[first] // plan.slot_params[first])
+                                _hidden(args.model) * plan.slot_bytes[first] // plan.slot_params[first],
+                                overlap=device.type == "cuda")
         hot = sorted(set(plan.hot.values()))
         host_all = plan.host_bytes * ep
         verdict = "fits" if host_all <= available else (

@@ -4,13 +4,17 @@ Shape legend: n rows of one expert, P = the expert's parameter count (gate_up + 
 
 A cold expert (weights in host memory) with n rows runs where it is estimated cheaper:
 
-    host     host_call_s + n host_row_s + n row_bytes 2 / h2d_Bps      (rows to the host and back)
+    host     max(host_call_s + n host_row_s, n host_bulk_row_s)
+             + n row_bytes 2 / h2d_Bps                                  (rows to the host and back)
     stream   expert_bytes / h2d_Bps + n 2P / device_flops               (weights to a staging buffer)
              or, calibrated, stream_call_s + (n - 1) 2P / device_flops
 
 so few rows (decode) stay on the host and many (prefill) stream the weights. host_call_s and host_row_s
 are measured on the layer's own host function at its own expert shape (`calibrate_host`: one timed call at
-1 row, one at many, an affine fit): the fixed cost per expert and the cost per row. Uncalibrated costs
+1 row, one at a few, an affine fit): the fixed cost per expert (reading its weights) and the cost per row
+while the weights' reading dominates. host_bulk_row_s is the seconds per row of one call at many rows
+(256), where the products dominate: a host GEMM at 512 rows of a Mixtral expert takes about 100 times the
+affine line's estimate (measured on one H100 host: 2 us a row fitted at 1-32 rows, some 200 ms for 512). Uncalibrated costs
 (tests, `thunderep plan`) use n 2P / host_flops instead (2P FLOPs a row). A hot expert costs
 n 2P / device_flops. The rates are measured once per (device, dtype) at start (`measure_costs`): on a
 CPU-only machine the device is the host, its rates are the host's and the "copy" is a memcpy, and the
@@ -42,7 +46,8 @@ class OffloadCosts:
     """host_flops / device_flops: FLOP/s of expert GEMMs on the host / the device. h2d_Bps: bytes per
     second from (pinned) host memory to the device. call_s: fixed seconds per expert computed apart.
     host_call_s / host_row_s: the host path's measured seconds per expert and per row at one layer's
-    expert shape (`calibrate_host`); None: estimated from host_flops. stream_call_s: the stream path's
+    expert shape (`calibrate_host`); None: estimated from host_flops. host_bulk_row_s: its measured seconds
+    per row at many rows (a floor under the affine cost); None: no floor. stream_call_s: the stream path's
     measured seconds per slot at one row (`calibrate_stream`); None: estimated from h2d_Bps."""
 
     host_flops: float
@@ -51,6 +56,7 @@ class OffloadCosts:
     call_s: float = 0.0
     host_call_s: float | None = None
     host_row_s: float | None = None
+    host_bulk_row_s: float | None = None
     stream_call_s: float | None = None
 
     @property
@@ -61,7 +67,8 @@ class OffloadCosts:
     def host_text(self) -> str:
         """The host side in words: the calibrated seconds, else the GEMM rate."""
         if self.calibrated:
-            return f"host {self.host_call_s * 1e3:.3f} ms per expert + {self.host_row_s * 1e3:.3f} ms per row"
+            bulk = "" if self.host_bulk_row_s is None else f", at least {self.host_bulk_row_s * 1e3:.3f} ms per row"
+            return f"host {self.host_call_s * 1e3:.3f} ms per expert + {self.host_row_s * 1e3:.3f} ms per row{bulk}"
         return f"host GEMM {self.host_flops / 1e9:.0f} GFLOP/s"
 
     @property
@@ -77,7 +84,7 @@ class OffloadCosts:
     def host_seconds(self, rows: float, params: int, row_bytes: int) -> float:
         copies = 2 * rows * row_bytes / self.h2d_Bps
         if self.calibrated:
-            return self.host_call_s + rows * self.host_row_s + copies
+            return max(self.host_call_s + rows * self.host_row_s, rows * (self.host_bulk_row_s or 0.0)) + copies
         return self.call_s + rows * 2 * params / self.host_flops + copies
 
     def stream_seconds(self, rows: int, params: int, expert_bytes: int) -> float:
@@ -168,14 +175,16 @@ def fit_affine(rows_a: int, seconds_a: float, rows_b: int, seconds_b: float) -> 
 
 
 def calibrate_host(costs: OffloadCosts, host_fn: Callable, host: dict, hidden: int, dtype: torch.dtype,
-                   rows: tuple[int, int] = (1, 32)) -> OffloadCosts:
+                   rows: tuple[int, int] = (1, 32), bulk: int = 256) -> OffloadCosts:
     """`costs` with host_call_s / host_row_s measured on `host_fn` (a host function of
     `thunderep.moe.host_experts`) over the layer's own host tensors `host` and rows of `hidden` values in
     `dtype`: one timing at rows[0] rows per expert, one at rows[1], a few distinct experts each
-    (`time_host_fn`), fitted by `fit_affine`. Tens of milliseconds at a 9 MB expert."""
+    (`time_host_fn`), fitted by `fit_affine`; host_bulk_row_s from one expert's call at `bulk` rows (after
+    one untimed; 0: not measured). Tens of milliseconds at a 9 MB expert, some 0.3 s at a 350 MB one."""
     a, b = (time_host_fn(host_fn, host, n, hidden, dtype) for n in rows)
     call_s, row_s = fit_affine(rows[0], a, rows[1], b)
-    return replace(costs, host_call_s=call_s, host_row_s=row_s)
+    bulk_row_s = time_host_fn(host_fn, host, bulk, hidden, dtype, slots=1, repeats=1) / bulk if bulk else None
+    return replace(costs, host_call_s=call_s, host_row_s=row_s, host_bulk_row_s=bulk_row_s)
 
 
 def calibrate_stream(costs: OffloadCosts, seconds_per_slot: Callable[[], float]) -> OffloadCosts:
@@ -214,21 +223,35 @@ def measure_costs(device: torch.device, dtype: torch.dtype) -> OffloadCosts:
     return _MEASURED[key]
 
 
+def _cold_call_seconds(costs: OffloadCosts, slots: int, rows: int, P: int, row_bytes: int, B: int,
+                       overlap: bool) -> float:
+    """Seconds of one call's `slots` cold slots of `rows` rows each, split between the paths as the tiers
+    split them (`split_cold`): with `overlap` the longer of the host's and the stream's sums, else their sum."""
+    host, stream = costs.host_seconds(rows, P, row_bytes), costs.stream_seconds(rows, P, B)
+    on_host = split_cold([host] * slots, [stream] * slots, overlap).count("host")
+    parts = (on_host * host, (slots - on_host) * stream)
+    return max(parts) if overlap else sum(parts)
+
+
 def predicted_rates(costs: OffloadCosts, layers: list[tuple[int, int, int, int, int]], top_k: int,
-                    row_bytes: int, prefill_tokens: int = 2048) -> dict[str, float]:
+                    row_bytes: int, prefill_tokens: int = 2048, overlap: bool = False) -> dict[str, float]:
     """Predicted tokens per second of one rank's routed experts alone, for decode (1 token) and a prefill of
     `prefill_tokens`: a prediction from the cost model, attention and communication not counted.
 
     layers: per MoE layer (experts E, local slots S, hot slots H, expert params P, expert bytes B). Routing
     is taken as uniform: each expert gets r = tokens K / E rows, so a share min(1, r) of the experts has
-    any, with max(1, r) rows each; cold ones run on the cheaper path."""
+    any, with max(1, r) rows each; the cold ones with rows (round((S - H) min(1, r)), at least one where
+    any) split between the paths as a layer call splits them (`overlap`: on CUDA, where the host and the
+    stream run at once)."""
     out = {}
     for name, tokens in (("decode", 1), ("prefill", prefill_tokens)):
         seconds = 0.0
         for E, S, H, P, B in layers:
             r = tokens * top_k / E
-            n = max(1, round(r))
-            cold = min(costs.host_seconds(n, P, row_bytes), costs.stream_seconds(n, P, B))
-            seconds += min(1.0, r) * (H * costs.hot_seconds(n, P) + (S - H) * cold)
+            n, active = max(1, round(r)), min(1.0, r)
+            cold = (S - H) * active
+            slots = max(1, round(cold)) if cold > 0 else 0
+            seconds += active * H * costs.hot_seconds(n, P)
+            seconds += _cold_call_seconds(costs, slots, n, P, row_bytes, B, overlap) * cold / max(slots, 1)
         out[name] = tokens / seconds if seconds > 0 else math.inf
     return out
