@@ -49,6 +49,13 @@ def parts(tiers, hidden: int, dtype: torch.dtype) -> None:
         s = time_host_fn(tiers.host_fn, tiers.host, n, hidden, dtype)
         print(f"host fn {n:4d} rows: {s * 1e3:8.3f} ms per slot, {n * flops_per_row / s / 1e9:8.1f} GFLOP/s, "
               f"model {tiers.costs.host_seconds(n, tiers.slot_params, hidden * dtype.itemsize) * 1e3:8.3f} ms")
+    threads = torch.get_num_threads()
+    for n_threads in sorted({1, 4, 8, threads}):
+        torch.set_num_threads(n_threads)
+        s = time_host_fn(tiers.host_fn, tiers.host, 1, hidden, dtype)
+        print(f"host fn    1 row, {n_threads:2d} threads: {s * 1e3:8.3f} ms per slot, "
+              f"{tiers.slot_bytes / s / 1e9:6.1f} GB/s of weights")
+    torch.set_num_threads(threads)
     cold = [s for s in range(tiers.num_slots) if s not in tiers._row_of]
     staging = tiers.staging
     for n in (1, 128):

@@ -233,11 +233,15 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
              "presum_ms": time_ms(lambda: transport.combine_async(y_QD, received))}
     fused_once = fused()
     times["fused_ms"] = time_ms(fused) if fused_once is not None else float("nan")
-    if x_QD.device.type == "cuda":  # the device's time alone: each path replayed as one CUDA graph
+    if x_QD.device.type == "cuda":  # the device's time alone: each path replayed as one CUDA graph, the
+        # split counts on the host as ep mode has them, else on the device (a path that reads them there)
         counts_dev = counts_S.to(x_QD.device)
-        times["graphed_before_ms"] = _graphed_ms(lambda: before(counts_dev), time_ms)
-        times["graphed_fused_ms"] = float("nan") if fused_once is None else _graphed_ms(lambda: fused(counts_dev),
-                                                                                          time_ms)
+        for name, path in (("before", before), ("fused", fused if fused_once is not None else None)):
+            ms = math.nan
+            for counts in (counts_S, counts_dev):
+                if path is not None and math.isnan(ms):
+                    ms = _graphed_ms(lambda: path(counts), time_ms)
+            times[f"graphed_{name}_ms"] = ms
     D = x_QD.shape[1]
     weighted_QD = before().float() * arr.weights_Q.unsqueeze(1)
     before_RT = torch.zeros(arr.tokens, D, device=x_QD.device).index_add_(0, arr.pair_rows_Q, weighted_QD)
