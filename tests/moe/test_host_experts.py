@@ -131,7 +131,8 @@ def test_calibration_measures_a_host_function_as_an_affine_cost():
 def test_calibration_floors_the_host_cost_at_many_rows():
     """A host function whose rows cost 0.25 ms each up to 32 and 2 ms each past it (a CPU whose products,
     not its weight reads, bound a prefill's rows): the affine fit at 1 and 16 rows alone would price 256 rows
-    at about 66 ms; the bulk timing puts them at about 512 ms, and that floor leaves one row's cost as it was."""
+    at about 66 ms; past 16 rows the line through the bulk timing puts them at about 512 ms, and up to 16
+    rows the cost stays the first line's."""
     host = _experts(False)
 
     def knee(host, slots, x_MD, counts, out=None):
@@ -143,10 +144,11 @@ def test_calibration_floors_the_host_cost_at_many_rows():
     costs = calibrate_host(base, knee, host, D, torch.float32, rows=(1, 16), bulk=256)
     assert 1.9e-3 <= costs.host_bulk_row_s <= 3e-3, costs
     P, row = 3 * D * I, D * 4
-    assert costs.host_seconds(256, P, row) >= 0.45 and "at least" in costs.host_text
+    assert costs.host_seconds(256, P, row) >= 0.45 and "past 16 rows" in costs.host_text
     affine = replace(costs, host_bulk_row_s=None)
     assert affine.host_seconds(256, P, row) < 0.15
     assert costs.host_seconds(1, P, row) == affine.host_seconds(1, P, row)
+    assert costs.host_seconds(16, P, row) == affine.host_seconds(16, P, row) and costs.host_bulk_from == 16
     assert calibrate_host(base, knee, host, D, torch.float32, rows=(1, 16), bulk=0).host_bulk_row_s is None
 
 

@@ -4,7 +4,7 @@ Shape legend: n rows of one expert, P = the expert's parameter count (gate_up + 
 
 A cold expert (weights in host memory) with n rows runs where it is estimated cheaper:
 
-    host     max(host_call_s + n host_row_s, n host_bulk_row_s)
+    host     host_call_s + n host_row_s  (n <= host_bulk_from; past it host_bulk_call_s + n host_bulk_row_s)
              + n row_bytes 2 / h2d_Bps                                  (rows to the host and back)
     stream   expert_bytes / h2d_Bps + n 2P / device_flops               (weights to a staging buffer)
              or, calibrated, stream_call_s + (n - 1) 2P / device_flops
@@ -12,9 +12,10 @@ A cold expert (weights in host memory) with n rows runs where it is estimated ch
 so few rows (decode) stay on the host and many (prefill) stream the weights. host_call_s and host_row_s
 are measured on the layer's own host function at its own expert shape (`calibrate_host`: one timed call at
 1 row, one at a few, an affine fit): the fixed cost per expert (reading its weights) and the cost per row
-while the weights' reading dominates. host_bulk_row_s is the seconds per row of one call at many rows
-(256), where the products dominate: a host GEMM at 512 rows of a Mixtral expert takes about 100 times the
-affine line's estimate (measured on one H100 host: 2 us a row fitted at 1-32 rows, some 200 ms for 512). Uncalibrated costs
+while the weights' reading dominates. Past the second timing's rows the cost follows a second line, from
+that timing to one at many rows (256), where the products dominate: a host GEMM at 512 rows of a Mixtral
+expert takes some 100 times the first line's estimate (one H100 host: 2 us a row fitted at 1-32 rows,
+about 0.2 s for 512). Uncalibrated costs
 (tests, `thunderep plan`) use n 2P / host_flops instead (2P FLOPs a row). A hot expert costs
 n 2P / device_flops. The rates are measured once per (device, dtype) at start (`measure_costs`): on a
 CPU-only machine the device is the host, its rates are the host's and the "copy" is a memcpy, and the
@@ -46,8 +47,8 @@ class OffloadCosts:
     """host_flops / device_flops: FLOP/s of expert GEMMs on the host / the device. h2d_Bps: bytes per
     second from (pinned) host memory to the device. call_s: fixed seconds per expert computed apart.
     host_call_s / host_row_s: the host path's measured seconds per expert and per row at one layer's
-    expert shape (`calibrate_host`); None: estimated from host_flops. host_bulk_row_s: its measured seconds
-    per row at many rows (a floor under the affine cost); None: no floor. stream_call_s: the stream path's
+    expert shape (`calibrate_host`); None: estimated from host_flops. host_bulk_call_s / host_bulk_row_s:
+    the line of its many-row timings, its cost past host_bulk_from rows; None: the first line throughout. stream_call_s: the stream path's
     measured seconds per slot at one row (`calibrate_stream`); None: estimated from h2d_Bps."""
 
     host_flops: float
@@ -56,6 +57,8 @@ class OffloadCosts:
     call_s: float = 0.0
     host_call_s: float | None = None
     host_row_s: float | None = None
+    host_bulk_from: int = 0
+    host_bulk_call_s: float = 0.0
     host_bulk_row_s: float | None = None
     stream_call_s: float | None = None
 
@@ -67,7 +70,9 @@ class OffloadCosts:
     def host_text(self) -> str:
         """The host side in words: the calibrated seconds, else the GEMM rate."""
         if self.calibrated:
-            bulk = "" if self.host_bulk_row_s is None else f", at least {self.host_bulk_row_s * 1e3:.3f} ms per row"
+            bulk = "" if self.host_bulk_row_s is None else \
+                f"; past {self.host_bulk_from} rows {self.host_bulk_call_s * 1e3:.3f} + " \
+                f"{self.host_bulk_row_s * 1e3:.3f} ms per row"
             return f"host {self.host_call_s * 1e3:.3f} ms per expert + {self.host_row_s * 1e3:.3f} ms per row{bulk}"
         return f"host GEMM {self.host_flops / 1e9:.0f} GFLOP/s"
 
@@ -84,7 +89,9 @@ class OffloadCosts:
     def host_seconds(self, rows: float, params: int, row_bytes: int) -> float:
         copies = 2 * rows * row_bytes / self.h2d_Bps
         if self.calibrated:
-            return max(self.host_call_s + rows * self.host_row_s, rows * (self.host_bulk_row_s or 0.0)) + copies
+            if self.host_bulk_row_s is not None and rows > self.host_bulk_from:
+                return self.host_bulk_call_s + rows * self.host_bulk_row_s + copies
+            return self.host_call_s + rows * self.host_row_s + copies
         return self.call_s + rows * 2 * params / self.host_flops + copies
 
     def stream_seconds(self, rows: int, params: int, expert_bytes: int) -> float:
@@ -179,12 +186,17 @@ def calibrate_host(costs: OffloadCosts, host_fn: Callable, host: dict, hidden: i
     """`costs` with host_call_s / host_row_s measured on `host_fn` (a host function of
     `thunderep.moe.host_experts`) over the layer's own host tensors `host` and rows of `hidden` values in
     `dtype`: one timing at rows[0] rows per expert, one at rows[1], a few distinct experts each
-    (`time_host_fn`), fitted by `fit_affine`; host_bulk_row_s from one expert's call at `bulk` rows (after
-    one untimed; 0: not measured). Tens of milliseconds at a 9 MB expert, some 0.3 s at a 350 MB one."""
+    (`time_host_fn`), fitted by `fit_affine`; host_bulk_call_s / host_bulk_row_s the line from rows[1]'s
+    timing to one expert's call at `bulk` rows (after one untimed; 0: not measured). Tens of milliseconds at
+    a 9 MB expert, some 0.3 s at a 350 MB one."""
     a, b = (time_host_fn(host_fn, host, n, hidden, dtype) for n in rows)
     call_s, row_s = fit_affine(rows[0], a, rows[1], b)
-    bulk_row_s = time_host_fn(host_fn, host, bulk, hidden, dtype, slots=1, repeats=1) / bulk if bulk else None
-    return replace(costs, host_call_s=call_s, host_row_s=row_s, host_bulk_row_s=bulk_row_s)
+    if not bulk:
+        return replace(costs, host_call_s=call_s, host_row_s=row_s)
+    c = time_host_fn(host_fn, host, bulk, hidden, dtype, slots=1, repeats=1)
+    bulk_call_s, bulk_row_s = fit_affine(rows[1], b, bulk, c)
+    return replace(costs, host_call_s=call_s, host_row_s=row_s, host_bulk_from=rows[1], host_bulk_call_s=bulk_call_s,
+                   host_bulk_row_s=bulk_row_s)
 
 
 def calibrate_stream(costs: OffloadCosts, seconds_per_slot: Callable[[], float]) -> OffloadCosts:
