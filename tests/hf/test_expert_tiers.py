@@ -70,11 +70,19 @@ def test_gpu_memory_is_parsed_strictly():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_rank_equals_transformers_at_every_hot_fraction(family, checkpoints):
+def test_one_rank_equals_transformers_at_every_hot_fraction(family, checkpoints, monkeypatch):
+    """Every hot fraction, each cold path forced; a decode step's few hot slots each through the plain
+    layout's two products (the default here), then all hot rows through the experts function in one call."""
     from thunderep.hf import ThunderMoE
+    from thunderep.moe.tiers import ExpertTiers
 
     path, x = checkpoints[family], _prompts()
     want = _reference(path, x)
+    monkeypatch.setattr(ExpertTiers, "LEAN_HOT_SLOTS", 0)
+    for fraction in (0.5, 1.0):
+        tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, fraction), offload_costs=STREAM_WINS)
+        _check(tm, x, want, f"{family} hot {fraction}, hot rows in one call")
+    monkeypatch.undo()
     for fraction in FRACTIONS:
         for costs in (HOST_WINS, STREAM_WINS):  # "auto" with extreme constants: each cold path forced
             tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, fraction), offload_costs=costs)

@@ -81,13 +81,15 @@ class HostExperts:
         return most if not 2 < self.upcast_rows <= most else self.upcast_rows - 1
 
     def slot(self, host: dict, s: int, x_nD: torch.Tensor) -> torch.Tensor:
-        """[n, D] outputs of slot `s` on host rows x_nD."""
+        """[n, D] outputs of slot `s` on rows x_nD, on the tensors' device: the host's, or a device's (the
+        tiers' hot copies and staging buffers: two products there, nothing that waits for the host)."""
         lay = self.layout
         w_gate_up, w_down = host[lay.gate_up][s], host[lay.down][s]
         b_gate_up = host[lay.gate_up_bias][s] if lay.gate_up_bias else None
         b_down = host[lay.down_bias][s] if lay.down_bias else None
         dtype = w_gate_up.dtype
-        upcast = x_nD.shape[0] >= self.upcast_rows and dtype != torch.float32 and dtype.is_floating_point
+        upcast = x_nD.shape[0] >= self.upcast_rows and dtype != torch.float32 and dtype.is_floating_point \
+            and w_gate_up.device.type == "cpu"  # the crossover is the host's: a device computes in its dtype
         if upcast:
             w_gate_up, w_down = self._float32(lay.gate_up, w_gate_up), self._float32(lay.down, w_down)
             b_gate_up = None if b_gate_up is None else b_gate_up.float()

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from ..errors import ConfigError
-from .host_experts import per_slot
+from .host_experts import HostExperts, per_slot
 from .offload_cost import OffloadCosts, split_cold
 
 __all__ = ["COLD_PATHS", "ExpertTiers", "Staging", "TierConfig", "TierStats", "parse_memory"]
@@ -167,14 +167,20 @@ class ExpertTiers:
     compute(weights, x_MD, slot_M): the experts function on `weights` ({name: [n, ...]}), row m using
     entry slot_M[m]; returns [M, D] unweighted. staging: the shared `Staging` of this layer's shapes.
     host_fn(host, slots, x_MD, counts, out=None): the host function (`thunderep.moe.host_experts`);
-    default: `compute` one slot at a time.
+    default: `compute` one slot at a time. Where it is a `HostExperts` (the plain gated layout), its
+    products also compute the staged slots and, up to LEAN_HOT_SLOTS slots with rows, the hot ones.
     """
+
+    LEAN_HOT_SLOTS = 8  # hot slots with rows up to which each computes apart (a decode step's few)
 
     def __init__(self, host: dict[str, torch.Tensor], hot_slots: int, device: torch.device, compute: Callable,
                  costs: OffloadCosts, staging: Staging, config: TierConfig | None = None,
                  host_fn: Callable | None = None):
         self.host, self.device, self.compute, self.costs = host, torch.device(device), compute, costs
         self.host_fn = host_fn or per_slot(compute)
+        # the plain gated layout's two products, for the staged slots and a decode step's hot ones on the
+        # device: the experts function costs some 0.8 ms of host time a call there (one H100 host)
+        self.lean = host_fn if isinstance(host_fn, HostExperts) else None
         self.staging, self.config = staging, config or TierConfig()
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
@@ -357,11 +363,13 @@ class ExpertTiers:
         # computes while the device runs them
         sent = self._to_host(torch.cat([xs[s] for s in on_host])) if on_host else None
         hot = [s for s in self.hot_slots if counts[s]]
-        if hot:  # 2. every hot slot's rows in one call
-            x_hot, slot_M = self._hot_rows(hot, xs)
-            for s, y in zip(hot, self.compute(self.hot, x_hot, slot_M).split([counts[s] for s in hot])):
-                pieces[s] = y
-            self.stats.rows_hot += x_hot.shape[0]
+        if hot:  # 2. every hot slot's rows in one call, or a decode step's few slots one by one
+            if self.lean is not None and len(hot) <= self.LEAN_HOT_SLOTS:
+                pieces.update((s, self.lean.slot(self.hot, self._row_of[s], xs[s])) for s in hot)
+            else:
+                x_hot, slot_M = self._hot_rows(hot, xs)
+                pieces.update(zip(hot, self.compute(self.hot, x_hot, slot_M).split([counts[s] for s in hot])))
+            self.stats.rows_hot += sum(counts[s] for s in hot)
         # 3. the streamed slots, queued (on CUDA nothing here waits for them) before 4. every host-path slot
         # in one call of the host function, back in one copy: the host computes while the device streams
         self._stream(streamed, [xs[s] for s in streamed], pieces)
@@ -408,7 +416,7 @@ class ExpertTiers:
 
     def _stream(self, slots: list[int], xs: list[torch.Tensor], pieces: dict, run: Callable | None = None) -> None:
         """Double-buffered: slot j + 1's weights load while slot j computes; pieces[s] = run(s, weights,
-        x_nD, zeros) (default: the experts function)."""
+        x_nD, zeros) (default: `lean`'s two products where the layout has them, else the experts function)."""
         if not slots:
             return
         staging = self.staging
@@ -419,7 +427,10 @@ class ExpertTiers:
             staging.ready(j % 2)
             zeros = torch.zeros(x_nD.shape[0], dtype=torch.int64, device=x_nD.device)
             weights = staging.buffers[j % 2]
-            pieces[s] = self.compute(weights, x_nD, zeros) if run is None else run(s, weights, x_nD, zeros)
+            if run is not None:
+                pieces[s] = run(s, weights, x_nD, zeros)
+            else:
+                pieces[s] = self.compute(weights, x_nD, zeros) if self.lean is None else self.lean.slot(weights, 0, x_nD)
             staging.release(j % 2)
             self.stats.rows_streamed += x_nD.shape[0]
         self.stats.bytes_streamed += len(slots) * self.slot_bytes
