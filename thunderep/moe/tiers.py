@@ -425,12 +425,12 @@ class ExpertTiers:
             if j + 1 < len(slots):
                 staging.load((j + 1) % 2, self.host, slots[j + 1])
             staging.ready(j % 2)
-            zeros = torch.zeros(x_nD.shape[0], dtype=torch.int64, device=x_nD.device)
             weights = staging.buffers[j % 2]
-            if run is not None:
-                pieces[s] = run(s, weights, x_nD, zeros)
+            if run is None and self.lean is not None:  # two products: no slot index to fill
+                pieces[s] = self.lean.slot(weights, 0, x_nD)
             else:
-                pieces[s] = self.compute(weights, x_nD, zeros) if self.lean is None else self.lean.slot(weights, 0, x_nD)
+                zeros = torch.zeros(x_nD.shape[0], dtype=torch.int64, device=x_nD.device)
+                pieces[s] = (run or (lambda s, w, x, z: self.compute(w, x, z)))(s, weights, x_nD, zeros)
             staging.release(j % 2)
             self.stats.rows_streamed += x_nD.shape[0]
         self.stats.bytes_streamed += len(slots) * self.slot_bytes
