@@ -7,14 +7,16 @@ H of them are also copied to the device (`hot`, [H, ...] per tensor). A layer ca
 by local slot with the counts on the host (ep mode's split sizes; the latency and all-gather modes' local
 sort; a single process's bincount) and `ExpertTiers.sorted` computes:
 
-  1. hot slots: their rows in one call of the experts function on the hot weights;
+  1. hot slots: their rows in one call of the experts function on the hot weights (a decode step's few,
+     on the plain gated layout: each slot's two products apart, `ExpertTiers.LEAN_HOT_SLOTS`);
   2. each cold slot with rows, on the path the cost model makes cheaper (`split_cold`: per slot; on CUDA,
      where the host computes while the device streams, the split of the call's cold slots that ends first):
        host    computed on the host weights by the layer's host function (`thunderep.moe.host_experts`),
                every host-path slot of the call in one call of it: their rows copied to the host in one
                copy and the results back in one (pinned buffers, non-blocking, on CUDA);
        stream  the slot's weights copied into one of two device staging buffers (`Staging`: on CUDA the
-               next slot's copy runs on a side stream while this one computes), computed on the device.
+               next slot's copy runs on a side stream while this one computes), computed on the device
+               (the plain gated layout's two products; else the experts function).
 
 The hot set (`set_hot`) is first the first H slots; after `TierConfig.calibration_calls` calls it becomes
 the H slots with the most rows counted so far. From then on, every `TierConfig.interval` calls, a slot's
