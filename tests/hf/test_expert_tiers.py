@@ -272,6 +272,30 @@ def test_gpu_tiers_equal_transformers_at_every_hot_fraction(family, checkpoints)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")
+def test_tiers_on_the_kernels_run_hot_rows_through_them(checkpoints, monkeypatch):
+    """16-bit experts on ThunderEP's kernels (the interpreter): the hot rows go through the kernels (no
+    two products apart: `lean_hot` off), staged slots through the two products; logits equal the same
+    model without gpu_memory on either cold path."""
+    pytest.importorskip("triton")
+    from thunderep.hf import ThunderMoE
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    path, x = checkpoints["mixtral"], _prompts()[:, :4]
+    whole = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_implementation="triton")
+    with torch.no_grad():
+        want = whole(input_ids=x).logits.float()
+    for costs in (HOST_WINS, STREAM_WINS):
+        tm = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_implementation="triton",
+                                        gpu_memory=_budget_for(path, 0.5, None), offload_costs=costs)
+        tiers = next(iter(tm.bindings.values())).tiers
+        assert tiers.lean is not None and not tiers.lean_hot and 0 < tiers.capacity < tiers.num_slots
+        with torch.no_grad():
+            got = tm(input_ids=x).logits.float()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        stats = tm.offload_stats()
+        assert stats["rows_hot"] > 0 and stats["rows_streamed" if costs is STREAM_WINS else "rows_host"] > 0
+
+
 @pytest.mark.parametrize("experts_dtype", ["int4", "mxfp4", "fp8"])
 def test_quantized_experts_offload_as_they_are_held(experts_dtype, checkpoints, monkeypatch):
     """Experts held in 4 bits or FP8 are tiered as held: each cold path moves the packed bytes and scales
@@ -305,8 +329,9 @@ def test_quantized_experts_offload_as_they_are_held(experts_dtype, checkpoints, 
     assert (0.25 <= ratio < 0.34) if experts_dtype != "fp8" else (0.5 <= ratio < 0.6), ratio
 
 
-def _budget_for(path, fraction: float, experts_dtype: str) -> int:
-    """gpu_memory giving each layer round(fraction * S) hot slots of its S, with experts held in `experts_dtype`."""
+def _budget_for(path, fraction: float, experts_dtype: str | None) -> int:
+    """gpu_memory giving each layer round(fraction * S) hot slots of its S, with experts held in `experts_dtype`
+    (None: float16)."""
     from thunderep.hf import ThunderMoE
     from thunderep.hf.offload import plan_offload
 

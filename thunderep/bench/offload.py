@@ -7,7 +7,8 @@ random checkpoint of a real MoE model's shape with fewer layers.
 For each hot fraction f (--fractions) the device budget is set so that round(f S) of each layer's S experts
 fit after the replicated weights and the two staging buffers (`train.plan.plan_offload_memory`). Rows:
 
-    thunderep f    ThunderMoE with that gpu_memory, each cold expert's path chosen by the cost model (or --cold-path)
+    thunderep f    ThunderMoE with that gpu_memory, each cold expert's path chosen by the cost model (or --cold-path);
+                   its device experts computed by --experts-implementation (default: the model's own)
     (a) accelerate transformers, device_map="auto", max_memory={GPU: the same bytes, "cpu": 200GiB}: whole modules
                    (a layer's experts are one) copied to the GPU at every call; equal bytes, not equal expert sets
     (b) host       ThunderMoE with no hot expert, every expert computed on the host (TierConfig(cold_path="host"))
@@ -79,7 +80,10 @@ class OffloadBench:
     layers 0: the shape's default (8 for qwen3, 2 for mixtral, 2 with tiny). accelerate_batch8: accelerate at
     every batch, not batch 1 alone. sample: decode by sampling (a random model's greedy decode tends to repeat
     a token, and with it the experts). dir: where the random checkpoint is written (kept; reused where it holds
-    this shape); None: a temporary folder, deleted at the end. tiny: hidden 64, 8 experts, vocab 256."""
+    this shape); None: a temporary folder, deleted at the end. tiny: hidden 64, 8 experts, vocab 256.
+    experts_implementation: what computes ThunderEP's rows' device experts, as `from_pretrained` takes it
+    (None: the model's own, transformers' grouped GEMM, as `thunderep generate` runs by default; "auto":
+    ThunderEP's kernels on a CUDA GPU, as `thunderep serve` runs by default)."""
 
     shape: str = "qwen3"
     layers: int = 0
@@ -98,6 +102,7 @@ class OffloadBench:
     json: str | None = None
     device: str = "cuda"
     cold_path: str = "auto"
+    experts_implementation: str | None = None
 
     def __post_init__(self):
         problems = [] if self.shape in SHAPES else [f"--shape must be one of {', '.join(SHAPES)}, got {self.shape!r}"]
@@ -288,7 +293,8 @@ def _predict(costs, plan, config, bench: OffloadBench) -> dict:
 def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offload: TierConfig | None) -> None:
     """Load ThunderMoE (gpu_memory=row.budget, or the whole model without a budget), measure, free."""
     device, dtype = _device(bench), _DTYPES[bench.dtype]
-    tm = ThunderMoE.from_pretrained(path, dtype=dtype, device=device, gpu_memory=row.budget, offload=offload)
+    tm = ThunderMoE.from_pretrained(path, dtype=dtype, device=device, gpu_memory=row.budget, offload=offload,
+                                    experts_implementation=bench.experts_implementation)
     try:
         tm.eval()
         if row.budget is not None:
@@ -391,7 +397,9 @@ def report(bench: OffloadBench) -> list[Row]:
     finally:
         if not bench.dir:
             shutil.rmtree(directory, ignore_errors=True)
-    name = f"{bench.shape}{' (tiny)' if bench.tiny else ''}, {_layers(bench)} layers, {bench.dtype}"
+    implementation = bench.experts_implementation or "the model's own"
+    name = f"{bench.shape}{' (tiny)' if bench.tiny else ''}, {_layers(bench)} layers, {bench.dtype}, experts " \
+        f"implementation {implementation}"
     print(f"expert offload, {name}; prompts of {PROMPT} tokens, {bench.new_tokens} new tokens "
           f"({bench.accelerate_new_tokens} for accelerate), prefill {bench.prefill} tokens")
     print("\ncost model (routed experts alone, uniform routing; with the rest as (c): plus the time (c) measured "

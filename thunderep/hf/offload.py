@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..moe.host_experts import GatedLayout, HostExperts, calibrate_upcast, per_slot
 from ..moe.offload_cost import OffloadCosts, calibrate_host, calibrate_stream, measure_costs
 from ..moe.tiers import ExpertTiers, Staging, TierConfig, TierStats, parse_memory
-from .experts import experts_compute_fn
+from .experts import KERNELS, experts_compute_fn
 from .fp8 import expert_weights, is_fp8
 from .int4 import eager_on_dequantized, is_int4
 
@@ -253,7 +253,8 @@ def attach_tiers(wrapped, plan: OffloadPlan, device: torch.device, config: TierC
             calibrated[key] = calibrate_host(measure_costs(device, dtype), on_host, host, _hidden(wrapped, module), dtype,
                                              rows=(1, many))
         binding.tiers = ExpertTiers(host, plan.hot[name], device, binding.weights_compute(module),
-                                    costs or calibrated[key], stagings[key], config or TierConfig(), host_fn=on_host)
+                                    costs or calibrated[key], stagings[key], config or TierConfig(), host_fn=on_host,
+                                    lean_hot=binding.implementation != KERNELS)
         if costs is None and calibrated[key].stream_call_s is None:  # once per shape, on this layer's own path
             tiers = binding.tiers
             calibrated[key] = tiers.costs = calibrate_stream(

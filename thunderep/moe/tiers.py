@@ -170,19 +170,22 @@ class ExpertTiers:
     entry slot_M[m]; returns [M, D] unweighted. staging: the shared `Staging` of this layer's shapes.
     host_fn(host, slots, x_MD, counts, out=None): the host function (`thunderep.moe.host_experts`);
     default: `compute` one slot at a time. Where it is a `HostExperts` (the plain gated layout), its
-    products also compute the staged slots and, up to LEAN_HOT_SLOTS slots with rows, the hot ones.
+    products also compute the staged slots and, with `lean_hot` and up to LEAN_HOT_SLOTS slots with rows,
+    the hot ones (for an experts function that waits for the host, as transformers' grouped one does; one
+    that takes a decode step's rows in a few launches, ThunderEP's kernels, runs them itself).
     """
 
     LEAN_HOT_SLOTS = 8  # hot slots with rows up to which each computes apart (a decode step's few)
 
     def __init__(self, host: dict[str, torch.Tensor], hot_slots: int, device: torch.device, compute: Callable,
                  costs: OffloadCosts, staging: Staging, config: TierConfig | None = None,
-                 host_fn: Callable | None = None):
+                 host_fn: Callable | None = None, lean_hot: bool = True):
         self.host, self.device, self.compute, self.costs = host, torch.device(device), compute, costs
         self.host_fn = host_fn or per_slot(compute)
         # the plain gated layout's two products, for the staged slots and a decode step's hot ones on the
         # device: the experts function costs some 0.8 ms of host time a call there (one H100 host)
         self.lean = host_fn if isinstance(host_fn, HostExperts) else None
+        self.lean_hot = lean_hot
         self.staging, self.config = staging, config or TierConfig()
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
@@ -366,7 +369,7 @@ class ExpertTiers:
         sent = self._to_host(torch.cat([xs[s] for s in on_host])) if on_host else None
         hot = [s for s in self.hot_slots if counts[s]]
         if hot:  # 2. every hot slot's rows in one call, or a decode step's few slots one by one
-            if self.lean is not None and len(hot) <= self.LEAN_HOT_SLOTS:
+            if self.lean is not None and self.lean_hot and len(hot) <= self.LEAN_HOT_SLOTS:
                 pieces.update((s, self.lean.slot(self.hot, self._row_of[s], xs[s])) for s in hot)
             else:
                 x_hot, slot_M = self._hot_rows(hot, xs)
