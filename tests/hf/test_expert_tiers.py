@@ -271,6 +271,25 @@ def test_gpu_tiers_equal_transformers_at_every_hot_fraction(family, checkpoints)
             assert (stats["bytes_streamed"] > 0) == (costs is STREAM_WINS and fraction < 1)
 
 
+@pytest.mark.gpu
+def test_gpu_tiers_on_the_kernels_equal_the_whole_model(checkpoints):
+    """On CUDA in bfloat16 on ThunderEP's kernels: the hot rows through the kernels, the staged slots through
+    the two products; logits as the same model's without gpu_memory, each cold path forced."""
+    from thunderep.hf import ThunderMoE
+
+    path, x = checkpoints["qwen3_moe"], _prompts().cuda()
+    whole = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto")
+    with torch.no_grad():
+        want = whole(input_ids=x).logits.float()
+    for costs in (HOST_WINS, STREAM_WINS):
+        tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto",
+                                        gpu_memory=offload_budget(path, 0.5) // 2, offload_costs=costs)
+        assert not next(iter(tm.bindings.values())).tiers.lean_hot
+        with torch.no_grad():
+            got = tm(input_ids=x).logits.float()
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")
 def test_tiers_on_the_kernels_run_hot_rows_through_them(checkpoints, monkeypatch):
     """16-bit experts on ThunderEP's kernels (the interpreter): the hot rows go through the kernels (no
@@ -296,6 +315,7 @@ def test_tiers_on_the_kernels_run_hot_rows_through_them(checkpoints, monkeypatch
         assert stats["rows_hot"] > 0 and stats["rows_streamed" if costs is STREAM_WINS else "rows_host"] > 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")
 @pytest.mark.parametrize("experts_dtype", ["int4", "mxfp4", "fp8"])
 def test_quantized_experts_offload_as_they_are_held(experts_dtype, checkpoints, monkeypatch):
     """Experts held in 4 bits or FP8 are tiered as held: each cold path moves the packed bytes and scales
