@@ -331,8 +331,9 @@ def _accelerate_row(row: Row, path: Path, bench: OffloadBench, config) -> None:
         # budget below its largest layer), else the GPU (its hooks move offloaded weights in)
         embedding = model.get_input_embeddings().weight.device
         inputs = embedding if embedding.type == "cpu" else device
-        row.note = f"{sum(p in ('cpu', 'disk') for p in placed)} of {len(placed)} placed modules off the GPU" \
-            if inputs == device or device.type == "cpu" else "the whole model on the host (the budget is below accelerate's largest layer)"
+        off = f"{sum(p in ('cpu', 'disk') for p in placed)} of {len(placed)} placed modules off the GPU"
+        whole = "the whole model on the host (the budget is below accelerate's largest layer)"
+        row.note = off if inputs == device or device.type == "cpu" else whole
         say(f"  accelerate: {row.note}")
         batches = bench.batches if bench.accelerate_batch8 else bench.batches[:1]
         row.decode, row.prefill, _ = measure(model.eval(), inputs, config.vocab_size, batches,

@@ -48,8 +48,9 @@ class OffloadCosts:
     second from (pinned) host memory to the device. call_s: fixed seconds per expert computed apart.
     host_call_s / host_row_s: the host path's measured seconds per expert and per row at one layer's
     expert shape (`calibrate_host`); None: estimated from host_flops. host_bulk_call_s / host_bulk_row_s:
-    the line of its many-row timings, its cost past host_bulk_from rows; None: the first line throughout. stream_call_s: the stream path's
-    measured seconds per slot at one row (`calibrate_stream`); None: estimated from h2d_Bps."""
+    the line of its many-row timings, its cost past host_bulk_from rows; None: the first line throughout.
+    stream_call_s: the stream path's measured seconds per slot at one row (`calibrate_stream`); None:
+    estimated from h2d_Bps."""
 
     host_flops: float
     device_flops: float
