@@ -13,9 +13,9 @@ so few rows (decode) stay on the host and many (prefill) stream the weights. hos
 are measured on the layer's own host function at its own expert shape (`calibrate_host`: one timed call at
 1 row, one at a few, an affine fit): the fixed cost per expert (reading its weights) and the cost per row
 while the weights' reading dominates. Past the second timing's rows the cost follows a second line, from
-that timing to one at many rows (256), where the products dominate: a host GEMM at 512 rows of a Mixtral
-expert takes some 100 times the first line's estimate (one H100 host: 2 us a row fitted at 1-32 rows,
-about 0.2 s for 512). Uncalibrated costs
+that timing to one at many rows (256), where the products dominate: a 512-row Mixtral expert takes some
+100 times the first line's estimate (docs/benchmarks/2026-12-05-expert-offload-h200.md, third run).
+Uncalibrated costs
 (tests, `thunderep plan`) use n 2P / host_flops instead (2P FLOPs a row). A hot expert costs
 n 2P / device_flops. The rates are measured once per (device, dtype) at start (`measure_costs`): on a
 CPU-only machine the device is the host, its rates are the host's and the "copy" is a memcpy, and the

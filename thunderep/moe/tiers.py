@@ -183,7 +183,7 @@ class ExpertTiers:
         self.host, self.device, self.compute, self.costs = host, torch.device(device), compute, costs
         self.host_fn = host_fn or per_slot(compute)
         # the plain gated layout's two products, for the staged slots and a decode step's hot ones on the
-        # device: the experts function costs some 0.8 ms of host time a call there (one H100 host)
+        # device: transformers' experts function waits for the device (docs/benchmarks, expert offload)
         self.lean = host_fn if isinstance(host_fn, HostExperts) else None
         self.lean_hot = lean_hot
         self.staging, self.config = staging, config or TierConfig()
