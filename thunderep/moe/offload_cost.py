@@ -15,13 +15,13 @@ are measured on the layer's own host function at its own expert shape (`calibrat
 while the weights' reading dominates. Past the second timing's rows the cost follows a second line, from
 that timing to one at many rows (256), where the products dominate: a 512-row Mixtral expert takes some
 100 times the first line's estimate (docs/benchmarks/2026-12-05-expert-offload-h200.md, third run).
-Uncalibrated costs
-(tests, `thunderep plan`) use n 2P / host_flops instead (2P FLOPs a row). A hot expert costs
-n 2P / device_flops. The rates are measured once per (device, dtype) at start (`measure_costs`): on a
-CPU-only machine the device is the host, its rates are the host's and the "copy" is a memcpy, and the
-same formula runs. stream_call_s is measured like the host's, on the tiers' own stream path (`calibrate_stream`:
-a few slots of one row each, their staged copies and experts calls, waited for): the copy alone leaves out
-the experts call each streamed slot makes (its share at one row not yet measured on a GPU). `OffloadCosts` can be
+Uncalibrated costs (tests, `thunderep plan`) use n 2P / host_flops instead (2P FLOPs a row). A hot expert
+costs n 2P / device_flops. The rates are measured once per (device, dtype) at start (`measure_costs`): on
+a CPU-only machine the device is the host, its rates are the host's and the "copy" is a memcpy, and the
+same formula runs. stream_call_s is measured like the host's, on the tiers' own stream path
+(`calibrate_stream`: a few slots of one row each, their staged copies and products, waited for), so that
+whatever a streamed slot costs beyond its copy is priced too (the fourth run of that record: the copy's
+time, once the staged slots stopped calling transformers' experts function). `OffloadCosts` can be
 replaced (tests force either path with extreme constants).
 """
 
