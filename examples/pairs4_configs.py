@@ -6,7 +6,7 @@ as the autotuner times), beside the autotuned pair and the packed bytes' time at
 
 One process, one GPU. Random weights of the shape quantized by groups of 32; one token routed to experts
 0..K-1. Prints the `--top` fastest configs of each pass with microseconds per call (the pair's time,
-the other pass autotuned).
+the other pass autotuned); for int4 each config also with HALF, the products in float16 (pairs4.py).
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ def main() -> None:
           f"bandwidth {floor:.1f} us ({floor / tuned:.0%}, the kernel benchmark's HBM fraction)")
     for which in ("up", "down"):
         results = []
-        for bn, bk, warps in itertools.product(BLOCK_N, BLOCK_K, WARPS):
+        halves = (False, True) if args.fmt == "int4" else (False,)
+        for bn, bk, warps, half in itertools.product(BLOCK_N, BLOCK_K, WARPS, halves):
             if bn * bk > 32768 or bn * bk < 32 * warps * 8:
                 continue
-            config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
+            config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "HALF": half}
             setattr(decode, "PAIRS4_UP" if which == "up" else "PAIRS4_DOWN", config)
             try:
                 pair = tuning.timed_ms(call, 60.0, 10.0) * 1e3

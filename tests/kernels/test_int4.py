@@ -148,6 +148,29 @@ def test_int4_pair_kernel_tails(up, down, monkeypatch):
     _check(1, 84, 52, 5, 2, torch.float16, "mxfp4", 32, tol=2e-3, seed=3)
 
 
+@pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
+                         ids=["chunks-32", "narrow", "wide"])
+def test_int4_half_products_match_the_reference(up, down, monkeypatch):
+    """HALF (the products in float16 on the vector scaled to at most 1): every loop and tail of the pair
+    kernels as above, against the float64 reference within float16 products' error; a vector of large
+    values (an activation of 3e4, past what float16 products of unscaled values hold) stays finite and
+    within it; MXFP4 ignores the flag (its conversion is float32's)."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4, "HALF": True})
+    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": 4, "HALF": True})
+    _check(2, 80, 56, 5, 2, torch.bfloat16, "int4", 32, tol=1e-2, zero=True, weighted=False, interleaved=True)
+    _check(2, 96, 64, 5, 2, torch.bfloat16, "int4", 32, tol=1e-2, seed=4)
+    _check(1, 96, 56, 5, 3, torch.bfloat16, "mxfp4", 32, tol=2e-2, seed=1)
+    x, w_gu, w_d, ids, weights = make_case(2, 96, 64, 5, 2, torch.bfloat16, 5)
+    x[0, 3] = 3e4
+    q_gu, q_d = Int4Weight.quantize(w_gu, "int4"), Int4Weight.quantize(w_d, "int4")
+    with torch.no_grad():
+        y = routed_moe_mlp(x, q_gu, q_d, ids, weights.to(torch.bfloat16))
+    y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64), ids,
+                      weights.double())
+    assert torch.isfinite(y).all() and rel_err(y, y_ref) < 1e-2, rel_err(y, y_ref)
+
+
 def test_int4_pairs_skip_minus_one_and_nan_for_unknown_ids(monkeypatch):
     """Id -1 adds nothing (another rank's expert); any other id outside [0, E) makes its token NaN."""
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))

@@ -14,7 +14,10 @@ word are placed into float16 bits at once (int4: or'ed into 1024's mantissa, `in
 exponent and mantissa bits moved into place, `e2m1_halves`), then each half widened to float32. Each of a
 word's 8 planes (the values 8 columns apart) times the vector's matching elements is summed in one chain
 of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
-No tensor cores, no Hopper-only instructions, no inline assembly. Rows that are not 4-byte aligned, or
+HALF (int4 words, a launch option not yet in the autotuner's list): the codes stay float16 and the
+products run in float16 on the vector scaled to at most 1 (`_largest`, `_half_planes`, `half_chunk`),
+two per packed instruction, each half's four summed before widening: fewer instructions per weight in
+the sm_90 build (docs/benchmarks/2026-12-05-int4-experts-h200.md), not yet timed on a GPU. No tensor cores, no Hopper-only instructions, no inline assembly. Rows that are not 4-byte aligned, or
 groups of other than a multiple of 8 columns, run the same conversions one byte at a time (`byte_chunk`).
 Partial chunks (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids
 as in pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's
@@ -29,9 +32,9 @@ import triton.language as tl
 
 from .act import act, gate_up_cols
 
-__all__ = ["E2M1_UNIT", "byte_chunk", "codes4", "down_pairs4_kernel", "e2m1_halves", "int4_halves", "int4_plane",
-           "load_words", "nibbles4", "packed_dot", "packed_dot2", "scales4", "up_pairs4_kernel", "word_chunk",
-           "words_ok"]
+__all__ = ["E2M1_UNIT", "byte_chunk", "codes4", "down_pairs4_kernel", "e2m1_halves", "half_chunk", "int4_halves",
+           "int4_halves16", "int4_plane", "load_words", "nibbles4", "packed_dot", "packed_dot2", "scales4",
+           "up_pairs4_kernel", "word_chunk", "words_ok"]
 
 # The e2m1 planes are float16 values 2 ** -14 times the e2m1 value (`e2m1_halves`): sums are scaled back.
 E2M1_UNIT: tl.constexpr = tl.constexpr(16384.0)
@@ -61,6 +64,17 @@ def int4_halves(w, SHIFT: tl.constexpr, opaque=0):
     lo = t.to(tl.int16).to(tl.float16, bitcast=True)
     hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     return (lo * STEP - OFFSET).to(tl.float32), (hi * STEP - OFFSET).to(tl.float32)
+
+
+@triton.jit
+def int4_halves16(w, SHIFT: tl.constexpr, opaque=0):
+    """`int4_halves` left in float16 (n - 8 is exact there): the products of `_word_products`' HALF path."""
+    STEP: tl.constexpr = 1.0 / (1 << SHIFT)
+    OFFSET: tl.constexpr = (1024 >> SHIFT) + 8.0
+    t = (w.to(tl.uint32, bitcast=True) & (0x000F000F << SHIFT)) | (0x64006400 + opaque)
+    lo = t.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo * STEP - OFFSET, hi * STEP - OFFSET
 
 
 @triton.jit
@@ -148,6 +162,40 @@ def _planes(v_ptr, k0, C, HW: tl.constexpr):
     x1, x5 = tl.split(o15)
     x3, x7 = tl.split(o37)
     return x0, x4, x1, x5, x2, x6, x3, x7
+
+
+@triton.jit
+def _half_planes(v_ptr, k0, C, inv, HW: tl.constexpr):
+    """The vector's chunk at column k0 times `inv` (1 / its largest magnitude: every element at most 1, so a
+    word's 4 products per half stay at most 32) as its 8 planes in float16 (`_planes`' order), and [HW]
+    its sums per word (float32, times inv): computed once per chunk for every matrix that reads it."""
+    x0, x4, x1, x5, x2, x6, x3, x7 = _planes(v_ptr, k0, C, HW)
+    vsum = (((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7))) * inv
+    return ((x0 * inv).to(tl.float16), (x4 * inv).to(tl.float16), (x1 * inv).to(tl.float16),
+            (x5 * inv).to(tl.float16), (x2 * inv).to(tl.float16), (x6 * inv).to(tl.float16),
+            (x3 * inv).to(tl.float16), (x7 * inv).to(tl.float16), vsum)
+
+
+@triton.jit
+def half_chunk(w, h0, h4, h1, h5, h2, h6, h3, h7, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, opaque, stride_sk,
+               GROUP: tl.constexpr, ZERO: tl.constexpr):
+    """`word_chunk` of int4 words with the products in float16 on the planes of `_half_planes` (each
+    half's four products summed in float16, then widened); the sums are inv times the true ones."""
+    w8 = w >> 8
+    lo, hi = int4_halves16(w, 0, opaque)
+    p_lo = lo * h0[None, :]
+    p_hi = hi * h4[None, :]
+    lo, hi = int4_halves16(w, 4, opaque)
+    p_lo += lo * h1[None, :]
+    p_hi += hi * h5[None, :]
+    lo, hi = int4_halves16(w8, 0, opaque)
+    p_lo += lo * h2[None, :]
+    p_hi += hi * h6[None, :]
+    lo, hi = int4_halves16(w8, 4, opaque)
+    p_lo += lo * h3[None, :]
+    p_hi += hi * h7[None, :]
+    prod = p_lo.to(tl.float32) + p_hi.to(tl.float32)
+    return _grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, False, ZERO, 1.0)
 
 
 @triton.jit
@@ -280,17 +328,39 @@ def _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP: tl
 
 
 @triton.jit
+def _largest(v_ptr, C, BLOCK_K: tl.constexpr):
+    """The largest magnitude of the C elements at v_ptr (float32; the smallest normal float16 where all are
+    smaller, so that 1 / it stays finite), chunk by chunk."""
+    top = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, C, BLOCK_K):
+        c_K = k0 + tl.arange(0, BLOCK_K)
+        top = tl.maximum(top, tl.abs(tl.load(v_ptr + c_K, mask=c_K < C, other=0.0).to(tl.float32)))
+    return tl.maximum(tl.max(top, 0), 6.103515625e-05)
+
+
+@triton.jit
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
-               MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+               MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr = False):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
     flight while it converts this chunk's; else as bytes. opaque: a uint32 that is 0 wherever rows are read
     but that the compiler cannot prove so (the launch's expert id >> 32): added to the conversions' masks, it
-    keeps them in registers, where the compiler otherwise rebuilds each constant before each use."""
+    keeps them in registers, where the compiler otherwise rebuilds each constant before each use. HALF
+    (int4 words): the products in float16 on the vector scaled to at most 1 (`_half_planes`, `half_chunk`)."""
     acc = tl.zeros(ok_N.shape, dtype=tl.float32)
     if GROUP % 8 == 0:
-        if words:
+        if words and HALF and not MXFP4:
+            top = _largest(v_ptr, C, BLOCK_K)
+            w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
+            for k0 in range(0, C, BLOCK_K):
+                w = w_next
+                w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)
+                h0, h4, h1, h5, h2, h6, h3, h7, vs = _half_planes(v_ptr, k0, C, 1.0 / top, BLOCK_K // 8)
+                acc += half_chunk(w, h0, h4, h1, h5, h2, h6, h3, h7, vs, s_ptrs_N, z_ptrs_N, k0, C, ok_N, opaque,
+                                  stride_sk, GROUP, ZERO)
+            acc = acc * top
+        elif words:
             w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
             for k0 in range(0, C, BLOCK_K):
                 w = w_next
@@ -305,21 +375,35 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
 
 @triton.jit
 def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, words, opaque,
-                stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+                stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
+                HALF: tl.constexpr = False):
     """`packed_dot` of two matrices' rows (a and b: gate and up) with one vector, in one loop: both
     matrices' next chunks in flight together."""
     if GROUP % 8 == 0:
         if words:
             acc_a = tl.zeros(ok_N.shape, dtype=tl.float32)
             acc_b = tl.zeros(ok_N.shape, dtype=tl.float32)
+            half: tl.constexpr = HALF and not MXFP4
+            top = _largest(v_ptr, C, BLOCK_K) if half else 1.0
             a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
             b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
             for k0 in range(0, C, BLOCK_K):
                 a, b = a_next, b_next
                 a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)
                 b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)
-                acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
-                acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
+                if half:  # the vector's planes once for both matrices
+                    h0, h4, h1, h5, h2, h6, h3, h7, vs = _half_planes(v_ptr, k0, C, 1.0 / top, BLOCK_K // 8)
+                    acc_a += half_chunk(a, h0, h4, h1, h5, h2, h6, h3, h7, vs, sa_ptrs_N, za_ptrs_N, k0, C, ok_N,
+                                        opaque, stride_sk, GROUP, ZERO)
+                    acc_b += half_chunk(b, h0, h4, h1, h5, h2, h6, h3, h7, vs, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N,
+                                        opaque, stride_sk, GROUP, ZERO)
+                else:
+                    acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4,
+                                        ZERO)
+                    acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4,
+                                        ZERO)
+            if half:
+                acc_a, acc_b = acc_a * top, acc_b * top
         else:
             acc_a = _byte_dot(a_ptrs_N, sa_ptrs_N, za_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
             acc_b = _byte_dot(b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
@@ -333,7 +417,7 @@ def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, 
 def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn,
                      stride_se, stride_sn, stride_sk, stride_hm, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
                      GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, HALF: tl.constexpr = False):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales
     (and zero points, ZERO) [E, 2I, ceil(D / GROUP)] by strides; h: [T*K, I]."""
@@ -353,7 +437,7 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, I, D, E, top_k,
     words = words_ok(w_ptr, stride_we, stride_wn, D)
     opaque = (expert >> 32).to(tl.uint32)  # 0 (expert is in [0, E)); to the compiler, any value (packed_dot)
     acc_g, acc_u = packed_dot2(gw_N, s_ptr + gs_N, z_ptr + gs_N, uw_N, s_ptr + us_N, z_ptr + us_N, D, ok_N, x_row,
-                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
+                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, HALF)
     h = tl.where(known, act(acc_g, ACT) * acc_u, tl.where(skipped, 0.0, float("nan")))
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
 
@@ -362,7 +446,7 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, I, D, E, top_k,
 def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k, stride_hm, stride_we,
                        stride_wd, stride_se, stride_sn, stride_sk, stride_ym, WEIGHTED: tl.constexpr,
                        GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, HALF: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D]."""
@@ -385,6 +469,6 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, D
         h_row = h_ptr + j.to(tl.int64) * stride_hm
         opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
         part = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
-                          BLOCK_K)
+                          BLOCK_K, HALF)
         acc += rw * part
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, acc.to(y_ptr.dtype.element_ty), mask=cols_N < D)

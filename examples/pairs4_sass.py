@@ -1,0 +1,86 @@
+"""Instructions per weight in the 4-bit pair kernels' word loop, counted in the machine code Triton builds
+for a GPU architecture on this machine (no GPU needed): each kernel with the products in float32 (the
+default) and in float16 (HALF), int4 with groups of 32.
+
+    python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4]
+
+A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit
+conversion operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass (BLOCK_N x BLOCK_K x
+matrices / threads) give the count. A count, not a time: whether fewer instructions make a faster kernel
+is for `examples/pairs4_configs.py` on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from thunderep.kernels import pairs4 as P4
+from thunderep.kernels import targets
+
+KERNELS = {  # name: (kernel, its constants, matrices a pass reads)
+    "up": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=False, ZERO=False), 2),
+    "down": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=False), 1),
+}
+_ADDRESS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
+
+
+def sass(kernel, constants: dict, block_n: int, block_k: int, warps: int, arch: int) -> str:
+    """The kernel's machine code for sm_<arch> (int4 bytes, bfloat16 scales and vectors)."""
+    sig, attrs, consts = targets._signature(kernel, "up_pairs4")
+    sig.update(w_ptr="*u8", s_ptr="*bf16", z_ptr="*i8")
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
+                    constexprs={**defaults, **constants, "BLOCK_N": block_n, "BLOCK_K": block_k, **consts})
+    build = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=1))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(build.asm["cubin"])
+        return subprocess.run([targets._cuobjdump(), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def word_loop(code: str) -> list[str]:
+    """The instructions of the word loop: of the loops (a backward branch's range) holding at least 60% of
+    the most 16-bit conversion operations (HFMA2 / HADD2) any loop holds, the shortest (an outer loop, over
+    the down pass's slots, holds the inner one's)."""
+    lines = [line for line in code.splitlines() if _ADDRESS.match(line)]
+    address = [int(_ADDRESS.match(line).group(1), 16) for line in lines]
+    loops = []
+    for line, at in zip(lines, address):
+        branch = re.search(r"BRA\s+0x([0-9a-f]+)", line)
+        if branch and int(branch.group(1), 16) < at:
+            loops.append([x for x, a in zip(lines, address) if int(branch.group(1), 16) <= a <= at])
+    conversions = [sum("HFMA2" in x or "HADD2" in x for x in body) for body in loops]
+    most = max(conversions, default=0)
+    return min((body for body, n in zip(loops, conversions) if n >= 0.6 * most), key=len, default=[])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--tiles", default="16x512x4,8x512x2,16x1024x4,16x2048x4")
+    args = parser.parse_args()
+    if targets._cuobjdump() is None:
+        raise SystemExit("cuobjdump is not available (Triton bundles it with its NVIDIA backend)")
+    print("| pass | tile (BLOCK_N x BLOCK_K x warps) | float32 products | float16 products (HALF) | HALF / float32 |")
+    print("|---|---|---|---|---|")
+    for name, (kernel, constants, matrices) in KERNELS.items():
+        for tile in args.tiles.split(","):
+            block_n, block_k, warps = (int(v) for v in tile.split("x"))
+            weights = block_n * block_k * matrices / (32 * warps)
+            counts = [len(word_loop(sass(kernel, {**constants, "HALF": half}, block_n, block_k, warps, args.arch)))
+                      / weights for half in (False, True)]
+            print(f"| {name} | {tile} | {counts[0]:.2f} | {counts[1]:.2f} | {counts[1] / counts[0]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
