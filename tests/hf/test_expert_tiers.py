@@ -273,36 +273,44 @@ def test_gpu_tiers_equal_transformers_at_every_hot_fraction(family, checkpoints)
 
 @pytest.mark.gpu
 def test_gpu_tiers_on_the_kernels_equal_the_whole_model(checkpoints):
-    """On CUDA in bfloat16 on ThunderEP's kernels: the hot rows through the kernels, the staged slots through
-    the two products; logits as the same model's without gpu_memory, each cold path forced."""
+    """On CUDA in bfloat16 on ThunderEP's kernels: the hot rows through the kernels (a one-token step's by the
+    pair kernels before the wait for the counts), the staged slots through the two products; logits as the
+    same model's without gpu_memory, each cold path forced."""
     from thunderep.hf import ThunderMoE
 
     path, x = checkpoints["qwen3_moe"], _prompts().cuda()
     whole = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto")
     with torch.no_grad():
-        want = whole(input_ids=x).logits.float()
+        want, want_one = whole(input_ids=x).logits.float(), whole(input_ids=x[:1, :1]).logits.float()
     for costs in (HOST_WINS, STREAM_WINS):
         tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto",
                                         gpu_memory=offload_budget(path, 0.5) // 2, offload_costs=costs)
         assert not next(iter(tm.bindings.values())).tiers.lean_hot
         with torch.no_grad():
-            got = tm(input_ids=x).logits.float()
+            got, got_one = tm(input_ids=x).logits.float(), tm(input_ids=x[:1, :1]).logits.float()
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(got_one, want_one, rtol=3e-2, atol=3e-2)  # the hot share by the pair kernels
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")
 def test_tiers_on_the_kernels_run_hot_rows_through_them(checkpoints, monkeypatch):
-    """16-bit experts on ThunderEP's kernels (the interpreter): the hot rows go through the kernels (no
-    two products apart: `lean_hot` off), staged slots through the two products; logits equal the same
-    model without gpu_memory on either cold path."""
+    """16-bit experts on ThunderEP's kernels (the interpreter): a prompt's hot rows go through the kernels
+    (no two products apart: `lean_hot` off), a one-token step's through the pair kernels before the wait
+    for the counts (`hot_partial`), staged slots through the two products; logits equal the same model
+    without gpu_memory on either cold path, for the prompt and for one token."""
     pytest.importorskip("triton")
     from thunderep.hf import ThunderMoE
+    from thunderep.moe.tiers import ExpertTiers
 
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    launched = []
+    hot_partial = ExpertTiers.hot_partial
+    monkeypatch.setattr(ExpertTiers, "hot_partial", lambda self, *a: launched.append(hot_partial(self, *a))
+                        or launched[-1])
     path, x = checkpoints["mixtral"], _prompts()[:, :4]
     whole = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_implementation="triton")
     with torch.no_grad():
-        want = whole(input_ids=x).logits.float()
+        want, want_one = whole(input_ids=x).logits.float(), whole(input_ids=x[:1, :1]).logits.float()
     for costs in (HOST_WINS, STREAM_WINS):
         tm = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_implementation="triton",
                                         gpu_memory=_budget_for(path, 0.5, None), offload_costs=costs)
@@ -310,7 +318,11 @@ def test_tiers_on_the_kernels_run_hot_rows_through_them(checkpoints, monkeypatch
         assert tiers.lean is not None and not tiers.lean_hot and 0 < tiers.capacity < tiers.num_slots
         with torch.no_grad():
             got = tm(input_ids=x).logits.float()
+            launched.clear()
+            got_one = tm(input_ids=x[:1, :1]).logits.float()
+        assert launched and all(p is not None for p in launched)  # every layer's hot share by the pair kernels
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got_one, want_one, rtol=2e-2, atol=2e-2)
         stats = tm.offload_stats()
         assert stats["rows_hot"] > 0 and stats["rows_streamed" if costs is STREAM_WINS else "rows_host"] > 0
 

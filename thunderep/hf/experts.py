@@ -33,14 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import env
 from ..errors import ConfigError, UnsupportedModelError
 from ..kernels import available
-from ..moe.experts import ACTIVATION_FNS
 from ..moe.ep import MODES as _ALL_MODES
 from ..moe.ep import ExpertParallelMoE, LocalExperts
-from .fp8 import expert_weights
-from .int4 import gptoss4_compute_fn, gptoss_gate, int4_expected
+from .kernel_experts import KERNELS, check_kernels_device, kernel_compute_fn
 
 __all__ = [
     "AUTO",
@@ -60,7 +57,6 @@ __all__ = [
 ]
 
 IMPLEMENTATION = "thunderep"
-KERNELS = "triton"  # experts_implementation value: ThunderEP's Triton kernels compute the local experts
 AUTO = "auto"  # experts_implementation value: the kernels where they cover the experts on a 16-bit GPU
 MODES = tuple(m for m in _ALL_MODES if m != "auto")
 
@@ -204,11 +200,17 @@ class ExpertsBinding:
         self.local_calls += 1  # one process: sort the pairs by expert here; the counts' copy waits for the device
         T, K = ids_TK.shape
         order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
-        counts_S = torch.bincount(ids_TK.reshape(-1), minlength=self.num_slots).cpu()
-        y_ND = self.tiers.sorted(x_TD[order_N // K], counts_S)
+        # 1. the counts on their way to the host, 2. the hot experts' share launched meanwhile (the pair
+        # kernels, where they apply), 3. the wait for the counts, 4. the rest through the tiers
+        counts_S, ready = _to_host(torch.bincount(ids_TK.reshape(-1), minlength=self.num_slots))
+        hot_TD = self.tiers.hot_partial(x_TD, ids_TK, weights_TK)
+        if ready is not None:
+            ready.synchronize()
+        y_ND = self.tiers.sorted(x_TD[order_N // K], counts_S, hot_done=hot_TD is not None)
         weighted_ND = y_ND * weights_TK.reshape(-1)[order_N].unsqueeze(-1).to(y_ND.dtype)
         full_ND = weighted_ND.new_zeros(T * K, x_TD.shape[-1]).index_copy(0, order_N, weighted_ND)
-        return full_ND.view(T, K, -1).sum(dim=1).to(x_TD.dtype)
+        y_TD = full_ND.view(T, K, -1).sum(dim=1)
+        return (y_TD if hot_TD is None else y_TD + hot_TD.to(y_TD.dtype)).to(x_TD.dtype)
 
     def weights_compute(self, module, experts_fn: Callable | None = None) -> Callable:
         """`compute(weights, x_MD, slot_M)`: the experts function of `module` (the binding's, or `experts_fn`)
@@ -217,20 +219,24 @@ class ExpertsBinding:
         experts_fn = experts_fn or self.compute
 
         def compute(weights: dict, x_MD: torch.Tensor, slot_M: torch.Tensor) -> torch.Tensor:
-            # parameters, and buffers for quantized experts' scales and zero points
-            holders = {n: module._parameters if n in module._parameters else module._buffers for n in weights}
-            saved = {n: holders[n][n] for n in weights}, module.num_experts
-            try:
-                for n, t in weights.items():
-                    holders[n][n] = t
-                module.num_experts = next(iter(weights.values())).shape[0]
+            with _holding(module, weights):
                 return experts_fn(module, x_MD, slot_M.unsqueeze(1), x_MD.new_ones(x_MD.shape[0], 1))
-            finally:
-                for n, t in saved[0].items():
-                    holders[n][n] = t
-                module.num_experts = saved[1]
 
         return compute
+
+    def weights_pairs(self, module) -> Callable | None:
+        """`pairs(weights, x_TD, local_TK, weights_TK)`: the decode pair kernels' weighted [T, D] share on
+        other tensors than the module's own (the tiers' hot copies; local_TK -1: a pair they do not hold),
+        None where they do not apply (`pairs_partial`); None where the experts do not run ThunderEP's kernels."""
+        pairs = getattr(self.compute, "pairs_partial", None)
+        if pairs is None:
+            return None
+
+        def run(weights: dict, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
+            with _holding(module, weights):
+                return pairs(module, x_TD, local_TK, weights_TK)
+
+        return run
 
     # -- local compute
 
@@ -276,6 +282,35 @@ class ExpertsBinding:
     def local_partial(self, module, x_TD, weights_TK, ids_TK) -> torch.Tensor:
         """This rank's float32 [T, D] share when it holds every token (`ExpertParallelMoE.local_partial`)."""
         return self.core.local_partial(x_TD, weights_TK, ids_TK, self.local_compute(module), self.state.capturable)
+
+
+@contextmanager
+def _holding(module, weights: dict):
+    """Within the block, `module`'s expert tensors named in `weights` are those tensors ({name: [n, ...]}),
+    and its num_experts n: parameters, and buffers for quantized experts' scales and zero points."""
+    holders = {n: module._parameters if n in module._parameters else module._buffers for n in weights}
+    saved = {n: holders[n][n] for n in weights}, module.num_experts
+    try:
+        for n, t in weights.items():
+            holders[n][n] = t
+        module.num_experts = next(iter(weights.values())).shape[0]
+        yield
+    finally:
+        for n, t in saved[0].items():
+            holders[n][n] = t
+        module.num_experts = saved[1]
+
+
+def _to_host(counts: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """(counts on the host, the event their copy completes or None): from a CUDA device one non-blocking
+    copy into pinned memory, so that work queued after it runs while the host waits for the copy alone."""
+    if counts.device.type != "cuda":
+        return counts.cpu(), None
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 @contextmanager
@@ -356,15 +391,6 @@ def experts_compute_fn(module, implementation: str | None) -> Callable:
     return ALL_EXPERTS_FUNCTIONS[implementation]
 
 
-def check_kernels_device(name: str, device: torch.device | str) -> None:
-    """Raise ConfigError unless ThunderEP's kernels can run experts module `name` on `device`: a CUDA
-    GPU with Triton, or the CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
-    device = torch.device(device) if isinstance(device, str) else device  # per call: no conversion
-    if not available(device) and not (device.type == "cpu" and env.triton_interpreter()):
-        raise ConfigError(f"experts_implementation={KERNELS!r} runs ThunderEP's Triton kernels, which need a "
-                          f"CUDA GPU and Triton; {name} runs on {device}. Use 'grouped_mm' (or 'eager') here")
-
-
 def requested_implementation(requested: str | None, experts_dtype: str | None) -> str | None:
     """What `from_pretrained` asks `resolve_implementation` for: FP8 experts (`experts_dtype` set) run on
     ThunderEP's kernels only, so the model's own (None) and "auto" become KERNELS for them."""
@@ -408,91 +434,3 @@ def resolve_implementation(module, requested: str | None, device: torch.device) 
     except ConfigError:  # a layout the kernels do not cover: the model's own computation runs it
         return own
     return KERNELS
-
-
-def _activation_name(act_fn) -> str | None:
-    """Which of the kernels' activations `act_fn` computes (probed on values, so any class that
-    implements it matches), or None."""
-    probe = torch.linspace(-8.0, 8.0, 161, dtype=torch.float64)
-    for name in ("silu", "gelu", "gelu_tanh", "relu"):
-        try:
-            if torch.allclose(act_fn(probe), ACTIVATION_FNS[name](probe), rtol=1e-6, atol=1e-9):
-                return name
-        except Exception:  # noqa: BLE001 - an activation that cannot take the probe matches nothing
-            return None
-    return None
-
-
-def kernel_compute_fn(module) -> Callable:
-    """`compute(module, x_TD, ids_TK, weights_TK) -> y_TD` through ThunderEP's Triton kernels
-    (`thunderep.kernels.ops.routed_moe_mlp`), for `experts_implementation="triton"`.
-
-    Checks the experts module's layout once; raises ConfigError naming what the kernels do not cover.
-    The kernels run on CUDA tensors (or in Triton's CPU interpreter, TRITON_INTERPRET=1)."""
-    name = type(module).__name__
-    gate = gptoss_gate(module) if int4_expected(module) else None
-    if gate is not None:  # gpt-oss's experts, held in 4 bits: their own kernels (hf/int4.py)
-        return gptoss4_compute_fn(module, gate, check_kernels_device)
-    reasons = []
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
-        reasons.append("it has no packed gate_up_proj / down_proj tensors")
-    elif getattr(module, "is_transposed", False) or gate_up.shape[1] != 2 * down.shape[2] \
-            or gate_up.shape[2] != down.shape[1]:
-        reasons.append(f"its weights are not laid out as gate_up_proj [E, 2I, D] and down_proj [E, D, I] "
-                       f"(got {tuple(gate_up.shape)} and {tuple(down.shape)})")
-    if getattr(module, "has_bias", False):
-        reasons.append("its experts have biases")
-    if not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
-        reasons.append("its experts are not a plain gated MLP (no gate, or a norm after each expert)")
-    gate_fn = getattr(type(module), "_apply_gate", None)
-    if gate_fn is not None:
-        import transformers.integrations.moe as hf_moe
-
-        if gate_fn is not getattr(hf_moe, "_default_apply_gate", None):
-            reasons.append("it has its own gating function")
-    activation = _activation_name(getattr(module, "act_fn", None))
-    if activation is None:
-        reasons.append("its activation is none of silu, gelu, gelu_tanh, relu")
-    if reasons:
-        raise ConfigError(f"{name} cannot run ThunderEP's Triton kernels (experts_implementation={KERNELS!r}): "
-                          f"{'; '.join(reasons)}; use experts_implementation='grouped_mm' (or 'eager')")
-    interleaved = not getattr(module, "is_concatenated", True)
-
-    def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        check_kernels_device(name, x_TD.device)
-        from ..kernels.ops import routed_moe_mlp  # triton: optional; only where the kernels run
-
-        w_gate_up, w_down = expert_weights(module)  # tensors, or Fp8Weight for FP8 experts (hf/fp8.py)
-        y_TD = routed_moe_mlp(x_TD.to(w_gate_up.dtype), w_gate_up, w_down, ids_TK, weights_TK,
-                              activation=activation, interleaved=interleaved)
-        return y_TD.to(x_TD.dtype)
-
-    def pairs_partial(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, fallback=None,
-                      experts: int | None = None, kind: str = "sorted"):
-        """The local share for latency and all-gather modes through the pair kernels (id -1: another
-        rank's expert), or None where they do not apply (gradients, more than pairs_max_tokens() tokens,
-        or, given the caller's `fallback`, more than measured faster: `pairs_if_decode`)."""
-        check_kernels_device(name, x_TD.device)
-        from ..kernels.ops import pairs_if_decode  # triton: optional; only where the kernels run
-
-        w_gate_up, w_down = expert_weights(module)
-        partial_TD = pairs_if_decode(x_TD, w_gate_up, w_down, ids_TK, weights_TK, activation, interleaved, fallback,
-                                     experts, kind)
-        return partial_TD.to(x_TD.dtype) if partial_TD is not None else None
-
-    def summed(module, x_MD: torch.Tensor, counts_S: torch.Tensor, pairs_Q: torch.Tensor, weights_N: torch.Tensor,
-               top_k: int) -> torch.Tensor | None:
-        """ep mode's received rows, each row's local pairs weighted and summed in the kernels (`LocalExperts.
-        summed`); None where gradients are needed."""
-        check_kernels_device(name, x_MD.device)
-        from ..kernels.ops import moe_mlp_summed  # triton: optional; only where the kernels run
-
-        w_gate_up, w_down = expert_weights(module)
-        y_MD = moe_mlp_summed(x_MD.to(w_gate_up.dtype), w_gate_up, w_down, counts_S, order_Q=pairs_Q,
-                              weights_N=weights_N, top_k=top_k, activation=activation, interleaved=interleaved)
-        return y_MD.to(x_MD.dtype) if y_MD is not None else None
-
-    compute.pairs_partial = pairs_partial
-    compute.summed = summed
-    return compute

@@ -254,7 +254,7 @@ def attach_tiers(wrapped, plan: OffloadPlan, device: torch.device, config: TierC
                                              rows=(1, many))
         binding.tiers = ExpertTiers(host, plan.hot[name], device, binding.weights_compute(module),
                                     costs or calibrated[key], stagings[key], config or TierConfig(), host_fn=on_host,
-                                    lean_hot=binding.implementation != KERNELS)
+                                    lean_hot=binding.implementation != KERNELS, pairs=binding.weights_pairs(module))
         if costs is None and calibrated[key].stream_call_s is None:  # once per shape, on this layer's own path
             tiers = binding.tiers
             calibrated[key] = tiers.costs = calibrate_stream(

@@ -173,19 +173,24 @@ class ExpertTiers:
     products also compute the staged slots and, with `lean_hot` and up to LEAN_HOT_SLOTS slots with rows,
     the hot ones (for an experts function that waits for the host, as transformers' grouped one does; one
     that takes a decode step's rows in a few launches, ThunderEP's kernels, runs them itself).
+    pairs(weights, x_TD, local_TK, weights_TK): the decode pair kernels' weighted [T, D] share on `weights`
+    (local_TK -1: a pair they do not hold), or None where they do not apply; None: no such kernels
+    (`hot_partial`).
     """
 
     LEAN_HOT_SLOTS = 8  # hot slots with rows up to which each computes apart (a decode step's few)
 
     def __init__(self, host: dict[str, torch.Tensor], hot_slots: int, device: torch.device, compute: Callable,
                  costs: OffloadCosts, staging: Staging, config: TierConfig | None = None,
-                 host_fn: Callable | None = None, lean_hot: bool = True):
+                 host_fn: Callable | None = None, lean_hot: bool = True, pairs: Callable | None = None):
         self.host, self.device, self.compute, self.costs = host, torch.device(device), compute, costs
         self.host_fn = host_fn or per_slot(compute)
         # the plain gated layout's two products, for the staged slots and a decode step's hot ones on the
         # device: transformers' experts function waits for the device (docs/benchmarks, expert offload)
         self.lean = host_fn if isinstance(host_fn, HostExperts) else None
-        self.lean_hot = lean_hot
+        self.lean_hot, self.pairs = lean_hot, pairs
+        self._hot_index: torch.Tensor | None = None  # [S] on the device: each slot's hot entry, -1 cold
+        self._chosen_at = -1  # the call count of the last re-choice: at most one a call
         self.staging, self.config = staging, config or TierConfig()
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
@@ -226,6 +231,7 @@ class ExpertTiers:
             order[row] = s
         self.hot_slots = order
         self._row_of = {s: row for row, s in enumerate(order)}
+        self._hot_index = None
         if count and entering:
             self.stats.bytes_promoted += len(entering) * self.slot_bytes
             self.stats.hot_changes += 1
@@ -272,8 +278,9 @@ class ExpertTiers:
         """The rule of the module docstring, at a call boundary; True where the hot set changed.
         row_bytes: the bytes of one row of this call (the host path's copies)."""
         c = self.config
-        if not self.capacity or self.capacity == self.num_slots:
+        if not self.capacity or self.capacity == self.num_slots or self._chosen_at == self.calls:
             return False
+        self._chosen_at = self.calls
         if self.calls == c.calibration_calls:
             best = self._top(self.rows_S)
             changed = set(best) != set(self.hot_slots)
@@ -320,12 +327,27 @@ class ExpertTiers:
         return split_cold([c.host_seconds(n, P, row_bytes) for n in rows],
                           [c.stream_seconds(n, P, self.slot_bytes) for n in rows], self.device.type == "cuda")
 
-    def sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
+    def hot_partial(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor | None:
+        """The hot slots' weighted [T, D] share of one call (ids_TK: local slots [T, K] on the device,
+        weights_TK [T, K]) through `pairs`, launched with no wait for the host, after this call's re-choice
+        (so `sorted(..., hot_done=True)` leaves out the same slots); None where `pairs` does not apply
+        (no such kernels, gradients, prompts): the hot rows then go through `sorted`."""
+        if self.pairs is None or not self.capacity or (torch.is_grad_enabled() and x_TD.requires_grad):
+            return None
+        self.rechoose(x_TD.shape[-1] * x_TD.element_size())
+        if self._hot_index is None or self._hot_index.device != ids_TK.device:
+            index = torch.full((self.num_slots,), -1, dtype=torch.int64)
+            index[list(self._row_of)] = torch.tensor(list(self._row_of.values()), dtype=torch.int64)
+            self._hot_index = index.to(ids_TK.device)
+        return self.pairs(self.hot, x_TD, self._hot_index[ids_TK], weights_TK)
+
+    def sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor, hot_done: bool = False) -> torch.Tensor:
         """Unweighted [M, D] outputs of rows grouped by local slot; counts_S int64 [S] on the host.
+        hot_done: the hot slots' rows were computed by `hot_partial` (their outputs here are zeros).
         Differentiable in x_MD (the experts themselves are frozen: `_TieredRows`)."""
         if torch.is_grad_enabled() and x_MD.requires_grad:
             return _TieredRows.apply(x_MD, self, counts_S)
-        return self._sorted(x_MD, counts_S)
+        return self._sorted(x_MD, counts_S, hot_done)
 
     def input_grad(self, x_MD: torch.Tensor, dy_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
         """dx [M, D] of `sorted`'s outputs given their gradient dy_MD, the weights frozen: each slot's rows
@@ -351,7 +373,7 @@ class ExpertTiers:
             return torch.zeros_like(x_MD)
         return torch.cat([pieces[s] for s in xs])
 
-    def _sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
+    def _sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor, hot_done: bool = False) -> torch.Tensor:
         counts = counts_S.tolist()  # host data in every caller: no wait for the device
         row_bytes = x_MD.shape[-1] * x_MD.element_size()
         self.rechoose(row_bytes)
@@ -369,7 +391,10 @@ class ExpertTiers:
         sent = self._to_host(torch.cat([xs[s] for s in on_host])) if on_host else None
         hot = [s for s in self.hot_slots if counts[s]]
         if hot:  # 2. every hot slot's rows in one call, or a decode step's few slots one by one
-            if self.lean is not None and self.lean_hot and len(hot) <= self.LEAN_HOT_SLOTS:
+            if hot_done:  # computed by hot_partial: nothing to add here
+                zeros = x_MD.new_zeros(sum(counts[s] for s in hot), x_MD.shape[-1])
+                pieces.update(zip(hot, zeros.split([counts[s] for s in hot])))
+            elif self.lean is not None and self.lean_hot and len(hot) <= self.LEAN_HOT_SLOTS:
                 pieces.update((s, self.lean.slot(self.hot, self._row_of[s], xs[s])) for s in hot)
             else:
                 x_hot, slot_M = self._hot_rows(hot, xs)
