@@ -228,7 +228,7 @@ def eager_on_dequantized(module: nn.Module, eager: Callable, w_gate_up, w_down, 
 
 def gptoss4_compute_fn(module: nn.Module, gate: tuple[float, float], check_device: Callable) -> Callable:
     """`compute(module, x_TD, ids_TK, weights_TK) -> y_TD` for gpt-oss's experts held in 4 bits (the
-    experts binding's `compute`, as `experts.kernel_compute_fn`'s): decode (inference on at most
+    experts binding's `compute`, as `kernel_experts.kernel_compute_fn`'s): decode (inference on at most
     `paths.pairs_max_tokens()` tokens) through the gpt-oss pair kernels, anything else through
     transformers' own forward on the local experts dequantized into the model's dtype for the call
     (correct, not fast). gate: (alpha, limit) from `gptoss_gate`; check_device(name, device) raises
