@@ -16,8 +16,8 @@ The local experts run through the experts module's own Hugging Face computation 
 `batched_mm`, eager, ...) on its sliced weights, with local expert ids and unit weights; the routing
 weights are applied on the sending rank exactly as transformers applies them. So every layout the
 experts class supports (transposed, interleaved, biases, custom gates) runs unchanged.
-`experts_implementation="triton"` runs ThunderEP's Triton kernels instead (`kernel_compute_fn`), for
-experts in the plain gated layout (gate_up_proj [E, 2I, D], down_proj [E, D, I], no biases, no
+`experts_implementation="triton"` runs ThunderEP's Triton kernels instead
+(`kernel_experts.kernel_compute_fn`), for experts in the plain gated layout (gate_up_proj [E, 2I, D], down_proj [E, D, I], no biases, no
 custom gate, a silu / gelu / gelu_tanh / relu activation) on CUDA. `experts_implementation="auto"`
 picks them per experts module where they cover it and it runs on a CUDA GPU in bfloat16 or float16
 (`resolve_implementation`), else the model's own.
