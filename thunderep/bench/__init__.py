@@ -11,18 +11,21 @@ from ..errors import ConfigError
 __all__ = ["dataclass_options", "parsed"]
 
 
-def dataclass_options(cls, argv: list[str]) -> dict:
-    """The `--name value` options of the dataclass `cls`'s fields as keywords for it, each read by its
-    default's type: a tuple takes comma-separated whole numbers, a bool is a bare flag, a str is kept as
-    written, an int is a whole number. ConfigError names an unknown option, a missing value, a bad number."""
+def dataclass_options(cls, argv: list[str], kinds: dict | None = None) -> dict:
+    """The `--name value` options of the dataclass `cls`'s fields as keywords for it (dashes for
+    underscores): a bool field is a bare flag; a tuple field takes comma-separated values of kinds[name]
+    (default int); an int field a whole number; any other a string. ConfigError names an unknown option,
+    a missing value, a value of the wrong kind."""
     fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    kinds = kinds or {}
     values: dict = {}
     args = list(argv)
     while args:
         arg = args.pop(0)
-        name = arg[2:] if arg.startswith("--") else ""
+        name = arg[2:].replace("-", "_") if arg.startswith("--") else ""
         if name not in fields:
-            raise ConfigError(f"unknown option {arg!r}; the options: " + ", ".join("--" + n for n in fields))
+            raise ConfigError(f"unknown option {arg!r}; the options: "
+                              + ", ".join("--" + n.replace("_", "-") for n in fields))
         default = fields[name]
         if isinstance(default, bool):
             values[name] = True
@@ -30,11 +33,13 @@ def dataclass_options(cls, argv: list[str]) -> dict:
         if not args:
             raise ConfigError(f"{arg} needs a value")
         text = args.pop(0)
+        many = isinstance(default, tuple)
+        kind = kinds.get(name, int) if many else int if isinstance(default, int) else str
         try:
-            values[name] = text if isinstance(default, str) else tuple(int(v) for v in text.split(",")) \
-                if isinstance(default, tuple) else int(text)
+            values[name] = tuple(kind(v) for v in text.split(",") if v) if many else kind(text)
         except ValueError:
-            raise ConfigError(f"{arg} {text!r}: expected whole numbers") from None
+            raise ConfigError(f"{arg} {text!r}: expected {kind.__name__}"
+                              f"{' values, comma-separated' if many else ''}") from None
     return values
 
 

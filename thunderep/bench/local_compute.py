@@ -237,10 +237,9 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
         # split counts on the host as ep mode has them, else on the device (a path that reads them there)
         counts_dev = counts_S.to(x_QD.device)
         for name, path in (("before", before), ("fused", fused if fused_once is not None else None)):
-            ms = math.nan
-            for counts in (counts_S, counts_dev):
-                if path is not None and math.isnan(ms):
-                    ms = _graphed_ms(lambda: path(counts), time_ms)
+            ms = math.nan if path is None else _graphed_ms(lambda: path(counts_S), time_ms)
+            if path is not None and math.isnan(ms):
+                ms = _graphed_ms(lambda: path(counts_dev), time_ms)
             times[f"graphed_{name}_ms"] = ms
     D = x_QD.shape[1]
     weighted_QD = before().float() * arr.weights_Q.unsqueeze(1)

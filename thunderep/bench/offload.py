@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from . import parsed
+from . import dataclass_options, parsed
 from ..errors import ConfigError
 from ..hf import ThunderMoE
 from ..moe.host_experts import describe
@@ -420,27 +420,7 @@ _LISTS = {"fractions": float, "batches": int, "baselines": str}
 
 def parse(argv: list[str]) -> OffloadBench:
     """`OffloadBench` from `--name value` options (dashes for underscores; lists comma-separated; flags bare)."""
-    fields = {f.name: f.default for f in dataclasses.fields(OffloadBench)}
-    values, args = {}, list(argv)
-    while args:
-        arg = args.pop(0)
-        name = arg[2:].replace("-", "_") if arg.startswith("--") else ""
-        if name not in fields:
-            raise ConfigError(f"unknown option {arg!r}; the options: "
-                              + ", ".join("--" + n.replace("_", "-") for n in fields))
-        if isinstance(fields[name], bool):
-            values[name] = True
-            continue
-        if not args:
-            raise ConfigError(f"{arg} needs a value")
-        text = args.pop(0)
-        kind = _LISTS.get(name) or (int if isinstance(fields[name], int) else str)
-        try:
-            values[name] = tuple(kind(v) for v in text.split(",") if v) if name in _LISTS else kind(text)
-        except ValueError:
-            many = " values, comma-separated" if name in _LISTS else ""
-            raise ConfigError(f"{arg} {text!r}: expected {kind.__name__}{many}") from None
-    return OffloadBench(**values)
+    return OffloadBench(**dataclass_options(OffloadBench, argv, _LISTS))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,10 +17,10 @@ The local experts run through the experts module's own Hugging Face computation 
 weights are applied on the sending rank exactly as transformers applies them. So every layout the
 experts class supports (transposed, interleaved, biases, custom gates) runs unchanged.
 `experts_implementation="triton"` runs ThunderEP's Triton kernels instead
-(`kernel_experts.kernel_compute_fn`), for experts in the plain gated layout (gate_up_proj [E, 2I, D], down_proj [E, D, I], no biases, no
-custom gate, a silu / gelu / gelu_tanh / relu activation) on CUDA. `experts_implementation="auto"`
-picks them per experts module where they cover it and it runs on a CUDA GPU in bfloat16 or float16
-(`resolve_implementation`), else the model's own.
+(`kernel_experts.kernel_compute_fn`), for experts in the plain gated layout (gate_up_proj [E, 2I, D],
+down_proj [E, D, I], no biases, no custom gate, a silu / gelu / gelu_tanh / relu activation) on CUDA.
+`experts_implementation="auto"` picks them per experts module where they cover it and it runs on a CUDA
+GPU in bfloat16 or float16 (`resolve_implementation`), else the model's own.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from ..errors import ConfigError, UnsupportedModelError
 from ..kernels import available
 from ..moe.ep import MODES as _ALL_MODES
 from ..moe.ep import ExpertParallelMoE, LocalExperts
+from ..moe.tiers import to_host
 from .kernel_experts import KERNELS, check_kernels_device, kernel_compute_fn
 
 __all__ = [
@@ -197,12 +198,12 @@ class ExpertsBinding:
         if not self.all_local:
             return self.core.forward(x_TD, ids_TK, weights_TK, self.local_compute(module), mode=self.state.mode,
                                      capturable=self.state.capturable)
-        self.local_calls += 1  # one process: sort the pairs by expert here; the counts' copy waits for the device
+        self.local_calls += 1  # one process: sort the pairs by expert here
         T, K = ids_TK.shape
         order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
         # 1. the counts on their way to the host, 2. the hot experts' share launched meanwhile (the pair
         # kernels, where they apply), 3. the wait for the counts, 4. the rest through the tiers
-        counts_S, ready = _to_host(torch.bincount(ids_TK.reshape(-1), minlength=self.num_slots))
+        counts_S, ready = to_host(torch.bincount(ids_TK.reshape(-1), minlength=self.num_slots))
         hot_TD = self.tiers.hot_partial(x_TD, ids_TK, weights_TK)
         if ready is not None:
             ready.synchronize()
@@ -299,18 +300,6 @@ def _holding(module, weights: dict):
         for n, t in saved[0].items():
             holders[n][n] = t
         module.num_experts = saved[1]
-
-
-def _to_host(counts: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """(counts on the host, the event their copy completes or None): from a CUDA device one non-blocking
-    copy into pinned memory, so that work queued after it runs while the host waits for the copy alone."""
-    if counts.device.type != "cuda":
-        return counts.cpu(), None
-    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-    host.copy_(counts, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
 
 
 @contextmanager

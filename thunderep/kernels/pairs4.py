@@ -17,9 +17,10 @@ of multiply-adds per word, then per group, times the group scales (one scale loa
 HALF (int4 words, a launch option not yet in the autotuner's list): the codes stay float16 and the
 products run in float16 on the vector scaled to at most 1 (`_largest`, `_half_planes`, `half_chunk`),
 two per packed instruction, each half's four summed before widening: fewer instructions per weight in
-the sm_90 build (docs/benchmarks/2026-12-05-int4-experts-h200.md), not yet timed on a GPU. No tensor cores, no Hopper-only instructions, no inline assembly. Rows that are not 4-byte aligned, or
-groups of other than a multiple of 8 columns, run the same conversions one byte at a time (`byte_chunk`).
-Partial chunks (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids
+the sm_90 build (docs/benchmarks/2026-12-05-int4-experts-h200.md), not yet timed on a GPU. No tensor
+cores, no Hopper-only instructions, no inline assembly. Rows that are not 4-byte aligned, or groups of
+other than a multiple of 8 columns, run the same conversions one byte at a time (`byte_chunk`). Partial
+chunks (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids
 as in pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's
 output NaN. Inference only. The launches are in decode.py; gpt-oss's experts (biases, clamped SwiGLU) run
 pairs4_gptoss.py's kernels, built on `packed_dot`, `packed_dot2` and `words_ok`.
@@ -57,18 +58,14 @@ def int4_halves(w, SHIFT: tl.constexpr, opaque=0):
     """The int4 codes n at bits SHIFT..SHIFT+3 (SHIFT 0 or 4) of each 16-bit half of w as float32 n - 8 (low
     half's, high half's), exactly: one logic operation puts both into float16 1024's mantissa in place
     (1024 + n * 2 ** SHIFT), one float16 multiply-add (exact; both halves in one packed instruction) scales
-    and offsets them, then each half is widened. opaque: a uint32 zero (`packed_dot`)."""
-    STEP: tl.constexpr = 1.0 / (1 << SHIFT)
-    OFFSET: tl.constexpr = (1024 >> SHIFT) + 8.0
-    t = (w.to(tl.uint32, bitcast=True) & (0x000F000F << SHIFT)) | (0x64006400 + opaque)
-    lo = t.to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    return (lo * STEP - OFFSET).to(tl.float32), (hi * STEP - OFFSET).to(tl.float32)
+    and offsets them, then each half is widened (`int4_halves16`). opaque: a uint32 zero (`packed_dot`)."""
+    lo, hi = int4_halves16(w, SHIFT, opaque)
+    return lo.to(tl.float32), hi.to(tl.float32)
 
 
 @triton.jit
 def int4_halves16(w, SHIFT: tl.constexpr, opaque=0):
-    """`int4_halves` left in float16 (n - 8 is exact there): the products of `_word_products`' HALF path."""
+    """`int4_halves` before the widening, in float16 (n - 8 is exact there; `half_chunk` multiplies there)."""
     STEP: tl.constexpr = 1.0 / (1 << SHIFT)
     OFFSET: tl.constexpr = (1024 >> SHIFT) + 8.0
     t = (w.to(tl.uint32, bitcast=True) & (0x000F000F << SHIFT)) | (0x64006400 + opaque)
@@ -165,12 +162,18 @@ def _planes(v_ptr, k0, C, HW: tl.constexpr):
 
 
 @triton.jit
+def _word_sums(x0, x4, x1, x5, x2, x6, x3, x7):
+    """[HW] the vector's sum over each word's 8 columns, from its planes (`_planes`' order)."""
+    return ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7))
+
+
+@triton.jit
 def _half_planes(v_ptr, k0, C, inv, HW: tl.constexpr):
     """The vector's chunk at column k0 times `inv` (1 / its largest magnitude: every element at most 1, so a
     word's 4 products per half stay at most 32) as its 8 planes in float16 (`_planes`' order), and [HW]
     its sums per word (float32, times inv): computed once per chunk for every matrix that reads it."""
     x0, x4, x1, x5, x2, x6, x3, x7 = _planes(v_ptr, k0, C, HW)
-    vsum = (((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7))) * inv
+    vsum = _word_sums(x0, x4, x1, x5, x2, x6, x3, x7) * inv
     return ((x0 * inv).to(tl.float16), (x4 * inv).to(tl.float16), (x1 * inv).to(tl.float16),
             (x5 * inv).to(tl.float16), (x2 * inv).to(tl.float16), (x6 * inv).to(tl.float16),
             (x3 * inv).to(tl.float16), (x7 * inv).to(tl.float16), vsum)
@@ -232,7 +235,7 @@ def _word_products(w, v_ptr, k0, C, opaque, MXFP4: tl.constexpr, HW: tl.constexp
         lo, hi = int4_halves(w8, 4, opaque)
         prod += lo * x3[None, :]
         prod += hi * x7[None, :]
-    return prod, ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7))
+    return prod, _word_sums(x0, x4, x1, x5, x2, x6, x3, x7)
 
 
 @triton.jit

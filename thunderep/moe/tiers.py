@@ -47,7 +47,7 @@ from ..errors import ConfigError
 from .host_experts import HostExperts, per_slot
 from .offload_cost import OffloadCosts, split_cold
 
-__all__ = ["COLD_PATHS", "ExpertTiers", "Staging", "TierConfig", "TierStats", "parse_memory"]
+__all__ = ["COLD_PATHS", "ExpertTiers", "Staging", "TierConfig", "TierStats", "parse_memory", "to_host"]
 
 COLD_PATHS = ("auto", "host", "stream")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -388,7 +388,7 @@ class ExpertTiers:
         streamed, on_host = [s for s in cold if paths[s] == "stream"], [s for s in cold if paths[s] == "host"]
         # 1. the host path's rows to the host in one copy, queued before the hot experts, so that the host
         # computes while the device runs them
-        sent = self._to_host(torch.cat([xs[s] for s in on_host])) if on_host else None
+        sent = to_host(torch.cat([xs[s] for s in on_host])) if on_host else None
         hot = [s for s in self.hot_slots if counts[s]]
         if hot:  # 2. every hot slot's rows in one call, or a decode step's few slots one by one
             if hot_done:  # computed by hot_partial: nothing to add here
@@ -419,18 +419,6 @@ class ExpertTiers:
                                          torch.tensor(rows, device=device), output_size=x_hot.shape[0])
         return x_hot, slot_M
 
-    @staticmethod
-    def _to_host(x_MD: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """(host rows, the event their copy completes, or None): one non-blocking copy into pinned memory
-        from a CUDA device, a plain copy from another; host rows stay where they are."""
-        if x_MD.device.type != "cuda":
-            return x_MD.cpu(), None
-        x_host = torch.empty(x_MD.shape, dtype=x_MD.dtype, pin_memory=True)
-        x_host.copy_(x_MD, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return x_host, copied
-
     def _on_host(self, slots: list[int], counts: list[int], x_MD: torch.Tensor, copied, device: torch.device):
         """The host function on the host rows x_MD (after `copied`), its [M, D] outputs in a pinned buffer
         sent to `device` in one non-blocking copy; returns them split per slot."""
@@ -460,7 +448,7 @@ class ExpertTiers:
                 pieces[s] = self.lean.slot(weights, 0, x_nD)
             else:
                 zeros = torch.zeros(x_nD.shape[0], dtype=torch.int64, device=x_nD.device)
-                pieces[s] = (run or (lambda s, w, x, z: self.compute(w, x, z)))(s, weights, x_nD, zeros)
+                pieces[s] = self.compute(weights, x_nD, zeros) if run is None else run(s, weights, x_nD, zeros)
             staging.release(j % 2)
             self.stats.rows_streamed += x_nD.shape[0]
         self.stats.bytes_streamed += len(slots) * self.slot_bytes
@@ -480,6 +468,19 @@ class _TieredRows(torch.autograd.Function):
     def backward(ctx, dy_MD):
         (x_MD,) = ctx.saved_tensors
         return ctx.tiers.input_grad(x_MD, dy_MD.contiguous(), ctx.counts_S), None, None
+
+
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """(t on the host, the event its copy completes or None): from a CUDA device one non-blocking copy into
+    pinned memory, so that work queued after it runs while the host waits for the copy alone; a plain copy
+    from another device (host tensors stay where they are)."""
+    if t.device.type != "cuda":
+        return t.cpu(), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 def _slot_rows(x_MD: torch.Tensor, counts: list[int]) -> dict[int, torch.Tensor]:
