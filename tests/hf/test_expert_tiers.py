@@ -71,8 +71,10 @@ def test_gpu_memory_is_parsed_strictly():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_rank_equals_transformers_at_every_hot_fraction(family, checkpoints, monkeypatch):
-    """Every hot fraction, each cold path forced; a decode step's few hot slots each through the plain
-    layout's two products (the default here), then all hot rows through the experts function in one call."""
+    """Every hot fraction, each cold path forced, calls from token rows (`ExpertTiers.partial`: every call
+    of these short prompts) and calls of rows sorted by slot (`sorted`: PARTIAL_PAIRS 0); a decode step's
+    few hot slots each through the plain layout's two products (the default here), then all hot rows
+    through the experts function in one call."""
     from thunderep.hf import ThunderMoE
     from thunderep.moe.tiers import ExpertTiers
 
@@ -83,10 +85,12 @@ def test_one_rank_equals_transformers_at_every_hot_fraction(family, checkpoints,
         tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, fraction), offload_costs=STREAM_WINS)
         _check(tm, x, want, f"{family} hot {fraction}, hot rows in one call")
     monkeypatch.undo()
-    for fraction in FRACTIONS:
+    for fraction, partial_pairs in [(f, p) for f in FRACTIONS for p in (ExpertTiers.PARTIAL_PAIRS, 0)]:
+        monkeypatch.setattr(ExpertTiers, "PARTIAL_PAIRS", partial_pairs)
         for costs in (HOST_WINS, STREAM_WINS):  # "auto" with extreme constants: each cold path forced
             tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, fraction), offload_costs=costs)
-            _check(tm, x, want, f"{family} hot {fraction} {'host' if costs is HOST_WINS else 'stream'}")
+            _check(tm, x, want, f"{family} hot {fraction} {'host' if costs is HOST_WINS else 'stream'} "
+                                f"{'sorted' if partial_pairs == 0 else 'partial'}")
             stats = tm.offload_stats()
             assert stats["hot_slots"] == round(fraction * stats["slots"] / len(tm.bindings)) * len(tm.bindings)
             cold = stats["rows_host"] + stats["rows_streamed"]
@@ -296,17 +300,19 @@ def test_gpu_tiers_on_the_kernels_equal_the_whole_model(checkpoints):
 def test_tiers_on_the_kernels_run_hot_rows_through_them(checkpoints, monkeypatch):
     """16-bit experts on ThunderEP's kernels (the interpreter): a prompt's hot rows go through the kernels
     (no two products apart: `lean_hot` off), a one-token step's through the pair kernels before the wait
-    for the counts (`hot_partial`), staged slots through the two products; logits equal the same model
+    for the host (`ExpertTiers.partial`), staged slots through the two products; logits equal the same model
     without gpu_memory on either cold path, for the prompt and for one token."""
     pytest.importorskip("triton")
     from thunderep.hf import ThunderMoE
     from thunderep.moe.tiers import ExpertTiers
 
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    monkeypatch.setattr(ExpertTiers, "PARTIAL_PAIRS", 2)  # the prompt through `sorted`, one token through `partial`
     launched = []
-    hot_partial = ExpertTiers.hot_partial
-    monkeypatch.setattr(ExpertTiers, "hot_partial", lambda self, *a: launched.append(hot_partial(self, *a))
-                        or launched[-1])
+
+    def spied(pairs):
+        return lambda *a: launched.append(pairs(*a)) or launched[-1]
+
     path, x = checkpoints["mixtral"], _prompts()[:, :4]
     whole = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_implementation="triton")
     with torch.no_grad():
@@ -316,9 +322,12 @@ def test_tiers_on_the_kernels_run_hot_rows_through_them(checkpoints, monkeypatch
                                         gpu_memory=_budget_for(path, 0.5, None), offload_costs=costs)
         tiers = next(iter(tm.bindings.values())).tiers
         assert tiers.lean is not None and not tiers.lean_hot and 0 < tiers.capacity < tiers.num_slots
+        for b in tm.bindings.values():
+            b.tiers.pairs = spied(b.tiers.pairs)
+        launched.clear()
         with torch.no_grad():
             got = tm(input_ids=x).logits.float()
-            launched.clear()
+            assert not launched
             got_one = tm(input_ids=x[:1, :1]).logits.float()
         assert launched and all(p is not None for p in launched)  # every layer's hot share by the pair kernels
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

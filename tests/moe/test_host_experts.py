@@ -296,3 +296,61 @@ def test_the_planner_calibrates_on_random_experts_of_the_shape_or_leaves_the_cos
     assert timed.host_flops == costs.host_flops and timed.device_flops == costs.device_flops
     assert calibrate_gated(costs, D, params + 1, torch.float32, 10**8) is costs  # not 3 D I
     assert calibrate_gated(costs, D, params, torch.float32, budget_bytes=params * 4) is costs  # fewer than 2 fit
+
+
+HOST = OffloadCosts(host_flops=1e12, device_flops=1.0, h2d_Bps=1e15)  # cold rows on the host
+STREAM = OffloadCosts(host_flops=1.0, device_flops=1e12, h2d_Bps=1e15)  # cold slots streamed
+
+
+@pytest.mark.parametrize("few_pairs", [8, 0], ids=["apart", "one-launch"])
+@pytest.mark.parametrize("costs", [HOST, STREAM], ids=["host", "stream"])
+@pytest.mark.parametrize("hot_path", ["lean", "compute", "pairs"])
+def test_partial_equals_the_weighted_sum_over_the_pairs_this_rank_holds(costs, hot_path, few_pairs, monkeypatch):
+    """`ExpertTiers.partial` (a decode step from token rows): float32 [T, D] = sum over k of w_tk * expert(x_t)
+    for the pairs whose local slot is >= 0 (-1: another rank's), against a float64 reference; slots with
+    rows of several tokens, hot and cold; the hot pairs through each way (two products apart, one experts
+    call, the pair kernels' stand-in, which gets each pair's hot entry or -1), the device's outputs added
+    one by one or in one launch; rows counted per path and per slot; None where the call is too big or
+    needs gradients."""
+    host = _experts(False, seed=3)
+    lean = HostExperts(F.silu)
+    calls = []
+
+    def pairs(weights, x_TD, entry_TK, weights_TK):  # the pair kernels: hot entries only, weighted and summed
+        calls.append(entry_TK.clone())
+        y = torch.zeros(x_TD.shape, dtype=torch.float64)
+        for (t, k), e in zip(torch.cartesian_prod(torch.arange(x_TD.shape[0]), torch.arange(entry_TK.shape[1])),
+                             entry_TK.reshape(-1).tolist()):
+            if e >= 0:
+                y[t] += weights_TK[t, k] * lean.slot(weights, e, x_TD[t:t + 1])[0].double()
+        return y.to(x_TD.dtype)
+
+    def compute(weights, x_MD, slot_M):
+        return torch.cat([lean.slot(weights, int(s), x[None]) for s, x in zip(slot_M, x_MD)])
+
+    tiers = ExpertTiers(host, 2, torch.device("cpu"), compute, costs, Staging(host, torch.device("cpu")),
+                        TierConfig(calibration_calls=100), host_fn=lean, lean_hot=hot_path == "lean",
+                        pairs=pairs if hot_path == "pairs" else None)
+    if hot_path == "compute":
+        monkeypatch.setattr(ExpertTiers, "LEAN_HOT_SLOTS", 0)
+    monkeypatch.setattr(ExpertTiers, "FEW_PAIRS", few_pairs)
+    tiers.set_hot([4, 1], count=False)
+    gen = torch.Generator().manual_seed(5)
+    local_TK = torch.tensor([[4, 0, -1], [0, 2, 4], [-1, 5, 1], [3, -1, -1]])  # hot 4 and 1; 0 and 4 twice
+    x_TD, w_TK = torch.randn(4, D, generator=gen), torch.rand(4, 3, generator=gen)
+    want = torch.zeros(4, D, dtype=torch.float64)
+    for t, k in torch.cartesian_prod(torch.arange(4), torch.arange(3)).tolist():
+        s = int(local_TK[t, k])
+        if s >= 0:
+            want[t] += w_TK[t, k].double() * lean.slot({n: v.double() for n, v in host.items()}, s, x_TD[t:t + 1].double())[0]
+    got = tiers.partial(x_TD, local_TK, w_TK)
+    assert got.dtype == torch.float32 and got.shape == (4, D)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    if hot_path == "pairs":
+        assert torch.equal(calls[0], torch.tensor([[0, -1, -1], [-1, -1, 0], [-1, -1, 1], [-1, -1, -1]]))
+    s = tiers.stats
+    assert (s.rows_hot, s.rows_host + s.rows_streamed) == (3, 5)
+    assert (s.rows_host if costs is HOST else s.rows_streamed) == 5
+    assert tiers.rows_S.tolist() == [2, 1, 1, 1, 2, 1]
+    assert tiers.partial(torch.randn(43, D), torch.zeros(43, 3, dtype=torch.int64), torch.rand(43, 3)) is None
+    assert tiers.partial(x_TD.requires_grad_(), local_TK, w_TK) is None

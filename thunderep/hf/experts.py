@@ -37,7 +37,6 @@ from ..errors import ConfigError, UnsupportedModelError
 from ..kernels import available
 from ..moe.ep import MODES as _ALL_MODES
 from ..moe.ep import ExpertParallelMoE, LocalExperts
-from ..moe.tiers import to_host
 from .kernel_experts import KERNELS, check_kernels_device, kernel_compute_fn
 
 __all__ = [
@@ -198,20 +197,17 @@ class ExpertsBinding:
         if not self.all_local:
             return self.core.forward(x_TD, ids_TK, weights_TK, self.local_compute(module), mode=self.state.mode,
                                      capturable=self.state.capturable)
-        self.local_calls += 1  # one process: sort the pairs by expert here
-        T, K = ids_TK.shape
+        self.local_calls += 1
+        partial_TD = self.tiers.partial(x_TD, ids_TK, weights_TK)  # a decode step: from the token rows
+        if partial_TD is not None:
+            return partial_TD.to(x_TD.dtype)
+        T, K = ids_TK.shape  # one process, many rows: sort the pairs by expert here
         order_N = torch.argsort(ids_TK.reshape(-1), stable=True)
-        # 1. the counts on their way to the host, 2. the hot experts' share launched meanwhile (the pair
-        # kernels, where they apply), 3. the wait for the counts, 4. the rest through the tiers
-        counts_S, ready = to_host(torch.bincount(ids_TK.reshape(-1), minlength=self.num_slots))
-        hot_TD = self.tiers.hot_partial(x_TD, ids_TK, weights_TK)
-        if ready is not None:
-            ready.synchronize()
-        y_ND = self.tiers.sorted(x_TD[order_N // K], counts_S, hot_done=hot_TD is not None)
+        counts_S = torch.bincount(ids_TK.reshape(-1), minlength=self.num_slots).cpu()
+        y_ND = self.tiers.sorted(x_TD[order_N // K], counts_S)
         weighted_ND = y_ND * weights_TK.reshape(-1)[order_N].unsqueeze(-1).to(y_ND.dtype)
         full_ND = weighted_ND.new_zeros(T * K, x_TD.shape[-1]).index_copy(0, order_N, weighted_ND)
-        y_TD = full_ND.view(T, K, -1).sum(dim=1)
-        return (y_TD if hot_TD is None else y_TD + hot_TD.to(y_TD.dtype)).to(x_TD.dtype)
+        return full_ND.view(T, K, -1).sum(dim=1).to(x_TD.dtype)
 
     def weights_compute(self, module, experts_fn: Callable | None = None) -> Callable:
         """`compute(weights, x_MD, slot_M)`: the experts function of `module` (the binding's, or `experts_fn`)
@@ -249,8 +245,13 @@ class ExpertsBinding:
         return self._local[1]
 
     def _local_compute(self, module) -> LocalExperts:
-        if self.tiers is not None:  # rows grouped by slot with the counts on the host: no by_slot, no pair kernels
-            return LocalExperts(lambda x_MD, counts_S: self.tiers.sorted(x_MD, counts_S))
+        if self.tiers is not None:  # rows grouped by slot with the counts on the host, or a decode step's token
+            tiers = self.tiers      # rows (`ExpertTiers.partial`); never capturable: the tiers wait for the counts
+
+            def partial(x_TD, local_TK, weights_TK, fallback, experts, kind):
+                return None if kind == "every pair" else tiers.partial(x_TD, local_TK, weights_TK)
+
+            return LocalExperts(lambda x_MD, counts_S: tiers.sorted(x_MD, counts_S), pairs=partial)
 
         def by_slot(x_MD, slot_M):
             return self.compute_rows(module, x_MD, slot_M)

@@ -3,9 +3,9 @@
 Shape legend: S local slots, H hot slots, M rows this rank's experts compute, D hidden size.
 
 Every local slot's weights live in host memory (pinned where CUDA exists; read once from the checkpoint);
-H of them are also copied to the device (`hot`, [H, ...] per tensor). A layer call gets its rows grouped
-by local slot with the counts on the host (ep mode's split sizes; the latency and all-gather modes' local
-sort; a single process's bincount) and `ExpertTiers.sorted` computes:
+H of them are also copied to the device (`hot`, [H, ...] per tensor). A layer call of many rows gets them
+grouped by local slot with the counts on the host (ep mode's split sizes; the latency and all-gather
+modes' local sort; a single process's bincount) and `ExpertTiers.sorted` computes:
 
   1. hot slots: their rows in one call of the experts function on the hot weights (a decode step's few,
      on the plain gated layout: each slot's two products apart, `ExpertTiers.LEAN_HOT_SLOTS`);
@@ -17,6 +17,13 @@ sort; a single process's bincount) and `ExpertTiers.sorted` computes:
        stream  the slot's weights copied into one of two device staging buffers (`Staging`: on CUDA the
                next slot's copy runs on a side stream while this one computes), computed on the device
                (the plain gated layout's two products; else the experts function).
+
+A call of few pairs (T x K <= `ExpertTiers.PARTIAL_PAIRS`: decode steps, small batches) from its token rows
+(one process, latency and all-gather modes) takes `ExpertTiers.partial` instead, which needs no sort: the
+ids, weights and token rows go to the host in one wait, after the hot pairs are launched through the
+decode pair kernels where the experts run on ThunderEP's kernels; the host-path slots compute on the token
+rows and come back weighted and summed per token, T rows. Fewer device launches per layer call is the point:
+at batch 1 a decode step is bound by the host's launches, not by the experts.
 
 The hot set (`set_hot`) is first the first H slots; after `TierConfig.calibration_calls` calls it becomes
 the H slots with the most rows counted so far. From then on, every `TierConfig.interval` calls, a slot's
@@ -36,130 +43,20 @@ machine the device is the host: every path runs, with the host's memory standing
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from ..errors import ConfigError
 from .host_experts import HostExperts, per_slot
 from .offload_cost import OffloadCosts, split_cold
+from .staging import Staging, to_device, to_host, to_host_all
+from .tier_config import COLD_PATHS, TierConfig, TierStats, parse_memory
 
-__all__ = ["COLD_PATHS", "ExpertTiers", "Staging", "TierConfig", "TierStats", "parse_memory", "to_host"]
-
-COLD_PATHS = ("auto", "host", "stream")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_MEMORY = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?", re.IGNORECASE)
-
-
-def parse_memory(value) -> int:
-    """Bytes from an int, or a string of a number and an optional unit: "20GiB", "512MiB", "1.5GB",
-    "4096" (B, kB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB powers of 1024). ConfigError otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"gpu_memory must be a number of bytes or a string like '20GiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"gpu_memory must not be negative, got {value}")
-        return value
-    match = _MEMORY.fullmatch(value.strip())
-    if match is None:
-        raise ConfigError(f"gpu_memory {value!r} is not a size: write a number and a unit, like '20GiB', '512MiB', "
-                          "'1.5GB' or '4096' (bytes)")
-    number, unit = match.groups()
-    size = float(number) * _UNITS[(unit or "").lower()]
-    if size != int(size):
-        raise ConfigError(f"gpu_memory {value!r} is not a whole number of bytes: give whole bytes or a larger unit")
-    return int(size)
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """cold_path: "auto" (the cost model decides per cold slot and call), "host" or "stream" (forced).
-    calibration_calls: layer calls counted before the first chosen hot set. interval: layer calls between
-    re-choices after that. ema: weight of the past in the per-slot load average. margin: how many times
-    over a swap's estimated saving in one interval must pay for its copy; confidence: how many standard
-    deviations of counting noise the two slots' load difference must exceed (the module docstring)."""
-
-    cold_path: str = "auto"
-    calibration_calls: int = 4
-    interval: int = 32
-    ema: float = 0.9
-    margin: float = 2.0
-    confidence: float = 2.0
-
-    def __post_init__(self):
-        if self.cold_path not in COLD_PATHS:
-            raise ConfigError(f"cold_path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
-        if self.margin < 0 or self.interval < 1 or not 0 <= self.ema < 1 or self.confidence < 0:
-            raise ConfigError(f"TierConfig needs margin >= 0, interval >= 1, 0 <= ema < 1 and confidence >= 0, got "
-                              f"margin {self.margin}, interval {self.interval}, ema {self.ema}, "
-                              f"confidence {self.confidence}")
-
-
-@dataclass
-class TierStats:
-    """Rows served hot / on the host / streamed, bytes streamed to staging buffers, bytes copied into the
-    hot set by re-choices, host seconds of cold experts, hot-set changes."""
-
-    rows_hot: int = 0
-    rows_host: int = 0
-    rows_streamed: int = 0
-    bytes_streamed: int = 0
-    bytes_promoted: int = 0
-    host_seconds: float = 0.0
-    hot_changes: int = 0
-
-    def add(self, other: TierStats) -> None:
-        for name, value in asdict(other).items():
-            setattr(self, name, getattr(self, name) + value)
-
-    @property
-    def hot_share(self) -> float:
-        rows = self.rows_hot + self.rows_host + self.rows_streamed
-        return self.rows_hot / rows if rows else 0.0
-
-
-class Staging:
-    """Two device buffers holding one slot of expert tensors each, shared by the layers whose slots have the
-    same shapes. On CUDA the copies run on a side stream: `load` of the next slot overlaps the compute on
-    the other buffer; `ready` makes the compute stream wait for a load, `release` marks a buffer's compute
-    issued. Elsewhere the copy is a plain copy and the waits are nothing."""
-
-    def __init__(self, like: dict[str, torch.Tensor], device: torch.device):
-        self.buffers = [{n: torch.empty((1, *t.shape[1:]), dtype=t.dtype, device=device) for n, t in like.items()}
-                        for _ in range(2)]
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._loaded: list = [None, None]
-        self._used: list = [None, None]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for b in self.buffers for t in b.values())
-
-    def load(self, i: int, host: dict[str, torch.Tensor], slot: int) -> None:
-        if self.stream is None:
-            for n, t in self.buffers[i].items():
-                t.copy_(host[n][slot:slot + 1])
-            return
-        with torch.cuda.stream(self.stream):
-            if self._used[i] is not None:
-                self.stream.wait_event(self._used[i])
-            for n, t in self.buffers[i].items():
-                t.copy_(host[n][slot:slot + 1], non_blocking=True)
-            self._loaded[i] = torch.cuda.Event()
-            self._loaded[i].record(self.stream)
-
-    def ready(self, i: int) -> None:
-        if self._loaded[i] is not None:
-            torch.cuda.current_stream().wait_event(self._loaded[i])
-
-    def release(self, i: int) -> None:
-        if self.stream is not None:
-            self._used[i] = torch.cuda.Event()
-            self._used[i].record()
+__all__ = ["COLD_PATHS", "ExpertTiers", "Staging", "TierConfig", "TierStats", "parse_memory", "to_host",
+           "to_host_all"]
 
 
 class ExpertTiers:
@@ -179,6 +76,8 @@ class ExpertTiers:
     """
 
     LEAN_HOT_SLOTS = 8  # hot slots with rows up to which each computes apart (a decode step's few)
+    FEW_PAIRS = 8  # device pairs of a `partial` call up to which each is added apart (no index copies)
+    PARTIAL_PAIRS = 128  # pairs (T x K) up to which a call from token rows takes `partial`: decode, small batches
 
     def __init__(self, host: dict[str, torch.Tensor], hot_slots: int, device: torch.device, compute: Callable,
                  costs: OffloadCosts, staging: Staging, config: TierConfig | None = None,
@@ -327,27 +226,104 @@ class ExpertTiers:
         return split_cold([c.host_seconds(n, P, row_bytes) for n in rows],
                           [c.stream_seconds(n, P, self.slot_bytes) for n in rows], self.device.type == "cuda")
 
-    def hot_partial(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor | None:
-        """The hot slots' weighted [T, D] share of one call (ids_TK: local slots [T, K] on the device,
-        weights_TK [T, K]) through `pairs`, launched with no wait for the host, after this call's re-choice
-        (so `sorted(..., hot_done=True)` leaves out the same slots); None where `pairs` does not apply
-        (no such kernels, gradients, prompts): the hot rows then go through `sorted`."""
-        if self.pairs is None or not self.capacity or (torch.is_grad_enabled() and x_TD.requires_grad):
+    def partial(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor | None:
+        """The call's weighted float32 [T, D] share from its token rows, or None where the rows go through
+        `sorted` instead (gradients; more than PARTIAL_PAIRS pairs). local_TK: int64 [T, K] local slot of each
+        pair on the device, -1 for a pair another rank computes; weights_TK: [T, K]. One wait for the host:
+          1. the ids, the weights and the token rows queued to pinned host memory;
+          2. the hot pairs launched through `pairs` (the decode pair kernels), before the wait;
+          3. the wait; the call's rows per slot counted on the host;
+          4. on the device, queued: hot pairs `pairs` did not take (two products per slot, or the experts
+             function), the streamed slots; their outputs weighted and added per token (a decode step's few
+             one by one with their weights as numbers, more in one launch);
+          5. meanwhile on the host: every host-path slot on its token rows, weighted and summed per token
+             there, sent back in one copy: T rows, not one per pair."""
+        T, K = local_TK.shape
+        if T * K > self.PARTIAL_PAIRS or (torch.is_grad_enabled() and x_TD.requires_grad):
             return None
         self.rechoose(x_TD.shape[-1] * x_TD.element_size())
-        if self._hot_index is None or self._hot_index.device != ids_TK.device:
-            index = torch.full((self.num_slots,), -1, dtype=torch.int64)
-            index[list(self._row_of)] = torch.tensor(list(self._row_of.values()), dtype=torch.int64)
-            self._hot_index = index.to(ids_TK.device)
-        return self.pairs(self.hot, x_TD, self._hot_index[ids_TK], weights_TK)
+        (ids_h, w_h, x_h), copied = to_host_all([local_TK, weights_TK, x_TD])
+        hot_TD = None
+        if self.pairs is not None and self.capacity:
+            hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK)
+        if copied is not None:
+            copied.synchronize()
+        by_slot: dict[int, list[int]] = {}  # slot -> its pairs t * K + k, in order
+        for n, s in enumerate(ids_h.reshape(-1).tolist()):
+            if s >= 0:
+                by_slot.setdefault(s, []).append(n)
+        counts = [0] * self.num_slots
+        for s, pairs in by_slot.items():
+            counts[s] = len(pairs)
+        self._observe(counts)
+        w_N = w_h.reshape(-1).float()
+        D, device = x_TD.shape[-1], x_TD.device
+        y_TD = torch.zeros(T, D, dtype=torch.float32, device=device) if hot_TD is None else hot_TD.float()
+        hot = [s for s in sorted(by_slot) if s in self._row_of]
+        cold = [s for s in sorted(by_slot) if s not in self._row_of]
+        paths = dict(zip(cold, self.paths([counts[s] for s in cold], D * x_TD.element_size())))
+        on_device = ([] if hot_TD is not None else hot) + [s for s in cold if paths[s] == "stream"]
+        self.stats.rows_hot += sum(counts[s] for s in hot)
+        if on_device:
+            pieces = self._on_device(x_TD, {s: [n // K for n in by_slot[s]] for s in on_device},
+                                     hot if hot_TD is None else [])
+            pairs = [n for s in on_device for n in by_slot[s]]
+            if len(pairs) <= self.FEW_PAIRS:  # a decode step's few: each added with its weight, no copies
+                for n, y_1D in zip(pairs, [y for s in on_device for y in pieces[s].split(1)]):
+                    y_TD[n // K:n // K + 1].add_(y_1D, alpha=float(w_N[n]))
+            else:
+                y_ND, pairs = torch.cat([pieces[s] for s in on_device]), torch.tensor(pairs)
+                y_TD.index_add_(0, to_device(pairs // K, device), y_ND.float() * to_device(w_N[pairs], device)[:, None])
+        on_host = [s for s in cold if paths[s] == "host"]
+        if on_host:
+            pairs = torch.tensor([n for s in on_host for n in by_slot[s]])
+            y_TD += self._summed_on_host(on_host, [counts[s] for s in on_host], x_h[pairs // K], w_N[pairs], pairs // K,
+                                         T, device)
+        return y_TD
 
-    def sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor, hot_done: bool = False) -> torch.Tensor:
+    def _hot_entries(self, device: torch.device) -> torch.Tensor:
+        """int64 [S + 1] on `device`: each slot's entry in the hot copies, -1 for cold ones and at index -1 (so
+        that a pair another rank computes, slot -1, maps to -1)."""
+        if self._hot_index is None or self._hot_index.device != device:
+            index = torch.full((self.num_slots + 1,), -1, dtype=torch.int64)
+            index[list(self._row_of)] = torch.tensor(list(self._row_of.values()), dtype=torch.int64)
+            self._hot_index = index.to(device)
+        return self._hot_index
+
+    def _on_device(self, x_TD: torch.Tensor, tokens: dict[int, list[int]], hot: list[int]) -> dict:
+        """{slot: its rows' outputs [n, D]} for the slots in `tokens` (slot -> the token of each of its rows)
+        computed on the device: the hot ones in `hot` on the hot copies, the others streamed."""
+        xs = {s: x_TD[t[0]:t[0] + 1] if len(t) == 1 else x_TD[to_device(torch.tensor(t), x_TD.device)]
+              for s, t in tokens.items()}
+        pieces: dict[int, torch.Tensor] = {}
+        if self.lean is not None and self.lean_hot and len(hot) <= self.LEAN_HOT_SLOTS:
+            pieces.update((s, self.lean.slot(self.hot, self._row_of[s], xs[s])) for s in hot)
+        elif hot:
+            x_hot, slot_M = self._hot_rows(hot, xs)
+            pieces.update(zip(hot, self.compute(self.hot, x_hot, slot_M).split([xs[s].shape[0] for s in hot])))
+        streamed = [s for s in tokens if s not in self._row_of]
+        self._stream(streamed, [xs[s] for s in streamed], pieces)
+        return pieces
+
+    def _summed_on_host(self, slots: list[int], counts: list[int], x_MD: torch.Tensor, w_M: torch.Tensor,
+                        token_M: torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
+        """The host function on the host rows x_MD of `slots` (grouped by slot), weighted by w_M and summed per
+        token (token_M) into float32 [T, D] on the host, sent to `device` in one non-blocking copy."""
+        started = time.perf_counter()
+        y_MD = self.host_fn(self.host, slots, x_MD, counts)
+        cuda = device.type == "cuda"
+        y_TD = torch.zeros((T, x_MD.shape[-1]), dtype=torch.float32, pin_memory=cuda)
+        y_TD.index_add_(0, token_M, y_MD.float() * w_M[:, None])
+        self.stats.rows_host += x_MD.shape[0]
+        self.stats.host_seconds += time.perf_counter() - started
+        return y_TD.to(device, non_blocking=cuda)
+
+    def sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
         """Unweighted [M, D] outputs of rows grouped by local slot; counts_S int64 [S] on the host.
-        hot_done: the hot slots' rows were computed by `hot_partial` (their outputs here are zeros).
         Differentiable in x_MD (the experts themselves are frozen: `_TieredRows`)."""
         if torch.is_grad_enabled() and x_MD.requires_grad:
             return _TieredRows.apply(x_MD, self, counts_S)
-        return self._sorted(x_MD, counts_S, hot_done)
+        return self._sorted(x_MD, counts_S)
 
     def input_grad(self, x_MD: torch.Tensor, dy_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
         """dx [M, D] of `sorted`'s outputs given their gradient dy_MD, the weights frozen: each slot's rows
@@ -373,7 +349,7 @@ class ExpertTiers:
             return torch.zeros_like(x_MD)
         return torch.cat([pieces[s] for s in xs])
 
-    def _sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor, hot_done: bool = False) -> torch.Tensor:
+    def _sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
         counts = counts_S.tolist()  # host data in every caller: no wait for the device
         row_bytes = x_MD.shape[-1] * x_MD.element_size()
         self.rechoose(row_bytes)
@@ -391,10 +367,7 @@ class ExpertTiers:
         sent = to_host(torch.cat([xs[s] for s in on_host])) if on_host else None
         hot = [s for s in self.hot_slots if counts[s]]
         if hot:  # 2. every hot slot's rows in one call, or a decode step's few slots one by one
-            if hot_done:  # computed by hot_partial: nothing to add here
-                zeros = x_MD.new_zeros(sum(counts[s] for s in hot), x_MD.shape[-1])
-                pieces.update(zip(hot, zeros.split([counts[s] for s in hot])))
-            elif self.lean is not None and self.lean_hot and len(hot) <= self.LEAN_HOT_SLOTS:
+            if self.lean is not None and self.lean_hot and len(hot) <= self.LEAN_HOT_SLOTS:
                 pieces.update((s, self.lean.slot(self.hot, self._row_of[s], xs[s])) for s in hot)
             else:
                 x_hot, slot_M = self._hot_rows(hot, xs)
@@ -414,7 +387,7 @@ class ExpertTiers:
         device, rows = x_hot.device, [xs[s].shape[0] for s in hot]
         if x_hot.shape[0] <= 256:  # a decode step's few rows: listed on the host, one copy
             entries = [self._row_of[s] for s, n in zip(hot, rows) for _ in range(n)]
-            return x_hot, torch.tensor(entries, dtype=torch.int64, device=device)
+            return x_hot, to_device(torch.tensor(entries, dtype=torch.int64), device)
         slot_M = torch.repeat_interleave(torch.tensor([self._row_of[s] for s in hot], device=device),
                                          torch.tensor(rows, device=device), output_size=x_hot.shape[0])
         return x_hot, slot_M
@@ -468,19 +441,6 @@ class _TieredRows(torch.autograd.Function):
     def backward(ctx, dy_MD):
         (x_MD,) = ctx.saved_tensors
         return ctx.tiers.input_grad(x_MD, dy_MD.contiguous(), ctx.counts_S), None, None
-
-
-def to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """(t on the host, the event its copy completes or None): from a CUDA device one non-blocking copy into
-    pinned memory, so that work queued after it runs while the host waits for the copy alone; a plain copy
-    from another device (host tensors stay where they are)."""
-    if t.device.type != "cuda":
-        return t.cpu(), None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return host, copied
 
 
 def _slot_rows(x_MD: torch.Tensor, counts: list[int]) -> dict[int, torch.Tensor]:

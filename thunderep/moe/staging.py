@@ -1,0 +1,77 @@
+"""Copies between host and device for the expert tiers (`thunderep.moe.tiers`): the double-buffered staging
+area cold slots stream through, and host copies of device tensors that let queued work run on."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Staging", "to_device", "to_host", "to_host_all"]
+
+
+class Staging:
+    """Two device buffers holding one slot of expert tensors each, shared by the layers whose slots have the
+    same shapes. On CUDA the copies run on a side stream: `load` of the next slot overlaps the compute on
+    the other buffer; `ready` makes the compute stream wait for a load, `release` marks a buffer's compute
+    issued. Elsewhere the copy is a plain copy and the waits are nothing."""
+
+    def __init__(self, like: dict[str, torch.Tensor], device: torch.device):
+        self.buffers = [{n: torch.empty((1, *t.shape[1:]), dtype=t.dtype, device=device) for n, t in like.items()}
+                        for _ in range(2)]
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._loaded: list = [None, None]
+        self._used: list = [None, None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for b in self.buffers for t in b.values())
+
+    def load(self, i: int, host: dict[str, torch.Tensor], slot: int) -> None:
+        if self.stream is None:
+            for n, t in self.buffers[i].items():
+                t.copy_(host[n][slot:slot + 1])
+            return
+        with torch.cuda.stream(self.stream):
+            if self._used[i] is not None:
+                self.stream.wait_event(self._used[i])
+            for n, t in self.buffers[i].items():
+                t.copy_(host[n][slot:slot + 1], non_blocking=True)
+            self._loaded[i] = torch.cuda.Event()
+            self._loaded[i].record(self.stream)
+
+    def ready(self, i: int) -> None:
+        if self._loaded[i] is not None:
+            torch.cuda.current_stream().wait_event(self._loaded[i])
+
+    def release(self, i: int) -> None:
+        if self.stream is not None:
+            self._used[i] = torch.cuda.Event()
+            self._used[i].record()
+
+
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """(t on the host, the event its copy completes or None): from a CUDA device one non-blocking copy into
+    pinned memory, so that work queued after it runs while the host waits for the copy alone; a plain copy
+    from another device (host tensors stay where they are)."""
+    (host,), copied = to_host_all([t])
+    return host, copied
+
+
+def to_host_all(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
+    """`to_host` for several tensors of one device: their host copies and one event after the last copy."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.cpu() for t in tensors], None
+    hosts = []
+    for t in tensors:
+        hosts.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+        hosts[-1].copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return hosts, copied
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`; to a CUDA device through pinned memory, non-blocking, so that the host
+    does not wait for the work queued before the copy."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

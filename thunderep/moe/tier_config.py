@@ -1,0 +1,85 @@
+"""What configures and counts the expert tiers (`thunderep.moe.tiers`): the size a user gives as gpu_memory,
+the tiers' settings, their telemetry."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from ..errors import ConfigError
+
+__all__ = ["COLD_PATHS", "TierConfig", "TierStats", "parse_memory"]
+
+COLD_PATHS = ("auto", "host", "stream")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_MEMORY = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?", re.IGNORECASE)
+
+
+def parse_memory(value) -> int:
+    """Bytes from an int, or a string of a number and an optional unit: "20GiB", "512MiB", "1.5GB",
+    "4096" (B, kB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB powers of 1024). ConfigError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"gpu_memory must be a number of bytes or a string like '20GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"gpu_memory must not be negative, got {value}")
+        return value
+    match = _MEMORY.fullmatch(value.strip())
+    if match is None:
+        raise ConfigError(f"gpu_memory {value!r} is not a size: write a number and a unit, like '20GiB', '512MiB', "
+                          "'1.5GB' or '4096' (bytes)")
+    number, unit = match.groups()
+    size = float(number) * _UNITS[(unit or "").lower()]
+    if size != int(size):
+        raise ConfigError(f"gpu_memory {value!r} is not a whole number of bytes: give whole bytes or a larger unit")
+    return int(size)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """cold_path: "auto" (the cost model decides per cold slot and call), "host" or "stream" (forced).
+    calibration_calls: layer calls counted before the first chosen hot set. interval: layer calls between
+    re-choices after that. ema: weight of the past in the per-slot load average. margin: how many times
+    over a swap's estimated saving in one interval must pay for its copy; confidence: how many standard
+    deviations of counting noise the two slots' load difference must exceed (the module docstring)."""
+
+    cold_path: str = "auto"
+    calibration_calls: int = 4
+    interval: int = 32
+    ema: float = 0.9
+    margin: float = 2.0
+    confidence: float = 2.0
+
+    def __post_init__(self):
+        if self.cold_path not in COLD_PATHS:
+            raise ConfigError(f"cold_path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
+        if self.margin < 0 or self.interval < 1 or not 0 <= self.ema < 1 or self.confidence < 0:
+            raise ConfigError(f"TierConfig needs margin >= 0, interval >= 1, 0 <= ema < 1 and confidence >= 0, got "
+                              f"margin {self.margin}, interval {self.interval}, ema {self.ema}, "
+                              f"confidence {self.confidence}")
+
+
+@dataclass
+class TierStats:
+    """Rows served hot / on the host / streamed, bytes streamed to staging buffers, bytes copied into the
+    hot set by re-choices, host seconds of cold experts, hot-set changes."""
+
+    rows_hot: int = 0
+    rows_host: int = 0
+    rows_streamed: int = 0
+    bytes_streamed: int = 0
+    bytes_promoted: int = 0
+    host_seconds: float = 0.0
+    hot_changes: int = 0
+
+    def add(self, other: TierStats) -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
+    @property
+    def hot_share(self) -> float:
+        rows = self.rows_hot + self.rows_host + self.rows_streamed
+        return self.rows_hot / rows if rows else 0.0
+
+
