@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from .fingerprint import NOISE_Z, WIDTH_OCTAVES, LoadProbe
 
-__all__ = ["DEFAULT_BYTES_PER_EXPERT", "BalancerConfig"]
+__all__ = ["DEFAULT_BYTES_PER_EXPERT", "PROBES", "BalancerConfig"]
+
+PROBES = ("auto", "own", "all")  # BalancerConfig.probes
 
 DEFAULT_BYTES_PER_EXPERT = 12.6e6  # one bf16 OLMoE-1B-7B-sized expert: 3 x 2048 x 1024 x 2 B
 
@@ -55,6 +57,14 @@ class BalancerConfig:
         clocks do not see asynchronous GPU work).
     refresh_every 0: force a negotiation every N steps (0: never; fingerprints suffice).
     fingerprint_width / fingerprint_z: the bucketing of `fingerprint.load_profile`.
+    probes "auto": where the probes run. "own": each rank probes its own per-expert counts in the forward
+        and sends its fingerprint (on Negotiate steps also its load vector) in the split-size record, which
+        then goes to the host for that. "all": every rank runs every rank's probe at the step boundary
+        from the exchanged split sizes (they hold each rank's per-expert counts, summed over an expert's
+        slots): the record carries only the bandwidth word, on Negotiate steps, so the kernel that counts
+        the split sizes can write it straight into host memory (`comm/control_records.py`); R probes of
+        host time per rank at the boundary instead of one in the forward. "auto": "all" where the runtime
+        exchanges its records that way (CUDA ranks of one host), else "own". The decisions are the same.
     """
 
     threshold: float = 1.10
@@ -72,6 +82,7 @@ class BalancerConfig:
     refresh_every: int = 0
     fingerprint_width: float = WIDTH_OCTAVES
     fingerprint_z: float = NOISE_Z
+    probes: str = "auto"
 
     @property
     def slot_bytes(self) -> float:
@@ -84,6 +95,8 @@ class BalancerConfig:
                          z=self.fingerprint_z, seed=seed)
 
     def __post_init__(self) -> None:
+        if self.probes not in PROBES:
+            raise ConfigError(f"probes must be one of {', '.join(PROBES)}, got {self.probes!r}")
         if not self.threshold >= 1.0:
             raise ConfigError(f"threshold ({self.threshold!r}) is a max/mean imbalance and must be >= 1.0")
         if not 0 < self.ema_alpha <= 1:

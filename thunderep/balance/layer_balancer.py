@@ -9,6 +9,12 @@ Per step (see `machine.py` for the protocol):
             sizes: the same integers on every rank, no extra bytes);
   boundary  `step(stats)` -> the Decision for the next step (trade plan, maybe a new placement);
             `stats`, the layer's `CommStats`, gives the meter this step's all-to-all bytes and times.
+
+With every rank's probe replicated (`replicate`, BalancerConfig.probes "all"), the forward sends only
+`words()` (the bandwidth word on Negotiate steps, nothing else) and `received(..., counts_RE)` keeps every
+rank's per-expert counts of the step, read off the exchanged split sizes; `step` then runs each rank's
+probe on its counts and hands the machine the records those ranks would have sent: the same integers
+through the same code, so the same decisions, and nothing in the forward needs the host.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import replace
 
 import torch
 
+from ..errors import ConfigError
 from .machine import BalanceMachine, BalancerConfig, Decision, decode_records, encode_record
 from .measure import LinkMeter
 from .placement import Placement
@@ -29,8 +36,11 @@ class LayerBalancer:
         self.config = config or BalancerConfig()
         self.machine = BalanceMachine(placement, self.config)
         self.probe = self.config.probe(placement.num_experts, seed=seed)
+        self.peers: list | None = None  # every rank's LoadProbe, this rank's being `probe` (`replicate`)
+        self._seed = seed
         self.meter = LinkMeter(self.config.ema_alpha)
         self._record = None
+        self._counts_RE: torch.Tensor | None = None
         self._rows_RW: torch.Tensor | None = None
         self._rank_load_R: tuple[int, ...] | None = None
         self.last: Decision | None = None
@@ -43,6 +53,24 @@ class LayerBalancer:
             return
         self.config = replace(self.config, bytes_per_expert=float(slot_bytes))
         self.machine.config = self.config
+
+    def replicate(self, rank: int) -> None:
+        """Run every rank's probe here from the exchanged split sizes (module docstring); `rank` is this
+        process's rank in the EP group. Before the first step, on every rank alike."""
+        E = self.machine.placement.num_experts
+        self.peers = [self.config.probe(E, seed=self._seed) for _ in range(self.machine.placement.ep_size)]
+        self.peers[rank] = self.probe
+
+    @property
+    def replicated(self) -> bool:
+        return self.peers is not None
+
+    def words(self) -> torch.Tensor:
+        """With replicated probes, what this rank sends this step: int32 [1], its bandwidth code, on a
+        Negotiate step, else int32 [0] (host tensors)."""
+        if not self.machine.negotiating:
+            return torch.zeros(0, dtype=torch.int32)
+        return torch.tensor([self.meter.code if self.config.measure else 0], dtype=torch.int32)
 
     @property
     def record_words(self) -> int:
@@ -60,10 +88,14 @@ class LayerBalancer:
     def assign(self, rank: int, ids_TK: torch.Tensor) -> torch.Tensor:
         return self.machine.trade.assign(rank, ids_TK)
 
-    def received(self, rows_RW: torch.Tensor, rank_load_R=None) -> None:
-        """rows_RW: int32 [R, record_words] every rank's balancer words; rank_load_R: R ints, the rows
-        each rank computes this step under the current plan (None: fingerprint-only alarms)."""
-        self._rows_RW = rows_RW
+    def received(self, rows_RW: torch.Tensor, rank_load_R=None, counts_RE: torch.Tensor | None = None) -> None:
+        """rows_RW: int32 [R, record_words] every rank's balancer words (replicated probes: [R, 0 or 1],
+        `words()`); rank_load_R: R ints, the rows each rank computes this step under the current plan
+        (None: fingerprint-only alarms); counts_RE: int64 [R, E] each rank's pairs per expert this step,
+        which replicated probes need."""
+        if self.peers is not None and counts_RE is None:
+            raise ConfigError("replicated balancer probes need every rank's per-expert counts (counts_RE)")
+        self._rows_RW, self._counts_RE = rows_RW, counts_RE
         self._rank_load_R = None if rank_load_R is None else tuple(int(v) for v in rank_load_R)
 
     def step(self, stats=None) -> Decision | None:
@@ -74,20 +106,35 @@ class LayerBalancer:
             self.meter.observe_stats(stats)
         if self._rows_RW is None:
             return None
-        records = decode_records(self._rows_RW, self.machine.placement.num_experts)
-        decision = self.machine.step(*records, self._rank_load_R)
-        self.probe.commit(self._record, reset=decision.alarm, rebase=decision.rebaselined)
-        self._rows_RW = self._record = self._rank_load_R = None
+        rows_RW, probes, made = self._rows_RW, [self.probe], [self._record]
+        if self.peers is not None:  # each rank's record as it would have sent it
+            negotiating, probes = self.machine.negotiating, self.peers
+            made = [p.record(c, negotiating) for p, c in zip(probes, self._counts_RE.to("cpu", torch.int64))]
+            codes = rows_RW[:, 0].tolist() if negotiating else [0] * len(probes)
+            rows_RW = torch.stack([encode_record(r, code) for r, code in zip(made, codes)])
+        decision = self.machine.step(*decode_records(rows_RW, self.machine.placement.num_experts), self._rank_load_R)
+        for probe, record in zip(probes, made):
+            probe.commit(record, reset=decision.alarm, rebase=decision.rebaselined)
+        self._rows_RW = self._record = self._rank_load_R = self._counts_RE = None
         self.last = decision
         return decision
 
     def state_dict(self) -> dict:
-        return {"machine": self.machine.state_dict(), "probe": self.probe.state_dict(),
-                "meter": self.meter.state_dict()}
+        state = {"machine": self.machine.state_dict(), "probe": self.probe.state_dict(),
+                 "meter": self.meter.state_dict()}
+        if self.peers is not None:
+            state["peers"] = [p.state_dict() for p in self.peers]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output; a state saved before bandwidth was measured has no meter:
-        the meter starts empty (code 0 until it measures, the agreed value is in the machine's)."""
+        the meter starts empty (code 0 until it measures, the agreed value is in the machine's). Replicated
+        probes need a state saved with them (every rank's probe)."""
+        if self.peers is not None and "peers" not in state:
+            raise ConfigError("this balancer state holds this rank's probe only (saved with BalancerConfig(probes="
+                              "'own')); replicated probes need every rank's: resume with probes='own'")
         self.machine.load_state_dict(state["machine"])
         self.probe.load_state_dict(state["probe"])
+        for probe, saved in zip(self.peers or [], state.get("peers", [])):
+            probe.load_state_dict(saved)
         self.meter.load_state_dict(state.get("meter") or {"bytes_ema": None, "seconds_ema": None})

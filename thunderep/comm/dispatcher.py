@@ -99,11 +99,13 @@ class Rider:
     """Words that ride in the split-size record of `Dispatcher.plan`.
 
     on_device: int32 [n], copied to the host together with the split sizes (one device-to-host copy).
-    encode: host int32 [n] -> int32 [w], the words this rank sends (w the same on every rank).
+    encode: host int32 [n] -> int32 [w], the words this rank sends (w the same on every rank); None: the
+    words are sent as they are on the device (then the counting kernel can write them into the record
+    itself, `control_records`).
     """
 
     on_device: torch.Tensor
-    encode: Callable[[torch.Tensor], torch.Tensor]
+    encode: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,12 +114,14 @@ class Plan:
 
     metas: one `DispatchMeta` per wave. load_P: int64 [R * S] rows each global slot computes this step
     (all waves, all ranks; the same on every rank). rider_RW: int32 [R, w] every rank's rider words
-    (w = 0 without a rider).
+    (w = 0 without a rider). counts_RP: int64 [R, R * S] the pairs each rank routed to each global slot
+    this step (all waves; the same on every rank).
     """
 
     metas: list
     load_P: torch.Tensor
     rider_RW: torch.Tensor
+    counts_RP: torch.Tensor
 
 
 def _slot_counts(slots_N: torch.Tensor, P: int) -> torch.Tensor:
@@ -190,16 +194,19 @@ class Dispatcher:
         slots_W[w]: int64 [T_w, K] global slot of each (token, k) pair of wave w, in [0, R * slots_per_rank).
         weights_W[w]: [T_w, K] routing weights, applied where the experts run. rider: words sent in the
         same record. stats: a further `CommStats` (e.g. the layer's) that records this step. With `records`
-        (ranks of one host, THUNDEREP_HOST_COLLECTIVE=1) and no rider, the counting kernel writes the
-        records into host memory every rank maps: no device-to-host copy, no control-plane exchange."""
+        (ranks of one host, THUNDEREP_HOST_COLLECTIVE=1) and no rider or one sent as it is on the device,
+        the counting kernel writes the records into host memory every rank maps: no device-to-host copy,
+        no control-plane exchange."""
         R, S = self.groups.ep_size, slots_per_rank
         P, W, me = R * S, len(slots_W), self.groups.ep_rank
         # 1. per wave: pairs per global slot, rows per destination rank, the rows in send order (device)
         layouts = [row_layout(slots.reshape(weights.shape), weights, R, S) for slots, weights in zip(slots_W, weights_W)]
         records = self.records
-        if records is not None and rider is None and records.fits(W, S):
-            rows, record, started, on_host = self._records_on_device(records, slots_W, weights_W, S)
-            send_W = rows[me].view(W, P + R)
+        rider_V = None if rider is None or not rider.on_device.numel() else rider.on_device.to(torch.int32)
+        if records is not None and (rider is None or rider.encode is None) and \
+                records.fits(W, S, 0 if rider_V is None else rider_V.numel()):
+            rows, record, started, on_host = self._records_on_device(records, slots_W, weights_W, S, rider_V)
+            send_W = rows[me, :W * (P + R)].view(W, P + R)
         else:
             send_W, rows, record, started, on_host = self._records_through_host(slots_W, layouts, rider, P)
         all_RW = rows[:, :W * (P + R)].reshape(R, W, P + R)
@@ -219,7 +226,8 @@ class Dispatcher:
                 recv_splits=tuple(all_RW[:, w, P + me].tolist()),
                 counts_S=all_RW[:, w, me * S:(me + 1) * S].to(torch.int64).sum(0), sinks=sinks,
             ))
-        return Plan(metas, all_RW[:, :, :P].sum(dim=(0, 1)).to(torch.int64), rows[:, W * (P + R):])
+        counts_RP = all_RW[:, :, :P].sum(dim=1).to(torch.int64)
+        return Plan(metas, counts_RP.sum(dim=0), rows[:, W * (P + R):], counts_RP)
 
     def _records_through_host(self, slots_W, layouts, rider: Rider | None, P: int):
         """The split-size records counted on the device, copied to the host (the plan's one wait for the
@@ -233,9 +241,10 @@ class Dispatcher:
             send_W = torch.cat([send_W.reshape(-1), rider.on_device.to(device, torch.int32)])
         started = time.perf_counter()
         with record_function("thunderep.split_sizes_to_host"):  # waits for this rank's GPU
-            host = send_W.cpu()
+            host = send_W.cpu().reshape(-1)
             send_W = host[:W * (P + R)].view(W, P + R)
-            words = rider.encode(host[W * (P + R):]) if rider is not None else torch.zeros(0, dtype=torch.int32)
+            words = host[W * (P + R):]
+            words = rider.encode(words) if rider is not None and rider.encode is not None else words
             record = torch.cat([send_W.reshape(-1), words])
         on_host = time.perf_counter()
         # one exchange; a collective control plane reports dead peers through torch errors
@@ -244,16 +253,17 @@ class Dispatcher:
             rows = self.control.exchange_tensor(record)
         return send_W, rows, record, started, on_host
 
-    def _records_on_device(self, records, slots_W, weights_W, S: int):
-        """The split-size records written by the counting kernel into the host segment every rank of this
-        host maps (`control_records.RecordExchange`), read back here -> (every rank's [R, L] record, this
-        rank's record, start time, time on the host)."""
+    def _records_on_device(self, records, slots_W, weights_W, S: int, rider_V: torch.Tensor | None = None):
+        """The split-size records (and the rider's device words, rider_V int32 [V]) written by the counting
+        kernel into the host segment every rank of this host maps (`control_records.RecordExchange`), read
+        back here -> (every rank's [R, L] record, this rank's record, start time, time on the host)."""
         me = self.groups.ep_rank
         started = time.perf_counter()
         with record_function("thunderep.device_records"), peer_errors(
                 f"split-size exchange on EP rank {me}", "the records' timeout", self.control):
             rows = records.exchange([slots.reshape(weights.shape).to(torch.int64).contiguous()
-                                     for slots, weights in zip(slots_W, weights_W)], S)
+                                     for slots, weights in zip(slots_W, weights_W)], S,
+                                    None if rider_V is None else rider_V.contiguous())
         return rows, rows[me], started, started
 
     # -- data movement

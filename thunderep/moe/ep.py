@@ -40,6 +40,7 @@ from ..comm.runtime import CopyToEP, ExpertParallel, ReduceFromEP
 from ..comm.stats import CommStats
 from ..errors import ConfigError
 from .router import expert_counts
+from .staging import to_device
 
 __all__ = ["COSTS", "MODES", "ExpertParallelMoE", "LocalExperts", "MoELayer", "ModeCosts", "attach", "mode_seconds",
            "moe_layers", "reach_per_rank", "wave_bounds"]
@@ -150,6 +151,9 @@ class ExpertParallelMoE:
         if placement.ep_size != R:
             raise ConfigError(f"placement is for {placement.ep_size} ranks but the EP group has {R}")
         self.ep, self.placement, self.balancer = ep, placement, balancer
+        if balancer is not None and (balancer.config.probes == "all" or (
+                balancer.config.probes == "auto" and ep.dispatcher.records is not None)):
+            balancer.replicate(ep.groups.ep_rank)  # nothing in the forward needs the host for the balancer
         self.stats = CommStats(R, ep.groups.ep_rank)
         self.calls = {"ep": 0, "latency": 0, "allgather": 0}
         # mode "auto"'s constants for this backend (replaceable), and its last estimate (seconds per mode)
@@ -262,17 +266,21 @@ class ExpertParallelMoE:
         rider = None
         if self.balancer is not None:
             slots_W = [self.balancer.assign(me, ids).to(ids.device) for ids in ids_W]
-            counts_E = sum(expert_counts(ids, self.num_experts) for ids in ids_W)
-            rider = Rider(counts_E.to(torch.int32), self.balancer.record)
+            if self.balancer.replicated:  # the bandwidth word alone, written as it is
+                rider = Rider(to_device(self.balancer.words(), ids_W[0].device))
+            else:
+                counts_E = sum(expert_counts(ids, self.num_experts) for ids in ids_W)
+                rider = Rider(counts_E.to(torch.int32), self.balancer.record)
         else:
             table_E = self.placement.slot_table(me, ids_W[0].device)
             slots_W = [table_E[ids] for ids in ids_W]
         plan = self.ep.dispatcher.plan(slots_W, weights_W, S, rider, self.stats)
         load_R = plan.load_P.view(R, S).sum(dim=1).tolist()
+        counts_RE = torch.zeros(R, self.num_experts, dtype=torch.int64).index_add_(
+            1, self.placement.slot_experts_P, plan.counts_RP)  # each rank's pairs per expert
         if self.balancer is not None:  # every rank holds every rank's splits: the same totals everywhere
-            self.balancer.received(plan.rider_RW, load_R)
-        load_E = torch.zeros(self.num_experts, dtype=torch.int64).index_add_(
-            0, self.placement.slot_experts_P, plan.load_P).tolist()
+            self.balancer.received(plan.rider_RW, load_R, counts_RE)
+        load_E = counts_RE.sum(dim=0).tolist()
         for sink in {id(s): s for s in (self.ep.stats, self.stats)}.values():
             sink.loads_R.append(load_R)
             sink.loads_E.append(load_E)
