@@ -269,8 +269,9 @@ class ExpertTiers:
                                      hot if hot_TD is None else [])
             pairs = [n for s in on_device for n in by_slot[s]]
             if len(pairs) <= self.FEW_PAIRS:  # a decode step's few: each added with its weight, no copies
+                w = w_N.tolist()
                 for n, y_1D in zip(pairs, [y for s in on_device for y in pieces[s].split(1)]):
-                    y_TD[n // K:n // K + 1].add_(y_1D, alpha=float(w_N[n]))
+                    y_TD[n // K:n // K + 1].add_(y_1D, alpha=w[n])
             else:
                 y_ND, pairs = torch.cat([pieces[s] for s in on_device]), torch.tensor(pairs)
                 y_TD.index_add_(0, to_device(pairs // K, device), y_ND.float() * to_device(w_N[pairs], device)[:, None])
