@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 
@@ -12,10 +13,15 @@ from distributed import run_ranks
 from thunderep import EPConfig, Placement
 
 
-def _roundtrip(rank, world, tokens):
-    """dispatch -> identity experts -> combine gives sum_k w_tk * x_t; received rows are the right ones."""
+def _roundtrip(rank, world, tokens, kernels=False):
+    """dispatch -> identity experts -> combine gives sum_k w_tk * x_t; received rows are the right ones.
+    kernels: the receiver's slot order and pre-sum through the Triton kernels (the interpreter on CPU)."""
+    from thunderep.comm import dispatcher
     from thunderep.comm.groups import init_expert_parallel
     from thunderep.comm.runtime import ExpertParallel
+
+    if kernels:
+        dispatcher.available = lambda device=None: True
 
     E, K, D = 6, 2, 5
     with ExpertParallel(init_expert_parallel(), EPConfig(control="collective")) as ep:
@@ -29,6 +35,7 @@ def _roundtrip(rank, world, tokens):
         x[:, 0] = rank * 1000 + torch.arange(T)  # tag rows with (rank, token)
         slots = placement.slot_table(ep.groups.ep_rank)[ids]  # the layout: each pair's global slot
         x_recv, received = ep.dispatcher.dispatch(x, slots, w, placement.slots_per_rank)
+        assert (received.positions_N is not None) == kernels
         meta = received.meta
         # Rows arrive grouped by local slot, and each slot only gets tokens routed to its expert.
         mine = placement.experts_of(ep.groups.ep_rank)
@@ -46,10 +53,12 @@ def _roundtrip(rank, world, tokens):
                 "sent": [ids.tolist(), placement.slot_table(rank).tolist()]}
 
 
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton"))], ids=["torch", "kernels"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_dispatch_combine_roundtrip(world):
+def test_dispatch_combine_roundtrip(world, kernels):
     tokens = [3, 0, 7, 1][:world]
-    results = run_ranks(_roundtrip, world, tokens)
+    results = run_ranks(_roundtrip, world, tokens, kernels)
     S = 6 // world + 1
     # Every (token, k) pair arrived exactly once at the slot the sender's table chose.
     arrived = {}

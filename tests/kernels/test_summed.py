@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 from thunderep.errors import InputError  # noqa: E402
 from thunderep.kernels import ops, sorted_mlp  # noqa: E402
+from thunderep.kernels.slot_order import slot_order  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -69,6 +70,23 @@ def test_summed_equals_the_float64_reference(gemm, M, K, E, absent):
     assert y.shape == want.shape and y.dtype == x.dtype
     torch.testing.assert_close(y.double().cpu(), want, rtol=1e-5, atol=1e-5)
     assert not y[(slot_MK < 0).all(dim=1)].any()
+    # the receiver's order and positions from one launch (kernels/slot_order.py), as the dispatcher hands them
+    keys = torch.where(slot_MK < 0, E, slot_MK).reshape(-1).to(torch.int16).to(DEVICE)
+    pairs_Q, positions_N = slot_order(keys, counts_E.cpu())
+    assert torch.equal(pairs_Q, order_Q)
+    with torch.no_grad():
+        if gemm == "triton":
+            y2 = ops.moe_mlp_summed(x, w_gu, w_d, counts_E, order_Q=pairs_Q, weights_N=weights_MK, top_k=K,
+                                    positions_N=positions_N)
+        else:
+            y2 = sorted_mlp.forward_summed(x, w_gu, w_d, pairs_Q.int(), counts_E.int(), weights_MK.reshape(-1), K,
+                                           "silu", False, "torch", positions_N)
+    assert torch.equal(y2, y)
+    if gemm == "triton" and order_Q.numel():  # the positions given are the ones used: none listed, all zero
+        with torch.no_grad():
+            y0 = ops.moe_mlp_summed(x, w_gu, w_d, counts_E, order_Q=pairs_Q, weights_N=weights_MK, top_k=K,
+                                    positions_N=torch.full_like(positions_N, -1))
+        assert not y0.any()
 
 
 def test_summed_declines_where_gradients_are_needed():

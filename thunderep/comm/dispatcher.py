@@ -81,13 +81,15 @@ class Received:
 
     meta: the wave's `DispatchMeta`. rows: M rows received. pairs_Q: int64 [Q] flat (row, k) index of
     each pair this rank computes, in local-slot order. weights_N: [M * K] every received pair's routing
-    weight in flat order (0: another rank's; differentiable). weights_Q: [Q] the pairs' own, gathered on
-    first use (the kernels' fused path reads weights_N alone)."""
+    weight in flat order (0: another rank's; differentiable). positions_N: int32 [M * K] where each flat
+    pair sits in pairs_Q (-1: another rank's), where the kernels computed the order, else None.
+    weights_Q: [Q] the pairs' own, gathered on first use (the kernels' fused path reads weights_N alone)."""
 
     meta: DispatchMeta
     rows: int
     pairs_Q: torch.Tensor
     weights_N: torch.Tensor
+    positions_N: torch.Tensor | None = None
 
     @functools.cached_property
     def weights_Q(self) -> torch.Tensor:
@@ -312,10 +314,16 @@ class Dispatcher:
             # (16-bit keys where they fit: the radix sort then makes 2 passes, not 8)
             key = torch.int16 if meta.counts_S.shape[0] < 2**15 else torch.int32
             weights_N, slot_N = side_MK2[:, :K].reshape(-1), side_MK2[:, K:].detach().to(key).reshape(-1)
-            # pairs of this rank sorted by local slot (row order within a slot); the rest (slot S) last
-            order_N = torch.argsort(slot_N, stable=True)
-            pairs_Q = order_N[:int(meta.counts_S.sum())]
-            rows.received = Received(meta, x_MD.shape[0], pairs_Q, weights_N)
+            # pairs of this rank in local-slot order (row order within a slot); where the kernels run, one
+            # launch that also says where each pair landed (the pre-sum's positions), else a stable sort
+            positions_N = None
+            if available(slot_N.device):
+                from ..kernels.slot_order import slot_order  # triton: optional, imported where the kernels run
+
+                pairs_Q, positions_N = slot_order(slot_N, meta.counts_S)
+            else:
+                pairs_Q = torch.argsort(slot_N, stable=True)[:int(meta.counts_S.sum())]
+            rows.received = Received(meta, x_MD.shape[0], pairs_Q, weights_N, positions_N)
             return self.expand(x_MD, rows.received) if expand else x_MD
 
         rows._finish = arrived
@@ -334,9 +342,13 @@ class Dispatcher:
         if summed:
             y_MD = y_QD
         elif available(y_QD.device):  # one pass over the pairs, in registers
-            from ..kernels.presum import presum  # triton: optional, imported where the kernels run
+            from ..kernels.presum import presum, presum_at  # triton: optional, imported where the kernels run
 
-            y_MD = presum(y_QD, received.weights_N, received.pairs_Q, received.rows, K)
+            grads = torch.is_grad_enabled() and (y_QD.requires_grad or received.weights_N.requires_grad)
+            if received.positions_N is not None and not grads:  # the positions the slot order gave
+                y_MD = presum_at(y_QD, received.weights_N, received.positions_N, received.rows, K)
+            else:
+                y_MD = presum(y_QD, received.weights_N, received.pairs_Q, received.rows, K)
         else:
             weighted_QD = y_QD.float() * received.weights_Q.float().unsqueeze(-1)
             full_ND = weighted_QD.new_zeros(received.rows * K, D).index_copy(0, received.pairs_Q, weighted_QD)

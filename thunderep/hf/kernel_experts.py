@@ -101,7 +101,7 @@ def kernel_compute_fn(module) -> Callable:
         return partial_TD.to(x_TD.dtype) if partial_TD is not None else None
 
     def summed(module, x_MD: torch.Tensor, counts_S: torch.Tensor, pairs_Q: torch.Tensor, weights_N: torch.Tensor,
-               top_k: int) -> torch.Tensor | None:
+               top_k: int, positions_N: torch.Tensor | None = None) -> torch.Tensor | None:
         """ep mode's received rows, each row's local pairs weighted and summed in the kernels (`LocalExperts.
         summed`); None where gradients are needed."""
         check_kernels_device(name, x_MD.device)
@@ -109,7 +109,8 @@ def kernel_compute_fn(module) -> Callable:
 
         w_gate_up, w_down = expert_weights(module)
         y_MD = moe_mlp_summed(x_MD.to(w_gate_up.dtype), w_gate_up, w_down, counts_S, order_Q=pairs_Q,
-                              weights_N=weights_N, top_k=top_k, activation=activation, interleaved=interleaved)
+                              weights_N=weights_N, top_k=top_k, activation=activation, interleaved=interleaved,
+                              positions_N=positions_N)
         return y_MD.to(x_MD.dtype) if y_MD is not None else None
 
     compute.pairs_partial = pairs_partial

@@ -205,14 +205,15 @@ def moe_mlp(
 
 def moe_mlp_summed(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, counts_E: torch.Tensor,
                    *, order_Q: torch.Tensor, weights_N: torch.Tensor, top_k: int, activation: str = "silu",
-                   interleaved: bool = False) -> torch.Tensor | None:
+                   interleaved: bool = False, positions_N: torch.Tensor | None = None) -> torch.Tensor | None:
     """Some of the (token, k) pairs, weighted and summed per token: y_TD [T, D] in x's dtype (float32 sums).
 
     The receiving rank of expert parallelism: x_TD its received rows (one per (token, rank)), order_Q the
     flat pairs t * top_k + k its experts compute, grouped by expert by counts_E, weights_N [T * top_k]
     every pair's routing weight in flat order. The gather of the rows is the up kernel's A load (or one
     gather for the grouped GEMM route), the weighting and the per-row sum one pass over the outputs after
-    the down kernel (sorted_mlp.forward_summed, presum.py). Inference
+    the down kernel (sorted_mlp.forward_summed, presum.py; positions_N: int32 [T * top_k], where each flat pair
+    sits in order_Q, -1 for the others, where the caller has it: `kernels.slot_order`). Inference
     only: None where gradients are needed (the caller then expands the rows and runs `moe_mlp`, whose
     backward exists). FP8 weights as in `moe_mlp`, 4-bit ones dequantized for the call."""
     checks.check_integer("counts_E", counts_E)
@@ -230,7 +231,7 @@ def moe_mlp_summed(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI:
     gemm = "triton" if fp8 else G.gemm_path(x_TD, order_Q.shape[0], E, D, I2 // 2)
     return sorted_mlp.forward_summed(x_TD.contiguous(), w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous(),
                                      order_Q.to(torch.int32), counts, weights_N.reshape(-1).contiguous(), top_k, activation,
-                                     interleaved, gemm)
+                                     interleaved, gemm, positions_N)
 
 
 _route_op = torch.library.custom_op("thunderep::route", mutates_args=())(sorted_mlp.route)

@@ -186,9 +186,11 @@ def _up_and_down_input(x, w_gate_up, order, counts, top_k, act, interleaved, sav
 def forward_summed(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
     weights: torch.Tensor, top_k: int, activation: str, interleaved: bool, gemm: str,
+    pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y_TD [T, D] in x's dtype: y[t] = sum over the listed pairs (t, k) of weights[t * K + k] * the pair's
-    expert(x[t]), each pair's output in x's dtype, summed in float32.
+    expert(x[t]), each pair's output in x's dtype, summed in float32. pos: int32 [T * K], where each flat
+    pair sits in `order` (-1: not listed), or None (then computed here: `presum.positions`).
 
     x: x_TD. order: [Q] int32, the flat pairs t * K + k to compute, grouped by expert by `counts` (any
     subset of the T * K pairs: a row whose pairs are all absent comes out 0). weights: [T * K] flat.
@@ -208,7 +210,8 @@ def forward_summed(
         _, _, a, a_scale = _up_and_down_input(x, w_gate_up, order, counts, top_k, act, interleaved, False, n_rows)
         y_QD = x.new_empty(n_rows, D)
         rows(a, w_down, w_down.stride(), D, None, None, counts, y_QD, scatter=False, a_scale=a_scale)
-    return presum_at(y_QD, weights, positions(order, x.shape[0] * top_k), x.shape[0], top_k)
+    pos = positions(order, x.shape[0] * top_k) if pos is None else pos
+    return presum_at(y_QD, weights, pos, x.shape[0], top_k)
 
 
 def backward(

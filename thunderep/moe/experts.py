@@ -214,18 +214,20 @@ class FusedExperts(nn.Module):
         )
 
     def compute_summed(self, x_MD: torch.Tensor, counts_E: torch.Tensor, pairs_Q: torch.Tensor,
-                       weights_N: torch.Tensor, top_k: int) -> torch.Tensor | None:
+                       weights_N: torch.Tensor, top_k: int, positions_N: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:
         """[M, D] rows, each row m's pairs m * top_k + k listed in `pairs_Q` (grouped by local expert per
         counts_E) weighted by weights_N [M * top_k] and summed in float32, through the kernels (the
         expert-parallel receiving rank: the expand is the kernels' row gather, the pre-sum one pass after
-        them); None where they do not apply (no CUDA kernels here, or gradients needed)."""
+        them); positions_N: where each flat pair sits in pairs_Q, where the caller has it. None where the
+        kernels do not apply (no CUDA kernels here, or gradients needed)."""
         if not _use_triton(x_MD, self.gate_up_proj, self.config):
             return None
         from ..kernels.ops import moe_mlp_summed  # triton: optional (the Triton kernels import it)
 
         return moe_mlp_summed(x_MD.to(self.gate_up_proj.dtype), self.gate_up_proj, self.down_proj, counts_E,
                               order_Q=pairs_Q, weights_N=weights_N, top_k=top_k, activation=self.config.activation,
-                              interleaved=self.config.interleaved)
+                              interleaved=self.config.interleaved, positions_N=positions_N)
 
     def pairs_partial(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, fallback=None,
                       experts: int | None = None, kind: str = "sorted") -> torch.Tensor | None:

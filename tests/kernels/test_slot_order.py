@@ -1,0 +1,38 @@
+"""The receiver's pairs in local-slot order in one launch (thunderep/kernels/slot_order.py) against the torch
+formula it replaces (a stable sort of the slot keys and `presum.positions`); compiled on a CUDA GPU where one
+is present, else in Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_moe_triton import DEVICE  # noqa: E402
+
+from thunderep.kernels.presum import positions  # noqa: E402
+from thunderep.kernels.slot_order import BLOCK, slot_order  # noqa: E402
+
+
+def _reference(slot_N: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.argsort(slot_N.long(), stable=True)
+    pairs = order[:int((slot_N < S).sum())]
+    return pairs, positions(pairs, slot_N.shape[0])
+
+
+@pytest.mark.parametrize("N,S,mine,dtype", [
+    (0, 4, 0.5, torch.int16), (1, 1, 1.0, torch.int16), (37, 8, 0.5, torch.int16), (BLOCK, 3, 0.3, torch.int32),
+    (2 * BLOCK + 5, 32, 0.6, torch.int16), (3 * BLOCK - 1, 5, 0.0, torch.int32), (900, 7, 1.0, torch.int16),
+])
+def test_slot_order_equals_a_stable_sort_and_its_positions(N, S, mine, dtype):
+    """Random keys, a share `mine` in [0, S) and the rest S or beyond (another rank's pairs, as the side rows
+    carry them: S); lengths around the block size; 16- and 32-bit keys."""
+    gen = torch.Generator().manual_seed(N + S)
+    here = torch.rand(N, generator=gen) < mine
+    slot_N = torch.where(here, torch.randint(0, S, (N,), generator=gen), S + torch.randint(0, 2, (N,), generator=gen))
+    counts_S = torch.bincount(slot_N[slot_N < S], minlength=S)
+    pairs, pos = slot_order(slot_N.to(dtype).to(DEVICE), counts_S)
+    want_pairs, want_pos = _reference(slot_N, S)
+    assert pairs.dtype == torch.int64 and pos.dtype == torch.int32
+    assert torch.equal(pairs.cpu(), want_pairs) and torch.equal(pos.cpu(), want_pos)
