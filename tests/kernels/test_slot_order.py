@@ -26,8 +26,8 @@ def _reference(slot_N: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor
     (2 * BLOCK + 5, 32, 0.6, torch.int16), (3 * BLOCK - 1, 5, 0.0, torch.int32), (900, 7, 1.0, torch.int16),
 ])
 def test_slot_order_equals_a_stable_sort_and_its_positions(N, S, mine, dtype):
-    """Random keys, a share `mine` in [0, S) and the rest S or beyond (another rank's pairs, as the side rows
-    carry them: S); lengths around the block size; 16- and 32-bit keys."""
+    """Random keys (one a row), a share `mine` in [0, S) and the rest S or beyond (another rank's pairs, as the
+    side rows carry them: S); lengths around the block size; 16- and 32-bit keys."""
     gen = torch.Generator().manual_seed(N + S)
     here = torch.rand(N, generator=gen) < mine
     slot_N = torch.where(here, torch.randint(0, S, (N,), generator=gen), S + torch.randint(0, 2, (N,), generator=gen))
@@ -35,4 +35,17 @@ def test_slot_order_equals_a_stable_sort_and_its_positions(N, S, mine, dtype):
     pairs, pos = slot_order(slot_N.to(dtype).to(DEVICE), counts_S)
     want_pairs, want_pos = _reference(slot_N, S)
     assert pairs.dtype == torch.int64 and pos.dtype == torch.int32
+    assert torch.equal(pairs.cpu(), want_pairs) and torch.equal(pos.cpu(), want_pos)
+
+
+@pytest.mark.parametrize("M,K,S", [(5, 8, 4), (300, 2, 3), (129, 8, 32), (0, 4, 2)])
+def test_slot_order_reads_the_side_rows_as_they_arrive(M, K, S):
+    """The dispatcher's side rows: [M, 2K] float32, the weights then the slots; the slot half is handed over
+    as a strided float32 view, no copy."""
+    gen = torch.Generator().manual_seed(M + K)
+    slot_MK = torch.where(torch.rand(M, K, generator=gen) < 0.5, torch.randint(0, S, (M, K), generator=gen), S)
+    side_MK2 = torch.cat([torch.rand(M, K, generator=gen), slot_MK.float()], dim=1).to(DEVICE)
+    counts_S = torch.bincount(slot_MK[slot_MK < S], minlength=S)
+    pairs, pos = slot_order(side_MK2[:, K:], counts_S)
+    want_pairs, want_pos = _reference(slot_MK.reshape(-1), S)
     assert torch.equal(pairs.cpu(), want_pairs) and torch.equal(pos.cpu(), want_pos)

@@ -311,18 +311,18 @@ class Dispatcher:
         def arrived(x_MD: torch.Tensor) -> torch.Tensor:
             side_MK2 = side.wait()
             # the slots travel exactly (float32 of small integers, the exact codec): no rounding needed
-            # (16-bit keys where they fit: the radix sort then makes 2 passes, not 8)
-            key = torch.int16 if meta.counts_S.shape[0] < 2**15 else torch.int32
-            weights_N, slot_N = side_MK2[:, :K].reshape(-1), side_MK2[:, K:].detach().to(key).reshape(-1)
+            weights_N, slot_MK = side_MK2[:, :K].reshape(-1), side_MK2[:, K:].detach()
             # pairs of this rank in local-slot order (row order within a slot); where the kernels run, one
-            # launch that also says where each pair landed (the pre-sum's positions), else a stable sort
+            # launch over the side rows as they arrived that also says where each pair landed (the pre-sum's
+            # positions), else a stable sort (on 16-bit keys where they fit: 2 radix passes, not 8)
             positions_N = None
-            if available(slot_N.device):
+            if available(slot_MK.device):
                 from ..kernels.slot_order import slot_order  # triton: optional, imported where the kernels run
 
-                pairs_Q, positions_N = slot_order(slot_N, meta.counts_S)
+                pairs_Q, positions_N = slot_order(slot_MK, meta.counts_S)
             else:
-                pairs_Q = torch.argsort(slot_N, stable=True)[:int(meta.counts_S.sum())]
+                key = torch.int16 if meta.counts_S.shape[0] < 2**15 else torch.int32
+                pairs_Q = torch.argsort(slot_MK.to(key).reshape(-1), stable=True)[:int(meta.counts_S.sum())]
             rows.received = Received(meta, x_MD.shape[0], pairs_Q, weights_N, positions_N)
             return self.expand(x_MD, rows.received) if expand else x_MD
 
