@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--tiny", action="store_true", help="hidden 64, 8 experts (a check of this script on a CPU)")
+    parser.add_argument("--experts-implementation", default=None,
+                        help="as from_pretrained takes it (default: the model's own; auto: ThunderEP's kernels)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     bench = OffloadBench(shape=args.shape, layers=args.layers, dir=args.dir, tiny=args.tiny,
@@ -102,7 +104,8 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     path = build_checkpoint(bench, Path(args.dir))
     ((budget, _),) = budgets(path, [args.fraction], dtype).values()
-    tm = ThunderMoE.from_pretrained(path, dtype=dtype, device=device, gpu_memory=budget).eval()
+    tm = ThunderMoE.from_pretrained(path, dtype=dtype, device=device, gpu_memory=budget,
+                                    experts_implementation=args.experts_implementation).eval()
     tiers = [b.tiers for b in tm.bindings.values() if getattr(b, "tiers", None) is not None]
     hidden = tm.model.config.get_text_config().hidden_size
     parts(tiers[0], hidden, dtype)
