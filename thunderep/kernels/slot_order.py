@@ -13,9 +13,10 @@ sum numbering them; one more program marks the pairs of no slot here -1:
 
     slot_order(slot_MK, counts_S)  -> (pairs_Q int64 [Q], positions_N int32 [N]), no host sync
 
-Every program reads all N keys (16 or 32 bits): (S + 1) N reads, mostly from L2, where a sort moves the
-keys and indices several times; at S = 32 slots and 118k pairs (a 4-rank Qwen3-30B-A3B layer at 4096
-tokens a rank) that is under 8 MB.
+Every program reads all N keys: (S + 1) N reads, mostly from L2, where a sort moves the keys and indices
+several times; at S = 32 slots and 118k pairs (a 4-rank Qwen3-30B-A3B layer at 4096 tokens a rank) that is
+about 16 MB of float32 keys. A program walks the keys MAX_BLOCK at a time, so few slots and many pairs (a
+2-rank Mixtral layer: 5 programs) take N / 4096 steps each.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "slot_order"]
+__all__ = ["MAX_BLOCK", "slot_order"]
 
-BLOCK = 1024  # keys a program takes per step
+MAX_BLOCK = 4096  # keys a program takes per step at most (fewer steps where one slot's program walks many keys)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -63,6 +64,7 @@ def slot_order(slot_MK: torch.Tensor, counts_S: torch.Tensor) -> tuple[torch.Ten
     pairs_Q = torch.empty(sum(counts), dtype=torch.int64, device=device)
     positions_N = torch.empty(M * K, dtype=torch.int32, device=device)
     if M * K:
+        block = max(128, min(MAX_BLOCK, triton.next_power_of_2(M * K)))
         _slot_order_kernel[(S + 1,)](slot_MK, M * K, slot_MK.stride(0), slot_MK.stride(1), base, pairs_Q, positions_N,
-                                     S, K=K, BLOCK=BLOCK, num_warps=4)
+                                     S, K=K, BLOCK=block, num_warps=8 if block > 1024 else 4)
     return pairs_Q, positions_N
