@@ -284,6 +284,13 @@ def test_finetune_command_with_offloaded_experts_equals_one_process(tmp_path, ca
                 "--gpu-memory", str(budget), "--out", str(tmp_path / "out")]) == 0
     printed = capfd.readouterr().out
     assert "expert offload (--gpu-memory" in printed and "the offloaded experts train frozen" in printed
+    # the sync-tax report (printed, and in thunderep_finetune.json) counts the expert tiers' rows: rank 0's
+    offload = json.loads((tmp_path / "out" / "thunderep_finetune.json").read_text())["sync_tax"]["offload"]
+    rows = offload["rows_hot"] + offload["rows_host"] + offload["rows_streamed"]
+    assert offload["hot_slots"] * 2 == offload["slots"] and rows > 0 and offload["rows_hot"] > 0
+    assert offload["hot_share"] == pytest.approx(offload["rows_hot"] / rows)
+    assert "sync-tax report: 2 steps" in printed and f"{100 * offload['hot_share']:.1f}% of expert rows served hot" \
+        in printed
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     want = _adamw_reference(model_dir, tmp_path / "notes.txt", held_out=False, steps=2,
                             freeze=r"mlp\.experts\.").state_dict()

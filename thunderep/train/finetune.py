@@ -39,6 +39,7 @@ from .files import newest_checkpoint
 from .lora import apply_lora, merge_lora
 from .stopping import StopAtStep, mean_loss_and_stop, stopped_line
 from .sync import GradSync
+from .telemetry import SyncTaxMeter, format_report
 from .trainable import (MemoryPlan, autocast, load_dtype, memory_hint, memory_plan, peak_bytes, precision_for,
                         select_trainable, stored_dtype)
 
@@ -235,15 +236,19 @@ class _RankRun:
                 sync.step_optimizer(optimizer)
         return loss, lr
 
-    def _balance_step(self, step: int) -> None:
-        """Between steps: trades, and migrations that move experts with their AdamW state."""
-        decided = [d for d in self.tm.balance_step(self.optimizer) if d is not None]
+    def _balance_step(self, step: int) -> list:
+        """Between steps: trades, and migrations that move experts with their AdamW state. Returns the
+        decisions of the sync-tax meter's layers (None where a layer has no balancer)."""
+        decisions = self.tm.balance_step(self.optimizer)
+        by_core = {id(b.core): d for b, d in zip(self.tm.bindings.values(), decisions) if b.core is not None}
+        decided = [d for d in decisions if d is not None]
         self.balance["trades"] += sum(bool(d.traded) for d in decided)
         self.balance["migrations"] += sum(bool(d.migrated) for d in decided)
         if any(d.migrated for d in decided):
             self.sync.placement_changed()
             if self.talk:
                 print(f"step {step + 1}/{self.cfg.steps}: the balancer moved experts", flush=True)
+        return [by_core.get(id(core)) for core in self.meter.layers]
 
     def _after_step(self, step: int, lr: float, stopping: bool) -> None:
         """A step's progress line, held-out score, checkpoint, and the stop SIGTERM asked for."""
@@ -275,8 +280,7 @@ class _RankRun:
         for step in range(first, last):
             step_started = time.perf_counter()
             loss, lr = self._step(step)
-            if cfg.balance:
-                self._balance_step(step)
+            decisions = self._balance_step(step) if cfg.balance else None
             mean, stopping = mean_loss_and_stop(loss, self.stop.asked, self.world)
             self.losses.append(mean)
             stopping = stopping and step + 1 < last  # asked during the last step: it ends anyway, and writes --out
@@ -286,6 +290,7 @@ class _RankRun:
                                    f"finite, so nothing was written{saved}. Lower --lr (now {cfg.lr:g}) or clip the "
                                    f"gradients (--max-grad-norm 1.0)")
             self.step_seconds.append(time.perf_counter() - step_started)
+            self.meter.step(self.step_seconds[-1], decisions)
             self._after_step(step, lr, stopping)
 
     def run(self) -> dict:
@@ -294,6 +299,7 @@ class _RankRun:
         tokens = load_training_data(load_tokenizer(cfg.model, self.tm.config.vocab_size), cfg.data)
         self.train_tokens, self.held_out = split_tokens(tokens, cfg.seq_len, cfg.eval_batches)
         self.sync = GradSync(self.tm, self.ep, SyncConfig(mode=cfg.sync, delta_steps=cfg.delta_steps))
+        self.meter = SyncTaxMeter(self.tm.model, self.ep, self.sync)  # EP traffic, gradient sync, expert offload
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
         first = self._resume()
         eval_before = None if cfg.dry_run else self._evaluate()
@@ -332,6 +338,7 @@ class _RankRun:
                   "step_seconds": step_seconds, "train_losses": losses, "grad_norms": self.norms,
                   "eval_losses": self.evals, "memory": dataclasses.asdict(self.plan), "peak_bytes": peak,
                   "balance": self.balance if cfg.balance else None,
+                  "sync_tax": {k: v for k, v in self.meter.report().items() if k != "per_step"},
                   "eval_loss_before": eval_before, "eval_loss_after": eval_after,
                   "args": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("model", "out")}}
         if self.rank == 0:
@@ -343,6 +350,8 @@ class _RankRun:
             trained = f"; training loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""
             steady = (f", {result['steady_tokens_per_s']:,.0f} at the median step"
                       if result["steady_tokens_per_s"] else "")
+            if self.talk:
+                print(format_report(result["sync_tax"]), flush=True)
             print(f"[thunderep] {done} steps, {result['tokens']} tokens in {seconds:.1f} s "
                   f"({result['tokens_per_s']:,.0f} tokens/s{steady}){trained}{held}; peak memory of a rank "
                   f"{peak / 1e9:.2f} GB; wrote {out}", flush=True)

@@ -1,8 +1,9 @@
 """The sync-tax meter: what expert parallelism costs per step, from the runtime's own counters.
 
 Fed by each MoE layer's `ExpertParallelMoE.stats` (dispatch / combine / control bytes and wait times, rank loads),
-`ExpertParallel.stats` (latency-mode all-reduces) and `GradSync.stats` (gradient synchronization):
-no second bookkeeping. `SyncTaxMeter.step()` takes the per-step differences; `report()` sums them up
+`ExpertParallel.stats` (latency-mode all-reduces), `GradSync.stats` (gradient synchronization) and, where
+experts are offloaded (gpu_memory=...), the expert tiers' `TierStats` (rows served hot, on the host and
+streamed, bytes streamed, host expert seconds): no second bookkeeping. `SyncTaxMeter.step()` takes the per-step differences; `report()` sums them up
 and names the bottleneck; `save()` writes JSON (and a Chrome / Perfetto trace of the steps);
 `thunderep report RUN_DIR` prints a saved report. With matplotlib installed, `save()` also draws
 PNG plots (per-expert load heatmap, imbalance over steps, balancer state timeline).
@@ -15,10 +16,12 @@ exchange). GPU-side collective time needs a profiler.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from ..comm.stats import CommStats
 from ..moe.ep import moe_layers
+from ..moe.tiers import TierStats
 
 __all__ = ["SyncTaxMeter", "format_report", "plot"]
 
@@ -37,6 +40,8 @@ class SyncTaxMeter:
 
     def __init__(self, model, ep=None, sync=None):
         self.layers = [layer.core for layer in moe_layers(model) if layer.core is not None]
+        self.tiers = [layer.owner.tiers for layer in moe_layers(model) if getattr(layer.owner, "tiers", None)]
+        self._tiers_at_start = _tier_totals(self.tiers)
         self.ep, self.sync = ep, sync
         self.steps: list[dict] = []
         self._last = [_totals(layer.stats) for layer in self.layers]
@@ -102,12 +107,22 @@ class SyncTaxMeter:
             "trades": sum(l.get("traded", False) for s in steps for l in s["layers"]),
             "migrations": sum(l.get("migrated", False) for s in steps for l in s["layers"]),
             "bytes_moved": per_op_b["migration"],
+            "offload": self._offload(),
             **{key: _recommend(bottleneck, mean_imb, comm_s / total_s,
                                self.ep.control.kind if self.ep is not None else "collective",
                                balanced=any(layer.balancer is not None for layer in self.layers), flags=flags)
                for key, flags in (("recommendation", False), ("recommendation_flags", True))},
             "per_step": steps,
         }
+
+    def _offload(self) -> dict | None:
+        """The expert tiers' counters since the meter started (None without offloaded experts)."""
+        if not self.tiers:
+            return None
+        now, start = _tier_totals(self.tiers), self._tiers_at_start
+        run = TierStats(**{f.name: getattr(now, f.name) - getattr(start, f.name) for f in fields(TierStats)})
+        return {**asdict(run), "hot_share": run.hot_share, "hot_slots": sum(t.capacity for t in self.tiers),
+                "slots": sum(t.num_slots for t in self.tiers)}
 
     def save(self, run_dir: str | Path, rank: int = 0) -> Path:
         run_dir = Path(run_dir)
@@ -137,6 +152,13 @@ class SyncTaxMeter:
         if rank == 0:
             plot(self.steps, run_dir)
         return path
+
+
+def _tier_totals(tiers) -> TierStats:
+    total = TierStats()
+    for t in tiers:
+        total.add(t.stats)
+    return total
 
 
 def plot(steps: list[dict], run_dir: Path) -> list[Path]:
@@ -245,6 +267,14 @@ def format_report(r: dict, flags: bool = False) -> str:
         + ", ".join(f"{k} {v}" for k, v in sorted(r.get("balancer_states", {}).items()))
         + f"; trades {r.get('trades', 0)}, migrations {r.get('migrations', 0)} "
         f"({r.get('bytes_moved', 0) / 1e6:.2f} MB sent)",
+    ]
+    offload = r.get("offload")
+    if offload:
+        lines.append(f"  expert offload: {offload['hot_slots']} of {offload['slots']} slots hot, "
+                     f"{100 * offload['hot_share']:.1f}% of expert rows served hot ({offload['rows_host']} on the host, "
+                     f"{offload['rows_streamed']} streamed), {offload['bytes_streamed'] / 2**20:.1f} MiB streamed, "
+                     f"host expert time {offload['host_seconds']:.3f} s")
+    lines += [
         f"  bottleneck: {r['bottleneck']}",
         f"  recommendation: {r.get('recommendation_flags', r['recommendation']) if flags else r['recommendation']}",
     ]
