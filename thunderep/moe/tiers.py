@@ -1,6 +1,7 @@
 """Expert tiers of one MoE layer on one rank: hot experts in device memory, cold ones in host memory.
 
-Shape legend: S local slots, H hot slots, M rows this rank's experts compute, D hidden size.
+Shape legend: S local slots, H hot slots, M rows this rank's experts compute, D hidden size, T tokens of a call,
+K experts per token.
 
 Every local slot's weights live in host memory (pinned where CUDA exists; read once from the checkpoint);
 H of them are also copied to the device (`hot`, [H, ...] per tensor). A layer call of many rows gets them
