@@ -74,7 +74,7 @@ def slot_order(slot_MK: torch.Tensor, counts_S: torch.Tensor) -> tuple[torch.Ten
     counts_S: int64 [S] on the host, the pairs of each slot. Returns (pairs_Q int64 [Q]: the flat pairs of
     each slot in order, slot after slot; positions_N int32 [N]: q where pairs_Q[q] = n, else -1)."""
     slot_MK = slot_MK if slot_MK.dim() == 2 else slot_MK.reshape(-1, 1)
-    (M, K), S, N = slot_MK.shape, counts_S.shape[0], slot_MK.numel()
+    K, S, N = slot_MK.shape[1], counts_S.shape[0], slot_MK.numel()
     counts = [int(c) for c in counts_S.tolist()]
     base = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     device = slot_MK.device
