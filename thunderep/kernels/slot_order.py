@@ -62,6 +62,7 @@ def _slot_order_kernel(slot_ptr, N, stride_m, stride_k, base_ptr, ahead_ptr, cou
             start += tl.load(ahead_ptr + c * (S + 1) + s) - tl.load(counts_ptr + c * (S + 1) + s)
         hit = (n < N) & (key == s)
         pos = start + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        hit = hit & (pos < tl.load(base_ptr + s + 1))  # never past the slot's share, whatever the keys say
         tl.store(order_ptr + pos, n.to(tl.int64), mask=hit)
         tl.store(pos_ptr + n, pos, mask=hit)
     else:  # the pairs another rank computes: -1
