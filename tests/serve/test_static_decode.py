@@ -291,3 +291,19 @@ def test_gpu_graph_steps_on_two_ranks_equal_eager_steps():
     for got, want, graphs, sizes in run_ranks(_gpu_ranks, 2, timeout=300, dist_timeout=120, backend="nccl"):
         assert got == want
         assert graphs and len(sizes) >= 2, sizes
+
+
+def test_offloaded_experts_decode_without_graphs_and_say_why(tmp_path, capsys):
+    """Expert tiers wait for the host in every layer, which no CUDA graph can capture: serve's continuous
+    batch on a CUDA device with graphs on is the eager one, with a line naming the offload."""
+    from hf_tiny import offload_budget, save_tiny
+
+    from thunderep.hf import ThunderMoE
+    from thunderep.serve.config import ServeConfig
+    from thunderep.serve.loop import decode_batch
+
+    path = save_tiny("mixtral", tmp_path / "m")
+    tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, 0.5))
+    batch = decode_batch(tm, "cuda", {0}, 0, ServeConfig(cuda_graphs="on"), server=object())
+    assert type(batch) is DecodeBatch
+    assert "decoding without CUDA graphs: its experts are offloaded (--gpu-memory)" in capsys.readouterr().out
