@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from test_moe_triton import DEVICE  # noqa: E402
 
 from thunderep.kernels.presum import positions  # noqa: E402
-from thunderep.kernels.slot_order import MAX_BLOCK, slot_order  # noqa: E402
+from thunderep.kernels.slot_order import MAX_BLOCK, SORT_FROM, slot_order  # noqa: E402
 
 
 def _reference(slot_N: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,7 +24,7 @@ def _reference(slot_N: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("N,S,mine,dtype", [
     (0, 4, 0.5, torch.int16), (1, 1, 1.0, torch.int16), (37, 8, 0.5, torch.int16), (MAX_BLOCK, 3, 0.3, torch.int32),
     (2 * MAX_BLOCK + 5, 32, 0.6, torch.int16), (3 * MAX_BLOCK - 1, 5, 0.0, torch.int32), (900, 7, 1.0, torch.int16),
-    (9 * MAX_BLOCK + 77, 100, 0.7, torch.int32),
+    (9 * MAX_BLOCK + 77, 100, 0.7, torch.int32), (SORT_FROM + 3, 16, 0.5, torch.int16),
 ])
 def test_slot_order_equals_a_stable_sort_and_its_positions(N, S, mine, dtype):
     """Random keys (one a row), a share `mine` in [0, S) and the rest S or beyond (another rank's pairs, as the

@@ -10,10 +10,14 @@ with torch ops that is a stable sort of the N slot keys and a scatter (`presum.p
 launches and a radix sort's passes. Here, a counting sort:
 
   1. (more than one chunk) each chunk's pairs per slot, one histogram a chunk, summed over the chunks
-     before it (one cumsum): where a chunk's pairs of slot s start within the slot;
+     before it (one cumsum): where a chunk's pairs of slot s start within the slot, and where slot s
+     starts (the pairs of the slots below, all chunks);
   2. one program per (slot, chunk) numbers the chunk's pairs of its slot in order (a block prefix sum)
-     and writes their flat indices at the slot's offset (an exclusive sum of the host counts) plus the
-     chunk's; one more program per chunk marks the pairs of no slot here -1.
+     and writes their flat indices there (one chunk: after the chunk's pairs of the slots below); one
+     more program per chunk marks the pairs of no slot here -1.
+
+Nothing comes from the host but the count of pairs (to size the output). Beyond SORT_FROM pairs the
+(S + 1) programs a chunk cost more than a radix sort: there it is the stable sort and `presum.positions`.
 
     slot_order(slot_MK, counts_S)  -> (pairs_Q int64 [Q], positions_N int32 [N]), no host sync
 
@@ -27,9 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_BLOCK", "slot_order"]
+from .presum import positions
+
+__all__ = ["MAX_BLOCK", "SORT_FROM", "slot_order"]
 
 MAX_BLOCK = 1024  # pairs a chunk (more pairs: more chunks, each numbered by its own programs)
+SORT_FROM = 1 << 17  # pairs from which a stable sort and a scatter run instead (measured slower from 261k on)
 
 
 @triton.jit
@@ -50,19 +57,20 @@ def _chunk_counts_kernel(slot_ptr, N, stride_m, stride_k, counts_ptr, S, K: tl.c
     tl.store(counts_ptr + c * (S + 1) + b, counts, mask=b <= S)
 
 
-@triton.jit(do_not_specialize=["N"])
-def _slot_order_kernel(slot_ptr, N, stride_m, stride_k, base_ptr, ahead_ptr, counts_ptr, order_ptr, pos_ptr, S,
+@triton.jit(do_not_specialize=["N", "Q"])
+def _slot_order_kernel(slot_ptr, N, Q, stride_m, stride_k, base_ptr, ahead_ptr, counts_ptr, order_ptr, pos_ptr, S,
                        K: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
     s, c = tl.program_id(0), tl.program_id(1)
     n = c * BLOCK + tl.arange(0, BLOCK)
     key = _key(slot_ptr, n, N, stride_m, stride_k, K)
-    if s < S:  # slot s: this chunk's pairs of it, in order, after the chunks before
-        start = tl.load(base_ptr + s)
-        if CHUNKED:  # the running sum over chunks, less this chunk's own count
-            start += tl.load(ahead_ptr + c * (S + 1) + s) - tl.load(counts_ptr + c * (S + 1) + s)
+    if s < S:  # slot s: this chunk's pairs of it, in order, after the slots below and the chunks before
+        if CHUNKED:  # the slots below (all chunks), and slot s's running sum over chunks less this chunk's
+            start = tl.load(base_ptr + s) + tl.load(ahead_ptr + c * (S + 1) + s) - tl.load(counts_ptr + c * (S + 1) + s)
+        else:  # one chunk: the pairs of the slots below are in it
+            start = tl.sum(((n < N) & (key < s)).to(tl.int32), axis=0)
         hit = (n < N) & (key == s)
         pos = start + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-        hit = hit & (pos < tl.load(base_ptr + s + 1))  # never past the slot's share, whatever the keys say
+        hit = hit & (pos < Q)  # never past the pairs the host counts allow for, whatever the keys say
         tl.store(order_ptr + pos, n.to(tl.int64), mask=hit)
         tl.store(pos_ptr + n, pos, mask=hit)
     else:  # the pairs another rank computes: -1
@@ -76,23 +84,25 @@ def slot_order(slot_MK: torch.Tensor, counts_S: torch.Tensor) -> tuple[torch.Ten
     each slot in order, slot after slot; positions_N int32 [N]: q where pairs_Q[q] = n, else -1)."""
     slot_MK = slot_MK if slot_MK.dim() == 2 else slot_MK.reshape(-1, 1)
     K, S, N = slot_MK.shape[1], counts_S.shape[0], slot_MK.numel()
-    counts = [int(c) for c in counts_S.tolist()]
-    base = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    device = slot_MK.device
-    base = base.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else base.to(device)
-    pairs_Q = torch.empty(sum(counts), dtype=torch.int64, device=device)
+    Q, device = int(counts_S.sum()), slot_MK.device
+    if N > SORT_FROM:  # (S + 1) programs a chunk cost more than a radix sort's passes (docs/benchmarks)
+        key = torch.int16 if S < 2**15 else torch.int32
+        pairs_Q = torch.argsort(slot_MK.to(key).reshape(-1), stable=True)[:Q]
+        return pairs_Q, positions(pairs_Q, N)
+    pairs_Q = torch.empty(Q, dtype=torch.int64, device=device)
     positions_N = torch.empty(N, dtype=torch.int32, device=device)
     if not N:
         return pairs_Q, positions_N
     block = max(128, min(MAX_BLOCK, triton.next_power_of_2(N)))
     chunks = triton.cdiv(N, block)
     strides = (slot_MK.stride(0), slot_MK.stride(1))
-    chunk_counts = ahead = base  # not read with one chunk
+    base = ahead = chunk_counts = positions_N  # not read with one chunk
     if chunks > 1:
         chunk_counts = torch.empty(chunks, S + 1, dtype=torch.int32, device=device)
         _chunk_counts_kernel[(chunks,)](slot_MK, N, *strides, chunk_counts, S, K=K, BLOCK=block,
                                         BINS=triton.next_power_of_2(S + 2), num_warps=4)
         ahead = chunk_counts.cumsum(0, dtype=torch.int32)
-    _slot_order_kernel[(S + 1, chunks)](slot_MK, N, *strides, base, ahead, chunk_counts, pairs_Q, positions_N, S, K=K,
-                                        BLOCK=block, CHUNKED=chunks > 1, num_warps=4)
+        base = ahead[-1].cumsum(0, dtype=torch.int32) - ahead[-1]  # the pairs of the slots below, all chunks
+    _slot_order_kernel[(S + 1, chunks)](slot_MK, N, Q, *strides, base, ahead, chunk_counts, pairs_Q, positions_N, S,
+                                        K=K, BLOCK=block, CHUNKED=chunks > 1, num_warps=4)
     return pairs_Q, positions_N
