@@ -1,12 +1,13 @@
 """Host time of the expert tiers' bookkeeping per layer call (`ExpertTiers.sorted`), the experts stubbed.
 
-    python examples/tier_host_time.py [--slots 128] [--rows 8] [--calls 3000]
+    python examples/tier_host_time.py [--slots 128] [--rows 8] [--calls 3000] [--path sorted|partial]
 
 One rank's layer of --slots local slots, a quarter hot, decode-like calls: --rows rows a call, each on a
 different slot, drawn at random. The experts function and the host function return their rows as they
 are, so what is timed is the tiers' own work per call: the counting, the path choice, splitting the rows
-per slot, gathering the hot rows, the re-choice every 32 calls. Prints microseconds per call (the mean
-over the calls after 100 untimed ones)."""
+per slot, gathering the hot rows, the re-choice every 32 calls. With --path partial, the same calls as one
+token's --rows pairs through `ExpertTiers.partial` (a decode step from its token row: the weighting and the
+sum per token included). Prints microseconds per call (the mean over the calls after 100 untimed ones)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=128, help="local slots (default 128)")
     parser.add_argument("--rows", type=int, default=8, help="rows a call, on as many slots (default 8)")
     parser.add_argument("--calls", type=int, default=3000, help="timed calls (default 3000)")
+    parser.add_argument("--path", choices=("sorted", "partial"), default="sorted")
     args = parser.parse_args()
     S, D = args.slots, 64
     host = {"gate_up_proj": torch.zeros(S, 64, D), "down_proj": torch.zeros(S, D, 32)}
@@ -38,13 +40,22 @@ def main() -> None:
         counts[torch.randperm(S, generator=gen)[:args.rows]] = 1
         calls.append(counts)
     x = torch.randn(args.rows, D)
-    for counts in calls[:100]:
-        tiers.sorted(x, counts)
+    if args.path == "partial":  # one token whose pairs are the call's slots
+        x_1D, w_1K = torch.randn(1, D), torch.rand(1, args.rows)
+        calls = [counts.nonzero().reshape(1, -1) for counts in calls]
+
+        def call(ids_1K):
+            tiers.partial(x_1D, ids_1K, w_1K)
+    else:
+        def call(counts):
+            tiers.sorted(x, counts)
+    for one in calls[:100]:
+        call(one)
     started = time.perf_counter()
-    for counts in calls[100:]:
-        tiers.sorted(x, counts)
+    for one in calls[100:]:
+        call(one)
     seconds = (time.perf_counter() - started) / args.calls
-    print(f"{S} slots, {S // 4} hot, {args.rows} rows a call: {seconds * 1e6:.1f} us of host time per layer call "
+    print(f"{args.path}: {S} slots, {S // 4} hot, {args.rows} rows a call: {seconds * 1e6:.1f} us of host time per layer call "
           f"(torch {torch.__version__}, {torch.get_num_threads()} threads)")
 
 
