@@ -114,16 +114,19 @@ class Rider:
 class Plan:
     """What `Dispatcher.plan` agreed for one step.
 
-    metas: one `DispatchMeta` per wave. load_P: int64 [R * S] rows each global slot computes this step
-    (all waves, all ranks; the same on every rank). rider_RW: int32 [R, w] every rank's rider words
-    (w = 0 without a rider). counts_RP: int64 [R, R * S] the pairs each rank routed to each global slot
-    this step (all waves; the same on every rank).
+    metas: one `DispatchMeta` per wave. rider_RW: int32 [R, w] every rank's rider words (w = 0 without a
+    rider). counts_RP: int64 [R, R * S] the pairs each rank routed to each global slot this step (all
+    waves; the same on every rank).
     """
 
     metas: list
-    load_P: torch.Tensor
     rider_RW: torch.Tensor
     counts_RP: torch.Tensor
+
+    @property
+    def load_P(self) -> torch.Tensor:
+        """int64 [R * S] rows each global slot computes this step (all waves, all ranks)."""
+        return self.counts_RP.sum(dim=0)
 
 
 def _slot_counts(slots_N: torch.Tensor, P: int) -> torch.Tensor:
@@ -228,8 +231,7 @@ class Dispatcher:
                 recv_splits=tuple(all_RW[:, w, P + me].tolist()),
                 counts_S=all_RW[:, w, me * S:(me + 1) * S].to(torch.int64).sum(0), sinks=sinks,
             ))
-        counts_RP = all_RW[:, :, :P].sum(dim=1).to(torch.int64)
-        return Plan(metas, counts_RP.sum(dim=0), rows[:, W * (P + R):], counts_RP)
+        return Plan(metas, rows[:, W * (P + R):], all_RW[:, :, :P].sum(dim=1).to(torch.int64))
 
     def _records_through_host(self, slots_W, layouts, rider: Rider | None, P: int):
         """The split-size records counted on the device, copied to the host (the plan's one wait for the

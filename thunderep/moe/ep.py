@@ -276,12 +276,14 @@ class ExpertParallelMoE:
             table_E = self.placement.slot_table(me, ids_W[0].device)
             slots_W = [table_E[ids] for ids in ids_W]
         plan = self.ep.dispatcher.plan(slots_W, weights_W, S, rider, self.stats)
-        load_R = plan.load_P.view(R, S).sum(dim=1).tolist()
-        counts_RE = torch.zeros(R, self.num_experts, dtype=torch.int64).index_add_(
-            1, self.placement.slot_experts_P, plan.counts_RP)  # each rank's pairs per expert
+        load_P = plan.load_P
+        load_R = load_P.view(R, S).sum(dim=1).tolist()
         if self.balancer is not None:  # every rank holds every rank's splits: the same totals everywhere
-            self.balancer.received(plan.rider_RW, load_R, counts_RE)
-        load_E = counts_RE.sum(dim=0).tolist()
+            counts_RE = torch.zeros(R, self.num_experts, dtype=torch.int64).index_add_(
+                1, self.placement.slot_experts_P, plan.counts_RP) if self.balancer.replicated else None
+            self.balancer.received(plan.rider_RW, load_R, counts_RE)  # counts_RE: each rank's pairs per expert
+        load_E = torch.zeros(self.num_experts, dtype=torch.int64).index_add_(
+            0, self.placement.slot_experts_P, load_P).tolist()
         for sink in {id(s): s for s in (self.ep.stats, self.stats)}.values():
             sink.loads_R.append(load_R)
             sink.loads_E.append(load_E)

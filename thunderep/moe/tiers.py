@@ -73,7 +73,7 @@ class ExpertTiers:
     that takes a decode step's rows in a few launches, ThunderEP's kernels, runs them itself).
     pairs(weights, x_TD, local_TK, weights_TK): the decode pair kernels' weighted [T, D] share on `weights`
     (local_TK -1: a pair they do not hold), or None where they do not apply; None: no such kernels
-    (`hot_partial`).
+    (`partial`).
     """
 
     LEAN_HOT_SLOTS = 8  # hot slots with rows up to which each computes apart (a decode step's few)
@@ -89,7 +89,7 @@ class ExpertTiers:
         # device: transformers' experts function waits for the device (docs/benchmarks, expert offload)
         self.lean = host_fn if isinstance(host_fn, HostExperts) else None
         self.lean_hot, self.pairs = lean_hot, pairs
-        self._hot_index: torch.Tensor | None = None  # [S] on the device: each slot's hot entry, -1 cold
+        self._hot_index: torch.Tensor | None = None  # `_hot_entries`, built on first use
         self._chosen_at = -1  # the call count of the last re-choice: at most one a call
         self.staging, self.config = staging, config or TierConfig()
         first = next(iter(host.values()))
@@ -279,8 +279,9 @@ class ExpertTiers:
         on_host = [s for s in cold if paths[s] == "host"]
         if on_host:
             pairs = torch.tensor([n for s in on_host for n in by_slot[s]])
-            y_TD += self._summed_on_host(on_host, [counts[s] for s in on_host], x_h[pairs // K], w_N[pairs], pairs // K,
-                                         T, device)
+            token_M = pairs // K
+            y_TD += self._summed_on_host(on_host, [counts[s] for s in on_host], x_h[token_M], w_N[pairs], token_M, T,
+                                         device)
         return y_TD
 
     def _hot_entries(self, device: torch.device) -> torch.Tensor:
@@ -311,13 +312,10 @@ class ExpertTiers:
                         token_M: torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
         """The host function on the host rows x_MD of `slots` (grouped by slot), weighted by w_M and summed per
         token (token_M) into float32 [T, D] on the host, sent to `device` in one non-blocking copy."""
-        started = time.perf_counter()
-        y_MD = self.host_fn(self.host, slots, x_MD, counts)
+        y_MD = self._host_call(slots, counts, x_MD)
         cuda = device.type == "cuda"
         y_TD = torch.zeros((T, x_MD.shape[-1]), dtype=torch.float32, pin_memory=cuda)
         y_TD.index_add_(0, token_M, y_MD.float() * w_M[:, None])
-        self.stats.rows_host += x_MD.shape[0]
-        self.stats.host_seconds += time.perf_counter() - started
         return y_TD.to(device, non_blocking=cuda)
 
     def sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
@@ -397,15 +395,20 @@ class ExpertTiers:
     def _on_host(self, slots: list[int], counts: list[int], x_MD: torch.Tensor, copied, device: torch.device):
         """The host function on the host rows x_MD (after `copied`), its [M, D] outputs in a pinned buffer
         sent to `device` in one non-blocking copy; returns them split per slot."""
+        cuda = device.type == "cuda"
+        out = torch.empty(x_MD.shape, dtype=x_MD.dtype, pin_memory=True) if cuda else None
+        return self._host_call(slots, counts, x_MD, copied, out).to(device, non_blocking=cuda).split(counts)
+
+    def _host_call(self, slots: list[int], counts: list[int], x_MD: torch.Tensor, copied=None, out=None):
+        """The host function on the host rows x_MD of `slots` (after the copy `copied`), into `out` where
+        given; its rows and seconds counted in the telemetry."""
         started = time.perf_counter()
         if copied is not None:
             copied.synchronize()
-        cuda = device.type == "cuda"
-        out = torch.empty(x_MD.shape, dtype=x_MD.dtype, pin_memory=True) if cuda else None
-        y_MD = self.host_fn(self.host, slots, x_MD, counts, out=out).to(device, non_blocking=cuda)
+        y_MD = self.host_fn(self.host, slots, x_MD, counts, out=out)
         self.stats.rows_host += x_MD.shape[0]
         self.stats.host_seconds += time.perf_counter() - started
-        return y_MD.split(counts)
+        return y_MD
 
     def _stream(self, slots: list[int], xs: list[torch.Tensor], pieces: dict, run: Callable | None = None) -> None:
         """Double-buffered: slot j + 1's weights load while slot j computes; pieces[s] = run(s, weights,
