@@ -296,12 +296,34 @@ def test_gpu_tiers_on_the_kernels_equal_the_whole_model(checkpoints):
         torch.testing.assert_close(got_one, want_one, rtol=3e-2, atol=3e-2)  # the hot share by the pair kernels
 
 
+@pytest.mark.gpu
+def test_gpu_host_worker_decodes_the_tokens_of_the_in_line_tiers(checkpoints):
+    """On CUDA in bfloat16 on ThunderEP's kernels at a quarter of the experts hot: greedy decoding with each
+    step's host experts on the host worker (the stream waiting for its flag) gives the tokens and the
+    telemetry of the same model computing them in line."""
+    from thunderep.hf import ThunderMoE
+
+    path, x = checkpoints["qwen3_moe"], _prompts()[:1].cuda()
+    runs = {}
+    for thread in ("off", "on"):
+        tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto",
+                                        gpu_memory=offload_budget(path, 0.25), offload_costs=HOST_WINS,
+                                        offload=TierConfig(host_thread=thread))
+        assert (next(iter(tm.bindings.values())).tiers.jobs is not None) == (thread == "on")
+        tokens = tm.generate(x, max_new_tokens=24, do_sample=False)
+        stats = tm.offload_stats()
+        runs[thread] = (tokens, {k: v for k, v in stats.items() if k != "host_expert_seconds"})
+    assert torch.equal(runs["on"][0], runs["off"][0])
+    assert runs["on"][1] == runs["off"][1] and runs["on"][1]["rows_host"] > 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")
 def test_tiers_on_the_kernels_run_hot_rows_through_them(checkpoints, monkeypatch):
     """16-bit experts on ThunderEP's kernels (the interpreter): a prompt's hot rows go through the kernels
     (no two products apart: `lean_hot` off), a one-token step's through the pair kernels before the wait
     for the host (`ExpertTiers.partial`), staged slots through the two products; logits equal the same model
-    without gpu_memory on either cold path, for the prompt and for one token."""
+    without gpu_memory on either cold path, and with the step's host experts on the host worker, for the
+    prompt and for one token."""
     pytest.importorskip("triton")
     from thunderep.hf import ThunderMoE
     from thunderep.moe.tiers import ExpertTiers
@@ -317,10 +339,12 @@ def test_tiers_on_the_kernels_run_hot_rows_through_them(checkpoints, monkeypatch
     whole = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_implementation="triton")
     with torch.no_grad():
         want, want_one = whole(input_ids=x).logits.float(), whole(input_ids=x[:1, :1]).logits.float()
-    for costs in (HOST_WINS, STREAM_WINS):
+    for costs, thread in ((HOST_WINS, "auto"), (STREAM_WINS, "auto"), (HOST_WINS, "on")):
         tm = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_implementation="triton",
-                                        gpu_memory=_budget_for(path, 0.5, None), offload_costs=costs)
+                                        gpu_memory=_budget_for(path, 0.5, None), offload_costs=costs,
+                                        offload=TierConfig(host_thread=thread))
         tiers = next(iter(tm.bindings.values())).tiers
+        assert (tiers.jobs is not None) == (thread == "on")  # on a CPU "auto" computes in line
         assert tiers.lean is not None and not tiers.lean_hot and 0 < tiers.capacity < tiers.num_slots
         for b in tm.bindings.values():
             b.tiers.pairs = spied(b.tiers.pairs)

@@ -14,6 +14,10 @@ fit after the replicated weights and the two staging buffers (`train.plan.plan_o
     (b) host       ThunderMoE with no hot expert, every expert computed on the host (TierConfig(cold_path="host"))
     (c) gpu        ThunderMoE with the whole model on the device (no gpu_memory)
 
+With --host-threads (e.g. auto,off) every ThunderEP row and (b) run once per value of `TierConfig.host_thread`:
+a decode step's host experts on the host worker, off the launching thread ("auto", where the GPU's stream can
+wait for host memory; `moe.host_jobs`), or in line ("off"), side by side in one run.
+
 Timing, after a warm-up, a new random prompt of 16 tokens for every call (nothing replayed for the hot set to
 learn): decode tokens/s at batch B = B (N - 1) / seconds from the first generated token to the N-th of a greedy
 (--sample: sampled) generate() (`StepClock` notes each step), best of --repeats calls; prefill tokens/s = P /
@@ -48,7 +52,7 @@ from ..errors import ConfigError
 from ..hf import ThunderMoE
 from ..moe.host_experts import describe
 from ..moe.offload_cost import measure_costs, predicted_rates
-from ..moe.tiers import COLD_PATHS, TierConfig
+from ..moe.tiers import COLD_PATHS, HOST_THREAD, TierConfig
 from ..train.plan import plan_offload_memory
 from .offload_tables import cost_table, size_text, table
 
@@ -103,6 +107,7 @@ class OffloadBench:
     device: str = "cuda"
     cold_path: str = "auto"
     experts_implementation: str | None = None
+    host_threads: tuple[str, ...] = ("auto",)
 
     def __post_init__(self):
         problems = [] if self.shape in SHAPES else [f"--shape must be one of {', '.join(SHAPES)}, got {self.shape!r}"]
@@ -117,6 +122,8 @@ class OffloadBench:
         if self.dtype not in _DTYPES:
             problems.append(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         problems += [f"--device must be cpu or cuda, got {self.device!r}"] if self.device not in ("cpu", "cuda") else []
+        problems += [f"--host-threads: {t!r} is not one of {', '.join(HOST_THREAD)}" for t in self.host_threads
+                     if t not in HOST_THREAD]
         if self.cold_path not in COLD_PATHS:
             problems.append(f"--cold-path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
         if problems:
@@ -140,6 +147,7 @@ class Row:
     stats: dict | None = None
     note: str = ""
     error: str | None = None
+    host_thread: str = "auto"  # `TierConfig.host_thread` of a ThunderEP row
 
 
 def say(text: str) -> None:
@@ -347,9 +355,11 @@ def _plan_rows(bench: OffloadBench, path: Path) -> list[tuple[Row, object]]:
     """(Row, its plan) in the order they run: ThunderEP's fractions, (b), (c), then (a), the slowest."""
     plans = budgets(path, sorted(set(bench.fractions) | {0.0, 1.0}), _DTYPES[bench.dtype])
     forced = f", {bench.cold_path} path" if bench.cold_path != "auto" else ""
-    out = [(Row(f"thunderep {f:.0%}{forced}", "thunderep", f, plans[f][0]), plans[f][1]) for f in bench.fractions]
+    out = [(Row(f"thunderep {f:.0%}{forced}{_THREAD_NAMES[t]}", "thunderep", f, plans[f][0], host_thread=t), plans[f][1])
+           for f in bench.fractions for t in bench.host_threads]
     if "host" in bench.baselines:
-        out.append((Row("(b) host, no hot set", "host", 0.0, plans[0.0][0]), plans[0.0][1]))
+        out += [(Row(f"(b) host, no hot set{_THREAD_NAMES[t]}", "host", 0.0, plans[0.0][0], host_thread=t), plans[0.0][1])
+                for t in bench.host_threads]
     if "gpu" in bench.baselines:
         where = "GPU" if bench.device == "cuda" else "device"
         out.append((Row(f"(c) whole model on the {where}", "gpu", 1.0), plans[1.0][1]))
@@ -372,7 +382,7 @@ def run_rows(bench: OffloadBench, path: Path) -> list[Row]:
                 _accelerate_row(row, path, bench, config)
             else:
                 cold = "host" if row.kind == "host" else bench.cold_path
-                _thunderep_row(row, path, bench, config, plan, TierConfig(cold_path=cold) if cold != "auto" else None)
+                _thunderep_row(row, path, bench, config, plan, TierConfig(cold_path=cold, host_thread=row.host_thread))
         except Exception as exc:  # noqa: BLE001 - one failed configuration must not lose the others' numbers
             traceback.print_exc(file=sys.stderr)
             row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
@@ -415,7 +425,8 @@ def report(bench: OffloadBench) -> list[Row]:
     return rows
 
 
-_LISTS = {"fractions": float, "batches": int, "baselines": str}
+_LISTS = {"fractions": float, "batches": int, "baselines": str, "host_threads": str}
+_THREAD_NAMES = {"auto": "", "on": ", host worker", "off": ", host in line"}
 
 
 def parse(argv: list[str]) -> OffloadBench:

@@ -254,7 +254,8 @@ def attach_tiers(wrapped, plan: OffloadPlan, device: torch.device, config: TierC
                                              rows=(1, many))
         binding.tiers = ExpertTiers(host, plan.hot[name], device, binding.weights_compute(module),
                                     costs or calibrated[key], stagings[key], config or TierConfig(), host_fn=on_host,
-                                    lean_hot=binding.implementation != KERNELS, pairs=binding.weights_pairs(module))
+                                    lean_hot=binding.implementation != KERNELS, pairs=binding.weights_pairs(module),
+                                    name=name)
         if costs is None and calibrated[key].stream_call_s is None:  # once per shape, on this layer's own path
             tiers = binding.tiers
             calibrated[key] = tiers.costs = calibrate_stream(
@@ -269,6 +270,7 @@ def offload_stats(bindings) -> dict | None:
         return None
     total = TierStats()
     for t in tiers:
+        t.settle()  # a decode call's counts may still be on the host worker
         total.add(t.stats)
     return {"hot_share": round(total.hot_share, 4), "rows_hot": total.rows_hot, "rows_host": total.rows_host,
             "rows_streamed": total.rows_streamed, "bytes_streamed": total.bytes_streamed,

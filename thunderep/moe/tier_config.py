@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["COLD_PATHS", "TierConfig", "TierStats", "parse_memory"]
+__all__ = ["COLD_PATHS", "HOST_THREAD", "TierConfig", "TierStats", "parse_memory"]
 
 COLD_PATHS = ("auto", "host", "stream")
+HOST_THREAD = ("auto", "on", "off")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _MEMORY = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?", re.IGNORECASE)
@@ -42,7 +43,10 @@ class TierConfig:
     calibration_calls: layer calls counted before the first chosen hot set. interval: layer calls between
     re-choices after that. ema: weight of the past in the per-slot load average. margin: how many times
     over a swap's estimated saving in one interval must pay for its copy; confidence: how many standard
-    deviations of counting noise the two slots' load difference must exceed (the module docstring)."""
+    deviations of counting noise the two slots' load difference must exceed (the module docstring).
+    host_thread: where a decode call's host experts run (`thunderep.moe.host_jobs`): "auto", on the device's
+    host worker where its stream can wait for host memory, so that the launching thread goes on; "off", in
+    line; "on", on the worker always (on a CPU joined at once: for tests)."""
 
     cold_path: str = "auto"
     calibration_calls: int = 4
@@ -50,10 +54,13 @@ class TierConfig:
     ema: float = 0.9
     margin: float = 2.0
     confidence: float = 2.0
+    host_thread: str = "auto"
 
     def __post_init__(self):
         if self.cold_path not in COLD_PATHS:
             raise ConfigError(f"cold_path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
+        if self.host_thread not in HOST_THREAD:
+            raise ConfigError(f"host_thread must be one of {', '.join(HOST_THREAD)}, got {self.host_thread!r}")
         if self.margin < 0 or self.interval < 1 or not 0 <= self.ema < 1 or self.confidence < 0:
             raise ConfigError(f"TierConfig needs margin >= 0, interval >= 1, 0 <= ema < 1 and confidence >= 0, got "
                               f"margin {self.margin}, interval {self.interval}, ema {self.ema}, "

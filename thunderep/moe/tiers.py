@@ -24,22 +24,16 @@ A call of few pairs (T x K <= `ExpertTiers.PARTIAL_PAIRS`: decode steps, small b
 ids, weights and token rows go to the host in one wait, after the hot pairs are launched through the
 decode pair kernels where the experts run on ThunderEP's kernels; the host-path slots compute on the token
 rows and come back weighted and summed per token, T rows. Fewer device launches per layer call is the point:
-at batch 1 a decode step is bound by the host's launches, not by the experts.
+at batch 1 a decode step is bound by the host's launches, not by the experts. Where the device's stream can
+wait for host memory (`thunderep.moe.host_jobs`, `TierConfig.host_thread`) and the hot pairs need no host
+knowledge (the pair kernels took them, or none is hot), the counting and the host-path slots are a job of
+the device's host worker: the launching thread queues the stream's wait for the job and the copy of its
+sums, and goes on launching the next layers while the host computes.
 
-The hot set (`set_hot`) is first the first H slots; after `TierConfig.calibration_calls` calls it becomes
-the H slots with the most rows counted so far. From then on, every `TierConfig.interval` calls, a slot's
-worth being hot is w(s) = cold(r_s) - hot(r_s), the expected seconds per call it saves there, from its
-load EMA r_s (rows per call) and the calibrated costs (`OffloadCosts.cold_seconds`, on the path it would
-take). The coldest-valued hot slot is swapped for the best cold one, pair after pair, while
-interval x (w(in) - w(out)) > TierConfig.margin x the seconds of copying one slot in: a swap must pay for
-its copy `margin` times over within one interval, so near-equal loads (a prefill's near-uniform routing)
-move nothing. At decode a slot sees a row in a few calls of a hundred, and one recent row lifts its EMA
-past that bar, so a swap must also be more than counting noise: with n = r x (1 + ema) / (1 - ema), the
-rows of as many calls as have the EMA's variance, n(in) - n(out) > TierConfig.confidence x sqrt(n(in) +
-n(out)) (Poisson counts; confidence 2: about 2 standard deviations). Without it, near-uniform decode
-moved some 500 slots over a short run on one H200 (docs/benchmarks/2026-12-05-expert-offload-h200.md).
-The weights are the same bytes in both tiers, so the hot set never changes an output. On a CPU-only
-machine the device is the host: every path runs, with the host's memory standing in for the device's.
+The hot set is first the first H slots, then chosen from measured load by the rule of
+`thunderep.moe.hot_set` (`HotSetRule`, which `ExpertTiers` extends). The weights are the same bytes in
+both tiers, so the hot set never changes an output. On a CPU-only machine the device is the host: every
+path runs, with the host's memory standing in for the device's.
 """
 
 from __future__ import annotations
@@ -52,15 +46,17 @@ import torch
 
 from ..errors import ConfigError
 from .host_experts import HostExperts, per_slot
+from .host_jobs import HostJobs, device_waits
+from .hot_set import HotSetRule
 from .offload_cost import OffloadCosts, split_cold
 from .staging import Staging, to_device, to_host, to_host_all
-from .tier_config import COLD_PATHS, TierConfig, TierStats, parse_memory
+from .tier_config import COLD_PATHS, HOST_THREAD, TierConfig, TierStats, parse_memory
 
-__all__ = ["COLD_PATHS", "ExpertTiers", "Staging", "TierConfig", "TierStats", "parse_memory", "to_host",
+__all__ = ["COLD_PATHS", "ExpertTiers", "HOST_THREAD", "Staging", "TierConfig", "TierStats", "parse_memory", "to_host",
            "to_host_all"]
 
 
-class ExpertTiers:
+class ExpertTiers(HotSetRule):
     """The tiers of one layer's local slots (see the module docstring).
 
     host: {tensor name: [S, ...]} in host memory. hot_slots: H >= 0 slots to hold on `device`.
@@ -79,11 +75,15 @@ class ExpertTiers:
     LEAN_HOT_SLOTS = 8  # hot slots with rows up to which each computes apart (a decode step's few)
     FEW_PAIRS = 8  # device pairs of a `partial` call up to which each is added apart (no index copies)
     PARTIAL_PAIRS = 128  # pairs (T x K) up to which a call from token rows takes `partial`: decode, small batches
+    HANDOFF_SLOWER = 4.0  # host path / stream path at one row up to which `partial` hands off (`_hands_off`);
+    # chosen, not fitted: the calibrated ratio on an H100's host is 1.3-1.6 (host 0.26-0.34 ms, stream 0.19-0.21)
 
     def __init__(self, host: dict[str, torch.Tensor], hot_slots: int, device: torch.device, compute: Callable,
                  costs: OffloadCosts, staging: Staging, config: TierConfig | None = None,
-                 host_fn: Callable | None = None, lean_hot: bool = True, pairs: Callable | None = None):
+                 host_fn: Callable | None = None, lean_hot: bool = True, pairs: Callable | None = None,
+                 name: str = "an offloaded layer"):
         self.host, self.device, self.compute, self.costs = host, torch.device(device), compute, costs
+        self.name = name
         self.host_fn = host_fn or per_slot(compute)
         # the plain gated layout's two products, for the staged slots and a decode step's hot ones on the
         # device: transformers' experts function waits for the device (docs/benchmarks, expert offload)
@@ -92,6 +92,9 @@ class ExpertTiers:
         self._hot_index: torch.Tensor | None = None  # `_hot_entries`, built on first use
         self._chosen_at = -1  # the call count of the last re-choice: at most one a call
         self.staging, self.config = staging, config or TierConfig()
+        self.jobs = _host_jobs(self.config, self.device)
+        self._job = None  # the future of this layer's last job on the host worker (`settle`)
+        self._handoff: tuple = (None, False)  # (the costs it was decided for, whether `partial` hands off)
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
         if not 0 <= hot_slots <= self.num_slots:
@@ -114,6 +117,7 @@ class ExpertTiers:
     def set_hot(self, slots: list[int], count: bool = True) -> None:
         """Make `slots` (H distinct local slots) the hot set, copying in only the weights of slots not hot
         yet (into the rows the leaving slots free). Between calls only."""
+        self.settle()
         slots = list(slots)
         if len(slots) != self.capacity or len(set(slots)) != len(slots) or \
                 not all(0 <= s < self.num_slots for s in slots):
@@ -135,65 +139,6 @@ class ExpertTiers:
         if count and entering:
             self.stats.bytes_promoted += len(entering) * self.slot_bytes
             self.stats.hot_changes += 1
-
-    # -- choosing the hot set
-
-    def _observe(self, counts_S) -> None:
-        """Count one call's rows per slot (host int64 [S], or a list) into the totals and the load EMA."""
-        self.calls += 1
-        counts = torch.as_tensor(counts_S, dtype=torch.int64)
-        self.rows_S += counts
-        self.ema_S.mul_(self.config.ema).add_(counts, alpha=1 - self.config.ema)
-
-    def _top(self, load: torch.Tensor) -> list[int]:
-        load = load.tolist()
-        return sorted(sorted(range(self.num_slots), key=lambda s: -load[s])[:self.capacity])
-
-    def worth(self, rows: float, row_bytes: int) -> float:
-        """Expected seconds per call a slot averaging `rows` rows saves by being hot (module docstring)."""
-        c = self.costs
-        cold = c.cold_seconds(rows, self.slot_params, row_bytes, self.slot_bytes, self.config.cold_path)
-        return cold - min(1.0, rows) * c.hot_seconds(max(1.0, rows), self.slot_params)
-
-    def swaps(self, row_bytes: int) -> list[tuple[int, int]]:
-        """(cold slot in, hot slot out) pairs the rule of the module docstring makes now, best first."""
-        c = self.config
-        copy_s = self.slot_bytes / self.costs.h2d_Bps
-        ema = self.ema_S.tolist()
-        worth = {s: self.worth(ema[s], row_bytes) for s in range(self.num_slots)}
-        ins = sorted((s for s in range(self.num_slots) if s not in self._row_of), key=lambda s: -worth[s])
-        outs = sorted(self.hot_slots, key=lambda s: worth[s])
-        window = (1 + c.ema) / (1 - c.ema)  # calls whose counts the EMA's variance equals
-        pairs = []
-        for s_in, s_out in zip(ins, outs):
-            if c.interval * (worth[s_in] - worth[s_out]) <= c.margin * copy_s:
-                break
-            n_in, n_out = ema[s_in] * window, ema[s_out] * window
-            if n_in - n_out <= c.confidence * (n_in + n_out) ** 0.5:
-                continue  # a difference counting noise makes often: a later, busier pair may still pass
-            pairs.append((s_in, s_out))
-        return pairs
-
-    def rechoose(self, row_bytes: int = 0) -> bool:
-        """The rule of the module docstring, at a call boundary; True where the hot set changed.
-        row_bytes: the bytes of one row of this call (the host path's copies)."""
-        c = self.config
-        if not self.capacity or self.capacity == self.num_slots or self._chosen_at == self.calls:
-            return False
-        self._chosen_at = self.calls
-        if self.calls == c.calibration_calls:
-            best = self._top(self.rows_S)
-            changed = set(best) != set(self.hot_slots)
-            self.set_hot(best)
-            return changed
-        if self.calls < c.calibration_calls or (self.calls - c.calibration_calls) % c.interval:
-            return False
-        pairs = self.swaps(row_bytes)
-        if not pairs:
-            return False
-        leaving = {s_out: s_in for s_in, s_out in pairs}
-        self.set_hot([leaving.get(s, s) for s in self.hot_slots])
-        return True
 
     def time_stream(self, hidden: int, dtype: torch.dtype, slots: int = 3, repeats: int = 3) -> float:
         """Seconds per slot of the stream path at one row a slot: `slots` distinct slots (fewer where the
@@ -233,7 +178,9 @@ class ExpertTiers:
         pair on the device, -1 for a pair another rank computes; weights_TK: [T, K]. One wait for the host:
           1. the ids, the weights and the token rows queued to pinned host memory;
           2. the hot pairs launched through `pairs` (the decode pair kernels), before the wait;
-          3. the wait; the call's rows per slot counted on the host;
+          3. with the host worker (`jobs`: `pairs` took the hot pairs, or none is hot), 4 and 5 are its job
+             (`_handed_off`) and this thread waits for nothing; else the wait here, and the call's rows per
+             slot counted on the host;
           4. on the device, queued: hot pairs `pairs` did not take (two products per slot, or the experts
              function), the streamed slots; their outputs weighted and added per token (a decode step's few
              one by one with their weights as numbers, more in one launch);
@@ -242,22 +189,18 @@ class ExpertTiers:
         T, K = local_TK.shape
         if T * K > self.PARTIAL_PAIRS or (torch.is_grad_enabled() and x_TD.requires_grad):
             return None
+        self.settle()
         self.rechoose(x_TD.shape[-1] * x_TD.element_size())
-        (ids_h, w_h, x_h), copied = to_host_all([local_TK, weights_TK, x_TD])
+        host, copied = to_host_all([local_TK, weights_TK, x_TD])
         hot_TD = None
         if self.pairs is not None and self.capacity:
             hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK)
+        if (hot_TD is not None or not self.capacity) and self._hands_off(x_TD.shape[-1] * x_TD.element_size()):
+            return self._handed_off(hot_TD, host, copied, x_TD.shape)
         if copied is not None:
             copied.synchronize()
-        by_slot: dict[int, list[int]] = {}  # slot -> its pairs t * K + k, in order
-        for n, s in enumerate(ids_h.reshape(-1).tolist()):
-            if s >= 0:
-                by_slot.setdefault(s, []).append(n)
-        counts = [0] * self.num_slots
-        for s, pairs in by_slot.items():
-            counts[s] = len(pairs)
-        self._observe(counts)
-        w_N = w_h.reshape(-1).float()
+        ids_h, w_h, x_h = host
+        by_slot, counts = self._tally(ids_h)
         D, device = x_TD.shape[-1], x_TD.device
         y_TD = torch.zeros(T, D, dtype=torch.float32, device=device) if hot_TD is None else hot_TD.float()
         hot = [s for s in sorted(by_slot) if s in self._row_of]
@@ -269,6 +212,7 @@ class ExpertTiers:
             pieces = self._on_device(x_TD, {s: [n // K for n in by_slot[s]] for s in on_device},
                                      hot if hot_TD is None else [])
             pairs = [n for s in on_device for n in by_slot[s]]
+            w_N = w_h.reshape(-1).float()
             if len(pairs) <= self.FEW_PAIRS:  # a decode step's few: each added with its weight, no copies
                 w = w_N.tolist()
                 for n, y_1D in zip(pairs, [y for s in on_device for y in pieces[s].split(1)]):
@@ -278,11 +222,68 @@ class ExpertTiers:
                 y_TD.index_add_(0, to_device(pairs // K, device), y_ND.float() * to_device(w_N[pairs], device)[:, None])
         on_host = [s for s in cold if paths[s] == "host"]
         if on_host:
-            pairs = torch.tensor([n for s in on_host for n in by_slot[s]])
-            token_M = pairs // K
-            y_TD += self._summed_on_host(on_host, [counts[s] for s in on_host], x_h[token_M], w_N[pairs], token_M, T,
-                                         device)
+            cuda = device.type == "cuda"
+            out = torch.zeros((T, D), dtype=torch.float32, pin_memory=cuda)
+            y_TD += self._summed_on_host(on_host, by_slot, counts, x_h, w_h, out).to(device, non_blocking=cuda)
         return y_TD
+
+    def _handed_off(self, hot_TD: torch.Tensor | None, host: list[torch.Tensor], copied, shape) -> torch.Tensor:
+        """`partial`'s host share as a job of the device's host worker (`thunderep.moe.host_jobs`): the pairs
+        counted per slot and every cold slot computed on the host there (decode sizes: the host path), into a
+        pinned [T, D] buffer the stream copies once the job raised its flag. Returns the call's [T, D] float32
+        share as the stream will hold it; this thread waits for nothing."""
+        ids_h, w_h, x_h = host
+        out = torch.empty(shape, dtype=torch.float32, pin_memory=self.jobs.driver is not None)
+
+        def job():
+            if copied is not None:
+                copied.synchronize()
+            by_slot, counts = self._tally(ids_h)
+            cold = [s for s in sorted(by_slot) if s not in self._row_of]
+            self.stats.rows_hot += sum(counts[s] for s in by_slot if s in self._row_of)
+            out.zero_()
+            if cold:
+                self._summed_on_host(cold, by_slot, counts, x_h, w_h, out)
+
+        y_TD, self._job = self.jobs.deliver(job, out, name=f"the host experts of {self.name}")
+        return y_TD if hot_TD is None else hot_TD.float() + y_TD
+
+    def _hands_off(self, row_bytes: int) -> bool:
+        """Whether `partial` hands its host share to the host worker: there is one (`TierConfig.host_thread`),
+        and the host path is forced or at one row estimated at most HANDOFF_SLOWER times the stream's (off
+        the launching thread the host's time hides behind the launches, so a slower host path still wins;
+        a host the cost model finds hopeless keeps the split of `paths`)."""
+        if self.jobs is None:
+            return False
+        if self.config.cold_path == "host":
+            return True
+        c = self.costs
+        if self._handoff[0] is not c:  # the costs can be replaced after construction (`calibrate_stream`)
+            host = c.host_seconds(1, self.slot_params, row_bytes)
+            self._handoff = (c, host <= self.HANDOFF_SLOWER * c.stream_seconds(1, self.slot_params, self.slot_bytes))
+        return self._handoff[1]
+
+    def settle(self) -> None:
+        """Wait for this layer's job on the host worker, if one is out, and raise a failed job's error: before
+        anything reads or changes the counts, the hot set or the telemetry."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.result()
+        if self.jobs is not None:
+            self.jobs.check()
+
+    def _tally(self, ids_h: torch.Tensor) -> tuple[dict[int, list[int]], list[int]]:
+        """({slot: its pairs t * K + k, in order}, rows per slot) of host ids [T, K] (-1: another rank's pair),
+        counted into the load statistics (`_observe`)."""
+        by_slot: dict[int, list[int]] = {}
+        for n, s in enumerate(ids_h.reshape(-1).tolist()):
+            if s >= 0:
+                by_slot.setdefault(s, []).append(n)
+        counts = [0] * self.num_slots
+        for s, pairs in by_slot.items():
+            counts[s] = len(pairs)
+        self._observe(counts)
+        return by_slot, counts
 
     def _hot_entries(self, device: torch.device) -> torch.Tensor:
         """int64 [S + 1] on `device`: each slot's entry in the hot copies, -1 for cold ones and at index -1 (so
@@ -308,15 +309,15 @@ class ExpertTiers:
         self._stream(streamed, [xs[s] for s in streamed], pieces)
         return pieces
 
-    def _summed_on_host(self, slots: list[int], counts: list[int], x_MD: torch.Tensor, w_M: torch.Tensor,
-                        token_M: torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
-        """The host function on the host rows x_MD of `slots` (grouped by slot), weighted by w_M and summed per
-        token (token_M) into float32 [T, D] on the host, sent to `device` in one non-blocking copy."""
-        y_MD = self._host_call(slots, counts, x_MD)
-        cuda = device.type == "cuda"
-        y_TD = torch.zeros((T, x_MD.shape[-1]), dtype=torch.float32, pin_memory=cuda)
-        y_TD.index_add_(0, token_M, y_MD.float() * w_M[:, None])
-        return y_TD.to(device, non_blocking=cuda)
+    def _summed_on_host(self, slots: list[int], by_slot: dict, counts: list[int], x_TD: torch.Tensor,
+                        w_TK: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The host function on the host token rows x_TD of `slots`' pairs (by_slot: slot -> its pairs t K + k),
+        weighted by w_TK and summed per token into `out` (float32 [T, D] on the host, zeros), returned."""
+        K = w_TK.shape[-1]
+        pairs = [n for s in slots for n in by_slot[s]]
+        token_M = torch.tensor([n // K for n in pairs])
+        y_MD = self._host_call(slots, [counts[s] for s in slots], x_TD[token_M])
+        return out.index_add_(0, token_M, y_MD.float() * w_TK.reshape(-1)[pairs].float()[:, None])
 
     def sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
         """Unweighted [M, D] outputs of rows grouped by local slot; counts_S int64 [S] on the host.
@@ -350,6 +351,9 @@ class ExpertTiers:
         return torch.cat([pieces[s] for s in xs])
 
     def _sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
+        self.settle()
+        if self.jobs is not None:  # every layer's: the host function's scratch buffers are shared by layers
+            self.jobs.drain()
         counts = counts_S.tolist()  # host data in every caller: no wait for the device
         row_bytes = x_MD.shape[-1] * x_MD.element_size()
         self.rechoose(row_bytes)
@@ -446,6 +450,18 @@ class _TieredRows(torch.autograd.Function):
     def backward(ctx, dy_MD):
         (x_MD,) = ctx.saved_tensors
         return ctx.tiers.input_grad(x_MD, dy_MD.contiguous(), ctx.counts_S), None, None
+
+
+def _host_jobs(config: TierConfig, device: torch.device) -> HostJobs | None:
+    """The host worker a layer's decode calls hand their host experts to (`TierConfig.host_thread`), or None."""
+    if config.host_thread == "off" or config.cold_path == "stream":
+        return None
+    if config.host_thread == "auto":
+        return HostJobs.of(device) if device_waits(device) else None
+    if device.type == "cuda" and not device_waits(device):
+        raise ConfigError(f"host_thread 'on' needs a CUDA driver whose streams can wait for host memory "
+                          f"(cuStreamWaitValue32), which {device} lacks here: use 'auto' or 'off'")
+    return HostJobs.of(device)
 
 
 def _slot_rows(x_MD: torch.Tensor, counts: list[int]) -> dict[int, torch.Tensor]:

@@ -1,0 +1,166 @@
+"""Host work the device waits for, without the launching thread waiting for the device.
+
+A decode step's cold experts run on the host (`ExpertTiers.partial`). Computed in line, the thread that
+launches the model's kernels first waits for the device to reach the layer (the routing's copy to the
+host), computes, and only then launches the rest of the step: at batch 1 a step is bound by that thread's
+launches, and the host experts' time adds to it layer after layer.
+
+Handed to `HostJobs` instead, the launching thread queues on its stream a wait for a number in pinned host
+memory (the flag), the copy of the result's pinned buffer to the device and whatever follows, and goes on
+launching the next layers; one worker thread per device takes the jobs in the order they came (the layers'
+order, which is the stream's), waits for the routing's copy, computes into the pinned buffer and raises the
+flag to the job's number. The device waits for the flag with a stream memory operation
+(`cuStreamWaitValue32`, the CUDA driver's v2 form, available by default on every platform since CUDA 11.7):
+no kernel spins and no event is needed. A job's number only grows, and the wait compares with wrap-around
+(the driver's "greater or equal" is (int32)(flag - n) >= 0), so one flag serves every layer of a device.
+
+Bounded: the worker raises the flag whatever the job does (`finally`), so the device never waits on a failed
+job; the failure is kept and raised (`ThunderError`, naming the job) by the next `check` or `settle`, which
+every tiers call makes first. Where the driver call is missing or fails its probe (`device_waits`), tiers
+compute in line as before. On a CPU there is no stream to queue on: forced on (`TierConfig.host_thread`
+"on", for tests), a job runs on the worker and the caller joins it at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..errors import ThunderError
+
+__all__ = ["HostJobs", "device_waits"]
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: until (int32)(*addr - value) >= 0
+_PROBED: dict[int, bool] = {}  # CUDA device index -> whether the stream wait works there
+_JOBS: dict[str, HostJobs] = {}  # str(device) -> its jobs (one worker thread a device)
+_LOCK = threading.Lock()
+
+
+class _Driver:
+    """The two CUDA driver functions the wait needs, through ctypes (the driver ships with every CUDA install;
+    nothing is compiled)."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+        self.wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+        self.wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self.wait.restype = ctypes.c_int
+        self.device_pointer = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
+        self.device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        self.device_pointer.restype = ctypes.c_int
+
+    def address(self, host: torch.Tensor) -> int:
+        """The device address of pinned host memory (under unified addressing, the host's own)."""
+        out = ctypes.c_uint64()
+        self._check(self.device_pointer(ctypes.byref(out), ctypes.c_void_p(host.data_ptr()), 0), "cuMemHostGetDevicePointer")
+        return out.value
+
+    def enqueue_wait(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        self._check(self.wait(ctypes.c_void_p(stream.cuda_stream), address, value & 0xFFFFFFFF, _WAIT_GEQ),
+                    "cuStreamWaitValue32")
+
+    @staticmethod
+    def _check(code: int, call: str) -> None:
+        if code:
+            raise ThunderError(f"{call} failed with CUDA driver error {code}")
+
+
+class HostJobs:
+    """One worker thread for one device's host jobs, and the flag its stream waits on (module docstring).
+    driver: the CUDA driver's functions (None: a CPU, where `deliver` joins each job)."""
+
+    def __init__(self, device: torch.device, driver: _Driver | None = None):
+        self.device, self.driver = torch.device(device), driver
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"thunderep-host-{self.device}")
+        self._number = 0
+        self._last: Future | None = None  # the last job submitted (`drain`)
+        self._error: BaseException | None = None
+        self._failed_job = ""
+        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=driver is not None)
+        self._flag_word = ctypes.c_uint32.from_address(self.flag.data_ptr())
+        self._address = driver.address(self.flag) if driver is not None else 0
+
+    @classmethod
+    def of(cls, device: torch.device) -> HostJobs:
+        """The jobs of `device` (made on first use; the driver's probe passed there: `device_waits`)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        with _LOCK:
+            if str(device) not in _JOBS:
+                _JOBS[str(device)] = cls(device, _Driver() if device.type == "cuda" else None)
+            return _JOBS[str(device)]
+
+    def deliver(self, job: Callable[[], None], out: torch.Tensor, name: str = "host job") -> tuple[torch.Tensor, Future]:
+        """`job` (which fills `out`, host memory) run on the worker; returns (`out` as the current stream will
+        hold it, the job's future). On CUDA: `out` pinned, the stream waits for the job's number on the flag,
+        then copies `out` to the device (non-blocking: this thread goes on). Elsewhere: the job joined here."""
+        self.check()
+        self._number += 1
+        number = self._number
+        future = self._last = self._pool.submit(self._run, job, number, name)
+        if self.driver is None:
+            future.result()
+            self.check()
+            return out, future
+        self.driver.enqueue_wait(torch.cuda.current_stream(self.device), self._address, number)
+        return out.to(self.device, non_blocking=True), future
+
+    def _run(self, job: Callable[[], None], number: int, name: str) -> None:
+        try:
+            job()
+        except BaseException as exc:  # noqa: BLE001 - kept for the launching thread (`check`), which raises it
+            if self._error is None:
+                self._error, self._failed_job = exc, name
+        finally:
+            self._flag_word.value = number & 0xFFFFFFFF  # the device's wait ends whatever the job did
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run; raise a failure (`check`)."""
+        if self._last is not None:
+            self._last.result()
+        self.check()
+
+    def check(self) -> None:
+        """Raise the first failure of a job since the last check (ThunderError naming the job), once."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise ThunderError(f"{self._failed_job} failed on the host worker: {type(error).__name__}: {error}") \
+                from error
+
+
+def device_waits(device: torch.device) -> bool:
+    """Whether a CUDA device's stream can wait for the host's flag here: the driver's functions load, and one
+    probe shows a queued wait holding the stream until the flag is raised and no longer (cached per device)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PROBED:
+        _PROBED[index] = _probe(torch.device("cuda", index))
+    return _PROBED[index]
+
+
+def _probe(device: torch.device) -> bool:
+    try:
+        driver = _Driver()
+        flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        word = ctypes.c_uint32.from_address(flag.data_ptr())
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
+            driver.enqueue_wait(stream, driver.address(flag), 1)
+            done = torch.cuda.Event()
+            done.record(stream)
+            time.sleep(0.002)
+            held = not done.query()
+            word.value = 1
+            done.synchronize()
+        return held
+    except (OSError, AttributeError, ThunderError, RuntimeError):
+        return False

@@ -1,0 +1,87 @@
+"""The rule that chooses a layer's hot experts from measured load (`HotSetRule`, the base of
+`thunderep.moe.tiers.ExpertTiers`).
+
+A layer's hot set (`ExpertTiers.set_hot`) is first the first H slots; after `TierConfig.calibration_calls`
+calls it becomes the H slots with the most rows counted so far. From then on, every `TierConfig.interval` calls, a slot's
+worth being hot is w(s) = cold(r_s) - hot(r_s), the expected seconds per call it saves there, from its
+load EMA r_s (rows per call) and the calibrated costs (`OffloadCosts.cold_seconds`, on the path it would
+take). The coldest-valued hot slot is swapped for the best cold one, pair after pair, while
+interval x (w(in) - w(out)) > TierConfig.margin x the seconds of copying one slot in: a swap must pay for
+its copy `margin` times over within one interval, so near-equal loads (a prefill's near-uniform routing)
+move nothing. At decode a slot sees a row in a few calls of a hundred, and one recent row lifts its EMA
+past that bar, so a swap must also be more than counting noise: with n = r x (1 + ema) / (1 - ema), the
+rows of as many calls as have the EMA's variance, n(in) - n(out) > TierConfig.confidence x sqrt(n(in) +
+n(out)) (Poisson counts; confidence 2: about 2 standard deviations). Without it, near-uniform decode
+moved some 500 slots over a short run on one H200 (docs/benchmarks/2026-12-05-expert-offload-h200.md).
+The weights are the same bytes in both tiers, so the hot set never changes an output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["HotSetRule"]
+
+
+class HotSetRule:
+    """The hot-set rule over the state `ExpertTiers` keeps: calls (layer calls counted), rows_S / ema_S (rows
+    per slot in all and their load EMA, host tensors), costs (`OffloadCosts`), config (`TierConfig`),
+    num_slots, capacity, slot_bytes / slot_params (one slot's), hot_slots and _row_of (the hot set and each
+    hot slot's entry), _chosen_at (the call count of the last re-choice), and `set_hot`."""
+
+    def _observe(self, counts_S) -> None:
+        """Count one call's rows per slot (host int64 [S], or a list) into the totals and the load EMA."""
+        self.calls += 1
+        counts = torch.as_tensor(counts_S, dtype=torch.int64)
+        self.rows_S += counts
+        self.ema_S.mul_(self.config.ema).add_(counts, alpha=1 - self.config.ema)
+
+    def _top(self, load: torch.Tensor) -> list[int]:
+        load = load.tolist()
+        return sorted(sorted(range(self.num_slots), key=lambda s: -load[s])[:self.capacity])
+
+    def worth(self, rows: float, row_bytes: int) -> float:
+        """Expected seconds per call a slot averaging `rows` rows saves by being hot (module docstring)."""
+        c = self.costs
+        cold = c.cold_seconds(rows, self.slot_params, row_bytes, self.slot_bytes, self.config.cold_path)
+        return cold - min(1.0, rows) * c.hot_seconds(max(1.0, rows), self.slot_params)
+
+    def swaps(self, row_bytes: int) -> list[tuple[int, int]]:
+        """(cold slot in, hot slot out) pairs the rule of the module docstring makes now, best first."""
+        c = self.config
+        copy_s = self.slot_bytes / self.costs.h2d_Bps
+        ema = self.ema_S.tolist()
+        worth = {s: self.worth(ema[s], row_bytes) for s in range(self.num_slots)}
+        ins = sorted((s for s in range(self.num_slots) if s not in self._row_of), key=lambda s: -worth[s])
+        outs = sorted(self.hot_slots, key=lambda s: worth[s])
+        window = (1 + c.ema) / (1 - c.ema)  # calls whose counts the EMA's variance equals
+        pairs = []
+        for s_in, s_out in zip(ins, outs):
+            if c.interval * (worth[s_in] - worth[s_out]) <= c.margin * copy_s:
+                break
+            n_in, n_out = ema[s_in] * window, ema[s_out] * window
+            if n_in - n_out <= c.confidence * (n_in + n_out) ** 0.5:
+                continue  # a difference counting noise makes often: a later, busier pair may still pass
+            pairs.append((s_in, s_out))
+        return pairs
+
+    def rechoose(self, row_bytes: int = 0) -> bool:
+        """The rule of the module docstring, at a call boundary; True where the hot set changed.
+        row_bytes: the bytes of one row of this call (the host path's copies)."""
+        c = self.config
+        if not self.capacity or self.capacity == self.num_slots or self._chosen_at == self.calls:
+            return False
+        self._chosen_at = self.calls
+        if self.calls == c.calibration_calls:
+            best = self._top(self.rows_S)
+            changed = set(best) != set(self.hot_slots)
+            self.set_hot(best)
+            return changed
+        if self.calls < c.calibration_calls or (self.calls - c.calibration_calls) % c.interval:
+            return False
+        pairs = self.swaps(row_bytes)
+        if not pairs:
+            return False
+        leaving = {s_out: s_in for s_in, s_out in pairs}
+        self.set_hot([leaving.get(s, s) for s in self.hot_slots])
+        return True
