@@ -231,7 +231,9 @@ def _two_ranks(rank, world, paths):
     for family, path in paths.items():
         want = _reference(path, x)
         for fraction, costs in zip(FRACTIONS, (HOST_WINS, STREAM_WINS, HOST_WINS, STREAM_WINS)):
-            tm = ThunderMoE.from_pretrained(path, ep, gpu_memory=offload_budget(path, fraction, world), offload_costs=costs)
+            thread = "on" if costs is HOST_WINS else "auto"  # no expert hot: latency mode's steps on the host worker
+            tm = ThunderMoE.from_pretrained(path, ep, gpu_memory=offload_budget(path, fraction, world), offload_costs=costs,
+                                            offload=TierConfig(host_thread=thread))
             _check(tm, x, want, f"{family} hot {fraction} latency", replicated=True)
             with torch.no_grad():
                 logits = tm(input_ids=mine, mode="ep").logits

@@ -77,7 +77,12 @@ class HostJobs:
 
     def __init__(self, device: torch.device, driver: _Driver | None = None):
         self.device, self.driver = torch.device(device), driver
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"thunderep-host-{self.device}")
+        # on CUDA the launching thread keeps running while the worker computes: the worker's products use one
+        # thread fewer than the process's, so that none of them shares a core with it (each product waits for
+        # its slowest thread)
+        threads = max(1, torch.get_num_threads() - 1) if driver is not None else torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"thunderep-host-{self.device}",
+                                        initializer=torch.set_num_threads, initargs=(threads,))
         self._number = 0
         self._last: Future | None = None  # the last job submitted (`drain`)
         self._error: BaseException | None = None
