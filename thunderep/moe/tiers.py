@@ -199,6 +199,8 @@ class ExpertTiers(HotSetRule):
             return self._handed_off(hot_TD, host, copied, x_TD.shape)
         if copied is not None:
             copied.synchronize()
+        if self.jobs is not None:  # other layers' jobs first: the host function's scratch buffers are shared
+            self.jobs.drain()
         ids_h, w_h, x_h = host
         by_slot, counts = self._tally(ids_h)
         D, device = x_TD.shape[-1], x_TD.device
