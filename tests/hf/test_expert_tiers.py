@@ -309,8 +309,8 @@ def test_gpu_host_worker_decodes_the_tokens_of_the_in_line_tiers(checkpoints):
     runs = {}
     for thread in ("off", "on"):
         tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto",
-                                        gpu_memory=offload_budget(path, 0.25), offload_costs=HOST_WINS,
-                                        offload=TierConfig(host_thread=thread))
+                                        gpu_memory=offload_budget(path, 0.5) // 2, offload_costs=HOST_WINS,
+                                        offload=TierConfig(host_thread=thread))  # a quarter of 16-bit experts
         assert (next(iter(tm.bindings.values())).tiers.jobs is not None) == (thread == "on")
         tokens = tm.generate(x, max_new_tokens=24, do_sample=False)
         stats = tm.offload_stats()

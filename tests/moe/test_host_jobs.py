@@ -158,3 +158,36 @@ def test_gpu_the_stream_waits_for_the_job_and_the_launching_thread_does_not():
     torch.cuda.synchronize()
     jobs.drain()
     assert all(torch.equal(o, torch.full_like(o, 2 * i)) for i, o in enumerate(outs))
+
+
+def test_a_job_that_never_runs_still_raises_the_flag_and_fails_clearly():
+    """A worker that cannot start (its initializer fails): the job's number still reaches the flag (the device
+    would not wait forever) and the next check raises, naming the job."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def broken():
+        raise OSError("no thread for you")
+
+    jobs = HostJobs(torch.device("cpu"))
+    jobs._pool = ThreadPoolExecutor(max_workers=1, initializer=broken)
+    with pytest.raises(ThunderError, match="a doomed job.*no thread for you|a doomed job.*BrokenThreadPool"):
+        jobs.deliver(lambda: None, torch.zeros(1), name="a doomed job")
+    assert jobs.flag.item() == 1
+
+
+def test_the_watchdog_releases_the_device_from_a_job_stuck_past_its_timeout():
+    """A job not ended timeout_s after it was submitted: `overdue` raises the flag to every job submitted (the
+    device runs on) and keeps a TimeoutError that `check` raises naming the job; none before the timeout."""
+    import time
+
+    jobs = HostJobs(torch.device("cpu"), timeout_s=5.0)
+    release = threading.Event()
+    jobs._pending.append((1, "the host experts of layer 7", time.monotonic()))
+    jobs._number = 1
+    future = jobs._pool.submit(release.wait)  # the worker, stuck
+    assert not jobs.overdue() and jobs.flag.item() == 0
+    assert jobs.overdue(time.monotonic() + 6) and jobs.flag.item() == 1
+    with pytest.raises(ThunderError, match="layer 7.*TimeoutError: it did not end within 5 s"):
+        jobs.check()
+    release.set()
+    future.result()

@@ -14,9 +14,11 @@ flag to the job's number. The device waits for the flag with a stream memory ope
 no kernel spins and no event is needed. A job's number only grows, and the wait compares with wrap-around
 (the driver's "greater or equal" is (int32)(flag - n) >= 0), so one flag serves every layer of a device.
 
-Bounded: the worker raises the flag whatever the job does (`finally`), so the device never waits on a failed
-job; the failure is kept and raised (`ThunderError`, naming the job) by the next `check` or `settle`, which
-every tiers call makes first. Where the driver call is missing or fails its probe (`device_waits`), tiers
+Bounded: the worker raises the flag whatever the job does (`finally`, and a done callback where the job never
+ran), so the device never waits on a failed job; the failure is kept and raised (`ThunderError`, naming the
+job) by the next `check` or `settle`, which every tiers call makes first. A watchdog thread releases the
+device from a job that has not ended within `HostJobs.timeout_s` (60 s; a decode job takes milliseconds)
+and keeps that as the failure: a stuck worker ends in an error, not a hang. Where the driver call is missing or fails its probe (`device_waits`), tiers
 compute in line as before. On a CPU there is no stream to queue on: forced on (`TierConfig.host_thread`
 "on", for tests), a job runs on the worker and the caller joins it at once.
 """
@@ -27,14 +29,15 @@ import ctypes
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..errors import ThunderError
+from ..errors import ConfigError, ThunderError
 
-__all__ = ["HostJobs", "device_waits"]
+__all__ = ["HostJobs", "device_waits", "jobs_for"]
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: until (int32)(*addr - value) >= 0
 _PROBED: dict[int, bool] = {}  # CUDA device index -> whether the stream wait works there
@@ -75,8 +78,10 @@ class HostJobs:
     """One worker thread for one device's host jobs, and the flag its stream waits on (module docstring).
     driver: the CUDA driver's functions (None: a CPU, where `deliver` joins each job)."""
 
-    def __init__(self, device: torch.device, driver: _Driver | None = None):
-        self.device, self.driver = torch.device(device), driver
+    def __init__(self, device: torch.device, driver: _Driver | None = None, timeout_s: float = 60.0):
+        self.device, self.driver, self.timeout_s = torch.device(device), driver, timeout_s
+        self._pending: deque = deque()  # (number, name, submitted at) of the jobs not ended, oldest first
+        self._watchdog: threading.Thread | None = None
         # on CUDA the launching thread keeps running while the worker computes: the worker's products use one
         # thread fewer than the process's, so that none of them shares a core with it (each product waits for
         # its slowest thread)
@@ -109,11 +114,17 @@ class HostJobs:
         self.check()
         self._number += 1
         number = self._number
+        self._pending.append((number, name, time.monotonic()))
         future = self._last = self._pool.submit(self._run, job, number, name)
+        future.add_done_callback(lambda f: self._ended(f, number, name))  # also where `_run` never ran
         if self.driver is None:
-            future.result()
+            future.exception()  # waits; the failure is raised by `check`, naming the job
             self.check()
-            return out, future
+            return out.clone(), future  # `out` may be a buffer its owner reuses
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name=f"thunderep-host-watchdog-{self.device}",
+                                              daemon=True)
+            self._watchdog.start()
         self.driver.enqueue_wait(torch.cuda.current_stream(self.device), self._address, number)
         return out.to(self.device, non_blocking=True), future
 
@@ -124,13 +135,51 @@ class HostJobs:
             if self._error is None:
                 self._error, self._failed_job = exc, name
         finally:
-            self._flag_word.value = number & 0xFFFFFFFF  # the device's wait ends whatever the job did
+            self._raise_flag(number)  # the device's wait ends whatever the job did
 
     def drain(self) -> None:
         """Wait until every job submitted so far has run; raise a failure (`check`)."""
         if self._last is not None:
-            self._last.result()
+            self._last.exception()  # waits; the failure is raised by `check`
         self.check()
+
+    def _ended(self, future: Future, number: int, name: str) -> None:
+        """A job's future is done: a failure outside `_run` (a broken worker) kept, the flag raised to its number
+        unless a later job's already is (the device never waits on a job that will not run)."""
+        error = future.exception() if not future.cancelled() else ThunderError("the job was cancelled")
+        if error is not None and self._error is None:
+            self._error, self._failed_job = error, name
+        self._raise_flag(number)
+        try:
+            while self._pending[0][0] <= number:
+                self._pending.popleft()
+        except IndexError:  # none left (or the watchdog cleared them meanwhile)
+            pass
+
+    def _raise_flag(self, number: int) -> None:
+        if (number - self._flag_word.value) & 0x80000000 == 0:  # number >= flag, with wrap-around
+            self._flag_word.value = number & 0xFFFFFFFF
+
+    def overdue(self, now: float | None = None) -> bool:
+        """Whether the oldest job not ended was submitted more than timeout_s ago; if so, its failure is kept
+        (`check` raises it, naming the job) and the flag raised to every job submitted, so that the stream
+        runs on (with those jobs' sums unwritten) rather than waiting forever on a worker that is stuck."""
+        now = time.monotonic() if now is None else now
+        if not self._pending or now - self._pending[0][2] <= self.timeout_s:
+            return False
+        number, name, _ = self._pending[0]
+        if self._error is None:
+            self._error = TimeoutError(f"it did not end within {self.timeout_s:.0f} s; the device was released "
+                                       "without its result")
+            self._failed_job = name
+        self._pending.clear()
+        self._raise_flag(self._number)
+        return True
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            self.overdue()
 
     def check(self) -> None:
         """Raise the first failure of a job since the last check (ThunderError naming the job), once."""
@@ -169,3 +218,16 @@ def _probe(device: torch.device) -> bool:
         return held
     except (OSError, AttributeError, ThunderError, RuntimeError):
         return False
+
+
+def jobs_for(config, device: torch.device) -> HostJobs | None:
+    """The host worker a layer's decode calls hand their host experts to, by a `TierConfig`'s host_thread and
+    cold_path, or None."""
+    if config.host_thread == "off" or config.cold_path == "stream":
+        return None
+    if config.host_thread == "auto":
+        return HostJobs.of(device) if device_waits(device) else None
+    if device.type == "cuda" and not device_waits(device):
+        raise ConfigError(f"host_thread 'on' needs a CUDA driver whose streams can wait for host memory "
+                          f"(cuStreamWaitValue32), which {device} lacks here: use 'auto' or 'off'")
+    return HostJobs.of(device)

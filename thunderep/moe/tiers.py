@@ -46,7 +46,7 @@ import torch
 
 from ..errors import ConfigError
 from .host_experts import HostExperts, per_slot
-from .host_jobs import HostJobs, device_waits
+from .host_jobs import jobs_for
 from .hot_set import HotSetRule
 from .offload_cost import OffloadCosts, split_cold
 from .staging import Staging, to_device, to_host, to_host_all
@@ -92,9 +92,10 @@ class ExpertTiers(HotSetRule):
         self._hot_index: torch.Tensor | None = None  # `_hot_entries`, built on first use
         self._chosen_at = -1  # the call count of the last re-choice: at most one a call
         self.staging, self.config = staging, config or TierConfig()
-        self.jobs = _host_jobs(self.config, self.device)
+        self.jobs = jobs_for(self.config, self.device)
         self._job = None  # the future of this layer's last job on the host worker (`settle`)
         self._handoff: tuple = (None, False)  # (the costs it was decided for, whether `partial` hands off)
+        self._host_buffers: dict[int, torch.Tensor] = {}  # `_pinned_copies`
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
         if not 0 <= hot_slots <= self.num_slots:
@@ -191,11 +192,13 @@ class ExpertTiers(HotSetRule):
             return None
         self.settle()
         self.rechoose(x_TD.shape[-1] * x_TD.element_size())
-        host, copied = to_host_all([local_TK, weights_TK, x_TD])
+        handoff = (self.pairs is not None or not self.capacity) and self._hands_off(x_TD.shape[-1] * x_TD.element_size())
+        tensors = [local_TK, weights_TK, x_TD]
+        host, copied = self._pinned_copies(tensors) if handoff else to_host_all(tensors)
         hot_TD = None
         if self.pairs is not None and self.capacity:
             hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK)
-        if (hot_TD is not None or not self.capacity) and self._hands_off(x_TD.shape[-1] * x_TD.element_size()):
+        if handoff and (hot_TD is not None or not self.capacity):
             return self._handed_off(hot_TD, host, copied, x_TD.shape)
         if copied is not None:
             copied.synchronize()
@@ -235,7 +238,7 @@ class ExpertTiers(HotSetRule):
         pinned [T, D] buffer the stream copies once the job raised its flag. Returns the call's [T, D] float32
         share as the stream will hold it; this thread waits for nothing."""
         ids_h, w_h, x_h = host
-        out = torch.empty(shape, dtype=torch.float32, pin_memory=self.jobs.driver is not None)
+        out = self._buffer(len(host), shape.numel(), torch.float32).view(shape)
 
         def job():
             if copied is not None:
@@ -249,6 +252,30 @@ class ExpertTiers(HotSetRule):
 
         y_TD, self._job = self.jobs.deliver(job, out, name=f"the host experts of {self.name}")
         return y_TD if hot_TD is None else hot_TD.float() + y_TD
+
+    def _pinned_copies(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
+        """`to_host_all` into this layer's own host buffers (pinned on CUDA; views of the right shapes) for a
+        handed-off call: allocating pinned memory while the stream waits for a host job can wait for that job,
+        whose worker may need the pinned allocator's lock to free an earlier job's buffers; so these calls
+        allocate none (a buffer grows, rarely, after the jobs are drained). This layer's last job is done
+        (`settle`) and the stream has consumed its copies before a call overwrites them."""
+        views = []
+        for i, t in enumerate(tensors):
+            views.append(self._buffer(i, t.numel(), t.dtype).view(t.shape))
+            views[-1].copy_(t, non_blocking=True)
+        if self.jobs.driver is None:
+            return views, None
+        copied = torch.cuda.Event()
+        copied.record()
+        return views, copied
+
+    def _buffer(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """This layer's host buffer `key` as `numel` values of `dtype` (`_pinned_copies`)."""
+        buf = self._host_buffers.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            self.jobs.drain()
+            buf = self._host_buffers[key] = torch.empty(numel, dtype=dtype, pin_memory=self.jobs.driver is not None)
+        return buf[:numel]
 
     def _hands_off(self, row_bytes: int) -> bool:
         """Whether `partial` hands its host share to the host worker: there is one (`TierConfig.host_thread`),
@@ -270,7 +297,7 @@ class ExpertTiers(HotSetRule):
         anything reads or changes the counts, the hot set or the telemetry."""
         job, self._job = self._job, None
         if job is not None:
-            job.result()
+            job.exception()  # waits; a failure is raised by `check`, naming the layer
         if self.jobs is not None:
             self.jobs.check()
 
@@ -452,18 +479,6 @@ class _TieredRows(torch.autograd.Function):
     def backward(ctx, dy_MD):
         (x_MD,) = ctx.saved_tensors
         return ctx.tiers.input_grad(x_MD, dy_MD.contiguous(), ctx.counts_S), None, None
-
-
-def _host_jobs(config: TierConfig, device: torch.device) -> HostJobs | None:
-    """The host worker a layer's decode calls hand their host experts to (`TierConfig.host_thread`), or None."""
-    if config.host_thread == "off" or config.cold_path == "stream":
-        return None
-    if config.host_thread == "auto":
-        return HostJobs.of(device) if device_waits(device) else None
-    if device.type == "cuda" and not device_waits(device):
-        raise ConfigError(f"host_thread 'on' needs a CUDA driver whose streams can wait for host memory "
-                          f"(cuStreamWaitValue32), which {device} lacks here: use 'auto' or 'off'")
-    return HostJobs.of(device)
 
 
 def _slot_rows(x_MD: torch.Tensor, counts: list[int]) -> dict[int, torch.Tensor]:
