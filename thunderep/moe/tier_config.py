@@ -44,9 +44,11 @@ class TierConfig:
     re-choices after that. ema: weight of the past in the per-slot load average. margin: how many times
     over a swap's estimated saving in one interval must pay for its copy; confidence: how many standard
     deviations of counting noise the two slots' load difference must exceed (the module docstring).
-    host_thread: where a decode call's host experts run (`thunderep.moe.host_jobs`): "auto", on the device's
-    host worker where its stream can wait for host memory, so that the launching thread goes on; "off", in
-    line; "on", on the worker always (on a CPU joined at once: for tests)."""
+    host_thread: where a decode call's host experts run (`thunderep.moe.host_jobs`): "off" (the default), in
+    line; "auto", on the device's host worker where its stream can wait for host memory, so that the
+    launching thread goes on; "on", on the worker always (on a CPU joined at once: for tests). Off by
+    default: on a GPU with a real-sized model the worker's job stalled until the watchdog released it
+    (docs/benchmarks/2026-12-05-expert-offload-h200.md, sixth run); tiny models pass."""
 
     cold_path: str = "auto"
     calibration_calls: int = 4
@@ -54,7 +56,7 @@ class TierConfig:
     ema: float = 0.9
     margin: float = 2.0
     confidence: float = 2.0
-    host_thread: str = "auto"
+    host_thread: str = "off"
 
     def __post_init__(self):
         if self.cold_path not in COLD_PATHS:
