@@ -175,9 +175,10 @@ def test_a_job_that_never_runs_still_raises_the_flag_and_fails_clearly():
     assert jobs.flag.item() == 1
 
 
-def test_the_watchdog_releases_the_device_from_a_job_stuck_past_its_timeout():
-    """A job not ended timeout_s after it was submitted: `overdue` raises the flag to every job submitted (the
-    device runs on) and keeps a TimeoutError that `check` raises naming the job; none before the timeout."""
+def test_the_watchdog_releases_the_device_from_a_job_stuck_past_its_timeout(capfd):
+    """A job not ended timeout_s after it was submitted: `overdue` prints every thread's stack (the worker's
+    wait among them), raises the flag to every job submitted (the device runs on) and keeps a TimeoutError
+    that `check` raises naming the job; none before the timeout."""
     import time
 
     jobs = HostJobs(torch.device("cpu"), timeout_s=5.0)
@@ -187,6 +188,8 @@ def test_the_watchdog_releases_the_device_from_a_job_stuck_past_its_timeout():
     future = jobs._pool.submit(release.wait)  # the worker, stuck
     assert not jobs.overdue() and jobs.flag.item() == 0
     assert jobs.overdue(time.monotonic() + 6) and jobs.flag.item() == 1
+    err = capfd.readouterr().err
+    assert "layer 7 has not ended within 5 s" in err and "in wait" in err  # the stuck worker's frame
     with pytest.raises(ThunderError, match="layer 7.*TimeoutError: it did not end within 5 s"):
         jobs.check()
     release.set()

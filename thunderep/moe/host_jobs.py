@@ -18,7 +18,8 @@ Bounded: the worker raises the flag whatever the job does (`finally`, and a done
 ran), so the device never waits on a failed job; the failure is kept and raised (`ThunderError`, naming the
 job) by the next `check` or `settle`, which every tiers call makes first. A watchdog thread releases the
 device from a job that has not ended within `HostJobs.timeout_s` (60 s; a decode job takes milliseconds)
-and keeps that as the failure: a stuck worker ends in an error, not a hang. Where the driver call is missing or fails its probe (`device_waits`), tiers
+and keeps that as the failure, after printing every thread's stack to stderr: a stuck worker ends in an
+error, not a hang, and shows where it waited. Where the driver call is missing or fails its probe (`device_waits`), tiers
 compute in line as before. On a CPU there is no stream to queue on: forced on (`TierConfig.host_thread`
 "on", for tests), a job runs on the worker and the caller joins it at once.
 """
@@ -26,6 +27,7 @@ compute in line as before. On a CPU there is no stream to queue on: forced on (`
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import sys
 import threading
 import time
@@ -168,6 +170,9 @@ class HostJobs:
         if not self._pending or now - self._pending[0][2] <= self.timeout_s:
             return False
         number, name, _ = self._pending[0]
+        print(f"thunderep: {name} has not ended within {self.timeout_s:.0f} s on the host worker; the threads' "
+              "stacks:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)  # where the worker waits, for the report
         if self._error is None:
             self._error = TimeoutError(f"it did not end within {self.timeout_s:.0f} s; the device was released "
                                        "without its result")
