@@ -134,8 +134,9 @@ def test_host_thread_settings():
 
 @pytest.mark.gpu
 def test_gpu_the_stream_waits_for_the_job_and_the_launching_thread_does_not():
-    """On CUDA: `deliver` returns while its job still sleeps; the stream's copy of the job's buffer, and the
-    work queued after it, see what the job wrote, over many jobs in a row (the flag's numbers growing)."""
+    """On CUDA: `deliver` returns while its job still sleeps; each job sees the copy queued before its stamp
+    (read from host memory); the stream's copy of the job's buffer, and the work queued after it, see what the
+    job wrote, over many jobs in a row (the flag's and the stamps' numbers growing)."""
     import time
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -144,10 +145,15 @@ def test_gpu_the_stream_waits_for_the_job_and_the_launching_thread_does_not():
     outs = []
     for i in range(200):
         buf = torch.empty(1024, dtype=torch.float32, pin_memory=True)
+        seen = torch.empty(1024, dtype=torch.float32, pin_memory=True)
+        seen.copy_(torch.full((1024,), float(i), device=device), non_blocking=True)
+        ready = jobs.stamp()  # the worker learns from host memory that the copy landed
 
-        def job(buf=buf, i=i):
+        def job(buf=buf, i=i, seen=seen, ready=ready):
             if i == 0:
                 time.sleep(0.2)
+            ready.synchronize()
+            assert torch.equal(seen, torch.full_like(seen, i))
             buf.fill_(i)
 
         started = time.perf_counter()
@@ -194,3 +200,18 @@ def test_the_watchdog_releases_the_device_from_a_job_stuck_past_its_timeout(capf
         jobs.check()
     release.set()
     future.result()
+
+
+def test_a_stamp_is_waited_for_in_host_memory_with_wrap_around():
+    """`wait_ready` returns once the ready word (written by the stream on CUDA; here by a thread) reaches the
+    number, compared with wrap-around; it times out with a clear error where it never does."""
+    jobs = HostJobs(torch.device("cpu"), timeout_s=0.3)
+    timer = threading.Timer(0.05, lambda: setattr(jobs._ready_word, "value", 3))
+    timer.start()
+    jobs.wait_ready(3)
+    assert jobs.ready.item() == 3
+    jobs._ready_word.value = 2**32 - 1  # just before wrapping: number 1 (after the wrap) is still ahead
+    with pytest.raises(TimeoutError, match="stamp 1 within 0 s"):
+        jobs.wait_ready(1)
+    jobs._ready_word.value = 1
+    jobs.wait_ready(2**32 - 2)  # long passed

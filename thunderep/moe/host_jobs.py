@@ -14,14 +14,22 @@ flag to the job's number. The device waits for the flag with a stream memory ope
 no kernel spins and no event is needed. A job's number only grows, and the wait compares with wrap-around
 (the driver's "greater or equal" is (int32)(flag - n) >= 0), so one flag serves every layer of a device.
 
+The worker learns that the routing's copy is done from host memory too: the stream writes a stamp's number
+after the copy (`cuStreamWriteValue32`; `HostJobs.stamp`) and the worker reads it, so it makes no CUDA call
+at all. A CUDA call from the worker (an event's synchronize) can wait on a lock that a synchronizing call of
+the launching thread (a device allocation, a copy from pageable memory) holds while it waits for the
+stream, which waits for the worker: on an H200 a job stalled until the watchdog below released it
+(docs/benchmarks/2026-12-05-expert-offload-h200.md, sixth run), and this is the inferred, not confirmed,
+cause.
+
 Bounded: the worker raises the flag whatever the job does (`finally`, and a done callback where the job never
 ran), so the device never waits on a failed job; the failure is kept and raised (`ThunderError`, naming the
 job) by the next `check` or `settle`, which every tiers call makes first. A watchdog thread releases the
 device from a job that has not ended within `HostJobs.timeout_s` (60 s; a decode job takes milliseconds)
 and keeps that as the failure, after printing every thread's stack to stderr: a stuck worker ends in an
-error, not a hang, and shows where it waited. Where the driver call is missing or fails its probe (`device_waits`), tiers
-compute in line as before. On a CPU there is no stream to queue on: forced on (`TierConfig.host_thread`
-"on", for tests), a job runs on the worker and the caller joins it at once.
+error, not a hang, and shows where it waited. Where the driver calls are missing or fail their probe
+(`device_waits`), tiers compute in line as before. On a CPU there is no stream to queue on: forced on
+(`TierConfig.host_thread` "on", for tests), a job runs on the worker and the caller joins it at once.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import torch
 
 from ..errors import ConfigError, ThunderError
 
-__all__ = ["HostJobs", "device_waits", "jobs_for"]
+__all__ = ["HostJobs", "Stamp", "device_waits", "jobs_for"]
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: until (int32)(*addr - value) >= 0
 _PROBED: dict[int, bool] = {}  # CUDA device index -> whether the stream wait works there
@@ -56,6 +64,9 @@ class _Driver:
         self.wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
         self.wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         self.wait.restype = ctypes.c_int
+        self.write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
+        self.write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self.write.restype = ctypes.c_int
         self.device_pointer = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
         self.device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
         self.device_pointer.restype = ctypes.c_int
@@ -69,6 +80,11 @@ class _Driver:
     def enqueue_wait(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
         self._check(self.wait(ctypes.c_void_p(stream.cuda_stream), address, value & 0xFFFFFFFF, _WAIT_GEQ),
                     "cuStreamWaitValue32")
+
+    def enqueue_write(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        """The stream writes `value` once the work queued before is done (its writes visible first)."""
+        self._check(self.write(ctypes.c_void_p(stream.cuda_stream), address, value & 0xFFFFFFFF, 0),
+                    "cuStreamWriteValue32")
 
     @staticmethod
     def _check(code: int, call: str) -> None:
@@ -97,6 +113,10 @@ class HostJobs:
         self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=driver is not None)
         self._flag_word = ctypes.c_uint32.from_address(self.flag.data_ptr())
         self._address = driver.address(self.flag) if driver is not None else 0
+        self.ready = torch.zeros(1, dtype=torch.int32, pin_memory=driver is not None)  # `stamp`'s numbers
+        self._ready_word = ctypes.c_uint32.from_address(self.ready.data_ptr())
+        self._ready_address = driver.address(self.ready) if driver is not None else 0
+        self._stamped = 0
 
     @classmethod
     def of(cls, device: torch.device) -> HostJobs:
@@ -129,6 +149,27 @@ class HostJobs:
             self._watchdog.start()
         self.driver.enqueue_wait(torch.cuda.current_stream(self.device), self._address, number)
         return out.to(self.device, non_blocking=True), future
+
+    def stamp(self) -> Stamp | None:
+        """A mark after the work queued so far on the current stream (copies a job reads): the stream writes
+        its number into host memory when it gets there; `Stamp.synchronize` waits for that by reading host
+        memory, no CUDA call. None on a CPU (nothing is queued)."""
+        if self.driver is None:
+            return None
+        self._stamped += 1
+        self.driver.enqueue_write(torch.cuda.current_stream(self.device), self._ready_address, self._stamped)
+        return Stamp(self, self._stamped)
+
+    def wait_ready(self, number: int) -> None:
+        """Wait until the stream has written stamp `number` (or a later one): a few yields, then sleeps of
+        50 us; TimeoutError after timeout_s."""
+        deadline, spins = time.monotonic() + self.timeout_s, 0
+        while (self._ready_word.value - number) & 0x80000000:  # ready < number, with wrap-around
+            spins += 1
+            time.sleep(0 if spins < 200 else 50e-6)
+            if spins % 1000 == 0 and time.monotonic() > deadline:
+                raise TimeoutError(f"the stream did not reach the copies of stamp {number} within "
+                                   f"{self.timeout_s:.0f} s")
 
     def _run(self, job: Callable[[], None], number: int, name: str) -> None:
         try:
@@ -194,6 +235,16 @@ class HostJobs:
                 from error
 
 
+class Stamp:
+    """A point of a stream that its `HostJobs` learns of through host memory (`HostJobs.stamp`)."""
+
+    def __init__(self, jobs: HostJobs, number: int):
+        self.jobs, self.number = jobs, number
+
+    def synchronize(self) -> None:
+        self.jobs.wait_ready(self.number)
+
+
 def device_waits(device: torch.device) -> bool:
     """Whether a CUDA device's stream can wait for the host's flag here: the driver's functions load, and one
     probe shows a queued wait holding the stream until the flag is raised and no longer (cached per device)."""
@@ -220,7 +271,9 @@ def _probe(device: torch.device) -> bool:
             held = not done.query()
             word.value = 1
             done.synchronize()
-        return held
+            driver.enqueue_write(stream, driver.address(flag), 7)
+            stream.synchronize()
+        return held and word.value == 7
     except (OSError, AttributeError, ThunderError, RuntimeError):
         return False
 

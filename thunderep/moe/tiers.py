@@ -255,19 +255,17 @@ class ExpertTiers(HotSetRule):
 
     def _pinned_copies(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
         """`to_host_all` into this layer's own host buffers (pinned on CUDA; views of the right shapes) for a
-        handed-off call: allocating pinned memory while the stream waits for a host job can wait for that job,
-        whose worker may need the pinned allocator's lock to free an earlier job's buffers; so these calls
-        allocate none (a buffer grows, rarely, after the jobs are drained). This layer's last job is done
-        (`settle`) and the stream has consumed its copies before a call overwrites them."""
+        handed-off call, and the `Stamp` the worker waits on for them (host memory the stream writes: the worker
+        makes no CUDA call, which could wait on a lock a synchronizing call of this thread holds while the
+        stream waits for the worker). Allocating pinned memory while the stream waits for a host job could
+        likewise wait for that job: these calls allocate none (a buffer grows, rarely, after the jobs are
+        drained). This layer's last job is done (`settle`) and the stream has consumed its copies before a
+        call overwrites them."""
         views = []
         for i, t in enumerate(tensors):
             views.append(self._buffer(i, t.numel(), t.dtype).view(t.shape))
             views[-1].copy_(t, non_blocking=True)
-        if self.jobs.driver is None:
-            return views, None
-        copied = torch.cuda.Event()
-        copied.record()
-        return views, copied
+        return views, self.jobs.stamp()  # the stream writes a number once the copies are done (None on a CPU)
 
     def _buffer(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """This layer's host buffer `key` as `numel` values of `dtype` (`_pinned_copies`)."""
