@@ -27,7 +27,9 @@ ran), so the device never waits on a failed job; the failure is kept and raised 
 job) by the next `check` or `settle`, which every tiers call makes first. A watchdog thread releases the
 device from a job that has not ended within `HostJobs.timeout_s` (60 s; a decode job takes milliseconds)
 and keeps that as the failure, after printing every thread's stack to stderr: a stuck worker ends in an
-error, not a hang, and shows where it waited. Where the driver calls are missing or fail their probe
+error, not a hang, and shows where it waited. (The watchdog and the worker are Python threads: both need
+the launching thread to wait with Python's lock released, as torch's synchronizing calls, `.item()` and
+`.tolist()` included, and Triton's launches do.) Where the driver calls are missing or fail their probe
 (`device_waits`), tiers compute in line as before. On a CPU there is no stream to queue on: forced on
 (`TierConfig.host_thread` "on", for tests), a job runs on the worker and the caller joins it at once.
 """
