@@ -94,7 +94,6 @@ class ExpertTiers(HotSetRule):
         self.staging, self.config = staging, config or TierConfig()
         self.jobs = jobs_for(self.config, self.device)
         self._job = None  # the future of this layer's last job on the host worker (`settle`)
-        self._handoff: tuple = (None, False)  # (the costs it was decided for, whether `partial` hands off)
         self._host_buffers: dict[int, torch.Tensor] = {}  # `_pinned_copies`
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
@@ -191,8 +190,9 @@ class ExpertTiers(HotSetRule):
         if T * K > self.PARTIAL_PAIRS or (torch.is_grad_enabled() and x_TD.requires_grad):
             return None
         self.settle()
-        self.rechoose(x_TD.shape[-1] * x_TD.element_size())
-        handoff = (self.pairs is not None or not self.capacity) and self._hands_off(x_TD.shape[-1] * x_TD.element_size())
+        row_bytes = x_TD.shape[-1] * x_TD.element_size()
+        self.rechoose(row_bytes)
+        handoff = (self.pairs is not None or not self.capacity) and self._hands_off(row_bytes)
         tensors = [local_TK, weights_TK, x_TD]
         host, copied = self._pinned_copies(tensors) if handoff else to_host_all(tensors)
         hot_TD = None
@@ -208,11 +208,9 @@ class ExpertTiers(HotSetRule):
         by_slot, counts = self._tally(ids_h)
         D, device = x_TD.shape[-1], x_TD.device
         y_TD = torch.zeros(T, D, dtype=torch.float32, device=device) if hot_TD is None else hot_TD.float()
-        hot = [s for s in sorted(by_slot) if s in self._row_of]
-        cold = [s for s in sorted(by_slot) if s not in self._row_of]
-        paths = dict(zip(cold, self.paths([counts[s] for s in cold], D * x_TD.element_size())))
+        hot, cold = self._split(by_slot, counts)
+        paths = dict(zip(cold, self.paths([counts[s] for s in cold], row_bytes)))
         on_device = ([] if hot_TD is not None else hot) + [s for s in cold if paths[s] == "stream"]
-        self.stats.rows_hot += sum(counts[s] for s in hot)
         if on_device:
             pieces = self._on_device(x_TD, {s: [n // K for n in by_slot[s]] for s in on_device},
                                      hot if hot_TD is None else [])
@@ -244,8 +242,7 @@ class ExpertTiers(HotSetRule):
             if copied is not None:
                 copied.synchronize()
             by_slot, counts = self._tally(ids_h)
-            cold = [s for s in sorted(by_slot) if s not in self._row_of]
-            self.stats.rows_hot += sum(counts[s] for s in by_slot if s in self._row_of)
+            _, cold = self._split(by_slot, counts)
             out.zero_()
             if cold:
                 self._summed_on_host(cold, by_slot, counts, x_h, w_h, out)
@@ -285,10 +282,8 @@ class ExpertTiers(HotSetRule):
         if self.config.cold_path == "host":
             return True
         c = self.costs
-        if self._handoff[0] is not c:  # the costs can be replaced after construction (`calibrate_stream`)
-            host = c.host_seconds(1, self.slot_params, row_bytes)
-            self._handoff = (c, host <= self.HANDOFF_SLOWER * c.stream_seconds(1, self.slot_params, self.slot_bytes))
-        return self._handoff[1]
+        return c.host_seconds(1, self.slot_params, row_bytes) <= \
+            self.HANDOFF_SLOWER * c.stream_seconds(1, self.slot_params, self.slot_bytes)
 
     def settle(self) -> None:
         """Wait for this layer's job on the host worker, if one is out, and raise a failed job's error: before
@@ -311,6 +306,12 @@ class ExpertTiers(HotSetRule):
             counts[s] = len(pairs)
         self._observe(counts)
         return by_slot, counts
+
+    def _split(self, by_slot: dict, counts: list[int]) -> tuple[list[int], list[int]]:
+        """(hot, cold) slots of a call's `by_slot`, each in slot order; its hot rows counted in the telemetry."""
+        hot = [s for s in sorted(by_slot) if s in self._row_of]
+        self.stats.rows_hot += sum(counts[s] for s in hot)
+        return hot, [s for s in sorted(by_slot) if s not in self._row_of]
 
     def _hot_entries(self, device: torch.device) -> torch.Tensor:
         """int64 [S + 1] on `device`: each slot's entry in the hot copies, -1 for cold ones and at index -1 (so
