@@ -7,6 +7,7 @@ path's per-(token, rank) sums within the dtype's rounding."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def test_after_gives_the_experts_the_same_rows_and_the_same_sums(name, R, dtype,
             assert int(arr.counts_S.sum()) == Q
             row = measure(arr, local, _untimed)
             assert row["same_expert_rows"], (name, R, T)
+            assert row["same_old_orders"], (name, R, T)  # before+orders builds the orders before is given
             assert row["rel_err"] <= bound, (name, R, T, row["rel_err"])
 
 
@@ -72,7 +74,9 @@ def test_the_command_prints_the_table_last_and_writes_json(tmp_path, capsys):
     saved = json.loads(path.read_text())
     assert saved["hardware"] == lines[-1] and len(saved["rows"]) == 8
     for row in saved["rows"]:
-        assert row["same_expert_rows"] and row["rel_err"] <= BF16_ROUNDING
+        assert row["same_expert_rows"] and row["same_old_orders"] and row["rel_err"] <= BF16_ROUNDING
+        assert math.isnan(row["fused_over_before_orders"])  # no fused path on the CPU
+        assert row["before_orders_ms"] > 0
         assert row["rows_after"] <= row["rows_before"]
         assert row["overhead_ms"] == pytest.approx(row["after_ms"] - row["experts_ms"])
 

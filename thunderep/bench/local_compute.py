@@ -16,6 +16,10 @@ Triton kernels on CUDA, torch's grouped GEMM or a loop elsewhere):
              run, a gather puts the unweighted outputs back in arrival order (the token's rank weights
              and sums them)
     experts  the experts call alone, on the Q rows already grouped by slot
+    before+orders  before with the two orders it gathers by built as that commit's plan built them on the
+             receiving rank for every layer call (`old_orders`: from the host's counts per (source rank,
+             slot), a host-to-device copy, an arange and a repeat_interleave, then the inverse by a scatter);
+             before alone has them precomputed, where after and fused build theirs inside the timed call
     after    today's path: M rows, one per (token, rank), with their side rows; `Dispatcher.dispatch_async`'s
              expand to the Q pairs in slot order, the experts, `Dispatcher.combine_async`'s weighted
              float32 pre-sum into one row per (token, rank); the library's own code, run through a
@@ -66,7 +70,8 @@ TOKENS, TINY_TOKENS = (1, 64, 512, 4096), (1, 16, 128)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 COLUMNS = ("shape", "R", "T", "rows before", "rows after", "before ms", "experts ms", "after ms", "after/before",
            "after/experts", "expand ms", "presum ms", "overhead ms", "rel err", "fused ms", "fused/before",
-           "fused err", "graphed before ms", "graphed fused ms", "graphed fused/before")
+           "fused err", "before+orders ms", "fused/before+orders", "graphed before ms", "graphed fused ms",
+           "graphed fused/before")
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,8 @@ class Arrival:
     Before: pairs_QD [Q, D] one row per pair in arrival order, order_Q / inverse_Q int64 [Q] to and from
     local-slot order, pair_rows_Q int64 [Q] and weights_Q float32 [Q] each pair's row and routing weight.
     After: meta (a `DispatchMeta` of the M rows, side rows included, for `LocalTransport`), x_MD [M, D],
-    rows_M int64 [M]. counts_S: int64 [S] pairs per local slot (host). tokens: R * T."""
+    rows_M int64 [M]. counts_S: int64 [S] pairs per local slot (host). tokens: R * T. recv_RS: the
+    pairs each source rank sends each local slot (host lists: what the old plan built its orders from)."""
 
     pairs_QD: torch.Tensor
     order_Q: torch.Tensor
@@ -121,6 +127,35 @@ class Arrival:
     rows_M: torch.Tensor
     counts_S: torch.Tensor
     tokens: int
+    recv_RS: list
+
+
+def old_orders(recv_RS: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, inverse) int64 [Q] between the pairs as they arrive (grouped by source rank, each rank's by
+    local slot) and local-slot order, built as the receiving rank's plan built them for every layer call
+    before one row per (token, rank) (7245fb6: `_slot_major_order`, `_inverse`): R S numbers worked on the
+    host, one host-to-device copy, the Q indices made on the device."""
+    R = len(recv_RS)
+    S = len(recv_RS[0]) if R else 0
+    start_RS, src = [], 0
+    for counts in recv_RS:  # where each (rank, slot) group begins in the received rows
+        start_RS.append([])
+        for n in counts:
+            start_RS[-1].append(src)
+            src += n
+    shift_G, length_G, dst = [], [], 0  # groups G = (slot, rank) in local order
+    for s in range(S):
+        for r in range(R):
+            n = recv_RS[r][s]
+            shift_G.append(start_RS[r][s] - dst)
+            length_G.append(n)
+            dst += n
+    shift_length = torch.tensor([shift_G, length_G], dtype=torch.int64).to(device, non_blocking=True)
+    order = torch.arange(dst, device=device) + torch.repeat_interleave(shift_length[0], shift_length[1],
+                                                                       output_size=dst)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=device)
+    return order, inverse
 
 
 def _routing(T: int, E: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +169,7 @@ def arrival(D: int, E: int, K: int, R: int, T: int, device: torch.device, dtype:
             seed: int = 0) -> Arrival:
     """Rank 0's rows from R ranks of T random tokens each (see `Arrival`); global slot = expert id."""
     gen, x_gen, S = torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed), E // R
-    pairs, slots, pair_rows, weights, xs, rows, sides = [], [], [], [], [], [], []
+    pairs, slots, pair_rows, weights, xs, rows, sides, recv_RS = [], [], [], [], [], [], [], []
     for r in range(R):
         x_TD = torch.randn(T, D, generator=x_gen, device=device).to(dtype)
         ids_TK, weights_TK = _routing(T, E, K, gen)
@@ -143,6 +178,7 @@ def arrival(D: int, E: int, K: int, R: int, T: int, device: torch.device, dtype:
         mine_N = order_N[:int((ids_TK < S).sum())]
         pairs.append(x_TD[(mine_N // K).to(device)])
         slots.append(ids_TK.reshape(-1)[mine_N] % S)
+        recv_RS.append(torch.bincount(slots[-1], minlength=S).tolist())
         pair_rows.append(r * T + mine_N // K)
         weights.append(weights_TK.reshape(-1)[mine_N])
         # after: the dispatcher's own layout; rank 0's rows are the first rows_R[0] of the send order
@@ -162,7 +198,7 @@ def arrival(D: int, E: int, K: int, R: int, T: int, device: torch.device, dtype:
     meta = DispatchMeta(num_tokens=M, top_k=K, send_tokens_N=every, send_rows_N=every,
                         side_NK2=torch.cat(sides).to(device), send_splits=(M,), recv_splits=(M,), counts_S=counts_S)
     return Arrival(torch.cat(pairs), order_Q.to(device), inverse_Q.to(device), torch.cat(pair_rows).to(device),
-                   torch.cat(weights).to(device), meta, x_MD, torch.cat(rows).to(device), counts_S, R * T)
+                   torch.cat(weights).to(device), meta, x_MD, torch.cat(rows).to(device), counts_S, R * T, recv_RS)
 
 
 def _timer(device: torch.device) -> Callable[[Callable], float]:
@@ -216,6 +252,10 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
     def before(counts: torch.Tensor = counts_S) -> torch.Tensor:
         return local.sorted(arr.pairs_QD[arr.order_Q], counts)[arr.inverse_Q]
 
+    def before_orders() -> torch.Tensor:
+        order_Q, inverse_Q = old_orders(arr.recv_RS, x_QD.device)
+        return local.sorted(arr.pairs_QD[order_Q], counts_S)[inverse_Q]
+
     def after() -> Pending:
         x = pending.wait()
         return transport.combine_async(local.sorted(x, counts_S), pending.received)
@@ -229,7 +269,8 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
             if local.summed else None
         return None if y_MD is None else transport.combine_async(y_MD, rec, summed=True)
 
-    times = {"before_ms": time_ms(before), "experts_ms": time_ms(lambda: local.sorted(x_QD, counts_S)),
+    times = {"before_ms": time_ms(before), "before_orders_ms": time_ms(before_orders),
+             "experts_ms": time_ms(lambda: local.sorted(x_QD, counts_S)),
              "after_ms": time_ms(after), "expand_ms": time_ms(pending.wait),
              "presum_ms": time_ms(lambda: transport.combine_async(y_QD, received))}
     fused_once = fused()
@@ -258,10 +299,13 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
             "after_over_before": times["after_ms"] / times["before_ms"],
             "after_over_experts": times["after_ms"] / times["experts_ms"],
             "fused_over_before": times["fused_ms"] / times["before_ms"],
+            "fused_over_before_orders": times["fused_ms"] / times["before_orders_ms"],
             "graphed_fused_over_before": times.get("graphed_fused_ms", math.nan) / times.get("graphed_before_ms",
                                                                                                 math.nan),
             "rel_err": rel_err(transport.combine_async(y_QD, received)), "fused_rel_err": rel_err(fused_once),
-            "same_expert_rows": torch.equal(x_QD, arr.pairs_QD[arr.order_Q])}
+            "same_expert_rows": torch.equal(x_QD, arr.pairs_QD[arr.order_Q]),
+            "same_old_orders": all(torch.equal(a, b) for a, b in zip(old_orders(arr.recv_RS, x_QD.device),
+                                                                     (arr.order_Q, arr.inverse_Q)))}
 
 
 def run(options: Options) -> list[dict]:
@@ -311,7 +355,8 @@ def _verdict(rows: list[dict], target: float = 1.03) -> str:
     if not rows:
         return "no rows measured"
     parts = []
-    for key in ("after_over_before", "after_over_experts", "fused_over_before", "graphed_fused_over_before"):
+    for key in ("after_over_before", "after_over_experts", "fused_over_before", "fused_over_before_orders",
+                "graphed_fused_over_before"):
         values = [r.get(key, math.nan) for r in rows]
         if all(math.isnan(v) for v in values):
             continue
@@ -344,6 +389,8 @@ def format_table(rows: list[dict]) -> list[str]:
         cells += [f"{r[k]:.4f}" for k in ("expand_ms", "presum_ms", "overhead_ms")] + [f"{r['rel_err']:.2e}"]
         cells += ["-"] * 3 if math.isnan(r["fused_ms"]) else [
             f"{r['fused_ms']:.4f}", f"{r['fused_over_before']:.3f}", f"{r['fused_rel_err']:.2e}"]
+        cells += [f"{r['before_orders_ms']:.4f}",
+                  "-" if math.isnan(r["fused_ms"]) else f"{r['fused_over_before_orders']:.3f}"]
         graphed = [r.get(k, math.nan) for k in ("graphed_before_ms", "graphed_fused_ms", "graphed_fused_over_before")]
         cells += ["-" if math.isnan(v) else f"{v:.4f}" for v in graphed[:2]]
         cells += ["-" if math.isnan(graphed[2]) else f"{graphed[2]:.3f}"]
