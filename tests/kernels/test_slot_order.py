@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 from test_moe_triton import DEVICE  # noqa: E402
 
 from thunderep.kernels.presum import positions  # noqa: E402
+from thunderep.kernels import slot_order as so  # noqa: E402
 from thunderep.kernels.slot_order import MAX_BLOCK, SORT_FROM, slot_order  # noqa: E402
 
 
@@ -35,8 +36,22 @@ def test_slot_order_equals_a_stable_sort_and_its_positions(N, S, mine, dtype):
     counts_S = torch.bincount(slot_N[slot_N < S], minlength=S)
     pairs, pos = slot_order(slot_N.to(dtype).to(DEVICE), counts_S)
     want_pairs, want_pos = _reference(slot_N, S)
-    assert pairs.dtype == torch.int64 and pos.dtype == torch.int32
-    assert torch.equal(pairs.cpu(), want_pairs) and torch.equal(pos.cpu(), want_pos)
+    assert pairs.dtype == torch.int32 and pos.dtype == torch.int32
+    assert torch.equal(pairs.cpu().long(), want_pairs) and torch.equal(pos.cpu(), want_pos)
+
+
+@pytest.mark.parametrize("prefix_max", [0, so.PREFIX_MAX])
+def test_both_ways_to_the_chunks_starts_give_the_sort(monkeypatch, prefix_max):
+    """Several chunks: each program sums the histogram table itself (up to PREFIX_MAX entries), or two cumsums
+    over it run between the launches (larger tables; forced here with PREFIX_MAX 0)."""
+    monkeypatch.setattr(so, "PREFIX_MAX", prefix_max)
+    N, S = 4 * MAX_BLOCK + 9, 12
+    gen = torch.Generator().manual_seed(7)
+    slot_N = torch.where(torch.rand(N, generator=gen) < 0.6, torch.randint(0, S, (N,), generator=gen), S)
+    counts_S = torch.bincount(slot_N[slot_N < S], minlength=S)
+    pairs, pos = slot_order(slot_N.to(DEVICE), counts_S)
+    want_pairs, want_pos = _reference(slot_N, S)
+    assert torch.equal(pairs.cpu().long(), want_pairs) and torch.equal(pos.cpu(), want_pos)
 
 
 @pytest.mark.parametrize("M,K,S", [(5, 8, 4), (300, 2, 3), (129, 8, 32), (0, 4, 2)])
@@ -49,4 +64,4 @@ def test_slot_order_reads_the_side_rows_as_they_arrive(M, K, S):
     counts_S = torch.bincount(slot_MK[slot_MK < S], minlength=S)
     pairs, pos = slot_order(side_MK2[:, K:], counts_S)
     want_pairs, want_pos = _reference(slot_MK.reshape(-1), S)
-    assert torch.equal(pairs.cpu(), want_pairs) and torch.equal(pos.cpu(), want_pos)
+    assert torch.equal(pairs.cpu().long(), want_pairs) and torch.equal(pos.cpu(), want_pos)

@@ -79,8 +79,8 @@ class DispatchMeta:
 class Received:
     """What one wave's dispatch brought this rank, for its combine.
 
-    meta: the wave's `DispatchMeta`. rows: M rows received. pairs_Q: int64 [Q] flat (row, k) index of
-    each pair this rank computes, in local-slot order. weights_N: [M * K] every received pair's routing
+    meta: the wave's `DispatchMeta`. rows: M rows received. pairs_Q: [Q] flat (row, k) index of each pair
+    this rank computes, in local-slot order (int32 where the kernels ordered them, else int64). weights_N: [M * K] every received pair's routing
     weight in flat order (0: another rank's; differentiable). positions_N: int32 [M * K] where each flat
     pair sits in pairs_Q (-1: another rank's), where the kernels computed the order, else None.
     weights_Q: [Q] the pairs' own, gathered on first use (the kernels' fused path reads weights_N alone)."""

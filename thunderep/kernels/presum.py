@@ -79,7 +79,7 @@ class _PreSum(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_y = (g_QD * w_N[pairs_Q].float().unsqueeze(-1)).to(y_QD.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = torch.zeros_like(w_N).index_copy_(0, pairs_Q, (g_QD * y_QD.float()).sum(-1).to(w_N.dtype))
+            grad_w = torch.zeros_like(w_N).index_copy_(0, pairs_Q.long(), (g_QD * y_QD.float()).sum(-1).to(w_N.dtype))
         return grad_y, grad_w, None, None, None
 
 
