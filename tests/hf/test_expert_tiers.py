@@ -311,10 +311,14 @@ def test_gpu_host_worker_decodes_the_tokens_of_the_in_line_tiers(checkpoints):
         tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto",
                                         gpu_memory=offload_budget(path, 0.5) // 2, offload_costs=HOST_WINS,
                                         offload=TierConfig(host_thread=thread))  # a quarter of 16-bit experts
-        assert (next(iter(tm.bindings.values())).tiers.jobs is not None) == (thread == "on")
+        jobs = next(iter(tm.bindings.values())).tiers.jobs
+        assert (jobs is not None) == (thread == "on")
+        handed = jobs.submitted if jobs is not None else 0
         tokens = tm.generate(x, max_new_tokens=24, do_sample=False)
         stats = tm.offload_stats()
         runs[thread] = (tokens, {k: v for k, v in stats.items() if k != "host_expert_seconds"})
+        if jobs is not None:  # every decode step's call of every tiered layer went to the worker
+            assert jobs.submitted - handed >= 23 * len(tm.bindings), (jobs.submitted - handed, len(tm.bindings))
     assert torch.equal(runs["on"][0], runs["off"][0])
     assert runs["on"][1] == runs["off"][1] and runs["on"][1]["rows_host"] > 0
 
@@ -354,8 +358,11 @@ def test_tiers_on_the_kernels_run_hot_rows_through_them(checkpoints, monkeypatch
         with torch.no_grad():
             got = tm(input_ids=x).logits.float()
             assert not launched
+            handed = tiers.jobs.submitted if tiers.jobs is not None else 0
             got_one = tm(input_ids=x[:1, :1]).logits.float()
         assert launched and all(p is not None for p in launched)  # every layer's hot share by the pair kernels
+        if tiers.jobs is not None:  # the one-token call of every tiered layer went to the worker
+            assert tiers.jobs.submitted - handed == len(tm.bindings)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got_one, want_one, rtol=2e-2, atol=2e-2)
         stats = tm.offload_stats()

@@ -152,6 +152,11 @@ class HostJobs:
         self.driver.enqueue_wait(torch.cuda.current_stream(self.device), self._address, number)
         return out.to(self.device, non_blocking=True), future
 
+    @property
+    def submitted(self) -> int:
+        """Jobs delivered so far (each layer call handed to the worker counts one)."""
+        return self._number
+
     def stamp(self) -> Stamp | None:
         """A mark after the work queued so far on the current stream (copies a job reads): the stream writes
         its number into host memory when it gets there; `Stamp.synchronize` waits for that by reading host
