@@ -42,14 +42,15 @@ def main() -> None:
 
         def fused():
             x = arrived.wait()
-            return transport.combine_async(local.summed(x, arr.counts_S, rec.pairs_Q, rec.weights_N, K), rec,
-                                           summed=True)
+            y_MD = local.summed(x, arr.counts_S, rec.pairs_Q, rec.weights_MK, K, rec.positions_N)
+            return transport.combine_async(y_MD, rec, summed=True)
 
         def before():
             return local.sorted(arr.pairs_QD[arr.order_Q], arr.counts_S)[arr.inverse_Q]
 
         parts = {"fused": fused, "before": before, "slot sort (arrival)": arrived.wait,
-                 "summed experts": lambda: local.summed(x_MD, arr.counts_S, rec.pairs_Q, rec.weights_N, K),
+                 "summed experts": lambda: local.summed(x_MD, arr.counts_S, rec.pairs_Q, rec.weights_MK, K,
+                                                         rec.positions_N),
                  "sorted experts": lambda: local.sorted(x_QD, arr.counts_S),
                  "pre-sum (expanded path)": lambda: transport.combine_async(x_QD, expanded.received)}
         with torch.no_grad():

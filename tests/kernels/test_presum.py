@@ -61,3 +61,16 @@ def test_positions_map_each_listed_pair_to_its_output_row_and_the_rest_to_minus_
     y = torch.arange(5, dtype=torch.float32, device=DEVICE).unsqueeze(1).repeat(1, 3)  # row q holds q
     out = presum_at(y, torch.full((12,), 0.5, device=DEVICE), pos, 3, 4)
     assert out[:, 0].tolist() == [0.5 * (4 + 1 + 3), 0.0, 0.5 * (2 + 0)]
+
+
+@pytest.mark.parametrize("M,K,D", [(7, 8, 40), (5, 2, 300)])
+def test_presum_at_reads_the_weights_in_place_from_the_side_rows(M, K, D):
+    """The dispatcher's side rows [M, 2K] (the weights, then the slots) hand their weight columns over as a
+    strided [M, K] view: the same sums, bit for bit, as the flat copy; int32 pairs as the slot order gives."""
+    y, w, pairs = _case(M, K, D, 3, torch.float32, seed=M * K)
+    side = torch.cat([w.view(M, K), torch.full((M, K), 7.0, device=DEVICE)], dim=1)
+    strided = side[:, :K]
+    assert not strided.is_contiguous()
+    pos = positions(pairs.to(torch.int32), M * K)
+    assert torch.equal(presum_at(y, strided, pos, M, K), presum_at(y, w, pos, M, K))
+    torch.testing.assert_close(presum_at(y, strided, pos, M, K), _torch_presum(y, w, pairs, M, K))

@@ -265,7 +265,7 @@ def measure(arr: Arrival, local: LocalExperts, time_ms: Callable[[Callable], flo
     def fused(counts: torch.Tensor = counts_S) -> Pending | None:
         x_MD = arrived.wait()  # the side rows' slots sorted, no rows expanded
         rec = arrived.received
-        y_MD = local.summed(x_MD, counts, rec.pairs_Q, rec.weights_N, rec.meta.top_k, rec.positions_N) \
+        y_MD = local.summed(x_MD, counts, rec.pairs_Q, rec.weights_MK, rec.meta.top_k, rec.positions_N) \
             if local.summed else None
         return None if y_MD is None else transport.combine_async(y_MD, rec, summed=True)
 

@@ -80,16 +80,21 @@ class Received:
     """What one wave's dispatch brought this rank, for its combine.
 
     meta: the wave's `DispatchMeta`. rows: M rows received. pairs_Q: [Q] flat (row, k) index of each pair
-    this rank computes, in local-slot order (int32 where the kernels ordered them, else int64). weights_N: [M * K] every received pair's routing
-    weight in flat order (0: another rank's; differentiable). positions_N: int32 [M * K] where each flat
-    pair sits in pairs_Q (-1: another rank's), where the kernels computed the order, else None.
-    weights_Q: [Q] the pairs' own, gathered on first use (the kernels' fused path reads weights_N alone)."""
+    this rank computes, in local-slot order (int32 where the kernels ordered them, else int64). weights_MK:
+    [M, K] every received pair's routing weight (0: another rank's; differentiable), the side rows' own
+    columns (strided, no copy). positions_N: int32 [M * K] where each flat pair sits in pairs_Q (-1: another
+    rank's), where the kernels computed the order, else None. weights_N / weights_Q: [M * K] flat and [Q] the
+    pairs' own, made on first use (the kernels' fused path and `presum_at` read weights_MK as it is)."""
 
     meta: DispatchMeta
     rows: int
     pairs_Q: torch.Tensor
-    weights_N: torch.Tensor
+    weights_MK: torch.Tensor
     positions_N: torch.Tensor | None = None
+
+    @functools.cached_property
+    def weights_N(self) -> torch.Tensor:
+        return self.weights_MK.reshape(-1)
 
     @functools.cached_property
     def weights_Q(self) -> torch.Tensor:
@@ -313,7 +318,7 @@ class Dispatcher:
         def arrived(x_MD: torch.Tensor) -> torch.Tensor:
             side_MK2 = side.wait()
             # the slots travel exactly (float32 of small integers, the exact codec): no rounding needed
-            weights_N, slot_MK = side_MK2[:, :K].reshape(-1), side_MK2[:, K:].detach()
+            weights_MK, slot_MK = side_MK2[:, :K], side_MK2[:, K:].detach()
             # pairs of this rank in local-slot order (row order within a slot); where the kernels run, one
             # launch over the side rows as they arrived that also says where each pair landed (the pre-sum's
             # positions), else a stable sort (on 16-bit keys where they fit: 2 radix passes, not 8)
@@ -325,7 +330,7 @@ class Dispatcher:
             else:
                 key = torch.int16 if meta.counts_S.shape[0] < 2**15 else torch.int32
                 pairs_Q = torch.argsort(slot_MK.to(key).reshape(-1), stable=True)[:int(meta.counts_S.sum())]
-            rows.received = Received(meta, x_MD.shape[0], pairs_Q, weights_N, positions_N)
+            rows.received = Received(meta, x_MD.shape[0], pairs_Q, weights_MK, positions_N)
             return self.expand(x_MD, rows.received) if expand else x_MD
 
         rows._finish = arrived
@@ -346,9 +351,9 @@ class Dispatcher:
         elif available(y_QD.device):  # one pass over the pairs, in registers
             from ..kernels.presum import presum, presum_at  # triton: optional, imported where the kernels run
 
-            grads = torch.is_grad_enabled() and (y_QD.requires_grad or received.weights_N.requires_grad)
+            grads = torch.is_grad_enabled() and (y_QD.requires_grad or received.weights_MK.requires_grad)
             if received.positions_N is not None and not grads:  # the positions the slot order gave
-                y_MD = presum_at(y_QD, received.weights_N, received.positions_N, received.rows, K)
+                y_MD = presum_at(y_QD, received.weights_MK, received.positions_N, received.rows, K)
             else:
                 y_MD = presum(y_QD, received.weights_N, received.pairs_Q, received.rows, K)
         else:

@@ -35,7 +35,8 @@ def supported(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, bias: b
 
 def check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm, subset=False):
     """InputError on inputs the kernels cannot take; `counts` None (the pair kernels take none) is not checked.
-    subset: `order` lists some of the T * K flat pairs, `weights` all of them (sorted_mlp.forward_summed)."""
+    subset: `order` lists some of the T * K flat pairs, `weights` all of them, [T * K] or [T, K]
+    (sorted_mlp.forward_summed)."""
     E, I2, D = w_gu.shape
     if gemm not in ("triton", "torch"):
         raise InputError(f"gemm must be 'triton' or 'torch', got {gemm!r}")
@@ -58,7 +59,8 @@ def check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm, subset=
     if order is not None and (order.shape[0] > flat if subset else order.shape[0] != flat):
         raise InputError(f"order_N has {order.shape[0]} rows; x has {x.shape[0]} tokens x top_k {top_k} = "
                          f"{flat}{' (at most)' if subset else ''}")
-    if order is not None and weights is not None and weights.shape != ((flat,) if subset else order.shape):
+    fits = ((flat,), (x.shape[0], top_k)) if subset else (order.shape if order is not None else None,)
+    if order is not None and weights is not None and weights.shape not in fits:
         raise InputError(f"weights {tuple(weights.shape)} must match "
                          f"{'the ' + str(flat) + ' flat pairs' if subset else 'order ' + str(tuple(order.shape))}")
     if counts is not None and counts.device.type == "cpu":  # no sync here; on a GPU, see moe_mlp

@@ -209,10 +209,10 @@ def moe_mlp_summed(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI:
     """Some of the (token, k) pairs, weighted and summed per token: y_TD [T, D] in x's dtype (float32 sums).
 
     The receiving rank of expert parallelism: x_TD its received rows (one per (token, rank)), order_Q the
-    flat pairs t * top_k + k its experts compute, grouped by expert by counts_E, weights_N [T * top_k]
-    every pair's routing weight in flat order. The gather of the rows is the up kernel's A load (or one
-    gather for the grouped GEMM route), the weighting and the per-row sum one pass over the outputs after
-    the down kernel (sorted_mlp.forward_summed, presum.py; positions_N: int32 [T * top_k], where each flat pair
+    flat pairs t * top_k + k its experts compute, grouped by expert by counts_E, weights_N [T * top_k] or
+    [T, top_k] (any strides: read in place) every pair's routing weight. The gather of the rows is the up
+    kernel's A load (or one gather for the grouped GEMM route), the weighting and the per-row sum one pass
+    over the outputs after the down kernel (sorted_mlp.forward_summed, presum.py; positions_N: int32 [T * top_k], where each flat pair
     sits in order_Q, -1 for the others, where the caller has it: `kernels.slot_order`). Inference
     only: None where gradients are needed (the caller then expands the rows and runs `moe_mlp`, whose
     backward exists). FP8 weights as in `moe_mlp`, 4-bit ones dequantized for the call."""
@@ -229,9 +229,10 @@ def moe_mlp_summed(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI:
     counts = counts_E.to(device=x_TD.device, dtype=torch.int32, non_blocking=True)
     E, I2, D = w_gate_up_E2ID.shape
     gemm = "triton" if fp8 else G.gemm_path(x_TD, order_Q.shape[0], E, D, I2 // 2)
+    weights = weights_N if weights_N.dim() == 2 else weights_N.reshape(-1)  # [T, K] read in place, strided or not
     return sorted_mlp.forward_summed(x_TD.contiguous(), w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous(),
-                                     order_Q.to(torch.int32), counts, weights_N.reshape(-1).contiguous(), top_k, activation,
-                                     interleaved, gemm, positions_N)
+                                     order_Q.to(torch.int32), counts, weights, top_k, activation, interleaved, gemm,
+                                     positions_N)
 
 
 _route_op = torch.library.custom_op("thunderep::route", mutates_args=())(sorted_mlp.route)

@@ -13,7 +13,7 @@ once: Q D + M D elements, the floor. No atomics, so the sums are deterministic.
 
     positions(pairs_Q, N)               int32 [N]: q where pairs_Q[q] = n, else -1 (no host sync)
     presum(y_QD, w_N, pairs_Q, M, K)    [M, D] in y's dtype; differentiable in y and w (backward: gathers)
-    presum_at(y_QD, w_N, pos_N, M, K)   the same from `positions`, not differentiable
+    presum_at(y_QD, w, pos_N, M, K)     the same from `positions` (w [M K] or [M, K] strided), not differentiable
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ MAX_BLOCK_D = 1024  # columns a program sums: 8 a thread on 4 warps, 16-byte loa
 
 
 @triton.jit
-def _presum_kernel(y_ptr, w_ptr, pos_ptr, out_ptr, D, stride_y, stride_out, K: tl.constexpr,
+def _presum_kernel(y_ptr, w_ptr, pos_ptr, out_ptr, D, stride_y, stride_out, stride_wm, stride_wk, K: tl.constexpr,
                    BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -36,7 +36,7 @@ def _presum_kernel(y_ptr, w_ptr, pos_ptr, out_ptr, D, stride_y, stride_out, K: t
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(K):  # the K loads are independent (masked, no branch): all in flight at once
         q = tl.load(pos_ptr + row * K + k)
-        w = tl.where(q >= 0, tl.load(w_ptr + row * K + k).to(tl.float32), 0.0)
+        w = tl.where(q >= 0, tl.load(w_ptr + row * stride_wm + k * stride_wk).to(tl.float32), 0.0)
         here = inside & ((cols * 0 + q) >= 0)  # the pair's test on every column (a block mask)
         y = tl.load(y_ptr + tl.maximum(q, 0).to(tl.int64) * stride_y + cols, mask=here, other=0.0)
         acc += y.to(tl.float32) * w
@@ -51,16 +51,19 @@ def positions(pairs_Q: torch.Tensor, N: int) -> torch.Tensor:
     return pos
 
 
-def presum_at(y_QD: torch.Tensor, w_N: torch.Tensor, pos_N: torch.Tensor, M: int, K: int) -> torch.Tensor:
-    """[M, D]: row m = sum over k in order of w_N[m K + k] * y_QD[pos_N[m K + k]] (pairs with pos -1
-    skipped), summed in float32 and returned in y's dtype."""
+def presum_at(y_QD: torch.Tensor, w: torch.Tensor, pos_N: torch.Tensor, M: int, K: int) -> torch.Tensor:
+    """[M, D]: row m = sum over k in order of w[m, k] * y_QD[pos_N[m K + k]] (pairs with pos -1 skipped),
+    summed in float32 and returned in y's dtype. w: [M * K] flat, or [M, K] of any strides (the
+    dispatcher's side rows as they arrived: read in place, no copy)."""
     D = y_QD.shape[-1]
     out = torch.empty(M, D, dtype=y_QD.dtype, device=y_QD.device)
     if M and D:
         y = y_QD.contiguous()
+        w_MK = w if w.dim() == 2 else w.view(M, K)
         block = min(MAX_BLOCK_D, triton.next_power_of_2(D))
-        _presum_kernel[(M, triton.cdiv(D, block))](y, w_N.contiguous(), pos_N, out, D, y.stride(0), out.stride(0),
-                                                   K=K, BLOCK=block, num_warps=4 if block >= 512 else 1)
+        _presum_kernel[(M, triton.cdiv(D, block))](y, w_MK, pos_N, out, D, y.stride(0), out.stride(0), w_MK.stride(0),
+                                                   w_MK.stride(1), K=K, BLOCK=block,
+                                                   num_warps=4 if block >= 512 else 1)
     return out
 
 

@@ -193,7 +193,8 @@ def forward_summed(
     pair sits in `order` (-1: not listed), or None (then computed here: `presum.positions`).
 
     x: x_TD. order: [Q] int32, the flat pairs t * K + k to compute, grouped by expert by `counts` (any
-    subset of the T * K pairs: a row whose pairs are all absent comes out 0). weights: [T * K] flat.
+    subset of the T * K pairs: a row whose pairs are all absent comes out 0). weights: [T * K] flat, or
+    [T, K] of any strides (read in place).
     The triton path gathers each pair's row in the up kernel (no expanded copy of x), the torch path
     gathers the rows once for its grouped GEMMs; both write the pairs' outputs in `order` and sum each
     row's pairs in one pass (presum.py: in k order, no atomics). Inference: nothing is saved for backward."""

@@ -59,8 +59,9 @@ class LocalExperts:
     pairs(x_TD, local_TK, weights_TK, fallback, num_experts, kind): the decode pair kernels' weighted
         [T, D] share (local_TK -1: another rank's expert), or None where they do not apply. None: no
         such kernels.
-    summed(x_MD, counts_S, pairs_Q, weights_N, top_k, positions_N): ep mode's received rows, weighted [M, D]:
-        row m sums its pairs m * top_k + k listed in pairs_Q (grouped by slot) with weights_N [M * top_k],
+    summed(x_MD, counts_S, pairs_Q, weights_MK, top_k, positions_N): ep mode's received rows, weighted [M, D]:
+        row m sums its pairs m * top_k + k listed in pairs_Q (grouped by slot) with weights_MK [M, top_k]
+        (any strides, or flat [M * top_k]),
         the expand fused into the experts' input gather and the pre-sum one pass after them (positions_N:
         where each flat pair sits in pairs_Q, or None); None where that does not apply (gradients). None:
         no such kernels.
@@ -253,7 +254,7 @@ class ExpertParallelMoE:
         received = rows.received
         if experts.summed is not None:
             K = meta.top_k
-            y_MD = experts.summed(x_MD, meta.counts_S, received.pairs_Q, received.weights_N, K, received.positions_N)
+            y_MD = experts.summed(x_MD, meta.counts_S, received.pairs_Q, received.weights_MK, K, received.positions_N)
             if y_MD is not None:
                 return dispatcher.combine_async(y_MD, received, summed=True)
         x_QD = dispatcher.expand(x_MD, received)  # one row per pair of this rank, grouped by local slot
