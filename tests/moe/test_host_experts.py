@@ -354,3 +354,24 @@ def test_partial_equals_the_weighted_sum_over_the_pairs_this_rank_holds(costs, h
     assert tiers.rows_S.tolist() == [2, 1, 1, 1, 2, 1]
     assert tiers.partial(torch.randn(43, D), torch.zeros(43, 3, dtype=torch.int64), torch.rand(43, 3)) is None
     assert tiers.partial(x_TD.requires_grad_(), local_TK, w_TK) is None
+
+
+@pytest.mark.parametrize("ema", [0.0, 0.5, 0.9])
+def test_the_counts_and_their_ema_equal_the_per_call_formula(ema):
+    """`_observe` keeps the rows per slot and their EMA as lists and a scale, updating only the slots a call
+    has rows on: over 3000 calls (the scale folded back many times at ema 0.5; every call at ema 0) the
+    totals equal the plain sums, and the EMA the per-call formula ema x past + (1 - ema) x rows, whichever
+    form the counts come in (a tensor, a list, {slot: rows})."""
+    costs = OffloadCosts(host_flops=1e9, device_flops=1e15, h2d_Bps=1e9, host_call_s=1e-3, host_row_s=1e-4)
+    tiers = _tiers(costs, 2, cold_path="host", ema=ema)
+    gen = torch.Generator().manual_seed(3)
+    want_rows, want_ema = torch.zeros(S, dtype=torch.int64), torch.zeros(S, dtype=torch.float64)
+    for call in range(3000):
+        counts = torch.randint(0, 3, (S,), generator=gen) * (torch.rand(S, generator=gen) < 0.3)
+        form = call % 3
+        tiers._observe(counts if form == 0 else counts.tolist() if form == 1 else
+                       {s: int(n) for s, n in enumerate(counts.tolist()) if n})
+        want_rows += counts
+        want_ema = want_ema * ema + counts.double() * (1 - ema)
+    assert tiers.calls == 3000 and torch.equal(tiers.rows_S, want_rows)
+    torch.testing.assert_close(tiers.ema_S, want_ema, rtol=1e-12, atol=1e-12)

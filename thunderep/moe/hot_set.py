@@ -24,17 +24,49 @@ __all__ = ["HotSetRule"]
 
 
 class HotSetRule:
-    """The hot-set rule over the state `ExpertTiers` keeps: calls (layer calls counted), rows_S / ema_S (rows
-    per slot in all and their load EMA, host tensors), costs (`OffloadCosts`), config (`TierConfig`),
-    num_slots, capacity, slot_bytes / slot_params (one slot's), hot_slots and _row_of (the hot set and each
-    hot slot's entry), _chosen_at (the call count of the last re-choice), and `set_hot`."""
+    """The hot-set rule over the state `ExpertTiers` keeps: calls (layer calls counted), costs
+    (`OffloadCosts`), config (`TierConfig`), num_slots, capacity, slot_bytes / slot_params (one slot's),
+    hot_slots and _row_of (the hot set and each hot slot's entry), _chosen_at (the call count of the last
+    re-choice), and `set_hot`; and the counts `_observe` keeps (`_counting` starts them): rows_S / ema_S,
+    the rows per slot in all and their load EMA.
 
-    def _observe(self, counts_S) -> None:
-        """Count one call's rows per slot (host int64 [S], or a list) into the totals and the load EMA."""
+    Every layer call is counted, and a decode step's call has rows on a few slots of many: the counts are
+    Python lists updated on those slots alone, and the EMA is held as scale x values (the decay of a call
+    multiplies the scale, a call's rows add (1 - ema) / scale to their slots' values), folded back where the
+    scale gets small: a few microseconds a call on the host, where whole-[S] tensor updates took tens."""
+
+    def _counting(self) -> None:
+        self._rows = [0] * self.num_slots
+        self._ema, self._scale = [0.0] * self.num_slots, 1.0
+
+    @property
+    def rows_S(self) -> torch.Tensor:
+        """int64 [S] rows counted per slot over every call."""
+        return torch.tensor(self._rows, dtype=torch.int64)
+
+    @property
+    def ema_S(self) -> torch.Tensor:
+        """float64 [S] each slot's load EMA (rows per call; the past weighted by `TierConfig.ema` a call)."""
+        return torch.tensor(self._ema, dtype=torch.float64) * self._scale
+
+    def _observe(self, counts) -> None:
+        """Count one call's rows per slot (host int64 [S], a list of S, or {slot: rows}) into the totals and
+        the load EMA."""
         self.calls += 1
-        counts = torch.as_tensor(counts_S, dtype=torch.int64)
-        self.rows_S += counts
-        self.ema_S.mul_(self.config.ema).add_(counts, alpha=1 - self.config.ema)
+        decay = self.config.ema
+        if self._scale * decay < 1e-200:  # fold the scale into the values (also ema 0: the last call alone)
+            self._ema, self._scale = [e * self._scale * decay for e in self._ema], 1.0
+        else:
+            self._scale *= decay
+        add = (1 - decay) / self._scale
+        if isinstance(counts, dict):
+            items = counts.items()
+        else:
+            items = enumerate(counts.tolist() if isinstance(counts, torch.Tensor) else counts)
+        for s, n in items:
+            if n:
+                self._rows[s] += n
+                self._ema[s] += n * add
 
     def _top(self, load: torch.Tensor) -> list[int]:
         load = load.tolist()

@@ -104,8 +104,7 @@ class ExpertTiers(HotSetRule):
         self.hot = {n: torch.empty((hot_slots, *t.shape[1:]), dtype=t.dtype, device=self.device)
                     for n, t in host.items()}
         self.hot_slots: list[int] = []
-        self.rows_S = torch.zeros(self.num_slots, dtype=torch.int64)  # rows counted per slot (calibration)
-        self.ema_S = torch.zeros(self.num_slots, dtype=torch.float64)
+        self._counting()  # rows per slot in all (calibration) and their load EMA (`HotSetRule`)
         self.calls = 0
         self.stats = TierStats()
         self.set_hot(list(range(hot_slots)), count=False)
@@ -304,7 +303,7 @@ class ExpertTiers(HotSetRule):
         counts = [0] * self.num_slots
         for s, pairs in by_slot.items():
             counts[s] = len(pairs)
-        self._observe(counts)
+        self._observe({s: counts[s] for s in by_slot})
         return by_slot, counts
 
     def _split(self, by_slot: dict, counts: list[int]) -> tuple[list[int], list[int]]:
