@@ -19,8 +19,9 @@ after the copy (`cuStreamWriteValue32`; `HostJobs.stamp`) and the worker reads i
 at all. A CUDA call from the worker (an event's synchronize) can wait on a lock that a synchronizing call of
 the launching thread (a device allocation, a copy from pageable memory) holds while it waits for the
 stream, which waits for the worker: on an H200 a job stalled until the watchdog below released it
-(docs/benchmarks/2026-12-05-expert-offload-h200.md, sixth run), and this is the inferred, not confirmed,
-cause.
+(docs/benchmarks/2026-12-05-expert-offload-h200.md, sixth run), and this is the inferred cause; without
+the CUDA call the same model ran to the end on an H100 (seventh run), which fits it. There it decoded
+no faster than in line, so `TierConfig.host_thread` stays off by default.
 
 Bounded: the worker raises the flag whatever the job does (`finally`, and a done callback where the job never
 ran), so the device never waits on a failed job; the failure is kept and raised (`ThunderError`, naming the

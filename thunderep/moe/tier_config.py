@@ -47,8 +47,9 @@ class TierConfig:
     host_thread: where a decode call's host experts run (`thunderep.moe.host_jobs`): "off" (the default), in
     line; "auto", on the device's host worker where its stream can wait for host memory, so that the
     launching thread goes on; "on", on the worker always (on a CPU joined at once: for tests). Off by
-    default: on a GPU with a real-sized model the worker's job stalled until the watchdog released it
-    (docs/benchmarks/2026-12-05-expert-offload-h200.md, sixth run); tiny models pass."""
+    default: on a GPU with a real-sized model the worker decoded no faster than in line at batch 1 and
+    slower at batch 8 (docs/benchmarks/2026-12-05-expert-offload-h200.md, seventh run; in the sixth, while
+    it still waited on a CUDA event, its jobs stalled until the watchdog released them)."""
 
     cold_path: str = "auto"
     calibration_calls: int = 4
