@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -68,6 +69,9 @@ def main() -> None:
     timed(tiers.ExpertTiers, "_summed_on_host", "host experts")
     timed(tiers.ExpertTiers, "settle", "settle")
     timed(host_jobs.HostJobs, "wait_ready", "stamp wait")
+    print(f"host: {psutil.cpu_count(logical=False)} physical cores, {psutil.cpu_count()} logical, torch threads "
+          f"{torch.get_num_threads()} (the worker's products take one fewer; where two logical cores share a "
+          f"physical one, they can slow the launching thread)", flush=True)
     cuda = not args.tiny
     bench = OffloadBench(shape=args.shape, layers=0, dir=args.dir, tiny=args.tiny, device="cuda" if cuda else "cpu")
     path = build_checkpoint(bench, Path(args.dir))
