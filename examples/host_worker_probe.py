@@ -1,10 +1,11 @@
 """Where a decode step's time goes with the host worker (`TierConfig.host_thread`) against in line, on the
 offload benchmark's model at one hot fraction.
 
-    python examples/host_worker_probe.py --dir /tmp/q3 [--fraction 0.25] [--threads off,auto] [--tokens 32]
+    python examples/host_worker_probe.py --dir /tmp/q3 [--fraction 0.25] [--threads off,auto,auto:8] [--tokens 32]
 
-Needs a CUDA GPU (--tiny: a tiny model on the CPU, "on" forcing the worker, joined at once: a check of
-this script). For each `host_thread` value: the model loaded with ThunderEP's kernels, one warm-up
+"auto:8": the worker's products on 8 threads (`TierConfig.host_worker_threads`). Needs a CUDA GPU
+(--tiny: a tiny model on the CPU, "on" forcing the worker, joined at once: a check of this script; there
+the calls stay in line, as no pair kernels take the hot share). For each `host_thread` value: the model loaded with ThunderEP's kernels, one warm-up
 generate(), then two greedy generate() calls of --tokens new tokens at batch 1 (the best one's decode
 tokens/s), and per token, summed over the layers and split by the thread that spent it: the time inside
 `ExpertTiers.partial` (the launching thread's share of the tiered layers), the host experts
@@ -61,7 +62,8 @@ def main() -> None:
     parser.add_argument("--dir", required=True, help="the offload benchmark's checkpoint directory (built if absent)")
     parser.add_argument("--shape", default="qwen3")
     parser.add_argument("--fraction", type=float, default=0.25)
-    parser.add_argument("--threads", default="off,auto", help="host_thread values, comma-separated")
+    parser.add_argument("--threads", default="off,auto", help="host_thread values, comma-separated; auto:N or on:N: "
+                        "the worker's products on N threads")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--tiny", action="store_true", help="hidden 64, 8 experts, on the CPU (a check of this script)")
     args = parser.parse_args()
@@ -78,9 +80,10 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     ((budget, _),) = budgets(path, [args.fraction], dtype).values()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    for thread in args.threads.split(","):
+    for variant in args.threads.split(","):
+        thread, _, count = variant.partition(":")
         tm = ThunderMoE.from_pretrained(path, dtype=dtype, device=device, gpu_memory=budget,
-                                        offload=TierConfig(host_thread=thread),
+                                        offload=TierConfig(host_thread=thread, host_worker_threads=int(count or 0)),
                                         experts_implementation="auto" if cuda else None).eval()
         vocab = tm.model.config.get_text_config().vocab_size
         gen = torch.Generator().manual_seed(0)
@@ -93,7 +96,7 @@ def main() -> None:
             SPENT.clear()
             seconds = min(decode_seconds(tm, prompt(), args.tokens) for _ in range(2))
             steps = 2 * args.tokens
-            print(f"== host_thread {thread}: decode b=1 {(args.tokens - 1) / seconds:.2f} tokens/s; ms per token: "
+            print(f"== host_thread {variant}: decode b=1 {(args.tokens - 1) / seconds:.2f} tokens/s; ms per token: "
                   + ", ".join(f"{what} on {name} {s / steps * 1e3:.2f}" for (what, name), s in sorted(SPENT.items())),
                   flush=True)
             with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:

@@ -132,6 +132,24 @@ def test_host_thread_settings():
         TierConfig(host_thread="yes")
 
 
+def test_the_worker_takes_the_threads_its_setting_asks_for():
+    """host_worker_threads sets the threads the worker's products run on (0: the process's, here a CPU); each
+    setting has its own worker; a bad count is refused, naming the default."""
+    def threads_in_a_job(jobs: HostJobs) -> int:
+        seen = []
+        jobs.deliver(lambda: seen.append(torch.get_num_threads()), torch.zeros(1))
+        return seen[0]
+
+    default, one = _tiers(2, "on").jobs, ExpertTiers(
+        _experts(), 2, torch.device("cpu"), lambda *a: None, HOST, Staging(_experts(), torch.device("cpu")),
+        TierConfig(host_thread="on", host_worker_threads=1)).jobs
+    assert default is not one and one.threads == 1 and threads_in_a_job(one) == 1
+    assert threads_in_a_job(default) == default.threads >= 1  # the process's when it was made (a CPU)
+    assert HostJobs.of(torch.device("cpu"), 1) is one  # the same setting, the same worker
+    with pytest.raises(ConfigError, match="host_worker_threads must be a whole number >= 0"):
+        TierConfig(host_worker_threads=-1)
+
+
 @pytest.mark.gpu
 def test_gpu_the_stream_waits_for_the_job_and_the_launching_thread_does_not():
     """On CUDA: `deliver` returns while its job still sleeps; each job sees the copy queued before its stamp

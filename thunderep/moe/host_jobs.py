@@ -54,7 +54,7 @@ __all__ = ["HostJobs", "Stamp", "device_waits", "jobs_for"]
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: until (int32)(*addr - value) >= 0
 _PROBED: dict[int, bool] = {}  # CUDA device index -> whether the stream wait works there
-_JOBS: dict[str, HostJobs] = {}  # str(device) -> its jobs (one worker thread a device)
+_JOBS: dict[tuple, HostJobs] = {}  # (str(device), threads) -> its jobs (one worker thread a device and setting)
 _LOCK = threading.Lock()
 
 
@@ -99,14 +99,17 @@ class HostJobs:
     """One worker thread for one device's host jobs, and the flag its stream waits on (module docstring).
     driver: the CUDA driver's functions (None: a CPU, where `deliver` joins each job)."""
 
-    def __init__(self, device: torch.device, driver: _Driver | None = None, timeout_s: float = 60.0):
+    def __init__(self, device: torch.device, driver: _Driver | None = None, timeout_s: float = 60.0,
+                 threads: int = 0):
         self.device, self.driver, self.timeout_s = torch.device(device), driver, timeout_s
         self._pending: deque = deque()  # (number, name, submitted at) of the jobs not ended, oldest first
         self._watchdog: threading.Thread | None = None
-        # on CUDA the launching thread keeps running while the worker computes: the worker's products use one
-        # thread fewer than the process's, so that none of them shares a core with it (each product waits for
-        # its slowest thread)
-        threads = max(1, torch.get_num_threads() - 1) if driver is not None else torch.get_num_threads()
+        # on CUDA the launching thread keeps running while the worker computes: by default the worker's
+        # products use one thread fewer than the process's, so that none of them shares a core with it (each
+        # product waits for its slowest thread); `threads` (TierConfig.host_worker_threads) sets them
+        if not threads:
+            threads = max(1, torch.get_num_threads() - 1) if driver is not None else torch.get_num_threads()
+        self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"thunderep-host-{self.device}",
                                         initializer=torch.set_num_threads, initargs=(threads,))
         self._number = 0
@@ -122,15 +125,17 @@ class HostJobs:
         self._stamped = 0
 
     @classmethod
-    def of(cls, device: torch.device) -> HostJobs:
-        """The jobs of `device` (made on first use; the driver's probe passed there: `device_waits`)."""
+    def of(cls, device: torch.device, threads: int = 0) -> HostJobs:
+        """The jobs of `device` whose products take `threads` threads (0: the default; see `__init__`), made on
+        first use (the driver's probe passed there: `device_waits`)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        key = (str(device), threads)
         with _LOCK:
-            if str(device) not in _JOBS:
-                _JOBS[str(device)] = cls(device, _Driver() if device.type == "cuda" else None)
-            return _JOBS[str(device)]
+            if key not in _JOBS:
+                _JOBS[key] = cls(device, _Driver() if device.type == "cuda" else None, threads=threads)
+            return _JOBS[key]
 
     def deliver(self, job: Callable[[], None], out: torch.Tensor, name: str = "host job") -> tuple[torch.Tensor, Future]:
         """`job` (which fills `out`, host memory) run on the worker; returns (`out` as the current stream will
@@ -291,9 +296,10 @@ def jobs_for(config, device: torch.device) -> HostJobs | None:
     cold_path, or None."""
     if config.host_thread == "off" or config.cold_path == "stream":
         return None
+    threads = config.host_worker_threads
     if config.host_thread == "auto":
-        return HostJobs.of(device) if device_waits(device) else None
+        return HostJobs.of(device, threads) if device_waits(device) else None
     if device.type == "cuda" and not device_waits(device):
         raise ConfigError(f"host_thread 'on' needs a CUDA driver whose streams can wait for host memory "
                           f"(cuStreamWaitValue32), which {device} lacks here: use 'auto' or 'off'")
-    return HostJobs.of(device)
+    return HostJobs.of(device, threads)
