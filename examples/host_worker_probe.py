@@ -5,13 +5,13 @@ offload benchmark's model at one hot fraction.
 
 "auto:8": the worker's products on 8 threads (`TierConfig.host_worker_threads`). Needs a CUDA GPU
 (--tiny: a tiny model on the CPU, "on" forcing the worker, joined at once: a check of this script; there
-the calls stay in line, as no pair kernels take the hot share). For each `host_thread` value: the model loaded with ThunderEP's kernels, one warm-up
-generate(), then two greedy generate() calls of --tokens new tokens at batch 1 (the best one's decode
-tokens/s), and per token, summed over the layers and split by the thread that spent it: the time inside
-`ExpertTiers.partial` (the launching thread's share of the tiered layers), the host experts
+the calls stay in line, as no pair kernels take the hot share). For each `host_thread` value: the model loaded with
+ThunderEP's kernels, one warm-up generate(), then two greedy generate() calls of --tokens new tokens at batch 1 (the
+best one's decode tokens/s), and per token, summed over the layers and split by the thread that spent it: the time
+inside `ExpertTiers.partial` (the launching thread's share of the tiered layers), the host experts
 (`_summed_on_host`: on the worker where it took them), the worker's wait for the stream's stamp
-(`HostJobs.wait_ready`) and `settle`; then the operators of one 9-token generate() by host time (a wait
-for the device shows as a synchronizing call with a large self time). The worker pays off where its
+(`HostJobs.wait_ready`) and `settle`; then the operators of one 9-token generate() by host time (a wait for the
+device shows as a synchronizing call with a large self time). The worker pays off where its
 host experts overlap the launching thread's launches: per token, the worker's time beside a shorter
 `partial` on the launching thread; where `partial` stays as long as in line, the two take turns."""
 

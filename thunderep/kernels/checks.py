@@ -59,8 +59,8 @@ def check(x, w_gu, w_d, order, counts, weights, top_k, activation, gemm, subset=
     if order is not None and (order.shape[0] > flat if subset else order.shape[0] != flat):
         raise InputError(f"order_N has {order.shape[0]} rows; x has {x.shape[0]} tokens x top_k {top_k} = "
                          f"{flat}{' (at most)' if subset else ''}")
-    fits = ((flat,), (x.shape[0], top_k)) if subset else (order.shape if order is not None else None,)
-    if order is not None and weights is not None and weights.shape not in fits:
+    if order is not None and weights is not None and \
+            weights.shape not in (((flat,), (x.shape[0], top_k)) if subset else (order.shape,)):
         raise InputError(f"weights {tuple(weights.shape)} must match "
                          f"{'the ' + str(flat) + ' flat pairs' if subset else 'order ' + str(tuple(order.shape))}")
     if counts is not None and counts.device.type == "cpu":  # no sync here; on a GPU, see moe_mlp

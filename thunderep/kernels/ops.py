@@ -212,8 +212,9 @@ def moe_mlp_summed(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI:
     flat pairs t * top_k + k its experts compute, grouped by expert by counts_E, weights_N [T * top_k] or
     [T, top_k] (any strides: read in place) every pair's routing weight. The gather of the rows is the up
     kernel's A load (or one gather for the grouped GEMM route), the weighting and the per-row sum one pass
-    over the outputs after the down kernel (sorted_mlp.forward_summed, presum.py; positions_N: int32 [T * top_k], where each flat pair
-    sits in order_Q, -1 for the others, where the caller has it: `kernels.slot_order`). Inference
+    over the outputs after the down kernel (sorted_mlp.forward_summed, presum.py; positions_N: int32
+    [T * top_k], where each flat pair sits in order_Q, -1 for the others, where the caller has it:
+    `kernels.slot_order`). Inference
     only: None where gradients are needed (the caller then expands the rows and runs `moe_mlp`, whose
     backward exists). FP8 weights as in `moe_mlp`, 4-bit ones dequantized for the call."""
     checks.check_integer("counts_E", counts_E)

@@ -217,10 +217,10 @@ class FusedExperts(nn.Module):
                        weights_N: torch.Tensor, top_k: int, positions_N: torch.Tensor | None = None
                        ) -> torch.Tensor | None:
         """[M, D] rows, each row m's pairs m * top_k + k listed in `pairs_Q` (grouped by local expert per
-        counts_E) weighted by weights_N ([M * top_k], or [M, top_k] of any strides) and summed in float32, through the kernels (the
-        expert-parallel receiving rank: the expand is the kernels' row gather, the pre-sum one pass after
-        them); positions_N: where each flat pair sits in pairs_Q, where the caller has it. None where the
-        kernels do not apply (no CUDA kernels here, or gradients needed)."""
+        counts_E) weighted by weights_N ([M * top_k], or [M, top_k] of any strides) and summed in float32,
+        through the kernels (the expert-parallel receiving rank: the expand is the kernels' row gather, the
+        pre-sum one pass after them); positions_N: where each flat pair sits in pairs_Q, where the caller has
+        it. None where the kernels do not apply (no CUDA kernels here, or gradients needed)."""
         if not _use_triton(x_MD, self.gate_up_proj, self.config):
             return None
         from ..kernels.ops import moe_mlp_summed  # triton: optional (the Triton kernels import it)

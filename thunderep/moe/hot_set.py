@@ -47,7 +47,11 @@ class HotSetRule:
     @property
     def ema_S(self) -> torch.Tensor:
         """float64 [S] each slot's load EMA (rows per call; the past weighted by `TierConfig.ema` a call)."""
-        return torch.tensor(self._ema, dtype=torch.float64) * self._scale
+        return torch.tensor(self._loads(), dtype=torch.float64)
+
+    def _loads(self) -> list[float]:
+        """Each slot's load EMA as floats (`ema_S`'s values, without the tensor)."""
+        return [e * self._scale for e in self._ema]
 
     def _observe(self, counts) -> None:
         """Count one call's rows per slot (host int64 [S], a list of S, or {slot: rows}) into the totals and
@@ -68,8 +72,7 @@ class HotSetRule:
                 self._rows[s] += n
                 self._ema[s] += n * add
 
-    def _top(self, load: torch.Tensor) -> list[int]:
-        load = load.tolist()
+    def _top(self, load: list) -> list[int]:
         return sorted(sorted(range(self.num_slots), key=lambda s: -load[s])[:self.capacity])
 
     def worth(self, rows: float, row_bytes: int) -> float:
@@ -82,7 +85,7 @@ class HotSetRule:
         """(cold slot in, hot slot out) pairs the rule of the module docstring makes now, best first."""
         c = self.config
         copy_s = self.slot_bytes / self.costs.h2d_Bps
-        ema = self.ema_S.tolist()
+        ema = self._loads()
         worth = {s: self.worth(ema[s], row_bytes) for s in range(self.num_slots)}
         ins = sorted((s for s in range(self.num_slots) if s not in self._row_of), key=lambda s: -worth[s])
         outs = sorted(self.hot_slots, key=lambda s: worth[s])
@@ -105,7 +108,7 @@ class HotSetRule:
             return False
         self._chosen_at = self.calls
         if self.calls == c.calibration_calls:
-            best = self._top(self.rows_S)
+            best = self._top(self._rows)
             changed = set(best) != set(self.hot_slots)
             self.set_hot(best)
             return changed

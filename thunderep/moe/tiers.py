@@ -344,12 +344,11 @@ class ExpertTiers(HotSetRule):
         pairs = [n for s in slots for n in by_slot[s]]
         w = w_TK.reshape(-1).tolist()
         w_M = torch.tensor([w[n] for n in pairs], dtype=torch.float32)
+        rows = [counts[s] for s in slots]
         if x_TD.shape[0] == 1:  # a decode step of one token: every pair's row is its row, no gather
-            y_MD = self._host_call(slots, [counts[s] for s in slots], x_TD.expand(len(pairs), -1))
-            return out.addmm_(w_M[None], y_MD.float())
+            return out.addmm_(w_M[None], self._host_call(slots, rows, x_TD.expand(len(pairs), -1)).float())
         token_M = torch.tensor([n // K for n in pairs])
-        y_MD = self._host_call(slots, [counts[s] for s in slots], x_TD[token_M])
-        return out.index_add_(0, token_M, y_MD.float() * w_M[:, None])
+        return out.index_add_(0, token_M, self._host_call(slots, rows, x_TD[token_M]).float() * w_M[:, None])
 
     def sorted(self, x_MD: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
         """Unweighted [M, D] outputs of rows grouped by local slot; counts_S int64 [S] on the host.
