@@ -11,7 +11,7 @@ import torch
 from .. import env
 from ..errors import ConfigError
 from ..kernels import available
-from ..moe.experts import ACTIVATION_FNS
+from ..moe.experts import activation_name
 from .fp8 import expert_weights
 from .int4 import gptoss4_compute_fn, gptoss_gate, int4_expected
 
@@ -27,19 +27,6 @@ def check_kernels_device(name: str, device: torch.device | str) -> None:
     if not available(device) and not (device.type == "cpu" and env.triton_interpreter()):
         raise ConfigError(f"experts_implementation={KERNELS!r} runs ThunderEP's Triton kernels, which need a "
                           f"CUDA GPU and Triton; {name} runs on {device}. Use 'grouped_mm' (or 'eager') here")
-
-
-def _activation_name(act_fn) -> str | None:
-    """Which of the kernels' activations `act_fn` computes (probed on values, so any class that
-    implements it matches), or None."""
-    probe = torch.linspace(-8.0, 8.0, 161, dtype=torch.float64)
-    for name in ("silu", "gelu", "gelu_tanh", "relu"):
-        try:
-            if torch.allclose(act_fn(probe), ACTIVATION_FNS[name](probe), rtol=1e-6, atol=1e-9):
-                return name
-        except Exception:  # noqa: BLE001 - an activation that cannot take the probe matches nothing
-            return None
-    return None
 
 
 def kernel_compute_fn(module) -> Callable:
@@ -70,7 +57,7 @@ def kernel_compute_fn(module) -> Callable:
 
         if gate_fn is not getattr(hf_moe, "_default_apply_gate", None):
             reasons.append("it has its own gating function")
-    activation = _activation_name(getattr(module, "act_fn", None))
+    activation = activation_name(getattr(module, "act_fn", None))
     if activation is None:
         reasons.append("its activation is none of silu, gelu, gelu_tanh, relu")
     if reasons:

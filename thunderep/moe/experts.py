@@ -28,7 +28,8 @@ from ..config import ExpertsConfig
 from ..errors import ConfigError, InputError, RoutingError
 from .router import Routing
 
-__all__ = ["ACTIVATION_FNS", "FusedExperts", "expert_mlp", "gated_activation", "grouped_mm_supported", "sort_by_expert"]
+__all__ = ["ACTIVATION_FNS", "FusedExperts", "activation_name", "expert_mlp", "gated_activation", "grouped_mm_supported",
+           "sort_by_expert"]
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -38,6 +39,19 @@ ACTIVATION_FNS = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
+
+
+def activation_name(act_fn) -> str | None:
+    """Which of ACTIVATION_FNS `act_fn` computes (probed on values, so any class that implements it
+    matches), or None."""
+    probe = torch.linspace(-8.0, 8.0, 161, dtype=torch.float64)
+    for name in ("silu", "gelu", "gelu_tanh", "relu"):
+        try:
+            if torch.allclose(act_fn(probe), ACTIVATION_FNS[name](probe), rtol=1e-6, atol=1e-9):
+                return name
+        except Exception:  # noqa: BLE001 - an activation that cannot take the probe matches nothing
+            return None
+    return None
 
 
 def gated_activation(h_N2I: torch.Tensor, config: ExpertsConfig) -> torch.Tensor:

@@ -33,6 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .experts import activation_name
+from .host_summed import summed_fn
+
 __all__ = ["GatedLayout", "HostExperts", "calibrate_upcast", "describe", "per_slot", "time_host_fn"]
 
 NEVER = 1 << 62  # upcast_rows that never converts
@@ -66,6 +69,7 @@ class HostExperts:
                  scratch: dict | None = None):
         self.act_fn, self.layout, self.upcast_rows = act_fn, layout or GatedLayout(), upcast_rows
         self.scratch = {} if scratch is None else scratch  # name -> a float32 buffer of one slot, reused
+        self.act = activation_name(act_fn)  # the activation by name, for `summed`'s scripted function
 
     def __call__(self, host: dict, slots: list[int], x_MD: torch.Tensor, counts: list[int],
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,6 +78,25 @@ class HostExperts:
         one for the copy back), else a new tensor. Returns [M, D] in the weights' dtype, unweighted."""
         ys = [self.slot(host, s, x_nD) for s, x_nD in zip(slots, x_MD.split(counts))]
         return torch.cat(ys, out=out) if out is not None else torch.cat(ys)
+
+    def summed(self, host: dict, slots: list[int], counts: list[int], tokens: list[int], weights: list[float],
+               x_TD: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """out (float32 [T, D] on the host) set to the weighted sum per token of `slots`' outputs, in one
+        call that does not hold Python's lock (`thunderep.moe.host_summed`), the same bits as the products
+        one by one. counts: rows per slot; tokens / weights: each row's token and routing weight, in slot
+        order; x_TD: the host token rows. None (nothing done) where that function does not cover the call:
+        an activation it does not name, or a torch that cannot script it."""
+        fn = summed_fn() if self.act is not None else None
+        if fn is None:
+            return None
+        lay = self.layout
+        gate_up, down = host[lay.gate_up], host[lay.down]
+        scratch = [None, None]
+        if gate_up.dtype != torch.float32 and max(counts) >= self.upcast_rows:
+            scratch = [self._scratch(lay.gate_up, gate_up[0]), self._scratch(lay.down, down[0])]
+        return fn(x_TD, gate_up, down, host[lay.gate_up_bias] if lay.gate_up_bias else None,
+                  host[lay.down_bias] if lay.down_bias else None, lay.interleaved, self.act, slots, counts, tokens,
+                  weights, min(self.upcast_rows, NEVER), scratch[0], scratch[1], out)
 
     def line_rows(self, most: int = 32) -> int:
         """The most rows (up to `most`) over which this function's cost is one line: below the float32
@@ -102,10 +125,14 @@ class HostExperts:
 
     def _float32(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """w converted into this function's float32 scratch buffer of its name (no new allocation)."""
+        return self._scratch(name, w).copy_(w)
+
+    def _scratch(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This function's float32 scratch buffer of `name`, in w's shape."""
         buf = self.scratch.get(name)
         if buf is None or buf.shape != w.shape:
             buf = self.scratch[name] = torch.empty(w.shape, dtype=torch.float32)
-        return buf.copy_(w)
+        return buf
 
 
 def describe(host_fn: Callable) -> str:

@@ -4,6 +4,7 @@ the tiers' settings, their telemetry."""
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import asdict, dataclass
 
 from ..errors import ConfigError
@@ -92,6 +93,11 @@ class TierStats:
     def add(self, other: TierStats) -> None:
         for name, value in asdict(other).items():
             setattr(self, name, getattr(self, name) + value)
+
+    def hosted(self, rows: int, started: float) -> None:
+        """Count `rows` computed on the host by work started at `started` (time.perf_counter())."""
+        self.rows_host += rows
+        self.host_seconds += time.perf_counter() - started
 
     @property
     def hot_share(self) -> float:

@@ -225,7 +225,7 @@ class ExpertTiers(HotSetRule):
         on_host = [s for s in cold if paths[s] == "host"]
         if on_host:
             cuda = device.type == "cuda"
-            out = torch.zeros((T, D), dtype=torch.float32, pin_memory=cuda)
+            out = torch.empty((T, D), dtype=torch.float32, pin_memory=cuda)
             y_TD += self._summed_on_host(on_host, by_slot, counts, x_h, w_h, out).to(device, non_blocking=cuda)
         return y_TD
 
@@ -242,9 +242,10 @@ class ExpertTiers(HotSetRule):
                 copied.synchronize()
             by_slot, counts = self._tally(ids_h)
             _, cold = self._split(by_slot, counts)
-            out.zero_()
             if cold:
                 self._summed_on_host(cold, by_slot, counts, x_h, w_h, out)
+            else:
+                out.zero_()
 
         y_TD, self._job = self.jobs.deliver(job, out, name=f"the host experts of {self.name}")
         return y_TD if hot_TD is None else hot_TD.float() + y_TD
@@ -297,7 +298,7 @@ class ExpertTiers(HotSetRule):
         """({slot: its pairs t * K + k, in order}, rows per slot) of host ids [T, K] (-1: another rank's pair),
         counted into the load statistics (`_observe`)."""
         by_slot: dict[int, list[int]] = {}
-        for n, s in enumerate(ids_h.reshape(-1).tolist()):
+        for n, s in enumerate(v for row in ids_h.tolist() for v in row):  # one torch call (`_summed_on_host`)
             if s >= 0:
                 by_slot.setdefault(s, []).append(n)
         counts = [0] * self.num_slots
@@ -339,12 +340,19 @@ class ExpertTiers(HotSetRule):
     def _summed_on_host(self, slots: list[int], by_slot: dict, counts: list[int], x_TD: torch.Tensor,
                         w_TK: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The host function on the host token rows x_TD of `slots`' pairs (by_slot: slot -> its pairs t K + k),
-        weighted by w_TK and summed per token into `out` (float32 [T, D] on the host, zeros), returned."""
+        weighted by w_TK and summed per token into `out` (float32 [T, D] on the host), returned. Where the host
+        function has it, one call that does not hold Python's lock (`HostExperts.summed`: on the host worker,
+        the launching thread's Python would otherwise slow every product's return)."""
         K = w_TK.shape[-1]
         pairs = [n for s in slots for n in by_slot[s]]
-        w = w_TK.reshape(-1).tolist()
+        w = [v for row in w_TK.tolist() for v in row]
+        rows, started, summed = [counts[s] for s in slots], time.perf_counter(), getattr(self.host_fn, "summed", None)
+        if summed is not None and summed(self.host, slots, rows, [n // K for n in pairs], [w[n] for n in pairs], x_TD,
+                                         out) is not None:
+            self.stats.hosted(len(pairs), started)
+            return out
         w_M = torch.tensor([w[n] for n in pairs], dtype=torch.float32)
-        rows = [counts[s] for s in slots]
+        out.zero_()
         if x_TD.shape[0] == 1:  # a decode step of one token: every pair's row is its row, no gather
             return out.addmm_(w_M[None], self._host_call(slots, rows, x_TD.expand(len(pairs), -1)).float())
         token_M = torch.tensor([n // K for n in pairs])
@@ -441,8 +449,7 @@ class ExpertTiers(HotSetRule):
         if copied is not None:
             copied.synchronize()
         y_MD = self.host_fn(self.host, slots, x_MD, counts, out=out)
-        self.stats.rows_host += x_MD.shape[0]
-        self.stats.host_seconds += time.perf_counter() - started
+        self.stats.hosted(x_MD.shape[0], started)
         return y_MD
 
     def _stream(self, slots: list[int], xs: list[torch.Tensor], pieces: dict, run: Callable | None = None) -> None:

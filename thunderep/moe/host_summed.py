@@ -1,0 +1,98 @@
+"""A call's host experts, weighted and summed per token, in one call that does not hold Python's lock.
+
+Shape legend: T tokens, M rows of all the slots computed (in slot order), D hidden size, S local slots.
+
+Why: the host worker (`thunderep.moe.host_jobs`) computes cold experts while the launching thread keeps
+queueing GPU work. Each torch call from Python lets go of the interpreter lock while it runs and takes it
+back when it returns; a thread that wants it back while the other one holds it (the launching thread
+spends most of its time in Python between launches) waits, up to the interpreter's switch interval
+(5 ms). A decode job of a few dozen such calls per layer therefore ran about 4x slower on the worker than
+in line, and the worker gained nothing (measured: docs/benchmarks/2026-12-05-expert-offload-h200.md).
+Here the whole job after its inputs arrive is one TorchScript function: the lock is taken once to enter
+it and once to leave, and every product inside runs in C++ without it. torch marks TorchScript
+deprecated (2.13); where scripting fails the same products run from Python (`summed_fn` returns None),
+slower on the worker but equal.
+
+The function mirrors `HostExperts` op for op (the products, the activation, the float32 crossover, the
+weighted sum of `ExpertTiers._summed_on_host`), so both give the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SCRIPT_ACTIVATIONS", "summed_fn"]
+
+SCRIPT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")  # what `_gated_summed`'s `act` may name
+
+
+def _gated_summed(x_TD: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
+                  interleaved: bool, act: str, slots: List[int], counts: List[int], tokens: List[int],
+                  weights: List[float], upcast_rows: int, scratch_gate_up: Optional[torch.Tensor],
+                  scratch_down: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """out (float32 [T, D], zeroed here) += each row's expert output times its weight, summed per token.
+    slots: the slots computed; counts: rows per slot; tokens / weights: per row in slot order, its token and
+    routing weight. From `upcast_rows` rows on a 16-bit slot computes in float32 in the scratch buffers."""
+    one_token = x_TD.shape[0] == 1
+    if one_token:
+        x_MD = x_TD.expand(len(tokens), x_TD.shape[1])
+        token_M = torch.zeros(0, dtype=torch.int64)
+    else:
+        token_M = torch.tensor(tokens, dtype=torch.int64)
+        x_MD = x_TD.index_select(0, token_M)
+    ys: List[torch.Tensor] = []
+    start = 0
+    for i in range(len(slots)):
+        s, n = slots[i], counts[i]
+        x_nD = x_MD.narrow(0, start, n)
+        start += n
+        w_gate_up, w_down = gate_up[s], down[s]
+        b_gate_up = gate_up_bias[s] if gate_up_bias is not None else None
+        b_down = down_bias[s] if down_bias is not None else None
+        dtype = w_gate_up.dtype
+        upcast = n >= upcast_rows and dtype != torch.float32 and scratch_gate_up is not None \
+            and scratch_down is not None
+        if upcast and scratch_gate_up is not None and scratch_down is not None:
+            w_gate_up, w_down = scratch_gate_up.copy_(w_gate_up), scratch_down.copy_(w_down)
+            b_gate_up = b_gate_up.float() if b_gate_up is not None else None
+            b_down = b_down.float() if b_down is not None else None
+        x_nD = x_nD.to(w_gate_up.dtype)
+        h_n2I = F.linear(x_nD, w_gate_up, b_gate_up)
+        if interleaved:
+            gate, up = h_n2I[:, ::2], h_n2I[:, 1::2]
+        else:
+            gate, up = h_n2I.chunk(2, dim=-1)
+        if act == "silu":
+            gate = F.silu(gate)
+        elif act == "gelu":
+            gate = F.gelu(gate)
+        elif act == "gelu_tanh":
+            gate = F.gelu(gate, approximate="tanh")
+        else:
+            gate = F.relu(gate)
+        y_nD = F.linear(gate * up, w_down, b_down)
+        ys.append(y_nD.to(dtype) if upcast else y_nD)
+    y_MD = torch.cat(ys).float()
+    w_M = torch.tensor(weights, dtype=torch.float32)
+    out.zero_()
+    if one_token:
+        return out.addmm_(w_M[None], y_MD)
+    return out.index_add_(0, token_M, y_MD * w_M[:, None])
+
+
+@functools.cache
+def summed_fn():
+    """`_gated_summed` as a TorchScript function (made once), or None where this torch cannot script it."""
+    try:
+        with warnings.catch_warnings():  # torch's deprecation notice: nothing a user of ThunderEP can act on
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            return torch.jit.script(_gated_summed)
+    except Exception:  # noqa: BLE001 - any failure to script leaves the Python path, which computes the same
+        return None
