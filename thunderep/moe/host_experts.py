@@ -20,7 +20,11 @@ Two host functions:
 16-bit weights on a CPU without 16-bit matrix units compute each row's products slowly (the cost grows
 with the rows, not the bytes): from `upcast_rows` rows on, a slot's weights are converted to float32 into
 a scratch buffer and the products run in float32 (the result is cast back). `calibrate_upcast` measures
-where that starts to pay on this CPU; float32 weights never convert. `python -m
+where that starts to pay on this CPU; float32 weights never convert.
+
+`HostExperts.summed` computes a call's slots and their weighted per-token sum (what the tiers send back)
+in one TorchScript call, the same bits as the products one by one: Python's lock is taken once, not after
+each product, which is what a worker thread beside a launching thread needs (`thunderep.moe.host_summed`). `python -m
 thunderep.bench.host_experts` measures each way against the class's forward.
 """
 

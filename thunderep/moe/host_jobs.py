@@ -21,7 +21,11 @@ the launching thread (a device allocation, a copy from pageable memory) holds wh
 stream, which waits for the worker: on an H200 a job stalled until the watchdog below released it
 (docs/benchmarks/2026-12-05-expert-offload-h200.md, sixth run), and this is the inferred cause; without
 the CUDA call the same model ran to the end on an H100 (seventh run), which fits it. There it decoded
-no faster than in line, so `TierConfig.host_thread` stays off by default.
+no faster than in line: each product the job called from Python let go of Python's lock while it ran and
+had to take it back from the launching thread, which spends most of its time in Python between launches;
+the job's host experts took 26 ms a token on the worker against 6.8 ms in line (eighth run,
+`examples/host_worker_probe.py`). A job's products now run as one call that takes the lock once to leave
+(`HostExperts.summed`, `thunderep.moe.host_summed`).
 
 Bounded: the worker raises the flag whatever the job does (`finally`, and a done callback where the job never
 ran), so the device never waits on a failed job; the failure is kept and raised (`ThunderError`, naming the
