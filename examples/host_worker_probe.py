@@ -1,19 +1,17 @@
-"""Where a decode step's time goes with the host worker (`TierConfig.host_thread`) against in line, on the
+"""Where a decode step's time goes with host jobs (`TierConfig.host_thread`) against in line, on the
 offload benchmark's model at one hot fraction.
 
-    python examples/host_worker_probe.py --dir /tmp/q3 [--fraction 0.25] [--threads off,auto,auto:8] [--tokens 32]
+    python examples/host_worker_probe.py --dir /tmp/q3 [--fraction 0.25] [--threads off,auto] [--tokens 32]
 
-"auto:8": the worker's products on 8 threads (`TierConfig.host_worker_threads`). Needs a CUDA GPU
-(--tiny: a tiny model on the CPU, "on" forcing the worker, joined at once: a check of this script; there
-the calls stay in line, as no pair kernels take the hot share). For each `host_thread` value: the model loaded with
+Needs a CUDA GPU (--tiny: a tiny model on the CPU, "on" forcing the jobs, joined at once: a check of this
+script; there the calls stay in line, as no pair kernels take the hot share). For each `host_thread` value: the model loaded with
 ThunderEP's kernels, one warm-up generate(), then two greedy generate() calls of --tokens new tokens at batch 1 (the
 best one's decode tokens/s), and per token, summed over the layers and split by the thread that spent it: the time
-inside `ExpertTiers.partial` (the launching thread's share of the tiered layers), the host experts
-(`_summed_on_host`: on the worker where it took them), the worker's wait for the stream's stamp
-(`HostJobs.wait_ready`) and `settle`; then the operators of one 9-token generate() by host time (a wait for the
-device shows as a synchronizing call with a large self time). The worker pays off where its
-host experts overlap the launching thread's launches: per token, the worker's time beside a shorter
-`partial` on the launching thread; where `partial` stays as long as in line, the two take turns."""
+inside `ExpertTiers.partial` (the launching thread's share of the tiered layers), the host experts computed
+in line (`_summed_on_host`; a job runs no Python, so its time shows only as the launching thread's wait for
+it, in `settle`); then the operators of one 9-token generate() by host time (a wait for the
+device shows as a synchronizing call with a large self time). The jobs pay off where the host
+experts overlap the launching thread's launches: a shorter `partial` than in line and little `settle`."""
 
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from thunderep.bench.offload import OffloadBench, StepClock, budgets, build_checkpoint
 from thunderep.hf import ThunderMoE
-from thunderep.moe import host_jobs, tiers
+from thunderep.moe import tiers
 from thunderep.moe.tiers import TierConfig
 
 SPENT: dict = collections.defaultdict(float)  # (what, thread name) -> seconds
@@ -62,18 +60,15 @@ def main() -> None:
     parser.add_argument("--dir", required=True, help="the offload benchmark's checkpoint directory (built if absent)")
     parser.add_argument("--shape", default="qwen3")
     parser.add_argument("--fraction", type=float, default=0.25)
-    parser.add_argument("--threads", default="off,auto", help="host_thread values, comma-separated; auto:N or on:N: "
-                        "the worker's products on N threads")
+    parser.add_argument("--threads", default="off,auto", help="host_thread values, comma-separated")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--tiny", action="store_true", help="hidden 64, 8 experts, on the CPU (a check of this script)")
     args = parser.parse_args()
     timed(tiers.ExpertTiers, "partial", "partial")
     timed(tiers.ExpertTiers, "_summed_on_host", "host experts")
     timed(tiers.ExpertTiers, "settle", "settle")
-    timed(host_jobs.HostJobs, "wait_ready", "stamp wait")
     print(f"host: {psutil.cpu_count(logical=False)} physical cores, {psutil.cpu_count()} logical, torch threads "
-          f"{torch.get_num_threads()} (the worker's products take one fewer; where two logical cores share a "
-          f"physical one, they can slow the launching thread)", flush=True)
+          f"{torch.get_num_threads()}, inter-op threads {torch.get_num_interop_threads()}", flush=True)
     cuda = not args.tiny
     bench = OffloadBench(shape=args.shape, layers=0, dir=args.dir, tiny=args.tiny, device="cuda" if cuda else "cpu")
     path = build_checkpoint(bench, Path(args.dir))
@@ -81,9 +76,8 @@ def main() -> None:
     ((budget, _),) = budgets(path, [args.fraction], dtype).values()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     for variant in args.threads.split(","):
-        thread, _, count = variant.partition(":")
         tm = ThunderMoE.from_pretrained(path, dtype=dtype, device=device, gpu_memory=budget,
-                                        offload=TierConfig(host_thread=thread, host_worker_threads=int(count or 0)),
+                                        offload=TierConfig(host_thread=variant),
                                         experts_implementation="auto" if cuda else None).eval()
         vocab = tm.model.config.get_text_config().vocab_size
         gen = torch.Generator().manual_seed(0)

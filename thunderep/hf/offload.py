@@ -269,8 +269,8 @@ def offload_stats(bindings) -> dict | None:
     if not tiers:
         return None
     total = TierStats()
-    for t in tiers:  # read as they are (serve's /health reads from another thread): a decode call's counts on
-        total.add(t.stats)  # the host worker are in once its job ran, before the step's tokens reach the host
+    for t in tiers:  # read as they are (serve's /health reads from another thread): a decode call handed to a
+        total.add(t.stats)  # host job is counted when its layer settles it, at the layer's next call
     return {"hot_share": round(total.hot_share, 4), "rows_hot": total.rows_hot, "rows_host": total.rows_host,
             "rows_streamed": total.rows_streamed, "bytes_streamed": total.bytes_streamed,
             "bytes_promoted": total.bytes_promoted, "host_expert_seconds": round(total.host_seconds, 6),

@@ -90,17 +90,29 @@ class HostExperts:
         one by one. counts: rows per slot; tokens / weights: each row's token and routing weight, in slot
         order; x_TD: the host token rows. None (nothing done) where that function does not cover the call:
         an activation it does not name, or a torch that cannot script it."""
-        fn = summed_fn() if self.act is not None else None
-        if fn is None:
+        fn = summed_fn()
+        args = self.job_args(host, upcast=max(counts) >= self.upcast_rows) if fn is not None else None
+        if args is None:
+            return None
+        gate_up, down, gate_up_bias, down_bias, interleaved, act, upcast_rows, scratch_gate_up, scratch_down = args
+        return fn(x_TD, gate_up, down, gate_up_bias, down_bias, interleaved, act, slots, counts, tokens, weights,
+                  upcast_rows, scratch_gate_up, scratch_down, out)
+
+    def job_args(self, host: dict, upcast: bool = True) -> tuple | None:
+        """The weights and settings `thunderep.moe.host_summed`'s functions take after their rows: (gate_up,
+        down, gate_up_bias, down_bias, interleaved, act, upcast_rows, scratch_gate_up, scratch_down), the
+        float32 scratch buffers where 16-bit slots may upcast (`upcast`); None where those functions do not
+        cover this one (an activation they do not name)."""
+        if self.act is None:
             return None
         lay = self.layout
         gate_up, down = host[lay.gate_up], host[lay.down]
         scratch = [None, None]
-        if gate_up.dtype != torch.float32 and max(counts) >= self.upcast_rows:
+        if upcast and gate_up.dtype != torch.float32 and self.upcast_rows < NEVER:
             scratch = [self._scratch(lay.gate_up, gate_up[0]), self._scratch(lay.down, down[0])]
-        return fn(x_TD, gate_up, down, host[lay.gate_up_bias] if lay.gate_up_bias else None,
-                  host[lay.down_bias] if lay.down_bias else None, lay.interleaved, self.act, slots, counts, tokens,
-                  weights, min(self.upcast_rows, NEVER), scratch[0], scratch[1], out)
+        return (gate_up, down, host[lay.gate_up_bias] if lay.gate_up_bias else None,
+                host[lay.down_bias] if lay.down_bias else None, lay.interleaved, self.act,
+                min(self.upcast_rows, NEVER), scratch[0], scratch[1])
 
     def line_rows(self, most: int = 32) -> int:
         """The most rows (up to `most`) over which this function's cost is one line: below the float32

@@ -5,60 +5,58 @@ launches the model's kernels first waits for the device to reach the layer (the 
 host), computes, and only then launches the rest of the step: at batch 1 a step is bound by that thread's
 launches, and the host experts' time adds to it layer after layer.
 
-Handed to `HostJobs` instead, the launching thread queues on its stream a wait for a number in pinned host
-memory (the flag), the copy of the result's pinned buffer to the device and whatever follows, and goes on
-launching the next layers; one worker thread per device takes the jobs in the order they came (the layers'
-order, which is the stream's), waits for the routing's copy, computes into the pinned buffer and raises the
-flag to the job's number. The device waits for the flag with a stream memory operation
-(`cuStreamWaitValue32`, the CUDA driver's v2 form, available by default on every platform since CUDA 11.7):
-no kernel spins and no event is needed. A job's number only grows, and the wait compares with wrap-around
-(the driver's "greater or equal" is (int32)(flag - n) >= 0), so one flag serves every layer of a device.
+Submitted to `HostJobs` instead, the launching thread queues on its stream a wait for a number in pinned
+host memory (the flag), the copy of the result's pinned buffer to the device and whatever follows, and goes
+on launching the next layers. The job runs on torch's inter-op threads as a TorchScript function
+(`thunderep.moe.host_summed`): it waits for the job before it (the layers' order, which is the stream's),
+then until the stream has written the job's stamp into host memory after copying its input
+(`cuStreamWriteValue32`, `HostJobs.stamp`), counts and computes into the pinned buffer and raises the flag
+to its number. The device waits for the flag with a stream memory operation (`cuStreamWaitValue32`, the
+CUDA driver's v2 form, available by default on every platform since CUDA 11.7): no kernel spins and no
+event is needed. A job's number only grows, and the wait compares with wrap-around (the driver's "greater
+or equal" is (int32)(flag - n) >= 0), so one flag serves every layer of a device.
 
-The worker learns that the routing's copy is done from host memory too: the stream writes a stamp's number
-after the copy (`cuStreamWriteValue32`; `HostJobs.stamp`) and the worker reads it, so it makes no CUDA call
-at all. A CUDA call from the worker (an event's synchronize) can wait on a lock that a synchronizing call of
-the launching thread (a device allocation, a copy from pageable memory) holds while it waits for the
-stream, which waits for the worker: on an H200 a job stalled until the watchdog below released it
-(docs/benchmarks/2026-12-05-expert-offload-h200.md, sixth run), and this is the inferred cause; without
-the CUDA call the same model ran to the end on an H100 (seventh run), which fits it. There it decoded
-no faster than in line: each product the job called from Python let go of Python's lock while it ran and
-had to take it back from the launching thread, which spends most of its time in Python between launches;
-the job's host experts took 26 ms a token on the worker against 6.8 ms in line (eighth run,
-`examples/host_worker_probe.py`). A job's products now run as one call that takes the lock once to leave
-(`HostExperts.summed`, `thunderep.moe.host_summed`).
+Why no Python on the job's side: a Python worker thread had to take Python's lock back after every torch
+call, from a launching thread that spends most of its time in Python between launches; each such wait can
+last the interpreter's switch interval (5 ms), and the worker's host experts took 26 ms a token against
+6.8 ms in line (docs/benchmarks/2026-12-05-expert-offload-h200.md, eighth and ninth runs). A TorchScript
+job takes the lock nowhere, provided it lets go of no tensor Python holds: its tensors are aliases
+(`host_summed._alias`). Why no CUDA call on the job's side: a CUDA call (an event's synchronize) can wait on
+a lock that a synchronizing call of the launching thread holds while it waits for the stream, which waits
+for the job; the stamp is read from host memory instead (sixth and seventh runs).
 
-Bounded: the worker raises the flag whatever the job does (`finally`, and a done callback where the job never
-ran), so the device never waits on a failed job; the failure is kept and raised (`ThunderError`, naming the
-job) by the next `check` or `settle`, which every tiers call makes first. A watchdog thread releases the
-device from a job that has not ended within `HostJobs.timeout_s` (60 s; a decode job takes milliseconds)
-and keeps that as the failure, after printing every thread's stack to stderr: a stuck worker ends in an
-error, not a hang, and shows where it waited. (The watchdog and the worker are Python threads: both need
-the launching thread to wait with Python's lock released, as torch's synchronizing calls, `.item()` and
-`.tolist()` included, and Triton's launches do.) Where the driver calls are missing or fail their probe
-(`device_waits`), tiers compute in line as before. On a CPU there is no stream to queue on: forced on
-(`TierConfig.host_thread` "on", for tests), a job runs on the worker and the caller joins it at once.
+Bounded: a job that fails leaves the flag where it was; the failure is seen by the launching thread (the
+layer's next `settle`, or `drain`) or within a second by the watchdog thread, which raises the flag to every
+job submitted (the device runs on) and keeps the failure; it is raised (`ThunderError`, naming the job) by
+the next `check`, which every tiers call makes first. The jobs submitted by then fail with it (each waits
+for the one before) and are not reported again; later jobs wait on none of them. The watchdog also
+releases the device from a job that has not ended within `HostJobs.timeout_s` (60 s; a decode job takes
+milliseconds), keeping a TimeoutError. A job waits for its stamp by polling at most `HostJobs.SPINS` times.
+Where the driver calls are missing or fail their probe (`device_waits`), or this torch cannot script the
+job, tiers compute in line. On a CPU there is no stream to queue on: forced on (`TierConfig.host_thread`
+"on", for tests), a job runs on the inter-op threads and the caller joins it at once.
 """
+
 
 from __future__ import annotations
 
 import ctypes
-import faulthandler
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from ..errors import ConfigError, ThunderError
+from .host_summed import done_job_fn
 
-__all__ = ["HostJobs", "Stamp", "device_waits", "jobs_for"]
+__all__ = ["HostJobs", "Job", "Stamp", "device_waits", "jobs_for"]
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: until (int32)(*addr - value) >= 0
 _PROBED: dict[int, bool] = {}  # CUDA device index -> whether the stream wait works there
-_JOBS: dict[tuple, HostJobs] = {}  # (str(device), threads) -> its jobs (one worker thread a device and setting)
+_JOBS: dict[str, HostJobs] = {}  # str(device) -> its jobs
 _LOCK = threading.Lock()
 
 
@@ -100,121 +98,99 @@ class _Driver:
 
 
 class HostJobs:
-    """One worker thread for one device's host jobs, and the flag its stream waits on (module docstring).
-    driver: the CUDA driver's functions (None: a CPU, where `deliver` joins each job)."""
+    """One device's host jobs, run one after another on torch's inter-op threads, and the flag its stream
+    waits on (module docstring). driver: the CUDA driver's functions (None: a CPU, where `submit` joins each
+    job)."""
 
-    def __init__(self, device: torch.device, driver: _Driver | None = None, timeout_s: float = 60.0,
-                 threads: int = 0):
+    SPINS = 1 << 26  # a job's polls of its stamp before it fails (tens of seconds; the watchdog acts first)
+
+    def __init__(self, device: torch.device, driver: _Driver | None = None, timeout_s: float = 60.0):
         self.device, self.driver, self.timeout_s = torch.device(device), driver, timeout_s
-        self._pending: deque = deque()  # (number, name, submitted at) of the jobs not ended, oldest first
+        self._pending: deque[Job] = deque()  # the jobs not yet seen to end, oldest first
         self._watchdog: threading.Thread | None = None
-        # on CUDA the launching thread keeps running while the worker computes: by default the worker's
-        # products use one thread fewer than the process's, so that none of them shares a core with it (each
-        # product waits for its slowest thread); `threads` (TierConfig.host_worker_threads) sets them
-        if not threads:
-            threads = max(1, torch.get_num_threads() - 1) if driver is not None else torch.get_num_threads()
-        self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"thunderep-host-{self.device}",
-                                        initializer=torch.set_num_threads, initargs=(threads,))
         self._number = 0
-        self._last: Future | None = None  # the last job submitted (`drain`)
+        self._last = done_job_fn()(0)  # the future each new job waits on first (the flag's order)
         self._error: BaseException | None = None
         self._failed_job = ""
+        self._failed_through = 0  # the jobs submitted when a failure was seen: theirs repeat it (`_ended`)
+        self._lock = threading.Lock()  # `_pending` and the kept failure: the launching thread and the watchdog
         self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=driver is not None)
         self._flag_word = ctypes.c_uint32.from_address(self.flag.data_ptr())
         self._address = driver.address(self.flag) if driver is not None else 0
         self.ready = torch.zeros(1, dtype=torch.int32, pin_memory=driver is not None)  # `stamp`'s numbers
-        self._ready_word = ctypes.c_uint32.from_address(self.ready.data_ptr())
         self._ready_address = driver.address(self.ready) if driver is not None else 0
         self._stamped = 0
 
     @classmethod
-    def of(cls, device: torch.device, threads: int = 0) -> HostJobs:
-        """The jobs of `device` whose products take `threads` threads (0: the default; see `__init__`), made on
-        first use (the driver's probe passed there: `device_waits`)."""
+    def of(cls, device: torch.device) -> HostJobs:
+        """The jobs of `device`, made on first use (the driver's probe passed there: `device_waits`)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        key = (str(device), threads)
         with _LOCK:
-            if key not in _JOBS:
-                _JOBS[key] = cls(device, _Driver() if device.type == "cuda" else None, threads=threads)
-            return _JOBS[key]
+            if str(device) not in _JOBS:
+                _JOBS[str(device)] = cls(device, _Driver() if device.type == "cuda" else None)
+            return _JOBS[str(device)]
 
-    def deliver(self, job: Callable[[], None], out: torch.Tensor, name: str = "host job") -> tuple[torch.Tensor, Future]:
-        """`job` (which fills `out`, host memory) run on the worker; returns (`out` as the current stream will
-        hold it, the job's future). On CUDA: `out` pinned, the stream waits for the job's number on the flag,
+    def submit(self, launch: Callable, args: tuple, stamp: Stamp | None, out: torch.Tensor,
+               name: str = "host job") -> tuple[torch.Tensor, Job]:
+        """Start the job `launch(prev, ready, stamp number, flag, number, spins, *args, out)` (a TorchScript
+        launcher that forks the job: `thunderep.moe.host_summed`), which fills `out` (host memory) once the
+        stream has reached `stamp` and raises the flag to its number. Returns (`out` as the current stream
+        will hold it, the `Job`). On CUDA: `out` pinned, the stream waits for the job's number on the flag,
         then copies `out` to the device (non-blocking: this thread goes on). Elsewhere: the job joined here."""
         self.check()
-        self._number += 1
-        number = self._number
-        self._pending.append((number, name, time.monotonic()))
-        future = self._last = self._pool.submit(self._run, job, number, name)
-        future.add_done_callback(lambda f: self._ended(f, number, name))  # also where `_run` never ran
+        with self._lock:
+            self._number += 1
+            future = launch(self._last, self.ready, 0 if stamp is None else stamp.number, self.flag, self._number,
+                            self.SPINS, *args, out)
+            self._last = future
+            job = Job(self, future, self._number, name)
+            self._pending.append(job)
         if self.driver is None:
-            future.exception()  # waits; the failure is raised by `check`, naming the job
-            self.check()
-            return out.clone(), future  # `out` may be a buffer its owner reuses
+            job.result()
+            return out.clone(), job  # `out` may be a buffer its owner reuses
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name=f"thunderep-host-watchdog-{self.device}",
                                               daemon=True)
             self._watchdog.start()
-        self.driver.enqueue_wait(torch.cuda.current_stream(self.device), self._address, number)
-        return out.to(self.device, non_blocking=True), future
+        self.driver.enqueue_wait(torch.cuda.current_stream(self.device), self._address, self._number)
+        return out.to(self.device, non_blocking=True), job
 
     @property
     def submitted(self) -> int:
-        """Jobs delivered so far (each layer call handed to the worker counts one)."""
+        """Jobs submitted so far (each layer call handed off counts one)."""
         return self._number
 
     def stamp(self) -> Stamp | None:
         """A mark after the work queued so far on the current stream (copies a job reads): the stream writes
-        its number into host memory when it gets there; `Stamp.synchronize` waits for that by reading host
-        memory, no CUDA call. None on a CPU (nothing is queued)."""
+        its number into host memory when it gets there, and the job reads it there (no CUDA call). None on a
+        CPU (nothing is queued)."""
         if self.driver is None:
             return None
         self._stamped += 1
         self.driver.enqueue_write(torch.cuda.current_stream(self.device), self._ready_address, self._stamped)
         return Stamp(self, self._stamped)
 
-    def wait_ready(self, number: int) -> None:
-        """Wait until the stream has written stamp `number` (or a later one): a few yields, then sleeps of
-        50 us; TimeoutError after timeout_s."""
-        deadline, spins = time.monotonic() + self.timeout_s, 0
-        while (self._ready_word.value - number) & 0x80000000:  # ready < number, with wrap-around
-            spins += 1
-            time.sleep(0 if spins < 200 else 50e-6)
-            if spins % 1000 == 0 and time.monotonic() > deadline:
-                raise TimeoutError(f"the stream did not reach the copies of stamp {number} within "
-                                   f"{self.timeout_s:.0f} s")
-
-    def _run(self, job: Callable[[], None], number: int, name: str) -> None:
-        try:
-            job()
-        except BaseException as exc:  # noqa: BLE001 - kept for the launching thread (`check`), which raises it
-            if self._error is None:
-                self._error, self._failed_job = exc, name
-        finally:
-            self._raise_flag(number)  # the device's wait ends whatever the job did
-
     def drain(self) -> None:
-        """Wait until every job submitted so far has run; raise a failure (`check`)."""
-        if self._last is not None:
-            self._last.exception()  # waits; the failure is raised by `check`
+        """Wait until every job submitted so far has ended; raise a failure (`check`)."""
+        while self._pending:
+            self._pending[0].result()
         self.check()
 
-    def _ended(self, future: Future, number: int, name: str) -> None:
-        """A job's future is done: a failure outside `_run` (a broken worker) kept, the flag raised to its number
-        unless a later job's already is (the device never waits on a job that will not run)."""
-        error = future.exception() if not future.cancelled() else ThunderError("the job was cancelled")
-        if error is not None and self._error is None:
-            self._error, self._failed_job = error, name
-        self._raise_flag(number)
-        try:
-            while self._pending[0][0] <= number:
-                self._pending.popleft()
-        except IndexError:  # none left (or the watchdog cleared them meanwhile)
-            pass
+    def _ended(self, job: Job, error: BaseException | None) -> None:
+        """`job` seen to end: a failure kept and the flag raised to every job submitted (each job waits for
+        the one before, so those fail too: the device waits on none of them), the job dropped. The jobs
+        submitted by then repeat the failure, which is raised once; later ones wait on no failed job."""
+        with self._lock:
+            if error is not None:
+                if job.number > self._failed_through:
+                    if self._error is None:
+                        self._error, self._failed_job = error, job.name
+                    self._failed_through, self._last = self._number, done_job_fn()(0)
+                self._raise_flag(self._number)
+            if job in self._pending:
+                self._pending.remove(job)
 
     def _raise_flag(self, number: int) -> None:
         if (number - self._flag_word.value) & 0x80000000 == 0:  # number >= flag, with wrap-around
@@ -223,20 +199,27 @@ class HostJobs:
     def overdue(self, now: float | None = None) -> bool:
         """Whether the oldest job not ended was submitted more than timeout_s ago; if so, its failure is kept
         (`check` raises it, naming the job) and the flag raised to every job submitted, so that the stream
-        runs on (with those jobs' sums unwritten) rather than waiting forever on a worker that is stuck."""
+        runs on (with those jobs' sums unwritten) rather than waiting forever on a job that is stuck. Also
+        ends the jobs that failed meanwhile (`_ended`: a failed job leaves the flag where it was)."""
         now = time.monotonic() if now is None else now
-        if not self._pending or now - self._pending[0][2] <= self.timeout_s:
-            return False
-        number, name, _ = self._pending[0]
-        print(f"thunderep: {name} has not ended within {self.timeout_s:.0f} s on the host worker; the threads' "
-              "stacks:", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)  # where the worker waits, for the report
-        if self._error is None:
-            self._error = TimeoutError(f"it did not end within {self.timeout_s:.0f} s; the device was released "
-                                       "without its result")
-            self._failed_job = name
-        self._pending.clear()
-        self._raise_flag(self._number)
+        with self._lock:
+            jobs = list(self._pending)
+        for job in jobs:
+            if job.future.done():
+                job.result(raise_error=False)
+        with self._lock:
+            if not self._pending or now - self._pending[0].submitted_at <= self.timeout_s:
+                return False
+            job = self._pending[0]
+            print(f"thunderep: {job.name} has not ended within {self.timeout_s:.0f} s on the host; the device "
+                  "is released without its result", file=sys.stderr, flush=True)
+            if self._error is None:
+                self._error = TimeoutError(f"it did not end within {self.timeout_s:.0f} s; the device was released "
+                                           "without its result")
+                self._failed_job = job.name
+            self._pending.clear()
+            self._raise_flag(self._number)
+            self._failed_through, self._last = self._number, done_job_fn()(0)  # later jobs wait on none of these
         return True
 
     def _watch(self) -> None:
@@ -246,10 +229,40 @@ class HostJobs:
 
     def check(self) -> None:
         """Raise the first failure of a job since the last check (ThunderError naming the job), once."""
-        error, self._error = self._error, None
+        with self._lock:
+            error, self._error = self._error, None
         if error is not None:
-            raise ThunderError(f"{self._failed_job} failed on the host worker: {type(error).__name__}: {error}") \
-                from error
+            raise ThunderError(f"{self._failed_job} failed on the host: {_describe(error)}") from error
+
+
+def _describe(error: BaseException) -> str:
+    """"Type: message" of a job's failure; of one raised inside a TorchScript job, its cause's last line (the
+    interpreter's traceback stays on the exception)."""
+    text = str(error)
+    if "TorchScript interpreter" in text and text.strip():
+        return text.strip().splitlines()[-1].removeprefix("builtins.")
+    return f"{type(error).__name__}: {error}"
+
+
+class Job:
+    """One submitted host job (`HostJobs.submit`)."""
+
+    def __init__(self, jobs: HostJobs, future, number: int, name: str):
+        self.jobs, self.future, self.number, self.name = jobs, future, number, name
+        self.submitted_at = time.monotonic()
+
+    def result(self, raise_error: bool = True):
+        """Wait for the job and return what it returned; a failure is kept by its `HostJobs` (which raises the
+        flag) and raised here (`HostJobs.check`: ThunderError naming the job), or None where not `raise_error`."""
+        try:
+            value = self.future.wait()  # waits with Python's lock let go
+        except Exception as exc:  # noqa: BLE001 - kept and raised by `check`, naming the job
+            self.jobs._ended(self, exc)
+            if raise_error:
+                self.jobs.check()
+            return None
+        self.jobs._ended(self, None)
+        return value
 
 
 class Stamp:
@@ -259,7 +272,16 @@ class Stamp:
         self.jobs, self.number = jobs, number
 
     def synchronize(self) -> None:
-        self.jobs.wait_ready(self.number)
+        """Wait here until the stream has written this stamp (or a later one): a few yields, then sleeps of
+        50 us; TimeoutError after the jobs' timeout_s (a call that had meant to hand off and computes in line)."""
+        word = ctypes.c_uint32.from_address(self.jobs.ready.data_ptr())
+        deadline, spins = time.monotonic() + self.jobs.timeout_s, 0
+        while (word.value - self.number) & 0x80000000:  # ready < number, with wrap-around
+            spins += 1
+            time.sleep(0 if spins < 200 else 50e-6)
+            if spins % 1000 == 0 and time.monotonic() > deadline:
+                raise TimeoutError(f"the stream did not reach the copies of stamp {self.number} within "
+                                   f"{self.jobs.timeout_s:.0f} s")
 
 
 def device_waits(device: torch.device) -> bool:
@@ -296,14 +318,13 @@ def _probe(device: torch.device) -> bool:
 
 
 def jobs_for(config, device: torch.device) -> HostJobs | None:
-    """The host worker a layer's decode calls hand their host experts to, by a `TierConfig`'s host_thread and
-    cold_path, or None."""
-    if config.host_thread == "off" or config.cold_path == "stream":
+    """The host jobs a layer's decode calls hand their host experts to, by a `TierConfig`'s host_thread and
+    cold_path, or None (also where this torch cannot script the jobs: `thunderep.moe.host_summed`)."""
+    if config.host_thread == "off" or config.cold_path == "stream" or done_job_fn() is None:
         return None
-    threads = config.host_worker_threads
     if config.host_thread == "auto":
-        return HostJobs.of(device, threads) if device_waits(device) else None
+        return HostJobs.of(device) if device_waits(device) else None
     if device.type == "cuda" and not device_waits(device):
         raise ConfigError(f"host_thread 'on' needs a CUDA driver whose streams can wait for host memory "
                           f"(cuStreamWaitValue32), which {device} lacks here: use 'auto' or 'off'")
-    return HostJobs.of(device, threads)
+    return HostJobs.of(device)

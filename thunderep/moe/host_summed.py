@@ -26,7 +26,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SCRIPT_ACTIVATIONS", "summed_fn"]
+__all__ = ["SCRIPT_ACTIVATIONS", "done_job_fn", "pairs_job_fn", "summed_fn"]
 
 SCRIPT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")  # what `_gated_summed`'s `act` may name
 
@@ -86,13 +86,120 @@ def _gated_summed(x_TD: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return out.index_add_(0, token_M, y_MD * w_M[:, None])
 
 
-@functools.cache
 def summed_fn():
     """`_gated_summed` as a TorchScript function (made once), or None where this torch cannot script it."""
+    return _scripted("_gated_summed")
+
+def _await_turn(prev: torch.jit.Future[List[int]], ready: torch.Tensor, stamp: int, spins: int) -> None:
+    """A forked job's start (`thunderep.moe.host_jobs`): after the job before it (the flag's numbers only
+    grow), and once the stream has written `stamp` or a later number into `ready` (its input copied; wrap-
+    around compare), polled at most `spins` times."""
+    torch.jit.wait(prev)
+    while ((int(ready[0]) - stamp) & 0xFFFFFFFF) >= 0x80000000:
+        spins -= 1
+        if spins <= 0:
+            raise RuntimeError(f"the stream did not reach the copies of stamp {stamp}")
+
+
+def _raise_flag(flag: torch.Tensor, number: int) -> None:
+    """The flag (int32 [1]) set to `number` unless it is already there or past it (wrap-around compare)."""
+    if ((number - int(flag[0])) & 0xFFFFFFFF) < 0x80000000:
+        word = number & 0xFFFFFFFF
+        flag.fill_(word - (1 << 32) if word >= (1 << 31) else word)
+
+
+def _pairs_job(prev: torch.jit.Future[List[int]], ready: torch.Tensor, stamp: int, flag: torch.Tensor, number: int,
+               spins: int, ids_TK: torch.Tensor, w_TK: torch.Tensor, x_TD: torch.Tensor, hot_S: torch.Tensor,
+               gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
+               down_bias: Optional[torch.Tensor], interleaved: bool, act: str, upcast_rows: int,
+               scratch_gate_up: Optional[torch.Tensor], scratch_down: Optional[torch.Tensor],
+               out: torch.Tensor) -> List[int]:
+    """A decode call's host share off the launching thread: its pairs (ids_TK: local slot of each, -1 for
+    another rank's) grouped by slot, the cold slots' (not hot_S) outputs weighted by w_TK and summed per
+    token into `out` (`_gated_summed`), the flag raised. Returns the ids, flat, for the caller's counts."""
+    _await_turn(prev, ready, stamp, spins)
+    ids: List[int] = ids_TK.reshape(-1).tolist()
+    w: List[float] = w_TK.reshape(-1).float().tolist()
+    N, K = len(ids), ids_TK.shape[1]
+    keys: List[int] = []  # slot * N + pair of each cold pair: sorted, the pairs grouped by slot in pair order
+    for n in range(N):
+        s = ids[n]
+        if s >= 0 and not bool(hot_S[s]):
+            keys.append(s * N + n)
+    keys.sort()
+    slots: List[int] = []
+    counts: List[int] = []
+    tokens: List[int] = []
+    weights: List[float] = []
+    for key in keys:
+        s, n = key // N, key % N
+        if len(slots) == 0 or slots[-1] != s:
+            slots.append(s)
+            counts.append(0)
+        counts[-1] += 1
+        tokens.append(n // K)
+        weights.append(w[n])
+    if len(slots) > 0:
+        _gated_summed(x_TD, gate_up, down, gate_up_bias, down_bias, interleaved, act, slots, counts, tokens,
+                      weights, upcast_rows, scratch_gate_up, scratch_down, out)
+    else:
+        out.zero_()
+    _raise_flag(flag, number)
+    return ids
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of t's storage, shape and strides that Python has never seen. A forked job lets go of its
+    arguments on its own thread; letting go of a tensor Python holds takes Python's lock there (measured:
+    a switch interval a tensor beside a thread busy in Python), of such an alias not."""
+    return torch.empty([0], dtype=t.dtype, device=t.device).set_(t)
+
+
+def _alias_optional(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return _alias(t) if t is not None else None
+
+
+def _fork_pairs_job(prev: torch.jit.Future[List[int]], ready: torch.Tensor, stamp: int, flag: torch.Tensor,
+                    number: int, spins: int, ids_TK: torch.Tensor, w_TK: torch.Tensor, x_TD: torch.Tensor,
+                    hot_S: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor], interleaved: bool,
+                    act: str, upcast_rows: int, scratch_gate_up: Optional[torch.Tensor],
+                    scratch_down: Optional[torch.Tensor], out: torch.Tensor) -> torch.jit.Future[List[int]]:
+    """`_pairs_job` started on torch's inter-op threads (no Python on them), its tensors as aliases."""
+    return torch.jit.fork(_pairs_job, prev, _alias(ready), stamp, _alias(flag), number, spins, _alias(ids_TK),
+                          _alias(w_TK), _alias(x_TD), _alias(hot_S), _alias(gate_up), _alias(down),
+                          _alias_optional(gate_up_bias), _alias_optional(down_bias), interleaved, act, upcast_rows,
+                          _alias_optional(scratch_gate_up), _alias_optional(scratch_down), _alias(out))
+
+
+def _no_job(number: int) -> List[int]:
+    return [number]
+
+
+def _done_job(number: int) -> torch.jit.Future[List[int]]:
+    """A job's future that is already done: the first job's `prev`. (A fork of a function of no arguments
+    trips a TorchScript compiler assertion: hence the number.)"""
+    return torch.jit.fork(_no_job, number)
+
+
+@functools.cache
+def _scripted(name: str):
+    """One of this module's TorchScript functions (made once), or None where this torch cannot script it."""
     try:
         with warnings.catch_warnings():  # torch's deprecation notice: nothing a user of ThunderEP can act on
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", FutureWarning)
-            return torch.jit.script(_gated_summed)
-    except Exception:  # noqa: BLE001 - any failure to script leaves the Python path, which computes the same
+            return torch.jit.script(globals()[name])
+    except Exception:  # noqa: BLE001 - any failure to script leaves the Python paths, which compute the same
         return None
+
+
+def pairs_job_fn():
+    """The launcher of `_pairs_job` (scripted; None where this torch cannot script it):
+    fn(prev, ready, stamp, flag, number, spins, ids_TK, w_TK, x_TD, hot_S, *HostExperts.job_args) -> future."""
+    return _scripted("_fork_pairs_job")
+
+
+def done_job_fn():
+    """fn(number) -> a job future that is done (scripted; None where this torch cannot script it)."""
+    return _scripted("_done_job")

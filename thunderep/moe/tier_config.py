@@ -46,13 +46,12 @@ class TierConfig:
     over a swap's estimated saving in one interval must pay for its copy; confidence: how many standard
     deviations of counting noise the two slots' load difference must exceed (the module docstring).
     host_thread: where a decode call's host experts run (`thunderep.moe.host_jobs`): "off" (the default), in
-    line; "auto", on the device's host worker where its stream can wait for host memory, so that the
-    launching thread goes on; "on", on the worker always (on a CPU joined at once: for tests). Off by
-    default: on a GPU with a real-sized model the worker decoded no faster than in line at batch 1 and
-    slower at batch 8 (docs/benchmarks/2026-12-05-expert-offload-h200.md, seventh run; in the sixth, while
-    it still waited on a CUDA event, its jobs stalled until the watchdog released them).
-    host_worker_threads: the threads of the worker's products; 0 (the default): the process's, one fewer on
-    a GPU (the launching thread keeps running beside them)."""
+    line; "auto", as a job on torch's inter-op threads where the device's stream can wait for host memory, so
+    that the launching thread goes on; "on", as a job always (on a CPU joined at once: for tests). Off by
+    default: on a GPU with a real-sized model the worker thread of earlier versions decoded no faster than in
+    line, slowed by Python's lock (docs/benchmarks/2026-12-05-expert-offload-h200.md, sixth to ninth runs);
+    the jobs that run no Python at all are not yet measured on a GPU.
+    """
 
     cold_path: str = "auto"
     calibration_calls: int = 4
@@ -61,16 +60,12 @@ class TierConfig:
     margin: float = 2.0
     confidence: float = 2.0
     host_thread: str = "off"
-    host_worker_threads: int = 0
 
     def __post_init__(self):
         if self.cold_path not in COLD_PATHS:
             raise ConfigError(f"cold_path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
         if self.host_thread not in HOST_THREAD:
             raise ConfigError(f"host_thread must be one of {', '.join(HOST_THREAD)}, got {self.host_thread!r}")
-        if not isinstance(self.host_worker_threads, int) or self.host_worker_threads < 0:
-            raise ConfigError(f"host_worker_threads must be a whole number >= 0 (0: the process's threads, one fewer "
-                              f"on a GPU), got {self.host_worker_threads!r}")
         if self.margin < 0 or self.interval < 1 or not 0 <= self.ema < 1 or self.confidence < 0:
             raise ConfigError(f"TierConfig needs margin >= 0, interval >= 1, 0 <= ema < 1 and confidence >= 0, got "
                               f"margin {self.margin}, interval {self.interval}, ema {self.ema}, "

@@ -47,6 +47,7 @@ import torch
 from ..errors import ConfigError
 from .host_experts import HostExperts, per_slot
 from .host_jobs import jobs_for
+from .host_summed import pairs_job_fn
 from .hot_set import HotSetRule
 from .offload_cost import OffloadCosts, split_cold
 from .staging import Staging, to_device, to_host, to_host_all
@@ -93,7 +94,9 @@ class ExpertTiers(HotSetRule):
         self._chosen_at = -1  # the call count of the last re-choice: at most one a call
         self.staging, self.config = staging, config or TierConfig()
         self.jobs = jobs_for(self.config, self.device)
-        self._job = None  # the future of this layer's last job on the host worker (`settle`)
+        # what a handed-off call's job takes besides its rows (`HostExperts.job_args`), None: no hand-off
+        self._job_args = host_fn.job_args(host) if isinstance(host_fn, HostExperts) else None
+        self._job = None  # this layer's last job on the host (`settle`)
         self._host_buffers: dict[int, torch.Tensor] = {}  # `_pinned_copies`
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
@@ -134,6 +137,8 @@ class ExpertTiers(HotSetRule):
             order[row] = s
         self.hot_slots = order
         self._row_of = {s: row for row, s in enumerate(order)}
+        self._hot_mask = torch.zeros(self.num_slots, dtype=torch.bool)  # a new one: a job may hold the old
+        self._hot_mask[list(self._row_of)] = True
         self._hot_index = None
         if count and entering:
             self.stats.bytes_promoted += len(entering) * self.slot_bytes
@@ -204,7 +209,7 @@ class ExpertTiers(HotSetRule):
         if self.jobs is not None:  # other layers' jobs first: the host function's scratch buffers are shared
             self.jobs.drain()
         ids_h, w_h, x_h = host
-        by_slot, counts = self._tally(ids_h)
+        by_slot, counts = self._tally([s for row in ids_h.tolist() for s in row])  # one torch call
         D, device = x_TD.shape[-1], x_TD.device
         y_TD = torch.zeros(T, D, dtype=torch.float32, device=device) if hot_TD is None else hot_TD.float()
         hot, cold = self._split(by_slot, counts)
@@ -230,24 +235,16 @@ class ExpertTiers(HotSetRule):
         return y_TD
 
     def _handed_off(self, hot_TD: torch.Tensor | None, host: list[torch.Tensor], copied, shape) -> torch.Tensor:
-        """`partial`'s host share as a job of the device's host worker (`thunderep.moe.host_jobs`): the pairs
-        counted per slot and every cold slot computed on the host there (decode sizes: the host path), into a
-        pinned [T, D] buffer the stream copies once the job raised its flag. Returns the call's [T, D] float32
-        share as the stream will hold it; this thread waits for nothing."""
+        """`partial`'s host share as a job on the host (`thunderep.moe.host_jobs`, the job
+        `thunderep.moe.host_summed._pairs_job`): once the stream has copied the call's ids, weights and token
+        rows (`copied`), its pairs grouped by slot and every cold slot computed on the host (decode sizes: the
+        host path), weighted and summed into a pinned [T, D] buffer the stream copies once the job raised its
+        flag. Returns the call's [T, D] float32 share as the stream will hold it; this thread waits for
+        nothing. The call's counts are taken when the job is settled (`settle`)."""
         ids_h, w_h, x_h = host
         out = self._buffer(len(host), shape.numel(), torch.float32).view(shape)
-
-        def job():
-            if copied is not None:
-                copied.synchronize()
-            by_slot, counts = self._tally(ids_h)
-            _, cold = self._split(by_slot, counts)
-            if cold:
-                self._summed_on_host(cold, by_slot, counts, x_h, w_h, out)
-            else:
-                out.zero_()
-
-        y_TD, self._job = self.jobs.deliver(job, out, name=f"the host experts of {self.name}")
+        y_TD, self._job = self.jobs.submit(pairs_job_fn(), (ids_h, w_h, x_h, self._hot_mask, *self._job_args),
+                                           copied, out, name=f"the host experts of {self.name}")
         return y_TD if hot_TD is None else hot_TD.float() + y_TD
 
     def _pinned_copies(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
@@ -277,7 +274,7 @@ class ExpertTiers(HotSetRule):
         and the host path is forced or at one row estimated at most HANDOFF_SLOWER times the stream's (off
         the launching thread the host's time hides behind the launches, so a slower host path still wins;
         a host the cost model finds hopeless keeps the split of `paths`)."""
-        if self.jobs is None:
+        if self.jobs is None or self._job_args is None:
             return False
         if self.config.cold_path == "host":
             return True
@@ -286,19 +283,23 @@ class ExpertTiers(HotSetRule):
             self.HANDOFF_SLOWER * c.stream_seconds(1, self.slot_params, self.slot_bytes)
 
     def settle(self) -> None:
-        """Wait for this layer's job on the host worker, if one is out, and raise a failed job's error: before
-        anything reads or changes the counts, the hot set or the telemetry."""
+        """Wait for this layer's job on the host, if one is out, and count its pairs (as an in-line call counts
+        them); raise a failed job's error: before anything reads or changes the counts, the hot set or the
+        telemetry."""
         job, self._job = self._job, None
-        if job is not None:
-            job.exception()  # waits; a failure is raised by `check`, naming the layer
+        ids = job.result() if job is not None else None  # a failure is raised, naming the layer
+        if ids is not None:
+            by_slot, counts = self._tally(ids)
+            _, cold = self._split(by_slot, counts)
+            self.stats.rows_host += sum(counts[s] for s in cold)
         if self.jobs is not None:
             self.jobs.check()
 
-    def _tally(self, ids_h: torch.Tensor) -> tuple[dict[int, list[int]], list[int]]:
-        """({slot: its pairs t * K + k, in order}, rows per slot) of host ids [T, K] (-1: another rank's pair),
-        counted into the load statistics (`_observe`)."""
+    def _tally(self, ids: list[int]) -> tuple[dict[int, list[int]], list[int]]:
+        """({slot: its pairs t * K + k, in order}, rows per slot) of a call's flat ids (-1: another rank's
+        pair), counted into the load statistics (`_observe`)."""
         by_slot: dict[int, list[int]] = {}
-        for n, s in enumerate(v for row in ids_h.tolist() for v in row):  # one torch call (`_summed_on_host`)
+        for n, s in enumerate(ids):
             if s >= 0:
                 by_slot.setdefault(s, []).append(n)
         counts = [0] * self.num_slots
