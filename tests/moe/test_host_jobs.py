@@ -144,19 +144,6 @@ def test_jobs_run_in_order_after_their_stamps_and_raise_the_flag_to_their_number
 
 
 def test_host_thread_settings():
-    """"auto" hands off only where a CUDA stream can wait for host memory (never on a CPU); "on" forces it
-    (on a CPU: joined); "off" and a forced stream path never; anything else is refused."""
-    assert not device_waits(torch.device("cpu"))
-    assert _tiers(2, "auto").jobs is None and _tiers(2, "on").jobs is not None and _tiers(2, "off").jobs is None
-    host = _experts()
-    forced = ExpertTiers(host, 2, torch.device("cpu"), lambda *a: None, HOST, Staging(host, torch.device("cpu")),
-                         TierConfig(cold_path="stream", host_thread="on"))
-    assert forced.jobs is None
-    with pytest.raises(ConfigError, match="host_thread must be one of auto, on, off"):
-        TierConfig(host_thread="yes")
-
-
-def test_host_thread_settings():
     """"auto" uses the worker only where a CUDA stream can wait for host memory (never on a CPU); "on" forces it
     (on a CPU: joined); "off" and a forced stream path never; anything else is refused."""
     assert not device_waits(torch.device("cpu"))
