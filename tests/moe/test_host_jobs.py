@@ -234,3 +234,36 @@ def test_a_stamp_is_waited_for_in_host_memory_with_wrap_around():
         Stamp(jobs, 1).synchronize()
     jobs.ready.fill_(1)
     Stamp(jobs, 2**32 - 2).synchronize()  # long passed
+
+
+def test_a_job_needs_no_python_lock_while_this_thread_holds_it():
+    """While this thread runs Python only (it lets go of the lock only when the interpreter forces a switch,
+    here every 2 s), three jobs started in a row still wait for their stamp, compute, end (each waits for the
+    one before to end) and raise the flag within a fraction of a second: they take Python's lock nowhere
+    (their tensors are aliases Python never held; letting go of one Python holds would take it)."""
+    import ctypes
+    import sys
+
+    jobs, ready = HostJobs(torch.device("cpu")), torch.zeros(1, dtype=torch.int32)
+    _job_inputs(jobs, ready, 0, 1)[0].wait()  # warm: the first call compiles
+    jobs.flag.zero_()
+    flag = ctypes.c_int32.from_address(jobs.flag.data_ptr())
+    ready_word = ctypes.c_int32.from_address(ready.data_ptr())
+    ready_word.value = 1  # the stamp, written without a torch call
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(2.0)
+    try:
+        future, out = None, None
+        for number in (1, 2, 3):
+            future, out = _job_inputs(jobs, ready, 1, number, prev=future)
+        started = time.perf_counter()
+        while flag.value < 3 and time.perf_counter() - started < 5:  # Python only: no torch call, no sleep
+            pass
+        took = time.perf_counter() - started
+    finally:
+        sys.setswitchinterval(interval)
+    future.wait()
+    assert flag.value == 3 and took < 0.5, took
+    want = torch.empty(1, D)
+    HostExperts(F.silu).summed(_experts(), [0, 2], [1, 1], [0, 0], [0.25, 0.75], torch.ones(1, D), want)
+    assert torch.equal(out, want)
