@@ -94,8 +94,6 @@ class ExpertTiers(HotSetRule):
         self._chosen_at = -1  # the call count of the last re-choice: at most one a call
         self.staging, self.config = staging, config or TierConfig()
         self.jobs = jobs_for(self.config, self.device)
-        # what a handed-off call's job takes besides its rows (`HostExperts.job_args`), None: no hand-off
-        self._job_args = host_fn.job_args(host) if isinstance(host_fn, HostExperts) else None
         self._job = None  # this layer's last job on the host (`settle`)
         self._host_buffers: dict[int, torch.Tensor] = {}  # `_pinned_copies`
         first = next(iter(host.values()))
@@ -243,7 +241,8 @@ class ExpertTiers(HotSetRule):
         nothing. The call's counts are taken when the job is settled (`settle`)."""
         ids_h, w_h, x_h = host
         out = self._buffer(len(host), shape.numel(), torch.float32).view(shape)
-        y_TD, self._job = self.jobs.submit(pairs_job_fn(), (ids_h, w_h, x_h, self._hot_mask, *self._job_args),
+        job_args = self.host_fn.job_args(self.host)  # at each call: the float32 crossover is calibrated after init
+        y_TD, self._job = self.jobs.submit(pairs_job_fn(), (ids_h, w_h, x_h, self._hot_mask, *job_args),
                                            copied, out, name=f"the host experts of {self.name}")
         return y_TD if hot_TD is None else hot_TD.float() + y_TD
 
@@ -274,7 +273,7 @@ class ExpertTiers(HotSetRule):
         and the host path is forced or at one row estimated at most HANDOFF_SLOWER times the stream's (off
         the launching thread the host's time hides behind the launches, so a slower host path still wins;
         a host the cost model finds hopeless keeps the split of `paths`)."""
-        if self.jobs is None or self._job_args is None:
+        if self.jobs is None or not isinstance(self.host_fn, HostExperts) or self.host_fn.act is None:
             return False
         if self.config.cold_path == "host":
             return True
