@@ -1,13 +1,10 @@
-"""The host experts' weighted sum in one call that does not hold Python's lock (`thunderep.moe.host_summed`,
-`HostExperts.summed`): the same bits as the products one by one from Python for every layout, activation,
-dtype and float32 crossover the lean host function covers; an activation it cannot name leaves the Python
-path; a thread busy in Python does not slow the scripted call the way it slows the products one by one."""
+"""The host experts' weighted sum in one TorchScript call (`thunderep.moe.host_summed`, `HostExperts.summed`):
+the same bits as the products one by one from Python for every layout, activation, dtype and float32
+crossover the lean host function covers; an activation it cannot name leaves the Python path. (That the
+jobs built on it take Python's lock nowhere: tests/moe/test_host_jobs.py.)"""
 
 from __future__ import annotations
 
-import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -76,51 +73,3 @@ def test_an_activation_without_a_name_leaves_the_python_path():
     out = torch.zeros(1, D)
     assert lean.summed(host, [0], [1], [0], [1.0], x_TD, out) is None
     assert not out.any()  # nothing done
-
-
-def _beside_a_busy_thread(call) -> float:
-    """Seconds of 3 calls of `call` on a thread while this one runs Python only (it lets go of the lock only
-    when the switch interval forces it)."""
-    call()  # warm
-    done, took = threading.Event(), []
-
-    def work():
-        started = time.perf_counter()
-        for _ in range(3):
-            call()
-        took.append(time.perf_counter() - started)
-        done.set()
-
-    worker = threading.Thread(target=work)
-    worker.start()
-    spins = 0
-    while not done.is_set():
-        spins += 1
-    worker.join()
-    return took[0]
-
-
-@pytest.mark.skipif(summed_fn() is None, reason="this torch cannot script the function")
-def test_a_thread_busy_in_python_does_not_slow_the_scripted_sum():
-    """The products one by one take Python's lock back after each product: while another thread runs Python,
-    each return can wait up to the switch interval. The scripted sum takes it once to leave."""
-    host = _host(False, torch.float32, d=512, i=512, s=8)  # products of about a millisecond: the busy thread
-    slots, counts, tokens, weights = list(range(8)), [1] * 8, [0] * 8, [0.125] * 8  # wakes while one runs
-    x_TD, out = torch.randn(1, 512), torch.zeros(1, 512)
-    lean = HostExperts(F.silu)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.02)  # magnified: a wait lasts up to 20 ms
-    try:
-        for _ in range(3):  # a loaded machine's scheduler may hand the lock back before the busy thread wakes
-            elapsed = {"scripted": _beside_a_busy_thread(
-                           lambda: lean.summed(host, slots, counts, tokens, weights, x_TD, out)),
-                       "one by one": _beside_a_busy_thread(
-                           lambda: _one_by_one(lean, host, slots, counts, tokens, weights, x_TD))}
-            if elapsed["one by one"] > 0.5:  # the premise: the busy thread did slow the Python path
-                break
-        else:
-            pytest.skip(f"the busy thread did not slow the products one by one on this run: {elapsed}")
-    finally:
-        sys.setswitchinterval(interval)
-    # 3 calls of 8 slots: about 200 returns one by one (2-5 s measured on 2 cores); scripted a few waits a call
-    assert elapsed["scripted"] < elapsed["one by one"] / 4, elapsed
