@@ -22,6 +22,7 @@ def bench(monkeypatch):
     return importlib.import_module("bench_scaling")
 
 
+@pytest.mark.slow  # about 29 s on 2 cores: the example's CPU run (`pytest -m slow` runs it)
 @pytest.mark.world_size(2)
 def test_bench_scaling_on_cpu_ranks(bench, tmp_path, capsys):
     out = tmp_path / "scaling.json"
