@@ -174,8 +174,12 @@ class HostJobs:
 
     def drain(self) -> None:
         """Wait until every job submitted so far has ended; raise a failure (`check`)."""
-        while self._pending:
-            self._pending[0].result()
+        while True:
+            with self._lock:  # the watchdog may end jobs meanwhile
+                job = self._pending[0] if self._pending else None
+            if job is None:
+                break
+            job.result()
         self.check()
 
     def _ended(self, job: Job, error: BaseException | None) -> None:
