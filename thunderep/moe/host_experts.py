@@ -23,9 +23,9 @@ a scratch buffer and the products run in float32 (the result is cast back). `cal
 where that starts to pay on this CPU; float32 weights never convert.
 
 `HostExperts.summed` computes a call's slots and their weighted per-token sum (what the tiers send back)
-in one TorchScript call, the same bits as the products one by one: Python's lock is taken once, not after
-each product, which is what a worker thread beside a launching thread needs (`thunderep.moe.host_summed`). `python -m
-thunderep.bench.host_experts` measures each way against the class's forward.
+in one TorchScript call, the same bits as the products one by one; `HostExperts.job_args` hands the same
+weights to a host job (`thunderep.moe.host_summed`). `python -m thunderep.bench.host_experts` measures each
+way against the class's forward.
 """
 
 from __future__ import annotations

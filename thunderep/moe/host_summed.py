@@ -1,20 +1,25 @@
-"""A call's host experts, weighted and summed per token, in one call that does not hold Python's lock.
+"""A call's host experts, weighted and summed per token, as TorchScript: in one call, and as a job that runs
+no Python at all.
 
 Shape legend: T tokens, M rows of all the slots computed (in slot order), D hidden size, S local slots.
 
-Why: the host worker (`thunderep.moe.host_jobs`) computes cold experts while the launching thread keeps
-queueing GPU work. Each torch call from Python lets go of the interpreter lock while it runs and takes it
-back when it returns; a thread that wants it back while the other one holds it (the launching thread
-spends most of its time in Python between launches) waits, up to the interpreter's switch interval
-(5 ms). A decode job of a few dozen such calls per layer therefore ran about 4x slower on the worker than
-in line, and the worker gained nothing (measured: docs/benchmarks/2026-12-05-expert-offload-h200.md).
-Here the whole job after its inputs arrive is one TorchScript function: the lock is taken once to enter
-it and once to leave, and every product inside runs in C++ without it. torch marks TorchScript
-deprecated (2.13); where scripting fails the same products run from Python (`summed_fn` returns None),
-slower on the worker but equal.
+Why: host jobs (`thunderep.moe.host_jobs`) compute cold experts while the launching thread keeps queueing
+GPU work. Each torch call from Python lets go of the interpreter lock while it runs and takes it back
+when it returns; a thread that wants it back while the other one holds it (the launching thread spends
+most of its time in Python between launches) waits, up to the interpreter's switch interval (5 ms). A
+Python worker thread's products therefore ran about 4x slower than in line, and it gained nothing
+(measured: docs/benchmarks/2026-12-05-expert-offload-h200.md, eighth and ninth runs).
 
-The function mirrors `HostExperts` op for op (the products, the activation, the float32 crossover, the
-weighted sum of `ExpertTiers._summed_on_host`), so both give the same bits.
+  * `_gated_summed` (`summed_fn`): the products and the weighted sum in one call; `HostExperts.summed`
+    runs it in line. It mirrors `HostExperts` op for op (the products, the activation, the float32
+    crossover, the weighted sum of `ExpertTiers._summed_on_host`), so both give the same bits.
+  * `_pairs_job` (started by `pairs_job_fn`'s launcher with `torch.jit.fork`): a decode call's whole host
+    share on torch's inter-op threads, after the job before it and the stream's stamp (`_await_turn`),
+    ending in the flag (`_raise_flag`). Its tensors are aliases (`_alias`): letting go of a tensor that
+    Python holds takes Python's lock, of an alias not.
+
+torch marks TorchScript deprecated (2.13); where scripting fails, the sums run from Python in line and no
+call is handed off (`summed_fn`, `pairs_job_fn` and `done_job_fn` return None).
 """
 
 from __future__ import annotations

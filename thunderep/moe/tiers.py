@@ -26,9 +26,9 @@ decode pair kernels where the experts run on ThunderEP's kernels; the host-path 
 rows and come back weighted and summed per token, T rows. Fewer device launches per layer call is the point:
 at batch 1 a decode step is bound by the host's launches, not by the experts. Where the device's stream can
 wait for host memory (`thunderep.moe.host_jobs`, `TierConfig.host_thread`) and the hot pairs need no host
-knowledge (the pair kernels took them, or none is hot), the counting and the host-path slots are a job of
-the device's host worker: the launching thread queues the stream's wait for the job and the copy of its
-sums, and goes on launching the next layers while the host computes.
+knowledge (the pair kernels took them, or none is hot), the counting and the host-path slots are a host
+job (TorchScript on torch's inter-op threads, no Python): the launching thread queues the stream's wait for
+the job and the copy of its sums, and goes on launching the next layers while the host computes.
 
 The hot set is first the first H slots, then chosen from measured load by the rule of
 `thunderep.moe.hot_set` (`HotSetRule`, which `ExpertTiers` extends). The weights are the same bytes in
@@ -180,7 +180,7 @@ class ExpertTiers(HotSetRule):
         pair on the device, -1 for a pair another rank computes; weights_TK: [T, K]. One wait for the host:
           1. the ids, the weights and the token rows queued to pinned host memory;
           2. the hot pairs launched through `pairs` (the decode pair kernels), before the wait;
-          3. with the host worker (`jobs`: `pairs` took the hot pairs, or none is hot), 4 and 5 are its job
+          3. with host jobs (`jobs`: `pairs` took the hot pairs, or none is hot), 4 and 5 are a job
              (`_handed_off`) and this thread waits for nothing; else the wait here, and the call's rows per
              slot counted on the host;
           4. on the device, queued: hot pairs `pairs` did not take (two products per slot, or the experts
@@ -340,9 +340,8 @@ class ExpertTiers(HotSetRule):
     def _summed_on_host(self, slots: list[int], by_slot: dict, counts: list[int], x_TD: torch.Tensor,
                         w_TK: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The host function on the host token rows x_TD of `slots`' pairs (by_slot: slot -> its pairs t K + k),
-        weighted by w_TK and summed per token into `out` (float32 [T, D] on the host), returned. Where the host
-        function has it, one call that does not hold Python's lock (`HostExperts.summed`: on the host worker,
-        the launching thread's Python would otherwise slow every product's return)."""
+        weighted by w_TK and summed per token into `out` (float32 [T, D] on the host), returned: one TorchScript
+        call where the host function has it (`HostExperts.summed`), the same bits as the products one by one."""
         K = w_TK.shape[-1]
         pairs = [n for s in slots for n in by_slot[s]]
         w = [v for row in w_TK.tolist() for v in row]
