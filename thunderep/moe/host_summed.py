@@ -154,10 +154,10 @@ def _pairs_job(prev: torch.jit.Future[List[int]], ready: torch.Tensor, stamp: in
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of t's storage, shape and strides that Python has never seen. A forked job lets go of its
-    arguments on its own thread; letting go of a tensor Python holds takes Python's lock there (measured:
-    a switch interval a tensor beside a thread busy in Python), of such an alias not."""
-    return torch.empty([0], dtype=t.dtype, device=t.device).set_(t)
+    """A tensor of t's storage, shape and strides that Python has never seen (one operation). A forked job
+    lets go of its arguments on its own thread; letting go of a tensor Python holds takes Python's lock
+    there (measured: a switch interval a tensor beside a thread busy in Python), of such an alias not."""
+    return t.detach()
 
 
 def _alias_optional(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
