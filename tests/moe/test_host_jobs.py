@@ -267,3 +267,18 @@ def test_a_job_needs_no_python_lock_while_this_thread_holds_it():
     want = torch.empty(1, D)
     HostExperts(F.silu).summed(_experts(), [0, 2], [1, 1], [0, 0], [0.25, 0.75], torch.ones(1, D), want)
     assert torch.equal(out, want)
+
+
+def test_a_torch_that_cannot_script_computes_in_line(monkeypatch):
+    """Where TorchScript is gone or fails (torch deprecates it), no call is handed off and the host experts
+    run from Python: `host_thread="on"` gives no jobs, and the sums equal the scripted ones."""
+    from thunderep.moe import host_summed
+
+    x_TD, w_TK = torch.randn(4, D, generator=torch.Generator().manual_seed(3)), torch.rand(4, 3)
+    want = _tiers(2, "off").partial(x_TD, LOCAL_TK, w_TK)
+    monkeypatch.setattr(host_summed, "_scripted", lambda name: None)
+    tiers = _tiers(2, "on")
+    assert tiers.jobs is None and host_summed.summed_fn() is None
+    got = tiers.partial(x_TD, LOCAL_TK, w_TK)
+    assert torch.equal(got, want)  # the products one by one: the scripted sum's bits
+    assert tiers.stats.rows_host == 5
