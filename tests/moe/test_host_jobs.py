@@ -101,12 +101,12 @@ def test_a_failed_host_job_raises_naming_the_layer_once():
     the next call runs."""
     tiers = _tiers(2, "on")
     x_TD, w_TK = torch.randn(4, D), torch.rand(4, 3)
-    good = tiers.host_fn.job_args
-    tiers.host_fn.job_args = lambda host: (lambda a: (a[0], a[1][:, :, :3], *a[2:]))(good(host))
+    good = tiers.lean.job_args
+    tiers.lean.job_args = lambda host: (lambda a: (a[0], a[1][:, :, :3], *a[2:]))(good(host))
     with pytest.raises(ThunderError, match=r"model\.layers\.3\.mlp\.experts failed on the host: RuntimeError"):
         tiers.partial(x_TD, LOCAL_TK, w_TK)
     assert tiers.jobs.flag.item() == tiers.jobs.submitted
-    tiers.host_fn.job_args = good
+    tiers.lean.job_args = good
     tiers.settle()  # raised once
     assert tiers.partial(x_TD, LOCAL_TK, w_TK).shape == (4, D)
 

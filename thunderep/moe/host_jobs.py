@@ -191,10 +191,17 @@ class HostJobs:
                 if job.number > self._failed_through:
                     if self._error is None:
                         self._error, self._failed_job = error, job.name
-                    self._failed_through, self._last = self._number, done_job_fn()(0)
-                self._raise_flag(self._number)
+                    self._release_all()
+                else:
+                    self._raise_flag(self._number)
             if job in self._pending:
                 self._pending.remove(job)
+
+    def _release_all(self) -> None:
+        """After a failed or stuck job (under the lock): the flag raised to every job submitted (the device
+        waits on none of them), those jobs' failures taken as this one's, later jobs chained on none of them."""
+        self._raise_flag(self._number)
+        self._failed_through, self._last = self._number, done_job_fn()(0)
 
     def _raise_flag(self, number: int) -> None:
         if (number - self._flag_word.value) & 0x80000000 == 0:  # number >= flag, with wrap-around
@@ -222,8 +229,7 @@ class HostJobs:
                                            "without its result")
                 self._failed_job = job.name
             self._pending.clear()
-            self._raise_flag(self._number)
-            self._failed_through, self._last = self._number, done_job_fn()(0)  # later jobs wait on none of these
+            self._release_all()
         return True
 
     def _watch(self) -> None:

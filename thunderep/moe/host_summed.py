@@ -31,9 +31,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SCRIPT_ACTIVATIONS", "done_job_fn", "pairs_job_fn", "summed_fn"]
-
-SCRIPT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")  # what `_gated_summed`'s `act` may name
+__all__ = ["done_job_fn", "pairs_job_fn", "summed_fn"]
 
 
 def _gated_summed(x_TD: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -60,10 +58,9 @@ def _gated_summed(x_TD: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         w_gate_up, w_down = gate_up[s], down[s]
         b_gate_up = gate_up_bias[s] if gate_up_bias is not None else None
         b_down = down_bias[s] if down_bias is not None else None
-        dtype = w_gate_up.dtype
-        upcast = n >= upcast_rows and dtype != torch.float32 and scratch_gate_up is not None \
-            and scratch_down is not None
-        if upcast and scratch_gate_up is not None and scratch_down is not None:
+        dtype, upcast = w_gate_up.dtype, False
+        if n >= upcast_rows and dtype != torch.float32 and scratch_gate_up is not None and scratch_down is not None:
+            upcast = True
             w_gate_up, w_down = scratch_gate_up.copy_(w_gate_up), scratch_down.copy_(w_down)
             b_gate_up = b_gate_up.float() if b_gate_up is not None else None
             b_down = b_down.float() if b_down is not None else None
@@ -79,7 +76,7 @@ def _gated_summed(x_TD: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             gate = F.gelu(gate)
         elif act == "gelu_tanh":
             gate = F.gelu(gate, approximate="tanh")
-        else:
+        else:  # "relu": `HostExperts.act` names one of the four (`experts.activation_name`)
             gate = F.relu(gate)
         y_nD = F.linear(gate * up, w_down, b_down)
         ys.append(y_nD.to(dtype) if upcast else y_nD)
@@ -94,6 +91,7 @@ def _gated_summed(x_TD: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 def summed_fn():
     """`_gated_summed` as a TorchScript function (made once), or None where this torch cannot script it."""
     return _scripted("_gated_summed")
+
 
 def _await_turn(prev: torch.jit.Future[List[int]], ready: torch.Tensor, stamp: int, spins: int) -> None:
     """A forked job's start (`thunderep.moe.host_jobs`): after the job before it (the flag's numbers only

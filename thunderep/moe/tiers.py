@@ -241,7 +241,7 @@ class ExpertTiers(HotSetRule):
         nothing. The call's counts are taken when the job is settled (`settle`)."""
         ids_h, w_h, x_h = host
         out = self._buffer(len(host), shape.numel(), torch.float32).view(shape)
-        job_args = self.host_fn.job_args(self.host)  # at each call: the float32 crossover is calibrated after init
+        job_args = self.lean.job_args(self.host)  # at each call: the float32 crossover is calibrated after init
         y_TD, self._job = self.jobs.submit(pairs_job_fn(), (ids_h, w_h, x_h, self._hot_mask, *job_args),
                                            copied, out, name=f"the host experts of {self.name}")
         return y_TD if hot_TD is None else hot_TD.float() + y_TD
@@ -273,7 +273,7 @@ class ExpertTiers(HotSetRule):
         and the host path is forced or at one row estimated at most HANDOFF_SLOWER times the stream's (off
         the launching thread the host's time hides behind the launches, so a slower host path still wins;
         a host the cost model finds hopeless keeps the split of `paths`)."""
-        if self.jobs is None or not isinstance(self.host_fn, HostExperts) or self.host_fn.act is None:
+        if self.jobs is None or self.lean is None or self.lean.act is None:
             return False
         if self.config.cold_path == "host":
             return True
@@ -345,9 +345,9 @@ class ExpertTiers(HotSetRule):
         K = w_TK.shape[-1]
         pairs = [n for s in slots for n in by_slot[s]]
         w = [v for row in w_TK.tolist() for v in row]
-        rows, started, summed = [counts[s] for s in slots], time.perf_counter(), getattr(self.host_fn, "summed", None)
-        if summed is not None and summed(self.host, slots, rows, [n // K for n in pairs], [w[n] for n in pairs], x_TD,
-                                         out) is not None:
+        rows, started = [counts[s] for s in slots], time.perf_counter()
+        if self.lean is not None and self.lean.summed(self.host, slots, rows, [n // K for n in pairs],
+                                                      [w[n] for n in pairs], x_TD, out) is not None:
             self.stats.hosted(len(pairs), started)
             return out
         w_M = torch.tensor([w[n] for n in pairs], dtype=torch.float32)
