@@ -4,6 +4,7 @@ its rows, its positive rates, the hot share and the cost model's predictions, th
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from thunderep.bench import offload
 from thunderep.bench.offload import OffloadBench, main, parse
 from thunderep.errors import ConfigError
 
@@ -70,3 +72,24 @@ def test_cost_table_adds_the_rest_of_the_model_as_the_whole_gpu_row_measured_it(
     alone = cost_table(rows[:1], 1).splitlines()[2]  # no (c): the experts' prediction alone
     assert alone == "| thunderep 25% | 100 | - | 25.00 | 4.00x | 1000 | - | 500 | 2.00x |"
 
+
+
+def test_isolated_rows_run_in_fresh_processes_and_a_lost_process_is_the_row_s_error(tmp_path, capsys):
+    """--isolate on: each row measured in a spawned process (the same table as in this one); a row's process
+    that ends without reporting leaves the row with that error."""
+    argv = ARGS + ["--baselines", "gpu", "--isolate", "on", "--dir", str(tmp_path / "ckpt"),
+                   "--json", str(tmp_path / "out.json")]
+    assert main(argv) == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "out.json").read_text())["rows"]}
+    assert set(rows) == {"thunderep 50%", "(c) whole model on the device"}
+    for row in rows.values():
+        assert row["error"] is None and row["decode"]["1"] > 0 and row["prefill"] > 0, row
+    assert rows["thunderep 50%"]["stats"]["hot_slots"] == 8
+    lost = offload._isolated(_exit_at_once, offload.Row("lost", "gpu"))
+    assert lost.error == "its process ended with exit code 3 before reporting the row"
+    with pytest.raises(ConfigError, match="--isolate must be auto, on or off"):
+        parse(["--isolate", "maybe"])
+
+
+def _exit_at_once(row):
+    os._exit(3)

@@ -16,7 +16,8 @@ fit after the replicated weights and the two staging buffers (`train.plan.plan_o
 
 With --host-threads (e.g. off,auto) every ThunderEP row and (b) run once per value of `TierConfig.host_thread`:
 a decode step's host experts in line ("off", the default) or on the host worker, off the launching thread
-("auto", where the GPU's stream can wait for host memory; `moe.host_jobs`), side by side in one run.
+("auto", where the GPU's stream can wait for host memory; `moe.host_jobs`), side by side in one run. On
+CUDA each row runs in a fresh process (--isolate), so that no row is timed in what an earlier one left.
 
 Timing, after a warm-up, a new random prompt of 16 tokens for every call (nothing replayed for the hot set to
 learn): decode tokens/s at batch B = B (N - 1) / seconds from the first generated token to the N-th of a greedy
@@ -35,9 +36,11 @@ import dataclasses
 import gc
 import json
 import os
+import pickle
 import shutil
 import sys
 import math
+import multiprocessing
 import tempfile
 import time
 import traceback
@@ -88,7 +91,9 @@ class OffloadBench:
     this shape); None: a temporary folder, deleted at the end. tiny: hidden 64, 8 experts, vocab 256.
     experts_implementation: what computes ThunderEP's rows' device experts, as `from_pretrained` takes it
     (None: the model's own, transformers' grouped GEMM, as `thunderep generate` runs by default; "auto":
-    ThunderEP's kernels on a CUDA GPU, as `thunderep serve` runs by default)."""
+    ThunderEP's kernels on a CUDA GPU, as `thunderep serve` runs by default). isolate: each row in a fresh
+    process ("on"; "auto": on CUDA; "off": all in this one), so that no row runs in what an earlier one left
+    (`_isolated`)."""
 
     shape: str = "qwen3"
     layers: int = 0
@@ -109,6 +114,7 @@ class OffloadBench:
     cold_path: str = "auto"
     experts_implementation: str | None = None
     host_threads: tuple[str, ...] = ("off",)
+    isolate: str = "auto"
 
     def __post_init__(self):
         problems = [] if self.shape in SHAPES else [f"--shape must be one of {', '.join(SHAPES)}, got {self.shape!r}"]
@@ -125,6 +131,8 @@ class OffloadBench:
         problems += [f"--device must be cpu or cuda, got {self.device!r}"] if self.device not in ("cpu", "cuda") else []
         problems += [f"--host-threads: {t!r} is not one of {', '.join(HOST_THREAD)}" for t in self.host_threads
                      if t not in HOST_THREAD]
+        if self.isolate not in ("auto", "on", "off"):
+            problems.append(f"--isolate must be auto, on or off, got {self.isolate!r}")
         if self.cold_path not in COLD_PATHS:
             problems.append(f"--cold-path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
         if problems:
@@ -373,23 +381,53 @@ def _plan_rows(bench: OffloadBench, path: Path) -> list[tuple[Row, object]]:
 
 
 def run_rows(bench: OffloadBench, path: Path) -> list[Row]:
-    """Every row of `bench` on the checkpoint `path`, one model at a time; a failed row keeps its error and the
-    others run."""
-    config = _config(bench)
+    """Every row of `bench` on the checkpoint `path`, one model at a time, each in a fresh process where
+    `bench.isolate` asks (auto: on CUDA; `_isolated`); a failed row keeps its error and the others run."""
+    isolate = bench.isolate == "on" or (bench.isolate == "auto" and bench.device == "cuda")
+    config = None if isolate else _config(bench)
     rows = []
     for row, plan in _plan_rows(bench, path):
         say(row.name + (f", budget {size_text(row.budget)}" if row.budget is not None else ""))
-        try:
-            if row.kind == "accelerate":
-                _accelerate_row(row, path, bench, config)
-            else:
-                cold = "host" if row.kind == "host" else bench.cold_path
-                _thunderep_row(row, path, bench, config, plan, TierConfig(cold_path=cold, host_thread=row.host_thread))
-        except Exception as exc:  # noqa: BLE001 - one failed configuration must not lose the others' numbers
-            traceback.print_exc(file=sys.stderr)
-            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-        rows.append(row)
+        rows.append(_isolated(_run_row, row, path, bench, plan) if isolate else _run_row(row, path, bench, plan, config))
     return rows
+
+
+def _run_row(row: Row, path: Path, bench: OffloadBench, plan, config=None) -> Row:
+    """Measure `row` (its error kept where it fails) and return it."""
+    try:
+        config = config or _config(bench)
+        if row.kind == "accelerate":
+            _accelerate_row(row, path, bench, config)
+        else:
+            cold = "host" if row.kind == "host" else bench.cold_path
+            _thunderep_row(row, path, bench, config, plan, TierConfig(cold_path=cold, host_thread=row.host_thread))
+    except Exception as exc:  # noqa: BLE001 - one failed configuration must not lose the others' numbers
+        traceback.print_exc(file=sys.stderr)
+        row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    return row
+
+
+def _isolated(fn, row: Row, *args) -> Row:
+    """fn(row, *args) -> Row in a fresh (spawned) process. Why: what a row leaves in its process lasts and
+    changes the next rows' times. Host jobs leave torch's inter-op threads each with its own OpenMP team
+    (hundreds of threads on a 16-core host), and once an OpenMP runtime manages more threads than there are
+    cores it stops spinning between parallel regions: every later row's host work then ran up to 1.7x
+    slower (docs/benchmarks/2026-12-05-expert-offload-h200.md, eleventh run). A process that ends without
+    its row leaves the row with that error."""
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="thunderep-row-") as tmp:
+        out = Path(tmp) / "row.pickle"
+        child = ctx.Process(target=_row_child, args=(fn, row, args, str(out)), name=f"row {row.name}")
+        child.start()
+        child.join()
+        if child.exitcode == 0 and out.exists():
+            return pickle.loads(out.read_bytes())
+    row.error = f"its process ended with exit code {child.exitcode} before reporting the row"
+    return row
+
+
+def _row_child(fn, row: Row, args: tuple, out: str) -> None:
+    Path(out).write_bytes(pickle.dumps(fn(row, *args)))
 
 
 def hardware(bench: OffloadBench) -> str:
