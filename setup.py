@@ -82,5 +82,7 @@ else:
         _cffi_modules = ["native/build_mailbox.py:ffibuilder"]
         if Path(__file__).with_name("native").joinpath("build_probe.py").is_file():
             _cffi_modules.append("native/build_probe.py:ffibuilder")  # the balancer probe's loops
+        if Path(__file__).with_name("native").joinpath("build_host.py").is_file():
+            _cffi_modules.append("native/build_host.py:ffibuilder")  # host experts on native threads
 
 setup(cmdclass={"build_ext": OptionalBuildExt}, cffi_modules=_cffi_modules)

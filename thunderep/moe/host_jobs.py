@@ -50,13 +50,14 @@ from collections.abc import Callable
 import torch
 
 from ..errors import ConfigError, ThunderError
-from .host_summed import done_job_fn
+from . import host_native
+from .host_summed import done_job_fn, pairs_job_fn
 
 __all__ = ["HostJobs", "Job", "Stamp", "device_waits", "jobs_for"]
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: until (int32)(*addr - value) >= 0
 _PROBED: dict[int, bool] = {}  # CUDA device index -> whether the stream wait works there
-_JOBS: dict[str, HostJobs] = {}  # str(device) -> its jobs
+_JOBS: dict[tuple[str, str], HostJobs] = {}  # (str(device), engine) -> its jobs
 _LOCK = threading.Lock()
 
 
@@ -104,12 +105,15 @@ class HostJobs:
 
     SPINS = 1 << 26  # a job's polls of its stamp before it fails (tens of seconds; the watchdog acts first)
 
-    def __init__(self, device: torch.device, driver: _Driver | None = None, timeout_s: float = 60.0):
-        self.device, self.driver, self.timeout_s = torch.device(device), driver, timeout_s
+    def __init__(self, device: torch.device, driver: _Driver | None = None, timeout_s: float = 60.0,
+                 engine: str = "script"):
+        self.device, self.driver, self.timeout_s, self.engine = torch.device(device), driver, timeout_s, engine
+        # what starts a job (`submit`'s launch): one engine per flag, so that jobs end in their numbers' order
+        self.launcher = host_native.NativeEngine.of().launch if engine == "native" else pairs_job_fn()
         self._pending: deque[Job] = deque()  # the jobs not yet seen to end, oldest first
         self._watchdog: threading.Thread | None = None
         self._number = 0
-        self._last = done_job_fn()(0)  # the future each new job waits on first (the flag's order)
+        self._last = self._done()  # the future each new job waits on first (the flag's order)
         self._error: BaseException | None = None
         self._failed_job = ""
         self._failed_through = 0  # the jobs submitted when a failure was seen: theirs repeat it (`_ended`)
@@ -122,15 +126,26 @@ class HostJobs:
         self._stamped = 0
 
     @classmethod
-    def of(cls, device: torch.device) -> HostJobs:
-        """The jobs of `device`, made on first use (the driver's probe passed there: `device_waits`)."""
+    def of(cls, device: torch.device, engine: str = "script") -> HostJobs:
+        """The jobs of `device` on `engine` ("native" or "script"), made on first use (the driver's probe passed
+        there: `device_waits`)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        key = (str(device), engine)
         with _LOCK:
-            if str(device) not in _JOBS:
-                _JOBS[str(device)] = cls(device, _Driver() if device.type == "cuda" else None)
-            return _JOBS[str(device)]
+            if key not in _JOBS:
+                _JOBS[key] = cls(device, _Driver() if device.type == "cuda" else None, engine=engine)
+            return _JOBS[key]
+
+    def covers(self, args: tuple) -> bool:
+        """Whether this engine runs a job of these `HostExperts.job_args`."""
+        return self.engine != "native" or host_native.covers(args)
+
+    def _done(self):
+        """A finished job's future for the next job to wait on (the script engine's chain; the native engine
+        keeps its own order)."""
+        return done_job_fn()(0) if self.engine == "script" else None
 
     def submit(self, launch: Callable, args: tuple, stamp: Stamp | None, out: torch.Tensor,
                name: str = "host job") -> tuple[torch.Tensor, Job]:
@@ -201,10 +216,12 @@ class HostJobs:
         """After a failed or stuck job (under the lock): the flag raised to every job submitted (the device
         waits on none of them), those jobs' failures taken as this one's, later jobs chained on none of them."""
         self._raise_flag(self._number)
-        self._failed_through, self._last = self._number, done_job_fn()(0)
+        self._failed_through, self._last = self._number, self._done()
 
     def _raise_flag(self, number: int) -> None:
-        if (number - self._flag_word.value) & 0x80000000 == 0:  # number >= flag, with wrap-around
+        if self.engine == "native":  # atomically: the engine's threads raise it too
+            host_native.raise_flag(self.flag, number)
+        elif (number - self._flag_word.value) & 0x80000000 == 0:  # number >= flag, with wrap-around
             self._flag_word.value = number & 0xFFFFFFFF
 
     def overdue(self, now: float | None = None) -> bool:
@@ -328,13 +345,21 @@ def _probe(device: torch.device) -> bool:
 
 
 def jobs_for(config, device: torch.device) -> HostJobs | None:
-    """The host jobs a layer's decode calls hand their host experts to, by a `TierConfig`'s host_thread and
-    cold_path, or None (also where this torch cannot script the jobs: `thunderep.moe.host_summed`)."""
-    if config.host_thread == "off" or config.cold_path == "stream" or done_job_fn() is None:
+    """The host jobs a layer's decode calls hand their host experts to, by a `TierConfig`'s host_thread,
+    host_engine and cold_path, or None (also where no engine can run here: the native extension missing and
+    this torch unable to script the jobs, `thunderep.moe.host_summed`)."""
+    if config.host_thread == "off" or config.cold_path == "stream":
+        return None
+    engine = config.host_engine
+    if engine == "auto":
+        engine = "native" if host_native.available() else "script"
+    if engine == "native" and not host_native.available():
+        raise ConfigError(f"host_engine 'native' needs ThunderEP's host extension: {host_native.unavailable_reason()}")
+    if engine == "script" and done_job_fn() is None:
         return None
     if config.host_thread == "auto":
-        return HostJobs.of(device) if device_waits(device) else None
+        return HostJobs.of(device, engine) if device_waits(device) else None
     if device.type == "cuda" and not device_waits(device):
         raise ConfigError(f"host_thread 'on' needs a CUDA driver whose streams can wait for host memory "
                           f"(cuStreamWaitValue32), which {device} lacks here: use 'auto' or 'off'")
-    return HostJobs.of(device)
+    return HostJobs.of(device, engine)

@@ -9,10 +9,11 @@ from dataclasses import asdict, dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["COLD_PATHS", "HOST_THREAD", "TierConfig", "TierStats", "parse_memory"]
+__all__ = ["COLD_PATHS", "HOST_ENGINE", "HOST_THREAD", "TierConfig", "TierStats", "parse_memory"]
 
 COLD_PATHS = ("auto", "host", "stream")
 HOST_THREAD = ("auto", "on", "off")
+HOST_ENGINE = ("auto", "native", "script")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _MEMORY = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?", re.IGNORECASE)
@@ -46,11 +47,15 @@ class TierConfig:
     over a swap's estimated saving in one interval must pay for its copy; confidence: how many standard
     deviations of counting noise the two slots' load difference must exceed (the module docstring).
     host_thread: where a decode call's host experts run (`thunderep.moe.host_jobs`): "off" (the default), in
-    line; "auto", as a job on torch's inter-op threads where the device's stream can wait for host memory, so
+    line; "auto", as a job off the launching thread where the device's stream can wait for host memory, so
     that the launching thread goes on; "on", as a job always (on a CPU joined at once: for tests). Off by
-    default: on a GPU with a real-sized model the worker thread of earlier versions decoded no faster than in
-    line, slowed by Python's lock (docs/benchmarks/2026-12-05-expert-offload-h200.md, sixth to ninth runs);
-    the jobs that run no Python at all are not yet measured on a GPU.
+    default: measured on an H100 the TorchScript jobs decoded 1.08x in line at batch 1 and 0.94x at batch 8,
+    and left OpenMP teams that slow the process's later host work (docs/benchmarks/2026-12-05-expert-
+    offload-h200.md, sixth to eleventh runs); the native engine is not yet measured on a GPU.
+    host_engine: what runs a job: "native" (`thunderep.moe.host_native`: ThunderEP's C extension on its own
+    threads, no OpenMP; 32- or 16-bit weights of the plain gated layout), "script" (TorchScript on
+    torch's inter-op threads, `thunderep.moe.host_summed`: the in-line sums' bits), or "auto" (native where
+    the extension is built, else script).
     """
 
     cold_path: str = "auto"
@@ -60,12 +65,15 @@ class TierConfig:
     margin: float = 2.0
     confidence: float = 2.0
     host_thread: str = "off"
+    host_engine: str = "auto"
 
     def __post_init__(self):
         if self.cold_path not in COLD_PATHS:
             raise ConfigError(f"cold_path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
         if self.host_thread not in HOST_THREAD:
             raise ConfigError(f"host_thread must be one of {', '.join(HOST_THREAD)}, got {self.host_thread!r}")
+        if self.host_engine not in HOST_ENGINE:
+            raise ConfigError(f"host_engine must be one of {', '.join(HOST_ENGINE)}, got {self.host_engine!r}")
         if self.margin < 0 or self.interval < 1 or not 0 <= self.ema < 1 or self.confidence < 0:
             raise ConfigError(f"TierConfig needs margin >= 0, interval >= 1, 0 <= ema < 1 and confidence >= 0, got "
                               f"margin {self.margin}, interval {self.interval}, ema {self.ema}, "

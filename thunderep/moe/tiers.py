@@ -47,7 +47,6 @@ import torch
 from ..errors import ConfigError
 from .host_experts import HostExperts, per_slot
 from .host_jobs import jobs_for
-from .host_summed import pairs_job_fn
 from .hot_set import HotSetRule
 from .offload_cost import OffloadCosts, split_cold
 from .staging import Staging, to_device, to_host, to_host_all
@@ -242,7 +241,7 @@ class ExpertTiers(HotSetRule):
         ids_h, w_h, x_h = host
         out = self._buffer(len(host), shape.numel(), torch.float32).view(shape)
         job_args = self.lean.job_args(self.host)  # at each call: the float32 crossover is calibrated after init
-        y_TD, self._job = self.jobs.submit(pairs_job_fn(), (ids_h, w_h, x_h, self._hot_mask, *job_args),
+        y_TD, self._job = self.jobs.submit(self.jobs.launcher, (ids_h, w_h, x_h, self._hot_mask, *job_args),
                                            copied, out, name=f"the host experts of {self.name}")
         return y_TD if hot_TD is None else hot_TD.float() + y_TD
 
@@ -273,7 +272,8 @@ class ExpertTiers(HotSetRule):
         and the host path is forced or at one row estimated at most HANDOFF_SLOWER times the stream's (off
         the launching thread the host's time hides behind the launches, so a slower host path still wins;
         a host the cost model finds hopeless keeps the split of `paths`)."""
-        if self.jobs is None or self.lean is None or self.lean.act is None:
+        if self.jobs is None or self.lean is None or self.lean.act is None or \
+                not self.jobs.covers(self.lean.job_args(self.host)):
             return False
         if self.config.cold_path == "host":
             return True

@@ -1,0 +1,206 @@
+"""Host jobs on the native engine (`thunderep.moe.host_native`, `native/host_experts.c`): a job's per-token sums
+equal a float64 reference on the held weights for every dtype, activation, layout and bias it covers, and are
+the same bits whatever its thread count; through the tiers they match the in-line call; jobs run in order
+after their stamps and raise the flag; a stamp that never comes, or a bad slot, fails the job with a clear
+error; the jobs need no Python lock and leave no threads behind (no OpenMP teams)."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+from dataclasses import replace
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+
+from thunderep.errors import ThunderError
+from thunderep.moe import host_native
+from thunderep.moe.host_experts import GatedLayout, HostExperts
+from thunderep.moe.host_jobs import HostJobs, Job
+
+if not host_native.available():
+    pytest.skip(f"the native host engine is unavailable: {host_native.unavailable_reason()}", allow_module_level=True)
+
+from test_host_jobs import LOCAL_TK, _tiers  # noqa: E402 - after the skip: the same tiers as the script engine's
+
+S, D, I = 6, 40, 24  # D and I past the 8-wide loops, with tails
+ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+def _weights(dtype, bias: bool, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    w = {"gate_up_proj": torch.randn(S, 2 * I, D, generator=gen) * D ** -0.5,
+         "down_proj": torch.randn(S, D, I, generator=gen) * I ** -0.5}
+    if bias:
+        w |= {"gate_up_bias": torch.randn(S, 2 * I, generator=gen), "down_bias": torch.randn(S, D, generator=gen)}
+    return {k: v.to(dtype) for k, v in w.items()}
+
+
+def _reference(w: dict, act: str, interleaved: bool, ids_TK, w_TK, x_TD, hot_S) -> torch.Tensor:
+    """float64: per cold pair, its weight times the expert on its token's row, summed per token."""
+    out = torch.zeros(x_TD.shape, dtype=torch.float64)
+    T, K = ids_TK.shape
+    for t in range(T):
+        for k in range(K):
+            s = int(ids_TK[t, k])
+            if s < 0 or hot_S[s]:
+                continue
+            h = w["gate_up_proj"][s].double() @ x_TD[t].double()
+            if "gate_up_bias" in w:
+                h = h + w["gate_up_bias"][s].double()
+            gate, up = (h[::2], h[1::2]) if interleaved else (h[:I], h[I:])
+            y = w["down_proj"][s].double() @ (ACTS[act](gate) * up)
+            if "down_bias" in w:
+                y = y + w["down_bias"][s].double()
+            out[t] += float(w_TK[t, k]) * y
+    return out
+
+
+def _run(engine, w, act, interleaved, ids_TK, w_TK, x_TD, hot_S, stamp=1, number=1, ready=None, flag=None,
+         spins=HostJobs.SPINS):
+    layout = GatedLayout(gate_up_bias="gate_up_bias" if "gate_up_bias" in w else None,
+                         down_bias="down_bias" if "down_bias" in w else None, interleaved=interleaved)
+    args = HostExperts(ACTS[act], layout).job_args(w)
+    assert host_native.covers(args)
+    ready = torch.full((1,), stamp, dtype=torch.int32) if ready is None else ready
+    flag = torch.zeros(1, dtype=torch.int32) if flag is None else flag
+    out = torch.full(x_TD.shape, float("nan"))
+    job = engine.launch(None, ready, stamp, flag, number, spins, ids_TK, w_TK, x_TD, hot_S, *args, out)
+    return job, out, flag
+
+
+IDS_TK = torch.tensor([[4, 0, -1], [0, 2, 4], [-1, 5, 1]])
+HOT_S = torch.tensor([False, True, False, False, False, False])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("interleaved,bias", [(False, False), (True, True)], ids=["plain", "interleaved-bias"])
+def test_a_job_equals_the_float64_reference(dtype, act, interleaved, bias):
+    """Every covered dtype, activation, layout and bias; three tokens (one row and several per slot), one hot
+    slot skipped, another rank's pairs (-1) skipped; float32 sums of the held values."""
+    w = _weights(dtype, bias)
+    gen = torch.Generator().manual_seed(1)
+    x_TD, w_TK = torch.randn(3, D, generator=gen).to(dtype), torch.rand(3, 3, generator=gen)
+    job, out, flag = _run(host_native.NativeEngine.of(), w, act, interleaved, IDS_TK, w_TK, x_TD, HOT_S)
+    assert job.wait() == IDS_TK.reshape(-1).tolist() and flag.item() == 1
+    want = _reference(w, act, interleaved, IDS_TK, w_TK, x_TD, HOT_S)
+    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_the_sums_are_the_same_bits_on_any_number_of_threads():
+    """Each output value is one thread's, in one order: 1 and 3 threads give the same bits (one token; 4 tokens)."""
+    one, three = host_native.NativeEngine(threads=1), host_native.NativeEngine(threads=3)
+    w = _weights(torch.bfloat16, True)
+    gen = torch.Generator().manual_seed(2)
+    for T in (1, 4):
+        ids_TK = torch.randint(-1, S, (T, 3), generator=gen)
+        x_TD, w_TK = torch.randn(T, D, generator=gen).bfloat16(), torch.rand(T, 3, generator=gen)
+        outs = []
+        for engine in (one, three):
+            job, out, _ = _run(engine, w, "silu", False, ids_TK, w_TK, x_TD, torch.zeros(S, dtype=torch.bool))
+            job.wait()
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("hot", [2, 0], ids=["hot-by-pairs", "none-hot"])
+def test_through_the_tiers_a_native_job_matches_in_line(hot):
+    """`ExpertTiers.partial` on the native engine: the in-line sums to float32 rounding, the same counts and
+    telemetry, every call a job."""
+    gen = torch.Generator().manual_seed(5)
+    calls = [(torch.randn(4, 16, generator=gen), LOCAL_TK.roll(i, 0), torch.rand(4, 3, generator=gen)) for i in range(3)]
+    off, on = _tiers(hot, "off"), _tiers(hot, "on", engine="native")
+    assert on.jobs.engine == "native"
+    submitted = on.jobs.submitted
+    for x_TD, local_TK, w_TK in calls:
+        torch.testing.assert_close(on.partial(x_TD, local_TK, w_TK), off.partial(x_TD, local_TK, w_TK))
+    on.settle()
+    assert on.jobs.submitted == submitted + len(calls)
+    assert replace(on.stats, host_seconds=0) == replace(off.stats, host_seconds=0) and on.stats.rows_host > 0
+    assert torch.equal(on.rows_S, off.rows_S) and on.calls == off.calls == 3
+
+
+def test_a_layout_the_engine_does_not_cover_stays_in_line():
+    """Weights the engine does not read (float64 here): no job, the call computed in line."""
+    tiers = _tiers(2, "on", engine="native")
+    tiers.host = {k: v.double() for k, v in tiers.host.items()}
+    submitted = tiers.jobs.submitted
+    tiers.partial(torch.randn(4, 16).double(), LOCAL_TK, torch.rand(4, 3))
+    assert tiers.jobs.submitted == submitted and tiers.stats.rows_host == 5
+
+
+def test_jobs_run_in_order_after_their_stamps_and_raise_the_flag():
+    """Three jobs queued at once: none ends before the stamp word reaches its stamp (wrap-around compare); each
+    raises the flag to its number, in order; this thread waits for none of them."""
+    engine, w = host_native.NativeEngine.of(), _weights(torch.float32, False)
+    ready, flag = torch.full((1,), -2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    x_TD, w_TK = torch.randn(3, D), torch.rand(3, 3)
+    jobs = [_run(engine, w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S, stamp, number, ready, flag)[0]
+            for number, stamp in zip((1, 2, 3), (2**32 - 1, 0, 1))]
+    time.sleep(0.05)
+    assert not any(j.done() for j in jobs) and flag.item() == 0
+    ready.fill_(0)
+    jobs[1].wait()
+    assert jobs[0].done() and flag.item() == 2 and not jobs[2].done()
+    ready.fill_(1)
+    jobs[2].wait()
+    assert flag.item() == 3
+
+
+def test_a_stamp_that_never_comes_and_a_bad_slot_fail_the_job_clearly():
+    """A job whose stamp does not come within its polls fails naming the stamp, leaving the flag; HostJobs's
+    watchdog ends it and `check` raises naming the layer; a pair naming a slot past the layer fails too; the
+    next job runs."""
+    jobs = HostJobs(torch.device("cpu"), engine="native")
+    w = _weights(torch.float32, False)
+    x_TD, w_TK = torch.randn(3, D), torch.rand(3, 3)
+    never = torch.zeros(1, dtype=torch.int32)
+    job, _, _ = _run(jobs.launcher.__self__, w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S, stamp=5, ready=never,
+                     flag=jobs.flag, spins=1000)
+    jobs._number = 1
+    jobs._pending.append(Job(jobs, job, 1, "the host experts of layer 2"))
+    while not job.done():
+        time.sleep(0.01)
+    assert not jobs.overdue() and jobs.flag.item() == 1 and not jobs._pending
+    with pytest.raises(ThunderError, match="layer 2 failed on the host: RuntimeError: the stream did not reach the "
+                                           "copies of stamp 5"):
+        jobs.check()
+    bad, _, _ = _run(host_native.NativeEngine.of(), w, "silu", False, torch.tensor([[0, S]]), torch.rand(1, 2),
+                     torch.randn(1, D), torch.zeros(S, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="a pair names a slot past the layer's 6"):
+        bad.wait()
+    good, _, _ = _run(host_native.NativeEngine.of(), w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S)
+    good.wait()
+
+
+def test_jobs_need_no_python_lock_and_leave_no_threads_behind():
+    """While this thread runs Python only (the interpreter forcing a switch every 2 s), three queued jobs wait
+    for their stamp, compute and raise the flag within a fraction of a second; and a hundred jobs later the
+    process has the threads it had (the engine's own, made once: no OpenMP team per job)."""
+    engine, w = host_native.NativeEngine.of(), _weights(torch.bfloat16, False)
+    x_TD, w_TK = torch.randn(3, D).bfloat16(), torch.rand(3, 3)
+    _run(engine, w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S)[0].wait()
+    threads = psutil.Process().num_threads()
+    ready, flag = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    jobs = [_run(engine, w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S, 1, n, ready, flag)[0] for n in (1, 2, 3)]
+    ready_word, flag_word = (ctypes.c_int32.from_address(t.data_ptr()) for t in (ready, flag))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(2.0)
+    try:
+        ready_word.value = 1  # the stamp, written without a torch call
+        started = time.perf_counter()
+        while flag_word.value < 3 and time.perf_counter() - started < 5:  # Python only
+            pass
+        took = time.perf_counter() - started
+    finally:
+        sys.setswitchinterval(interval)
+    assert flag_word.value == 3 and took < 0.5, took
+    for job in jobs:
+        job.wait()
+    for n in range(100):
+        _run(engine, w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S, number=n)[0].wait()
+    assert psutil.Process().num_threads() == threads

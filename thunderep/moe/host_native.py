@@ -1,0 +1,181 @@
+"""Host jobs on native threads: a decode call's cold experts computed by POSIX threads of ThunderEP's own C
+extension (`native/host_experts.c`), which run no Python and no OpenMP.
+
+Why not torch on torch's inter-op threads (`thunderep.moe.host_summed`, the "script" engine): each inter-op
+thread that runs a job's products makes its own OpenMP team, and once the OpenMP runtime manages more
+threads than there are cores it stops spinning between parallel regions; from then on every host product
+of the process waits for sleeping threads (measured on a 16-core GPU host: 295 threads after a decode with
+host jobs, a small product on the launching thread 1.7x slower; docs/benchmarks/2026-12-05-expert-offload-
+h200.md, eleventh run). The native engine owns a fixed set of threads (`default_threads`), spins only
+while a job is out, and reads the stamp and raises the flag in host memory as the script engine does.
+
+What it covers (`covers`): the plain gated layout held as float32, bfloat16 or float16, contiguous, with any of the
+four named activations and optional biases; token rows and routing weights in any of those. It
+computes in float32 from the held values (the script engine rounds its products to the weights' dtype), so
+its sums differ from in line by rounding: tested against a float64 reference. Jobs run in submission order
+on one leader thread; their results are polled through `NativeJob` (what `HostJobs` expects of a future).
+
+The extension is built at install time; missing from a source checkout, it is built on first use when a C
+compiler exists; otherwise `available()` is False and host jobs use the script engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any
+
+import torch
+
+from ..comm.native_build import build_on_first_use
+from ..errors import ConfigError
+
+__all__ = ["NativeEngine", "NativeJob", "available", "covers", "default_threads", "raise_flag", "unavailable_reason"]
+
+_MODULE = "thunderep.moe._host_native"
+_native: Any = None
+_native_error: str | None = None
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+_ERRORS = {2: "the stream did not reach the copies of stamp {stamp}", 3: "a pair names a slot past the layer's {S}",
+           4: "out of host memory", 5: "its result was overwritten by later jobs"}
+
+
+def _load() -> Any:
+    """The extension module, imported or (in a source checkout) built once; None when unavailable."""
+    global _native, _native_error
+    if _native is None and _native_error is None:
+        try:  # deferred: the extension may be missing; then it is built on first use
+            from . import _host_native as mod  # type: ignore[attr-defined]
+        except ImportError as exc:
+            fix = ("install a C compiler and reinstall thunderep, or build in place from a checkout with "
+                   "`python native/build_host.py`; until then host jobs run as TorchScript")
+            try:
+                mod = build_on_first_use("host", _MODULE, ("host_experts.c", "host_experts.h", "build_host.py"),
+                                         exc, fix, ConfigError)
+            except ConfigError as err:
+                _native_error = str(err)
+                return None
+        _native = mod
+    return _native
+
+
+def available() -> bool:
+    """Whether the native engine can run here (imports or builds the extension on the first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    return None if available() else _native_error
+
+
+def default_threads() -> int:
+    """Threads of the engine: half the cores this process may use, at most 8, at least 1. On the 16-core
+    GPU host measured, 8 threads read an expert's weights faster than 16 (examples/host_gemv_floor.py), and
+    the launching thread keeps cores of its own."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores // 2))
+
+
+def covers(args: tuple) -> bool:
+    """Whether the engine computes a job of `HostExperts.job_args` (after ids, weights, token rows, hot mask)."""
+    gate_up, down, gate_up_bias, down_bias, _interleaved, act = args[:6]
+    tensors = [t for t in (gate_up, down, gate_up_bias, down_bias) if t is not None]
+    return (act in _ACTS and gate_up.dtype in _DTYPES and all(t.dtype == gate_up.dtype for t in tensors)
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+            and gate_up.dim() == 3 and down.dim() == 3)
+
+
+def raise_flag(flag: torch.Tensor, number: int) -> None:
+    """flag (int32 [1] in host memory) raised to `number` unless there or past it, atomically against the
+    engine's threads."""
+    _load().lib.tep_hx_raise(_native.ffi.cast("uint32_t *", flag.data_ptr()), number & 0xFFFFFFFF)
+
+
+class NativeJob:
+    """One job on the engine, as `HostJobs` uses a future: `done()`, and `wait()`, which returns the call's
+    flat ids (for the counts) or raises RuntimeError saying why the job failed. Holds the job's tensors
+    until it has ended."""
+
+    def __init__(self, engine: NativeEngine, ticket: int, keep: tuple, ids_TK: torch.Tensor, stamp: int, S: int):
+        self.engine, self.ticket, self._keep, self._ids, self._stamp, self._S = engine, ticket, keep, ids_TK, stamp, S
+
+    def done(self) -> bool:
+        return self.engine.lib.tep_hx_state(self.engine.hx, self.ticket) != 0
+
+    def wait(self) -> list[int]:
+        state = 0
+        while state == 0:  # the C call lets go of Python's lock while it waits
+            state = self.engine.lib.tep_hx_wait(self.engine.hx, self.ticket, 1.0)
+        if state != 1:
+            raise RuntimeError(_ERRORS.get(state, "unknown state {state}").format(stamp=self._stamp, S=self._S,
+                                                                                  state=state))
+        self._keep = ()
+        return self._ids.reshape(-1).tolist()
+
+
+class NativeEngine:
+    """The process's engine (`of`): its threads, and `launch`, a launcher of `HostJobs.submit`'s shape."""
+
+    _instance: NativeEngine | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, threads: int | None = None):
+        mod = _load()
+        if mod is None:
+            raise ConfigError(f"the native host engine is unavailable: {_native_error}")
+        self.ffi, self.lib = mod.ffi, mod.lib
+        self.threads = threads or default_threads()
+        self.hx = self.lib.tep_hx_create(self.threads)
+        if self.hx == self.ffi.NULL:
+            raise ConfigError(f"the native host engine could not start {self.threads} threads")
+        self._last: NativeJob | None = None
+        atexit.register(self._close)
+
+    @classmethod
+    def of(cls) -> NativeEngine:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def launch(self, prev, ready: torch.Tensor, stamp: int, flag: torch.Tensor, number: int, spins: int,
+               ids_TK: torch.Tensor, w_TK: torch.Tensor, x_TD: torch.Tensor, hot_S: torch.Tensor,
+               gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias, down_bias, interleaved: bool, act: str,
+               upcast_rows: int, scratch_gate_up, scratch_down, out: torch.Tensor) -> NativeJob:
+        """Queue the job (`prev` is implied: the engine runs jobs in submission order). The upcast settings
+        are the script engine's: this one always computes in float32."""
+        ids = ids_TK.contiguous().to(torch.int64)
+        w = w_TK.contiguous() if w_TK.dtype in _DTYPES else w_TK.float().contiguous()
+        x = x_TD.contiguous() if x_TD.dtype in _DTYPES else x_TD.float().contiguous()
+        hot = hot_S.contiguous().to(torch.bool)
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            raise ConfigError("the native host engine writes into a contiguous float32 buffer")
+        S, I2, D = gate_up.shape
+        ffi, job = self.ffi, self.ffi.new("tep_hx_job *")
+        ptr = ffi.cast
+        job.ids, job.w, job.x = ptr("int64_t *", ids.data_ptr()), ptr("void *", w.data_ptr()), ptr("void *", x.data_ptr())
+        job.hot = ptr("uint8_t *", hot.data_ptr())
+        job.gate_up, job.down = ptr("void *", gate_up.data_ptr()), ptr("void *", down.data_ptr())
+        job.gate_up_bias = ptr("void *", gate_up_bias.data_ptr()) if gate_up_bias is not None else ffi.NULL
+        job.down_bias = ptr("void *", down_bias.data_ptr()) if down_bias is not None else ffi.NULL
+        job.out = ptr("float *", out.data_ptr())
+        job.ready, job.flag = ptr("uint32_t *", ready.data_ptr()), ptr("uint32_t *", flag.data_ptr())
+        job.T, job.K, job.D, job.I, job.S = ids.shape[0], ids.shape[1], D, I2 // 2, S
+        job.spins, job.stamp, job.number = spins, stamp & 0xFFFFFFFF, number & 0xFFFFFFFF
+        job.dtype, job.x_dtype, job.w_dtype = _DTYPES[gate_up.dtype], _DTYPES[x.dtype], _DTYPES[w.dtype]
+        job.act, job.interleaved = _ACTS[act], int(interleaved)
+        ticket = self.lib.tep_hx_submit(self.hx, job)
+        if ticket == 0:
+            raise RuntimeError("the native host engine's queue is full")
+        keep = (ids, w, x, hot, gate_up, down, gate_up_bias, down_bias, out, ready, flag)
+        self._last = NativeJob(self, ticket, keep, ids, stamp, S)
+        return self._last
+
+    def _close(self) -> None:
+        """At exit: wait (boundedly) for the last job, whose tensors Python is about to free, then stop."""
+        if self._last is not None and self.lib.tep_hx_wait(self.hx, self._last.ticket, 5.0) == 0:
+            return  # a job still waits for its stamp: leave the threads to the process's exit
+        self.lib.tep_hx_destroy(self.hx)
+        self.hx = self.ffi.NULL
