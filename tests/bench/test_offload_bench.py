@@ -89,6 +89,8 @@ def test_isolated_rows_run_in_fresh_processes_and_a_lost_process_is_the_row_s_er
     assert lost.error == "its process ended with exit code 3 before reporting the row"
     with pytest.raises(ConfigError, match="--isolate must be auto, on or off"):
         parse(["--isolate", "maybe"])
+    with pytest.raises(ConfigError, match="--host-engine must be one of auto, native, script"):
+        parse(["--host-engine", "gpu"])
 
 
 def _exit_at_once(row):

@@ -159,7 +159,7 @@ def test_a_stamp_that_never_comes_and_a_bad_slot_fail_the_job_clearly():
     w = _weights(torch.float32, False)
     x_TD, w_TK = torch.randn(3, D), torch.rand(3, 3)
     never = torch.zeros(1, dtype=torch.int32)
-    job, _, _ = _run(jobs.launcher.__self__, w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S, stamp=5, ready=never,
+    job, _, _ = _run(host_native.NativeEngine.of(), w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S, stamp=5, ready=never,
                      flag=jobs.flag, spins=1000)
     jobs._number = 1
     jobs._pending.append(Job(jobs, job, 1, "the host experts of layer 2"))
@@ -204,3 +204,29 @@ def test_jobs_need_no_python_lock_and_leave_no_threads_behind():
     for n in range(100):
         _run(engine, w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S, number=n)[0].wait()
     assert psutil.Process().num_threads() == threads
+
+
+def _job_in_child(queue) -> None:
+    w = _weights(torch.float32, False)
+    x_TD, w_TK = torch.ones(3, D), torch.full((3, 3), 0.5)
+    job, out, flag = _run(host_native.NativeEngine.of(), w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S)
+    job.wait()
+    queue.put((out.tolist(), flag.item()))
+
+
+def test_a_forked_child_gets_an_engine_of_its_own():
+    """The parent's engine threads are not in a forked child: the child's first job starts its own engine and
+    gives the parent's sums."""
+    import multiprocessing
+
+    engine = host_native.NativeEngine.of()  # made in the parent before the fork
+    w = _weights(torch.float32, False)
+    job, want, _ = _run(engine, w, "silu", False, IDS_TK, torch.full((3, 3), 0.5), torch.ones(3, D), HOT_S)
+    job.wait()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_job_in_child, args=(queue,))
+    child.start()
+    out, flag = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0 and flag == 1 and torch.equal(torch.tensor(out), want)

@@ -16,7 +16,8 @@ fit after the replicated weights and the two staging buffers (`train.plan.plan_o
 
 With --host-threads (e.g. off,auto) every ThunderEP row and (b) run once per value of `TierConfig.host_thread`:
 a decode step's host experts in line ("off", the default) or on the host worker, off the launching thread
-("auto", where the GPU's stream can wait for host memory; `moe.host_jobs`), side by side in one run. On
+("auto", where the GPU's stream can wait for host memory; `moe.host_jobs`), side by side in one run; the jobs
+run on --host-engine (`TierConfig.host_engine`: auto, native or script). On
 CUDA each row runs in a fresh process (--isolate), so that no row is timed in what an earlier one left.
 
 Timing, after a warm-up, a new random prompt of 16 tokens for every call (nothing replayed for the hot set to
@@ -56,6 +57,7 @@ from ..errors import ConfigError
 from ..hf import ThunderMoE
 from ..moe.host_experts import describe
 from ..moe.offload_cost import measure_costs, predicted_rates
+from ..moe.tier_config import HOST_ENGINE
 from ..moe.tiers import COLD_PATHS, HOST_THREAD, TierConfig
 from ..train.plan import plan_offload_memory
 from .offload_tables import cost_table, size_text, table
@@ -114,6 +116,7 @@ class OffloadBench:
     cold_path: str = "auto"
     experts_implementation: str | None = None
     host_threads: tuple[str, ...] = ("off",)
+    host_engine: str = "auto"
     isolate: str = "auto"
 
     def __post_init__(self):
@@ -131,6 +134,8 @@ class OffloadBench:
         problems += [f"--device must be cpu or cuda, got {self.device!r}"] if self.device not in ("cpu", "cuda") else []
         problems += [f"--host-threads: {t!r} is not one of {', '.join(HOST_THREAD)}" for t in self.host_threads
                      if t not in HOST_THREAD]
+        if self.host_engine not in HOST_ENGINE:
+            problems.append(f"--host-engine must be one of {', '.join(HOST_ENGINE)}, got {self.host_engine!r}")
         if self.isolate not in ("auto", "on", "off"):
             problems.append(f"--isolate must be auto, on or off, got {self.isolate!r}")
         if self.cold_path not in COLD_PATHS:
@@ -400,7 +405,8 @@ def _run_row(row: Row, path: Path, bench: OffloadBench, plan, config=None) -> Ro
             _accelerate_row(row, path, bench, config)
         else:
             cold = "host" if row.kind == "host" else bench.cold_path
-            _thunderep_row(row, path, bench, config, plan, TierConfig(cold_path=cold, host_thread=row.host_thread))
+            offload = TierConfig(cold_path=cold, host_thread=row.host_thread, host_engine=bench.host_engine)
+            _thunderep_row(row, path, bench, config, plan, offload)
     except Exception as exc:  # noqa: BLE001 - one failed configuration must not lose the others' numbers
         traceback.print_exc(file=sys.stderr)
         row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]

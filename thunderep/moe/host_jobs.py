@@ -109,7 +109,7 @@ class HostJobs:
                  engine: str = "script"):
         self.device, self.driver, self.timeout_s, self.engine = torch.device(device), driver, timeout_s, engine
         # what starts a job (`submit`'s launch): one engine per flag, so that jobs end in their numbers' order
-        self.launcher = host_native.NativeEngine.of().launch if engine == "native" else pairs_job_fn()
+        self.launcher = host_native.launch if engine == "native" else pairs_job_fn()
         self._pending: deque[Job] = deque()  # the jobs not yet seen to end, oldest first
         self._watchdog: threading.Thread | None = None
         self._number = 0

@@ -31,7 +31,8 @@ import torch
 from ..comm.native_build import build_on_first_use
 from ..errors import ConfigError
 
-__all__ = ["NativeEngine", "NativeJob", "available", "covers", "default_threads", "raise_flag", "unavailable_reason"]
+__all__ = ["NativeEngine", "NativeJob", "available", "covers", "default_threads", "launch", "raise_flag",
+           "unavailable_reason"]
 
 _MODULE = "thunderep.moe._host_native"
 _native: Any = None
@@ -85,6 +86,12 @@ def covers(args: tuple) -> bool:
     return (act in _ACTS and gate_up.dtype in _DTYPES and all(t.dtype == gate_up.dtype for t in tensors)
             and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
             and gate_up.dim() == 3 and down.dim() == 3)
+
+
+def launch(*args) -> NativeJob:
+    """`NativeEngine.launch` on the process's engine (made on first use; a forked child makes its own: the
+    parent's threads are not in it)."""
+    return NativeEngine.of().launch(*args)
 
 
 def raise_flag(flag: torch.Tensor, number: int) -> None:
@@ -173,9 +180,18 @@ class NativeEngine:
         self._last = NativeJob(self, ticket, keep, ids, stamp, S)
         return self._last
 
+    @classmethod
+    def _forget(cls) -> None:
+        """In a forked child: the parent's engine has no threads here."""
+        cls._instance, cls._lock = None, threading.Lock()
+
     def _close(self) -> None:
         """At exit: wait (boundedly) for the last job, whose tensors Python is about to free, then stop."""
         if self._last is not None and self.lib.tep_hx_wait(self.hx, self._last.ticket, 5.0) == 0:
             return  # a job still waits for its stamp: leave the threads to the process's exit
         self.lib.tep_hx_destroy(self.hx)
         self.hx = self.ffi.NULL
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=NativeEngine._forget)
