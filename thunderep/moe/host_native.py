@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from collections import deque
 from typing import Any
 
 import torch
@@ -102,11 +103,10 @@ def raise_flag(flag: torch.Tensor, number: int) -> None:
 
 class NativeJob:
     """One job on the engine, as `HostJobs` uses a future: `done()`, and `wait()`, which returns the call's
-    flat ids (for the counts) or raises RuntimeError saying why the job failed. Holds the job's tensors
-    until it has ended."""
+    flat ids (for the counts) or raises RuntimeError saying why the job failed."""
 
-    def __init__(self, engine: NativeEngine, ticket: int, keep: tuple, ids_TK: torch.Tensor, stamp: int, S: int):
-        self.engine, self.ticket, self._keep, self._ids, self._stamp, self._S = engine, ticket, keep, ids_TK, stamp, S
+    def __init__(self, engine: NativeEngine, ticket: int, ids_TK: torch.Tensor, stamp: int, S: int):
+        self.engine, self.ticket, self._ids, self._stamp, self._S = engine, ticket, ids_TK, stamp, S
 
     def done(self) -> bool:
         return self.engine.lib.tep_hx_state(self.engine.hx, self.ticket) != 0
@@ -118,7 +118,6 @@ class NativeJob:
         if state != 1:
             raise RuntimeError(_ERRORS.get(state, "unknown state {state}").format(stamp=self._stamp, S=self._S,
                                                                                   state=state))
-        self._keep = ()
         return self._ids.reshape(-1).tolist()
 
 
@@ -138,6 +137,7 @@ class NativeEngine:
         if self.hx == self.ffi.NULL:
             raise ConfigError(f"the native host engine could not start {self.threads} threads")
         self._last: NativeJob | None = None
+        self._inflight: deque[tuple[int, tuple]] = deque()  # (ticket, its tensors): alive until it has ended
         atexit.register(self._close)
 
     @classmethod
@@ -176,8 +176,10 @@ class NativeEngine:
         ticket = self.lib.tep_hx_submit(self.hx, job)
         if ticket == 0:
             raise RuntimeError("the native host engine's queue is full")
-        keep = (ids, w, x, hot, gate_up, down, gate_up_bias, down_bias, out, ready, flag)
-        self._last = NativeJob(self, ticket, keep, ids, stamp, S)
+        while self._inflight and self.lib.tep_hx_state(self.hx, self._inflight[0][0]) != 0:
+            self._inflight.popleft()
+        self._inflight.append((ticket, (ids, w, x, hot, gate_up, down, gate_up_bias, down_bias, out, ready, flag)))
+        self._last = NativeJob(self, ticket, ids, stamp, S)
         return self._last
 
     @classmethod
