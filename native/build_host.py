@@ -13,12 +13,13 @@ Only `thunderep/moe/host_native.py` imports the extension; without it host jobs 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from cffi import FFI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the builders' shared helper, beside them
+from build_common import compile_into  # noqa: E402
 
 __all__ = ["CDEF", "MODULE_NAME", "NATIVE_DIR", "build", "ffibuilder", "make_ffibuilder"]
 
@@ -72,7 +73,7 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
         '#include "host_experts.h"\n',
         sources=[_path(NATIVE_DIR / "host_experts.c", relative_paths)],
         include_dirs=[_path(NATIVE_DIR, relative_paths)],
-        depends=[_path(NATIVE_DIR / name, relative_paths) for name in ("host_experts.h", "build_host.py")],
+        depends=[_path(NATIVE_DIR / name, relative_paths) for name in ("host_experts.h", "build_host.py", "build_common.py")],
         # -O3: the dot products' eight accumulators vectorize; the target's baseline instructions only
         # (the extension runs where it was built, and on the device machines too)
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-pthread"],
@@ -84,25 +85,8 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
 
 
 def build(target_dir: Path | str, verbose: bool = False) -> Path:
-    """Compile the extension and move it into `target_dir`; return its path.
-
-    The build runs in a temporary directory and the result is renamed into place, so concurrent
-    builders never expose a half-written file.
-    """
-    target_dir = Path(target_dir)
-    target_dir.mkdir(parents=True, exist_ok=True)
-    ffi = make_ffibuilder(relative_paths=False)
-    with tempfile.TemporaryDirectory(prefix="tep-build-") as tmp:
-        built = Path(ffi.compile(tmpdir=tmp, verbose=verbose))
-        dest = target_dir / built.name
-        staging = target_dir / f".{built.name}.{os.getpid()}.tmp"
-        shutil.copyfile(built, staging)
-        os.chmod(staging, 0o755)
-        os.replace(staging, dest)
-    for other in target_dir.glob("_host_native*.so"):  # older builds would shadow this one
-        if other != dest:
-            other.unlink()
-    return dest
+    """Compile the extension into `target_dir` (`build_common.compile_into`); return its path."""
+    return compile_into(make_ffibuilder(relative_paths=False), "host", target_dir, verbose)
 
 
 ffibuilder = make_ffibuilder(relative_paths=True)

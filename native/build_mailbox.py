@@ -12,12 +12,13 @@ Only `thunderep/comm/mailbox.py` imports the extension.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from cffi import FFI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the builders' shared helper, beside them
+from build_common import compile_into  # noqa: E402
 
 __all__ = ["MODULE_NAME", "NATIVE_DIR", "CDEF", "make_ffibuilder", "build", "ffibuilder"]
 
@@ -103,7 +104,7 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
         sources=[_path(NATIVE_DIR / "mailbox.c", relative_paths)],
         include_dirs=[_path(NATIVE_DIR, relative_paths)],
         # Rebuild when the header or this builder changes (also puts both into source distributions).
-        depends=[_path(NATIVE_DIR / name, relative_paths) for name in ("mailbox.h", "build_mailbox.py",
+        depends=[_path(NATIVE_DIR / name, relative_paths) for name in ("mailbox.h", "build_mailbox.py", "build_common.py",
                                                                           "third_party/xxhash/xxhash.h")],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         libraries=["rt"] if sys.platform.startswith("linux") else [],
@@ -113,25 +114,8 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
 
 
 def build(target_dir: Path | str, verbose: bool = False) -> Path:
-    """Compile the extension and move it into `target_dir`; return its path.
-
-    The build runs in a temporary directory and the result is renamed into place, so concurrent
-    builders never expose a half-written file.
-    """
-    target_dir = Path(target_dir)
-    target_dir.mkdir(parents=True, exist_ok=True)
-    ffi = make_ffibuilder(relative_paths=False)
-    with tempfile.TemporaryDirectory(prefix="tep-build-") as tmp:
-        built = Path(ffi.compile(tmpdir=tmp, verbose=verbose))
-        dest = target_dir / built.name
-        staging = target_dir / f".{built.name}.{os.getpid()}.tmp"
-        shutil.copyfile(built, staging)
-        os.chmod(staging, 0o755)
-        os.replace(staging, dest)
-    for other in target_dir.glob("_mailbox_native*.so"):  # older builds would shadow this one
-        if other != dest:
-            other.unlink()
-    return dest
+    """Compile the extension into `target_dir` (`build_common.compile_into`); return its path."""
+    return compile_into(make_ffibuilder(relative_paths=False), "mailbox", target_dir, verbose)
 
 
 ffibuilder = make_ffibuilder(relative_paths=True)

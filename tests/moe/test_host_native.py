@@ -230,3 +230,16 @@ def test_a_forked_child_gets_an_engine_of_its_own():
     out, flag = queue.get(timeout=60)
     child.join(timeout=60)
     assert child.exitcode == 0 and flag == 1 and torch.equal(torch.tensor(out), want)
+
+
+def test_tensors_that_do_not_fit_are_refused_before_the_c_code_sees_them():
+    """Shapes that disagree (token rows of another width, weights per token of another shape, a hot mask of
+    another size): ConfigError naming each, no job queued."""
+    from thunderep.errors import ConfigError
+
+    w = _weights(torch.float32, False)
+    with pytest.raises(ConfigError, match=r"x_TD \(3, 7\) \(want \(3, 40\)\); .*"):
+        _run(host_native.NativeEngine.of(), w, "silu", False, IDS_TK, torch.rand(3, 3), torch.randn(3, 7), HOT_S)
+    with pytest.raises(ConfigError, match=r"w_TK \(3, 2\) \(want \(3, 3\)\); hot_S \(4,\) \(want \(6,\)\)"):
+        _run(host_native.NativeEngine.of(), w, "silu", False, IDS_TK, torch.rand(3, 2), torch.randn(3, D),
+             torch.zeros(4, dtype=torch.bool))

@@ -59,8 +59,8 @@ def _load() -> Any:
 def _build_on_first_use(import_error: ImportError) -> Any:
     fix = ("install a C compiler (e.g. `apt install gcc`) and reinstall thunderep, or build in place from "
            "a checkout with `python native/build_probe.py`; until then the probe computes with numpy")
-    return build_on_first_use("probe", _MODULE, ("probe.c", "probe.h", "build_probe.py"), import_error, fix,
-                              ConfigError)
+    return build_on_first_use("probe", _MODULE, ("probe.c", "probe.h", "build_probe.py", "build_common.py"),
+                              import_error, fix, ConfigError)
 
 
 def native_unavailable_reason() -> str | None:

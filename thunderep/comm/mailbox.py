@@ -78,7 +78,7 @@ def _build_on_first_use(import_error: ImportError) -> Any:
         "(`pip install --force-reinstall --no-deps thunderep`), or build in place from a checkout "
         "with `python native/build_mailbox.py`; until then use the collective control plane"
     )
-    return build_on_first_use("mailbox", _MODULE, ("mailbox.c", "mailbox.h", "build_mailbox.py",
+    return build_on_first_use("mailbox", _MODULE, ("mailbox.c", "mailbox.h", "build_mailbox.py", "build_common.py",
                                                    "third_party/xxhash/xxhash.h"), import_error, fix, CommError)
 
 

@@ -54,8 +54,8 @@ def _load() -> Any:
             fix = ("install a C compiler and reinstall thunderep, or build in place from a checkout with "
                    "`python native/build_host.py`; until then host jobs run as TorchScript")
             try:
-                mod = build_on_first_use("host", _MODULE, ("host_experts.c", "host_experts.h", "build_host.py"),
-                                         exc, fix, ConfigError)
+                sources = ("host_experts.c", "host_experts.h", "build_host.py", "build_common.py")
+                mod = build_on_first_use("host", _MODULE, sources, exc, fix, ConfigError)
             except ConfigError as err:
                 _native_error = str(err)
                 return None
@@ -99,6 +99,21 @@ def raise_flag(flag: torch.Tensor, number: int) -> None:
     """flag (int32 [1] in host memory) raised to `number` unless there or past it, atomically against the
     engine's threads."""
     _load().lib.tep_hx_raise(_native.ffi.cast("uint32_t *", flag.data_ptr()), number & 0xFFFFFFFF)
+
+
+def _check_shapes(ids_TK, w_TK, x_TD, hot_S, gate_up, down, gate_up_bias, down_bias, out) -> None:
+    """ConfigError naming what does not fit (the C code trusts the shapes it is given)."""
+    S, I2, D = gate_up.shape
+    T = ids_TK.shape[0] if ids_TK.dim() == 2 else -1
+    want = {"ids_TK": (ids_TK, (T, ids_TK.shape[-1])), "w_TK": (w_TK, tuple(ids_TK.shape)), "x_TD": (x_TD, (T, D)),
+            "hot_S": (hot_S, (S,)), "down": (down, (S, D, I2 // 2)), "out": (out, (T, D)),
+            "gate_up_bias": (gate_up_bias, (S, I2)), "down_bias": (down_bias, (S, D))}
+    bad = [f"{name} {tuple(t.shape)} (want {shape})" for name, (t, shape) in want.items()
+           if t is not None and (T < 0 or tuple(t.shape) != shape)]
+    if I2 % 2:
+        bad.append(f"gate_up {tuple(gate_up.shape)}: an odd number of gate and up rows")
+    if bad or any(t.device.type != "cpu" for t in (ids_TK, w_TK, x_TD, hot_S, out)):
+        raise ConfigError("a native host job's tensors do not fit: " + ("; ".join(bad) or "not all in host memory"))
 
 
 class NativeJob:
@@ -153,6 +168,7 @@ class NativeEngine:
                upcast_rows: int, scratch_gate_up, scratch_down, out: torch.Tensor) -> NativeJob:
         """Queue the job (`prev` is implied: the engine runs jobs in submission order). The upcast settings
         are the script engine's: this one always computes in float32."""
+        _check_shapes(ids_TK, w_TK, x_TD, hot_S, gate_up, down, gate_up_bias, down_bias, out)
         ids = ids_TK.contiguous().to(torch.int64)
         w = w_TK.contiguous() if w_TK.dtype in _DTYPES else w_TK.float().contiguous()
         x = x_TD.contiguous() if x_TD.dtype in _DTYPES else x_TD.float().contiguous()
@@ -162,7 +178,8 @@ class NativeEngine:
         S, I2, D = gate_up.shape
         ffi, job = self.ffi, self.ffi.new("tep_hx_job *")
         ptr = ffi.cast
-        job.ids, job.w, job.x = ptr("int64_t *", ids.data_ptr()), ptr("void *", w.data_ptr()), ptr("void *", x.data_ptr())
+        job.ids, job.w = ptr("int64_t *", ids.data_ptr()), ptr("void *", w.data_ptr())
+        job.x = ptr("void *", x.data_ptr())
         job.hot = ptr("uint8_t *", hot.data_ptr())
         job.gate_up, job.down = ptr("void *", gate_up.data_ptr()), ptr("void *", down.data_ptr())
         job.gate_up_bias = ptr("void *", gate_up_bias.data_ptr()) if gate_up_bias is not None else ffi.NULL

@@ -1,0 +1,35 @@
+"""What the extension builders (`build_mailbox.py`, `build_probe.py`, `build_host.py`) share: compiling an FFI
+into a folder without ever exposing a half-written file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from cffi import FFI
+
+__all__ = ["compile_into"]
+
+
+def compile_into(ffi: FFI, stem: str, target_dir: Path | str, verbose: bool = False) -> Path:
+    """Compile `ffi` (the extension `_{stem}_native`) and move it into `target_dir`; return its path.
+
+    The build runs in a temporary directory and the result is renamed into place, so concurrent
+    builders never expose a half-written file; older builds of the extension there are removed (they
+    would shadow this one).
+    """
+    target_dir = Path(target_dir)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tep-build-") as tmp:
+        built = Path(ffi.compile(tmpdir=tmp, verbose=verbose))
+        dest = target_dir / built.name
+        staging = target_dir / f".{built.name}.{os.getpid()}.tmp"
+        shutil.copyfile(built, staging)
+        os.chmod(staging, 0o755)
+        os.replace(staging, dest)
+    for other in target_dir.glob(f"_{stem}_native*.so"):
+        if other != dest:
+            other.unlink()
+    return dest
