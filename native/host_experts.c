@@ -28,7 +28,8 @@ typedef struct {
 } unit_t;
 
 struct tep_hx {
-    int nthreads, stop;
+    int nthreads;
+    atomic_int stop;
     pthread_t *threads;
     pthread_mutex_t mu;
     pthread_cond_t job_cv, done_cv, phase_cv;
@@ -174,11 +175,11 @@ static int cmp_i64(const void *a, const void *b) {
 }
 
 static int wait_stamp(const tep_hx_job *j) {
-    for (int64_t polls = 0; (int32_t)(*j->ready - j->stamp) < 0; polls++) {
+    /* an acquire load: what the stream copied before writing the stamp is visible after it */
+    for (int64_t polls = 0; (int32_t)(__atomic_load_n(j->ready, __ATOMIC_ACQUIRE) - j->stamp) < 0; polls++) {
         if (polls >= j->spins) return TEP_HX_NO_STAMP;
         if (polls < 4000) relax(); else sched_yield();
     }
-    atomic_thread_fence(memory_order_acquire);
     return TEP_HX_DONE;
 }
 
