@@ -310,8 +310,8 @@ def test_gpu_host_worker_decodes_the_tokens_of_the_in_line_tiers(checkpoints):
     for thread in ("off", "on"):
         tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto",
                                         gpu_memory=offload_budget(path, 0.5) // 2, offload_costs=HOST_WINS,
-                                        offload=TierConfig(host_thread=thread))  # a quarter of 16-bit experts
-        jobs = next(iter(tm.bindings.values())).tiers.jobs
+                                        offload=TierConfig(host_thread=thread, host_engine="script"))
+        jobs = next(iter(tm.bindings.values())).tiers.jobs  # a quarter of 16-bit experts, the in-line bits
         assert (jobs is not None) == (thread == "on")
         handed = jobs.submitted if jobs is not None else 0
         tokens = tm.generate(x, max_new_tokens=24, do_sample=False)
@@ -323,6 +323,32 @@ def test_gpu_host_worker_decodes_the_tokens_of_the_in_line_tiers(checkpoints):
             assert jobs.submitted - handed >= 23 * len(tm.bindings), (jobs.submitted - handed, len(tm.bindings))
     assert torch.equal(runs["on"][0], runs["off"][0])
     assert runs["on"][1] == runs["off"][1] and runs["on"][1]["rows_host"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_native_host_jobs_give_the_in_line_logits(checkpoints):
+    """On CUDA in bfloat16 on ThunderEP's kernels at a quarter of the experts hot, host jobs on the native
+    engine (float32 sums of the held values): a one-token step's logits equal in line's to bfloat16 rounding,
+    every tiered layer's call a job; greedy decoding runs through."""
+    from thunderep.hf import ThunderMoE
+    from thunderep.moe import host_native
+
+    if not host_native.available():
+        pytest.skip(f"the native host engine is unavailable: {host_native.unavailable_reason()}")
+    path, x = checkpoints["qwen3_moe"], _prompts()[:1].cuda()
+    logits = {}
+    for thread in ("off", "on"):
+        tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto",
+                                        gpu_memory=offload_budget(path, 0.5) // 2, offload_costs=HOST_WINS,
+                                        offload=TierConfig(host_thread=thread, host_engine="native"))
+        jobs = next(iter(tm.bindings.values())).tiers.jobs
+        handed = jobs.submitted if jobs is not None else 0
+        with torch.no_grad():
+            logits[thread] = tm(input_ids=x[:, :1]).logits.float()
+        if jobs is not None:
+            assert jobs.engine == "native" and jobs.submitted - handed == len(tm.bindings)
+            assert tm.generate(x, max_new_tokens=8, do_sample=False).shape[1] == x.shape[1] + 8
+    torch.testing.assert_close(logits["on"], logits["off"], rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")
