@@ -423,7 +423,7 @@ def _isolated(fn, row: Row, *args) -> Row:
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="thunderep-row-") as tmp:
         out = Path(tmp) / "row.pickle"
-        child = ctx.Process(target=_row_child, args=(fn, row, args, str(out)), name=f"row {row.name}")
+        child = ctx.Process(target=_row_child, args=(fn, row, args, str(out), _STARTED), name=f"row {row.name}")
         child.start()
         child.join()
         if child.exitcode == 0 and out.exists():
@@ -432,7 +432,9 @@ def _isolated(fn, row: Row, *args) -> Row:
     return row
 
 
-def _row_child(fn, row: Row, args: tuple, out: str) -> None:
+def _row_child(fn, row: Row, args: tuple, out: str, started: float) -> None:
+    global _STARTED
+    _STARTED = started  # the parent's start: the same monotonic clock on Linux, so `say`'s times run on
     Path(out).write_bytes(pickle.dumps(fn(row, *args)))
 
 
