@@ -7,9 +7,11 @@ launches, and the host experts' time adds to it layer after layer.
 
 Submitted to `HostJobs` instead, the launching thread queues on its stream a wait for a number in pinned
 host memory (the flag), the copy of the result's pinned buffer to the device and whatever follows, and goes
-on launching the next layers. The job runs on torch's inter-op threads as a TorchScript function
-(`thunderep.moe.host_summed`): it waits for the job before it (the layers' order, which is the stream's),
-then until the stream has written the job's stamp into host memory after copying its input
+on launching the next layers. The job runs on one of two engines (`TierConfig.host_engine`): ThunderEP's
+native threads (`thunderep.moe.host_native`, which run the jobs in submission order) or torch's inter-op
+threads as a TorchScript function (`thunderep.moe.host_summed`, chained on the job before it); one flag,
+one engine, so that jobs end in their numbers' order (the layers' order, which is the stream's). A job
+waits until the stream has written its stamp into host memory after copying its input
 (`cuStreamWriteValue32`, `HostJobs.stamp`), counts and computes into the pinned buffer and raises the flag
 to its number. The device waits for the flag with a stream memory operation (`cuStreamWaitValue32`, the
 CUDA driver's v2 form, available by default on every platform since CUDA 11.7): no kernel spins and no
@@ -28,13 +30,13 @@ for the job; the stamp is read from host memory instead (sixth and seventh runs)
 Bounded: a job that fails leaves the flag where it was; the failure is seen by the launching thread (the
 layer's next `settle`, or `drain`) or within a second by the watchdog thread, which raises the flag to every
 job submitted (the device runs on) and keeps the failure; it is raised (`ThunderError`, naming the job) by
-the next `check`, which every tiers call makes first. The jobs submitted by then fail with it (each waits
-for the one before) and are not reported again; later jobs wait on none of them. The watchdog also
+the next `check`, which every tiers call makes first. The jobs submitted by then are not reported again
+(on the script engine they fail with it: each waits for the one before); later jobs wait on none of them. The watchdog also
 releases the device from a job that has not ended within `HostJobs.timeout_s` (60 s; a decode job takes
 milliseconds), keeping a TimeoutError. A job waits for its stamp by polling at most `HostJobs.SPINS` times.
 Where the driver calls are missing or fail their probe (`device_waits`), or this torch cannot script the
 job, tiers compute in line. On a CPU there is no stream to queue on: forced on (`TierConfig.host_thread`
-"on", for tests), a job runs on the inter-op threads and the caller joins it at once.
+"on", for tests), a job runs on its engine and the caller joins it at once.
 """
 
 
