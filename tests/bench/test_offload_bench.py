@@ -89,9 +89,28 @@ def test_isolated_rows_run_in_fresh_processes_and_a_lost_process_is_the_row_s_er
     assert lost.error == "its process ended with exit code 3 before reporting the row"
     with pytest.raises(ConfigError, match="--isolate must be auto, on or off"):
         parse(["--isolate", "maybe"])
-    with pytest.raises(ConfigError, match="--host-engine must be one of auto, native, script"):
-        parse(["--host-engine", "gpu"])
+    with pytest.raises(ConfigError, match="--host-engines: 'gpu' is not one of auto, native, script"):
+        parse(["--host-engines", "native,gpu"])
 
 
 def _exit_at_once(row):
     os._exit(3)
+
+
+def test_host_job_rows_once_per_engine_and_in_line_once(tmp_path):
+    """--host-threads off,on with --host-engines native,script: per fraction and for (b), one in-line row and
+    one host-job row per engine, named by both, each measured with its own settings (on a CPU a forced job is
+    joined at once)."""
+    from thunderep.moe import host_native
+
+    if not host_native.available():
+        pytest.skip(f"the native host engine is unavailable: {host_native.unavailable_reason()}")
+    argv = ARGS + ["--baselines", "host", "--host-threads", "off,on", "--host-engines", "native,script",
+                   "--json", str(tmp_path / "out.json")]
+    assert main(argv) == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "out.json").read_text())["rows"]}
+    for base in ("thunderep 50%", "(b) host, no hot set"):
+        ways = {n: (r["host_thread"], r["host_engine"]) for n, r in rows.items() if n.startswith(base)}
+        assert ways == {base: ("off", "auto"), f"{base}, host jobs (forced), native": ("on", "native"),
+                        f"{base}, host jobs (forced), script": ("on", "script")}
+    assert all(r["error"] is None and r["decode"]["1"] > 0 for r in rows.values())

@@ -15,9 +15,9 @@ fit after the replicated weights and the two staging buffers (`train.plan.plan_o
     (c) gpu        ThunderMoE with the whole model on the device (no gpu_memory)
 
 With --host-threads (e.g. off,auto) every ThunderEP row and (b) run once per value of `TierConfig.host_thread`:
-a decode step's host experts in line ("off", the default) or on the host worker, off the launching thread
-("auto", where the GPU's stream can wait for host memory; `moe.host_jobs`), side by side in one run; the jobs
-run on --host-engine (`TierConfig.host_engine`: auto, native or script). On
+a decode step's host experts in line ("off", the default) or as host jobs, off the launching thread ("auto",
+where the GPU's stream can wait for host memory; `moe.host_jobs`), side by side in one run; the host-job rows
+once per engine of --host-engines (`TierConfig.host_engine`: auto, native, script; e.g. native,script). On
 CUDA each row runs in a fresh process (--isolate), so that no row is timed in what an earlier one left.
 
 Timing, after a warm-up, a new random prompt of 16 tokens for every call (nothing replayed for the hot set to
@@ -60,7 +60,7 @@ from ..moe.offload_cost import measure_costs, predicted_rates
 from ..moe.tier_config import HOST_ENGINE
 from ..moe.tiers import COLD_PATHS, HOST_THREAD, TierConfig
 from ..train.plan import plan_offload_memory
-from .offload_tables import cost_table, size_text, table
+from .offload_tables import cost_table, size_text, table, way_name
 
 __all__ = ["BASELINES", "SHAPES", "OffloadBench", "Row", "StepClock", "budgets", "build_checkpoint", "cost_table",
            "hardware", "main", "measure", "parse", "report", "run_rows", "table"]
@@ -116,7 +116,7 @@ class OffloadBench:
     cold_path: str = "auto"
     experts_implementation: str | None = None
     host_threads: tuple[str, ...] = ("off",)
-    host_engine: str = "auto"
+    host_engines: tuple[str, ...] = ("auto",)
     isolate: str = "auto"
 
     def __post_init__(self):
@@ -134,8 +134,8 @@ class OffloadBench:
         problems += [f"--device must be cpu or cuda, got {self.device!r}"] if self.device not in ("cpu", "cuda") else []
         problems += [f"--host-threads: {t!r} is not one of {', '.join(HOST_THREAD)}" for t in self.host_threads
                      if t not in HOST_THREAD]
-        if self.host_engine not in HOST_ENGINE:
-            problems.append(f"--host-engine must be one of {', '.join(HOST_ENGINE)}, got {self.host_engine!r}")
+        problems += [f"--host-engines: {e!r} is not one of {', '.join(HOST_ENGINE)}" for e in self.host_engines
+                     if e not in HOST_ENGINE]
         if self.isolate not in ("auto", "on", "off"):
             problems.append(f"--isolate must be auto, on or off, got {self.isolate!r}")
         if self.cold_path not in COLD_PATHS:
@@ -162,6 +162,7 @@ class Row:
     note: str = ""
     error: str | None = None
     host_thread: str = "off"  # `TierConfig.host_thread` of a ThunderEP row
+    host_engine: str = "auto"  # and its `TierConfig.host_engine`
 
 
 def say(text: str) -> None:
@@ -370,11 +371,12 @@ def _plan_rows(bench: OffloadBench, path: Path) -> list[tuple[Row, object]]:
     """(Row, its plan) in the order they run: ThunderEP's fractions, (b), (c), then (a), the slowest."""
     plans = budgets(path, sorted(set(bench.fractions) | {0.0, 1.0}), _DTYPES[bench.dtype])
     forced = f", {bench.cold_path} path" if bench.cold_path != "auto" else ""
-    out = [(Row(f"thunderep {f:.0%}{forced}{_THREAD_NAMES[t]}", "thunderep", f, plans[f][0], host_thread=t), plans[f][1])
-           for f in bench.fractions for t in bench.host_threads]
+    ways = [(t, e) for t in bench.host_threads for e in (bench.host_engines if t != "off" else ("auto",))]
+    out = [(Row(f"thunderep {f:.0%}{forced}{way_name(t, e, bench.host_engines)}", "thunderep", f, plans[f][0], host_thread=t,
+                host_engine=e), plans[f][1]) for f in bench.fractions for t, e in ways]
     if "host" in bench.baselines:
-        out += [(Row(f"(b) host, no hot set{_THREAD_NAMES[t]}", "host", 0.0, plans[0.0][0], host_thread=t), plans[0.0][1])
-                for t in bench.host_threads]
+        out += [(Row(f"(b) host, no hot set{way_name(t, e, bench.host_engines)}", "host", 0.0, plans[0.0][0], host_thread=t,
+                     host_engine=e), plans[0.0][1]) for t, e in ways]
     if "gpu" in bench.baselines:
         where = "GPU" if bench.device == "cuda" else "device"
         out.append((Row(f"(c) whole model on the {where}", "gpu", 1.0), plans[1.0][1]))
@@ -405,7 +407,7 @@ def _run_row(row: Row, path: Path, bench: OffloadBench, plan, config=None) -> Ro
             _accelerate_row(row, path, bench, config)
         else:
             cold = "host" if row.kind == "host" else bench.cold_path
-            offload = TierConfig(cold_path=cold, host_thread=row.host_thread, host_engine=bench.host_engine)
+            offload = TierConfig(cold_path=cold, host_thread=row.host_thread, host_engine=row.host_engine)
             _thunderep_row(row, path, bench, config, plan, offload)
     except Exception as exc:  # noqa: BLE001 - one failed configuration must not lose the others' numbers
         traceback.print_exc(file=sys.stderr)
@@ -473,8 +475,8 @@ def report(bench: OffloadBench) -> list[Row]:
     return rows
 
 
-_LISTS = {"fractions": float, "batches": int, "baselines": str, "host_threads": str}
-_THREAD_NAMES = {"off": "", "auto": ", host worker", "on": ", host worker (forced)"}
+_LISTS = {"fractions": float, "batches": int, "baselines": str, "host_threads": str, "host_engines": str}
+
 
 
 def parse(argv: list[str]) -> OffloadBench:

@@ -5,7 +5,17 @@ error)."""
 
 from __future__ import annotations
 
-__all__ = ["cost_table", "size_text", "table"]
+__all__ = ["cost_table", "size_text", "table", "way_name"]
+
+_THREAD_NAMES = {"off": "", "auto": ", host jobs", "on": ", host jobs (forced)"}
+
+
+def way_name(thread: str, engine: str, engines: tuple[str, ...]) -> str:
+    """A row name's suffix for its `TierConfig.host_thread` and, where the run names engines (`engines`, the
+    benchmark's --host-engines), its host_engine."""
+    if thread == "off" or engines == ("auto",):
+        return _THREAD_NAMES[thread]
+    return f"{_THREAD_NAMES[thread]}, {engine}"
 
 
 def size_text(n: int) -> str:
