@@ -263,5 +263,7 @@ def test_the_engine_has_no_data_race_under_thread_sanitizer(tmp_path):
     if built.returncode != 0:
         pytest.skip(f"no ThreadSanitizer build here: {built.stderr.strip().splitlines()[-1:]}")
     ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    if "FATAL: ThreadSanitizer" in ran.stderr:  # its runtime cannot start here (e.g. the kernel's address layout)
+        pytest.skip(f"ThreadSanitizer cannot run here: {ran.stderr.strip().splitlines()[0]}")
     assert ran.returncode == 0 and "ok flag 200" in ran.stdout, ran.stdout + ran.stderr
     assert "ThreadSanitizer" not in ran.stderr, ran.stderr
