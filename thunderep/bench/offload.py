@@ -419,7 +419,7 @@ def _isolated(fn, row: Row, *args) -> Row:
     """fn(row, *args) -> Row in a fresh (spawned) process. Why: what a row leaves in its process lasts and
     changes the next rows' times. Host jobs leave torch's inter-op threads each with its own OpenMP team
     (hundreds of threads on a 16-core host), and once an OpenMP runtime manages more threads than there are
-    cores it stops spinning between parallel regions: every later row's host work then ran up to 1.7x
+    cores its threads spin only briefly before sleeping: every later row's host work then ran up to 1.7x
     slower (docs/benchmarks/2026-12-05-expert-offload-h200.md, eleventh run). A process that ends without
     its row leaves the row with that error."""
     ctx = multiprocessing.get_context("spawn")

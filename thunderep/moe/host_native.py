@@ -3,7 +3,7 @@ extension (`native/host_experts.c`), which run no Python and no OpenMP.
 
 Why not torch on torch's inter-op threads (`thunderep.moe.host_summed`, the "script" engine): each inter-op
 thread that runs a job's products makes its own OpenMP team, and once the OpenMP runtime manages more
-threads than there are cores it stops spinning between parallel regions; from then on every host product
+threads than there are cores its threads spin only briefly before sleeping; from then on every host product
 of the process waits for sleeping threads (measured on a 16-core GPU host: 295 threads after a decode with
 host jobs, a small product on the launching thread 1.7x slower; docs/benchmarks/2026-12-05-expert-offload-
 h200.md, eleventh run). The native engine owns a fixed set of threads (`default_threads`), spins only
