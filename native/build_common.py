@@ -1,16 +1,26 @@
-"""What the extension builders (`build_mailbox.py`, `build_probe.py`, `build_host.py`) share: compiling an FFI
-into a folder without ever exposing a half-written file."""
+"""What the extension builders (`build_mailbox.py`, `build_probe.py`, `build_host.py`) share: paths as setuptools
+or a direct build wants them, compiling an FFI into a folder without ever exposing a half-written file, and
+the in-place build a builder runs as a script."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from cffi import FFI
 
-__all__ = ["compile_into"]
+__all__ = ["build_in_place", "compile_into", "source_path"]
+
+NATIVE_DIR = Path(__file__).resolve().parent
+
+
+def source_path(p: Path, relative: bool) -> str:
+    """p as setuptools wants it (relative to setup.py's directory) or as a direct build does (absolute)."""
+    return os.path.relpath(p) if relative else str(p)
 
 
 def compile_into(ffi: FFI, stem: str, target_dir: Path | str, verbose: bool = False) -> Path:
@@ -33,3 +43,9 @@ def compile_into(ffi: FFI, stem: str, target_dir: Path | str, verbose: bool = Fa
         if other != dest:
             other.unlink()
     return dest
+
+
+def build_in_place(build: Callable[..., Path], subpackage: str) -> None:
+    """A builder run as a script: its extension built into `thunderep/<subpackage>/` of this checkout."""
+    out = build(NATIVE_DIR.parent / "thunderep" / subpackage, verbose="-v" in sys.argv)
+    print(f"built {out.relative_to(NATIVE_DIR.parent)}")

@@ -12,14 +12,13 @@ Only `thunderep/moe/host_native.py` imports the extension; without it host jobs 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from cffi import FFI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the builders' shared helper, beside them
-from build_common import compile_into  # noqa: E402
+from build_common import build_in_place, compile_into, source_path  # noqa: E402
 
 __all__ = ["CDEF", "MODULE_NAME", "NATIVE_DIR", "build", "ffibuilder", "make_ffibuilder"]
 
@@ -59,11 +58,6 @@ void tep_hx_raise(volatile uint32_t *flag, uint32_t number);
 """
 
 
-def _path(p: Path, relative: bool) -> str:
-    # setuptools wants paths relative to setup.py's directory; direct builds use absolute ones.
-    return os.path.relpath(p) if relative else str(p)
-
-
 def make_ffibuilder(relative_paths: bool = True) -> FFI:
     """Return an FFI configured to compile `host_experts.c` into `MODULE_NAME`."""
     ffi = FFI()
@@ -71,11 +65,11 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
     ffi.set_source(
         MODULE_NAME,
         '#include "host_experts.h"\n',
-        sources=[_path(NATIVE_DIR / "host_experts.c", relative_paths)],
-        include_dirs=[_path(NATIVE_DIR, relative_paths)],
-        depends=[_path(NATIVE_DIR / name, relative_paths) for name in ("host_experts.h", "build_host.py", "build_common.py")],
-        # -O3: the dot products' eight accumulators vectorize; the target's baseline instructions only
-        # (the extension runs where it was built, and on the device machines too)
+        sources=[source_path(NATIVE_DIR / "host_experts.c", relative_paths)],
+        include_dirs=[source_path(NATIVE_DIR, relative_paths)],
+        depends=[source_path(NATIVE_DIR / name, relative_paths) for name in ("host_experts.h", "build_host.py", "build_common.py")],
+        # -O3: the dot products' eight accumulators vectorize (an AVX2 clone beside the baseline on x86-64:
+        # host_experts.c's TEP_CLONES)
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-pthread"],
         extra_link_args=["-pthread"],
         libraries=["m"],
@@ -93,5 +87,4 @@ ffibuilder = make_ffibuilder(relative_paths=True)
 
 
 if __name__ == "__main__":
-    out = build(NATIVE_DIR.parent / "thunderep" / "moe", verbose="-v" in sys.argv)
-    print(f"built {out.relative_to(NATIVE_DIR.parent)}")
+    build_in_place(build, "moe")

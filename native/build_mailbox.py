@@ -11,14 +11,13 @@ Only `thunderep/comm/mailbox.py` imports the extension.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from cffi import FFI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the builders' shared helper, beside them
-from build_common import compile_into  # noqa: E402
+from build_common import build_in_place, compile_into, source_path  # noqa: E402
 
 __all__ = ["MODULE_NAME", "NATIVE_DIR", "CDEF", "make_ffibuilder", "build", "ffibuilder"]
 
@@ -89,11 +88,6 @@ uint64_t tep_segment_size(uint32_t world_size, uint32_t slot_size);
 """
 
 
-def _path(p: Path, relative: bool) -> str:
-    # setuptools wants paths relative to setup.py's directory; direct builds use absolute ones.
-    return os.path.relpath(p) if relative else str(p)
-
-
 def make_ffibuilder(relative_paths: bool = True) -> FFI:
     """Return an FFI configured to compile `mailbox.c` into `MODULE_NAME`."""
     ffi = FFI()
@@ -101,10 +95,10 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
     ffi.set_source(
         MODULE_NAME,
         '#include "mailbox.h"\n',
-        sources=[_path(NATIVE_DIR / "mailbox.c", relative_paths)],
-        include_dirs=[_path(NATIVE_DIR, relative_paths)],
+        sources=[source_path(NATIVE_DIR / "mailbox.c", relative_paths)],
+        include_dirs=[source_path(NATIVE_DIR, relative_paths)],
         # Rebuild when the header or this builder changes (also puts both into source distributions).
-        depends=[_path(NATIVE_DIR / name, relative_paths) for name in ("mailbox.h", "build_mailbox.py", "build_common.py",
+        depends=[source_path(NATIVE_DIR / name, relative_paths) for name in ("mailbox.h", "build_mailbox.py", "build_common.py",
                                                                           "third_party/xxhash/xxhash.h")],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         libraries=["rt"] if sys.platform.startswith("linux") else [],
@@ -122,5 +116,4 @@ ffibuilder = make_ffibuilder(relative_paths=True)
 
 
 if __name__ == "__main__":
-    out = build(NATIVE_DIR.parent / "thunderep" / "comm", verbose="-v" in sys.argv)
-    print(f"built {out.relative_to(NATIVE_DIR.parent)}")
+    build_in_place(build, "comm")

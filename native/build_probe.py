@@ -12,14 +12,13 @@ values with its numpy / torch reference.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from cffi import FFI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the builders' shared helper, beside them
-from build_common import compile_into  # noqa: E402
+from build_common import build_in_place, compile_into, source_path  # noqa: E402
 
 __all__ = ["CDEF", "MODULE_NAME", "NATIVE_DIR", "build", "ffibuilder", "make_ffibuilder"]
 
@@ -44,11 +43,6 @@ int tep_probe_relative(const double *c, int64_t n, const double *counts_b, const
 """
 
 
-def _path(p: Path, relative: bool) -> str:
-    # setuptools wants paths relative to setup.py's directory; direct builds use absolute ones.
-    return os.path.relpath(p) if relative else str(p)
-
-
 def make_ffibuilder(relative_paths: bool = True) -> FFI:
     """Return an FFI configured to compile `probe.c` into `MODULE_NAME`."""
     ffi = FFI()
@@ -56,9 +50,9 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
     ffi.set_source(
         MODULE_NAME,
         '#include "probe.h"\n',
-        sources=[_path(NATIVE_DIR / "probe.c", relative_paths)],
-        include_dirs=[_path(NATIVE_DIR, relative_paths)],
-        depends=[_path(NATIVE_DIR / name, relative_paths) for name in ("probe.h", "build_probe.py", "build_common.py",
+        sources=[source_path(NATIVE_DIR / "probe.c", relative_paths)],
+        include_dirs=[source_path(NATIVE_DIR, relative_paths)],
+        depends=[source_path(NATIVE_DIR / name, relative_paths) for name in ("probe.h", "build_probe.py", "build_common.py",
                                                                           "third_party/xxhash/xxhash.h")],
         # probe.c's bounds assume IEEE double steps: no FMA contraction, no value-changing optimizations.
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-ffp-contract=off", "-fno-fast-math",
@@ -77,5 +71,4 @@ ffibuilder = make_ffibuilder(relative_paths=True)
 
 
 if __name__ == "__main__":
-    out = build(NATIVE_DIR.parent / "thunderep" / "balance", verbose="-v" in sys.argv)
-    print(f"built {out.relative_to(NATIVE_DIR.parent)}")
+    build_in_place(build, "balance")

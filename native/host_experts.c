@@ -81,13 +81,17 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-static inline float load(const void *p, int dtype, int64_t i) {
-    if (dtype == TEP_HX_F32) return ((const float *)p)[i];
-    if (dtype == TEP_HX_F16) return half_to_float(((const uint16_t *)p)[i]);
-    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+static inline float load(const void *p, int dtype, int64_t i) {
+    if (dtype == TEP_HX_F32) return ((const float *)p)[i];
+    if (dtype == TEP_HX_F16) return half_to_float(((const uint16_t *)p)[i]);
+    return bf16_to_float(((const uint16_t *)p)[i]);
 }
 
 /* On x86-64 the dot products are built twice, for AVX2 with FMA and for the baseline, and the loader picks
@@ -100,6 +104,14 @@ static inline float load(const void *p, int dtype, int64_t i) {
 #define TEP_CLONES
 #endif
 
+/* The loop of `dot` over a row r whose value k CONVERT(r[k]) reads as float: 8 lanes, then one fixed tree. */
+#define DOT_LOOP(CONVERT)                                                                                  \
+    for (; i + 8 <= n; i += 8)                                                                             \
+        for (int j = 0; j < 8; j++) acc[j] += CONVERT(r[i + j]) * v[i + j];                                \
+    for (; i < n; i++) acc[0] += CONVERT(r[i]) * v[i];
+
+#define AS_FLOAT(x) (x)
+
 /* dot(row of n values of dtype, v of n floats) */
 TEP_CLONES
 static float dot(const void *row, int dtype, const float *v, int64_t n) {
@@ -107,24 +119,13 @@ static float dot(const void *row, int dtype, const float *v, int64_t n) {
     int64_t i = 0;
     if (dtype == TEP_HX_F32) {
         const float *r = (const float *)row;
-        for (; i + 8 <= n; i += 8)
-            for (int j = 0; j < 8; j++) acc[j] += r[i + j] * v[i + j];
-        for (; i < n; i++) acc[0] += r[i] * v[i];
+        DOT_LOOP(AS_FLOAT)
     } else if (dtype == TEP_HX_F16) {
         const uint16_t *r = (const uint16_t *)row;
-        for (; i + 8 <= n; i += 8)
-            for (int j = 0; j < 8; j++) acc[j] += half_to_float(r[i + j]) * v[i + j];
-        for (; i < n; i++) acc[0] += half_to_float(r[i]) * v[i];
+        DOT_LOOP(half_to_float)
     } else {
         const uint16_t *r = (const uint16_t *)row;
-        for (; i + 8 <= n; i += 8)
-            for (int j = 0; j < 8; j++) {
-                uint32_t bits = (uint32_t)r[i + j] << 16;
-                float f;
-                memcpy(&f, &bits, sizeof f);
-                acc[j] += f * v[i + j];
-            }
-        for (; i < n; i++) acc[0] += load(row, dtype, i) * v[i];
+        DOT_LOOP(bf16_to_float)
     }
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }

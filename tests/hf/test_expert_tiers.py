@@ -298,20 +298,26 @@ def test_gpu_tiers_on_the_kernels_equal_the_whole_model(checkpoints):
         torch.testing.assert_close(got_one, want_one, rtol=3e-2, atol=3e-2)  # the hot share by the pair kernels
 
 
+def _quarter_hot_on_gpu(path, thread: str, engine: str):
+    """The checkpoint in bfloat16 on CUDA and ThunderEP's kernels, a quarter of its 16-bit experts hot, their
+    host experts in line or as host jobs (`thread`) on `engine`."""
+    from thunderep.hf import ThunderMoE
+
+    return ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto",
+                                      gpu_memory=offload_budget(path, 0.5) // 2, offload_costs=HOST_WINS,
+                                      offload=TierConfig(host_thread=thread, host_engine=engine))
+
+
 @pytest.mark.gpu
 def test_gpu_host_worker_decodes_the_tokens_of_the_in_line_tiers(checkpoints):
     """On CUDA in bfloat16 on ThunderEP's kernels at a quarter of the experts hot: greedy decoding with each
     step's host experts as host jobs (the stream waiting for their flag) gives the tokens and the telemetry
     of the same model computing them in line."""
-    from thunderep.hf import ThunderMoE
-
     path, x = checkpoints["qwen3_moe"], _prompts()[:1].cuda()
     runs = {}
     for thread in ("off", "on"):
-        tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto",
-                                        gpu_memory=offload_budget(path, 0.5) // 2, offload_costs=HOST_WINS,
-                                        offload=TierConfig(host_thread=thread, host_engine="script"))
-        jobs = next(iter(tm.bindings.values())).tiers.jobs  # a quarter of 16-bit experts, the in-line bits
+        tm = _quarter_hot_on_gpu(path, thread, "script")  # the script engine: the in-line bits
+        jobs = next(iter(tm.bindings.values())).tiers.jobs
         assert (jobs is not None) == (thread == "on")
         handed = jobs.submitted if jobs is not None else 0
         tokens = tm.generate(x, max_new_tokens=24, do_sample=False)
@@ -330,7 +336,6 @@ def test_gpu_native_host_jobs_give_the_in_line_logits(checkpoints):
     """On CUDA in bfloat16 on ThunderEP's kernels at a quarter of the experts hot, host jobs on the native
     engine (float32 sums of the held values): a one-token step's logits equal in line's to bfloat16 rounding,
     every tiered layer's call a job; greedy decoding runs through."""
-    from thunderep.hf import ThunderMoE
     from thunderep.moe import host_native
 
     if not host_native.available():
@@ -338,9 +343,7 @@ def test_gpu_native_host_jobs_give_the_in_line_logits(checkpoints):
     path, x = checkpoints["qwen3_moe"], _prompts()[:1].cuda()
     logits = {}
     for thread in ("off", "on"):
-        tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto",
-                                        gpu_memory=offload_budget(path, 0.5) // 2, offload_costs=HOST_WINS,
-                                        offload=TierConfig(host_thread=thread, host_engine="native"))
+        tm = _quarter_hot_on_gpu(path, thread, "native")
         jobs = next(iter(tm.bindings.values())).tiers.jobs
         handed = jobs.submitted if jobs is not None else 0
         with torch.no_grad():

@@ -75,7 +75,7 @@ class ExpertTiers(HotSetRule):
     LEAN_HOT_SLOTS = 8  # hot slots with rows up to which each computes apart (a decode step's few)
     FEW_PAIRS = 8  # device pairs of a `partial` call up to which each is added apart (no index copies)
     PARTIAL_PAIRS = 128  # pairs (T x K) up to which a call from token rows takes `partial`: decode, small batches
-    HANDOFF_SLOWER = 4.0  # host path / stream path at one row up to which `partial` hands off (`_hands_off`);
+    HANDOFF_SLOWER = 4.0  # host path / stream path at one row up to which `partial` hands off (`_handoff_args`);
     # chosen, not fitted: the calibrated ratio on an H100's host is 1.3-1.6 (host 0.26-0.34 ms, stream 0.19-0.21)
 
     def __init__(self, host: dict[str, torch.Tensor], hot_slots: int, device: torch.device, compute: Callable,
@@ -193,14 +193,14 @@ class ExpertTiers(HotSetRule):
         self.settle()
         row_bytes = x_TD.shape[-1] * x_TD.element_size()
         self.rechoose(row_bytes)
-        handoff = (self.pairs is not None or not self.capacity) and self._hands_off(row_bytes)
+        job_args = self._handoff_args(row_bytes) if self.pairs is not None or not self.capacity else None
         tensors = [local_TK, weights_TK, x_TD]
-        host, copied = self._pinned_copies(tensors) if handoff else to_host_all(tensors)
+        host, copied = self._pinned_copies(tensors) if job_args is not None else to_host_all(tensors)
         hot_TD = None
         if self.pairs is not None and self.capacity:
             hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK)
-        if handoff and (hot_TD is not None or not self.capacity):
-            return self._handed_off(hot_TD, host, copied, x_TD.shape)
+        if job_args is not None and (hot_TD is not None or not self.capacity):
+            return self._handed_off(hot_TD, host, copied, x_TD.shape, job_args)
         if copied is not None:
             copied.synchronize()
         if self.jobs is not None:  # other layers' jobs first: the host function's scratch buffers are shared
@@ -231,16 +231,16 @@ class ExpertTiers(HotSetRule):
             y_TD += self._summed_on_host(on_host, by_slot, counts, x_h, w_h, out).to(device, non_blocking=cuda)
         return y_TD
 
-    def _handed_off(self, hot_TD: torch.Tensor | None, host: list[torch.Tensor], copied, shape) -> torch.Tensor:
+    def _handed_off(self, hot_TD: torch.Tensor | None, host: list[torch.Tensor], copied, shape,
+                    job_args: tuple) -> torch.Tensor:
         """`partial`'s host share as a job on the host (`thunderep.moe.host_jobs`, the job
         `thunderep.moe.host_summed._pairs_job`): once the stream has copied the call's ids, weights and token
         rows (`copied`), its pairs grouped by slot and every cold slot computed on the host (decode sizes: the
         host path), weighted and summed into a pinned [T, D] buffer the stream copies once the job raised its
         flag. Returns the call's [T, D] float32 share as the stream will hold it; this thread waits for
-        nothing. The call's counts are taken when the job is settled (`settle`)."""
+        nothing. The call's counts are taken when the job is settled (`settle`). job_args: `_handoff_args`."""
         ids_h, w_h, x_h = host
         out = self._buffer(len(host), shape.numel(), torch.float32).view(shape)
-        job_args = self.lean.job_args(self.host)  # at each call: the float32 crossover is calibrated after init
         y_TD, self._job = self.jobs.submit(self.jobs.launcher, (ids_h, w_h, x_h, self._hot_mask, *job_args),
                                            copied, out, name=f"the host experts of {self.name}")
         return y_TD if hot_TD is None else hot_TD.float() + y_TD
@@ -267,19 +267,21 @@ class ExpertTiers(HotSetRule):
             buf = self._host_buffers[key] = torch.empty(numel, dtype=dtype, pin_memory=self.jobs.driver is not None)
         return buf[:numel]
 
-    def _hands_off(self, row_bytes: int) -> bool:
-        """Whether `partial` hands its host share to the host worker: there is one (`TierConfig.host_thread`),
-        and the host path is forced or at one row estimated at most HANDOFF_SLOWER times the stream's (off
-        the launching thread the host's time hides behind the launches, so a slower host path still wins;
-        a host the cost model finds hopeless keeps the split of `paths`)."""
-        if self.jobs is None or self.lean is None or self.lean.act is None or \
-                not self.jobs.covers(self.lean.job_args(self.host)):
-            return False
-        if self.config.cold_path == "host":
-            return True
+    def _handoff_args(self, row_bytes: int) -> tuple | None:
+        """The job's weight arguments (`HostExperts.job_args`, taken at each call: the float32 crossover is
+        calibrated after init) where `partial` hands its host share to a host job, else None. It does where
+        there are jobs (`TierConfig.host_thread`) whose engine covers the layer, and the host path is forced or
+        at one row estimated at most HANDOFF_SLOWER times the stream's (off the launching thread the host's
+        time hides behind the launches, so a slower host path still wins; a host the cost model finds hopeless
+        keeps the split of `paths`)."""
+        args = self.lean.job_args(self.host) if self.jobs is not None and self.lean is not None else None
+        if args is None or not self.jobs.covers(args):
+            return None
         c = self.costs
-        return c.host_seconds(1, self.slot_params, row_bytes) <= \
-            self.HANDOFF_SLOWER * c.stream_seconds(1, self.slot_params, self.slot_bytes)
+        if self.config.cold_path == "host" or c.host_seconds(1, self.slot_params, row_bytes) <= \
+                self.HANDOFF_SLOWER * c.stream_seconds(1, self.slot_params, self.slot_bytes):
+            return args
+        return None
 
     def settle(self) -> None:
         """Wait for this layer's job on the host, if one is out, and count its pairs (as an in-line call counts
