@@ -25,37 +25,9 @@ __all__ = ["CDEF", "MODULE_NAME", "NATIVE_DIR", "build", "ffibuilder", "make_ffi
 MODULE_NAME = "thunderep.moe._host_native"
 NATIVE_DIR = Path(__file__).resolve().parent
 
-# Declarations mirrored from host_experts.h (cffi parses no preprocessor directives).
-CDEF = """
-enum { TEP_HX_F32 = 0, TEP_HX_BF16 = 1, TEP_HX_F16 = 2 };
-enum { TEP_HX_SILU = 0, TEP_HX_GELU = 1, TEP_HX_GELU_TANH = 2, TEP_HX_RELU = 3 };
-enum { TEP_HX_PENDING = 0, TEP_HX_DONE = 1, TEP_HX_NO_STAMP = 2, TEP_HX_BAD_SLOT = 3, TEP_HX_NO_MEMORY = 4,
-       TEP_HX_UNKNOWN = 5 };
-typedef struct tep_hx_job {
-    const int64_t *ids;
-    const void *w;
-    const void *x;
-    const uint8_t *hot;
-    const void *gate_up;
-    const void *down;
-    const void *gate_up_bias;
-    const void *down_bias;
-    float *out;
-    volatile uint32_t *ready;
-    volatile uint32_t *flag;
-    int64_t T, K, D, I, S;
-    int64_t spins;
-    uint32_t stamp, number;
-    int dtype, x_dtype, w_dtype, act, interleaved;
-} tep_hx_job;
-typedef struct tep_hx tep_hx;
-tep_hx *tep_hx_create(int threads);
-void tep_hx_destroy(tep_hx *hx);
-int64_t tep_hx_submit(tep_hx *hx, const tep_hx_job *job);
-int tep_hx_state(tep_hx *hx, int64_t ticket);
-int tep_hx_wait(tep_hx *hx, int64_t ticket, double timeout_s);
-void tep_hx_raise(volatile uint32_t *flag, uint32_t number);
-"""
+# The declarations are host_experts.h's own, its preprocessor lines left out (cffi parses none).
+CDEF = "\n".join(line for line in (NATIVE_DIR / "host_experts.h").read_text().splitlines()
+                  if not line.lstrip().startswith("#"))
 
 
 def make_ffibuilder(relative_paths: bool = True) -> FFI:
