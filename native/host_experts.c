@@ -271,7 +271,7 @@ static void *helper(void *arg) {
     free(arg);
     tep_hx *hx = st.hx;
     int sense = 0;
-    long seen = atomic_load(&hx->gen);
+    long seen = 0;  /* the generation at creation, not at this thread's start: a job may begin before it */
     for (;;) {
         long spins = 0;
         while (atomic_load(&hx->gen) == seen && !hx->stop && spins < IDLE_SPINS) { relax(); spins++; }

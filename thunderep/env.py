@@ -14,6 +14,7 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_API_KEY=KEY           the key `thunderep serve` requires (where --api-key is not given)
     THUNDEREP_HOST_COLLECTIVE=0|1   small collectives of one host's ranks: NCCL (0) or host memory (1)
     THUNDEREP_HOST_COLLECTIVE_TIMEOUT_S=S   how long a host-collective kernel waits for a peer
+    THUNDEREP_HOST_THREADS=N        threads of the native host engine (host jobs of offloaded experts)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 from .errors import ConfigError
 
 __all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "host_collective", "host_collective_timeout_s",
-           "no_native_build", "pairs_max_tokens", "pdl", "triton_autotune", "triton_interpreter"]
+           "host_threads", "no_native_build", "pairs_max_tokens", "pdl", "triton_autotune", "triton_interpreter"]
 
 
 def _raw(name: str) -> str:
@@ -73,6 +74,12 @@ def compile_threads() -> int | None:
     """THUNDEREP_COMPILE_THREADS (>= 1), or None when unset."""
     return _count("THUNDEREP_COMPILE_THREADS", 1,
                   "THUNDEREP_COMPILE_THREADS must be a whole number of threads, 1 or more; got {raw}")
+
+
+def host_threads() -> int | None:
+    """THUNDEREP_HOST_THREADS (>= 1), or None when unset."""
+    return _count("THUNDEREP_HOST_THREADS", 1,
+                  "THUNDEREP_HOST_THREADS must be a whole number of threads, 1 or more; got {raw}")
 
 
 def pairs_max_tokens() -> int | None:

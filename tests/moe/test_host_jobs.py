@@ -173,6 +173,10 @@ def test_gpu_the_stream_waits_for_the_job_and_the_launching_thread_does_not(engi
     assert device_waits(device)
     jobs, lean, host = HostJobs.of(device, engine), HostExperts(F.silu), _experts()
     hot_S, ids_TK, w_TK = torch.zeros(S, dtype=torch.bool), torch.tensor([[0, 2]]), torch.tensor([[0.25, 0.75]])
+    x_h = torch.zeros((1, D), pin_memory=True)  # one job first: the engine's first call may compile or start threads
+    jobs.submit(jobs.launcher, (ids_TK, w_TK, x_h, hot_S, *lean.job_args(host)), jobs.stamp(),
+                torch.empty((1, D), pin_memory=True))
+    jobs.drain()
     outs, wants = [], []
     for i in range(200):
         x_dev = torch.full((1, D), 0.01 * i, device=device)
@@ -215,17 +219,23 @@ def test_a_failed_job_is_ended_by_the_watchdog_with_the_flag_raised():
 
 def test_the_watchdog_releases_the_device_from_a_job_stuck_past_its_timeout(capfd):
     """A job not ended timeout_s after it was submitted (its stamp not yet come): `overdue` says so on stderr,
-    raises the flag to every job submitted (the device runs on) and keeps a TimeoutError that `check` raises
-    naming the job; none before the timeout."""
+    raises the flag to every job submitted (the device runs on) and keeps a TimeoutError, none before the
+    timeout. The launching thread's wait for that job (the layer's next `settle`) then ends at once with the
+    error naming the job, though the job itself has not ended; raised once."""
     jobs, ready = HostJobs(torch.device("cpu"), timeout_s=5.0), torch.zeros(1, dtype=torch.int32)
     future, _ = _job_inputs(jobs, ready, 1, 1)
     jobs._number = 1
-    jobs._pending.append(Job(jobs, future, 1, "the host experts of layer 7"))
+    job = Job(jobs, future, 1, "the host experts of layer 7")
+    jobs._pending.append(job)
     assert not jobs.overdue() and jobs.flag.item() == 0
     assert jobs.overdue(time.monotonic() + 6) and jobs.flag.item() == 1
     assert "layer 7 has not ended within 5 s" in capfd.readouterr().err
+    started = time.monotonic()
     with pytest.raises(ThunderError, match="layer 7.*TimeoutError: it did not end within 5 s"):
-        jobs.check()
+        job.result()
+    assert time.monotonic() - started < 1.0 and not future.done()
+    assert job.result() is None  # raised once
+    jobs.check()
     ready.fill_(1)
     future.wait()
 

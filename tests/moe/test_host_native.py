@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from thunderep.errors import ThunderError
+from thunderep.errors import ConfigError, ThunderError
 from thunderep.moe import host_native
 from thunderep.moe.host_experts import GatedLayout, HostExperts
 from thunderep.moe.host_jobs import HostJobs, Job
@@ -122,6 +122,22 @@ def test_through_the_tiers_a_native_job_matches_in_line(hot):
     assert on.jobs.submitted == submitted + len(calls)
     assert replace(on.stats, host_seconds=0) == replace(off.stats, host_seconds=0) and on.stats.rows_host > 0
     assert torch.equal(on.rows_S, off.rows_S) and on.calls == off.calls == 3
+
+
+def test_a_job_submitted_as_the_engine_starts_is_computed():
+    """Every thread takes part in the first job, even one that began before a helper thread ran its first line
+    (a fresh engine of 8 threads, its job's stamp already written, 20 times; each job within 5 s, its sums the
+    float64 reference's)."""
+    w, x_TD, w_TK = _weights(torch.float32, False), torch.randn(3, D), torch.rand(3, 3)
+    want = _reference(w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S)
+    for _ in range(20):
+        engine = host_native.NativeEngine(threads=8)
+        try:
+            job, out, flag = _run(engine, w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S)
+            assert job.wait_for(5.0) and flag.item() == 1
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        finally:
+            engine._close()
 
 
 def test_a_layout_the_engine_does_not_cover_stays_in_line():
@@ -267,3 +283,14 @@ def test_the_engine_has_no_data_race_under_thread_sanitizer(tmp_path):
         pytest.skip(f"ThreadSanitizer cannot run here: {ran.stderr.strip().splitlines()[0]}")
     assert ran.returncode == 0 and "ok flag 200" in ran.stdout, ran.stdout + ran.stderr
     assert "ThreadSanitizer" not in ran.stderr, ran.stderr
+
+
+def test_the_engine_threads_follow_thunderep_host_threads(monkeypatch):
+    """THUNDEREP_HOST_THREADS sets the engine's threads; a bad value is a clear error."""
+    monkeypatch.setenv("THUNDEREP_HOST_THREADS", "3")
+    assert host_native.default_threads() == 3
+    monkeypatch.setenv("THUNDEREP_HOST_THREADS", "0")
+    with pytest.raises(ConfigError, match="THUNDEREP_HOST_THREADS must be a whole number of threads, 1 or more; got '0'"):
+        host_native.default_threads()
+    monkeypatch.delenv("THUNDEREP_HOST_THREADS")
+    assert 1 <= host_native.default_threads() <= 8

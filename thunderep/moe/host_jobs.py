@@ -226,6 +226,11 @@ class HostJobs:
         elif (number - self._flag_word.value) & 0x80000000 == 0:  # number >= flag, with wrap-around
             self._flag_word.value = number & 0xFFFFFFFF
 
+    def released(self, number: int) -> bool:
+        """Whether the flag was raised past job `number` after a failure or a stuck job (`_release_all`)."""
+        with self._lock:
+            return number <= self._failed_through
+
     def overdue(self, now: float | None = None) -> bool:
         """Whether the oldest job not ended was submitted more than timeout_s ago; if so, its failure is kept
         (`check` raises it, naming the job) and the flag raised to every job submitted, so that the stream
@@ -284,7 +289,7 @@ class Job:
         """Wait for the job and return what it returned; a failure is kept by its `HostJobs` (which raises the
         flag) and raised here (`HostJobs.check`: ThunderError naming the job), or None where not `raise_error`."""
         try:
-            value = self.future.wait()  # waits with Python's lock let go
+            value = self._wait()
         except Exception as exc:  # noqa: BLE001 - kept and raised by `check`, naming the job
             self.jobs._ended(self, exc)
             if raise_error:
@@ -292,6 +297,23 @@ class Job:
             return None
         self.jobs._ended(self, None)
         return value
+
+    def _wait(self):
+        """The future's value, waited for with Python's lock let go; a job the watchdog has released (`overdue`:
+        the device ran on without it) raises TimeoutError instead of being waited for on: a stuck job holds
+        the launching thread no longer than the watchdog's timeout."""
+        pause = 20e-6
+        while not self.future.done():
+            if self.jobs.released(self.number):
+                raise TimeoutError(f"it did not end within {self.jobs.timeout_s:.0f} s; the device was released "
+                                   "without its result")
+            wait_for = getattr(self.future, "wait_for", None)  # the native engine's: woken when the job ends
+            if wait_for is not None:
+                wait_for(0.05)
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+        return self.future.wait()
 
 
 class Stamp:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .. import env
 from ..comm.native_build import build_on_first_use
 from ..errors import ConfigError
 
@@ -73,9 +74,10 @@ def unavailable_reason() -> str | None:
 
 
 def default_threads() -> int:
-    """Threads of the engine: half the cores this process may use, at most 8, at least 1. On the 16-core
-    GPU host measured, 8 threads read an expert's weights faster than 16 (examples/host_gemv_floor.py), and
-    the launching thread keeps cores of its own."""
+    """Threads of the engine: THUNDEREP_HOST_THREADS where set, else half the cores this process may use, at
+    most 8, at least 1 (the launching thread and the driver keep cores of their own)."""
+    if env.host_threads() is not None:
+        return env.host_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(8, cores // 2))
 
@@ -126,10 +128,14 @@ class NativeJob:
     def done(self) -> bool:
         return self.engine.lib.tep_hx_state(self.engine.hx, self.ticket) != 0
 
+    def wait_for(self, timeout_s: float) -> bool:
+        """Wait at most timeout_s for the job to end (Python's lock let go); whether it has."""
+        return self.engine.lib.tep_hx_wait(self.engine.hx, self.ticket, timeout_s) != 0
+
     def wait(self) -> list[int]:
-        state = 0
-        while state == 0:  # the C call lets go of Python's lock while it waits
-            state = self.engine.lib.tep_hx_wait(self.engine.hx, self.ticket, 1.0)
+        while not self.wait_for(1.0):
+            pass
+        state = self.engine.lib.tep_hx_state(self.engine.hx, self.ticket)
         if state != 1:
             raise RuntimeError(_ERRORS.get(state, "unknown state {state}").format(stamp=self._stamp, S=self._S,
                                                                                   state=state))
@@ -206,6 +212,8 @@ class NativeEngine:
 
     def _close(self) -> None:
         """At exit: wait (boundedly) for the last job, whose tensors Python is about to free, then stop."""
+        if self.hx == self.ffi.NULL:
+            return
         if self._last is not None and self.lib.tep_hx_wait(self.hx, self._last.ticket, 5.0) == 0:
             return  # a job still waits for its stamp: leave the threads to the process's exit
         self.lib.tep_hx_destroy(self.hx)
