@@ -15,8 +15,8 @@ fit after the replicated weights and the two staging buffers (`train.plan.plan_o
     (c) gpu        ThunderMoE with the whole model on the device (no gpu_memory)
 
 With --host-threads (e.g. off,auto) every ThunderEP row and (b) run once per value of `TierConfig.host_thread`:
-a decode step's host experts in line ("off", the default) or as host jobs, off the launching thread ("auto",
-where the GPU's stream can wait for host memory; `moe.host_jobs`), side by side in one run; the host-job rows
+a decode step's host experts in line ("off") or as host jobs, off the launching thread ("auto", the default as
+in the library: where the GPU's stream can wait for host memory; `moe.host_jobs`), side by side in one run; the host-job rows
 once per engine of --host-engines (`TierConfig.host_engine`: auto, native, script; e.g. native,script). On
 CUDA each row runs in a fresh process (--isolate), so that no row is timed in what an earlier one left.
 
@@ -115,7 +115,7 @@ class OffloadBench:
     device: str = "cuda"
     cold_path: str = "auto"
     experts_implementation: str | None = None
-    host_threads: tuple[str, ...] = ("off",)
+    host_threads: tuple[str, ...] = ("auto",)
     host_engines: tuple[str, ...] = ("auto",)
     isolate: str = "auto"
 
@@ -161,7 +161,7 @@ class Row:
     stats: dict | None = None
     note: str = ""
     error: str | None = None
-    host_thread: str = "off"  # `TierConfig.host_thread` of a ThunderEP row
+    host_thread: str = "auto"  # `TierConfig.host_thread` of a ThunderEP row
     host_engine: str = "auto"  # and its `TierConfig.host_engine`
 
 
@@ -371,12 +371,13 @@ def _plan_rows(bench: OffloadBench, path: Path) -> list[tuple[Row, object]]:
     """(Row, its plan) in the order they run: ThunderEP's fractions, (b), (c), then (a), the slowest."""
     plans = budgets(path, sorted(set(bench.fractions) | {0.0, 1.0}), _DTYPES[bench.dtype])
     forced = f", {bench.cold_path} path" if bench.cold_path != "auto" else ""
-    ways = [(t, e) for t in bench.host_threads for e in (bench.host_engines if t != "off" else ("auto",))]
-    out = [(Row(f"thunderep {f:.0%}{forced}{way_name(t, e, bench.host_engines)}", "thunderep", f, plans[f][0], host_thread=t,
-                host_engine=e), plans[f][1]) for f in bench.fractions for t, e in ways]
+    ways = [(t, e, way_name(t, e, bench.host_threads, bench.host_engines)) for t in bench.host_threads
+            for e in (bench.host_engines if t != "off" else ("auto",))]
+    out = [(Row(f"thunderep {f:.0%}{forced}{name}", "thunderep", f, plans[f][0], host_thread=t, host_engine=e),
+            plans[f][1]) for f in bench.fractions for t, e, name in ways]
     if "host" in bench.baselines:
-        out += [(Row(f"(b) host, no hot set{way_name(t, e, bench.host_engines)}", "host", 0.0, plans[0.0][0], host_thread=t,
-                     host_engine=e), plans[0.0][1]) for t, e in ways]
+        out += [(Row(f"(b) host, no hot set{name}", "host", 0.0, plans[0.0][0], host_thread=t, host_engine=e),
+                 plans[0.0][1]) for t, e, name in ways]
     if "gpu" in bench.baselines:
         where = "GPU" if bench.device == "cuda" else "device"
         out.append((Row(f"(c) whole model on the {where}", "gpu", 1.0), plans[1.0][1]))

@@ -10,9 +10,12 @@ __all__ = ["cost_table", "size_text", "table", "way_name"]
 _THREAD_NAMES = {"off": "", "auto": ", host jobs", "on": ", host jobs (forced)"}
 
 
-def way_name(thread: str, engine: str, engines: tuple[str, ...]) -> str:
-    """A row name's suffix for its `TierConfig.host_thread` and, where the run names engines (`engines`, the
-    benchmark's --host-engines), its host_engine."""
+def way_name(thread: str, engine: str, threads: tuple[str, ...], engines: tuple[str, ...]) -> str:
+    """A row name's suffix for its `TierConfig.host_thread` where the run compares several (`threads`, the
+    benchmark's --host-threads) and, where it names engines (`engines`, --host-engines), its host_engine.
+    A run of the default alone names none (the JSON keeps both)."""
+    if threads == ("auto",) and engines == ("auto",):
+        return ""
     if thread == "off" or engines == ("auto",):
         return _THREAD_NAMES[thread]
     return f"{_THREAD_NAMES[thread]}, {engine}"

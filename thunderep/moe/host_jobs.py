@@ -376,6 +376,8 @@ def jobs_for(config, device: torch.device) -> HostJobs | None:
         return None
     engine = config.host_engine
     if engine == "auto":
+        if config.host_thread == "auto" and not host_native.available():
+            return None  # TorchScript jobs are chosen only by name: they lost at batch 8 (`TierConfig.host_thread`)
         engine = "native" if host_native.available() else "script"
     if engine == "native" and not host_native.available():
         raise ConfigError(f"host_engine 'native' needs ThunderEP's host extension: {host_native.unavailable_reason()}")

@@ -46,12 +46,14 @@ class TierConfig:
     re-choices after that. ema: weight of the past in the per-slot load average. margin: how many times
     over a swap's estimated saving in one interval must pay for its copy; confidence: how many standard
     deviations of counting noise the two slots' load difference must exceed (the module docstring).
-    host_thread: where a decode call's host experts run (`thunderep.moe.host_jobs`): "off" (the default), in
-    line; "auto", as a job off the launching thread where the device's stream can wait for host memory, so
-    that the launching thread goes on; "on", as a job always (on a CPU joined at once: for tests). Off by
-    default: measured on an H100 the TorchScript jobs decoded 1.08x in line at batch 1 and 0.94x at batch 8,
-    and left OpenMP teams that slow the process's later host work (docs/benchmarks/2026-12-05-expert-
-    offload-h200.md, sixth to eleventh runs); the native engine is not yet measured on a GPU.
+    host_thread: where a decode call's host experts run (`thunderep.moe.host_jobs`): "auto" (the default), as
+    a job off the launching thread where the device's stream can wait for host memory and the native engine
+    is built (or host_engine is "script"), so that the launching thread goes on, else in line; "off", in
+    line; "on", as a job always (on a CPU joined at once: for tests). Measured on an H200 at 31bf67b, Qwen3-
+    30B-A3B shape, a quarter of the experts hot, native jobs against in line: 1.51x at batch 1, 1.22x at
+    batch 8 (docs/benchmarks/2026-12-05-expert-offload-h200.md, twelfth run). TorchScript jobs are not
+    chosen by "auto": they decoded 1.08x in line at batch 1 and 0.94x at batch 8 on an H100 and leave
+    OpenMP teams that slow the process's later host work (eleventh run).
     host_engine: what runs a job: "native" (`thunderep.moe.host_native`: ThunderEP's C extension on its own
     threads, no OpenMP; 32- or 16-bit weights of the plain gated layout), "script" (TorchScript on
     torch's inter-op threads, `thunderep.moe.host_summed`: the in-line sums' bits), or "auto" (native where
@@ -64,7 +66,7 @@ class TierConfig:
     ema: float = 0.9
     margin: float = 2.0
     confidence: float = 2.0
-    host_thread: str = "off"
+    host_thread: str = "auto"
     host_engine: str = "auto"
 
     def __post_init__(self):
