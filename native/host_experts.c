@@ -36,6 +36,8 @@ struct tep_hx {
     tep_hx_job ring[RING];
     int states[RING];
     int64_t head, tail;          /* tickets: next to run (head + 1), last submitted (tail) */
+    atomic_llong posted;         /* tail, for the leader's spin before it sleeps */
+    int leader_sleeps;           /* under mu: whether a submit must wake the leader */
     /* the job being computed, for the helpers */
     atomic_long gen;
     const tep_hx_job *job;
@@ -210,13 +212,7 @@ static int run_job(tep_hx *hx, const tep_hx_job *j, int *sense, float **xf_buf, 
     int64_t *keys = malloc((size_t)cold * sizeof *keys), *tok = malloc((size_t)cold * sizeof *tok);
     float *wt = malloc((size_t)cold * sizeof *wt);
     unit_t *units = malloc((size_t)cold * sizeof *units);
-    int64_t need = j->T * j->D + 2 * j->T * j->I;
-    if (need > *xf_cap) {
-        free(*xf_buf);
-        *xf_buf = malloc((size_t)need * sizeof(float));
-        *xf_cap = *xf_buf ? need : 0;
-    }
-    if (!keys || !tok || !wt || !units || !*xf_buf) {
+    if (!keys || !tok || !wt || !units) {
         free(keys); free(tok); free(wt); free(units);
         return TEP_HX_NO_MEMORY;
     }
@@ -234,6 +230,20 @@ static int run_job(tep_hx *hx, const tep_hx_job *j, int *sense, float **xf_buf, 
         if (nunits == 0 || units[nunits - 1].slot != s) units[nunits++] = (unit_t){s, c, 0};
         units[nunits - 1].n++;
     }
+    /* the token rows as floats, then two activation buffers of the most pairs a slot has (a token routed to
+     * one slot twice counts twice) */
+    int64_t most = 0;
+    for (int64_t u = 0; u < nunits; u++) most = units[u].n > most ? units[u].n : most;
+    int64_t need = j->T * j->D + 2 * most * j->I;
+    if (need > *xf_cap) {
+        free(*xf_buf);
+        *xf_buf = malloc((size_t)need * sizeof(float));
+        *xf_cap = *xf_buf ? need : 0;
+    }
+    if (!*xf_buf) {
+        free(keys); free(tok); free(wt); free(units);
+        return TEP_HX_NO_MEMORY;
+    }
     float *xf = *xf_buf;
     for (int64_t i = 0; i < j->T * j->D; i++) xf[i] = load(j->x, j->x_dtype, i);
     hx->job = j;
@@ -242,7 +252,7 @@ static int run_job(tep_hx *hx, const tep_hx_job *j, int *sense, float **xf_buf, 
     hx->pair_token = tok;
     hx->pair_weight = wt;
     hx->a[0] = xf + j->T * j->D;
-    hx->a[1] = hx->a[0] + j->T * j->I;
+    hx->a[1] = hx->a[0] + most * j->I;
     if (hx->nthreads > 1) {
         pthread_mutex_lock(&hx->mu);
         atomic_fetch_add(&hx->gen, 1);
@@ -292,9 +302,15 @@ static void *leader(void *arg) {
     int sense = 0;
     float *xf = NULL;
     int64_t xf_cap = 0;
+    int64_t done = 0;
     for (;;) {
+        /* a short spin first: the next job of a decode step comes within about a layer's launches, and a
+         * leader awake spares the submitting thread a wake-up */
+        for (long spins = 0; atomic_load(&hx->posted) == done && !hx->stop && spins < IDLE_SPINS; spins++) relax();
         pthread_mutex_lock(&hx->mu);
+        hx->leader_sleeps = 1;
         while (hx->head == hx->tail && !hx->stop) pthread_cond_wait(&hx->job_cv, &hx->mu);
+        hx->leader_sleeps = 0;
         if (hx->head == hx->tail) {
             pthread_mutex_unlock(&hx->mu);
             break;
@@ -306,7 +322,7 @@ static void *leader(void *arg) {
         if (state == TEP_HX_DONE) tep_hx_raise(job.flag, job.number);
         pthread_mutex_lock(&hx->mu);
         hx->states[ticket % RING] = state;
-        hx->head = ticket;
+        hx->head = done = ticket;
         pthread_cond_broadcast(&hx->done_cv);
         pthread_mutex_unlock(&hx->mu);
     }
@@ -368,7 +384,8 @@ int64_t tep_hx_submit(tep_hx *hx, const tep_hx_job *job) {
     int64_t ticket = ++hx->tail;
     hx->ring[ticket % RING] = *job;
     hx->states[ticket % RING] = TEP_HX_PENDING;
-    pthread_cond_signal(&hx->job_cv);
+    atomic_store(&hx->posted, ticket);
+    if (hx->leader_sleeps) pthread_cond_signal(&hx->job_cv);
     pthread_mutex_unlock(&hx->mu);
     return ticket;
 }

@@ -90,10 +90,16 @@ def test_a_host_function_the_job_cannot_run_stays_in_line():
 
 def test_a_hopeless_host_path_keeps_the_in_line_split():
     """Where the cost model finds the host path far slower than streaming (`HANDOFF_SLOWER`), the call is not
-    handed off: its cold slots stream as in line."""
+    handed off: its cold slots stream as in line; the answer follows the costs when they are re-measured."""
     tiers = _tiers(2, "on", costs=STREAM)
     tiers.partial(torch.randn(4, D), LOCAL_TK, torch.rand(4, 3))
     assert tiers.stats.rows_host == 0 and tiers.stats.rows_streamed == 5
+    submitted, tiers.costs = tiers.jobs.submitted, HOST
+    tiers.partial(torch.randn(4, D), LOCAL_TK, torch.rand(4, 3))
+    assert tiers.jobs.submitted == submitted + 1 and tiers.stats.rows_streamed == 5
+    tiers.costs = STREAM
+    tiers.partial(torch.randn(4, D), LOCAL_TK, torch.rand(4, 3))
+    assert tiers.jobs.submitted == submitted + 1 and tiers.stats.rows_streamed == 10
 
 
 def test_a_failed_host_job_raises_naming_the_layer_once():
@@ -102,12 +108,12 @@ def test_a_failed_host_job_raises_naming_the_layer_once():
     the next call runs."""
     tiers = _tiers(2, "on")
     x_TD, w_TK = torch.randn(4, D), torch.rand(4, 3)
-    good = tiers.lean.job_args
-    tiers.lean.job_args = lambda host: (lambda a: (a[0], a[1][:, :, :3], *a[2:]))(good(host))
+    good = tiers.host
+    tiers.host = {**good, "down_proj": good["down_proj"][:, :, :3]}
     with pytest.raises(ThunderError, match=r"model\.layers\.3\.mlp\.experts failed on the host: RuntimeError"):
         tiers.partial(x_TD, LOCAL_TK, w_TK)
     assert tiers.jobs.flag.item() == tiers.jobs.submitted
-    tiers.lean.job_args = good
+    tiers.host = good
     tiers.settle()  # raised once
     assert tiers.partial(x_TD, LOCAL_TK, w_TK).shape == (4, D)
 

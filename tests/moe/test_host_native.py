@@ -140,6 +140,28 @@ def test_a_job_submitted_as_the_engine_starts_is_computed():
             engine._close()
 
 
+def test_a_job_on_the_same_tensors_reads_their_new_values():
+    """A layer's calls reuse their buffers: the engine's kept description of a job on the same tensor objects
+    still reads what they hold at each call (refilled in place), and ids it must convert (int32 here) are
+    converted at every call, not kept; random ids, so a token may name one slot twice."""
+    engine, w = host_native.NativeEngine.of(), _weights(torch.float32, False)
+    gen = torch.Generator().manual_seed(7)
+    for ids_dtype in (torch.int64, torch.int32):
+        ids_TK, w_TK, x_TD = IDS_TK.to(ids_dtype), torch.empty(3, 3), torch.empty(3, D)
+        hot_S, out = HOT_S.clone(), torch.empty(3, D)
+        layout = GatedLayout()
+        args = HostExperts(F.silu, layout).job_args(w)
+        ready, flag = torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        for number in (1, 2, 3):
+            ids_TK.copy_(torch.randint(-1, S, (3, 3), generator=gen))
+            w_TK.copy_(torch.rand(3, 3, generator=gen))
+            x_TD.copy_(torch.randn(3, D, generator=gen))
+            engine.launch(None, ready, 1, flag, number, HostJobs.SPINS, ids_TK, w_TK, x_TD, hot_S, *args, out).wait()
+            want = _reference(w, "silu", False, ids_TK, w_TK, x_TD, hot_S)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+            assert flag.item() == number
+
+
 def test_a_layout_the_engine_does_not_cover_stays_in_line():
     """Weights the engine does not read (float64 here): no job, the call computed in line."""
     tiers = _tiers(2, "on", engine="native")

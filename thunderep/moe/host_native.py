@@ -124,18 +124,23 @@ class NativeJob:
 
     def __init__(self, engine: NativeEngine, ticket: int, ids_TK: torch.Tensor, stamp: int, S: int):
         self.engine, self.ticket, self._ids, self._stamp, self._S = engine, ticket, ids_TK, stamp, S
+        self._state = 0  # the engine's state of the job once it has ended (kept: asked once)
 
     def done(self) -> bool:
-        return self.engine.lib.tep_hx_state(self.engine.hx, self.ticket) != 0
+        if not self._state:
+            self._state = self.engine.lib.tep_hx_state(self.engine.hx, self.ticket)
+        return self._state != 0
 
     def wait_for(self, timeout_s: float) -> bool:
         """Wait at most timeout_s for the job to end (Python's lock let go); whether it has."""
-        return self.engine.lib.tep_hx_wait(self.engine.hx, self.ticket, timeout_s) != 0
+        if not self._state:
+            self._state = self.engine.lib.tep_hx_wait(self.engine.hx, self.ticket, timeout_s)
+        return self._state != 0
 
     def wait(self) -> list[int]:
         while not self.wait_for(1.0):
             pass
-        state = self.engine.lib.tep_hx_state(self.engine.hx, self.ticket)
+        state = self._state
         if state != 1:
             raise RuntimeError(_ERRORS.get(state, "unknown state {state}").format(stamp=self._stamp, S=self._S,
                                                                                   state=state))
@@ -146,6 +151,7 @@ class NativeEngine:
     """The process's engine (`of`): its threads, and `launch`, a launcher of `HostJobs.submit`'s shape."""
 
     _instance: NativeEngine | None = None
+    DESCRIBED = 256  # job descriptions kept for reuse (`launch`): a few per offloaded layer
     _lock = threading.Lock()
 
     def __init__(self, threads: int | None = None):
@@ -158,7 +164,8 @@ class NativeEngine:
         if self.hx == self.ffi.NULL:
             raise ConfigError(f"the native host engine could not start {self.threads} threads")
         self._last: NativeJob | None = None
-        self._inflight: deque[tuple[int, tuple]] = deque()  # (ticket, its tensors): alive until it has ended
+        self._inflight: deque[tuple[int, tuple]] = deque()  # (ticket, its description): alive until it has ended
+        self._described: dict[tuple, tuple] = {}  # `launch`: tensor ids and settings -> (description, tensors)
         atexit.register(self._close)
 
     @classmethod
@@ -173,7 +180,31 @@ class NativeEngine:
                gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias, down_bias, interleaved: bool, act: str,
                upcast_rows: int, scratch_gate_up, scratch_down, out: torch.Tensor) -> NativeJob:
         """Queue the job (`prev` is implied: the engine runs jobs in submission order). The upcast settings
-        are the script engine's: this one always computes in float32."""
+        are the script engine's: this one always computes in float32. A job of the same tensor objects as
+        an earlier one (a layer's buffers and weights, call after call) reuses its checked description."""
+        tensors = (ids_TK, w_TK, x_TD, hot_S, gate_up, down, gate_up_bias, down_bias, out, ready, flag)
+        key = (*map(id, tensors), interleaved, act)
+        job = self._described.get(key)
+        if job is None:
+            job, kept = self._describe(*tensors, interleaved, act)
+            if kept:  # the job reads these tensors themselves (no converted copy): it holds for later calls
+                if len(self._described) >= self.DESCRIBED:
+                    self._described.clear()
+                self._described[key] = job  # `job` holds the tensors: their ids stay theirs while kept
+        job[0].spins, job[0].stamp, job[0].number = spins, stamp & 0xFFFFFFFF, number & 0xFFFFFFFF
+        ticket = self.lib.tep_hx_submit(self.hx, job[0])
+        if ticket == 0:
+            raise RuntimeError("the native host engine's queue is full")
+        while self._inflight and self.lib.tep_hx_state(self.hx, self._inflight[0][0]) != 0:
+            self._inflight.popleft()
+        self._inflight.append((ticket, job))
+        self._last = NativeJob(self, ticket, job[1][0], stamp, gate_up.shape[0])
+        return self._last
+
+    def _describe(self, ids_TK, w_TK, x_TD, hot_S, gate_up, down, gate_up_bias, down_bias, out, ready, flag,
+                  interleaved: bool, act: str) -> tuple[tuple, bool]:
+        """((the C description of a job on these tensors, the tensors it points into), whether those are the
+        tensors given, not converted copies), after `_check_shapes`."""
         _check_shapes(ids_TK, w_TK, x_TD, hot_S, gate_up, down, gate_up_bias, down_bias, out)
         ids = ids_TK.contiguous().to(torch.int64)
         w = w_TK.contiguous() if w_TK.dtype in _DTYPES else w_TK.float().contiguous()
@@ -193,17 +224,10 @@ class NativeEngine:
         job.out = ptr("float *", out.data_ptr())
         job.ready, job.flag = ptr("uint32_t *", ready.data_ptr()), ptr("uint32_t *", flag.data_ptr())
         job.T, job.K, job.D, job.I, job.S = ids.shape[0], ids.shape[1], D, I2 // 2, S
-        job.spins, job.stamp, job.number = spins, stamp & 0xFFFFFFFF, number & 0xFFFFFFFF
         job.dtype, job.x_dtype, job.w_dtype = _DTYPES[gate_up.dtype], _DTYPES[x.dtype], _DTYPES[w.dtype]
         job.act, job.interleaved = _ACTS[act], int(interleaved)
-        ticket = self.lib.tep_hx_submit(self.hx, job)
-        if ticket == 0:
-            raise RuntimeError("the native host engine's queue is full")
-        while self._inflight and self.lib.tep_hx_state(self.hx, self._inflight[0][0]) != 0:
-            self._inflight.popleft()
-        self._inflight.append((ticket, (ids, w, x, hot, gate_up, down, gate_up_bias, down_bias, out, ready, flag)))
-        self._last = NativeJob(self, ticket, ids, stamp, S)
-        return self._last
+        held = (ids, w, x, hot, gate_up, down, gate_up_bias, down_bias, out, ready, flag)
+        return (job, held), ids is ids_TK and w is w_TK and x is x_TD and hot is hot_S
 
     @classmethod
     def _forget(cls) -> None:

@@ -86,7 +86,8 @@ class HotSetRule:
         c = self.config
         copy_s = self.slot_bytes / self.costs.h2d_Bps
         ema = self._loads()
-        worth = {s: self.worth(ema[s], row_bytes) for s in range(self.num_slots)}
+        unit = self.worth(1.0, row_bytes)  # at most a row a call, a slot saves its share of one row's worth
+        worth = {s: ema[s] * unit if ema[s] <= 1 else self.worth(ema[s], row_bytes) for s in range(self.num_slots)}
         ins = sorted((s for s in range(self.num_slots) if s not in self._row_of), key=lambda s: -worth[s])
         outs = sorted(self.hot_slots, key=lambda s: worth[s])
         window = (1 + c.ema) / (1 - c.ema)  # calls whose counts the EMA's variance equals

@@ -27,8 +27,9 @@ rows and come back weighted and summed per token, T rows. Fewer device launches 
 at batch 1 a decode step is bound by the host's launches, not by the experts. Where the device's stream can
 wait for host memory (`thunderep.moe.host_jobs`, `TierConfig.host_thread`) and the hot pairs need no host
 knowledge (the pair kernels took them, or none is hot), the counting and the host-path slots are a host
-job (TorchScript on torch's inter-op threads, no Python): the launching thread queues the stream's wait for
-the job and the copy of its sums, and goes on launching the next layers while the host computes.
+job (`thunderep.moe.tier_handoff`; ThunderEP's native threads, or TorchScript: no Python): the launching
+thread queues the stream's wait for the job and the copy of its sums, and goes on launching the next layers
+while the host computes.
 
 The hot set is first the first H slots, then chosen from measured load by the rule of
 `thunderep.moe.hot_set` (`HotSetRule`, which `ExpertTiers` extends). The weights are the same bytes in
@@ -48,6 +49,7 @@ from ..errors import ConfigError
 from .host_experts import HostExperts, per_slot
 from .host_jobs import jobs_for
 from .hot_set import HotSetRule
+from .tier_handoff import HostHandoff
 from .offload_cost import OffloadCosts, split_cold
 from .staging import Staging, to_device, to_host, to_host_all
 from .tier_config import COLD_PATHS, HOST_THREAD, TierConfig, TierStats, parse_memory
@@ -56,7 +58,7 @@ __all__ = ["COLD_PATHS", "ExpertTiers", "HOST_THREAD", "Staging", "TierConfig", 
            "to_host_all"]
 
 
-class ExpertTiers(HotSetRule):
+class ExpertTiers(HotSetRule, HostHandoff):
     """The tiers of one layer's local slots (see the module docstring).
 
     host: {tensor name: [S, ...]} in host memory. hot_slots: H >= 0 slots to hold on `device`.
@@ -75,8 +77,6 @@ class ExpertTiers(HotSetRule):
     LEAN_HOT_SLOTS = 8  # hot slots with rows up to which each computes apart (a decode step's few)
     FEW_PAIRS = 8  # device pairs of a `partial` call up to which each is added apart (no index copies)
     PARTIAL_PAIRS = 128  # pairs (T x K) up to which a call from token rows takes `partial`: decode, small batches
-    HANDOFF_SLOWER = 4.0  # host path / stream path at one row up to which `partial` hands off (`_handoff_args`);
-    # chosen, not fitted: the calibrated ratio on an H100's host is 1.3-1.6 (host 0.26-0.34 ms, stream 0.19-0.21)
 
     def __init__(self, host: dict[str, torch.Tensor], hot_slots: int, device: torch.device, compute: Callable,
                  costs: OffloadCosts, staging: Staging, config: TierConfig | None = None,
@@ -95,6 +95,8 @@ class ExpertTiers(HotSetRule):
         self.jobs = jobs_for(self.config, self.device)
         self._job = None  # this layer's last job on the host (`settle`)
         self._host_buffers: dict[int, torch.Tensor] = {}  # `_pinned_copies`
+        self._views: dict[tuple, torch.Tensor] = {}  # (key, shape, dtype) -> its view of a host buffer
+        self._handoff: tuple | None = None  # (what `_handoff_args` depends on, its answer)
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
         if not 0 <= hot_slots <= self.num_slots:
@@ -230,58 +232,6 @@ class ExpertTiers(HotSetRule):
             out = torch.empty((T, D), dtype=torch.float32, pin_memory=cuda)
             y_TD += self._summed_on_host(on_host, by_slot, counts, x_h, w_h, out).to(device, non_blocking=cuda)
         return y_TD
-
-    def _handed_off(self, hot_TD: torch.Tensor | None, host: list[torch.Tensor], copied, shape,
-                    job_args: tuple) -> torch.Tensor:
-        """`partial`'s host share as a job on the host (`thunderep.moe.host_jobs`, the job
-        `thunderep.moe.host_summed._pairs_job`): once the stream has copied the call's ids, weights and token
-        rows (`copied`), its pairs grouped by slot and every cold slot computed on the host (decode sizes: the
-        host path), weighted and summed into a pinned [T, D] buffer the stream copies once the job raised its
-        flag. Returns the call's [T, D] float32 share as the stream will hold it; this thread waits for
-        nothing. The call's counts are taken when the job is settled (`settle`). job_args: `_handoff_args`."""
-        ids_h, w_h, x_h = host
-        out = self._buffer(len(host), shape.numel(), torch.float32).view(shape)
-        y_TD, self._job = self.jobs.submit(self.jobs.launcher, (ids_h, w_h, x_h, self._hot_mask, *job_args),
-                                           copied, out, name=f"the host experts of {self.name}")
-        return y_TD if hot_TD is None else hot_TD.float() + y_TD
-
-    def _pinned_copies(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
-        """`to_host_all` into this layer's own host buffers (pinned on CUDA; views of the right shapes) for a
-        handed-off call, and the `Stamp` the worker waits on for them (host memory the stream writes: the worker
-        makes no CUDA call, which could wait on a lock a synchronizing call of this thread holds while the
-        stream waits for the worker). Allocating pinned memory while the stream waits for a host job could
-        likewise wait for that job: these calls allocate none (a buffer grows, rarely, after the jobs are
-        drained). This layer's last job is done (`settle`) and the stream has consumed its copies before a
-        call overwrites them."""
-        views = []
-        for i, t in enumerate(tensors):
-            views.append(self._buffer(i, t.numel(), t.dtype).view(t.shape))
-            views[-1].copy_(t, non_blocking=True)
-        return views, self.jobs.stamp()  # the stream writes a number once the copies are done (None on a CPU)
-
-    def _buffer(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """This layer's host buffer `key` as `numel` values of `dtype` (`_pinned_copies`)."""
-        buf = self._host_buffers.get(key)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            self.jobs.drain()
-            buf = self._host_buffers[key] = torch.empty(numel, dtype=dtype, pin_memory=self.jobs.driver is not None)
-        return buf[:numel]
-
-    def _handoff_args(self, row_bytes: int) -> tuple | None:
-        """The job's weight arguments (`HostExperts.job_args`, taken at each call: the float32 crossover is
-        calibrated after init) where `partial` hands its host share to a host job, else None. It does where
-        there are jobs (`TierConfig.host_thread`) whose engine covers the layer, and the host path is forced or
-        at one row estimated at most HANDOFF_SLOWER times the stream's (off the launching thread the host's
-        time hides behind the launches, so a slower host path still wins; a host the cost model finds hopeless
-        keeps the split of `paths`)."""
-        args = self.lean.job_args(self.host) if self.jobs is not None and self.lean is not None else None
-        if args is None or not self.jobs.covers(args):
-            return None
-        c = self.costs
-        if self.config.cold_path == "host" or c.host_seconds(1, self.slot_params, row_bytes) <= \
-                self.HANDOFF_SLOWER * c.stream_seconds(1, self.slot_params, self.slot_bytes):
-            return args
-        return None
 
     def settle(self) -> None:
         """Wait for this layer's job on the host, if one is out, and count its pairs (as an in-line call counts
