@@ -102,6 +102,20 @@ def test_a_hopeless_host_path_keeps_the_in_line_split():
     assert tiers.jobs.submitted == submitted + 1 and tiers.stats.rows_streamed == 10
 
 
+def test_auto_hands_off_one_token_calls_only():
+    """Under host_thread "auto" (where a stream can wait: stood in for by the jobs "on" made) a call of one token
+    is a job and a call of more computes in line, with the same sums; "on" hands off both."""
+    tiers, off = _tiers(2, "on"), _tiers(2, "off")
+    gen = torch.Generator().manual_seed(3)
+    for thread, handed in (("auto", (1, 0)), ("on", (1, 1))):
+        tiers.config = replace(tiers.config, host_thread=thread)
+        for (T, local_TK), want in zip(((1, LOCAL_TK[1:2]), (4, LOCAL_TK)), handed):
+            x_TD, w_TK = torch.randn(T, D, generator=gen), torch.rand(T, 3, generator=gen)
+            submitted = tiers.jobs.submitted
+            torch.testing.assert_close(tiers.partial(x_TD, local_TK, w_TK), off.partial(x_TD, local_TK, w_TK))
+            assert tiers.jobs.submitted - submitted == want, (thread, T)
+
+
 def test_a_failed_host_job_raises_naming_the_layer_once():
     """A job that fails (here its down weights of a wrong shape): ThunderError naming the layer and the cause,
     raised by the call (on a CPU the job is joined at once) and not again; the flag raised to the job's number;

@@ -46,14 +46,15 @@ class TierConfig:
     re-choices after that. ema: weight of the past in the per-slot load average. margin: how many times
     over a swap's estimated saving in one interval must pay for its copy; confidence: how many standard
     deviations of counting noise the two slots' load difference must exceed (the module docstring).
-    host_thread: where a decode call's host experts run (`thunderep.moe.host_jobs`): "auto" (the default), as
-    a job off the launching thread where the device's stream can wait for host memory and the native engine
-    is built (or host_engine is "script"), so that the launching thread goes on, else in line; "off", in
-    line; "on", as a job always (on a CPU joined at once: for tests). Measured on an H200 at 31bf67b, Qwen3-
-    30B-A3B shape, a quarter of the experts hot, native jobs against in line: 1.51x at batch 1, 1.22x at
-    batch 8 (docs/benchmarks/2026-12-05-expert-offload-h200.md, twelfth run). TorchScript jobs are not
-    chosen by "auto": they decoded 1.08x in line at batch 1 and 0.94x at batch 8 on an H100 and leave
-    OpenMP teams that slow the process's later host work (eleventh run).
+    host_thread: where a decode call's host experts run (`thunderep.moe.host_jobs`): "auto" (the default), a
+    call of one token as a job off the launching thread where the device's stream can wait for host memory
+    and the native engine is built (or host_engine is "script"), so that the launching thread goes on; larger
+    calls, and everything elsewhere, in line; "off", in line; "on", every call as a job (on a CPU joined at
+    once: for tests). Measured at a quarter of the experts hot (Qwen3-30B-A3B shape), native jobs against
+    in line: 1.51x (H200) and 1.63x (H100) at batch 1, 1.22x and 0.79x at batch 8, hence one token
+    (`HostHandoff.HANDOFF_TOKENS`; docs/benchmarks/2026-12-05-expert-offload-h200.md, twelfth run).
+    TorchScript jobs are never chosen by "auto": they decoded 1.08x in line at batch 1 and 0.94x at batch 8
+    on an H100 and leave OpenMP teams that slow the process's later host work (eleventh run).
     host_engine: what runs a job: "native" (`thunderep.moe.host_native`: ThunderEP's C extension on its own
     threads, no OpenMP; 32- or 16-bit weights of the plain gated layout), "script" (TorchScript on
     torch's inter-op threads, `thunderep.moe.host_summed`: the in-line sums' bits), or "auto" (native where

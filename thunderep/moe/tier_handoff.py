@@ -14,6 +14,7 @@ class HostHandoff:
     """Mixed into `ExpertTiers` (whose attributes it uses: jobs, lean, host, costs, config, slot_params,
     slot_bytes, name, the host buffers and views, the hot mask and the layer's last job)."""
 
+    HANDOFF_TOKENS = 1  # the most tokens of a call host_thread "auto" hands off ("on": any number); see below
     HANDOFF_SLOWER = 4.0  # host path / stream path at one row up to which `partial` hands off (`_handoff_args`);
     # chosen, not fitted: the calibrated ratio on an H100's host is 1.3-1.6 (host 0.26-0.34 ms, stream 0.19-0.21)
 
@@ -59,13 +60,22 @@ class HostHandoff:
             view = self._views[(key, shape, dtype)] = buf[:numel].view(shape)
         return view
 
-    def _handoff_args(self, row_bytes: int) -> tuple | None:
-        """The job's weight arguments (`HostExperts.job_args`, taken at each call: the float32 crossover is
-        calibrated after init) where `partial` hands its host share to a host job, else None. It does where
-        there are jobs (`TierConfig.host_thread`) whose engine covers the layer, and the host path is forced or
-        at one row estimated at most HANDOFF_SLOWER times the stream's (off the launching thread the host's
-        time hides behind the launches, so a slower host path still wins; a host the cost model finds hopeless
-        keeps the split of `paths`)."""
+    def _handoff_args(self, row_bytes: int, tokens: int) -> tuple | None:
+        """The job's weight arguments (`HostExperts.job_args`: the float32 crossover is calibrated after init,
+        so they are kept until it or the costs change) where `partial` hands its host share of a call of
+        `tokens` tokens to a host job, else None. It does where there are jobs (`TierConfig.host_thread`)
+        whose engine covers the layer; under "auto" for calls of at most HANDOFF_TOKENS tokens; and where the
+        host path is forced or at one row estimated at most HANDOFF_SLOWER times the stream's (off the
+        launching thread the host's time hides behind the launches, so a slower host path still wins; a host
+        the cost model finds hopeless keeps the split of `paths`).
+
+        Why one token: a one-token step is bound by this thread's launches, which a job lets go on (measured
+        with the native engine at a quarter of the experts hot: 1.51x in line on an H200, 1.63x on an H100);
+        at 8 tokens a step is bound by the host experts' time, where in line (torch on every core) beat the
+        engine's 8 threads on the H100 (0.79x) though not on the H200 (1.22x): docs/benchmarks/2026-12-05-
+        expert-offload-h200.md, twelfth run."""
+        if self.config.host_thread == "auto" and tokens > self.HANDOFF_TOKENS:
+            return None
         if self.jobs is None or self.lean is None:
             return None
         depends = (row_bytes, self.lean.upcast_rows, self.costs, self.host, self.jobs)  # kept until one changes

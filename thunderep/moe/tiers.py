@@ -195,7 +195,7 @@ class ExpertTiers(HotSetRule, HostHandoff):
         self.settle()
         row_bytes = x_TD.shape[-1] * x_TD.element_size()
         self.rechoose(row_bytes)
-        job_args = self._handoff_args(row_bytes) if self.pairs is not None or not self.capacity else None
+        job_args = self._handoff_args(row_bytes, T) if self.pairs is not None or not self.capacity else None
         tensors = [local_TK, weights_TK, x_TD]
         host, copied = self._pinned_copies(tensors) if job_args is not None else to_host_all(tensors)
         hot_TD = None
