@@ -162,6 +162,22 @@ def test_a_job_on_the_same_tensors_reads_their_new_values():
             assert flag.item() == number
 
 
+def test_the_engine_keeps_no_tensor_of_an_ended_job_alive():
+    """Once a job has ended (seen by its wait), the engine holds none of its tensors: a model's host experts
+    are freed with the model, though the engine keeps the job's description for reuse."""
+    import gc
+    import weakref
+
+    engine, w = host_native.NativeEngine.of(), _weights(torch.float32, False)
+    x_TD, w_TK = torch.randn(3, D), torch.rand(3, 3)
+    job, out, _ = _run(engine, w, "silu", False, IDS_TK, w_TK, x_TD, HOT_S)
+    job.wait()
+    refs = [weakref.ref(t) for t in (*w.values(), x_TD, out)]
+    del job, out, w, x_TD
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_a_layout_the_engine_does_not_cover_stays_in_line():
     """Weights the engine does not read (float64 here): no job, the call computed in line."""
     tiers = _tiers(2, "on", engine="native")

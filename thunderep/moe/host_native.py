@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import weakref
 from collections import deque
 from typing import Any
 
@@ -129,12 +130,14 @@ class NativeJob:
     def done(self) -> bool:
         if not self._state:
             self._state = self.engine.lib.tep_hx_state(self.engine.hx, self.ticket)
+            self.engine._ended(self.ticket, self._state)
         return self._state != 0
 
     def wait_for(self, timeout_s: float) -> bool:
         """Wait at most timeout_s for the job to end (Python's lock let go); whether it has."""
         if not self._state:
             self._state = self.engine.lib.tep_hx_wait(self.engine.hx, self.ticket, timeout_s)
+            self.engine._ended(self.ticket, self._state)
         return self._state != 0
 
     def wait(self) -> list[int]:
@@ -164,8 +167,8 @@ class NativeEngine:
         if self.hx == self.ffi.NULL:
             raise ConfigError(f"the native host engine could not start {self.threads} threads")
         self._last: NativeJob | None = None
-        self._inflight: deque[tuple[int, tuple]] = deque()  # (ticket, its description): alive until it has ended
-        self._described: dict[tuple, tuple] = {}  # `launch`: tensor ids and settings -> (description, tensors)
+        self._inflight: deque[tuple[int, tuple]] = deque()  # (ticket, its tensors): alive until it has ended
+        self._described: dict[tuple, tuple] = {}  # `launch`: tensor ids and settings -> (description, weak refs)
         atexit.register(self._close)
 
     @classmethod
@@ -184,21 +187,24 @@ class NativeEngine:
         an earlier one (a layer's buffers and weights, call after call) reuses its checked description."""
         tensors = (ids_TK, w_TK, x_TD, hot_S, gate_up, down, gate_up_bias, down_bias, out, ready, flag)
         key = (*map(id, tensors), interleaved, act)
-        job = self._described.get(key)
-        if job is None:
-            job, kept = self._describe(*tensors, interleaved, act)
-            if kept:  # the job reads these tensors themselves (no converted copy): it holds for later calls
+        kept = self._described.get(key)
+        if kept is not None and all(r is None or r() is t for r, t in zip(kept[1], tensors)):
+            job, held = kept[0], tensors
+        else:  # new, or an id reused by another tensor since
+            (job, held), same = self._describe(*tensors, interleaved, act)
+            if same:  # the job reads these tensors themselves (no converted copy): it holds for later calls
                 if len(self._described) >= self.DESCRIBED:
                     self._described.clear()
-                self._described[key] = job  # `job` holds the tensors: their ids stay theirs while kept
-        job[0].spins, job[0].stamp, job[0].number = spins, stamp & 0xFFFFFFFF, number & 0xFFFFFFFF
-        ticket = self.lib.tep_hx_submit(self.hx, job[0])
+                # weak references: a kept description must not keep a model's host experts alive
+                self._described[key] = (job, tuple(None if t is None else weakref.ref(t) for t in tensors))
+        job.spins, job.stamp, job.number = spins, stamp & 0xFFFFFFFF, number & 0xFFFFFFFF
+        ticket = self.lib.tep_hx_submit(self.hx, job)
         if ticket == 0:
             raise RuntimeError("the native host engine's queue is full")
         while self._inflight and self.lib.tep_hx_state(self.hx, self._inflight[0][0]) != 0:
             self._inflight.popleft()
-        self._inflight.append((ticket, job))
-        self._last = NativeJob(self, ticket, job[1][0], stamp, gate_up.shape[0])
+        self._inflight.append((ticket, held))  # the tensors the job reads, alive until it has ended
+        self._last = NativeJob(self, ticket, held[0], stamp, gate_up.shape[0])
         return self._last
 
     def _describe(self, ids_TK, w_TK, x_TD, hot_S, gate_up, down, gate_up_bias, down_bias, out, ready, flag,
@@ -228,6 +234,12 @@ class NativeEngine:
         job.act, job.interleaved = _ACTS[act], int(interleaved)
         held = (ids, w, x, hot, gate_up, down, gate_up_bias, down_bias, out, ready, flag)
         return (job, held), ids is ids_TK and w is w_TK and x is x_TD and hot is hot_S
+
+    def _ended(self, ticket: int, state: int) -> None:
+        """Job `ticket` seen in `state`: once ended, it and every job before it (they run in order) let go of
+        their tensors."""
+        while state and self._inflight and self._inflight[0][0] <= ticket:
+            self._inflight.popleft()
 
     @classmethod
     def _forget(cls) -> None:
