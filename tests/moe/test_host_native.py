@@ -332,3 +332,15 @@ def test_the_engine_threads_follow_thunderep_host_threads(monkeypatch):
         host_native.default_threads()
     monkeypatch.delenv("THUNDEREP_HOST_THREADS")
     assert 1 <= host_native.default_threads() <= 8
+
+
+def test_the_default_threads_share_the_host_among_its_ranks(monkeypatch):
+    """Half the usable cores, at most 8; a process that may use every core divides them by LOCAL_WORLD_SIZE
+    (its ranks on the host); one pinned to a share of its own keeps that share."""
+    monkeypatch.delenv("THUNDEREP_HOST_THREADS", raising=False)
+    monkeypatch.setattr(host_native.os, "cpu_count", lambda: 32)
+    for pinned, ranks, want in ((32, "1", 8), (32, "2", 8), (32, "4", 4), (32, "8", 2), (32, "64", 1), (32, "x", 8),
+                                (8, "4", 4), (2, "1", 1)):
+        monkeypatch.setattr(host_native.os, "sched_getaffinity", lambda _: set(range(pinned)), raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert host_native.default_threads() == want, (pinned, ranks)

@@ -76,10 +76,18 @@ def unavailable_reason() -> str | None:
 
 def default_threads() -> int:
     """Threads of the engine: THUNDEREP_HOST_THREADS where set, else half the cores this process may use, at
-    most 8, at least 1 (the launching thread and the driver keep cores of their own)."""
+    most 8, at least 1 (the launching thread and the driver keep cores of their own). Where the process may
+    use every core of the host and LOCAL_WORLD_SIZE ranks run on it (torchrun, ThunderEP's launchers), each
+    counts its share of the cores: their engines together leave half the host free."""
     if env.host_threads() is not None:
         return env.host_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    total = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    if cores >= total:  # not pinned to a share of its own
+        try:
+            cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            pass
     return max(1, min(8, cores // 2))
 
 
