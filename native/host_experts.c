@@ -35,6 +35,7 @@ struct tep_hx {
     pthread_cond_t job_cv, done_cv, phase_cv;
     tep_hx_job ring[RING];
     int states[RING];
+    int64_t nanos[RING];         /* each ended job's compute time (`tep_hx_nanoseconds`) */
     int64_t head, tail;          /* tickets: next to run (head + 1), last submitted (tail) */
     atomic_llong posted;         /* tail, for the leader's spin before it sleeps */
     int leader_sleeps;           /* under mu: whether a submit must wake the leader */
@@ -197,10 +198,14 @@ static int wait_stamp(const tep_hx_job *j) {
     return TEP_HX_DONE;
 }
 
-/* The leader's whole job; returns its state. */
-static int run_job(tep_hx *hx, const tep_hx_job *j, int *sense, float **xf_buf, int64_t *xf_cap) {
-    int state = wait_stamp(j);
-    if (state != TEP_HX_DONE) return state;
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* `run_job` after the stamp: the pairs grouped by cold slot and every thread's part computed. */
+static int compute_job(tep_hx *hx, const tep_hx_job *j, int *sense, float **xf_buf, int64_t *xf_cap) {
     int64_t N = j->T * j->K, cold = 0;
     for (int64_t n = 0; n < N; n++) {
         int64_t s = j->ids[n];
@@ -264,6 +269,17 @@ static int run_job(tep_hx *hx, const tep_hx_job *j, int *sense, float **xf_buf, 
     return TEP_HX_DONE;
 }
 
+/* The leader's whole job; returns its state, and in *nanos the time from its stamp to its sums. */
+static int run_job(tep_hx *hx, const tep_hx_job *j, int *sense, float **xf_buf, int64_t *xf_cap, int64_t *nanos) {
+    int state = wait_stamp(j);
+    *nanos = 0;
+    if (state != TEP_HX_DONE) return state;
+    int64_t started = now_ns();
+    state = compute_job(hx, j, sense, xf_buf, xf_cap);
+    *nanos = state == TEP_HX_DONE ? now_ns() - started : 0;
+    return state;
+}
+
 void tep_hx_raise(volatile uint32_t *flag, uint32_t number) {
     _Atomic uint32_t *word = (_Atomic uint32_t *)flag;
     uint32_t seen = atomic_load(word);
@@ -318,10 +334,12 @@ static void *leader(void *arg) {
         int64_t ticket = hx->head + 1;
         tep_hx_job job = hx->ring[ticket % RING];
         pthread_mutex_unlock(&hx->mu);
-        int state = run_job(hx, &job, &sense, &xf, &xf_cap);
+        int64_t nanos;
+        int state = run_job(hx, &job, &sense, &xf, &xf_cap, &nanos);
         if (state == TEP_HX_DONE) tep_hx_raise(job.flag, job.number);
         pthread_mutex_lock(&hx->mu);
         hx->states[ticket % RING] = state;
+        hx->nanos[ticket % RING] = nanos;
         hx->head = done = ticket;
         pthread_cond_broadcast(&hx->done_cv);
         pthread_mutex_unlock(&hx->mu);
@@ -415,4 +433,11 @@ int tep_hx_wait(tep_hx *hx, int64_t ticket, double timeout_s) {
                                    : TEP_HX_PENDING;
     pthread_mutex_unlock(&hx->mu);
     return state;
+}
+
+int64_t tep_hx_nanoseconds(tep_hx *hx, int64_t ticket) {
+    pthread_mutex_lock(&hx->mu);
+    int64_t ns = ticket <= hx->head && ticket > hx->head - (RING - 1) ? hx->nanos[ticket % RING] : -1;
+    pthread_mutex_unlock(&hx->mu);
+    return ns;
 }

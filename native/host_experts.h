@@ -45,6 +45,9 @@ int64_t tep_hx_submit(tep_hx *hx, const tep_hx_job *job);
 int tep_hx_state(tep_hx *hx, int64_t ticket);
 /* Wait up to timeout_s for a ticket; returns its state (TEP_HX_PENDING on timeout). */
 int tep_hx_wait(tep_hx *hx, int64_t ticket, double timeout_s);
+/* Nanoseconds an ended ticket's job computed (from its stamp's arrival to its sums; 0 for a failed one),
+ * or -1 for a ticket not ended or too old to be known. */
+int64_t tep_hx_nanoseconds(tep_hx *hx, int64_t ticket);
 /* flag raised to number unless it is there or past it (wrap-around compare), atomically. */
 void tep_hx_raise(volatile uint32_t *flag, uint32_t number);
 

@@ -87,7 +87,7 @@ def test_isolated_rows_run_in_fresh_processes_and_a_lost_process_is_the_row_s_er
     assert rows["thunderep 50%"]["stats"]["hot_slots"] == 8
     lost = offload._isolated(_exit_at_once, offload.Row("lost", "gpu"))
     assert lost.error == "its process ended with exit code 3 before reporting the row"
-    with pytest.raises(ConfigError, match="--isolate must be auto, on or off"):
+    with pytest.raises(ConfigError, match="--isolate: .maybe. is not one of auto, on, off"):
         parse(["--isolate", "maybe"])
     with pytest.raises(ConfigError, match="--host-engines: 'gpu' is not one of auto, native, script"):
         parse(["--host-engines", "native,gpu"])
@@ -114,3 +114,37 @@ def test_host_job_rows_once_per_engine_and_in_line_once(tmp_path):
         assert ways == {base: ("off", "auto"), f"{base}, host jobs (forced), native": ("on", "native"),
                         f"{base}, host jobs (forced), script": ("on", "script")}
     assert all(r["error"] is None and r["decode"]["1"] > 0 for r in rows.values())
+
+
+def test_each_row_is_compared_with_the_host_row_run_its_way():
+    """vs (b): a row against the (b) row of its own host_thread and host_engine; (a) and (c), which have no way
+    of their own, against the (b) of the library's default way."""
+    from thunderep.bench.offload import Row
+    from thunderep.bench.offload_tables import table
+
+    rows = [Row("t off", "thunderep", 0.25, decode={1: 30.0}, prefill=100.0, host_thread="off"),
+            Row("t jobs", "thunderep", 0.25, decode={1: 60.0}, prefill=100.0),
+            Row("b off", "host", 0.0, decode={1: 20.0}, prefill=50.0, host_thread="off"),
+            Row("b jobs", "host", 0.0, decode={1: 40.0}, prefill=50.0),
+            Row("c", "gpu", 1.0, decode={1: 80.0}, prefill=400.0)]
+    cells = {name: _cells(table(rows, [1], 16), name) for name in ("t off", "t jobs", "b off", "c")}
+    assert cells["t off"][6] == "1.50x / 2.00x" and cells["t jobs"][6] == "1.50x / 2.00x"
+    assert cells["b off"][6] == "-" and cells["c"][6] == "2.00x / 8.00x"  # a (b) row: not against itself
+
+
+def test_the_cost_table_overlaps_the_host_jobs_decode_with_the_rest():
+    """With the rest as (c): added for a row in line, the slower of the two for a decode of host jobs (batch
+    1 under "auto", any batch under "on"), added again where no stream can wait (`jobs` False)."""
+    from thunderep.bench.offload import Row
+    from thunderep.bench.offload_tables import cost_table
+
+    predicted = {"decode": 100.0, "prefill": 1000.0}
+    rows = [Row("in line", "thunderep", 0.25, decode={1: 30.0, 8: 60.0}, prefill=500.0, predicted=predicted,
+                host_thread="off"),
+            Row("jobs", "thunderep", 0.25, decode={1: 30.0, 8: 60.0}, prefill=500.0, predicted=predicted),
+            Row("c", "gpu", 1.0, decode={1: 50.0, 8: 400.0}, prefill=4000.0)]
+    for batch, jobs, want in ((1, True, "50.00"), (8, True, "80.00"), (1, False, "33.33")):
+        text = cost_table(rows, batch, jobs)
+        assert _cells(text, "in line")[2] == ("33.33" if batch == 1 else "80.00")
+        assert _cells(text, "jobs")[2] == want, (batch, jobs)
+        assert _cells(text, "jobs")[6] == "800"  # a prefill is never handed off

@@ -121,6 +121,7 @@ def test_through_the_tiers_a_native_job_matches_in_line(hot):
     on.settle()
     assert on.jobs.submitted == submitted + len(calls)
     assert replace(on.stats, host_seconds=0) == replace(off.stats, host_seconds=0) and on.stats.rows_host > 0
+    assert on.stats.host_seconds > 0  # the jobs' compute time, as the engine timed it
     assert torch.equal(on.rows_S, off.rows_S) and on.calls == off.calls == 3
 
 
@@ -197,9 +198,11 @@ def test_jobs_run_in_order_after_their_stamps_and_raise_the_flag():
             for number, stamp in zip((1, 2, 3), (2**32 - 1, 0, 1))]
     time.sleep(0.05)
     assert not any(j.done() for j in jobs) and flag.item() == 0
+    assert engine.lib.tep_hx_nanoseconds(engine.hx, jobs[0].ticket) == -1  # not ended: no time yet
     ready.fill_(0)
     jobs[1].wait()
     assert jobs[0].done() and flag.item() == 2 and not jobs[2].done()
+    assert 0 < jobs[1].seconds < 1  # its compute, timed by the engine
     ready.fill_(1)
     jobs[2].wait()
     assert flag.item() == 3

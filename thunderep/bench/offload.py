@@ -22,13 +22,13 @@ CUDA each row runs in a fresh process (--isolate), so that no row is timed in wh
 
 Timing, after a warm-up, a new random prompt of 16 tokens for every call (nothing replayed for the hot set to
 learn): decode tokens/s at batch B = B (N - 1) / seconds from the first generated token to the N-th of a greedy
-(--sample: sampled) generate() (`StepClock` notes each step), best of --repeats calls; prefill tokens/s = P /
-one forward of [1, P] tokens without a cache (the last position's logits), the better of two. ThunderEP rows show the share of
-expert rows served hot (in those decode steps, and in the prefill) and the cost model's predicted rates
-(`moe.offload_cost.predicted_rates`: routed experts alone, uniform routing, constants measured at load, the
-host path's seconds per expert and per row calibrated on its own host function at the layer's shape) over
-the measured ones, with what the host path runs (`moe.host_experts.describe`). Accelerate runs batch 1 only (unless --accelerate-batch8), one timed call of
---accelerate-new-tokens.
+(--sample: sampled) generate() (`StepClock` notes each step), best of --repeats calls; prefill tokens/s = P / one
+forward of [1, P] tokens without a cache (the last position's logits), the better of two. ThunderEP rows show
+the share of expert rows served hot (in those decode steps, and in the prefill) and the cost model's predicted
+rates (`moe.offload_cost.predicted_rates`: routed experts alone, uniform routing, constants measured at load,
+the host path calibrated on its own host function at the layer's shape) over the measured ones, with what the
+host path runs (`moe.host_experts.describe`). Accelerate: batch 1 only (unless --accelerate-batch8), one timed
+call of --accelerate-new-tokens.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ import torch
 from . import dataclass_options, parsed
 from ..errors import ConfigError
 from ..hf import ThunderMoE
+from ..moe import host_native
 from ..moe.host_experts import describe
+from ..moe.host_jobs import device_waits
 from ..moe.offload_cost import measure_costs, predicted_rates
 from ..moe.tier_config import HOST_ENGINE
 from ..moe.tiers import COLD_PATHS, HOST_THREAD, TierConfig
@@ -132,14 +134,11 @@ class OffloadBench:
         if self.dtype not in _DTYPES:
             problems.append(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         problems += [f"--device must be cpu or cuda, got {self.device!r}"] if self.device not in ("cpu", "cuda") else []
-        problems += [f"--host-threads: {t!r} is not one of {', '.join(HOST_THREAD)}" for t in self.host_threads
-                     if t not in HOST_THREAD]
-        problems += [f"--host-engines: {e!r} is not one of {', '.join(HOST_ENGINE)}" for e in self.host_engines
-                     if e not in HOST_ENGINE]
-        if self.isolate not in ("auto", "on", "off"):
-            problems.append(f"--isolate must be auto, on or off, got {self.isolate!r}")
-        if self.cold_path not in COLD_PATHS:
-            problems.append(f"--cold-path must be one of {', '.join(COLD_PATHS)}, got {self.cold_path!r}")
+        for option, values, allowed in (("host-threads", self.host_threads, HOST_THREAD),
+                                         ("host-engines", self.host_engines, HOST_ENGINE),
+                                         ("isolate", (self.isolate,), ("auto", "on", "off")),
+                                         ("cold-path", (self.cold_path,), COLD_PATHS)):
+            problems += [f"--{option}: {v!r} is not one of {', '.join(allowed)}" for v in values if v not in allowed]
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -464,9 +463,10 @@ def report(bench: OffloadBench) -> list[Row]:
         f"implementation {implementation}"
     print(f"expert offload, {name}; prompts of {PROMPT} tokens, {bench.new_tokens} new tokens "
           f"({bench.accelerate_new_tokens} for accelerate), prefill {bench.prefill} tokens")
-    print("\ncost model (routed experts alone, uniform routing; with the rest as (c): plus the time (c) measured "
-          "for everything else) against the measured rates:\n")
-    print(cost_table(rows, bench.batches[0]))
+    print("\ncost model (routed experts alone, uniform routing; with the rest as (c): plus the time (c) measured for "
+          "everything else, host jobs' decode the slower of the two) against the measured rates:\n")
+    print(cost_table(rows, bench.batches[0], bench.device == "cuda" and device_waits(torch.device("cuda"))
+                     and host_native.available()))
     print(f"\nhardware: {hardware(bench)}\naccelerate's max_memory counts its own way (whole modules, room kept "
           "for the largest layer): equal bytes, not equal expert sets.\n")
     print(table(rows, bench.batches, bench.prefill))

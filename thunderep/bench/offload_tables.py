@@ -5,6 +5,10 @@ error)."""
 
 from __future__ import annotations
 
+from ..moe.tier_handoff import HostHandoff
+
+HANDOFF_TOKENS = HostHandoff.HANDOFF_TOKENS
+
 __all__ = ["cost_table", "size_text", "table", "way_name"]
 
 _THREAD_NAMES = {"off": "", "auto": ", host jobs", "on": ", host jobs (forced)"}
@@ -42,6 +46,14 @@ def _versus(row, other, batches) -> str:
                       + [_ratio(row.prefill, other.prefill)])
 
 
+def _host_row(rows, row):
+    """The (b) row a row is compared with: the one run the same way (`host_thread`, `host_engine`), else the
+    library's default way, else any."""
+    host = [r for r in rows if r.kind == "host"]
+    return next((r for r in host if (r.host_thread, r.host_engine) == (row.host_thread, row.host_engine)),
+                next((r for r in host if (r.host_thread, r.host_engine) == ("auto", "auto")), host[-1] if host else None))
+
+
 def _share_cell(shares: dict, batch: int) -> str:
     cells = [shares.get(f"decode b={batch}"), shares.get("prefill")]
     return "-" if all(c is None for c in cells) else " / ".join("-" if c is None else f"{c:.0%}" for c in cells)
@@ -61,22 +73,27 @@ def table(rows, batches, prefill: int) -> str:
             lines.append(f"| {r.name} | {budget} | failed: {r.error} |" + " |" * (len(head) - 3))
             continue
         versus = [_versus(r, by_kind.get(("accelerate", r.fraction)), batches),
-                  _versus(r, by_kind.get(("host", 0.0)), batches), _versus(r, by_kind.get(("gpu", 1.0)), batches)]
+                  _versus(r, _host_row(rows, r), batches), _versus(r, by_kind.get(("gpu", 1.0)), batches)]
         cells = ([r.name, budget] + [_rate(r.decode.get(b)) for b in batches]
                  + [_rate(r.prefill), _share_cell(r.hot_share, batches[0])] + versus)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _with_rest(predicted, whole) -> float | None:
-    """Tokens/s of the routed experts as predicted plus the rest of the model as measured in (c), whose
-    routed experts cost about nothing on the GPU: 1 / (1 / predicted + 1 / whole)."""
-    return 1.0 / (1.0 / predicted + 1.0 / whole) if predicted and whole else None
+def _with_rest(predicted, whole, overlapped: bool = False) -> float | None:
+    """Tokens/s of the routed experts as predicted with the rest of the model as measured in (c), whose
+    routed experts cost about nothing on the GPU: one after the other, 1 / (1 / predicted + 1 / whole); or,
+    `overlapped` (host jobs: the host experts run while the launching thread goes on), the slower of the two."""
+    if not (predicted and whole):
+        return None
+    return min(predicted, whole) if overlapped else 1.0 / (1.0 / predicted + 1.0 / whole)
 
 
-def cost_table(rows, batch: int) -> str:
+def cost_table(rows, batch: int, jobs: bool = False) -> str:
     """Predicted (cost model: the routed experts alone) against measured rates, per row with a prediction;
-    with (c) measured, also the prediction plus the rest of the model's time as (c) measured it."""
+    with (c) measured, also the prediction plus the rest of the model's time as (c) measured it: added, or
+    overlapped for a decode whose calls are host jobs (`jobs`: where the device's stream can wait for them;
+    the row's host_thread "on", or "auto" at batches of at most `HostHandoff.HANDOFF_TOKENS`)."""
     whole = next((r for r in rows if r.kind == "gpu" and not r.error), None)
     head = (f"| config | predicted decode tok/s | with the rest as (c) | measured decode b={batch} | predicted / "
             "measured | predicted prefill tok/s | with the rest as (c) | measured prefill | predicted / measured |")
@@ -84,7 +101,8 @@ def cost_table(rows, batch: int) -> str:
     for r in rows:
         if r.predicted and not r.error and r is not whole:
             d, p = r.predicted["decode"], r.predicted["prefill"]
-            d_all = _with_rest(d, whole.decode.get(batch)) if whole else None
+            handed = jobs and (r.host_thread == "on" or (r.host_thread == "auto" and batch <= HANDOFF_TOKENS))
+            d_all = _with_rest(d, whole.decode.get(batch), handed) if whole else None
             p_all = _with_rest(p, whole.prefill) if whole else None
             measured_d = r.decode.get(batch)
             lines.append(f"| {r.name} | {_rate(d)} | {_rate(d_all)} | {_rate(measured_d)} | "

@@ -134,6 +134,7 @@ class NativeJob:
     def __init__(self, engine: NativeEngine, ticket: int, ids_TK: torch.Tensor, stamp: int, S: int):
         self.engine, self.ticket, self._ids, self._stamp, self._S = engine, ticket, ids_TK, stamp, S
         self._state = 0  # the engine's state of the job once it has ended (kept: asked once)
+        self.seconds: float | None = None  # its compute time once `wait` has returned (the telemetry's)
 
     def done(self) -> bool:
         if not self._state:
@@ -152,6 +153,7 @@ class NativeJob:
         while not self.wait_for(1.0):
             pass
         state = self._state
+        self.seconds = max(0, self.engine.lib.tep_hx_nanoseconds(self.engine.hx, self.ticket)) / 1e9
         if state != 1:
             raise RuntimeError(_ERRORS.get(state, "unknown state {state}").format(stamp=self._stamp, S=self._S,
                                                                                   state=state))

@@ -243,6 +243,7 @@ class ExpertTiers(HotSetRule, HostHandoff):
             by_slot, counts = self._tally(ids)
             _, cold = self._split(by_slot, counts)
             self.stats.rows_host += sum(counts[s] for s in cold)
+            self.stats.host_seconds += getattr(job.future, "seconds", None) or 0.0  # the native engine's timing
         if self.jobs is not None:
             self.jobs.check()
 
