@@ -178,6 +178,7 @@ class NativeEngine:
             raise ConfigError(f"the native host engine could not start {self.threads} threads")
         self._last: NativeJob | None = None
         self._inflight: deque[tuple[int, tuple]] = deque()  # (ticket, its tensors): alive until it has ended
+        self._inflight_lock = threading.Lock()
         self._described: dict[tuple, tuple] = {}  # `launch`: tensor ids and settings -> (description, weak refs)
         atexit.register(self._close)
 
@@ -211,9 +212,10 @@ class NativeEngine:
         ticket = self.lib.tep_hx_submit(self.hx, job)
         if ticket == 0:
             raise RuntimeError("the native host engine's queue is full")
-        while self._inflight and self.lib.tep_hx_state(self.hx, self._inflight[0][0]) != 0:
-            self._inflight.popleft()
-        self._inflight.append((ticket, held))  # the tensors the job reads, alive until it has ended
+        with self._inflight_lock:  # the watchdog's thread ends jobs too (`_ended`)
+            while self._inflight and self.lib.tep_hx_state(self.hx, self._inflight[0][0]) != 0:
+                self._inflight.popleft()
+            self._inflight.append((ticket, held))  # the tensors the job reads, alive until it has ended
         self._last = NativeJob(self, ticket, held[0], stamp, gate_up.shape[0])
         return self._last
 
@@ -248,8 +250,10 @@ class NativeEngine:
     def _ended(self, ticket: int, state: int) -> None:
         """Job `ticket` seen in `state`: once ended, it and every job before it (they run in order) let go of
         their tensors."""
-        while state and self._inflight and self._inflight[0][0] <= ticket:
-            self._inflight.popleft()
+        if state:
+            with self._inflight_lock:
+                while self._inflight and self._inflight[0][0] <= ticket:
+                    self._inflight.popleft()
 
     @classmethod
     def _forget(cls) -> None:
