@@ -15,6 +15,7 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_HOST_COLLECTIVE=0|1   small collectives of one host's ranks: NCCL (0) or host memory (1)
     THUNDEREP_HOST_COLLECTIVE_TIMEOUT_S=S   how long a host-collective kernel waits for a peer
     THUNDEREP_HOST_THREADS=N        threads of the native host engine (host jobs of offloaded experts)
+    THUNDEREP_HOST_JOBS=0           offloaded experts' host work in line even where TierConfig's "auto" hands it off
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import os
 from .errors import ConfigError
 
 __all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "host_collective", "host_collective_timeout_s",
-           "host_threads", "no_native_build", "pairs_max_tokens", "pdl", "triton_autotune", "triton_interpreter"]
+           "host_jobs", "host_threads", "no_native_build", "pairs_max_tokens", "pdl", "triton_autotune",
+           "triton_interpreter"]
 
 
 def _raw(name: str) -> str:
@@ -74,6 +76,14 @@ def compile_threads() -> int | None:
     """THUNDEREP_COMPILE_THREADS (>= 1), or None when unset."""
     return _count("THUNDEREP_COMPILE_THREADS", 1,
                   "THUNDEREP_COMPILE_THREADS must be a whole number of threads, 1 or more; got {raw}")
+
+
+def host_jobs() -> bool:
+    """THUNDEREP_HOST_JOBS: False for "0", True when unset or "1"."""
+    raw = _raw("THUNDEREP_HOST_JOBS")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"THUNDEREP_HOST_JOBS={raw!r}: use 0 (in line) or 1, or leave it unset")
+    return raw != "0"
 
 
 def host_threads() -> int | None:

@@ -177,6 +177,26 @@ def test_host_thread_settings():
         TierConfig(host_thread="yes")
 
 
+def test_thunderep_host_jobs_0_keeps_auto_in_line(monkeypatch):
+    """Where a stream could wait (stood in for), "auto" gets jobs; THUNDEREP_HOST_JOBS=0 keeps it in line and
+    leaves an explicit "on" alone; a bad value is a clear error."""
+    from thunderep.moe import host_jobs, host_native
+
+    if not host_native.available():
+        pytest.skip(f"the native host engine is unavailable: {host_native.unavailable_reason()}")
+    made = object()
+    monkeypatch.setattr(host_jobs, "device_waits", lambda device: True)
+    monkeypatch.setattr(host_jobs.HostJobs, "of", classmethod(lambda cls, device, engine="script": made))
+    device = torch.device("cpu")
+    assert host_jobs.jobs_for(TierConfig(), device) is made
+    monkeypatch.setenv("THUNDEREP_HOST_JOBS", "0")
+    assert host_jobs.jobs_for(TierConfig(), device) is None
+    assert host_jobs.jobs_for(TierConfig(host_thread="on"), device) is made
+    monkeypatch.setenv("THUNDEREP_HOST_JOBS", "no")
+    with pytest.raises(ConfigError, match="THUNDEREP_HOST_JOBS='no': use 0"):
+        host_jobs.jobs_for(TierConfig(), device)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("engine", ["script", "native"])
 def test_gpu_the_stream_waits_for_the_job_and_the_launching_thread_does_not(engine):

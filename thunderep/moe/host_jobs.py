@@ -51,6 +51,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import env
 from ..errors import ConfigError, ThunderError
 from . import host_native
 from .host_summed import done_job_fn, pairs_job_fn
@@ -372,7 +373,8 @@ def jobs_for(config, device: torch.device) -> HostJobs | None:
     """The host jobs a layer's decode calls hand their host experts to, by a `TierConfig`'s host_thread,
     host_engine and cold_path, or None (also where no engine can run here: the native extension missing and
     this torch unable to script the jobs, `thunderep.moe.host_summed`)."""
-    if config.host_thread == "off" or config.cold_path == "stream":
+    if config.host_thread == "off" or config.cold_path == "stream" or (config.host_thread == "auto"
+                                                                       and not env.host_jobs()):
         return None
     engine = config.host_engine
     if engine == "auto":
