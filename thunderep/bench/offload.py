@@ -23,7 +23,7 @@ CUDA each row runs in a fresh process (--isolate), so that no row is timed in wh
 Timing, after a warm-up, a new random prompt of 16 tokens for every call (nothing replayed for the hot set to
 learn): decode tokens/s at batch B = B (N - 1) / seconds from the first generated token to the N-th of a greedy
 (--sample: sampled) generate() (`StepClock` notes each step), best of --repeats calls; prefill tokens/s = P / one
-forward of [1, P] tokens without a cache (the last position's logits), the better of two. ThunderEP rows show
+forward of [1, P] tokens without a cache (the last position's logits), the best of 4. ThunderEP rows show
 the share of expert rows served hot (in those decode steps, and in the prefill) and the cost model's predicted
 rates (`moe.offload_cost.predicted_rates`: routed experts alone, uniform routing, constants measured at load,
 the host path calibrated on its own host function at the layer's shape) over the measured ones, with what the
@@ -68,6 +68,7 @@ __all__ = ["BASELINES", "SHAPES", "OffloadBench", "Row", "StepClock", "budgets",
            "hardware", "main", "measure", "parse", "report", "run_rows", "table"]
 
 PROMPT = 16  # prompt tokens of each decoded sequence
+PREFILL_PASSES = 4  # timed prefills, the best kept (best of two varied up to 1.3x between processes before)
 BASELINES = ("accelerate", "host", "gpu")
 SHAPES = {  # name: (transformers config class, its arguments, default layers, tiny arguments)
     "qwen3": ("Qwen3MoeConfig",  # Qwen3-30B-A3B
@@ -288,10 +289,10 @@ def measure(model, device: torch.device, vocab: int, batches, new_tokens: int, p
         decode[b] = b * (new_tokens - 1) / seconds
         say(f"  decode b={b}: {decode[b]:.2f} tokens/s ({new_tokens - 1} steps in {seconds:.3f} s)")
     with torch.no_grad():
-        warm_1P, *timed = prompts(3, (1, prefill))
+        warm_1P, *timed = prompts(1 + PREFILL_PASSES, (1, prefill))
         model(input_ids=warm_1P, use_cache=False, logits_to_keep=1)  # warm-up
         before, seconds = stats(), math.inf
-        for ids_1P in timed:  # the better of two (a new prompt's row counts may still tune a kernel)
+        for ids_1P in timed:  # the best (a new prompt's row counts may still tune a kernel)
             _sync(device)
             started = time.perf_counter()
             model(input_ids=ids_1P, use_cache=False, logits_to_keep=1)
