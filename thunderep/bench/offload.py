@@ -68,7 +68,7 @@ __all__ = ["BASELINES", "SHAPES", "OffloadBench", "Row", "StepClock", "budgets",
            "hardware", "main", "measure", "parse", "report", "run_rows", "table"]
 
 PROMPT = 16  # prompt tokens of each decoded sequence
-PREFILL_PASSES = 4  # timed prefills, the best kept (best of two varied up to 1.3x between processes before)
+PREFILL_PASSES = 4  # timed prefills, the best kept (two rows of one prefill path differed 1.55x at best of two)
 BASELINES = ("accelerate", "host", "gpu")
 SHAPES = {  # name: (transformers config class, its arguments, default layers, tiny arguments)
     "qwen3": ("Qwen3MoeConfig",  # Qwen3-30B-A3B
