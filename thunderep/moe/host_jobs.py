@@ -33,9 +33,11 @@ job submitted (the device runs on) and keeps the failure; it is raised (`Thunder
 the next `check`, which every tiers call makes first. The jobs submitted by then are not reported again
 (on the script engine they fail with it: each waits for the one before); later jobs wait on none of them. The watchdog also
 releases the device from a job that has not ended within `HostJobs.timeout_s` (60 s; a decode job takes
-milliseconds), keeping a TimeoutError. A job waits for its stamp by polling at most `HostJobs.SPINS` times.
-Where the driver calls are missing or fail their probe (`device_waits`), or this torch cannot script the
-job, tiers compute in line. On a CPU there is no stream to queue on: forced on (`TierConfig.host_thread`
+milliseconds), keeping a TimeoutError; a launching thread that waits for a released job stops waiting and
+raises it (`Job.result`). A job waits for its stamp by polling at most `HostJobs.SPINS` times. Where the
+driver calls are missing or fail their probe (`device_waits`), where "auto" finds no native engine
+(`jobs_for`; THUNDEREP_HOST_JOBS=0 also keeps it in line), or where this torch cannot script a named
+TorchScript job, tiers compute in line. On a CPU there is no stream to queue on: forced on (`TierConfig.host_thread`
 "on", for tests), a job runs on its engine and the caller joins it at once.
 """
 
@@ -102,9 +104,9 @@ class _Driver:
 
 
 class HostJobs:
-    """One device's host jobs, run one after another on torch's inter-op threads, and the flag its stream
-    waits on (module docstring). driver: the CUDA driver's functions (None: a CPU, where `submit` joins each
-    job)."""
+    """One device's host jobs on one engine (the native threads, or TorchScript on torch's inter-op threads),
+    run one after another, and the flag its stream waits on (module docstring). driver: the CUDA driver's
+    functions (None: a CPU, where `submit` joins each job)."""
 
     SPINS = 1 << 26  # a job's polls of its stamp before it fails (tens of seconds; the watchdog acts first)
 
