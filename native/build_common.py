@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cffi import FFI
 
-__all__ = ["build_in_place", "compile_into", "source_path"]
+__all__ = ["build_in_place", "compile_into", "set_native_source", "source_path"]
 
 NATIVE_DIR = Path(__file__).resolve().parent
 
@@ -21,6 +21,22 @@ NATIVE_DIR = Path(__file__).resolve().parent
 def source_path(p: Path, relative: bool) -> str:
     """p as setuptools wants it (relative to setup.py's directory) or as a direct build does (absolute)."""
     return os.path.relpath(p) if relative else str(p)
+
+
+def set_native_source(ffi: FFI, module: str, stem: str, relative: bool, depends: tuple[str, ...] = (),
+                      **options) -> None:
+    """`ffi.set_source` for `<stem>.c` of this folder as `module`: its header `<stem>.h` included; rebuilt
+    when the header, the builder or another file it needs (`depends`) or this file changes (which also puts
+    them into source distributions); built for the limited API (the same .abi3.so however it is built).
+    `options`: the compile and link settings."""
+    ffi.set_source(
+        module, f'#include "{stem}.h"\n',
+        sources=[source_path(NATIVE_DIR / f"{stem}.c", relative)],
+        include_dirs=[source_path(NATIVE_DIR, relative)],
+        depends=[source_path(NATIVE_DIR / name, relative) for name in (f"{stem}.h", *depends, "build_common.py")],
+        py_limited_api=True,
+        **options,
+    )
 
 
 def compile_into(ffi: FFI, stem: str, target_dir: Path | str, verbose: bool = False) -> Path:

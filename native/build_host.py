@@ -18,7 +18,7 @@ from pathlib import Path
 from cffi import FFI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the builders' shared helper, beside them
-from build_common import build_in_place, compile_into, source_path  # noqa: E402
+from build_common import build_in_place, compile_into, set_native_source  # noqa: E402
 
 __all__ = ["CDEF", "MODULE_NAME", "NATIVE_DIR", "build", "ffibuilder", "make_ffibuilder"]
 
@@ -34,19 +34,11 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
     """Return an FFI configured to compile `host_experts.c` into `MODULE_NAME`."""
     ffi = FFI()
     ffi.cdef(CDEF)
-    ffi.set_source(
-        MODULE_NAME,
-        '#include "host_experts.h"\n',
-        sources=[source_path(NATIVE_DIR / "host_experts.c", relative_paths)],
-        include_dirs=[source_path(NATIVE_DIR, relative_paths)],
-        depends=[source_path(NATIVE_DIR / name, relative_paths) for name in ("host_experts.h", "build_host.py", "build_common.py")],
-        # -O3: the dot products' eight accumulators vectorize (an AVX2 clone beside the baseline on x86-64:
-        # host_experts.c's TEP_CLONES)
-        extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-pthread"],
-        extra_link_args=["-pthread"],
-        libraries=["m"],
-        py_limited_api=True,  # the same file name (.abi3.so) however it is built
-    )
+    set_native_source(ffi, MODULE_NAME, "host_experts", relative_paths, ("build_host.py",),
+                      # -O3: the dot products' eight accumulators vectorize (an AVX2 clone beside the baseline
+                      # on x86-64: host_experts.c's TEP_CLONES)
+                      extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-pthread"], extra_link_args=["-pthread"],
+                      libraries=["m"])
     return ffi
 
 

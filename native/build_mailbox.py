@@ -17,7 +17,7 @@ from pathlib import Path
 from cffi import FFI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the builders' shared helper, beside them
-from build_common import build_in_place, compile_into, source_path  # noqa: E402
+from build_common import build_in_place, compile_into, set_native_source  # noqa: E402
 
 __all__ = ["MODULE_NAME", "NATIVE_DIR", "CDEF", "make_ffibuilder", "build", "ffibuilder"]
 
@@ -92,18 +92,10 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
     """Return an FFI configured to compile `mailbox.c` into `MODULE_NAME`."""
     ffi = FFI()
     ffi.cdef(CDEF)
-    ffi.set_source(
-        MODULE_NAME,
-        '#include "mailbox.h"\n',
-        sources=[source_path(NATIVE_DIR / "mailbox.c", relative_paths)],
-        include_dirs=[source_path(NATIVE_DIR, relative_paths)],
-        # Rebuild when the header or this builder changes (also puts both into source distributions).
-        depends=[source_path(NATIVE_DIR / name, relative_paths) for name in ("mailbox.h", "build_mailbox.py", "build_common.py",
-                                                                          "third_party/xxhash/xxhash.h")],
-        extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
-        libraries=["rt"] if sys.platform.startswith("linux") else [],
-        py_limited_api=True,  # the same file name (.abi3.so) however it is built
-    )
+    set_native_source(ffi, MODULE_NAME, "mailbox", relative_paths,
+                      ("build_mailbox.py", "third_party/xxhash/xxhash.h"),
+                      extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+                      libraries=["rt"] if sys.platform.startswith("linux") else [])
     return ffi
 
 

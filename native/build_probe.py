@@ -18,7 +18,7 @@ from pathlib import Path
 from cffi import FFI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the builders' shared helper, beside them
-from build_common import build_in_place, compile_into, source_path  # noqa: E402
+from build_common import build_in_place, compile_into, set_native_source  # noqa: E402
 
 __all__ = ["CDEF", "MODULE_NAME", "NATIVE_DIR", "build", "ffibuilder", "make_ffibuilder"]
 
@@ -47,18 +47,11 @@ def make_ffibuilder(relative_paths: bool = True) -> FFI:
     """Return an FFI configured to compile `probe.c` into `MODULE_NAME`."""
     ffi = FFI()
     ffi.cdef(CDEF)
-    ffi.set_source(
-        MODULE_NAME,
-        '#include "probe.h"\n',
-        sources=[source_path(NATIVE_DIR / "probe.c", relative_paths)],
-        include_dirs=[source_path(NATIVE_DIR, relative_paths)],
-        depends=[source_path(NATIVE_DIR / name, relative_paths) for name in ("probe.h", "build_probe.py", "build_common.py",
-                                                                          "third_party/xxhash/xxhash.h")],
-        # probe.c's bounds assume IEEE double steps: no FMA contraction, no value-changing optimizations.
-        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-ffp-contract=off", "-fno-fast-math",
-                            "-fno-math-errno"],
-        py_limited_api=True,  # the same file name (.abi3.so) however it is built
-    )
+    set_native_source(ffi, MODULE_NAME, "probe", relative_paths, ("build_probe.py", "third_party/xxhash/xxhash.h"),
+                      # probe.c's bounds assume IEEE double steps: no FMA contraction, no value-changing
+                      # optimizations.
+                      extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-ffp-contract=off", "-fno-fast-math",
+                                          "-fno-math-errno"])
     return ffi
 
 

@@ -79,8 +79,9 @@ def default_threads() -> int:
     most 8, at least 1 (the launching thread and the driver keep cores of their own). Where the process may
     use every core of the host and LOCAL_WORLD_SIZE ranks run on it (torchrun, ThunderEP's launchers), each
     counts its share of the cores: their engines together leave half the host free."""
-    if env.host_threads() is not None:
-        return env.host_threads()
+    chosen = env.host_threads()
+    if chosen is not None:
+        return chosen
     total = os.cpu_count() or 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
     if cores >= total:  # not pinned to a share of its own
@@ -202,7 +203,7 @@ class NativeEngine:
         if kept is not None and all(r is None or r() is t for r, t in zip(kept[1], tensors)):
             job, held = kept[0], tensors
         else:  # new, or an id reused by another tensor since
-            (job, held), same = self._describe(*tensors, interleaved, act)
+            job, held, same = self._describe(*tensors, interleaved, act)
             if same:  # the job reads these tensors themselves (no converted copy): it holds for later calls
                 if len(self._described) >= self.DESCRIBED:
                     self._described.clear()
@@ -213,15 +214,13 @@ class NativeEngine:
         if ticket == 0:
             raise RuntimeError("the native host engine's queue is full")
         with self._inflight_lock:  # the watchdog's thread ends jobs too (`_ended`)
-            while self._inflight and self.lib.tep_hx_state(self.hx, self._inflight[0][0]) != 0:
-                self._inflight.popleft()
-            self._inflight.append((ticket, held))  # the tensors the job reads, alive until it has ended
+            self._inflight.append((ticket, held))  # the tensors the job reads, alive until it is seen to end
         self._last = NativeJob(self, ticket, held[0], stamp, gate_up.shape[0])
         return self._last
 
     def _describe(self, ids_TK, w_TK, x_TD, hot_S, gate_up, down, gate_up_bias, down_bias, out, ready, flag,
-                  interleaved: bool, act: str) -> tuple[tuple, bool]:
-        """((the C description of a job on these tensors, the tensors it points into), whether those are the
+                  interleaved: bool, act: str) -> tuple[Any, tuple, bool]:
+        """(the C description of a job on these tensors, the tensors it points into, whether those are the
         tensors given, not converted copies), after `_check_shapes`."""
         _check_shapes(ids_TK, w_TK, x_TD, hot_S, gate_up, down, gate_up_bias, down_bias, out)
         ids = ids_TK.contiguous().to(torch.int64)
@@ -245,11 +244,11 @@ class NativeEngine:
         job.dtype, job.x_dtype, job.w_dtype = _DTYPES[gate_up.dtype], _DTYPES[x.dtype], _DTYPES[w.dtype]
         job.act, job.interleaved = _ACTS[act], int(interleaved)
         held = (ids, w, x, hot, gate_up, down, gate_up_bias, down_bias, out, ready, flag)
-        return (job, held), ids is ids_TK and w is w_TK and x is x_TD and hot is hot_S
+        return job, held, ids is ids_TK and w is w_TK and x is x_TD and hot is hot_S
 
     def _ended(self, ticket: int, state: int) -> None:
         """Job `ticket` seen in `state`: once ended, it and every job before it (they run in order) let go of
-        their tensors."""
+        their tensors (a job never waited for lets go when a later one is seen to end)."""
         if state:
             with self._inflight_lock:
                 while self._inflight and self._inflight[0][0] <= ticket:

@@ -78,14 +78,11 @@ class HostHandoff:
             return None
         if self.jobs is None or self.lean is None:
             return None
-        depends = (row_bytes, self.lean.upcast_rows, self.costs, self.host, self.jobs)  # kept until one changes
-        kept = self._handoff
-        if kept is None or kept[0][:3] != depends[:3] or kept[0][3] is not self.host or kept[0][4] is not self.jobs:
+        depends = (row_bytes, self.lean.upcast_rows, self.costs, self.host, self.jobs)  # the answer kept until one
+        kept = self._handoff  # changes (the objects by identity: a dict of tensors has no cheap equality)
+        if kept is None or kept[0][:3] != depends[:3] or any(a is not b for a, b in zip(kept[0][3:], depends[3:])):
             args, c = self.lean.job_args(self.host), self.costs
-            if args is not None and self.jobs.covers(args) and (self.config.cold_path == "host" or c.host_seconds(
-                    1, self.slot_params, row_bytes) <= self.HANDOFF_SLOWER * c.stream_seconds(1, self.slot_params,
-                                                                                              self.slot_bytes)):
-                self._handoff = (depends, args)
-            else:
-                self._handoff = (depends, None)
+            worth = self.config.cold_path == "host" or c.host_seconds(1, self.slot_params, row_bytes) <= \
+                self.HANDOFF_SLOWER * c.stream_seconds(1, self.slot_params, self.slot_bytes)
+            self._handoff = (depends, args if args is not None and self.jobs.covers(args) and worth else None)
         return self._handoff[1]
