@@ -16,6 +16,7 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_HOST_COLLECTIVE_TIMEOUT_S=S   how long a host-collective kernel waits for a peer
     THUNDEREP_HOST_THREADS=N        threads of the native host engine (host jobs of offloaded experts)
     THUNDEREP_HOST_JOBS=0           offloaded experts' host work in line even where TierConfig's "auto" hands it off
+    THUNDEREP_MAPPED=0              no cold expert read in place by the device where TierConfig's "auto" would map some
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 from .errors import ConfigError
 
 __all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "host_collective", "host_collective_timeout_s",
-           "host_jobs", "host_threads", "no_native_build", "pairs_max_tokens", "pdl", "triton_autotune",
+           "host_jobs", "host_threads", "mapped", "no_native_build", "pairs_max_tokens", "pdl", "triton_autotune",
            "triton_interpreter"]
 
 
@@ -83,6 +84,14 @@ def host_jobs() -> bool:
     raw = _raw("THUNDEREP_HOST_JOBS")
     if raw not in ("", "0", "1"):
         raise ConfigError(f"THUNDEREP_HOST_JOBS={raw!r}: use 0 (in line) or 1, or leave it unset")
+    return raw != "0"
+
+
+def mapped() -> bool:
+    """THUNDEREP_MAPPED: False for "0", True when unset or "1"."""
+    raw = _raw("THUNDEREP_MAPPED")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"THUNDEREP_MAPPED={raw!r}: use 0 (no mapped reads) or 1, or leave it unset")
     return raw != "0"
 
 

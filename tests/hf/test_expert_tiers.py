@@ -400,6 +400,98 @@ def test_tiers_on_the_kernels_run_hot_rows_through_them(checkpoints, monkeypatch
         assert stats["rows_hot"] > 0 and stats["rows_streamed" if costs is STREAM_WINS else "rows_host"] > 0
 
 
+@pytest.mark.gpu
+def test_gpu_mapped_views_alias_pinned_host_memory():
+    """`staging.mapped`: a CUDA tensor over a pinned host tensor's own bytes, for 1-, 2- and 4-byte types and a
+    strided view: equal values, and the host's later writes seen by the device with no copy."""
+    from thunderep.moe.staging import mapped
+
+    for dtype in (torch.uint8, torch.bfloat16, torch.float32):
+        host = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(dtype).pin_memory()
+        for t in (host, host[:, 1:]):
+            view = mapped(t, torch.device("cuda"))
+            assert view.device.type == "cuda" and view.dtype == dtype and view.shape == t.shape
+            assert torch.equal(view.cpu(), t)
+        host[1, 2, 3] = 7
+        assert mapped(host, torch.device("cuda"))[1, 2, 3].item() == 7
+
+
+def test_mapped_views_refuse_what_the_device_cannot_read():
+    from thunderep.moe.staging import mapped
+
+    with pytest.raises(ValueError, match="pinned host memory"):
+        mapped(torch.zeros(4), torch.device("cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_mapped_cold_slots_give_the_whole_models_logits(checkpoints):
+    """On CUDA in bfloat16 on ThunderEP's kernels, a quarter of the experts hot: cold slots read in place from
+    pinned host memory by the pair kernels (every cold slot, or the measured share), the rest in line or as
+    native host jobs; one-token logits equal the whole model's to bfloat16 rounding, and greedy decoding runs
+    through with the mapped rows counted."""
+    from thunderep.hf import ThunderMoE
+
+    path, x = checkpoints["qwen3_moe"], _prompts()[:1].cuda()
+    whole = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto")
+    with torch.no_grad():
+        want = whole(input_ids=x[:, :1]).logits.float()
+    for cold, thread in (("mapped", "off"), ("mapped", "on"), ("auto", "auto")):
+        tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device="cuda", experts_implementation="auto",
+                                        gpu_memory=offload_budget(path, 0.5) // 2,
+                                        offload=TierConfig(cold_path=cold, host_thread=thread))
+        with torch.no_grad():
+            got = tm(input_ids=x[:, :1]).logits.float()
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2, msg=lambda m: f"{cold} {thread}: {m}")
+        assert tm.generate(x, max_new_tokens=6, do_sample=False).shape[1] == x.shape[1] + 6
+        for b in tm.bindings.values():
+            b.tiers.settle()
+        stats = tm.offload_stats()
+        assert cold == "auto" or (stats["rows_mapped"] > 0 and stats["rows_host"] == 0), stats
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")
+@pytest.mark.parametrize("share, thread", [(1.0, "auto"), (1.0, "on"), (0.5, "auto"), (0.5, "on")])
+def test_mapped_cold_slots_give_the_whole_model(share, thread, checkpoints, monkeypatch):
+    """Cold slots read in place by the pair kernels (`thunderep.moe.tier_mapped`; on a CPU the device's view is
+    the host tensor), every cold slot (cold_path "mapped") or half of them (the mapped share forced), the
+    rest in line or as host jobs: one-token steps' logits equal the model's without gpu_memory; the
+    mapped rows counted apart, none computed on the host where every cold slot is mapped, and each slot
+    on one path only (hot, mapped, host: the rows add up to the pairs)."""
+    pytest.importorskip("triton")
+    from thunderep.hf import ThunderMoE
+    from thunderep.moe.tiers import ExpertTiers
+
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    if share < 1:
+        monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: share)
+    path, x = checkpoints["mixtral"], _prompts().reshape(-1, 1)  # one-token calls (a job needs the hot pairs'
+    whole = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_implementation="triton")  # kernels: 1)
+    tm = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_implementation="triton",
+                                    gpu_memory=_budget_for(path, 0.25, None), offload_costs=HOST_WINS,
+                                    offload=TierConfig(cold_path="mapped" if share == 1 else "auto",
+                                                       host_thread=thread))
+    tiers = [b.tiers for b in tm.bindings.values()]
+    for t in tiers:
+        cold = t.num_slots - t.capacity
+        assert len(t._mapped) == round(share * cold) and not t._mapped & set(t.hot_slots)
+        assert t._device_mask.sum() == t.capacity + len(t._mapped)
+    with torch.no_grad():
+        before = tm.offload_stats()
+        for step, one in enumerate(x[:, None]):
+            got, want = tm(input_ids=one).logits.float(), whole(input_ids=one).logits.float()
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"call {step}: {m}")
+        for t in tiers:
+            t.settle()
+        stats = {k: v - before[k] for k, v in tm.offload_stats().items() if isinstance(v, (int, float))}
+    pairs = x.shape[0] * 2 * len(tiers)  # calls x top-k x layers
+    assert stats["rows_hot"] + stats["rows_mapped"] + stats["rows_host"] + stats["rows_streamed"] == pairs, stats
+    assert stats["rows_mapped"] > 0 and stats["bytes_streamed"] == stats["rows_mapped"] * tiers[0].slot_bytes
+    assert stats["rows_streamed"] == 0
+    assert (stats["rows_host"] == 0) == (share == 1), stats
+    if thread == "on":
+        assert all(t.jobs is not None and t.jobs.submitted >= x.shape[0] for t in tiers)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")
 @pytest.mark.parametrize("experts_dtype", ["int4", "mxfp4", "fp8"])
 def test_quantized_experts_offload_as_they_are_held(experts_dtype, checkpoints, monkeypatch):

@@ -37,7 +37,7 @@ def _tiers(hot: int, thread: str, costs=HOST, host_fn=None, engine: str = "scrip
     `engine` (the script engine: the in-line sums' bits; tests/moe/test_host_native.py tests the native one)."""
     host, lean = _experts(), HostExperts(F.silu)
 
-    def pairs(weights, x_TD, entry_TK, weights_TK):
+    def pairs(weights, x_TD, entry_TK, weights_TK, kind="sorted"):
         y = torch.zeros(x_TD.shape, dtype=torch.float32)
         for t in range(x_TD.shape[0]):
             for k, e in enumerate(entry_TK[t].tolist()):
@@ -75,6 +75,54 @@ def test_the_host_job_gives_the_in_line_sums_counts_and_telemetry(hot):
     assert on.jobs.submitted == submitted + len(calls)
     assert replace(on.stats, host_seconds=0) == replace(off.stats, host_seconds=0) and on.stats.rows_host > 0
     assert torch.equal(on.rows_S, off.rows_S) and torch.equal(on.ema_S, off.ema_S) and on.calls == off.calls == 3
+
+
+@pytest.mark.parametrize("thread", ["off", "on"])
+def test_mapped_slots_are_read_by_the_device_and_skipped_by_the_host(thread, monkeypatch):
+    """Half the cold slots mapped (the share forced; `thunderep.moe.tier_mapped`): the pair kernels' stand-in
+    gets the mapped slots at their own index in the host tensors (kind "in place") and -1 elsewhere; the host
+    (in line, or its job) computes the other cold slots; the sums equal a call with nothing mapped, and the
+    rows are counted per path (each pair once) when settled."""
+    from thunderep.moe.tier_mapped import IN_PLACE
+
+    monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: 0.5)
+    tiers = _tiers(2, thread)
+    monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: 0.0)
+    plain = _tiers(2, "off")
+    assert tiers._mapped == {0, 2} and not plain._mapped  # no load yet: by count, the lower cold slots first
+    seen, pairs = [], tiers.pairs
+    tiers.pairs = lambda weights, x, entry_TK, w, kind="sorted": seen.append((weights, entry_TK, kind)) or \
+        pairs(weights, x, entry_TK, w, kind)
+    gen = torch.Generator().manual_seed(2)
+    x_TD, w_TK = torch.randn(4, D, generator=gen), torch.rand(4, 3, generator=gen)
+    torch.testing.assert_close(tiers.partial(x_TD, LOCAL_TK, w_TK), plain.partial(x_TD, LOCAL_TK, w_TK))
+    tiers.settle()
+    (hot_w, hot_entry, _), (mapped_w, mapped_entry, kind) = seen
+    assert hot_w is tiers.hot and mapped_w["down_proj"] is tiers.host["down_proj"] and kind == IN_PLACE
+    assert mapped_entry.tolist() == [[-1, 0, -1], [0, 2, -1], [-1, -1, -1], [-1, -1, -1]]
+    s = tiers.stats
+    assert (s.rows_hot, s.rows_mapped, s.rows_host, s.rows_streamed) == (3, 3, 2, 0)  # host: slots 5 and 3
+    assert s.bytes_streamed == 3 * tiers.slot_bytes
+
+
+def test_the_mapped_slots_follow_the_load(monkeypatch):
+    """The mapped slots are the busiest cold ones by load EMA while they bring their share of the cold load
+    nearer the mapped share; the device's mask is the hot and mapped slots; they are chosen again at each
+    boundary of the hot-set rule (the calibration's end, every interval), whether or not the hot set moved."""
+    monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: 0.5)
+    tiers = _tiers(2, "off")
+    tiers._observe({5: 10, 3: 5, 0: 1, 2: 1})
+    tiers.choose_mapped()
+    assert tiers._mapped == {5}  # 10 of 17: nearer 8.5 than 0 and than 15 (with slot 3)
+    assert tiers._device_mask.tolist() == [False, True, False, False, True, True]
+    tiers._observe({3: 40})
+    chosen = []
+    monkeypatch.setattr(ExpertTiers, "choose_mapped", lambda self: chosen.append(self.calls))
+    tiers.config = replace(tiers.config, calibration_calls=3, interval=4)
+    for _ in range(10):
+        tiers.rechoose()
+        tiers._observe({})
+    assert chosen == [3, 3, 7, 11]  # at 3 twice: the calibration's set_hot, then the boundary itself
 
 
 def test_a_host_function_the_job_cannot_run_stays_in_line():

@@ -266,7 +266,7 @@ def _share(before, after) -> float | None:
     """Hot share of the expert rows counted between two `offload_stats` dicts; None without offload."""
     if before is None or after is None:
         return None
-    delta = {k: after[k] - before[k] for k in ("rows_hot", "rows_host", "rows_streamed")}
+    delta = {k: after[k] - before[k] for k in ("rows_hot", "rows_host", "rows_streamed", "rows_mapped")}
     rows = sum(delta.values())
     return delta["rows_hot"] / rows if rows else None
 

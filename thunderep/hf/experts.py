@@ -229,9 +229,10 @@ class ExpertsBinding:
         if pairs is None:
             return None
 
-        def run(weights: dict, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
+        def run(weights: dict, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor,
+                kind: str = "sorted"):
             with _holding(module, weights):
-                return pairs(module, x_TD, local_TK, weights_TK)
+                return pairs(module, x_TD, local_TK, weights_TK, kind=kind)
 
         return run
 

@@ -249,7 +249,7 @@ def gptoss4_compute_fn(module: nn.Module, gate: tuple[float, float], check_devic
         from ..kernels import ops, paths  # triton: optional; only where the kernels run
 
         w_gu, w_d = weights4(module)
-        if not paths.decode_applies(x_TD.shape[0], x_TD, weights_TK):
+        if not paths.decode_applies(x_TD.shape[0], x_TD, weights_TK, kind=kind):
             return None
         x = x_TD.to(w_gu.dtype)
         b_gu, b_d = module.gate_up_proj_bias.to(x.dtype), module.down_proj_bias.to(x.dtype)

@@ -272,7 +272,8 @@ def offload_stats(bindings) -> dict | None:
     for t in tiers:  # read as they are (serve's /health reads from another thread): a decode call handed to a
         total.add(t.stats)  # host job is counted when its layer settles it, at the layer's next call
     return {"hot_share": round(total.hot_share, 4), "rows_hot": total.rows_hot, "rows_host": total.rows_host,
-            "rows_streamed": total.rows_streamed, "bytes_streamed": total.bytes_streamed,
+            "rows_streamed": total.rows_streamed, "rows_mapped": total.rows_mapped,
+            "bytes_streamed": total.bytes_streamed,
             "bytes_promoted": total.bytes_promoted, "host_expert_seconds": round(total.host_seconds, 6),
             "hot_slots": sum(t.capacity for t in tiers), "slots": sum(t.num_slots for t in tiers)}
 
@@ -280,5 +281,6 @@ def offload_stats(bindings) -> dict | None:
 def summary_line(stats: dict) -> str:
     """One line of `offload_stats`."""
     return (f"expert offload: {stats['hot_slots']} of {stats['slots']} slots hot, {stats['hot_share']:.1%} of rows "
-            f"served hot ({stats['rows_host']} on the host, {stats['rows_streamed']} streamed), "
+            f"served hot ({stats['rows_host']} on the host, {stats['rows_streamed']} streamed, "
+            f"{stats['rows_mapped']} read mapped), "
             f"{stats['bytes_streamed'] / 2**20:.1f} MiB streamed, host expert time {stats['host_expert_seconds']:.3f} s")

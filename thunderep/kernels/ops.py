@@ -447,13 +447,13 @@ def pairs_if_decode(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI
     `fallback(ids_TK)` (what the caller runs on None), where `paths.pairs_win` chooses the pair kernels
     (`experts`, `kind` as there); else None. The caller has checked that the Triton kernels can run
     these experts."""
-    if x_TD.shape[0] > max(paths.PAIRS_TUNE_MAX_TOKENS, paths.pairs_max_tokens()):  # neither applies: x is not cast
-        return None
+    if x_TD.shape[0] > max(paths.PAIRS_TUNE_MAX_TOKENS, paths.pairs_max_tokens()) and kind != paths.IN_PLACE:
+        return None  # neither applies: x is not cast
     x_TD = x_TD.to(w_gate_up_E2ID.dtype)
     if fallback is not None:
         if not paths.pairs_win(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved, fallback,
                                moe_mlp_pairs, experts, kind):
             return None
-    elif not paths.decode_applies(x_TD.shape[0], x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI):
+    elif not paths.decode_applies(x_TD.shape[0], x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI, kind=kind):
         return None
     return moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved)

@@ -42,6 +42,10 @@ PAIRS_MAX_TOKENS = 1
 # the GPU (docs/BENCHMARKS.md, "Decode: the graph's own cost, and 2 to 16 tokens").
 PAIRS_TUNE_MAX_TOKENS = 16
 PATH_ROUTINGS = 4
+
+# The `kind` of a call whose weights only the pair kernels can read where they lie (cold experts in mapped
+# host memory, `thunderep.moe.tier_mapped`): no other path to measure against, so any token count runs them.
+IN_PLACE = "in place"
 # (D, I, E, K, T, dtype, weighted, activation, interleaved, device, experts, kind, graphed, weight format)
 # -> pairs won
 _PATHS: dict[tuple, bool] = {}
@@ -65,10 +69,11 @@ def pairs_max_tokens() -> int:
     return PAIRS_MAX_TOKENS if value is None else value
 
 
-def decode_applies(T: int, *tensors) -> bool:
+def decode_applies(T: int, *tensors, kind: str = "sorted") -> bool:
     """The pair kernels' domain: inference (no gradient through `tensors`) on 1 to `pairs_max_tokens()`
-    tokens."""
-    return 0 < T <= pairs_max_tokens() and not needs_grad(*tensors)
+    tokens; a call of kind IN_PLACE on any number (unless pairs_max_tokens() is 0: the kernels off)."""
+    limit = pairs_max_tokens()
+    return 0 < T <= (T if kind == IN_PLACE and limit else limit) and not needs_grad(*tensors)
 
 
 def _path_timer(fn, graphed: bool = False) -> float:

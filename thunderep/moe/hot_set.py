@@ -103,18 +103,31 @@ class HotSetRule:
 
     def rechoose(self, row_bytes: int = 0) -> bool:
         """The rule of the module docstring, at a call boundary; True where the hot set changed.
-        row_bytes: the bytes of one row of this call (the host path's copies)."""
+        row_bytes: the bytes of one row of this call (the host path's copies). At each of the rule's
+        boundaries (the calibration's end, every interval after it) `_rechosen` follows, changed or not."""
         c = self.config
-        if not self.capacity or self.capacity == self.num_slots or self._chosen_at == self.calls:
+        if self._chosen_at == self.calls:
             return False
         self._chosen_at = self.calls
-        if self.calls == c.calibration_calls:
-            best = self._top(self._rows)
-            changed = set(best) != set(self.hot_slots)
-            self.set_hot(best)
-            return changed
-        if self.calls < c.calibration_calls or (self.calls - c.calibration_calls) % c.interval:
+        since = self.calls - c.calibration_calls
+        if since < 0 or since % c.interval:
             return False
+        changed = False
+        if 0 < self.capacity < self.num_slots:
+            changed = self._choose_top() if since == 0 else self._swap(row_bytes)
+        self._rechosen()
+        return changed
+
+    def _rechosen(self) -> None:
+        """What follows each boundary of the rule (nothing here; `ExpertTiers` re-chooses its mapped slots)."""
+
+    def _choose_top(self) -> bool:
+        best = self._top(self._rows)
+        changed = set(best) != set(self.hot_slots)
+        self.set_hot(best)
+        return changed
+
+    def _swap(self, row_bytes: int) -> bool:
         pairs = self.swaps(row_bytes)
         if not pairs:
             return False

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Staging", "to_device", "to_host", "to_host_all"]
+__all__ = ["Staging", "mapped", "to_device", "to_host", "to_host_all"]
 
 
 class Staging:
@@ -75,3 +75,33 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class _Aliased:
+    """The CUDA array interface of a pinned host tensor's bytes, as 2-byte or 1-byte integers (the interface
+    has no bfloat16): what `mapped` hands torch.as_tensor. Holds the host tensor, so that the alias keeps
+    it alive."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        width = 2 if t.element_size() % 2 == 0 else 1
+        ratio = t.element_size() // width
+        shape = (*t.shape[:-1], t.shape[-1] * ratio)
+        strides = (*(s * t.element_size() for s in t.stride()[:-1]), width)
+        self.__cuda_array_interface__ = {"shape": shape, "strides": strides, "typestr": f"<i{width}",
+                                         "data": (t.data_ptr(), False), "version": 3}
+
+
+def mapped(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on the CUDA `device` that aliases the pinned host tensor `t` (no copy): a kernel reading it
+    reads host memory across the bus, as a staged copy would, but with no copy launched and no host
+    knowledge of which rows it reads (the decode pair kernels take the ids on the device). Pinned memory is
+    mapped into every device's address space at the host's own addresses (unified addressing), so the
+    alias is the host pointer itself. `t` must be pinned with a unit stride in its last dimension."""
+    if not t.is_pinned():
+        raise ValueError("a mapped view needs pinned host memory")
+    if not t.dim() or t.stride(-1) != 1:
+        raise ValueError(f"a mapped view needs a unit last stride, got strides {t.stride()}")
+    with torch.cuda.device(device):
+        alias = torch.as_tensor(_Aliased(t), device=device)
+    return alias.view(t.dtype)

@@ -11,7 +11,7 @@ from ..errors import ConfigError
 
 __all__ = ["COLD_PATHS", "HOST_ENGINE", "HOST_THREAD", "TierConfig", "TierStats", "parse_memory"]
 
-COLD_PATHS = ("auto", "host", "stream")
+COLD_PATHS = ("auto", "host", "stream", "mapped")
 HOST_THREAD = ("auto", "on", "off")
 HOST_ENGINE = ("auto", "native", "script")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -41,7 +41,9 @@ def parse_memory(value) -> int:
 
 @dataclass(frozen=True)
 class TierConfig:
-    """cold_path: "auto" (the cost model decides per cold slot and call), "host" or "stream" (forced).
+    """cold_path: "auto" (the cost model decides per cold slot and call), "host", "stream" or "mapped"
+    (forced; "mapped": every cold slot of a decode call read in place by the device's pair kernels,
+    `thunderep.moe.tier_mapped`, a prompt's streamed).
     calibration_calls: layer calls counted before the first chosen hot set. interval: layer calls between
     re-choices after that. ema: weight of the past in the per-slot load average. margin: how many times
     over a swap's estimated saving in one interval must pay for its copy; confidence: how many standard
@@ -85,12 +87,14 @@ class TierConfig:
 
 @dataclass
 class TierStats:
-    """Rows served hot / on the host / streamed, bytes streamed to staging buffers, bytes copied into the
-    hot set by re-choices, host seconds of cold experts, hot-set changes."""
+    """Rows served hot / on the host / streamed / read mapped by the device (`thunderep.moe.tier_mapped`),
+    bytes moved across the bus for cold slots (staged copies, and mapped reads: a slot's bytes a pair), bytes
+    copied into the hot set by re-choices, host seconds of cold experts, hot-set changes."""
 
     rows_hot: int = 0
     rows_host: int = 0
     rows_streamed: int = 0
+    rows_mapped: int = 0
     bytes_streamed: int = 0
     bytes_promoted: int = 0
     host_seconds: float = 0.0
@@ -107,7 +111,7 @@ class TierStats:
 
     @property
     def hot_share(self) -> float:
-        rows = self.rows_hot + self.rows_host + self.rows_streamed
+        rows = self.rows_hot + self.rows_host + self.rows_streamed + self.rows_mapped
         return self.rows_hot / rows if rows else 0.0
 
 

@@ -50,6 +50,7 @@ from .host_experts import HostExperts, per_slot
 from .host_jobs import jobs_for
 from .hot_set import HotSetRule
 from .tier_handoff import HostHandoff
+from .tier_mapped import MappedReads
 from .offload_cost import OffloadCosts, split_cold
 from .staging import Staging, to_device, to_host, to_host_all
 from .tier_config import COLD_PATHS, HOST_THREAD, TierConfig, TierStats, parse_memory
@@ -58,7 +59,7 @@ __all__ = ["COLD_PATHS", "ExpertTiers", "HOST_THREAD", "Staging", "TierConfig", 
            "to_host_all"]
 
 
-class ExpertTiers(HotSetRule, HostHandoff):
+class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
     """The tiers of one layer's local slots (see the module docstring).
 
     host: {tensor name: [S, ...]} in host memory. hot_slots: H >= 0 slots to hold on `device`.
@@ -109,6 +110,7 @@ class ExpertTiers(HotSetRule, HostHandoff):
         self._counting()  # rows per slot in all (calibration) and their load EMA (`HotSetRule`)
         self.calls = 0
         self.stats = TierStats()
+        self._no_mapping()
         self.set_hot(list(range(hot_slots)), count=False)
 
     @property
@@ -139,6 +141,7 @@ class ExpertTiers(HotSetRule, HostHandoff):
         self._hot_mask = torch.zeros(self.num_slots, dtype=torch.bool)  # a new one: a job may hold the old
         self._hot_mask[list(self._row_of)] = True
         self._hot_index = None
+        self.choose_mapped()
         if count and entering:
             self.stats.bytes_promoted += len(entering) * self.slot_bytes
             self.stats.hot_changes += 1
@@ -169,8 +172,8 @@ class ExpertTiers(HotSetRule, HostHandoff):
     def paths(self, rows: list[int], row_bytes: int) -> list[str]:
         """The path of each cold slot of a call with rows[j] rows: forced, or `split_cold`'s choice from the
         cost model (on CUDA the host's slots and the streamed ones overlap)."""
-        if self.config.cold_path != "auto":
-            return [self.config.cold_path] * len(rows)
+        if self.config.cold_path != "auto":  # forced ("mapped": a slot the device did not read in place streams)
+            return [{"mapped": "stream"}.get(self.config.cold_path, self.config.cold_path)] * len(rows)
         c, P = self.costs, self.slot_params
         return split_cold([c.host_seconds(n, P, row_bytes) for n in rows],
                           [c.stream_seconds(n, P, self.slot_bytes) for n in rows], self.device.type == "cuda")
@@ -201,8 +204,12 @@ class ExpertTiers(HotSetRule, HostHandoff):
         hot_TD = None
         if self.pairs is not None and self.capacity:
             hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK)
+        mapped_TD = self._mapped_pairs(x_TD, local_TK, weights_TK)
+        self._job_mapped = mapped_TD is not None
+        device_TD = hot_TD if mapped_TD is None else mapped_TD if hot_TD is None else hot_TD.float() + mapped_TD
         if job_args is not None and (hot_TD is not None or not self.capacity):
-            return self._handed_off(hot_TD, host, copied, x_TD.shape, job_args)
+            mask = self._device_mask if mapped_TD is not None else self._hot_mask
+            return self._handed_off(device_TD, host, copied, x_TD.shape, job_args, mask)
         if copied is not None:
             copied.synchronize()
         if self.jobs is not None:  # other layers' jobs first: the host function's scratch buffers are shared
@@ -210,8 +217,8 @@ class ExpertTiers(HotSetRule, HostHandoff):
         ids_h, w_h, x_h = host
         by_slot, counts = self._tally([s for row in ids_h.tolist() for s in row])  # one torch call
         D, device = x_TD.shape[-1], x_TD.device
-        y_TD = torch.zeros(T, D, dtype=torch.float32, device=device) if hot_TD is None else hot_TD.float()
-        hot, cold = self._split(by_slot, counts)
+        y_TD = torch.zeros(T, D, dtype=torch.float32, device=device) if device_TD is None else device_TD.float()
+        hot, cold = self._split(by_slot, counts, mapped_TD is not None)
         paths = dict(zip(cold, self.paths([counts[s] for s in cold], row_bytes)))
         on_device = ([] if hot_TD is not None else hot) + [s for s in cold if paths[s] == "stream"]
         if on_device:
@@ -241,7 +248,7 @@ class ExpertTiers(HotSetRule, HostHandoff):
         ids = job.result() if job is not None else None  # a failure is raised, naming the layer
         if ids is not None:
             by_slot, counts = self._tally(ids)
-            _, cold = self._split(by_slot, counts)
+            _, cold = self._split(by_slot, counts, self._job_mapped)
             self.stats.rows_host += sum(counts[s] for s in cold)
             self.stats.host_seconds += getattr(job.future, "seconds", None) or 0.0  # the native engine's timing
         if self.jobs is not None:
@@ -260,11 +267,13 @@ class ExpertTiers(HotSetRule, HostHandoff):
         self._observe({s: counts[s] for s in by_slot})
         return by_slot, counts
 
-    def _split(self, by_slot: dict, counts: list[int]) -> tuple[list[int], list[int]]:
-        """(hot, cold) slots of a call's `by_slot`, each in slot order; its hot rows counted in the telemetry."""
+    def _split(self, by_slot: dict, counts: list[int], mapped: bool = False) -> tuple[list[int], list[int]]:
+        """(hot, cold) slots of a call's `by_slot`, each in slot order, the cold ones without the mapped slots
+        where the device read those (`mapped`); its hot and mapped rows counted in the telemetry."""
         hot = [s for s in sorted(by_slot) if s in self._row_of]
         self.stats.rows_hot += sum(counts[s] for s in hot)
-        return hot, [s for s in sorted(by_slot) if s not in self._row_of]
+        skip = self._count_mapped(by_slot, counts) if mapped else ()
+        return hot, [s for s in sorted(by_slot) if s not in self._row_of and s not in skip]
 
     def _hot_entries(self, device: torch.device) -> torch.Tensor:
         """int64 [S + 1] on `device`: each slot's entry in the hot copies, -1 for cold ones and at index -1 (so

@@ -272,7 +272,8 @@ def format_report(r: dict, flags: bool = False) -> str:
     if offload:
         lines.append(f"  expert offload: {offload['hot_slots']} of {offload['slots']} slots hot, "
                      f"{100 * offload['hot_share']:.1f}% of expert rows served hot ({offload['rows_host']} on the host, "
-                     f"{offload['rows_streamed']} streamed), {offload['bytes_streamed'] / 2**20:.1f} MiB streamed, "
+                     f"{offload['rows_streamed']} streamed, {offload.get('rows_mapped', 0)} read mapped), "
+                     f"{offload['bytes_streamed'] / 2**20:.1f} MiB streamed, "
                      f"host expert time {offload['host_seconds']:.3f} s")
     lines += [
         f"  bottleneck: {r['bottleneck']}",

@@ -1,0 +1,112 @@
+"""Cold experts the device reads in place: the mapped path of `thunderep.moe.tiers.ExpertTiers`.
+
+A decode call's cold slots can run on the host or on the device, and the device can have their weights two
+ways: copied into a staging buffer (the stream path, which needs the host to know the slots first) or read
+where they lie. Pinned host memory is mapped into the device's address space (`staging.mapped`), so the
+decode pair kernels, which take each pair's slot on the device, compute a cold slot's pairs reading its
+weights across the bus: no copy to launch, no wait for the ids. The host and the bus then work at once on one
+call without the launching thread knowing which slots it routes to.
+
+Which cold slots are mapped is fixed between re-choices, since neither side can wait for the other to split
+a call: the busiest cold slots by load EMA, until their expected share of the cold rows matches the mapped
+share q = host / (host + bus), the seconds of a slot at one row on each (`OffloadCosts.host_seconds`, and
+`OffloadCosts.stream_seconds` for the bus: the same bytes cross it; one H100 host read mapped weights at
+44-48 GB/s against 50-53 GB/s for a staged copy, `examples/mapped_pairs_probe.py`). The host's job, or the
+in-line host path, skips those slots (`_device_mask`). "auto" maps on CUDA only (on a CPU the device is the
+host: nothing runs at once; THUNDEREP_MAPPED=0 turns it off); cold_path "mapped" maps every cold slot (any device: tests), "host" and "stream"
+none. Only `partial` calls map (each pair reads its slot's weights itself, so a slot two tokens share is read
+twice: a decode step's few rows, not a prompt's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import env
+from .staging import mapped
+
+IN_PLACE = "in place"  # the pair kernels' `kind` for weights they alone can read (`thunderep.kernels.paths`)
+
+
+class MappedReads:
+    """Mixed into `ExpertTiers` (whose attributes it uses: host, device, pairs, config, costs, num_slots,
+    slot_params, slot_bytes, stats, _row_of, _hot_mask and the load EMA of `HotSetRule`)."""
+
+    def _no_mapping(self) -> None:
+        self._maps = None  # `_mapped_views`, made on first use (False: unavailable)
+        self._mapped: frozenset = frozenset()
+        self._mapped_index: torch.Tensor | None = None
+        self._job_mapped = False  # whether the device read the mapped slots of this layer's last job's call
+
+    def mapped_share(self) -> float:
+        """The share q of the cold rows the device should read mapped (the module docstring), 0 where the
+        path does not apply."""
+        path = self.config.cold_path
+        if path in ("host", "stream") or self.pairs is None or self._mapped_views() is None:
+            return 0.0
+        if path == "mapped":
+            return 1.0
+        if self.device.type != "cuda" or not env.mapped():
+            return 0.0
+        c, P = self.costs, self.slot_params
+        host, bus = c.host_seconds(1, P, 0), c.stream_seconds(1, P, self.slot_bytes)
+        return host / (host + bus) if host + bus > 0 else 0.0
+
+    def choose_mapped(self) -> None:
+        """The mapped slots after a change of the hot set or a re-choice: the cold slots by load EMA, busiest
+        first (ties: lower slot), while the next one brings their load nearer q x the cold load; by count
+        (round(q x cold slots)) while no cold slot has load yet."""
+        q = self.mapped_share()
+        cold = [s for s in range(self.num_slots) if s not in self._row_of]
+        loads = self._loads()
+        order = sorted(cold, key=lambda s: (-loads[s], s))
+        total = sum(loads[s] for s in cold)
+        if q >= 1.0 or total <= 0:
+            chosen = order[:round(q * len(order))]
+        else:
+            chosen, acc = [], 0.0
+            for s in order:
+                if acc + loads[s] / 2 > q * total:
+                    break
+                chosen.append(s)
+                acc += loads[s]
+        self._mapped = frozenset(chosen)
+        self._mapped_index = None
+        mask = self._hot_mask.clone()  # a new one: a job may hold the old
+        mask[chosen] = True
+        self._device_mask = mask
+
+    def _rechosen(self) -> None:  # `HotSetRule.rechoose`'s boundaries: the loads moved
+        self.choose_mapped()
+
+    def _mapped_views(self) -> dict | None:
+        """{name: the host tensor as the device reads it in place}, or None where it cannot: on CUDA every host
+        tensor must be pinned (weights left memory-mapped on disk are not); on a CPU the host tensors."""
+        if self._maps is None:
+            if self.device.type != "cuda":
+                self._maps = dict(self.host)
+            elif all(t.is_pinned() and t.stride(-1) == 1 for t in self.host.values()):
+                self._maps = {n: mapped(t, self.device) for n, t in self.host.items()}
+            else:
+                self._maps = False
+        return self._maps or None
+
+    def _mapped_pairs(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
+        """The mapped slots' weighted [T, D] share through the pair kernels on the mapped views, or None where
+        no slot is mapped or the kernels do not take the call."""
+        if not self._mapped:
+            return None
+        if self._mapped_index is None or self._mapped_index.device != local_TK.device:
+            index = torch.full((self.num_slots + 1,), -1, dtype=torch.int64)
+            index[sorted(self._mapped)] = torch.tensor(sorted(self._mapped), dtype=torch.int64)
+            self._mapped_index = index.to(local_TK.device)
+        return self.pairs(self._mapped_views(), x_TD, self._mapped_index[local_TK], weights_TK, kind=IN_PLACE)
+
+    def _count_mapped(self, by_slot: dict, counts: list[int]) -> list[int]:
+        """The mapped slots of a call's `by_slot` whose pairs the device read, in slot order, counted in the
+        telemetry (rows_mapped; their weight bytes, read once a pair, in bytes_streamed)."""
+        slots = [s for s in sorted(by_slot) if s in self._mapped]
+        rows = sum(counts[s] for s in slots)
+        self.stats.rows_mapped += rows
+        self.stats.bytes_streamed += rows * self.slot_bytes
+        return slots
