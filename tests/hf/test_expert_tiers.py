@@ -416,6 +416,21 @@ def test_gpu_mapped_views_alias_pinned_host_memory():
         assert mapped(host, torch.device("cuda"))[1, 2, 3].item() == 7
 
 
+def test_in_place_calls_take_the_pair_kernels_at_any_token_count(monkeypatch):
+    """The mapped path's calls (kind "in place") have no other route to measure against: the pair kernels take
+    them at any token count, unless THUNDEREP_PAIRS_MAX_TOKENS=0 turns the kernels off; other calls keep
+    pairs_max_tokens()."""
+    pytest.importorskip("triton")
+    from thunderep.kernels import paths
+    from thunderep.moe.tier_mapped import IN_PLACE
+
+    assert IN_PLACE == paths.IN_PLACE
+    assert paths.decode_applies(8, kind=IN_PLACE) and not paths.decode_applies(8)
+    assert not paths.decode_applies(8, torch.zeros(1, requires_grad=True), kind=IN_PLACE)
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    assert not paths.decode_applies(1, kind=IN_PLACE)
+
+
 def test_mapped_views_refuse_what_the_device_cannot_read():
     from thunderep.moe.staging import mapped
 
@@ -450,11 +465,13 @@ def test_gpu_mapped_cold_slots_give_the_whole_models_logits(checkpoints):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")
-@pytest.mark.parametrize("share, thread", [(1.0, "auto"), (1.0, "on"), (0.5, "auto"), (0.5, "on")])
-def test_mapped_cold_slots_give_the_whole_model(share, thread, checkpoints, monkeypatch):
+@pytest.mark.parametrize("share, thread, experts_dtype", [(1.0, "auto", None), (1.0, "on", None), (0.5, "auto", None),
+                                                         (0.5, "on", None), (1.0, "auto", "int4")])
+def test_mapped_cold_slots_give_the_whole_model(share, thread, experts_dtype, checkpoints, monkeypatch):
     """Cold slots read in place by the pair kernels (`thunderep.moe.tier_mapped`; on a CPU the device's view is
     the host tensor), every cold slot (cold_path "mapped") or half of them (the mapped share forced), the
-    rest in line or as host jobs: one-token steps' logits equal the model's without gpu_memory; the
+    rest in line or as host jobs; 16-bit experts and 4-bit ones (their packed bytes and scales read in place):
+    one-token steps' logits equal the model's without gpu_memory; the
     mapped rows counted apart, none computed on the host where every cold slot is mapped, and each slot
     on one path only (hot, mapped, host: the rows add up to the pairs)."""
     pytest.importorskip("triton")
@@ -465,9 +482,10 @@ def test_mapped_cold_slots_give_the_whole_model(share, thread, checkpoints, monk
     if share < 1:
         monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: share)
     path, x = checkpoints["mixtral"], _prompts().reshape(-1, 1)  # one-token calls (a job needs the hot pairs'
-    whole = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_implementation="triton")  # kernels: 1)
-    tm = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_implementation="triton",
-                                    gpu_memory=_budget_for(path, 0.25, None), offload_costs=HOST_WINS,
+    held = dict(experts_dtype=experts_dtype) if experts_dtype else dict(experts_implementation="triton")  # kernels)
+    whole = ThunderMoE.from_pretrained(path, dtype=torch.float16, **held)
+    tm = ThunderMoE.from_pretrained(path, dtype=torch.float16, **held,
+                                    gpu_memory=_budget_for(path, 0.25, experts_dtype), offload_costs=HOST_WINS,
                                     offload=TierConfig(cold_path="mapped" if share == 1 else "auto",
                                                        host_thread=thread))
     tiers = [b.tiers for b in tm.bindings.values()]
