@@ -106,15 +106,18 @@ def test_mapped_slots_are_read_by_the_device_and_skipped_by_the_host(thread, mon
 
 
 def test_the_mapped_slots_follow_the_load(monkeypatch):
-    """The mapped slots are the busiest cold ones by load EMA while they bring their share of the cold load
-    nearer the mapped share; the device's mask is the hot and mapped slots; they are chosen again at each
+    """The mapped slots are the mapped share of the cold slots, the busiest by load EMA (ties: the lower slot);
+    the device's mask is the hot and mapped slots; they are chosen again at each
     boundary of the hot-set rule (the calibration's end, every interval), whether or not the hot set moved."""
     monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: 0.5)
     tiers = _tiers(2, "off")
-    tiers._observe({5: 10, 3: 5, 0: 1, 2: 1})
+    tiers._observe({5: 10, 3: 5, 2: 1})
     tiers.choose_mapped()
-    assert tiers._mapped == {5}  # 10 of 17: nearer 8.5 than 0 and than 15 (with slot 3)
-    assert tiers._device_mask.tolist() == [False, True, False, False, True, True]
+    assert tiers._mapped == {5, 3}  # half of the cold slots 0, 2, 3, 5
+    assert tiers._device_mask.tolist() == [False, True, False, True, True, True]
+    tiers._observe({0: 50})
+    tiers.choose_mapped()
+    assert tiers._mapped == {0, 5}
     tiers._observe({3: 40})
     chosen = []
     monkeypatch.setattr(ExpertTiers, "choose_mapped", lambda self: chosen.append(self.calls))

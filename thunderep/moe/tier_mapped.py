@@ -8,8 +8,7 @@ weights across the bus: no copy to launch, no wait for the ids. The host and the
 call without the launching thread knowing which slots it routes to.
 
 Which cold slots are mapped is fixed between re-choices, since neither side can wait for the other to split
-a call: the busiest cold slots by load EMA, until their expected share of the cold rows matches the mapped
-share q = host / (host + bus), the seconds of a slot at one row on each (`OffloadCosts.host_seconds`, and
+a call: the round(q x cold slots) busiest cold slots by load EMA, for the mapped share q = host / (host + bus), the seconds of a slot at one row on each (`OffloadCosts.host_seconds`, and
 `OffloadCosts.stream_seconds` for the bus: the same bytes cross it; one H100 host read mapped weights at
 44-48 GB/s against 50-53 GB/s for a staged copy, `examples/mapped_pairs_probe.py`). The host's job, or the
 in-line host path, skips those slots (`_device_mask`). "auto" maps on CUDA only (on a CPU the device is the
@@ -53,23 +52,14 @@ class MappedReads:
         return host / (host + bus) if host + bus > 0 else 0.0
 
     def choose_mapped(self) -> None:
-        """The mapped slots after a change of the hot set or a re-choice: the cold slots by load EMA, busiest
-        first (ties: lower slot), while the next one brings their load nearer q x the cold load; by count
-        (round(q x cold slots)) while no cold slot has load yet."""
+        """The mapped slots after a change of the hot set or a re-choice: round(q x cold slots) of the cold
+        slots, the busiest by load EMA (ties: lower slot). By count, not by summed load: a decode step's EMA
+        is a few noisy rows, and on one H100 a choice by summed load mapped 37% of the cold rows where q was
+        55% (`examples/offload_variants_probe.py`)."""
         q = self.mapped_share()
         cold = [s for s in range(self.num_slots) if s not in self._row_of]
         loads = self._loads()
-        order = sorted(cold, key=lambda s: (-loads[s], s))
-        total = sum(loads[s] for s in cold)
-        if q >= 1.0 or total <= 0:
-            chosen = order[:round(q * len(order))]
-        else:
-            chosen, acc = [], 0.0
-            for s in order:
-                if acc + loads[s] / 2 > q * total:
-                    break
-                chosen.append(s)
-                acc += loads[s]
+        chosen = sorted(cold, key=lambda s: (-loads[s], s))[:round(q * len(cold))]
         self._mapped = frozenset(chosen)
         self._mapped_index = None
         mask = self._hot_mask.clone()  # a new one: a job may hold the old
