@@ -222,9 +222,10 @@ class ExpertsBinding:
         return compute
 
     def weights_pairs(self, module) -> Callable | None:
-        """`pairs(weights, x_TD, local_TK, weights_TK)`: the decode pair kernels' weighted [T, D] share on
-        other tensors than the module's own (the tiers' hot copies; local_TK -1: a pair they do not hold),
-        None where they do not apply (`pairs_partial`); None where the experts do not run ThunderEP's kernels."""
+        """`pairs(weights, x_TD, local_TK, weights_TK, kind="sorted")`: the decode pair kernels' weighted [T, D]
+        share on other tensors than the module's own (the tiers' hot copies, or mapped host weights with kind
+        "in place"; local_TK -1: a pair they do not hold), None where they do not apply (`pairs_partial`);
+        None where the experts do not run ThunderEP's kernels."""
         pairs = getattr(self.compute, "pairs_partial", None)
         if pairs is None:
             return None

@@ -17,7 +17,11 @@ modes' local sort; a single process's bincount) and `ExpertTiers.sorted` compute
                copy and the results back in one (pinned buffers, non-blocking, on CUDA);
        stream  the slot's weights copied into one of two device staging buffers (`Staging`: on CUDA the
                next slot's copy runs on a side stream while this one computes), computed on the device
-               (the plain gated layout's two products; else the experts function).
+               (the plain gated layout's two products; else the experts function);
+     and in a `partial` call a third, fixed share of the cold slots:
+       mapped  read in place from pinned host memory by the decode pair kernels, which take the ids on the
+               device (`thunderep.moe.tier_mapped`): no host knowledge of the ids, so the host's share and
+               the bus's run at once even where the host's is a job.
 
 A call of few pairs (T x K <= `ExpertTiers.PARTIAL_PAIRS`: decode steps, small batches) from its token rows
 (one process, latency and all-gather modes) takes `ExpertTiers.partial` instead, which needs no sort: the
@@ -70,9 +74,9 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
     products also compute the staged slots and, with `lean_hot` and up to LEAN_HOT_SLOTS slots with rows,
     the hot ones (for an experts function that waits for the host, as transformers' grouped one does; one
     that takes a decode step's rows in a few launches, ThunderEP's kernels, runs them itself).
-    pairs(weights, x_TD, local_TK, weights_TK): the decode pair kernels' weighted [T, D] share on `weights`
-    (local_TK -1: a pair they do not hold), or None where they do not apply; None: no such kernels
-    (`partial`).
+    pairs(weights, x_TD, local_TK, weights_TK, kind="sorted"): the decode pair kernels' weighted [T, D] share
+    on `weights` (local_TK -1: a pair they do not hold), or None where they do not apply; None: no such
+    kernels (`partial`). kind "in place": weights only they can read (the mapped path), any token count.
     """
 
     LEAN_HOT_SLOTS = 8  # hot slots with rows up to which each computes apart (a decode step's few)
@@ -183,7 +187,8 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         `sorted` instead (gradients; more than PARTIAL_PAIRS pairs). local_TK: int64 [T, K] local slot of each
         pair on the device, -1 for a pair another rank computes; weights_TK: [T, K]. One wait for the host:
           1. the ids, the weights and the token rows queued to pinned host memory;
-          2. the hot pairs launched through `pairs` (the decode pair kernels), before the wait;
+          2. the hot pairs launched through `pairs` (the decode pair kernels), before the wait, and the mapped
+             slots' pairs through them on the mapped host weights (`tier_mapped`; the host skips those);
           3. with host jobs (`jobs`: `pairs` took the hot pairs, or none is hot), 4 and 5 are a job
              (`_handed_off`) and this thread waits for nothing; else the wait here, and the call's rows per
              slot counted on the host;
