@@ -127,11 +127,11 @@ def chat_tokenizer(vocab_size: int = 12):
                                    chat_template=CHAT_TEMPLATE)
 
 
-def offload_budget(path, fraction: float, ranks: int = 1) -> int:
+def offload_budget(path, fraction: float, ranks: int = 1, dtype=None) -> int:
     """gpu_memory for the checkpoint at `path` that gives each MoE layer round(fraction * S) hot slots of the
-    S a rank of `ranks` holds (expert offload's tests)."""
+    S a rank of `ranks` holds, the model loaded in `dtype` (None: the checkpoint's) (expert offload's tests)."""
     from thunderep.train.plan import plan_offload_memory
 
-    (_, plan), = plan_offload_memory(path, [ranks], 10**15)
+    (_, plan), = plan_offload_memory(path, [ranks], 10**15, dtype)
     return plan.replicated_bytes + plan.staging_bytes + sum(
         round(fraction * plan.slots[n]) * plan.slot_bytes[n] for n in plan.slots)

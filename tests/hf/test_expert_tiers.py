@@ -250,6 +250,47 @@ def test_two_ranks_equal_transformers_at_every_hot_fraction(checkpoints):
             assert (stats["rows_hot"] > 0) == (fraction > 0)
 
 
+def _mapped_ranks(rank, world, path):
+    import os
+
+    os.environ["THUNDEREP_TRITON_AUTOTUNE"] = "0"
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.hf import ThunderMoE
+
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective"))
+    from transformers import AutoModelForCausalLM
+
+    x = _prompts()
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    tm = ThunderMoE.from_pretrained(path, ep, dtype=torch.float16, experts_implementation="triton",
+                                    gpu_memory=offload_budget(path, 0.5, world, torch.float16),
+                                    offload=TierConfig(cold_path="mapped"))
+    tiers = [b.tiers for b in tm.bindings.values()]
+    with torch.no_grad():
+        for t in range(x.shape[1]):  # one-token calls of both prompts, every rank computing its own experts
+            got = tm(input_ids=x[:, t:t + 1], replicated=True).logits.float()
+            torch.testing.assert_close(got, ref(input_ids=x[:, t:t + 1]).logits, rtol=2e-2, atol=2e-2)
+    mapped = [sorted(t._mapped) for t in tiers]
+    ep.close()
+    return mapped, [t.capacity for t in tiers], [t.num_slots for t in tiers], tm.offload_stats()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_read_their_cold_slots_in_place(world, checkpoints):
+    """Expert parallelism with the mapped path forced (the interpreter): each rank reads its own cold slots in
+    place (another rank's pairs are -1 to its kernels); one-token logits in the latency mode equal
+    transformers' on the whole model, on 2 and 4 gloo ranks."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter test; the gpu test covers CUDA")
+    results = run_ranks(_mapped_ranks, world, checkpoints["mixtral"], timeout=300)
+    for mapped, capacity, slots, stats in results:
+        assert all(len(m) == s - c > 0 for m, c, s in zip(mapped, capacity, slots)) and stats["rows_host"] == 0
+    assert all(stats["rows_mapped"] > 0 for *_, stats in results), [r[-1] for r in results]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_tiers_equal_transformers_at_every_hot_fraction(family, checkpoints):
