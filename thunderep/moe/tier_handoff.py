@@ -18,20 +18,22 @@ class HostHandoff:
     HANDOFF_SLOWER = 4.0  # host path / stream path at one row up to which `partial` hands off (`_handoff_args`);
     # chosen, not fitted: the calibrated ratio on an H100's host is 1.3-1.6 (host 0.26-0.34 ms, stream 0.19-0.21)
 
-    def _handed_off(self, device_TD: torch.Tensor | None, host: list[torch.Tensor], copied, shape,
+    def _handed_off(self, on_device: list[torch.Tensor], host: list[torch.Tensor], copied, shape,
                     job_args: tuple, skip: torch.Tensor) -> torch.Tensor:
         """`partial`'s host share as a job on the host (`thunderep.moe.host_jobs`, on its engine: native
         threads or `thunderep.moe.host_summed`'s job): once the stream has copied the call's ids, weights and token
         rows (`copied`), its pairs grouped by slot and every slot not in `skip` (bool [S]: the hot ones and the
         mapped ones the device took, `tier_mapped`) computed on the host (decode sizes: the host path),
         weighted and summed into a pinned [T, D] buffer the stream copies once the job raised its flag; the
-        device's share device_TD (or None) added. Returns the call's [T, D] float32 share as the stream will hold it; this thread waits for
+        device's shares on_device ([T, D] each: the hot pairs', the mapped ones') added. Returns the call's [T, D] float32 share as the stream will hold it; this thread waits for
         nothing. The call's counts are taken when the job is settled (`settle`). job_args: `_handoff_args`."""
         ids_h, w_h, x_h = host
         out = self._view(len(host), shape, torch.float32)
         y_TD, self._job = self.jobs.submit(self.jobs.launcher, (ids_h, w_h, x_h, skip, *job_args),
                                            copied, out, name=f"the host experts of {self.name}")
-        return y_TD if device_TD is None else y_TD.add_(device_TD)  # y_TD: float32, this call's own
+        for y in on_device:  # y_TD: float32, this call's own
+            y_TD.add_(y)
+        return y_TD
 
     def _pinned_copies(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
         """`to_host_all` into this layer's own host buffers (pinned on CUDA; views of the right shapes) for a

@@ -211,10 +211,10 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
             hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK)
         mapped_TD = self._mapped_pairs(x_TD, local_TK, weights_TK)
         self._job_mapped = mapped_TD is not None
-        device_TD = hot_TD if mapped_TD is None else mapped_TD if hot_TD is None else hot_TD.float() + mapped_TD
+        on_device = [y for y in (hot_TD, mapped_TD) if y is not None]  # the device's shares, [T, D] each
         if job_args is not None and (hot_TD is not None or not self.capacity):
             mask = self._device_mask if mapped_TD is not None else self._hot_mask
-            return self._handed_off(device_TD, host, copied, x_TD.shape, job_args, mask)
+            return self._handed_off(on_device, host, copied, x_TD.shape, job_args, mask)
         if copied is not None:
             copied.synchronize()
         if self.jobs is not None:  # other layers' jobs first: the host function's scratch buffers are shared
@@ -222,21 +222,23 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         ids_h, w_h, x_h = host
         by_slot, counts = self._tally([s for row in ids_h.tolist() for s in row])  # one torch call
         D, device = x_TD.shape[-1], x_TD.device
-        y_TD = torch.zeros(T, D, dtype=torch.float32, device=device) if device_TD is None else device_TD.float()
+        y_TD = on_device[0].float() if on_device else torch.zeros(T, D, dtype=torch.float32, device=device)
+        for y in on_device[1:]:
+            y_TD += y
         hot, cold = self._split(by_slot, counts, mapped_TD is not None)
         paths = dict(zip(cold, self.paths([counts[s] for s in cold], row_bytes)))
-        on_device = ([] if hot_TD is not None else hot) + [s for s in cold if paths[s] == "stream"]
-        if on_device:
-            pieces = self._on_device(x_TD, {s: [n // K for n in by_slot[s]] for s in on_device},
+        later = ([] if hot_TD is not None else hot) + [s for s in cold if paths[s] == "stream"]  # on the device
+        if later:
+            pieces = self._on_device(x_TD, {s: [n // K for n in by_slot[s]] for s in later},
                                      hot if hot_TD is None else [])
-            pairs = [n for s in on_device for n in by_slot[s]]
+            pairs = [n for s in later for n in by_slot[s]]
             w_N = w_h.reshape(-1).float()
             if len(pairs) <= self.FEW_PAIRS:  # a decode step's few: each added with its weight, no copies
                 w = w_N.tolist()
-                for n, y_1D in zip(pairs, [y for s in on_device for y in pieces[s].split(1)]):
+                for n, y_1D in zip(pairs, [y for s in later for y in pieces[s].split(1)]):
                     y_TD[n // K:n // K + 1].add_(y_1D, alpha=w[n])
             else:
-                y_ND, pairs = torch.cat([pieces[s] for s in on_device]), torch.tensor(pairs)
+                y_ND, pairs = torch.cat([pieces[s] for s in later]), torch.tensor(pairs)
                 y_TD.index_add_(0, to_device(pairs // K, device), y_ND.float() * to_device(w_N[pairs], device)[:, None])
         on_host = [s for s in cold if paths[s] == "host"]
         if on_host:
