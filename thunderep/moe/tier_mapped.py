@@ -35,6 +35,7 @@ class MappedReads:
         self._maps = None  # `_mapped_views`, made on first use (False: unavailable)
         self._mapped: frozenset = frozenset()
         self._mapped_index: torch.Tensor | None = None
+        self._masked = None  # the hot mask `_device_mask` was made from
         self._job_mapped = False  # whether the device read the mapped slots of this layer's last job's call
 
     def mapped_share(self) -> float:
@@ -59,12 +60,14 @@ class MappedReads:
         q = self.mapped_share()
         cold = [s for s in range(self.num_slots) if s not in self._row_of]
         loads = self._loads()
-        chosen = sorted(cold, key=lambda s: (-loads[s], s))[:round(q * len(cold))]
-        self._mapped = frozenset(chosen)
-        self._mapped_index = None
+        chosen = frozenset(sorted(cold, key=lambda s: (-loads[s], s))[:round(q * len(cold))])
+        if chosen == self._mapped and self._masked is self._hot_mask:
+            return  # unchanged: the device's index (a blocking copy to make) and the job's mask are kept
+        if chosen != self._mapped:
+            self._mapped, self._mapped_index = chosen, None
         mask = self._hot_mask.clone()  # a new one: a job may hold the old
-        mask[chosen] = True
-        self._device_mask = mask
+        mask[list(chosen)] = True
+        self._device_mask, self._masked = mask, self._hot_mask
 
     def _rechosen(self) -> None:  # `HotSetRule.rechoose`'s boundaries: the loads moved
         self.choose_mapped()
