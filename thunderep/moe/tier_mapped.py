@@ -32,7 +32,8 @@ class MappedReads:
     slot_params, slot_bytes, stats, _row_of, _hot_mask and the load EMA of `HotSetRule`)."""
 
     def _no_mapping(self) -> None:
-        self._maps = None  # `_mapped_views`, made on first use (False: unavailable)
+        self._maps = None  # `_mapped_views`, made on first use (False: unavailable), of the host dict _maps_of
+        self._maps_of = None
         self._mapped: frozenset = frozenset()
         self._mapped_index: torch.Tensor | None = None
         self._masked = None  # the hot mask `_device_mask` was made from
@@ -74,8 +75,10 @@ class MappedReads:
 
     def _mapped_views(self) -> dict | None:
         """{name: the host tensor as the device reads it in place}, or None where it cannot: on CUDA every host
-        tensor must be pinned (weights left memory-mapped on disk are not); on a CPU the host tensors."""
-        if self._maps is None:
+        tensor must be pinned (weights left memory-mapped on disk are not); on a CPU the host tensors. Made
+        again where the host tensors were replaced."""
+        if self._maps is None or self._maps_of is not self.host:
+            self._maps_of = self.host
             if self.device.type != "cuda":
                 self._maps = dict(self.host)
             elif all(t.is_pinned() and t.stride(-1) == 1 for t in self.host.values()):
