@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..balance import BalancerConfig
+from ..comm.groups import peer_errors
 from ..comm.launch import run_on_ep
 from ..comm.stop import stop_on_sigterm
 from ..config import SyncConfig
@@ -189,9 +190,16 @@ class _RankRun:
                 with autocast(self.precision, self.device):
                     scores.append(self.tm(input_ids=ids, labels=labels, mode="ep", use_cache=False).loss.float())
         total = torch.stack(scores).mean()
-        dist.all_reduce(total)
+        with self._peers("the held-out loss all-reduce"):
+            dist.all_reduce(total)
         self.tm.train()
         return total.item() / self.world
+
+    def _peers(self, what: str):
+        """`peer_errors` around one of the run's own collectives: a peer that died or was stopped there is
+        named, as in the collectives of the layers and the gradient sync."""
+        return peer_errors(f"{what} on rank {self.rank}", f"{self.cfg.timeout:g} s",
+                           self.ep.control if self.ep is not None else None)
 
     def _resume(self) -> int:
         """The first step of this run: where --checkpoint stopped, else 0."""
@@ -281,7 +289,8 @@ class _RankRun:
             step_started = time.perf_counter()
             loss, lr = self._step(step)
             decisions = self._balance_step(step) if cfg.balance else None
-            mean, stopping = mean_loss_and_stop(loss, self.stop.asked, self.world)
+            with self._peers("the step's loss all-reduce"):
+                mean, stopping = mean_loss_and_stop(loss, self.stop.asked, self.world)
             self.losses.append(mean)
             stopping = stopping and step + 1 < last  # asked during the last step: it ends anyway, and writes --out
             if not math.isfinite(mean):  # the same mean on every rank: all stop here, nothing written
