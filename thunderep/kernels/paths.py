@@ -73,7 +73,8 @@ def decode_applies(T: int, *tensors, kind: str = "sorted") -> bool:
     """The pair kernels' domain: inference (no gradient through `tensors`) on 1 to `pairs_max_tokens()`
     tokens; a call of kind IN_PLACE on any number (unless pairs_max_tokens() is 0: the kernels off)."""
     limit = pairs_max_tokens()
-    return 0 < T <= (T if kind == IN_PLACE and limit else limit) and not needs_grad(*tensors)
+    fits = T <= limit or (kind == IN_PLACE and limit > 0)
+    return T > 0 and fits and not needs_grad(*tensors)
 
 
 def _path_timer(fn, graphed: bool = False) -> float:

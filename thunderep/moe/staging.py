@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Staging", "mapped", "to_device", "to_host", "to_host_all"]
+__all__ = ["Staging", "mapped", "slot_table", "to_device", "to_host", "to_host_all"]
 
 
 class Staging:
@@ -75,6 +75,14 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def slot_table(num_slots: int, entries: dict[int, int], device: torch.device) -> torch.Tensor:
+    """int64 [num_slots + 1] on `device`: entries[s] at slot s, -1 elsewhere and at index -1 (so that a pair
+    another rank computes, slot -1, maps to -1): what the pair kernels read each pair's entry through."""
+    table = torch.full((num_slots + 1,), -1, dtype=torch.int64)
+    table[list(entries)] = torch.tensor(list(entries.values()), dtype=torch.int64)
+    return table.to(device)
 
 
 class _Aliased:

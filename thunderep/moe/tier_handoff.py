@@ -25,8 +25,9 @@ class HostHandoff:
         rows (`copied`), its pairs grouped by slot and every slot not in `skip` (bool [S]: the hot ones and the
         mapped ones the device took, `tier_mapped`) computed on the host (decode sizes: the host path),
         weighted and summed into a pinned [T, D] buffer the stream copies once the job raised its flag; the
-        device's shares on_device ([T, D] each: the hot pairs', the mapped ones') added. Returns the call's [T, D] float32 share as the stream will hold it; this thread waits for
-        nothing. The call's counts are taken when the job is settled (`settle`). job_args: `_handoff_args`."""
+        device's shares on_device ([T, D] each: the hot pairs', the mapped ones') added. Returns the call's
+        [T, D] float32 share as the stream will hold it; this thread waits for nothing. The call's counts are
+        taken when the job is settled (`settle`). job_args: `_handoff_args`."""
         ids_h, w_h, x_h = host
         out = self._view(len(host), shape, torch.float32)
         y_TD, self._job = self.jobs.submit(self.jobs.launcher, (ids_h, w_h, x_h, skip, *job_args),

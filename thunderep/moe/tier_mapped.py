@@ -8,12 +8,13 @@ weights across the bus: no copy to launch, no wait for the ids. The host and the
 call without the launching thread knowing which slots it routes to.
 
 Which cold slots are mapped is fixed between re-choices, since neither side can wait for the other to split
-a call: the round(q x cold slots) busiest cold slots by load EMA, for the mapped share q = host / (host + bus), the seconds of a slot at one row on each (`OffloadCosts.host_seconds`, and
-`OffloadCosts.stream_seconds` for the bus: the same bytes cross it; one H100 host read mapped weights at
-44-48 GB/s against 50-53 GB/s for a staged copy, `examples/mapped_pairs_probe.py`). The host's job, or the
-in-line host path, skips those slots (`_device_mask`). "auto" maps on CUDA only (on a CPU the device is the
-host: nothing runs at once; THUNDEREP_MAPPED=0 turns it off); cold_path "mapped" maps every cold slot (any device: tests), "host" and "stream"
-none. Only `partial` calls map (each pair reads its slot's weights itself, so a slot two tokens share is read
+a call: the round(q x cold slots) busiest cold slots by load EMA, for the mapped share q = host / (host +
+bus), the seconds of a slot at one row on each (`OffloadCosts.host_seconds`, and `OffloadCosts.stream_seconds`
+for the bus: the same bytes cross it; one H100 host read mapped weights at 44-48 GB/s against 50-53 GB/s for
+a staged copy, `examples/mapped_pairs_probe.py`). The host's job, or the in-line host path, skips those slots
+(`_device_mask`). "auto" maps on CUDA only (on a CPU the device is the host: nothing runs at once;
+THUNDEREP_MAPPED=0 turns it off); cold_path "mapped" maps every cold slot (any device: tests), "host" and
+"stream" none. Only `partial` calls map (each pair reads its slot's weights itself, so a slot two tokens share is read
 twice: a decode step's few rows, not a prompt's).
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import env
-from .staging import mapped
+from .staging import mapped, slot_table
 
 IN_PLACE = "in place"  # the pair kernels' `kind` for weights they alone can read (`thunderep.kernels.paths`)
 
@@ -92,10 +93,8 @@ class MappedReads:
         no slot is mapped or the kernels do not take the call."""
         if not self._mapped:
             return None
-        if self._mapped_index is None or self._mapped_index.device != local_TK.device:
-            index = torch.full((self.num_slots + 1,), -1, dtype=torch.int64)
-            index[sorted(self._mapped)] = torch.tensor(sorted(self._mapped), dtype=torch.int64)
-            self._mapped_index = index.to(local_TK.device)
+        if self._mapped_index is None or self._mapped_index.device != local_TK.device:  # each at its own index
+            self._mapped_index = slot_table(self.num_slots, {s: s for s in sorted(self._mapped)}, local_TK.device)
         return self.pairs(self._mapped_views(), x_TD, self._mapped_index[local_TK], weights_TK, kind=IN_PLACE)
 
     def _count_mapped(self, by_slot: dict, counts: list[int]) -> list[int]:

@@ -56,7 +56,7 @@ from .hot_set import HotSetRule
 from .tier_handoff import HostHandoff
 from .tier_mapped import MappedReads
 from .offload_cost import OffloadCosts, split_cold
-from .staging import Staging, to_device, to_host, to_host_all
+from .staging import Staging, slot_table, to_device, to_host, to_host_all
 from .tier_config import COLD_PATHS, HOST_THREAD, TierConfig, TierStats, parse_memory
 
 __all__ = ["COLD_PATHS", "ExpertTiers", "HOST_THREAD", "Staging", "TierConfig", "TierStats", "parse_memory", "to_host",
@@ -283,12 +283,9 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         return hot, [s for s in sorted(by_slot) if s not in self._row_of and s not in skip]
 
     def _hot_entries(self, device: torch.device) -> torch.Tensor:
-        """int64 [S + 1] on `device`: each slot's entry in the hot copies, -1 for cold ones and at index -1 (so
-        that a pair another rank computes, slot -1, maps to -1)."""
+        """Each slot's entry in the hot copies (`slot_table`: -1 for cold ones) on `device`."""
         if self._hot_index is None or self._hot_index.device != device:
-            index = torch.full((self.num_slots + 1,), -1, dtype=torch.int64)
-            index[list(self._row_of)] = torch.tensor(list(self._row_of.values()), dtype=torch.int64)
-            self._hot_index = index.to(device)
+            self._hot_index = slot_table(self.num_slots, self._row_of, device)
         return self._hot_index
 
     def _on_device(self, x_TD: torch.Tensor, tokens: dict[int, list[int]], hot: list[int]) -> dict:
