@@ -14,13 +14,16 @@ Meanwhile the launching thread's own time is summed over the steps, without wait
 and the rest of a step (generate's own work and its wait for the device's token) is step - forward. A step
 whose forward is close to the step's time is bound by the launching thread; one whose rest is large waits for
 the device (or the host jobs the device waits for). --trace DIR also writes a torch.profiler trace of 3
-decode steps per fraction (chrome trace, gzipped)."""
+decode steps per fraction (chrome trace, gzipped); --cprofile prints the launching thread's top Python
+functions over 8 decode steps of each partly hot fraction (cProfile: their times inflated, their order kept)."""
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import gzip
+import pstats
 import shutil
 import time
 from collections import defaultdict
@@ -62,7 +65,8 @@ def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for n, m in model.named_modules() if n.endswith(".mlp") and hasattr(m, "experts")]
 
 
-def probe(path: Path, fraction: float, budget, steps: int, trace: Path | None, device: torch.device) -> None:
+def probe(path: Path, fraction: float, budget, steps: int, trace: Path | None, device: torch.device,
+          cprofile: bool) -> None:
     offload = TierConfig(cold_path="host") if fraction == 0 else None  # row (b) as the benchmark runs it
     tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device=device, gpu_memory=budget, offload=offload,
                                     experts_implementation="auto").eval()
@@ -101,6 +105,10 @@ def probe(path: Path, fraction: float, budget, steps: int, trace: Path | None, d
           + ", ".join(f"{k} {per.get(k, 0.0):.3f} ms ({CALLS.get(k, 0) // 2} calls in {steps + 1} forwards)"
                       for k in ("forward", "moe", "partial", "settle"))
           + f"; rest (generate, the wait) {step_ms - per.get('forward', 0.0):.3f} ms", flush=True)
+    if cprofile and fraction not in (0.0, 1.0):
+        profiler = cProfile.Profile()
+        profiler.runcall(decode, 9)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     if trace is not None:
         ids = torch.randint(0, vocab, (1, 16), generator=gen).to(device)
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -122,6 +130,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=31)
     parser.add_argument("--trace", type=Path)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
     ExpertTiers.partial = timed("partial", ExpertTiers.partial)
     ExpertTiers.settle = timed("settle", ExpertTiers.settle)
@@ -129,7 +138,8 @@ def main() -> None:
     fractions = [float(f) for f in args.fractions.split(",")]
     plans = budgets(path, [f for f in fractions if f < 1], torch.bfloat16)
     for f in fractions:
-        probe(path, f, plans[f][0] if f < 1 else None, args.steps, args.trace, torch.device(args.device))
+        probe(path, f, plans[f][0] if f < 1 else None, args.steps, args.trace, torch.device(args.device),
+              args.cprofile)
         gc.collect()  # the model of the fraction before, freed
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
