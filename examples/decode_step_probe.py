@@ -31,12 +31,19 @@ from pathlib import Path
 
 import torch
 
-from thunderep.bench.offload import budgets
+from thunderep.bench.offload import StepClock, budgets
 from thunderep.hf import ThunderMoE
 from thunderep.moe.tiers import ExpertTiers, TierConfig
 
 SPENT: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)
+FORWARDS = [0]  # the model's forwards in this generate(): the first is the prompt's, not counted
+
+
+def note(name: str, seconds: float) -> None:
+    if FORWARDS[0] > 1:
+        SPENT[name] += seconds
+        CALLS[name] += 1
 
 
 def timed(name: str, fn):
@@ -45,18 +52,21 @@ def timed(name: str, fn):
         try:
             return fn(*args, **kwargs)
         finally:
-            SPENT[name] += time.perf_counter() - started
-            CALLS[name] += 1
+            note(name, time.perf_counter() - started)
     return wrapper
 
 
-def hook_module(module: torch.nn.Module, name: str) -> None:
+def hook_module(module: torch.nn.Module, name: str, top: bool = False) -> None:
     starts: list[float] = []
-    module.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter()))
+
+    def pre(m, a):
+        if top:
+            FORWARDS[0] += 1
+        starts.append(time.perf_counter())
 
     def post(m, a, out):
-        SPENT[name] += time.perf_counter() - starts.pop()
-        CALLS[name] += 1
+        note(name, time.perf_counter() - starts.pop())
+    module.register_forward_pre_hook(pre)
     module.register_forward_hook(post)
 
 
@@ -71,51 +81,48 @@ def probe(path: Path, fraction: float, budget, steps: int, trace: Path | None, d
     tm = ThunderMoE.from_pretrained(path, dtype=torch.bfloat16, device=device, gpu_memory=budget, offload=offload,
                                     experts_implementation="auto").eval()
     inner = tm.model if isinstance(getattr(tm, "model", None), torch.nn.Module) else tm
-    hook_module(inner, "forward")
+    hook_module(inner, "forward", top=True)
     for block in moe_blocks(inner):
         hook_module(block, "moe")
     vocab = tm.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def decode(tokens: int) -> float:
+        """Seconds from the first new token to the last (the decode steps alone, as the benchmark times)."""
         ids = torch.randint(0, vocab, (1, 16), generator=gen).to(device)
-        sync()
-        started = time.perf_counter()
+        clock = StepClock(device, lambda: None)
+        FORWARDS[0] = 0
         tm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
-                    do_sample=False, pad_token_id=0)
-        sync()
-        return time.perf_counter() - started
+                    do_sample=False, pad_token_id=0, streamer=clock)
+        return clock.times[-1] - clock.times[1]
 
     decode(4)
-    decode(steps)
-    SPENT.clear()
-    prefill_only = decode(1)  # the prompt's forward and generate's set-up, subtracted below
-    prompt = dict(SPENT)
+    decode(steps + 1)
     SPENT.clear()
     CALLS.clear()
-    seconds = min(decode(steps + 1) for _ in range(2)) - prefill_only
-    per = {k: 1e3 * (v / 2 - prompt.get(k, 0.0)) / steps for k, v in SPENT.items()}  # ms a decode step
-    step_ms = 1e3 * seconds / steps
+    seconds = [decode(steps + 1) for _ in range(2)]
+    per = {k: 1e3 * v / (2 * steps) for k, v in SPENT.items()}  # ms a decode step, over both
+    step_ms = 1e3 * sum(seconds) / (2 * steps)
     label = {1.0: "(c) whole model", 0.0: "(b) no hot expert"}.get(fraction, f"{fraction:.0%} hot")
-    print(f"{label}: {1e3 / step_ms:.2f} tokens/s, step {step_ms:.3f} ms; launching thread per step: "
-          + ", ".join(f"{k} {per.get(k, 0.0):.3f} ms ({CALLS.get(k, 0) // 2} calls in {steps + 1} forwards)"
+    print(f"{label}: {1e3 / step_ms:.2f} tokens/s (runs {', '.join(f'{steps / s:.2f}' for s in seconds)}), step "
+          f"{step_ms:.3f} ms; launching thread per step: "
+          + ", ".join(f"{k} {per.get(k, 0.0):.3f} ms ({CALLS.get(k, 0) // (2 * steps)} calls)"
                       for k in ("forward", "moe", "partial", "settle"))
-          + f"; rest (generate, the wait) {step_ms - per.get('forward', 0.0):.3f} ms", flush=True)
+          + f"; rest (generate, the wait for the device) {step_ms - per.get('forward', 0.0):.3f} ms", flush=True)
     if cprofile and fraction not in (0.0, 1.0):
         profiler = cProfile.Profile()
-        profiler.runcall(decode, 9)
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        FORWARDS[0] = 0
+        profiler.runcall(decode, steps + 1)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     if trace is not None:
         ids = torch.randint(0, vocab, (1, 16), generator=gen).to(device)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        tm.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
         with torch.profiler.profile(activities=activities) as prof:
-            tm.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+            for _ in range(3):  # three steps as forwards of one token each, after the prompt's
+                tm.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
         raw = trace / f"trace_{fraction:g}.json"
         prof.export_chrome_trace(str(raw))
         with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:

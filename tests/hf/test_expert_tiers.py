@@ -6,6 +6,7 @@ gpu_memory parsing; `thunderep plan --gpu-memory`. On CPU the device is the host
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -455,6 +456,41 @@ def test_gpu_mapped_views_alias_pinned_host_memory():
             assert torch.equal(view.cpu(), t)
         host[1, 2, 3] = 7
         assert mapped(host, torch.device("cuda"))[1, 2, 3].item() == 7
+
+
+def test_slot_tables_are_written_in_place():
+    """`staging.SlotTable`: each written slot at its entry, every other slot and index -1 at -1; a new write
+    replaces the old one in the same tensor."""
+    from thunderep.moe.staging import SlotTable
+
+    table = SlotTable(5, torch.device("cpu"))
+    values = table.values
+    assert values.tolist() == [-1] * 6
+    assert table.set({3: 0, 1: 2}) is values and values.tolist() == [-1, 2, -1, 0, -1, -1]
+    table.set({4: 1})
+    assert values.tolist() == [-1, -1, -1, -1, 1, -1] and table.set({}).tolist() == [-1] * 6
+
+
+@pytest.mark.gpu
+def test_gpu_slot_tables_are_written_without_waiting_for_the_stream():
+    """On CUDA `SlotTable.set` returns while the stream is still busy (no wait for the queued work, which in a
+    decode step may be waiting on host jobs), and the stream's order holds: work queued before the write reads
+    the old entries, work queued after it the new ones."""
+    from thunderep.moe.staging import SlotTable
+
+    table = SlotTable(4, torch.device("cuda"))
+    table.set({0: 1})
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the stream's time
+    before = table.values.clone()
+    started = time.perf_counter()
+    table.set({2: 3})
+    returned = time.perf_counter() - started
+    after = table.values.clone()
+    assert not torch.cuda.current_stream().query(), "the stream should still be sleeping"
+    torch.cuda.synchronize()
+    assert returned < 0.1, f"set waited {returned:.3f} s for the stream"
+    assert before.tolist() == [1, -1, -1, -1, -1] and after.tolist() == [-1, -1, 3, -1, -1]
 
 
 def test_in_place_calls_take_the_pair_kernels_at_any_token_count(monkeypatch):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import env
-from .staging import mapped, slot_table
+from .staging import SlotTable, mapped
 
 IN_PLACE = "in place"  # the pair kernels' `kind` for weights they alone can read (`thunderep.kernels.paths`)
 
@@ -36,7 +36,8 @@ class MappedReads:
         self._maps = None  # `_mapped_views`, made on first use (False: unavailable), of the host dict _maps_of
         self._maps_of = None
         self._mapped: frozenset = frozenset()
-        self._mapped_index: torch.Tensor | None = None
+        self._mapped_table: SlotTable | None = None  # each mapped slot at its own index; made on first use
+        self._mapped_stale = True  # whether the mapped slots moved since the table was written
         self._masked = None  # the hot mask `_device_mask` was made from
         self._job_mapped = False  # whether the device read the mapped slots of this layer's last job's call
 
@@ -64,9 +65,9 @@ class MappedReads:
         loads = self._loads()
         chosen = frozenset(sorted(cold, key=lambda s: (-loads[s], s))[:round(q * len(cold))])
         if chosen == self._mapped and self._masked is self._hot_mask:
-            return  # unchanged: the device's index (a blocking copy to make) and the job's mask are kept
+            return  # unchanged: the device's table and the job's mask are kept
         if chosen != self._mapped:
-            self._mapped, self._mapped_index = chosen, None
+            self._mapped, self._mapped_stale = chosen, True
         mask = self._hot_mask.clone()  # a new one: a job may hold the old
         mask[list(chosen)] = True
         self._device_mask, self._masked = mask, self._hot_mask
@@ -93,9 +94,14 @@ class MappedReads:
         no slot is mapped or the kernels do not take the call."""
         if not self._mapped:
             return None
-        if self._mapped_index is None or self._mapped_index.device != local_TK.device:  # each at its own index
-            self._mapped_index = slot_table(self.num_slots, {s: s for s in sorted(self._mapped)}, local_TK.device)
-        return self.pairs(self._mapped_views(), x_TD, self._mapped_index[local_TK], weights_TK, kind=IN_PLACE)
+        table = self._mapped_table
+        if table is None or table.device != local_TK.device:
+            table = self._mapped_table = SlotTable(self.num_slots, local_TK.device)
+            self._mapped_stale = True
+        if self._mapped_stale:
+            table.set({s: s for s in sorted(self._mapped)})
+            self._mapped_stale = False
+        return self.pairs(self._mapped_views(), x_TD, table.values[local_TK], weights_TK, kind=IN_PLACE)
 
     def _count_mapped(self, by_slot: dict, counts: list[int]) -> list[int]:
         """The mapped slots of a call's `by_slot` whose pairs the device read, in slot order, counted in the

@@ -56,7 +56,7 @@ from .hot_set import HotSetRule
 from .tier_handoff import HostHandoff
 from .tier_mapped import MappedReads
 from .offload_cost import OffloadCosts, split_cold
-from .staging import Staging, slot_table, to_device, to_host, to_host_all
+from .staging import SlotTable, Staging, to_device, to_host, to_host_all
 from .tier_config import COLD_PATHS, HOST_THREAD, TierConfig, TierStats, parse_memory
 
 __all__ = ["COLD_PATHS", "ExpertTiers", "HOST_THREAD", "Staging", "TierConfig", "TierStats", "parse_memory", "to_host",
@@ -94,7 +94,8 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         # device: transformers' experts function waits for the device (docs/benchmarks, expert offload)
         self.lean = host_fn if isinstance(host_fn, HostExperts) else None
         self.lean_hot, self.pairs = lean_hot, pairs
-        self._hot_index: torch.Tensor | None = None  # `_hot_entries`, built on first use
+        self._hot_table: SlotTable | None = None  # `_hot_entries`, made on first use
+        self._hot_stale = True  # whether the hot set moved since the table was written
         self._chosen_at = -1  # the call count of the last re-choice: at most one a call
         self.staging, self.config = staging, config or TierConfig()
         self.jobs = jobs_for(self.config, self.device)
@@ -144,7 +145,7 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         self._row_of = {s: row for row, s in enumerate(order)}
         self._hot_mask = torch.zeros(self.num_slots, dtype=torch.bool)  # a new one: a job may hold the old
         self._hot_mask[list(self._row_of)] = True
-        self._hot_index = None
+        self._hot_stale = True
         self.choose_mapped()
         if count and entering:
             self.stats.bytes_promoted += len(entering) * self.slot_bytes
@@ -283,10 +284,14 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         return hot, [s for s in sorted(by_slot) if s not in self._row_of and s not in skip]
 
     def _hot_entries(self, device: torch.device) -> torch.Tensor:
-        """Each slot's entry in the hot copies (`slot_table`: -1 for cold ones) on `device`."""
-        if self._hot_index is None or self._hot_index.device != device:
-            self._hot_index = slot_table(self.num_slots, self._row_of, device)
-        return self._hot_index
+        """Each slot's entry in the hot copies (a `SlotTable`: -1 for cold ones) on `device`, written again
+        where the hot set moved."""
+        if self._hot_table is None or self._hot_table.device != device:
+            self._hot_table, self._hot_stale = SlotTable(self.num_slots, device), True
+        if self._hot_stale:
+            self._hot_table.set(self._row_of)
+            self._hot_stale = False
+        return self._hot_table.values
 
     def _on_device(self, x_TD: torch.Tensor, tokens: dict[int, list[int]], hot: list[int]) -> dict:
         """{slot: its rows' outputs [n, D]} for the slots in `tokens` (slot -> the token of each of its rows)
