@@ -570,6 +570,11 @@ def test_mapped_cold_slots_give_the_whole_model(share, thread, experts_dtype, ch
         cold = t.num_slots - t.capacity
         assert len(t._mapped) == round(share * cold) and not t._mapped & set(t.hot_slots)
         assert t._device_mask.sum() == t.capacity + len(t._mapped)
+    from thunderep.kernels import decode
+
+    launches, real = [], decode.pairs_forward
+    monkeypatch.setattr(decode, "pairs_forward", lambda *a, **k: launches.append(k.get("second") is not None) or
+                        real(*a, **k))
     with torch.no_grad():
         before = tm.offload_stats()
         for step, one in enumerate(x[:, None]):
@@ -585,6 +590,10 @@ def test_mapped_cold_slots_give_the_whole_model(share, thread, experts_dtype, ch
     assert (stats["rows_host"] == 0) == (share == 1), stats
     if thread == "on":
         assert all(t.jobs is not None and t.jobs.submitted >= x.shape[0] for t in tiers)
+    if experts_dtype is None:  # 16-bit: the hot and mapped pairs of each tiered call in one pair of launches
+        assert launches.count(True) == x.shape[0] * len(tiers) and all(t._two_sets for t in tiers)
+    else:  # 4-bit: a launch per tensor set (the kernels take one)
+        assert not any(t._two_sets for t in tiers)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")

@@ -222,19 +222,27 @@ class ExpertsBinding:
         return compute
 
     def weights_pairs(self, module) -> Callable | None:
-        """`pairs(weights, x_TD, local_TK, weights_TK, kind="sorted")`: the decode pair kernels' weighted [T, D]
-        share on other tensors than the module's own (the tiers' hot copies, or mapped host weights with kind
-        "in place"; local_TK -1: a pair they do not hold), None where they do not apply (`pairs_partial`);
-        None where the experts do not run ThunderEP's kernels."""
+        """`pairs(weights, x_TD, local_TK, weights_TK, kind="sorted", second=None)`: the decode pair kernels'
+        weighted [T, D] share on other tensors than the module's own (the tiers' hot copies, or mapped host
+        weights with kind "in place"; local_TK -1: a pair they do not hold), None where they do not apply
+        (`pairs_partial`); None where the experts do not run ThunderEP's kernels. second: a second set of
+        tensors ({name: [E2, ...]}) the entries past `weights`' rows read in the same launches; where the
+        kernels cannot (FP8 or 4-bit experts), the call returns None."""
         pairs = getattr(self.compute, "pairs_partial", None)
         if pairs is None:
             return None
+        two_sets = getattr(pairs, "two_sets", False)
 
         def run(weights: dict, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor,
-                kind: str = "sorted"):
+                kind: str = "sorted", second: dict | None = None):
+            if second is not None and not two_sets:
+                return None
             with _holding(module, weights):
+                if second is not None:
+                    return pairs(module, x_TD, local_TK, weights_TK, kind=kind, second=second)
                 return pairs(module, x_TD, local_TK, weights_TK, kind=kind)
 
+        run.two_sets = two_sets
         return run
 
     # -- local compute

@@ -75,16 +75,21 @@ def kernel_compute_fn(module) -> Callable:
         return y_TD.to(x_TD.dtype)
 
     def pairs_partial(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, fallback=None,
-                      experts: int | None = None, kind: str = "sorted"):
+                      experts: int | None = None, kind: str = "sorted", second: dict | None = None):
         """The local share for latency and all-gather modes through the pair kernels (id -1: another
         rank's expert), or None where they do not apply (gradients, more than pairs_max_tokens() tokens,
-        or, given the caller's `fallback`, more than measured faster: `pairs_if_decode`)."""
+        or, given the caller's `fallback`, more than measured faster: `pairs_if_decode`). second: {name:
+        [E2, ...]} that ids past the module's rows read in the same launches (16-bit experts; else None)."""
         check_kernels_device(name, x_TD.device)
         from ..kernels.ops import pairs_if_decode  # triton: optional; only where the kernels run
 
         w_gate_up, w_down = expert_weights(module)
+        if second is not None:
+            if not isinstance(w_gate_up, torch.Tensor):  # FP8 or 4-bit: a launch per tensor set
+                return None
+            second = (second["gate_up_proj"], second["down_proj"])
         partial_TD = pairs_if_decode(x_TD, w_gate_up, w_down, ids_TK, weights_TK, activation, interleaved, fallback,
-                                     experts, kind)
+                                     experts, kind, second)
         return partial_TD.to(x_TD.dtype) if partial_TD is not None else None
 
     def summed(module, x_MD: torch.Tensor, counts_S: torch.Tensor, pairs_Q: torch.Tensor, weights_N: torch.Tensor,
@@ -100,6 +105,7 @@ def kernel_compute_fn(module) -> Callable:
                               positions_N=positions_N)
         return y_MD.to(x_MD.dtype) if y_MD is not None else None
 
+    pairs_partial.two_sets = True  # takes `second`
     compute.pairs_partial = pairs_partial
     compute.summed = summed
     return compute

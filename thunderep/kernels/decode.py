@@ -11,12 +11,13 @@ from typing import Optional
 
 import torch
 
+from ..errors import InputError
 from . import paths, tiles, tuning
 from .act import ACTIVATIONS
 from .fp8 import scale_args, weight_data
 from .tuning import cdiv, next_power_of_2
 
-__all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "pairs4_forward", "pairs_forward"]
+__all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "pairs4_forward", "pairs_forward", "second_rows"]
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
 # tiles.DOWN_PAIRS4) and takes tiles.pairs4_default elsewhere; a dict {"BLOCK_N", "BLOCK_K", "num_warps"}
@@ -24,14 +25,38 @@ __all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "pairs4_forward", "pairs_forward"]
 PAIRS4_UP: dict | None = None
 PAIRS4_DOWN: dict | None = None
 
+def second_rows(first: torch.Tensor, second: torch.Tensor) -> tuple[int, int]:
+    """(split_e, w_shift) of pairs.py's `_entry_offset`: ids from split_e (the rows of `first`) on read rows
+    of `second` (same dtype, same strides after the first) where the kernels take `first`."""
+    if second.dtype != first.dtype or second.stride() != first.stride() or second.shape[1:] != first.shape[1:]:
+        raise InputError(f"a second weight tensor needs the first's dtype, row shape and strides: got "
+                         f"{second.dtype} {tuple(second.shape)} strides {second.stride()} against {first.dtype} "
+                         f"{tuple(first.shape)} strides {first.stride()}")
+    gap = second.data_ptr() - first.data_ptr()
+    if gap % first.element_size():
+        raise InputError("a second weight tensor must lie a whole number of elements from the first")
+    E = first.shape[0]
+    return E, gap // first.element_size() - E * first.stride(0)
+
+
 def pairs_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights: Optional[torch.Tensor],
-                  activation: str, interleaved: bool) -> torch.Tensor:
+                  activation: str, interleaved: bool, second: tuple | None = None) -> torch.Tensor:
     """y_TD through the two pair launches. x: [T, D]; w_gate_up: [E, 2I, D] and w_down: [E, D, I] in x's
     dtype, or both fp8.Fp8Weight; ids: [T * K] expert ids (-1: a pair computed elsewhere); weights: [T * K]
-    or None (unweighted)."""
+    or None (unweighted). second: (gate_up [E2, 2I, D], down [E2, D, I]) in x's dtype, both tensors laid
+    out as the first (16-bit weights only): ids E to E + E2 - 1 read their rows id - E, in the same launches
+    (the expert tiers' hot copies and mapped cold experts, `thunderep.moe.tier_mapped`)."""
     T, D = x.shape
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()
+    two = {}, {}
+    if second is not None:
+        if not isinstance(w_gate_up, torch.Tensor) or not isinstance(w_down, torch.Tensor):
+            raise InputError("a second weight tensor is taken with 16-bit weights only")
+        (gu_split, gu_shift), (d_split, d_shift) = second_rows(w_gate_up, second[0]), second_rows(w_down, second[1])
+        two = ({"split_e": gu_split, "w_shift": gu_shift, "TWO": True},
+               {"split_e": d_split, "w_shift": d_shift, "TWO": True})
+        E += second[0].shape[0]
     top_k = N // T
     n_counts = cdiv(D, tiles.MIN_DOWN_BLOCK_N)
     pdl = paths.pdl_applies(x.device)
@@ -44,7 +69,7 @@ def pairs_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights
                   x_ptr=x, w_ptr=w_gu, h_ptr=h, ids_ptr=ids, count_ptr=count, I=I, D=D, E=E, top_k=top_k,
                   stride_xm=x.stride(0), stride_we=w_gu.stride(0), stride_wn=w_gu.stride(1),
                   stride_hm=h.stride(0), n_counts=n_counts, ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved,
-                  PRECISION=tuning.precision(x.dtype), PDL=pdl,
+                  PRECISION=tuning.precision(x.dtype), PDL=pdl, **two[0],
                   **scale_args(w_gate_up, "ws_ptr", ("stride_wse", "stride_wsn", "stride_wsk")))
     y = x.new_empty(T, D)
     tuning.launch(tiles.DOWN_PAIRS, tiles.DOWN_PAIRS_PLAIN, tiles.DEFAULT_DOWN_PAIR,
@@ -52,7 +77,7 @@ def pairs_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights
                   x.device, h_ptr=h, w_ptr=w_d, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h,
                   part_ptr=part, count_ptr=count, D=D, I=I, E=E, top_k=top_k, stride_hm=h.stride(0),
                   stride_we=w_d.stride(0), stride_wd=w_d.stride(1), stride_ym=y.stride(0), stride_cm=n_counts,
-                  WEIGHTED=weights is not None, PDL=pdl, SLOTS=next_power_of_2(top_k),
+                  WEIGHTED=weights is not None, PDL=pdl, SLOTS=next_power_of_2(top_k), **two[1],
                   **scale_args(w_down, "ws_ptr", ("stride_wse", "stride_wsn", "stride_wsk")),
                   **({"launch_pdl": True} if pdl else {}))
     return y

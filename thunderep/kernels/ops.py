@@ -442,11 +442,14 @@ def moe_mlp_pairs(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: 
 
 def pairs_if_decode(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
                     weights_TK: torch.Tensor | None, activation: str, interleaved: bool, fallback=None,
-                    experts: int | None = None, kind: str = "sorted") -> torch.Tensor | None:
+                    experts: int | None = None, kind: str = "sorted", second: tuple | None = None
+                    ) -> torch.Tensor | None:
     """`moe_mlp_pairs` (x cast to the weights' dtype) where `decode_applies`, or, given the caller's
     `fallback(ids_TK)` (what the caller runs on None), where `paths.pairs_win` chooses the pair kernels
     (`experts`, `kind` as there); else None. The caller has checked that the Triton kernels can run
-    these experts."""
+    these experts. second: a second (gate_up, down) pair of 16-bit tensors the ids past the first's rows
+    read (`decode.pairs_forward`; no fallback: nothing else reads two tensors); None where the weights
+    are not 16-bit."""
     if x_TD.shape[0] > max(paths.PAIRS_TUNE_MAX_TOKENS, paths.pairs_max_tokens()) and kind != paths.IN_PLACE:
         return None  # neither applies: x is not cast
     x_TD = x_TD.to(w_gate_up_E2ID.dtype)
@@ -456,4 +459,10 @@ def pairs_if_decode(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI
             return None
     elif not paths.decode_applies(x_TD.shape[0], x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI, kind=kind):
         return None
+    if second is not None:
+        if fallback is not None or not all(isinstance(w, torch.Tensor) for w in (w_gate_up_E2ID, w_down_EDI)):
+            return None
+        return decode.pairs_forward(x_TD.contiguous(), w_gate_up_E2ID, w_down_EDI, ids_TK.reshape(-1).contiguous(),
+                                    weights_TK.reshape(-1).contiguous() if weights_TK is not None else None,
+                                    activation, interleaved, second=second)
     return moe_mlp_pairs(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved)

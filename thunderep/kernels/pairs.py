@@ -128,12 +128,25 @@ def _next_k(k0, BLOCK_K: tl.constexpr, K):
 
 
 @triton.jit
+def _entry_offset(expert, stride_we, split_e, w_shift, TWO: tl.constexpr):
+    """Elements from w_ptr to entry `expert`'s weights (int64). TWO: the entries from split_e on are rows
+    expert - split_e of a second tensor of the same strides, w_shift = (its address - w_ptr's) / element
+    size - split_e * stride_we elements further (the expert tiers' hot copies and the cold experts they
+    read in mapped host memory, in one launch)."""
+    off = expert * stride_we
+    if TWO:
+        off += tl.where(expert >= split_e, w_shift, 0)
+    return off
+
+
+@triton.jit
 def up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, top_k, stride_xm, stride_we,
                      stride_wn, stride_hm, n_counts, stride_wse, stride_wsn, stride_wsk, ACT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                      PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
                      X_ROWS: tl.constexpr, SCALED: tl.constexpr = False, SCALE_N: tl.constexpr = 1,
-                     SCALE_K: tl.constexpr = 1, REDUCE: tl.constexpr = False):
+                     SCALE_K: tl.constexpr = 1, REDUCE: tl.constexpr = False, split_e=0, w_shift=0,
+                     TWO: tl.constexpr = False):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1).
 
@@ -154,7 +167,8 @@ def up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, to
     is read. Any other id outside [0, E) writes NaN (no sync to check ids on the host; the token's
     output then shows it). Also zeroes the down pass's per-token counts (count: [T, n_counts]).
     SCALED: Wgu is FP8 with float32 scales ws [E, 2I / SCALE_N, D / SCALE_K] (by strides; BLOCK_K divides
-    SCALE_K, or SCALE_K >= D), each chunk dequantized to x's dtype (fp8.py)."""
+    SCALE_K, or SCALE_K >= D), each chunk dequantized to x's dtype (fp8.py). TWO (unscaled weights): ids
+    from split_e on name rows of a second tensor (`_entry_offset`); E counts both tensors' rows."""
     if PDL:  # the down pass may launch now: its programs take the SM room this grid leaves
         gdc_launch_dependents()
     j = tl.program_id(0)
@@ -172,7 +186,7 @@ def up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, to
     gate_N, up_N = gate_up_cols(cols_N, I, INTERLEAVED)
     k_K = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (j // top_k).to(tl.int64) * stride_xm + k_K
-    w_base = w_ptr + expert * stride_we
+    w_base = w_ptr + _entry_offset(expert, stride_we, split_e, w_shift, TWO)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     BLOCKS: tl.constexpr = SCALED and SCALE_K > 0  # FP8 scales per chunk, else (SCALED) one per row
     gs_ptrs = weight_scales(ws_ptr, expert, gate_N, stride_wse, stride_wsn, SCALE_N)
@@ -264,7 +278,7 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
                   stride_wse, stride_wsn, stride_wsk, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr, AHEAD: tl.constexpr,
                   X_ROWS: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-                  REDUCE: tl.constexpr):
+                  REDUCE: tl.constexpr, split_e, w_shift, TWO: tl.constexpr):
     """w[j] * (h[j] . Wd[ids[j], n]) for columns n, as a [BLOCK_N, BLOCK_K] float32 tile to be summed
     over its second axis ([BLOCK_N, 1] with REDUCE, `_tile_acc`). An id outside [0, E) reads no
     weights (its h row is 0 or NaN).
@@ -280,7 +294,8 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
     w_ok_N = cols_N < tl.where(known, D, 0)
     k_K = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
-    w_ptrs = w_ptr + expert * stride_we + cols_N.to(tl.int64)[:, None] * stride_wd + k_K[None, :]
+    w_ptrs = (w_ptr + _entry_offset(expert, stride_we, split_e, w_shift, TWO) + cols_N.to(tl.int64)[:, None] * stride_wd
+              + k_K[None, :])
     BLOCKS: tl.constexpr = SCALED and SCALE_K > 0  # FP8 scales per chunk, else (SCALED) one per row
     ws_ptrs = weight_scales(ws_ptr, expert, cols_N, stride_wse, stride_wsn, SCALE_N)
     if WEIGHTED:
@@ -342,7 +357,8 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
 def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k, stride_hm, stride_we, stride_wd,
                    ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
                    SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr,
-                   X_ROWS: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
+                   X_ROWS: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                   split_e, w_shift, TWO: tl.constexpr):
     """sum over slots k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for columns n: all of token t's
     slots in one [SLOTS, BLOCK_N, BLOCK_K] tile (SLOTS: top_k rounded up to a power of two; the rows of
     slots past top_k are masked), weights loaded two chunks ahead and h one, so the K experts' rows stream
@@ -358,8 +374,8 @@ def _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k,
     expert_S = tl.where(known_S, expert_S, 0)
     w_ok_SN = known_S[:, None] & (cols_N < D)[None, :]
     k_K = tl.arange(0, BLOCK_K)
-    w_ptrs = (w_ptr + expert_S[:, None, None] * stride_we + cols_N.to(tl.int64)[None, :, None] * stride_wd
-              + k_K[None, None, :])
+    w_ptrs = (w_ptr + _entry_offset(expert_S, stride_we, split_e, w_shift, TWO)[:, None, None]
+              + cols_N.to(tl.int64)[None, :, None] * stride_wd + k_K[None, None, :])
     BLOCKS: tl.constexpr = SCALED and SCALE_K > 0  # FP8 scales per chunk, else (SCALED) one per row
     ws_ptrs = (ws_ptr + expert_S[:, None] * stride_wse
                + (cols_N // SCALE_N).to(tl.int64)[None, :] * stride_wsn)  # [SLOTS, BLOCK_N]
@@ -413,7 +429,8 @@ def down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_
                        WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, X_ROWS: tl.constexpr,
                        ALL_SLOTS: tl.constexpr = False, SLOTS: tl.constexpr = 1, SCALED: tl.constexpr = False,
-                       SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1, REDUCE: tl.constexpr = False):
+                       SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1, REDUCE: tl.constexpr = False,
+                       split_e=0, w_shift=0, TWO: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1): the down projection, routing weight and sum over K in one pass.
     h: [T*K, I]; Wd: [E, D, I] (unit stride along I). Elementwise multiply-adds as in up_pairs_kernel
@@ -432,7 +449,8 @@ def down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_
       at 0: up_pairs_kernel zeroes them, and each launch leaves them at 0 (the autotuner reruns).
     Expert id -1 (not computed here) adds nothing and reads no weights; for any other id outside
     [0, E) the h row is NaN (up_pairs_kernel), so y[t] is NaN. SCALED: Wd is FP8 with float32 scales ws
-    [E, D / SCALE_N, I / SCALE_K] (by strides), as the gate/up pass's."""
+    [E, D / SCALE_N, I / SCALE_K] (by strides), as the gate/up pass's. TWO: ids from split_e on in a second
+    tensor, as the gate/up pass's (`_entry_offset`)."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -441,13 +459,14 @@ def down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_
     if ALL_SLOTS:
         y_N = _all_slots_sum(h_ptr, w_ptr, ids_ptr, weight_ptr, t, cols_N, D, I, E, top_k, stride_hm, stride_we,
                              stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K, SLOTS, BLOCK_N,
-                             BLOCK_K, PDL, X_ROWS, SCALED, SCALE_N, SCALE_K)
+                             BLOCK_K, PDL, X_ROWS, SCALED, SCALE_N, SCALE_K, split_e, w_shift, TWO)
         tl.store(y_ptrs, y_N.to(y_ptr.dtype.element_ty), mask=col_ok_N)
     elif SPLIT:
         j = t * top_k + tl.program_id(2)
         part_N = tl.sum(_slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
                                       stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K,
-                                      BLOCK_N, BLOCK_K, PDL, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K, REDUCE), 1)
+                                      BLOCK_N, BLOCK_K, PDL, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K, REDUCE,
+                                      split_e, w_shift, TWO), 1)
         tl.store(part_ptr + j.to(tl.int64) * D + cols_N, part_N, mask=col_ok_N)
         count = count_ptr + t.to(tl.int64) * stride_cm + tile
         if tl.atomic_add(count, 1, sem="acq_rel") == top_k - 1:  # the token's other slots are stored
@@ -461,9 +480,10 @@ def down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_
     else:
         acc = _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm, stride_we,
                             stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K,
-                            PDL, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K, REDUCE)
+                            PDL, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K, REDUCE, split_e, w_shift, TWO)
         for slot in range(1, top_k):
             acc += _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E, stride_hm,
                                  stride_we, stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K,
-                                 BLOCK_N, BLOCK_K, False, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K, REDUCE)
+                                 BLOCK_N, BLOCK_K, False, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K, REDUCE, split_e,
+                                 w_shift, TWO)
         tl.store(y_ptrs, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=col_ok_N)

@@ -40,6 +40,9 @@ class MappedReads:
         self._mapped_stale = True  # whether the mapped slots moved since the table was written
         self._masked = None  # the hot mask `_device_mask` was made from
         self._job_mapped = False  # whether the device read the mapped slots of this layer's last job's call
+        self._both_table: SlotTable | None = None  # `_both_pairs`: hot slots at their rows, mapped ones after
+        self._both_stale = True
+        self._two_sets = getattr(self.pairs, "two_sets", False)  # whether `pairs` may take a second set
 
     def mapped_share(self) -> float:
         """The share q of the cold rows the device should read mapped (the module docstring), 0 where the
@@ -67,7 +70,7 @@ class MappedReads:
         if chosen == self._mapped and self._masked is self._hot_mask:
             return  # unchanged: the device's table and the job's mask are kept
         if chosen != self._mapped:
-            self._mapped, self._mapped_stale = chosen, True
+            self._mapped, self._mapped_stale, self._both_stale = chosen, True, True
         mask = self._hot_mask.clone()  # a new one: a job may hold the old
         mask[list(chosen)] = True
         self._device_mask, self._masked = mask, self._hot_mask
@@ -102,6 +105,28 @@ class MappedReads:
             table.set({s: s for s in sorted(self._mapped)})
             self._mapped_stale = False
         return self.pairs(self._mapped_views(), x_TD, table.values[local_TK], weights_TK, kind=IN_PLACE)
+
+    def _both_pairs(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
+        """The hot and the mapped slots' weighted [T, D] share in one call of the pair kernels, or None where
+        that does not apply: nothing hot or nothing mapped, or kernels that take one set of tensors (FP8
+        and 4-bit experts: then the two shares are two calls, `partial`). The call's two launches read the
+        hot copies and, past their H rows, the mapped host weights (`pairs`' second set, entry H + slot): at
+        batch 1 a step is bound by the launching thread, and a pair call costs it about as much as a layer's
+        router (examples/decode_step_probe.py)."""
+        if not (self._two_sets and self._mapped and self.capacity):
+            return None
+        table = self._both_table
+        if table is None or table.device != local_TK.device:
+            table = self._both_table = SlotTable(self.num_slots, local_TK.device)
+            self._both_stale = True
+        if self._both_stale:
+            H = self.capacity
+            table.set({**self._row_of, **{s: H + s for s in self._mapped}})
+            self._both_stale = False
+        y_TD = self.pairs(self.hot, x_TD, table.values[local_TK], weights_TK, second=self._mapped_views())
+        if y_TD is None and x_TD.shape[0] == 1:  # one token always fits: these kernels take one set
+            self._two_sets = False
+        return y_TD
 
     def _count_mapped(self, by_slot: dict, counts: list[int]) -> list[int]:
         """The mapped slots of a call's `by_slot` whose pairs the device read, in slot order, counted in the

@@ -145,7 +145,7 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         self._row_of = {s: row for row, s in enumerate(order)}
         self._hot_mask = torch.zeros(self.num_slots, dtype=torch.bool)  # a new one: a job may hold the old
         self._hot_mask[list(self._row_of)] = True
-        self._hot_stale = True
+        self._hot_stale = self._both_stale = True
         self.choose_mapped()
         if count and entering:
             self.stats.bytes_promoted += len(entering) * self.slot_bytes
@@ -189,7 +189,8 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         pair on the device, -1 for a pair another rank computes; weights_TK: [T, K]. One wait for the host:
           1. the ids, the weights and the token rows queued to pinned host memory;
           2. the hot pairs launched through `pairs` (the decode pair kernels), before the wait, and the mapped
-             slots' pairs through them on the mapped host weights (`tier_mapped`; the host skips those);
+             slots' pairs through them on the mapped host weights (`tier_mapped`; the host skips those), both
+             in the same launches where the kernels take two sets of tensors (16-bit experts);
           3. with host jobs (`jobs`: `pairs` took the hot pairs, or none is hot), 4 and 5 are a job
              (`_handed_off`) and this thread waits for nothing; else the wait here, and the call's rows per
              slot counted on the host;
@@ -207,14 +208,17 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         job_args = self._handoff_args(row_bytes, T) if self.pairs is not None or not self.capacity else None
         tensors = [local_TK, weights_TK, x_TD]
         host, copied = self._pinned_copies(tensors) if job_args is not None else to_host_all(tensors)
-        hot_TD = None
-        if self.pairs is not None and self.capacity:
-            hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK)
-        mapped_TD = self._mapped_pairs(x_TD, local_TK, weights_TK)
-        self._job_mapped = mapped_TD is not None
-        on_device = [y for y in (hot_TD, mapped_TD) if y is not None]  # the device's shares, [T, D] each
-        if job_args is not None and (hot_TD is not None or not self.capacity):
-            mask = self._device_mask if mapped_TD is not None else self._hot_mask
+        hot_TD = mapped_TD = None
+        both_TD = self._both_pairs(x_TD, local_TK, weights_TK)  # the hot and mapped pairs in one call
+        if both_TD is None:
+            if self.pairs is not None and self.capacity:
+                hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK)
+            mapped_TD = self._mapped_pairs(x_TD, local_TK, weights_TK)
+        hot_done = both_TD is not None or hot_TD is not None  # the device took the hot pairs
+        self._job_mapped = both_TD is not None or mapped_TD is not None
+        on_device = [y for y in (both_TD, hot_TD, mapped_TD) if y is not None]  # the device's shares, [T, D] each
+        if job_args is not None and (hot_done or not self.capacity):
+            mask = self._device_mask if self._job_mapped else self._hot_mask
             return self._handed_off(on_device, host, copied, x_TD.shape, job_args, mask)
         if copied is not None:
             copied.synchronize()
@@ -226,12 +230,11 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         y_TD = on_device[0].float() if on_device else torch.zeros(T, D, dtype=torch.float32, device=device)
         for y in on_device[1:]:
             y_TD += y
-        hot, cold = self._split(by_slot, counts, mapped_TD is not None)
+        hot, cold = self._split(by_slot, counts, self._job_mapped)
         paths = dict(zip(cold, self.paths([counts[s] for s in cold], row_bytes)))
-        later = ([] if hot_TD is not None else hot) + [s for s in cold if paths[s] == "stream"]  # on the device
+        later = ([] if hot_done else hot) + [s for s in cold if paths[s] == "stream"]  # on the device
         if later:
-            pieces = self._on_device(x_TD, {s: [n // K for n in by_slot[s]] for s in later},
-                                     hot if hot_TD is None else [])
+            pieces = self._on_device(x_TD, {s: [n // K for n in by_slot[s]] for s in later}, [] if hot_done else hot)
             pairs = [n for s in later for n in by_slot[s]]
             w_N = w_h.reshape(-1).float()
             if len(pairs) <= self.FEW_PAIRS:  # a decode step's few: each added with its weight, no copies
