@@ -270,9 +270,11 @@ def _mapped_ranks(rank, world, path):
                                     offload=TierConfig(cold_path="mapped"))
     tiers = [b.tiers for b in tm.bindings.values()]
     with torch.no_grad():
-        for t in range(x.shape[1]):  # one-token calls of both prompts, every rank computing its own experts
-            got = tm(input_ids=x[:, t:t + 1], replicated=True).logits.float()
-            torch.testing.assert_close(got, ref(input_ids=x[:, t:t + 1]).logits, rtol=2e-2, atol=2e-2)
+        for row in range(x.shape[0]):  # one-token calls (a call of two shares a rank's 2 slots: none
+            for t in range(x.shape[1]):  # mapped, `maps_call`), every rank computing its own experts
+                one = x[row:row + 1, t:t + 1]
+                got = tm(input_ids=one, replicated=True).logits.float()
+                torch.testing.assert_close(got, ref(input_ids=one).logits, rtol=2e-2, atol=2e-2)
     mapped = [sorted(t._mapped) for t in tiers]
     ep.close()
     return mapped, [t.capacity for t in tiers], [t.num_slots for t in tiers], tm.offload_stats()

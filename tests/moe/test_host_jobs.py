@@ -86,6 +86,7 @@ def test_mapped_slots_are_read_by_the_device_and_skipped_by_the_host(thread, mon
     from thunderep.moe.tier_mapped import IN_PLACE
 
     monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: 0.5)
+    monkeypatch.setattr(ExpertTiers, "MAPPED_READS", 3.0)  # LOCAL_TK's 4 tokens on 6 slots: 2.13 reads a slot
     tiers = _tiers(2, thread)
     monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: 0.0)
     plain = _tiers(2, "off")
@@ -103,6 +104,28 @@ def test_mapped_slots_are_read_by_the_device_and_skipped_by_the_host(thread, mon
     s = tiers.stats
     assert (s.rows_hot, s.rows_mapped, s.rows_host, s.rows_streamed) == (3, 3, 2, 0)  # host: slots 5 and 3
     assert s.bytes_streamed == 3 * tiers.slot_bytes
+
+
+def test_calls_whose_tokens_share_slots_read_none_in_place(monkeypatch):
+    """A call reads its mapped slots in place only where a hit slot is expected to be read at most
+    MAPPED_READS times (each pair reads its slot itself): always at one token; at 8 tokens on 128 slots with
+    8 experts each (1.24 reads) but not on 8 slots with 2 each (2.22). A call that does not map computes every
+    cold slot on the host (in line) with the same sums, its rows counted there."""
+    tiers = _tiers(2, "off")
+    assert tiers.maps_call(1, 3) and tiers.maps_call(2, 1) and not tiers.maps_call(4, 3)
+    for slots, K, maps in ((128, 8, True), (8, 2, False), (256, 8, True)):
+        monkeypatch.setattr(tiers, "num_slots", slots)
+        assert tiers.maps_call(8, K) == maps, (slots, K)
+    monkeypatch.setattr(tiers, "num_slots", S)
+    monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: 0.5)
+    tiers.choose_mapped()
+    assert tiers._mapped == {0, 2}
+    gen = torch.Generator().manual_seed(3)
+    x_TD, w_TK = torch.randn(4, D, generator=gen), torch.rand(4, 3, generator=gen)
+    monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: 0.0)
+    plain = _tiers(2, "off")
+    torch.testing.assert_close(tiers.partial(x_TD, LOCAL_TK, w_TK), plain.partial(x_TD, LOCAL_TK, w_TK))
+    assert tiers.stats.rows_mapped == 0 and tiers.stats.rows_host == plain.stats.rows_host > 0
 
 
 def test_the_mapped_slots_follow_the_load(monkeypatch):

@@ -14,8 +14,9 @@ for the bus: the same bytes cross it; one H100 host read mapped weights at 44-48
 a staged copy, `examples/mapped_pairs_probe.py`). The host's job, or the in-line host path, skips those slots
 (`_device_mask`). "auto" maps on CUDA only (on a CPU the device is the host: nothing runs at once;
 THUNDEREP_MAPPED=0 turns it off); cold_path "mapped" maps every cold slot (any device: tests), "host" and
-"stream" none. Only `partial` calls map (each pair reads its slot's weights itself, so a slot two tokens share is read
-twice: a decode step's few rows, not a prompt's).
+"stream" none. Only `partial` calls map, and of those the ones whose tokens share few slots (`maps_call`): each
+pair reads its slot's weights itself, so a slot two tokens share is read twice (a decode step's few rows, not a
+prompt's; at batch 8 Qwen3-30B-A3B's 128 experts, not Mixtral's 8).
 """
 
 from __future__ import annotations
@@ -31,6 +32,24 @@ IN_PLACE = "in place"  # the pair kernels' `kind` for weights they alone can rea
 class MappedReads:
     """Mixed into `ExpertTiers` (whose attributes it uses: host, device, pairs, config, costs, num_slots,
     slot_params, slot_bytes, stats, _row_of, _hot_mask and the load EMA of `HotSetRule`)."""
+
+    # Expected reads of a mapped slot in a call that hits it, up to which the call reads its mapped slots in
+    # place (`maps_call`): between Qwen3-30B-A3B's 1.24 at 8 tokens, where mapping gained at batch 8 (one
+    # H100: 88 against 56 tokens/s unmapped), and Mixtral's 2.22, whose quarter-hot row fell at batch 8 to
+    # 77 tokens/s with mapping, below the host alone's 130 (184 in an earlier run without it);
+    # docs/benchmarks/2026-12-05-expert-offload-h200.md, thirteenth and fourteenth runs.
+    MAPPED_READS = 1.5
+
+    def maps_call(self, tokens: int, top_k: int) -> bool:
+        """Whether a call of `tokens` tokens (top_k pairs each) reads its mapped slots in place. Each pair
+        reads its slot's weights across the bus, so a slot several of the call's tokens share is read that
+        many times, where the host path and the stream path read it once. Expected pairs per hit slot under
+        uniform routing over this layer's S slots: T p / (1 - (1 - p) ** T) for p = K / S (1 at one token;
+        under expert parallelism S is a rank's share, so p is over-estimated: fewer calls map)."""
+        if tokens <= 1:
+            return True
+        p = min(1.0, top_k / self.num_slots)
+        return tokens * p / (1 - (1 - p) ** tokens) <= self.MAPPED_READS
 
     def _no_mapping(self) -> None:
         self._maps = None  # `_mapped_views`, made on first use (False: unavailable), of the host dict _maps_of
@@ -94,8 +113,8 @@ class MappedReads:
 
     def _mapped_pairs(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
         """The mapped slots' weighted [T, D] share through the pair kernels on the mapped views, or None where
-        no slot is mapped or the kernels do not take the call."""
-        if not self._mapped:
+        no slot is mapped, the call would read them too often (`maps_call`) or the kernels do not take it."""
+        if not self._mapped or not self.maps_call(*local_TK.shape):
             return None
         table = self._mapped_table
         if table is None or table.device != local_TK.device:
@@ -113,7 +132,7 @@ class MappedReads:
         hot copies and, past their H rows, the mapped host weights (`pairs`' second set, entry H + slot): at
         batch 1 a step is bound by the launching thread, and a pair call costs it about as much as a layer's
         router (examples/decode_step_probe.py)."""
-        if not (self._two_sets and self._mapped and self.capacity):
+        if not (self._two_sets and self._mapped and self.capacity and self.maps_call(*local_TK.shape)):
             return None
         table = self._both_table
         if table is None or table.device != local_TK.device:
