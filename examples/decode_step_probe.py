@@ -5,17 +5,19 @@
 
 For each hot fraction (1: the whole model on the device, row (c) of `thunderep.bench.offload`; 0: no hot
 expert, every cold expert on the host, row (b); else that share hot with the default cold paths) the model is
-loaded, warmed up, and one greedy generate() of 32 new tokens at batch 1 is timed as the benchmark times it.
-Meanwhile the launching thread's own time is summed over the steps, without waiting for the device:
+loaded, warmed up, and two greedy generate() calls of 32 new tokens (--steps 31 decode steps each) at batch 1
+are timed as the benchmark times them (first new token to last; each run's rate printed, the mean of both).
+Meanwhile the launching thread's own time is summed over the decode steps, without waiting for the device:
   forward    the model's forward (every launch of a step; a synchronizing call inside shows up here),
   moe        the MoE blocks' forwards, within forward,
   partial    `ExpertTiers.partial`, within moe (the tiers' share of a decode call),
   settle     `ExpertTiers.settle`, within partial (waits for the layer's previous job),
 and the rest of a step (generate's own work and its wait for the device's token) is step - forward. A step
 whose forward is close to the step's time is bound by the launching thread; one whose rest is large waits for
-the device (or the host jobs the device waits for). --trace DIR also writes a torch.profiler trace of 3
-decode steps per fraction (chrome trace, gzipped); --cprofile prints the launching thread's top Python
-functions over 8 decode steps of each partly hot fraction (cProfile: their times inflated, their order kept)."""
+the device (or the host jobs the device waits for). --trace DIR also writes a torch.profiler trace of one
+generate() of 4 new tokens per fraction (the prompt's forward and 3 decode steps; chrome trace, gzipped);
+--cprofile prints the launching thread's top Python functions over one generate() of each partly hot
+fraction (cProfile: their times inflated, their order kept; the prompt's forward counted in)."""
 
 from __future__ import annotations
 
@@ -119,10 +121,8 @@ def probe(path: Path, fraction: float, budget, steps: int, trace: Path | None, d
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        tm.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(3):  # three steps as forwards of one token each, after the prompt's
-                tm.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+        with torch.profiler.profile(activities=activities) as prof:  # the prompt's forward, then 3 steps
+            tm.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
         raw = trace / f"trace_{fraction:g}.json"
         prof.export_chrome_trace(str(raw))
         with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
