@@ -139,15 +139,15 @@ def test_the_mapped_slots_follow_the_load(monkeypatch):
     assert tiers._mapped == {5, 3}  # half of the cold slots 0, 2, 3, 5
     assert tiers._device_mask.tolist() == [False, True, False, True, True, True]
     tiers._mapped_pairs(torch.randn(1, D), torch.tensor([[5, 0, 1]]), torch.rand(1, 3))  # writes the device's table
-    table, mask = tiers._mapped_table, tiers._device_mask
-    assert table.values.tolist() == [-1, -1, -1, 3, -1, 5, -1] and not tiers._mapped_stale
+    table, mask = tiers._tables["mapped"], tiers._device_mask
+    assert table.values.tolist() == [-1, -1, -1, 3, -1, 5, -1] and "mapped" not in tiers._stale
     tiers.choose_mapped()  # the same choice: the device's table is not written again, the mask is kept
-    assert not tiers._mapped_stale and tiers._device_mask is mask
+    assert "mapped" not in tiers._stale and tiers._device_mask is mask
     tiers._observe({0: 50})
     tiers.choose_mapped()
-    assert tiers._mapped == {0, 5} and tiers._mapped_stale and tiers._device_mask is not mask
+    assert tiers._mapped == {0, 5} and {"mapped", "both"} <= tiers._stale and tiers._device_mask is not mask
     tiers._mapped_pairs(torch.randn(1, D), torch.tensor([[5, 0, 1]]), torch.rand(1, 3))
-    assert tiers._mapped_table is table and table.values.tolist() == [0, -1, -1, -1, -1, 5, -1]  # in place
+    assert tiers._tables["mapped"] is table and table.values.tolist() == [0, -1, -1, -1, -1, 5, -1]  # in place
     tiers.set_hot([4, 2])  # a new hot set: a new mask, whether or not the mapped slots move
     assert not tiers._mapped & {4, 2} and tiers._device_mask[[4, 2]].all() and not tiers._device_mask[1]
     tiers._observe({3: 40})

@@ -24,14 +24,15 @@ from __future__ import annotations
 import torch
 
 from .. import env
-from .staging import SlotTable, mapped
+from .staging import mapped
 
 IN_PLACE = "in place"  # the pair kernels' `kind` for weights they alone can read (`thunderep.kernels.paths`)
 
 
 class MappedReads:
     """Mixed into `ExpertTiers` (whose attributes it uses: host, device, pairs, config, costs, num_slots,
-    slot_params, slot_bytes, stats, _row_of, _hot_mask and the load EMA of `HotSetRule`)."""
+    slot_params, slot_bytes, stats, _row_of, _hot_mask, the device's slot tables (`_table`, `_stale`) and the
+    load EMA of `HotSetRule`)."""
 
     # Expected reads of a mapped slot in a call that hits it, up to which the call reads its mapped slots in
     # place (`maps_call`): between Qwen3-30B-A3B's 1.24 at 8 tokens, where mapping gained at batch 8 (one
@@ -55,12 +56,8 @@ class MappedReads:
         self._maps = None  # `_mapped_views`, made on first use (False: unavailable), of the host dict _maps_of
         self._maps_of = None
         self._mapped: frozenset = frozenset()
-        self._mapped_table: SlotTable | None = None  # each mapped slot at its own index; made on first use
-        self._mapped_stale = True  # whether the mapped slots moved since the table was written
         self._masked = None  # the hot mask `_device_mask` was made from
         self._job_mapped = False  # whether the device read the mapped slots of this layer's last job's call
-        self._both_table: SlotTable | None = None  # `_both_pairs`: hot slots at their rows, mapped ones after
-        self._both_stale = True
         self._two_sets = getattr(self.pairs, "two_sets", False)  # whether `pairs` may take a second set
 
     def mapped_share(self) -> float:
@@ -89,7 +86,8 @@ class MappedReads:
         if chosen == self._mapped and self._masked is self._hot_mask:
             return  # unchanged: the device's table and the job's mask are kept
         if chosen != self._mapped:
-            self._mapped, self._mapped_stale, self._both_stale = chosen, True, True
+            self._mapped = chosen
+            self._stale |= {"mapped", "both"}
         mask = self._hot_mask.clone()  # a new one: a job may hold the old
         mask[list(chosen)] = True
         self._device_mask, self._masked = mask, self._hot_mask
@@ -116,14 +114,8 @@ class MappedReads:
         no slot is mapped, the call would read them too often (`maps_call`) or the kernels do not take it."""
         if not self._mapped or not self.maps_call(*local_TK.shape):
             return None
-        table = self._mapped_table
-        if table is None or table.device != local_TK.device:
-            table = self._mapped_table = SlotTable(self.num_slots, local_TK.device)
-            self._mapped_stale = True
-        if self._mapped_stale:
-            table.set({s: s for s in sorted(self._mapped)})
-            self._mapped_stale = False
-        return self.pairs(self._mapped_views(), x_TD, table.values[local_TK], weights_TK, kind=IN_PLACE)
+        table = self._table("mapped", local_TK.device, lambda: {s: s for s in sorted(self._mapped)})
+        return self.pairs(self._mapped_views(), x_TD, table[local_TK], weights_TK, kind=IN_PLACE)
 
     def _both_pairs(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
         """The hot and the mapped slots' weighted [T, D] share in one call of the pair kernels, or None where
@@ -134,15 +126,9 @@ class MappedReads:
         router (examples/decode_step_probe.py)."""
         if not (self._two_sets and self._mapped and self.capacity and self.maps_call(*local_TK.shape)):
             return None
-        table = self._both_table
-        if table is None or table.device != local_TK.device:
-            table = self._both_table = SlotTable(self.num_slots, local_TK.device)
-            self._both_stale = True
-        if self._both_stale:
-            H = self.capacity
-            table.set({**self._row_of, **{s: H + s for s in self._mapped}})
-            self._both_stale = False
-        y_TD = self.pairs(self.hot, x_TD, table.values[local_TK], weights_TK, second=self._mapped_views())
+        H = self.capacity
+        table = self._table("both", local_TK.device, lambda: {**self._row_of, **{s: H + s for s in self._mapped}})
+        y_TD = self.pairs(self.hot, x_TD, table[local_TK], weights_TK, second=self._mapped_views())
         if y_TD is None and x_TD.shape[0] == 1:  # one token always fits: these kernels take one set
             self._two_sets = False
         return y_TD

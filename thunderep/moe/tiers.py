@@ -94,8 +94,8 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         # device: transformers' experts function waits for the device (docs/benchmarks, expert offload)
         self.lean = host_fn if isinstance(host_fn, HostExperts) else None
         self.lean_hot, self.pairs = lean_hot, pairs
-        self._hot_table: SlotTable | None = None  # `_hot_entries`, made on first use
-        self._hot_stale = True  # whether the hot set moved since the table was written
+        self._tables: dict[str, SlotTable] = {}  # the device's slot tables (`_table`), made on first use
+        self._stale: set[str] = set()  # those to write again before their next use
         self._chosen_at = -1  # the call count of the last re-choice: at most one a call
         self.staging, self.config = staging, config or TierConfig()
         self.jobs = jobs_for(self.config, self.device)
@@ -145,7 +145,7 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         self._row_of = {s: row for row, s in enumerate(order)}
         self._hot_mask = torch.zeros(self.num_slots, dtype=torch.bool)  # a new one: a job may hold the old
         self._hot_mask[list(self._row_of)] = True
-        self._hot_stale = self._both_stale = True
+        self._stale |= {"hot", "both"}
         self.choose_mapped()
         if count and entering:
             self.stats.bytes_promoted += len(entering) * self.slot_bytes
@@ -287,14 +287,20 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         return hot, [s for s in sorted(by_slot) if s not in self._row_of and s not in skip]
 
     def _hot_entries(self, device: torch.device) -> torch.Tensor:
-        """Each slot's entry in the hot copies (a `SlotTable`: -1 for cold ones) on `device`, written again
-        where the hot set moved."""
-        if self._hot_table is None or self._hot_table.device != device:
-            self._hot_table, self._hot_stale = SlotTable(self.num_slots, device), True
-        if self._hot_stale:
-            self._hot_table.set(self._row_of)
-            self._hot_stale = False
-        return self._hot_table.values
+        """Each slot's entry in the hot copies (-1 for cold ones) on `device`."""
+        return self._table("hot", device, lambda: self._row_of)
+
+    def _table(self, key: str, device: torch.device, entries: Callable[[], dict]) -> torch.Tensor:
+        """The device's slot table `key` ("hot": the hot copies' rows; "mapped", "both": `tier_mapped`'s), a
+        `SlotTable` made on first use and written with `entries()` where that changed since (`_stale`)."""
+        table = self._tables.get(key)
+        if table is None or table.device != device:
+            table = self._tables[key] = SlotTable(self.num_slots, device)
+            self._stale.add(key)
+        if key in self._stale:
+            table.set(entries())
+            self._stale.discard(key)
+        return table.values
 
     def _on_device(self, x_TD: torch.Tensor, tokens: dict[int, list[int]], hot: list[int]) -> dict:
         """{slot: its rows' outputs [n, D]} for the slots in `tokens` (slot -> the token of each of its rows)
