@@ -545,11 +545,12 @@ def test_gpu_mapped_cold_slots_give_the_whole_models_logits(checkpoints):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test; the gpu test covers CUDA")
 @pytest.mark.parametrize("share, thread, experts_dtype", [(1.0, "auto", None), (1.0, "on", None), (0.5, "auto", None),
-                                                         (0.5, "on", None), (1.0, "auto", "int4")])
+                                                         (0.5, "on", None), (1.0, "auto", "int4"), (0.5, "on", "fp8")])
 def test_mapped_cold_slots_give_the_whole_model(share, thread, experts_dtype, checkpoints, monkeypatch):
     """Cold slots read in place by the pair kernels (`thunderep.moe.tier_mapped`; on a CPU the device's view is
     the host tensor), every cold slot (cold_path "mapped") or half of them (the mapped share forced), the
-    rest in line or as host jobs; 16-bit experts and 4-bit ones (their packed bytes and scales read in place):
+    rest in line or as host jobs; 16-bit experts (hot and mapped in one pair call) and FP8 and 4-bit ones
+    (their bytes and scales read in place, a pair call per set):
     one-token steps' logits equal the model's without gpu_memory; the
     mapped rows counted apart, none computed on the host where every cold slot is mapped, and each slot
     on one path only (hot, mapped, host: the rows add up to the pairs)."""
@@ -594,7 +595,7 @@ def test_mapped_cold_slots_give_the_whole_model(share, thread, experts_dtype, ch
         assert all(t.jobs is not None and t.jobs.submitted >= x.shape[0] for t in tiers)
     if experts_dtype is None:  # 16-bit: the hot and mapped pairs of each tiered call in one pair of launches
         assert launches.count(True) == x.shape[0] * len(tiers) and all(t._two_sets for t in tiers)
-    else:  # 4-bit: a launch per tensor set (the kernels take one)
+    else:  # FP8, 4-bit: a launch per tensor set (the kernels take one)
         assert not any(t._two_sets for t in tiers)
 
 
