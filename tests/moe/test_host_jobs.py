@@ -128,6 +128,25 @@ def test_calls_whose_tokens_share_slots_read_none_in_place(monkeypatch):
     assert tiers.stats.rows_mapped == 0 and tiers.stats.rows_host == plain.stats.rows_host > 0
 
 
+def test_the_mapped_path_is_timed_on_distinct_cold_slots():
+    """`time_mapped`: one token whose pairs read up to `slots` distinct cold slots in place (kind "in place",
+    each slot at its own index in the host tensors), in one pair call, seconds per slot; None without pair
+    kernels."""
+    from thunderep.moe.tier_mapped import IN_PLACE
+
+    tiers, seen = _tiers(2, "off"), []
+    pairs = tiers.pairs
+    tiers.pairs = lambda weights, x, entry_TK, w, kind="sorted": seen.append((weights, entry_TK, kind)) or \
+        pairs(weights, x, entry_TK, w, kind)
+    seconds = tiers.time_mapped(D, torch.float32, slots=3, repeats=2)
+    assert seconds is not None and seconds > 0 and len(seen) == 3  # a warm-up and two timed calls
+    weights, entry_TK, kind = seen[-1]
+    assert weights["down_proj"] is tiers.host["down_proj"] and kind == IN_PLACE
+    assert entry_TK.tolist() == [[0, 2, 3]]  # the first cold slots (4 and 1 are hot)
+    tiers.pairs = None
+    assert tiers.time_mapped(D, torch.float32) is None
+
+
 def test_the_mapped_slots_follow_the_load(monkeypatch):
     """The mapped slots are the mapped share of the cold slots, the busiest by load EMA (ties: the lower slot);
     the device's mask is the hot and mapped slots; they are chosen again at each

@@ -27,7 +27,8 @@ forward of [1, P] tokens without a cache (the last position's logits), the best 
 the share of expert rows served hot (in those decode steps, and in the prefill) and the cost model's predicted
 rates (`moe.offload_cost.predicted_rates`: routed experts alone, uniform routing, constants measured at load,
 the host path calibrated on its own host function at the layer's shape) over the measured ones, with what the
-host path runs (`moe.host_experts.describe`). Accelerate: batch 1 only (unless --accelerate-batch8), one timed
+host path runs (`moe.host_experts.describe`) and, on CUDA, the mapped path's own seconds per expert beside
+the stream's that price its share (`moe.tier_mapped.MappedReads.time_mapped`). Accelerate: batch 1 only (unless --accelerate-batch8), one timed
 call of --accelerate-new-tokens.
 """
 
@@ -62,7 +63,7 @@ from ..moe.offload_cost import measure_costs, predicted_rates
 from ..moe.tier_config import HOST_ENGINE
 from ..moe.tiers import COLD_PATHS, HOST_THREAD, TierConfig
 from ..train.plan import plan_offload_memory
-from .offload_tables import cost_table, size_text, table, way_name
+from .offload_tables import cost_table, hot_share, mapped_seconds, mapped_text, size_text, table, way_name
 
 __all__ = ["BASELINES", "SHAPES", "OffloadBench", "Row", "StepClock", "budgets", "build_checkpoint", "cost_table",
            "hardware", "main", "measure", "parse", "report", "run_rows", "table"]
@@ -259,16 +260,7 @@ def _decode(model, ids_BT: torch.Tensor, tokens: int, stats, sample: bool) -> tu
     model.generate(ids_BT, attention_mask=torch.ones_like(ids_BT), max_new_tokens=tokens, min_new_tokens=tokens,
                    do_sample=sample, pad_token_id=0, streamer=clock)
     assert len(clock.times) == tokens + 1, f"{len(clock.times)} streamer calls for {tokens} tokens"
-    return clock.times[-1] - clock.times[1], _share(clock.counters[1], clock.counters[-1])
-
-
-def _share(before, after) -> float | None:
-    """Hot share of the expert rows counted between two `offload_stats` dicts; None without offload."""
-    if before is None or after is None:
-        return None
-    delta = {k: after[k] - before[k] for k in ("rows_hot", "rows_host", "rows_streamed", "rows_mapped")}
-    rows = sum(delta.values())
-    return delta["rows_hot"] / rows if rows else None
+    return clock.times[-1] - clock.times[1], hot_share(clock.counters[1], clock.counters[-1])
 
 
 def measure(model, device: torch.device, vocab: int, batches, new_tokens: int, prefill: int, repeats: int,
@@ -298,7 +290,7 @@ def measure(model, device: torch.device, vocab: int, batches, new_tokens: int, p
             model(input_ids=ids_1P, use_cache=False, logits_to_keep=1)
             _sync(device)
             seconds = min(seconds, time.perf_counter() - started)
-    shares["prefill"] = _share(before, stats())
+    shares["prefill"] = hot_share(before, stats())
     say(f"  prefill {prefill}: {prefill / seconds:.1f} tokens/s ({seconds:.3f} s)")
     return decode, prefill / seconds, shares
 
@@ -330,8 +322,9 @@ def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offl
         tiers = [b.tiers for b in tm.bindings.values() if getattr(b, "tiers", None) is not None]
         costs = tiers[0].costs if tiers else measure_costs(device, dtype)
         row.costs = {**dataclasses.asdict(costs), "host_fn": describe(tiers[0].host_fn) if tiers else "-"}
-        say(f"  host path {row.costs['host_fn']}: {costs.host_text}; {costs.stream_text}; device "
-            f"{costs.device_flops / 1e9:.0f} GFLOP/s, host to device {costs.h2d_Bps / 1e9:.1f} GB/s")
+        row.costs["mapped_call_s"] = mapped_seconds(tiers, config.hidden_size, dtype, device)
+        say(f"  host path {row.costs['host_fn']}: {costs.host_text}; {costs.stream_text}{mapped_text(row.costs)}; "
+            f"device {costs.device_flops / 1e9:.0f} GFLOP/s, host to device {costs.h2d_Bps / 1e9:.1f} GB/s")
         if row.kind == "thunderep":  # the cold paths the model chose ((b) forces the host; (c) has no cold expert)
             row.predicted = _predict(costs, plan, config, bench)
             say(f"  predicted decode {row.predicted['decode']:.1f} tokens/s, prefill {row.predicted['prefill']:.0f} "

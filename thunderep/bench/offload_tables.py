@@ -9,7 +9,7 @@ from ..moe.tier_handoff import HostHandoff
 
 HANDOFF_TOKENS = HostHandoff.HANDOFF_TOKENS
 
-__all__ = ["cost_table", "size_text", "table", "way_name"]
+__all__ = ["cost_table", "hot_share", "mapped_seconds", "mapped_text", "size_text", "table", "way_name"]
 
 _THREAD_NAMES = {"off": "", "auto": ", host jobs", "on": ", host jobs (forced)"}
 
@@ -23,6 +23,27 @@ def way_name(thread: str, engine: str, threads: tuple[str, ...], engines: tuple[
     if thread == "off" or engines == ("auto",):
         return _THREAD_NAMES[thread]
     return f"{_THREAD_NAMES[thread]}, {engine}"
+
+
+def hot_share(before, after) -> float | None:
+    """Hot share of the expert rows counted between two `offload_stats` dicts; None without offload."""
+    if before is None or after is None:
+        return None
+    delta = {k: after[k] - before[k] for k in ("rows_hot", "rows_host", "rows_streamed", "rows_mapped")}
+    rows = sum(delta.values())
+    return delta["rows_hot"] / rows if rows else None
+
+
+def mapped_seconds(tiers: list, hidden: int, dtype, device) -> float | None:
+    """The mapped path's own seconds per expert at one row on CUDA (`MappedReads.time_mapped`, first layer),
+    beside the stream path's that price its share; None elsewhere or where it cannot run."""
+    return tiers[0].time_mapped(hidden, dtype) if tiers and device.type == "cuda" else None
+
+
+def mapped_text(costs: dict) -> str:
+    """"; mapped X ms per expert at one row" where a row's costs hold the mapped path's timing, else ""."""
+    seconds = costs.get("mapped_call_s")
+    return "" if seconds is None else f"; mapped {seconds * 1e3:.3f} ms per expert at one row"
 
 
 def size_text(n: int) -> str:

@@ -21,6 +21,8 @@ prompt's; at batch 8 Qwen3-30B-A3B's 128 experts, not Mixtral's 8).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .. import env
@@ -116,6 +118,32 @@ class MappedReads:
             return None
         table = self._table("mapped", local_TK.device, lambda: {s: s for s in sorted(self._mapped)})
         return self.pairs(self._mapped_views(), x_TD, table[local_TK], weights_TK, kind=IN_PLACE)
+
+    def time_mapped(self, hidden: int, dtype: torch.dtype, slots: int = 4, repeats: int = 3) -> float | None:
+        """Seconds per slot of the mapped path at one row: one token whose `slots` pairs (fewer where the
+        layer has fewer cold slots) read distinct cold slots in place, in one pair call waited for; best of
+        `repeats` after one warm-up. None where the path cannot run (no pair kernels, weights not mapped).
+        Measured, not used: the mapped share is priced at the stream path's seconds (`mapped_share`); the
+        benchmark prints both (`thunderep.bench.offload`)."""
+        views = self._mapped_views() if self.pairs is not None else None
+        chosen = [s for s in range(self.num_slots) if s not in self._row_of][:slots]
+        if views is None or not chosen:
+            return None
+        gen = torch.Generator().manual_seed(0)
+        x_TD = torch.randn(1, hidden, generator=gen).to(self.device, dtype)
+        ids_TK = torch.tensor([chosen], dtype=torch.int64, device=self.device)
+        w_TK = torch.full((1, len(chosen)), 1.0 / len(chosen), dtype=dtype, device=self.device)
+        best = float("inf")
+        for i in range(repeats + 1):
+            started = time.perf_counter()
+            y = self.pairs(views, x_TD, ids_TK, w_TK, kind=IN_PLACE)
+            if y is None:
+                return None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if i:
+                best = min(best, time.perf_counter() - started)
+        return best / len(chosen)
 
     def _both_pairs(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
         """The hot and the mapped slots' weighted [T, D] share in one call of the pair kernels, or None where
