@@ -322,7 +322,7 @@ def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offl
         tiers = [b.tiers for b in tm.bindings.values() if getattr(b, "tiers", None) is not None]
         costs = tiers[0].costs if tiers else measure_costs(device, dtype)
         row.costs = {**dataclasses.asdict(costs), "host_fn": describe(tiers[0].host_fn) if tiers else "-"}
-        row.costs["mapped_call_s"] = mapped_seconds(tiers, config.hidden_size, dtype, device)
+        row.costs["mapped_call_s"] = mapped_seconds(tiers, config, dtype, device)
         say(f"  host path {row.costs['host_fn']}: {costs.host_text}; {costs.stream_text}{mapped_text(row.costs)}; "
             f"device {costs.device_flops / 1e9:.0f} GFLOP/s, host to device {costs.h2d_Bps / 1e9:.1f} GB/s")
         if row.kind == "thunderep":  # the cold paths the model chose ((b) forces the host; (c) has no cold expert)

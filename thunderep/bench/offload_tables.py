@@ -34,10 +34,13 @@ def hot_share(before, after) -> float | None:
     return delta["rows_hot"] / rows if rows else None
 
 
-def mapped_seconds(tiers: list, hidden: int, dtype, device) -> float | None:
-    """The mapped path's own seconds per expert at one row on CUDA (`MappedReads.time_mapped`, first layer),
-    beside the stream path's that price its share; None elsewhere or where it cannot run."""
-    return tiers[0].time_mapped(hidden, dtype) if tiers and device.type == "cuda" else None
+def mapped_seconds(tiers: list, config, dtype, device) -> float | None:
+    """The mapped path's own seconds per expert at one row on CUDA (`MappedReads.time_mapped`, first layer, a
+    token of the model's top-k pairs: the kernels' tuned decode configs serve it), beside the stream path's
+    that price its share; None elsewhere or where it cannot run."""
+    if not tiers or device.type != "cuda":
+        return None
+    return tiers[0].time_mapped(config.hidden_size, dtype, slots=config.num_experts_per_tok)
 
 
 def mapped_text(costs: dict) -> str:
