@@ -128,6 +128,24 @@ def test_calls_whose_tokens_share_slots_read_none_in_place(monkeypatch):
     assert tiers.stats.rows_mapped == 0 and tiers.stats.rows_host == plain.stats.rows_host > 0
 
 
+@pytest.mark.parametrize("thread", ["off", "on"])
+def test_mapped_slots_the_device_can_no_longer_read_are_computed_on_the_host(thread, monkeypatch):
+    """Where the mapped views are gone (the host tensors replaced by ones the device cannot read), a call
+    reads nothing in place: the host (in line, or its job) computes the mapped slots too, with the same sums."""
+    monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: 0.5)
+    monkeypatch.setattr(ExpertTiers, "MAPPED_READS", 3.0)
+    tiers = _tiers(2, thread)
+    assert tiers._mapped == {0, 2}
+    monkeypatch.setattr(ExpertTiers, "_mapped_views", lambda self: None)
+    monkeypatch.setattr(ExpertTiers, "mapped_share", lambda self: 0.0)
+    plain = _tiers(2, "off")
+    gen = torch.Generator().manual_seed(4)
+    x_TD, w_TK = torch.randn(4, D, generator=gen), torch.rand(4, 3, generator=gen)
+    torch.testing.assert_close(tiers.partial(x_TD, LOCAL_TK, w_TK), plain.partial(x_TD, LOCAL_TK, w_TK))
+    tiers.settle()
+    assert tiers.stats.rows_mapped == 0 and tiers.stats.rows_host == plain.stats.rows_host > 0
+
+
 def test_the_mapped_path_is_timed_on_distinct_cold_slots():
     """`time_mapped`: one token whose pairs read up to `slots` distinct cold slots in place (kind "in place",
     each slot at its own index in the host tensors), in one pair call, seconds per slot; None without pair

@@ -114,10 +114,11 @@ class MappedReads:
     def _mapped_pairs(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
         """The mapped slots' weighted [T, D] share through the pair kernels on the mapped views, or None where
         no slot is mapped, the call would read them too often (`maps_call`) or the kernels do not take it."""
-        if not self._mapped or not self.maps_call(*local_TK.shape):
+        views = self._mapped_views() if self._mapped and self.maps_call(*local_TK.shape) else None
+        if views is None:  # (host tensors replaced by ones the device cannot read: the host computes them)
             return None
         table = self._table("mapped", local_TK.device, lambda: {s: s for s in sorted(self._mapped)})
-        return self.pairs(self._mapped_views(), x_TD, table[local_TK], weights_TK, kind=IN_PLACE)
+        return self.pairs(views, x_TD, table[local_TK], weights_TK, kind=IN_PLACE)
 
     def time_mapped(self, hidden: int, dtype: torch.dtype, slots: int = 4, repeats: int = 3) -> float | None:
         """Seconds per slot of the mapped path at one row: one token whose `slots` pairs (fewer where the
@@ -152,11 +153,13 @@ class MappedReads:
         hot copies and, past their H rows, the mapped host weights (`pairs`' second set, entry H + slot): at
         batch 1 a step is bound by the launching thread, and a pair call costs it about as much as a layer's
         router (examples/decode_step_probe.py)."""
-        if not (self._two_sets and self._mapped and self.capacity and self.maps_call(*local_TK.shape)):
+        applies = self._two_sets and self._mapped and self.capacity and self.maps_call(*local_TK.shape)
+        views = self._mapped_views() if applies else None
+        if views is None:
             return None
         H = self.capacity
         table = self._table("both", local_TK.device, lambda: {**self._row_of, **{s: H + s for s in self._mapped}})
-        y_TD = self.pairs(self.hot, x_TD, table[local_TK], weights_TK, second=self._mapped_views())
+        y_TD = self.pairs(self.hot, x_TD, table[local_TK], weights_TK, second=views)
         if y_TD is None and x_TD.shape[0] == 1:  # one token always fits: these kernels take one set
             self._two_sets = False
         return y_TD
