@@ -28,8 +28,8 @@ the share of expert rows served hot (in those decode steps, and in the prefill) 
 rates (`moe.offload_cost.predicted_rates`: routed experts alone, uniform routing, constants measured at load,
 the host path calibrated on its own host function at the layer's shape) over the measured ones, with what the
 host path runs (`moe.host_experts.describe`) and, on CUDA, the mapped path's own seconds per expert beside
-the stream's that price its share (`moe.tier_mapped.MappedReads.time_mapped`). Accelerate: batch 1 only (unless --accelerate-batch8), one timed
-call of --accelerate-new-tokens.
+the stream's that price its share (`moe.tier_mapped.MappedReads.time_mapped`). Accelerate: batch 1 only
+(unless --accelerate-batch8), one timed call of --accelerate-new-tokens.
 """
 
 from __future__ import annotations

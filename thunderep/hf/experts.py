@@ -225,24 +225,20 @@ class ExpertsBinding:
         """`pairs(weights, x_TD, local_TK, weights_TK, kind="sorted", second=None)`: the decode pair kernels'
         weighted [T, D] share on other tensors than the module's own (the tiers' hot copies, or mapped host
         weights with kind "in place"; local_TK -1: a pair they do not hold), None where they do not apply
-        (`pairs_partial`); None where the experts do not run ThunderEP's kernels. second: a second set of
-        tensors ({name: [E2, ...]}) the entries past `weights`' rows read in the same launches; where the
-        kernels cannot (FP8 or 4-bit experts), the call returns None."""
+        (`pairs_partial`); None where the experts do not run ThunderEP's kernels. second (where `run.two_sets`):
+        a second set of tensors ({name: [E2, ...]}) the entries past `weights`' rows read in the same launches;
+        where the kernels cannot (FP8 or 4-bit experts), the call returns None."""
         pairs = getattr(self.compute, "pairs_partial", None)
         if pairs is None:
             return None
-        two_sets = getattr(pairs, "two_sets", False)
 
         def run(weights: dict, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor,
                 kind: str = "sorted", second: dict | None = None):
-            if second is not None and not two_sets:
-                return None
+            more = {} if second is None else {"second": second}
             with _holding(module, weights):
-                if second is not None:
-                    return pairs(module, x_TD, local_TK, weights_TK, kind=kind, second=second)
-                return pairs(module, x_TD, local_TK, weights_TK, kind=kind)
+                return pairs(module, x_TD, local_TK, weights_TK, kind=kind, **more)
 
-        run.two_sets = two_sets
+        run.two_sets = getattr(pairs, "two_sets", False)
         return run
 
     # -- local compute

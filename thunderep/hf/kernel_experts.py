@@ -84,9 +84,7 @@ def kernel_compute_fn(module) -> Callable:
         from ..kernels.ops import pairs_if_decode  # triton: optional; only where the kernels run
 
         w_gate_up, w_down = expert_weights(module)
-        if second is not None:
-            if not isinstance(w_gate_up, torch.Tensor):  # FP8 or 4-bit: a launch per tensor set
-                return None
+        if second is not None:  # FP8 and 4-bit weights: declined by pairs_if_decode (a launch per tensor set)
             second = (second["gate_up_proj"], second["down_proj"])
         partial_TD = pairs_if_decode(x_TD, w_gate_up, w_down, ids_TK, weights_TK, activation, interleaved, fallback,
                                      experts, kind, second)

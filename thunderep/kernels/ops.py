@@ -452,6 +452,9 @@ def pairs_if_decode(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI
     are not 16-bit."""
     if x_TD.shape[0] > max(paths.PAIRS_TUNE_MAX_TOKENS, paths.pairs_max_tokens()) and kind != paths.IN_PLACE:
         return None  # neither applies: x is not cast
+    if second is not None and (fallback is not None or not all(isinstance(w, torch.Tensor) for w in
+                                                                (w_gate_up_E2ID, w_down_EDI))):
+        return None  # before any path is timed on the first set alone
     x_TD = x_TD.to(w_gate_up_E2ID.dtype)
     if fallback is not None:
         if not paths.pairs_win(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved, fallback,
@@ -460,8 +463,6 @@ def pairs_if_decode(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI
     elif not paths.decode_applies(x_TD.shape[0], x_TD, weights_TK, w_gate_up_E2ID, w_down_EDI, kind=kind):
         return None
     if second is not None:
-        if fallback is not None or not all(isinstance(w, torch.Tensor) for w in (w_gate_up_E2ID, w_down_EDI)):
-            return None
         return decode.pairs_forward(x_TD.contiguous(), w_gate_up_E2ID, w_down_EDI, ids_TK.reshape(-1).contiguous(),
                                     weights_TK.reshape(-1).contiguous() if weights_TK is not None else None,
                                     activation, interleaved, second=second)

@@ -36,7 +36,7 @@ import torch
 
 from .host_experts import HostExperts, time_host_fn
 
-__all__ = ["OffloadCosts", "calibrate_gated", "calibrate_host", "calibrate_stream", "fit_affine", "measure_costs",
+__all__ = ["OffloadCosts", "best_seconds", "calibrate_gated", "calibrate_host", "calibrate_stream", "fit_affine", "measure_costs",
            "predicted_rates", "split_cold"]
 
 _MEASURED: dict = {}  # (device, dtype) -> OffloadCosts, filled by measure_costs on first use
@@ -149,6 +149,20 @@ def _copy_bandwidth(device: torch.device, nbytes: int = 8 << 20) -> float:
 
     run()
     return nbytes / _best_seconds(run)
+
+
+def best_seconds(fn: Callable, device: torch.device, repeats: int = 3, warm: bool = True) -> float:
+    """The best of `repeats` wall times of fn(), each waited for on `device` (a CUDA device synchronized),
+    after one untimed call where `warm` (the caller made one already otherwise)."""
+    best = float("inf")
+    for i in range(repeats + int(warm)):
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i or not warm:
+            best = min(best, time.perf_counter() - started)
+    return best
 
 
 def split_cold(host_s: list[float], stream_s: list[float], overlap: bool) -> list[str]:

@@ -94,12 +94,11 @@ class SlotTable:
         cuda = self.device.type == "cuda"
         self.values = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=self.device)
         self._row = torch.empty(num_slots + 1, dtype=torch.int64, pin_memory=cuda)
-        self._copied = torch.cuda.Event() if cuda else None
-        self._pending = False  # whether a copy from the row may still be queued
+        self._copied = torch.cuda.Event() if cuda else None  # after the last copy from the row (none yet: done)
 
     def set(self, entries: dict[int, int]) -> torch.Tensor:
         """Make entries[s] slot s's entry (-1 for the slots not in `entries`); returns `values`."""
-        if self._pending:
+        if self._copied is not None:
             self._copied.synchronize()
         self._row.fill_(-1)
         if entries:
@@ -109,7 +108,6 @@ class SlotTable:
             return self.values
         self.values.copy_(self._row, non_blocking=True)
         self._copied.record()
-        self._pending = True
         return self.values
 
 

@@ -21,11 +21,10 @@ prompt's; at batch 8 Qwen3-30B-A3B's 128 experts, not Mixtral's 8).
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from .. import env
+from .offload_cost import best_seconds
 from .staging import mapped
 
 IN_PLACE = "in place"  # the pair kernels' `kind` for weights they alone can read (`thunderep.kernels.paths`)
@@ -134,17 +133,12 @@ class MappedReads:
         x_TD = torch.randn(1, hidden, generator=gen).to(self.device, dtype)
         ids_TK = torch.tensor([chosen], dtype=torch.int64, device=self.device)
         w_TK = torch.full((1, len(chosen)), 1.0 / len(chosen), dtype=dtype, device=self.device)
-        best = float("inf")
-        for i in range(repeats + 1):
-            started = time.perf_counter()
-            y = self.pairs(views, x_TD, ids_TK, w_TK, kind=IN_PLACE)
-            if y is None:
-                return None
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if i:
-                best = min(best, time.perf_counter() - started)
-        return best / len(chosen)
+        def call():
+            return self.pairs(views, x_TD, ids_TK, w_TK, kind=IN_PLACE)
+
+        if call() is None:  # also the warm-up
+            return None
+        return best_seconds(call, self.device, repeats, warm=False) / len(chosen)
 
     def _both_pairs(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
         """The hot and the mapped slots' weighted [T, D] share in one call of the pair kernels, or None where

@@ -55,7 +55,7 @@ from .host_jobs import jobs_for
 from .hot_set import HotSetRule
 from .tier_handoff import HostHandoff
 from .tier_mapped import MappedReads
-from .offload_cost import OffloadCosts, split_cold
+from .offload_cost import OffloadCosts, best_seconds, split_cold
 from .staging import SlotTable, Staging, to_device, to_host, to_host_all
 from .tier_config import COLD_PATHS, HOST_THREAD, TierConfig, TierStats, parse_memory
 
@@ -161,16 +161,9 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         gen = torch.Generator().manual_seed(0)
         xs = [torch.randn(1, hidden, generator=gen).to(self.device, dtype) for _ in chosen]
         kept = replace(self.stats)
-        best = float("inf")
-        for i in range(repeats + 1):
-            started = time.perf_counter()
-            self._stream(chosen, xs, {})
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if i:
-                best = min(best, time.perf_counter() - started)
+        seconds = best_seconds(lambda: self._stream(chosen, xs, {}), self.device, repeats)
         self.stats = kept
-        return best / len(chosen)
+        return seconds / len(chosen)
 
     # -- the compute
 
