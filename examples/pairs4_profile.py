@@ -1,0 +1,106 @@
+"""The one-token pair kernels pass by pass: each kernel's device time (torch's profiler, L2 flushed before
+every call) for bfloat16, per-row FP8, int4 and MXFP4 weights of one expert shape, beside the bytes each
+pass reads and those bytes' time at copy bandwidth.
+
+    python examples/pairs4_profile.py [--shape mixtral] [--calls 30]
+    ncu --profile-from-start off --clock-control none --set full -o pairs4 \
+        python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
+
+One process, one GPU. Random weights, one token routed to experts 0..K-1, every kernel autotuned first.
+Prints per format and kernel: microseconds per call (median), the bytes it reads (weights and scales of
+the K experts), and the fraction of copy bandwidth those bytes' time is (the kernel benchmark's HBM
+fraction, per pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from thunderep.bench.kernels import SHAPES, copy_bandwidth
+from thunderep.kernels import decode
+from thunderep.kernels.fp8 import Fp8Weight
+from thunderep.kernels.int4 import Int4Weight
+
+FLUSH_BYTES = 256 << 20
+
+
+def _weights(shape: str, device):
+    D, I, E, K = SHAPES[shape][:4]
+    torch.manual_seed(0)
+    w_gu = (torch.randn(E, 2 * I, D, device=device) / D ** 0.5).bfloat16()
+    w_d = (torch.randn(E, D, I, device=device) / I ** 0.5).bfloat16()
+    formats = {"bf16": (w_gu, w_d), "fp8row": (Fp8Weight.quantize(w_gu, None), Fp8Weight.quantize(w_d, None))}
+    for fmt in ("int4", "mxfp4"):
+        formats[fmt] = (Int4Weight.quantize(w_gu, fmt), Int4Weight.quantize(w_d, fmt))
+    return formats, D, E, K
+
+
+def _nbytes(w) -> int:
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes()
+
+
+def _call(fmt: str, x, w_gu, w_d, ids, weights):
+    forward = decode.pairs4_forward if fmt in ("int4", "mxfp4") else decode.pairs_forward
+    return forward(x, w_gu, w_d, ids, weights, "silu", False)
+
+
+def _kernel_times(fn, calls: int, flush: torch.Tensor) -> dict:
+    """kernel name -> [microseconds per call], the flush's own kernels left out."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    times: dict = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and "pairs" in event.name:
+            times.setdefault(event.name, []).append(event.device_time)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--ncu", action="store_true", help="one call of each format between profiler start/stop")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    formats, D, E, K = _weights(args.shape, device)
+    x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
+    ids = torch.arange(K, device=device, dtype=torch.int32)
+    weights = torch.full((K,), 1.0 / K, device=device)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+    bandwidth = copy_bandwidth(device)
+    for fmt, (w_gu, w_d) in formats.items():  # autotune every kernel before anything is timed
+        _call(fmt, x, w_gu, w_d, ids, weights)
+    torch.cuda.synchronize()
+    if args.ncu:
+        torch.cuda.cudart().cudaProfilerStart()
+        for fmt, (w_gu, w_d) in formats.items():
+            _call(fmt, x, w_gu, w_d, ids, weights)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return
+    print(f"{args.shape}, one token, K {K}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    print("| format | kernel | us (median) | MB read | bytes at copy bandwidth us | HBM fraction |")
+    print("|---|---|---|---|---|---|")
+    for fmt, (w_gu, w_d) in formats.items():
+        times = _kernel_times(lambda: _call(fmt, x, w_gu, w_d, ids, weights), args.calls, flush)
+        total = 0.0
+        for name, us in sorted(times.items()):
+            which = w_gu if "up" in name else w_d
+            read = _nbytes(which) / E * K
+            med = statistics.median(us)
+            total += med
+            floor = read / bandwidth * 1e6
+            print(f"| {fmt} | {name[:40]} | {med:.1f} | {read / 1e6:.1f} | {floor:.1f} | {floor / med:.0%} |")
+        read = (_nbytes(w_gu) + _nbytes(w_d)) / E * K
+        print(f"| {fmt} | both | {total:.1f} | {read / 1e6:.1f} | {read / bandwidth * 1e6:.1f} | "
+              f"{read / bandwidth * 1e6 / total:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
