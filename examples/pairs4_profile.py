@@ -2,14 +2,16 @@
 every call) for bfloat16, per-row FP8, int4 and MXFP4 weights of one expert shape, beside the bytes each
 pass reads and those bytes' time at copy bandwidth.
 
-    python examples/pairs4_profile.py [--shape mixtral] [--calls 30]
+    python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
 One process, one GPU. Random weights, one token routed to experts 0..K-1, every kernel autotuned first.
 Prints per format and kernel: microseconds per call (median), the bytes it reads (weights and scales of
 the K experts), and the fraction of copy bandwidth those bytes' time is (the kernel benchmark's HBM
-fraction, per pass).
+fraction, per pass); and per format the pair's time end to end (CUDA events, L2 flushed: where the down
+pass launches early, PDL, the two kernels' own times overlap). --no-split leaves the 4-bit down pass's
+one-program-per-slot configs out of its autotuning; THUNDEREP_PDL=0 launches the down pass plainly.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import statistics
 import torch
 
 from thunderep.bench.kernels import SHAPES, copy_bandwidth
-from thunderep.kernels import decode
+from thunderep.kernels import decode, tiles, tuning
 from thunderep.kernels.fp8 import Fp8Weight
 from thunderep.kernels.int4 import Int4Weight
 
@@ -66,7 +68,10 @@ def main() -> None:
     parser.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--ncu", action="store_true", help="one call of each format between profiler start/stop")
+    parser.add_argument("--no-split", action="store_true", help="no SPLIT configs in the 4-bit down pass's tuning")
     args = parser.parse_args()
+    if args.no_split:
+        tiles.DOWN_PAIRS4.configs = [c for c in tiles.DOWN_PAIRS4.configs if not c.kwargs.get("SPLIT")]
     device = torch.device("cuda")
     formats, D, E, K = _weights(args.shape, device)
     x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
@@ -98,8 +103,11 @@ def main() -> None:
             floor = read / bandwidth * 1e6
             print(f"| {fmt} | {name[:40]} | {med:.1f} | {read / 1e6:.1f} | {floor:.1f} | {floor / med:.0%} |")
         read = (_nbytes(w_gu) + _nbytes(w_d)) / E * K
-        print(f"| {fmt} | both | {total:.1f} | {read / 1e6:.1f} | {read / bandwidth * 1e6:.1f} | "
-              f"{read / bandwidth * 1e6 / total:.0%} |", flush=True)
+        pair = tuning.timed_ms(lambda: _call(fmt, x, w_gu, w_d, ids, weights), 150.0, 25.0) * 1e3
+        print(f"| {fmt} | sum of both | {total:.1f} | {read / 1e6:.1f} | {read / bandwidth * 1e6:.1f} | "
+              f"{read / bandwidth * 1e6 / total:.0%} |")
+        print(f"| {fmt} | pair, end to end | {pair:.1f} | {read / 1e6:.1f} | {read / bandwidth * 1e6:.1f} | "
+              f"{read / bandwidth * 1e6 / pair:.0%} |", flush=True)
 
 
 if __name__ == "__main__":

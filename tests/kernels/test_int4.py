@@ -148,6 +148,28 @@ def test_int4_pair_kernel_tails(up, down, monkeypatch):
     _check(1, 84, 52, 5, 2, torch.float16, "mxfp4", 32, tol=2e-3, seed=3)
 
 
+@pytest.mark.parametrize("fmt,half", [("int4", False), ("mxfp4", False), ("int4", True)])
+def test_int4_split_down_pass_equals_the_slot_loop_bit_for_bit(fmt, half, monkeypatch):
+    """SPLIT (one down program per slot, the last to arrive summing the partials in slot order) gives the
+    slot loop's output bit for bit, within the reference's error, with an odd K, a column tile past D, a
+    pair of another rank (-1) and an unknown id (NaN for its token only); the counts are left at 0, so a
+    second call agrees too."""
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "HALF": half})
+    ids = torch.tensor([[0, 2, 4], [1, -1, 3], [4, 3, 2]])
+    outs = []
+    for split in (False, True, True):
+        monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "HALF": half,
+                                                    "SPLIT": split})
+        outs.append(_check(3, 80, 56, 5, 3, torch.bfloat16, fmt, 32, tol=2e-2, ids=ids, zero=fmt == "int4"))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    x, w_gu, w_d, _, weights = make_case(2, 80, 56, 5, 3, torch.bfloat16, 0)
+    q_gu, q_d = Int4Weight.quantize(w_gu, fmt), Int4Weight.quantize(w_d, fmt)
+    with torch.no_grad():
+        y = routed_moe_mlp(x, q_gu, q_d, torch.tensor([[0, 9, 1], [1, 2, 3]], device=DEVICE), weights.bfloat16())
+    assert bool(y[0].isnan().all()) and not bool(y[1].isnan().any())
+
+
 @pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
                          ids=["chunks-32", "narrow", "wide"])
 def test_int4_half_products_match_the_reference(up, down, monkeypatch):
@@ -228,7 +250,7 @@ def test_int4_custom_op_equals_the_direct_call():
 
 import triton.language as tl  # noqa: E402
 
-from thunderep.kernels import pairs4  # noqa: E402
+from thunderep.kernels import codes4  # noqa: E402
 
 
 @triton.jit
@@ -241,19 +263,19 @@ def _conversions_kernel(w_ptr, b_ptr, out_ptr, MXFP4: tl.constexpr):
     w = tl.load(w_ptr + i)
     for s in tl.static_range(4):
         if MXFP4:
-            lo, hi = pairs4.e2m1_halves(w, 4 * s)
-            lo, hi = lo * pairs4.E2M1_UNIT, hi * pairs4.E2M1_UNIT
+            lo, hi = codes4.e2m1_halves(w, 4 * s)
+            lo, hi = lo * codes4.E2M1_UNIT, hi * codes4.E2M1_UNIT
         elif s < 2:
-            lo, hi = pairs4.int4_halves(w, 4 * s)
+            lo, hi = codes4.int4_halves(w, 4 * s)
         else:
-            lo, hi = pairs4.int4_halves(w >> 8, 4 * s - 8)
+            lo, hi = codes4.int4_halves(w >> 8, 4 * s - 8)
         tl.store(out_ptr + (2 * s) * 65536 + i, lo)
         tl.store(out_ptr + (2 * s + 1) * 65536 + i, hi)
     j = tl.arange(0, 256)
-    lo, hi = pairs4.nibbles4(tl.load(b_ptr + j), MXFP4)
+    lo, hi = codes4.nibbles4(tl.load(b_ptr + j), MXFP4)
     tl.store(out_ptr + 8 * 65536 + j, lo)
     tl.store(out_ptr + 9 * 65536 + j, hi)
-    tl.store(out_ptr + 10 * 65536 + j, pairs4.codes4(j % 16, MXFP4), mask=j < 16)
+    tl.store(out_ptr + 10 * 65536 + j, codes4.codes4(j % 16, MXFP4), mask=j < 16)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])

@@ -21,7 +21,7 @@ __all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "pairs4_forward", "pairs_forward", "secon
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
 # tiles.DOWN_PAIRS4) and takes tiles.pairs4_default elsewhere; a dict {"BLOCK_N", "BLOCK_K", "num_warps"}
-# runs that config.
+# (and optionally "HALF"; for the down pass "SPLIT") runs that config.
 PAIRS4_UP: dict | None = None
 PAIRS4_DOWN: dict | None = None
 
@@ -109,18 +109,24 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
     T, D = x.shape
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()
+    pdl = paths.pdl_applies(x.device)
     h = x.new_empty(N, I)
+    n_counts = cdiv(D, min(tiles.MIN_PAIRS4_BLOCK_N, (PAIRS4_DOWN or {}).get("BLOCK_N", D)))
+    part = torch.empty(N * D + T * n_counts, dtype=torch.float32, device=x.device)  # SPLIT: partials, counts
+    count = part[N * D:].view(torch.int32)
     gu = _packed_args(w_gate_up)
     _launch4(tiles.UP_PAIRS4, tiles.UP_PAIRS4_PLAIN, PAIRS4_UP, lambda bn: N * cdiv(I, bn), D,
              lambda meta: (N, cdiv(I, meta["BLOCK_N"])), x.device,
-             x_ptr=x, w_ptr=gu.pop("w_ptr"), s_ptr=gu.pop("s_ptr"), z_ptr=gu.pop("z_ptr"), h_ptr=h, ids_ptr=ids, I=I,
-             D=D, E=E, top_k=N // T, stride_xm=x.stride(0), stride_wn=w_gate_up.packed.stride(1),
-             stride_hm=h.stride(0), ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved, **gu)
+             x_ptr=x, w_ptr=gu.pop("w_ptr"), s_ptr=gu.pop("s_ptr"), z_ptr=gu.pop("z_ptr"), h_ptr=h, ids_ptr=ids,
+             count_ptr=count, I=I, D=D, E=E, top_k=N // T, n_counts=n_counts, stride_xm=x.stride(0),
+             stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
+             INTERLEAVED=interleaved, PDL=pdl, **gu)
     y = x.new_empty(T, D)
     dn = _packed_args(w_down)
     _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
-             lambda meta: (T, cdiv(D, meta["BLOCK_N"])), x.device,
+             lambda meta: (T, cdiv(D, meta["BLOCK_N"]), N // T if meta.get("SPLIT") else 1), x.device,
              h_ptr=h, w_ptr=dn.pop("w_ptr"), s_ptr=dn.pop("s_ptr"), z_ptr=dn.pop("z_ptr"), y_ptr=y, ids_ptr=ids,
-             weight_ptr=weights if weights is not None else h, D=D, I=I, E=E, top_k=N // T, stride_hm=h.stride(0),
-             stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0), WEIGHTED=weights is not None, **dn)
+             weight_ptr=weights if weights is not None else h, part_ptr=part, count_ptr=count, D=D, I=I, E=E,
+             top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0),
+             stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, **dn, **({"launch_pdl": True} if pdl else {}))
     return y

@@ -7,7 +7,7 @@ nG = ceil(C / G) group scales a row (G the group).
 
 A program takes a [BLOCK_R, BLOCK_C] tile of W (rows of the flattened E * R, columns): it loads the
 tile's [BLOCK_R, BLOCK_C / 2] bytes, converts each byte's low and high nibble (the even and odd column)
-to float32 exactly with no integer-to-float conversion (pairs4.nibbles4: e2m1, or int4's n - 8; minus
+to float32 exactly with no integer-to-float conversion (codes4.nibbles4: e2m1, or int4's n - 8; minus
 the zero point), multiplies by the group's scale in float32 and interleaves the two halves into one
 store in `dtype`: the values and the rounding of `Int4Weight.dequantize`'s torch path (one float32
 product, then the cast). Inputs are read by their strides (a slice of experts needs no copy); the
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pairs4 import nibbles4, scales4
+from .codes4 import nibbles4, scales4
 
 __all__ = ["dequantize4"]
 

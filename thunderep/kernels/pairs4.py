@@ -8,16 +8,18 @@ packed 32-bit words (8 values each), HK = BLOCK_K / 2 bytes.
     down_pairs4_kernel   y_TD[t] = sum over k of w[t, k] * (h_NI[t*K + k] @ Wd[ids[t*K + k]].T)
 
 Each chunk is loaded as a [BLOCK_N, HW] tile of 32-bit words (a quarter of bfloat16's bytes), the next
-chunk's words in flight while this one is converted (`packed_dot`). The conversion in registers uses no
-integer-to-float instruction and handles two values per operation: the codes of both 16-bit halves of a
-word are placed into float16 bits at once (int4: or'ed into 1024's mantissa, `int4_halves`; e2m1: sign,
+chunk's words in flight while this one is converted (`packed_dot`). The conversion in registers (codes4.py)
+uses no integer-to-float instruction and handles two values per operation: the codes of both 16-bit halves
+of a word are placed into float16 bits at once (int4: or'ed into 1024's mantissa, `int4_halves`; e2m1: sign,
 exponent and mantissa bits moved into place, `e2m1_halves`), then each half widened to float32. Each of a
 word's 8 planes (the values 8 columns apart) times the vector's matching elements is summed in one chain
 of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
 HALF (int4 words, a launch option not yet in the autotuner's list): the codes stay float16 and the
 products run in float16 on the vector scaled to at most 1 (`_largest`, `_half_planes`, `half_chunk`),
 two per packed instruction, each half's four summed before widening: fewer instructions per weight in
-the sm_90 build (docs/benchmarks/2026-12-05-int4-experts-h200.md), not yet timed on a GPU. No tensor
+the sm_90 build, and no faster on an H100 (docs/benchmarks/2026-12-05-int4-experts-h200.md). The down
+pass runs one program per token and column tile over the K slots, or (SPLIT) one per slot, and is launched
+as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as pairs.py's. No tensor
 cores, no Hopper-only instructions, no inline assembly. Rows that are not 4-byte aligned, or groups of
 other than a multiple of 8 columns, run the same conversions one byte at a time (`byte_chunk`). Partial
 chunks (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids
@@ -32,103 +34,11 @@ import triton
 import triton.language as tl
 
 from .act import act, gate_up_cols
+from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, int4_halves16, nibbles4, scales4
+from .pairs import gdc_launch_dependents, gdc_wait
 
-__all__ = ["E2M1_UNIT", "byte_chunk", "codes4", "down_pairs4_kernel", "e2m1_halves", "half_chunk", "int4_halves",
-           "int4_halves16", "int4_plane", "load_words", "nibbles4", "packed_dot", "packed_dot2", "scales4",
+__all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
            "up_pairs4_kernel", "word_chunk", "words_ok"]
-
-# The e2m1 planes are float16 values 2 ** -14 times the e2m1 value (`e2m1_halves`): sums are scaled back.
-E2M1_UNIT: tl.constexpr = tl.constexpr(16384.0)
-
-
-@triton.jit
-def int4_plane(u, SHIFT: tl.constexpr):
-    """The int4 codes n at bits SHIFT..SHIFT+3 of u (32-bit, SHIFT <= 16) as float32 n - 8, exactly, one value
-    per operation (bytes, single codes): or'ed into the mantissa of 2 ** 23 they read as 2 ** 23 + n * 2 **
-    SHIFT, and one multiply-add (exact: integers below 2 ** 24 and powers of two) scales and offsets them."""
-    MASK: tl.constexpr = 15 << SHIFT
-    STEP: tl.constexpr = 1.0 / (1 << SHIFT)
-    OFFSET: tl.constexpr = (1 << (23 - SHIFT)) + 8.0
-    f = ((u & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
-    return f * STEP - OFFSET
-
-
-@triton.jit
-def int4_halves(w, SHIFT: tl.constexpr, opaque=0):
-    """The int4 codes n at bits SHIFT..SHIFT+3 (SHIFT 0 or 4) of each 16-bit half of w as float32 n - 8 (low
-    half's, high half's), exactly: one logic operation puts both into float16 1024's mantissa in place
-    (1024 + n * 2 ** SHIFT), one float16 multiply-add (exact; both halves in one packed instruction) scales
-    and offsets them, then each half is widened (`int4_halves16`). opaque: a uint32 zero (`packed_dot`)."""
-    lo, hi = int4_halves16(w, SHIFT, opaque)
-    return lo.to(tl.float32), hi.to(tl.float32)
-
-
-@triton.jit
-def int4_halves16(w, SHIFT: tl.constexpr, opaque=0):
-    """`int4_halves` before the widening, in float16 (n - 8 is exact there; `half_chunk` multiplies there)."""
-    STEP: tl.constexpr = 1.0 / (1 << SHIFT)
-    OFFSET: tl.constexpr = (1024 >> SHIFT) + 8.0
-    t = (w.to(tl.uint32, bitcast=True) & (0x000F000F << SHIFT)) | (0x64006400 + opaque)
-    lo = t.to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    return lo * STEP - OFFSET, hi * STEP - OFFSET
-
-
-@triton.jit
-def e2m1_halves(w, SHIFT: tl.constexpr, opaque=0):
-    """The e2m1 codes at bits SHIFT..SHIFT+3 of each 16-bit half of w (int32, SHIFT <= 12) as two float32
-    tensors (low half's, high half's), each 2 ** -14 times the e2m1 value (E2M1_UNIT scales back), exactly:
-    the sign bit goes to float16's sign (bit 15), the two exponent bits and the mantissa bit to bits 11..9,
-    so exponent 0 is a float16 subnormal (0 or 0.5 * 2 ** -14) as e2m1's own subnormal is; float16
-    subnormals convert to float32 exactly (float32 subnormals, which the GPU flushes, never arise). Both
-    halves in the same two shifts and two logic operations. opaque: a uint32 zero (`packed_dot`)."""
-    u = w.to(tl.uint32, bitcast=True)
-    if SHIFT <= 9:
-        bits = (u << (9 - SHIFT)) & 0x0E000E00
-    else:
-        bits = (u >> (SHIFT - 9)) & 0x0E000E00
-    t = bits | ((u << (12 - SHIFT)) & (0x80008000 + opaque))  # the two sign bits
-    lo = t.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def codes4(n, MXFP4: tl.constexpr):
-    """4-bit codes n (int32, 0..15) as float32, exactly: e2m1 values (sign bit 8; exponent bits 2..1;
-    mantissa bit 0; exponent 0 subnormal), or int4's n - 8; the conversions of `int4_plane` and
-    `e2m1_halves`, one value at a time."""
-    if MXFP4:
-        v, _ = e2m1_halves(n << 12, 12)
-        v = v * E2M1_UNIT
-    else:
-        v = int4_plane(n, 0)
-    return v
-
-
-@triton.jit
-def nibbles4(b, MXFP4: tl.constexpr):
-    """The two codes of bytes b (int32, 0..255) as float32 (low nibble, high nibble), exactly as `codes4`:
-    the high nibble converted in place (no shift) for int4, both nibbles in one pair of halves for e2m1."""
-    if MXFP4:
-        lo, hi = e2m1_halves((b << 12) | (b << 24), 12)
-        lo, hi = lo * E2M1_UNIT, hi * E2M1_UNIT
-    else:
-        lo, hi = int4_plane(b, 0), int4_plane(b, 4)
-    return lo, hi
-
-
-@triton.jit
-def scales4(s_ptrs, ok, MXFP4: tl.constexpr):
-    """The group scales at s_ptrs as float32 (0 where not ok): e8m0 exponents as 2 ** (s - 127) (built from
-    the bits; s = 0 is 2 ** -127, a float32 subnormal), or int4's float scales."""
-    if MXFP4:
-        s = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
-        value = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
-        value = tl.where(ok, value, 0.0)
-    else:
-        value = tl.load(s_ptrs, mask=ok, other=0.0).to(tl.float32)
-    return value
 
 
 @triton.jit
@@ -343,19 +253,24 @@ def _largest(v_ptr, C, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
-               MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr = False):
+               MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr = False,
+               WAIT: tl.constexpr = False):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
     flight while it converts this chunk's; else as bytes. opaque: a uint32 that is 0 wherever rows are read
     but that the compiler cannot prove so (the launch's expert id >> 32): added to the conversions' masks, it
     keeps them in registers, where the compiler otherwise rebuilds each constant before each use. HALF
-    (int4 words): the products in float16 on the vector scaled to at most 1 (`_half_planes`, `half_chunk`)."""
+    (int4 words): the products in float16 on the vector scaled to at most 1 (`_half_planes`, `half_chunk`).
+    WAIT (a programmatic dependent launch, `down_pairs4_kernel`): the first chunk's words are loaded, then the
+    program waits for the grid it depends on (which writes the vector) before it reads the vector."""
     acc = tl.zeros(ok_N.shape, dtype=tl.float32)
     if GROUP % 8 == 0:
         if words and HALF and not MXFP4:
-            top = _largest(v_ptr, C, BLOCK_K)
             w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
+            if WAIT:
+                gdc_wait()
+            top = _largest(v_ptr, C, BLOCK_K)
             for k0 in range(0, C, BLOCK_K):
                 w = w_next
                 w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)
@@ -365,13 +280,19 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
             acc = acc * top
         elif words:
             w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
+            if WAIT:
+                gdc_wait()
             for k0 in range(0, C, BLOCK_K):
                 w = w_next
                 w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)  # past C: masked, nothing read
                 acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
         else:
+            if WAIT:
+                gdc_wait()
             acc = _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
     else:
+        if WAIT:
+            gdc_wait()
         acc = _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
     return acc
 
@@ -417,14 +338,24 @@ def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, 
 
 
 @triton.jit
-def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, I, D, E, top_k, stride_xm, stride_we, stride_wn,
-                     stride_se, stride_sn, stride_sk, stride_hm, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                     GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, HALF: tl.constexpr = False):
+def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, n_counts, stride_xm,
+                     stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm, ACT: tl.constexpr,
+                     INTERLEAVED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales
-    (and zero points, ZERO) [E, 2I, ceil(D / GROUP)] by strides; h: [T*K, I]."""
+    (and zero points, ZERO) [E, 2I, ceil(D / GROUP)] by strides; h: [T*K, I]. Also zeroes the down pass's
+    per-token counts (count: [T, n_counts], `down_pairs4_kernel`'s SPLIT). PDL: the down pass may launch
+    as soon as this grid's programs have all started (pairs.py's programmatic dependent launch)."""
+    if PDL:
+        gdc_launch_dependents()
     j = tl.program_id(0)
+    if (tl.program_id(1) == 0) & (j % top_k == 0):
+        c_C = tl.arange(0, 128)
+        for c0 in range(0, n_counts, 128):
+            tl.store(count_ptr + (j // top_k).to(tl.int64) * n_counts + c0 + c_C, tl.zeros((128,), dtype=tl.int32),
+                     mask=c_C < n_counts - c0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
@@ -446,32 +377,68 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, I, D, E, top_k,
 
 
 @triton.jit
-def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k, stride_hm, stride_we,
-                       stride_wd, stride_se, stride_sn, stride_sk, stride_ym, WEIGHTED: tl.constexpr,
-                       GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, HALF: tl.constexpr = False):
+def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
+           stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr,
+           ZERO: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr, WAIT: tl.constexpr):
+    """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N."""
+    expert = tl.load(ids_ptr + j).to(tl.int64)
+    known = (expert >= 0) & (expert < E)
+    expert = tl.where(known, expert, 0)
+    ok_N = cols_N < tl.where(known, D, 0)  # an unknown id's h row is 0 (-1) or NaN, and reads no weights
+    w_N = w_ptr + expert * stride_we + cols_N.to(tl.int64) * stride_wd
+    s_N = expert * stride_se + cols_N.to(tl.int64) * stride_sn
+    if WEIGHTED:
+        rw = tl.load(weight_ptr + j).to(tl.float32)
+    else:
+        rw = 1.0
+    h_row = h_ptr + j.to(tl.int64) * stride_hm
+    opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
+    return rw * packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4,
+                           ZERO, BLOCK_K, HALF, WAIT)
+
+
+@triton.jit
+def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_ptr, D, I, E, top_k,
+                       stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, stride_ym, stride_cm,
+                       WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr = False,
+                       SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
-    [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D]."""
+    [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
+    One program loops over the token's K slots; SPLIT: one program per slot (program_id(2)) writes its
+    float32 partial to part[t*K + k] and counts itself in count[t, tile]; the slot that arrives last sums the
+    K partials in slot order (the same sum as the loop's, bit for bit), writes y and sets the count back to
+    0 (pairs.py's down_pairs_kernel: K times the programs for shapes with few columns). PDL: launched as a
+    programmatic dependent of the gate/up pass: each program loads its first chunk of weights, then waits
+    for h."""
     t = tl.program_id(0)
-    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(1)
+    cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok_N = cols_N < D
+    y_ptrs = y_ptr + t.to(tl.int64) * stride_ym + cols_N
     words = words_ok(w_ptr, stride_we, stride_wd, I)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(top_k):
-        j = t * top_k + slot
-        expert = tl.load(ids_ptr + j).to(tl.int64)
-        known = (expert >= 0) & (expert < E)
-        expert = tl.where(known, expert, 0)
-        ok_N = cols_N < tl.where(known, D, 0)  # an unknown id's h row is 0 (-1) or NaN, and reads no weights
-        w_N = w_ptr + expert * stride_we + cols_N.to(tl.int64) * stride_wd
-        s_N = expert * stride_se + cols_N.to(tl.int64) * stride_sn
-        if WEIGHTED:
-            rw = tl.load(weight_ptr + j).to(tl.float32)
-        else:
-            rw = 1.0
-        h_row = h_ptr + j.to(tl.int64) * stride_hm
-        opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
-        part = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
-                          BLOCK_K, HALF)
-        acc += rw * part
-    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, acc.to(y_ptr.dtype.element_ty), mask=cols_N < D)
+    if SPLIT:
+        j = t * top_k + tl.program_id(2)
+        part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
+                      stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO, BLOCK_K, HALF,
+                      PDL)
+        tl.store(part_ptr + j.to(tl.int64) * D + cols_N, part, mask=col_ok_N)
+        count = count_ptr + t.to(tl.int64) * stride_cm + tile
+        if tl.atomic_add(count, 1, sem="acq_rel") == top_k - 1:  # the token's other slots are stored
+            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            part_ptrs = part_ptr + (t * top_k).to(tl.int64) * D + cols_N
+            for _ in range(0, top_k):
+                y += tl.load(part_ptrs, mask=col_ok_N, other=0.0, cache_modifier=".cg")
+                part_ptrs += D
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=col_ok_N)
+            tl.store(count, 0)
+    else:
+        acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm,
+                     stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
+                     BLOCK_K, HALF, PDL)  # the first slot waits for h (PDL); the others find it written
+        for slot in range(1, top_k):
+            acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E,
+                          stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
+                          MXFP4, ZERO, BLOCK_K, HALF, False)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_ok_N)

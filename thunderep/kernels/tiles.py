@@ -20,7 +20,7 @@ from .tuning import fp8_only, signature, tuned
 
 __all__ = ["ACT_BWD", "ACT_BWD_PLAIN", "DEFAULT_DOWN_PAIR", "DEFAULT_ROW", "DEFAULT_UP_PAIR", "DEFAULT_WGRAD",
            "DOWN_PAIRS", "DOWN_PAIRS4", "DOWN_PAIRS4_PLAIN", "DOWN_PAIRS_PLAIN", "DOWN_PAIR_CONFIGS", "FP8_ROW_TILES",
-           "MIN_DOWN_BLOCK_N", "ROWS", "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP_PAIRS", "UP_PAIRS4",
+           "MIN_DOWN_BLOCK_N", "MIN_PAIRS4_BLOCK_N", "ROWS", "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP_PAIRS", "UP_PAIRS4",
            "UP_PAIRS4_PLAIN", "UP_PAIRS_PLAIN", "UP_PAIR_CONFIGS", "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS", "WGRAD_PLAIN",
            "cfg", "m_key", "pair_cfg", "pairs4_default", "prune_rows", "prune_up", "prune_wgrad",
            "row_cfg", "wgrad_key"]
@@ -137,9 +137,16 @@ PAIRS4_TILES = [(4, 512, 4), (8, 512, 4), (16, 256, 4), (16, 512, 4), (32, 256, 
                 (8, 1024, 4), (16, 1024, 8), (2, 2048, 4), (4, 2048, 4), (8, 2048, 8),
                 (16, 2048, 4), (4, 2048, 2)]  # the down pass's two fastest in a sweep beyond the list (int4 record)
 PAIRS4_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in PAIRS4_TILES]
+# The down pass also one program per slot (SPLIT: K times the programs, pairs4.down_pairs4_kernel), on the
+# tiles with the most rows per program.
+PAIRS4_SPLIT_TILES = [(8, 512, 4), (16, 512, 4), (32, 256, 8), (8, 1024, 4), (16, 1024, 8), (8, 2048, 8),
+                      (16, 2048, 4)]
+DOWN_PAIRS4_CONFIGS = PAIRS4_CONFIGS + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": True}, num_warps=w)
+                                        for bn, bk, w in PAIRS4_SPLIT_TILES]
+MIN_PAIRS4_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in DOWN_PAIRS4_CONFIGS)  # sizes the down pass's counts
 UP_PAIRS4, UP_PAIRS4_PLAIN = tuned("up_pairs4", P4.up_pairs4_kernel, PAIRS4_CONFIGS,
                                    ["I", "D", "top_k", "INTERLEAVED", "GROUP", "MXFP4", "ZERO"])
-DOWN_PAIRS4, DOWN_PAIRS4_PLAIN = tuned("down_pairs4", P4.down_pairs4_kernel, PAIRS4_CONFIGS,
+DOWN_PAIRS4, DOWN_PAIRS4_PLAIN = tuned("down_pairs4", P4.down_pairs4_kernel, DOWN_PAIRS4_CONFIGS,
                                        ["I", "D", "top_k", "WEIGHTED", "GROUP", "MXFP4", "ZERO"])
 
 def pairs4_default(programs, C: int) -> triton.Config:
