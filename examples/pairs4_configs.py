@@ -2,11 +2,13 @@
 the autotuner's list, timed as the pair's time with the other pass autotuned (L2 flushed before each call,
 as the autotuner times), beside the autotuned pair and the packed bytes' time at copy bandwidth.
 
-    python examples/pairs4_configs.py [--shape mixtral] [--fmt int4] [--top 8]
+    python examples/pairs4_configs.py [--shape mixtral] [--fmt int4] [--top 8] [--ahead 1,2] [--half]
+        [--block-n 4,8,16,32] [--block-k 512,1024,2048] [--warps 2,4,8]
 
 One process, one GPU. Random weights of the shape quantized by groups of 32; one token routed to experts
 0..K-1. Prints the `--top` fastest configs of each pass with microseconds per call (the pair's time,
-the other pass autotuned); for int4 each config also with HALF, the products in float16 (pairs4.py).
+the other pass autotuned): every tile with each AHEAD of --ahead (chunks loaded ahead), the down pass's
+also with SPLIT (one program per slot); --half adds each int4 config with HALF (products in float16).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from thunderep.bench.kernels import SHAPES, copy_bandwidth
 from thunderep.kernels import decode, tuning
 from thunderep.kernels.int4 import Int4Weight
 
-BLOCK_N = (4, 8, 16, 32)
-BLOCK_K = (512, 1024, 2048)
-WARPS = (2, 4, 8)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
 
 
 def main() -> None:
@@ -30,6 +33,11 @@ def main() -> None:
     parser.add_argument("--shape", default="mixtral")
     parser.add_argument("--fmt", default="int4", choices=("int4", "mxfp4"))
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--ahead", type=_ints, default=(1, 2))
+    parser.add_argument("--half", action="store_true")
+    parser.add_argument("--block-n", type=_ints, default=(4, 8, 16, 32))
+    parser.add_argument("--block-k", type=_ints, default=(512, 1024, 2048))
+    parser.add_argument("--warps", type=_ints, default=(2, 4, 8))
     args = parser.parse_args()
     D, I, E, K = SHAPES[args.shape][:4]
     device = torch.device("cuda")
@@ -52,11 +60,14 @@ def main() -> None:
           f"bandwidth {floor:.1f} us ({floor / tuned:.0%}, the kernel benchmark's HBM fraction)")
     for which in ("up", "down"):
         results = []
-        halves = (False, True) if args.fmt == "int4" else (False,)
-        for bn, bk, warps, half in itertools.product(BLOCK_N, BLOCK_K, WARPS, halves):
-            if bn * bk > 32768 or bn * bk < 32 * warps * 8:
+        halves = (False, True) if args.fmt == "int4" and args.half else (False,)
+        splits = (False, True) if which == "down" else (False,)
+        for bn, bk, warps, half, ahead, split in itertools.product(args.block_n, args.block_k, args.warps, halves,
+                                                                   args.ahead, splits):
+            if bn * bk > 32768 or bn * bk < 32 * warps * 8 or (half and ahead > 1):
                 continue
-            config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "HALF": half}
+            config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "HALF": half, "AHEAD": ahead,
+                      **({"SPLIT": split} if split else {})}
             setattr(decode, "PAIRS4_UP" if which == "up" else "PAIRS4_DOWN", config)
             try:
                 pair = tuning.timed_ms(call, 60.0, 10.0) * 1e3

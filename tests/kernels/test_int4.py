@@ -132,16 +132,19 @@ def test_int4_matches_dequantized(case, path):
     _check(*case[:5], dtype, case[5], case[6], tol=2e-2 if dtype == torch.bfloat16 else 2e-3, zero=case[7])
 
 
-@pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
-                         ids=["chunks-32", "narrow", "wide"])
+@pytest.mark.parametrize("up,down", [((16, 32, 1), (16, 32, 1)), ((8, 16, 1), (32, 64, 1)), ((64, 256, 1), (8, 16, 1)),
+                                     ((8, 16, 2), (32, 32, 2)), ((16, 64, 2), (8, 256, 2))],
+                         ids=["chunks-32", "narrow", "wide", "ahead-2-narrow", "ahead-2-wide"])
 def test_int4_pair_kernel_tails(up, down, monkeypatch):
     """The pair kernels' loops with column tiles and chunks that divide neither D = 80 nor I = 56 (a last
     partial chunk, a column tile past the matrix), chunks narrower and wider than a group, one chunk
-    covering a whole row; unweighted and interleaved gate/up; rows read as words, and (D = 84, I = 52:
+    covering a whole row; loads one and two chunks ahead (AHEAD, the second past the row where it has
+    two chunks or one); unweighted and interleaved gate/up; rows read as words, and (D = 84, I = 52:
     rows of 42 and 26 bytes) as bytes."""
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4})
-    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": 4})
+    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "AHEAD": up[2], "num_warps": 4})
+    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "AHEAD": down[2],
+                                                "num_warps": 4})
     _check(2, 80, 56, 5, 2, torch.float16, "int4", 32, tol=2e-3, zero=True, weighted=False, interleaved=True)
     _check(1, 96, 56, 5, 3, torch.float16, "mxfp4", 32, tol=2e-3, seed=1)
     _check(2, 84, 52, 5, 2, torch.float16, "int4", 32, tol=2e-3, zero=True, seed=2)
