@@ -2,7 +2,7 @@
 every call) for bfloat16, per-row FP8, int4 and MXFP4 weights of one expert shape, beside the bytes each
 pass reads and those bytes' time at copy bandwidth.
 
-    python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split]
+    python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-words4]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -11,7 +11,9 @@ Prints per format and kernel: microseconds per call (median), the bytes it reads
 the K experts), and the fraction of copy bandwidth those bytes' time is (the kernel benchmark's HBM
 fraction, per pass); and per format the pair's time end to end (CUDA events, L2 flushed: where the down
 pass launches early, PDL, the two kernels' own times overlap). --no-split leaves the 4-bit down pass's
-one-program-per-slot configs out of its autotuning; THUNDEREP_PDL=0 launches the down pass plainly.
+one-program-per-slot configs out of its autotuning; --no-words4 launches the 4-bit kernels with 8-byte
+word loads (WORDS4 off, pairs4.load_words); THUNDEREP_PDL=0 launches the down pass plainly. Together they
+are the 4-bit kernels as they were before those three.
 """
 
 from __future__ import annotations
@@ -69,7 +71,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--ncu", action="store_true", help="one call of each format between profiler start/stop")
     parser.add_argument("--no-split", action="store_true", help="no SPLIT configs in the 4-bit down pass's tuning")
+    parser.add_argument("--no-words4", action="store_true", help="the 4-bit kernels' word loads 8 bytes wide")
     args = parser.parse_args()
+    if args.no_words4:
+        launch = decode._launch4
+        decode._launch4 = lambda *a, **kw: launch(*a, **{**kw, "WORDS4": False})
     if args.no_split:
         tiles.DOWN_PAIRS4.configs = [c for c in tiles.DOWN_PAIRS4.configs if not c.kwargs.get("SPLIT")]
     device = torch.device("cuda")

@@ -120,7 +120,7 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
              x_ptr=x, w_ptr=gu.pop("w_ptr"), s_ptr=gu.pop("s_ptr"), z_ptr=gu.pop("z_ptr"), h_ptr=h, ids_ptr=ids,
              count_ptr=count, I=I, D=D, E=E, top_k=N // T, n_counts=n_counts, stride_xm=x.stride(0),
              stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
-             INTERLEAVED=interleaved, PDL=pdl, **gu)
+             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, **gu)
     y = x.new_empty(T, D)
     dn = _packed_args(w_down)
     _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
@@ -128,5 +128,6 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
              h_ptr=h, w_ptr=dn.pop("w_ptr"), s_ptr=dn.pop("s_ptr"), z_ptr=dn.pop("z_ptr"), y_ptr=y, ids_ptr=ids,
              weight_ptr=weights if weights is not None else h, part_ptr=part, count_ptr=count, D=D, I=I, E=E,
              top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0),
-             stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, **dn, **({"launch_pdl": True} if pdl else {}))
+             stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, WORDS4=I % 32 == 0, **dn,
+             **({"launch_pdl": True} if pdl else {}))
     return y

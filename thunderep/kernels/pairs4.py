@@ -202,11 +202,14 @@ def _grouped(prod, vsum_H, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP: tl
 
 
 @triton.jit
-def load_words(w_ptrs_N, k0, C, ok_N, HW: tl.constexpr):
+def load_words(w_ptrs_N, k0, C, ok_N, HW: tl.constexpr, WORDS4: tl.constexpr = False):
     """[BLOCK_N, HW] uint32: the chunk at column k0 of each row from w_ptrs_N (its row's column 0) as 32-bit
-    words, 0 past C and in rows not ok_N (no memory read there)."""
+    words, 0 past C and in rows not ok_N (no memory read there). WORDS4 (C a multiple of 32): the row's
+    words counted as (C // 32) * 4, which the compiler sees is a multiple of 4, so the mask is constant over
+    each run of 4 words and the loads are 16 bytes wide (as C // 8, 8 bytes: half of each 32-byte sector
+    per load, the other half read again by the next)."""
     q_W = k0 // 8 + tl.arange(0, HW)
-    ok = ok_N[:, None] & (q_W < C // 8)[None, :]
+    ok = ok_N[:, None] & (q_W < ((C // 32) * 4 if WORDS4 else C // 8))[None, :]
     return tl.load(w_ptrs_N.to(tl.pointer_type(tl.uint32))[:, None] + q_W[None, :], mask=ok, other=0)
 
 
@@ -254,7 +257,7 @@ def _largest(v_ptr, C, BLOCK_K: tl.constexpr):
 @triton.jit
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
                MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr = False,
-               WAIT: tl.constexpr = False, AHEAD: tl.constexpr = 1):
+               WAIT: tl.constexpr = False, AHEAD: tl.constexpr = 1, WORDS4: tl.constexpr = False):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
@@ -264,33 +267,34 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     (int4 words): the products in float16 on the vector scaled to at most 1 (`_half_planes`, `half_chunk`).
     WAIT (a programmatic dependent launch, `down_pairs4_kernel`): the first chunk's words are loaded, then the
     program waits for the grid it depends on (which writes the vector) before it reads the vector. AHEAD 2
-    (words, not HALF): loads issued two chunks ahead, twice the bytes in flight per thread."""
+    (words, not HALF): loads issued two chunks ahead, twice the bytes in flight per thread. WORDS4: C is a
+    multiple of 32 (`load_words`)."""
     acc = tl.zeros(ok_N.shape, dtype=tl.float32)
     if GROUP % 8 == 0:
         if words and HALF and not MXFP4:
-            w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
+            w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
             if WAIT:
                 gdc_wait()
             top = _largest(v_ptr, C, BLOCK_K)
             for k0 in range(0, C, BLOCK_K):
                 w = w_next
-                w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)
+                w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
                 h0, h4, h1, h5, h2, h6, h3, h7, vs = _half_planes(v_ptr, k0, C, 1.0 / top, BLOCK_K // 8)
                 acc += half_chunk(w, h0, h4, h1, h5, h2, h6, h3, h7, vs, s_ptrs_N, z_ptrs_N, k0, C, ok_N, opaque,
                                   stride_sk, GROUP, ZERO)
             acc = acc * top
         elif words:
-            w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
-            w_after = load_words(w_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8) if AHEAD == 2 else w_next
+            w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+            w_after = load_words(w_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4) if AHEAD == 2 else w_next
             if WAIT:
                 gdc_wait()
             for k0 in range(0, C, BLOCK_K):
                 w = w_next
                 if AHEAD == 2:
                     w_next = w_after
-                    w_after = load_words(w_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8)
+                    w_after = load_words(w_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
                 else:
-                    w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)  # past C: masked, not read
+                    w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
                 acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
         else:
             if WAIT:
@@ -306,7 +310,7 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
 @triton.jit
 def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, words, opaque,
                 stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
-                HALF: tl.constexpr = False, AHEAD: tl.constexpr = 1):
+                HALF: tl.constexpr = False, AHEAD: tl.constexpr = 1, WORDS4: tl.constexpr = False):
     """`packed_dot` of two matrices' rows (a and b: gate and up) with one vector, in one loop: both
     matrices' next chunks in flight together (AHEAD 2, not HALF: the two chunks after this one)."""
     if GROUP % 8 == 0:
@@ -316,19 +320,19 @@ def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, 
             half: tl.constexpr = HALF and not MXFP4
             top = _largest(v_ptr, C, BLOCK_K) if half else 1.0
             two: tl.constexpr = AHEAD == 2 and not half
-            a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
-            b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8)
-            a_after = load_words(a_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8) if two else a_next
-            b_after = load_words(b_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8) if two else b_next
+            a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+            b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+            a_after = load_words(a_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4) if two else a_next
+            b_after = load_words(b_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4) if two else b_next
             for k0 in range(0, C, BLOCK_K):
                 a, b = a_next, b_next
                 if two:
                     a_next, b_next = a_after, b_after
-                    a_after = load_words(a_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8)
-                    b_after = load_words(b_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8)
+                    a_after = load_words(a_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+                    b_after = load_words(b_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
                 else:
-                    a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)
-                    b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8)
+                    a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+                    b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
                 if half:  # the vector's planes once for both matrices
                     h0, h4, h1, h5, h2, h6, h3, h7, vs = _half_planes(v_ptr, k0, C, 1.0 / top, BLOCK_K // 8)
                     acc_a += half_chunk(a, h0, h4, h1, h5, h2, h6, h3, h7, vs, sa_ptrs_N, za_ptrs_N, k0, C, ok_N,
@@ -356,13 +360,14 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
                      stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm, ACT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr = False,
-                     PDL: tl.constexpr = False, AHEAD: tl.constexpr = 1):
+                     PDL: tl.constexpr = False, AHEAD: tl.constexpr = 1, WORDS4: tl.constexpr = False):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales
     (and zero points, ZERO) [E, 2I, ceil(D / GROUP)] by strides; h: [T*K, I]. Also zeroes the down pass's
     per-token counts (count: [T, n_counts], `down_pairs4_kernel`'s SPLIT). PDL: the down pass may launch
     as soon as this grid's programs have all started (pairs.py's programmatic dependent launch). AHEAD:
-    chunks of words in flight ahead of the one converted (1 or 2, `packed_dot2`)."""
+    chunks of words in flight ahead of the one converted (1 or 2, `packed_dot2`); WORDS4: D a multiple of 32
+    (16-byte loads, `load_words`)."""
     if PDL:
         gdc_launch_dependents()
     j = tl.program_id(0)
@@ -386,7 +391,7 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     words = words_ok(w_ptr, stride_we, stride_wn, D)
     opaque = (expert >> 32).to(tl.uint32)  # 0 (expert is in [0, E)); to the compiler, any value (packed_dot)
     acc_g, acc_u = packed_dot2(gw_N, s_ptr + gs_N, z_ptr + gs_N, uw_N, s_ptr + us_N, z_ptr + us_N, D, ok_N, x_row,
-                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, HALF, AHEAD)
+                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, HALF, AHEAD, WORDS4)
     h = tl.where(known, act(acc_g, ACT) * acc_u, tl.where(skipped, 0.0, float("nan")))
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
 
@@ -395,7 +400,7 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
 def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
            stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr,
            ZERO: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr, WAIT: tl.constexpr,
-           AHEAD: tl.constexpr):
+           AHEAD: tl.constexpr, WORDS4: tl.constexpr):
     """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N."""
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
@@ -410,7 +415,7 @@ def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, 
     h_row = h_ptr + j.to(tl.int64) * stride_hm
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
     return rw * packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4,
-                           ZERO, BLOCK_K, HALF, WAIT, AHEAD)
+                           ZERO, BLOCK_K, HALF, WAIT, AHEAD, WORDS4)
 
 
 @triton.jit
@@ -418,7 +423,8 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
                        stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, stride_ym, stride_cm,
                        WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr = False,
-                       SPLIT: tl.constexpr = False, PDL: tl.constexpr = False, AHEAD: tl.constexpr = 1):
+                       SPLIT: tl.constexpr = False, PDL: tl.constexpr = False, AHEAD: tl.constexpr = 1,
+                       WORDS4: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
@@ -427,7 +433,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     K partials in slot order (the same sum as the loop's, bit for bit), writes y and sets the count back to
     0 (pairs.py's down_pairs_kernel: K times the programs for shapes with few columns). PDL: launched as a
     programmatic dependent of the gate/up pass: each program loads its first chunk of weights, then waits
-    for h. AHEAD: as `packed_dot`'s."""
+    for h. AHEAD, WORDS4 (I a multiple of 32): as `packed_dot`'s."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -438,7 +444,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
         j = t * top_k + tl.program_id(2)
         part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
                       stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO, BLOCK_K, HALF,
-                      PDL, AHEAD)
+                      PDL, AHEAD, WORDS4)
         tl.store(part_ptr + j.to(tl.int64) * D + cols_N, part, mask=col_ok_N)
         count = count_ptr + t.to(tl.int64) * stride_cm + tile
         if tl.atomic_add(count, 1, sem="acq_rel") == top_k - 1:  # the token's other slots are stored
@@ -452,9 +458,9 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     else:
         acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
-                     BLOCK_K, HALF, PDL, AHEAD)  # the first slot waits for h (PDL); the others find it written
+                     BLOCK_K, HALF, PDL, AHEAD, WORDS4)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
             acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                          MXFP4, ZERO, BLOCK_K, HALF, False, AHEAD)
+                          MXFP4, ZERO, BLOCK_K, HALF, False, AHEAD, WORDS4)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_ok_N)
