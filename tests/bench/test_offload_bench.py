@@ -48,6 +48,7 @@ def test_tiny_run_on_cpu_prints_every_row(tmp_path, capsys):
 def test_options():
     bench = parse(["--shape", "mixtral", "--fractions", "0.25,0.5", "--baselines", "gpu", "--accelerate-batch8"])
     assert bench == OffloadBench(shape="mixtral", fractions=(0.25, 0.5), baselines=("gpu",), accelerate_batch8=True)
+    assert parse(["--baselines", "none"]).baselines == ()  # ThunderEP's rows alone
     for argv, message in ((["--shape", "llama"], "--shape must be one of"), (["--fractions", "0"], r"not in \(0, 1\]"),
                           (["--baselines", "vllm"], "'vllm' is not one of"), (["--batches", "x"], "expected int"),
                           (["--frobnicate", "1"], "unknown option"), (["--layers"], "needs a value"),

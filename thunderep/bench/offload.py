@@ -14,6 +14,8 @@ fit after the replicated weights and the two staging buffers (`train.plan.plan_o
     (b) host       ThunderMoE with no hot expert, every expert computed on the host (TierConfig(cold_path="host"))
     (c) gpu        ThunderMoE with the whole model on the device (no gpu_memory)
 
+--baselines picks among accelerate, host and gpu (default: all three); --baselines none runs ThunderEP's rows alone.
+
 With --host-threads (e.g. off,auto) every ThunderEP row and (b) run once per value of `TierConfig.host_thread`:
 a decode step's host experts in line ("off") or as host jobs, off the launching thread ("auto", the default as
 in the library: where the GPU's stream can wait for host memory; `moe.host_jobs`), side by side in one run; the host-job rows
@@ -125,7 +127,9 @@ class OffloadBench:
 
     def __post_init__(self):
         problems = [] if self.shape in SHAPES else [f"--shape must be one of {', '.join(SHAPES)}, got {self.shape!r}"]
-        problems += [f"--baselines: {b!r} is not one of {', '.join(BASELINES)}" for b in self.baselines
+        if self.baselines == ("none",):  # ThunderEP's rows alone
+            object.__setattr__(self, "baselines", ())
+        problems += [f"--baselines: {b!r} is not one of {', '.join(BASELINES)} (or none)" for b in self.baselines
                      if b not in BASELINES]
         problems += [f"--fractions: {f} is not in (0, 1]" for f in self.fractions if not 0 < f <= 1]
         problems += [f"--batches: {b} is not 1 or more" for b in self.batches if b < 1]
