@@ -17,6 +17,8 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_HOST_THREADS=N        threads of the native host engine (host jobs of offloaded experts)
     THUNDEREP_HOST_JOBS=0           offloaded experts' host work in line even where TierConfig's "auto" hands it off
     THUNDEREP_MAPPED=0              no cold expert read in place by the device where TierConfig's "auto" would map some
+    THUNDEREP_SORTED4=packed|dequant   prompts on 4-bit experts: kernels reading the packed bytes, or the layer's
+                                    experts dequantized for the 16-bit kernels (the default until timed on a GPU)
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import os
 from .errors import ConfigError
 
 __all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "host_collective", "host_collective_timeout_s",
-           "host_jobs", "host_threads", "mapped", "no_native_build", "pairs_max_tokens", "pdl", "triton_autotune",
-           "triton_interpreter"]
+           "host_jobs", "host_threads", "mapped", "no_native_build", "pairs_max_tokens", "pdl", "sorted4",
+           "triton_autotune", "triton_interpreter"]
 
 
 def _raw(name: str) -> str:
@@ -113,6 +115,15 @@ def pdl() -> bool | None:
     if raw not in ("", "0", "1"):
         raise ConfigError(f"THUNDEREP_PDL={raw!r}: use 0 (off) or 1, or leave it unset")
     return None if raw == "" else raw == "1"
+
+
+def sorted4() -> str | None:
+    """THUNDEREP_SORTED4: "packed" or "dequant", None when unset."""
+    raw = _raw("THUNDEREP_SORTED4")
+    if raw not in ("", "packed", "dequant"):
+        raise ConfigError(f"THUNDEREP_SORTED4={raw!r}: use packed (4-bit sorted kernels) or dequant, or leave it "
+                          f"unset")
+    return raw or None
 
 
 def forced_gemm(name: str) -> str:

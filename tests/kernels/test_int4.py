@@ -102,11 +102,13 @@ def _check(T, D, I, E, K, dtype, fmt, group, tol, seed=0, ids=None, zero=False, 
     return y
 
 
-@pytest.fixture(params=["pairs", "sorted"])
+@pytest.fixture(params=["pairs", "sorted", "sorted4"])
 def path(request, monkeypatch):
-    """Pin inference on the 4-bit pair kernels or on the sorted path (dequantized weights)."""
+    """Pin inference on the 4-bit pair kernels, on the sorted path with dequantized weights, or on the
+    sorted kernels reading the packed bytes (sorted4.py)."""
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30) if request.param == "pairs" else "0")
+    monkeypatch.setenv("THUNDEREP_SORTED4", "packed" if request.param == "sorted4" else "dequant")
     return request.param
 
 
@@ -130,6 +132,46 @@ def test_int4_matches_dequantized(case, path):
     # the pair kernels multiply elementwise in float32: bfloat16 there.
     dtype = torch.bfloat16 if path == "pairs" else torch.float16
     _check(*case[:5], dtype, case[5], case[6], tol=2e-2 if dtype == torch.bfloat16 else 2e-3, zero=case[7])
+
+
+@pytest.mark.parametrize("T", [5, 160], ids=["rows-16", "rows-64"])
+@pytest.mark.parametrize("fmt,zero,D,I", [("int4", True, 256, 128), ("mxfp4", False, 80, 48), ("int4", False, 96, 40)],
+                         ids=["int4-zero-even-chunks", "mxfp4-partial-chunk", "int4-group-tail"])
+def test_sorted4_kernels_match_the_dequantized_path(T, fmt, zero, D, I, monkeypatch):
+    """The sorted kernels reading the packed bytes (sorted4.py) against the float64 reference and the
+    16-bit kernels on the dequantized weights, through `moe_mlp` (each pair's row gathered, weighted sums)
+    and `moe_mlp_summed` (some of the pairs, expert parallelism's receiving side): chunks that divide k or
+    leave a partial one, 16 and 64 rows per tile (the default tiles' 128 and 64 columns of k), a down
+    row of 40 columns with groups of 32 (a last partial group), zero points."""
+    from thunderep.kernels.ops import moe_mlp_summed
+
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
+    monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
+    E, K = 4, 2
+    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.float16, 7)
+    q_gu, q_d = Int4Weight.quantize(w_gu, fmt), Int4Weight.quantize(w_d, fmt)
+    if zero:
+        q_gu, q_d = _asymmetric(q_gu, 1), _asymmetric(q_d, 2)
+    ids, weights = ids.to(DEVICE), weights.to(DEVICE).half()
+    y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64), ids,
+                      weights.double())
+    keep = torch.arange(T * K, device=DEVICE) % 3 != 0  # the summed call's pairs: two in three
+    flat = ids.reshape(-1)
+    order = torch.nonzero(keep).flatten()
+    order = order[torch.argsort(flat[order], stable=True)].to(torch.int32)
+    counts = torch.bincount(flat[order.long()], minlength=E)
+    summed_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64), ids,
+                           torch.where(keep.view(T, K), weights.double(), 0.0))
+    outs = {}
+    for mode in ("packed", "dequant"):
+        monkeypatch.setenv("THUNDEREP_SORTED4", mode)
+        with torch.no_grad():
+            outs[mode] = (routed_moe_mlp(x, q_gu, q_d, ids, weights),
+                          moe_mlp_summed(x, q_gu, q_d, counts, order_Q=order, weights_N=weights, top_k=K))
+    for y, y_sum in outs.values():
+        assert rel_err(y, y_ref) < 2e-3 and rel_err(y_sum, summed_ref) < 2e-3, (rel_err(y, y_ref),
+                                                                                 rel_err(y_sum, summed_ref))
+    assert rel_err(outs["packed"][0], outs["dequant"][0].double()) < 1e-3
 
 
 @pytest.mark.parametrize("up,down", [((16, 32, 1), (16, 32, 1)), ((8, 16, 1), (32, 64, 1)), ((64, 256, 1), (8, 16, 1)),

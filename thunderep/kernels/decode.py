@@ -93,14 +93,6 @@ def _launch4(autotuner, plain, pinned: dict | None, programs, C: int, grid, devi
     tuning.launch(autotuner, plain, tiles.pairs4_default(programs, C), grid, device, **args)
 
 
-def _packed_args(w) -> dict:
-    """A 4-bit weight's (int4.Int4Weight) pointers, strides and format constants for pairs4.py."""
-    zero = w.zero if w.zero is not None else w.scale  # never read without ZERO
-    return dict(w_ptr=w.packed, s_ptr=w.scale, z_ptr=zero, stride_we=w.packed.stride(0), stride_se=w.scale.stride(0),
-                stride_sn=w.scale.stride(1), stride_sk=w.scale.stride(2), GROUP=w.group, MXFP4=w.fmt == "mxfp4",
-                ZERO=w.zero is not None)
-
-
 def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights: Optional[torch.Tensor],
                    activation: str, interleaved: bool) -> torch.Tensor:
     """y_TD through the two 4-bit pair launches (pairs4.py). x: [T, D]; w_gate_up [E, 2I, D] and w_down
@@ -114,20 +106,18 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
     n_counts = cdiv(D, min(tiles.MIN_PAIRS4_BLOCK_N, (PAIRS4_DOWN or {}).get("BLOCK_N", D)))
     part = torch.empty(N * D + T * n_counts, dtype=torch.float32, device=x.device)  # SPLIT: partials, counts
     count = part[N * D:].view(torch.int32)
-    gu = _packed_args(w_gate_up)
     _launch4(tiles.UP_PAIRS4, tiles.UP_PAIRS4_PLAIN, PAIRS4_UP, lambda bn: N * cdiv(I, bn), D,
              lambda meta: (N, cdiv(I, meta["BLOCK_N"])), x.device,
-             x_ptr=x, w_ptr=gu.pop("w_ptr"), s_ptr=gu.pop("s_ptr"), z_ptr=gu.pop("z_ptr"), h_ptr=h, ids_ptr=ids,
+             x_ptr=x, w_ptr=w_gate_up.packed, stride_we=w_gate_up.packed.stride(0), h_ptr=h, ids_ptr=ids,
              count_ptr=count, I=I, D=D, E=E, top_k=N // T, n_counts=n_counts, stride_xm=x.stride(0),
              stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
-             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, **gu)
+             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, **w_gate_up.kernel_args())
     y = x.new_empty(T, D)
-    dn = _packed_args(w_down)
     _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
              lambda meta: (T, cdiv(D, meta["BLOCK_N"]), N // T if meta.get("SPLIT") else 1), x.device,
-             h_ptr=h, w_ptr=dn.pop("w_ptr"), s_ptr=dn.pop("s_ptr"), z_ptr=dn.pop("z_ptr"), y_ptr=y, ids_ptr=ids,
+             h_ptr=h, w_ptr=w_down.packed, stride_we=w_down.packed.stride(0), y_ptr=y, ids_ptr=ids,
              weight_ptr=weights if weights is not None else h, part_ptr=part, count_ptr=count, D=D, I=I, E=E,
              top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0),
-             stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, WORDS4=I % 32 == 0, **dn,
+             stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, WORDS4=I % 32 == 0, **w_down.kernel_args(),
              **({"launch_pdl": True} if pdl else {}))
     return y

@@ -15,9 +15,10 @@ these bytes; its zero points (asymmetric weights) are held unpacked, one int8 pe
 bfloat16's bytes plus the scales: decode, which reads every hit expert's weights once per token,
 reads a quarter as much.
 
-The pair kernels (`pairs4.py`, decode) load the packed tiles and convert them in registers; the
-sorted kernels (prompts, `ops.moe_mlp`) take the weights dequantized into the products' dtype for the
-call (`dequantize`: one layer's experts at a time). Nothing trains 4-bit weights. This module needs
+The pair kernels (`pairs4.py`, decode) and the sorted kernels (`sorted4.py`, prompts) load the packed
+tiles and convert them in registers; where `paths.sorted4_packed` says no, prompts take the weights
+dequantized into the products' dtype for the call (`dequantize`: one layer's experts at a time) and
+run the 16-bit sorted kernels. Nothing trains 4-bit weights. This module needs
 torch only.
 """
 
@@ -154,6 +155,15 @@ class Int4Weight:
             return self
         zero = self.zero.contiguous() if self.zero is not None else None
         return Int4Weight(self.packed.contiguous(), self.scale.contiguous(), self.group, self.dtype, self.fmt, zero)
+
+    def kernel_args(self) -> dict:
+        """The 4-bit kernels' arguments for these scales and zero points (pairs4.py, pairs4_gptoss.py,
+        sorted4.py): pointers (the scales stand in for absent zero points, never read then), expert, row
+        and group strides, and the format's constants."""
+        zero = self.zero if self.zero is not None else self.scale
+        return {"s_ptr": self.scale, "z_ptr": zero, "stride_se": self.scale.stride(0),
+                "stride_sn": self.scale.stride(1), "stride_sk": self.scale.stride(2), "GROUP": self.group,
+                "MXFP4": self.fmt == "mxfp4", "ZERO": self.zero is not None}
 
     def nbytes(self) -> int:
         zero = self.zero.numel() if self.zero is not None else 0

@@ -44,7 +44,7 @@ import triton.language as tl
 from .act import act, act_grad, dequant, gate_up_cols, weight_scales
 from .row_tiles import row_tile_of_program, rows_in
 
-__all__ = ["act_bwd_kernel", "rows_kernel", "up_kernel", "wgrad_kernel"]
+__all__ = ["act_bwd_kernel", "rows_kernel", "rows_store", "token_row_ptrs", "up_kernel", "up_store", "wgrad_kernel"]
 
 
 @triton.jit
@@ -189,7 +189,7 @@ def _source_rows(rows, row_ok, order_ptr, top_k, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _token_row_ptrs(base_ptr, rows, row_ok, order_ptr, top_k, stride, k_K, GATHER: tl.constexpr):
+def token_row_ptrs(base_ptr, rows, row_ok, order_ptr, top_k, stride, k_K, GATHER: tl.constexpr):
     """[rows, BLOCK_K] pointers at k = 0 into the source row of each sorted row (_source_rows)."""
     src = _source_rows(rows, row_ok, order_ptr, top_k, GATHER)
     return base_ptr + src.to(tl.int64)[:, None] * stride + k_K[None, :]
@@ -206,7 +206,7 @@ def _row_scales(as_ptr, rows, row_ok, order_ptr, top_k, GATHER: tl.constexpr, A_
 
 
 @triton.jit
-def _up_store(acc_g, acc_u, rows, row_ok, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm, stride_gm,
+def up_store(acc_g, acc_u, rows, row_ok, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm, stride_gm,
               ACT: tl.constexpr, SAVE_GU: tl.constexpr):
     """up_kernel's epilogue for one block of rows: gu (SAVE_GU) and h = act(g) * u."""
     out_ok = row_ok[:, None] & col_ok_N[None, :]
@@ -251,7 +251,7 @@ def up_kernel(
     rows_M, row_ok_M = rows_in(row0, tile_end, BLOCK_M)
     gate_N, up_N = gate_up_cols(cols_N, I, INTERLEAVED)
     k_K = tl.arange(0, BLOCK_K)
-    a_ptrs = _token_row_ptrs(x_ptr, rows_M, row_ok_M, order_ptr, top_k, stride_xm, k_K, GATHER)
+    a_ptrs = token_row_ptrs(x_ptr, rows_M, row_ok_M, order_ptr, top_k, stride_xm, k_K, GATHER)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     g_ptrs = w_base + gate_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
     u_ptrs = w_base + up_N.to(tl.int64)[None, :] * stride_wn + k_K[:, None]
@@ -263,13 +263,13 @@ def up_kernel(
         has_tail: tl.constexpr = False  # a constant: the tail path below is not compiled
     if has_tail:
         rows_S, row_ok_S = rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
-        s_ptrs = _token_row_ptrs(x_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_xm, k_K, GATHER)
+        s_ptrs = token_row_ptrs(x_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_xm, k_K, GATHER)
         acc_g, acc_u, tail_g, tail_u = _dot_gate_up(a_ptrs, s_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_S, col_ok_N, D,
                                                     gs_ptrs, us_ptrs, stride_wsk, PRECISION, EVEN_K, BLOCK_M,
                                                     BLOCK_N, BLOCK_K, True, SCALED, SCALE_K, A_FP8)
         tail_s = _row_scales(xs_ptr, rows_S, row_ok_S, order_ptr, top_k, GATHER, A_FP8)
         tail_g, tail_u = tail_g * tail_s, tail_u * tail_s
-        _up_store(tail_g, tail_u, rows_S, row_ok_S, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm,
+        up_store(tail_g, tail_u, rows_S, row_ok_S, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm,
                   stride_gm, ACT, SAVE_GU)
     else:
         acc_g, acc_u, _, _ = _dot_gate_up(a_ptrs, a_ptrs, g_ptrs, u_ptrs, row_ok_M, row_ok_M, col_ok_N, D,
@@ -277,12 +277,12 @@ def up_kernel(
                                           BLOCK_K, False, SCALED, SCALE_K, A_FP8)
     row_s = _row_scales(xs_ptr, rows_M, row_ok_M, order_ptr, top_k, GATHER, A_FP8)
     acc_g, acc_u = acc_g * row_s, acc_u * row_s
-    _up_store(acc_g, acc_u, rows_M, row_ok_M, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm, stride_gm,
+    up_store(acc_g, acc_u, rows_M, row_ok_M, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr, stride_hm, stride_gm,
               ACT, SAVE_GU)
 
 
 @triton.jit
-def _rows_store(acc, rows, row_ok, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm,
+def rows_store(acc, rows, row_ok, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm,
                 SCATTER: tl.constexpr, WEIGHTED: tl.constexpr):
     """rows_kernel's epilogue for one block of rows: weight, un-permute, store."""
     if SCATTER or WEIGHTED:
@@ -322,7 +322,7 @@ def rows_kernel(
         return
     rows_M, row_ok_M = rows_in(row0, tile_end, BLOCK_M)
     k_K = tl.arange(0, BLOCK_K)
-    a_ptrs = _token_row_ptrs(a_ptr, rows_M, row_ok_M, order_ptr, 1, stride_am, k_K, False)
+    a_ptrs = token_row_ptrs(a_ptr, rows_M, row_ok_M, order_ptr, 1, stride_am, k_K, False)
     b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + cols_N.to(tl.int64)[None, :] * stride_bn
               + k_K[:, None] * stride_bk)
     bs_ptrs = weight_scales(bs_ptr, expert, cols_N, stride_bse, stride_bsn, SCALE_N)
@@ -332,17 +332,17 @@ def rows_kernel(
         has_tail: tl.constexpr = False  # a constant: the tail path below is not compiled
     if has_tail:
         rows_S, row_ok_S = rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
-        s_ptrs = _token_row_ptrs(a_ptr, rows_S, row_ok_S, order_ptr, 1, stride_am, k_K, False)
+        s_ptrs = token_row_ptrs(a_ptr, rows_S, row_ok_S, order_ptr, 1, stride_am, k_K, False)
         acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, K, stride_bk, bs_ptrs, stride_bsk,
                             PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True, SCALED, SCALE_K, A_FP8)
         acc_s = acc_s * _row_scales(as_ptr, rows_S, row_ok_S, order_ptr, 1, False, A_FP8)
-        _rows_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER,
+        rows_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER,
                     WEIGHTED)
     else:
         acc, _ = _dot_k(a_ptrs, a_ptrs, b_ptrs, row_ok_M, row_ok_M, col_ok_N, K, stride_bk, bs_ptrs, stride_bsk,
                         PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, False, SCALED, SCALE_K, A_FP8)
     acc = acc * _row_scales(as_ptr, rows_M, row_ok_M, order_ptr, 1, False, A_FP8)
-    _rows_store(acc, rows_M, row_ok_M, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER, WEIGHTED)
+    rows_store(acc, rows_M, row_ok_M, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm, SCATTER, WEIGHTED)
 
 
 @triton.jit
@@ -397,7 +397,7 @@ def act_bwd_kernel(
         return
     rows_M, row_ok_M = rows_in(row0, tile_end, BLOCK_M)
     k_K = tl.arange(0, BLOCK_K)
-    a_ptrs = _token_row_ptrs(dy_ptr, rows_M, row_ok_M, order_ptr, top_k, stride_dym, k_K, GATHER)
+    a_ptrs = token_row_ptrs(dy_ptr, rows_M, row_ok_M, order_ptr, top_k, stride_dym, k_K, GATHER)
     b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols_N[None, :] + k_K.to(tl.int64)[:, None] * stride_wd
     if TAIL:
         has_tail = tile_end > row0 + BLOCK_M
@@ -405,7 +405,7 @@ def act_bwd_kernel(
         has_tail: tl.constexpr = False  # a constant: the tail path below is not compiled
     if has_tail:
         rows_S, row_ok_S = rows_in(row0 + BLOCK_M, tile_end, BLOCK_M // 2)
-        s_ptrs = _token_row_ptrs(dy_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_dym, k_K, GATHER)
+        s_ptrs = token_row_ptrs(dy_ptr, rows_S, row_ok_S, order_ptr, top_k, stride_dym, k_K, GATHER)
         acc, acc_s = _dot_k(a_ptrs, s_ptrs, b_ptrs, row_ok_M, row_ok_S, col_ok_N, D, stride_wd, b_ptrs, 0, PRECISION,
                             EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, True, False, 1)
         _act_bwd_store(acc_s, rows_S, row_ok_S, cols_N, col_ok_N, pid_n, I, gu_ptr, dgu_ptr, dwp_ptr, hw_ptr,

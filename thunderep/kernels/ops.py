@@ -34,8 +34,9 @@ decode step's GPU time.
 
 4-bit weights (int4.Int4Weight, MXFP4 or int4) run the pair kernels of pairs4.py, which read the
 packed tiles; on the sorted path (prompts, and 2 to 16 tokens where the sorted route measured faster)
-`moe_mlp` dequantizes them into x's dtype for the call, one layer's experts at a time, and runs the
-16-bit kernels. gpt-oss's experts (biases, clamped SwiGLU) run pairs4_gptoss.py's pair kernels
+`moe_mlp` and `moe_mlp_summed` run the sorted kernels of sorted4.py, which read them too, where
+`paths.sorted4_packed` says so, else dequantize them into x's dtype for the call, one layer's experts at
+a time, and run the 16-bit kernels. gpt-oss's experts (biases, clamped SwiGLU) run pairs4_gptoss.py's pair kernels
 (`moe_mlp_pairs_gptoss`, decode only).
 """
 
@@ -185,8 +186,11 @@ def moe_mlp(
         return op(x.contiguous(), w_gu.q, w_gu.scale, list(w_gu.block), w_d.q, w_d.scale, list(w_d.block), order,
                   counts, weights, top_k, activation, interleaved, w_gu.w8a8)
     if isinstance(w_gate_up_E2ID, Int4Weight) or isinstance(w_down_EDI, Int4Weight):
-        check_int4(x, w_gate_up_E2ID, w_down_EDI, weights)  # the sorted kernels take them dequantized (above)
-        w_gate_up_E2ID, w_down_EDI = w_gate_up_E2ID.dequantize(), w_down_EDI.dequantize()
+        check_int4(x, w_gate_up_E2ID, w_down_EDI, weights)
+        if paths.sorted4_packed() and not torch.compiler.is_compiling():  # kernels reading the packed bytes
+            return sorted_mlp.forward(x.contiguous(), w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous(), order,
+                                      counts, weights, top_k, activation, interleaved, False, "triton")[0]
+        w_gate_up_E2ID, w_down_EDI = w_gate_up_E2ID.dequantize(), w_down_EDI.dequantize()  # (above)
     needs_grad = paths.needs_grad(x, w_gate_up_E2ID, w_down_EDI, weights)
     E, I2, D = w_gate_up_E2ID.shape
     n_rows = order.shape[0] if order is not None else x.shape[0]
@@ -216,12 +220,15 @@ def moe_mlp_summed(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI:
     [T * top_k], where each flat pair sits in order_Q, -1 for the others, where the caller has it:
     `kernels.slot_order`). Inference
     only: None where gradients are needed (the caller then expands the rows and runs `moe_mlp`, whose
-    backward exists). FP8 weights as in `moe_mlp`, 4-bit ones dequantized for the call."""
+    backward exists). FP8 and 4-bit weights as in `moe_mlp`."""
     checks.check_integer("counts_E", counts_E)
     checks.check_integer("order_Q", order_Q)
-    if isinstance(w_gate_up_E2ID, Int4Weight) or isinstance(w_down_EDI, Int4Weight):
+    packed = isinstance(w_gate_up_E2ID, Int4Weight) or isinstance(w_down_EDI, Int4Weight)
+    if packed:
         check_int4(x_TD, w_gate_up_E2ID, w_down_EDI, weights_N)
-        w_gate_up_E2ID, w_down_EDI = w_gate_up_E2ID.dequantize(), w_down_EDI.dequantize()
+        if not paths.sorted4_packed():
+            w_gate_up_E2ID, w_down_EDI = w_gate_up_E2ID.dequantize(), w_down_EDI.dequantize()
+            packed = False
     fp8 = isinstance(w_gate_up_E2ID, Fp8Weight) or isinstance(w_down_EDI, Fp8Weight)
     if fp8:
         check_fp8(x_TD, w_gate_up_E2ID, w_down_EDI, weights_N)
@@ -229,7 +236,7 @@ def moe_mlp_summed(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI:
         return None
     counts = counts_E.to(device=x_TD.device, dtype=torch.int32, non_blocking=True)
     E, I2, D = w_gate_up_E2ID.shape
-    gemm = "triton" if fp8 else G.gemm_path(x_TD, order_Q.shape[0], E, D, I2 // 2)
+    gemm = "triton" if fp8 or packed else G.gemm_path(x_TD, order_Q.shape[0], E, D, I2 // 2)
     weights = weights_N if weights_N.dim() == 2 else weights_N.reshape(-1)  # [T, K] read in place, strided or not
     return sorted_mlp.forward_summed(x_TD.contiguous(), w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous(),
                                      order_Q.to(torch.int32), counts, weights, top_k, activation, interleaved, gemm,

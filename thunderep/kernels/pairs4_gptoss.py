@@ -117,14 +117,6 @@ def down_pairs4_gptoss_kernel(h_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ids_ptr,
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, y.to(y_ptr.dtype.element_ty), mask=cols_N < D)
 
 
-def _packed_args(w) -> dict:
-    """A 4-bit weight's (int4.Int4Weight) scale and zero-point pointers, strides and format constants."""
-    zero = w.zero if w.zero is not None else w.scale  # never read without ZERO
-    return {"s_ptr": w.scale, "z_ptr": zero, "stride_we": w.packed.stride(0), "stride_se": w.scale.stride(0),
-            "stride_sn": w.scale.stride(1), "stride_sk": w.scale.stride(2), "GROUP": w.group,
-            "MXFP4": w.fmt == "mxfp4", "ZERO": w.zero is not None}
-
-
 def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w_down, b_down: torch.Tensor,
                           ids: torch.Tensor, weights: torch.Tensor | None, alpha: float,
                           limit: float) -> torch.Tensor:
@@ -141,10 +133,12 @@ def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w
     up_pairs4_gptoss_kernel[(N, cdiv(I, up["BLOCK_N"]))](
         x, w_gate_up.packed, b_ptr=b_gate_up, h_ptr=h, ids_ptr=ids, I=I, D=D, E=E, top_k=N // T, alpha=float(alpha),
         limit=float(limit), stride_xm=x.stride(0), stride_wn=w_gate_up.packed.stride(1),
-        stride_be=b_gate_up.stride(0), stride_hm=h.stride(0), WORDS4=D % 32 == 0, **_packed_args(w_gate_up), **up)
+        stride_be=b_gate_up.stride(0), stride_hm=h.stride(0), WORDS4=D % 32 == 0,
+        stride_we=w_gate_up.packed.stride(0), **w_gate_up.kernel_args(), **up)
     y = x.new_empty(T, D)
     down_pairs4_gptoss_kernel[(T, cdiv(D, down["BLOCK_N"]))](
         h, w_down.packed, b_ptr=b_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h, D=D,
         I=I, E=E, top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_be=b_down.stride(0),
-        stride_ym=y.stride(0), WEIGHTED=weights is not None, WORDS4=I % 32 == 0, **_packed_args(w_down), **down)
+        stride_ym=y.stride(0), WEIGHTED=weights is not None, WORDS4=I % 32 == 0,
+        stride_we=w_down.packed.stride(0), **w_down.kernel_args(), **down)
     return y

@@ -9,7 +9,9 @@ launch.
 
 THUNDEREP_PAIRS_MAX_TOKENS (env.pairs_max_tokens) overrides the first two; THUNDEREP_PDL turns the
 down pass's programmatic dependent launch off (`pdl_applies`). The choice between the fused kernels and
-the Hopper path (torch's grouped GEMM) for the sorted GEMMs is grouped_gemm.gemm_path's.
+the Hopper path (torch's grouped GEMM) for the sorted GEMMs is grouped_gemm.gemm_path's. On 4-bit
+experts the sorted kernels read the packed bytes (sorted4.py) or the layer's experts dequantized for the
+16-bit kernels (`sorted4_packed`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .graphs import in_graph_steps
 from .pairs import HAS_GDC
 
 __all__ = ["PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "PATH_ROUTINGS", "ROUTE_MAX_PAIRS", "decode_applies",
-           "needs_grad", "pairs_max_tokens", "pairs_win", "path_tuning_applies", "pdl_applies"]
+           "needs_grad", "pairs_max_tokens", "pairs_win", "path_tuning_applies", "pdl_applies", "sorted4_packed"]
 
 _LOG = logging.getLogger("thunderep.kernels")
 
@@ -56,6 +58,14 @@ _PATHS: dict[tuple, bool] = {}
 # "Decode, second version: a split down pass and a one-program sort"). One program holds the whole
 # batch: the bound keeps it small.
 ROUTE_MAX_PAIRS = 1024
+
+
+def sorted4_packed() -> bool:
+    """Whether prompts on 4-bit experts run the kernels that read the packed bytes (sorted4.py), rather than
+    the layer's experts dequantized for the 16-bit sorted kernels: THUNDEREP_SORTED4=packed. Off by default
+    until the packed kernels are timed against the dequantized path on a GPU (they are tested against the
+    float64 reference in Triton's interpreter and build for sm_89 / sm_90 / sm_120)."""
+    return env.sorted4() == "packed"
 
 
 def needs_grad(*tensors) -> bool:

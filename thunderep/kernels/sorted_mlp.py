@@ -23,11 +23,13 @@ from typing import Optional
 
 import torch
 
+from ..errors import InputError
 from . import checks, passes, tiles, tuning
 from . import grouped_gemm as G
 from .act import ACTIVATIONS
 from .fp8 import FP8, FP8_MAX, scale_args, weight_data
 from .fp8 import quantize_rows as fp8_rows
+from .int4 import Int4Weight
 from .presum import positions, presum_at
 from .tuning import cdiv, next_power_of_2
 
@@ -47,40 +49,53 @@ def row_grid(n_rows: int, E: int, cols: int):
 
 def up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows, x_scale=None):
     """h [N, I] (and gu [N, 2I] with `save`) in the products' dtype; `x_scale`: x is FP8, row i standing
-    for x[i] * x_scale[i] (W8A8)."""
+    for x[i] * x_scale[i] (W8A8). 4-bit weights (int4.Int4Weight): the packed kernels, nothing saved."""
     E, I2, D = w_gu.shape
     I = I2 // 2
     dtype = w_gu.dtype  # x's, or for FP8 inputs the weight's products
     h = torch.empty(n_rows, I, dtype=dtype, device=x.device)
     gu = torch.empty(n_rows if save else 0, I2, dtype=dtype, device=x.device)
     bm, fill = tiles.m_key(n_rows, E)
+    shared = dict(x_ptr=x, h_ptr=h, gu_ptr=gu, order_ptr=order if order is not None else counts, counts_ptr=counts,
+                  n_rows=n_rows, I=I, D=D, E=E, top_k=top_k, stride_xm=x.stride(0), stride_hm=h.stride(0),
+                  m_class=bm, m_fill=fill, ACT=act, INTERLEAVED=interleaved, GATHER=order is not None,
+                  PRECISION=tuning.precision(dtype), BLOCK_E=block_e(E))
+    if isinstance(w_gu, Int4Weight):
+        if save:
+            raise InputError("4-bit expert weights are for inference: nothing is saved for a backward pass")
+        tuning.launch(tiles.UP4, tiles.UP4_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, I), x.device,
+                      w_ptr=w_gu.packed, stride_we=w_gu.packed.stride(0), stride_wn=w_gu.packed.stride(1),
+                      **w_gu.kernel_args(), **shared)
+        return h, gu
     w = weight_data(w_gu)
     tuning.launch(tiles.UP, tiles.UP_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, I), x.device,
-                  x_ptr=x, w_ptr=w, h_ptr=h, gu_ptr=gu, order_ptr=order if order is not None else counts,
-                  counts_ptr=counts, n_rows=n_rows, I=I, D=D, E=E, top_k=top_k,
-                  stride_xm=x.stride(0), stride_we=w.stride(0), stride_wn=w.stride(1), stride_hm=h.stride(0),
-                  stride_gm=I2, m_class=bm, m_fill=fill, ACT=act, INTERLEAVED=interleaved,
-                  GATHER=order is not None, SAVE_GU=save, PRECISION=tuning.precision(dtype), BLOCK_E=block_e(E),
+                  w_ptr=w, stride_we=w.stride(0), stride_wn=w.stride(1), stride_gm=I2, SAVE_GU=save,
                   xs_ptr=x_scale if x_scale is not None else x, A_FP8=x_scale is not None,
-                  **scale_args(w_gu, "ws_ptr", ("stride_wse", "stride_wsn", "stride_wsk")))
+                  **scale_args(w_gu, "ws_ptr", ("stride_wse", "stride_wsn", "stride_wsk")), **shared)
     return h, gu
 
 
 def rows(a, b, b_strides, n_out, order, weights, counts, out, scatter, a_scale=None):
     """out[dst(r)] = w * a[r] @ B[e].T with B[e, n, k] at b + e*s0 + n*s1 + k*s2 (b: a tensor, or an
-    Fp8Weight [E, n, k] whose strides are b_strides); `a_scale`: a is FP8, row r standing for
-    a[r] * a_scale[r] (W8A8)."""
+    Fp8Weight [E, n, k] whose strides are b_strides; an int4.Int4Weight [E, n, k], its own strides, b_strides
+    unused); `a_scale`: a is FP8, row r standing for a[r] * a_scale[r] (W8A8)."""
     n_rows, Kdim = a.shape
     E = counts.shape[0]
     bm, fill = tiles.m_key(n_rows, E)
+    shared = dict(a_ptr=a, c_ptr=out, order_ptr=order if order is not None else counts,
+                  weight_ptr=weights if weights is not None else a, counts_ptr=counts, n_rows=n_rows, N=n_out,
+                  K=Kdim, E=E, stride_am=a.stride(0), stride_cm=out.stride(0), m_class=bm, m_fill=fill,
+                  SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=tuning.precision(out.dtype),
+                  BLOCK_E=block_e(E))
+    if isinstance(b, Int4Weight):
+        tuning.launch(tiles.ROWS4, tiles.ROWS4_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, n_out), a.device,
+                      b_ptr=b.packed, stride_be=b.packed.stride(0), stride_bn=b.packed.stride(1), **b.kernel_args(),
+                      **shared)
+        return
     tuning.launch(tiles.ROWS, tiles.ROWS_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, n_out), a.device,
-                  a_ptr=a, b_ptr=weight_data(b), c_ptr=out, order_ptr=order if order is not None else counts,
-                  weight_ptr=weights if weights is not None else a, counts_ptr=counts,
-                  n_rows=n_rows, N=n_out, K=Kdim, E=E, stride_am=a.stride(0), stride_be=b_strides[0],
-                  stride_bn=b_strides[1], stride_bk=b_strides[2], stride_cm=out.stride(0), m_class=bm,
-                  m_fill=fill, SCATTER=scatter, WEIGHTED=weights is not None, PRECISION=tuning.precision(out.dtype),
-                  BLOCK_E=block_e(E), as_ptr=a_scale if a_scale is not None else a, A_FP8=a_scale is not None,
-                  **scale_args(b, "bs_ptr", ("stride_bse", "stride_bsn", "stride_bsk")))
+                  b_ptr=weight_data(b), stride_be=b_strides[0], stride_bn=b_strides[1], stride_bk=b_strides[2],
+                  as_ptr=a_scale if a_scale is not None else a, A_FP8=a_scale is not None,
+                  **scale_args(b, "bs_ptr", ("stride_bse", "stride_bsn", "stride_bsk")), **shared)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,14 +177,19 @@ def forward(
     h, gu, a, a_scale = _up_and_down_input(x, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows)
     if order is None:
         y = x.new_empty(n_rows, D)
-        rows(a, w_down, w_down.stride(), D, None, None, counts, y, scatter=False, a_scale=a_scale)
+        rows(a, w_down, _strides(w_down), D, None, None, counts, y, scatter=False, a_scale=a_scale)
     else:
         y_flat = x.new_empty(n_rows, D)
-        rows(a, w_down, w_down.stride(), D, order, weights, counts, y_flat, scatter=True, a_scale=a_scale)
+        rows(a, w_down, _strides(w_down), D, order, weights, counts, y_flat, scatter=True, a_scale=a_scale)
         y = y_flat.view(-1, top_k, D).sum(dim=1)
     if not save:
         h = x.new_empty(0, I2 // 2)
     return y, h, gu
+
+
+def _strides(w):
+    """A weight's strides for `rows` (none for 4-bit weights, which carry their own)."""
+    return None if isinstance(w, Int4Weight) else w.stride()
 
 
 def _up_and_down_input(x, w_gate_up, order, counts, top_k, act, interleaved, save, n_rows):
@@ -210,7 +230,7 @@ def forward_summed(
     else:
         _, _, a, a_scale = _up_and_down_input(x, w_gate_up, order, counts, top_k, act, interleaved, False, n_rows)
         y_QD = x.new_empty(n_rows, D)
-        rows(a, w_down, w_down.stride(), D, None, None, counts, y_QD, scatter=False, a_scale=a_scale)
+        rows(a, w_down, _strides(w_down), D, None, None, counts, y_QD, scatter=False, a_scale=a_scale)
     pos = positions(order, x.shape[0] * top_k) if pos is None else pos
     return presum_at(y_QD, weights, pos, x.shape[0], top_k)
 

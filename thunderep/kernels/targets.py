@@ -29,6 +29,7 @@ from . import pairs as P
 from . import pairs4 as P4
 from . import pairs4_gptoss as P4G
 from . import passes
+from . import sorted4 as S4
 
 __all__ = ["HOPPER_ONLY", "KernelBuild", "compile_kernels", "print_table"]
 
@@ -101,6 +102,11 @@ _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=Fals
                                                               ZERO=False, HALF=True)),
                  "down_pairs4_half": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True,
                                                                   HALF=True)),
+                 # the sorted kernels reading packed tiles (sorted4.py: prompts on tensor cores)
+                 "up4": (S4.up4_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, PRECISION="tf32", EVEN_K=True,
+                                             TAIL=False, GROUP=32, MXFP4=True, ZERO=False)),
+                 "rows4": (S4.rows4_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True,
+                                                 TAIL=False, GROUP=32, MXFP4=False, ZERO=True)),
                  # gpt-oss's (pairs4_gptoss.py: biases, interleaved gate/up, clamped SwiGLU), as its MXFP4 stores them
                  "up_pairs4_gptoss": (P4G.up_pairs4_gptoss_kernel, dict(GROUP=32, MXFP4=True, ZERO=False)),
                  "down_pairs4_gptoss": (P4G.down_pairs4_gptoss_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=True,
@@ -149,7 +155,8 @@ def _signature(fn, name: str, fp8: bool = False, w8a8: bool = False):
     sig, attrs, consts = {}, {}, {}
     weights = {"w_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bs_ptr": "*fp32"} if fp8 else {}
     if name in _INT4_KERNELS:  # packed bytes, their scales (e8m0 bytes or float32) and int8 zero points
-        weights = {"w_ptr": "*u8", "s_ptr": "*u8" if _INT4_KERNELS[name][1]["MXFP4"] else "*fp32", "z_ptr": "*i8"}
+        weights = {"w_ptr": "*u8", "s_ptr": "*u8" if _INT4_KERNELS[name][1]["MXFP4"] else "*fp32", "z_ptr": "*i8",
+                   **({"b_ptr": "*u8"} if name == "rows4" else {})}  # gpt-oss's b_ptr: its biases
     if w8a8:  # the inputs in FP8 too, with their row scales
         weights.update({"x_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "as_ptr": "*fp32"})
     unit = _UNIT_STRIDES.get(name, ())

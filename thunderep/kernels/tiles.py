@@ -15,15 +15,16 @@ from .. import env
 from . import moe_triton as K
 from . import pairs as P
 from . import pairs4 as P4
+from . import sorted4 as S4
 from .grouped_gemm import mean_rows
 from .tuning import fp8_only, signature, tuned
 
 __all__ = ["ACT_BWD", "ACT_BWD_PLAIN", "DEFAULT_DOWN_PAIR", "DEFAULT_ROW", "DEFAULT_UP_PAIR", "DEFAULT_WGRAD",
            "DOWN_PAIRS", "DOWN_PAIRS4", "DOWN_PAIRS4_PLAIN", "DOWN_PAIRS_PLAIN", "DOWN_PAIR_CONFIGS", "FP8_ROW_TILES",
-           "MIN_DOWN_BLOCK_N", "MIN_PAIRS4_BLOCK_N", "ROWS", "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP_PAIRS", "UP_PAIRS4",
-           "UP_PAIRS4_PLAIN", "UP_PAIRS_PLAIN", "UP_PAIR_CONFIGS", "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS", "WGRAD_PLAIN",
-           "cfg", "m_key", "pair_cfg", "pairs4_default", "prune_rows", "prune_up", "prune_wgrad",
-           "row_cfg", "wgrad_key"]
+           "MIN_DOWN_BLOCK_N", "MIN_PAIRS4_BLOCK_N", "ROWS", "ROWS4", "ROWS4_PLAIN", "ROWS_PLAIN", "ROW_CONFIGS",
+           "TUNING_ROWS", "UP", "UP4", "UP4_PLAIN", "UP_PAIRS", "UP_PAIRS4", "UP_PAIRS4_PLAIN", "UP_PAIRS_PLAIN",
+           "UP_PAIR_CONFIGS", "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS", "WGRAD_PLAIN", "cfg", "m_key", "pair_cfg",
+           "pairs4_default", "prune_rows", "prune_up", "prune_wgrad", "row_cfg", "wgrad_key"]
 
 
 def m_key(n_rows: int, E: int) -> tuple[int, int]:
@@ -229,6 +230,14 @@ def prune_up(configs, named_args, **kwargs):
     return keep or [DEFAULT_ROW[{**named_args, **kwargs}["m_class"]]]
 
 
+def _untailed(prune):
+    """`prune` for the 4-bit sorted kernels (sorted4.py), which take no tail rows: the configs without TAIL."""
+    def pruned(configs, named_args, **kwargs):
+        keep = [c for c in prune(configs, named_args, **kwargs) if not c.kwargs.get("TAIL")]
+        return keep or [DEFAULT_ROW[{**named_args, **kwargs}["m_class"]]]
+    return pruned
+
+
 def prune_wgrad(configs, named_args, **kwargs):
     if {**named_args, **kwargs}["m_class"] <= 32:  # few rows per expert: short row loops
         return [c for c in configs if c.kwargs["BLOCK_K"] <= 32] or configs
@@ -243,6 +252,12 @@ UP, UP_PLAIN = tuned("up", K.up_kernel, ROW_CONFIGS,
                      ["m_class", "m_fill", "I", "D", "GATHER", "SAVE_GU", "SCALE_K", "A_FP8"], prune_up, "D")
 ROWS, ROWS_PLAIN = tuned("rows", K.rows_kernel, ROW_CONFIGS,
                          ["m_class", "m_fill", "N", "K", "SCATTER", "WEIGHTED", "SCALE_K", "A_FP8"], prune_rows, "K")
+# The 4-bit sorted kernels (sorted4.py): the row tiles without tail rows; keys with the 4-bit format.
+UP4, UP4_PLAIN = tuned("up4", S4.up4_kernel, ROW_CONFIGS,
+                       ["m_class", "m_fill", "I", "D", "GATHER", "GROUP", "MXFP4", "ZERO"], _untailed(prune_up), "D")
+ROWS4, ROWS4_PLAIN = tuned("rows4", S4.rows4_kernel, ROW_CONFIGS,
+                           ["m_class", "m_fill", "N", "K", "SCATTER", "WEIGHTED", "GROUP", "MXFP4", "ZERO"],
+                           _untailed(prune_rows), "K")
 # The routing-weight partials dwp have one column per column tile of the config that ran: a trial with
 # narrower tiles would leave partials the chosen config does not overwrite (wrong d weights on the
 # first backward of each shape), so the autotuner zeroes dwp before every run.
