@@ -18,7 +18,7 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_HOST_JOBS=0           offloaded experts' host work in line even where TierConfig's "auto" hands it off
     THUNDEREP_MAPPED=0              no cold expert read in place by the device where TierConfig's "auto" would map some
     THUNDEREP_SORTED4=packed|dequant   prompts on 4-bit experts: kernels reading the packed bytes, or the layer's
-                                    experts dequantized for the 16-bit kernels (the default until timed on a GPU)
+                                    experts dequantized for the 16-bit kernels (unset: by rows per expert)
 """
 
 from __future__ import annotations

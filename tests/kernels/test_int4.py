@@ -174,6 +174,25 @@ def test_sorted4_kernels_match_the_dequantized_path(T, fmt, zero, D, I, monkeypa
     assert rel_err(outs["packed"][0], outs["dequant"][0].double()) < 1e-3
 
 
+def test_sorted4_path_by_rows_per_expert(monkeypatch):
+    """Unset, THUNDEREP_SORTED4 leaves the choice to the mean rows per expert (packed up to
+    SORTED4_MAX_ROWS); set, it pins the path; any other value is a ConfigError naming it."""
+    from thunderep.errors import ConfigError
+    from thunderep.kernels import paths
+
+    monkeypatch.delenv("THUNDEREP_SORTED4", raising=False)
+    assert paths.sorted4_packed(64 * 2, 8) and paths.sorted4_packed(64 * 8, 128)  # 16 and 4 rows per expert
+    assert paths.sorted4_packed(paths.SORTED4_MAX_ROWS * 8, 8)
+    assert not paths.sorted4_packed((paths.SORTED4_MAX_ROWS + 1) * 8, 8) and not paths.sorted4_packed(4096 * 2, 8)
+    monkeypatch.setenv("THUNDEREP_SORTED4", "dequant")
+    assert not paths.sorted4_packed(3, 8)
+    monkeypatch.setenv("THUNDEREP_SORTED4", "packed")
+    assert paths.sorted4_packed(4096 * 2, 8)
+    monkeypatch.setenv("THUNDEREP_SORTED4", "fast")
+    with pytest.raises(ConfigError, match="THUNDEREP_SORTED4='fast'"):
+        paths.sorted4_packed(3, 8)
+
+
 @pytest.mark.parametrize("up,down", [((16, 32, 1), (16, 32, 1)), ((8, 16, 1), (32, 64, 1)), ((64, 256, 1), (8, 16, 1)),
                                      ((8, 16, 2), (32, 32, 2)), ((16, 64, 2), (8, 256, 2))],
                          ids=["chunks-32", "narrow", "wide", "ahead-2-narrow", "ahead-2-wide"])

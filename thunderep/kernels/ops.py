@@ -187,7 +187,8 @@ def moe_mlp(
                   counts, weights, top_k, activation, interleaved, w_gu.w8a8)
     if isinstance(w_gate_up_E2ID, Int4Weight) or isinstance(w_down_EDI, Int4Weight):
         check_int4(x, w_gate_up_E2ID, w_down_EDI, weights)
-        if paths.sorted4_packed() and not torch.compiler.is_compiling():  # kernels reading the packed bytes
+        n_rows = order.shape[0] if order is not None else x.shape[0]
+        if paths.sorted4_packed(n_rows, w_down_EDI.shape[0]) and not torch.compiler.is_compiling():
             return sorted_mlp.forward(x.contiguous(), w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous(), order,
                                       counts, weights, top_k, activation, interleaved, False, "triton")[0]
         w_gate_up_E2ID, w_down_EDI = w_gate_up_E2ID.dequantize(), w_down_EDI.dequantize()  # (above)
@@ -226,7 +227,7 @@ def moe_mlp_summed(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI:
     packed = isinstance(w_gate_up_E2ID, Int4Weight) or isinstance(w_down_EDI, Int4Weight)
     if packed:
         check_int4(x_TD, w_gate_up_E2ID, w_down_EDI, weights_N)
-        if not paths.sorted4_packed():
+        if not paths.sorted4_packed(order_Q.shape[0], w_down_EDI.shape[0]):
             w_gate_up_E2ID, w_down_EDI = w_gate_up_E2ID.dequantize(), w_down_EDI.dequantize()
             packed = False
     fp8 = isinstance(w_gate_up_E2ID, Fp8Weight) or isinstance(w_down_EDI, Fp8Weight)

@@ -27,7 +27,8 @@ from . import tuning
 from .graphs import in_graph_steps
 from .pairs import HAS_GDC
 
-__all__ = ["PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "PATH_ROUTINGS", "ROUTE_MAX_PAIRS", "decode_applies",
+__all__ = ["PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "PATH_ROUTINGS", "ROUTE_MAX_PAIRS", "SORTED4_MAX_ROWS",
+           "decode_applies",
            "needs_grad", "pairs_max_tokens", "pairs_win", "path_tuning_applies", "pdl_applies", "sorted4_packed"]
 
 _LOG = logging.getLogger("thunderep.kernels")
@@ -60,12 +61,23 @@ _PATHS: dict[tuple, bool] = {}
 ROUTE_MAX_PAIRS = 1024
 
 
-def sorted4_packed() -> bool:
-    """Whether prompts on 4-bit experts run the kernels that read the packed bytes (sorted4.py), rather than
-    the layer's experts dequantized for the 16-bit sorted kernels: THUNDEREP_SORTED4=packed. Off by default
-    until the packed kernels are timed against the dequantized path on a GPU (they are tested against the
-    float64 reference in Triton's interpreter and build for sm_89 / sm_90 / sm_120)."""
-    return env.sorted4() == "packed"
+# Most rows per expert (on average, grouped_gemm.mean_rows) at which sorted calls on 4-bit experts read the
+# packed bytes (sorted4.py). On one H100 with default tiles the packed kernels took 0.60x (Mixtral's shape,
+# 16 rows per expert) and 0.53x (Qwen3's, 4) the time of dequantizing and the 16-bit kernels, and 3.6x (1024
+# rows) and 1.7x (256) it: docs/benchmarks/2026-12-05-int4-experts-h200.md, "Prompts on packed tiles".
+# 32 lies between; 17 to 255 rows are not measured.
+SORTED4_MAX_ROWS = 32
+
+
+def sorted4_packed(n_rows: int, E: int) -> bool:
+    """Whether a sorted call of n_rows rows over E experts, 4-bit, runs the kernels that read the packed bytes
+    (sorted4.py), rather than the layer's experts dequantized for the 16-bit sorted kernels: at most
+    SORTED4_MAX_ROWS rows per expert on average (few rows: the weights' bytes set the time, and dequantizing
+    writes and reads every expert's 16-bit copy), or as THUNDEREP_SORTED4 pins it (packed, dequant)."""
+    pinned = env.sorted4()
+    if pinned is not None:
+        return pinned == "packed"
+    return n_rows / max(1, min(E, n_rows)) <= SORTED4_MAX_ROWS
 
 
 def needs_grad(*tensors) -> bool:

@@ -14,7 +14,7 @@ columns, the high as the odd. The activation chunk is split in registers into it
 and the chunk's product is two tensor-core products of half the depth into one float32 sum. No 16-bit copy
 of the weights exists. Inference only (no saved gate/up rows, no backward); no tail rows (configs with
 TAIL are pruned, tiles.prune_packed). The launches are in sorted_mlp.py (`up`, `rows`); ops.py chooses
-them over dequantizing the layer's experts for the 16-bit kernels (`paths.sorted4_packed`).
+them over dequantizing the layer's experts for the 16-bit kernels by rows per expert (`paths.sorted4_packed`).
 """
 
 from __future__ import annotations
