@@ -2,13 +2,12 @@
 the autotuner's list, timed as the pair's time with the other pass autotuned (L2 flushed before each call,
 as the autotuner times), beside the autotuned pair and the packed bytes' time at copy bandwidth.
 
-    python examples/pairs4_configs.py [--shape mixtral] [--fmt int4] [--top 8] [--ahead 1,2] [--half]
-        [--block-n 4,8,16,32] [--block-k 512,1024,2048] [--warps 2,4,8]
+    python examples/pairs4_configs.py [--shape mixtral] [--fmt int4] [--top 8] [--block-n 4,8,16,32]
+        [--block-k 512,1024,2048] [--warps 2,4,8]
 
 One process, one GPU. Random weights of the shape quantized by groups of 32; one token routed to experts
 0..K-1. Prints the `--top` fastest configs of each pass with microseconds per call (the pair's time,
-the other pass autotuned): every tile with each AHEAD of --ahead (chunks loaded ahead), the down pass's
-also with SPLIT (one program per slot); --half adds each int4 config with HALF (products in float16).
+the other pass autotuned): every tile, the down pass's also with SPLIT (one program per slot).
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ def main() -> None:
     parser.add_argument("--shape", default="mixtral")
     parser.add_argument("--fmt", default="int4", choices=("int4", "mxfp4"))
     parser.add_argument("--top", type=int, default=8)
-    parser.add_argument("--ahead", type=_ints, default=(1, 2))
-    parser.add_argument("--half", action="store_true")
     parser.add_argument("--block-n", type=_ints, default=(4, 8, 16, 32))
     parser.add_argument("--block-k", type=_ints, default=(512, 1024, 2048))
     parser.add_argument("--warps", type=_ints, default=(2, 4, 8))
@@ -60,14 +57,11 @@ def main() -> None:
           f"bandwidth {floor:.1f} us ({floor / tuned:.0%}, the kernel benchmark's HBM fraction)")
     for which in ("up", "down"):
         results = []
-        halves = (False, True) if args.fmt == "int4" and args.half else (False,)
         splits = (False, True) if which == "down" else (False,)
-        for bn, bk, warps, half, ahead, split in itertools.product(args.block_n, args.block_k, args.warps, halves,
-                                                                   args.ahead, splits):
-            if bn * bk > 32768 or bn * bk < 32 * warps * 8 or (half and ahead > 1):
+        for bn, bk, warps, split in itertools.product(args.block_n, args.block_k, args.warps, splits):
+            if bn * bk > 32768 or bn * bk < 32 * warps * 8:
                 continue
-            config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "HALF": half, "AHEAD": ahead,
-                      **({"SPLIT": split} if split else {})}
+            config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, **({"SPLIT": split} if split else {})}
             setattr(decode, "PAIRS4_UP" if which == "up" else "PAIRS4_DOWN", config)
             try:
                 pair = tuning.timed_ms(call, 60.0, 10.0) * 1e3

@@ -1,6 +1,6 @@
 """Instructions per weight in the 4-bit pair kernels' word loop, counted in the machine code Triton builds
-for a GPU architecture on this machine (no GPU needed): each kernel with the products in float32 (the
-default) and in float16 (HALF), int4 with groups of 32.
+for a GPU architecture on this machine (no GPU needed): int4 with groups of 32, and the width of the
+weight loads (LDG.E.128: 16 bytes a thread).
 
     python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4]
 
@@ -13,6 +13,7 @@ is for `examples/pairs4_configs.py` on a GPU.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -30,6 +31,7 @@ KERNELS = {  # name: (kernel, its constants, matrices a pass reads)
     "down": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=False), 1),
 }
 _ADDRESS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
+_LOAD = re.compile(r"(LDG\.[A-Z0-9.]*)")
 
 
 def sass(kernel, constants: dict, block_n: int, block_k: int, warps: int, arch: int) -> str:
@@ -71,15 +73,15 @@ def main() -> None:
     args = parser.parse_args()
     if targets._cuobjdump() is None:
         raise SystemExit("cuobjdump is not available (Triton bundles it with its NVIDIA backend)")
-    print("| pass | tile (BLOCK_N x BLOCK_K x warps) | float32 products | float16 products (HALF) | HALF / float32 |")
-    print("|---|---|---|---|---|")
+    print("| pass | tile (BLOCK_N x BLOCK_K x warps) | instructions per weight | loads in the loop, by width |")
+    print("|---|---|---|---|")
     for name, (kernel, constants, matrices) in KERNELS.items():
         for tile in args.tiles.split(","):
             block_n, block_k, warps = (int(v) for v in tile.split("x"))
             weights = block_n * block_k * matrices / (32 * warps)
-            counts = [len(word_loop(sass(kernel, {**constants, "HALF": half}, block_n, block_k, warps, args.arch)))
-                      / weights for half in (False, True)]
-            print(f"| {name} | {tile} | {counts[0]:.2f} | {counts[1]:.2f} | {counts[1] / counts[0]:.2f} |", flush=True)
+            loop = word_loop(sass(kernel, {**constants, "WORDS4": True}, block_n, block_k, warps, args.arch))
+            loads = collections.Counter(m.group(1) for m in map(_LOAD.search, loop) if m)
+            print(f"| {name} | {tile} | {len(loop) / weights:.2f} | {dict(sorted(loads.items()))} |", flush=True)
 
 
 if __name__ == "__main__":

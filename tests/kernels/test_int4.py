@@ -193,38 +193,34 @@ def test_sorted4_path_by_rows_per_expert(monkeypatch):
         paths.sorted4_packed(3, 8)
 
 
-@pytest.mark.parametrize("up,down", [((16, 32, 1), (16, 32, 1)), ((8, 16, 1), (32, 64, 1)), ((64, 256, 1), (8, 16, 1)),
-                                     ((8, 16, 2), (32, 32, 2)), ((16, 64, 2), (8, 256, 2))],
-                         ids=["chunks-32", "narrow", "wide", "ahead-2-narrow", "ahead-2-wide"])
+@pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
+                         ids=["chunks-32", "narrow", "wide"])
 def test_int4_pair_kernel_tails(up, down, monkeypatch):
     """The pair kernels' loops with column tiles and chunks that divide neither D = 80 nor I = 56 (a last
     partial chunk, a column tile past the matrix), chunks narrower and wider than a group, one chunk
-    covering a whole row; loads one and two chunks ahead (AHEAD, the second past the row where it has
-    two chunks or one); unweighted and interleaved gate/up; rows read as words, and (D = 84, I = 52:
-    rows of 42 and 26 bytes) as bytes."""
+    covering a whole row; unweighted and interleaved gate/up; rows read as words (16 bytes wide where D
+    or I is a multiple of 32: D = 96), and (D = 84, I = 52: rows of 42 and 26 bytes) as bytes."""
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "AHEAD": up[2], "num_warps": 4})
-    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "AHEAD": down[2],
-                                                "num_warps": 4})
+    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4})
+    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": 4})
     _check(2, 80, 56, 5, 2, torch.float16, "int4", 32, tol=2e-3, zero=True, weighted=False, interleaved=True)
     _check(1, 96, 56, 5, 3, torch.float16, "mxfp4", 32, tol=2e-3, seed=1)
     _check(2, 84, 52, 5, 2, torch.float16, "int4", 32, tol=2e-3, zero=True, seed=2)
     _check(1, 84, 52, 5, 2, torch.float16, "mxfp4", 32, tol=2e-3, seed=3)
 
 
-@pytest.mark.parametrize("fmt,half", [("int4", False), ("mxfp4", False), ("int4", True)])
-def test_int4_split_down_pass_equals_the_slot_loop_bit_for_bit(fmt, half, monkeypatch):
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_int4_split_down_pass_equals_the_slot_loop_bit_for_bit(fmt, monkeypatch):
     """SPLIT (one down program per slot, the last to arrive summing the partials in slot order) gives the
     slot loop's output bit for bit, within the reference's error, with an odd K, a column tile past D, a
     pair of another rank (-1) and an unknown id (NaN for its token only); the counts are left at 0, so a
     second call agrees too."""
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "HALF": half})
+    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4})
     ids = torch.tensor([[0, 2, 4], [1, -1, 3], [4, 3, 2]])
     outs = []
     for split in (False, True, True):
-        monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "HALF": half,
-                                                    "SPLIT": split})
+        monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "SPLIT": split})
         outs.append(_check(3, 80, 56, 5, 3, torch.bfloat16, fmt, 32, tol=2e-2, ids=ids, zero=fmt == "int4"))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
     x, w_gu, w_d, _, weights = make_case(2, 80, 56, 5, 3, torch.bfloat16, 0)
@@ -232,35 +228,6 @@ def test_int4_split_down_pass_equals_the_slot_loop_bit_for_bit(fmt, half, monkey
     with torch.no_grad():
         y = routed_moe_mlp(x, q_gu, q_d, torch.tensor([[0, 9, 1], [1, 2, 3]], device=DEVICE), weights.bfloat16())
     assert bool(y[0].isnan().all()) and not bool(y[1].isnan().any())
-
-
-@pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
-                         ids=["chunks-32", "narrow", "wide"])
-def test_int4_half_products_match_the_reference(up, down, monkeypatch):
-    """HALF (the products in float16 on the vector scaled to at most 1): every loop and tail of the pair
-    kernels as above (zero points, unweighted, interleaved gate/up), against the float64 reference within
-    float16 products' error."""
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4, "HALF": True})
-    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": 4, "HALF": True})
-    _check(2, 80, 56, 5, 2, torch.bfloat16, "int4", 32, tol=1e-2, zero=True, weighted=False, interleaved=True)
-
-
-def test_int4_half_products_scale_large_values_and_leave_mxfp4_alone(monkeypatch):
-    """HALF with an activation of 3e4 (unscaled, float16 products of it would overflow): finite and within
-    float16 products' error of the float64 reference; MXFP4 ignores the flag (its conversion is float32's)."""
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "HALF": True})
-    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "HALF": True})
-    _check(1, 96, 56, 5, 3, torch.bfloat16, "mxfp4", 32, tol=2e-2, seed=1)
-    x, w_gu, w_d, ids, weights = make_case(2, 96, 64, 5, 2, torch.bfloat16, 5)
-    x[0, 3] = 3e4
-    q_gu, q_d = Int4Weight.quantize(w_gu, "int4"), Int4Weight.quantize(w_d, "int4")
-    with torch.no_grad():
-        y = routed_moe_mlp(x, q_gu, q_d, ids, weights.to(torch.bfloat16))
-    y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64), ids,
-                      weights.double())
-    assert torch.isfinite(y).all() and rel_err(y, y_ref) < 1e-2, rel_err(y, y_ref)
 
 
 def test_int4_pairs_skip_minus_one_and_nan_for_unknown_ids(monkeypatch):

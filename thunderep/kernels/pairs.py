@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - a Triton without it: the kernels run w
         pass
 
 from .act import act, dequant, gate_up_cols, weight_scales
+from .split_slots import sum_split_slots, zero_counts
 
 __all__ = ["HAS_GDC", "down_pairs_kernel", "gdc_launch_dependents", "gdc_wait", "up_pairs_kernel"]
 
@@ -172,11 +173,7 @@ def up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, to
     if PDL:  # the down pass may launch now: its programs take the SM room this grid leaves
         gdc_launch_dependents()
     j = tl.program_id(0)
-    if (tl.program_id(1) == 0) & (j % top_k == 0):
-        c_C = tl.arange(0, 128)
-        for c0 in range(0, n_counts, 128):
-            tl.store(count_ptr + (j // top_k).to(tl.int64) * n_counts + c0 + c_C, tl.zeros((128,), dtype=tl.int32),
-                     mask=c_C < n_counts - c0)
+    zero_counts(count_ptr, j, top_k, n_counts)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
@@ -467,16 +464,7 @@ def down_pairs_kernel(h_ptr, w_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_
                                       stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K,
                                       BLOCK_N, BLOCK_K, PDL, AHEAD, X_ROWS, SCALED, SCALE_N, SCALE_K, REDUCE,
                                       split_e, w_shift, TWO), 1)
-        tl.store(part_ptr + j.to(tl.int64) * D + cols_N, part_N, mask=col_ok_N)
-        count = count_ptr + t.to(tl.int64) * stride_cm + tile
-        if tl.atomic_add(count, 1, sem="acq_rel") == top_k - 1:  # the token's other slots are stored
-            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            part_ptrs = part_ptr + (t * top_k).to(tl.int64) * D + cols_N
-            for _ in range(0, top_k):
-                y += tl.load(part_ptrs, mask=col_ok_N, other=0.0, cache_modifier=".cg")
-                part_ptrs += D
-            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=col_ok_N)
-            tl.store(count, 0)
+        sum_split_slots(part_N, j, t, tile, cols_N, col_ok_N, D, top_k, part_ptr, count_ptr, stride_cm, y_ptrs)
     else:
         acc = _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm, stride_we,
                             stride_wd, ws_ptr, stride_wse, stride_wsn, stride_wsk, WEIGHTED, EVEN_K, BLOCK_N, BLOCK_K,

@@ -14,10 +14,7 @@ of a word are placed into float16 bits at once (int4: or'ed into 1024's mantissa
 exponent and mantissa bits moved into place, `e2m1_halves`), then each half widened to float32. Each of a
 word's 8 planes (the values 8 columns apart) times the vector's matching elements is summed in one chain
 of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
-HALF (int4 words, a launch option not yet in the autotuner's list): the codes stay float16 and the
-products run in float16 on the vector scaled to at most 1 (`_largest`, `_half_planes`, `half_chunk`),
-two per packed instruction, each half's four summed before widening: fewer instructions per weight in
-the sm_90 build, and no faster on an H100 (docs/benchmarks/2026-12-05-int4-experts-h200.md). The down
+Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down
 pass runs one program per token and column tile over the K slots, or (SPLIT) one per slot, and is launched
 as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as pairs.py's. No tensor
 cores, no Hopper-only instructions, no inline assembly. Rows that are not 4-byte aligned, or groups of
@@ -34,10 +31,11 @@ import triton
 import triton.language as tl
 
 from .act import act, gate_up_cols
-from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, int4_halves16, nibbles4, scales4
+from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, nibbles4, scales4
 from .pairs import gdc_launch_dependents, gdc_wait
+from .split_slots import sum_split_slots, zero_counts
 
-__all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
+__all__ = ["byte_chunk", "down_pairs4_kernel", "load_words", "packed_dot", "packed_dot2", "slot_weights",
            "up_pairs4_kernel", "word_chunk", "words_ok"]
 
 
@@ -75,40 +73,6 @@ def _planes(v_ptr, k0, C, HW: tl.constexpr):
 def _word_sums(x0, x4, x1, x5, x2, x6, x3, x7):
     """[HW] the vector's sum over each word's 8 columns, from its planes (`_planes`' order)."""
     return ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7))
-
-
-@triton.jit
-def _half_planes(v_ptr, k0, C, inv, HW: tl.constexpr):
-    """The vector's chunk at column k0 times `inv` (1 / its largest magnitude: every element at most 1, so a
-    word's 4 products per half stay at most 32) as its 8 planes in float16 (`_planes`' order), and [HW]
-    its sums per word (float32, times inv): computed once per chunk for every matrix that reads it."""
-    x0, x4, x1, x5, x2, x6, x3, x7 = _planes(v_ptr, k0, C, HW)
-    vsum = _word_sums(x0, x4, x1, x5, x2, x6, x3, x7) * inv
-    return ((x0 * inv).to(tl.float16), (x4 * inv).to(tl.float16), (x1 * inv).to(tl.float16),
-            (x5 * inv).to(tl.float16), (x2 * inv).to(tl.float16), (x6 * inv).to(tl.float16),
-            (x3 * inv).to(tl.float16), (x7 * inv).to(tl.float16), vsum)
-
-
-@triton.jit
-def half_chunk(w, h0, h4, h1, h5, h2, h6, h3, h7, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, opaque, stride_sk,
-               GROUP: tl.constexpr, ZERO: tl.constexpr):
-    """`word_chunk` of int4 words with the products in float16 on the planes of `_half_planes` (each
-    half's four products summed in float16, then widened); the sums are inv times the true ones."""
-    w8 = w >> 8
-    lo, hi = int4_halves16(w, 0, opaque)
-    p_lo = lo * h0[None, :]
-    p_hi = hi * h4[None, :]
-    lo, hi = int4_halves16(w, 4, opaque)
-    p_lo += lo * h1[None, :]
-    p_hi += hi * h5[None, :]
-    lo, hi = int4_halves16(w8, 0, opaque)
-    p_lo += lo * h2[None, :]
-    p_hi += hi * h6[None, :]
-    lo, hi = int4_halves16(w8, 4, opaque)
-    p_lo += lo * h3[None, :]
-    p_hi += hi * h7[None, :]
-    prod = p_lo.to(tl.float32) + p_hi.to(tl.float32)
-    return _grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, False, ZERO, 1.0)
 
 
 @triton.jit
@@ -244,62 +208,27 @@ def _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP: tl
 
 
 @triton.jit
-def _largest(v_ptr, C, BLOCK_K: tl.constexpr):
-    """The largest magnitude of the C elements at v_ptr (float32; the smallest normal float16 where all are
-    smaller, so that 1 / it stays finite), chunk by chunk."""
-    top = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, C, BLOCK_K):
-        c_K = k0 + tl.arange(0, BLOCK_K)
-        top = tl.maximum(top, tl.abs(tl.load(v_ptr + c_K, mask=c_K < C, other=0.0).to(tl.float32)))
-    return tl.maximum(tl.max(top, 0), 6.103515625e-05)
-
-
-@triton.jit
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
-               MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr = False,
-               WAIT: tl.constexpr = False, AHEAD: tl.constexpr = 1, WORDS4: tl.constexpr = False):
+               MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr = False,
+               WORDS4: tl.constexpr = False):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
     flight while it converts this chunk's; else as bytes. opaque: a uint32 that is 0 wherever rows are read
     but that the compiler cannot prove so (the launch's expert id >> 32): added to the conversions' masks, it
-    keeps them in registers, where the compiler otherwise rebuilds each constant before each use. HALF
-    (int4 words): the products in float16 on the vector scaled to at most 1 (`_half_planes`, `half_chunk`).
-    WAIT (a programmatic dependent launch, `down_pairs4_kernel`): the first chunk's words are loaded, then the
-    program waits for the grid it depends on (which writes the vector) before it reads the vector. AHEAD 2
-    (words, not HALF): loads issued two chunks ahead, twice the bytes in flight per thread. WORDS4: C is a
-    multiple of 32 (`load_words`)."""
+    keeps them in registers, where the compiler otherwise rebuilds each constant before each use. WAIT (a
+    programmatic dependent launch, `down_pairs4_kernel`): the first chunk's words are loaded, then the
+    program waits for the grid it depends on (which writes the vector) before it reads the vector. WORDS4:
+    C is a multiple of 32 (`load_words`)."""
     acc = tl.zeros(ok_N.shape, dtype=tl.float32)
-    if GROUP % 8 == 0:
-        if words and HALF and not MXFP4:
-            w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-            if WAIT:
-                gdc_wait()
-            top = _largest(v_ptr, C, BLOCK_K)
-            for k0 in range(0, C, BLOCK_K):
-                w = w_next
-                w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-                h0, h4, h1, h5, h2, h6, h3, h7, vs = _half_planes(v_ptr, k0, C, 1.0 / top, BLOCK_K // 8)
-                acc += half_chunk(w, h0, h4, h1, h5, h2, h6, h3, h7, vs, s_ptrs_N, z_ptrs_N, k0, C, ok_N, opaque,
-                                  stride_sk, GROUP, ZERO)
-            acc = acc * top
-        elif words:
-            w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-            w_after = load_words(w_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4) if AHEAD == 2 else w_next
-            if WAIT:
-                gdc_wait()
-            for k0 in range(0, C, BLOCK_K):
-                w = w_next
-                if AHEAD == 2:
-                    w_next = w_after
-                    w_after = load_words(w_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-                else:
-                    w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
-                acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
-        else:
-            if WAIT:
-                gdc_wait()
-            acc = _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
+    if (GROUP % 8 == 0) and words:
+        w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+        if WAIT:
+            gdc_wait()
+        for k0 in range(0, C, BLOCK_K):
+            w = w_next
+            w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
+            acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
     else:
         if WAIT:
             gdc_wait()
@@ -310,45 +239,20 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
 @triton.jit
 def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, words, opaque,
                 stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
-                HALF: tl.constexpr = False, AHEAD: tl.constexpr = 1, WORDS4: tl.constexpr = False):
+                WORDS4: tl.constexpr = False):
     """`packed_dot` of two matrices' rows (a and b: gate and up) with one vector, in one loop: both
-    matrices' next chunks in flight together (AHEAD 2, not HALF: the two chunks after this one)."""
-    if GROUP % 8 == 0:
-        if words:
-            acc_a = tl.zeros(ok_N.shape, dtype=tl.float32)
-            acc_b = tl.zeros(ok_N.shape, dtype=tl.float32)
-            half: tl.constexpr = HALF and not MXFP4
-            top = _largest(v_ptr, C, BLOCK_K) if half else 1.0
-            two: tl.constexpr = AHEAD == 2 and not half
-            a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-            b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-            a_after = load_words(a_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4) if two else a_next
-            b_after = load_words(b_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4) if two else b_next
-            for k0 in range(0, C, BLOCK_K):
-                a, b = a_next, b_next
-                if two:
-                    a_next, b_next = a_after, b_after
-                    a_after = load_words(a_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-                    b_after = load_words(b_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-                else:
-                    a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-                    b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-                if half:  # the vector's planes once for both matrices
-                    h0, h4, h1, h5, h2, h6, h3, h7, vs = _half_planes(v_ptr, k0, C, 1.0 / top, BLOCK_K // 8)
-                    acc_a += half_chunk(a, h0, h4, h1, h5, h2, h6, h3, h7, vs, sa_ptrs_N, za_ptrs_N, k0, C, ok_N,
-                                        opaque, stride_sk, GROUP, ZERO)
-                    acc_b += half_chunk(b, h0, h4, h1, h5, h2, h6, h3, h7, vs, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N,
-                                        opaque, stride_sk, GROUP, ZERO)
-                else:
-                    acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4,
-                                        ZERO)
-                    acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4,
-                                        ZERO)
-            if half:
-                acc_a, acc_b = acc_a * top, acc_b * top
-        else:
-            acc_a = _byte_dot(a_ptrs_N, sa_ptrs_N, za_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
-            acc_b = _byte_dot(b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
+    matrices' next chunks in flight together."""
+    if (GROUP % 8 == 0) and words:
+        acc_a = tl.zeros(ok_N.shape, dtype=tl.float32)
+        acc_b = tl.zeros(ok_N.shape, dtype=tl.float32)
+        a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+        b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+        for k0 in range(0, C, BLOCK_K):
+            a, b = a_next, b_next
+            a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+            b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+            acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
+            acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
     else:
         acc_a = _byte_dot(a_ptrs_N, sa_ptrs_N, za_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
         acc_b = _byte_dot(b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
@@ -359,23 +263,18 @@ def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, 
 def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, n_counts, stride_xm,
                      stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm, ACT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr = False,
-                     PDL: tl.constexpr = False, AHEAD: tl.constexpr = 1, WORDS4: tl.constexpr = False):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                     WORDS4: tl.constexpr = False):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales
     (and zero points, ZERO) [E, 2I, ceil(D / GROUP)] by strides; h: [T*K, I]. Also zeroes the down pass's
     per-token counts (count: [T, n_counts], `down_pairs4_kernel`'s SPLIT). PDL: the down pass may launch
-    as soon as this grid's programs have all started (pairs.py's programmatic dependent launch). AHEAD:
-    chunks of words in flight ahead of the one converted (1 or 2, `packed_dot2`); WORDS4: D a multiple of 32
-    (16-byte loads, `load_words`)."""
+    as soon as this grid's programs have all started (pairs.py's programmatic dependent launch). WORDS4: D
+    a multiple of 32 (16-byte loads, `load_words`)."""
     if PDL:
         gdc_launch_dependents()
     j = tl.program_id(0)
-    if (tl.program_id(1) == 0) & (j % top_k == 0):
-        c_C = tl.arange(0, 128)
-        for c0 in range(0, n_counts, 128):
-            tl.store(count_ptr + (j // top_k).to(tl.int64) * n_counts + c0 + c_C, tl.zeros((128,), dtype=tl.int32),
-                     mask=c_C < n_counts - c0)
+    zero_counts(count_ptr, j, top_k, n_counts)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
@@ -391,49 +290,57 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     words = words_ok(w_ptr, stride_we, stride_wn, D)
     opaque = (expert >> 32).to(tl.uint32)  # 0 (expert is in [0, E)); to the compiler, any value (packed_dot)
     acc_g, acc_u = packed_dot2(gw_N, s_ptr + gs_N, z_ptr + gs_N, uw_N, s_ptr + us_N, z_ptr + us_N, D, ok_N, x_row,
-                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, HALF, AHEAD, WORDS4)
+                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4)
     h = tl.where(known, act(acc_g, ACT) * acc_u, tl.where(skipped, 0.0, float("nan")))
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
 
 
 @triton.jit
-def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
-           stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr,
-           ZERO: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr, WAIT: tl.constexpr,
-           AHEAD: tl.constexpr, WORDS4: tl.constexpr):
-    """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N."""
+def slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd, stride_se, stride_sn,
+                 WEIGHTED: tl.constexpr):
+    """Pair j's down-pass operands over the columns cols_N: (expert (0 for an unknown id), ok_N (no weight
+    reads for an unknown id: its h row is 0 for -1, NaN otherwise), its rows' pointers, its rows' scale
+    offsets, its routing weight (1 unweighted))."""
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
     expert = tl.where(known, expert, 0)
-    ok_N = cols_N < tl.where(known, D, 0)  # an unknown id's h row is 0 (-1) or NaN, and reads no weights
+    ok_N = cols_N < tl.where(known, D, 0)
     w_N = w_ptr + expert * stride_we + cols_N.to(tl.int64) * stride_wd
     s_N = expert * stride_se + cols_N.to(tl.int64) * stride_sn
     if WEIGHTED:
         rw = tl.load(weight_ptr + j).to(tl.float32)
     else:
         rw = 1.0
+    return expert, ok_N, w_N, s_N, rw
+
+
+@triton.jit
+def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
+           stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr,
+           ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr, WORDS4: tl.constexpr):
+    """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N."""
+    expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
+                                              stride_se, stride_sn, WEIGHTED)
     h_row = h_ptr + j.to(tl.int64) * stride_hm
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
     return rw * packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4,
-                           ZERO, BLOCK_K, HALF, WAIT, AHEAD, WORDS4)
+                           ZERO, BLOCK_K, WAIT, WORDS4)
 
 
 @triton.jit
 def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, part_ptr, count_ptr, D, I, E, top_k,
                        stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, stride_ym, stride_cm,
                        WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr = False,
-                       SPLIT: tl.constexpr = False, PDL: tl.constexpr = False, AHEAD: tl.constexpr = 1,
-                       WORDS4: tl.constexpr = False):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
+                       PDL: tl.constexpr = False, WORDS4: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
-    One program loops over the token's K slots; SPLIT: one program per slot (program_id(2)) writes its
-    float32 partial to part[t*K + k] and counts itself in count[t, tile]; the slot that arrives last sums the
-    K partials in slot order (the same sum as the loop's, bit for bit), writes y and sets the count back to
-    0 (pairs.py's down_pairs_kernel: K times the programs for shapes with few columns). PDL: launched as a
-    programmatic dependent of the gate/up pass: each program loads its first chunk of weights, then waits
-    for h. AHEAD, WORDS4 (I a multiple of 32): as `packed_dot`'s."""
+    One program loops over the token's K slots; SPLIT: one program per slot (program_id(2)), the slot that
+    arrives last summing the K partials in slot order (`split_slots.sum_split_slots`: the loop's sum, bit for
+    bit; K times the programs for shapes with few columns). PDL: launched as a programmatic dependent of the
+    gate/up pass: each program loads its first chunk of weights, then waits for h. WORDS4: I a multiple of
+    32 (`load_words`)."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -443,24 +350,15 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     if SPLIT:
         j = t * top_k + tl.program_id(2)
         part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
-                      stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO, BLOCK_K, HALF,
-                      PDL, AHEAD, WORDS4)
-        tl.store(part_ptr + j.to(tl.int64) * D + cols_N, part, mask=col_ok_N)
-        count = count_ptr + t.to(tl.int64) * stride_cm + tile
-        if tl.atomic_add(count, 1, sem="acq_rel") == top_k - 1:  # the token's other slots are stored
-            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            part_ptrs = part_ptr + (t * top_k).to(tl.int64) * D + cols_N
-            for _ in range(0, top_k):
-                y += tl.load(part_ptrs, mask=col_ok_N, other=0.0, cache_modifier=".cg")
-                part_ptrs += D
-            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=col_ok_N)
-            tl.store(count, 0)
+                      stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO, BLOCK_K, PDL,
+                      WORDS4)
+        sum_split_slots(part, j, t, tile, cols_N, col_ok_N, D, top_k, part_ptr, count_ptr, stride_cm, y_ptrs)
     else:
         acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
-                     BLOCK_K, HALF, PDL, AHEAD, WORDS4)  # the first slot waits for h (PDL); the others find it written
+                     BLOCK_K, PDL, WORDS4)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
             acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                          MXFP4, ZERO, BLOCK_K, HALF, False, AHEAD, WORDS4)
+                          MXFP4, ZERO, BLOCK_K, False, WORDS4)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_ok_N)

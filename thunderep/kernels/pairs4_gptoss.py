@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pairs4 import packed_dot, packed_dot2, words_ok
+from .pairs4 import packed_dot, packed_dot2, slot_weights, words_ok
 from .tiles import pairs4_default
 from .tuning import cdiv
 
@@ -97,16 +97,8 @@ def down_pairs4_gptoss_kernel(h_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ids_ptr,
     bias_N = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in range(top_k):
         j = t * top_k + slot
-        expert = tl.load(ids_ptr + j).to(tl.int64)
-        known = (expert >= 0) & (expert < E)
-        expert = tl.where(known, expert, 0)
-        ok_N = cols_N < tl.where(known, D, 0)  # an unknown id's h row is 0 (-1) or NaN, and reads no weights
-        w_N = w_ptr + expert * stride_we + cols_N.to(tl.int64) * stride_wd
-        s_N = expert * stride_se + cols_N.to(tl.int64) * stride_sn
-        if WEIGHTED:
-            rw = tl.load(weight_ptr + j).to(tl.float32)
-        else:
-            rw = 1.0
+        expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
+                                                  stride_se, stride_sn, WEIGHTED)
         bias_N += rw * tl.load(b_ptr + expert * stride_be + cols_N, mask=ok_N, other=0.0).to(tl.float32)
         h_row = h_ptr + j.to(tl.int64) * stride_hm
         opaque = (expert >> 32).to(tl.uint32)

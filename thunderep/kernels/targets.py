@@ -97,11 +97,6 @@ _W8A8_META = {**_ROW_META, "BLOCK_N": 64, "BLOCK_K": 128}
 _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=True,
                                                          ZERO=False)),
                  "down_pairs4": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True)),
-                 # int4 with the products in float16 (HALF, pinned configs only until measured)
-                 "up_pairs4_half": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=False,
-                                                              ZERO=False, HALF=True)),
-                 "down_pairs4_half": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True,
-                                                                  HALF=True)),
                  # the sorted kernels reading packed tiles (sorted4.py: prompts on tensor cores)
                  "up4": (S4.up4_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, PRECISION="tf32", EVEN_K=True,
                                              TAIL=False, GROUP=32, MXFP4=True, ZERO=False)),
