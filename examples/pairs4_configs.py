@@ -3,11 +3,12 @@ the autotuner's list, timed as the pair's time with the other pass autotuned (L2
 as the autotuner times), beside the autotuned pair and the packed bytes' time at copy bandwidth.
 
     python examples/pairs4_configs.py [--shape mixtral] [--fmt int4] [--top 8] [--block-n 4,8,16,32]
-        [--block-k 512,1024,2048] [--warps 2,4,8]
+        [--block-k 512,1024,2048] [--warps 2,4,8] [--dot]
 
 One process, one GPU. Random weights of the shape quantized by groups of 32; one token routed to experts
 0..K-1. Prints the `--top` fastest configs of each pass with microseconds per call (the pair's time,
-the other pass autotuned): every tile, the down pass's also with SPLIT (one program per slot).
+the other pass autotuned): every tile, the down pass's also with SPLIT (one program per slot); --dot adds
+each int4 tile that can take them with the products on the tensor cores (DOT, tiles.prune_pairs4).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--block-n", type=_ints, default=(4, 8, 16, 32))
     parser.add_argument("--block-k", type=_ints, default=(512, 1024, 2048))
     parser.add_argument("--warps", type=_ints, default=(2, 4, 8))
+    parser.add_argument("--dot", action="store_true")
     args = parser.parse_args()
     D, I, E, K = SHAPES[args.shape][:4]
     device = torch.device("cuda")
@@ -58,10 +60,12 @@ def main() -> None:
     for which in ("up", "down"):
         results = []
         splits = (False, True) if which == "down" else (False,)
-        for bn, bk, warps, split in itertools.product(args.block_n, args.block_k, args.warps, splits):
-            if bn * bk > 32768 or bn * bk < 32 * warps * 8:
+        dots = (False, True) if args.dot and args.fmt == "int4" else (False,)
+        for bn, bk, warps, split, dot in itertools.product(args.block_n, args.block_k, args.warps, splits, dots):
+            if bn * bk > 32768 or bn * bk < 32 * warps * 8 or (dot and (bk > 16 * 32 or bn < 16)):
                 continue
-            config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, **({"SPLIT": split} if split else {})}
+            config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, **({"SPLIT": split} if split else {}),
+                      **({"DOT": True} if dot else {})}
             setattr(decode, "PAIRS4_UP" if which == "up" else "PAIRS4_DOWN", config)
             try:
                 pair = tuning.timed_ms(call, 60.0, 10.0) * 1e3

@@ -46,6 +46,7 @@ FP8_PAIR_KERNELS = {"up_pairs_fp8", "up_pairs_ahead_fp8", "down_pairs_split_ahea
 W8A8_KERNELS = {"up_w8a8", "up_w8a8_blocks", "rows_w8a8", "rows_w8a8_blocks"}  # FP8 inputs too: FP8 tensor cores
 INT4_PAIR_KERNELS = {"up_pairs4", "down_pairs4", "up_pairs4_gptoss", "down_pairs4_gptoss"}  # 4-bit (pairs4.py)
 SORTED4_KERNELS = {"up4", "rows4"}  # 4-bit weights (sorted4.py), tensor cores
+INT4_DOT_KERNELS = {"up_pairs4_dot", "down_pairs4_dot"}  # decode on 4-bit weights with tensor-core products
 PDL_KERNELS = {"up_pairs_pdl", "down_pairs_pdl", "down_pairs_split_pdl",  # decode with dependent launch (sm_90+)
                "down_pairs_all_slots_pdl"}
 
@@ -55,10 +56,11 @@ def test_consumer_targets_have_no_hopper_only_instructions(builds, arch):
     pdl = PDL_KERNELS if arch >= 90 else set()
     assert {b["name"] for b in builds[arch]} == (GEMM_KERNELS | PAIR_KERNELS | PAIR_DOT_KERNELS | SORT_KERNELS | pdl
                                                  | FP8_GEMM_KERNELS | FP8_PAIR_KERNELS | W8A8_KERNELS
-                                                 | INT4_PAIR_KERNELS | SORTED4_KERNELS)
+                                                 | INT4_PAIR_KERNELS | SORTED4_KERNELS | INT4_DOT_KERNELS)
     for b in builds[arch]:
         assert b["hopper_only"] == [], f"{b['name']} on sm_{arch} uses {b['hopper_only']}"
-        if b["name"] in GEMM_KERNELS | PAIR_DOT_KERNELS | FP8_GEMM_KERNELS | W8A8_KERNELS | SORTED4_KERNELS:
+        if b["name"] in GEMM_KERNELS | PAIR_DOT_KERNELS | FP8_GEMM_KERNELS | W8A8_KERNELS | SORTED4_KERNELS | \
+                INT4_DOT_KERNELS:
             assert b["uses_mma_sync"], f"{b['name']} on sm_{arch} has no tensor-core instructions"
         assert b["fp8_products"] == (b["name"] in W8A8_KERNELS), f"{b['name']} on sm_{arch}"
         assert b["shared_bytes"] <= 99 * 1024, f"{b['name']} needs {b['shared_bytes']} B of shared memory"

@@ -97,6 +97,11 @@ _W8A8_META = {**_ROW_META, "BLOCK_N": 64, "BLOCK_K": 128}
 _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=True,
                                                          ZERO=False)),
                  "down_pairs4": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True)),
+                 # int4 with the products on the tensor cores (DOT, one group of the vector a row)
+                 "up_pairs4_dot": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=False,
+                                                             ZERO=False, DOT=True, WORDS4=True)),
+                 "down_pairs4_dot": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True,
+                                                                 DOT=True, WORDS4=True, SPLIT=True)),
                  # the sorted kernels reading packed tiles (sorted4.py: prompts on tensor cores)
                  "up4": (S4.up4_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, PRECISION="tf32", EVEN_K=True,
                                              TAIL=False, GROUP=32, MXFP4=True, ZERO=False)),
