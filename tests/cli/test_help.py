@@ -102,6 +102,24 @@ def test_the_package_loads_its_torch_names_on_first_use():
         importlib.import_module("thunderep").Nope  # noqa: B018
 
 
+def test_kernel_bench_variants_parse_alike_in_the_cli_and_the_library():
+    """thunderep, thunderep:<pin>, thunderep:<format> and thunderep:<format>:<pin> are taken, as (format,
+    pin); anything else is refused by both the CLI's check (no torch) and the benchmark's parser."""
+    from thunderep.bench.kernels import variant
+    from thunderep.cli.bench import _known_variant
+
+    good = {"thunderep": (None, None), "thunderep:int4": ("int4", None), "thunderep:nopdl": (None, "nopdl"),
+            "thunderep:int4:packed": ("int4", "packed"), "thunderep:mxfp4:dequant": ("mxfp4", "dequant"),
+            "thunderep:fp8row:nopdl": ("fp8row", "nopdl")}
+    for name, parsed in good.items():
+        assert _known_variant(name) and variant(name) == parsed, name
+    for name in ("thunderep:", "thunderep:int4:int4", "thunderep:packed:int4", "thunderep:bogus",
+                 "thunderep:int4:packed:nopdl", "thunderepx:int4"):
+        assert not _known_variant(name), name
+        with pytest.raises(ValueError, match="thunderep:<format>:<pin>"):
+            variant(name)
+
+
 def test_the_options_mirrored_for_help_equal_the_library_s():
     """The names the bench and model options offer are written in the CLI (so that --help imports no torch);
     they are the library's own."""

@@ -16,7 +16,8 @@ not re-read weights from L2.
 --impls takes eager, grouped_mm, thunderep, thunderep:<pin> (one of ThunderEP's paths pinned: PINS),
 thunderep:<format> (ThunderEP on FP8 or 4-bit copies of the weights, forward only: FORMATS; their HBM
 fraction counts the bytes and scales read; with 4-bit formats a second table sets each beside
-bfloat16 and FP8) and copy (a reference row, not a baseline: one device-to-device
+bfloat16 and FP8), thunderep:<format>:<pin> (both: e.g. thunderep:int4:packed beside thunderep:int4:dequant)
+and copy (a reference row, not a baseline: one device-to-device
 copy moving the bytes the step reads).
 """
 
@@ -93,6 +94,8 @@ PINS = {
     "wgrad_triton": ("THUNDEREP_WGRAD", "triton"),  # weight gradients: the portable kernel
     "wgrad_torch": ("THUNDEREP_WGRAD", "torch"),  # weight gradients: torch's grouped GEMM
     "nopdl": ("THUNDEREP_PDL", "0"),  # decode: the down pass launched plainly, after the gate/up pass ends
+    "packed": ("THUNDEREP_SORTED4", "packed"),  # 4-bit sorted calls: the kernels reading the packed bytes
+    "dequant": ("THUNDEREP_SORTED4", "dequant"),  # 4-bit sorted calls: dequantized for the 16-bit kernels
 }
 
 
@@ -105,19 +108,33 @@ FORMATS = {"fp8": ((128, 128), False), "fp8row": (None, False), "fp8-w8a8": ((12
            "fp8row-w8a8": (None, True), "int4": ("int4", False), "mxfp4": ("mxfp4", False)}
 
 
+def variant(impl: str) -> tuple[str | None, str | None]:
+    """(format, pin) of a ThunderEP implementation name: "thunderep", "thunderep:<pin>", "thunderep:<format>"
+    or "thunderep:<format>:<pin>" (FORMATS, PINS); (None, None) for others. ValueError on any other part."""
+    if not _ours(impl) or impl == "thunderep":
+        return None, None
+    head, *parts = impl.split(":")
+    if head != "thunderep" or not parts:
+        raise ValueError(f"{impl!r}: use thunderep, thunderep:<pin>, thunderep:<format> or thunderep:<format>:<pin>")
+    fmt = parts[0] if parts[0] in FORMATS else None
+    pins = parts[1:] if fmt else parts
+    if parts[0] != "" and len(pins) <= 1 and all(p in PINS for p in pins) and (fmt or pins):
+        return fmt, (pins[0] if pins else None)
+    raise ValueError(f"{impl!r}: use thunderep, thunderep:<pin>, thunderep:<format> or thunderep:<format>:<pin>")
+
+
 def _pinned(impl: str):
-    """"thunderep:<pin>" sets the environment variable of PINS[pin] while that implementation is
-    measured; anything else runs as configured."""
+    """A pinned implementation ("thunderep:<pin>", "thunderep:<format>:<pin>") sets the environment
+    variable of PINS[pin] while it is measured; anything else runs as configured."""
     from ..kernels.grouped_gemm import pinned  # triton: optional (the gpu extra), with thunderep.kernels
 
-    pin = impl.partition(":")[2] if _ours(impl) else ""
-    return pinned(*PINS[pin]) if pin in PINS else contextlib.nullcontext()
+    pin = variant(impl)[1]
+    return pinned(*PINS[pin]) if pin else contextlib.nullcontext()
 
 
 def _format(impl: str) -> str | None:
-    """The weight format a "thunderep:<format>" implementation runs on (FORMATS), else None."""
-    fmt = impl.partition(":")[2] if _ours(impl) else ""
-    return fmt if fmt in FORMATS else None
+    """The weight format a "thunderep:<format>[:<pin>]" implementation runs on (FORMATS), else None."""
+    return variant(impl)[0]
 
 
 def _ours(impl: str) -> bool:

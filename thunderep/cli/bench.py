@@ -41,7 +41,8 @@ LINK_OPS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")  # bench
 TRACES = ("uniform", "zipf0.8", "zipf1.2", "zipf1.6", "drift", "burst")  # bench.balancer.TRACES
 SHAPES = ("mixtral", "qwen3", "deepseek", "gptoss")  # bench.kernels.SHAPES
 IMPLS = ("eager", "grouped_mm", "thunderep")  # bench.kernels.IMPLS
-PINS = ("triton", "torch", "pairs", "sorted", "wgrad_triton", "wgrad_torch", "nopdl")  # bench.kernels.PINS
+PINS = ("triton", "torch", "pairs", "sorted", "wgrad_triton", "wgrad_torch", "nopdl", "packed",
+        "dequant")  # bench.kernels.PINS
 FORMATS = ("fp8", "fp8row", "fp8-w8a8", "fp8row-w8a8", "int4", "mxfp4")  # bench.kernels.FORMATS
 COPY = "copy"  # bench.kernels.COPY
 MODELS = ("mixtral", "qwen3-30b-a3b", "olmoe", "deepseek-v3", "deepseek-v3-ungrouped")  # bench.bytes.MODELS
@@ -319,7 +320,8 @@ def _kernels_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default="1,64,512,4096,16384", help="token counts, comma-separated")
     p.add_argument("--impls", default=",".join(IMPLS),
                    help=f"comma-separated: eager, grouped_mm, thunderep, thunderep:<{'|'.join(PINS)}> (a "
-                        f"path pinned), thunderep:<{'|'.join(FORMATS)}> (FP8 or 4-bit weights, forward only), {COPY}")
+                        f"path pinned), thunderep:<{'|'.join(FORMATS)}> (FP8 or 4-bit weights, forward only), "
+                        f"thunderep:<format>:<pin> (both), {COPY}")
     p.add_argument("--json", help="write every measurement here (default: not written)")
     p.add_argument("--graph-max-tokens", type=int, default=512,
                    help="also time forward as CUDA-graph replays (no launch overhead) up to this T: fwd-graph rows "
@@ -331,13 +333,23 @@ def _kernels_options(p: argparse.ArgumentParser) -> None:
                         "report the medians and each round's ratio")
 
 
+def _known_variant(impl: str) -> bool:
+    """Whether a thunderep* name is one bench.kernels.variant takes: thunderep, thunderep:<pin>,
+    thunderep:<format> or thunderep:<format>:<pin>."""
+    parts = impl.split(":")
+    if parts[0] != "thunderep":
+        return False
+    rest = parts[2:] if len(parts) > 1 and parts[1] in FORMATS else parts[1:]
+    return len(rest) <= 1 and all(p in PINS for p in rest) and (len(parts) == 1 or bool(rest) or parts[1] in FORMATS)
+
+
 def _run_kernels(args: argparse.Namespace) -> int:
     ap = _target_parser("kernels")
     impls = args.impls.split(",")
-    pins = (*PINS, *FORMATS)
-    bad = [i for i in impls if i.startswith("thunderep") and i.partition(":")[2] not in ("", *pins)]
+    bad = [i for i in impls if i.startswith("thunderep") and not _known_variant(i)]
     if bad:
-        ap.error(f"unknown ThunderEP variant(s) {bad}: use thunderep or thunderep:<{'|'.join(pins)}>")
+        ap.error(f"unknown ThunderEP variant(s) {bad}: use thunderep, thunderep:<{'|'.join(PINS)}>, "
+                 f"thunderep:<{'|'.join(FORMATS)}> or thunderep:<format>:<pin>")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: must be at least 1")
     shapes = parse_shapes(ap, args.shapes)
