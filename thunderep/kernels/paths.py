@@ -62,10 +62,8 @@ ROUTE_MAX_PAIRS = 1024
 
 
 # Most rows per expert (on average, grouped_gemm.mean_rows) at which sorted calls on 4-bit experts read the
-# packed bytes (sorted4.py). On one H100 with default tiles the packed kernels took 0.60x (Mixtral's shape,
-# 16 rows per expert) and 0.53x (Qwen3's, 4) the time of dequantizing and the 16-bit kernels, and 3.6x (1024
-# rows) and 1.7x (256) it: docs/benchmarks/2026-12-05-int4-experts-h200.md, "Prompts on packed tiles".
-# 32 lies between; 17 to 255 rows are not measured.
+# packed bytes (sorted4.py): between the measured points where they won and lost (docs/benchmarks/
+# 2026-12-05-int4-experts-h200.md, "Prompts on packed tiles"), not a measured crossover.
 SORTED4_MAX_ROWS = 32
 
 
