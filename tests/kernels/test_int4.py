@@ -142,7 +142,7 @@ def test_sorted4_kernels_match_the_dequantized_path(T, fmt, zero, D, I, monkeypa
     16-bit kernels on the dequantized weights, through `moe_mlp` (each pair's row gathered, weighted sums)
     and `moe_mlp_summed` (some of the pairs, expert parallelism's receiving side): chunks that divide k or
     leave a partial one, 16 and 64 rows per tile (the default tiles' 128 and 64 columns of k), a down
-    row of 40 columns with groups of 32 (a last partial group), zero points."""
+    row of 40 columns with groups of 32 (a last partial group), zero points, gate and up rows interleaved."""
     from thunderep.kernels.ops import moe_mlp_summed
 
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
@@ -153,21 +153,23 @@ def test_sorted4_kernels_match_the_dequantized_path(T, fmt, zero, D, I, monkeypa
     if zero:
         q_gu, q_d = _asymmetric(q_gu, 1), _asymmetric(q_d, 2)
     ids, weights = ids.to(DEVICE), weights.to(DEVICE).half()
-    y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64), ids,
-                      weights.double())
+    inter = fmt == "mxfp4"  # gate and up rows interleaved (gpt-oss's layout)
+    ref_w = (q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64))
+    y_ref = reference(x.double(), *ref_w, ids, weights.double(), interleaved=inter)
     keep = torch.arange(T * K, device=DEVICE) % 3 != 0  # the summed call's pairs: two in three
     flat = ids.reshape(-1)
     order = torch.nonzero(keep).flatten()
     order = order[torch.argsort(flat[order], stable=True)].to(torch.int32)
     counts = torch.bincount(flat[order.long()], minlength=E)
-    summed_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64), ids,
-                           torch.where(keep.view(T, K), weights.double(), 0.0))
+    summed_ref = reference(x.double(), *ref_w, ids, torch.where(keep.view(T, K), weights.double(), 0.0),
+                           interleaved=inter)
     outs = {}
     for mode in ("packed", "dequant"):
         monkeypatch.setenv("THUNDEREP_SORTED4", mode)
         with torch.no_grad():
-            outs[mode] = (routed_moe_mlp(x, q_gu, q_d, ids, weights),
-                          moe_mlp_summed(x, q_gu, q_d, counts, order_Q=order, weights_N=weights, top_k=K))
+            outs[mode] = (routed_moe_mlp(x, q_gu, q_d, ids, weights, interleaved=inter),
+                          moe_mlp_summed(x, q_gu, q_d, counts, order_Q=order, weights_N=weights, top_k=K,
+                                         interleaved=inter))
     for y, y_sum in outs.values():
         assert rel_err(y, y_ref) < 2e-3 and rel_err(y_sum, summed_ref) < 2e-3, (rel_err(y, y_ref),
                                                                                  rel_err(y_sum, summed_ref))
