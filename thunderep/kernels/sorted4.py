@@ -34,20 +34,43 @@ __all__ = ["rows4_kernel", "up4_kernel"]
 def _packed_tile(w_ptrs, s_ptrs_N, z_ptrs_N, k0, K, col_ok_N, stride_sk, DT: tl.constexpr, GROUP: tl.constexpr,
                  MXFP4: tl.constexpr, ZERO: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weights of columns k0 + 2i (low nibbles) and k0 + 2i + 1 (high) as two [BLOCK_K / 2, BLOCK_N] tiles
-    in DT, 0 past K and in columns not col_ok_N. w_ptrs: the chunk's bytes [BLOCK_K / 2, BLOCK_N]; s_ptrs_N,
-    z_ptrs_N: each column's scales and zero points at group 0 (GROUP even: a byte's two values share one)."""
+    in DT, 0 in columns not col_ok_N (past K: finite, where the activation chunk is 0). w_ptrs: the chunk's
+    bytes [BLOCK_K / 2, BLOCK_N]; s_ptrs_N, z_ptrs_N: each column's scales and zero points at group 0 (GROUP
+    even: a byte's two values share one), loaded once per group where groups tile the chunk."""
     i_H = tl.arange(0, BLOCK_K // 2)
     if EVEN_K:
         ok = col_ok_N[None, :] & (i_H >= 0)[:, None]
     else:
         ok = col_ok_N[None, :] & (i_H < (K - k0) // 2)[:, None]
     lo, hi = nibbles4(tl.load(w_ptrs, mask=ok, other=0).to(tl.int32), MXFP4)
-    g_H = ((k0 + 2 * i_H) // GROUP).to(tl.int64) * stride_sk
-    scale = scales4(s_ptrs_N[None, :] + g_H[:, None], ok, MXFP4)
+    if (BLOCK_K % GROUP == 0) and (GROUP & (GROUP - 1) == 0):  # whole groups: one load per group and column
+        g_G = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        ok_G = col_ok_N[None, :] & (g_G * GROUP < K)[:, None]
+        off_G = g_G.to(tl.int64)[:, None] * stride_sk
+        scale = _over_group(scales4(s_ptrs_N[None, :] + off_G, ok_G, MXFP4), GROUP // 2)
+        if ZERO:
+            zero = _over_group(tl.load(z_ptrs_N[None, :] + off_G, mask=ok_G, other=0).to(tl.float32), GROUP // 2)
+    elif GROUP % BLOCK_K == 0:  # the chunk lies inside one group: one load per column
+        off = (k0 // GROUP) * stride_sk
+        scale = scales4(s_ptrs_N + off, col_ok_N, MXFP4)[None, :]
+        if ZERO:
+            zero = tl.load(z_ptrs_N + off, mask=col_ok_N, other=0).to(tl.float32)[None, :]
+    else:  # groups that do not tile the chunk: a load per byte
+        g_H = ((k0 + 2 * i_H) // GROUP).to(tl.int64)[:, None] * stride_sk
+        scale = scales4(s_ptrs_N[None, :] + g_H, ok, MXFP4)
+        if ZERO:
+            zero = tl.load(z_ptrs_N[None, :] + g_H, mask=ok, other=0).to(tl.float32)
     if ZERO:
-        zero = tl.load(z_ptrs_N[None, :] + g_H[:, None], mask=ok, other=0).to(tl.float32)
         lo, hi = lo - zero, hi - zero
     return (lo * scale).to(DT), (hi * scale).to(DT)
+
+
+@triton.jit
+def _over_group(t_GN, REP: tl.constexpr):
+    """[G, N] per-group values as [G * REP, N]: each group's row repeated over its REP bytes."""
+    G: tl.constexpr = t_GN.shape[0]
+    N: tl.constexpr = t_GN.shape[1]
+    return tl.reshape(tl.broadcast_to(t_GN[:, None, :], (G, REP, N)), (G * REP, N))
 
 
 @triton.jit
