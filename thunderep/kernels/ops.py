@@ -185,16 +185,15 @@ def moe_mlp(
         w_gu, w_d = w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous()
         return op(x.contiguous(), w_gu.q, w_gu.scale, list(w_gu.block), w_d.q, w_d.scale, list(w_d.block), order,
                   counts, weights, top_k, activation, interleaved, w_gu.w8a8)
+    n_rows = order.shape[0] if order is not None else x.shape[0]
     if isinstance(w_gate_up_E2ID, Int4Weight) or isinstance(w_down_EDI, Int4Weight):
         check_int4(x, w_gate_up_E2ID, w_down_EDI, weights)
-        n_rows = order.shape[0] if order is not None else x.shape[0]
         if paths.sorted4_packed(n_rows, w_down_EDI.shape[0]) and not torch.compiler.is_compiling():
             return sorted_mlp.forward(x.contiguous(), w_gate_up_E2ID.contiguous(), w_down_EDI.contiguous(), order,
                                       counts, weights, top_k, activation, interleaved, False, "triton")[0]
         w_gate_up_E2ID, w_down_EDI = w_gate_up_E2ID.dequantize(), w_down_EDI.dequantize()  # (above)
     needs_grad = paths.needs_grad(x, w_gate_up_E2ID, w_down_EDI, weights)
     E, I2, D = w_gate_up_E2ID.shape
-    n_rows = order.shape[0] if order is not None else x.shape[0]
     gemm = G.gemm_path(x, n_rows, E, D, I2 // 2)
     # Eager mode calls the implementation itself (inference) or through an autograd.Function (training):
     # the dispatcher's custom-op layer costs host time comparable to a decode step's GPU time;

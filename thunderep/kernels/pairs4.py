@@ -20,8 +20,9 @@ as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as p
 launch option in the autotuner's list): the products on the tensor cores instead, mma.sync (sm_80+), the
 vector scaled to at most 1 and laid out one group of columns a row of a 16-row float16 tile, the codes
 converted exactly to float16, so that each product row is one group's sum and the group scales multiply
-the sums (`_group_planes`, `_dot_words`, `_dot_grouped`). No Hopper-only instructions, no inline assembly. Rows that are not 4-byte aligned, or groups of
-other than a multiple of 8 columns, run the same conversions one byte at a time (`byte_chunk`). Partial
+the sums (`_group_planes`, `_dot_words`, `_dot_grouped`). No Hopper-only instructions, no inline assembly.
+Rows that are not 4-byte aligned, or groups of other than a multiple of 8 columns, run the same conversions
+one byte at a time (`byte_chunk`). Partial
 chunks (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids
 as in pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's
 output NaN. Inference only. The launches are in decode.py; gpt-oss's experts (biases, clamped SwiGLU) run
@@ -291,26 +292,22 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     acc = tl.zeros(ok_N.shape, dtype=tl.float32)
     TC: tl.constexpr = (DOT and not MXFP4 and GROUP % 8 == 0 and BLOCK_K % GROUP == 0 and BLOCK_K // GROUP <= 16
                         and BLOCK_K >= 128 and ok_N.shape[0] >= 16)
-    if TC and words:
+    if (GROUP % 8 == 0) and words:
         w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         if WAIT:
             gdc_wait()
-        top = _largest(v_ptr, C, BLOCK_K)
-        for k0 in range(0, C, BLOCK_K):
-            w = w_next
-            w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-            a0, a4, a1, a5, a2, a6, a3, a7, sums = _group_planes(v_ptr, k0, C, 1.0 / top, GROUP, BLOCK_K // 8)
-            acc += _dot_grouped(_dot_words(w, a0, a4, a1, a5, a2, a6, a3, a7, opaque), sums, s_ptrs_N, z_ptrs_N, k0,
-                                C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
-        acc = acc * top
-    elif (GROUP % 8 == 0) and words:
-        w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-        if WAIT:
-            gdc_wait()
+        top = _largest(v_ptr, C, BLOCK_K) if TC else 1.0
         for k0 in range(0, C, BLOCK_K):
             w = w_next
             w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
-            acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
+            if TC:
+                a0, a4, a1, a5, a2, a6, a3, a7, sums = _group_planes(v_ptr, k0, C, 1.0 / top, GROUP, BLOCK_K // 8)
+                acc += _dot_grouped(_dot_words(w, a0, a4, a1, a5, a2, a6, a3, a7, opaque), sums, s_ptrs_N, z_ptrs_N,
+                                    k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
+            else:
+                acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
+        if TC:
+            acc = acc * top
     else:
         if WAIT:
             gdc_wait()
@@ -326,33 +323,29 @@ def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, 
     matrices' next chunks in flight together (DOT: the vector's tiles made once for both)."""
     TC: tl.constexpr = (DOT and not MXFP4 and GROUP % 8 == 0 and BLOCK_K % GROUP == 0 and BLOCK_K // GROUP <= 16
                         and BLOCK_K >= 128 and ok_N.shape[0] >= 16)
-    if TC and words:
+    if (GROUP % 8 == 0) and words:
         acc_a = tl.zeros(ok_N.shape, dtype=tl.float32)
         acc_b = tl.zeros(ok_N.shape, dtype=tl.float32)
-        top = _largest(v_ptr, C, BLOCK_K)
+        top = _largest(v_ptr, C, BLOCK_K) if TC else 1.0
         a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         for k0 in range(0, C, BLOCK_K):
             a, b = a_next, b_next
             a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
             b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-            p0, p4, p1, p5, p2, p6, p3, p7, sums = _group_planes(v_ptr, k0, C, 1.0 / top, GROUP, BLOCK_K // 8)
-            acc_a += _dot_grouped(_dot_words(a, p0, p4, p1, p5, p2, p6, p3, p7, opaque), sums, sa_ptrs_N, za_ptrs_N,
-                                  k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
-            acc_b += _dot_grouped(_dot_words(b, p0, p4, p1, p5, p2, p6, p3, p7, opaque), sums, sb_ptrs_N, zb_ptrs_N,
-                                  k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
-        acc_a, acc_b = acc_a * top, acc_b * top
-    elif (GROUP % 8 == 0) and words:
-        acc_a = tl.zeros(ok_N.shape, dtype=tl.float32)
-        acc_b = tl.zeros(ok_N.shape, dtype=tl.float32)
-        a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-        b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-        for k0 in range(0, C, BLOCK_K):
-            a, b = a_next, b_next
-            a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-            b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-            acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
-            acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
+            if TC:  # the vector's tiles once for both matrices
+                p0, p4, p1, p5, p2, p6, p3, p7, sums = _group_planes(v_ptr, k0, C, 1.0 / top, GROUP, BLOCK_K // 8)
+                acc_a += _dot_grouped(_dot_words(a, p0, p4, p1, p5, p2, p6, p3, p7, opaque), sums, sa_ptrs_N,
+                                      za_ptrs_N, k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
+                acc_b += _dot_grouped(_dot_words(b, p0, p4, p1, p5, p2, p6, p3, p7, opaque), sums, sb_ptrs_N,
+                                      zb_ptrs_N, k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
+            else:
+                acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4,
+                                    ZERO)
+                acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4,
+                                    ZERO)
+        if TC:
+            acc_a, acc_b = acc_a * top, acc_b * top
     else:
         acc_a = _byte_dot(a_ptrs_N, sa_ptrs_N, za_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
         acc_b = _byte_dot(b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)

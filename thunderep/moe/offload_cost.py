@@ -36,8 +36,8 @@ import torch
 
 from .host_experts import HostExperts, time_host_fn
 
-__all__ = ["OffloadCosts", "best_seconds", "calibrate_gated", "calibrate_host", "calibrate_stream", "fit_affine", "measure_costs",
-           "predicted_rates", "split_cold"]
+__all__ = ["OffloadCosts", "best_seconds", "calibrate_gated", "calibrate_host", "calibrate_stream", "fit_affine",
+           "measure_costs", "predicted_rates", "split_cold"]
 
 _MEASURED: dict = {}  # (device, dtype) -> OffloadCosts, filled by measure_costs on first use
 
@@ -114,41 +114,18 @@ class OffloadCosts:
         return active * {"host": host, "stream": stream}.get(path, min(host, stream))
 
 
-def _best_seconds(fn, repeats: int = 5) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return max(best, 1e-9)
-
-
 def _gemm_flops(device: torch.device, dtype: torch.dtype, n: int = 256) -> float:
     """FLOP/s of an [n, n] x [n, n] product on `device` (best of a few, after one warm-up)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-
-    def run():
-        torch.mm(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    run()
-    return 2 * n ** 3 / _best_seconds(run)
+    return 2 * n ** 3 / max(best_seconds(lambda: torch.mm(a, b), device, repeats=5), 1e-9)
 
 
 def _copy_bandwidth(device: torch.device, nbytes: int = 8 << 20) -> float:
     """Bytes per second from pinned host memory (plain host memory without CUDA) to `device`."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def run():
-        dst.copy_(src, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    run()
-    return nbytes / _best_seconds(run)
+    return nbytes / max(best_seconds(lambda: dst.copy_(src, non_blocking=True), device, repeats=5), 1e-9)
 
 
 def best_seconds(fn: Callable, device: torch.device, repeats: int = 3, warm: bool = True) -> float:
