@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from thunderep.bench import kernels as bench
+from thunderep.bench import kernels4
 from thunderep.cli.bench import bench_kernels
 from thunderep.kernels import tiles, tuning  # noqa: E402
 
@@ -20,14 +21,26 @@ def _row(impl, ms, frac):
     return {"shape": "qwen3", "T": 1, "impl": impl, "mode": "fwd-graph", "ms": ms, "tflops": 1.0, "hbm_frac": frac}
 
 
-def test_formats_table_sets_each_4bit_format_beside_bf16_and_fp8_with_its_error():
-    """bf16 0.240 ms, FP8 0.120, int4 0.100 (with its output's difference from bf16's), MXFP4 without one."""
+def test_formats_table_sets_each_4bit_format_beside_bf16_fp8_and_transformers_mxfp4():
+    """bf16 0.240 ms, FP8 0.120, int4 0.100 (with its output's difference from bf16's), MXFP4 0.080 without
+    one; transformers' own MXFP4 experts 0.200 ms, compared with MXFP4 alone."""
     rows = [_row("thunderep", 0.240, 0.98), _row("thunderep:fp8row", 0.120, 0.9),
-            {**_row("thunderep:int4", 0.100, 0.63), "rel_err_vs_bf16": 0.0123}, _row("thunderep:mxfp4", 0.080, 0.6)]
-    lines = bench.formats_table(rows).splitlines()
-    assert lines[0].endswith("| HBM frac | output vs bf16 |")
-    assert lines[2] == "| qwen3 | 1 | fwd-graph | int4 | 0.100 | 2.40x | 1.20x | 63% | 1.23e-02 |"
-    assert lines[3] == "| qwen3 | 1 | fwd-graph | mxfp4 | 0.080 | 3.00x | 1.50x | 60% | - |"
+            {**_row("thunderep:int4", 0.100, 0.63), "rel_err_vs_bf16": 0.0123}, _row("thunderep:mxfp4", 0.080, 0.6),
+            _row(kernels4.NAME, 0.200, 0.24)]
+    lines = kernels4.formats_table(rows).splitlines()
+    assert lines[0].endswith("| transformers MXFP4 / 4-bit | HBM frac | output vs bf16 |")
+    assert lines[2] == "| qwen3 | 1 | fwd-graph | int4 | 0.100 | 2.40x | 1.20x | - | 63% | 1.23e-02 |"
+    assert lines[3] == "| qwen3 | 1 | fwd-graph | mxfp4 | 0.080 | 3.00x | 1.50x | 2.50x | 60% | - |"
+
+
+def test_transformers_mxfp4_is_forward_only_and_no_baseline_of_the_bf16_ratio():
+    """The transformers MXFP4 row runs forward only (inference weights) and, being on other bytes than
+    bfloat16's, never becomes the best transformers implementation the first table's ratio divides by."""
+    assert bench._modes_of(kernels4.NAME, ("fwd", "fwdbwd")) == ["fwd"]
+    assert bench._modes_of("grouped_mm", ("fwd", "fwdbwd")) == ["fwd", "fwdbwd"]
+    rows = [_row("thunderep", 0.240, 0.98), _row("grouped_mm", 0.480, 0.5), _row(kernels4.NAME, 0.100, 0.3)]
+    line = bench.table(rows, ["grouped_mm", "thunderep", kernels4.NAME]).splitlines()[2]
+    assert "| 2.00x |" in line and "98% / 50%" in line
 
 
 def test_agreement_compares_each_selected_implementation_with_the_reference():

@@ -132,6 +132,7 @@ def test_the_options_mirrored_for_help_equal_the_library_s():
     assert bench.LINK_SETTINGS == tuple(link.SETTINGS) and bench.LINK_OPS == link.OPS
     assert bench.SHAPES == tuple(kernels.SHAPES) and bench.IMPLS == kernels.IMPLS and bench.COPY == kernels.COPY
     assert bench.PINS == tuple(kernels.PINS) and bench.FORMATS == tuple(kernels.FORMATS)
+    assert bench.HF_MXFP4 == kernels.kernels4.NAME
     assert bench.MODELS == tuple(bytes_bench.MODELS)
     assert cli.EXPERTS_DTYPES == fp8.EXPERTS_DTYPES
     from thunderep.cli import serve

@@ -16,9 +16,10 @@ not re-read weights from L2.
 --impls takes eager, grouped_mm, thunderep, thunderep:<pin> (one of ThunderEP's paths pinned: PINS),
 thunderep:<format> (ThunderEP on FP8 or 4-bit copies of the weights, forward only: FORMATS; their HBM
 fraction counts the bytes and scales read; with 4-bit formats a second table sets each beside
-bfloat16 and FP8), thunderep:<format>:<pin> (both: e.g. thunderep:int4:packed beside thunderep:int4:dequant)
-and copy (a reference row, not a baseline: one device-to-device
-copy moving the bytes the step reads).
+bfloat16 and FP8), thunderep:<format>:<pin> (both: e.g. thunderep:int4:packed beside thunderep:int4:dequant),
+transformers:mxfp4 (transformers' own MXFP4 experts on the MXFP4 bytes, kernels4.py: in the 4-bit table, not a
+baseline of the first) and copy (a reference row, not a baseline: one device-to-device copy moving the bytes
+the step reads).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ..errors import ThunderError
+from . import kernels4
 
 SHAPES = {  # D, I, E, K
     "mixtral": (4096, 14336, 8, 2),
@@ -142,8 +144,8 @@ def _ours(impl: str) -> bool:
 
 
 def _hf(impl: str) -> bool:
-    """A transformers implementation (what the ratio compares against)."""
-    return not _ours(impl) and impl != COPY
+    """A transformers implementation on the bfloat16 weights (what the ratio compares against)."""
+    return not _ours(impl) and impl not in (COPY, kernels4.NAME)
 
 
 def _copy_of(n_bytes: int, device):
@@ -251,9 +253,9 @@ def weights_do_not_fit(name: str, free_bytes: int) -> str | None:
 
 def _modes_of(impl, modes) -> list[str]:
     """The eager-launch modes of `modes` that `impl` runs: forward only for the copy reference and for
-    FP8 weights (inference only)."""
-    return [mode for mode in modes if mode in ("fwd", "fwdbwd") and not ((impl == COPY or _format(impl))
-                                                                       and mode != "fwd")]
+    FP8 and 4-bit weights (inference only)."""
+    inference = impl in (COPY, kernels4.NAME) or _format(impl)
+    return [mode for mode in modes if mode in ("fwd", "fwdbwd") and not (inference and mode != "fwd")]
 
 
 def _implementations(impls, D, I, E, K, w_gu, w_d):
@@ -261,17 +263,19 @@ def _implementations(impls, D, I, E, K, w_gu, w_d):
     bytes one expert's weights take in each FP8 format."""
     fns, impl_bytes, quantized = {}, {}, {}
     for impl in impls:
-        if _format(impl):
+        fmt = "mxfp4" if impl == kernels4.NAME else _format(impl)
+        if fmt:
             from ..kernels.fp8 import Fp8Weight  # triton: optional (the gpu extra), with thunderep.kernels
             from ..kernels.int4 import Int4Weight  # 4-bit: int4 by groups of 32, or MXFP4
 
-            block, w8a8 = FORMATS[_format(impl)]
+            block, w8a8 = FORMATS[fmt]
             quantize = (lambda w: Int4Weight.quantize(w, block)) if isinstance(block, str) else \
                 (lambda w: Fp8Weight.quantize(w, block, w8a8=w8a8))
             if (block, w8a8) not in quantized:
                 quantized[(block, w8a8)] = quantize(w_gu.detach()), quantize(w_d.detach())
             w8_gu, w8_d = quantized[(block, w8a8)]
-            fns[impl] = _thunder_experts(D, I, E, K, w8_gu, w8_d)
+            fns[impl] = kernels4.experts_fn(D, I, E, K, w8_gu, w8_d) if impl == kernels4.NAME else \
+                _thunder_experts(D, I, E, K, w8_gu, w8_d)
             impl_bytes[impl] = (w8_gu.nbytes() + w8_d.nbytes()) / E
         elif impl != COPY:
             fns[impl] = _thunder_experts(D, I, E, K, w_gu, w_d) if _ours(impl) else \
@@ -414,35 +418,6 @@ def table(rows, impls) -> str:
     return "\n".join(lines)
 
 
-def formats_table(rows) -> str:
-    """Markdown table of each 4-bit format (thunderep:int4, thunderep:mxfp4) beside bfloat16 (thunderep) and
-    FP8 (thunderep:fp8row, else thunderep:fp8) of the same run: milliseconds, the others' time over the 4-bit
-    one's (2.50x: 2.5 times faster), the HBM fraction over the 4-bit bytes read, and the output's relative
-    difference from bfloat16's (same weights before quantization, same routing)."""
-    keyed = {(r["shape"], r["T"], r["mode"], r["impl"]): r for r in rows}
-
-    def over(shape, T, mode, impl, new):
-        other = keyed.get((shape, T, mode, impl))
-        return f"{other['ms'] / new['ms']:.2f}x" if other and new["ms"] == new["ms"] else "-"
-
-    lines = ["| shape | T | mode | format | ms | bf16 / 4-bit | FP8 / 4-bit | HBM frac | output vs bf16 |",
-             "|" + "---|" * 9]
-    for shape, T, mode in dict.fromkeys((r["shape"], r["T"], r["mode"]) for r in rows):
-        fp8 = next((i for i in ("thunderep:fp8row", "thunderep:fp8") if (shape, T, mode, i) in keyed), "")
-        for fmt in ("int4", "mxfp4"):
-            new = keyed.get((shape, T, mode, f"thunderep:{fmt}"))
-            if new is None:
-                continue
-            lines.append(f"| {shape} | {T} | {mode} | {fmt} | {new['ms']:.3f} | "
-                         f"{over(shape, T, mode, 'thunderep', new)} | {over(shape, T, mode, fp8, new)} | "
-                         f"{new['hbm_frac']:.0%} | {_err(new.get('rel_err_vs_bf16'))} |")
-    return "\n".join(lines)
-
-
-def _err(value) -> str:
-    return "-" if value is None else f"{value:.2e}"
-
-
 def _show_tuning() -> None:
     """Print the kernels' autotuning log lines to stderr (each new shape tunes once, for seconds)."""
     log = logging.getLogger("thunderep.kernels")
@@ -462,6 +437,8 @@ def report(shapes: list[str], tokens: list[int], impls: list[str], *, json_path:
     if not torch.cuda.is_available():
         raise ThunderError(f"bench kernels needs a CUDA GPU and finds none (torch {torch.__version__}, CUDA "
                            f"{torch.version.cuda or 'not built in'}); run it on a machine with one")
+    if kernels4.NAME in impls:
+        kernels4.kernel_module()  # no kernels: stop before any shape runs, saying what is missing
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     import transformers  # transformers: optional (the hf extra)
@@ -491,7 +468,7 @@ def report(shapes: list[str], tokens: list[int], impls: list[str], *, json_path:
                        "configs": configs}, f, indent=1)
     print(table(rows, impls))
     if any(_format(i) in ("int4", "mxfp4") for i in impls):
-        print(formats_table(rows))
+        print(kernels4.formats_table(rows))
     errs = [r["rel_err_vs_grouped_mm"] for r in rows if r["rel_err_vs_grouped_mm"] is not None]
     if errs:
         print(f"max relative difference ThunderEP vs grouped_mm outputs: {max(errs):.2e}")

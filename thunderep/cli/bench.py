@@ -45,6 +45,7 @@ PINS = ("triton", "torch", "pairs", "sorted", "wgrad_triton", "wgrad_torch", "no
         "dequant")  # bench.kernels.PINS
 FORMATS = ("fp8", "fp8row", "fp8-w8a8", "fp8row-w8a8", "int4", "mxfp4")  # bench.kernels.FORMATS
 COPY = "copy"  # bench.kernels.COPY
+HF_MXFP4 = "transformers:mxfp4"  # bench.kernels4.NAME
 MODELS = ("mixtral", "qwen3-30b-a3b", "olmoe", "deepseek-v3", "deepseek-v3-ungrouped")  # bench.bytes.MODELS
 
 
@@ -321,7 +322,8 @@ def _kernels_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impls", default=",".join(IMPLS),
                    help=f"comma-separated: eager, grouped_mm, thunderep, thunderep:<{'|'.join(PINS)}> (a "
                         f"path pinned), thunderep:<{'|'.join(FORMATS)}> (FP8 or 4-bit weights, forward only), "
-                        f"thunderep:<format>:<pin> (both), {COPY}")
+                        f"thunderep:<format>:<pin> (both), {HF_MXFP4} (transformers' own MXFP4 experts, "
+                        f"forward only), {COPY}")
     p.add_argument("--json", help="write every measurement here (default: not written)")
     p.add_argument("--graph-max-tokens", type=int, default=512,
                    help="also time forward as CUDA-graph replays (no launch overhead) up to this T: fwd-graph rows "
@@ -346,10 +348,10 @@ def _known_variant(impl: str) -> bool:
 def _run_kernels(args: argparse.Namespace) -> int:
     ap = _target_parser("kernels")
     impls = args.impls.split(",")
-    bad = [i for i in impls if i.startswith("thunderep") and not _known_variant(i)]
+    bad = [i for i in impls if i not in (*IMPLS, HF_MXFP4, COPY) and not _known_variant(i)]
     if bad:
-        ap.error(f"unknown ThunderEP variant(s) {bad}: use thunderep, thunderep:<{'|'.join(PINS)}>, "
-                 f"thunderep:<{'|'.join(FORMATS)}> or thunderep:<format>:<pin>")
+        ap.error(f"unknown implementation(s) {bad}: use {', '.join(IMPLS[:2])}, {HF_MXFP4}, {COPY}, thunderep, "
+                 f"thunderep:<{'|'.join(PINS)}>, thunderep:<{'|'.join(FORMATS)}> or thunderep:<format>:<pin>")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: must be at least 1")
     shapes = parse_shapes(ap, args.shapes)
