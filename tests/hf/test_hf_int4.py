@@ -223,14 +223,15 @@ def _on_rank(rank, world, checkpoints):
 
 
 @CPU_ONLY
-def test_int4_experts_on_two_ranks_equal_the_reference(checkpoints):
-    """On 2 ranks each rank quantizes (or reads as stored) its own experts, and the logits, in ep and
+@pytest.mark.parametrize("world", [2, 4])
+def test_int4_experts_on_ranks_equal_the_reference(checkpoints, world):
+    """On 2 and 4 ranks each rank quantizes (or reads as stored) its own experts, and the logits, in ep and
     latency mode, equal the dequantized reference's."""
-    results = run_ranks(_on_rank, 2, checkpoints, timeout=300)
+    results = run_ranks(_on_rank, world, checkpoints, timeout=300)
     with torch.no_grad():
         wants = {"int4": _reference(checkpoints["mixtral"], torch.float16, "int4", 32)(input_ids=_ids()).logits,
                  "ct": _reference(checkpoints["ct_asym"][1], torch.float16)(input_ids=_ids()).logits}
-    for rank in range(2):
+    for rank in range(world):
         for key, want in wants.items():
             for logits in results[rank][key]:
                 torch.testing.assert_close(logits.float(), want.float(), rtol=2e-2, atol=2e-2)
@@ -376,16 +377,17 @@ def _gpt_oss_on_rank(rank, world, path):
 
 
 @CPU_ONLY
-def test_gpt_oss_mxfp4_experts_on_two_ranks_equal_the_reference(gpt_oss):
-    """On 2 ranks each rank holds its own experts' bytes as stored; prompt and one-token logits, in ep and
-    latency mode, equal the dequantized reference's."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpt_oss_mxfp4_experts_on_ranks_equal_the_reference(gpt_oss, world):
+    """On 2 and 4 ranks each rank holds its own experts' bytes as stored; prompt and one-token logits, in ep
+    and latency mode, equal the dequantized reference's."""
     path, reference, _ = gpt_oss
-    results = run_ranks(_gpt_oss_on_rank, 2, path, timeout=300)
+    results = run_ranks(_gpt_oss_on_rank, world, path, timeout=300)
     ref = _reference(reference, torch.float16)
     x = _ids()
     with torch.no_grad():
         wants = [ref(input_ids=x).logits] * 2 + [ref(input_ids=x[:1, :1]).logits] * 2
-    for rank in range(2):
+    for rank in range(world):
         for got, want in zip(results[rank], wants):
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
