@@ -8,7 +8,7 @@ as the autotuner times), beside the autotuned pair and the packed bytes' time at
 One process, one GPU. Random weights of the shape quantized by groups of 32; one token routed to experts
 0..K-1. Prints the `--top` fastest configs of each pass with microseconds per call (the pair's time,
 the other pass autotuned): every tile, the down pass's also with SPLIT (one program per slot); --dot adds
-each int4 tile that can take them with the products on the tensor cores (DOT, tiles.prune_pairs4).
+each int4 tile with the products on the tensor cores (DOT, pairs4.packed_dot: in no autotuner list).
 """
 
 from __future__ import annotations

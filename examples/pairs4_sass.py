@@ -2,12 +2,14 @@
 for a GPU architecture on this machine (no GPU needed): int4 with groups of 32, and the width of the
 weight loads (LDG.E.128: 16 bytes a thread).
 
-    python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4]
+    python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4] [--dot]
 
 A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit
 conversion operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass (BLOCK_N x BLOCK_K x
 matrices / threads) give the count. A count, not a time: whether fewer instructions make a faster kernel
-is for `examples/pairs4_configs.py` on a GPU.
+is for `examples/pairs4_configs.py` on a GPU. --dot counts the DOT variant too (the products on the tensor
+cores). Also each build's registers a thread and stack bytes (spills), and the loop's shared-memory
+operations and barriers.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ _ADDRESS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
 _LOAD = re.compile(r"(LDG\.[A-Z0-9.]*)")
 
 
-def sass(kernel, constants: dict, block_n: int, block_k: int, warps: int, arch: int) -> str:
-    """The kernel's machine code for sm_<arch> (int4 bytes, bfloat16 scales and vectors)."""
+def sass(kernel, constants: dict, block_n: int, block_k: int, warps: int, arch: int) -> tuple[str, tuple]:
+    """The kernel's machine code for sm_<arch> (int4 bytes, bfloat16 scales and vectors), and its (registers,
+    stack bytes)."""
     sig, attrs, consts = targets._signature(kernel, "up_pairs4")
     sig.update(w_ptr="*u8", s_ptr="*bf16", z_ptr="*i8")
     defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
@@ -46,8 +49,9 @@ def sass(kernel, constants: dict, block_n: int, block_k: int, warps: int, arch: 
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(build.asm["cubin"])
-        return subprocess.run([targets._cuobjdump(), "-sass", path], capture_output=True, text=True,
+        code = subprocess.run([targets._cuobjdump(), "-sass", path], capture_output=True, text=True,
                               check=True).stdout
+    return code, targets._resources(build.asm["cubin"])
 
 
 def word_loop(code: str) -> list[str]:
@@ -70,18 +74,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--tiles", default="16x512x4,8x512x2,16x1024x4,16x2048x4")
+    parser.add_argument("--dot", action="store_true", help="also the DOT variant (products on the tensor cores)")
     args = parser.parse_args()
     if targets._cuobjdump() is None:
         raise SystemExit("cuobjdump is not available (Triton bundles it with its NVIDIA backend)")
-    print("| pass | tile (BLOCK_N x BLOCK_K x warps) | instructions per weight | loads in the loop, by width |")
-    print("|---|---|---|---|")
+    print("| pass | tile (BLOCK_N x BLOCK_K x warps) | DOT | instructions per weight | loads in the loop, by width "
+          "| shared-memory operations / barriers in the loop | registers / stack bytes |")
+    print("|---|---|---|---|---|---|---|")
     for name, (kernel, constants, matrices) in KERNELS.items():
-        for tile in args.tiles.split(","):
+        for tile, dot in ((t, d) for t in args.tiles.split(",") for d in ((False, True) if args.dot else (False,))):
             block_n, block_k, warps = (int(v) for v in tile.split("x"))
             weights = block_n * block_k * matrices / (32 * warps)
-            loop = word_loop(sass(kernel, {**constants, "WORDS4": True}, block_n, block_k, warps, args.arch))
+            code, (regs, stack) = sass(kernel, {**constants, "WORDS4": True, "DOT": dot}, block_n, block_k, warps,
+                                       args.arch)
+            loop = word_loop(code)
             loads = collections.Counter(m.group(1) for m in map(_LOAD.search, loop) if m)
-            print(f"| {name} | {tile} | {len(loop) / weights:.2f} | {dict(sorted(loads.items()))} |", flush=True)
+            shared = sum(bool(re.search(r"\b(LDS|STS|STSM|LDSM)\b", x)) for x in loop)
+            barriers = sum("BAR.SYNC" in x for x in loop)
+            print(f"| {name} | {tile} | {'yes' if dot else 'no'} | {len(loop) / weights:.2f} | "
+                  f"{dict(sorted(loads.items()))} | {shared} / {barriers} | {regs} / {stack} |", flush=True)
 
 
 if __name__ == "__main__":

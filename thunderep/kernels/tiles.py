@@ -24,7 +24,7 @@ __all__ = ["ACT_BWD", "ACT_BWD_PLAIN", "DEFAULT_DOWN_PAIR", "DEFAULT_ROW", "DEFA
            "MIN_DOWN_BLOCK_N", "MIN_PAIRS4_BLOCK_N", "ROWS", "ROWS4", "ROWS4_PLAIN", "ROWS_PLAIN", "ROW_CONFIGS",
            "TUNING_ROWS", "UP", "UP4", "UP4_PLAIN", "UP_PAIRS", "UP_PAIRS4", "UP_PAIRS4_PLAIN", "UP_PAIRS_PLAIN",
            "UP_PAIR_CONFIGS", "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS", "WGRAD_PLAIN", "cfg", "m_key", "pair_cfg",
-           "pairs4_default", "prune_pairs4", "prune_rows", "prune_up", "prune_wgrad", "row_cfg", "wgrad_key"]
+           "pairs4_default", "prune_rows", "prune_up", "prune_wgrad", "row_cfg", "wgrad_key"]
 
 
 def m_key(n_rows: int, E: int) -> tuple[int, int]:
@@ -144,32 +144,17 @@ PAIRS4_SPLIT_TILES = [(8, 512, 4), (16, 512, 4), (32, 256, 8), (8, 1024, 4), (16
                       (16, 2048, 4)]
 DOWN_PAIRS4_CONFIGS = PAIRS4_CONFIGS + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": True}, num_warps=w)
                                         for bn, bk, w in PAIRS4_SPLIT_TILES]
-# int4 with the products on the tensor cores (DOT: pairs4.packed_dot), at most 16 groups a chunk: not yet
-# timed on a GPU when added; the autotuner keeps them only where they win.
-PAIRS4_DOT_TILES = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 4), (64, 512, 8)]
-PAIRS4_DOT_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "DOT": True}, num_warps=w)
-                      for bn, bk, w in PAIRS4_DOT_TILES]
-DOWN_PAIRS4_CONFIGS += PAIRS4_DOT_CONFIGS + [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "DOT": True, "SPLIT": True}, num_warps=w)
-    for bn, bk, w in PAIRS4_DOT_TILES[:4]]
+# DOT (int4 products on the tensor cores, pairs4.packed_dot) is in no list: built for sm_90 it takes 1.4-1.8x
+# the instructions per weight of the multiply-adds, with shared-memory round trips and barriers in its loop
+# (examples/pairs4_sass.py --dot, int4 record); it runs only where a config pins it (decode.PAIRS4_UP/DOWN,
+# examples/pairs4_configs.py --dot).
 MIN_PAIRS4_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in DOWN_PAIRS4_CONFIGS)  # sizes the down pass's counts
 
 
-def prune_pairs4(configs, named_args, **kwargs):
-    """The 4-bit pair kernels' configs for a launch: DOT ones only where the products can go on the tensor
-    cores (int4, groups of a multiple of 8 columns that divide the chunk, at most 16 a chunk); elsewhere a
-    DOT config would run the multiply-adds of the config without it, timed twice."""
-    args = {**named_args, **kwargs}
-    group = args["GROUP"]
-    fits = not args["MXFP4"] and group % 8 == 0
-    return [c for c in configs if not c.kwargs.get("DOT")
-            or (fits and c.kwargs["BLOCK_K"] % group == 0 and c.kwargs["BLOCK_K"] // group <= 16)]
-
-
-UP_PAIRS4, UP_PAIRS4_PLAIN = tuned("up_pairs4", P4.up_pairs4_kernel, PAIRS4_CONFIGS + PAIRS4_DOT_CONFIGS,
-                                   ["I", "D", "top_k", "INTERLEAVED", "GROUP", "MXFP4", "ZERO"], prune_pairs4)
+UP_PAIRS4, UP_PAIRS4_PLAIN = tuned("up_pairs4", P4.up_pairs4_kernel, PAIRS4_CONFIGS,
+                                   ["I", "D", "top_k", "INTERLEAVED", "GROUP", "MXFP4", "ZERO"])
 DOWN_PAIRS4, DOWN_PAIRS4_PLAIN = tuned("down_pairs4", P4.down_pairs4_kernel, DOWN_PAIRS4_CONFIGS,
-                                       ["I", "D", "top_k", "WEIGHTED", "GROUP", "MXFP4", "ZERO"], prune_pairs4)
+                                       ["I", "D", "top_k", "WEIGHTED", "GROUP", "MXFP4", "ZERO"])
 
 def pairs4_default(programs, C: int) -> triton.Config:
     """The 4-bit pair kernels' config without autotuning: the widest chunk of 1024, 512 or 256 columns that pads
