@@ -88,6 +88,9 @@ def experts_fn(D: int, I: int, E: int, K: int, w_gu, w_d):
     ids, so that the key stays theirs)."""
     tk = kernel_module()
     module = _module(D, I, E, K, w_gu, w_d, w_gu.device, tk)
+    # the experts on routing data: `forward_routed` where transformers has it (newer 5.x, whose forward takes
+    # the ids and weights), else the forward itself (5.17's takes the routing data)
+    routed = getattr(module, "forward_routed", None) or module.forward
     routes: dict = {}
 
     def fn(x, ids, weights):
@@ -96,7 +99,7 @@ def experts_fn(D: int, I: int, E: int, K: int, w_gu, w_d):
             logits = routing_logits(ids, weights, E, x.dtype)
             routes[key] = (ids, *tk.routing.routing(logits, K))
         _, routing_data, gather, scatter = routes[key]
-        return module(x, routing_data, gather, scatter_idx=scatter)
+        return routed(x, routing_data, gather, scatter)
 
     return fn
 
