@@ -144,7 +144,7 @@ PAIRS4_SPLIT_TILES = [(8, 512, 4), (16, 512, 4), (32, 256, 8), (8, 1024, 4), (16
                       (16, 2048, 4)]
 DOWN_PAIRS4_CONFIGS = PAIRS4_CONFIGS + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": True}, num_warps=w)
                                         for bn, bk, w in PAIRS4_SPLIT_TILES]
-# DOT (int4 products on the tensor cores, pairs4.packed_dot) is in no list: built for sm_90 it takes 1.4-1.8x
+# DOT (int4 products on the tensor cores, pairs4.packed_dot) is in no list: built for sm_90 it takes 1.3-1.8x
 # the instructions per weight of the multiply-adds, with shared-memory round trips and barriers in its loop
 # (examples/pairs4_sass.py --dot, int4 record); it runs only where a config pins it (decode.PAIRS4_UP/DOWN,
 # examples/pairs4_configs.py --dot).
