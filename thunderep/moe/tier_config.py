@@ -52,7 +52,8 @@ class TierConfig:
     call of one token as a job off the launching thread where the device's stream can wait for host memory
     and the native engine is built (or host_engine is "script"), so that the launching thread goes on; larger
     calls, and everything elsewhere, in line; "off", in line; "on", every call as a job (on a CPU joined at
-    once: for tests). Measured at a quarter of the experts hot (Qwen3-30B-A3B shape), native jobs against
+    once: for tests). Only where the engine covers the layer's host function (the lean one of 16- or 32-bit
+    plain gated experts): FP8 and 4-bit experts' host shares run in line under any setting. Measured at a quarter of the experts hot (Qwen3-30B-A3B shape), native jobs against
     in line: 1.51x (H200) and 1.63x (H100) at batch 1, 1.22x and 0.79x at batch 8, hence one token
     (`HostHandoff.HANDOFF_TOKENS`; docs/benchmarks/2026-12-05-expert-offload-h200.md, twelfth run).
     TorchScript jobs are never chosen by "auto": they decoded 1.08x in line at batch 1 and 0.94x at batch 8
