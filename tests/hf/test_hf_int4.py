@@ -307,14 +307,20 @@ def _gpt_oss_logits(tm, ref):
 @CPU_ONLY
 def test_gpt_oss_mxfp4_experts_keep_their_bytes_and_match_the_reference(gpt_oss, monkeypatch):
     """experts_dtype="mxfp4" on gpt-oss's MXFP4 checkpoint: the experts hold its bytes and exponents as
-    stored; a prompt (transformers' forward on the dequantized experts) and one token (the gpt-oss 4-bit
-    pair kernels, which run) give the logits of the plain model holding the dequantized weights."""
+    stored; a prompt (transformers' grouped experts forward on the dequantized experts) and one token (the
+    gpt-oss 4-bit pair kernels, which run) give the logits of the plain model holding the dequantized weights."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from thunderep.hf import int4 as hf_int4
     from thunderep.kernels import pairs4_gptoss
 
     monkeypatch.setenv("THUNDEREP_TRITON_AUTOTUNE", "0")
-    calls = []
+    calls, prompts = [], []
     launch = pairs4_gptoss.pairs4_gptoss_forward
     monkeypatch.setattr(pairs4_gptoss, "pairs4_gptoss_forward", lambda *a: calls.append(1) or launch(*a))
+    grouped = hf_int4._grouped_forward
+    monkeypatch.setattr(hf_int4, "_grouped_forward",
+                        lambda m: (lambda *a: prompts.append(grouped(m)) or grouped(m)(*a)))
     path, reference, _ = gpt_oss
     tm = ThunderMoE.from_pretrained(path, dtype=torch.float16, experts_dtype="mxfp4")
     _check_gpt_oss_stored(tm, path)
@@ -322,6 +328,8 @@ def test_gpt_oss_mxfp4_experts_keep_their_bytes_and_match_the_reference(gpt_oss,
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "1")  # the prompt dequantizes, one token: pair kernels
     (prompt, prompt_ref), (one, one_ref) = _gpt_oss_logits(tm, ref)
     assert len(calls) == len(tm.bindings)  # one token: every layer through the pair kernels
+    assert len(prompts) == len(tm.bindings)  # the prompt: every layer through transformers' grouped forward
+    assert all(f is ALL_EXPERTS_FUNCTIONS["grouped_mm"] for f in prompts)
     torch.testing.assert_close(prompt, prompt_ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(one, one_ref, rtol=2e-2, atol=2e-2)
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "64")  # a short prompt through the pair kernels too

@@ -22,7 +22,7 @@ gpt-oss's experts (biases, gate/up rows interleaved, clamped SwiGLU; `gptoss_gat
 their matrices are held as gpt-oss's MXFP4 checkpoint stores them, [S, 2I, D / 2] and [S, D, I / 2]
 (the transpose of the module's tensors: `checkpoint_shape4`), decode runs the gpt-oss pair kernels
 (`kernels/pairs4_gptoss.py`), and prompts dequantize the local experts for the call and run
-transformers' own GptOssExperts forward on them (`gptoss4_compute_fn`: correct, not fast).
+transformers' grouped experts forward on them (`gptoss4_compute_fn`; no ThunderEP kernel, speed not measured).
 
 Inference only: a gradient through 4-bit weights is an InputError from the kernels, and
 `from_pretrained` refuses a balancer (whose migrations move trainable experts) with them.
@@ -38,7 +38,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..kernels.int4 import MXFP4_GROUP, Int4Weight
 
-__all__ = ["GROUPS", "INT4_DTYPES", "checkpoint_shape4", "eager_on_dequantized", "expect_int4_experts",
+__all__ = ["GROUPS", "INT4_DTYPES", "checkpoint_shape4", "forward_on_dequantized", "expect_int4_experts",
            "expert_weights4", "gptoss4_compute_fn", "gptoss_gate", "int4_expected", "is_int4", "is_transposed4",
            "quantized_parts", "store_packed", "store_rows4", "to_int4_experts"]
 
@@ -207,12 +207,12 @@ def expert_weights4(module: nn.Module) -> tuple[Int4Weight, Int4Weight]:
     return cached
 
 
-def eager_on_dequantized(module: nn.Module, eager: Callable, w_gate_up, w_down, x_TD: torch.Tensor,
+def forward_on_dequantized(module: nn.Module, forward: Callable, w_gate_up, w_down, x_TD: torch.Tensor,
                          ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-    """The experts class's own forward `eager` on `module`, its gate_up_proj / down_proj replaced for the call
-    by `w_gate_up` / `w_down` (Int4Weight or Fp8Weight) dequantized into their products' dtype, in the
-    module's orientation (transposed back where `is_transposed4`). Correct, not fast: prompts on gpt-oss's
-    4-bit experts, and cold experts run on the host."""
+    """A transformers experts `forward` (the class's own, or one of its experts interface) on `module`,
+    its gate_up_proj / down_proj replaced for the call by `w_gate_up` / `w_down` (Int4Weight or Fp8Weight)
+    dequantized into their products' dtype, in the module's orientation (transposed back where
+    `is_transposed4`): prompts on gpt-oss's 4-bit experts, and cold experts run on the host."""
     gate_up, down = w_gate_up.dequantize(), w_down.dequantize()
     if is_transposed4(module):  # gpt-oss's tensors are [S, D, 2I] and [S, I, D]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
@@ -220,22 +220,32 @@ def eager_on_dequantized(module: nn.Module, eager: Callable, w_gate_up, w_down, 
     try:
         module._parameters.update(gate_up_proj=gate_up, down_proj=down)
         module.num_experts = gate_up.shape[0]
-        return eager(module, x_TD.to(gate_up.dtype), ids_TK, weights_TK).to(x_TD.dtype)
+        return forward(module, x_TD.to(gate_up.dtype), ids_TK, weights_TK).to(x_TD.dtype)
     finally:
         module._parameters.update(saved[0])
         module.num_experts = saved[1]
+
+
+def _grouped_forward(module: nn.Module) -> Callable:
+    """transformers' grouped experts forward ("grouped_mm": the rows sorted by expert, one grouped product per
+    projection, gpt-oss's biases and gate through the module's own attributes), else where this transformers
+    has none the class's own forward (a loop over the hit experts with a host sync)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # transformers: the hf extra, as the caller
+
+    eager = type(module).forward.__wrapped__  # the class's own forward (transformers' experts decorator)
+    return ALL_EXPERTS_FUNCTIONS["grouped_mm"] if "grouped_mm" in ALL_EXPERTS_FUNCTIONS else eager
 
 
 def gptoss4_compute_fn(module: nn.Module, gate: tuple[float, float], check_device: Callable) -> Callable:
     """`compute(module, x_TD, ids_TK, weights_TK) -> y_TD` for gpt-oss's experts held in 4 bits (the
     experts binding's `compute`, as `kernel_experts.kernel_compute_fn`'s): decode (inference on at most
     `paths.pairs_max_tokens()` tokens) through the gpt-oss pair kernels, anything else through
-    transformers' own forward on the local experts dequantized into the model's dtype for the call
-    (correct, not fast). gate: (alpha, limit) from `gptoss_gate`; check_device(name, device) raises
+    transformers' grouped experts forward (`_grouped_forward`) on the local experts dequantized into the
+    model's dtype for the call. gate: (alpha, limit) from `gptoss_gate`; check_device(name, device) raises
     where the kernels cannot run."""
     name = type(module).__name__
     alpha, limit = gate
-    eager = type(module).forward.__wrapped__  # the class's own forward (transformers' experts decorator)
+    prompt = _grouped_forward(module)
 
     def weights4(module) -> tuple[Int4Weight, Int4Weight]:
         if not is_int4(module):
@@ -259,7 +269,7 @@ def gptoss4_compute_fn(module: nn.Module, gate: tuple[float, float], check_devic
         y_TD = pairs_partial(module, x_TD, ids_TK, weights_TK)
         if y_TD is not None:
             return y_TD
-        return eager_on_dequantized(module, eager, *weights4(module), x_TD, ids_TK, weights_TK)
+        return forward_on_dequantized(module, prompt, *weights4(module), x_TD, ids_TK, weights_TK)
 
     compute.pairs_partial = pairs_partial
     return compute

@@ -29,7 +29,7 @@ from ..moe.offload_cost import OffloadCosts, calibrate_host, calibrate_stream, m
 from ..moe.tiers import ExpertTiers, Staging, TierConfig, TierStats, parse_memory
 from .experts import KERNELS, experts_compute_fn
 from .fp8 import expert_weights, is_fp8
-from .int4 import eager_on_dequantized, is_int4
+from .int4 import forward_on_dequantized, is_int4
 
 __all__ = ["OffloadPlan", "attach_tiers", "check_host", "disk_tensor", "gated_layout", "host_compute_fn", "host_experts",
            "make_host_fn", "offload_stats", "plan_offload", "summary_line"]
@@ -182,7 +182,7 @@ def host_compute_fn(module: nn.Module) -> Callable:
         return eager
 
     def compute(module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        return eager_on_dequantized(module, eager, *expert_weights(module), x_TD, ids_TK, weights_TK)
+        return forward_on_dequantized(module, eager, *expert_weights(module), x_TD, ids_TK, weights_TK)
 
     return compute
 
