@@ -230,6 +230,7 @@ def _grouped_forward(module: nn.Module) -> Callable:
     """transformers' grouped experts forward ("grouped_mm": the rows sorted by expert, one grouped product per
     projection, gpt-oss's biases and gate through the module's own attributes), else where this transformers
     has none the class's own forward (a loop over the hit experts with a host sync)."""
+    # (experts.experts_compute_fn maps names to functions too, but experts imports this module's users)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # transformers: the hf extra, as the caller
 
     eager = type(module).forward.__wrapped__  # the class's own forward (transformers' experts decorator)
