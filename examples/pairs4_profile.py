@@ -3,6 +3,7 @@ every call) for bfloat16, per-row FP8, int4 and MXFP4 weights of one expert shap
 pass reads and those bytes' time at copy bandwidth.
 
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-words4]
+                                      [--loads-only words|scales]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -13,7 +14,10 @@ fraction, per pass); and per format the pair's time end to end (CUDA events, L2 
 pass launches early, PDL, the two kernels' own times overlap). --no-split leaves the 4-bit down pass's
 one-program-per-slot configs out of its autotuning; --no-words4 launches the 4-bit kernels with 8-byte
 word loads (WORDS4 off, pairs4.load_words); THUNDEREP_PDL=0 launches the down pass plainly. Together they
-are the 4-bit kernels as they were before those three.
+are the 4-bit kernels as they were before those three. --loads-only runs the 4-bit kernels with each
+chunk's conversion, products and vector taken out (a probe, its outputs meaningless): `words` sums each
+row's words as integers; `scales` also loads the group scales and sums per group times them, as the real
+chunk does. Their time against the real kernels' is what the loads alone cost at the same tiles.
 """
 
 from __future__ import annotations
@@ -22,13 +26,32 @@ import argparse
 import statistics
 
 import torch
+import triton
+import triton.language as tl
 
 from thunderep.bench.kernels import SHAPES, copy_bandwidth
-from thunderep.kernels import decode, tiles, tuning
+from thunderep.kernels import decode, pairs4, tiles, tuning
 from thunderep.kernels.fp8 import Fp8Weight
 from thunderep.kernels.int4 import Int4Weight
 
 FLUSH_BYTES = 256 << 20
+
+
+@triton.jit
+def _words_only(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
+                MXFP4: tl.constexpr, ZERO: tl.constexpr):
+    """Probe in place of pairs4.word_chunk: the chunk's words summed as integers (loads kept, nothing else)."""
+    return tl.sum((w ^ opaque).to(tl.int32, bitcast=True).to(tl.float32), 1)
+
+
+@triton.jit
+def _words_and_scales(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
+                      MXFP4: tl.constexpr, ZERO: tl.constexpr):
+    """Probe in place of pairs4.word_chunk: the words as integers, summed per group times the group scales
+    (the scale loads kept; no conversion, no vector)."""
+    prod = (w ^ opaque).to(tl.int32, bitcast=True).to(tl.float32)
+    vsum = tl.zeros((w.shape[1],), dtype=tl.float32)
+    return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, 1.0)
 
 
 def _weights(shape: str, device):
@@ -72,7 +95,12 @@ def main() -> None:
     parser.add_argument("--ncu", action="store_true", help="one call of each format between profiler start/stop")
     parser.add_argument("--no-split", action="store_true", help="no SPLIT configs in the 4-bit down pass's tuning")
     parser.add_argument("--no-words4", action="store_true", help="the 4-bit kernels' word loads 8 bytes wide")
+    parser.add_argument("--loads-only", choices=("words", "scales"),
+                        help="probe: the 4-bit kernels with each chunk's conversion and products taken out")
     args = parser.parse_args()
+    if args.loads_only:  # before the first build: Triton reads pairs4's globals when it compiles
+        pairs4.word_chunk = _words_only if args.loads_only == "words" else _words_and_scales
+        print(f"probe: the 4-bit kernels' chunks replaced ({args.loads_only}); their outputs are meaningless")
     if args.no_words4:
         launch = decode._launch4
         decode._launch4 = lambda *a, **kw: launch(*a, **{**kw, "WORDS4": False})
