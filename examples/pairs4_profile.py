@@ -3,7 +3,7 @@ every call) for bfloat16, per-row FP8, int4 and MXFP4 weights of one expert shap
 pass reads and those bytes' time at copy bandwidth.
 
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-words4]
-                                      [--loads-only words|scales]
+                                      [--loads-only words|scales] [--strided-vector]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -18,6 +18,10 @@ are the 4-bit kernels as they were before those three. --loads-only runs the 4-b
 chunk's conversion, products and vector taken out (a probe, its outputs meaningless): `words` sums each
 row's words as integers; `scales` also loads the group scales and sums per group times them, as the real
 chunk does. Their time against the real kernels' is what the loads alone cost at the same tiles.
+--strided-vector loads the vector's 8 planes of each chunk straight from memory (8 loads of every 8th
+element, in the layout the products use) instead of one wide load split in registers, which the compiler
+routes through shared memory with 8 barriers an iteration (examples/pairs4_sass.py counts them): same
+outputs, no barriers, more load instructions.
 """
 
 from __future__ import annotations
@@ -52,6 +56,21 @@ def _words_and_scales(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_
     prod = (w ^ opaque).to(tl.int32, bitcast=True).to(tl.float32)
     vsum = tl.zeros((w.shape[1],), dtype=tl.float32)
     return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, 1.0)
+
+
+@triton.jit
+def _strided_planes(v_ptr, k0, C, HW: tl.constexpr):
+    """In place of pairs4._planes: plane j (columns k0 + 8 q + j) loaded directly, in pairs4._planes' order."""
+    c = k0 + 8 * tl.arange(0, HW)
+    x0 = tl.load(v_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+    x1 = tl.load(v_ptr + c + 1, mask=c + 1 < C, other=0.0).to(tl.float32)
+    x2 = tl.load(v_ptr + c + 2, mask=c + 2 < C, other=0.0).to(tl.float32)
+    x3 = tl.load(v_ptr + c + 3, mask=c + 3 < C, other=0.0).to(tl.float32)
+    x4 = tl.load(v_ptr + c + 4, mask=c + 4 < C, other=0.0).to(tl.float32)
+    x5 = tl.load(v_ptr + c + 5, mask=c + 5 < C, other=0.0).to(tl.float32)
+    x6 = tl.load(v_ptr + c + 6, mask=c + 6 < C, other=0.0).to(tl.float32)
+    x7 = tl.load(v_ptr + c + 7, mask=c + 7 < C, other=0.0).to(tl.float32)
+    return x0, x4, x1, x5, x2, x6, x3, x7
 
 
 def _weights(shape: str, device):
@@ -97,7 +116,12 @@ def main() -> None:
     parser.add_argument("--no-words4", action="store_true", help="the 4-bit kernels' word loads 8 bytes wide")
     parser.add_argument("--loads-only", choices=("words", "scales"),
                         help="probe: the 4-bit kernels with each chunk's conversion and products taken out")
+    parser.add_argument("--strided-vector", action="store_true",
+                        help="the 4-bit kernels load the vector's planes directly (no shared memory, no barriers)")
     args = parser.parse_args()
+    if args.strided_vector:
+        pairs4._planes = _strided_planes
+        print("the 4-bit kernels load the vector's planes directly (--strided-vector)")
     if args.loads_only:  # before the first build: Triton reads pairs4's globals when it compiles
         pairs4.word_chunk = _words_only if args.loads_only == "words" else _words_and_scales
         print(f"probe: the 4-bit kernels' chunks replaced ({args.loads_only}); their outputs are meaningless")
