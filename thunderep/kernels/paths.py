@@ -62,9 +62,12 @@ ROUTE_MAX_PAIRS = 1024
 
 
 # Most rows per expert (on average, grouped_gemm.mean_rows) at which sorted calls on 4-bit experts read the
-# packed bytes (sorted4.py): between the measured points where they won and lost (docs/benchmarks/
-# 2026-12-05-int4-experts-h200.md, "Prompts on packed tiles"), not a measured crossover.
-SORTED4_MAX_ROWS = 32
+# packed bytes (sorted4.py) rather than dequantizing every expert: at Mixtral's shape on an H100 the packed
+# kernels took 0.29x the dequantized route's time at 16 rows, 0.52x at 64, 0.81-0.87x at 128 and 1.03x at
+# 256 (docs/benchmarks/2026-12-05-int4-experts-h200.md, "The sorted 4-bit crossover, measured"). Both
+# routes' costs grow with the experts' total size, so the crossover in rows per expert carries to other
+# shapes to first order; the largest measured win is the bound.
+SORTED4_MAX_ROWS = 128
 
 
 def sorted4_packed(n_rows: int, E: int) -> bool:
