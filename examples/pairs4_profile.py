@@ -3,7 +3,8 @@ every call) for bfloat16, per-row FP8, int4 and MXFP4 weights of one expert shap
 pass reads and those bytes' time at copy bandwidth.
 
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-words4]
-                                      [--loads-only words|scales] [--strided-vector]
+                                      [--loads-only words|scales|convert] [--strided-vector]
+                                      [--half-products]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -17,11 +18,16 @@ word loads (WORDS4 off, pairs4.load_words); THUNDEREP_PDL=0 launches the down pa
 are the 4-bit kernels as they were before those three. --loads-only runs the 4-bit kernels with each
 chunk's conversion, products and vector taken out (a probe, its outputs meaningless): `words` sums each
 row's words as integers; `scales` also loads the group scales and sums per group times them, as the real
-chunk does. Their time against the real kernels' is what the loads alone cost at the same tiles.
+chunk does; `convert` also converts every code to float32 and sums the values per group times the
+scales (no vector, no products). Their time against the real kernels' is what the loads alone cost at the
+same tiles, and what the conversion adds.
 --strided-vector loads the vector's 8 planes of each chunk straight from memory (8 loads of every 8th
 element, in the layout the products use) instead of one wide load split in registers, which the compiler
 routes through shared memory with 8 barriers an iteration (examples/pairs4_sass.py counts them): same
-outputs, no barriers, more load instructions.
+outputs, no barriers, more load instructions. --half-products runs the int4 words' products in float16,
+two per packed instruction, each half's four products summed before widening to float32 (MXFP4 as
+before): fewer instructions per weight; the vector is not scaled, so an element past about 2000 in
+magnitude would overflow (random inputs stay far below; a probe, not a launch option).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import triton.language as tl
 
 from thunderep.bench.kernels import SHAPES, copy_bandwidth
 from thunderep.kernels import decode, pairs4, tiles, tuning
+from thunderep.kernels.codes4 import E2M1_UNIT, e2m1_halves, int4_halves, int4_halves16
 from thunderep.kernels.fp8 import Fp8Weight
 from thunderep.kernels.int4 import Int4Weight
 
@@ -71,6 +78,62 @@ def _strided_planes(v_ptr, k0, C, HW: tl.constexpr):
     x6 = tl.load(v_ptr + c + 6, mask=c + 6 < C, other=0.0).to(tl.float32)
     x7 = tl.load(v_ptr + c + 7, mask=c + 7 < C, other=0.0).to(tl.float32)
     return x0, x4, x1, x5, x2, x6, x3, x7
+
+
+@triton.jit
+def _converted(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
+               MXFP4: tl.constexpr, ZERO: tl.constexpr):
+    """Probe in place of pairs4.word_chunk: every code converted as the real chunk converts it and the values
+    summed per group times the scales (no vector, no products)."""
+    if MXFP4:
+        lo, hi = e2m1_halves(w, 0, opaque)
+        vals = lo + hi
+        lo, hi = e2m1_halves(w, 4, opaque)
+        vals += lo + hi
+        lo, hi = e2m1_halves(w, 8, opaque)
+        vals += lo + hi
+        lo, hi = e2m1_halves(w, 12, opaque)
+        vals += lo + hi
+    else:
+        w8 = w >> 8
+        lo, hi = int4_halves(w, 0, opaque)
+        vals = lo + hi
+        lo, hi = int4_halves(w, 4, opaque)
+        vals += lo + hi
+        lo, hi = int4_halves(w8, 0, opaque)
+        vals += lo + hi
+        lo, hi = int4_halves(w8, 4, opaque)
+        vals += lo + hi
+    vsum = tl.zeros((w.shape[1],), dtype=tl.float32)
+    return pairs4._grouped(vals, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, 1.0)
+
+
+@triton.jit
+def _half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
+                MXFP4: tl.constexpr, ZERO: tl.constexpr):
+    """In place of pairs4.word_chunk: int4 products in float16 (each half's four summed, then widened)."""
+    x0, x4, x1, x5, x2, x6, x3, x7 = pairs4._planes(v_ptr, k0, C, w.shape[1])
+    vsum = pairs4._word_sums(x0, x4, x1, x5, x2, x6, x3, x7)
+    if MXFP4:
+        prod, vsum = pairs4._word_products(w, v_ptr, k0, C, opaque, MXFP4, w.shape[1])
+        unit: tl.constexpr = E2M1_UNIT
+    else:
+        w8 = w >> 8
+        lo, hi = int4_halves16(w, 0, opaque)
+        p_lo = lo * x0.to(tl.float16)[None, :]
+        p_hi = hi * x4.to(tl.float16)[None, :]
+        lo, hi = int4_halves16(w, 4, opaque)
+        p_lo += lo * x1.to(tl.float16)[None, :]
+        p_hi += hi * x5.to(tl.float16)[None, :]
+        lo, hi = int4_halves16(w8, 0, opaque)
+        p_lo += lo * x2.to(tl.float16)[None, :]
+        p_hi += hi * x6.to(tl.float16)[None, :]
+        lo, hi = int4_halves16(w8, 4, opaque)
+        p_lo += lo * x3.to(tl.float16)[None, :]
+        p_hi += hi * x7.to(tl.float16)[None, :]
+        prod = p_lo.to(tl.float32) + p_hi.to(tl.float32)
+        unit: tl.constexpr = 1.0
+    return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, unit)
 
 
 def _weights(shape: str, device):
@@ -114,16 +177,20 @@ def main() -> None:
     parser.add_argument("--ncu", action="store_true", help="one call of each format between profiler start/stop")
     parser.add_argument("--no-split", action="store_true", help="no SPLIT configs in the 4-bit down pass's tuning")
     parser.add_argument("--no-words4", action="store_true", help="the 4-bit kernels' word loads 8 bytes wide")
-    parser.add_argument("--loads-only", choices=("words", "scales"),
+    parser.add_argument("--loads-only", choices=("words", "scales", "convert"),
                         help="probe: the 4-bit kernels with each chunk's conversion and products taken out")
     parser.add_argument("--strided-vector", action="store_true",
                         help="the 4-bit kernels load the vector's planes directly (no shared memory, no barriers)")
+    parser.add_argument("--half-products", action="store_true", help="int4 products in float16 (a probe)")
     args = parser.parse_args()
+    if args.half_products:
+        pairs4.word_chunk = _half_chunk
+        print("the int4 kernels' products run in float16 (--half-products)")
     if args.strided_vector:
         pairs4._planes = _strided_planes
         print("the 4-bit kernels load the vector's planes directly (--strided-vector)")
     if args.loads_only:  # before the first build: Triton reads pairs4's globals when it compiles
-        pairs4.word_chunk = _words_only if args.loads_only == "words" else _words_and_scales
+        pairs4.word_chunk = {"words": _words_only, "scales": _words_and_scales, "convert": _converted}[args.loads_only]
         print(f"probe: the 4-bit kernels' chunks replaced ({args.loads_only}); their outputs are meaningless")
     if args.no_words4:
         launch = decode._launch4
