@@ -20,8 +20,8 @@ from thunderep.errors import ConfigError
 from thunderep.moe.experts import expert_mlp
 from thunderep.moe.host_experts import NEVER, GatedLayout, HostExperts, calibrate_upcast, per_slot, time_host_fn
 from thunderep.moe.host_summed import summed_fn
-from thunderep.moe.offload_cost import (OffloadCosts, calibrate_host, calibrate_stream, fit_affine, predicted_rates,
-                                       split_cold)
+from thunderep.moe.offload_cost import (OffloadCosts, calibrate_host, calibrate_stream, decode_paths, fit_affine,
+                                       predicted_rates, split_cold)
 from thunderep.moe.tiers import ExpertTiers, Staging, TierConfig, TierStats
 
 S, D, I = 6, 16, 8
@@ -153,6 +153,71 @@ def test_calibration_floors_the_host_cost_at_many_rows():
     assert costs.host_seconds(1, P, row) == affine.host_seconds(1, P, row)
     assert costs.host_seconds(16, P, row) == affine.host_seconds(16, P, row) and costs.host_bulk_from == 16
     assert calibrate_host(base, knee, host, D, torch.float32, rows=(1, 16), bulk=0).host_bulk_row_s is None
+
+
+def _decode_by_enumeration(E, S, H, K, host, bus, mapped_slots, handoff):
+    """Slow reference of the decode prediction's cold seconds: every K-subset of the E experts (slots 0..S-1
+    local, 0..H-1 hot, the last `mapped_slots` cold ones mapped) equally likely; the unmapped cold ones on the
+    host (handed off) or split as `split_cold` splits them; host and device at once."""
+    import itertools
+    subsets = list(itertools.combinations(range(E), K))
+    mapped = set(range(S - mapped_slots, S))
+    total = 0.0
+    for picks in subsets:
+        cold = [e for e in picks if H <= e < S]
+        m = sum(1 for e in cold if e in mapped)
+        h = len(cold) - m
+        on_host = h if handoff else split_cold([host] * h, [bus] * h, True).count("host")
+        total += max(on_host * host, (m + h - on_host) * bus)
+    return total / len(subsets)
+
+
+@pytest.mark.parametrize("E,S,H,K", [(8, 8, 2, 2), (16, 8, 1, 4), (12, 12, 0, 3)])
+@pytest.mark.parametrize("handoff,q", [(True, 0.0), (True, 0.45), (False, 0.0), (False, 0.5)])
+def test_decode_prediction_equals_the_enumerated_expectation(E, S, H, K, handoff, q):
+    """One token's cold seconds over the hypergeometric counts of cold and mapped slots hit equal the average
+    over every set of K experts the token can pick (a rank holding S of E, H hot): handed off, the unmapped
+    cold slots all on the host; in line, split as a call splits them; mapped ones on the device."""
+    P, B, row = 1000, 4000, 64
+    costs = OffloadCosts(host_flops=1e9, device_flops=1e30, h2d_Bps=1e30, host_call_s=2e-3, host_row_s=0.0,
+                         stream_call_s=3e-3)
+    host, bus = costs.host_seconds(1, P, row), costs.stream_seconds(1, P, B)
+    expected = _decode_by_enumeration(E, S, H, K, host, bus, round(q * (S - H)), handoff)
+    rate = predicted_rates(costs, [(E, S, H, P, B)], K, row, prefill_tokens=64, overlap=True, handoff=handoff,
+                           mapped_share=q)["decode"]
+    assert 1.0 / rate == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_handed_off_decode_runs_every_unmapped_cold_slot_on_the_host():
+    """Handed off without mapping, the expected cold seconds are the expected cold slots hit times the host's
+    seconds, however fast the stream (the job takes them all); in line the same call splits them."""
+    P, B, row = 1000, 4000, 64
+    costs = OffloadCosts(host_flops=1e9, device_flops=1e30, h2d_Bps=1e30, host_call_s=5e-3, host_row_s=0.0,
+                         stream_call_s=5e-3)
+    layers = [(8, 8, 2, P, B)]  # 6 cold of 8, top 2: 1.5 cold slots hit on average
+    handed = predicted_rates(costs, layers, 2, row, 64, overlap=True, handoff=True)["decode"]
+    assert 1.0 / handed == pytest.approx(1.5 * 5e-3, rel=1e-9)
+    in_line = predicted_rates(costs, layers, 2, row, 64, overlap=True)["decode"]
+    assert in_line > handed
+
+
+def test_decode_paths_follow_the_tiers_rules():
+    """Handed off where host_thread is "on", or "auto" with the host at most HANDOFF_SLOWER times the stream
+    at one row (or the host path forced); never on a CPU or with the stream forced. The mapped share is
+    host / (host + bus) on CUDA with mapping on, 1 forced, 0 otherwise."""
+    P, B, row = 1000, 4000, 64
+    costs = OffloadCosts(host_flops=1e9, device_flops=1e30, h2d_Bps=1e30, host_call_s=2e-3, host_row_s=0.0,
+                         stream_call_s=3e-3)
+    host, bus = costs.host_seconds(1, P, row), costs.stream_seconds(1, P, B)
+    assert decode_paths(costs, P, row, B, True) == (True, pytest.approx(host / (host + bus)))
+    assert decode_paths(costs, P, row, B, True, mapped=False) == (True, 0.0)
+    assert decode_paths(costs, P, row, B, False) == (False, 0.0)
+    assert decode_paths(costs, P, row, B, True, host_thread="off") == (False, pytest.approx(host / (host + bus)))
+    assert decode_paths(costs, P, row, B, True, cold_path="stream") == (False, 0.0)
+    assert decode_paths(costs, P, row, B, True, cold_path="mapped")[1] == 1.0
+    slow = replace(costs, host_call_s=100 * 3e-3)
+    assert not decode_paths(slow, P, row, B, True)[0] and decode_paths(slow, P, row, B, True, host_thread="on")[0]
+    assert decode_paths(slow, P, row, B, True, cold_path="host") == (True, 0.0)
 
 
 def test_predicted_rates_split_cold_slots_as_a_call_does():

@@ -56,12 +56,13 @@ from pathlib import Path
 import torch
 
 from . import dataclass_options, parsed
+from .. import env
 from ..errors import ConfigError
 from ..hf import ThunderMoE
 from ..moe import host_native
 from ..moe.host_experts import describe
 from ..moe.host_jobs import device_waits
-from ..moe.offload_cost import measure_costs, predicted_rates
+from ..moe.offload_cost import decode_paths, measure_costs, predicted_rates
 from ..moe.tier_config import HOST_ENGINE
 from ..moe.tiers import COLD_PATHS, HOST_THREAD, TierConfig
 from ..train.plan import plan_offload_memory
@@ -303,11 +304,13 @@ def _device(bench: OffloadBench) -> torch.device:  # "cuda" as from_pretrained r
     return torch.device("cuda", torch.cuda.current_device()) if bench.device == "cuda" else torch.device("cpu")
 
 
-def _predict(costs, plan, config, bench: OffloadBench) -> dict:
-    """The cost model's {"decode", "prefill"} tokens/s for `plan`'s layers with `costs`."""
+def _predict(costs, plan, config, bench: OffloadBench, host_thread: str) -> dict:
+    """The cost model's {"decode", "prefill"} tokens/s for `plan`'s layers, decode on the row's paths (`decode_paths`)."""
     row_bytes = config.hidden_size * _DTYPES[bench.dtype].itemsize
+    cuda, (*_, P, B) = _device(bench).type == "cuda", plan.layers()[0]
+    handoff, q = decode_paths(costs, P, row_bytes, B, cuda, host_thread, bench.cold_path, env.mapped())
     return predicted_rates(costs, plan.layers(), config.num_experts_per_tok, row_bytes, bench.prefill,
-                           overlap=_device(bench).type == "cuda")
+                           overlap=cuda, handoff=handoff, mapped_share=q)
 
 
 def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offload: TierConfig | None) -> None:
@@ -330,7 +333,7 @@ def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offl
         say(f"  host path {row.costs['host_fn']}: {costs.host_text}; {costs.stream_text}{mapped_text(row.costs)}; "
             f"device {costs.device_flops / 1e9:.0f} GFLOP/s, host to device {costs.h2d_Bps / 1e9:.1f} GB/s")
         if row.kind == "thunderep":  # the cold paths the model chose ((b) forces the host; (c) has no cold expert)
-            row.predicted = _predict(costs, plan, config, bench)
+            row.predicted = _predict(costs, plan, config, bench, row.host_thread)
             say(f"  predicted decode {row.predicted['decode']:.1f} tokens/s, prefill {row.predicted['prefill']:.0f} "
                 "tokens/s (routed experts alone)")
     finally:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 
+from .. import env
 from . import command_parser, say
 
 __all__ = ["configure", "main", "run", "size"]
@@ -146,7 +147,7 @@ def _offload_rows(args: argparse.Namespace, eps: list[int]) -> None:
     import psutil  # deferred: torch and transformers take seconds to import; --help must not pay them
     import torch  # deferred, as psutil
 
-    from ..moe.offload_cost import calibrate_gated, measure_costs, predicted_rates  # deferred, as torch
+    from ..moe.offload_cost import calibrate_gated, decode_paths, measure_costs, predicted_rates  # deferred, as torch
     from ..train.plan import plan_offload_memory  # deferred, as torch
 
     plans = plan_offload_memory(args.model, eps, args.gpu_memory, args.dtype)
@@ -164,9 +165,11 @@ def _offload_rows(args: argparse.Namespace, eps: list[int]) -> None:
             calibrated[key] = calibrate_gated(measure_costs(device, dtype), _hidden(args.model), key[0], dtype,
                                               available // 16)
         costs = calibrated[key]
-        rates = predicted_rates(costs, plan.layers(), _top_k(args.model),
-                                _hidden(args.model) * plan.slot_bytes[first] // plan.slot_params[first],
-                                overlap=device.type == "cuda")
+        row_bytes = _hidden(args.model) * plan.slot_bytes[first] // plan.slot_params[first]
+        handoff, q = decode_paths(costs, plan.slot_params[first], row_bytes, plan.slot_bytes[first],
+                                  device.type == "cuda", mapped=env.mapped())
+        rates = predicted_rates(costs, plan.layers(), _top_k(args.model), row_bytes, overlap=device.type == "cuda",
+                                handoff=handoff, mapped_share=q)
         hot = sorted(set(plan.hot.values()))
         host_all = plan.host_bytes * ep
         verdict = "fits" if host_all <= available else (

@@ -35,9 +35,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from .host_experts import HostExperts, time_host_fn
+from .tier_handoff import HostHandoff
 
-__all__ = ["OffloadCosts", "best_seconds", "calibrate_gated", "calibrate_host", "calibrate_stream", "fit_affine",
-           "measure_costs", "predicted_rates", "split_cold"]
+__all__ = ["OffloadCosts", "best_seconds", "calibrate_gated", "calibrate_host", "calibrate_stream", "decode_paths",
+           "fit_affine", "measure_costs", "predicted_rates", "split_cold"]
 
 _MEASURED: dict = {}  # (device, dtype) -> OffloadCosts, filled by measure_costs on first use
 
@@ -237,14 +238,67 @@ def _cold_call_seconds(costs: OffloadCosts, slots: int, rows: int, P: int, row_b
     return max(parts) if overlap else sum(parts)
 
 
+def decode_paths(costs: OffloadCosts, P: int, row_bytes: int, B: int, cuda: bool, host_thread: str = "auto",
+                 cold_path: str = "auto", mapped: bool = True) -> tuple[bool, float]:
+    """(handoff, q) of a one-token call as `ExpertTiers.partial` runs it: whether its host share is handed
+    to a host job (`HostHandoff._handoff_args`: host_thread "on", or "auto" where the host path at one row
+    takes at most HANDOFF_SLOWER times the stream's; then every cold slot the device does not read mapped
+    runs on the host), and the share q of the cold slots read mapped (`MappedReads.mapped_share`: on CUDA
+    with `mapped` (THUNDEREP_MAPPED), host / (host + bus) seconds at one row; 1 for cold_path "mapped")."""
+    host, stream = costs.host_seconds(1, P, row_bytes), costs.stream_seconds(1, P, B)
+    if not cuda or cold_path in ("host", "stream"):
+        q = 0.0
+    elif cold_path == "mapped":
+        q = 1.0
+    else:
+        q = host / (host + stream) if mapped and host + stream > 0 else 0.0
+    handoff = cuda and cold_path != "stream" and (host_thread == "on" or (
+        host_thread == "auto" and (cold_path == "host" or host <= HostHandoff.HANDOFF_SLOWER * stream)))
+    return handoff, q
+
+
+def _hypergeometric(N: int, good: int, draws: int) -> list[float]:
+    """P(k of `draws` distinct items drawn uniformly from N are among `good` of them), k = 0..draws."""
+    total = math.comb(N, draws)
+    return [math.comb(good, k) * math.comb(N - good, draws - k) / total for k in range(draws + 1)]
+
+
+def _decode_cold_seconds(costs: OffloadCosts, E: int, S: int, H: int, K: int, P: int, row_bytes: int, B: int,
+                         overlap: bool, handoff: bool, q: float) -> float:
+    """Expected seconds of a one-token call's cold slots: the token's K experts drawn uniformly from E, so j
+    of the S - H cold local slots are hit (hypergeometric), m of those among the round(q (S - H)) mapped ones
+    and h = j - m not. Mapped slots run on the device (the bus at the stream's rate); the others on the host
+    where the call is handed off (`handoff`), else split between host and stream as `split_cold` splits
+    them; the host and the device at once (`overlap`), else one after the other."""
+    host, bus = costs.host_seconds(1, P, row_bytes), costs.stream_seconds(1, P, B)
+    cold = S - H
+    mapped = round(q * cold) if overlap else 0
+    seconds = 0.0
+    for j, p_j in enumerate(_hypergeometric(E, cold, min(K, E))):
+        if p_j == 0.0 or j == 0:
+            continue
+        for m, p_m in enumerate(_hypergeometric(cold, mapped, j)):
+            h = j - m
+            if handoff and overlap:
+                on_host = h
+            else:
+                on_host = split_cold([host] * h, [bus] * h, overlap).count("host")
+            parts = (on_host * host, (m + h - on_host) * bus)
+            seconds += p_j * p_m * (max(parts) if overlap else sum(parts))
+    return seconds
+
+
 def predicted_rates(costs: OffloadCosts, layers: list[tuple[int, int, int, int, int]], top_k: int,
-                    row_bytes: int, prefill_tokens: int = 2048, overlap: bool = False) -> dict[str, float]:
+                    row_bytes: int, prefill_tokens: int = 2048, overlap: bool = False, handoff: bool = False,
+                    mapped_share: float = 0.0) -> dict[str, float]:
     """Predicted tokens per second of one rank's routed experts alone, for decode (1 token) and a prefill of
     `prefill_tokens`: a prediction from the cost model, attention and communication not counted.
 
     layers: per MoE layer (experts E, local slots S, hot slots H, expert params P, expert bytes B). Routing
-    is taken as uniform: each expert gets r = tokens K / E rows, so a share min(1, r) of the experts has
-    any, with max(1, r) rows each; the cold ones with rows (round((S - H) min(1, r)), at least one where
+    is taken as uniform. Decode: the expected seconds over the cold slots a token hits
+    (`_decode_cold_seconds`), on the paths a one-token call takes (`decode_paths` gives `handoff` and
+    `mapped_share`). Prefill: each expert gets r = tokens K / E rows, so a share min(1, r) of the experts
+    has any, with max(1, r) rows each; the cold ones with rows (round((S - H) min(1, r)), at least one where
     any) split between the paths as a layer call splits them (`overlap`: on CUDA, where the host and the
     stream run at once)."""
     out = {}
@@ -253,9 +307,13 @@ def predicted_rates(costs: OffloadCosts, layers: list[tuple[int, int, int, int, 
         for E, S, H, P, B in layers:
             r = tokens * top_k / E
             n, active = max(1, round(r)), min(1.0, r)
+            seconds += active * H * costs.hot_seconds(n, P)
+            if tokens == 1:
+                seconds += _decode_cold_seconds(costs, E, S, H, top_k, P, row_bytes, B, overlap, handoff,
+                                                mapped_share)
+                continue
             cold = (S - H) * active
             slots = max(1, round(cold)) if cold > 0 else 0
-            seconds += active * H * costs.hot_seconds(n, P)
             seconds += _cold_call_seconds(costs, slots, n, P, row_bytes, B, overlap) * cold / max(slots, 1)
         out[name] = tokens / seconds if seconds > 0 else math.inf
     return out
