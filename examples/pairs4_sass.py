@@ -3,13 +3,15 @@ for a GPU architecture on this machine (no GPU needed): int4 with groups of 32, 
 weight loads (LDG.E.128: 16 bytes a thread).
 
     python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4] [--dot]
+                                   [--chunk half-products|convert]
 
 A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit
 conversion operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass (BLOCK_N x BLOCK_K x
 matrices / threads) give the count. A count, not a time: whether fewer instructions make a faster kernel
 is for `examples/pairs4_configs.py` on a GPU. --dot counts the DOT variant too (the products on the tensor
 cores). Also each build's registers a thread and stack bytes (spills), and the loop's shared-memory
-operations and barriers.
+operations and barriers. --chunk counts one of `examples/pairs4_profile.py`'s probes in place of the
+chunk as it runs (`--half-products`, `--loads-only convert`).
 """
 
 from __future__ import annotations
@@ -75,7 +77,13 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--tiles", default="16x512x4,8x512x2,16x1024x4,16x2048x4")
     parser.add_argument("--dot", action="store_true", help="also the DOT variant (products on the tensor cores)")
+    parser.add_argument("--chunk", choices=("half-products", "convert"),
+                        help="count a probe of examples/pairs4_profile.py in place of the chunk as it runs")
     args = parser.parse_args()
+    if args.chunk:  # before the first build, as pairs4_profile patches it (this file's folder is on sys.path)
+        import pairs4_profile
+
+        P4.word_chunk = pairs4_profile._half_chunk if args.chunk == "half-products" else pairs4_profile._converted
     if targets._cuobjdump() is None:
         raise SystemExit("cuobjdump is not available (Triton bundles it with its NVIDIA backend)")
     print("| pass | tile (BLOCK_N x BLOCK_K x warps) | DOT | instructions per weight | loads in the loop, by width "
