@@ -306,9 +306,9 @@ def _device(bench: OffloadBench) -> torch.device:  # "cuda" as from_pretrained r
 
 def _predict(costs, plan, config, bench: OffloadBench, host_thread: str) -> dict:
     """The cost model's {"decode", "prefill"} tokens/s for `plan`'s layers, decode on the row's paths (`decode_paths`)."""
-    row_bytes = config.hidden_size * _DTYPES[bench.dtype].itemsize
-    cuda, (*_, P, B) = _device(bench).type == "cuda", plan.layers()[0]
-    handoff, q = decode_paths(costs, P, row_bytes, B, cuda, host_thread, bench.cold_path, env.mapped())
+    row_bytes, (*_, P, B) = config.hidden_size * _DTYPES[bench.dtype].itemsize, plan.layers()[0]
+    cuda, mapped = _device(bench).type == "cuda", env.mapped() and bench.experts_implementation in ("auto", "triton")
+    handoff, q = decode_paths(costs, P, row_bytes, B, cuda, host_thread, bench.cold_path, mapped)
     return predicted_rates(costs, plan.layers(), config.num_experts_per_tok, row_bytes, bench.prefill,
                            overlap=cuda, handoff=handoff, mapped_share=q)
 

@@ -244,7 +244,9 @@ def decode_paths(costs: OffloadCosts, P: int, row_bytes: int, B: int, cuda: bool
     to a host job (`HostHandoff._handoff_args`: host_thread "on", or "auto" where the host path at one row
     takes at most HANDOFF_SLOWER times the stream's; then every cold slot the device does not read mapped
     runs on the host), and the share q of the cold slots read mapped (`MappedReads.mapped_share`: on CUDA
-    with `mapped` (THUNDEREP_MAPPED), host / (host + bus) seconds at one row; 1 for cold_path "mapped")."""
+    with `mapped` (THUNDEREP_MAPPED, and the layer on ThunderEP's pair kernels, which do the mapped reads),
+    host / (host + bus) seconds at one row; 1 for cold_path "mapped"). The layer is taken as one the host
+    jobs' engine covers (16-bit gated experts)."""
     host, stream = costs.host_seconds(1, P, row_bytes), costs.stream_seconds(1, P, B)
     if not cuda or cold_path in ("host", "stream"):
         q = 0.0
