@@ -101,6 +101,17 @@ class OffloadCosts:
             return self.stream_call_s + max(0.0, rows - 1) * 2 * params / self.device_flops
         return self.call_s + expert_bytes / self.h2d_Bps + rows * 2 * params / self.device_flops
 
+    def mapped_share(self, params: int, expert_bytes: int) -> float:
+        """host / (host + bus) seconds of one expert at one row, the bus at the stream's seconds: the share of
+        the cold slots the device reads mapped (`tier_mapped`, `decode_paths`)."""
+        host, bus = self.host_seconds(1, params, 0), self.stream_seconds(1, params, expert_bytes)
+        return host / (host + bus) if host + bus > 0 else 0.0
+
+    def host_within(self, factor: float, params: int, row_bytes: int, expert_bytes: int) -> bool:
+        """Whether the host path at one row takes at most `factor` times the stream path's seconds (the
+        hand-off rule, `HostHandoff.HANDOFF_SLOWER`)."""
+        return self.host_seconds(1, params, row_bytes) <= factor * self.stream_seconds(1, params, expert_bytes)
+
     def cold_path(self, rows: int, params: int, row_bytes: int, expert_bytes: int) -> str:
         """"host" or "stream": where a cold expert's `rows` rows are estimated cheaper (ties: host)."""
         host = self.host_seconds(rows, params, row_bytes)
@@ -247,15 +258,12 @@ def decode_paths(costs: OffloadCosts, P: int, row_bytes: int, B: int, cuda: bool
     with `mapped` (THUNDEREP_MAPPED, and the layer on ThunderEP's pair kernels, which do the mapped reads),
     host / (host + bus) seconds at one row; 1 for cold_path "mapped"). The layer is taken as one the host
     jobs' engine covers (16-bit gated experts)."""
-    host, stream = costs.host_seconds(1, P, row_bytes), costs.stream_seconds(1, P, B)
     if not cuda or cold_path in ("host", "stream"):
         q = 0.0
-    elif cold_path == "mapped":
-        q = 1.0
     else:
-        q = host / (host + stream) if mapped and host + stream > 0 else 0.0
-    handoff = cuda and cold_path != "stream" and (host_thread == "on" or (
-        host_thread == "auto" and (cold_path == "host" or host <= HostHandoff.HANDOFF_SLOWER * stream)))
+        q = 1.0 if cold_path == "mapped" else costs.mapped_share(P, B) if mapped else 0.0
+    handoff = cuda and cold_path != "stream" and (host_thread == "on" or (host_thread == "auto" and (
+        cold_path == "host" or costs.host_within(HostHandoff.HANDOFF_SLOWER, P, row_bytes, B))))
     return handoff, q
 
 

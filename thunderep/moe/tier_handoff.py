@@ -86,7 +86,7 @@ class HostHandoff:
         kept = self._handoff  # changes (the objects by identity: a dict of tensors has no cheap equality)
         if kept is None or kept[0][:3] != depends[:3] or any(a is not b for a, b in zip(kept[0][3:], depends[3:])):
             args, c = self.lean.job_args(self.host), self.costs
-            worth = self.config.cold_path == "host" or c.host_seconds(1, self.slot_params, row_bytes) <= \
-                self.HANDOFF_SLOWER * c.stream_seconds(1, self.slot_params, self.slot_bytes)
+            worth = self.config.cold_path == "host" or c.host_within(self.HANDOFF_SLOWER, self.slot_params, row_bytes,
+                                                                     self.slot_bytes)
             self._handoff = (depends, args if args is not None and self.jobs.covers(args) and worth else None)
         return self._handoff[1]

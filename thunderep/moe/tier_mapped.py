@@ -71,9 +71,7 @@ class MappedReads:
             return 1.0
         if self.device.type != "cuda" or not env.mapped():
             return 0.0
-        c, P = self.costs, self.slot_params
-        host, bus = c.host_seconds(1, P, 0), c.stream_seconds(1, P, self.slot_bytes)
-        return host / (host + bus) if host + bus > 0 else 0.0
+        return self.costs.mapped_share(self.slot_params, self.slot_bytes)
 
     def choose_mapped(self) -> None:
         """The mapped slots after a change of the hot set or a re-choice: round(q x cold slots) of the cold
