@@ -67,7 +67,7 @@ def _words_and_scales(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_
 
 @triton.jit
 def _strided_planes(v_ptr, k0, C, HW: tl.constexpr):
-    """In place of pairs4._planes: plane j (columns k0 + 8 q + j) loaded directly, in pairs4._planes' order."""
+    """In place of pairs4.planes: plane j (columns k0 + 8 q + j) loaded directly, in pairs4.planes' order."""
     c = k0 + 8 * tl.arange(0, HW)
     x0 = tl.load(v_ptr + c, mask=c < C, other=0.0).to(tl.float32)
     x1 = tl.load(v_ptr + c + 1, mask=c + 1 < C, other=0.0).to(tl.float32)
@@ -112,8 +112,8 @@ def _converted(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
 def _half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
                 MXFP4: tl.constexpr, ZERO: tl.constexpr):
     """In place of pairs4.word_chunk: int4 products in float16 (each half's four summed, then widened)."""
-    x0, x4, x1, x5, x2, x6, x3, x7 = pairs4._planes(v_ptr, k0, C, w.shape[1])
-    vsum = pairs4._word_sums(x0, x4, x1, x5, x2, x6, x3, x7)
+    x0, x4, x1, x5, x2, x6, x3, x7 = pairs4.planes(v_ptr, k0, C, w.shape[1])
+    vsum = pairs4.word_sums(x0, x4, x1, x5, x2, x6, x3, x7)
     if MXFP4:
         prod, vsum = pairs4._word_products(w, v_ptr, k0, C, opaque, MXFP4, w.shape[1])
         unit: tl.constexpr = E2M1_UNIT
@@ -136,6 +136,81 @@ def _half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GR
     return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, unit)
 
 
+_PRODUCTS_ASM = tl.constexpr("""{
+.reg .b32 c, k, a, t0, t1, t2, t3, w8, p;
+.reg .f16 plo, phi;
+.reg .f32 flo, fhi;
+mov.b32 c, 0x64086408;
+mov.b32 k, 0x2C002C00;
+mov.b32 a, 0xD480D480;
+shr.b32 w8, $1, 8;
+lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xea;
+lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xea;
+sub.f16x2 t0, t0, c;
+fma.rn.f16x2 t1, t1, k, a;
+sub.f16x2 t2, t2, c;
+fma.rn.f16x2 t3, t3, k, a;
+mul.f16x2 p, t0, $2;
+fma.rn.f16x2 p, t1, $3, p;
+fma.rn.f16x2 p, t2, $4, p;
+fma.rn.f16x2 p, t3, $5, p;
+mov.b32 {plo, phi}, p;
+cvt.f32.f16 flo, plo;
+cvt.f32.f16 fhi, phi;
+add.f32 $0, flo, fhi;
+}""")
+
+
+@triton.jit
+def _pack16(lo, hi):
+    """[HW] float32 pairs as float16x2 words (lo in the low half)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _asm_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
+               MXFP4: tl.constexpr, ZERO: tl.constexpr):
+    """In place of pairs4.word_chunk: int4 conversion and products in inline PTX, float16x2 (each half's four
+    products summed, then widened); the vector packed to float16 pairs unscaled."""
+    x0, x4, x1, x5, x2, x6, x3, x7 = pairs4.planes(v_ptr, k0, C, w.shape[1])
+    vsum = pairs4.word_sums(x0, x4, x1, x5, x2, x6, x3, x7)
+    if MXFP4:
+        prod, vsum = pairs4._word_products(w, v_ptr, k0, C, opaque, MXFP4, w.shape[1])
+        unit: tl.constexpr = E2M1_UNIT
+    else:
+        p04, p15, p26, p37 = _pack16(x0, x4), _pack16(x1, x5), _pack16(x2, x6), _pack16(x3, x7)
+        prod = tl.inline_asm_elementwise(_PRODUCTS_ASM, "=r,r,r,r,r,r",
+                                         [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
+                                          p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
+        unit: tl.constexpr = 1.0
+    return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, unit)
+
+
+@triton.jit
+def _prepacked_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
+                     MXFP4: tl.constexpr, ZERO: tl.constexpr):
+    """In place of pairs4.word_chunk: `_asm_chunk` with the vector read as if a step before had packed it into
+    4 planes of float16 pairs ([4, C / 8] 32-bit words, plane i holding columns 8 q + i and 8 q + i + 4):
+    4 loads a chunk, no split in shared memory, no conversion. A timing probe: the vector's bytes are read
+    as they are, so the outputs are meaningless."""
+    HW: tl.constexpr = w.shape[1]
+    q_W = k0 // 8 + tl.arange(0, HW)
+    ok = q_W < C // 8
+    vp = v_ptr.to(tl.pointer_type(tl.uint32))
+    p04 = tl.load(vp + q_W, mask=ok, other=0)
+    p15 = tl.load(vp + C // 8 + q_W, mask=ok, other=0)
+    p26 = tl.load(vp + C // 4 + q_W, mask=ok, other=0)
+    p37 = tl.load(vp + 3 * (C // 8) + q_W, mask=ok, other=0)
+    prod = tl.inline_asm_elementwise(_PRODUCTS_ASM, "=r,r,r,r,r,r",
+                                     [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
+                                      p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
+    vsum = tl.zeros((HW,), dtype=tl.float32)
+    return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, 1.0)
+
+
 def _weights(shape: str, device):
     D, I, E, K = SHAPES[shape][:4]
     torch.manual_seed(0)
@@ -154,6 +229,16 @@ def _nbytes(w) -> int:
 def _call(fmt: str, x, w_gu, w_d, ids, weights):
     forward = decode.pairs4_forward if fmt in ("int4", "mxfp4") else decode.pairs_forward
     return forward(x, w_gu, w_d, ids, weights, "silu", False)
+
+
+def _error(x, w_gu, w_d, ids, weights, K: int) -> float:
+    """The pair's largest output error over the largest output, against float32 on the dequantized weights."""
+    y = _call("int4", x, w_gu, w_d, ids, weights).float()
+    g, u = (x.float() @ w_gu.dequantize(slice(0, K), torch.float32).transpose(1, 2)).chunk(2, dim=-1)
+    h = torch.nn.functional.silu(g) * u  # [K, 1, I]
+    ref = (h @ w_d.dequantize(slice(0, K), torch.float32).transpose(1, 2)).squeeze(1)  # [K, D]
+    ref = (ref * weights[:, None]).sum(0, keepdim=True)
+    return ((y - ref).abs().max() / ref.abs().max()).item()
 
 
 def _kernel_times(fn, calls: int, flush: torch.Tensor) -> dict:
@@ -182,12 +267,17 @@ def main() -> None:
     parser.add_argument("--strided-vector", action="store_true",
                         help="the 4-bit kernels load the vector's planes directly (no shared memory, no barriers)")
     parser.add_argument("--half-products", action="store_true", help="int4 products in float16 (a probe)")
+    parser.add_argument("--asm-products", action="store_true",
+                        help="int4 conversion and products in inline PTX, float16x2 (a probe)")
     args = parser.parse_args()
     if args.half_products:
         pairs4.word_chunk = _half_chunk
         print("the int4 kernels' products run in float16 (--half-products)")
+    if args.asm_products:
+        pairs4.word_chunk = _asm_chunk
+        print("the int4 kernels' conversion and products run in inline PTX, float16x2 (--asm-products)")
     if args.strided_vector:
-        pairs4._planes = _strided_planes
+        pairs4.planes = _strided_planes
         print("the 4-bit kernels load the vector's planes directly (--strided-vector)")
     if args.loads_only:  # before the first build: Triton reads pairs4's globals when it compiles
         pairs4.word_chunk = {"words": _words_only, "scales": _words_and_scales, "convert": _converted}[args.loads_only]
@@ -207,6 +297,10 @@ def main() -> None:
     for fmt, (w_gu, w_d) in formats.items():  # autotune every kernel before anything is timed
         _call(fmt, x, w_gu, w_d, ids, weights)
     torch.cuda.synchronize()
+    for fmt in ("int4", "mxfp4"):  # the probes' outputs against the dequantized weights' (meaningless for --loads-only)
+        w_gu, w_d = formats[fmt]
+        print(f"{fmt}: output error {_error(x, w_gu, w_d, ids, weights, K):.2e} of the largest output "
+              f"(float32 reference on the dequantized weights)")
     if args.ncu:
         torch.cuda.cudart().cudaProfilerStart()
         for fmt, (w_gu, w_d) in formats.items():

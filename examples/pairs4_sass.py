@@ -77,13 +77,16 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--tiles", default="16x512x4,8x512x2,16x1024x4,16x2048x4")
     parser.add_argument("--dot", action="store_true", help="also the DOT variant (products on the tensor cores)")
-    parser.add_argument("--chunk", choices=("half-products", "convert"),
+    parser.add_argument("--half", type=int, default=0, choices=(0, 1),
+                        help="the kernels' HALF (1: float16-pair products in inline PTX, as CUDA launches int4)")
+    parser.add_argument("--chunk", choices=("half-products", "asm-products", "convert"),
                         help="count a probe of examples/pairs4_profile.py in place of the chunk as it runs")
     args = parser.parse_args()
     if args.chunk:  # before the first build, as pairs4_profile patches it (this file's folder is on sys.path)
         import pairs4_profile
 
-        P4.word_chunk = pairs4_profile._half_chunk if args.chunk == "half-products" else pairs4_profile._converted
+        P4.word_chunk = {"half-products": pairs4_profile._half_chunk, "asm-products": pairs4_profile._asm_chunk,
+                         "convert": pairs4_profile._converted}[args.chunk]
     if targets._cuobjdump() is None:
         raise SystemExit("cuobjdump is not available (Triton bundles it with its NVIDIA backend)")
     print("| pass | tile (BLOCK_N x BLOCK_K x warps) | DOT | instructions per weight | loads in the loop, by width "
@@ -93,7 +96,7 @@ def main() -> None:
         for tile, dot in ((t, d) for t in args.tiles.split(",") for d in ((False, True) if args.dot else (False,))):
             block_n, block_k, warps = (int(v) for v in tile.split("x"))
             weights = block_n * block_k * matrices / (32 * warps)
-            code, (regs, stack) = sass(kernel, {**constants, "WORDS4": True, "DOT": dot}, block_n, block_k, warps,
+            code, (regs, stack) = sass(kernel, {**constants, "WORDS4": True, "DOT": dot, "HALF": args.half}, block_n, block_k, warps,
                                        args.arch)
             loop = word_loop(code)
             loads = collections.Counter(m.group(1) for m in map(_LOAD.search, loop) if m)

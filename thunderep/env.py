@@ -8,6 +8,7 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_COMPILE_THREADS=N     threads compiling a new key's configs ahead of timing (1: none)
     THUNDEREP_PAIRS_MAX_TOKENS=N    most tokens the decode pair kernels take (0 turns them off)
     THUNDEREP_PDL=0|1               programmatic dependent launch of the pair kernels' down pass
+    THUNDEREP_HALF_PRODUCTS=0|1     the int4 pair kernels' products in float16 pairs (where the vector fits)
     THUNDEREP_EXPERT_GEMM=triton|torch   pins the expert GEMMs' implementation
     THUNDEREP_WGRAD=triton|torch    pins the weight-gradient GEMMs' implementation
     THUNDEREP_NO_NATIVE_BUILD=1     never build the native extensions on first use (packaging, CI)
@@ -27,7 +28,7 @@ import os
 
 from .errors import ConfigError
 
-__all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "host_collective", "host_collective_timeout_s",
+__all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "half_products", "host_collective", "host_collective_timeout_s",
            "host_jobs", "host_threads", "mapped", "no_native_build", "pairs_max_tokens", "pdl", "sorted4",
            "triton_autotune", "triton_interpreter"]
 
@@ -114,6 +115,14 @@ def pdl() -> bool | None:
     raw = _raw("THUNDEREP_PDL")
     if raw not in ("", "0", "1"):
         raise ConfigError(f"THUNDEREP_PDL={raw!r}: use 0 (off) or 1, or leave it unset")
+    return None if raw == "" else raw == "1"
+
+
+def half_products() -> bool | None:
+    """THUNDEREP_HALF_PRODUCTS: False for "0", True for "1", None when unset."""
+    raw = _raw("THUNDEREP_HALF_PRODUCTS")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"THUNDEREP_HALF_PRODUCTS={raw!r}: use 0 (off) or 1, or leave it unset")
     return None if raw == "" else raw == "1"
 
 

@@ -242,6 +242,36 @@ def test_int4_tensor_core_pairs_match_the_reference(up, down, group, monkeypatch
     assert torch.isfinite(y).all() and rel_err(y, y_ref) < 1e-2, rel_err(y, y_ref)
 
 
+def test_int4_half_products_run_where_the_vector_fits(monkeypatch):
+    """HALF (int4 products in float16 pairs, the default on CUDA and in the interpreter): within the
+    reference's error where it runs; a token whose vector's largest magnitude is past HALF_MAX (3e4: its
+    float16 sums would overflow) or under HALF_MIN (1e-6 a element: float16 subnormals) runs the float32
+    products instead, bit for bit what THUNDEREP_HALF_PRODUCTS=0 gives it, finite and within the error;
+    a token that fits runs the float16 pairs (its output differs from the float32 products')."""
+    from thunderep.kernels.half4 import HALF_MAX, HALF_MIN
+
+    assert 32 * HALF_MAX < 65504 and HALF_MIN >= 2.0 ** -8
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
+    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
+    x, w_gu, w_d, ids, weights = make_case(3, 96, 64, 5, 2, torch.bfloat16, 7)
+    x[0, 3] = 3e4
+    x[1] = x[1] * 1e-6
+    q_gu, q_d = Int4Weight.quantize(w_gu, "int4", 32), Int4Weight.quantize(w_d, "int4", 32)
+    y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64), ids,
+                      weights.double())
+    outs = {}
+    for half in ("1", "0"):
+        monkeypatch.setenv("THUNDEREP_HALF_PRODUCTS", half)
+        with torch.no_grad():
+            outs[half] = routed_moe_mlp(x, q_gu, q_d, ids, weights.to(torch.bfloat16))
+        assert torch.isfinite(outs[half]).all()
+        for t in range(3):
+            assert rel_err(outs[half][t], y_ref[t]) < 2e-2, (half, t, rel_err(outs[half][t], y_ref[t]))
+    assert torch.equal(outs["1"][:2], outs["0"][:2])  # past HALF_MAX, under HALF_MIN: the float32 products
+    assert not torch.equal(outs["1"][2], outs["0"][2])  # fits: the float16 pairs ran
+
+
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
 def test_int4_split_down_pass_equals_the_slot_loop_bit_for_bit(fmt, monkeypatch):
     """SPLIT (one down program per slot, the last to arrive summing the partials in slot order) gives the

@@ -102,6 +102,7 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()
     pdl = paths.pdl_applies(x.device)
+    half = paths.half_mode(x.device, w_gate_up.fmt)
     h = x.new_empty(N, I)
     n_counts = cdiv(D, min(tiles.MIN_PAIRS4_BLOCK_N, (PAIRS4_DOWN or {}).get("BLOCK_N", D)))
     part = torch.empty(N * D + T * n_counts, dtype=torch.float32, device=x.device)  # SPLIT: partials, counts
@@ -111,13 +112,14 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
              x_ptr=x, w_ptr=w_gate_up.packed, stride_we=w_gate_up.packed.stride(0), h_ptr=h, ids_ptr=ids,
              count_ptr=count, I=I, D=D, E=E, top_k=N // T, n_counts=n_counts, stride_xm=x.stride(0),
              stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
-             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, **w_gate_up.kernel_args())
+             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half, **w_gate_up.kernel_args())
     y = x.new_empty(T, D)
     _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
              lambda meta: (T, cdiv(D, meta["BLOCK_N"]), N // T if meta.get("SPLIT") else 1), x.device,
              h_ptr=h, w_ptr=w_down.packed, stride_we=w_down.packed.stride(0), y_ptr=y, ids_ptr=ids,
              weight_ptr=weights if weights is not None else h, part_ptr=part, count_ptr=count, D=D, I=I, E=E,
              top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0),
-             stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, WORDS4=I % 32 == 0, **w_down.kernel_args(),
+             stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, WORDS4=I % 32 == 0, HALF=half,
+             **w_down.kernel_args(),
              **({"launch_pdl": True} if pdl else {}))
     return y

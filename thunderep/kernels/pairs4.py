@@ -20,7 +20,7 @@ as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as p
 launch option that no autotuner list holds, tiles.py; pinned only): the products on the tensor cores
 instead, mma.sync (sm_80+), the vector scaled to at most 1 and laid out one group of columns a row of a
 16-row float16 tile, the codes converted exactly to float16, so that each product row is one group's sum
-and the group scales multiply the sums (`_group_planes`, `_dot_words`, `_dot_grouped`). No Hopper-only
+and the group scales multiply the sums (`group_planes`, `_dot_words`, `_dot_grouped`). No Hopper-only
 instructions, no inline assembly. Rows that are not 4-byte aligned, or groups of other than a multiple of
 8 columns, run the same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a
 multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids
@@ -36,8 +36,10 @@ import triton.language as tl
 
 from .act import act, gate_up_cols
 from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, int4_halves16, nibbles4, scales4
+from .half4 import half_fits, half_word_products
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import sum_split_slots, zero_counts
+from .vector4 import group_planes, largest, planes, vector, word_sums
 
 __all__ = ["byte_chunk", "down_pairs4_kernel", "load_words", "packed_dot", "packed_dot2", "slot_weights",
            "up_pairs4_kernel", "word_chunk", "words_ok"]
@@ -51,69 +53,10 @@ def words_ok(w_ptr, stride_we, stride_wr, C):
 
 
 @triton.jit
-def _vector(v_ptr, c, C):
-    """The vector's elements at columns c (zero past C) as float32."""
-    return tl.load(v_ptr + c, mask=c < C, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _planes(v_ptr, k0, C, HW: tl.constexpr):
-    """The vector's chunk at column k0 (zero past C, float32) as its 8 planes [HW] (plane j:
-    columns k0 + 8 q + j), in the order (0, 4, 1, 5, 2, 6, 3, 7): loaded whole (wide loads) and split in
-    registers."""
-    c_K = k0 + tl.arange(0, 8 * HW)
-    v = tl.load(v_ptr + c_K, mask=c_K < C, other=0.0).to(tl.float32)
-    even, odd = tl.split(tl.reshape(v, (HW, 4, 2)))  # columns 8 q + (0, 2, 4, 6) and 8 q + (1, 3, 5, 7)
-    e04, e26 = tl.split(tl.reshape(even, (HW, 2, 2)))
-    o15, o37 = tl.split(tl.reshape(odd, (HW, 2, 2)))
-    x0, x4 = tl.split(e04)
-    x2, x6 = tl.split(e26)
-    x1, x5 = tl.split(o15)
-    x3, x7 = tl.split(o37)
-    return x0, x4, x1, x5, x2, x6, x3, x7
-
-
-@triton.jit
-def _word_sums(x0, x4, x1, x5, x2, x6, x3, x7):
-    """[HW] the vector's sum over each word's 8 columns, from its planes (`_planes`' order)."""
-    return ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7))
-
-
-@triton.jit
-def _largest(v_ptr, C, BLOCK_K: tl.constexpr):
-    """The largest magnitude of the C elements at v_ptr (float32; the smallest normal float16 where all are
-    smaller, so that 1 / it stays finite), chunk by chunk."""
-    top = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, C, BLOCK_K):
-        c_K = k0 + tl.arange(0, BLOCK_K)
-        top = tl.maximum(top, tl.abs(tl.load(v_ptr + c_K, mask=c_K < C, other=0.0).to(tl.float32)))
-    return tl.maximum(tl.max(top, 0), 6.103515625e-05)
-
-
-@triton.jit
-def _group_planes(v_ptr, k0, C, inv, GROUP: tl.constexpr, HW: tl.constexpr):
-    """The vector's chunk at column k0 times inv (every element then at most 1 in magnitude) as 8 float16
-    tiles [16, HW] in `_planes`' order, tile j holding plane j's elements in the row of their group (row g:
-    the chunk's g-th group of GROUP columns; zeros elsewhere), and [16] float32 the groups' sums of the
-    scaled vector: the A operands of `_dot_words`, once per chunk for every matrix that reads it."""
-    x0, x4, x1, x5, x2, x6, x3, x7 = _planes(v_ptr, k0, C, HW)
-    in_group = (tl.arange(0, HW)[None, :] // (GROUP // 8)) == tl.arange(0, 16)[:, None]
-    sums = tl.sum(tl.where(in_group, _word_sums(x0, x4, x1, x5, x2, x6, x3, x7)[None, :], 0.0), 1) * inv
-    return (tl.where(in_group, (x0 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x4 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x1 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x5 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x2 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x6 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x3 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x7 * inv)[None, :], 0.0).to(tl.float16), sums)
-
-
-@triton.jit
 def _dot_words(w, a0, a4, a1, a5, a2, a6, a3, a7, opaque):
     """[16, BLOCK_N] float32, row g: the chunk's group g of the (scaled) vector times each row's int4 codes
     n - 8 from its words w [BLOCK_N, HW], on the tensor cores: the codes converted to float16 two per
-    operation (`int4_halves16`, exact), one 16-row product per plane with the planes of `_group_planes`."""
+    operation (`int4_halves16`, exact), one 16-row product per plane with the planes of `group_planes`."""
     w8 = w >> 8
     lo, hi = int4_halves16(w, 0, opaque)
     acc = tl.dot(a0, tl.trans(lo))
@@ -148,7 +91,7 @@ def _word_products(w, v_ptr, k0, C, opaque, MXFP4: tl.constexpr, HW: tl.constexp
     elements per word) for the chunk at column k0 from its words w (`load_words`). Value j of a word (nibble
     j, column 8 q + j) sits in half j // 4 at bits 4 (j % 4): one plane per j, converted for all words at
     once (two planes per logic operation), the products summed in one chain of multiply-adds per word."""
-    x0, x4, x1, x5, x2, x6, x3, x7 = _planes(v_ptr, k0, C, HW)
+    x0, x4, x1, x5, x2, x6, x3, x7 = planes(v_ptr, k0, C, HW)
     if MXFP4:
         lo, hi = e2m1_halves(w, 0, opaque)
         prod = lo * x0[None, :]
@@ -176,7 +119,7 @@ def _word_products(w, v_ptr, k0, C, opaque, MXFP4: tl.constexpr, HW: tl.constexp
         lo, hi = int4_halves(w8, 4, opaque)
         prod += lo * x3[None, :]
         prod += hi * x7[None, :]
-    return prod, _word_sums(x0, x4, x1, x5, x2, x6, x3, x7)
+    return prod, word_sums(x0, x4, x1, x5, x2, x6, x3, x7)
 
 
 @triton.jit
@@ -186,7 +129,7 @@ def _byte_products(w_ptrs_N, v_ptr, k0, C, ok_N, MXFP4: tl.constexpr, HK: tl.con
     p_K = k0 // 2 + tl.arange(0, HK)
     ok = ok_N[:, None] & (p_K < C // 2)[None, :]
     b = tl.load(w_ptrs_N[:, None] + p_K[None, :], mask=ok, other=0).to(tl.int32)
-    v_even, v_odd = _vector(v_ptr, 2 * p_K, C), _vector(v_ptr, 2 * p_K + 1, C)
+    v_even, v_odd = vector(v_ptr, 2 * p_K, C), vector(v_ptr, 2 * p_K + 1, C)
     lo, hi = nibbles4(b, MXFP4)
     return lo * v_even[None, :] + hi * v_odd[None, :], v_even + v_odd
 
@@ -257,6 +200,17 @@ def word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
 
 
 @triton.jit
+def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, ZERO: tl.constexpr,
+               MODE: tl.constexpr):
+    """`word_chunk` of int4 words with the products in float16 pairs (half4.py; MODE 1 inline PTX, 2 Triton
+    operations), for a vector that `half_fits`."""
+    x0, x4, x1, x5, x2, x6, x3, x7 = planes(v_ptr, k0, C, w.shape[1])
+    prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE)
+    return _grouped(prod, word_sums(x0, x4, x1, x5, x2, x6, x3, x7), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
+                    GROUP, 8, False, ZERO, 1.0)
+
+
+@triton.jit
 def byte_chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
                ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
     """`word_chunk` on rows read as bytes (not 4-byte aligned, or groups of other than a multiple of 8)."""
@@ -275,9 +229,30 @@ def _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP: tl
 
 
 @triton.jit
+def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top, GROUP: tl.constexpr,
+                MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr,
+                TC: tl.constexpr, MODE: tl.constexpr):
+    """`packed_dot`'s loop over the chunks of words, the first chunk's words w_next already loaded; each
+    chunk on the tensor cores (TC), in float16 pairs (MODE 1 or 2) or in float32."""
+    acc = tl.zeros(ok_N.shape, dtype=tl.float32)
+    for k0 in range(0, C, BLOCK_K):
+        w = w_next
+        w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
+        if TC:
+            a0, a4, a1, a5, a2, a6, a3, a7, sums = group_planes(v_ptr, k0, C, 1.0 / top, GROUP, BLOCK_K // 8)
+            acc += _dot_grouped(_dot_words(w, a0, a4, a1, a5, a2, a6, a3, a7, opaque), sums, s_ptrs_N, z_ptrs_N,
+                                k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
+        elif MODE != 0:
+            acc += half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, ZERO, MODE)
+        else:
+            acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
+    return acc
+
+
+@triton.jit
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
                MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr = False,
-               WORDS4: tl.constexpr = False, DOT: tl.constexpr = False):
+               WORDS4: tl.constexpr = False, DOT: tl.constexpr = False, HALF: tl.constexpr = 0):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
@@ -288,26 +263,32 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     program waits for the grid it depends on (which writes the vector) before it reads the vector. WORDS4:
     C is a multiple of 32 (`load_words`). DOT (int4 words, whole groups, at most 16 a chunk, chunks of 128
     columns or more, 16 rows or more; else ignored): the products on the tensor cores, the vector scaled to
-    at most 1 and laid out one group a row (`_group_planes`, `_dot_words`, `_dot_grouped`)."""
-    acc = tl.zeros(ok_N.shape, dtype=tl.float32)
+    at most 1 and laid out one group a row (`group_planes`, `_dot_words`, `_dot_grouped`). HALF (int4 words,
+    not DOT; 1 inline PTX, 2 its interpreter form): the vector measured once (`largest`); one that
+    `half_fits` runs the loop of `half_chunk`, any other the float32 loop (two loops, not a branch a chunk:
+    a branch inside the loop holds both chunks' registers at once)."""
     TC: tl.constexpr = (DOT and not MXFP4 and GROUP % 8 == 0 and BLOCK_K % GROUP == 0 and BLOCK_K // GROUP <= 16
                         and BLOCK_K >= 128 and ok_N.shape[0] >= 16)
+    FP16: tl.constexpr = HALF != 0 and not MXFP4 and not TC
     if (GROUP % 8 == 0) and words:
-        w_next = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+        w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         if WAIT:
             gdc_wait()
-        top = _largest(v_ptr, C, BLOCK_K) if TC else 1.0
-        for k0 in range(0, C, BLOCK_K):
-            w = w_next
-            w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
-            if TC:
-                a0, a4, a1, a5, a2, a6, a3, a7, sums = _group_planes(v_ptr, k0, C, 1.0 / top, GROUP, BLOCK_K // 8)
-                acc += _dot_grouped(_dot_words(w, a0, a4, a1, a5, a2, a6, a3, a7, opaque), sums, s_ptrs_N, z_ptrs_N,
-                                    k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
-            else:
-                acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
         if TC:
-            acc = acc * top
+            top = largest(v_ptr, C, BLOCK_K)
+            acc = top * _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top,
+                                    GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, True, 0)
+        elif FP16:
+            top = largest(v_ptr, C, BLOCK_K)
+            if half_fits(top):
+                acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top,
+                                  GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, HALF)
+            else:
+                acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top,
+                                  GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, 0)
+        else:
+            acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, 1.0,
+                              GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, 0)
     else:
         if WAIT:
             gdc_wait()
@@ -316,36 +297,60 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
 
 
 @triton.jit
+def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk,
+                 top, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
+                 WORDS4: tl.constexpr, TC: tl.constexpr, MODE: tl.constexpr):
+    """`_words_loop` of two matrices (`packed_dot2`): both matrices' next chunks in flight together, DOT's
+    vector tiles made once for both."""
+    acc_a = tl.zeros(ok_N.shape, dtype=tl.float32)
+    acc_b = tl.zeros(ok_N.shape, dtype=tl.float32)
+    a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+    b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+    for k0 in range(0, C, BLOCK_K):
+        a, b = a_next, b_next
+        a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+        b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+        if TC:  # the vector's tiles once for both matrices
+            p0, p4, p1, p5, p2, p6, p3, p7, sums = group_planes(v_ptr, k0, C, 1.0 / top, GROUP, BLOCK_K // 8)
+            acc_a += _dot_grouped(_dot_words(a, p0, p4, p1, p5, p2, p6, p3, p7, opaque), sums, sa_ptrs_N,
+                                  za_ptrs_N, k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
+            acc_b += _dot_grouped(_dot_words(b, p0, p4, p1, p5, p2, p6, p3, p7, opaque), sums, sb_ptrs_N,
+                                  zb_ptrs_N, k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
+        elif MODE != 0:
+            acc_a += half_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, ZERO, MODE)
+            acc_b += half_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, ZERO, MODE)
+        else:
+            acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
+            acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
+    return acc_a, acc_b
+@triton.jit
 def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, words, opaque,
                 stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
-                WORDS4: tl.constexpr = False, DOT: tl.constexpr = False):
-    """`packed_dot` of two matrices' rows (a and b: gate and up) with one vector, in one loop: both
-    matrices' next chunks in flight together (DOT: the vector's tiles made once for both)."""
+                WORDS4: tl.constexpr = False, DOT: tl.constexpr = False, HALF: tl.constexpr = 0):
+    """`packed_dot` of two matrices' rows (a and b: gate and up) with one vector, in one loop
+    (`_words_loop2`)."""
     TC: tl.constexpr = (DOT and not MXFP4 and GROUP % 8 == 0 and BLOCK_K % GROUP == 0 and BLOCK_K // GROUP <= 16
                         and BLOCK_K >= 128 and ok_N.shape[0] >= 16)
+    FP16: tl.constexpr = HALF != 0 and not MXFP4 and not TC
     if (GROUP % 8 == 0) and words:
-        acc_a = tl.zeros(ok_N.shape, dtype=tl.float32)
-        acc_b = tl.zeros(ok_N.shape, dtype=tl.float32)
-        top = _largest(v_ptr, C, BLOCK_K) if TC else 1.0
-        a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-        b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-        for k0 in range(0, C, BLOCK_K):
-            a, b = a_next, b_next
-            a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-            b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-            if TC:  # the vector's tiles once for both matrices
-                p0, p4, p1, p5, p2, p6, p3, p7, sums = _group_planes(v_ptr, k0, C, 1.0 / top, GROUP, BLOCK_K // 8)
-                acc_a += _dot_grouped(_dot_words(a, p0, p4, p1, p5, p2, p6, p3, p7, opaque), sums, sa_ptrs_N,
-                                      za_ptrs_N, k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
-                acc_b += _dot_grouped(_dot_words(b, p0, p4, p1, p5, p2, p6, p3, p7, opaque), sums, sb_ptrs_N,
-                                      zb_ptrs_N, k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
-            else:
-                acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4,
-                                    ZERO)
-                acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4,
-                                    ZERO)
         if TC:
+            top = largest(v_ptr, C, BLOCK_K)
+            acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr,
+                                        opaque, stride_sk, top, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, True, 0)
             acc_a, acc_b = acc_a * top, acc_b * top
+        elif FP16:
+            top = largest(v_ptr, C, BLOCK_K)
+            if half_fits(top):
+                acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
+                                            v_ptr, opaque, stride_sk, top, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False,
+                                            HALF)
+            else:
+                acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
+                                            v_ptr, opaque, stride_sk, top, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False,
+                                            0)
+        else:
+            acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr,
+                                        opaque, stride_sk, 1.0, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, 0)
     else:
         acc_a = _byte_dot(a_ptrs_N, sa_ptrs_N, za_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
         acc_b = _byte_dot(b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
@@ -357,13 +362,14 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
                      stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm, ACT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                     WORDS4: tl.constexpr = False, DOT: tl.constexpr = False):
+                     WORDS4: tl.constexpr = False, DOT: tl.constexpr = False, HALF: tl.constexpr = 0):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales
     (and zero points, ZERO) [E, 2I, ceil(D / GROUP)] by strides; h: [T*K, I]. Also zeroes the down pass's
     per-token counts (count: [T, n_counts], `down_pairs4_kernel`'s SPLIT). PDL: the down pass may launch
     as soon as this grid's programs have all started (pairs.py's programmatic dependent launch). WORDS4: D
-    a multiple of 32 (16-byte loads, `load_words`). DOT: products on the tensor cores (`packed_dot`)."""
+    a multiple of 32 (16-byte loads, `load_words`). DOT: products on the tensor cores; HALF: in float16 pairs
+    (`packed_dot`)."""
     if PDL:
         gdc_launch_dependents()
     j = tl.program_id(0)
@@ -383,7 +389,7 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     words = words_ok(w_ptr, stride_we, stride_wn, D)
     opaque = (expert >> 32).to(tl.uint32)  # 0 (expert is in [0, E)); to the compiler, any value (packed_dot)
     acc_g, acc_u = packed_dot2(gw_N, s_ptr + gs_N, z_ptr + gs_N, uw_N, s_ptr + us_N, z_ptr + us_N, D, ok_N, x_row,
-                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, DOT)
+                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, DOT, HALF)
     h = tl.where(known, act(acc_g, ACT) * acc_u, tl.where(skipped, 0.0, float("nan")))
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
 
@@ -410,14 +416,15 @@ def slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_
 @triton.jit
 def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
            stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr,
-           ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr, WORDS4: tl.constexpr, DOT: tl.constexpr):
+           ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr, WORDS4: tl.constexpr, DOT: tl.constexpr,
+           HALF: tl.constexpr):
     """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N."""
     expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
                                               stride_se, stride_sn, WEIGHTED)
     h_row = h_ptr + j.to(tl.int64) * stride_hm
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
     return rw * packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4,
-                           ZERO, BLOCK_K, WAIT, WORDS4, DOT)
+                           ZERO, BLOCK_K, WAIT, WORDS4, DOT, HALF)
 
 
 @triton.jit
@@ -425,7 +432,8 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
                        stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, stride_ym, stride_cm,
                        WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
-                       PDL: tl.constexpr = False, WORDS4: tl.constexpr = False, DOT: tl.constexpr = False):
+                       PDL: tl.constexpr = False, WORDS4: tl.constexpr = False, DOT: tl.constexpr = False,
+                       HALF: tl.constexpr = 0):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
@@ -433,7 +441,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     arrives last summing the K partials in slot order (`split_slots.sum_split_slots`: the loop's sum, bit for
     bit; K times the programs for shapes with few columns). PDL: launched as a programmatic dependent of the
     gate/up pass: each program loads its first chunk of weights, then waits for h. WORDS4: I a multiple of
-    32 (`load_words`). DOT: products on the tensor cores (`packed_dot`)."""
+    32 (`load_words`). DOT: products on the tensor cores; HALF: in float16 pairs (`packed_dot`)."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -444,14 +452,14 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
         j = t * top_k + tl.program_id(2)
         part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
                       stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO, BLOCK_K, PDL,
-                      WORDS4, DOT)
+                      WORDS4, DOT, HALF)
         sum_split_slots(part, j, t, tile, cols_N, col_ok_N, D, top_k, part_ptr, count_ptr, stride_cm, y_ptrs)
     else:
         acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
-                     BLOCK_K, PDL, WORDS4, DOT)  # the first slot waits for h (PDL); the others find it written
+                     BLOCK_K, PDL, WORDS4, DOT, HALF)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
             acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                          MXFP4, ZERO, BLOCK_K, False, WORDS4, DOT)
+                          MXFP4, ZERO, BLOCK_K, False, WORDS4, DOT, HALF)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_ok_N)

@@ -209,6 +209,20 @@ def pdl_applies(device: torch.device) -> bool:
     return _has_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def half_mode(device: torch.device, fmt: str) -> int:
+    """The 4-bit pair kernels' HALF (`pairs4.packed_dot`): for int4 weights, the products in float16 pairs
+    where the vector fits, in inline PTX on a CUDA GPU of sm_80 or later (1), in Triton operations under
+    the interpreter (2); 0 (float32 products) for MXFP4, older GPUs, or THUNDEREP_HALF_PRODUCTS=0."""
+    if fmt != "int4" or env.half_products() is False:
+        return 0
+    if env.triton_interpreter():
+        return 2
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return 1 if torch.cuda.get_device_capability(index) >= (8, 0) else 0
+
+
 @functools.cache
 def _has_pdl(index: int) -> bool:
     """Whether CUDA device `index` (and this Triton) can launch programmatic dependents: asked once per

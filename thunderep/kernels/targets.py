@@ -102,6 +102,11 @@ _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=Fals
                                                              ZERO=False, DOT=True, WORDS4=True)),
                  "down_pairs4_dot": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True,
                                                                  DOT=True, WORDS4=True, SPLIT=True)),
+                 # int4 with the products in float16 pairs (HALF: inline PTX, half4.py), as CUDA launches them
+                 "up_pairs4_half": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=False,
+                                                              ZERO=False, WORDS4=True, HALF=1)),
+                 "down_pairs4_half": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True,
+                                                                  WORDS4=True, SPLIT=True, HALF=1)),
                  # the sorted kernels reading packed tiles (sorted4.py: prompts on tensor cores)
                  "up4": (S4.up4_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, PRECISION="tf32", EVEN_K=True,
                                              TAIL=False, GROUP=32, MXFP4=True, ZERO=False)),

@@ -1,0 +1,118 @@
+"""int4 words times a vector in float16 pairs: the decode kernels' products at fewer instructions a weight
+(pairs4.py's HALF chunk).
+
+pairs4.py's word chunk converts each code to float32 and multiplies there: about 4.5-5 instructions a
+weight, which is what holds the one-token pair kernels under the bandwidth their loads alone reach
+(docs/benchmarks/2026-12-05-int4-experts-h200.md). Here a word's 8 codes stay in float16 pairs: one logic
+operation puts two codes into float16 1024's mantissa (`codes4.int4_halves16`'s trick), one packed
+multiply-add makes them n - 8 exactly, one packed multiply-add per two codes multiplies them by the
+vector's float16 pairs and sums, and each word's two halves (4 products each) are widened and added once:
+about 16 instructions a word instead of some 25. On CUDA that is inline PTX (`lop3`, `fma.rn.f16x2`,
+`cvt.rn.f16x2.f32`: sm_80 and later, nothing Hopper-only); Triton's interpreter, which runs no PTX, runs
+the same sums in float16 tensor operations (MODE 2), which round where the PTX rounds except that a
+multiply-add there rounds twice.
+
+Float16 holds the products only where the vector's magnitudes fit: a half's sum of 4 products is at most
+32 times the vector's largest magnitude (|n - 8| <= 8), under float16's largest finite 65504 while that
+magnitude is at most HALF_MAX; and the vector's smallest elements keep their weight in the sum while it is
+at least HALF_MIN (an element under float16's smallest normal, 2 ** -14, is then under 2 ** -6 of the
+largest, and its rounding under 2 ** -25 absolute). `packed_dot` measures the vector once per program and
+runs the float32 chunk for a vector outside that range, so no input overflows or loses its small elements.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .codes4 import int4_halves16
+
+__all__ = ["HALF_MAX", "HALF_MIN", "half_fits", "half_word_products"]
+
+HALF_MAX = 1024.0  # the largest vector magnitude the float16 products take (32 x 1024 < 65504, with margin)
+HALF_MIN = 2.0 ** -8  # the smallest largest-magnitude they take (see the module's doc)
+
+# One word's 8 int4 codes (nibble j: column 8 q + j, in half j // 4 at bits 4 (j % 4)) times the vector's
+# 4 float16 pairs ($2..$5: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), as one float32.
+_WORD_PRODUCTS = tl.constexpr("""{
+.reg .b32 off, step, shift, t0, t1, t2, t3, w8, p;
+.reg .f16 plo, phi;
+.reg .f32 flo, fhi;
+mov.b32 off, 0x64086408;
+mov.b32 step, 0x2C002C00;
+mov.b32 shift, 0xD480D480;
+shr.b32 w8, $1, 8;
+lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xea;
+lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xea;
+sub.f16x2 t0, t0, off;
+fma.rn.f16x2 t1, t1, step, shift;
+sub.f16x2 t2, t2, off;
+fma.rn.f16x2 t3, t3, step, shift;
+mul.f16x2 p, t0, $2;
+fma.rn.f16x2 p, t1, $3, p;
+fma.rn.f16x2 p, t2, $4, p;
+fma.rn.f16x2 p, t3, $5, p;
+mov.b32 {plo, phi}, p;
+cvt.f32.f16 flo, plo;
+cvt.f32.f16 fhi, phi;
+add.f32 $0, flo, fhi;
+}""")
+# (1024 + n) - 1032 = n - 8 (0x6408: 1032); (1024 + 16 n) / 16 - 72 = n - 8 (0x2C00: 1 / 16, 0xD480: -72):
+# exact in float16, as the codes' conversions of codes4.py.
+
+
+@triton.jit
+def half_fits(top):
+    """Whether a vector of largest magnitude `top` runs the float16 products (`HALF_MIN` <= top <= `HALF_MAX`;
+    a NaN or infinite top does not)."""
+    return (top <= 1024.0) & (top >= 0.00390625)
+
+
+@triton.jit
+def _pair16(lo, hi, MODE: tl.constexpr):
+    """[HW] float32 elements as float16 pairs in one 32-bit word (lo in the low half): MODE 1 one PTX
+    conversion; MODE 2 (the interpreter) the same bits from Triton casts."""
+    if MODE == 1:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    else:
+        lo16 = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        hi16 = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return lo16 | (hi16 << 16)
+
+
+@triton.jit
+def _half(p, HALF: tl.constexpr):
+    """The float16 in half HALF (0 low, 1 high) of each 32-bit word of p."""
+    return ((p >> (16 * HALF)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE: tl.constexpr):
+    """[BLOCK_N, HW] float32: each word of w (int4 codes, [BLOCK_N, HW]) times the vector's 8 planes ([HW]
+    float32, `vector4.planes`' order), summed over the word's 8 values: products in float16 pairs, each
+    half's 4 summed there, then the halves widened and added. MODE 1: inline PTX; 2: Triton operations (the
+    interpreter). The vector must fit (`half_fits`). opaque: a uint32 zero (`pairs4.packed_dot`)."""
+    p04, p15 = _pair16(x0, x4, MODE), _pair16(x1, x5, MODE)
+    p26, p37 = _pair16(x2, x6, MODE), _pair16(x3, x7, MODE)
+    if MODE == 1:
+        return tl.inline_asm_elementwise(_WORD_PRODUCTS, "=r,r,r,r,r,r",
+                                         [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
+                                          p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        w8 = w >> 8
+        lo, hi = int4_halves16(w, 0, opaque)
+        p_lo = lo * _half(p04, 0)[None, :]
+        p_hi = hi * _half(p04, 1)[None, :]
+        lo, hi = int4_halves16(w, 4, opaque)
+        p_lo += lo * _half(p15, 0)[None, :]
+        p_hi += hi * _half(p15, 1)[None, :]
+        lo, hi = int4_halves16(w8, 0, opaque)
+        p_lo += lo * _half(p26, 0)[None, :]
+        p_hi += hi * _half(p26, 1)[None, :]
+        lo, hi = int4_halves16(w8, 4, opaque)
+        p_lo += lo * _half(p37, 0)[None, :]
+        p_hi += hi * _half(p37, 1)[None, :]
+        return p_lo.to(tl.float32) + p_hi.to(tl.float32)
