@@ -4,7 +4,6 @@ pass reads and those bytes' time at copy bandwidth.
 
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-words4]
                                       [--loads-only words|scales|convert] [--strided-vector]
-                                      [--half-products]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -15,7 +14,8 @@ fraction, per pass); and per format the pair's time end to end (CUDA events, L2 
 pass launches early, PDL, the two kernels' own times overlap). --no-split leaves the 4-bit down pass's
 one-program-per-slot configs out of its autotuning; --no-words4 launches the 4-bit kernels with 8-byte
 word loads (WORDS4 off, pairs4.load_words); THUNDEREP_PDL=0 launches the down pass plainly. Together they
-are the 4-bit kernels as they were before those three. --loads-only runs the 4-bit kernels with each
+are the 4-bit kernels as they were before those three. THUNDEREP_HALF_PRODUCTS=0 runs int4's products in
+float32, as before the float16 pairs (kernels/half4.py). --loads-only runs the 4-bit kernels with each
 chunk's conversion, products and vector taken out (a probe, its outputs meaningless): `words` sums each
 row's words as integers; `scales` also loads the group scales and sums per group times them, as the real
 chunk does; `convert` also converts every code to float32 and sums the values per group times the
@@ -24,15 +24,15 @@ same tiles, and what the conversion adds.
 --strided-vector loads the vector's 8 planes of each chunk straight from memory (8 loads of every 8th
 element, in the layout the products use) instead of one wide load split in registers, which the compiler
 routes through shared memory with 8 barriers an iteration (examples/pairs4_sass.py counts them): same
-outputs, no barriers, more load instructions. --half-products runs the int4 words' products in float16,
-two per packed instruction, each half's four products summed before widening to float32 (MXFP4 as
-before): fewer instructions per weight; the vector is not scaled, so an element past about 2000 in
-magnitude would overflow (random inputs stay far below; a probe, not a launch option).
+outputs, no barriers, more load instructions. Both probes replace the float32 chunk: they set
+THUNDEREP_HALF_PRODUCTS=0. Each format's output error against float32 on its dequantized weights is
+printed first (meaningless under the probes).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -41,7 +41,7 @@ import triton.language as tl
 
 from thunderep.bench.kernels import SHAPES, copy_bandwidth
 from thunderep.kernels import decode, pairs4, tiles, tuning
-from thunderep.kernels.codes4 import E2M1_UNIT, e2m1_halves, int4_halves, int4_halves16
+from thunderep.kernels.codes4 import e2m1_halves, int4_halves
 from thunderep.kernels.fp8 import Fp8Weight
 from thunderep.kernels.int4 import Int4Weight
 
@@ -108,109 +108,6 @@ def _converted(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
     return pairs4._grouped(vals, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, 1.0)
 
 
-@triton.jit
-def _half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
-                MXFP4: tl.constexpr, ZERO: tl.constexpr):
-    """In place of pairs4.word_chunk: int4 products in float16 (each half's four summed, then widened)."""
-    x0, x4, x1, x5, x2, x6, x3, x7 = pairs4.planes(v_ptr, k0, C, w.shape[1])
-    vsum = pairs4.word_sums(x0, x4, x1, x5, x2, x6, x3, x7)
-    if MXFP4:
-        prod, vsum = pairs4._word_products(w, v_ptr, k0, C, opaque, MXFP4, w.shape[1])
-        unit: tl.constexpr = E2M1_UNIT
-    else:
-        w8 = w >> 8
-        lo, hi = int4_halves16(w, 0, opaque)
-        p_lo = lo * x0.to(tl.float16)[None, :]
-        p_hi = hi * x4.to(tl.float16)[None, :]
-        lo, hi = int4_halves16(w, 4, opaque)
-        p_lo += lo * x1.to(tl.float16)[None, :]
-        p_hi += hi * x5.to(tl.float16)[None, :]
-        lo, hi = int4_halves16(w8, 0, opaque)
-        p_lo += lo * x2.to(tl.float16)[None, :]
-        p_hi += hi * x6.to(tl.float16)[None, :]
-        lo, hi = int4_halves16(w8, 4, opaque)
-        p_lo += lo * x3.to(tl.float16)[None, :]
-        p_hi += hi * x7.to(tl.float16)[None, :]
-        prod = p_lo.to(tl.float32) + p_hi.to(tl.float32)
-        unit: tl.constexpr = 1.0
-    return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, unit)
-
-
-_PRODUCTS_ASM = tl.constexpr("""{
-.reg .b32 c, k, a, t0, t1, t2, t3, w8, p;
-.reg .f16 plo, phi;
-.reg .f32 flo, fhi;
-mov.b32 c, 0x64086408;
-mov.b32 k, 0x2C002C00;
-mov.b32 a, 0xD480D480;
-shr.b32 w8, $1, 8;
-lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xea;
-lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xea;
-sub.f16x2 t0, t0, c;
-fma.rn.f16x2 t1, t1, k, a;
-sub.f16x2 t2, t2, c;
-fma.rn.f16x2 t3, t3, k, a;
-mul.f16x2 p, t0, $2;
-fma.rn.f16x2 p, t1, $3, p;
-fma.rn.f16x2 p, t2, $4, p;
-fma.rn.f16x2 p, t3, $5, p;
-mov.b32 {plo, phi}, p;
-cvt.f32.f16 flo, plo;
-cvt.f32.f16 fhi, phi;
-add.f32 $0, flo, fhi;
-}""")
-
-
-@triton.jit
-def _pack16(lo, hi):
-    """[HW] float32 pairs as float16x2 words (lo in the low half)."""
-    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _asm_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
-               MXFP4: tl.constexpr, ZERO: tl.constexpr):
-    """In place of pairs4.word_chunk: int4 conversion and products in inline PTX, float16x2 (each half's four
-    products summed, then widened); the vector packed to float16 pairs unscaled."""
-    x0, x4, x1, x5, x2, x6, x3, x7 = pairs4.planes(v_ptr, k0, C, w.shape[1])
-    vsum = pairs4.word_sums(x0, x4, x1, x5, x2, x6, x3, x7)
-    if MXFP4:
-        prod, vsum = pairs4._word_products(w, v_ptr, k0, C, opaque, MXFP4, w.shape[1])
-        unit: tl.constexpr = E2M1_UNIT
-    else:
-        p04, p15, p26, p37 = _pack16(x0, x4), _pack16(x1, x5), _pack16(x2, x6), _pack16(x3, x7)
-        prod = tl.inline_asm_elementwise(_PRODUCTS_ASM, "=r,r,r,r,r,r",
-                                         [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
-                                          p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
-        unit: tl.constexpr = 1.0
-    return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, unit)
-
-
-@triton.jit
-def _prepacked_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
-                     MXFP4: tl.constexpr, ZERO: tl.constexpr):
-    """In place of pairs4.word_chunk: `_asm_chunk` with the vector read as if a step before had packed it into
-    4 planes of float16 pairs ([4, C / 8] 32-bit words, plane i holding columns 8 q + i and 8 q + i + 4):
-    4 loads a chunk, no split in shared memory, no conversion. A timing probe: the vector's bytes are read
-    as they are, so the outputs are meaningless."""
-    HW: tl.constexpr = w.shape[1]
-    q_W = k0 // 8 + tl.arange(0, HW)
-    ok = q_W < C // 8
-    vp = v_ptr.to(tl.pointer_type(tl.uint32))
-    p04 = tl.load(vp + q_W, mask=ok, other=0)
-    p15 = tl.load(vp + C // 8 + q_W, mask=ok, other=0)
-    p26 = tl.load(vp + C // 4 + q_W, mask=ok, other=0)
-    p37 = tl.load(vp + 3 * (C // 8) + q_W, mask=ok, other=0)
-    prod = tl.inline_asm_elementwise(_PRODUCTS_ASM, "=r,r,r,r,r,r",
-                                     [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
-                                      p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
-    vsum = tl.zeros((HW,), dtype=tl.float32)
-    return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, 1.0)
-
-
 def _weights(shape: str, device):
     D, I, E, K = SHAPES[shape][:4]
     torch.manual_seed(0)
@@ -266,16 +163,9 @@ def main() -> None:
                         help="probe: the 4-bit kernels with each chunk's conversion and products taken out")
     parser.add_argument("--strided-vector", action="store_true",
                         help="the 4-bit kernels load the vector's planes directly (no shared memory, no barriers)")
-    parser.add_argument("--half-products", action="store_true", help="int4 products in float16 (a probe)")
-    parser.add_argument("--asm-products", action="store_true",
-                        help="int4 conversion and products in inline PTX, float16x2 (a probe)")
     args = parser.parse_args()
-    if args.half_products:
-        pairs4.word_chunk = _half_chunk
-        print("the int4 kernels' products run in float16 (--half-products)")
-    if args.asm_products:
-        pairs4.word_chunk = _asm_chunk
-        print("the int4 kernels' conversion and products run in inline PTX, float16x2 (--asm-products)")
+    if args.strided_vector or args.loads_only:  # the probes replace the float32 chunk: int4 runs it
+        os.environ["THUNDEREP_HALF_PRODUCTS"] = "0"
     if args.strided_vector:
         pairs4.planes = _strided_planes
         print("the 4-bit kernels load the vector's planes directly (--strided-vector)")

@@ -3,7 +3,7 @@ for a GPU architecture on this machine (no GPU needed): int4 with groups of 32, 
 weight loads (LDG.E.128: 16 bytes a thread).
 
     python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4] [--dot]
-                                   [--chunk half-products|convert]
+                                   [--chunk convert] [--half 1]
 
 A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit
 conversion operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass (BLOCK_N x BLOCK_K x
@@ -11,7 +11,8 @@ matrices / threads) give the count. A count, not a time: whether fewer instructi
 is for `examples/pairs4_configs.py` on a GPU. --dot counts the DOT variant too (the products on the tensor
 cores). Also each build's registers a thread and stack bytes (spills), and the loop's shared-memory
 operations and barriers. --chunk counts one of `examples/pairs4_profile.py`'s probes in place of the
-chunk as it runs (`--half-products`, `--loads-only convert`).
+chunk as it runs (`--loads-only convert`). --half 1 counts the int4 kernels as CUDA launches them
+(HALF: the products in float16 pairs, kernels/half4.py): the loop a vector in range runs.
 """
 
 from __future__ import annotations
@@ -56,20 +57,23 @@ def sass(kernel, constants: dict, block_n: int, block_k: int, warps: int, arch: 
     return code, targets._resources(build.asm["cubin"])
 
 
-def word_loop(code: str) -> list[str]:
-    """The instructions of the word loop: of the loops (a backward branch's range) holding at least 60% of
-    the most 16-bit conversion operations (HFMA2 / HADD2) any loop holds, the shortest (an outer loop, over
-    the down pass's slots, holds the inner one's)."""
+def word_loop(code: str, half: bool = False) -> list[str]:
+    """The instructions of the word loop: of the innermost loops (a backward branch's range holding no
+    other), the one with most 16-bit conversion operations (HFMA2 / HADD2); with `half`, the one packing the
+    vector into float16 pairs (F2FP.F16.F32.PACK_AB: HALF's loop, beside the float32 loop a vector out of
+    its range runs)."""
     lines = [line for line in code.splitlines() if _ADDRESS.match(line)]
     address = [int(_ADDRESS.match(line).group(1), 16) for line in lines]
-    loops = []
+    ranges = []
     for line, at in zip(lines, address):
         branch = re.search(r"BRA\s+0x([0-9a-f]+)", line)
         if branch and int(branch.group(1), 16) < at:
-            loops.append([x for x, a in zip(lines, address) if int(branch.group(1), 16) <= a <= at])
-    conversions = [sum("HFMA2" in x or "HADD2" in x for x in body) for body in loops]
-    most = max(conversions, default=0)
-    return min((body for body, n in zip(loops, conversions) if n >= 0.6 * most), key=len, default=[])
+            ranges.append((int(branch.group(1), 16), at))
+    inner = [(lo, hi) for lo, hi in ranges if not any(lo <= a < b <= hi and (a, b) != (lo, hi) for a, b in ranges)]
+    loops = [[x for x, a in zip(lines, address) if lo <= a <= hi] for lo, hi in inner]
+    if half:
+        loops = [body for body in loops if any("F2FP.F16.F32.PACK_AB" in x for x in body)]
+    return max(loops, key=lambda body: sum("HFMA2" in x or "HADD2" in x for x in body), default=[])
 
 
 def main() -> None:
@@ -79,14 +83,13 @@ def main() -> None:
     parser.add_argument("--dot", action="store_true", help="also the DOT variant (products on the tensor cores)")
     parser.add_argument("--half", type=int, default=0, choices=(0, 1),
                         help="the kernels' HALF (1: float16-pair products in inline PTX, as CUDA launches int4)")
-    parser.add_argument("--chunk", choices=("half-products", "asm-products", "convert"),
+    parser.add_argument("--chunk", choices=("convert",),
                         help="count a probe of examples/pairs4_profile.py in place of the chunk as it runs")
     args = parser.parse_args()
     if args.chunk:  # before the first build, as pairs4_profile patches it (this file's folder is on sys.path)
         import pairs4_profile
 
-        P4.word_chunk = {"half-products": pairs4_profile._half_chunk, "asm-products": pairs4_profile._asm_chunk,
-                         "convert": pairs4_profile._converted}[args.chunk]
+        P4.word_chunk = pairs4_profile._converted
     if targets._cuobjdump() is None:
         raise SystemExit("cuobjdump is not available (Triton bundles it with its NVIDIA backend)")
     print("| pass | tile (BLOCK_N x BLOCK_K x warps) | DOT | instructions per weight | loads in the loop, by width "
@@ -98,7 +101,7 @@ def main() -> None:
             weights = block_n * block_k * matrices / (32 * warps)
             code, (regs, stack) = sass(kernel, {**constants, "WORDS4": True, "DOT": dot, "HALF": args.half}, block_n, block_k, warps,
                                        args.arch)
-            loop = word_loop(code)
+            loop = word_loop(code, args.half == 1)
             loads = collections.Counter(m.group(1) for m in map(_LOAD.search, loop) if m)
             shared = sum(bool(re.search(r"\b(LDS|STS|STSM|LDSM)\b", x)) for x in loop)
             barriers = sum("BAR.SYNC" in x for x in loop)

@@ -14,7 +14,9 @@ of a word are placed into float16 bits at once (int4: or'ed into 1024's mantissa
 exponent and mantissa bits moved into place, `e2m1_halves`), then each half widened to float32. Each of a
 word's 8 planes (the values 8 columns apart) times the vector's matching elements is summed in one chain
 of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
-Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down
+HALF (int4; on CUDA, paths.half_mode): the codes stay in float16 pairs and the products run there, two a
+packed instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose largest
+magnitude `half_fits` (measured once a program; any other runs the float32 loop). Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down
 pass runs one program per token and column tile over the K slots, or (SPLIT) one per slot, and is launched
 as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as pairs.py's. DOT (int4, a
 launch option that no autotuner list holds, tiles.py; pinned only): the products on the tensor cores
@@ -41,8 +43,8 @@ from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import sum_split_slots, zero_counts
 from .vector4 import group_planes, largest, planes, vector, word_sums
 
-__all__ = ["byte_chunk", "down_pairs4_kernel", "load_words", "packed_dot", "packed_dot2", "slot_weights",
-           "up_pairs4_kernel", "word_chunk", "words_ok"]
+__all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
+           "slot_weights", "up_pairs4_kernel", "word_chunk", "words_ok"]
 
 
 @triton.jit
