@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import paths
 from .pairs4 import packed_dot, packed_dot2, slot_weights, words_ok
 from .tiles import pairs4_default
 from .tuning import cdiv
@@ -49,11 +50,12 @@ def _config(pinned: dict | None, programs, C: int) -> dict:
 def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, I, D, E, top_k, alpha, limit,
                             stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be, stride_hm,
                             GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, WORDS4: tl.constexpr = False):
+                            BLOCK_K: tl.constexpr, WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0):
     """h[j, c] = gpt-oss's clamped SwiGLU of (x[j // K] . Wgu[ids[j], 2c] + b[ids[j], 2c],
     x[j // K] . Wgu[ids[j], 2c + 1] + b[ids[j], 2c + 1]) for pair j = program_id(0), columns c of tile
     program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales (and zero points, ZERO)
-    [E, 2I, ceil(D / GROUP)] by strides; b: [E, 2I]; h: [T*K, I]. WORDS4: D a multiple of 32 (pairs4.load_words)."""
+    [E, 2I, ceil(D / GROUP)] by strides; b: [E, 2I]; h: [T*K, I]. WORDS4: D a multiple of 32 (pairs4.load_words);
+    HALF: int4's products in float16 pairs (pairs4.packed_dot)."""
     j = tl.program_id(0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(ids_ptr + j).to(tl.int64)
@@ -70,7 +72,7 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, I
     words = words_ok(w_ptr, stride_we, stride_wn, D)
     opaque = (expert >> 32).to(tl.uint32)  # 0 (expert is in [0, E)); to the compiler, any value (packed_dot)
     acc_g, acc_u = packed_dot2(gw_N, s_ptr + gs_N, z_ptr + gs_N, uw_N, s_ptr + us_N, z_ptr + us_N, D, ok_N, x_row,
-                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4=WORDS4)
+                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4=WORDS4, HALF=HALF)
     b_row = b_ptr + expert * stride_be
     g_N = acc_g + tl.load(b_row + gate_N, mask=ok_N, other=0.0).to(tl.float32)
     u_N = acc_u + tl.load(b_row + up_N, mask=ok_N, other=0.0).to(tl.float32)
@@ -85,11 +87,12 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, I
 def down_pairs4_gptoss_kernel(h_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k,
                               stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, stride_be, stride_ym,
                               WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr = False):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr = False,
+                              HALF: tl.constexpr = 0):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n] + b[ids[t*K + k], n]) for token
     t = program_id(0), columns n of tile program_id(1); products and biases summed in float32 in slot
     order. h: [T*K, I]; Wd: packed [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)]
-    by strides; b: [E, D]; y: [T, D]. WORDS4: I a multiple of 32 (pairs4.load_words)."""
+    by strides; b: [E, D]; y: [T, D]. WORDS4: I a multiple of 32 (pairs4.load_words); HALF as the up pass's."""
     t = tl.program_id(0)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     words = words_ok(w_ptr, stride_we, stride_wd, I)
@@ -103,7 +106,7 @@ def down_pairs4_gptoss_kernel(h_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ids_ptr,
         h_row = h_ptr + j.to(tl.int64) * stride_hm
         opaque = (expert >> 32).to(tl.uint32)
         part = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
-                          BLOCK_K, WORDS4=WORDS4)
+                          BLOCK_K, WORDS4=WORDS4, HALF=HALF)
         acc += rw * part
     y = acc + bias_N
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, y.to(y_ptr.dtype.element_ty), mask=cols_N < D)
@@ -120,17 +123,18 @@ def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()
     h = x.new_empty(N, I)
+    half = paths.half_mode(x.device, w_gate_up.fmt)
     up = _config(GPTOSS4_UP, lambda bn: N * cdiv(I, bn), D)
     down = _config(GPTOSS4_DOWN, lambda bn: T * cdiv(D, bn), I)
     up_pairs4_gptoss_kernel[(N, cdiv(I, up["BLOCK_N"]))](
         x, w_gate_up.packed, b_ptr=b_gate_up, h_ptr=h, ids_ptr=ids, I=I, D=D, E=E, top_k=N // T, alpha=float(alpha),
         limit=float(limit), stride_xm=x.stride(0), stride_wn=w_gate_up.packed.stride(1),
-        stride_be=b_gate_up.stride(0), stride_hm=h.stride(0), WORDS4=D % 32 == 0,
+        stride_be=b_gate_up.stride(0), stride_hm=h.stride(0), WORDS4=D % 32 == 0, HALF=half,
         stride_we=w_gate_up.packed.stride(0), **w_gate_up.kernel_args(), **up)
     y = x.new_empty(T, D)
     down_pairs4_gptoss_kernel[(T, cdiv(D, down["BLOCK_N"]))](
         h, w_down.packed, b_ptr=b_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h, D=D,
         I=I, E=E, top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_be=b_down.stride(0),
-        stride_ym=y.stride(0), WEIGHTED=weights is not None, WORDS4=I % 32 == 0,
+        stride_ym=y.stride(0), WEIGHTED=weights is not None, WORDS4=I % 32 == 0, HALF=half,
         stride_we=w_down.packed.stride(0), **w_down.kernel_args(), **down)
     return y
