@@ -3,7 +3,7 @@ every call) for bfloat16, per-row FP8, int4 and MXFP4 weights of one expert shap
 pass reads and those bytes' time at copy bandwidth.
 
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-words4]
-                                      [--loads-only words|scales|convert] [--strided-vector]
+                                      [--loads-only words|scales|convert] [--strided-vector] [--half-tops]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -15,7 +15,9 @@ pass launches early, PDL, the two kernels' own times overlap). --no-split leaves
 one-program-per-slot configs out of its autotuning; --no-words4 launches the 4-bit kernels with 8-byte
 word loads (WORDS4 off, pairs4.load_words); THUNDEREP_PDL=0 launches the down pass plainly. Together they
 are the 4-bit kernels as they were before those three. THUNDEREP_HALF_PRODUCTS=0 runs int4's products in
-float32, as before the float16 pairs (kernels/half4.py). --loads-only runs the 4-bit kernels with each
+float32, as before the float16 pairs (kernels/half4.py); --half-tops has the int4 down pass choose its
+float16 or float32 loop from the gate/up pass's tile notes instead of reading h once more
+(decode.HALF_TOPS). --loads-only runs the 4-bit kernels with each
 chunk's conversion, products and vector taken out (a probe, its outputs meaningless): `words` sums each
 row's words as integers; `scales` also loads the group scales and sums per group times them, as the real
 chunk does; `convert` also converts every code to float32 and sums the values per group times the
@@ -161,9 +163,12 @@ def main() -> None:
     parser.add_argument("--no-words4", action="store_true", help="the 4-bit kernels' word loads 8 bytes wide")
     parser.add_argument("--loads-only", choices=("words", "scales", "convert"),
                         help="probe: the 4-bit kernels with each chunk's conversion and products taken out")
+    parser.add_argument("--half-tops", action="store_true",
+                        help="int4's down pass reads the gate/up pass's tile notes to choose its loop (HALF_TOPS)")
     parser.add_argument("--strided-vector", action="store_true",
                         help="the 4-bit kernels load the vector's planes directly (no shared memory, no barriers)")
     args = parser.parse_args()
+    decode.HALF_TOPS = args.half_tops
     if args.strided_vector or args.loads_only:  # the probes replace the float32 chunk: int4 runs it
         os.environ["THUNDEREP_HALF_PRODUCTS"] = "0"
     if args.strided_vector:

@@ -5,11 +5,11 @@ weight loads (LDG.E.128: 16 bytes a thread).
     python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4] [--dot]
                                    [--chunk convert] [--half 1]
 
-A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit
-conversion operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass (BLOCK_N x BLOCK_K x
-matrices / threads) give the count. A count, not a time: whether fewer instructions make a faster kernel
-is for `examples/pairs4_configs.py` on a GPU. --dot counts the DOT variant too (the products on the tensor
-cores). Also each build's registers a thread and stack bytes (spills), and the loop's shared-memory
+A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit conversion
+operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass
+(BLOCK_N x BLOCK_K x matrices / threads) give the count. A count, not a time: whether fewer instructions make
+a faster kernel is for `examples/pairs4_configs.py` on a GPU. --dot counts the DOT variant too (the
+products on the tensor cores). Also each build's registers a thread and stack bytes (spills), and the loop's shared-memory
 operations and barriers. --chunk counts one of `examples/pairs4_profile.py`'s probes in place of the
 chunk as it runs (`--loads-only convert`). --half 1 counts the int4 kernels as CUDA launches them
 (HALF: the products in float16 pairs, kernels/half4.py): the loop a vector in range runs.
@@ -99,8 +99,8 @@ def main() -> None:
         for tile, dot in ((t, d) for t in args.tiles.split(",") for d in ((False, True) if args.dot else (False,))):
             block_n, block_k, warps = (int(v) for v in tile.split("x"))
             weights = block_n * block_k * matrices / (32 * warps)
-            code, (regs, stack) = sass(kernel, {**constants, "WORDS4": True, "DOT": dot, "HALF": args.half}, block_n, block_k, warps,
-                                       args.arch)
+            flags = {**constants, "WORDS4": True, "DOT": dot, "HALF": args.half}
+            code, (regs, stack) = sass(kernel, flags, block_n, block_k, warps, args.arch)
             loop = word_loop(code, args.half == 1)
             loads = collections.Counter(m.group(1) for m in map(_LOAD.search, loop) if m)
             shared = sum(bool(re.search(r"\b(LDS|STS|STSM|LDSM)\b", x)) for x in loop)

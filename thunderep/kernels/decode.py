@@ -17,13 +17,17 @@ from .act import ACTIVATIONS
 from .fp8 import scale_args, weight_data
 from .tuning import cdiv, next_power_of_2
 
-__all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "pairs4_forward", "pairs_forward", "second_rows"]
+__all__ = ["HALF_TOPS", "PAIRS4_DOWN", "PAIRS4_UP", "pairs4_forward", "pairs_forward", "second_rows"]
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
 # tiles.DOWN_PAIRS4) and takes tiles.pairs4_default elsewhere; a dict {"BLOCK_N", "BLOCK_K", "num_warps"}
 # (and optionally "DOT"; for the down pass "SPLIT") runs that config.
 PAIRS4_UP: dict | None = None
 PAIRS4_DOWN: dict | None = None
+# With the float16-pair products (paths.half_mode), whether the down pass chooses its loop from the gate/up
+# pass's tile notes (pairs4 TOPS: a few bytes a tile) instead of measuring h itself (each program reads its
+# h row once more). Off until timed (docs/benchmarks/2026-12-05-int4-experts-h200.md, the down pass).
+HALF_TOPS = False
 
 def second_rows(first: torch.Tensor, second: torch.Tensor) -> tuple[int, int]:
     """(split_e, w_shift) of pairs.py's `_entry_offset`: ids from split_e (the rows of `first`) on read rows
@@ -104,6 +108,11 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
     pdl = paths.pdl_applies(x.device)
     half = paths.half_mode(x.device, w_gate_up.fmt)
     h = x.new_empty(N, I)
+    tops = {}
+    if half and HALF_TOPS:  # a count and one note per gate/up tile (pairs4 store_tile_top), at the fewest rows
+        least = min(tiles.MIN_PAIRS4_UP_BLOCK_N, (PAIRS4_UP or {}).get("BLOCK_N", I))
+        buf = torch.empty(N, 1 + cdiv(I, least), dtype=torch.float32, device=x.device)
+        tops = {"top_ptr": buf, "stride_tm": buf.stride(0), "TOPS": True}
     n_counts = cdiv(D, min(tiles.MIN_PAIRS4_BLOCK_N, (PAIRS4_DOWN or {}).get("BLOCK_N", D)))
     part = torch.empty(N * D + T * n_counts, dtype=torch.float32, device=x.device)  # SPLIT: partials, counts
     count = part[N * D:].view(torch.int32)
@@ -112,14 +121,14 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
              x_ptr=x, w_ptr=w_gate_up.packed, stride_we=w_gate_up.packed.stride(0), h_ptr=h, ids_ptr=ids,
              count_ptr=count, I=I, D=D, E=E, top_k=N // T, n_counts=n_counts, stride_xm=x.stride(0),
              stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
-             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half, **w_gate_up.kernel_args())
+             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half, **tops, **w_gate_up.kernel_args())
     y = x.new_empty(T, D)
     _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
              lambda meta: (T, cdiv(D, meta["BLOCK_N"]), N // T if meta.get("SPLIT") else 1), x.device,
              h_ptr=h, w_ptr=w_down.packed, stride_we=w_down.packed.stride(0), y_ptr=y, ids_ptr=ids,
              weight_ptr=weights if weights is not None else h, part_ptr=part, count_ptr=count, D=D, I=I, E=E,
              top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0),
-             stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, WORDS4=I % 32 == 0, HALF=half,
+             stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, WORDS4=I % 32 == 0, HALF=half, **tops,
              **w_down.kernel_args(),
              **({"launch_pdl": True} if pdl else {}))
     return y

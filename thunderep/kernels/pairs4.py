@@ -16,14 +16,15 @@ word's 8 planes (the values 8 columns apart) times the vector's matching element
 of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
 HALF (int4; on CUDA, paths.half_mode): the codes stay in float16 pairs and the products run there, two a
 packed instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose largest
-magnitude `half_fits` (measured once a program; any other runs the float32 loop). Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down
-pass runs one program per token and column tile over the K slots, or (SPLIT) one per slot, and is launched
-as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as pairs.py's. DOT (int4, a
-launch option that no autotuner list holds, tiles.py; pinned only): the products on the tensor cores
-instead, mma.sync (sm_80+), the vector scaled to at most 1 and laid out one group of columns a row of a
+magnitude `half_fits` (measured once a program, or read from the gate/up pass's tile notes: TOPS; any other
+runs the float32 loop). Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4,
+`load_words`). The down pass runs one program per token and column tile over the K slots, or (SPLIT) one per
+slot, and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
+pairs.py's. DOT (int4, a launch option that no autotuner list holds, tiles.py; pinned only): the products
+on the tensor cores instead, mma.sync (sm_80+), the vector scaled to at most 1 and laid out one group of columns a row of a
 16-row float16 tile, the codes converted exactly to float16, so that each product row is one group's sum
 and the group scales multiply the sums (`group_planes`, `_dot_words`, `_dot_grouped`). No Hopper-only
-instructions, no inline assembly. Rows that are not 4-byte aligned, or groups of other than a multiple of
+instructions; no inline assembly but HALF's (sm_80 and later). Rows that are not 4-byte aligned, or groups of other than a multiple of
 8 columns, run the same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a
 multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids
 as in pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's
@@ -41,7 +42,7 @@ from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, int4_halves16, nibbles4
 from .half4 import half_fits, half_word_products
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import sum_split_slots, zero_counts
-from .vector4 import group_planes, largest, planes, vector, word_sums
+from .vector4 import group_planes, largest, planes, store_tile_top, tiles_largest, vector, word_sums
 
 __all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
            "slot_weights", "up_pairs4_kernel", "word_chunk", "words_ok"]
@@ -254,7 +255,8 @@ def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, st
 @triton.jit
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
                MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr = False,
-               WORDS4: tl.constexpr = False, DOT: tl.constexpr = False, HALF: tl.constexpr = 0):
+               WORDS4: tl.constexpr = False, DOT: tl.constexpr = False, HALF: tl.constexpr = 0, top_ptr=0,
+               TOPS: tl.constexpr = False):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
@@ -268,7 +270,8 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     at most 1 and laid out one group a row (`group_planes`, `_dot_words`, `_dot_grouped`). HALF (int4 words,
     not DOT; 1 inline PTX, 2 its interpreter form): the vector measured once (`largest`); one that
     `half_fits` runs the loop of `half_chunk`, any other the float32 loop (two loops, not a branch a chunk:
-    a branch inside the loop holds both chunks' registers at once)."""
+    a branch inside the loop holds both chunks' registers at once). TOPS: HALF's measurement read from the
+    vector producer's tile notes at top_ptr (`tiles_largest`) instead of the vector."""
     TC: tl.constexpr = (DOT and not MXFP4 and GROUP % 8 == 0 and BLOCK_K % GROUP == 0 and BLOCK_K // GROUP <= 16
                         and BLOCK_K >= 128 and ok_N.shape[0] >= 16)
     FP16: tl.constexpr = HALF != 0 and not MXFP4 and not TC
@@ -281,7 +284,7 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
             acc = top * _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top,
                                     GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, True, 0)
         elif FP16:
-            top = largest(v_ptr, C, BLOCK_K)
+            top = tiles_largest(top_ptr) if TOPS else largest(v_ptr, C, BLOCK_K)
             if half_fits(top):
                 acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top,
                                   GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, HALF)
@@ -364,14 +367,16 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
                      stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm, ACT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                     WORDS4: tl.constexpr = False, DOT: tl.constexpr = False, HALF: tl.constexpr = 0):
+                     WORDS4: tl.constexpr = False, DOT: tl.constexpr = False, HALF: tl.constexpr = 0, top_ptr=0,
+                     stride_tm=0, TOPS: tl.constexpr = False):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales
     (and zero points, ZERO) [E, 2I, ceil(D / GROUP)] by strides; h: [T*K, I]. Also zeroes the down pass's
     per-token counts (count: [T, n_counts], `down_pairs4_kernel`'s SPLIT). PDL: the down pass may launch
     as soon as this grid's programs have all started (pairs.py's programmatic dependent launch). WORDS4: D
     a multiple of 32 (16-byte loads, `load_words`). DOT: products on the tensor cores; HALF: in float16 pairs
-    (`packed_dot`)."""
+    (`packed_dot`); TOPS: each tile's largest |h| noted in the tops buffer (row j, stride_tm; `store_tile_top`)
+    for the down pass."""
     if PDL:
         gdc_launch_dependents()
     j = tl.program_id(0)
@@ -393,7 +398,10 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     acc_g, acc_u = packed_dot2(gw_N, s_ptr + gs_N, z_ptr + gs_N, uw_N, s_ptr + us_N, z_ptr + us_N, D, ok_N, x_row,
                                words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, DOT, HALF)
     h = tl.where(known, act(acc_g, ACT) * acc_u, tl.where(skipped, 0.0, float("nan")))
-    tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
+    h = h.to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h, mask=cols_N < I)
+    if TOPS:
+        store_tile_top(top_ptr + j.to(tl.int64) * stride_tm, h.to(tl.float32), cols_N, I)
 
 
 @triton.jit
@@ -419,14 +427,14 @@ def slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_
 def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
            stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr,
            ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr, WORDS4: tl.constexpr, DOT: tl.constexpr,
-           HALF: tl.constexpr):
+           HALF: tl.constexpr, top_ptr, stride_tm, TOPS: tl.constexpr):
     """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N."""
     expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
                                               stride_se, stride_sn, WEIGHTED)
     h_row = h_ptr + j.to(tl.int64) * stride_hm
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
     return rw * packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4,
-                           ZERO, BLOCK_K, WAIT, WORDS4, DOT, HALF)
+                           ZERO, BLOCK_K, WAIT, WORDS4, DOT, HALF, top_ptr + j.to(tl.int64) * stride_tm, TOPS)
 
 
 @triton.jit
@@ -435,7 +443,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
                        WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
                        PDL: tl.constexpr = False, WORDS4: tl.constexpr = False, DOT: tl.constexpr = False,
-                       HALF: tl.constexpr = 0):
+                       HALF: tl.constexpr = 0, top_ptr=0, stride_tm=0, TOPS: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
@@ -454,14 +462,15 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
         j = t * top_k + tl.program_id(2)
         part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
                       stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO, BLOCK_K, PDL,
-                      WORDS4, DOT, HALF)
+                      WORDS4, DOT, HALF, top_ptr, stride_tm, TOPS)
         sum_split_slots(part, j, t, tile, cols_N, col_ok_N, D, top_k, part_ptr, count_ptr, stride_cm, y_ptrs)
     else:
         acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
-                     BLOCK_K, PDL, WORDS4, DOT, HALF)  # the first slot waits for h (PDL); the others find it written
+                     BLOCK_K, PDL, WORDS4, DOT, HALF, top_ptr, stride_tm,
+                     TOPS)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
             acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                          MXFP4, ZERO, BLOCK_K, False, WORDS4, DOT, HALF)
+                          MXFP4, ZERO, BLOCK_K, False, WORDS4, DOT, HALF, top_ptr, stride_tm, TOPS)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_ok_N)
