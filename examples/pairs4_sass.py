@@ -8,9 +8,9 @@ weight loads (LDG.E.128: 16 bytes a thread).
 A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit conversion
 operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass
 (BLOCK_N x BLOCK_K x matrices / threads) give the count. A count, not a time: whether fewer instructions make
-a faster kernel is for `examples/pairs4_configs.py` on a GPU. --dot counts the DOT variant too (the
-products on the tensor cores). Also each build's registers a thread and stack bytes (spills), and the loop's shared-memory
-operations and barriers. --chunk counts one of `examples/pairs4_profile.py`'s probes in place of the
+a faster kernel is for `examples/pairs4_configs.py` on a GPU. --dot counts the DOT variant too (the products
+on the tensor cores). Also each build's registers a thread and stack bytes (spills), and the loop's
+shared-memory operations and barriers. --chunk counts one of `examples/pairs4_profile.py`'s probes in place of the
 chunk as it runs (`--loads-only convert`). --half 1 counts the int4 kernels as CUDA launches them
 (HALF: the products in float16 pairs, kernels/half4.py): the loop a vector in range runs.
 """

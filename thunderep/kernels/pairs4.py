@@ -20,15 +20,15 @@ magnitude `half_fits` (measured once a program, or read from the gate/up pass's 
 runs the float32 loop). Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4,
 `load_words`). The down pass runs one program per token and column tile over the K slots, or (SPLIT) one per
 slot, and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
-pairs.py's. DOT (int4, a launch option that no autotuner list holds, tiles.py; pinned only): the products
-on the tensor cores instead, mma.sync (sm_80+), the vector scaled to at most 1 and laid out one group of columns a row of a
-16-row float16 tile, the codes converted exactly to float16, so that each product row is one group's sum
-and the group scales multiply the sums (`group_planes`, `_dot_words`, `_dot_grouped`). No Hopper-only
-instructions; no inline assembly but HALF's (sm_80 and later). Rows that are not 4-byte aligned, or groups of other than a multiple of
-8 columns, run the same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a
-multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids
-as in pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's
-output NaN. Inference only. The launches are in decode.py; gpt-oss's experts (biases, clamped SwiGLU) run
+pairs.py's. DOT (int4, a launch option that no autotuner list holds, tiles.py; pinned only): the products on
+the tensor cores instead, mma.sync (sm_80+), the vector scaled to at most 1 and laid out one group of columns
+a row of a 16-row float16 tile, the codes converted exactly to float16, so that each product row is one
+group's sum and the group scales multiply the sums (`group_planes`, `_dot_words`, `_dot_grouped`). No
+Hopper-only instructions; no inline assembly but HALF's (sm_80 and later). Rows that are not 4-byte aligned,
+or groups of other than a multiple of 8 columns, run the same conversions one byte at a time (`byte_chunk`).
+Partial chunks (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids as
+in pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's output NaN.
+Inference only. The launches are in decode.py; gpt-oss's experts (biases, clamped SwiGLU) run
 pairs4_gptoss.py's kernels, built on `packed_dot`, `packed_dot2` and `words_ok`.
 """
 
