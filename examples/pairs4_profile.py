@@ -4,6 +4,7 @@ pass reads and those bytes' time at copy bandwidth.
 
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-words4]
                                       [--loads-only words|scales|convert] [--strided-vector] [--half-tops]
+                                      [--half-mxfp4]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -15,14 +16,14 @@ pass launches early, PDL, the two kernels' own times overlap). --no-split leaves
 one-program-per-slot configs out of its autotuning; --no-words4 launches the 4-bit kernels with 8-byte
 word loads (WORDS4 off, pairs4.load_words); THUNDEREP_PDL=0 launches the down pass plainly. Together they
 are the 4-bit kernels as they were before those three. THUNDEREP_HALF_PRODUCTS=0 runs int4's products in
-float32, as before the float16 pairs (kernels/half4.py); --half-tops has the int4 down pass choose its
-float16 or float32 loop from the gate/up pass's tile notes instead of reading h once more
-(decode.HALF_TOPS). --loads-only runs the 4-bit kernels with each
-chunk's conversion, products and vector taken out (a probe, its outputs meaningless): `words` sums each
-row's words as integers; `scales` also loads the group scales and sums per group times them, as the real
-chunk does; `convert` also converts every code to float32 and sums the values per group times the
-scales (no vector, no products). Their time against the real kernels' is what the loads alone cost at the
-same tiles, and what the conversion adds.
+float32, as before the float16 pairs (kernels/half4.py); --half-tops has the int4 down pass choose its float16
+or float32 loop from the gate/up pass's tile notes instead of reading h once more (decode.HALF_TOPS);
+--half-mxfp4 runs MXFP4's products in float16 pairs too (paths.HALF_FORMATS). --loads-only runs the 4-bit
+kernels with each chunk's conversion, products and vector taken out (a probe, its outputs meaningless):
+`words` sums each row's words as integers; `scales` also loads the group scales and sums per group times them,
+as the real chunk does; `convert` also converts every code to float32 and sums the values per group times the
+scales (no vector, no products). Their time against the real kernels' is what the loads alone cost at the same
+tiles, and what the conversion adds.
 --strided-vector loads the vector's 8 planes of each chunk straight from memory (8 loads of every 8th
 element, in the layout the products use) instead of one wide load split in registers, which the compiler
 routes through shared memory with 8 barriers an iteration (examples/pairs4_sass.py counts them): same
@@ -42,7 +43,7 @@ import triton
 import triton.language as tl
 
 from thunderep.bench.kernels import SHAPES, copy_bandwidth
-from thunderep.kernels import decode, pairs4, tiles, tuning
+from thunderep.kernels import decode, pairs4, paths, tiles, tuning
 from thunderep.kernels.codes4 import e2m1_halves, int4_halves
 from thunderep.kernels.fp8 import Fp8Weight
 from thunderep.kernels.int4 import Int4Weight
@@ -165,10 +166,14 @@ def main() -> None:
                         help="probe: the 4-bit kernels with each chunk's conversion and products taken out")
     parser.add_argument("--half-tops", action="store_true",
                         help="int4's down pass reads the gate/up pass's tile notes to choose its loop (HALF_TOPS)")
+    parser.add_argument("--half-mxfp4", action="store_true",
+                        help="MXFP4's products in float16 pairs too (paths.HALF_FORMATS)")
     parser.add_argument("--strided-vector", action="store_true",
                         help="the 4-bit kernels load the vector's planes directly (no shared memory, no barriers)")
     args = parser.parse_args()
     decode.HALF_TOPS = args.half_tops
+    if args.half_mxfp4:
+        paths.HALF_FORMATS = ("int4", "mxfp4")
     if args.strided_vector or args.loads_only:  # the probes replace the float32 chunk: int4 runs it
         os.environ["THUNDEREP_HALF_PRODUCTS"] = "0"
     if args.strided_vector:

@@ -203,14 +203,14 @@ def word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
 
 
 @triton.jit
-def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, ZERO: tl.constexpr,
-               MODE: tl.constexpr):
-    """`word_chunk` of int4 words with the products in float16 pairs (half4.py; MODE 1 inline PTX, 2 Triton
-    operations), for a vector that `half_fits`."""
+def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
+               ZERO: tl.constexpr, MODE: tl.constexpr):
+    """`word_chunk` with the products in float16 pairs (half4.py; MODE 1 inline PTX, 2 Triton operations),
+    for a vector that `half_fits`."""
     x0, x4, x1, x5, x2, x6, x3, x7 = planes(v_ptr, k0, C, w.shape[1])
-    prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE)
+    prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE, MXFP4)
     return _grouped(prod, word_sums(x0, x4, x1, x5, x2, x6, x3, x7), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
-                    GROUP, 8, False, ZERO, 1.0)
+                    GROUP, 8, MXFP4, ZERO, 1.0)
 
 
 @triton.jit
@@ -246,7 +246,7 @@ def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, st
             acc += _dot_grouped(_dot_words(w, a0, a4, a1, a5, a2, a6, a3, a7, opaque), sums, s_ptrs_N, z_ptrs_N,
                                 k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
         elif MODE != 0:
-            acc += half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, ZERO, MODE)
+            acc += half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE)
         else:
             acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
     return acc
@@ -267,14 +267,14 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     program waits for the grid it depends on (which writes the vector) before it reads the vector. WORDS4:
     C is a multiple of 32 (`load_words`). DOT (int4 words, whole groups, at most 16 a chunk, chunks of 128
     columns or more, 16 rows or more; else ignored): the products on the tensor cores, the vector scaled to
-    at most 1 and laid out one group a row (`group_planes`, `_dot_words`, `_dot_grouped`). HALF (int4 words,
-    not DOT; 1 inline PTX, 2 its interpreter form): the vector measured once (`largest`); one that
+    at most 1 and laid out one group a row (`group_planes`, `_dot_words`, `_dot_grouped`). HALF (words, not
+    DOT; 1 inline PTX, 2 its interpreter form): the vector measured once (`largest`); one that
     `half_fits` runs the loop of `half_chunk`, any other the float32 loop (two loops, not a branch a chunk:
     a branch inside the loop holds both chunks' registers at once). TOPS: HALF's measurement read from the
     vector producer's tile notes at top_ptr (`tiles_largest`) instead of the vector."""
     TC: tl.constexpr = (DOT and not MXFP4 and GROUP % 8 == 0 and BLOCK_K % GROUP == 0 and BLOCK_K // GROUP <= 16
                         and BLOCK_K >= 128 and ok_N.shape[0] >= 16)
-    FP16: tl.constexpr = HALF != 0 and not MXFP4 and not TC
+    FP16: tl.constexpr = HALF != 0 and not TC
     if (GROUP % 8 == 0) and words:
         w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         if WAIT:
@@ -322,8 +322,10 @@ def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N,
             acc_b += _dot_grouped(_dot_words(b, p0, p4, p1, p5, p2, p6, p3, p7, opaque), sums, sb_ptrs_N,
                                   zb_ptrs_N, k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
         elif MODE != 0:
-            acc_a += half_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, ZERO, MODE)
-            acc_b += half_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, ZERO, MODE)
+            acc_a += half_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO,
+                                MODE)
+            acc_b += half_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO,
+                                MODE)
         else:
             acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
             acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
@@ -336,7 +338,7 @@ def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, 
     (`_words_loop2`)."""
     TC: tl.constexpr = (DOT and not MXFP4 and GROUP % 8 == 0 and BLOCK_K % GROUP == 0 and BLOCK_K // GROUP <= 16
                         and BLOCK_K >= 128 and ok_N.shape[0] >= 16)
-    FP16: tl.constexpr = HALF != 0 and not MXFP4 and not TC
+    FP16: tl.constexpr = HALF != 0 and not TC
     if (GROUP % 8 == 0) and words:
         if TC:
             top = largest(v_ptr, C, BLOCK_K)

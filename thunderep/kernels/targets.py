@@ -108,6 +108,8 @@ _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=Fals
                                                               ZERO=False, WORDS4=True, HALF=1, TOPS=True)),
                  "down_pairs4_half": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True,
                                                                   WORDS4=True, SPLIT=True, HALF=1, TOPS=True)),
+                 "down_pairs4_half_mxfp4": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=True,
+                                                                        ZERO=False, WORDS4=True, HALF=1)),
                  # the sorted kernels reading packed tiles (sorted4.py: prompts on tensor cores)
                  "up4": (S4.up4_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, PRECISION="tf32", EVEN_K=True,
                                              TAIL=False, GROUP=32, MXFP4=True, ZERO=False)),
