@@ -3,7 +3,7 @@ for a GPU architecture on this machine (no GPU needed): int4 with groups of 32, 
 weight loads (LDG.E.128: 16 bytes a thread).
 
     python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4] [--dot]
-                                   [--chunk convert] [--half 1]
+                                   [--chunk convert] [--half 1] [--mxfp4]
 
 A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit conversion
 operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass
@@ -40,10 +40,11 @@ _LOAD = re.compile(r"(LDG\.[A-Z0-9.]*)")
 
 
 def sass(kernel, constants: dict, block_n: int, block_k: int, warps: int, arch: int) -> tuple[str, tuple]:
-    """The kernel's machine code for sm_<arch> (int4 bytes, bfloat16 scales and vectors), and its (registers,
+    """The kernel's machine code for sm_<arch> (4-bit bytes, bfloat16 scales (MXFP4: e8m0 bytes) and
+    vectors), and its (registers,
     stack bytes)."""
     sig, attrs, consts = targets._signature(kernel, "up_pairs4")
-    sig.update(w_ptr="*u8", s_ptr="*bf16", z_ptr="*i8")
+    sig.update(w_ptr="*u8", s_ptr="*u8" if constants["MXFP4"] else "*bf16", z_ptr="*i8")
     defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={**defaults, **constants, "BLOCK_N": block_n, "BLOCK_K": block_k, **consts})
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--tiles", default="16x512x4,8x512x2,16x1024x4,16x2048x4")
     parser.add_argument("--dot", action="store_true", help="also the DOT variant (products on the tensor cores)")
+    parser.add_argument("--mxfp4", action="store_true", help="MXFP4 weights (e2m1 codes, e8m0 scales) instead of int4")
     parser.add_argument("--half", type=int, default=0, choices=(0, 1),
                         help="the kernels' HALF (1: float16-pair products in inline PTX, as CUDA launches int4)")
     parser.add_argument("--chunk", choices=("convert",),
@@ -99,7 +101,7 @@ def main() -> None:
         for tile, dot in ((t, d) for t in args.tiles.split(",") for d in ((False, True) if args.dot else (False,))):
             block_n, block_k, warps = (int(v) for v in tile.split("x"))
             weights = block_n * block_k * matrices / (32 * warps)
-            flags = {**constants, "WORDS4": True, "DOT": dot, "HALF": args.half}
+            flags = {**constants, "WORDS4": True, "DOT": dot, "HALF": args.half, "MXFP4": args.mxfp4}
             code, (regs, stack) = sass(kernel, flags, block_n, block_k, warps, args.arch)
             loop = word_loop(code, args.half == 1)
             loads = collections.Counter(m.group(1) for m in map(_LOAD.search, loop) if m)

@@ -28,9 +28,9 @@ import os
 
 from .errors import ConfigError
 
-__all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "half_products", "host_collective", "host_collective_timeout_s",
-           "host_jobs", "host_threads", "mapped", "no_native_build", "pairs_max_tokens", "pdl", "sorted4",
-           "triton_autotune", "triton_interpreter"]
+__all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "half_products", "host_collective",
+           "host_collective_timeout_s", "host_jobs", "host_threads", "mapped", "no_native_build", "pairs_max_tokens",
+           "pdl", "sorted4", "triton_autotune", "triton_interpreter"]
 
 
 def _raw(name: str) -> str:

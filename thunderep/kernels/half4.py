@@ -35,6 +35,17 @@ __all__ = ["HALF_MAX", "HALF_MIN", "half_fits", "half_word_products"]
 HALF_MAX = 1024.0  # the largest vector magnitude the float16 products take (32 x 1024 < 65504, with margin)
 HALF_MIN = 2.0 ** -8  # the smallest largest-magnitude they take (see the module's doc)
 
+# The end of both conversions below: the 4 float16 pairs of codes t0..t3 times the vector's pairs, each half's
+# 4 products summed in float16, the halves widened and added.
+_PRODUCTS = """mul.f16x2 p, t0, $2;
+fma.rn.f16x2 p, t1, $3, p;
+fma.rn.f16x2 p, t2, $4, p;
+fma.rn.f16x2 p, t3, $5, p;
+mov.b32 {plo, phi}, p;
+cvt.f32.f16 flo, plo;
+cvt.f32.f16 fhi, phi;
+add.f32 $0, flo, fhi;
+}"""
 # One word's 8 int4 codes (nibble j: column 8 q + j, in half j // 4 at bits 4 (j % 4)) times the vector's
 # 4 float16 pairs ($2..$5: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), as one float32.
 _WORD_PRODUCTS = tl.constexpr("""{
@@ -53,15 +64,7 @@ sub.f16x2 t0, t0, off;
 fma.rn.f16x2 t1, t1, step, shift;
 sub.f16x2 t2, t2, off;
 fma.rn.f16x2 t3, t3, step, shift;
-mul.f16x2 p, t0, $2;
-fma.rn.f16x2 p, t1, $3, p;
-fma.rn.f16x2 p, t2, $4, p;
-fma.rn.f16x2 p, t3, $5, p;
-mov.b32 {plo, phi}, p;
-cvt.f32.f16 flo, plo;
-cvt.f32.f16 fhi, phi;
-add.f32 $0, flo, fhi;
-}""")
+""" + _PRODUCTS)
 # (1024 + n) - 1032 = n - 8 (0x6408: 1032); (1024 + 16 n) / 16 - 72 = n - 8 (0x2C00: 1 / 16, 0xD480: -72):
 # exact in float16, as the codes' conversions of codes4.py.
 
@@ -92,15 +95,7 @@ mul.f16x2 t0, t0, unit;
 mul.f16x2 t1, t1, unit;
 mul.f16x2 t2, t2, unit;
 mul.f16x2 t3, t3, unit;
-mul.f16x2 p, t0, $2;
-fma.rn.f16x2 p, t1, $3, p;
-fma.rn.f16x2 p, t2, $4, p;
-fma.rn.f16x2 p, t3, $5, p;
-mov.b32 {plo, phi}, p;
-cvt.f32.f16 flo, plo;
-cvt.f32.f16 fhi, phi;
-add.f32 $0, flo, fhi;
-}""")
+""" + _PRODUCTS)
 
 
 @triton.jit

@@ -226,8 +226,14 @@ def half_mode(device: torch.device, fmt: str) -> int:
         return 2
     if device.type != "cuda":
         return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return 1 if torch.cuda.get_device_capability(index) >= (8, 0) else 0
+    return 1 if _has_half(device.index if device.index is not None else torch.cuda.current_device()) else 0
+
+
+@functools.cache
+def _has_half(index: int) -> bool:
+    """Whether CUDA device `index` runs HALF's packed float16 PTX (sm_80 and later): asked once per device,
+    as decode asks half_mode on every layer call."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 @functools.cache
