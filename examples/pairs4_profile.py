@@ -2,7 +2,7 @@
 every call) for bfloat16, per-row FP8, int4 and MXFP4 weights of one expert shape, beside the bytes each
 pass reads and those bytes' time at copy bandwidth.
 
-    python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-words4]
+    python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-parts] [--no-words4]
                                       [--loads-only words|scales|convert] [--strided-vector] [--half-tops]
                                       [--half-mxfp4]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
@@ -13,9 +13,10 @@ Prints per format and kernel: microseconds per call (median), the bytes it reads
 the K experts), and the fraction of copy bandwidth those bytes' time is (the kernel benchmark's HBM
 fraction, per pass); and per format the pair's time end to end (CUDA events, L2 flushed: where the down
 pass launches early, PDL, the two kernels' own times overlap). --no-split leaves the 4-bit down pass's
-one-program-per-slot configs out of its autotuning; --no-words4 launches the 4-bit kernels with 8-byte
-word loads (WORDS4 off, pairs4.load_words); THUNDEREP_PDL=0 launches the down pass plainly. Together they
-are the 4-bit kernels as they were before those three. THUNDEREP_HALF_PRODUCTS=0 runs int4's products in
+one-program-per-slot configs out of its autotuning, --no-parts its configs that cut I into ranges (PARTS);
+--no-words4 launches the 4-bit kernels with 8-byte word loads (WORDS4 off, pairs4.load_words);
+THUNDEREP_PDL=0 launches the down pass plainly. Together (PARTS aside) they are the 4-bit kernels as they
+were before those three. THUNDEREP_HALF_PRODUCTS=0 runs int4's products in
 float32, as before the float16 pairs (kernels/half4.py); --half-tops has the int4 down pass choose its float16
 or float32 loop from the gate/up pass's tile notes instead of reading h once more (decode.HALF_TOPS);
 --half-mxfp4 runs MXFP4's products in float16 pairs too (paths.HALF_FORMATS). --loads-only runs the 4-bit
@@ -161,6 +162,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--ncu", action="store_true", help="one call of each format between profiler start/stop")
     parser.add_argument("--no-split", action="store_true", help="no SPLIT configs in the 4-bit down pass's tuning")
+    parser.add_argument("--no-parts", action="store_true", help="no PARTS configs in the 4-bit down pass's tuning")
     parser.add_argument("--no-words4", action="store_true", help="the 4-bit kernels' word loads 8 bytes wide")
     parser.add_argument("--loads-only", choices=("words", "scales", "convert"),
                         help="probe: the 4-bit kernels with each chunk's conversion and products taken out")
@@ -187,6 +189,8 @@ def main() -> None:
         decode._launch4 = lambda *a, **kw: launch(*a, **{**kw, "WORDS4": False})
     if args.no_split:
         tiles.DOWN_PAIRS4.configs = [c for c in tiles.DOWN_PAIRS4.configs if not c.kwargs.get("SPLIT")]
+    if args.no_parts:
+        tiles.DOWN_PAIRS4.configs = [c for c in tiles.DOWN_PAIRS4.configs if c.kwargs.get("PARTS", 1) == 1]
     device = torch.device("cuda")
     formats, D, E, K = _weights(args.shape, device)
     x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
@@ -197,6 +201,9 @@ def main() -> None:
     for fmt, (w_gu, w_d) in formats.items():  # autotune every kernel before anything is timed
         _call(fmt, x, w_gu, w_d, ids, weights)
     torch.cuda.synchronize()
+    for name in ("up_pairs4", "down_pairs4"):
+        for key, config in tuning.kernel_configs().get(name, {}).items():
+            print(f"{name} chose {config} for key {key}")
     for fmt in ("int4", "mxfp4"):  # the probes' outputs against the dequantized weights' (meaningless for --loads-only)
         w_gu, w_d = formats[fmt]
         print(f"{fmt}: output error {_error(x, w_gu, w_d, ids, weights, K):.2e} of the largest output "

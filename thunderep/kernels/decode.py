@@ -114,8 +114,10 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
         buf = torch.empty(N, 1 + cdiv(I, least), dtype=torch.float32, device=x.device)
         tops = {"top_ptr": buf, "stride_tm": buf.stride(0), "TOPS": True}
     n_counts = cdiv(D, min(tiles.MIN_PAIRS4_BLOCK_N, (PAIRS4_DOWN or {}).get("BLOCK_N", D)))
-    part = torch.empty(N * D + T * n_counts, dtype=torch.float32, device=x.device)  # SPLIT: partials, counts
-    count = part[N * D:].view(torch.int32)
+    parts = tiles.MAX_PAIRS4_PARTS if PAIRS4_DOWN is None else PAIRS4_DOWN.get("PARTS", 1)
+    partials = N * D * parts  # SPLIT and PARTS: a float32 partial per slot and part of I
+    part = torch.empty(partials + T * n_counts, dtype=torch.float32, device=x.device)
+    count = part[partials:].view(torch.int32)
     _launch4(tiles.UP_PAIRS4, tiles.UP_PAIRS4_PLAIN, PAIRS4_UP, lambda bn: N * cdiv(I, bn), D,
              lambda meta: (N, cdiv(I, meta["BLOCK_N"])), x.device,
              x_ptr=x, w_ptr=w_gate_up.packed, stride_we=w_gate_up.packed.stride(0), h_ptr=h, ids_ptr=ids,
@@ -124,7 +126,8 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
              INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half, **tops, **w_gate_up.kernel_args())
     y = x.new_empty(T, D)
     _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
-             lambda meta: (T, cdiv(D, meta["BLOCK_N"]), N // T if meta.get("SPLIT") else 1), x.device,
+             lambda meta: (T, cdiv(D, meta["BLOCK_N"]), (N // T if meta.get("SPLIT") else 1) * meta.get("PARTS", 1)),
+             x.device,
              h_ptr=h, w_ptr=w_down.packed, stride_we=w_down.packed.stride(0), y_ptr=y, ids_ptr=ids,
              weight_ptr=weights if weights is not None else h, part_ptr=part, count_ptr=count, D=D, I=I, E=E,
              top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0),

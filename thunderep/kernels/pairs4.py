@@ -41,7 +41,7 @@ from .act import act, gate_up_cols
 from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, int4_halves16, nibbles4, scales4
 from .half4 import half_fits, half_word_products
 from .pairs import gdc_launch_dependents, gdc_wait
-from .split_slots import sum_split_slots, zero_counts
+from .split_slots import part_range, sum_split_slots, zero_counts
 from .vector4 import group_planes, largest, planes, store_tile_top, tiles_largest, vector, word_sums
 
 __all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
@@ -426,16 +426,19 @@ def slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_
 
 
 @triton.jit
-def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we, stride_wd,
-           stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr,
-           ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr, WORDS4: tl.constexpr, DOT: tl.constexpr,
-           HALF: tl.constexpr, top_ptr, stride_tm, TOPS: tl.constexpr):
-    """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N."""
+def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps, C, E, stride_hm, stride_we,
+           stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr,
+           MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, STEP: tl.constexpr, WAIT: tl.constexpr,
+           WORDS4: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr, top_ptr, stride_tm, TOPS: tl.constexpr):
+    """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N and
+    the C columns of I from steps * STEP (`part_range`)."""
     expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
                                               stride_se, stride_sn, WEIGHTED)
-    h_row = h_ptr + j.to(tl.int64) * stride_hm
+    h_row = h_ptr + j.to(tl.int64) * stride_hm + steps * STEP
+    w_N += steps * (STEP // 2)  # bytes
+    s_N += (steps * (STEP // GROUP)).to(tl.int64) * stride_sk  # groups (STEP is a multiple of GROUP)
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
-    return rw * packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4,
+    return rw * packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, C, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4,
                            ZERO, BLOCK_K, WAIT, WORDS4, DOT, HALF, top_ptr + j.to(tl.int64) * stride_tm, TOPS)
 
 
@@ -444,35 +447,48 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
                        stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, stride_ym, stride_cm,
                        WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
-                       PDL: tl.constexpr = False, WORDS4: tl.constexpr = False, DOT: tl.constexpr = False,
-                       HALF: tl.constexpr = 0, top_ptr=0, stride_tm=0, TOPS: tl.constexpr = False):
+                       PARTS: tl.constexpr = 1, PDL: tl.constexpr = False, WORDS4: tl.constexpr = False,
+                       DOT: tl.constexpr = False, HALF: tl.constexpr = 0, top_ptr=0, stride_tm=0,
+                       TOPS: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
     One program loops over the token's K slots; SPLIT: one program per slot (program_id(2)), the slot that
     arrives last summing the K partials in slot order (`split_slots.sum_split_slots`: the loop's sum, bit for
-    bit; K times the programs for shapes with few columns). PDL: launched as a programmatic dependent of the
-    gate/up pass: each program loads its first chunk of weights, then waits for h. WORDS4: I a multiple of
-    32 (`load_words`). DOT: products on the tensor cores; HALF: in float16 pairs (`packed_dot`)."""
+    bit; K times the programs for shapes with few columns). PARTS: each program takes one of PARTS ranges
+    of I (`part_range`; program_id(2) is slot * PARTS + part under SPLIT, else the part), the last to arrive
+    summing the token's partials in that order, so wide column tiles (each h chunk read once for BLOCK_N
+    rows) still give every SM programs; deterministic, not the one-range sum bit for bit. PDL: launched as a
+    programmatic dependent of the gate/up pass: each program loads its first chunk of weights, then waits for
+    h. WORDS4: I a multiple of 32 (`load_words`). DOT: products on the tensor cores; HALF: in float16 pairs
+    (`packed_dot`)."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok_N = cols_N < D
     y_ptrs = y_ptr + t.to(tl.int64) * stride_ym + cols_N
     words = words_ok(w_ptr, stride_we, stride_wd, I)
+    # a part is a whole number of chunks and of groups
+    STEP: tl.constexpr = BLOCK_K if BLOCK_K % GROUP == 0 else (GROUP if GROUP % BLOCK_K == 0 else BLOCK_K * GROUP)
+    q = tl.program_id(2)
+    steps, C = part_range(q % PARTS, I, PARTS, STEP)
     if SPLIT:
-        j = t * top_k + tl.program_id(2)
-        part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_hm, stride_we,
-                      stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO, BLOCK_K, PDL,
-                      WORDS4, DOT, HALF, top_ptr, stride_tm, TOPS)
-        sum_split_slots(part, j, t, tile, cols_N, col_ok_N, D, top_k, part_ptr, count_ptr, stride_cm, y_ptrs)
+        part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + q // PARTS, cols_N, D, steps, C,
+                      E, stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
+                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, DOT, HALF, top_ptr, stride_tm, TOPS)
+        sum_split_slots(part, t * top_k * PARTS + q, t, tile, cols_N, col_ok_N, D, top_k * PARTS, part_ptr,
+                        count_ptr, stride_cm, y_ptrs)
     else:
-        acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, I, E, stride_hm,
+        acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, steps, C, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
-                     BLOCK_K, PDL, WORDS4, DOT, HALF, top_ptr, stride_tm,
+                     BLOCK_K, STEP, PDL, WORDS4, DOT, HALF, top_ptr, stride_tm,
                      TOPS)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
-            acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, I, E,
+            acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, steps, C, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                          MXFP4, ZERO, BLOCK_K, False, WORDS4, DOT, HALF, top_ptr, stride_tm, TOPS)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_ok_N)
+                          MXFP4, ZERO, BLOCK_K, STEP, False, WORDS4, DOT, HALF, top_ptr, stride_tm, TOPS)
+        if PARTS > 1:
+            sum_split_slots(acc, t * PARTS + q, t, tile, cols_N, col_ok_N, D, PARTS, part_ptr, count_ptr, stride_cm,
+                            y_ptrs)
+        else:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_ok_N)

@@ -3,7 +3,8 @@ tile) instead of one per (token, column tile) looping over the K slots, for shap
 SMs idle. Each program stores its float32 partial and counts itself; the token's slot that arrives last
 sums the K partials in slot order, so the output is the loop's bit for bit, with no float atomics. The
 counts start at 0 (the gate/up pass zeroes them, `zero_counts`) and each down launch leaves them at 0,
-also when the autotuner reruns it.
+also when the autotuner reruns it. The 4-bit down pass also cuts I into parts (pairs4.py PARTS,
+`part_range`): the same sum over slot-and-part partials, in that order.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["sum_split_slots", "zero_counts"]
+__all__ = ["part_range", "sum_split_slots", "zero_counts"]
 
 
 @triton.jit
@@ -41,3 +42,13 @@ def sum_split_slots(part_N, j, t, tile, cols_N, col_ok_N, D, top_k, part_ptr, co
             part_ptrs += D
         tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=col_ok_N)
         tl.store(count, 0)
+
+
+@triton.jit
+def part_range(part, C, PARTS: tl.constexpr, STEP: tl.constexpr):
+    """(steps, length) of part `part` of C columns cut in PARTS: each part a whole number of STEP columns
+    (the last shorter, any past C empty: length 0), starting at column steps * STEP. Offsets are built as
+    steps times a constant, so the compiler still sees the words' alignment (16-byte loads, `load_words`)."""
+    size = tl.cdiv(tl.cdiv(C, PARTS), STEP)
+    steps = part * size
+    return steps, tl.maximum(tl.minimum(size * STEP, C - steps * STEP), 0)

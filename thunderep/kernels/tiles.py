@@ -21,8 +21,8 @@ from .tuning import fp8_only, signature, tuned
 
 __all__ = ["ACT_BWD", "ACT_BWD_PLAIN", "DEFAULT_DOWN_PAIR", "DEFAULT_ROW", "DEFAULT_UP_PAIR", "DEFAULT_WGRAD",
            "DOWN_PAIRS", "DOWN_PAIRS4", "DOWN_PAIRS4_PLAIN", "DOWN_PAIRS_PLAIN", "DOWN_PAIR_CONFIGS", "FP8_ROW_TILES",
-           "MIN_DOWN_BLOCK_N", "MIN_PAIRS4_BLOCK_N", "MIN_PAIRS4_UP_BLOCK_N", "ROWS", "ROWS4", "ROWS4_PLAIN",
-           "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP4", "UP4_PLAIN", "UP_PAIRS", "UP_PAIRS4",
+           "MAX_PAIRS4_PARTS", "MIN_DOWN_BLOCK_N", "MIN_PAIRS4_BLOCK_N", "MIN_PAIRS4_UP_BLOCK_N", "ROWS", "ROWS4",
+           "ROWS4_PLAIN", "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP4", "UP4_PLAIN", "UP_PAIRS", "UP_PAIRS4",
            "UP_PAIRS4_PLAIN", "UP_PAIRS_PLAIN",
            "UP_PAIR_CONFIGS", "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS", "WGRAD_PLAIN", "cfg", "m_key", "pair_cfg",
            "pairs4_default", "prune_rows", "prune_up", "prune_wgrad", "row_cfg", "wgrad_key"]
@@ -143,8 +143,18 @@ PAIRS4_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for
 # tiles with the most rows per program.
 PAIRS4_SPLIT_TILES = [(8, 512, 4), (16, 512, 4), (32, 256, 8), (8, 1024, 4), (16, 1024, 8), (8, 2048, 8),
                       (16, 2048, 4)]
-DOWN_PAIRS4_CONFIGS = PAIRS4_CONFIGS + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": True}, num_warps=w)
-                                        for bn, bk, w in PAIRS4_SPLIT_TILES]
+# And wide column tiles with I cut into PARTS ranges (pairs4.down_pairs4_kernel PARTS): each h chunk a program
+# reads serves BLOCK_N rows, where the narrow tiles re-read the token's h rows once per few rows (at Mixtral's
+# shape and 8 rows, 512 programs read 28 KB of h each per slot beside 115 KB of weights); (BLOCK_N, BLOCK_K,
+# warps, PARTS, SPLIT).
+PAIRS4_PART_TILES = [(32, 512, 4, 4, True), (32, 1024, 4, 4, True), (32, 512, 4, 8, True), (64, 512, 8, 4, True),
+                     (64, 1024, 8, 8, True), (16, 1024, 4, 4, True), (32, 1024, 8, 4, False), (64, 512, 8, 8, False)]
+DOWN_PAIRS4_CONFIGS = (PAIRS4_CONFIGS
+                       + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": True}, num_warps=w)
+                          for bn, bk, w in PAIRS4_SPLIT_TILES]
+                       + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PARTS": parts, "SPLIT": split}, num_warps=w)
+                          for bn, bk, w, parts, split in PAIRS4_PART_TILES])
+MAX_PAIRS4_PARTS = max(c.kwargs.get("PARTS", 1) for c in DOWN_PAIRS4_CONFIGS)  # sizes the down pass's partials
 # DOT (int4 products on the tensor cores, pairs4.packed_dot) is in no list: built for sm_90 it takes 1.3-1.8x
 # the instructions per weight of the multiply-adds, with shared-memory round trips and barriers in its loop
 # (examples/pairs4_sass.py --dot, int4 record); it runs only where a config pins it (decode.PAIRS4_UP/DOWN,
