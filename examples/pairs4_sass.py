@@ -3,7 +3,7 @@ for a GPU architecture on this machine (no GPU needed): int4 with groups of 32, 
 weight loads (LDG.E.128: 16 bytes a thread).
 
     python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4] [--dot]
-                                   [--chunk convert] [--half 1] [--mxfp4]
+                                   [--chunk convert] [--half 1] [--mxfp4] [--parts 4]
 
 A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit conversion
 operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass
@@ -12,7 +12,8 @@ a faster kernel is for `examples/pairs4_configs.py` on a GPU. --dot counts the D
 on the tensor cores). Also each build's registers a thread and stack bytes (spills), and the loop's
 shared-memory operations and barriers. --chunk counts one of `examples/pairs4_profile.py`'s probes in place of the
 chunk as it runs (`--loads-only convert`). --half 1 counts the int4 kernels as CUDA launches them
-(HALF: the products in float16 pairs, kernels/half4.py): the loop a vector in range runs.
+(HALF: the products in float16 pairs, kernels/half4.py): the loop a vector in range runs. --parts N counts the down pass with I cut into N ranges (PARTS, SPLIT), whose
+offsets must leave the loads 16 bytes wide.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def main() -> None:
                         help="the kernels' HALF (1: float16-pair products in inline PTX, as CUDA launches int4)")
     parser.add_argument("--chunk", choices=("convert",),
                         help="count a probe of examples/pairs4_profile.py in place of the chunk as it runs")
+    parser.add_argument("--parts", type=int, default=1, help="the down pass with I cut into this many ranges")
     args = parser.parse_args()
     if args.chunk:  # before the first build, as pairs4_profile patches it (this file's folder is on sys.path)
         import pairs4_profile
@@ -102,6 +104,8 @@ def main() -> None:
             block_n, block_k, warps = (int(v) for v in tile.split("x"))
             weights = block_n * block_k * matrices / (32 * warps)
             flags = {**constants, "WORDS4": True, "DOT": dot, "HALF": args.half, "MXFP4": args.mxfp4}
+            if name == "down" and args.parts > 1:
+                flags.update(PARTS=args.parts, SPLIT=True)
             code, (regs, stack) = sass(kernel, flags, block_n, block_k, warps, args.arch)
             loop = word_loop(code, args.half == 1)
             loads = collections.Counter(m.group(1) for m in map(_LOAD.search, loop) if m)
