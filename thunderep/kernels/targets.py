@@ -103,11 +103,13 @@ _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=Fals
                  "down_pairs4_dot": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True,
                                                                  DOT=True, WORDS4=True, SPLIT=True)),
                  # int4 with the products in float16 pairs (HALF: inline PTX, half4.py), as CUDA launches them
-                 # (the down pass's choice read from the gate/up pass's tile notes, TOPS: decode.HALF_TOPS)
+                 # (the down pass's choice read from the gate/up pass's tile notes, TOPS: decode.HALF_TOPS; its
+                 # I cut into 4 ranges, PARTS)
                  "up_pairs4_half": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=False,
                                                               ZERO=False, WORDS4=True, HALF=1, TOPS=True)),
                  "down_pairs4_half": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True,
-                                                                  WORDS4=True, SPLIT=True, HALF=1, TOPS=True)),
+                                                                  WORDS4=True, SPLIT=True, HALF=1, TOPS=True,
+                                                                  PARTS=4)),
                  "down_pairs4_half_mxfp4": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=True,
                                                                         ZERO=False, WORDS4=True, HALF=1)),
                  # the sorted kernels reading packed tiles (sorted4.py: prompts on tensor cores)
