@@ -147,8 +147,9 @@ PAIRS4_SPLIT_TILES = [(8, 512, 4), (16, 512, 4), (32, 256, 8), (8, 1024, 4), (16
 # reads serves BLOCK_N rows, where the narrow tiles re-read the token's h rows once per few rows (at Mixtral's
 # shape and 8 rows, 512 programs read 28 KB of h each per slot beside 115 KB of weights); (BLOCK_N, BLOCK_K,
 # warps, PARTS, SPLIT).
-PAIRS4_PART_TILES = [(32, 512, 4, 4, True), (32, 1024, 4, 4, True), (32, 512, 4, 8, True), (64, 512, 8, 4, True),
-                     (64, 1024, 8, 8, True), (16, 1024, 4, 4, True), (32, 1024, 8, 4, False), (64, 512, 8, 8, False)]
+PAIRS4_PART_TILES = [(32, 512, 4, 2, True), (32, 512, 4, 4, True), (16, 1024, 4, 2, True), (32, 1024, 4, 4, True),
+                     (64, 512, 8, 2, True), (32, 512, 4, 8, True), (64, 512, 8, 4, True), (32, 1024, 8, 4, False),
+                     (64, 512, 8, 8, False)]
 DOWN_PAIRS4_CONFIGS = (PAIRS4_CONFIGS
                        + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": True}, num_warps=w)
                           for bn, bk, w in PAIRS4_SPLIT_TILES]
