@@ -12,8 +12,7 @@ a faster kernel is for `examples/pairs4_configs.py` on a GPU. --dot counts the D
 on the tensor cores). Also each build's registers a thread and stack bytes (spills), and the loop's
 shared-memory operations and barriers. --chunk counts one of `examples/pairs4_profile.py`'s probes in place of the
 chunk as it runs (`--loads-only convert`). --half 1 counts the int4 kernels as CUDA launches them
-(HALF: the products in float16 pairs, kernels/half4.py): the loop a vector in range runs; --half 3 with
-each 4 words' products summed in float16 (QUADS). --parts N counts the down pass with I cut into N ranges (PARTS, SPLIT), whose
+(HALF: the products in float16 pairs, kernels/half4.py): the loop a vector in range runs. --parts N counts the down pass with I cut into N ranges (PARTS, SPLIT), whose
 offsets must leave the loads 16 bytes wide.
 """
 
@@ -85,7 +84,7 @@ def main() -> None:
     parser.add_argument("--tiles", default="16x512x4,8x512x2,16x1024x4,16x2048x4")
     parser.add_argument("--dot", action="store_true", help="also the DOT variant (products on the tensor cores)")
     parser.add_argument("--mxfp4", action="store_true", help="MXFP4 weights (e2m1 codes, e8m0 scales) instead of int4")
-    parser.add_argument("--half", type=int, default=0, choices=(0, 1, 3),
+    parser.add_argument("--half", type=int, default=0, choices=(0, 1),
                         help="the kernels' HALF (1: float16-pair products in inline PTX, as CUDA launches int4)")
     parser.add_argument("--chunk", choices=("convert",),
                         help="count a probe of examples/pairs4_profile.py in place of the chunk as it runs")
@@ -108,7 +107,7 @@ def main() -> None:
             if name == "down" and args.parts > 1:
                 flags.update(PARTS=args.parts, SPLIT=True)
             code, (regs, stack) = sass(kernel, flags, block_n, block_k, warps, args.arch)
-            loop = word_loop(code, args.half != 0)
+            loop = word_loop(code, args.half == 1)
             loads = collections.Counter(m.group(1) for m in map(_LOAD.search, loop) if m)
             shared = sum(bool(re.search(r"\b(LDS|STS|STSM|LDSM)\b", x)) for x in loop)
             barriers = sum("BAR.SYNC" in x for x in loop)

@@ -118,13 +118,12 @@ def pdl() -> bool | None:
     return None if raw == "" else raw == "1"
 
 
-def half_products() -> str | None:
-    """THUNDEREP_HALF_PRODUCTS: "0" (off), "1" (on, the default form), "words" or "quads" (that form);
-    None when unset."""
+def half_products() -> bool | None:
+    """THUNDEREP_HALF_PRODUCTS: False for "0", True for "1", None when unset."""
     raw = _raw("THUNDEREP_HALF_PRODUCTS")
-    if raw not in ("", "0", "1", "words", "quads"):
-        raise ConfigError(f"THUNDEREP_HALF_PRODUCTS={raw!r}: use 0 (off), 1 (on), words or quads, or leave it unset")
-    return raw or None
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"THUNDEREP_HALF_PRODUCTS={raw!r}: use 0 (off) or 1, or leave it unset")
+    return None if raw == "" else raw == "1"
 
 
 def sorted4() -> str | None:

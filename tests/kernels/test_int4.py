@@ -281,48 +281,6 @@ def test_int4_half_products_run_where_the_vector_fits(fmt, tops, monkeypatch):
     assert not torch.equal(outs["1"][2], outs["0"][2])  # fits: the float16 pairs ran
 
 
-def _h_top(x, q_gu, ids):
-    """Each token's largest |h| over its slots (float64, the dequantized weights)."""
-    w = q_gu.dequantize(dtype=torch.float64)
-    gu = torch.einsum("td,tkid->tki", x.double(), w[ids])
-    gate, up = gu.chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).abs().amax(dim=(1, 2))
-
-
-def test_int4_half_quads_keep_their_range_and_fall_back(monkeypatch):
-    """QUADS (THUNDEREP_HALF_PRODUCTS=quads: each 4 words' products summed in float16): within the
-    reference's error; a token whose x (600) and h are past QUAD_MAX (256) but within the per-word range runs
-    the float32 products in both passes, bit for bit THUNDEREP_HALF_PRODUCTS=0, where the per-word form
-    (words) runs float16 in its gate/up pass; a token in range runs QUADS' float16 sums (differs from
-    both); groups of 16 columns run the per-word form, bit for bit."""
-    from thunderep.kernels.half4 import QUAD_MAX
-
-    assert 16 * 8 * QUAD_MAX < 65504
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
-    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
-    x, w_gu, w_d, ids, weights = make_case(2, 96, 64, 5, 2, torch.bfloat16, 7)
-    x[0] = x[0] / x[0].abs().max() * 600
-    for group in (32, 16):
-        q_gu, q_d = Int4Weight.quantize(w_gu, "int4", group), Int4Weight.quantize(w_d, "int4", group)
-        y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64),
-                          ids, weights.double())
-        outs = {}
-        for form in ("0", "words", "quads"):
-            monkeypatch.setenv("THUNDEREP_HALF_PRODUCTS", form)
-            with torch.no_grad():
-                outs[form] = routed_moe_mlp(x, q_gu, q_d, ids, weights.bfloat16())
-            for t in range(2):
-                assert rel_err(outs[form][t], y_ref[t]) < 2e-2, (form, group, t)
-        if group == 16:
-            assert torch.equal(outs["quads"], outs["words"])
-            continue
-        h_top = _h_top(x, q_gu, ids)
-        assert h_top[0] > QUAD_MAX and h_top[1] < QUAD_MAX, h_top
-        assert torch.equal(outs["quads"][0], outs["0"][0]) and not torch.equal(outs["words"][0], outs["0"][0])
-        assert not torch.equal(outs["quads"][1], outs["words"][1]) and not torch.equal(outs["quads"][1], outs["0"][1])
-
-
 @pytest.mark.parametrize("tops", [False, True], ids=["measured", "tile-notes"])
 def test_int4_half_down_pass_takes_float32_for_a_large_h(tops, monkeypatch):
     """A vector that fits for the gate/up pass (x of the usual size) but whose h does not (gate/up scales

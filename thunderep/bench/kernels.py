@@ -97,8 +97,6 @@ PINS = {
     "wgrad_torch": ("THUNDEREP_WGRAD", "torch"),  # weight gradients: torch's grouped GEMM
     "nopdl": ("THUNDEREP_PDL", "0"),  # decode: the down pass launched plainly, after the gate/up pass ends
     "nohalf": ("THUNDEREP_HALF_PRODUCTS", "0"),  # int4 decode: the products in float32, not float16 pairs
-    "halfwords": ("THUNDEREP_HALF_PRODUCTS", "words"),  # ... in float16 pairs, each word's sum widened
-    "halfquads": ("THUNDEREP_HALF_PRODUCTS", "quads"),  # ... each 4 words' sum widened (kernels/half4.py QUADS)
     "packed": ("THUNDEREP_SORTED4", "packed"),  # 4-bit sorted calls: the kernels reading the packed bytes
     "dequant": ("THUNDEREP_SORTED4", "dequant"),  # 4-bit sorted calls: dequantized for the 16-bit kernels
 }

@@ -21,12 +21,6 @@ magnitude is at most HALF_MAX; and the vector's smallest elements keep their wei
 at least HALF_MIN (an element under float16's smallest normal, 2 ** -14, is then under 2 ** -6 of the
 largest, and its rounding under 2 ** -25 absolute). `packed_dot` measures the vector once per program and
 runs the float32 chunk for a vector outside that range, so no input overflows or loses its small elements.
-
-QUADS (MODE 3 in PTX, 4 in Triton operations; paths.half_mode): each 4 words' (32 columns') products stay in
-float16 pairs until summed, one widening per 4 words instead of per word (counted at sm_90: 7-9% fewer
-instructions a weight, examples/pairs4_sass.py). A half then sums 16 products, at most 128 times the vector's
-largest magnitude, so the range ends at QUAD_MAX. Groups of other than a multiple of 32 columns, or chunks
-narrower than 32, run the per-word form.
 """
 
 from __future__ import annotations
@@ -36,11 +30,10 @@ import triton.language as tl
 
 from .codes4 import e2m1_halves16, int4_halves16
 
-__all__ = ["HALF_MAX", "HALF_MIN", "QUAD_MAX", "half_fits", "half_quad_products", "half_word_products"]
+__all__ = ["HALF_MAX", "HALF_MIN", "half_fits", "half_word_products"]
 
 HALF_MAX = 1024.0  # the largest vector magnitude the float16 products take (32 x 1024 < 65504, with margin)
 HALF_MIN = 2.0 ** -8  # the smallest largest-magnitude they take (see the module's doc)
-QUAD_MAX = 256.0  # QUADS: 16 products a half, 128 x 256 < 65504 with margin
 
 # The end of both conversions below: the 4 float16 pairs of codes t0..t3 times the vector's pairs, each half's
 # 4 products summed in float16, the halves widened and added.
@@ -53,11 +46,6 @@ cvt.f32.f16 flo, plo;
 cvt.f32.f16 fhi, phi;
 add.f32 $0, flo, fhi;
 }"""
-_PAIRS = """mul.f16x2 p, t0, $2;
-fma.rn.f16x2 p, t1, $3, p;
-fma.rn.f16x2 p, t2, $4, p;
-fma.rn.f16x2 $0, t3, $5, p;
-}"""  # QUADS: the same products left in float16 pairs (the word's two sums of 4 as one 32-bit word)
 # One word's 8 int4 codes (nibble j: column 8 q + j, in half j // 4 at bits 4 (j % 4)) times the vector's
 # 4 float16 pairs ($2..$5: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), as one float32.
 _WORD_PRODUCTS = tl.constexpr("""{
@@ -77,7 +65,6 @@ fma.rn.f16x2 t1, t1, step, shift;
 sub.f16x2 t2, t2, off;
 fma.rn.f16x2 t3, t3, step, shift;
 """ + _PRODUCTS)
-_WORD_PAIRS = tl.constexpr(_WORD_PRODUCTS.value[:-len(_PRODUCTS)] + _PAIRS)
 # (1024 + n) - 1032 = n - 8 (0x6408: 1032); (1024 + 16 n) / 16 - 72 = n - 8 (0x2C00: 1 / 16, 0xD480: -72):
 # exact in float16, as the codes' conversions of codes4.py.
 
@@ -109,15 +96,12 @@ mul.f16x2 t1, t1, unit;
 mul.f16x2 t2, t2, unit;
 mul.f16x2 t3, t3, unit;
 """ + _PRODUCTS)
-_WORD_PAIRS_E2M1 = tl.constexpr(_WORD_PRODUCTS_E2M1.value[:-len(_PRODUCTS)] + _PAIRS)
 
 
 @triton.jit
-def half_fits(top, MODE: tl.constexpr = 1):
-    """Whether a vector of largest magnitude `top` runs the float16 products (`HALF_MIN` <= top <= `HALF_MAX`,
-    QUADS `QUAD_MAX`; a NaN or infinite top does not)."""
-    if MODE >= 3:
-        return (top <= 256.0) & (top >= 0.00390625)
+def half_fits(top):
+    """Whether a vector of largest magnitude `top` runs the float16 products (`HALF_MIN` <= top <= `HALF_MAX`;
+    a NaN or infinite top does not)."""
     return (top <= 1024.0) & (top >= 0.00390625)
 
 
@@ -152,70 +136,29 @@ def _codes16(w, J: tl.constexpr, opaque, MXFP4: tl.constexpr):
 
 
 @triton.jit
-def _sums16(w, p04, p15, p26, p37, opaque, MXFP4: tl.constexpr):
-    """The interpreter's form of a word's two float16 sums of 4 products (low half's, high half's)."""
-    lo, hi = _codes16(w, 0, opaque, MXFP4)
-    p_lo = lo * _half(p04, 0)[None, :]
-    p_hi = hi * _half(p04, 1)[None, :]
-    lo, hi = _codes16(w, 1, opaque, MXFP4)
-    p_lo += lo * _half(p15, 0)[None, :]
-    p_hi += hi * _half(p15, 1)[None, :]
-    lo, hi = _codes16(w, 2, opaque, MXFP4)
-    p_lo += lo * _half(p26, 0)[None, :]
-    p_hi += hi * _half(p26, 1)[None, :]
-    lo, hi = _codes16(w, 3, opaque, MXFP4)
-    p_lo += lo * _half(p37, 0)[None, :]
-    p_hi += hi * _half(p37, 1)[None, :]
-    return p_lo, p_hi
-
-
-@triton.jit
 def half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE: tl.constexpr, MXFP4: tl.constexpr = False):
     """[BLOCK_N, HW] float32: each word of w (int4 or, MXFP4, e2m1 codes, [BLOCK_N, HW]) times the vector's 8
     planes ([HW] float32, `vector4.planes`' order), summed over the word's 8 values: products in float16
     pairs, each half's 4 summed there, then the halves widened and added. MODE 1: inline PTX; 2: Triton
     operations (the interpreter). The vector must fit (`half_fits`). opaque: a uint32 zero
     (`pairs4.packed_dot`)."""
-    p04, p15 = _pair16(x0, x4, MODE % 2), _pair16(x1, x5, MODE % 2)
-    p26, p37 = _pair16(x2, x6, MODE % 2), _pair16(x3, x7, MODE % 2)
+    p04, p15 = _pair16(x0, x4, MODE), _pair16(x1, x5, MODE)
+    p26, p37 = _pair16(x2, x6, MODE), _pair16(x3, x7, MODE)
     if MODE == 1:
         return tl.inline_asm_elementwise(_WORD_PRODUCTS_E2M1 if MXFP4 else _WORD_PRODUCTS, "=r,r,r,r,r,r",
                                          [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
                                           p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
     else:
-        p_lo, p_hi = _sums16(w, p04, p15, p26, p37, opaque, MXFP4)
+        lo, hi = _codes16(w, 0, opaque, MXFP4)
+        p_lo = lo * _half(p04, 0)[None, :]
+        p_hi = hi * _half(p04, 1)[None, :]
+        lo, hi = _codes16(w, 1, opaque, MXFP4)
+        p_lo += lo * _half(p15, 0)[None, :]
+        p_hi += hi * _half(p15, 1)[None, :]
+        lo, hi = _codes16(w, 2, opaque, MXFP4)
+        p_lo += lo * _half(p26, 0)[None, :]
+        p_hi += hi * _half(p26, 1)[None, :]
+        lo, hi = _codes16(w, 3, opaque, MXFP4)
+        p_lo += lo * _half(p37, 0)[None, :]
+        p_hi += hi * _half(p37, 1)[None, :]
         return p_lo.to(tl.float32) + p_hi.to(tl.float32)
-
-
-@triton.jit
-def _add16(a, b, MODE: tl.constexpr):
-    """Two tensors of float16 pairs (32-bit words) added pair by pair: one PTX add (MODE 3), or (4) in Triton
-    float16 operations on the halves."""
-    if MODE == 3:
-        return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32,
-                                         is_pure=True, pack=1)
-    lo = (_half(a, 0) + _half(b, 0)).to(tl.uint16, bitcast=True).to(tl.uint32)
-    hi = (_half(a, 1) + _half(b, 1)).to(tl.uint16, bitcast=True).to(tl.uint32)
-    return lo | (hi << 16)
-
-
-@triton.jit
-def half_quad_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE: tl.constexpr, MXFP4: tl.constexpr = False):
-    """[BLOCK_N, HW // 4] float32: QUADS' `half_word_products`, each 4 words' (32 columns') products summed in
-    float16 pairs ((w0 + w1) + (w2 + w3)), then widened once. MODE 3: inline PTX; 4: Triton operations. The
-    vector must fit (`half_fits` at MODE)."""
-    p04, p15 = _pair16(x0, x4, MODE % 2), _pair16(x1, x5, MODE % 2)
-    p26, p37 = _pair16(x2, x6, MODE % 2), _pair16(x3, x7, MODE % 2)
-    if MODE == 3:
-        p = tl.inline_asm_elementwise(_WORD_PAIRS_E2M1 if MXFP4 else _WORD_PAIRS, "=r,r,r,r,r,r",
-                                      [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
-                                       p26[None, :], p37[None, :]], dtype=tl.uint32, is_pure=True, pack=1)
-    else:
-        p_lo, p_hi = _sums16(w, p04, p15, p26, p37, opaque, MXFP4)
-        p = p_lo.to(tl.uint16, bitcast=True).to(tl.uint32) | (p_hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
-    BLOCK_N: tl.constexpr = w.shape[0]
-    Q: tl.constexpr = w.shape[1] // 4
-    a, b = tl.split(tl.reshape(p, (BLOCK_N, Q, 2, 2)))  # words 4 q + 2 i and 4 q + 2 i + 1
-    u0, u1 = tl.split(_add16(a, b, MODE))
-    s = _add16(u0, u1, MODE)
-    return _half(s, 0).to(tl.float32) + _half(s, 1).to(tl.float32)

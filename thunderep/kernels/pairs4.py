@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .act import act, gate_up_cols
 from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, int4_halves16, nibbles4, scales4
-from .half4 import half_fits, half_quad_products, half_word_products
+from .half4 import half_fits, half_word_products
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import part_range, sum_split_slots, zero_counts
 from .vector4 import group_planes, largest, planes, store_tile_top, tiles_largest, vector, word_sums
@@ -205,16 +205,12 @@ def word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
 @triton.jit
 def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
                ZERO: tl.constexpr, MODE: tl.constexpr):
-    """`word_chunk` with the products in float16 pairs (half4.py; MODE 1 inline PTX, 2 Triton operations; 3
-    and 4 the same with QUADS: each 4 words' products summed in float16), for a vector that `half_fits`."""
+    """`word_chunk` with the products in float16 pairs (half4.py; MODE 1 inline PTX, 2 Triton operations),
+    for a vector that `half_fits`."""
     x0, x4, x1, x5, x2, x6, x3, x7 = planes(v_ptr, k0, C, w.shape[1])
-    sums = word_sums(x0, x4, x1, x5, x2, x6, x3, x7)
-    if MODE >= 3:  # QUADS (packed_dot: only where groups and chunks are whole quads of words)
-        prod = half_quad_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE, MXFP4)
-        return _grouped(prod, tl.sum(tl.reshape(sums, (w.shape[1] // 4, 4)), 1), s_ptrs_N, z_ptrs_N, k0, C, ok_N,
-                        stride_sk, GROUP, 32, MXFP4, ZERO, 1.0)
     prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE, MXFP4)
-    return _grouped(prod, sums, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, 1.0)
+    return _grouped(prod, word_sums(x0, x4, x1, x5, x2, x6, x3, x7), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
+                    GROUP, 8, MXFP4, ZERO, 1.0)
 
 
 @triton.jit
@@ -240,7 +236,7 @@ def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, st
                 MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr,
                 TC: tl.constexpr, MODE: tl.constexpr):
     """`packed_dot`'s loop over the chunks of words, the first chunk's words w_next already loaded; each
-    chunk on the tensor cores (TC), in float16 pairs (MODE 1 to 4) or in float32."""
+    chunk on the tensor cores (TC), in float16 pairs (MODE 1 or 2) or in float32."""
     acc = tl.zeros(ok_N.shape, dtype=tl.float32)
     for k0 in range(0, C, BLOCK_K):
         w = w_next
@@ -279,7 +275,6 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     TC: tl.constexpr = (DOT and not MXFP4 and GROUP % 8 == 0 and BLOCK_K % GROUP == 0 and BLOCK_K // GROUP <= 16
                         and BLOCK_K >= 128 and ok_N.shape[0] >= 16)
     FP16: tl.constexpr = HALF != 0 and not TC
-    MODE: tl.constexpr = HALF - 2 if HALF >= 3 and (GROUP % 32 != 0 or BLOCK_K % 32 != 0) else HALF  # QUADS: 32s
     if (GROUP % 8 == 0) and words:
         w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         if WAIT:
@@ -290,9 +285,9 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
                                     GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, True, 0)
         elif FP16:
             top = tiles_largest(top_ptr) if TOPS else largest(v_ptr, C, BLOCK_K)
-            if half_fits(top, MODE):
+            if half_fits(top):
                 acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top,
-                                  GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, MODE)
+                                  GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, HALF)
             else:
                 acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top,
                                   GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, 0)
@@ -344,7 +339,6 @@ def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, 
     TC: tl.constexpr = (DOT and not MXFP4 and GROUP % 8 == 0 and BLOCK_K % GROUP == 0 and BLOCK_K // GROUP <= 16
                         and BLOCK_K >= 128 and ok_N.shape[0] >= 16)
     FP16: tl.constexpr = HALF != 0 and not TC
-    MODE: tl.constexpr = HALF - 2 if HALF >= 3 and (GROUP % 32 != 0 or BLOCK_K % 32 != 0) else HALF  # QUADS: 32s
     if (GROUP % 8 == 0) and words:
         if TC:
             top = largest(v_ptr, C, BLOCK_K)
@@ -353,10 +347,10 @@ def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, 
             acc_a, acc_b = acc_a * top, acc_b * top
         elif FP16:
             top = largest(v_ptr, C, BLOCK_K)
-            if half_fits(top, MODE):
+            if half_fits(top):
                 acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
                                             v_ptr, opaque, stride_sk, top, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False,
-                                            MODE)
+                                            HALF)
             else:
                 acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
                                             v_ptr, opaque, stride_sk, top, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False,

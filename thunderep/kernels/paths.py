@@ -27,8 +27,8 @@ from . import tuning
 from .graphs import in_graph_steps
 from .pairs import HAS_GDC
 
-__all__ = ["HALF_FORMATS", "HALF_QUADS", "PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "PATH_ROUTINGS",
-           "ROUTE_MAX_PAIRS", "SORTED4_MAX_ROWS", "decode_applies", "half_mode",
+__all__ = ["HALF_FORMATS", "PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "PATH_ROUTINGS", "ROUTE_MAX_PAIRS",
+           "SORTED4_MAX_ROWS", "decode_applies", "half_mode",
            "needs_grad", "pairs_max_tokens", "pairs_win", "path_tuning_applies", "pdl_applies", "sorted4_packed"]
 
 _LOG = logging.getLogger("thunderep.kernels")
@@ -213,26 +213,20 @@ def pdl_applies(device: torch.device) -> bool:
 # at Mixtral's one-token step, docs/benchmarks/2026-12-05-int4-experts-h200.md); MXFP4's is built and
 # tested, not yet timed, so it stays out until it is.
 HALF_FORMATS = ("int4",)
-# Whether their default form sums each 4 words' products in float16 before widening (half4.py QUADS: 7-9%
-# fewer instructions a weight, a range to 256 instead of 1024); off until timed.
-HALF_QUADS = False
 
 
 def half_mode(device: torch.device, fmt: str) -> int:
     """The 4-bit pair kernels' HALF (`pairs4.packed_dot`): for weights of a format in HALF_FORMATS, the
     products in float16 pairs where the vector fits, in inline PTX on a CUDA GPU of sm_80 or later (1), in
-    Triton operations under the interpreter (2), each plus 2 for QUADS (HALF_QUADS, or
-    THUNDEREP_HALF_PRODUCTS=quads; =words: without); 0 (float32 products) for other formats, older GPUs, or
+    Triton operations under the interpreter (2); 0 (float32 products) for other formats, older GPUs, or
     THUNDEREP_HALF_PRODUCTS=0."""
-    form = env.half_products()
-    if fmt not in HALF_FORMATS or form == "0":
+    if fmt not in HALF_FORMATS or env.half_products() is False:
         return 0
-    quads = 2 if form == "quads" or (HALF_QUADS and form != "words") else 0
     if env.triton_interpreter():
-        return 2 + quads
+        return 2
     if device.type != "cuda":
         return 0
-    return 1 + quads if _has_half(device.index if device.index is not None else torch.cuda.current_device()) else 0
+    return 1 if _has_half(device.index if device.index is not None else torch.cuda.current_device()) else 0
 
 
 @functools.cache

@@ -112,11 +112,6 @@ _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=Fals
                                                                   PARTS=4)),
                  "down_pairs4_half_mxfp4": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=True,
                                                                         ZERO=False, WORDS4=True, HALF=1)),
-                 # ... with each 4 words' products summed in float16 (QUADS: HALF 3), int4 and MXFP4
-                 "up_pairs4_quads": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=False,
-                                                               ZERO=True, WORDS4=True, HALF=3)),
-                 "down_pairs4_quads_mxfp4": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=True,
-                                                                         ZERO=False, WORDS4=True, HALF=3)),
                  # the sorted kernels reading packed tiles (sorted4.py: prompts on tensor cores)
                  "up4": (S4.up4_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, PRECISION="tf32", EVEN_K=True,
                                              TAIL=False, GROUP=32, MXFP4=True, ZERO=False)),
