@@ -32,6 +32,11 @@ the host path calibrated on its own host function at the layer's shape) over the
 host path runs (`moe.host_experts.describe`) and, on CUDA, the mapped path's own seconds per expert beside
 the stream's that price its share (`moe.tier_mapped.MappedReads.time_mapped`). Accelerate: batch 1 only
 (unless --accelerate-batch8), one timed call of --accelerate-new-tokens.
+
+--timeline N: each ThunderEP row (and (b), (c)) also runs one batch-1 generate() of N + 1 tokens under torch's
+profiler and prints its decode steps' milliseconds by where they went: the device's kernels, its copies,
+the device idle, the host experts' own compute, beside the cost model's routed-expert time a step
+(`offload_steps.step_timeline`); --timeline-dir DIR also writes each row's Chrome trace there.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import gc
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import math
@@ -66,6 +72,7 @@ from ..moe.offload_cost import decode_paths, measure_costs, predicted_rates
 from ..moe.tier_config import HOST_ENGINE
 from ..moe.tiers import COLD_PATHS, HOST_THREAD, TierConfig
 from ..train.plan import plan_offload_memory
+from .offload_steps import StepClock, decode_seconds, step_timeline, sync_device, timeline_text
 from .offload_tables import cost_table, hot_share, mapped_seconds, mapped_text, size_text, table, way_name
 
 __all__ = ["BASELINES", "SHAPES", "OffloadBench", "Row", "StepClock", "budgets", "build_checkpoint", "cost_table",
@@ -125,6 +132,8 @@ class OffloadBench:
     host_threads: tuple[str, ...] = ("auto",)
     host_engines: tuple[str, ...] = ("auto",)
     isolate: str = "auto"
+    timeline: int = 0
+    timeline_dir: str | None = None
 
     def __post_init__(self):
         problems = [] if self.shape in SHAPES else [f"--shape must be one of {', '.join(SHAPES)}, got {self.shape!r}"]
@@ -169,6 +178,7 @@ class Row:
     error: str | None = None
     host_thread: str = "auto"  # `TierConfig.host_thread` of a ThunderEP row
     host_engine: str = "auto"  # and its `TierConfig.host_engine`
+    timeline: dict | None = None  # --timeline: ms a decode step by where they went (`offload_steps.step_timeline`)
 
 
 def say(text: str) -> None:
@@ -237,37 +247,6 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class StepClock:
-    """A transformers streamer noting, at every token generate() hands it (the prompt, then each step's), the
-    time (the device synchronized first) and the offload counters `stats()`."""
-
-    def __init__(self, device: torch.device, stats):
-        self.device, self.stats, self.times, self.counters = device, stats, [], []
-
-    def put(self, tokens) -> None:
-        _sync(self.device)
-        self.times.append(time.perf_counter())
-        self.counters.append(self.stats())
-
-    def end(self) -> None:
-        pass
-
-
-def _decode(model, ids_BT: torch.Tensor, tokens: int, stats, sample: bool) -> tuple[float, float | None]:
-    """(seconds, hot share of the expert rows) from the first generated token to the last of one greedy
-    (or sampled: `sample`) generate() of `tokens` new tokens: the decode steps alone."""
-    clock = StepClock(ids_BT.device, stats)
-    model.generate(ids_BT, attention_mask=torch.ones_like(ids_BT), max_new_tokens=tokens, min_new_tokens=tokens,
-                   do_sample=sample, pad_token_id=0, streamer=clock)
-    assert len(clock.times) == tokens + 1, f"{len(clock.times)} streamer calls for {tokens} tokens"
-    return clock.times[-1] - clock.times[1], hot_share(clock.counters[1], clock.counters[-1])
-
-
 def measure(model, device: torch.device, vocab: int, batches, new_tokens: int, prefill: int, repeats: int,
             stats=lambda: None, sample: bool = False) -> tuple[dict, float, dict]:
     """({batch: decode tokens/s}, prefill tokens/s, {phase: hot share}) of `model` (a ThunderMoE or a
@@ -280,8 +259,8 @@ def measure(model, device: torch.device, vocab: int, batches, new_tokens: int, p
 
     decode, shares = {}, {}
     for b in batches:
-        _decode(model, prompts(1, (b, PROMPT))[0], 2, stats, sample)  # warm-up
-        seconds, shares[f"decode b={b}"] = min((_decode(model, ids_BT, new_tokens, stats, sample)
+        decode_seconds(model, prompts(1, (b, PROMPT))[0], 2, stats, sample)  # warm-up
+        seconds, shares[f"decode b={b}"] = min((decode_seconds(model, ids_BT, new_tokens, stats, sample)
                                                 for ids_BT in prompts(repeats, (b, PROMPT))), key=lambda r: r[0])
         decode[b] = b * (new_tokens - 1) / seconds
         say(f"  decode b={b}: {decode[b]:.2f} tokens/s ({new_tokens - 1} steps in {seconds:.3f} s)")
@@ -290,10 +269,10 @@ def measure(model, device: torch.device, vocab: int, batches, new_tokens: int, p
         model(input_ids=warm_1P, use_cache=False, logits_to_keep=1)  # warm-up
         before, seconds = stats(), math.inf
         for ids_1P in timed:  # the best (a new prompt's row counts may still tune a kernel)
-            _sync(device)
+            sync_device(device)
             started = time.perf_counter()
             model(input_ids=ids_1P, use_cache=False, logits_to_keep=1)
-            _sync(device)
+            sync_device(device)
             seconds = min(seconds, time.perf_counter() - started)
     shares["prefill"] = hot_share(before, stats())
     say(f"  prefill {prefill}: {prefill / seconds:.1f} tokens/s ({seconds:.3f} s)")
@@ -336,6 +315,11 @@ def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offl
             row.predicted = _predict(costs, plan, config, bench, row.host_thread)
             say(f"  predicted decode {row.predicted['decode']:.1f} tokens/s, prefill {row.predicted['prefill']:.0f} "
                 "tokens/s (routed experts alone)")
+        if bench.timeline:
+            slug = re.sub(r"[^a-z0-9]+", "-", row.name.lower()).strip("-")
+            trace = bench.timeline_dir and str(Path(bench.timeline_dir) / f"timeline-{slug}.json")
+            row.timeline = step_timeline(tm, device, config.vocab_size, bench.timeline, tm.offload_stats, trace)
+            say("  " + timeline_text(row.timeline, (row.predicted or {}).get("decode")))
     finally:
         del tm
         _free()
