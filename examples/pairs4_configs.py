@@ -3,13 +3,12 @@ the autotuner's list, timed as the pair's time with the other pass autotuned (L2
 as the autotuner times), beside the autotuned pair and the packed bytes' time at copy bandwidth.
 
     python examples/pairs4_configs.py [--shape mixtral] [--fmt int4] [--top 8] [--block-n 4,8,16,32]
-        [--block-k 512,1024,2048] [--warps 2,4,8] [--parts 1] [--dot] [--down-only]
+        [--block-k 512,1024,2048] [--warps 2,4,8] [--parts 1] [--down-only]
 
 One process, one GPU. Random weights of the shape quantized by groups of 32; one token routed to experts
 0..K-1. Prints the `--top` fastest configs of each pass with microseconds per call (the pair's time,
 the other pass autotuned): every tile, the down pass's also with SPLIT (one program per slot) and with I cut
-into each of --parts (PARTS, pairs4.down_pairs4_kernel); --dot adds each int4 tile with the products on the
-tensor cores (DOT, pairs4.packed_dot: in no autotuner list); --down-only sweeps the down pass alone.
+into each of --parts (PARTS, pairs4.down_pairs4_kernel); --down-only sweeps the down pass alone.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ def main() -> None:
     parser.add_argument("--block-k", type=_ints, default=(512, 1024, 2048))
     parser.add_argument("--warps", type=_ints, default=(2, 4, 8))
     parser.add_argument("--parts", type=_ints, default=(1,))
-    parser.add_argument("--dot", action="store_true")
     parser.add_argument("--down-only", action="store_true")
     args = parser.parse_args()
     D, I, E, K = SHAPES[args.shape][:4]
@@ -64,13 +62,11 @@ def main() -> None:
         results = []
         splits = (False, True) if which == "down" else (False,)
         parts = args.parts if which == "down" else (1,)
-        dots = (False, True) if args.dot and args.fmt == "int4" else (False,)
-        for bn, bk, warps, split, n, dot in itertools.product(args.block_n, args.block_k, args.warps, splits, parts,
-                                                              dots):
-            if bn * bk > 32768 or bn * bk < 32 * warps * 8 or (dot and (bk > 16 * 32 or bn < 16)):
+        for bn, bk, warps, split, n in itertools.product(args.block_n, args.block_k, args.warps, splits, parts):
+            if bn * bk > 32768 or bn * bk < 32 * warps * 8:
                 continue
             config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, **({"SPLIT": split} if split else {}),
-                      **({"PARTS": n} if n > 1 else {}), **({"DOT": True} if dot else {})}
+                      **({"PARTS": n} if n > 1 else {})}
             setattr(decode, "PAIRS4_UP" if which == "up" else "PAIRS4_DOWN", config)
             try:
                 pair = tuning.timed_ms(call, 60.0, 10.0) * 1e3

@@ -2,18 +2,18 @@
 for a GPU architecture on this machine (no GPU needed): int4 with groups of 32, and the width of the
 weight loads (LDG.E.128: 16 bytes a thread).
 
-    python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4] [--dot]
+    python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4]
                                    [--chunk convert] [--half 1] [--mxfp4] [--parts 4]
 
 A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit conversion
 operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass
 (BLOCK_N x BLOCK_K x matrices / threads) give the count. A count, not a time: whether fewer instructions make
-a faster kernel is for `examples/pairs4_configs.py` on a GPU. --dot counts the DOT variant too (the products
-on the tensor cores). Also each build's registers a thread and stack bytes (spills), and the loop's
-shared-memory operations and barriers. --chunk counts one of `examples/pairs4_profile.py`'s probes in place of the
-chunk as it runs (`--loads-only convert`). --half 1 counts the int4 kernels as CUDA launches them
-(HALF: the products in float16 pairs, kernels/half4.py): the loop a vector in range runs. --parts N counts the down pass with I cut into N ranges (PARTS, SPLIT), whose
-offsets must leave the loads 16 bytes wide.
+a faster kernel is for `examples/pairs4_configs.py` on a GPU. Also each build's registers a thread and stack
+bytes (spills), and the loop's shared-memory operations and barriers. --chunk counts one of
+`examples/pairs4_profile.py`'s probes in place of the chunk as it runs (`--loads-only convert`). --half 1 counts
+the int4 kernels as CUDA launches them (HALF: the products in float16 pairs, kernels/half4.py): the loop a vector
+in range runs. --parts N counts the down pass with I cut into N ranges (PARTS, SPLIT), whose offsets must leave
+the loads 16 bytes wide.
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--tiles", default="16x512x4,8x512x2,16x1024x4,16x2048x4")
-    parser.add_argument("--dot", action="store_true", help="also the DOT variant (products on the tensor cores)")
     parser.add_argument("--mxfp4", action="store_true", help="MXFP4 weights (e2m1 codes, e8m0 scales) instead of int4")
     parser.add_argument("--half", type=int, default=0, choices=(0, 1),
                         help="the kernels' HALF (1: float16-pair products in inline PTX, as CUDA launches int4)")
@@ -96,14 +95,14 @@ def main() -> None:
         P4.word_chunk = pairs4_profile._converted
     if targets._cuobjdump() is None:
         raise SystemExit("cuobjdump is not available (Triton bundles it with its NVIDIA backend)")
-    print("| pass | tile (BLOCK_N x BLOCK_K x warps) | DOT | instructions per weight | loads in the loop, by width "
+    print("| pass | tile (BLOCK_N x BLOCK_K x warps) | instructions per weight | loads in the loop, by width "
           "| shared-memory operations / barriers in the loop | registers / stack bytes |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for name, (kernel, constants, matrices) in KERNELS.items():
-        for tile, dot in ((t, d) for t in args.tiles.split(",") for d in ((False, True) if args.dot else (False,))):
+        for tile in args.tiles.split(","):
             block_n, block_k, warps = (int(v) for v in tile.split("x"))
             weights = block_n * block_k * matrices / (32 * warps)
-            flags = {**constants, "WORDS4": True, "DOT": dot, "HALF": args.half, "MXFP4": args.mxfp4}
+            flags = {**constants, "WORDS4": True, "HALF": args.half, "MXFP4": args.mxfp4}
             if name == "down" and args.parts > 1:
                 flags.update(PARTS=args.parts, SPLIT=True)
             code, (regs, stack) = sass(kernel, flags, block_n, block_k, warps, args.arch)
@@ -111,7 +110,7 @@ def main() -> None:
             loads = collections.Counter(m.group(1) for m in map(_LOAD.search, loop) if m)
             shared = sum(bool(re.search(r"\b(LDS|STS|STSM|LDSM)\b", x)) for x in loop)
             barriers = sum("BAR.SYNC" in x for x in loop)
-            print(f"| {name} | {tile} | {'yes' if dot else 'no'} | {len(loop) / weights:.2f} | "
+            print(f"| {name} | {tile} | {len(loop) / weights:.2f} | "
                   f"{dict(sorted(loads.items()))} | {shared} / {barriers} | {regs} / {stack} |", flush=True)
 
 

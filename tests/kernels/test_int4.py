@@ -216,32 +216,6 @@ def test_int4_pair_kernel_tails(up, down, monkeypatch):
     _check(1, 84, 52, 5, 2, torch.float16, "mxfp4", 32, tol=2e-3, seed=3)
 
 
-@pytest.mark.parametrize("up,down,group", [((16, 128), (16, 128), 32), ((32, 256), (16, 128), 16),
-                                           ((16, 512), (32, 256), 32)], ids=["one-partial-chunk", "groups-16", "wide"])
-def test_int4_tensor_core_pairs_match_the_reference(up, down, group, monkeypatch):
-    """DOT (the products on the tensor cores, the vector laid out one group a row): int4 with and without
-    zero points against the float64 reference, chunks wider than the row (one partial chunk), groups of 16
-    and 32, the split down pass; an activation of 3e4 stays finite (the vector is scaled to at most 1 for
-    float16); MXFP4 under DOT runs the multiply-adds and still matches."""
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4, "DOT": True})
-    for split in (False, True):
-        monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": 4,
-                                                    "DOT": True, "SPLIT": split})
-        _check(2, 80, 56, 5, 2, torch.bfloat16, "int4", group, tol=1e-2, zero=True, weighted=False,
-               interleaved=True)
-    _check(1, 96, 64, 5, 3, torch.bfloat16, "int4", group, tol=1e-2, seed=1)
-    _check(1, 96, 64, 5, 3, torch.bfloat16, "mxfp4", 32, tol=2e-2, seed=2)
-    x, w_gu, w_d, ids, weights = make_case(2, 96, 64, 5, 2, torch.bfloat16, 5)
-    x[0, 3] = 3e4
-    q_gu, q_d = Int4Weight.quantize(w_gu, "int4", group), Int4Weight.quantize(w_d, "int4", group)
-    with torch.no_grad():
-        y = routed_moe_mlp(x, q_gu, q_d, ids, weights.to(torch.bfloat16))
-    y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64), ids,
-                      weights.double())
-    assert torch.isfinite(y).all() and rel_err(y, y_ref) < 1e-2, rel_err(y, y_ref)
-
-
 @pytest.mark.parametrize("fmt,tops", [("int4", False), ("int4", True), ("mxfp4", False)],
                          ids=["int4-measured", "int4-tile-notes", "mxfp4-measured"])
 def test_int4_half_products_run_where_the_vector_fits(fmt, tops, monkeypatch):

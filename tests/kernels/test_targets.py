@@ -48,7 +48,6 @@ INT4_PAIR_KERNELS = {"up_pairs4", "down_pairs4", "up_pairs4_gptoss", "down_pairs
                      "up_pairs4_half", "down_pairs4_half",  # float16-pair products (inline PTX)
                      "down_pairs4_half_mxfp4"}
 SORTED4_KERNELS = {"up4", "rows4"}  # 4-bit weights (sorted4.py), tensor cores
-INT4_DOT_KERNELS = {"up_pairs4_dot", "down_pairs4_dot"}  # decode on 4-bit weights with tensor-core products
 PDL_KERNELS = {"up_pairs_pdl", "down_pairs_pdl", "down_pairs_split_pdl",  # decode with dependent launch (sm_90+)
                "down_pairs_all_slots_pdl"}
 
@@ -58,11 +57,10 @@ def test_consumer_targets_have_no_hopper_only_instructions(builds, arch):
     pdl = PDL_KERNELS if arch >= 90 else set()
     assert {b["name"] for b in builds[arch]} == (GEMM_KERNELS | PAIR_KERNELS | PAIR_DOT_KERNELS | SORT_KERNELS | pdl
                                                  | FP8_GEMM_KERNELS | FP8_PAIR_KERNELS | W8A8_KERNELS
-                                                 | INT4_PAIR_KERNELS | SORTED4_KERNELS | INT4_DOT_KERNELS)
+                                                 | INT4_PAIR_KERNELS | SORTED4_KERNELS)
     for b in builds[arch]:
         assert b["hopper_only"] == [], f"{b['name']} on sm_{arch} uses {b['hopper_only']}"
-        if b["name"] in GEMM_KERNELS | PAIR_DOT_KERNELS | FP8_GEMM_KERNELS | W8A8_KERNELS | SORTED4_KERNELS | \
-                INT4_DOT_KERNELS:
+        if b["name"] in GEMM_KERNELS | PAIR_DOT_KERNELS | FP8_GEMM_KERNELS | W8A8_KERNELS | SORTED4_KERNELS:
             assert b["uses_mma_sync"], f"{b['name']} on sm_{arch} has no tensor-core instructions"
         assert b["fp8_products"] == (b["name"] in W8A8_KERNELS), f"{b['name']} on sm_{arch}"
         assert b["shared_bytes"] <= 99 * 1024, f"{b['name']} needs {b['shared_bytes']} B of shared memory"

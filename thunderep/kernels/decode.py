@@ -21,7 +21,7 @@ __all__ = ["HALF_TOPS", "PAIRS4_DOWN", "PAIRS4_UP", "pairs4_forward", "pairs_for
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
 # tiles.DOWN_PAIRS4) and takes tiles.pairs4_default elsewhere; a dict {"BLOCK_N", "BLOCK_K", "num_warps"}
-# (and optionally "DOT"; for the down pass "SPLIT") runs that config.
+# (for the down pass optionally "SPLIT" and "PARTS") runs that config.
 PAIRS4_UP: dict | None = None
 PAIRS4_DOWN: dict | None = None
 # With the float16-pair products (paths.half_mode), whether the down pass chooses its loop from the gate/up

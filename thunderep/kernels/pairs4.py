@@ -20,15 +20,11 @@ magnitude `half_fits` (measured once a program, or read from the gate/up pass's 
 runs the float32 loop). Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4,
 `load_words`). The down pass runs one program per token and column tile over the K slots, or (SPLIT) one per
 slot, and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
-pairs.py's. DOT (int4, a launch option that no autotuner list holds, tiles.py; pinned only): the products on
-the tensor cores instead, mma.sync (sm_80+), the vector scaled to at most 1 and laid out one group of columns
-a row of a 16-row float16 tile, the codes converted exactly to float16, so that each product row is one
-group's sum and the group scales multiply the sums (`group_planes`, `_dot_words`, `_dot_grouped`). No
-Hopper-only instructions; no inline assembly but HALF's (sm_80 and later). Rows that are not 4-byte aligned,
-or groups of other than a multiple of 8 columns, run the same conversions one byte at a time (`byte_chunk`).
-Partial chunks (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids as
-in pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's output NaN.
-Inference only. The launches are in decode.py; gpt-oss's experts (biases, clamped SwiGLU) run
+pairs.py's. No Hopper-only instructions; no inline assembly but HALF's (sm_80 and later). Rows that are not
+4-byte aligned, or groups of other than a multiple of 8 columns, run the same conversions one byte at a time
+(`byte_chunk`). Partial chunks (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked.
+Expert ids as in pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's
+output NaN. Inference only. The launches are in decode.py; gpt-oss's experts (biases, clamped SwiGLU) run
 pairs4_gptoss.py's kernels, built on `packed_dot`, `packed_dot2` and `words_ok`.
 """
 
@@ -38,11 +34,11 @@ import triton
 import triton.language as tl
 
 from .act import act, gate_up_cols
-from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, int4_halves16, nibbles4, scales4
+from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, nibbles4, scales4
 from .half4 import half_fits, half_word_products
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import part_range, sum_split_slots, zero_counts
-from .vector4 import group_planes, largest, planes, store_tile_top, tiles_largest, vector, word_sums
+from .vector4 import largest, planes, store_tile_top, tiles_largest, vector, word_sums
 
 __all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
            "slot_weights", "up_pairs4_kernel", "word_chunk", "words_ok"]
@@ -53,39 +49,6 @@ def words_ok(w_ptr, stride_we, stride_wr, C):
     """Whether a matrix's rows can be read as 32-bit words: 4-byte aligned (base and strides) and C a
     multiple of 8 (whole words). Else `packed_dot` reads bytes."""
     return ((w_ptr.to(tl.int64) | stride_we | stride_wr | (C // 2)) % 4 == 0) & (C % 8 == 0)
-
-
-@triton.jit
-def _dot_words(w, a0, a4, a1, a5, a2, a6, a3, a7, opaque):
-    """[16, BLOCK_N] float32, row g: the chunk's group g of the (scaled) vector times each row's int4 codes
-    n - 8 from its words w [BLOCK_N, HW], on the tensor cores: the codes converted to float16 two per
-    operation (`int4_halves16`, exact), one 16-row product per plane with the planes of `group_planes`."""
-    w8 = w >> 8
-    lo, hi = int4_halves16(w, 0, opaque)
-    acc = tl.dot(a0, tl.trans(lo))
-    acc = tl.dot(a4, tl.trans(hi), acc)
-    lo, hi = int4_halves16(w, 4, opaque)
-    acc = tl.dot(a1, tl.trans(lo), acc)
-    acc = tl.dot(a5, tl.trans(hi), acc)
-    lo, hi = int4_halves16(w8, 0, opaque)
-    acc = tl.dot(a2, tl.trans(lo), acc)
-    acc = tl.dot(a6, tl.trans(hi), acc)
-    lo, hi = int4_halves16(w8, 4, opaque)
-    acc = tl.dot(a3, tl.trans(lo), acc)
-    return tl.dot(a7, tl.trans(hi), acc)
-
-
-@triton.jit
-def _dot_grouped(acc, sums_G, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP: tl.constexpr, ZERO: tl.constexpr,
-                 NG: tl.constexpr):
-    """[BLOCK_N] float32: the chunk's group sums acc [16, BLOCK_N] (`_dot_words`; its first NG rows) times
-    their int4 scales, minus (ZERO) the zero points times the groups' vector sums sums_G."""
-    r_G = tl.arange(0, 16)
-    g_off = (k0 // GROUP + r_G).to(tl.int64)[:, None] * stride_sk
-    ok = ((r_G < NG) & ((k0 // GROUP + r_G) * GROUP < C))[:, None] & ok_N[None, :]
-    if ZERO:
-        acc -= tl.load(z_ptrs_N[None, :] + g_off, mask=ok, other=0).to(tl.float32) * sums_G[:, None]
-    return tl.sum(acc * scales4(s_ptrs_N[None, :] + g_off, ok, False), 0)
 
 
 @triton.jit
@@ -232,20 +195,16 @@ def _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP: tl
 
 
 @triton.jit
-def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top, GROUP: tl.constexpr,
+def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
                 MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr,
-                TC: tl.constexpr, MODE: tl.constexpr):
+                MODE: tl.constexpr):
     """`packed_dot`'s loop over the chunks of words, the first chunk's words w_next already loaded; each
-    chunk on the tensor cores (TC), in float16 pairs (MODE 1 or 2) or in float32."""
+    chunk in float16 pairs (MODE 1 or 2) or in float32."""
     acc = tl.zeros(ok_N.shape, dtype=tl.float32)
     for k0 in range(0, C, BLOCK_K):
         w = w_next
         w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
-        if TC:
-            a0, a4, a1, a5, a2, a6, a3, a7, sums = group_planes(v_ptr, k0, C, 1.0 / top, GROUP, BLOCK_K // 8)
-            acc += _dot_grouped(_dot_words(w, a0, a4, a1, a5, a2, a6, a3, a7, opaque), sums, s_ptrs_N, z_ptrs_N,
-                                k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
-        elif MODE != 0:
+        if MODE != 0:
             acc += half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE)
         else:
             acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
@@ -255,8 +214,7 @@ def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, st
 @triton.jit
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
                MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr = False,
-               WORDS4: tl.constexpr = False, DOT: tl.constexpr = False, HALF: tl.constexpr = 0, top_ptr=0,
-               TOPS: tl.constexpr = False):
+               WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, top_ptr=0, TOPS: tl.constexpr = False):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
@@ -265,35 +223,26 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     keeps them in registers, where the compiler otherwise rebuilds each constant before each use. WAIT (a
     programmatic dependent launch, `down_pairs4_kernel`): the first chunk's words are loaded, then the
     program waits for the grid it depends on (which writes the vector) before it reads the vector. WORDS4:
-    C is a multiple of 32 (`load_words`). DOT (int4 words, whole groups, at most 16 a chunk, chunks of 128
-    columns or more, 16 rows or more; else ignored): the products on the tensor cores, the vector scaled to
-    at most 1 and laid out one group a row (`group_planes`, `_dot_words`, `_dot_grouped`). HALF (words, not
-    DOT; 1 inline PTX, 2 its interpreter form): the vector measured once (`largest`); one that
-    `half_fits` runs the loop of `half_chunk`, any other the float32 loop (two loops, not a branch a chunk:
-    a branch inside the loop holds both chunks' registers at once). TOPS: HALF's measurement read from the
-    vector producer's tile notes at top_ptr (`tiles_largest`) instead of the vector."""
-    TC: tl.constexpr = (DOT and not MXFP4 and GROUP % 8 == 0 and BLOCK_K % GROUP == 0 and BLOCK_K // GROUP <= 16
-                        and BLOCK_K >= 128 and ok_N.shape[0] >= 16)
-    FP16: tl.constexpr = HALF != 0 and not TC
+    C is a multiple of 32 (`load_words`). HALF (words; 1 inline PTX, 2 its interpreter form): the vector
+    measured once (`largest`); one that `half_fits` runs the loop of `half_chunk`, any other the float32 loop
+    (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at once). TOPS:
+    HALF's measurement read from the vector producer's tile notes at top_ptr (`tiles_largest`) instead of the
+    vector."""
     if (GROUP % 8 == 0) and words:
         w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         if WAIT:
             gdc_wait()
-        if TC:
-            top = largest(v_ptr, C, BLOCK_K)
-            acc = top * _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top,
-                                    GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, True, 0)
-        elif FP16:
+        if HALF != 0:
             top = tiles_largest(top_ptr) if TOPS else largest(v_ptr, C, BLOCK_K)
             if half_fits(top):
-                acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top,
-                                  GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, HALF)
+                acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
+                                  MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
             else:
-                acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, top,
-                                  GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, 0)
+                acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
+                                  MXFP4, ZERO, BLOCK_K, WORDS4, 0)
         else:
-            acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, 1.0,
-                              GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, 0)
+            acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
+                              MXFP4, ZERO, BLOCK_K, WORDS4, 0)
     else:
         if WAIT:
             gdc_wait()
@@ -303,10 +252,9 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
 
 @triton.jit
 def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk,
-                 top, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
-                 WORDS4: tl.constexpr, TC: tl.constexpr, MODE: tl.constexpr):
-    """`_words_loop` of two matrices (`packed_dot2`): both matrices' next chunks in flight together, DOT's
-    vector tiles made once for both."""
+                 GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
+                 WORDS4: tl.constexpr, MODE: tl.constexpr):
+    """`_words_loop` of two matrices (`packed_dot2`): both matrices' next chunks in flight together."""
     acc_a = tl.zeros(ok_N.shape, dtype=tl.float32)
     acc_b = tl.zeros(ok_N.shape, dtype=tl.float32)
     a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
@@ -315,13 +263,7 @@ def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N,
         a, b = a_next, b_next
         a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
         b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-        if TC:  # the vector's tiles once for both matrices
-            p0, p4, p1, p5, p2, p6, p3, p7, sums = group_planes(v_ptr, k0, C, 1.0 / top, GROUP, BLOCK_K // 8)
-            acc_a += _dot_grouped(_dot_words(a, p0, p4, p1, p5, p2, p6, p3, p7, opaque), sums, sa_ptrs_N,
-                                  za_ptrs_N, k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
-            acc_b += _dot_grouped(_dot_words(b, p0, p4, p1, p5, p2, p6, p3, p7, opaque), sums, sb_ptrs_N,
-                                  zb_ptrs_N, k0, C, ok_N, stride_sk, GROUP, ZERO, BLOCK_K // GROUP)
-        elif MODE != 0:
+        if MODE != 0:
             acc_a += half_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO,
                                 MODE)
             acc_b += half_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO,
@@ -330,34 +272,25 @@ def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N,
             acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
             acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
     return acc_a, acc_b
+
+
 @triton.jit
 def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, words, opaque,
                 stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
-                WORDS4: tl.constexpr = False, DOT: tl.constexpr = False, HALF: tl.constexpr = 0):
+                WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0):
     """`packed_dot` of two matrices' rows (a and b: gate and up) with one vector, in one loop
     (`_words_loop2`)."""
-    TC: tl.constexpr = (DOT and not MXFP4 and GROUP % 8 == 0 and BLOCK_K % GROUP == 0 and BLOCK_K // GROUP <= 16
-                        and BLOCK_K >= 128 and ok_N.shape[0] >= 16)
-    FP16: tl.constexpr = HALF != 0 and not TC
     if (GROUP % 8 == 0) and words:
-        if TC:
-            top = largest(v_ptr, C, BLOCK_K)
-            acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr,
-                                        opaque, stride_sk, top, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, True, 0)
-            acc_a, acc_b = acc_a * top, acc_b * top
-        elif FP16:
-            top = largest(v_ptr, C, BLOCK_K)
-            if half_fits(top):
+        if HALF != 0:
+            if half_fits(largest(v_ptr, C, BLOCK_K)):
                 acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
-                                            v_ptr, opaque, stride_sk, top, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False,
-                                            HALF)
+                                            v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
             else:
                 acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
-                                            v_ptr, opaque, stride_sk, top, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False,
-                                            0)
+                                            v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, 0)
         else:
             acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr,
-                                        opaque, stride_sk, 1.0, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, False, 0)
+                                        opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, 0)
     else:
         acc_a = _byte_dot(a_ptrs_N, sa_ptrs_N, za_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
         acc_b = _byte_dot(b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
@@ -369,16 +302,15 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
                      stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm, ACT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                     WORDS4: tl.constexpr = False, DOT: tl.constexpr = False, HALF: tl.constexpr = 0, top_ptr=0,
-                     stride_tm=0, TOPS: tl.constexpr = False):
+                     WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, top_ptr=0, stride_tm=0,
+                     TOPS: tl.constexpr = False):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales
     (and zero points, ZERO) [E, 2I, ceil(D / GROUP)] by strides; h: [T*K, I]. Also zeroes the down pass's
     per-token counts (count: [T, n_counts], `down_pairs4_kernel`'s SPLIT). PDL: the down pass may launch
     as soon as this grid's programs have all started (pairs.py's programmatic dependent launch). WORDS4: D
-    a multiple of 32 (16-byte loads, `load_words`). DOT: products on the tensor cores; HALF: in float16 pairs
-    (`packed_dot`); TOPS: each tile's largest |h| noted in the tops buffer (row j, stride_tm; `store_tile_top`)
-    for the down pass."""
+    a multiple of 32 (16-byte loads, `load_words`). HALF: the products in float16 pairs (`packed_dot`); TOPS:
+    each tile's largest |h| noted in the tops buffer (row j, stride_tm; `store_tile_top`) for the down pass."""
     if PDL:
         gdc_launch_dependents()
     j = tl.program_id(0)
@@ -398,7 +330,7 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     words = words_ok(w_ptr, stride_we, stride_wn, D)
     opaque = (expert >> 32).to(tl.uint32)  # 0 (expert is in [0, E)); to the compiler, any value (packed_dot)
     acc_g, acc_u = packed_dot2(gw_N, s_ptr + gs_N, z_ptr + gs_N, uw_N, s_ptr + us_N, z_ptr + us_N, D, ok_N, x_row,
-                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, DOT, HALF)
+                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
     h = tl.where(known, act(acc_g, ACT) * acc_u, tl.where(skipped, 0.0, float("nan")))
     h = h.to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h, mask=cols_N < I)
@@ -429,7 +361,7 @@ def slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_
 def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps, C, E, stride_hm, stride_we,
            stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr,
            MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, STEP: tl.constexpr, WAIT: tl.constexpr,
-           WORDS4: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr, top_ptr, stride_tm, TOPS: tl.constexpr):
+           WORDS4: tl.constexpr, HALF: tl.constexpr, top_ptr, stride_tm, TOPS: tl.constexpr):
     """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N and
     the C columns of I from steps * STEP (`part_range`)."""
     expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
@@ -439,7 +371,7 @@ def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps,
     s_N += (steps * (STEP // GROUP)).to(tl.int64) * stride_sk  # groups (STEP is a multiple of GROUP)
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
     return rw * packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, C, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4,
-                           ZERO, BLOCK_K, WAIT, WORDS4, DOT, HALF, top_ptr + j.to(tl.int64) * stride_tm, TOPS)
+                           ZERO, BLOCK_K, WAIT, WORDS4, HALF, top_ptr + j.to(tl.int64) * stride_tm, TOPS)
 
 
 @triton.jit
@@ -448,8 +380,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
                        WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
                        PARTS: tl.constexpr = 1, PDL: tl.constexpr = False, WORDS4: tl.constexpr = False,
-                       DOT: tl.constexpr = False, HALF: tl.constexpr = 0, top_ptr=0, stride_tm=0,
-                       TOPS: tl.constexpr = False):
+                       HALF: tl.constexpr = 0, top_ptr=0, stride_tm=0, TOPS: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
@@ -460,8 +391,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     summing the token's partials in that order, so wide column tiles (each h chunk read once for BLOCK_N
     rows) still give every SM programs; deterministic, not the one-range sum bit for bit. PDL: launched as a
     programmatic dependent of the gate/up pass: each program loads its first chunk of weights, then waits for
-    h. WORDS4: I a multiple of 32 (`load_words`). DOT: products on the tensor cores; HALF: in float16 pairs
-    (`packed_dot`)."""
+    h. WORDS4: I a multiple of 32 (`load_words`). HALF: the products in float16 pairs (`packed_dot`)."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -475,18 +405,18 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     if SPLIT:
         part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + q // PARTS, cols_N, D, steps, C,
                       E, stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, DOT, HALF, top_ptr, stride_tm, TOPS)
+                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, top_ptr, stride_tm, TOPS)
         sum_split_slots(part, t * top_k * PARTS + q, t, tile, cols_N, col_ok_N, D, top_k * PARTS, part_ptr,
                         count_ptr, stride_cm, y_ptrs)
     else:
         acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, steps, C, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
-                     BLOCK_K, STEP, PDL, WORDS4, DOT, HALF, top_ptr, stride_tm,
+                     BLOCK_K, STEP, PDL, WORDS4, HALF, top_ptr, stride_tm,
                      TOPS)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
             acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, steps, C, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                          MXFP4, ZERO, BLOCK_K, STEP, False, WORDS4, DOT, HALF, top_ptr, stride_tm, TOPS)
+                          MXFP4, ZERO, BLOCK_K, STEP, False, WORDS4, HALF, top_ptr, stride_tm, TOPS)
         if PARTS > 1:
             sum_split_slots(acc, t * PARTS + q, t, tile, cols_N, col_ok_N, D, PARTS, part_ptr, count_ptr, stride_cm,
                             y_ptrs)

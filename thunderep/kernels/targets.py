@@ -97,11 +97,6 @@ _W8A8_META = {**_ROW_META, "BLOCK_N": 64, "BLOCK_K": 128}
 _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=True,
                                                          ZERO=False)),
                  "down_pairs4": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True)),
-                 # int4 with the products on the tensor cores (DOT, one group of the vector a row)
-                 "up_pairs4_dot": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=False,
-                                                             ZERO=False, DOT=True, WORDS4=True)),
-                 "down_pairs4_dot": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True,
-                                                                 DOT=True, WORDS4=True, SPLIT=True)),
                  # int4 with the products in float16 pairs (HALF: inline PTX, half4.py), as CUDA launches them
                  # (the down pass's choice read from the gate/up pass's tile notes, TOPS: decode.HALF_TOPS; its
                  # I cut into 4 ranges, PARTS)

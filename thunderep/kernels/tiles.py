@@ -156,10 +156,6 @@ DOWN_PAIRS4_CONFIGS = (PAIRS4_CONFIGS
                        + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PARTS": parts, "SPLIT": split}, num_warps=w)
                           for bn, bk, w, parts, split in PAIRS4_PART_TILES])
 MAX_PAIRS4_PARTS = max(c.kwargs.get("PARTS", 1) for c in DOWN_PAIRS4_CONFIGS)  # sizes the down pass's partials
-# DOT (int4 products on the tensor cores, pairs4.packed_dot) is in no list: built for sm_90 it takes 1.3-1.8x
-# the instructions per weight of the multiply-adds, with shared-memory round trips and barriers in its loop
-# (examples/pairs4_sass.py --dot, int4 record); it runs only where a config pins it (decode.PAIRS4_UP/DOWN,
-# examples/pairs4_configs.py --dot).
 MIN_PAIRS4_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in DOWN_PAIRS4_CONFIGS)  # sizes the down pass's counts
 MIN_PAIRS4_UP_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in PAIRS4_CONFIGS)  # sizes the gate/up pass's tile notes
 

@@ -1,13 +1,13 @@
 """The vector side of the 4-bit decode kernels (pairs4.py, pairs4_gptoss.py): a chunk of the vector split
-into the 8 planes a packed word's values meet, their sums per word, its largest magnitude, and DOT's
-float16 tiles of it. Shape legend as in pairs4.py (HW: a chunk's 32-bit words, 8 columns each)."""
+into the 8 planes a packed word's values meet, their sums per word, and its largest magnitude (measured,
+or read from the producer's tile notes). Shape legend as in pairs4.py (HW: a chunk's 32-bit words, 8 columns each)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["group_planes", "largest", "planes", "store_tile_top", "tiles_largest", "vector", "word_sums"]
+__all__ = ["largest", "planes", "store_tile_top", "tiles_largest", "vector", "word_sums"]
 
 
 @triton.jit
@@ -41,32 +41,12 @@ def word_sums(x0, x4, x1, x5, x2, x6, x3, x7):
 
 @triton.jit
 def largest(v_ptr, C, BLOCK_K: tl.constexpr):
-    """The largest magnitude of the C elements at v_ptr (float32; the smallest normal float16 where all are
-    smaller, so that 1 / it stays finite), chunk by chunk."""
+    """The largest magnitude of the C elements at v_ptr (float32), chunk by chunk."""
     top = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, C, BLOCK_K):
         c_K = k0 + tl.arange(0, BLOCK_K)
         top = tl.maximum(top, tl.abs(tl.load(v_ptr + c_K, mask=c_K < C, other=0.0).to(tl.float32)))
-    return tl.maximum(tl.max(top, 0), 6.103515625e-05)
-
-
-@triton.jit
-def group_planes(v_ptr, k0, C, inv, GROUP: tl.constexpr, HW: tl.constexpr):
-    """The vector's chunk at column k0 times inv (every element then at most 1 in magnitude) as 8 float16
-    tiles [16, HW] in `planes`' order, tile j holding plane j's elements in the row of their group (row g:
-    the chunk's g-th group of GROUP columns; zeros elsewhere), and [16] float32 the groups' sums of the
-    scaled vector: the A operands of `pairs4._dot_words`, once per chunk for every matrix that reads it."""
-    x0, x4, x1, x5, x2, x6, x3, x7 = planes(v_ptr, k0, C, HW)
-    in_group = (tl.arange(0, HW)[None, :] // (GROUP // 8)) == tl.arange(0, 16)[:, None]
-    sums = tl.sum(tl.where(in_group, word_sums(x0, x4, x1, x5, x2, x6, x3, x7)[None, :], 0.0), 1) * inv
-    return (tl.where(in_group, (x0 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x4 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x1 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x5 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x2 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x6 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x3 * inv)[None, :], 0.0).to(tl.float16),
-            tl.where(in_group, (x7 * inv)[None, :], 0.0).to(tl.float16), sums)
+    return tl.max(top, 0)
 
 
 @triton.jit
