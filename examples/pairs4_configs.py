@@ -3,12 +3,12 @@ the autotuner's list, timed as the pair's time with the other pass autotuned (L2
 as the autotuner times), beside the autotuned pair and the packed bytes' time at copy bandwidth.
 
     python examples/pairs4_configs.py [--shape mixtral] [--fmt int4] [--top 8] [--block-n 4,8,16,32]
-        [--block-k 512,1024,2048] [--warps 2,4,8] [--parts 1] [--down-only]
+        [--block-k 512,1024,2048] [--warps 2,4,8] [--parts 1] [--passes up,down]
 
 One process, one GPU. Random weights of the shape quantized by groups of 32; one token routed to experts
 0..K-1. Prints the `--top` fastest configs of each pass with microseconds per call (the pair's time,
 the other pass autotuned): every tile, the down pass's also with SPLIT (one program per slot) and with I cut
-into each of --parts (PARTS, pairs4.down_pairs4_kernel); --down-only sweeps the down pass alone.
+into each of --parts (PARTS, pairs4.down_pairs4_kernel); --passes up (or down) sweeps that pass alone.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--block-k", type=_ints, default=(512, 1024, 2048))
     parser.add_argument("--warps", type=_ints, default=(2, 4, 8))
     parser.add_argument("--parts", type=_ints, default=(1,))
-    parser.add_argument("--down-only", action="store_true")
+    parser.add_argument("--passes", default="up,down", help="the passes to sweep: up, down or both")
     args = parser.parse_args()
     D, I, E, K = SHAPES[args.shape][:4]
     device = torch.device("cuda")
@@ -58,7 +58,7 @@ def main() -> None:
     floor = K * sum(per_expert.values()) / bandwidth * 1e6
     print(f"{args.shape} {args.fmt}, one token, K {K}: autotuned pair {tuned:.1f} us; packed bytes at copy "
           f"bandwidth {floor:.1f} us ({floor / tuned:.0%}, the kernel benchmark's HBM fraction)")
-    for which in ("down",) if args.down_only else ("up", "down"):
+    for which in args.passes.split(","):
         results = []
         splits = (False, True) if which == "down" else (False,)
         parts = args.parts if which == "down" else (1,)
