@@ -19,7 +19,8 @@ packed instruction, each word's sum widened once (half4.py, `half_chunk`), for a
 magnitude `half_fits` (measured once a program, or read from the gate/up pass's tile notes: TOPS; any other
 runs the float32 loop). Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4,
 `load_words`). The down pass runs one program per token and column tile over the K slots, or (SPLIT) one per
-slot, and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
+slot, and may cut I into ranges (PARTS: wide column tiles reading each chunk of h once for all their rows, the
+partials summed by the last program to arrive, split_slots.py), and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
 pairs.py's. No Hopper-only instructions; no inline assembly but HALF's (sm_80 and later). Rows that are not
 4-byte aligned, or groups of other than a multiple of 8 columns, run the same conversions one byte at a time
 (`byte_chunk`). Partial chunks (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked.
