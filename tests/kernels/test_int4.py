@@ -469,15 +469,19 @@ def test_gptoss_pairs4_match_the_float64_reference(fmt, limit, zero):
     _gptoss_check(3, 64, 48, 4, 2, fmt, 1.702, limit, zero=zero)
 
 
-@pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
-                         ids=["chunks-32", "narrow", "wide"])
+@pytest.mark.parametrize("up,down", [((16, 32), (16, 32, False, 1)), ((8, 16), (32, 64, True, 1)),
+                                     ((64, 256), (8, 16, False, 1)), ((16, 32), (32, 32, True, 3)),
+                                     ((16, 32), (16, 32, False, 2))],
+                         ids=["chunks-32", "narrow-split", "wide", "split-parts", "parts"])
 def test_gptoss_pairs4_tails(up, down, monkeypatch):
     """Column tiles and chunks that divide neither D = 80 nor I = 56 (partial chunks and groups, a tile
-    past the matrix), unweighted; and MXFP4 at D = 96 with three experts a token."""
+    past the matrix), unweighted; and MXFP4 at D = 96 with three experts a token; the down pass (the plain
+    one with biases) split per slot and cut into parts of I (each expert's bias added once)."""
     from thunderep.kernels import pairs4_gptoss
 
     monkeypatch.setattr(pairs4_gptoss, "GPTOSS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4})
-    monkeypatch.setattr(pairs4_gptoss, "GPTOSS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": 4})
+    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": 4,
+                                                "SPLIT": down[2], "PARTS": down[3]})
     _gptoss_check(2, 80, 56, 5, 2, "int4", 1.702, 0.5, weighted=False)
     _gptoss_check(1, 96, 56, 5, 3, "mxfp4", 1.702, 7.0, seed=1)
 

@@ -17,7 +17,8 @@ from .act import ACTIVATIONS
 from .fp8 import scale_args, weight_data
 from .tuning import cdiv, next_power_of_2
 
-__all__ = ["HALF_TOPS", "PAIRS4_DOWN", "PAIRS4_UP", "pairs4_forward", "pairs_forward", "second_rows"]
+__all__ = ["HALF_TOPS", "PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "pairs4_forward", "pairs_forward",
+           "second_rows"]
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
 # tiles.DOWN_PAIRS4) and takes tiles.pairs4_default elsewhere; a dict {"BLOCK_N", "BLOCK_K", "num_warps"}
@@ -97,6 +98,37 @@ def _launch4(autotuner, plain, pinned: dict | None, programs, C: int, grid, devi
     tuning.launch(autotuner, plain, tiles.pairs4_default(programs, C), grid, device, **args)
 
 
+def down4_buffers(x: torch.Tensor, T: int, N: int, D: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(partials, counts, n_counts) of a 4-bit down pass (`down4`): float32 partials for SPLIT and PARTS and
+    the per-token counts [T, n_counts] that the gate/up pass zeroes (split_slots.zero_counts)."""
+    n_counts = cdiv(D, min(tiles.MIN_PAIRS4_BLOCK_N, (PAIRS4_DOWN or {}).get("BLOCK_N", D)))
+    parts = tiles.MAX_PAIRS4_PARTS if PAIRS4_DOWN is None else PAIRS4_DOWN.get("PARTS", 1)
+    partials = N * D * parts  # a float32 partial per slot and part of I
+    part = torch.empty(partials + T * n_counts, dtype=torch.float32, device=x.device)
+    return part, part[partials:].view(torch.int32), n_counts
+
+
+def down4(h: torch.Tensor, w_down, ids: torch.Tensor, weights: Optional[torch.Tensor], T: int, buffers: tuple,
+          pdl: bool, half: int, tops: dict | None = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y_TD of the 4-bit down pass (pairs4.down_pairs4_kernel, autotuned or PAIRS4_DOWN) on h [N, I]:
+    w_down [E, D, I] int4.Int4Weight; buffers: `down4_buffers`' (zeroed by the gate/up pass); pdl: launched
+    as the gate/up pass's programmatic dependent; half: paths.half_mode; tops: the gate/up pass's tile notes
+    (HALF_TOPS); bias [E, D] or None: each slot's expert's bias added (gpt-oss)."""
+    E, D, I = w_down.shape
+    N = ids.numel()
+    part, count, n_counts = buffers
+    y = h.new_empty(T, D)
+    extra = {} if bias is None else {"b_ptr": bias, "stride_be": bias.stride(0), "BIAS": True}
+    _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
+             lambda meta: (T, cdiv(D, meta["BLOCK_N"]), (N // T if meta.get("SPLIT") else 1) * meta.get("PARTS", 1)),
+             h.device, h_ptr=h, w_ptr=w_down.packed, stride_we=w_down.packed.stride(0), y_ptr=y, ids_ptr=ids,
+             weight_ptr=weights if weights is not None else h, part_ptr=part, count_ptr=count, D=D, I=I, E=E,
+             top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0),
+             stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, WORDS4=I % 32 == 0, HALF=half,
+             **(tops or {}), **extra, **w_down.kernel_args(), **({"launch_pdl": True} if pdl else {}))
+    return y
+
+
 def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights: Optional[torch.Tensor],
                    activation: str, interleaved: bool) -> torch.Tensor:
     """y_TD through the two 4-bit pair launches (pairs4.py). x: [T, D]; w_gate_up [E, 2I, D] and w_down
@@ -113,25 +145,11 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
         least = min(tiles.MIN_PAIRS4_UP_BLOCK_N, (PAIRS4_UP or {}).get("BLOCK_N", I))
         buf = torch.empty(N, 1 + cdiv(I, least), dtype=torch.float32, device=x.device)
         tops = {"top_ptr": buf, "stride_tm": buf.stride(0), "TOPS": True}
-    n_counts = cdiv(D, min(tiles.MIN_PAIRS4_BLOCK_N, (PAIRS4_DOWN or {}).get("BLOCK_N", D)))
-    parts = tiles.MAX_PAIRS4_PARTS if PAIRS4_DOWN is None else PAIRS4_DOWN.get("PARTS", 1)
-    partials = N * D * parts  # SPLIT and PARTS: a float32 partial per slot and part of I
-    part = torch.empty(partials + T * n_counts, dtype=torch.float32, device=x.device)
-    count = part[partials:].view(torch.int32)
+    buffers = down4_buffers(x, T, N, D)
     _launch4(tiles.UP_PAIRS4, tiles.UP_PAIRS4_PLAIN, PAIRS4_UP, lambda bn: N * cdiv(I, bn), D,
              lambda meta: (N, cdiv(I, meta["BLOCK_N"])), x.device,
              x_ptr=x, w_ptr=w_gate_up.packed, stride_we=w_gate_up.packed.stride(0), h_ptr=h, ids_ptr=ids,
-             count_ptr=count, I=I, D=D, E=E, top_k=N // T, n_counts=n_counts, stride_xm=x.stride(0),
+             count_ptr=buffers[1], I=I, D=D, E=E, top_k=N // T, n_counts=buffers[2], stride_xm=x.stride(0),
              stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
              INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half, **tops, **w_gate_up.kernel_args())
-    y = x.new_empty(T, D)
-    _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
-             lambda meta: (T, cdiv(D, meta["BLOCK_N"]), (N // T if meta.get("SPLIT") else 1) * meta.get("PARTS", 1)),
-             x.device,
-             h_ptr=h, w_ptr=w_down.packed, stride_we=w_down.packed.stride(0), y_ptr=y, ids_ptr=ids,
-             weight_ptr=weights if weights is not None else h, part_ptr=part, count_ptr=count, D=D, I=I, E=E,
-             top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0),
-             stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, WORDS4=I % 32 == 0, HALF=half, **tops,
-             **w_down.kernel_args(),
-             **({"launch_pdl": True} if pdl else {}))
-    return y
+    return down4(h, w_down, ids, weights, T, buffers, pdl, half, tops)

@@ -20,8 +20,9 @@ magnitude `half_fits` (measured once a program, or read from the gate/up pass's 
 runs the float32 loop). Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4,
 `load_words`). The down pass runs one program per token and column tile over the K slots, or (SPLIT) one per
 slot, and may cut I into ranges (PARTS: wide column tiles reading each chunk of h once for all their rows, the
-partials summed by the last program to arrive, split_slots.py), and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
-pairs.py's. No Hopper-only instructions; no inline assembly but HALF's (sm_80 and later). Rows that are not
+partials summed by the last program to arrive, split_slots.py), and is launched as a programmatic dependent
+of the gate/up pass where the GPU has it (PDL), as pairs.py's; with biases (BIAS) it is gpt-oss's down pass
+too. No Hopper-only instructions; no inline assembly but HALF's (sm_80 and later). Rows that are not
 4-byte aligned, or groups of other than a multiple of 8 columns, run the same conversions one byte at a time
 (`byte_chunk`). Partial chunks (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked.
 Expert ids as in pairs.py: -1 reads no weights and adds nothing; any other id outside [0, E) makes its token's
@@ -362,7 +363,8 @@ def slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_
 def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps, C, E, stride_hm, stride_we,
            stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr,
            MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, STEP: tl.constexpr, WAIT: tl.constexpr,
-           WORDS4: tl.constexpr, HALF: tl.constexpr, top_ptr, stride_tm, TOPS: tl.constexpr):
+           WORDS4: tl.constexpr, HALF: tl.constexpr, top_ptr, stride_tm, TOPS: tl.constexpr, b_ptr, stride_be,
+           BIAS: tl.constexpr):
     """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N and
     the C columns of I from steps * STEP (`part_range`)."""
     expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
@@ -371,8 +373,12 @@ def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps,
     w_N += steps * (STEP // 2)  # bytes
     s_N += (steps * (STEP // GROUP)).to(tl.int64) * stride_sk  # groups (STEP is a multiple of GROUP)
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
-    return rw * packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, C, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4,
-                           ZERO, BLOCK_K, WAIT, WORDS4, HALF, top_ptr + j.to(tl.int64) * stride_tm, TOPS)
+    acc = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, C, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
+                     BLOCK_K, WAIT, WORDS4, HALF, top_ptr + j.to(tl.int64) * stride_tm, TOPS)
+    if BIAS:  # the expert's bias b[expert] (not for -1), once: in the first part of I
+        bias = tl.load(b_ptr + expert * stride_be + cols_N, mask=ok_N, other=0.0).to(tl.float32)
+        acc += tl.where(steps == 0, bias, 0.0)
+    return rw * acc
 
 
 @triton.jit
@@ -381,7 +387,8 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
                        WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
                        PARTS: tl.constexpr = 1, PDL: tl.constexpr = False, WORDS4: tl.constexpr = False,
-                       HALF: tl.constexpr = 0, top_ptr=0, stride_tm=0, TOPS: tl.constexpr = False):
+                       HALF: tl.constexpr = 0, top_ptr=0, stride_tm=0, TOPS: tl.constexpr = False, b_ptr=0,
+                       stride_be=0, BIAS: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
@@ -392,7 +399,9 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     summing the token's partials in that order, so wide column tiles (each h chunk read once for BLOCK_N
     rows) still give every SM programs; deterministic, not the one-range sum bit for bit. PDL: launched as a
     programmatic dependent of the gate/up pass: each program loads its first chunk of weights, then waits for
-    h. WORDS4: I a multiple of 32 (`load_words`). HALF: the products in float16 pairs (`packed_dot`)."""
+    h. WORDS4: I a multiple of 32 (`load_words`). HALF: the products in float16 pairs (`packed_dot`). BIAS:
+    each slot's expert's bias row b[ids[t*K + k]] ([E, D], row stride stride_be) added to its product before
+    the routing weight (gpt-oss's experts, pairs4_gptoss.py)."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -406,18 +415,19 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     if SPLIT:
         part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + q // PARTS, cols_N, D, steps, C,
                       E, stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, top_ptr, stride_tm, TOPS)
+                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, top_ptr, stride_tm, TOPS, b_ptr, stride_be, BIAS)
         sum_split_slots(part, t * top_k * PARTS + q, t, tile, cols_N, col_ok_N, D, top_k * PARTS, part_ptr,
                         count_ptr, stride_cm, y_ptrs)
     else:
         acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, steps, C, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
                      BLOCK_K, STEP, PDL, WORDS4, HALF, top_ptr, stride_tm,
-                     TOPS)  # the first slot waits for h (PDL); the others find it written
+                     TOPS, b_ptr, stride_be, BIAS)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
             acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, steps, C, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                          MXFP4, ZERO, BLOCK_K, STEP, False, WORDS4, HALF, top_ptr, stride_tm, TOPS)
+                          MXFP4, ZERO, BLOCK_K, STEP, False, WORDS4, HALF, top_ptr, stride_tm, TOPS, b_ptr, stride_be,
+                          BIAS)
         if PARTS > 1:
             sum_split_slots(acc, t * PARTS + q, t, tile, cols_N, col_ok_N, D, PARTS, part_ptr, count_ptr, stride_cm,
                             y_ptrs)

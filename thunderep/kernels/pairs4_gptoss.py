@@ -1,5 +1,6 @@
-"""Decode kernels on 4-bit expert weights for gpt-oss's experts: pairs4.py's pair kernels with biases and
-gpt-oss's clamped SwiGLU, and their launches.
+"""Decode on 4-bit expert weights for gpt-oss's experts: a gate/up pair kernel with biases and gpt-oss's
+clamped SwiGLU, and the launches; the down pass is pairs4.py's with biases (`down_pairs4_kernel` BIAS,
+decode.down4: autotuned, split per slot and cut into parts of I as any model's).
 
 Shape legend: T tokens, D hidden size, K experts per token, E experts, I intermediate size,
 N = T * K (token, slot) pairs in flat (token-major) order, HK = BLOCK_K / 2 packed columns of a chunk.
@@ -25,18 +26,19 @@ import torch
 import triton
 import triton.language as tl
 
-from . import paths
-from .pairs4 import packed_dot, packed_dot2, slot_weights, words_ok
+from . import decode, paths
+from .pairs import gdc_launch_dependents
+from .pairs4 import packed_dot2, words_ok
+from .split_slots import zero_counts
 from .tiles import pairs4_default
 from .tuning import cdiv
 
-__all__ = ["GPTOSS4_DOWN", "GPTOSS4_UP", "down_pairs4_gptoss_kernel", "pairs4_gptoss_forward",
-           "up_pairs4_gptoss_kernel"]
+__all__ = ["GPTOSS4_UP", "pairs4_gptoss_forward", "up_pairs4_gptoss_kernel"]
 
-# Launch configs, pinned: None takes the plain 4-bit pair kernels' default for the shape
-# (tiles.pairs4_default; not autotuned); a dict {"BLOCK_N", "BLOCK_K", "num_warps"} runs that config.
+# The gate/up pass's launch config, pinned: None takes the plain 4-bit pair kernels' default for the shape
+# (tiles.pairs4_default; not autotuned); a dict {"BLOCK_N", "BLOCK_K", "num_warps"} runs that config. The
+# down pass is the plain one with biases (pairs4.down_pairs4_kernel BIAS: autotuned, or decode.PAIRS4_DOWN).
 GPTOSS4_UP: dict | None = None
-GPTOSS4_DOWN: dict | None = None
 
 
 def _config(pinned: dict | None, programs, C: int) -> dict:
@@ -47,16 +49,21 @@ def _config(pinned: dict | None, programs, C: int) -> dict:
 
 
 @triton.jit
-def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, I, D, E, top_k, alpha, limit,
-                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be, stride_hm,
-                            GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0):
+def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, count_ptr, I, D, E, top_k, n_counts,
+                            alpha, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be,
+                            stride_hm, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr = False,
+                            HALF: tl.constexpr = 0, PDL: tl.constexpr = False):
     """h[j, c] = gpt-oss's clamped SwiGLU of (x[j // K] . Wgu[ids[j], 2c] + b[ids[j], 2c],
     x[j // K] . Wgu[ids[j], 2c + 1] + b[ids[j], 2c + 1]) for pair j = program_id(0), columns c of tile
     program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales (and zero points, ZERO)
     [E, 2I, ceil(D / GROUP)] by strides; b: [E, 2I]; h: [T*K, I]. WORDS4: D a multiple of 32 (pairs4.load_words);
-    HALF: int4's products in float16 pairs (pairs4.packed_dot)."""
+    HALF: int4's products in float16 pairs (pairs4.packed_dot). Also zeroes the down pass's counts and, PDL,
+    lets it launch early, as pairs4.up_pairs4_kernel."""
+    if PDL:
+        gdc_launch_dependents()
     j = tl.program_id(0)
+    zero_counts(count_ptr, j, top_k, n_counts)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(ids_ptr + j).to(tl.int64)
     known = (expert >= 0) & (expert < E)
@@ -83,35 +90,6 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, I
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
 
 
-@triton.jit
-def down_pairs4_gptoss_kernel(h_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ids_ptr, weight_ptr, D, I, E, top_k,
-                              stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, stride_be, stride_ym,
-                              WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr = False,
-                              HALF: tl.constexpr = 0):
-    """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n] + b[ids[t*K + k], n]) for token
-    t = program_id(0), columns n of tile program_id(1); products and biases summed in float32 in slot
-    order. h: [T*K, I]; Wd: packed [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)]
-    by strides; b: [E, D]; y: [T, D]. WORDS4: I a multiple of 32 (pairs4.load_words); HALF as the up pass's."""
-    t = tl.program_id(0)
-    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    words = words_ok(w_ptr, stride_we, stride_wd, I)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    bias_N = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(top_k):
-        j = t * top_k + slot
-        expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
-                                                  stride_se, stride_sn, WEIGHTED)
-        bias_N += rw * tl.load(b_ptr + expert * stride_be + cols_N, mask=ok_N, other=0.0).to(tl.float32)
-        h_row = h_ptr + j.to(tl.int64) * stride_hm
-        opaque = (expert >> 32).to(tl.uint32)
-        part = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, I, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
-                          BLOCK_K, WORDS4=WORDS4, HALF=HALF)
-        acc += rw * part
-    y = acc + bias_N
-    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols_N, y.to(y_ptr.dtype.element_ty), mask=cols_N < D)
-
-
 def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w_down, b_down: torch.Tensor,
                           ids: torch.Tensor, weights: torch.Tensor | None, alpha: float,
                           limit: float) -> torch.Tensor:
@@ -124,17 +102,13 @@ def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w
     I, N = I2 // 2, ids.numel()
     h = x.new_empty(N, I)
     half = paths.half_mode(x.device, w_gate_up.fmt)
+    pdl = paths.pdl_applies(x.device)
+    buffers = decode.down4_buffers(x, T, N, D)
     up = _config(GPTOSS4_UP, lambda bn: N * cdiv(I, bn), D)
-    down = _config(GPTOSS4_DOWN, lambda bn: T * cdiv(D, bn), I)
     up_pairs4_gptoss_kernel[(N, cdiv(I, up["BLOCK_N"]))](
-        x, w_gate_up.packed, b_ptr=b_gate_up, h_ptr=h, ids_ptr=ids, I=I, D=D, E=E, top_k=N // T, alpha=float(alpha),
-        limit=float(limit), stride_xm=x.stride(0), stride_wn=w_gate_up.packed.stride(1),
-        stride_be=b_gate_up.stride(0), stride_hm=h.stride(0), WORDS4=D % 32 == 0, HALF=half,
-        stride_we=w_gate_up.packed.stride(0), **w_gate_up.kernel_args(), **up)
-    y = x.new_empty(T, D)
-    down_pairs4_gptoss_kernel[(T, cdiv(D, down["BLOCK_N"]))](
-        h, w_down.packed, b_ptr=b_down, y_ptr=y, ids_ptr=ids, weight_ptr=weights if weights is not None else h, D=D,
-        I=I, E=E, top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_be=b_down.stride(0),
-        stride_ym=y.stride(0), WEIGHTED=weights is not None, WORDS4=I % 32 == 0, HALF=half,
-        stride_we=w_down.packed.stride(0), **w_down.kernel_args(), **down)
-    return y
+        x, w_gate_up.packed, b_ptr=b_gate_up, h_ptr=h, ids_ptr=ids, count_ptr=buffers[1], I=I, D=D, E=E,
+        top_k=N // T, n_counts=buffers[2], alpha=float(alpha), limit=float(limit), stride_xm=x.stride(0),
+        stride_wn=w_gate_up.packed.stride(1), stride_be=b_gate_up.stride(0), stride_hm=h.stride(0),
+        WORDS4=D % 32 == 0, HALF=half, PDL=pdl, stride_we=w_gate_up.packed.stride(0), **w_gate_up.kernel_args(),
+        **up)
+    return decode.down4(h, w_down, ids, weights, T, buffers, pdl, half, bias=b_down)
