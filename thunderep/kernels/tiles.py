@@ -137,7 +137,8 @@ DOWN_PAIRS, DOWN_PAIRS_PLAIN = tuned("down_pairs", P.down_pairs_kernel, DOWN_PAI
 # Keys: shapes and the 4-bit format.
 PAIRS4_TILES = [(4, 512, 4), (8, 512, 4), (16, 256, 4), (16, 512, 4), (32, 256, 8), (2, 1024, 4), (4, 1024, 4),
                 (8, 1024, 4), (16, 1024, 8), (2, 2048, 4), (4, 2048, 4), (8, 2048, 8),
-                (16, 2048, 4), (4, 2048, 2)]  # the down pass's two fastest in a sweep beyond the list (int4 record)
+                (16, 2048, 4), (4, 2048, 2),  # the down pass's two fastest in a sweep beyond the list (int4 record)
+                (16, 256, 2), (32, 256, 4), (8, 512, 2)]  # the gate/up pass's three fastest in one (2026-12-07)
 PAIRS4_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in PAIRS4_TILES]
 # The down pass also one program per slot (SPLIT: K times the programs, pairs4.down_pairs4_kernel), on the
 # tiles with the most rows per program.
