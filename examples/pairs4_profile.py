@@ -4,8 +4,7 @@ pass reads and those bytes' time at copy bandwidth.
 
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-parts] [--no-words4]
                                       [--loads-only words|scales|convert] [--strided-vector] [--wide-vector]
-                                      [--half-tops] [--assume-fits]
-                                      [--half-mxfp4]
+                                      [--assume-fits]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -17,10 +16,8 @@ pass launches early, PDL, the two kernels' own times overlap). --no-split leaves
 one-program-per-slot configs out of its autotuning, --no-parts its configs that cut I into ranges (PARTS);
 --no-words4 launches the 4-bit kernels with 8-byte word loads (WORDS4 off, pairs4.load_words);
 THUNDEREP_PDL=0 launches the down pass plainly. Together (PARTS aside) they are the 4-bit kernels as they
-were before those three. THUNDEREP_HALF_PRODUCTS=0 runs int4's products in
-float32, as before the float16 pairs (kernels/half4.py); --half-tops has the int4 down pass choose its float16
-or float32 loop from the gate/up pass's tile notes instead of reading h once more (decode.HALF_TOPS);
---half-mxfp4 runs MXFP4's products in float16 pairs too (paths.HALF_FORMATS). --loads-only runs the 4-bit
+were before those three. THUNDEREP_HALF_PRODUCTS=0 runs int4's products in float32, as before the float16
+pairs (kernels/half4.py). --loads-only runs the 4-bit
 kernels with each chunk's conversion, products and vector taken out (a probe, its outputs meaningless):
 `words` sums each row's words as integers; `scales` also loads the group scales and sums per group times them,
 as the real chunk does; `convert` also converts every code to float32 and sums the values per group times the
@@ -50,7 +47,7 @@ import triton
 import triton.language as tl
 
 from thunderep.bench.kernels import SHAPES, copy_bandwidth
-from thunderep.kernels import decode, pairs4, paths, tiles, tuning
+from thunderep.kernels import decode, pairs4, tiles, tuning
 from thunderep.kernels.codes4 import e2m1_halves, int4_halves
 from thunderep.kernels.fp8 import Fp8Weight
 from thunderep.kernels.int4 import Int4Weight
@@ -194,10 +191,6 @@ def main() -> None:
     parser.add_argument("--no-words4", action="store_true", help="the 4-bit kernels' word loads 8 bytes wide")
     parser.add_argument("--loads-only", choices=("words", "scales", "convert"),
                         help="probe: the 4-bit kernels with each chunk's conversion and products taken out")
-    parser.add_argument("--half-tops", action="store_true",
-                        help="int4's down pass reads the gate/up pass's tile notes to choose its loop (HALF_TOPS)")
-    parser.add_argument("--half-mxfp4", action="store_true",
-                        help="MXFP4's products in float16 pairs too (paths.HALF_FORMATS)")
     parser.add_argument("--strided-vector", action="store_true",
                         help="the 4-bit kernels load the vector's planes directly (no shared memory, no barriers)")
     parser.add_argument("--assume-fits", action="store_true",
@@ -205,9 +198,6 @@ def main() -> None:
     parser.add_argument("--wide-vector", action="store_true",
                         help="the 4-bit kernels load each word's vector elements as two 8-byte words (bfloat16)")
     args = parser.parse_args()
-    decode.HALF_TOPS = args.half_tops
-    if args.half_mxfp4:
-        paths.HALF_FORMATS = ("int4", "mxfp4")
     if args.strided_vector or args.loads_only:  # the probes replace the float32 chunk: int4 runs it
         os.environ["THUNDEREP_HALF_PRODUCTS"] = "0"
     if args.strided_vector:

@@ -93,6 +93,8 @@ def main() -> None:
         import pairs4_profile
 
         P4.word_chunk = pairs4_profile._converted
+    if args.mxfp4 and args.half:
+        raise SystemExit("--half counts int4's float16-pair products; MXFP4 has none (kernels/half4.py)")
     if targets._cuobjdump() is None:
         raise SystemExit("cuobjdump is not available (Triton bundles it with its NVIDIA backend)")
     print("| pass | tile (BLOCK_N x BLOCK_K x warps) | instructions per weight | loads in the loop, by width "

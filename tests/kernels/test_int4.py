@@ -216,31 +216,23 @@ def test_int4_pair_kernel_tails(up, down, monkeypatch):
     _check(1, 84, 52, 5, 2, torch.float16, "mxfp4", 32, tol=2e-3, seed=3)
 
 
-@pytest.mark.parametrize("fmt,tops", [("int4", False), ("int4", True), ("mxfp4", False)],
-                         ids=["int4-measured", "int4-tile-notes", "mxfp4-measured"])
-def test_int4_half_products_run_where_the_vector_fits(fmt, tops, monkeypatch):
+def test_int4_half_products_run_where_the_vector_fits(monkeypatch):
     """HALF (int4 products in float16 pairs, the default on CUDA and in the interpreter): within the
     reference's error where it runs; a token whose vector's largest magnitude is past HALF_MAX (3e4: its
     float16 sums would overflow) or under HALF_MIN (1e-6 a element: float16 subnormals) runs the float32
     products instead, bit for bit what THUNDEREP_HALF_PRODUCTS=0 gives it, finite and within the error;
     a token that fits runs the float16 pairs (its output differs from the float32 products'). The down
-    pass's choice measured on h, or read from the gate/up pass's tile notes (decode.HALF_TOPS; gate/up
-    tiles of 16 columns over I = 56: a last tile past I). MXFP4's float16 pairs (paths.HALF_FORMATS: not yet
-    a default) the same."""
-    from thunderep.kernels import paths
-
+    pass's choice measured on h."""
     from thunderep.kernels.half4 import HALF_MAX, HALF_MIN
 
     assert 32 * HALF_MAX < 65504 and HALF_MIN >= 2.0 ** -8
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setattr(decode, "HALF_TOPS", tops)
-    monkeypatch.setattr(paths, "HALF_FORMATS", ("int4", "mxfp4"))
     monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
     monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
     x, w_gu, w_d, ids, weights = make_case(3, 96, 56, 5, 2, torch.bfloat16, 7)
     x[0, 3] = 3e4
     x[1] = x[1] * 1e-6
-    q_gu, q_d = Int4Weight.quantize(w_gu, fmt, 32), Int4Weight.quantize(w_d, fmt, 32)
+    q_gu, q_d = Int4Weight.quantize(w_gu, "int4", 32), Int4Weight.quantize(w_d, "int4", 32)
     y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64), ids,
                       weights.double())
     outs = {}
@@ -255,13 +247,11 @@ def test_int4_half_products_run_where_the_vector_fits(fmt, tops, monkeypatch):
     assert not torch.equal(outs["1"][2], outs["0"][2])  # fits: the float16 pairs ran
 
 
-@pytest.mark.parametrize("tops", [False, True], ids=["measured", "tile-notes"])
-def test_int4_half_down_pass_takes_float32_for_a_large_h(tops, monkeypatch):
+def test_int4_half_down_pass_takes_float32_for_a_large_h(monkeypatch):
     """A vector that fits for the gate/up pass (x of the usual size) but whose h does not (gate/up scales
-    x 3000: h near 1e5) stays finite and within the reference's error: the down pass, which measures h (or
-    reads the gate/up pass's tile notes), runs the float32 products for it."""
+    x 3000: h near 1e5) stays finite and within the reference's error: the down pass, which measures h, runs
+    the float32 products for it."""
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setattr(decode, "HALF_TOPS", tops)
     monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
     monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT": True, "num_warps": 4})
     x, w_gu, w_d, ids, weights = make_case(2, 96, 64, 5, 2, torch.bfloat16, 11)

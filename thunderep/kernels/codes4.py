@@ -9,8 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["E2M1_UNIT", "codes4", "e2m1_halves", "e2m1_halves16", "int4_halves", "int4_halves16", "int4_plane",
-           "nibbles4", "scales4"]
+__all__ = ["E2M1_UNIT", "codes4", "e2m1_halves", "int4_halves", "int4_halves16", "int4_plane", "nibbles4", "scales4"]
 
 # The e2m1 planes are float16 values 2 ** -14 times the e2m1 value (`e2m1_halves`): sums are scaled back.
 E2M1_UNIT: tl.constexpr = tl.constexpr(16384.0)
@@ -57,22 +56,14 @@ def e2m1_halves(w, SHIFT: tl.constexpr, opaque=0):
     so exponent 0 is a float16 subnormal (0 or 0.5 * 2 ** -14) as e2m1's own subnormal is; float16
     subnormals convert to float32 exactly (float32 subnormals, which the GPU flushes, never arise). Both
     halves in the same two shifts and two logic operations. opaque: a uint32 zero (`packed_dot`)."""
-    lo, hi = e2m1_halves16(w, SHIFT, opaque)
-    return lo.to(tl.float32), hi.to(tl.float32)
-
-
-@triton.jit
-def e2m1_halves16(w, SHIFT: tl.constexpr, opaque=0):
-    """`e2m1_halves` before the widening, in float16 (2 ** -14 times the values; half4.py scales them back
-    there)."""
     u = w.to(tl.uint32, bitcast=True)
     if SHIFT <= 9:
         bits = (u << (9 - SHIFT)) & 0x0E000E00
     else:
         bits = (u >> (SHIFT - 9)) & 0x0E000E00
     t = bits | ((u << (12 - SHIFT)) & (0x80008000 + opaque))  # the two sign bits
-    lo = t.to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    lo = t.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
 
 

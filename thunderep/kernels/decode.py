@@ -17,7 +17,7 @@ from .act import ACTIVATIONS
 from .fp8 import scale_args, weight_data
 from .tuning import cdiv, next_power_of_2
 
-__all__ = ["HALF_TOPS", "PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "pairs4_forward", "pairs_forward",
+__all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "pairs4_forward", "pairs_forward",
            "second_rows"]
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
@@ -25,10 +25,6 @@ __all__ = ["HALF_TOPS", "PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "p
 # (for the down pass optionally "SPLIT" and "PARTS") runs that config.
 PAIRS4_UP: dict | None = None
 PAIRS4_DOWN: dict | None = None
-# With the float16-pair products (paths.half_mode), whether the down pass chooses its loop from the gate/up
-# pass's tile notes (pairs4 TOPS: a few bytes a tile) instead of measuring h itself (each program reads its
-# h row once more). Off until timed (docs/benchmarks/2026-12-05-int4-experts-h200.md, the down pass).
-HALF_TOPS = False
 
 def second_rows(first: torch.Tensor, second: torch.Tensor) -> tuple[int, int]:
     """(split_e, w_shift) of pairs.py's `_entry_offset`: ids from split_e (the rows of `first`) on read rows
@@ -109,11 +105,11 @@ def down4_buffers(x: torch.Tensor, T: int, N: int, D: int) -> tuple[torch.Tensor
 
 
 def down4(h: torch.Tensor, w_down, ids: torch.Tensor, weights: Optional[torch.Tensor], T: int, buffers: tuple,
-          pdl: bool, half: int, tops: dict | None = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+          pdl: bool, half: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y_TD of the 4-bit down pass (pairs4.down_pairs4_kernel, autotuned or PAIRS4_DOWN) on h [N, I]:
     w_down [E, D, I] int4.Int4Weight; buffers: `down4_buffers`' (zeroed by the gate/up pass); pdl: launched
-    as the gate/up pass's programmatic dependent; half: paths.half_mode; tops: the gate/up pass's tile notes
-    (HALF_TOPS); bias [E, D] or None: each slot's expert's bias added (gpt-oss)."""
+    as the gate/up pass's programmatic dependent; half: paths.half_mode; bias [E, D] or None: each slot's
+    expert's bias added (gpt-oss)."""
     E, D, I = w_down.shape
     N = ids.numel()
     part, count, n_counts = buffers
@@ -125,7 +121,7 @@ def down4(h: torch.Tensor, w_down, ids: torch.Tensor, weights: Optional[torch.Te
              weight_ptr=weights if weights is not None else h, part_ptr=part, count_ptr=count, D=D, I=I, E=E,
              top_k=N // T, stride_hm=h.stride(0), stride_wd=w_down.packed.stride(1), stride_ym=y.stride(0),
              stride_cm=n_counts, WEIGHTED=weights is not None, PDL=pdl, WORDS4=I % 32 == 0, HALF=half,
-             **(tops or {}), **extra, **w_down.kernel_args(), **({"launch_pdl": True} if pdl else {}))
+             **extra, **w_down.kernel_args(), **({"launch_pdl": True} if pdl else {}))
     return y
 
 
@@ -140,16 +136,11 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
     pdl = paths.pdl_applies(x.device)
     half = paths.half_mode(x.device, w_gate_up.fmt)
     h = x.new_empty(N, I)
-    tops = {}
-    if half and HALF_TOPS:  # a count and one note per gate/up tile (pairs4 store_tile_top), at the fewest rows
-        least = min(tiles.MIN_PAIRS4_UP_BLOCK_N, (PAIRS4_UP or {}).get("BLOCK_N", I))
-        buf = torch.empty(N, 1 + cdiv(I, least), dtype=torch.float32, device=x.device)
-        tops = {"top_ptr": buf, "stride_tm": buf.stride(0), "TOPS": True}
     buffers = down4_buffers(x, T, N, D)
     _launch4(tiles.UP_PAIRS4, tiles.UP_PAIRS4_PLAIN, PAIRS4_UP, lambda bn: N * cdiv(I, bn), D,
              lambda meta: (N, cdiv(I, meta["BLOCK_N"])), x.device,
              x_ptr=x, w_ptr=w_gate_up.packed, stride_we=w_gate_up.packed.stride(0), h_ptr=h, ids_ptr=ids,
              count_ptr=buffers[1], I=I, D=D, E=E, top_k=N // T, n_counts=buffers[2], stride_xm=x.stride(0),
              stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
-             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half, **tops, **w_gate_up.kernel_args())
-    return down4(h, w_down, ids, weights, T, buffers, pdl, half, tops)
+             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half, **w_gate_up.kernel_args())
+    return down4(h, w_down, ids, weights, T, buffers, pdl, half)

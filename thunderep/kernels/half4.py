@@ -1,8 +1,6 @@
-"""4-bit words times a vector in float16 pairs: the decode kernels' products at fewer instructions a weight
-(pairs4.py's HALF chunk). int4 as described below; e2m1 (MXFP4) the same with its own conversion
-(`_WORD_PRODUCTS_E2M1`: shifts put each code pair's sign and exponent and mantissa bits into float16, one
-packed multiply by 2 ** 14 makes them the values, at most 6 in magnitude), which paths.HALF_FORMATS leaves
-out until it is timed.
+"""int4 words times a vector in float16 pairs: the decode kernels' products at fewer instructions a weight
+(pairs4.py's HALF chunk). MXFP4 has none: its e2m1 codes in float16 pairs made the one-token pair slower
+(docs/benchmarks/2026-12-05-int4-experts-h200.md, 2026-12-07), so paths.half_mode takes int4 alone.
 
 pairs4.py's word chunk converts each code to float32 and multiplies there: about 4.5-5 instructions a
 weight, which is what holds the one-token pair kernels under the bandwidth their loads alone reach
@@ -28,26 +26,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codes4 import e2m1_halves16, int4_halves16
+from .codes4 import int4_halves16
 
 __all__ = ["HALF_MAX", "HALF_MIN", "half_fits", "half_word_products"]
 
 HALF_MAX = 1024.0  # the largest vector magnitude the float16 products take (32 x 1024 < 65504, with margin)
 HALF_MIN = 2.0 ** -8  # the smallest largest-magnitude they take (see the module's doc)
 
-# The end of both conversions below: the 4 float16 pairs of codes t0..t3 times the vector's pairs, each half's
-# 4 products summed in float16, the halves widened and added.
-_PRODUCTS = """mul.f16x2 p, t0, $2;
-fma.rn.f16x2 p, t1, $3, p;
-fma.rn.f16x2 p, t2, $4, p;
-fma.rn.f16x2 p, t3, $5, p;
-mov.b32 {plo, phi}, p;
-cvt.f32.f16 flo, plo;
-cvt.f32.f16 fhi, phi;
-add.f32 $0, flo, fhi;
-}"""
 # One word's 8 int4 codes (nibble j: column 8 q + j, in half j // 4 at bits 4 (j % 4)) times the vector's
-# 4 float16 pairs ($2..$5: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), as one float32.
+# 4 float16 pairs ($2..$5: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), as one float32:
+# each half's 4 products summed in float16, the halves widened and added.
 _WORD_PRODUCTS = tl.constexpr("""{
 .reg .b32 off, step, shift, t0, t1, t2, t3, w8, p;
 .reg .f16 plo, phi;
@@ -64,39 +52,17 @@ sub.f16x2 t0, t0, off;
 fma.rn.f16x2 t1, t1, step, shift;
 sub.f16x2 t2, t2, off;
 fma.rn.f16x2 t3, t3, step, shift;
-""" + _PRODUCTS)
+mul.f16x2 p, t0, $2;
+fma.rn.f16x2 p, t1, $3, p;
+fma.rn.f16x2 p, t2, $4, p;
+fma.rn.f16x2 p, t3, $5, p;
+mov.b32 {plo, phi}, p;
+cvt.f32.f16 flo, plo;
+cvt.f32.f16 fhi, phi;
+add.f32 $0, flo, fhi;
+}""")
 # (1024 + n) - 1032 = n - 8 (0x6408: 1032); (1024 + 16 n) / 16 - 72 = n - 8 (0x2C00: 1 / 16, 0xD480: -72):
 # exact in float16, as the codes' conversions of codes4.py.
-
-# The same for e2m1 codes (MXFP4): each pair of codes' sign to bits 15 / 31 and its exponent and mantissa
-# bits to 11..9 / 27..25 (codes4.e2m1_halves: 2 ** -14 times the value, float16 subnormals for exponent 0),
-# then times 2 ** 14 (0x7400), exact: the values themselves, at most 6 in magnitude.
-_WORD_PRODUCTS_E2M1 = tl.constexpr("""{
-.reg .b32 unit, t0, t1, t2, t3, s, p;
-.reg .f16 plo, phi;
-.reg .f32 flo, fhi;
-mov.b32 unit, 0x74007400;
-shl.b32 t0, $1, 9;
-shl.b32 s, $1, 12;
-and.b32 t0, t0, 0x0E000E00;
-lop3.b32 t0, s, 0x80008000, t0, 0xea;
-shl.b32 t1, $1, 5;
-shl.b32 s, $1, 8;
-and.b32 t1, t1, 0x0E000E00;
-lop3.b32 t1, s, 0x80008000, t1, 0xea;
-shl.b32 t2, $1, 1;
-shl.b32 s, $1, 4;
-and.b32 t2, t2, 0x0E000E00;
-lop3.b32 t2, s, 0x80008000, t2, 0xea;
-shr.b32 t3, $1, 3;
-and.b32 t3, t3, 0x0E000E00;
-lop3.b32 t3, $1, 0x80008000, t3, 0xea;
-mul.f16x2 t0, t0, unit;
-mul.f16x2 t1, t1, unit;
-mul.f16x2 t2, t2, unit;
-mul.f16x2 t3, t3, unit;
-""" + _PRODUCTS)
-
 
 @triton.jit
 def half_fits(top):
@@ -125,19 +91,15 @@ def _half(p, HALF: tl.constexpr):
 
 
 @triton.jit
-def _codes16(w, J: tl.constexpr, opaque, MXFP4: tl.constexpr):
-    """Codes J and J + 4 of each word of w as float16 (low half's, high half's), the values exactly: int4's
-    n - 8 (`codes4.int4_halves16`), e2m1's (`codes4.e2m1_halves16` times 2 ** 14)."""
-    if MXFP4:
-        lo, hi = e2m1_halves16(w, 4 * J, opaque)
-        return lo * 16384.0, hi * 16384.0
-    else:
-        return int4_halves16(w >> (8 * (J // 2)), 4 * (J % 2), opaque)
+def _codes16(w, J: tl.constexpr, opaque):
+    """int4 codes J and J + 4 of each word of w as float16 (low half's, high half's): n - 8 exactly
+    (`codes4.int4_halves16`)."""
+    return int4_halves16(w >> (8 * (J // 2)), 4 * (J % 2), opaque)
 
 
 @triton.jit
-def half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE: tl.constexpr, MXFP4: tl.constexpr = False):
-    """[BLOCK_N, HW] float32: each word of w (int4 or, MXFP4, e2m1 codes, [BLOCK_N, HW]) times the vector's 8
+def half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE: tl.constexpr):
+    """[BLOCK_N, HW] float32: each word of w (int4 codes, [BLOCK_N, HW]) times the vector's 8
     planes ([HW] float32, `vector4.planes`' order), summed over the word's 8 values: products in float16
     pairs, each half's 4 summed there, then the halves widened and added. MODE 1: inline PTX; 2: Triton
     operations (the interpreter). The vector must fit (`half_fits`). opaque: a uint32 zero
@@ -145,20 +107,20 @@ def half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE: tl.const
     p04, p15 = _pair16(x0, x4, MODE), _pair16(x1, x5, MODE)
     p26, p37 = _pair16(x2, x6, MODE), _pair16(x3, x7, MODE)
     if MODE == 1:
-        return tl.inline_asm_elementwise(_WORD_PRODUCTS_E2M1 if MXFP4 else _WORD_PRODUCTS, "=r,r,r,r,r,r",
+        return tl.inline_asm_elementwise(_WORD_PRODUCTS, "=r,r,r,r,r,r",
                                          [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
                                           p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
     else:
-        lo, hi = _codes16(w, 0, opaque, MXFP4)
+        lo, hi = _codes16(w, 0, opaque)
         p_lo = lo * _half(p04, 0)[None, :]
         p_hi = hi * _half(p04, 1)[None, :]
-        lo, hi = _codes16(w, 1, opaque, MXFP4)
+        lo, hi = _codes16(w, 1, opaque)
         p_lo += lo * _half(p15, 0)[None, :]
         p_hi += hi * _half(p15, 1)[None, :]
-        lo, hi = _codes16(w, 2, opaque, MXFP4)
+        lo, hi = _codes16(w, 2, opaque)
         p_lo += lo * _half(p26, 0)[None, :]
         p_hi += hi * _half(p26, 1)[None, :]
-        lo, hi = _codes16(w, 3, opaque, MXFP4)
+        lo, hi = _codes16(w, 3, opaque)
         p_lo += lo * _half(p37, 0)[None, :]
         p_hi += hi * _half(p37, 1)[None, :]
         return p_lo.to(tl.float32) + p_hi.to(tl.float32)

@@ -16,8 +16,7 @@ word's 8 planes (the values 8 columns apart) times the vector's matching element
 of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
 HALF (int4; on CUDA, paths.half_mode): the codes stay in float16 pairs and the products run there, two a
 packed instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose largest
-magnitude `half_fits` (measured once a program, or read from the gate/up pass's tile notes: TOPS; any other
-runs the float32 loop). Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4,
+magnitude `half_fits` (measured once a program; any other runs the float32 loop). Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4,
 `load_words`). The down pass runs one program per token and column tile over the K slots, or (SPLIT) one per
 slot, and may cut I into ranges (PARTS: wide column tiles reading each chunk of h once for all their rows, the
 partials summed by the last program to arrive, split_slots.py), and is launched as a programmatic dependent
@@ -40,7 +39,7 @@ from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, nibbles4, scales4
 from .half4 import half_fits, half_word_products
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import part_range, sum_split_slots, zero_counts
-from .vector4 import largest, planes, store_tile_top, tiles_largest, vector, word_sums
+from .vector4 import largest, planes, vector, word_sums
 
 __all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
            "slot_weights", "up_pairs4_kernel", "word_chunk", "words_ok"]
@@ -170,10 +169,10 @@ def word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
 @triton.jit
 def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
                ZERO: tl.constexpr, MODE: tl.constexpr):
-    """`word_chunk` with the products in float16 pairs (half4.py; MODE 1 inline PTX, 2 Triton operations),
-    for a vector that `half_fits`."""
+    """`word_chunk` of int4 words with the products in float16 pairs (half4.py; MODE 1 inline PTX, 2 Triton
+    operations), for a vector that `half_fits`."""
     x0, x4, x1, x5, x2, x6, x3, x7 = planes(v_ptr, k0, C, w.shape[1])
-    prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE, MXFP4)
+    prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE)
     return _grouped(prod, word_sums(x0, x4, x1, x5, x2, x6, x3, x7), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
                     GROUP, 8, MXFP4, ZERO, 1.0)
 
@@ -216,7 +215,7 @@ def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, st
 @triton.jit
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
                MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr = False,
-               WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, top_ptr=0, TOPS: tl.constexpr = False):
+               WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
@@ -225,17 +224,15 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     keeps them in registers, where the compiler otherwise rebuilds each constant before each use. WAIT (a
     programmatic dependent launch, `down_pairs4_kernel`): the first chunk's words are loaded, then the
     program waits for the grid it depends on (which writes the vector) before it reads the vector. WORDS4:
-    C is a multiple of 32 (`load_words`). HALF (words; 1 inline PTX, 2 its interpreter form): the vector
+    C is a multiple of 32 (`load_words`). HALF (int4 words; 1 inline PTX, 2 its interpreter form): the vector
     measured once (`largest`); one that `half_fits` runs the loop of `half_chunk`, any other the float32 loop
-    (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at once). TOPS:
-    HALF's measurement read from the vector producer's tile notes at top_ptr (`tiles_largest`) instead of the
-    vector."""
+    (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at once)."""
     if (GROUP % 8 == 0) and words:
         w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         if WAIT:
             gdc_wait()
-        if HALF != 0:
-            top = tiles_largest(top_ptr) if TOPS else largest(v_ptr, C, BLOCK_K)
+        if (HALF != 0) and not MXFP4:  # int4 alone (half4.py)
+            top = largest(v_ptr, C, BLOCK_K)
             if half_fits(top):
                 acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
                                   MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
@@ -283,7 +280,7 @@ def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, 
     """`packed_dot` of two matrices' rows (a and b: gate and up) with one vector, in one loop
     (`_words_loop2`)."""
     if (GROUP % 8 == 0) and words:
-        if HALF != 0:
+        if (HALF != 0) and not MXFP4:  # int4 alone (half4.py)
             if half_fits(largest(v_ptr, C, BLOCK_K)):
                 acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
                                             v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
@@ -304,15 +301,13 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
                      stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm, ACT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                     WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, top_ptr=0, stride_tm=0,
-                     TOPS: tl.constexpr = False):
+                     WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales
     (and zero points, ZERO) [E, 2I, ceil(D / GROUP)] by strides; h: [T*K, I]. Also zeroes the down pass's
     per-token counts (count: [T, n_counts], `down_pairs4_kernel`'s SPLIT). PDL: the down pass may launch
     as soon as this grid's programs have all started (pairs.py's programmatic dependent launch). WORDS4: D
-    a multiple of 32 (16-byte loads, `load_words`). HALF: the products in float16 pairs (`packed_dot`); TOPS:
-    each tile's largest |h| noted in the tops buffer (row j, stride_tm; `store_tile_top`) for the down pass."""
+    a multiple of 32 (16-byte loads, `load_words`). HALF: the products in float16 pairs (`packed_dot`)."""
     if PDL:
         gdc_launch_dependents()
     j = tl.program_id(0)
@@ -336,8 +331,6 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     h = tl.where(known, act(acc_g, ACT) * acc_u, tl.where(skipped, 0.0, float("nan")))
     h = h.to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h, mask=cols_N < I)
-    if TOPS:
-        store_tile_top(top_ptr + j.to(tl.int64) * stride_tm, h.to(tl.float32), cols_N, I)
 
 
 @triton.jit
@@ -363,8 +356,7 @@ def slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_
 def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps, C, E, stride_hm, stride_we,
            stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr,
            MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, STEP: tl.constexpr, WAIT: tl.constexpr,
-           WORDS4: tl.constexpr, HALF: tl.constexpr, top_ptr, stride_tm, TOPS: tl.constexpr, b_ptr, stride_be,
-           BIAS: tl.constexpr):
+           WORDS4: tl.constexpr, HALF: tl.constexpr, b_ptr, stride_be, BIAS: tl.constexpr):
     """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N and
     the C columns of I from steps * STEP (`part_range`)."""
     expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
@@ -374,7 +366,7 @@ def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps,
     s_N += (steps * (STEP // GROUP)).to(tl.int64) * stride_sk  # groups (STEP is a multiple of GROUP)
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
     acc = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, C, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
-                     BLOCK_K, WAIT, WORDS4, HALF, top_ptr + j.to(tl.int64) * stride_tm, TOPS)
+                     BLOCK_K, WAIT, WORDS4, HALF)
     if BIAS:  # the expert's bias b[expert] (not for -1), once: in the first part of I
         bias = tl.load(b_ptr + expert * stride_be + cols_N, mask=ok_N, other=0.0).to(tl.float32)
         acc += tl.where(steps == 0, bias, 0.0)
@@ -387,8 +379,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
                        WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
                        PARTS: tl.constexpr = 1, PDL: tl.constexpr = False, WORDS4: tl.constexpr = False,
-                       HALF: tl.constexpr = 0, top_ptr=0, stride_tm=0, TOPS: tl.constexpr = False, b_ptr=0,
-                       stride_be=0, BIAS: tl.constexpr = False):
+                       HALF: tl.constexpr = 0, b_ptr=0, stride_be=0, BIAS: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
@@ -415,19 +406,18 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     if SPLIT:
         part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + q // PARTS, cols_N, D, steps, C,
                       E, stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, top_ptr, stride_tm, TOPS, b_ptr, stride_be, BIAS)
+                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS)
         sum_split_slots(part, t * top_k * PARTS + q, t, tile, cols_N, col_ok_N, D, top_k * PARTS, part_ptr,
                         count_ptr, stride_cm, y_ptrs)
     else:
         acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, steps, C, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
-                     BLOCK_K, STEP, PDL, WORDS4, HALF, top_ptr, stride_tm,
-                     TOPS, b_ptr, stride_be, BIAS)  # the first slot waits for h (PDL); the others find it written
+                     BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be,
+                     BIAS)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
             acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, steps, C, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                          MXFP4, ZERO, BLOCK_K, STEP, False, WORDS4, HALF, top_ptr, stride_tm, TOPS, b_ptr, stride_be,
-                          BIAS)
+                          MXFP4, ZERO, BLOCK_K, STEP, False, WORDS4, HALF, b_ptr, stride_be, BIAS)
         if PARTS > 1:
             sum_split_slots(acc, t * PARTS + q, t, tile, cols_N, col_ok_N, D, PARTS, part_ptr, count_ptr, stride_cm,
                             y_ptrs)

@@ -27,7 +27,7 @@ from . import tuning
 from .graphs import in_graph_steps
 from .pairs import HAS_GDC
 
-__all__ = ["HALF_FORMATS", "PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "PATH_ROUTINGS", "ROUTE_MAX_PAIRS",
+__all__ = ["PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "PATH_ROUTINGS", "ROUTE_MAX_PAIRS",
            "SORTED4_MAX_ROWS", "decode_applies", "half_mode",
            "needs_grad", "pairs_max_tokens", "pairs_win", "path_tuning_applies", "pdl_applies", "sorted4_packed"]
 
@@ -209,18 +209,13 @@ def pdl_applies(device: torch.device) -> bool:
     return _has_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# The 4-bit formats whose pair kernels multiply in float16 pairs (half4.py). int4's was timed faster (1.085x
-# at Mixtral's one-token step, docs/benchmarks/2026-12-05-int4-experts-h200.md); MXFP4's is built and
-# tested, not yet timed, so it stays out until it is.
-HALF_FORMATS = ("int4",)
-
-
 def half_mode(device: torch.device, fmt: str) -> int:
-    """The 4-bit pair kernels' HALF (`pairs4.packed_dot`): for weights of a format in HALF_FORMATS, the
-    products in float16 pairs where the vector fits, in inline PTX on a CUDA GPU of sm_80 or later (1), in
-    Triton operations under the interpreter (2); 0 (float32 products) for other formats, older GPUs, or
-    THUNDEREP_HALF_PRODUCTS=0."""
-    if fmt not in HALF_FORMATS or env.half_products() is False:
+    """The 4-bit pair kernels' HALF (`pairs4.packed_dot`): for int4 weights, the products in float16 pairs
+    where the vector fits, in inline PTX on a CUDA GPU of sm_80 or later (1), in Triton operations under the
+    interpreter (2); 0 (float32 products) for other formats, older GPUs, or THUNDEREP_HALF_PRODUCTS=0.
+    (Timed 1.11-1.14x the float32 products at Mixtral's one-token step; MXFP4's float16 pairs, timed slower,
+    were removed: docs/benchmarks/2026-12-05-int4-experts-h200.md.)"""
+    if fmt != "int4" or env.half_products() is False:
         return 0
     if env.triton_interpreter():
         return 2

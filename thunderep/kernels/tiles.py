@@ -21,7 +21,7 @@ from .tuning import fp8_only, signature, tuned
 
 __all__ = ["ACT_BWD", "ACT_BWD_PLAIN", "DEFAULT_DOWN_PAIR", "DEFAULT_ROW", "DEFAULT_UP_PAIR", "DEFAULT_WGRAD",
            "DOWN_PAIRS", "DOWN_PAIRS4", "DOWN_PAIRS4_PLAIN", "DOWN_PAIRS_PLAIN", "DOWN_PAIR_CONFIGS", "FP8_ROW_TILES",
-           "MAX_PAIRS4_PARTS", "MIN_DOWN_BLOCK_N", "MIN_PAIRS4_BLOCK_N", "MIN_PAIRS4_UP_BLOCK_N", "ROWS", "ROWS4",
+           "MAX_PAIRS4_PARTS", "MIN_DOWN_BLOCK_N", "MIN_PAIRS4_BLOCK_N", "ROWS", "ROWS4",
            "ROWS4_PLAIN", "ROWS_PLAIN", "ROW_CONFIGS", "TUNING_ROWS", "UP", "UP4", "UP4_PLAIN", "UP_PAIRS", "UP_PAIRS4",
            "UP_PAIRS4_PLAIN", "UP_PAIRS_PLAIN",
            "UP_PAIR_CONFIGS", "UP_PLAIN", "WGRAD", "WGRAD_CONFIGS", "WGRAD_PLAIN", "cfg", "m_key", "pair_cfg",
@@ -159,7 +159,6 @@ DOWN_PAIRS4_CONFIGS = (PAIRS4_CONFIGS
                           for bn, bk, w, parts, split in PAIRS4_PART_TILES])
 MAX_PAIRS4_PARTS = max(c.kwargs.get("PARTS", 1) for c in DOWN_PAIRS4_CONFIGS)  # sizes the down pass's partials
 MIN_PAIRS4_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in DOWN_PAIRS4_CONFIGS)  # sizes the down pass's counts
-MIN_PAIRS4_UP_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in PAIRS4_CONFIGS)  # sizes the gate/up pass's tile notes
 
 
 UP_PAIRS4, UP_PAIRS4_PLAIN = tuned("up_pairs4", P4.up_pairs4_kernel, PAIRS4_CONFIGS,

@@ -1,13 +1,13 @@
 """The vector side of the 4-bit decode kernels (pairs4.py, pairs4_gptoss.py): a chunk of the vector split
-into the 8 planes a packed word's values meet, their sums per word, and its largest magnitude (measured,
-or read from the producer's tile notes). Shape legend as in pairs4.py (HW: a chunk's 32-bit words, 8 columns each)."""
+into the 8 planes a packed word's values meet, their sums per word, and its largest magnitude. Shape legend
+as in pairs4.py (HW: a chunk's 32-bit words, 8 columns each)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["largest", "planes", "store_tile_top", "tiles_largest", "vector", "word_sums"]
+__all__ = ["largest", "planes", "vector", "word_sums"]
 
 
 @triton.jit
@@ -46,28 +46,4 @@ def largest(v_ptr, C, BLOCK_K: tl.constexpr):
     for k0 in range(0, C, BLOCK_K):
         c_K = k0 + tl.arange(0, BLOCK_K)
         top = tl.maximum(top, tl.abs(tl.load(v_ptr + c_K, mask=c_K < C, other=0.0).to(tl.float32)))
-    return tl.max(top, 0)
-
-
-@triton.jit
-def store_tile_top(top_ptr, h, cols_N, C):
-    """The gate/up pass's note of its output for `tiles_largest`: at top_ptr (the pair's row of the tops
-    buffer) entry 1 + tile the largest magnitude of this tile's h (float32, as stored; columns cols_N, C in
-    all), and from tile 0 entry 0 the number of tiles. Every entry the down pass reads is written by every
-    launch, so the buffer needs no zeroing."""
-    tile = tl.program_id(1)
-    tl.store(top_ptr + 1 + tile, tl.max(tl.where(cols_N < C, tl.abs(h), 0.0), 0))
-    if tile == 0:
-        tl.store(top_ptr, tl.num_programs(1).to(tl.float32))
-
-
-@triton.jit
-def tiles_largest(top_ptr):
-    """The largest magnitude of a vector from its producer's tile notes (`store_tile_top`): what `largest`
-    measures, read from a few bytes a tile instead of the whole vector."""
-    n = tl.load(top_ptr).to(tl.int32)
-    top = tl.zeros((128,), dtype=tl.float32)
-    for t0 in range(0, n, 128):
-        t_T = t0 + tl.arange(0, 128)
-        top = tl.maximum(top, tl.load(top_ptr + 1 + t_T, mask=t_T < n, other=0.0))
     return tl.max(top, 0)
