@@ -232,8 +232,7 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
         if WAIT:
             gdc_wait()
         if (HALF != 0) and not MXFP4:  # int4 alone (half4.py)
-            top = largest(v_ptr, C, BLOCK_K)
-            if half_fits(top):
+            if half_fits(largest(v_ptr, C, BLOCK_K)):
                 acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
                                   MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
             else:
