@@ -218,9 +218,9 @@ def test_int4_pair_kernel_tails(up, down, monkeypatch):
 
 def test_int4_half_products_run_where_the_vector_fits(monkeypatch):
     """HALF (int4 products in float16 pairs, the default on CUDA and in the interpreter): within the
-    reference's error where it runs; a token whose vector's largest magnitude is past HALF_MAX (3e4: its
-    float16 sums would overflow) or under HALF_MIN (1e-6 a element: float16 subnormals) runs the float32
-    products instead, bit for bit what THUNDEREP_HALF_PRODUCTS=0 gives it, finite and within the error;
+    reference's error where it runs; a token whose vector's largest magnitude is past HALF_MAX (3e4, in its
+    last chunk: its float16 sums would overflow) or under HALF_MIN (1e-6 a element: float16 subnormals) runs
+    the float32 products instead, bit for bit what THUNDEREP_HALF_PRODUCTS=0 gives it, finite and within the error;
     a token that fits runs the float16 pairs (its output differs from the float32 products'). The down
     pass's choice measured on h."""
     from thunderep.kernels.half4 import HALF_MAX, HALF_MIN
@@ -230,7 +230,7 @@ def test_int4_half_products_run_where_the_vector_fits(monkeypatch):
     monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
     monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
     x, w_gu, w_d, ids, weights = make_case(3, 96, 56, 5, 2, torch.bfloat16, 7)
-    x[0, 3] = 3e4
+    x[0, 90] = 3e4  # in the last chunk: the measurement runs over every chunk the loop reads
     x[1] = x[1] * 1e-6
     q_gu, q_d = Int4Weight.quantize(w_gu, "int4", 32), Int4Weight.quantize(w_d, "int4", 32)
     y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64), ids,
