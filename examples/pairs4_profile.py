@@ -4,7 +4,7 @@ pass reads and those bytes' time at copy bandwidth.
 
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-parts] [--no-words4]
                                       [--loads-only words|scales|convert] [--strided-vector] [--wide-vector]
-                                      [--assume-fits]
+                                      [--assume-fits] [--paired-vector]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -34,6 +34,9 @@ instructions a weight for the gate/up pass at 16x256x4, 3.19 against 3.23 at 16x
 output error against float32 on its dequantized weights is printed first (meaningless under the
 --loads-only probes). --assume-fits takes every vector as in HALF's range without measuring it (a probe: the
 measurement's own cost, a running maximum over the chunks the loop reads; the random vectors here fit).
+--paired-vector (with --assume-fits) reads int4's vector in the float16 pairs the products take, one 16-byte
+load a word position, as a vector written once a token in that layout would be: no split through shared
+memory, no barriers, no conversion (a probe: outputs meaningless; what such a layout could save).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from thunderep.bench.kernels import SHAPES, copy_bandwidth
 from thunderep.kernels import decode, pairs4, tiles, tuning
 from thunderep.kernels.codes4 import e2m1_halves, int4_halves
 from thunderep.kernels.fp8 import Fp8Weight
+from thunderep.kernels.half4 import _WORD_PRODUCTS
 from thunderep.kernels.int4 import Int4Weight
 
 FLUSH_BYTES = 256 << 20
@@ -108,6 +112,26 @@ def _assumed_top(top, v_ptr, k0, C, BLOCK_K: tl.constexpr):
     """In place of pairs4.chunk_top: 1.0, no measurement of the vector (every vector taken as in HALF's
     range)."""
     return tl.full((BLOCK_K,), 1.0, tl.float32)
+
+
+@triton.jit
+def _paired_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
+                  MXFP4: tl.constexpr, ZERO: tl.constexpr, MODE: tl.constexpr):
+    """Probe in place of pairs4.half_chunk: the vector's 16 bytes at each word position read as the word's 4
+    float16 pairs, as a vector written once a token in that layout would be (one 16-byte load a word position;
+    no split, no conversion, no shared memory). Its outputs are meaningless (bfloat16 bits read as float16)."""
+    HW: tl.constexpr = w.shape[1]
+    q = k0 // 8 + tl.arange(0, HW)
+    p = tl.load(v_ptr.to(tl.pointer_type(tl.uint32)) + 4 * q[:, None] + tl.arange(0, 4)[None, :],
+                mask=(8 * q < C)[:, None], other=0)
+    a, b = tl.split(tl.reshape(p, (HW, 2, 2)))
+    p04, p26 = tl.split(a)
+    p15, p37 = tl.split(b)
+    prod = tl.inline_asm_elementwise(_WORD_PRODUCTS, "=r,r,r,r,r,r",
+                                     [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
+                                      p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
+    vsum = tl.zeros((HW,), dtype=tl.float32)
+    return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, 1.0)
 
 
 @triton.jit
@@ -196,6 +220,9 @@ def main() -> None:
                         help="the 4-bit kernels load the vector's planes directly (no shared memory, no barriers)")
     parser.add_argument("--assume-fits", action="store_true",
                         help="HALF's range check without reading the vector (every vector taken as fitting)")
+    parser.add_argument("--paired-vector", action="store_true",
+                        help="probe: int4's float16-pair chunk reads the vector as if stored as float16 pairs "
+                             "(implies --assume-fits; outputs meaningless)")
     parser.add_argument("--wide-vector", action="store_true",
                         help="the 4-bit kernels load each word's vector elements as two 8-byte words (bfloat16)")
     args = parser.parse_args()
@@ -204,6 +231,10 @@ def main() -> None:
     if args.strided_vector:
         pairs4.planes = _strided_planes
         print("the 4-bit kernels load the vector's planes directly (--strided-vector)")
+    if args.paired_vector:
+        pairs4.half_chunk = _paired_chunk
+        args.assume_fits = True
+        print("probe: int4's float16-pair chunk reads the vector as stored float16 pairs (--paired-vector)")
     if args.assume_fits:
         pairs4.chunk_top = _assumed_top
         print("probe: HALF takes every vector as in range without reading it (--assume-fits)")

@@ -85,14 +85,18 @@ def main() -> None:
     parser.add_argument("--mxfp4", action="store_true", help="MXFP4 weights (e2m1 codes, e8m0 scales) instead of int4")
     parser.add_argument("--half", type=int, default=0, choices=(0, 1),
                         help="the kernels' HALF (1: float16-pair products in inline PTX, as CUDA launches int4)")
-    parser.add_argument("--chunk", choices=("convert",),
+    parser.add_argument("--chunk", choices=("convert", "paired"),
                         help="count a probe of examples/pairs4_profile.py in place of the chunk as it runs")
     parser.add_argument("--parts", type=int, default=1, help="the down pass with I cut into this many ranges")
     args = parser.parse_args()
     if args.chunk:  # before the first build, as pairs4_profile patches it (this file's folder is on sys.path)
         import pairs4_profile
 
-        P4.word_chunk = pairs4_profile._converted
+        if args.chunk == "paired":  # with --assume-fits, as the profile runs it
+            P4.half_chunk = pairs4_profile._paired_chunk
+            P4.chunk_top = pairs4_profile._assumed_top
+        else:
+            P4.word_chunk = pairs4_profile._converted
     if args.mxfp4 and args.half:
         raise SystemExit("--half counts int4's float16-pair products; MXFP4 has none (kernels/half4.py)")
     if targets._cuobjdump() is None:
@@ -108,7 +112,7 @@ def main() -> None:
             if name == "down" and args.parts > 1:
                 flags.update(PARTS=args.parts, SPLIT=True)
             code, (regs, stack) = sass(kernel, flags, block_n, block_k, warps, args.arch)
-            loop = word_loop(code, args.half == 1)
+            loop = word_loop(code, args.half == 1 and args.chunk != "paired")  # paired: no F2FP, most HFMA2
             loads = collections.Counter(m.group(1) for m in map(_LOAD.search, loop) if m)
             shared = sum(bool(re.search(r"\b(LDS|STS|STSM|LDSM)\b", x)) for x in loop)
             barriers = sum("BAR.SYNC" in x for x in loop)

@@ -31,6 +31,20 @@ def test_formats_table_sets_each_4bit_format_beside_bf16_fp8_and_transformers_mx
     assert lines[0].endswith("| transformers MXFP4 / 4-bit | HBM frac | output vs bf16 |")
     assert lines[2] == "| qwen3 | 1 | fwd-graph | int4 | 0.100 | 2.40x | 1.20x | - | 63% | 1.23e-02 |"
     assert lines[3] == "| qwen3 | 1 | fwd-graph | mxfp4 | 0.080 | 3.00x | 1.50x | 2.50x | 60% | - |"
+    rows.append(_row("thunderep:int4-g128", 0.096, 0.7))
+    assert kernels4.formats_table(rows).splitlines()[3] == \
+        "| qwen3 | 1 | fwd-graph | int4-g128 | 0.096 | 2.50x | 1.25x | - | 70% | - |"
+
+
+def test_int4_g128_reads_the_scales_of_groups_of_128():
+    """thunderep:int4-g128 runs on int4 copies by groups of 128 (GPTQ / AWQ exports' usual group): its
+    bytes an expert are the codes plus one 16-bit scale per 128 values, against one per 32 for int4."""
+    D, I, E, K = 256, 128, 2, 1  # rows of whole groups of 128
+    w_gu, w_d = torch.randn(E, 2 * I, D).bfloat16(), torch.randn(E, D, I).bfloat16()
+    _, impl_bytes = bench._implementations(["thunderep:int4", "thunderep:int4-g128"], D, I, E, K, w_gu, w_d)
+    values = 3 * I * D  # an expert's gate, up and down
+    assert impl_bytes["thunderep:int4"] == values // 2 + 2 * values // 32
+    assert impl_bytes["thunderep:int4-g128"] == values // 2 + 2 * values // 128
 
 
 def test_transformers_mxfp4_is_forward_only_and_no_baseline_of_the_bf16_ratio():

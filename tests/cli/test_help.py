@@ -110,7 +110,7 @@ def test_kernel_bench_variants_parse_alike_in_the_cli_and_the_library():
 
     good = {"thunderep": (None, None), "thunderep:int4": ("int4", None), "thunderep:nopdl": (None, "nopdl"),
             "thunderep:int4:packed": ("int4", "packed"), "thunderep:mxfp4:dequant": ("mxfp4", "dequant"),
-            "thunderep:fp8row:nopdl": ("fp8row", "nopdl")}
+            "thunderep:fp8row:nopdl": ("fp8row", "nopdl"), "thunderep:int4-g128": ("int4-g128", None)}
     for name, parsed in good.items():
         assert _known_variant(name) and variant(name) == parsed, name
     for name in ("thunderep:", "thunderep:int4:int4", "thunderep:packed:int4", "thunderep:bogus",

@@ -43,7 +43,7 @@ SHAPES = ("mixtral", "qwen3", "deepseek", "gptoss")  # bench.kernels.SHAPES
 IMPLS = ("eager", "grouped_mm", "thunderep")  # bench.kernels.IMPLS
 PINS = ("triton", "torch", "pairs", "sorted", "wgrad_triton", "wgrad_torch", "nopdl", "nohalf", "packed",
         "dequant")  # bench.kernels.PINS
-FORMATS = ("fp8", "fp8row", "fp8-w8a8", "fp8row-w8a8", "int4", "mxfp4")  # bench.kernels.FORMATS
+FORMATS = ("fp8", "fp8row", "fp8-w8a8", "fp8row-w8a8", "int4", "int4-g128", "mxfp4")  # bench.kernels.FORMATS
 COPY = "copy"  # bench.kernels.COPY
 HF_MXFP4 = "transformers:mxfp4"  # bench.kernels4.NAME
 MODELS = ("mixtral", "qwen3-30b-a3b", "olmoe", "deepseek-v3", "deepseek-v3-ungrouped")  # bench.bytes.MODELS
