@@ -33,7 +33,7 @@ no barriers, 2 loads a word position instead of --strided-vector's 8 (counted at
 instructions a weight for the gate/up pass at 16x256x4, 3.19 against 3.23 at 16x1024x4). Each format's
 output error against float32 on its dequantized weights is printed first (meaningless under the
 --loads-only probes). --assume-fits takes every vector as in HALF's range without measuring it (a probe: the
-measurement's own cost, a running maximum over the chunks the loop reads; the random vectors here fit).
+measurement's own cost, each program's read of its vector before its loop; the random vectors here fit).
 --paired-vector (with --assume-fits) reads int4's vector in the float16 pairs the products take, one 16-byte
 load a word position, as a vector written once a token in that layout would be: no split through shared
 memory, no barriers, no conversion (a probe: outputs meaningless; what such a layout could save).
@@ -108,10 +108,9 @@ def _wide_planes(v_ptr, k0, C, HW: tl.constexpr):
 
 
 @triton.jit
-def _assumed_top(top, v_ptr, k0, C, BLOCK_K: tl.constexpr):
-    """In place of pairs4.chunk_top: 1.0, no measurement of the vector (every vector taken as in HALF's
-    range)."""
-    return tl.full((BLOCK_K,), 1.0, tl.float32)
+def _assumed_largest(v_ptr, C, BLOCK_K: tl.constexpr):
+    """In place of pairs4.largest: 1.0, no read of the vector (every vector taken as in HALF's range)."""
+    return tl.full((), 1.0, tl.float32)
 
 
 @triton.jit
@@ -236,7 +235,7 @@ def main() -> None:
         args.assume_fits = True
         print("probe: int4's float16-pair chunk reads the vector as stored float16 pairs (--paired-vector)")
     if args.assume_fits:
-        pairs4.chunk_top = _assumed_top
+        pairs4.largest = _assumed_largest
         print("probe: HALF takes every vector as in range without reading it (--assume-fits)")
     if args.wide_vector:
         pairs4.planes = _wide_planes

@@ -94,7 +94,7 @@ def main() -> None:
 
         if args.chunk == "paired":  # with --assume-fits, as the profile runs it
             P4.half_chunk = pairs4_profile._paired_chunk
-            P4.chunk_top = pairs4_profile._assumed_top
+            P4.largest = pairs4_profile._assumed_largest
         else:
             P4.word_chunk = pairs4_profile._converted
     if args.mxfp4 and args.half:

@@ -17,9 +17,8 @@ Float16 holds the products only where the vector's magnitudes fit: a half's sum 
 32 times the vector's largest magnitude (|n - 8| <= 8), under float16's largest finite 65504 while that
 magnitude is at most HALF_MAX; and the vector's smallest elements keep their weight in the sum while it is
 at least HALF_MIN (an element under float16's smallest normal, 2 ** -14, is then under 2 ** -6 of the
-largest, and its rounding under 2 ** -25 absolute). `packed_dot` measures the vector in the chunks its loop
-reads and, for a vector outside that range, drops the float16 sums and runs the float32 loop, so no input
-overflows or loses its small elements.
+largest, and its rounding under 2 ** -25 absolute). `packed_dot` measures the vector once per program and
+runs the float32 chunk for a vector outside that range, so no input overflows or loses its small elements.
 """
 
 from __future__ import annotations

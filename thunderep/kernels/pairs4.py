@@ -16,8 +16,8 @@ word's 8 planes (the values 8 columns apart) times the vector's matching element
 of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
 HALF (int4; on CUDA, paths.half_mode): the codes stay in float16 pairs and the products run there, two a
 packed instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose largest
-magnitude `half_fits` (measured from the chunks the loop reads; any other runs the float32 loop again). Words
-are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down pass runs one program per token and column tile over the K slots, or (SPLIT) one per
+magnitude `half_fits` (measured once a program; any other runs the float32 loop). Words are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4,
+`load_words`). The down pass runs one program per token and column tile over the K slots, or (SPLIT) one per
 slot, and may cut I into ranges (PARTS: wide column tiles reading each chunk of h once for all their rows, the
 partials summed by the last program to arrive, split_slots.py), and is launched as a programmatic dependent
 of the gate/up pass where the GPU has it (PDL), as pairs.py's; with biases (BIAS) it is gpt-oss's down pass
@@ -39,7 +39,7 @@ from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, nibbles4, scales4
 from .half4 import half_fits, half_word_products
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import part_range, sum_split_slots, zero_counts
-from .vector4 import chunk_top, planes, vector, word_sums
+from .vector4 import largest, planes, vector, word_sums
 
 __all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
            "slot_weights", "up_pairs4_kernel", "word_chunk", "words_ok"]
@@ -200,19 +200,16 @@ def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, st
                 MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr,
                 MODE: tl.constexpr):
     """`packed_dot`'s loop over the chunks of words, the first chunk's words w_next already loaded; each
-    chunk in float16 pairs (MODE 1 or 2) or in float32. Returns (the sums, the vector's largest magnitude:
-    measured from the chunks the loop reads under MODE 1 or 2, else 0)."""
+    chunk in float16 pairs (MODE 1 or 2) or in float32."""
     acc = tl.zeros(ok_N.shape, dtype=tl.float32)
-    top = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, C, BLOCK_K):
         w = w_next
         w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
         if MODE != 0:
             acc += half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE)
-            top = chunk_top(top, v_ptr, k0, C, BLOCK_K)
         else:
             acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
-    return acc, tl.max(top, 0)
+    return acc
 
 
 @triton.jit
@@ -227,23 +224,23 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     keeps them in registers, where the compiler otherwise rebuilds each constant before each use. WAIT (a
     programmatic dependent launch, `down_pairs4_kernel`): the first chunk's words are loaded, then the
     program waits for the grid it depends on (which writes the vector) before it reads the vector. WORDS4:
-    C is a multiple of 32 (`load_words`). HALF (int4 words; 1 inline PTX, 2 its interpreter form): the loop of
-    `half_chunk` runs first, measuring the vector's largest magnitude from the chunks it reads
-    (`chunk_top`); where that does not `half_fits`, its sums are dropped and the float32 loop runs from the
-    first chunk (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at
-    once). No read of the vector before the loop, which held each program's first loads."""
+    C is a multiple of 32 (`load_words`). HALF (int4 words; 1 inline PTX, 2 its interpreter form): the vector
+    measured once (`largest`); one that `half_fits` runs the loop of `half_chunk`, any other the float32 loop
+    (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at once)."""
     if (GROUP % 8 == 0) and words:
         w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         if WAIT:
             gdc_wait()
-        MODE: tl.constexpr = HALF if not MXFP4 else 0  # int4 alone (half4.py)
-        acc, top = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
-                               MXFP4, ZERO, BLOCK_K, WORDS4, MODE)
-        if MODE != 0:
-            if not half_fits(top):  # measured on the way: the float32 loop again, from the first chunk
-                w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-                acc, top = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk,
-                                       GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, 0)
+        if (HALF != 0) and not MXFP4:  # int4 alone (half4.py)
+            if half_fits(largest(v_ptr, C, BLOCK_K)):
+                acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
+                                  MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
+            else:
+                acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
+                                  MXFP4, ZERO, BLOCK_K, WORDS4, 0)
+        else:
+            acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
+                              MXFP4, ZERO, BLOCK_K, WORDS4, 0)
     else:
         if WAIT:
             gdc_wait()
@@ -258,7 +255,6 @@ def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N,
     """`_words_loop` of two matrices (`packed_dot2`): both matrices' next chunks in flight together."""
     acc_a = tl.zeros(ok_N.shape, dtype=tl.float32)
     acc_b = tl.zeros(ok_N.shape, dtype=tl.float32)
-    top = tl.zeros((BLOCK_K,), dtype=tl.float32)
     a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
     b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
     for k0 in range(0, C, BLOCK_K):
@@ -270,11 +266,10 @@ def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N,
                                 MODE)
             acc_b += half_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO,
                                 MODE)
-            top = chunk_top(top, v_ptr, k0, C, BLOCK_K)
         else:
             acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
             acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
-    return acc_a, acc_b, tl.max(top, 0)
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -284,14 +279,16 @@ def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, 
     """`packed_dot` of two matrices' rows (a and b: gate and up) with one vector, in one loop
     (`_words_loop2`)."""
     if (GROUP % 8 == 0) and words:
-        MODE: tl.constexpr = HALF if not MXFP4 else 0  # int4 alone (half4.py)
-        acc_a, acc_b, top = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
-                                         v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, MODE)
-        if MODE != 0:
-            if not half_fits(top):  # as packed_dot
-                acc_a, acc_b, top = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C,
-                                                 ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4,
-                                                 0)
+        if (HALF != 0) and not MXFP4:  # int4 alone (half4.py)
+            if half_fits(largest(v_ptr, C, BLOCK_K)):
+                acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
+                                            v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
+            else:
+                acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
+                                            v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, 0)
+        else:
+            acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr,
+                                        opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, 0)
     else:
         acc_a = _byte_dot(a_ptrs_N, sa_ptrs_N, za_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
         acc_b = _byte_dot(b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["chunk_top", "planes", "vector", "word_sums"]
+__all__ = ["largest", "planes", "vector", "word_sums"]
 
 
 @triton.jit
@@ -40,8 +40,10 @@ def word_sums(x0, x4, x1, x5, x2, x6, x3, x7):
 
 
 @triton.jit
-def chunk_top(top, v_ptr, k0, C, BLOCK_K: tl.constexpr):
-    """top [BLOCK_K] (the largest magnitudes so far, element by element) with the vector's chunk at column k0
-    (zero past C) taken in; NaN propagates (a NaN top fits no range)."""
-    c_K = k0 + tl.arange(0, BLOCK_K)
-    return tl.maximum(top, tl.abs(vector(v_ptr, c_K, C)), propagate_nan=tl.PropagateNan.ALL)
+def largest(v_ptr, C, BLOCK_K: tl.constexpr):
+    """The largest magnitude of the C elements at v_ptr (float32), chunk by chunk."""
+    top = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, C, BLOCK_K):
+        c_K = k0 + tl.arange(0, BLOCK_K)
+        top = tl.maximum(top, tl.abs(tl.load(v_ptr + c_K, mask=c_K < C, other=0.0).to(tl.float32)))
+    return tl.max(top, 0)
