@@ -53,7 +53,7 @@ from thunderep.bench.kernels import SHAPES, copy_bandwidth
 from thunderep.kernels import decode, pairs4, tiles, tuning
 from thunderep.kernels.codes4 import e2m1_halves, int4_halves
 from thunderep.kernels.fp8 import Fp8Weight
-from thunderep.kernels.half4 import _WORD_PRODUCTS
+from thunderep.kernels.half4 import pair_products
 from thunderep.kernels.int4 import Int4Weight
 
 FLUSH_BYTES = 256 << 20
@@ -126,9 +126,7 @@ def _paired_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, 
     a, b = tl.split(tl.reshape(p, (HW, 2, 2)))
     p04, p26 = tl.split(a)
     p15, p37 = tl.split(b)
-    prod = tl.inline_asm_elementwise(_WORD_PRODUCTS, "=r,r,r,r,r,r",
-                                     [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
-                                      p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
+    prod = pair_products(w, p04, p15, p26, p37, opaque, MODE)
     vsum = tl.zeros((HW,), dtype=tl.float32)
     return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, 1.0)
 

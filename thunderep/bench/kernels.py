@@ -110,9 +110,6 @@ PINS = {
 FORMATS = {"fp8": ((128, 128), False), "fp8row": (None, False), "fp8-w8a8": ((128, 128), True),
            "fp8row-w8a8": (None, True), "int4": ("int4", False), "int4-g128": ("int4-g128", False),
            "mxfp4": ("mxfp4", False)}
-# The 4-bit formats' (Int4Weight format, group size): int4 by groups of 32 or of 128 (GPTQ / AWQ exports' usual
-# group), MXFP4 by its fixed 32.
-FOUR_BIT = {"int4": ("int4", 32), "int4-g128": ("int4", 128), "mxfp4": ("mxfp4", 32)}
 
 
 def variant(impl: str) -> tuple[str | None, str | None]:
@@ -271,10 +268,10 @@ def _implementations(impls, D, I, E, K, w_gu, w_d):
         fmt = "mxfp4" if impl == kernels4.NAME else _format(impl)
         if fmt:
             from ..kernels.fp8 import Fp8Weight  # triton: optional (the gpu extra), with thunderep.kernels
-            from ..kernels.int4 import Int4Weight  # 4-bit: FOUR_BIT
+            from ..kernels.int4 import Int4Weight  # 4-bit: kernels4.FOUR_BIT
 
             block, w8a8 = FORMATS[fmt]
-            quantize = (lambda w: Int4Weight.quantize(w, *FOUR_BIT[block])) if isinstance(block, str) else \
+            quantize = (lambda w: Int4Weight.quantize(w, *kernels4.FOUR_BIT[block])) if isinstance(block, str) else \
                 (lambda w: Fp8Weight.quantize(w, block, w8a8=w8a8))
             if (block, w8a8) not in quantized:
                 quantized[(block, w8a8)] = quantize(w_gu.detach()), quantize(w_d.detach())
@@ -472,7 +469,7 @@ def report(shapes: list[str], tokens: list[int], impls: list[str], *, json_path:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows,
                        "configs": configs}, f, indent=1)
     print(table(rows, impls))
-    if any(_format(i) in FOUR_BIT for i in impls):
+    if any(_format(i) in kernels4.FOUR_BIT for i in impls):
         print(kernels4.formats_table(rows))
     errs = [r["rel_err_vs_grouped_mm"] for r in rows if r["rel_err_vs_grouped_mm"] is not None]
     if errs:

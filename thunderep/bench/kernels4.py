@@ -28,6 +28,9 @@ from ..errors import ThunderError
 __all__ = ["KERNEL_REPO", "NAME", "experts_fn", "formats_table", "kernel_module", "routing_logits"]
 
 NAME = "transformers:mxfp4"
+# The 4-bit formats of "thunderep:<format>" (kernels.FORMATS): (Int4Weight format, group size); int4 by groups
+# of 32 or of 128 (GPTQ / AWQ exports' usual group), MXFP4 by its fixed 32.
+FOUR_BIT = {"int4": ("int4", 32), "int4-g128": ("int4", 128), "mxfp4": ("mxfp4", 32)}
 KERNEL_REPO = "kernels-community/gpt-oss-triton-kernels"
 
 
@@ -105,7 +108,7 @@ def experts_fn(D: int, I: int, E: int, K: int, w_gu, w_d):
 
 
 def formats_table(rows) -> str:
-    """Markdown table of each 4-bit format (thunderep:int4, thunderep:int4-g128, thunderep:mxfp4) beside bfloat16 (thunderep) and
+    """Markdown table of each 4-bit format (thunderep:<FOUR_BIT format>) beside bfloat16 (thunderep) and
     FP8 (thunderep:fp8row, else thunderep:fp8) of the same run: milliseconds, the others' time over the 4-bit
     one's (2.50x: 2.5 times faster), so for MXFP4 transformers' own MXFP4 experts (NAME), the HBM
     fraction over the 4-bit bytes read, and the output's relative difference from bfloat16's (same weights
@@ -120,7 +123,7 @@ def formats_table(rows) -> str:
              "| output vs bf16 |", "|" + "---|" * 10]
     for shape, T, mode in dict.fromkeys((r["shape"], r["T"], r["mode"]) for r in rows):
         fp8 = next((i for i in ("thunderep:fp8row", "thunderep:fp8") if (shape, T, mode, i) in keyed), "")
-        for fmt in ("int4", "int4-g128", "mxfp4"):
+        for fmt in FOUR_BIT:
             new = keyed.get((shape, T, mode, f"thunderep:{fmt}"))
             if new is None:
                 continue

@@ -101,6 +101,6 @@ def step_timeline(model, device: torch.device, vocab: int, steps: int, stats, tr
 def timeline_text(t: dict, predicted_tokens_s: float | None) -> str:
     """One line of `step_timeline`'s result, with the cost model's routed-expert time a step beside it."""
     predicted = f"; cost model, routed experts alone: {1e3 / predicted_tokens_s:.2f} ms" if predicted_tokens_s else ""
-    return (f"timeline, batch 1, {t['steps']} steps, ms a step: wall {t['wall']:.2f} (profiled {t['profiled_wall']:.2f})"
-            f", device kernels {t['kernels']:.2f}, copies {t['copies']:.2f}, device idle {t['idle']:.2f}; host "
-            f"experts' compute {t['host_experts']:.2f}{predicted}")
+    return (f"timeline, batch 1, {t['steps']} steps, ms a step: wall {t['wall']:.2f} "
+            f"(profiled {t['profiled_wall']:.2f}), device kernels {t['kernels']:.2f}, copies {t['copies']:.2f}, "
+            f"device idle {t['idle']:.2f}; host experts' compute {t['host_experts']:.2f}{predicted}")

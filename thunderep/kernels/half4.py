@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .codes4 import int4_halves16
 
-__all__ = ["HALF_MAX", "HALF_MIN", "half_fits", "half_word_products"]
+__all__ = ["HALF_MAX", "HALF_MIN", "half_fits", "half_word_products", "pair_products"]
 
 HALF_MAX = 1024.0  # the largest vector magnitude the float16 products take (32 x 1024 < 65504, with margin)
 HALF_MIN = 2.0 ** -8  # the smallest largest-magnitude they take (see the module's doc)
@@ -98,14 +98,11 @@ def _codes16(w, J: tl.constexpr, opaque):
 
 
 @triton.jit
-def half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE: tl.constexpr):
-    """[BLOCK_N, HW] float32: each word of w (int4 codes, [BLOCK_N, HW]) times the vector's 8
-    planes ([HW] float32, `vector4.planes`' order), summed over the word's 8 values: products in float16
-    pairs, each half's 4 summed there, then the halves widened and added. MODE 1: inline PTX; 2: Triton
-    operations (the interpreter). The vector must fit (`half_fits`). opaque: a uint32 zero
-    (`pairs4.packed_dot`)."""
-    p04, p15 = _pair16(x0, x4, MODE), _pair16(x1, x5, MODE)
-    p26, p37 = _pair16(x2, x6, MODE), _pair16(x3, x7, MODE)
+def pair_products(w, p04, p15, p26, p37, opaque, MODE: tl.constexpr):
+    """[BLOCK_N, HW] float32: each word of w (int4 codes, [BLOCK_N, HW]) times the vector's 4 float16 pairs
+    ([HW] 32-bit words: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), summed over the word's
+    8 values: each half's 4 products summed in float16, then the halves widened and added. MODE 1: inline
+    PTX; 2: Triton operations (the interpreter). opaque: a uint32 zero (`pairs4.packed_dot`)."""
     if MODE == 1:
         return tl.inline_asm_elementwise(_WORD_PRODUCTS, "=r,r,r,r,r,r",
                                          [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
@@ -124,3 +121,11 @@ def half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE: tl.const
         p_lo += lo * _half(p37, 0)[None, :]
         p_hi += hi * _half(p37, 1)[None, :]
         return p_lo.to(tl.float32) + p_hi.to(tl.float32)
+
+
+@triton.jit
+def half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE: tl.constexpr):
+    """`pair_products` of the vector's 8 planes ([HW] float32, `vector4.planes`' order), each two made one
+    float16 pair. The vector must fit (`half_fits`)."""
+    return pair_products(w, _pair16(x0, x4, MODE), _pair16(x1, x5, MODE), _pair16(x2, x6, MODE),
+                         _pair16(x3, x7, MODE), opaque, MODE)
