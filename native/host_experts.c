@@ -195,6 +195,7 @@ static int wait_stamp(const tep_hx_job *j) {
         if (polls >= j->spins) return TEP_HX_NO_STAMP;
         if (polls < 4000) relax(); else sched_yield();
     }
+    if (j->consume) __atomic_store_n(j->ready, 0, __ATOMIC_RELAXED);  /* this arrival is this job's alone */
     return TEP_HX_DONE;
 }
 

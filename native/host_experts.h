@@ -5,6 +5,8 @@
  * (local slot, -1 for another rank's) whose slot is not hot are grouped by slot; out [T, D] (float32) is
  * set to sum over those pairs of w[pair] * down[s] @ act(gate) * up, [gate | up] = gate_up[s] @ x[token]
  * (+ biases), in float32 from the held dtype; then `*flag` is raised to `number` (wrap-around compare).
+ * A job with `consume` set stores 0 into `*ready` once its stamp has arrived: a stream that writes the same
+ * stamp every time (a CUDA graph's fixed values) gives each job its own arrival.
  * Jobs run one after another in submission order. */
 
 #ifndef TEP_HOST_EXPERTS_H
@@ -32,6 +34,7 @@ typedef struct tep_hx_job {
     int64_t T, K, D, I, S;
     int64_t spins;               /* polls of *ready before the job fails (TEP_HX_NO_STAMP) */
     uint32_t stamp, number;
+    int consume;                 /* nonzero: *ready set to 0 once the stamp has arrived */
     int dtype, x_dtype, w_dtype, act, interleaved;
 } tep_hx_job;
 

@@ -173,3 +173,19 @@ def test_timeline_splits_the_decode_steps_and_writes_the_trace(tmp_path, capsys)
     assert len(traces) == 3 and "timeline-c-whole-model-on-the-device.json" in traces, traces
     assert "timeline-thunderep-50.json" in traces, traces
     assert json.loads((tmp_path / "timeline-thunderep-50.json").read_text())["traceEvents"]
+
+
+def test_graphs_decode_each_row_through_static_decode_and_print_their_table(tmp_path, capsys):
+    """--graphs on the CPU (where `StaticDecodeBatch` runs its steps eagerly, no graph to capture): each row's
+    line, its rates in the JSON, and a table of eager against graph rates with the ratios to (b) and (c)."""
+    assert main(ARGS + ["--graphs", "--json", str(tmp_path / "out.json")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("in CUDA graphs: decode b=1 ") == 3
+    rows = {r["name"]: r for r in json.loads((tmp_path / "out.json").read_text())["rows"]}
+    assert all(r["graph_decode"]["1"] > 0 and r["graph_note"].startswith("no CUDA device") for r in rows.values())
+    out = captured.out
+    table = out[out.index("| config | decode b=1: eager / graphs"):]
+    line = next(x for x in table.splitlines() if x.startswith("| thunderep 50% (graphs off: no CUDA device"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert re.fullmatch(r"[\d.]+ / [\d.]+ \([\d.]+x\)", cells[1]) and re.fullmatch(r"[\d.]+x", cells[2]), cells
+    assert re.fullmatch(r"[\d.]+x", cells[3]), cells

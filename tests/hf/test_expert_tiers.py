@@ -648,3 +648,35 @@ def _budget_for(path, fraction: float, experts_dtype: str | None) -> int:
     plan = plan_offload(probe, 10**12)
     return plan.replicated_bytes + plan.staging_bytes + sum(
         round(fraction * plan.slots[n]) * plan.slot_bytes[n] for n in plan.slots)
+
+
+@pytest.mark.gpu
+def test_gpu_serve_graphs_capture_offloaded_layers_and_give_the_eager_tokens(checkpoints):
+    """serve's CUDA-graph decode (`StaticDecodeBatch`) on a quarter-hot model whose host experts are native host
+    jobs (`thunderep.moe.tier_graphs`): the steps are captured and replayed (graphs stay on), each replay's
+    calls are host jobs, and the greedy tokens of two sequences equal eager decoding's (`DecodeBatch`), whose
+    calls are the same jobs."""
+    from thunderep.moe import host_native
+    from thunderep.serve.engine import DecodeBatch, Entry
+    from thunderep.serve.static_decode import StaticDecodeBatch
+
+    if not host_native.available():
+        pytest.skip(f"the native host engine is unavailable: {host_native.unavailable_reason()}")
+    tm = _quarter_hot_on_gpu(checkpoints["qwen3_moe"], "on", "native")
+    jobs = next(iter(tm.bindings.values())).tiers.jobs
+    prompts = _prompts()[:2].tolist()
+    tokens, device = {}, torch.device("cuda")
+    for kind in ("eager", "graphs"):
+        batch = (DecodeBatch(tm, device, set(), 0) if kind == "eager"
+                 else StaticDecodeBatch(tm, device, set(), 0, max_batch=2))
+        steps = [batch.admit([Entry(i, p, 40, (0.0, 1.0), 0) for i, p in enumerate(prompts)])]
+        submitted = jobs.submitted
+        steps += [batch.step() for _ in range(12)]
+        tokens[kind] = steps
+        if kind == "graphs":
+            assert batch.graphs and list(batch._graphs) == [2] and batch.events["graph capture"] == 1
+            assert jobs.submitted - submitted == 12 * len(tm.bindings)  # every step's every layer a job
+            batch.close()
+    for b in tm.bindings.values():
+        b.tiers.settle()
+    assert tokens["graphs"] == tokens["eager"] and tm.offload_stats()["rows_host"] > 0

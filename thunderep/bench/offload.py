@@ -36,7 +36,8 @@ the stream's that price its share (`moe.tier_mapped.MappedReads.time_mapped`). A
 --timeline N: each ThunderEP row (and (b), (c)) also runs one batch-1 generate() of N + 1 tokens under torch's
 profiler and prints its decode steps' milliseconds by where they went: the device's kernels, its copies,
 the device idle, the host experts' own compute, beside the cost model's routed-expert time a step
-(`offload_steps.step_timeline`); --timeline-dir DIR also writes each row's Chrome trace there.
+(`offload_steps.step_timeline`); --timeline-dir DIR also writes each row's Chrome trace there. --graphs: each
+of those rows also decodes through serve's CUDA graphs (`offload_steps.graph_decode`), in a table of its own.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ from ..moe.offload_cost import decode_paths, measure_costs, predicted_rates
 from ..moe.tier_config import HOST_ENGINE
 from ..moe.tiers import COLD_PATHS, HOST_THREAD, TierConfig
 from ..train.plan import plan_offload_memory
-from .offload_steps import StepClock, decode_seconds, step_timeline, sync_device, timeline_text
-from .offload_tables import cost_table, hot_share, mapped_seconds, mapped_text, size_text, table, way_name
+from .offload_steps import StepClock, decode_seconds, graph_decode, step_timeline, sync_device, timeline_text
+from .offload_tables import (cost_table, graph_table, hot_share, mapped_seconds, mapped_text, size_text, table,
+                             way_name)
 
 __all__ = ["BASELINES", "SHAPES", "OffloadBench", "Row", "StepClock", "budgets", "build_checkpoint", "cost_table",
            "hardware", "main", "measure", "parse", "report", "run_rows", "table"]
@@ -134,6 +136,7 @@ class OffloadBench:
     isolate: str = "auto"
     timeline: int = 0
     timeline_dir: str | None = None
+    graphs: bool = False
 
     def __post_init__(self):
         problems = [] if self.shape in SHAPES else [f"--shape must be one of {', '.join(SHAPES)}, got {self.shape!r}"]
@@ -179,6 +182,8 @@ class Row:
     host_thread: str = "auto"  # `TierConfig.host_thread` of a ThunderEP row
     host_engine: str = "auto"  # and its `TierConfig.host_engine`
     timeline: dict | None = None  # --timeline: ms a decode step by where they went (`offload_steps.step_timeline`)
+    graph_decode: dict = field(default_factory=dict)  # --graphs: {batch: tokens/s} in serve's CUDA graphs
+    graph_note: str | None = None  # --graphs: why the graphs went off, where they did
 
 
 def say(text: str) -> None:
@@ -315,6 +320,11 @@ def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offl
             row.predicted = _predict(costs, plan, config, bench, row.host_thread)
             say(f"  predicted decode {row.predicted['decode']:.1f} tokens/s, prefill {row.predicted['prefill']:.0f} "
                 "tokens/s (routed experts alone)")
+        if bench.graphs:
+            row.graph_decode, row.graph_note = graph_decode(tm, device, config.vocab_size, bench.batches,
+                                                            bench.new_tokens - 1)
+            say("  in CUDA graphs: " + ", ".join(f"decode b={b} {v:.2f} tokens/s" for b, v in row.graph_decode.items())
+                + (f" ({row.graph_note})" if row.graph_note else ""))
         if bench.timeline:
             slug = re.sub(r"[^a-z0-9]+", "-", row.name.lower()).strip("-")
             trace = bench.timeline_dir and str(Path(bench.timeline_dir) / f"timeline-{slug}.json")
@@ -455,6 +465,9 @@ def report(bench: OffloadBench) -> list[Row]:
     print(f"\nhardware: {hardware(bench)}\naccelerate's max_memory counts its own way (whole modules, room kept "
           "for the largest layer): equal bytes, not equal expert sets.\n")
     print(table(rows, bench.batches, bench.prefill))
+    if bench.graphs:
+        print("\nthe same rows decoding in serve's CUDA graphs (StaticDecodeBatch), beside generate()'s eager steps:\n")
+        print(graph_table(rows, bench.batches))
     if bench.json:
         Path(bench.json).write_text(json.dumps({"bench": dataclasses.asdict(bench), "hardware": hardware(bench),
                                                 "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))

@@ -104,3 +104,36 @@ def timeline_text(t: dict, predicted_tokens_s: float | None) -> str:
     return (f"timeline, batch 1, {t['steps']} steps, ms a step: wall {t['wall']:.2f} "
             f"(profiled {t['profiled_wall']:.2f}), device kernels {t['kernels']:.2f}, copies {t['copies']:.2f}, "
             f"device idle {t['idle']:.2f}; host experts' compute {t['host_experts']:.2f}{predicted}")
+
+
+def graph_decode(model, device: torch.device, vocab: int, batches, steps: int) -> tuple[dict, str | None]:
+    """({batch: decode tokens/s}, why graphs went off or None) of `steps` decode steps at each batch size through
+    serve's CUDA-graph decode (`serve.static_decode.StaticDecodeBatch`, greedy, random prompts of 16 tokens),
+    timed after three steps (the eager one, the capture, the first replay)."""
+    import contextlib
+    import io
+
+    from ..serve.engine import Entry
+    from ..serve.static_decode import StaticDecodeBatch
+
+    gen, rates, off = torch.Generator().manual_seed(1), {}, None
+    for b in batches:
+        batch = StaticDecodeBatch(model, device, set(), 0, max_batch=b)
+        try:
+            batch.admit([Entry(i, torch.randint(0, vocab, (16,), generator=gen).tolist(), steps + 8, (0.0, 1.0), 0)
+                         for i in range(b)])
+            said = io.StringIO()
+            with contextlib.redirect_stderr(said):
+                for _ in range(3):
+                    batch.step()
+            if not batch.graphs:  # a failed capture says why; without CUDA there is none to capture
+                off = said.getvalue().strip() or "no CUDA device: serve's steps on fixed storage, eager"
+            sync_device(device)
+            started = time.perf_counter()
+            for _ in range(steps):
+                batch.step()
+            sync_device(device)
+            rates[b] = b * steps / (time.perf_counter() - started)
+        finally:
+            batch.close()
+    return rates, off

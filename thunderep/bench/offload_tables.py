@@ -133,3 +133,23 @@ def cost_table(rows, batch: int, jobs: bool = False) -> str:
                          f"{_ratio(d_all or d, measured_d)} | {_rate(p)} | {_rate(p_all)} | {_rate(r.prefill)} | "
                          f"{_ratio(p_all or p, r.prefill)} |")
     return "\n".join(lines)
+
+
+def graph_table(rows, batches) -> str:
+    """--graphs: per row, decode tokens/s per batch eagerly (generate()) and in serve's CUDA graphs, their ratio,
+    and the graphs' rates over (b)'s and (c)'s in graphs; a row whose graphs went off says why."""
+    host = {id(r): _host_row(rows, r) for r in rows}
+    whole = next((r for r in rows if r.kind == "gpu" and not r.error), None)
+    head = ["config"] + [f"decode b={b}: eager / graphs tok/s (graphs / eager)" for b in batches] + [
+        "graphs vs (b)", "graphs vs (c)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.error or not r.graph_decode:
+            continue
+        g = r.graph_decode
+        cells = [f"{_rate(r.decode.get(b))} / {_rate(g.get(b))} ({_ratio(g.get(b), r.decode.get(b))})" for b in batches]
+        versus = [" / ".join(_ratio(g.get(b), o.graph_decode.get(b)) for b in batches)
+                  if o is not None and o is not r and o.graph_decode else "-" for o in (host[id(r)], whole)]
+        note = f" (graphs off: {r.graph_note[:120]})" if r.graph_note else ""
+        lines.append("| " + " | ".join([r.name + note] + cells + versus) + " |")
+    return "\n".join(lines)

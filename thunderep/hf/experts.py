@@ -252,10 +252,11 @@ class ExpertsBinding:
 
     def _local_compute(self, module) -> LocalExperts:
         if self.tiers is not None:  # rows grouped by slot with the counts on the host, or a decode step's token
-            tiers = self.tiers      # rows (`ExpertTiers.partial`); never capturable: the tiers wait for the counts
+            tiers = self.tiers      # rows (`ExpertTiers.partial`, which a CUDA graph captures where its host
+            # share can be a host job: `thunderep.moe.tier_graphs`; else the capture fails and steps run eagerly)
 
             def partial(x_TD, local_TK, weights_TK, fallback, experts, kind):
-                return None if kind == "every pair" else tiers.partial(x_TD, local_TK, weights_TK)
+                return tiers.partial(x_TD, local_TK, weights_TK)
 
             return LocalExperts(lambda x_MD, counts_S: tiers.sorted(x_MD, counts_S), pairs=partial)
 

@@ -12,6 +12,11 @@ the device's random generator").
 one empty graph (which takes the generator out of capture mode again) before the failure propagates.
 Every CUDA-graph capture in ThunderEP goes through it.
 
+`before_replay(fn)`, called while a graph is being captured (`capture`), has `replay(graph)` run fn() before
+each replay of that graph: host work the captured kernels wait for at every replay, which the capture itself
+cannot start (the host jobs of offloaded experts, `thunderep.moe.tier_graphs`). A graph replayed through
+`graph.replay()` alone runs no such work: every replay of a graph captured here goes through `replay`.
+
 `graph_steps(True)` marks the calls within it as the ones CUDA graphs capture and replay (a decode
 step's, `thunderep.serve.static_decode`; `ThunderMoE.running(capturable=True)` sets it), whether this call
 is the eager warm-up or the capture; `in_graph_steps()` reads it. Where a choice between two paths is
@@ -27,9 +32,12 @@ import warnings
 
 import torch
 
-__all__ = ["capture", "graph_steps", "in_graph_steps"]
+from ..errors import ThunderError
+
+__all__ = ["before_replay", "capture", "collect_before_replay", "graph_steps", "in_graph_steps", "replay"]
 
 _GRAPH_STEPS = contextvars.ContextVar("thunderep_graph_steps", default=False)
+_BEFORE = contextvars.ContextVar("thunderep_before_replay", default=None)  # the capture's list, while one runs
 
 
 @contextlib.contextmanager
@@ -38,11 +46,41 @@ def capture(graph: torch.cuda.CUDAGraph, pool=None, **options):
     `options`: torch.cuda.graph's others, e.g. `stream`). A failed capture raises as `torch.cuda.graph`
     does, with the default generator usable again."""
     try:
-        with torch.cuda.graph(graph, pool=pool, **options):
+        with collect_before_replay() as hooks, torch.cuda.graph(graph, pool=pool, **options):
             yield graph
     except BaseException:
         _release_generator()
         raise
+    graph.thunderep_before_replay = hooks
+
+
+@contextlib.contextmanager
+def collect_before_replay():
+    """Within the block, `before_replay(fn)` appends fn to the list this yields (`capture` keeps it on the
+    graph for `replay`)."""
+    hooks: list = []
+    token = _BEFORE.set(hooks)
+    try:
+        yield hooks
+    finally:
+        _BEFORE.reset(token)
+
+
+def before_replay(fn) -> None:
+    """Have fn() run before every replay of the graph being captured (module docstring); a ThunderError outside
+    a capture made by `capture`, where nothing would run it."""
+    hooks = _BEFORE.get()
+    if hooks is None:
+        raise ThunderError("work to run before each replay of a CUDA graph was registered outside a capture made by "
+                           "thunderep.kernels.graphs.capture")
+    hooks.append(fn)
+
+
+def replay(graph) -> None:
+    """Replay `graph`, first running what its capture registered (`before_replay`), in that order."""
+    for fn in getattr(graph, "thunderep_before_replay", ()):
+        fn()
+    graph.replay()
 
 
 def _release_generator() -> None:

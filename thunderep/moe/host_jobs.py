@@ -78,6 +78,9 @@ class _Driver:
         self.write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
         self.write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         self.write.restype = ctypes.c_int
+        self.copy = lib.cuMemcpyAsync
+        self.copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self.copy.restype = ctypes.c_int
         self.device_pointer = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
         self.device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
         self.device_pointer.restype = ctypes.c_int
@@ -96,6 +99,16 @@ class _Driver:
         """The stream writes `value` once the work queued before is done (its writes visible first)."""
         self._check(self.write(ctypes.c_void_p(stream.cuda_stream), address, value & 0xFFFFFFFF, 0),
                     "cuStreamWriteValue32")
+
+    def enqueue_copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The stream copies src's bytes into dst (contiguous, the same size; device or pinned host memory, under
+        unified addressing): a plain copy node in a captured graph, which torch's copies into pinned memory,
+        with the host allocator's events, are not everywhere."""
+        if dst.nbytes != src.nbytes or not (dst.is_contiguous() and src.is_contiguous()):
+            raise ThunderError(f"a stream copy needs two contiguous tensors of the same size, got {tuple(src.shape)} "
+                               f"{src.dtype} into {tuple(dst.shape)} {dst.dtype}")
+        self._check(self.copy(dst.data_ptr(), src.data_ptr(), src.nbytes, ctypes.c_void_p(stream.cuda_stream)),
+                    "cuMemcpyAsync")
 
     @staticmethod
     def _check(code: int, call: str) -> None:
@@ -170,12 +183,36 @@ class HostJobs:
         if self.driver is None:
             job.result()
             return out.clone(), job  # `out` may be a buffer its owner reuses
+        self._start_watchdog()
+        self.driver.enqueue_wait(torch.cuda.current_stream(self.device), self._address, self._number)
+        return out.to(self.device, non_blocking=True), job
+
+    def submit_graph(self, args: tuple, ready: torch.Tensor, flag: torch.Tensor, out: torch.Tensor,
+                     name: str = "host job") -> Job:
+        """Start a job for a call a CUDA graph captured (`thunderep.moe.tier_graphs`), before each replay: it
+        waits until the graph writes 1 into `ready` (int32 [1], the call's own word in pinned memory, which the
+        job sets back to 0 on arrival), fills `out` from `args` (`NativeEngine.launch`'s ids, weights, token rows,
+        skip mask and weight arguments) and raises `flag` (the call's own word) to 1; the graph waits for that
+        and sets it back to 0. A graph's numbers are fixed when it is captured, hence a word per call and
+        values that go back to 0, not the growing numbers of `submit`. Native engine only. Returns the `Job`
+        (`settle`d before the call's next job)."""
+        if self.engine != "native":
+            raise ConfigError(f"host jobs in CUDA graphs need the native host engine, not {self.engine!r}")
+        self.check()
+        with self._lock:
+            self._number += 1
+            future = self.launcher(None, ready, 1, flag, 1, self.SPINS, *args, out, consume=True)
+            job = Job(self, future, self._number, name, flag=flag)
+            self._pending.append(job)
+        if self.driver is not None:
+            self._start_watchdog()
+        return job
+
+    def _start_watchdog(self) -> None:
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name=f"thunderep-host-watchdog-{self.device}",
                                               daemon=True)
             self._watchdog.start()
-        self.driver.enqueue_wait(torch.cuda.current_stream(self.device), self._address, self._number)
-        return out.to(self.device, non_blocking=True), job
 
     @property
     def submitted(self) -> int:
@@ -221,6 +258,9 @@ class HostJobs:
         """After a failed or stuck job (under the lock): the flag raised to every job submitted (the device
         waits on none of them), those jobs' failures taken as this one's, later jobs chained on none of them."""
         self._raise_flag(self._number)
+        for job in self._pending:  # a graph's jobs: each its own flag, waited for at 1 (`submit_graph`)
+            if job.flag is not None:
+                host_native.raise_flag(job.flag, 1)
         self._failed_through, self._last = self._number, self._done()
 
     def _raise_flag(self, number: int) -> None:
@@ -255,8 +295,8 @@ class HostJobs:
                 self._error = TimeoutError(f"it did not end within {self.timeout_s:.0f} s; the device was released "
                                            "without its result")
                 self._failed_job = job.name
-            self._pending.clear()
             self._release_all()
+            self._pending.clear()
         return True
 
     def _watch(self) -> None:
@@ -284,8 +324,9 @@ def _describe(error: BaseException) -> str:
 class Job:
     """One submitted host job (`HostJobs.submit`)."""
 
-    def __init__(self, jobs: HostJobs, future, number: int, name: str):
+    def __init__(self, jobs: HostJobs, future, number: int, name: str, flag: torch.Tensor | None = None):
         self.jobs, self.future, self.number, self.name = jobs, future, number, name
+        self.flag = flag  # a graph's job: the call's own flag (`HostJobs.submit_graph`); None: the jobs' flag
         self.submitted_at = time.monotonic()
 
     def result(self, raise_error: bool = True):

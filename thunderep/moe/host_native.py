@@ -101,10 +101,10 @@ def covers(args: tuple) -> bool:
             and gate_up.dim() == 3 and down.dim() == 3)
 
 
-def launch(*args) -> NativeJob:
+def launch(*args, **options) -> NativeJob:
     """`NativeEngine.launch` on the process's engine (made on first use; a forked child makes its own: the
     parent's threads are not in it)."""
-    return NativeEngine.of().launch(*args)
+    return NativeEngine.of().launch(*args, **options)
 
 
 def raise_flag(flag: torch.Tensor, number: int) -> None:
@@ -193,10 +193,12 @@ class NativeEngine:
     def launch(self, prev, ready: torch.Tensor, stamp: int, flag: torch.Tensor, number: int, spins: int,
                ids_TK: torch.Tensor, w_TK: torch.Tensor, x_TD: torch.Tensor, hot_S: torch.Tensor,
                gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias, down_bias, interleaved: bool, act: str,
-               upcast_rows: int, scratch_gate_up, scratch_down, out: torch.Tensor) -> NativeJob:
+               upcast_rows: int, scratch_gate_up, scratch_down, out: torch.Tensor, consume: bool = False) -> NativeJob:
         """Queue the job (`prev` is implied: the engine runs jobs in submission order). The upcast settings
         are the script engine's: this one always computes in float32. A job of the same tensor objects as
-        an earlier one (a layer's buffers and weights, call after call) reuses its checked description."""
+        an earlier one (a layer's buffers and weights, call after call) reuses its checked description.
+        consume: the job sets `ready` back to 0 once its stamp has arrived (a captured graph's stamp, the
+        same number at every replay: `HostJobs.submit_graph`)."""
         tensors = (ids_TK, w_TK, x_TD, hot_S, gate_up, down, gate_up_bias, down_bias, out, ready, flag)
         key = (*map(id, tensors), interleaved, act)
         kept = self._described.get(key)
@@ -210,6 +212,7 @@ class NativeEngine:
                 # weak references: a kept description must not keep a model's host experts alive
                 self._described[key] = (job, tuple(None if t is None else weakref.ref(t) for t in tensors))
         job.spins, job.stamp, job.number = spins, stamp & 0xFFFFFFFF, number & 0xFFFFFFFF
+        job.consume = int(consume)
         ticket = self.lib.tep_hx_submit(self.hx, job)
         if ticket == 0:
             raise RuntimeError("the native host engine's queue is full")

@@ -64,7 +64,7 @@ class HostHandoff:
             view = self._views[(key, shape, dtype)] = buf[:numel].view(shape)
         return view
 
-    def _handoff_args(self, row_bytes: int, tokens: int) -> tuple | None:
+    def _handoff_args(self, row_bytes: int, tokens: int, graph: bool = False) -> tuple | None:
         """The job's weight arguments (`HostExperts.job_args`: the float32 crossover is calibrated after init,
         so they are kept until it or the costs change) where `partial` hands its host share of a call of
         `tokens` tokens to a host job, else None. It does where there are jobs (`TierConfig.host_thread`)
@@ -77,8 +77,9 @@ class HostHandoff:
         with the native engine at a quarter of the experts hot: 1.51x in line on an H200, 1.63x on an H100);
         at 8 tokens a step is bound by the host experts' time, where in line (torch on every core) beat the
         engine's 8 threads on the H100 (0.79x) though not on the H200 (1.22x): docs/benchmarks/2026-12-05-
-        expert-offload-h200.md, twelfth run."""
-        if self.config.host_thread == "auto" and tokens > self.HANDOFF_TOKENS:
+        expert-offload-h200.md, twelfth run. graph: for a call a CUDA graph captures (`tier_graphs`), which
+        can only hand off, at any number of tokens."""
+        if self.config.host_thread == "auto" and tokens > self.HANDOFF_TOKENS and not graph:
             return None
         if self.jobs is None or self.lean is None:
             return None

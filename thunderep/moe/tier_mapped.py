@@ -114,7 +114,7 @@ class MappedReads:
         views = self._mapped_views() if self._mapped and self.maps_call(*local_TK.shape) else None
         if views is None:  # (host tensors replaced by ones the device cannot read: the host computes them)
             return None
-        table = self._table("mapped", local_TK.device, lambda: {s: s for s in sorted(self._mapped)})
+        table = self._table("mapped", local_TK.device)
         return self.pairs(views, x_TD, table[local_TK], weights_TK, kind=IN_PLACE)
 
     def time_mapped(self, hidden: int, dtype: torch.dtype, slots: int = 4, repeats: int = 3) -> float | None:
@@ -149,12 +149,20 @@ class MappedReads:
         views = self._mapped_views() if applies else None
         if views is None:
             return None
-        H = self.capacity
-        table = self._table("both", local_TK.device, lambda: {**self._row_of, **{s: H + s for s in self._mapped}})
+        table = self._table("both", local_TK.device)
         y_TD = self.pairs(self.hot, x_TD, table[local_TK], weights_TK, second=views)
         if y_TD is None and x_TD.shape[0] == 1:  # one token always fits: these kernels take one set
             self._two_sets = False
         return y_TD
+
+    def _entries(self, key: str) -> dict[int, int]:
+        """{slot: its entry} of the device's slot table `key` (`ExpertTiers._table`): "hot", the hot copies' rows;
+        "mapped", the mapped slots' own; "both", the hot rows and past their H, H + each mapped slot."""
+        if key == "hot":
+            return self._row_of
+        if key == "mapped":
+            return {s: s for s in sorted(self._mapped)}
+        return {**self._row_of, **{s: self.capacity + s for s in self._mapped}}
 
     def _count_mapped(self, by_slot: dict, counts: list[int]) -> list[int]:
         """The mapped slots of a call's `by_slot` whose pairs the device read, in slot order, counted in the

@@ -50,9 +50,11 @@ from dataclasses import replace
 import torch
 
 from ..errors import ConfigError
+from ..kernels.graphs import in_graph_steps
 from .host_experts import HostExperts, per_slot
 from .host_jobs import jobs_for
 from .hot_set import HotSetRule
+from .tier_graphs import GraphCall, GraphHandoff
 from .tier_handoff import HostHandoff
 from .tier_mapped import MappedReads
 from .offload_cost import OffloadCosts, best_seconds, split_cold
@@ -63,7 +65,7 @@ __all__ = ["COLD_PATHS", "ExpertTiers", "HOST_THREAD", "Staging", "TierConfig", 
            "to_host_all"]
 
 
-class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
+class ExpertTiers(MappedReads, HotSetRule, HostHandoff, GraphHandoff):
     """The tiers of one layer's local slots (see the module docstring).
 
     host: {tensor name: [S, ...]} in host memory. hot_slots: H >= 0 slots to hold on `device`.
@@ -103,6 +105,7 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
         self._host_buffers: dict[int, torch.Tensor] = {}  # `_pinned_copies`
         self._views: dict[tuple, torch.Tensor] = {}  # (key, shape, dtype) -> its view of a host buffer
         self._handoff: tuple | None = None  # (what `_handoff_args` depends on, its answer)
+        self._graph_calls: dict[tuple, GraphCall] = {}  # the calls CUDA graphs captured, by shape (`tier_graphs`)
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
         if not 0 <= hot_slots <= self.num_slots:
@@ -197,19 +200,15 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
             return None
         self.settle()
         row_bytes = x_TD.shape[-1] * x_TD.element_size()
+        if in_graph_steps():  # a step CUDA graphs capture (`tier_graphs`), or the eager one before a capture
+            captured = self._graph_partial(x_TD, local_TK, weights_TK, row_bytes)
+            if captured is not None:
+                return captured
         self.rechoose(row_bytes)
         job_args = self._handoff_args(row_bytes, T) if self.pairs is not None or not self.capacity else None
         tensors = [local_TK, weights_TK, x_TD]
         host, copied = self._pinned_copies(tensors) if job_args is not None else to_host_all(tensors)
-        hot_TD = mapped_TD = None
-        both_TD = self._both_pairs(x_TD, local_TK, weights_TK)  # the hot and mapped pairs in one call
-        if both_TD is None:
-            if self.pairs is not None and self.capacity:
-                hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK)
-            mapped_TD = self._mapped_pairs(x_TD, local_TK, weights_TK)
-        hot_done = both_TD is not None or hot_TD is not None  # the device took the hot pairs
-        self._job_mapped = both_TD is not None or mapped_TD is not None
-        on_device = [y for y in (both_TD, hot_TD, mapped_TD) if y is not None]  # the device's shares, [T, D] each
+        on_device, hot_done, self._job_mapped = self._device_shares(x_TD, local_TK, weights_TK)
         if job_args is not None and (hot_done or not self.capacity):
             mask = self._device_mask if self._job_mapped else self._hot_mask
             return self._handed_off(on_device, host, copied, x_TD.shape, job_args, mask)
@@ -244,19 +243,38 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
             y_TD += self._summed_on_host(on_host, by_slot, counts, x_h, w_h, out).to(device, non_blocking=cuda)
         return y_TD
 
+    def _device_shares(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
+        """(the device's weighted [T, D] shares of a `partial` call, whether they include the hot pairs, whether
+        they include the mapped slots' pairs): the hot and mapped pairs through the pair kernels, in one call
+        where the kernels take two sets of tensors (`_both_pairs`), else each in its own."""
+        hot_TD = mapped_TD = None
+        both_TD = self._both_pairs(x_TD, local_TK, weights_TK)
+        if both_TD is None:
+            if self.pairs is not None and self.capacity:
+                hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK)
+            mapped_TD = self._mapped_pairs(x_TD, local_TK, weights_TK)
+        on_device = [y for y in (both_TD, hot_TD, mapped_TD) if y is not None]
+        return on_device, both_TD is not None or hot_TD is not None, both_TD is not None or mapped_TD is not None
+
     def settle(self) -> None:
-        """Wait for this layer's job on the host, if one is out, and count its pairs (as an in-line call counts
-        them); raise a failed job's error: before anything reads or changes the counts, the hot set or the
-        telemetry."""
+        """Wait for this layer's jobs on the host, if any is out (its eager call's, its captured calls',
+        `tier_graphs`), and count their pairs (as an in-line call counts them); raise a failed job's error:
+        before anything reads or changes the counts, the hot set or the telemetry."""
         job, self._job = self._job, None
-        ids = job.result() if job is not None else None  # a failure is raised, naming the layer
-        if ids is not None:
-            by_slot, counts = self._tally(ids)
-            _, cold = self._split(by_slot, counts, self._job_mapped)
-            self.stats.rows_host += sum(counts[s] for s in cold)
-            self.stats.host_seconds += getattr(job.future, "seconds", None) or 0.0  # the native engine's timing
+        if job is not None:
+            self._count_job(job, self._job_mapped)
+        self._settle_graph_calls()
         if self.jobs is not None:
             self.jobs.check()
+
+    def _count_job(self, job, mapped: bool) -> None:
+        """A job's pairs counted (`_tally`) once it has ended; its failure raised, naming the layer."""
+        ids = job.result()
+        if ids is not None:
+            by_slot, counts = self._tally(ids)
+            _, cold = self._split(by_slot, counts, mapped)
+            self.stats.rows_host += sum(counts[s] for s in cold)
+            self.stats.host_seconds += getattr(job.future, "seconds", None) or 0.0  # the native engine's timing
 
     def _tally(self, ids: list[int]) -> tuple[dict[int, list[int]], list[int]]:
         """({slot: its pairs t * K + k, in order}, rows per slot) of a call's flat ids (-1: another rank's
@@ -281,17 +299,17 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff):
 
     def _hot_entries(self, device: torch.device) -> torch.Tensor:
         """Each slot's entry in the hot copies (-1 for cold ones) on `device`."""
-        return self._table("hot", device, lambda: self._row_of)
+        return self._table("hot", device)
 
-    def _table(self, key: str, device: torch.device, entries: Callable[[], dict]) -> torch.Tensor:
+    def _table(self, key: str, device: torch.device) -> torch.Tensor:
         """The device's slot table `key` ("hot": the hot copies' rows; "mapped", "both": `tier_mapped`'s), a
-        `SlotTable` made on first use and written with `entries()` where that changed since (`_stale`)."""
+        `SlotTable` made on first use and written with `_entries(key)` where that changed since (`_stale`)."""
         table = self._tables.get(key)
         if table is None or table.device != device:
             table = self._tables[key] = SlotTable(self.num_slots, device)
             self._stale.add(key)
         if key in self._stale:
-            table.set(entries())
+            table.set(self._entries(key))
             self._stale.discard(key)
         return table.values
 

@@ -45,7 +45,7 @@ import sys
 import torch
 
 from ..hf.wrap import decode_attention
-from ..kernels.graphs import capture
+from ..kernels.graphs import capture, replay
 from .engine import DecodeBatch, new_cache, unsupported_reason
 from ..errors import ConfigError
 
@@ -280,7 +280,7 @@ class StaticDecodeBatch(DecodeBatch):
             return self._forward_static(b)
         if b in self._graphs:
             graph, logits = self._graphs[b]
-            graph.replay()
+            replay(graph)
             return logits
         if b not in self._warm:  # the first step at this size runs eagerly: it warms everything up
             self._warm.add(b)
@@ -298,7 +298,7 @@ class StaticDecodeBatch(DecodeBatch):
             return self._forward_static(b)
         self._graphs[b] = (graph, logits)
         self.events["graph capture"] += 1
-        graph.replay()
+        replay(graph)
         return logits
 
 
