@@ -125,7 +125,10 @@ class GraphHandoff:
         for dst, src in zip(call.inputs, (local_TK.to(torch.int64), weights_TK, x_TD)):
             driver.enqueue_copy(stream, dst, src.contiguous())
         driver.enqueue_write(stream, ready, 1)
-        on_device, _, call.mapped = self._device_shares(x_TD, local_TK, weights_TK)
+        on_device, hot_done, call.mapped = self._device_shares(x_TD, local_TK, weights_TK)
+        if self.capacity and not hot_done:  # the job skips the hot slots: the pair kernels must take them
+            raise ConfigError(f"{self.name}: a CUDA graph cannot take this decode call's offloaded experts: the pair "
+                              f"kernels did not take its hot pairs ({tuple(local_TK.shape)} pairs)")
         driver.enqueue_wait(stream, flag, 1)
         driver.enqueue_write(stream, flag, 0)
         y_TD = torch.empty(call.out.shape, dtype=torch.float32, device=x_TD.device)
