@@ -293,9 +293,11 @@ def test_gpu_graph_steps_on_two_ranks_equal_eager_steps():
         assert graphs and len(sizes) >= 2, sizes
 
 
-def test_offloaded_experts_decode_without_graphs_and_say_why(tmp_path, capsys):
-    """Expert tiers wait for the host in every layer, which no CUDA graph can capture: serve's continuous
-    batch on a CUDA device with graphs on is the eager one, with a line naming the offload."""
+def test_offloaded_experts_decode_without_graphs_where_no_host_job_can_take_them_and_say_why(tmp_path, capsys):
+    """Expert tiers whose host experts run in line (here: on a CPU, no host jobs) wait for the host in every
+    layer, which no CUDA graph can capture: serve's continuous batch with graphs on is the eager one, with a
+    line naming the offload and why (tests/moe/test_tier_graphs.py and the GPU test in
+    tests/hf/test_expert_tiers.py cover tiers that a graph takes)."""
     from hf_tiny import offload_budget, save_tiny
 
     from thunderep.hf import ThunderMoE
@@ -306,4 +308,5 @@ def test_offloaded_experts_decode_without_graphs_and_say_why(tmp_path, capsys):
     tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, 0.5))
     batch = decode_batch(tm, "cuda", {0}, 0, ServeConfig(cuda_graphs="on"), server=object())
     assert type(batch) is DecodeBatch
-    assert "decoding without CUDA graphs: its experts are offloaded (--gpu-memory)" in capsys.readouterr().out
+    assert ("decoding without CUDA graphs: its experts are offloaded (--gpu-memory) and its host experts run in "
+            "line here (no host jobs") in capsys.readouterr().out

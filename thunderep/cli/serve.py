@@ -78,7 +78,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=5.0,
                    help="after SIGTERM, seconds the requests being generated get to finish (new ones get 503), "
                         "before the server answers them with an error and exits (default 5)")
-    p.add_argument("--gpu-memory", default=None, help=GPU_MEMORY_HELP + "; CUDA graphs are off then")
+    p.add_argument("--gpu-memory", default=None, help=GPU_MEMORY_HELP + "; decode steps stay in CUDA graphs where the "
+                   "host experts run as native host jobs, else they run eagerly (a line says why)")
     p.add_argument("--offload-dir", default=None, help=OFFLOAD_DIR_HELP)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for a peer (default 120)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are visible")
@@ -121,7 +122,7 @@ def _config(a: argparse.Namespace):
     from ..serve.config import HttpConfig, ServeConfig
 
     return ServeConfig(model=a.model, ep=a.ep, host=a.host, port=a.port, max_batch=a.max_batch, batching=a.batching,
-                       cuda_graphs="off" if a.gpu_memory else a.cuda_graphs, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
+                       cuda_graphs=a.cuda_graphs, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
                        experts_implementation=a.experts_implementation, experts_dtype=a.experts_dtype,
                        request_timeout=a.request_timeout, drain_timeout=a.drain_timeout, timeout=a.timeout,
                        cpu=a.cpu, quiet=a.quiet, gpu_memory=gpu_memory_bytes(a.gpu_memory), offload_dir=a.offload_dir,

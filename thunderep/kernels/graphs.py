@@ -51,7 +51,8 @@ def capture(graph: torch.cuda.CUDAGraph, pool=None, **options):
     except BaseException:
         _release_generator()
         raise
-    graph.thunderep_before_replay = hooks
+    if hooks:
+        graph.thunderep_before_replay = hooks
 
 
 @contextlib.contextmanager

@@ -81,14 +81,22 @@ class GraphHandoff:
     def _current_stream(self):
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def _graph_refusal(self, tokens: int, row_bytes: int) -> str | None:
-        """Why a call of `tokens` tokens cannot put its host share in a graph here (None: it can)."""
+    def graph_reason(self) -> str | None:
+        """Why no CUDA graph can take this layer's decode calls here (None: one can, where the cost model finds
+        the host path worth handing off: `_graph_refusal`)."""
         if self.jobs is None:
             return "its host experts run in line here (no host jobs: TierConfig.host_thread, THUNDEREP_HOST_JOBS)"
         if self.jobs.engine != "native":
             return f"host jobs in CUDA graphs need the native host engine, not {self.jobs.engine!r}"
         if self.capacity and self.pairs is None:
             return "its hot experts wait for the host's counts (the experts do not run on ThunderEP's pair kernels)"
+        return None
+
+    def _graph_refusal(self, tokens: int, row_bytes: int) -> str | None:
+        """Why a call of `tokens` tokens cannot put its host share in a graph here (None: it can)."""
+        reason = self.graph_reason()
+        if reason is not None:
+            return reason
         if self._handoff_args(row_bytes, tokens, graph=True) is None:
             return "its host path is too slow to hand off (the cost model's calibration) or not the native engine's"
         return None

@@ -30,8 +30,9 @@ def decode_batch(tm, device, eos, pad, config: ServeConfig, server):
     """The continuous batch: on a GPU with `--cuda-graphs on`, fixed cache storage whose steps replay from
     CUDA graphs (thunderep/serve/static_decode.py) where the model allows it; else the eager dynamic batch."""
     if config.cuda_graphs == "on" and torch.device(device).type == "cuda":
-        offloaded = getattr(tm, "offload_stats", lambda: None)() is not None
-        reason = ("its experts are offloaded (--gpu-memory): every layer waits for the host's experts" if offloaded
+        tiers = [b.tiers for b in getattr(tm, "bindings", {}).values() if getattr(b, "tiers", None) is not None]
+        offloaded = next((r for r in (t.graph_reason() for t in tiers) if r is not None), None)  # --gpu-memory
+        reason = (f"its experts are offloaded (--gpu-memory) and {offloaded}" if offloaded
                   else static_reason(tm.model))
         if reason is None:
             return StaticDecodeBatch(tm, device, eos, pad, config.max_batch)
