@@ -682,3 +682,39 @@ def test_gpu_serve_graphs_capture_offloaded_layers_and_give_the_eager_tokens(che
     for b in tm.bindings.values():
         b.tiers.settle()
     assert tokens["graphs"] == tokens["eager"] and tm.offload_stats()["rows_host"] > 0
+
+
+def _serve_steps(rank, world, path):
+    """Greedy tokens of serve's two continuous batches on `world` ranks of offloaded experts (half hot,
+    host jobs on): the eager `DecodeBatch` and `StaticDecodeBatch` (on a CPU its steps run eagerly, in the
+    latency mode's capturable calls: each layer's call through the tiers, `thunderep.moe.tier_graphs`)."""
+    from thunderep import EPConfig
+    from thunderep.comm.groups import init_expert_parallel
+    from thunderep.comm.runtime import ExpertParallel
+    from thunderep.hf import ThunderMoE
+    from thunderep.serve.engine import DecodeBatch, Entry
+    from thunderep.serve.static_decode import StaticDecodeBatch
+
+    ep = ExpertParallel(init_expert_parallel(world), EPConfig(control="collective")) if world > 1 else None
+    tm = ThunderMoE.from_pretrained(path, *([ep] if ep else []), gpu_memory=offload_budget(path, 0.5, world),
+                                    offload_costs=HOST_WINS, offload=TierConfig(host_thread="on"))
+    prompts = _prompts()[:2].tolist()
+    tokens = []
+    for batch in (DecodeBatch(tm, torch.device("cpu"), set(), 0), StaticDecodeBatch(tm, torch.device("cpu"), set(), 0, 2)):
+        steps = [batch.admit([Entry(i, p, 40, (0.0, 1.0), 0) for i, p in enumerate(prompts)])]
+        tokens.append(steps + [batch.step() for _ in range(6)])
+    if ep is not None:
+        ep.close()
+    return tokens, tm.offload_stats()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_serve_batches_of_offloaded_experts_on_ranks_give_one_process_tokens(world, checkpoints):
+    """Expert parallelism on 2 and 4 ranks with offloaded experts: serve's static batch (its capturable
+    latency calls) and its eager batch give the same greedy tokens on every rank, equal to one process's;
+    host experts ran."""
+    path = checkpoints["qwen3_moe"]
+    (want, _), *_ = run_ranks(_serve_steps, 1, path, timeout=240)
+    assert want[0] == want[1]
+    for tokens, stats in run_ranks(_serve_steps, world, path, timeout=300):
+        assert tokens[0] == want[0] and tokens[1] == want[0] and stats["rows_host"] > 0

@@ -298,7 +298,7 @@ class ExpertParallelMoE:
         D = x_TD.shape[-1]
 
         def sorted_partial(local_TK: torch.Tensor) -> torch.Tensor:
-            if capturable:  # every pair, other ranks' as local slot 0 and masked out: no host sync
+            if capturable and experts.by_slot is not None:  # every pair, other ranks' as slot 0, masked: no sync
                 here_N1 = local_TK.reshape(-1, 1) >= 0
                 y_ND = experts.by_slot(x_TD.repeat_interleave(K, dim=0), local_TK.reshape(-1).clamp(min=0))
                 weighted_ND = torch.where(here_N1, y_ND * weights_TK.reshape(-1, 1).to(y_ND.dtype), 0)
@@ -310,15 +310,15 @@ class ExpertParallelMoE:
             full_ND = weighted_MD.new_zeros(T * K, D).index_copy(0, pairs, weighted_MD)
             return full_ND.view(T, K, D).float().sum(dim=1)
 
-        if capturable and experts.by_slot is None:
-            raise ConfigError("capturable latency mode needs experts that compute rows in any order (by_slot)")
         local_TK = self.placement.local_slots(ids_TK, self.ep.groups.ep_rank)
-        if experts.pairs is not None:  # the decode pair kernels: no sort, no host sync
+        if experts.pairs is not None:  # the decode pair kernels (or offloaded tiers' calls): no sort, no host sync
             partial_TD = experts.pairs(x_TD, local_TK, weights_TK, sorted_partial, self.num_experts,
                                        "every pair" if capturable else "sorted")
             if partial_TD is not None:
                 return partial_TD.float()
-        return sorted_partial(local_TK)
+        if capturable and experts.by_slot is None and x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ConfigError("capturable latency mode needs experts that compute rows in any order (by_slot)")
+        return sorted_partial(local_TK)  # outside a capture (its eager step) the sorted rows, with their sync
 
     # -- at step boundaries
 
