@@ -5,10 +5,14 @@ time goes, beside the cost model's prediction of the routed experts' share."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 
 import torch
 
+from ..serve.engine import Entry
+from ..serve.static_decode import StaticDecodeBatch
 from .offload_tables import hot_share
 
 __all__ = ["StepClock", "decode_seconds", "decode_steps", "step_timeline", "sync_device", "timeline_text"]
@@ -110,12 +114,6 @@ def graph_decode(model, device: torch.device, vocab: int, batches, steps: int) -
     """({batch: decode tokens/s}, why graphs went off or None) of `steps` decode steps at each batch size through
     serve's CUDA-graph decode (`serve.static_decode.StaticDecodeBatch`, greedy, random prompts of 16 tokens),
     timed after three steps (the eager one, the capture, the first replay)."""
-    import contextlib
-    import io
-
-    from ..serve.engine import Entry
-    from ..serve.static_decode import StaticDecodeBatch
-
     gen, rates, off = torch.Generator().manual_seed(1), {}, None
     for b in batches:
         batch = StaticDecodeBatch(model, device, set(), 0, max_batch=b)
