@@ -68,10 +68,13 @@ def _experts(seed: int = 0) -> dict:
 
 
 def _tiers(thread: str, calibration: int = 100) -> ExpertTiers:
-    """S slots, 2 hot (4 and 1), the pair kernels stood in for by a loop, host jobs on the native engine."""
+    """S slots, 2 hot (4 and 1), the pair kernels stood in for by a loop that, like them, takes more than one
+    token only for kind "in place" (`kernels.paths.decode_applies`), host jobs on the native engine."""
     host, lean = _experts(), HostExperts(F.silu)
 
     def pairs(weights, x_TD, entry_TK, weights_TK, kind="sorted"):
+        if x_TD.shape[0] > 1 and kind != "in place":
+            return None
         y = torch.zeros(x_TD.shape, dtype=torch.float32)
         for t in range(x_TD.shape[0]):
             for k, e in enumerate(entry_TK[t].tolist()):

@@ -133,7 +133,7 @@ class GraphHandoff:
         for dst, src in zip(call.inputs, (local_TK.to(torch.int64), weights_TK, x_TD)):
             driver.enqueue_copy(stream, dst, src.contiguous())
         driver.enqueue_write(stream, ready, 1)
-        on_device, hot_done, call.mapped = self._device_shares(x_TD, local_TK, weights_TK)
+        on_device, hot_done, call.mapped = self._device_shares(x_TD, local_TK, weights_TK, any_tokens=True)
         if self.capacity and not hot_done:  # the job skips the hot slots: the pair kernels must take them
             raise ConfigError(f"{self.name}: a CUDA graph cannot take this decode call's offloaded experts: the pair "
                               f"kernels did not take its hot pairs ({tuple(local_TK.shape)} pairs)")

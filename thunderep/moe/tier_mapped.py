@@ -138,7 +138,7 @@ class MappedReads:
             return None
         return best_seconds(call, self.device, repeats, warm=False) / len(chosen)
 
-    def _both_pairs(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
+    def _both_pairs(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor, kind: str = "sorted"):
         """The hot and the mapped slots' weighted [T, D] share in one call of the pair kernels, or None where
         that does not apply: nothing hot or nothing mapped, or kernels that take one set of tensors (FP8
         and 4-bit experts: then the two shares are two calls, `partial`). The call's two launches read the
@@ -150,7 +150,7 @@ class MappedReads:
         if views is None:
             return None
         table = self._table("both", local_TK.device)
-        y_TD = self.pairs(self.hot, x_TD, table[local_TK], weights_TK, second=views)
+        y_TD = self.pairs(self.hot, x_TD, table[local_TK], weights_TK, kind=kind, second=views)
         if y_TD is None and x_TD.shape[0] == 1:  # one token always fits: these kernels take one set
             self._two_sets = False
         return y_TD

@@ -56,7 +56,7 @@ from .host_jobs import jobs_for
 from .hot_set import HotSetRule
 from .tier_graphs import GraphCall, GraphHandoff
 from .tier_handoff import HostHandoff
-from .tier_mapped import MappedReads
+from .tier_mapped import IN_PLACE, MappedReads
 from .offload_cost import OffloadCosts, best_seconds, split_cold
 from .staging import SlotTable, Staging, to_device, to_host, to_host_all
 from .tier_config import COLD_PATHS, HOST_THREAD, TierConfig, TierStats, parse_memory
@@ -243,15 +243,20 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff, GraphHandoff):
             y_TD += self._summed_on_host(on_host, by_slot, counts, x_h, w_h, out).to(device, non_blocking=cuda)
         return y_TD
 
-    def _device_shares(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor):
+    def _device_shares(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor,
+                       any_tokens: bool = False):
         """(the device's weighted [T, D] shares of a `partial` call, whether they include the hot pairs, whether
         they include the mapped slots' pairs): the hot and mapped pairs through the pair kernels, in one call
-        where the kernels take two sets of tensors (`_both_pairs`), else each in its own."""
+        where the kernels take two sets of tensors (`_both_pairs`), else each in its own. any_tokens: the pair
+        kernels take the hot pairs at any number of tokens (kind "in place"; a captured call has no other
+        device path for them), not only where they are the faster path."""
         hot_TD = mapped_TD = None
-        both_TD = self._both_pairs(x_TD, local_TK, weights_TK)
+        kind = IN_PLACE if any_tokens else "sorted"
+        both_TD = self._both_pairs(x_TD, local_TK, weights_TK, kind)
         if both_TD is None:
             if self.pairs is not None and self.capacity:
-                hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK)
+                hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK,
+                                    kind=kind)
             mapped_TD = self._mapped_pairs(x_TD, local_TK, weights_TK)
         on_device = [y for y in (both_TD, hot_TD, mapped_TD) if y is not None]
         return on_device, both_TD is not None or hot_TD is not None, both_TD is not None or mapped_TD is not None
