@@ -118,13 +118,16 @@ def _replayed(tiers: ExpertTiers, x_TD, local_TK, w_TK) -> torch.Tensor:
 
 
 @native
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_replayed_calls_give_the_in_line_sums_counts_and_telemetry(tokens, monkeypatch):
+@pytest.mark.parametrize("tokens,partial_pairs", [(1, 128), (3, 128), (3, 4)])
+def test_replayed_calls_give_the_in_line_sums_counts_and_telemetry(tokens, partial_pairs, monkeypatch):
     """An eager step under `graph_steps` makes the call's buffers; every replay after it gives the in-line
     call's sums (the native engine's float32 order: close, not bit-equal), and once settled the same rows per
     slot and per path, the same load EMA; the hot set, re-chosen between replays from the third call on,
-    changes no sum; the call's `ready` and `flag` words are back at 0 after each replay."""
+    changes no sum; the call's `ready` and `flag` words are back at 0 after each replay. A call of more than
+    PARTIAL_PAIRS pairs (here 6 against 4) takes the same path in graph steps (`sorted` would wait for the
+    counts)."""
     graphed, plain = _tiers("on", calibration=2), _tiers("off", calibration=2)
+    graphed.PARTIAL_PAIRS = partial_pairs
     steps = _steps(8, tokens)
     with graph_steps(True):
         torch.testing.assert_close(graphed.partial(*steps[0]), plain.partial(*steps[0]))

@@ -181,7 +181,8 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff, GraphHandoff):
 
     def partial(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor | None:
         """The call's weighted float32 [T, D] share from its token rows, or None where the rows go through
-        `sorted` instead (gradients; more than PARTIAL_PAIRS pairs). local_TK: int64 [T, K] local slot of each
+        `sorted` instead (gradients; more than PARTIAL_PAIRS pairs, except in the steps CUDA graphs capture,
+        `graph_steps`, where a call of any size takes it: `sorted` waits for the counts). local_TK: int64 [T, K] local slot of each
         pair on the device, -1 for a pair another rank computes; weights_TK: [T, K]. One wait for the host:
           1. the ids, the weights and the token rows queued to pinned host memory;
           2. the hot pairs launched through `pairs` (the decode pair kernels), before the wait, and the mapped
@@ -196,11 +197,12 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff, GraphHandoff):
           5. meanwhile on the host: every host-path slot on its token rows, weighted and summed per token
              there, sent back in one copy: T rows, not one per pair."""
         T, K = local_TK.shape
-        if T * K > self.PARTIAL_PAIRS or (torch.is_grad_enabled() and x_TD.requires_grad):
+        graphed = in_graph_steps()
+        if (T * K > self.PARTIAL_PAIRS and not graphed) or (torch.is_grad_enabled() and x_TD.requires_grad):
             return None
         self.settle()
         row_bytes = x_TD.shape[-1] * x_TD.element_size()
-        if in_graph_steps():  # a step CUDA graphs capture (`tier_graphs`), or the eager one before a capture
+        if graphed:  # a step CUDA graphs capture (`tier_graphs`), or the eager one before a capture
             captured = self._graph_partial(x_TD, local_TK, weights_TK, row_bytes)
             if captured is not None:
                 return captured
