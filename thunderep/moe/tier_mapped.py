@@ -138,19 +138,20 @@ class MappedReads:
             return None
         return best_seconds(call, self.device, repeats, warm=False) / len(chosen)
 
-    def _both_pairs(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor, kind: str = "sorted"):
+    def _both_pairs(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor, **kind):
         """The hot and the mapped slots' weighted [T, D] share in one call of the pair kernels, or None where
         that does not apply: nothing hot or nothing mapped, or kernels that take one set of tensors (FP8
         and 4-bit experts: then the two shares are two calls, `partial`). The call's two launches read the
         hot copies and, past their H rows, the mapped host weights (`pairs`' second set, entry H + slot): at
         batch 1 a step is bound by the launching thread, and a pair call costs it about as much as a layer's
-        router (examples/decode_step_probe.py)."""
+        router (examples/decode_step_probe.py). kind: {"kind": ...} for the pair kernels, where the caller
+        names one (`ExpertTiers._device_shares`)."""
         applies = self._two_sets and self._mapped and self.capacity and self.maps_call(*local_TK.shape)
         views = self._mapped_views() if applies else None
         if views is None:
             return None
         table = self._table("both", local_TK.device)
-        y_TD = self.pairs(self.hot, x_TD, table[local_TK], weights_TK, kind=kind, second=views)
+        y_TD = self.pairs(self.hot, x_TD, table[local_TK], weights_TK, second=views, **kind)
         if y_TD is None and x_TD.shape[0] == 1:  # one token always fits: these kernels take one set
             self._two_sets = False
         return y_TD

@@ -253,12 +253,11 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff, GraphHandoff):
         kernels take the hot pairs at any number of tokens (kind "in place"; a captured call has no other
         device path for them), not only where they are the faster path."""
         hot_TD = mapped_TD = None
-        kind = IN_PLACE if any_tokens else "sorted"
-        both_TD = self._both_pairs(x_TD, local_TK, weights_TK, kind)
+        kind = {"kind": IN_PLACE} if any_tokens else {}
+        both_TD = self._both_pairs(x_TD, local_TK, weights_TK, **kind)
         if both_TD is None:
             if self.pairs is not None and self.capacity:
-                hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK,
-                                    kind=kind)
+                hot_TD = self.pairs(self.hot, x_TD, self._hot_entries(local_TK.device)[local_TK], weights_TK, **kind)
             mapped_TD = self._mapped_pairs(x_TD, local_TK, weights_TK)
         on_device = [y for y in (both_TD, hot_TD, mapped_TD) if y is not None]
         return on_device, both_TD is not None or hot_TD is not None, both_TD is not None or mapped_TD is not None
