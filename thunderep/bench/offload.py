@@ -322,7 +322,7 @@ def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offl
                 "tokens/s (routed experts alone)")
         if bench.graphs:
             row.graph_decode, row.graph_note = graph_decode(tm, device, config.vocab_size, bench.batches,
-                                                            bench.new_tokens - 1)
+                                                            bench.new_tokens - 1, bench.sample)
             say("  in CUDA graphs: " + ", ".join(f"decode b={b} {v:.2f} tokens/s" for b, v in row.graph_decode.items())
                 + (f" ({row.graph_note})" if row.graph_note else ""))
         if bench.timeline:

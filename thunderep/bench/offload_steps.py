@@ -110,16 +110,18 @@ def timeline_text(t: dict, predicted_tokens_s: float | None) -> str:
             f"device idle {t['idle']:.2f}; host experts' compute {t['host_experts']:.2f}{predicted}")
 
 
-def graph_decode(model, device: torch.device, vocab: int, batches, steps: int) -> tuple[dict, str | None]:
+def graph_decode(model, device: torch.device, vocab: int, batches, steps: int,
+                 sample: bool = False) -> tuple[dict, str | None]:
     """({batch: decode tokens/s}, why graphs went off or None) of `steps` decode steps at each batch size through
-    serve's CUDA-graph decode (`serve.static_decode.StaticDecodeBatch`, greedy, random prompts of 16 tokens),
-    timed after three steps (the eager one, the capture, the first replay)."""
+    serve's CUDA-graph decode (`serve.static_decode.StaticDecodeBatch`, greedy or, `sample`, sampled at
+    temperature 1; random prompts of 16 tokens), timed after three steps (the eager one, the capture, the
+    first replay)."""
     gen, rates, off = torch.Generator().manual_seed(1), {}, None
     for b in batches:
         batch = StaticDecodeBatch(model, device, set(), 0, max_batch=b)
         try:
-            batch.admit([Entry(i, torch.randint(0, vocab, (16,), generator=gen).tolist(), steps + 8, (0.0, 1.0), 0)
-                         for i in range(b)])
+            prompts = [torch.randint(0, vocab, (16,), generator=gen).tolist() for _ in range(b)]
+            batch.admit([Entry(i, p, steps + 8, (float(sample), 1.0), i) for i, p in enumerate(prompts)])
             said = io.StringIO()
             with contextlib.redirect_stderr(said):
                 for _ in range(3):
