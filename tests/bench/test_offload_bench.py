@@ -183,6 +183,9 @@ def test_graphs_decode_each_row_through_static_decode_and_print_their_table(tmp_
     assert captured.err.count("in CUDA graphs: decode b=1 ") == 3
     rows = {r["name"]: r for r in json.loads((tmp_path / "out.json").read_text())["rows"]}
     assert all(r["graph_decode"]["1"] > 0 and r["graph_note"].startswith("no CUDA device") for r in rows.values())
+    shares = {name: r["graph_hot_share"]["1"] for name, r in rows.items()}
+    assert 0 <= shares["thunderep 50%"] <= 1 and shares["(b) host, no hot set"] == 0
+    assert shares["(c) whole model on the device"] is None
     out = captured.out
     table = out[out.index("| config | decode b=1: eager / graphs"):]
     line = next(x for x in table.splitlines() if x.startswith("| thunderep 50% (graphs off: no CUDA device"))

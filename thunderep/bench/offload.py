@@ -184,6 +184,7 @@ class Row:
     timeline: dict | None = None  # --timeline: ms a decode step by where they went (`offload_steps.step_timeline`)
     graph_decode: dict = field(default_factory=dict)  # --graphs: {batch: tokens/s} in serve's CUDA graphs
     graph_note: str | None = None  # --graphs: why the graphs went off, where they did
+    graph_hot_share: dict = field(default_factory=dict)  # --graphs: {batch: hot share of those steps' rows}
 
 
 def say(text: str) -> None:
@@ -321,10 +322,12 @@ def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offl
             say(f"  predicted decode {row.predicted['decode']:.1f} tokens/s, prefill {row.predicted['prefill']:.0f} "
                 "tokens/s (routed experts alone)")
         if bench.graphs:
-            row.graph_decode, row.graph_note = graph_decode(tm, device, config.vocab_size, bench.batches,
-                                                            bench.new_tokens - 1, bench.sample)
-            say("  in CUDA graphs: " + ", ".join(f"decode b={b} {v:.2f} tokens/s" for b, v in row.graph_decode.items())
-                + (f" ({row.graph_note})" if row.graph_note else ""))
+            row.graph_decode, row.graph_hot_share, row.graph_note = graph_decode(
+                tm, device, config.vocab_size, bench.batches, bench.new_tokens - 1, bench.sample)
+            say("  in CUDA graphs: " + ", ".join(
+                f"decode b={b} {v:.2f} tokens/s" + ("" if row.graph_hot_share.get(b) is None else
+                                                    f" ({row.graph_hot_share[b]:.0%} hot)")
+                for b, v in row.graph_decode.items()) + (f" ({row.graph_note})" if row.graph_note else ""))
         if bench.timeline:
             slug = re.sub(r"[^a-z0-9]+", "-", row.name.lower()).strip("-")
             trace = bench.timeline_dir and str(Path(bench.timeline_dir) / f"timeline-{slug}.json")

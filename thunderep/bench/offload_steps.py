@@ -111,12 +111,13 @@ def timeline_text(t: dict, predicted_tokens_s: float | None) -> str:
 
 
 def graph_decode(model, device: torch.device, vocab: int, batches, steps: int,
-                 sample: bool = False) -> tuple[dict, str | None]:
-    """({batch: decode tokens/s}, why graphs went off or None) of `steps` decode steps at each batch size through
-    serve's CUDA-graph decode (`serve.static_decode.StaticDecodeBatch`, greedy or, `sample`, sampled at
-    temperature 1; random prompts of 16 tokens), timed after three steps (the eager one, the capture, the
-    first replay)."""
-    gen, rates, off = torch.Generator().manual_seed(1), {}, None
+                 sample: bool = False) -> tuple[dict, dict, str | None]:
+    """({batch: decode tokens/s}, {batch: hot share of their expert rows}, why graphs went off or None) of
+    `steps` decode steps at each batch size through serve's CUDA-graph decode (`serve.static_decode.
+    StaticDecodeBatch`, greedy or, `sample`, sampled at temperature 1; random prompts of 16 tokens), timed after
+    three steps (the eager one, the capture, the first replay)."""
+    gen, rates, shares, off = torch.Generator().manual_seed(1), {}, {}, None
+    stats = getattr(model, "offload_stats", lambda: None)
     for b in batches:
         batch = StaticDecodeBatch(model, device, set(), 0, max_batch=b)
         try:
@@ -129,11 +130,22 @@ def graph_decode(model, device: torch.device, vocab: int, batches, steps: int,
             if not batch.graphs:  # a failed capture says why; without CUDA there is none to capture
                 off = said.getvalue().strip() or "no CUDA device: serve's steps on fixed storage, eager"
             sync_device(device)
+            before = _settled(model, stats)
             started = time.perf_counter()
             for _ in range(steps):
                 batch.step()
             sync_device(device)
             rates[b] = b * steps / (time.perf_counter() - started)
+            shares[b] = hot_share(before, _settled(model, stats))
         finally:
             batch.close()
-    return rates, off
+    return rates, shares, off
+
+
+def _settled(model, stats):
+    """`stats()` once every offloaded layer has counted its jobs' rows (a job's are counted when its layer
+    settles it)."""
+    for binding in getattr(model, "bindings", {}).values():
+        if getattr(binding, "tiers", None) is not None:
+            binding.tiers.settle()
+    return stats()
