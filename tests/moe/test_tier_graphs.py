@@ -37,9 +37,9 @@ class QueuedNow:
         self.hooks, self.ran, self.timeout_s = hooks, 0, timeout_s
 
     def _before(self) -> None:
-        while self.ran < len(self.hooks):
-            self.ran += 1
-            self.hooks[self.ran - 1]()
+        pending, self.ran = self.hooks[self.ran:], len(self.hooks)
+        for fn in [fn for last, fn in pending if not last] + [fn for last, fn in pending if last]:
+            fn()
 
     @staticmethod
     def address(t: torch.Tensor) -> int:
@@ -113,7 +113,7 @@ def _replayed(tiers: ExpertTiers, x_TD, local_TK, w_TK) -> torch.Tensor:
         tiers.jobs.driver = QueuedNow(hooks)
         with graph_steps(True):
             y = tiers.partial(x_TD, local_TK, w_TK)
-    assert tiers.jobs.driver.ran == len(hooks) == 1
+    assert tiers.jobs.driver.ran == len(hooks) == 2  # settle and re-choose; then the job
     return y
 
 
@@ -150,8 +150,8 @@ def test_replayed_calls_give_the_in_line_sums_counts_and_telemetry(tokens, parti
 def test_a_failed_job_in_a_graph_releases_the_stream_and_raises_naming_the_layer(monkeypatch):
     """A replay's job that fails (here the stream's write of `ready` is lost, so the job gives up after its
     polls): the watchdog raises the call's own flag (the stream's wait ends, within a few seconds) and keeps
-    the failure, which the next settle raises naming the layer and the cause; raised once; the next replay
-    runs."""
+    the failure, which the next replay's work before it raises, naming the layer and the cause, before it
+    submits a job; raised once; the replay after runs."""
     tiers = _tiers("on")
     steps = _steps(3)
     with graph_steps(True):
@@ -169,11 +169,12 @@ def test_a_failed_job_in_a_graph_releases_the_stream_and_raises_naming_the_layer
     started = time.monotonic()
     _replayed(tiers, *steps[1])  # the wait ends: the flag raised for the failed job
     assert time.monotonic() - started < 5.0 and call.flag.item() == 0
+    monkeypatch.setattr(QueuedNow, "enqueue_write", write)
     with pytest.raises(ThunderError, match=r"model\.layers\.5\.mlp\.experts \(in a CUDA graph\) failed on the host: "
                                            r"RuntimeError: the stream did not reach the copies of stamp 1"):
-        tiers.settle()
+        _replayed(tiers, *steps[2])  # raised by the next replay's work before it, before any job is submitted
+    assert jobs.submitted == 1
     tiers.settle()  # raised once
-    monkeypatch.setattr(QueuedNow, "enqueue_write", write)
     assert _replayed(tiers, *steps[2]).shape == (1, D) and jobs.submitted == 2
 
 
@@ -192,8 +193,8 @@ def test_a_capture_without_its_eager_step_or_without_host_jobs_is_refused(monkey
 
 
 def test_work_before_a_replay_runs_in_order_and_only_inside_a_capture():
-    """`before_replay` outside a capture is a ThunderError; inside one, `replay` runs what was registered, in
-    order, before each replay."""
+    """`before_replay` outside a capture is a ThunderError; inside one, `replay` runs what was registered before
+    each replay, in order, what was registered `last` after the rest."""
     with pytest.raises(ThunderError, match="outside a capture"):
         before_replay(lambda: None)
 
@@ -203,9 +204,11 @@ def test_work_before_a_replay_runs_in_order_and_only_inside_a_capture():
 
     seen, graph = [], Graph()
     with collect_before_replay() as hooks:
-        before_replay(lambda: seen.append(1))
-        before_replay(lambda: seen.append(2))
+        before_replay(lambda: seen.append("a1"))
+        before_replay(lambda: seen.append("z1"), last=True)
+        before_replay(lambda: seen.append("a2"))
+        before_replay(lambda: seen.append("z2"), last=True)
     graph.thunderep_before_replay = hooks
     replay(graph)
     replay(graph)
-    assert seen == [1, 2, "replay", 1, 2, "replay"]
+    assert seen == ["a1", "a2", "z1", "z2", "replay"] * 2

@@ -67,19 +67,22 @@ def collect_before_replay():
         _BEFORE.reset(token)
 
 
-def before_replay(fn) -> None:
+def before_replay(fn, last: bool = False) -> None:
     """Have fn() run before every replay of the graph being captured (module docstring); a ThunderError outside
-    a capture made by `capture`, where nothing would run it."""
+    a capture made by `capture`, where nothing would run it. last: after every fn registered without it (work
+    that starts what the replay waits for goes last, so that a failure of the others starts nothing)."""
     hooks = _BEFORE.get()
     if hooks is None:
         raise ThunderError("work to run before each replay of a CUDA graph was registered outside a capture made by "
                            "thunderep.kernels.graphs.capture")
-    hooks.append(fn)
+    hooks.append((bool(last), fn))
 
 
 def replay(graph) -> None:
-    """Replay `graph`, first running what its capture registered (`before_replay`), in that order."""
-    for fn in getattr(graph, "thunderep_before_replay", ()):
+    """Replay `graph`, first running what its capture registered (`before_replay`): in registration order, those
+    registered `last` after the others."""
+    hooks = getattr(graph, "thunderep_before_replay", ())
+    for fn in [fn for last, fn in hooks if not last] + [fn for last, fn in hooks if last]:
         fn()
     graph.replay()
 

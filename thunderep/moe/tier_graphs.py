@@ -10,8 +10,8 @@ of pinned memory, and each replay:
 
   1. before the replay, on the host (`kernels.graphs.before_replay`): the call's previous job settled (its
      counts, a failure raised), the hot set re-chosen as a call would (`HotSetRule.rechoose`), the device's
-     slot tables written where that changed them, and a job submitted that waits for `ready` to read 1
-     (`HostJobs.submit_graph`; the job sets it back to 0 on arrival);
+     slot tables written where that changed them; then, once every call has done so, a job submitted for
+     each that waits for `ready` to read 1 (`HostJobs.submit_graph`; the job sets it back to 0 on arrival);
   2. in the graph: the ids, weights and token rows copied into the call's pinned buffers, `ready` set to 1,
      the hot and mapped pairs launched through the pair kernels (as eagerly), a wait until `flag` reads 1,
      `flag` set back to 0, and the job's sums copied back and added.
@@ -128,7 +128,8 @@ class GraphHandoff:
         driver, stream = self.jobs.driver, self._current_stream()
         if driver is None:
             raise ConfigError(f"{self.name}: a CUDA graph's host jobs need a device stream that waits for host memory")
-        before_replay(functools.partial(self._before_replay, call))  # runs before the replay's first op
+        before_replay(functools.partial(self._before_replay, call))  # before the replay's first op, and
+        before_replay(functools.partial(self._submit_graph_job, call), last=True)  # every call's after all of those
         ready, flag = call.addresses or (driver.address(call.ready), driver.address(call.flag))
         for dst, src in zip(call.inputs, (local_TK.to(torch.int64), weights_TK, x_TD)):
             driver.enqueue_copy(stream, dst, src.contiguous())
@@ -147,11 +148,15 @@ class GraphHandoff:
         return y_TD
 
     def _before_replay(self, call: GraphCall) -> None:
-        """Module docstring, 1."""
+        """Module docstring, 1, but the job: settled, re-chosen, tables written. Every captured call's runs before
+        any call's job is submitted (`_submit_graph_job`), so that a failure raised here (a job of the last
+        replay that failed) leaves no job of this replay waiting for a `ready` that will not come."""
         self._settle_graph_call(call)
         self.rechoose(call.row_bytes)
         for key in [k for k in self._tables if k in self._stale]:  # the tables the graph's launches read
             self._table(key, self.device)
+
+    def _submit_graph_job(self, call: GraphCall) -> None:
         args = self._handoff_args(call.row_bytes, call.inputs[0].shape[0], graph=True) or call.job_args
         mask = self._device_mask if call.mapped else self._hot_mask
         call.job = self.jobs.submit_graph((*call.inputs, mask, *args), call.ready, call.flag, call.out,
