@@ -20,6 +20,7 @@ from thunderep.moe.host_jobs import HostJobs, Job, Stamp, device_waits
 from thunderep.moe.host_summed import done_job_fn, pairs_job_fn
 from thunderep.moe.offload_cost import OffloadCosts
 from thunderep.moe.tiers import ExpertTiers, Staging, TierConfig
+from tier_stand_ins import stand_in_pairs
 
 S, D, I = 6, 16, 8
 HOST = OffloadCosts(host_flops=1e12, device_flops=1.0, h2d_Bps=1e15)  # cold rows on the host
@@ -36,14 +37,7 @@ def _tiers(hot: int, thread: str, costs=HOST, host_fn=None, engine: str = "scrip
     """Tiers of S slots, `hot` of them hot (4 and 1 where 2), the pair kernels stood in for by a loop; jobs on
     `engine` (the script engine: the in-line sums' bits; tests/moe/test_host_native.py tests the native one)."""
     host, lean = _experts(), HostExperts(F.silu)
-
-    def pairs(weights, x_TD, entry_TK, weights_TK, kind="sorted"):
-        y = torch.zeros(x_TD.shape, dtype=torch.float32)
-        for t in range(x_TD.shape[0]):
-            for k, e in enumerate(entry_TK[t].tolist()):
-                if e >= 0:
-                    y[t] += weights_TK[t, k] * lean.slot(weights, e, x_TD[t:t + 1])[0]
-        return y
+    pairs = stand_in_pairs(lean)
 
     def compute(weights, x_MD, slot_M):
         return torch.cat([lean.slot(weights, int(s), x[None]) for s, x in zip(slot_M, x_MD)])

@@ -22,6 +22,7 @@ from thunderep.moe.host_experts import HostExperts
 from thunderep.moe.host_jobs import HostJobs
 from thunderep.moe.offload_cost import OffloadCosts
 from thunderep.moe.tiers import ExpertTiers, Staging, TierConfig
+from tier_stand_ins import stand_in_pairs
 
 S, D, I = 6, 16, 8
 HOST = OffloadCosts(host_flops=1e12, device_flops=1.0, h2d_Bps=1e15)  # cold rows on the host
@@ -71,16 +72,7 @@ def _tiers(thread: str, calibration: int = 100) -> ExpertTiers:
     """S slots, 2 hot (4 and 1), the pair kernels stood in for by a loop that, like them, takes more than one
     token only for kind "in place" (`kernels.paths.decode_applies`), host jobs on the native engine."""
     host, lean = _experts(), HostExperts(F.silu)
-
-    def pairs(weights, x_TD, entry_TK, weights_TK, kind="sorted"):
-        if x_TD.shape[0] > 1 and kind != "in place":
-            return None
-        y = torch.zeros(x_TD.shape, dtype=torch.float32)
-        for t in range(x_TD.shape[0]):
-            for k, e in enumerate(entry_TK[t].tolist()):
-                if e >= 0:
-                    y[t] += weights_TK[t, k] * lean.slot(weights, e, x_TD[t:t + 1])[0]
-        return y
+    pairs = stand_in_pairs(lean, one_token_unless_in_place=True)
 
     def compute(weights, x_MD, slot_M):
         return torch.cat([lean.slot(weights, int(s), x[None]) for s, x in zip(slot_M, x_MD)])
