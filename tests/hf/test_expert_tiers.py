@@ -652,17 +652,22 @@ def _budget_for(path, fraction: float, experts_dtype: str | None) -> int:
 
 @pytest.mark.gpu
 def test_gpu_serve_graphs_capture_offloaded_layers_and_give_the_eager_tokens(checkpoints):
-    """serve's CUDA-graph decode (`StaticDecodeBatch`) on a quarter-hot model whose host experts are native host
-    jobs (`thunderep.moe.tier_graphs`): the steps are captured and replayed (graphs stay on), each replay's
-    calls are host jobs, and the greedy tokens of two sequences equal eager decoding's (`DecodeBatch`), whose
-    calls are the same jobs."""
+    """serve's CUDA-graph decode (`StaticDecodeBatch`) on a quarter-hot model on ThunderEP's kernels whose host
+    experts are native host jobs (`thunderep.moe.tier_graphs`): the steps are captured and replayed (graphs
+    stay on), each replay's calls are host jobs, and the greedy tokens of two sequences equal eager decoding's
+    (`DecodeBatch`; at 2 tokens a call eagerly computes in line and its hot pairs apart, so float32 keeps the
+    two routes' rounding from choosing other tokens)."""
+    from thunderep.hf import ThunderMoE
     from thunderep.moe import host_native
     from thunderep.serve.engine import DecodeBatch, Entry
     from thunderep.serve.static_decode import StaticDecodeBatch
 
     if not host_native.available():
         pytest.skip(f"the native host engine is unavailable: {host_native.unavailable_reason()}")
-    tm = _quarter_hot_on_gpu(checkpoints["qwen3_moe"], "on", "native")
+    path = checkpoints["qwen3_moe"]
+    tm = ThunderMoE.from_pretrained(path, dtype=torch.float32, device="cuda", experts_implementation="auto",
+                                    gpu_memory=offload_budget(path, 0.25, 1, torch.float32),
+                                    offload_costs=HOST_WINS, offload=TierConfig(host_thread="on", host_engine="native"))
     jobs = next(iter(tm.bindings.values())).tiers.jobs
     prompts = _prompts()[:2].tolist()
     tokens, device = {}, torch.device("cuda")
