@@ -705,7 +705,8 @@ def _serve_steps(rank, world, path):
                                     offload_costs=HOST_WINS, offload=TierConfig(host_thread="on"))
     prompts = _prompts()[:2].tolist()
     tokens = []
-    for batch in (DecodeBatch(tm, torch.device("cpu"), set(), 0), StaticDecodeBatch(tm, torch.device("cpu"), set(), 0, 2)):
+    cpu = torch.device("cpu")
+    for batch in (DecodeBatch(tm, cpu, set(), 0), StaticDecodeBatch(tm, cpu, set(), 0, 2)):
         steps = [batch.admit([Entry(i, p, 40, (0.0, 1.0), 0) for i, p in enumerate(prompts)])]
         tokens.append(steps + [batch.step() for _ in range(6)])
     if ep is not None:

@@ -182,8 +182,9 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff, GraphHandoff):
     def partial(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor | None:
         """The call's weighted float32 [T, D] share from its token rows, or None where the rows go through
         `sorted` instead (gradients; more than PARTIAL_PAIRS pairs, except in the steps CUDA graphs capture,
-        `graph_steps`, where a call of any size takes it: `sorted` waits for the counts). local_TK: int64 [T, K] local slot of each
-        pair on the device, -1 for a pair another rank computes; weights_TK: [T, K]. One wait for the host:
+        `graph_steps`, where a call of any size takes it: `sorted` waits for the counts). local_TK: int64
+        [T, K] local slot of each pair on the device, -1 for a pair another rank computes; weights_TK: [T, K].
+        One wait for the host:
           1. the ids, the weights and the token rows queued to pinned host memory;
           2. the hot pairs launched through `pairs` (the decode pair kernels), before the wait, and the mapped
              slots' pairs through them on the mapped host weights (`tier_mapped`; the host skips those), both
