@@ -192,3 +192,6 @@ def test_graphs_decode_each_row_through_static_decode_and_print_their_table(tmp_
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert re.fullmatch(r"[\d.]+ / [\d.]+ \([\d.]+x\)", cells[1]) and re.fullmatch(r"[\d.]+x", cells[2]), cells
     assert re.fullmatch(r"[\d.]+x", cells[3]), cells
+    assert re.fullmatch(r"[\d.]+ / [\d.]+ \([\d.]+x\)", cells[4]), cells  # the prediction with (c)'s graphs
+    host = [c.strip() for c in next(x for x in table.splitlines() if x.startswith("| (b) host")).strip("|").split("|")]
+    assert host[4] == "-"  # (b) has no prediction

@@ -137,11 +137,14 @@ def cost_table(rows, batch: int, jobs: bool = False) -> str:
 
 def graph_table(rows, batches) -> str:
     """--graphs: per row, decode tokens/s per batch eagerly (generate()) and in serve's CUDA graphs, their ratio,
-    and the graphs' rates over (b)'s and (c)'s in graphs; a row whose graphs went off says why."""
+    the graphs' rates over (b)'s and (c)'s in graphs, and the cost model's decode (routed experts alone) with
+    the rest of the model as (c) decoded in graphs, added (the device waits for each layer's host experts),
+    over the measured rate at the first batch; a row whose graphs went off says why."""
     host = {id(r): _host_row(rows, r) for r in rows}
     whole = next((r for r in rows if r.kind == "gpu" and not r.error), None)
+    b1 = batches[0]
     head = ["config"] + [f"decode b={b}: eager / graphs tok/s (graphs / eager)" for b in batches] + [
-        "graphs vs (b)", "graphs vs (c)"]
+        "graphs vs (b)", "graphs vs (c)", f"predicted b={b1} with the rest as (c) in graphs / measured"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.error or not r.graph_decode:
@@ -150,6 +153,9 @@ def graph_table(rows, batches) -> str:
         cells = [f"{_rate(r.decode.get(b))} / {_rate(g.get(b))} ({_ratio(g.get(b), r.decode.get(b))})" for b in batches]
         versus = [" / ".join(_ratio(g.get(b), o.graph_decode.get(b)) for b in batches)
                   if o is not None and o is not r and o.graph_decode else "-" for o in (host[id(r)], whole)]
+        predicted = _with_rest((r.predicted or {}).get("decode"), whole.graph_decode.get(b1) if whole else None)
+        versus.append(f"{_rate(predicted)} / {_rate(g.get(b1))} ({_ratio(predicted, g.get(b1))})" if predicted
+                      else "-")
         note = f" (graphs off: {r.graph_note[:120]})" if r.graph_note else ""
         lines.append("| " + " | ".join([r.name + note] + cells + versus) + " |")
     return "\n".join(lines)
