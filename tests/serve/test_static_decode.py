@@ -301,6 +301,8 @@ def test_offloaded_experts_decode_without_graphs_where_no_host_job_can_take_them
     from hf_tiny import offload_budget, save_tiny
 
     from thunderep.hf import ThunderMoE
+    from thunderep.moe import host_native
+    from thunderep.moe.tiers import TierConfig
     from thunderep.serve.config import ServeConfig
     from thunderep.serve.loop import decode_batch
 
@@ -310,3 +312,8 @@ def test_offloaded_experts_decode_without_graphs_where_no_host_job_can_take_them
     assert type(batch) is DecodeBatch
     assert ("decoding without CUDA graphs: its experts are offloaded (--gpu-memory) and its host experts run in "
             "line here (no host jobs") in capsys.readouterr().out
+    if host_native.available():  # host jobs, but hot experts on the model's own function (no pair kernels here)
+        tm = ThunderMoE.from_pretrained(path, gpu_memory=offload_budget(path, 0.5),
+                                        offload=TierConfig(host_thread="on", host_engine="native"))
+        assert type(decode_batch(tm, "cuda", {0}, 0, ServeConfig(cuda_graphs="on"), server=object())) is DecodeBatch
+        assert "its hot experts wait for the host's counts" in capsys.readouterr().out
