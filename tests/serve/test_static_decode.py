@@ -295,8 +295,9 @@ def test_gpu_graph_steps_on_two_ranks_equal_eager_steps():
 
 def test_offloaded_experts_decode_without_graphs_where_no_host_job_can_take_them_and_say_why(tmp_path, capsys):
     """Expert tiers whose host experts run in line (here: on a CPU, no host jobs) wait for the host in every
-    layer, which no CUDA graph can capture: serve's continuous batch with graphs on is the eager one, with a
-    line naming the offload and why (tests/moe/test_tier_graphs.py and the GPU test in
+    layer, which no CUDA graph can capture, and so do tiers with host jobs whose hot experts are not on the
+    pair kernels: serve's continuous batch with graphs on is the eager one, with a line naming the offload
+    and why (tests/moe/test_tier_graphs.py and the GPU test in
     tests/hf/test_expert_tiers.py cover tiers that a graph takes)."""
     from hf_tiny import offload_budget, save_tiny
 
