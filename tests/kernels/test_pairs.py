@@ -146,10 +146,10 @@ def test_decode_path_measured_once_per_shape_and_token_count(monkeypatch, caplog
     assert run(1) == ("pairs", [])  # PAIRS_MAX_TOKENS: always the pair kernels
     assert run(paths.PAIRS_TUNE_MAX_TOKENS + 1) == ("sorted", [])
     assert run(4, grad=True) == ("sorted", [])
-    monkeypatch.setattr(paths, "_capturing", lambda device: True)
+    monkeypatch.setattr(paths, "capturing", lambda device: True)
     assert run(4) == ("sorted", [])  # not measured yet, and a capture cannot time
     assert run(3) == ("pairs", [])  # measured before the capture
-    monkeypatch.setattr(paths, "_capturing", lambda device: False)
+    monkeypatch.setattr(paths, "capturing", lambda device: False)
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "4")
     assert run(4) == ("pairs", []) and run(5) == ("sorted", [])
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")

@@ -311,7 +311,7 @@ def _thunderep_row(row: Row, path: Path, bench: OffloadBench, config, plan, offl
         row.decode, row.prefill, row.hot_share = measure(tm, device, config.vocab_size, bench.batches, bench.new_tokens,
                                                          bench.prefill, bench.repeats, tm.offload_stats, bench.sample)
         row.stats = tm.offload_stats()
-        tiers = [b.tiers for b in tm.bindings.values() if getattr(b, "tiers", None) is not None]
+        tiers = tm.expert_tiers()
         costs = tiers[0].costs if tiers else measure_costs(device, dtype)
         row.costs = {**dataclasses.asdict(costs), "host_fn": describe(tiers[0].host_fn) if tiers else "-"}
         row.costs["mapped_call_s"] = mapped_seconds(tiers, config, dtype, device)

@@ -145,7 +145,6 @@ def graph_decode(model, device: torch.device, vocab: int, batches, steps: int,
 def _settled(model, stats):
     """`stats()` once every offloaded layer has counted its jobs' rows (a job's are counted when its layer
     settles it)."""
-    for binding in getattr(model, "bindings", {}).values():
-        if getattr(binding, "tiers", None) is not None:
-            binding.tiers.settle()
+    for tiers in getattr(model, "expert_tiers", list)():
+        tiers.settle()
     return stats()

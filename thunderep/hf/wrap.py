@@ -475,9 +475,13 @@ class ThunderMoE(nn.Module):
         return [p for name, b in self.bindings.items() if getattr(b, "tiers", None) is not None
                 for p in self._shards(name, b)]
 
+    def expert_tiers(self) -> list:
+        """The expert tiers of this rank's offloaded layers (`moe.tiers.ExpertTiers`; none without gpu_memory)."""
+        return [b.tiers for b in self.bindings.values() if getattr(b, "tiers", None) is not None]
+
     def tier_device_bytes(self) -> int:
         """Device bytes of the expert tiers: the hot copies and the (shared) staging buffers; 0 without."""
-        tiers = [b.tiers for b in self.bindings.values() if getattr(b, "tiers", None) is not None]
+        tiers = self.expert_tiers()
         staging = {id(t.staging): t.staging.nbytes for t in tiers}
         return sum(h.numel() * h.element_size() for t in tiers for h in t.hot.values()) + sum(staging.values())
 

@@ -34,7 +34,8 @@ import torch
 
 from ..errors import ThunderError
 
-__all__ = ["before_replay", "capture", "collect_before_replay", "graph_steps", "in_graph_steps", "replay"]
+__all__ = ["before_replay", "capture", "capturing", "collect_before_replay", "graph_steps", "in_graph_steps",
+           "replay"]
 
 _GRAPH_STEPS = contextvars.ContextVar("thunderep_graph_steps", default=False)
 _BEFORE = contextvars.ContextVar("thunderep_before_replay", default=None)  # the capture's list, while one runs
@@ -53,6 +54,11 @@ def capture(graph: torch.cuda.CUDAGraph, pool=None, **options):
         raise
     if hooks:
         graph.thunderep_before_replay = hooks
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether `device`'s current stream is capturing a CUDA graph (never on another device type)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @contextlib.contextmanager

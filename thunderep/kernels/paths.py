@@ -24,7 +24,7 @@ import torch
 
 from .. import env
 from . import tuning
-from .graphs import in_graph_steps
+from .graphs import capturing, in_graph_steps
 from .pairs import HAS_GDC
 
 __all__ = ["PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "PATH_ROUTINGS", "ROUTE_MAX_PAIRS",
@@ -122,11 +122,6 @@ def path_tuning_applies(device: torch.device) -> bool:
     return tuning.autotune_enabled(device)
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether the current stream is capturing a CUDA graph (nothing can be timed then)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torch.Tensor, ids_TK: torch.Tensor,
               weights_TK: torch.Tensor | None, activation: str, interleaved: bool, sorted_path, pairs_path,
               experts: int | None = None, kind: str = "sorted") -> bool:
@@ -157,7 +152,7 @@ def pairs_win(x_TD: torch.Tensor, w_gate_up_E2ID: torch.Tensor, w_down_EDI: torc
     key = (D, I, E, ids_TK.shape[1], T, x_TD.dtype, weights_TK is not None, activation, interleaved, str(x_TD.device),
            experts or E, kind, graphed, type(w_down_EDI).__name__)  # the weights' format: 16-bit, FP8, 4-bit
     won = _PATHS.get(key)
-    if won is not None or torch.compiler.is_compiling() or _capturing(x_TD.device):
+    if won is not None or torch.compiler.is_compiling() or capturing(x_TD.device):
         return bool(won)
     won = _time_paths(x_TD, w_gate_up_E2ID, w_down_EDI, ids_TK, weights_TK, activation, interleaved, sorted_path,
                       pairs_path, experts, kind, graphed)

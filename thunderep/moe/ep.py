@@ -39,6 +39,7 @@ from ..comm.dispatcher import Rider
 from ..comm.runtime import CopyToEP, ExpertParallel, ReduceFromEP
 from ..comm.stats import CommStats
 from ..errors import ConfigError
+from ..kernels.graphs import capturing
 from .router import expert_counts
 from .staging import to_device
 
@@ -316,7 +317,7 @@ class ExpertParallelMoE:
                                        "every pair" if capturable else "sorted")
             if partial_TD is not None:
                 return partial_TD.float()
-        if capturable and experts.by_slot is None and x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturable and experts.by_slot is None and capturing(x_TD.device):
             raise ConfigError("capturable latency mode needs experts that compute rows in any order (by_slot)")
         return sorted_partial(local_TK)  # outside a capture (its eager step) the sorted rows, with their sync
 

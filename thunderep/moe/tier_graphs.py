@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..kernels.graphs import before_replay
+from ..kernels.graphs import before_replay, capturing
 
 __all__ = ["GraphCall", "GraphHandoff"]
 
@@ -51,7 +51,6 @@ class GraphCall:
     addresses: tuple[int, int] | None = None  # ready's and flag's on the device (made outside a capture)
     mapped: bool = False
     job: object = None
-    captured: bool = False
 
 
 class GraphHandoff:
@@ -76,14 +75,14 @@ class GraphHandoff:
         return None
 
     def _capturing(self) -> bool:
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return capturing(self.device)
 
     def _current_stream(self):
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def graph_reason(self) -> str | None:
         """Why no CUDA graph can take this layer's decode calls here (None: one can, where the cost model finds
-        the host path worth handing off: `_graph_refusal`)."""
+        the host path worth handing off: `_new_graph_call`)."""
         if self.jobs is None:
             return "its host experts run in line here (no host jobs: TierConfig.host_thread, THUNDEREP_HOST_JOBS)"
         if self.jobs.engine != "native":
@@ -92,19 +91,14 @@ class GraphHandoff:
             return "its hot experts wait for the host's counts (the experts do not run on ThunderEP's pair kernels)"
         return None
 
-    def _graph_refusal(self, tokens: int, row_bytes: int) -> str | None:
-        """Why a call of `tokens` tokens cannot put its host share in a graph here (None: it can)."""
-        reason = self.graph_reason()
-        if reason is not None:
-            return reason
-        if self._handoff_args(row_bytes, tokens, graph=True) is None:
-            return "its host path is too slow to hand off (the cost model's calibration) or not the native engine's"
-        return None
-
     def _new_graph_call(self, x_TD, local_TK, weights_TK, row_bytes: int) -> GraphCall | None:
-        reason = self._graph_refusal(local_TK.shape[0], row_bytes)
-        if reason is not None:
-            self._graph_reason = reason
+        """The call's `GraphCall`, or None (and why, kept for the capture's error) where its host share cannot be
+        a job here."""
+        reason = self.graph_reason()
+        args = self._handoff_args(row_bytes, local_TK.shape[0], graph=True) if reason is None else None
+        if args is None:
+            self._graph_reason = reason or ("its host path is too slow to hand off (the cost model's calibration) "
+                                            "or not the native engine's")
             return None
         pinned = self.device.type == "cuda"
 
@@ -114,15 +108,14 @@ class GraphHandoff:
         ready, flag = (torch.zeros(1, dtype=torch.int32, pin_memory=pinned) for _ in range(2))
         driver = self.jobs.driver
         return GraphCall((buffer(local_TK, torch.int64), buffer(weights_TK), buffer(x_TD)),
-                         buffer(x_TD, torch.float32), ready, flag,
-                         self._handoff_args(row_bytes, local_TK.shape[0], graph=True), row_bytes,
+                         buffer(x_TD, torch.float32), ready, flag, args, row_bytes,
                          None if driver is None else (driver.address(ready), driver.address(flag)))
 
     def _captured(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """The call as a captured graph runs it (module docstring, 2); registers step 1 (`_before_replay`)."""
         call = self._graph_calls.get(self._graph_key(x_TD, local_TK, weights_TK))
         if call is None:
-            why = getattr(self, "_graph_reason", None) or (f"no eager call of {tuple(local_TK.shape)} pairs came "
+            why = self._graph_reason or (f"no eager call of {tuple(local_TK.shape)} pairs came "
                                                            "before the capture to make its host buffers")
             raise ConfigError(f"{self.name}: a CUDA graph cannot take this decode call's offloaded experts: {why}")
         driver, stream = self.jobs.driver, self._current_stream()
@@ -144,7 +137,6 @@ class GraphHandoff:
         driver.enqueue_copy(stream, y_TD, call.out)
         for y in on_device:
             y_TD.add_(y)
-        call.captured = True
         return y_TD
 
     def _before_replay(self, call: GraphCall) -> None:

@@ -30,8 +30,8 @@ def decode_batch(tm, device, eos, pad, config: ServeConfig, server):
     """The continuous batch: on a GPU with `--cuda-graphs on`, fixed cache storage whose steps replay from
     CUDA graphs (thunderep/serve/static_decode.py) where the model allows it; else the eager dynamic batch."""
     if config.cuda_graphs == "on" and torch.device(device).type == "cuda":
-        tiers = [b.tiers for b in getattr(tm, "bindings", {}).values() if getattr(b, "tiers", None) is not None]
-        offloaded = next((r for r in (t.graph_reason() for t in tiers) if r is not None), None)  # --gpu-memory
+        tiers = getattr(tm, "expert_tiers", list)()  # --gpu-memory's (a plain transformers model has none)
+        offloaded = next((r for r in (t.graph_reason() for t in tiers) if r is not None), None)
         reason = (f"its experts are offloaded (--gpu-memory) and {offloaded}" if offloaded
                   else static_reason(tm.model))
         if reason is None:
