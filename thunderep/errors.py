@@ -27,6 +27,11 @@ class ConfigError(ThunderError, ValueError):
     """A configuration value is invalid; the message names the field and the value."""
 
 
+class GraphDeclined(ConfigError):
+    """A CUDA graph declines one call shape (a decode batch size) that runs better eagerly; graphs of other
+    shapes are unaffected (`thunderep.serve.static_decode` decodes that batch size eagerly)."""
+
+
 class InputError(ThunderError, ValueError):
     """A tensor argument has a shape, dtype, device or value the operation cannot take; the message
     quotes it."""

@@ -656,8 +656,10 @@ def test_gpu_serve_graphs_capture_offloaded_layers_and_give_the_eager_tokens(che
     experts are native host jobs (`thunderep.moe.tier_graphs`): the steps are captured and replayed (graphs
     stay on), each replay's calls are host jobs, and the greedy tokens of two sequences equal eager decoding's
     (`DecodeBatch`; at 2 tokens a call eagerly computes in line and its hot pairs apart, so float32 keeps the
-    two routes' rounding from choosing other tokens)."""
+    two routes' rounding from choosing other tokens: the kernels named, since "auto" takes 16-bit experts
+    alone, and their float32 products are exact, `tuning.precision`)."""
     from thunderep.hf import ThunderMoE
+    from thunderep.hf.kernel_experts import KERNELS
     from thunderep.moe import host_native
     from thunderep.serve.engine import DecodeBatch, Entry
     from thunderep.serve.static_decode import StaticDecodeBatch
@@ -665,7 +667,7 @@ def test_gpu_serve_graphs_capture_offloaded_layers_and_give_the_eager_tokens(che
     if not host_native.available():
         pytest.skip(f"the native host engine is unavailable: {host_native.unavailable_reason()}")
     path = checkpoints["qwen3_moe"]
-    tm = ThunderMoE.from_pretrained(path, dtype=torch.float32, device="cuda", experts_implementation="auto",
+    tm = ThunderMoE.from_pretrained(path, dtype=torch.float32, device="cuda", experts_implementation=KERNELS,
                                     gpu_memory=offload_budget(path, 0.25, 1, torch.float32),
                                     offload_costs=HOST_WINS, offload=TierConfig(host_thread="on", host_engine="native"))
     jobs = next(iter(tm.bindings.values())).tiers.jobs

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from thunderep.errors import ConfigError, ThunderError
+from thunderep.errors import ConfigError, GraphDeclined, ThunderError
 from thunderep.kernels.graphs import before_replay, collect_before_replay, graph_steps, replay
 from thunderep.moe import host_native
 from thunderep.moe.host_experts import HostExperts
@@ -182,6 +182,27 @@ def test_a_capture_without_its_eager_step_or_without_host_jobs_is_refused(monkey
         monkeypatch.setattr(tiers, "_capturing", lambda: True)
         with collect_before_replay(), graph_steps(True), pytest.raises(ConfigError, match=why):
             tiers.partial(x_TD, local_TK, w_TK)
+
+
+@native
+def test_a_call_whose_tokens_would_share_slots_is_declined_alone(monkeypatch):
+    """A call shape whose tokens would share slots (6 tokens of 2 pairs over 6 slots: 2.19 expected pairs a hit
+    slot, past GRAPH_PAIRS_PER_SLOT) gets no buffers in its eager step and its capture raises GraphDeclined
+    (that batch size then decodes eagerly: `static_decode`), saying why; its eager sums are the in-line call's;
+    a one-token call of the same layer is still captured and replayed."""
+    tiers, plain = _tiers("on"), _tiers("off")
+    wide, one = _steps(1, tokens=6)[0], _steps(1, tokens=1, seed=5)[0]
+    assert tiers.pairs_per_slot(6, 2) > tiers.GRAPH_PAIRS_PER_SLOT >= tiers.pairs_per_slot(1, 2)
+    with graph_steps(True):
+        torch.testing.assert_close(tiers.partial(*wide), plain.partial(*wide))
+        tiers.partial(*one)
+    assert [key[:2] for key in tiers._graph_calls] == [(1, 2)] and tiers.graph_reason() is None
+    jobs = _graph_stream(tiers, monkeypatch)
+    with collect_before_replay(), graph_steps(True), pytest.raises(GraphDeclined, match=r"its 6 tokens would share "
+                                                                   r"slots \(2\.19 pairs a hit slot, past 1\.5\)"):
+        tiers.partial(*wide)
+    torch.testing.assert_close(_replayed(tiers, *one), plain.partial(*one), rtol=1e-5, atol=1e-6)
+    assert jobs.submitted == 1
 
 
 def test_work_before_a_replay_runs_in_order_and_only_inside_a_capture():

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import thunderep.serve.static_decode as static_decode  # noqa: E402
 from thunderep.serve.engine import DecodeBatch, Entry  # noqa: E402
-from thunderep.errors import ConfigError  # noqa: E402
+from thunderep.errors import ConfigError, GraphDeclined  # noqa: E402
 from thunderep.serve.static_decode import StaticDecodeBatch, static_reason  # noqa: E402
 
 
@@ -158,6 +158,34 @@ def test_a_failed_capture_turns_graphs_off_and_decoding_goes_on(capsys, monkeypa
     assert _run_schedule(batch, _entries()) == want
     assert not batch.graphs
     assert capsys.readouterr().err.count("CUDA graphs off for decoding") == 1
+
+
+def test_a_declined_batch_size_decodes_eagerly_and_keeps_graphs_on(capsys, monkeypatch):
+    """A capture that declines its batch size (GraphDeclined, as offloaded experts whose tokens would share
+    slots do): that size decodes eagerly from then on, said once per size, with no second capture tried; graphs
+    stay on for the others; the tokens are the dynamic batch's. (On CPU, graphs set on as on CUDA.)"""
+    from hf_tiny import tiny_model
+
+    tried = []
+
+    @contextlib.contextmanager
+    def declining(graph, pool=None):
+        tried.append(1)
+        raise GraphDeclined("model.layers.0.mlp.experts: its tokens would share slots")
+        yield
+
+    model = tiny_model("mixtral", seed=1).eval()
+    want = _run_schedule(DecodeBatch(model, "cpu", set(), 0), _entries())
+    batch = StaticDecodeBatch(model, "cpu", set(), 0, max_batch=4)
+    batch.graphs = True
+    monkeypatch.setattr(static_decode, "capture", declining)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    assert _run_schedule(batch, _entries()) == want
+    assert batch.graphs and batch._eager_sizes and len(tried) == len(batch._eager_sizes)
+    err = capsys.readouterr().err
+    assert err.count("eagerly: model.layers.0.mlp.experts: its tokens would share slots") == len(batch._eager_sizes)
+    assert "CUDA graphs off" not in err
 
 
 def test_a_failed_admission_leaves_the_running_sequences_whole(monkeypatch):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, GraphDeclined
 from ..kernels.graphs import before_replay, capturing
 
 __all__ = ["GraphCall", "GraphHandoff"]
@@ -58,6 +58,14 @@ class GraphHandoff:
     hot and mapped masks, `_device_shares`, `_handoff_args`, `rechoose`, `_table`, `_stale`, `_tables`, and the
     counting of a job's pairs, `_count_job`)."""
 
+    # Expected pairs per hit slot (`pairs_per_slot`) past which a captured call shape is declined
+    # (GraphDeclined: that batch size decodes eagerly, the others in graphs). The native engine computes each of
+    # a slot's pairs apart, where in line torch multiplies a slot's rows at once: at Mixtral's shape, batch 8
+    # (2.22 pairs a hit slot), serve's graphs decoded 28.0 tokens/s against 45.5 eagerly, and with no hot set
+    # 18.3 against 51.4; at Qwen3-30B-A3B's (1.24) the graphs won, 137 against 89 (one H100;
+    # docs/benchmarks/2026-12-05-expert-offload-h200.md, seventeenth run).
+    GRAPH_PAIRS_PER_SLOT = 1.5
+
     def _graph_key(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor) -> tuple:
         return (*local_TK.shape, x_TD.shape[-1], x_TD.dtype, weights_TK.dtype)
 
@@ -68,10 +76,17 @@ class GraphHandoff:
         if self._capturing():
             return self._captured(x_TD, local_TK, weights_TK)
         key = self._graph_key(x_TD, local_TK, weights_TK)
-        if key not in self._graph_calls:
+        reads = self.pairs_per_slot(*local_TK.shape)
+        if reads > self.GRAPH_PAIRS_PER_SLOT:
+            self._graph_declined[key] = (f"its {local_TK.shape[0]} tokens would share slots ({reads:.2f} pairs a hit "
+                                         f"slot, past {self.GRAPH_PAIRS_PER_SLOT}): the host job computes each pair "
+                                         "apart, where eagerly a slot's rows are multiplied at once")
+        elif key not in self._graph_calls:
             call = self._new_graph_call(x_TD, local_TK, weights_TK, row_bytes)
             if call is not None:
                 self._graph_calls[key] = call
+                # the capture's pair launches run once here: their kernels compile and tune outside it
+                self._device_shares(x_TD, local_TK, weights_TK, any_tokens=True)
         return None
 
     def _capturing(self) -> bool:
@@ -113,11 +128,14 @@ class GraphHandoff:
 
     def _captured(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """The call as a captured graph runs it (module docstring, 2); registers step 1 (`_before_replay`)."""
-        call = self._graph_calls.get(self._graph_key(x_TD, local_TK, weights_TK))
+        key = self._graph_key(x_TD, local_TK, weights_TK)
+        call = self._graph_calls.get(key)
         if call is None:
-            why = self._graph_reason or (f"no eager call of {tuple(local_TK.shape)} pairs came "
-                                                           "before the capture to make its host buffers")
-            raise ConfigError(f"{self.name}: a CUDA graph cannot take this decode call's offloaded experts: {why}")
+            declined = self._graph_declined.get(key)
+            why = declined or self._graph_reason or (f"no eager call of {tuple(local_TK.shape)} pairs came before the "
+                                                     "capture to make its host buffers")
+            error = GraphDeclined if declined else ConfigError
+            raise error(f"{self.name}: a CUDA graph cannot take this decode call's offloaded experts: {why}")
         driver, stream = self.jobs.driver, self._current_stream()
         if driver is None:
             raise ConfigError(f"{self.name}: a CUDA graph's host jobs need a device stream that waits for host memory")

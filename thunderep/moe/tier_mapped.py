@@ -48,10 +48,14 @@ class MappedReads:
         many times, where the host path and the stream path read it once. Expected pairs per hit slot under
         uniform routing over this layer's S slots: T p / (1 - (1 - p) ** T) for p = K / S (1 at one token;
         under expert parallelism S is a rank's share, so p is over-estimated: fewer calls map)."""
+        return self.pairs_per_slot(tokens, top_k) <= self.MAPPED_READS
+
+    def pairs_per_slot(self, tokens: int, top_k: int) -> float:
+        """Expected pairs per hit slot of a call of `tokens` tokens under uniform routing (`maps_call`)."""
         if tokens <= 1:
-            return True
+            return 1.0
         p = min(1.0, top_k / self.num_slots)
-        return tokens * p / (1 - (1 - p) ** tokens) <= self.MAPPED_READS
+        return tokens * p / (1 - (1 - p) ** tokens)
 
     def _no_mapping(self) -> None:
         self._maps = None  # `_mapped_views`, made on first use (False: unavailable), of the host dict _maps_of

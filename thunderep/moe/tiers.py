@@ -107,6 +107,7 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff, GraphHandoff):
         self._handoff: tuple | None = None  # (what `_handoff_args` depends on, its answer)
         self._graph_calls: dict[tuple, GraphCall] = {}  # the calls CUDA graphs captured, by shape (`tier_graphs`)
         self._graph_reason: str | None = None  # why the last call a graph could not take could not
+        self._graph_declined: dict[tuple, str] = {}  # call shapes declined alone, and why (GraphDeclined)
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
         if not 0 <= hot_slots <= self.num_slots:

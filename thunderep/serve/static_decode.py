@@ -28,7 +28,9 @@ The experts run in latency mode with `capturable=True` (`ThunderMoE.running`): e
 goes through the local experts at a fixed shape, with no host sync. A capture that fails (an experts
 implementation that syncs, e.g. transformers' `eager` loop) turns graphs off for this batch with one
 message, and the same steps run eagerly on the same storage (the device's random generator left
-usable: `thunderep.kernels.graphs`).
+usable: `thunderep.kernels.graphs`). A capture that declines its batch size alone (GraphDeclined: offloaded
+experts whose tokens would share slots, `thunderep.moe.tier_graphs`) runs that size eagerly, with one message,
+and keeps graphs at the others.
 
 `static_reason(model)` names what this path cannot run (None: it can): attention other than `sdpa`
 or `eager`, and any cache `DecodeBatch` cannot merge. `close()` releases the storage and the graphs.
@@ -47,7 +49,7 @@ import torch
 from ..hf.wrap import decode_attention
 from ..kernels.graphs import capture, replay
 from .engine import DecodeBatch, new_cache, unsupported_reason
-from ..errors import ConfigError
+from ..errors import ConfigError, GraphDeclined
 
 __all__ = ["StaticDecodeBatch", "static_reason"]
 
@@ -116,6 +118,7 @@ class StaticDecodeBatch(DecodeBatch):
         self._caches: dict[int, object] = {}
         self._graphs: dict[int, tuple] = {}
         self._warm: set[int] = set()
+        self._eager_sizes: set[int] = set()  # batch sizes a capture declined (GraphDeclined): eager at any storage
         self._pool = None
         # what a steady server does not do, counted for its slow-step reports: "graph capture",
         # "storage reallocation" (which drops the graphs)
@@ -282,7 +285,7 @@ class StaticDecodeBatch(DecodeBatch):
             graph, logits = self._graphs[b]
             replay(graph)
             return logits
-        if b not in self._warm:  # the first step at this size runs eagerly: it warms everything up
+        if b not in self._warm or b in self._eager_sizes:  # the first step at a size runs eagerly: it warms up
             self._warm.add(b)
             return self._forward_static(b)
         try:
@@ -291,6 +294,11 @@ class StaticDecodeBatch(DecodeBatch):
             graph = torch.cuda.CUDAGraph()
             with capture(graph, self._pool):
                 logits = self._forward_static(b)
+        except GraphDeclined as exc:  # this size runs better eagerly: the other sizes keep their graphs
+            self._eager_sizes.add(b)
+            print(f"[thunderep] decoding {b} sequences eagerly: {str(exc).splitlines()[0][:300]}", file=sys.stderr,
+                  flush=True)
+            return self._forward_static(b)
         except Exception as exc:  # noqa: BLE001 - a sync or an uncapturable op: run eagerly from now on
             self.graphs = False
             print(f"[thunderep] CUDA graphs off for decoding: capturing a step failed ({type(exc).__name__}: "
