@@ -4,7 +4,7 @@ pass reads and those bytes' time at copy bandwidth.
 
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-parts] [--no-words4]
                                       [--loads-only words|scales|convert] [--strided-vector] [--wide-vector]
-                                      [--assume-fits] [--paired-vector]
+                                      [--assume-fits] [--paired-vector] [--plane-vector]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -37,6 +37,8 @@ measurement's own cost, each program's read of its vector before its loop; the r
 --paired-vector (with --assume-fits) reads int4's vector in the float16 pairs the products take, one 16-byte
 load a word position, as a vector written once a token in that layout would be: no split through shared
 memory, no barriers, no conversion (a probe: outputs meaningless; what such a layout could save).
+--plane-vector runs HALF's products on a 16-bit vector through its float32 planes (`pairs4.half_chunk_planes`),
+as before its words were read as float16 pairs in place (`half4.vector_pairs`, the default): same outputs.
 """
 
 from __future__ import annotations
@@ -220,6 +222,9 @@ def main() -> None:
     parser.add_argument("--paired-vector", action="store_true",
                         help="probe: int4's float16-pair chunk reads the vector as if stored as float16 pairs "
                              "(implies --assume-fits; outputs meaningless)")
+    parser.add_argument("--plane-vector", action="store_true",
+                        help="HALF reads a 16-bit vector through its float32 planes (pairs4.half_chunk_planes), as "
+                             "before half4.vector_pairs")
     parser.add_argument("--wide-vector", action="store_true",
                         help="the 4-bit kernels load each word's vector elements as two 8-byte words (bfloat16)")
     args = parser.parse_args()
@@ -228,6 +233,9 @@ def main() -> None:
     if args.strided_vector:
         pairs4.planes = _strided_planes
         print("the 4-bit kernels load the vector's planes directly (--strided-vector)")
+    if args.plane_vector:
+        pairs4.half_chunk = pairs4.half_chunk_planes
+        print("HALF reads the vector through its float32 planes (--plane-vector)")
     if args.paired_vector:
         pairs4.half_chunk = _paired_chunk
         args.assume_fits = True

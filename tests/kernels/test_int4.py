@@ -247,6 +247,31 @@ def test_int4_half_products_run_where_the_vector_fits(monkeypatch):
     assert not torch.equal(outs["1"][2], outs["0"][2])  # fits: the float16 pairs ran
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_int4_half_vector_pairs_equal_the_planes_bit_for_bit(dtype, monkeypatch):
+    """HALF's 16-bit vectors read as float16 pairs straight from their words (`half4.vector_pairs`) give the
+    outputs of the same products through the float32 planes (`pairs4.half_chunk_planes`) bit for bit, in both
+    passes, at full chunks and a tail; a vector whose rows are not 4-byte aligned (a view one element in)
+    is read through an aligned copy (`decode.vector_rows`) and gives its own rows' outputs."""
+    from thunderep.kernels import pairs4
+
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
+    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
+    x, w_gu, w_d, ids, weights = make_case(3, 96, 56, 5, 2, dtype, 11)
+    q_gu, q_d = Int4Weight.quantize(w_gu, "int4", 32), Int4Weight.quantize(w_d, "int4", 32)
+    wide = torch.zeros(3 * 96 + 1, dtype=dtype, device=x.device)
+    shifted = wide[1:].view(3, 96)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 4 and decode.vector_rows(shifted).data_ptr() % 4 == 0
+    with torch.no_grad():
+        pairs = routed_moe_mlp(x, q_gu, q_d, ids, weights.to(dtype))
+        unaligned = routed_moe_mlp(shifted, q_gu, q_d, ids, weights.to(dtype))
+        monkeypatch.setattr(pairs4, "half_chunk", pairs4.half_chunk_planes)
+        planes = routed_moe_mlp(x, q_gu, q_d, ids, weights.to(dtype))
+    assert torch.isfinite(pairs).all() and torch.equal(pairs, planes) and torch.equal(unaligned, pairs)
+
+
 def test_int4_half_down_pass_takes_float32_for_a_large_h(monkeypatch):
     """A vector that fits for the gate/up pass (x of the usual size) but whose h does not (gate/up scales
     x 3000: h near 1e5) stays finite and within the reference's error: the down pass, which measures h, runs

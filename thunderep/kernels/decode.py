@@ -17,7 +17,7 @@ from .act import ACTIVATIONS
 from .fp8 import scale_args, weight_data
 from .tuning import cdiv, next_power_of_2
 
-__all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "pairs4_forward", "pairs_forward",
+__all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "pairs4_forward", "pairs_forward", "vector_rows",
            "second_rows"]
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
@@ -125,11 +125,21 @@ def down4(h: torch.Tensor, w_down, ids: torch.Tensor, weights: Optional[torch.Te
     return y
 
 
+def vector_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, D] as the 4-bit pair kernels read it: a 16-bit vector's rows load as 32-bit words
+    (`half4.vector_pairs`), so a base or row stride that is not 4-byte aligned, or columns not adjacent, get a
+    contiguous copy (fresh storage is aligned); anything else is x."""
+    if x.element_size() == 2 and (x.data_ptr() % 4 or x.stride(0) % 2 or x.stride(1) != 1):
+        return x.contiguous() if not x.is_contiguous() else x.clone()
+    return x
+
+
 def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weights: Optional[torch.Tensor],
                    activation: str, interleaved: bool) -> torch.Tensor:
     """y_TD through the two 4-bit pair launches (pairs4.py). x: [T, D]; w_gate_up [E, 2I, D] and w_down
     [E, D, I]: int4.Int4Weight computing in x's dtype; ids: [T * K] (-1: a pair computed elsewhere);
     weights: [T * K] or None (unweighted)."""
+    x = vector_rows(x)
     T, D = x.shape
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .act import act, gate_up_cols
 from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, nibbles4, scales4
-from .half4 import half_fits, half_word_products
+from .half4 import half_fits, half_word_products, pair_products, vector_pairs
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import part_range, sum_split_slots, zero_counts
 from .vector4 import largest, planes, vector, word_sums
@@ -171,7 +171,20 @@ def word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
 def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
                ZERO: tl.constexpr, MODE: tl.constexpr):
     """`word_chunk` of int4 words with the products in float16 pairs (half4.py; MODE 1 inline PTX, 2 Triton
-    operations), for a vector that `half_fits`."""
+    operations), for a vector that `half_fits`. A 16-bit vector without zero points is read as its float16
+    pairs (`vector_pairs`); others through their float32 planes (`half_chunk_planes`)."""
+    if (not ZERO) and (v_ptr.dtype.element_ty != tl.float32):
+        p04, p15, p26, p37 = vector_pairs(v_ptr, k0, C, w.shape[1], MODE)
+        prod = pair_products(w, p04, p15, p26, p37, opaque, MODE)
+        return _grouped(prod, tl.zeros((w.shape[1],), dtype=tl.float32), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
+                        GROUP, 8, MXFP4, ZERO, 1.0)
+    return half_chunk_planes(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE)
+
+
+@triton.jit
+def half_chunk_planes(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
+                      MXFP4: tl.constexpr, ZERO: tl.constexpr, MODE: tl.constexpr):
+    """`half_chunk` through the vector's float32 planes (`vector4.planes`), each two made a float16 pair."""
     x0, x4, x1, x5, x2, x6, x3, x7 = planes(v_ptr, k0, C, w.shape[1])
     prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE)
     return _grouped(prod, word_sums(x0, x4, x1, x5, x2, x6, x3, x7), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,

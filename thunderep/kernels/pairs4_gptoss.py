@@ -97,6 +97,7 @@ def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w
     w_gate_up [E, 2I, D] (gate/up rows interleaved) and w_down [E, D, I]: int4.Int4Weight computing in
     x's dtype, contiguous; b_gate_up [E, 2I] and b_down [E, D] contiguous; ids: [T * K] (-1: a pair
     computed elsewhere); weights: [T * K] or None (unweighted)."""
+    x = decode.vector_rows(x)
     T, D = x.shape
     E, I2, _ = w_gate_up.shape
     I, N = I2 // 2, ids.numel()
