@@ -16,7 +16,8 @@ word's 8 planes (the values 8 columns apart) times the vector's matching element
 of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
 HALF (int4; on CUDA, paths.half_mode): the codes stay in float16 pairs and the products run there, two a
 packed instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose largest
-magnitude `half_fits` (measured once a program; any other runs the float32 loop). Words are loaded 16 bytes
+magnitude `half_fits` (measured once a program; any other runs the float32 loop); a 16-bit vector is read
+there as its float16 pairs, 16 bytes a word position split in registers (`half4.vector_pairs`). Words are loaded 16 bytes
 wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down pass runs one program per token
 and column tile over the K slots, or (SPLIT) one per slot, and may cut I into ranges (PARTS: wide column tiles
 reading each chunk of h once for all their rows, the partials summed by the last program to arrive,

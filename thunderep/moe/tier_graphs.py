@@ -19,8 +19,11 @@ of pinned memory, and each replay:
 The call's buffers are made in the eager step that `graph_steps` runs before each capture (pinned memory is
 not allocated during a capture); a call the capture meets without one, or whose host share cannot be a job
 here (no native engine, the hot pairs not on the pair kernels, a host the cost model finds hopeless), fails
-the capture with a ConfigError saying why, and `static_decode` decodes eagerly instead. Copies into and out
-of the pinned buffers are the driver's (`HostJobs` driver's `enqueue_copy`), not torch's.
+the capture with a ConfigError saying why, and `static_decode` decodes eagerly instead. A call shape whose
+tokens would share slots (past GRAPH_PAIRS_PER_SLOT expected pairs a hit slot) is declined alone
+(GraphDeclined): that batch size decodes eagerly, the others in graphs. The eager step also runs the call's
+device launches once, so that their kernels compile and tune outside the capture. Copies into and out of the
+pinned buffers are the driver's (`HostJobs` driver's `enqueue_copy`), not torch's.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ class GraphHandoff:
     def _graph_partial(self, x_TD: torch.Tensor, local_TK: torch.Tensor, weights_TK: torch.Tensor,
                        row_bytes: int) -> torch.Tensor | None:
         """`partial` within `graph_steps`: the captured call while a graph is being captured, else (the eager
-        step before a capture) None after making the call's `GraphCall` where its host share can be a job."""
+        step before a capture) None after making the call's `GraphCall` where its host share can be a job and
+        running its device launches once (or after noting its shape declined: `GRAPH_PAIRS_PER_SLOT`)."""
         if self._capturing():
             return self._captured(x_TD, local_TK, weights_TK)
         key = self._graph_key(x_TD, local_TK, weights_TK)
