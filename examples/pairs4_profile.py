@@ -4,7 +4,7 @@ pass reads and those bytes' time at copy bandwidth.
 
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-parts] [--no-words4]
                                       [--loads-only words|scales|convert] [--strided-vector] [--wide-vector]
-                                      [--assume-fits] [--paired-vector] [--plane-vector]
+                                      [--assume-fits] [--paired-vector] [--plane-vector] [--word-planes]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -39,6 +39,8 @@ load a word position, as a vector written once a token in that layout would be: 
 memory, no barriers, no conversion (a probe: outputs meaningless; what such a layout could save).
 --plane-vector runs HALF's products on a 16-bit vector through its float32 planes (`pairs4.half_chunk_planes`),
 as before its words were read as float16 pairs in place (`half4.vector_pairs`, the default): same outputs.
+--word-planes gives the float32 chunks (MXFP4's; int4's where HALF is off or the vector does not fit) a
+16-bit vector's planes from its words split in registers (`vector4.word_planes`): same outputs; a candidate.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import triton
 import triton.language as tl
 
 from thunderep.bench.kernels import SHAPES, copy_bandwidth
-from thunderep.kernels import decode, pairs4, tiles, tuning
+from thunderep.kernels import decode, pairs4, tiles, tuning, vector4
 from thunderep.kernels.codes4 import e2m1_halves, int4_halves
 from thunderep.kernels.fp8 import Fp8Weight
 from thunderep.kernels.half4 import pair_products
@@ -225,6 +227,9 @@ def main() -> None:
     parser.add_argument("--plane-vector", action="store_true",
                         help="HALF reads a 16-bit vector through its float32 planes (pairs4.half_chunk_planes), as "
                              "before half4.vector_pairs")
+    parser.add_argument("--word-planes", action="store_true",
+                        help="the float32 chunks (MXFP4's, int4's without HALF) take a 16-bit vector's planes from "
+                             "its words split in registers (vector4.word_planes)")
     parser.add_argument("--wide-vector", action="store_true",
                         help="the 4-bit kernels load each word's vector elements as two 8-byte words (bfloat16)")
     args = parser.parse_args()
@@ -233,6 +238,9 @@ def main() -> None:
     if args.strided_vector:
         pairs4.planes = _strided_planes
         print("the 4-bit kernels load the vector's planes directly (--strided-vector)")
+    if args.word_planes:
+        pairs4.planes = vector4.word_planes
+        print("the float32 chunks take the vector's planes from its words (--word-planes)")
     if args.plane_vector:
         pairs4.half_chunk = pairs4.half_chunk_planes
         print("HALF reads the vector through its float32 planes (--plane-vector)")

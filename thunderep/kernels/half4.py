@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .codes4 import int4_halves16
+from .vector4 import vector_words
 
 __all__ = ["HALF_MAX", "HALF_MIN", "half_fits", "half_word_products", "pair_products", "vector_pairs"]
 
@@ -140,12 +141,7 @@ def vector_pairs(v_ptr, k0, C, HW: tl.constexpr, MODE: tl.constexpr):
     each pair made from two of those words: float16 halves moved into place; bfloat16 ones widened by a shift
     or a mask and converted as `_pair16` (the same bits as from `planes`). Timed with the vector written in
     this layout beforehand (`examples/pairs4_profile.py --paired-vector`): Mixtral's one-token pair 8.6% faster."""
-    q = k0 // 8 + tl.arange(0, HW)
-    p = tl.load(v_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + 4 * q[:, None] + tl.arange(0, 4)[None, :],
-                mask=(8 * q < C)[:, None], other=0)
-    a, b = tl.split(tl.reshape(p, (HW, 2, 2)))  # a: the words of columns (8q, 8q+1), (8q+4, 8q+5); b: the others
-    w01, w45 = tl.split(a)
-    w23, w67 = tl.split(b)
+    w01, w23, w45, w67 = vector_words(v_ptr, k0, C, HW)
     if v_ptr.dtype.element_ty == tl.float16:
         p04 = (w01 & 0xFFFF) | (w45 << 16)
         p15 = (w01 >> 16) | (w45 & 0xFFFF0000)

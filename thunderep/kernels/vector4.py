@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["largest", "planes", "vector", "word_sums"]
+__all__ = ["largest", "planes", "vector", "vector_words", "word_planes", "word_sums"]
 
 
 @triton.jit
@@ -31,6 +31,48 @@ def planes(v_ptr, k0, C, HW: tl.constexpr):
     x1, x5 = tl.split(o15)
     x3, x7 = tl.split(o37)
     return x0, x4, x1, x5, x2, x6, x3, x7
+
+
+@triton.jit
+def vector_words(v_ptr, k0, C, HW: tl.constexpr):
+    """A 16-bit vector's chunk at column k0 (C a multiple of 8; zero past C) as the 4 32-bit words of each
+    word position q ([HW] each: columns (8q, 8q+1), (8q+2, 8q+3), (8q+4, 8q+5), (8q+6, 8q+7), the first in the
+    low half): its 16 bytes in one load, split in registers (the load's own layout: no shared memory)."""
+    q = k0 // 8 + tl.arange(0, HW)
+    p = tl.load(v_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + 4 * q[:, None] + tl.arange(0, 4)[None, :],
+                mask=(8 * q < C)[:, None], other=0)
+    a, b = tl.split(tl.reshape(p, (HW, 2, 2)))  # a: the words of columns (8q, 8q+1), (8q+4, 8q+5); b: the others
+    w01, w45 = tl.split(a)
+    w23, w67 = tl.split(b)
+    return w01, w23, w45, w67
+
+
+@triton.jit
+def word_planes(v_ptr, k0, C, HW: tl.constexpr):
+    """`planes` of a 16-bit vector (C a multiple of 8) from `vector_words`: each element widened in registers
+    (bfloat16 by a shift or a mask, float16 by a conversion), the same float32 values. A float32 vector goes
+    through `planes`. (A candidate for the float32 chunks, MXFP4's: `examples/pairs4_profile.py --word-planes`
+    times it; HALF's products read `half4.vector_pairs`, built the same way.)"""
+    if v_ptr.dtype.element_ty == tl.float32:
+        return planes(v_ptr, k0, C, HW)
+    w01, w23, w45, w67 = vector_words(v_ptr, k0, C, HW)
+    if v_ptr.dtype.element_ty == tl.float16:
+        x0, x1 = _f16(w01 & 0xFFFF), _f16(w01 >> 16)
+        x2, x3 = _f16(w23 & 0xFFFF), _f16(w23 >> 16)
+        x4, x5 = _f16(w45 & 0xFFFF), _f16(w45 >> 16)
+        x6, x7 = _f16(w67 & 0xFFFF), _f16(w67 >> 16)
+    else:  # bfloat16: float32's top half
+        x0, x1 = (w01 << 16).to(tl.float32, bitcast=True), (w01 & 0xFFFF0000).to(tl.float32, bitcast=True)
+        x2, x3 = (w23 << 16).to(tl.float32, bitcast=True), (w23 & 0xFFFF0000).to(tl.float32, bitcast=True)
+        x4, x5 = (w45 << 16).to(tl.float32, bitcast=True), (w45 & 0xFFFF0000).to(tl.float32, bitcast=True)
+        x6, x7 = (w67 << 16).to(tl.float32, bitcast=True), (w67 & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x0, x4, x1, x5, x2, x6, x3, x7
+
+
+@triton.jit
+def _f16(h):
+    """The float16 in the low 16 bits of h (uint32) as float32."""
+    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
