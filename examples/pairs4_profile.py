@@ -3,7 +3,7 @@ every call) for bfloat16, per-row FP8, int4 and MXFP4 weights of one expert shap
 pass reads and those bytes' time at copy bandwidth.
 
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-parts] [--no-words4]
-                                      [--loads-only words|scales|convert] [--strided-vector] [--wide-vector]
+                                      [--loads-only words|scales|convert] [--strided-vector]
                                       [--assume-fits] [--paired-vector] [--plane-vector] [--word-planes]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
@@ -27,10 +27,8 @@ tiles, and what the conversion adds.
 element, in the layout the products use) instead of one wide load split in registers, which the compiler
 routes through shared memory with 8 barriers an iteration (examples/pairs4_sass.py counts them): same
 outputs, no barriers, more load instructions. Both probes replace the float32 chunk: they set
-THUNDEREP_HALF_PRODUCTS=0. --wide-vector (bfloat16 vectors, HALF left as it is) loads each word's 8 vector
-elements as two 8-byte words in the words' own layout and widens each element by a shift: no shared memory and
-no barriers, 2 loads a word position instead of --strided-vector's 8 (counted at sm_90: 4.69 against 3.91
-instructions a weight for the gate/up pass at 16x256x4, 3.19 against 3.23 at 16x1024x4). Each format's
+THUNDEREP_HALF_PRODUCTS=0. (--wide-vector, two 8-byte loads a word position widened by shifts, is
+superseded by --word-planes: one 16-byte load.) Each format's
 output error against float32 on its dequantized weights is printed first (meaningless under the
 --loads-only probes). --assume-fits takes every vector as in HALF's range without measuring it (a probe: the
 measurement's own cost, each program's read of its vector before its loop; the random vectors here fit).
@@ -92,22 +90,6 @@ def _strided_planes(v_ptr, k0, C, HW: tl.constexpr):
     x5 = tl.load(v_ptr + c + 5, mask=c + 5 < C, other=0.0).to(tl.float32)
     x6 = tl.load(v_ptr + c + 6, mask=c + 6 < C, other=0.0).to(tl.float32)
     x7 = tl.load(v_ptr + c + 7, mask=c + 7 < C, other=0.0).to(tl.float32)
-    return x0, x4, x1, x5, x2, x6, x3, x7
-
-
-@triton.jit
-def _wide_planes(v_ptr, k0, C, HW: tl.constexpr):
-    """In place of pairs4.planes for a bfloat16 vector: columns 8 q .. 8 q + 3 and 8 q + 4 .. 8 q + 7 as two
-    8-byte words per word position q, each element widened by a shift (bfloat16 is float32's top half)."""
-    q = k0 // 8 + tl.arange(0, HW)
-    base = v_ptr.to(tl.pointer_type(tl.uint64))
-    a = tl.load(base + 2 * q, mask=8 * q < C, other=0)
-    b = tl.load(base + 2 * q + 1, mask=8 * q < C, other=0)
-    a_lo, a_hi, b_lo, b_hi = a.to(tl.uint32), (a >> 32).to(tl.uint32), b.to(tl.uint32), (b >> 32).to(tl.uint32)
-    x0, x1 = (a_lo << 16).to(tl.float32, bitcast=True), (a_lo & 0xFFFF0000).to(tl.float32, bitcast=True)
-    x2, x3 = (a_hi << 16).to(tl.float32, bitcast=True), (a_hi & 0xFFFF0000).to(tl.float32, bitcast=True)
-    x4, x5 = (b_lo << 16).to(tl.float32, bitcast=True), (b_lo & 0xFFFF0000).to(tl.float32, bitcast=True)
-    x6, x7 = (b_hi << 16).to(tl.float32, bitcast=True), (b_hi & 0xFFFF0000).to(tl.float32, bitcast=True)
     return x0, x4, x1, x5, x2, x6, x3, x7
 
 
@@ -230,8 +212,6 @@ def main() -> None:
     parser.add_argument("--word-planes", action="store_true",
                         help="the float32 chunks (MXFP4's, int4's without HALF) take a 16-bit vector's planes from "
                              "its words split in registers (vector4.word_planes)")
-    parser.add_argument("--wide-vector", action="store_true",
-                        help="the 4-bit kernels load each word's vector elements as two 8-byte words (bfloat16)")
     args = parser.parse_args()
     if args.strided_vector or args.loads_only:  # the probes replace the float32 chunk: int4 runs it
         os.environ["THUNDEREP_HALF_PRODUCTS"] = "0"
@@ -251,9 +231,6 @@ def main() -> None:
     if args.assume_fits:
         pairs4.largest = _assumed_largest
         print("probe: HALF takes every vector as in range without reading it (--assume-fits)")
-    if args.wide_vector:
-        pairs4.planes = _wide_planes
-        print("the 4-bit kernels load each word's vector elements as two 8-byte words (--wide-vector)")
     if args.loads_only:  # before the first build: Triton reads pairs4's globals when it compiles
         pairs4.word_chunk = {"words": _words_only, "scales": _words_and_scales, "convert": _converted}[args.loads_only]
         print(f"probe: the 4-bit kernels' chunks replaced ({args.loads_only}); their outputs are meaningless")
