@@ -17,9 +17,9 @@ of multiply-adds per word, then per group, times the group scales (one scale loa
 HALF (int4; on CUDA, paths.half_mode): the codes stay in float16 pairs and the products run there, two a
 packed instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose largest
 magnitude `half_fits` (measured once a program; any other runs the float32 loop); a 16-bit vector is read
-there as its float16 pairs, 16 bytes a word position split in registers (`half4.vector_pairs`). Words are loaded 16 bytes
-wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down pass runs one program per token
-and column tile over the K slots, or (SPLIT) one per slot, and may cut I into ranges (PARTS: wide column tiles
+there as its float16 pairs, 16 bytes a word position split in registers (`half4.vector_pairs`). Words are
+loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down pass runs one
+program per token and column tile over the K slots, or (SPLIT) one per slot, and may cut I into ranges (PARTS: wide column tiles
 reading each chunk of h once for all their rows, the partials summed by the last program to arrive,
 split_slots.py), and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL),
 as pairs.py's; with biases (BIAS) it is gpt-oss's down pass too. No Hopper-only instructions; no inline
