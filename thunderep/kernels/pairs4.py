@@ -14,21 +14,21 @@ of a word are placed into float16 bits at once (int4: or'ed into 1024's mantissa
 exponent and mantissa bits moved into place, `e2m1_halves`), then each half widened to float32. Each of a
 word's 8 planes (the values 8 columns apart) times the vector's matching elements is summed in one chain
 of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
-HALF (int4; on CUDA, paths.half_mode): the codes stay in float16 pairs and the products run there, two a
-packed instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose largest
-magnitude `half_fits` (measured once a program; any other runs the float32 loop); a 16-bit vector is read
-there as its float16 pairs, 16 bytes a word position split in registers (`half4.vector_pairs`). Words are
-loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down pass runs one
-program per token and column tile over the K slots, or (SPLIT) one per slot, and may cut I into ranges (PARTS: wide column tiles
+HALF (int4; on CUDA, paths.half_mode): the codes stay in float16 pairs and the products run there, two a packed
+instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose largest magnitude
+`half_fits` (measured once a program; any other runs the float32 loop); a 16-bit vector is read there as its
+float16 pairs, 16 bytes a word position split in registers (`half4.vector_pairs`). Words are loaded 16 bytes
+wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down pass runs one program per token
+and column tile over the K slots, or (SPLIT) one per slot, and may cut I into ranges (PARTS: wide column tiles
 reading each chunk of h once for all their rows, the partials summed by the last program to arrive,
-split_slots.py), and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL),
-as pairs.py's; with biases (BIAS) it is gpt-oss's down pass too. No Hopper-only instructions; no inline
-assembly but HALF's (sm_80 and later). Rows that are not 4-byte aligned, or groups of other than a multiple of
-8 columns, run the same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a multiple
-of BLOCK_K) and column tiles past the matrix are masked. Expert ids as in pairs.py: -1 reads no weights and
-adds nothing; any other id outside [0, E) makes its token's output NaN. Inference only. The launches are in
-decode.py; gpt-oss's experts (biases, clamped SwiGLU) run pairs4_gptoss.py's kernels, built on `packed_dot`,
-`packed_dot2` and `words_ok`.
+split_slots.py), and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
+pairs.py's; with biases (BIAS) it is gpt-oss's down pass too. No Hopper-only instructions; no inline assembly
+but HALF's (sm_80 and later). Rows that are not 4-byte aligned, or groups of other than a multiple of 8 columns,
+run the same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a multiple of BLOCK_K)
+and column tiles past the matrix are masked. Expert ids as in pairs.py: -1 reads no weights and adds nothing;
+any other id outside [0, E) makes its token's output NaN. Inference only. The launches are in decode.py;
+gpt-oss's experts (biases, clamped SwiGLU) run pairs4_gptoss.py's kernels, built on `packed_dot`, `packed_dot2`
+and `words_ok`.
 """
 
 from __future__ import annotations
