@@ -106,12 +106,7 @@ def _paired_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, 
     float16 pairs, as a vector written once a token in that layout would be (one 16-byte load a word position;
     no split, no conversion, no shared memory). Its outputs are meaningless (bfloat16 bits read as float16)."""
     HW: tl.constexpr = w.shape[1]
-    q = k0 // 8 + tl.arange(0, HW)
-    p = tl.load(v_ptr.to(tl.pointer_type(tl.uint32)) + 4 * q[:, None] + tl.arange(0, 4)[None, :],
-                mask=(8 * q < C)[:, None], other=0)
-    a, b = tl.split(tl.reshape(p, (HW, 2, 2)))
-    p04, p26 = tl.split(a)
-    p15, p37 = tl.split(b)
+    p04, p15, p26, p37 = vector4.vector_words(v_ptr, k0, C, HW)  # the 4 words of a position, taken as the pairs
     prod = pair_products(w, p04, p15, p26, p37, opaque, MODE)
     vsum = tl.zeros((HW,), dtype=tl.float32)
     return pairs4._grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO, 1.0)

@@ -130,7 +130,7 @@ def vector_rows(x: torch.Tensor) -> torch.Tensor:
     (`half4.vector_pairs`), so a base or row stride that is not 4-byte aligned, or columns not adjacent, get a
     contiguous copy (fresh storage is aligned); anything else is x."""
     if x.element_size() == 2 and (x.data_ptr() % 4 or x.stride(0) % 2 or x.stride(1) != 1):
-        return x.contiguous() if not x.is_contiguous() else x.clone()
+        return x.clone(memory_format=torch.contiguous_format)
     return x
 
 

@@ -80,17 +80,19 @@ class GraphHandoff:
         if self._capturing():
             return self._captured(x_TD, local_TK, weights_TK)
         key = self._graph_key(x_TD, local_TK, weights_TK)
+        if key in self._graph_calls or self._graph_refused.get(key, (None,))[0] is GraphDeclined:
+            return None  # made, or declined for good (it depends on the shape alone)
         reads = self.pairs_per_slot(*local_TK.shape)
         if reads > self.GRAPH_PAIRS_PER_SLOT:
-            self._graph_declined[key] = (f"its {local_TK.shape[0]} tokens would share slots ({reads:.2f} pairs a hit "
-                                         f"slot, past {self.GRAPH_PAIRS_PER_SLOT}): the host job computes each pair "
-                                         "apart, where eagerly a slot's rows are multiplied at once")
-        elif key not in self._graph_calls:
-            call = self._new_graph_call(x_TD, local_TK, weights_TK, row_bytes)
-            if call is not None:
-                self._graph_calls[key] = call
-                # the capture's pair launches run once here: their kernels compile and tune outside it
-                self._device_shares(x_TD, local_TK, weights_TK, any_tokens=True)
+            self._graph_refused[key] = (GraphDeclined, f"its {local_TK.shape[0]} tokens would share slots ({reads:.2f} "
+                                        f"pairs a hit slot, past {self.GRAPH_PAIRS_PER_SLOT}): the host job computes "
+                                        "each pair apart, where eagerly a slot's rows are multiplied at once")
+            return None
+        call = self._new_graph_call(key, x_TD, local_TK, weights_TK, row_bytes)
+        if call is not None:
+            self._graph_calls[key] = call
+            # the capture's pair launches run once here: their kernels compile and tune outside it
+            self._device_shares(x_TD, local_TK, weights_TK, any_tokens=True)
         return None
 
     def _capturing(self) -> bool:
@@ -110,15 +112,16 @@ class GraphHandoff:
             return "its hot experts wait for the host's counts (the experts do not run on ThunderEP's pair kernels)"
         return None
 
-    def _new_graph_call(self, x_TD, local_TK, weights_TK, row_bytes: int) -> GraphCall | None:
-        """The call's `GraphCall`, or None (and why, kept for the capture's error) where its host share cannot be
-        a job here."""
+    def _new_graph_call(self, key: tuple, x_TD, local_TK, weights_TK, row_bytes: int) -> GraphCall | None:
+        """The call's `GraphCall`, or None (and why, kept under `key` for the capture's error) where its host
+        share cannot be a job here."""
         reason = self.graph_reason()
         args = self._handoff_args(row_bytes, local_TK.shape[0], graph=True) if reason is None else None
         if args is None:
-            self._graph_reason = reason or ("its host path is too slow to hand off (the cost model's calibration) "
-                                            "or not the native engine's")
+            self._graph_refused[key] = (ConfigError, reason or ("its host path is too slow to hand off (the cost "
+                                                                "model's calibration) or not the native engine's"))
             return None
+        self._graph_refused.pop(key, None)
         pinned = self.device.type == "cuda"
 
         def buffer(t: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -135,10 +138,8 @@ class GraphHandoff:
         key = self._graph_key(x_TD, local_TK, weights_TK)
         call = self._graph_calls.get(key)
         if call is None:
-            declined = self._graph_declined.get(key)
-            why = declined or self._graph_reason or (f"no eager call of {tuple(local_TK.shape)} pairs came before the "
-                                                     "capture to make its host buffers")
-            error = GraphDeclined if declined else ConfigError
+            error, why = self._graph_refused.get(key, (ConfigError, f"no eager call of {tuple(local_TK.shape)} pairs "
+                                                                    "came before the capture to make its host buffers"))
             raise error(f"{self.name}: a CUDA graph cannot take this decode call's offloaded experts: {why}")
         driver, stream = self.jobs.driver, self._current_stream()
         if driver is None:

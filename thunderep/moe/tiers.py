@@ -106,8 +106,7 @@ class ExpertTiers(MappedReads, HotSetRule, HostHandoff, GraphHandoff):
         self._views: dict[tuple, torch.Tensor] = {}  # (key, shape, dtype) -> its view of a host buffer
         self._handoff: tuple | None = None  # (what `_handoff_args` depends on, its answer)
         self._graph_calls: dict[tuple, GraphCall] = {}  # the calls CUDA graphs captured, by shape (`tier_graphs`)
-        self._graph_reason: str | None = None  # why the last call a graph could not take could not
-        self._graph_declined: dict[tuple, str] = {}  # call shapes declined alone, and why (GraphDeclined)
+        self._graph_refused: dict[tuple, tuple[type, str]] = {}  # call shapes a graph cannot take: (error, why)
         first = next(iter(host.values()))
         self.num_slots = first.shape[0]
         if not 0 <= hot_slots <= self.num_slots:
