@@ -2,7 +2,8 @@
 every call) for bfloat16, per-row FP8, int4 and MXFP4 weights of one expert shape, beside the bytes each
 pass reads and those bytes' time at copy bandwidth.
 
-    python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--no-split] [--no-parts] [--no-words4]
+    python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--formats bf16,fp8row,int4,mxfp4]
+                                      [--no-split] [--no-parts] [--no-words4]
                                       [--loads-only words|scales|convert] [--strided-vector]
                                       [--assume-fits] [--paired-vector] [--plane-vector] [--word-planes]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
@@ -16,7 +17,7 @@ pass launches early, PDL, the two kernels' own times overlap). --no-split leaves
 one-program-per-slot configs out of its autotuning, --no-parts its configs that cut I into ranges (PARTS);
 --no-words4 launches the 4-bit kernels with 8-byte word loads (WORDS4 off, pairs4.load_words);
 THUNDEREP_PDL=0 launches the down pass plainly. Together (PARTS aside) they are the 4-bit kernels as they
-were before those three. THUNDEREP_HALF_PRODUCTS=0 runs int4's products in float32, as before the float16
+were before those three. THUNDEREP_HALF_PRODUCTS=0 runs the 4-bit products in float32, as before the float16
 pairs (kernels/half4.py). --loads-only runs the 4-bit
 kernels with each chunk's conversion, products and vector taken out (a probe, its outputs meaningless):
 `words` sums each row's words as integers; `scales` also loads the group scales and sums per group times them,
@@ -188,6 +189,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
     parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--formats", default="bf16,fp8row,int4,mxfp4",
+                        help="comma-separated formats to time (of bf16, fp8row, int4, mxfp4)")
     parser.add_argument("--ncu", action="store_true", help="one call of each format between profiler start/stop")
     parser.add_argument("--no-split", action="store_true", help="no SPLIT configs in the 4-bit down pass's tuning")
     parser.add_argument("--no-parts", action="store_true", help="no PARTS configs in the 4-bit down pass's tuning")
@@ -238,6 +241,10 @@ def main() -> None:
         tiles.DOWN_PAIRS4.configs = [c for c in tiles.DOWN_PAIRS4.configs if c.kwargs.get("PARTS", 1) == 1]
     device = torch.device("cuda")
     formats, D, E, K = _weights(args.shape, device)
+    unknown = set(args.formats.split(",")) - set(formats)
+    if unknown:
+        parser.error(f"--formats: unknown {sorted(unknown)}; use some of {sorted(formats)}")
+    formats = {fmt: w for fmt, w in formats.items() if fmt in args.formats.split(",")}
     x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
     ids = torch.arange(K, device=device, dtype=torch.int32)
     weights = torch.full((K,), 1.0 / K, device=device)
@@ -249,7 +256,7 @@ def main() -> None:
     for name in ("up_pairs4", "down_pairs4"):
         for key, config in tuning.kernel_configs().get(name, {}).items():
             print(f"{name} chose {config} for key {key}")
-    for fmt in ("int4", "mxfp4"):  # the probes' outputs against the dequantized weights' (meaningless for --loads-only)
+    for fmt in sorted({"int4", "mxfp4"} & set(formats)):  # the probes' outputs against the dequantized weights' (meaningless for --loads-only)
         w_gu, w_d = formats[fmt]
         print(f"{fmt}: output error {_error(x, w_gu, w_d, ids, weights, K):.2e} of the largest output "
               f"(float32 reference on the dequantized weights)")

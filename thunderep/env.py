@@ -8,7 +8,7 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_COMPILE_THREADS=N     threads compiling a new key's configs ahead of timing (1: none)
     THUNDEREP_PAIRS_MAX_TOKENS=N    most tokens the decode pair kernels take (0 turns them off)
     THUNDEREP_PDL=0|1               programmatic dependent launch of the pair kernels' down pass
-    THUNDEREP_HALF_PRODUCTS=0|1     the int4 pair kernels' products in float16 pairs (where the vector fits)
+    THUNDEREP_HALF_PRODUCTS=0|1     the 4-bit pair kernels' products in float16 pairs (where the vector fits)
     THUNDEREP_EXPERT_GEMM=triton|torch   pins the expert GEMMs' implementation
     THUNDEREP_WGRAD=triton|torch    pins the weight-gradient GEMMs' implementation
     THUNDEREP_NO_NATIVE_BUILD=1     never build the native extensions on first use (packaging, CI)

@@ -216,8 +216,9 @@ def test_int4_pair_kernel_tails(up, down, monkeypatch):
     _check(1, 84, 52, 5, 2, torch.float16, "mxfp4", 32, tol=2e-3, seed=3)
 
 
-def test_int4_half_products_run_where_the_vector_fits(monkeypatch):
-    """HALF (int4 products in float16 pairs, the default on CUDA and in the interpreter): within the
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_int4_half_products_run_where_the_vector_fits(fmt, monkeypatch):
+    """HALF (4-bit products in float16 pairs, the default on CUDA and in the interpreter): within the
     reference's error where it runs; a token whose vector's largest magnitude is past HALF_MAX (3e4, in its
     last chunk: its float16 sums would overflow) or under HALF_MIN (1e-6 a element: float16 subnormals) runs
     the float32 products instead, bit for bit what THUNDEREP_HALF_PRODUCTS=0 gives it, finite and within the error;
@@ -232,7 +233,7 @@ def test_int4_half_products_run_where_the_vector_fits(monkeypatch):
     x, w_gu, w_d, ids, weights = make_case(3, 96, 56, 5, 2, torch.bfloat16, 7)
     x[0, 90] = 3e4  # in the last chunk: the measurement runs over every chunk the loop reads
     x[1] = x[1] * 1e-6
-    q_gu, q_d = Int4Weight.quantize(w_gu, "int4", 32), Int4Weight.quantize(w_d, "int4", 32)
+    q_gu, q_d = Int4Weight.quantize(w_gu, fmt, 32), Int4Weight.quantize(w_d, fmt, 32)
     y_ref = reference(x.double(), q_gu.dequantize(dtype=torch.float64), q_d.dequantize(dtype=torch.float64), ids,
                       weights.double())
     outs = {}
@@ -247,8 +248,9 @@ def test_int4_half_products_run_where_the_vector_fits(monkeypatch):
     assert not torch.equal(outs["1"][2], outs["0"][2])  # fits: the float16 pairs ran
 
 
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_int4_half_vector_pairs_equal_the_planes_bit_for_bit(dtype, monkeypatch):
+def test_int4_half_vector_pairs_equal_the_planes_bit_for_bit(fmt, dtype, monkeypatch):
     """HALF's 16-bit vectors read as float16 pairs straight from their words (`half4.vector_pairs`) give the
     outputs of the same products through the float32 planes (`pairs4.half_chunk_planes`) bit for bit, in both
     passes, at full chunks and a tail; a vector whose rows are not 4-byte aligned (a view one element in)
@@ -259,7 +261,7 @@ def test_int4_half_vector_pairs_equal_the_planes_bit_for_bit(dtype, monkeypatch)
     monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
     monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
     x, w_gu, w_d, ids, weights = make_case(3, 96, 56, 5, 2, dtype, 11)
-    q_gu, q_d = Int4Weight.quantize(w_gu, "int4", 32), Int4Weight.quantize(w_d, "int4", 32)
+    q_gu, q_d = Int4Weight.quantize(w_gu, fmt, 32), Int4Weight.quantize(w_d, fmt, 32)
     wide = torch.zeros(3 * 96 + 1, dtype=dtype, device=x.device)
     shifted = wide[1:].view(3, 96)
     shifted.copy_(x)
@@ -274,7 +276,7 @@ def test_int4_half_vector_pairs_equal_the_planes_bit_for_bit(dtype, monkeypatch)
 
 @pytest.mark.parametrize("fmt,dtype", [("mxfp4", torch.bfloat16), ("mxfp4", torch.float16), ("int4", torch.bfloat16)])
 def test_word_planes_equal_the_planes_bit_for_bit(fmt, dtype, monkeypatch):
-    """The float32 chunks (MXFP4's, int4's with HALF off) on a 16-bit vector's planes taken from its words
+    """The float32 chunks (HALF off, or a vector out of its range) on a 16-bit vector's planes taken from its words
     (`vector4.word_planes`, a candidate the profile times) give the outputs of `vector4.planes` bit for bit, in
     both passes, at full chunks and a tail."""
     from thunderep.kernels import pairs4, vector4

@@ -1,6 +1,5 @@
-"""int4 words times a vector in float16 pairs: the decode kernels' products at fewer instructions a weight
-(pairs4.py's HALF chunk). MXFP4 has none: its e2m1 codes in float16 pairs made the one-token pair slower
-(docs/benchmarks/2026-12-05-int4-experts-h200.md, 2026-12-07), so paths.half_mode takes int4 alone.
+"""4-bit words times a vector in float16 pairs: the decode kernels' products at fewer instructions a weight
+(pairs4.py's HALF chunk), int4 as below, e2m1 (MXFP4) by a byte lookup (`_E2M1_PAIRS`, after the int4 part).
 
 pairs4.py's word chunk converts each code to float32 and multiplies there: about 4.5-5 instructions a
 weight, which is what holds the one-token pair kernels under the bandwidth their loads alone reach
@@ -19,6 +18,15 @@ magnitude is at most HALF_MAX; and the vector's smallest elements keep their wei
 at least HALF_MIN (an element under float16's smallest normal, 2 ** -14, is then under 2 ** -6 of the
 largest, and its rounding under 2 ** -25 absolute). `packed_dot` measures the vector once per program and
 runs the float32 chunk for a vector outside that range, so no input overflows or loses its small elements.
+
+e2m1 codes: a code's low 3 bits index its magnitude (0, 0.5, 1, 1.5, 2, 3, 4, 6), each a float16 whose low
+byte is 0, so one byte permute (`prmt`, sm_20 and later) looks up 4 codes' high bytes from an 8-byte table
+held in two registers; another permute places two of them as a float16 pair (its zero bytes are the
+sign-replicated copies of a byte under 0x80), and one logic operation ors the two sign bits in. About 15
+instructions for a word's 8 values, where placing the bits by shifts needed a packed multiply by 2 ** 14
+after them (float16's exponent bias) and some 23. The values are exact and at most 6 in magnitude, so int4's
+range bounds hold as they are. (That shift form, timed earlier with the vector read through planes, made the
+one-token gate/up pass slower: docs/benchmarks/2026-12-05-int4-experts-h200.md, 2026-12-07.)
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codes4 import int4_halves16
+from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves16
 from .vector4 import vector_words
 
 __all__ = ["HALF_MAX", "HALF_MIN", "half_fits", "half_word_products", "pair_products", "vector_pairs"]
@@ -34,9 +42,19 @@ __all__ = ["HALF_MAX", "HALF_MIN", "half_fits", "half_word_products", "pair_prod
 HALF_MAX = 1024.0  # the largest vector magnitude the float16 products take (32 x 1024 < 65504, with margin)
 HALF_MIN = 2.0 ** -8  # the smallest largest-magnitude they take (see the module's doc)
 
+# The end of both conversions below: the 4 float16 pairs of codes t0..t3 times the vector's pairs, each half's
+# 4 products summed in float16, the halves widened and added.
+_PRODUCTS = """mul.f16x2 p, t0, $2;
+fma.rn.f16x2 p, t1, $3, p;
+fma.rn.f16x2 p, t2, $4, p;
+fma.rn.f16x2 p, t3, $5, p;
+mov.b32 {plo, phi}, p;
+cvt.f32.f16 flo, plo;
+cvt.f32.f16 fhi, phi;
+add.f32 $0, flo, fhi;
+}"""
 # One word's 8 int4 codes (nibble j: column 8 q + j, in half j // 4 at bits 4 (j % 4)) times the vector's
-# 4 float16 pairs ($2..$5: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), as one float32:
-# each half's 4 products summed in float16, the halves widened and added.
+# 4 float16 pairs ($2..$5: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), as one float32.
 _WORD_PRODUCTS = tl.constexpr("""{
 .reg .b32 off, step, shift, t0, t1, t2, t3, w8, p;
 .reg .f16 plo, phi;
@@ -53,17 +71,37 @@ sub.f16x2 t0, t0, off;
 fma.rn.f16x2 t1, t1, step, shift;
 sub.f16x2 t2, t2, off;
 fma.rn.f16x2 t3, t3, step, shift;
-mul.f16x2 p, t0, $2;
-fma.rn.f16x2 p, t1, $3, p;
-fma.rn.f16x2 p, t2, $4, p;
-fma.rn.f16x2 p, t3, $5, p;
-mov.b32 {plo, phi}, p;
-cvt.f32.f16 flo, plo;
-cvt.f32.f16 fhi, phi;
-add.f32 $0, flo, fhi;
-}""")
+""" + _PRODUCTS)
 # (1024 + n) - 1032 = n - 8 (0x6408: 1032); (1024 + 16 n) / 16 - 72 = n - 8 (0x2C00: 1 / 16, 0xD480: -72):
 # exact in float16, as the codes' conversions of codes4.py.
+
+# The same for e2m1 codes (MXFP4). Magnitude table, float16 high bytes of 0, 0.5, 1, 1.5 (tlo) and 2, 3, 4, 6
+# (thi). a, b: the magnitudes' bytes of codes 0..3 and 4..7 (the sign bits masked off the selectors: a set one
+# would replicate the byte's sign). t_j = bytes (0, a_j, 0, b_j): selector nibbles 8 + j (a_j's sign
+# replicated: 0), j, 8 + j, 4 + j. Then code j's and j + 4's sign bits (bits 4 j + 3, 4 j + 19) shifted to 15
+# and 31 and or'ed in.
+_E2M1_PAIRS = tl.constexpr("""{
+.reg .b32 tlo, thi, m, a, b, t0, t1, t2, t3, p;
+.reg .f16 plo, phi;
+.reg .f32 flo, fhi;
+mov.b32 tlo, 0x3E3C3800;
+mov.b32 thi, 0x46444240;
+and.b32 m, $1, 0x77777777;
+prmt.b32 a, tlo, thi, m;
+shr.b32 m, m, 16;
+prmt.b32 b, tlo, thi, m;
+prmt.b32 t0, a, b, 0x4808;
+prmt.b32 t1, a, b, 0x5919;
+prmt.b32 t2, a, b, 0x6A2A;
+prmt.b32 t3, a, b, 0x7B3B;
+shl.b32 m, $1, 12;
+lop3.b32 t0, m, 0x80008000, t0, 0xea;
+shl.b32 m, $1, 8;
+lop3.b32 t1, m, 0x80008000, t1, 0xea;
+shl.b32 m, $1, 4;
+lop3.b32 t2, m, 0x80008000, t2, 0xea;
+lop3.b32 t3, $1, 0x80008000, t3, 0xea;
+""" + _PRODUCTS)
 
 @triton.jit
 def half_fits(top):
@@ -92,44 +130,49 @@ def _half(p, HALF: tl.constexpr):
 
 
 @triton.jit
-def _codes16(w, J: tl.constexpr, opaque):
-    """int4 codes J and J + 4 of each word of w as float16 (low half's, high half's): n - 8 exactly
-    (`codes4.int4_halves16`)."""
-    return int4_halves16(w >> (8 * (J // 2)), 4 * (J % 2), opaque)
+def _codes16(w, J: tl.constexpr, opaque, MXFP4: tl.constexpr):
+    """Codes J and J + 4 of each word of w as float16 (low half's, high half's), the values exactly: int4's
+    n - 8 (`codes4.int4_halves16`), e2m1's (`codes4.e2m1_halves` times E2M1_UNIT: exact, at most 6)."""
+    if MXFP4:
+        lo, hi = e2m1_halves(w, 4 * J, opaque)
+        return (lo * E2M1_UNIT).to(tl.float16), (hi * E2M1_UNIT).to(tl.float16)
+    else:
+        return int4_halves16(w >> (8 * (J // 2)), 4 * (J % 2), opaque)
 
 
 @triton.jit
-def pair_products(w, p04, p15, p26, p37, opaque, MODE: tl.constexpr):
-    """[BLOCK_N, HW] float32: each word of w (int4 codes, [BLOCK_N, HW]) times the vector's 4 float16 pairs
-    ([HW] 32-bit words: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), summed over the word's
-    8 values: each half's 4 products summed in float16, then the halves widened and added. MODE 1: inline
-    PTX; 2: Triton operations (the interpreter). opaque: a uint32 zero (`pairs4.packed_dot`)."""
+def pair_products(w, p04, p15, p26, p37, opaque, MODE: tl.constexpr, MXFP4: tl.constexpr = False):
+    """[BLOCK_N, HW] float32: each word of w (int4 or, MXFP4, e2m1 codes, [BLOCK_N, HW]) times the vector's 4
+    float16 pairs ([HW] 32-bit words: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), summed
+    over the word's 8 values: each half's 4 products summed in float16, then the halves widened and added.
+    MODE 1: inline PTX; 2: Triton operations (the interpreter). opaque: a uint32 zero
+    (`pairs4.packed_dot`)."""
     if MODE == 1:
-        return tl.inline_asm_elementwise(_WORD_PRODUCTS, "=r,r,r,r,r,r",
+        return tl.inline_asm_elementwise(_E2M1_PAIRS if MXFP4 else _WORD_PRODUCTS, "=r,r,r,r,r,r",
                                          [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
                                           p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
     else:
-        lo, hi = _codes16(w, 0, opaque)
+        lo, hi = _codes16(w, 0, opaque, MXFP4)
         p_lo = lo * _half(p04, 0)[None, :]
         p_hi = hi * _half(p04, 1)[None, :]
-        lo, hi = _codes16(w, 1, opaque)
+        lo, hi = _codes16(w, 1, opaque, MXFP4)
         p_lo += lo * _half(p15, 0)[None, :]
         p_hi += hi * _half(p15, 1)[None, :]
-        lo, hi = _codes16(w, 2, opaque)
+        lo, hi = _codes16(w, 2, opaque, MXFP4)
         p_lo += lo * _half(p26, 0)[None, :]
         p_hi += hi * _half(p26, 1)[None, :]
-        lo, hi = _codes16(w, 3, opaque)
+        lo, hi = _codes16(w, 3, opaque, MXFP4)
         p_lo += lo * _half(p37, 0)[None, :]
         p_hi += hi * _half(p37, 1)[None, :]
         return p_lo.to(tl.float32) + p_hi.to(tl.float32)
 
 
 @triton.jit
-def half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE: tl.constexpr):
+def half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE: tl.constexpr, MXFP4: tl.constexpr = False):
     """`pair_products` of the vector's 8 planes ([HW] float32, `vector4.planes`' order), each two made one
     float16 pair. The vector must fit (`half_fits`)."""
     return pair_products(w, _pair16(x0, x4, MODE), _pair16(x1, x5, MODE), _pair16(x2, x6, MODE),
-                         _pair16(x3, x7, MODE), opaque, MODE)
+                         _pair16(x3, x7, MODE), opaque, MODE, MXFP4)
 
 
 @triton.jit

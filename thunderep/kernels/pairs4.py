@@ -14,10 +14,10 @@ of a word are placed into float16 bits at once (int4: or'ed into 1024's mantissa
 exponent and mantissa bits moved into place, `e2m1_halves`), then each half widened to float32. Each of a
 word's 8 planes (the values 8 columns apart) times the vector's matching elements is summed in one chain
 of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
-HALF (int4; on CUDA, paths.half_mode): the codes stay in float16 pairs and the products run there, two a packed
-instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose largest magnitude
-`half_fits` (measured once a program; any other runs the float32 loop); a 16-bit vector is read there as its
-float16 pairs, 16 bytes a word position split in registers (`half4.vector_pairs`). Words are loaded 16 bytes
+HALF (on CUDA, paths.half_mode): the codes stay in float16 pairs (e2m1's by a byte lookup) and the products run
+there, two a packed instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose
+largest magnitude `half_fits` (measured once a program; any other runs the float32 loop); a 16-bit vector is
+read there as its float16 pairs, 16 bytes a word position split in registers (`half4.vector_pairs`). Words are loaded 16 bytes
 wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down pass runs one program per token
 and column tile over the K slots, or (SPLIT) one per slot, and may cut I into ranges (PARTS: wide column tiles
 reading each chunk of h once for all their rows, the partials summed by the last program to arrive,
@@ -171,12 +171,12 @@ def word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
 @triton.jit
 def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
                ZERO: tl.constexpr, MODE: tl.constexpr):
-    """`word_chunk` of int4 words with the products in float16 pairs (half4.py; MODE 1 inline PTX, 2 Triton
-    operations), for a vector that `half_fits`. A 16-bit vector without zero points is read as its float16
+    """`word_chunk` with the products in float16 pairs (half4.py; MODE 1 inline PTX, 2 Triton operations),
+    for a vector that `half_fits`. A 16-bit vector without zero points is read as its float16
     pairs (`vector_pairs`); others through their float32 planes (`half_chunk_planes`)."""
     if (not ZERO) and (v_ptr.dtype.element_ty != tl.float32):
         p04, p15, p26, p37 = vector_pairs(v_ptr, k0, C, w.shape[1], MODE)
-        prod = pair_products(w, p04, p15, p26, p37, opaque, MODE)
+        prod = pair_products(w, p04, p15, p26, p37, opaque, MODE, MXFP4)
         return _grouped(prod, tl.zeros((w.shape[1],), dtype=tl.float32), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
                         GROUP, 8, MXFP4, ZERO, 1.0)
     return half_chunk_planes(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE)
@@ -187,7 +187,7 @@ def half_chunk_planes(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_
                       MXFP4: tl.constexpr, ZERO: tl.constexpr, MODE: tl.constexpr):
     """`half_chunk` through the vector's float32 planes (`vector4.planes`), each two made a float16 pair."""
     x0, x4, x1, x5, x2, x6, x3, x7 = planes(v_ptr, k0, C, w.shape[1])
-    prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE)
+    prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE, MXFP4)
     return _grouped(prod, word_sums(x0, x4, x1, x5, x2, x6, x3, x7), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
                     GROUP, 8, MXFP4, ZERO, 1.0)
 
@@ -239,14 +239,14 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     keeps them in registers, where the compiler otherwise rebuilds each constant before each use. WAIT (a
     programmatic dependent launch, `down_pairs4_kernel`): the first chunk's words are loaded, then the
     program waits for the grid it depends on (which writes the vector) before it reads the vector. WORDS4:
-    C is a multiple of 32 (`load_words`). HALF (int4 words; 1 inline PTX, 2 its interpreter form): the vector
+    C is a multiple of 32 (`load_words`). HALF (words; 1 inline PTX, 2 its interpreter form): the vector
     measured once (`largest`); one that `half_fits` runs the loop of `half_chunk`, any other the float32 loop
     (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at once)."""
     if (GROUP % 8 == 0) and words:
         w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         if WAIT:
             gdc_wait()
-        if (HALF != 0) and not MXFP4:  # int4 alone (half4.py)
+        if HALF != 0:  # half4.py
             if half_fits(largest(v_ptr, C, BLOCK_K)):
                 acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
                                   MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
@@ -294,7 +294,7 @@ def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, 
     """`packed_dot` of two matrices' rows (a and b: gate and up) with one vector, in one loop
     (`_words_loop2`)."""
     if (GROUP % 8 == 0) and words:
-        if (HALF != 0) and not MXFP4:  # int4 alone (half4.py)
+        if HALF != 0:  # half4.py
             if half_fits(largest(v_ptr, C, BLOCK_K)):
                 acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
                                             v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, HALF)

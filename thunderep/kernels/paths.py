@@ -205,12 +205,12 @@ def pdl_applies(device: torch.device) -> bool:
 
 
 def half_mode(device: torch.device, fmt: str) -> int:
-    """The 4-bit pair kernels' HALF (`pairs4.packed_dot`): for int4 weights, the products in float16 pairs
-    where the vector fits, in inline PTX on a CUDA GPU of sm_80 or later (1), in Triton operations under the
-    interpreter (2); 0 (float32 products) for other formats, older GPUs, or THUNDEREP_HALF_PRODUCTS=0.
-    (Timed 1.11-1.14x the float32 products at Mixtral's one-token step; MXFP4's float16 pairs, timed slower,
-    were removed: docs/benchmarks/2026-12-05-int4-experts-h200.md.)"""
-    if fmt != "int4" or env.half_products() is False:
+    """The 4-bit pair kernels' HALF (`pairs4.packed_dot`): for int4 and MXFP4 weights, the products in float16
+    pairs where the vector fits, in inline PTX on a CUDA GPU of sm_80 or later (1), in Triton operations under
+    the interpreter (2); 0 (float32 products) for other formats, older GPUs, or THUNDEREP_HALF_PRODUCTS=0.
+    (int4's timed 1.11-1.14x the float32 products at Mixtral's one-token step:
+    docs/benchmarks/2026-12-05-int4-experts-h200.md.)"""
+    if fmt not in ("int4", "mxfp4") or env.half_products() is False:
         return 0
     if env.triton_interpreter():
         return 2
