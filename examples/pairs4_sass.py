@@ -11,7 +11,7 @@ operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one t
 a faster kernel is for `examples/pairs4_configs.py` on a GPU. Also each build's registers a thread and stack
 bytes (spills), and the loop's shared-memory operations and barriers. --chunk counts one of
 `examples/pairs4_profile.py`'s probes in place of the chunk as it runs (`--loads-only convert`). --half 1 counts
-the int4 kernels as CUDA launches them (HALF: the products in float16 pairs, kernels/half4.py): the loop a vector
+the kernels as CUDA launches them (HALF: the products in float16 pairs, kernels/half4.py): the loop a vector
 in range runs. --parts N counts the down pass with I cut into N ranges (PARTS, SPLIT), whose offsets must leave
 the loads 16 bytes wide.
 """
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--tiles", default="16x512x4,8x512x2,16x1024x4,16x2048x4")
     parser.add_argument("--mxfp4", action="store_true", help="MXFP4 weights (e2m1 codes, e8m0 scales) instead of int4")
     parser.add_argument("--half", type=int, default=0, choices=(0, 1),
-                        help="the kernels' HALF (1: float16-pair products in inline PTX, as CUDA launches int4)")
+                        help="the kernels' HALF (1: float16-pair products in inline PTX, as CUDA launches them)")
     parser.add_argument("--chunk", choices=("convert", "paired"),
                         help="count a probe of examples/pairs4_profile.py in place of the chunk as it runs")
     parser.add_argument("--parts", type=int, default=1, help="the down pass with I cut into this many ranges")
@@ -97,8 +97,6 @@ def main() -> None:
             P4.largest = pairs4_profile._assumed_largest
         else:
             P4.word_chunk = pairs4_profile._converted
-    if args.mxfp4 and args.half:
-        raise SystemExit("--half counts int4's float16-pair products; MXFP4 has none (kernels/half4.py)")
     if targets._cuobjdump() is None:
         raise SystemExit("cuobjdump is not available (Triton bundles it with its NVIDIA backend)")
     print("| pass | tile (BLOCK_N x BLOCK_K x warps) | instructions per weight | loads in the loop, by width "
