@@ -66,7 +66,7 @@ FLUSH_BYTES = 256 << 20
 def _words_only(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
                 MXFP4: tl.constexpr, ZERO: tl.constexpr):
     """Probe in place of pairs4.word_chunk: the chunk's words summed as integers (loads kept, nothing else)."""
-    return tl.sum((w ^ opaque).to(tl.int32, bitcast=True).to(tl.float32), 1)
+    return tl.sum((w ^ opaque).to(tl.int32, bitcast=True).to(tl.float32), 1, keep_dims=True)  # added to each partial
 
 
 @triton.jit

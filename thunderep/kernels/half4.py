@@ -81,15 +81,14 @@ fma.rn.f16x2 t3, t3, step, shift;
 # replicated: 0), j, 8 + j, 4 + j. Then code j's and j + 4's sign bits (bits 4 j + 3, 4 j + 19) shifted to 15
 # and 31 and or'ed in.
 _E2M1_PAIRS = tl.constexpr("""{
-.reg .b32 tlo, thi, m, a, b, t0, t1, t2, t3, p;
+.reg .b32 thi, m, a, b, t0, t1, t2, t3, p;
 .reg .f16 plo, phi;
 .reg .f32 flo, fhi;
-mov.b32 tlo, 0x3E3C3800;
 mov.b32 thi, 0x46444240;
 and.b32 m, $1, 0x77777777;
-prmt.b32 a, tlo, thi, m;
+prmt.b32 a, $6, thi, m;
 shr.b32 m, m, 16;
-prmt.b32 b, tlo, thi, m;
+prmt.b32 b, $6, thi, m;
 prmt.b32 t0, a, b, 0x4808;
 prmt.b32 t1, a, b, 0x5919;
 prmt.b32 t2, a, b, 0x6A2A;
@@ -147,9 +146,13 @@ def pair_products(w, p04, p15, p26, p37, opaque, MODE: tl.constexpr, MXFP4: tl.c
     over the word's 8 values: each half's 4 products summed in float16, then the halves widened and added.
     MODE 1: inline PTX; 2: Triton operations (the interpreter). opaque: a uint32 zero
     (`pairs4.packed_dot`)."""
-    if MODE == 1:
-        return tl.inline_asm_elementwise(_E2M1_PAIRS if MXFP4 else _WORD_PRODUCTS, "=r,r,r,r,r,r",
-                                         [w.to(tl.uint32, bitcast=True) ^ opaque, p04[None, :], p15[None, :],
+    if MODE == 1 and MXFP4:  # the table's low word ($6) one register for all words, the high one an immediate
+        return tl.inline_asm_elementwise(_E2M1_PAIRS, "=r,r,r,r,r,r,r",
+                                         [w.to(tl.uint32, bitcast=True), p04[None, :], p15[None, :], p26[None, :],
+                                          p37[None, :], opaque | 0x3E3C3800], dtype=tl.float32, is_pure=True, pack=1)
+    elif MODE == 1:
+        return tl.inline_asm_elementwise(_WORD_PRODUCTS, "=r,r,r,r,r,r",
+                                         [w.to(tl.uint32, bitcast=True), p04[None, :], p15[None, :],
                                           p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
     else:
         lo, hi = _codes16(w, 0, opaque, MXFP4)

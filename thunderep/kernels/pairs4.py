@@ -106,10 +106,12 @@ def _byte_products(w_ptrs_N, v_ptr, k0, C, ok_N, MXFP4: tl.constexpr, HK: tl.con
 @triton.jit
 def _grouped(prod, vsum_H, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP: tl.constexpr, PER: tl.constexpr,
              MXFP4: tl.constexpr, ZERO: tl.constexpr, UNIT: tl.constexpr):
-    """[BLOCK_N] sums of a chunk's products prod [BLOCK_N, H] (each element PER columns: a word or a byte, inside
-    one group) per group, times UNIT and the group's scale (zero points: minus z times the group's sum of
-    the vector, vsum_H [H]). A chunk of whole groups (GROUP / PER elements, a power of two, dividing H)
-    loads one scale per group and row; a chunk inside one group one per row; anything else one per element."""
+    """A chunk's products prod [BLOCK_N, H] (each element PER columns: a word or a byte, inside one group) summed
+    per group, times UNIT and the group's scale (zero points: minus z times the group's sum of the vector,
+    vsum_H [H]), as the row's partials [BLOCK_N, `_partials`' columns] that the loops add up chunk after chunk
+    and sum across once after the loop (no cross-thread reduction a chunk). A chunk of whole groups (GROUP /
+    PER elements, a power of two, dividing H) loads one scale per group and row (a partial per group); a
+    chunk inside one group one per row (one partial); anything else one per element (one per element)."""
     BLOCK_N: tl.constexpr = tl.constexpr(prod.shape[0])
     H: tl.constexpr = tl.constexpr(prod.shape[1])
     EG: tl.constexpr = tl.constexpr(GROUP // PER)
@@ -124,7 +126,7 @@ def _grouped(prod, vsum_H, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP: tl
             sums -= tl.load(z_ptrs_N[:, None] + g_off, mask=ok_G, other=0).to(tl.float32) * vsum[None, :]
         if UNIT != 1.0:
             sums = sums * UNIT
-        return tl.sum(sums * scales4(s_ptrs_N[:, None] + g_off, ok_G, MXFP4), 1)
+        return sums * scales4(s_ptrs_N[:, None] + g_off, ok_G, MXFP4)
     elif EG % H == 0:  # the chunk lies inside one group (k0 is a multiple of BLOCK_K, which divides GROUP)
         g_off = (k0 // GROUP) * stride_sk  # a group index within one row: no overflow
         sums = tl.sum(prod, 1)
@@ -132,7 +134,7 @@ def _grouped(prod, vsum_H, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP: tl
             sums -= tl.load(z_ptrs_N + g_off, mask=ok_N, other=0).to(tl.float32) * tl.sum(vsum_H, 0)
         if UNIT != 1.0:
             sums = sums * UNIT
-        return sums * scales4(s_ptrs_N + g_off, ok_N, MXFP4)  # k0 < C: the loops start chunks inside the row
+        return (sums * scales4(s_ptrs_N + g_off, ok_N, MXFP4))[:, None]  # k0 < C: chunks start inside the row
     else:  # a scale per element
         p_H = k0 // PER + tl.arange(0, H)
         ok = ok_N[:, None] & (p_H * PER < C)[None, :]
@@ -141,7 +143,16 @@ def _grouped(prod, vsum_H, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP: tl
             prod -= tl.load(z_ptrs_N[:, None] + g_H[None, :], mask=ok, other=0).to(tl.float32) * vsum_H[None, :]
         if UNIT != 1.0:
             prod = prod * UNIT
-        return tl.sum(prod * scales4(s_ptrs_N[:, None] + g_H[None, :], ok, MXFP4), 1)
+        return prod * scales4(s_ptrs_N[:, None] + g_H[None, :], ok, MXFP4)
+
+
+@triton.jit
+def _partials(ok_N, H: tl.constexpr, GROUP: tl.constexpr, PER: tl.constexpr):
+    """Zeros in the shape of `_grouped`'s partials for chunks of H elements of PER columns each: [BLOCK_N, H /
+    (GROUP / PER)] for whole groups, [BLOCK_N, 1] inside one group, [BLOCK_N, H] otherwise."""
+    EG: tl.constexpr = GROUP // PER
+    NC: tl.constexpr = (H // EG) if ((H % EG == 0) and ((EG & (EG - 1)) == 0)) else (1 if EG % H == 0 else H)
+    return tl.zeros((ok_N.shape[0], NC), dtype=tl.float32)
 
 
 @triton.jit
@@ -159,9 +170,9 @@ def load_words(w_ptrs_N, k0, C, ok_N, HW: tl.constexpr, WORDS4: tl.constexpr = F
 @triton.jit
 def word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
                ZERO: tl.constexpr):
-    """[BLOCK_N] float32 sums of one chunk at column k0 from its words w (`load_words`; GROUP a multiple of
-    8): the values times the vector at v_ptr (C elements), summed per group and times the group's scale
-    (zero points: minus z times the group's sum of the vector). opaque: a uint32 zero the compiler cannot
+    """The float32 partials (`_grouped`) of one chunk at column k0 from its words w (`load_words`; GROUP a
+    multiple of 8): the values times the vector at v_ptr (C elements), summed per group and times the group's
+    scale (zero points: minus z times the group's sum of the vector). opaque: a uint32 zero the compiler cannot
     see through (`packed_dot`)."""
     prod, vsum = _word_products(w, v_ptr, k0, C, opaque, MXFP4, w.shape[1])
     return _grouped(prod, vsum, s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk, GROUP, 8, MXFP4, ZERO,
@@ -204,10 +215,10 @@ def byte_chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, stride_sk, GROU
 def _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
               ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
     """`packed_dot` on rows read as bytes, chunk after chunk."""
-    acc = tl.zeros(ok_N.shape, dtype=tl.float32)
+    acc = _partials(ok_N, BLOCK_K // 2, GROUP, 2)
     for k0 in range(0, C, BLOCK_K):
         acc += byte_chunk(w_ptrs_N, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
-    return acc
+    return tl.sum(acc, 1)
 
 
 @triton.jit
@@ -215,8 +226,8 @@ def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, st
                 MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr,
                 MODE: tl.constexpr):
     """`packed_dot`'s loop over the chunks of words, the first chunk's words w_next already loaded; each
-    chunk in float16 pairs (MODE 1 or 2) or in float32."""
-    acc = tl.zeros(ok_N.shape, dtype=tl.float32)
+    chunk in float16 pairs (MODE 1 or 2) or in float32; the partials summed across once, after the loop."""
+    acc = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
     for k0 in range(0, C, BLOCK_K):
         w = w_next
         w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
@@ -224,7 +235,7 @@ def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, st
             acc += half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE)
         else:
             acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
-    return acc
+    return tl.sum(acc, 1)
 
 
 @triton.jit
@@ -268,8 +279,8 @@ def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N,
                  GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
                  WORDS4: tl.constexpr, MODE: tl.constexpr):
     """`_words_loop` of two matrices (`packed_dot2`): both matrices' next chunks in flight together."""
-    acc_a = tl.zeros(ok_N.shape, dtype=tl.float32)
-    acc_b = tl.zeros(ok_N.shape, dtype=tl.float32)
+    acc_a = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
+    acc_b = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
     a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
     b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
     for k0 in range(0, C, BLOCK_K):
@@ -284,7 +295,7 @@ def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N,
         else:
             acc_a += word_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
             acc_b += word_chunk(b, sb_ptrs_N, zb_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
-    return acc_a, acc_b
+    return tl.sum(acc_a, 1), tl.sum(acc_b, 1)
 
 
 @triton.jit
