@@ -6,6 +6,7 @@ pass reads and those bytes' time at copy bandwidth.
                                       [--no-split] [--no-parts] [--no-words4]
                                       [--loads-only words|scales|convert] [--strided-vector]
                                       [--assume-fits] [--paired-vector] [--plane-vector] [--word-planes]
+                                      [--no-paired-h]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
 
@@ -38,7 +39,8 @@ load a word position, as a vector written once a token in that layout would be: 
 memory, no barriers, no conversion (a probe: outputs meaningless; what such a layout could save).
 --plane-vector runs HALF's products on a 16-bit vector through its float32 planes (`pairs4.half_chunk_planes`),
 as before its words were read as float16 pairs in place (`half4.vector_pairs`, the default): same outputs.
---word-planes gives the float32 chunks (MXFP4's; int4's where HALF is off or the vector does not fit) a
+--no-paired-h has the down pass convert h to float16 pairs itself, as before the gate/up pass wrote h's
+float16-pair copy (`decode.PAIRED_H`). --word-planes gives the float32 chunks (MXFP4's; int4's where HALF is off or the vector does not fit) a
 16-bit vector's planes from its words split in registers (`vector4.word_planes`): same outputs; a candidate.
 """
 
@@ -102,7 +104,7 @@ def _assumed_largest(v_ptr, C, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _paired_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
-                  MXFP4: tl.constexpr, ZERO: tl.constexpr, MODE: tl.constexpr):
+                  MXFP4: tl.constexpr, ZERO: tl.constexpr, MODE: tl.constexpr, vp_ptr=0, PAIRED: tl.constexpr = False):
     """Probe in place of pairs4.half_chunk: the vector's 16 bytes at each word position read as the word's 4
     float16 pairs, as a vector written once a token in that layout would be (one 16-byte load a word position;
     no split, no conversion, no shared memory). Its outputs are meaningless (bfloat16 bits read as float16)."""
@@ -207,6 +209,8 @@ def main() -> None:
     parser.add_argument("--plane-vector", action="store_true",
                         help="HALF reads a 16-bit vector through its float32 planes (pairs4.half_chunk_planes), as "
                              "before half4.vector_pairs")
+    parser.add_argument("--no-paired-h", action="store_true",
+                        help="the down pass converts h to float16 pairs itself (decode.PAIRED_H off)")
     parser.add_argument("--word-planes", action="store_true",
                         help="the float32 chunks (MXFP4's, int4's without HALF) take a 16-bit vector's planes from "
                              "its words split in registers (vector4.word_planes)")
@@ -216,6 +220,9 @@ def main() -> None:
     if args.strided_vector:
         pairs4.planes = _strided_planes
         print("the 4-bit kernels load the vector's planes directly (--strided-vector)")
+    if args.no_paired_h:
+        decode.PAIRED_H = False
+        print("the down pass converts h itself (--no-paired-h)")
     if args.word_planes:
         pairs4.planes = vector4.word_planes
         print("the float32 chunks take the vector's planes from its words (--word-planes)")

@@ -253,8 +253,10 @@ def test_int4_half_products_run_where_the_vector_fits(fmt, monkeypatch):
 def test_int4_half_vector_pairs_equal_the_planes_bit_for_bit(fmt, dtype, monkeypatch):
     """HALF's 16-bit vectors read as float16 pairs straight from their words (`half4.vector_pairs`) give the
     outputs of the same products through the float32 planes (`pairs4.half_chunk_planes`) bit for bit, in both
-    passes, at full chunks and a tail; a vector whose rows are not 4-byte aligned (a view one element in)
-    is read through an aligned copy (`decode.vector_rows`) and gives its own rows' outputs."""
+    passes, at full chunks and a tail, and so does the down pass reading h's float16-pair copy that the
+    gate/up pass writes (`decode.PAIRED_H`, on by default) against converting h itself; a vector whose rows
+    are not 4-byte aligned (a view one element in) is read through an aligned copy (`decode.vector_rows`)
+    and gives its own rows' outputs."""
     from thunderep.kernels import pairs4
 
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
@@ -266,12 +268,16 @@ def test_int4_half_vector_pairs_equal_the_planes_bit_for_bit(fmt, dtype, monkeyp
     shifted = wide[1:].view(3, 96)
     shifted.copy_(x)
     assert shifted.data_ptr() % 4 and decode.vector_rows(shifted).data_ptr() % 4 == 0
+    assert decode.paired_h(torch.empty(6, 56, dtype=dtype), 2, q_d) is not None  # the copy is made here
     with torch.no_grad():
         pairs = routed_moe_mlp(x, q_gu, q_d, ids, weights.to(dtype))
         unaligned = routed_moe_mlp(shifted, q_gu, q_d, ids, weights.to(dtype))
+        monkeypatch.setattr(decode, "PAIRED_H", False)
+        converted = routed_moe_mlp(x, q_gu, q_d, ids, weights.to(dtype))
         monkeypatch.setattr(pairs4, "half_chunk", pairs4.half_chunk_planes)
         planes = routed_moe_mlp(x, q_gu, q_d, ids, weights.to(dtype))
     assert torch.isfinite(pairs).all() and torch.equal(pairs, planes) and torch.equal(unaligned, pairs)
+    assert torch.equal(converted, pairs)
 
 
 @pytest.mark.parametrize("fmt,dtype", [("mxfp4", torch.bfloat16), ("mxfp4", torch.float16), ("int4", torch.bfloat16)])

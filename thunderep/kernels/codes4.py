@@ -95,10 +95,11 @@ def nibbles4(b, MXFP4: tl.constexpr):
 @triton.jit
 def scales4(s_ptrs, ok, MXFP4: tl.constexpr):
     """The group scales at s_ptrs as float32 (0 where not ok): e8m0 exponents as 2 ** (s - 127) (built from
-    the bits; s = 0 is 2 ** -127, a float32 subnormal), or int4's float scales."""
+    the bits: s << 23 for s >= 1; s = 0 is 2 ** -127, the float32 subnormal 0x00400000, which is less than
+    any of those, so one max picks it), or int4's float scales."""
     if MXFP4:
         s = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
-        value = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
+        value = tl.maximum(s << 23, 0x00400000).to(tl.float32, bitcast=True)  # s = 0: 2 ** -127's bits
         value = tl.where(ok, value, 0.0)
     else:
         value = tl.load(s_ptrs, mask=ok, other=0.0).to(tl.float32)

@@ -25,6 +25,9 @@ __all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "pairs4_forward
 # (for the down pass optionally "SPLIT" and "PARTS") runs that config.
 PAIRS4_UP: dict | None = None
 PAIRS4_DOWN: dict | None = None
+# The gate/up pass also writes h in float16 pairs for the down pass's float16 loop (pairs4.up_pairs4_kernel's
+# PAIRED) where that loop runs on a 16-bit h of whole words; False: the down pass converts h itself.
+PAIRED_H = True
 
 def second_rows(first: torch.Tensor, second: torch.Tensor) -> tuple[int, int]:
     """(split_e, w_shift) of pairs.py's `_entry_offset`: ids from split_e (the rows of `first`) on read rows
@@ -105,16 +108,19 @@ def down4_buffers(x: torch.Tensor, T: int, N: int, D: int) -> tuple[torch.Tensor
 
 
 def down4(h: torch.Tensor, w_down, ids: torch.Tensor, weights: Optional[torch.Tensor], T: int, buffers: tuple,
-          pdl: bool, half: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+          pdl: bool, half: int, bias: Optional[torch.Tensor] = None, h_pairs: Optional[torch.Tensor] = None
+          ) -> torch.Tensor:
     """y_TD of the 4-bit down pass (pairs4.down_pairs4_kernel, autotuned or PAIRS4_DOWN) on h [N, I]:
     w_down [E, D, I] int4.Int4Weight; buffers: `down4_buffers`' (zeroed by the gate/up pass); pdl: launched
     as the gate/up pass's programmatic dependent; half: paths.half_mode; bias [E, D] or None: each slot's
-    expert's bias added (gpt-oss)."""
+    expert's bias added (gpt-oss); h_pairs: h's float16-pair copy (`paired_h`), or None."""
     E, D, I = w_down.shape
     N = ids.numel()
     part, count, n_counts = buffers
     y = h.new_empty(T, D)
     extra = {} if bias is None else {"b_ptr": bias, "stride_be": bias.stride(0), "BIAS": True}
+    if h_pairs is not None:
+        extra.update(hp_ptr=h_pairs, PAIRED=True)
     _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
              lambda meta: (T, cdiv(D, meta["BLOCK_N"]), (N // T if meta.get("SPLIT") else 1) * meta.get("PARTS", 1)),
              h.device, h_ptr=h, w_ptr=w_down.packed, stride_we=w_down.packed.stride(0), y_ptr=y, ids_ptr=ids,
@@ -146,11 +152,22 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
     pdl = paths.pdl_applies(x.device)
     half = paths.half_mode(x.device, w_gate_up.fmt)
     h = x.new_empty(N, I)
+    h_pairs = paired_h(h, half, w_down)
     buffers = down4_buffers(x, T, N, D)
     _launch4(tiles.UP_PAIRS4, tiles.UP_PAIRS4_PLAIN, PAIRS4_UP, lambda bn: N * cdiv(I, bn), D,
              lambda meta: (N, cdiv(I, meta["BLOCK_N"])), x.device,
              x_ptr=x, w_ptr=w_gate_up.packed, stride_we=w_gate_up.packed.stride(0), h_ptr=h, ids_ptr=ids,
              count_ptr=buffers[1], I=I, D=D, E=E, top_k=N // T, n_counts=buffers[2], stride_xm=x.stride(0),
              stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
-             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half, **w_gate_up.kernel_args())
-    return down4(h, w_down, ids, weights, T, buffers, pdl, half)
+             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half, **w_gate_up.kernel_args(),
+             **({} if h_pairs is None else {"hp_ptr": h_pairs, "PAIRED": True}))
+    return down4(h, w_down, ids, weights, T, buffers, pdl, half, h_pairs=h_pairs)
+
+
+def paired_h(h: torch.Tensor, half: int, w_down) -> Optional[torch.Tensor]:
+    """A float16 buffer in h's shape for h's float16-pair copy (pairs4.up_pairs4_kernel's PAIRED), where the
+    down pass's float16 loop (half) would convert a 16-bit h of whole words (w_down without zero points); None
+    otherwise or with PAIRED_H off."""
+    if PAIRED_H and half and h.element_size() == 2 and h.shape[1] % 8 == 0 and w_down.zero is None:
+        return torch.empty(h.shape, dtype=torch.float16, device=h.device)
+    return None

@@ -41,7 +41,7 @@ from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, nibbles4, scales4
 from .half4 import half_fits, half_word_products, pair_products, vector_pairs
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import part_range, sum_split_slots, zero_counts
-from .vector4 import largest, planes, vector, word_sums
+from .vector4 import largest, planes, vector, vector_words, word_sums
 
 __all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
            "slot_weights", "up_pairs4_kernel", "word_chunk", "words_ok"]
@@ -181,10 +181,16 @@ def word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
 
 @triton.jit
 def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
-               ZERO: tl.constexpr, MODE: tl.constexpr):
+               ZERO: tl.constexpr, MODE: tl.constexpr, vp_ptr=0, PAIRED: tl.constexpr = False):
     """`word_chunk` with the products in float16 pairs (half4.py; MODE 1 inline PTX, 2 Triton operations),
     for a vector that `half_fits`. A 16-bit vector without zero points is read as its float16
-    pairs (`vector_pairs`); others through their float32 planes (`half_chunk_planes`)."""
+    pairs (`vector_pairs`), or PAIRED from its copy at vp_ptr already in that layout (`up_pairs4_kernel`'s);
+    others through their float32 planes (`half_chunk_planes`)."""
+    if PAIRED and not ZERO:
+        p04, p15, p26, p37 = vector_words(vp_ptr, k0, C, w.shape[1])
+        prod = pair_products(w, p04, p15, p26, p37, opaque, MODE, MXFP4)
+        return _grouped(prod, tl.zeros((w.shape[1],), dtype=tl.float32), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
+                        GROUP, 8, MXFP4, ZERO, 1.0)
     if (not ZERO) and (v_ptr.dtype.element_ty != tl.float32):
         p04, p15, p26, p37 = vector_pairs(v_ptr, k0, C, w.shape[1], MODE)
         prod = pair_products(w, p04, p15, p26, p37, opaque, MODE, MXFP4)
@@ -195,7 +201,7 @@ def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
 
 @triton.jit
 def half_chunk_planes(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
-                      MXFP4: tl.constexpr, ZERO: tl.constexpr, MODE: tl.constexpr):
+                      MXFP4: tl.constexpr, ZERO: tl.constexpr, MODE: tl.constexpr, vp_ptr=0, PAIRED: tl.constexpr = False):
     """`half_chunk` through the vector's float32 planes (`vector4.planes`), each two made a float16 pair."""
     x0, x4, x1, x5, x2, x6, x3, x7 = planes(v_ptr, k0, C, w.shape[1])
     prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE, MXFP4)
@@ -224,7 +230,7 @@ def _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP: tl
 @triton.jit
 def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
                 MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr,
-                MODE: tl.constexpr):
+                MODE: tl.constexpr, vp_ptr=0, PAIRED: tl.constexpr = False):
     """`packed_dot`'s loop over the chunks of words, the first chunk's words w_next already loaded; each
     chunk in float16 pairs (MODE 1 or 2) or in float32; the partials summed across once, after the loop."""
     acc = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
@@ -232,7 +238,8 @@ def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, st
         w = w_next
         w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
         if MODE != 0:
-            acc += half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE)
+            acc += half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE,
+                              vp_ptr, PAIRED)
         else:
             acc += word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO)
     return tl.sum(acc, 1)
@@ -241,7 +248,7 @@ def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, st
 @triton.jit
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
                MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr = False,
-               WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0):
+               WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, vp_ptr=0, PAIRED: tl.constexpr = False):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
@@ -252,7 +259,8 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     program waits for the grid it depends on (which writes the vector) before it reads the vector. WORDS4:
     C is a multiple of 32 (`load_words`). HALF (words; 1 inline PTX, 2 its interpreter form): the vector
     measured once (`largest`); one that `half_fits` runs the loop of `half_chunk`, any other the float32 loop
-    (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at once)."""
+    (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at once). PAIRED:
+    the float16 loop reads the vector's copy at vp_ptr in its float16-pair layout (`half_chunk`)."""
     if (GROUP % 8 == 0) and words:
         w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         if WAIT:
@@ -260,7 +268,7 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
         if HALF != 0:  # half4.py
             if half_fits(largest(v_ptr, C, BLOCK_K)):
                 acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
-                                  MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
+                                  MXFP4, ZERO, BLOCK_K, WORDS4, HALF, vp_ptr, PAIRED)
             else:
                 acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
                                   MXFP4, ZERO, BLOCK_K, WORDS4, 0)
@@ -326,13 +334,16 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
                      stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm, ACT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                     WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0):
+                     WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, hp_ptr=0, PAIRED: tl.constexpr = False):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales
     (and zero points, ZERO) [E, 2I, ceil(D / GROUP)] by strides; h: [T*K, I]. Also zeroes the down pass's
     per-token counts (count: [T, n_counts], `down_pairs4_kernel`'s SPLIT). PDL: the down pass may launch
     as soon as this grid's programs have all started (pairs.py's programmatic dependent launch). WORDS4: D
-    a multiple of 32 (16-byte loads, `load_words`). HALF: the products in float16 pairs (`packed_dot`)."""
+    a multiple of 32 (16-byte loads, `load_words`). HALF: the products in float16 pairs (`packed_dot`). PAIRED:
+    h also written to hp (float16, h's strides) in the layout of `half4.vector_pairs`' pairs, for the down
+    pass's float16 loop to load as they lie: column 8 q + i (i < 4) at 8 q + 2 i, 8 q + 4 + i at 8 q + 2 i + 1,
+    each the float16 of h as stored (the same bits as that pass's own conversion gives)."""
     if PDL:
         gdc_launch_dependents()
     j = tl.program_id(0)
@@ -356,6 +367,9 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     h = tl.where(known, act(acc_g, ACT) * acc_u, tl.where(skipped, 0.0, float("nan")))
     h = h.to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h, mask=cols_N < I)
+    if PAIRED:
+        paired_N = (cols_N & ~7) | ((cols_N & 3) << 1) | ((cols_N >> 2) & 1)
+        tl.store(hp_ptr + j.to(tl.int64) * stride_hm + paired_N, h.to(tl.float32).to(tl.float16), mask=cols_N < I)
 
 
 @triton.jit
@@ -381,17 +395,21 @@ def slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_
 def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps, C, E, stride_hm, stride_we,
            stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr,
            MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, STEP: tl.constexpr, WAIT: tl.constexpr,
-           WORDS4: tl.constexpr, HALF: tl.constexpr, b_ptr, stride_be, BIAS: tl.constexpr):
+           WORDS4: tl.constexpr, HALF: tl.constexpr, b_ptr, stride_be, BIAS: tl.constexpr, hp_ptr,
+           PAIRED: tl.constexpr):
     """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N and
     the C columns of I from steps * STEP (`part_range`)."""
     expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
                                               stride_se, stride_sn, WEIGHTED)
     h_row = h_ptr + j.to(tl.int64) * stride_hm + steps * STEP
+    hp_row = h_row
+    if PAIRED:  # h in float16 pairs (up_pairs4_kernel's PAIRED), h's strides
+        hp_row = hp_ptr + j.to(tl.int64) * stride_hm + steps * STEP
     w_N += steps * (STEP // 2)  # bytes
     s_N += (steps * (STEP // GROUP)).to(tl.int64) * stride_sk  # groups (STEP is a multiple of GROUP)
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
     acc = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, C, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
-                     BLOCK_K, WAIT, WORDS4, HALF)
+                     BLOCK_K, WAIT, WORDS4, HALF, hp_row, PAIRED)
     if BIAS:  # the expert's bias b[expert] (not for -1), once: in the first part of I
         bias = tl.load(b_ptr + expert * stride_be + cols_N, mask=ok_N, other=0.0).to(tl.float32)
         acc += tl.where(steps == 0, bias, 0.0)
@@ -404,7 +422,8 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
                        WEIGHTED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
                        PARTS: tl.constexpr = 1, PDL: tl.constexpr = False, WORDS4: tl.constexpr = False,
-                       HALF: tl.constexpr = 0, b_ptr=0, stride_be=0, BIAS: tl.constexpr = False):
+                       HALF: tl.constexpr = 0, b_ptr=0, stride_be=0, BIAS: tl.constexpr = False, hp_ptr=0,
+                       PAIRED: tl.constexpr = False):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
@@ -417,7 +436,8 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     programmatic dependent of the gate/up pass: each program loads its first chunk of weights, then waits for
     h. WORDS4: I a multiple of 32 (`load_words`). HALF: the products in float16 pairs (`packed_dot`). BIAS:
     each slot's expert's bias row b[ids[t*K + k]] ([E, D], row stride stride_be) added to its product before
-    the routing weight (gpt-oss's experts, pairs4_gptoss.py)."""
+    the routing weight (gpt-oss's experts, pairs4_gptoss.py). PAIRED: HALF's loop reads h's float16-pair copy
+    at hp (`up_pairs4_kernel`'s PAIRED)."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -431,18 +451,18 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     if SPLIT:
         part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + q // PARTS, cols_N, D, steps, C,
                       E, stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS)
+                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED)
         sum_split_slots(part, t * top_k * PARTS + q, t, tile, cols_N, col_ok_N, D, top_k * PARTS, part_ptr,
                         count_ptr, stride_cm, y_ptrs)
     else:
         acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, steps, C, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
-                     BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be,
-                     BIAS)  # the first slot waits for h (PDL); the others find it written
+                     BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr,
+                     PAIRED)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
             acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, steps, C, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                          MXFP4, ZERO, BLOCK_K, STEP, False, WORDS4, HALF, b_ptr, stride_be, BIAS)
+                          MXFP4, ZERO, BLOCK_K, STEP, False, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED)
         if PARTS > 1:
             sum_split_slots(acc, t * PARTS + q, t, tile, cols_N, col_ok_N, D, PARTS, part_ptr, count_ptr, stride_cm,
                             y_ptrs)

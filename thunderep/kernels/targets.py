@@ -98,11 +98,12 @@ _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=Fals
                                                          ZERO=False)),
                  "down_pairs4": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True)),
                  # int4 with the products in float16 pairs (HALF: inline PTX, half4.py), as CUDA launches them
-                 # (the down pass's I cut into 4 ranges, PARTS)
+                 # (the down pass's I cut into 4 ranges, PARTS; h's float16-pair copy, PAIRED)
                  "up_pairs4_half": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=False,
-                                                              ZERO=False, WORDS4=True, HALF=1)),
-                 "down_pairs4_half": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=True,
-                                                                  WORDS4=True, SPLIT=True, HALF=1, PARTS=4)),
+                                                              ZERO=False, WORDS4=True, HALF=1, PAIRED=True)),
+                 "down_pairs4_half": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=False,
+                                                                  WORDS4=True, SPLIT=True, HALF=1, PARTS=4,
+                                                                  PAIRED=True)),
                  # the sorted kernels reading packed tiles (sorted4.py: prompts on tensor cores)
                  "up4": (S4.up4_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, PRECISION="tf32", EVEN_K=True,
                                              TAIL=False, GROUP=32, MXFP4=True, ZERO=False)),
@@ -174,7 +175,7 @@ def _signature(fn, name: str, fp8: bool = False, w8a8: bool = False):
             sig[arg] = "fp32"
         elif arg.endswith("_ptr"):
             sig[arg] = {"order_ptr": "*i32", "counts_ptr": "*i32", "dwp_ptr": "*fp32", "ids_ptr": "*i64",
-                        "count_ptr": "*i32", "part_ptr": "*fp32", **weights}.get(arg, "*bf16")
+                        "count_ptr": "*i32", "part_ptr": "*fp32", "hp_ptr": "*fp16", **weights}.get(arg, "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[arg] = "i32"
