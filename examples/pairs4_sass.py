@@ -3,7 +3,7 @@ for a GPU architecture on this machine (no GPU needed): int4 with groups of 32, 
 weight loads (LDG.E.128: 16 bytes a thread).
 
     python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4]
-                                   [--chunk convert] [--half 1] [--mxfp4] [--parts 4]
+                                   [--chunk convert] [--half 1] [--mxfp4] [--parts 4] [--paired]
 
 A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit conversion
 operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass
@@ -13,7 +13,8 @@ bytes (spills), and the loop's shared-memory operations and barriers. --chunk co
 `examples/pairs4_profile.py`'s probes in place of the chunk as it runs (`--loads-only convert`). --half 1 counts
 the kernels as CUDA launches them (HALF: the products in float16 pairs, kernels/half4.py): the loop a vector
 in range runs. --parts N counts the down pass with I cut into N ranges (PARTS, SPLIT), whose offsets must leave
-the loads 16 bytes wide.
+the loads 16 bytes wide. --paired (with --half 1) counts the kernels with h's float16-pair copy (PAIRED), as
+CUDA launches them for a 16-bit h.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ def sass(kernel, constants: dict, block_n: int, block_k: int, warps: int, arch: 
 
 def word_loop(code: str, half: bool = False) -> list[str]:
     """The instructions of the word loop: of the innermost loops (a backward branch's range holding no
-    other), the one with most 16-bit conversion operations (HFMA2 / HADD2); with `half`, the one packing the
-    vector into float16 pairs (F2FP.F16.F32.PACK_AB: HALF's loop, beside the float32 loop a vector out of
-    its range runs)."""
+    other), the one with most 16-bit conversion operations (HFMA2 / HADD2); with `half`, the one with most
+    packed float16 multiplies (HMUL2: HALF's loop starts each word's products with one, where the float32 loop
+    a vector out of its range runs has none)."""
     lines = [line for line in code.splitlines() if _ADDRESS.match(line)]
     address = [int(_ADDRESS.match(line).group(1), 16) for line in lines]
     ranges = []
@@ -74,7 +75,7 @@ def word_loop(code: str, half: bool = False) -> list[str]:
     inner = [(lo, hi) for lo, hi in ranges if not any(lo <= a < b <= hi and (a, b) != (lo, hi) for a, b in ranges)]
     loops = [[x for x, a in zip(lines, address) if lo <= a <= hi] for lo, hi in inner]
     if half:
-        loops = [body for body in loops if any("F2FP.F16.F32.PACK_AB" in x for x in body)]
+        return max(loops, key=lambda body: sum("HMUL2" in x for x in body), default=[])
     return max(loops, key=lambda body: sum("HFMA2" in x or "HADD2" in x for x in body), default=[])
 
 
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--chunk", choices=("convert", "paired"),
                         help="count a probe of examples/pairs4_profile.py in place of the chunk as it runs")
     parser.add_argument("--parts", type=int, default=1, help="the down pass with I cut into this many ranges")
+    parser.add_argument("--paired", action="store_true",
+                        help="with --half 1: h's float16-pair copy written by the up pass, read by the down pass")
     args = parser.parse_args()
     if args.chunk:  # before the first build, as pairs4_profile patches it (this file's folder is on sys.path)
         import pairs4_profile
@@ -106,7 +109,8 @@ def main() -> None:
         for tile in args.tiles.split(","):
             block_n, block_k, warps = (int(v) for v in tile.split("x"))
             weights = block_n * block_k * matrices / (32 * warps)
-            flags = {**constants, "WORDS4": True, "HALF": args.half, "MXFP4": args.mxfp4}
+            flags = {**constants, "WORDS4": True, "HALF": args.half, "MXFP4": args.mxfp4,
+                     **({"PAIRED": True} if args.paired else {})}
             if name == "down" and args.parts > 1:
                 flags.update(PARTS=args.parts, SPLIT=True)
             code, (regs, stack) = sass(kernel, flags, block_n, block_k, warps, args.arch)
