@@ -58,7 +58,7 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, c
     x[j // K] . Wgu[ids[j], 2c + 1] + b[ids[j], 2c + 1]) for pair j = program_id(0), columns c of tile
     program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales (and zero points, ZERO)
     [E, 2I, ceil(D / GROUP)] by strides; b: [E, 2I]; h: [T*K, I]. WORDS4: D a multiple of 32 (pairs4.load_words);
-    HALF: int4's products in float16 pairs (pairs4.packed_dot). Also zeroes the down pass's counts and, PDL,
+    HALF: the products in float16 pairs (pairs4.packed_dot). Also zeroes the down pass's counts and, PDL,
     lets it launch early, as pairs4.up_pairs4_kernel."""
     if PDL:
         gdc_launch_dependents()
