@@ -508,10 +508,14 @@ def _gptoss_check(T, D, I, E, K, fmt, alpha, limit, seed=0, ids=None, weighted=T
 
 @pytest.mark.parametrize("fmt,limit,zero", [("mxfp4", 7.0, False), ("mxfp4", 0.3, False), ("int4", 0.3, True)],
                          ids=["mxfp4", "mxfp4-clamped", "int4-zero-clamped"])
-def test_gptoss_pairs4_match_the_float64_reference(fmt, limit, zero):
+def test_gptoss_pairs4_match_the_float64_reference(fmt, limit, zero, monkeypatch):
     """gpt-oss's experts (biases, interleaved gate/up, clamped SwiGLU with alpha 1.702) on 4-bit weights
-    against the float64 reference on the exactly dequantized weights; limit 0.3 clamps most gates."""
-    _gptoss_check(3, 64, 48, 4, 2, fmt, 1.702, limit, zero=zero)
+    against the float64 reference on the exactly dequantized weights; limit 0.3 clamps most gates. The down
+    pass reading h's float16-pair copy (`decode.PAIRED_H`, made where there are no zero points) gives what
+    converting h itself gives, bit for bit."""
+    paired = _gptoss_check(3, 64, 48, 4, 2, fmt, 1.702, limit, zero=zero)
+    monkeypatch.setattr(decode, "PAIRED_H", False)
+    assert torch.equal(_gptoss_check(3, 64, 48, 4, 2, fmt, 1.702, limit, zero=zero), paired)
 
 
 @pytest.mark.parametrize("up,down", [((16, 32), (16, 32, False, 1)), ((8, 16), (32, 64, True, 1)),

@@ -44,7 +44,7 @@ from .split_slots import part_range, sum_split_slots, zero_counts
 from .vector4 import largest, planes, vector, vector_words, word_sums
 
 __all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
-           "slot_weights", "up_pairs4_kernel", "word_chunk", "words_ok"]
+           "slot_weights", "store_h", "up_pairs4_kernel", "word_chunk", "words_ok"]
 
 
 @triton.jit
@@ -365,6 +365,13 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     acc_g, acc_u = packed_dot2(gw_N, s_ptr + gs_N, z_ptr + gs_N, uw_N, s_ptr + us_N, z_ptr + us_N, D, ok_N, x_row,
                                words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
     h = tl.where(known, act(acc_g, ACT) * acc_u, tl.where(skipped, 0.0, float("nan")))
+    store_h(h, h_ptr, hp_ptr, j, cols_N, I, stride_hm, PAIRED)
+
+
+@triton.jit
+def store_h(h, h_ptr, hp_ptr, j, cols_N, I, stride_hm, PAIRED: tl.constexpr):
+    """Pair j's h (float32 [BLOCK_N], columns cols_N) stored in h's dtype at h_ptr and, PAIRED, that value's
+    float16 at hp_ptr in the float16 pairs' layout (`up_pairs4_kernel`)."""
     h = h.to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h, mask=cols_N < I)
     if PAIRED:

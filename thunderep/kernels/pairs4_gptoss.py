@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import decode, paths
 from .pairs import gdc_launch_dependents
-from .pairs4 import packed_dot2, words_ok
+from .pairs4 import packed_dot2, store_h, words_ok
 from .split_slots import zero_counts
 from .tiles import pairs4_default
 from .tuning import cdiv
@@ -53,13 +53,14 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, c
                             alpha, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be,
                             stride_hm, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr = False,
-                            HALF: tl.constexpr = 0, PDL: tl.constexpr = False):
+                            HALF: tl.constexpr = 0, PDL: tl.constexpr = False, hp_ptr=0,
+                            PAIRED: tl.constexpr = False):
     """h[j, c] = gpt-oss's clamped SwiGLU of (x[j // K] . Wgu[ids[j], 2c] + b[ids[j], 2c],
     x[j // K] . Wgu[ids[j], 2c + 1] + b[ids[j], 2c + 1]) for pair j = program_id(0), columns c of tile
     program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales (and zero points, ZERO)
     [E, 2I, ceil(D / GROUP)] by strides; b: [E, 2I]; h: [T*K, I]. WORDS4: D a multiple of 32 (pairs4.load_words);
     HALF: the products in float16 pairs (pairs4.packed_dot). Also zeroes the down pass's counts and, PDL,
-    lets it launch early, as pairs4.up_pairs4_kernel."""
+    lets it launch early, and, PAIRED, writes h's float16-pair copy to hp, as pairs4.up_pairs4_kernel."""
     if PDL:
         gdc_launch_dependents()
     j = tl.program_id(0)
@@ -87,7 +88,7 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, c
     u_N = tl.minimum(tl.maximum(u_N, -limit), limit)
     h = (u_N + 1.0) * (g_N * tl.sigmoid(alpha * g_N))
     h = tl.where(known, h, tl.where(skipped, 0.0, float("nan")))
-    tl.store(h_ptr + j.to(tl.int64) * stride_hm + cols_N, h.to(h_ptr.dtype.element_ty), mask=cols_N < I)
+    store_h(h, h_ptr, hp_ptr, j, cols_N, I, stride_hm, PAIRED)
 
 
 def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w_down, b_down: torch.Tensor,
@@ -103,6 +104,7 @@ def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w
     I, N = I2 // 2, ids.numel()
     h = x.new_empty(N, I)
     half = paths.half_mode(x.device, w_gate_up.fmt)
+    h_pairs = decode.paired_h(h, half, w_down)
     pdl = paths.pdl_applies(x.device)
     buffers = decode.down4_buffers(x, T, N, D)
     up = _config(GPTOSS4_UP, lambda bn: N * cdiv(I, bn), D)
@@ -111,5 +113,5 @@ def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w
         top_k=N // T, n_counts=buffers[2], alpha=float(alpha), limit=float(limit), stride_xm=x.stride(0),
         stride_wn=w_gate_up.packed.stride(1), stride_be=b_gate_up.stride(0), stride_hm=h.stride(0),
         WORDS4=D % 32 == 0, HALF=half, PDL=pdl, stride_we=w_gate_up.packed.stride(0), **w_gate_up.kernel_args(),
-        **up)
-    return decode.down4(h, w_down, ids, weights, T, buffers, pdl, half, bias=b_down)
+        **up, **({} if h_pairs is None else {"hp_ptr": h_pairs, "PAIRED": True}))
+    return decode.down4(h, w_down, ids, weights, T, buffers, pdl, half, bias=b_down, h_pairs=h_pairs)
