@@ -5,7 +5,7 @@ pass reads and those bytes' time at copy bandwidth.
     python examples/pairs4_profile.py [--shape mixtral] [--calls 30] [--formats bf16,fp8row,int4,mxfp4]
                                       [--no-split] [--no-parts] [--no-words4]
                                       [--loads-only words|scales|convert] [--strided-vector]
-                                      [--assume-fits] [--paired-vector] [--plane-vector] [--word-planes]
+                                      [--assume-fits] [--paired-vector] [--plane-vector]
                                       [--no-paired-h]
     ncu --profile-from-start off --clock-control none --set full -o pairs4 \
         python examples/pairs4_profile.py --ncu        # one call of each format under Nsight Compute
@@ -29,8 +29,7 @@ tiles, and what the conversion adds.
 element, in the layout the products use) instead of one wide load split in registers, which the compiler
 routes through shared memory with 8 barriers an iteration (examples/pairs4_sass.py counts them): same
 outputs, no barriers, more load instructions. Both probes replace the float32 chunk: they set
-THUNDEREP_HALF_PRODUCTS=0. (--wide-vector, two 8-byte loads a word position widened by shifts, is
-superseded by --word-planes: one 16-byte load.) Each format's
+THUNDEREP_HALF_PRODUCTS=0. Each format's
 output error against float32 on its dequantized weights is printed first (meaningless under the
 --loads-only probes). --assume-fits takes every vector as in HALF's range without measuring it (a probe: the
 measurement's own cost, each program's read of its vector before its loop; the random vectors here fit).
@@ -40,8 +39,7 @@ memory, no barriers, no conversion (a probe: outputs meaningless; what such a la
 --plane-vector runs HALF's products on a 16-bit vector through its float32 planes (`pairs4.half_chunk_planes`),
 as before its words were read as float16 pairs in place (`half4.vector_pairs`, the default): same outputs.
 --no-paired-h has the down pass convert h to float16 pairs itself, as before the gate/up pass wrote h's
-float16-pair copy (`decode.PAIRED_H`). --word-planes gives the float32 chunks (MXFP4's; int4's where HALF is off or the vector does not fit) a
-16-bit vector's planes from its words split in registers (`vector4.word_planes`): same outputs; a candidate.
+float16-pair copy (`decode.PAIRED_H`).
 """
 
 from __future__ import annotations
@@ -211,9 +209,6 @@ def main() -> None:
                              "before half4.vector_pairs")
     parser.add_argument("--no-paired-h", action="store_true",
                         help="the down pass converts h to float16 pairs itself (decode.PAIRED_H off)")
-    parser.add_argument("--word-planes", action="store_true",
-                        help="the float32 chunks (MXFP4's, int4's without HALF) take a 16-bit vector's planes from "
-                             "its words split in registers (vector4.word_planes)")
     args = parser.parse_args()
     if args.strided_vector or args.loads_only:  # the probes replace the float32 chunk: int4 runs it
         os.environ["THUNDEREP_HALF_PRODUCTS"] = "0"
@@ -223,9 +218,6 @@ def main() -> None:
     if args.no_paired_h:
         decode.PAIRED_H = False
         print("the down pass converts h itself (--no-paired-h)")
-    if args.word_planes:
-        pairs4.planes = vector4.word_planes
-        print("the float32 chunks take the vector's planes from its words (--word-planes)")
     if args.plane_vector:
         pairs4.half_chunk = pairs4.half_chunk_planes
         print("HALF reads the vector through its float32 planes (--plane-vector)")

@@ -280,26 +280,6 @@ def test_int4_half_vector_pairs_equal_the_planes_bit_for_bit(fmt, dtype, monkeyp
     assert torch.equal(converted, pairs)
 
 
-@pytest.mark.parametrize("fmt,dtype", [("mxfp4", torch.bfloat16), ("mxfp4", torch.float16), ("int4", torch.bfloat16)])
-def test_word_planes_equal_the_planes_bit_for_bit(fmt, dtype, monkeypatch):
-    """The float32 chunks (HALF off, or a vector out of its range) on a 16-bit vector's planes taken from its words
-    (`vector4.word_planes`, a candidate the profile times) give the outputs of `vector4.planes` bit for bit, in
-    both passes, at full chunks and a tail."""
-    from thunderep.kernels import pairs4, vector4
-
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    monkeypatch.setenv("THUNDEREP_HALF_PRODUCTS", "0")
-    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
-    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
-    x, w_gu, w_d, ids, weights = make_case(3, 96, 56, 5, 2, dtype, 13)
-    q_gu, q_d = Int4Weight.quantize(w_gu, fmt, 32), Int4Weight.quantize(w_d, fmt, 32)
-    with torch.no_grad():
-        want = routed_moe_mlp(x, q_gu, q_d, ids, weights.to(dtype))
-        monkeypatch.setattr(pairs4, "planes", vector4.word_planes)
-        got = routed_moe_mlp(x, q_gu, q_d, ids, weights.to(dtype))
-    assert torch.isfinite(want).all() and torch.equal(got, want)
-
-
 def test_int4_half_down_pass_takes_float32_for_a_large_h(monkeypatch):
     """A vector that fits for the gate/up pass (x of the usual size) but whose h does not (gate/up scales
     x 3000: h near 1e5) stays finite and within the reference's error: the down pass, which measures h, runs

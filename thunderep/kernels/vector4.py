@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["largest", "planes", "vector", "vector_words", "word_planes", "word_sums"]
+__all__ = ["largest", "planes", "vector", "vector_words", "word_sums"]
 
 
 @triton.jit
@@ -45,34 +45,6 @@ def vector_words(v_ptr, k0, C, HW: tl.constexpr):
     w01, w45 = tl.split(a)
     w23, w67 = tl.split(b)
     return w01, w23, w45, w67
-
-
-@triton.jit
-def word_planes(v_ptr, k0, C, HW: tl.constexpr):
-    """`planes` of a 16-bit vector (C a multiple of 8) from `vector_words`: each element widened in registers
-    (bfloat16 by a shift or a mask, float16 by a conversion), the same float32 values. A float32 vector goes
-    through `planes`. (A candidate for the float32 chunks, MXFP4's: `examples/pairs4_profile.py --word-planes`
-    times it; HALF's products read `half4.vector_pairs`, built the same way.)"""
-    if v_ptr.dtype.element_ty == tl.float32:
-        return planes(v_ptr, k0, C, HW)
-    w01, w23, w45, w67 = vector_words(v_ptr, k0, C, HW)
-    if v_ptr.dtype.element_ty == tl.float16:
-        x0, x1 = _f16(w01 & 0xFFFF), _f16(w01 >> 16)
-        x2, x3 = _f16(w23 & 0xFFFF), _f16(w23 >> 16)
-        x4, x5 = _f16(w45 & 0xFFFF), _f16(w45 >> 16)
-        x6, x7 = _f16(w67 & 0xFFFF), _f16(w67 >> 16)
-    else:  # bfloat16: float32's top half
-        x0, x1 = (w01 << 16).to(tl.float32, bitcast=True), (w01 & 0xFFFF0000).to(tl.float32, bitcast=True)
-        x2, x3 = (w23 << 16).to(tl.float32, bitcast=True), (w23 & 0xFFFF0000).to(tl.float32, bitcast=True)
-        x4, x5 = (w45 << 16).to(tl.float32, bitcast=True), (w45 & 0xFFFF0000).to(tl.float32, bitcast=True)
-        x6, x7 = (w67 << 16).to(tl.float32, bitcast=True), (w67 & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return x0, x4, x1, x5, x2, x6, x3, x7
-
-
-@triton.jit
-def _f16(h):
-    """The float16 in the low 16 bits of h (uint32) as float32."""
-    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
