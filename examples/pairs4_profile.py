@@ -255,7 +255,7 @@ def main() -> None:
     for name in ("up_pairs4", "down_pairs4"):
         for key, config in tuning.kernel_configs().get(name, {}).items():
             print(f"{name} chose {config} for key {key}")
-    for fmt in sorted({"int4", "mxfp4"} & set(formats)):  # the probes' outputs against the dequantized weights' (meaningless for --loads-only)
+    for fmt in sorted({"int4", "mxfp4"} & set(formats)):  # against the dequantized weights (--loads-only: meaningless)
         w_gu, w_d = formats[fmt]
         print(f"{fmt}: output error {_error(x, w_gu, w_d, ids, weights, K):.2e} of the largest output "
               f"(float32 reference on the dequantized weights)")

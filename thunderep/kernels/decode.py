@@ -17,8 +17,8 @@ from .act import ACTIVATIONS
 from .fp8 import scale_args, weight_data
 from .tuning import cdiv, next_power_of_2
 
-__all__ = ["PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "pairs4_forward", "pairs_forward", "vector_rows",
-           "second_rows"]
+__all__ = ["PAIRED_H", "PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "paired_args", "paired_h",
+           "pairs4_forward", "pairs_forward", "second_rows", "vector_rows"]
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
 # tiles.DOWN_PAIRS4) and takes tiles.pairs4_default elsewhere; a dict {"BLOCK_N", "BLOCK_K", "num_warps"}
@@ -119,8 +119,7 @@ def down4(h: torch.Tensor, w_down, ids: torch.Tensor, weights: Optional[torch.Te
     part, count, n_counts = buffers
     y = h.new_empty(T, D)
     extra = {} if bias is None else {"b_ptr": bias, "stride_be": bias.stride(0), "BIAS": True}
-    if h_pairs is not None:
-        extra.update(hp_ptr=h_pairs, PAIRED=True)
+    extra.update(paired_args(h_pairs))
     _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
              lambda meta: (T, cdiv(D, meta["BLOCK_N"]), (N // T if meta.get("SPLIT") else 1) * meta.get("PARTS", 1)),
              h.device, h_ptr=h, w_ptr=w_down.packed, stride_we=w_down.packed.stride(0), y_ptr=y, ids_ptr=ids,
@@ -160,7 +159,7 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
              count_ptr=buffers[1], I=I, D=D, E=E, top_k=N // T, n_counts=buffers[2], stride_xm=x.stride(0),
              stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
              INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half, **w_gate_up.kernel_args(),
-             **({} if h_pairs is None else {"hp_ptr": h_pairs, "PAIRED": True}))
+             **paired_args(h_pairs))
     return down4(h, w_down, ids, weights, T, buffers, pdl, half, h_pairs=h_pairs)
 
 
@@ -171,3 +170,8 @@ def paired_h(h: torch.Tensor, half: int, w_down) -> Optional[torch.Tensor]:
     if PAIRED_H and half and h.element_size() == 2 and h.shape[1] % 8 == 0 and w_down.zero is None:
         return torch.empty(h.shape, dtype=torch.float16, device=h.device)
     return None
+
+
+def paired_args(h_pairs: Optional[torch.Tensor]) -> dict:
+    """The pair kernels' arguments for h's float16-pair copy (`paired_h`): none without one."""
+    return {} if h_pairs is None else {"hp_ptr": h_pairs, "PAIRED": True}

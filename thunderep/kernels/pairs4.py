@@ -17,8 +17,9 @@ of multiply-adds per word, then per group, times the group scales (one scale loa
 HALF (on CUDA, paths.half_mode): the codes stay in float16 pairs (e2m1's by a byte lookup) and the products run
 there, two a packed instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose
 largest magnitude `half_fits` (measured once a program; any other runs the float32 loop); a 16-bit vector is
-read there as its float16 pairs, 16 bytes a word position split in registers (`half4.vector_pairs`). Words are loaded 16 bytes
-wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down pass runs one program per token
+read there as its float16 pairs, 16 bytes a word position split in registers (`half4.vector_pairs`), or h as
+the float16 pairs the gate/up pass wrote (PAIRED). Words are loaded 16 bytes wide where rows are a multiple of
+32 columns (WORDS4, `load_words`). The down pass runs one program per token
 and column tile over the K slots, or (SPLIT) one per slot, and may cut I into ranges (PARTS: wide column tiles
 reading each chunk of h once for all their rows, the partials summed by the last program to arrive,
 split_slots.py), and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
@@ -186,13 +187,11 @@ def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
     for a vector that `half_fits`. A 16-bit vector without zero points is read as its float16
     pairs (`vector_pairs`), or PAIRED from its copy at vp_ptr already in that layout (`up_pairs4_kernel`'s);
     others through their float32 planes (`half_chunk_planes`)."""
-    if PAIRED and not ZERO:
-        p04, p15, p26, p37 = vector_words(vp_ptr, k0, C, w.shape[1])
-        prod = pair_products(w, p04, p15, p26, p37, opaque, MODE, MXFP4)
-        return _grouped(prod, tl.zeros((w.shape[1],), dtype=tl.float32), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
-                        GROUP, 8, MXFP4, ZERO, 1.0)
-    if (not ZERO) and (v_ptr.dtype.element_ty != tl.float32):
-        p04, p15, p26, p37 = vector_pairs(v_ptr, k0, C, w.shape[1], MODE)
+    if (not ZERO) and (PAIRED or v_ptr.dtype.element_ty != tl.float32):
+        if PAIRED:  # the words are the pairs
+            p04, p15, p26, p37 = vector_words(vp_ptr, k0, C, w.shape[1])
+        else:
+            p04, p15, p26, p37 = vector_pairs(v_ptr, k0, C, w.shape[1], MODE)
         prod = pair_products(w, p04, p15, p26, p37, opaque, MODE, MXFP4)
         return _grouped(prod, tl.zeros((w.shape[1],), dtype=tl.float32), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
                         GROUP, 8, MXFP4, ZERO, 1.0)
@@ -201,7 +200,8 @@ def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
 
 @triton.jit
 def half_chunk_planes(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
-                      MXFP4: tl.constexpr, ZERO: tl.constexpr, MODE: tl.constexpr, vp_ptr=0, PAIRED: tl.constexpr = False):
+                      MXFP4: tl.constexpr, ZERO: tl.constexpr, MODE: tl.constexpr, vp_ptr=0,
+                      PAIRED: tl.constexpr = False):
     """`half_chunk` through the vector's float32 planes (`vector4.planes`), each two made a float16 pair."""
     x0, x4, x1, x5, x2, x6, x3, x7 = planes(v_ptr, k0, C, w.shape[1])
     prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE, MXFP4)

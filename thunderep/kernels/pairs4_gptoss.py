@@ -113,5 +113,5 @@ def pairs4_gptoss_forward(x: torch.Tensor, w_gate_up, b_gate_up: torch.Tensor, w
         top_k=N // T, n_counts=buffers[2], alpha=float(alpha), limit=float(limit), stride_xm=x.stride(0),
         stride_wn=w_gate_up.packed.stride(1), stride_be=b_gate_up.stride(0), stride_hm=h.stride(0),
         WORDS4=D % 32 == 0, HALF=half, PDL=pdl, stride_we=w_gate_up.packed.stride(0), **w_gate_up.kernel_args(),
-        **up, **({} if h_pairs is None else {"hp_ptr": h_pairs, "PAIRED": True}))
+        **up, **decode.paired_args(h_pairs))
     return decode.down4(h, w_down, ids, weights, T, buffers, pdl, half, bias=b_down, h_pairs=h_pairs)
