@@ -3,7 +3,7 @@ for a GPU architecture on this machine (no GPU needed): int4 with groups of 32, 
 weight loads (LDG.E.128: 16 bytes a thread).
 
     python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4]
-                                   [--chunk convert] [--half 1] [--mxfp4] [--parts 4] [--paired]
+                                   [--chunk convert] [--half 1] [--mxfp4] [--parts 4] [--paired] [--depth 2]
 
 A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit conversion
 operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass
@@ -14,7 +14,8 @@ bytes (spills), and the loop's shared-memory operations and barriers. --chunk co
 the kernels as CUDA launches them (HALF: the products in float16 pairs, kernels/half4.py): the loop a vector
 in range runs. --parts N counts the down pass with I cut into N ranges (PARTS, SPLIT), whose offsets must leave
 the loads 16 bytes wide. --paired (with --half 1) counts the kernels with h's float16-pair copy (PAIRED), as
-CUDA launches them for a 16-bit h.
+CUDA launches them for a 16-bit h. --depth 2 counts the loops that load each chunk's words two chunks ahead
+(DEPTH).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--parts", type=int, default=1, help="the down pass with I cut into this many ranges")
     parser.add_argument("--paired", action="store_true",
                         help="with --half 1: h's float16-pair copy written by the up pass, read by the down pass")
+    parser.add_argument("--depth", type=int, default=1, choices=(1, 2), help="chunks of words loaded ahead (DEPTH)")
     args = parser.parse_args()
     if args.chunk:  # before the first build, as pairs4_profile patches it (this file's folder is on sys.path)
         import pairs4_profile
@@ -110,7 +112,7 @@ def main() -> None:
             block_n, block_k, warps = (int(v) for v in tile.split("x"))
             weights = block_n * block_k * matrices / (32 * warps)
             flags = {**constants, "WORDS4": True, "HALF": args.half, "MXFP4": args.mxfp4,
-                     **({"PAIRED": True} if args.paired else {})}
+                     **({"PAIRED": True} if args.paired else {}), "DEPTH": args.depth}
             if name == "down" and args.parts > 1:
                 flags.update(PARTS=args.parts, SPLIT=True)
             code, (regs, stack) = sass(kernel, flags, block_n, block_k, warps, args.arch)

@@ -22,7 +22,7 @@ __all__ = ["PAIRED_H", "PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "pa
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
 # tiles.DOWN_PAIRS4) and takes tiles.pairs4_default elsewhere; a dict {"BLOCK_N", "BLOCK_K", "num_warps"}
-# (for the down pass optionally "SPLIT" and "PARTS") runs that config.
+# (optionally "DEPTH" and "maxnreg", and for the down pass "SPLIT" and "PARTS") runs that config.
 PAIRS4_UP: dict | None = None
 PAIRS4_DOWN: dict | None = None
 # The gate/up pass also writes h in float16 pairs for the down pass's float16 loop (pairs4.up_pairs4_kernel's
@@ -91,8 +91,9 @@ def _launch4(autotuner, plain, pinned: dict | None, programs, C: int, grid, devi
     """One 4-bit pair launch: the pinned config where one is set, else autotuned (tiles.pairs4_default
     without autotuning)."""
     if pinned is not None:
-        meta = {k: v for k, v in pinned.items() if k != "num_warps"}
-        plain[grid(meta)](**args, **meta, num_warps=pinned.get("num_warps", 4))
+        meta = {k: v for k, v in pinned.items() if k not in ("num_warps", "maxnreg")}
+        extra = {"maxnreg": pinned["maxnreg"]} if pinned.get("maxnreg") else {}
+        plain[grid(meta)](**args, **meta, num_warps=pinned.get("num_warps", 4), **extra)
         return
     tuning.launch(autotuner, plain, tiles.pairs4_default(programs, C), grid, device, **args)
 

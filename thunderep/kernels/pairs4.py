@@ -230,13 +230,20 @@ def _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP: tl
 @triton.jit
 def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
                 MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr,
-                MODE: tl.constexpr, vp_ptr=0, PAIRED: tl.constexpr = False):
+                MODE: tl.constexpr, vp_ptr=0, PAIRED: tl.constexpr = False, DEPTH: tl.constexpr = 1):
     """`packed_dot`'s loop over the chunks of words, the first chunk's words w_next already loaded; each
-    chunk in float16 pairs (MODE 1 or 2) or in float32; the partials summed across once, after the loop."""
+    chunk in float16 pairs (MODE 1 or 2) or in float32; the partials summed across once, after the loop.
+    DEPTH: the chunks whose loads are in flight while one is converted (1 or 2)."""
     acc = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
+    if DEPTH == 2:
+        w_after = load_words(w_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
     for k0 in range(0, C, BLOCK_K):
         w = w_next
-        w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
+        if DEPTH == 2:  # two chunks ahead
+            w_next = w_after
+            w_after = load_words(w_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+        else:
+            w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
         if MODE != 0:
             acc += half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE,
                               vp_ptr, PAIRED)
@@ -248,7 +255,8 @@ def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, st
 @triton.jit
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
                MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr = False,
-               WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, vp_ptr=0, PAIRED: tl.constexpr = False):
+               WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, vp_ptr=0, PAIRED: tl.constexpr = False,
+               DEPTH: tl.constexpr = 1):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
@@ -260,7 +268,8 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     C is a multiple of 32 (`load_words`). HALF (words; 1 inline PTX, 2 its interpreter form): the vector
     measured once (`largest`); one that `half_fits` runs the loop of `half_chunk`, any other the float32 loop
     (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at once). PAIRED:
-    the float16 loop reads the vector's copy at vp_ptr in its float16-pair layout (`half_chunk`)."""
+    the float16 loop reads the vector's copy at vp_ptr in its float16-pair layout (`half_chunk`). DEPTH: the
+    words of that many chunks ahead in flight (1 or 2, `_words_loop`)."""
     if (GROUP % 8 == 0) and words:
         w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
         if WAIT:
@@ -268,13 +277,13 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
         if HALF != 0:  # half4.py
             if half_fits(largest(v_ptr, C, BLOCK_K)):
                 acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
-                                  MXFP4, ZERO, BLOCK_K, WORDS4, HALF, vp_ptr, PAIRED)
+                                  MXFP4, ZERO, BLOCK_K, WORDS4, HALF, vp_ptr, PAIRED, DEPTH)
             else:
                 acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
-                                  MXFP4, ZERO, BLOCK_K, WORDS4, 0)
+                                  MXFP4, ZERO, BLOCK_K, WORDS4, 0, DEPTH=DEPTH)
         else:
             acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
-                              MXFP4, ZERO, BLOCK_K, WORDS4, 0)
+                              MXFP4, ZERO, BLOCK_K, WORDS4, 0, DEPTH=DEPTH)
     else:
         if WAIT:
             gdc_wait()
@@ -285,16 +294,25 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
 @triton.jit
 def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk,
                  GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
-                 WORDS4: tl.constexpr, MODE: tl.constexpr):
-    """`_words_loop` of two matrices (`packed_dot2`): both matrices' next chunks in flight together."""
+                 WORDS4: tl.constexpr, MODE: tl.constexpr, DEPTH: tl.constexpr = 1):
+    """`_words_loop` of two matrices (`packed_dot2`): both matrices' next chunks (DEPTH 2: next two) in flight
+    together."""
     acc_a = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
     acc_b = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
     a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
     b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+    if DEPTH == 2:
+        a_after = load_words(a_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+        b_after = load_words(b_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
     for k0 in range(0, C, BLOCK_K):
         a, b = a_next, b_next
-        a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-        b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+        if DEPTH == 2:  # two chunks ahead
+            a_next, b_next = a_after, b_after
+            a_after = load_words(a_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+            b_after = load_words(b_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+        else:
+            a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+            b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
         if MODE != 0:
             acc_a += half_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO,
                                 MODE)
@@ -309,20 +327,20 @@ def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N,
 @triton.jit
 def packed_dot2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, words, opaque,
                 stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
-                WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0):
+                WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, DEPTH: tl.constexpr = 1):
     """`packed_dot` of two matrices' rows (a and b: gate and up) with one vector, in one loop
     (`_words_loop2`)."""
     if (GROUP % 8 == 0) and words:
         if HALF != 0:  # half4.py
             if half_fits(largest(v_ptr, C, BLOCK_K)):
                 acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
-                                            v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
+                                            v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, HALF, DEPTH)
             else:
                 acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N,
-                                            v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, 0)
+                                            v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, 0, DEPTH)
         else:
             acc_a, acc_b = _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr,
-                                        opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, 0)
+                                        opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, 0, DEPTH)
     else:
         acc_a = _byte_dot(a_ptrs_N, sa_ptrs_N, za_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
         acc_b = _byte_dot(b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K)
@@ -334,7 +352,8 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
                      stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm, ACT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                     WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, hp_ptr=0, PAIRED: tl.constexpr = False):
+                     WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, hp_ptr=0, PAIRED: tl.constexpr = False,
+                     DEPTH: tl.constexpr = 1):
     """h[j, c] = act(x[j // K] . Wg[ids[j], gate(c)]) * (x[j // K] . Wu[ids[j], up(c)]) for pair j =
     program_id(0), columns c of tile program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales
     (and zero points, ZERO) [E, 2I, ceil(D / GROUP)] by strides; h: [T*K, I]. Also zeroes the down pass's
@@ -343,7 +362,8 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     a multiple of 32 (16-byte loads, `load_words`). HALF: the products in float16 pairs (`packed_dot`). PAIRED:
     h also written to hp (float16, h's strides) in the layout of `half4.vector_pairs`' pairs, for the down
     pass's float16 loop to load as they lie: column 8 q + i (i < 4) at 8 q + 2 i, 8 q + 4 + i at 8 q + 2 i + 1,
-    each the float16 of h as stored (the same bits as that pass's own conversion gives)."""
+    each the float16 of h as stored (the same bits as that pass's own conversion gives). DEPTH: chunks of
+    words in flight ahead of the one converted (`packed_dot`)."""
     if PDL:
         gdc_launch_dependents()
     j = tl.program_id(0)
@@ -363,7 +383,7 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     words = words_ok(w_ptr, stride_we, stride_wn, D)
     opaque = (expert >> 32).to(tl.uint32)  # 0 (expert is in [0, E)); to the compiler, any value (packed_dot)
     acc_g, acc_u = packed_dot2(gw_N, s_ptr + gs_N, z_ptr + gs_N, uw_N, s_ptr + us_N, z_ptr + us_N, D, ok_N, x_row,
-                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, HALF)
+                               words, opaque, stride_sk, GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, HALF, DEPTH)
     h = tl.where(known, act(acc_g, ACT) * acc_u, tl.where(skipped, 0.0, float("nan")))
     store_h(h, h_ptr, hp_ptr, j, cols_N, I, stride_hm, PAIRED)
 
@@ -403,7 +423,7 @@ def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps,
            stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr,
            MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, STEP: tl.constexpr, WAIT: tl.constexpr,
            WORDS4: tl.constexpr, HALF: tl.constexpr, b_ptr, stride_be, BIAS: tl.constexpr, hp_ptr,
-           PAIRED: tl.constexpr):
+           PAIRED: tl.constexpr, DEPTH: tl.constexpr):
     """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N and
     the C columns of I from steps * STEP (`part_range`)."""
     expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
@@ -416,7 +436,7 @@ def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps,
     s_N += (steps * (STEP // GROUP)).to(tl.int64) * stride_sk  # groups (STEP is a multiple of GROUP)
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
     acc = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, C, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
-                     BLOCK_K, WAIT, WORDS4, HALF, hp_row, PAIRED)
+                     BLOCK_K, WAIT, WORDS4, HALF, hp_row, PAIRED, DEPTH)
     if BIAS:  # the expert's bias b[expert] (not for -1), once: in the first part of I
         bias = tl.load(b_ptr + expert * stride_be + cols_N, mask=ok_N, other=0.0).to(tl.float32)
         acc += tl.where(steps == 0, bias, 0.0)
@@ -430,7 +450,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
                        PARTS: tl.constexpr = 1, PDL: tl.constexpr = False, WORDS4: tl.constexpr = False,
                        HALF: tl.constexpr = 0, b_ptr=0, stride_be=0, BIAS: tl.constexpr = False, hp_ptr=0,
-                       PAIRED: tl.constexpr = False):
+                       PAIRED: tl.constexpr = False, DEPTH: tl.constexpr = 1):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
@@ -444,7 +464,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     h. WORDS4: I a multiple of 32 (`load_words`). HALF: the products in float16 pairs (`packed_dot`). BIAS:
     each slot's expert's bias row b[ids[t*K + k]] ([E, D], row stride stride_be) added to its product before
     the routing weight (gpt-oss's experts, pairs4_gptoss.py). PAIRED: HALF's loop reads h's float16-pair copy
-    at hp (`up_pairs4_kernel`'s PAIRED)."""
+    at hp (`up_pairs4_kernel`'s PAIRED). DEPTH: chunks of words in flight ahead (`packed_dot`)."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -458,18 +478,19 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     if SPLIT:
         part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + q // PARTS, cols_N, D, steps, C,
                       E, stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED)
+                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED, DEPTH)
         sum_split_slots(part, t * top_k * PARTS + q, t, tile, cols_N, col_ok_N, D, top_k * PARTS, part_ptr,
                         count_ptr, stride_cm, y_ptrs)
     else:
         acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, steps, C, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
                      BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr,
-                     PAIRED)  # the first slot waits for h (PDL); the others find it written
+                     PAIRED, DEPTH)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
             acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, steps, C, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                          MXFP4, ZERO, BLOCK_K, STEP, False, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED)
+                          MXFP4, ZERO, BLOCK_K, STEP, False, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED,
+                          DEPTH)
         if PARTS > 1:
             sum_split_slots(acc, t * PARTS + q, t, tile, cols_N, col_ok_N, D, PARTS, part_ptr, count_ptr, stride_cm,
                             y_ptrs)
