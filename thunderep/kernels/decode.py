@@ -18,7 +18,7 @@ from .fp8 import scale_args, weight_data
 from .tuning import cdiv, next_power_of_2
 
 __all__ = ["PAIRED_H", "PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "paired_args", "paired_h",
-           "pairs4_forward", "pairs_forward", "second_rows", "vector_rows"]
+           "pairs4_forward", "pairs_forward", "second_rows", "up4_args", "vector_rows"]
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
 # tiles.DOWN_PAIRS4) and takes tiles.pairs4_default elsewhere; a dict {"BLOCK_N", "BLOCK_K", "num_warps"}
@@ -156,12 +156,22 @@ def pairs4_forward(x: torch.Tensor, w_gate_up, w_down, ids: torch.Tensor, weight
     buffers = down4_buffers(x, T, N, D)
     _launch4(tiles.UP_PAIRS4, tiles.UP_PAIRS4_PLAIN, PAIRS4_UP, lambda bn: N * cdiv(I, bn), D,
              lambda meta: (N, cdiv(I, meta["BLOCK_N"])), x.device,
-             x_ptr=x, w_ptr=w_gate_up.packed, stride_we=w_gate_up.packed.stride(0), h_ptr=h, ids_ptr=ids,
-             count_ptr=buffers[1], I=I, D=D, E=E, top_k=N // T, n_counts=buffers[2], stride_xm=x.stride(0),
-             stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0), ACT=ACTIVATIONS[activation],
-             INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half, **w_gate_up.kernel_args(),
-             **paired_args(h_pairs))
+             **up4_args(x, w_gate_up, ids, h, h_pairs, buffers, pdl, half, activation, interleaved))
     return down4(h, w_down, ids, weights, T, buffers, pdl, half, h_pairs=h_pairs)
+
+
+def up4_args(x: torch.Tensor, w_gate_up, ids: torch.Tensor, h: torch.Tensor, h_pairs: Optional[torch.Tensor],
+             buffers: tuple, pdl: bool, half: int, activation: str, interleaved: bool) -> dict:
+    """The 4-bit gate/up pass's arguments (pairs4.up_pairs4_kernel, launched over (N, cdiv(I, BLOCK_N))):
+    x [T, D] (`vector_rows`), w_gate_up [E, 2I, D] int4.Int4Weight, h [N, I] and its float16-pair copy
+    (`paired_h`), the down pass's buffers (`down4_buffers`), as `pairs4_forward` launches it."""
+    T, D = x.shape
+    E, I2, _ = w_gate_up.shape
+    return dict(x_ptr=x, w_ptr=w_gate_up.packed, stride_we=w_gate_up.packed.stride(0), h_ptr=h, ids_ptr=ids,
+                count_ptr=buffers[1], I=I2 // 2, D=D, E=E, top_k=ids.numel() // T, n_counts=buffers[2],
+                stride_xm=x.stride(0), stride_wn=w_gate_up.packed.stride(1), stride_hm=h.stride(0),
+                ACT=ACTIVATIONS[activation], INTERLEAVED=interleaved, PDL=pdl, WORDS4=D % 32 == 0, HALF=half,
+                **w_gate_up.kernel_args(), **paired_args(h_pairs))
 
 
 def paired_h(h: torch.Tensor, half: int, w_down) -> Optional[torch.Tensor]:
