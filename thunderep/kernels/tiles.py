@@ -139,7 +139,12 @@ PAIRS4_TILES = [(4, 512, 4), (8, 512, 4), (16, 256, 4), (16, 512, 4), (32, 256, 
                 (8, 1024, 4), (16, 1024, 8), (2, 2048, 4), (4, 2048, 4), (8, 2048, 8),
                 (16, 2048, 4), (4, 2048, 2),  # the down pass's two fastest in a sweep beyond the list (int4 record)
                 (16, 256, 2), (32, 256, 4), (8, 512, 2)]  # the gate/up pass's three fastest in one (2026-12-07)
-PAIRS4_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in PAIRS4_TILES]
+# The narrow-chunk tiles also with each chunk's words loaded two chunks ahead (DEPTH 2, pairs4._words_loop): twice
+# the bytes in flight a program at the same registers (sm_90: 128 a thread at 8 x 512 x 2 either way).
+PAIRS4_DEEP_TILES = [(4, 512, 2), (8, 512, 2), (16, 256, 2), (16, 512, 4), (32, 256, 4)]
+PAIRS4_CONFIGS = ([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in PAIRS4_TILES]
+                  + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "DEPTH": 2}, num_warps=w)
+                     for bn, bk, w in PAIRS4_DEEP_TILES])
 # The down pass also one program per slot (SPLIT: K times the programs, pairs4.down_pairs4_kernel), on the
 # tiles with the most rows per program.
 PAIRS4_SPLIT_TILES = [(8, 512, 4), (16, 512, 4), (32, 256, 8), (8, 1024, 4), (16, 1024, 8), (8, 2048, 8),
