@@ -228,15 +228,15 @@ def _byte_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, stride_sk, GROUP: tl
 
 
 @triton.jit
-def _words_loop(w_next, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr,
-                MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr,
-                MODE: tl.constexpr, vp_ptr=0, PAIRED: tl.constexpr = False, DEPTH: tl.constexpr = 1):
-    """`packed_dot`'s loop over the chunks of words, the first chunk's words w_next already loaded; each
-    chunk in float16 pairs (MODE 1 or 2) or in float32; the partials summed across once, after the loop.
-    DEPTH: the chunks whose loads are in flight while one is converted (1 or 2)."""
+def _words_loop(w_next, w_after, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk,
+                GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
+                WORDS4: tl.constexpr, MODE: tl.constexpr, vp_ptr=0, PAIRED: tl.constexpr = False,
+                DEPTH: tl.constexpr = 1):
+    """`packed_dot`'s loop over the chunks of words, the first chunk's words w_next (and, DEPTH 2, the second
+    chunk's w_after; else unused) already loaded; each chunk in float16 pairs (MODE 1 or 2) or in float32; the
+    partials summed across once, after the loop. DEPTH: the chunks whose loads are in flight while one is
+    converted (1 or 2)."""
     acc = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
-    if DEPTH == 2:
-        w_after = load_words(w_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
     for k0 in range(0, C, BLOCK_K):
         w = w_next
         if DEPTH == 2:  # two chunks ahead
@@ -269,21 +269,24 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     measured once (`largest`); one that `half_fits` runs the loop of `half_chunk`, any other the float32 loop
     (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at once). PAIRED:
     the float16 loop reads the vector's copy at vp_ptr in its float16-pair layout (`half_chunk`). DEPTH: the
-    words of that many chunks ahead in flight (1 or 2, `_words_loop`)."""
+    words of that many chunks ahead in flight (1 or 2, `_words_loop`; under WAIT both loaded before the wait)."""
     if (GROUP % 8 == 0) and words:
         w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+        w_second = w_first
+        if DEPTH == 2:
+            w_second = load_words(w_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
         if WAIT:
             gdc_wait()
         if HALF != 0:  # half4.py
             if half_fits(largest(v_ptr, C, BLOCK_K)):
-                acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
-                                  MXFP4, ZERO, BLOCK_K, WORDS4, HALF, vp_ptr, PAIRED, DEPTH)
+                acc = _words_loop(w_first, w_second, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk,
+                                  GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, HALF, vp_ptr, PAIRED, DEPTH)
             else:
-                acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
-                                  MXFP4, ZERO, BLOCK_K, WORDS4, 0, DEPTH=DEPTH)
+                acc = _words_loop(w_first, w_second, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk,
+                                  GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, 0, DEPTH=DEPTH)
         else:
-            acc = _words_loop(w_first, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk, GROUP,
-                              MXFP4, ZERO, BLOCK_K, WORDS4, 0, DEPTH=DEPTH)
+            acc = _words_loop(w_first, w_second, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk,
+                              GROUP, MXFP4, ZERO, BLOCK_K, WORDS4, 0, DEPTH=DEPTH)
     else:
         if WAIT:
             gdc_wait()
