@@ -7,29 +7,27 @@ packed 32-bit words (8 values each), HK = BLOCK_K / 2 bytes.
     up_pairs4_kernel     h_NI[j] = act(x[j // K] @ Wg[ids[j]].T) * (x[j // K] @ Wu[ids[j]].T)
     down_pairs4_kernel   y_TD[t] = sum over k of w[t, k] * (h_NI[t*K + k] @ Wd[ids[t*K + k]].T)
 
-Each chunk is loaded as a [BLOCK_N, HW] tile of 32-bit words (a quarter of bfloat16's bytes), the next
-chunk's words in flight while this one is converted (`packed_dot`). The conversion in registers (codes4.py)
-uses no integer-to-float instruction and handles two values per operation: the codes of both 16-bit halves
-of a word are placed into float16 bits at once (int4: or'ed into 1024's mantissa, `int4_halves`; e2m1: sign,
-exponent and mantissa bits moved into place, `e2m1_halves`), then each half widened to float32. Each of a
-word's 8 planes (the values 8 columns apart) times the vector's matching elements is summed in one chain
-of multiply-adds per word, then per group, times the group scales (one scale load per group and row).
-HALF (on CUDA, paths.half_mode): the codes stay in float16 pairs (e2m1's by a byte lookup) and the products run
-there, two a packed instruction, each word's sum widened once (half4.py, `half_chunk`), for a vector whose
-largest magnitude `half_fits` (measured once a program; any other runs the float32 loop); a 16-bit vector is
-read there as its float16 pairs, 16 bytes a word position split in registers (`half4.vector_pairs`), or h as
-the float16 pairs the gate/up pass wrote (PAIRED). Words are loaded 16 bytes wide where rows are a multiple of
-32 columns (WORDS4, `load_words`). The down pass runs one program per token
-and column tile over the K slots, or (SPLIT) one per slot, and may cut I into ranges (PARTS: wide column tiles
-reading each chunk of h once for all their rows, the partials summed by the last program to arrive,
+Each chunk is loaded as a [BLOCK_N, HW] tile of 32-bit words (a quarter of bfloat16's bytes), the next chunk's words
+(DEPTH 2: the next two chunks') in flight while this one is converted (`packed_dot`). The conversion in registers
+(codes4.py) uses no integer-to- float instruction and handles two values per operation: the codes of both 16-bit
+halves of a word are placed into float16 bits at once (int4: or'ed into 1024's mantissa, `int4_halves`; e2m1: sign,
+exponent and mantissa bits moved into place, `e2m1_halves`), then each half widened to float32. Each of a word's 8
+planes (the values 8 columns apart) times the vector's matching elements is summed in one chain of multiply-adds per
+word, then per group, times the group scales (one scale load per group and row). HALF (on CUDA, paths.half_mode):
+the codes stay in float16 pairs (e2m1's by a byte lookup) and the products run there, two a packed instruction, each
+word's sum widened once (half4.py, `half_chunk`), for a vector whose largest magnitude `half_fits` (measured once a
+program; any other runs the float32 loop); a 16-bit vector is read there as its float16 pairs, 16 bytes a word
+position split in registers (`half4.vector_pairs`), or h as the float16 pairs the gate/up pass wrote (PAIRED). Words
+are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down pass runs one
+program per token and column tile over the K slots, or (SPLIT) one per slot, and may cut I into ranges (PARTS: wide
+column tiles reading each chunk of h once for all their rows, the partials summed by the last program to arrive,
 split_slots.py), and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
-pairs.py's; with biases (BIAS) it is gpt-oss's down pass too. No Hopper-only instructions; no inline assembly
-but HALF's (sm_80 and later). Rows that are not 4-byte aligned, or groups of other than a multiple of 8 columns,
-run the same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a multiple of BLOCK_K)
-and column tiles past the matrix are masked. Expert ids as in pairs.py: -1 reads no weights and adds nothing;
-any other id outside [0, E) makes its token's output NaN. Inference only. The launches are in decode.py;
-gpt-oss's experts (biases, clamped SwiGLU) run pairs4_gptoss.py's kernels, built on `packed_dot`, `packed_dot2`
-and `words_ok`.
+pairs.py's; with biases (BIAS) it is gpt-oss's down pass too. No Hopper-only instructions; no inline assembly but
+HALF's (sm_80 and later). Rows that are not 4-byte aligned, or groups of other than a multiple of 8 columns, run the
+same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a multiple of BLOCK_K) and column
+tiles past the matrix are masked. Expert ids as in pairs.py: -1 reads no weights and adds nothing; any other id
+outside [0, E) makes its token's output NaN. Inference only. The launches are in decode.py; gpt-oss's experts
+(biases, clamped SwiGLU) run pairs4_gptoss.py's kernels, built on `packed_dot`, `packed_dot2` and `words_ok`.
 """
 
 from __future__ import annotations
