@@ -9,7 +9,7 @@ packed 32-bit words (8 values each), HK = BLOCK_K / 2 bytes.
 
 Each chunk is loaded as a [BLOCK_N, HW] tile of 32-bit words (a quarter of bfloat16's bytes), the next chunk's words
 (DEPTH 2: the next two chunks') in flight while this one is converted (`packed_dot`). The conversion in registers
-(codes4.py) uses no integer-to- float instruction and handles two values per operation: the codes of both 16-bit
+(codes4.py) uses no integer-to-float instruction and handles two values per operation: the codes of both 16-bit
 halves of a word are placed into float16 bits at once (int4: or'ed into 1024's mantissa, `int4_halves`; e2m1: sign,
 exponent and mantissa bits moved into place, `e2m1_halves`), then each half widened to float32. Each of a word's 8
 planes (the values 8 columns apart) times the vector's matching elements is summed in one chain of multiply-adds per
