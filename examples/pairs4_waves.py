@@ -69,16 +69,14 @@ def main() -> None:
         launch = decode.up4_args(x, w_gu, ids, h, h_pairs, buffers, False, half, "silu", False)
         for text in args.configs.split(","):
             config = _config(text)
-            meta = {k: v for k, v in config.items() if k not in ("num_warps", "maxnreg")}
-            extra = {"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}
-            grid = (K, cdiv(I, config["BLOCK_N"]))
 
             def call():
-                return tiles.UP_PAIRS4_PLAIN[grid](**launch, **meta, num_warps=config["num_warps"], **extra)
+                return decode.launch_pinned(tiles.UP_PAIRS4_PLAIN, config, lambda meta: (K, cdiv(I, meta["BLOCK_N"])),
+                                            **launch)
 
             kernel = call()
             us = tuning.timed_ms(call, 60.0, 10.0) * 1e3
-            programs = grid[0] * grid[1]
+            programs = K * cdiv(I, config["BLOCK_N"])
             resident = _resident(kernel, config["num_warps"])
             read = w_gu.nbytes()
             print(f"| {text} | {I} | {programs} | {kernel.n_regs} | {resident} | {programs / (resident * sms):.2f} | "

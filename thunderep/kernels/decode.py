@@ -17,7 +17,7 @@ from .act import ACTIVATIONS
 from .fp8 import scale_args, weight_data
 from .tuning import cdiv, next_power_of_2
 
-__all__ = ["PAIRED_H", "PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "paired_args", "paired_h",
+__all__ = ["PAIRED_H", "PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "launch_pinned", "paired_args", "paired_h",
            "pairs4_forward", "pairs_forward", "second_rows", "up4_args", "vector_rows"]
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
@@ -91,11 +91,17 @@ def _launch4(autotuner, plain, pinned: dict | None, programs, C: int, grid, devi
     """One 4-bit pair launch: the pinned config where one is set, else autotuned (tiles.pairs4_default
     without autotuning)."""
     if pinned is not None:
-        meta = {k: v for k, v in pinned.items() if k not in ("num_warps", "maxnreg")}
-        extra = {"maxnreg": pinned["maxnreg"]} if pinned.get("maxnreg") else {}
-        plain[grid(meta)](**args, **meta, num_warps=pinned.get("num_warps", 4), **extra)
+        launch_pinned(plain, pinned, grid, **args)
         return
     tuning.launch(autotuner, plain, tiles.pairs4_default(programs, C), grid, device, **args)
+
+
+def launch_pinned(plain, pinned: dict, grid, **args):
+    """plain (a 4-bit pair kernel) launched at the config pinned (`PAIRS4_UP`'s form) over grid(meta); the
+    compiled kernel it ran."""
+    meta = {k: v for k, v in pinned.items() if k not in ("num_warps", "maxnreg")}
+    extra = {"maxnreg": pinned["maxnreg"]} if pinned.get("maxnreg") else {}
+    return plain[grid(meta)](**args, **meta, num_warps=pinned.get("num_warps", 4), **extra)
 
 
 def down4_buffers(x: torch.Tensor, T: int, N: int, D: int) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -167,6 +167,27 @@ def load_words(w_ptrs_N, k0, C, ok_N, HW: tl.constexpr, WORDS4: tl.constexpr = F
 
 
 @triton.jit
+def _first_words(w_ptrs_N, C, ok_N, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr, DEPTH: tl.constexpr):
+    """(the first chunk's words, the second's: DEPTH 1 the first again) as a loop keeping DEPTH chunks in flight
+    starts."""
+    first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
+    second = first
+    if DEPTH == 2:
+        second = load_words(w_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+    return first, second
+
+
+@triton.jit
+def _next_words(w_next, w_after, w_ptrs_N, k0, C, ok_N, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr,
+                DEPTH: tl.constexpr):
+    """(chunk k0's words, the next chunk's, the one after's) at a loop step's top, the load DEPTH chunks ahead
+    issued (past C: not read)."""
+    if DEPTH == 2:
+        return w_next, w_after, load_words(w_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+    return w_next, load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4), w_after
+
+
+@triton.jit
 def word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
                ZERO: tl.constexpr):
     """The float32 partials (`_grouped`) of one chunk at column k0 from its words w (`load_words`; GROUP a
@@ -230,18 +251,11 @@ def _words_loop(w_next, w_after, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, o
                 GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
                 WORDS4: tl.constexpr, MODE: tl.constexpr, vp_ptr=0, PAIRED: tl.constexpr = False,
                 DEPTH: tl.constexpr = 1):
-    """`packed_dot`'s loop over the chunks of words, the first chunk's words w_next (and, DEPTH 2, the second
-    chunk's w_after; else unused) already loaded; each chunk in float16 pairs (MODE 1 or 2) or in float32; the
-    partials summed across once, after the loop. DEPTH: the chunks whose loads are in flight while one is
-    converted (1 or 2)."""
+    """`packed_dot`'s loop over the chunks of words from `_first_words`' (w_next, w_after), DEPTH chunks in flight;
+    each chunk in float16 pairs (MODE 1 or 2) or in float32; the partials summed across once, after the loop."""
     acc = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
     for k0 in range(0, C, BLOCK_K):
-        w = w_next
-        if DEPTH == 2:  # two chunks ahead
-            w_next = w_after
-            w_after = load_words(w_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-        else:
-            w_next = load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)  # past C: not read
+        w, w_next, w_after = _next_words(w_next, w_after, w_ptrs_N, k0, C, ok_N, BLOCK_K, WORDS4, DEPTH)
         if MODE != 0:
             acc += half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE,
                               vp_ptr, PAIRED)
@@ -269,10 +283,7 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     the float16 loop reads the vector's copy at vp_ptr in its float16-pair layout (`half_chunk`). DEPTH: the
     words of that many chunks ahead in flight (1 or 2, `_words_loop`; under WAIT both loaded before the wait)."""
     if (GROUP % 8 == 0) and words:
-        w_first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-        w_second = w_first
-        if DEPTH == 2:
-            w_second = load_words(w_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+        w_first, w_second = _first_words(w_ptrs_N, C, ok_N, BLOCK_K, WORDS4, DEPTH)
         if WAIT:
             gdc_wait()
         if HALF != 0:  # half4.py
@@ -296,24 +307,14 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
 def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N, C, ok_N, v_ptr, opaque, stride_sk,
                  GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
                  WORDS4: tl.constexpr, MODE: tl.constexpr, DEPTH: tl.constexpr = 1):
-    """`_words_loop` of two matrices (`packed_dot2`): both matrices' next chunks (DEPTH 2: next two) in flight
-    together."""
+    """`_words_loop` of two matrices (`packed_dot2`): both matrices' next DEPTH chunks in flight together."""
     acc_a = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
     acc_b = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
-    a_next = load_words(a_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-    b_next = load_words(b_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-    if DEPTH == 2:
-        a_after = load_words(a_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-        b_after = load_words(b_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+    a_next, a_after = _first_words(a_ptrs_N, C, ok_N, BLOCK_K, WORDS4, DEPTH)
+    b_next, b_after = _first_words(b_ptrs_N, C, ok_N, BLOCK_K, WORDS4, DEPTH)
     for k0 in range(0, C, BLOCK_K):
-        a, b = a_next, b_next
-        if DEPTH == 2:  # two chunks ahead
-            a_next, b_next = a_after, b_after
-            a_after = load_words(a_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-            b_after = load_words(b_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-        else:
-            a_next = load_words(a_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-            b_next = load_words(b_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
+        a, a_next, a_after = _next_words(a_next, a_after, a_ptrs_N, k0, C, ok_N, BLOCK_K, WORDS4, DEPTH)
+        b, b_next, b_after = _next_words(b_next, b_after, b_ptrs_N, k0, C, ok_N, BLOCK_K, WORDS4, DEPTH)
         if MODE != 0:
             acc_a += half_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO,
                                 MODE)
