@@ -356,3 +356,19 @@ def test_fp8_only_row_tiles_are_timed_for_fp8_weights_alone():
     reduce = triton.Config({"BLOCK_N": 4, "BLOCK_K": 2048, "REDUCE": True}, num_warps=4)
     other = triton.Config({"BLOCK_N": 16, "BLOCK_K": 256}, num_warps=4)
     assert tuning.fit_scale_blocks([reduce, other], {}, None) == [other]
+
+
+def test_register_caps_keep_configs_apart_and_survive_a_refit():
+    """Two configs alike but for a thread's register cap (maxnreg: more programs an SM) are two configs to
+    time: `signature` tells them apart, and a BLOCK_K refit for FP8 scale blocks keeps each one's cap; the
+    4-bit pair kernels' list carries capped tiles whose cap reaches the config."""
+    capped = triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4, maxnreg=96)
+    plain = triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4)
+    assert tuning.signature(capped) != tuning.signature(plain)
+    args = {"SCALED": True, "SCALE_K": 128, "D": 4096}
+    fitted = tuning.fit_scale_blocks([plain, capped], args, "D")
+    assert [(c.kwargs["BLOCK_K"], c.maxnreg) for c in fitted] == [(128, None), (128, 96)]
+    caps = {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps): c.maxnreg
+            for c in tiles.PAIRS4_CONFIGS if c.maxnreg}
+    assert caps and all(caps.values())
+    assert len({tuning.signature(c) for c in tiles.PAIRS4_CONFIGS}) == len(tiles.PAIRS4_CONFIGS)

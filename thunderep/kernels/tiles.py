@@ -134,13 +134,17 @@ DOWN_PAIRS, DOWN_PAIRS_PLAIN = tuned("down_pairs", P.down_pairs_kernel, DOWN_PAI
 # 4-bit pair kernels (pairs4.py): each chunk is summed as it comes, so chunks are wide; few rows per program
 # where decode's few pairs must still give every SM programs. Each thread's words of the next chunk are in
 # flight while it converts this chunk's (pairs4.packed_dot): the wide chunks (1024, 2048) give it more of them.
-# (Loading two chunks ahead, DEPTH 2, is taken by pinned configs only until a GPU has timed it:
-# examples/pairs4_configs.py --depth 1,2.) Keys: shapes and the 4-bit format.
+# (Loading two chunks ahead, DEPTH 2, is taken by pinned configs only: 2 us slower than DEPTH 1 at the gate/up
+# pass's tile on an H100, int4 record.) Keys: shapes and the 4-bit format.
 PAIRS4_TILES = [(4, 512, 4), (8, 512, 4), (16, 256, 4), (16, 512, 4), (32, 256, 8), (2, 1024, 4), (4, 1024, 4),
                 (8, 1024, 4), (16, 1024, 8), (2, 2048, 4), (4, 2048, 4), (8, 2048, 8),
                 (16, 2048, 4), (4, 2048, 2),  # the down pass's two fastest in a sweep beyond the list (int4 record)
-                (16, 256, 2), (32, 256, 4), (8, 512, 2)]  # the gate/up pass's three fastest in one (2026-12-07)
-PAIRS4_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in PAIRS4_TILES]
+                (16, 256, 2), (32, 256, 4), (8, 512, 2),  # the gate/up pass's three fastest in one (2026-12-07)
+                # a 4th value caps a thread's registers (maxnreg): 10 programs an SM where 128 registers give 8,
+                # 1.4 us off Mixtral's 57 us gate/up pass at 8x512x2 (int4 record, "DEPTH and the partial wave")
+                (8, 512, 2, 96), (16, 256, 2, 96), (4, 512, 2), (4, 512, 2, 96)]
+PAIRS4_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, maxnreg=regs or None)
+                  for bn, bk, w, regs in (tile + (0,) * (4 - len(tile)) for tile in PAIRS4_TILES)]
 # The down pass also one program per slot (SPLIT: K times the programs, pairs4.down_pairs4_kernel), on the
 # tiles with the most rows per program.
 PAIRS4_SPLIT_TILES = [(8, 512, 4), (16, 512, 4), (32, 256, 8), (8, 1024, 4), (16, 1024, 8), (8, 2048, 8),

@@ -184,7 +184,7 @@ def fit_scale_blocks(configs: list, args: dict, k_arg: str | None) -> list:
             block_k = min(block_k, step)
         if block_k != config.kwargs["BLOCK_K"]:
             config = triton.Config({**config.kwargs, "BLOCK_K": block_k}, num_warps=config.num_warps,
-                                   num_stages=config.num_stages)
+                                   num_stages=config.num_stages, maxnreg=config.maxnreg)
         if signature(config) not in seen:
             seen.add(signature(config))
             out.append(config)
@@ -192,8 +192,8 @@ def fit_scale_blocks(configs: list, args: dict, k_arg: str | None) -> list:
 
 
 def signature(config: triton.Config) -> tuple:
-    """What makes two configs the same: their kwargs, warps and stages."""
-    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
+    """What makes two configs the same: their kwargs, warps, stages and register cap."""
+    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages, config.maxnreg
 
 
 def tuned(name: str, kernel, configs, key, prune=None, even_k: str | None = None, reset_to_zero=None):
