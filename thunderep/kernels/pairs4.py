@@ -22,9 +22,10 @@ are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4, `load_
 program per token and column tile over the K slots, or (SPLIT) one per slot, and may cut I into ranges (PARTS: wide
 column tiles reading each chunk of h once for all their rows, the partials summed by the last program to arrive,
 split_slots.py), and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
-pairs.py's; with biases (BIAS) it is gpt-oss's down pass too. No Hopper-only instructions; no inline assembly but
-HALF's (sm_80 and later). Rows that are not 4-byte aligned, or groups of other than a multiple of 8 columns, run the
-same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a multiple of BLOCK_K) and column
+pairs.py's, where it may ask L2 for more of its rows while it waits (PREFETCH); with biases (BIAS) it is gpt-oss's
+down pass too. The word loads are words4.py's. No Hopper-only instructions; no inline assembly but HALF's and
+PREFETCH's (sm_80 and later). Rows that are not 4-byte aligned, or groups of other than a multiple of 8 columns,
+run the same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a multiple of BLOCK_K) and column
 tiles past the matrix are masked. Expert ids as in pairs.py: -1 reads no weights and adds nothing; any other id
 outside [0, E) makes its token's output NaN. Inference only. The launches are in decode.py; gpt-oss's experts
 (biases, clamped SwiGLU) run pairs4_gptoss.py's kernels, built on `packed_dot`, `packed_dot2` and `words_ok`.
@@ -41,16 +42,10 @@ from .half4 import half_fits, half_word_products, pair_products, vector_pairs
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import part_range, sum_split_slots, zero_counts
 from .vector4 import largest, planes, vector, vector_words, word_sums
+from .words4 import first_words, load_words, next_words, prefetch_rows, words_ok
 
 __all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
            "slot_weights", "store_h", "up_pairs4_kernel", "word_chunk", "words_ok"]
-
-
-@triton.jit
-def words_ok(w_ptr, stride_we, stride_wr, C):
-    """Whether a matrix's rows can be read as 32-bit words: 4-byte aligned (base and strides) and C a
-    multiple of 8 (whole words). Else `packed_dot` reads bytes."""
-    return ((w_ptr.to(tl.int64) | stride_we | stride_wr | (C // 2)) % 4 == 0) & (C % 8 == 0)
 
 
 @triton.jit
@@ -155,39 +150,6 @@ def _partials(ok_N, H: tl.constexpr, GROUP: tl.constexpr, PER: tl.constexpr):
 
 
 @triton.jit
-def load_words(w_ptrs_N, k0, C, ok_N, HW: tl.constexpr, WORDS4: tl.constexpr = False):
-    """[BLOCK_N, HW] uint32: the chunk at column k0 of each row from w_ptrs_N (its row's column 0) as 32-bit
-    words, 0 past C and in rows not ok_N (no memory read there). WORDS4 (C a multiple of 32): the row's
-    words counted as (C // 32) * 4, which the compiler sees is a multiple of 4, so the mask is constant over
-    each run of 4 words and the loads are 16 bytes wide (as C // 8, 8 bytes: half of each 32-byte sector
-    per load, the other half read again by the next)."""
-    q_W = k0 // 8 + tl.arange(0, HW)
-    ok = ok_N[:, None] & (q_W < ((C // 32) * 4 if WORDS4 else C // 8))[None, :]
-    return tl.load(w_ptrs_N.to(tl.pointer_type(tl.uint32))[:, None] + q_W[None, :], mask=ok, other=0)
-
-
-@triton.jit
-def _first_words(w_ptrs_N, C, ok_N, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr, DEPTH: tl.constexpr):
-    """(the first chunk's words, the second's: DEPTH 1 the first again) as a loop keeping DEPTH chunks in flight
-    starts."""
-    first = load_words(w_ptrs_N, 0, C, ok_N, BLOCK_K // 8, WORDS4)
-    second = first
-    if DEPTH == 2:
-        second = load_words(w_ptrs_N, BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-    return first, second
-
-
-@triton.jit
-def _next_words(w_next, w_after, w_ptrs_N, k0, C, ok_N, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr,
-                DEPTH: tl.constexpr):
-    """(chunk k0's words, the next chunk's, the one after's) at a loop step's top, the load DEPTH chunks ahead
-    issued (past C: not read)."""
-    if DEPTH == 2:
-        return w_next, w_after, load_words(w_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
-    return w_next, load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4), w_after
-
-
-@triton.jit
 def word_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP: tl.constexpr, MXFP4: tl.constexpr,
                ZERO: tl.constexpr):
     """The float32 partials (`_grouped`) of one chunk at column k0 from its words w (`load_words`; GROUP a
@@ -251,11 +213,11 @@ def _words_loop(w_next, w_after, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, o
                 GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
                 WORDS4: tl.constexpr, MODE: tl.constexpr, vp_ptr=0, PAIRED: tl.constexpr = False,
                 DEPTH: tl.constexpr = 1):
-    """`packed_dot`'s loop over the chunks of words from `_first_words`' (w_next, w_after), DEPTH chunks in flight;
+    """`packed_dot`'s loop over the chunks of words from `first_words`' (w_next, w_after), DEPTH chunks in flight;
     each chunk in float16 pairs (MODE 1 or 2) or in float32; the partials summed across once, after the loop."""
     acc = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
     for k0 in range(0, C, BLOCK_K):
-        w, w_next, w_after = _next_words(w_next, w_after, w_ptrs_N, k0, C, ok_N, BLOCK_K, WORDS4, DEPTH)
+        w, w_next, w_after = next_words(w_next, w_after, w_ptrs_N, k0, C, ok_N, BLOCK_K, WORDS4, DEPTH)
         if MODE != 0:
             acc += half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE,
                               vp_ptr, PAIRED)
@@ -268,7 +230,7 @@ def _words_loop(w_next, w_after, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, o
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
                MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr = False,
                WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, vp_ptr=0, PAIRED: tl.constexpr = False,
-               DEPTH: tl.constexpr = 1):
+               DEPTH: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
@@ -281,10 +243,13 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     measured once (`largest`); one that `half_fits` runs the loop of `half_chunk`, any other the float32 loop
     (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at once). PAIRED:
     the float16 loop reads the vector's copy at vp_ptr in its float16-pair layout (`half_chunk`). DEPTH: the
-    words of that many chunks ahead in flight (1 or 2, `_words_loop`; under WAIT both loaded before the wait)."""
+    words of that many chunks ahead in flight (1 or 2, `_words_loop`; under WAIT both loaded before the wait).
+    PREFETCH (under WAIT): up to that many 128-byte lines a row past the first chunk asked of L2 before the wait."""
     if (GROUP % 8 == 0) and words:
-        w_first, w_second = _first_words(w_ptrs_N, C, ok_N, BLOCK_K, WORDS4, DEPTH)
+        w_first, w_second = first_words(w_ptrs_N, C, ok_N, BLOCK_K, WORDS4, DEPTH)
         if WAIT:
+            if PREFETCH > 0:
+                prefetch_rows(w_ptrs_N, BLOCK_K // 2, tl.where(ok_N, C // 2, 0), PREFETCH)
             gdc_wait()
         if HALF != 0:  # half4.py
             if half_fits(largest(v_ptr, C, BLOCK_K)):
@@ -310,11 +275,11 @@ def _words_loop2(a_ptrs_N, sa_ptrs_N, za_ptrs_N, b_ptrs_N, sb_ptrs_N, zb_ptrs_N,
     """`_words_loop` of two matrices (`packed_dot2`): both matrices' next DEPTH chunks in flight together."""
     acc_a = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
     acc_b = _partials(ok_N, BLOCK_K // 8, GROUP, 8)
-    a_next, a_after = _first_words(a_ptrs_N, C, ok_N, BLOCK_K, WORDS4, DEPTH)
-    b_next, b_after = _first_words(b_ptrs_N, C, ok_N, BLOCK_K, WORDS4, DEPTH)
+    a_next, a_after = first_words(a_ptrs_N, C, ok_N, BLOCK_K, WORDS4, DEPTH)
+    b_next, b_after = first_words(b_ptrs_N, C, ok_N, BLOCK_K, WORDS4, DEPTH)
     for k0 in range(0, C, BLOCK_K):
-        a, a_next, a_after = _next_words(a_next, a_after, a_ptrs_N, k0, C, ok_N, BLOCK_K, WORDS4, DEPTH)
-        b, b_next, b_after = _next_words(b_next, b_after, b_ptrs_N, k0, C, ok_N, BLOCK_K, WORDS4, DEPTH)
+        a, a_next, a_after = next_words(a_next, a_after, a_ptrs_N, k0, C, ok_N, BLOCK_K, WORDS4, DEPTH)
+        b, b_next, b_after = next_words(b_next, b_after, b_ptrs_N, k0, C, ok_N, BLOCK_K, WORDS4, DEPTH)
         if MODE != 0:
             acc_a += half_chunk(a, sa_ptrs_N, za_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO,
                                 MODE)
@@ -425,7 +390,7 @@ def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps,
            stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr,
            MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, STEP: tl.constexpr, WAIT: tl.constexpr,
            WORDS4: tl.constexpr, HALF: tl.constexpr, b_ptr, stride_be, BIAS: tl.constexpr, hp_ptr,
-           PAIRED: tl.constexpr, DEPTH: tl.constexpr):
+           PAIRED: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr = 0):
     """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N and
     the C columns of I from steps * STEP (`part_range`)."""
     expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
@@ -438,7 +403,7 @@ def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps,
     s_N += (steps * (STEP // GROUP)).to(tl.int64) * stride_sk  # groups (STEP is a multiple of GROUP)
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
     acc = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, C, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
-                     BLOCK_K, WAIT, WORDS4, HALF, hp_row, PAIRED, DEPTH)
+                     BLOCK_K, WAIT, WORDS4, HALF, hp_row, PAIRED, DEPTH, PREFETCH)
     if BIAS:  # the expert's bias b[expert] (not for -1), once: in the first part of I
         bias = tl.load(b_ptr + expert * stride_be + cols_N, mask=ok_N, other=0.0).to(tl.float32)
         acc += tl.where(steps == 0, bias, 0.0)
@@ -452,7 +417,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
                        PARTS: tl.constexpr = 1, PDL: tl.constexpr = False, WORDS4: tl.constexpr = False,
                        HALF: tl.constexpr = 0, b_ptr=0, stride_be=0, BIAS: tl.constexpr = False, hp_ptr=0,
-                       PAIRED: tl.constexpr = False, DEPTH: tl.constexpr = 1):
+                       PAIRED: tl.constexpr = False, DEPTH: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
@@ -466,7 +431,8 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     h. WORDS4: I a multiple of 32 (`load_words`). HALF: the products in float16 pairs (`packed_dot`). BIAS:
     each slot's expert's bias row b[ids[t*K + k]] ([E, D], row stride stride_be) added to its product before
     the routing weight (gpt-oss's experts, pairs4_gptoss.py). PAIRED: HALF's loop reads h's float16-pair copy
-    at hp (`up_pairs4_kernel`'s PAIRED). DEPTH: chunks of words in flight ahead (`packed_dot`)."""
+    at hp (`up_pairs4_kernel`'s PAIRED). DEPTH: chunks of words in flight ahead; PREFETCH: lines a row asked
+    of L2 while a program waits for h (PDL; `packed_dot`)."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -480,14 +446,15 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     if SPLIT:
         part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + q // PARTS, cols_N, D, steps, C,
                       E, stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED, DEPTH)
+                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED, DEPTH,
+                      PREFETCH)
         sum_split_slots(part, t * top_k * PARTS + q, t, tile, cols_N, col_ok_N, D, top_k * PARTS, part_ptr,
                         count_ptr, stride_cm, y_ptrs)
     else:
         acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, steps, C, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
-                     BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr,
-                     PAIRED, DEPTH)  # the first slot waits for h (PDL); the others find it written
+                     BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED, DEPTH,
+                     PREFETCH)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
             acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, steps, C, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
