@@ -250,7 +250,8 @@ def test_int4_down_prefetch_asks_for_its_own_rows_and_changes_no_bit(fmt, monkey
     h) gives PREFETCH 0's outputs bit for bit, I cut into 2 parts, one program a slot. In the interpreter (PDL
     forced, its grid-dependency instructions and the prefetch replaced by no-ops, the prefetch recording its
     addresses) the lines asked are exactly the routed experts' rows at 32 and 160 bytes into each part of 256
-    bytes (chunks of 64 columns: 32 bytes), and only the first with one line a row."""
+    bytes (chunks of 64 columns: 32 bytes), and only the first with one line a row; `decode.PAIRS4_PREFETCH`
+    asks the same of every config."""
     from thunderep.kernels import pairs4, paths
 
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
@@ -265,10 +266,11 @@ def test_int4_down_prefetch_asks_for_its_own_rows_and_changes_no_bit(fmt, monkey
     q_gu, q_d = Int4Weight.quantize(w_gu, fmt, 32), Int4Weight.quantize(w_d, fmt, 32)
     monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
     outs = []
-    for lines in (0, 4, 1):
+    for lines, pinned in ((0, True), (4, True), (1, True), (4, False)):  # pinned, or decode.PAIRS4_PREFETCH's
         asked.clear()
+        monkeypatch.setattr(decode, "PAIRS4_PREFETCH", 0 if pinned else lines)
         monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "SPLIT": True,
-                                                    "PARTS": 2, "PREFETCH": lines})
+                                                    "PARTS": 2, **({"PREFETCH": lines} if pinned else {})})
         with torch.no_grad():
             outs.append(routed_moe_mlp(x, q_gu, q_d, ids, weights.to(torch.bfloat16)))
         if DEVICE != "cuda":
@@ -276,7 +278,7 @@ def test_int4_down_prefetch_asks_for_its_own_rows_and_changes_no_bit(fmt, monkey
             offsets = (32, 160, 288, 416) if lines == 4 else (32, 288) if lines == 1 else ()
             assert set(asked) == {base + e * stride_e + d * stride_d + o for e in set(ids.flatten().tolist())
                                   for d in range(D) for o in offsets}, lines
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
