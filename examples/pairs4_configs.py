@@ -4,16 +4,14 @@ as the autotuner times), beside the autotuned pair and the packed bytes' time at
 
     python examples/pairs4_configs.py [--shape mixtral] [--fmt int4] [--top 8] [--block-n 4,8,16,32]
         [--block-k 512,1024,2048] [--warps 2,4,8] [--parts 1] [--passes up,down] [--depth 1,2]
-        [--maxnreg 0,112,96] [--prefetch 0,8,16]
+        [--maxnreg 0,112,96]
 
 One process, one GPU. Random weights of the shape quantized by groups of 32; one token routed to experts
 0..K-1. Prints the `--top` fastest configs of each pass with microseconds per call (the pair's time,
 the other pass autotuned): every tile, the down pass's also with SPLIT (one program per slot) and with I cut
 into each of --parts (PARTS, pairs4.down_pairs4_kernel); --passes up (or down) sweeps that pass alone.
 --depth: each tile with its words loaded that many chunks ahead (DEPTH, pairs4.packed_dot); --maxnreg: and
-with each cap on a thread's registers (0: the compiler's choice; a lower cap can fit more programs on an SM);
---prefetch: the down pass's tiles with that many 128-byte lines a row past the first chunk asked of L2 while a
-program waits for h (PREFETCH; it waits only under PDL, sm_90 and later).
+with each cap on a thread's registers (0: the compiler's choice; a lower cap can fit more programs on an SM).
 """
 
 from __future__ import annotations
@@ -45,8 +43,6 @@ def main() -> None:
     parser.add_argument("--passes", default="up,down", help="the passes to sweep: up, down or both")
     parser.add_argument("--depth", type=_ints, default=(1,), help="chunks of words loaded ahead (DEPTH)")
     parser.add_argument("--maxnreg", type=_ints, default=(0,), help="register caps a thread (0: none)")
-    parser.add_argument("--prefetch", type=_ints, default=(0,),
-                        help="the down pass's lines a row asked of L2 while it waits for h (PREFETCH, under PDL)")
     args = parser.parse_args()
     D, I, E, K = SHAPES[args.shape][:4]
     device = torch.device("cuda")
@@ -71,14 +67,13 @@ def main() -> None:
         results = []
         splits = (False, True) if which == "down" else (False,)
         parts = args.parts if which == "down" else (1,)
-        prefetch = args.prefetch if which == "down" else (0,)
-        for bn, bk, warps, split, n, depth, regs, lines in itertools.product(
-                args.block_n, args.block_k, args.warps, splits, parts, args.depth, args.maxnreg, prefetch):
+        for bn, bk, warps, split, n, depth, regs in itertools.product(args.block_n, args.block_k, args.warps, splits,
+                                                                      parts, args.depth, args.maxnreg):
             if bn * bk > 32768 or bn * bk < 32 * warps * 8:
                 continue
             config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, **({"SPLIT": split} if split else {}),
                       **({"PARTS": n} if n > 1 else {}), **({"DEPTH": depth} if depth > 1 else {}),
-                      **({"maxnreg": regs} if regs else {}), **({"PREFETCH": lines} if lines else {})}
+                      **({"maxnreg": regs} if regs else {})}
             setattr(decode, "PAIRS4_UP" if which == "up" else "PAIRS4_DOWN", config)
             try:
                 pair = tuning.timed_ms(call, 60.0, 10.0) * 1e3

@@ -235,52 +235,6 @@ def test_int4_pair_loads_two_chunks_ahead_equal_one_ahead_bit_for_bit(fmt, monke
             assert torch.equal(outs[0], outs[1]), (half, block_k)
 
 
-def _recorded_prefetch(asked: list):
-    """`words4.prefetch_rows` as Triton's interpreter runs it, recording the byte addresses it would ask L2 for."""
-    def prefetch_rows(rows_N, start, end_N, LINES):
-        at = int(getattr(start, "value", start)) + 128 * torch.arange(int(getattr(LINES, "value", LINES)))
-        for row, end in zip(rows_N.handle.data.tolist(), end_N.handle.data.tolist()):
-            asked.extend(row + a for a in at.tolist() if a < end)
-    return prefetch_rows
-
-
-@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
-def test_int4_down_prefetch_asks_for_its_own_rows_and_changes_no_bit(fmt, monkeypatch):
-    """PREFETCH (the down pass under PDL asking L2 for lines of its rows past the first chunk while it waits for
-    h) gives PREFETCH 0's outputs bit for bit, I cut into 2 parts, one program a slot. In the interpreter (PDL
-    forced, its grid-dependency instructions and the prefetch replaced by no-ops, the prefetch recording its
-    addresses) the lines asked are exactly the routed experts' rows at 32 and 160 bytes into each part of 256
-    bytes (chunks of 64 columns: 32 bytes), and only the first with one line a row; `decode.PAIRS4_PREFETCH`
-    asks the same of every config."""
-    from thunderep.kernels import pairs4, paths
-
-    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
-    asked = []
-    if DEVICE != "cuda":
-        monkeypatch.setattr(pairs4, "gdc_wait", lambda: None)
-        monkeypatch.setattr(pairs4, "gdc_launch_dependents", lambda: None)
-        monkeypatch.setattr(pairs4, "prefetch_rows", _recorded_prefetch(asked))
-        monkeypatch.setattr(paths, "pdl_applies", lambda device: True)
-    T, D, I, E, K = 2, 64, 1024, 5, 2
-    x, w_gu, w_d, ids, weights = make_case(T, D, I, E, K, torch.bfloat16, 3)
-    q_gu, q_d = Int4Weight.quantize(w_gu, fmt, 32), Int4Weight.quantize(w_d, fmt, 32)
-    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4})
-    outs = []
-    for lines, pinned in ((0, True), (4, True), (1, True), (4, False)):  # pinned, or decode.PAIRS4_PREFETCH's
-        asked.clear()
-        monkeypatch.setattr(decode, "PAIRS4_PREFETCH", 0 if pinned else lines)
-        monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "SPLIT": True,
-                                                    "PARTS": 2, **({"PREFETCH": lines} if pinned else {})})
-        with torch.no_grad():
-            outs.append(routed_moe_mlp(x, q_gu, q_d, ids, weights.to(torch.bfloat16)))
-        if DEVICE != "cuda":
-            base, (stride_e, stride_d) = q_d.packed.data_ptr(), q_d.packed.stride()[:2]
-            offsets = (32, 160, 288, 416) if lines == 4 else (32, 288) if lines == 1 else ()
-            assert set(asked) == {base + e * stride_e + d * stride_d + o for e in set(ids.flatten().tolist())
-                                  for d in range(D) for o in offsets}, lines
-    assert all(torch.equal(outs[0], out) for out in outs[1:])
-
-
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
 def test_int4_half_products_run_where_the_vector_fits(fmt, monkeypatch):
     """HALF (4-bit products in float16 pairs, the default on CUDA and in the interpreter): within the

@@ -17,17 +17,14 @@ from .act import ACTIVATIONS
 from .fp8 import scale_args, weight_data
 from .tuning import cdiv, next_power_of_2
 
-__all__ = ["PAIRED_H", "PAIRS4_DOWN", "PAIRS4_PREFETCH", "PAIRS4_UP", "down4", "down4_buffers", "launch_pinned",
-           "paired_args", "paired_h", "pairs4_forward", "pairs_forward", "second_rows", "up4_args", "vector_rows"]
+__all__ = ["PAIRED_H", "PAIRS4_DOWN", "PAIRS4_UP", "down4", "down4_buffers", "launch_pinned", "paired_args", "paired_h",
+           "pairs4_forward", "pairs_forward", "second_rows", "up4_args", "vector_rows"]
 
 # The 4-bit pair kernels' launch configs (pairs4.py), pinned: None autotunes on CUDA (tiles.UP_PAIRS4,
 # tiles.DOWN_PAIRS4) and takes tiles.pairs4_default elsewhere; a dict {"BLOCK_N", "BLOCK_K", "num_warps"}
-# (optionally "DEPTH" and "maxnreg", and for the down pass "SPLIT", "PARTS" and "PREFETCH") runs that config.
+# (optionally "DEPTH" and "maxnreg", and for the down pass "SPLIT" and "PARTS") runs that config.
 PAIRS4_UP: dict | None = None
 PAIRS4_DOWN: dict | None = None
-# Lines a row the 4-bit down pass asks of L2 while it waits for h under PDL (pairs4.packed_dot's PREFETCH), on
-# every config: the autotuner times the pass alone, where the gate/up pass it overlaps is not running.
-PAIRS4_PREFETCH = 0
 # The gate/up pass also writes h in float16 pairs for the down pass's float16 loop (pairs4.up_pairs4_kernel's
 # PAIRED) where that loop runs on a 16-bit h of whole words; False: the down pass converts h itself.
 PAIRED_H = True
@@ -130,8 +127,6 @@ def down4(h: torch.Tensor, w_down, ids: torch.Tensor, weights: Optional[torch.Te
     y = h.new_empty(T, D)
     extra = {} if bias is None else {"b_ptr": bias, "stride_be": bias.stride(0), "BIAS": True}
     extra.update(paired_args(h_pairs))
-    if pdl and PAIRS4_PREFETCH and "PREFETCH" not in (PAIRS4_DOWN or {}):
-        extra["PREFETCH"] = PAIRS4_PREFETCH
     _launch4(tiles.DOWN_PAIRS4, tiles.DOWN_PAIRS4_PLAIN, PAIRS4_DOWN, lambda bn: T * cdiv(D, bn), I,
              lambda meta: (T, cdiv(D, meta["BLOCK_N"]), (N // T if meta.get("SPLIT") else 1) * meta.get("PARTS", 1)),
              h.device, h_ptr=h, w_ptr=w_down.packed, stride_we=w_down.packed.stride(0), y_ptr=y, ids_ptr=ids,

@@ -22,10 +22,9 @@ are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4, `load_
 program per token and column tile over the K slots, or (SPLIT) one per slot, and may cut I into ranges (PARTS: wide
 column tiles reading each chunk of h once for all their rows, the partials summed by the last program to arrive,
 split_slots.py), and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
-pairs.py's, where it may ask L2 for more of its rows while it waits (PREFETCH); with biases (BIAS) it is gpt-oss's
-down pass too. The word loads are words4.py's. No Hopper-only instructions; no inline assembly but HALF's and
-PREFETCH's (sm_80 and later). Rows that are not 4-byte aligned, or groups of other than a multiple of 8 columns,
-run the same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a multiple of BLOCK_K) and column
+pairs.py's; with biases (BIAS) it is gpt-oss's down pass too. The word loads are words4.py's. No Hopper-only
+instructions; no inline assembly but HALF's (sm_80 and later). Rows that are not 4-byte aligned, or groups of
+other than a multiple of 8 columns, run the same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a multiple of BLOCK_K) and column
 tiles past the matrix are masked. Expert ids as in pairs.py: -1 reads no weights and adds nothing; any other id
 outside [0, E) makes its token's output NaN. Inference only. The launches are in decode.py; gpt-oss's experts
 (biases, clamped SwiGLU) run pairs4_gptoss.py's kernels, built on `packed_dot`, `packed_dot2` and `words_ok`.
@@ -42,7 +41,7 @@ from .half4 import half_fits, half_word_products, pair_products, vector_pairs
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import part_range, sum_split_slots, zero_counts
 from .vector4 import largest, planes, vector, vector_words, word_sums
-from .words4 import first_words, load_words, next_words, prefetch_rows, words_ok
+from .words4 import first_words, load_words, next_words, words_ok
 
 __all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
            "slot_weights", "store_h", "up_pairs4_kernel", "word_chunk", "words_ok"]
@@ -230,7 +229,7 @@ def _words_loop(w_next, w_after, w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, o
 def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stride_sk, GROUP: tl.constexpr,
                MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr = False,
                WORDS4: tl.constexpr = False, HALF: tl.constexpr = 0, vp_ptr=0, PAIRED: tl.constexpr = False,
-               DEPTH: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
+               DEPTH: tl.constexpr = 1):
     """[BLOCK_N] float32: each row (w_ptrs_N, its scales and zero points) times the vector at v_ptr over all C
     columns, chunk by chunk. words (`words_ok`) and GROUP a multiple of 8: read as 32-bit words, each chunk's
     loads issued one chunk ahead (Triton does not pipeline them itself), so that a warp's next bytes are in
@@ -243,13 +242,10 @@ def packed_dot(w_ptrs_N, s_ptrs_N, z_ptrs_N, C, ok_N, v_ptr, words, opaque, stri
     measured once (`largest`); one that `half_fits` runs the loop of `half_chunk`, any other the float32 loop
     (two loops, not a branch a chunk: a branch inside the loop holds both chunks' registers at once). PAIRED:
     the float16 loop reads the vector's copy at vp_ptr in its float16-pair layout (`half_chunk`). DEPTH: the
-    words of that many chunks ahead in flight (1 or 2, `_words_loop`; under WAIT both loaded before the wait).
-    PREFETCH (under WAIT): up to that many 128-byte lines a row past the first chunk asked of L2 before the wait."""
+    words of that many chunks ahead in flight (1 or 2, `_words_loop`; under WAIT both loaded before the wait)."""
     if (GROUP % 8 == 0) and words:
         w_first, w_second = first_words(w_ptrs_N, C, ok_N, BLOCK_K, WORDS4, DEPTH)
         if WAIT:
-            if PREFETCH > 0:
-                prefetch_rows(w_ptrs_N, BLOCK_K // 2, tl.where(ok_N, C // 2, 0), PREFETCH)
             gdc_wait()
         if HALF != 0:  # half4.py
             if half_fits(largest(v_ptr, C, BLOCK_K)):
@@ -390,7 +386,7 @@ def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps,
            stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED: tl.constexpr, GROUP: tl.constexpr,
            MXFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr, STEP: tl.constexpr, WAIT: tl.constexpr,
            WORDS4: tl.constexpr, HALF: tl.constexpr, b_ptr, stride_be, BIAS: tl.constexpr, hp_ptr,
-           PAIRED: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr = 0):
+           PAIRED: tl.constexpr, DEPTH: tl.constexpr):
     """[BLOCK_N] float32: pair j's routing weight times h[j] . Wd[ids[j], n] over the columns n of cols_N and
     the C columns of I from steps * STEP (`part_range`)."""
     expert, ok_N, w_N, s_N, rw = slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_wd,
@@ -403,7 +399,7 @@ def _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, j, cols_N, D, steps,
     s_N += (steps * (STEP // GROUP)).to(tl.int64) * stride_sk  # groups (STEP is a multiple of GROUP)
     opaque = (expert >> 32).to(tl.uint32)  # as in up_pairs4_kernel
     acc = packed_dot(w_N, s_ptr + s_N, z_ptr + s_N, C, ok_N, h_row, words, opaque, stride_sk, GROUP, MXFP4, ZERO,
-                     BLOCK_K, WAIT, WORDS4, HALF, hp_row, PAIRED, DEPTH, PREFETCH)
+                     BLOCK_K, WAIT, WORDS4, HALF, hp_row, PAIRED, DEPTH)
     if BIAS:  # the expert's bias b[expert] (not for -1), once: in the first part of I
         bias = tl.load(b_ptr + expert * stride_be + cols_N, mask=ok_N, other=0.0).to(tl.float32)
         acc += tl.where(steps == 0, bias, 0.0)
@@ -417,7 +413,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
                        PARTS: tl.constexpr = 1, PDL: tl.constexpr = False, WORDS4: tl.constexpr = False,
                        HALF: tl.constexpr = 0, b_ptr=0, stride_be=0, BIAS: tl.constexpr = False, hp_ptr=0,
-                       PAIRED: tl.constexpr = False, DEPTH: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
+                       PAIRED: tl.constexpr = False, DEPTH: tl.constexpr = 1):
     """y[t, n] = sum over k of w[t, k] * (h[t*K + k] . Wd[ids[t*K + k], n]) for token t = program_id(0),
     columns n of tile program_id(1); the slots summed in float32 in slot order. h: [T*K, I]; Wd: packed
     [E, D, I / 2] uint8 with scales (and zero points) [E, D, ceil(I / GROUP)] by strides; y: [T, D].
@@ -431,8 +427,7 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     h. WORDS4: I a multiple of 32 (`load_words`). HALF: the products in float16 pairs (`packed_dot`). BIAS:
     each slot's expert's bias row b[ids[t*K + k]] ([E, D], row stride stride_be) added to its product before
     the routing weight (gpt-oss's experts, pairs4_gptoss.py). PAIRED: HALF's loop reads h's float16-pair copy
-    at hp (`up_pairs4_kernel`'s PAIRED). DEPTH: chunks of words in flight ahead; PREFETCH: lines a row asked
-    of L2 while a program waits for h (PDL; `packed_dot`)."""
+    at hp (`up_pairs4_kernel`'s PAIRED). DEPTH: chunks of words in flight ahead (`packed_dot`)."""
     t = tl.program_id(0)
     tile = tl.program_id(1)
     cols_N = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -446,15 +441,14 @@ def down_pairs4_kernel(h_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, weight_ptr, p
     if SPLIT:
         part = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + q // PARTS, cols_N, D, steps, C,
                       E, stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,
-                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED, DEPTH,
-                      PREFETCH)
+                      MXFP4, ZERO, BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED, DEPTH)
         sum_split_slots(part, t * top_k * PARTS + q, t, tile, cols_N, col_ok_N, D, top_k * PARTS, part_ptr,
                         count_ptr, stride_cm, y_ptrs)
     else:
         acc = _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k, cols_N, D, steps, C, E, stride_hm,
                      stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP, MXFP4, ZERO,
-                     BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr, PAIRED, DEPTH,
-                     PREFETCH)  # the first slot waits for h (PDL); the others find it written
+                     BLOCK_K, STEP, PDL, WORDS4, HALF, b_ptr, stride_be, BIAS, hp_ptr,
+                     PAIRED, DEPTH)  # the first slot waits for h (PDL); the others find it written
         for slot in range(1, top_k):
             acc += _slot4(h_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, weight_ptr, t * top_k + slot, cols_N, D, steps, C, E,
                           stride_hm, stride_we, stride_wd, stride_se, stride_sn, stride_sk, words, WEIGHTED, GROUP,

@@ -1,13 +1,12 @@
-"""The 4-bit pair kernels' weight loads (pairs4.py): a chunk of packed rows as 32-bit words, the ring that keeps
-the next DEPTH chunks' words in flight while a loop converts the current one, and lines of rows asked of L2 ahead
-(`prefetch_rows`, the down pass's PREFETCH: inline PTX, sm_80 and later)."""
+"""The 4-bit pair kernels' weight loads (pairs4.py): a chunk of packed rows as 32-bit words, and the ring that
+keeps the next DEPTH chunks' words in flight while a loop converts the current one."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["first_words", "load_words", "next_words", "prefetch_rows", "words_ok"]
+__all__ = ["first_words", "load_words", "next_words", "words_ok"]
 
 
 @triton.jit
@@ -49,13 +48,3 @@ def next_words(w_next, w_after, w_ptrs_N, k0, C, ok_N, BLOCK_K: tl.constexpr, WO
         return w_next, w_after, load_words(w_ptrs_N, k0 + 2 * BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4)
     return w_next, load_words(w_ptrs_N, k0 + BLOCK_K, C, ok_N, BLOCK_K // 8, WORDS4), w_after
 
-
-@triton.jit
-def prefetch_rows(rows_N, start, end_N, LINES: tl.constexpr):
-    """Ask L2 for bytes [start, end_N) of each row (uint8 pointers rows_N), at most LINES 128-byte lines a row,
-    kept there before other lines (evict_last); nothing waits for them."""
-    at_NL = start + 128 * tl.arange(0, LINES)[None, :]
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; "
-                              "mov.u32 $0, 0; }", "=r,l,r",
-                              [rows_N[:, None] + at_NL, (at_NL < end_N[:, None]).to(tl.uint32)], dtype=tl.uint32,
-                              is_pure=False, pack=1)
