@@ -24,10 +24,11 @@ column tiles reading each chunk of h once for all their rows, the partials summe
 split_slots.py), and is launched as a programmatic dependent of the gate/up pass where the GPU has it (PDL), as
 pairs.py's; with biases (BIAS) it is gpt-oss's down pass too. The word loads are words4.py's. No Hopper-only
 instructions; no inline assembly but HALF's (sm_80 and later). Rows that are not 4-byte aligned, or groups of
-other than a multiple of 8 columns, run the same conversions one byte at a time (`byte_chunk`). Partial chunks (D or I not a multiple of BLOCK_K) and column
-tiles past the matrix are masked. Expert ids as in pairs.py: -1 reads no weights and adds nothing; any other id
-outside [0, E) makes its token's output NaN. Inference only. The launches are in decode.py; gpt-oss's experts
-(biases, clamped SwiGLU) run pairs4_gptoss.py's kernels, built on `packed_dot`, `packed_dot2` and `words_ok`.
+other than a multiple of 8 columns, run the same conversions one byte at a time (`byte_chunk`). Partial chunks
+(D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids as in pairs.py: -1
+reads no weights and adds nothing; any other id outside [0, E) makes its token's output NaN. Inference only. The
+launches are in decode.py; gpt-oss's experts (biases, clamped SwiGLU) run pairs4_gptoss.py's kernels, built on
+`packed_dot`, `packed_dot2` and `words_ok`.
 """
 
 from __future__ import annotations

@@ -141,7 +141,8 @@ PAIRS4_TILES = [(4, 512, 4), (8, 512, 4), (16, 256, 4), (16, 512, 4), (32, 256, 
                 (16, 2048, 4), (4, 2048, 2),  # the down pass's two fastest in a sweep beyond the list (int4 record)
                 (16, 256, 2), (32, 256, 4), (8, 512, 2),  # the gate/up pass's three fastest in one (2026-12-07)
                 # a 4th value caps a thread's registers (maxnreg): 10 programs an SM where 128 registers give 8,
-                # 1.4 us off Mixtral's 57 us gate/up pass at 8x512x2 (int4 record, "DEPTH and the partial wave")
+                # 1.4 us off Mixtral's 57 us gate/up pass at 8x512x2, MXFP4's choice since (int4 record, "DEPTH
+                # and the partial wave"); 4x512x2: half as long programs, 96 registers uncapped
                 (8, 512, 2, 96), (16, 256, 2, 96), (4, 512, 2), (4, 512, 2, 96)]
 PAIRS4_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, maxnreg=regs or None)
                   for bn, bk, w, regs in (tile + (0,) * (4 - len(tile)) for tile in PAIRS4_TILES)]

@@ -41,7 +41,7 @@ def first_words(w_ptrs_N, C, ok_N, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr, 
 
 @triton.jit
 def next_words(w_next, w_after, w_ptrs_N, k0, C, ok_N, BLOCK_K: tl.constexpr, WORDS4: tl.constexpr,
-                DEPTH: tl.constexpr):
+               DEPTH: tl.constexpr):
     """(chunk k0's words, the next chunk's, the one after's) at a loop step's top, the load DEPTH chunks ahead
     issued (past C: not read)."""
     if DEPTH == 2:
