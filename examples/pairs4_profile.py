@@ -16,7 +16,7 @@ the K experts), and the fraction of copy bandwidth those bytes' time is (the ker
 fraction, per pass); and per format the pair's time end to end (CUDA events, L2 flushed: where the down
 pass launches early, PDL, the two kernels' own times overlap). --no-split leaves the 4-bit down pass's
 one-program-per-slot configs out of its autotuning, --no-parts its configs that cut I into ranges (PARTS);
---no-words4 launches the 4-bit kernels with 8-byte word loads (WORDS4 off, pairs4.load_words);
+--no-words4 launches the 4-bit kernels with 8-byte word loads (WORDS4 off, words4.load_words);
 THUNDEREP_PDL=0 launches the down pass plainly. Together (PARTS aside) they are the 4-bit kernels as they
 were before those three. THUNDEREP_HALF_PRODUCTS=0 runs the 4-bit products in float32, as before the float16
 pairs (kernels/half4.py). --loads-only runs the 4-bit

@@ -28,7 +28,7 @@ other than a multiple of 8 columns, run the same conversions one byte at a time 
 (D or I not a multiple of BLOCK_K) and column tiles past the matrix are masked. Expert ids as in pairs.py: -1
 reads no weights and adds nothing; any other id outside [0, E) makes its token's output NaN. Inference only. The
 launches are in decode.py; gpt-oss's experts (biases, clamped SwiGLU) run pairs4_gptoss.py's kernels, built on
-`packed_dot`, `packed_dot2` and `words_ok`.
+`packed_dot`, `packed_dot2` and words4.py's `words_ok`.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from .half4 import half_fits, half_word_products, pair_products, vector_pairs
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import part_range, sum_split_slots, zero_counts
 from .vector4 import largest, planes, vector, vector_words, word_sums
-from .words4 import first_words, load_words, next_words, words_ok
+from .words4 import first_words, next_words, words_ok
 
-__all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "load_words", "packed_dot", "packed_dot2",
-           "slot_weights", "store_h", "up_pairs4_kernel", "word_chunk", "words_ok"]
+__all__ = ["byte_chunk", "down_pairs4_kernel", "half_chunk", "packed_dot", "packed_dot2", "slot_weights", "store_h",
+           "up_pairs4_kernel", "word_chunk"]
 
 
 @triton.jit

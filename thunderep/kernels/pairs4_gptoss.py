@@ -28,10 +28,11 @@ import triton.language as tl
 
 from . import decode, paths
 from .pairs import gdc_launch_dependents
-from .pairs4 import packed_dot2, store_h, words_ok
+from .pairs4 import packed_dot2, store_h
 from .split_slots import zero_counts
 from .tiles import pairs4_default
 from .tuning import cdiv
+from .words4 import words_ok
 
 __all__ = ["GPTOSS4_UP", "pairs4_gptoss_forward", "up_pairs4_gptoss_kernel"]
 
@@ -58,7 +59,7 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, c
     """h[j, c] = gpt-oss's clamped SwiGLU of (x[j // K] . Wgu[ids[j], 2c] + b[ids[j], 2c],
     x[j // K] . Wgu[ids[j], 2c + 1] + b[ids[j], 2c + 1]) for pair j = program_id(0), columns c of tile
     program_id(1). x: [T, D]; W: packed [E, 2I, D / 2] uint8 with scales (and zero points, ZERO)
-    [E, 2I, ceil(D / GROUP)] by strides; b: [E, 2I]; h: [T*K, I]. WORDS4: D a multiple of 32 (pairs4.load_words);
+    [E, 2I, ceil(D / GROUP)] by strides; b: [E, 2I]; h: [T*K, I]. WORDS4: D a multiple of 32 (words4.load_words);
     HALF: the products in float16 pairs (pairs4.packed_dot). Also zeroes the down pass's counts and, PDL,
     lets it launch early, and, PAIRED, writes h's float16-pair copy to hp, as pairs4.up_pairs4_kernel."""
     if PDL:
