@@ -3,7 +3,7 @@ for a GPU architecture on this machine (no GPU needed): int4 with groups of 32, 
 weight loads (LDG.E.128: 16 bytes a thread).
 
     python examples/pairs4_sass.py [--arch 90] [--tiles 16x512x4,8x512x2,16x1024x4,16x2048x4]
-                                   [--chunk convert] [--half 1] [--mxfp4] [--parts 4] [--paired] [--depth 2]
+                                   [--chunk convert] [--half 1|3] [--mxfp4] [--parts 4] [--paired] [--depth 2]
 
 A tile is BLOCK_N x BLOCK_K x warps. The word loop is the innermost loop with most of the 16-bit conversion
 operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one thread converts in one pass
@@ -11,9 +11,9 @@ operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one t
 a faster kernel is for `examples/pairs4_configs.py` on a GPU. Also each build's registers a thread and stack
 bytes (spills), and the loop's shared-memory operations and barriers. --chunk counts one of
 `examples/pairs4_profile.py`'s probes in place of the chunk as it runs (`--loads-only convert`). --half 1 counts
-the kernels as CUDA launches them (HALF: the products in float16 pairs, kernels/half4.py): the loop a vector
-in range runs. --parts N counts the down pass with I cut into N ranges (PARTS, SPLIT), whose offsets must leave
-the loads 16 bytes wide. --paired (with --half 1) counts the kernels with h's float16-pair copy (PAIRED), as
+the kernels with the products in float16 pairs (HALF, kernels/half4.py): the loop a vector in range runs;
+--half 3 the same with MXFP4's codes through the FP8 conversion (as CUDA launches MXFP4 on sm_89 and later). --parts N counts the down pass with I cut into N ranges (PARTS, SPLIT), whose offsets must leave
+the loads 16 bytes wide. --paired (with --half 1 or 3) counts the kernels with h's float16-pair copy (PAIRED), as
 CUDA launches them for a 16-bit h. --depth 2 counts the loops that load each chunk's words two chunks ahead
 (DEPTH).
 """
@@ -85,13 +85,14 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--tiles", default="16x512x4,8x512x2,16x1024x4,16x2048x4")
     parser.add_argument("--mxfp4", action="store_true", help="MXFP4 weights (e2m1 codes, e8m0 scales) instead of int4")
-    parser.add_argument("--half", type=int, default=0, choices=(0, 1),
-                        help="the kernels' HALF (1: float16-pair products in inline PTX, as CUDA launches them)")
+    parser.add_argument("--half", type=int, default=0, choices=(0, 1, 3),
+                        help="the kernels' HALF (1: float16-pair products in inline PTX; 3: MXFP4's codes through "
+                             "the FP8 conversion, as CUDA launches them on sm_89 and later)")
     parser.add_argument("--chunk", choices=("convert", "paired"),
                         help="count a probe of examples/pairs4_profile.py in place of the chunk as it runs")
     parser.add_argument("--parts", type=int, default=1, help="the down pass with I cut into this many ranges")
     parser.add_argument("--paired", action="store_true",
-                        help="with --half 1: h's float16-pair copy written by the up pass, read by the down pass")
+                        help="with --half 1 or 3: h's float16-pair copy written by the up pass, read by the down pass")
     parser.add_argument("--depth", type=int, default=1, choices=(1, 2), help="chunks of words loaded ahead (DEPTH)")
     args = parser.parse_args()
     if args.chunk:  # before the first build, as pairs4_profile patches it (this file's folder is on sys.path)
@@ -116,7 +117,7 @@ def main() -> None:
             if name == "down" and args.parts > 1:
                 flags.update(PARTS=args.parts, SPLIT=True)
             code, (regs, stack) = sass(kernel, flags, block_n, block_k, warps, args.arch)
-            loop = word_loop(code, args.half == 1 and args.chunk != "paired")  # paired: no F2FP, most HFMA2
+            loop = word_loop(code, args.half != 0 and args.chunk != "paired")  # paired: no F2FP, most HFMA2
             loads = collections.Counter(m.group(1) for m in map(_LOAD.search, loop) if m)
             shared = sum(bool(re.search(r"\b(LDS|STS|STSM|LDSM)\b", x)) for x in loop)
             barriers = sum("BAR.SYNC" in x for x in loop)

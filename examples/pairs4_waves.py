@@ -3,11 +3,11 @@ depends on how its programs fill the GPU's waves (a last, partial wave of progra
 loads in flight), and what deeper loads (DEPTH) or a register cap (more programs an SM) change.
 
     python examples/pairs4_waves.py [--fmt mxfp4] [--D 4096] [--K 2] [--I 12672,14336,16896]
-        [--configs 8x512x2,8x512x2:d2,8x512x2:r112]
+        [--configs 8x512x2,8x512x2:d2,8x512x2:r112,8x512x2:h1]
 
 One process, one GPU. Random weights [K, 2I, D] quantized by groups of 32, one token routed to experts 0..K-1;
 each launch config pinned (BLOCK_N x BLOCK_K x warps, ":d2" loads two chunks ahead, ":rN" caps a thread's
-registers at N). Prints per config and I: the programs, the registers a thread, the programs an SM holds
+registers at N, ":hN" runs HALF N: for MXFP4 ":h1" the byte lookup, ":h3" the FP8 conversion, half4.py). Prints per config and I: the programs, the registers a thread, the programs an SM holds
 (registers, warps and the 32-block limit; shared memory not counted), the waves (programs over the GPU's
 resident programs), microseconds per call (L2 flushed before each, as the autotuner times), the packed bytes
 read and their fraction of copy bandwidth. At Mixtral's D = 4096, K = 2 and 8 rows a program, I = 12672 is 3
@@ -27,12 +27,12 @@ from thunderep.kernels.tuning import cdiv
 
 
 def _config(text: str) -> dict:
-    """'8x512x2:d2:r112' as a pinned config."""
+    """'8x512x2:d2:r112:h1' as a pinned config (HALF, where given, is the kernel's, not the config's)."""
     tile, *flags = text.split(":")
     bn, bk, warps = (int(v) for v in tile.split("x"))
     config = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
     for flag in flags:
-        config["DEPTH" if flag[0] == "d" else "maxnreg"] = int(flag[1:])
+        config[{"d": "DEPTH", "r": "maxnreg", "h": "HALF"}[flag[0]]] = int(flag[1:])
     return config
 
 
@@ -69,10 +69,11 @@ def main() -> None:
         launch = decode.up4_args(x, w_gu, ids, h, h_pairs, buffers, False, half, "silu", False)
         for text in args.configs.split(","):
             config = _config(text)
+            args = {**launch, "HALF": config.pop("HALF", launch["HALF"])}
 
             def call():
                 return decode.launch_pinned(tiles.UP_PAIRS4_PLAIN, config, lambda meta: (K, cdiv(I, meta["BLOCK_N"])),
-                                            **launch)
+                                            **args)
 
             kernel = call()
             us = tuning.timed_ms(call, 60.0, 10.0) * 1e3

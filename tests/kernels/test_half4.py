@@ -35,22 +35,86 @@ def _unit_products_kernel(w_ptr, out_ptr, MODE: tl.constexpr, MXFP4: tl.constexp
     tl.store(out_ptr + i[:, None] * 8 + q[None, :], out)
 
 
+def _words() -> torch.Tensor:
+    """2 ** 16 words: every 16-bit pattern in the low half, another in the high half."""
+    u = torch.arange(65536, dtype=torch.int64)
+    return u | (((u * 7919 + 12345) % 65536) << 16)
+
+
+def _modes(fmt: str) -> list[int]:
+    """The HALF modes this machine runs for fmt: the one `paths.half_mode` picks, and for MXFP4 on a CUDA GPU of
+    sm_89 or later both the byte lookup (1) and the FP8 conversion (3)."""
+    mode = paths.half_mode(torch.device(DEVICE), fmt)
+    fp8 = mode in (1, 3) and fmt == "mxfp4" and torch.cuda.get_device_capability() >= (8, 9)
+    return [1, 3] if fp8 else [mode]
+
+
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
 def test_pair_products_convert_every_code_exactly(fmt):
-    """Each of 2 ** 16 words (every 16-bit pattern in the low half, another in the high half), times a unit
-    vector at each of its 8 columns, gives exactly that column's code's value: the table for e2m1 (the
-    subnormal 0.5 and every sign), n - 8 for int4. Code j is nibble j % 4 of half j // 4."""
-    mode = paths.half_mode(torch.device(DEVICE), fmt)
-    assert mode in (1, 2), mode
-    u = torch.arange(65536, dtype=torch.int64)
-    u_high = (u * 7919 + 12345) % 65536
-    words = u | (u_high << 16)
-    out = torch.full((65536, 8), float("nan"), device=DEVICE)
-    _unit_products_kernel[(65536 // ROWS,)](words.to(torch.int32).to(DEVICE), out, MODE=mode, MXFP4=fmt == "mxfp4",
-                                            ROWS=ROWS)
+    """Each of 2 ** 16 words, times a unit vector at each of its 8 columns, gives exactly that column's code's
+    value: the table for e2m1 (the subnormal 0.5 and every sign; 2 ** -6 times it through the FP8 conversion,
+    HALF 3), n - 8 for int4. Code j is nibble j % 4 of half j // 4."""
+    words = _words()
     table = torch.tensor(_E2M1 if fmt == "mxfp4" else [n - 8.0 for n in range(16)])
     want = torch.empty(65536, 8)
     for j in range(8):
         want[:, j] = table[(words >> (4 * j)) & 15]
-    assert torch.equal(out.cpu(), want)  # values: a zero's sign is a sum's, not the code's
+    for mode in _modes(fmt):
+        assert mode in (1, 2, 3), mode
+        out = torch.full((65536, 8), float("nan"), device=DEVICE)
+        _unit_products_kernel[(65536 // ROWS,)](words.to(torch.int32).to(DEVICE), out, MODE=mode,
+                                                MXFP4=fmt == "mxfp4", ROWS=ROWS)
+        unit = half4.E2M1_FP8_UNIT.value if mode == 3 else 1.0
+        assert torch.equal(out.cpu() * unit, want), mode  # values: a zero's sign is a sum's, not the code's
 
+
+def test_e2m1_codes_placed_as_fp8_bytes_are_their_values():
+    """The bit placement of `half4._E2M1_FP8`, step for step in integer operations here: after the middle bytes'
+    swap, each byte's even code (shifted up 2, its sign up 4) and odd code (shifted down 2, its sign in place)
+    read as e4m3 are exactly 2 ** -6 times the e2m1 values, in the order (j, j + 4) of the vector pairs."""
+    words = _words()
+    w = (words & 0xFF) | ((words >> 16) & 0xFF) << 8 | ((words >> 8) & 0xFF) << 16 | ((words >> 24) & 0xFF) << 24
+    assert "prmt.b32 w, $1, 0, 0x3120;" in half4._E2M1_FP8.value  # the swap above
+    e = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080)
+    o = ((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080)
+
+    def fp8(word, byte):
+        return ((word >> (8 * byte)) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+    got = torch.stack([fp8(e, 0), fp8(o, 0), fp8(e, 2), fp8(o, 2),  # t0..t3's low halves: codes 0..3
+                       fp8(e, 1), fp8(o, 1), fp8(e, 3), fp8(o, 3)], 1)  # high halves: codes 4..7
+    table = torch.tensor(_E2M1)
+    want = torch.stack([table[(words >> (4 * j)) & 15] for j in range(8)], 1)
+    assert torch.equal(got * half4.E2M1_FP8_UNIT.value, want)
+
+
+
+@pytest.mark.parametrize("capability, fp8, want", [((8, 6), "1", {"int4": 1, "mxfp4": 1}),
+                                                   ((8, 9), "1", {"int4": 1, "mxfp4": 3}),
+                                                   ((12, 0), "1", {"int4": 1, "mxfp4": 3}),
+                                                   ((9, 0), None, {"int4": 1, "mxfp4": 1}),
+                                                   ((9, 0), "0", {"int4": 1, "mxfp4": 1}),
+                                                   ((7, 5), "1", {"int4": 0, "mxfp4": 0})])
+def test_half_mode_takes_the_fp8_conversion_for_mxfp4_where_asked_and_the_gpu_has_it(monkeypatch, capability, fp8,
+                                                                                    want):
+    """MXFP4 on sm_89 and later converts its codes through the FP8 conversion (HALF 3) with
+    THUNDEREP_E2M1_FP8=1; older GPUs, unset or 0, and int4 everywhere run HALF 1; before sm_80, float32 (0)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("THUNDEREP_HALF_PRODUCTS", raising=False)
+    if fp8 is None:
+        monkeypatch.delenv("THUNDEREP_E2M1_FP8", raising=False)
+    else:
+        monkeypatch.setenv("THUNDEREP_E2M1_FP8", fp8)
+    monkeypatch.setattr(paths, "_capability", lambda index: capability)
+    assert {fmt: paths.half_mode(torch.device("cuda", 0), fmt) for fmt in want} == want
+    assert paths.half_mode(torch.device("cuda", 0), "fp8") == 0
+
+
+def test_e2m1_fp8_switch_rejects_other_values(monkeypatch):
+    from thunderep.errors import ConfigError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("THUNDEREP_E2M1_FP8", "yes")
+    monkeypatch.setattr(paths, "_capability", lambda index: (9, 0))
+    with pytest.raises(ConfigError, match=r"THUNDEREP_E2M1_FP8='yes': use 0 \(off\) or 1"):
+        paths.half_mode(torch.device("cuda", 0), "mxfp4")

@@ -27,6 +27,14 @@ instructions for a word's 8 values, where placing the bits by shifts needed a pa
 after them (float16's exponent bias) and some 23. The values are exact and at most 6 in magnitude, so int4's
 range bounds hold as they are. (That shift form, timed earlier with the vector read through planes, made the
 one-token gate/up pass slower: docs/benchmarks/2026-12-05-int4-experts-h200.md, 2026-12-07.)
+
+e2m1 codes through the FP8 conversion (MODE 3, sm_89 and later, `paths.half_mode`): each code's bits placed as
+an e4m3 byte are exactly 2 ** -6 times its value, and one conversion makes two such bytes a float16 pair:
+about 11 instructions for a word's 8 values against the lookup's 15 (`_E2M1_FP8`). The products and sums are
+2 ** -6 times the lookup's, scaled back once a group (E2M1_FP8_UNIT); they round alike but where a product
+falls under float16's smallest normal (an element under 2 ** -7 times a value of 0.5): its rounding is then
+at most 2 ** -25, 2 ** -19 in the values' units, under float16's own rounding of a half's sum once the
+vector's largest magnitude is at least HALF_MIN.
 """
 
 from __future__ import annotations
@@ -101,6 +109,34 @@ shl.b32 m, $1, 4;
 lop3.b32 t2, m, 0x80008000, t2, 0xea;
 lop3.b32 t3, $1, 0x80008000, t3, 0xea;
 """ + _PRODUCTS)
+# The same for e2m1 codes through the GPU's FP8 conversion (MODE 3: sm_89 and later). A code's sign to bit 7 of
+# a byte and its exponent and mantissa bits to bits 4..2 make the e4m3 byte of exactly 2 ** -6 times its value
+# (e2m1's subnormal 0.5 e4m3's subnormal 2 ** -7), so one word takes each byte's even code (e: low nibble,
+# shifted up 2, its sign up 4) and another each byte's odd code (o: high nibble, shifted down 2, its sign in
+# place), and one conversion makes each 16-bit half of them a float16 pair. The byte permute first swaps the
+# word's middle bytes, so the halves come out as codes (j, j + 4), the vector pairs' order. The products are
+# 2 ** -6 times MODE 1's; the chunk's sums are scaled back (E2M1_FP8_UNIT).
+_E2M1_FP8 = tl.constexpr("""{
+.reg .b32 w, e, o, s, t0, t1, t2, t3, p;
+.reg .b16 elo, ehi, olo, ohi;
+.reg .f16 plo, phi;
+.reg .f32 flo, fhi;
+prmt.b32 w, $1, 0, 0x3120;
+shr.b32 o, w, 2;
+and.b32 s, w, 0x80808080;
+lop3.b32 o, o, 0x1C1C1C1C, s, 0xea;
+shl.b32 e, w, 2;
+shl.b32 s, w, 4;
+and.b32 s, s, 0x80808080;
+lop3.b32 e, e, 0x1C1C1C1C, s, 0xea;
+mov.b32 {elo, ehi}, e;
+mov.b32 {olo, ohi}, o;
+cvt.rn.f16x2.e4m3x2 t0, elo;
+cvt.rn.f16x2.e4m3x2 t1, olo;
+cvt.rn.f16x2.e4m3x2 t2, ehi;
+cvt.rn.f16x2.e4m3x2 t3, ohi;
+""" + _PRODUCTS)
+E2M1_FP8_UNIT: tl.constexpr = tl.constexpr(64.0)  # MODE 3's e2m1 products are 2 ** -6 times the values'
 
 @triton.jit
 def half_fits(top):
@@ -113,7 +149,7 @@ def half_fits(top):
 def _pair16(lo, hi, MODE: tl.constexpr):
     """[HW] float32 elements as float16 pairs in one 32-bit word (lo in the low half): MODE 1 one PTX
     conversion; MODE 2 (the interpreter) the same bits from Triton casts."""
-    if MODE == 1:
+    if MODE == 1 or MODE == 3:
         return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
                                          is_pure=True, pack=1)
     else:
@@ -150,7 +186,11 @@ def pair_products(w, p04, p15, p26, p37, opaque, MODE: tl.constexpr, MXFP4: tl.c
         return tl.inline_asm_elementwise(_E2M1_PAIRS, "=r,r,r,r,r,r,r",
                                          [w.to(tl.uint32, bitcast=True), p04[None, :], p15[None, :], p26[None, :],
                                           p37[None, :], opaque | 0x3E3C3800], dtype=tl.float32, is_pure=True, pack=1)
-    elif MODE == 1:
+    elif MODE == 3 and MXFP4:  # 2 ** -6 times MODE 1's sums
+        return tl.inline_asm_elementwise(_E2M1_FP8, "=r,r,r,r,r,r",
+                                         [w.to(tl.uint32, bitcast=True), p04[None, :], p15[None, :],
+                                          p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)
+    elif MODE == 1 or MODE == 3:
         return tl.inline_asm_elementwise(_WORD_PRODUCTS, "=r,r,r,r,r,r",
                                          [w.to(tl.uint32, bitcast=True), p04[None, :], p15[None, :],
                                           p26[None, :], p37[None, :]], dtype=tl.float32, is_pure=True, pack=1)

@@ -206,24 +206,29 @@ def pdl_applies(device: torch.device) -> bool:
 
 def half_mode(device: torch.device, fmt: str) -> int:
     """The 4-bit pair kernels' HALF (`pairs4.packed_dot`): for int4 and MXFP4 weights, the products in float16
-    pairs where the vector fits, in inline PTX on a CUDA GPU of sm_80 or later (1), in Triton operations under
-    the interpreter (2); 0 (float32 products) for other formats, older GPUs, or THUNDEREP_HALF_PRODUCTS=0.
-    (int4's timed 1.11-1.14x the float32 products at Mixtral's one-token step:
-    docs/benchmarks/2026-12-05-int4-experts-h200.md.)"""
+    pairs where the vector fits, in inline PTX on a CUDA GPU of sm_80 or later (1), MXFP4's codes converted
+    there through the FP8 conversion of sm_89 and later with THUNDEREP_E2M1_FP8=1 (3, `half4._E2M1_FP8`; opt-in
+    until timed against 1's byte lookup on a GPU), in Triton operations under the interpreter (2); 0 (float32
+    products) for other formats,
+    older GPUs, or THUNDEREP_HALF_PRODUCTS=0. (int4's timed 1.11-1.14x the float32 products at Mixtral's
+    one-token step: docs/benchmarks/2026-12-05-int4-experts-h200.md.)"""
     if fmt not in ("int4", "mxfp4") or env.half_products() is False:
         return 0
     if env.triton_interpreter():
         return 2
     if device.type != "cuda":
         return 0
-    return 1 if _has_half(device.index if device.index is not None else torch.cuda.current_device()) else 0
+    capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if capability < (8, 0):
+        return 0
+    return 3 if fmt == "mxfp4" and capability >= (8, 9) and env.e2m1_fp8() is True else 1
 
 
 @functools.cache
-def _has_half(index: int) -> bool:
-    """Whether CUDA device `index` runs HALF's packed float16 PTX (sm_80 and later): asked once per device,
-    as decode asks half_mode on every layer call."""
-    return torch.cuda.get_device_capability(index) >= (8, 0)
+def _capability(index: int) -> tuple[int, int]:
+    """CUDA device `index`'s compute capability: asked once per device, as decode asks half_mode on every
+    layer call."""
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache

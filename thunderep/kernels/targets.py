@@ -110,13 +110,13 @@ _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=Fals
                  "rows4": (S4.rows4_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True,
                                                  TAIL=False, GROUP=32, MXFP4=False, ZERO=True)),
                  # gpt-oss's (pairs4_gptoss.py: biases, interleaved gate/up, clamped SwiGLU), as its MXFP4 stores them,
-                 # with the e2m1 products in float16 pairs (HALF: inline PTX with byte permutes) and h's float16-pair
-                 # copy (PAIRED), as CUDA launches them
+                 # with the e2m1 products in float16 pairs (HALF 3: inline PTX with the FP8 conversion of sm_89 and
+                 # later) and h's float16-pair copy (PAIRED), as CUDA launches them
                  "up_pairs4_gptoss": (P4G.up_pairs4_gptoss_kernel, dict(GROUP=32, MXFP4=True, ZERO=False, WORDS4=True,
-                                                                        HALF=1, PAIRED=True)),
+                                                                        HALF=3, PAIRED=True)),
                  "down_pairs4_gptoss": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=True, ZERO=False,
                                                                     BIAS=True, SPLIT=True, PARTS=2, WORDS4=True,
-                                                                    HALF=1, PAIRED=True))}
+                                                                    HALF=3, PAIRED=True))}
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (paths.ROUTE_MAX_PAIRS), 256 experts
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously

@@ -168,9 +168,9 @@ MIN_PAIRS4_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in DOWN_PAIRS4_CONFIGS)  # si
 
 
 UP_PAIRS4, UP_PAIRS4_PLAIN = tuned("up_pairs4", P4.up_pairs4_kernel, PAIRS4_CONFIGS,
-                                   ["I", "D", "top_k", "INTERLEAVED", "GROUP", "MXFP4", "ZERO"])
+                                   ["I", "D", "top_k", "INTERLEAVED", "GROUP", "MXFP4", "ZERO", "HALF"])
 DOWN_PAIRS4, DOWN_PAIRS4_PLAIN = tuned("down_pairs4", P4.down_pairs4_kernel, DOWN_PAIRS4_CONFIGS,
-                                       ["I", "D", "top_k", "WEIGHTED", "GROUP", "MXFP4", "ZERO"])
+                                       ["I", "D", "top_k", "WEIGHTED", "GROUP", "MXFP4", "ZERO", "HALF"])
 
 def pairs4_default(programs, C: int) -> triton.Config:
     """The 4-bit pair kernels' config without autotuning: the widest chunk of 1024, 512 or 256 columns that pads
