@@ -251,7 +251,7 @@ def test_mxfp4_fp8_conversion_gives_the_byte_lookups_outputs(monkeypatch):
         for fp8 in ("0", "1"):
             monkeypatch.setenv("THUNDEREP_E2M1_FP8", fp8)
             outs[fp8] = _check(T, 96, 56, 5, 2, torch.bfloat16, "mxfp4", 32, tol=2e-2, seed=T)
-        assert rel_err(outs["1"], outs["0"].double()) < 4e-3, (block_k, T)
+        assert rel_err(outs["1"], outs["0"].double()) < 8e-3, (block_k, T)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])

@@ -30,11 +30,12 @@ one-token gate/up pass slower: docs/benchmarks/2026-12-05-int4-experts-h200.md, 
 
 e2m1 codes through the FP8 conversion (MODE 3, sm_89 and later, `paths.half_mode`): each code's bits placed as
 an e4m3 byte are exactly 2 ** -6 times its value, and one conversion makes two such bytes a float16 pair:
-about 11 instructions for a word's 8 values against the lookup's 15 (`_E2M1_FP8`). The products and sums are
-2 ** -6 times the lookup's, scaled back once a group (E2M1_FP8_UNIT); they round alike but where a product
-falls under float16's smallest normal (an element under 2 ** -7 times a value of 0.5): its rounding is then
-at most 2 ** -25, 2 ** -19 in the values' units, under float16's own rounding of a half's sum once the
-vector's largest magnitude is at least HALF_MIN.
+about 12 instructions for a word's 8 values against the lookup's 15 (`_E2M1_FP8`), and the word's two halves
+added in float16 before the one widening. The products and sums are 2 ** -6 times the lookup's, scaled back
+once a group (E2M1_FP8_UNIT); they round alike but where a product falls under float16's smallest normal (an
+element under 2 ** -7 times a value of 0.5): its rounding is then at most 2 ** -25, 2 ** -19 in the values'
+units, under float16's own rounding of a half's sum once the vector's largest magnitude is at least HALF_MIN;
+the halves' float16 sum rounds once more, at 2 ** -11 of a word's sum.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ cvt.f32.f16 flo, plo;
 cvt.f32.f16 fhi, phi;
 add.f32 $0, flo, fhi;
 }"""
+# The same, the halves added in float16 and widened once (e2m1 through the FP8 conversion, MODE 3: its 8
+# products are at most 48 x 2 ** -6 times the vector's largest magnitude, far under float16's largest).
+_PRODUCTS_SUMMED = _PRODUCTS.replace("""cvt.f32.f16 flo, plo;
+cvt.f32.f16 fhi, phi;
+add.f32 $0, flo, fhi;""", """add.f16 plo, plo, phi;
+cvt.f32.f16 $0, plo;""")
 # One word's 8 int4 codes (nibble j: column 8 q + j, in half j // 4 at bits 4 (j % 4)) times the vector's
 # 4 float16 pairs ($2..$5: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), as one float32.
 _WORD_PRODUCTS = tl.constexpr("""{
@@ -115,7 +122,8 @@ lop3.b32 t3, $1, 0x80008000, t3, 0xea;
 # shifted up 2, its sign up 4) and another each byte's odd code (o: high nibble, shifted down 2, its sign in
 # place), and one conversion makes each 16-bit half of them a float16 pair. The byte permute first swaps the
 # word's middle bytes, so the halves come out as codes (j, j + 4), the vector pairs' order. The products are
-# 2 ** -6 times MODE 1's; the chunk's sums are scaled back (E2M1_FP8_UNIT).
+# 2 ** -6 times MODE 1's; the chunk's sums are scaled back (E2M1_FP8_UNIT). A word's two halves are added in
+# float16 (`_PRODUCTS_SUMMED`: one instruction fewer a word).
 _E2M1_FP8 = tl.constexpr("""{
 .reg .b32 w, e, o, s, t0, t1, t2, t3, p;
 .reg .b16 elo, ehi, olo, ohi;
@@ -135,7 +143,7 @@ cvt.rn.f16x2.e4m3x2 t0, elo;
 cvt.rn.f16x2.e4m3x2 t1, olo;
 cvt.rn.f16x2.e4m3x2 t2, ehi;
 cvt.rn.f16x2.e4m3x2 t3, ohi;
-""" + _PRODUCTS)
+""" + _PRODUCTS_SUMMED)
 E2M1_FP8_UNIT: tl.constexpr = tl.constexpr(64.0)  # MODE 3's e2m1 products are 2 ** -6 times the values'
 
 @triton.jit
