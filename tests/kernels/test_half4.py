@@ -68,6 +68,41 @@ def test_pair_products_convert_every_code_exactly(fmt):
         assert torch.equal(out.cpu() * unit, want), mode  # values: a zero's sign is a sum's, not the code's
 
 
+@triton.jit
+def _unit_pair_products_kernel(w_ptr, out_ptr, ROWS: tl.constexpr):
+    """out[i, q] = words 2 i and 2 i + 1 as one row's two word positions times a vector that is 1 at column q
+    (0..15) and 0 elsewhere, through `half4.word_pair_products`."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    pos = tl.arange(0, 2)
+    w = tl.load(w_ptr + 2 * i[:, None] + pos[None, :]).to(tl.uint32, bitcast=True)
+    one_lo = tl.full((2,), 0x3C00, tl.uint32)
+    zero = tl.zeros((2,), dtype=tl.uint32)
+    for q in tl.static_range(16):
+        at = pos == q // 8
+        j = q % 8
+        p04 = tl.where(at & (j == 0), one_lo, zero) | tl.where(at & (j == 4), one_lo << 16, zero)
+        p15 = tl.where(at & (j == 1), one_lo, zero) | tl.where(at & (j == 5), one_lo << 16, zero)
+        p26 = tl.where(at & (j == 2), one_lo, zero) | tl.where(at & (j == 6), one_lo << 16, zero)
+        p37 = tl.where(at & (j == 3), one_lo, zero) | tl.where(at & (j == 7), one_lo << 16, zero)
+        out = half4.word_pair_products(w, p04, p15, p26, p37)  # [ROWS, 1]
+        tl.store(out_ptr + i[:, None] * 16 + q, out)
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9),
+                    reason="the FP8 conversion's PTX runs on a CUDA GPU of sm_89 or later")
+def test_word_pair_products_convert_every_code_exactly():
+    """Two words at once through the FP8 conversion (MXFP4, HALF 3): each of 2 ** 16 word pairs times a unit
+    vector at each of its 16 columns gives 2 ** -6 times that column's code's value."""
+    words = _words()
+    table = torch.tensor(_E2M1)
+    want = torch.empty(32768, 16)
+    for q in range(16):
+        want[:, q] = table[(words[q // 8::2] >> (4 * (q % 8))) & 15]
+    out = torch.full((32768, 16), float("nan"), device=DEVICE)
+    _unit_pair_products_kernel[(32768 // ROWS,)](words.to(torch.int32).to(DEVICE), out, ROWS=ROWS)
+    assert torch.equal(out.cpu() * half4.E2M1_FP8_UNIT.value, want)
+
+
 def test_e2m1_codes_placed_as_fp8_bytes_are_their_values():
     """The bit placement of `half4._E2M1_FP8`, step for step in integer operations here: after the middle bytes'
     swap, each byte's even code (shifted up 2, its sign up 4) and odd code (shifted down 2, its sign in place)

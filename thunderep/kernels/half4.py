@@ -46,7 +46,8 @@ import triton.language as tl
 from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves16
 from .vector4 import vector_words
 
-__all__ = ["HALF_MAX", "HALF_MIN", "half_fits", "half_word_products", "pair_products", "vector_pairs"]
+__all__ = ["E2M1_FP8_UNIT", "HALF_MAX", "HALF_MIN", "half_fits", "half_word_products", "pair_products",
+           "vector_pairs", "word_pair_products"]
 
 HALF_MAX = 1024.0  # the largest vector magnitude the float16 products take (32 x 1024 < 65504, with margin)
 HALF_MIN = 2.0 ** -8  # the smallest largest-magnitude they take (see the module's doc)
@@ -124,12 +125,7 @@ lop3.b32 t3, $1, 0x80008000, t3, 0xea;
 # word's middle bytes, so the halves come out as codes (j, j + 4), the vector pairs' order. The products are
 # 2 ** -6 times MODE 1's; the chunk's sums are scaled back (E2M1_FP8_UNIT). A word's two halves are added in
 # float16 (`_PRODUCTS_SUMMED`: one instruction fewer a word).
-_E2M1_FP8 = tl.constexpr("""{
-.reg .b32 w, e, o, s, t0, t1, t2, t3, p;
-.reg .b16 elo, ehi, olo, ohi;
-.reg .f16 plo, phi;
-.reg .f32 flo, fhi;
-prmt.b32 w, $1, 0, 0x3120;
+_FP8_BYTES = """prmt.b32 w, {word}, 0, 0x3120;
 shr.b32 o, w, 2;
 and.b32 s, w, 0x80808080;
 lop3.b32 o, o, 0x1C1C1C1C, s, 0xea;
@@ -137,13 +133,34 @@ shl.b32 e, w, 2;
 shl.b32 s, w, 4;
 and.b32 s, s, 0x80808080;
 lop3.b32 e, e, 0x1C1C1C1C, s, 0xea;
-mov.b32 {elo, ehi}, e;
-mov.b32 {olo, ohi}, o;
+mov.b32 {{elo, ehi}}, e;
+mov.b32 {{olo, ohi}}, o;
 cvt.rn.f16x2.e4m3x2 t0, elo;
 cvt.rn.f16x2.e4m3x2 t1, olo;
 cvt.rn.f16x2.e4m3x2 t2, ehi;
 cvt.rn.f16x2.e4m3x2 t3, ohi;
-""" + _PRODUCTS_SUMMED)
+"""
+_FP8_REGS = """{
+.reg .b32 w, e, o, s, t0, t1, t2, t3, p;
+.reg .b16 elo, ehi, olo, ohi;
+.reg .f16 plo, phi;
+.reg .f32 flo, fhi;
+"""
+_E2M1_FP8 = tl.constexpr(_FP8_REGS + _FP8_BYTES.format(word="$1") + _PRODUCTS_SUMMED)
+# Two words ($1, $2: word positions 2 q and 2 q + 1 of a row) times their vector pairs ($3..$6, $7..$10), all 16
+# products in one float16 chain: at most 96 x 2 ** -6 times the vector's largest magnitude.
+_E2M1_FP8_TWO = tl.constexpr(_FP8_REGS + _FP8_BYTES.format(word="$1") + """mul.f16x2 p, t0, $3;
+fma.rn.f16x2 p, t1, $4, p;
+fma.rn.f16x2 p, t2, $5, p;
+fma.rn.f16x2 p, t3, $6, p;
+""" + _FP8_BYTES.format(word="$2") + """fma.rn.f16x2 p, t0, $7, p;
+fma.rn.f16x2 p, t1, $8, p;
+fma.rn.f16x2 p, t2, $9, p;
+fma.rn.f16x2 p, t3, $10, p;
+mov.b32 {plo, phi}, p;
+add.f16 plo, plo, phi;
+cvt.f32.f16 $0, plo;
+}""")
 E2M1_FP8_UNIT: tl.constexpr = tl.constexpr(64.0)  # MODE 3's e2m1 products are 2 ** -6 times the values'
 
 @triton.jit
@@ -216,6 +233,31 @@ def pair_products(w, p04, p15, p26, p37, opaque, MODE: tl.constexpr, MXFP4: tl.c
         p_lo += lo * _half(p37, 0)[None, :]
         p_hi += hi * _half(p37, 1)[None, :]
         return p_lo.to(tl.float32) + p_hi.to(tl.float32)
+
+
+@triton.jit
+def word_pair_products(w, p04, p15, p26, p37):
+    """[BLOCK_N, HW / 2] float32: MXFP4 words through the FP8 conversion (MODE 3), two adjacent words of a row
+    (word positions 2 q and 2 q + 1, HW even) and their 16 products summed in one float16 chain, widened once;
+    2 ** -6 times the values' sums (E2M1_FP8_UNIT). Arguments as `pair_products`'."""
+    wa, wb = _pairs_of(w.to(tl.uint32, bitcast=True))
+    a04, b04 = _pairs_of(p04)
+    a15, b15 = _pairs_of(p15)
+    a26, b26 = _pairs_of(p26)
+    a37, b37 = _pairs_of(p37)
+    return tl.inline_asm_elementwise(_E2M1_FP8_TWO, "=r,r,r,r,r,r,r,r,r,r,r",
+                                     [wa, wb, a04[None, :], a15[None, :], a26[None, :], a37[None, :],
+                                      b04[None, :], b15[None, :], b26[None, :], b37[None, :]],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _pairs_of(x):
+    """x's even and odd elements along its last dimension (of even size)."""
+    if len(x.shape) == 2:
+        return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+    else:
+        return tl.split(tl.reshape(x, (x.shape[0] // 2, 2)))
 
 
 @triton.jit
