@@ -9,7 +9,7 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_PAIRS_MAX_TOKENS=N    most tokens the decode pair kernels take (0 turns them off)
     THUNDEREP_PDL=0|1               programmatic dependent launch of the pair kernels' down pass
     THUNDEREP_HALF_PRODUCTS=0|1     the 4-bit pair kernels' products in float16 pairs (where the vector fits)
-    THUNDEREP_E2M1_FP8=0|1          1: MXFP4's codes converted there through the GPU's FP8 conversion (sm_89+)
+    THUNDEREP_E2M1_FP8=0|1          0: MXFP4's codes there by byte lookup, not the GPU's FP8 conversion (sm_89+)
     THUNDEREP_EXPERT_GEMM=triton|torch   pins the expert GEMMs' implementation
     THUNDEREP_WGRAD=triton|torch    pins the weight-gradient GEMMs' implementation
     THUNDEREP_NO_NATIVE_BUILD=1     never build the native extensions on first use (packaging, CI)

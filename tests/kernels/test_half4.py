@@ -124,16 +124,15 @@ def test_e2m1_codes_placed_as_fp8_bytes_are_their_values():
 
 
 
-@pytest.mark.parametrize("capability, fp8, want", [((8, 6), "1", {"int4": 1, "mxfp4": 1}),
-                                                   ((8, 9), "1", {"int4": 1, "mxfp4": 3}),
+@pytest.mark.parametrize("capability, fp8, want", [((8, 6), None, {"int4": 1, "mxfp4": 1}),
+                                                   ((8, 9), None, {"int4": 1, "mxfp4": 3}),
                                                    ((12, 0), "1", {"int4": 1, "mxfp4": 3}),
-                                                   ((9, 0), None, {"int4": 1, "mxfp4": 1}),
+                                                   ((9, 0), None, {"int4": 1, "mxfp4": 3}),
                                                    ((9, 0), "0", {"int4": 1, "mxfp4": 1}),
-                                                   ((7, 5), "1", {"int4": 0, "mxfp4": 0})])
-def test_half_mode_takes_the_fp8_conversion_for_mxfp4_where_asked_and_the_gpu_has_it(monkeypatch, capability, fp8,
-                                                                                    want):
-    """MXFP4 on sm_89 and later converts its codes through the FP8 conversion (HALF 3) with
-    THUNDEREP_E2M1_FP8=1; older GPUs, unset or 0, and int4 everywhere run HALF 1; before sm_80, float32 (0)."""
+                                                   ((7, 5), None, {"int4": 0, "mxfp4": 0})])
+def test_half_mode_takes_the_fp8_conversion_for_mxfp4_where_the_gpu_has_it(monkeypatch, capability, fp8, want):
+    """MXFP4 on sm_89 and later converts its codes through the FP8 conversion (HALF 3) unless
+    THUNDEREP_E2M1_FP8=0; older GPUs and int4 everywhere run HALF 1; before sm_80, float32 (0)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("THUNDEREP_HALF_PRODUCTS", raising=False)
     if fp8 is None:

@@ -238,7 +238,7 @@ def test_int4_pair_loads_two_chunks_ahead_equal_one_ahead_bit_for_bit(fmt, monke
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9),
                     reason="the FP8 conversion runs on a CUDA GPU of sm_89 or later")
 def test_mxfp4_fp8_conversion_gives_the_byte_lookups_outputs(monkeypatch):
-    """MXFP4's codes through the FP8 conversion (THUNDEREP_E2M1_FP8=1, HALF 3) in both passes: within the
+    """MXFP4's codes through the FP8 conversion (HALF 3, the default on sm_89 and later) in both passes: within the
     reference's error at full chunks, a tail and one chunk covering a row, 1 and 5 tokens, and within float16's
     rounding of the byte lookup's outputs (its products are the lookup's times 2 ** -6, exactly but where one falls
     under float16's normal range)."""
