@@ -208,7 +208,7 @@ def half_mode(device: torch.device, fmt: str) -> int:
     """The 4-bit pair kernels' HALF (`pairs4.packed_dot`): for int4 and MXFP4 weights, the products in float16
     pairs where the vector fits, in inline PTX on a CUDA GPU of sm_80 or later (1), MXFP4's codes converted
     there through the FP8 conversion of sm_89 and later (3, `half4._E2M1_FP8`: Mixtral's one-token step 3.4%
-    faster than 1's byte lookup, Qwen3's 13%, on one H100; THUNDEREP_E2M1_FP8=0 keeps the lookup), in Triton
+    faster than 1's byte lookup, Qwen3's 15%, on one H100; THUNDEREP_E2M1_FP8=0 keeps the lookup), in Triton
     operations under the interpreter (2); 0 (float32 products) for other formats,
     older GPUs, or THUNDEREP_HALF_PRODUCTS=0. (int4's timed 1.11-1.14x the float32 products at Mixtral's
     one-token step: docs/benchmarks/2026-12-05-int4-experts-h200.md.)"""
