@@ -8,8 +8,8 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_COMPILE_THREADS=N     threads compiling a new key's configs ahead of timing (1: none)
     THUNDEREP_PAIRS_MAX_TOKENS=N    most tokens the decode pair kernels take (0 turns them off)
     THUNDEREP_PDL=0|1               programmatic dependent launch of the pair kernels' down pass
-    THUNDEREP_HALF_PRODUCTS=0|1     the 4-bit pair kernels' products in float16 pairs (where the vector fits)
-    THUNDEREP_E2M1_FP8=0|1          0: MXFP4's codes there by byte lookup, not the GPU's FP8 conversion (sm_89+)
+    THUNDEREP_HALF_PRODUCTS=0|1|2   the 4-bit pair kernels' products: float32 (0), float16 pairs one word (1) or
+                                    two words (2) a chain, where the vector fits (unset: MXFP4 2 on sm_89+, else 1)
     THUNDEREP_EXPERT_GEMM=triton|torch   pins the expert GEMMs' implementation
     THUNDEREP_WGRAD=triton|torch    pins the weight-gradient GEMMs' implementation
     THUNDEREP_NO_NATIVE_BUILD=1     never build the native extensions on first use (packaging, CI)
@@ -29,7 +29,7 @@ import os
 
 from .errors import ConfigError
 
-__all__ = ["api_key", "compile_threads", "debug", "e2m1_fp8", "forced_gemm", "half_products", "host_collective",
+__all__ = ["api_key", "compile_threads", "debug", "forced_gemm", "half_products", "host_collective",
            "host_collective_timeout_s", "host_jobs", "host_threads", "mapped", "no_native_build", "pairs_max_tokens",
            "pdl", "sorted4", "triton_autotune", "triton_interpreter"]
 
@@ -124,14 +124,13 @@ def pdl() -> bool | None:
     return _switch("THUNDEREP_PDL")
 
 
-def half_products() -> bool | None:
-    """THUNDEREP_HALF_PRODUCTS: False for "0", True for "1", None when unset."""
-    return _switch("THUNDEREP_HALF_PRODUCTS")
-
-
-def e2m1_fp8() -> bool | None:
-    """THUNDEREP_E2M1_FP8: False for "0", True for "1", None when unset."""
-    return _switch("THUNDEREP_E2M1_FP8")
+def half_products() -> int | None:
+    """THUNDEREP_HALF_PRODUCTS: 0, 1 or 2 (words a float16 chain), None when unset."""
+    raw = _raw("THUNDEREP_HALF_PRODUCTS")
+    if raw not in ("", "0", "1", "2"):
+        raise ConfigError(f"THUNDEREP_HALF_PRODUCTS={raw!r}: use 0 (float32 products), 1 or 2 (float16 products, one "
+                          f"or two words a chain), or leave it unset")
+    return None if raw == "" else int(raw)
 
 
 def sorted4() -> str | None:

@@ -42,11 +42,11 @@ def _words() -> torch.Tensor:
 
 
 def _modes(fmt: str) -> list[int]:
-    """The HALF modes this machine runs for fmt: the one `paths.half_mode` picks, and for MXFP4 on a CUDA GPU of
-    sm_89 or later both the byte lookup (1) and the FP8 conversion (3)."""
+    """The HALF modes this machine runs for fmt: the one `paths.half_mode` picks, and on a CUDA GPU both one word
+    a chain (1) and two (3), where it has MXFP4's FP8 conversion (sm_89 and later)."""
     mode = paths.half_mode(torch.device(DEVICE), fmt)
-    fp8 = mode in (1, 3) and fmt == "mxfp4" and torch.cuda.get_device_capability() >= (8, 9)
-    return [1, 3] if fp8 else [mode]
+    two = mode in (1, 3) and (fmt == "int4" or torch.cuda.get_device_capability() >= (8, 9))
+    return [1, 3] if two else [mode]
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
@@ -64,12 +64,12 @@ def test_pair_products_convert_every_code_exactly(fmt):
         out = torch.full((65536, 8), float("nan"), device=DEVICE)
         _unit_products_kernel[(65536 // ROWS,)](words.to(torch.int32).to(DEVICE), out, MODE=mode,
                                                 MXFP4=fmt == "mxfp4", ROWS=ROWS)
-        unit = half4.E2M1_FP8_UNIT.value if mode == 3 else 1.0
+        unit = half4.UNIT3.value if mode == 3 and fmt == "mxfp4" else 1.0  # int4's single words: unscaled
         assert torch.equal(out.cpu() * unit, want), mode  # values: a zero's sign is a sum's, not the code's
 
 
 @triton.jit
-def _unit_pair_products_kernel(w_ptr, out_ptr, ROWS: tl.constexpr):
+def _unit_pair_products_kernel(w_ptr, out_ptr, MXFP4: tl.constexpr, ROWS: tl.constexpr):
     """out[i, q] = words 2 i and 2 i + 1 as one row's two word positions times a vector that is 1 at column q
     (0..15) and 0 elsewhere, through `half4.word_pair_products`."""
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -84,23 +84,43 @@ def _unit_pair_products_kernel(w_ptr, out_ptr, ROWS: tl.constexpr):
         p15 = tl.where(at & (j == 1), one_lo, zero) | tl.where(at & (j == 5), one_lo << 16, zero)
         p26 = tl.where(at & (j == 2), one_lo, zero) | tl.where(at & (j == 6), one_lo << 16, zero)
         p37 = tl.where(at & (j == 3), one_lo, zero) | tl.where(at & (j == 7), one_lo << 16, zero)
-        out = half4.word_pair_products(w, p04, p15, p26, p37)  # [ROWS, 1]
+        out = half4.word_pair_products(w, p04, p15, p26, p37, MXFP4)  # [ROWS, 1]
         tl.store(out_ptr + i[:, None] * 16 + q, out)
 
 
-@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9),
-                    reason="the FP8 conversion's PTX runs on a CUDA GPU of sm_89 or later")
-def test_word_pair_products_convert_every_code_exactly():
-    """Two words at once through the FP8 conversion (MXFP4, HALF 3): each of 2 ** 16 word pairs times a unit
-    vector at each of its 16 columns gives 2 ** -6 times that column's code's value."""
+@pytest.mark.skipif(DEVICE != "cuda", reason="the two-word chains are inline PTX: a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_word_pair_products_convert_every_code_exactly(fmt):
+    """Two words a float16 chain (HALF 3; MXFP4 through the FP8 conversion): each of 2 ** 16 word pairs times a
+    unit vector at each of its 16 columns gives 2 ** -6 times that column's code's value."""
+    if fmt == "mxfp4" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the FP8 conversion runs on sm_89 and later")
     words = _words()
-    table = torch.tensor(_E2M1)
+    table = torch.tensor(_E2M1 if fmt == "mxfp4" else [n - 8.0 for n in range(16)])
     want = torch.empty(32768, 16)
     for q in range(16):
         want[:, q] = table[(words[q // 8::2] >> (4 * (q % 8))) & 15]
     out = torch.full((32768, 16), float("nan"), device=DEVICE)
-    _unit_pair_products_kernel[(32768 // ROWS,)](words.to(torch.int32).to(DEVICE), out, ROWS=ROWS)
-    assert torch.equal(out.cpu() * half4.E2M1_FP8_UNIT.value, want)
+    _unit_pair_products_kernel[(32768 // ROWS,)](words.to(torch.int32).to(DEVICE), out, MXFP4=fmt == "mxfp4",
+                                                 ROWS=ROWS)
+    assert torch.equal(out.cpu() * half4.UNIT3.value, want)
+
+
+def test_int4_codes_scaled_in_their_placing_multiply_adds_are_their_values():
+    """`half4._INT4_SCALED`'s constants, each multiply-add computed exactly and rounded once to float16 as
+    `fma.rn.f16x2` does: a code n placed as 1024 + n (low nibbles) or 1024 + 16 n (high nibbles) becomes exactly
+    (n - 8) 2 ** -6."""
+    def half(bits):
+        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16).double().item()
+
+    fragment = half4._INT4_TWO.value
+    consts = {name: int(fragment.split(f"mov.b32 {name}, ")[1][:10], 16) & 0xFFFF for name in ("s0", "o0", "s1", "o1")}
+    n = torch.arange(16, dtype=torch.float64)
+    low = ((1024 + n) * half(consts["s0"]) + half(consts["o0"])).half()
+    high = ((1024 + 16 * n) * half(consts["s1"]) + half(consts["o1"])).half()
+    want = ((n - 8) / 64).half()
+    assert torch.equal(low, want) and torch.equal(high, want)
+    assert torch.equal(want.double() * 64, n - 8)  # exact in float16
 
 
 def test_e2m1_codes_placed_as_fp8_bytes_are_their_values():
@@ -120,35 +140,35 @@ def test_e2m1_codes_placed_as_fp8_bytes_are_their_values():
                        fp8(e, 1), fp8(o, 1), fp8(e, 3), fp8(o, 3)], 1)  # high halves: codes 4..7
     table = torch.tensor(_E2M1)
     want = torch.stack([table[(words >> (4 * j)) & 15] for j in range(8)], 1)
-    assert torch.equal(got * half4.E2M1_FP8_UNIT.value, want)
+    assert torch.equal(got * half4.UNIT3.value, want)
 
 
 
-@pytest.mark.parametrize("capability, fp8, want", [((8, 6), None, {"int4": 1, "mxfp4": 1}),
-                                                   ((8, 9), None, {"int4": 1, "mxfp4": 3}),
-                                                   ((12, 0), "1", {"int4": 1, "mxfp4": 3}),
-                                                   ((9, 0), None, {"int4": 1, "mxfp4": 3}),
-                                                   ((9, 0), "0", {"int4": 1, "mxfp4": 1}),
-                                                   ((7, 5), None, {"int4": 0, "mxfp4": 0})])
-def test_half_mode_takes_the_fp8_conversion_for_mxfp4_where_the_gpu_has_it(monkeypatch, capability, fp8, want):
-    """MXFP4 on sm_89 and later converts its codes through the FP8 conversion (HALF 3) unless
-    THUNDEREP_E2M1_FP8=0; older GPUs and int4 everywhere run HALF 1; before sm_80, float32 (0)."""
+@pytest.mark.parametrize("capability, asked, want", [((8, 6), None, {"int4": 1, "mxfp4": 1}),
+                                                     ((8, 9), None, {"int4": 1, "mxfp4": 3}),
+                                                     ((9, 0), None, {"int4": 1, "mxfp4": 3}),
+                                                     ((12, 0), "2", {"int4": 3, "mxfp4": 3}),
+                                                     ((8, 6), "2", {"int4": 3, "mxfp4": 1}),
+                                                     ((9, 0), "1", {"int4": 1, "mxfp4": 1}),
+                                                     ((9, 0), "0", {"int4": 0, "mxfp4": 0}),
+                                                     ((7, 5), None, {"int4": 0, "mxfp4": 0})])
+def test_half_mode_takes_two_words_a_chain_where_asked_and_the_gpu_has_it(monkeypatch, capability, asked, want):
+    """Unset, MXFP4 on sm_89 and later runs two words a chain through the FP8 conversion (HALF 3), int4 and older
+    GPUs one word (1); THUNDEREP_HALF_PRODUCTS=2 asks two for int4 too (MXFP4 before sm_89 stays at 1), 1 one,
+    0 float32; before sm_80, float32."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("THUNDEREP_HALF_PRODUCTS", raising=False)
-    if fp8 is None:
-        monkeypatch.delenv("THUNDEREP_E2M1_FP8", raising=False)
+    if asked is None:
+        monkeypatch.delenv("THUNDEREP_HALF_PRODUCTS", raising=False)
     else:
-        monkeypatch.setenv("THUNDEREP_E2M1_FP8", fp8)
+        monkeypatch.setenv("THUNDEREP_HALF_PRODUCTS", asked)
     monkeypatch.setattr(paths, "_capability", lambda index: capability)
     assert {fmt: paths.half_mode(torch.device("cuda", 0), fmt) for fmt in want} == want
     assert paths.half_mode(torch.device("cuda", 0), "fp8") == 0
 
 
-def test_e2m1_fp8_switch_rejects_other_values(monkeypatch):
+def test_half_products_switch_rejects_other_values(monkeypatch):
     from thunderep.errors import ConfigError
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("THUNDEREP_E2M1_FP8", "yes")
-    monkeypatch.setattr(paths, "_capability", lambda index: (9, 0))
-    with pytest.raises(ConfigError, match=r"THUNDEREP_E2M1_FP8='yes': use 0 \(off\) or 1"):
+    monkeypatch.setenv("THUNDEREP_HALF_PRODUCTS", "3")
+    with pytest.raises(ConfigError, match=r"THUNDEREP_HALF_PRODUCTS='3': use 0 \(float32 products\), 1 or 2"):
         paths.half_mode(torch.device("cuda", 0), "mxfp4")

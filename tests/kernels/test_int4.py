@@ -235,23 +235,25 @@ def test_int4_pair_loads_two_chunks_ahead_equal_one_ahead_bit_for_bit(fmt, monke
             assert torch.equal(outs[0], outs[1]), (half, block_k)
 
 
-@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9),
-                    reason="the FP8 conversion runs on a CUDA GPU of sm_89 or later")
-def test_mxfp4_fp8_conversion_gives_the_byte_lookups_outputs(monkeypatch):
-    """MXFP4's codes through the FP8 conversion (HALF 3, the default on sm_89 and later) in both passes: within the
-    reference's error at full chunks, a tail and one chunk covering a row, 1 and 5 tokens, and within float16's
-    rounding of the byte lookup's outputs (its products are the lookup's times 2 ** -6, exactly but where one falls
-    under float16's normal range)."""
+@pytest.mark.skipif(DEVICE != "cuda", reason="the float16 chains are inline PTX: a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_two_words_a_chain_give_one_words_outputs(fmt, monkeypatch):
+    """Two words a float16 chain (THUNDEREP_HALF_PRODUCTS=2, HALF 3; MXFP4's codes through the FP8 conversion)
+    in both passes: within the reference's error at full chunks, a tail and one chunk covering a row, 1 and 5
+    tokens, and within float16's rounding of one word a chain's outputs (HALF 1: its products are 2 ** -6 times
+    those, exactly but where one falls under float16's normal range)."""
+    if fmt == "mxfp4" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the FP8 conversion runs on sm_89 and later")
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
     for block_k, T in ((32, 1), (128, 5)):
         config = {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4}
         monkeypatch.setattr(decode, "PAIRS4_UP", config)
         monkeypatch.setattr(decode, "PAIRS4_DOWN", config)
         outs = {}
-        for fp8 in ("0", "1"):
-            monkeypatch.setenv("THUNDEREP_E2M1_FP8", fp8)
-            outs[fp8] = _check(T, 96, 56, 5, 2, torch.bfloat16, "mxfp4", 32, tol=2e-2, seed=T)
-        assert rel_err(outs["1"], outs["0"].double()) < 8e-3, (block_k, T)
+        for half in ("1", "2"):
+            monkeypatch.setenv("THUNDEREP_HALF_PRODUCTS", half)
+            outs[half] = _check(T, 96, 56, 5, 2, torch.bfloat16, fmt, 32, tol=2e-2, seed=T)
+        assert rel_err(outs["2"], outs["1"].double()) < 8e-3, (block_k, T)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])

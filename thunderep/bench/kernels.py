@@ -97,7 +97,8 @@ PINS = {
     "wgrad_torch": ("THUNDEREP_WGRAD", "torch"),  # weight gradients: torch's grouped GEMM
     "nopdl": ("THUNDEREP_PDL", "0"),  # decode: the down pass launched plainly, after the gate/up pass ends
     "nohalf": ("THUNDEREP_HALF_PRODUCTS", "0"),  # 4-bit decode: the products in float32, not float16 pairs
-    "lut": ("THUNDEREP_E2M1_FP8", "0"),  # MXFP4 decode: e2m1 codes by byte lookup, not the FP8 conversion
+    "half1": ("THUNDEREP_HALF_PRODUCTS", "1"),  # 4-bit decode: one word a float16 chain (MXFP4: byte lookup)
+    "half2": ("THUNDEREP_HALF_PRODUCTS", "2"),  # 4-bit decode: two words a chain (MXFP4: the FP8 conversion)
     "packed": ("THUNDEREP_SORTED4", "packed"),  # 4-bit sorted calls: the kernels reading the packed bytes
     "dequant": ("THUNDEREP_SORTED4", "dequant"),  # 4-bit sorted calls: dequantized for the 16-bit kernels
 }

@@ -41,8 +41,8 @@ LINK_OPS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")  # bench
 TRACES = ("uniform", "zipf0.8", "zipf1.2", "zipf1.6", "drift", "burst")  # bench.balancer.TRACES
 SHAPES = ("mixtral", "qwen3", "deepseek", "gptoss")  # bench.kernels.SHAPES
 IMPLS = ("eager", "grouped_mm", "thunderep")  # bench.kernels.IMPLS
-PINS = ("triton", "torch", "pairs", "sorted", "wgrad_triton", "wgrad_torch", "nopdl", "nohalf", "lut", "packed",
-        "dequant")  # bench.kernels.PINS
+PINS = ("triton", "torch", "pairs", "sorted", "wgrad_triton", "wgrad_torch", "nopdl", "nohalf", "half1", "half2",
+        "packed", "dequant")  # bench.kernels.PINS
 FORMATS = ("fp8", "fp8row", "fp8-w8a8", "fp8row-w8a8", "int4", "int4-g128", "mxfp4")  # bench.kernels.FORMATS
 COPY = "copy"  # bench.kernels.COPY
 HF_MXFP4 = "transformers:mxfp4"  # bench.kernels4.NAME

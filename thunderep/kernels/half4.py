@@ -32,7 +32,7 @@ e2m1 codes through the FP8 conversion (MODE 3, sm_89 and later, `paths.half_mode
 an e4m3 byte are exactly 2 ** -6 times its value, and one conversion makes two such bytes a float16 pair:
 about 12 instructions for a word's 8 values against the lookup's 15 (`_E2M1_FP8`), and the word's two halves
 added in float16 before the one widening. The products and sums are 2 ** -6 times the lookup's, scaled back
-once a group (E2M1_FP8_UNIT); they round alike but where a product falls under float16's smallest normal (an
+once a group (UNIT3); they round alike but where a product falls under float16's smallest normal (an
 element under 2 ** -7 times a value of 0.5): its rounding is then at most 2 ** -25, 2 ** -19 in the values'
 units, under float16's own rounding of a half's sum once the vector's largest magnitude is at least HALF_MIN;
 the halves' float16 sum rounds once more, at 2 ** -11 of a word's sum.
@@ -46,7 +46,7 @@ import triton.language as tl
 from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves16
 from .vector4 import vector_words
 
-__all__ = ["E2M1_FP8_UNIT", "HALF_MAX", "HALF_MIN", "half_fits", "half_word_products", "pair_products",
+__all__ = ["HALF_MAX", "HALF_MIN", "UNIT3", "half_fits", "half_word_products", "pair_products",
            "vector_pairs", "word_pair_products"]
 
 HALF_MAX = 1024.0  # the largest vector magnitude the float16 products take (32 x 1024 < 65504, with margin)
@@ -123,7 +123,7 @@ lop3.b32 t3, $1, 0x80008000, t3, 0xea;
 # shifted up 2, its sign up 4) and another each byte's odd code (o: high nibble, shifted down 2, its sign in
 # place), and one conversion makes each 16-bit half of them a float16 pair. The byte permute first swaps the
 # word's middle bytes, so the halves come out as codes (j, j + 4), the vector pairs' order. The products are
-# 2 ** -6 times MODE 1's; the chunk's sums are scaled back (E2M1_FP8_UNIT). A word's two halves are added in
+# 2 ** -6 times MODE 1's; the chunk's sums are scaled back (UNIT3). A word's two halves are added in
 # float16 (`_PRODUCTS_SUMMED`: one instruction fewer a word).
 _FP8_BYTES = """prmt.b32 w, {word}, 0, 0x3120;
 shr.b32 o, w, 2;
@@ -147,13 +147,18 @@ _FP8_REGS = """{
 .reg .f32 flo, fhi;
 """
 _E2M1_FP8 = tl.constexpr(_FP8_REGS + _FP8_BYTES.format(word="$1") + _PRODUCTS_SUMMED)
-# Two words ($1, $2: word positions 2 q and 2 q + 1 of a row) times their vector pairs ($3..$6, $7..$10), all 16
-# products in one float16 chain: at most 96 x 2 ** -6 times the vector's largest magnitude.
-_E2M1_FP8_TWO = tl.constexpr(_FP8_REGS + _FP8_BYTES.format(word="$1") + """mul.f16x2 p, t0, $3;
+
+
+def _two_words(regs: str, convert: str) -> tl.constexpr:
+    """Two words ($1, $2: word positions 2 q and 2 q + 1 of a row), each converted by `convert` into float16
+    pairs t0..t3 at 2 ** -6 times the values, times their vector pairs ($3..$6, $7..$10): all 16 products in one
+    float16 chain (at most 16 x 8 x 2 ** -6 = 2 times the vector's largest magnitude), its halves added in
+    float16 and widened once ($0)."""
+    return tl.constexpr(regs + convert.format(word="$1") + """mul.f16x2 p, t0, $3;
 fma.rn.f16x2 p, t1, $4, p;
 fma.rn.f16x2 p, t2, $5, p;
 fma.rn.f16x2 p, t3, $6, p;
-""" + _FP8_BYTES.format(word="$2") + """fma.rn.f16x2 p, t0, $7, p;
+""" + convert.format(word="$2") + """fma.rn.f16x2 p, t0, $7, p;
 fma.rn.f16x2 p, t1, $8, p;
 fma.rn.f16x2 p, t2, $9, p;
 fma.rn.f16x2 p, t3, $10, p;
@@ -161,7 +166,31 @@ mov.b32 {plo, phi}, p;
 add.f16 plo, plo, phi;
 cvt.f32.f16 $0, plo;
 }""")
-E2M1_FP8_UNIT: tl.constexpr = tl.constexpr(64.0)  # MODE 3's e2m1 products are 2 ** -6 times the values'
+
+
+_E2M1_FP8_TWO = _two_words(_FP8_REGS, _FP8_BYTES)
+# int4 codes as `_WORD_PRODUCTS` places them, then scaled by 2 ** -6 in the same multiply-adds:
+# (1024 + n) 2 ** -6 - 16.125 and (1024 + 16 n) 2 ** -10 - 1.125 are (n - 8) 2 ** -6, exactly (0x2400: 2 ** -6,
+# 0xCC08: -16.125, 0x1400: 2 ** -10, 0xBC80: -1.125).
+_INT4_SCALED = """shr.b32 w8, {word}, 8;
+lop3.b32 t0, {word}, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 t1, {word}, 0x00F000F0, 0x64006400, 0xea;
+lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xea;
+fma.rn.f16x2 t0, t0, s0, o0;
+fma.rn.f16x2 t1, t1, s1, o1;
+fma.rn.f16x2 t2, t2, s0, o0;
+fma.rn.f16x2 t3, t3, s1, o1;
+"""
+_INT4_TWO = _two_words("""{
+.reg .b32 s0, o0, s1, o1, t0, t1, t2, t3, w8, p;
+.reg .f16 plo, phi;
+mov.b32 s0, 0x24002400;
+mov.b32 o0, 0xCC08CC08;
+mov.b32 s1, 0x14001400;
+mov.b32 o1, 0xBC80BC80;
+""", _INT4_SCALED)
+UNIT3: tl.constexpr = tl.constexpr(64.0)  # MODE 3's products are 2 ** -6 times the values'
 
 @triton.jit
 def half_fits(top):
@@ -236,16 +265,17 @@ def pair_products(w, p04, p15, p26, p37, opaque, MODE: tl.constexpr, MXFP4: tl.c
 
 
 @triton.jit
-def word_pair_products(w, p04, p15, p26, p37):
-    """[BLOCK_N, HW / 2] float32: MXFP4 words through the FP8 conversion (MODE 3), two adjacent words of a row
-    (word positions 2 q and 2 q + 1, HW even) and their 16 products summed in one float16 chain, widened once;
-    2 ** -6 times the values' sums (E2M1_FP8_UNIT). Arguments as `pair_products`'."""
+def word_pair_products(w, p04, p15, p26, p37, MXFP4: tl.constexpr):
+    """[BLOCK_N, HW / 2] float32 (MODE 3): two adjacent words of a row (word positions 2 q and 2 q + 1, HW even),
+    converted at 2 ** -6 times their values (MXFP4: through the FP8 conversion, sm_89 and later; int4: scaled in
+    its placing multiply-adds) and their 16 products summed in one float16 chain, widened once; 2 ** -6 times
+    the values' sums (UNIT3). Arguments as `pair_products`'."""
     wa, wb = _pairs_of(w.to(tl.uint32, bitcast=True))
     a04, b04 = _pairs_of(p04)
     a15, b15 = _pairs_of(p15)
     a26, b26 = _pairs_of(p26)
     a37, b37 = _pairs_of(p37)
-    return tl.inline_asm_elementwise(_E2M1_FP8_TWO, "=r,r,r,r,r,r,r,r,r,r,r",
+    return tl.inline_asm_elementwise(_E2M1_FP8_TWO if MXFP4 else _INT4_TWO, "=r,r,r,r,r,r,r,r,r,r,r",
                                      [wa, wb, a04[None, :], a15[None, :], a26[None, :], a37[None, :],
                                       b04[None, :], b15[None, :], b26[None, :], b37[None, :]],
                                      dtype=tl.float32, is_pure=True, pack=1)

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .act import act, gate_up_cols
 from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, nibbles4, scales4
-from .half4 import (E2M1_FP8_UNIT, half_fits, half_word_products, pair_products, vector_pairs,
+from .half4 import (UNIT3, half_fits, half_word_products, pair_products, vector_pairs,
                     word_pair_products)
 from .pairs import gdc_launch_dependents, gdc_wait
 from .split_slots import part_range, sum_split_slots, zero_counts
@@ -174,13 +174,13 @@ def half_chunk(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GRO
             p04, p15, p26, p37 = vector_words(vp_ptr, k0, C, w.shape[1])
         else:
             p04, p15, p26, p37 = vector_pairs(v_ptr, k0, C, w.shape[1], MODE)
-        if MXFP4 and MODE == 3 and (w.shape[1] % 2 == 0) and (GROUP % 16 == 0):  # two words a sum
-            prod = word_pair_products(w, p04, p15, p26, p37)
+        if MODE == 3 and (w.shape[1] % 2 == 0) and (GROUP % 16 == 0):  # two words a sum
+            prod = word_pair_products(w, p04, p15, p26, p37, MXFP4)
             return _grouped(prod, tl.zeros((w.shape[1] // 2,), dtype=tl.float32), s_ptrs_N, z_ptrs_N, k0, C, ok_N,
-                            stride_sk, GROUP, 16, MXFP4, ZERO, E2M1_FP8_UNIT)
+                            stride_sk, GROUP, 16, MXFP4, ZERO, UNIT3)
         prod = pair_products(w, p04, p15, p26, p37, opaque, MODE, MXFP4)
         return _grouped(prod, tl.zeros((w.shape[1],), dtype=tl.float32), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
-                        GROUP, 8, MXFP4, ZERO, E2M1_FP8_UNIT if MXFP4 and MODE == 3 else 1.0)
+                        GROUP, 8, MXFP4, ZERO, UNIT3 if MXFP4 and MODE == 3 else 1.0)
     return half_chunk_planes(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_sk, GROUP, MXFP4, ZERO, MODE)
 
 
@@ -192,7 +192,7 @@ def half_chunk_planes(w, s_ptrs_N, z_ptrs_N, k0, C, ok_N, v_ptr, opaque, stride_
     x0, x4, x1, x5, x2, x6, x3, x7 = planes(v_ptr, k0, C, w.shape[1])
     prod = half_word_products(w, x0, x4, x1, x5, x2, x6, x3, x7, opaque, MODE, MXFP4)
     return _grouped(prod, word_sums(x0, x4, x1, x5, x2, x6, x3, x7), s_ptrs_N, z_ptrs_N, k0, C, ok_N, stride_sk,
-                    GROUP, 8, MXFP4, ZERO, E2M1_FP8_UNIT if MXFP4 and MODE == 3 else 1.0)
+                    GROUP, 8, MXFP4, ZERO, UNIT3 if MXFP4 and MODE == 3 else 1.0)
 
 
 @triton.jit

@@ -205,14 +205,17 @@ def pdl_applies(device: torch.device) -> bool:
 
 
 def half_mode(device: torch.device, fmt: str) -> int:
-    """The 4-bit pair kernels' HALF (`pairs4.packed_dot`): for int4 and MXFP4 weights, the products in float16
-    pairs where the vector fits, in inline PTX on a CUDA GPU of sm_80 or later (1), MXFP4's codes converted
-    there through the FP8 conversion of sm_89 and later (3, `half4._E2M1_FP8`: Mixtral's one-token step 3.4%
-    faster than 1's byte lookup, Qwen3's 15%, on one H100; THUNDEREP_E2M1_FP8=0 keeps the lookup), in Triton
-    operations under the interpreter (2); 0 (float32 products) for other formats,
-    older GPUs, or THUNDEREP_HALF_PRODUCTS=0. (int4's timed 1.11-1.14x the float32 products at Mixtral's
-    one-token step: docs/benchmarks/2026-12-05-int4-experts-h200.md.)"""
-    if fmt not in ("int4", "mxfp4") or env.half_products() is False:
+    """The 4-bit pair kernels' HALF (`pairs4.packed_dot`) for int4 and MXFP4 weights: the products in float16
+    pairs where the vector fits, in inline PTX on a CUDA GPU of sm_80 or later, one word a chain (1: MXFP4's
+    codes by a byte lookup) or two words a chain at 2 ** -6 times the values (3: MXFP4's codes through the FP8
+    conversion, sm_89 and later), in Triton operations under the interpreter (2); 0 (float32 products) for
+    other formats, older GPUs, or THUNDEREP_HALF_PRODUCTS=0. Unset, MXFP4 runs 3 where the GPU has the
+    conversion (Mixtral's one-token layer 1.7-3.4% faster than 1, gpt-oss's 6.5%, Qwen3's 15%, on H100s) and
+    int4 runs 1 (3 is counted fewer instructions, not yet timed: THUNDEREP_HALF_PRODUCTS=2 asks for it). (int4's
+    1 timed 1.11-1.14x the float32 products at Mixtral's one-token step:
+    docs/benchmarks/2026-12-05-int4-experts-h200.md.)"""
+    asked = env.half_products()
+    if fmt not in ("int4", "mxfp4") or asked == 0:
         return 0
     if env.triton_interpreter():
         return 2
@@ -221,7 +224,8 @@ def half_mode(device: torch.device, fmt: str) -> int:
     capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if capability < (8, 0):
         return 0
-    return 3 if fmt == "mxfp4" and capability >= (8, 9) and env.e2m1_fp8() is not False else 1
+    two = asked == 2 or (asked is None and fmt == "mxfp4")
+    return 3 if two and (fmt == "int4" or capability >= (8, 9)) else 1
 
 
 @functools.cache
