@@ -11,11 +11,12 @@ operations (HFMA2 / HADD2; `word_loop`); its instructions over the weights one t
 a faster kernel is for `examples/pairs4_configs.py` on a GPU. Also each build's registers a thread and stack
 bytes (spills), and the loop's shared-memory operations and barriers. --chunk counts one of
 `examples/pairs4_profile.py`'s probes in place of the chunk as it runs (`--loads-only convert`). --half 1 counts
-the kernels with the products in float16 pairs (HALF, kernels/half4.py): the loop a vector in range runs;
---half 3 the same with MXFP4's codes through the FP8 conversion (as CUDA launches MXFP4 on sm_89 and later). --parts N counts the down pass with I cut into N ranges (PARTS, SPLIT), whose offsets must leave
-the loads 16 bytes wide. --paired (with --half 1 or 3) counts the kernels with h's float16-pair copy (PAIRED), as
-CUDA launches them for a 16-bit h. --depth 2 counts the loops that load each chunk's words two chunks ahead
-(DEPTH).
+the kernels with the products in float16 pairs (HALF, kernels/half4.py), one word a chain: the loop a vector in
+range runs; --half 3 two words a chain (MXFP4's codes through the FP8 conversion, as CUDA launches MXFP4 on sm_89
+and later; int4's with THUNDEREP_HALF_PRODUCTS=2). --parts N counts the down pass with I cut into N ranges
+(PARTS, SPLIT), whose offsets must leave the loads 16 bytes wide. --paired (with --half 1 or 3) counts the
+kernels with h's float16-pair copy (PAIRED), as CUDA launches them for a 16-bit h. --depth 2 counts the loops
+that load each chunk's words two chunks ahead (DEPTH).
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def main() -> None:
     parser.add_argument("--tiles", default="16x512x4,8x512x2,16x1024x4,16x2048x4")
     parser.add_argument("--mxfp4", action="store_true", help="MXFP4 weights (e2m1 codes, e8m0 scales) instead of int4")
     parser.add_argument("--half", type=int, default=0, choices=(0, 1, 3),
-                        help="the kernels' HALF (1: float16-pair products in inline PTX; 3: MXFP4's codes through "
-                             "the FP8 conversion, as CUDA launches them on sm_89 and later)")
+                        help="the kernels' HALF (1: float16-pair products in inline PTX, one word a chain; 3: two "
+                             "words a chain, MXFP4's codes through the FP8 conversion)")
     parser.add_argument("--chunk", choices=("convert", "paired"),
                         help="count a probe of examples/pairs4_profile.py in place of the chunk as it runs")
     parser.add_argument("--parts", type=int, default=1, help="the down pass with I cut into this many ranges")

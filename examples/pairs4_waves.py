@@ -7,8 +7,9 @@ loads in flight), and what deeper loads (DEPTH) or a register cap (more programs
 
 One process, one GPU. Random weights [K, 2I, D] quantized by groups of 32, one token routed to experts 0..K-1;
 each launch config pinned (BLOCK_N x BLOCK_K x warps, ":d2" loads two chunks ahead, ":rN" caps a thread's
-registers at N, ":hN" runs HALF N: for MXFP4 ":h1" the byte lookup, ":h3" the FP8 conversion, half4.py). Prints per config and I: the programs, the registers a thread, the programs an SM holds
-(registers, warps and the 32-block limit; shared memory not counted), the waves (programs over the GPU's
+registers at N, ":hN" runs HALF N: ":h1" one word a float16 chain (MXFP4: the byte lookup), ":h3" two (MXFP4:
+the FP8 conversion), half4.py). Prints per config and I: the programs, the registers a thread, the programs an
+SM holds (registers, warps and the 32-block limit; shared memory not counted), the waves (programs over the GPU's
 resident programs), microseconds per call (L2 flushed before each, as the autotuner times), the packed bytes
 read and their fraction of copy bandwidth. At Mixtral's D = 4096, K = 2 and 8 rows a program, I = 12672 is 3
 waves of 8 programs an SM on 132 SMs, 14336 (Mixtral's) 3.39 and 16896 4.
@@ -69,11 +70,11 @@ def main() -> None:
         launch = decode.up4_args(x, w_gu, ids, h, h_pairs, buffers, False, half, "silu", False)
         for text in args.configs.split(","):
             config = _config(text)
-            args = {**launch, "HALF": config.pop("HALF", launch["HALF"])}
+            kernel_args = {**launch, "HALF": config.pop("HALF", launch["HALF"])}
 
             def call():
                 return decode.launch_pinned(tiles.UP_PAIRS4_PLAIN, config, lambda meta: (K, cdiv(I, meta["BLOCK_N"])),
-                                            **args)
+                                            **kernel_args)
 
             kernel = call()
             us = tuning.timed_ms(call, 60.0, 10.0) * 1e3

@@ -28,14 +28,18 @@ after them (float16's exponent bias) and some 23. The values are exact and at mo
 range bounds hold as they are. (That shift form, timed earlier with the vector read through planes, made the
 one-token gate/up pass slower: docs/benchmarks/2026-12-05-int4-experts-h200.md, 2026-12-07.)
 
-e2m1 codes through the FP8 conversion (MODE 3, sm_89 and later, `paths.half_mode`): each code's bits placed as
-an e4m3 byte are exactly 2 ** -6 times its value, and one conversion makes two such bytes a float16 pair:
-about 12 instructions for a word's 8 values against the lookup's 15 (`_E2M1_FP8`), and the word's two halves
-added in float16 before the one widening. The products and sums are 2 ** -6 times the lookup's, scaled back
-once a group (UNIT3); they round alike but where a product falls under float16's smallest normal (an
-element under 2 ** -7 times a value of 0.5): its rounding is then at most 2 ** -25, 2 ** -19 in the values'
-units, under float16's own rounding of a half's sum once the vector's largest magnitude is at least HALF_MIN;
-the halves' float16 sum rounds once more, at 2 ** -11 of a word's sum.
+MODE 3 (`paths.half_mode`) converts the codes at 2 ** -6 times their values and sums two adjacent words' 16
+products in one float16 chain, its halves added in float16 and widened once (`word_pair_products`; one word a
+chain where a chunk has an odd number of words or a group other than a multiple of 16 columns, or the vector
+goes through planes: e2m1's as below, int4's as MODE 1): e2m1's through the FP8 conversion (sm_89 and
+later: each code's bits placed as an e4m3 byte are exactly 2 ** -6 times its value, and one conversion makes
+two such bytes a float16 pair, about 12 instructions for a word's 8 values against the lookup's 15,
+`_E2M1_FP8`), int4's by the placing multiply-adds scaled (`_INT4_SCALED`, no extra instruction). The products
+and sums are 2 ** -6 times MODE 1's, scaled back once a group (UNIT3); they round alike but where a product
+falls under float16's smallest normal (an element under 2 ** -7 times a value of 0.5): its rounding is then at
+most 2 ** -25, 2 ** -19 in the values' units, under float16's own rounding of a half's sum once the vector's
+largest magnitude is at least HALF_MIN; the longer chain and the halves' float16 sum round at 2 ** -11 of a
+chain's sum. 16 products stay at most 2 times the vector's largest magnitude, far inside float16's range.
 """
 
 from __future__ import annotations

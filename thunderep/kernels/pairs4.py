@@ -14,8 +14,9 @@ halves of a word are placed into float16 bits at once (int4: or'ed into 1024's m
 exponent and mantissa bits moved into place, `e2m1_halves`), then each half widened to float32. Each of a word's 8
 planes (the values 8 columns apart) times the vector's matching elements is summed in one chain of multiply-adds per
 word, then per group, times the group scales (one scale load per group and row). HALF (on CUDA, paths.half_mode):
-the codes stay in float16 pairs (e2m1's by a byte lookup) and the products run there, two a packed instruction, each
-word's sum widened once (half4.py, `half_chunk`), for a vector whose largest magnitude `half_fits` (measured once a
+the codes stay in float16 pairs and the products run there, two a packed instruction, each word's sum widened once
+(HALF 1: e2m1's by a byte lookup), or two words' 16 products a chain at 2 ** -6 times the values (HALF 3: e2m1's
+through the FP8 conversion) (half4.py, `half_chunk`), for a vector whose largest magnitude `half_fits` (measured once a
 program; any other runs the float32 loop); a 16-bit vector is read there as its float16 pairs, 16 bytes a word
 position split in registers (`half4.vector_pairs`), or h as the float16 pairs the gate/up pass wrote (PAIRED). Words
 are loaded 16 bytes wide where rows are a multiple of 32 columns (WORDS4, `load_words`). The down pass runs one
