@@ -111,17 +111,12 @@ def pairs_max_tokens() -> int | None:
                   "THUNDEREP_PAIRS_MAX_TOKENS={raw}: use a token count >= 0, or leave it unset")
 
 
-def _switch(name: str) -> bool | None:
-    """A switch: False for "0", True for "1", None when unset; else ConfigError."""
-    raw = _raw(name)
-    if raw not in ("", "0", "1"):
-        raise ConfigError(f"{name}={raw!r}: use 0 (off) or 1, or leave it unset")
-    return None if raw == "" else raw == "1"
-
-
 def pdl() -> bool | None:
     """THUNDEREP_PDL: False for "0", True for "1", None when unset."""
-    return _switch("THUNDEREP_PDL")
+    raw = _raw("THUNDEREP_PDL")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"THUNDEREP_PDL={raw!r}: use 0 (off) or 1, or leave it unset")
+    return None if raw == "" else raw == "1"
 
 
 def half_products() -> int | None:

@@ -143,7 +143,6 @@ def test_e2m1_codes_placed_as_fp8_bytes_are_their_values():
     assert torch.equal(got * half4.UNIT3.value, want)
 
 
-
 @pytest.mark.parametrize("capability, asked, want", [((8, 6), None, {"int4": 1, "mxfp4": 1}),
                                                      ((8, 9), None, {"int4": 1, "mxfp4": 3}),
                                                      ((9, 0), None, {"int4": 1, "mxfp4": 3}),
