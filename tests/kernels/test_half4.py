@@ -41,6 +41,11 @@ def _words() -> torch.Tensor:
     return u | (((u * 7919 + 12345) % 65536) << 16)
 
 
+def _values(fmt: str) -> torch.Tensor:
+    """Each of the 16 codes' values: e2m1's table for MXFP4, n - 8 for int4."""
+    return torch.tensor(_E2M1 if fmt == "mxfp4" else [n - 8.0 for n in range(16)])
+
+
 def _modes(fmt: str) -> list[int]:
     """The HALF modes this machine runs for fmt: the one `paths.half_mode` picks, and on a CUDA GPU both one word
     a chain (1) and two (3), where it has MXFP4's FP8 conversion (sm_89 and later)."""
@@ -55,7 +60,7 @@ def test_pair_products_convert_every_code_exactly(fmt):
     value: the table for e2m1 (the subnormal 0.5 and every sign; 2 ** -6 times it through the FP8 conversion,
     HALF 3), n - 8 for int4. Code j is nibble j % 4 of half j // 4."""
     words = _words()
-    table = torch.tensor(_E2M1 if fmt == "mxfp4" else [n - 8.0 for n in range(16)])
+    table = _values(fmt)
     want = torch.empty(65536, 8)
     for j in range(8):
         want[:, j] = table[(words >> (4 * j)) & 15]
@@ -96,7 +101,7 @@ def test_word_pair_products_convert_every_code_exactly(fmt):
     if fmt == "mxfp4" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("the FP8 conversion runs on sm_89 and later")
     words = _words()
-    table = torch.tensor(_E2M1 if fmt == "mxfp4" else [n - 8.0 for n in range(16)])
+    table = _values(fmt)
     want = torch.empty(32768, 16)
     for q in range(16):
         want[:, q] = table[(words[q // 8::2] >> (4 * (q % 8))) & 15]
@@ -138,7 +143,7 @@ def test_e2m1_codes_placed_as_fp8_bytes_are_their_values():
 
     got = torch.stack([fp8(e, 0), fp8(o, 0), fp8(e, 2), fp8(o, 2),  # t0..t3's low halves: codes 0..3
                        fp8(e, 1), fp8(o, 1), fp8(e, 3), fp8(o, 3)], 1)  # high halves: codes 4..7
-    table = torch.tensor(_E2M1)
+    table = _values("mxfp4")
     want = torch.stack([table[(words >> (4 * j)) & 15] for j in range(8)], 1)
     assert torch.equal(got * half4.UNIT3.value, want)
 

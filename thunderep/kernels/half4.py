@@ -58,21 +58,23 @@ HALF_MIN = 2.0 ** -8  # the smallest largest-magnitude they take (see the module
 
 # The end of both conversions below: the 4 float16 pairs of codes t0..t3 times the vector's pairs, each half's
 # 4 products summed in float16, the halves widened and added.
-_PRODUCTS = """mul.f16x2 p, t0, $2;
+_CHAIN = """mul.f16x2 p, t0, $2;
 fma.rn.f16x2 p, t1, $3, p;
 fma.rn.f16x2 p, t2, $4, p;
 fma.rn.f16x2 p, t3, $5, p;
-mov.b32 {plo, phi}, p;
+"""
+_PRODUCTS = _CHAIN + """mov.b32 {plo, phi}, p;
 cvt.f32.f16 flo, plo;
 cvt.f32.f16 fhi, phi;
 add.f32 $0, flo, fhi;
 }"""
-# The same, the halves added in float16 and widened once (e2m1 through the FP8 conversion, MODE 3: its 8
-# products are at most 48 x 2 ** -6 times the vector's largest magnitude, far under float16's largest).
-_PRODUCTS_SUMMED = _PRODUCTS.replace("""cvt.f32.f16 flo, plo;
-cvt.f32.f16 fhi, phi;
-add.f32 $0, flo, fhi;""", """add.f16 plo, plo, phi;
-cvt.f32.f16 $0, plo;""")
+# A chain's end with its halves added in float16 and widened once (MODE 3: a word's 8 products are at most
+# 48 x 2 ** -6 times the vector's largest magnitude, two words' 16 at most 2 times, far under float16's largest).
+_WIDENED_ONCE = """mov.b32 {plo, phi}, p;
+add.f16 plo, plo, phi;
+cvt.f32.f16 $0, plo;
+}"""
+_PRODUCTS_SUMMED = _CHAIN + _WIDENED_ONCE
 # One word's 8 int4 codes (nibble j: column 8 q + j, in half j // 4 at bits 4 (j % 4)) times the vector's
 # 4 float16 pairs ($2..$5: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), as one float32.
 _WORD_PRODUCTS = tl.constexpr("""{
@@ -166,10 +168,7 @@ fma.rn.f16x2 p, t3, $6, p;
 fma.rn.f16x2 p, t1, $8, p;
 fma.rn.f16x2 p, t2, $9, p;
 fma.rn.f16x2 p, t3, $10, p;
-mov.b32 {plo, phi}, p;
-add.f16 plo, plo, phi;
-cvt.f32.f16 $0, plo;
-}""")
+""" + _WIDENED_ONCE)
 
 
 _E2M1_FP8_TWO = _two_words(_FP8_REGS, _FP8_BYTES)
