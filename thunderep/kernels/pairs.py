@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - a Triton without it: the kernels run w
 from .act import act, dequant, gate_up_cols, weight_scales
 from .split_slots import sum_split_slots, zero_counts
 
-__all__ = ["HAS_GDC", "down_pairs_kernel", "gdc_launch_dependents", "gdc_wait", "up_pairs_kernel"]
+__all__ = ["HAS_GDC", "down_pairs_kernel", "gdc_launch_dependents", "gdc_wait", "pair_expert", "up_pairs_kernel"]
 
 
 @triton.jit
@@ -141,6 +141,18 @@ def _entry_offset(expert, stride_we, split_e, w_shift, TWO: tl.constexpr):
 
 
 @triton.jit
+def pair_expert(ids_ptr, j, E, cols_N, n):
+    """Pair j's expert, read once: (its id, 0 for one outside [0, E); known: the id is in [0, E); skipped: the
+    id is -1, another rank's expert; ok_N: cols_N < n for a known id, no column otherwise, so that no weight
+    is read for a pair without a valid expert)."""
+    expert = tl.load(ids_ptr + j).to(tl.int64)
+    known = (expert >= 0) & (expert < E)
+    skipped = expert == -1
+    expert = tl.where(known, expert, 0)
+    return expert, known, skipped, cols_N < tl.where(known, n, 0)
+
+
+@triton.jit
 def up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, top_k, stride_xm, stride_we,
                      stride_wn, stride_hm, n_counts, stride_wse, stride_wsn, stride_wsk, ACT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
@@ -175,11 +187,7 @@ def up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, to
     j = tl.program_id(0)
     zero_counts(count_ptr, j, top_k, n_counts)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert = tl.load(ids_ptr + j).to(tl.int64)
-    known = (expert >= 0) & (expert < E)
-    skipped = expert == -1
-    expert = tl.where(known, expert, 0)
-    col_ok_N = cols_N < tl.where(known, I, 0)  # no weight reads for a pair without a (valid) expert
+    expert, known, skipped, col_ok_N = pair_expert(ids_ptr, j, E, cols_N, I)
     gate_N, up_N = gate_up_cols(cols_N, I, INTERLEAVED)
     k_K = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (j // top_k).to(tl.int64) * stride_xm + k_K
@@ -285,10 +293,7 @@ def _slot_partial(h_ptr, w_ptr, ids_ptr, weight_ptr, j, cols_N, D, I, E, stride_
     chunk's conversion to the tile's layout then waits on a load issued a step earlier); with X_ROWS
     h's chunk is loaded per row of the tile instead (no conversion). Same arithmetic in the same order
     every way. SCALED: Wd is FP8 with scales at ws (as in up_pairs_kernel)."""
-    expert = tl.load(ids_ptr + j).to(tl.int64)
-    known = (expert >= 0) & (expert < E)
-    expert = tl.where(known, expert, 0)
-    w_ok_N = cols_N < tl.where(known, D, 0)
+    expert, _, _, w_ok_N = pair_expert(ids_ptr, j, E, cols_N, D)
     k_K = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + j.to(tl.int64) * stride_hm + k_K
     w_ptrs = (w_ptr + _entry_offset(expert, stride_we, split_e, w_shift, TWO) + cols_N.to(tl.int64)[:, None] * stride_wd

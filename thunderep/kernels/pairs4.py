@@ -41,7 +41,7 @@ from .act import act, gate_up_cols
 from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, nibbles4, scales4
 from .half4 import (UNIT3, half_fits, half_word_products, pair_products, vector_pairs,
                     word_pair_products)
-from .pairs import gdc_launch_dependents, gdc_wait
+from .pairs import gdc_launch_dependents, gdc_wait, pair_expert
 from .split_slots import part_range, sum_split_slots, zero_counts
 from .vector4 import largest, planes, vector, vector_words, word_sums
 from .words4 import first_words, next_words, words_ok
@@ -339,11 +339,7 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     j = tl.program_id(0)
     zero_counts(count_ptr, j, top_k, n_counts)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert = tl.load(ids_ptr + j).to(tl.int64)
-    known = (expert >= 0) & (expert < E)
-    skipped = expert == -1
-    expert = tl.where(known, expert, 0)
-    ok_N = cols_N < tl.where(known, I, 0)  # no weight reads for a pair without a (valid) expert
+    expert, known, skipped, ok_N = pair_expert(ids_ptr, j, E, cols_N, I)
     gate_N, up_N = gate_up_cols(cols_N, I, INTERLEAVED)
     gw_N = w_ptr + expert * stride_we + gate_N.to(tl.int64) * stride_wn
     uw_N = w_ptr + expert * stride_we + up_N.to(tl.int64) * stride_wn
@@ -375,10 +371,7 @@ def slot_weights(ids_ptr, weight_ptr, j, cols_N, D, E, w_ptr, stride_we, stride_
     """Pair j's down-pass operands over the columns cols_N: (expert (0 for an unknown id), ok_N (no weight
     reads for an unknown id: its h row is 0 for -1, NaN otherwise), its rows' pointers, its rows' scale
     offsets, its routing weight (1 unweighted))."""
-    expert = tl.load(ids_ptr + j).to(tl.int64)
-    known = (expert >= 0) & (expert < E)
-    expert = tl.where(known, expert, 0)
-    ok_N = cols_N < tl.where(known, D, 0)
+    expert, _, _, ok_N = pair_expert(ids_ptr, j, E, cols_N, D)
     w_N = w_ptr + expert * stride_we + cols_N.to(tl.int64) * stride_wd
     s_N = expert * stride_se + cols_N.to(tl.int64) * stride_sn
     if WEIGHTED:

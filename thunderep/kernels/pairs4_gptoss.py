@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import decode, paths
-from .pairs import gdc_launch_dependents
+from .pairs import gdc_launch_dependents, pair_expert
 from .pairs4 import packed_dot2, store_h
 from .split_slots import zero_counts
 from .tiles import pairs4_default
@@ -67,11 +67,7 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, c
     j = tl.program_id(0)
     zero_counts(count_ptr, j, top_k, n_counts)
     cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert = tl.load(ids_ptr + j).to(tl.int64)
-    known = (expert >= 0) & (expert < E)
-    skipped = expert == -1
-    expert = tl.where(known, expert, 0)
-    ok_N = cols_N < tl.where(known, I, 0)  # no weight reads for a pair without a (valid) expert
+    expert, known, skipped, ok_N = pair_expert(ids_ptr, j, E, cols_N, I)
     gate_N, up_N = (2 * cols_N).to(tl.int64), (2 * cols_N + 1).to(tl.int64)
     gw_N = w_ptr + expert * stride_we + gate_N * stride_wn
     uw_N = w_ptr + expert * stride_we + up_N * stride_wn
