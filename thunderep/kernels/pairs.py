@@ -42,7 +42,8 @@ except ImportError:  # pragma: no cover - a Triton without it: the kernels run w
 from .act import act, dequant, gate_up_cols, weight_scales
 from .split_slots import sum_split_slots, zero_counts
 
-__all__ = ["HAS_GDC", "down_pairs_kernel", "gdc_launch_dependents", "gdc_wait", "pair_expert", "up_pairs_kernel"]
+__all__ = ["HAS_GDC", "down_pairs_kernel", "gdc_launch_dependents", "gdc_wait", "pair_expert", "up_pair_start",
+           "up_pairs_kernel"]
 
 
 @triton.jit
@@ -153,6 +154,20 @@ def pair_expert(ids_ptr, j, E, cols_N, n):
 
 
 @triton.jit
+def up_pair_start(ids_ptr, count_ptr, E, I, top_k, n_counts, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """What every gate/up pair program does first: PDL, let the down pass launch now (its programs take the
+    SM room this grid leaves); zero the down pass's counts (split_slots.zero_counts); read pair j's expert
+    (`pair_expert`). Returns (j = program_id(0), the tile's columns cols_N, expert, known, skipped, ok_N)."""
+    if PDL:
+        gdc_launch_dependents()
+    j = tl.program_id(0)
+    zero_counts(count_ptr, j, top_k, n_counts)
+    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, known, skipped, ok_N = pair_expert(ids_ptr, j, E, cols_N, I)
+    return j, cols_N, expert, known, skipped, ok_N
+
+
+@triton.jit
 def up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, top_k, stride_xm, stride_we,
                      stride_wn, stride_hm, n_counts, stride_wse, stride_wsn, stride_wsk, ACT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
@@ -182,12 +197,7 @@ def up_pairs_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, count_ptr, ws_ptr, I, D, E, to
     SCALED: Wgu is FP8 with float32 scales ws [E, 2I / SCALE_N, D / SCALE_K] (by strides; BLOCK_K divides
     SCALE_K, or SCALE_K >= D), each chunk dequantized to x's dtype (fp8.py). TWO (unscaled weights): ids
     from split_e on name rows of a second tensor (`_entry_offset`); E counts both tensors' rows."""
-    if PDL:  # the down pass may launch now: its programs take the SM room this grid leaves
-        gdc_launch_dependents()
-    j = tl.program_id(0)
-    zero_counts(count_ptr, j, top_k, n_counts)
-    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert, known, skipped, col_ok_N = pair_expert(ids_ptr, j, E, cols_N, I)
+    j, cols_N, expert, known, skipped, col_ok_N = up_pair_start(ids_ptr, count_ptr, E, I, top_k, n_counts, BLOCK_N, PDL)
     gate_N, up_N = gate_up_cols(cols_N, I, INTERLEAVED)
     k_K = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (j // top_k).to(tl.int64) * stride_xm + k_K

@@ -41,8 +41,8 @@ from .act import act, gate_up_cols
 from .codes4 import E2M1_UNIT, e2m1_halves, int4_halves, nibbles4, scales4
 from .half4 import (UNIT3, half_fits, half_word_products, pair_products, vector_pairs,
                     word_pair_products)
-from .pairs import gdc_launch_dependents, gdc_wait, pair_expert
-from .split_slots import part_range, sum_split_slots, zero_counts
+from .pairs import gdc_wait, pair_expert, up_pair_start
+from .split_slots import part_range, sum_split_slots
 from .vector4 import largest, planes, vector, vector_words, word_sums
 from .words4 import first_words, next_words, words_ok
 
@@ -334,12 +334,7 @@ def up_pairs4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, count_ptr, I, D
     pass's float16 loop to load as they lie: column 8 q + i (i < 4) at 8 q + 2 i, 8 q + 4 + i at 8 q + 2 i + 1,
     each the float16 of h as stored (the same bits as that pass's own conversion gives). DEPTH: chunks of
     words in flight ahead of the one converted (`packed_dot`)."""
-    if PDL:
-        gdc_launch_dependents()
-    j = tl.program_id(0)
-    zero_counts(count_ptr, j, top_k, n_counts)
-    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert, known, skipped, ok_N = pair_expert(ids_ptr, j, E, cols_N, I)
+    j, cols_N, expert, known, skipped, ok_N = up_pair_start(ids_ptr, count_ptr, E, I, top_k, n_counts, BLOCK_N, PDL)
     gate_N, up_N = gate_up_cols(cols_N, I, INTERLEAVED)
     gw_N = w_ptr + expert * stride_we + gate_N.to(tl.int64) * stride_wn
     uw_N = w_ptr + expert * stride_we + up_N.to(tl.int64) * stride_wn

@@ -27,9 +27,8 @@ import triton
 import triton.language as tl
 
 from . import decode, paths
-from .pairs import gdc_launch_dependents, pair_expert
+from .pairs import up_pair_start
 from .pairs4 import packed_dot2, store_h
-from .split_slots import zero_counts
 from .tiles import pairs4_default
 from .tuning import cdiv
 from .words4 import words_ok
@@ -62,12 +61,7 @@ def up_pairs4_gptoss_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, ids_ptr, c
     [E, 2I, ceil(D / GROUP)] by strides; b: [E, 2I]; h: [T*K, I]. WORDS4: D a multiple of 32 (words4.load_words);
     HALF: the products in float16 pairs (pairs4.packed_dot). Also zeroes the down pass's counts and, PDL,
     lets it launch early, and, PAIRED, writes h's float16-pair copy to hp, as pairs4.up_pairs4_kernel."""
-    if PDL:
-        gdc_launch_dependents()
-    j = tl.program_id(0)
-    zero_counts(count_ptr, j, top_k, n_counts)
-    cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert, known, skipped, ok_N = pair_expert(ids_ptr, j, E, cols_N, I)
+    j, cols_N, expert, known, skipped, ok_N = up_pair_start(ids_ptr, count_ptr, E, I, top_k, n_counts, BLOCK_N, PDL)
     gate_N, up_N = (2 * cols_N).to(tl.int64), (2 * cols_N + 1).to(tl.int64)
     gw_N = w_ptr + expert * stride_we + gate_N * stride_wn
     uw_N = w_ptr + expert * stride_we + up_N * stride_wn
