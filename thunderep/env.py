@@ -83,20 +83,22 @@ def compile_threads() -> int | None:
                   "THUNDEREP_COMPILE_THREADS must be a whole number of threads, 1 or more; got {raw}")
 
 
+def _on_off(name: str, choices: str) -> bool | None:
+    """A switch: False for "0", True for "1", None when unset; else ConfigError saying "use {choices}"."""
+    raw = _raw(name)
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{name}={raw!r}: use {choices}, or leave it unset")
+    return None if raw == "" else raw == "1"
+
+
 def host_jobs() -> bool:
     """THUNDEREP_HOST_JOBS: False for "0", True when unset or "1"."""
-    raw = _raw("THUNDEREP_HOST_JOBS")
-    if raw not in ("", "0", "1"):
-        raise ConfigError(f"THUNDEREP_HOST_JOBS={raw!r}: use 0 (in line) or 1, or leave it unset")
-    return raw != "0"
+    return _on_off("THUNDEREP_HOST_JOBS", "0 (in line) or 1") is not False
 
 
 def mapped() -> bool:
     """THUNDEREP_MAPPED: False for "0", True when unset or "1"."""
-    raw = _raw("THUNDEREP_MAPPED")
-    if raw not in ("", "0", "1"):
-        raise ConfigError(f"THUNDEREP_MAPPED={raw!r}: use 0 (no mapped reads) or 1, or leave it unset")
-    return raw != "0"
+    return _on_off("THUNDEREP_MAPPED", "0 (no mapped reads) or 1") is not False
 
 
 def host_threads() -> int | None:
@@ -113,10 +115,7 @@ def pairs_max_tokens() -> int | None:
 
 def pdl() -> bool | None:
     """THUNDEREP_PDL: False for "0", True for "1", None when unset."""
-    raw = _raw("THUNDEREP_PDL")
-    if raw not in ("", "0", "1"):
-        raise ConfigError(f"THUNDEREP_PDL={raw!r}: use 0 (off) or 1, or leave it unset")
-    return None if raw == "" else raw == "1"
+    return _on_off("THUNDEREP_PDL", "0 (off) or 1")
 
 
 def half_products() -> int | None:
@@ -151,10 +150,7 @@ def forced_gemm(name: str) -> str:
 def host_collective() -> bool | None:
     """THUNDEREP_HOST_COLLECTIVE: False for "0" (always NCCL), True for "1" (host memory whenever the ranks
     share a host and the message fits), None when unset (by size)."""
-    raw = _raw("THUNDEREP_HOST_COLLECTIVE")
-    if raw not in ("", "0", "1"):
-        raise ConfigError(f"THUNDEREP_HOST_COLLECTIVE={raw!r}: use 0 (NCCL) or 1 (host memory), or leave it unset")
-    return None if raw == "" else raw == "1"
+    return _on_off("THUNDEREP_HOST_COLLECTIVE", "0 (NCCL) or 1 (host memory)")
 
 
 def host_collective_timeout_s() -> float | None:

@@ -75,6 +75,13 @@ add.f16 plo, plo, phi;
 cvt.f32.f16 $0, plo;
 }"""
 _PRODUCTS_SUMMED = _CHAIN + _WIDENED_ONCE
+# A word's 8 int4 codes n placed into float16 pairs t0..t3 as 1024 + n (t0, t2) and 1024 + 16 n (t1, t3).
+_INT4_PLACED = """shr.b32 w8, {word}, 8;
+lop3.b32 t0, {word}, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 t1, {word}, 0x00F000F0, 0x64006400, 0xea;
+lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xea;
+"""
 # One word's 8 int4 codes (nibble j: column 8 q + j, in half j // 4 at bits 4 (j % 4)) times the vector's
 # 4 float16 pairs ($2..$5: columns (8q, 8q+4), (8q+1, 8q+5), (8q+2, 8q+6), (8q+3, 8q+7)), as one float32.
 _WORD_PRODUCTS = tl.constexpr("""{
@@ -84,12 +91,7 @@ _WORD_PRODUCTS = tl.constexpr("""{
 mov.b32 off, 0x64086408;
 mov.b32 step, 0x2C002C00;
 mov.b32 shift, 0xD480D480;
-shr.b32 w8, $1, 8;
-lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xea;
-lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xea;
-sub.f16x2 t0, t0, off;
+""" + _INT4_PLACED.format(word="$1") + """sub.f16x2 t0, t0, off;
 fma.rn.f16x2 t1, t1, step, shift;
 sub.f16x2 t2, t2, off;
 fma.rn.f16x2 t3, t3, step, shift;
@@ -172,15 +174,10 @@ fma.rn.f16x2 p, t3, $10, p;
 
 
 _E2M1_FP8_TWO = _two_words(_FP8_REGS, _FP8_BYTES)
-# int4 codes as `_WORD_PRODUCTS` places them, then scaled by 2 ** -6 in the same multiply-adds:
+# int4 codes placed as for `_WORD_PRODUCTS` (`_INT4_PLACED`), then scaled by 2 ** -6 in the same multiply-adds:
 # (1024 + n) 2 ** -6 - 16.125 and (1024 + 16 n) 2 ** -10 - 1.125 are (n - 8) 2 ** -6, exactly (0x2400: 2 ** -6,
 # 0xCC08: -16.125, 0x1400: 2 ** -10, 0xBC80: -1.125).
-_INT4_SCALED = """shr.b32 w8, {word}, 8;
-lop3.b32 t0, {word}, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 t1, {word}, 0x00F000F0, 0x64006400, 0xea;
-lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xea;
-fma.rn.f16x2 t0, t0, s0, o0;
+_INT4_SCALED = _INT4_PLACED + """fma.rn.f16x2 t0, t0, s0, o0;
 fma.rn.f16x2 t1, t1, s1, o1;
 fma.rn.f16x2 t2, t2, s0, o0;
 fma.rn.f16x2 t3, t3, s1, o1;
