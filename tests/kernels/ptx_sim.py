@@ -17,7 +17,7 @@ import re
 import numpy as np
 import torch
 
-__all__ = ["run"]
+__all__ = ["in_interpreter", "run"]
 
 _M32 = np.uint64(0xFFFFFFFF)
 _M16 = np.uint64(0xFFFF)
@@ -139,3 +139,26 @@ def run(asm: str, *inputs) -> np.ndarray:
         else:
             raise NotImplementedError(f"no model of PTX instruction {op!r}")
     return np.broadcast_to(regs["$0"], shape).astype(np.uint32)
+
+
+class _Results:
+    def __init__(self, *results):
+        self._results = results
+
+    def get_result(self, i: int):
+        return self._results[i]
+
+
+def in_interpreter(monkeypatch) -> None:
+    """Let Triton's CPU interpreter run `tl.inline_asm_elementwise` of one 32-bit result an element (pack 1)
+    through this model, for the rest of a test (it raises NotImplementedError otherwise)."""
+    from triton.runtime import interpreter
+
+    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        if pack != 1 or len(types) != 1:
+            raise NotImplementedError(f"the PTX model runs pack 1, one result: pack {pack}, {len(types)} results")
+        bits = run(asm, *(v.data.view(np.uint32) for v in values))
+        scalar = types[0].scalar
+        return _Results(interpreter.TensorHandle(bits.view(interpreter._get_np_dtype(scalar)), scalar))
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", create_inline_asm)

@@ -1,6 +1,7 @@
 """The float16-pair products of the 4-bit decode kernels (thunderep/kernels/half4.py): every code at every
-position of a word converts to its exact value, int4's and e2m1's, in the form the kernels run here (inline
-PTX on a CUDA GPU, Triton operations in the interpreter)."""
+position of a word converts to its exact value, int4's and e2m1's, in every form the kernels run: inline PTX
+(compiled on a CUDA GPU; in the interpreter through a model of its instructions, ptx_sim.py) and Triton
+operations (the interpreter's own mode)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+import ptx_sim  # noqa: E402
 from test_int4 import _E2M1  # noqa: E402
 from test_moe_triton import DEVICE  # noqa: E402
 
@@ -46,16 +48,20 @@ def _values(fmt: str) -> torch.Tensor:
     return torch.tensor(_E2M1 if fmt == "mxfp4" else [n - 8.0 for n in range(16)])
 
 
-def _modes(fmt: str) -> list[int]:
-    """The HALF modes this machine runs for fmt: the one `paths.half_mode` picks, and on a CUDA GPU both one word
-    a chain (1) and two (3), where it has MXFP4's FP8 conversion (sm_89 and later)."""
+def _modes(fmt: str, monkeypatch) -> list[int]:
+    """The HALF modes to check for fmt: on a CUDA GPU the one `paths.half_mode` picks, and both one word a chain
+    (1) and two (3) where it has MXFP4's FP8 conversion (sm_89 and later); in the interpreter its Triton
+    operations (2), and 1 and 3 through the PTX model."""
     mode = paths.half_mode(torch.device(DEVICE), fmt)
+    if DEVICE != "cuda":
+        ptx_sim.in_interpreter(monkeypatch)
+        return [mode, 1, 3]
     two = mode in (1, 3) and (fmt == "int4" or torch.cuda.get_device_capability() >= (8, 9))
     return [1, 3] if two else [mode]
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
-def test_pair_products_convert_every_code_exactly(fmt):
+def test_pair_products_convert_every_code_exactly(fmt, monkeypatch):
     """Each of 2 ** 16 words, times a unit vector at each of its 8 columns, gives exactly that column's code's
     value: the table for e2m1 (the subnormal 0.5 and every sign; 2 ** -6 times it through the FP8 conversion,
     HALF 3), n - 8 for int4. Code j is nibble j % 4 of half j // 4."""
@@ -64,7 +70,7 @@ def test_pair_products_convert_every_code_exactly(fmt):
     want = torch.empty(65536, 8)
     for j in range(8):
         want[:, j] = table[(words >> (4 * j)) & 15]
-    for mode in _modes(fmt):
+    for mode in _modes(fmt, monkeypatch):
         assert mode in (1, 2, 3), mode
         out = torch.full((65536, 8), float("nan"), device=DEVICE)
         _unit_products_kernel[(65536 // ROWS,)](words.to(torch.int32).to(DEVICE), out, MODE=mode,
@@ -93,12 +99,14 @@ def _unit_pair_products_kernel(w_ptr, out_ptr, MXFP4: tl.constexpr, ROWS: tl.con
         tl.store(out_ptr + i[:, None] * 16 + q, out)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the two-word chains are inline PTX: a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
-def test_word_pair_products_convert_every_code_exactly(fmt):
+def test_word_pair_products_convert_every_code_exactly(fmt, monkeypatch):
     """Two words a float16 chain (HALF 3; MXFP4 through the FP8 conversion): each of 2 ** 16 word pairs times a
-    unit vector at each of its 16 columns gives 2 ** -6 times that column's code's value."""
-    if fmt == "mxfp4" and torch.cuda.get_device_capability() < (8, 9):
+    unit vector at each of its 16 columns gives 2 ** -6 times that column's code's value (inline PTX: in the
+    interpreter through the PTX model)."""
+    if DEVICE != "cuda":
+        ptx_sim.in_interpreter(monkeypatch)
+    elif fmt == "mxfp4" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("the FP8 conversion runs on sm_89 and later")
     words = _words()
     table = _values(fmt)

@@ -102,6 +102,17 @@ def _check(T, D, I, E, K, dtype, fmt, group, tol, seed=0, ids=None, zero=False, 
     return y
 
 
+def _ptx_in_interpreter(monkeypatch):
+    """The interpreter runs the kernels' inline PTX through ptx_sim's model, in the HALF modes a CUDA GPU of sm_89
+    or later runs (1, or 3 where THUNDEREP_HALF_PRODUCTS=2 asks for two words a chain)."""
+    import ptx_sim
+    from thunderep import env
+    from thunderep.kernels import paths
+
+    ptx_sim.in_interpreter(monkeypatch)
+    monkeypatch.setattr(paths, "half_mode", lambda device, fmt: 3 if env.half_products() == 2 else 1)
+
+
 @pytest.fixture(params=["pairs", "sorted", "sorted4"])
 def path(request, monkeypatch):
     """Pin inference on the 4-bit pair kernels, on the sorted path with dequantized weights, or on the
@@ -235,15 +246,18 @@ def test_int4_pair_loads_two_chunks_ahead_equal_one_ahead_bit_for_bit(fmt, monke
             assert torch.equal(outs[0], outs[1]), (half, block_k)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the float16 chains are inline PTX: a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
 def test_two_words_a_chain_give_one_words_outputs(fmt, monkeypatch):
     """Two words a float16 chain (THUNDEREP_HALF_PRODUCTS=2, HALF 3; MXFP4's codes through the FP8 conversion)
     in both passes: within the reference's error at full chunks, a tail and one chunk covering a row, 1 and 5
     tokens, and within float16's rounding of one word a chain's outputs (HALF 1: its products are 2 ** -6 times
-    those, exactly but where one falls under float16's normal range)."""
-    if fmt == "mxfp4" and torch.cuda.get_device_capability() < (8, 9):
+    those, exactly but where one falls under float16's normal range). Compiled on a CUDA GPU; without one, the
+    interpreter runs the same inline PTX through a model of its instructions (ptx_sim.py), in the modes an
+    sm_89 or later GPU runs."""
+    if DEVICE == "cuda" and fmt == "mxfp4" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("the FP8 conversion runs on sm_89 and later")
+    if DEVICE != "cuda":
+        _ptx_in_interpreter(monkeypatch)
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
     for block_k, T in ((32, 1), (128, 5)):
         config = {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4}
@@ -254,6 +268,36 @@ def test_two_words_a_chain_give_one_words_outputs(fmt, monkeypatch):
             monkeypatch.setenv("THUNDEREP_HALF_PRODUCTS", half)
             outs[half] = _check(T, 96, 56, 5, 2, torch.bfloat16, fmt, 32, tol=2e-2, seed=T)
         assert rel_err(outs["2"], outs["1"].double()) < 8e-3, (block_k, T)
+
+
+@pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
+                         ids=["chunks-32", "narrow", "wide"])
+def test_inline_ptx_chains_in_every_loop_and_tail(up, down, monkeypatch):
+    """The float16 chains a CUDA GPU runs (one word a chain, HALF 1; two, HALF 3) through the pair kernels' loops
+    and tails of `test_int4_pair_kernel_tails` (D = 96, I = 56) and the gpt-oss pair kernels': within the
+    reference's error, two words a chain within float16's rounding of one and not equal to it (they ran), and
+    int4 with zero points one word a chain in both (through the vector's planes). Compiled on a CUDA GPU of
+    sm_89 or later; elsewhere through the PTX model."""
+    from thunderep.kernels import pairs4_gptoss
+
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("MXFP4's two words a chain run the FP8 conversion of sm_89 and later")
+    if DEVICE != "cuda":
+        _ptx_in_interpreter(monkeypatch)
+    monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
+    monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4})
+    monkeypatch.setattr(pairs4_gptoss, "GPTOSS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4})
+    monkeypatch.setattr(decode, "PAIRS4_DOWN", {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": 4})
+    outs = {}
+    for half in ("1", "2"):
+        monkeypatch.setenv("THUNDEREP_HALF_PRODUCTS", half)
+        outs[half] = [_check(2, 96, 56, 5, 2, torch.float16, "int4", 32, tol=2e-3, interleaved=True),
+                      _check(1, 96, 56, 5, 3, torch.float16, "mxfp4", 32, tol=2e-3, seed=1),
+                      _gptoss_check(2, 96, 56, 5, 2, "mxfp4", 1.702, 7.0, seed=3),
+                      _check(2, 96, 56, 5, 2, torch.float16, "int4", 32, tol=2e-3, zero=True, seed=2)]
+    for one, two in zip(outs["1"][:3], outs["2"][:3]):
+        assert rel_err(two, one.double()) < 4e-3 and not torch.equal(one, two)
+    assert torch.equal(outs["1"][3], outs["2"][3])
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
