@@ -275,9 +275,9 @@ def test_two_words_a_chain_give_one_words_outputs(fmt, monkeypatch):
 def test_inline_ptx_chains_in_every_loop_and_tail(up, down, monkeypatch):
     """The float16 chains a CUDA GPU runs (one word a chain, HALF 1; two, HALF 3) through the pair kernels' loops
     and tails of `test_int4_pair_kernel_tails` (D = 96, I = 56) and the gpt-oss pair kernels': within the
-    reference's error, two words a chain within float16's rounding of one and not equal to it (they ran), and
-    int4 with zero points one word a chain in both (through the vector's planes). Compiled on a CUDA GPU of
-    sm_89 or later; elsewhere through the PTX model."""
+    reference's error, two words a chain within float16's rounding of one and not equal to it (they ran); and
+    at the first tiles int4 with zero points, one word a chain in both (through the vector's planes). Compiled
+    on a CUDA GPU of sm_89 or later; elsewhere through the PTX model."""
     from thunderep.kernels import pairs4_gptoss
 
     if DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
@@ -293,11 +293,13 @@ def test_inline_ptx_chains_in_every_loop_and_tail(up, down, monkeypatch):
         monkeypatch.setenv("THUNDEREP_HALF_PRODUCTS", half)
         outs[half] = [_check(2, 96, 56, 5, 2, torch.float16, "int4", 32, tol=2e-3, interleaved=True),
                       _check(1, 96, 56, 5, 3, torch.float16, "mxfp4", 32, tol=2e-3, seed=1),
-                      _gptoss_check(2, 96, 56, 5, 2, "mxfp4", 1.702, 7.0, seed=3),
-                      _check(2, 96, 56, 5, 2, torch.float16, "int4", 32, tol=2e-3, zero=True, seed=2)]
+                      _gptoss_check(2, 96, 56, 5, 2, "mxfp4", 1.702, 7.0, seed=3)]
+        if up == (16, 32):
+            outs[half].append(_check(2, 96, 56, 5, 2, torch.float16, "int4", 32, tol=2e-3, zero=True, seed=2))
     for one, two in zip(outs["1"][:3], outs["2"][:3]):
         assert rel_err(two, one.double()) < 4e-3 and not torch.equal(one, two)
-    assert torch.equal(outs["1"][3], outs["2"][3])
+    if up == (16, 32):
+        assert torch.equal(outs["1"][3], outs["2"][3])
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])

@@ -68,8 +68,8 @@ EXPERTS_DTYPE_HELP = (
     "the error); both need a GPU of compute capability 8.9 or later (RTX 4090 / 5090, H100 / H200); int4, "
     "int4-g128: 4-bit experts, two values a byte, one scale per 32 / 128 input columns (a compressed-tensors "
     "pack-quantized checkpoint keeps its own groups and bytes); mxfp4: e2m1 values with a power-of-two scale per 32; "
-    "decode reads the packed bytes, prompts run on the experts dequantized per layer; inference only (default: "
-    "the model's dtype)")
+    "decode reads the packed bytes, and so do prompts of up to 128 rows an expert on average (longer ones run "
+    "on the experts dequantized per layer); all inference only, on a CUDA GPU (default: the model's dtype)")
 EXPERTS_IMPLEMENTATION_HELP = (
     "what computes each rank's experts: the model's own transformers function (default), another one "
     "(grouped_mm, eager, ...), triton (ThunderEP's kernels, CUDA), or auto (the kernels for experts they cover "

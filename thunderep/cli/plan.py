@@ -11,10 +11,11 @@ tensors counted. Per rank and EP size R:
                              --experts-dtype fp8`; bfloat16 for the rest where --dtype is float32); shown
                              where ThunderEP's kernels cover the experts and this host's GPUs run FP8 (compute
                              capability 8.9 or later), or with --fp8-what-if, as sizes without a verdict.
-    --experts-dtype int4 / mxfp4: the same with the routed experts in 4 bits, two values a byte, with a float32
-                             scale per 32 values (int4) or a one-byte exponent per 32 (mxfp4), quantized from
-                             the checkpoint's values; shown where the kernels cover the experts and this host
-                             has a CUDA GPU, or with --fp8-what-if, as sizes without a verdict.
+    --experts-dtype int4 / mxfp4: the same with the routed experts in 4 bits, two values a byte, with a 16-bit
+                             scale per 32 values (int4, in the model's dtype) or a one-byte exponent per 32
+                             (mxfp4), quantized from the checkpoint's values; bfloat16 for the rest where --dtype
+                             is float32; shown where the kernels cover the experts and this host has a CUDA
+                             GPU, or with --fp8-what-if, as sizes without a verdict.
     fine-tune, all:          `finetune --dtype mixed` (its default on GPUs): the parameters in float32, their
                              gradients, AdamW's two moments and the gradient-sync buffers of the replicated
                              ones, the buffers in the checkpoint's dtype: what `finetune`'s memory plan counts.
