@@ -45,7 +45,8 @@ FP8_PAIR_KERNELS = {"up_pairs_fp8", "up_pairs_ahead_fp8", "down_pairs_split_ahea
                     "up_pairs_ahead_fp8rows", "down_pairs_all_slots_fp8rows"}
 W8A8_KERNELS = {"up_w8a8", "up_w8a8_blocks", "rows_w8a8", "rows_w8a8_blocks"}  # FP8 inputs too: FP8 tensor cores
 INT4_PAIR_KERNELS = {"up_pairs4", "down_pairs4", "up_pairs4_gptoss", "down_pairs4_gptoss",  # 4-bit (pairs4.py)
-                     "up_pairs4_half", "down_pairs4_half"}  # float16-pair products (inline PTX)
+                     "up_pairs4_half", "down_pairs4_half",  # float16-pair products (inline PTX)
+                     "up_pairs4_half2", "down_pairs4_half2"}  # two words a float16 chain
 SORTED4_KERNELS = {"up4", "rows4"}  # 4-bit weights (sorted4.py), tensor cores
 PDL_KERNELS = {"up_pairs_pdl", "down_pairs_pdl", "down_pairs_split_pdl",  # decode with dependent launch (sm_90+)
                "down_pairs_all_slots_pdl"}
