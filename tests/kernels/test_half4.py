@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 import ptx_sim  # noqa: E402
-from test_int4 import _E2M1  # noqa: E402
+from test_int4 import _E2M1, chains_here  # noqa: E402
 from test_moe_triton import DEVICE  # noqa: E402
 
 from thunderep.kernels import half4, paths  # noqa: E402
@@ -104,10 +104,7 @@ def test_word_pair_products_convert_every_code_exactly(fmt, monkeypatch):
     """Two words a float16 chain (HALF 3; MXFP4 through the FP8 conversion): each of 2 ** 16 word pairs times a
     unit vector at each of its 16 columns gives 2 ** -6 times that column's code's value (inline PTX: in the
     interpreter through the PTX model)."""
-    if DEVICE != "cuda":
-        ptx_sim.in_interpreter(monkeypatch)
-    elif fmt == "mxfp4" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("the FP8 conversion runs on sm_89 and later")
+    chains_here(monkeypatch, fp8_conversion=fmt == "mxfp4")
     words = _words()
     table = _values(fmt)
     want = torch.empty(32768, 16)

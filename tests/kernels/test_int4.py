@@ -102,13 +102,19 @@ def _check(T, D, I, E, K, dtype, fmt, group, tol, seed=0, ids=None, zero=False, 
     return y
 
 
-def _ptx_in_interpreter(monkeypatch):
-    """The interpreter runs the kernels' inline PTX through ptx_sim's model, in the HALF modes a CUDA GPU of sm_89
-    or later runs (1, or 3 where THUNDEREP_HALF_PRODUCTS=2 asks for two words a chain)."""
+def chains_here(monkeypatch, fp8_conversion: bool = True):
+    """Where a test of the float16 chains (inline PTX, half4.py) runs: compiled on a CUDA GPU, skipped below sm_89
+    where it needs MXFP4's FP8 conversion; without one, the interpreter runs their PTX through ptx_sim's model, in
+    the HALF modes an sm_89 or later GPU runs (1, or 3 where THUNDEREP_HALF_PRODUCTS=2 asks for two words a
+    chain)."""
     import ptx_sim
     from thunderep import env
     from thunderep.kernels import paths
 
+    if DEVICE == "cuda":
+        if fp8_conversion and torch.cuda.get_device_capability() < (8, 9):
+            pytest.skip("the FP8 conversion runs on sm_89 and later")
+        return
     ptx_sim.in_interpreter(monkeypatch)
     monkeypatch.setattr(paths, "half_mode", lambda device, fmt: 3 if env.half_products() == 2 else 1)
 
@@ -254,10 +260,7 @@ def test_two_words_a_chain_give_one_words_outputs(fmt, monkeypatch):
     those, exactly but where one falls under float16's normal range). Compiled on a CUDA GPU; without one, the
     interpreter runs the same inline PTX through a model of its instructions (ptx_sim.py), in the modes an
     sm_89 or later GPU runs."""
-    if DEVICE == "cuda" and fmt == "mxfp4" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("the FP8 conversion runs on sm_89 and later")
-    if DEVICE != "cuda":
-        _ptx_in_interpreter(monkeypatch)
+    chains_here(monkeypatch, fp8_conversion=fmt == "mxfp4")
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
     for block_k, T in ((32, 1), (128, 5)):
         config = {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4}
@@ -270,20 +273,17 @@ def test_two_words_a_chain_give_one_words_outputs(fmt, monkeypatch):
         assert rel_err(outs["2"], outs["1"].double()) < 8e-3, (block_k, T)
 
 
-@pytest.mark.parametrize("up,down", [((16, 32), (16, 32)), ((8, 16), (32, 64)), ((64, 256), (8, 16))],
-                         ids=["chunks-32", "narrow", "wide"])
-def test_inline_ptx_chains_in_every_loop_and_tail(up, down, monkeypatch):
+@pytest.mark.parametrize("up,down,zero", [((16, 32), (16, 32), True), ((8, 16), (32, 64), False),
+                                          ((64, 256), (8, 16), False)], ids=["chunks-32", "narrow", "wide"])
+def test_inline_ptx_chains_in_every_loop_and_tail(up, down, zero, monkeypatch):
     """The float16 chains a CUDA GPU runs (one word a chain, HALF 1; two, HALF 3) through the pair kernels' loops
     and tails of `test_int4_pair_kernel_tails` (D = 96, I = 56) and the gpt-oss pair kernels': within the
     reference's error, two words a chain within float16's rounding of one and not equal to it (they ran); and
-    at the first tiles int4 with zero points, one word a chain in both (through the vector's planes). Compiled
-    on a CUDA GPU of sm_89 or later; elsewhere through the PTX model."""
+    (zero) int4 with zero points, one word a chain in both (through the vector's planes). Compiled on a CUDA GPU
+    of sm_89 or later; elsewhere through the PTX model."""
     from thunderep.kernels import pairs4_gptoss
 
-    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("MXFP4's two words a chain run the FP8 conversion of sm_89 and later")
-    if DEVICE != "cuda":
-        _ptx_in_interpreter(monkeypatch)
+    chains_here(monkeypatch)
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", str(1 << 30))
     monkeypatch.setattr(decode, "PAIRS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4})
     monkeypatch.setattr(pairs4_gptoss, "GPTOSS4_UP", {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": 4})
@@ -294,11 +294,11 @@ def test_inline_ptx_chains_in_every_loop_and_tail(up, down, monkeypatch):
         outs[half] = [_check(2, 96, 56, 5, 2, torch.float16, "int4", 32, tol=2e-3, interleaved=True),
                       _check(1, 96, 56, 5, 3, torch.float16, "mxfp4", 32, tol=2e-3, seed=1),
                       _gptoss_check(2, 96, 56, 5, 2, "mxfp4", 1.702, 7.0, seed=3)]
-        if up == (16, 32):
+        if zero:
             outs[half].append(_check(2, 96, 56, 5, 2, torch.float16, "int4", 32, tol=2e-3, zero=True, seed=2))
     for one, two in zip(outs["1"][:3], outs["2"][:3]):
         assert rel_err(two, one.double()) < 4e-3 and not torch.equal(one, two)
-    if up == (16, 32):
+    if zero:
         assert torch.equal(outs["1"][3], outs["2"][3])
 
 
