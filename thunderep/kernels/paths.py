@@ -211,7 +211,8 @@ def half_mode(device: torch.device, fmt: str) -> int:
     conversion, sm_89 and later), in Triton operations under the interpreter (2); 0 (float32 products) for
     other formats, older GPUs, or THUNDEREP_HALF_PRODUCTS=0. Unset, MXFP4 runs 3 where the GPU has the
     conversion (Mixtral's one-token layer 1.7-3.4% faster than 1, gpt-oss's 6.5%, Qwen3's 15%, on H100s) and
-    int4 runs 1 (3 is counted fewer instructions, not yet timed: THUNDEREP_HALF_PRODUCTS=2 asks for it). (int4's
+    int4 runs 1 (3 is counted 8-10% fewer instructions, but timed no faster at Mixtral's one-token layer on an
+    H100: THUNDEREP_HALF_PRODUCTS=2 asks for it). (int4's
     1 timed 1.11-1.14x the float32 products at Mixtral's one-token step:
     docs/benchmarks/2026-12-05-int4-experts-h200.md.)"""
     asked = env.half_products()
