@@ -9,7 +9,7 @@ switch does not know raises ConfigError naming the variable, the value and what 
     THUNDEREP_PAIRS_MAX_TOKENS=N    most tokens the decode pair kernels take (0 turns them off)
     THUNDEREP_PDL=0|1               programmatic dependent launch of the pair kernels' down pass
     THUNDEREP_HALF_PRODUCTS=0|1|2   the 4-bit pair kernels' products: float32 (0), float16 pairs one word (1) or
-                                    two words (2) a chain, where the vector fits (unset: MXFP4 2 on sm_89+, else 1)
+                                    two words (2) a chain, where the vector fits (unset: 2, MXFP4 1 below sm_89)
     THUNDEREP_EXPERT_GEMM=triton|torch   pins the expert GEMMs' implementation
     THUNDEREP_WGRAD=triton|torch    pins the weight-gradient GEMMs' implementation
     THUNDEREP_NO_NATIVE_BUILD=1     never build the native extensions on first use (packaging, CI)

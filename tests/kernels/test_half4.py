@@ -153,18 +153,18 @@ def test_e2m1_codes_placed_as_fp8_bytes_are_their_values():
     assert torch.equal(got * half4.UNIT3.value, want)
 
 
-@pytest.mark.parametrize("capability, asked, want", [((8, 6), None, {"int4": 1, "mxfp4": 1}),
-                                                     ((8, 9), None, {"int4": 1, "mxfp4": 3}),
-                                                     ((9, 0), None, {"int4": 1, "mxfp4": 3}),
+@pytest.mark.parametrize("capability, asked, want", [((8, 6), None, {"int4": 3, "mxfp4": 1}),
+                                                     ((8, 9), None, {"int4": 3, "mxfp4": 3}),
+                                                     ((9, 0), None, {"int4": 3, "mxfp4": 3}),
                                                      ((12, 0), "2", {"int4": 3, "mxfp4": 3}),
                                                      ((8, 6), "2", {"int4": 3, "mxfp4": 1}),
                                                      ((9, 0), "1", {"int4": 1, "mxfp4": 1}),
                                                      ((9, 0), "0", {"int4": 0, "mxfp4": 0}),
                                                      ((7, 5), None, {"int4": 0, "mxfp4": 0})])
 def test_half_mode_takes_two_words_a_chain_where_asked_and_the_gpu_has_it(monkeypatch, capability, asked, want):
-    """Unset, MXFP4 on sm_89 and later runs two words a chain through the FP8 conversion (HALF 3), int4 and older
-    GPUs one word (1); THUNDEREP_HALF_PRODUCTS=2 asks two for int4 too (MXFP4 before sm_89 stays at 1), 1 one,
-    0 float32; before sm_80, float32."""
+    """Unset or THUNDEREP_HALF_PRODUCTS=2, two words a chain (HALF 3): int4 on every GPU of sm_80 and later, MXFP4
+    through the FP8 conversion on sm_89 and later (before, one word a chain, 1); =1 one word, =0 float32; before
+    sm_80, float32."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if asked is None:
         monkeypatch.delenv("THUNDEREP_HALF_PRODUCTS", raising=False)

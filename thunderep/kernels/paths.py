@@ -211,8 +211,8 @@ def half_mode(device: torch.device, fmt: str) -> int:
     conversion, sm_89 and later), in Triton operations under the interpreter (2); 0 (float32 products) for
     other formats, older GPUs, or THUNDEREP_HALF_PRODUCTS=0. Unset, MXFP4 runs 3 where the GPU has the
     conversion (Mixtral's one-token layer 1.7-3.4% faster than 1, gpt-oss's 6.5%, Qwen3's 15%, on H100s) and
-    int4 runs 1 (3 is counted 8-10% fewer instructions, but timed no faster at Mixtral's one-token layer on an
-    H100: THUNDEREP_HALF_PRODUCTS=2 asks for it). (int4's
+    int4 runs 3 (Qwen3's one-token layer 7-11% faster than 1, Mixtral's within 1%, on an H100);
+    THUNDEREP_HALF_PRODUCTS=1 keeps one word a chain. (int4's
     1 timed 1.11-1.14x the float32 products at Mixtral's one-token step:
     docs/benchmarks/2026-12-05-int4-experts-h200.md.)"""
     asked = env.half_products()
@@ -225,7 +225,7 @@ def half_mode(device: torch.device, fmt: str) -> int:
     capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if capability < (8, 0):
         return 0
-    two = asked == 2 or (asked is None and fmt == "mxfp4")
+    two = asked != 1  # unset or 2
     return 3 if two and (fmt == "int4" or capability >= (8, 9)) else 1
 
 

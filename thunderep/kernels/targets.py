@@ -104,7 +104,7 @@ _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=Fals
                  "down_pairs4_half": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=False,
                                                                   WORDS4=True, SPLIT=True, HALF=1, PARTS=4,
                                                                   PAIRED=True)),
-                 # the same with two words a float16 chain (HALF 3, THUNDEREP_HALF_PRODUCTS=2)
+                 # the same with two words a float16 chain (HALF 3: int4's default)
                  "up_pairs4_half2": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=False, GROUP=32, MXFP4=False,
                                                                ZERO=False, WORDS4=True, HALF=3, PAIRED=True)),
                  "down_pairs4_half2": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=False, ZERO=False,
