@@ -59,3 +59,16 @@ def test_python_m_starts_ranks_without_a_runpy_notice(tmp_path):
                            "--seq-len", "16", "--quiet"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "RuntimeWarning" not in done.stderr and "runpy" not in done.stderr, done.stderr
+
+
+def test_an_unexpected_error_prints_its_traceback_and_exits_1():
+    """`entry` ends the process with os._exit once `main` returns; an exception no handler expected (here a
+    RuntimeError from a command) still prints its traceback first, and the exit code is 1, not a silent 1."""
+    code = ("import sys, thunderep.cli as cli\n"
+            "def boom(argv=None):\n"
+            "    raise RuntimeError('kernel cache unreadable')\n"
+            "cli.main = boom\n"
+            "cli.entry()\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "Traceback" in run.stderr and "RuntimeError: kernel cache unreadable" in run.stderr, run.stderr

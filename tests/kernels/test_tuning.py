@@ -340,7 +340,7 @@ def test_fp8_only_row_tiles_are_timed_for_fp8_weights_alone():
     def tile(c):
         return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps
 
-    plain_configs = [c for c in tiles.ROW_CONFIGS if not getattr(c, "fp8_only", False)]
+    plain_configs = [c for c in tiles.ROW_CONFIGS if not tuning.is_fp8_only(c)]
     assert len(plain_configs) < len(tiles.ROW_CONFIGS)
     base = {"m_class": 128, "D": 7168}
     plain = tuning.fit_scale_blocks(tiles.prune_up(tiles.ROW_CONFIGS, base), base, "D")
@@ -372,3 +372,21 @@ def test_register_caps_keep_configs_apart_and_survive_a_refit():
             for c in tiles.PAIRS4_CONFIGS if c.maxnreg}
     assert caps and all(caps.values())
     assert len({tuning.signature(c) for c in tiles.PAIRS4_CONFIGS}) == len(tiles.PAIRS4_CONFIGS)
+
+
+def test_every_config_survives_tritons_autotuning_cache():
+    """Triton's autotuning cache (cache_results=True) stores each timed config's attributes as JSON and passes
+    them back to Config() in the next process: every config of every kernel, as tuned and as fitted to FP8
+    scale blocks, comes back the same config. A mark kept on a config as an attribute (fp8_only once was)
+    made the next process's first launch of that key raise TypeError."""
+    import json
+
+    assert tuning._REGISTRY, "tiles registers the tuned kernels on import"
+    fits = [{}, {"SCALED": True, "SCALE_K": 0}, {"SCALED": True, "SCALE_K": 128, "D": 7168, "A_FP8": True}]
+    for name, autotuner in tuning._REGISTRY.items():
+        for args in fits:
+            for config in tuning.fit_scale_blocks(autotuner.configs, args, "D" if "D" in args else None):
+                back = triton.Config(**json.loads(json.dumps(config.__dict__)))
+                assert tuning.signature(back) == tuning.signature(config), (name, str(config))
+                assert back.num_ctas == config.num_ctas and back.ir_override == config.ir_override, name
+    assert any(tuning.is_fp8_only(c) for c in tiles.ROW_CONFIGS)

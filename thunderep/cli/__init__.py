@@ -15,6 +15,7 @@ import functools
 import importlib
 import os
 import sys
+import traceback
 import warnings
 
 from .. import env
@@ -244,6 +245,9 @@ def entry() -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - an error no handler expected: its traceback, which os._exit would lose
+        traceback.print_exc()
+        code = 1
     finally:
         atexit._run_exitfuncs()  # what a normal exit runs: multiprocessing's, logging's, the library's own
         for stream in (sys.stdout, sys.stderr):

@@ -35,8 +35,8 @@ from .. import env
 from .graphs import capture
 
 __all__ = ["autotune_enabled", "captured", "cdiv", "chosen_configs", "compile_threads", "compiled_kernels",
-           "fit_scale_blocks", "fp8_only", "free_timer_buffers", "kernel_configs", "launch", "launch_default", "next_power_of_2",
-           "precision", "signature", "timed_ms", "tuned", "tuning_ms"]
+           "fit_scale_blocks", "fp8_only", "free_timer_buffers", "is_fp8_only", "kernel_configs", "launch",
+           "launch_default", "next_power_of_2", "precision", "signature", "timed_ms", "tuned", "tuning_ms"]
 
 _LOG = logging.getLogger("thunderep.kernels")
 
@@ -148,15 +148,22 @@ def captured(fn) -> torch.cuda.CUDAGraph:
 FP8_MAX_BLOCK_K = 256
 
 
+# Configs made for FP8 weights alone (`fp8_only`), by identity: the mark stays off the Config itself, whose
+# attributes Triton's autotuning cache stores and passes back to Config() when it next reads them.
+_FP8_ONLY: set[int] = set()
+
+
 def fp8_only(config: triton.Config) -> triton.Config:
     """`config`, marked as made for FP8 weights alone: `fit_scale_blocks` drops it for plain weights,
-    whose tuning then neither spends time on it nor changes."""
-    config.fp8_only = True
+    whose tuning then neither spends time on it nor changes. The config lives as long as the process (a
+    module's list holds it), so its id stays its own."""
+    _FP8_ONLY.add(id(config))
     return config
 
 
-def _is_fp8_only(config: triton.Config) -> bool:
-    return bool(getattr(config, "fp8_only", False) or config.kwargs.get("REDUCE"))  # REDUCE: pairs.py
+def is_fp8_only(config: triton.Config) -> bool:
+    """Whether `config` was made for FP8 weights alone (`fp8_only`, or REDUCE: pairs.py)."""
+    return id(config) in _FP8_ONLY or bool(config.kwargs.get("REDUCE"))
 
 
 def fit_scale_blocks(configs: list, args: dict, k_arg: str | None) -> list:
@@ -169,7 +176,7 @@ def fit_scale_blocks(configs: list, args: dict, k_arg: str | None) -> list:
     dropped). Unchanged for other kernels, except that configs made for FP8 weights alone (`fp8_only`;
     REDUCE, pairs.py) are dropped for plain weights. SCALE_K is a multiple of 16 there (ops checks it)."""
     if not args.get("SCALED"):
-        return [c for c in configs if not _is_fp8_only(c)] or configs
+        return [c for c in configs if not is_fp8_only(c)] or configs
     wide = bool(args.get("A_FP8"))
     blocked = k_arg is not None and args["SCALE_K"] not in (0, args[k_arg])  # 0: one per row
     if not (wide or blocked):
