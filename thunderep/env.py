@@ -128,11 +128,11 @@ def half_products() -> int | None:
 
 
 def sorted4() -> str | None:
-    """THUNDEREP_SORTED4: "packed" or "dequant", None when unset."""
+    """THUNDEREP_SORTED4: "packed", "scaled" (packed, MXFP4 through tl.dot_scaled) or "dequant", None when unset."""
     raw = _raw("THUNDEREP_SORTED4")
-    if raw not in ("", "packed", "dequant"):
-        raise ConfigError(f"THUNDEREP_SORTED4={raw!r}: use packed (4-bit sorted kernels) or dequant, or leave it "
-                          f"unset")
+    if raw not in ("", "packed", "scaled", "dequant"):
+        raise ConfigError(f"THUNDEREP_SORTED4={raw!r}: use packed (4-bit sorted kernels), scaled (the same, MXFP4 "
+                          f"through Triton's scaled dot) or dequant, or leave it unset")
     return raw or None
 
 

@@ -186,7 +186,7 @@ def test_sorted4_kernels_match_the_dequantized_path(T, fmt, zero, D, I, group, m
     summed_ref = reference(x.double(), *ref_w, ids, torch.where(keep.view(T, K), weights.double(), 0.0),
                            interleaved=inter)
     outs = {}
-    for mode in ("packed", "dequant"):
+    for mode in ("packed", "dequant") + (("scaled",) if fmt == "mxfp4" else ()):
         monkeypatch.setenv("THUNDEREP_SORTED4", mode)
         with torch.no_grad():
             outs[mode] = (routed_moe_mlp(x, q_gu, q_d, ids, weights, interleaved=inter),
@@ -196,6 +196,8 @@ def test_sorted4_kernels_match_the_dequantized_path(T, fmt, zero, D, I, group, m
         assert rel_err(y, y_ref) < 2e-3 and rel_err(y_sum, summed_ref) < 2e-3, (rel_err(y, y_ref),
                                                                                  rel_err(y_sum, summed_ref))
     assert rel_err(outs["packed"][0], outs["dequant"][0].double()) < 1e-3
+    if "scaled" in outs:  # the same products through tl.dot_scaled
+        assert rel_err(outs["scaled"][0], outs["dequant"][0].double()) < 1e-3
 
 
 def test_sorted4_path_by_rows_per_expert(monkeypatch):

@@ -29,7 +29,8 @@ from .pairs import HAS_GDC
 
 __all__ = ["PAIRS_MAX_TOKENS", "PAIRS_TUNE_MAX_TOKENS", "PATH_ROUTINGS", "ROUTE_MAX_PAIRS",
            "SORTED4_MAX_ROWS", "decode_applies", "half_mode",
-           "needs_grad", "pairs_max_tokens", "pairs_win", "path_tuning_applies", "pdl_applies", "sorted4_packed"]
+           "needs_grad", "pairs_max_tokens", "pairs_win", "path_tuning_applies", "pdl_applies", "sorted4_packed",
+           "sorted4_scaled"]
 
 _LOG = logging.getLogger("thunderep.kernels")
 
@@ -77,8 +78,15 @@ def sorted4_packed(n_rows: int, E: int) -> bool:
     writes and reads every expert's 16-bit copy), or as THUNDEREP_SORTED4 pins it (packed, dequant)."""
     pinned = env.sorted4()
     if pinned is not None:
-        return pinned == "packed"
+        return pinned != "dequant"
     return n_rows / max(1, min(E, n_rows)) <= SORTED4_MAX_ROWS
+
+
+def sorted4_scaled(weight) -> bool:
+    """Whether the packed sorted kernels multiply MXFP4 weights through Triton's scaled dot (e2m1 codes and e8m0
+    scales as they are stored, the weights as the left operand): THUNDEREP_SORTED4=scaled, MXFP4 weights, 16-bit
+    products. An experiment; off unless pinned."""
+    return env.sorted4() == "scaled" and weight.fmt == "mxfp4" and weight.group == 32
 
 
 def needs_grad(*tensors) -> bool:

@@ -89,6 +89,28 @@ def _chunk(a_ptrs, row_ok_M, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr)
     return _halves(a, BLOCK_K)
 
 
+@triton.jit
+def _dot_e2m1(acc_NM, a_ptrs, row_ok_M, w_ptrs_NH, s_ptrs_N, k0, K, col_ok_N, stride_sk, EVEN_K: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """acc_NM + W @ a.T over the chunk at k0 through tl.dot_scaled: W's e2m1 codes [BLOCK_N, BLOCK_K / 2] (two a
+    byte, low nibble first, as stored) with their e8m0 scales [BLOCK_N, BLOCK_K / 32] on the left, the activation
+    chunk [rows, BLOCK_K] on the right; [BLOCK_N, rows] float32 sums. Codes past K or in columns not col_ok_N
+    are 0, their scales 1."""
+    i_H = tl.arange(0, BLOCK_K // 2)
+    g_G = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    if EVEN_K:
+        ok_NH = col_ok_N[:, None] & (i_H >= 0)[None, :]
+        a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
+    else:
+        ok_NH = col_ok_N[:, None] & (i_H < (K - k0) // 2)[None, :]
+        a = tl.load(a_ptrs, mask=row_ok_M[:, None] & (tl.arange(0, BLOCK_K) < K - k0)[None, :], other=0.0)
+    w = tl.load(w_ptrs_NH, mask=ok_NH, other=0)
+    ok_NG = col_ok_N[:, None] & (g_G * 32 < K)[None, :]
+    s = tl.load(s_ptrs_N[:, None] + g_G.to(tl.int64)[None, :] * stride_sk, mask=ok_NG, other=127)
+    FMT: tl.constexpr = "bf16" if a_ptrs.dtype.element_ty == tl.bfloat16 else "fp16"
+    return tl.dot_scaled(w, s, "e2m1", tl.trans(a), None, FMT, acc_NM)
+
+
 @triton.jit(do_not_specialize=["n_rows", "m_fill"])
 def up4_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, gu_ptr, order_ptr, counts_ptr,
@@ -98,7 +120,7 @@ def up4_kernel(
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
-    GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
+    GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, SCALED_DOT: tl.constexpr = False,
 ):
     """h[r, c] = act(x[src(r)] . Wg[e, gate(c)]) * (x[src(r)] . Wu[e, up(c)]) for c < I (moe_triton.up_kernel
     on packed weights). x: [*, D] (unit column stride); W: packed [E, 2I, D / 2] uint8 with scales (and
@@ -117,6 +139,22 @@ def up4_kernel(
     gs_N = e64 * stride_se + gate_N.to(tl.int64) * stride_sn
     us_N = e64 * stride_se + up_N.to(tl.int64) * stride_sn
     DT: tl.constexpr = x_ptr.dtype.element_ty
+    if SCALED_DOT:  # MXFP4 through tl.dot_scaled, the weights on the left: [BLOCK_N, BLOCK_M] sums
+        g_NH = w_ptr + e64 * stride_we + gate_N.to(tl.int64)[:, None] * stride_wn + i_H[None, :]
+        u_NH = w_ptr + e64 * stride_we + up_N.to(tl.int64)[:, None] * stride_wn + i_H[None, :]
+        acc_gt = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_ut = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            acc_gt = _dot_e2m1(acc_gt, a_ptrs, row_ok_M, g_NH, s_ptr + gs_N, k0, D, col_ok_N, stride_sk, EVEN_K,
+                               BLOCK_K)
+            acc_ut = _dot_e2m1(acc_ut, a_ptrs, row_ok_M, u_NH, s_ptr + us_N, k0, D, col_ok_N, stride_sk, EVEN_K,
+                               BLOCK_K)
+            a_ptrs += BLOCK_K
+            g_NH += BLOCK_K // 2
+            u_NH += BLOCK_K // 2
+        up_store(tl.trans(acc_gt), tl.trans(acc_ut), rows_M, row_ok_M, cols_N, col_ok_N, gate_N, up_N, h_ptr, gu_ptr,
+                 stride_hm, 0, ACT, False)
+        return
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
@@ -144,7 +182,7 @@ def rows4_kernel(
     SCATTER: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr, TAIL: tl.constexpr,
-    GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr,
+    GROUP: tl.constexpr, MXFP4: tl.constexpr, ZERO: tl.constexpr, SCALED_DOT: tl.constexpr = False,
 ):
     """c[dst(r), n] = w(r) * sum_k a[r, k] * W[e(r), n, k] (moe_triton.rows_kernel on packed weights). a:
     [N_rows, K] sorted by expert (unit column stride); W: packed [E, N, K / 2] uint8 with scales (and zero
@@ -159,6 +197,16 @@ def rows4_kernel(
     b_ptrs = b_ptr + e64 * stride_be + cols_N.to(tl.int64)[None, :] * stride_bn + tl.arange(0, BLOCK_K // 2)[:, None]
     s_N = e64 * stride_se + cols_N.to(tl.int64) * stride_sn
     DT: tl.constexpr = a_ptr.dtype.element_ty
+    if SCALED_DOT:  # MXFP4 through tl.dot_scaled, the weights on the left
+        b_NH = b_ptr + e64 * stride_be + cols_N.to(tl.int64)[:, None] * stride_bn + tl.arange(0, BLOCK_K // 2)[None, :]
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc_t = _dot_e2m1(acc_t, a_ptrs, row_ok_M, b_NH, s_ptr + s_N, k0, K, col_ok_N, stride_sk, EVEN_K, BLOCK_K)
+            a_ptrs += BLOCK_K
+            b_NH += BLOCK_K // 2
+        rows_store(tl.trans(acc_t), rows_M, row_ok_M, cols_N, col_ok_N, c_ptr, order_ptr, weight_ptr, stride_cm,
+                   SCATTER, WEIGHTED)
+        return
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a_even, a_odd = _chunk(a_ptrs, row_ok_M, k0, K, EVEN_K, BLOCK_K)

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..errors import InputError
-from . import checks, passes, tiles, tuning
+from . import checks, passes, paths, tiles, tuning
 from . import grouped_gemm as G
 from .act import ACTIVATIONS
 from .fp8 import FP8, FP8_MAX, scale_args, weight_data
@@ -65,7 +65,7 @@ def up(x, w_gu, order, counts, top_k, act, interleaved, save, n_rows, x_scale=No
             raise InputError("4-bit expert weights are for inference: nothing is saved for a backward pass")
         tuning.launch(tiles.UP4, tiles.UP4_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, I), x.device,
                       w_ptr=w_gu.packed, stride_we=w_gu.packed.stride(0), stride_wn=w_gu.packed.stride(1),
-                      **w_gu.kernel_args(), **shared)
+                      SCALED_DOT=paths.sorted4_scaled(w_gu), **w_gu.kernel_args(), **shared)
         return h, gu
     w = weight_data(w_gu)
     tuning.launch(tiles.UP, tiles.UP_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, I), x.device,
@@ -90,7 +90,7 @@ def rows(a, b, b_strides, n_out, order, weights, counts, out, scatter, a_scale=N
     if isinstance(b, Int4Weight):
         tuning.launch(tiles.ROWS4, tiles.ROWS4_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, n_out), a.device,
                       b_ptr=b.packed, stride_be=b.packed.stride(0), stride_bn=b.packed.stride(1), **b.kernel_args(),
-                      **shared)
+                      SCALED_DOT=paths.sorted4_scaled(b), **shared)
         return
     tuning.launch(tiles.ROWS, tiles.ROWS_PLAIN, tiles.DEFAULT_ROW[bm], row_grid(n_rows, E, n_out), a.device,
                   b_ptr=weight_data(b), stride_be=b_strides[0], stride_bn=b_strides[1], stride_bk=b_strides[2],

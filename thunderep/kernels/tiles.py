@@ -276,10 +276,11 @@ ROWS, ROWS_PLAIN = tuned("rows", K.rows_kernel, ROW_CONFIGS,
                          ["m_class", "m_fill", "N", "K", "SCATTER", "WEIGHTED", "SCALE_K", "A_FP8"], prune_rows, "K")
 # The 4-bit sorted kernels (sorted4.py): the row tiles without tail rows; keys with the 4-bit format.
 UP4, UP4_PLAIN = tuned("up4", S4.up4_kernel, ROW_CONFIGS,
-                       ["m_class", "m_fill", "I", "D", "GATHER", "GROUP", "MXFP4", "ZERO"], _untailed(prune_up), "D")
+                       ["m_class", "m_fill", "I", "D", "GATHER", "GROUP", "MXFP4", "ZERO", "SCALED_DOT"],
+                       _untailed(prune_up), "D")
 ROWS4, ROWS4_PLAIN = tuned("rows4", S4.rows4_kernel, ROW_CONFIGS,
-                           ["m_class", "m_fill", "N", "K", "SCATTER", "WEIGHTED", "GROUP", "MXFP4", "ZERO"],
-                           _untailed(prune_rows), "K")
+                           ["m_class", "m_fill", "N", "K", "SCATTER", "WEIGHTED", "GROUP", "MXFP4", "ZERO",
+                            "SCALED_DOT"], _untailed(prune_rows), "K")
 # The routing-weight partials dwp have one column per column tile of the config that ran: a trial with
 # narrower tiles would leave partials the chosen config does not overwrite (wrong d weights on the
 # first backward of each shape), so the autotuner zeroes dwp before every run.
