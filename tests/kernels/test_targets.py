@@ -47,7 +47,7 @@ W8A8_KERNELS = {"up_w8a8", "up_w8a8_blocks", "rows_w8a8", "rows_w8a8_blocks"}  #
 INT4_PAIR_KERNELS = {"up_pairs4", "down_pairs4", "up_pairs4_gptoss", "down_pairs4_gptoss",  # 4-bit (pairs4.py)
                      "up_pairs4_half", "down_pairs4_half",  # float16-pair products (inline PTX)
                      "up_pairs4_half2", "down_pairs4_half2"}  # two words a float16 chain
-SORTED4_KERNELS = {"up4", "rows4"}  # 4-bit weights (sorted4.py), tensor cores
+SORTED4_KERNELS = {"up4", "rows4", "up4_scaled", "rows4_scaled"}  # 4-bit weights (sorted4.py), tensor cores
 PDL_KERNELS = {"up_pairs_pdl", "down_pairs_pdl", "down_pairs_split_pdl",  # decode with dependent launch (sm_90+)
                "down_pairs_all_slots_pdl"}
 

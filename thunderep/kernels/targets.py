@@ -115,6 +115,13 @@ _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=Fals
                                              TAIL=False, GROUP=32, MXFP4=True, ZERO=False)),
                  "rows4": (S4.rows4_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True,
                                                  TAIL=False, GROUP=32, MXFP4=False, ZERO=True)),
+                 # MXFP4 through Triton's scaled dot, the weights as the left operand (THUNDEREP_SORTED4=scaled)
+                 "up4_scaled": (S4.up4_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, PRECISION="tf32",
+                                                    EVEN_K=True, TAIL=False, GROUP=32, MXFP4=True, ZERO=False,
+                                                    SCALED_DOT=True)),
+                 "rows4_scaled": (S4.rows4_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True,
+                                                        TAIL=False, GROUP=32, MXFP4=True, ZERO=False,
+                                                        SCALED_DOT=True)),
                  # gpt-oss's (pairs4_gptoss.py: biases, interleaved gate/up, clamped SwiGLU), as its MXFP4 stores them,
                  # with the e2m1 products in float16 pairs (HALF 3: inline PTX with the FP8 conversion of sm_89 and
                  # later) and h's float16-pair copy (PAIRED), as CUDA launches them
@@ -168,7 +175,7 @@ def _signature(fn, name: str, fp8: bool = False, w8a8: bool = False):
     weights = {"w_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bs_ptr": "*fp32"} if fp8 else {}
     if name in _INT4_KERNELS:  # packed bytes, their scales (e8m0 bytes or float32) and int8 zero points
         weights = {"w_ptr": "*u8", "s_ptr": "*u8" if _INT4_KERNELS[name][1]["MXFP4"] else "*fp32", "z_ptr": "*i8",
-                   **({"b_ptr": "*u8"} if name == "rows4" else {})}  # gpt-oss's b_ptr: its biases
+                   **({"b_ptr": "*u8"} if name.startswith("rows4") else {})}  # gpt-oss's b_ptr: its biases
     if w8a8:  # the inputs in FP8 too, with their row scales
         weights.update({"x_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "as_ptr": "*fp32"})
     unit = _UNIT_STRIDES.get(name, ())
