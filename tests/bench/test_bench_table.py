@@ -269,3 +269,31 @@ def test_graph_step_leaves_the_replays_fixed_cost_out(monkeypatch):
     assert got[1, "fwd-graph"] == pytest.approx(22e-3 + 1.7e-3 / bench.ROTATE)
     assert got[1, "fwd-step"] == pytest.approx(22e-3)
     assert captured == [bench.ROTATE, bench.STEP_PASSES * bench.ROTATE]
+
+
+def test_a_stopped_run_keeps_the_shapes_it_measured_in_its_json(monkeypatch, tmp_path):
+    """--json is rewritten after each shape: a run stopped during its second shape (SIGTERM, a time limit) leaves
+    the first shape's rows in the file, which is whole (written aside, then renamed)."""
+    import json
+
+    from thunderep.errors import Stopped
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 50, 1 << 50))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e12)
+
+    def bench_shape(name, tokens, impls, bw, device, rows, **kwargs):
+        if name == "qwen3":
+            raise Stopped("stopped by SIGTERM")
+        rows.append({**_row("thunderep", 0.2, 0.9), "shape": name})
+
+    monkeypatch.setattr(bench, "bench_shape", bench_shape)
+    path = tmp_path / "run.json"
+    with pytest.raises(Stopped):
+        bench.report(["mixtral", "qwen3"], [1], ["thunderep"], json_path=str(path), modes=("fwd",))
+    record = json.loads(path.read_text())
+    assert [(r["shape"], r["ms"]) for r in record["rows"]] == [("mixtral", 0.2)]
+    assert record["device"] == "stand-in" and record["copy_bw"] == 1e12 and "configs" in record
+    assert not (tmp_path / "run.json.part").exists()

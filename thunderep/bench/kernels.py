@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import statistics
 import sys
 
@@ -432,6 +433,20 @@ def _show_tuning() -> None:
         log.setLevel(logging.INFO)
 
 
+def save_json(json_path: str | None, bw: float, rows: list[dict]) -> None:
+    """The run's JSON record at json_path (None: none): the device, its copy bandwidth, the rows measured so far
+    and the kernels' tuned configs, written whole to a temporary file first, then renamed over the last one."""
+    if not json_path:
+        return
+    from ..kernels.ops import kernel_configs  # triton: optional (the gpu extra), imported by the kernels
+
+    record = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows, "configs": kernel_configs()}
+    part = f"{json_path}.part"
+    with open(part, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(part, json_path)
+
+
 def report(shapes: list[str], tokens: list[int], impls: list[str], *, json_path: str | None = None,
            graph_max_tokens: int = 512, profile_t: frozenset[int] | set[int] = frozenset(),
            modes: tuple[str, ...] = ("fwd", "fwdbwd"), rounds: int = 1) -> int:
@@ -463,13 +478,8 @@ def report(shapes: list[str], tokens: list[int], impls: list[str], *, json_path:
                   "are left out", file=sys.stderr, flush=True)
         torch.cuda.empty_cache()  # this shape's weights are gone with bench_shape's frame
         print(table([r for r in rows if r["shape"] == name], impls), flush=True)
-    from ..kernels.ops import kernel_configs  # triton: optional (the gpu extra), imported by the kernels
-
-    configs = kernel_configs()
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows,
-                       "configs": configs}, f, indent=1)
+        save_json(json_path, bw, rows)  # after each shape: a run stopped later keeps what it measured
+    save_json(json_path, bw, rows)
     print(table(rows, impls))
     if any(_format(i) in kernels4.FOUR_BIT for i in impls):
         print(kernels4.formats_table(rows))

@@ -324,7 +324,8 @@ def _kernels_options(p: argparse.ArgumentParser) -> None:
                         f"path pinned), thunderep:<{'|'.join(FORMATS)}> (FP8 or 4-bit weights, forward only), "
                         f"thunderep:<format>:<pin> (both), {HF_MXFP4} (transformers' own MXFP4 experts, "
                         f"forward only), {COPY}")
-    p.add_argument("--json", help="write every measurement here (default: not written)")
+    p.add_argument("--json", help="write every measurement here, rewritten after each shape so that a stopped run "
+                                   "keeps what it measured (default: not written)")
     p.add_argument("--graph-max-tokens", type=int, default=512,
                    help="also time forward as CUDA-graph replays (no launch overhead) up to this T: fwd-graph rows "
                         "(four calls per graph) and fwd-step rows (what one more call adds to a graph)")
