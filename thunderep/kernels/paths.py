@@ -85,8 +85,9 @@ def sorted4_packed(n_rows: int, E: int) -> bool:
 def sorted4_scaled(weight) -> bool:
     """Whether the packed sorted kernels multiply MXFP4 weights through Triton's scaled dot (e2m1 codes and e8m0
     scales as they are stored, the weights as the left operand): THUNDEREP_SORTED4=scaled, MXFP4 weights, 16-bit
-    products. An experiment; off unless pinned."""
-    return env.sorted4() == "scaled" and weight.fmt == "mxfp4" and weight.group == 32
+    products (the scaled dot takes bfloat16 or float16 beside e2m1). An experiment; off unless pinned."""
+    return (env.sorted4() == "scaled" and weight.fmt == "mxfp4" and weight.group == 32
+            and weight.dtype in (torch.bfloat16, torch.float16))
 
 
 def needs_grad(*tensors) -> bool:
