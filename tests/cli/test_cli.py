@@ -63,7 +63,8 @@ def test_python_m_starts_ranks_without_a_runpy_notice(tmp_path):
 
 def test_an_unexpected_error_prints_its_traceback_and_exits_1():
     """`entry` ends the process with os._exit once `main` returns; an exception no handler expected (here a
-    RuntimeError from a command) still prints its traceback first, and the exit code is 1, not a silent 1."""
+    RuntimeError from a command) still prints its traceback first, and the exit code is 1, not a silent 1; an
+    interrupt before a command's handler is in place says so and exits 130."""
     code = ("import sys, thunderep.cli as cli\n"
             "def boom(argv=None):\n"
             "    raise RuntimeError('kernel cache unreadable')\n"
@@ -72,3 +73,7 @@ def test_an_unexpected_error_prints_its_traceback_and_exits_1():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "Traceback" in run.stderr and "RuntimeError: kernel cache unreadable" in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-c", code.replace("RuntimeError('kernel cache unreadable')",
+                                                             "KeyboardInterrupt")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 130 and "thunderep: interrupted" in run.stderr, run.stderr

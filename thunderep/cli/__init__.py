@@ -245,6 +245,9 @@ def entry() -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:  # before a command's own handler is in place (while it imports)
+        print("thunderep: interrupted", file=sys.stderr)
+        code = 130
     except BaseException:  # noqa: BLE001 - an error no handler expected: its traceback, which os._exit would lose
         traceback.print_exc()
         code = 1
