@@ -154,9 +154,9 @@ def test_int4_matches_dequantized(case, path):
 @pytest.mark.parametrize("T", [5, 160], ids=["rows-16", "rows-64"])
 @pytest.mark.parametrize("fmt,zero,D,I,group", [("int4", True, 256, 128, 32), ("mxfp4", False, 80, 48, 32),
                                                 ("int4", False, 96, 40, 32), ("int4", True, 256, 256, 128),
-                                                ("int4", False, 96, 48, 24)],
+                                                ("int4", False, 96, 48, 24), ("mxfp4", False, 256, 128, 32)],
                          ids=["int4-zero-even-chunks", "mxfp4-partial-chunk", "int4-group-tail", "int4-g128",
-                              "int4-g24"])
+                              "int4-g24", "mxfp4-even-chunks"])
 def test_sorted4_kernels_match_the_dequantized_path(T, fmt, zero, D, I, group, monkeypatch):
     """The sorted kernels reading the packed bytes (sorted4.py) against the float64 reference and the
     16-bit kernels on the dequantized weights, through `moe_mlp` (each pair's row gathered, weighted sums)
@@ -164,7 +164,8 @@ def test_sorted4_kernels_match_the_dequantized_path(T, fmt, zero, D, I, group, m
     leave a partial one, 16 and 64 rows per tile (the default tiles' 128 and 64 columns of k), a down
     row of 40 columns with groups of 32 (a last partial group), zero points, gate and up rows interleaved;
     scales loaded per group (groups tiling the chunk), per column (a chunk inside a group of 128) and per
-    byte (groups of 24)."""
+    byte (groups of 24). MXFP4 also through Triton's scaled dot (THUNDEREP_SORTED4=scaled), whole and partial
+    chunks."""
     from thunderep.kernels.ops import moe_mlp_summed
 
     monkeypatch.setenv("THUNDEREP_PAIRS_MAX_TOKENS", "0")
