@@ -80,13 +80,17 @@ def _halves(a, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _chunk(a_ptrs, row_ok_M, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The activation chunk at k0 ([rows, BLOCK_K], zeros past K and in rows not row_ok_M) as `_halves`."""
+def _load_chunk(a_ptrs, row_ok_M, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The activation chunk at k0: [rows, BLOCK_K], zeros past K and in rows not row_ok_M."""
     if EVEN_K:
-        a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
-    else:
-        a = tl.load(a_ptrs, mask=row_ok_M[:, None] & (tl.arange(0, BLOCK_K) < K - k0)[None, :], other=0.0)
-    return _halves(a, BLOCK_K)
+        return tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
+    return tl.load(a_ptrs, mask=row_ok_M[:, None] & (tl.arange(0, BLOCK_K) < K - k0)[None, :], other=0.0)
+
+
+@triton.jit
+def _chunk(a_ptrs, row_ok_M, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The activation chunk at k0 (`_load_chunk`) as `_halves`."""
+    return _halves(_load_chunk(a_ptrs, row_ok_M, k0, K, EVEN_K, BLOCK_K), BLOCK_K)
 
 
 @triton.jit
@@ -100,10 +104,9 @@ def _dot_e2m1(acc_NM, a_ptrs, row_ok_M, w_ptrs_NH, s_ptrs_N, k0, K, col_ok_N, st
     g_G = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     if EVEN_K:
         ok_NH = col_ok_N[:, None] & (i_H >= 0)[None, :]
-        a = tl.load(a_ptrs, mask=row_ok_M[:, None], other=0.0)
     else:
         ok_NH = col_ok_N[:, None] & (i_H < (K - k0) // 2)[None, :]
-        a = tl.load(a_ptrs, mask=row_ok_M[:, None] & (tl.arange(0, BLOCK_K) < K - k0)[None, :], other=0.0)
+    a = _load_chunk(a_ptrs, row_ok_M, k0, K, EVEN_K, BLOCK_K)
     w = tl.load(w_ptrs_NH, mask=ok_NH, other=0)
     ok_NG = col_ok_N[:, None] & (g_G * 32 < K)[None, :]
     s = tl.load(s_ptrs_N[:, None] + g_G.to(tl.int64)[None, :] * stride_sk, mask=ok_NG, other=127)

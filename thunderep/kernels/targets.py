@@ -115,13 +115,6 @@ _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=Fals
                                              TAIL=False, GROUP=32, MXFP4=True, ZERO=False)),
                  "rows4": (S4.rows4_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True,
                                                  TAIL=False, GROUP=32, MXFP4=False, ZERO=True)),
-                 # MXFP4 through Triton's scaled dot, the weights as the left operand (THUNDEREP_SORTED4=scaled)
-                 "up4_scaled": (S4.up4_kernel, dict(ACT=0, INTERLEAVED=False, GATHER=True, PRECISION="tf32",
-                                                    EVEN_K=True, TAIL=False, GROUP=32, MXFP4=True, ZERO=False,
-                                                    SCALED_DOT=True)),
-                 "rows4_scaled": (S4.rows4_kernel, dict(SCATTER=True, WEIGHTED=True, PRECISION="tf32", EVEN_K=True,
-                                                        TAIL=False, GROUP=32, MXFP4=True, ZERO=False,
-                                                        SCALED_DOT=True)),
                  # gpt-oss's (pairs4_gptoss.py: biases, interleaved gate/up, clamped SwiGLU), as its MXFP4 stores them,
                  # with the e2m1 products in float16 pairs (HALF 3: inline PTX with the FP8 conversion of sm_89 and
                  # later) and h's float16-pair copy (PAIRED), as CUDA launches them
@@ -130,6 +123,10 @@ _INT4_KERNELS = {"up_pairs4": (P4.up_pairs4_kernel, dict(ACT=0, INTERLEAVED=Fals
                  "down_pairs4_gptoss": (P4.down_pairs4_kernel, dict(WEIGHTED=True, GROUP=32, MXFP4=True, ZERO=False,
                                                                     BIAS=True, SPLIT=True, PARTS=2, WORDS4=True,
                                                                     HALF=3, PAIRED=True))}
+# The sorted kernels on MXFP4 through Triton's scaled dot, the weights as the left operand (THUNDEREP_SORTED4=scaled)
+_INT4_KERNELS.update({f"{name}_scaled": (_INT4_KERNELS[name][0], {**_INT4_KERNELS[name][1], "MXFP4": True,
+                                                                  "ZERO": False, "SCALED_DOT": True})
+                      for name in ("up4", "rows4")})
 _PAIR_META = dict(BLOCK_N=16, BLOCK_K=256)  # the decode kernels' tile (no row tile)
 _ROUTE_META = dict(BLOCK_N=1024, BLOCK_E=256)  # the largest batch it takes (paths.ROUTE_MAX_PAIRS), 256 experts
 _UNIT_STRIDES = {"rows": ("stride_bk",)}  # the forward down projection reads B along K contiguously
